@@ -1,0 +1,1 @@
+"""The `poolkeeper` command line: one module per group of subcommands."""

@@ -1,0 +1,51 @@
+"""Entry point of the `poolkeeper` command: builds the argparse tree from the command modules.
+
+Each module in COMMAND_MODULES exposes `register(subparsers)`, which adds its subcommands and
+sets `handler` (a callable taking the parsed namespace and returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from poolkeeper import __version__
+
+COMMAND_MODULES: tuple[str, ...] = (
+    "poolkeeper.cli.resources",  # validate, status, crds
+    "poolkeeper.cli.sim",  # sim
+    "poolkeeper.cli.serve",  # serve, envoy-config
+    "poolkeeper.cli.quickstart",  # quickstart
+    "poolkeeper.cli.bench",  # bench
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="poolkeeper",
+        description="Inference gateway for pools of LLM model servers.",
+    )
+    parser.add_argument("--version", action="version", version=f"poolkeeper {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        module = importlib.import_module(name)
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = cast(Handler | None, getattr(args, "handler", None))
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130

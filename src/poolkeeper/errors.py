@@ -1,0 +1,102 @@
+"""The one exception tree of poolkeeper. Each error knows its HTTP status and OpenAI error shape.
+
+    GatewayError                       500 internal_error
+    ├── ConfigError                    (startup: bad files or settings; never reaches a client)
+    ├── BadRequest                     400 invalid_request_error
+    ├── ModelNotFound                  404 invalid_request_error / model_not_found
+    │   └── NoValidTargetModel         404 (every target model has weight 0)
+    ├── RequestShed                    429 rate_limit_error (saturated pool, criticality too low)
+    │   └── QueueFull                  429 (flow-control capacity exceeded)
+    ├── ServiceUnavailable             503 service_unavailable_error
+    │   ├── NoReadyEndpoint            503 (no endpoint left to pick from)
+    │   └── QueueTimeout               503 (waited in a flow-control queue past its TTL)
+    └── UpstreamError                  502 (the model server failed)
+
+Inside the package raise these (with `from exc` when wrapping); only the wire layers
+(ext_proc, HTTP servers) turn them into responses, through `openai_error_body`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+
+class GatewayError(Exception):
+    """Base of every error poolkeeper raises on purpose."""
+
+    http_status: ClassVar[int] = 500
+    code: ClassVar[str] = "Internal"
+    openai_type: ClassVar[str] = "internal_error"
+    openai_code: ClassVar[str | None] = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def openai_body(self) -> dict[str, Any]:
+        return openai_error_body(
+            self.message, type_=self.openai_type, code=self.openai_code or self.code
+        )
+
+
+class ConfigError(GatewayError):
+    code = "BadConfiguration"
+
+
+class BadRequest(GatewayError):
+    http_status = 400
+    code = "BadRequest"
+    openai_type = "invalid_request_error"
+
+
+class ModelNotFound(GatewayError):
+    http_status = 404
+    code = "NotFound"
+    openai_type = "invalid_request_error"
+    openai_code = "model_not_found"
+
+
+class NoValidTargetModel(ModelNotFound):
+    code = "BadConfiguration"
+    openai_code = "no_valid_target_model"
+
+
+class RequestShed(GatewayError):
+    http_status = 429
+    code = "InferencePoolResourceExhausted"
+    openai_type = "rate_limit_error"
+    openai_code = "request_shed"
+
+
+class QueueFull(RequestShed):
+    openai_code = "queue_full"
+
+
+class ServiceUnavailable(GatewayError):
+    http_status = 503
+    code = "ServiceUnavailable"
+    openai_type = "service_unavailable_error"
+
+
+class NoReadyEndpoint(ServiceUnavailable):
+    openai_code = "no_ready_endpoint"
+
+
+class QueueTimeout(ServiceUnavailable):
+    openai_code = "queue_timeout"
+
+
+class UpstreamError(GatewayError):
+    http_status = 502
+    code = "ModelServerError"
+    openai_type = "upstream_error"
+
+
+def openai_error_body(message: str, *, type_: str, code: str | None) -> dict[str, Any]:
+    """The OpenAI error JSON: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def openai_error_bytes(error: GatewayError) -> bytes:
+    return json.dumps(error.openai_body(), separators=(",", ":")).encode()

@@ -1,0 +1,55 @@
+"""Values crossing the boundary between a front end (ext_proc) and the Director."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from poolkeeper.api.criticality import Criticality
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingRequest:
+    """A request as the proxy saw it. Header names are lower-case."""
+
+    request_id: str
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    body: bytes = b""  # empty for header-only requests
+    subset_hint: tuple[str, ...] | None = None  # envoy.lb.subset_hint endpoints, if sent
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token usage reported by the model server (OpenAI `usage`)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class RoutingDecision:
+    """Where to send a request, and the (possibly rewritten) body to send.
+
+    `endpoints` is ordered: the first is the pick, the rest are fallbacks (ip:port each).
+    `body` is None when the body must pass unchanged (or there was none).
+    `ticket` is the Director's own bookkeeping handle, given back in `Director.complete`.
+    """
+
+    request_id: str
+    endpoints: tuple[str, ...]
+    pool: str  # "namespace/name" of the InferencePool
+    model_name: str = ""  # client-facing model ("" for header-only requests)
+    target_model: str = ""
+    criticality: Criticality = Criticality.STANDARD
+    stream: bool = False
+    prompt_tokens: int = 0
+    body: bytes | None = None
+    include_usage_injected: bool = False  # the Director added stream_options.include_usage
+    ticket: object = field(default=None, repr=False)

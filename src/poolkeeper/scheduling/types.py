@@ -1,0 +1,106 @@
+"""The values the scheduler works on: endpoints, their metrics, the request, the result.
+
+These are the contract between the datastore (which builds EndpointState snapshots), the request
+path (which builds LLMRequest), the scheduler, the simulator's virtual-time fleet and the
+benchmarks. Hot-path values: frozen, slotted dataclasses; no pydantic here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from poolkeeper.api.criticality import Criticality
+
+_EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
+_EMPTY_SCORES: Mapping[str, float] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One model-server endpoint (a pod's ip:port, or a standalone server)."""
+
+    name: str
+    address: str
+    port: int
+    namespace: str = "default"
+    labels: Mapping[str, str] = field(default=_EMPTY_LABELS, compare=False, hash=False)
+    engine: str = "vllm"
+
+    @property
+    def hostport(self) -> str:
+        """`ip:port`, the value of the x-gateway-destination-endpoint header."""
+        return f"{self.address}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMetrics:
+    """What the last scrape of an endpoint said. `updated_at` is a monotonic time in seconds."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    active_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    max_adapters: int = 0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    updated_at: float = 0.0  # 0.0 = never scraped successfully
+    error: str | None = None  # last scrape error, if the last attempt failed
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """The scheduler's view of one endpoint: identity, scraped metrics and router-side load.
+
+    `inflight_requests` / `inflight_tokens` count requests this router sent to the endpoint and
+    has not seen finish; `unseen_requests` / `unseen_tokens` are the part of those sent after the
+    metrics were scraped, so not yet visible in `metrics.waiting` / `metrics.running`.
+    """
+
+    endpoint: Endpoint
+    metrics: EndpointMetrics
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    unseen_requests: int = 0
+    unseen_tokens: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.endpoint.hostport
+
+    def age(self, now: float) -> float:
+        """Seconds since the last successful scrape (infinite if never scraped)."""
+        if self.metrics.updated_at <= 0.0:
+            return float("inf")
+        return max(0.0, now - self.metrics.updated_at)
+
+
+@dataclass(frozen=True, slots=True)
+class LLMRequest:
+    """One inference request as the scheduler sees it."""
+
+    request_id: str
+    model: str  # the client-facing modelName
+    target_model: str  # after the traffic split (base model or LoRA adapter name)
+    criticality: Criticality = Criticality.STANDARD
+    prompt: str = ""  # text used for prefix-cache hashing (chat rendered by poolkeeper.tokens)
+    prompt_tokens: int = 0
+    max_tokens: int | None = None
+    stream: bool = False
+    headers: Mapping[str, str] = field(default=_EMPTY_LABELS, compare=False, hash=False)
+    subset: frozenset[str] | None = None  # ip:port allowed by the proxy's subset hint, if any
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingResult:
+    """The decision: endpoints in order of preference (primary first, then fallbacks)."""
+
+    targets: tuple[EndpointState, ...]
+    profile: str = "default"
+    scores: Mapping[str, float] = field(default=_EMPTY_SCORES, compare=False, hash=False)
+
+    @property
+    def primary(self) -> EndpointState:
+        return self.targets[0]

@@ -17,6 +17,16 @@ _EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
 _EMPTY_SCORES: Mapping[str, float] = MappingProxyType({})
 
 
+# dataclasses reject unhashable defaults (a mappingproxy is one), so the shared empty mappings
+# are handed out by factories.
+def _empty_labels() -> Mapping[str, str]:
+    return _EMPTY_LABELS
+
+
+def _empty_scores() -> Mapping[str, float]:
+    return _EMPTY_SCORES
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """One model-server endpoint (a pod's ip:port, or a standalone server)."""
@@ -25,7 +35,7 @@ class Endpoint:
     address: str
     port: int
     namespace: str = "default"
-    labels: Mapping[str, str] = field(default=_EMPTY_LABELS, compare=False, hash=False)
+    labels: Mapping[str, str] = field(default_factory=_empty_labels, compare=False, hash=False)
     engine: str = "vllm"
 
     @property
@@ -89,7 +99,7 @@ class LLMRequest:
     prompt_tokens: int = 0
     max_tokens: int | None = None
     stream: bool = False
-    headers: Mapping[str, str] = field(default=_EMPTY_LABELS, compare=False, hash=False)
+    headers: Mapping[str, str] = field(default_factory=_empty_labels, compare=False, hash=False)
     subset: frozenset[str] | None = None  # ip:port allowed by the proxy's subset hint, if any
 
 
@@ -99,7 +109,7 @@ class SchedulingResult:
 
     targets: tuple[EndpointState, ...]
     profile: str = "default"
-    scores: Mapping[str, float] = field(default=_EMPTY_SCORES, compare=False, hash=False)
+    scores: Mapping[str, float] = field(default_factory=_empty_scores, compare=False, hash=False)
 
     @property
     def primary(self) -> EndpointState:

@@ -37,11 +37,12 @@ class Endpoint:
     namespace: str = "default"
     labels: Mapping[str, str] = field(default_factory=_empty_labels, compare=False, hash=False)
     engine: str = "vllm"
+    # `ip:port`, the value of the x-gateway-destination-endpoint header. Computed once here,
+    # because the scheduler reads it for every candidate of every decision.
+    hostport: str = field(init=False, repr=False, compare=False, hash=False)
 
-    @property
-    def hostport(self) -> str:
-        """`ip:port`, the value of the x-gateway-destination-endpoint header."""
-        return f"{self.address}:{self.port}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hostport", f"{self.address}:{self.port}")
 
 
 @dataclass(frozen=True, slots=True)

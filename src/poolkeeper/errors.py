@@ -3,6 +3,7 @@
     GatewayError                       500 internal_error
     ├── ConfigError                    (startup: bad files or settings; never reaches a client)
     ├── BadRequest                     400 invalid_request_error
+    │   └── PayloadTooLarge            413 (body over requestHandling.maxBodyBytes)
     ├── ModelNotFound                  404 invalid_request_error / model_not_found
     │   └── NoValidTargetModel         404 (every target model has weight 0)
     ├── RequestShed                    429 rate_limit_error (saturated pool, criticality too low)
@@ -48,6 +49,12 @@ class BadRequest(GatewayError):
     http_status = 400
     code = "BadRequest"
     openai_type = "invalid_request_error"
+
+
+class PayloadTooLarge(BadRequest):
+    http_status = 413
+    code = "PayloadTooLarge"
+    openai_code = "request_too_large"
 
 
 class ModelNotFound(GatewayError):

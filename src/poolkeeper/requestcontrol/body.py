@@ -1,0 +1,360 @@
+"""Parsing of OpenAI request bodies: the model, the prompt text and the knobs routing needs.
+
+Pure and synchronous. `parse_body(path, body)` decodes the JSON once, with guards against the
+inputs that break naive parsers (reliability checklist A6 and E5), and returns a `ParsedRequest`.
+Every failure is a `BadRequest` with a precise message; nothing here raises anything else.
+
+Decisions (documented in docs/configuration.md, "Request bodies"):
+- Invalid UTF-8, lone surrogates (`"\\ud800"`), NaN/Infinity literals, floats that overflow to
+  infinity and integers longer than 40 digits are rejected: re-serialising them would produce
+  invalid JSON or bytes that downstream hashing cannot encode.
+- Nesting deeper than Python's recursion limit is rejected (the decoder's RecursionError).
+- A duplicate top-level `model` key is rejected rather than resolved, so the gateway and the model
+  server can never disagree about which model was asked for.
+- `max_completion_tokens` wins over `max_tokens` (it is the newer OpenAI name); the Responses API
+  uses `max_output_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from poolkeeper.errors import BadRequest
+from poolkeeper.tokens import chat_prompt_text, count_tokens, message_text
+
+MAX_INT_DIGITS = 40  # any integer the OpenAI API takes fits in 64 bits (20 digits)
+MAX_TOKENS_LIMIT = 2**31 - 1
+_MODEL_REPR_LIMIT = 120  # how much of a bad model value an error message quotes
+
+# A `\uD800`..`\uDFFF` escape: only when one occurs can the decoded text hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_TOKEN_ID_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-_"
+
+
+class ApiKind(StrEnum):
+    """Which OpenAI API a request targets, from the path suffix."""
+
+    COMPLETIONS = "completions"
+    CHAT_COMPLETIONS = "chat/completions"
+    EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """What routing needs to know about one request body."""
+
+    api: ApiKind
+    model: str
+    prompt: str  # text for prefix-cache hashing (chat rendered by poolkeeper.tokens)
+    prompt_tokens: int
+    stream: bool
+    max_tokens: int | None
+    include_usage: bool  # the client asked for stream_options.include_usage
+    payload: dict[str, Any]  # the decoded body (not copied: treat as read-only)
+
+
+def api_kind(path: str) -> ApiKind:
+    """The API a path targets; tolerates a missing `/v1` prefix and a query string."""
+    clean = path.split("?", 1)[0].rstrip("/")
+    if clean.endswith("/chat/completions"):
+        return ApiKind.CHAT_COMPLETIONS
+    if clean.endswith("/completions"):
+        return ApiKind.COMPLETIONS
+    if clean.endswith("/embeddings"):
+        return ApiKind.EMBEDDINGS
+    if clean.endswith("/responses"):
+        return ApiKind.RESPONSES
+    return ApiKind.OTHER
+
+
+def parse_body(path: str, body: bytes) -> ParsedRequest:
+    """Decode and interpret one request body. Raises BadRequest with a precise message."""
+    payload = decode_json_object(body)
+    model = _model(payload)
+    kind = api_kind(path)
+    prompt, prompt_tokens = _prompt(kind, payload)
+    return ParsedRequest(
+        api=kind,
+        model=model,
+        prompt=prompt,
+        prompt_tokens=prompt_tokens,
+        stream=_stream(payload),
+        max_tokens=_max_tokens(kind, payload),
+        include_usage=_include_usage(payload),
+        payload=payload,
+    )
+
+
+# --- JSON decoding with guards ---------------------------------------------------------------
+
+
+class _TopLevelDuplicates:
+    """object_pairs_hook that remembers whether the most recently built object repeated `model`.
+
+    The decoder builds inner objects first, so after decoding the flag describes the top level.
+    """
+
+    __slots__ = ("model_repeated",)
+
+    def __init__(self) -> None:
+        self.model_repeated = False
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        self.model_repeated = len(obj) != len(pairs) and sum(k == "model" for k, _ in pairs) > 1
+        return obj
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text) - (text[0] == "-")
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"integer with {digits} digits is too large (limit {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_json_object(body: bytes) -> dict[str, Any]:
+    """Strictly decode a JSON object from UTF-8 bytes (see the module docstring for the rules)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]  # a UTF-8 byte order mark is tolerated, as most JSON servers do
+    hook = _TopLevelDuplicates()
+    try:
+        value = json.loads(
+            text,
+            object_pairs_hook=hook,
+            parse_float=_parse_float,
+            parse_int=_parse_int,
+            parse_constant=_reject_constant,
+        )
+    except json.JSONDecodeError as exc:
+        raise BadRequest(
+            f"invalid JSON body: {exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})"
+        ) from None
+    except RecursionError:
+        raise BadRequest("invalid JSON body: nested too deeply") from None
+    except ValueError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"request body must be a JSON object, not {_json_type(value)}")
+    if hook.model_repeated:
+        raise BadRequest("request body has more than one 'model' key")
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        raise BadRequest("request body contains a lone UTF-16 surrogate escape")
+    return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether any string (key or value) in a decoded document cannot be encoded as UTF-8."""
+    stack: list[Any] = [value]  # iterative: the document may be nested close to the limit
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+# --- fields ----------------------------------------------------------------------------------
+
+
+def _model(payload: Mapping[str, Any]) -> str:
+    if "model" not in payload:
+        raise BadRequest("request body has no 'model' field")
+    model = payload["model"]
+    if model is None:
+        raise BadRequest("'model' must be a string, not null")
+    if not isinstance(model, str):
+        raise BadRequest(f"'model' must be a string, not {_json_type(model)}")
+    if not model.strip():
+        raise BadRequest("'model' must not be empty")
+    return model
+
+
+def quote_model(model: str) -> str:
+    """A model name for an error message: quoted, and cut short if very long."""
+    if len(model) > _MODEL_REPR_LIMIT:
+        return repr(model[:_MODEL_REPR_LIMIT]) + "..."
+    return repr(model)
+
+
+def _stream(payload: Mapping[str, Any]) -> bool:
+    stream = payload.get("stream")
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise BadRequest(f"'stream' must be a boolean, not {_json_type(stream)}")
+    return stream
+
+
+def _include_usage(payload: Mapping[str, Any]) -> bool:
+    options = payload.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _max_tokens(kind: ApiKind, payload: Mapping[str, Any]) -> int | None:
+    names = (
+        ("max_output_tokens",)
+        if kind is ApiKind.RESPONSES
+        else ("max_completion_tokens", "max_tokens")
+    )
+    for name in names:
+        value = payload.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(f"'{name}' must be an integer, not {_json_type(value)}")
+        if not 0 <= value <= MAX_TOKENS_LIMIT:
+            raise BadRequest(f"'{name}' must be between 0 and {MAX_TOKENS_LIMIT}")
+        return value
+    return None
+
+
+def _prompt(kind: ApiKind, payload: Mapping[str, Any]) -> tuple[str, int]:
+    """(prompt text, prompt tokens) for the API kind; OTHER guesses from the fields present."""
+    if kind is ApiKind.OTHER:
+        if "messages" in payload:
+            kind = ApiKind.CHAT_COMPLETIONS
+        elif "prompt" in payload:
+            kind = ApiKind.COMPLETIONS
+        elif "input" in payload:
+            kind = ApiKind.EMBEDDINGS
+        else:
+            return "", 0
+    if kind is ApiKind.CHAT_COMPLETIONS:
+        return _text_and_tokens(chat_prompt_text(_messages(payload)))
+    if kind is ApiKind.COMPLETIONS:
+        return _prompt_value("prompt", payload.get("prompt"))
+    if kind is ApiKind.EMBEDDINGS:
+        return _prompt_value("input", payload.get("input"))
+    return _text_and_tokens(chat_prompt_text(_responses_messages(payload)))
+
+
+def _text_and_tokens(text: str) -> tuple[str, int]:
+    return text, count_tokens(text)
+
+
+def _messages(payload: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    messages = payload.get("messages")
+    if not isinstance(messages, list):
+        if messages is None:
+            raise BadRequest("chat request body has no 'messages' array")
+        raise BadRequest(f"'messages' must be an array, not {_json_type(messages)}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"'messages[{index}]' must be an object, not {_json_type(message)}")
+    return messages
+
+
+def _responses_messages(payload: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Responses API `instructions` + `input` (a string or a list of items) as chat messages."""
+    messages: list[Mapping[str, Any]] = []
+    instructions = payload.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = payload.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for item in items:
+            if isinstance(item, str):
+                messages.append({"role": "user", "content": item})
+            elif isinstance(item, dict):
+                # Messages carry role/content; tool outputs and other items carry `output`.
+                role = item.get("role") or item.get("type") or "user"
+                content = item.get("content", item.get("output"))
+                messages.append({"role": str(role), "content": content})
+    elif items is not None:
+        raise BadRequest(f"'input' must be a string or an array, not {_json_type(items)}")
+    return messages
+
+
+def _prompt_value(name: str, value: Any) -> tuple[str, int]:
+    """A completions `prompt` / embeddings `input`: str, [str], [int] or [[int]]."""
+    if value is None:
+        return "", 0
+    if isinstance(value, str):
+        return _text_and_tokens(value)
+    if not isinstance(value, list):
+        raise BadRequest(f"'{name}' must be a string or an array, not {_json_type(value)}")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return _token_ids_text(value), len(value)
+    texts: list[str] = []
+    tokens = 0
+    for index, item in enumerate(value):
+        if isinstance(item, str):
+            texts.append(item)
+            tokens += count_tokens(item)
+        elif isinstance(item, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in item
+        ):
+            texts.append(_token_ids_text(item))
+            tokens += len(item)
+        elif isinstance(item, dict):
+            text = message_text(item.get("content", item.get("text")))
+            texts.append(text)
+            tokens += count_tokens(text)
+        else:
+            raise BadRequest(
+                f"'{name}[{index}]' must be a string or an array of token ids, "
+                f"not {_json_type(item)}"
+            )
+    return "\n".join(texts), tokens
+
+
+def _token_ids_text(ids: Sequence[int]) -> str:
+    """Token ids as text for prefix hashing: 4 characters per id, so tokens == len(text) / 4."""
+    alphabet = _TOKEN_ID_ALPHABET
+    base = len(alphabet)
+    out: list[str] = []
+    for token in ids:
+        n = token % base**4
+        out.append(
+            alphabet[n // base**3]
+            + alphabet[n // base**2 % base]
+            + alphabet[n // base % base]
+            + alphabet[n % base]
+        )
+    return "".join(out)

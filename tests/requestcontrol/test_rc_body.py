@@ -1,0 +1,272 @@
+"""Request body parsing: every OpenAI API shape, and every way a body can be bad."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from poolkeeper.errors import BadRequest
+from poolkeeper.requestcontrol.body import (
+    MAX_INT_DIGITS,
+    ApiKind,
+    api_kind,
+    decode_json_object,
+    parse_body,
+    quote_model,
+)
+from poolkeeper.tokens import chat_prompt_text, count_tokens
+
+
+def _body(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/v1/chat/completions", ApiKind.CHAT_COMPLETIONS),
+        ("/chat/completions", ApiKind.CHAT_COMPLETIONS),
+        ("/v1/chat/completions?x=1", ApiKind.CHAT_COMPLETIONS),
+        ("/v1/chat/completions/", ApiKind.CHAT_COMPLETIONS),
+        ("/v1/completions", ApiKind.COMPLETIONS),
+        ("/completions", ApiKind.COMPLETIONS),
+        ("/v1/embeddings", ApiKind.EMBEDDINGS),
+        ("/embeddings", ApiKind.EMBEDDINGS),
+        ("/v1/responses", ApiKind.RESPONSES),
+        ("/responses", ApiKind.RESPONSES),
+        ("/v1/models", ApiKind.OTHER),
+        ("/", ApiKind.OTHER),
+    ],
+)
+def test_api_kind_from_path(path: str, kind: ApiKind) -> None:
+    assert api_kind(path) is kind
+
+
+def test_chat_completions() -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"text": "there"}]},
+    ]
+    parsed = parse_body(
+        "/v1/chat/completions",
+        _body({"model": "m", "messages": messages, "stream": True, "max_tokens": 7}),
+    )
+    expected = chat_prompt_text(messages)
+    assert parsed.api is ApiKind.CHAT_COMPLETIONS
+    assert parsed.model == "m"
+    assert parsed.prompt == expected
+    assert "hello there" in parsed.prompt
+    assert parsed.prompt_tokens == count_tokens(expected)
+    assert parsed.stream is True
+    assert parsed.max_tokens == 7
+    assert parsed.include_usage is False
+    assert parsed.payload["messages"] == messages
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    body = {"model": "m", "messages": [], "max_tokens": 5, "max_completion_tokens": 9}
+    assert parse_body("/v1/chat/completions", _body(body)).max_tokens == 9
+    body = {"model": "m", "messages": [], "max_completion_tokens": 3}
+    assert parse_body("/v1/chat/completions", _body(body)).max_tokens == 3
+    body = {"model": "m", "messages": [], "max_completion_tokens": None, "max_tokens": 4}
+    assert parse_body("/v1/chat/completions", _body(body)).max_tokens == 4
+
+
+def test_stream_options_include_usage() -> None:
+    body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}}
+    assert parse_body("/v1/chat/completions", _body(body)).include_usage is True
+    body["stream_options"] = {"include_usage": False}
+    assert parse_body("/v1/chat/completions", _body(body)).include_usage is False
+    body["stream_options"] = "yes"
+    assert parse_body("/v1/chat/completions", _body(body)).include_usage is False
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "tokens"),
+    [
+        ("abcdefgh", "abcdefgh", 2),
+        ("", "", 0),
+        (["abcd", "efghi"], "abcd\nefghi", 1 + 2),
+        ([1, 2, 3], None, 3),
+        ([[1, 2], [3]], None, 3),
+        (None, "", 0),
+    ],
+)
+def test_completions_prompt_shapes(prompt: Any, text: str | None, tokens: int) -> None:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 10}
+    if prompt is not None:
+        body["prompt"] = prompt
+    parsed = parse_body("/v1/completions", _body(body))
+    assert parsed.api is ApiKind.COMPLETIONS
+    assert parsed.prompt_tokens == tokens
+    if text is not None:
+        assert parsed.prompt == text
+    assert parsed.max_tokens == 10
+    assert parsed.stream is False
+
+
+def test_token_id_prompts_hash_by_prefix() -> None:
+    """Token-id prompts become 4 characters per id, so a shared id prefix is a text prefix."""
+    a = parse_body("/v1/completions", _body({"model": "m", "prompt": [5, 70000, 9, 1]}))
+    b = parse_body("/v1/completions", _body({"model": "m", "prompt": [5, 70000, 9, 2]}))
+    assert len(a.prompt) == 16
+    assert a.prompt[:12] == b.prompt[:12]
+    assert a.prompt != b.prompt
+    assert count_tokens(a.prompt) == a.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("value", "tokens"),
+    [("some text!", 3), (["ab", "cd"], 2), ([7, 8], 2), ([[1], [2, 3]], 3)],
+)
+def test_embeddings_input(value: Any, tokens: int) -> None:
+    parsed = parse_body("/v1/embeddings", _body({"model": "e", "input": value}))
+    assert parsed.api is ApiKind.EMBEDDINGS
+    assert parsed.prompt_tokens == tokens
+    assert parsed.max_tokens is None
+
+
+def test_responses_input_and_instructions() -> None:
+    body = {
+        "model": "r",
+        "instructions": "you are terse",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "question"}]},
+            {"type": "function_call_output", "output": "42"},
+        ],
+        "max_output_tokens": 11,
+        "max_tokens": 99,
+        "stream": True,
+    }
+    parsed = parse_body("/v1/responses", _body(body))
+    assert parsed.api is ApiKind.RESPONSES
+    assert parsed.prompt.startswith("<|im_start|>system\nyou are terse<|im_end|>\n")
+    assert "question" in parsed.prompt
+    assert "42" in parsed.prompt
+    assert parsed.max_tokens == 11
+    assert parsed.stream is True
+    plain = parse_body("/v1/responses", _body({"model": "r", "input": "hi"}))
+    assert plain.prompt == chat_prompt_text([{"role": "user", "content": "hi"}])
+
+
+def test_unknown_path_guesses_shape_from_fields() -> None:
+    chat = parse_body("/custom", _body({"model": "m", "messages": [{"content": "abcd"}]}))
+    assert "abcd" in chat.prompt
+    completion = parse_body("/custom", _body({"model": "m", "prompt": "abcdefgh"}))
+    assert completion.prompt_tokens == 2
+    bare = parse_body("/v1/tokenize", _body({"model": "m"}))
+    assert (bare.prompt, bare.prompt_tokens) == ("", 0)
+
+
+def test_utf8_bom_and_unicode_text_accepted() -> None:
+    body = "\ufeff" + json.dumps({"model": "m", "prompt": "héllo 😀"}, ensure_ascii=True)
+    parsed = parse_body("/v1/completions", body.encode())
+    assert parsed.prompt == "héllo 😀"  # the escaped surrogate pair decodes to one character
+
+
+_LONG_MODEL = "x" * 1000
+
+_BAD_BODIES: list[tuple[str, bytes, str]] = [
+    ("empty", b"", "invalid JSON body: Expecting value at line 1 column 1 (char 0)"),
+    ("whitespace", b"  \n", "invalid JSON body: Expecting value"),
+    ("truncated", b'{"model": "m"', "invalid JSON body: Expecting ',' delimiter"),
+    ("trailing garbage", b'{"model": "m"} x', "invalid JSON body: Extra data"),
+    ("array", b'[{"model": "m"}]', "must be a JSON object, not an array"),
+    ("string", b'"m"', "must be a JSON object, not a string"),
+    ("null", b"null", "must be a JSON object, not null"),
+    ("no model", b'{"prompt": "x"}', "has no 'model' field"),
+    ("null model", b'{"model": null}', "'model' must be a string, not null"),
+    ("object model", b'{"model": {"a": 1}}', "'model' must be a string, not an object"),
+    ("number model", b'{"model": 3}', "'model' must be a string, not a number"),
+    ("bool model", b'{"model": true}', "'model' must be a string, not a boolean"),
+    ("empty model", b'{"model": ""}', "'model' must not be empty"),
+    ("blank model", b'{"model": "  "}', "'model' must not be empty"),
+    ("duplicate model", b'{"model": "a", "model": "b"}', "more than one 'model' key"),
+    ("escaped duplicate", b'{"model": "a", "mod\\u0065l": "b"}', "more than one 'model' key"),
+    ("invalid utf-8", b'{"model": "\xff"}', "not valid UTF-8 (byte 11)"),
+    ("lone surrogate", b'{"model": "m", "prompt": "\\ud800"}', "lone UTF-16 surrogate"),
+    ("surrogate in key", b'{"model": "m", "\\udfff": 1}', "lone UTF-16 surrogate"),
+    ("NaN", b'{"model": "m", "temperature": NaN}', "NaN is not valid JSON"),
+    ("Infinity", b'{"model": "m", "temperature": -Infinity}', "-Infinity is not valid JSON"),
+    ("float overflow", b'{"model": "m", "top_p": 1e999999}', "out of range"),
+    (
+        "huge int",
+        b'{"model": "m", "seed": ' + b"9" * 5000 + b"}",
+        "integer with 5000 digits is too large",
+    ),
+    ("nesting bomb", b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deeply"),
+    ("stream string", b'{"model": "m", "stream": "true"}', "'stream' must be a boolean"),
+    ("max_tokens float", b'{"model": "m", "max_tokens": 1.5}', "'max_tokens' must be an integer"),
+    ("max_tokens bool", b'{"model": "m", "max_tokens": true}', "'max_tokens' must be an integer"),
+    ("max_tokens negative", b'{"model": "m", "max_tokens": -1}', "between 0 and"),
+    ("max_tokens huge", b'{"model": "m", "max_tokens": 99999999999}', "between 0 and"),
+    (
+        "max_completion_tokens str",
+        b'{"model": "m", "max_completion_tokens": "5"}',
+        "'max_completion_tokens' must be an integer, not a string",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"), [(b, m) for _, b, m in _BAD_BODIES], ids=[n for n, _, _ in _BAD_BODIES]
+)
+def test_bad_bodies_are_400_with_precise_messages(body: bytes, message: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_body("/v1/completions", body)
+    assert message in info.value.message
+    assert info.value.http_status == 400
+    assert info.value.openai_body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/chat/completions", {"model": "m"}, "no 'messages' array"),
+        ("/v1/chat/completions", {"model": "m", "messages": "hi"}, "'messages' must be an array"),
+        ("/v1/chat/completions", {"model": "m", "messages": [1]}, "'messages[0]' must be an obj"),
+        ("/v1/completions", {"model": "m", "prompt": 5}, "'prompt' must be a string or an array"),
+        ("/v1/completions", {"model": "m", "prompt": [None]}, "'prompt[0]' must be a string"),
+        ("/v1/embeddings", {"model": "m", "input": {"a": 1}}, "'input' must be a string or an"),
+        ("/v1/responses", {"model": "m", "input": 3}, "'input' must be a string or an array"),
+        ("/v1/responses", {"model": "m", "max_output_tokens": "x"}, "'max_output_tokens' must"),
+    ],
+)
+def test_bad_shapes_per_api(path: str, body: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_body(path, _body(body))
+
+
+def test_duplicate_model_inside_nested_object_is_fine() -> None:
+    body = b'{"messages": [{"model": "a", "model": "b", "content": "x"}], "model": "m"}'
+    assert parse_body("/v1/chat/completions", body).model == "m"
+
+
+def test_duplicate_other_top_level_keys_last_wins() -> None:
+    assert decode_json_object(b'{"model": "m", "a": 1, "a": 2}')["a"] == 2
+
+
+def test_int_digit_limit_boundary() -> None:
+    ok = b'{"model": "m", "seed": -' + b"9" * MAX_INT_DIGITS + b"}"
+    assert decode_json_object(ok)["seed"] == -int("9" * MAX_INT_DIGITS)
+    with pytest.raises(BadRequest):
+        decode_json_object(b'{"model": "m", "seed": ' + b"9" * (MAX_INT_DIGITS + 1) + b"}")
+
+
+def test_json_bomb_is_rejected_quickly() -> None:
+    """Bound the CPU of the worst nesting bomb loosely (a guard against quadratic blowups)."""
+    bomb = b'{"model": "m", "x": ' + b"[" * 1_000_000 + b"}"
+    started = time.process_time()
+    with pytest.raises(BadRequest):
+        parse_body("/v1/chat/completions", bomb)
+    assert time.process_time() - started < 2.0
+
+
+def test_quote_model_cuts_long_names() -> None:
+    assert quote_model("abc") == "'abc'"
+    quoted = quote_model(_LONG_MODEL)
+    assert len(quoted) < 200
+    assert quoted.endswith("...")

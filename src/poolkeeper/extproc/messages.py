@@ -1,0 +1,221 @@
+"""Builders for ext_proc ProcessingResponse messages, and readers for ProcessingRequest fields.
+
+Everything the EPP sends to Envoy is built here, so the wire shape lives in one place: header
+mutations use `raw_value` (what current Envoy sends and expects), the routing decision travels
+both as a header and as `dynamic_metadata["envoy.lb"]`, body mutations are split into chunks of
+at most 62,000 bytes (some Envoys cap a streamed message at 64 KiB), and errors become an
+ImmediateResponse carrying OpenAI error JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from poolkeeper.errors import GatewayError
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+FALLBACK_KEY = "x-gateway-destination-endpoint-fallback"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+# Headers a client must never be able to set: they steer routing or claim a served endpoint.
+ROUTING_HEADER_PREFIX = DESTINATION_HEADER
+MAX_BODY_CHUNK = 62_000
+
+_OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Lower-cased header names to values; Envoy fills `raw_value`, older ones `value`."""
+    out: dict[str, str] = {}
+    for hv in headers.headers.headers:
+        value = hv.raw_value.decode("utf-8", "replace") if hv.raw_value else hv.value
+        key = hv.key.lower()
+        # Repeated headers are joined the way HTTP allows for list-valued fields.
+        out[key] = f"{out[key]},{value}" if key in out else value
+    return out
+
+
+def subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
+    """The endpoints listed in `envoy.lb.subset_hint`, or None when no hint was sent."""
+    if not request.HasField("metadata_context"):
+        return None
+    namespaces = request.metadata_context.filter_metadata
+    if SUBSET_HINT_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[SUBSET_HINT_NAMESPACE].fields
+    if SUBSET_KEY not in fields:
+        return None
+    value = fields[SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return tuple(v.string_value for v in value.list_value.values if v.string_value)
+    if kind == "string_value":
+        return tuple(p.strip() for p in value.string_value.split(",") if p.strip())
+    return ()
+
+
+def served_endpoint(request: pb.ProcessingRequest) -> str | None:
+    """`envoy.lb/x-gateway-destination-endpoint-served` metadata sent on the response path."""
+    if not request.HasField("metadata_context"):
+        return None
+    namespaces = request.metadata_context.filter_metadata
+    if LB_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[LB_NAMESPACE].fields
+    value: str = fields[SERVED_KEY].string_value if SERVED_KEY in fields else ""
+    return value or None
+
+
+def header_mutation(
+    set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
+) -> pb.HeaderMutation:
+    return pb.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
+            )
+            for k, v in (set_headers or {}).items()
+        ],
+        remove_headers=list(remove),
+    )
+
+
+def destination_metadata(endpoints: Sequence[str]) -> struct_pb2.Struct:
+    """`{"envoy.lb": {destination: primary, fallback: "a,b"}}`; the primary equals the header."""
+    inner: dict[str, Any] = {DESTINATION_HEADER: endpoints[0]}
+    if len(endpoints) > 1:
+        inner[FALLBACK_KEY] = ",".join(endpoints[1:])
+    md = struct_pb2.Struct()
+    md.update({LB_NAMESPACE: inner})
+    return md
+
+
+def routing_headers(
+    endpoints: Sequence[str], body_length: int | None, spoofed: Iterable[str]
+) -> pb.HeaderMutation:
+    """Destination header (+ Content-Length of the body sent upstream); client copies removed."""
+    values = {DESTINATION_HEADER: endpoints[0]}
+    if body_length is not None:
+        values["content-length"] = str(body_length)
+    return header_mutation(values, remove=[h for h in spoofed if h not in values])
+
+
+def request_headers_reply(
+    mutation: pb.HeaderMutation | None = None,
+    *,
+    clear_route_cache: bool = False,
+    metadata: struct_pb2.Struct | None = None,
+) -> pb.ProcessingResponse:
+    common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+    if mutation is not None:
+        common.header_mutation.CopyFrom(mutation)
+    reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+    if metadata is not None:
+        reply.dynamic_metadata.CopyFrom(metadata)
+    return reply
+
+
+def response_headers_reply(mutation: pb.HeaderMutation | None = None) -> pb.ProcessingResponse:
+    common = pb.CommonResponse()
+    if mutation is not None:
+        common.header_mutation.CopyFrom(mutation)
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+
+
+def chunks(body: bytes, size: int = MAX_BODY_CHUNK) -> Iterator[bytes]:
+    """`body` in pieces of at most `size` bytes; an empty body is one empty piece."""
+    if not body:
+        yield b""
+        return
+    for start in range(0, len(body), size):
+        yield body[start : start + size]
+
+
+def streamed_body_replies(
+    body: bytes, *, end_of_stream: bool, response: bool = False, size: int = MAX_BODY_CHUNK
+) -> list[pb.ProcessingResponse]:
+    """FULL_DUPLEX_STREAMED body mutations; only the last chunk carries `end_of_stream`."""
+    pieces = list(chunks(body, size))
+    replies = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        common = pb.CommonResponse(
+            body_mutation=pb.BodyMutation(
+                streamed_response=pb.StreamedBodyResponse(
+                    body=piece, end_of_stream=end_of_stream and last
+                )
+            )
+        )
+        replies.append(_body_reply(common, response))
+    return replies
+
+
+def buffered_body_reply(
+    *,
+    body: bytes | None = None,
+    mutation: pb.HeaderMutation | None = None,
+    clear_route_cache: bool = False,
+    metadata: struct_pb2.Struct | None = None,
+    response: bool = False,
+) -> pb.ProcessingResponse:
+    """A BUFFERED-mode body reply: optional header mutation and whole-body replacement."""
+    common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+    if mutation is not None:
+        common.header_mutation.CopyFrom(mutation)
+    if body is not None:
+        common.body_mutation.CopyFrom(pb.BodyMutation(body=body))
+    reply = _body_reply(common, response)
+    if metadata is not None:
+        reply.dynamic_metadata.CopyFrom(metadata)
+    return reply
+
+
+def _body_reply(common: pb.CommonResponse, response: bool) -> pb.ProcessingResponse:
+    body = pb.BodyResponse(response=common)
+    if response:
+        return pb.ProcessingResponse(response_body=body)
+    return pb.ProcessingResponse(request_body=body)
+
+
+def trailers_reply(*, response: bool) -> pb.ProcessingResponse:
+    if response:
+        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+    return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+
+
+def immediate_reply(
+    status: int, body: bytes, *, content_type: str = "application/json", details: str = ""
+) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=header_mutation({"content-type": content_type}),
+            body=body,
+            details=details,
+        )
+    )
+
+
+def error_reply(error: GatewayError) -> pb.ProcessingResponse:
+    """ImmediateResponse with the error's HTTP status and its OpenAI error JSON."""
+    body = json.dumps(error.openai_body(), separators=(",", ":")).encode()
+    return immediate_reply(error.http_status, body, details=error.code)
+
+
+def models_reply(model_names: Iterable[str]) -> pb.ProcessingResponse:
+    """`GET /v1/models` answered by the EPP itself, in the OpenAI list shape."""
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "poolkeeper"}
+        for name in sorted(set(model_names))
+    ]
+    body = json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()
+    return immediate_reply(200, body)

@@ -1,0 +1,87 @@
+"""The grpc.aio ExternalProcessor service: one `Exchange` per gRPC stream.
+
+The servicer only moves messages: it feeds each ProcessingRequest to the stream's Exchange and
+writes its replies in order. The `finally` runs on normal end, on errors and when Envoy cancels
+the stream (the task is cancelled inside `route` or between messages), so in-flight accounting
+is always released.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from envoy.service.ext_proc.v3 import (
+    external_processor_pb2 as pb,
+    external_processor_pb2_grpc as pb_grpc,
+)
+
+from poolkeeper.extproc.state import (
+    Exchange,
+    ExchangeObserver,
+    ExtProcSettings,
+    RequestRouter,
+)
+
+log = logging.getLogger("poolkeeper.extproc")
+
+# Envoy's default gRPC message limit is 4 MiB; body mutations are chunked well below it, but a
+# large request body arrives as one message in BUFFERED mode.
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        router: RequestRouter,
+        *,
+        settings: ExtProcSettings | None = None,
+        observer: ExchangeObserver | None = None,
+        on_stream_end: Callable[[Exchange], None] | None = None,
+    ) -> None:
+        self.router = router
+        self.settings = settings or ExtProcSettings()
+        self.observer = observer
+        self.on_stream_end = on_stream_end
+        self.active = 0
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange = Exchange(self.router, settings=self.settings, observer=self.observer)
+        self.active += 1
+        try:
+            async for request in request_iterator:
+                for reply in await exchange.handle(request):
+                    yield reply
+        finally:
+            self.active -= 1
+            exchange.close()
+            if self.on_stream_end is not None:
+                self.on_stream_end(exchange)
+
+
+def build_server(
+    servicer: ExtProcServicer,
+    address: str,
+    *,
+    extra: Callable[[grpc.aio.Server], None] | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server bound to `address` ("host:port", port 0 = any); returns (server, port)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    if extra is not None:
+        extra(server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the ext_proc server to {address}")
+    return server, port

@@ -1,0 +1,391 @@
+"""One ext_proc stream (one HTTP request) as a state machine: phases, replies, bookkeeping.
+
+Envoy sends request headers, body chunks, trailers, then response headers, body chunks,
+trailers. In FULL_DUPLEX_STREAMED mode the EPP holds its request-headers reply until the whole
+body has arrived and been routed, then answers headers → body (≤ 62,000-byte chunks) in that
+order; in BUFFERED mode every message is answered as it comes and the decision rides on the
+body reply. Response messages are answered one for one. After an ImmediateResponse nothing more
+is sent. `close()` always runs (normal end, error or cancellation) and releases the request's
+in-flight accounting exactly once.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from poolkeeper.errors import BadRequest, GatewayError
+from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
+from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
+
+log = logging.getLogger("poolkeeper.extproc")
+
+BodyMode = pm.ProcessingMode.BodySendMode
+STREAMED = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = pm.ProcessingMode.BUFFERED
+CANCELLED_STATUS = 499  # nginx's "client closed request": the stream ended before the response
+
+
+class RequestRouter(Protocol):
+    """What the ext_proc front end needs from the Director (the consumer owns this interface)."""
+
+    async def route(self, request: IncomingRequest) -> RoutingDecision: ...
+
+    def complete(
+        self,
+        decision: RoutingDecision,
+        *,
+        status: int,
+        usage: Usage | None,
+        served_endpoint: str | None = None,
+    ) -> object: ...
+
+    def model_names(self) -> list[str]: ...
+
+    def ready(self) -> bool: ...
+
+
+class ExchangeObserver(Protocol):
+    """Metrics hooks; the telemetry layer implements them."""
+
+    def routed(
+        self, decision: RoutingDecision, request_bytes: int, route_seconds: float
+    ) -> None: ...
+
+    def rejected(self, model_name: str, error: GatewayError, request_bytes: int) -> None: ...
+
+    def finished(
+        self,
+        decision: RoutingDecision,
+        *,
+        status: int,
+        usage: Usage | None,
+        seconds: float,
+        response_bytes: int,
+    ) -> None: ...
+
+
+class NullObserver:
+    def routed(self, decision: RoutingDecision, request_bytes: int, route_seconds: float) -> None:
+        pass
+
+    def rejected(self, model_name: str, error: GatewayError, request_bytes: int) -> None:
+        pass
+
+    def finished(
+        self,
+        decision: RoutingDecision,
+        *,
+        status: int,
+        usage: Usage | None,
+        seconds: float,
+        response_bytes: int,
+    ) -> None:
+        pass
+
+
+class RequestTooLarge(BadRequest):
+    http_status = 413
+    openai_code = "request_too_large"
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcSettings:
+    default_body_mode: int = STREAMED  # used when Envoy sends no protocol_config
+    max_request_body_bytes: int = 16 << 20
+    max_response_capture_bytes: int = 8 << 20  # JSON bodies kept for usage parsing
+    models_path: str = "/v1/models"
+    body_chunk_bytes: int = msg.MAX_BODY_CHUNK
+
+
+class Phase(enum.Enum):
+    REQUEST_HEADERS = "request_headers"
+    REQUEST_BODY = "request_body"
+    ROUTED = "routed"  # request side answered, waiting for the response
+    RESPONSE = "response"
+    DONE = "done"  # finished or answered with an ImmediateResponse
+
+
+Replies = list[pb.ProcessingResponse]
+
+
+class Exchange:
+    """State of one ext_proc stream. Feed each ProcessingRequest to `handle`."""
+
+    def __init__(
+        self,
+        router: RequestRouter,
+        *,
+        settings: ExtProcSettings | None = None,
+        observer: ExchangeObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router = router
+        self.settings = settings or ExtProcSettings()
+        self.observer: ExchangeObserver = observer or NullObserver()
+        self.clock = clock
+        self.phase = Phase.REQUEST_HEADERS
+        self.started = clock()
+        self.request_mode = self.settings.default_body_mode
+        self.response_mode = self.settings.default_body_mode
+        self.headers: dict[str, str] = {}
+        self.spoofed: list[str] = []
+        self.hint: tuple[str, ...] | None = None
+        self.request_id = ""
+        self.body = bytearray()
+        self.decision: RoutingDecision | None = None
+        self.status = 0
+        self.served: str | None = None
+        self.sse: SseUsageFilter | None = None
+        self.captured = bytearray()
+        self.response_bytes = 0
+        self.completed = False
+
+    # -- dispatch ---------------------------------------------------------------------------
+    async def handle(self, request: pb.ProcessingRequest) -> Replies:
+        if request.HasField("protocol_config"):
+            self.request_mode = request.protocol_config.request_body_mode
+            self.response_mode = request.protocol_config.response_body_mode
+        if self.hint is None:
+            self.hint = msg.subset_hint(request)
+        self.served = msg.served_endpoint(request) or self.served
+        if self.phase is Phase.DONE:
+            return []  # after an ImmediateResponse Envoy is closing; nothing more to say
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            return await self._request_headers(request.request_headers)
+        if kind == "request_body":
+            return await self._request_body(request.request_body)
+        if kind == "request_trailers":
+            return await self._request_trailers()
+        if kind == "response_headers":
+            return self._response_headers(request.response_headers)
+        if kind == "response_body":
+            return self._response_body(request.response_body)
+        if kind == "response_trailers":
+            self._finish()
+            return [msg.trailers_reply(response=True)]
+        return []
+
+    # -- request path -----------------------------------------------------------------------
+    async def _request_headers(self, headers: pb.HttpHeaders) -> Replies:
+        self.headers = msg.header_map(headers)
+        self.spoofed = [h for h in self.headers if h.startswith(msg.ROUTING_HEADER_PREFIX)]
+        for name in self.spoofed:
+            del self.headers[name]
+        self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
+        method = self.headers.get(":method", "")
+        path = self.headers.get(":path", "").split("?", 1)[0].rstrip("/")
+        if method == "GET" and path == self.settings.models_path:
+            self.phase = Phase.DONE
+            return [msg.models_reply(self.router.model_names())]
+        if headers.end_of_stream:  # header-only request: route now, body-less
+            return await self._route(trailers=False)
+        self.phase = Phase.REQUEST_BODY
+        if self.request_mode == BUFFERED:
+            return [msg.request_headers_reply(msg.header_mutation(remove=self.spoofed))]
+        return []  # FULL_DUPLEX: the headers reply waits for the routing decision
+
+    async def _request_body(self, body: pb.HttpBody) -> Replies:
+        if self.phase is not Phase.REQUEST_BODY:
+            return []
+        self.body += body.body
+        if len(self.body) > self.settings.max_request_body_bytes:
+            limit = self.settings.max_request_body_bytes
+            return self._reject(RequestTooLarge(f"request body exceeds {limit} bytes"))
+        if body.end_of_stream:
+            return await self._route(trailers=False)
+        if self.request_mode == BUFFERED:  # BUFFERED_PARTIAL-like pieces: let them continue
+            return [msg.buffered_body_reply()]
+        return []
+
+    async def _request_trailers(self) -> Replies:
+        if self.phase is Phase.REQUEST_BODY:  # body ended by trailers rather than end_of_stream
+            return await self._route(trailers=True)
+        return [msg.trailers_reply(response=False)]
+
+    async def _route(self, *, trailers: bool) -> Replies:
+        incoming = IncomingRequest(
+            request_id=self.request_id,
+            method=self.headers.get(":method", ""),
+            path=self.headers.get(":path", ""),
+            headers=self.headers,
+            body=bytes(self.body),
+            subset_hint=self.hint,
+        )
+        began = self.clock()
+        try:
+            decision = await self.router.route(incoming)
+        except GatewayError as exc:
+            return self._reject(exc)
+        except Exception:
+            log.exception("routing failed request_id=%s", self.request_id)
+            return self._reject(GatewayError("internal error while routing the request"))
+        if not decision.endpoints:
+            return self._reject(GatewayError("the router returned no endpoint"))
+        self.decision = decision
+        self.phase = Phase.ROUTED
+        self.observer.routed(decision, len(self.body), self.clock() - began)
+        log.info(
+            "routed request_id=%s model=%s target=%s endpoint=%s",
+            self.request_id,
+            decision.model_name,
+            decision.target_model,
+            decision.endpoints[0],
+        )
+        return self._routing_replies(decision, trailers=trailers)
+
+    def _routing_replies(self, decision: RoutingDecision, *, trailers: bool) -> Replies:
+        metadata = msg.destination_metadata(decision.endpoints)
+        header_only = not self.body and decision.body is None
+        out_body = bytes(self.body) if decision.body is None else decision.body
+        if header_only:
+            mutation = msg.routing_headers(decision.endpoints, None, self.spoofed)
+            return [msg.request_headers_reply(mutation, clear_route_cache=True, metadata=metadata)]
+        if self.request_mode == BUFFERED:
+            length = len(out_body) if decision.body is not None else None
+            mutation = msg.routing_headers(decision.endpoints, length, self.spoofed)
+            return [
+                msg.buffered_body_reply(
+                    body=decision.body,
+                    mutation=mutation,
+                    clear_route_cache=True,
+                    metadata=metadata,
+                )
+            ]
+        mutation = msg.routing_headers(decision.endpoints, len(out_body), self.spoofed)
+        replies = [msg.request_headers_reply(mutation, clear_route_cache=True, metadata=metadata)]
+        replies += msg.streamed_body_replies(
+            out_body, end_of_stream=not trailers, size=self.settings.body_chunk_bytes
+        )
+        if trailers:
+            replies.append(msg.trailers_reply(response=False))
+        return replies
+
+    def _reject(self, error: GatewayError) -> Replies:
+        self.phase = Phase.DONE
+        model = _peek_model(bytes(self.body))
+        self.observer.rejected(model, error, len(self.body))
+        log.info(
+            "rejected request_id=%s status=%d code=%s",
+            self.request_id,
+            error.http_status,
+            error.code,
+        )
+        return [msg.error_reply(error)]
+
+    # -- response path ----------------------------------------------------------------------
+    def _response_headers(self, headers: pb.HttpHeaders) -> Replies:
+        self.phase = Phase.RESPONSE
+        values = msg.header_map(headers)
+        try:
+            self.status = int(values.get(":status", "0"))
+        except ValueError:
+            self.status = 0
+        self.served = values.get(msg.SERVED_KEY) or self.served
+        mutation = None
+        if "text/event-stream" in values.get("content-type", ""):
+            strip = self.decision is not None and self.decision.include_usage_injected
+            self.sse = SseUsageFilter(strip_injected_usage=strip)
+            if strip and "content-length" in values:
+                mutation = msg.header_mutation(remove=["content-length"])
+        if headers.end_of_stream:
+            self._finish()
+        return [msg.response_headers_reply(mutation)]
+
+    def _response_body(self, body: pb.HttpBody) -> Replies:
+        if self.phase is not Phase.RESPONSE:
+            return []
+        data = body.body
+        self.response_bytes += len(data)
+        if self.sse is not None:
+            out = self.sse.feed(data)
+            if body.end_of_stream:
+                out += self.sse.finish()
+        else:
+            out = data
+            room = self.settings.max_response_capture_bytes - len(self.captured)
+            if room > 0:
+                self.captured += data[:room]
+        if body.end_of_stream:
+            self._finish()
+        if self.response_mode == BUFFERED:
+            changed = out != data
+            return [msg.buffered_body_reply(body=out if changed else None, response=True)]
+        return msg.streamed_body_replies(
+            out,
+            end_of_stream=body.end_of_stream,
+            response=True,
+            size=self.settings.body_chunk_bytes,
+        )
+
+    # -- completion -------------------------------------------------------------------------
+    def _finish(self) -> None:
+        self.phase = Phase.DONE
+        usage: Usage | None
+        if self.sse is not None:
+            usage = self.sse.usage
+        else:
+            usage = usage_from_json(bytes(self.captured)) if self.captured else None
+        self._complete(self.status, usage)
+
+    def close(self) -> None:
+        """End of the gRPC stream for any reason: release whatever is still held."""
+        if not self.completed and self.decision is not None:
+            usage = self.sse.usage if self.sse is not None else None
+            self._complete(CANCELLED_STATUS, usage)
+        self.phase = Phase.DONE
+
+    def _complete(self, status: int, usage: Usage | None) -> None:
+        if self.completed or self.decision is None:
+            return
+        self.completed = True
+        decision = self.decision
+        seconds = self.clock() - self.started
+        try:
+            result = self.router.complete(
+                decision, status=status, usage=usage, served_endpoint=self.served
+            )
+            if inspect.iscoroutine(result):
+                result.close()  # the contract is synchronous; never leave a coroutine pending
+                log.error("router.complete returned a coroutine; it must be synchronous")
+        except Exception:
+            log.exception("completion bookkeeping failed request_id=%s", self.request_id)
+        self.observer.finished(
+            decision,
+            status=status,
+            usage=usage,
+            seconds=seconds,
+            response_bytes=self.response_bytes,
+        )
+        log.info(
+            "completed request_id=%s model=%s status=%d endpoint=%s seconds=%.3f",
+            self.request_id,
+            decision.model_name,
+            status,
+            self.served or decision.endpoints[0],
+            seconds,
+        )
+
+
+def _peek_model(body: bytes) -> str:
+    """The `model` of a request body for error metrics, without trusting or logging the body."""
+    if not body or len(body) > 1 << 20:
+        return ""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return ""
+    model = obj.get("model") if isinstance(obj, dict) else None
+    return model if isinstance(model, str) else ""

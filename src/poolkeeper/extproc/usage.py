@@ -1,0 +1,134 @@
+"""Token usage from model-server responses: whole JSON bodies and Server-Sent Events streams.
+
+`SseUsageFilter` is fed the response body as Envoy delivers it (split anywhere, even inside a
+`data:` line) and returns the bytes to forward. It records the `usage` object of the final chunk.
+When the gateway injected `stream_options.include_usage` on the client's behalf, it also drops
+the extra usage-only chunk (`"choices": []` plus `usage`), so the client sees the stream it asked
+for. Only an incomplete trailing event is ever held back, so streaming stays incremental.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from poolkeeper.requestcontrol.types import Usage
+
+# An event that never terminates is forwarded unparsed once it grows past this size.
+MAX_PENDING_EVENT = 1 << 20
+_SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
+
+
+def usage_from_object(obj: Any) -> Usage | None:
+    """The OpenAI `usage` of a decoded response (chat/completions chunk or body), if present."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if not isinstance(prompt, int) and not isinstance(completion, int):
+        return None
+    cached: int | None = None
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        cached = details["cached_tokens"]
+    return Usage(
+        prompt_tokens=prompt if isinstance(prompt, int) else 0,
+        completion_tokens=completion if isinstance(completion, int) else 0,
+        cached_tokens=cached,
+    )
+
+
+def usage_from_json(body: bytes) -> Usage | None:
+    """Usage of a non-streaming response body; None for anything that is not such JSON."""
+    try:
+        return usage_from_object(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _event_data(event: bytes) -> bytes | None:
+    """The joined `data:` payload of one SSE event (without its terminator)."""
+    lines = []
+    for raw in event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
+        if raw.startswith(b"data:"):
+            value = raw[5:]
+            lines.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(lines) if lines else None
+
+
+def _split_event(buf: bytes) -> tuple[bytes, bytes] | None:
+    """(event including its terminator, rest) for the first complete event in `buf`."""
+    best: tuple[int, int] | None = None
+    for sep in _SEPARATORS:
+        at = buf.find(sep)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, len(sep))
+    if best is None:
+        return None
+    end = best[0] + best[1]
+    return buf[:end], buf[end:]
+
+
+class SseUsageFilter:
+    """Streams SSE bytes through, recording usage and optionally dropping the injected chunk."""
+
+    def __init__(self, *, strip_injected_usage: bool) -> None:
+        self.strip_injected_usage = strip_injected_usage
+        self.usage: Usage | None = None
+        self.saw_done = False
+        self.events = 0
+        self._pending = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """Bytes to forward now for this piece of the stream.
+
+        Without stripping nothing is ever held back: the bytes pass at once and are parsed on
+        the side. With stripping, complete events pass and an incomplete tail waits.
+        """
+        self._pending += data
+        out: list[bytes] = []
+        while True:
+            split = _split_event(self._pending)
+            if split is None:
+                break
+            event, self._pending = split
+            if self._keep(event):
+                out.append(event)
+        if len(self._pending) > MAX_PENDING_EVENT:
+            out.append(self._pending)
+            self._pending = b""
+        if not self.strip_injected_usage:
+            return data
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """The held tail at end of stream (an unterminated last event is still inspected)."""
+        tail, self._pending = self._pending, b""
+        keep = self._keep(tail) if tail else True
+        if not self.strip_injected_usage:
+            return b""  # already forwarded by feed()
+        return tail if keep else b""
+
+    def _keep(self, event: bytes) -> bool:
+        self.events += 1
+        data = _event_data(event)
+        if data is None:
+            return True
+        if data.strip() == b"[DONE]":
+            self.saw_done = True
+            return True
+        if b'"usage"' not in data:
+            return True
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError):
+            return True
+        usage = usage_from_object(obj)
+        if usage is None:
+            return True
+        self.usage = usage
+        usage_only = isinstance(obj, dict) and obj.get("choices") == []
+        return not (self.strip_injected_usage and usage_only)

@@ -1,0 +1,361 @@
+"""ext_proc wire behaviour, driven by a gRPC client that behaves like Envoy (gie.md §7.2)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from extproc_fakes import (
+    BUFFERED,
+    PODS,
+    STREAMED,
+    FakeEnvoy,
+    FakeRouter,
+    body_msg,
+    headers_msg,
+    post_headers,
+)
+
+from poolkeeper.requestcontrol.types import Usage
+
+DEST = "x-gateway-destination-endpoint"
+
+
+def _set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def _dest_metadata(reply: pb.ProcessingResponse) -> dict[str, str]:
+    lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    return {k: v.string_value for k, v in lb.items()}
+
+
+async def _read(call: grpc.aio.StreamStreamCall, n: int) -> list[pb.ProcessingResponse]:
+    return [await asyncio.wait_for(call.read(), 5) for _ in range(n)]
+
+
+async def _streamed_request(
+    envoy: FakeEnvoy,
+    body: bytes,
+    *,
+    piece: int,
+    hint: list[str] | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[grpc.aio.StreamStreamCall, list[pb.ProcessingResponse]]:
+    """Sends headers + body in `piece`-byte chunks; returns every reply up to the body's end."""
+    call = envoy.open()
+    await call.write(headers_msg(post_headers(**(headers or {})), mode=STREAMED, hint=hint))
+    pieces = [body[i : i + piece] for i in range(0, len(body), piece)] or [b""]
+    for i, p in enumerate(pieces):
+        await call.write(body_msg(p, eos=i == len(pieces) - 1))
+    first = await asyncio.wait_for(call.read(), 5)
+    replies = [first]
+    if first.WhichOneof("response") == "request_headers":
+        while True:
+            reply = await asyncio.wait_for(call.read(), 5)
+            replies.append(reply)
+            if reply.request_body.response.body_mutation.streamed_response.end_of_stream:
+                break
+    return call, replies
+
+
+def _body_of(replies: list[pb.ProcessingResponse]) -> bytes:
+    return b"".join(
+        r.request_body.response.body_mutation.streamed_response.body
+        for r in replies
+        if r.WhichOneof("response") == "request_body"
+    )
+
+
+CHAT = json.dumps(
+    {"model": "split", "messages": [{"role": "user", "content": "hi there"}]}
+).encode()
+
+
+@pytest.mark.parametrize("piece", [1, 7, len(CHAT)])
+async def test_streamed_body_any_chunking_same_decision(
+    envoy: FakeEnvoy, router: FakeRouter, piece: int
+) -> None:
+    call, replies = await _streamed_request(envoy, CHAT, piece=piece)
+    head = replies[0]
+    assert head.WhichOneof("response") == "request_headers"
+    common = head.request_headers.response
+    assert common.clear_route_cache
+    headers = _set_headers(common.header_mutation)
+    assert headers[DEST] == PODS[0]
+    body = _body_of(replies)
+    assert headers["content-length"] == str(len(body))
+    assert json.loads(body)["model"] == "adapter-1"
+    meta = _dest_metadata(head)
+    assert meta[DEST] == headers[DEST]  # header and metadata never differ
+    assert meta["x-gateway-destination-endpoint-fallback"] == ",".join(PODS[1:])
+    assert router.routed[-1].body == CHAT
+    call.cancel()
+
+
+async def test_large_body_is_sent_back_in_chunks_of_at_most_62000(envoy: FakeEnvoy) -> None:
+    content = "x" * 200_000
+    body = json.dumps({"model": "split", "prompt": content}).encode()
+    call, replies = await _streamed_request(envoy, body, piece=16_384)
+    chunks = [r for r in replies if r.WhichOneof("response") == "request_body"]
+    sizes = [len(r.request_body.response.body_mutation.streamed_response.body) for r in chunks]
+    assert len(chunks) == 4
+    assert max(sizes) <= 62_000
+    eos = [r.request_body.response.body_mutation.streamed_response.end_of_stream for r in chunks]
+    assert eos == [False, False, False, True]
+    assert json.loads(_body_of(replies))["prompt"] == content
+    call.cancel()
+
+
+async def test_buffered_mode_answers_every_message(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    call = envoy.open()
+    await call.write(headers_msg(post_headers(), mode=BUFFERED))
+    (head,) = await _read(call, 1)
+    assert head.WhichOneof("response") == "request_headers"
+    await call.write(body_msg(CHAT, eos=True))
+    (body,) = await _read(call, 1)
+    common = body.request_body.response
+    assert common.clear_route_cache
+    assert _set_headers(common.header_mutation)[DEST] == PODS[0]
+    assert json.loads(common.body_mutation.body)["model"] == "adapter-1"
+    assert _set_headers(common.header_mutation)["content-length"] == str(
+        len(common.body_mutation.body)
+    )
+    assert _dest_metadata(body)[DEST] == PODS[0]
+    call.cancel()
+
+
+async def test_buffered_unchanged_body_is_not_mutated(envoy: FakeEnvoy) -> None:
+    call = envoy.open()
+    await call.write(headers_msg(post_headers(), mode=BUFFERED))
+    await _read(call, 1)
+    await call.write(body_msg(json.dumps({"model": "base"}).encode(), eos=True))
+    (body,) = await _read(call, 1)
+    common = body.request_body.response
+    assert not common.HasField("body_mutation")
+    assert "content-length" not in _set_headers(common.header_mutation)
+    call.cancel()
+
+
+@pytest.mark.parametrize(
+    ("hint", "expected"),
+    [
+        ([PODS[1], PODS[2]], PODS[1]),
+        ([], None),
+        (["192.168.9.9:8000"], None),
+    ],
+)
+async def test_subset_hint(envoy: FakeEnvoy, hint: list[str], expected: str | None) -> None:
+    body = json.dumps({"model": "base"}).encode()
+    call, replies = await _streamed_request(envoy, body, piece=len(body), hint=hint)
+    if expected is None:
+        assert replies[0].immediate_response.status.code == 503
+    else:
+        assert _set_headers(replies[0].request_headers.response.header_mutation)[DEST] == expected
+        assert set(
+            _dest_metadata(replies[0])["x-gateway-destination-endpoint-fallback"].split(",")
+        ) <= set(hint)
+    call.cancel()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "type_"),
+    [
+        (b"{not json", 400, "invalid_request_error"),
+        (b'{"messages": []}', 400, "invalid_request_error"),
+        (b'{"model": 7}', 400, "invalid_request_error"),
+        (b'{"model": "nope"}', 404, "invalid_request_error"),
+        (b'{"model": "shed"}', 429, "rate_limit_error"),
+    ],
+)
+async def test_errors_are_immediate_openai_responses(
+    envoy: FakeEnvoy, router: FakeRouter, body: bytes, status: int, type_: str
+) -> None:
+    call, replies = await _streamed_request(envoy, body, piece=3)
+    (reply,) = replies
+    imm = reply.immediate_response
+    assert imm.status.code == status
+    err = json.loads(imm.body)["error"]
+    assert err["type"] == type_
+    assert set(err) == {"message", "type", "param", "code"}
+    assert _set_headers(imm.headers)["content-type"] == "application/json"
+    call.cancel()
+    assert router.completed == []  # nothing was admitted, so nothing to release
+
+
+async def test_no_pods_gives_503(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    router.pods = ()
+    call, (reply,) = await _streamed_request(envoy, b'{"model": "base"}', piece=4)
+    assert reply.immediate_response.status.code == 503
+    assert json.loads(reply.immediate_response.body)["error"]["type"] == (
+        "service_unavailable_error"
+    )
+    call.cancel()
+
+
+async def test_header_only_request_is_routed_at_once(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    call = envoy.open()
+    await call.write(headers_msg({":method": "GET", ":path": "/health"}, eos=True))
+    (reply,) = await _read(call, 1)
+    common = reply.request_headers.response
+    assert _set_headers(common.header_mutation)[DEST] == PODS[0]
+    assert "content-length" not in _set_headers(common.header_mutation)
+    assert common.clear_route_cache
+    assert router.routed[-1].body == b""
+    call.cancel()
+
+
+async def test_models_listing_is_answered_by_the_epp(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    call = envoy.open()
+    await call.write(headers_msg({":method": "GET", ":path": "/v1/models?x=1"}, eos=True))
+    (reply,) = await _read(call, 1)
+    assert reply.immediate_response.status.code == 200
+    listing = json.loads(reply.immediate_response.body)
+    assert listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == ["base", "split"]
+    assert router.routed == []
+    call.cancel()
+
+
+async def test_client_routing_headers_are_stripped(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    spoof = {
+        DEST: "169.254.169.254:80",
+        "x-gateway-destination-endpoint-served": "1.2.3.4:1",
+        "x-gateway-destination-endpoint-subset": "1.2.3.4:1",
+    }
+    call, replies = await _streamed_request(envoy, b'{"model": "base"}', piece=100, headers=spoof)
+    mutation = replies[0].request_headers.response.header_mutation
+    assert _set_headers(mutation)[DEST] == PODS[0]
+    assert set(mutation.remove_headers) == {
+        "x-gateway-destination-endpoint-served",
+        "x-gateway-destination-endpoint-subset",
+    }
+    assert not any(h.startswith(DEST) for h in router.routed[-1].headers)
+    call.cancel()
+
+
+def _sse(*events: object) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+USAGE_EVENT = {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}
+CONTENT_EVENT = {"choices": [{"index": 0, "delta": {"content": "hey"}}]}
+
+
+@pytest.mark.parametrize("client_asked", [False, True])
+async def test_sse_usage_counted_and_injected_chunk_stripped(
+    envoy: FakeEnvoy, router: FakeRouter, client_asked: bool
+) -> None:
+    req: dict[str, object] = {"model": "base", "stream": True}
+    if client_asked:
+        req["stream_options"] = {"include_usage": True}
+    call, replies = await _streamed_request(envoy, json.dumps(req).encode(), piece=5)
+    sent = json.loads(_body_of(replies))
+    assert sent["stream_options"] == {"include_usage": True}
+    stream = _sse(CONTENT_EVENT, USAGE_EVENT) + b"data: [DONE]\n\n"
+    await call.write(
+        headers_msg(
+            {
+                ":status": "200",
+                "content-type": "text/event-stream",
+                "x-gateway-destination-endpoint-served": PODS[0],
+            },
+            response=True,
+        )
+    )
+    (head,) = await _read(call, 1)
+    assert head.WhichOneof("response") == "response_headers"
+    forwarded = b""
+    pieces = [stream[i : i + 9] for i in range(0, len(stream), 9)]
+    for i, p in enumerate(pieces):
+        await call.write(body_msg(p, eos=i == len(pieces) - 1, response=True))
+        (reply,) = await _read(call, 1)  # exactly one reply per response chunk, in order
+        streamed = reply.response_body.response.body_mutation.streamed_response
+        assert streamed.end_of_stream == (i == len(pieces) - 1)
+        forwarded += streamed.body
+    expected = stream if client_asked else _sse(CONTENT_EVENT) + b"data: [DONE]\n\n"
+    assert forwarded == expected
+    await call.done_writing()
+    decision, status, usage, served = router.completed[-1]
+    assert (status, usage, served) == (200, Usage(11, 3), PODS[0])
+    assert decision.include_usage_injected is not client_asked
+    assert len(router.completed) == 1
+
+
+async def test_json_response_usage_and_trailers(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    call, _ = await _streamed_request(envoy, b'{"model": "base"}', piece=100)
+    await call.write(
+        headers_msg({":status": "200", "content-type": "application/json"}, response=True)
+    )
+    await _read(call, 1)
+    body = json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 9}})
+    await call.write(body_msg(body[:10].encode(), eos=False, response=True))
+    await call.write(body_msg(body[10:].encode(), eos=False, response=True))
+    await call.write(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    replies = await _read(call, 3)
+    kinds = [r.WhichOneof("response") for r in replies]
+    assert kinds == ["response_body", "response_body", "response_trailers"]
+    assert (
+        b"".join(r.response_body.response.body_mutation.streamed_response.body for r in replies[:2])
+        == body.encode()
+    )
+    assert router.completed[-1][1:3] == (200, Usage(4, 9))
+    call.cancel()
+
+
+async def test_error_status_from_model_server_is_recorded(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    call, _ = await _streamed_request(envoy, b'{"model": "base"}', piece=100)
+    await call.write(headers_msg({":status": "500"}, response=True, eos=True))
+    await _read(call, 1)
+    assert router.completed[-1][1] == 500
+    call.cancel()
+
+
+async def test_cancel_after_routing_releases_once(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    call, _ = await _streamed_request(envoy, b'{"model": "base"}', piece=100)
+    call.cancel()
+    for _ in range(100):
+        if router.completed:
+            break
+        await asyncio.sleep(0.01)
+    assert [c[1] for c in router.completed] == [499]
+
+
+async def test_cancel_while_routing_cancels_the_router(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    call = envoy.open()
+    await call.write(headers_msg(post_headers(), mode=STREAMED))
+    await call.write(body_msg(b'{"model": "slow"}', eos=True))
+    for _ in range(100):
+        if router.routed:
+            break
+        await asyncio.sleep(0.01)
+    call.cancel()
+    for _ in range(200):
+        if router.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert router.cancelled == 1
+    assert router.completed == []
+
+
+async def test_many_streams_in_parallel_keep_their_own_state(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    async def one(i: int) -> int:
+        body = json.dumps({"model": "base", "i": i}).encode()
+        call, replies = await _streamed_request(
+            envoy, body, piece=3, headers={"x-request-id": f"r{i}"}
+        )
+        call.cancel()
+        return json.loads(_body_of(replies))["i"]  # type: ignore[no-any-return]
+
+    results = await asyncio.gather(*(one(i) for i in range(30)))
+    assert results == list(range(30))
+    assert sorted(r.request_id for r in router.routed) == sorted(f"r{i}" for i in range(30))

@@ -1,0 +1,104 @@
+"""SSE and JSON usage extraction, with the stream split at every byte position."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
+from poolkeeper.requestcontrol.types import Usage
+
+
+def _chunk(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+CONTENT = [
+    _chunk({"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hel"}}], "usage": None}),
+    _chunk({"id": "c1", "choices": [{"index": 0, "delta": {"content": "lo"}}], "usage": None}),
+]
+USAGE_CHUNK = _chunk(
+    {
+        "id": "c1",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": 2,
+            "total_tokens": 9,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        },
+    }
+)
+DONE = b"data: [DONE]\n\n"
+STREAM = b"".join([*CONTENT, USAGE_CHUNK, DONE])
+EXPECTED = Usage(prompt_tokens=7, completion_tokens=2, cached_tokens=4)
+
+
+def _run(stream: bytes, cut: int, *, strip: bool) -> tuple[bytes, SseUsageFilter]:
+    f = SseUsageFilter(strip_injected_usage=strip)
+    out = f.feed(stream[:cut]) + f.feed(stream[cut:]) + f.finish()
+    return out, f
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_every_split_position_gives_same_usage_and_output(strip: bool) -> None:
+    expected_out = b"".join([*CONTENT, DONE]) if strip else STREAM
+    for cut in range(len(STREAM) + 1):
+        out, f = _run(STREAM, cut, strip=strip)
+        assert out == expected_out, cut
+        assert f.usage == EXPECTED, cut
+        assert f.saw_done
+
+
+def test_one_byte_pieces() -> None:
+    f = SseUsageFilter(strip_injected_usage=True)
+    out = b"".join(f.feed(STREAM[i : i + 1]) for i in range(len(STREAM))) + f.finish()
+    assert out == b"".join([*CONTENT, DONE])
+    assert f.usage == EXPECTED
+
+
+def test_complete_events_are_forwarded_without_waiting() -> None:
+    f = SseUsageFilter(strip_injected_usage=True)
+    assert f.feed(CONTENT[0] + CONTENT[1][:5]) == CONTENT[0]
+    assert f.feed(CONTENT[1][5:]) == CONTENT[1]
+
+
+def test_crlf_events_and_multiline_data() -> None:
+    event = b'data: {"choices": [],\r\ndata: "usage": {"prompt_tokens": 3}}\r\n\r\n'
+    f = SseUsageFilter(strip_injected_usage=True)
+    assert f.feed(event + b"data: [DONE]\r\n\r\n") == b"data: [DONE]\r\n\r\n"
+    assert f.usage == Usage(prompt_tokens=3, completion_tokens=0)
+
+
+def test_usage_chunk_with_choices_is_kept_even_when_stripping() -> None:
+    event = _chunk(
+        {"choices": [{"delta": {}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    )
+    f = SseUsageFilter(strip_injected_usage=True)
+    assert f.feed(event) == event
+    assert f.usage == Usage(1, 1)
+
+
+def test_unterminated_tail_is_flushed_at_finish() -> None:
+    f = SseUsageFilter(strip_injected_usage=False)
+    assert f.feed(b"data: partial") == b"data: partial"  # not stripping: passes at once
+    assert f.finish() == b""
+    g = SseUsageFilter(strip_injected_usage=True)
+    assert g.feed(b"data: partial") == b""
+    assert g.finish() == b"data: partial"
+
+
+def test_garbage_passes_through() -> None:
+    junk = b'data: {"usage": not json\n\n: comment\n\n'
+    f = SseUsageFilter(strip_injected_usage=True)
+    assert f.feed(junk) + f.finish() == junk
+    assert f.usage is None
+
+
+def test_usage_from_json_body() -> None:
+    body = json.dumps({"usage": {"prompt_tokens": 5, "completion_tokens": 6}}).encode()
+    assert usage_from_json(body) == Usage(5, 6)
+    assert usage_from_json(b"not json") is None
+    assert usage_from_json(b"[1, 2]") is None
+    assert usage_from_json(b'{"usage": null}') is None

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, baseline routing policies, virtual-time and live runs, reports."""

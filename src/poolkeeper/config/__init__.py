@@ -1,0 +1,1 @@
+"""Gateway configuration: the GatewayConfig document (`poolkeeper.dev/v1alpha1`)."""

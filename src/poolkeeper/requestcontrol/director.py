@@ -1,0 +1,352 @@
+"""The Director: one incoming request in, one routing decision (or one GatewayError) out.
+
+    body -> InferenceModel by modelName -> target model by weight -> criticality
+         -> candidates (pool endpoints, subset hint, in-flight load) -> admission -> scheduler
+         -> destination endpoints + rewritten body; in-flight accounting until `complete`.
+
+Transport-independent: the ext_proc server calls `route` once the body is complete and
+`complete` once the response has ended (or the stream was cancelled). Everything raised out of
+`route` is a GatewayError whose HTTP status is the answer to send (400, 404, 413, 429, 503, 500).
+
+Decisions (see docs/configuration.md, "Request handling"):
+- A modelName defined in several pools resolves to the oldest InferenceModel (creation time, then
+  namespace/name), the same rule a pool applies between two models claiming one name.
+- Bodyless requests (e.g. GET /v1/models) go to a random endpoint of the default pool
+  (`requestHandling.defaultPool`, else the only pool, else the first pool by key); no model
+  lookup, no admission, no in-flight accounting.
+- The subset hint comes from proxy metadata, never from client headers; entries match endpoints
+  by IP (upstream behaviour). Client `x-gateway-*` headers are dropped before the scheduler sees
+  the request, so no plugin can be steered by them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Protocol
+
+from poolkeeper.api.criticality import Criticality, effective_criticality
+from poolkeeper.api.model import InferenceModel
+from poolkeeper.config.gateway import RequestHandling, UnknownModelPolicy
+from poolkeeper.errors import (
+    GatewayError,
+    ModelNotFound,
+    NoReadyEndpoint,
+    PayloadTooLarge,
+)
+from poolkeeper.requestcontrol.body import parse_body, quote_model
+from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
+from poolkeeper.requestcontrol.split import choose_target_model
+from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
+from poolkeeper.scheduling.types import EndpointState, LLMRequest, SchedulingResult
+
+log = logging.getLogger(__name__)
+
+_CONTROL_HEADER_PREFIX = "x-gateway-"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+# --- what the Director needs from its collaborators ------------------------------------------
+
+
+class SnapshotView(Protocol):
+    """The part of a datastore snapshot the Director reads."""
+
+    def pool_keys(self) -> Sequence[str]: ...
+
+    def models(self, pool_key: str) -> Mapping[str, InferenceModel]: ...
+
+    def states(self, pool_key: str) -> Sequence[EndpointState]: ...
+
+
+class SnapshotSource(Protocol):
+    def snapshot(self) -> SnapshotView: ...
+
+
+class SchedulerLike(Protocol):
+    def schedule(
+        self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float
+    ) -> SchedulingResult: ...
+
+
+class InflightLike(Protocol):
+    def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> object: ...
+
+    def finish(self, request_id: str) -> object: ...
+
+    def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]: ...
+
+
+class AdmissionLike(Protocol):
+    def admit(
+        self, request: LLMRequest, states: Sequence[EndpointState], *, now: float
+    ) -> object: ...
+
+
+# --- bookkeeping -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Ticket:
+    """The Director's handle on one routed request (RoutingDecision.ticket)."""
+
+    request_id: str
+    endpoint: str  # where the in-flight accounting currently sits ("" = not tracked)
+    tokens: int
+    started_at: float
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelIndex:
+    """modelName -> (pool key, InferenceModel), built once per datastore snapshot."""
+
+    by_name: Mapping[str, tuple[str, InferenceModel]]
+    pool_keys: tuple[str, ...]
+
+
+def _age_key(pool_key: str, model: InferenceModel) -> tuple[datetime, str, str, str]:
+    meta = model.metadata
+    created = meta.creation_timestamp or _EPOCH
+    if created.tzinfo is None:
+        created = created.replace(tzinfo=UTC)
+    return (created, meta.namespace, meta.name, pool_key)
+
+
+def build_model_index(snapshot: SnapshotView) -> _ModelIndex:
+    """Every modelName across pools; a name in several pools goes to the oldest model."""
+    pool_keys = tuple(sorted(snapshot.pool_keys()))
+    chosen: dict[str, tuple[str, InferenceModel]] = {}
+    for pool_key in pool_keys:
+        for name, model in snapshot.models(pool_key).items():
+            current = chosen.get(name)
+            if current is None or _age_key(pool_key, model) < _age_key(*current):
+                chosen[name] = (pool_key, model)
+    return _ModelIndex(by_name=chosen, pool_keys=pool_keys)
+
+
+class Director:
+    """Turns IncomingRequests into RoutingDecisions; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        datastore: SnapshotSource,
+        scheduler: SchedulerLike,
+        inflight: InflightLike,
+        admission: AdmissionLike,
+        config: RequestHandling,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+        fresh_within_s: float = 2.0,
+    ) -> None:
+        self._datastore = datastore
+        self._scheduler = scheduler
+        self._inflight = inflight
+        self._admission = admission
+        self._config = config
+        self._rng = rng
+        self._clock = clock
+        self._fresh_within_s = fresh_within_s
+        # One cached index, keyed by the identity of the snapshot it was built from: snapshots
+        # are immutable and replaced by writers, and holding the reference keeps the id valid.
+        self._indexed: tuple[SnapshotView, _ModelIndex] | None = None
+
+    @property
+    def config(self) -> RequestHandling:
+        return self._config
+
+    # --- request path ---------------------------------------------------------------------
+
+    async def route(self, request: IncomingRequest) -> RoutingDecision:
+        """Decide where `request` goes. Raises GatewayError (its http_status is the answer)."""
+        return self.route_now(request)
+
+    def route_now(self, request: IncomingRequest) -> RoutingDecision:
+        """`route` without the coroutine (for synchronous callers and the simulator)."""
+        try:
+            return self._route(request)
+        except GatewayError:
+            raise
+        except Exception as exc:  # a bug below us must still become a clean 500
+            log.exception("internal error routing request %s", request.request_id)
+            raise GatewayError("internal error while routing the request") from exc
+
+    def _route(self, request: IncomingRequest) -> RoutingDecision:
+        limit = self._config.max_body_bytes
+        if len(request.body) > limit:
+            raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+        snapshot = self._datastore.snapshot()
+        index = self._index(snapshot)
+        if not request.body:
+            return self._route_bodyless(request, snapshot, index)
+
+        parsed = parse_body(request.path, request.body)
+        found = index.by_name.get(parsed.model)
+        if found is not None:
+            pool_key, model = found
+            target = choose_target_model(model, self._rng)
+            criticality = effective_criticality(model.spec.criticality)
+        elif self._config.unknown_model_policy is UnknownModelPolicy.PASSTHROUGH_SHEDDABLE:
+            pool_key = self._default_pool(index)
+            target = parsed.model
+            criticality = Criticality.SHEDDABLE
+        else:
+            raise ModelNotFound(f"model {quote_model(parsed.model)} not found")
+
+        subset = self._subset(request)
+        llm_request = LLMRequest(
+            request_id=request.request_id,
+            model=parsed.model,
+            target_model=target,
+            criticality=criticality,
+            prompt=parsed.prompt,
+            prompt_tokens=parsed.prompt_tokens,
+            max_tokens=parsed.max_tokens,
+            stream=parsed.stream,
+            headers=_scheduler_headers(request.headers),
+            subset=subset,
+        )
+        now = self._clock()
+        candidates = self._inflight.apply(self._candidates(snapshot, pool_key, subset))
+        self._admission.admit(llm_request, candidates, now=now)
+        result = self._scheduler.schedule(llm_request, candidates, now=now)
+        if not result.targets:
+            raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
+        endpoints = tuple(t.key for t in result.targets[: 1 + self._config.fallback_endpoints])
+
+        inject = should_inject_usage(parsed, enabled=self._config.inject_stream_usage)
+        body = None
+        if inject or target != parsed.model:
+            body = rewrite_body(
+                parsed.payload,
+                model=target if target != parsed.model else None,
+                include_usage=inject,
+            )
+        self._inflight.start(request.request_id, endpoints[0], parsed.prompt_tokens, now)
+        return RoutingDecision(
+            request_id=request.request_id,
+            endpoints=endpoints,
+            pool=pool_key,
+            model_name=parsed.model,
+            target_model=target,
+            criticality=criticality,
+            stream=parsed.stream,
+            prompt_tokens=parsed.prompt_tokens,
+            body=body,
+            include_usage_injected=inject,
+            ticket=Ticket(request.request_id, endpoints[0], parsed.prompt_tokens, now),
+        )
+
+    def _route_bodyless(
+        self, request: IncomingRequest, snapshot: SnapshotView, index: _ModelIndex
+    ) -> RoutingDecision:
+        pool_key = self._default_pool(index)
+        states = self._candidates(snapshot, pool_key, self._subset(request))
+        count = min(len(states), 1 + self._config.fallback_endpoints)
+        picked = self._rng.sample(range(len(states)), count)
+        return RoutingDecision(
+            request_id=request.request_id,
+            endpoints=tuple(states[i].key for i in picked),
+            pool=pool_key,
+            ticket=Ticket(request.request_id, "", 0, self._clock()),
+        )
+
+    def _index(self, snapshot: SnapshotView) -> _ModelIndex:
+        cached = self._indexed
+        if cached is not None and cached[0] is snapshot:
+            return cached[1]
+        index = build_model_index(snapshot)
+        self._indexed = (snapshot, index)
+        return index
+
+    def _default_pool(self, index: _ModelIndex) -> str:
+        wanted = self._config.default_pool
+        if wanted is not None:
+            if wanted not in index.pool_keys:
+                raise NoReadyEndpoint(f"default pool {wanted} is not loaded")
+            return wanted
+        if not index.pool_keys:
+            raise NoReadyEndpoint("no InferencePool is loaded")
+        return index.pool_keys[0]
+
+    def _subset(self, request: IncomingRequest) -> frozenset[str] | None:
+        if request.subset_hint is None or not self._config.honor_subset_hint:
+            return None
+        return frozenset(request.subset_hint)
+
+    def _candidates(
+        self, snapshot: SnapshotView, pool_key: str, subset: frozenset[str] | None
+    ) -> list[EndpointState]:
+        states = list(snapshot.states(pool_key))
+        if subset is not None:
+            ips = {entry.rpartition(":")[0] or entry for entry in subset}
+            states = [s for s in states if s.endpoint.address in ips]
+            if not states:
+                raise NoReadyEndpoint(
+                    f"no endpoint of pool {pool_key} is in the proxy's endpoint subset"
+                )
+        if not states:
+            raise NoReadyEndpoint(f"pool {pool_key} has no ready endpoint")
+        return states
+
+    # --- response path --------------------------------------------------------------------
+
+    def served(self, decision: RoutingDecision, endpoint: str) -> None:
+        """The proxy reports the endpoint that actually serves (a fallback, after a retry):
+        move the in-flight accounting there. Unknown endpoints (not in the decision) are ignored.
+        """
+        ticket = decision.ticket
+        if not isinstance(ticket, Ticket) or ticket.done or not ticket.endpoint:
+            return
+        if endpoint == ticket.endpoint or endpoint not in decision.endpoints:
+            return
+        self._inflight.finish(ticket.request_id)
+        self._inflight.start(ticket.request_id, endpoint, ticket.tokens, self._clock())
+        ticket.endpoint = endpoint
+
+    def complete(
+        self,
+        decision: RoutingDecision,
+        *,
+        status: int | None,
+        usage: Usage | None,
+        served_endpoint: str | None = None,
+    ) -> None:
+        """The request ended (any outcome, including cancellation). Idempotent."""
+        ticket = decision.ticket
+        if not isinstance(ticket, Ticket) or ticket.done:
+            return
+        ticket.done = True
+        # In-flight accounting is keyed by request id, so it ends wherever it sits (the primary,
+        # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
+        if ticket.endpoint:
+            self._inflight.finish(ticket.request_id)
+
+    # --- introspection --------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        """Every client-facing modelName, sorted (for GET /v1/models)."""
+        return sorted(self._index(self._datastore.snapshot()).by_name)
+
+    def ready(self) -> bool:
+        """Resources are loaded and at least one endpoint has fresh metrics."""
+        snapshot = self._datastore.snapshot()
+        index = self._index(snapshot)
+        now = self._clock()
+        return any(
+            state.age(now) <= self._fresh_within_s
+            for pool_key in index.pool_keys
+            for state in snapshot.states(pool_key)
+        )
+
+
+def _scheduler_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
+    """Request headers without the gateway's control headers (never trusted from clients)."""
+    if not any(name.startswith(_CONTROL_HEADER_PREFIX) for name in headers):
+        return headers
+    return {k: v for k, v in headers.items() if not k.startswith(_CONTROL_HEADER_PREFIX)}

@@ -33,7 +33,9 @@ __all__ = ["FamilyFilter", "PromParseError", "Sample", "parse_families"]
 _SUFFIXES: Final = ("_bucket", "_sum", "_count", "_total")
 
 # One label `name="value"` (value with backslash escapes), then the following separator.
-_LABEL_RE: Final = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*')
+_LABEL_RE: Final = re.compile(
+    r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*'
+)
 _ESCAPE_RE: Final = re.compile(r'\\[\\n"]')
 _ESCAPES: Final = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
 

@@ -1,0 +1,103 @@
+"""`ScrapingConfig`: how model-server metrics are scraped (`spec.scraping` of a GatewayConfig).
+
+    scraping:
+      intervalMs: 50            # one scrape per endpoint every 50 ms (upstream default)
+      timeoutMs: 1000           # whole request, body included
+      maxResponseBytes: 4194304 # a bigger page is cut off and counted as a failed scrape
+      stalenessMs: 2000         # metrics older than this are reported stale (status, health,
+                                # pool gauges); the admission detector has its own 200 ms rule
+      maxBackoffMs: 1000        # a failing endpoint is retried at most this far apart
+      path: /metrics
+      scheme: http              # or https (certificates checked only if insecureSkipVerify false)
+      insecureSkipVerify: true
+      engineLabel: inference.networking.k8s.io/engine-type
+      defaultEngine: vllm       # vllm | sglang | trtllm-serve | triton-trtllm
+
+Upstream differences: the per-fetch timeout is 1 s here instead of 5-10 s, because a metrics page
+slower than that is useless at a 50 ms cadence and would only hold a connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.alias_generators import to_camel
+
+from poolkeeper.backend.mappings import mapping_for
+
+__all__ = ["ENGINE_TYPE_LABEL", "ScrapingConfig"]
+
+ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
+
+
+class ScrapingConfig(BaseModel):
+    """Settings of the per-endpoint metrics scrapers (camelCase in YAML)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+    interval_ms: int = Field(50, ge=5, le=60_000)
+    """Scrape period per endpoint, in milliseconds (upstream default 50)."""
+    timeout_ms: int = Field(1000, ge=10, le=60_000)
+    """Limit for one whole scrape (connect, headers and body), in milliseconds."""
+    max_response_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    """Largest accepted metrics page; a bigger one is cut off and counts as a failed scrape."""
+    staleness_ms: int = Field(2000, ge=1, le=3_600_000)
+    """Metrics older than this are reported stale (status, health, pool gauges). Admission
+    control applies its own, stricter freshness rule."""
+    max_backoff_ms: int = Field(1000, ge=5, le=60_000)
+    """Longest wait between retries of a failing endpoint (the delay doubles per failure)."""
+    path: str = "/metrics"
+    """HTTP path of the metrics page."""
+    scheme: Literal["http", "https"] = "http"
+    """http or https."""
+    insecure_skip_verify: bool = True
+    """With https: do not verify the server certificate (upstream default)."""
+    engine_label: str = Field(ENGINE_TYPE_LABEL, min_length=1)
+    """Endpoint (pod) label naming the engine type of the server."""
+    default_engine: str = "vllm"
+    """Engine type of endpoints without the label: vllm, sglang, trtllm-serve or
+    triton-trtllm."""
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_absolute(cls, value: str) -> str:
+        if not value.startswith("/") or any(c in value for c in " \t\r\n#"):
+            raise ValueError("must be an absolute URL path such as /metrics")
+        return value
+
+    @field_validator("default_engine")
+    @classmethod
+    def _engine_is_known(cls, value: str) -> str:
+        return mapping_for(value).name  # raises ValueError naming the known engines
+
+    @property
+    def interval_s(self) -> float:
+        return self.interval_ms / 1000.0
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000.0
+
+    @property
+    def staleness_s(self) -> float:
+        return self.staleness_ms / 1000.0
+
+    @property
+    def max_backoff_s(self) -> float:
+        return self.max_backoff_ms / 1000.0
+
+    def engine_for(self, labels: Mapping[str, str], explicit: str | None = None) -> str:
+        """An endpoint's engine: explicit setting, else its engine label, else the default.
+
+        The result is the canonical built-in name; ValueError for an unknown engine type.
+        """
+        chosen = explicit or labels.get(self.engine_label) or self.default_engine
+        return mapping_for(chosen).name

@@ -1,0 +1,272 @@
+"""Per-endpoint metrics scrapers and the manager that keeps one loop per endpoint.
+
+`MetricsScraper` fetches `scheme://address:port/path` with a shared aiohttp session: no
+redirects, an overall timeout, `Accept-Encoding: identity` (no decompression bombs) and a size
+cap enforced while the body streams in. The page goes through the endpoint's engine mapping and
+the result goes to a sink (normally `Datastore.update_metrics`).
+
+Failure rule: a failed scrape (connection, timeout, HTTP status, size, parse error, no usable
+metrics) keeps the previous values and their old `updated_at` and sets `error`, so the age grows
+and consumers see the endpoint go stale. The loop never dies of it; it retries with a doubling
+delay capped at `maxBackoffMs` so a restarted server rejoins within about a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Final
+
+import aiohttp
+
+from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.backend.mappings import EngineMapping, MissingMetrics, mapping_for
+from poolkeeper.backend.promtext import PromParseError
+from poolkeeper.scheduling.types import Endpoint, EndpointMetrics
+
+if TYPE_CHECKING:
+    from poolkeeper.datastore.store import Datastore
+
+__all__ = ["MetricsScraper", "MetricsSink", "ScrapeFailed", "ScraperManager", "metrics_url"]
+
+log = logging.getLogger(__name__)
+
+MetricsSink = Callable[[str, EndpointMetrics], None]
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+
+_CHUNK: Final = 64 * 1024
+_HEADERS: Final = {"Accept": "text/plain", "Accept-Encoding": "identity"}
+
+
+class ScrapeFailed(Exception):
+    """A scrape that produced no metrics; the message is what `EndpointMetrics.error` shows."""
+
+
+def metrics_url(endpoint: Endpoint, config: ScrapingConfig) -> str:
+    """The metrics URL of an endpoint (IPv6 addresses bracketed)."""
+    host = endpoint.address
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{config.scheme}://{host}:{endpoint.port}{config.path}"
+
+
+class MetricsScraper:
+    """The scrape loop of one endpoint."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        session: aiohttp.ClientSession,
+        config: ScrapingConfig,
+        sink: MetricsSink,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self.endpoint = endpoint
+        self.key = endpoint.hostport
+        self.url = metrics_url(endpoint, config)
+        self.metrics = EndpointMetrics()
+        self.failures = 0  # consecutive failed scrapes
+        self._session = session
+        self._config = config
+        self._sink = sink
+        self._clock = clock
+        self._sleep = sleep
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._mapping: EngineMapping | None
+        self._mapping_error: str | None
+        try:
+            self._mapping, self._mapping_error = mapping_for(endpoint.engine), None
+        except ValueError as exc:
+            self._mapping, self._mapping_error = None, str(exc)
+
+    def next_delay(self) -> float:
+        """Seconds until the next scrape: the interval, doubled per consecutive failure."""
+        interval = self._config.interval_s
+        if self.failures == 0:
+            return interval
+        backoff = interval * (2.0 ** min(self.failures, 30))
+        return max(interval, min(self._config.max_backoff_s, backoff))
+
+    async def scrape_once(self) -> EndpointMetrics:
+        """Fetch, parse and publish one scrape; never raises except on cancellation."""
+        try:
+            if self._mapping is None:
+                raise ScrapeFailed(self._mapping_error or "unknown engine")
+            body = await self._fetch()
+            fresh = self._mapping.read(body, self.metrics, self._clock())
+        except ScrapeFailed as exc:
+            return self._failed(str(exc))
+        except TimeoutError:
+            return self._failed(f"timeout after {self._config.timeout_ms} ms")
+        except aiohttp.ClientConnectorError as exc:
+            reason = exc.os_error.strerror or str(exc.os_error) or type(exc.os_error).__name__
+            return self._failed(f"cannot connect: {reason}")
+        except aiohttp.ClientError as exc:
+            return self._failed(f"{type(exc).__name__}: {exc}")
+        except PromParseError as exc:
+            return self._failed(f"bad metrics page: {exc}")
+        except MissingMetrics as exc:
+            return self._failed(str(exc))
+        except Exception as exc:  # a bug or an odd OS error must not end the loop
+            log.exception("unexpected error scraping %s", self.url)
+            return self._failed(f"{type(exc).__name__}: {exc}")
+        if self.failures:
+            log.info("metrics of %s are back after %d failed scrapes", self.key, self.failures)
+        self.failures = 0
+        return self._publish(fresh)
+
+    async def run(self) -> None:
+        """Scrape until cancelled, at a fixed rate while healthy, backing off while failing."""
+        while True:
+            started = self._clock()
+            await self.scrape_once()
+            elapsed = self._clock() - started
+            await self._sleep(max(0.0, self.next_delay() - elapsed))
+
+    async def _fetch(self) -> bytes:
+        cap = self._config.max_response_bytes
+        async with self._session.get(
+            self.url, allow_redirects=False, timeout=self._timeout, headers=_HEADERS
+        ) as response:
+            if response.status != 200:
+                location = response.headers.get("Location")
+                if location is not None and 300 <= response.status < 400:
+                    raise ScrapeFailed(
+                        f"HTTP {response.status} redirect to {location} not followed"
+                    )
+                raise ScrapeFailed(f"HTTP {response.status} {response.reason or ''}".rstrip())
+            declared = response.content_length
+            if declared is not None and declared > cap:
+                raise ScrapeFailed(f"response of {declared} bytes exceeds the {cap}-byte limit")
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.content.iter_chunked(_CHUNK):
+                size += len(chunk)
+                if size > cap:
+                    raise ScrapeFailed(f"response exceeds the {cap}-byte limit")
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _failed(self, reason: str) -> EndpointMetrics:
+        self.failures += 1
+        if self.failures == 1:
+            log.warning("scraping %s failed: %s", self.url, reason)
+        if self.metrics.error == reason:
+            return self.metrics  # nothing new to publish
+        return self._publish(replace(self.metrics, error=reason))
+
+    def _publish(self, metrics: EndpointMetrics) -> EndpointMetrics:
+        self.metrics = metrics
+        try:
+            self._sink(self.key, metrics)
+        except Exception:
+            log.exception("metrics sink failed for %s", self.key)
+        return metrics
+
+
+class ScraperManager:
+    """Keeps exactly one scrape loop per endpoint (by `ip:port`) as the endpoint set changes."""
+
+    def __init__(
+        self,
+        config: ScrapingConfig,
+        sink: MetricsSink,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._config = config
+        self._sink = sink
+        self._session = session
+        self._owns_session = session is None
+        self._clock = clock
+        self._sleep = sleep
+        self._loops: dict[str, tuple[MetricsScraper, asyncio.Task[None]]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._unsubscribe: Callable[[], None] | None = None
+        self._closed = False
+
+    @property
+    def scrapers(self) -> dict[str, MetricsScraper]:
+        """The running scrapers by endpoint key (a copy)."""
+        return {key: scraper for key, (scraper, _) in self._loops.items()}
+
+    def sync(self, endpoints: Iterable[Endpoint]) -> None:
+        """Start loops for new endpoints, stop removed ones, restart changed ones.
+
+        Must be called from the event loop. An endpoint whose identity (name, namespace,
+        engine) changed at the same `ip:port` gets a fresh loop, so no metrics carry over.
+        """
+        if self._closed:
+            return
+        wanted = {endpoint.hostport: endpoint for endpoint in endpoints}
+        for key, (scraper, task) in list(self._loops.items()):
+            if wanted.get(key) != scraper.endpoint:
+                del self._loops[key]
+                self._stop(task)
+        for key, endpoint in wanted.items():
+            if key not in self._loops:
+                scraper = MetricsScraper(
+                    endpoint,
+                    self._ensure_session(),
+                    self._config,
+                    self._sink,
+                    clock=self._clock,
+                    sleep=self._sleep,
+                )
+                task = asyncio.create_task(scraper.run(), name=f"scrape {key}")
+                task.add_done_callback(self._loop_ended)
+                self._loops[key] = (scraper, task)
+
+    def follow(self, store: Datastore) -> None:
+        """Sync now and after every endpoint change of the datastore."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        self._unsubscribe = store.subscribe(
+            lambda snapshot, _kind: self.sync(snapshot.all_endpoints())
+        )
+        self.sync(store.snapshot().all_endpoints())
+
+    async def close(self) -> None:
+        """Stop every loop, wait for them, and close the session if this manager made it."""
+        self._closed = True
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        for _, task in self._loops.values():
+            self._stop(task)
+        self._loops.clear()
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> ScraperManager:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            verify = not self._config.insecure_skip_verify  # ssl=False skips verification
+            connector = aiohttp.TCPConnector(limit=0, ssl=verify)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    def _stop(self, task: asyncio.Task[None]) -> None:
+        task.cancel()
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("scrape loop %s ended: %r", task.get_name(), task.exception())

@@ -342,9 +342,9 @@ class _StrictLoader(yaml.SafeLoader):
             if duplicate:
                 first = seen[key].start_mark
                 raise yaml.constructor.ConstructorError(
-                    f"while constructing a mapping (first {key!s} at line {first.line + 1})",
-                    node.start_mark,
-                    f"found duplicate key {key!s}",
+                    None,
+                    None,
+                    f"found duplicate key {key!s} (first defined at line {first.line + 1})",
                     key_node.start_mark,
                 )
             seen[key] = key_node

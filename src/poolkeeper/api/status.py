@@ -116,6 +116,7 @@ def compute_model_statuses(
     """
     models = list(models)
     verdicts = judge_models(pools, models)
+    now = now.replace(microsecond=0)  # metav1.Time has one-second resolution
     out: dict[str, InferenceModelStatus] = {}
     for m in models:
         verdict = verdicts[m.key]

@@ -9,16 +9,7 @@ class _Loose(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
-class ObjectMeta(_Loose):
-    name: str = ""
-    namespace: str = "default"
-
-
 class SchedulingConfig(_Loose):
-    pass
-
-
-class ScrapingConfig(_Loose):
     pass
 
 

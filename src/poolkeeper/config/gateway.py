@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections import Counter
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from poolkeeper.config._placeholders import (
-    AdmissionConfig,
-    ObjectMeta,
-    SchedulingConfig,
-    ScrapingConfig,
+from poolkeeper.api.fielderrors import go_value, rule_error
+from poolkeeper.api.meta import ObjectMeta, label_key_errors
+from poolkeeper.api.names import (
+    dns1123_label_errors,
+    dns1123_subdomain_errors,
+    label_value_errors,
 )
+from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.config._placeholders import AdmissionConfig, SchedulingConfig
 
 API_VERSION: Final = "poolkeeper.dev/v1alpha1"
 KIND: Final = "GatewayConfig"
@@ -31,10 +33,6 @@ KIND: Final = "GatewayConfig"
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 _HOSTNAME_LABEL = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?$")
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
-_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_ENDPOINT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 class _Section(BaseModel):
@@ -47,9 +45,11 @@ class _Section(BaseModel):
     )
 
 
-def validate_host(value: str) -> str:
-    """An IPv4 address or a DNS hostname (RFC 1123). IPv6 literals are refused for now: an
-    `ip:port` destination value would need brackets that the rest of the path does not add.
+def host_errors(value: str) -> list[str]:
+    """Problems with an address: it must be an IPv4 address or a DNS hostname (RFC 1123).
+
+    IPv6 literals are refused for now: an `ip:port` destination value would need brackets that
+    the rest of the request path does not add.
     """
     try:
         ip = ipaddress.ip_address(value)
@@ -57,34 +57,20 @@ def validate_host(value: str) -> str:
         pass
     else:
         if ip.version == 6:
-            raise ValueError("IPv6 addresses are not supported yet; use an IPv4 address")
-        return value
-    if len(value) > 253 or not all(_HOSTNAME_LABEL.match(p) for p in value.split(".")):
-        raise ValueError(f"{value!r} is neither an IPv4 address nor a valid hostname")
-    if value.replace(".", "").isdigit():
-        raise ValueError(f"{value!r} is not a valid IPv4 address")
+            return ["IPv6 addresses are not supported yet; use an IPv4 address"]
+        return []
+    labels = value.split(".")
+    if len(value) > 253 or not all(_HOSTNAME_LABEL.match(label) for label in labels):
+        return ["must be an IPv4 address or a DNS hostname"]
+    if labels[-1].isdigit():
+        return ["must be an IPv4 address or a DNS hostname (the last label may not be numeric)"]
+    return []
+
+
+def _check(value: str, errors: list[str]) -> str:
+    if errors:
+        raise rule_error(*(("", f"Invalid value: {go_value(value)}: {msg}") for msg in errors))
     return value
-
-
-def validate_labels(labels: dict[str, str]) -> dict[str, str]:
-    """Kubernetes label rules: `[prefix/]name` keys (name <= 63 chars, prefix a DNS subdomain
-    <= 253 chars) and values of <= 63 chars of alphanumerics, `-`, `_`, `.` (or empty).
-    """
-    for key, value in labels.items():
-        prefix, _, name = key.rpartition("/")
-        if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
-            raise ValueError(f"label key {key!r}: prefix must be a DNS subdomain")
-        if len(name) > 63 or not _LABEL_NAME.match(name):
-            raise ValueError(
-                f"label key {key!r}: name must be 1-63 alphanumerics, '-', '_' or '.', "
-                "starting and ending with an alphanumeric"
-            )
-        if len(value) > 63 or not _LABEL_VALUE.match(value):
-            raise ValueError(
-                f"label {key!r} value {value!r}: must be at most 63 alphanumerics, '-', '_' or "
-                "'.', starting and ending with an alphanumeric"
-            )
-    return labels
 
 
 class Listeners(_Section):
@@ -107,16 +93,23 @@ class Listeners(_Section):
     @field_validator("address")
     @classmethod
     def _address(cls, value: str) -> str:
-        return validate_host(value)
+        return _check(value, host_errors(value))
 
     @model_validator(mode="after")
     def _distinct(self) -> Self:
-        ports = {name: getattr(self, name) for name in ("http", "ext_proc", "metrics", "health")}
-        ports["admin"] = self.admin
-        counts = Counter(ports.values())
-        clashes = sorted(to_camel(n) for n, p in ports.items() if counts[p] > 1)
-        if clashes:
-            raise ValueError(f"listener ports must be distinct: {', '.join(clashes)} share a port")
+        first_user: dict[int, str] = {}
+        issues: list[tuple[str, str]] = []
+        for name in ("http", "ext_proc", "metrics", "health", "admin"):
+            port: int = getattr(self, name)
+            alias = to_camel(name)
+            if port in first_user:
+                issues.append(
+                    (f".{alias}", f"Duplicate value: {port}: already used by {first_user[port]}")
+                )
+            else:
+                first_user[port] = alias
+        if issues:
+            raise rule_error(*issues)
         return self
 
 
@@ -147,22 +140,25 @@ class StaticEndpoint(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _ENDPOINT_NAME.match(value):
-            raise ValueError(
-                f"{value!r}: must be 1-253 lower-case alphanumerics, '-' or '.', starting and "
-                "ending with an alphanumeric"
-            )
-        return value
+        return _check(value, dns1123_subdomain_errors(value))
 
     @field_validator("address")
     @classmethod
     def _address(cls, value: str) -> str:
-        return validate_host(value)
+        return _check(value, host_errors(value))
 
     @field_validator("labels")
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
-        return validate_labels(value)
+        issues = [
+            ("", f"Invalid value: {go_value(text)}: {msg}")
+            for key, label in value.items()
+            for text, msg in [(key, m) for m in label_key_errors(key)]
+            + [(label, m) for m in label_value_errors(label)]
+        ]
+        if issues:
+            raise rule_error(*issues)
+        return value
 
 
 class UnknownModelPolicy(StrEnum):
@@ -200,9 +196,8 @@ class RequestHandling(_Section):
         if value is None:
             return None
         namespace, _, name = value.rpartition("/")
-        for part in (namespace or "default", name):
-            if len(part) > 253 or not _DNS_SUBDOMAIN.match(part):
-                raise ValueError(f"{value!r}: expected 'namespace/name' or 'name'")
+        _check(value, dns1123_label_errors(namespace or "default"))
+        _check(value, dns1123_subdomain_errors(name))
         return value if namespace else f"default/{value}"
 
 
@@ -216,7 +211,7 @@ class GatewayConfigSpec(_Section):
     Pods instead)."""
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     """Scheduler plugins and profiles; omitted means the documented default profile."""
-    scraping: ScrapingConfig = Field(default_factory=ScrapingConfig)
+    scraping: ScrapingConfig = Field(default_factory=lambda: ScrapingConfig.model_validate({}))
     """Metrics scraping: interval, timeout, engine mappings, staleness."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     """Saturation thresholds for shedding by criticality."""
@@ -225,14 +220,33 @@ class GatewayConfigSpec(_Section):
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> Self:
-        names = Counter(e.name for e in self.endpoints)
-        duplicates = sorted(n for n, c in names.items() if c > 1)
-        if duplicates:
-            raise ValueError(f"endpoints: duplicate name(s): {', '.join(duplicates)}")
-        hostports = Counter(f"{e.address}:{e.port}" for e in self.endpoints if e.port is not None)
-        duplicates = sorted(h for h, c in hostports.items() if c > 1)
-        if duplicates:
-            raise ValueError(f"endpoints: address:port used twice: {', '.join(duplicates)}")
+        names: dict[str, int] = {}
+        hostports: dict[str, int] = {}
+        issues: list[tuple[str, str]] = []
+        for i, endpoint in enumerate(self.endpoints):
+            if endpoint.name in names:
+                issues.append(
+                    (
+                        f".endpoints[{i}].name",
+                        f"Duplicate value: {go_value(endpoint.name)}: "
+                        f"already used by endpoints[{names[endpoint.name]}]",
+                    )
+                )
+            names.setdefault(endpoint.name, i)
+            if endpoint.port is None:
+                continue  # the port comes from the selecting pool; clashes are the pool's
+            hostport = f"{endpoint.address}:{endpoint.port}"
+            if hostport in hostports:
+                issues.append(
+                    (
+                        f".endpoints[{i}].port",
+                        f"Duplicate value: {go_value(hostport)}: "
+                        f"already used by endpoints[{hostports[hostport]}]",
+                    )
+                )
+            hostports.setdefault(hostport, i)
+        if issues:
+            raise rule_error(*issues)
         return self
 
 

@@ -1,0 +1,67 @@
+"""Build a Scheduler from a SchedulingConfig: resolve it, instantiate each plugin once.
+
+A plugin instance referenced by several profiles (or decision trees) is shared, so e.g. one
+prefix index serves every profile that scores prefixes.
+"""
+
+from __future__ import annotations
+
+import random
+
+from poolkeeper.errors import ConfigError
+from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.interfaces import Filter, Picker, Plugin, ProfileHandler, Scorer
+from poolkeeper.scheduling.profile import SchedulerProfile
+from poolkeeper.scheduling.registry import BuildContext, PluginRegistry
+from poolkeeper.scheduling.resolve import resolve_scheduling
+from poolkeeper.scheduling.scheduler import Scheduler
+
+
+def build_scheduler(
+    config: SchedulingConfig,
+    *,
+    rng: random.Random,
+    registry: PluginRegistry | None = None,
+) -> Scheduler:
+    """The scheduler `config` describes; raises ConfigError listing every problem."""
+    plan = resolve_scheduling(config, registry)
+    instances: dict[str, Plugin] = {}
+    building: list[str] = []
+
+    def instance(name: str) -> Plugin:
+        existing = instances.get(name)
+        if existing is not None:
+            return existing
+        if name in building:  # the resolver rejects cycles; this guards custom registries
+            raise ConfigError(f"plugins refer to each other in a cycle: {' -> '.join(building)}")
+        building.append(name)
+        rp = plan.plugins[name]
+        plugin = rp.spec.factory(rp.typed_name, rp.params, ctx)
+        building.pop()
+        instances[name] = plugin
+        return plugin
+
+    def resolve_filter(name: str) -> Filter:
+        plugin = instance(name)
+        if not isinstance(plugin, Filter):
+            raise ConfigError(f"plugin {name!r} is not a filter")
+        return plugin
+
+    ctx = BuildContext(rng=rng, resolve_filter=resolve_filter)
+    profiles: list[SchedulerProfile] = []
+    for prof in plan.profiles:
+        filters = [resolve_filter(n) for n in prof.filters]
+        scorers: list[tuple[Scorer, float]] = []
+        for n, w in prof.scorers:
+            scorer = instance(n)
+            if not isinstance(scorer, Scorer):
+                raise ConfigError(f"plugin {n!r} is not a scorer")
+            scorers.append((scorer, w))
+        picker = instance(prof.picker)
+        if not isinstance(picker, Picker):
+            raise ConfigError(f"plugin {prof.picker!r} is not a picker")
+        profiles.append(SchedulerProfile(prof.name, filters, scorers, picker))
+    handler = instance(plan.handler)
+    if not isinstance(handler, ProfileHandler):
+        raise ConfigError(f"plugin {plan.handler!r} is not a profile handler")
+    return Scheduler(profiles, handler, instances, source=plan.source)

@@ -1,0 +1,141 @@
+"""Router-side in-flight accounting: requests (and tokens) sent and not yet finished.
+
+Scraped metrics lag the router by up to one scrape interval. Between two scrapes, every
+decision would otherwise see the same "idle" endpoint and a burst would herd onto it. The
+tracker records each request when it is sent (`start`) until it ends (`finish`, idempotent:
+call it on completion, error and client disconnect alike), and `apply` fills the counts into
+the endpoint snapshots the scheduler reads:
+
+- `inflight_requests` / `inflight_tokens`: everything this router has outstanding there;
+- `unseen_requests` / `unseen_tokens`: the part started after the endpoint's metrics were
+  scraped (`metrics.updated_at`), which the scraped queue cannot contain yet.
+
+Times are the caller's monotonic clock (the same one that stamps `updated_at`). Pure: no I/O,
+no clock of its own. `sweep` drops entries older than a bound, a safety net for a lost finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from poolkeeper.scheduling.types import EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class InflightEntry:
+    request_id: str
+    endpoint_key: str
+    tokens: int
+    started_at: float
+
+
+class _EndpointLoad:
+    __slots__ = ("entries", "tokens")
+
+    def __init__(self) -> None:
+        # request_id -> entry, in start order (times are monotonic), so the entries newer than
+        # a scrape are a suffix and `apply` only walks that suffix.
+        self.entries: dict[str, InflightEntry] = {}
+        self.tokens = 0
+
+
+class InflightTracker:
+    """In-flight requests per endpoint (ip:port). One per EPP; not thread-safe."""
+
+    __slots__ = ("_by_endpoint", "_by_request", "scrape_lag_s")
+
+    def __init__(self, *, scrape_lag_s: float = 0.0) -> None:
+        """`scrape_lag_s`: requests started up to this long *before* a scrape still count as
+        unseen (the server may not have queued them yet when it was scraped). Default 0."""
+        if scrape_lag_s < 0:
+            raise ValueError("scrape_lag_s must be >= 0")
+        self.scrape_lag_s = scrape_lag_s
+        self._by_request: dict[str, InflightEntry] = {}
+        self._by_endpoint: dict[str, _EndpointLoad] = {}
+
+    def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> None:
+        """Count `request_id` as sent to `endpoint_key` at `now` (a restart re-routes it)."""
+        if request_id in self._by_request:
+            self.finish(request_id)
+        entry = InflightEntry(request_id, endpoint_key, max(0, tokens), now)
+        self._by_request[request_id] = entry
+        load = self._by_endpoint.get(endpoint_key)
+        if load is None:
+            load = self._by_endpoint[endpoint_key] = _EndpointLoad()
+        load.entries[request_id] = entry
+        load.tokens += entry.tokens
+
+    def finish(self, request_id: str) -> bool:
+        """Stop counting `request_id`; False if it was not (or no longer) counted."""
+        entry = self._by_request.pop(request_id, None)
+        if entry is None:
+            return False
+        load = self._by_endpoint[entry.endpoint_key]
+        del load.entries[request_id]
+        load.tokens -= entry.tokens
+        if not load.entries:
+            del self._by_endpoint[entry.endpoint_key]
+        return True
+
+    def sweep(self, now: float, max_age_s: float) -> list[str]:
+        """Forget requests started more than `max_age_s` ago; returns their ids."""
+        cutoff = now - max_age_s
+        old = [rid for rid, e in self._by_request.items() if e.started_at < cutoff]
+        for rid in old:
+            self.finish(rid)
+        return old
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_request
+
+    def counts(self, endpoint_key: str) -> tuple[int, int]:
+        """(requests, tokens) in flight to `endpoint_key`."""
+        load = self._by_endpoint.get(endpoint_key)
+        return (0, 0) if load is None else (len(load.entries), load.tokens)
+
+    def unseen(self, endpoint_key: str, scraped_at: float) -> tuple[int, int]:
+        """(requests, tokens) in flight to `endpoint_key` started after `scraped_at`."""
+        load = self._by_endpoint.get(endpoint_key)
+        if load is None:
+            return (0, 0)
+        since = scraped_at - self.scrape_lag_s
+        n = tokens = 0
+        for entry in reversed(load.entries.values()):
+            if entry.started_at <= since:
+                break
+            n += 1
+            tokens += entry.tokens
+        return n, tokens
+
+    def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+        """The snapshots with in-flight and unseen counts filled in (others returned as-is)."""
+        by_endpoint = self._by_endpoint
+        if not by_endpoint:
+            return list(states)
+        out: list[EndpointState] = []
+        for s in states:
+            load = by_endpoint.get(s.endpoint.hostport)
+            if load is None:
+                if s.inflight_requests or s.unseen_requests:
+                    s = dataclasses.replace(
+                        s, inflight_requests=0, inflight_tokens=0, unseen_requests=0,
+                        unseen_tokens=0,
+                    )  # fmt: skip
+                out.append(s)
+                continue
+            n_unseen, t_unseen = self.unseen(s.endpoint.hostport, s.metrics.updated_at)
+            out.append(
+                dataclasses.replace(
+                    s,
+                    inflight_requests=len(load.entries),
+                    inflight_tokens=load.tokens,
+                    unseen_requests=n_unseen,
+                    unseen_tokens=t_unseen,
+                )
+            )
+        return out

@@ -1,0 +1,141 @@
+"""The plugin interfaces of the scheduler and the per-request cycle state they share.
+
+A scheduling profile runs Filters -> weighted Scorers -> a Picker, then PostCycle hooks for the
+profile whose result was chosen. A ProfileHandler decides which profiles run and which result is
+primary. Plugins are synchronous and pure over the snapshot they are given; the only state they
+keep across requests is their own (the prefix index), and randomness comes from the injected
+`random.Random`.
+
+Scores travel as lists aligned with the candidate sequence (index i scores candidates[i]) rather
+than as mappings keyed by endpoint: at 1,000 endpoints a dict per scorer per decision costs more
+than the scoring itself. A scorer may return one float when every candidate gets the same score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+
+@dataclass(frozen=True, slots=True)
+class TypedName:
+    """A plugin instance's registry type (e.g. `queue-scorer`) and its instance name."""
+
+    type: str
+    name: str
+
+    def __str__(self) -> str:
+        return self.name if self.name == self.type else f"{self.name} ({self.type})"
+
+
+class CycleState:
+    """Scratch space of one scheduling decision, shared by every plugin of every profile.
+
+    `now` is the decision time (monotonic seconds, injected). Plugins store derived values under
+    their own instance name so that e.g. the prefix hashes of a prompt are computed once.
+    """
+
+    __slots__ = ("_data", "now")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self._data: dict[str, object] = {}
+
+    def get(self, key: str) -> object | None:
+        return self._data.get(key)
+
+    def put(self, key: str, value: object) -> None:
+        self._data[key] = value
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """What one profile decided: endpoints in order of preference and their weighted scores."""
+
+    profile: str
+    targets: tuple[EndpointState, ...]
+    scores: tuple[float, ...] = field(default=())
+
+
+Scores = Sequence[float] | float  # aligned with the candidates, or one value for all of them
+
+
+@runtime_checkable
+class Plugin(Protocol):
+    @property
+    def typed_name(self) -> TypedName: ...
+
+
+@runtime_checkable
+class Filter(Plugin, Protocol):
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        """The candidates that pass (a subset, in input order); empty means the filter failed."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Plugin, Protocol):
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        """One score in [0, 1] per candidate (higher is better); out-of-range values are clamped
+        by the profile unless the scorer sets `bounded = True` (built-ins do, tests prove it)."""
+        ...
+
+
+@runtime_checkable
+class Picker(Plugin, Protocol):
+    def pick(self, candidates: Sequence[EndpointState], scores: Sequence[float]) -> list[int]:
+        """Indices into `candidates`, primary first, then fallbacks; never empty for non-empty
+        input, no index twice."""
+        ...
+
+
+@runtime_checkable
+class PostCycle(Plugin, Protocol):
+    def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
+        """Runs after the decision, for the primary profile's result (e.g. prefix insertion)."""
+        ...
+
+
+@runtime_checkable
+class EndpointForgetter(Plugin, Protocol):
+    def forget_endpoints(self, keep: set[str]) -> None:
+        """Drop per-endpoint state of endpoints (ip:port) no longer in `keep`."""
+        ...
+
+
+class ProfileRunner(Protocol):
+    """What a profile handler sees of a profile."""
+
+    @property
+    def name(self) -> str: ...
+
+
+@runtime_checkable
+class ProfileHandler(Plugin, Protocol):
+    def pick_profiles(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        profiles: Mapping[str, ProfileRunner],
+        results: Mapping[str, ProfileResult | None],
+    ) -> list[str]:
+        """Names of the profiles to run next, given the results so far; [] ends the loop."""
+        ...
+
+    def primary(
+        self, cycle: CycleState, request: LLMRequest, results: Mapping[str, ProfileResult | None]
+    ) -> str:
+        """The name of the profile whose result is the decision."""
+        ...
+
+
+def is_bounded(scorer: Scorer) -> bool:
+    """Whether the scorer guarantees scores in [0, 1], so the profile may skip clamping."""
+    return bool(getattr(scorer, "bounded", False))

@@ -1,0 +1,161 @@
+"""Every built-in plugin type, registered in one place.
+
+`builtin_registry()` returns a fresh registry; there is no shared, mutable one.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import TypeVar
+
+from poolkeeper.scheduling.interfaces import Plugin, TypedName
+from poolkeeper.scheduling.plugins.decision_tree import (
+    DecisionTreeFilter,
+    DecisionTreeParams,
+    tree_references,
+)
+from poolkeeper.scheduling.plugins.filters import (
+    CapacityParams,
+    CriticalRequestFilter,
+    DropRequestFilter,
+    HasCapacityFilter,
+    LeastKvCacheFilter,
+    LeastQueueFilter,
+    LoadParams,
+    LoraAffinityFilter,
+    LoraAffinityParams,
+    LowQueueFilter,
+    LowQueueParams,
+    SaturationFilter,
+    SaturationFilterParams,
+)
+from poolkeeper.scheduling.plugins.pickers import (
+    MaxScorePicker,
+    PickerParams,
+    RandomPicker,
+    WeightedRandomPicker,
+)
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheParams, PrefixCacheScorer
+from poolkeeper.scheduling.plugins.profile_handlers import SingleProfileHandler
+from poolkeeper.scheduling.plugins.scorers import (
+    InflightLoadParams,
+    InflightLoadScorer,
+    KvCacheScorer,
+    LoraAffinityScorer,
+    LoraAffinityScorerParams,
+    MinMaxLoadParams,
+    QueueScorer,
+    RunningRequestsScorer,
+)
+from poolkeeper.scheduling.registry import (
+    BuildContext,
+    NoParams,
+    PluginFactory,
+    PluginKind,
+    PluginParams,
+    PluginRegistry,
+    PluginSpec,
+)
+
+F, S, P, H = PluginKind.FILTER, PluginKind.SCORER, PluginKind.PICKER, PluginKind.PROFILE_HANDLER
+T = TypeVar("T", bound=PluginParams)
+
+
+def _with_params(cls: Callable[[TypedName, T], Plugin], model: type[T]) -> PluginFactory:
+    def factory(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+        assert isinstance(params, model)
+        return cls(tn, params)
+
+    return factory
+
+
+def _with_rng(
+    cls: Callable[[TypedName, T, random.Random], Plugin], model: type[T]
+) -> PluginFactory:
+    def factory(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+        assert isinstance(params, model)
+        return cls(tn, params, ctx.rng)
+
+    return factory
+
+
+def _plain(cls: Callable[[TypedName], Plugin]) -> PluginFactory:
+    def factory(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+        return cls(tn)
+
+    return factory
+
+
+def _tree(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    assert isinstance(params, DecisionTreeParams)
+    return DecisionTreeFilter.build(tn, params, ctx)
+
+
+def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
+    """Register every built-in plugin type on `registry` (once) and return it."""
+    specs = [
+        # Filters
+        PluginSpec("low-queue-filter", F, LowQueueParams,
+                   _with_params(LowQueueFilter, LowQueueParams),
+                   "Waiting queue under a threshold."),
+        PluginSpec("least-queue-filter", F, LoadParams,
+                   _with_params(LeastQueueFilter, LoadParams),
+                   "Lowest 1/N band of waiting queues."),
+        PluginSpec("least-kv-cache-filter", F, LoadParams,
+                   _with_params(LeastKvCacheFilter, LoadParams),
+                   "Lowest 1/N band of KV-cache utilisation."),
+        PluginSpec("lora-affinity-filter", F, LoraAffinityParams,
+                   _with_rng(LoraAffinityFilter, LoraAffinityParams),
+                   "LoRA soft affinity (adapter loaded, else a free slot)."),
+        PluginSpec("critical-request-filter", F, NoParams, _plain(CriticalRequestFilter),
+                   "All endpoints iff the request is Critical (v0.3 tree)."),
+        PluginSpec("has-capacity-filter", F, CapacityParams,
+                   _with_params(HasCapacityFilter, CapacityParams),
+                   "Queue and KV under thresholds (v0.3 gate for non-critical requests)."),
+        PluginSpec("drop-request-filter", F, NoParams, _plain(DropRequestFilter),
+                   "Sheds the request with 429 (v0.3 tree leaf)."),
+        PluginSpec("saturation-filter", F, SaturationFilterParams,
+                   _with_params(SaturationFilter, SaturationFilterParams),
+                   "Drops stale or overloaded endpoints; fails open."),
+        PluginSpec("decision-tree-filter", F, DecisionTreeParams, _tree,
+                   "GIE v0.1-v0.5 filter tree.", filter_references=tree_references),
+        # Scorers
+        PluginSpec("queue-scorer", S, MinMaxLoadParams,
+                   _with_params(QueueScorer, MinMaxLoadParams),
+                   "Inverse min-max of the waiting queue."),
+        PluginSpec("kv-cache-utilization-scorer", S, LoadParams,
+                   _with_params(KvCacheScorer, LoadParams),
+                   "1 - KV-cache utilisation.", aliases=("kv-cache-scorer",)),
+        PluginSpec("running-requests-size-scorer", S, MinMaxLoadParams,
+                   _with_params(RunningRequestsScorer, MinMaxLoadParams),
+                   "Inverse min-max of running requests."),
+        PluginSpec("inflight-load-scorer", S, InflightLoadParams,
+                   _with_params(InflightLoadScorer, InflightLoadParams),
+                   "Inverse min-max of this router's in-flight requests or tokens."),
+        PluginSpec("lora-affinity-scorer", S, LoraAffinityScorerParams,
+                   _with_params(LoraAffinityScorer, LoraAffinityScorerParams),
+                   "1 / 0.8 / 0.6 / 0 by adapter state."),
+        PluginSpec("prefix-cache-scorer", S, PrefixCacheParams,
+                   _with_params(PrefixCacheScorer, PrefixCacheParams),
+                   "Share of the prompt's leading blocks the endpoint probably caches."),
+        # Pickers
+        PluginSpec("max-score-picker", P, PickerParams, _with_rng(MaxScorePicker, PickerParams),
+                   "Highest score, random tie-break."),
+        PluginSpec("random-picker", P, PickerParams, _with_rng(RandomPicker, PickerParams),
+                   "Uniformly random."),
+        PluginSpec("weighted-random-picker", P, PickerParams,
+                   _with_rng(WeightedRandomPicker, PickerParams),
+                   "Random, proportional to score."),
+        # Profile handlers
+        PluginSpec("single-profile-handler", H, NoParams, _plain(SingleProfileHandler),
+                   "Runs the single profile."),
+    ]  # fmt: skip
+    for spec in specs:
+        registry.register(spec)
+    return registry
+
+
+def builtin_registry() -> PluginRegistry:
+    """A fresh registry holding every built-in plugin type."""
+    return register_builtin_plugins(PluginRegistry())

@@ -1,0 +1,261 @@
+"""Built-in filters: queue and KV bands, LoRA soft affinity, v0.3 criticality gates, saturation.
+
+Every load-based filter reads the effective load (scraped + unseen in-flight, see `load.py`)
+unless its `countUnseen` parameter is false (the parity presets turn it off).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.errors import RequestShed
+from poolkeeper.scheduling.interfaces import CycleState, TypedName
+from poolkeeper.scheduling.load import effective_kv, effective_waiting
+from poolkeeper.scheduling.plugins.base import NamedPlugin
+from poolkeeper.scheduling.registry import PluginParams
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+
+class LoadParams(PluginParams):
+    count_unseen: bool = Field(
+        True,
+        description="Add requests/tokens sent since the last scrape to the scraped load "
+        "(default true; false reproduces upstream, which only sees scraped metrics).",
+    )
+
+
+class LowQueueParams(LoadParams):
+    threshold: float = Field(
+        128,
+        ge=0,
+        description="Waiting-queue limit in requests (default 128, GIE v0.3 "
+        "QUEUING_THRESHOLD_LORA).",
+    )
+    inclusive: bool = Field(
+        True,
+        description="Keep queue <= threshold (true, v0.5 plugin) or < threshold "
+        "(false, v0.1-v0.3 tree). Default true.",
+    )
+
+
+class LowQueueFilter(NamedPlugin):
+    """Endpoints whose waiting queue is under a threshold (the LoRA-queueing gate of v0.3)."""
+
+    __slots__ = ("params",)
+
+    def __init__(self, typed_name: TypedName, params: LowQueueParams) -> None:
+        super().__init__(typed_name)
+        self.params = params
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        t, cu = self.params.threshold, self.params.count_unseen
+        if self.params.inclusive:
+            return [s for s in candidates if effective_waiting(s, cu) <= t]
+        return [s for s in candidates if effective_waiting(s, cu) < t]
+
+
+def _band(candidates: Sequence[EndpointState], values: list[float]) -> list[EndpointState]:
+    """Keep values in the lowest 1/N of [min, max] (N = number of candidates), as GIE does:
+    a band rather than only the minimum, so near-equal endpoints all stay in play."""
+    if not candidates:
+        return []
+    lo, hi = min(values), max(values)
+    limit = lo + (hi - lo) / len(values)
+    return [s for s, v in zip(candidates, values, strict=True) if v <= limit]
+
+
+class LeastQueueFilter(NamedPlugin):
+    """Endpoints in the lowest 1/N band of waiting-queue sizes."""
+
+    __slots__ = ("count_unseen",)
+
+    def __init__(self, typed_name: TypedName, params: LoadParams) -> None:
+        super().__init__(typed_name)
+        self.count_unseen = params.count_unseen
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        cu = self.count_unseen
+        return _band(candidates, [effective_waiting(s, cu) for s in candidates])
+
+
+class LeastKvCacheFilter(NamedPlugin):
+    """Endpoints in the lowest 1/N band of KV-cache utilisation."""
+
+    __slots__ = ("count_unseen",)
+
+    def __init__(self, typed_name: TypedName, params: LoadParams) -> None:
+        super().__init__(typed_name)
+        self.count_unseen = params.count_unseen
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        cu = self.count_unseen
+        return _band(candidates, [effective_kv(s, cu) for s in candidates])
+
+
+class LoraAffinityParams(PluginParams):
+    threshold: float = Field(
+        0.999,
+        ge=0,
+        le=1,
+        description="Probability of choosing the endpoints that already "
+        "have the adapter (active or waiting) over those with a free adapter slot (default "
+        "0.999, GIE LORA_AFFINITY_THRESHOLD).",
+    )
+
+
+class LoraAffinityFilter(NamedPlugin):
+    """LoRA soft affinity: prefer endpoints with the adapter loaded, sometimes free slots.
+
+    Affinity = the target model is among the endpoint's active or waiting adapters; available =
+    fewer adapters than `max_adapters`. With both groups present the affinity group wins with
+    probability `threshold` (so new adapters still spread); else whichever group exists.
+    """
+
+    __slots__ = ("rng", "threshold")
+
+    def __init__(self, typed_name: TypedName, params: LoraAffinityParams, rng: random.Random):
+        super().__init__(typed_name)
+        self.threshold = params.threshold
+        self.rng = rng
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        model = request.target_model
+        affinity: list[EndpointState] = []
+        available: list[EndpointState] = []
+        for s in candidates:
+            m = s.metrics
+            if model in m.active_adapters or model in m.waiting_adapters:
+                affinity.append(s)
+            elif len(m.active_adapters | m.waiting_adapters) < m.max_adapters:
+                available.append(s)
+        if affinity and available:
+            return affinity if self.rng.random() < self.threshold else available
+        return affinity or available
+
+
+class CriticalRequestFilter(NamedPlugin):
+    """Passes every endpoint iff the request is Critical (the first node of the v0.3 tree)."""
+
+    __slots__ = ()
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        return list(candidates) if request.criticality is Criticality.CRITICAL else []
+
+
+class CapacityParams(LoadParams):
+    queue_threshold: float = Field(
+        5,
+        ge=0,
+        description="Waiting-queue limit in requests (default 5, GIE QUEUE_THRESHOLD_CRITICAL).",
+    )
+    kv_cache_threshold: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="KV-cache utilisation limit, 0..1 (default 0.8, GIE KV_CACHE_THRESHOLD).",
+    )
+
+
+class HasCapacityFilter(NamedPlugin):
+    """Endpoints with queue <= queueThreshold and KV <= kvCacheThreshold (v0.3's gate for
+    non-critical requests: `hasCapacityForSheddable`)."""
+
+    __slots__ = ("params",)
+
+    def __init__(self, typed_name: TypedName, params: CapacityParams) -> None:
+        super().__init__(typed_name)
+        self.params = params
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        p = self.params
+        q, kv, cu = p.queue_threshold, p.kv_cache_threshold, p.count_unseen
+        return [
+            s for s in candidates if effective_waiting(s, cu) <= q and effective_kv(s, cu) <= kv
+        ]
+
+
+class DropRequestFilter(NamedPlugin):
+    """Sheds the request with 429 (the DROP leaf of the v0.3 tree)."""
+
+    __slots__ = ()
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        raise RequestShed(
+            f"request {request.request_id} for model {request.model!r} "
+            f"({request.criticality}) shed: no endpoint has capacity"
+        )
+
+
+class SaturationFilterParams(LoadParams):
+    queue_depth_threshold: float = Field(
+        5, gt=0, description="Queue depth at per-endpoint saturation 1.0, requests (default 5)."
+    )
+    kv_cache_util_threshold: float = Field(
+        0.8, gt=0, le=1, description="KV utilisation at saturation 1.0 (default 0.8)."
+    )
+    metrics_staleness_ms: float = Field(
+        200, gt=0, description="Metrics older than this count as stale, ms (default 200)."
+    )
+    headroom: float = Field(
+        0.5, ge=0, description="Keep endpoints with saturation <= 1 + headroom (default 0.5)."
+    )
+
+
+class SaturationFilter(NamedPlugin):
+    """Drops stale or overloaded endpoints; fails open (keeps all) if none would remain.
+
+    Overloaded = `max(queue / queueDepthThreshold, kv / kvCacheUtilThreshold) > 1 + headroom`;
+    stale = metrics older than `metricsStalenessMs` (GIE #1497: stale idle-looking pods attract
+    traffic). Failing open matters for single-pod pools whose scrapes lag (llm-d #2408).
+    """
+
+    __slots__ = ("limit", "params", "staleness_s")
+
+    def __init__(self, typed_name: TypedName, params: SaturationFilterParams) -> None:
+        super().__init__(typed_name)
+        self.params = params
+        self.limit = 1.0 + params.headroom
+        self.staleness_s = params.metrics_staleness_ms / 1000.0
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        # Inlined `endpoint_saturation` (same rule): this runs over every candidate of every
+        # decision, and a function call per endpoint costs more than the test itself.
+        p = self.params
+        fresh_since = cycle.now - self.staleness_s
+        q_limit = p.queue_depth_threshold * self.limit
+        kv_limit = p.kv_cache_util_threshold * self.limit
+        cu = p.count_unseen
+        kept: list[EndpointState] = []
+        for s in candidates:
+            m = s.metrics
+            if m.updated_at <= 0.0 or m.updated_at < fresh_since:
+                continue
+            if (m.waiting + s.unseen_requests if cu else m.waiting) > q_limit:
+                continue
+            kv = effective_kv(s, cu) if s.unseen_tokens else m.kv_cache_usage
+            if kv > kv_limit:
+                continue
+            kept.append(s)
+        if not kept or len(kept) == len(candidates):
+            return candidates
+        return kept

@@ -1,0 +1,90 @@
+"""The `prefix-cache-scorer`: share of the prompt's leading blocks an endpoint probably caches.
+
+Owns a `PrefixIndex`. Scoring hashes the prompt once per decision (kept in the cycle state, so
+several profiles share it); after the decision, PostCycle records the primary pick as holding
+every block of the prompt. Score = matched leading blocks / prompt blocks (0 for prompts shorter
+than one block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
+from poolkeeper.scheduling.plugins.base import NamedPlugin
+from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
+from poolkeeper.scheduling.registry import PluginParams
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+
+class PrefixCacheParams(PluginParams):
+    block_size: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="Hash block size in characters (default 64 = 16 "
+        "tokens of 4 characters, GIE hashBlockSize).",
+    )
+    max_prefix_blocks: int = Field(
+        256,
+        ge=1,
+        description="Most leading blocks hashed and matched per prompt (default "
+        "256, GIE maxPrefixBlocksToMatch).",
+    )
+    lru_capacity_per_server: int = Field(
+        31_250,
+        ge=1,
+        description="Blocks remembered per endpoint, LRU (default 31,250: "
+        "500K tokens of KV cache / 16 tokens per block, GIE lruCapacityPerServer).",
+    )
+
+
+class PrefixCacheScorer(NamedPlugin):
+    """Scorer + PostCycle + EndpointForgetter around one approximate prefix index."""
+
+    __slots__ = ("_state_key", "index", "params")
+    bounded = True
+
+    def __init__(self, typed_name: TypedName, params: PrefixCacheParams) -> None:
+        super().__init__(typed_name)
+        self.params = params
+        self.index = PrefixIndex(params.lru_capacity_per_server)
+        self._state_key = f"prefix-hashes/{typed_name.name}"
+
+    def hashes(self, cycle: CycleState, request: LLMRequest) -> list[int]:
+        """The request's block hashes, computed once per decision."""
+        cached = cycle.get(self._state_key)
+        if isinstance(cached, list):
+            return cached
+        hashes = prefix_hashes(
+            request.target_model,
+            request.prompt,
+            block_size=self.params.block_size,
+            max_blocks=self.params.max_prefix_blocks,
+        )
+        cycle.put(self._state_key, hashes)
+        return hashes
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        hashes = self.hashes(cycle, request)
+        if not hashes:
+            return 0.0
+        matched = self.index.match(hashes)
+        if not matched:
+            return 0.0
+        total = len(hashes)
+        get = matched.get
+        return [get(s.endpoint.hostport, 0) / total for s in candidates]
+
+    def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
+        if result.targets:
+            hashes = self.hashes(cycle, request)
+            if hashes:
+                self.index.insert(result.targets[0].endpoint.hostport, hashes)
+
+    def forget_endpoints(self, keep: set[str]) -> None:
+        self.index.forget_endpoints(keep)

@@ -1,0 +1,187 @@
+"""Built-in load and LoRA scorers. Each returns scores in [0, 1] aligned with the candidates.
+
+Min-max scorers (queue, running, in-flight) score the least loaded endpoint 1 and the most
+loaded 0, and return one constant 1.0 when every candidate is equal (no signal). Loads are the
+effective ones (scraped + unseen in-flight, see `load.py`) unless `countUnseen` is false.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field
+
+from poolkeeper.scheduling.interfaces import CycleState, Scores, TypedName
+from poolkeeper.scheduling.load import effective_kv
+from poolkeeper.scheduling.plugins.base import NamedPlugin
+from poolkeeper.scheduling.plugins.filters import LoadParams
+from poolkeeper.scheduling.registry import PluginParams
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+
+def inverse_min_max(values: list[int] | list[float], min_span: float = 0.0) -> Scores:
+    """1 - (v - min) / max(max - min, min_span) per value; 1.0 for all when they are equal.
+
+    With `min_span` 0 this is GIE's min-max normalisation, where a difference of one request
+    spans the whole [0, 1] range. A positive `min_span` makes small differences cost
+    proportionally less, so another scorer (prefix affinity) can outweigh them until the load
+    is really skewed.
+    """
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return 1.0
+    span = hi - lo
+    if span < min_span:
+        span = min_span
+    return [1.0 - (v - lo) / span for v in values]
+
+
+class MinMaxLoadParams(LoadParams):
+    min_span: float = Field(
+        0,
+        ge=0,
+        description="Smallest load range (requests) mapped onto the full [0, 1] score range "
+        "(default 0 = plain min-max, as upstream).",
+    )
+
+
+class QueueScorer(NamedPlugin):
+    """Inverse min-max of the waiting queue (+ unseen in-flight requests)."""
+
+    __slots__ = ("count_unseen", "min_span")
+    bounded = True
+
+    def __init__(self, typed_name: TypedName, params: MinMaxLoadParams) -> None:
+        super().__init__(typed_name)
+        self.count_unseen = params.count_unseen
+        self.min_span = params.min_span
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        if self.count_unseen:
+            return inverse_min_max(
+                [s.metrics.waiting + s.unseen_requests for s in candidates], self.min_span
+            )
+        return inverse_min_max([s.metrics.waiting for s in candidates], self.min_span)
+
+
+class RunningRequestsScorer(NamedPlugin):
+    """Inverse min-max of running requests (+ unseen in-flight requests)."""
+
+    __slots__ = ("count_unseen", "min_span")
+    bounded = True
+
+    def __init__(self, typed_name: TypedName, params: MinMaxLoadParams) -> None:
+        super().__init__(typed_name)
+        self.count_unseen = params.count_unseen
+        self.min_span = params.min_span
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        if self.count_unseen:
+            return inverse_min_max(
+                [s.metrics.running + s.unseen_requests for s in candidates], self.min_span
+            )
+        return inverse_min_max([s.metrics.running for s in candidates], self.min_span)
+
+
+class KvCacheScorer(NamedPlugin):
+    """1 - KV-cache utilisation (+ the unseen tokens' share when capacity is known)."""
+
+    __slots__ = ("count_unseen",)
+    bounded = True
+
+    def __init__(self, typed_name: TypedName, params: LoadParams) -> None:
+        super().__init__(typed_name)
+        self.count_unseen = params.count_unseen
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        cu = self.count_unseen
+        # Scraped values outside 0..1 (a broken exporter) are clamped here, not trusted.
+        return [
+            1.0
+            - (effective_kv(s, cu) if s.unseen_tokens and cu else _unit(s.metrics.kv_cache_usage))
+            for s in candidates
+        ]
+
+
+def _unit(x: float) -> float:
+    return 0.0 if x <= 0.0 else 1.0 if x >= 1.0 else x
+
+
+class InflightLoadParams(PluginParams):
+    unit: Literal["requests", "tokens"] = Field(
+        "requests",
+        description="Count router-side in-flight requests or their tokens (default requests).",
+    )
+
+
+class InflightLoadScorer(NamedPlugin):
+    """Inverse min-max of this router's own in-flight load per endpoint (all of it, seen or
+    not). Works without any scraped metric, so it keeps spreading load when scrapes fail."""
+
+    __slots__ = ("tokens",)
+    bounded = True
+
+    def __init__(self, typed_name: TypedName, params: InflightLoadParams) -> None:
+        super().__init__(typed_name)
+        self.tokens = params.unit == "tokens"
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        if self.tokens:
+            return inverse_min_max([s.inflight_tokens for s in candidates])
+        return inverse_min_max([s.inflight_requests for s in candidates])
+
+
+class LoraAffinityScorerParams(PluginParams):
+    active_score: float = Field(1.0, ge=0, le=1, description="Adapter active (default 1.0).")
+    free_slot_score: float = Field(
+        0.8, ge=0, le=1, description="Adapter absent but a slot is free (default 0.8)."
+    )
+    waiting_score: float = Field(
+        0.6, ge=0, le=1, description="Adapter only waiting for a slot (default 0.6)."
+    )
+
+
+class LoraAffinityScorer(NamedPlugin):
+    """1.0 if the target adapter is active; 0.8 if it could load without eviction
+    (active + waiting < max); 0.6 if it is already waiting; else 0 (GIE v1 values).
+
+    For a base-model request in a LoRA-enabled pool this mildly prefers endpoints with free
+    adapter slots; in a pool without LoRA every endpoint scores 0 (no effect on the ranking).
+    """
+
+    __slots__ = ("params",)
+    bounded = True
+
+    def __init__(self, typed_name: TypedName, params: LoraAffinityScorerParams) -> None:
+        super().__init__(typed_name)
+        self.params = params
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        p = self.params
+        model = request.target_model
+        out: list[float] = []
+        append = out.append
+        for s in candidates:
+            m = s.metrics
+            if model in m.active_adapters:
+                append(p.active_score)
+            elif m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < (
+                m.max_adapters
+            ):
+                append(p.free_slot_score)
+            elif model in m.waiting_adapters:
+                append(p.waiting_score)
+            else:
+                append(0.0)
+        return out

@@ -1,0 +1,161 @@
+"""Named scheduling configurations: poolkeeper's default and upstream baselines for parity.
+
+Each preset is the YAML-equivalent dict documented in docs/scheduling.md, validated into a
+SchedulingConfig on request; pick one with `scheduling: {preset: <name>}` or
+`preset_config(name)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from poolkeeper.scheduling.config import SchedulingConfig
+
+_NO_INFLIGHT = {"countUnseen": False}  # upstream only ever saw scraped metrics
+
+# poolkeeper's default: prefix affinity unless the load is really skewed.
+# - saturation-filter: stale or overloaded endpoints (queue > 7.5, KV > 0.96 of the
+#   0.8 threshold x 1.5) are skipped while any other endpoint is fine; fails open.
+# - queue-scorer / running-requests-size-scorer with a minimum span, so a difference of one or
+#   two requests costs a little (not the whole range, as plain min-max does) and a prefix hit
+#   wins until the imbalance is large; both count requests sent since the last scrape.
+# - max-score-picker: random tie-break spreads cache misses; 3 fallbacks for the proxy.
+_DEFAULT: dict[str, Any] = {
+    "plugins": [
+        {"type": "saturation-filter"},
+        {"type": "queue-scorer", "parameters": {"minSpan": 8}},
+        {"type": "running-requests-size-scorer", "parameters": {"minSpan": 16}},
+        {"type": "kv-cache-utilization-scorer"},
+        {"type": "prefix-cache-scorer"},
+        {"type": "lora-affinity-scorer"},
+        {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 4}},
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "saturation-filter"},
+                {"pluginRef": "queue-scorer", "weight": 2},
+                {"pluginRef": "running-requests-size-scorer", "weight": 1},
+                {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
+                {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                {"pluginRef": "lora-affinity-scorer", "weight": 1},
+                {"pluginRef": "max-score-picker"},
+            ],
+        }
+    ],
+}
+
+
+def _gie_v1(queue: float, kv: float, prefix: float) -> dict[str, Any]:
+    return {
+        "plugins": [
+            {"type": "queue-scorer", "parameters": _NO_INFLIGHT},
+            {"type": "kv-cache-utilization-scorer", "parameters": _NO_INFLIGHT},
+            {"type": "prefix-cache-scorer"},
+            {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 1}},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "queue-scorer", "weight": queue},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": kv},
+                    {"pluginRef": "prefix-cache-scorer", "weight": prefix},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+def _chain(*names: str) -> dict[str, Any]:
+    """A -> B -> C on success or failure (the v0.3 building block)."""
+    node: dict[str, Any] = {"current": {"pluginRef": names[-1]}}
+    for name in reversed(names[:-1]):
+        node = {"current": {"pluginRef": name}, "nextOnSuccessOrFailure": {"decisionTree": node}}
+    return node
+
+
+# GIE v0.3.0's tree, thresholds as shipped (queueingThresholdLoRA 128 with strict <, queue 5,
+# KV 0.8, LoRA affinity 0.999), then a uniformly random pick among the survivors.
+_V03: dict[str, Any] = {
+    "plugins": [
+        {"type": "critical-request-filter", "name": "critical"},
+        {
+            "type": "low-queue-filter",
+            "name": "low-queue",
+            "parameters": {"threshold": 128, "inclusive": False, **_NO_INFLIGHT},
+        },
+        {
+            "type": "lora-affinity-filter",
+            "name": "lora-affinity",
+            "parameters": {"threshold": 0.999},
+        },
+        {"type": "least-queue-filter", "name": "least-queue", "parameters": _NO_INFLIGHT},
+        {"type": "least-kv-cache-filter", "name": "least-kv-cache", "parameters": _NO_INFLIGHT},
+        {
+            "type": "has-capacity-filter",
+            "name": "has-capacity",
+            "parameters": {"queueThreshold": 5, "kvCacheThreshold": 0.8, **_NO_INFLIGHT},
+        },
+        {"type": "drop-request-filter", "name": "drop"},
+        {
+            "type": "decision-tree-filter",
+            "name": "v0.3-tree",
+            "parameters": {
+                "current": {"pluginRef": "critical"},
+                "nextOnSuccess": {
+                    "decisionTree": {
+                        "current": {"pluginRef": "low-queue"},
+                        "nextOnSuccess": {
+                            "decisionTree": _chain("lora-affinity", "least-queue", "least-kv-cache")
+                        },
+                        "nextOnFailure": {
+                            "decisionTree": _chain("least-queue", "lora-affinity", "least-kv-cache")
+                        },
+                    }
+                },
+                "nextOnFailure": {
+                    "decisionTree": {
+                        "current": {"pluginRef": "has-capacity"},
+                        "nextOnSuccess": {
+                            "decisionTree": _chain("least-queue", "lora-affinity", "least-kv-cache")
+                        },
+                        "nextOnFailure": {"pluginRef": "drop"},
+                    }
+                },
+            },
+        },
+        {"type": "random-picker", "parameters": {"maxNumOfEndpoints": 1}},
+    ],
+    "schedulingProfiles": [
+        {"name": "default", "plugins": [{"pluginRef": "v0.3-tree"}, {"pluginRef": "random-picker"}]}
+    ],
+}
+
+_RANDOM: dict[str, Any] = {
+    "plugins": [{"type": "random-picker", "parameters": {"maxNumOfEndpoints": 1}}],
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": _DEFAULT,
+    "gie-v1-default": _gie_v1(2, 2, 3),  # GIE v1.2+ / v1.5 built-in default
+    "gie-v1.0-default": _gie_v1(1, 1, 1),  # GIE v1.0 chart / v0.5 plugins-v2.yaml
+    "gie-v0.3-decision-tree": _V03,
+    "random": _RANDOM,
+}
+
+
+def preset_document(name: str) -> dict[str, Any]:
+    """The YAML-equivalent dict of a preset (a copy; KeyError if unknown)."""
+    import copy
+
+    return copy.deepcopy(PRESETS[name])
+
+
+def preset_config(name: str) -> SchedulingConfig:
+    """The SchedulingConfig of a preset; raises KeyError naming the known presets."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown scheduling preset {name!r} (known: {', '.join(sorted(PRESETS))})")
+    return SchedulingConfig.model_validate(PRESETS[name])

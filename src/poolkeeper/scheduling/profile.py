@@ -1,0 +1,121 @@
+"""SchedulerProfile: filters -> weighted scorers -> picker, over one request's candidates.
+
+Scores are clamped into [0, 1] before weighting (scorers that declare `bounded = True`, as every
+built-in does, are trusted to be in range already, which the property tests check). A scorer
+that returns one float for all candidates adds a constant, which never changes the ranking and
+is applied once at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from poolkeeper.errors import GatewayError
+from poolkeeper.scheduling.interfaces import (
+    CycleState,
+    Filter,
+    Picker,
+    Plugin,
+    PostCycle,
+    ProfileResult,
+    Scorer,
+    is_bounded,
+)
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+
+def clamp_unit(v: float) -> float:
+    """v clamped into [0, 1]; NaN -> 0."""
+    if v >= 1.0:
+        return 1.0
+    if v >= 0.0:
+        return v
+    return 0.0  # negative or NaN
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float
+    bounded: bool
+
+
+def _is_builtin(plugin: object) -> bool:
+    return type(plugin).__module__.startswith("poolkeeper.scheduling.plugins.")
+
+
+class SchedulerProfile:
+    """One named profile. Built by `build.build_scheduler`."""
+
+    __slots__ = ("_trusted", "filters", "name", "picker", "post_cycles", "scorers")
+
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+    ) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(WeightedScorer(s, w, is_bounded(s)) for s, w in scorers if w != 0)
+        self.picker = picker
+        members: list[Plugin] = [*self.filters, *(w.scorer for w in self.scorers), picker]
+        self.post_cycles = tuple(p for p in members if isinstance(p, PostCycle))
+        # Built-in filters only return subsets of their input and built-in pickers only valid
+        # indices; anything else gets its output checked, so a decision can only ever name
+        # one of the request's candidates.
+        self._trusted = all(_is_builtin(p) for p in members)
+
+    def run(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> ProfileResult | None:
+        """The profile's ranked result, or None when the filters left nothing."""
+        cands = candidates
+        for f in self.filters:
+            cands = f.filter(cycle, request, cands)
+            if not cands:
+                return None
+        if not self._trusted:
+            allowed = {id(c) for c in candidates}
+            cands = [c for c in cands if id(c) in allowed]
+            if not cands:
+                return None
+        n = len(cands)
+        total: list[float] | None = None
+        offset = 0.0
+        for ws in self.scorers:
+            scores = ws.scorer.score(cycle, request, cands)
+            w = ws.weight
+            if isinstance(scores, float | int):
+                offset += w * clamp_unit(float(scores))
+                continue
+            if len(scores) != n:
+                raise GatewayError(
+                    f"scorer {ws.scorer.typed_name} returned {len(scores)} scores for {n} endpoints"
+                )
+            if not ws.bounded:
+                scores = [clamp_unit(v) for v in scores]
+            if total is None:
+                total = list(scores) if w == 1.0 else [w * v for v in scores]
+            elif w == 1.0:
+                total = [t + v for t, v in zip(total, scores, strict=True)]
+            else:
+                total = [t + w * v for t, v in zip(total, scores, strict=True)]
+        if total is None:
+            total = [offset] * n
+        elif offset:
+            total = [t + offset for t in total]
+        picked = self.picker.pick(cands, total)
+        if not self._trusted:
+            picked = [i for i in dict.fromkeys(picked) if 0 <= i < n]
+        if not picked:
+            return None
+        return ProfileResult(
+            self.name, tuple(cands[i] for i in picked), tuple(total[i] for i in picked)
+        )
+
+    def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
+        for hook in self.post_cycles:
+            hook.post_cycle(cycle, request, result)

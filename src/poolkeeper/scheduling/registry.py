@@ -1,0 +1,91 @@
+"""The plugin registry: plugin type name -> kind, parameter model and factory.
+
+There is no global registry. `poolkeeper.scheduling.plugins.builtins.builtin_registry()` builds a
+fresh one holding every built-in plugin (each registered in one place); callers may register
+their own types on their instance before building a scheduler.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from poolkeeper.scheduling.interfaces import Filter, Plugin, TypedName
+
+
+class PluginKind(StrEnum):
+    FILTER = "filter"
+    SCORER = "scorer"
+    PICKER = "picker"
+    PROFILE_HANDLER = "profile-handler"
+
+
+class PluginParams(BaseModel):
+    """Base of every plugin's `parameters` model: camelCase keys, unknown keys rejected."""
+
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
+
+
+class NoParams(PluginParams):
+    """A plugin without parameters."""
+
+
+@dataclass(frozen=True, slots=True)
+class BuildContext:
+    """What a factory may use: the shared seeded RNG and other plugin instances by name."""
+
+    rng: random.Random
+    resolve_filter: Callable[[str], Filter]
+
+
+PluginFactory = Callable[[TypedName, PluginParams, BuildContext], Plugin]
+# Plugin names a plugin's parameters refer to, each with its path inside `parameters`; the
+# loader checks that each names a filter defined in `plugins` (decision trees use this).
+FilterReferences = Callable[[PluginParams], list[tuple[str, str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class PluginSpec:
+    type_name: str
+    kind: PluginKind
+    params: type[PluginParams]
+    factory: PluginFactory
+    description: str
+    aliases: tuple[str, ...] = ()
+    filter_references: FilterReferences | None = None
+
+
+class PluginRegistry:
+    """Plugin types by name (aliases resolve to the same spec)."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, PluginSpec] = {}
+        self._canonical: list[str] = []
+
+    def register(self, spec: PluginSpec) -> None:
+        for name in (spec.type_name, *spec.aliases):
+            if name in self._specs:
+                raise ValueError(f"plugin type {name!r} is already registered")
+        for name in (spec.type_name, *spec.aliases):
+            self._specs[name] = spec
+        self._canonical.append(spec.type_name)
+
+    def get(self, type_name: str) -> PluginSpec | None:
+        return self._specs.get(type_name)
+
+    def __contains__(self, type_name: object) -> bool:
+        return type_name in self._specs
+
+    def __iter__(self) -> Iterator[PluginSpec]:
+        return (self._specs[name] for name in self._canonical)
+
+    def type_names(self) -> list[str]:
+        """Every accepted type name, aliases included, sorted."""
+        return sorted(self._specs)

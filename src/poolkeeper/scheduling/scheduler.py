@@ -1,0 +1,90 @@
+"""Scheduler: runs the profiles its handler chooses and returns the primary profile's result.
+
+`schedule` is pure over its inputs except for the plugins' own state (the prefix index, updated
+by PostCycle for the primary pick) and the injected RNG. It never returns an endpoint that is not
+one of `candidates`, and raises NoReadyEndpoint (503) when nothing is left to pick from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+from poolkeeper.errors import GatewayError, NoReadyEndpoint
+from poolkeeper.scheduling.interfaces import (
+    CycleState,
+    EndpointForgetter,
+    Plugin,
+    ProfileHandler,
+    ProfileResult,
+)
+from poolkeeper.scheduling.profile import SchedulerProfile
+from poolkeeper.scheduling.types import EndpointState, LLMRequest, SchedulingResult
+
+
+class Scheduler:
+    """Profiles + a profile handler, built from a SchedulingConfig by `build_scheduler`."""
+
+    __slots__ = ("_forgetters", "handler", "plugins", "profiles", "source")
+
+    def __init__(
+        self,
+        profiles: Sequence[SchedulerProfile],
+        handler: ProfileHandler,
+        plugins: Mapping[str, Plugin],
+        source: str = "config",
+    ) -> None:
+        if not profiles:
+            raise ValueError("a scheduler needs at least one profile")
+        self.profiles: Mapping[str, SchedulerProfile] = MappingProxyType(
+            {p.name: p for p in profiles}
+        )
+        self.handler = handler
+        self.plugins: Mapping[str, Plugin] = MappingProxyType(dict(plugins))
+        self.source = source  # "config" or "preset <name>", for logs and `poolkeeper status`
+        self._forgetters = tuple(p for p in plugins.values() if isinstance(p, EndpointForgetter))
+
+    def schedule(
+        self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float
+    ) -> SchedulingResult:
+        """Pick the endpoint (then fallbacks) for `request` among `candidates`."""
+        if not candidates:
+            raise NoReadyEndpoint(f"no ready endpoint for model {request.model!r}")
+        cycle = CycleState(now)
+        results: dict[str, ProfileResult | None] = {}
+        # Each profile runs at most once, so the loop ends after len(profiles) + 1 rounds.
+        for _ in range(len(self.profiles) + 1):
+            names = [
+                n
+                for n in self.handler.pick_profiles(cycle, request, self.profiles, results)
+                if n not in results
+            ]
+            if not names:
+                break
+            for name in names:
+                profile = self.profiles.get(name)
+                if profile is None:
+                    raise GatewayError(f"profile handler chose unknown profile {name!r}")
+                results[name] = profile.run(cycle, request, candidates)
+        if not results:
+            raise GatewayError("profile handler ran no profile")
+        primary = self.handler.primary(cycle, request, results)
+        result = results.get(primary)
+        if result is None:
+            raise NoReadyEndpoint(
+                f"no endpoint for model {request.model!r} passed the filters of scheduling "
+                f"profile {primary!r} ({len(candidates)} candidates)"
+            )
+        self.profiles[primary].post_cycle(cycle, request, result)
+        return SchedulingResult(
+            targets=result.targets,
+            profile=primary,
+            scores={
+                t.endpoint.hostport: s for t, s in zip(result.targets, result.scores, strict=True)
+            },
+        )
+
+    def forget_endpoints(self, keep: set[str]) -> None:
+        """Drop plugin state (prefix index) of endpoints (ip:port) that left the pool."""
+        for plugin in self._forgetters:
+            plugin.forget_endpoints(keep)

@@ -1,0 +1,347 @@
+"""The datastore: pools, models, endpoints and their latest metrics, read as immutable snapshots.
+
+Writers (resource sources, scrapers) replace parts of the state copy-on-write and swap in a new
+`DatastoreSnapshot`; readers (the Director, the scheduler, status and health) take
+`snapshot()` once per decision and never lock or see a half-applied change.
+
+What a snapshot derives, once per write, so reads are cheap:
+- `models(pool_key)`: modelName -> the winning InferenceModel of that pool, by the status rules
+  of `poolkeeper.api.status.resolve_model_names` (oldest wins; missing pool or all-zero weights
+  do not compete).
+- `endpoints(pool_key)`: the endpoints a pool selects: its selector matches the endpoint's labels
+  and, for endpoints with a namespace (pods), the namespaces agree (standalone endpoints from a
+  GatewayConfig have none and may be selected by a pool of any namespace). An endpoint without
+  a port gets the pool's target port (one endpoint per port when a v1 pool lists several).
+- metrics are kept by `ip:port`; metrics of an `ip:port` that no pool selects any more, or that
+  now belongs to a different endpoint (pod recreated elsewhere, IP reused), are dropped, and
+  updates for unknown keys are ignored (a late scrape of a removed endpoint).
+
+Several sources may feed endpoints and resources (`source=`): files today, Kubernetes later;
+the snapshot is their union.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Final, TypeVar
+
+from poolkeeper.api.model import InferenceModel
+from poolkeeper.api.pool import AnyInferencePool
+from poolkeeper.api.status import resolve_model_names
+from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
+
+__all__ = ["ChangeKind", "Datastore", "DatastoreSnapshot", "EndpointSpec", "Listener"]
+
+log = logging.getLogger(__name__)
+
+_NO_METRICS: Final = EndpointMetrics()
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _frozen(items: Mapping[K, V]) -> Mapping[K, V]:
+    return MappingProxyType(dict(items))
+
+
+def _empty_labels() -> Mapping[str, str]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    """An endpoint as a source knows it: the port and namespace may come from the pool."""
+
+    name: str
+    address: str
+    port: int | None = None
+    namespace: str | None = None  # None: standalone, selectable by pools of any namespace
+    labels: Mapping[str, str] = field(default_factory=_empty_labels, compare=False, hash=False)
+    engine: str = "vllm"
+
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> EndpointSpec:
+        """A spec for a fully known endpoint (explicit port and namespace)."""
+        return cls(
+            endpoint.name,
+            endpoint.address,
+            endpoint.port,
+            endpoint.namespace,
+            endpoint.labels,
+            endpoint.engine,
+        )
+
+    def for_pool(self, pool: AnyInferencePool) -> tuple[Endpoint, ...]:
+        """The endpoints this spec is in `pool` (none if the pool does not select it).
+
+        With an explicit port: one endpoint. Without: one per target port of the pool; with
+        several target ports (v1 data-parallel ranks) rank i > 0 is named `<name>-rank-<i>`,
+        as upstream does.
+        """
+        if self.namespace is not None and self.namespace != pool.namespace:
+            return ()
+        if not pool.matches(self.labels):
+            return ()
+        ports = (self.port,) if self.port is not None else pool.target_ports()
+        labels = MappingProxyType(dict(self.labels))
+        namespace = self.namespace or pool.namespace
+        return tuple(
+            Endpoint(
+                name=self.name if rank == 0 else f"{self.name}-rank-{rank}",
+                address=self.address,
+                port=port,
+                namespace=namespace,
+                labels=labels,
+                engine=self.engine,
+            )
+            for rank, port in enumerate(ports)
+        )
+
+
+class ChangeKind(StrEnum):
+    """What a write changed."""
+
+    RESOURCES = "resources"  # pools or models (endpoints may follow from selectors)
+    ENDPOINTS = "endpoints"
+    METRICS = "metrics"
+    CLEARED = "cleared"
+
+
+@dataclass(frozen=True, slots=True)
+class DatastoreSnapshot:
+    """One consistent view of everything; never changes after it is built."""
+
+    version: int
+    pools: Mapping[str, AnyInferencePool]  # pool key `namespace/name` -> pool
+    model_names: Mapping[tuple[str, str], InferenceModel]  # (pool key, modelName) -> winner
+    specs: tuple[EndpointSpec, ...]
+    metrics: Mapping[str, EndpointMetrics]  # `ip:port` -> latest metrics
+    _models_by_pool: Mapping[str, Mapping[str, InferenceModel]]
+    _endpoints_by_pool: Mapping[str, tuple[Endpoint, ...]]
+    _endpoint_at: Mapping[str, Endpoint]  # `ip:port` -> endpoint, over all pools
+
+    def pool_keys(self) -> tuple[str, ...]:
+        """Pool keys, sorted."""
+        return tuple(sorted(self.pools))
+
+    def pool(self, pool_key: str) -> AnyInferencePool | None:
+        return self.pools.get(pool_key)
+
+    def models(self, pool_key: str) -> Mapping[str, InferenceModel]:
+        """modelName -> winning InferenceModel in one pool (empty for an unknown pool)."""
+        return self._models_by_pool.get(pool_key, MappingProxyType({}))
+
+    def model_for(self, model_name: str) -> tuple[tuple[str, InferenceModel], ...]:
+        """Every (pool key, InferenceModel) serving `model_name`, by pool key."""
+        return tuple(
+            (pool_key, model)
+            for (pool_key, name), model in sorted(self.model_names.items(), key=lambda i: i[0])
+            if name == model_name
+        )
+
+    def resolve(self, model_name: str, pool_key: str | None = None) -> InferenceModel | None:
+        """The model serving `model_name` in `pool_key` (or in the first pool that has it)."""
+        if pool_key is not None:
+            return self.model_names.get((pool_key, model_name))
+        found = self.model_for(model_name)
+        return found[0][1] if found else None
+
+    def endpoints(self, pool_key: str) -> tuple[Endpoint, ...]:
+        """The endpoints a pool selects, by name."""
+        return self._endpoints_by_pool.get(pool_key, ())
+
+    def states(self, pool_key: str) -> tuple[EndpointState, ...]:
+        """The pool's endpoints with their latest metrics (never-scraped ones have age inf)."""
+        metrics = self.metrics
+        return tuple(
+            EndpointState(endpoint, metrics.get(endpoint.hostport, _NO_METRICS))
+            for endpoint in self._endpoints_by_pool.get(pool_key, ())
+        )
+
+    def all_endpoints(self) -> tuple[Endpoint, ...]:
+        """Every selected endpoint once per `ip:port` (what the scrapers poll), by key."""
+        return tuple(self._endpoint_at[key] for key in sorted(self._endpoint_at))
+
+    def endpoint(self, key: str) -> Endpoint | None:
+        return self._endpoint_at.get(key)
+
+    def metrics_for(self, key: str) -> EndpointMetrics:
+        return self.metrics.get(key, _NO_METRICS)
+
+    def is_stale(self, key: str, now: float, staleness_s: float) -> bool:
+        """True when the endpoint's last successful scrape is older than `staleness_s`."""
+        updated = self.metrics_for(key).updated_at
+        return updated <= 0.0 or now - updated > staleness_s
+
+
+Listener = Callable[[DatastoreSnapshot, ChangeKind], None]
+
+
+def _empty_snapshot() -> DatastoreSnapshot:
+    return DatastoreSnapshot(
+        version=0,
+        pools=MappingProxyType({}),
+        model_names=MappingProxyType({}),
+        specs=(),
+        metrics=MappingProxyType({}),
+        _models_by_pool=MappingProxyType({}),
+        _endpoints_by_pool=MappingProxyType({}),
+        _endpoint_at=MappingProxyType({}),
+    )
+
+
+class Datastore:
+    """Holds the current snapshot; writers swap in new ones and notify listeners."""
+
+    def __init__(self) -> None:
+        self._snapshot = _empty_snapshot()
+        self._pools_by_source: dict[str, tuple[AnyInferencePool, ...]] = {}
+        self._models_by_source: dict[str, tuple[InferenceModel, ...]] = {}
+        self._specs_by_source: dict[str, tuple[EndpointSpec, ...]] = {}
+        self._listeners: list[tuple[Listener, bool]] = []
+        self._write_lock = threading.Lock()  # writers only; readers just read `_snapshot`
+
+    def snapshot(self) -> DatastoreSnapshot:
+        """The current snapshot (a plain attribute read: no lock, never partial)."""
+        return self._snapshot
+
+    # --- writers -----------------------------------------------------------------------------
+
+    def set_resources(
+        self,
+        pools: Iterable[AnyInferencePool],
+        models: Iterable[InferenceModel],
+        *,
+        source: str = "files",
+    ) -> DatastoreSnapshot:
+        """Replace the pools and models one source provides."""
+        with self._write_lock:
+            self._pools_by_source[source] = tuple(pools)
+            self._models_by_source[source] = tuple(models)
+            snapshot = self._rebuild()
+        self._notify(snapshot, ChangeKind.RESOURCES)
+        return snapshot
+
+    def set_endpoints(
+        self, endpoints: Iterable[EndpointSpec | Endpoint], *, source: str = "files"
+    ) -> DatastoreSnapshot:
+        """Replace the endpoints one source provides (specs, or fully known Endpoints)."""
+        specs = tuple(e if isinstance(e, EndpointSpec) else EndpointSpec.of(e) for e in endpoints)
+        with self._write_lock:
+            self._specs_by_source[source] = specs
+            snapshot = self._rebuild()
+        self._notify(snapshot, ChangeKind.ENDPOINTS)
+        return snapshot
+
+    def update_metrics(self, key: str, metrics: EndpointMetrics) -> bool:
+        """Store the latest metrics of `ip:port`; False (ignored) if no pool selects it."""
+        with self._write_lock:
+            current = self._snapshot
+            if key not in current._endpoint_at:
+                return False
+            merged = dict(current.metrics)
+            merged[key] = metrics
+            snapshot = _replace_metrics(current, MappingProxyType(merged))
+            self._snapshot = snapshot
+        self._notify(snapshot, ChangeKind.METRICS)
+        return True
+
+    def clear(self, *, source: str | None = None) -> DatastoreSnapshot:
+        """Forget everything one source provided (all sources when None)."""
+        with self._write_lock:
+            for table in (self._pools_by_source, self._models_by_source, self._specs_by_source):
+                if source is None:
+                    table.clear()
+                else:
+                    table.pop(source, None)
+            snapshot = self._rebuild()
+        self._notify(snapshot, ChangeKind.CLEARED)
+        return snapshot
+
+    def subscribe(self, listener: Listener, *, metrics: bool = False) -> Callable[[], None]:
+        """Call `listener(snapshot, kind)` after every write (metrics writes only if asked).
+
+        Listeners run synchronously in the writer's thread after the swap; they must be quick
+        (schedule work, don't do it). Their exceptions are logged and swallowed. Returns a
+        function that unsubscribes.
+        """
+        entry = (listener, metrics)
+        self._listeners.append(entry)
+
+        def unsubscribe() -> None:
+            if entry in self._listeners:
+                self._listeners.remove(entry)
+
+        return unsubscribe
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _rebuild(self) -> DatastoreSnapshot:
+        previous = self._snapshot
+        pools: dict[str, AnyInferencePool] = {}
+        for source in sorted(self._pools_by_source):
+            for pool in self._pools_by_source[source]:
+                pools.setdefault(pool.key, pool)  # first source (by name) wins a clash
+        models = [m for s in sorted(self._models_by_source) for m in self._models_by_source[s]]
+        specs = tuple(sp for s in sorted(self._specs_by_source) for sp in self._specs_by_source[s])
+        model_names = resolve_model_names(pools.values(), models)
+        models_by_pool: dict[str, dict[str, InferenceModel]] = {key: {} for key in pools}
+        for (pool_key, model_name), model in sorted(model_names.items(), key=lambda i: i[0]):
+            models_by_pool.setdefault(pool_key, {})[model_name] = model
+        endpoints_by_pool: dict[str, tuple[Endpoint, ...]] = {}
+        endpoint_at: dict[str, Endpoint] = {}
+        for pool_key in sorted(pools):
+            selected: dict[str, Endpoint] = {}
+            for spec in specs:
+                for endpoint in spec.for_pool(pools[pool_key]):
+                    selected.setdefault(endpoint.hostport, endpoint)
+                    endpoint_at.setdefault(endpoint.hostport, endpoint)
+            endpoints_by_pool[pool_key] = tuple(sorted(selected.values(), key=lambda e: e.name))
+        # Keep metrics only where the same endpoint still sits at the same ip:port.
+        kept = {
+            key: m
+            for key, m in previous.metrics.items()
+            if key in endpoint_at and previous._endpoint_at.get(key) == endpoint_at[key]
+        }
+        snapshot = DatastoreSnapshot(
+            version=previous.version + 1,
+            pools=_frozen(pools),
+            model_names=_frozen(model_names),
+            specs=specs,
+            metrics=_frozen(kept),
+            _models_by_pool=_frozen({k: _frozen(v) for k, v in models_by_pool.items()}),
+            _endpoints_by_pool=_frozen(endpoints_by_pool),
+            _endpoint_at=_frozen(endpoint_at),
+        )
+        self._snapshot = snapshot
+        return snapshot
+
+    def _notify(self, snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
+        for listener, wants_metrics in tuple(self._listeners):
+            if kind is ChangeKind.METRICS and not wants_metrics:
+                continue
+            try:
+                listener(snapshot, kind)
+            except Exception:
+                log.exception("datastore listener %r failed on a %s change", listener, kind)
+
+
+def _replace_metrics(
+    snapshot: DatastoreSnapshot, metrics: Mapping[str, EndpointMetrics]
+) -> DatastoreSnapshot:
+    return DatastoreSnapshot(
+        version=snapshot.version + 1,
+        pools=snapshot.pools,
+        model_names=snapshot.model_names,
+        specs=snapshot.specs,
+        metrics=metrics,
+        _models_by_pool=snapshot._models_by_pool,
+        _endpoints_by_pool=snapshot._endpoints_by_pool,
+        _endpoint_at=snapshot._endpoint_at,
+    )

@@ -24,7 +24,7 @@ from typing import Protocol
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from poolkeeper.errors import BadRequest, GatewayError
+from poolkeeper.errors import GatewayError, PayloadTooLarge
 from poolkeeper.extproc import messages as msg
 from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
@@ -93,11 +93,6 @@ class NullObserver:
         response_bytes: int,
     ) -> None:
         pass
-
-
-class RequestTooLarge(BadRequest):
-    http_status = 413
-    openai_code = "request_too_large"
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +198,7 @@ class Exchange:
         self.body += body.body
         if len(self.body) > self.settings.max_request_body_bytes:
             limit = self.settings.max_request_body_bytes
-            return self._reject(RequestTooLarge(f"request body exceeds {limit} bytes"))
+            return self._reject(PayloadTooLarge(f"request body exceeds {limit} bytes"))
         if body.end_of_stream:
             return await self._route(trailers=False)
         if self.request_mode == BUFFERED:  # BUFFERED_PARTIAL-like pieces: let them continue

@@ -1,0 +1,1 @@
+"""Observability of the gateway: Prometheus metrics, gRPC health, structured logs."""

@@ -1,0 +1,177 @@
+"""Real Envoy + in-process EPP (fake router) + aiohttp backends, for the tests in this folder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
+from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.errors import BadRequest, NoReadyEndpoint
+from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Backend:
+    """A tiny OpenAI-ish server that echoes what it received."""
+
+    name: str
+    port: int = 0
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+
+    @property
+    def hostport(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw) if raw else {}
+        self.seen.append({"headers": dict(request.headers), "body": body, "path": request.path})
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            chunk: dict[str, Any]
+            for word in ("hello", "world"):
+                chunk = {"choices": [{"index": 0, "delta": {"content": word}}], "usage": None}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+                chunk = {"choices": [], "usage": usage}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        reply = {
+            "served_by": self.name,
+            "model": body.get("model"),
+            "received_bytes": len(raw),
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        }
+        return web.json_response(reply)
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        sockets = site._server.sockets  # type: ignore[union-attr]
+        self.port = int(sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@dataclass
+class Canary:
+    """A TCP listener that only counts connections: nothing may ever reach it."""
+
+    port: int = 0
+    connections: int = 0
+    server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        async def on_connect(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            w.close()
+
+        self.server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@dataclass
+class RoundRobinRouter:
+    """Routes every request to the next backend; rewrites `alias` to `real`."""
+
+    backends: list[Backend]
+    completed: list[tuple[int, Usage | None, str | None]] = field(default_factory=list)
+    turn: int = 0
+
+    async def route(self, request: IncomingRequest) -> RoutingDecision:
+        if not self.backends:
+            raise NoReadyEndpoint("no ready endpoint")
+        pick = self.backends[self.turn % len(self.backends)]
+        self.turn += 1
+        hostports = (pick.hostport,)
+        if not request.body:
+            return RoutingDecision(request.request_id, hostports, "default/pool")
+        try:
+            obj = json.loads(request.body)
+        except ValueError as exc:
+            raise BadRequest("not JSON") from exc
+        body = None
+        injected = False
+        if obj.get("model") == "alias":
+            obj["model"] = "real"
+            body = json.dumps(obj).encode()
+        if obj.get("stream") and not (obj.get("stream_options") or {}).get("include_usage"):
+            obj["stream_options"] = {"include_usage": True}
+            body = json.dumps(obj).encode()
+            injected = True
+        return RoutingDecision(
+            request.request_id,
+            hostports,
+            "default/pool",
+            model_name=str(obj.get("model")),
+            body=body,
+            include_usage_injected=injected,
+        )
+
+    def complete(
+        self,
+        decision: RoutingDecision,
+        *,
+        status: int,
+        usage: Usage | None,
+        served_endpoint: str | None = None,
+    ) -> None:
+        self.completed.append((status, usage, served_endpoint))
+
+    def model_names(self) -> list[str]:
+        return ["alias"]
+
+    def ready(self) -> bool:
+        return True
+
+
+@asynccontextmanager
+async def running_envoy(params: BootstrapParams, workdir: Path) -> AsyncIterator[EnvoySupervisor]:
+    config = workdir / f"envoy-{params.listen_port}.json"
+    config.write_text(render(build_bootstrap(params)))
+    supervisor = EnvoySupervisor(
+        EnvoyOptions(
+            binary=find_envoy(),
+            config_path=config,
+            log_path=workdir / f"envoy-{params.listen_port}.log",
+            admin_url=f"http://127.0.0.1:{params.admin_port}",
+            restart_initial_s=0.2,
+        )
+    )
+    await supervisor.start()
+    try:
+        await supervisor.wait_ready()
+        yield supervisor
+    finally:
+        await supervisor.stop()

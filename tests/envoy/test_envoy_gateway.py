@@ -1,0 +1,235 @@
+"""Real Envoy in front of the ext_proc server (fake router) and echo backends.
+
+Checks what only a real Envoy can show: the bootstrap routes on the EPP's header, the body
+rewrite and streaming work in FULL_DUPLEX_STREAMED, the served header comes back, client copies
+of the destination header never reach a canary, and FailOpen / FailClose behave when the EPP
+is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from envoy_harness import Backend, Canary, RoundRobinRouter, free_port, running_envoy
+
+from poolkeeper.envoy.bootstrap import BootstrapParams
+from poolkeeper.envoy.process import EnvoySupervisor
+from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.requestcontrol.types import Usage
+from poolkeeper.telemetry.health import HealthService
+
+pytestmark = pytest.mark.integration
+
+SERVED = "x-gateway-destination-endpoint-served"
+DEST = "x-gateway-destination-endpoint"
+
+
+@dataclass
+class Rig:
+    url: str
+    backends: list[Backend]
+    router: RoundRobinRouter
+    canary: Canary
+    envoy: EnvoySupervisor
+    epp: grpc.aio.Server | None
+
+
+@asynccontextmanager
+async def rig(tmp_path: Path, *, epp_up: bool, fail_open: bool) -> AsyncIterator[Rig]:
+    backends = [Backend("a"), Backend("b")]
+    for b in backends:
+        await b.start()
+    canary = Canary()
+    await canary.start()
+    router = RoundRobinRouter(backends)
+    server = None
+    epp_port = free_port()
+    if epp_up:
+        health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
+        server, epp_port = build_server(
+            ExtProcServicer(router), f"127.0.0.1:{epp_port}", extra=health.register
+        )
+        await server.start()
+    params = BootstrapParams(
+        listen_port=free_port(),
+        extproc_port=epp_port,
+        admin_port=free_port(),
+        fail_open=fail_open,
+        fallback_endpoints=tuple(b.hostport for b in backends),
+    )
+    try:
+        async with running_envoy(params, tmp_path) as envoy:
+            yield Rig(
+                f"http://127.0.0.1:{params.listen_port}", backends, router, canary, envoy, server
+            )
+    finally:
+        if server is not None:
+            await server.stop(None)
+        for b in backends:
+            await b.stop()
+        await canary.stop()
+
+
+async def _post(
+    url: str, body: dict[str, object], headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp,
+    ):
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+async def test_routed_by_epp_with_body_rewrite_and_served_header(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+        served = []
+        for _ in range(4):
+            status, headers, raw = await _post(r.url, {"model": "alias", "messages": []})
+            assert status == 200, raw
+            reply = json.loads(raw)
+            assert reply["model"] == "real"
+            served.append((reply["served_by"], headers[SERVED]))
+        assert [s for s, _ in served] == ["a", "b", "a", "b"]
+        ports = {b.name: b.hostport for b in r.backends}
+        assert all(ports[name] == hp for name, hp in served)
+        seen = r.backends[0].seen[-1]
+        assert json.loads(json.dumps(seen["body"]))["model"] == "real"
+        for _ in range(50):
+            if len(r.router.completed) == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert [c[0] for c in r.router.completed] == [200] * 4
+        assert r.router.completed[0][1] == Usage(3, 4)
+
+
+async def test_large_body_and_sse_with_injected_usage(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+        big = "y" * 300_000
+        status, _, raw = await _post(r.url, {"model": "alias", "prompt": big})
+        assert status == 200, raw[:500]
+        assert json.loads(raw)["received_bytes"] > 300_000
+        sent = r.backends[0].seen[-1]["body"]
+        assert isinstance(sent, dict)
+        assert sent["prompt"] == big
+        status, headers, raw = await _post(r.url, {"model": "m", "stream": True})
+        assert status == 200
+        assert headers["Content-Type"].startswith("text/event-stream")
+        assert b'"usage": {' not in raw  # the injected usage chunk was stripped
+        assert raw.count(b"data: ") == 3
+        assert raw.endswith(b"data: [DONE]\n\n")
+        for _ in range(50):
+            if len(r.router.completed) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert r.router.completed[-1][1] == Usage(5, 2)
+        status, _, raw = await _post(
+            r.url, {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+        )
+        assert raw.count(b'"usage": {') == 1  # asked for: kept
+
+
+async def test_models_list_and_error_from_epp(tmp_path: Path) -> None:
+    async with (
+        rig(tmp_path, epp_up=True, fail_open=False) as r,
+        aiohttp.ClientSession() as session,
+    ):
+        async with session.get(f"{r.url}/v1/models") as resp:
+            assert resp.status == 200
+            assert [m["id"] for m in (await resp.json())["data"]] == ["alias"]
+        json_type = {"content-type": "application/json"}
+        url = f"{r.url}/v1/completions"
+        async with session.post(url, data=b"{oops", headers=json_type) as resp:
+            assert resp.status == 400
+            assert resp.headers["content-type"] == "application/json"
+            assert (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_spoofed_destination_never_reaches_canary_epp_up(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=True) as r:
+        spoof = {DEST: f"127.0.0.1:{r.canary.port}", f"{DEST}-served": "x"}
+        for _ in range(3):
+            status, _, raw = await _post(r.url, {"model": "m"}, spoof)
+            assert status == 200
+            assert json.loads(raw)["served_by"] in ("a", "b")
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{r.url}/anything", headers=spoof) as resp,
+        ):
+            assert resp.status == 200
+        assert r.canary.connections == 0
+        for b in r.backends:
+            for seen in b.seen:
+                headers = {k.lower(): v for k, v in seen["headers"].items()}
+                assert headers[DEST] == b.hostport  # the EPP's value, not the client's
+
+
+async def test_epp_down_fail_open_serves_and_ignores_spoof(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=False, fail_open=True) as r:
+        spoof = {DEST: f"127.0.0.1:{r.canary.port}"}
+        names = set()
+        for _ in range(4):
+            status, headers, raw = await _post(r.url, {"model": "m"}, spoof)
+            assert status == 200, raw
+            names.add(json.loads(raw)["served_by"])
+            assert headers[SERVED] in {b.hostport for b in r.backends}
+        assert names == {"a", "b"}  # round robin over the pool's endpoints
+        assert r.canary.connections == 0
+
+
+async def test_epp_down_fail_close_refuses(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=False, fail_open=False) as r:
+        spoof = {DEST: f"127.0.0.1:{r.canary.port}"}
+        status, _, _ = await _post(r.url, {"model": "m"}, spoof)
+        assert status >= 500
+        assert r.canary.connections == 0
+        assert all(not b.seen for b in r.backends)
+
+
+async def test_supervisor_restarts_a_dead_envoy(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+        first = r.envoy.process
+        assert first is not None
+        first.kill()
+        for _ in range(100):
+            if r.envoy.restarts == 1 and r.envoy.process is not first:
+                break
+            await asyncio.sleep(0.05)
+        assert r.envoy.restarts == 1
+        await r.envoy.wait_ready()
+        status, _, _ = await _post(r.url, {"model": "m"})
+        assert status == 200
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_epp_killed_while_running(tmp_path: Path, fail_open: bool) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=fail_open) as r:
+        status, headers, _ = await _post(r.url, {"model": "m"})
+        assert status == 200
+        assert r.epp is not None
+        await r.epp.stop(None)
+        spoof = {DEST: f"127.0.0.1:{r.canary.port}"}
+        statuses = []
+        for _ in range(40):  # Envoy's health check notices within about one interval (1 s)
+            status, headers, raw = await _post(r.url, {"model": "m"}, spoof)
+            statuses.append(status)
+            if status == 200 or (not fail_open and len(statuses) >= 5):
+                break
+            await asyncio.sleep(0.1)
+        if fail_open:
+            assert statuses[-1] == 200
+            assert headers[SERVED] in {b.hostport for b in r.backends}
+        else:
+            assert all(s == 503 for s in statuses)
+            assert json.loads(raw or b"{}").get("error", {}).get("type") in (
+                None,
+                "service_unavailable_error",
+            )
+        assert r.canary.connections == 0

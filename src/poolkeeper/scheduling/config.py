@@ -38,7 +38,7 @@ class PluginInstanceConfig(_ConfigModel):
 
     type: str = Field(description="Registered plugin type, e.g. `queue-scorer`.")
     name: str | None = Field(
-        None, description="Instance name that profiles refer to (default: the type)."
+        default=None, description="Instance name that profiles refer to (default: the type)."
     )
     parameters: dict[str, Any] = Field(
         default_factory=dict, description="Type-specific parameters (see docs/scheduling.md)."
@@ -54,7 +54,7 @@ class ProfilePluginRef(_ConfigModel):
 
     plugin_ref: str = Field(description="Name of a plugin instance in `plugins`.")
     weight: float | None = Field(
-        None,
+        default=None,
         ge=0,
         description="Scorer weight, a plain multiplier of its [0, 1] score (default 1; only "
         "for scorers).",
@@ -76,7 +76,7 @@ class SchedulingConfig(_ConfigModel):
     """How the EPP picks an endpoint. Empty = the `default` preset."""
 
     preset: str | None = Field(
-        None,
+        default=None,
         description="Use a named preset (`default`, `gie-v1-default`, `gie-v0.3-decision-tree`, "
         "...) instead of listing plugins; exclusive with `plugins`/`schedulingProfiles`.",
     )
@@ -89,7 +89,7 @@ class SchedulingConfig(_ConfigModel):
         "picker in `plugins`, scorers with weight 1).",
     )
     profile_handler: str | None = Field(
-        None,
+        default=None,
         description="Name of a profile-handler plugin instance (default: the one listed in "
         "`plugins`, else single-profile-handler).",
     )

@@ -22,8 +22,10 @@ from poolkeeper.scheduling.types import EndpointState, LLMRequest
 class NodeRef(PluginParams):
     """A filter plugin by name, or a nested tree."""
 
-    plugin_ref: str | None = Field(None, description="Name of a filter in `plugins`.")
-    decision_tree: DecisionTreeParams | None = Field(None, description="A nested tree node.")
+    plugin_ref: str | None = Field(default=None, description="Name of a filter in `plugins`.")
+    decision_tree: DecisionTreeParams | None = Field(
+        default=None, description="A nested tree node."
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> NodeRef:
@@ -37,10 +39,10 @@ Ref = NodeRef | str
 
 class DecisionTreeParams(PluginParams):
     current: Ref = Field(description="The filter this node runs.")
-    next_on_success: Ref | None = Field(None, description="Runs on the filtered endpoints.")
-    next_on_failure: Ref | None = Field(None, description="Runs on this node's input.")
+    next_on_success: Ref | None = Field(default=None, description="Runs on the filtered endpoints.")
+    next_on_failure: Ref | None = Field(default=None, description="Runs on this node's input.")
     next_on_success_or_failure: Ref | None = Field(
-        None, description="Both of the above (exclusive with them)."
+        default=None, description="Both of the above (exclusive with them)."
     )
 
     @model_validator(mode="after")

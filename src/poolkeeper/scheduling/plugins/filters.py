@@ -22,7 +22,7 @@ from poolkeeper.scheduling.types import EndpointState, LLMRequest
 
 class LoadParams(PluginParams):
     count_unseen: bool = Field(
-        True,
+        default=True,
         description="Add requests/tokens sent since the last scrape to the scraped load "
         "(default true; false reproduces upstream, which only sees scraped metrics).",
     )
@@ -30,13 +30,13 @@ class LoadParams(PluginParams):
 
 class LowQueueParams(LoadParams):
     threshold: float = Field(
-        128,
+        default=128,
         ge=0,
         description="Waiting-queue limit in requests (default 128, GIE v0.3 "
         "QUEUING_THRESHOLD_LORA).",
     )
     inclusive: bool = Field(
-        True,
+        default=True,
         description="Keep queue <= threshold (true, v0.5 plugin) or < threshold "
         "(false, v0.1-v0.3 tree). Default true.",
     )
@@ -104,7 +104,7 @@ class LeastKvCacheFilter(NamedPlugin):
 
 class LoraAffinityParams(PluginParams):
     threshold: float = Field(
-        0.999,
+        default=0.999,
         ge=0,
         le=1,
         description="Probability of choosing the endpoints that already "
@@ -158,12 +158,12 @@ class CriticalRequestFilter(NamedPlugin):
 
 class CapacityParams(LoadParams):
     queue_threshold: float = Field(
-        5,
+        default=5,
         ge=0,
         description="Waiting-queue limit in requests (default 5, GIE QUEUE_THRESHOLD_CRITICAL).",
     )
     kv_cache_threshold: float = Field(
-        0.8,
+        default=0.8,
         ge=0,
         le=1,
         description="KV-cache utilisation limit, 0..1 (default 0.8, GIE KV_CACHE_THRESHOLD).",
@@ -206,16 +206,20 @@ class DropRequestFilter(NamedPlugin):
 
 class SaturationFilterParams(LoadParams):
     queue_depth_threshold: float = Field(
-        5, gt=0, description="Queue depth at per-endpoint saturation 1.0, requests (default 5)."
+        default=5,
+        gt=0,
+        description="Queue depth at per-endpoint saturation 1.0, requests (default 5).",
     )
     kv_cache_util_threshold: float = Field(
-        0.8, gt=0, le=1, description="KV utilisation at saturation 1.0 (default 0.8)."
+        default=0.8, gt=0, le=1, description="KV utilisation at saturation 1.0 (default 0.8)."
     )
     metrics_staleness_ms: float = Field(
-        200, gt=0, description="Metrics older than this count as stale, ms (default 200)."
+        default=200, gt=0, description="Metrics older than this count as stale, ms (default 200)."
     )
     headroom: float = Field(
-        0.5, ge=0, description="Keep endpoints with saturation <= 1 + headroom (default 0.5)."
+        default=0.5,
+        ge=0,
+        description="Keep endpoints with saturation <= 1 + headroom (default 0.5).",
     )
 
 

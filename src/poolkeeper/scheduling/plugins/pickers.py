@@ -22,7 +22,7 @@ from poolkeeper.scheduling.types import EndpointState
 
 class PickerParams(PluginParams):
     max_num_of_endpoints: int = Field(
-        4,
+        default=4,
         ge=1,
         le=64,
         description="Endpoints returned: the pick plus fallbacks (default 4 = "

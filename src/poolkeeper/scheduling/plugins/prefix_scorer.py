@@ -21,20 +21,20 @@ from poolkeeper.scheduling.types import EndpointState, LLMRequest
 
 class PrefixCacheParams(PluginParams):
     block_size: int = Field(
-        64,
+        default=64,
         ge=1,
         le=65536,
         description="Hash block size in characters (default 64 = 16 "
         "tokens of 4 characters, GIE hashBlockSize).",
     )
     max_prefix_blocks: int = Field(
-        256,
+        default=256,
         ge=1,
         description="Most leading blocks hashed and matched per prompt (default "
         "256, GIE maxPrefixBlocksToMatch).",
     )
     lru_capacity_per_server: int = Field(
-        31_250,
+        default=31_250,
         ge=1,
         description="Blocks remembered per endpoint, LRU (default 31,250: "
         "500K tokens of KV cache / 16 tokens per block, GIE lruCapacityPerServer).",

@@ -39,7 +39,7 @@ def inverse_min_max(values: list[int] | list[float], min_span: float = 0.0) -> S
 
 class MinMaxLoadParams(LoadParams):
     min_span: float = Field(
-        0,
+        default=0,
         ge=0,
         description="Smallest load range (requests) mapped onto the full [0, 1] score range "
         "(default 0 = plain min-max, as upstream).",
@@ -116,7 +116,7 @@ def _unit(x: float) -> float:
 
 class InflightLoadParams(PluginParams):
     unit: Literal["requests", "tokens"] = Field(
-        "requests",
+        default="requests",
         description="Count router-side in-flight requests or their tokens (default requests).",
     )
 
@@ -141,12 +141,14 @@ class InflightLoadScorer(NamedPlugin):
 
 
 class LoraAffinityScorerParams(PluginParams):
-    active_score: float = Field(1.0, ge=0, le=1, description="Adapter active (default 1.0).")
+    active_score: float = Field(
+        default=1.0, ge=0, le=1, description="Adapter active (default 1.0)."
+    )
     free_slot_score: float = Field(
-        0.8, ge=0, le=1, description="Adapter absent but a slot is free (default 0.8)."
+        default=0.8, ge=0, le=1, description="Adapter absent but a slot is free (default 0.8)."
     )
     waiting_score: float = Field(
-        0.6, ge=0, le=1, description="Adapter only waiting for a slot (default 0.6)."
+        default=0.6, ge=0, le=1, description="Adapter only waiting for a slot (default 0.6)."
     )
 
 

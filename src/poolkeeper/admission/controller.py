@@ -1,0 +1,99 @@
+"""AdmissionController: admit or shed one request by criticality and pool saturation.
+
+    Critical   always admitted (it queues on the model servers, never shed here)
+    Standard   shed only when saturation >= standardOverloadLevel (default 2.0)
+    Sheddable  shed when saturation >= sheddableSaturationLevel (default 1.0)
+
+An empty pool is not shedding: the controller admits, and the scheduler answers 503
+(NoReadyEndpoint), so clients can tell "overloaded, retry later" (429) from "nothing to serve
+this" (503). `decide` returns a decision value so that a flow-control layer can later add a
+QUEUE outcome (wait for capacity instead of 429) without changing callers of `admit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from poolkeeper.admission.config import AdmissionConfig
+from poolkeeper.admission.saturation import SaturationDetector, SaturationReport
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.errors import RequestShed
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+
+class AdmissionDecision(StrEnum):
+    ADMIT = "admit"
+    SHED = "shed"
+    # QUEUE = "queue"  (flow control, a later issue)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionOutcome:
+    decision: AdmissionDecision
+    reason: str
+    report: SaturationReport | None = None
+
+
+class AdmissionController:
+    """Applies the criticality rules above. Pure; `now` is injected."""
+
+    __slots__ = ("config", "detector")
+
+    def __init__(self, config: AdmissionConfig | None = None) -> None:
+        self.config = config if config is not None else AdmissionConfig()
+        self.detector = SaturationDetector(self.config)
+
+    def shed_level(self, criticality: Criticality) -> float | None:
+        """Saturation at which requests of this criticality are shed (None = never)."""
+        if criticality is Criticality.CRITICAL:
+            return None
+        if criticality is Criticality.STANDARD:
+            return self.config.standard_overload_level
+        return self.config.sheddable_saturation_level
+
+    def decide(
+        self, request: LLMRequest, states: Sequence[EndpointState], *, now: float
+    ) -> AdmissionOutcome:
+        level = self.shed_level(request.criticality)
+        if level is None:
+            return AdmissionOutcome(AdmissionDecision.ADMIT, f"{request.criticality} is never shed")
+        if not states:
+            return AdmissionOutcome(
+                AdmissionDecision.ADMIT, "no endpoints: left to the scheduler (503)"
+            )
+        report = self.detector.assess(states, now)
+        if report.all_stale:
+            if self.config.all_stale_policy == "admit":
+                return AdmissionOutcome(
+                    AdmissionDecision.ADMIT,
+                    f"metrics of all {report.endpoints} endpoints are stale: failing open",
+                    report,
+                )
+            return AdmissionOutcome(
+                AdmissionDecision.SHED,
+                f"pool saturated: metrics of all {report.endpoints} endpoints are stale "
+                f"(older than {self.config.metrics_staleness_ms:g} ms)",
+                report,
+            )
+        if report.saturation >= level:
+            return AdmissionOutcome(
+                AdmissionDecision.SHED,
+                f"pool saturated: saturation {report.saturation:.2f} >= {level:g} "
+                f"(the shedding level for {request.criticality} requests; {report.stale} of "
+                f"{report.endpoints} endpoints stale)",
+                report,
+            )
+        return AdmissionOutcome(
+            AdmissionDecision.ADMIT, f"saturation {report.saturation:.2f} < {level:g}", report
+        )
+
+    def admit(self, request: LLMRequest, states: Sequence[EndpointState], *, now: float) -> None:
+        """Return if admitted; raise RequestShed (429) with the reason otherwise."""
+        outcome = self.decide(request, states, now=now)
+        if outcome.decision is AdmissionDecision.SHED:
+            raise RequestShed(
+                f"request {request.request_id} for model {request.model!r} "
+                f"({request.criticality}) shed: {outcome.reason}"
+            )

@@ -1,0 +1,173 @@
+"""Field reference tables of the GatewayConfig, generated from the pydantic schema.
+
+docs/configuration.md carries the output between two marker lines; regenerate it with
+
+    .venv/bin/python -m poolkeeper.config.docs docs/configuration.md
+
+A test checks that the sections owned by this package are current.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from annotated_types import Ge, Le, MaxLen, MinLen
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from poolkeeper.config.gateway import (
+    GatewayConfigSpec,
+    Listeners,
+    RequestHandling,
+    StaticEndpoint,
+)
+
+BEGIN_MARKER = "<!-- BEGIN GENERATED FIELD TABLES (python -m poolkeeper.config.docs) -->"
+END_MARKER = "<!-- END GENERATED FIELD TABLES -->"
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        optional = len(names) < len(args)
+        return " or ".join(names) + (" (optional)" if optional else "")
+    if origin is typing.Literal:
+        return " | ".join(f"`{a}`" for a in args)
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return f"map of {_type_name(args[0])} to {_type_name(args[1])}"
+    if isinstance(annotation, type):
+        if issubclass(annotation, enum.Enum):
+            return " | ".join(f"`{m.value}`" for m in annotation)
+        if issubclass(annotation, BaseModel):
+            return "object"
+        return {"int": "integer", "str": "string", "bool": "boolean", "float": "number"}.get(
+            annotation.__name__, annotation.__name__
+        )
+    return str(annotation)
+
+
+def _constraints(info: FieldInfo) -> str:
+    parts: list[str] = []
+    for item in info.metadata:
+        if isinstance(item, Ge):
+            parts.append(f">= {item.ge}")
+        elif isinstance(item, Le):
+            parts.append(f"<= {item.le}")
+        elif isinstance(item, MinLen):
+            parts.append(f"length >= {item.min_length}")
+        elif isinstance(item, MaxLen):
+            parts.append(f"length <= {item.max_length}")
+    return ", ".join(parts)
+
+
+def _default(info: FieldInfo) -> str:
+    if info.default_factory is not None:
+        factory = typing.cast(Callable[[], Any], info.default_factory)
+        value = factory()
+        if isinstance(value, BaseModel):
+            return "(section defaults)"
+        return f"`{value!r}`" if value not in ([], {}) else ("`[]`" if value == [] else "`{}`")
+    if info.default is PydanticUndefined:
+        return "**required**"
+    if info.default is None:
+        return "unset"
+    value = info.default
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    return f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def field_table(model: type[BaseModel]) -> str:
+    """A markdown table: field (camelCase), type and limits, default, description."""
+    lines = ["| Field | Type | Default | Description |", "|---|---|---|---|"]
+    for name, info in model.model_fields.items():
+        alias = info.alias or name
+        kind = _type_name(info.annotation)
+        limits = _constraints(info)
+        if limits:
+            kind += f" ({limits})"
+        description = info.description or ""
+        lines.append(
+            f"| `{alias}` | {_cell(kind)} | {_cell(_default(info))} | {_cell(description)} |"
+        )
+    return "\n".join(lines)
+
+
+def _section_model(name: str) -> type[BaseModel]:
+    annotation = GatewayConfigSpec.model_fields[name].annotation
+    if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        raise TypeError(f"spec.{name} is not a pydantic model section")
+    return annotation
+
+
+# (heading, path in the document, model): the sections this package owns come first.
+OWN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("spec", GatewayConfigSpec),
+    ("spec.listeners", Listeners),
+    ("spec.endpoints[]", StaticEndpoint),
+    ("spec.requestHandling", RequestHandling),
+)
+
+
+def sections() -> list[tuple[str, type[BaseModel]]]:
+    """Every documented section: ours, then those owned by other packages."""
+    return [
+        *OWN_SECTIONS,
+        ("spec.scraping", _section_model("scraping")),
+        ("spec.admission", _section_model("admission")),
+        ("spec.scheduling", _section_model("scheduling")),
+    ]
+
+
+def section_markdown(heading: str, model: type[BaseModel]) -> str:
+    doc = " ".join((model.__doc__ or "").split())
+    return f"### `{heading}`\n\n{doc}\n\n{field_table(model)}\n"
+
+
+def reference_markdown() -> str:
+    """The generated block (markers included)."""
+    body = "\n".join(section_markdown(heading, model) for heading, model in sections())
+    return f"{BEGIN_MARKER}\n\n{body}\n{END_MARKER}"
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with the part between the markers (inclusive) replaced by `block`."""
+    start = text.index(BEGIN_MARKER)
+    end = text.index(END_MARKER) + len(END_MARKER)
+    return text[:start] + block + text[end:]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m poolkeeper.config.docs docs/configuration.md", file=sys.stderr)
+        return 2
+    path = Path(argv[0])
+    text = path.read_text(encoding="utf-8")
+    if BEGIN_MARKER not in text or END_MARKER not in text:
+        print(f"{path}: the generated-table markers are missing", file=sys.stderr)
+        return 1
+    path.write_text(replace_block(text, reference_markdown()), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

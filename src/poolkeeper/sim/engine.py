@@ -1,0 +1,452 @@
+"""The pure model of one continuous-batching inference engine (vLLM V1-like). No I/O, no clock.
+
+Time is whatever the caller says it is (seconds, float). The engine runs one *step* (forward pass)
+at a time; a step is planned when it starts and its tokens appear when it ends:
+
+    engine.submit(request, now)          # queue a request (request.arrival is its arrival time)
+    t = engine.next_event_time()         # end of the step in progress (plans one if idle), or None
+    outcomes = engine.advance(now)       # finish every step that ends at or before `now`
+    engine.cancel(request_id, now)       # client went away: free its slots and blocks
+    engine.stats()                       # what a /metrics scrape would show now
+
+Scheduling per step, as vLLM's V1 scheduler does it:
+1. Running requests first, in order: each gets its remaining prefill (chunked to the token budget
+   `max_num_batched_tokens`) or one decode token. If the KV cache has no block for it, the most
+   recently admitted running request is preempted (recompute: its blocks are freed, it goes back
+   to the head of the queue and must prefill prompt + generated tokens again).
+2. Then waiting requests in FIFO order while there are free running slots (`max_num_seqs`), budget
+   and blocks. A request whose LoRA adapter cannot get a slot is skipped (it keeps its place);
+   one that does not fit in the KV cache blocks the queue. Cached prefix blocks are reused and
+   skip their prefill cost.
+3. The step takes  overhead + prefill_token_s * prefill tokens + decode_token_s * decode tokens
+   + kv_read_token_s * context tokens + lora_load_s * adapter swaps, x (1 + lora_step_overhead)
+   if any adapter runs, x time_scale.
+When a request's computed tokens reach its length, the step samples one new token for it.
+
+A step only admits requests whose arrival <= the step's start, so drivers may call in late
+(real time) or exactly on time (virtual time) and get the same physics.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from poolkeeper.sim.kvcache import PrefixKVCache, prompt_block_hashes
+from poolkeeper.sim.lora import LoraSlots
+from poolkeeper.sim.params import EngineConfig
+from poolkeeper.sim.stats import EngineCounters, EngineStats
+from poolkeeper.tokens import count_tokens
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class UnknownModelError(LookupError):
+    """The request names neither the base model nor a registered adapter."""
+
+
+class InvalidRequestError(ValueError):
+    """The request can never be served as asked (too long, LoRA disabled, ...)."""
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One request inside the engine. Times are the caller's clock (seconds)."""
+
+    request_id: str
+    model: str  # what the client asked for: the base model or an adapter name
+    adapter: str | None  # None when `model` is the base model
+    prompt_tokens: int
+    max_tokens: int  # output tokens this request will produce
+    arrival: float
+    block_hashes: list[int] = field(repr=False)  # full prompt blocks, chained hashes
+    finish_reason: str = "length"  # "length" if max_tokens was given, else "stop"
+    status: RequestStatus = RequestStatus.WAITING
+    output_tokens: int = 0
+    num_computed: int = 0  # tokens whose KV is computed in this incarnation
+    cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+    adapter_loaded: bool = False  # its admission swapped its adapter in
+    admitted: bool = False
+    held_hashed: list[int] = field(default_factory=list, repr=False)
+    held_private: int = 0
+    sink: object = field(default=None, repr=False)  # the driver's handle (stream, result)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one step produced, at time `time` (the step's end)."""
+
+    time: float
+    tokens: list[SimRequest]  # requests that received one new token (first tokens included)
+    finished: list[SimRequest]  # of those, the ones that are now complete
+
+
+@dataclass(slots=True)
+class _Step:
+    start: float
+    end: float
+    scheduled: list[tuple[SimRequest, int]]
+
+
+class EngineModel:
+    """One simulated engine. See the module docstring for the protocol."""
+
+    def __init__(self, config: EngineConfig, *, name: str = "sim-0") -> None:
+        self.config = config
+        self.name = name
+        self.rng = random.Random(f"{config.seed}:{name}")
+        self.kv = PrefixKVCache(config.num_gpu_blocks, caching=config.enable_prefix_caching)
+        self.lora = LoraSlots(config.max_loras)
+        self.adapters: dict[str, str] = {a: a for a in config.lora_adapters}  # name -> path
+        self.counters = EngineCounters()
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self._by_id: dict[str, SimRequest] = {}
+        self._step: _Step | None = None
+        self._free_at = float("-inf")  # end of the last step
+
+    # -- requests -------------------------------------------------------------------------
+
+    def create_request(
+        self,
+        request_id: str,
+        model: str,
+        prompt: str,
+        *,
+        arrival: float,
+        max_tokens: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> SimRequest:
+        """Validate and build a request (tokens by poolkeeper.tokens unless given)."""
+        config = self.config
+        adapter: str | None = None
+        if model != config.model:
+            if model not in self.adapters:
+                raise UnknownModelError(f"The model `{model}` does not exist.")
+            if config.max_loras == 0:
+                raise InvalidRequestError("LoRA is disabled on this server (max_loras = 0).")
+            adapter = model
+        n_prompt = count_tokens(prompt) if prompt_tokens is None else prompt_tokens
+        if n_prompt < 1:
+            raise InvalidRequestError("The prompt must contain at least one token.")
+        limit = config.effective_max_model_len
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1.")
+        if max_tokens is None:
+            wanted = 1 + int(self.rng.expovariate(1.0 / config.default_output_tokens))
+            output, reason = max(1, min(wanted, limit - n_prompt)), "stop"
+        else:
+            output, reason = max_tokens, "length"
+        if n_prompt + output > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {n_prompt + output} tokens ({n_prompt} in the messages, "
+                f"{output} in the completion). Please reduce the length of the messages or "
+                "completion."
+            )
+        hashes: list[int] = []
+        if config.enable_prefix_caching:
+            # An explicit token count bounds the blocks the text may name.
+            hashes = prompt_block_hashes(prompt, config.block_size, model)
+            del hashes[n_prompt // config.block_size :]
+        return SimRequest(
+            request_id=request_id,
+            model=model,
+            adapter=adapter,
+            prompt_tokens=n_prompt,
+            max_tokens=output,
+            arrival=arrival,
+            block_hashes=hashes,
+            finish_reason=reason,
+        )
+
+    def submit(self, request: SimRequest, now: float) -> None:
+        """Queue `request`. Its arrival time is `request.arrival` (normally `now`)."""
+        del now  # arrival carries the time; kept in the signature for symmetry
+        self.waiting.append(request)
+        self._by_id[request.request_id] = request
+        self.counters.requests_submitted += 1
+
+    def cancel(self, request_id: str, now: float) -> SimRequest | None:
+        """Abort a request wherever it is; its blocks and slots are freed at once."""
+        request = self._by_id.pop(request_id, None)
+        if request is None or request.done:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            self._free(request)
+        request.status = RequestStatus.ABORTED
+        request.finish_time = now
+        self.counters.requests_cancelled += 1
+        self.counters.finished["abort"] += 1
+        return request
+
+    def register_adapter(self, name: str, path: str) -> None:
+        self.adapters[name] = path
+
+    def unregister_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        self.lora.drop(name)
+
+    # -- time -----------------------------------------------------------------------------
+
+    def next_event_time(self) -> float | None:
+        """When the current step ends; plans the next step first if the engine is idle."""
+        if self._step is None:
+            self._plan()
+        return None if self._step is None else self._step.end
+
+    def advance(self, now: float) -> list[StepOutcome]:
+        """Complete every step that ends at or before `now`, planning the next ones."""
+        outcomes: list[StepOutcome] = []
+        while True:
+            if self._step is None:
+                self._plan()
+            step = self._step
+            if step is None or step.end > now:
+                return outcomes
+            self._step = None
+            self._free_at = step.end
+            outcomes.append(self._complete(step))
+
+    @property
+    def busy(self) -> bool:
+        return self._step is not None
+
+    def stats(self) -> EngineStats:
+        waiting_adapters = {r.adapter for r in self.waiting if r.adapter is not None}
+        lora = self.lora
+        return EngineStats(
+            waiting=len(self.waiting),
+            running=len(self.running),
+            kv_cache_usage=self.kv.usage,
+            running_adapters=tuple(sorted(lora.running)),
+            waiting_adapters=tuple(sorted(waiting_adapters)),
+            resident_adapters=lora.resident,
+            max_loras=self.config.max_loras,
+            block_size=self.config.block_size,
+            num_gpu_blocks=self.config.num_gpu_blocks,
+            waiting_deferred=sum(
+                1 for r in self.waiting if r.adapter is not None and not lora.is_resident(r.adapter)
+            ),
+        )
+
+    # -- scheduling -----------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        if not self.running and not self.waiting:
+            return
+        start = self._free_at
+        if not self.running:
+            start = max(start, self.waiting[0].arrival)
+        scheduled: list[tuple[SimRequest, int]] = []
+        budget = self.config.max_num_batched_tokens
+        preempted = self._schedule_running(scheduled, budget)
+        budget -= sum(n for _, n in scheduled)
+        loads = 0
+        if not preempted or not scheduled:
+            loads = self._admit_waiting(scheduled, budget, start)
+        if not scheduled:
+            return  # nothing can run before more time passes
+        self._step = _Step(start, start + self._duration(scheduled, loads), scheduled)
+
+    def _schedule_running(self, scheduled: list[tuple[SimRequest, int]], budget: int) -> bool:
+        """Give each running request its next chunk; preempt from the tail when KV is full."""
+        running = self.running
+        preempted = False
+        i = 0
+        while i < len(running):
+            request = running[i]
+            n = min(request.num_tokens - request.num_computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._grow(request, request.num_computed + n):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, n))
+                budget -= n
+                i += 1
+        return preempted
+
+    def _admit_waiting(
+        self, scheduled: list[tuple[SimRequest, int]], budget: int, start: float
+    ) -> int:
+        """Move waiting requests into the batch; returns the number of adapter swaps."""
+        config = self.config
+        waiting = self.waiting
+        skipped: list[SimRequest] = []
+        loads = 0
+        while waiting and budget > 0 and len(self.running) < config.max_num_seqs:
+            request = waiting[0]
+            if request.arrival > start:
+                break
+            hit_blocks = self.kv.cached_prefix(request.block_hashes)
+            total = request.num_tokens
+            if hit_blocks * config.block_size >= total:
+                hit_blocks = (total - 1) // config.block_size  # always compute >= 1 token
+            computed = hit_blocks * config.block_size
+            n = min(total - computed, budget)
+            hashes, private = self._blocks_between(request, 0, computed + n)
+            if not self.kv.can_allocate(hashes, private):
+                break  # head-of-line: a request that does not fit blocks the queue (FCFS)
+            if request.adapter is not None:
+                swapped = self.lora.acquire(request.adapter)
+                if swapped is None:
+                    skipped.append(waiting.popleft())
+                    continue
+                if swapped:
+                    loads += 1
+                    request.adapter_loaded = True
+                    self.counters.lora_loads += 1
+            waiting.popleft()
+            for h in hashes:
+                self.kv.take_hashed(h)
+            self.kv.take_private(private)
+            request.held_hashed = hashes
+            request.held_private = private
+            request.num_computed = computed
+            request.status = RequestStatus.RUNNING
+            counters = self.counters
+            counters.prefix_queries += total
+            counters.prefix_hits += computed
+            if not request.admitted:
+                request.admitted = True
+                request.cached_tokens = computed
+                counters.prompt_tokens += request.prompt_tokens
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+        waiting.extendleft(reversed(skipped))
+        return loads
+
+    def _blocks_between(
+        self, request: SimRequest, held: int, upto_tokens: int
+    ) -> tuple[list[int], int]:
+        """New blocks (hashed, private count) to cover `upto_tokens` given `held` blocks."""
+        bs = self.config.block_size
+        needed = -(-upto_tokens // bs)
+        if needed <= held:
+            return [], 0
+        full = request.block_hashes
+        hashed = full[held:needed] if held < len(full) else []
+        return list(hashed), needed - held - len(hashed)
+
+    def _grow(self, request: SimRequest, upto_tokens: int) -> bool:
+        held = len(request.held_hashed) + request.held_private
+        hashes, private = self._blocks_between(request, held, upto_tokens)
+        if not hashes and not private:
+            return True
+        if not self.kv.can_allocate(hashes, private):
+            return False
+        for h in hashes:
+            self.kv.take_hashed(h)
+        self.kv.take_private(private)
+        request.held_hashed.extend(hashes)
+        request.held_private += private
+        return True
+
+    def _preempt(self, request: SimRequest) -> None:
+        self._free(request)
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        request.preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _free(self, request: SimRequest) -> None:
+        self.kv.release(request.held_hashed, request.held_private)
+        request.held_hashed = []
+        request.held_private = 0
+        if request.adapter is not None and request.status is RequestStatus.RUNNING:
+            self.lora.release(request.adapter)
+
+    def _duration(self, scheduled: list[tuple[SimRequest, int]], loads: int) -> float:
+        config = self.config
+        prefill = decode = context = 0
+        with_adapter = False
+        for request, n in scheduled:
+            if (
+                n == 1
+                and request.output_tokens > 0
+                and request.num_computed == request.num_tokens - 1
+            ):
+                decode += 1
+            else:
+                prefill += n
+            context += request.num_computed + n
+            if request.adapter is not None:
+                with_adapter = True
+        seconds = (
+            config.step_overhead_s
+            + config.prefill_token_s * prefill
+            + config.decode_token_s * decode
+            + config.kv_read_token_s * context
+        )
+        if with_adapter:
+            seconds *= 1.0 + config.lora_step_overhead
+        seconds += config.lora_load_s * loads
+        if config.step_jitter > 0.0:
+            seconds *= max(0.1, self.rng.gauss(1.0, config.step_jitter))
+        return seconds * config.time_scale
+
+    def _complete(self, step: _Step) -> StepOutcome:
+        end = step.end
+        counters = self.counters
+        counters.steps += 1
+        counters.busy_time += end - step.start
+        tokens: list[SimRequest] = []
+        finished: list[SimRequest] = []
+        itl_hist = counters.itl
+        for request, n in step.scheduled:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # cancelled during the step
+            request.num_computed += n
+            if request.num_computed < request.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the sequence
+            request.output_tokens += 1
+            counters.generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = end
+                counters.ttft.observe(end - request.arrival)
+            else:
+                assert request.last_token_time is not None
+                itl_hist.observe(end - request.last_token_time)
+            request.last_token_time = end
+            tokens.append(request)
+            if request.output_tokens >= request.max_tokens:
+                self._free(request)
+                request.status = RequestStatus.FINISHED
+                request.finish_time = end
+                counters.finished[request.finish_reason] += 1
+                counters.e2e.observe(end - request.arrival)
+                del self._by_id[request.request_id]
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return StepOutcome(end, tokens, finished)

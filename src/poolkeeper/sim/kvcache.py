@@ -1,0 +1,131 @@
+"""The KV cache of one engine: a fixed pool of blocks, with automatic prefix caching.
+
+Block accounting follows vLLM's V1 KV cache manager in spirit, without block ids:
+- A request holds an ordered list of blocks. Blocks covering *full prompt blocks* are named by
+  a chained hash (so identical prefixes share them); the rest (partial prompt block, output
+  tokens) are private and anonymous.
+- A hashed block is cached from the moment it is allocated for computation (as vLLM does) and
+  shared by reference count. When its last user frees it, it stays cached but becomes
+  evictable; evictable blocks are reused least-recently-freed first.
+- Usage (what vllm:kv_cache_usage_perc reports) counts referenced blocks only: evictable cached
+  blocks are free space.
+
+`prompt_block_hashes` is the hashing contract: chunks of block_size tokens = block_size * 4
+characters of prompt text (poolkeeper.tokens' rule), chained with xxh3-64, seeded by the target
+model so that adapters do not share each other's cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import xxhash
+
+from poolkeeper.tokens import CHARS_PER_TOKEN
+
+
+def prompt_block_hashes(text: str, block_size: int, model: str = "") -> list[int]:
+    """Chained hashes of each *full* block of `text` (block_size * 4 characters per block)."""
+    chunk = block_size * CHARS_PER_TOKEN
+    parent = xxhash.xxh3_64_intdigest(model.encode())
+    hashes: list[int] = []
+    # Chunks of characters, not bytes, so a gateway working on str gets the same blocks.
+    for start in range(0, len(text) - chunk + 1, chunk):
+        piece = text[start : start + chunk].encode("utf-8", "surrogatepass")
+        parent = xxhash.xxh3_64_intdigest(piece, seed=parent)
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixKVCache:
+    """Block pool with reference-counted, LRU-evicted prefix blocks. Pure bookkeeping."""
+
+    __slots__ = ("_evictable", "_refcount", "caching", "num_blocks", "referenced")
+
+    def __init__(self, num_blocks: int, *, caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.caching = caching
+        self.referenced = 0  # blocks in use by at least one request
+        self._refcount: dict[int, int] = {}  # hash -> users (0 = evictable, still cached)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+
+    @property
+    def free(self) -> int:
+        """Blocks that can be handed out now (empty or evictable)."""
+        return self.num_blocks - self.referenced
+
+    @property
+    def usage(self) -> float:
+        return self.referenced / self.num_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._refcount)
+
+    def cached_prefix(self, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` are in the cache right now."""
+        if not self.caching:
+            return 0
+        count = 0
+        refcount = self._refcount
+        for h in hashes:
+            if h not in refcount:
+                break
+            count += 1
+        return count
+
+    def can_allocate(self, hashes: list[int], private: int) -> bool:
+        """Whether taking these hashed blocks and `private` new blocks fits now."""
+        needed = private
+        refcount = self._refcount
+        for h in hashes:
+            users = refcount.get(h)
+            # A block someone else is using costs nothing; an evictable one is taken back
+            # from the free pool; an absent one needs a fresh block.
+            if users is None or users == 0:
+                needed += 1
+        return needed <= self.free
+
+    def take_hashed(self, h: int) -> None:
+        """Reference the block named `h` (sharing it if cached, else filling a free block)."""
+        users = self._refcount.get(h)
+        if users is None:
+            self._make_room(1)
+            self._refcount[h] = 1
+            self.referenced += 1
+        elif users == 0:
+            del self._evictable[h]
+            self._refcount[h] = 1
+            self.referenced += 1
+        else:
+            self._refcount[h] = users + 1
+
+    def take_private(self, count: int) -> None:
+        self._make_room(count)
+        self.referenced += count
+
+    def release(self, hashes: list[int], private: int) -> None:
+        """Give back a request's blocks. Hashed ones stay cached; the tail is evicted first."""
+        self.referenced -= private
+        refcount = self._refcount
+        for h in reversed(hashes):
+            users = refcount[h] - 1
+            if users == 0:
+                self.referenced -= 1
+                if self.caching:
+                    refcount[h] = 0
+                    self._evictable[h] = None
+                else:
+                    del refcount[h]
+            else:
+                refcount[h] = users
+
+    def _make_room(self, count: int) -> None:
+        """Evict least-recently-freed cached blocks until `count` empty blocks exist."""
+        empty = self.num_blocks - self.referenced - len(self._evictable)
+        while empty < count:
+            h, _ = self._evictable.popitem(last=False)
+            del self._refcount[h]
+            empty += 1
+        if self.referenced + count > self.num_blocks:
+            raise RuntimeError("KV cache over-allocated; callers must check can_allocate")

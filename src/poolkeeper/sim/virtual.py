@@ -1,0 +1,386 @@
+"""Virtual-time fleet: many engine models driven by a discrete-event clock, no sockets.
+
+Hundreds of servers and hours of traffic run in seconds, deterministically for a given seed
+(engines draw from their own seeded RNGs; the event order is total). The benchmarks put the
+project's real scheduler in the `route` callback.
+
+API (times in virtual seconds; the run starts wherever the first arrival's time is):
+
+    fleet = VirtualFleet([EngineConfig(...), ...], seed=1, scrape_interval=0.05)
+    result = fleet.run(arrivals, route, on_finish=None, record_token_times=False)
+
+- `servers`: EngineConfig or ServerSpec per server (ServerSpec gives the name). Server i is
+  `fleet.endpoints[i]`, an `Endpoint(name, address="10.0.<i//250>.<i%250+1>", port=8000)`.
+- `arrivals`: iterable of `Arrival(time, request_id, model, prompt="", max_tokens=None,
+  prompt_tokens=None, payload=None)`, in non-decreasing time. `model` is the target model (base
+  model or adapter). `prompt_tokens` overrides the poolkeeper.tokens count of `prompt` (the prompt
+  still names the prefix-cache blocks). `payload` is passed through untouched (e.g. the
+  LLMRequest the bench built), available as `RequestResult.payload`.
+- `route(arrival, states, now) -> int | None`: pick a server index, or None to reject. `states`
+  is a list of `scheduling.types.EndpointState`, one per server, as a scraper would show them:
+  `metrics` is the engine's state at the last scrape tick (every `scrape_interval` seconds,
+  `updated_at` = the tick time; 0 = scrape at every decision), while `inflight_requests` /
+  `inflight_tokens` (prompt tokens) count routed-but-unfinished requests right now and
+  `unseen_requests` / `unseen_tokens` those routed since the last scrape. Treat the list as
+  read-only and valid only during the call.
+- `on_finish(result)`: optional, called when a request completes (e.g. router bookkeeping).
+- Returns `FleetResult(requests=[RequestResult...] in arrival order, servers=[ServerResult...],
+  end_time)`. RequestResult fields: request_id, model, arrival, server (-1 if not served),
+  server_name, status ("ok" | "rejected" | "error"), error, prompt_tokens, cached_tokens,
+  completion_tokens, first_token, finish, finish_reason, preemptions, adapter_loaded, itl_max,
+  token_times (if recorded), payload; properties ttft, e2e, itl_mean. ServerResult: name,
+  routed, counters (sim.stats.EngineCounters: prefix_queries/hits, preemptions, lora_loads,
+  generation_tokens, busy_time, steps, histograms...).
+`FleetResult.summary()` gives a dict of common aggregates (counts, TTFT/e2e percentiles, ITL).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.sim.config import ServerSpec
+from poolkeeper.sim.engine import EngineModel, InvalidRequestError, SimRequest, UnknownModelError
+from poolkeeper.sim.params import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request entering the fleet at virtual time `time`."""
+
+    time: float
+    request_id: str
+    model: str
+    prompt: str = ""
+    max_tokens: int | None = None
+    prompt_tokens: int | None = None
+    payload: object = field(default=None, compare=False)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    request_id: str
+    model: str
+    arrival: float
+    server: int = -1
+    server_name: str = ""
+    status: str = "ok"  # ok | rejected | error
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token: float | None = None
+    finish: float | None = None
+    finish_reason: str | None = None
+    preemptions: int = 0
+    adapter_loaded: bool = False
+    itl_max: float = 0.0
+    token_times: list[float] | None = None
+    payload: object = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def itl_mean(self) -> float | None:
+        """Mean inter-token latency (time per output token after the first)."""
+        if self.finish is None or self.first_token is None or self.completion_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.completion_tokens - 1)
+
+
+@dataclass(slots=True)
+class ServerResult:
+    name: str
+    routed: int
+    counters: Any  # sim.stats.EngineCounters
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(slots=True)
+class FleetResult:
+    requests: list[RequestResult]
+    servers: list[ServerResult]
+    end_time: float
+
+    def summary(self) -> dict[str, float]:
+        done = [r for r in self.requests if r.finish is not None]
+        ttft = [r.ttft for r in done if r.ttft is not None]
+        e2e = [r.e2e for r in done if r.e2e is not None]
+        itl = [r.itl_mean for r in done if r.itl_mean is not None]
+        start = min((r.arrival for r in self.requests), default=0.0)
+        span = max(self.end_time - start, 1e-9)
+        out: dict[str, float] = {
+            "requests": float(len(self.requests)),
+            "completed": float(len(done)),
+            "rejected": float(sum(r.status == "rejected" for r in self.requests)),
+            "errors": float(sum(r.status == "error" for r in self.requests)),
+            "output_tokens_per_s": sum(r.completion_tokens for r in done) / span,
+            "prefix_hit_rate": sum(r.cached_tokens for r in done)
+            / max(1, sum(r.prompt_tokens for r in done)),
+            "preemptions": float(sum(r.preemptions for r in done)),
+            "adapter_loads": float(sum(r.adapter_loaded for r in done)),
+            "itl_mean": sum(itl) / len(itl) if itl else math.nan,
+        }
+        for name, values in (("ttft", ttft), ("e2e", e2e)):
+            out[f"{name}_mean"] = sum(values) / len(values) if values else math.nan
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}"] = _percentile(values, q)
+        return out
+
+
+Router = Callable[[Arrival, Sequence[EndpointState], float], int | None]
+
+
+class VirtualFleet:
+    """A fleet of engine models on one virtual clock. One `run` per fleet object."""
+
+    def __init__(
+        self,
+        servers: Sequence[EngineConfig | ServerSpec],
+        *,
+        seed: int | None = None,
+        scrape_interval: float = 0.05,
+    ) -> None:
+        if not servers:
+            raise ValueError("a fleet needs at least one server")
+        if scrape_interval < 0:
+            raise ValueError("scrape_interval must be >= 0")
+        self.scrape_interval = scrape_interval
+        self.engines: list[EngineModel] = []
+        self.endpoints: list[Endpoint] = []
+        for i, server in enumerate(servers):
+            name, config = (
+                (server.name, server.engine)
+                if isinstance(server, ServerSpec)
+                else (f"sim-{i}", server)
+            )
+            if seed is not None:
+                config = replace(config, seed=seed)  # engine RNGs also hash the server name
+            self.engines.append(EngineModel(config, name=name))
+            self.endpoints.append(
+                Endpoint(name=name, address=f"10.0.{i // 250}.{i % 250 + 1}", port=8000)
+            )
+        n = len(self.engines)
+        self._metrics = [EndpointMetrics() for _ in range(n)]
+        self._states = [
+            EndpointState(endpoint=e, metrics=m)
+            for e, m in zip(self.endpoints, self._metrics, strict=True)
+        ]
+        self._snap_tick = [-1] * n
+        self._dirty = [True] * n
+        self._inflight = [0] * n
+        self._inflight_tokens = [0] * n
+        self._unseen = [0] * n
+        self._unseen_tokens = [0] * n
+        self._routed = [0] * n
+        self._refreshed_tick = -1
+        self._ran = False
+
+    # -- scraping -------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> int:
+        return int(now / self.scrape_interval) if self.scrape_interval > 0 else -1
+
+    def _scrape(self, i: int, at: float) -> None:
+        if self._dirty[i]:
+            s = self.engines[i].stats()
+            self._metrics[i] = EndpointMetrics(
+                waiting=s.waiting,
+                running=s.running,
+                kv_cache_usage=s.kv_cache_usage,
+                active_adapters=frozenset(s.running_adapters),
+                waiting_adapters=frozenset(s.waiting_adapters),
+                max_adapters=s.max_loras,
+                block_size=s.block_size,
+                num_gpu_blocks=s.num_gpu_blocks,
+                updated_at=at,
+            )
+            self._dirty[i] = False
+        else:
+            self._metrics[i] = replace(self._metrics[i], updated_at=at)
+        self._unseen[i] = 0
+        self._unseen_tokens[i] = 0
+        self._rebuild(i)
+
+    def _rebuild(self, i: int) -> None:
+        self._states[i] = EndpointState(
+            endpoint=self.endpoints[i],
+            metrics=self._metrics[i],
+            inflight_requests=self._inflight[i],
+            inflight_tokens=self._inflight_tokens[i],
+            unseen_requests=self._unseen[i],
+            unseen_tokens=self._unseen_tokens[i],
+        )
+
+    def _before_change(self, i: int, now: float) -> None:
+        """Snapshot a server as of the latest tick before its state changes at `now`."""
+        if self.scrape_interval > 0:
+            tick = self._tick(now)
+            if self._snap_tick[i] < tick:
+                self._scrape(i, tick * self.scrape_interval)
+                self._snap_tick[i] = tick
+        self._dirty[i] = True
+
+    def _views(self, now: float) -> list[EndpointState]:
+        if self.scrape_interval <= 0:
+            for i in range(len(self.engines)):
+                self._dirty[i] = True
+                self._scrape(i, now)
+            return self._states
+        tick = self._tick(now)
+        if tick > self._refreshed_tick:
+            at = tick * self.scrape_interval
+            for i in range(len(self.engines)):
+                if self._snap_tick[i] < tick:
+                    self._scrape(i, at)
+                    self._snap_tick[i] = tick
+            self._refreshed_tick = tick
+        return self._states
+
+    # -- the run --------------------------------------------------------------------------
+
+    def run(
+        self,
+        arrivals: Iterable[Arrival],
+        route: Router,
+        *,
+        on_finish: Callable[[RequestResult], None] | None = None,
+        record_token_times: bool = False,
+    ) -> FleetResult:
+        if self._ran:
+            raise RuntimeError("a VirtualFleet runs once; build a new one")
+        self._ran = True
+        engines = self.engines
+        heap: list[tuple[float, int, int]] = []
+        due: list[float | None] = [None] * len(engines)
+        seq = 0
+        results: list[RequestResult] = []
+        it = iter(arrivals)
+        pending = next(it, None)
+        last_arrival = -math.inf
+        now = 0.0
+
+        def reschedule(i: int) -> None:
+            nonlocal seq
+            t = engines[i].next_event_time()
+            if t is not None and t != due[i]:
+                due[i] = t
+                seq += 1
+                heapq.heappush(heap, (t, seq, i))
+
+        while pending is not None or heap:
+            if pending is not None and (not heap or pending.time < heap[0][0]):
+                arrival = pending
+                pending = next(it, None)
+                if arrival.time < last_arrival:
+                    raise ValueError(
+                        f"arrivals must be in time order: {arrival.request_id} at "
+                        f"{arrival.time} after {last_arrival}"
+                    )
+                now = last_arrival = arrival.time
+                results.append(self._arrive(arrival, route, now, record_token_times))
+                server = results[-1].server
+                if server >= 0:
+                    reschedule(server)
+                continue
+            t, _, i = heapq.heappop(heap)
+            if due[i] != t:
+                continue  # superseded entry
+            due[i] = None
+            now = t
+            self._before_change(i, t)
+            for outcome in engines[i].advance(t):
+                self._deliver(i, outcome.tokens, outcome.finished, outcome.time, on_finish)
+            reschedule(i)
+        servers = [ServerResult(e.name, self._routed[i], e.counters) for i, e in enumerate(engines)]
+        return FleetResult(results, servers, now)
+
+    def _arrive(self, arrival: Arrival, route: Router, now: float, record: bool) -> RequestResult:
+        result = RequestResult(arrival.request_id, arrival.model, arrival.time)
+        result.payload = arrival.payload
+        choice = route(arrival, self._views(now), now)
+        if choice is None:
+            result.status = "rejected"
+            return result
+        if not 0 <= choice < len(self.engines):
+            raise IndexError(f"route returned {choice} for a fleet of {len(self.engines)}")
+        engine = self.engines[choice]
+        result.server_name = engine.name
+        try:
+            request = engine.create_request(
+                arrival.request_id,
+                arrival.model,
+                arrival.prompt,
+                arrival=arrival.time,
+                max_tokens=arrival.max_tokens,
+                prompt_tokens=arrival.prompt_tokens,
+            )
+        except (UnknownModelError, InvalidRequestError) as exc:
+            result.status, result.error = "error", str(exc)
+            return result
+        result.server = choice
+        result.prompt_tokens = request.prompt_tokens
+        if record:
+            result.token_times = []
+        request.sink = result
+        self._before_change(choice, now)
+        engine.submit(request, now)
+        self._routed[choice] += 1
+        self._inflight[choice] += 1
+        self._inflight_tokens[choice] += request.prompt_tokens
+        self._unseen[choice] += 1
+        self._unseen_tokens[choice] += request.prompt_tokens
+        self._rebuild(choice)
+        return result
+
+    def _deliver(
+        self,
+        i: int,
+        tokens: list[SimRequest],
+        finished: list[SimRequest],
+        t: float,
+        on_finish: Callable[[RequestResult], None] | None,
+    ) -> None:
+        for request in tokens:
+            result: RequestResult = request.sink  # type: ignore[assignment]
+            if result.first_token is None:
+                result.first_token = t
+            else:
+                gap = t - result.finish if result.finish is not None else 0.0
+                if gap > result.itl_max:
+                    result.itl_max = gap
+            result.finish = t  # last token time until the request completes
+            if result.token_times is not None:
+                result.token_times.append(t)
+        for request in finished:
+            result = request.sink  # type: ignore[assignment]
+            result.completion_tokens = request.output_tokens
+            result.cached_tokens = request.cached_tokens
+            result.preemptions = request.preemptions
+            result.adapter_loaded = request.adapter_loaded
+            result.finish_reason = request.finish_reason
+            self._inflight[i] -= 1
+            self._inflight_tokens[i] -= request.prompt_tokens
+            if on_finish is not None:
+                on_finish(result)
+        if finished:
+            self._rebuild(i)

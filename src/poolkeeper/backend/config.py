@@ -43,16 +43,16 @@ class ScrapingConfig(BaseModel):
         use_attribute_docstrings=True,
     )
 
-    interval_ms: int = Field(50, ge=5, le=60_000)
+    interval_ms: int = Field(default=50, ge=5, le=60_000)
     """Scrape period per endpoint, in milliseconds (upstream default 50)."""
-    timeout_ms: int = Field(1000, ge=10, le=60_000)
+    timeout_ms: int = Field(default=1000, ge=10, le=60_000)
     """Limit for one whole scrape (connect, headers and body), in milliseconds."""
-    max_response_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    max_response_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     """Largest accepted metrics page; a bigger one is cut off and counts as a failed scrape."""
-    staleness_ms: int = Field(2000, ge=1, le=3_600_000)
+    staleness_ms: int = Field(default=2000, ge=1, le=3_600_000)
     """Metrics older than this are reported stale (status, health, pool gauges). Admission
     control applies its own, stricter freshness rule."""
-    max_backoff_ms: int = Field(1000, ge=5, le=60_000)
+    max_backoff_ms: int = Field(default=1000, ge=5, le=60_000)
     """Longest wait between retries of a failing endpoint (the delay doubles per failure)."""
     path: str = "/metrics"
     """HTTP path of the metrics page."""
@@ -60,7 +60,7 @@ class ScrapingConfig(BaseModel):
     """http or https."""
     insecure_skip_verify: bool = True
     """With https: do not verify the server certificate (upstream default)."""
-    engine_label: str = Field(ENGINE_TYPE_LABEL, min_length=1)
+    engine_label: str = Field(default=ENGINE_TYPE_LABEL, min_length=1)
     """Endpoint (pod) label naming the engine type of the server."""
     default_engine: str = "vllm"
     """Engine type of endpoints without the label: vllm, sglang, trtllm-serve or

@@ -34,7 +34,7 @@ __all__ = ["MetricsScraper", "MetricsSink", "ScrapeFailed", "ScraperManager", "m
 
 log = logging.getLogger(__name__)
 
-MetricsSink = Callable[[str, EndpointMetrics], None]
+MetricsSink = Callable[[str, EndpointMetrics], object]
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 

@@ -1,0 +1,320 @@
+"""MetricsScraper and ScraperManager against a local aiohttp server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from poolkeeper.api.pool import InferencePool
+from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.backend.scraper import MetricsScraper, ScraperManager, metrics_url
+from poolkeeper.datastore import Datastore, EndpointSpec
+from poolkeeper.scheduling.types import Endpoint, EndpointMetrics
+
+VLLM_PAGE = (Path(__file__).parent / "fixtures" / "vllm_v1.prom").read_bytes()
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class FakeServer:
+    port: int
+    page: bytes = VLLM_PAGE
+    status: int = 200
+    hits: dict[str, int] = field(default_factory=dict)
+    streamed: int = 0
+
+
+class Clock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[FakeServer]:
+    state = FakeServer(port=0)
+
+    def count(request: web.Request) -> None:
+        state.hits[request.path] = state.hits.get(request.path, 0) + 1
+
+    async def metrics(request: web.Request) -> web.Response:
+        count(request)
+        return web.Response(body=state.page, status=state.status, content_type="text/plain")
+
+    async def slow(request: web.Request) -> web.Response:
+        count(request)
+        await asyncio.sleep(5)
+        return web.Response(body=VLLM_PAGE)
+
+    async def redirect(request: web.Request) -> web.Response:
+        count(request)
+        raise web.HTTPFound("/metrics")
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        count(request)
+        response = web.StreamResponse()
+        response.content_type = "text/plain"
+        await response.prepare(request)
+        line = b"# padding line that is not a metric, repeated to make a 50 MB page ...\n"
+        chunk = line * (65536 // len(line))
+        try:
+            while state.streamed < 50 * 1024 * 1024:
+                await response.write(chunk)
+                state.streamed += len(chunk)
+        except (ConnectionResetError, ConnectionError):
+            pass
+        return response
+
+    async def declared(request: web.Request) -> web.Response:
+        count(request)
+        return web.Response(body=b"x" * 5000)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/slow", slow)
+    app.router.add_get("/redirect", redirect)
+    app.router.add_get("/huge", huge)
+    app.router.add_get("/declared", declared)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    sockets: list[socket.socket] = list(getattr(site._server, "sockets", None) or [])
+    assert sockets
+    state.port = sockets[0].getsockname()[1]
+    yield state
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as client:
+        yield client
+
+
+def endpoint(port: int, engine: str = "vllm") -> Endpoint:
+    return Endpoint("sim-0", "127.0.0.1", port, engine=engine)
+
+
+def make_scraper(
+    port: int,
+    session: aiohttp.ClientSession,
+    sink: list[tuple[str, EndpointMetrics]],
+    clock: Clock | None = None,
+    engine: str = "vllm",
+    **config: object,
+) -> MetricsScraper:
+    return MetricsScraper(
+        endpoint(port, engine),
+        session,
+        ScrapingConfig.model_validate(config),
+        lambda key, metrics: sink.append((key, metrics)),
+        clock=clock or Clock(),
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_successful_scrape_publishes_metrics(
+    server: FakeServer, session: aiohttp.ClientSession
+) -> None:
+    sink: list[tuple[str, EndpointMetrics]] = []
+    scraper = make_scraper(server.port, session, sink, Clock(42.0))
+    metrics = await scraper.scrape_once()
+    assert (metrics.waiting, metrics.running, metrics.kv_cache_usage) == (3, 7, 0.4217)
+    assert metrics.active_adapters == {"sql-lora", "tweet-lora"}
+    assert metrics.updated_at == 42.0
+    assert metrics.error is None
+    assert sink == [(f"127.0.0.1:{server.port}", metrics)]
+
+
+async def test_http_error_keeps_old_values_and_timestamp_then_recovers(
+    server: FakeServer, session: aiohttp.ClientSession
+) -> None:
+    sink: list[tuple[str, EndpointMetrics]] = []
+    clock = Clock(10.0)
+    scraper = make_scraper(server.port, session, sink, clock)
+    good = await scraper.scrape_once()
+    server.status = 500
+    clock.now = 11.0
+    failed = await scraper.scrape_once()
+    assert failed.error == "HTTP 500 Internal Server Error"
+    assert failed.updated_at == 10.0
+    assert failed.waiting == good.waiting
+    # The same failure again publishes nothing new.
+    await scraper.scrape_once()
+    assert len(sink) == 2
+    assert scraper.failures == 2
+    server.status = 200
+    clock.now = 12.0
+    back = await scraper.scrape_once()
+    assert back.error is None
+    assert back.updated_at == 12.0
+    assert scraper.failures == 0
+
+
+async def test_timeout_is_marked(server: FakeServer, session: aiohttp.ClientSession) -> None:
+    sink: list[tuple[str, EndpointMetrics]] = []
+    scraper = make_scraper(server.port, session, sink, path="/slow", timeoutMs=100)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    metrics = await scraper.scrape_once()
+    assert loop.time() - started < 2.0
+    assert metrics.error == "timeout after 100 ms"
+    assert metrics.updated_at == 0.0
+
+
+async def test_redirects_are_not_followed(
+    server: FakeServer, session: aiohttp.ClientSession
+) -> None:
+    sink: list[tuple[str, EndpointMetrics]] = []
+    scraper = make_scraper(server.port, session, sink, path="/redirect")
+    metrics = await scraper.scrape_once()
+    assert metrics.error == "HTTP 302 redirect to /metrics not followed"
+    assert server.hits == {"/redirect": 1}
+
+
+async def test_50_mb_page_is_cut_off_at_the_cap(
+    server: FakeServer, session: aiohttp.ClientSession
+) -> None:
+    sink: list[tuple[str, EndpointMetrics]] = []
+    scraper = make_scraper(server.port, session, sink, path="/huge")
+    metrics = await scraper.scrape_once()
+    assert metrics.error == "response exceeds the 4194304-byte limit"
+    await asyncio.sleep(0.05)
+    assert server.streamed < 50 * 1024 * 1024
+
+
+async def test_declared_length_over_the_cap_is_refused_before_reading(
+    server: FakeServer, session: aiohttp.ClientSession
+) -> None:
+    sink: list[tuple[str, EndpointMetrics]] = []
+    scraper = make_scraper(server.port, session, sink, path="/declared", maxResponseBytes=1024)
+    metrics = await scraper.scrape_once()
+    assert metrics.error == "response of 5000 bytes exceeds the 1024-byte limit"
+
+
+@pytest.mark.parametrize(
+    ("page", "expected"),
+    [
+        (b"<html><body>Bad Gateway</body></html>", "no usable vllm metrics"),
+        (b'vllm:num_requests_waiting{model_name="x" 3\n', "bad metrics page: line 1:"),
+        (b"vllm:num_requests_waiting NaN\nvllm:num_requests_running NaN\n", "no usable vllm"),
+        (VLLM_PAGE[: VLLM_PAGE.index(b"vllm:num_requests_running{") + 30], "bad metrics page"),
+    ],
+    ids=["html", "garbage", "nan", "truncated"],
+)
+async def test_bad_pages_are_marked(
+    server: FakeServer, session: aiohttp.ClientSession, page: bytes, expected: str
+) -> None:
+    server.page = page
+    sink: list[tuple[str, EndpointMetrics]] = []
+    metrics = await make_scraper(server.port, session, sink).scrape_once()
+    assert metrics.error is not None
+    assert expected in metrics.error
+    assert metrics.updated_at == 0.0
+
+
+async def test_refused_connection_is_marked(session: aiohttp.ClientSession) -> None:
+    sink: list[tuple[str, EndpointMetrics]] = []
+    metrics = await make_scraper(free_port(), session, sink).scrape_once()
+    assert metrics.error is not None
+    assert metrics.error.startswith("cannot connect")
+
+
+async def test_unknown_engine_is_marked_without_fetching(
+    server: FakeServer, session: aiohttp.ClientSession
+) -> None:
+    sink: list[tuple[str, EndpointMetrics]] = []
+    metrics = await make_scraper(server.port, session, sink, engine="tgi").scrape_once()
+    assert metrics.error is not None
+    assert "unknown engine type 'tgi'" in metrics.error
+    assert server.hits == {}
+
+
+async def test_backoff_doubles_and_is_capped(session: aiohttp.ClientSession) -> None:
+    sleeps: list[float] = []
+
+    async def fake_sleep(delay: float) -> None:
+        sleeps.append(delay)
+        if len(sleeps) == 7:
+            raise asyncio.CancelledError
+
+    scraper = MetricsScraper(
+        endpoint(free_port()),
+        session,
+        ScrapingConfig(interval_ms=50, max_backoff_ms=500),
+        lambda _k, _m: None,
+        clock=Clock(),
+        sleep=fake_sleep,
+    )
+    with pytest.raises(asyncio.CancelledError):
+        await scraper.run()
+    assert sleeps == [0.1, 0.2, 0.4, 0.5, 0.5, 0.5, 0.5]
+
+
+def test_metrics_url() -> None:
+    config = ScrapingConfig(scheme="https", path="/m")
+    assert metrics_url(Endpoint("x", "10.0.0.1", 8000), config) == "https://10.0.0.1:8000/m"
+    assert metrics_url(Endpoint("x", "fd00::1", 80), config) == "https://[fd00::1]:80/m"
+
+
+async def test_manager_follows_datastore_endpoints(server: FakeServer) -> None:
+    store = Datastore()
+    pool = InferencePool.model_validate(
+        {
+            "metadata": {"name": "p"},
+            "spec": {
+                "selector": {"app": "x"},
+                "targetPortNumber": server.port,
+                "extensionRef": {"name": "epp"},
+            },
+        }
+    )
+    store.set_resources([pool], [])
+    key = f"127.0.0.1:{server.port}"
+    async with ScraperManager(ScrapingConfig(interval_ms=20), store.update_metrics) as manager:
+        manager.follow(store)
+        assert set(manager.scrapers) == set()
+        store.set_endpoints([EndpointSpec("sim", "127.0.0.1", labels={"app": "x"})])
+        assert set(manager.scrapers) == {key}
+        first = manager.scrapers[key]
+        for _ in range(100):
+            if store.snapshot().metrics_for(key).updated_at > 0:
+                break
+            await asyncio.sleep(0.02)
+        assert store.snapshot().metrics_for(key).running == 7
+        # Same ip:port, different identity: a fresh loop.
+        store.set_endpoints([EndpointSpec("sim-new", "127.0.0.1", labels={"app": "x"})])
+        assert manager.scrapers[key] is not first
+        store.set_endpoints([])
+        assert manager.scrapers == {}
+    assert manager.scrapers == {}
+
+
+async def test_manager_close_cancels_loops(session: aiohttp.ClientSession) -> None:
+    manager = ScraperManager(ScrapingConfig(), lambda _k, _m: None, session=session)
+    manager.sync([endpoint(free_port()), Endpoint("b", "127.0.0.1", free_port())])
+    assert len(manager.scrapers) == 2
+    tasks = [t for t in asyncio.all_tasks() if t.get_name().startswith("scrape ")]
+    assert len(tasks) == 2
+    await manager.close()
+    assert all(t.done() for t in tasks)
+    assert not session.closed  # a session passed in belongs to the caller
+    manager.sync([endpoint(free_port())])  # after close: ignored
+    assert manager.scrapers == {}

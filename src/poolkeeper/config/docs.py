@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from annotated_types import Ge, Le, MaxLen, MinLen
+from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
@@ -64,6 +64,10 @@ def _constraints(info: FieldInfo) -> str:
     for item in info.metadata:
         if isinstance(item, Ge):
             parts.append(f">= {item.ge}")
+        elif isinstance(item, Gt):
+            parts.append(f"> {item.gt}")
+        elif isinstance(item, Lt):
+            parts.append(f"< {item.lt}")
         elif isinstance(item, Le):
             parts.append(f"<= {item.le}")
         elif isinstance(item, MinLen):

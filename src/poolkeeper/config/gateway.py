@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, Any, Final, Literal, Self
+from typing import Annotated, Any, Final, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.api.fielderrors import go_value, rule_error
 from poolkeeper.api.meta import ObjectMeta, label_key_errors
 from poolkeeper.api.names import (
@@ -25,10 +27,12 @@ from poolkeeper.api.names import (
     label_value_errors,
 )
 from poolkeeper.backend.config import ScrapingConfig
-from poolkeeper.config._placeholders import AdmissionConfig, SchedulingConfig
+from poolkeeper.scheduling.config import SchedulingConfig
 
 API_VERSION: Final = "poolkeeper.dev/v1alpha1"
 KIND: Final = "GatewayConfig"
+
+_M = TypeVar("_M", bound=BaseModel)
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 
@@ -43,6 +47,11 @@ class _Section(BaseModel):
         frozen=True,
         use_attribute_docstrings=True,
     )
+
+
+def _defaults_of(cls: type[_M]) -> Callable[[], _M]:
+    """A default factory: the section validated from `{}` (all its own defaults)."""
+    return lambda: cls.model_validate({})
 
 
 def host_errors(value: str) -> list[str]:
@@ -209,11 +218,11 @@ class GatewayConfigSpec(_Section):
     endpoints: list[StaticEndpoint] = Field(default_factory=list)
     """Standalone mode: the model servers pool selectors choose from (Kubernetes mode uses
     Pods instead)."""
-    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    scheduling: SchedulingConfig = Field(default_factory=_defaults_of(SchedulingConfig))
     """Scheduler plugins and profiles; omitted means the documented default profile."""
-    scraping: ScrapingConfig = Field(default_factory=lambda: ScrapingConfig.model_validate({}))
+    scraping: ScrapingConfig = Field(default_factory=_defaults_of(ScrapingConfig))
     """Metrics scraping: interval, timeout, engine mappings, staleness."""
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    admission: AdmissionConfig = Field(default_factory=_defaults_of(AdmissionConfig))
     """Saturation thresholds for shedding by criticality."""
     request_handling: RequestHandling = Field(default_factory=RequestHandling)
     """Body parsing, unknown models, stream usage, fallbacks."""

@@ -359,3 +359,19 @@ async def test_many_streams_in_parallel_keep_their_own_state(
     results = await asyncio.gather(*(one(i) for i in range(30)))
     assert results == list(range(30))
     assert sorted(r.request_id for r in router.routed) == sorted(f"r{i}" for i in range(30))
+
+
+async def test_logs_never_contain_the_prompt(
+    envoy: FakeEnvoy, router: FakeRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    canary = "CANARY-PII-4242"
+    caplog.set_level("DEBUG", logger="poolkeeper")
+    for body in (
+        json.dumps({"model": "base", "messages": [{"role": "user", "content": canary}]}),
+        json.dumps({"model": "nope", "prompt": canary}),
+        "{" + canary,
+    ):
+        call, _ = await _streamed_request(envoy, body.encode(), piece=50)
+        call.cancel()
+    assert caplog.records  # routing and rejections were logged
+    assert canary not in caplog.text

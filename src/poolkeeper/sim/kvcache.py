@@ -122,10 +122,10 @@ class PrefixKVCache:
 
     def _make_room(self, count: int) -> None:
         """Evict least-recently-freed cached blocks until `count` empty blocks exist."""
+        if self.referenced + count > self.num_blocks:
+            raise RuntimeError("KV cache over-allocated; callers must check can_allocate")
         empty = self.num_blocks - self.referenced - len(self._evictable)
         while empty < count:
             h, _ = self._evictable.popitem(last=False)
             del self._refcount[h]
             empty += 1
-        if self.referenced + count > self.num_blocks:
-            raise RuntimeError("KV cache over-allocated; callers must check can_allocate")

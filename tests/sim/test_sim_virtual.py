@@ -1,0 +1,148 @@
+"""The virtual-time fleet: routing callback, scrape staleness, determinism, scale."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+import pytest
+
+from poolkeeper.scheduling.types import EndpointState
+from poolkeeper.sim.params import EngineConfig
+from poolkeeper.sim.virtual import Arrival, RequestResult, VirtualFleet
+
+BASE = EngineConfig()
+MODEL = BASE.model
+
+
+def poisson(rate: float, seconds: float, seed: int, groups: int = 8) -> Iterator[Arrival]:
+    rng = random.Random(seed)
+    prefixes = [f"system prompt of group {g}. " * 30 for g in range(groups)]
+    t, i = 0.0, 0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return
+        i += 1
+        prompt = rng.choice(prefixes) + f"question {i} " * 5
+        yield Arrival(t, f"r{i}", MODEL, prompt, max_tokens=rng.randint(20, 200))
+
+
+def least_inflight(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int:
+    return min(range(len(states)), key=lambda i: (states[i].inflight_requests, i))
+
+
+def test_same_seed_gives_identical_results() -> None:
+    def once(seed: int) -> list[tuple[str, int, float | None, int]]:
+        configs = [replace(BASE, step_jitter=0.05)] * 4
+        fleet = VirtualFleet(configs, seed=seed)
+        result = fleet.run(poisson(40, 5, seed=3), least_inflight)
+        return [(r.request_id, r.server, r.finish, r.cached_tokens) for r in result.requests]
+
+    first = once(1)
+    assert len(first) > 150
+    assert first == once(1)
+    assert first != once(2)
+
+
+def test_results_carry_latencies_prefix_hits_and_server_counters() -> None:
+    fleet = VirtualFleet([BASE] * 3, seed=0)
+    result = fleet.run(poisson(30, 5, seed=1, groups=2), least_inflight)
+    done = [r for r in result.requests if r.status == "ok"]
+    assert len(done) == len(result.requests)
+    for r in done:
+        assert r.ttft is not None and r.e2e is not None and 0 < r.ttft <= r.e2e
+        assert r.finish_reason == "length"
+        assert r.completion_tokens >= 20
+    assert sum(r.cached_tokens for r in done) > 0  # two prompt groups over three servers
+    assert sum(s.routed for s in result.servers) == len(done)
+    assert sum(s.counters.prefix_hits for s in result.servers) == sum(
+        r.cached_tokens for r in done
+    )
+    summary = result.summary()
+    assert summary["completed"] == len(done)
+    assert 0 < summary["ttft_p50"] <= summary["ttft_p99"]
+    assert summary["prefix_hit_rate"] > 0.3
+
+
+def test_router_sees_metrics_as_of_the_last_scrape_tick() -> None:
+    seen: list[tuple[float, float, int, int, int]] = []
+
+    def route(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int:
+        s = states[0]
+        seen.append((now, s.metrics.updated_at, s.metrics.running, s.inflight_requests,
+                     s.unseen_requests))  # fmt: skip
+        return 0
+
+    arrivals = [Arrival(0.001 * i, f"r{i}", MODEL, "x" * 400, max_tokens=500) for i in range(5)]
+    arrivals.append(Arrival(0.12, "late", MODEL, "y" * 400, max_tokens=5))
+    VirtualFleet([BASE], scrape_interval=0.05).run(arrivals, route)
+    # Within the first tick nothing is visible in the scraped metrics, only router-side counts.
+    assert [x[2] for x in seen[:5]] == [0, 0, 0, 0, 0]
+    assert [x[3] for x in seen[:5]] == [0, 1, 2, 3, 4]
+    assert [x[4] for x in seen[:5]] == [0, 1, 2, 3, 4]
+    now, updated_at, running, inflight, unseen = seen[5]
+    assert updated_at == pytest.approx(0.10)
+    assert running == 5 and inflight == 5 and unseen == 0
+
+
+def test_fresh_scrapes_when_interval_is_zero() -> None:
+    running_seen: list[int] = []
+
+    def route(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int:
+        running_seen.append(states[0].metrics.running)
+        return 0
+
+    arrivals = [Arrival(0.05 * i, f"r{i}", MODEL, "x" * 400, max_tokens=500) for i in range(3)]
+    VirtualFleet([BASE], scrape_interval=0).run(arrivals, route)
+    assert running_seen == [0, 1, 2]
+
+
+def test_rejections_errors_and_on_finish() -> None:
+    finished: list[RequestResult] = []
+    config = replace(BASE, lora_adapters=("a",))
+
+    def route(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int | None:
+        return None if arrival.request_id == "shed" else 0
+
+    arrivals = [
+        Arrival(0.0, "ok", "a", "hello", max_tokens=3, payload={"k": 1}),
+        Arrival(0.1, "shed", MODEL, "hello", max_tokens=3),
+        Arrival(0.2, "bad", "unknown-model", "hello", max_tokens=3),
+    ]
+    result = VirtualFleet([config]).run(arrivals, route, on_finish=finished.append)
+    by_id = {r.request_id: r for r in result.requests}
+    assert by_id["ok"].status == "ok" and by_id["ok"].adapter_loaded
+    assert by_id["ok"].payload == {"k": 1}
+    assert by_id["shed"].status == "rejected"
+    assert by_id["bad"].status == "error" and "does not exist" in (by_id["bad"].error or "")
+    assert [r.request_id for r in finished] == ["ok"]
+
+
+def test_token_times_recorded_on_request() -> None:
+    arrivals = [Arrival(0.0, "r", MODEL, "hello", max_tokens=4)]
+    result = VirtualFleet([BASE]).run(arrivals, lambda a, s, n: 0, record_token_times=True)
+    times = result.requests[0].token_times
+    assert times is not None and len(times) == 4 and times == sorted(times)
+    assert result.requests[0].itl_max == pytest.approx(max(b - a for a, b in zip(times, times[1:])))
+
+
+def test_out_of_order_arrivals_and_bad_routes_are_errors() -> None:
+    arrivals = [Arrival(1.0, "a", MODEL, "x"), Arrival(0.5, "b", MODEL, "x")]
+    with pytest.raises(ValueError, match="time order"):
+        VirtualFleet([BASE]).run(arrivals, lambda a, s, n: 0)
+    with pytest.raises(IndexError):
+        VirtualFleet([BASE]).run([Arrival(0.0, "a", MODEL, "x")], lambda a, s, n: 5)
+
+
+def test_a_large_fleet_runs_many_requests() -> None:
+    fleet = VirtualFleet([replace(BASE, max_num_seqs=32)] * 300, seed=0)
+    rng = random.Random(5)
+    arrivals = (
+        Arrival(i * 0.001, f"r{i}", MODEL, f"p{i % 50} " * 100, max_tokens=rng.randint(5, 30))
+        for i in range(6000)
+    )
+    result = fleet.run(arrivals, lambda a, s, n: int(a.request_id[1:]) % 300)
+    assert sum(1 for r in result.requests if r.finish is not None) == 6000
+    assert len({r.server for r in result.requests}) == 300

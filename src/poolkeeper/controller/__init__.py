@@ -1,0 +1,1 @@
+"""Resource sources (files today, Kubernetes later) that feed the datastore and compute status."""

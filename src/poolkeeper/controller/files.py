@@ -1,0 +1,304 @@
+"""`FileResourceSource`: YAML/JSON files → the datastore, reloaded on change without a restart.
+
+It loads the given files and directories with the API loader (`poolkeeper.api.load`), applies
+the InferencePools and InferenceModels (`Datastore.set_resources`) and the standalone endpoints
+of the GatewayConfig document, if any (`spec.endpoints`, `Datastore.set_endpoints`), and
+computes every InferenceModel's `Accepted` status (`poolkeeper.api.status`), logging changes.
+
+Hot reload: `run()` polls the files' (mtime, size, inode) every `interval` seconds and reloads
+when anything changed, including files added to or removed from a directory. A load with any
+error (bad YAML, invalid object, two GatewayConfigs, an unknown engine type) is not applied:
+the last good state stays in force, each error is logged once as `file[:doc]: Kind/ns/name:
+field.path: message`, and `last_errors` keeps them until a good load. File reading and
+validation run in a worker thread; datastore writes happen on the event loop, because listeners
+(the scraper manager) start tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from types import MappingProxyType
+from typing import Protocol
+
+from poolkeeper.api.load import SUFFIXES, LoadResult, load_paths
+from poolkeeper.api.model import CONDITION_ACCEPTED, InferenceModel, InferenceModelStatus
+from poolkeeper.api.pool import AnyInferencePool
+from poolkeeper.api.status import compute_model_statuses
+from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.datastore.store import Datastore, EndpointSpec
+
+__all__ = ["FileResourceSource", "ReloadOutcome", "endpoint_specs"]
+
+log = logging.getLogger(__name__)
+
+Fingerprint = tuple[tuple[str, int, int, int], ...]
+
+
+class EndpointEntry(Protocol):
+    """One `spec.endpoints[i]` of a GatewayConfig (`poolkeeper.config.gateway.StaticEndpoint`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def port(self) -> int | None: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+    @property
+    def engine(self) -> object: ...  # an engine name (str or StrEnum) or None
+
+
+class EndpointList(Protocol):
+    @property
+    def endpoints(self) -> Sequence[EndpointEntry]: ...
+
+
+class GatewayConfigLike(Protocol):
+    @property
+    def spec(self) -> EndpointList: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadOutcome:
+    """What one load attempt did."""
+
+    applied: bool
+    errors: tuple[str, ...] = ()
+    notices: tuple[str, ...] = ()
+    pools: int = 0
+    models: int = 0
+    endpoints: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    pools: tuple[AnyInferencePool, ...]
+    models: tuple[InferenceModel, ...]
+    specs: tuple[EndpointSpec, ...]
+    gateway_config: object | None
+    notices: tuple[str, ...]
+    errors: tuple[str, ...] = field(default=())
+
+
+def endpoint_specs(
+    config: GatewayConfigLike, scraping: ScrapingConfig, where: str = "GatewayConfig"
+) -> tuple[tuple[EndpointSpec, ...], list[str]]:
+    """Endpoint specs of a GatewayConfig, engine resolved (explicit, label, default).
+
+    Returns the specs and a list of precise errors (unknown engine types).
+    """
+    specs: list[EndpointSpec] = []
+    errors: list[str] = []
+    for index, entry in enumerate(config.spec.endpoints):
+        explicit = str(entry.engine) if entry.engine is not None else None
+        try:
+            engine = scraping.engine_for(entry.labels, explicit)
+        except ValueError as exc:
+            field_path = (
+                f"spec.endpoints[{index}].engine"
+                if explicit
+                else f"spec.endpoints[{index}].labels[{scraping.engine_label}]"
+            )
+            errors.append(f"{where}: {field_path}: {exc}")
+            continue
+        specs.append(
+            EndpointSpec(
+                name=entry.name,
+                address=entry.address,
+                port=entry.port,
+                labels=MappingProxyType(dict(entry.labels)),
+                engine=engine,
+            )
+        )
+    return tuple(specs), errors
+
+
+class FileResourceSource:
+    """Feeds a datastore from files and keeps it in step with them."""
+
+    def __init__(
+        self,
+        paths: Sequence[str | Path],
+        datastore: Datastore,
+        *,
+        scraping: ScrapingConfig | None = None,
+        interval: float = 1.0,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        source: str = "files",
+    ) -> None:
+        self.paths = tuple(Path(p) for p in paths)
+        self.interval = interval
+        self._datastore = datastore
+        self._scraping = scraping or ScrapingConfig()
+        self._now = now
+        self._source = source
+        self._fingerprint: Fingerprint | None = None
+        self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
+        self._gateway_config: object | None = None
+        self._errors: tuple[str, ...] = ()
+        self.loads = 0  # successful loads applied
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def statuses(self) -> Mapping[str, InferenceModelStatus]:
+        """Computed status of every loaded InferenceModel, by `namespace/name`."""
+        return self._statuses
+
+    @property
+    def gateway_config(self) -> object | None:
+        """The GatewayConfig of the last good load (None if the files have none)."""
+        return self._gateway_config
+
+    @property
+    def last_errors(self) -> tuple[str, ...]:
+        """Errors of the last load attempt (empty once a load succeeded)."""
+        return self._errors
+
+    # --- loading -----------------------------------------------------------------------------
+
+    def reload(self) -> ReloadOutcome:
+        """Load now and apply if valid (blocking; for startup and tests)."""
+        self._fingerprint = fingerprint(self.paths)
+        return self._apply(self._load())
+
+    def poll(self) -> ReloadOutcome | None:
+        """Reload if the files changed since the last attempt (blocking); None if unchanged."""
+        current = fingerprint(self.paths)
+        if current == self._fingerprint:
+            return None
+        self._fingerprint = current
+        return self._apply(self._load())
+
+    async def run(self) -> None:
+        """Poll for changes every `interval` seconds until cancelled (load first if never)."""
+        if self._fingerprint is None:
+            self._fingerprint = await asyncio.to_thread(fingerprint, self.paths)
+            self._apply(await asyncio.to_thread(self._load))
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                current = await asyncio.to_thread(fingerprint, self.paths)
+                if current == self._fingerprint:
+                    continue
+                self._fingerprint = current
+                log.info("resource files changed; reloading %s", ", ".join(map(str, self.paths)))
+                self._apply(await asyncio.to_thread(self._load))
+            except Exception:  # never let a surprise end hot reload
+                log.exception("reloading %s failed", ", ".join(map(str, self.paths)))
+
+    def _load(self) -> _Loaded:
+        result: LoadResult = load_paths(self.paths)
+        errors = [str(e) for e in result.errors]
+        configs = [r for r in result.resources if getattr(r.obj, "kind", None) == "GatewayConfig"]
+        gateway_config: object | None = None
+        specs: tuple[EndpointSpec, ...] = ()
+        if len(configs) > 1:
+            places = ", ".join(f"{r.location} ({r.ref})" for r in configs)
+            errors.append(f"more than one GatewayConfig: {places}")
+        elif configs:
+            gateway_config = configs[0].obj
+            scraping = getattr(getattr(gateway_config, "spec", None), "scraping", None)
+            if not isinstance(scraping, ScrapingConfig):
+                scraping = self._scraping
+            specs, spec_errors = endpoint_specs(
+                gateway_config,  # type: ignore[arg-type]  # GatewayConfig satisfies the protocol
+                scraping,
+                f"{configs[0].location}: {configs[0].ref}",
+            )
+            errors.extend(spec_errors)
+        return _Loaded(
+            pools=tuple(result.pools()),
+            models=tuple(result.models()),
+            specs=specs,
+            gateway_config=gateway_config,
+            notices=tuple(result.notices),
+            errors=tuple(errors),
+        )
+
+    def _apply(self, loaded: _Loaded) -> ReloadOutcome:
+        for notice in loaded.notices:
+            log.info("%s", notice)
+        if loaded.errors:
+            self._errors = loaded.errors
+            kept = "keeping the last good state" if self.loads else "nothing loaded"
+            for error in loaded.errors:
+                log.error("%s", error)
+            log.error("resource files have %d error(s); %s", len(loaded.errors), kept)
+            return ReloadOutcome(applied=False, errors=loaded.errors, notices=loaded.notices)
+        self._errors = ()
+        self._gateway_config = loaded.gateway_config
+        self._update_statuses(loaded.pools, loaded.models)
+        self._datastore.set_resources(loaded.pools, loaded.models, source=self._source)
+        self._datastore.set_endpoints(loaded.specs, source=self._source)
+        self.loads += 1
+        log.info(
+            "loaded %d pool(s), %d model(s), %d endpoint(s) from files",
+            len(loaded.pools),
+            len(loaded.models),
+            len(loaded.specs),
+        )
+        return ReloadOutcome(
+            applied=True,
+            notices=loaded.notices,
+            pools=len(loaded.pools),
+            models=len(loaded.models),
+            endpoints=len(loaded.specs),
+        )
+
+    def _update_statuses(
+        self, pools: Sequence[AnyInferencePool], models: Sequence[InferenceModel]
+    ) -> None:
+        previous = self._statuses
+        statuses = compute_model_statuses(pools, models, now=self._now(), previous=previous)
+        for key, status in statuses.items():
+            new = status.condition(CONDITION_ACCEPTED)
+            old_status = previous.get(key)
+            old = old_status.condition(CONDITION_ACCEPTED) if old_status is not None else None
+            if new is not None and (
+                old is None
+                or (old.status, old.reason, old.message) != (new.status, new.reason, new.message)
+            ):
+                log_level = logging.INFO if new.status == "True" else logging.WARNING
+                log.log(
+                    log_level,
+                    "InferenceModel %s: Accepted=%s (%s): %s",
+                    key,
+                    new.status,
+                    new.reason,
+                    new.message,
+                )
+        for key in previous.keys() - statuses.keys():
+            log.info("InferenceModel %s: removed", key)
+        self._statuses = MappingProxyType(statuses)
+
+
+def fingerprint(paths: Sequence[Path]) -> Fingerprint:
+    """(path, mtime_ns, size, inode) of every file the loader would read; (-1,...) if missing."""
+    entries: list[tuple[str, int, int, int]] = []
+    for path in paths:
+        if path.is_dir():
+            files = sorted(
+                p
+                for p in path.rglob("*")
+                if p.suffix in SUFFIXES
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+        else:
+            files = [path]
+        for file in files:
+            try:
+                st = os.stat(file)
+            except OSError:
+                entries.append((str(file), -1, -1, -1))
+                continue
+            if path.is_dir() and not os.path.isfile(file):
+                continue
+            entries.append((str(file), st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(entries)

@@ -137,7 +137,9 @@ def _translate(detail: ErrorDetails, prefix: tuple[int | str, ...]) -> list[Fiel
         return [FieldError(path, f"Invalid value: {go_value(value)}: {msg}")]
     if kind == "too_long":
         unit = "items" if ctx.get("field_type") != "Dictionary" else "properties"
-        actual, most = ctx["actual_length"], ctx["max_length"]
+        actual, most = ctx.get("actual_length"), ctx["max_length"]
+        if actual is None and isinstance(value, dict | list):
+            actual = len(value)  # pydantic stops counting a dict at the first excess item
         return [FieldError(path, f"Too many: {actual}: must have at most {most} {unit}")]
     if kind == "too_short":
         unit = "properties" if ctx.get("field_type") == "Dictionary" else "items"

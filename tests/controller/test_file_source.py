@@ -131,9 +131,10 @@ def test_bad_edit_keeps_the_last_good_state(files: Path, caplog: pytest.LogCaptu
     assert outcome is not None
     assert not outcome.applied
     assert store.snapshot() is good
-    assert len(source.last_errors) == 1
+    errors = source.last_errors
+    assert len(errors) == 1
     # file:line:col of the YAML error (the unclosed `[` runs into line 7)
-    assert source.last_errors[0].startswith(f"{files / 'pool.yaml'}:7:15: invalid YAML")
+    assert errors[0].startswith(f"{files / 'pool.yaml'}:7:15: invalid YAML")
     assert "keeping the last good state" in caplog.text
     # An invalid object (not just bad syntax) is reported with its field path.
     write(files / "pool.yaml", POOL.replace("targetPortNumber: 8000", "targetPortNumber: 99999"))

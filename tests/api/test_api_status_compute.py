@@ -1,0 +1,236 @@
+"""Status computation: Accepted / ModelNameInUse / PoolNotFound / NoValidTargetModel / Pending,
+conflict resolution by age, lastTransitionTime stability, and resolve_model_names."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from apidocs import M1, model_doc, pool1_doc, pool2_doc
+
+from poolkeeper.api.model import InferenceModel, InferenceModelStatus
+from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
+from poolkeeper.api.status import (
+    compute_model_statuses,
+    judge_models,
+    resolve_model_names,
+    with_status,
+)
+
+T0 = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)
+NOW = datetime(2025, 7, 1, 12, 0, 0, 123456, tzinfo=UTC)
+POOL = InferencePool.model_validate(pool2_doc())
+
+
+def model(
+    name: str,
+    model_name: str = "llama",
+    *,
+    created: datetime | None = T0,
+    namespace: str = "default",
+    pool: str = "pool",
+    api_version: str = "inference.networking.x-k8s.io/v1alpha2",
+    **spec: Any,
+) -> InferenceModel:
+    doc = model_doc(api_version, **spec)
+    doc["metadata"] = {"name": name, "namespace": namespace}
+    if created is not None:
+        doc["metadata"]["creationTimestamp"] = created.isoformat()
+    doc["spec"]["modelName"] = model_name
+    doc["spec"]["poolRef"] = doc["spec"].get("poolRef", {}) | {"name": pool}
+    return InferenceModel.model_validate(doc)
+
+
+def reasons(
+    pools: list[AnyInferencePool], models: list[InferenceModel]
+) -> dict[str, tuple[str, str]]:
+    statuses = compute_model_statuses(pools, models, now=NOW)
+    out = {}
+    for key, status in statuses.items():
+        cond = status.condition("Accepted")
+        assert cond is not None
+        out[key] = (cond.status, cond.reason)
+    return out
+
+
+def test_single_model_is_accepted() -> None:
+    statuses = compute_model_statuses([POOL], [model("a")], now=NOW)
+    (cond,) = statuses["default/a"].conditions
+    assert (cond.type, cond.status, cond.reason) == ("Accepted", "True", "Accepted")
+    assert cond.last_transition_time == NOW.replace(microsecond=0)
+    assert cond.observed_generation == 1
+
+
+def test_observed_generation_follows_metadata() -> None:
+    m = model("a")
+    m = m.model_copy(update={"metadata": m.metadata.model_copy(update={"generation": 7})})
+    statuses = compute_model_statuses([POOL], [m], now=NOW)
+    assert statuses["default/a"].conditions[0].observed_generation == 7
+
+
+def test_oldest_wins_and_newer_gets_model_name_in_use() -> None:
+    old, new = model("old", created=T0), model("new", created=T0 + timedelta(hours=1))
+    result = reasons([POOL], [new, old])
+    assert result == {
+        "default/old": ("True", "Accepted"),
+        "default/new": ("False", "ModelNameInUse"),
+    }
+    message = (
+        compute_model_statuses([POOL], [new, old], now=NOW)["default/new"].conditions[0].message
+    )
+    assert "default/old" in message
+    assert "'llama'" in message
+
+
+def test_equal_timestamps_are_broken_by_name_whatever_the_order() -> None:
+    a, b = model("alpha"), model("beta")
+    assert reasons([POOL], [b, a]) == reasons([POOL], [a, b])
+    assert reasons([POOL], [b, a])["default/alpha"] == ("True", "Accepted")
+    assert reasons([POOL], [b, a])["default/beta"] == ("False", "ModelNameInUse")
+
+
+def test_missing_timestamp_loses_to_a_stated_one() -> None:
+    undated, dated = model("aaa", created=None), model("zzz", created=T0 + timedelta(days=300))
+    assert reasons([POOL], [undated, dated])["default/zzz"] == ("True", "Accepted")
+
+
+def test_naive_timestamps_count_as_utc() -> None:
+    naive = model("naive", created=None)
+    naive = naive.model_copy(
+        update={
+            "metadata": naive.metadata.model_copy(
+                update={"creation_timestamp": datetime(2020, 1, 1)}
+            )
+        }
+    )
+    assert reasons([POOL], [naive, model("aware")])["default/naive"] == ("True", "Accepted")
+
+
+def test_same_model_name_in_different_pools_is_fine() -> None:
+    other = InferencePool.model_validate(pool2_doc() | {"metadata": {"name": "other"}})
+    a, b = model("a", pool="pool"), model("b", pool="other", created=T0 + timedelta(1))
+    assert reasons([POOL, other], [a, b]) == {
+        "default/a": ("True", "Accepted"),
+        "default/b": ("True", "Accepted"),
+    }
+
+
+def test_pool_is_looked_up_in_the_models_namespace() -> None:
+    elsewhere = model("a", namespace="team-b")
+    result = compute_model_statuses([POOL], [elsewhere], now=NOW)["team-b/a"].conditions[0]
+    assert (result.status, result.reason) == ("False", "PoolNotFound")
+    assert "team-b/pool" in result.message
+
+
+def test_v1_pool_satisfies_a_pool_ref() -> None:
+    v1 = InferencePoolV1.model_validate(pool1_doc())
+    assert reasons([v1], [model("a")]) == {"default/a": ("True", "Accepted")}
+
+
+def test_foreign_pool_kind_stays_pending() -> None:
+    foreign = model("a", poolRef={"group": "example.com", "kind": "Backend"})
+    assert reasons([POOL], [foreign]) == {"default/a": ("Unknown", "Pending")}
+
+
+def test_all_zero_weights_is_no_valid_target_and_does_not_block_others() -> None:
+    zero = model("zero", api_version=M1, targetModels=[{"name": "a", "weight": 0}])
+    newer = model("newer", created=T0 + timedelta(hours=2))
+    assert reasons([POOL], [zero, newer]) == {
+        "default/zero": ("False", "NoValidTargetModel"),
+        "default/newer": ("True", "Accepted"),
+    }
+
+
+def test_some_zero_weights_are_fine() -> None:
+    mixed = model(
+        "m", api_version=M1, targetModels=[{"name": "a", "weight": 0}, {"name": "b", "weight": 1}]
+    )
+    assert reasons([POOL], [mixed]) == {"default/m": ("True", "Accepted")}
+
+
+def test_deleting_the_winner_promotes_the_next_oldest() -> None:
+    first = model("first", created=T0)
+    second = model("second", created=T0 + timedelta(minutes=1))
+    third = model("third", created=T0 + timedelta(minutes=2))
+    before = compute_model_statuses([POOL], [first, second, third], now=NOW)
+    assert before["default/second"].conditions[0].reason == "ModelNameInUse"
+    later = NOW + timedelta(minutes=5)
+    survivors = [
+        with_status(second, before["default/second"]),
+        with_status(third, before["default/third"]),
+    ]
+    after = compute_model_statuses([POOL], survivors, now=later)
+    promoted = after["default/second"].conditions[0]
+    assert (promoted.status, promoted.reason) == ("True", "Accepted")
+    assert promoted.last_transition_time == later.replace(microsecond=0)
+    still = after["default/third"].conditions[0]
+    assert (still.status, still.reason) == ("False", "ModelNameInUse")
+    assert "default/second" in still.message
+    # third stayed False: its transition time is the one from the first computation.
+    assert still.last_transition_time == before["default/third"].conditions[0].last_transition_time
+
+
+def test_last_transition_time_only_moves_when_status_changes() -> None:
+    m = model("a")
+    first = compute_model_statuses([POOL], [m], now=NOW)
+    again = compute_model_statuses([POOL], [m], now=NOW + timedelta(hours=1), previous=first)
+    assert again["default/a"].conditions[0].last_transition_time == NOW.replace(microsecond=0)
+    gone = compute_model_statuses([], [m], now=NOW + timedelta(hours=2), previous=again)
+    lost = gone["default/a"].conditions[0]
+    assert (lost.status, lost.reason) == ("False", "PoolNotFound")
+    assert lost.last_transition_time == (NOW + timedelta(hours=2)).replace(microsecond=0)
+    # False -> False with another reason keeps the time.
+    conflict = [m, model("older", created=T0 - timedelta(days=1))]
+    moved = compute_model_statuses([POOL], conflict, now=NOW + timedelta(hours=3), previous=gone)[
+        "default/a"
+    ].conditions[0]
+    assert (moved.status, moved.reason) == ("False", "ModelNameInUse")
+    assert moved.last_transition_time == lost.last_transition_time
+
+
+def test_pending_default_transitions_at_first_reconcile() -> None:
+    m = model("a")
+    assert m.status.conditions[0].reason == "Pending"
+    cond = compute_model_statuses([POOL], [m], now=NOW)["default/a"].conditions[0]
+    assert cond.status == "True"
+    assert cond.last_transition_time == NOW.replace(microsecond=0)
+
+
+def test_previous_defaults_to_the_objects_own_status() -> None:
+    m = model("a")
+    earlier = datetime(2025, 1, 1, tzinfo=UTC)
+    status = InferenceModelStatus.model_validate(
+        {
+            "conditions": [
+                {
+                    "type": "Accepted",
+                    "status": "True",
+                    "reason": "Accepted",
+                    "message": "",
+                    "lastTransitionTime": earlier.isoformat(),
+                }
+            ]
+        }
+    )
+    cond = compute_model_statuses([POOL], [with_status(m, status)], now=NOW)[
+        "default/a"
+    ].conditions[0]
+    assert cond.last_transition_time == earlier
+
+
+@pytest.mark.parametrize("order", [0, 1, 2], ids=["order-a", "order-b", "order-c"])
+def test_resolve_model_names(order: int) -> None:
+    winner = model("winner", "chat", created=T0)
+    loser = model("loser", "chat", created=T0 + timedelta(seconds=1))
+    base = model("base", "llama-base")
+    orphan = model("orphan", "orphan", pool="missing")
+    models = [winner, loser, base, orphan]
+    models = models[order:] + models[:order]
+    resolved = resolve_model_names([POOL], models)
+    assert resolved == {("default/pool", "chat"): winner, ("default/pool", "llama-base"): base}
+
+
+def test_judge_models_reports_the_pool_key() -> None:
+    verdicts = judge_models([POOL], [model("a")])
+    assert verdicts["default/a"].pool_key == "default/pool"

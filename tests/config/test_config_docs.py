@@ -49,7 +49,9 @@ def test_table_rows_show_type_limits_and_default() -> None:
 
 def test_regeneration_rewrites_only_the_marked_block(tmp_path: Path) -> None:
     page = tmp_path / "c.md"
-    page.write_text(f"intro\n{BEGIN_MARKER}\nOLD-TABLE-TEXT\n{END_MARKER}\noutro\n", encoding="utf-8")
+    page.write_text(
+        f"intro\n{BEGIN_MARKER}\nOLD-TABLE-TEXT\n{END_MARKER}\noutro\n", encoding="utf-8"
+    )
     assert main([str(page)]) == 0
     text = page.read_text(encoding="utf-8")
     assert text.startswith("intro\n")

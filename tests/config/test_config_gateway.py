@@ -49,7 +49,7 @@ def test_empty_spec_gives_documented_defaults() -> None:
     assert handling.unknown_model_policy is UnknownModelPolicy.REJECT
     assert handling.max_body_bytes == 16 * 1024 * 1024
     assert handling.inject_stream_usage is True
-    assert handling.fallback_endpoints == 1
+    assert handling.fallback_endpoints == 3
     assert handling.default_pool is None
     assert config.metadata.name == "default"
 
@@ -183,9 +183,9 @@ def test_default_pool_gets_the_default_namespace() -> None:
             "greater than or equal to 1024",
         ),
         (
-            {"requestHandling": {"fallbackEndpoints": 9}},
+            {"requestHandling": {"fallbackEndpoints": 17}},
             "spec.requestHandling.fallbackEndpoints",
-            "less than or equal to 8",
+            "less than or equal to 16",
         ),
         (
             {"requestHandling": {"defaultPool": "Bad/Pool"}},

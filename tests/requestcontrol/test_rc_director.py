@@ -1,18 +1,22 @@
-"""The Director: errors and their statuses, model resolution, candidates, bookkeeping."""
+"""The Director with the real Datastore, scheduler, admission controller and in-flight tracker:
+errors and their statuses, model resolution, candidates, bookkeeping."""
 
 from __future__ import annotations
 
 import json
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.model import InferenceModel
-from poolkeeper.config.gateway import RequestHandling, UnknownModelPolicy
+from poolkeeper.api.pool import InferencePool
+from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
+from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.errors import (
     BadRequest,
     GatewayError,
@@ -22,18 +26,32 @@ from poolkeeper.errors import (
     PayloadTooLarge,
     RequestShed,
 )
-from poolkeeper.requestcontrol.director import Director, Ticket
+from poolkeeper.requestcontrol.director import Director, Ticket, build_director
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
-from poolkeeper.scheduling.types import (
-    Endpoint,
-    EndpointMetrics,
-    EndpointState,
-    LLMRequest,
-    SchedulingResult,
-)
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.inflight import InflightTracker
+from poolkeeper.scheduling.types import EndpointMetrics, EndpointState, LLMRequest, SchedulingResult
 
 POOL = "default/pool"
 OTHER_POOL = "default/other"
+SCRAPED_AT = 100.0
+NOW = 100.05  # within the admission detector's 200 ms freshness window
+
+
+def _pool(name: str, app: str) -> InferencePool:
+    return InferencePool.model_validate(
+        {
+            "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+            "kind": "InferencePool",
+            "metadata": {"name": name},
+            "spec": {
+                "selector": {"app": app},
+                "targetPortNumber": 8000,
+                "extensionRef": {"name": "epp"},
+            },
+        }
+    )
 
 
 def _model(
@@ -45,7 +63,7 @@ def _model(
     created: str | None = None,
     object_name: str | None = None,
 ) -> InferenceModel:
-    meta: dict[str, Any] = {"name": object_name or name.replace("_", "-")}
+    meta: dict[str, Any] = {"name": object_name or name}
     if created is not None:
         meta["creationTimestamp"] = created
     spec: dict[str, Any] = {"modelName": name, "poolRef": {"name": pool}}
@@ -63,126 +81,81 @@ def _model(
     )
 
 
-def _state(i: int, *, waiting: int = 0, updated_at: float = 100.0) -> EndpointState:
-    return EndpointState(
-        endpoint=Endpoint(name=f"sim-{i}", address=f"10.0.0.{i}", port=8000),
-        metrics=EndpointMetrics(waiting=waiting, updated_at=updated_at),
+DEFAULT_MODELS = (
+    _model("chat", criticality="Critical"),
+    _model("split", targets=[{"name": "lora-a", "weight": 1}, {"name": "lora-b", "weight": 0}]),
+    _model("cheap", criticality="Sheddable"),
+    _model("dead", targets=[{"name": "x", "weight": 0}, {"name": "y", "weight": 0}]),
+)
+
+
+def _store(
+    *,
+    pools: Mapping[str, str] | None = None,
+    endpoints: Sequence[tuple[int, str]] | None = None,
+    models: Sequence[InferenceModel] = DEFAULT_MODELS,
+    waiting: int = 0,
+    scraped_at: float = SCRAPED_AT,
+) -> Datastore:
+    """pools: name -> app label; endpoints: (i, app) -> sim-i at 10.0.0.i (pool port 8000)."""
+    pools = {"pool": "sim"} if pools is None else pools
+    endpoints = [(i, "sim") for i in range(1, 5)] if endpoints is None else endpoints
+    store = Datastore()
+    store.set_resources([_pool(name, app) for name, app in pools.items()], models)
+    store.set_endpoints(
+        [EndpointSpec(f"sim-{i}", f"10.0.0.{i}", labels={"app": app}) for i, app in endpoints]
     )
+    for i, app in endpoints:
+        metrics = EndpointMetrics(waiting=waiting, updated_at=scraped_at)
+        selected = store.update_metrics(f"10.0.0.{i}:8000", metrics)
+        assert selected == (app in pools.values())
+    return store
 
 
-@dataclass
-class FakeSnapshot:
-    states_by_pool: dict[str, list[EndpointState]]
-    models_by_pool: dict[str, dict[str, InferenceModel]] = field(default_factory=dict)
+class Recording:
+    """Wraps a scheduler and remembers what it was asked."""
 
-    def pool_keys(self) -> Sequence[str]:
-        return list(self.states_by_pool)
-
-    def models(self, pool_key: str) -> Mapping[str, InferenceModel]:
-        return self.models_by_pool.get(pool_key, {})
-
-    def states(self, pool_key: str) -> Sequence[EndpointState]:
-        return self.states_by_pool.get(pool_key, [])
-
-
-@dataclass
-class FakeStore:
-    current: FakeSnapshot
-
-    def snapshot(self) -> FakeSnapshot:
-        return self.current
-
-
-class FakeInflight:
-    def __init__(self) -> None:
-        self.open: dict[str, tuple[str, int]] = {}
-        self.finished: list[str] = []
-
-    def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> None:
-        assert request_id not in self.open
-        self.open[request_id] = (endpoint_key, tokens)
-
-    def finish(self, request_id: str) -> None:
-        self.finished.append(request_id)
-        self.open.pop(request_id, None)
-
-    def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
-        counts: dict[str, int] = {}
-        for key, _ in self.open.values():
-            counts[key] = counts.get(key, 0) + 1
-        return [replace(s, inflight_requests=counts.get(s.key, 0)) for s in states]
-
-
-class LeastLoadedScheduler:
-    """Orders candidates by waiting + in-flight, then key (deterministic)."""
-
-    def __init__(self) -> None:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
         self.seen: list[tuple[LLMRequest, list[EndpointState]]] = []
 
     def schedule(
         self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float
     ) -> SchedulingResult:
         self.seen.append((request, list(candidates)))
-        ordered = sorted(candidates, key=lambda s: (s.metrics.waiting + s.inflight_requests, s.key))
-        return SchedulingResult(targets=tuple(ordered))
-
-
-class SaturationAdmission:
-    """Sheds non-critical requests when no candidate has waiting <= 5."""
-
-    def admit(self, request: LLMRequest, states: Sequence[EndpointState], *, now: float) -> None:
-        if request.criticality is Criticality.CRITICAL:
-            return
-        if not any(s.metrics.waiting <= 5 for s in states):
-            raise RequestShed("pool is saturated")
+        result: SchedulingResult = self.inner.schedule(request, candidates, now=now)
+        return result
 
 
 @dataclass
 class Rig:
     director: Director
-    store: FakeStore
-    inflight: FakeInflight
-    scheduler: LeastLoadedScheduler
+    store: Datastore
+    inflight: InflightTracker
+    scheduler: Recording
     clock: list[float]
 
 
 def _rig(
-    snapshot: FakeSnapshot | None = None,
+    store: Datastore | None = None,
     config: RequestHandling | None = None,
     scheduler: Any = None,
 ) -> Rig:
-    if snapshot is None:
-        snapshot = FakeSnapshot(
-            {POOL: [_state(i) for i in range(1, 5)]},
-            {
-                POOL: {
-                    "chat": _model("chat", criticality="Critical"),
-                    "split": _model(
-                        "split",
-                        targets=[{"name": "lora-a", "weight": 1}, {"name": "lora-b", "weight": 0}],
-                    ),
-                    "cheap": _model("cheap", criticality="Sheddable"),
-                    "dead": _model(
-                        "dead",
-                        targets=[{"name": "x", "weight": 0}, {"name": "y", "weight": 0}],
-                    ),
-                }
-            },
-        )
-    store = FakeStore(snapshot)
-    inflight = FakeInflight()
-    sched = scheduler or LeastLoadedScheduler()
-    clock = [100.5]
+    store = store if store is not None else _store()
+    inflight = InflightTracker()
+    rng = random.Random(1)
+    recording = Recording(scheduler or build_scheduler(SchedulingConfig(), rng=rng))
+    clock = [NOW]
     director = Director(
         datastore=store,
-        scheduler=sched,
+        scheduler=recording,
         inflight=inflight,
-        admission=SaturationAdmission(),
+        admission=AdmissionController(),
         config=config or RequestHandling(),
-        rng=random.Random(1),
+        rng=rng,
         clock=lambda: clock[0],
     )
-    return Rig(director, store, inflight, sched, clock)
+    return Rig(director, store, inflight, recording, clock)
 
 
 def _chat(
@@ -193,8 +166,9 @@ def _chat(
     extra: dict[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
     subset: tuple[str, ...] | None = None,
+    text: str = "hi " * 40,
 ) -> IncomingRequest:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi " * 40}], **(extra or {})}
+    body = {"model": model, "messages": [{"role": "user", "content": text}], **(extra or {})}
     if stream:
         body["stream"] = True
     return IncomingRequest(
@@ -207,37 +181,43 @@ def _chat(
     )
 
 
+ALL = {f"10.0.0.{i}:8000" for i in range(1, 5)}
+
+
 async def test_routes_a_known_model() -> None:
     rig = _rig()
     decision = await rig.director.route(_chat())
-    assert decision.endpoints == ("10.0.0.1:8000", "10.0.0.2:8000")  # primary + 1 fallback
+    assert len(decision.endpoints) == 4  # the pick + 3 fallbacks (default), all distinct
+    assert set(decision.endpoints) == ALL
     assert decision.pool == POOL
     assert (decision.model_name, decision.target_model) == ("chat", "chat")
     assert decision.criticality is Criticality.CRITICAL
     assert decision.body is None  # nothing to rewrite
     assert decision.prompt_tokens > 0
-    assert rig.inflight.open == {"r1": ("10.0.0.1:8000", decision.prompt_tokens)}
+    assert "r1" in rig.inflight
+    assert rig.inflight.counts(decision.endpoints[0]) == (1, decision.prompt_tokens)
     request, candidates = rig.scheduler.seen[-1]
     assert request.prompt.startswith("<|im_start|>user\nhi hi")
     assert request.prompt_tokens == decision.prompt_tokens
-    assert len(candidates) == 4
+    assert {s.key for s in candidates} == ALL
 
 
 async def test_in_flight_load_reaches_the_scheduler() -> None:
     rig = _rig()
-    first = await rig.director.route(_chat(rid="a"))
-    second = await rig.director.route(_chat(rid="b"))
-    assert first.endpoints[0] != second.endpoints[0]  # the first request counts as load
-    _, candidates = rig.scheduler.seen[-1]
-    assert {s.key: s.inflight_requests for s in candidates}[first.endpoints[0]] == 1
+    first = await rig.director.route(_chat(rid="a", text="first prompt " * 30))
+    second = await rig.director.route(_chat(rid="b", text="another prompt " * 30))
+    loads = {s.key: (s.inflight_requests, s.unseen_requests) for s in rig.scheduler.seen[-1][1]}
+    assert loads[first.endpoints[0]] == (1, 1)  # sent after the scrape: unseen by the server
+    assert sum(n for n, _ in loads.values()) == 1
+    assert second.endpoints[0] != first.endpoints[0]  # the first request counts as load
 
 
-async def test_fallback_count_follows_config() -> None:
-    for fallbacks in (0, 2, 8):
-        rig = _rig(config=RequestHandling(fallback_endpoints=fallbacks))
-        decision = await rig.director.route(_chat())
-        assert len(decision.endpoints) == min(1 + fallbacks, 4)
-        assert len(set(decision.endpoints)) == len(decision.endpoints)
+@pytest.mark.parametrize(("fallbacks", "expected"), [(0, 1), (2, 3), (16, 4)])
+async def test_fallback_count_follows_config(fallbacks: int, expected: int) -> None:
+    rig = _rig(config=RequestHandling(fallback_endpoints=fallbacks))
+    decision = await rig.director.route(_chat())
+    assert len(decision.endpoints) == expected  # capped by the config and by the picker (4)
+    assert len(set(decision.endpoints)) == expected
 
 
 async def test_split_rewrites_the_model_in_the_body() -> None:
@@ -248,8 +228,9 @@ async def test_split_rewrites_the_model_in_the_body() -> None:
     body = json.loads(decision.body)
     assert body["model"] == "lora-a"
     assert body["temperature"] == 0.5
-    assert rig.scheduler.seen[-1][0].target_model == "lora-a"
-    assert rig.scheduler.seen[-1][0].model == "split"
+    assert body["messages"] == [{"role": "user", "content": "hi " * 40}]
+    request = rig.scheduler.seen[-1][0]
+    assert (request.model, request.target_model) == ("split", "lora-a")
     assert decision.criticality is Criticality.STANDARD  # unset means Standard
 
 
@@ -272,26 +253,63 @@ async def test_stream_usage_injected_and_recorded() -> None:
 
 
 @pytest.mark.parametrize(
-    ("request_", "error", "status"),
+    ("request_", "error", "status", "code"),
     [
-        (_chat(extra={"model": None}), BadRequest, 400),
+        (_chat(extra={"model": None}), BadRequest, 400, "BadRequest"),
         (
             IncomingRequest("r", "POST", "/v1/completions", {}, b"{not json"),
             BadRequest,
             400,
+            "BadRequest",
         ),
-        (_chat("nope"), ModelNotFound, 404),
-        (_chat("dead"), NoValidTargetModel, 404),
+        (_chat("nope"), ModelNotFound, 404, "model_not_found"),
+        # The datastore does not resolve a model whose weights are all 0 (its status is
+        # NoValidTargetModel), so its name is unknown here: 404 as well.
+        (_chat("dead"), ModelNotFound, 404, "model_not_found"),
     ],
 )
 async def test_request_errors(
-    request_: IncomingRequest, error: type[GatewayError], status: int
+    request_: IncomingRequest, error: type[GatewayError], status: int, code: str
 ) -> None:
     rig = _rig()
     with pytest.raises(error) as info:
         await rig.director.route(request_)
     assert info.value.http_status == status
-    assert rig.inflight.open == {}
+    assert info.value.openai_body()["error"]["code"] == code
+    assert len(rig.inflight) == 0
+    assert rig.scheduler.seen == []
+
+
+async def test_all_zero_weights_from_a_snapshot_is_no_valid_target_model() -> None:
+    """A snapshot source that does hand out such a model still gets the precise 404."""
+    real = _store()
+
+    class Unfiltered:
+        def pool_keys(self) -> Sequence[str]:
+            return [POOL]
+
+        def models(self, pool_key: str) -> Mapping[str, InferenceModel]:
+            return {"dead": DEFAULT_MODELS[3]}
+
+        def states(self, pool_key: str) -> Sequence[EndpointState]:
+            return real.snapshot().states(POOL)
+
+    class Source:
+        def snapshot(self) -> Unfiltered:
+            return Unfiltered()
+
+    director = Director(
+        datastore=Source(),
+        scheduler=build_scheduler(SchedulingConfig(), rng=random.Random(0)),
+        inflight=InflightTracker(),
+        admission=AdmissionController(),
+        config=RequestHandling(),
+        rng=random.Random(0),
+        clock=lambda: NOW,
+    )
+    with pytest.raises(NoValidTargetModel) as info:
+        await director.route(_chat("dead"))
+    assert info.value.http_status == 404
 
 
 async def test_unknown_model_message_names_the_model() -> None:
@@ -304,6 +322,7 @@ async def test_body_over_the_limit_is_413() -> None:
     with pytest.raises(PayloadTooLarge) as info:
         await rig.director.route(_chat(extra={"pad": "x" * 2000}))
     assert info.value.http_status == 413
+    assert (await rig.director.route(_chat())).endpoints  # a small body still passes
 
 
 async def test_unknown_model_passthrough_as_sheddable() -> None:
@@ -318,24 +337,29 @@ async def test_unknown_model_passthrough_as_sheddable() -> None:
         None,
     )
     assert rig.scheduler.seen[-1][0].criticality is Criticality.SHEDDABLE
+    # ...and a saturated pool sheds it like any Sheddable request.
+    saturated = _rig(_store(waiting=50), config=config)
+    with pytest.raises(RequestShed):
+        await saturated.director.route(_chat("mystery"))
 
 
-async def test_saturated_pool_sheds_sheddable_but_not_critical() -> None:
-    saturated = FakeSnapshot(
-        {POOL: [_state(i, waiting=50) for i in range(1, 3)]},
-        {POOL: {"chat": _model("chat", criticality="Critical"), "cheap": _model("cheap")}},
-    )
-    rig = _rig(saturated)
-    with pytest.raises(RequestShed) as info:
-        await rig.director.route(_chat("cheap"))
-    assert info.value.http_status == 429
-    assert rig.inflight.open == {}
-    decision = await rig.director.route(_chat("chat", rid="r2"))
+async def test_saturated_pool_sheds_by_criticality() -> None:
+    rig = _rig(_store(waiting=50))  # saturation 10: past both shedding levels
+    for model in ("cheap", "split"):  # Sheddable, Standard
+        with pytest.raises(RequestShed) as info:
+            await rig.director.route(_chat(model))
+        assert info.value.http_status == 429
+    assert len(rig.inflight) == 0
+    decision = await rig.director.route(_chat("chat", rid="r2"))  # Critical is never shed
     assert decision.endpoints
+    busy = _rig(_store(waiting=7))  # saturation 1.4: Sheddable shed, Standard admitted
+    with pytest.raises(RequestShed):
+        await busy.director.route(_chat("cheap"))
+    assert (await busy.director.route(_chat("split"))).target_model == "lora-a"
 
 
 async def test_no_endpoints_is_503() -> None:
-    rig = _rig(FakeSnapshot({POOL: []}, {POOL: {"chat": _model("chat")}}))
+    rig = _rig(_store(endpoints=[]))
     with pytest.raises(NoReadyEndpoint, match="no ready endpoint") as info:
         await rig.director.route(_chat())
     assert info.value.http_status == 503
@@ -348,8 +372,10 @@ async def test_scheduler_with_no_result_is_503() -> None:
         ) -> SchedulingResult:
             return SchedulingResult(targets=())
 
+    rig = _rig(scheduler=Empty())
     with pytest.raises(NoReadyEndpoint):
-        await _rig(scheduler=Empty()).director.route(_chat())
+        await rig.director.route(_chat())
+    assert len(rig.inflight) == 0
 
 
 async def test_scheduler_bug_becomes_a_clean_500() -> None:
@@ -357,33 +383,39 @@ async def test_scheduler_bug_becomes_a_clean_500() -> None:
         def schedule(
             self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float
         ) -> SchedulingResult:
-            raise KeyError("bug")
+            raise KeyError("secret detail")
 
     with pytest.raises(GatewayError) as info:
         await _rig(scheduler=Broken()).director.route(_chat())
     assert type(info.value) is GatewayError
     assert info.value.http_status == 500
-    assert "bug" not in info.value.message
+    assert "secret detail" not in info.value.message
 
 
 async def test_subset_hint_restricts_candidates_by_ip() -> None:
     rig = _rig()
     decision = await rig.director.route(_chat(subset=("10.0.0.3:8000", "10.0.0.4:9999")))
     assert set(decision.endpoints) == {"10.0.0.3:8000", "10.0.0.4:8000"}
-    assert rig.scheduler.seen[-1][0].subset == frozenset({"10.0.0.3:8000", "10.0.0.4:9999"})
-    assert {s.key for s in rig.scheduler.seen[-1][1]} == {"10.0.0.3:8000", "10.0.0.4:8000"}
+    request, candidates = rig.scheduler.seen[-1]
+    assert request.subset == frozenset({"10.0.0.3:8000", "10.0.0.4:9999"})
+    assert {s.key for s in candidates} == {"10.0.0.3:8000", "10.0.0.4:8000"}
+    bare_ip = await rig.director.route(_chat(rid="r2", subset=("10.0.0.2",)))
+    assert bare_ip.endpoints == ("10.0.0.2:8000",)
 
 
 @pytest.mark.parametrize("subset", [(), ("192.168.9.9:8000",)])
 async def test_empty_or_foreign_subset_is_503(subset: tuple[str, ...]) -> None:
+    rig = _rig()
     with pytest.raises(NoReadyEndpoint, match="subset"):
-        await _rig().director.route(_chat(subset=subset))
+        await rig.director.route(_chat(subset=subset))
+    with pytest.raises(NoReadyEndpoint, match="subset"):
+        await rig.director.route(IncomingRequest("g", "GET", "/", {}, subset_hint=subset))
 
 
 async def test_subset_hint_ignored_when_disabled() -> None:
     rig = _rig(config=RequestHandling(honor_subset_hint=False))
     decision = await rig.director.route(_chat(subset=()))
-    assert decision.endpoints[0] == "10.0.0.1:8000"
+    assert set(decision.endpoints) == ALL
     assert rig.scheduler.seen[-1][0].subset is None
 
 
@@ -396,51 +428,54 @@ async def test_client_control_headers_never_reach_the_scheduler() -> None:
     }
     rig = _rig()
     decision = await rig.director.route(_chat(headers=headers))
-    assert decision.endpoints[0] == "10.0.0.1:8000"
-    assert dict(rig.scheduler.seen[-1][0].headers) == {"authorization": "Bearer t"}
-    assert rig.scheduler.seen[-1][0].subset is None
+    assert set(decision.endpoints) == ALL
+    request = rig.scheduler.seen[-1][0]
+    assert dict(request.headers) == {"authorization": "Bearer t"}
+    assert request.subset is None
 
 
 async def test_header_only_request_goes_to_a_random_ready_endpoint() -> None:
     rig = _rig()
-    seen: set[str] = set()
+    primaries: set[str] = set()
     for i in range(40):
-        request = IncomingRequest(f"g{i}", "GET", "/v1/models", {})
-        decision = await rig.director.route(request)
+        decision = await rig.director.route(IncomingRequest(f"g{i}", "GET", "/v1/models", {}))
         assert decision.pool == POOL
-        assert len(decision.endpoints) == 2
-        assert len(set(decision.endpoints)) == 2
+        assert len(decision.endpoints) == 4
+        assert set(decision.endpoints) == ALL
         assert decision.model_name == ""
-        seen.add(decision.endpoints[0])
+        primaries.add(decision.endpoints[0])
         rig.director.complete(decision, status=200, usage=None)
-    assert seen == {f"10.0.0.{i}:8000" for i in range(1, 5)}
+    assert primaries == ALL
     assert rig.scheduler.seen == []  # no scheduling, no admission, no in-flight accounting
-    assert rig.inflight.open == {}
-    assert rig.inflight.finished == []
+    assert len(rig.inflight) == 0
+
+
+async def test_header_only_request_ignores_saturation() -> None:
+    rig = _rig(_store(waiting=50))
+    decision = await rig.director.route(IncomingRequest("g", "GET", "/v1/models", {}))
+    assert decision.endpoints[0] in ALL
 
 
 async def test_header_only_request_with_no_endpoints_is_503() -> None:
-    rig = _rig(FakeSnapshot({POOL: []}))
-    with pytest.raises(NoReadyEndpoint):
-        await rig.director.route(IncomingRequest("g", "GET", "/v1/models", {}))
+    with pytest.raises(NoReadyEndpoint, match="no ready endpoint"):
+        await _rig(_store(endpoints=[])).director.route(IncomingRequest("g", "GET", "/", {}))
     with pytest.raises(NoReadyEndpoint, match="no InferencePool"):
-        await _rig(FakeSnapshot({})).director.route(IncomingRequest("g", "GET", "/", {}))
+        await _rig(_store(pools={})).director.route(IncomingRequest("g", "GET", "/", {}))
 
 
 async def test_default_pool_for_header_only_and_passthrough() -> None:
-    snapshot = FakeSnapshot(
-        {POOL: [_state(1)], OTHER_POOL: [_state(7)]}, {POOL: {}, OTHER_POOL: {}}
-    )
-    rig = _rig(snapshot)
+    store = _store(pools={"pool": "sim", "other": "alt"}, endpoints=[(1, "sim"), (7, "alt")])
+    rig = _rig(store)
     bodyless = await rig.director.route(IncomingRequest("g", "GET", "/", {}))
     assert bodyless.pool == OTHER_POOL  # first by key ("default/other" < "default/pool")
+    assert bodyless.endpoints == ("10.0.0.7:8000",)
     config = RequestHandling(
         default_pool="pool", unknown_model_policy=UnknownModelPolicy.PASSTHROUGH_SHEDDABLE
     )
-    rig = _rig(snapshot, config=config)
+    rig = _rig(store, config=config)
     assert (await rig.director.route(IncomingRequest("g", "GET", "/", {}))).pool == POOL
     assert (await rig.director.route(_chat("anything"))).endpoints == ("10.0.0.1:8000",)
-    missing = _rig(snapshot, config=RequestHandling(default_pool="ns/missing"))
+    missing = _rig(store, config=RequestHandling(default_pool="ns/missing"))
     with pytest.raises(NoReadyEndpoint, match="default pool ns/missing is not loaded"):
         await missing.director.route(IncomingRequest("g", "GET", "/", {}))
 
@@ -448,25 +483,30 @@ async def test_default_pool_for_header_only_and_passthrough() -> None:
 async def test_model_in_two_pools_goes_to_the_oldest() -> None:
     older = _model("chat", pool="other", created="2025-01-01T00:00:00Z", object_name="b")
     newer = _model("chat", pool="pool", created="2025-06-01T00:00:00Z", object_name="a")
-    snapshot = FakeSnapshot(
-        {POOL: [_state(1)], OTHER_POOL: [_state(2)]},
-        {POOL: {"chat": newer}, OTHER_POOL: {"chat": older}},
-    )
-    decision = await _rig(snapshot).director.route(_chat())
+    pools = {"pool": "sim", "other": "alt"}
+    endpoints = [(1, "sim"), (2, "alt")]
+    rig = _rig(_store(pools=pools, endpoints=endpoints, models=[newer, older]))
+    decision = await rig.director.route(_chat())
     assert decision.pool == OTHER_POOL
     assert decision.endpoints == ("10.0.0.2:8000",)
-    swapped = FakeSnapshot(snapshot.states_by_pool, {POOL: {"chat": older}, OTHER_POOL: {}})
-    assert (await _rig(swapped).director.route(_chat())).pool == POOL
+    swapped = [
+        _model("chat", pool="pool", created="2025-01-01T00:00:00Z", object_name="b"),
+        _model("chat", pool="other", created="2025-06-01T00:00:00Z", object_name="a"),
+    ]
+    rig = _rig(_store(pools=pools, endpoints=endpoints, models=swapped))
+    assert (await rig.director.route(_chat())).pool == POOL
 
 
-async def test_new_snapshot_is_seen_immediately() -> None:
-    rig = _rig()
+async def test_resource_changes_are_seen_immediately() -> None:
+    store = _store()
+    rig = _rig(store)
     assert "late" not in rig.director.model_names()
-    models = dict(rig.store.current.models_by_pool[POOL])
-    models["late"] = _model("late")
-    rig.store.current = FakeSnapshot(rig.store.current.states_by_pool, {POOL: models})
+    store.set_resources([_pool("pool", "sim")], [*DEFAULT_MODELS, _model("late")])
     assert "late" in rig.director.model_names()
     assert (await rig.director.route(_chat("late"))).model_name == "late"
+    store.set_resources([_pool("pool", "sim")], [])
+    with pytest.raises(ModelNotFound):
+        await rig.director.route(_chat("late", rid="r2"))
 
 
 async def test_complete_is_idempotent_and_finishes_in_flight() -> None:
@@ -474,52 +514,81 @@ async def test_complete_is_idempotent_and_finishes_in_flight() -> None:
     decision = await rig.director.route(_chat())
     usage = Usage(prompt_tokens=30, completion_tokens=5)
     rig.director.complete(decision, status=200, usage=usage)
-    rig.director.complete(decision, status=200, usage=usage)
+    assert len(rig.inflight) == 0
+    assert rig.inflight.counts(decision.endpoints[0]) == (0, 0)
+    other = await rig.director.route(_chat(rid="r2"))
+    rig.director.complete(decision, status=200, usage=usage)  # again: must not touch r2
     rig.director.complete(decision, status=None, usage=None)
-    assert rig.inflight.finished == ["r1"]
-    assert rig.inflight.open == {}
+    assert "r2" in rig.inflight
     assert isinstance(decision.ticket, Ticket)
     assert decision.ticket.done
+    rig.director.complete(other, status=None, usage=None)  # cancelled stream
+    assert len(rig.inflight) == 0
 
 
 async def test_served_fallback_moves_in_flight_accounting() -> None:
     rig = _rig()
     decision = await rig.director.route(_chat())
-    primary, fallback = decision.endpoints
+    primary, fallback = decision.endpoints[:2]
     rig.director.served(decision, "1.2.3.4:80")  # not in the decision: ignored
-    assert rig.inflight.open["r1"][0] == primary
+    assert rig.inflight.counts(primary)[0] == 1
     rig.director.served(decision, fallback)
-    assert rig.inflight.open["r1"] == (fallback, decision.prompt_tokens)
+    assert rig.inflight.counts(primary) == (0, 0)
+    assert rig.inflight.counts(fallback) == (1, decision.prompt_tokens)
     rig.director.complete(decision, status=200, usage=None, served_endpoint=fallback)
-    assert rig.inflight.open == {}
+    assert len(rig.inflight) == 0
     rig.director.served(decision, primary)  # after completion: nothing moves
-    assert rig.inflight.open == {}
+    assert len(rig.inflight) == 0
 
 
 async def test_complete_with_served_fallback_and_foreign_tickets() -> None:
     rig = _rig()
     decision = await rig.director.route(_chat())
     rig.director.complete(decision, status=502, usage=None, served_endpoint=decision.endpoints[1])
-    assert rig.inflight.open == {}
-    assert rig.inflight.finished == ["r1"]
-    stranger = RoutingDecision(request_id="x", endpoints=("1.1.1.1:1",), pool=POOL)
-    rig.director.complete(stranger, status=200, usage=None)  # no ticket: nothing to do
-    assert rig.inflight.finished == ["r1"]
+    assert len(rig.inflight) == 0
+    await rig.director.route(_chat(rid="r2"))
+    stranger = RoutingDecision(request_id="r2", endpoints=("1.1.1.1:1",), pool=POOL)
+    rig.director.complete(stranger, status=200, usage=None)  # no ticket of ours: no effect
+    assert "r2" in rig.inflight
 
 
 def test_model_names_across_pools() -> None:
-    snapshot = FakeSnapshot(
-        {POOL: [], OTHER_POOL: []},
-        {POOL: {"b": _model("b"), "a": _model("a")}, OTHER_POOL: {"c": _model("c", pool="other")}},
+    store = _store(
+        pools={"pool": "sim", "other": "alt"},
+        models=[_model("b"), _model("a"), _model("c", pool="other")],
     )
-    assert _rig(snapshot).director.model_names() == ["a", "b", "c"]
+    assert _rig(store).director.model_names() == ["a", "b", "c"]
 
 
 def test_ready_needs_an_endpoint_with_fresh_metrics() -> None:
-    rig = _rig(FakeSnapshot({POOL: [_state(1, updated_at=100.0)]}))
-    rig.clock[0] = 101.0
+    rig = _rig()
+    rig.clock[0] = SCRAPED_AT + 1.0
     assert rig.director.ready()
-    rig.clock[0] = 103.0  # older than the 2 s freshness window
+    rig.clock[0] = SCRAPED_AT + 3.0  # older than the 2 s freshness window
     assert not rig.director.ready()
-    assert not _rig(FakeSnapshot({POOL: [_state(1, updated_at=0.0)]})).director.ready()
-    assert not _rig(FakeSnapshot({})).director.ready()
+    assert not _rig(_store(scraped_at=0.0)).director.ready()  # never scraped
+    assert not _rig(_store(endpoints=[])).director.ready()
+    assert not _rig(_store(pools={})).director.ready()
+
+
+async def test_build_director_from_a_gateway_config() -> None:
+    config = GatewayConfig.model_validate(
+        {
+            "spec": {
+                "requestHandling": {"fallbackEndpoints": 0},
+                "scraping": {"stalenessMs": 500},
+                "admission": {"queueDepthThreshold": 100},
+            }
+        }
+    )
+    clock = [NOW]
+    store = _store(waiting=50)
+    director = build_director(config, store, rng=random.Random(3), clock=lambda: clock[0])
+    decision = await director.route(_chat("cheap"))  # saturation 0.5 with a threshold of 100
+    assert len(decision.endpoints) == 1
+    assert director.config.fallback_endpoints == 0
+    clock[0] = SCRAPED_AT + 0.4
+    assert director.ready()
+    clock[0] = SCRAPED_AT + 0.6
+    assert not director.ready()
+    director.complete(decision, status=200, usage=None)

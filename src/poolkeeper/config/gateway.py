@@ -192,9 +192,11 @@ class RequestHandling(_Section):
     """Add `stream_options.include_usage: true` to streaming chat/completions requests that
     did not ask for it, so the gateway learns token usage; the extra usage chunk is removed
     from the response before the client sees it."""
-    fallback_endpoints: int = Field(default=1, ge=0, le=8)
-    """Endpoints listed after the pick, in order, for the proxy to retry on connection
-    failure (protocol v0.4 fallbacks)."""
+    fallback_endpoints: int = Field(default=3, ge=0, le=16)
+    """At most this many endpoints are listed after the pick, best first, for the proxy to
+    retry on connection failure (protocol v0.4 fallbacks). The scheduler's picker may return
+    fewer (default preset: 3, `maxNumOfEndpoints` 4); bodyless requests get this many random
+    ones."""
     honor_subset_hint: bool = True
     """Restrict the pick to the proxy's `envoy.lb.subset_hint` endpoints when it sends one
     (matched by IP, like upstream). The hint comes from the proxy, never from client headers."""

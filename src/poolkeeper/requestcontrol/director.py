@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
+from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import Criticality, effective_criticality
 from poolkeeper.api.model import InferenceModel
-from poolkeeper.config.gateway import RequestHandling, UnknownModelPolicy
+from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
 from poolkeeper.errors import (
     GatewayError,
     ModelNotFound,
@@ -42,6 +43,8 @@ from poolkeeper.requestcontrol.body import parse_body, quote_model
 from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
 from poolkeeper.requestcontrol.split import choose_target_model
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.types import EndpointState, LLMRequest, SchedulingResult
 
 log = logging.getLogger(__name__)
@@ -159,6 +162,14 @@ class Director:
     @property
     def config(self) -> RequestHandling:
         return self._config
+
+    @property
+    def scheduler(self) -> SchedulerLike:
+        return self._scheduler
+
+    @property
+    def inflight(self) -> InflightLike:
+        return self._inflight
 
     # --- request path ---------------------------------------------------------------------
 
@@ -343,6 +354,29 @@ class Director:
             for pool_key in index.pool_keys
             for state in snapshot.states(pool_key)
         )
+
+
+def build_director(
+    config: GatewayConfig,
+    datastore: SnapshotSource,
+    *,
+    rng: random.Random,
+    clock: Callable[[], float] = time.monotonic,
+) -> Director:
+    """A Director with the scheduler, admission controller and in-flight tracker that
+    `config.spec` describes (raises ConfigError for a scheduling section that cannot be built).
+    """
+    spec = config.spec
+    return Director(
+        datastore=datastore,
+        scheduler=build_scheduler(spec.scheduling, rng=rng),
+        inflight=InflightTracker(),
+        admission=AdmissionController(spec.admission),
+        config=spec.request_handling,
+        rng=rng,
+        clock=clock,
+        fresh_within_s=spec.scraping.staleness_ms / 1000.0,
+    )
 
 
 def _scheduler_headers(headers: Mapping[str, str]) -> Mapping[str, str]:

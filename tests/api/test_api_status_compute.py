@@ -46,7 +46,7 @@ def reasons(
     pools: list[AnyInferencePool], models: list[InferenceModel]
 ) -> dict[str, tuple[str, str]]:
     statuses = compute_model_statuses(pools, models, now=NOW)
-    out = {}
+    out: dict[str, tuple[str, str]] = {}
     for key, status in statuses.items():
         cond = status.condition("Accepted")
         assert cond is not None

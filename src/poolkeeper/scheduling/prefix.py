@@ -39,7 +39,12 @@ def prefix_hashes(model: str, prompt: str, *, block_size: int, max_blocks: int) 
 
 
 class PrefixIndex:
-    """hash -> endpoints holding it, plus one LRU of hashes per endpoint (ip:port)."""
+    """hash -> endpoints holding it, plus one LRU of hashes per endpoint (ip:port).
+
+    A hash held by one endpoint (the common case) maps to that endpoint's key itself, not to
+    a one-element set: strings are not tracked by the garbage collector, so a large index
+    does not turn every full GC pass into a multi-millisecond stall on the request path.
+    """
 
     __slots__ = ("_holders", "_lrus", "capacity_per_endpoint")
 
@@ -47,23 +52,44 @@ class PrefixIndex:
         if capacity_per_endpoint < 1:
             raise ValueError("capacity_per_endpoint must be >= 1")
         self.capacity_per_endpoint = capacity_per_endpoint
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, str | set[str]] = {}
         self._lrus: dict[str, OrderedDict[int, None]] = {}
+
+    def holders(self, h: int) -> frozenset[str]:
+        """The endpoints recorded as holding block hash `h`."""
+        held = self._holders.get(h)
+        if held is None:
+            return frozenset()
+        return frozenset((held,)) if isinstance(held, str) else frozenset(held)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per endpoint, the number of consecutive leading blocks it holds (only those > 0)."""
-        holders = self._holders
         if not hashes:
             return {}
+        holders = self._holders
         first = holders.get(hashes[0])
-        if not first:
+        if first is None:
             return {}
+        if isinstance(first, str):
+            # One candidate: walk its own LRU, no set arithmetic.
+            lru = self._lrus[first]
+            depth = 1
+            for h in hashes[1:]:
+                if h not in lru:
+                    break
+                depth += 1
+            return {first: depth}
         matched: dict[str, int] = {}
         active = set(first)
         depth = 1
         for h in hashes[1:]:
             here = holders.get(h)
-            still = active & here if here else set()
+            if here is None:
+                still: set[str] = set()
+            elif isinstance(here, str):
+                still = {here} if here in active else set()
+            else:
+                still = active & here
             if len(still) != len(active):
                 for key in active - still:
                     matched[key] = depth
@@ -93,7 +119,9 @@ class PrefixIndex:
             lru[h] = None
             held = holders.get(h)
             if held is None:
-                holders[h] = {endpoint}
+                holders[h] = endpoint
+            elif isinstance(held, str):
+                holders[h] = {held, endpoint}
             else:
                 held.add(endpoint)
         excess = len(lru) - self.capacity_per_endpoint
@@ -109,10 +137,17 @@ class PrefixIndex:
 
     def _drop(self, h: int, endpoint: str) -> None:
         held = self._holders.get(h)
-        if held is not None:
-            held.discard(endpoint)
-            if not held:
+        if held is None:
+            return
+        if isinstance(held, str):
+            if held == endpoint:
                 del self._holders[h]
+            return
+        held.discard(endpoint)
+        if len(held) == 1:
+            self._holders[h] = next(iter(held))
+        elif not held:
+            del self._holders[h]
 
     def blocks(self, endpoint: str) -> int:
         """How many blocks the index attributes to `endpoint`."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, mul
 
 from poolkeeper.errors import GatewayError
 from poolkeeper.scheduling.interfaces import (
@@ -97,16 +99,17 @@ class SchedulerProfile:
                 )
             if not ws.bounded:
                 scores = [clamp_unit(v) for v in scores]
+            # map() with operator functions keeps the per-endpoint work in C.
             if total is None:
-                total = list(scores) if w == 1.0 else [w * v for v in scores]
+                total = list(scores) if w == 1.0 else list(map(mul, scores, repeat(w)))
             elif w == 1.0:
-                total = [t + v for t, v in zip(total, scores, strict=True)]
+                total = list(map(add, total, scores))
             else:
-                total = [t + w * v for t, v in zip(total, scores, strict=True)]
+                total = list(map(add, total, map(mul, scores, repeat(w))))
         if total is None:
             total = [offset] * n
         elif offset:
-            total = [t + offset for t in total]
+            total = list(map(add, total, repeat(offset)))
         picked = self.picker.pick(cands, total)
         if not self._trusted:
             picked = [i for i in dict.fromkeys(picked) if 0 <= i < n]

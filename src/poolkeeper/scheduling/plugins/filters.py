@@ -249,17 +249,14 @@ class SaturationFilter(NamedPlugin):
         q_limit = p.queue_depth_threshold * self.limit
         kv_limit = p.kv_cache_util_threshold * self.limit
         cu = p.count_unseen
-        kept: list[EndpointState] = []
-        for s in candidates:
-            m = s.metrics
-            if m.updated_at <= 0.0 or m.updated_at < fresh_since:
-                continue
-            if (m.waiting + s.unseen_requests if cu else m.waiting) > q_limit:
-                continue
-            kv = effective_kv(s, cu) if s.unseen_tokens else m.kv_cache_usage
-            if kv > kv_limit:
-                continue
-            kept.append(s)
+        kept = [
+            s
+            for s in candidates
+            if (m := s.metrics).updated_at >= fresh_since
+            and m.updated_at > 0.0
+            and (m.waiting + s.unseen_requests if cu else m.waiting) <= q_limit
+            and (m.kv_cache_usage if not s.unseen_tokens else effective_kv(s, cu)) <= kv_limit
+        ]
         if not kept or len(kept) == len(candidates):
             return candidates
         return kept

@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import ge
 
 from pydantic import Field
 
@@ -50,13 +52,16 @@ class MaxScorePicker(NamedPlugin):
         # exact tie is a real tie, and a near tie is a real (if small) difference.
         if k == 1:
             top = max(scores)
-            ties = [i for i, v in enumerate(scores) if v == top]
-            return [ties[0] if len(ties) == 1 else rng.choice(ties)]
+            if scores.count(top) == 1:
+                return [scores.index(top)]
+            return [rng.choice([i for i, v in enumerate(scores) if v == top])]
         kth = heapq.nlargest(k, scores)[-1]
-        above = [i for i, v in enumerate(scores) if v > kth]
+        # C-level scan for the (usually few) indices at or above the k-th best score.
+        contenders = list(compress(range(n), map(ge, scores, repeat(kth))))
+        above = [i for i in contenders if scores[i] > kth]
         rng.shuffle(above)
         above.sort(key=scores.__getitem__, reverse=True)  # stable: shuffled order within ties
-        at = [i for i, v in enumerate(scores) if v == kth]
+        at = [i for i in contenders if scores[i] == kth]
         return above + rng.sample(at, k - len(above))
 
 

@@ -77,8 +77,8 @@ class PrefixCacheScorer(NamedPlugin):
         if not matched:
             return 0.0
         total = len(hashes)
-        get = matched.get
-        return [get(s.endpoint.hostport, 0) / total for s in candidates]
+        get = {key: blocks / total for key, blocks in matched.items()}.get
+        return [get(s.endpoint.hostport, 0.0) for s in candidates]
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         if result.targets:

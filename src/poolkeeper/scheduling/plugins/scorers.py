@@ -8,6 +8,8 @@ effective ones (scraped + unseen in-flight, see `load.py`) unless `countUnseen` 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
+from operator import sub
 from typing import Literal
 
 from pydantic import Field
@@ -101,13 +103,17 @@ class KvCacheScorer(NamedPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
-        cu = self.count_unseen
-        # Scraped values outside 0..1 (a broken exporter) are clamped here, not trusted.
-        return [
-            1.0
-            - (effective_kv(s, cu) if s.unseen_tokens and cu else _unit(s.metrics.kv_cache_usage))
-            for s in candidates
-        ]
+        if self.count_unseen:
+            values = [
+                s.metrics.kv_cache_usage if not s.unseen_tokens else effective_kv(s)
+                for s in candidates
+            ]
+        else:
+            values = [s.metrics.kv_cache_usage for s in candidates]
+        # Scraped values outside 0..1 (a broken exporter) are clamped, not trusted.
+        if min(values) < 0.0 or max(values) > 1.0:
+            values = [_unit(v) for v in values]
+        return list(map(sub, repeat(1.0), values))
 
 
 def _unit(x: float) -> float:
@@ -172,18 +178,15 @@ class LoraAffinityScorer(NamedPlugin):
     ) -> Scores:
         p = self.params
         model = request.target_model
-        out: list[float] = []
-        append = out.append
-        for s in candidates:
-            m = s.metrics
-            if model in m.active_adapters:
-                append(p.active_score)
-            elif m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < (
-                m.max_adapters
-            ):
-                append(p.free_slot_score)
-            elif model in m.waiting_adapters:
-                append(p.waiting_score)
-            else:
-                append(0.0)
-        return out
+        active, free, waiting = p.active_score, p.free_slot_score, p.waiting_score
+        # One conditional expression per endpoint (no appends): this runs for every candidate.
+        return [
+            active
+            if model in m.active_adapters
+            else free
+            if m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
+            else waiting
+            if model in m.waiting_adapters
+            else 0.0
+            for m in [s.metrics for s in candidates]
+        ]

@@ -1,0 +1,158 @@
+"""Benchmark: the CPU time of one scheduling decision at 10, 100 and 1,000 endpoints.
+
+Prefix scoring is on, the prompts are realistic (2-8k characters: one of 64 shared system
+prompts plus a per-request tail) and the prefix index is warmed first, so matches walk real
+chains and PostCycle inserts for real. Endpoint metrics vary, a share of the endpoints have
+unseen in-flight requests, and GC stays on (as in production). Two timings per size:
+
+- `schedule`: `Scheduler.schedule` alone (filters, scorers, picker, prefix insertion);
+- `schedule CPU`: the same, in thread CPU time (`time.thread_time_ns`), which leaves out the
+  time the OS gave the core to other processes: on a shared 2-core machine the wall-clock p99
+  is mostly preemption, the CPU p99 is what the code costs;
+- `decision path`: `InflightTracker.apply` over the pool + `schedule` + `InflightTracker.start`,
+  i.e. what the EPP spends per request on endpoint picking.
+
+Not a test: run it by hand and copy the table into docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/scheduler_decision.py [--preset default] [--decisions 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import time
+
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.inflight import InflightTracker
+from poolkeeper.scheduling.presets import PRESETS, preset_config
+from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+
+WORDS = [
+    *"the model server pool routes requests to endpoints with cached prefixes and".split(" "),
+    *"low queues while adapters load and tokens stream back to every waiting client".split(" "),
+]
+
+
+def text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(WORDS)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
+def make_pool(rng: random.Random, n: int, now: float) -> list[EndpointState]:
+    pool = []
+    for i in range(n):
+        metrics = EndpointMetrics(
+            waiting=rng.randint(0, 8),
+            running=rng.randint(0, 32),
+            kv_cache_usage=rng.uniform(0.0, 0.9),
+            active_adapters=frozenset({f"lora-{i % 4}"}),
+            max_adapters=4,
+            block_size=16,
+            num_gpu_blocks=30_000,
+            updated_at=now - rng.uniform(0.0, 0.05),
+        )
+        ep = Endpoint(f"pod-{i}", f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}", 8000)
+        pool.append(EndpointState(ep, metrics))
+    return pool
+
+
+def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    now = 1000.0
+    scheduler = build_scheduler(preset_config(preset), rng=random.Random(seed))
+    tracker = InflightTracker()
+    pool = make_pool(rng, n, now)
+    systems = [text(rng, rng.randint(1500, 5000)) for _ in range(64)]
+    tails = [text(rng, rng.randint(500, 3000)) for _ in range(256)]
+
+    def request(k: int) -> LLMRequest:
+        prompt = rng.choice(systems) + rng.choice(tails)
+        return LLMRequest(f"r{k}", "llama", "llama", prompt=prompt, prompt_tokens=len(prompt) // 4)
+
+    sched_ns: list[int] = []
+    sched_cpu_ns: list[int] = []
+    path_ns: list[int] = []
+    inflight: list[str] = []
+    for k in range(warmup + decisions):
+        req = request(k)
+        now += 0.001
+        t0 = time.perf_counter_ns()
+        states = tracker.apply(pool)
+        t1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
+        result = scheduler.schedule(req, states, now=now)
+        c2 = time.thread_time_ns()
+        t2 = time.perf_counter_ns()
+        tracker.start(req.request_id, result.primary.key, req.prompt_tokens, now)
+        t3 = time.perf_counter_ns()
+        inflight.append(req.request_id)
+        if len(inflight) > 2 * n:  # keep roughly two requests per endpoint in flight
+            tracker.finish(inflight.pop(0))
+        if k >= warmup:
+            sched_ns.append(t2 - t1)
+            sched_cpu_ns.append(c2 - c1)
+            path_ns.append((t1 - t0) + (t2 - t1) + (t3 - t2))
+    return {
+        "schedule_p50": pct(sched_ns, 50),
+        "schedule_p99": pct(sched_ns, 99),
+        "schedule_mean": statistics.fmean(sched_ns) / 1e3,
+        "cpu_p50": pct(sched_cpu_ns, 50),
+        "cpu_p99": pct(sched_cpu_ns, 99),
+        "path_p50": pct(path_ns, 50),
+        "path_p99": pct(path_ns, 99),
+        "index_entries": float(scheduler_index_size(scheduler)),
+    }
+
+
+def scheduler_index_size(scheduler: object) -> int:
+    from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+
+    plugins = getattr(scheduler, "plugins", {})
+    return sum(p.index.size for p in plugins.values() if isinstance(p, PrefixCacheScorer))
+
+
+def pct(values: list[int], q: float) -> float:
+    """The q-th percentile in microseconds (nearest rank)."""
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
+    return ordered[idx] / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", action="append", choices=sorted(PRESETS))
+    ap.add_argument("--sizes", default="10,100,1000")
+    ap.add_argument("--decisions", type=int, default=3000)
+    ap.add_argument("--warmup", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    presets = args.preset or ["default", "gie-v1-default"]
+    print(f"python {platform.python_version()} on {platform.machine()}, {platform.processor()}")
+    print(f"decisions per size: {args.decisions} (after {args.warmup} warm-up), GC on\n")
+    print(
+        "| preset | endpoints | schedule p50 µs | schedule p99 µs | schedule CPU p50 µs "
+        "| schedule CPU p99 µs | decision path p50 µs | decision path p99 µs "
+        "| prefix index entries |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for preset in presets:
+        for n in (int(s) for s in args.sizes.split(",")):
+            r = run(preset, n, args.decisions, args.warmup, args.seed)
+            print(
+                f"| {preset} | {n} | {r['schedule_p50']:.0f} | {r['schedule_p99']:.0f} | "
+                f"{r['cpu_p50']:.0f} | {r['cpu_p99']:.0f} | "
+                f"{r['path_p50']:.0f} | {r['path_p99']:.0f} | {r['index_entries']:.0f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

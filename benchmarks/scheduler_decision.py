@@ -30,10 +30,11 @@ from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.presets import PRESETS, preset_config
 from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 
-WORDS = [
-    *"the model server pool routes requests to endpoints with cached prefixes and".split(" "),
-    *"low queues while adapters load and tokens stream back to every waiting client".split(" "),
-]
+_SENTENCE = (
+    "the model server pool routes requests to endpoints with cached prefixes and low queues "
+    "while adapters load and tokens stream back through envoy to every waiting client"
+)
+WORDS = tuple(_SENTENCE.split(" "))
 
 
 def text(rng: random.Random, chars: int) -> str:

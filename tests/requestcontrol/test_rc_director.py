@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import poolkeeper.requestcontrol.director as director_module
 from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.model import InferenceModel
@@ -592,3 +593,25 @@ async def test_build_director_from_a_gateway_config() -> None:
     clock[0] = SCRAPED_AT + 0.6
     assert not director.ready()
     director.complete(decision, status=200, usage=None)
+
+
+async def test_model_index_survives_metrics_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metrics writes swap the snapshot constantly; the model index is rebuilt only when the
+    pools or models change."""
+    builds: list[int] = []
+    real_build = director_module.build_model_index
+
+    def counting(snapshot: Any) -> Any:
+        builds.append(1)
+        return real_build(snapshot)
+
+    monkeypatch.setattr(director_module, "build_model_index", counting)
+    store = _store()
+    rig = _rig(store)
+    for i in range(5):
+        store.update_metrics("10.0.0.1:8000", EndpointMetrics(waiting=i, updated_at=SCRAPED_AT))
+        await rig.director.route(_chat(rid=f"r{i}"))
+    assert len(builds) == 1
+    store.set_resources([_pool("pool", "sim")], [_model("fresh")])
+    assert rig.director.model_names() == ["fresh"]
+    assert len(builds) == 2

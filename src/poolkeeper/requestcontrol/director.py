@@ -110,6 +110,7 @@ class _ModelIndex:
 
     by_name: Mapping[str, tuple[str, InferenceModel]]
     pool_keys: tuple[str, ...]
+    sources: tuple[Mapping[str, InferenceModel], ...]  # models(pool) per pool key, kept alive
 
 
 def _age_key(pool_key: str, model: InferenceModel) -> tuple[datetime, str, str, str]:
@@ -123,13 +124,14 @@ def _age_key(pool_key: str, model: InferenceModel) -> tuple[datetime, str, str, 
 def build_model_index(snapshot: SnapshotView) -> _ModelIndex:
     """Every modelName across pools; a name in several pools goes to the oldest model."""
     pool_keys = tuple(sorted(snapshot.pool_keys()))
+    sources = tuple(snapshot.models(pool_key) for pool_key in pool_keys)
     chosen: dict[str, tuple[str, InferenceModel]] = {}
-    for pool_key in pool_keys:
-        for name, model in snapshot.models(pool_key).items():
+    for pool_key, models in zip(pool_keys, sources, strict=True):
+        for name, model in models.items():
             current = chosen.get(name)
             if current is None or _age_key(pool_key, model) < _age_key(*current):
                 chosen[name] = (pool_key, model)
-    return _ModelIndex(by_name=chosen, pool_keys=pool_keys)
+    return _ModelIndex(by_name=chosen, pool_keys=pool_keys, sources=sources)
 
 
 class Director:
@@ -271,6 +273,17 @@ class Director:
         cached = self._indexed
         if cached is not None and cached[0] is snapshot:
             return cached[1]
+        # Metrics writes replace the snapshot many times a second but keep the per-pool model
+        # mappings (copy-on-write): reuse the index while those are the very same objects.
+        pool_keys = tuple(sorted(snapshot.pool_keys()))
+        if cached is not None and cached[1].pool_keys == pool_keys:
+            old = cached[1].sources
+            if all(
+                a is b or (not a and not b)
+                for a, b in zip(old, (snapshot.models(k) for k in pool_keys), strict=True)
+            ):
+                self._indexed = (snapshot, cached[1])
+                return cached[1]
         index = build_model_index(snapshot)
         self._indexed = (snapshot, index)
         return index

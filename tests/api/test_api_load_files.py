@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from poolkeeper.api.kinds import KindEntry, KindRegistry, default_registry
 from poolkeeper.api.load import load_paths, load_text
@@ -250,3 +251,50 @@ def test_registry_knows_every_kind() -> None:
     assert entry is not None
     assert entry.target == "poolkeeper.config.gateway:GatewayConfig"
     assert registry.lookup("apps/v1", "Deployment") is None
+
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "apiVersion",
+                    "kind",
+                    "metadata",
+                    "spec",
+                    "name",
+                    "items",
+                    "modelName",
+                    "poolRef",
+                    "selector",
+                    "x",
+                ]
+            ),
+            children,
+            max_size=5,
+        )
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=200))
+def test_arbitrary_text_never_raises(text: str) -> None:
+    result = load_text(text)
+    assert all(str(e) for e in result.errors)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    JSONISH,
+    st.sampled_from(["inference.networking.x-k8s.io/v1alpha2", "inference.networking.k8s.io/v1"]),
+    st.sampled_from(["InferenceModel", "InferencePool", "List"]),
+)
+def test_arbitrary_documents_never_raise(body: object, api_version: str, kind: str) -> None:
+    doc = body if not isinstance(body, dict) else {"apiVersion": api_version, "kind": kind, **body}
+    result = load_text(json.dumps(doc), json_format=True)
+    for error in result.errors:
+        assert str(error).startswith("<input>")

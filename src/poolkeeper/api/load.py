@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from poolkeeper.api.fielderrors import FieldError, from_pydantic, supported_values
+from poolkeeper.api.fielderrors import FieldError, from_pydantic, go_value, supported_values
 from poolkeeper.api.kinds import KindRegistry, default_registry
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
@@ -182,6 +182,8 @@ def _parse_json(text: str, source: str) -> tuple[list[Any], LoadError | None]:
         return [json.loads(text)], None
     except json.JSONDecodeError as exc:
         return [], LoadError(source, f"invalid JSON: {exc.msg}", line=exc.lineno, column=exc.colno)
+    except RecursionError:
+        return [], LoadError(source, "invalid JSON: nested too deeply")
 
 
 def _parse_yaml(text: str, source: str) -> tuple[list[Any], LoadError | None]:
@@ -202,6 +204,8 @@ def _parse_yaml(text: str, source: str) -> tuple[list[Any], LoadError | None]:
         )
     except yaml.YAMLError as exc:
         return docs, LoadError(source, f"invalid YAML: {exc}")
+    except RecursionError:
+        return docs, LoadError(source, "invalid YAML: nested too deeply")
     return docs, None
 
 
@@ -226,16 +230,26 @@ def _load_document(
         return
     ref = object_ref(data)
     api_version, kind = data.get("apiVersion"), data.get("kind")
-    if not isinstance(kind, str) or not kind:
+    if not kind:
         error("Required value", "kind", ref)
+        return
+    if not isinstance(kind, str):
+        error(f"Invalid value: {go_value(kind)}: kind must be a string", "kind", ref)
         return
     items = data.get("items")
     if kind.endswith("List") and isinstance(items, list):
         for index, entry in enumerate(items):
             _load_document(entry, source, doc, multi, index, registry, result)
         return
-    if not isinstance(api_version, str) or not api_version:
+    if not api_version:
         error("Required value", "apiVersion", ref)
+        return
+    if not isinstance(api_version, str):
+        error(
+            f"Invalid value: {go_value(api_version)}: apiVersion must be a string",
+            "apiVersion",
+            ref,
+        )
         return
     entry = registry.lookup(api_version, kind)
     where = f"{source}:{doc}" if multi else source
@@ -274,6 +288,8 @@ def validate_object(cls: type[T], data: Mapping[str, Any]) -> tuple[T | None, li
         return cls.model_validate(cleaned), []
     except ValidationError as exc:
         return None, from_pydantic(exc)
+    except Exception as exc:  # a bug in a validator must surface as an error line, not a crash
+        return None, [FieldError("", f"Internal error: {type(exc).__name__}: {exc}")]
 
 
 def prune_nulls(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,11 +7,13 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from poolkeeper.errors import BadRequest
 from poolkeeper.requestcontrol.body import (
     MAX_INT_DIGITS,
     ApiKind,
+    ParsedRequest,
     api_kind,
     decode_json_object,
     parse_body,
@@ -270,3 +272,47 @@ def test_quote_model_cuts_long_names() -> None:
     quoted = quote_model(_LONG_MODEL)
     assert len(quoted) < 200
     assert quoted.endswith("...")
+
+
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=8,
+)
+
+
+def _outcome(path: str, raw: bytes) -> ParsedRequest | BadRequest:
+    try:
+        return parse_body(path, raw)
+    except BadRequest as exc:
+        return exc
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=200), st.sampled_from(["/v1/chat/completions", "/v1/completions", "/x"]))
+def test_arbitrary_bytes_never_escape_as_anything_but_bad_request(raw: bytes, path: str) -> None:
+    outcome = _outcome(path, raw)  # any other exception fails the test
+    if isinstance(outcome, BadRequest):
+        assert outcome.message
+
+
+_KEYS = ["model", "messages", "prompt", "input", "stream", "max_tokens", "stream_options", "x"]
+_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(_KEYS), _JSON_VALUES), st.sampled_from(_PATHS))
+def test_arbitrary_json_objects_parse_or_fail_cleanly(obj: dict[str, Any], path: str) -> None:
+    outcome = _outcome(path, json.dumps(obj).encode())
+    if isinstance(outcome, BadRequest):
+        assert outcome.message
+        return
+    assert outcome.model == obj["model"]
+    assert outcome.prompt_tokens >= 0
+    assert isinstance(outcome.stream, bool)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -52,14 +53,14 @@ def test_results_carry_latencies_prefix_hits_and_server_counters() -> None:
     done = [r for r in result.requests if r.status == "ok"]
     assert len(done) == len(result.requests)
     for r in done:
-        assert r.ttft is not None and r.e2e is not None and 0 < r.ttft <= r.e2e
+        assert r.ttft is not None
+        assert r.e2e is not None
+        assert 0 < r.ttft <= r.e2e
         assert r.finish_reason == "length"
         assert r.completion_tokens >= 20
     assert sum(r.cached_tokens for r in done) > 0  # two prompt groups over three servers
     assert sum(s.routed for s in result.servers) == len(done)
-    assert sum(s.counters.prefix_hits for s in result.servers) == sum(
-        r.cached_tokens for r in done
-    )
+    assert sum(s.counters.prefix_hits for s in result.servers) == sum(r.cached_tokens for r in done)
     summary = result.summary()
     assert summary["completed"] == len(done)
     assert 0 < summary["ttft_p50"] <= summary["ttft_p99"]
@@ -82,9 +83,11 @@ def test_router_sees_metrics_as_of_the_last_scrape_tick() -> None:
     assert [x[2] for x in seen[:5]] == [0, 0, 0, 0, 0]
     assert [x[3] for x in seen[:5]] == [0, 1, 2, 3, 4]
     assert [x[4] for x in seen[:5]] == [0, 1, 2, 3, 4]
-    now, updated_at, running, inflight, unseen = seen[5]
+    _now, updated_at, running, inflight, unseen = seen[5]
     assert updated_at == pytest.approx(0.10)
-    assert running == 5 and inflight == 5 and unseen == 0
+    assert running == 5
+    assert inflight == 5
+    assert unseen == 0
 
 
 def test_fresh_scrapes_when_interval_is_zero() -> None:
@@ -113,10 +116,12 @@ def test_rejections_errors_and_on_finish() -> None:
     ]
     result = VirtualFleet([config]).run(arrivals, route, on_finish=finished.append)
     by_id = {r.request_id: r for r in result.requests}
-    assert by_id["ok"].status == "ok" and by_id["ok"].adapter_loaded
+    assert by_id["ok"].status == "ok"
+    assert by_id["ok"].adapter_loaded
     assert by_id["ok"].payload == {"k": 1}
     assert by_id["shed"].status == "rejected"
-    assert by_id["bad"].status == "error" and "does not exist" in (by_id["bad"].error or "")
+    assert by_id["bad"].status == "error"
+    assert "does not exist" in (by_id["bad"].error or "")
     assert [r.request_id for r in finished] == ["ok"]
 
 
@@ -124,8 +129,12 @@ def test_token_times_recorded_on_request() -> None:
     arrivals = [Arrival(0.0, "r", MODEL, "hello", max_tokens=4)]
     result = VirtualFleet([BASE]).run(arrivals, lambda a, s, n: 0, record_token_times=True)
     times = result.requests[0].token_times
-    assert times is not None and len(times) == 4 and times == sorted(times)
-    assert result.requests[0].itl_max == pytest.approx(max(b - a for a, b in zip(times, times[1:])))
+    assert times is not None
+    assert len(times) == 4
+    assert times == sorted(times)
+    assert result.requests[0].itl_max == pytest.approx(
+        max(b - a for a, b in itertools.pairwise(times))
+    )
 
 
 def test_out_of_order_arrivals_and_bad_routes_are_errors() -> None:

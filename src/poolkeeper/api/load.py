@@ -252,7 +252,9 @@ def _load_document(
         )
         return
     entry = registry.lookup(api_version, kind)
-    where = f"{source}:{doc}" if multi else source
+    where = (f"{source}:{doc}" if multi else source) + (
+        f" items[{item}]" if item is not None else ""
+    )
     if entry is None:
         versions = registry.api_versions_of(kind)
         if versions:

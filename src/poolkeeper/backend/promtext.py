@@ -36,6 +36,10 @@ _SUFFIXES: Final = ("_bucket", "_sum", "_count", "_total")
 _LABEL_RE: Final = re.compile(
     r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*'
 )
+# Fast path: a whole well-formed `{...}` label block, then its pairs in one findall.
+_PAIR: Final = r'[ \t]*[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\]|\\.)*"[ \t]*'
+_BLOCK_RE: Final = re.compile(rf"\{{((?:{_PAIR},)*(?:{_PAIR})?)[ \t]*\}}")
+_PAIR_RE: Final = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE_RE: Final = re.compile(r'\\[\\n"]')
 _ESCAPES: Final = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
 
@@ -115,34 +119,52 @@ class FamilyFilter:
         return found
 
 
+def _labels_fast(rest: str) -> tuple[dict[str, str], int] | None:
+    """Labels of a well-formed block without duplicates, and where it ends; else None."""
+    block = _BLOCK_RE.match(rest)
+    if block is None:
+        return None
+    body = block.group(1)
+    pairs = _PAIR_RE.findall(body)
+    labels = dict(pairs)
+    if len(labels) != len(pairs):
+        return None
+    if "\\" in body:
+        labels = {k: _ESCAPE_RE.sub(_unescape, v) for k, v in labels.items()}
+    return labels, block.end()
+
+
+def _labels_checked(rest: str) -> tuple[dict[str, str], int]:
+    """Label by label, to say exactly what is wrong (raises ValueError)."""
+    labels: dict[str, str] = {}
+    pos, end = 1, len(rest)
+    while True:
+        while pos < end and rest[pos] in " \t":
+            pos += 1
+        if pos < end and rest[pos] == "}":
+            return labels, pos + 1
+        match = _LABEL_RE.match(rest, pos)
+        if match is None:
+            raise ValueError("bad label syntax")
+        label, value = match.group(1), match.group(2)
+        if label in labels:
+            raise ValueError(f"duplicate label {label!r}")
+        labels[label] = _ESCAPE_RE.sub(_unescape, value) if "\\" in value else value
+        pos = match.end()
+        if pos < end and rest[pos] == ",":
+            pos += 1
+        elif pos < end and rest[pos] == "}":
+            return labels, pos + 1
+        else:
+            raise ValueError("expected ',' or '}' after a label")
+
+
 def _parse_rest(name: str, rest: str) -> Sample:
     """Parse what follows the metric name: `{labels}` (optional), value, timestamp (optional)."""
     labels: dict[str, str] = {}
     pos = 0
     if rest.startswith("{"):
-        pos = 1
-        end = len(rest)
-        while True:
-            while pos < end and rest[pos] in " \t":
-                pos += 1
-            if pos < end and rest[pos] == "}":
-                pos += 1
-                break
-            match = _LABEL_RE.match(rest, pos)
-            if match is None:
-                raise ValueError("bad label syntax")
-            label, value = match.group(1), match.group(2)
-            if label in labels:
-                raise ValueError(f"duplicate label {label!r}")
-            labels[label] = _ESCAPE_RE.sub(_unescape, value) if "\\" in value else value
-            pos = match.end()
-            if pos < end and rest[pos] == ",":
-                pos += 1
-            elif pos < end and rest[pos] == "}":
-                pos += 1
-                break
-            else:
-                raise ValueError("expected ',' or '}' after a label")
+        labels, pos = _labels_fast(rest) or _labels_checked(rest)
     elif rest and rest[0] not in " \t\r":
         raise ValueError("expected '{' or a blank after the metric name")
     tokens = rest[pos:].split()

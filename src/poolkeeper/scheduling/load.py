@@ -36,7 +36,9 @@ def effective_kv(state: EndpointState, count_unseen: bool = True) -> float:
         kv += state.unseen_tokens / (m.num_gpu_blocks * m.block_size)
     if kv <= 0.0:
         return 0.0
-    return 1.0 if kv >= 1.0 else kv
+    if kv < 1.0:
+        return kv
+    return 1.0  # full, or NaN from a broken exporter: unknown counts as full
 
 
 def endpoint_saturation(

@@ -110,14 +110,17 @@ class KvCacheScorer(NamedPlugin):
             ]
         else:
             values = [s.metrics.kv_cache_usage for s in candidates]
-        # Scraped values outside 0..1 (a broken exporter) are clamped, not trusted.
-        if min(values) < 0.0 or max(values) > 1.0:
+        # Scraped values outside 0..1 or NaN (a broken exporter) are clamped, not trusted;
+        # the sum is NaN if any value is, so one C-level pass detects all three cases.
+        total = sum(values)
+        if total != total or min(values) < 0.0 or max(values) > 1.0:
             values = [_unit(v) for v in values]
         return list(map(sub, repeat(1.0), values))
 
 
 def _unit(x: float) -> float:
-    return 0.0 if x <= 0.0 else 1.0 if x >= 1.0 else x
+    """x clamped into [0, 1]; NaN (unknown utilisation) counts as full."""
+    return 0.0 if x <= 0.0 else x if x < 1.0 else 1.0
 
 
 class InflightLoadParams(PluginParams):

@@ -1,0 +1,166 @@
+"""Table-driven tests of every built-in filter."""
+
+from __future__ import annotations
+
+import pytest
+from sched_factories import NOW, cycle, key, plugin, request, state
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.errors import RequestShed
+from poolkeeper.scheduling.types import EndpointState
+
+
+def keys(states: object) -> list[str]:
+    assert isinstance(states, list | tuple)
+    return [s.key for s in states]
+
+
+POOL_Q = [state(1, waiting=0), state(2, waiting=3), state(3, waiting=10), state(4, waiting=128)]
+
+
+@pytest.mark.parametrize(
+    ("params", "want"),
+    [
+        ({}, [1, 2, 3, 4]),  # default 128, inclusive (v0.5 plugin)
+        ({"threshold": 128, "inclusive": False}, [1, 2, 3]),  # v0.3: strict <
+        ({"threshold": 3}, [1, 2]),
+        ({"threshold": 3, "inclusive": False}, [1]),
+        ({"threshold": 0, "inclusive": False}, []),  # failure = empty
+    ],
+    ids=["default", "v0.3-strict", "3-inclusive", "3-strict", "none"],
+)
+def test_low_queue_filter(params: dict[str, object], want: list[int]) -> None:
+    f = plugin("low-queue-filter", params)
+    assert keys(f.filter(cycle(), request(), POOL_Q)) == [key(i) for i in want]
+
+
+def test_low_queue_filter_counts_unseen_requests() -> None:
+    pool = [state(1, waiting=2, unseen=2), state(2, waiting=3)]
+    assert keys(plugin("low-queue-filter", {"threshold": 3}).filter(cycle(), request(), pool)) == [
+        key(2)
+    ]
+    blind = plugin("low-queue-filter", {"threshold": 3, "countUnseen": False})
+    assert keys(blind.filter(cycle(), request(), pool)) == [key(1), key(2)]
+
+
+@pytest.mark.parametrize(
+    ("waiting", "want"),
+    [
+        ([0, 4, 10], [1]),  # band: q <= 0 + 10/3
+        ([0, 3, 10], [1, 2]),
+        ([0, 3, 9], [1, 2]),  # 3 <= 0 + 9/3
+        ([5, 5, 5], [1, 2, 3]),  # all equal: all kept
+        ([7], [1]),
+        ([0, 100, 100, 1], [1, 4]),  # band 0..25
+    ],
+)
+def test_least_queue_filter_keeps_lowest_band(waiting: list[int], want: list[int]) -> None:
+    pool = [state(i + 1, waiting=w) for i, w in enumerate(waiting)]
+    assert keys(plugin("least-queue-filter").filter(cycle(), request(), pool)) == [
+        key(i) for i in want
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kv", "want"),
+    [
+        ([0.1, 0.2, 0.9], [1, 2]),  # band 0.1 + 0.8/3 = 0.367
+        ([0.1, 0.5, 0.9], [1]),
+        ([0.3, 0.3], [1, 2]),
+    ],
+)
+def test_least_kv_cache_filter_keeps_lowest_band(kv: list[float], want: list[int]) -> None:
+    pool = [state(i + 1, kv=v) for i, v in enumerate(kv)]
+    assert keys(plugin("least-kv-cache-filter").filter(cycle(), request(), pool)) == [
+        key(i) for i in want
+    ]
+
+
+def test_least_kv_cache_filter_adds_unseen_tokens_when_capacity_known() -> None:
+    # 1000 tokens of capacity: 500 unseen tokens add 0.5 to pod1's 0.1.
+    pool = [
+        state(1, kv=0.1, unseen=1, unseen_tokens=500, num_gpu_blocks=10, block_size=100),
+        state(2, kv=0.3),
+    ]
+    assert keys(plugin("least-kv-cache-filter").filter(cycle(), request(), pool)) == [key(2)]
+
+
+LORA_POOL = [
+    state(1, active=("a",), max_adapters=2),  # affinity (active)
+    state(2, queued_adapters=("a",), max_adapters=1),  # affinity (waiting)
+    state(3, active=("b",), max_adapters=2),  # available (free slot)
+    state(4, active=("b", "c"), max_adapters=2),  # full
+]
+
+
+@pytest.mark.parametrize(
+    ("target", "pool", "threshold", "want"),
+    [
+        ("a", LORA_POOL, 1.0, [1, 2]),  # both groups, threshold 1 -> affinity
+        ("a", LORA_POOL, 0.0, [3]),  # both groups, threshold 0 -> available
+        ("z", LORA_POOL, 1.0, [1, 3]),  # no affinity: the free-slot endpoints
+        ("a", LORA_POOL[3:], 1.0, []),  # neither: failure
+        ("a", LORA_POOL[:2], 0.0, [1, 2]),  # only affinity exists
+    ],
+    ids=["affinity", "available", "new-adapter", "none", "only-affinity"],
+)
+def test_lora_affinity_filter(
+    target: str, pool: list[EndpointState], threshold: float, want: list[int]
+) -> None:
+    f = plugin("lora-affinity-filter", {"threshold": threshold})
+    assert keys(f.filter(cycle(), request(target), pool)) == [key(i) for i in want]
+
+
+@pytest.mark.parametrize(
+    ("criticality", "passes"),
+    [(Criticality.CRITICAL, True), (Criticality.STANDARD, False), (Criticality.SHEDDABLE, False)],
+)
+def test_critical_request_filter(criticality: Criticality, passes: bool) -> None:
+    pool = [state(1), state(2)]
+    out = plugin("critical-request-filter").filter(cycle(), request(criticality=criticality), pool)
+    assert keys(out) == ([key(1), key(2)] if passes else [])
+
+
+@pytest.mark.parametrize(
+    ("metrics", "want"),
+    [
+        ([(5, 0.8), (6, 0.1), (0, 0.81)], [1]),  # inclusive thresholds
+        ([(6, 0.85), (0, 0.9), (10, 0.85)], []),
+        ([(0, 0.0), (1, 0.5)], [1, 2]),
+    ],
+)
+def test_has_capacity_filter(metrics: list[tuple[int, float]], want: list[int]) -> None:
+    pool = [state(i + 1, waiting=q, kv=kv) for i, (q, kv) in enumerate(metrics)]
+    assert keys(plugin("has-capacity-filter").filter(cycle(), request(), pool)) == [
+        key(i) for i in want
+    ]
+
+
+def test_drop_request_filter_sheds_with_429() -> None:
+    with pytest.raises(RequestShed, match="shed") as info:
+        plugin("drop-request-filter").filter(cycle(), request(), [state(1)])
+    assert info.value.http_status == 429
+
+
+@pytest.mark.parametrize(
+    ("pool", "want"),
+    [
+        ([state(1, waiting=7), state(2, waiting=8)], [1]),  # queue limit 5 x 1.5 = 7.5
+        ([state(1, kv=0.95), state(2, kv=0.97)], [1, 2]),  # KV limit 0.8 x 1.5 = 1.2 -> none over
+        ([state(1), state(2, updated_at=NOW - 0.3)], [1]),  # stale (> 200 ms)
+        ([state(1, updated_at=0.0), state(2)], [2]),  # never scraped
+        ([state(1, waiting=3, unseen=5), state(2, waiting=6)], [2]),  # unseen counts
+        ([state(1, waiting=50), state(2, updated_at=NOW - 5)], [1, 2]),  # none pass: fail open
+    ],
+    ids=["queue", "kv-not-over", "stale", "never-scraped", "unseen", "fail-open"],
+)
+def test_saturation_filter(pool: list[EndpointState], want: list[int]) -> None:
+    assert keys(list(plugin("saturation-filter").filter(cycle(), request(), pool))) == [
+        key(i) for i in want
+    ]
+
+
+def test_saturation_filter_headroom_and_kv_threshold() -> None:
+    f = plugin("saturation-filter", {"headroom": 0.0, "kvCacheUtilThreshold": 0.5})
+    pool = [state(1, kv=0.5), state(2, kv=0.51), state(3, waiting=5), state(4, waiting=6)]
+    assert keys(list(f.filter(cycle(), request(), pool))) == [key(1), key(3)]

@@ -1,0 +1,116 @@
+"""Prefix hashing, the per-endpoint LRU index, and the prefix-cache scorer end to end."""
+
+from __future__ import annotations
+
+import xxhash
+from sched_factories import cycle, key, plugin, request, scheduler, scores_of, single, state
+
+from poolkeeper.scheduling.interfaces import ProfileResult
+from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
+
+A64, B64, C64 = "a" * 64, "b" * 64, "c" * 64
+
+
+def test_hashes_are_chained_and_seeded_by_model() -> None:
+    h = prefix_hashes("m", A64 + B64 + "tail", block_size=64, max_blocks=256)
+    assert len(h) == 2  # the partial tail block is ignored
+    seed = xxhash.xxh64_intdigest(b"m")
+    first = xxhash.xxh64_intdigest(A64.encode(), seed)
+    assert h == [first, xxhash.xxh64_intdigest(B64.encode(), first)]
+    # Same block content after a different first block -> a different hash (chained).
+    assert prefix_hashes("m", C64 + B64, block_size=64, max_blocks=256)[1] != h[1]
+    # Another model (or LoRA adapter) never shares a hash.
+    assert prefix_hashes("other", A64 + B64, block_size=64, max_blocks=256)[0] != h[0]
+
+
+def test_hashes_short_prompt_and_block_limits() -> None:
+    assert prefix_hashes("m", "x" * 63, block_size=64, max_blocks=256) == []
+    assert len(prefix_hashes("m", "x" * 640, block_size=64, max_blocks=4)) == 4
+    assert len(prefix_hashes("m", "x" * 640, block_size=16, max_blocks=256)) == 40
+
+
+def test_hashes_use_characters_not_bytes() -> None:
+    # 64 characters of a 3-byte UTF-8 character are one block.
+    assert len(prefix_hashes("m", "€" * 64, block_size=64, max_blocks=256)) == 1
+
+
+def test_match_counts_consecutive_leading_blocks() -> None:
+    idx = PrefixIndex(100)
+    idx.insert("e1", [1, 2, 3, 4])
+    idx.insert("e2", [1, 2, 9])
+    idx.insert("e3", [5, 6])
+    assert idx.match([1, 2, 3, 4, 5]) == {"e1": 4, "e2": 2}
+    assert idx.match([1, 2, 9, 4]) == {"e2": 3, "e1": 2}
+    assert idx.match([2, 3]) == {"e1": 2, "e2": 1}
+    assert idx.match([7, 1, 2]) == {}  # a miss on block 0 is a miss on all
+    assert idx.match([]) == {}
+    # e3 holds 6 but not its block 0 hash in this chain: no credit.
+    assert idx.match([1, 6]) == {"e1": 1, "e2": 1}
+
+
+def test_lru_evicts_tail_blocks_first_per_endpoint() -> None:
+    idx = PrefixIndex(3)
+    idx.insert("e1", [1, 2, 3])
+    idx.insert("e1", [1, 7])  # head touched again, 7 new: evicts the oldest tail (3)
+    assert idx.blocks("e1") == 3
+    assert idx.holders(3) == frozenset()
+    assert idx.match([1, 2, 3]) == {"e1": 2}
+    assert idx.match([1, 7]) == {"e1": 2}
+    idx.insert("e2", [1])
+    assert idx.holders(1) == {"e1", "e2"}
+
+
+def test_forget_endpoints_drops_their_blocks() -> None:
+    idx = PrefixIndex(10)
+    idx.insert("e1", [1, 2])
+    idx.insert("e2", [1, 3])
+    idx.forget_endpoints({"e2"})
+    assert idx.endpoints() == ["e2"]
+    assert idx.match([1, 2]) == {"e2": 1}
+    assert idx.size == 2
+    assert idx.holders(2) == frozenset()
+
+
+def test_scorer_scores_matched_share_and_inserts_after_decision() -> None:
+    scorer = plugin("prefix-cache-scorer")
+    pool = [state(1), state(2), state(3)]
+    req = request(prompt=A64 + B64 + C64 + B64)
+    assert scores_of(scorer, req, pool) == [0.0, 0.0, 0.0]
+    scorer.post_cycle(cycle(), req, ProfileResult("p", (pool[1], pool[0])))
+    # Only the primary pick is recorded.
+    assert scores_of(scorer, req, pool) == [0.0, 1.0, 0.0]
+    half = request(prompt=A64 + B64 + "z" * 128)
+    assert scores_of(scorer, half, pool) == [0.0, 0.5, 0.0]
+    other_model = request("adapter-x", prompt=A64 + B64 + C64 + B64)
+    assert scores_of(scorer, other_model, pool) == [0.0, 0.0, 0.0]
+    assert scores_of(scorer, request(prompt="short"), pool) == [0.0, 0.0, 0.0]
+
+
+def test_scorer_hashes_once_per_cycle() -> None:
+    scorer = plugin("prefix-cache-scorer")
+    c = cycle()
+    req = request(prompt=A64 * 3)
+    first = scorer.hashes(c, req)
+    assert scorer.hashes(c, req) is first
+
+
+def test_scheduler_sticks_to_the_endpoint_holding_the_prefix() -> None:
+    sched = scheduler(single({"type": "prefix-cache-scorer"}))
+    pool = [state(i) for i in range(1, 9)]
+    system = "s" * 1024
+    first = sched.schedule(request(prompt=system + "q1" * 40), pool, now=100.0).primary.key
+    for n in range(2, 20):
+        got = sched.schedule(request(prompt=system + f"q{n}" * 40), pool, now=100.0)
+        assert got.primary.key == first
+    scorer = sched.plugins["prefix-cache-scorer"]
+    assert scorer.index.endpoints() == [first]  # type: ignore[attr-defined]
+    sched.forget_endpoints({key(i) for i in range(1, 9)} - {first})
+    assert scorer.index.endpoints() == []  # type: ignore[attr-defined]
+    # Cold prompts (no hit anywhere) spread by the random tie-break, not onto one endpoint.
+    cold = {
+        sched.schedule(
+            request(prompt=f"{n:04d}" * 64, request_id=f"c{n}"), pool, now=100.0
+        ).primary.key
+        for n in range(40)
+    }
+    assert len(cold) >= 5

@@ -165,6 +165,8 @@ def test_states_carry_latest_metrics_and_age() -> None:
     assert not snap.is_stale("10.0.0.1:8000", 11.0, 2.0)
     assert snap.is_stale("10.0.0.1:8000", 12.5, 2.0)
     assert snap.is_stale("10.0.0.2:8000", 11.0, 2.0)
+    assert snap.stale_keys(11.0, 2.0) == ("10.0.0.2:8000",)
+    assert snap.stale_keys(12.5, 2.0) == ("10.0.0.1:8000", "10.0.0.2:8000")
 
 
 def test_metrics_for_unknown_endpoint_are_ignored() -> None:
@@ -244,3 +246,19 @@ def test_sources_are_merged_and_cleared_independently() -> None:
     assert [e.name for e in store.snapshot().endpoints("default/a")] == ["static"]
     store.clear()
     assert store.snapshot().pool_keys() == ()
+
+
+def test_set_all_swaps_everything_in_one_snapshot() -> None:
+    store = Datastore()
+    kinds: list[ChangeKind] = []
+    store.subscribe(lambda _s, kind: kinds.append(kind))
+    snap = store.set_all(
+        [pool("a", {"app": "a"})],
+        [model("m", "llama", "a")],
+        [spec("a-0", "10.0.0.1", app="a")],
+    )
+    assert snap is store.snapshot()
+    assert snap.version == 1
+    assert kinds == [ChangeKind.RESOURCES]
+    assert [e.name for e in snap.endpoints("default/a")] == ["a-0"]
+    assert set(snap.models("default/a")) == {"llama"}

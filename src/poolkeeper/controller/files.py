@@ -235,8 +235,7 @@ class FileResourceSource:
         self._errors = ()
         self._gateway_config = loaded.gateway_config
         self._update_statuses(loaded.pools, loaded.models)
-        self._datastore.set_resources(loaded.pools, loaded.models, source=self._source)
-        self._datastore.set_endpoints(loaded.specs, source=self._source)
+        self._datastore.set_all(loaded.pools, loaded.models, loaded.specs, source=self._source)
         self.loads += 1
         log.info(
             "loaded %d pool(s), %d model(s), %d endpoint(s) from files",

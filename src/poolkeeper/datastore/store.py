@@ -179,6 +179,10 @@ class DatastoreSnapshot:
         updated = self.metrics_for(key).updated_at
         return updated <= 0.0 or now - updated > staleness_s
 
+    def stale_keys(self, now: float, staleness_s: float) -> tuple[str, ...]:
+        """`ip:port` of every selected endpoint whose metrics are stale (or never came)."""
+        return tuple(k for k in sorted(self._endpoint_at) if self.is_stale(k, now, staleness_s))
+
 
 Listener = Callable[[DatastoreSnapshot, ChangeKind], None]
 
@@ -224,6 +228,24 @@ class Datastore:
         with self._write_lock:
             self._pools_by_source[source] = tuple(pools)
             self._models_by_source[source] = tuple(models)
+            snapshot = self._rebuild()
+        self._notify(snapshot, ChangeKind.RESOURCES)
+        return snapshot
+
+    def set_all(
+        self,
+        pools: Iterable[AnyInferencePool],
+        models: Iterable[InferenceModel],
+        endpoints: Iterable[EndpointSpec | Endpoint],
+        *,
+        source: str = "files",
+    ) -> DatastoreSnapshot:
+        """Replace one source's pools, models and endpoints in a single snapshot swap."""
+        specs = tuple(e if isinstance(e, EndpointSpec) else EndpointSpec.of(e) for e in endpoints)
+        with self._write_lock:
+            self._pools_by_source[source] = tuple(pools)
+            self._models_by_source[source] = tuple(models)
+            self._specs_by_source[source] = specs
             snapshot = self._rebuild()
         self._notify(snapshot, ChangeKind.RESOURCES)
         return snapshot

@@ -1,0 +1,289 @@
+"""`GatewayRuntime`: the composition root. Load → datastore → scrapers → scheduler → Director →
+ext_proc + health + metrics servers → Envoy child process; and the reverse on shutdown.
+
+Shutdown drains: readiness turns NOT_SERVING (so Envoy's health check and any orchestrator stop
+sending new work), Envoy's listeners drain gracefully, in-flight ext_proc streams get up to the
+grace period to finish, then Envoy, the gRPC servers and the scrapers stop. grpc.aio does not
+stop on signals by itself, so `serve_until_signalled` installs its own SIGINT/SIGTERM handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import grpc
+from aiohttp import web
+
+from poolkeeper.admission.controller import AdmissionController
+from poolkeeper.backend.scraper import ScraperManager
+from poolkeeper.controller.files import FileResourceSource, endpoint_specs
+from poolkeeper.datastore.store import Datastore
+from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
+from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.errors import ConfigError
+from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.state import ExtProcSettings
+from poolkeeper.requestcontrol.director import Director
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.inflight import InflightTracker
+from poolkeeper.server.loading import LoadedGateway, load_gateway
+from poolkeeper.telemetry.health import HealthService
+from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats
+
+log = logging.getLogger("poolkeeper.server")
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    paths: Sequence[str | Path]
+    run_envoy: bool = True
+    envoy_path: str | None = None
+    workdir: Path | None = None  # bootstrap + Envoy log; a temporary directory when None
+    envoy_concurrency: int = 1
+    drain_grace_s: float = 5.0
+    rng_seed: int | None = None
+    fresh_within_s: float = 2.0  # readiness: an endpoint scraped this recently
+
+
+def bootstrap_params(loaded: LoadedGateway, datastore: Datastore | None = None) -> BootstrapParams:
+    """The Envoy bootstrap for this configuration (also what `envoy-config` prints)."""
+    listeners = loaded.config.spec.listeners
+    store = datastore or _datastore_for(loaded)
+    snapshot = store.snapshot()
+    fail_open = bool(loaded.pools) and all(p.failure_mode() == "FailOpen" for p in loaded.pools)
+    fallback: list[str] = []
+    if fail_open:
+        for pool in loaded.pools:
+            fallback += [e.hostport for e in snapshot.endpoints(pool.key)]
+    local = "127.0.0.1" if listeners.address in ("0.0.0.0", "127.0.0.1") else listeners.address
+    return BootstrapParams(
+        listen_address=listeners.address,
+        listen_port=listeners.http,
+        extproc_address=local,
+        extproc_port=listeners.ext_proc,
+        admin_address="127.0.0.1",
+        admin_port=listeners.admin,
+        fail_open=fail_open,
+        fallback_endpoints=tuple(dict.fromkeys(fallback)),
+    )
+
+
+def _datastore_for(loaded: LoadedGateway) -> Datastore:
+    store = Datastore()
+    store.set_resources(loaded.pools, loaded.models)
+    specs, errors = endpoint_specs(loaded.config, loaded.config.spec.scraping)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    store.set_endpoints(specs)
+    return store
+
+
+@dataclass
+class GatewayRuntime:
+    options: ServeOptions
+    loaded: LoadedGateway | None = None
+    datastore: Datastore = field(default_factory=Datastore)
+    director: Director | None = None
+    metrics: GatewayMetrics | None = None
+    servicer: ExtProcServicer | None = None
+    envoy: EnvoySupervisor | None = None
+    draining: bool = False
+    _scrapers: ScraperManager | None = None
+    _grpc_servers: list[grpc.aio.Server] = field(default_factory=list)
+    _web: web.AppRunner | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+    _stopped: bool = False
+    _source: FileResourceSource | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    # -- start ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start everything; on failure whatever started is stopped again before raising."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(grace_s=0)
+            raise
+
+    async def _start(self) -> None:
+        loaded = self.loaded = load_gateway(self.options.paths)
+        # Fail before binding anything when Envoy is wanted but missing.
+        binary = find_envoy(self.options.envoy_path) if self.options.run_envoy else ""
+        for notice in loaded.notices:
+            log.info("%s", notice)
+        spec = loaded.config.spec
+        # The file source applies pools, models and endpoints, and hot-reloads them later
+        # (listeners, scheduling and the Envoy bootstrap are read once, at start).
+        self._source = FileResourceSource(
+            self.options.paths, self.datastore, scraping=spec.scraping
+        )
+        outcome = self._source.reload()
+        if not outcome.applied:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(outcome.errors))
+        self._tasks.append(asyncio.create_task(self._source.run(), name="file-source"))
+        rng = random.Random(self.options.rng_seed)
+        self._scrapers = ScraperManager(spec.scraping, self.datastore.update_metrics)
+        self._scrapers.follow(self.datastore)
+        self.director = Director(
+            datastore=self.datastore,
+            scheduler=build_scheduler(spec.scheduling, rng=rng),
+            inflight=InflightTracker(),
+            admission=AdmissionController(spec.admission),
+            config=spec.request_handling,
+            rng=rng,
+            fresh_within_s=self.options.fresh_within_s,
+        )
+        self.metrics = GatewayMetrics(pool_stats=self.pool_stats)
+        listeners = spec.listeners
+        health = HealthService.for_gateway(live=lambda: True, ready=self.ready)
+        settings = ExtProcSettings(
+            max_request_body_bytes=spec.request_handling.max_body_bytes + 1024
+        )
+        self.servicer = ExtProcServicer(self.director, settings=settings, observer=self.metrics)
+        extproc, _ = build_server(
+            self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=health.register
+        )
+        self._grpc_servers.append(extproc)
+        health_server = grpc.aio.server()
+        health.register(health_server)
+        if health_server.add_insecure_port(f"{listeners.address}:{listeners.health}") == 0:
+            raise OSError(f"cannot bind the health server to port {listeners.health}")
+        self._grpc_servers.append(health_server)
+        for server in self._grpc_servers:
+            await server.start()
+        self._web = web.AppRunner(self.metrics.app(), access_log=None)
+        await self._web.setup()
+        await web.TCPSite(self._web, listeners.address, listeners.metrics).start()
+        log.info(
+            "epp listening ext_proc=%s:%d health=%d metrics=%d",
+            listeners.address,
+            listeners.ext_proc,
+            listeners.health,
+            listeners.metrics,
+        )
+        if self.options.run_envoy:
+            await self._start_envoy(loaded, binary)
+
+    async def _start_envoy(self, loaded: LoadedGateway, binary: str) -> None:
+        workdir = self.options.workdir
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="poolkeeper-")
+            workdir = Path(self._tmp.name)
+        workdir.mkdir(parents=True, exist_ok=True)
+        params = bootstrap_params(loaded, self.datastore)
+        config_path = workdir / "envoy.json"
+        config_path.write_text(render(build_bootstrap(params)))
+        self.envoy = EnvoySupervisor(
+            EnvoyOptions(
+                binary=binary,
+                config_path=config_path,
+                log_path=workdir / "envoy.log",
+                concurrency=self.options.envoy_concurrency,
+                admin_url=f"http://127.0.0.1:{params.admin_port}",
+            )
+        )
+        await self.envoy.start()
+        await self.envoy.wait_ready()
+        log.info(
+            "envoy listening http=%s:%d failure_mode=%s",
+            params.listen_address,
+            params.listen_port,
+            "FailOpen" if params.fail_open else "FailClose",
+        )
+
+    # -- state ----------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return not self.draining and self.director is not None and self.director.ready()
+
+    def pool_stats(self) -> Iterator[PoolStats]:
+        snapshot = self.datastore.snapshot()
+        for key in snapshot.pool_keys():
+            states = snapshot.states(key)
+            n = len(states)
+            kv = sum(s.metrics.kv_cache_usage for s in states) / n if n else 0.0
+            queue = sum(s.metrics.waiting for s in states) / n if n else 0.0
+            ready = sum(1 for s in states if s.metrics.updated_at > 0 and s.metrics.error is None)
+            yield PoolStats(key.rpartition("/")[2], kv, queue, ready)
+
+    @property
+    def http_url(self) -> str:
+        assert self.loaded is not None
+        listeners = self.loaded.config.spec.listeners
+        host = "127.0.0.1" if listeners.address == "0.0.0.0" else listeners.address
+        return f"http://{host}:{listeners.http}"
+
+    # -- stop -----------------------------------------------------------------------------
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain and stop everything (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.options.drain_grace_s if grace_s is None else grace_s
+        self.draining = True
+        if self.envoy is not None and grace > 0:
+            await self._drain_envoy(grace)
+        if self.envoy is not None:
+            await self.envoy.stop()
+        for server in self._grpc_servers:
+            await server.stop(grace if grace > 0 else None)
+        if self._web is not None:
+            await self._web.cleanup()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._scrapers is not None:
+            await self._scrapers.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        log.info("stopped")
+
+    async def _drain_envoy(self, grace_s: float) -> None:
+        """Stop accepting new connections; wait for in-flight requests, up to `grace_s`."""
+        assert self.envoy is not None
+        admin = self.envoy.options.admin_url
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session,
+                session.post(f"{admin}/drain_listeners?graceful") as resp,
+            ):
+                await resp.read()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.servicer is not None and self.servicer.active > 0:
+            if loop.time() >= deadline:
+                log.warning("drain grace over with %d requests in flight", self.servicer.active)
+                break
+            await asyncio.sleep(0.05)
+
+
+async def serve_until_signalled(
+    runtime: GatewayRuntime, started: asyncio.Event | None = None
+) -> None:
+    """Start, run until SIGINT/SIGTERM, then drain and stop."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        await runtime.start()
+        if started is not None:
+            started.set()
+        await stop.wait()
+    finally:
+        # Handlers stay installed while draining: a second Ctrl-C must not interrupt the drain
+        # with a KeyboardInterrupt halfway through stopping the servers.
+        await runtime.stop()
+        for sig in installed:
+            loop.remove_signal_handler(sig)

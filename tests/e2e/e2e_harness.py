@@ -1,0 +1,228 @@
+"""Processes for the end-to-end tests: simulators and `poolkeeper serve`, on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+SERVING = 1
+
+
+def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
+    """`n` ports free right now (consecutive ones for `poolkeeper sim --count`)."""
+    if not consecutive:
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            return [int(s.getsockname()[1]) for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+    for _ in range(200):
+        start = free_ports(1)[0]
+        if start + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(start, start + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return list(range(start, start + n))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no range of free ports found")
+
+
+@dataclass
+class Proc:
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log: IO[bytes]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        pid = self.process.pid
+        with contextlib.suppress(OSError):
+            text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+            return [int(p) for p in text.split()]
+        return []
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.log.close()
+
+
+# The `serve` and `sim` subcommands exactly as `poolkeeper` registers them, without importing
+# the other command modules (so these tests depend only on the code they exercise).
+_RUNNER = """
+import argparse, sys
+from poolkeeper.cli import serve, sim
+parser = argparse.ArgumentParser(prog="poolkeeper")
+commands = parser.add_subparsers()
+serve.register(commands)
+sim.register(commands)
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.handler(args))
+"""
+
+
+def poolkeeper(args: list[str], log_path: Path) -> Proc:
+    log = log_path.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-c", _RUNNER, *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return Proc(process, log_path, log)
+
+
+def wait_for_port(port: int, proc: Proc, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.process.poll() is not None:
+            raise RuntimeError(f"process exited early:\n{proc.log_text()[-3000:]}")
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not open after {timeout}s:\n{proc.log_text()[-3000:]}")
+
+
+def wait_for_text(proc: Proc, text: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in proc.log_text():
+            return
+        if proc.process.poll() is not None:
+            raise RuntimeError(f"process exited early:\n{proc.log_text()[-3000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{text!r} not seen after {timeout}s:\n{proc.log_text()[-3000:]}")
+
+
+def health_status(port: int, service: str) -> int:
+    from poolkeeper.telemetry.health import HealthCheckRequest, HealthCheckResponse
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=HealthCheckRequest.SerializeToString,
+            response_deserializer=HealthCheckResponse.FromString,
+        )
+        return int(call(HealthCheckRequest(service=service), timeout=2).status)
+
+
+def wait_ready(port: int, proc: Proc, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(grpc.RpcError):
+            if health_status(port, "readiness") == SERVING:
+                return
+        if proc.process.poll() is not None:
+            raise RuntimeError(f"serve exited early:\n{proc.log_text()[-3000:]}")
+        time.sleep(0.1)
+    raise TimeoutError(f"gateway not ready after {timeout}s:\n{proc.log_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def killing_orphans(proc: Proc) -> Iterator[None]:
+    """Makes sure children (Envoy) of a serve process we SIGKILL do not outlive the test."""
+    children = proc.children()
+    try:
+        yield
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+POOL = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: {name}, namespace: default}}
+spec:
+  selector: {{app: {app}}}
+  targetPortNumber: 8000
+  extensionRef: {{name: {name}-epp, failureMode: {failure_mode}}}
+"""
+
+MODEL = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: {object_name}, namespace: default}}
+spec:
+  modelName: {model}
+  criticality: {criticality}
+  poolRef: {{name: {pool}}}
+{targets}"""
+
+
+def model_doc(
+    model: str, pool: str, criticality: str, targets: dict[str, int] | list[str] | None = None
+) -> str:
+    lines = ""
+    if isinstance(targets, dict):
+        lines = "  targetModels:\n" + "".join(
+            f"    - {{name: {t}, weight: {w}}}\n" for t, w in targets.items()
+        )
+    elif targets:
+        lines = "  targetModels:\n" + "".join(f"    - {{name: {t}}}\n" for t in targets)
+    object_name = model.lower().replace("/", "-").replace(".", "-").replace("_", "-")
+    return MODEL.format(
+        object_name=object_name, model=model, criticality=criticality, pool=pool, targets=lines
+    )
+
+
+def gateway_doc(ports: dict[str, int], endpoints: list[tuple[str, int, str]]) -> str:
+    eps = "".join(
+        f"    - {{name: {name}, address: 127.0.0.1, port: {port}, labels: {{app: {app}}}}}\n"
+        for name, port, app in endpoints
+    )
+    return f"""\
+apiVersion: poolkeeper.dev/v1alpha1
+kind: GatewayConfig
+metadata: {{name: default}}
+spec:
+  listeners: {{http: {ports["http"]}, extProc: {ports["ext_proc"]}, metrics: {ports["metrics"]},
+    health: {ports["health"]}, admin: {ports["admin"]}}}
+  scraping: {{intervalMs: 50, timeoutMs: 1000}}
+  endpoints:
+{eps}"""
+
+
+def write_config(directory: Path, docs: list[str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "gateway.yaml").write_text("---\n".join(docs))
+    return directory
+
+
+def gateway_ports() -> dict[str, int]:
+    http, ext_proc, metrics, health, admin = free_ports(5)
+    return {"http": http, "ext_proc": ext_proc, "metrics": metrics, "health": health,
+            "admin": admin}  # fmt: skip

@@ -1,0 +1,380 @@
+"""End to end: the official openai client → real Envoy → `poolkeeper serve` (EPP) → simulators.
+
+One gateway (three pools: a LoRA-serving fleet, a one-slot pool that saturates, and a pool with
+no endpoints) is shared by the module; the EPP-killed cases start their own small gateways over
+the same simulators, then SIGKILL the EPP process while its Envoy keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from e2e_harness import (
+    POOL,
+    Proc,
+    free_ports,
+    gateway_doc,
+    gateway_ports,
+    killing_orphans,
+    model_doc,
+    poolkeeper,
+    wait_for_port,
+    wait_for_text,
+    wait_ready,
+    write_config,
+)
+
+pytestmark = pytest.mark.e2e
+
+BASE = "meta-llama/Llama-3.1-8B-Instruct"
+ADAPTERS = ("food-review-v1", "food-review-v2", "tweet-summary-1")
+DEST = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+
+
+@dataclass
+class Fleet:
+    ports: list[int]  # the LoRA fleet (app: sim)
+    tiny_port: int  # one slow single-slot server (app: tiny)
+    procs: list[Proc]
+
+
+@dataclass
+class Gateway:
+    url: str
+    ports: dict[str, int]
+    proc: Proc
+    fleet: Fleet
+    opened: list[openai.AsyncOpenAI]
+
+    def client(self, **kw: Any) -> openai.AsyncOpenAI:
+        client = openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=30, **kw
+        )
+        self.opened.append(client)
+        return client
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    logs = tmp_path_factory.mktemp("sims")
+    ports = free_ports(3, consecutive=True)
+    (tiny_port,) = free_ports(1)
+    main = poolkeeper(
+        ["sim", "--count", "3", "--port", str(ports[0]), "--lora-adapters", ",".join(ADAPTERS),
+         "--max-loras", "2", "--time-scale", "0.02", "--seed", "1"],
+        logs / "fleet.log",
+    )  # fmt: skip
+    tiny = poolkeeper(
+        ["sim", "--count", "1", "--port", str(tiny_port), "--model", "tiny-base",
+         "--max-num-seqs", "1"],
+        logs / "tiny.log",
+    )  # fmt: skip
+    procs = [main, tiny]
+    try:
+        for port in ports:
+            wait_for_port(port, main)
+        wait_for_port(tiny_port, tiny)
+        yield Fleet(ports, tiny_port, procs)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _serve(directory: Path, ports: dict[str, int]) -> Proc:
+    proc = poolkeeper(
+        ["serve", "-f", str(directory), "--workdir", str(directory / "work"), "--drain-grace",
+         "1", "--log-format", "text"],
+        directory / "serve.log",
+    )  # fmt: skip
+    wait_for_text(proc, "gateway ready on")
+    wait_ready(ports["health"], proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    ports = gateway_ports()
+    endpoints = [(f"sim-{i}", p, "sim") for i, p in enumerate(fleet.ports)]
+    endpoints.append(("tiny-0", fleet.tiny_port, "tiny"))
+    docs = [
+        gateway_doc(ports, endpoints),
+        POOL.format(name="fleet", app="sim", failure_mode="FailClose"),
+        POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
+        POOL.format(name="empty", app="nothing-selected", failure_mode="FailClose"),
+        model_doc(BASE, "fleet", "Critical"),
+        model_doc("food-review", "fleet", "Standard", {"food-review-v1": 70, "food-review-v2": 30}),
+        model_doc("tweet-summary", "fleet", "Sheddable", ["tweet-summary-1"]),
+        model_doc("tiny-critical", "tiny", "Critical", ["tiny-base"]),
+        model_doc("tiny-batch", "tiny", "Sheddable", ["tiny-base"]),
+        model_doc("ghost", "empty", "Critical"),
+    ]
+    directory = write_config(tmp_path_factory.mktemp("gateway"), docs)
+    proc = _serve(directory, ports)
+    try:
+        yield Gateway(f"http://127.0.0.1:{ports['http']}", ports, proc, fleet, [])
+    finally:
+        proc.stop(signal.SIGINT)
+        assert proc.process.returncode == 0, proc.log_text()[-2000:]
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    yield
+    if "gateway" in request.fixturenames:
+        gateway: Gateway = request.getfixturevalue("gateway")
+        while gateway.opened:
+            await gateway.opened.pop().close()
+
+
+async def test_models_listing(gateway: Gateway) -> None:
+    models = await gateway.client().models.list()
+    assert {m.id for m in models.data} == {
+        BASE, "food-review", "tweet-summary", "tiny-critical", "tiny-batch", "ghost",
+    }  # fmt: skip
+
+
+async def test_chat_and_completions_streaming_and_not(gateway: Gateway) -> None:
+    client = gateway.client()
+    chat = await client.chat.completions.with_raw_response.create(
+        model=BASE, messages=[{"role": "user", "content": "Say hi"}], max_tokens=5
+    )
+    served = chat.headers[SERVED]
+    assert int(served.rpartition(":")[2]) in gateway.fleet.ports
+    body = chat.parse()
+    assert body.choices[0].message.content
+    assert body.usage is not None
+    assert body.usage.completion_tokens == 5
+
+    completion = await client.completions.create(model=BASE, prompt="Once", max_tokens=4)
+    assert completion.choices[0].text
+    assert completion.usage is not None
+
+    stream = await client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "Count"}], max_tokens=6, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert any(c.choices and c.choices[0].delta.content for c in chunks)
+    # The gateway injected include_usage for its own accounting and stripped it again.
+    assert all(c.usage is None for c in chunks)
+    assert all(c.choices for c in chunks)
+
+    completion_stream = await client.completions.create(
+        model=BASE,
+        prompt="Count",
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces = [c async for c in completion_stream]
+    assert pieces[-1].usage is not None  # asked for: delivered
+    assert pieces[-1].usage.completion_tokens == 6
+
+
+async def test_usage_is_counted_in_gateway_metrics(gateway: Gateway) -> None:
+    client = gateway.client()
+    stream = await client.chat.completions.create(
+        model="food-review", messages=[{"role": "user", "content": "x"}], max_tokens=7,
+        stream=True,
+    )  # fmt: skip
+    async for _ in stream:
+        pass
+    for _ in range(50):
+        text = gateway.metrics()
+        lines = [
+            line for line in text.splitlines()
+            if line.startswith("inference_model_output_tokens_sum{model_name=\"food-review\"")
+        ]  # fmt: skip
+        if lines and sum(float(line.rsplit(" ", 1)[1]) for line in lines) >= 7:
+            break
+        await asyncio.sleep(0.1)
+    assert lines
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in lines) >= 7
+    assert 'inference_pool_ready_pods{name="fleet"} 3.0' in text
+
+
+async def test_weighted_split_within_statistical_bounds(gateway: Gateway) -> None:
+    client = gateway.client()
+    n = 200
+    semaphore = asyncio.Semaphore(16)
+
+    async def one() -> str:
+        async with semaphore:
+            r = await client.chat.completions.create(
+                model="food-review", messages=[{"role": "user", "content": "ok"}], max_tokens=1
+            )
+            return r.model
+
+    counts = Counter(await asyncio.gather(*(one() for _ in range(n))))
+    assert set(counts) == {"food-review-v1", "food-review-v2"}
+    # 70/30 split: binomial sd = sqrt(200 * 0.7 * 0.3) ≈ 6.5; allow 4 sd.
+    assert abs(counts["food-review-v1"] - 140) <= 26, counts
+
+
+def _models_of(hostport: str) -> set[str]:
+    with urllib.request.urlopen(f"http://{hostport}/v1/models", timeout=5) as resp:
+        return {m["id"] for m in json.loads(resp.read())["data"]}
+
+
+async def test_lora_requests_land_on_pods_holding_the_adapter(gateway: Gateway) -> None:
+    client = gateway.client()
+    for _ in range(6):
+        r = await client.chat.completions.with_raw_response.create(
+            model="tweet-summary", messages=[{"role": "user", "content": "sum"}], max_tokens=2
+        )
+        assert r.parse().model == "tweet-summary-1"
+        served = r.headers[SERVED]
+        held = await asyncio.to_thread(_models_of, served)
+        assert "tweet-summary-1" in held
+
+
+async def test_openai_errors_400_404_503(gateway: Gateway) -> None:
+    client = gateway.client()
+    with pytest.raises(openai.NotFoundError) as nf:
+        await client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert nf.value.status_code == 404
+    assert nf.value.code == "model_not_found"
+    bad = urllib.request.Request(
+        f"{gateway.url}/v1/chat/completions",
+        data=b'{"model": "food-review", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        await asyncio.to_thread(urllib.request.urlopen, bad, timeout=5)
+    assert raw.value.code == 400
+    assert raw.value.headers["content-type"] == "application/json"
+    assert json.loads(raw.value.read())["error"]["type"] == "invalid_request_error"
+    raw.value.close()
+    with pytest.raises(openai.BadRequestError):
+        await client.post("/chat/completions", body={"messages": []}, cast_to=object)
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        await client.chat.completions.create(
+            model="ghost", messages=[{"role": "user", "content": "x"}]
+        )
+    assert unavailable.value.status_code == 503
+    body = unavailable.value.body
+    assert isinstance(body, dict)
+    assert body["type"] == "service_unavailable_error"
+
+
+async def test_sheddable_gets_429_when_pool_saturated_critical_does_not(gateway: Gateway) -> None:
+    client = gateway.client()
+    # Six long Critical streams on a one-slot server: one runs, five wait, then more.
+    streams = []
+    for _ in range(7):
+        streams.append(
+            await client.completions.create(
+                model="tiny-critical", prompt="long story", max_tokens=4000, stream=True
+            )
+        )
+    try:
+        shed = None
+        for _ in range(60):
+            try:
+                await client.completions.create(model="tiny-batch", prompt="x", max_tokens=1)
+            except openai.RateLimitError as exc:
+                shed = exc
+                break
+            await asyncio.sleep(0.1)
+        assert shed is not None, "the saturated pool never shed the Sheddable request"
+        assert shed.status_code == 429
+        assert isinstance(shed.body, dict)
+        assert shed.body["type"] == "rate_limit_error"
+        # Critical is still admitted while saturated (it queues on the server).
+        extra = await client.completions.create(
+            model="tiny-critical", prompt="x", max_tokens=1, stream=True
+        )
+        await extra.close()
+    finally:
+        for s in streams:
+            await s.close()
+
+
+async def test_spoofed_destination_header_is_ignored(gateway: Gateway) -> None:
+    from envoy_canary import Canary
+
+    canary = Canary()
+    await canary.start()
+    try:
+        client = gateway.client(default_headers={DEST: f"127.0.0.1:{canary.port}"})
+        for _ in range(3):
+            r = await client.chat.completions.with_raw_response.create(
+                model=BASE, messages=[{"role": "user", "content": "x"}], max_tokens=1
+            )
+            assert int(r.headers[SERVED].rpartition(":")[2]) in gateway.fleet.ports
+        assert canary.connections == 0
+    finally:
+        await canary.stop()
+
+
+def _small_gateway(fleet: Fleet, directory: Path, failure_mode: str) -> tuple[Proc, dict[str, int]]:
+    ports = gateway_ports()
+    docs = [
+        gateway_doc(ports, [(f"sim-{i}", p, "sim") for i, p in enumerate(fleet.ports)]),
+        POOL.format(name="fleet", app="sim", failure_mode=failure_mode),
+        model_doc(BASE, "fleet", "Critical"),
+    ]
+    write_config(directory, docs)
+    return _serve(directory, ports), ports
+
+
+@pytest.mark.parametrize("failure_mode", ["FailOpen", "FailClose"])
+async def test_epp_killed(fleet: Fleet, tmp_path: Path, failure_mode: str) -> None:
+    from envoy_canary import Canary
+
+    proc, ports = _small_gateway(fleet, tmp_path, failure_mode)
+    canary = Canary()
+    await canary.start()
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="x", max_retries=0,
+        default_headers={DEST: f"127.0.0.1:{canary.port}"}, timeout=10,
+    )  # fmt: skip
+    with killing_orphans(proc):
+        try:
+            ok = await client.chat.completions.create(
+                model=BASE, messages=[{"role": "user", "content": "x"}], max_tokens=1
+            )
+            assert ok.choices
+            proc.stop(signal.SIGKILL)  # the EPP dies; its Envoy child keeps running
+            outcomes = []
+            for _ in range(40):  # Envoy's EPP health check notices within about a second
+                try:
+                    r = await client.chat.completions.with_raw_response.create(
+                        model=BASE, messages=[{"role": "user", "content": "x"}], max_tokens=1
+                    )
+                    outcomes.append(200)
+                    assert int(r.headers[SERVED].rpartition(":")[2]) in fleet.ports
+                    if failure_mode == "FailOpen":
+                        break
+                except openai.APIStatusError as exc:
+                    outcomes.append(exc.status_code)
+                    if failure_mode == "FailClose" and len(outcomes) >= 5:
+                        break
+                await asyncio.sleep(0.1)
+            if failure_mode == "FailOpen":
+                assert outcomes[-1] == 200
+            else:
+                assert outcomes
+                assert all(code == 503 for code in outcomes)
+            assert canary.connections == 0
+        finally:
+            await client.close()
+            await canary.stop()

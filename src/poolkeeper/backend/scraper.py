@@ -28,7 +28,7 @@ from poolkeeper.backend.promtext import PromParseError
 from poolkeeper.scheduling.types import Endpoint, EndpointMetrics
 
 if TYPE_CHECKING:
-    from poolkeeper.datastore.store import Datastore
+    from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 
 __all__ = ["MetricsScraper", "MetricsSink", "ScrapeFailed", "ScraperManager", "metrics_url"]
 
@@ -170,6 +170,13 @@ class MetricsScraper:
         return metrics
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class ScraperManager:
     """Keeps exactly one scrape loop per endpoint (by `ip:port`) as the endpoint set changes."""
 
@@ -226,13 +233,27 @@ class ScraperManager:
                 self._loops[key] = (scraper, task)
 
     def follow(self, store: Datastore) -> None:
-        """Sync now and after every endpoint change of the datastore."""
+        """Sync now and after every endpoint change of the datastore (call on the loop).
+
+        A change written from another thread (a Kubernetes client thread, say) is handed to
+        the loop, which then syncs with the datastore's latest snapshot, so out-of-order
+        hand-offs can never install an older endpoint set.
+        """
+        loop = asyncio.get_running_loop()
         if self._unsubscribe is not None:
             self._unsubscribe()
-        self._unsubscribe = store.subscribe(
-            lambda snapshot, _kind: self.sync(snapshot.all_endpoints())
-        )
-        self.sync(store.snapshot().all_endpoints())
+
+        def latest() -> None:
+            self.sync(store.snapshot().all_endpoints())
+
+        def on_change(snapshot: DatastoreSnapshot, _kind: object) -> None:
+            if _running_loop() is loop:
+                self.sync(snapshot.all_endpoints())
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(latest)
+
+        self._unsubscribe = store.subscribe(on_change)
+        latest()
 
     async def close(self) -> None:
         """Stop every loop, wait for them, and close the session if this manager made it."""

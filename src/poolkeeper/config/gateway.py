@@ -4,7 +4,7 @@ Loaded by `poolkeeper.api.load` from the same YAML files as the InferencePool / 
 objects. Validated once, up front; pydantic error locations carry the camelCase field path
 (`spec.endpoints.1.port`). Every field has a default, so an empty `spec: {}` (or no document at
 all: `GatewayConfig.default()`) gives a working local gateway. The field reference lives in
-docs/configuration.md, generated from this schema by `docs_tables()`.
+docs/configuration.md, generated from this schema by `poolkeeper.config.docs`.
 """
 
 from __future__ import annotations

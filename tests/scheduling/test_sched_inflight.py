@@ -1,0 +1,116 @@
+"""In-flight accounting, and the herding it prevents between two metric scrapes."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from sched_factories import key, request, scheduler, state
+
+from poolkeeper.scheduling.inflight import InflightTracker
+from poolkeeper.scheduling.types import EndpointState
+
+
+def test_start_finish_counts_and_idempotence() -> None:
+    t = InflightTracker()
+    t.start("a", key(1), 100, now=10.0)
+    t.start("b", key(1), 50, now=10.1)
+    t.start("c", key(2), 7, now=10.2)
+    assert t.counts(key(1)) == (2, 150)
+    assert len(t) == 3
+    assert t.finish("a") is True
+    assert t.finish("a") is False  # idempotent
+    assert t.counts(key(1)) == (1, 50)
+    assert "a" not in t
+    assert t.finish("never-started") is False
+
+
+def test_restart_moves_the_request() -> None:
+    t = InflightTracker()
+    t.start("a", key(1), 10, now=1.0)
+    t.start("a", key(2), 10, now=2.0)  # retried on another endpoint
+    assert t.counts(key(1)) == (0, 0)
+    assert t.counts(key(2)) == (1, 10)
+
+
+def test_apply_fills_inflight_and_unseen_after_the_scrape() -> None:
+    t = InflightTracker()
+    t.start("old", key(1), 100, now=9.0)  # before the scrape at 10.0: already in the gauges
+    t.start("new1", key(1), 10, now=10.5)
+    t.start("new2", key(1), 20, now=10.6)
+    pool = [state(1, updated_at=10.0), state(2, updated_at=10.0)]
+    out = t.apply(pool)
+    assert (out[0].inflight_requests, out[0].inflight_tokens) == (3, 130)
+    assert (out[0].unseen_requests, out[0].unseen_tokens) == (2, 30)
+    assert out[1] is pool[1]  # nothing in flight: the same object
+    t.finish("new1")
+    again = t.apply(pool)
+    assert (again[0].unseen_requests, again[0].unseen_tokens) == (1, 20)
+
+
+def test_apply_reuses_unchanged_states_and_clears_stale_counts() -> None:
+    t = InflightTracker()
+    t.start("x", key(1), 5, now=11.0)
+    pool = [state(1, updated_at=10.0)]
+    first = t.apply(pool)
+    assert t.apply(pool)[0] is first[0]  # no change: cached
+    t.start("y", key(1), 5, now=11.5)
+    assert t.apply(pool)[0].unseen_requests == 2
+    t.finish("x")
+    t.finish("y")
+    carried = [state(1, unseen=3, inflight=3)]  # counts from an earlier apply
+    cleared = t.apply(carried)[0]
+    assert (cleared.inflight_requests, cleared.unseen_requests) == (0, 0)
+
+
+def test_scrape_lag_counts_requests_just_before_the_scrape_as_unseen() -> None:
+    t = InflightTracker(scrape_lag_s=0.05)
+    t.start("b", key(1), 1, now=9.90)
+    t.start("a", key(1), 1, now=9.97)
+    assert t.apply([state(1, updated_at=10.0)])[0].unseen_requests == 1
+    with pytest.raises(ValueError, match="scrape_lag_s"):
+        InflightTracker(scrape_lag_s=-1)
+
+
+def test_sweep_drops_requests_whose_finish_was_lost() -> None:
+    t = InflightTracker()
+    t.start("a", key(1), 1, now=1.0)
+    t.start("b", key(1), 1, now=50.0)
+    assert t.sweep(now=60.0, max_age_s=30.0) == ["a"]
+    assert t.counts(key(1)) == (1, 1)
+
+
+def burst(
+    preset: str, pool: list[EndpointState], n: int, *, track: bool
+) -> collections.Counter[str]:
+    """n decisions between two scrapes (all metrics taken at t=99.99)."""
+    sched = scheduler(preset, seed=3)
+    tracker = InflightTracker()
+    picks: collections.Counter[str] = collections.Counter()
+    for i in range(n):
+        now = 100.0 + i * 0.001
+        states = tracker.apply(pool) if track else pool
+        req = request(prompt=f"distinct prompt {i} " * 8, request_id=f"r{i}")
+        target = sched.schedule(req, states, now=now).primary.key
+        tracker.start(req.request_id, target, 100, now)
+        picks[target] += 1
+    return picks
+
+
+def test_burst_between_scrapes_spreads_over_endpoints() -> None:
+    # One endpoint looks best in the last scrape; 16 requests arrive before the next.
+    pool = [state(1, waiting=0, updated_at=99.99)] + [
+        state(i, waiting=1, updated_at=99.99) for i in range(2, 9)
+    ]
+    with_tracking = burst("default", pool, 16, track=True)
+    assert max(with_tracking.values()) <= 3, with_tracking
+    assert len(with_tracking) == 8  # every endpoint used
+    # Without router-side accounting the stale "best" endpoint takes the whole burst.
+    blind = burst("gie-v1-default", pool, 16, track=False)
+    assert blind == {key(1): 16}
+
+
+def test_equal_pool_burst_is_even_with_tracking() -> None:
+    pool = [state(i, updated_at=99.99) for i in range(1, 5)]
+    picks = burst("default", pool, 12, track=True)
+    assert sorted(picks.values()) == [3, 3, 3, 3]

@@ -1,0 +1,206 @@
+"""Scheduler behaviour: results, fallbacks, errors, defensive checks, profile handlers."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+from sched_factories import key, request, scheduler, state
+
+from poolkeeper.errors import GatewayError, NoReadyEndpoint
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.interfaces import (
+    CycleState,
+    ProfileResult,
+    ProfileRunner,
+    Scores,
+    TypedName,
+)
+from poolkeeper.scheduling.plugins.builtins import builtin_registry
+from poolkeeper.scheduling.registry import NoParams, PluginKind, PluginRegistry, PluginSpec
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+
+def test_no_candidates_is_no_ready_endpoint_503() -> None:
+    with pytest.raises(NoReadyEndpoint) as info:
+        scheduler("default").schedule(request(), [], now=100.0)
+    assert info.value.http_status == 503
+
+
+def test_everything_filtered_is_no_ready_endpoint() -> None:
+    sched = scheduler({"plugins": [{"type": "low-queue-filter", "parameters": {"threshold": 1}}]})
+    with pytest.raises(
+        NoReadyEndpoint, match=r"passed the filters of scheduling profile 'default'"
+    ):
+        sched.schedule(request(), [state(1, waiting=5)], now=100.0)
+
+
+def test_default_profile_returns_primary_and_ranked_fallbacks() -> None:
+    pool = [state(1, waiting=7), state(2, waiting=0), state(3, waiting=3), state(4, waiting=6)]
+    result = scheduler("default").schedule(request(), pool, now=100.0)
+    assert [t.key for t in result.targets] == [key(2), key(3), key(4), key(1)]
+    assert result.profile == "default"
+    assert list(result.scores) == [t.key for t in result.targets]
+    values = list(result.scores.values())
+    assert values == sorted(values, reverse=True)
+
+
+def test_default_profile_prefers_prefix_hit_unless_queue_is_skewed() -> None:
+    sched = scheduler("default")
+    prompt = "shared system prompt " * 100
+    pool = [state(i) for i in range(1, 5)]
+    home = sched.schedule(request(prompt=prompt), pool, now=100.0).primary.key
+    home_i = int(home.split(".")[3].split(":")[0])
+
+    def with_home_queue(q: int) -> list[EndpointState]:
+        return [state(i, waiting=q if i == home_i else 0) for i in range(1, 5)]
+
+    # A small queue at the prefix holder: stay (cache hit beats a 2-request imbalance).
+    assert sched.schedule(request(prompt=prompt), with_home_queue(2), now=100.0).primary.key == home
+    # The saturation filter drops it once its queue is past 5 x 1.5.
+    skewed = sched.schedule(request(prompt=prompt), with_home_queue(8), now=100.0)
+    assert skewed.primary.key != home
+
+
+def _registry_with(*specs: PluginSpec) -> PluginRegistry:
+    registry = builtin_registry()
+    for spec in specs:
+        registry.register(spec)
+    return registry
+
+
+class ForeignFilter:
+    """A buggy custom filter that returns an endpoint that is not a candidate."""
+
+    def __init__(self, tn: TypedName) -> None:
+        self.typed_name = tn
+
+    def filter(
+        self, cycle: CycleState, req: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        return [state(99), *candidates[:1]]
+
+
+class WildScorer:
+    def __init__(self, tn: TypedName, values: list[float]) -> None:
+        self.typed_name = tn
+        self.values = values
+
+    def score(
+        self, cycle: CycleState, req: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        return self.values[: len(candidates)]
+
+
+class BadPicker:
+    def __init__(self, tn: TypedName) -> None:
+        self.typed_name = tn
+
+    def pick(self, candidates: Sequence[EndpointState], scores: Sequence[float]) -> list[int]:
+        return [7, 0, 0, -1]
+
+
+def _build(doc: dict[str, Any], registry: PluginRegistry) -> Any:
+    config = SchedulingConfig.model_validate(doc, context={"registry": registry})
+    return build_scheduler(config, rng=random.Random(0), registry=registry)
+
+
+def test_decision_never_names_an_endpoint_outside_the_candidates() -> None:
+    registry = _registry_with(
+        PluginSpec("foreign", PluginKind.FILTER, NoParams, lambda tn, p, c: ForeignFilter(tn), "x"),
+        PluginSpec("bad-picker", PluginKind.PICKER, NoParams, lambda tn, p, c: BadPicker(tn), "x"),
+    )
+    sched = _build({"plugins": [{"type": "foreign"}, {"type": "bad-picker"}]}, registry)
+    pool = [state(1), state(2)]
+    result = sched.schedule(request(), pool, now=100.0)
+    assert [t.key for t in result.targets] == [key(1)]
+
+
+def test_out_of_range_custom_scores_are_clamped() -> None:
+    values = [5.0, -1.0, math.nan, 0.5]
+    registry = _registry_with(
+        PluginSpec(
+            "wild", PluginKind.SCORER, NoParams, lambda tn, p, c: WildScorer(tn, values), "x"
+        )
+    )
+    picker = {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 4}}
+    refs = [{"pluginRef": "wild", "weight": 2}, {"pluginRef": "max-score-picker"}]
+    doc = {
+        "plugins": [{"type": "wild"}, picker],
+        "schedulingProfiles": [{"name": "p", "plugins": refs}],
+    }
+    result = _build(doc, registry).schedule(request(), [state(i) for i in range(4)], now=100.0)
+    assert result.scores == {key(0): 2.0, key(3): 1.0, key(1): 0.0, key(2): 0.0}
+
+
+def test_scorer_with_wrong_length_is_an_error() -> None:
+    registry = _registry_with(
+        PluginSpec(
+            "short", PluginKind.SCORER, NoParams, lambda tn, p, c: WildScorer(tn, [1.0]), "x"
+        )
+    )
+    sched = _build({"plugins": [{"type": "short"}]}, registry)
+    with pytest.raises(GatewayError, match="returned 1 scores for 2 endpoints"):
+        sched.schedule(request(), [state(1), state(2)], now=100.0)
+
+
+class SecondIsPrimary:
+    """Runs every profile; the last one configured is the decision."""
+
+    def __init__(self, tn: TypedName) -> None:
+        self.typed_name = tn
+
+    def pick_profiles(
+        self,
+        cycle: CycleState,
+        req: LLMRequest,
+        profiles: Mapping[str, ProfileRunner],
+        results: Mapping[str, ProfileResult | None],
+    ) -> list[str]:
+        return [n for n in profiles if n not in results]
+
+    def primary(
+        self, cycle: CycleState, req: LLMRequest, results: Mapping[str, ProfileResult | None]
+    ) -> str:
+        return list(results)[-1]
+
+
+def test_multi_profile_handler_and_post_cycle_only_for_primary() -> None:
+    registry = _registry_with(
+        PluginSpec(
+            "second",
+            PluginKind.PROFILE_HANDLER,
+            NoParams,
+            lambda tn, p, c: SecondIsPrimary(tn),
+            "x",
+        )
+    )
+    doc = {
+        "plugins": [
+            {"type": "prefix-cache-scorer"},
+            {"type": "random-picker", "parameters": {"maxNumOfEndpoints": 1}},
+            {"type": "second"},
+        ],
+        "schedulingProfiles": [
+            {"name": "prefix", "plugins": [{"pluginRef": "prefix-cache-scorer"}]},
+            {"name": "plain", "plugins": [{"pluginRef": "random-picker"}]},
+        ],
+    }
+    sched = _build(doc, registry)
+    result = sched.schedule(request(prompt="x" * 640), [state(1), state(2)], now=100.0)
+    assert result.profile == "plain"
+    assert sched.plugins["prefix-cache-scorer"].index.size == 0  # prefix profile not primary
+
+
+def test_forget_endpoints_reaches_the_prefix_index() -> None:
+    sched = scheduler("gie-v1-default")
+    pool = [state(1), state(2)]
+    picked = sched.schedule(request(prompt="y" * 640), pool, now=100.0).primary.key
+    index = sched.plugins["prefix-cache-scorer"].index  # type: ignore[attr-defined]
+    assert index.endpoints() == [picked]
+    sched.forget_endpoints(set())
+    assert index.size == 0

@@ -32,7 +32,13 @@ from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Us
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.inflight import InflightTracker
-from poolkeeper.scheduling.types import EndpointMetrics, EndpointState, LLMRequest, SchedulingResult
+from poolkeeper.scheduling.types import (
+    Endpoint,
+    EndpointMetrics,
+    EndpointState,
+    LLMRequest,
+    SchedulingResult,
+)
 
 POOL = "default/pool"
 OTHER_POOL = "default/other"
@@ -195,7 +201,7 @@ async def test_routes_a_known_model() -> None:
     assert decision.criticality is Criticality.CRITICAL
     assert decision.body is None  # nothing to rewrite
     assert decision.prompt_tokens > 0
-    assert "r1" in rig.inflight
+    assert len(rig.inflight) == 1
     assert rig.inflight.counts(decision.endpoints[0]) == (1, decision.prompt_tokens)
     request, candidates = rig.scheduler.seen[-1]
     assert request.prompt.startswith("<|im_start|>user\nhi hi")
@@ -520,7 +526,8 @@ async def test_complete_is_idempotent_and_finishes_in_flight() -> None:
     other = await rig.director.route(_chat(rid="r2"))
     rig.director.complete(decision, status=200, usage=usage)  # again: must not touch r2
     rig.director.complete(decision, status=None, usage=None)
-    assert "r2" in rig.inflight
+    assert len(rig.inflight) == 1
+    assert rig.inflight.counts(other.endpoints[0])[0] == 1
     assert isinstance(decision.ticket, Ticket)
     assert decision.ticket.done
     rig.director.complete(other, status=None, usage=None)  # cancelled stream
@@ -550,7 +557,7 @@ async def test_complete_with_served_fallback_and_foreign_tickets() -> None:
     await rig.director.route(_chat(rid="r2"))
     stranger = RoutingDecision(request_id="r2", endpoints=("1.1.1.1:1",), pool=POOL)
     rig.director.complete(stranger, status=200, usage=None)  # no ticket of ours: no effect
-    assert "r2" in rig.inflight
+    assert len(rig.inflight) == 1
 
 
 def test_model_names_across_pools() -> None:
@@ -615,3 +622,43 @@ async def test_model_index_survives_metrics_writes(monkeypatch: pytest.MonkeyPat
     store.set_resources([_pool("pool", "sim")], [_model("fresh")])
     assert rig.director.model_names() == ["fresh"]
     assert len(builds) == 2
+
+
+async def test_repeated_client_request_ids_keep_separate_accounting() -> None:
+    """`x-request-id` comes from clients and may repeat; live requests must stay separate."""
+    rig = _rig()
+    first = await rig.director.route(_chat(rid="same", text="one " * 50))
+    second = await rig.director.route(_chat(rid="same", text="two " * 50))
+    assert len(rig.inflight) == 2
+    rig.director.complete(first, status=200, usage=None)
+    assert len(rig.inflight) == 1
+    assert rig.inflight.counts(second.endpoints[0])[0] == 1
+    rig.director.complete(second, status=200, usage=None)
+    assert len(rig.inflight) == 0
+
+
+async def test_scheduler_targets_outside_the_candidates_are_never_destinations() -> None:
+    """A buggy or custom plugin cannot send traffic outside the pool (reliability F4)."""
+    foreign = EndpointState(
+        endpoint=Endpoint(name="evil", address="169.254.169.254", port=80),
+        metrics=EndpointMetrics(),
+    )
+
+    class Rogue:
+        def __init__(self, include_real: bool) -> None:
+            self.include_real = include_real
+
+        def schedule(
+            self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float
+        ) -> SchedulingResult:
+            real = (candidates[1], candidates[1], candidates[0]) if self.include_real else ()
+            return SchedulingResult(targets=(foreign, *real))
+
+    rig = _rig(scheduler=Rogue(include_real=True))
+    decision = await rig.director.route(_chat())
+    assert decision.endpoints == ("10.0.0.2:8000", "10.0.0.1:8000")  # foreign and repeat dropped
+    assert rig.inflight.counts("169.254.169.254:80") == (0, 0)
+    rig = _rig(scheduler=Rogue(include_real=False))
+    with pytest.raises(NoReadyEndpoint):
+        await rig.director.route(_chat())
+    assert len(rig.inflight) == 0

@@ -21,6 +21,7 @@ Decisions (see docs/configuration.md, "Request handling"):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -95,9 +96,14 @@ class AdmissionLike(Protocol):
 
 @dataclass(slots=True)
 class Ticket:
-    """The Director's handle on one routed request (RoutingDecision.ticket)."""
+    """The Director's handle on one routed request (RoutingDecision.ticket).
 
-    request_id: str
+    `key` identifies the request in the in-flight tracker. It is the request id plus a
+    Director-wide sequence number: request ids come from clients (`x-request-id`) and may
+    repeat, and two live requests must never share (and so end) each other's accounting.
+    """
+
+    key: str
     endpoint: str  # where the in-flight accounting currently sits ("" = not tracked)
     tokens: int
     started_at: float
@@ -160,6 +166,7 @@ class Director:
         # One cached index, keyed by the identity of the snapshot it was built from: snapshots
         # are immutable and replaced by writers, and holding the reference keeps the id valid.
         self._indexed: tuple[SnapshotView, _ModelIndex] | None = None
+        self._sequence = itertools.count()
 
     @property
     def config(self) -> RequestHandling:
@@ -228,9 +235,9 @@ class Director:
         candidates = self._inflight.apply(self._candidates(snapshot, pool_key, subset))
         self._admission.admit(llm_request, candidates, now=now)
         result = self._scheduler.schedule(llm_request, candidates, now=now)
-        if not result.targets:
+        endpoints = self._destinations(result, candidates)
+        if not endpoints:
             raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
-        endpoints = tuple(t.key for t in result.targets[: 1 + self._config.fallback_endpoints])
 
         inject = should_inject_usage(parsed, enabled=self._config.inject_stream_usage)
         body = None
@@ -240,7 +247,8 @@ class Director:
                 model=target if target != parsed.model else None,
                 include_usage=inject,
             )
-        self._inflight.start(request.request_id, endpoints[0], parsed.prompt_tokens, now)
+        key = f"{request.request_id}#{next(self._sequence)}"
+        self._inflight.start(key, endpoints[0], parsed.prompt_tokens, now)
         return RoutingDecision(
             request_id=request.request_id,
             endpoints=endpoints,
@@ -252,7 +260,7 @@ class Director:
             prompt_tokens=parsed.prompt_tokens,
             body=body,
             include_usage_injected=inject,
-            ticket=Ticket(request.request_id, endpoints[0], parsed.prompt_tokens, now),
+            ticket=Ticket(key, endpoints[0], parsed.prompt_tokens, now),
         )
 
     def _route_bodyless(
@@ -268,6 +276,26 @@ class Director:
             pool=pool_key,
             ticket=Ticket(request.request_id, "", 0, self._clock()),
         )
+
+    def _destinations(
+        self, result: SchedulingResult, candidates: Sequence[EndpointState]
+    ) -> tuple[str, ...]:
+        """The scheduler's targets as `ip:port`, best first, capped by `fallbackEndpoints`.
+
+        Only candidates can be destinations: whatever a (buggy or custom) plugin returns, the
+        gateway never sends a request to an address outside the pool (reliability F4).
+        """
+        allowed = {s.key for s in candidates}
+        out: list[str] = []
+        for target in result.targets:
+            key = target.key
+            if key not in allowed:
+                log.error("scheduler returned %s, which is not a candidate; ignored", key)
+            elif key not in out:
+                out.append(key)
+                if len(out) > self._config.fallback_endpoints:
+                    break
+        return tuple(out)
 
     def _index(self, snapshot: SnapshotView) -> _ModelIndex:
         cached = self._indexed
@@ -329,8 +357,8 @@ class Director:
             return
         if endpoint == ticket.endpoint or endpoint not in decision.endpoints:
             return
-        self._inflight.finish(ticket.request_id)
-        self._inflight.start(ticket.request_id, endpoint, ticket.tokens, self._clock())
+        self._inflight.finish(ticket.key)
+        self._inflight.start(ticket.key, endpoint, ticket.tokens, self._clock())
         ticket.endpoint = endpoint
 
     def complete(
@@ -349,7 +377,7 @@ class Director:
         # In-flight accounting is keyed by request id, so it ends wherever it sits (the primary,
         # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
         if ticket.endpoint:
-            self._inflight.finish(ticket.request_id)
+            self._inflight.finish(ticket.key)
 
     # --- introspection --------------------------------------------------------------------
 

@@ -98,9 +98,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 def _serve(directory: Path, ports: dict[str, int]) -> Proc:
+    workdir = directory.with_name(directory.name + "-envoy")
     proc = poolkeeper(
-        ["serve", "-f", str(directory), "--workdir", str(directory / "work"), "--drain-grace",
-         "1", "--log-format", "text"],
+        ["serve", "-f", str(directory), "--workdir", str(workdir),
+         "--drain-grace", "1", "--log-format", "text"],
         directory / "serve.log",
     )  # fmt: skip
     wait_for_text(proc, "gateway ready on")

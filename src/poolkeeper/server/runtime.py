@@ -77,6 +77,13 @@ def bootstrap_params(loaded: LoadedGateway, datastore: Datastore | None = None) 
     )
 
 
+def _check_workdir(workdir: Path, paths: Sequence[str | Path]) -> None:
+    """Hot reload would read the bootstrap we write there as a (bad) resource file."""
+    for path in paths:
+        if workdir.resolve().is_relative_to(Path(path).resolve()):
+            raise ConfigError(f"workdir {workdir} must not be inside the watched path {path}")
+
+
 def _datastore_for(loaded: LoadedGateway) -> Datastore:
     store = Datastore()
     store.set_resources(loaded.pools, loaded.models)
@@ -178,6 +185,7 @@ class GatewayRuntime:
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="poolkeeper-")
             workdir = Path(self._tmp.name)
+        _check_workdir(workdir, self.options.paths)
         workdir.mkdir(parents=True, exist_ok=True)
         params = bootstrap_params(loaded, self.datastore)
         config_path = workdir / "envoy.json"

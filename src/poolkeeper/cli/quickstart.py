@@ -1,0 +1,371 @@
+"""`poolkeeper quickstart` (and `make demo`): a whole gateway on this machine in one command.
+
+Starts a small simulated fleet (a base model and four LoRA adapters), writes an example pool and
+InferenceModels (a 70/30 weighted split, and all three criticalities) to a temporary directory,
+starts the gateway (endpoint picker + Envoy), drives a short mixed load through it with a
+progress bar, prints where the requests went, latency per model and criticality and how many
+were shed, then keeps serving until Ctrl-C with a curl command to try.
+
+    poolkeeper quickstart                    # demo, then serve until Ctrl-C
+    poolkeeper quickstart --no-serve         # demo only (CI)
+    poolkeeper quickstart --duration 30      # serve 30 s after the demo, then stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from poolkeeper.envoy.process import EnvoyNotFound
+from poolkeeper.errors import ConfigError
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.sim.config import ServerSettings, build_fleet
+from poolkeeper.sim.server import SimCluster
+
+BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+ADAPTERS = ("food-review-v1", "food-review-v2", "tweet-summary-1", "tweet-summary-2")
+SERVED = "x-gateway-destination-endpoint-served"
+# (client-facing model, criticality, share of the demo load)
+DEMO_MODELS = (
+    (BASE_MODEL, "Critical", 0.25),
+    ("food-review", "Standard", 0.45),
+    ("tweet-summary", "Sheddable", 0.30),
+)
+
+RESOURCES = """\
+apiVersion: poolkeeper.dev/v1alpha1
+kind: GatewayConfig
+metadata: {{name: quickstart}}
+spec:
+  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
+    admin: {admin}}}
+  scraping: {{intervalMs: 50, timeoutMs: 1000}}
+  endpoints:
+{endpoints}---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: quickstart-pool, namespace: default}}
+spec:
+  selector: {{app: quickstart-sim}}
+  targetPortNumber: 8000
+  extensionRef: {{name: quickstart-epp, failureMode: FailClose}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: base, namespace: default}}
+spec:
+  modelName: {base}
+  criticality: Critical
+  poolRef: {{name: quickstart-pool}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: food-review, namespace: default}}
+spec:
+  modelName: food-review
+  criticality: Standard
+  targetModels:
+    - {{name: food-review-v1, weight: 70}}
+    - {{name: food-review-v2, weight: 30}}
+  poolRef: {{name: quickstart-pool}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: tweet-summary, namespace: default}}
+spec:
+  modelName: tweet-summary
+  criticality: Sheddable
+  targetModels:
+    - {{name: tweet-summary-1}}
+    - {{name: tweet-summary-2}}
+  poolRef: {{name: quickstart-pool}}
+"""
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "quickstart",
+        help="run a simulated fleet behind the gateway and show where requests go",
+        description="Start simulated model servers, an example pool and models, and the "
+        "gateway; drive a short mixed load; print a report; then serve until Ctrl-C.",
+    )
+    parser.add_argument("--servers", type=int, default=3, help="simulated servers (3)")
+    parser.add_argument("--requests", type=int, default=200, help="demo requests (200)")
+    parser.add_argument("--concurrency", type=int, default=48, help="requests in flight (48)")
+    parser.add_argument(
+        "--time-scale", type=float, default=0.3, help="simulator speed: 0.3 = 3.3x faster"
+    )
+    parser.add_argument("--no-serve", action="store_true", help="stop after the report")
+    parser.add_argument(
+        "--duration", type=float, default=None, help="serve this many seconds after the report"
+    )
+    parser.add_argument("--envoy-path", default=None, help="Envoy binary to run")
+    parser.add_argument("--seed", type=int, default=7, help="random seed of the demo load")
+    parser.set_defaults(handler=run_quickstart)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    model: str
+    criticality: str
+    status: int
+    seconds: float
+    served: str  # ip:port or ""
+    target: str  # the model that answered (after the weighted split)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_resources(directory: Path, sim_ports: list[int]) -> dict[str, int]:
+    http, ext_proc, metrics, health, admin = _free_ports(5)
+    endpoints = "".join(
+        f"    - {{name: sim-{i}, address: 127.0.0.1, port: {port}, "
+        "labels: {app: quickstart-sim}}\n"
+        for i, port in enumerate(sim_ports)
+    )
+    ports = {"http": http, "ext_proc": ext_proc, "metrics": metrics, "health": health,
+             "admin": admin}  # fmt: skip
+    text = RESOURCES.format(endpoints=endpoints, base=BASE_MODEL, **ports)
+    (directory / "quickstart.yaml").write_text(text)
+    return ports
+
+
+def _plan(n: int, rng: random.Random) -> list[tuple[str, str, bool]]:
+    """(model, criticality, stream) for each demo request, in a seeded shuffled order."""
+    plan = []
+    for model, criticality, share in DEMO_MODELS:
+        plan += [(model, criticality, rng.random() < 0.5) for _ in range(round(n * share))]
+    rng.shuffle(plan)
+    return plan[:n]
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, model: str, criticality: str, stream: bool
+) -> Outcome:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Write one line about {model}."}],
+        "max_tokens": 24,
+        "stream": stream,
+    }
+    began = time.perf_counter()
+    target = ""
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            raw = await resp.read()
+            served = resp.headers.get(SERVED, "")
+            status = resp.status
+        if status == 200 and not stream:
+            target = str((await asyncio.to_thread(_json, raw)).get("model", ""))
+        elif status == 200:
+            target = _model_from_sse(raw)
+    except (aiohttp.ClientError, TimeoutError):
+        status, served = 0, ""
+    return Outcome(model, criticality, status, time.perf_counter() - began, served, target)
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _model_from_sse(raw: bytes) -> str:
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            return str(_json(line[6:]).get("model", ""))
+    return ""
+
+
+async def drive_load(
+    url: str, n: int, concurrency: int, seed: int, console: Console
+) -> list[Outcome]:
+    plan = _plan(n, random.Random(seed))
+    semaphore = asyncio.Semaphore(concurrency)
+    outcomes: list[Outcome] = []
+    timeout = aiohttp.ClientTimeout(total=60)
+    with Progress(
+        TextColumn("[bold]driving mixed load"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("load", total=len(plan))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+
+            async def run(item: tuple[str, str, bool]) -> None:
+                async with semaphore:
+                    outcomes.append(await _one(session, url, *item))
+                    progress.advance(task)
+
+            await asyncio.gather(*(run(item) for item in plan))
+    return outcomes
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(outcomes: list[Outcome], sims: dict[str, str], console: Console) -> None:
+    """Three tables: where requests went, latency per model, and refusals."""
+    where = Table(title="Where requests went (target model by server)")
+    servers = sorted({sims.get(o.served, o.served or "?") for o in outcomes if o.status == 200})
+    where.add_column("target model")
+    for server in servers:
+        where.add_column(server, justify="right")
+    where.add_column("total", justify="right")
+    by_target: dict[str, Counter[str]] = defaultdict(Counter)
+    for o in outcomes:
+        if o.status == 200:
+            by_target[o.target][sims.get(o.served, o.served or "?")] += 1
+    for target in sorted(by_target):
+        counts = by_target[target]
+        where.add_row(target, *(str(counts[s]) for s in servers), str(sum(counts.values())))
+    console.print(where)
+
+    latency = Table(title="Latency per model and criticality (successful requests)")
+    for col in ("model", "criticality", "ok", "p50 ms", "p99 ms", "shed 429", "errors"):
+        latency.add_column(col, justify="left" if col in ("model", "criticality") else "right")
+    for model, criticality, _ in DEMO_MODELS:
+        mine = [o for o in outcomes if o.model == model]
+        ok = [o.seconds * 1000 for o in mine if o.status == 200]
+        shed = sum(1 for o in mine if o.status == 429)
+        other = sum(1 for o in mine if o.status not in (200, 429))
+        latency.add_row(
+            model.rpartition("/")[2],
+            criticality,
+            str(len(ok)),
+            f"{_percentile(ok, 0.5):.0f}",
+            f"{_percentile(ok, 0.99):.0f}",
+            str(shed),
+            str(other),
+        )
+    console.print(latency)
+    split = Counter(o.target for o in outcomes if o.model == "food-review" and o.status == 200)
+    total = sum(split.values())
+    if total:
+        shares = ", ".join(f"{t} {100 * c / total:.0f} %" for t, c in sorted(split.items()))
+        console.print(f"food-review weighted split (70/30 configured): {shares}")
+
+
+async def quickstart(args: argparse.Namespace, console: Console) -> int:
+    # Few running slots per server, so the demo's burst queues up and the pool saturates:
+    # that is when Sheddable requests are shed and Critical ones still get through.
+    settings = ServerSettings(
+        lora_adapters=list(ADAPTERS),
+        max_loras=2,
+        max_num_seqs=4,
+        time_scale=args.time_scale,
+        seed=args.seed,
+    )
+    cluster = SimCluster(build_fleet(count=args.servers, cli=settings))
+    listening = await cluster.start()
+    runtime: GatewayRuntime | None = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="poolkeeper-quickstart-") as tmp:
+            directory = Path(tmp) / "config"  # watched for hot reload: nothing else goes here
+            directory.mkdir()
+            sim_ports = [where.port for where in listening]
+            write_resources(directory, sim_ports)
+            console.print(
+                f"[bold]{len(listening)} simulated servers[/] ({BASE_MODEL} + "
+                f"{len(ADAPTERS)} LoRA adapters) on ports {', '.join(map(str, sim_ports))}"
+            )
+            runtime = GatewayRuntime(
+                ServeOptions(
+                    paths=[directory], envoy_path=args.envoy_path, workdir=Path(tmp) / "envoy"
+                )
+            )
+            await runtime.start()
+            for _ in range(100):  # wait for the first scrapes so the demo starts "ready"
+                if runtime.ready():
+                    break
+                await asyncio.sleep(0.05)
+            url = runtime.http_url
+            console.print(f"[bold green]gateway ready[/] on {url} (config in {directory})")
+            outcomes = await drive_load(url, args.requests, args.concurrency, args.seed, console)
+            sims = {f"127.0.0.1:{w.port}": w.name for w in listening}
+            report(outcomes, sims, console)
+            if args.no_serve:
+                return 0 if any(o.status == 200 for o in outcomes) else 1
+            console.print(
+                "\nTry it:\n"
+                f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json' "
+                '-d \'{"model": "food-review", "messages": [{"role": "user", '
+                '"content": "hi"}], "max_tokens": 16}\'\n'
+                f"  curl -s {url}/v1/models\n"
+                f"  metrics: http://127.0.0.1:{runtime.loaded.config.spec.listeners.metrics}"  # type: ignore[union-attr]
+                "/metrics\n"
+                "Serving until Ctrl-C."
+            )
+            await _wait_for_stop(args.duration)
+            return 0
+    finally:
+        if runtime is not None:
+            await runtime.stop(grace_s=1.0)
+        await cluster.stop()
+
+
+async def _wait_for_stop(duration: float | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        if duration is None:
+            await stop.wait()
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), duration)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+def run_quickstart(args: argparse.Namespace) -> int:
+    console = Console()
+    if args.requests < 1 or args.servers < 1 or args.concurrency < 1:
+        print("error: --requests, --servers and --concurrency must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(quickstart(args, console))
+    except (EnvoyNotFound, ConfigError) as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2

@@ -50,6 +50,12 @@ def register(subparsers: Any) -> None:
         help="multiplies every modelled duration: 0.1 = 10x faster, 2 = 2x slower (1)",
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed (0)")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="tokens per streamed event after the first, as vLLM's --stream-interval (1)",
+    )
     parser.add_argument("--config", default=None, help="YAML file with per-server settings")
     parser.set_defaults(handler=run_sim)
 
@@ -64,6 +70,7 @@ def _cli_settings(args: argparse.Namespace) -> ServerSettings:
         "block_size": args.block_size,
         "time_scale": args.time_scale,
         "seed": args.seed,
+        "stream_interval": args.stream_interval,
     }
     if args.lora_adapters is not None:
         values["lora_adapters"] = [a.strip() for a in args.lora_adapters.split(",") if a.strip()]

@@ -75,6 +75,7 @@ class ServerSettings(BaseModel):
     default_output_tokens: int | None = Field(default=None, ge=1)
     time_scale: float | None = Field(default=None, gt=0.0)
     seed: int | None = None
+    stream_interval: int | None = Field(default=None, ge=1)
     faults: FaultSettings | None = None
 
     def overrides(self) -> dict[str, Any]:

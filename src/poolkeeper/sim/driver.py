@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+from collections.abc import Callable
 
 from poolkeeper.sim.engine import EngineModel, SimRequest
 
@@ -22,12 +23,22 @@ from poolkeeper.sim.engine import EngineModel, SimRequest
 class TokenWaiter:
     """The handler side of one request: wakes the handler when it has something to send."""
 
-    __slots__ = ("request", "stream", "waiter")
+    __slots__ = ("pusher", "request", "stream", "waiter")
 
     def __init__(self, request: SimRequest, *, stream: bool) -> None:
         self.request = request
         self.stream = stream
         self.waiter: asyncio.Future[None] | None = None
+        # Set by a streaming handler that lets the driver write tokens straight to the socket
+        # (no task switch per token); it notifies the handler itself when the stream ends.
+        self.pusher: Callable[[], None] | None = None
+
+    def on_progress(self) -> None:
+        """Called by the driver after each step that gave this request a token."""
+        if self.pusher is not None:
+            self.pusher()
+        elif self.stream or self.request.done:
+            self.notify()
 
     def notify(self) -> None:
         waiter = self.waiter
@@ -122,8 +133,8 @@ class RealtimeDriver:
                 self.lag_max = lag
             for request in outcome.tokens:
                 waiter = request.sink
-                if isinstance(waiter, TokenWaiter) and (waiter.stream or request.done):
-                    waiter.notify()
+                if isinstance(waiter, TokenWaiter):
+                    waiter.on_progress()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -51,6 +51,8 @@ class EngineConfig:
     default_output_tokens: int = 128
     time_scale: float = 1.0
     seed: int = 0
+    # Streaming: tokens per SSE event after the first (vLLM/SGLang --stream-interval).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -63,6 +65,7 @@ class EngineConfig:
             (self.time_scale > 0, "time_scale must be > 0"),
             (self.default_output_tokens >= 1, "default_output_tokens must be >= 1"),
             (self.step_jitter >= 0, "step_jitter must be >= 0"),
+            (self.stream_interval >= 1, "stream_interval must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -197,6 +197,7 @@ class SimServer:
             events += 1
             await response.write(writer.role().encode())
         sent = 0
+        direct: _DirectStream | None = None
         while True:
             if cut_after is not None and events >= cut_after:
                 _cut(http)
@@ -212,7 +213,22 @@ class SimServer:
                 continue
             if request.done:
                 break
+            transport = http.transport
+            if direct is None and events and cut_after is None and transport is not None:
+                # Headers and the first event are out: from here on the driver writes each
+                # step's tokens straight to the socket, framed as HTTP chunks.
+                interval = self.engine.config.stream_interval
+                direct = _DirectStream(transport, waiter, writer, seed, sent, interval)
+                waiter.pusher = direct.push
             await waiter.wait()
+            if direct is not None:
+                while not (direct.broken or direct.finished):
+                    await waiter.wait()  # only the pusher wakes us now
+                if direct.broken:
+                    return response  # the client went away; _infer cancels the request
+                if direct.finished:
+                    await response.write_eof()
+                    return response
         tail = ""
         if writer.include_usage:
             tail = writer.usage(_usage(request))
@@ -368,6 +384,61 @@ class SimServer:
             return _json_error(str(exc).replace("\n", " "), 400)
         self.faults = settings.to_fault_config()
         return web.json_response(settings.model_dump())
+
+
+class _DirectStream:
+    """Writes a stream's tokens from the driver, synchronously, as HTTP/1.1 chunks."""
+
+    __slots__ = (
+        "broken", "finished", "interval", "seed", "sent", "transport", "waiter", "writer"
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        transport: asyncio.BaseTransport,
+        waiter: TokenWaiter,
+        writer: ChunkWriter,
+        seed: int,
+        sent: int,
+        interval: int = 1,
+    ) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        self.interval = interval
+        self.transport: asyncio.WriteTransport = transport
+        self.waiter = waiter
+        self.writer = writer
+        self.seed = seed
+        self.sent = sent
+        self.broken = False
+        self.finished = False
+
+    def push(self) -> None:
+        if self.broken or self.finished:
+            return
+        if self.transport.is_closing():
+            self.broken = True
+            self.waiter.notify()
+            return
+        request = self.waiter.request
+        produced = request.output_tokens
+        done = request.done
+        if not done and produced - self.sent < self.interval:
+            return  # batch tokens per event (--stream-interval); the last one always goes
+        text = ""
+        if produced > self.sent:
+            reason = request.finish_reason if done else None
+            text = self.writer.text(text_between(self.seed, self.sent, produced), reason)
+            self.sent = produced
+        if done:
+            if self.writer.include_usage:
+                text += self.writer.usage(_usage(request))
+            text += self.writer.done()
+        if text:
+            data = text.encode()
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if done:
+            self.finished = True
+            self.waiter.notify()
 
 
 def _fault_fields(faults: FaultConfig) -> dict[str, Any]:

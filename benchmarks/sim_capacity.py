@@ -1,0 +1,265 @@
+"""How many concurrent streams one simulator process sustains, and how much it distorts latency.
+
+Starts `poolkeeper sim --count S` as a subprocess pinned to one CPU core, then drives N
+closed-loop streaming clients (this process, pinned to another core) round-robin across the S
+servers. For each N it compares what clients measure with what the engine model says the
+latencies are (the servers' own model-time histograms over the same window):
+
+    e2e distortion = client mean end-to-end / model mean end-to-end - 1
+    ttft overhead  = client mean TTFT - model mean TTFT (ms)
+
+plus the simulator's CPU use and the driver's delivery lag. Not a test: run it by hand and copy
+the table into docs/benchmarks.md (## Simulator capacity).
+
+    .venv/bin/python benchmarks/sim_capacity.py --servers 16 --streams 250,500,1000 --duration 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def free_port_run(n: int) -> int:
+    for _ in range(100):
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        first: int = probe.getsockname()[1]
+        held = [probe]
+        try:
+            for k in range(1, n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", first + k))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+@dataclass
+class Window:
+    start: float
+    end: float
+    e2e: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    max_tokens: int = 0
+    tokens: int = 0
+    errors: int = 0
+
+
+class StreamClient(asyncio.Protocol):
+    """One keep-alive connection issuing streaming requests back to back, as cheaply as possible.
+
+    A raw protocol rather than aiohttp's client: at 100k SSE events/s, parsing every event in
+    the client would make the client, not the simulator, the bottleneck. It only notes the
+    arrival of the first body bytes and the chunked-encoding terminator.
+    """
+
+    def __init__(self, host: str, port: int, body: bytes, stop_at: float, window: Window,
+                 done: asyncio.Future[None]) -> None:  # fmt: skip
+        self.loop = asyncio.get_running_loop()
+        self.head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Content-Type: application/json\r\nContent-Length: "
+        ).encode()
+        self.body = body
+        self.stop_at = stop_at
+        self.window = window
+        self.done = done
+        self.transport: asyncio.Transport | None = None
+        self.n = 0
+        self.start = 0.0
+        self.first: float | None = None
+        self.tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.send()
+
+    def send(self) -> None:
+        assert self.transport is not None
+        if self.loop.time() >= self.stop_at:
+            self.transport.close()
+            return
+        self.n += 1
+        body = self.body.replace(b"@@", b"%d" % self.n, 1)  # a distinct prompt per request
+        self.start = self.loop.time()
+        self.first = None
+        self.tail = b""
+        self.transport.write(self.head + b"%d\r\n\r\n" % len(body) + body)
+
+    def data_received(self, data: bytes) -> None:
+        now = self.loop.time()
+        if self.first is None:
+            if not data.startswith(b"HTTP/1.1 200"):
+                self.window.errors += 1
+            # Headers come with the first event (aiohttp sends them with the first write).
+            self.first = now
+        self.tail = (self.tail + data)[-7:]
+        if self.tail.endswith(b"\r\n0\r\n\r\n"[-7:]):
+            if self.start >= self.window.start and now <= self.window.end:
+                self.window.e2e.append(now - self.start)
+                self.window.ttft.append(self.first - self.start)
+                self.window.tokens += self.window.max_tokens
+            self.send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def client_loop(host: str, port: int, body: bytes, stop_at: float, window: Window) -> None:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    await loop.create_connection(
+        lambda: StreamClient(host, port, body, stop_at, window, done), host, port
+    )
+    await done
+
+
+async def sim_stats(http: aiohttp.ClientSession, urls: list[str]) -> dict[str, float]:
+    out = {"e2e_sum": 0.0, "e2e_count": 0.0, "ttft_sum": 0.0, "ttft_count": 0.0,
+           "itl_sum": 0.0, "itl_count": 0.0, "lag_max": 0.0, "lag_mean": 0.0}  # fmt: skip
+    for url in urls:
+        async with http.get(f"{url}/sim/stats") as response:
+            s = await response.json()
+        for key in ("e2e", "ttft", "itl"):
+            out[f"{key}_sum"] += s[key]["sum"]
+            out[f"{key}_count"] += s[key]["count"]
+        out["lag_max"] = max(out["lag_max"], s["driver_lag_max"])
+        out["lag_mean"] = s["driver_lag_mean"]
+    return out
+
+
+async def measure(args: argparse.Namespace, streams: int) -> dict[str, Any]:
+    port = free_port_run(args.servers)
+    cmd = [sys.executable, "-m", "poolkeeper.cli.sim", "--count", str(args.servers),
+           "--port", str(port), "--time-scale", str(args.time_scale),
+           "--stream-interval", str(args.stream_interval)]  # fmt: skip
+    sim_core, client_cores = {0}, set(range(1, os.cpu_count() or 2)) or {0}
+
+    def pin_sim() -> None:
+        os.sched_setaffinity(0, sim_core)
+
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=pin_sim
+    )
+    os.sched_setaffinity(0, client_cores)
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            while not (await proc.stdout.readline()).startswith(b"serving"):
+                pass
+        urls = [f"http://127.0.0.1:{port + i}" for i in range(args.servers)]
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        window = Window(now + args.warmup, now + args.warmup + args.duration)
+        window.max_tokens = args.max_tokens
+        prompt = "@@ " + ("benchmark prompt text " * 200)[: args.prompt_chars]
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": args.max_tokens,
+                           "stream": True}).encode()  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+            stop_at = window.end
+            tasks = [
+                asyncio.create_task(
+                    client_loop("127.0.0.1", port + i % args.servers, body, stop_at, window)
+                )
+                for i in range(streams)
+            ]
+            await asyncio.sleep(max(0.0, window.start - loop.time()))
+            before = await sim_stats(http, urls)
+            cpu_before, wall_before = cpu_seconds(proc.pid), time.monotonic()
+            await asyncio.sleep(max(0.0, window.end - loop.time()))
+            cpu_after, wall_after = cpu_seconds(proc.pid), time.monotonic()
+            after = await sim_stats(http, urls)
+            await asyncio.gather(*tasks)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        await proc.communicate()
+    model_e2e = (after["e2e_sum"] - before["e2e_sum"]) / max(
+        1, after["e2e_count"] - before["e2e_count"]
+    )
+    model_ttft = (after["ttft_sum"] - before["ttft_sum"]) / max(
+        1, after["ttft_count"] - before["ttft_count"]
+    )
+    model_itl = (after["itl_sum"] - before["itl_sum"]) / max(
+        1, after["itl_count"] - before["itl_count"]
+    )
+    client_e2e = statistics.mean(window.e2e) if window.e2e else float("nan")
+    client_ttft = statistics.mean(window.ttft) if window.ttft else float("nan")
+    return {
+        "streams": streams,
+        "completed": len(window.e2e),
+        "errors": window.errors,
+        "tokens_per_s": window.tokens / args.duration,
+        "sim_cpu": (cpu_after - cpu_before) / (wall_after - wall_before),
+        "model_e2e_ms": model_e2e * 1000,
+        "client_e2e_ms": client_e2e * 1000,
+        "e2e_distortion_pct": (client_e2e / model_e2e - 1) * 100,
+        "model_ttft_ms": model_ttft * 1000,
+        "ttft_overhead_ms": (client_ttft - model_ttft) * 1000,
+        "model_itl_ms": model_itl * 1000,
+        "lag_max_ms": after["lag_max"] * 1000,
+    }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--servers", type=int, default=16)
+    parser.add_argument("--streams", default="250,500,1000")
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--prompt-chars", type=int, default=1000)
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--stream-interval", type=int, default=1)
+    args = parser.parse_args()
+    machine = f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    print(
+        f"# {machine}; {args.servers} servers, time-scale {args.time_scale}, "
+        f"stream-interval {args.stream_interval}, "
+        f"max_tokens {args.max_tokens}, prompt {args.prompt_chars} chars, "
+        f"window {args.duration}s after {args.warmup}s"
+    )
+    columns = ["streams", "completed", "errors", "tokens_per_s", "sim_cpu", "model_e2e_ms",
+               "client_e2e_ms", "e2e_distortion_pct", "model_ttft_ms", "ttft_overhead_ms",
+               "model_itl_ms", "lag_max_ms"]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for streams in (int(s) for s in args.streams.split(",")):
+        row = asyncio.run(measure(args, streams))
+        cells = [f"{row[c]:.3g}" if isinstance(row[c], float) else str(row[c]) for c in columns]
+        print("| " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Streaming details: --stream-interval batching, and a client that hangs up mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from poolkeeper.sim.params import DEFAULT_MODEL
+from poolkeeper.sim.server import Listening, SimCluster
+from poolkeeper.tokens import count_tokens
+
+pytestmark = pytest.mark.integration
+
+StartCluster = Callable[..., Awaitable[tuple[SimCluster, list[Listening]]]]
+
+
+async def test_stream_interval_batches_tokens_per_event(sim_cluster: StartCluster) -> None:
+    _, (where,) = await sim_cluster(1, stream_interval=4, time_scale=3.0)
+    body = {"model": DEFAULT_MODEL, "prompt": "x", "max_tokens": 10, "stream": True}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{where.url}/v1/completions", json=body) as response,
+    ):
+        raw = (await response.read()).decode()
+    events = [line[6:] for line in raw.split("\n") if line.startswith("data: {")]
+    texts = [json.loads(e)["choices"][0]["text"] for e in events]
+    assert count_tokens("".join(texts)) == 10
+    # The first token alone, then groups of 4, then the rest with the finish reason.
+    assert [count_tokens(t) for t in texts] == [1, 4, 4, 1]
+    assert json.loads(events[-1])["choices"][0]["finish_reason"] == "length"
+
+
+async def test_client_hanging_up_cancels_the_request(sim_cluster: StartCluster) -> None:
+    cluster, (where,) = await sim_cluster(1)
+    body = {"model": DEFAULT_MODEL, "prompt": "x", "max_tokens": 5000, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(f"{where.url}/v1/completions", json=body)
+        await response.content.readline()
+        assert cluster.servers[0].engine.stats().running == 1
+        response.close()
+    for _ in range(100):
+        if cluster.servers[0].engine.stats().running == 0:
+            break
+        await asyncio.sleep(0.02)
+    engine = cluster.servers[0].engine
+    assert engine.stats().running == 0
+    assert engine.counters.finished["abort"] == 1
+    assert engine.kv.referenced == 0

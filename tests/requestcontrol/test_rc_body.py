@@ -316,3 +316,33 @@ def test_arbitrary_json_objects_parse_or_fail_cleanly(obj: dict[str, Any], path:
     assert outcome.model == obj["model"]
     assert outcome.prompt_tokens >= 0
     assert isinstance(outcome.stream, bool)
+
+
+def test_long_digit_runs_inside_strings_are_fine() -> None:
+    """The huge-number guard must not reject text that merely contains digits."""
+    body = {"model": "m", "prompt": "pi is 3." + "1" * 60 + " e.g. 1e400", "seed": 7}
+    parsed = parse_body("/v1/completions", json.dumps(body).encode())
+    assert parsed.prompt == body["prompt"]
+    assert parsed.payload["seed"] == 7
+
+
+@pytest.mark.parametrize(
+    ("number", "accepted"),
+    [(b"1e308", True), (b"1e309", False), (b"-1E+400", False), (b"1.5e-400", True), (b"2.5", True)],
+)
+def test_float_range(number: bytes, accepted: bool) -> None:
+    body = b'{"model": "m", "temperature": ' + number + b"}"
+    if accepted:
+        assert decode_json_object(body)["temperature"] == float(number)
+    else:
+        with pytest.raises(BadRequest, match="out of range"):
+            decode_json_object(body)
+
+
+def test_out_of_range_token_ids_still_hash() -> None:
+    parsed = parse_body("/v1/completions", b'{"model": "m", "prompt": [-1, 99999999999, 5]}')
+    assert parsed.prompt_tokens == 3
+    assert len(parsed.prompt) == 12
+    same = parse_body("/v1/completions", b'{"model": "m", "prompt": [-1, 99999999999, 6]}')
+    assert same.prompt[:8] == parsed.prompt[:8]
+    assert same.prompt != parsed.prompt

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -34,7 +36,11 @@ _MODEL_REPR_LIMIT = 120  # how much of a bad model value an error message quotes
 
 # A `\uD800`..`\uDFFF` escape: only when one occurs can the decoded text hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_TOKEN_ID_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-_"
+_UINT32 = next(code for code in "IL" if array(code).itemsize == 4)  # "I" on every usual ABI
+
+# Only when a number could be huge (41+ digits in a row, or a 3-digit exponent) are the slower
+# per-number hooks needed; a false positive inside a string merely takes the slow path.
+_SUSPICIOUS_NUMBER = re.compile(rf"\d{{{MAX_INT_DIGITS + 1}}}|[eE][+-]?\d{{3}}")
 
 
 class ApiKind(StrEnum):
@@ -140,14 +146,13 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
     if text.startswith("\ufeff"):
         text = text[1:]  # a UTF-8 byte order mark is tolerated, as most JSON servers do
     hook = _TopLevelDuplicates()
+    numbers: dict[str, Any] = (
+        {"parse_float": _parse_float, "parse_int": _parse_int}
+        if _SUSPICIOUS_NUMBER.search(text)
+        else {}
+    )
     try:
-        value = json.loads(
-            text,
-            object_pairs_hook=hook,
-            parse_float=_parse_float,
-            parse_int=_parse_int,
-            parse_constant=_reject_constant,
-        )
+        value = json.loads(text, object_pairs_hook=hook, parse_constant=_reject_constant, **numbers)
     except json.JSONDecodeError as exc:
         raise BadRequest(
             f"invalid JSON body: {exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})"
@@ -345,16 +350,13 @@ def _prompt_value(name: str, value: Any) -> tuple[str, int]:
 
 
 def _token_ids_text(ids: Sequence[int]) -> str:
-    """Token ids as text for prefix hashing: 4 characters per id, so tokens == len(text) / 4."""
-    alphabet = _TOKEN_ID_ALPHABET
-    base = len(alphabet)
-    out: list[str] = []
-    for token in ids:
-        n = token % base**4
-        out.append(
-            alphabet[n // base**3]
-            + alphabet[n // base**2 % base]
-            + alphabet[n // base % base]
-            + alphabet[n % base]
-        )
-    return "".join(out)
+    """Token ids as text for prefix hashing: 4 characters per id (its 32-bit little-endian bytes
+    read as Latin-1), so tokens == len(text) / 4 and a shared id prefix is a shared text prefix.
+    """
+    try:
+        packed = array(_UINT32, ids)
+    except OverflowError:  # negative or over 32 bits: not a real token id, but must not fail
+        packed = array(_UINT32, (token & 0xFFFFFFFF for token in ids))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes().decode("latin-1")

@@ -166,6 +166,7 @@ async def test_http_error_keeps_old_values_and_timestamp_then_recovers(
     assert back.error is None
     assert back.updated_at == 12.0
     assert scraper.failures == 0
+    assert (scraper.attempts, scraper.failed_total) == (4, 2)
 
 
 async def test_timeout_is_marked(server: FakeServer, session: aiohttp.ClientSession) -> None:
@@ -265,7 +266,9 @@ async def test_backoff_doubles_and_is_capped(session: aiohttp.ClientSession) -> 
     )
     with pytest.raises(asyncio.CancelledError):
         await scraper.run()
-    assert sleeps == [0.1, 0.2, 0.4, 0.5, 0.5, 0.5, 0.5]
+    assert 0.0 <= scraper.phase_s < 0.05
+    assert sleeps == pytest.approx([0.1 + scraper.phase_s, 0.2, 0.4, 0.5, 0.5, 0.5, 0.5])
+    assert (scraper.attempts, scraper.failed_total, scraper.failures) == (7, 7, 7)
 
 
 def test_metrics_url() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Final
@@ -72,6 +73,12 @@ class MetricsScraper:
         self.url = metrics_url(endpoint, config)
         self.metrics = EndpointMetrics()
         self.failures = 0  # consecutive failed scrapes
+        self.attempts = 0  # scrapes tried, ever
+        self.failed_total = 0  # scrapes failed, ever (for the gateway's own metrics)
+        # A fixed per-endpoint offset (from the key, so reproducible) added once before the
+        # second scrape: loops started together spread over the interval instead of parsing
+        # every page in the same tick of the event loop the ext_proc server also runs on.
+        self.phase_s = config.interval_s * (zlib.crc32(self.key.encode()) % 1000) / 1000
         self._session = session
         self._config = config
         self._sink = sink
@@ -95,6 +102,7 @@ class MetricsScraper:
 
     async def scrape_once(self) -> EndpointMetrics:
         """Fetch, parse and publish one scrape; never raises except on cancellation."""
+        self.attempts += 1
         try:
             if self._mapping is None:
                 raise ScrapeFailed(self._mapping_error or "unknown engine")
@@ -114,7 +122,8 @@ class MetricsScraper:
         except MissingMetrics as exc:
             return self._failed(str(exc))
         except Exception as exc:  # a bug or an odd OS error must not end the loop
-            log.exception("unexpected error scraping %s", self.url)
+            if self.failures == 0:
+                log.exception("unexpected error scraping %s", self.url)
             return self._failed(f"{type(exc).__name__}: {exc}")
         if self.failures:
             log.info("metrics of %s are back after %d failed scrapes", self.key, self.failures)
@@ -123,11 +132,13 @@ class MetricsScraper:
 
     async def run(self) -> None:
         """Scrape until cancelled, at a fixed rate while healthy, backing off while failing."""
+        extra = self.phase_s
         while True:
             started = self._clock()
             await self.scrape_once()
             elapsed = self._clock() - started
-            await self._sleep(max(0.0, self.next_delay() - elapsed))
+            await self._sleep(max(0.0, self.next_delay() + extra - elapsed))
+            extra = 0.0
 
     async def _fetch(self) -> bytes:
         cap = self._config.max_response_bytes
@@ -155,6 +166,7 @@ class MetricsScraper:
 
     def _failed(self, reason: str) -> EndpointMetrics:
         self.failures += 1
+        self.failed_total += 1
         if self.failures == 1:
             log.warning("scraping %s failed: %s", self.url, reason)
         if self.metrics.error == reason:

@@ -11,7 +11,11 @@ from typing import Any
 
 from poolkeeper.scheduling.config import SchedulingConfig
 
-_NO_INFLIGHT = {"countUnseen": False}  # upstream only ever saw scraped metrics
+
+def _no_inflight(**extra: Any) -> dict[str, Any]:
+    """Parameters of a load plugin that sees only scraped metrics, as upstream did."""
+    return {**extra, "countUnseen": False}
+
 
 # poolkeeper's default: prefix affinity unless the load is really skewed.
 # - saturation-filter: stale or overloaded endpoints (queue > 7.5, KV > 0.96 of the
@@ -50,8 +54,8 @@ _DEFAULT: dict[str, Any] = {
 def _gie_v1(queue: float, kv: float, prefix: float) -> dict[str, Any]:
     return {
         "plugins": [
-            {"type": "queue-scorer", "parameters": _NO_INFLIGHT},
-            {"type": "kv-cache-utilization-scorer", "parameters": _NO_INFLIGHT},
+            {"type": "queue-scorer", "parameters": _no_inflight()},
+            {"type": "kv-cache-utilization-scorer", "parameters": _no_inflight()},
             {"type": "prefix-cache-scorer"},
             {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 1}},
         ],
@@ -85,19 +89,19 @@ _V03: dict[str, Any] = {
         {
             "type": "low-queue-filter",
             "name": "low-queue",
-            "parameters": {"threshold": 128, "inclusive": False, **_NO_INFLIGHT},
+            "parameters": _no_inflight(threshold=128, inclusive=False),
         },
         {
             "type": "lora-affinity-filter",
             "name": "lora-affinity",
             "parameters": {"threshold": 0.999},
         },
-        {"type": "least-queue-filter", "name": "least-queue", "parameters": _NO_INFLIGHT},
-        {"type": "least-kv-cache-filter", "name": "least-kv-cache", "parameters": _NO_INFLIGHT},
+        {"type": "least-queue-filter", "name": "least-queue", "parameters": _no_inflight()},
+        {"type": "least-kv-cache-filter", "name": "least-kv-cache", "parameters": _no_inflight()},
         {
             "type": "has-capacity-filter",
             "name": "has-capacity",
-            "parameters": {"queueThreshold": 5, "kvCacheThreshold": 0.8, **_NO_INFLIGHT},
+            "parameters": _no_inflight(queueThreshold=5, kvCacheThreshold=0.8),
         },
         {"type": "drop-request-filter", "name": "drop"},
         {

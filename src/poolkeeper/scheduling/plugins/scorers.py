@@ -183,7 +183,7 @@ class LoraAffinityScorer(NamedPlugin):
         model = request.target_model
         active, free, waiting = p.active_score, p.free_slot_score, p.waiting_score
         # One conditional expression per endpoint (no appends): this runs for every candidate.
-        return [
+        out = [
             active
             if model in m.active_adapters
             else free
@@ -193,3 +193,6 @@ class LoraAffinityScorer(NamedPlugin):
             else 0.0
             for m in [s.metrics for s in candidates]
         ]
+        # Often uniform (a base-model request, or no LoRA in the pool): one value then saves
+        # the profile a pass over the candidates.
+        return out[0] if out and out.count(out[0]) == len(out) else out

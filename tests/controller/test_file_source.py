@@ -5,13 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from contextlib import suppress
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.backend.scraper import ScraperManager
 from poolkeeper.controller.files import FileResourceSource, fingerprint
 from poolkeeper.datastore import Datastore
+from poolkeeper.sim.config import build_fleet
+from poolkeeper.sim.server import SimCluster
 
 POOL = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha2
@@ -213,3 +218,42 @@ async def test_run_reloads_without_restart(files: Path) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+@pytest.mark.integration
+async def test_file_edits_start_and_stop_scrapers_of_real_simulators(files: Path) -> None:
+    specs = build_fleet(count=1)
+    cluster = SimCluster(specs)
+    (listening,) = await cluster.start()
+    key = f"127.0.0.1:{listening.port}"
+    endpoint_line = (
+        f"    - {{name: real, address: 127.0.0.1, port: {listening.port}, "
+        "labels: {app: llama}}\n"
+    )
+    one_endpoint = GATEWAY.split("    - {name: sim-0")[0] + endpoint_line
+    write(files / "gateway.yaml", one_endpoint)
+    store = Datastore()
+    source = make_source(files, store)
+    task = asyncio.create_task(source.run())
+    try:
+        async with ScraperManager(ScrapingConfig(interval_ms=20), store.update_metrics) as manager:
+            manager.follow(store)
+            for _ in range(200):
+                if store.snapshot().metrics_for(key).updated_at > 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert store.snapshot().metrics_for(key).error is None
+            assert set(manager.scrapers) == {key}
+            # Edit the file: the endpoint goes away, so does its loop and its metrics.
+            write(files / "gateway.yaml", GATEWAY.split("  endpoints:")[0] + "  endpoints: []\n")
+            for _ in range(200):
+                if not manager.scrapers:
+                    break
+                await asyncio.sleep(0.02)
+            assert manager.scrapers == {}
+            assert store.snapshot().metrics == {}
+    finally:
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        await cluster.stop()

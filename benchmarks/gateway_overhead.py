@@ -1,0 +1,239 @@
+"""Latency the gateway adds (Envoy + EPP vs straight to a simulator), and EPP requests/s per core.
+
+Starts one `poolkeeper sim` process (a fast, one-token simulator) and one `poolkeeper serve`
+process (EPP + supervised Envoy) in front of it, all on 127.0.0.1. Then:
+
+1. Added latency: at each request rate, an open-loop schedule of *pairs*: the same request sent
+   straight to the simulator and through the gateway, in alternating order, one pair every
+   1/rate seconds. Reported: p50 and p99 of each path, and of the per-pair difference.
+2. EPP throughput: closed-loop clients (16 in flight) through the gateway for a few seconds;
+   requests completed divided by the CPU seconds the EPP process used = requests/s per core.
+
+Bounded (rates x duration, then a fixed closed-loop window) and local only. Not a test: run it
+by hand and copy the printed Markdown into docs/benchmarks.md (## Gateway overhead).
+
+    .venv/bin/python benchmarks/gateway_overhead.py --rates 10,50,100 --duration 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+MODEL = "bench-model"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def write_config(directory: Path, sim_port: int, ports: list[int]) -> None:
+    http, ext_proc, metrics, health, admin = ports
+    (directory / "gateway.yaml").write_text(f"""\
+apiVersion: poolkeeper.dev/v1alpha1
+kind: GatewayConfig
+metadata: {{name: bench}}
+spec:
+  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
+    admin: {admin}}}
+  scraping: {{intervalMs: 50}}
+  endpoints:
+    - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: bench}}}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: bench, namespace: default}}
+spec:
+  selector: {{app: bench}}
+  targetPortNumber: 8000
+  extensionRef: {{name: bench-epp}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: bench, namespace: default}}
+spec: {{modelName: {MODEL}, criticality: Critical, poolRef: {{name: bench}}}}
+""")
+
+
+async def wait_http(url: str, within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.post(url, json=BODY) as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(url)
+
+
+async def timed(session: aiohttp.ClientSession, url: str) -> float:
+    began = time.perf_counter()
+    async with session.post(url, json=BODY) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}")
+    return time.perf_counter() - began
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def paired(direct: str, gateway: str, rate: float, duration: float) -> dict[str, float]:
+    n = max(1, int(rate * duration))
+    results: list[tuple[float, float]] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def pair(i: int) -> None:
+            if i % 2:
+                g = await timed(session, gateway)
+                d = await timed(session, direct)
+            else:
+                d = await timed(session, direct)
+                g = await timed(session, gateway)
+            results.append((d, g))
+
+        start = time.perf_counter()
+        tasks = []
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(pair(i)))
+        await asyncio.gather(*tasks)
+    d = [r[0] * 1000 for r in results]
+    g = [r[1] * 1000 for r in results]
+    diff = [b - a for a, b in zip(d, g, strict=True)]
+    return {
+        "pairs": len(results),
+        "direct_p50": pct(d, 0.5), "direct_p99": pct(d, 0.99),
+        "gateway_p50": pct(g, 0.5), "gateway_p99": pct(g, 0.99),
+        "added_p50": pct(diff, 0.5), "added_p99": pct(diff, 0.99),
+    }  # fmt: skip
+
+
+async def closed_loop(gateway: str, epp_pid: int, seconds: float, clients: int) -> dict[str, float]:
+    done = 0
+    stop_at = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < stop_at:
+                await timed(session, gateway)
+                done += 1
+
+        cpu0, t0 = cpu_seconds(epp_pid), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        cpu1, t1 = cpu_seconds(epp_pid), time.perf_counter()
+    cpu = cpu1 - cpu0
+    return {
+        "requests": done, "rps": done / (t1 - t0), "epp_cpu_s": cpu,
+        "per_core": done / cpu if cpu > 0 else float("nan"),
+    }  # fmt: skip
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "poolkeeper", *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="10,50,100", help="request rates (pairs/s)")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
+    parser.add_argument("--loop-seconds", type=float, default=10.0, help="closed-loop window")
+    parser.add_argument("--clients", type=int, default=16, help="closed-loop clients")
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    if any(r <= 0 or r > 1000 for r in rates) or not 0 < args.duration <= 120:
+        parser.error("rates must be in (0, 1000] and --duration in (0, 120]")
+
+    tmp = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
+    (config := tmp / "config").mkdir()
+    sim_port, *ports = free_ports(6)
+    write_config(config, sim_port, ports)
+    sim = start(
+        ["sim", "--count", "1", "--port", str(sim_port), "--model", MODEL, "--time-scale",
+         "0.001", "--max-num-seqs", "1024"],
+        tmp / "sim.log",
+    )  # fmt: skip
+    serve = start(
+        ["serve", "-f", str(config), "--workdir", str(tmp / "envoy"), "--log-level", "warning"],
+        tmp / "serve.log",
+    )
+    direct = f"http://127.0.0.1:{sim_port}/v1/chat/completions"
+    gateway = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
+    try:
+        await wait_http(direct)
+        await wait_http(gateway)
+        await paired(direct, gateway, 20, 1.0)  # warm-up
+        rows = [(rate, await paired(direct, gateway, rate, args.duration)) for rate in rates]
+        loop = await closed_loop(gateway, serve.pid, args.loop_seconds, args.clients)
+    finally:
+        for p in (serve, sim):
+            p.terminate()
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    cmd = " ".join(["python", *sys.argv])
+    print(f"Command: `{cmd}`  ")
+    print(
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, {platform.system()} {platform.release()}; sim, EPP, "
+        "Envoy (1 worker) and the client share the machine.\n"
+    )
+    print("| rate (pairs/s) | pairs | direct p50 / p99 ms | gateway p50 / p99 ms "
+          "| added p50 / p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for rate, r in rows:
+        print(
+            f"| {rate:g} | {r['pairs']:.0f} | {r['direct_p50']:.2f} / {r['direct_p99']:.2f} "
+            f"| {r['gateway_p50']:.2f} / {r['gateway_p99']:.2f} "
+            f"| {r['added_p50']:.2f} / {r['added_p99']:.2f} |"
+        )
+    print(
+        f"\nClosed loop, {args.clients} clients, {args.loop_seconds:g} s: "
+        f"{loop['rps']:.0f} requests/s through the gateway; the EPP process used "
+        f"{loop['epp_cpu_s']:.2f} CPU-s for {loop['requests']:.0f} requests = "
+        f"**{loop['per_core']:.0f} requests/s per EPP core**."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

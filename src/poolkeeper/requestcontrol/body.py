@@ -4,10 +4,11 @@ Pure and synchronous. `parse_body(path, body)` decodes the JSON once, with guard
 inputs that break naive parsers (reliability checklist A6 and E5), and returns a `ParsedRequest`.
 Every failure is a `BadRequest` with a precise message; nothing here raises anything else.
 
-Decisions (documented in docs/configuration.md, "Request bodies"):
-- Invalid UTF-8, lone surrogates (`"\\ud800"`), NaN/Infinity literals, floats that overflow to
-  infinity and integers longer than 40 digits are rejected: re-serialising them would produce
-  invalid JSON or bytes that downstream hashing cannot encode.
+Decisions (documented in docs/configuration.md, "Request handling"):
+- Invalid UTF-8, lone surrogates (`"\\ud800"`), NaN/Infinity literals and floats that overflow
+  to infinity are rejected: re-serialising them would produce invalid JSON or text that
+  downstream hashing cannot encode. So are integers longer than 4300 digits (CPython's own
+  limit; converting longer ones costs quadratic time).
 - Nesting deeper than Python's recursion limit is rejected (the decoder's RecursionError).
 - A duplicate top-level `model` key is rejected rather than resolved, so the gateway and the model
   server can never disagree about which model was asked for.
@@ -30,17 +31,13 @@ from typing import Any
 from poolkeeper.errors import BadRequest
 from poolkeeper.tokens import chat_prompt_text, count_tokens, message_text
 
-MAX_INT_DIGITS = 40  # any integer the OpenAI API takes fits in 64 bits (20 digits)
+MAX_INT_DIGITS = 4300  # CPython's default int/str conversion limit (quadratic cost beyond)
 MAX_TOKENS_LIMIT = 2**31 - 1
 _MODEL_REPR_LIMIT = 120  # how much of a bad model value an error message quotes
 
 # A `\uD800`..`\uDFFF` escape: only when one occurs can the decoded text hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _UINT32 = next(code for code in "IL" if array(code).itemsize == 4)  # "I" on every usual ABI
-
-# Only when a number could be huge (41+ digits in a row, or a 3-digit exponent) are the slower
-# per-number hooks needed; a false positive inside a string merely takes the slow path.
-_SUSPICIOUS_NUMBER = re.compile(rf"\d{{{MAX_INT_DIGITS + 1}}}|[eE][+-]?\d{{3}}")
 
 
 class ApiKind(StrEnum):
@@ -129,7 +126,7 @@ def _parse_float(text: str) -> float:
 def _parse_int(text: str) -> int:
     digits = len(text) - (text[0] == "-")
     if digits > MAX_INT_DIGITS:
-        raise ValueError(f"integer with {digits} digits is too large (limit {MAX_INT_DIGITS})")
+        raise ValueError(f"an integer has more than {MAX_INT_DIGITS} digits")
     return int(text)
 
 
@@ -145,14 +142,18 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
     if text.startswith("\ufeff"):
         text = text[1:]  # a UTF-8 byte order mark is tolerated, as most JSON servers do
-    hook = _TopLevelDuplicates()
-    numbers: dict[str, Any] = (
-        {"parse_float": _parse_float, "parse_int": _parse_int}
-        if _SUSPICIOUS_NUMBER.search(text)
-        else {}
-    )
+    # Floats are rare in request bodies, so checking each one costs little. Integers are left
+    # to the interpreter's digit limit unless that limit is switched off or raised.
+    hooks: dict[str, Any] = {"parse_constant": _reject_constant, "parse_float": _parse_float}
+    if not 0 < sys.get_int_max_str_digits() <= MAX_INT_DIGITS:
+        hooks["parse_int"] = _parse_int
+    # A second `model` key needs the literal spelled twice, or a \u escape spelling it; only
+    # then is the (slower) per-object hook needed.
+    duplicates = _TopLevelDuplicates()
+    if text.count('"model"') > 1 or "\\u" in text:
+        hooks["object_pairs_hook"] = duplicates
     try:
-        value = json.loads(text, object_pairs_hook=hook, parse_constant=_reject_constant, **numbers)
+        value = json.loads(text, **hooks)
     except json.JSONDecodeError as exc:
         raise BadRequest(
             f"invalid JSON body: {exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})"
@@ -160,10 +161,13 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
     except RecursionError:
         raise BadRequest("invalid JSON body: nested too deeply") from None
     except ValueError as exc:
-        raise BadRequest(f"invalid JSON body: {exc}") from None
+        message = str(exc)
+        if "integer string conversion" in message:  # the interpreter's digit limit
+            message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+        raise BadRequest(f"invalid JSON body: {message}") from None
     if not isinstance(value, dict):
         raise BadRequest(f"request body must be a JSON object, not {_json_type(value)}")
-    if hook.model_repeated:
+    if duplicates.model_repeated:
         raise BadRequest("request body has more than one 'model' key")
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
         raise BadRequest("request body contains a lone UTF-16 surrogate escape")

@@ -227,6 +227,24 @@ def test_plugins_without_profiles_make_one_default_profile_in_order() -> None:
     assert prof.picker.typed_name.name == "random-picker"
 
 
+def test_default_profile_leaves_out_filters_used_inside_trees() -> None:
+    sched = scheduler(
+        {
+            "plugins": [
+                {"type": "drop-request-filter", "name": "drop"},
+                {"type": "has-capacity-filter", "name": "cap"},
+                {
+                    "type": "decision-tree-filter",
+                    "name": "tree",
+                    "parameters": {"current": "cap", "nextOnFailure": "drop"},
+                },
+            ]
+        }
+    )
+    assert [f.typed_name.name for f in sched.profiles["default"].filters] == ["tree"]
+    assert sched.schedule(request(), [state(1)], now=100.0).primary.key == state(1).key
+
+
 def test_empty_config_is_the_default_preset() -> None:
     sched = build_scheduler(SchedulingConfig(), rng=random.Random(0))
     assert sched.source == "preset default"

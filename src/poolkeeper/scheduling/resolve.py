@@ -157,8 +157,19 @@ def _resolve(
             seen_profiles.add(prof_cfg.name)
             profiles.append(_resolve_profile(p, prof_cfg.name, prof_cfg.plugins, plugins, problems))
     else:
-        # GIE's loader default: one profile with every filter, scorer and picker, in order.
-        names = [n for n, rp in plugins.items() if rp.spec.kind is not PluginKind.PROFILE_HANDLER]
+        # GIE's loader default: one profile with every filter, scorer and picker, in order,
+        # except filters that decision trees use (a tree's drop leaf must not run on its own).
+        in_trees = {
+            ref
+            for rp in plugins.values()
+            if rp.spec.filter_references is not None
+            for _path, ref in rp.spec.filter_references(rp.params)
+        }
+        names = [
+            n
+            for n, rp in plugins.items()
+            if rp.spec.kind is not PluginKind.PROFILE_HANDLER and n not in in_trees
+        ]
         refs = [ProfilePluginRef.model_validate({"pluginRef": n}) for n in names]
         profiles.append(_resolve_profile(None, "default", refs, plugins, problems))
 

@@ -123,7 +123,9 @@ class LoraAffinityFilter(NamedPlugin):
 
     __slots__ = ("rng", "threshold")
 
-    def __init__(self, typed_name: TypedName, params: LoraAffinityParams, rng: random.Random):
+    def __init__(
+        self, typed_name: TypedName, params: LoraAffinityParams, rng: random.Random
+    ) -> None:
         super().__init__(typed_name)
         self.threshold = params.threshold
         self.rng = rng

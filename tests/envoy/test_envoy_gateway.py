@@ -152,6 +152,22 @@ async def test_models_list_and_error_from_epp(tmp_path: Path) -> None:
             assert (await resp.json())["error"]["type"] == "invalid_request_error"
 
 
+async def test_epp_503_keeps_its_own_body_and_dead_upstream_gets_one(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+        backends = list(r.router.backends)
+        r.router.backends = []
+        status, _, raw = await _post(r.url, {"model": "m"})
+        assert status == 503
+        assert json.loads(raw)["error"]["message"] == "no ready endpoint"  # the EPP's message
+        dead = Backend("dead", port=free_port())  # never started: connection refused
+        r.router.backends = [dead]
+        status, headers, raw = await _post(r.url, {"model": "m"})
+        assert status == 503
+        assert headers["Content-Type"] == "application/json"
+        assert json.loads(raw)["error"]["code"] == "upstream_unavailable"
+        r.router.backends = backends
+
+
 async def test_spoofed_destination_never_reaches_canary_epp_up(tmp_path: Path) -> None:
     async with rig(tmp_path, epp_up=True, fail_open=True) as r:
         spoof = {DEST: f"127.0.0.1:{r.canary.port}", f"{DEST}-served": "x"}
@@ -187,8 +203,10 @@ async def test_epp_down_fail_open_serves_and_ignores_spoof(tmp_path: Path) -> No
 async def test_epp_down_fail_close_refuses(tmp_path: Path) -> None:
     async with rig(tmp_path, epp_up=False, fail_open=False) as r:
         spoof = {DEST: f"127.0.0.1:{r.canary.port}"}
-        status, _, _ = await _post(r.url, {"model": "m"}, spoof)
-        assert status >= 500
+        status, headers, raw = await _post(r.url, {"model": "m"}, spoof)
+        assert status == 503
+        assert headers["Content-Type"] == "application/json"
+        assert json.loads(raw)["error"]["code"] == "endpoint_picker_unavailable"
         assert r.canary.connections == 0
         assert all(not b.seen for b in r.backends)
 

@@ -27,6 +27,9 @@ SERVED_HEADER = "x-gateway-destination-endpoint-served"
 ORIGINAL_DST_CLUSTER = "original_destination_cluster"
 FALLBACK_CLUSTER = "pool_fallback_cluster"
 EPP_CLUSTER = "epp"
+EXT_PROC_ERROR_STATUS = 502  # ext_proc status_on_error; mapped to 503 + body (see below)
+# Response flags of Envoy's local replies when the chosen model server cannot be reached.
+UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "URX", "UO", "UC", "UPE")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Client-supplied headers removed before anything else runs: exact names and name prefixes.
 STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
@@ -122,8 +125,9 @@ def ext_proc_filter(p: BootstrapParams) -> dict[str, Any]:
                 "response_body_mode": "FULL_DUPLEX_STREAMED",
                 "response_trailer_mode": "SEND",
             },
-            # FailClose: the EPP unreachable is "no endpoint picker", not an internal error.
-            "status_on_error": {"code": "ServiceUnavailable"},
+            # FailClose with the EPP unreachable: a marker status the local-reply mapper turns
+            # into 503 "endpoint picker unavailable" with an OpenAI body.
+            "status_on_error": {"code": EXT_PROC_ERROR_STATUS},
         },
     }
 
@@ -139,16 +143,15 @@ def _early_header_mutation(p: BootstrapParams) -> dict[str, Any]:
     }
 
 
-NO_EPP_BODY = json.dumps(
-    {
-        "error": {
-            "message": "the endpoint picker is unavailable and the pool is FailClose",
-            "type": "service_unavailable_error",
-            "param": None,
-            "code": "endpoint_picker_unavailable",
-        }
-    },
-    separators=(",", ":"),
+def _openai_error(message: str, type_: str, code: str) -> str:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return json.dumps(body, separators=(",", ":"))
+
+
+NO_EPP_BODY = _openai_error(
+    "the endpoint picker is unavailable and the pool is FailClose",
+    "service_unavailable_error",
+    "endpoint_picker_unavailable",
 )
 
 
@@ -198,6 +201,55 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
     return routes
 
 
+def _local_reply_config() -> dict[str, Any]:
+    """OpenAI error bodies for Envoy's own 5xx replies (the EPP's replies already have one).
+
+    Envoy's local replies carry no body. Upstream connection failures are recognised by their
+    response flags. An unreachable EPP (FailClose) is recognised by its status: ext_proc's
+    `status_on_error` is set to 502, a status the EPP itself never sends, and is answered as
+    503 "endpoint picker unavailable". (Dynamic metadata on ImmediateResponses is not applied
+    before the local reply, so it cannot tell the two apart.)
+    """
+
+    def reply(message: str, type_: str, code: str) -> dict[str, Any]:
+        return {
+            "text_format_source": {"inline_string": _openai_error(message, type_, code)},
+            "content_type": "application/json",
+        }
+
+    return {
+        "mappers": [
+            {
+                "filter": {"response_flag_filter": {"flags": list(UPSTREAM_FAILURE_FLAGS)}},
+                "body_format_override": reply(
+                    "the model server could not be reached",
+                    "service_unavailable_error",
+                    "upstream_unavailable",
+                ),
+            },
+            {
+                "filter": {
+                    "status_code_filter": {
+                        "comparison": {
+                            "op": "EQ",
+                            "value": {
+                                "default_value": EXT_PROC_ERROR_STATUS,
+                                "runtime_key": "poolkeeper.ext_proc_error_status",
+                            },
+                        }
+                    }
+                },
+                "status_code": 503,
+                "body_format_override": reply(
+                    "the endpoint picker is unavailable and the pool is FailClose",
+                    "service_unavailable_error",
+                    "endpoint_picker_unavailable",
+                ),
+            },
+        ]
+    }
+
+
 def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
     hcm: dict[str, Any] = {
         _T: _HCM,
@@ -222,6 +274,7 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
             "initial_connection_window_size": 1048576,
         },
         "early_header_mutation_extensions": [_early_header_mutation(p)],
+        "local_reply_config": _local_reply_config(),
         "route_config": {
             "name": "gateway",
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(p)}],

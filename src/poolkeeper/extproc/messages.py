@@ -195,7 +195,7 @@ def trailers_reply(*, response: bool) -> pb.ProcessingResponse:
 def immediate_reply(
     status: int, body: bytes, *, content_type: str = "application/json", details: str = ""
 ) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(
+    reply = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
             headers=header_mutation({"content-type": content_type}),
@@ -203,6 +203,7 @@ def immediate_reply(
             details=details,
         )
     )
+    return reply
 
 
 def error_reply(error: GatewayError) -> pb.ProcessingResponse:

@@ -20,7 +20,7 @@ from typing import Any
 
 import openai
 import pytest
-from e2e_harness import (
+from e2e_harness import (  # type: ignore[import-not-found, unused-ignore]
     POOL,
     Proc,
     free_ports,
@@ -310,7 +310,7 @@ async def test_sheddable_gets_429_when_pool_saturated_critical_does_not(gateway:
 
 
 async def test_spoofed_destination_header_is_ignored(gateway: Gateway) -> None:
-    from envoy_canary import Canary
+    from envoy_canary import Canary  # type: ignore[import-not-found, unused-ignore]
 
     canary = Canary()
     await canary.start()
@@ -339,7 +339,7 @@ def _small_gateway(fleet: Fleet, directory: Path, failure_mode: str) -> tuple[Pr
 
 @pytest.mark.parametrize("failure_mode", ["FailOpen", "FailClose"])
 async def test_epp_killed(fleet: Fleet, tmp_path: Path, failure_mode: str) -> None:
-    from envoy_canary import Canary
+    from envoy_canary import Canary  # type: ignore[import-not-found, unused-ignore]
 
     proc, ports = _small_gateway(fleet, tmp_path, failure_mode)
     canary = Canary()

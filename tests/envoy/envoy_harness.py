@@ -108,6 +108,7 @@ class RoundRobinRouter:
     backends: list[Backend]
     completed: list[tuple[int, Usage | None, str | None]] = field(default_factory=list)
     turn: int = 0
+    moved: list[tuple[str, str]] = field(default_factory=list)
 
     async def route(self, request: IncomingRequest) -> RoutingDecision:
         if not self.backends:
@@ -148,6 +149,9 @@ class RoundRobinRouter:
         served_endpoint: str | None = None,
     ) -> None:
         self.completed.append((status, usage, served_endpoint))
+
+    def served(self, decision: RoutingDecision, endpoint: str) -> None:
+        self.moved.append((decision.request_id, endpoint))
 
     def model_names(self) -> list[str]:
         return ["alias"]

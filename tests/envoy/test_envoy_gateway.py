@@ -18,7 +18,13 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from envoy_harness import Backend, Canary, RoundRobinRouter, free_port, running_envoy
+from envoy_harness import (  # type: ignore[import-not-found, unused-ignore]
+    Backend,
+    Canary,
+    RoundRobinRouter,
+    free_port,
+    running_envoy,
+)
 
 from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.envoy.process import EnvoySupervisor

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
-import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import (
@@ -18,8 +17,6 @@ from envoy.service.ext_proc.v3 import (
 from google.protobuf import struct_pb2
 
 from poolkeeper.errors import BadRequest, ModelNotFound, NoReadyEndpoint, RequestShed
-from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.extproc.state import ExtProcSettings
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 
 PODS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
@@ -35,6 +32,7 @@ class FakeRouter:
         default_factory=list
     )
     cancelled: int = 0
+    moved: list[tuple[str, str]] = field(default_factory=list)
     slow: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def route(self, request: IncomingRequest) -> RoutingDecision:
@@ -94,6 +92,9 @@ class FakeRouter:
         served_endpoint: str | None = None,
     ) -> None:
         self.completed.append((decision, status, usage, served_endpoint))
+
+    def served(self, decision: RoutingDecision, endpoint: str) -> None:
+        self.moved.append((decision.request_id, endpoint))
 
     def model_names(self) -> list[str]:
         return ["base", "split"]
@@ -162,21 +163,3 @@ class FakeEnvoy:
 
     def open(self) -> grpc.aio.StreamStreamCall:
         return self.stub.Process()
-
-
-@pytest.fixture
-def router() -> FakeRouter:
-    return FakeRouter()
-
-
-@pytest.fixture
-async def envoy(router: FakeRouter) -> AsyncIterator[FakeEnvoy]:
-    servicer = ExtProcServicer(router, settings=ExtProcSettings(body_chunk_bytes=62_000))
-    server, port = build_server(servicer, "127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield FakeEnvoy(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)

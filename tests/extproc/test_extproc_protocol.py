@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from extproc_fakes import (
+from extproc_fakes import (  # type: ignore[import-not-found, unused-ignore]
     BUFFERED,
     PODS,
     STREAMED,
@@ -19,9 +20,29 @@ from extproc_fakes import (
     post_headers,
 )
 
+from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.state import ExtProcSettings
 from poolkeeper.requestcontrol.types import Usage
 
 DEST = "x-gateway-destination-endpoint"
+
+
+@pytest.fixture
+def router() -> FakeRouter:
+    return FakeRouter()
+
+
+@pytest.fixture
+async def envoy(router: FakeRouter) -> AsyncIterator[FakeEnvoy]:
+    servicer = ExtProcServicer(router, settings=ExtProcSettings(body_chunk_bytes=62_000))
+    server, port = build_server(servicer, "127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield FakeEnvoy(channel)
+    finally:
+        await channel.close()
+        await server.stop(None)
 
 
 def _set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
@@ -375,3 +396,13 @@ async def test_logs_never_contain_the_prompt(
         call.cancel()
     assert caplog.records  # routing and rejections were logged
     assert canary not in caplog.text
+
+
+async def test_served_fallback_moves_accounting(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    call, _ = await _streamed_request(envoy, b'{"model": "base"}', piece=100)
+    served = {":status": "200", "x-gateway-destination-endpoint-served": PODS[2]}
+    await call.write(headers_msg(served, response=True, eos=True))
+    await _read(call, 1)
+    assert router.moved == [("req-1", PODS[2])]
+    assert router.completed[-1][3] == PODS[2]
+    call.cancel()

@@ -51,6 +51,8 @@ class RequestRouter(Protocol):
         served_endpoint: str | None = None,
     ) -> object: ...
 
+    def served(self, decision: RoutingDecision, endpoint: str) -> None: ...
+
     def model_names(self) -> list[str]: ...
 
     def ready(self) -> bool: ...
@@ -289,6 +291,12 @@ class Exchange:
         except ValueError:
             self.status = 0
         self.served = values.get(msg.SERVED_KEY) or self.served
+        if self.served and self.decision is not None and self.served != self.decision.endpoints[0]:
+            # The proxy used a fallback: move the in-flight accounting to where it really is.
+            try:
+                self.router.served(self.decision, self.served)
+            except Exception:
+                log.exception("served-endpoint bookkeeping failed request_id=%s", self.request_id)
         mutation = None
         if "text/event-stream" in values.get("content-type", ""):
             strip = self.decision is not None and self.decision.include_usage_injected

@@ -379,3 +379,32 @@ async def test_epp_killed(fleet: Fleet, tmp_path: Path, failure_mode: str) -> No
         finally:
             await client.close()
             await canary.stop()
+
+
+async def test_sigterm_drains_an_inflight_stream(fleet: Fleet, tmp_path: Path) -> None:
+    ports = gateway_ports()
+    docs = [
+        gateway_doc(ports, [("tiny-0", fleet.tiny_port, "tiny")]),
+        POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
+        model_doc("tiny-base", "tiny", "Critical"),
+    ]
+    write_config(tmp_path, docs)
+    proc = _serve(tmp_path, ports)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="x", max_retries=0, timeout=30
+    )
+    try:
+        stream = await client.completions.create(
+            model="tiny-base", prompt="a story", max_tokens=40, stream=True
+        )
+        chunks = [await anext(aiter(stream))]
+        proc.process.send_signal(signal.SIGTERM)  # drain starts while the stream is running
+        chunks += [c async for c in stream]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 30
+        # The drain waited for the stream: nothing was cut, and the process exits cleanly.
+        returncode = await asyncio.to_thread(proc.process.wait, 20)
+        assert returncode == 0, proc.log_text()[-2000:]
+    finally:
+        await client.close()
+        proc.stop()

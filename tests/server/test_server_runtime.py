@@ -131,3 +131,22 @@ async def test_runtime_starts_and_stops_without_envoy(tmp_path: Path) -> None:
         await runtime.stop(grace_s=0)
     with socket.socket() as s:  # the ext_proc port is free again
         s.bind(("127.0.0.1", ports[1]))
+
+
+def test_installed_command_prints_the_bootstrap(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    directory, ports = _write(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "poolkeeper", "envoy-config", "-f", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    bootstrap = json.loads(result.stdout)
+    listener = bootstrap["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"]["port_value"] == ports[0]

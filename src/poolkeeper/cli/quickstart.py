@@ -330,7 +330,8 @@ async def quickstart(args: argparse.Namespace, console: Console) -> int:
                 f"  curl -s {url}/v1/models\n"
                 f"  metrics: http://127.0.0.1:{runtime.loaded.config.spec.listeners.metrics}"  # type: ignore[union-attr]
                 "/metrics\n"
-                "Serving until Ctrl-C."
+                "Serving until Ctrl-C.",
+                soft_wrap=True,  # keep the curl command on one line for copy and paste
             )
             await _wait_for_stop(args.duration)
             return 0

@@ -155,3 +155,42 @@ def test_a_large_fleet_runs_many_requests() -> None:
     result = fleet.run(arrivals, lambda a, s, n: int(a.request_id[1:]) % 300)
     assert sum(1 for r in result.requests if r.finish is not None) == 6000
     assert len({r.server for r in result.requests}) == 300
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        BASE,
+        replace(BASE, num_gpu_blocks=40, max_num_seqs=8),  # KV pressure: preemptions
+        replace(BASE, lora_adapters=("a", "b"), max_loras=1),
+    ],
+    ids=["plain", "kv-pressure", "lora"],
+)
+def test_fused_decode_steps_change_nothing_but_speed(config: EngineConfig) -> None:
+    def once(fuse: int) -> list[tuple[str, int, float, float, int, int, float]]:
+        rng = random.Random(4)
+        arrivals = []
+        t = 0.0
+        for i in range(300):
+            t += rng.expovariate(20)
+            model = rng.choice(("a", "b", MODEL)) if config.lora_adapters else MODEL
+            prompt = f"group {i % 4} " * 60 + f"q{i}"
+            arrivals.append(Arrival(t, f"r{i}", model, prompt, max_tokens=rng.randint(1, 120)))
+        fleet = VirtualFleet([config] * 3, seed=1, fuse_decode_steps=fuse)
+        result = fleet.run(arrivals, lambda a, s, n: int(a.request_id[1:]) % 3)
+        return [
+            (r.request_id, r.server, r.first_token or 0.0, r.finish or 0.0, r.cached_tokens,
+             r.preemptions, r.itl_max)
+            for r in result.requests
+        ]  # fmt: skip
+
+    stepwise, fused = once(1), once(64)
+    assert len(stepwise) == 300
+    for a, b in zip(stepwise, fused, strict=True):
+        assert a[:2] == b[:2]
+        assert a[2] == pytest.approx(b[2], abs=1e-9)
+        assert a[3] == pytest.approx(b[3], abs=1e-9)
+        assert a[4:6] == b[4:6]
+        assert a[6] == pytest.approx(b[6], abs=1e-9)
+    if config.num_gpu_blocks == 40:
+        assert sum(x[5] for x in stepwise) > 0

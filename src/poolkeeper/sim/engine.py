@@ -93,11 +93,35 @@ class SimRequest:
 
 @dataclass(slots=True)
 class StepOutcome:
-    """What one step produced, at time `time` (the step's end)."""
+    """What one step produced, at time `time` (the step's end).
+
+    With fused decode steps (see EngineModel.max_fused_steps) one outcome stands for `steps`
+    consecutive decode steps that each gave every request in `tokens` one token: step j
+    (0-based) ends at `start + (j + 1) * first_duration + growth * j * (j + 1) / 2`.
+    """
 
     time: float
-    tokens: list[SimRequest]  # requests that received one new token (first tokens included)
+    tokens: list[SimRequest]  # requests that received a new token (first tokens included)
     finished: list[SimRequest]  # of those, the ones that are now complete
+    steps: int = 1
+    start: float = 0.0
+    first_duration: float = 0.0
+    growth: float = 0.0
+
+    @property
+    def first_time(self) -> float:
+        """End of the first step of this outcome."""
+        return self.time if self.steps == 1 else self.start + self.first_duration
+
+    @property
+    def longest_step(self) -> float:
+        return self.first_duration + self.growth * (self.steps - 1) if self.steps > 1 else 0.0
+
+    def step_ends(self) -> list[float]:
+        if self.steps == 1:
+            return [self.time]
+        a, d, s = self.first_duration, self.growth, self.start
+        return [s + (j + 1) * a + d * j * (j + 1) / 2 for j in range(self.steps)]
 
 
 @dataclass(slots=True)
@@ -105,14 +129,28 @@ class _Step:
     start: float
     end: float
     scheduled: list[tuple[SimRequest, int]]
+    fused: int = 1  # decode steps fused into this one (all of `scheduled` decode)
+    first_duration: float = 0.0
+    growth: float = 0.0  # each fused step is longer by this (context grows by one per request)
+
+    def end_of(self, j: int) -> float:
+        """End of fused step j (0-based)."""
+        return self.start + (j + 1) * self.first_duration + self.growth * j * (j + 1) / 2
 
 
 class EngineModel:
     """One simulated engine. See the module docstring for the protocol."""
 
-    def __init__(self, config: EngineConfig, *, name: str = "sim-0") -> None:
+    def __init__(
+        self, config: EngineConfig, *, name: str = "sim-0", max_fused_steps: int = 1
+    ) -> None:
         self.config = config
         self.name = name
+        # Virtual time only: up to this many identical pure-decode steps are planned as one
+        # event (split again if a request arrives or leaves meanwhile). Same physics, far
+        # fewer events; real-time serving keeps 1 so every token leaves on time.
+        self.max_fused_steps = max_fused_steps
+        self._pending: list[StepOutcome] = []
         self.rng = random.Random(f"{config.seed}:{name}")
         self.kv = PrefixKVCache(config.num_gpu_blocks, caching=config.enable_prefix_caching)
         self.lora = LoraSlots(config.max_loras)
@@ -181,13 +219,14 @@ class EngineModel:
 
     def submit(self, request: SimRequest, now: float) -> None:
         """Queue `request`. Its arrival time is `request.arrival` (normally `now`)."""
-        del now  # arrival carries the time; kept in the signature for symmetry
+        self._split(now)
         self.waiting.append(request)
         self._by_id[request.request_id] = request
         self.counters.requests_submitted += 1
 
     def cancel(self, request_id: str, now: float) -> SimRequest | None:
         """Abort a request wherever it is; its blocks and slots are freed at once."""
+        self._split(now)
         request = self._by_id.pop(request_id, None)
         if request is None or request.done:
             return None
@@ -219,7 +258,7 @@ class EngineModel:
 
     def advance(self, now: float) -> list[StepOutcome]:
         """Complete every step that ends at or before `now`, planning the next ones."""
-        outcomes: list[StepOutcome] = []
+        outcomes, self._pending = self._pending, []
         while True:
             if self._step is None:
                 self._plan()
@@ -228,7 +267,10 @@ class EngineModel:
                 return outcomes
             self._step = None
             self._free_at = step.end
-            outcomes.append(self._complete(step))
+            if step.fused > 1:
+                outcomes.append(self._complete_fused(step, step.fused))
+            else:
+                outcomes.append(self._complete(step))
 
     @property
     def busy(self) -> bool:
@@ -269,7 +311,100 @@ class EngineModel:
             loads = self._admit_waiting(scheduled, budget, start)
         if not scheduled:
             return  # nothing can run before more time passes
-        self._step = _Step(start, start + self._duration(scheduled, loads), scheduled)
+        duration = self._duration(scheduled, loads)
+        if self.max_fused_steps > 1 and not self.waiting and not loads and not preempted:
+            fused = self._fuse(start, duration, scheduled)
+            if fused is not None:
+                self._step = fused
+                return
+        self._step = _Step(start, start + duration, scheduled)
+
+    # -- fused decode steps (virtual time) ------------------------------------------------
+
+    def _fuse(
+        self, start: float, duration: float, scheduled: list[tuple[SimRequest, int]]
+    ) -> _Step | None:
+        """Plan k identical decode steps as one, if nothing can change before they end."""
+        config = self.config
+        if config.step_jitter > 0.0:
+            return None
+        k = self.max_fused_steps
+        for request, n in scheduled:
+            if n != 1 or request.output_tokens == 0:
+                return None  # a prefill in the batch: not a steady state
+            k = min(k, request.max_tokens - request.output_tokens)
+        bs = config.block_size
+        while k >= 2:
+            extra = 0
+            for request, _ in scheduled:
+                held = len(request.held_hashed) + request.held_private
+                extra += max(0, -(-(request.num_computed + k) // bs) - held)
+            # Only empty blocks: taking cached ones early would evict prefixes that step-by-step
+            # allocation might never have needed to evict.
+            if extra <= self.kv.empty:
+                break
+            k //= 2
+        if k < 2:
+            return None
+        for request, _ in scheduled:
+            self._grow(request, request.num_computed + k)
+        growth = config.kv_read_token_s * len(scheduled) * config.time_scale
+        if any(request.adapter is not None for request, _ in scheduled):
+            growth *= 1.0 + config.lora_step_overhead
+        step = _Step(start, 0.0, scheduled, k, duration, growth)
+        step.end = step.end_of(k - 1)
+        return step
+
+    def _split(self, now: float) -> None:
+        """Something happens at `now` during fused steps: finish those already done, keep the
+        one in progress as an ordinary step, and give back blocks taken for the rest."""
+        step = self._step
+        if step is None or step.fused == 1 or now >= step.end:
+            return
+        done = 0
+        while done < step.fused - 1 and step.end_of(done) <= now:
+            done += 1
+        if done:
+            self._pending.append(self._complete_fused(step, done))
+            self._free_at = step.end_of(done - 1)
+        bs = self.config.block_size
+        for request, _ in step.scheduled:
+            keep = -(-(request.num_computed + 1) // bs) - len(request.held_hashed)
+            if request.held_private > keep:
+                self.kv.release([], request.held_private - keep)
+                request.held_private = keep
+        start = step.end_of(done - 1) if done else step.start
+        self._step = _Step(start, step.end_of(done), step.scheduled)
+
+    def _complete_fused(self, step: _Step, count: int) -> StepOutcome:
+        """Apply the first `count` fused steps of `step` (from its start)."""
+        counters = self.counters
+        first_end = step.start + step.first_duration
+        last_end = step.end_of(count - 1)
+        itl = counters.itl
+        tokens: list[SimRequest] = []
+        finished: list[SimRequest] = []
+        for request, _ in step.scheduled:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            itl.observe(first_end - (request.last_token_time or step.start))
+            request.num_computed += count
+            request.output_tokens += count
+            request.last_token_time = last_end
+            tokens.append(request)
+            if request.output_tokens >= request.max_tokens:
+                self._finish(request, last_end)
+                finished.append(request)
+        for j in range(1, count):
+            itl.observe_many(step.first_duration + step.growth * j, len(tokens))
+        counters.generation_tokens += count * len(tokens)
+        counters.steps += count
+        counters.busy_time += last_end - step.start
+        if finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return StepOutcome(
+            last_end, tokens, finished, count, step.start, step.first_duration, step.growth
+        )
 
     def _schedule_running(self, scheduled: list[tuple[SimRequest, int]], budget: int) -> bool:
         """Give each running request its next chunk; preempt from the tail when KV is full."""
@@ -415,6 +550,14 @@ class EngineModel:
             seconds *= max(0.1, self.rng.gauss(1.0, config.step_jitter))
         return seconds * config.time_scale
 
+    def _finish(self, request: SimRequest, end: float) -> None:
+        self._free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_time = end
+        self.counters.finished[request.finish_reason] += 1
+        self.counters.e2e.observe(end - request.arrival)
+        del self._by_id[request.request_id]
+
     def _complete(self, step: _Step) -> StepOutcome:
         end = step.end
         counters = self.counters
@@ -440,12 +583,7 @@ class EngineModel:
             request.last_token_time = end
             tokens.append(request)
             if request.output_tokens >= request.max_tokens:
-                self._free(request)
-                request.status = RequestStatus.FINISHED
-                request.finish_time = end
-                counters.finished[request.finish_reason] += 1
-                counters.e2e.observe(end - request.arrival)
-                del self._by_id[request.request_id]
+                self._finish(request, end)
                 finished.append(request)
         if finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]

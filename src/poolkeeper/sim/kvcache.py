@@ -55,6 +55,11 @@ class PrefixKVCache:
         return self.num_blocks - self.referenced
 
     @property
+    def empty(self) -> int:
+        """Free blocks that hold no cached prefix (taking them evicts nothing)."""
+        return self.num_blocks - self.referenced - len(self._evictable)
+
+    @property
     def usage(self) -> float:
         return self.referenced / self.num_blocks
 

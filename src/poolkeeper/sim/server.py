@@ -369,6 +369,8 @@ class SimServer:
                 "itl": {"count": c.itl.count, "sum": c.itl.sum},
                 "e2e": {"count": c.e2e.count, "sum": c.e2e.sum},
                 "driver_lag_max": self.driver.lag_max,
+                "driver_lag_sum": self.driver.lag_sum,
+                "driver_steps": self.driver.steps_delivered,
                 "driver_lag_mean": self.driver.lag_sum / max(1, self.driver.steps_delivered),
             }
         )

@@ -6,8 +6,15 @@ project's real scheduler in the `route` callback.
 
 API (times in virtual seconds; the run starts wherever the first arrival's time is):
 
-    fleet = VirtualFleet([EngineConfig(...), ...], seed=1, scrape_interval=0.05)
+    fleet = VirtualFleet([EngineConfig(...), ...], seed=1, scrape_interval=0.05,
+                         fuse_decode_steps=64)
     result = fleet.run(arrivals, route, on_finish=None, record_token_times=False)
+
+- `fuse_decode_steps`: up to this many consecutive pure-decode steps of an engine with an empty
+  queue are one heap event (split again if a request arrives or is cancelled meanwhile); results
+  are the same as step by step (tested), only faster. 1 = step by step. While fused steps run,
+  a scrape's kv_cache_usage already counts the blocks those steps will fill (<= 4 blocks per
+  request at 64 steps of 16-token blocks).
 
 - `servers`: EngineConfig or ServerSpec per server (ServerSpec gives the name). Server i is
   `fleet.endpoints[i]`, an `Endpoint(name, address="10.0.<i//250>.<i%250+1>", port=8000)`.
@@ -44,7 +51,12 @@ from typing import Any
 
 from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.sim.config import ServerSpec
-from poolkeeper.sim.engine import EngineModel, InvalidRequestError, SimRequest, UnknownModelError
+from poolkeeper.sim.engine import (
+    EngineModel,
+    InvalidRequestError,
+    StepOutcome,
+    UnknownModelError,
+)
 from poolkeeper.sim.params import EngineConfig
 
 
@@ -159,6 +171,7 @@ class VirtualFleet:
         *,
         seed: int | None = None,
         scrape_interval: float = 0.05,
+        fuse_decode_steps: int = 64,
     ) -> None:
         if not servers:
             raise ValueError("a fleet needs at least one server")
@@ -175,7 +188,7 @@ class VirtualFleet:
             )
             if seed is not None:
                 config = replace(config, seed=seed)  # engine RNGs also hash the server name
-            self.engines.append(EngineModel(config, name=name))
+            self.engines.append(EngineModel(config, name=name, max_fused_steps=fuse_decode_steps))
             self.endpoints.append(
                 Endpoint(name=name, address=f"10.0.{i // 250}.{i % 250 + 1}", port=8000)
             )
@@ -309,7 +322,7 @@ class VirtualFleet:
             now = t
             self._before_change(i, t)
             for outcome in engines[i].advance(t):
-                self._deliver(i, outcome.tokens, outcome.finished, outcome.time, on_finish)
+                self._deliver(i, outcome, on_finish)
             reschedule(i)
         servers = [ServerResult(e.name, self._routed[i], e.counters) for i, e in enumerate(engines)]
         return FleetResult(results, servers, now)
@@ -353,25 +366,22 @@ class VirtualFleet:
         return result
 
     def _deliver(
-        self,
-        i: int,
-        tokens: list[SimRequest],
-        finished: list[SimRequest],
-        t: float,
-        on_finish: Callable[[RequestResult], None] | None,
+        self, i: int, outcome: StepOutcome, on_finish: Callable[[RequestResult], None] | None
     ) -> None:
-        for request in tokens:
+        first_time, t = outcome.first_time, outcome.time
+        longest = outcome.longest_step
+        ends = outcome.step_ends() if outcome.steps > 1 else None
+        for request in outcome.tokens:
             result: RequestResult = request.sink  # type: ignore[assignment]
             if result.first_token is None:
-                result.first_token = t
+                result.first_token = first_time
             else:
-                gap = t - result.finish if result.finish is not None else 0.0
-                if gap > result.itl_max:
-                    result.itl_max = gap
+                gap = first_time - result.finish if result.finish is not None else 0.0
+                result.itl_max = max(result.itl_max, gap, longest)
             result.finish = t  # last token time until the request completes
             if result.token_times is not None:
-                result.token_times.append(t)
-        for request in finished:
+                result.token_times.extend(ends if ends is not None else (t,))
+        for request in outcome.finished:
             result = request.sink  # type: ignore[assignment]
             result.completion_tokens = request.output_tokens
             result.cached_tokens = request.cached_tokens
@@ -382,5 +392,5 @@ class VirtualFleet:
             self._inflight_tokens[i] -= request.prompt_tokens
             if on_finish is not None:
                 on_finish(result)
-        if finished:
+        if outcome.finished:
             self._rebuild(i)

@@ -13,7 +13,7 @@ from poolkeeper.cli import serve as serve_cli
 from poolkeeper.errors import ConfigError
 from poolkeeper.server.loading import load_gateway
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
-from poolkeeper.telemetry.health import NOT_SERVING, SERVING, check_health
+from poolkeeper.telemetry.health import EXT_PROC_SERVICE, NOT_SERVING, SERVING, check_health
 
 
 def _ports(n: int) -> list[int]:
@@ -112,13 +112,16 @@ def test_serve_without_envoy_binary_says_what_to_do(
 
 async def test_runtime_starts_and_stops_without_envoy(tmp_path: Path) -> None:
     directory, ports = _write(tmp_path)
-    runtime = GatewayRuntime(ServeOptions(paths=[directory], run_envoy=False))
+    runtime = GatewayRuntime(ServeOptions(paths=[directory], run_envoy=False, ready_wait_s=0))
     await runtime.start()
     try:
         assert await check_health(f"127.0.0.1:{ports[3]}", "liveness") == SERVING
         # The only endpoint is not running, so no fresh metrics: not ready.
         assert await check_health(f"127.0.0.1:{ports[3]}", "readiness") == NOT_SERVING
         assert await check_health(f"127.0.0.1:{ports[1]}", "liveness") == SERVING
+        # ... but the EPP can answer (it says why: 503 no ready endpoint), so Envoy's health
+        # check of the ext_proc service passes and FailOpen does not bypass it.
+        assert await check_health(f"127.0.0.1:{ports[1]}", EXT_PROC_SERVICE) == SERVING
         async with (
             aiohttp.ClientSession() as session,
             session.get(f"http://127.0.0.1:{ports[2]}/metrics") as resp,

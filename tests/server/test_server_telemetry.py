@@ -113,7 +113,7 @@ async def test_grpc_health_liveness_and_readiness() -> None:
     try:
         assert await check_health(address, "liveness") == SERVING
         assert await check_health(address, "readiness") == NOT_SERVING
-        assert await check_health(address, EXT_PROC_SERVICE) == NOT_SERVING
+        assert await check_health(address, EXT_PROC_SERVICE) == SERVING  # answering = live
         ready["value"] = True
         assert await check_health(address, "readiness") == SERVING
         with pytest.raises(grpc.aio.AioRpcError) as info:

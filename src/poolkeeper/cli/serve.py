@@ -90,8 +90,10 @@ def run_serve(args: argparse.Namespace) -> int:
         task = asyncio.create_task(serve_until_signalled(runtime, started))
         waiter = asyncio.create_task(started.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if started.is_set():
+        if started.is_set() and options.run_envoy:
             print(f"poolkeeper gateway ready on {runtime.http_url}", file=sys.stderr, flush=True)
+        elif started.is_set():
+            print(f"poolkeeper endpoint picker ready ({runtime.extproc_address})", file=sys.stderr)
         waiter.cancel()
         await task
 

@@ -52,6 +52,7 @@ class ServeOptions:
     drain_grace_s: float = 5.0
     rng_seed: int | None = None
     fresh_within_s: float = 2.0  # readiness: an endpoint scraped this recently
+    ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
 
 
 def bootstrap_params(loaded: LoadedGateway, datastore: Datastore | None = None) -> BootstrapParams:
@@ -151,7 +152,9 @@ class GatewayRuntime:
         )
         self.metrics = GatewayMetrics(pool_stats=self.pool_stats)
         listeners = spec.listeners
-        health = HealthService.for_gateway(live=lambda: True, ready=self.ready)
+        health = HealthService.for_gateway(
+            live=lambda: True, ready=self.ready, answering=lambda: self.director is not None
+        )
         settings = ExtProcSettings(
             max_request_body_bytes=spec.request_handling.max_body_bytes + 1024
         )
@@ -177,6 +180,7 @@ class GatewayRuntime:
             listeners.health,
             listeners.metrics,
         )
+        await self._wait_ready(self.options.ready_wait_s)
         if self.options.run_envoy:
             await self._start_envoy(loaded, binary)
 
@@ -208,6 +212,16 @@ class GatewayRuntime:
             "FailOpen" if params.fail_open else "FailClose",
         )
 
+    async def _wait_ready(self, within_s: float) -> None:
+        """Give the first scrapes a moment, so the first requests see fresh metrics."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while not self.ready():
+            if loop.time() >= deadline:
+                log.warning("no endpoint has fresh metrics yet; starting anyway")
+                return
+            await asyncio.sleep(0.05)
+
     # -- state ----------------------------------------------------------------------------
     def ready(self) -> bool:
         return not self.draining and self.director is not None and self.director.ready()
@@ -221,6 +235,12 @@ class GatewayRuntime:
             queue = sum(s.metrics.waiting for s in states) / n if n else 0.0
             ready = sum(1 for s in states if s.metrics.updated_at > 0 and s.metrics.error is None)
             yield PoolStats(key.rpartition("/")[2], kv, queue, ready)
+
+    @property
+    def extproc_address(self) -> str:
+        assert self.loaded is not None
+        listeners = self.loaded.config.spec.listeners
+        return f"ext_proc {listeners.address}:{listeners.ext_proc}"
 
     @property
     def http_url(self) -> str:

@@ -2,9 +2,11 @@
 
 The two messages are defined from a hand-built file descriptor in a private descriptor pool (so
 they cannot clash with the official module if it is installed too). Services answered:
-`""` and `liveness` (the process runs), `readiness` and the ext_proc service name (resources
-loaded and at least one endpoint with fresh metrics). Envoy health-checks the ext_proc service
-name, so an EPP that is not ready is treated like one that is down (failure mode applies).
+`""` and `liveness` (the process runs), `readiness` (resources loaded and at least one endpoint
+with fresh metrics; NOT_SERVING while draining: for orchestrators), and the ext_proc service name
+(the EPP can answer: resources loaded). Envoy health-checks the ext_proc service name, so only an
+EPP that cannot answer at all counts as down; with stale endpoints the EPP still answers (and
+says why, e.g. 503 no ready endpoint).
 """
 
 from __future__ import annotations
@@ -65,8 +67,15 @@ class HealthService:
         self.watch_interval_s = watch_interval_s
 
     @classmethod
-    def for_gateway(cls, *, live: Callable[[], bool], ready: Callable[[], bool]) -> HealthService:
-        return cls({"": live, "liveness": live, "readiness": ready, EXT_PROC_SERVICE: ready})
+    def for_gateway(
+        cls,
+        *,
+        live: Callable[[], bool],
+        ready: Callable[[], bool],
+        answering: Callable[[], bool] | None = None,
+    ) -> HealthService:
+        serving = answering or live
+        return cls({"": live, "liveness": live, "readiness": ready, EXT_PROC_SERVICE: serving})
 
     def status(self, service: str) -> int | None:
         probe = self.probes.get(service)

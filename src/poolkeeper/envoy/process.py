@@ -34,6 +34,10 @@ class EnvoyNotFound(ConfigError):
     pass
 
 
+class EnvoyStartFailed(ConfigError):
+    pass
+
+
 def find_envoy(explicit: str | None = None) -> str:
     """Path of the Envoy binary to run; EnvoyNotFound says how to get one."""
     if explicit:
@@ -141,6 +145,10 @@ class EnvoySupervisor:
         deadline = asyncio.get_running_loop().time() + timeout_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
             while asyncio.get_running_loop().time() < deadline:
+                if self.restarts > 0 or (self.process and self.process.returncode is not None):
+                    # Dying before ever being ready is a configuration problem (a port in
+                    # use, a bad bootstrap): report it now instead of restarting in a loop.
+                    raise EnvoyStartFailed(f"envoy exited during startup:\n{self.log_tail()}")
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with session.get(url) as resp:
                         if resp.status == 200:

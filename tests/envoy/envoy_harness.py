@@ -46,6 +46,12 @@ class Backend:
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
             chunk: dict[str, Any]
+            if body.get("model") == "cut":  # die mid-stream: an RST after the first event
+                await resp.write(b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n')
+                await asyncio.sleep(0.05)
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
             for word in ("hello", "world"):
                 chunk = {"choices": [{"index": 0, "delta": {"content": word}}], "usage": None}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")

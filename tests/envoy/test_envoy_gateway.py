@@ -257,3 +257,18 @@ async def test_epp_killed_while_running(tmp_path: Path, fail_open: bool) -> None
                 "service_unavailable_error",
             )
         assert r.canary.connections == 0
+
+
+async def test_backend_dying_mid_stream_is_an_error_not_a_clean_end(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+        async with aiohttp.ClientSession() as session:
+            url = f"{r.url}/v1/chat/completions"
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with session.post(url, json={"model": "cut", "stream": True}) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+        for _ in range(100):
+            if r.router.completed:
+                break
+            await asyncio.sleep(0.02)
+        assert [c[0] for c in r.router.completed] == [499]  # released, counted as cut short

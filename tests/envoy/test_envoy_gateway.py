@@ -263,9 +263,9 @@ async def test_backend_dying_mid_stream_is_an_error_not_a_clean_end(tmp_path: Pa
     async with rig(tmp_path, epp_up=True, fail_open=False) as r:
         async with aiohttp.ClientSession() as session:
             url = f"{r.url}/v1/chat/completions"
-            with pytest.raises(aiohttp.ClientPayloadError):
-                async with session.post(url, json={"model": "cut", "stream": True}) as resp:
-                    assert resp.status == 200
+            async with session.post(url, json={"model": "cut", "stream": True}) as resp:
+                assert resp.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
                     await resp.read()
         for _ in range(100):
             if r.router.completed:

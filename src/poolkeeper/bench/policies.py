@@ -65,7 +65,7 @@ class BaselinePolicy:
     ) -> EndpointState:
         raise NotImplementedError
 
-    def on_finish(self, request: LLMRequest, endpoint_key: str, now: float) -> None:
+    def on_finish(self, request_id: str, server: str, now: float) -> None:
         """Called when a routed request completes (no baseline needs it; kept for symmetry)."""
 
 

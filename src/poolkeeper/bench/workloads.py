@@ -127,16 +127,18 @@ CRITICALITY_MODELS: dict[Criticality, str] = {
 def default_spec(kind: WorkloadKind | str, servers: int) -> WorkloadSpec:
     """The documented default parameters of a workload for a fleet of `servers` servers.
 
-    Group counts scale with the fleet (2 system prompts per server, at least 8) so that prefix
-    affinity has enough distinct groups to spread over; the heterogeneous chat uses shorter
-    shared prompts (800 tokens) so that load, not only cache, decides.
+    Shared-prefix chat has 32 system prompts of 2,000 tokens per server (at most 4,096): with
+    perfect affinity each server keeps ~64k tokens of prefixes, while a server that sees every
+    group needs 64k x servers, more than one server's KV cache (~450k tokens) from 8 servers
+    up. That is the regime where prefix-aware routing is supposed to pay off. The heterogeneous
+    chat uses 16 shorter (800-token) prompts per server so that speed, not only cache, decides.
+    Multi-LoRA has 32 adapters (4 per server beyond 8 servers).
     """
     kind = WorkloadKind(kind)
-    groups = max(8, 2 * servers)
     if kind is WorkloadKind.SHARED_PREFIX:
-        return WorkloadSpec(kind, num_groups=groups)
+        return WorkloadSpec(kind, num_groups=min(4096, 32 * servers))
     if kind is WorkloadKind.HETEROGENEOUS:
-        return WorkloadSpec(kind, num_groups=groups, system_tokens=800)
+        return WorkloadSpec(kind, num_groups=min(4096, 16 * servers), system_tokens=800)
     if kind is WorkloadKind.MULTI_LORA:
         return WorkloadSpec(kind, num_adapters=max(32, 4 * servers))
     return WorkloadSpec(kind)

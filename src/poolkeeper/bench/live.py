@@ -1,0 +1,437 @@
+"""`bench live`: the same workload over loopback through poolkeeper and peer routers.
+
+Every measured run starts from scratch: a fresh simulated fleet (`poolkeeper sim`, N servers
+on consecutive free ports, caches empty), then the router under test, then the workload
+replayed open-loop by `bench.loadgen`, then both are stopped. Targets:
+
+- `poolkeeper`: `poolkeeper serve` (Envoy + EPP) with a generated config: one InferencePool
+  selecting the simulators, one InferenceModel per workload model, the default scheduling
+  profile, 50 ms scraping;
+- `vllm-router` / `sglang-router`: the peers installed by `scripts/install-peers.sh`, in
+  `cache_aware` mode with their CLI defaults (cache threshold 0.3, balance thresholds 64 / 1.5),
+  command lines from reference/peers.md section 6;
+- `envoy-rr`: the same Envoy binary with a static ROUND_ROBIN cluster (a Kubernetes Service
+  stand-in).
+
+Pairs are interleaved: in round r poolkeeper runs first when r is even and second when r is
+odd, so slow drift of the shared machine (other processes, thermal) hits both sides equally;
+the report gives, per peer, the ratio of poolkeeper's p90 TTFT to the peer's in each pair,
+and the ratio of the pooled p90s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poolkeeper.bench.loadgen import run_open_loop
+from poolkeeper.bench.metrics import SLO, RequestOutcome, percentile, summarize, ttft_values
+from poolkeeper.bench.report import command_line, machine_info, quantiles, write_json
+from poolkeeper.bench.scenarios import LORA_SLOTS, adapter_names, build_scenario
+from poolkeeper.bench.simrun import fleet_capacity
+from poolkeeper.bench.workloads import CRITICALITY_MODELS, WorkloadKind, default_spec, generate
+from poolkeeper.errors import ConfigError
+
+POOLKEEPER = "poolkeeper"
+KNOWN_PEERS = ("vllm-router", "sglang-router", "envoy-rr")
+READY_TIMEOUT_S = 40.0
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSpec:
+    workload: str = "shared-prefix"
+    servers: int = 4
+    rate: float | None = None
+    duration: float = 20.0
+    rounds: int = 2
+    peers: tuple[str, ...] = KNOWN_PEERS
+    time_scale: float = 1.0
+    seed: int = 1
+
+
+def repo_root() -> Path:
+    here = Path.cwd()
+    for candidate in (here, *here.parents):
+        if (candidate / "pyproject.toml").is_file():
+            return candidate
+    return here
+
+
+def peer_binary(peer: str, root: Path) -> list[str] | None:
+    """The command prefix that starts a peer, or None if it is not installed."""
+    if peer == "vllm-router":
+        exe = root / ".peers" / "venv-vllm-router" / "bin" / "vllm-router"
+        return [str(exe)] if exe.is_file() else None
+    if peer == "sglang-router":
+        py = root / ".peers" / "venv-sglang-router" / "bin" / "python"
+        return [str(py), "-m", "sglang_router.launch_router"] if py.is_file() else None
+    if peer == "envoy-rr":
+        envoy = envoy_binary()
+        return [envoy] if envoy else None
+    return None
+
+
+def envoy_binary() -> str | None:
+    exe = Path(sys.executable).parent / "envoy"
+    return str(exe) if exe.is_file() else None
+
+
+def free_ports(count: int, *, consecutive: bool = False) -> list[int]:
+    """Free TCP ports on 127.0.0.1 (`consecutive`: a run of `count` adjacent ports)."""
+    if not consecutive:
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(count):
+                s = socket.socket()
+                s.bind(("127.0.0.1", 0))
+                socks.append(s)
+            return [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+    for _ in range(200):
+        base = free_ports(1)[0]
+        if base + count >= 65000:
+            continue
+        ok = True
+        for p in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return list(range(base, base + count))
+    raise ConfigError(f"no run of {count} free ports on 127.0.0.1")
+
+
+def _http_status(url: str, timeout: float = 1.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
+
+
+def wait_http(url: str, ok: Callable[[int], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = _http_status(url)
+        if status is not None and ok(status):
+            return
+        time.sleep(0.25)
+    raise ConfigError(f"{what} did not become ready at {url} within {timeout:g} s")
+
+
+@contextlib.contextmanager
+def process(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run `cmd` (own process group, output to `log`) for the duration of the block."""
+    with log.open("w") as fh:
+        proc = subprocess.Popen(
+            list(cmd), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=5)
+
+
+def _models(kind: WorkloadKind, spec_adapters: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(modelName, criticality, target) for every model the workload asks for."""
+    if kind is WorkloadKind.MULTI_LORA:
+        return [(a, "Standard", a) for a in spec_adapters]
+    if kind is WorkloadKind.MIXED_CRITICALITY:
+        return [(m, str(c), "base-model") for c, m in CRITICALITY_MODELS.items()]
+    return [("base-model", "Standard", "base-model")]
+
+
+def poolkeeper_config(
+    work: Path, sim_ports: Sequence[int], ports: dict[str, int], models: list[tuple[str, str, str]]
+) -> Path:
+    cfg = work / "poolkeeper"
+    cfg.mkdir(parents=True, exist_ok=True)
+    endpoints = "\n".join(
+        f"    - {{name: sim-{i}, address: 127.0.0.1, port: {p}, labels: {{app: bench-sim}}}}"
+        for i, p in enumerate(sim_ports)
+    )
+    (cfg / "gateway.yaml").write_text(
+        "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: default}\n"
+        "spec:\n"
+        f"  listeners: {{address: 127.0.0.1, http: {ports['http']}, extProc: {ports['extproc']}, "
+        f"metrics: {ports['metrics']}, health: {ports['health']}, admin: {ports['admin']}}}\n"
+        f"  endpoints:\n{endpoints}\n"
+        "  scraping: {intervalMs: 50}\n"
+    )
+    docs = [
+        "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\n"
+        "metadata: {name: bench, namespace: default}\n"
+        "spec:\n  selector: {app: bench-sim}\n  targetPortNumber: 8000\n"
+        "  extensionRef: {name: bench-epp}\n"
+    ]
+    for i, (name, crit, target) in enumerate(models):
+        targets = "" if target == name else f"  targetModels:\n    - {{name: {target}}}\n"
+        docs.append(
+            "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\n"
+            f"metadata: {{name: model-{i}, namespace: default}}\n"
+            f"spec:\n  modelName: {name}\n  criticality: {crit}\n{targets}"
+            "  poolRef: {name: bench}\n"
+        )
+    (cfg / "models.yaml").write_text("---\n".join(docs))
+    return cfg
+
+
+_HCM = (
+    "type.googleapis.com/"
+    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+)
+
+
+def envoy_rr_bootstrap(path: Path, port: int, admin_port: int, sim_ports: Sequence[int]) -> None:
+    endpoints = "\n".join(
+        "        - endpoint: {address: {socket_address: "
+        f"{{address: 127.0.0.1, port_value: {p}}}}}}}"
+        for p in sim_ports
+    )
+    path.write_text(
+        f"""admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
+static_resources:
+  listeners:
+  - name: rr
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": {_HCM}
+          stat_prefix: rr
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: sims, timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: sims
+    type: STATIC
+    lb_policy: ROUND_ROBIN
+    connect_timeout: 1s
+    circuit_breakers:
+      thresholds: [{{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}}]
+    load_assignment:
+      cluster_name: sims
+      endpoints:
+      - lb_endpoints:
+{endpoints}
+"""
+    )
+
+
+def router_command(
+    target: str,
+    root: Path,
+    work: Path,
+    sim_ports: Sequence[int],
+    models: list[tuple[str, str, str]],
+) -> tuple[list[str], int, str]:
+    """(command, HTTP port, readiness URL) of one target."""
+    workers = [f"http://127.0.0.1:{p}" for p in sim_ports]
+    if target == POOLKEEPER:
+        names = ("http", "extproc", "metrics", "health", "admin")
+        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        cfg = poolkeeper_config(work, sim_ports, ports, models)
+        cmd = [sys.executable, "-m", "poolkeeper", "serve", "-f", str(cfg),
+               "--workdir", str(work / "serve"), "--log-level", "warning"]  # fmt: skip
+        return cmd, ports["http"], f"http://127.0.0.1:{ports['http']}/v1/models"
+    prefix = peer_binary(target, root)
+    if prefix is None:
+        raise ConfigError(f"{target} is not installed (run scripts/install-peers.sh)")
+    port, prom = free_ports(2)
+    if target == "vllm-router":
+        cmd = [*prefix, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+               "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(prom)]  # fmt: skip
+        return cmd, port, f"http://127.0.0.1:{port}/health"
+    if target == "sglang-router":
+        cmd = [*prefix, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+               "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(prom)]  # fmt: skip
+        return cmd, port, f"http://127.0.0.1:{port}/health"
+    bootstrap = work / "envoy-rr.yaml"
+    envoy_rr_bootstrap(bootstrap, port, prom, sim_ports)
+    cmd = [*prefix, "-c", str(bootstrap), "--concurrency", "1", "--log-level", "warn",
+           "--disable-hot-restart"]  # fmt: skip
+    return cmd, port, f"http://127.0.0.1:{port}/health"
+
+
+def run_target(
+    target: str,
+    spec: LiveSpec,
+    arrivals: Sequence[Any],
+    *,
+    root: Path,
+    work: Path,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    scenario_spec = default_spec(spec.workload, spec.servers)
+    kind = scenario_spec.kind
+    sim_ports = free_ports(spec.servers, consecutive=True)
+    sim_cmd = [sys.executable, "-m", "poolkeeper", "sim", "--count", str(spec.servers),
+               "--port", str(sim_ports[0]), "--model", "base-model",
+               "--time-scale", str(spec.time_scale), "--seed", str(spec.seed)]  # fmt: skip
+    if kind is WorkloadKind.MULTI_LORA:
+        sim_cmd += ["--lora-adapters", ",".join(adapter_names(scenario_spec)),
+                    "--max-loras", str(LORA_SLOTS)]  # fmt: skip
+    models = _models(kind, adapter_names(scenario_spec))
+    work.mkdir(parents=True, exist_ok=True)
+    with process(sim_cmd, work / "sim.log"):
+        for p in sim_ports:
+            wait_http(f"http://127.0.0.1:{p}/health", lambda s: s == 200, READY_TIMEOUT_S, "sim")
+        cmd, port, ready = router_command(target, root, work, sim_ports, models)
+        with process(cmd, work / f"{target}.log", env={"HF_HUB_OFFLINE": "1"}):
+            wait_http(ready, lambda s: s < 500, READY_TIMEOUT_S, target)
+            time.sleep(1.0)  # let scrapers / health checks see every worker once
+            started = time.perf_counter()
+            results = asyncio.run(
+                run_open_loop(
+                    f"http://127.0.0.1:{port}",
+                    arrivals,
+                    time_limit=spec.duration + 5,
+                    request_timeout=120.0,
+                )
+            )
+            wall = time.perf_counter() - started
+    outcomes: list[RequestOutcome] = [r.outcome for r in results]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.status != 200 or r.error:
+            key = r.error or f"HTTP {r.status}"
+            errors[key] = errors.get(key, 0) + 1
+    servers: dict[str, int] = {}
+    for o in outcomes:
+        servers[o.server or "?"] = servers.get(o.server or "?", 0) + 1
+    summary = summarize(outcomes, duration=spec.duration, slo=SLO())
+    progress(
+        f"  {target:>14}: {summary['completed']}/{summary['requests']} ok, TTFT p90 "
+        f"{summary['ttft_s']['p90']:.3f} s, errors {errors or 0} ({wall:.0f} s)"
+    )
+    return {
+        "target": target,
+        "summary": summary,
+        "ttft_quantiles": quantiles(ttft_values(outcomes)),
+        "errors": errors,
+        "requests_per_server": servers,
+        "wall_s": wall,
+    }
+
+
+def run_live(
+    spec: LiveSpec, *, out_dir: Path, progress: Callable[[str], None] = lambda _m: None
+) -> dict[str, Any]:
+    root = repo_root()
+    for peer in spec.peers:
+        if peer not in KNOWN_PEERS:
+            raise ConfigError(f"unknown peer {peer!r}; known: {', '.join(KNOWN_PEERS)}")
+    available = [p for p in spec.peers if peer_binary(p, root) is not None]
+    missing = [p for p in spec.peers if p not in available]
+    if missing:
+        progress(f"not installed, skipped: {', '.join(missing)} (scripts/install-peers.sh)")
+    if envoy_binary() is None:
+        raise ConfigError("Envoy is not installed next to this Python (.venv/bin/envoy)")
+    scenario = build_scenario(spec.workload, spec.servers)
+    capacity = fleet_capacity(scenario, seed=spec.seed)
+    live_capacity = float(capacity["capacity_rps"]) / spec.time_scale
+    rate = spec.rate if spec.rate is not None else 0.9 * live_capacity
+    arrivals = generate(scenario.spec, rate=rate, duration=spec.duration, seed=spec.seed)
+    progress(
+        f"live {spec.workload}: {spec.servers} servers (time scale {spec.time_scale:g}), "
+        f"{rate:.1f} req/s x {spec.duration:g} s = {len(arrivals)} requests "
+        f"(virtual-time capacity {live_capacity:.1f} req/s)"
+    )
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="poolkeeper-live-") as tmp:
+        for rnd in range(spec.rounds):
+            for peer in available:
+                order = [POOLKEEPER, peer] if rnd % 2 == 0 else [peer, POOLKEEPER]
+                pair: dict[str, dict[str, Any]] = {}
+                for target in order:
+                    work = Path(tmp) / f"r{rnd}-{peer}-{target}"
+                    run = run_target(target, spec, arrivals, root=root, work=work,
+                                     progress=progress)  # fmt: skip
+                    run.update({"round": rnd, "pair_peer": peer})
+                    runs.append(run)
+                    pair[target] = run
+    result: dict[str, Any] = {
+        "kind": "bench-live",
+        "command": command_line(),
+        "machine": machine_info(),
+        "workload": scenario.spec.describe(),
+        "servers": spec.servers,
+        "time_scale": spec.time_scale,
+        "rate_rps": rate,
+        "duration_s": spec.duration,
+        "rounds": spec.rounds,
+        "skipped_peers": missing,
+        "runs": runs,
+        "ratios": ratios(runs, available),
+    }
+    write_json(out_dir / f"live-{spec.workload}.json", result)
+    for peer, r in result["ratios"].items():
+        pairs, pooled = r["pair_ratios"], r["pooled_ratio"]
+        progress(f"p90 TTFT poolkeeper / {peer}: pairs {pairs}, pooled {pooled:.2f}")
+    return result
+
+
+def ratios(runs: Sequence[dict[str, Any]], peers: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for peer in peers:
+        mine = [r for r in runs if r["pair_peer"] == peer]
+        pair_ratios: list[float] = []
+        for rnd in sorted({r["round"] for r in mine}):
+            ours = [r for r in mine if r["round"] == rnd and r["target"] == POOLKEEPER]
+            theirs = [r for r in mine if r["round"] == rnd and r["target"] == peer]
+            if ours and theirs:
+                a = ours[0]["summary"]["ttft_s"]["p90"]
+                b = theirs[0]["summary"]["ttft_s"]["p90"]
+                pair_ratios.append(round(a / b, 3) if b else float("nan"))
+        pooled_ours = [r["summary"]["ttft_s"]["p90"] for r in mine if r["target"] == POOLKEEPER]
+        pooled_theirs = [r["summary"]["ttft_s"]["p90"] for r in mine if r["target"] == peer]
+        a = percentile(pooled_ours, 50)
+        b = percentile(pooled_theirs, 50)
+        out[peer] = {
+            "pair_ratios": pair_ratios,
+            "median_p90_poolkeeper_s": a,
+            "median_p90_peer_s": b,
+            "pooled_ratio": a / b if b else float("nan"),
+        }
+    return out

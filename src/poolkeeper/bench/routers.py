@@ -1,0 +1,50 @@
+"""Every policy the benchmarks compare, behind one small interface.
+
+`make_policy(name, rng, scenario)` builds a fresh policy for one run:
+
+- the baselines of `bench.policies` (round-robin, random, least-request, power-of-two,
+  cache-aware, dynamo-kv, aibrix-prefix);
+- `gie-v0.3` and `gie-v1`: poolkeeper's real scheduler configured with the GIE presets (the
+  v0.3 decision tree; the v1.x default profile queue 2 / kv-cache 2 / prefix 3);
+- `poolkeeper`: poolkeeper's real scheduler with its default profile, plus its admission
+  controller (criticality-based shedding), exactly as the EPP runs them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from poolkeeper.bench.policies import BASELINES
+from poolkeeper.bench.scenarios import Scenario
+from poolkeeper.errors import ConfigError
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def pick(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState:
+        """The chosen endpoint; raises RequestShed / NoReadyEndpoint to refuse the request."""
+        ...
+
+    def on_finish(self, request_id: str, server: str, now: float) -> None: ...
+
+
+SCHEDULER_POLICIES: tuple[str, ...] = ("gie-v0.3", "gie-v1", "poolkeeper")
+ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
+
+
+def make_policy(name: str, rng: random.Random, scenario: Scenario | None = None) -> RoutingPolicy:
+    del scenario  # reserved: policies that need fleet facts (none yet)
+    baseline = BASELINES.get(name)
+    if baseline is not None:
+        return baseline(rng)
+    if name in SCHEDULER_POLICIES:
+        from poolkeeper.bench.schedpolicy import scheduler_policy
+
+        return scheduler_policy(name, rng)
+    raise ConfigError(f"unknown policy {name!r}; known: {', '.join(ALL_POLICIES)}")

@@ -1,0 +1,63 @@
+"""Policies that are poolkeeper's real scheduler (and admission controller) on a preset.
+
+- `poolkeeper`: the `default` scheduling preset and the default AdmissionConfig (Sheddable
+  shed at pool saturation 1.0, Standard at 2.0, Critical never), as `poolkeeper serve` runs.
+- `gie-v1`: the `gie-v1-default` preset (queue 2, kv-cache 2, prefix 3, scraped metrics only)
+  with GIE v1's admission: only Sheddable requests are shed, when the pool is saturated
+  (queue 5 / KV 0.8 thresholds), judged on scraped metrics only.
+- `gie-v0.3`: the `gie-v0.3-decision-tree` preset; its tree itself drops non-critical requests
+  when no endpoint has capacity (there was no separate admission step in v0.3).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from poolkeeper.admission.config import AdmissionConfig
+from poolkeeper.admission.controller import AdmissionController
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.presets import preset_config
+from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+
+_PRESET = {
+    "poolkeeper": "default",
+    "gie-v1": "gie-v1-default",
+    "gie-v0.3": "gie-v0.3-decision-tree",
+}
+
+
+class SchedulerPolicy:
+    """Admission (optional) then `Scheduler.schedule`; the primary target is the pick."""
+
+    def __init__(
+        self, name: str, scheduler: Scheduler, admission: AdmissionController | None
+    ) -> None:
+        self.name = name
+        self.scheduler = scheduler
+        self.admission = admission
+
+    def pick(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState:
+        if self.admission is not None:
+            self.admission.admit(request, endpoints, now=now)
+        return self.scheduler.schedule(request, endpoints, now=now).primary
+
+    def on_finish(self, request_id: str, server: str, now: float) -> None:
+        return None
+
+
+def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
+    scheduler = build_scheduler(preset_config(_PRESET[name]), rng=rng)
+    admission: AdmissionController | None
+    if name == "poolkeeper":
+        admission = AdmissionController(AdmissionConfig())
+    elif name == "gie-v1":
+        admission = AdmissionController(
+            AdmissionConfig(standard_overload_level=None, count_unseen=False)
+        )
+    else:
+        admission = None
+    return SchedulerPolicy(name, scheduler, admission)

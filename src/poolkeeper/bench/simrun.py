@@ -1,0 +1,202 @@
+"""Virtual-time benchmark runs: the simulator's fleet driver with real routing code, no sockets.
+
+One run = one scenario (workload + fleet), one policy, one offered load. The workload is
+generated at `load x capacity` requests/s for `duration` virtual seconds and replayed through
+`sim.virtual.VirtualFleet`; the policy sees the fleet as a scraper would (metrics refreshed
+every 50 ms, the GIE default refresh interval) plus router-side in-flight counts. Requests run
+to completion: nothing is cut off at the end of the arrival window.
+
+Fleet capacity (what "1.0x load" means): for each distinct server configuration, one server
+alone is offered the workload as defined for a one-server fleet for 30 s, at rates doubling
+from 2 req/s until it is clearly saturated (it completes < 60% of the offered rate); its
+capacity is the completion rate over the last two thirds of that saturated window (the first
+third is warm-up: empty queue, cold cache). The fleet's capacity is the
+sum over its servers. For shared-prefix chat this is the capacity under perfect prefix
+affinity (each server sees its share of the groups); for multi-LoRA it is one server serving
+the whole 32-adapter mix, so adapter-aware routing can do better than 1.0x.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from poolkeeper.bench.metrics import SLO, RequestOutcome, summarize, ttft_values
+from poolkeeper.bench.report import quantiles
+from poolkeeper.bench.routers import RoutingPolicy, make_policy
+from poolkeeper.bench.scenarios import Scenario, build_scenario, server_configs
+from poolkeeper.bench.workloads import Arrival, WorkloadSpec, default_spec, generate
+from poolkeeper.errors import NoReadyEndpoint, RequestShed
+from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.sim.params import EngineConfig
+from poolkeeper.sim.virtual import Arrival as SimArrival, FleetResult, RequestResult, VirtualFleet
+from poolkeeper.tokens import count_tokens
+
+SCRAPE_INTERVAL_S = 0.05
+
+
+def _sim_arrivals(arrivals: Sequence[Arrival]) -> Iterator[SimArrival]:
+    """Sim arrivals built lazily, so prompt texts exist only while their request is routed."""
+    for a in arrivals:
+        yield SimArrival(
+            time=a.time,
+            request_id=a.request_id,
+            model=a.target_model,
+            prompt=a.prompt_text(),
+            max_tokens=a.output_tokens,
+            payload=a,
+        )
+
+
+def _outcome(r: RequestResult, a: Arrival) -> RequestOutcome:
+    ok = r.status == "ok"
+    return RequestOutcome(
+        request_id=r.request_id,
+        criticality=a.criticality,
+        arrival=r.arrival,
+        prompt_tokens=r.prompt_tokens,
+        output_tokens=r.completion_tokens if ok else a.output_tokens,
+        server=r.server_name or None,
+        first_token=r.first_token if ok else None,
+        finish=r.finish if ok and r.completion_tokens else None,
+        cached_tokens=r.cached_tokens,
+        shed=r.status == "rejected",
+        group=a.group,
+    )
+
+
+def replay(
+    configs: Sequence[EngineConfig],
+    arrivals: Sequence[Arrival],
+    policy: RoutingPolicy,
+    *,
+    seed: int,
+) -> FleetResult:
+    fleet = VirtualFleet(list(configs), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
+    index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
+
+    def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
+        a: Arrival = sim.payload  # type: ignore[assignment]
+        request = LLMRequest(
+            request_id=a.request_id,
+            model=a.model,
+            target_model=a.target_model,
+            criticality=a.criticality,
+            prompt=sim.prompt,
+            prompt_tokens=count_tokens(sim.prompt),
+            max_tokens=a.output_tokens,
+            stream=True,
+        )
+        try:
+            chosen = policy.pick(request, states, now)
+        except (RequestShed, NoReadyEndpoint):
+            return None
+        return index_of[chosen.key]
+
+    def finished(result: RequestResult) -> None:
+        policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
+
+    return fleet.run(_sim_arrivals(arrivals), route, on_finish=finished)
+
+
+class _OneServer:
+    """The trivial router of a capacity probe."""
+
+    name = "one-server"
+
+    def pick(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState:
+        return endpoints[0]
+
+    def on_finish(self, request_id: str, server: str, now: float) -> None:
+        return None
+
+
+def server_capacity(
+    spec: WorkloadSpec, config: EngineConfig, *, seed: int, window: float = 30.0
+) -> dict[str, float]:
+    """Saturation throughput (req/s) of one server on `spec` (see the module docstring)."""
+    rate = 2.0
+    while True:
+        arrivals = generate(spec, rate=rate, duration=window, seed=seed)
+        result = replay([config], arrivals, _OneServer(), seed=seed)
+        lo, hi = window / 3, window
+        done = sum(
+            1 for r in result.requests if r.status == "ok" and r.finish is not None
+            and lo <= r.finish < hi
+        )  # fmt: skip
+        throughput = done / (hi - lo)
+        if throughput < 0.6 * rate or rate > 5000:
+            return {"capacity_rps": throughput, "probe_rate_rps": rate}
+        rate *= 2
+
+
+def fleet_capacity(scenario: Scenario, *, seed: int) -> dict[str, Any]:
+    probe_spec = default_spec(scenario.spec.kind, 1)
+    one = server_configs(probe_spec, 1)[0]
+    per_kind: dict[float, dict[str, float]] = {}
+    total = 0.0
+    for config in scenario.servers:
+        key = config.time_scale
+        if key not in per_kind:
+            per_kind[key] = server_capacity(probe_spec, _probe_config(one, config), seed=seed)
+        total += per_kind[key]["capacity_rps"]
+    return {
+        "capacity_rps": total,
+        "per_server": {f"time_scale={k:g}": v for k, v in per_kind.items()},
+        "method": "sum of single-server saturation throughput (bench.simrun docstring)",
+    }
+
+
+def _probe_config(one: EngineConfig, fleet_config: EngineConfig) -> EngineConfig:
+    # The probe server has the fleet server's speed and the one-server workload's adapters.
+    from dataclasses import replace
+
+    return replace(one, time_scale=fleet_config.time_scale)
+
+
+def run_point(
+    scenario: Scenario,
+    policy_name: str,
+    *,
+    load: float,
+    capacity_rps: float,
+    duration: float,
+    seed: int,
+    slo: SLO,
+) -> dict[str, Any]:
+    """One (policy, load) point: replay, summarize, and a 101-point TTFT distribution."""
+    rate = load * capacity_rps
+    arrivals = generate(scenario.spec, rate=rate, duration=duration, seed=seed)
+    # Every policy gets the same random stream, so tie-breaks differ only by what they decide.
+    policy = make_policy(policy_name, random.Random(f"{seed}:policy"), scenario)
+    started = time.perf_counter()
+    result = replay(scenario.servers, arrivals, policy, seed=seed)
+    wall = time.perf_counter() - started
+    by_id = {a.request_id: a for a in arrivals}
+    outcomes = [_outcome(r, by_id[r.request_id]) for r in result.requests]
+    summary = summarize(outcomes, duration=duration, slo=slo)
+    counters = [s.counters for s in result.servers]
+    routed = [s.routed for s in result.servers]
+    return {
+        "policy": policy_name,
+        "load": load,
+        "rate_rps": rate,
+        "summary": summary,
+        "ttft_quantiles": quantiles(ttft_values(outcomes)),
+        "fleet_stats": {
+            "adapter_swaps": sum(getattr(c, "lora_loads", 0) for c in counters),
+            "preemptions": sum(getattr(c, "preemptions", 0) for c in counters),
+            "routed_min": min(routed),
+            "routed_max": max(routed),
+            "end_time_s": result.end_time,
+        },
+        "wall_s": wall,
+    }
+
+
+def scenario_for(kind: str, servers: int) -> Scenario:
+    return build_scenario(kind, servers)

@@ -1,0 +1,224 @@
+"""`poolkeeper bench`: routing-quality and overhead benchmarks.
+
+    poolkeeper bench sim --workload shared-prefix --servers 8 --out bench-results
+    poolkeeper bench workload --workload multi-lora --rate 20 --duration 60 --out w.jsonl
+    poolkeeper bench live --peers vllm-router,sglang-router --out bench-results
+    poolkeeper bench overhead --out bench-results
+    poolkeeper bench report --in bench-results
+    poolkeeper bench all --quick          # what `make bench` runs (< 10 min on 2 cores)
+
+docs/benchmarks.md explains each benchmark, its definitions and its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from poolkeeper.errors import ConfigError
+
+DEFAULT_OUT = Path("bench-results")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("expected positive numbers")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "bench", help="routing-quality and overhead benchmarks", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+
+    def usage(_args: argparse.Namespace) -> int:
+        parser.print_help(sys.stderr)
+        return 2
+
+    parser.set_defaults(handler=usage)
+
+    sim = sub.add_parser("sim", help="virtual-time fleet sweeps (no sockets)")
+    sim.add_argument("--workload", type=_names, default=None,
+                     help="comma-separated workloads (default: all five)")  # fmt: skip
+    sim.add_argument("--policies", type=_names, default=None,
+                     help="comma-separated policies (default: all)")  # fmt: skip
+    sim.add_argument("--loads", type=_floats, default=None,
+                     help="offered loads as multiples of fleet capacity (0.3,...,1.3)")  # fmt: skip
+    sim.add_argument("--servers", type=int, default=8, help="fleet size (default 8)")
+    sim.add_argument("--duration", type=float, default=60.0,
+                     help="arrival window in virtual seconds (default 60)")  # fmt: skip
+    sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    sim.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    sim.add_argument("--img", type=Path, default=None,
+                     help="plots directory (default <out>/img)")  # fmt: skip
+    sim.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO: TTFT (s)")
+    sim.add_argument("--slo-itl", type=float, default=0.1, help="goodput SLO: mean ITL (s)")
+    sim.set_defaults(handler=_sim)
+
+    wl = sub.add_parser("workload", help="write a workload to a JSONL file")
+    wl.add_argument("--workload", required=True)
+    wl.add_argument("--servers", type=int, default=8, help="fleet size the defaults scale to")
+    wl.add_argument("--rate", type=float, required=True, help="requests per second")
+    wl.add_argument("--duration", type=float, default=60.0)
+    wl.add_argument("--seed", type=int, default=1)
+    wl.add_argument("--out", type=Path, required=True)
+    wl.set_defaults(handler=_workload)
+
+    live = sub.add_parser("live", help="loopback runs through poolkeeper serve and peers")
+    live.add_argument("--workload", default="shared-prefix")
+    live.add_argument("--servers", type=int, default=4)
+    live.add_argument("--rate", type=float, default=None,
+                      help="requests/s (default: 0.9x the fleet's estimated capacity)")  # fmt: skip
+    live.add_argument("--duration", type=float, default=20.0)
+    live.add_argument("--rounds", type=int, default=2, help="interleaved pairs per peer")
+    live.add_argument("--peers", type=_names, default=("vllm-router", "sglang-router", "envoy-rr"))
+    live.add_argument("--time-scale", type=float, default=1.0,
+                      help="simulator time scale (default 1.0)")  # fmt: skip
+    live.add_argument("--seed", type=int, default=1)
+    live.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    live.set_defaults(handler=_live)
+
+    ov = sub.add_parser("overhead", help="EPP decision time vs fleet size; gateway overhead")
+    ov.add_argument("--sizes", default="10,100,1000")
+    ov.add_argument("--decisions", type=int, default=2000)
+    ov.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ov.add_argument("--quick", action="store_true")
+    ov.set_defaults(handler=_overhead)
+
+    rep = sub.add_parser("report", help="markdown tables and plots from result files")
+    rep.add_argument("--in", dest="inp", type=Path, default=DEFAULT_OUT)
+    rep.add_argument("--img", type=Path, default=None)
+    rep.set_defaults(handler=_report)
+
+    allp = sub.add_parser("all", help="every benchmark (reduced with --quick)")
+    allp.add_argument("--quick", action="store_true",
+                      help="the reduced set `make bench` runs (< 10 min on 2 cores)")  # fmt: skip
+    allp.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    allp.add_argument("--jobs", type=int, default=2)
+    allp.set_defaults(handler=_all)
+
+
+def _progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.metrics import SLO
+    from poolkeeper.bench.routers import ALL_POLICIES
+    from poolkeeper.bench.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
+    from poolkeeper.bench.workloads import WorkloadKind
+
+    try:
+        workloads = args.workload or tuple(str(k) for k in WorkloadKind)
+        for w in workloads:
+            WorkloadKind(w)
+        policies = args.policies or ALL_POLICIES
+        unknown = [p for p in policies if p not in ALL_POLICIES]
+        if unknown:
+            raise ConfigError(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
+        if args.servers < 1 or args.duration <= 0:
+            raise ConfigError("--servers must be >= 1 and --duration > 0")
+    except (ValueError, ConfigError) as exc:
+        print(f"poolkeeper bench sim: {exc}", file=sys.stderr)
+        return 2
+    sweeps = []
+    for w in workloads:
+        spec = SweepSpec(
+            workload=w, servers=args.servers, policies=tuple(policies),
+            loads=args.loads or DEFAULT_LOADS, duration=args.duration, seed=args.seed,
+            slo=SLO(args.slo_ttft, args.slo_itl),
+        )  # fmt: skip
+        sweeps.append(
+            run_sweep(
+                spec,
+                out_dir=args.out,
+                img_dir=args.img or args.out / "img",
+                jobs=args.jobs,
+                progress=_progress,
+            )
+        )
+    if "poolkeeper" in policies and "round-robin" in policies:
+        print(targets_table(sweeps))
+    return 0
+
+
+def _workload(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.workloads import default_spec, generate, save_jsonl
+
+    try:
+        spec = default_spec(args.workload, args.servers)
+        arrivals = generate(spec, rate=args.rate, duration=args.duration, seed=args.seed)
+    except (ValueError, ConfigError) as exc:
+        print(f"poolkeeper bench workload: {exc}", file=sys.stderr)
+        return 2
+    meta = {**spec.describe(), "rate_rps": args.rate, "duration_s": args.duration,
+            "seed": args.seed}  # fmt: skip
+    save_jsonl(args.out, arrivals, meta)
+    print(f"wrote {len(arrivals)} requests to {args.out}")
+    return 0
+
+
+def _live(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.live import LiveSpec, run_live
+
+    spec = LiveSpec(
+        workload=args.workload, servers=args.servers, rate=args.rate, duration=args.duration,
+        rounds=args.rounds, peers=tuple(args.peers), time_scale=args.time_scale, seed=args.seed,
+    )  # fmt: skip
+    try:
+        run_live(spec, out_dir=args.out, progress=_progress)
+    except ConfigError as exc:
+        print(f"poolkeeper bench live: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.overhead import run_overhead
+
+    try:
+        sizes = tuple(int(x) for x in args.sizes.split(","))
+    except ValueError:
+        print(f"poolkeeper bench overhead: bad --sizes {args.sizes!r}", file=sys.stderr)
+        return 2
+    run_overhead(sizes=sizes, decisions=args.decisions, out_dir=args.out, quick=args.quick,
+                 progress=_progress)  # fmt: skip
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.report import plot_sweep, read_json, sweep_table
+    from poolkeeper.bench.sweep import targets_table
+
+    files = sorted(args.inp.glob("sim-*.json"))
+    if not files:
+        print(f"poolkeeper bench report: no sim-*.json in {args.inp}", file=sys.stderr)
+        return 2
+    sweeps = [read_json(f) for f in files]
+    for f, sweep in zip(files, sweeps, strict=True):
+        print(f"\n### {f.stem}\n")
+        print(sweep_table(sweep))
+        if args.img is not None:
+            plot_sweep(sweep, args.img, f.stem)
+    print("\n### targets\n")
+    print(targets_table([s for s in sweeps if "poolkeeper" in s["policies"]]))
+    return 0
+
+
+def _all(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.allbench import run_all
+
+    return run_all(out_dir=args.out, quick=args.quick, jobs=args.jobs, progress=_progress)

@@ -1,0 +1,58 @@
+"""`poolkeeper bench sim` end to end on a tiny fleet: JSON and PNG out, deterministic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from poolkeeper.cli.main import main
+
+ARGS = [
+    "bench", "sim", "--workload", "shared-prefix", "--servers", "2", "--duration", "3",
+    "--loads", "0.5,1.2", "--policies", "round-robin,cache-aware,poolkeeper,gie-v0.3",
+]  # fmt: skip
+
+
+def test_bench_sim_writes_results_and_plots(tmp_path: Path, capsys) -> None:
+    assert main([*ARGS, "--out", str(tmp_path / "a")]) == 0
+    data = json.loads((tmp_path / "a" / "sim-shared-prefix-2.json").read_text())
+    assert data["fleet"]["servers"] == 2
+    assert data["capacity"]["capacity_rps"] > 0
+    assert len(data["runs"]) == 8
+    for run in data["runs"]:
+        s = run["summary"]
+        assert s["requests"] == s["completed"] + s["shed"] + s["unfinished"]
+        assert s["requests"] > 0
+        assert len(run["ttft_quantiles"]) == 101
+    high = [r for r in data["runs"] if r["load"] == 1.2]
+    low = [r for r in data["runs"] if r["load"] == 0.5]
+    assert all(h["rate_rps"] > lo["rate_rps"] for h, lo in zip(high, low, strict=True))
+    for suffix in ("vs-load", "ttft-cdf"):
+        png = tmp_path / "a" / "img" / f"sim-shared-prefix-2-{suffix}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| workload |" in capsys.readouterr().out  # the targets table
+
+    # Same seed, same numbers.
+    assert main([*ARGS, "--out", str(tmp_path / "b"), "--policies", "poolkeeper"]) == 0
+    again = json.loads((tmp_path / "b" / "sim-shared-prefix-2.json").read_text())
+    first = {(r["policy"], r["load"]): r["summary"] for r in data["runs"]}
+    for run in again["runs"]:
+        assert run["summary"] == first[(run["policy"], run["load"])]
+
+
+def test_bench_sim_rejects_unknown_names(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "sim", "--workload", "nope", "--out", str(tmp_path)]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["bench", "sim", "--policies", "magic", "--out", str(tmp_path)]) == 2
+    assert "magic" in capsys.readouterr().err
+
+
+def test_bench_workload_file(tmp_path: Path) -> None:
+    out = tmp_path / "w.jsonl"
+    args = ["bench", "workload", "--workload", "multi-lora", "--rate", "10", "--duration", "5"]
+    assert main([*args, "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    head = json.loads(lines[0])["poolkeeper_workload"]
+    assert head["kind"] == "multi-lora"
+    assert head["rate_rps"] == 10
+    assert len(lines) > 20

@@ -70,6 +70,7 @@ class BootstrapParams:
     max_request_headers_kb: int = 60
     max_headers_count: int = 100
     max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
+    max_downstream_connections: int = 50_000
     access_log_path: str | None = None
     epp_health_interval_s: float = 1.0  # 0 disables Envoy's gRPC health check of the EPP
     stripped_headers: tuple[str, ...] = field(default=STRIPPED_HEADERS)
@@ -391,13 +392,15 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
             ],
             "clusters": _clusters(p),
         },
-        "layered_runtime": {
-            "layers": [
+        # Edge defaults: bounded downstream connections (Envoy's edge guide).
+        "overload_manager": {
+            "resource_monitors": [
                 {
-                    "name": "static",
-                    "static_layer": {
-                        # Edge defaults: bounded downstream connections (Envoy's edge guide).
-                        "overload": {"global_downstream_max_connections": 50000}
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        _T: "type.googleapis.com/envoy.extensions.resource_monitors."
+                        "downstream_connections.v3.DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": p.max_downstream_connections,
                     },
                 }
             ]

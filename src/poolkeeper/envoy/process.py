@@ -144,8 +144,11 @@ class EnvoySupervisor:
         url = f"{self.options.admin_url}/ready"
         deadline = asyncio.get_running_loop().time() + timeout_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+            baseline = self.restarts
             while asyncio.get_running_loop().time() < deadline:
-                if self.restarts > 0 or (self.process and self.process.returncode is not None):
+                if self.restarts > baseline or (
+                    self.process and self.process.returncode is not None
+                ):
                     # Dying before ever being ready is a configuration problem (a port in
                     # use, a bad bootstrap): report it now instead of restarting in a loop.
                     raise EnvoyStartFailed(f"envoy exited during startup:\n{self.log_tail()}")

@@ -18,6 +18,11 @@ CONTENT = [
     _chunk({"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hel"}}], "usage": None}),
     _chunk({"id": "c1", "choices": [{"index": 0, "delta": {"content": "lo"}}], "usage": None}),
 ]
+# What a client that did not ask for usage sees: the injected `"usage": null` fields removed.
+CONTENT_CLEAN = [
+    _chunk({"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hel"}}]}),
+    _chunk({"id": "c1", "choices": [{"index": 0, "delta": {"content": "lo"}}]}),
+]
 USAGE_CHUNK = _chunk(
     {
         "id": "c1",
@@ -43,7 +48,7 @@ def _run(stream: bytes, cut: int, *, strip: bool) -> tuple[bytes, SseUsageFilter
 
 @pytest.mark.parametrize("strip", [False, True])
 def test_every_split_position_gives_same_usage_and_output(strip: bool) -> None:
-    expected_out = b"".join([*CONTENT, DONE]) if strip else STREAM
+    expected_out = b"".join([*CONTENT_CLEAN, DONE]) if strip else STREAM
     for cut in range(len(STREAM) + 1):
         out, f = _run(STREAM, cut, strip=strip)
         assert out == expected_out, cut
@@ -54,14 +59,14 @@ def test_every_split_position_gives_same_usage_and_output(strip: bool) -> None:
 def test_one_byte_pieces() -> None:
     f = SseUsageFilter(strip_injected_usage=True)
     out = b"".join(f.feed(STREAM[i : i + 1]) for i in range(len(STREAM))) + f.finish()
-    assert out == b"".join([*CONTENT, DONE])
+    assert out == b"".join([*CONTENT_CLEAN, DONE])
     assert f.usage == EXPECTED
 
 
 def test_complete_events_are_forwarded_without_waiting() -> None:
     f = SseUsageFilter(strip_injected_usage=True)
-    assert f.feed(CONTENT[0] + CONTENT[1][:5]) == CONTENT[0]
-    assert f.feed(CONTENT[1][5:]) == CONTENT[1]
+    assert f.feed(CONTENT[0] + CONTENT[1][:5]) == CONTENT_CLEAN[0]
+    assert f.feed(CONTENT[1][5:]) == CONTENT_CLEAN[1]
 
 
 def test_crlf_events_and_multiline_data() -> None:
@@ -102,3 +107,20 @@ def test_usage_from_json_body() -> None:
     assert usage_from_json(b"not json") is None
     assert usage_from_json(b"[1, 2]") is None
     assert usage_from_json(b'{"usage": null}') is None
+
+
+def test_injected_null_usage_fields_are_removed_only_when_stripping() -> None:
+    chunk = (
+        b'data: {"id":"c","choices":[{"delta":{"content":"\\"usage\\": null"}}],"usage":null}\n\n'
+    )
+    first = b'data: {"usage": null, "id": "c", "choices": []}\n\n'
+    f = SseUsageFilter(strip_injected_usage=True)
+    out = f.feed(chunk + first)
+    assert out == (
+        b'data: {"id":"c","choices":[{"delta":{"content":"\\"usage\\": null"}}]}\n\n'
+        b'data: {"id": "c", "choices": []}\n\n'
+    )
+    for event in out.split(b"\n\n")[:-1]:
+        json.loads(event[6:])  # still valid JSON
+    g = SseUsageFilter(strip_injected_usage=False)
+    assert g.feed(chunk) == chunk

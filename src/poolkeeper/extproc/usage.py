@@ -10,6 +10,7 @@ for. Only an incomplete trailing event is ever held back, so streaming stays inc
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from poolkeeper.requestcontrol.types import Usage
@@ -17,6 +18,7 @@ from poolkeeper.requestcontrol.types import Usage
 # An event that never terminates is forwarded unparsed once it grows past this size.
 MAX_PENDING_EVENT = 1 << 20
 _SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
+_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
 
 
 def usage_from_object(obj: Any) -> Usage | None:
@@ -95,8 +97,9 @@ class SseUsageFilter:
             if split is None:
                 break
             event, self._pending = split
-            if self._keep(event):
-                out.append(event)
+            kept = self._filter(event)
+            if kept is not None:
+                out.append(kept)
         if len(self._pending) > MAX_PENDING_EVENT:
             out.append(self._pending)
             self._pending = b""
@@ -107,10 +110,21 @@ class SseUsageFilter:
     def finish(self) -> bytes:
         """The held tail at end of stream (an unterminated last event is still inspected)."""
         tail, self._pending = self._pending, b""
-        keep = self._keep(tail) if tail else True
+        kept = self._filter(tail) if tail else b""
         if not self.strip_injected_usage:
             return b""  # already forwarded by feed()
-        return tail if keep else b""
+        return kept or b""
+
+    def _filter(self, event: bytes) -> bytes | None:
+        """The event as the client should see it; None to drop it."""
+        if not self._keep(event):
+            return None
+        if self.strip_injected_usage and b'"usage"' in event:
+            # The injected option also makes servers add `"usage": null` to every chunk; the
+            # client did not ask for the field. Only a structural key can match: inside JSON
+            # strings quotes are escaped.
+            return _NULL_USAGE.sub(b"", event)
+        return event
 
     def _keep(self, event: bytes) -> bool:
         self.events += 1

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from sched_factories import request, scheduler, state
+from sched_factories import request, scheduler, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.build import build_scheduler
@@ -254,8 +254,11 @@ def test_empty_config_is_the_default_preset() -> None:
         "running-requests-size-scorer": 1,
         "kv-cache-utilization-scorer": 1,
         "prefix-cache-scorer": 3,
-        "lora-affinity-scorer": 1,
+        "lora-affinity-scorer": 2,
     }
+    assert [f.typed_name.type for f in sched.profiles["default"].filters] == [
+        "stale-metrics-filter"
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

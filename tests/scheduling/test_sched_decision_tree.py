@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 import pytest
-from sched_factories import key, request, scheduler, state
+from sched_factories import key, request, scheduler, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import RequestShed

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sched_factories import NOW, cycle, key, plugin, request, state
+from sched_factories import NOW, cycle, key, plugin, request, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import RequestShed
@@ -164,3 +164,24 @@ def test_saturation_filter_headroom_and_kv_threshold() -> None:
     f = plugin("saturation-filter", {"headroom": 0.0, "kvCacheUtilThreshold": 0.5})
     pool = [state(1, kv=0.5), state(2, kv=0.51), state(3, waiting=5), state(4, waiting=6)]
     assert keys(list(f.filter(cycle(), request(), pool))) == [key(1), key(3)]
+
+
+@pytest.mark.parametrize(
+    ("pool", "want"),
+    [
+        ([state(1), state(2, updated_at=NOW - 0.3)], [1]),
+        ([state(1, updated_at=0.0), state(2, waiting=50)], [2]),  # never scraped; load ignored
+        ([state(1, updated_at=NOW - 0.2), state(2)], [1, 2]),  # exactly at the limit: fresh
+        ([state(1, updated_at=NOW - 1), state(2, updated_at=0.0)], [1, 2]),  # all stale: open
+    ],
+    ids=["stale", "never-scraped", "at-limit", "fail-open"],
+)
+def test_stale_metrics_filter(pool: list[EndpointState], want: list[int]) -> None:
+    got = plugin("stale-metrics-filter").filter(cycle(), request(), pool)
+    assert keys(list(got)) == [key(i) for i in want]
+
+
+def test_stale_metrics_filter_threshold() -> None:
+    f = plugin("stale-metrics-filter", {"metricsStalenessMs": 1000})
+    pool = [state(1, updated_at=NOW - 0.9), state(2, updated_at=NOW - 1.1)]
+    assert keys(list(f.filter(cycle(), request(), pool))) == [key(1)]

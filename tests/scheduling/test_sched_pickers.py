@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 import pytest
-from sched_factories import plugin, state
+from sched_factories import plugin, state  # type: ignore[import-not-found, unused-ignore]
 
 CANDS = [state(i) for i in range(6)]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import xxhash
-from sched_factories import cycle, key, plugin, request, scheduler, scores_of, single, state
+from sched_factories import cycle, key, plugin, request, scheduler, scores_of, single, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.scheduling.interfaces import ProfileResult
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
@@ -103,9 +103,9 @@ def test_scheduler_sticks_to_the_endpoint_holding_the_prefix() -> None:
         got = sched.schedule(request(prompt=system + f"q{n}" * 40), pool, now=100.0)
         assert got.primary.key == first
     scorer = sched.plugins["prefix-cache-scorer"]
-    assert scorer.index.endpoints() == [first]  # type: ignore[attr-defined]
+    assert scorer.index.endpoints() == [first]  # type: ignore[attr-defined, unused-ignore]
     sched.forget_endpoints({key(i) for i in range(1, 9)} - {first})
-    assert scorer.index.endpoints() == []  # type: ignore[attr-defined]
+    assert scorer.index.endpoints() == []  # type: ignore[attr-defined, unused-ignore]
     # Cold prompts (no hit anywhere) spread by the random tie-break, not onto one endpoint.
     cold = {
         sched.schedule(

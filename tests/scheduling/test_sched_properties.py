@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings, strategies as st
-from sched_factories import NOW, cycle, plugin, request, scheduler
+from sched_factories import NOW, cycle, plugin, request, scheduler  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import NoReadyEndpoint, RequestShed

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-from sched_factories import key, request, scheduler, state
+from sched_factories import key, request, scheduler, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.errors import GatewayError, NoReadyEndpoint
 from poolkeeper.scheduling.build import build_scheduler
@@ -40,7 +40,7 @@ def test_everything_filtered_is_no_ready_endpoint() -> None:
 
 
 def test_default_profile_returns_primary_and_ranked_fallbacks() -> None:
-    pool = [state(1, waiting=7), state(2, waiting=0), state(3, waiting=3), state(4, waiting=6)]
+    pool = [state(1, waiting=9), state(2, waiting=0), state(3, waiting=3), state(4, waiting=6)]
     result = scheduler("default").schedule(request(), pool, now=100.0)
     assert [t.key for t in result.targets] == [key(2), key(3), key(4), key(1)]
     assert result.profile == "default"
@@ -49,21 +49,38 @@ def test_default_profile_returns_primary_and_ranked_fallbacks() -> None:
     assert values == sorted(values, reverse=True)
 
 
-def test_default_profile_prefers_prefix_hit_unless_queue_is_skewed() -> None:
+def test_default_profile_weighs_prefix_hits_against_load() -> None:
     sched = scheduler("default")
-    prompt = "shared system prompt " * 100
+    block = 64
+    prompt = "".join(f"{i:063d}|" for i in range(8))  # 8 distinct blocks
+    assert len(prompt) == 8 * block
     pool = [state(i) for i in range(1, 5)]
     home = sched.schedule(request(prompt=prompt), pool, now=100.0).primary.key
     home_i = int(home.split(".")[3].split(":")[0])
+    half = prompt[: 4 * block] + "x" * (4 * block)  # shares 4 of 8 blocks: prefix score 0.5
 
     def with_home_queue(q: int) -> list[EndpointState]:
         return [state(i, waiting=q if i == home_i else 0) for i in range(1, 5)]
 
-    # A small queue at the prefix holder: stay (cache hit beats a 2-request imbalance).
-    assert sched.schedule(request(prompt=prompt), with_home_queue(2), now=100.0).primary.key == home
-    # The saturation filter drops it once its queue is past 5 x 1.5.
-    skewed = sched.schedule(request(prompt=prompt), with_home_queue(8), now=100.0)
-    assert skewed.primary.key != home
+    # Full hit: stays home even when the holder is the most loaded (3 > 2 queue points).
+    assert (
+        sched.schedule(request(prompt=prompt), with_home_queue(20), now=100.0).primary.key == home
+    )
+    # Half hit (1.5 points): worth a small imbalance (2 waiting = 0.5 points) ...
+    assert sched.schedule(request(prompt=half), with_home_queue(2), now=100.0).primary.key == home
+    # ... not a large one (16 waiting = 2 points). (Another half: the previous one is now
+    # recorded at home in full.)
+    other_half = prompt[: 4 * block] + "y" * (4 * block)
+    moved = sched.schedule(request(prompt=other_half), with_home_queue(16), now=100.0)
+    assert moved.primary.key != home
+
+
+def test_default_profile_skips_stale_endpoints() -> None:
+    pool = [state(1, updated_at=99.0), state(2, waiting=3), state(3, waiting=3)]
+    for seed in range(10):
+        result = scheduler("default", seed=seed).schedule(request(), pool, now=100.0)
+        assert result.primary.key != key(1)
+        assert key(1) not in {t.key for t in result.targets}
 
 
 def _registry_with(*specs: PluginSpec) -> PluginRegistry:
@@ -200,7 +217,7 @@ def test_forget_endpoints_reaches_the_prefix_index() -> None:
     sched = scheduler("gie-v1-default")
     pool = [state(1), state(2)]
     picked = sched.schedule(request(prompt="y" * 640), pool, now=100.0).primary.key
-    index = sched.plugins["prefix-cache-scorer"].index  # type: ignore[attr-defined]
+    index = sched.plugins["prefix-cache-scorer"].index  # type: ignore[attr-defined, unused-ignore]
     assert index.endpoints() == [picked]
     sched.forget_endpoints(set())
     assert index.size == 0

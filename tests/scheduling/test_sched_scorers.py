@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from sched_factories import plugin, request, scores_of, state
+from sched_factories import plugin, request, scores_of, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.scheduling.types import EndpointState
 

@@ -17,16 +17,17 @@ def _no_inflight(**extra: Any) -> dict[str, Any]:
     return {**extra, "countUnseen": False}
 
 
-# poolkeeper's default: prefix affinity unless the load is really skewed.
-# - saturation-filter: stale or overloaded endpoints (queue > 7.5, KV > 0.96 of the
-#   0.8 threshold x 1.5) are skipped while any other endpoint is fine; fails open.
+# poolkeeper's default: prefix affinity, effective load, LoRA affinity (docs/scheduling.md §3).
+# - stale-metrics-filter: endpoints whose metrics are older than 200 ms are skipped while any
+#   other endpoint is fresh (fails open).
 # - queue-scorer / running-requests-size-scorer with a minimum span, so a difference of one or
-#   two requests costs a little (not the whole range, as plain min-max does) and a prefix hit
-#   wins until the imbalance is large; both count requests sent since the last scrape.
+#   two requests costs a little (not the whole range, as plain min-max does); both count
+#   requests sent since the last scrape, so bursts between scrapes spread.
 # - max-score-picker: random tie-break spreads cache misses; 3 fallbacks for the proxy.
+# Weights chosen with the virtual-time fleet simulator (docs/scheduling.md §3).
 _DEFAULT: dict[str, Any] = {
     "plugins": [
-        {"type": "saturation-filter"},
+        {"type": "stale-metrics-filter"},
         {"type": "queue-scorer", "parameters": {"minSpan": 8}},
         {"type": "running-requests-size-scorer", "parameters": {"minSpan": 16}},
         {"type": "kv-cache-utilization-scorer"},
@@ -38,12 +39,12 @@ _DEFAULT: dict[str, Any] = {
         {
             "name": "default",
             "plugins": [
-                {"pluginRef": "saturation-filter"},
+                {"pluginRef": "stale-metrics-filter"},
                 {"pluginRef": "queue-scorer", "weight": 2},
                 {"pluginRef": "running-requests-size-scorer", "weight": 1},
                 {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
                 {"pluginRef": "prefix-cache-scorer", "weight": 3},
-                {"pluginRef": "lora-affinity-scorer", "weight": 1},
+                {"pluginRef": "lora-affinity-scorer", "weight": 2},
                 {"pluginRef": "max-score-picker"},
             ],
         }

@@ -29,6 +29,8 @@ from poolkeeper.scheduling.plugins.filters import (
     LowQueueParams,
     SaturationFilter,
     SaturationFilterParams,
+    StaleMetricsFilter,
+    StaleMetricsParams,
 )
 from poolkeeper.scheduling.plugins.pickers import (
     MaxScorePicker,
@@ -118,6 +120,9 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
         PluginSpec("saturation-filter", F, SaturationFilterParams,
                    _with_params(SaturationFilter, SaturationFilterParams),
                    "Drops stale or overloaded endpoints; fails open."),
+        PluginSpec("stale-metrics-filter", F, StaleMetricsParams,
+                   _with_params(StaleMetricsFilter, StaleMetricsParams),
+                   "Drops endpoints with stale metrics; fails open."),
         PluginSpec("decision-tree-filter", F, DecisionTreeParams, _tree,
                    "GIE v0.1-v0.5 filter tree.", filter_references=tree_references),
         # Scorers

@@ -262,3 +262,35 @@ class SaturationFilter(NamedPlugin):
         if not kept or len(kept) == len(candidates):
             return candidates
         return kept
+
+
+class StaleMetricsParams(PluginParams):
+    metrics_staleness_ms: float = Field(
+        default=200, gt=0, description="Metrics older than this count as stale, ms (default 200)."
+    )
+
+
+class StaleMetricsFilter(NamedPlugin):
+    """Drops endpoints whose metrics are stale or were never scraped; fails open.
+
+    A stale endpoint may look idle (GIE #1497) or be gone; it is skipped while any endpoint
+    has fresh metrics. If none has, all are kept: a lagging scraper must not fail the pool
+    (llm-d #2408). Cheaper than `saturation-filter` (no load test).
+    """
+
+    __slots__ = ("staleness_s",)
+
+    def __init__(self, typed_name: TypedName, params: StaleMetricsParams) -> None:
+        super().__init__(typed_name)
+        self.staleness_s = params.metrics_staleness_ms / 1000.0
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        fresh_since = cycle.now - self.staleness_s
+        # `updated_at` 0.0 (never scraped) is below any `fresh_since` of a running clock;
+        # the explicit test keeps that true for clocks that start near zero.
+        kept = [s for s in candidates if (u := s.metrics.updated_at) >= fresh_since and u > 0.0]
+        if not kept or len(kept) == len(candidates):
+            return candidates
+        return kept

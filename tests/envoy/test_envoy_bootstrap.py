@@ -118,3 +118,23 @@ async def test_envoy_that_cannot_bind_fails_fast_with_its_log(tmp_path: Path) ->
                 await supervisor.wait_ready(timeout_s=20)
         finally:
             await supervisor.stop()
+
+
+def test_h2c_pools_get_http2_upstreams(tmp_path: Path) -> None:
+    params = BootstrapParams(upstream_h2c=True, fail_open=True, fallback_endpoints=("1.2.3.4:80",))
+    b = build_bootstrap(params)
+    for cluster in b["static_resources"]["clusters"][1:]:
+        opts = cluster["typed_extension_protocol_options"]
+        assert "http2_protocol_options" in json.dumps(opts)
+    plain = build_bootstrap(BootstrapParams())
+    assert "typed_extension_protocol_options" not in plain["static_resources"]["clusters"][1]
+    path = tmp_path / "envoy.json"
+    path.write_text(render(b))
+    result = subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

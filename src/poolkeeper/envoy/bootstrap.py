@@ -71,6 +71,7 @@ class BootstrapParams:
     max_headers_count: int = 100
     max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
     max_downstream_connections: int = 50_000
+    upstream_h2c: bool = False  # model servers speak HTTP/2 cleartext (appProtocol h2c)
     access_log_path: str | None = None
     epp_health_interval_s: float = 1.0  # 0 disables Envoy's gRPC health check of the EPP
     stripped_headers: tuple[str, ...] = field(default=STRIPPED_HEADERS)
@@ -295,6 +296,20 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
     return hcm
 
 
+def _upstream_protocol(p: BootstrapParams) -> dict[str, Any]:
+    """HTTP/1.1 to model servers by default; HTTP/2 cleartext for `appProtocol: h2c` pools."""
+    if not p.upstream_h2c:
+        return {}
+    return {
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                _T: _HTTP_OPTS,
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    }
+
+
 def _epp_health_check(p: BootstrapParams) -> dict[str, Any]:
     """Why: with FULL_DUPLEX_STREAMED bodies Envoy can fail open only before the first body
     chunk went to the processor. Opening a stream to a dead EPP fails only after the chunk was
@@ -346,6 +361,7 @@ def _clusters(p: BootstrapParams) -> list[dict[str, Any]]:
             },
             "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
             "circuit_breakers": _thresholds(p),
+            **_upstream_protocol(p),
         },
     ]
     if p.epp_health_interval_s > 0:
@@ -359,6 +375,7 @@ def _clusters(p: BootstrapParams) -> list[dict[str, Any]]:
                 "connect_timeout": _duration(p.connect_timeout_s),
                 "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
                 "circuit_breakers": _thresholds(p),
+                **_upstream_protocol(p),
                 "load_assignment": {
                     "cluster_name": FALLBACK_CLUSTER,
                     "endpoints": [{"lb_endpoints": _lb_endpoints(p.fallback_endpoints)}],

@@ -75,6 +75,9 @@ def bootstrap_params(loaded: LoadedGateway, datastore: Datastore | None = None) 
         admin_port=listeners.admin,
         fail_open=fail_open,
         fallback_endpoints=tuple(dict.fromkeys(fallback)),
+        # One upstream protocol for all pools (one ORIGINAL_DST cluster): h2c only if all say so.
+        upstream_h2c=bool(loaded.pools)
+        and all(p.app_protocol() == "kubernetes.io/h2c" for p in loaded.pools),
     )
 
 

@@ -234,7 +234,7 @@ class Exchange:
         self.decision = decision
         self.phase = Phase.ROUTED
         self.observer.routed(decision, len(self.body), self.clock() - began)
-        log.info(
+        log.debug(
             "routed request_id=%s model=%s target=%s endpoint=%s",
             self.request_id,
             decision.model_name,
@@ -372,10 +372,14 @@ class Exchange:
             seconds=seconds,
             response_bytes=self.response_bytes,
         )
+        # One line per request (the EPP's access log); never the body.
         log.info(
-            "completed request_id=%s model=%s status=%d endpoint=%s seconds=%.3f",
+            "completed request_id=%s model=%s target=%s criticality=%s status=%d endpoint=%s "
+            "seconds=%.3f",
             self.request_id,
             decision.model_name,
+            decision.target_model,
+            decision.criticality,
             status,
             self.served or decision.endpoints[0],
             seconds,

@@ -52,9 +52,12 @@ class Backend:
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
+            pause = 0.6 if body.get("model") == "slow" else 0.0  # between the two events
             for word in ("hello", "world"):
                 chunk = {"choices": [{"index": 0, "delta": {"content": word}}], "usage": None}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if word == "hello":
+                    await asyncio.sleep(pause)
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
                 chunk = {"choices": [], "usage": usage}

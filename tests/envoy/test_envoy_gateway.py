@@ -272,3 +272,28 @@ async def test_backend_dying_mid_stream_is_an_error_not_a_clean_end(tmp_path: Pa
                 break
             await asyncio.sleep(0.02)
         assert [c[0] for c in r.router.completed] == [499]  # released, counted as cut short
+
+
+@pytest.mark.parametrize("client_asked_usage", [False, True])
+async def test_sse_events_arrive_as_they_are_produced(
+    tmp_path: Path, client_asked_usage: bool
+) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+        body: dict[str, object] = {"model": "slow", "stream": True}
+        if client_asked_usage:
+            body["stream_options"] = {"include_usage": True}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{r.url}/v1/chat/completions", json=body) as resp,
+        ):
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            first = await resp.content.readuntil(b"\n\n")
+            first_after = loop.time() - began
+            rest = await resp.read()
+            total = loop.time() - began
+        assert b"hello" in first
+        assert b"world" in rest
+        # The second event comes 0.6 s after the first: the first must not wait for it.
+        assert first_after < 0.4, (first_after, total)
+        assert total >= 0.5

@@ -147,9 +147,13 @@ async def client_loop(host: str, port: int, body: bytes, stop_at: float, window:
 async def sim_stats(http: aiohttp.ClientSession, urls: list[str]) -> dict[str, float]:
     out = {"e2e_sum": 0.0, "e2e_count": 0.0, "ttft_sum": 0.0, "ttft_count": 0.0,
            "itl_sum": 0.0, "itl_count": 0.0, "lag_sum": 0.0, "lag_steps": 0.0}  # fmt: skip
-    for url in urls:
+
+    async def one(url: str) -> dict[str, Any]:
         async with http.get(f"{url}/sim/stats") as response:
-            s = await response.json()
+            result: dict[str, Any] = await response.json()
+            return result
+
+    for s in await asyncio.gather(*(one(url) for url in urls)):
         for key in ("e2e", "ttft", "itl"):
             out[f"{key}_sum"] += s[key]["sum"]
             out[f"{key}_count"] += s[key]["count"]
@@ -170,9 +174,13 @@ async def measure(args: argparse.Namespace, streams: int) -> dict[str, Any]:
         os.sched_setaffinity(0, sim_core)
 
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=pin_sim
+        *cmd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=pin_sim if args.pin else None,
     )
-    os.sched_setaffinity(0, client_cores)
+    if args.pin:
+        os.sched_setaffinity(0, client_cores)
     assert proc.stdout is not None
     try:
         async with asyncio.timeout(30):
@@ -195,8 +203,11 @@ async def measure(args: argparse.Namespace, streams: int) -> dict[str, Any]:
                 for i in range(streams)
             ]
             await asyncio.sleep(max(0.0, window.start - loop.time()))
-            before = await sim_stats(http, urls)
             cpu_before, wall_before = cpu_seconds(proc.pid), time.monotonic()
+            before = await sim_stats(http, urls)
+            if loop.time() > window.start + 0.2 * args.duration:
+                print(f"# {streams} streams: stats took {loop.time() - window.start:.1f}s: "
+                      "the machine is overloaded, numbers are unreliable")  # fmt: skip
             await asyncio.sleep(max(0.0, window.end - loop.time()))
             cpu_after, wall_after = cpu_seconds(proc.pid), time.monotonic()
             after = await sim_stats(http, urls)
@@ -245,11 +256,16 @@ def main() -> int:
     parser.add_argument("--prompt-chars", type=int, default=1000)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the simulator to CPU 0 and the clients to the others (on a quiet machine)",
+    )
     args = parser.parse_args()
     machine = f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     print(
         f"# {machine}; {args.servers} servers, time-scale {args.time_scale}, "
-        f"stream-interval {args.stream_interval}, "
+        f"stream-interval {args.stream_interval}, pinned {args.pin}, "
         f"max_tokens {args.max_tokens}, prompt {args.prompt_chars} chars, "
         f"window {args.duration}s after {args.warmup}s"
     )

@@ -49,3 +49,16 @@ def test_over_allocation_is_an_error() -> None:
     cache.take_private(2)
     with pytest.raises(RuntimeError):
         cache.take_private(1)
+
+
+def test_linear_histogram_observation_matches_one_by_one() -> None:
+    from poolkeeper.sim.stats import ITL_BUCKETS, Histogram
+
+    for first, step, count in ((0.006, 0.0004, 300), (0.02, 0.0, 10), (0.009, 0.001, 1)):
+        bulk, single = Histogram(ITL_BUCKETS), Histogram(ITL_BUCKETS)
+        bulk.observe_linear(first, step, count, 3)
+        for j in range(count):
+            single.observe_many(first + step * j, 3)
+        assert bulk.counts == single.counts
+        assert bulk.count == single.count
+        assert bulk.sum == pytest.approx(single.sum)

@@ -395,8 +395,9 @@ class EngineModel:
             if request.output_tokens >= request.max_tokens:
                 self._finish(request, last_end)
                 finished.append(request)
-        for j in range(1, count):
-            itl.observe_many(step.first_duration + step.growth * j, len(tokens))
+        if count > 1:
+            first = step.first_duration + step.growth
+            itl.observe_linear(first, step.growth, count - 1, len(tokens))
         counters.generation_tokens += count * len(tokens)
         counters.steps += count
         counters.busy_time += last_end - step.start

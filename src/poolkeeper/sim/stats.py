@@ -45,6 +45,30 @@ class Histogram:
         self.sum += value * times
         self.count += times
 
+    def observe_linear(self, first: float, step: float, count: int, weight: int) -> None:
+        """Observe first + step * j for j in 0..count-1, each `weight` times (step >= 0)."""
+        if count <= 0 or weight <= 0:
+            return
+        last = first + step * (count - 1)
+        self.sum += weight * (count * first + step * count * (count - 1) / 2)
+        self.count += weight * count
+        low, high = bisect_left(self.bounds, first), bisect_left(self.bounds, last)
+        if low == high or step <= 0:
+            self.counts[low] += weight * count
+            return
+        # Values are increasing: count how many fall at or below each bound in between.
+        done = 0
+        for index in range(low, high):
+            bound = self.bounds[index]
+            upto = min(count, int((bound - first) / step) + 1)
+            while upto > 0 and first + step * (upto - 1) > bound:
+                upto -= 1  # guard against rounding in the division
+            while upto < count and first + step * upto <= bound:
+                upto += 1
+            self.counts[index] += weight * (upto - done)
+            done = upto
+        self.counts[high] += weight * (count - done)
+
     def cumulative(self) -> list[tuple[str, int]]:
         """(le label, cumulative count) pairs, ending with +Inf."""
         out: list[tuple[str, int]] = []

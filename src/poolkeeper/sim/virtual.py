@@ -172,12 +172,14 @@ class VirtualFleet:
         seed: int | None = None,
         scrape_interval: float = 0.05,
         fuse_decode_steps: int = 64,
+        timestamp_refresh: float = 0.25,
     ) -> None:
         if not servers:
             raise ValueError("a fleet needs at least one server")
         if scrape_interval < 0:
             raise ValueError("scrape_interval must be >= 0")
         self.scrape_interval = scrape_interval
+        self.timestamp_refresh = timestamp_refresh
         self.engines: list[EngineModel] = []
         self.endpoints: list[Endpoint] = []
         for i, server in enumerate(servers):
@@ -228,8 +230,12 @@ class VirtualFleet:
                 updated_at=at,
             )
             self._dirty[i] = False
-        else:
-            self._metrics[i] = replace(self._metrics[i], updated_at=at)
+        else:  # unchanged since the last scrape: only the time moves (positional: cheap)
+            m = self._metrics[i]
+            self._metrics[i] = EndpointMetrics(
+                m.waiting, m.running, m.kv_cache_usage, m.active_adapters, m.waiting_adapters,
+                m.max_adapters, m.block_size, m.num_gpu_blocks, at,
+            )  # fmt: skip
         self._unseen[i] = 0
         self._unseen_tokens[i] = 0
         self._rebuild(i)
@@ -262,8 +268,11 @@ class VirtualFleet:
         tick = self._tick(now)
         if tick > self._refreshed_tick:
             at = tick * self.scrape_interval
+            refresh, metrics, dirty = self.timestamp_refresh, self._metrics, self._dirty
             for i in range(len(self.engines)):
                 if self._snap_tick[i] < tick:
+                    if not dirty[i] and at - metrics[i].updated_at < refresh:
+                        continue  # nothing changed and the timestamp is recent enough
                     self._scrape(i, at)
                     self._snap_tick[i] = tick
             self._refreshed_tick = tick
@@ -370,7 +379,7 @@ class VirtualFleet:
     ) -> None:
         first_time, t = outcome.first_time, outcome.time
         longest = outcome.longest_step
-        ends = outcome.step_ends() if outcome.steps > 1 else None
+        ends: list[float] | None = None
         for request in outcome.tokens:
             result: RequestResult = request.sink  # type: ignore[assignment]
             if result.first_token is None:
@@ -380,7 +389,9 @@ class VirtualFleet:
                 result.itl_max = max(result.itl_max, gap, longest)
             result.finish = t  # last token time until the request completes
             if result.token_times is not None:
-                result.token_times.extend(ends if ends is not None else (t,))
+                if ends is None:
+                    ends = outcome.step_ends()
+                result.token_times.extend(ends)
         for request in outcome.finished:
             result = request.sink  # type: ignore[assignment]
             result.completion_tokens = request.output_tokens

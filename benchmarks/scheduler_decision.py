@@ -14,7 +14,7 @@ unseen in-flight requests, and GC stays on (as in production). Two timings per s
 
 Not a test: run it by hand and copy the table into docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/scheduler_decision.py [--preset default] [--decisions 3000]
+    .venv/bin/python benchmarks/scheduler_decision.py [--preset default] [--decisions 3000] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -134,10 +134,20 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=3000)
     ap.add_argument("--warmup", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per preset and size; the run with the lowest CPU p99 is reported (on a "
+        "shared machine the others mostly measure other processes)",
+    )
     args = ap.parse_args()
     presets = args.preset or ["default", "gie-v1-default"]
     print(f"python {platform.python_version()} on {platform.machine()}, {platform.processor()}")
-    print(f"decisions per size: {args.decisions} (after {args.warmup} warm-up), GC on\n")
+    print(
+        f"decisions per size: {args.decisions} (after {args.warmup} warm-up), GC on, "
+        f"best CPU p99 of {args.repeat} run(s)\n"
+    )
     print(
         "| preset | endpoints | schedule p50 µs | schedule p99 µs | schedule CPU p50 µs "
         "| schedule CPU p99 µs | decision path p50 µs | decision path p99 µs "
@@ -146,7 +156,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for preset in presets:
         for n in (int(s) for s in args.sizes.split(",")):
-            r = run(preset, n, args.decisions, args.warmup, args.seed)
+            runs = [
+                run(preset, n, args.decisions, args.warmup, args.seed) for _ in range(args.repeat)
+            ]
+            r = min(runs, key=lambda x: x["cpu_p99"])
             print(
                 f"| {preset} | {n} | {r['schedule_p50']:.0f} | {r['schedule_p99']:.0f} | "
                 f"{r['cpu_p50']:.0f} | {r['cpu_p99']:.0f} | "

@@ -108,7 +108,11 @@ def plugin(type_: str, params: dict[str, Any] | None = None, seed: int = 1) -> A
 
 def scores_of(scorer: Any, req: LLMRequest, cands: list[EndpointState]) -> list[float]:
     """The scorer's scores as a list (a constant expanded to every candidate)."""
+    from poolkeeper.scheduling.interfaces import AffineScores
+
     out = scorer.score(cycle(), req, cands)
     if isinstance(out, float | int):
         return [float(out)] * len(cands)
+    if isinstance(out, AffineScores):
+        return out.materialize()
     return list(out)

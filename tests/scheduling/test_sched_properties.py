@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings, strategies as st
-from sched_factories import NOW, cycle, plugin, request, scheduler  # type: ignore[import-not-found, unused-ignore]
+from sched_factories import NOW, cycle, plugin, request, scheduler, scores_of  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
@@ -72,8 +72,7 @@ def test_every_scorer_stays_in_unit_interval(
         req = request(target, prompt=prompt)
         if type_ == "prefix-cache-scorer":  # warm the index with part of the pool
             scorer.post_cycle(cycle(), req, ProfileResult("p", (pool[0],)))
-        out = scorer.score(cycle(), req, pool)
-        values = [out] * len(pool) if isinstance(out, float | int) else list(out)
+        values = scores_of(scorer, req, pool)
         assert len(values) == len(pool)
         for v in values:
             assert not math.isnan(v), (type_, values)

@@ -60,7 +60,31 @@ class ProfileResult:
     scores: tuple[float, ...] = field(default=())
 
 
-Scores = Sequence[float] | float  # aligned with the candidates, or one value for all of them
+@dataclass(frozen=True, slots=True)
+class AffineScores:
+    """Scores given as `offset + scale * values[i]` (each must land in [0, 1]).
+
+    Lets a normalising scorer (min-max, 1 - x) hand over its raw per-endpoint values: the
+    profile folds `offset` into a constant and `scale` into the weight, so normalisation costs
+    no pass over the candidates of its own.
+    """
+
+    values: Sequence[float]
+    scale: float
+    offset: float
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def materialize(self) -> list[float]:
+        """The scores as a list, clamped into [0, 1] (the affine form may be off by rounding,
+        e.g. -2e-16 for the least loaded endpoint; the profile's weighted sum tolerates that)."""
+        scale, offset = self.scale, self.offset
+        return [min(1.0, max(0.0, offset + scale * v)) for v in self.values]
+
+
+# Aligned with the candidates; one value for all of them; or an affine form of raw values.
+Scores = Sequence[float] | float | AffineScores
 
 
 @runtime_checkable

@@ -15,6 +15,7 @@ from operator import mul
 
 from poolkeeper.errors import GatewayError
 from poolkeeper.scheduling.interfaces import (
+    AffineScores,
     CycleState,
     Filter,
     Picker,
@@ -99,11 +100,19 @@ class SchedulerProfile:
                 raise GatewayError(
                     f"scorer {ws.scorer.typed_name} returned {len(scores)} scores for {n} endpoints"
                 )
+            if isinstance(scores, AffineScores):
+                if ws.bounded:
+                    offset += w * scores.offset
+                    factor = w * scores.scale
+                    parts.append(map(mul, scores.values, repeat(factor)))
+                    continue
+                scores = scores.materialize()
             if not ws.bounded:
                 scores = [clamp_unit(v) for v in scores]
             parts.append(scores if w == 1.0 else map(mul, scores, repeat(w)))
         if offset:
             parts.append(repeat(offset, n))
+        # (an affine scorer's offset alone is not a constant ranking: its scaled values follow)
         if not parts:
             total = [0.0] * n
         elif len(parts) == 1:

@@ -8,13 +8,11 @@ effective ones (scraped + unseen in-flight, see `load.py`) unless `countUnseen` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import repeat
-from operator import sub
 from typing import Literal
 
 from pydantic import Field
 
-from poolkeeper.scheduling.interfaces import CycleState, Scores, TypedName
+from poolkeeper.scheduling.interfaces import AffineScores, CycleState, Scores, TypedName
 from poolkeeper.scheduling.load import effective_kv
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.filters import LoadParams
@@ -28,7 +26,7 @@ def inverse_min_max(values: list[int] | list[float], min_span: float = 0.0) -> S
     With `min_span` 0 this is GIE's min-max normalisation, where a difference of one request
     spans the whole [0, 1] range. A positive `min_span` makes small differences cost
     proportionally less, so another scorer (prefix affinity) can outweigh them until the load
-    is really skewed.
+    is really skewed. Returned in affine form (no pass of its own over the values).
     """
     lo, hi = min(values), max(values)
     if hi == lo:
@@ -36,7 +34,7 @@ def inverse_min_max(values: list[int] | list[float], min_span: float = 0.0) -> S
     span = hi - lo
     if span < min_span:
         span = min_span
-    return [1.0 - (v - lo) / span for v in values]
+    return AffineScores(values, -1.0 / span, 1.0 + lo / span)
 
 
 class MinMaxLoadParams(LoadParams):
@@ -115,7 +113,7 @@ class KvCacheScorer(NamedPlugin):
         total = sum(values)
         if total != total or min(values) < 0.0 or max(values) > 1.0:
             values = [_unit(v) for v in values]
-        return list(map(sub, repeat(1.0), values))
+        return AffineScores(values, -1.0, 1.0)
 
 
 def _unit(x: float) -> float:

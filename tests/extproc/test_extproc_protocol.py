@@ -20,8 +20,8 @@ from extproc_fakes import (  # type: ignore[import-not-found, unused-ignore]
     post_headers,
 )
 
+from poolkeeper.extproc.contracts import ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.extproc.state import ExtProcSettings
 from poolkeeper.requestcontrol.types import Usage
 
 DEST = "x-gateway-destination-endpoint"

@@ -17,12 +17,8 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.extproc.state import (
-    Exchange,
-    ExchangeObserver,
-    ExtProcSettings,
-    RequestRouter,
-)
+from poolkeeper.extproc.contracts import ExchangeObserver, ExtProcSettings, RequestRouter
+from poolkeeper.extproc.state import Exchange
 
 log = logging.getLogger("poolkeeper.extproc")
 

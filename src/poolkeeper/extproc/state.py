@@ -18,92 +18,23 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper.errors import GatewayError, PayloadTooLarge
 from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc.contracts import (
+    BUFFERED,
+    CANCELLED_STATUS,
+    ExchangeObserver,
+    ExtProcSettings,
+    NullObserver,
+    RequestRouter,
+)
 from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 
 log = logging.getLogger("poolkeeper.extproc")
-
-BodyMode = pm.ProcessingMode.BodySendMode
-STREAMED = pm.ProcessingMode.FULL_DUPLEX_STREAMED
-BUFFERED = pm.ProcessingMode.BUFFERED
-CANCELLED_STATUS = 499  # nginx's "client closed request": the stream ended before the response
-
-
-class RequestRouter(Protocol):
-    """What the ext_proc front end needs from the Director (the consumer owns this interface)."""
-
-    async def route(self, request: IncomingRequest) -> RoutingDecision: ...
-
-    def complete(
-        self,
-        decision: RoutingDecision,
-        *,
-        status: int,
-        usage: Usage | None,
-        served_endpoint: str | None = None,
-    ) -> object: ...
-
-    def served(self, decision: RoutingDecision, endpoint: str) -> None: ...
-
-    def model_names(self) -> list[str]: ...
-
-    def ready(self) -> bool: ...
-
-
-class ExchangeObserver(Protocol):
-    """Metrics hooks; the telemetry layer implements them."""
-
-    def routed(
-        self, decision: RoutingDecision, request_bytes: int, route_seconds: float
-    ) -> None: ...
-
-    def rejected(self, model_name: str, error: GatewayError, request_bytes: int) -> None: ...
-
-    def finished(
-        self,
-        decision: RoutingDecision,
-        *,
-        status: int,
-        usage: Usage | None,
-        seconds: float,
-        response_bytes: int,
-    ) -> None: ...
-
-
-class NullObserver:
-    def routed(self, decision: RoutingDecision, request_bytes: int, route_seconds: float) -> None:
-        pass
-
-    def rejected(self, model_name: str, error: GatewayError, request_bytes: int) -> None:
-        pass
-
-    def finished(
-        self,
-        decision: RoutingDecision,
-        *,
-        status: int,
-        usage: Usage | None,
-        seconds: float,
-        response_bytes: int,
-    ) -> None:
-        pass
-
-
-@dataclass(frozen=True, slots=True)
-class ExtProcSettings:
-    default_body_mode: int = STREAMED  # used when Envoy sends no protocol_config
-    max_request_body_bytes: int = 16 << 20
-    max_response_capture_bytes: int = 8 << 20  # JSON bodies kept for usage parsing
-    models_path: str = "/v1/models"
-    body_chunk_bytes: int = msg.MAX_BODY_CHUNK
 
 
 class Phase(enum.Enum):

@@ -30,8 +30,8 @@ from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.errors import ConfigError
+from poolkeeper.extproc.contracts import ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.extproc.state import ExtProcSettings
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.inflight import InflightTracker

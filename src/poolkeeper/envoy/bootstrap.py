@@ -18,107 +18,52 @@ Everything is a plain dict (JSON is valid YAML, so `envoy -c` takes either).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-SERVED_HEADER = "x-gateway-destination-endpoint-served"
-ORIGINAL_DST_CLUSTER = "original_destination_cluster"
-FALLBACK_CLUSTER = "pool_fallback_cluster"
-EPP_CLUSTER = "epp"
-EXT_PROC_ERROR_STATUS = 502  # ext_proc status_on_error; mapped to 503 + body (see below)
-# Response flags of Envoy's local replies when the chosen model server cannot be reached.
-UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "URX", "UO", "UC", "UPE")
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-# Client-supplied headers removed before anything else runs: exact names and name prefixes.
-STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
-STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-")
-
-_T = "@type"
-_HCM = (
-    "type.googleapis.com/"
-    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+from poolkeeper.envoy.clusters import clusters
+from poolkeeper.envoy.params import (
+    DESTINATION_HEADER,
+    EARLY_TYPE,
+    EPP_CLUSTER,
+    EXT_PROC_ERROR_STATUS,
+    EXT_PROC_SERVICE,
+    EXT_PROC_TYPE,
+    FALLBACK_CLUSTER,
+    FILE_LOG_TYPE,
+    HCM,
+    ORIGINAL_DST_CLUSTER,
+    ROUTER_TYPE,
+    SERVED_HEADER,
+    STRIPPED_PREFIXES,
+    UPSTREAM_FAILURE_FLAGS,
+    BootstrapParams,
+    T,
+    duration,
+    socket_address,
 )
-_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-_EARLY = (
-    "type.googleapis.com/"
-    "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
-)
-_HTTP_OPTS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-_FILE_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 
-
-@dataclass(frozen=True, slots=True)
-class BootstrapParams:
-    """Everything the bootstrap depends on; `serve` fills it from the GatewayConfig and pools."""
-
-    listen_address: str = "127.0.0.1"
-    listen_port: int = 8080
-    extproc_address: str = "127.0.0.1"
-    extproc_port: int = 9002
-    admin_address: str = "127.0.0.1"
-    admin_port: int = 9901
-    fail_open: bool = False
-    fallback_endpoints: tuple[str, ...] = ()  # "ip:port" of the pool's endpoints (FailOpen)
-    message_timeout_s: float = 1000.0  # per ext_proc message; requests may queue in the EPP
-    stream_idle_timeout_s: float = 300.0  # long generations: no total timeout, only idle
-    request_headers_timeout_s: float = 10.0
-    connect_timeout_s: float = 5.0
-    buffer_limit_bytes: int = 1 << 20
-    max_request_headers_kb: int = 60
-    max_headers_count: int = 100
-    max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
-    max_downstream_connections: int = 50_000
-    upstream_h2c: bool = False  # model servers speak HTTP/2 cleartext (appProtocol h2c)
-    access_log_path: str | None = None
-    epp_health_interval_s: float = 1.0  # 0 disables Envoy's gRPC health check of the EPP
-    stripped_headers: tuple[str, ...] = field(default=STRIPPED_HEADERS)
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:g}s"
-
-
-def _socket(address: str, port: int) -> dict[str, Any]:
-    return {"socket_address": {"address": address, "port_value": port}}
-
-
-def _split_hostport(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"endpoint {value!r}: expected ip:port")
-    return host, int(port)
-
-
-def _lb_endpoints(hostports: Sequence[str]) -> list[dict[str, Any]]:
-    return [{"endpoint": {"address": _socket(*_split_hostport(hp))}} for hp in hostports]
-
-
-def _thresholds(p: BootstrapParams) -> dict[str, Any]:
-    limit = p.max_connections
-    return {
-        "thresholds": [
-            {
-                "max_connections": limit,
-                "max_pending_requests": limit,
-                "max_requests": limit,
-                "max_retries": 3,
-            }
-        ]
-    }
+__all__ = [
+    "DESTINATION_HEADER",
+    "EPP_CLUSTER",
+    "EXT_PROC_SERVICE",
+    "FALLBACK_CLUSTER",
+    "ORIGINAL_DST_CLUSTER",
+    "SERVED_HEADER",
+    "BootstrapParams",
+    "build_bootstrap",
+    "render",
+]
 
 
 def ext_proc_filter(p: BootstrapParams) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            _T: _EXT_PROC,
+            T: EXT_PROC_TYPE,
             "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
             "failure_mode_allow": p.fail_open,
             "allow_mode_override": False,
-            "message_timeout": _duration(p.message_timeout_s),
+            "message_timeout": duration(p.message_timeout_s),
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
@@ -141,7 +86,7 @@ def _early_header_mutation(p: BootstrapParams) -> dict[str, Any]:
     ]
     return {
         "name": "envoy.http.early_header_mutation.header_mutation",
-        "typed_config": {_T: _EARLY, "mutations": mutations},
+        "typed_config": {T: EARLY_TYPE, "mutations": mutations},
     }
 
 
@@ -165,7 +110,7 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
         }
     ]
     # No total timeout (a generation can run for minutes); idle timeouts bound dead streams.
-    route_opts = {"timeout": "0s", "idle_timeout": _duration(p.stream_idle_timeout_s)}
+    route_opts = {"timeout": "0s", "idle_timeout": duration(p.stream_idle_timeout_s)}
     routes: list[dict[str, Any]] = [
         {
             "name": "epp_routed",
@@ -254,7 +199,7 @@ def _local_reply_config() -> dict[str, Any]:
 
 def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
     hcm: dict[str, Any] = {
-        _T: _HCM,
+        T: HCM,
         "stat_prefix": "gateway",
         "codec_type": "AUTO",
         "use_remote_address": True,
@@ -262,9 +207,9 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
         "max_request_headers_kb": p.max_request_headers_kb,
-        "stream_idle_timeout": _duration(p.stream_idle_timeout_s),
+        "stream_idle_timeout": duration(p.stream_idle_timeout_s),
         "request_timeout": "0s",
-        "request_headers_timeout": _duration(p.request_headers_timeout_s),
+        "request_headers_timeout": duration(p.request_headers_timeout_s),
         "common_http_protocol_options": {
             "headers_with_underscores_action": "REJECT_REQUEST",
             "max_headers_count": p.max_headers_count,
@@ -283,117 +228,28 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         },
         "http_filters": [
             ext_proc_filter(p),
-            {"name": "envoy.filters.http.router", "typed_config": {_T: _ROUTER}},
+            {"name": "envoy.filters.http.router", "typed_config": {T: ROUTER_TYPE}},
         ],
     }
     if p.access_log_path:
         hcm["access_log"] = [
             {
                 "name": "envoy.access_loggers.file",
-                "typed_config": {_T: _FILE_LOG, "path": p.access_log_path},
+                "typed_config": {T: FILE_LOG_TYPE, "path": p.access_log_path},
             }
         ]
     return hcm
 
 
-def _upstream_protocol(p: BootstrapParams) -> dict[str, Any]:
-    """HTTP/1.1 to model servers by default; HTTP/2 cleartext for `appProtocol: h2c` pools."""
-    if not p.upstream_h2c:
-        return {}
-    return {
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                _T: _HTTP_OPTS,
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        }
-    }
-
-
-def _epp_health_check(p: BootstrapParams) -> dict[str, Any]:
-    """Why: with FULL_DUPLEX_STREAMED bodies Envoy can fail open only before the first body
-    chunk went to the processor. Opening a stream to a dead EPP fails only after the chunk was
-    queued, so FailOpen would still answer 503. A host that health checks have marked down
-    makes the stream fail at once, before any body, and the request fails open."""
-    interval = _duration(p.epp_health_interval_s)
-    return {
-        "timeout": "1s",
-        "interval": interval,
-        "no_traffic_interval": interval,
-        "unhealthy_interval": interval,
-        "unhealthy_threshold": 1,
-        "healthy_threshold": 1,
-        "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
-    }
-
-
-def _clusters(p: BootstrapParams) -> list[dict[str, Any]]:
-    clusters: list[dict[str, Any]] = [
-        {
-            "name": EPP_CLUSTER,
-            "type": "STATIC",
-            "connect_timeout": "1s",
-            "lb_policy": "ROUND_ROBIN",
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    _T: _HTTP_OPTS,
-                    "explicit_http_config": {"http2_protocol_options": {}},
-                }
-            },
-            "circuit_breakers": _thresholds(p),
-            # A single EPP host: never "panic-route" to it while it is unhealthy.
-            "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
-            "load_assignment": {
-                "cluster_name": EPP_CLUSTER,
-                "endpoints": [
-                    {"lb_endpoints": _lb_endpoints([f"{p.extproc_address}:{p.extproc_port}"])}
-                ],
-            },
-        },
-        {
-            "name": ORIGINAL_DST_CLUSTER,
-            "type": "ORIGINAL_DST",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": _duration(p.connect_timeout_s),
-            "original_dst_lb_config": {
-                "use_http_header": True,
-                "http_header_name": DESTINATION_HEADER,
-            },
-            "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
-            "circuit_breakers": _thresholds(p),
-            **_upstream_protocol(p),
-        },
-    ]
-    if p.epp_health_interval_s > 0:
-        clusters[0]["health_checks"] = [_epp_health_check(p)]
-    if p.fail_open and p.fallback_endpoints:
-        clusters.append(
-            {
-                "name": FALLBACK_CLUSTER,
-                "type": "STATIC",
-                "lb_policy": "ROUND_ROBIN",
-                "connect_timeout": _duration(p.connect_timeout_s),
-                "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
-                "circuit_breakers": _thresholds(p),
-                **_upstream_protocol(p),
-                "load_assignment": {
-                    "cluster_name": FALLBACK_CLUSTER,
-                    "endpoints": [{"lb_endpoints": _lb_endpoints(p.fallback_endpoints)}],
-                },
-            }
-        )
-    return clusters
-
-
 def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
     """The complete Envoy bootstrap as a dict."""
     return {
-        "admin": {"address": _socket(p.admin_address, p.admin_port)},
+        "admin": {"address": socket_address(p.admin_address, p.admin_port)},
         "static_resources": {
             "listeners": [
                 {
                     "name": "gateway",
-                    "address": _socket(p.listen_address, p.listen_port),
+                    "address": socket_address(p.listen_address, p.listen_port),
                     "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
                     "filter_chains": [
                         {
@@ -407,7 +263,7 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                     ],
                 }
             ],
-            "clusters": _clusters(p),
+            "clusters": clusters(p),
         },
         # Edge defaults: bounded downstream connections (Envoy's edge guide).
         "overload_manager": {
@@ -415,7 +271,7 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                 {
                     "name": "envoy.resource_monitors.global_downstream_max_connections",
                     "typed_config": {
-                        _T: "type.googleapis.com/envoy.extensions.resource_monitors."
+                        T: "type.googleapis.com/envoy.extensions.resource_monitors."
                         "downstream_connections.v3.DownstreamConnectionsConfig",
                         "max_active_downstream_connections": p.max_downstream_connections,
                     },

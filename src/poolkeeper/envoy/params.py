@@ -1,0 +1,94 @@
+"""Names, limits and inputs of the Envoy bootstrap, shared by its builders."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SERVED_HEADER = "x-gateway-destination-endpoint-served"
+ORIGINAL_DST_CLUSTER = "original_destination_cluster"
+FALLBACK_CLUSTER = "pool_fallback_cluster"
+EPP_CLUSTER = "epp"
+EXT_PROC_ERROR_STATUS = 502  # ext_proc status_on_error; bootstrap maps it to 503 + body
+# Response flags of Envoy's local replies when the chosen model server cannot be reached.
+UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "URX", "UO", "UC", "UPE")
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Client-supplied headers removed before anything else runs: exact names and name prefixes.
+STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
+STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-")
+
+T = "@type"
+HCM = (
+    "type.googleapis.com/"
+    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+)
+EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+EARLY_TYPE = (
+    "type.googleapis.com/"
+    "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
+)
+HTTP_OPTS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+FILE_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapParams:
+    """Everything the bootstrap depends on; `serve` fills it from the GatewayConfig and pools."""
+
+    listen_address: str = "127.0.0.1"
+    listen_port: int = 8080
+    extproc_address: str = "127.0.0.1"
+    extproc_port: int = 9002
+    admin_address: str = "127.0.0.1"
+    admin_port: int = 9901
+    fail_open: bool = False
+    fallback_endpoints: tuple[str, ...] = ()  # "ip:port" of the pool's endpoints (FailOpen)
+    message_timeout_s: float = 1000.0  # per ext_proc message; requests may queue in the EPP
+    stream_idle_timeout_s: float = 300.0  # long generations: no total timeout, only idle
+    request_headers_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    buffer_limit_bytes: int = 1 << 20
+    max_request_headers_kb: int = 60
+    max_headers_count: int = 100
+    max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
+    max_downstream_connections: int = 50_000
+    upstream_h2c: bool = False  # model servers speak HTTP/2 cleartext (appProtocol h2c)
+    access_log_path: str | None = None
+    epp_health_interval_s: float = 1.0  # 0 disables Envoy's gRPC health check of the EPP
+    stripped_headers: tuple[str, ...] = field(default=STRIPPED_HEADERS)
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+def socket_address(address: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": address, "port_value": port}}
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"endpoint {value!r}: expected ip:port")
+    return host, int(port)
+
+
+def lb_endpoints(hostports: Sequence[str]) -> list[dict[str, Any]]:
+    return [{"endpoint": {"address": socket_address(*split_hostport(hp))}} for hp in hostports]
+
+
+def thresholds(p: BootstrapParams) -> dict[str, Any]:
+    limit = p.max_connections
+    return {
+        "thresholds": [
+            {
+                "max_connections": limit,
+                "max_pending_requests": limit,
+                "max_requests": limit,
+                "max_retries": 3,
+            }
+        ]
+    }

@@ -83,6 +83,10 @@ def _dig(data: Mapping[str, Any], keys: Sequence[str]) -> float:
     return _num(value)
 
 
+def _width(policy: str) -> float:
+    return 2.2 if policy.startswith("poolkeeper") else 1.2
+
+
 def _pyplot() -> Any:
     import matplotlib
 
@@ -111,8 +115,10 @@ def plot_sweep(sweep: Mapping[str, Any], out_dir: Path, stem: str) -> list[Path]
     for ax, (label, keys, log) in zip(axes, panels, strict=True):
         for policy in policies:
             mine = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["load"])
-            ax.plot([r["load"] for r in mine], [_dig(r["summary"], keys) for r in mine], marker="o",
-                    label=policy, linewidth=2.2 if policy == "poolkeeper" else 1.2)  # fmt: skip
+            ys = [_dig(r["summary"], keys) for r in mine]
+            ax.plot(
+                [r["load"] for r in mine], ys, marker="o", label=policy, linewidth=_width(policy)
+            )
         ax.set_xlabel("offered load (x fleet capacity)")
         ax.set_ylabel(label)
         if log:
@@ -134,7 +140,7 @@ def plot_sweep(sweep: Mapping[str, Any], out_dir: Path, stem: str) -> list[Path]
                 if r["policy"] == policy and r["load"] == cdf_load and r.get("ttft_quantiles"):
                     qs = [_num(v) for v in r["ttft_quantiles"]]
                     ax.plot(qs, [i / (len(qs) - 1) for i in range(len(qs))], label=policy,
-                            linewidth=2.2 if policy == "poolkeeper" else 1.2)  # fmt: skip
+                            linewidth=_width(policy))  # fmt: skip
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of completed requests")

@@ -7,7 +7,8 @@
 - `gie-v0.3` and `gie-v1`: poolkeeper's real scheduler configured with the GIE presets (the
   v0.3 decision tree; the v1.x default profile queue 2 / kv-cache 2 / prefix 3);
 - `poolkeeper`: poolkeeper's real scheduler with its default profile, plus its admission
-  controller (criticality-based shedding), exactly as the EPP runs them.
+  controller (criticality-based shedding), exactly as the EPP runs them;
+- `poolkeeper-proposed`: the default-profile change the tuning suggests (bench.schedpolicy).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class RoutingPolicy(Protocol):
     def on_finish(self, request_id: str, server: str, now: float) -> None: ...
 
 
-SCHEDULER_POLICIES: tuple[str, ...] = ("gie-v0.3", "gie-v1", "poolkeeper")
+SCHEDULER_POLICIES: tuple[str, ...] = ("gie-v0.3", "gie-v1", "poolkeeper", "poolkeeper-proposed")
 ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
 
 

@@ -7,16 +7,23 @@
   (queue 5 / KV 0.8 thresholds), judged on scraped metrics only.
 - `gie-v0.3`: the `gie-v0.3-decision-tree` preset; its tree itself drops non-critical requests
   when no endpoint has capacity (there was no separate admission step in v0.3).
+- `poolkeeper-proposed`: the change to poolkeeper's default profile that the benchmark tuning
+  suggests (docs/benchmarks.md, "Tuning"): no saturation filter (it pushed requests away from
+  the endpoints holding their prefix exactly when the fleet was busy), plain min-max queue
+  (2) and running-requests (1) scores counting unseen requests, KV (2), prefix (3) and LoRA
+  affinity (2); default admission.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.presets import preset_config
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import EndpointState, LLMRequest
@@ -25,6 +32,30 @@ _PRESET = {
     "poolkeeper": "default",
     "gie-v1": "gie-v1-default",
     "gie-v0.3": "gie-v0.3-decision-tree",
+}
+
+PROPOSED_PROFILE: dict[str, Any] = {
+    "plugins": [
+        {"type": "queue-scorer"},
+        {"type": "running-requests-size-scorer"},
+        {"type": "kv-cache-utilization-scorer"},
+        {"type": "prefix-cache-scorer"},
+        {"type": "lora-affinity-scorer"},
+        {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 4}},
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "queue-scorer", "weight": 2},
+                {"pluginRef": "running-requests-size-scorer", "weight": 1},
+                {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                {"pluginRef": "lora-affinity-scorer", "weight": 2},
+                {"pluginRef": "max-score-picker"},
+            ],
+        }
+    ],
 }
 
 
@@ -50,9 +81,14 @@ class SchedulerPolicy:
 
 
 def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
-    scheduler = build_scheduler(preset_config(_PRESET[name]), rng=rng)
+    config = (
+        SchedulingConfig.model_validate(PROPOSED_PROFILE)
+        if name == "poolkeeper-proposed"
+        else preset_config(_PRESET[name])
+    )
+    scheduler = build_scheduler(config, rng=rng)
     admission: AdmissionController | None
-    if name == "poolkeeper":
+    if name in ("poolkeeper", "poolkeeper-proposed"):
         admission = AdmissionController(AdmissionConfig())
     elif name == "gie-v1":
         admission = AdmissionController(

@@ -150,8 +150,9 @@ def _sim(args: argparse.Namespace) -> int:
                 progress=_progress,
             )
         )
-    if "poolkeeper" in policies and "round-robin" in policies:
-        print(targets_table(sweeps))
+    for ours in ("poolkeeper", "poolkeeper-proposed"):
+        if ours in policies and "round-robin" in policies:
+            print(targets_table(sweeps, policy=ours))
     return 0
 
 
@@ -213,8 +214,9 @@ def _report(args: argparse.Namespace) -> int:
         print(sweep_table(sweep))
         if args.img is not None:
             plot_sweep(sweep, args.img, f.stem)
-    print("\n### targets\n")
-    print(targets_table([s for s in sweeps if "poolkeeper" in s["policies"]]))
+    for ours in ("poolkeeper", "poolkeeper-proposed"):
+        print(f"\n### targets: {ours}\n")
+        print(targets_table([s for s in sweeps if ours in s["policies"]], policy=ours))
     return 0
 
 

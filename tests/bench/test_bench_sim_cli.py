@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from poolkeeper.cli.main import main
 
 ARGS = [
@@ -13,7 +15,9 @@ ARGS = [
 ]  # fmt: skip
 
 
-def test_bench_sim_writes_results_and_plots(tmp_path: Path, capsys) -> None:
+def test_bench_sim_writes_results_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([*ARGS, "--out", str(tmp_path / "a")]) == 0
     data = json.loads((tmp_path / "a" / "sim-shared-prefix-2.json").read_text())
     assert data["fleet"]["servers"] == 2
@@ -40,7 +44,9 @@ def test_bench_sim_writes_results_and_plots(tmp_path: Path, capsys) -> None:
         assert run["summary"] == first[(run["policy"], run["load"])]
 
 
-def test_bench_sim_rejects_unknown_names(tmp_path: Path, capsys) -> None:
+def test_bench_sim_rejects_unknown_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["bench", "sim", "--workload", "nope", "--out", str(tmp_path)]) == 2
     assert "nope" in capsys.readouterr().err
     assert main(["bench", "sim", "--policies", "magic", "--out", str(tmp_path)]) == 2

@@ -16,7 +16,9 @@ replayed open-loop by `bench.loadgen`, then both are stopped. Targets:
 Pairs are interleaved: in round r poolkeeper runs first when r is even and second when r is
 odd, so slow drift of the shared machine (other processes, thermal) hits both sides equally;
 the report gives, per peer, the ratio of poolkeeper's p90 TTFT to the peer's in each pair,
-and the ratio of the pooled p90s.
+and the ratio of the medians of the p90s. A run ends when every request has its first token
+(later tokens cannot change a TTFT; long answers would otherwise stretch each run by minutes),
+so live runs report TTFT only unless `full_streams` is set.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class LiveSpec:
     peers: tuple[str, ...] = KNOWN_PEERS
     time_scale: float = 1.0
     seed: int = 1
+    full_streams: bool = False  # False: end each run once every request has its first token
 
 
 def repo_root() -> Path:
@@ -327,6 +330,7 @@ def run_target(
                     f"http://127.0.0.1:{port}",
                     arrivals,
                     time_limit=spec.duration + 5,
+                    stop_after_first_tokens=not spec.full_streams,
                     request_timeout=120.0,
                 )
             )

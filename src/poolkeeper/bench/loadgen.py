@@ -51,12 +51,24 @@ def _has_text(choice: dict[str, object]) -> bool:
     return bool(choice.get("text"))
 
 
+class _Progress:
+    """Shared by the request tasks of one run: how many are resolved, and the stop flag."""
+
+    __slots__ = ("resolved", "stop", "total")
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.resolved = 0  # got a first token, or failed
+        self.stop = asyncio.Event()
+
+
 async def _one(
     session: aiohttp.ClientSession,
     url: str,
     arrival: Arrival,
     t0: float,
     request_timeout: float,
+    progress: _Progress | None = None,
 ) -> LiveResult:
     body = {
         "model": arrival.model,
@@ -99,13 +111,20 @@ async def _one(
                     if choices and _has_text(choices[0]):
                         if first is None:
                             first = time.monotonic() - t0
+                            if progress is not None:
+                                progress.resolved += 1
                         chunks += 1
+                    if progress is not None and progress.stop.is_set():
+                        break
                     usage = event.get("usage") or {}
                     details = usage.get("prompt_tokens_details") or {}
                     cached = int(details.get("cached_tokens") or cached)
     except (aiohttp.ClientError, TimeoutError) as exc:
         error = type(exc).__name__
-    finish = time.monotonic() - t0 if status == 200 and not error else None
+    stopped = progress is not None and progress.stop.is_set() and status == 200
+    if progress is not None and first is None:
+        progress.resolved += 1
+    finish = time.monotonic() - t0 if status == 200 and not error and not stopped else None
     outcome = RequestOutcome(
         request_id=arrival.request_id,
         criticality=arrival.criticality,
@@ -113,7 +132,7 @@ async def _one(
         prompt_tokens=count_tokens(arrival.prompt_text()),
         output_tokens=arrival.output_tokens,
         server=server,
-        first_token=first if finish is not None else None,
+        first_token=first if status == 200 and not error else None,
         finish=finish,
         cached_tokens=cached,
         shed=status == 429,
@@ -130,14 +149,21 @@ async def run_open_loop(
     time_limit: float = 300.0,
     request_timeout: float = 120.0,
     connections: int = 512,
+    stop_after_first_tokens: bool = False,
 ) -> list[LiveResult]:
-    """Replay `arrivals` against `base_url` (…/v1/chat/completions) in real time."""
+    """Replay `arrivals` against `base_url` (…/v1/chat/completions) in real time.
+
+    With `stop_after_first_tokens`, the run ends as soon as every request has its first token
+    (or failed): later tokens cannot change any TTFT, and long answers would otherwise keep a
+    run going for minutes. Requests still streaming then count as not completed (no E2E/ITL).
+    """
     check_loopback(base_url)
     url = base_url.rstrip("/") + "/v1/chat/completions"
     todo = list(arrivals)[:max_requests]
     connector = aiohttp.TCPConnector(limit=connections, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
         t0 = time.monotonic()
+        tracker = _Progress(len(todo)) if stop_after_first_tokens else None
         tasks: list[asyncio.Task[LiveResult]] = []
         for arrival in todo:
             if arrival.time > time_limit:
@@ -145,8 +171,17 @@ async def run_open_loop(
             delay = arrival.time - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, url, arrival, t0, request_timeout)))
+            tasks.append(
+                asyncio.create_task(_one(session, url, arrival, t0, request_timeout, tracker))
+            )
         remaining = max(1.0, time_limit + request_timeout - (time.monotonic() - t0))
+        if tracker is not None:
+            deadline = time.monotonic() + remaining
+            while tracker.resolved < len(tasks) and time.monotonic() < deadline:
+                if all(t.done() for t in tasks):
+                    break
+                await asyncio.sleep(0.05)
+            tracker.stop.set()
         done, pending = await asyncio.wait(tasks, timeout=remaining)
         for task in pending:
             task.cancel()

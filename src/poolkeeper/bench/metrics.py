@@ -2,7 +2,8 @@
 
 Definitions (stated once, used by every table):
 
-- TTFT = first token time - arrival time at the router (includes router queueing).
+- TTFT = first token time - arrival time at the router (includes router queueing), over every
+  request that received a first token.
 - ITL = mean inter-token latency of one request = (finish - first token) / (output tokens - 1),
   over requests with at least 2 output tokens; percentiles are over requests.
 - E2E = finish - arrival.
@@ -105,7 +106,8 @@ def summarize(outcomes: Iterable[RequestOutcome], *, duration: float, slo: SLO) 
     """Summary figures of one run (see the module docstring for definitions)."""
     items = list(outcomes)
     done = [o for o in items if o.completed]
-    ttfts = [t for o in done if (t := o.ttft) is not None]
+    # TTFT counts every request that got a first token (a live run may stop streams early).
+    ttfts = [t for o in items if not o.shed and (t := o.ttft) is not None]
     itls = [t for o in done if (t := o.itl) is not None]
     e2es = [t for o in done if (t := o.e2e) is not None]
     prompt = sum(o.prompt_tokens for o in done)
@@ -151,4 +153,4 @@ def summarize(outcomes: Iterable[RequestOutcome], *, duration: float, slo: SLO) 
 
 
 def ttft_values(outcomes: Iterable[RequestOutcome]) -> list[float]:
-    return [t for o in outcomes if o.completed and (t := o.ttft) is not None]
+    return [t for o in outcomes if not o.shed and (t := o.ttft) is not None]

@@ -130,7 +130,11 @@ def run_overhead(
         progress(str(result["scheduler_decision_direct"]))
     if gateway_script is not None and gateway_script.is_file():
         progress(f"gateway overhead: {gateway_script}")
-        args = ["--quick"] if quick else []
+        args = (
+            ["--rates", "10,50", "--duration", "5", "--loop-seconds", "5"]
+            if quick
+            else ["--rates", "10,50,100", "--duration", "10", "--loop-seconds", "10"]
+        )
         result["gateway_overhead"] = _run_script(gateway_script, args, SCRIPT_TIMEOUT_S)
         progress(result["gateway_overhead"]["stdout"])
     else:

@@ -88,6 +88,11 @@ def register(subparsers: Any) -> None:
     live.add_argument("--time-scale", type=float, default=1.0,
                       help="simulator time scale (default 1.0)")  # fmt: skip
     live.add_argument("--seed", type=int, default=1)
+    live.add_argument(
+        "--full-streams",
+        action="store_true",
+        help="wait for every answer to finish (default: stop at the last first token)",
+    )
     live.add_argument("--out", type=Path, default=DEFAULT_OUT)
     live.set_defaults(handler=_live)
 
@@ -178,6 +183,7 @@ def _live(args: argparse.Namespace) -> int:
     spec = LiveSpec(
         workload=args.workload, servers=args.servers, rate=args.rate, duration=args.duration,
         rounds=args.rounds, peers=tuple(args.peers), time_scale=args.time_scale, seed=args.seed,
+        full_streams=args.full_streams,
     )  # fmt: skip
     try:
         run_live(spec, out_dir=args.out, progress=_progress)

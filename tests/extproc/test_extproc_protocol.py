@@ -406,3 +406,25 @@ async def test_served_fallback_moves_accounting(envoy: FakeEnvoy, router: FakeRo
     assert router.moved == [("req-1", PODS[2])]
     assert router.completed[-1][3] == PODS[2]
     call.cancel()
+
+
+async def test_json_response_over_chunks_with_empty_final_chunk(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    call, _ = await _streamed_request(envoy, b'{"model": "base"}', piece=100)
+    await call.write(
+        headers_msg({":status": "200", "content-type": "application/json"}, response=True)
+    )
+    await _read(call, 1)
+    body = json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 5}}).encode()
+    pieces = [body[:7], body[7:], b""]
+    forwarded = b""
+    for i, piece in enumerate(pieces):
+        await call.write(body_msg(piece, eos=i == 2, response=True))
+        (reply,) = await _read(call, 1)
+        streamed = reply.response_body.response.body_mutation.streamed_response
+        assert streamed.end_of_stream == (i == 2)
+        forwarded += streamed.body
+    assert forwarded == body
+    assert router.completed[-1][1:3] == (200, Usage(2, 5))
+    call.cancel()

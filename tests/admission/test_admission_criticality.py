@@ -34,7 +34,7 @@ def req(criticality: Criticality) -> LLMRequest:
 
 IDLE = [ep(1), ep(2, waiting=1, kv=0.1)]
 SATURATED = [ep(1, waiting=6, kv=0.5), ep(2, waiting=2, kv=0.85)]  # (1.2 + 1.0625) / 2
-OVERLOADED = [ep(1, waiting=30), ep(2, waiting=26)]  # (6.0 + 5.2) / 2 = 5.6
+OVERLOADED = [ep(1, waiting=45), ep(2, waiting=41)]  # (9.0 + 8.2) / 2 = 8.6
 HALF_STALE = [ep(1, age=0.5), ep(2)]  # (1.0 + 0.0) / 2 = 0.5
 STALE_BUSY = [ep(1, age=0.5), ep(2, waiting=5)]  # (1.0 + 1.0) / 2 = 1.0
 ALL_STALE = [ep(1, age=0.5), ep(2, age=float("inf"))]
@@ -45,7 +45,7 @@ ALL_STALE = [ep(1, age=0.5), ep(2, age=float("inf"))]
     [
         (IDLE, (0.0 + 0.2) / 2),
         (SATURATED, (1.2 + 0.85 / 0.8) / 2),
-        (OVERLOADED, 5.6),
+        (OVERLOADED, 8.6),
         (HALF_STALE, 0.5),
         (STALE_BUSY, 1.0),
         (ALL_STALE, 1.0),
@@ -68,8 +68,8 @@ def test_is_saturated_threshold_and_all_stale_policy() -> None:
     assert d.is_saturated(STALE_BUSY, NOW)  # exactly 1.0 counts (>=)
     assert not d.is_saturated(ALL_STALE, NOW)  # fails open by default
     assert SaturationDetector(AdmissionConfig(all_stale_policy="shed")).is_saturated(ALL_STALE, NOW)
-    assert d.is_saturated(OVERLOADED, NOW, level=5.0)
-    assert not d.is_saturated(SATURATED, NOW, level=5.0)
+    assert d.is_saturated(OVERLOADED, NOW, level=8.0)
+    assert not d.is_saturated(SATURATED, NOW, level=8.0)
 
 
 def test_custom_thresholds_and_staleness() -> None:
@@ -127,7 +127,7 @@ def test_standard_is_never_shed_when_overload_level_is_null() -> None:
 def test_shed_levels_per_criticality() -> None:
     c = AdmissionController(AdmissionConfig(sheddable_saturation_level=0.5))
     assert c.shed_level(CRIT) is None
-    assert c.shed_level(STD) == 5.0
+    assert c.shed_level(STD) == 8.0
     assert c.shed_level(SHED) == 0.5
     c.admit(req(STD), HALF_STALE, now=NOW)
     with pytest.raises(RequestShed, match=r"saturation 0.50 >= 0.5"):
@@ -156,7 +156,7 @@ def test_admission_config_defaults_and_aliases() -> None:
         "kvCacheUtilThreshold": 0.8,
         "metricsStalenessMs": 200,
         "sheddableSaturationLevel": 1.0,
-        "standardOverloadLevel": 5.0,
+        "standardOverloadLevel": 8.0,
         "countUnseen": True,
         "allStalePolicy": "admit",
     }

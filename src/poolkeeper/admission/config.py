@@ -41,10 +41,10 @@ class AdmissionConfig(BaseModel):
         "Default 1.0 (the average endpoint is at its thresholds).",
     )
     standard_overload_level: float | None = Field(
-        default=5.0,
+        default=8.0,
         gt=0,
         description="Pool saturation at or above which Standard requests are shed too. "
-        "Default 5.0: the average endpoint holds five times `queueDepthThreshold` waiting "
+        "Default 8.0: the average endpoint holds eight times `queueDepthThreshold` waiting "
         "requests (KV alone tops out at 1/0.8 = 1.25, so only queues reach it): real "
         "overload, where shedding raises goodput instead of lowering it. null = never shed "
         "Standard.",

@@ -1,7 +1,7 @@
 """AdmissionController: admit or shed one request by criticality and pool saturation.
 
     Critical   always admitted (it queues on the model servers, never shed here)
-    Standard   shed only when saturation >= standardOverloadLevel (default 2.0)
+    Standard   shed only when saturation >= standardOverloadLevel (default 8.0)
     Sheddable  shed when saturation >= sheddableSaturationLevel (default 1.0)
 
 An empty pool is not shedding: the controller admits, and the scheduler answers 503

@@ -12,6 +12,9 @@ plus the simulator's CPU use and the driver's delivery lag. Not a test: run it b
 the table into docs/benchmarks.md (## Simulator capacity).
 
     .venv/bin/python benchmarks/sim_capacity.py --servers 16 --streams 250,500,1000 --duration 20
+
+`--virtual` instead times the virtual-time fleet (no sockets): `--servers` engines, Poisson
+arrivals at `--rate` requests/s for `--duration` virtual seconds, routed at random.
 """
 
 from __future__ import annotations
@@ -246,6 +249,38 @@ async def measure(args: argparse.Namespace, streams: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def run_virtual(args: argparse.Namespace) -> None:
+    import random
+
+    from poolkeeper.sim.params import EngineConfig
+    from poolkeeper.sim.virtual import Arrival, VirtualFleet
+
+    rng = random.Random(0)
+    prefixes = [f"system prompt {i} " * 40 for i in range(50)]
+
+    def arrivals() -> Any:
+        t, i = 0.0, 0
+        while True:
+            t += rng.expovariate(args.rate)
+            if t >= args.duration:
+                return
+            i += 1
+            prompt = rng.choice(prefixes) + f"question {i} " * 10
+            yield Arrival(t, f"r{i}", MODEL, prompt, max_tokens=rng.randint(50, 300))
+
+    fleet = VirtualFleet([EngineConfig()] * args.servers, seed=1)
+    started = time.perf_counter()
+    result = fleet.run(arrivals(), lambda a, states, now: rng.randrange(len(states)))
+    wall = time.perf_counter() - started
+    summary = result.summary()
+    tokens = sum(r.completion_tokens for r in result.requests)
+    print(
+        f"| {args.servers} | {args.rate:g} | {args.duration:g} | {len(result.requests)} | "
+        f"{tokens} | {wall:.1f} | {args.duration / wall:.1f} | {summary['ttft_p50'] * 1000:.1f} | "
+        f"{summary['e2e_p50']:.2f} |"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--servers", type=int, default=16)
@@ -261,7 +296,15 @@ def main() -> int:
         action="store_true",
         help="pin the simulator to CPU 0 and the clients to the others (on a quiet machine)",
     )
+    parser.add_argument("--virtual", action="store_true", help="time the virtual-time fleet")
+    parser.add_argument("--rate", type=float, default=500.0, help="--virtual: requests/s")
     args = parser.parse_args()
+    if args.virtual:
+        print("| servers | req/s | virtual s | requests | output tokens | wall s | "
+              "virtual s per wall s | TTFT p50 ms | e2e p50 s |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
+        run_virtual(args)
+        return 0
     machine = f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     print(
         f"# {machine}; {args.servers} servers, time-scale {args.time_scale}, "

@@ -36,9 +36,8 @@ def consecutive_free_ports(n: int) -> int:
 
 
 async def start_sim(*args: str) -> asyncio.subprocess.Process:
-    # The sim command's own entry point (the same handler `poolkeeper sim` dispatches to).
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "poolkeeper.cli.sim", *args,
+        sys.executable, "-m", "poolkeeper", "sim", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
 

@@ -411,14 +411,21 @@ class EngineModel:
         """Give each running request its next chunk; preempt from the tail when KV is full."""
         running = self.running
         preempted = False
+        bs = self.config.block_size
         i = 0
         while i < len(running):
             request = running[i]
-            n = min(request.num_tokens - request.num_computed, budget)
+            n = min(request.prompt_tokens + request.output_tokens - request.num_computed, budget)
             if n <= 0:
                 i += 1
                 continue
-            while not self._grow(request, request.num_computed + n):
+            upto = request.num_computed + n
+            if upto <= (len(request.held_hashed) + request.held_private) * bs:
+                scheduled.append((request, n))  # its blocks already cover this step
+                budget -= n
+                i += 1
+                continue
+            while not self._grow(request, upto):
                 victim = running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -567,25 +574,27 @@ class EngineModel:
         tokens: list[SimRequest] = []
         finished: list[SimRequest] = []
         itl_hist = counters.itl
+        running_status = RequestStatus.RUNNING
         for request, n in step.scheduled:
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # cancelled during the step
-            request.num_computed += n
-            if request.num_computed < request.num_tokens:
+            computed = request.num_computed + n
+            request.num_computed = computed
+            if computed < request.prompt_tokens + request.output_tokens:
                 continue  # a prefill chunk that did not reach the end of the sequence
             request.output_tokens += 1
-            counters.generation_tokens += 1
-            if request.first_token_time is None:
+            last = request.last_token_time
+            if last is None:
                 request.first_token_time = end
                 counters.ttft.observe(end - request.arrival)
             else:
-                assert request.last_token_time is not None
-                itl_hist.observe(end - request.last_token_time)
+                itl_hist.observe(end - last)
             request.last_token_time = end
             tokens.append(request)
             if request.output_tokens >= request.max_tokens:
                 self._finish(request, end)
                 finished.append(request)
+        counters.generation_tokens += len(tokens)
         if finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return StepOutcome(end, tokens, finished)

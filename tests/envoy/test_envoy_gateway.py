@@ -297,3 +297,17 @@ async def test_sse_events_arrive_as_they_are_produced(
         # The second event comes 0.6 s after the first: the first must not wait for it.
         assert first_after < 0.4, (first_after, total)
         assert total >= 0.5
+
+
+async def test_edge_limits_on_headers(tmp_path: Path) -> None:
+    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+        for bad in ({"x-big": "a" * 70_000}, {"x_under_score": "1"}):
+            # Over max_request_headers_kb (60) / an underscore (REJECT_REQUEST): Envoy's HTTP/1
+            # codec refuses the request (a 4xx, or for these codec errors a closed connection).
+            try:
+                status, _, _ = await _post(r.url, {"model": "m"}, bad)
+            except aiohttp.ServerDisconnectedError:
+                status = 0
+            assert status == 0 or 400 <= status < 500
+        assert all(not b.seen for b in r.backends)
+        assert r.router.completed == []

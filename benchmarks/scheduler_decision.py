@@ -9,12 +9,13 @@ unseen in-flight requests, and GC stays on (as in production). Two timings per s
 - `schedule CPU`: the same, in thread CPU time (`time.thread_time_ns`), which leaves out the
   time the OS gave the core to other processes: on a shared 2-core machine the wall-clock p99
   is mostly preemption, the CPU p99 is what the code costs;
-- `decision path`: `InflightTracker.apply` over the pool + `schedule` + `InflightTracker.start`,
-  i.e. what the EPP spends per request on endpoint picking.
+- `decision path`: `InflightTracker.apply` over the pool + `AdmissionController.decide` +
+  `schedule` + `InflightTracker.start`, i.e. what the EPP spends per request on admission and
+  endpoint picking.
 
 Not a test: run it by hand and copy the table into docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/scheduler_decision.py [--preset default] [--decisions 3000] [--repeat 3]
+    .venv/bin/python benchmarks/scheduler_decision.py [--preset NAME]... [--repeat 3]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import random
 import statistics
 import time
 
+from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.presets import PRESETS, preset_config
@@ -70,6 +72,7 @@ def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str
     now = 1000.0
     scheduler = build_scheduler(preset_config(preset), rng=random.Random(seed))
     tracker = InflightTracker()
+    admission = AdmissionController()
     pool = make_pool(rng, n, now)
     systems = [text(rng, rng.randint(1500, 5000)) for _ in range(64)]
     tails = [text(rng, rng.randint(500, 3000)) for _ in range(256)]
@@ -87,6 +90,7 @@ def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str
         now += 0.001
         t0 = time.perf_counter_ns()
         states = tracker.apply(pool)
+        admission.decide(req, states, now=now)
         t1 = time.perf_counter_ns()
         c1 = time.thread_time_ns()
         result = scheduler.schedule(req, states, now=now)

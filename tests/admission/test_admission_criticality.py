@@ -72,6 +72,16 @@ def test_is_saturated_threshold_and_all_stale_policy() -> None:
     assert not d.is_saturated(SATURATED, NOW, level=8.0)
 
 
+def test_stale_count_and_broken_kv_values() -> None:
+    d = SaturationDetector()
+    report = d.assess([ep(1, waiting=5), ep(2, age=1.0)], NOW)  # fresh at exactly 1.0, stale
+    assert (report.saturation, report.endpoints, report.stale) == (1.0, 2, 1)
+    assert not report.all_stale
+    assert d.saturation([ep(1, kv=float("nan"))], NOW) == pytest.approx(1.25)  # unknown = full
+    assert d.saturation([ep(1, kv=-3.0)], NOW) == 0.0
+    assert d.endpoint_saturation(ep(1, waiting=10), NOW) == pytest.approx(2.0)
+
+
 def test_custom_thresholds_and_staleness() -> None:
     cfg = AdmissionConfig.model_validate(
         {"queueDepthThreshold": 10, "kvCacheUtilThreshold": 0.5, "metricsStalenessMs": 1000}

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolkeeper.admission.config import AdmissionConfig
-from poolkeeper.scheduling.load import effective_kv, effective_waiting
+from poolkeeper.scheduling.load import effective_kv
 from poolkeeper.scheduling.types import EndpointState
 
 
@@ -43,21 +43,41 @@ class SaturationDetector:
         self.config = config if config is not None else AdmissionConfig()
 
     def endpoint_saturation(self, state: EndpointState, now: float) -> float:
-        c = self.config
-        if state.age(now) > c.staleness_s:
-            return 1.0
-        q = effective_waiting(state, c.count_unseen) / c.queue_depth_threshold
-        kv = effective_kv(state, c.count_unseen) / c.kv_cache_util_threshold
-        return q if q > kv else kv
+        """One endpoint's saturation (1.0 if its metrics are stale)."""
+        return self._per_endpoint([state], now)[0][0]
 
     def assess(self, states: Sequence[EndpointState], now: float) -> SaturationReport:
         """The report; with no endpoints, saturation 1.0 (nothing can take a request)."""
         if not states:
             return SaturationReport(1.0, 0, 0)
-        staleness = self.config.staleness_s
-        stale = sum(1 for s in states if s.age(now) > staleness)
-        total = sum(self.endpoint_saturation(s, now) for s in states)
-        return SaturationReport(total / len(states), len(states), stale)
+        values, stale = self._per_endpoint(states, now)
+        return SaturationReport(sum(values) / len(values), len(values), stale)
+
+    def _per_endpoint(self, states: Sequence[EndpointState], now: float) -> tuple[list[float], int]:
+        """Per-endpoint saturations (stale = 1.0) and how many were stale."""
+        # One inlined loop: admission runs for every non-critical request, over the whole pool.
+        c = self.config
+        fresh_since = now - c.staleness_s
+        q_t, kv_t, cu = c.queue_depth_threshold, c.kv_cache_util_threshold, c.count_unseen
+        out: list[float] = []
+        append = out.append
+        stale = 0
+        for s in states:
+            m = s.metrics
+            u = m.updated_at
+            if u <= 0.0 or u < fresh_since:
+                append(1.0)
+                stale += 1
+                continue
+            q = (m.waiting + s.unseen_requests if cu else m.waiting) / q_t
+            kv = m.kv_cache_usage
+            if cu and s.unseen_tokens:
+                kv = effective_kv(s)
+            elif not 0.0 <= kv <= 1.0:
+                kv = 0.0 if kv < 0.0 else 1.0  # out of range, or NaN (unknown: full)
+            kv /= kv_t
+            append(q if q > kv else kv)
+        return out, stale
 
     def saturation(self, states: Sequence[EndpointState], now: float) -> float:
         """Pool saturation as upstream defines it (stale endpoints count 1.0; empty = 1.0)."""

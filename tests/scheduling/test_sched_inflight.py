@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+from hypothesis import given, settings, strategies as st
 from sched_factories import key, request, scheduler, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.scheduling.inflight import InflightTracker
@@ -114,3 +115,46 @@ def test_equal_pool_burst_is_even_with_tracking() -> None:
     pool = [state(i, updated_at=99.99) for i in range(1, 5)]
     picks = burst("default", pool, 12, track=True)
     assert sorted(picks.values()) == [3, 3, 3, 3]
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["start", "finish", "scrape"]),
+        st.integers(0, 7),  # request id
+        st.integers(1, 3),  # endpoint
+        st.integers(0, 50),  # tokens
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS)
+def test_apply_matches_a_naive_recount(ops: list[tuple[str, int, int, int]]) -> None:
+    """Whatever the order of starts, finishes and scrapes, `apply` (with its cache) gives the
+    counts a from-scratch recount gives."""
+    tracker = InflightTracker()
+    live: dict[str, tuple[int, int, float]] = {}  # id -> (endpoint, tokens, started)
+    scraped = {1: 0.5, 2: 0.5, 3: 0.5}
+    # Snapshots are replaced only by a scrape, so `apply`'s per-endpoint cache gets hits.
+    pool = [state(i, updated_at=scraped[i]) for i in (1, 2, 3)]
+    now = 1.0
+    for op, rid, ep, tokens in ops:
+        now += 0.01
+        if op == "start":
+            tracker.start(f"r{rid}", key(ep), tokens, now)
+            live[f"r{rid}"] = (ep, tokens, now)
+        elif op == "finish":
+            assert tracker.finish(f"r{rid}") == (f"r{rid}" in live)
+            live.pop(f"r{rid}", None)
+        else:
+            scraped[ep] = now
+            pool[ep - 1] = state(ep, updated_at=now)
+        for got in tracker.apply(pool):
+            i = int(got.endpoint.name.removeprefix("pod"))
+            mine = [(t, s) for e, t, s in live.values() if e == i]
+            unseen = [(t, s) for t, s in mine if s > scraped[i]]
+            assert got.inflight_requests == len(mine)
+            assert got.inflight_tokens == sum(t for t, _ in mine)
+            assert got.unseen_requests == len(unseen)
+            assert got.unseen_tokens == sum(t for t, _ in unseen)

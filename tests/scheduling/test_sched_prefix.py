@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import xxhash
+from hypothesis import given, settings, strategies as st
 from sched_factories import cycle, key, plugin, request, scheduler, scores_of, single, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.scheduling.interfaces import ProfileResult
@@ -114,3 +115,49 @@ def test_scheduler_sticks_to_the_endpoint_holding_the_prefix() -> None:
         for n in range(40)
     }
     assert len(cold) >= 5
+
+
+INDEX_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "insert", "forget"]),
+        st.sampled_from(["e1", "e2", "e3"]),
+        st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=INDEX_OPS, capacity=st.integers(1, 6), probe=st.lists(st.integers(0, 9), max_size=6))
+def test_index_matches_a_naive_model(
+    ops: list[tuple[str, str, list[int]]], capacity: int, probe: list[int]
+) -> None:
+    """The index (single holders stored as strings, sets otherwise) behaves like per-endpoint
+    LRU lists with tail-first insertion and consecutive-prefix matching."""
+    idx = PrefixIndex(capacity)
+    naive: dict[str, list[int]] = {}  # most recent last
+    for op, endpoint, hashes in ops:
+        if op == "insert":
+            lru = naive.setdefault(endpoint, [])
+            for h in reversed(hashes):
+                if h in lru:
+                    lru.remove(h)
+                lru.append(h)
+            del lru[: max(0, len(lru) - capacity)]
+            idx.insert(endpoint, hashes)
+        else:
+            naive.pop(endpoint, None)
+            idx.forget_endpoints(set(naive))
+    want: dict[str, int] = {}
+    for endpoint, lru in naive.items():
+        depth = 0
+        for h in probe:
+            if h not in lru:
+                break
+            depth += 1
+        if depth:
+            want[endpoint] = depth
+    assert idx.match(probe) == want
+    assert idx.size == sum(len(lru) for lru in naive.values())
+    for h in range(10):
+        assert idx.holders(h) == {e for e, lru in naive.items() if h in lru}

@@ -50,3 +50,20 @@ async def test_client_hanging_up_cancels_the_request(sim_cluster: StartCluster) 
     assert engine.stats().running == 0
     assert engine.counters.finished["abort"] == 1
     assert engine.kv.referenced == 0
+
+
+async def test_non_streaming_client_leaving_aborts_the_request(sim_cluster: StartCluster) -> None:
+    cluster, (where,) = await sim_cluster(1)
+    engine = cluster.servers[0].engine
+    body = {"model": DEFAULT_MODEL, "prompt": "x", "max_tokens": 5000}
+    timeout = aiohttp.ClientTimeout(total=0.2)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        with pytest.raises(TimeoutError):
+            await http.post(f"{where.url}/v1/completions", json=body)
+    assert engine.stats().running == 1
+    for _ in range(100):
+        if engine.stats().running == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.stats().running == 0
+    assert engine.counters.finished["abort"] == 1

@@ -159,7 +159,14 @@ class SimServer:
                 )
                 return await self._stream(http, waiter, writer, faults)
             while not sim_request.done:
-                await waiter.wait()
+                try:
+                    async with asyncio.timeout(0.5):
+                        await waiter.wait()
+                except TimeoutError:
+                    transport = http.transport
+                    if transport is None or transport.is_closing():
+                        # The client left (vLLM aborts such requests too); `finally` cancels.
+                        return web.Response(status=499)
             if faults.cut_after is not None:
                 _cut(http)
                 return web.Response(status=500)

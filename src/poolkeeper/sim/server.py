@@ -19,35 +19,31 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
-from poolkeeper.sim.config import FaultSettings, ServerSpec
+from poolkeeper.sim.admin import AdminEndpoints, json_error
+from poolkeeper.sim.config import ServerSpec
+from poolkeeper.sim.direct_stream import DirectStream, usage_of
 from poolkeeper.sim.driver import RealtimeDriver, TokenWaiter
-from poolkeeper.sim.engine import EngineModel, InvalidRequestError, SimRequest, UnknownModelError
+from poolkeeper.sim.engine import EngineModel, InvalidRequestError, UnknownModelError
 from poolkeeper.sim.faults import (
     FAULT_HEADER,
-    GARBAGE_METRICS,
     FaultConfig,
     FaultSpecError,
     RequestFaults,
     decide_faults,
 )
-from poolkeeper.sim.metrics_text import LoraInfoSeries, render_metrics
+from poolkeeper.sim.metrics_text import LoraInfoSeries
 from poolkeeper.sim.openai_format import (
     BadRequestBody,
     ChunkWriter,
-    error_body,
     full_response,
     parse_request,
-    usage_dict,
 )
 from poolkeeper.sim.textgen import stream_seed, text_between
 
@@ -55,12 +51,8 @@ SERVER_HEADER = "x-sim-server"
 PORT_HEADER = "x-sim-server-port"
 
 
-def _json_error(message: str, status: int, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, status=status, param=param), status=status)
-
-
 @dataclass(slots=True)
-class SimServer:
+class SimServer(AdminEndpoints):
     """One simulated model server: its engine, faults and HTTP handlers."""
 
     index: int
@@ -73,10 +65,6 @@ class SimServer:
     rng: random.Random = field(default_factory=random.Random)
     ids: itertools.count[int] = field(default_factory=itertools.count)
     started: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -118,15 +106,15 @@ class SimServer:
         try:
             faults = decide_faults(self.faults, http.headers.get(FAULT_HEADER), self.rng)
         except FaultSpecError as exc:
-            return _json_error(str(exc), 400)
+            return json_error(str(exc), 400)
         if faults.status is not None:
-            return _json_error(f"Injected fault: HTTP {faults.status}.", faults.status)
+            return json_error(f"Injected fault: HTTP {faults.status}.", faults.status)
         if faults.latency_s:
             await asyncio.sleep(faults.latency_s)
         try:
             parsed = parse_request(await http.read(), chat=chat)
         except BadRequestBody as exc:
-            return _json_error(str(exc), 400)
+            return json_error(str(exc), 400)
         engine = self.engine
         request_id = f"{self.name}-{next(self.ids)}"
         try:
@@ -139,9 +127,9 @@ class SimServer:
                 prompt_tokens=parsed.prompt_tokens,
             )
         except UnknownModelError as exc:
-            return _json_error(str(exc), 404, "model")
+            return json_error(str(exc), 404, "model")
         except InvalidRequestError as exc:
-            return _json_error(str(exc), 400)
+            return json_error(str(exc), 400)
         waiter = TokenWaiter(sim_request, stream=parsed.stream)
         self.driver.submit(self.index, sim_request, waiter)
         response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -178,7 +166,7 @@ class SimServer:
                 model=parsed.model,
                 text=text_between(seed, 0, sim_request.output_tokens),
                 finish_reason=sim_request.finish_reason,
-                usage=_usage(sim_request),
+                usage=usage_of(sim_request),
             )
             return web.json_response(body)
         finally:
@@ -204,7 +192,7 @@ class SimServer:
             events += 1
             await response.write(writer.role().encode())
         sent = 0
-        direct: _DirectStream | None = None
+        direct: DirectStream | None = None
         while True:
             if cut_after is not None and events >= cut_after:
                 _cut(http)
@@ -225,7 +213,7 @@ class SimServer:
                 # Headers and the first event are out: from here on the driver writes each
                 # step's tokens straight to the socket, framed as HTTP chunks.
                 interval = self.engine.config.stream_interval
-                direct = _DirectStream(transport, waiter, writer, seed, sent, interval)
+                direct = DirectStream(transport, waiter, writer, seed, sent, interval)
                 waiter.pusher = direct.push
             await waiter.wait()
             if direct is not None:
@@ -238,224 +226,10 @@ class SimServer:
                     return response
         tail = ""
         if writer.include_usage:
-            tail = writer.usage(_usage(request))
+            tail = writer.usage(usage_of(request))
         await response.write((tail + writer.done()).encode())
         await response.write_eof()
         return response
-
-    # -- models and adapters --------------------------------------------------------------
-
-    async def models(self, request: web.Request) -> web.Response:
-        config = self.engine.config
-        data: list[dict[str, Any]] = [
-            {
-                "id": config.model,
-                "object": "model",
-                "created": self.started,
-                "owned_by": "vllm",
-                "root": config.model,
-                "parent": None,
-                "max_model_len": config.effective_max_model_len,
-            }
-        ]
-        for name, path in self.engine.adapters.items():
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": self.started,
-                    "owned_by": "vllm",
-                    "root": path,
-                    "parent": config.model,
-                    "max_model_len": config.effective_max_model_len,
-                }
-            )
-        return web.json_response({"object": "list", "data": data})
-
-    async def load_lora(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            return _json_error("Both 'lora_name' and 'lora_path' must be provided.", 400)
-        if name in self.engine.adapters:
-            return _json_error(f"The lora adapter '{name}' has already been loaded.", 400)
-        self.engine.register_adapter(name, path)
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-
-    async def unload_lora(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        name = body.get("lora_name")
-        if not isinstance(name, str) or name not in self.engine.adapters:
-            return _json_error(f"The lora adapter '{name}' cannot be found.", 404)
-        self.engine.unregister_adapter(name)
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-
-    # -- observability --------------------------------------------------------------------
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        mode = self.faults.metrics
-        header = request.headers.get(FAULT_HEADER)
-        if header:
-            try:
-                mode = decide_faults(FaultConfig(), header, self.rng).metrics
-            except FaultSpecError as exc:
-                return _json_error(str(exc), 400)
-        if mode == "garbage":
-            return web.Response(text=GARBAGE_METRICS, content_type="text/plain")
-        if mode == "slow":
-            await asyncio.sleep(self.faults.metrics_delay_s)
-        stats = self.engine.stats()
-        self.lora_series.record(stats, time.time())
-        text = render_metrics(
-            model=self.engine.config.model,
-            stats=stats,
-            counters=self.engine.counters,
-            lora_series=self.lora_series,
-            enable_prefix_caching=self.engine.config.enable_prefix_caching,
-        )
-        return web.Response(
-            body=text.encode(), headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"}
-        )
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        config = self.engine.config
-        return web.json_response(
-            {
-                "model_path": config.model,
-                "tokenizer_path": config.model,
-                "served_model_name": config.model,
-                "max_num_seqs": config.max_num_seqs,
-                "max_total_num_tokens": config.kv_capacity_tokens,
-                "context_length": config.effective_max_model_len,
-                "page_size": config.block_size,
-                "version": "poolkeeper-sim",
-            }
-        )
-
-    async def model_info(self, request: web.Request) -> web.Response:
-        config = self.engine.config
-        return web.json_response(
-            {"model_path": config.model, "tokenizer_path": config.model, "is_generation": True}
-        )
-
-    async def get_load(self, request: web.Request) -> web.Response:
-        stats = self.engine.stats()
-        used = round(stats.kv_cache_usage * stats.num_gpu_blocks * stats.block_size)
-        return web.json_response(
-            [
-                {
-                    "dp_rank": 0,
-                    "num_reqs": stats.running + stats.waiting,
-                    "num_waiting_reqs": stats.waiting,
-                    "num_tokens": used,
-                }
-            ]
-        )
-
-    async def sim_stats(self, request: web.Request) -> web.Response:
-        c = self.engine.counters
-        stats = self.engine.stats()
-        return web.json_response(
-            {
-                "name": self.name,
-                "waiting": stats.waiting,
-                "running": stats.running,
-                "kv_cache_usage": stats.kv_cache_usage,
-                "steps": c.steps,
-                "busy_time": c.busy_time,
-                "preemptions": c.preemptions,
-                "lora_loads": c.lora_loads,
-                "prefix_queries": c.prefix_queries,
-                "prefix_hits": c.prefix_hits,
-                "generation_tokens": c.generation_tokens,
-                "finished": dict(c.finished),
-                "ttft": {"count": c.ttft.count, "sum": c.ttft.sum},
-                "itl": {"count": c.itl.count, "sum": c.itl.sum},
-                "e2e": {"count": c.e2e.count, "sum": c.e2e.sum},
-                "driver_lag_max": self.driver.lag_max,
-                "driver_lag_sum": self.driver.lag_sum,
-                "driver_steps": self.driver.steps_delivered,
-                "driver_lag_mean": self.driver.lag_sum / max(1, self.driver.steps_delivered),
-            }
-        )
-
-    async def get_faults(self, request: web.Request) -> web.Response:
-        return web.json_response(FaultSettings(**_fault_fields(self.faults)).model_dump())
-
-    async def set_faults(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        try:
-            settings = FaultSettings.model_validate(body)
-        except ValidationError as exc:
-            return _json_error(str(exc).replace("\n", " "), 400)
-        self.faults = settings.to_fault_config()
-        return web.json_response(settings.model_dump())
-
-
-class _DirectStream:
-    """Writes a stream's tokens from the driver, synchronously, as HTTP/1.1 chunks."""
-
-    __slots__ = (
-        "broken", "finished", "interval", "seed", "sent", "transport", "waiter", "writer"
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        transport: asyncio.BaseTransport,
-        waiter: TokenWaiter,
-        writer: ChunkWriter,
-        seed: int,
-        sent: int,
-        interval: int = 1,
-    ) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        self.interval = interval
-        self.transport: asyncio.WriteTransport = transport
-        self.waiter = waiter
-        self.writer = writer
-        self.seed = seed
-        self.sent = sent
-        self.broken = False
-        self.finished = False
-
-    def push(self) -> None:
-        if self.broken or self.finished:
-            return
-        if self.transport.is_closing():
-            self.broken = True
-            self.waiter.notify()
-            return
-        request = self.waiter.request
-        produced = request.output_tokens
-        done = request.done
-        if not done and produced - self.sent < self.interval:
-            return  # batch tokens per event (--stream-interval); the last one always goes
-        text = ""
-        if produced > self.sent:
-            reason = request.finish_reason if done else None
-            text = self.writer.text(text_between(self.seed, self.sent, produced), reason)
-            self.sent = produced
-        if done:
-            if self.writer.include_usage:
-                text += self.writer.usage(_usage(request))
-            text += self.writer.done()
-        if text:
-            data = text.encode()
-            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        if done:
-            self.finished = True
-            self.waiter.notify()
-
-
-def _fault_fields(faults: FaultConfig) -> dict[str, Any]:
-    return {name: getattr(faults, name) for name in FaultConfig.__slots__}
-
-
-def _usage(request: SimRequest) -> dict[str, Any]:
-    return usage_dict(request.prompt_tokens, request.output_tokens, request.cached_tokens)
 
 
 def _cut(http: web.Request) -> None:
@@ -463,22 +237,6 @@ def _cut(http: web.Request) -> None:
     transport = http.transport
     if transport is not None:
         transport.abort()
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.read() or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise web.HTTPBadRequest(
-            text=json.dumps(error_body("The request body is not valid JSON.", status=400)),
-            content_type="application/json",
-        ) from None
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(
-            text=json.dumps(error_body("The request body must be a JSON object.", status=400)),
-            content_type="application/json",
-        )
-    return body
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,6 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.sim.config import ServerSpec
@@ -58,6 +57,7 @@ from poolkeeper.sim.engine import (
     UnknownModelError,
 )
 from poolkeeper.sim.params import EngineConfig
+from poolkeeper.sim.stats import EngineCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,7 @@ class RequestResult:
 class ServerResult:
     name: str
     routed: int
-    counters: Any  # sim.stats.EngineCounters
+    counters: EngineCounters
 
 
 def _percentile(values: list[float], q: float) -> float:

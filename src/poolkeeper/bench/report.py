@@ -20,8 +20,23 @@ from typing import Any
 from poolkeeper.bench.metrics import percentile
 
 
+def git_commit() -> str:
+    """HEAD of the source tree the benchmark ran from, "+dirty" if src/ had local changes."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=False).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], capture_output=True,
+                               text=True, timeout=10, check=False).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
 def machine_info() -> dict[str, Any]:
     return {
+        "git_commit": git_commit(),
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "system": platform.system(),
@@ -205,4 +220,22 @@ def criticality_table(sweep: Mapping[str, Any], load: float) -> str:
                 f"| {r['policy']} | {crit} | {c['requests']} | {c['completed']} | {c['shed']} "
                 f"| {_fmt(_num(c['goodput_rps']))} | {_fmt(_num(c['ttft_p90_s']))} |"
             )
+    return "\n".join(lines)
+
+
+def matrix_table(sweep: Mapping[str, Any], metric: str) -> str:
+    """Policies x loads for one figure: `goodput` (req/s) or `ttft_p90` (s)."""
+    runs: list[Mapping[str, Any]] = list(sweep.get("runs", []))
+    loads = sorted({float(r["load"]) for r in runs})
+    policies = list(dict.fromkeys(str(r["policy"]) for r in runs))
+    cell: dict[tuple[str, float], float] = {}
+    for r in runs:
+        s = r["summary"]
+        value = s["goodput_rps"] if metric == "goodput" else s["ttft_s"]["p90"]
+        cell[(str(r["policy"]), float(r["load"]))] = _num(value)
+    head = "| policy | " + " | ".join(f"{x:g}x" for x in loads) + " |"
+    lines = [head, "|---|" + "---|" * len(loads)]
+    for p in policies:
+        values = [cell.get((p, x), math.nan) for x in loads]
+        lines.append(f"| {p} | " + " | ".join(_fmt(v) for v in values) + " |")
     return "\n".join(lines)

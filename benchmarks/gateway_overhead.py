@@ -8,6 +8,10 @@ process (EPP + supervised Envoy) in front of it, all on 127.0.0.1. Then:
    1/rate seconds. Reported: p50 and p99 of each path, and of the per-pair difference.
 2. EPP throughput: closed-loop clients (16 in flight) through the gateway for a few seconds;
    requests completed divided by the CPU seconds the EPP process used = requests/s per core.
+3. The ext_proc layer alone: the same message pattern Envoy sends for one request (request
+   headers + body, response headers, two response body chunks) from a gRPC client to the
+   ext_proc server with a trivial router in a child process: requests per server CPU-second,
+   i.e. the protocol's share of the EPP's cost.
 
 Bounded (rates x duration, then a fixed closed-loop window) and local only. Not a test: run it
 by hand and copy the printed Markdown into docs/benchmarks.md (## Gateway overhead).
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import socket
@@ -27,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -162,6 +168,121 @@ async def closed_loop(gateway: str, epp_pid: int, seconds: float, clients: int) 
     }  # fmt: skip
 
 
+class _TrivialRouter:
+    """Always the same endpoint; no parsing: isolates the ext_proc layer's own cost."""
+
+    async def route(self, request: Any) -> Any:
+        from poolkeeper.requestcontrol.types import RoutingDecision
+
+        return RoutingDecision(request.request_id, ("127.0.0.1:1",), "default/p", "m", "m")
+
+    def complete(
+        self, decision: Any, *, status: int, usage: Any, served_endpoint: Any = None
+    ) -> None:
+        pass
+
+    def served(self, decision: Any, endpoint: str) -> None:
+        pass
+
+    def model_names(self) -> list[str]:
+        return ["m"]
+
+    def ready(self) -> bool:
+        return True
+
+
+def _protocol_server(port_queue: Any) -> None:
+    from poolkeeper.extproc.server import ExtProcServicer, build_server
+
+    async def run() -> None:
+        server, port = build_server(ExtProcServicer(_TrivialRouter()), "127.0.0.1:0")
+        await server.start()
+        port_queue.put(port)
+        await asyncio.sleep(3600)
+
+    asyncio.run(run())
+
+
+async def _protocol_client(port: int, n: int, concurrency: int) -> None:
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+    from envoy.service.ext_proc.v3 import (
+        external_processor_pb2 as pb,
+        external_processor_pb2_grpc as pb_grpc,
+    )
+
+    def headers(values: dict[str, str], *, response: bool = False) -> Any:
+        hs = pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()
+                ]
+            )
+        )
+        if response:
+            return pb.ProcessingRequest(response_headers=hs)
+        req = pb.ProcessingRequest(request_headers=hs)
+        req.protocol_config.request_body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+        req.protocol_config.response_body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+        return req
+
+    def body(data: bytes, eos: bool, *, response: bool = False) -> Any:
+        b = pb.HttpBody(body=data, end_of_stream=eos)
+        return (
+            pb.ProcessingRequest(response_body=b)
+            if response
+            else pb.ProcessingRequest(request_body=b)
+        )
+
+    request_headers = headers({":method": "POST", ":path": "/v1/chat/completions"})
+    request_body = body(json.dumps(BODY).encode(), True)
+    response_headers = headers(
+        {":status": "200", "content-type": "application/json"}, response=True
+    )
+    usage = json.dumps({"usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+    semaphore = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+
+        async def one() -> None:
+            async with semaphore:
+                call = stub.Process()
+                await call.write(request_headers)
+                await call.write(request_body)
+                await call.read()
+                await call.read()
+                await call.write(response_headers)
+                await call.read()
+                await call.write(body(usage, False, response=True))
+                await call.read()
+                await call.write(body(b"", True, response=True))
+                await call.read()
+                await call.done_writing()
+                await call.read()
+
+        await asyncio.gather(*(one() for _ in range(n)))
+
+
+def protocol_only(n: int = 3000, concurrency: int = 16) -> float:
+    """Requests per CPU-second of an ext_proc server with a trivial router."""
+    import multiprocessing
+
+    queue: Any = multiprocessing.Queue()
+    child = multiprocessing.Process(target=_protocol_server, args=(queue,), daemon=True)
+    child.start()
+    try:
+        port = queue.get(timeout=30)
+        asyncio.run(_protocol_client(port, 300, concurrency))  # warm-up
+        assert child.pid is not None
+        cpu0 = cpu_seconds(child.pid)
+        asyncio.run(_protocol_client(port, n, concurrency))
+        return n / (cpu_seconds(child.pid) - cpu0)
+    finally:
+        child.kill()
+        child.join(5)
+
+
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "poolkeeper", *args],
@@ -171,7 +292,7 @@ def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     )
 
 
-async def main() -> int:
+async def main(protocol_rate: float) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="10,50,100", help="request rates (pairs/s)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
@@ -232,8 +353,13 @@ async def main() -> int:
         f"{loop['epp_cpu_s']:.2f} CPU-s for {loop['requests']:.0f} requests = "
         f"**{loop['per_core']:.0f} requests/s per EPP core**."
     )
+    print(
+        f"The ext_proc layer alone (trivial router, 16 streams): {protocol_rate:.0f} requests "
+        "per server CPU-second."
+    )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    rate = protocol_only()  # before the event loop: it runs its own in a child process
+    sys.exit(asyncio.run(main(rate)))

@@ -428,3 +428,19 @@ async def test_json_response_over_chunks_with_empty_final_chunk(
     assert forwarded == body
     assert router.completed[-1][1:3] == (200, Usage(2, 5))
     call.cancel()
+
+
+async def test_empty_body_message_still_gets_a_body_reply(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    # POST whose body turns out empty: headers without end_of_stream, then an empty final chunk.
+    # Envoy waits for the body in FULL_DUPLEX, so the EPP must answer it (not only the headers).
+    call = envoy.open()
+    await call.write(headers_msg({":method": "POST", ":path": "/x"}, mode=STREAMED))
+    await call.write(body_msg(b"", eos=True))
+    head, body = await _read(call, 2)
+    assert _set_headers(head.request_headers.response.header_mutation)[DEST] == PODS[0]
+    streamed = body.request_body.response.body_mutation.streamed_response
+    assert streamed.end_of_stream
+    assert streamed.body == b""
+    call.cancel()

@@ -79,6 +79,7 @@ class Exchange:
         self.captured = bytearray()
         self.response_bytes = 0
         self.completed = False
+        self.header_only = False  # the request headers carried end_of_stream
 
     # -- dispatch ---------------------------------------------------------------------------
     async def handle(self, request: pb.ProcessingRequest) -> Replies:
@@ -119,6 +120,7 @@ class Exchange:
             self.phase = Phase.DONE
             return [msg.models_reply(self.router.model_names())]
         if headers.end_of_stream:  # header-only request: route now, body-less
+            self.header_only = True
             return await self._route(trailers=False)
         self.phase = Phase.REQUEST_BODY
         if self.request_mode == BUFFERED:
@@ -176,9 +178,8 @@ class Exchange:
 
     def _routing_replies(self, decision: RoutingDecision, *, trailers: bool) -> Replies:
         metadata = msg.destination_metadata(decision.endpoints)
-        header_only = not self.body and decision.body is None
         out_body = bytes(self.body) if decision.body is None else decision.body
-        if header_only:
+        if self.header_only:  # nothing but the headers message to answer
             mutation = msg.routing_headers(decision.endpoints, None, self.spoofed)
             return [msg.request_headers_reply(mutation, clear_route_cache=True, metadata=metadata)]
         if self.request_mode == BUFFERED:

@@ -211,6 +211,46 @@ def test_cache_config_none_reads_as_unknown_and_absent_keeps_previous() -> None:
     assert (m.block_size, m.num_gpu_blocks) == (16, 100)
 
 
+@pytest.mark.parametrize(
+    ("engine", "fixture", "served"),
+    [
+        ("vllm", "vllm_v1.prom", "meta-llama/Llama-3.1-8B-Instruct"),
+        ("vllm", "vllm_v0.prom", "meta-llama/Llama-2-7b-hf"),
+        ("vllm", "vllm_dp.prom", "Qwen/Qwen3-30B-A3B"),  # both engines agree
+        ("sglang", "sglang.prom", "meta-llama/Llama-3.1-8B-Instruct"),
+        ("trtllm-serve", "trtllm_serve.prom", None),  # labelled, but not read for this engine
+        ("triton", "triton_trtllm.prom", None),
+    ],
+)
+def test_served_model_from_the_queue_gauges_model_name(
+    engine: str, fixture: str, served: str | None
+) -> None:
+    assert _read(engine, fixture).served_model == served
+
+
+@pytest.mark.parametrize(
+    ("page", "served"),
+    [
+        # Waiting gauge first; the running gauge only when waiting is absent.
+        ('vllm:num_requests_waiting{model_name="a"} 0\n'
+         'vllm:num_requests_running{model_name="b"} 0\n', "a"),
+        ('vllm:num_requests_running{model_name="b"} 0\nvllm:kv_cache_usage_perc 0\n', "b"),
+        # Two models in one server, a missing label, an empty label: unknown.
+        ('vllm:num_requests_waiting{model_name="a",engine="0"} 0\n'
+         'vllm:num_requests_waiting{model_name="b",engine="1"} 0\n', None),
+        ('vllm:num_requests_waiting{model_name="a",engine="0"} 0\n'
+         'vllm:num_requests_waiting{engine="1"} 0\n', None),
+        ('vllm:num_requests_waiting{model_name=""} 0\n', None),
+        ("vllm:num_requests_waiting 0\n", None),
+        # Neither queue gauge on the page (a partial update): the previous value stays.
+        ("vllm:kv_cache_usage_perc 0.5\n", "prev"),
+    ],
+)  # fmt: skip
+def test_served_model_rules(page: str, served: str | None) -> None:
+    previous = EndpointMetrics(served_model="prev")
+    assert mapping_for("vllm").read(page, previous, 1.0).served_model == served
+
+
 def test_metric_spec_syntax() -> None:
     spec = MetricSpec.parse('nv_trt_llm_request_metrics{request_type=waiting, model="x"}')
     assert spec.family == "nv_trt_llm_request_metrics"

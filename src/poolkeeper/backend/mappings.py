@@ -11,6 +11,7 @@ One `EngineMapping` per engine type (gie.md §4.1), chosen per endpoint by `Endp
     LoRA        vllm:lora_requests_info                  -
     block size  vllm:cache_config_info{block_size}       sglang:cache_config_info{page_size}
     GPU blocks  vllm:cache_config_info{num_gpu_blocks}   sglang:cache_config_info{num_pages}
+    base model  model_name label of waiting/running      model_name label of waiting/running
 
 trtllm-serve reads `trtllm_num_requests_waiting`, `trtllm_num_requests_running`,
 `trtllm_kv_cache_utilization`, `trtllm_kv_cache_tokens_per_block`, `trtllm_kv_cache_max_blocks`.
@@ -35,6 +36,11 @@ Rules (the documented decisions of this module):
   `waiting_lora_adapters` → waiting_adapters, `max_lora` → max_adapters. If every series is
   empty, adapters are empty and max_lora comes from the newest series. An absent family means
   no LoRA: empty sets and 0.
+- Served (base) model (vLLM, SGLang): the `model_name` label of the waiting gauge's series, else
+  the running gauge's (both engines label every metric with it). Series that disagree (several
+  models in one server) or lack the label read as unknown (None); with neither gauge on the
+  page the previous value is kept. Other engines: None. Only labels of families already read
+  are looked at, so this costs the parser nothing.
 """
 
 from __future__ import annotations
@@ -148,6 +154,7 @@ class EngineMapping:
     lora_info: MetricSpec | None = None
     block_size: IntField | None = None
     num_gpu_blocks: IntField | None = None
+    served_model_label: str | None = None  # label naming the base model on the queue gauges
     reader: FamilyFilter = field(init=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -180,6 +187,7 @@ class EngineMapping:
                 "is the endpoint's engine type right?"
             )
         active, waiting_adapters, max_adapters = self._lora(families, notes)
+        served = self._served_model(families, previous.served_model)
         return EndpointMetrics(
             waiting=previous.waiting if waiting is None else max(0, round(waiting)),
             running=previous.running if running is None else max(0, round(running)),
@@ -191,7 +199,26 @@ class EngineMapping:
             num_gpu_blocks=self._int_field(self.num_gpu_blocks, families, previous.num_gpu_blocks),
             updated_at=now,
             error=("partial: " + "; ".join(notes)) if notes else None,
+            served_model=served,
         )
+
+    def _served_model(
+        self, families: Mapping[str, Sequence[Sample]], previous: str | None
+    ) -> str | None:
+        label = self.served_model_label
+        if label is None:
+            return None
+        for spec in (*self.waiting, *self.running):
+            samples = spec.select(families)
+            if not samples:
+                continue
+            names = {s.labels.get(label) for s in samples}
+            # One name on every series, or unknown: a wrong guess would pin a base-model
+            # request's affinity to a server that does not serve it.
+            if len(names) != 1:
+                return None
+            return names.pop() or None  # a missing or empty label is unknown too
+        return previous
 
     @staticmethod
     def _gauge(
@@ -273,6 +300,7 @@ def _builtin() -> dict[str, EngineMapping]:
             lora_info=MetricSpec("vllm:lora_requests_info"),
             block_size=IntField(vllm_cache, "block_size"),
             num_gpu_blocks=IntField(vllm_cache, "num_gpu_blocks"),
+            served_model_label="model_name",
         ),
         "sglang": EngineMapping(
             name="sglang",
@@ -281,6 +309,7 @@ def _builtin() -> dict[str, EngineMapping]:
             kv_usage=_specs("sglang:token_usage"),
             block_size=IntField(sglang_cache, "page_size"),
             num_gpu_blocks=IntField(sglang_cache, "num_pages"),
+            served_model_label="model_name",
         ),
         "trtllm-serve": EngineMapping(
             name="trtllm-serve",

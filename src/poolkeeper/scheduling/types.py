@@ -59,6 +59,9 @@ class EndpointMetrics:
     num_gpu_blocks: int | None = None
     updated_at: float = 0.0  # 0.0 = never scraped successfully
     error: str | None = None  # last scrape error, if the last attempt failed
+    # The base model the server serves (vLLM and SGLang label every metric `model_name=...`);
+    # None if the engine does not say. The base model is always resident, unlike adapters.
+    served_model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

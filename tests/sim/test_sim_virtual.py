@@ -102,6 +102,21 @@ def test_fresh_scrapes_when_interval_is_zero() -> None:
     assert running_seen == [0, 1, 2]
 
 
+def test_scraped_metrics_name_each_servers_base_model() -> None:
+    # What a scraper reads from the `model_name` label, on fresh and on unchanged scrapes.
+    other = replace(BASE, model="other/base-model")
+    seen: list[tuple[str | None, ...]] = []
+
+    def route(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int:
+        seen.append(tuple(s.metrics.served_model for s in states))
+        return 0
+
+    arrivals = [Arrival(0.04 * i, f"r{i}", MODEL, "x" * 400, max_tokens=5) for i in range(8)]
+    VirtualFleet([BASE, other], scrape_interval=0.05).run(arrivals, route)
+    # Server 1 gets no traffic: after its first scrape only the time moves, the name stays.
+    assert seen == [(MODEL, "other/base-model")] * 8
+
+
 def test_rejections_errors_and_on_finish() -> None:
     finished: list[RequestResult] = []
     config = replace(BASE, lora_adapters=("a",))

@@ -228,6 +228,8 @@ class VirtualFleet:
                 block_size=s.block_size,
                 num_gpu_blocks=s.num_gpu_blocks,
                 updated_at=at,
+                # What a scraper reads from the `model_name` label of the simulator's page.
+                served_model=self.engines[i].config.model,
             )
             self._dirty[i] = False
         else:  # unchanged since the last scrape: only the time moves (positional: cheap)
@@ -235,6 +237,7 @@ class VirtualFleet:
             self._metrics[i] = EndpointMetrics(
                 m.waiting, m.running, m.kv_cache_usage, m.active_adapters, m.waiting_adapters,
                 m.max_adapters, m.block_size, m.num_gpu_blocks, at,
+                served_model=m.served_model,
             )  # fmt: skip
         self._unseen[i] = 0
         self._unseen_tokens[i] = 0

@@ -32,6 +32,7 @@ def state(
     inflight_tokens: int = 0,
     num_gpu_blocks: int | None = None,
     block_size: int | None = None,
+    served_model: str | None = None,
 ) -> EndpointState:
     """Endpoint `pod{i}` at 10.0.0.{i}:8000 with the given metrics (fresh by default)."""
     return EndpointState(
@@ -46,6 +47,7 @@ def state(
             updated_at=updated_at,
             num_gpu_blocks=num_gpu_blocks,
             block_size=block_size,
+            served_model=served_model,
         ),
         inflight_requests=max(inflight, unseen),
         inflight_tokens=max(inflight_tokens, unseen_tokens),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from sched_factories import NOW, cycle, key, plugin, request, state  # type: ignore[import-not-found, unused-ignore]
 
@@ -108,6 +110,39 @@ def test_lora_affinity_filter(
     target: str, pool: list[EndpointState], threshold: float, want: list[int]
 ) -> None:
     f = plugin("lora-affinity-filter", {"threshold": threshold})
+    assert keys(f.filter(cycle(), request(target), pool)) == [key(i) for i in want]
+
+
+def served_by(pool: list[EndpointState], *served: str | None) -> list[EndpointState]:
+    """`pool` with endpoint i reporting `served[i]` as its base model."""
+    return [
+        replace(s, metrics=replace(s.metrics, served_model=m))
+        for s, m in zip(pool, served, strict=True)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("target", "served", "threshold", "want"),
+    [
+        # The base model is loaded wherever it is served: every endpoint, whatever the adapters
+        # and whatever the threshold (nothing is in the free-slot group).
+        ("base", ("base",) * 4, 1.0, [1, 2, 3, 4]),
+        ("base", ("base",) * 4, 0.0, [1, 2, 3, 4]),
+        # Adapter requests are unaffected by the served model.
+        ("a", ("base",) * 4, 1.0, [1, 2]),
+        ("a", ("base",) * 4, 0.0, [3]),
+        # Nothing reported: upstream's rule, only the free-slot endpoints.
+        ("base", (None,) * 4, 1.0, [1, 3]),
+        # Per endpoint: only those reporting this base model join the affinity group.
+        ("base", ("other", None, "base", "base"), 1.0, [3, 4]),
+    ],
+    ids=["base", "base-threshold-0", "adapter", "adapter-available", "unreported", "mixed"],
+)
+def test_lora_affinity_filter_counts_the_served_base_model_as_loaded(
+    target: str, served: tuple[str | None, ...], threshold: float, want: list[int]
+) -> None:
+    f = plugin("lora-affinity-filter", {"threshold": threshold})
+    pool = served_by(LORA_POOL, *served)
     assert keys(f.filter(cycle(), request(target), pool)) == [key(i) for i in want]
 
 

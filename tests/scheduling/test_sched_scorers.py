@@ -106,6 +106,45 @@ def test_lora_affinity_scorer_values(endpoint: EndpointState, want: float) -> No
     assert scores_of(plugin("lora-affinity-scorer"), request("a"), [endpoint]) == [want]
 
 
+def lora_pool(served: tuple[str | None, ...]) -> list[EndpointState]:
+    """Five adapter states; `served[i]` is what endpoint i+1 reports as its base model."""
+    s1, s2, s3, s4, s5 = served
+    return [
+        state(1, active=("a",), max_adapters=2, served_model=s1),  # a active, a slot free
+        state(2, active=("b",), max_adapters=2, served_model=s2),  # free slot
+        state(3, active=("b",), queued_adapters=("a",), max_adapters=2, served_model=s3),  # full
+        state(4, active=("b", "c"), max_adapters=2, served_model=s4),  # full
+        state(5, served_model=s5),  # no LoRA
+    ]
+
+
+ALL_SERVE = ("base",) * 5
+NONE_SERVE = (None,) * 5
+
+
+@pytest.mark.parametrize(
+    ("target", "served", "want"),
+    [
+        # The base model is resident everywhere it is served: uniform, whatever the adapters.
+        ("base", ALL_SERVE, [1.0] * 5),
+        # Adapter requests are unaffected by the served model.
+        ("a", ALL_SERVE, [1.0, 0.8, 0.6, 0.0, 0.0]),
+        ("a", NONE_SERVE, [1.0, 0.8, 0.6, 0.0, 0.0]),
+        # Nothing reported: the GIE values, which herd base traffic onto free slots.
+        ("base", NONE_SERVE, [0.8, 0.8, 0.0, 0.0, 0.0]),
+        # Per endpoint: a server of another base model, or one that does not say, is scored
+        # as before.
+        ("base", ("base", "other", "base", None, "base"), [1.0, 0.8, 1.0, 0.0, 1.0]),
+    ],
+    ids=["base-served", "adapter", "adapter-unreported", "base-unreported", "mixed"],
+)
+def test_lora_affinity_scorer_counts_the_served_base_model_as_active(
+    target: str, served: tuple[str | None, ...], want: list[float]
+) -> None:
+    scores = scores_of(plugin("lora-affinity-scorer"), request(target), lora_pool(served))
+    assert scores == approx(want)
+
+
 def test_lora_affinity_scorer_custom_values() -> None:
     scorer = plugin("lora-affinity-scorer", {"activeScore": 0.9, "freeSlotScore": 0.1})
     pool = [state(1, active=("a",), max_adapters=1), state(2, max_adapters=1)]

@@ -116,9 +116,15 @@ class LoraAffinityParams(PluginParams):
 class LoraAffinityFilter(NamedPlugin):
     """LoRA soft affinity: prefer endpoints with the adapter loaded, sometimes free slots.
 
-    Affinity = the target model is among the endpoint's active or waiting adapters; available =
-    fewer adapters than `max_adapters`. With both groups present the affinity group wins with
-    probability `threshold` (so new adapters still spread); else whichever group exists.
+    Affinity = the target model is the endpoint's base model (`served_model`) or among its
+    active or waiting adapters; available = fewer adapters than `max_adapters`. With both
+    groups present the affinity group wins with probability `threshold` (so new adapters still
+    spread); else whichever group exists.
+
+    Deliberately unlike upstream, the base model counts as loaded (it always is): upstream
+    treats a base-model request as an absent adapter, which narrows it to the endpoints with a
+    free adapter slot and so herds base-model traffic onto the least adapter-busy servers.
+    Where no endpoint reports a served model the upstream rule applies unchanged.
     """
 
     __slots__ = ("rng", "threshold")
@@ -138,7 +144,7 @@ class LoraAffinityFilter(NamedPlugin):
         available: list[EndpointState] = []
         for s in candidates:
             m = s.metrics
-            if model in m.active_adapters or model in m.waiting_adapters:
+            if model == m.served_model or model in m.active_adapters or model in m.waiting_adapters:
                 affinity.append(s)
             elif len(m.active_adapters | m.waiting_adapters) < m.max_adapters:
                 available.append(s)

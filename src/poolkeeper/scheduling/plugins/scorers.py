@@ -163,8 +163,12 @@ class LoraAffinityScorer(NamedPlugin):
     """1.0 if the target adapter is active; 0.8 if it could load without eviction
     (active + waiting < max); 0.6 if it is already waiting; else 0 (GIE v1 values).
 
-    For a base-model request in a LoRA-enabled pool this mildly prefers endpoints with free
-    adapter slots; in a pool without LoRA every endpoint scores 0 (no effect on the ranking).
+    Deliberately unlike upstream: a request for the endpoint's own base model (its
+    `served_model`, the scraped `model_name` label) scores 1.0 like an active adapter, because
+    the base model is always resident. Upstream scores it as an absent adapter (0.8 with a
+    free slot, else 0), which herds all base-model traffic onto whichever server has no
+    adapters loaded. Where no endpoint reports a served model the GIE values apply unchanged;
+    in a pool without LoRA whose engines report no model every endpoint scores 0 (no effect).
     """
 
     __slots__ = ("params",)
@@ -183,7 +187,7 @@ class LoraAffinityScorer(NamedPlugin):
         # One conditional expression per endpoint (no appends): this runs for every candidate.
         out = [
             active
-            if model in m.active_adapters
+            if model == m.served_model or model in m.active_adapters
             else free
             if m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
             else waiting

@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ class LiveSpec:
     time_scale: float = 1.0
     seed: int = 1
     full_streams: bool = False  # False: end each run once every request has its first token
+    groups: int | None = None  # shared-prefix / heterogeneous: override the number of groups
 
 
 def repo_root() -> Path:
@@ -373,6 +374,10 @@ def run_live(
     if envoy_binary() is None:
         raise ConfigError("Envoy is not installed next to this Python (.venv/bin/envoy)")
     scenario = build_scenario(spec.workload, spec.servers)
+    if spec.groups is not None:
+        # Fewer groups keep the cold start (first prefill of every system prompt) short next
+        # to a live run of tens of seconds at a slowed-down time scale.
+        scenario = replace(scenario, spec=replace(scenario.spec, num_groups=spec.groups))
     capacity = fleet_capacity(scenario, seed=spec.seed)
     live_capacity = float(capacity["capacity_rps"]) / spec.time_scale
     rate = spec.rate if spec.rate is not None else 0.9 * live_capacity

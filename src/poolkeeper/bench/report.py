@@ -178,7 +178,10 @@ def _closest_load(runs: Sequence[Mapping[str, Any]], target: float) -> float | N
 def _fmt(value: float, scale: float = 1.0, digits: int = 3) -> str:
     if not math.isfinite(value):
         return "-"
-    return f"{value * scale:.{digits}g}"
+    v = value * scale
+    if abs(v) >= 10**digits:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
 
 
 def sweep_table(sweep: Mapping[str, Any], loads: Sequence[float] | None = None) -> str:

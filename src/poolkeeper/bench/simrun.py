@@ -21,13 +21,14 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from poolkeeper.bench.metrics import SLO, RequestOutcome, summarize, ttft_values
 from poolkeeper.bench.report import quantiles
 from poolkeeper.bench.routers import RoutingPolicy, make_policy
 from poolkeeper.bench.scenarios import Scenario, build_scenario, server_configs
-from poolkeeper.bench.workloads import Arrival, WorkloadSpec, default_spec, generate
+from poolkeeper.bench.workloads import Arrival, WorkloadSpec, generate
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.scheduling.types import EndpointState, LLMRequest
 from poolkeeper.sim.params import EngineConfig
@@ -135,7 +136,10 @@ def server_capacity(
 
 
 def fleet_capacity(scenario: Scenario, *, seed: int) -> dict[str, Any]:
-    probe_spec = default_spec(scenario.spec.kind, 1)
+    # The probe server gets its share of the prefix groups (the default specs scale groups with
+    # the fleet, so this equals the one-server default) and the whole adapter mix.
+    spec = scenario.spec
+    probe_spec = replace(spec, num_groups=max(1, spec.num_groups // len(scenario.servers)))
     one = server_configs(probe_spec, 1)[0]
     per_kind: dict[float, dict[str, float]] = {}
     total = 0.0
@@ -153,8 +157,6 @@ def fleet_capacity(scenario: Scenario, *, seed: int) -> dict[str, Any]:
 
 def _probe_config(one: EngineConfig, fleet_config: EngineConfig) -> EngineConfig:
     # The probe server has the fleet server's speed and the one-server workload's adapters.
-    from dataclasses import replace
-
     return replace(one, time_scale=fleet_config.time_scale)
 
 

@@ -89,6 +89,12 @@ def register(subparsers: Any) -> None:
                       help="simulator time scale (default 1.0)")  # fmt: skip
     live.add_argument("--seed", type=int, default=1)
     live.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="shared-prefix groups (default: the workload's, 32 per server)",
+    )
+    live.add_argument(
         "--full-streams",
         action="store_true",
         help="wait for every answer to finish (default: stop at the last first token)",
@@ -183,7 +189,7 @@ def _live(args: argparse.Namespace) -> int:
     spec = LiveSpec(
         workload=args.workload, servers=args.servers, rate=args.rate, duration=args.duration,
         rounds=args.rounds, peers=tuple(args.peers), time_scale=args.time_scale, seed=args.seed,
-        full_streams=args.full_streams,
+        full_streams=args.full_streams, groups=args.groups,
     )  # fmt: skip
     try:
         run_live(spec, out_dir=args.out, progress=_progress)

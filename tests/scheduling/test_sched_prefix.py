@@ -87,6 +87,37 @@ def test_scorer_scores_matched_share_and_inserts_after_decision() -> None:
     assert scores_of(scorer, request(prompt="short"), pool) == [0.0, 0.0, 0.0]
 
 
+def test_min_scored_blocks_caps_the_score_of_short_prompts() -> None:
+    pool = [state(1), state(2)]
+    floor = plugin("prefix-cache-scorer", {"minScoredBlocks": 8})
+    upstream = plugin("prefix-cache-scorer")
+    one_block = request(prompt=A64 + "tail")
+    for scorer in (floor, upstream):
+        scorer.post_cycle(cycle(), one_block, ProfileResult("p", (pool[0],)))
+    # Upstream: a one-block hit scores like a 4k-token shared system prompt.
+    assert scores_of(upstream, one_block, pool) == [1.0, 0.0]
+    # With the floor, it earns only 1 of 8 blocks.
+    assert scores_of(floor, one_block, pool) == [0.125, 0.0]
+    long_prompt = request(prompt=A64 * 16)
+    floor.post_cycle(cycle(), long_prompt, ProfileResult("p", (pool[1],)))
+    # Prompts longer than the floor are scored as before: matched / prompt blocks.
+    assert scores_of(floor, long_prompt, pool) == [0.0625, 1.0]
+
+
+def test_default_profile_spreads_identical_short_prompts() -> None:
+    sched = scheduler("default")
+    picks: list[str] = []
+    for n in range(30):
+        # Each pick becomes visible as one more queued request on that endpoint.
+        loaded = [state(i, waiting=sum(p == key(i) for p in picks)) for i in range(1, 4)]
+        got = sched.schedule(
+            request(prompt="Write one line about X." * 4, request_id=f"r{n}"), loaded, now=100.0
+        )
+        picks.append(got.primary.key)
+    assert len(set(picks)) == 3
+    assert max(picks.count(k) for k in set(picks)) <= 15
+
+
 def test_scorer_hashes_once_per_cycle() -> None:
     scorer = plugin("prefix-cache-scorer")
     c = cycle()

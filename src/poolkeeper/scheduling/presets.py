@@ -23,6 +23,8 @@ def _no_inflight(**extra: Any) -> dict[str, Any]:
 # - queue-scorer / running-requests-size-scorer with a minimum span, so a difference of one or
 #   two requests costs a little (not the whole range, as plain min-max does); both count
 #   requests sent since the last scrape, so bursts between scrapes spread.
+# - prefix-cache-scorer with minScoredBlocks 8: a hit on a prompt shorter than 512 characters
+#   earns only its share of 8 blocks, so identical short prompts do not herd onto one server.
 # - max-score-picker: random tie-break spreads cache misses; 3 fallbacks for the proxy.
 # Weights chosen with the virtual-time fleet simulator (docs/scheduling.md §3).
 _DEFAULT: dict[str, Any] = {
@@ -31,7 +33,7 @@ _DEFAULT: dict[str, Any] = {
         {"type": "queue-scorer", "parameters": {"minSpan": 8}},
         {"type": "running-requests-size-scorer", "parameters": {"minSpan": 16}},
         {"type": "kv-cache-utilization-scorer"},
-        {"type": "prefix-cache-scorer"},
+        {"type": "prefix-cache-scorer", "parameters": {"minScoredBlocks": 8}},
         {"type": "lora-affinity-scorer"},
         {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 4}},
     ],

@@ -2,8 +2,14 @@
 
 Owns a `PrefixIndex`. Scoring hashes the prompt once per decision (kept in the cycle state, so
 several profiles share it); after the decision, PostCycle records the primary pick as holding
-every block of the prompt. Score = matched leading blocks / prompt blocks (0 for prompts shorter
-than one block).
+every block of the prompt. Score = matched leading blocks / max(prompt blocks, minScoredBlocks)
+(0 for prompts shorter than one block).
+
+Why `minScoredBlocks`: a hit is worth the prefill it saves, which grows with the matched length.
+Upstream scores a one-block prompt that hits as 1.0, the same as a 4k-token shared system prompt,
+so identical short prompts (health checks, canned questions) herd onto one server however loaded
+it is. With a floor of N blocks, a hit on a short prompt earns at most its share of N blocks.
+The plugin default (1) keeps upstream's rule; poolkeeper's default profile sets 8 (512 chars).
 """
 
 from __future__ import annotations
@@ -32,6 +38,13 @@ class PrefixCacheParams(PluginParams):
         ge=1,
         description="Most leading blocks hashed and matched per prompt (default "
         "256, GIE maxPrefixBlocksToMatch).",
+    )
+    min_scored_blocks: int = Field(
+        default=1,
+        ge=1,
+        description="Denominator floor of the score: matched / max(prompt blocks, this) "
+        "(default 1 = upstream's matched / prompt blocks). Larger values stop short prompts "
+        "from earning a full score for a hit that saves little prefill.",
     )
     lru_capacity_per_server: int = Field(
         default=31_250,
@@ -76,7 +89,7 @@ class PrefixCacheScorer(NamedPlugin):
         matched = self.index.match(hashes)
         if not matched:
             return 0.0
-        total = len(hashes)
+        total = max(len(hashes), self.params.min_scored_blocks)
         get = {key: blocks / total for key, blocks in matched.items()}.get
         return [get(s.endpoint.hostport, 0.0) for s in candidates]
 

@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,19 +35,10 @@ from typing import Any
 
 import aiohttp
 
+from poolkeeper.netutil import free_ports
+
 MODEL = "bench-model"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def cpu_seconds(pid: int) -> float:

@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -35,27 +34,9 @@ from typing import Any
 
 import aiohttp
 
+from poolkeeper.netutil import free_ports
+
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-def free_port_run(n: int) -> int:
-    for _ in range(100):
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        first: int = probe.getsockname()[1]
-        held = [probe]
-        try:
-            for k in range(1, n):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", first + k))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -167,7 +148,7 @@ async def sim_stats(http: aiohttp.ClientSession, urls: list[str]) -> dict[str, f
 
 
 async def measure(args: argparse.Namespace, streams: int) -> dict[str, Any]:
-    port = free_port_run(args.servers)
+    port = free_ports(args.servers, consecutive=True)[0]
     cmd = [sys.executable, "-m", "poolkeeper.cli.sim", "--count", str(args.servers),
            "--port", str(port), "--time-scale", str(args.time_scale),
            "--stream-interval", str(args.stream_interval)]  # fmt: skip

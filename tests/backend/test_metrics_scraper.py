@@ -16,6 +16,7 @@ from poolkeeper.api.pool import InferencePool
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.scraper import MetricsScraper, ScraperManager, metrics_url
 from poolkeeper.datastore import Datastore, EndpointSpec
+from poolkeeper.netutil import free_port
 from poolkeeper.scheduling.types import Endpoint, EndpointMetrics
 
 VLLM_PAGE = (Path(__file__).parent / "fixtures" / "vllm_v1.prom").read_bytes()
@@ -121,13 +122,6 @@ def make_scraper(
         lambda key, metrics: sink.append((key, metrics)),
         clock=clock or Clock(),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 async def test_successful_scrape_publishes_metrics(

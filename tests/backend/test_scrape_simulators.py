@@ -7,7 +7,6 @@ for a real kill -9 and a restart on the same port.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +19,7 @@ from poolkeeper.api.pool import InferencePool
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.scraper import ScraperManager
 from poolkeeper.datastore import Datastore, EndpointSpec
+from poolkeeper.netutil import free_port
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 
@@ -128,13 +128,6 @@ async def test_metrics_and_lora_state_reach_the_datastore_and_a_stopped_server_g
         assert not snapshot.is_stale(keys[0], time.monotonic(), CONFIG.staleness_s)
         assert snapshot.metrics_for(keys[0]).error is None
         assert manager.scrapers[keys[1]].failures >= 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 async def start_sim(port: int) -> asyncio.subprocess.Process:

@@ -16,37 +16,9 @@ from typing import IO
 
 import grpc
 
+from poolkeeper.netutil import free_ports
+
 SERVING = 1
-
-
-def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
-    """`n` ports free right now (consecutive ones for `poolkeeper sim --count`)."""
-    if not consecutive:
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for s in socks:
-                s.bind(("127.0.0.1", 0))
-            return [int(s.getsockname()[1]) for s in socks]
-        finally:
-            for s in socks:
-                s.close()
-    for _ in range(200):
-        start = free_ports(1)[0]
-        if start + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(start, start + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return list(range(start, start + n))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no range of free ports found")
 
 
 @dataclass

@@ -23,7 +23,6 @@ import pytest
 from e2e_harness import (  # type: ignore[import-not-found, unused-ignore]
     POOL,
     Proc,
-    free_ports,
     gateway_doc,
     gateway_ports,
     killing_orphans,
@@ -34,6 +33,8 @@ from e2e_harness import (  # type: ignore[import-not-found, unused-ignore]
     wait_ready,
     write_config,
 )
+
+from poolkeeper.netutil import free_ports
 
 pytestmark = pytest.mark.e2e
 

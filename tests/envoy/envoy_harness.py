@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -17,12 +16,6 @@ from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.errors import BadRequest, NoReadyEndpoint
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

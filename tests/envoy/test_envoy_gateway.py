@@ -22,13 +22,13 @@ from envoy_harness import (  # type: ignore[import-not-found, unused-ignore]
     Backend,
     Canary,
     RoundRobinRouter,
-    free_port,
     running_envoy,
 )
 
 from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.envoy.process import EnvoySupervisor
 from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.netutil import free_port
 from poolkeeper.requestcontrol.types import Usage
 from poolkeeper.telemetry.health import HealthService
 

@@ -5,34 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from poolkeeper.netutil import free_ports
+
 pytestmark = pytest.mark.integration
-
-
-def consecutive_free_ports(n: int) -> int:
-    for _ in range(50):
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        first: int = probe.getsockname()[1]
-        held = [probe]
-        try:
-            for k in range(1, n):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", first + k))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports found")
 
 
 async def start_sim(*args: str) -> asyncio.subprocess.Process:
@@ -56,7 +37,7 @@ async def read_until_serving(proc: asyncio.subprocess.Process) -> list[str]:
 
 
 async def test_sim_serves_count_servers_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
-    port = consecutive_free_ports(2)
+    port = free_ports(2, consecutive=True)[0]
     config = tmp_path / "fleet.yaml"
     config.write_text("servers:\n  - name: small\n    max_num_seqs: 8\n  - name: big\n")
     proc = await start_sim("--count", "2", "--port", str(port), "--config", str(config),

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import random
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from rich.table import Table
 
 from poolkeeper.envoy.process import EnvoyNotFound
 from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -130,19 +130,8 @@ class Outcome:
     target: str  # the model that answered (after the weighted split)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def write_resources(directory: Path, sim_ports: list[int]) -> dict[str, int]:
-    http, ext_proc, metrics, health, admin = _free_ports(5)
+    http, ext_proc, metrics, health, admin = free_ports(5)
     endpoints = "".join(
         f"    - {{name: sim-{i}, address: 127.0.0.1, port: {port}, "
         "labels: {app: quickstart-sim}}\n"

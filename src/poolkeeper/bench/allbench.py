@@ -45,9 +45,11 @@ def run_all(
         progress("live: no peer installed (scripts/install-peers.sh); skipped")
     else:
         live = (
-            LiveSpec(servers=2, duration=4.0, rounds=1, peers=peers, time_scale=4.0)
+            LiveSpec(servers=2, duration=4.0, rounds=1, peers=peers, time_scale=4.0, groups=4)
             if quick
-            else LiveSpec(servers=4, duration=20.0, rounds=2, peers=peers, time_scale=10.0)
+            else LiveSpec(
+                servers=4, duration=30.0, rounds=2, peers=peers, time_scale=10.0, groups=16
+            )
         )
         try:
             run_live(live, out_dir=out_dir, progress=progress)

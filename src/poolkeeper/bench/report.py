@@ -102,6 +102,21 @@ def _width(policy: str) -> float:
     return 2.2 if policy.startswith("poolkeeper") else 1.2
 
 
+def _style(policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """A distinct colour per policy (tab20 has enough for every policy), bold poolkeeper."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    out: dict[str, dict[str, Any]] = {}
+    for i, p in enumerate(policies):
+        out[p] = {
+            "color": "black" if p == "poolkeeper" else cmap((2 * i) % 20 + (2 * i) // 20),
+            "linewidth": _width(p),
+            "linestyle": "--" if p == "poolkeeper-proposed" else "-",
+        }
+    return out
+
+
 def _pyplot() -> Any:
     import matplotlib
 
@@ -121,6 +136,7 @@ def plot_sweep(sweep: Mapping[str, Any], out_dir: Path, stem: str) -> list[Path]
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
 
+    style = _style(policies)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (
         ("p90 TTFT (s)", ("ttft_s", "p90"), True),
@@ -131,9 +147,7 @@ def plot_sweep(sweep: Mapping[str, Any], out_dir: Path, stem: str) -> list[Path]
         for policy in policies:
             mine = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["load"])
             ys = [_dig(r["summary"], keys) for r in mine]
-            ax.plot(
-                [r["load"] for r in mine], ys, marker="o", label=policy, linewidth=_width(policy)
-            )
+            ax.plot([r["load"] for r in mine], ys, marker="o", label=policy, **style[policy])
         ax.set_xlabel("offered load (x fleet capacity)")
         ax.set_ylabel(label)
         if log:
@@ -154,11 +168,11 @@ def plot_sweep(sweep: Mapping[str, Any], out_dir: Path, stem: str) -> list[Path]
             for r in runs:
                 if r["policy"] == policy and r["load"] == cdf_load and r.get("ttft_quantiles"):
                     qs = [_num(v) for v in r["ttft_quantiles"]]
-                    ax.plot(qs, [i / (len(qs) - 1) for i in range(len(qs))], label=policy,
-                            linewidth=_width(policy))  # fmt: skip
+                    fractions = [i / (len(qs) - 1) for i in range(len(qs))]
+                    ax.plot(qs, fractions, label=policy, **style[policy])
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
-        ax.set_ylabel("fraction of completed requests")
+        ax.set_ylabel("fraction of requests with a first token")
         ax.set_title(f"TTFT CDF at {cdf_load:g}x capacity: {title}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from poolkeeper.bench.scenarios import LORA_SLOTS, adapter_names, build_scenario
 from poolkeeper.bench.simrun import fleet_capacity
 from poolkeeper.bench.workloads import CRITICALITY_MODELS, WorkloadKind, default_spec, generate
 from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
 
 POOLKEEPER = "poolkeeper"
 KNOWN_PEERS = ("vllm-router", "sglang-router", "envoy-rr")
@@ -91,36 +91,6 @@ def peer_binary(peer: str, root: Path) -> list[str] | None:
 def envoy_binary() -> str | None:
     exe = Path(sys.executable).parent / "envoy"
     return str(exe) if exe.is_file() else None
-
-
-def free_ports(count: int, *, consecutive: bool = False) -> list[int]:
-    """Free TCP ports on 127.0.0.1 (`consecutive`: a run of `count` adjacent ports)."""
-    if not consecutive:
-        socks: list[socket.socket] = []
-        try:
-            for _ in range(count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", 0))
-                socks.append(s)
-            return [s.getsockname()[1] for s in socks]
-        finally:
-            for s in socks:
-                s.close()
-    for _ in range(200):
-        base = free_ports(1)[0]
-        if base + count >= 65000:
-            continue
-        ok = True
-        for p in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return list(range(base, base + count))
-    raise ConfigError(f"no run of {count} free ports on 127.0.0.1")
 
 
 def _http_status(url: str, timeout: float = 1.0) -> int | None:

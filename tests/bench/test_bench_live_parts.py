@@ -13,10 +13,11 @@ import yaml
 from aiohttp import web
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.live import envoy_rr_bootstrap, free_ports, poolkeeper_config, ratios
+from poolkeeper.bench.live import envoy_rr_bootstrap, poolkeeper_config, ratios
 from poolkeeper.bench.loadgen import check_loopback, run_open_loop
 from poolkeeper.bench.workloads import Arrival
 from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
 
 
 def test_loopback_only() -> None:

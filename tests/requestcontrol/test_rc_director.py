@@ -662,3 +662,28 @@ async def test_scheduler_targets_outside_the_candidates_are_never_destinations()
     with pytest.raises(NoReadyEndpoint):
         await rig.director.route(_chat())
     assert len(rig.inflight) == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "usage", "want"),
+    [
+        (200, Usage(prompt_tokens=10, completion_tokens=50), 0.04),  # 2 s / 50 tokens
+        (200, None, None),  # no usage: nothing to divide by
+        (502, Usage(prompt_tokens=10, completion_tokens=50), None),  # failures say nothing
+        (None, None, None),  # cancelled
+    ],
+    ids=["success", "no-usage", "error", "cancelled"],
+)
+async def test_complete_feeds_observed_speed_on_success(
+    status: int | None, usage: Usage | None, want: float | None
+) -> None:
+    rig = _rig()
+    decision = await rig.director.route(_chat(rid="s"))
+    rig.clock[0] += 2.0
+    rig.director.complete(decision, status=status, usage=usage)
+    assert rig.inflight.speed.seconds_per_token(decision.endpoints[0]) == (
+        None if want is None else pytest.approx(want)
+    )
+    await rig.director.route(_chat(rid="next"))
+    seen = {s.key: s.seconds_per_output_token for s in rig.scheduler.seen[-1][1]}
+    assert seen[decision.endpoints[0]] == (None if want is None else pytest.approx(want))

@@ -12,6 +12,13 @@
   the endpoints holding their prefix exactly when the fleet was busy), plain min-max queue
   (2) and running-requests (1) scores counting unseen requests, KV (2), prefix (3) and LoRA
   affinity (2); default admission.
+- `poolkeeper-speed`: the `default` preset plus `observed-speed-scorer` (opt-in variant, for
+  measuring it against the default).
+
+Every scheduler-backed policy observes speed as a router would: at `pick` it notes when and
+where each request went, at `on_finish` it feeds the elapsed virtual time and the request's
+output tokens (its `max_tokens`, which the simulator serves in full) into an `ObservedSpeed`,
+and the next decisions see `EndpointState.seconds_per_output_token`.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.presets import preset_config
+from poolkeeper.scheduling.presets import preset_config, preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.scheduling.speed import ObservedSpeed
 from poolkeeper.scheduling.types import EndpointState, LLMRequest
 
 _PRESET = {
@@ -59,6 +67,19 @@ PROPOSED_PROFILE: dict[str, Any] = {
 }
 
 
+SPEED_SCORER_WEIGHT = 2
+
+
+def speed_profile() -> dict[str, Any]:
+    """The `default` preset plus `observed-speed-scorer` (weight SPEED_SCORER_WEIGHT)."""
+    doc = preset_document("default")
+    doc["plugins"].insert(-1, {"type": "observed-speed-scorer"})
+    doc["schedulingProfiles"][0]["plugins"].insert(
+        -1, {"pluginRef": "observed-speed-scorer", "weight": SPEED_SCORER_WEIGHT}
+    )
+    return doc
+
+
 class SchedulerPolicy:
     """Admission (optional) then `Scheduler.schedule`; the primary target is the pick."""
 
@@ -68,27 +89,38 @@ class SchedulerPolicy:
         self.name = name
         self.scheduler = scheduler
         self.admission = admission
+        self.speed = ObservedSpeed()
+        # request id -> (endpoint ip:port, sent at, expected output tokens)
+        self._sent: dict[str, tuple[str, float, int]] = {}
 
     def pick(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
     ) -> EndpointState:
+        if len(self.speed):
+            endpoints = self.speed.apply(endpoints)
         if self.admission is not None:
             self.admission.admit(request, endpoints, now=now)
-        return self.scheduler.schedule(request, endpoints, now=now).primary
+        chosen = self.scheduler.schedule(request, endpoints, now=now).primary
+        self._sent[request.request_id] = (chosen.key, now, request.max_tokens or 0)
+        return chosen
 
     def on_finish(self, request_id: str, server: str, now: float) -> None:
-        return None
+        sent = self._sent.pop(request_id, None)
+        if sent is not None:
+            key, started, tokens = sent
+            self.speed.observe(key, now - started, tokens)
 
 
 def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
-    config = (
-        SchedulingConfig.model_validate(PROPOSED_PROFILE)
-        if name == "poolkeeper-proposed"
-        else preset_config(_PRESET[name])
-    )
+    if name == "poolkeeper-proposed":
+        config = SchedulingConfig.model_validate(PROPOSED_PROFILE)
+    elif name == "poolkeeper-speed":
+        config = SchedulingConfig.model_validate(speed_profile())
+    else:
+        config = preset_config(_PRESET[name])
     scheduler = build_scheduler(config, rng=rng)
     admission: AdmissionController | None
-    if name in ("poolkeeper", "poolkeeper-proposed"):
+    if name in ("poolkeeper", "poolkeeper-proposed", "poolkeeper-speed"):
         admission = AdmissionController(AdmissionConfig())
     elif name == "gie-v1":
         admission = AdmissionController(

@@ -80,7 +80,9 @@ class SchedulerLike(Protocol):
 class InflightLike(Protocol):
     def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> object: ...
 
-    def finish(self, request_id: str) -> object: ...
+    def finish(
+        self, request_id: str, *, now: float | None = None, output_tokens: int | None = None
+    ) -> object: ...
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]: ...
 
@@ -377,7 +379,14 @@ class Director:
         # In-flight accounting is keyed by request id, so it ends wherever it sits (the primary,
         # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
         if ticket.endpoint:
-            self._inflight.finish(ticket.key)
+            if status is not None and 200 <= status < 300 and usage is not None:
+                # A success with usage is a speed observation: the tracker measures the time
+                # since `start` (or since `served` moved it to a fallback) on the same clock.
+                self._inflight.finish(
+                    ticket.key, now=self._clock(), output_tokens=usage.completion_tokens
+                )
+            else:
+                self._inflight.finish(ticket.key)
 
     # --- introspection --------------------------------------------------------------------
 

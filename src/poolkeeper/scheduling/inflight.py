@@ -8,7 +8,10 @@ the endpoint snapshots the scheduler reads:
 
 - `inflight_requests` / `inflight_tokens`: everything this router has outstanding there;
 - `unseen_requests` / `unseen_tokens`: the part started after the endpoint's metrics were
-  scraped (`metrics.updated_at`), which the scraped queue cannot contain yet.
+  scraped (`metrics.updated_at`), which the scraped queue cannot contain yet;
+- `seconds_per_output_token`: the endpoint's observed speed (`speed.ObservedSpeed`), fed by
+  `finish(..., now=, output_tokens=)` when a request completed successfully (elapsed time
+  since its `start`); plain `finish(request_id)` (errors, disconnects) observes nothing.
 
 Times are the caller's monotonic clock (the same one that stamps `updated_at`). Pure: no I/O,
 no clock of its own. `sweep` drops entries older than a bound, a safety net for a lost finish.
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from poolkeeper.scheduling.speed import DEFAULT_SPEED_ALPHA, ObservedSpeed
 from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
 
 
@@ -44,14 +48,25 @@ class _EndpointLoad:
 class InflightTracker:
     """In-flight requests per endpoint (ip:port). One per EPP; not thread-safe."""
 
-    __slots__ = ("_applied", "_by_endpoint", "_by_request", "_changes", "scrape_lag_s")
+    __slots__ = (
+        "_applied",
+        "_by_endpoint",
+        "_by_request",
+        "_changes",
+        "scrape_lag_s",
+        "speed",
+    )
 
-    def __init__(self, *, scrape_lag_s: float = 0.0) -> None:
+    def __init__(
+        self, *, scrape_lag_s: float = 0.0, speed_alpha: float = DEFAULT_SPEED_ALPHA
+    ) -> None:
         """`scrape_lag_s`: requests started up to this long *before* a scrape still count as
-        unseen (the server may not have queued them yet when it was scraped). Default 0."""
+        unseen (the server may not have queued them yet when it was scraped). Default 0.
+        `speed_alpha`: EWMA weight of the newest request in the speed estimate."""
         if scrape_lag_s < 0:
             raise ValueError("scrape_lag_s must be >= 0")
         self.scrape_lag_s = scrape_lag_s
+        self.speed = ObservedSpeed(alpha=speed_alpha)
         self._by_request: dict[str, InflightEntry] = {}
         self._by_endpoint: dict[str, _EndpointLoad] = {}
         self._changes = 0
@@ -74,19 +89,28 @@ class InflightTracker:
         self._changes += 1
         load.version = self._changes
 
-    def finish(self, request_id: str) -> bool:
-        """Stop counting `request_id`; False if it was not (or no longer) counted."""
+    def finish(
+        self, request_id: str, *, now: float | None = None, output_tokens: int | None = None
+    ) -> bool:
+        """Stop counting `request_id`; False if it was not (or no longer) counted.
+
+        With `now` and `output_tokens` (a successful completion), the time since `start` and
+        the tokens feed the endpoint's observed speed.
+        """
         entry = self._by_request.pop(request_id, None)
         if entry is None:
             return False
-        load = self._by_endpoint[entry.endpoint_key]
+        key = entry.endpoint_key
+        load = self._by_endpoint[key]
         del load.entries[request_id]
         load.tokens -= entry.tokens
         self._changes += 1
         load.version = self._changes
+        if now is not None and output_tokens is not None:
+            self.speed.observe(key, now - entry.started_at, output_tokens, version=self._changes)
         if not load.entries:
-            del self._by_endpoint[entry.endpoint_key]
-            self._applied.pop(entry.endpoint_key, None)
+            del self._by_endpoint[key]
+            self._applied.pop(key, None)
         return True
 
     def sweep(self, now: float, max_age_s: float) -> list[str]:
@@ -123,9 +147,11 @@ class InflightTracker:
         return n, tokens
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
-        """The snapshots with in-flight and unseen counts filled in (others returned as-is)."""
+        """The snapshots with in-flight and unseen counts and the observed speed filled in
+        (others returned as-is)."""
         by_endpoint = self._by_endpoint
-        if not by_endpoint:
+        speeds = self.speed.estimates
+        if not by_endpoint and not speeds:
             return [s if not (s.inflight_requests or s.unseen_requests) else _cleared(s)
                     for s in states]  # fmt: skip
         applied = self._applied
@@ -135,22 +161,32 @@ class InflightTracker:
             ep = s.endpoint
             key = ep.hostport
             load = by_endpoint.get(key)
-            if load is None:
+            speed = speeds.get(key)
+            if load is None and speed is None:
                 append(s if not (s.inflight_requests or s.unseen_requests) else _cleared(s))
                 continue
+            # Every change takes a fresh number from one counter, so the larger of the two
+            # versions changes whenever either does (and `finish` drops the cache entry of an
+            # endpoint whose in-flight set empties).
+            if speed is None:
+                assert load is not None  # not both None (above)
+                version = load.version
+            elif load is None or speed.version > load.version:
+                version = speed.version
+            else:
+                version = load.version
             m = s.metrics
             cached = applied.get(key)
-            if (
-                cached is not None
-                and cached[0] is m
-                and cached[1] is ep
-                and cached[2] == load.version
-            ):
+            if cached is not None and cached[0] is m and cached[1] is ep and cached[2] == version:
                 append(cached[3])
                 continue
-            n_unseen, t_unseen = self.unseen(key, m.updated_at)
-            new = EndpointState(ep, m, len(load.entries), load.tokens, n_unseen, t_unseen)
-            applied[key] = (m, ep, load.version, new)
+            spt = None if speed is None else speed.seconds_per_token
+            if load is None:
+                new = EndpointState(ep, m, seconds_per_output_token=spt)
+            else:
+                n_unseen, t_unseen = self.unseen(key, m.updated_at)
+                new = EndpointState(ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt)
+            applied[key] = (m, ep, version, new)
             append(new)
         return out
 

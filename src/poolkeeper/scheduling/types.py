@@ -71,6 +71,9 @@ class EndpointState:
     `inflight_requests` / `inflight_tokens` count requests this router sent to the endpoint and
     has not seen finish; `unseen_requests` / `unseen_tokens` are the part of those sent after the
     metrics were scraped, so not yet visible in `metrics.waiting` / `metrics.running`.
+    `seconds_per_output_token` is the router's own observation of how fast the endpoint
+    serves (`scheduling/speed.py`: EWMA of sent-to-finished seconds per output token), None
+    until a request there finished.
     """
 
     endpoint: Endpoint
@@ -79,6 +82,7 @@ class EndpointState:
     inflight_tokens: int = 0
     unseen_requests: int = 0
     unseen_tokens: int = 0
+    seconds_per_output_token: float | None = None
 
     @property
     def key(self) -> str:

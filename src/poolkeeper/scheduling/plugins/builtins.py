@@ -47,6 +47,8 @@ from poolkeeper.scheduling.plugins.scorers import (
     LoraAffinityScorer,
     LoraAffinityScorerParams,
     MinMaxLoadParams,
+    ObservedSpeedParams,
+    ObservedSpeedScorer,
     QueueScorer,
     RunningRequestsScorer,
 )
@@ -138,6 +140,9 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
         PluginSpec("inflight-load-scorer", S, InflightLoadParams,
                    _with_params(InflightLoadScorer, InflightLoadParams),
                    "Inverse min-max of this router's in-flight requests or tokens."),
+        PluginSpec("observed-speed-scorer", S, ObservedSpeedParams,
+                   _with_params(ObservedSpeedScorer, ObservedSpeedParams),
+                   "Fastest observed seconds per output token / this endpoint's."),
         PluginSpec("lora-affinity-scorer", S, LoraAffinityScorerParams,
                    _with_params(LoraAffinityScorer, LoraAffinityScorerParams),
                    "1 / 0.8 / 0.6 / 0 by adapter state."),

@@ -198,3 +198,38 @@ class LoraAffinityScorer(NamedPlugin):
         # Often uniform (a base-model request, or no LoRA in the pool): one value then saves
         # the profile a pass over the candidates.
         return out[0] if out and out.count(out[0]) == len(out) else out
+
+
+class ObservedSpeedParams(PluginParams):
+    tolerance: float = Field(
+        default=0.0,
+        ge=0,
+        description="Slowdown treated as noise: endpoints within (1 + tolerance) x the fastest "
+        "observed seconds per token score 1 (default 0).",
+    )
+
+
+class ObservedSpeedScorer(NamedPlugin):
+    """Relative observed speed: (1 + tolerance) x the fastest endpoint's seconds per output
+    token divided by this endpoint's (`EndpointState.seconds_per_output_token`, measured by
+    the router), capped at 1; with tolerance 0 the fastest scores 1 and one twice as slow 0.5.
+    An endpoint not yet observed scores 1, so new or idle servers get tried; with no
+    observation at all every endpoint scores 1 (no effect).
+    """
+
+    __slots__ = ("slack",)
+    bounded = True
+
+    def __init__(self, typed_name: TypedName, params: ObservedSpeedParams) -> None:
+        super().__init__(typed_name)
+        self.slack = 1.0 + params.tolerance
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        values = [s.seconds_per_output_token for s in candidates]
+        known = [v for v in values if v is not None and v > 0.0]
+        if not known:
+            return 1.0
+        bar = min(known) * self.slack
+        return [1.0 if v is None or v <= bar else bar / v for v in values]

@@ -7,8 +7,7 @@ import random
 import pytest
 
 from poolkeeper.bench.routers import make_policy
-from poolkeeper.bench.schedpolicy import SchedulerPolicy, speed_profile
-from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.bench.schedpolicy import SchedulerPolicy
 from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 
 
@@ -23,13 +22,7 @@ def _request(rid: str, tokens: int = 100) -> LLMRequest:
     return LLMRequest(rid, "m", "m", prompt=f"prompt {rid}", prompt_tokens=3, max_tokens=tokens)
 
 
-def test_speed_profile_is_the_default_plus_the_scorer() -> None:
-    doc = speed_profile()
-    assert {"type": "observed-speed-scorer"} in doc["plugins"]
-    SchedulingConfig.model_validate(doc)  # a valid configuration
-
-
-@pytest.mark.parametrize("name", ["poolkeeper", "poolkeeper-speed", "gie-v1"])
+@pytest.mark.parametrize("name", ["poolkeeper", "poolkeeper-proposed", "gie-v1"])
 def test_finish_feeds_the_estimator_with_elapsed_virtual_time(name: str) -> None:
     policy = make_policy(name, random.Random(1))
     assert isinstance(policy, SchedulerPolicy)
@@ -41,8 +34,8 @@ def test_finish_feeds_the_estimator_with_elapsed_virtual_time(name: str) -> None
     assert len(policy.speed) == 1
 
 
-def test_speed_policy_moves_traffic_to_the_observed_faster_server() -> None:
-    policy = make_policy("poolkeeper-speed", random.Random(3))
+def test_default_policy_moves_traffic_to_the_observed_faster_server() -> None:
+    policy = make_policy("poolkeeper", random.Random(3))
     assert isinstance(policy, SchedulerPolicy)
     pool = _pool()
     slow, fast = pool[0].key, pool[1].key

@@ -255,6 +255,7 @@ def test_empty_config_is_the_default_preset() -> None:
         "kv-cache-utilization-scorer": 1,
         "prefix-cache-scorer": 3,
         "lora-affinity-scorer": 2,
+        "observed-speed-scorer": 2,
     }
     assert [f.typed_name.type for f in sched.profiles["default"].filters] == [
         "stale-metrics-filter"

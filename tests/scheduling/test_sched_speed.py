@@ -56,6 +56,15 @@ def test_estimator_apply_fills_only_observed_endpoints() -> None:
     assert out[0].seconds_per_output_token is None
     assert out[1].seconds_per_output_token == pytest.approx(0.1)
     assert out[1].endpoint is pool[1].endpoint
+    assert speed.apply(pool)[1] is out[1]  # unchanged input and estimate: the same object
+    speed.observe(key(2), 1.0, 30)
+    again = speed.apply(pool)
+    assert again[1].seconds_per_output_token == pytest.approx((0.9 * 3.0 + 0.1) / 30)
+    busier = replace(pool[1], inflight_requests=3)
+    assert speed.apply([busier])[0].inflight_requests == 3  # a new input state is rebuilt
+    assert speed.apply([busier])[0].seconds_per_output_token == pytest.approx(
+        again[1].seconds_per_output_token
+    )
 
 
 @pytest.mark.parametrize(

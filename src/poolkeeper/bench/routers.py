@@ -8,8 +8,7 @@
   v0.3 decision tree; the v1.x default profile queue 2 / kv-cache 2 / prefix 3);
 - `poolkeeper`: poolkeeper's real scheduler with its default profile, plus its admission
   controller (criticality-based shedding), exactly as the EPP runs them;
-- `poolkeeper-proposed`: the default-profile change the tuning suggests (bench.schedpolicy);
-- `poolkeeper-speed`: the default profile plus the observed-speed scorer (bench.schedpolicy).
+- `poolkeeper-proposed`: the default-profile change the tuning suggests (bench.schedpolicy).
 """
 
 from __future__ import annotations
@@ -36,13 +35,7 @@ class RoutingPolicy(Protocol):
     def on_finish(self, request_id: str, server: str, now: float) -> None: ...
 
 
-SCHEDULER_POLICIES: tuple[str, ...] = (
-    "gie-v0.3",
-    "gie-v1",
-    "poolkeeper",
-    "poolkeeper-proposed",
-    "poolkeeper-speed",
-)
+SCHEDULER_POLICIES: tuple[str, ...] = ("gie-v0.3", "gie-v1", "poolkeeper", "poolkeeper-proposed")
 ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
 
 

@@ -12,8 +12,6 @@
   the endpoints holding their prefix exactly when the fleet was busy), plain min-max queue
   (2) and running-requests (1) scores counting unseen requests, KV (2), prefix (3) and LoRA
   affinity (2); default admission.
-- `poolkeeper-speed`: the `default` preset plus `observed-speed-scorer` (opt-in variant, for
-  measuring it against the default).
 
 Every scheduler-backed policy observes speed as a router would: at `pick` it notes when and
 where each request went, at `on_finish` it feeds the elapsed virtual time and the request's
@@ -31,7 +29,7 @@ from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.presets import preset_config, preset_document
+from poolkeeper.scheduling.presets import preset_config
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.speed import ObservedSpeed
 from poolkeeper.scheduling.types import EndpointState, LLMRequest
@@ -67,19 +65,6 @@ PROPOSED_PROFILE: dict[str, Any] = {
 }
 
 
-SPEED_SCORER_WEIGHT = 2
-
-
-def speed_profile() -> dict[str, Any]:
-    """The `default` preset plus `observed-speed-scorer` (weight SPEED_SCORER_WEIGHT)."""
-    doc = preset_document("default")
-    doc["plugins"].insert(-1, {"type": "observed-speed-scorer"})
-    doc["schedulingProfiles"][0]["plugins"].insert(
-        -1, {"pluginRef": "observed-speed-scorer", "weight": SPEED_SCORER_WEIGHT}
-    )
-    return doc
-
-
 class SchedulerPolicy:
     """Admission (optional) then `Scheduler.schedule`; the primary target is the pick."""
 
@@ -112,15 +97,14 @@ class SchedulerPolicy:
 
 
 def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
-    if name == "poolkeeper-proposed":
-        config = SchedulingConfig.model_validate(PROPOSED_PROFILE)
-    elif name == "poolkeeper-speed":
-        config = SchedulingConfig.model_validate(speed_profile())
-    else:
-        config = preset_config(_PRESET[name])
+    config = (
+        SchedulingConfig.model_validate(PROPOSED_PROFILE)
+        if name == "poolkeeper-proposed"
+        else preset_config(_PRESET[name])
+    )
     scheduler = build_scheduler(config, rng=rng)
     admission: AdmissionController | None
-    if name in ("poolkeeper", "poolkeeper-proposed", "poolkeeper-speed"):
+    if name in ("poolkeeper", "poolkeeper-proposed"):
         admission = AdmissionController(AdmissionConfig())
     elif name == "gie-v1":
         admission = AdmissionController(

@@ -25,6 +25,9 @@ def _no_inflight(**extra: Any) -> dict[str, Any]:
 #   requests sent since the last scrape, so bursts between scrapes spread.
 # - prefix-cache-scorer with minScoredBlocks 8: a hit on a prompt shorter than 512 characters
 #   earns only its share of 8 blocks, so identical short prompts do not herd onto one server.
+# - observed-speed-scorer (tolerance 0.3): endpoints the router measured as slower per output
+#   token than the fastest (beyond 1.3x) score less, so a mixed-speed fleet sends more to its
+#   fast servers; in a uniform fleet the noise stays inside the tolerance.
 # - max-score-picker: random tie-break spreads cache misses; 3 fallbacks for the proxy.
 # Weights chosen with the virtual-time fleet simulator (docs/scheduling.md §3).
 _DEFAULT: dict[str, Any] = {
@@ -35,6 +38,7 @@ _DEFAULT: dict[str, Any] = {
         {"type": "kv-cache-utilization-scorer"},
         {"type": "prefix-cache-scorer", "parameters": {"minScoredBlocks": 8}},
         {"type": "lora-affinity-scorer"},
+        {"type": "observed-speed-scorer", "parameters": {"tolerance": 0.3}},
         {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 4}},
     ],
     "schedulingProfiles": [
@@ -47,6 +51,7 @@ _DEFAULT: dict[str, Any] = {
                 {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
                 {"pluginRef": "prefix-cache-scorer", "weight": 3},
                 {"pluginRef": "lora-affinity-scorer", "weight": 2},
+                {"pluginRef": "observed-speed-scorer", "weight": 2},
                 {"pluginRef": "max-score-picker"},
             ],
         }

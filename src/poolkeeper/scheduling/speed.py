@@ -17,7 +17,6 @@ can cache states built from an unchanged estimate.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from poolkeeper.scheduling.types import EndpointState
 
@@ -40,7 +39,7 @@ class EndpointSpeed:
 class ObservedSpeed:
     """Per-endpoint EWMA of seconds per output token (start to finish). Not thread-safe."""
 
-    __slots__ = ("_by_endpoint", "_changes", "alpha")
+    __slots__ = ("_applied", "_by_endpoint", "_changes", "alpha")
 
     def __init__(self, *, alpha: float = DEFAULT_SPEED_ALPHA) -> None:
         """`alpha`: weight of the newest request in (0, 1]; 1 keeps only the last one."""
@@ -49,6 +48,8 @@ class ObservedSpeed:
         self.alpha = alpha
         self._by_endpoint: dict[str, EndpointSpeed] = {}
         self._changes = 0
+        # key -> (input state, estimate version, output state) of the last `apply`
+        self._applied: dict[str, tuple[EndpointState, int, EndpointState]] = {}
 
     def observe(
         self, endpoint_key: str, elapsed_s: float, output_tokens: int, *, version: int = 0
@@ -89,20 +90,35 @@ class ObservedSpeed:
     def forget(self, endpoint_key: str) -> None:
         """Drop an endpoint's estimate (it left the pool)."""
         self._by_endpoint.pop(endpoint_key, None)
+        self._applied.pop(endpoint_key, None)
 
     def __len__(self) -> int:
         return len(self._by_endpoint)
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
-        """The snapshots with `seconds_per_output_token` filled in where observed (uncached:
-        for callers without an `InflightTracker`, such as the virtual-time benchmarks)."""
+        """The snapshots with `seconds_per_output_token` filled in where observed, for callers
+        without an `InflightTracker` (the virtual-time benchmarks). An input state seen before
+        with an unchanged estimate gets the same output object back."""
         by_endpoint = self._by_endpoint
+        if not by_endpoint:
+            return list(states)
+        applied = self._applied
         out: list[EndpointState] = []
+        append = out.append
         for s in states:
-            speed = by_endpoint.get(s.endpoint.hostport)
-            value = None if speed is None else speed.seconds_per_token
-            out.append(
-                s if s.seconds_per_output_token == value
-                else replace(s, seconds_per_output_token=value)
+            key = s.endpoint.hostport
+            speed = by_endpoint.get(key)
+            if speed is None:
+                append(s)
+                continue
+            cached = applied.get(key)
+            if cached is not None and cached[0] is s and cached[1] == speed.version:
+                append(cached[2])
+                continue
+            new = EndpointState(
+                s.endpoint, s.metrics, s.inflight_requests, s.inflight_tokens,
+                s.unseen_requests, s.unseen_tokens, speed.seconds_per_token,
             )  # fmt: skip
+            applied[key] = (s, speed.version, new)
+            append(new)
         return out

@@ -228,8 +228,15 @@ class ObservedSpeedScorer(NamedPlugin):
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
         values = [s.seconds_per_output_token for s in candidates]
-        known = [v for v in values if v is not None and v > 0.0]
-        if not known:
-            return 1.0
-        bar = min(known) * self.slack
-        return [1.0 if v is None or v <= bar else bar / v for v in values]
+        try:
+            fastest = min(values)  # type: ignore[type-var]  # the common case: all observed
+        except TypeError:  # some endpoint not observed yet (None)
+            fastest = None
+        if fastest is None or fastest <= 0.0:
+            known = [v for v in values if v is not None and v > 0.0]
+            if not known:
+                return 1.0
+            fastest = min(known)
+            values = [0.0 if v is None else v for v in values]  # unobserved: scores 1 below
+        bar = fastest * self.slack
+        return [1.0 if v <= bar else bar / v for v in values]  # type: ignore[operator]

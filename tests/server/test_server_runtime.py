@@ -132,7 +132,10 @@ async def test_runtime_starts_and_stops_without_envoy(tmp_path: Path) -> None:
         assert runtime.director.model_names() == ["m"]
     finally:
         await runtime.stop(grace_s=0)
-    with socket.socket() as s:  # the ext_proc port is free again
+    with socket.socket() as s:  # the ext_proc port is free again (nothing listens on it)
+        # SO_REUSEADDR as servers set it: connections the stopped server closed may linger in
+        # TIME_WAIT on this port, which only a live listener, not they, should make fail.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", ports[1]))
 
 

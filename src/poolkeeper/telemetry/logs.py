@@ -27,11 +27,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, separators=(",", ":"))
 
 
+class CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each record to whatever `sys.stderr` is at that moment (as logging's own
+    last-resort handler does), so a replaced and closed stderr (a test's capture, a daemon
+    that redirects it) never turns logging into "I/O operation on closed file" errors."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def configure_logging(
     level: str = "info", *, json_lines: bool = True, stream: TextIO | None = None
 ) -> None:
     """Route the `poolkeeper` loggers to `stream` (stderr) at `level`."""
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler: logging.Handler = (
+        CurrentStderrHandler() if stream is None else logging.StreamHandler(stream)
+    )
     if json_lines:
         handler.setFormatter(JsonFormatter())
     else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from apidocs import (
+
+from poolkeeper.api.crds import custom_resource_definitions
+from tests.api.apidocs import (
     DELETE,
     M1,
     Doc,
@@ -16,9 +18,7 @@ from apidocs import (
     pool2_doc,
     python_errors,
 )
-from crd_oracle import oracle_errors
-
-from poolkeeper.api.crds import custom_resource_definitions
+from tests.api.crd_oracle import oracle_errors
 
 VALID, INVALID = True, False
 

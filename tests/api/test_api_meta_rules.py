@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from apidocs import Doc, edit, messages, model_doc
+
+from tests.api.apidocs import Doc, edit, messages, model_doc
 
 M = model_doc()
 SUBDOMAIN = (

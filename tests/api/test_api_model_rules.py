@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from apidocs import DELETE, M1, Doc, edit, messages, model_doc
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.fielderrors import FieldError
@@ -16,6 +15,7 @@ from poolkeeper.api.model import (
     TargetModel,
     validate_update,
 )
+from tests.api.apidocs import DELETE, M1, Doc, edit, messages, model_doc
 
 M = model_doc()
 

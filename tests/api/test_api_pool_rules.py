@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from apidocs import DELETE, Doc, edit, messages, pool1_doc, pool2_doc
 
 from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
+from tests.api.apidocs import DELETE, Doc, edit, messages, pool1_doc, pool2_doc
 
 KEY_MSG = (
     "selector keys must be valid label keys: an optional DNS subdomain prefix and '/', then a "

@@ -7,7 +7,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from apidocs import M1, model_doc, pool1_doc, pool2_doc
 
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
 from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
@@ -17,6 +16,7 @@ from poolkeeper.api.status import (
     resolve_model_names,
     with_status,
 )
+from tests.api.apidocs import M1, model_doc, pool1_doc, pool2_doc
 
 T0 = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)
 NOW = datetime(2025, 7, 1, 12, 0, 0, 123456, tzinfo=UTC)

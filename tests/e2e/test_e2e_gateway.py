@@ -20,7 +20,9 @@ from typing import Any
 
 import openai
 import pytest
-from e2e_harness import (  # type: ignore[import-not-found, unused-ignore]
+
+from poolkeeper.netutil import free_ports
+from tests.e2e.e2e_harness import (
     POOL,
     Proc,
     gateway_doc,
@@ -33,8 +35,6 @@ from e2e_harness import (  # type: ignore[import-not-found, unused-ignore]
     wait_ready,
     write_config,
 )
-
-from poolkeeper.netutil import free_ports
 
 pytestmark = pytest.mark.e2e
 
@@ -311,7 +311,7 @@ async def test_sheddable_gets_429_when_pool_saturated_critical_does_not(gateway:
 
 
 async def test_spoofed_destination_header_is_ignored(gateway: Gateway) -> None:
-    from envoy_canary import Canary  # type: ignore[import-not-found, unused-ignore]
+    from tests.envoy.envoy_harness import Canary
 
     canary = Canary()
     await canary.start()
@@ -340,7 +340,7 @@ def _small_gateway(fleet: Fleet, directory: Path, failure_mode: str) -> tuple[Pr
 
 @pytest.mark.parametrize("failure_mode", ["FailOpen", "FailClose"])
 async def test_epp_killed(fleet: Fleet, tmp_path: Path, failure_mode: str) -> None:
-    from envoy_canary import Canary  # type: ignore[import-not-found, unused-ignore]
+    from tests.envoy.envoy_harness import Canary
 
     proc, ports = _small_gateway(fleet, tmp_path, failure_mode)
     canary = Canary()

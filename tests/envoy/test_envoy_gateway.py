@@ -18,12 +18,6 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from envoy_harness import (  # type: ignore[import-not-found, unused-ignore]
-    Backend,
-    Canary,
-    RoundRobinRouter,
-    running_envoy,
-)
 
 from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.envoy.process import EnvoySupervisor
@@ -31,6 +25,12 @@ from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.requestcontrol.types import Usage
 from poolkeeper.telemetry.health import HealthService
+from tests.envoy.envoy_harness import (
+    Backend,
+    Canary,
+    RoundRobinRouter,
+    running_envoy,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from extproc_fakes import (  # type: ignore[import-not-found, unused-ignore]
+
+from poolkeeper.extproc.contracts import ExtProcSettings
+from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.requestcontrol.types import Usage
+from tests.extproc.extproc_fakes import (
     BUFFERED,
     PODS,
     STREAMED,
@@ -19,10 +23,6 @@ from extproc_fakes import (  # type: ignore[import-not-found, unused-ignore]
     headers_msg,
     post_headers,
 )
-
-from poolkeeper.extproc.contracts import ExtProcSettings
-from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.requestcontrol.types import Usage
 
 DEST = "x-gateway-destination-endpoint"
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from sched_factories import request, scheduler, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.build import build_scheduler
@@ -15,6 +14,7 @@ from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
 from poolkeeper.scheduling.presets import PRESETS, preset_config, preset_document
 from poolkeeper.scheduling.registry import NoParams, PluginKind, PluginSpec
+from tests.scheduling.sched_factories import request, scheduler, state
 
 
 def problems(doc: dict[str, Any]) -> str:

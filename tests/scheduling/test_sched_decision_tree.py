@@ -5,11 +5,11 @@ from __future__ import annotations
 import collections
 
 import pytest
-from sched_factories import key, request, scheduler, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.types import EndpointState
+from tests.scheduling.sched_factories import key, request, scheduler, state
 
 V03 = "gie-v0.3-decision-tree"
 CRIT, STD, SHED = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE

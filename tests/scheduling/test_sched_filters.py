@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from sched_factories import NOW, cycle, key, plugin, request, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.types import EndpointState
+from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 
 
 def keys(states: object) -> list[str]:

@@ -6,10 +6,10 @@ import collections
 
 import pytest
 from hypothesis import given, settings, strategies as st
-from sched_factories import key, request, scheduler, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.types import EndpointState
+from tests.scheduling.sched_factories import key, request, scheduler, state
 
 
 def test_start_finish_counts_and_idempotence() -> None:

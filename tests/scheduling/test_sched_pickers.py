@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 
 import pytest
-from sched_factories import plugin, state  # type: ignore[import-not-found, unused-ignore]
+
+from tests.scheduling.sched_factories import plugin, state
 
 CANDS = [state(i) for i in range(6)]
 

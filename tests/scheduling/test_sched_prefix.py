@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import xxhash
 from hypothesis import given, settings, strategies as st
-from sched_factories import cycle, key, plugin, request, scheduler, scores_of, single, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.scheduling.interfaces import ProfileResult
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
+from tests.scheduling.sched_factories import (
+    cycle,
+    key,
+    plugin,
+    request,
+    scheduler,
+    scores_of,
+    single,
+    state,
+)
 
 A64, B64, C64 = "a" * 64, "b" * 64, "c" * 64
 

@@ -6,13 +6,13 @@ import math
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings, strategies as st
-from sched_factories import NOW, cycle, plugin, request, scheduler, scores_of  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.scheduling.interfaces import ProfileResult
 from poolkeeper.scheduling.presets import PRESETS
 from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
+from tests.scheduling.sched_factories import NOW, cycle, plugin, request, scheduler, scores_of
 
 ADAPTERS = st.frozensets(st.sampled_from(["a", "b", "c", "d"]), max_size=3)
 KV = st.one_of(st.floats(min_value=0.0, max_value=1.0), st.floats(allow_nan=True))

@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-from sched_factories import key, request, scheduler, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.errors import GatewayError, NoReadyEndpoint
 from poolkeeper.scheduling.build import build_scheduler
@@ -23,6 +22,7 @@ from poolkeeper.scheduling.interfaces import (
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
 from poolkeeper.scheduling.registry import NoParams, PluginKind, PluginRegistry, PluginSpec
 from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from tests.scheduling.sched_factories import key, request, scheduler, state
 
 
 def test_no_candidates_is_no_ready_endpoint_503() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from sched_factories import plugin, request, scores_of, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.scheduling.types import EndpointState
+from tests.scheduling.sched_factories import plugin, request, scores_of, state
 
 
 def approx(values: list[float]) -> list[object]:

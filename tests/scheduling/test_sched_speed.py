@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
-from sched_factories import key, plugin, request, scores_of, state  # type: ignore[import-not-found, unused-ignore]
 
 from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.speed import ObservedSpeed
+from tests.scheduling.sched_factories import key, plugin, request, scores_of, state
 
 
 @pytest.mark.parametrize(

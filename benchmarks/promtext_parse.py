@@ -27,7 +27,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.backend.mappings import mapping_for
-from poolkeeper.scheduling.types import EndpointMetrics
+from poolkeeper.datastore.endpoint import EndpointMetrics
 
 PAGE = Path(__file__).resolve().parent.parent / "tests" / "backend" / "fixtures" / "vllm_v1.prom"
 

@@ -27,10 +27,11 @@ import statistics
 import time
 
 from poolkeeper.admission.controller import AdmissionController
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.presets import PRESETS, preset_config
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 _SENTENCE = (
     "the model server pool routes requests to endpoints with cached prefixes and low queues "

@@ -9,8 +9,9 @@ from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.admission.controller import AdmissionController, AdmissionDecision
 from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.errors import RequestShed
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 NOW = 50.0
 CRIT, STD, SHED = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE

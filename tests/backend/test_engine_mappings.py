@@ -14,7 +14,7 @@ from poolkeeper.backend.mappings import (
     mapping_for,
 )
 from poolkeeper.backend.promtext import PromParseError
-from poolkeeper.scheduling.types import EndpointMetrics
+from poolkeeper.datastore.endpoint import EndpointMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FRESH = EndpointMetrics()

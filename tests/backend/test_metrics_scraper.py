@@ -16,8 +16,8 @@ from poolkeeper.api.pool import InferencePool
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.scraper import MetricsScraper, ScraperManager, metrics_url
 from poolkeeper.datastore import Datastore, EndpointSpec
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
 from poolkeeper.netutil import free_port
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics
 
 VLLM_PAGE = (Path(__file__).parent / "fixtures" / "vllm_v1.prom").read_bytes()
 

@@ -18,8 +18,9 @@ from poolkeeper.bench.policies import (
     RoundRobin,
 )
 from poolkeeper.bench.prefixtrees import ApproxRadixTree, BlockPrefixIndex, common_prefix_len
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.errors import NoReadyEndpoint
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.tokens import count_tokens
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from poolkeeper.bench.routers import make_policy
 from poolkeeper.bench.schedpolicy import SchedulerPolicy
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.scheduling.types import LLMRequest
 
 
 def _pool() -> list[EndpointState]:

@@ -9,7 +9,7 @@ import pytest
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
 from poolkeeper.datastore import ChangeKind, Datastore, DatastoreSnapshot, EndpointSpec
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
 
 
 def pool(name: str, selector: dict[str, str], port: int = 8000, ns: str = "default") -> Any:

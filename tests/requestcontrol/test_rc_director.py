@@ -17,6 +17,7 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.errors import (
     BadRequest,
@@ -32,13 +33,7 @@ from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Us
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.inflight import InflightTracker
-from poolkeeper.scheduling.types import (
-    Endpoint,
-    EndpointMetrics,
-    EndpointState,
-    LLMRequest,
-    SchedulingResult,
-)
+from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
 POOL = "default/pool"
 OTHER_POOL = "default/other"

@@ -7,8 +7,8 @@ import collections
 import pytest
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import RequestShed
-from poolkeeper.scheduling.types import EndpointState
 from tests.scheduling.sched_factories import key, request, scheduler, state
 
 V03 = "gie-v0.3-decision-tree"

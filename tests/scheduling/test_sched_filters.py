@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import RequestShed
-from poolkeeper.scheduling.types import EndpointState
 from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 
 

@@ -7,8 +7,8 @@ import collections
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.inflight import InflightTracker
-from poolkeeper.scheduling.types import EndpointState
 from tests.scheduling.sched_factories import key, request, scheduler, state
 
 

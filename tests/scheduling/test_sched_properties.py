@@ -8,10 +8,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.scheduling.interfaces import ProfileResult
 from poolkeeper.scheduling.presets import PRESETS
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
 from tests.scheduling.sched_factories import NOW, cycle, plugin, request, scheduler, scores_of
 
 ADAPTERS = st.frozensets(st.sampled_from(["a", "b", "c", "d"]), max_size=3)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError, NoReadyEndpoint
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
@@ -21,7 +22,7 @@ from poolkeeper.scheduling.interfaces import (
 )
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
 from poolkeeper.scheduling.registry import NoParams, PluginKind, PluginRegistry, PluginSpec
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 from tests.scheduling.sched_factories import key, request, scheduler, state
 
 

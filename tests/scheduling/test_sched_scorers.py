@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from poolkeeper.scheduling.types import EndpointState
+from poolkeeper.datastore.endpoint import EndpointState
 from tests.scheduling.sched_factories import plugin, request, scores_of, state
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from poolkeeper.scheduling.types import EndpointState
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.sim.params import EngineConfig
 from poolkeeper.sim.virtual import Arrival, RequestResult, VirtualFleet
 

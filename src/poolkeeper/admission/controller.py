@@ -19,8 +19,9 @@ from enum import StrEnum
 from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.admission.saturation import SaturationDetector, SaturationReport
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import RequestShed
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 
 class AdmissionDecision(StrEnum):

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolkeeper.admission.config import AdmissionConfig
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.load import effective_kv
-from poolkeeper.scheduling.types import EndpointState
 
 
 @dataclass(frozen=True, slots=True)

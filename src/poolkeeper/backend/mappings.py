@@ -53,7 +53,7 @@ from types import MappingProxyType
 from typing import Final
 
 from poolkeeper.backend.promtext import FamilyFilter, Sample
-from poolkeeper.scheduling.types import EndpointMetrics
+from poolkeeper.datastore.endpoint import EndpointMetrics
 
 __all__ = [
     "BUILTIN_MAPPINGS",

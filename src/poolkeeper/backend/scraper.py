@@ -26,7 +26,7 @@ import aiohttp
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.mappings import EngineMapping, MissingMetrics, mapping_for
 from poolkeeper.backend.promtext import PromParseError
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
 
 if TYPE_CHECKING:
     from poolkeeper.datastore.store import Datastore, DatastoreSnapshot

@@ -64,9 +64,10 @@ def _run_script(path: Path, args: Sequence[str], timeout: float) -> dict[str, An
 
 def direct_decision_times(sizes: Sequence[int], decisions: int, seed: int = 7) -> dict[str, Any]:
     """Fallback: wall time of `Scheduler.schedule` (default preset) per fleet size."""
+    from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
     from poolkeeper.scheduling.build import build_scheduler
     from poolkeeper.scheduling.presets import preset_config
-    from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+    from poolkeeper.scheduling.types import LLMRequest
 
     out: dict[str, Any] = {}
     for n in sizes:

@@ -40,8 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolkeeper.bench.prefixtrees import ApproxRadixTree, BlockPrefixIndex
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.tokens import CHARS_PER_TOKEN
 
 

@@ -19,8 +19,9 @@ from typing import Protocol
 
 from poolkeeper.bench.policies import BASELINES
 from poolkeeper.bench.scenarios import Scenario
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import ConfigError
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 
 class RoutingPolicy(Protocol):

@@ -29,8 +29,9 @@ from poolkeeper.bench.report import quantiles
 from poolkeeper.bench.routers import RoutingPolicy, make_policy
 from poolkeeper.bench.scenarios import Scenario, build_scenario, server_configs
 from poolkeeper.bench.workloads import Arrival, WorkloadSpec, generate
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.params import EngineConfig
 from poolkeeper.sim.virtual import Arrival as SimArrival, FleetResult, RequestResult, VirtualFleet
 from poolkeeper.tokens import count_tokens

@@ -33,7 +33,7 @@ from typing import Final, TypeVar
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.status import resolve_model_names
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 
 __all__ = ["ChangeKind", "Datastore", "DatastoreSnapshot", "EndpointSpec", "Listener"]
 

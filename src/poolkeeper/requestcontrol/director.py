@@ -34,6 +34,7 @@ from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import Criticality, effective_criticality
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import (
     GatewayError,
     ModelNotFound,
@@ -46,7 +47,7 @@ from poolkeeper.requestcontrol.split import choose_target_model
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.inflight import InflightTracker
-from poolkeeper.scheduling.types import EndpointState, LLMRequest, SchedulingResult
+from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
 log = logging.getLogger(__name__)
 

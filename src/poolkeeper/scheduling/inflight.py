@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.scheduling.speed import DEFAULT_SPEED_ALPHA, ObservedSpeed
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
 
 
 @dataclass(frozen=True, slots=True)

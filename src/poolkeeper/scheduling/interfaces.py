@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.types import LLMRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ load-based filter and scorer treats a just-sent request as already queued.
 
 from __future__ import annotations
 
-from poolkeeper.scheduling.types import EndpointState
+from poolkeeper.datastore.endpoint import EndpointState
 
 
 def effective_waiting(state: EndpointState, count_unseen: bool = True) -> int:

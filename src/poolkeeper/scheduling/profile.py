@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from operator import mul
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError
 from poolkeeper.scheduling.interfaces import (
     AffineScores,
@@ -25,7 +26,7 @@ from poolkeeper.scheduling.interfaces import (
     Scorer,
     is_bounded,
 )
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 
 def clamp_unit(v: float) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError, NoReadyEndpoint
 from poolkeeper.scheduling.interfaces import (
     CycleState,
@@ -19,7 +20,7 @@ from poolkeeper.scheduling.interfaces import (
     ProfileResult,
 )
 from poolkeeper.scheduling.profile import SchedulerProfile
-from poolkeeper.scheduling.types import EndpointState, LLMRequest, SchedulingResult
+from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
 
 class Scheduler:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from poolkeeper.scheduling.types import EndpointState
+from poolkeeper.datastore.endpoint import EndpointState
 
 DEFAULT_SPEED_ALPHA = 0.1
 

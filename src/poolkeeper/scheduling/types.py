@@ -1,8 +1,8 @@
-"""The values the scheduler works on: endpoints, their metrics, the request, the result.
+"""The values the scheduler works on besides endpoints: the request and the result.
 
-These are the contract between the datastore (which builds EndpointState snapshots), the request
-path (which builds LLMRequest), the scheduler, the simulator's virtual-time fleet and the
-benchmarks. Hot-path values: frozen, slotted dataclasses; no pydantic here.
+`LLMRequest` is built by the request path (the Director, the simulator's fleet, the benchmarks);
+`SchedulingResult` is what the scheduler returns. The endpoint values they refer to live in
+`poolkeeper.datastore.endpoint`. Hot-path values: frozen, slotted dataclasses; no pydantic here.
 """
 
 from __future__ import annotations
@@ -12,87 +12,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.datastore.endpoint import EndpointState, empty_labels
 
-_EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
 _EMPTY_SCORES: Mapping[str, float] = MappingProxyType({})
 
 
-# dataclasses reject unhashable defaults (a mappingproxy is one), so the shared empty mappings
-# are handed out by factories.
-def _empty_labels() -> Mapping[str, str]:
-    return _EMPTY_LABELS
-
-
+# dataclasses reject unhashable defaults (a mappingproxy is one): handed out by a factory.
 def _empty_scores() -> Mapping[str, float]:
     return _EMPTY_SCORES
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One model-server endpoint (a pod's ip:port, or a standalone server)."""
-
-    name: str
-    address: str
-    port: int
-    namespace: str = "default"
-    labels: Mapping[str, str] = field(default_factory=_empty_labels, compare=False, hash=False)
-    engine: str = "vllm"
-    # `ip:port`, the value of the x-gateway-destination-endpoint header. Computed once here,
-    # because the scheduler reads it for every candidate of every decision.
-    hostport: str = field(init=False, repr=False, compare=False, hash=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "hostport", f"{self.address}:{self.port}")
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointMetrics:
-    """What the last scrape of an endpoint said. `updated_at` is a monotonic time in seconds."""
-
-    waiting: int = 0
-    running: int = 0
-    kv_cache_usage: float = 0.0  # 0..1
-    active_adapters: frozenset[str] = frozenset()
-    waiting_adapters: frozenset[str] = frozenset()
-    max_adapters: int = 0
-    block_size: int | None = None
-    num_gpu_blocks: int | None = None
-    updated_at: float = 0.0  # 0.0 = never scraped successfully
-    error: str | None = None  # last scrape error, if the last attempt failed
-    # The base model the server serves (vLLM and SGLang label every metric `model_name=...`);
-    # None if the engine does not say. The base model is always resident, unlike adapters.
-    served_model: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointState:
-    """The scheduler's view of one endpoint: identity, scraped metrics and router-side load.
-
-    `inflight_requests` / `inflight_tokens` count requests this router sent to the endpoint and
-    has not seen finish; `unseen_requests` / `unseen_tokens` are the part of those sent after the
-    metrics were scraped, so not yet visible in `metrics.waiting` / `metrics.running`.
-    `seconds_per_output_token` is the router's own observation of how fast the endpoint
-    serves (`scheduling/speed.py`: EWMA of sent-to-finished seconds per output token), None
-    until a request there finished.
-    """
-
-    endpoint: Endpoint
-    metrics: EndpointMetrics
-    inflight_requests: int = 0
-    inflight_tokens: int = 0
-    unseen_requests: int = 0
-    unseen_tokens: int = 0
-    seconds_per_output_token: float | None = None
-
-    @property
-    def key(self) -> str:
-        return self.endpoint.hostport
-
-    def age(self, now: float) -> float:
-        """Seconds since the last successful scrape (infinite if never scraped)."""
-        if self.metrics.updated_at <= 0.0:
-            return float("inf")
-        return max(0.0, now - self.metrics.updated_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +34,7 @@ class LLMRequest:
     prompt_tokens: int = 0
     max_tokens: int | None = None
     stream: bool = False
-    headers: Mapping[str, str] = field(default_factory=_empty_labels, compare=False, hash=False)
+    headers: Mapping[str, str] = field(default_factory=empty_labels, compare=False, hash=False)
     subset: frozenset[str] | None = None  # ip:port allowed by the proxy's subset hint, if any
 
 

@@ -48,7 +48,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from poolkeeper.scheduling.types import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.sim.config import ServerSpec
 from poolkeeper.sim.engine import (
     EngineModel,

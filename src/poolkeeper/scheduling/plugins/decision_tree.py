@@ -13,10 +13,11 @@ from collections.abc import Sequence
 
 from pydantic import Field, model_validator
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState, Filter, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.registry import BuildContext, PluginParams
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 
 class NodeRef(PluginParams):

@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
 from poolkeeper.scheduling.load import effective_kv, effective_waiting
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.registry import PluginParams
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 
 class LoadParams(PluginParams):

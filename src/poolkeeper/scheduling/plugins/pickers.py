@@ -16,10 +16,10 @@ from operator import ge
 
 from pydantic import Field
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.registry import PluginParams
-from poolkeeper.scheduling.types import EndpointState
 
 
 class PickerParams(PluginParams):

@@ -18,11 +18,12 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
 from poolkeeper.scheduling.registry import PluginParams
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 
 class PrefixCacheParams(PluginParams):

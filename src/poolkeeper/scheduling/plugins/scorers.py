@@ -12,12 +12,13 @@ from typing import Literal
 
 from pydantic import Field
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import AffineScores, CycleState, Scores, TypedName
 from poolkeeper.scheduling.load import effective_kv
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.filters import LoadParams
 from poolkeeper.scheduling.registry import PluginParams
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 
 
 def inverse_min_max(values: list[int] | list[float], min_span: float = 0.0) -> Scores:

@@ -1,0 +1,92 @@
+"""The endpoint values every layer above reads: identity, scraped metrics, router-side load.
+
+`Endpoint` is one model-server endpoint (a pod's ip:port, or a standalone server);
+`EndpointMetrics` is what its last scrape said; `EndpointState` joins the two with the router's
+own in-flight counts. The datastore builds them, the scrapers fill the metrics, and the
+scheduler, admission, the simulator's virtual fleet and the benchmarks read them. They live at
+the bottom of the stack (below the scheduler) so that the datastore and the backend never import
+upward. Hot-path values: frozen, slotted dataclasses; no pydantic here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+_EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
+
+
+# dataclasses reject unhashable defaults (a mappingproxy is one), so the shared empty mapping
+# is handed out by a factory.
+def empty_labels() -> Mapping[str, str]:
+    """The shared, read-only empty label mapping."""
+    return _EMPTY_LABELS
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One model-server endpoint (a pod's ip:port, or a standalone server)."""
+
+    name: str
+    address: str
+    port: int
+    namespace: str = "default"
+    labels: Mapping[str, str] = field(default_factory=empty_labels, compare=False, hash=False)
+    engine: str = "vllm"
+    # `ip:port`, the value of the x-gateway-destination-endpoint header. Computed once here,
+    # because the scheduler reads it for every candidate of every decision.
+    hostport: str = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hostport", f"{self.address}:{self.port}")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMetrics:
+    """What the last scrape of an endpoint said. `updated_at` is a monotonic time in seconds."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    active_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    max_adapters: int = 0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    updated_at: float = 0.0  # 0.0 = never scraped successfully
+    error: str | None = None  # last scrape error, if the last attempt failed
+    # The base model the server serves (vLLM and SGLang label every metric `model_name=...`);
+    # None if the engine does not say. The base model is always resident, unlike adapters.
+    served_model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """The scheduler's view of one endpoint: identity, scraped metrics and router-side load.
+
+    `inflight_requests` / `inflight_tokens` count requests this router sent to the endpoint and
+    has not seen finish; `unseen_requests` / `unseen_tokens` are the part of those sent after the
+    metrics were scraped, so not yet visible in `metrics.waiting` / `metrics.running`.
+    `seconds_per_output_token` is the router's own observation of how fast the endpoint
+    serves (`scheduling/speed.py`: EWMA of sent-to-finished seconds per output token), None
+    until a request there finished.
+    """
+
+    endpoint: Endpoint
+    metrics: EndpointMetrics
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    unseen_requests: int = 0
+    unseen_tokens: int = 0
+    seconds_per_output_token: float | None = None
+
+    @property
+    def key(self) -> str:
+        return self.endpoint.hostport
+
+    def age(self, now: float) -> float:
+        """Seconds since the last successful scrape (infinite if never scraped)."""
+        if self.metrics.updated_at <= 0.0:
+            return float("inf")
+        return max(0.0, now - self.metrics.updated_at)

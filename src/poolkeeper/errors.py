@@ -31,9 +31,13 @@ class GatewayError(Exception):
     openai_type: ClassVar[str] = "internal_error"
     openai_code: ClassVar[str | None] = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, model: str = "", target_model: str = "") -> None:
         super().__init__(message)
         self.message = message
+        # What the request path had learned when it failed (the body's `model`, the target
+        # chosen by the split), so front ends label errors without parsing the body again.
+        self.model = model
+        self.target_model = target_model
 
     def openai_body(self) -> dict[str, Any]:
         return openai_error_body(

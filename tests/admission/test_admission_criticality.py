@@ -84,12 +84,12 @@ def test_stale_count_and_broken_kv_values() -> None:
 
 
 def test_custom_thresholds_and_staleness() -> None:
-    cfg = AdmissionConfig.model_validate(
-        {"queueDepthThreshold": 10, "kvCacheUtilThreshold": 0.5, "metricsStalenessMs": 1000}
-    )
-    d = SaturationDetector(cfg)
+    cfg = AdmissionConfig.model_validate({"queueDepthThreshold": 10, "kvCacheUtilThreshold": 0.5})
+    d = SaturationDetector(cfg, staleness_s=1.0)  # the gateway's scraping.stalenessMs
     assert d.saturation([ep(1, waiting=5, kv=0.25, age=0.5)], NOW) == pytest.approx(0.5)
     assert d.saturation([ep(1, kv=0.6)], NOW) == pytest.approx(1.2)
+    # With the default 200 ms, the same half-second-old metrics are stale (saturation 1.0).
+    assert SaturationDetector(cfg).saturation([ep(1, age=0.5)], NOW) == 1.0
 
 
 # (pool, criticality) -> admitted?
@@ -153,6 +153,7 @@ def test_shed_levels_per_criticality() -> None:
         ({"standardOverloadLevel": 0.5}, "must be >= sheddableSaturationLevel"),
         ({"allStalePolicy": "maybe"}, "allStalePolicy"),
         ({"queueDepth": 5}, "Extra inputs are not permitted"),
+        ({"metricsStalenessMs": 500}, "moved to spec.scraping.stalenessMs"),
     ],
 )  # fmt: skip
 def test_admission_config_validation(doc: dict[str, object], message: str) -> None:
@@ -165,7 +166,6 @@ def test_admission_config_defaults_and_aliases() -> None:
     assert dumped == {
         "queueDepthThreshold": 5,
         "kvCacheUtilThreshold": 0.8,
-        "metricsStalenessMs": 200,
         "sheddableSaturationLevel": 1.0,
         "standardOverloadLevel": 8.0,
         "countUnseen": True,

@@ -1,26 +1,26 @@
 """Status computation: Accepted / ModelNameInUse / PoolNotFound / NoValidTargetModel / Pending,
-conflict resolution by age, lastTransitionTime stability, and resolve_model_names."""
+conflict resolution by age, lastTransitionTime stability."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import pytest
-
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
 from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
-from poolkeeper.api.status import (
-    compute_model_statuses,
-    judge_models,
-    resolve_model_names,
-    with_status,
-)
+from poolkeeper.api.status import compute_model_statuses, judge_models, with_status
 from tests.api.apidocs import M1, model_doc, pool1_doc, pool2_doc
 
 T0 = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)
 NOW = datetime(2025, 7, 1, 12, 0, 0, 123456, tzinfo=UTC)
 POOL = InferencePool.model_validate(pool2_doc())
+
+
+def statuses_of(
+    pools: list[AnyInferencePool], models: list[InferenceModel], **kwargs: Any
+) -> dict[str, InferenceModelStatus]:
+    """Statuses from the verdicts, as the datastore's model index computes them."""
+    return compute_model_statuses(models, judge_models(pools, models), **kwargs)
 
 
 def model(
@@ -45,7 +45,7 @@ def model(
 def reasons(
     pools: list[AnyInferencePool], models: list[InferenceModel]
 ) -> dict[str, tuple[str, str]]:
-    statuses = compute_model_statuses(pools, models, now=NOW)
+    statuses = statuses_of(pools, models, now=NOW)
     out: dict[str, tuple[str, str]] = {}
     for key, status in statuses.items():
         cond = status.condition("Accepted")
@@ -55,7 +55,7 @@ def reasons(
 
 
 def test_single_model_is_accepted() -> None:
-    statuses = compute_model_statuses([POOL], [model("a")], now=NOW)
+    statuses = statuses_of([POOL], [model("a")], now=NOW)
     (cond,) = statuses["default/a"].conditions
     assert (cond.type, cond.status, cond.reason) == ("Accepted", "True", "Accepted")
     assert cond.last_transition_time == NOW.replace(microsecond=0)
@@ -65,7 +65,7 @@ def test_single_model_is_accepted() -> None:
 def test_observed_generation_follows_metadata() -> None:
     m = model("a")
     m = m.model_copy(update={"metadata": m.metadata.model_copy(update={"generation": 7})})
-    statuses = compute_model_statuses([POOL], [m], now=NOW)
+    statuses = statuses_of([POOL], [m], now=NOW)
     assert statuses["default/a"].conditions[0].observed_generation == 7
 
 
@@ -76,9 +76,7 @@ def test_oldest_wins_and_newer_gets_model_name_in_use() -> None:
         "default/old": ("True", "Accepted"),
         "default/new": ("False", "ModelNameInUse"),
     }
-    message = (
-        compute_model_statuses([POOL], [new, old], now=NOW)["default/new"].conditions[0].message
-    )
+    message = statuses_of([POOL], [new, old], now=NOW)["default/new"].conditions[0].message
     assert "default/old" in message
     assert "'llama'" in message
 
@@ -118,7 +116,7 @@ def test_same_model_name_in_different_pools_is_fine() -> None:
 
 def test_pool_is_looked_up_in_the_models_namespace() -> None:
     elsewhere = model("a", namespace="team-b")
-    result = compute_model_statuses([POOL], [elsewhere], now=NOW)["team-b/a"].conditions[0]
+    result = statuses_of([POOL], [elsewhere], now=NOW)["team-b/a"].conditions[0]
     assert (result.status, result.reason) == ("False", "PoolNotFound")
     assert "team-b/pool" in result.message
 
@@ -153,14 +151,14 @@ def test_deleting_the_winner_promotes_the_next_oldest() -> None:
     first = model("first", created=T0)
     second = model("second", created=T0 + timedelta(minutes=1))
     third = model("third", created=T0 + timedelta(minutes=2))
-    before = compute_model_statuses([POOL], [first, second, third], now=NOW)
+    before = statuses_of([POOL], [first, second, third], now=NOW)
     assert before["default/second"].conditions[0].reason == "ModelNameInUse"
     later = NOW + timedelta(minutes=5)
     survivors = [
         with_status(second, before["default/second"]),
         with_status(third, before["default/third"]),
     ]
-    after = compute_model_statuses([POOL], survivors, now=later)
+    after = statuses_of([POOL], survivors, now=later)
     promoted = after["default/second"].conditions[0]
     assert (promoted.status, promoted.reason) == ("True", "Accepted")
     assert promoted.last_transition_time == later.replace(microsecond=0)
@@ -173,16 +171,16 @@ def test_deleting_the_winner_promotes_the_next_oldest() -> None:
 
 def test_last_transition_time_only_moves_when_status_changes() -> None:
     m = model("a")
-    first = compute_model_statuses([POOL], [m], now=NOW)
-    again = compute_model_statuses([POOL], [m], now=NOW + timedelta(hours=1), previous=first)
+    first = statuses_of([POOL], [m], now=NOW)
+    again = statuses_of([POOL], [m], now=NOW + timedelta(hours=1), previous=first)
     assert again["default/a"].conditions[0].last_transition_time == NOW.replace(microsecond=0)
-    gone = compute_model_statuses([], [m], now=NOW + timedelta(hours=2), previous=again)
+    gone = statuses_of([], [m], now=NOW + timedelta(hours=2), previous=again)
     lost = gone["default/a"].conditions[0]
     assert (lost.status, lost.reason) == ("False", "PoolNotFound")
     assert lost.last_transition_time == (NOW + timedelta(hours=2)).replace(microsecond=0)
     # False -> False with another reason keeps the time.
     conflict = [m, model("older", created=T0 - timedelta(days=1))]
-    moved = compute_model_statuses([POOL], conflict, now=NOW + timedelta(hours=3), previous=gone)[
+    moved = statuses_of([POOL], conflict, now=NOW + timedelta(hours=3), previous=gone)[
         "default/a"
     ].conditions[0]
     assert (moved.status, moved.reason) == ("False", "ModelNameInUse")
@@ -192,7 +190,7 @@ def test_last_transition_time_only_moves_when_status_changes() -> None:
 def test_pending_default_transitions_at_first_reconcile() -> None:
     m = model("a")
     assert m.status.conditions[0].reason == "Pending"
-    cond = compute_model_statuses([POOL], [m], now=NOW)["default/a"].conditions[0]
+    cond = statuses_of([POOL], [m], now=NOW)["default/a"].conditions[0]
     assert cond.status == "True"
     assert cond.last_transition_time == NOW.replace(microsecond=0)
 
@@ -213,22 +211,8 @@ def test_previous_defaults_to_the_objects_own_status() -> None:
             ]
         }
     )
-    cond = compute_model_statuses([POOL], [with_status(m, status)], now=NOW)[
-        "default/a"
-    ].conditions[0]
+    cond = statuses_of([POOL], [with_status(m, status)], now=NOW)["default/a"].conditions[0]
     assert cond.last_transition_time == earlier
-
-
-@pytest.mark.parametrize("order", [0, 1, 2], ids=["order-a", "order-b", "order-c"])
-def test_resolve_model_names(order: int) -> None:
-    winner = model("winner", "chat", created=T0)
-    loser = model("loser", "chat", created=T0 + timedelta(seconds=1))
-    base = model("base", "llama-base")
-    orphan = model("orphan", "orphan", pool="missing")
-    models = [winner, loser, base, orphan]
-    models = models[order:] + models[:order]
-    resolved = resolve_model_names([POOL], models)
-    assert resolved == {("default/pool", "chat"): winner, ("default/pool", "llama-base"): base}
 
 
 def test_judge_models_reports_the_pool_key() -> None:

@@ -10,11 +10,11 @@ from poolkeeper.backend.config import ENGINE_TYPE_LABEL, ScrapingConfig
 
 def test_defaults() -> None:
     config = ScrapingConfig()
-    assert (config.interval_ms, config.timeout_ms, config.staleness_ms) == (50, 1000, 2000)
+    assert (config.interval_ms, config.timeout_ms, config.staleness_ms) == (50, 1000, 200)
     assert config.max_response_bytes == 4 * 1024 * 1024
     assert (config.path, config.scheme, config.default_engine) == ("/metrics", "http", "vllm")
     assert config.engine_label == ENGINE_TYPE_LABEL
-    assert (config.interval_s, config.timeout_s, config.staleness_s) == (0.05, 1.0, 2.0)
+    assert (config.interval_s, config.timeout_s, config.staleness_s) == (0.05, 1.0, 0.2)
 
 
 def test_camel_case_keys_and_engine_alias() -> None:

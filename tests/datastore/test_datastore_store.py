@@ -124,15 +124,25 @@ def test_models_resolve_oldest_wins_per_pool() -> None:
     snap = store.snapshot()
     assert snap.models("default/a")["llama"].metadata.name == "old"
     assert snap.models("default/b")["llama"].metadata.name == "in-b"
-    assert [(k, m.metadata.name) for k, m in snap.model_for("llama")] == [
-        ("default/a", "old"),
-        ("default/b", "in-b"),
-    ]
-    resolved = snap.resolve("llama", "default/b")
+    resolved = snap.resolve("llama")  # in two pools: the oldest model's pool
     assert resolved is not None
-    assert resolved.metadata.name == "in-b"
+    assert (resolved.pool_key, resolved.model.metadata.name) == ("default/a", "old")
     assert snap.resolve("mistral") is None  # its pool does not exist
-    assert set(snap.model_names) == {("default/a", "llama"), ("default/b", "llama")}
+    assert snap.model_names() == ("llama",)
+    assert snap.model_index.verdicts["default/new"].reason == "ModelNameInUse"
+
+
+def test_metrics_and_endpoint_writes_keep_the_model_index() -> None:
+    """The index is built once per resource write; the request path reads it as is."""
+    store = Datastore()
+    store.set_resources([pool("a", {"app": "a"})], [model("m", "llama", "a")])
+    index = store.snapshot().model_index
+    store.set_endpoints([spec("a-0", "10.0.0.1", app="a")])
+    store.update_metrics("10.0.0.1:8000", EndpointMetrics(waiting=3, updated_at=1.0))
+    assert store.snapshot().model_index is index
+    store.set_resources([pool("a", {"app": "a"})], [model("m", "mistral", "a")])
+    assert store.snapshot().model_index is not index
+    assert store.snapshot().model_names() == ("mistral",)
 
 
 def test_snapshots_are_immutable_and_old_ones_unchanged_by_writes() -> None:

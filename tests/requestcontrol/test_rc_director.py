@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-import poolkeeper.requestcontrol.director as director_module
 from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.models import ModelRoute
 from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.errors import (
     BadRequest,
@@ -290,8 +290,11 @@ async def test_all_zero_weights_from_a_snapshot_is_no_valid_target_model() -> No
         def pool_keys(self) -> Sequence[str]:
             return [POOL]
 
-        def models(self, pool_key: str) -> Mapping[str, InferenceModel]:
-            return {"dead": DEFAULT_MODELS[3]}
+        def resolve(self, model_name: str) -> ModelRoute | None:
+            return ModelRoute(POOL, DEFAULT_MODELS[3]) if model_name == "dead" else None
+
+        def model_names(self) -> Sequence[str]:
+            return ["dead"]
 
         def states(self, pool_key: str) -> Sequence[EndpointState]:
             return real.snapshot().states(POOL)
@@ -563,12 +566,14 @@ def test_model_names_across_pools() -> None:
     assert _rig(store).director.model_names() == ["a", "b", "c"]
 
 
-def test_ready_needs_an_endpoint_with_fresh_metrics() -> None:
+def test_ready_follows_whether_the_last_scrape_succeeded() -> None:
     rig = _rig()
-    rig.clock[0] = SCRAPED_AT + 1.0
+    rig.clock[0] = SCRAPED_AT + 60.0  # a late scrape does not flip readiness
     assert rig.director.ready()
-    rig.clock[0] = SCRAPED_AT + 3.0  # older than the 2 s freshness window
-    assert not rig.director.ready()
+    for i in range(1, 5):  # every endpoint's last scrape failed (values kept, error set)
+        failed = EndpointMetrics(updated_at=SCRAPED_AT, error="connection refused")
+        rig.store.update_metrics(f"10.0.0.{i}:8000", failed)
+        assert rig.director.ready() is (i < 4)
     assert not _rig(_store(scraped_at=0.0)).director.ready()  # never scraped
     assert not _rig(_store(endpoints=[])).director.ready()
     assert not _rig(_store(pools={})).director.ready()
@@ -580,7 +585,7 @@ async def test_build_director_from_a_gateway_config() -> None:
             "spec": {
                 "requestHandling": {"fallbackEndpoints": 0},
                 "scraping": {"stalenessMs": 500},
-                "admission": {"queueDepthThreshold": 100},
+                "admission": {"queueDepthThreshold": 100, "allStalePolicy": "shed"},
             }
         }
     )
@@ -590,33 +595,25 @@ async def test_build_director_from_a_gateway_config() -> None:
     decision = await director.route(_chat("cheap"))  # saturation 0.5 with a threshold of 100
     assert len(decision.endpoints) == 1
     assert director.config.fallback_endpoints == 0
-    clock[0] = SCRAPED_AT + 0.4
-    assert director.ready()
-    clock[0] = SCRAPED_AT + 0.6
-    assert not director.ready()
     director.complete(decision, status=200, usage=None)
+    # The one freshness setting reaches admission: fresh at 0.4 s, all stale (shed) at 0.6 s.
+    clock[0] = SCRAPED_AT + 0.4
+    director.complete(await director.route(_chat("cheap", rid="fresh")), status=200, usage=None)
+    clock[0] = SCRAPED_AT + 0.6
+    with pytest.raises(RequestShed, match="older than 500 ms"):
+        await director.route(_chat("cheap", rid="stale"))
 
 
-async def test_model_index_survives_metrics_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Metrics writes swap the snapshot constantly; the model index is rebuilt only when the
-    pools or models change."""
-    builds: list[int] = []
-    real_build = director_module.build_model_index
-
-    def counting(snapshot: Any) -> Any:
-        builds.append(1)
-        return real_build(snapshot)
-
-    monkeypatch.setattr(director_module, "build_model_index", counting)
-    store = _store()
-    rig = _rig(store)
-    for i in range(5):
-        store.update_metrics("10.0.0.1:8000", EndpointMetrics(waiting=i, updated_at=SCRAPED_AT))
-        await rig.director.route(_chat(rid=f"r{i}"))
-    assert len(builds) == 1
-    store.set_resources([_pool("pool", "sim")], [_model("fresh")])
-    assert rig.director.model_names() == ["fresh"]
-    assert len(builds) == 2
+async def test_a_rejection_carries_the_model_it_parsed() -> None:
+    """Front ends label error metrics with the request's model without parsing the body again."""
+    with pytest.raises(ModelNotFound) as unknown:
+        await _rig().director.route(_chat("nope"))
+    assert (unknown.value.model, unknown.value.target_model) == ("nope", "")
+    rig = _rig(_store(endpoints=[]))
+    with pytest.raises(NoReadyEndpoint) as empty:
+        await rig.director.route(_chat("cheap"))
+    assert empty.value.model == "cheap"
+    assert empty.value.target_model == "cheap"
 
 
 async def test_repeated_client_request_ids_keep_separate_accounting() -> None:

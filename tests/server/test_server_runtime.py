@@ -1,4 +1,5 @@
-"""The composition root without Envoy: loading errors, bootstrap parameters, start and stop."""
+"""The composition root without Envoy: the startup path through the resource source (loading
+errors), bootstrap parameters, start and stop."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import aiohttp
 import pytest
 
 from poolkeeper.cli import serve as serve_cli
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.files import FileResourceSource, file_source
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
-from poolkeeper.server.loading import load_gateway
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
 from poolkeeper.telemetry.health import EXT_PROC_SERVICE, NOT_SERVING, SERVING, check_health
 
@@ -56,28 +59,35 @@ spec: {{modelName: m, poolRef: {{name: pool}}}}
     return tmp_path, [http, ext_proc, metrics, health, admin, sim]
 
 
-def test_load_errors_are_collected(tmp_path: Path) -> None:
+async def _start(paths: list[Path]) -> tuple[GatewayConfig, Datastore]:
+    """The startup path `serve` takes: the file source fills a datastore, yields the config."""
+    store = Datastore()
+    return await FileResourceSource(paths, store).start(), store
+
+
+async def test_load_errors_are_collected(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("kind: InferencePool\napiVersion: nope/v1\n")
     with pytest.raises(ConfigError) as info:
-        load_gateway([tmp_path / "bad.yaml", tmp_path / "missing.yaml"])
+        await _start([tmp_path / "bad.yaml", tmp_path / "missing.yaml"])
     assert "bad.yaml" in info.value.message
     assert "missing.yaml" in info.value.message
     with pytest.raises(ConfigError, match="no files given"):
-        load_gateway([])
+        await _start([])
 
 
-def test_no_pool_is_an_error(tmp_path: Path) -> None:
+async def test_no_pool_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "gw.yaml").write_text(
         "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: x}\n"
     )
     with pytest.raises(ConfigError, match="no InferencePool"):
-        load_gateway([tmp_path])
+        await _start([tmp_path])
 
 
 @pytest.mark.parametrize("mode", ["FailOpen", "FailClose"])
-def test_bootstrap_follows_pool_failure_mode(tmp_path: Path, mode: str) -> None:
+async def test_bootstrap_follows_pool_failure_mode(tmp_path: Path, mode: str) -> None:
     directory, ports = _write(tmp_path, mode)
-    params = bootstrap_params(load_gateway([directory]))
+    config, store = await _start([directory])
+    params = bootstrap_params(config, store.snapshot())
     assert params.listen_port == ports[0]
     assert params.extproc_port == ports[1]
     assert params.admin_address == "127.0.0.1"
@@ -112,7 +122,9 @@ def test_serve_without_envoy_binary_says_what_to_do(
 
 async def test_runtime_starts_and_stops_without_envoy(tmp_path: Path) -> None:
     directory, ports = _write(tmp_path)
-    runtime = GatewayRuntime(ServeOptions(paths=[directory], run_envoy=False, ready_wait_s=0))
+    runtime = GatewayRuntime(
+        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0)
+    )
     await runtime.start()
     try:
         assert await check_health(f"127.0.0.1:{ports[3]}", "liveness") == SERVING

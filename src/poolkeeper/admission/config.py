@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -27,12 +27,6 @@ class AdmissionConfig(BaseModel):
         le=1,
         description="KV-cache utilisation (0..1) at which an endpoint counts as saturated. "
         "Default 0.8 (GIE SD_KV_CACHE_UTIL_THRESHOLD).",
-    )
-    metrics_staleness_ms: float = Field(
-        default=200,
-        gt=0,
-        description="Metrics older than this (ms) make an endpoint count as saturated (1.0). "
-        "Default 200 (GIE SD_METRICS_STALENESS_THRESHOLD).",
     )
     sheddable_saturation_level: float = Field(
         default=1.0,
@@ -61,6 +55,16 @@ class AdmissionConfig(BaseModel):
         "`shed` (treat as saturated, GIE v0.4-v1.5 behaviour).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "metricsStalenessMs" in data:
+            raise ValueError(
+                "metricsStalenessMs moved to spec.scraping.stalenessMs, the one freshness "
+                "setting that admission and the scheduler's filters share"
+            )
+        return data
+
     @model_validator(mode="after")
     def _ordered(self) -> AdmissionConfig:
         if (
@@ -72,7 +76,3 @@ class AdmissionConfig(BaseModel):
                 "(Standard is never shed before Sheddable)"
             )
         return self
-
-    @property
-    def staleness_s(self) -> float:
-        return self.metrics_staleness_ms / 1000.0

@@ -19,7 +19,7 @@ from enum import StrEnum
 from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.admission.saturation import SaturationDetector, SaturationReport
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S, EndpointState
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -42,9 +42,11 @@ class AdmissionController:
 
     __slots__ = ("config", "detector")
 
-    def __init__(self, config: AdmissionConfig | None = None) -> None:
+    def __init__(
+        self, config: AdmissionConfig | None = None, *, staleness_s: float = DEFAULT_STALENESS_S
+    ) -> None:
         self.config = config if config is not None else AdmissionConfig()
-        self.detector = SaturationDetector(self.config)
+        self.detector = SaturationDetector(self.config, staleness_s=staleness_s)
 
     def shed_level(self, criticality: Criticality) -> float | None:
         """Saturation at which requests of this criticality are shed (None = never)."""
@@ -75,7 +77,7 @@ class AdmissionController:
             return AdmissionOutcome(
                 AdmissionDecision.SHED,
                 f"pool saturated: metrics of all {report.endpoints} endpoints are stale "
-                f"(older than {self.config.metrics_staleness_ms:g} ms)",
+                f"(older than {self.detector.staleness_s * 1000:g} ms)",
                 report,
             )
         if report.saturation >= level:

@@ -1,9 +1,10 @@
 """SaturationDetector: how loaded the pool is, from fresh metrics and in-flight counts.
 
 Per endpoint: `max(queue / queueDepthThreshold, kv / kvCacheUtilThreshold)` (queue and KV
-include requests sent since the last scrape), or 1.0 when its metrics are older than
-`metricsStalenessMs`. Pool saturation = the average over the pool's endpoints (GIE v1.5's
-utilization detector); 1.0 means "the average endpoint is at its thresholds".
+include requests sent since the last scrape), or 1.0 when its metrics are older than the
+gateway's one freshness setting (`spec.scraping.stalenessMs`). Pool saturation = the average
+over the pool's endpoints (GIE v1.5's utilization detector); 1.0 means "the average endpoint
+is at its thresholds".
 
 All endpoints stale is a special case: the detector then knows nothing, and by default fails
 open (`allStalePolicy: admit`) instead of reporting 1.0: a single-endpoint pool whose scrapes
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolkeeper.admission.config import AdmissionConfig
-from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S, EndpointState
 from poolkeeper.scheduling.load import effective_kv
 
 
@@ -37,10 +38,13 @@ class SaturationReport:
 class SaturationDetector:
     """Computes pool saturation from endpoint snapshots. Pure; `now` is injected."""
 
-    __slots__ = ("config",)
+    __slots__ = ("config", "staleness_s")
 
-    def __init__(self, config: AdmissionConfig | None = None) -> None:
+    def __init__(
+        self, config: AdmissionConfig | None = None, *, staleness_s: float = DEFAULT_STALENESS_S
+    ) -> None:
         self.config = config if config is not None else AdmissionConfig()
+        self.staleness_s = staleness_s
 
     def endpoint_saturation(self, state: EndpointState, now: float) -> float:
         """One endpoint's saturation (1.0 if its metrics are stale)."""
@@ -57,7 +61,7 @@ class SaturationDetector:
         """Per-endpoint saturations (stale = 1.0) and how many were stale."""
         # One inlined loop: admission runs for every non-critical request, over the whole pool.
         c = self.config
-        fresh_since = now - c.staleness_s
+        fresh_since = now - self.staleness_s
         q_t, kv_t, cu = c.queue_depth_threshold, c.kv_cache_util_threshold, c.count_unseen
         out: list[float] = []
         append = out.append

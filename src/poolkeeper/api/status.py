@@ -73,7 +73,7 @@ def judge_models(
             continue
         contenders.setdefault((pool.key, m.spec.model_name), []).append(m)
     for (pool_key, model_name), group in contenders.items():
-        winner, *losers = sorted(group, key=_age_order)
+        winner, *losers = sorted(group, key=age_order)
         verdicts[winner.key] = Verdict(
             "True",
             im.REASON_ACCEPTED,
@@ -91,7 +91,8 @@ def judge_models(
     return verdicts
 
 
-def _age_order(m: InferenceModel) -> tuple[bool, datetime, str, str]:
+def age_order(m: InferenceModel) -> tuple[bool, datetime, str, str]:
+    """Sort key, oldest first: the one age rule for every "oldest wins" decision."""
     ts = m.metadata.creation_timestamp
     # A missing timestamp sorts after every real one: an object that states its age outranks
     # one that does not.
@@ -103,19 +104,18 @@ def _utc(ts: datetime) -> datetime:
 
 
 def compute_model_statuses(
-    pools: Iterable[AnyInferencePool],
     models: Iterable[InferenceModel],
+    verdicts: Mapping[str, Verdict],
     *,
     now: datetime,
     previous: Mapping[str, InferenceModelStatus] | None = None,
 ) -> dict[str, InferenceModelStatus]:
-    """The new status of every model, keyed by `namespace/name`.
+    """The new status of every model, keyed by `namespace/name`, from its verdict (`judge_models`,
+    which the datastore's model index computes once per write).
 
     `previous` holds the statuses written last time (default: each model's own `.status`);
     `lastTransitionTime` is carried over when the condition's status value did not change.
     """
-    models = list(models)
-    verdicts = judge_models(pools, models)
     now = now.replace(microsecond=0)  # metav1.Time has one-second resolution
     out: dict[str, InferenceModelStatus] = {}
     for m in models:
@@ -134,20 +134,6 @@ def compute_model_statuses(
         )
         out[m.key] = InferenceModelStatus(conditions=[condition])
     return out
-
-
-def resolve_model_names(
-    pools: Iterable[AnyInferencePool], models: Iterable[InferenceModel]
-) -> dict[tuple[str, str], InferenceModel]:
-    """(pool key `namespace/name`, modelName) -> the accepted InferenceModel serving it."""
-    models = list(models)
-    verdicts = judge_models(pools, models)
-    resolved: dict[tuple[str, str], InferenceModel] = {}
-    for m in models:
-        verdict = verdicts[m.key]
-        if verdict.status == "True" and verdict.pool_key is not None:
-            resolved[(verdict.pool_key, m.spec.model_name)] = m
-    return resolved
 
 
 def with_status(m: InferenceModel, status: InferenceModelStatus) -> InferenceModel:

@@ -4,8 +4,8 @@
       intervalMs: 50            # one scrape per endpoint every 50 ms (upstream default)
       timeoutMs: 1000           # whole request, body included
       maxResponseBytes: 4194304 # a bigger page is cut off and counted as a failed scrape
-      stalenessMs: 2000         # metrics older than this are reported stale (status, health,
-                                # pool gauges); the admission detector has its own 200 ms rule
+      stalenessMs: 200          # the one freshness setting: metrics older than this are stale
+                                # (admission counts the endpoint saturated, filters skip it)
       maxBackoffMs: 1000        # a failing endpoint is retried at most this far apart
       path: /metrics
       scheme: http              # or https (certificates checked only if insecureSkipVerify false)
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from poolkeeper.backend.mappings import mapping_for
+from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S
 
 __all__ = ["ENGINE_TYPE_LABEL", "ScrapingConfig"]
 
@@ -49,9 +50,11 @@ class ScrapingConfig(BaseModel):
     """Limit for one whole scrape (connect, headers and body), in milliseconds."""
     max_response_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     """Largest accepted metrics page; a bigger one is cut off and counts as a failed scrape."""
-    staleness_ms: int = Field(default=2000, ge=1, le=3_600_000)
-    """Metrics older than this are reported stale (status, health, pool gauges). Admission
-    control applies its own, stricter freshness rule."""
+    staleness_ms: int = Field(default=round(DEFAULT_STALENESS_S * 1000), ge=1, le=3_600_000)
+    """The one freshness setting: metrics older than this are stale, so admission counts the
+    endpoint as saturated and the stale-metrics and saturation filters skip it (default 200,
+    upstream's SD_METRICS_STALENESS_THRESHOLD). Readiness does not use it: it follows whether
+    the last scrape succeeded."""
     max_backoff_ms: int = Field(default=1000, ge=5, le=60_000)
     """Longest wait between retries of a failing endpoint (the delay doubles per failure)."""
     path: str = "/metrics"

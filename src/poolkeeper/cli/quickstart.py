@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from poolkeeper.controller.files import file_source
 from poolkeeper.envoy.process import EnvoyNotFound
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
@@ -296,7 +297,9 @@ async def quickstart(args: argparse.Namespace, console: Console) -> int:
             )
             runtime = GatewayRuntime(
                 ServeOptions(
-                    paths=[directory], envoy_path=args.envoy_path, workdir=Path(tmp) / "envoy"
+                    source=file_source([directory]),
+                    envoy_path=args.envoy_path,
+                    workdir=Path(tmp) / "envoy",
                 )
             )
             await runtime.start()
@@ -305,6 +308,8 @@ async def quickstart(args: argparse.Namespace, console: Console) -> int:
                     break
                 await asyncio.sleep(0.05)
             url = runtime.http_url
+            assert runtime.config is not None  # set by start()
+            listeners = runtime.config.spec.listeners
             console.print(f"[bold green]gateway ready[/] on {url} (config in {directory})")
             outcomes = await drive_load(url, args.requests, args.concurrency, args.seed, console)
             sims = {f"127.0.0.1:{w.port}": w.name for w in listening}
@@ -317,8 +322,7 @@ async def quickstart(args: argparse.Namespace, console: Console) -> int:
                 '-d \'{"model": "food-review", "messages": [{"role": "user", '
                 '"content": "hi"}], "max_tokens": 16}\'\n'
                 f"  curl -s {url}/v1/models\n"
-                f"  metrics: http://127.0.0.1:{runtime.loaded.config.spec.listeners.metrics}"  # type: ignore[union-attr]
-                "/metrics\n"
+                f"  metrics: http://127.0.0.1:{listeners.metrics}/metrics\n"
                 "Serving until Ctrl-C.",
                 soft_wrap=True,  # keep the curl command on one line for copy and paste
             )

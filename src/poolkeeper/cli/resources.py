@@ -25,6 +25,7 @@ from poolkeeper.api.load import LoadedResource, LoadResult, load_paths
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import InferencePool, InferencePoolV1
 from poolkeeper.api.status import compute_model_statuses
+from poolkeeper.datastore.models import build_model_index
 
 
 def register(subparsers: Any) -> None:
@@ -132,7 +133,8 @@ def run_status(args: argparse.Namespace) -> int:
     if result is None:
         return 2
     models = result.models()
-    statuses = compute_model_statuses(result.pools(), models, now=datetime.now(UTC))
+    verdicts = build_model_index(result.pools(), models).verdicts
+    statuses = compute_model_statuses(models, verdicts, now=datetime.now(UTC))
     if args.output == "json":
         rows = [
             {

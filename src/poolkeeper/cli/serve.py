@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from poolkeeper.controller.files import FileResourceSource, file_source
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
-from poolkeeper.server.loading import load_gateway
 from poolkeeper.server.runtime import (
     GatewayRuntime,
     ServeOptions,
@@ -73,10 +74,17 @@ def register(subparsers: Any) -> None:
     cfg.set_defaults(handler=run_envoy_config)
 
 
+def _check_workdir(workdir: Path | None, paths: list[str]) -> None:
+    """Hot reload would read the bootstrap written there as a (bad) resource file."""
+    for path in paths:
+        if workdir is not None and workdir.resolve().is_relative_to(Path(path).resolve()):
+            raise ConfigError(f"workdir {workdir} must not be inside the watched path {path}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, json_lines=args.log_format == "json")
     options = ServeOptions(
-        paths=args.paths,
+        source=file_source(args.paths),
         run_envoy=not args.no_envoy,
         envoy_path=args.envoy_path,
         workdir=args.workdir,
@@ -98,6 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
         await task
 
     try:
+        _check_workdir(args.workdir, args.paths)
         asyncio.run(main())
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
@@ -110,8 +119,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_envoy_config(args: argparse.Namespace) -> int:
     try:
-        loaded = load_gateway(args.paths)
-        text = render(build_bootstrap(bootstrap_params(loaded)))
+        datastore = Datastore()
+        config = asyncio.run(FileResourceSource(args.paths, datastore).start())
+        text = render(build_bootstrap(bootstrap_params(config, datastore.snapshot())))
     except (ConfigError, ValueError) as exc:
         print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2

@@ -1,9 +1,12 @@
 """`FileResourceSource`: YAML/JSON files → the datastore, reloaded on change without a restart.
 
-It loads the given files and directories with the API loader (`poolkeeper.api.load`), applies
-the InferencePools and InferenceModels (`Datastore.set_resources`) and the standalone endpoints
-of the GatewayConfig document, if any (`spec.endpoints`, `Datastore.set_endpoints`), and
-computes every InferenceModel's `Accepted` status (`poolkeeper.api.status`), logging changes.
+The file implementation of the `ResourceSource` seam (`controller/source.py`). It loads the
+given files and directories with the API loader (`poolkeeper.api.load`), applies the
+InferencePools, InferenceModels and the standalone endpoints of the GatewayConfig document
+(`spec.endpoints`) in one datastore write, yields that GatewayConfig (the default one when the
+files have none; at most one is allowed), and computes every InferenceModel's `Accepted`
+status from the datastore's model index, logging changes. `load_files` is the one reader of
+resource files: `serve`, `envoy-config` and hot reload all go through it.
 
 Hot reload: `run()` polls the files' (mtime, size, inode) every `interval` seconds and reloads
 when anything changed, including files added to or removed from a directory. A load with any
@@ -20,49 +23,32 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import Protocol
 
 from poolkeeper.api.load import SUFFIXES, LoadResult, load_paths
 from poolkeeper.api.model import CONDITION_ACCEPTED, InferenceModel, InferenceModelStatus
 from poolkeeper.api.pool import AnyInferencePool
-from poolkeeper.api.status import compute_model_statuses
-from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.api.status import Verdict, compute_model_statuses
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore, EndpointSpec
+from poolkeeper.errors import ConfigError
 
-__all__ = ["FileResourceSource", "ReloadOutcome", "endpoint_specs"]
+__all__ = [
+    "FileResourceSource",
+    "LoadedFiles",
+    "ReloadOutcome",
+    "endpoint_specs",
+    "file_source",
+    "load_files",
+]
 
 log = logging.getLogger(__name__)
 
 Fingerprint = tuple[tuple[str, int, int, int], ...]
-
-
-class EndpointEntry(Protocol):
-    """One `spec.endpoints[i]` of a GatewayConfig (`poolkeeper.config.gateway.StaticEndpoint`)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def address(self) -> str: ...
-    @property
-    def port(self) -> int | None: ...
-    @property
-    def labels(self) -> Mapping[str, str]: ...
-    @property
-    def engine(self) -> object: ...  # an engine name (str or StrEnum) or None
-
-
-class EndpointList(Protocol):
-    @property
-    def endpoints(self) -> Sequence[EndpointEntry]: ...
-
-
-class GatewayConfigLike(Protocol):
-    @property
-    def spec(self) -> EndpointList: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,22 +64,53 @@ class ReloadOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class _Loaded:
+class LoadedFiles:
+    """Everything one read of the resource files produced; `errors` empty when usable."""
+
     pools: tuple[AnyInferencePool, ...]
     models: tuple[InferenceModel, ...]
     specs: tuple[EndpointSpec, ...]
-    gateway_config: object | None
+    gateway_config: GatewayConfig  # the default one when the files have none
     notices: tuple[str, ...]
-    errors: tuple[str, ...] = field(default=())
+    errors: tuple[str, ...]
+
+
+def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
+    """Read and validate every resource in `paths` (files or directories); never raises for
+    bad content: each problem is one line of `errors` (file, object, field path)."""
+    result: LoadResult = load_paths(paths)
+    errors = [str(e) for e in result.errors]
+    configs = [r for r in result.resources if isinstance(r.obj, GatewayConfig)]
+    gateway_config = GatewayConfig.default()
+    specs: tuple[EndpointSpec, ...] = ()
+    if len(configs) > 1:
+        places = ", ".join(f"{r.location} ({r.ref})" for r in configs)
+        errors.append(f"more than one GatewayConfig: {places}")
+    elif configs:
+        assert isinstance(configs[0].obj, GatewayConfig)
+        gateway_config = configs[0].obj
+        specs, spec_errors = endpoint_specs(
+            gateway_config, f"{configs[0].location}: {configs[0].ref}"
+        )
+        errors.extend(spec_errors)
+    return LoadedFiles(
+        pools=tuple(result.pools()),
+        models=tuple(result.models()),
+        specs=specs,
+        gateway_config=gateway_config,
+        notices=tuple(result.notices),
+        errors=tuple(errors),
+    )
 
 
 def endpoint_specs(
-    config: GatewayConfigLike, scraping: ScrapingConfig, where: str = "GatewayConfig"
+    config: GatewayConfig, where: str = "GatewayConfig"
 ) -> tuple[tuple[EndpointSpec, ...], list[str]]:
     """Endpoint specs of a GatewayConfig, engine resolved (explicit, label, default).
 
     Returns the specs and a list of precise errors (unknown engine types).
     """
+    scraping = config.spec.scraping
     specs: list[EndpointSpec] = []
     errors: list[str] = []
     for index, entry in enumerate(config.spec.endpoints):
@@ -120,15 +137,19 @@ def endpoint_specs(
     return tuple(specs), errors
 
 
+def file_source(paths: Sequence[str | Path], *, interval: float = 1.0) -> SourceFactory:
+    """The factory `ServeOptions.source` takes for resources read from `paths`."""
+    return lambda datastore: FileResourceSource(paths, datastore, interval=interval)
+
+
 class FileResourceSource:
-    """Feeds a datastore from files and keeps it in step with them."""
+    """Feeds a datastore from files and keeps it in step with them (a `ResourceSource`)."""
 
     def __init__(
         self,
         paths: Sequence[str | Path],
         datastore: Datastore,
         *,
-        scraping: ScrapingConfig | None = None,
         interval: float = 1.0,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         source: str = "files",
@@ -136,24 +157,26 @@ class FileResourceSource:
         self.paths = tuple(Path(p) for p in paths)
         self.interval = interval
         self._datastore = datastore
-        self._scraping = scraping or ScrapingConfig()
         self._now = now
         self._source = source
         self._fingerprint: Fingerprint | None = None
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
-        self._gateway_config: object | None = None
+        self._gateway_config = GatewayConfig.default()
         self._errors: tuple[str, ...] = ()
         self.loads = 0  # successful loads applied
 
     # --- queries -----------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return "files " + ", ".join(map(str, self.paths))
 
     def statuses(self) -> Mapping[str, InferenceModelStatus]:
         """Computed status of every loaded InferenceModel, by `namespace/name`."""
         return self._statuses
 
     @property
-    def gateway_config(self) -> object | None:
-        """The GatewayConfig of the last good load (None if the files have none)."""
+    def gateway_config(self) -> GatewayConfig:
+        """The GatewayConfig of the last good load (the default one if the files have none)."""
         return self._gateway_config
 
     @property
@@ -162,6 +185,19 @@ class FileResourceSource:
         return self._errors
 
     # --- loading -----------------------------------------------------------------------------
+
+    async def start(self) -> GatewayConfig:
+        """The first load: applied, or ConfigError listing every problem (nothing applied)."""
+        if not self.paths:
+            raise ConfigError("no files given: pass -f PATH (files or directories of YAML)")
+        self._fingerprint = await asyncio.to_thread(fingerprint, self.paths)
+        loaded = await asyncio.to_thread(self._load)
+        if not loaded.pools and not loaded.errors:
+            loaded = replace(loaded, errors=("no InferencePool found in the given files",))
+        outcome = self._apply(loaded)
+        if not outcome.applied:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(outcome.errors))
+        return self._gateway_config
 
     def reload(self) -> ReloadOutcome:
         """Load now and apply if valid (blocking; for startup and tests)."""
@@ -193,36 +229,10 @@ class FileResourceSource:
             except Exception:  # never let a surprise end hot reload
                 log.exception("reloading %s failed", ", ".join(map(str, self.paths)))
 
-    def _load(self) -> _Loaded:
-        result: LoadResult = load_paths(self.paths)
-        errors = [str(e) for e in result.errors]
-        configs = [r for r in result.resources if getattr(r.obj, "kind", None) == "GatewayConfig"]
-        gateway_config: object | None = None
-        specs: tuple[EndpointSpec, ...] = ()
-        if len(configs) > 1:
-            places = ", ".join(f"{r.location} ({r.ref})" for r in configs)
-            errors.append(f"more than one GatewayConfig: {places}")
-        elif configs:
-            gateway_config = configs[0].obj
-            scraping = getattr(getattr(gateway_config, "spec", None), "scraping", None)
-            if not isinstance(scraping, ScrapingConfig):
-                scraping = self._scraping
-            specs, spec_errors = endpoint_specs(
-                gateway_config,  # type: ignore[arg-type]  # GatewayConfig satisfies the protocol
-                scraping,
-                f"{configs[0].location}: {configs[0].ref}",
-            )
-            errors.extend(spec_errors)
-        return _Loaded(
-            pools=tuple(result.pools()),
-            models=tuple(result.models()),
-            specs=specs,
-            gateway_config=gateway_config,
-            notices=tuple(result.notices),
-            errors=tuple(errors),
-        )
+    def _load(self) -> LoadedFiles:
+        return load_files(self.paths)
 
-    def _apply(self, loaded: _Loaded) -> ReloadOutcome:
+    def _apply(self, loaded: LoadedFiles) -> ReloadOutcome:
         for notice in loaded.notices:
             log.info("%s", notice)
         if loaded.errors:
@@ -234,8 +244,10 @@ class FileResourceSource:
             return ReloadOutcome(applied=False, errors=loaded.errors, notices=loaded.notices)
         self._errors = ()
         self._gateway_config = loaded.gateway_config
-        self._update_statuses(loaded.pools, loaded.models)
-        self._datastore.set_all(loaded.pools, loaded.models, loaded.specs, source=self._source)
+        snapshot = self._datastore.set_all(
+            loaded.pools, loaded.models, loaded.specs, source=self._source
+        )
+        self._update_statuses(loaded.models, snapshot.model_index.verdicts)
         self.loads += 1
         log.info(
             "loaded %d pool(s), %d model(s), %d endpoint(s) from files",
@@ -252,10 +264,10 @@ class FileResourceSource:
         )
 
     def _update_statuses(
-        self, pools: Sequence[AnyInferencePool], models: Sequence[InferenceModel]
+        self, models: Sequence[InferenceModel], verdicts: Mapping[str, Verdict]
     ) -> None:
         previous = self._statuses
-        statuses = compute_model_statuses(pools, models, now=self._now(), previous=previous)
+        statuses = compute_model_statuses(models, verdicts, now=self._now(), previous=previous)
         for key, status in statuses.items():
             new = status.condition(CONDITION_ACCEPTED)
             old_status = previous.get(key)

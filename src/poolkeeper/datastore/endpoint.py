@@ -16,6 +16,11 @@ from types import MappingProxyType
 
 _EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
 
+# Metrics older than this are stale: admission counts the endpoint saturated and the filters
+# skip it. The default of the one freshness setting, `spec.scraping.stalenessMs` (upstream's
+# SD_METRICS_STALENESS_THRESHOLD, 200 ms: four missed scrapes at the 50 ms default interval).
+DEFAULT_STALENESS_S = 0.2
+
 
 # dataclasses reject unhashable defaults (a mappingproxy is one), so the shared empty mapping
 # is handed out by a factory.
@@ -59,6 +64,15 @@ class EndpointMetrics:
     # The base model the server serves (vLLM and SGLang label every metric `model_name=...`);
     # None if the engine does not say. The base model is always resident, unlike adapters.
     served_model: str | None = None
+
+    @property
+    def reachable(self) -> bool:
+        """The last scrape succeeded (what readiness and the pool's ready count go by).
+
+        Deliberately not an age test: a scrape a little late must not flip readiness (and so
+        the proxy's health check of the EPP); a failed one (refused, timed out, bad page) does.
+        """
+        return self.updated_at > 0.0 and self.error is None
 
 
 @dataclass(frozen=True, slots=True)

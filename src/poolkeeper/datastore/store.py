@@ -4,10 +4,10 @@ Writers (resource sources, scrapers) replace parts of the state copy-on-write an
 `DatastoreSnapshot`; readers (the Director, the scheduler, status and health) take
 `snapshot()` once per decision and never lock or see a half-applied change.
 
-What a snapshot derives, once per write, so reads are cheap:
-- `models(pool_key)`: modelName -> the winning InferenceModel of that pool, by the status rules
-  of `poolkeeper.api.status.resolve_model_names` (oldest wins; missing pool or all-zero weights
-  do not compete).
+What a snapshot derives, once per resource write, so reads are cheap:
+- `model_index`: which InferenceModel each modelName means (`datastore/models.py`: oldest wins;
+  missing pool or all-zero weights do not compete), with every model's Accepted verdict.
+  Metrics writes keep the same index object.
 - `endpoints(pool_key)`: the endpoints a pool selects: its selector matches the endpoint's labels
   and, for endpoints with a namespace (pods), the namespaces agree (standalone endpoints from a
   GatewayConfig have none and may be selected by a pool of any namespace). An endpoint without
@@ -32,8 +32,8 @@ from typing import Final, TypeVar
 
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import AnyInferencePool
-from poolkeeper.api.status import resolve_model_names
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.models import EMPTY_MODEL_INDEX, ModelIndex, ModelRoute, build_model_index
 
 __all__ = ["ChangeKind", "Datastore", "DatastoreSnapshot", "EndpointSpec", "Listener"]
 
@@ -119,38 +119,31 @@ class DatastoreSnapshot:
 
     version: int
     pools: Mapping[str, AnyInferencePool]  # pool key `namespace/name` -> pool
-    model_names: Mapping[tuple[str, str], InferenceModel]  # (pool key, modelName) -> winner
+    model_index: ModelIndex
     specs: tuple[EndpointSpec, ...]
     metrics: Mapping[str, EndpointMetrics]  # `ip:port` -> latest metrics
-    _models_by_pool: Mapping[str, Mapping[str, InferenceModel]]
+    _pool_keys: tuple[str, ...]
     _endpoints_by_pool: Mapping[str, tuple[Endpoint, ...]]
     _endpoint_at: Mapping[str, Endpoint]  # `ip:port` -> endpoint, over all pools
 
     def pool_keys(self) -> tuple[str, ...]:
         """Pool keys, sorted."""
-        return tuple(sorted(self.pools))
+        return self._pool_keys
 
     def pool(self, pool_key: str) -> AnyInferencePool | None:
         return self.pools.get(pool_key)
 
     def models(self, pool_key: str) -> Mapping[str, InferenceModel]:
-        """modelName -> winning InferenceModel in one pool (empty for an unknown pool)."""
-        return self._models_by_pool.get(pool_key, MappingProxyType({}))
+        """modelName -> accepted InferenceModel in one pool (empty for an unknown pool)."""
+        return self.model_index.models(pool_key)
 
-    def model_for(self, model_name: str) -> tuple[tuple[str, InferenceModel], ...]:
-        """Every (pool key, InferenceModel) serving `model_name`, by pool key."""
-        return tuple(
-            (pool_key, model)
-            for (pool_key, name), model in sorted(self.model_names.items(), key=lambda i: i[0])
-            if name == model_name
-        )
+    def resolve(self, model_name: str) -> ModelRoute | None:
+        """Where requests for `model_name` go (pool key, model); None if no model serves it."""
+        return self.model_index.resolve(model_name)
 
-    def resolve(self, model_name: str, pool_key: str | None = None) -> InferenceModel | None:
-        """The model serving `model_name` in `pool_key` (or in the first pool that has it)."""
-        if pool_key is not None:
-            return self.model_names.get((pool_key, model_name))
-        found = self.model_for(model_name)
-        return found[0][1] if found else None
+    def model_names(self) -> tuple[str, ...]:
+        """Every servable modelName, sorted."""
+        return self.model_index.names()
 
     def endpoints(self, pool_key: str) -> tuple[Endpoint, ...]:
         """The endpoints a pool selects, by name."""
@@ -191,10 +184,10 @@ def _empty_snapshot() -> DatastoreSnapshot:
     return DatastoreSnapshot(
         version=0,
         pools=MappingProxyType({}),
-        model_names=MappingProxyType({}),
+        model_index=EMPTY_MODEL_INDEX,
         specs=(),
         metrics=MappingProxyType({}),
-        _models_by_pool=MappingProxyType({}),
+        _pool_keys=(),
         _endpoints_by_pool=MappingProxyType({}),
         _endpoint_at=MappingProxyType({}),
     )
@@ -257,7 +250,7 @@ class Datastore:
         specs = tuple(e if isinstance(e, EndpointSpec) else EndpointSpec.of(e) for e in endpoints)
         with self._write_lock:
             self._specs_by_source[source] = specs
-            snapshot = self._rebuild()
+            snapshot = self._rebuild(resources=False)
         self._notify(snapshot, ChangeKind.ENDPOINTS)
         return snapshot
 
@@ -304,7 +297,9 @@ class Datastore:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _rebuild(self) -> DatastoreSnapshot:
+    def _rebuild(self, *, resources: bool = True) -> DatastoreSnapshot:
+        """A new snapshot from every source's tables; `resources=False` (an endpoint write)
+        keeps the model index, since pools and models did not change."""
         previous = self._snapshot
         pools: dict[str, AnyInferencePool] = {}
         for source in sorted(self._pools_by_source):
@@ -312,10 +307,9 @@ class Datastore:
                 pools.setdefault(pool.key, pool)  # first source (by name) wins a clash
         models = [m for s in sorted(self._models_by_source) for m in self._models_by_source[s]]
         specs = tuple(sp for s in sorted(self._specs_by_source) for sp in self._specs_by_source[s])
-        model_names = resolve_model_names(pools.values(), models)
-        models_by_pool: dict[str, dict[str, InferenceModel]] = {key: {} for key in pools}
-        for (pool_key, model_name), model in sorted(model_names.items(), key=lambda i: i[0]):
-            models_by_pool.setdefault(pool_key, {})[model_name] = model
+        model_index = (
+            build_model_index(pools.values(), models) if resources else previous.model_index
+        )
         endpoints_by_pool: dict[str, tuple[Endpoint, ...]] = {}
         endpoint_at: dict[str, Endpoint] = {}
         for pool_key in sorted(pools):
@@ -334,10 +328,10 @@ class Datastore:
         snapshot = DatastoreSnapshot(
             version=previous.version + 1,
             pools=_frozen(pools),
-            model_names=_frozen(model_names),
+            model_index=model_index,
             specs=specs,
             metrics=_frozen(kept),
-            _models_by_pool=_frozen({k: _frozen(v) for k, v in models_by_pool.items()}),
+            _pool_keys=tuple(sorted(pools)),
             _endpoints_by_pool=_frozen(endpoints_by_pool),
             _endpoint_at=_frozen(endpoint_at),
         )
@@ -360,10 +354,10 @@ def _replace_metrics(
     return DatastoreSnapshot(
         version=snapshot.version + 1,
         pools=snapshot.pools,
-        model_names=snapshot.model_names,
+        model_index=snapshot.model_index,
         specs=snapshot.specs,
         metrics=metrics,
-        _models_by_pool=snapshot._models_by_pool,
+        _pool_keys=snapshot._pool_keys,
         _endpoints_by_pool=snapshot._endpoints_by_pool,
         _endpoint_at=snapshot._endpoint_at,
     )

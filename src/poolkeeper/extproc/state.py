@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import json
 import logging
 import time
 import uuid
@@ -204,8 +203,7 @@ class Exchange:
 
     def _reject(self, error: GatewayError) -> Replies:
         self.phase = Phase.DONE
-        model = _peek_model(bytes(self.body))
-        self.observer.rejected(model, error, len(self.body))
+        self.observer.rejected(error.model, error, len(self.body))
         log.info(
             "rejected request_id=%s status=%d code=%s",
             self.request_id,
@@ -316,15 +314,3 @@ class Exchange:
             self.served or decision.endpoints[0],
             seconds,
         )
-
-
-def _peek_model(body: bytes) -> str:
-    """The `model` of a request body for error metrics, without trusting or logging the body."""
-    if not body or len(body) > 1 << 20:
-        return ""
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError):
-        return ""
-    model = obj.get("model") if isinstance(obj, dict) else None
-    return model if isinstance(model, str) else ""

@@ -9,8 +9,8 @@ Transport-independent: the ext_proc server calls `route` once the body is comple
 `route` is a GatewayError whose HTTP status is the answer to send (400, 404, 413, 429, 503, 500).
 
 Decisions (see docs/configuration.md, "Request handling"):
-- A modelName defined in several pools resolves to the oldest InferenceModel (creation time, then
-  namespace/name), the same rule a pool applies between two models claiming one name.
+- Which InferenceModel a modelName means is the datastore's answer (`DatastoreSnapshot.resolve`,
+  `datastore/models.py`): oldest wins, within a pool and across pools.
 - Bodyless requests (e.g. GET /v1/models) go to a random endpoint of the default pool
   (`requestHandling.defaultPool`, else the only pool, else the first pool by key); no model
   lookup, no admission, no in-flight accounting.
@@ -27,21 +27,20 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Protocol
 
 from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import Criticality, effective_criticality
-from poolkeeper.api.model import InferenceModel
 from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.models import ModelRoute
 from poolkeeper.errors import (
     GatewayError,
     ModelNotFound,
     NoReadyEndpoint,
     PayloadTooLarge,
 )
-from poolkeeper.requestcontrol.body import parse_body, quote_model
+from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
 from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
 from poolkeeper.requestcontrol.split import choose_target_model
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
@@ -52,7 +51,6 @@ from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 log = logging.getLogger(__name__)
 
 _CONTROL_HEADER_PREFIX = "x-gateway-"
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 # --- what the Director needs from its collaborators ------------------------------------------
@@ -63,7 +61,9 @@ class SnapshotView(Protocol):
 
     def pool_keys(self) -> Sequence[str]: ...
 
-    def models(self, pool_key: str) -> Mapping[str, InferenceModel]: ...
+    def resolve(self, model_name: str) -> ModelRoute | None: ...
+
+    def model_names(self) -> Sequence[str]: ...
 
     def states(self, pool_key: str) -> Sequence[EndpointState]: ...
 
@@ -113,36 +113,6 @@ class Ticket:
     done: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class _ModelIndex:
-    """modelName -> (pool key, InferenceModel), built once per datastore snapshot."""
-
-    by_name: Mapping[str, tuple[str, InferenceModel]]
-    pool_keys: tuple[str, ...]
-    sources: tuple[Mapping[str, InferenceModel], ...]  # models(pool) per pool key, kept alive
-
-
-def _age_key(pool_key: str, model: InferenceModel) -> tuple[datetime, str, str, str]:
-    meta = model.metadata
-    created = meta.creation_timestamp or _EPOCH
-    if created.tzinfo is None:
-        created = created.replace(tzinfo=UTC)
-    return (created, meta.namespace, meta.name, pool_key)
-
-
-def build_model_index(snapshot: SnapshotView) -> _ModelIndex:
-    """Every modelName across pools; a name in several pools goes to the oldest model."""
-    pool_keys = tuple(sorted(snapshot.pool_keys()))
-    sources = tuple(snapshot.models(pool_key) for pool_key in pool_keys)
-    chosen: dict[str, tuple[str, InferenceModel]] = {}
-    for pool_key, models in zip(pool_keys, sources, strict=True):
-        for name, model in models.items():
-            current = chosen.get(name)
-            if current is None or _age_key(pool_key, model) < _age_key(*current):
-                chosen[name] = (pool_key, model)
-    return _ModelIndex(by_name=chosen, pool_keys=pool_keys, sources=sources)
-
-
 class Director:
     """Turns IncomingRequests into RoutingDecisions; see the module docstring."""
 
@@ -156,7 +126,6 @@ class Director:
         config: RequestHandling,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
-        fresh_within_s: float = 2.0,
     ) -> None:
         self._datastore = datastore
         self._scheduler = scheduler
@@ -165,10 +134,6 @@ class Director:
         self._config = config
         self._rng = rng
         self._clock = clock
-        self._fresh_within_s = fresh_within_s
-        # One cached index, keyed by the identity of the snapshot it was built from: snapshots
-        # are immutable and replaced by writers, and holding the reference keeps the id valid.
-        self._indexed: tuple[SnapshotView, _ModelIndex] | None = None
         self._sequence = itertools.count()
 
     @property
@@ -204,22 +169,37 @@ class Director:
         if len(request.body) > limit:
             raise PayloadTooLarge(f"request body is larger than {limit} bytes")
         snapshot = self._datastore.snapshot()
-        index = self._index(snapshot)
         if not request.body:
-            return self._route_bodyless(request, snapshot, index)
+            return self._route_bodyless(request, snapshot)
 
         parsed = parse_body(request.path, request.body)
-        found = index.by_name.get(parsed.model)
+        found = snapshot.resolve(parsed.model)
         if found is not None:
             pool_key, model = found
             target = choose_target_model(model, self._rng)
             criticality = effective_criticality(model.spec.criticality)
         elif self._config.unknown_model_policy is UnknownModelPolicy.PASSTHROUGH_SHEDDABLE:
-            pool_key = self._default_pool(index)
+            pool_key = self._default_pool(snapshot)
             target = parsed.model
             criticality = Criticality.SHEDDABLE
         else:
-            raise ModelNotFound(f"model {quote_model(parsed.model)} not found")
+            raise ModelNotFound(f"model {quote_model(parsed.model)} not found", model=parsed.model)
+        try:
+            return self._schedule(request, snapshot, parsed, pool_key, target, criticality)
+        except GatewayError as exc:
+            # The front end labels its error metrics with these; it must not parse again.
+            exc.model, exc.target_model = parsed.model, target
+            raise
+
+    def _schedule(
+        self,
+        request: IncomingRequest,
+        snapshot: SnapshotView,
+        parsed: ParsedRequest,
+        pool_key: str,
+        target: str,
+        criticality: Criticality,
+    ) -> RoutingDecision:
 
         subset = self._subset(request)
         llm_request = LLMRequest(
@@ -266,10 +246,8 @@ class Director:
             ticket=Ticket(key, endpoints[0], parsed.prompt_tokens, now),
         )
 
-    def _route_bodyless(
-        self, request: IncomingRequest, snapshot: SnapshotView, index: _ModelIndex
-    ) -> RoutingDecision:
-        pool_key = self._default_pool(index)
+    def _route_bodyless(self, request: IncomingRequest, snapshot: SnapshotView) -> RoutingDecision:
+        pool_key = self._default_pool(snapshot)
         states = self._candidates(snapshot, pool_key, self._subset(request))
         count = min(len(states), 1 + self._config.fallback_endpoints)
         picked = self._rng.sample(range(len(states)), count)
@@ -300,34 +278,16 @@ class Director:
                     break
         return tuple(out)
 
-    def _index(self, snapshot: SnapshotView) -> _ModelIndex:
-        cached = self._indexed
-        if cached is not None and cached[0] is snapshot:
-            return cached[1]
-        # Metrics writes replace the snapshot many times a second but keep the per-pool model
-        # mappings (copy-on-write): reuse the index while those are the very same objects.
-        pool_keys = tuple(sorted(snapshot.pool_keys()))
-        if cached is not None and cached[1].pool_keys == pool_keys:
-            old = cached[1].sources
-            if all(
-                a is b or (not a and not b)
-                for a, b in zip(old, (snapshot.models(k) for k in pool_keys), strict=True)
-            ):
-                self._indexed = (snapshot, cached[1])
-                return cached[1]
-        index = build_model_index(snapshot)
-        self._indexed = (snapshot, index)
-        return index
-
-    def _default_pool(self, index: _ModelIndex) -> str:
+    def _default_pool(self, snapshot: SnapshotView) -> str:
+        pool_keys = snapshot.pool_keys()
         wanted = self._config.default_pool
         if wanted is not None:
-            if wanted not in index.pool_keys:
+            if wanted not in pool_keys:
                 raise NoReadyEndpoint(f"default pool {wanted} is not loaded")
             return wanted
-        if not index.pool_keys:
+        if not pool_keys:
             raise NoReadyEndpoint("no InferencePool is loaded")
-        return index.pool_keys[0]
+        return pool_keys[0]
 
     def _subset(self, request: IncomingRequest) -> frozenset[str] | None:
         if request.subset_hint is None or not self._config.honor_subset_hint:
@@ -393,16 +353,14 @@ class Director:
 
     def model_names(self) -> list[str]:
         """Every client-facing modelName, sorted (for GET /v1/models)."""
-        return sorted(self._index(self._datastore.snapshot()).by_name)
+        return list(self._datastore.snapshot().model_names())
 
     def ready(self) -> bool:
-        """Resources are loaded and at least one endpoint has fresh metrics."""
+        """Resources are loaded and the last scrape of at least one endpoint succeeded."""
         snapshot = self._datastore.snapshot()
-        index = self._index(snapshot)
-        now = self._clock()
         return any(
-            state.age(now) <= self._fresh_within_s
-            for pool_key in index.pool_keys
+            state.metrics.reachable
+            for pool_key in snapshot.pool_keys()
             for state in snapshot.states(pool_key)
         )
 
@@ -414,19 +372,20 @@ def build_director(
     rng: random.Random,
     clock: Callable[[], float] = time.monotonic,
 ) -> Director:
-    """A Director with the scheduler, admission controller and in-flight tracker that
-    `config.spec` describes (raises ConfigError for a scheduling section that cannot be built).
+    """The Director `config.spec` describes, with its scheduler, admission controller and
+    in-flight tracker: the one way a Director is built (the runtime and tests alike). Raises
+    ConfigError for a scheduling section that cannot be built.
     """
     spec = config.spec
+    staleness_s = spec.scraping.staleness_s
     return Director(
         datastore=datastore,
         scheduler=build_scheduler(spec.scheduling, rng=rng),
         inflight=InflightTracker(),
-        admission=AdmissionController(spec.admission),
+        admission=AdmissionController(spec.admission, staleness_s=staleness_s),
         config=spec.request_handling,
         rng=rng,
         clock=clock,
-        fresh_within_s=spec.scraping.staleness_ms / 1000.0,
     )
 
 

@@ -1,5 +1,8 @@
-"""`GatewayRuntime`: the composition root. Load → datastore → scrapers → scheduler → Director →
+"""`GatewayRuntime`: the composition root. Resource source → datastore → scrapers → Director →
 ext_proc + health + metrics servers → Envoy child process; and the reverse on shutdown.
+
+The one startup path: the `ResourceSource` the options name (files today; `controller/source.py`)
+fills the datastore and yields the GatewayConfig, and everything else is built from those two.
 
 Shutdown drains: readiness turns NOT_SERVING (so Envoy's health check and any orchestrator stop
 sending new work), Envoy's listeners drain gracefully, in-flight ext_proc streams get up to the
@@ -15,7 +18,7 @@ import logging
 import random
 import signal
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,19 +26,15 @@ import aiohttp
 import grpc
 from aiohttp import web
 
-from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.backend.scraper import ScraperManager
-from poolkeeper.controller.files import FileResourceSource, endpoint_specs
-from poolkeeper.datastore.store import Datastore
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.source import ResourceSource, SourceFactory
+from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
-from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.contracts import ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.requestcontrol.director import Director
-from poolkeeper.scheduling.build import build_scheduler
-from poolkeeper.scheduling.inflight import InflightTracker
-from poolkeeper.server.loading import LoadedGateway, load_gateway
+from poolkeeper.requestcontrol.director import Director, build_director
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats
 
@@ -44,26 +43,24 @@ log = logging.getLogger("poolkeeper.server")
 
 @dataclass(slots=True)
 class ServeOptions:
-    paths: Sequence[str | Path]
+    source: SourceFactory  # where pools, models, endpoints and the GatewayConfig come from
     run_envoy: bool = True
     envoy_path: str | None = None
     workdir: Path | None = None  # bootstrap + Envoy log; a temporary directory when None
     envoy_concurrency: int = 1
     drain_grace_s: float = 5.0
     rng_seed: int | None = None
-    fresh_within_s: float = 2.0  # readiness: an endpoint scraped this recently
     ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
 
 
-def bootstrap_params(loaded: LoadedGateway, datastore: Datastore | None = None) -> BootstrapParams:
+def bootstrap_params(config: GatewayConfig, snapshot: DatastoreSnapshot) -> BootstrapParams:
     """The Envoy bootstrap for this configuration (also what `envoy-config` prints)."""
-    listeners = loaded.config.spec.listeners
-    store = datastore or _datastore_for(loaded)
-    snapshot = store.snapshot()
-    fail_open = bool(loaded.pools) and all(p.failure_mode() == "FailOpen" for p in loaded.pools)
+    listeners = config.spec.listeners
+    pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
+    fail_open = bool(pools) and all(p.failure_mode() == "FailOpen" for p in pools)
     fallback: list[str] = []
     if fail_open:
-        for pool in loaded.pools:
+        for pool in pools:
             fallback += [e.hostport for e in snapshot.endpoints(pool.key)]
     local = "127.0.0.1" if listeners.address in ("0.0.0.0", "127.0.0.1") else listeners.address
     return BootstrapParams(
@@ -76,32 +73,14 @@ def bootstrap_params(loaded: LoadedGateway, datastore: Datastore | None = None) 
         fail_open=fail_open,
         fallback_endpoints=tuple(dict.fromkeys(fallback)),
         # One upstream protocol for all pools (one ORIGINAL_DST cluster): h2c only if all say so.
-        upstream_h2c=bool(loaded.pools)
-        and all(p.app_protocol() == "kubernetes.io/h2c" for p in loaded.pools),
+        upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )
-
-
-def _check_workdir(workdir: Path, paths: Sequence[str | Path]) -> None:
-    """Hot reload would read the bootstrap we write there as a (bad) resource file."""
-    for path in paths:
-        if workdir.resolve().is_relative_to(Path(path).resolve()):
-            raise ConfigError(f"workdir {workdir} must not be inside the watched path {path}")
-
-
-def _datastore_for(loaded: LoadedGateway) -> Datastore:
-    store = Datastore()
-    store.set_resources(loaded.pools, loaded.models)
-    specs, errors = endpoint_specs(loaded.config, loaded.config.spec.scraping)
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    store.set_endpoints(specs)
-    return store
 
 
 @dataclass
 class GatewayRuntime:
     options: ServeOptions
-    loaded: LoadedGateway | None = None
+    config: GatewayConfig | None = None  # what the source yielded, once started
     datastore: Datastore = field(default_factory=Datastore)
     director: Director | None = None
     metrics: GatewayMetrics | None = None
@@ -113,7 +92,7 @@ class GatewayRuntime:
     _web: web.AppRunner | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _stopped: bool = False
-    _source: FileResourceSource | None = None
+    _source: ResourceSource | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     # -- start ----------------------------------------------------------------------------
@@ -126,32 +105,19 @@ class GatewayRuntime:
             raise
 
     async def _start(self) -> None:
-        loaded = self.loaded = load_gateway(self.options.paths)
-        # Fail before binding anything when Envoy is wanted but missing.
+        # Fail before loading or binding anything when Envoy is wanted but missing.
         binary = find_envoy(self.options.envoy_path) if self.options.run_envoy else ""
-        for notice in loaded.notices:
-            log.info("%s", notice)
-        spec = loaded.config.spec
-        # The file source applies pools, models and endpoints, and hot-reloads them later
-        # (listeners, scheduling and the Envoy bootstrap are read once, at start).
-        self._source = FileResourceSource(
-            self.options.paths, self.datastore, scraping=spec.scraping
-        )
-        outcome = self._source.reload()
-        if not outcome.applied:
-            raise ConfigError("invalid configuration:\n  " + "\n  ".join(outcome.errors))
-        self._tasks.append(asyncio.create_task(self._source.run(), name="file-source"))
-        rng = random.Random(self.options.rng_seed)
+        # The source applies pools, models and endpoints and keeps them in step later; the
+        # GatewayConfig it yields (listeners, scheduling, the Envoy bootstrap) is read once.
+        self._source = self.options.source(self.datastore)
+        config = self.config = await self._source.start()
+        spec = config.spec
+        self._tasks.append(asyncio.create_task(self._source.run(), name="resource-source"))
+        log.info("resources from %s", self._source.describe())
         self._scrapers = ScraperManager(spec.scraping, self.datastore.update_metrics)
         self._scrapers.follow(self.datastore)
-        self.director = Director(
-            datastore=self.datastore,
-            scheduler=build_scheduler(spec.scheduling, rng=rng),
-            inflight=InflightTracker(),
-            admission=AdmissionController(spec.admission),
-            config=spec.request_handling,
-            rng=rng,
-            fresh_within_s=self.options.fresh_within_s,
+        self.director = build_director(
+            config, self.datastore, rng=random.Random(self.options.rng_seed)
         )
         self.metrics = GatewayMetrics(pool_stats=self.pool_stats)
         listeners = spec.listeners
@@ -185,16 +151,15 @@ class GatewayRuntime:
         )
         await self._wait_ready(self.options.ready_wait_s)
         if self.options.run_envoy:
-            await self._start_envoy(loaded, binary)
+            await self._start_envoy(config, binary)
 
-    async def _start_envoy(self, loaded: LoadedGateway, binary: str) -> None:
+    async def _start_envoy(self, config: GatewayConfig, binary: str) -> None:
         workdir = self.options.workdir
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="poolkeeper-")
             workdir = Path(self._tmp.name)
-        _check_workdir(workdir, self.options.paths)
         workdir.mkdir(parents=True, exist_ok=True)
-        params = bootstrap_params(loaded, self.datastore)
+        params = bootstrap_params(config, self.datastore.snapshot())
         config_path = workdir / "envoy.json"
         config_path.write_text(render(build_bootstrap(params)))
         self.envoy = EnvoySupervisor(
@@ -236,19 +201,19 @@ class GatewayRuntime:
             n = len(states)
             kv = sum(s.metrics.kv_cache_usage for s in states) / n if n else 0.0
             queue = sum(s.metrics.waiting for s in states) / n if n else 0.0
-            ready = sum(1 for s in states if s.metrics.updated_at > 0 and s.metrics.error is None)
+            ready = sum(1 for s in states if s.metrics.reachable)
             yield PoolStats(key.rpartition("/")[2], kv, queue, ready)
 
     @property
     def extproc_address(self) -> str:
-        assert self.loaded is not None
-        listeners = self.loaded.config.spec.listeners
+        assert self.config is not None
+        listeners = self.config.spec.listeners
         return f"ext_proc {listeners.address}:{listeners.ext_proc}"
 
     @property
     def http_url(self) -> str:
-        assert self.loaded is not None
-        listeners = self.loaded.config.spec.listeners
+        assert self.config is not None
+        listeners = self.config.spec.listeners
         host = "127.0.0.1" if listeners.address == "0.0.0.0" else listeners.address
         return f"http://{host}:{listeners.http}"
 

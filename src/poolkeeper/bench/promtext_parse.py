@@ -1,10 +1,10 @@
 """Microseconds per metrics page: poolkeeper's filter reader vs prometheus_client's parser.
 
-    .venv/bin/python benchmarks/promtext_parse.py [--rounds N]
+    .venv/bin/python -m poolkeeper.bench.promtext_parse [--rounds N]
 
-The page is tests/backend/fixtures/vllm_v1.prom: a realistic vLLM V1 /metrics page (196 lines,
-~18 KB: gauges, LoRA info with three series, cache config, counters, seven histograms, Python
-and process collectors). Rows:
+The page (`--page`, default tests/backend/fixtures/vllm_v1.prom of a checkout) is a
+realistic vLLM V1 /metrics page (196 lines, ~18 KB: gauges, LoRA info with three series, cache
+config, counters, seven histograms, Python and process collectors). Rows:
 - filter reader: `FamilyFilter.parse(bytes)` for the six families the vLLM mapping reads
   (bytes in, UTF-8 decode included);
 - filter reader + mapping: `EngineMapping.read`, i.e. the whole per-scrape CPU cost;
@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from poolkeeper.backend.mappings import mapping_for
 from poolkeeper.datastore.endpoint import EndpointMetrics
 
-PAGE = Path(__file__).resolve().parent.parent / "tests" / "backend" / "fixtures" / "vllm_v1.prom"
+PAGE = Path("tests") / "backend" / "fixtures" / "vllm_v1.prom"  # run from the repository root
 
 
 def measure(fn: Callable[[], object], rounds: int, target_s: float = 0.2) -> tuple[float, float]:
@@ -48,8 +48,15 @@ def measure(fn: Callable[[], object], rounds: int, target_s: float = 0.2) -> tup
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="timing rounds (default 7)")
+    parser.add_argument(
+        "--page", type=Path, default=PAGE, help=f"a vLLM /metrics page (default {PAGE})"
+    )
     args = parser.parse_args(argv)
-    data = PAGE.read_bytes()
+    page: Path = args.page
+    if not page.is_file():
+        print(f"error: no metrics page at {page}; pass --page PATH", file=sys.stderr)
+        return 2
+    data = page.read_bytes()
     text = data.decode()
     mapping = mapping_for("vllm")
     previous = EndpointMetrics()
@@ -68,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prometheus_client 0.x parser", lambda: list(text_string_to_metric_families(text))),
     ]
     lines = text.count("\n")
-    print(f"page: {PAGE.name}, {lines} lines, {len(data)} bytes")
+    print(f"page: {page.name}, {lines} lines, {len(data)} bytes")
     print(f"python {platform.python_version()} on {platform.machine()} ({platform.processor()})")
     print()
     print("| parser | best CPU µs/page | median CPU µs/page |")

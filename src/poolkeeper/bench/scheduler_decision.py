@@ -15,7 +15,7 @@ unseen in-flight requests, and GC stays on (as in production). Two timings per s
 
 Not a test: run it by hand and copy the table into docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/scheduler_decision.py [--preset NAME]... [--repeat 3]
+    .venv/bin/python -m poolkeeper.bench.scheduler_decision [--preset NAME]... [--repeat 3]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ process (EPP + supervised Envoy) in front of it, all on 127.0.0.1. Then:
 Bounded (rates x duration, then a fixed closed-loop window) and local only. Not a test: run it
 by hand and copy the printed Markdown into docs/benchmarks.md (## Gateway overhead).
 
-    .venv/bin/python benchmarks/gateway_overhead.py --rates 10,50,100 --duration 10
+    .venv/bin/python -m poolkeeper.bench.gateway_overhead --rates 10,50,100 --duration 10
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ from typing import Any
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.scheduling.build import build_scheduler
-from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.config import SchedulingConfig, preset_config
 from poolkeeper.scheduling.interfaces import CycleState
-from poolkeeper.scheduling.presets import preset_config
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
 

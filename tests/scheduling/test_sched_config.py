@@ -6,13 +6,17 @@ import random
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from poolkeeper.api.load import load_text
+from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.errors import ConfigError
+from poolkeeper.scheduling import config as scheduling_config, resolve
 from poolkeeper.scheduling.build import build_scheduler
-from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.config import SchedulingConfig, preset_config
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
-from poolkeeper.scheduling.presets import PRESETS, preset_config, preset_document
+from poolkeeper.scheduling.presets import PRESETS, preset_document
 from poolkeeper.scheduling.registry import NoParams, PluginKind, PluginSpec
 from tests.scheduling.sched_factories import request, scheduler, state
 
@@ -324,3 +328,40 @@ def test_every_registered_type_has_documented_parameters() -> None:
     for spec in registry:
         for name, field in spec.params.model_fields.items():
             assert field.description, f"{spec.type_name}.{name} lacks a description"
+
+
+@pytest.mark.parametrize(
+    "scheduling",
+    [
+        None,  # section omitted: the default preset
+        {"preset": "gie-v0.3-decision-tree"},
+        {"plugins": [{"type": "queue-scorer"}, {"type": "random-picker"}]},
+    ],
+)
+def test_gateway_config_load_resolves_scheduling_once(
+    scheduling: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[object] = []
+
+    def counting(doc: Any, registry: Any) -> Any:
+        calls.append(doc)
+        return resolve.resolve(doc, registry)
+
+    monkeypatch.setattr(scheduling_config, "resolve", counting)
+    spec = {} if scheduling is None else {"scheduling": scheduling}
+    text = yaml.safe_dump(
+        {"apiVersion": "poolkeeper.dev/v1alpha1", "kind": "GatewayConfig", "spec": spec}
+    )
+    result = load_text(text, "gw.yaml")
+    assert result.ok, result.errors
+    config = result.objects_of(GatewayConfig)[0]
+    build_scheduler(config.spec.scheduling, rng=random.Random(0))
+    assert len(calls) == 1
+
+
+def test_building_against_another_registry_resolves_again() -> None:
+    config = SchedulingConfig(preset="default")
+    assert config.plan() is config.plan()
+    registry = builtin_registry()
+    assert config.plan(registry) is not config.plan()
+    assert config.plan(registry) == config.plan()

@@ -1,4 +1,8 @@
-"""Build a Scheduler from a SchedulingConfig: resolve it, instantiate each plugin once.
+"""Build a Scheduler from a SchedulingConfig: instantiate each plugin of its plan once.
+
+The plan was resolved when the config was validated (`SchedulingConfig.plan`); nothing is
+resolved here unless the scheduler is built against another registry than the config was
+validated with.
 
 A plugin instance referenced by several profiles (or decision trees) is shared, so e.g. one
 prefix index serves every profile that scores prefixes.
@@ -13,7 +17,6 @@ from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.interfaces import Filter, Picker, Plugin, ProfileHandler, Scorer
 from poolkeeper.scheduling.profile import SchedulerProfile
 from poolkeeper.scheduling.registry import BuildContext, PluginRegistry
-from poolkeeper.scheduling.resolve import resolve_scheduling
 from poolkeeper.scheduling.scheduler import Scheduler
 
 
@@ -24,7 +27,7 @@ def build_scheduler(
     registry: PluginRegistry | None = None,
 ) -> Scheduler:
     """The scheduler `config` describes; raises ConfigError listing every problem."""
-    plan = resolve_scheduling(config, registry)
+    plan = config.plan(registry)
     instances: dict[str, Plugin] = {}
     building: list[str] = []
 

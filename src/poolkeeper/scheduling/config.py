@@ -17,14 +17,38 @@ Everything is checked when the model is validated, and every problem is reported
 (`schedulingProfiles[0].plugins[2].pluginRef: unknown plugin "x"`). An empty section means the
 documented default profile (docs/scheduling.md). Validation uses the built-in plugin registry,
 or the one passed as `model_validate(data, context={"registry": registry})`.
+
+Validation is also where the section is resolved, once: the build plan is kept on the model
+(`plan()`), and `build_scheduler` instantiates plugins from it. The validator is the one place
+a preset name is looked up: the preset's document (presets.py, plain data) is validated into a
+SchedulingConfig exactly like a user's.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
+
+from poolkeeper.scheduling.plugins.builtins import builtin_registry
+from poolkeeper.scheduling.presets import PRESETS, preset_document
+from poolkeeper.scheduling.registry import PluginRegistry
+from poolkeeper.scheduling.resolve import (
+    InvalidSchedulingConfig,
+    ResolvedScheduling,
+    problems_of,
+    resolve,
+)
 
 
 class _ConfigModel(BaseModel):
@@ -94,14 +118,60 @@ class SchedulingConfig(_ConfigModel):
         "`plugins`, else single-profile-handler).",
     )
 
-    @model_validator(mode="after")
-    def _check(self, info: ValidationInfo) -> SchedulingConfig:
-        # Imported here: the resolver imports the plugin modules, which must not be needed
-        # just to import the config schema.
-        from poolkeeper.scheduling.resolve import check_scheduling_config
+    # The plan resolved by the validator, and the registry it was resolved against (None: the
+    # built-in one). Private attributes are not fields: not dumped, not in the schema.
+    _plan: ResolvedScheduling | None = PrivateAttr(default=None)
+    _plan_registry: PluginRegistry | None = PrivateAttr(default=None)
 
+    @model_validator(mode="after")
+    def _resolve(self, info: ValidationInfo) -> SchedulingConfig:
         registry = info.context.get("registry") if isinstance(info.context, dict) else None
-        problems = check_scheduling_config(self, registry)
-        if problems:
-            raise ValueError("invalid scheduling config:\n  " + "\n  ".join(problems))
+        self._plan = _plan_of(self, registry)
+        self._plan_registry = registry
         return self
+
+    def plan(self, registry: PluginRegistry | None = None) -> ResolvedScheduling:
+        """The build plan against `registry` (None: the built-in plugins).
+
+        The plan made at validation when it used the same registry; resolved again only for
+        another registry (raises InvalidSchedulingConfig, a ConfigError, listing every problem).
+        `model_copy(update=...)` does not validate, so its copy keeps the original's plan:
+        validate a changed document instead.
+        """
+        if self._plan is not None and self._plan_registry is registry:
+            return self._plan
+        return _plan_of(self, registry)
+
+
+def preset_config(name: str) -> SchedulingConfig:
+    """The SchedulingConfig of a preset's document; raises KeyError naming the known presets."""
+    return SchedulingConfig.model_validate(preset_document(name))
+
+
+def _plan_of(config: SchedulingConfig, registry: PluginRegistry | None) -> ResolvedScheduling:
+    """Resolve `config`: its own document, or its preset's (an empty section is `default`)."""
+    listed = bool(config.plugins or config.scheduling_profiles or config.profile_handler)
+    if config.preset is None:
+        if listed:
+            return resolve(config, registry if registry is not None else builtin_registry())
+        return _preset_plan("default", registry)
+    if listed:
+        raise InvalidSchedulingConfig(
+            [
+                "preset: a preset cannot be combined with plugins, schedulingProfiles or "
+                "profileHandler"
+            ]
+        )
+    return _preset_plan(config.preset, registry)
+
+
+def _preset_plan(name: str, registry: PluginRegistry | None) -> ResolvedScheduling:
+    if name not in PRESETS:
+        raise InvalidSchedulingConfig(
+            [f'preset: unknown preset "{name}" (known: {", ".join(sorted(PRESETS))})']
+        )
+    try:
+        preset = SchedulingConfig.model_validate(PRESETS[name], context={"registry": registry})
+    except ValidationError as exc:
+        raise InvalidSchedulingConfig(problems_of(exc)) from None
+    return replace(preset.plan(registry), source=f"preset {name}")

@@ -1,15 +1,14 @@
 """Named scheduling configurations: poolkeeper's default and upstream baselines for parity.
 
-Each preset is the YAML-equivalent dict documented in docs/scheduling.md, validated into a
-SchedulingConfig on request; pick one with `scheduling: {preset: <name>}` or
-`preset_config(name)`.
+Plain data: each preset is the YAML-equivalent dict documented in docs/scheduling.md. Pick one
+with `scheduling: {preset: <name>}`; SchedulingConfig (config.py) validates the preset's dict
+exactly like a user's document. `config.preset_config(name)` gives it as a SchedulingConfig.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
-
-from poolkeeper.scheduling.config import SchedulingConfig
 
 
 def _no_inflight(**extra: Any) -> dict[str, Any]:
@@ -160,14 +159,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_document(name: str) -> dict[str, Any]:
-    """The YAML-equivalent dict of a preset (a copy; KeyError if unknown)."""
-    import copy
-
-    return copy.deepcopy(PRESETS[name])
-
-
-def preset_config(name: str) -> SchedulingConfig:
-    """The SchedulingConfig of a preset; raises KeyError naming the known presets."""
+    """The YAML-equivalent dict of a preset (a copy); raises KeyError naming the known presets."""
     if name not in PRESETS:
         raise KeyError(f"unknown scheduling preset {name!r} (known: {', '.join(sorted(PRESETS))})")
-    return SchedulingConfig.model_validate(PRESETS[name])
+    return copy.deepcopy(PRESETS[name])

@@ -71,36 +71,38 @@ def _band(candidates: Sequence[EndpointState], values: list[float]) -> list[Endp
     return [s for s, v in zip(candidates, values, strict=True) if v <= limit]
 
 
-class LeastQueueFilter(NamedPlugin):
+class _LeastLoadFilter(NamedPlugin):
+    """Endpoints in the lowest 1/N band of a per-endpoint load; subclasses say which (`load`)."""
+
+    __slots__ = ("count_unseen",)
+
+    def __init__(self, typed_name: TypedName, params: LoadParams) -> None:
+        super().__init__(typed_name)
+        self.count_unseen = params.count_unseen
+
+    @staticmethod
+    def load(state: EndpointState, count_unseen: bool) -> float:
+        raise NotImplementedError
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        load, cu = self.load, self.count_unseen
+        return _band(candidates, [load(s, cu) for s in candidates])
+
+
+class LeastQueueFilter(_LeastLoadFilter):
     """Endpoints in the lowest 1/N band of waiting-queue sizes."""
 
-    __slots__ = ("count_unseen",)
-
-    def __init__(self, typed_name: TypedName, params: LoadParams) -> None:
-        super().__init__(typed_name)
-        self.count_unseen = params.count_unseen
-
-    def filter(
-        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
-    ) -> Sequence[EndpointState]:
-        cu = self.count_unseen
-        return _band(candidates, [effective_waiting(s, cu) for s in candidates])
+    __slots__ = ()
+    load = staticmethod(effective_waiting)
 
 
-class LeastKvCacheFilter(NamedPlugin):
+class LeastKvCacheFilter(_LeastLoadFilter):
     """Endpoints in the lowest 1/N band of KV-cache utilisation."""
 
-    __slots__ = ("count_unseen",)
-
-    def __init__(self, typed_name: TypedName, params: LoadParams) -> None:
-        super().__init__(typed_name)
-        self.count_unseen = params.count_unseen
-
-    def filter(
-        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
-    ) -> Sequence[EndpointState]:
-        cu = self.count_unseen
-        return _band(candidates, [effective_kv(s, cu) for s in candidates])
+    __slots__ = ()
+    load = staticmethod(effective_kv)
 
 
 class LoraAffinityParams(PluginParams):

@@ -47,46 +47,55 @@ class MinMaxLoadParams(LoadParams):
     )
 
 
-class QueueScorer(NamedPlugin):
+class _MinMaxLoadScorer(NamedPlugin):
+    """Inverse min-max of a per-endpoint load; subclasses say which load (`loads`)."""
+
+    __slots__ = ("count_unseen", "min_span")
+    bounded = True
+
+    def __init__(self, typed_name: TypedName, params: MinMaxLoadParams) -> None:
+        super().__init__(typed_name)
+        self.count_unseen = params.count_unseen
+        self.min_span = params.min_span
+
+    @staticmethod
+    def loads(candidates: Sequence[EndpointState], count_unseen: bool) -> list[int]:
+        """The load of each candidate, + its unseen in-flight requests when `count_unseen`."""
+        raise NotImplementedError
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        return inverse_min_max(self.loads(candidates, self.count_unseen), self.min_span)
+
+
+# The subclasses' `loads` are list comprehensions reading the field inline: at 1,000 endpoints
+# a getter call per endpoint (operator.attrgetter, load.effective_*) costs two to three times
+# as much.
+
+
+class QueueScorer(_MinMaxLoadScorer):
     """Inverse min-max of the waiting queue (+ unseen in-flight requests)."""
 
-    __slots__ = ("count_unseen", "min_span")
-    bounded = True
+    __slots__ = ()
 
-    def __init__(self, typed_name: TypedName, params: MinMaxLoadParams) -> None:
-        super().__init__(typed_name)
-        self.count_unseen = params.count_unseen
-        self.min_span = params.min_span
-
-    def score(
-        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
-    ) -> Scores:
-        if self.count_unseen:
-            return inverse_min_max(
-                [s.metrics.waiting + s.unseen_requests for s in candidates], self.min_span
-            )
-        return inverse_min_max([s.metrics.waiting for s in candidates], self.min_span)
+    @staticmethod
+    def loads(candidates: Sequence[EndpointState], count_unseen: bool) -> list[int]:
+        if count_unseen:
+            return [s.metrics.waiting + s.unseen_requests for s in candidates]
+        return [s.metrics.waiting for s in candidates]
 
 
-class RunningRequestsScorer(NamedPlugin):
+class RunningRequestsScorer(_MinMaxLoadScorer):
     """Inverse min-max of running requests (+ unseen in-flight requests)."""
 
-    __slots__ = ("count_unseen", "min_span")
-    bounded = True
+    __slots__ = ()
 
-    def __init__(self, typed_name: TypedName, params: MinMaxLoadParams) -> None:
-        super().__init__(typed_name)
-        self.count_unseen = params.count_unseen
-        self.min_span = params.min_span
-
-    def score(
-        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
-    ) -> Scores:
-        if self.count_unseen:
-            return inverse_min_max(
-                [s.metrics.running + s.unseen_requests for s in candidates], self.min_span
-            )
-        return inverse_min_max([s.metrics.running for s in candidates], self.min_span)
+    @staticmethod
+    def loads(candidates: Sequence[EndpointState], count_unseen: bool) -> list[int]:
+        if count_unseen:
+            return [s.metrics.running + s.unseen_requests for s in candidates]
+        return [s.metrics.running for s in candidates]
 
 
 class KvCacheScorer(NamedPlugin):

@@ -6,7 +6,12 @@ import random
 from typing import Any
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.endpoint import (
+    DEFAULT_STALENESS_S,
+    Endpoint,
+    EndpointMetrics,
+    EndpointState,
+)
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig, preset_config
 from poolkeeper.scheduling.interfaces import CycleState
@@ -92,7 +97,12 @@ def single(plugin: dict[str, Any], weight: float | None = None) -> dict[str, Any
     return {"plugins": [plugin], "schedulingProfiles": [{"name": "p", "plugins": [ref]}]}
 
 
-def plugin(type_: str, params: dict[str, Any] | None = None, seed: int = 1) -> Any:
+def plugin(
+    type_: str,
+    params: dict[str, Any] | None = None,
+    seed: int = 1,
+    staleness_s: float = DEFAULT_STALENESS_S,
+) -> Any:
     """One built-in plugin instance, built the way the scheduler builds it."""
     from poolkeeper.scheduling.interfaces import TypedName
     from poolkeeper.scheduling.plugins.builtins import builtin_registry
@@ -104,7 +114,7 @@ def plugin(type_: str, params: dict[str, Any] | None = None, seed: int = 1) -> A
     def no_refs(name: str) -> Any:
         raise AssertionError(f"unexpected reference to {name}")
 
-    ctx = BuildContext(rng=random.Random(seed), resolve_filter=no_refs)
+    ctx = BuildContext(rng=random.Random(seed), resolve_filter=no_refs, staleness_s=staleness_s)
     return spec.factory(TypedName(type_, type_), spec.params.model_validate(params or {}), ctx)
 
 

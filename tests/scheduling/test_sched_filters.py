@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
+from pydantic import ValidationError
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import RequestShed
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.plugins.filters import SaturationFilter, StaleMetricsFilter
 from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 
 
@@ -217,6 +222,27 @@ def test_stale_metrics_filter(pool: list[EndpointState], want: list[int]) -> Non
 
 
 def test_stale_metrics_filter_threshold() -> None:
-    f = plugin("stale-metrics-filter", {"metricsStalenessMs": 1000})
+    f = plugin("stale-metrics-filter", staleness_s=1.0)
     pool = [state(1, updated_at=NOW - 0.9), state(2, updated_at=NOW - 1.1)]
     assert keys(list(f.filter(cycle(), request(), pool))) == [key(1)]
+
+
+def test_staleness_comes_from_the_build_not_from_parameters() -> None:
+    # One freshness setting (spec.scraping.stalenessMs): build_scheduler hands it to both
+    # filters that skip stale endpoints; neither takes a threshold of its own.
+    doc = {
+        "plugins": [{"type": "stale-metrics-filter"}, {"type": "saturation-filter"}],
+    }
+    config = SchedulingConfig.model_validate(doc)
+    for sched, want in [
+        (build_scheduler(config, rng=random.Random(0)), 0.2),
+        (build_scheduler(config, rng=random.Random(0), staleness_s=1.5), 1.5),
+    ]:
+        stale, saturation = sched.profiles["default"].filters
+        assert isinstance(stale, StaleMetricsFilter)
+        assert isinstance(saturation, SaturationFilter)
+        assert (stale.staleness_s, saturation.staleness_s) == (want, want)
+    for type_ in ("stale-metrics-filter", "saturation-filter"):
+        bad = {"plugins": [{"type": type_, "parameters": {"metricsStalenessMs": 1000}}]}
+        with pytest.raises(ValidationError, match="metricsStalenessMs"):
+            SchedulingConfig.model_validate(bad)

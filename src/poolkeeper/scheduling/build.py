@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.interfaces import Filter, Picker, Plugin, ProfileHandler, Scorer
@@ -25,8 +26,13 @@ def build_scheduler(
     *,
     rng: random.Random,
     registry: PluginRegistry | None = None,
+    staleness_s: float = DEFAULT_STALENESS_S,
 ) -> Scheduler:
-    """The scheduler `config` describes; raises ConfigError listing every problem."""
+    """The scheduler `config` describes; raises ConfigError listing every problem.
+
+    `staleness_s` is the gateway's freshness setting (`spec.scraping.stalenessMs`), handed to the
+    plugins that skip endpoints with stale metrics.
+    """
     plan = config.plan(registry)
     instances: dict[str, Plugin] = {}
     building: list[str] = []
@@ -50,7 +56,7 @@ def build_scheduler(
             raise ConfigError(f"plugin {name!r} is not a filter")
         return plugin
 
-    ctx = BuildContext(rng=rng, resolve_filter=resolve_filter)
+    ctx = BuildContext(rng=rng, resolve_filter=resolve_filter, staleness_s=staleness_s)
     profiles: list[SchedulerProfile] = []
     for prof in plan.profiles:
         filters = [resolve_filter(n) for n in prof.filters]

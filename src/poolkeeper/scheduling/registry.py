@@ -39,10 +39,14 @@ class NoParams(PluginParams):
 
 @dataclass(frozen=True, slots=True)
 class BuildContext:
-    """What a factory may use: the shared seeded RNG and other plugin instances by name."""
+    """What a factory may use: the shared seeded RNG, the gateway's freshness setting and other
+    plugin instances by name."""
 
     rng: random.Random
     resolve_filter: Callable[[str], Filter]
+    # Metrics older than this are stale (`spec.scraping.stalenessMs`, the one freshness setting;
+    # the filters that skip stale endpoints read it here rather than having their own).
+    staleness_s: float
 
 
 PluginFactory = Callable[[TypedName, PluginParams, BuildContext], Plugin]

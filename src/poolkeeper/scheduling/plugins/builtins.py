@@ -30,7 +30,6 @@ from poolkeeper.scheduling.plugins.filters import (
     SaturationFilter,
     SaturationFilterParams,
     StaleMetricsFilter,
-    StaleMetricsParams,
 )
 from poolkeeper.scheduling.plugins.pickers import (
     MaxScorePicker,
@@ -84,6 +83,18 @@ def _with_rng(
     return factory
 
 
+def _with_staleness(cls: Callable[[TypedName, T, float], Plugin], model: type[T]) -> PluginFactory:
+    def factory(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+        assert isinstance(params, model)
+        return cls(tn, params, ctx.staleness_s)
+
+    return factory
+
+
+def _stale_metrics(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    return StaleMetricsFilter(tn, ctx.staleness_s)
+
+
 def _plain(cls: Callable[[TypedName], Plugin]) -> PluginFactory:
     def factory(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
         return cls(tn)
@@ -120,10 +131,9 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
         PluginSpec("drop-request-filter", F, NoParams, _plain(DropRequestFilter),
                    "Sheds the request with 429 (v0.3 tree leaf)."),
         PluginSpec("saturation-filter", F, SaturationFilterParams,
-                   _with_params(SaturationFilter, SaturationFilterParams),
+                   _with_staleness(SaturationFilter, SaturationFilterParams),
                    "Drops stale or overloaded endpoints; fails open."),
-        PluginSpec("stale-metrics-filter", F, StaleMetricsParams,
-                   _with_params(StaleMetricsFilter, StaleMetricsParams),
+        PluginSpec("stale-metrics-filter", F, NoParams, _stale_metrics,
                    "Drops endpoints with stale metrics; fails open."),
         PluginSpec("decision-tree-filter", F, DecisionTreeParams, _tree,
                    "GIE v0.1-v0.5 filter tree.", filter_references=tree_references),

@@ -224,9 +224,6 @@ class SaturationFilterParams(LoadParams):
     kv_cache_util_threshold: float = Field(
         default=0.8, gt=0, le=1, description="KV utilisation at saturation 1.0 (default 0.8)."
     )
-    metrics_staleness_ms: float = Field(
-        default=200, gt=0, description="Metrics older than this count as stale, ms (default 200)."
-    )
     headroom: float = Field(
         default=0.5,
         ge=0,
@@ -238,17 +235,20 @@ class SaturationFilter(NamedPlugin):
     """Drops stale or overloaded endpoints; fails open (keeps all) if none would remain.
 
     Overloaded = `max(queue / queueDepthThreshold, kv / kvCacheUtilThreshold) > 1 + headroom`;
-    stale = metrics older than `metricsStalenessMs` (GIE #1497: stale idle-looking pods attract
-    traffic). Failing open matters for single-pod pools whose scrapes lag (llm-d #2408).
+    stale = metrics older than `staleness_s`, the gateway's `spec.scraping.stalenessMs` (GIE
+    #1497: stale idle-looking pods attract traffic). Failing open matters for single-pod pools
+    whose scrapes lag (llm-d #2408).
     """
 
     __slots__ = ("limit", "params", "staleness_s")
 
-    def __init__(self, typed_name: TypedName, params: SaturationFilterParams) -> None:
+    def __init__(
+        self, typed_name: TypedName, params: SaturationFilterParams, staleness_s: float
+    ) -> None:
         super().__init__(typed_name)
         self.params = params
         self.limit = 1.0 + params.headroom
-        self.staleness_s = params.metrics_staleness_ms / 1000.0
+        self.staleness_s = staleness_s
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -273,25 +273,20 @@ class SaturationFilter(NamedPlugin):
         return kept
 
 
-class StaleMetricsParams(PluginParams):
-    metrics_staleness_ms: float = Field(
-        default=200, gt=0, description="Metrics older than this count as stale, ms (default 200)."
-    )
-
-
 class StaleMetricsFilter(NamedPlugin):
     """Drops endpoints whose metrics are stale or were never scraped; fails open.
 
-    A stale endpoint may look idle (GIE #1497) or be gone; it is skipped while any endpoint
-    has fresh metrics. If none has, all are kept: a lagging scraper must not fail the pool
-    (llm-d #2408). Cheaper than `saturation-filter` (no load test).
+    Stale = older than `staleness_s`, the gateway's `spec.scraping.stalenessMs`. A stale
+    endpoint may look idle (GIE #1497) or be gone; it is skipped while any endpoint has fresh
+    metrics. If none has, all are kept: a lagging scraper must not fail the pool (llm-d #2408).
+    Cheaper than `saturation-filter` (no load test).
     """
 
     __slots__ = ("staleness_s",)
 
-    def __init__(self, typed_name: TypedName, params: StaleMetricsParams) -> None:
+    def __init__(self, typed_name: TypedName, staleness_s: float) -> None:
         super().__init__(typed_name)
-        self.staleness_s = params.metrics_staleness_ms / 1000.0
+        self.staleness_s = staleness_s
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]

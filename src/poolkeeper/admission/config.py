@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, model_validator
+
+from poolkeeper.schema import CamelModel
 
 
-class AdmissionConfig(BaseModel):
+class AdmissionConfig(CamelModel):
     """When to shed requests by criticality. Defaults follow GIE's saturation detector."""
-
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
-    )
 
     queue_depth_threshold: float = Field(
         default=5,

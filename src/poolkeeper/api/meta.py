@@ -1,7 +1,8 @@
 """ObjectMeta and Condition: the Kubernetes metadata every API object carries, validated like the
 API server validates it (names, labels, annotations; metav1.Condition markers).
 
-Also the base class `ApiModel` (strict: unknown fields are errors, camelCase JSON names).
+Also the base class `ApiModel` (a `schema.CamelModel`: unknown fields are errors, camelCase JSON
+names; not frozen).
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from poolkeeper.api.fielderrors import go_value, rule_error
 from poolkeeper.api.names import (
@@ -20,17 +20,11 @@ from poolkeeper.api.names import (
     label_value_errors,
     qualified_name_errors,
 )
+from poolkeeper.schema import CamelModel
 
 
-class ApiModel(BaseModel):
+class ApiModel(CamelModel, frozen=False, validate_default=False):
     """Base of every API type: unknown fields are errors, JSON names are camelCase."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        populate_by_name=True,
-        alias_generator=to_camel,
-        validate_default=False,
-    )
 
     def to_dict(self) -> dict[str, Any]:
         """The object as the API server would store it (camelCase, unset optionals omitted)."""

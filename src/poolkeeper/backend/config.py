@@ -22,27 +22,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, field_validator
 
 from poolkeeper.backend.mappings import mapping_for
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S
+from poolkeeper.schema import CamelModel
 
 __all__ = ["ENGINE_TYPE_LABEL", "ScrapingConfig"]
 
 ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 
 
-class ScrapingConfig(BaseModel):
+class ScrapingConfig(CamelModel, use_attribute_docstrings=True):
     """Settings of the per-endpoint metrics scrapers (camelCase in YAML)."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        frozen=True,
-        use_attribute_docstrings=True,
-    )
 
     interval_ms: int = Field(default=50, ge=5, le=60_000)
     """Scrape period per endpoint, in milliseconds (upstream default 50)."""

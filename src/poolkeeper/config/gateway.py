@@ -15,7 +15,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from poolkeeper.admission.config import AdmissionConfig
@@ -28,6 +28,7 @@ from poolkeeper.api.names import (
 )
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.schema import CamelModel
 
 API_VERSION: Final = "poolkeeper.dev/v1alpha1"
 KIND: Final = "GatewayConfig"
@@ -39,14 +40,8 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 _HOSTNAME_LABEL = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?$")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-        alias_generator=to_camel,
-        populate_by_name=True,
-        frozen=True,
-        use_attribute_docstrings=True,
-    )
+class _Section(CamelModel, use_attribute_docstrings=True):
+    """A GatewayConfig section: documented by the docstring under each field."""
 
 
 def _defaults_of(cls: type[_M]) -> Callable[[], _M]:

@@ -30,15 +30,12 @@ from dataclasses import replace
 from typing import Any
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
     ValidationInfo,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
 
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
 from poolkeeper.scheduling.presets import PRESETS, preset_document
@@ -49,15 +46,10 @@ from poolkeeper.scheduling.resolve import (
     problems_of,
     resolve,
 )
+from poolkeeper.schema import CamelModel
 
 
-class _ConfigModel(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
-    )
-
-
-class PluginInstanceConfig(_ConfigModel):
+class PluginInstanceConfig(CamelModel):
     """One plugin instance."""
 
     type: str = Field(description="Registered plugin type, e.g. `queue-scorer`.")
@@ -73,7 +65,7 @@ class PluginInstanceConfig(_ConfigModel):
         return self.name if self.name is not None else self.type
 
 
-class ProfilePluginRef(_ConfigModel):
+class ProfilePluginRef(CamelModel):
     """A plugin used by a profile."""
 
     plugin_ref: str = Field(description="Name of a plugin instance in `plugins`.")
@@ -85,7 +77,7 @@ class ProfilePluginRef(_ConfigModel):
     )
 
 
-class SchedulingProfileConfig(_ConfigModel):
+class SchedulingProfileConfig(CamelModel):
     """One profile: its filters run in order, then its weighted scorers, then its picker."""
 
     name: str = Field(min_length=1, description="Profile name (unique).")
@@ -96,7 +88,7 @@ class SchedulingProfileConfig(_ConfigModel):
     )
 
 
-class SchedulingConfig(_ConfigModel):
+class SchedulingConfig(CamelModel):
     """How the EPP picks an endpoint. Empty = the `default` preset."""
 
     preset: str | None = Field(

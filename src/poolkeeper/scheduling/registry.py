@@ -12,10 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict
-from pydantic.alias_generators import to_camel
-
 from poolkeeper.scheduling.interfaces import Filter, Plugin, TypedName
+from poolkeeper.schema import CamelModel
 
 
 class PluginKind(StrEnum):
@@ -25,12 +23,8 @@ class PluginKind(StrEnum):
     PROFILE_HANDLER = "profile-handler"
 
 
-class PluginParams(BaseModel):
+class PluginParams(CamelModel):
     """Base of every plugin's `parameters` model: camelCase keys, unknown keys rejected."""
-
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
-    )
 
 
 class NoParams(PluginParams):

@@ -11,6 +11,7 @@ from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.errors import RequestShed
+from poolkeeper.scheduling.load import STALE, saturations
 from poolkeeper.scheduling.types import LLMRequest
 
 NOW = 50.0
@@ -80,7 +81,14 @@ def test_stale_count_and_broken_kv_values() -> None:
     assert not report.all_stale
     assert d.saturation([ep(1, kv=float("nan"))], NOW) == pytest.approx(1.25)  # unknown = full
     assert d.saturation([ep(1, kv=-3.0)], NOW) == 0.0
-    assert d.endpoint_saturation(ep(1, waiting=10), NOW) == pytest.approx(2.0)
+    values = saturations(
+        [ep(1, waiting=10), ep(2, age=1.0)],
+        now=NOW,
+        staleness_s=d.staleness_s,
+        queue_threshold=5,
+        kv_threshold=0.8,
+    )
+    assert values == [pytest.approx(2.0), STALE]  # the one definition the detector averages
 
 
 def test_custom_thresholds_and_staleness() -> None:

@@ -8,11 +8,13 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
+from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.load import STALE, saturations
 from poolkeeper.scheduling.plugins.filters import SaturationFilter, StaleMetricsFilter
 from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 
@@ -198,6 +200,28 @@ def test_saturation_filter(pool: list[EndpointState], want: list[int]) -> None:
     assert keys(list(plugin("saturation-filter").filter(cycle(), request(), pool))) == [
         key(i) for i in want
     ]
+
+
+def test_saturation_filter_and_admission_share_one_definition() -> None:
+    """The filter keeps what `saturations` says is within 1 + headroom; admission averages the
+    same values (stale counted 1.0): one definition of saturation, two consumers."""
+    pool = [
+        state(1, waiting=7),
+        state(2, waiting=8),
+        state(3, kv=float("nan")),
+        state(4, waiting=3, unseen=5),
+        state(5, updated_at=NOW - 0.3),
+        state(6, kv=1.7),
+    ]
+    values = saturations(pool, now=NOW, staleness_s=0.2, queue_threshold=5, kv_threshold=0.8)
+    kept = plugin("saturation-filter").filter(cycle(), request(), pool)
+    assert keys(list(kept)) == [s.key for s, v in zip(pool, values, strict=True) if v <= 1.5]
+    assert keys(list(kept)) == [key(1), key(3), key(6)]
+    report = SaturationDetector().assess(pool, NOW)
+    assert report.stale == 1
+    assert report.saturation == pytest.approx(
+        sum(1.0 if v == STALE else v for v in values) / len(pool)
+    )
 
 
 def test_saturation_filter_headroom_and_kv_threshold() -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S, EndpointState
-from poolkeeper.scheduling.load import effective_kv
+from poolkeeper.scheduling.load import STALE, saturations
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,42 +46,22 @@ class SaturationDetector:
         self.config = config if config is not None else AdmissionConfig()
         self.staleness_s = staleness_s
 
-    def endpoint_saturation(self, state: EndpointState, now: float) -> float:
-        """One endpoint's saturation (1.0 if its metrics are stale)."""
-        return self._per_endpoint([state], now)[0][0]
-
     def assess(self, states: Sequence[EndpointState], now: float) -> SaturationReport:
         """The report; with no endpoints, saturation 1.0 (nothing can take a request)."""
         if not states:
             return SaturationReport(1.0, 0, 0)
-        values, stale = self._per_endpoint(states, now)
-        return SaturationReport(sum(values) / len(values), len(values), stale)
-
-    def _per_endpoint(self, states: Sequence[EndpointState], now: float) -> tuple[list[float], int]:
-        """Per-endpoint saturations (stale = 1.0) and how many were stale."""
-        # One inlined loop: admission runs for every non-critical request, over the whole pool.
         c = self.config
-        fresh_since = now - self.staleness_s
-        q_t, kv_t, cu = c.queue_depth_threshold, c.kv_cache_util_threshold, c.count_unseen
-        out: list[float] = []
-        append = out.append
-        stale = 0
-        for s in states:
-            m = s.metrics
-            u = m.updated_at
-            if u <= 0.0 or u < fresh_since:
-                append(1.0)
-                stale += 1
-                continue
-            q = (m.waiting + s.unseen_requests if cu else m.waiting) / q_t
-            kv = m.kv_cache_usage
-            if cu and s.unseen_tokens:
-                kv = effective_kv(s)
-            elif not 0.0 <= kv <= 1.0:
-                kv = 0.0 if kv < 0.0 else 1.0  # out of range, or NaN (unknown: full)
-            kv /= kv_t
-            append(q if q > kv else kv)
-        return out, stale
+        values = saturations(
+            states,
+            now=now,
+            staleness_s=self.staleness_s,
+            queue_threshold=c.queue_depth_threshold,
+            kv_threshold=c.kv_cache_util_threshold,
+            count_unseen=c.count_unseen,
+        )
+        stale = values.count(STALE)
+        total = sum(v for v in values if v != STALE) + stale  # a stale endpoint counts 1.0
+        return SaturationReport(total / len(values), len(values), stale)
 
     def saturation(self, states: Sequence[EndpointState], now: float) -> float:
         """Pool saturation as upstream defines it (stale endpoints count 1.0; empty = 1.0)."""

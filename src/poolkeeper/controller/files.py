@@ -81,7 +81,7 @@ def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
     result: LoadResult = load_paths(paths)
     errors = [str(e) for e in result.errors]
     configs = [r for r in result.resources if isinstance(r.obj, GatewayConfig)]
-    gateway_config = GatewayConfig.default()
+    gateway_config: GatewayConfig | None = None
     specs: tuple[EndpointSpec, ...] = ()
     if len(configs) > 1:
         places = ", ".join(f"{r.location} ({r.ref})" for r in configs)
@@ -97,7 +97,8 @@ def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
         pools=tuple(result.pools()),
         models=tuple(result.models()),
         specs=specs,
-        gateway_config=gateway_config,
+        # Built only when the files have none: validating one resolves its scheduling section.
+        gateway_config=gateway_config if gateway_config is not None else GatewayConfig.default(),
         notices=tuple(result.notices),
         errors=tuple(errors),
     )
@@ -161,7 +162,7 @@ class FileResourceSource:
         self._source = source
         self._fingerprint: Fingerprint | None = None
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
-        self._gateway_config = GatewayConfig.default()
+        self._gateway_config: GatewayConfig | None = None  # set by the first good load
         self._errors: tuple[str, ...] = ()
         self.loads = 0  # successful loads applied
 
@@ -175,8 +176,9 @@ class FileResourceSource:
         return self._statuses
 
     @property
-    def gateway_config(self) -> GatewayConfig:
-        """The GatewayConfig of the last good load (the default one if the files have none)."""
+    def gateway_config(self) -> GatewayConfig | None:
+        """The GatewayConfig of the last good load (the default one if the files have none);
+        None before the first good load."""
         return self._gateway_config
 
     @property
@@ -195,7 +197,7 @@ class FileResourceSource:
         if not loaded.pools and not loaded.errors:
             loaded = replace(loaded, errors=("no InferencePool found in the given files",))
         outcome = self._apply(loaded)
-        if not outcome.applied:
+        if not outcome.applied or self._gateway_config is None:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(outcome.errors))
         return self._gateway_config
 

@@ -380,7 +380,7 @@ def build_director(
     staleness_s = spec.scraping.staleness_s
     return Director(
         datastore=datastore,
-        scheduler=build_scheduler(spec.scheduling, rng=rng),
+        scheduler=build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s),
         inflight=InflightTracker(),
         admission=AdmissionController(spec.admission, staleness_s=staleness_s),
         config=spec.request_handling,

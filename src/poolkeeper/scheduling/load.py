@@ -3,10 +3,15 @@
 Scraped gauges lag: a burst of decisions between two scrapes would all see the same idle pod and
 herd onto it. The in-flight tracker counts, per endpoint, the requests (and their tokens) sent
 after the endpoint's metrics were taken (`unseen_*`); the helpers here add them in, so every
-load-based filter and scorer treats a just-sent request as already queued.
+load-based filter and scorer treats a just-sent request as already queued. `saturations` is
+the one definition of endpoint saturation (admission's pool signal, the saturation filter).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Final
 
 from poolkeeper.datastore.endpoint import EndpointState
 
@@ -16,12 +21,6 @@ def effective_waiting(state: EndpointState, count_unseen: bool = True) -> int:
     if count_unseen:
         return state.metrics.waiting + state.unseen_requests
     return state.metrics.waiting
-
-
-def effective_running(state: EndpointState, count_unseen: bool = True) -> int:
-    if count_unseen:
-        return state.metrics.running + state.unseen_requests
-    return state.metrics.running
 
 
 def effective_kv(state: EndpointState, count_unseen: bool = True) -> float:
@@ -41,22 +40,43 @@ def effective_kv(state: EndpointState, count_unseen: bool = True) -> float:
     return 1.0  # full, or NaN from a broken exporter: unknown counts as full
 
 
-def endpoint_saturation(
-    state: EndpointState,
+# The saturation of an endpoint whose metrics are stale or never came: it cannot be judged.
+STALE: Final = math.inf
+
+
+def saturations(
+    states: Sequence[EndpointState],
     *,
     now: float,
+    staleness_s: float,
     queue_threshold: float,
     kv_threshold: float,
-    staleness_s: float,
     count_unseen: bool = True,
-) -> float:
-    """Per-endpoint saturation `max(queue / queueThreshold, kv / kvThreshold)`; stale = 1.0.
+) -> list[float]:
+    """Per-endpoint saturation, in order: `max(queue / queueThreshold, kv / kvThreshold)`.
 
-    1.0 means "at the threshold"; the value is unbounded above. Shared by the admission
-    detector and the saturation filter so both agree on what "saturated" means.
+    Queue and KV include what was sent since the scrape (`count_unseen`); an out-of-range KV
+    is clamped to 0..1 (NaN counts as full). 1.0 means "at the threshold" and the value is
+    unbounded above; `STALE` (infinity) marks metrics older than `staleness_s` or never
+    scraped, and each caller decides what that means (admission counts it 1.0, the saturation
+    filter drops it). The one definition of saturation, shared by the admission detector and
+    the saturation filter; one inlined loop, because both run over the whole pool per request.
     """
-    if state.age(now) > staleness_s:
-        return 1.0
-    q = effective_waiting(state, count_unseen) / queue_threshold if queue_threshold > 0 else 0.0
-    kv = effective_kv(state, count_unseen) / kv_threshold if kv_threshold > 0 else 0.0
-    return q if q > kv else kv
+    fresh_since = now - staleness_s
+    out: list[float] = []
+    append = out.append
+    for s in states:
+        m = s.metrics
+        u = m.updated_at
+        if u <= 0.0 or u < fresh_since:
+            append(STALE)
+            continue
+        q = (m.waiting + s.unseen_requests if count_unseen else m.waiting) / queue_threshold
+        kv = m.kv_cache_usage
+        if count_unseen and s.unseen_tokens:
+            kv = effective_kv(s)
+        elif not 0.0 <= kv <= 1.0:
+            kv = 0.0 if kv < 0.0 else 1.0  # out of range, or NaN (unknown: full)
+        kv /= kv_threshold
+        append(q if q > kv else kv)
+    return out

@@ -15,7 +15,7 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
-from poolkeeper.scheduling.load import effective_kv, effective_waiting
+from poolkeeper.scheduling.load import effective_kv, effective_waiting, saturations
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
@@ -253,21 +253,17 @@ class SaturationFilter(NamedPlugin):
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Sequence[EndpointState]:
-        # Inlined `endpoint_saturation` (same rule): this runs over every candidate of every
-        # decision, and a function call per endpoint costs more than the test itself.
         p = self.params
-        fresh_since = cycle.now - self.staleness_s
-        q_limit = p.queue_depth_threshold * self.limit
-        kv_limit = p.kv_cache_util_threshold * self.limit
-        cu = p.count_unseen
-        kept = [
-            s
-            for s in candidates
-            if (m := s.metrics).updated_at >= fresh_since
-            and m.updated_at > 0.0
-            and (m.waiting + s.unseen_requests if cu else m.waiting) <= q_limit
-            and (m.kv_cache_usage if not s.unseen_tokens else effective_kv(s, cu)) <= kv_limit
-        ]
+        values = saturations(
+            candidates,
+            now=cycle.now,
+            staleness_s=self.staleness_s,
+            queue_threshold=p.queue_depth_threshold,
+            kv_threshold=p.kv_cache_util_threshold,
+            count_unseen=p.count_unseen,
+        )
+        limit = self.limit  # STALE (infinity) is above any limit
+        kept = [s for s, v in zip(candidates, values, strict=True) if v <= limit]
         if not kept or len(kept) == len(candidates):
             return candidates
         return kept

@@ -7,7 +7,6 @@ import json
 import logging
 
 import grpc
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.errors import RequestShed
@@ -116,11 +115,34 @@ async def test_grpc_health_liveness_and_readiness() -> None:
         assert await check_health(address, EXT_PROC_SERVICE) == SERVING  # answering = live
         ready["value"] = True
         assert await check_health(address, "readiness") == SERVING
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await check_health(address, "nope")
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         await server.stop(None)
+
+
+async def test_cmd_epp_health_answers_any_service_name() -> None:
+    """Upstream `cmd/epp/health.go` answers every service name alike; v0.3-v0.5 Deployments probe
+    `inference-extension` (`config/manifests/inferencepool*.yaml`), so it must not be NOT_FOUND."""
+    answering = {"value": False}
+    health = HealthService.for_gateway(
+        live=lambda: True, ready=lambda: False, answering=lambda: answering["value"]
+    )
+    server = grpc.aio.server()
+    health.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        assert await check_health(address, "inference-extension") == NOT_SERVING
+        assert await check_health(address, "anything.else") == NOT_SERVING
+        answering["value"] = True
+        assert await check_health(address, "inference-extension") == SERVING
+        assert await check_health(address, "anything.else") == SERVING
+    finally:
+        await server.stop(None)
+
+
+def test_health_without_default_still_reports_unknown_services() -> None:
+    assert HealthService({"x": lambda: True}).status("y") is None
 
 
 def test_json_logs() -> None:

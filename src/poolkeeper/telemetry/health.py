@@ -6,7 +6,9 @@ they cannot clash with the official module if it is installed too). Services ans
 with fresh metrics; NOT_SERVING while draining: for orchestrators), and the ext_proc service name
 (the EPP can answer: resources loaded). Envoy health-checks the ext_proc service name, so only an
 EPP that cannot answer at all counts as down; with stale endpoints the EPP still answers (and
-says why, e.g. 503 no ready endpoint).
+says why, e.g. 503 no ready endpoint). Any other service name (upstream v0.3-v0.5 Deployments
+probe `inference-extension`) gets the ext_proc answer, as upstream's health server answers every
+name alike (`cmd/epp/health.go`): never NOT_FOUND.
 """
 
 from __future__ import annotations
@@ -62,9 +64,15 @@ HealthCheckRequest, HealthCheckResponse = _build_messages()
 class HealthService:
     """Answers Check and Watch from probe callables (evaluated on every call)."""
 
-    def __init__(self, probes: Mapping[str, Callable[[], bool]], watch_interval_s: float = 1.0):
+    def __init__(
+        self,
+        probes: Mapping[str, Callable[[], bool]],
+        watch_interval_s: float = 1.0,
+        default: Callable[[], bool] | None = None,
+    ):
         self.probes = dict(probes)
         self.watch_interval_s = watch_interval_s
+        self.default = default
 
     @classmethod
     def for_gateway(
@@ -75,10 +83,13 @@ class HealthService:
         answering: Callable[[], bool] | None = None,
     ) -> HealthService:
         serving = answering or live
-        return cls({"": live, "liveness": live, "readiness": ready, EXT_PROC_SERVICE: serving})
+        return cls(
+            {"": live, "liveness": live, "readiness": ready, EXT_PROC_SERVICE: serving},
+            default=serving,
+        )
 
     def status(self, service: str) -> int | None:
-        probe = self.probes.get(service)
+        probe = self.probes.get(service, self.default)
         if probe is None:
             return None
         try:

@@ -124,3 +124,47 @@ def test_injected_null_usage_fields_are_removed_only_when_stripping() -> None:
         json.loads(event[6:])  # still valid JSON
     g = SseUsageFilter(strip_injected_usage=False)
     assert g.feed(chunk) == chunk
+
+
+# Upstream's fixture (`pkg/epp/handlers/response_test.go@v0.5.1`, `streamingBodyWithUsage`):
+# the usage chunk and `[DONE]` on consecutive `data:` lines, no blank line between them.
+UPSTREAM_STREAMING_BODY_WITH_USAGE = (
+    b'data: {"id":"cmpl-41764c93-f9d2-4f31-be08-3ba04fa25394","object":"text_completion",'
+    b'"created":1740002445,"model":"food-review-0","choices":[],'
+    b'"usage":{"prompt_tokens":7,"total_tokens":17,"completion_tokens":10}}\n'
+    b"data: [DONE]\n\t"
+)
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_response_test_go_streaming_body_with_usage(strip: bool) -> None:
+    for cut in range(len(UPSTREAM_STREAMING_BODY_WITH_USAGE) + 1):
+        out, sse = _run(UPSTREAM_STREAMING_BODY_WITH_USAGE, cut, strip=strip)
+        assert sse.usage == Usage(prompt_tokens=7, completion_tokens=10), cut
+        assert sse.saw_done, cut
+        if strip:  # the usage-only chunk goes, the [DONE] line stays
+            assert out == b"data: [DONE]\n\t", cut
+        else:
+            assert out == UPSTREAM_STREAMING_BODY_WITH_USAGE, cut
+
+
+def test_lines_without_blank_separators_before_a_terminated_event() -> None:
+    stream = (
+        b'data: {"choices":[{"delta":{"content":"a"}}]}\n'
+        + USAGE_CHUNK.rstrip(b"\n")
+        + b"\n"
+        + DONE
+    )
+    out, sse = _run(stream, len(stream) // 2, strip=True)
+    assert sse.usage == EXPECTED
+    assert sse.saw_done
+    assert out == b'data: {"choices":[{"delta":{"content":"a"}}]}\n' + DONE
+
+
+def test_multiline_json_data_is_still_one_message() -> None:
+    event = (
+        b'data: {"choices": [],\ndata: "usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\n'
+    )
+    out, sse = _run(event, 5, strip=False)
+    assert sse.usage == Usage(prompt_tokens=3, completion_tokens=1)
+    assert out == event

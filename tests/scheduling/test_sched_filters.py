@@ -226,8 +226,29 @@ def test_saturation_filter_and_admission_share_one_definition() -> None:
 
 def test_saturation_filter_headroom_and_kv_threshold() -> None:
     f = plugin("saturation-filter", {"headroom": 0.0, "kvCacheUtilThreshold": 0.5})
-    pool = [state(1, kv=0.5), state(2, kv=0.51), state(3, waiting=5), state(4, waiting=6)]
+    pool = [state(1, kv=0.49), state(2, kv=0.51), state(3, waiting=4), state(4, waiting=6)]
     assert keys(list(f.filter(cycle(), request(), pool))) == [key(1), key(3)]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "want"),
+    [
+        ([(1, 0.1), (4, 0.7)], [1, 2]),  # All pass - under thresholds
+        ([(5, 0.8)], [1]),  # Pass - at threshold but under burst
+        ([(5, 0.9)], [1]),  # Pass - in headroom burst
+        ([(7, 0.1), (1, 0.1)], [2]),  # Filtered - exceeds queue burst
+        ([(1, 0.97), (1, 0.5)], [2]),  # Filtered - exceeds KV burst
+        ([(10, 0.1), (1, 0.99)], [1, 2]),  # Pass - all saturated (fail open)
+        ([(6, 0.1), (1, 0.1)], [2]),  # exactly at the queue limit 6.0: dropped
+        ([(1, 0.8 * 1.2), (1, 0.1)], [2]),  # exactly at the KV limit: dropped
+    ],
+)
+def test_detector_test_go_filter(metrics: list[tuple[int, float]], want: list[int]) -> None:
+    """Upstream `saturationdetector/utilization/detector_test.go@v1.5.0` TestDetector_Filter
+    (queue 5, KV 0.8, headroom 0.2: limits 6.0 and 0.96, kept only strictly below)."""
+    f = plugin("saturation-filter", {"headroom": 0.2})
+    pool = [state(i + 1, waiting=q, kv=kv) for i, (q, kv) in enumerate(metrics)]
+    assert keys(list(f.filter(cycle(), request(), pool))) == [key(i) for i in want]
 
 
 @pytest.mark.parametrize(

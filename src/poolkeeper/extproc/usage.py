@@ -5,6 +5,11 @@
 When the gateway injected `stream_options.include_usage` on the client's behalf, it also drops
 the extra usage-only chunk (`"choices": []` plus `usage`), so the client sees the stream it asked
 for. Only an incomplete trailing event is ever held back, so streaming stays incremental.
+
+Some servers (and upstream's own test fixture, `pkg/epp/handlers/response_test.go`) write one
+`data:` line per message with no blank line between them. Strictly that is one SSE event whose
+data is the lines joined by newlines; when that joined payload is not JSON, each `data:` line is
+read as a message of its own, as upstream does.
 """
 
 from __future__ import annotations
@@ -59,6 +64,20 @@ def _event_data(event: bytes) -> bytes | None:
             value = raw[5:]
             lines.append(value[1:] if value.startswith(b" ") else value)
     return b"\n".join(lines) if lines else None
+
+
+def _as_separate_lines(event: bytes) -> list[bytes] | None:
+    """The event's lines (with their terminators) when its `data:` lines must be read one by one:
+    several data lines whose joined payload is not one JSON document."""
+    lines = event.splitlines(keepends=True)
+    if sum(1 for line in lines if line.startswith(b"data:")) < 2:
+        return None
+    data = _event_data(event)
+    try:
+        json.loads(data or b"")
+    except (ValueError, RecursionError):
+        return lines
+    return None
 
 
 def _split_event(buf: bytes) -> tuple[bytes, bytes] | None:
@@ -117,7 +136,14 @@ class SseUsageFilter:
 
     def _filter(self, event: bytes) -> bytes | None:
         """The event as the client should see it; None to drop it."""
-        if not self._keep(event):
+        self.events += 1
+        lines = _as_separate_lines(event)
+        if lines is not None:
+            kept_lines = [x for x in lines if not x.startswith(b"data:") or self._keep(x)]
+            if not any(x.startswith(b"data:") for x in kept_lines):
+                return None
+            event = b"".join(kept_lines)
+        elif not self._keep(event):
             return None
         if self.strip_injected_usage and b'"usage"' in event:
             # The injected option also makes servers add `"usage": null` to every chunk; the
@@ -127,7 +153,6 @@ class SseUsageFilter:
         return event
 
     def _keep(self, event: bytes) -> bool:
-        self.events += 1
         data = _event_data(event)
         if data is None:
             return True

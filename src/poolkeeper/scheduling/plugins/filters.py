@@ -227,14 +227,15 @@ class SaturationFilterParams(LoadParams):
     headroom: float = Field(
         default=0.5,
         ge=0,
-        description="Keep endpoints with saturation <= 1 + headroom (default 0.5).",
+        description="Keep endpoints with saturation < 1 + headroom (default 0.5).",
     )
 
 
 class SaturationFilter(NamedPlugin):
     """Drops stale or overloaded endpoints; fails open (keeps all) if none would remain.
 
-    Overloaded = `max(queue / queueDepthThreshold, kv / kvCacheUtilThreshold) > 1 + headroom`;
+    Overloaded = `max(queue / queueDepthThreshold, kv / kvCacheUtilThreshold) >= 1 + headroom`
+    (a pod exactly at the limit is dropped, as upstream's utilization-detector filter does);
     stale = metrics older than `staleness_s`, the gateway's `spec.scraping.stalenessMs` (GIE
     #1497: stale idle-looking pods attract traffic). Failing open matters for single-pod pools
     whose scrapes lag (llm-d #2408).
@@ -263,7 +264,7 @@ class SaturationFilter(NamedPlugin):
             count_unseen=p.count_unseen,
         )
         limit = self.limit  # STALE (infinity) is above any limit
-        kept = [s for s, v in zip(candidates, values, strict=True) if v <= limit]
+        kept = [s for s, v in zip(candidates, values, strict=True) if v < limit]
         if not kept or len(kept) == len(candidates):
             return candidates
         return kept

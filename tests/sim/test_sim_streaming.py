@@ -67,3 +67,33 @@ async def test_non_streaming_client_leaving_aborts_the_request(sim_cluster: Star
         await asyncio.sleep(0.05)
     assert engine.stats().running == 0
     assert engine.counters.finished["abort"] == 1
+
+
+async def test_chat_role_chunk_comes_with_the_first_token_after_prefill(
+    sim_cluster: StartCluster,
+) -> None:
+    """vLLM (`serving_chat.py`) emits the role chunk on the engine's first output, so a client
+    timing its first chunk sees queueing and prefill. When the first event reaches the client
+    the request must already have produced a token (a causal check, no timing)."""
+    cluster, (where,) = await sim_cluster(1, time_scale=3.0)
+    engine = cluster.servers[0].engine
+    prompt = "many words of a long prompt " * 400
+    body = {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 5000,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(f"{where.url}/v1/chat/completions", json=body)
+        first = await response.content.readline()
+        (request,) = engine.running
+        assert request.output_tokens >= 1
+        assert json.loads(first[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        lines = [await response.content.readline() for _ in range(3)]
+        token = json.loads(lines[1][6:])["choices"][0]["delta"]
+        assert lines[0] == b"\n"
+        assert lines[2] == b"\n"
+        assert token["content"]
+        assert "role" not in token
+        response.close()

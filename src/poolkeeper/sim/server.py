@@ -188,9 +188,10 @@ class SimServer(AdminEndpoints):
         seed = stream_seed(self.engine.config.seed, request.request_id)
         events = 0
         cut_after = faults.cut_after
-        if writer.chat:
-            events += 1
-            await response.write(writer.role().encode())
+        # Like vLLM, a chat stream's role chunk goes out with the first token, after prefill
+        # (vLLM emits it on the engine's first output), so time to first chunk includes queueing
+        # and prefill.
+        role_pending = writer.chat
         sent = 0
         direct: DirectStream | None = None
         while True:
@@ -198,6 +199,11 @@ class SimServer(AdminEndpoints):
                 _cut(http)
                 return response
             produced = request.output_tokens
+            if role_pending and (produced > sent or request.done):
+                role_pending = False
+                events += 1
+                await response.write(writer.role().encode())
+                continue
             if produced > sent:
                 finished = request.done and produced == request.output_tokens
                 reason = request.finish_reason if finished else None

@@ -15,6 +15,7 @@ Doc = dict[str, Any]
 M1 = "inference.networking.x-k8s.io/v1alpha1"
 M2 = "inference.networking.x-k8s.io/v1alpha2"
 P2 = "inference.networking.x-k8s.io/v1alpha2"
+PA1 = "inference.networking.x-k8s.io/v1alpha1"
 P1 = "inference.networking.k8s.io/v1"
 
 
@@ -39,6 +40,11 @@ def pool2_doc(**spec: Any) -> Doc:
             **spec,
         },
     }
+
+
+def pool_alpha1_doc(**spec: Any) -> Doc:
+    """An InferencePool v1alpha1 (upstream v0.1)."""
+    return {**pool2_doc(**spec), "apiVersion": PA1}
 
 
 def pool1_doc(**spec: Any) -> Doc:

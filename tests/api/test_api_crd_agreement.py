@@ -16,6 +16,7 @@ from tests.api.apidocs import (
     model_doc,
     pool1_doc,
     pool2_doc,
+    pool_alpha1_doc,
     python_errors,
 )
 from tests.api.crd_oracle import oracle_errors
@@ -169,7 +170,73 @@ CORPUS: list[tuple[str, Doc, Doc | None, bool]] = [
     ("pool2-selector-value-bad", pool2_doc(selector={"app": "-x"}), None, INVALID),
     ("pool2-selector-key-bad", pool2_doc(selector={"bad key": "x"}), None, INVALID),
     ("pool2-selector-65", pool2_doc(selector={f"k{i}": "v" for i in range(65)}), None, INVALID),
+    ("pool-v1alpha1-minimal", pool_alpha1_doc(), None, VALID),
+    (
+        "pool-v1alpha1-extension-port",
+        pool_alpha1_doc(extensionRef={"name": "e", "targetPortNumber": 9002}),
+        None,
+        VALID,
+    ),
+    (
+        "pool-v1alpha1-status-conditions",
+        edit(pool_alpha1_doc(), "status", conditions(condition(type="Ready"))),
+        None,
+        VALID,
+    ),
+    (
+        "pool-v1alpha1-v1alpha2-port-name",
+        pool_alpha1_doc(extensionRef={"name": "e", "portNumber": 9002}),
+        None,
+        INVALID,
+    ),
+    ("pool-v1alpha1-port-zero", pool_alpha1_doc(targetPortNumber=0), None, INVALID),
+    (
+        "pool2-status-object-reference",
+        edit(
+            pool2_doc(),
+            "status",
+            {
+                "parent": [
+                    {
+                        "parentRef": {
+                            "apiVersion": "gateway.networking.k8s.io/v1",
+                            "kind": "Gateway",
+                            "name": "gw",
+                            "namespace": "default",
+                            "uid": "0f6e8e3c-1111-2222-3333-444455556666",
+                            "resourceVersion": "42",
+                        },
+                        "conditions": [condition()],
+                    }
+                ]
+            },
+        ),
+        None,
+        VALID,
+    ),
+    (
+        "pool2-status-gateway-reference",
+        edit(
+            pool2_doc(),
+            "status",
+            {"parent": [{"parentRef": {"kind": "Status", "name": "default"}}]},
+        ),
+        None,
+        VALID,
+    ),
+    (
+        "pool2-status-parent-ref-unknown-field",
+        edit(pool2_doc(), "status", {"parent": [{"parentRef": {"name": "gw", "port": 1}}]}),
+        None,
+        INVALID,
+    ),
     ("pool1-minimal", pool1_doc(), None, VALID),
+    (
+        "pool1-no-endpoint-picker-ref",
+        edit(pool1_doc(), "spec.endpointPickerRef", DELETE),
+        None,
+        VALID,
+    ),
     (
         "pool1-eight-ports",
         pool1_doc(targetPorts=[{"number": 8000 + i} for i in range(8)]),
@@ -256,6 +323,20 @@ def test_crd_layout() -> None:
         "targetPorts"
     ]
     assert ports["x-kubernetes-validations"][0]["message"] == "port number must be unique"
+    v1_spec = v1["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert "endpointPickerRef" not in v1_spec["required"]  # optional since upstream v1.6
+    # v1alpha1 pools load from files only: no CRD version serves them (see docs/api.md).
+    x_pool = crds["inferencepools.inference.networking.x-k8s.io"]["spec"]
+    assert [(v["name"], v["served"], v["storage"]) for v in x_pool["versions"]] == [
+        ("v1alpha2", True, True)
+    ]
+    parent_ref = x_pool["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"][
+        "properties"
+    ]["parent"]["items"]["properties"]["parentRef"]
+    assert {"group", "kind", "name", "namespace", "apiVersion", "uid"} <= set(
+        parent_ref["properties"]
+    )
+    assert "required" not in parent_ref
 
 
 def _walk(node: Any) -> list[dict[str, Any]]:

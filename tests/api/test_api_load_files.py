@@ -168,7 +168,8 @@ def test_bad_json_reports_line_and_column(tmp_path: Path) -> None:
             "kind: InferencePool\nmetadata: {name: x}\n",
             "<input>: InferencePool/default/x: apiVersion: Unsupported value: "
             '"inference.networking.x-k8s.io/v1": supported values: '
-            '"inference.networking.x-k8s.io/v1alpha2", "inference.networking.k8s.io/v1"',
+            '"inference.networking.x-k8s.io/v1alpha1", "inference.networking.x-k8s.io/v1alpha2", '
+            '"inference.networking.k8s.io/v1"',
         ),
     ],
     ids=["not-a-mapping", "no-kind", "no-api-version", "unsupported-version"],

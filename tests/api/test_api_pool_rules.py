@@ -1,11 +1,18 @@
-"""InferencePool (v1alpha2 and v1): every rule failing and passing, and the shared accessors."""
+"""InferencePool (v1alpha1, v1alpha2 and v1): every rule failing and passing, and the shared
+accessors."""
 
 from __future__ import annotations
 
 import pytest
 
-from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
-from tests.api.apidocs import DELETE, Doc, edit, messages, pool1_doc, pool2_doc
+from poolkeeper.api.pool import (
+    BUILT_IN_EPP,
+    AnyInferencePool,
+    InferencePool,
+    InferencePoolV1,
+    InferencePoolV1Alpha1,
+)
+from tests.api.apidocs import DELETE, Doc, edit, messages, pool1_doc, pool2_doc, pool_alpha1_doc
 
 KEY_MSG = (
     "selector keys must be valid label keys: an optional DNS subdomain prefix and '/', then a "
@@ -204,11 +211,20 @@ def test_v1alpha2_defaults() -> None:
 def test_v1_defaults() -> None:
     pool = InferencePoolV1.model_validate(P1)
     assert pool.spec.app_protocol == "http"
-    assert pool.spec.endpoint_picker_ref.failure_mode == "FailClose"
-    assert pool.spec.endpoint_picker_ref.kind == "Service"
+    ref = pool.spec.endpoint_picker_ref
+    assert ref is not None
+    assert ref.failure_mode == "FailClose"
+    assert ref.kind == "Service"
 
 
 EQUIVALENT: list[AnyInferencePool] = [
+    InferencePoolV1Alpha1.model_validate(
+        pool_alpha1_doc(
+            selector={"app": "vllm", "tier": "gpu"},
+            targetPortNumber=8000,
+            extensionRef={"name": "epp", "targetPortNumber": 9002, "failureMode": "FailOpen"},
+        )
+    ),
     InferencePool.model_validate(
         pool2_doc(
             selector={"app": "vllm", "tier": "gpu"},
@@ -226,7 +242,7 @@ EQUIVALENT: list[AnyInferencePool] = [
 ]
 
 
-@pytest.mark.parametrize("pool", EQUIVALENT, ids=["v1alpha2", "v1"])
+@pytest.mark.parametrize("pool", EQUIVALENT, ids=["v1alpha1", "v1alpha2", "v1"])
 def test_accessors_do_not_depend_on_version(pool: AnyInferencePool) -> None:
     assert pool.key == "default/pool"
     assert pool.selector() == {"app": "vllm", "tier": "gpu"}
@@ -244,3 +260,19 @@ def test_v1_multiple_ports_in_order() -> None:
         pool1_doc(targetPorts=[{"number": 8001}, {"number": 8000}])
     )
     assert pool.target_ports() == (8001, 8000)
+
+
+def test_v1_without_endpoint_picker_ref_uses_the_built_in_epp_fail_close() -> None:
+    """Optional since upstream v1.6 (`api/v1/inferencepool_types.go@v1.6.0`)."""
+    pool = InferencePoolV1.model_validate(edit(P1, "spec.endpointPickerRef", DELETE))
+    assert pool.endpoint_picker() == BUILT_IN_EPP
+    assert pool.failure_mode() == "FailClose"
+
+
+def test_v1alpha1_messages() -> None:
+    assert messages(pool_alpha1_doc(extensionRef={"name": "e", "portNumber": 1})) == [
+        'spec.extensionRef.portNumber: unknown field "spec.extensionRef.portNumber"'
+    ]
+    assert messages(edit(pool_alpha1_doc(), "spec.extensionRef", DELETE)) == [
+        "spec.extensionRef: Required value"
+    ]

@@ -93,6 +93,8 @@ def version_schema(api_version: str, kind: str) -> Schema:
     """The openAPIV3Schema the CRDs below serve for (apiVersion, kind)."""
     if kind == model.KIND and api_version in (model.V1ALPHA1, model.V1ALPHA2):
         return inference_model_schema(api_version.rpartition("/")[2])
+    if kind == pool.KIND and api_version == pool.V1ALPHA1:
+        return openapi_schema(pool.InferencePoolV1Alpha1)  # loads from files; not served
     if kind == pool.KIND and api_version == pool.V1ALPHA2:
         return openapi_schema(pool.InferencePool)
     if kind == pool.KIND and api_version == pool.V1:

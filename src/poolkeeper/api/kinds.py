@@ -63,11 +63,12 @@ class KindRegistry:
 
 
 def default_registry() -> KindRegistry:
-    """InferenceModel (v1alpha1, v1alpha2), InferencePool (v1alpha2, v1), GatewayConfig."""
+    """InferenceModel (v1alpha1, v1alpha2), InferencePool (v1alpha1-v1), GatewayConfig."""
     return KindRegistry(
         [
             KindEntry(model.V1ALPHA1, model.KIND, model.InferenceModel),
             KindEntry(model.V1ALPHA2, model.KIND, model.InferenceModel),
+            KindEntry(pool.V1ALPHA1, pool.KIND, pool.InferencePoolV1Alpha1),
             KindEntry(pool.V1ALPHA2, pool.KIND, pool.InferencePool),
             KindEntry(pool.V1, pool.KIND, pool.InferencePoolV1),
             KindEntry(GATEWAY_CONFIG_API_VERSION, GATEWAY_CONFIG_KIND, GATEWAY_CONFIG_TARGET),

@@ -20,7 +20,12 @@ from pydantic import BaseModel, ValidationError
 from poolkeeper.api.fielderrors import FieldError, from_pydantic, go_value, supported_values
 from poolkeeper.api.kinds import KindRegistry, default_registry
 from poolkeeper.api.model import InferenceModel
-from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
+from poolkeeper.api.pool import (
+    AnyInferencePool,
+    InferencePool,
+    InferencePoolV1,
+    InferencePoolV1Alpha1,
+)
 
 SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -93,7 +98,11 @@ class LoadResult:
         return self.objects_of(InferenceModel)
 
     def pools(self) -> list[AnyInferencePool]:
-        return [r.obj for r in self.resources if isinstance(r.obj, InferencePool | InferencePoolV1)]
+        return [
+            r.obj
+            for r in self.resources
+            if isinstance(r.obj, InferencePoolV1Alpha1 | InferencePool | InferencePoolV1)
+        ]
 
 
 def object_ref(obj: Any) -> str:
@@ -318,7 +327,7 @@ def _reject_duplicates(result: LoadResult) -> None:
         namespace = str(getattr(meta, "namespace", "default"))
         key = (
             api_version.rpartition("/")[0],
-            type(obj).__name__.removesuffix("V1"),
+            str(getattr(obj, "kind", "") or type(obj).__name__),
             namespace,
             name,
         )

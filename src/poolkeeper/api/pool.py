@@ -1,11 +1,15 @@
 """InferencePool: the set of model-server pods (label selector + port) and its endpoint picker.
 
-Two API versions with different shapes, one Python class each:
+Three API versions with different shapes, one Python class each:
 
+* `InferencePoolV1Alpha1` `inference.networking.x-k8s.io/v1alpha1` (upstream v0.1): as v1alpha2,
+  but the EPP port is `extensionRef.targetPortNumber` and status is a plain `conditions` list.
 * `InferencePool`   `inference.networking.x-k8s.io/v1alpha2`: `selector` map, one
-  `targetPortNumber`, `extensionRef` (inline `failureMode`).
+  `targetPortNumber`, `extensionRef` (inline `failureMode`). Status `parent[].parentRef` in
+  either upstream shape (v0.2-v0.4 `ObjectReference`, v0.5 `ParentGatewayReference`).
 * `InferencePoolV1` `inference.networking.k8s.io/v1` (GA): `selector.matchLabels`, up to 8
-  `targetPorts`, `appProtocol`, `endpointPickerRef` with `port.number`.
+  `targetPorts`, `appProtocol`, optional (since upstream v1.6) `endpointPickerRef` with
+  `port.number`. Without one, poolkeeper's own EPP picks for the pool, FailClose.
 
 Both offer the same accessors (`key`, `selector()`, `target_ports()`, `failure_mode()`,
 `matches()`, `endpoint_picker()`), so the rest of poolkeeper takes an `AnyInferencePool` and
@@ -27,6 +31,7 @@ from poolkeeper.api.model import GROUP_PATTERN, KIND_PATTERN
 
 X_GROUP: Final = "inference.networking.x-k8s.io"
 V1_GROUP: Final = "inference.networking.k8s.io"
+V1ALPHA1: Final = "inference.networking.x-k8s.io/v1alpha1"
 V1ALPHA2: Final = "inference.networking.x-k8s.io/v1alpha2"
 V1: Final = "inference.networking.k8s.io/v1"
 KIND: Final = "InferencePool"
@@ -101,6 +106,12 @@ class EndpointPickerTarget:
     name: str
     port: int | None
     failure_mode: str
+
+
+# A v1 pool without `endpointPickerRef` (allowed since upstream v1.6): poolkeeper's managed
+# gateway always routes through its own EPP, so such a pool is picked for by that EPP, and the
+# gateway fails closed (the API's default failure mode) when the EPP cannot answer.
+BUILT_IN_EPP: Final = EndpointPickerTarget("", "", "", None, "FailClose")
 
 
 class _Conditions(ApiModel):
@@ -179,8 +190,20 @@ class InferencePoolSpec(ApiModel):
         return value
 
 
+class PoolParentReference(ParentReference):
+    """v1alpha2 status `parentRef`: upstream v0.5's ParentGatewayReference, or the
+    `corev1.ObjectReference` of v0.2-v0.4 (`apiVersion`, `uid`, ... and an optional name).
+    Status is written by gateways, never user input, so both shapes load."""
+
+    name: ObjectName | None = None  # type: ignore[assignment]
+    api_version: Annotated[StrictStr, Field(description="ObjectReference (v0.2-v0.4).")] = ""
+    uid: Annotated[StrictStr, Field(description="ObjectReference (v0.2-v0.4).")] = ""
+    resource_version: Annotated[StrictStr, Field(description="ObjectReference (v0.2-v0.4).")] = ""
+    field_path: Annotated[StrictStr, Field(description="ObjectReference (v0.2-v0.4).")] = ""
+
+
 class PoolStatus(_Conditions):
-    parent_ref: ParentReference
+    parent_ref: PoolParentReference
 
 
 class InferencePoolStatus(ApiModel):
@@ -216,6 +239,86 @@ class InferencePool(ApiObject):
         ref = self.spec.extension_ref
         return EndpointPickerTarget(
             ref.group, ref.kind, ref.name, ref.port_number, ref.failure_mode
+        )
+
+
+# ---------------------------------------------------------------- v1alpha1
+
+
+class ExtensionV1Alpha1(ApiModel):
+    """v1alpha1 `extensionRef`: as v1alpha2, the port is called `targetPortNumber`."""
+
+    group: Annotated[Group, Field(description='API group; "" is the core group.')] = ""
+    kind: Annotated[
+        Kind, Field(description="Referent kind (ExternalName Services are not supported).")
+    ] = "Service"
+    name: Annotated[ObjectName, Field(description="Name of the referent.")]
+    target_port_number: Annotated[
+        PortNumber | None,
+        Field(description="Port of the ext_proc service; implementations assume 9002 when unset."),
+    ] = None
+    failure_mode: Annotated[
+        FailureMode,
+        Field(description="What the gateway does when the endpoint picker cannot be reached."),
+    ] = "FailClose"
+
+
+class InferencePoolV1Alpha1Spec(ApiModel):
+    """v1alpha1 pool (upstream v0.1): pods matching `selector`, served on `targetPortNumber`."""
+
+    selector: Annotated[
+        dict[str, LabelValue],
+        Field(
+            max_length=MAX_SELECTOR_LABELS,
+            json_schema_extra=_SELECTOR_EXTRA,
+            description="Pod labels that select the pool's model servers (same namespace).",
+        ),
+    ]
+    target_port_number: Annotated[
+        PortNumber, Field(description="Port the model servers listen on.")
+    ]
+    extension_ref: Annotated[ExtensionV1Alpha1, Field(description="The endpoint picker service.")]
+
+    @field_validator("selector")
+    @classmethod
+    def _selector_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        issues = _selector_key_issues(value)
+        if issues:
+            raise rule_error(*issues)
+        return value
+
+
+class InferencePoolV1Alpha1Status(_Conditions):
+    """v1alpha1 status: one conditions list (upstream's `Ready`), written by the gateway."""
+
+
+class InferencePoolV1Alpha1(ApiObject):
+    """`inference.networking.x-k8s.io/v1alpha1` InferencePool (upstream v0.1, removed in v0.2)."""
+
+    api_version: Literal["inference.networking.x-k8s.io/v1alpha1"] = V1ALPHA1
+    kind: Literal["InferencePool"] = KIND
+    spec: InferencePoolV1Alpha1Spec
+    status: InferencePoolV1Alpha1Status | None = None
+
+    def selector(self) -> dict[str, str]:
+        return dict(self.spec.selector)
+
+    def target_ports(self) -> tuple[int, ...]:
+        return (self.spec.target_port_number,)
+
+    def failure_mode(self) -> str:
+        return self.spec.extension_ref.failure_mode
+
+    def app_protocol(self) -> str:
+        return "http"
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return selector_matches(self.spec.selector, labels)
+
+    def endpoint_picker(self) -> EndpointPickerTarget:
+        ref = self.spec.extension_ref
+        return EndpointPickerTarget(
+            ref.group, ref.kind, ref.name, ref.target_port_number, ref.failure_mode
         )
 
 
@@ -282,7 +385,13 @@ class InferencePoolV1Spec(ApiModel):
         ),
     ]
     app_protocol: AppProtocol = "http"
-    endpoint_picker_ref: EndpointPickerRef
+    endpoint_picker_ref: Annotated[
+        EndpointPickerRef | None,
+        Field(
+            description="The endpoint picker (optional since upstream v1.6; without it "
+            "poolkeeper's own EPP picks, FailClose)."
+        ),
+    ] = None
 
     @field_validator("target_ports")
     @classmethod
@@ -317,7 +426,8 @@ class InferencePoolV1(ApiObject):
         return tuple(p.number for p in self.spec.target_ports)
 
     def failure_mode(self) -> str:
-        return self.spec.endpoint_picker_ref.failure_mode
+        ref = self.spec.endpoint_picker_ref
+        return BUILT_IN_EPP.failure_mode if ref is None else ref.failure_mode
 
     def app_protocol(self) -> str:
         return self.spec.app_protocol
@@ -327,8 +437,10 @@ class InferencePoolV1(ApiObject):
 
     def endpoint_picker(self) -> EndpointPickerTarget:
         ref = self.spec.endpoint_picker_ref
+        if ref is None:
+            return BUILT_IN_EPP
         port = ref.port.number if ref.port is not None else None
         return EndpointPickerTarget(ref.group, ref.kind, ref.name, port, ref.failure_mode)
 
 
-AnyInferencePool = InferencePool | InferencePoolV1
+AnyInferencePool = InferencePoolV1Alpha1 | InferencePool | InferencePoolV1

@@ -23,7 +23,7 @@ from rich.text import Text
 from poolkeeper.api.crds import crds_yaml
 from poolkeeper.api.load import LoadedResource, LoadResult, load_paths
 from poolkeeper.api.model import InferenceModel
-from poolkeeper.api.pool import InferencePool, InferencePoolV1
+from poolkeeper.api.pool import InferencePool, InferencePoolV1, InferencePoolV1Alpha1
 from poolkeeper.api.status import compute_model_statuses
 from poolkeeper.datastore.models import build_model_index
 
@@ -119,11 +119,11 @@ def _details(obj: object) -> str:
         crit = spec.criticality.value if spec.criticality else "(Standard)"
         text = f"model {spec.model_name} -> pool {spec.pool_ref.name}, {crit}"
         return text + (f", targets {targets}" if targets else "")
-    if isinstance(obj, InferencePool | InferencePoolV1):
+    if isinstance(obj, InferencePoolV1Alpha1 | InferencePool | InferencePoolV1):
         selector = ",".join(f"{k}={v}" for k, v in sorted(obj.selector().items()))
         ports = ",".join(str(p) for p in obj.target_ports())
-        epp = obj.endpoint_picker()
-        return f"selector {selector}, ports {ports}, epp {epp.name} ({obj.failure_mode()})"
+        epp = obj.endpoint_picker().name or "(built-in)"
+        return f"selector {selector}, ports {ports}, epp {epp} ({obj.failure_mode()})"
     return ""
 
 

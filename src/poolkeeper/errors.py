@@ -63,7 +63,7 @@ class PayloadTooLarge(BadRequest):
 
 class ModelNotFound(GatewayError):
     http_status = 404
-    code = "NotFound"
+    code = "BadConfiguration"  # upstream's error code for an unknown model (v0.2-v0.4)
     openai_type = "invalid_request_error"
     openai_code = "model_not_found"
 

@@ -358,8 +358,10 @@ async def test_saturated_pool_sheds_by_criticality() -> None:
     decision = await rig.director.route(_chat("chat", rid="r2"))  # Critical is never shed
     assert decision.endpoints
     busy = _rig(_store(waiting=7))  # saturation 1.4: Sheddable shed, Standard admitted
-    with pytest.raises(RequestShed):
+    with pytest.raises(RequestShed) as shed:
         await busy.director.route(_chat("cheap"))
+    # upstream labels the error with the resolved target (metrics target_model_name)
+    assert shed.value.target_model == "cheap"
     assert (await busy.director.route(_chat("split"))).target_model == "lora-a"
 
 

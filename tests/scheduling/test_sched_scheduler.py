@@ -222,3 +222,23 @@ def test_forget_endpoints_reaches_the_prefix_index() -> None:
     assert index.endpoints() == [picked]
     sched.forget_endpoints(set())
     assert index.size == 0
+
+
+def test_scheduler_profile_go_times_every_plugin_and_prefix_plugin_go_records_matches() -> None:
+    """Upstream times each plugin call (`scheduler_profile.go`) and records the picked
+    endpoint's prefix match after the pick (`prefix/plugin.go` PostCycle)."""
+    sched = scheduler("default")
+    prompt = "".join(f"{i:063d}|" for i in range(4))  # 4 blocks of 64 characters
+    pool = [state(i) for i in range(1, 4)]
+    sched.schedule(request(prompt=prompt), pool, now=100.0)
+    sched.schedule(request(prompt=prompt), pool, now=100.0)
+    stats = sched.stats
+    points = {point for (point, _, _), _ in stats.plugins()}
+    assert {"Scorer", "Picker", "PostCycle"} <= points
+    for (_, type_, _), hist in stats.plugins():
+        assert hist.count >= 2, type_
+        assert hist.sum >= 0.0
+    assert stats.prefix_hit_bytes.count == 2
+    assert stats.prefix_hit_bytes.sum == 4 * 64  # the second request hit all 4 blocks
+    assert stats.prefix_hit_ratio.sum == 1.0
+    assert stats.prefix_index_size() == 4

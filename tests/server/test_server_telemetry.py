@@ -9,8 +9,9 @@ import logging
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from poolkeeper.errors import RequestShed
+from poolkeeper.errors import ModelNotFound, RequestShed
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
+from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.telemetry.health import (
     EXT_PROC_SERVICE,
     NOT_SERVING,
@@ -59,8 +60,6 @@ def test_errors_are_counted_by_code() -> None:
     d = _decision()
     m.routed(d, 10, 0.001)
     m.finished(d, status=500, usage=None, seconds=0.1, response_bytes=0)
-    m.routed(d, 10, 0.001)
-    m.finished(d, status=499, usage=None, seconds=0.1, response_bytes=0)
     s = _samples(m)
     err = "inference_model_request_error_total"
     shed = (("error_code", "InferencePoolResourceExhausted"), ("model_name", "chat"),
@@ -68,7 +67,6 @@ def test_errors_are_counted_by_code() -> None:
     assert s[(err, shed)] == 1
     base = (("model_name", "chat"), ("target_model_name", "lora-a"))
     assert s[(err, (("error_code", "ModelServerError"), *base))] == 1
-    assert s[(err, (("error_code", "Cancelled"), *base))] == 1
     assert s[("inference_model_running_requests", (("model_name", "chat"),))] == 0
 
 
@@ -158,3 +156,139 @@ def test_json_logs() -> None:
         for handler in list(root.handlers):
             root.removeHandler(handler)
         root.propagate = True
+
+
+# --- upstream fidelity (pkg/epp/metrics/metrics.go@v0.5.1 and metrics_test.go) ---------------
+
+
+def _buckets(m: GatewayMetrics, name: str) -> list[float]:
+    for family in text_string_to_metric_families(m.render().decode()):
+        if family.name == name:
+            return sorted(
+                {float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")}
+            )
+    raise AssertionError(f"no family {name}")
+
+
+def test_metrics_go_histogram_buckets() -> None:
+    m = GatewayMetrics()
+    d = _decision()
+    m.routed(d, 10, 0.001)
+    m.finished(d, status=200, usage=Usage(5, 5), seconds=1.0, response_bytes=10)
+    inf = float("inf")
+    powers = [float(64 << i) for i in range(25)]
+    assert _buckets(m, "inference_model_request_sizes") == [*powers, inf]
+    assert powers[-1] == 1 << 30
+    assert _buckets(m, "inference_model_response_sizes") == [
+        1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, inf,
+    ]  # fmt: skip
+    assert _buckets(m, "inference_model_input_tokens") == [
+        1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072,
+        262144, 524288, 1048576, inf,
+    ]  # fmt: skip
+    assert _buckets(m, "inference_model_output_tokens") == [
+        1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, inf,
+    ]  # fmt: skip
+    assert _buckets(m, "inference_extension_scheduler_e2e_duration_seconds") == [
+        0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, inf,
+    ]  # fmt: skip
+    assert _buckets(m, "inference_model_normalized_time_per_output_token_seconds") == [
+        0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, inf,
+    ]  # fmt: skip
+
+
+def test_metrics_go_no_created_series() -> None:
+    m = GatewayMetrics()
+    m.routed(_decision(), 10, 0.001)
+    text = m.render().decode()
+    assert "_created" not in text
+    assert "inference_model_request_total{" in text
+
+
+def test_metrics_go_normalized_time_per_output_token() -> None:
+    m = GatewayMetrics()
+    d = _decision()
+    m.routed(d, 10, 0.001)
+    m.finished(d, status=200, usage=Usage(30, 8), seconds=2.0, response_bytes=100)
+    s = _samples(m)
+    labels = (("model_name", "chat"), ("target_model_name", "lora-a"))
+    assert s[("inference_model_normalized_time_per_output_token_seconds_sum", labels)] == 0.25
+    # no output tokens: nothing to normalise by (upstream skips, as for zero token counts)
+    m.routed(d, 10, 0.001)
+    m.finished(d, status=200, usage=Usage(30, 0), seconds=2.0, response_bytes=100)
+    s = _samples(m)
+    assert s[("inference_model_normalized_time_per_output_token_seconds_count", labels)] == 1
+    assert s[("inference_model_output_tokens_count", labels)] == 1
+
+
+def test_metrics_go_info_and_per_pod_queue_size() -> None:
+    stats = [PoolStats("pool-a", 0.5, 2.0, 2, (("pod-0", 3.0), ("pod-1", 1.0)))]
+    m = GatewayMetrics(pool_stats=lambda: stats)
+    s = _samples(m)
+    per_pod = "inference_pool_per_pod_queue_size"
+    assert s[(per_pod, (("model_server_pod", "pod-0"), ("name", "pool-a")))] == 3
+    assert s[(per_pod, (("model_server_pod", "pod-1"), ("name", "pool-a")))] == 1
+    (info,) = [labels for name, labels in s if name == "inference_extension_info"]
+    assert dict(info)["build_ref"].startswith("poolkeeper-")
+    assert set(dict(info)) == {"commit", "build_ref"}
+
+
+def test_unknown_model_is_bad_configuration_and_shed_errors_carry_the_target() -> None:
+    m = GatewayMetrics()
+    m.rejected("nope", ModelNotFound("model nope not found"), 10)
+    shed = RequestShed("busy")
+    shed.target_model = "lora-a"
+    m.rejected("chat", shed, 10)
+    s = _samples(m)
+    err = "inference_model_request_error_total"
+    assert s[(err, (("error_code", "BadConfiguration"), ("model_name", "nope"),
+                    ("target_model_name", "")))] == 1  # fmt: skip
+    assert s[(err, (("error_code", "InferencePoolResourceExhausted"), ("model_name", "chat"),
+                    ("target_model_name", "lora-a")))] == 1  # fmt: skip
+
+
+def test_closed_stream_is_not_an_error() -> None:
+    m = GatewayMetrics()
+    d = _decision()
+    m.routed(d, 10, 0.001)
+    m.finished(d, status=499, usage=None, seconds=0.1, response_bytes=0)
+    s = _samples(m)
+    assert not [k for k in s if k[0] == "inference_model_request_error_total"]
+    assert s[("inference_model_running_requests", (("model_name", "chat"),))] == 0
+
+
+def test_v1_1_objective_names_beside_the_model_names() -> None:
+    m = GatewayMetrics()
+    d = _decision()
+    m.routed(d, 10, 0.001)
+    m.finished(d, status=200, usage=Usage(3, 4), seconds=1.0, response_bytes=10)
+    s = _samples(m)
+    model_series = {k: v for k, v in s.items() if k[0].startswith("inference_model_")}
+    assert model_series
+    for (name, labels), value in model_series.items():
+        twin = "inference_objective_" + name.removeprefix("inference_model_")
+        assert s[(twin, labels)] == value
+    plain = _samples(GatewayMetrics(objective_names=False))
+    assert not [k for k in plain if k[0].startswith("inference_objective_")]
+
+
+def test_plugin_durations_and_prefix_indexer_from_scheduling_stats() -> None:
+    stats = SchedulingStats()
+    stats.plugin("Scorer", "queue-scorer", "queue-scorer").observe(0.0003)
+    stats.plugin("Scorer", "prefix-cache-scorer", "a").observe(0.00005)
+    stats.plugin("Scorer", "prefix-cache-scorer", "b").observe(0.2)
+    stats.add_prefix_index(lambda: 42)
+    stats.prefix_match(128, 256)
+    stats.prefix_match(0, 0)
+    s = _samples(GatewayMetrics(scheduling=stats))
+    v05 = "inference_extension_scheduler_plugin_duration_seconds"
+    prefix = (("plugin_name", "prefix-cache-scorer"), ("plugin_type", "Scorer"))
+    assert s[(v05 + "_count", prefix)] == 2  # two instances of one type add up
+    assert s[(v05 + "_bucket", (("le", "0.0001"), *prefix))] == 1
+    v10 = "inference_extension_plugin_duration_seconds_count"
+    assert s[(v10, (("extension_point", "Scorer"), ("plugin_name", "b"),
+                    ("plugin_type", "prefix-cache-scorer")))] == 1  # fmt: skip
+    assert s[("inference_extension_prefix_indexer_size", ())] == 42
+    assert s[("inference_extension_prefix_indexer_hit_bytes_count", ())] == 2
+    assert s[("inference_extension_prefix_indexer_hit_ratio_count", ())] == 1
+    assert s[("inference_extension_prefix_indexer_hit_ratio_sum", ())] == 0.5

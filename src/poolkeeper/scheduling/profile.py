@@ -4,6 +4,9 @@ Scores are clamped into [0, 1] before weighting (scorers that declare `bounded =
 built-in does, are trusted to be in range already, which the property tests check). A scorer
 that returns one float for all candidates adds a constant, which never changes the ranking and
 is applied once at the end.
+
+Each plugin call is timed into the profile's `SchedulingStats` (upstream's per-plugin duration
+metrics); the scheduler attaches its own, shared by all its profiles.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import mul
+from time import perf_counter
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError
@@ -25,6 +29,14 @@ from poolkeeper.scheduling.interfaces import (
     ProfileResult,
     Scorer,
     is_bounded,
+)
+from poolkeeper.scheduling.stats import (
+    FILTER,
+    PICKER,
+    POST_CYCLE,
+    SCORER,
+    HistogramData,
+    SchedulingStats,
 )
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -52,7 +64,18 @@ def _is_builtin(plugin: object) -> bool:
 class SchedulerProfile:
     """One named profile. Built by `build.build_scheduler`."""
 
-    __slots__ = ("_trusted", "filters", "name", "picker", "post_cycles", "scorers")
+    __slots__ = (
+        "_filter_timers",
+        "_picker_timer",
+        "_post_cycle_timers",
+        "_scorer_timers",
+        "_trusted",
+        "filters",
+        "name",
+        "picker",
+        "post_cycles",
+        "scorers",
+    )
 
     def __init__(
         self,
@@ -71,14 +94,30 @@ class SchedulerProfile:
         # indices; anything else gets its output checked, so a decision can only ever name
         # one of the request's candidates.
         self._trusted = all(_is_builtin(p) for p in members)
+        self.attach_stats(SchedulingStats())
+
+    def attach_stats(self, stats: SchedulingStats) -> None:
+        """Time every plugin call into `stats` from now on."""
+
+        def timer(point: str, plugin: Plugin) -> HistogramData:
+            tn = plugin.typed_name
+            return stats.plugin(point, tn.type, tn.name)
+
+        self._filter_timers = tuple(timer(FILTER, f) for f in self.filters)
+        self._scorer_timers = tuple(timer(SCORER, w.scorer) for w in self.scorers)
+        self._picker_timer = timer(PICKER, self.picker)
+        self._post_cycle_timers = tuple(timer(POST_CYCLE, p) for p in self.post_cycles)
 
     def run(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> ProfileResult | None:
         """The profile's ranked result, or None when the filters left nothing."""
+        clock = perf_counter
         cands = candidates
-        for f in self.filters:
+        for f, timer in zip(self.filters, self._filter_timers, strict=True):
+            began = clock()
             cands = f.filter(cycle, request, cands)
+            timer.observe(clock() - began)
             if not cands:
                 return None
         if not self._trusted:
@@ -91,8 +130,10 @@ class SchedulerProfile:
         # than a running total rebuilt per scorer. Constant scores fold into `offset`.
         parts: list[Iterable[float]] = []
         offset = 0.0
-        for ws in self.scorers:
+        for ws, timer in zip(self.scorers, self._scorer_timers, strict=True):
+            began = clock()
             scores = ws.scorer.score(cycle, request, cands)
+            timer.observe(clock() - began)
             w = ws.weight
             if isinstance(scores, float | int):
                 offset += w * clamp_unit(float(scores))
@@ -120,7 +161,9 @@ class SchedulerProfile:
             total = list(parts[0])
         else:
             total = list(map(sum, zip(*parts, strict=True)))
+        began = clock()
         picked = self.picker.pick(cands, total)
+        self._picker_timer.observe(clock() - began)
         if not self._trusted:
             picked = [i for i in dict.fromkeys(picked) if 0 <= i < n]
         if not picked:
@@ -130,5 +173,7 @@ class SchedulerProfile:
         )
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
-        for hook in self.post_cycles:
+        for hook, timer in zip(self.post_cycles, self._post_cycle_timers, strict=True):
+            began = perf_counter()
             hook.post_cycle(cycle, request, result)
+            timer.observe(perf_counter() - began)

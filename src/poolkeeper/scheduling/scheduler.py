@@ -3,6 +3,7 @@
 `schedule` is pure over its inputs except for the plugins' own state (the prefix index, updated
 by PostCycle for the primary pick) and the injected RNG. It never returns an endpoint that is not
 one of `candidates`, and raises NoReadyEndpoint (503) when nothing is left to pick from.
+Its `stats` collect per-plugin durations and prefix-index lookups for the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from poolkeeper.scheduling.interfaces import (
     ProfileResult,
 )
 from poolkeeper.scheduling.profile import SchedulerProfile
+from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
 
 class Scheduler:
     """Profiles + a profile handler, built from a SchedulingConfig by `build_scheduler`."""
 
-    __slots__ = ("_forgetters", "handler", "plugins", "profiles", "source")
+    __slots__ = ("_forgetters", "handler", "plugins", "profiles", "source", "stats")
 
     def __init__(
         self,
@@ -44,6 +46,13 @@ class Scheduler:
         self.plugins: Mapping[str, Plugin] = MappingProxyType(dict(plugins))
         self.source = source  # "config" or "preset <name>", for logs and `poolkeeper status`
         self._forgetters = tuple(p for p in plugins.values() if isinstance(p, EndpointForgetter))
+        self.stats = SchedulingStats()
+        for profile in profiles:
+            profile.attach_stats(self.stats)
+        for plugin in plugins.values():
+            attach = getattr(plugin, "attach_stats", None)
+            if callable(attach):
+                attach(self.stats)
 
     def schedule(
         self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float

@@ -35,6 +35,7 @@ from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.contracts import ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.director import Director, build_director
+from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats
 
@@ -119,7 +120,11 @@ class GatewayRuntime:
         self.director = build_director(
             config, self.datastore, rng=random.Random(self.options.rng_seed)
         )
-        self.metrics = GatewayMetrics(pool_stats=self.pool_stats)
+        stats = getattr(self.director.scheduler, "stats", None)
+        self.metrics = GatewayMetrics(
+            pool_stats=self.pool_stats,
+            scheduling=stats if isinstance(stats, SchedulingStats) else None,
+        )
         listeners = spec.listeners
         health = HealthService.for_gateway(
             live=lambda: True, ready=self.ready, answering=lambda: self.director is not None
@@ -202,7 +207,8 @@ class GatewayRuntime:
             kv = sum(s.metrics.kv_cache_usage for s in states) / n if n else 0.0
             queue = sum(s.metrics.waiting for s in states) / n if n else 0.0
             ready = sum(1 for s in states if s.metrics.reachable)
-            yield PoolStats(key.rpartition("/")[2], kv, queue, ready)
+            per_pod = tuple((s.endpoint.name, float(s.metrics.waiting)) for s in states)
+            yield PoolStats(key.rpartition("/")[2], kv, queue, ready, per_pod)
 
     @property
     def extproc_address(self) -> str:

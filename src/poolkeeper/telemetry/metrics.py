@@ -1,10 +1,16 @@
-"""Prometheus metrics of the gateway, with the upstream EPP's names and labels (gie.md §4.2).
+"""Prometheus metrics of the gateway, with the upstream EPP's names, labels and buckets
+(`pkg/epp/metrics/metrics.go@v0.5.1`, gie.md §4.2), so upstream dashboards and alerts work.
 
 Each `GatewayMetrics` owns its own `CollectorRegistry` (never the global one), so several
 gateways, tests and the quickstart can live in one process. It implements the ext_proc
-`ExchangeObserver` hooks. Pool gauges are computed at scrape time from a callable, so no loop
-has to keep them fresh. Label values that come from clients (model names) are capped: after
-`max_label_values` distinct values per label, new ones are reported as "other".
+`ExchangeObserver` hooks. Pool gauges and the scheduler's plugin/prefix-index measurements are
+read at scrape time from callables, so no loop has to keep them fresh. Label values that come
+from clients (model names) are capped: after `max_label_values` distinct values per label, new
+ones are reported as "other".
+
+Exposition differs from prometheus_client's default in two ways, both to look like upstream's
+Go client: no `_created` series, and (unless `objective_names=False`) every `inference_model_*`
+family is also exposed as `inference_objective_*`, the v1.1+ name, with the same samples.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
+from poolkeeper import __version__
 from poolkeeper.errors import GatewayError
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
+from poolkeeper.scheduling.stats import HistogramData, SchedulingStats
 
 OTHER = "other"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -27,11 +36,21 @@ DURATION_BUCKETS = (
     0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20,
     30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600,
 )  # fmt: skip
-SIZE_BUCKETS = tuple(float(64 << (2 * i)) for i in range(13))  # 64 B .. 1 GiB, x4 steps
-TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-SCHEDULER_BUCKETS = (
-    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
+REQUEST_SIZE_BUCKETS = tuple(float(64 << i) for i in range(25))  # 64 B .. 1 GiB, x2 steps
+# Upstream's response-size and input-token buckets say 32778 where 32768 was meant; kept so
+# that bucket boundaries (and dashboards built on them) are identical.
+RESPONSE_SIZE_BUCKETS = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536,
 )  # fmt: skip
+INPUT_TOKEN_BUCKETS = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072,
+    262144, 524288, 1048576,
+)  # fmt: skip
+OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+SCHEDULER_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+MODEL_PREFIX = "inference_model_"
+OBJECTIVE_PREFIX = "inference_objective_"
 
 
 class LabelCap:
@@ -56,6 +75,8 @@ class PoolStats:
     average_kv_cache_utilization: float
     average_queue_size: float
     ready_pods: int
+    # (endpoint name, waiting requests) for `inference_pool_per_pod_queue_size`
+    per_pod_queue_size: tuple[tuple[str, float], ...] = ()
 
 
 class _PoolCollector(Collector):
@@ -78,13 +99,111 @@ class _PoolCollector(Collector):
             "The number of ready pods in the inference server pool.",
             labels=["name"],
         )
+        per_pod = GaugeMetricFamily(
+            "inference_pool_per_pod_queue_size",
+            "The total number of requests pending in the model server queue for each "
+            "underlying pod.",
+            labels=["name", "model_server_pod"],
+        )
         for stats in self.source():
             kv.add_metric([stats.name], stats.average_kv_cache_utilization)
             queue.add_metric([stats.name], stats.average_queue_size)
             ready.add_metric([stats.name], stats.ready_pods)
+            for pod, size in stats.per_pod_queue_size:
+                per_pod.add_metric([stats.name, pod], size)
         yield kv
         yield queue
         yield ready
+        yield per_pod
+
+
+def _histogram(family: HistogramMetricFamily, labels: list[str], *parts: HistogramData) -> None:
+    """Add the sum of `parts` (same buckets) as one labelled histogram."""
+    bounds = [le for le, _ in parts[0].cumulative()]
+    counts = [0.0] * len(bounds)
+    total = 0.0
+    for part in parts:
+        for i, (_, count) in enumerate(part.cumulative()):
+            counts[i] += count
+        total += part.sum
+    family.add_metric(labels, list(zip(bounds, counts, strict=True)), total)
+
+
+class _SchedulingCollector(Collector):
+    """Plugin durations (v0.5 and v1.0+ names) and the prefix indexer, read at scrape time."""
+
+    def __init__(self, stats: SchedulingStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        v05 = HistogramMetricFamily(
+            "inference_extension_scheduler_plugin_duration_seconds",
+            "Scheduler plugin processing latency distribution in seconds for each plugin type "
+            "and plugin name.",
+            labels=["plugin_type", "plugin_name"],
+        )
+        v10 = HistogramMetricFamily(
+            "inference_extension_plugin_duration_seconds",
+            "Plugin processing latency distribution in seconds for each extension point, plugin "
+            "type and plugin name.",
+            labels=["extension_point", "plugin_type", "plugin_name"],
+        )
+        # v0.5 labelled by (extension point, plugin type): instances of one type add up.
+        by_type: dict[tuple[str, str], list[HistogramData]] = {}
+        for (point, type_, name), hist in self.stats.plugins():
+            _histogram(v10, [point, type_, name], hist)
+            by_type.setdefault((point, type_), []).append(hist)
+        for (point, type_), hists in by_type.items():
+            _histogram(v05, [point, type_], *hists)
+        yield v05
+        yield v10
+        size = GaugeMetricFamily(
+            "inference_extension_prefix_indexer_size", "Size of the prefix indexer."
+        )
+        size.add_metric([], self.stats.prefix_index_size())
+        yield size
+        ratio = HistogramMetricFamily(
+            "inference_extension_prefix_indexer_hit_ratio",
+            "Ratio of prefix length matched to total prefix length in the cache lookup.",
+        )
+        _histogram(ratio, [], self.stats.prefix_hit_ratio)
+        yield ratio
+        hit_bytes = HistogramMetricFamily(
+            "inference_extension_prefix_indexer_hit_bytes",
+            "Length of the prefix match in number of bytes in the cache lookup.",
+        )
+        _histogram(hit_bytes, [], self.stats.prefix_hit_bytes)
+        yield hit_bytes
+
+
+class _Exposition:
+    """The registry as upstream's Go client exposes it: no `_created` samples, and the
+    `inference_model_*` families repeated as `inference_objective_*` when asked."""
+
+    def __init__(self, registry: CollectorRegistry, *, objective_names: bool) -> None:
+        self.registry = registry
+        self.objective_names = objective_names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield _copy(family, family.name, samples)
+            if self.objective_names and family.name.startswith(MODEL_PREFIX):
+                renamed = OBJECTIVE_PREFIX + family.name.removeprefix(MODEL_PREFIX)
+                yield _copy(
+                    family,
+                    renamed,
+                    [
+                        s._replace(name=OBJECTIVE_PREFIX + s.name.removeprefix(MODEL_PREFIX))
+                        for s in samples
+                    ],
+                )
+
+
+def _copy(family: Metric, name: str, samples: list[Sample]) -> Metric:
+    out = Metric(name, family.documentation, family.type, family.unit)
+    out.samples = samples
+    return out
 
 
 class GatewayMetrics:
@@ -94,9 +213,12 @@ class GatewayMetrics:
         self,
         *,
         pool_stats: Callable[[], Iterable[PoolStats]] | None = None,
+        scheduling: SchedulingStats | None = None,
         max_label_values: int = 100,
+        objective_names: bool = True,
     ) -> None:
         self.registry = CollectorRegistry()
+        self._exposition = _Exposition(self.registry, objective_names=objective_names)
         self._model = LabelCap(max_label_values)
         self._target = LabelCap(max_label_values)
         r = self.registry
@@ -126,28 +248,28 @@ class GatewayMetrics:
             "inference_model_request_sizes",
             "Inference model requests size distribution in bytes for each model and target model.",
             model_labels,
-            buckets=SIZE_BUCKETS,
+            buckets=REQUEST_SIZE_BUCKETS,
             registry=r,
         )
         self.response_sizes = Histogram(
             "inference_model_response_sizes",
             "Inference model responses size distribution in bytes for each model and target model.",
             model_labels,
-            buckets=SIZE_BUCKETS,
+            buckets=RESPONSE_SIZE_BUCKETS,
             registry=r,
         )
         self.input_tokens = Histogram(
             "inference_model_input_tokens",
             "Inference model input token count distribution for requests in each model.",
             model_labels,
-            buckets=TOKEN_BUCKETS,
+            buckets=INPUT_TOKEN_BUCKETS,
             registry=r,
         )
         self.output_tokens = Histogram(
             "inference_model_output_tokens",
             "Inference model output token count distribution for requests in each model.",
             model_labels,
-            buckets=TOKEN_BUCKETS,
+            buckets=OUTPUT_TOKEN_BUCKETS,
             registry=r,
         )
         self.running_requests = Gauge(
@@ -156,14 +278,31 @@ class GatewayMetrics:
             ["model_name"],
             registry=r,
         )
+        self.ntpot = Histogram(
+            "inference_model_normalized_time_per_output_token_seconds",
+            "Inference model latency divided by number of output tokens in seconds for each "
+            "model and target model.",
+            model_labels,
+            buckets=NTPOT_BUCKETS,
+            registry=r,
+        )
         self.scheduler_duration = Histogram(
             "inference_extension_scheduler_e2e_duration_seconds",
-            "End-to-end routing decision latency (model resolution, admission, scheduling).",
+            "End-to-end scheduling latency distribution in seconds.",
             buckets=SCHEDULER_BUCKETS,
             registry=r,
         )
+        self.info = Gauge(
+            "inference_extension_info",
+            "General information of the current build of Inference Extension.",
+            ["commit", "build_ref"],
+            registry=r,
+        )
+        self.info.labels("", f"poolkeeper-{__version__}").set(1)
         if pool_stats is not None:
             r.register(_PoolCollector(pool_stats))
+        if scheduling is not None:
+            r.register(_SchedulingCollector(scheduling))
 
     def _labels(self, decision: RoutingDecision) -> tuple[str, str]:
         return self._model(decision.model_name), self._target(decision.target_model)
@@ -179,7 +318,9 @@ class GatewayMetrics:
         self.running_requests.labels(model).inc()
 
     def rejected(self, model_name: str, error: GatewayError, request_bytes: int) -> None:
-        self.request_error_total.labels(self._model(model_name), "", error.code).inc()
+        # Like upstream, errors after model resolution (shed, no endpoint) carry the target.
+        target = self._target(error.target_model) if error.target_model else ""
+        self.request_error_total.labels(self._model(model_name), target, error.code).inc()
 
     def finished(
         self,
@@ -194,19 +335,25 @@ class GatewayMetrics:
             return
         model, target = self._labels(decision)
         self.running_requests.labels(model).dec()
+        if status == 499:
+            return  # the client closed the stream: upstream counts no error (and no latency)
         if status >= 400 or status == 0:
-            code = "Cancelled" if status == 499 else "ModelServerError"
-            self.request_error_total.labels(model, target, code).inc()
+            self.request_error_total.labels(model, target, "ModelServerError").inc()
             return
         self.request_duration.labels(model, target).observe(seconds)
         self.response_sizes.labels(model, target).observe(response_bytes)
         if usage is not None:
-            self.input_tokens.labels(model, target).observe(usage.prompt_tokens)
-            self.output_tokens.labels(model, target).observe(usage.completion_tokens)
+            # Upstream records token counts only when positive.
+            if usage.prompt_tokens > 0:
+                self.input_tokens.labels(model, target).observe(usage.prompt_tokens)
+            if usage.completion_tokens > 0:
+                self.output_tokens.labels(model, target).observe(usage.completion_tokens)
+                if seconds > 0:
+                    self.ntpot.labels(model, target).observe(seconds / usage.completion_tokens)
 
     # -- exposition -------------------------------------------------------------------------
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposition)
 
     def app(self) -> web.Application:
         async def metrics(_request: web.Request) -> web.Response:

@@ -10,6 +10,9 @@ Upstream scores a one-block prompt that hits as 1.0, the same as a 4k-token shar
 so identical short prompts (health checks, canned questions) herd onto one server however loaded
 it is. With a floor of N blocks, a hit on a short prompt earns at most its share of N blocks.
 The plugin default (1) keeps upstream's rule; poolkeeper's default profile sets 8 (512 chars).
+
+With the scheduler's stats attached it reports, like upstream, the index size and, after each
+pick, the picked endpoint's matched prefix in characters ("bytes" upstream) and as a ratio.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, 
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
 from poolkeeper.scheduling.registry import PluginParams
+from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.scheduling.types import LLMRequest
 
 
@@ -58,7 +62,7 @@ class PrefixCacheParams(PluginParams):
 class PrefixCacheScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter around one approximate prefix index."""
 
-    __slots__ = ("_state_key", "index", "params")
+    __slots__ = ("_match_key", "_state_key", "_stats", "index", "params")
     bounded = True
 
     def __init__(self, typed_name: TypedName, params: PrefixCacheParams) -> None:
@@ -66,6 +70,13 @@ class PrefixCacheScorer(NamedPlugin):
         self.params = params
         self.index = PrefixIndex(params.lru_capacity_per_server)
         self._state_key = f"prefix-hashes/{typed_name.name}"
+        self._match_key = f"prefix-match/{typed_name.name}"
+        self._stats: SchedulingStats | None = None
+
+    def attach_stats(self, stats: SchedulingStats) -> None:
+        self._stats = stats
+        index = self.index
+        stats.add_prefix_index(lambda: index.size)
 
     def hashes(self, cycle: CycleState, request: LLMRequest) -> list[int]:
         """The request's block hashes, computed once per decision."""
@@ -88,6 +99,7 @@ class PrefixCacheScorer(NamedPlugin):
         if not hashes:
             return 0.0
         matched = self.index.match(hashes)
+        cycle.put(self._match_key, matched)
         if not matched:
             return 0.0
         total = max(len(hashes), self.params.min_scored_blocks)
@@ -97,8 +109,14 @@ class PrefixCacheScorer(NamedPlugin):
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         if result.targets:
             hashes = self.hashes(cycle, request)
+            picked = result.targets[0].endpoint.hostport
+            if self._stats is not None:
+                matched = cycle.get(self._match_key)
+                blocks = matched.get(picked, 0) if isinstance(matched, dict) else 0
+                size = self.params.block_size
+                self._stats.prefix_match(blocks * size, len(hashes) * size)
             if hashes:
-                self.index.insert(result.targets[0].endpoint.hostport, hashes)
+                self.index.insert(picked, hashes)
 
     def forget_endpoints(self, keep: set[str]) -> None:
         self.index.forget_endpoints(keep)

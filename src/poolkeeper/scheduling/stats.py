@@ -1,0 +1,91 @@
+"""Scheduler self-measurements: per-plugin durations and prefix-index lookups.
+
+Plain Python (the scheduling package does not import prometheus_client): the scheduler records
+into `SchedulingStats`, and the gateway's metrics endpoint turns it into upstream's families at
+scrape time (`inference_extension_scheduler_plugin_duration_seconds`,
+`inference_extension_plugin_duration_seconds`, `inference_extension_prefix_indexer_*`).
+Recording is a `bisect` and two additions, so it stays on for every decision.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from typing import Final
+
+# Upstream's buckets (pkg/epp/metrics/metrics.go@v0.5.1).
+PLUGIN_DURATION_BUCKETS: Final = (
+    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+)  # fmt: skip
+PREFIX_HIT_RATIO_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+PREFIX_HIT_BYTES_BUCKETS: Final = (
+    0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
+)  # fmt: skip
+
+# Extension points, named as upstream names them (pkg/epp/scheduling/framework/plugins.go).
+FILTER: Final = "Filter"
+SCORER: Final = "Scorer"
+PICKER: Final = "Picker"
+POST_CYCLE: Final = "PostCycle"
+
+
+class HistogramData:
+    """Cumulative-at-read histogram: `counts[i]` = observations in (bounds[i-1], bounds[i]]."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs as Prometheus exposes them, `+Inf` last."""
+        out: list[tuple[str, int]] = []
+        total = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+        return out
+
+
+class SchedulingStats:
+    """What one scheduler measured since it was built."""
+
+    __slots__ = ("_plugins", "_prefix_sizes", "prefix_hit_bytes", "prefix_hit_ratio")
+
+    def __init__(self) -> None:
+        self._plugins: dict[tuple[str, str, str], HistogramData] = {}
+        self._prefix_sizes: list[Callable[[], int]] = []
+        self.prefix_hit_ratio = HistogramData(PREFIX_HIT_RATIO_BUCKETS)
+        self.prefix_hit_bytes = HistogramData(PREFIX_HIT_BYTES_BUCKETS)
+
+    def plugin(self, extension_point: str, plugin_type: str, name: str) -> HistogramData:
+        """The duration histogram of one plugin at one extension point (made on first use)."""
+        key = (extension_point, plugin_type, name)
+        hist = self._plugins.get(key)
+        if hist is None:
+            hist = self._plugins[key] = HistogramData(PLUGIN_DURATION_BUCKETS)
+        return hist
+
+    def plugins(self) -> Iterator[tuple[tuple[str, str, str], HistogramData]]:
+        return iter(list(self._plugins.items()))
+
+    def add_prefix_index(self, size: Callable[[], int]) -> None:
+        """Count an index's entries into `inference_extension_prefix_indexer_size`."""
+        self._prefix_sizes.append(size)
+
+    def prefix_index_size(self) -> int:
+        return sum(size() for size in self._prefix_sizes)
+
+    def prefix_match(self, matched_bytes: int, total_bytes: int) -> None:
+        """One lookup for the endpoint picked (upstream records it after the pick)."""
+        self.prefix_hit_bytes.observe(matched_bytes)
+        if total_bytes > 0:
+            self.prefix_hit_ratio.observe(matched_bytes / total_bytes)

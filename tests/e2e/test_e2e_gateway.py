@@ -20,6 +20,7 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.netutil import free_ports
 from tests.e2e.e2e_harness import (
@@ -211,10 +212,24 @@ async def test_usage_is_counted_in_gateway_metrics(gateway: Gateway) -> None:
     assert 'inference_pool_ready_pods{name="fleet"} 3.0' in text
 
 
+def _requests_by_target(text: str, model: str) -> Counter[str]:
+    """inference_model_request_total per target_model_name for one client model name."""
+    out: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name == "inference_model_request_total"
+                and sample.labels["model_name"] == model
+            ):
+                out[sample.labels["target_model_name"]] += int(sample.value)
+    return out
+
+
 async def test_weighted_split_within_statistical_bounds(gateway: Gateway) -> None:
     client = gateway.client()
     n = 200
     semaphore = asyncio.Semaphore(16)
+    before = _requests_by_target(gateway.metrics(), "food-review")
 
     async def one() -> str:
         async with semaphore:
@@ -223,8 +238,11 @@ async def test_weighted_split_within_statistical_bounds(gateway: Gateway) -> Non
             )
             return r.model
 
-    counts = Counter(await asyncio.gather(*(one() for _ in range(n))))
+    # Responses carry the name the client asked for; the split shows in the gateway's metrics.
+    assert set(await asyncio.gather(*(one() for _ in range(n)))) == {"food-review"}
+    counts = _requests_by_target(gateway.metrics(), "food-review") - before
     assert set(counts) == {"food-review-v1", "food-review-v2"}
+    assert sum(counts.values()) == n
     # 70/30 split: binomial sd = sqrt(200 * 0.7 * 0.3) ≈ 6.5; allow 4 sd.
     assert abs(counts["food-review-v1"] - 140) <= 26, counts
 
@@ -240,10 +258,15 @@ async def test_lora_requests_land_on_pods_holding_the_adapter(gateway: Gateway) 
         r = await client.chat.completions.with_raw_response.create(
             model="tweet-summary", messages=[{"role": "user", "content": "sum"}], max_tokens=2
         )
-        assert r.parse().model == "tweet-summary-1"
+        assert r.parse().model == "tweet-summary"  # the client's name, not the adapter's
         served = r.headers[SERVED]
         held = await asyncio.to_thread(_models_of, served)
         assert "tweet-summary-1" in held
+    stream = await client.chat.completions.create(
+        model="tweet-summary", messages=[{"role": "user", "content": "s"}], max_tokens=3,
+        stream=True,
+    )  # fmt: skip
+    assert {c.model async for c in stream} == {"tweet-summary"}
 
 
 async def test_openai_errors_400_404_503(gateway: Gateway) -> None:

@@ -444,3 +444,68 @@ async def test_empty_body_message_still_gets_a_body_reply(
     assert streamed.end_of_stream
     assert streamed.body == b""
     call.cancel()
+
+
+async def test_json_response_carries_the_client_model_name(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    """`split` is sent to `adapter-1`; the client gets `split` back (upstream v1.x does too)."""
+    call, _ = await _streamed_request(envoy, b'{"model": "split"}', piece=100)
+    await call.write(
+        headers_msg(
+            {":status": "200", "content-type": "application/json", "content-length": "99"},
+            response=True,
+        )
+    )
+    (head,) = await _read(call, 1)
+    removed = head.response_headers.response.header_mutation.remove_headers
+    assert list(removed) == ["content-length"]
+    body = json.dumps({"model": "adapter-1", "usage": {"prompt_tokens": 2, "completion_tokens": 5}})
+    pieces = [body[:13].encode(), body[13:].encode()]  # the name is split across chunks
+    forwarded = b""
+    for i, piece in enumerate(pieces):
+        await call.write(body_msg(piece, eos=i == 1, response=True))
+        (reply,) = await _read(call, 1)
+        forwarded += reply.response_body.response.body_mutation.streamed_response.body
+    assert json.loads(forwarded)["model"] == "split"
+    assert router.completed[-1][1:3] == (200, Usage(2, 5))
+    call.cancel()
+
+
+async def test_sse_response_carries_the_client_model_name(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    req = {"model": "split", "stream": True, "stream_options": {"include_usage": True}}
+    call, _ = await _streamed_request(envoy, json.dumps(req).encode(), piece=100)
+    await call.write(
+        headers_msg({":status": "200", "content-type": "text/event-stream"}, response=True)
+    )
+    await _read(call, 1)
+    stream = _sse({"model": "adapter-1", **CONTENT_EVENT}, {"model": "adapter-1", **USAGE_EVENT})
+    stream += b"data: [DONE]\n\n"
+    forwarded = b""
+    pieces = [stream[i : i + 7] for i in range(0, len(stream), 7)]
+    for i, p in enumerate(pieces):
+        await call.write(body_msg(p, eos=i == len(pieces) - 1, response=True))
+        (reply,) = await _read(call, 1)
+        forwarded += reply.response_body.response.body_mutation.streamed_response.body
+    assert forwarded == stream.replace(b'"adapter-1"', b'"split"')
+    assert router.completed[-1][1:3] == (200, Usage(11, 3))
+    call.cancel()
+
+
+async def test_held_json_is_flushed_before_trailers(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    call, _ = await _streamed_request(envoy, b'{"model": "split"}', piece=100)
+    await call.write(
+        headers_msg({":status": "200", "content-type": "application/json"}, response=True)
+    )
+    await _read(call, 1)
+    await call.write(body_msg(b'{"model": "adapter-1"}', eos=False, response=True))
+    (held,) = await _read(call, 1)
+    assert held.response_body.response.body_mutation.streamed_response.body == b""
+    await call.write(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    flushed, trailers = await _read(call, 2)
+    body = flushed.response_body.response.body_mutation.streamed_response.body
+    assert body == b'{"model": "split"}'
+    assert trailers.WhichOneof("response") == "response_trailers"
+    call.cancel()

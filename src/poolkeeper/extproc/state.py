@@ -30,6 +30,7 @@ from poolkeeper.extproc.contracts import (
     NullObserver,
     RequestRouter,
 )
+from poolkeeper.extproc.model_name import ModelNameRewriter, rewriter_for
 from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 
@@ -75,6 +76,9 @@ class Exchange:
         self.status = 0
         self.served: str | None = None
         self.sse: SseUsageFilter | None = None
+        # JSON responses whose model name goes back to the client's: held to the end.
+        self.json_rewrite: ModelNameRewriter | None = None
+        self.held = bytearray()
         self.captured = bytearray()
         self.response_bytes = 0
         self.completed = False
@@ -102,8 +106,9 @@ class Exchange:
         if kind == "response_body":
             return self._response_body(request.response_body)
         if kind == "response_trailers":
+            replies = self._flush_held()
             self._finish()
-            return [msg.trailers_reply(response=True)]
+            return [*replies, msg.trailers_reply(response=True)]
         return []
 
     # -- request path -----------------------------------------------------------------------
@@ -228,10 +233,21 @@ class Exchange:
             except Exception:
                 log.exception("served-endpoint bookkeeping failed request_id=%s", self.request_id)
         mutation = None
-        if "text/event-stream" in values.get("content-type", ""):
-            strip = self.decision is not None and self.decision.include_usage_injected
-            self.sse = SseUsageFilter(strip_injected_usage=strip)
-            if strip and "content-length" in values:
+        content_type = values.get("content-type", "")
+        decision = self.decision
+        rename = (
+            rewriter_for(decision.target_model, decision.model_name)
+            if decision is not None
+            else None
+        )
+        if "text/event-stream" in content_type:
+            strip = decision is not None and decision.include_usage_injected
+            self.sse = SseUsageFilter(strip_injected_usage=strip, rewrite=rename)
+            if (strip or rename is not None) and "content-length" in values:
+                mutation = msg.header_mutation(remove=["content-length"])
+        elif rename is not None and "json" in content_type:
+            self.json_rewrite = rename
+            if "content-length" in values:
                 mutation = msg.header_mutation(remove=["content-length"])
         if headers.end_of_stream:
             self._finish()
@@ -251,6 +267,8 @@ class Exchange:
             room = self.settings.max_response_capture_bytes - len(self.captured)
             if room > 0:
                 self.captured += data[:room]
+            if self.json_rewrite is not None:
+                out = self._rewrite_json(data, end_of_stream=body.end_of_stream)
         if body.end_of_stream:
             self._finish()
         if self.response_mode == BUFFERED:
@@ -261,6 +279,36 @@ class Exchange:
             end_of_stream=body.end_of_stream,
             response=True,
             size=self.settings.body_chunk_bytes,
+        )
+
+    def _rewrite_json(self, data: bytes, *, end_of_stream: bool) -> bytes:
+        """Hold a JSON body to its end, then give it the client's model name. A body larger
+        than the capture limit is passed on unchanged (from then on, as it comes)."""
+        rewrite = self.json_rewrite
+        assert rewrite is not None
+        self.held += data
+        if end_of_stream:
+            out = rewrite(bytes(self.held))
+        elif len(self.held) > self.settings.max_response_capture_bytes:
+            out = bytes(self.held)
+            self.json_rewrite = None
+        else:
+            return b""
+        self.held.clear()
+        return out
+
+    def _flush_held(self) -> Replies:
+        """What is still held back when the response ends with trailers."""
+        out = b""
+        if self.sse is not None:
+            out = self.sse.finish()
+        elif self.json_rewrite is not None and self.held:
+            out = self.json_rewrite(bytes(self.held))
+            self.held.clear()
+        if not out or self.phase is not Phase.RESPONSE or self.response_mode == BUFFERED:
+            return []
+        return msg.streamed_body_replies(
+            out, end_of_stream=False, response=True, size=self.settings.body_chunk_bytes
         )
 
     # -- completion -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from poolkeeper.requestcontrol.types import Usage
@@ -96,8 +97,16 @@ def _split_event(buf: bytes) -> tuple[bytes, bytes] | None:
 class SseUsageFilter:
     """Streams SSE bytes through, recording usage and optionally dropping the injected chunk."""
 
-    def __init__(self, *, strip_injected_usage: bool) -> None:
+    def __init__(
+        self,
+        *,
+        strip_injected_usage: bool,
+        rewrite: Callable[[bytes], bytes] | None = None,
+    ) -> None:
         self.strip_injected_usage = strip_injected_usage
+        # Applied to each complete event (e.g. the model name back to the client's).
+        self.rewrite = rewrite
+        self._holds = strip_injected_usage or rewrite is not None
         self.usage: Usage | None = None
         self.saw_done = False
         self.events = 0
@@ -106,8 +115,8 @@ class SseUsageFilter:
     def feed(self, data: bytes) -> bytes:
         """Bytes to forward now for this piece of the stream.
 
-        Without stripping nothing is ever held back: the bytes pass at once and are parsed on
-        the side. With stripping, complete events pass and an incomplete tail waits.
+        Without stripping or rewriting nothing is ever held back: the bytes pass at once and
+        are parsed on the side. Otherwise complete events pass and an incomplete tail waits.
         """
         self._pending += data
         out: list[bytes] = []
@@ -122,7 +131,7 @@ class SseUsageFilter:
         if len(self._pending) > MAX_PENDING_EVENT:
             out.append(self._pending)
             self._pending = b""
-        if not self.strip_injected_usage:
+        if not self._holds:
             return data
         return b"".join(out)
 
@@ -130,7 +139,7 @@ class SseUsageFilter:
         """The held tail at end of stream (an unterminated last event is still inspected)."""
         tail, self._pending = self._pending, b""
         kept = self._filter(tail) if tail else b""
-        if not self.strip_injected_usage:
+        if not self._holds:
             return b""  # already forwarded by feed()
         return kept or b""
 
@@ -149,7 +158,9 @@ class SseUsageFilter:
             # The injected option also makes servers add `"usage": null` to every chunk; the
             # client did not ask for the field. Only a structural key can match: inside JSON
             # strings quotes are escaped.
-            return _NULL_USAGE.sub(b"", event)
+            event = _NULL_USAGE.sub(b"", event)
+        if self.rewrite is not None:
+            event = self.rewrite(event)
         return event
 
     def _keep(self, event: bytes) -> bool:

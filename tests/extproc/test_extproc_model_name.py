@@ -1,0 +1,89 @@
+"""The client-facing model name restored in responses (upstream `TestRewriteModelName`,
+`pkg/epp/handlers/response_test.go@v1.5.0`, plus the cases upstream's byte replace misses)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from poolkeeper.extproc.model_name import rewriter_for
+from poolkeeper.extproc.usage import SseUsageFilter
+
+TARGET, CLIENT = "vllm-backend-01", "gpt-4-proxy"
+
+
+@pytest.mark.parametrize(
+    ("body", "target", "client", "want"),
+    [
+        (  # non-streaming response with model rewrite
+            b'{"id":"cmpl-123","model":"vllm-backend-01","choices":[]}',
+            TARGET,
+            CLIENT,
+            b'{"id":"cmpl-123","model":"gpt-4-proxy","choices":[]}',
+        ),
+        (  # streaming SSE chunk with model rewrite
+            b'data: {"id":"cmpl-123","model":"vllm-backend-01","choices":[]}\n\n',
+            TARGET,
+            CLIENT,
+            b'data: {"id":"cmpl-123","model":"gpt-4-proxy","choices":[]}\n\n',
+        ),
+        (b'{"model":"same-model"}', "same-model", "same-model", b'{"model":"same-model"}'),
+        (b'{"model":"some-model"}', "", CLIENT, b'{"model":"some-model"}'),
+        (b'{"model":"some-model"}', "some-model", "", b'{"model":"some-model"}'),
+        (  # model field with space after colon
+            b'{"model": "vllm-backend-01"}',
+            TARGET,
+            CLIENT,
+            b'{"model": "gpt-4-proxy"}',
+        ),
+        (b'{"id":"cmpl-123","choices":[]}', TARGET, CLIENT, b'{"id":"cmpl-123","choices":[]}'),
+        (b"data: [DONE]\n", TARGET, CLIENT, b"data: [DONE]\n"),
+    ],
+    ids=[
+        "non-streaming",
+        "sse-chunk",
+        "same-names",
+        "target-empty",
+        "incoming-empty",
+        "space-after-colon",
+        "no-model-field",
+        "done-marker",
+    ],
+)
+def test_response_test_go_rewrite_model_name(
+    body: bytes, target: str, client: str, want: bytes
+) -> None:
+    rewrite = rewriter_for(target, client)
+    assert (rewrite(body) if rewrite is not None else body) == want
+
+
+def test_only_the_structural_key_and_the_exact_name_are_rewritten() -> None:
+    rewrite = rewriter_for("lora-a", 'client "x"')
+    assert rewrite is not None
+    text = json.dumps({"model": "lora-a", "text": 'say "model":"lora-a"', "m": "lora-ab"})
+    out = json.loads(rewrite(text.encode()))
+    assert out == {"model": 'client "x"', "text": 'say "model":"lora-a"', "m": "lora-ab"}
+    assert rewrite(b'{"model":"lora-ab"}') == b'{"model":"lora-ab"}'
+
+
+def test_non_ascii_target_in_either_spelling() -> None:
+    rewrite = rewriter_for("modèle-1", "modèle")
+    assert rewrite is not None
+    for spelled in (
+        json.dumps({"model": "modèle-1"}),
+        json.dumps({"model": "modèle-1"}, ensure_ascii=False),
+    ):
+        assert json.loads(rewrite(spelled.encode())) == {"model": "modèle"}
+
+
+def test_sse_events_split_anywhere_are_rewritten_whole() -> None:
+    stream = (
+        b'data: {"model":"vllm-backend-01","choices":[{"delta":{"content":"a"}}]}\n\n'
+        b'data: {"model":"vllm-backend-01","choices":[{"delta":{"content":"b"}}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    want = stream.replace(b"vllm-backend-01", b"gpt-4-proxy")
+    for cut in range(len(stream) + 1):
+        f = SseUsageFilter(strip_injected_usage=False, rewrite=rewriter_for(TARGET, CLIENT))
+        assert f.feed(stream[:cut]) + f.feed(stream[cut:]) + f.finish() == want, cut

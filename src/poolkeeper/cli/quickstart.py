@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -128,7 +129,6 @@ class Outcome:
     status: int
     seconds: float
     served: str  # ip:port or ""
-    target: str  # the model that answered (after the weighted split)
 
 
 def write_resources(directory: Path, sim_ports: list[int]) -> dict[str, int]:
@@ -164,36 +164,28 @@ async def _one(
         "stream": stream,
     }
     began = time.perf_counter()
-    target = ""
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-            raw = await resp.read()
+            await resp.read()
             served = resp.headers.get(SERVED, "")
             status = resp.status
-        if status == 200 and not stream:
-            target = str((await asyncio.to_thread(_json, raw)).get("model", ""))
-        elif status == 200:
-            target = _model_from_sse(raw)
     except (aiohttp.ClientError, TimeoutError):
         status, served = 0, ""
-    return Outcome(model, criticality, status, time.perf_counter() - began, served, target)
+    return Outcome(model, criticality, status, time.perf_counter() - began, served)
 
 
-def _json(raw: bytes) -> dict[str, Any]:
-    import json
-
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _model_from_sse(raw: bytes) -> str:
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data: {"):
-            return str(_json(line[6:]).get("model", ""))
-    return ""
+def split_from_metrics(text: str, model: str) -> Counter[str]:
+    """Requests per target model for one client model, from the gateway's own metrics
+    (responses carry the client's model name, so they cannot tell)."""
+    out: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name == "inference_model_request_total"
+                and sample.labels.get("model_name") == model
+            ):
+                out[sample.labels.get("target_model_name", "")] += int(sample.value)
+    return out
 
 
 async def drive_load(
@@ -230,21 +222,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(outcomes: list[Outcome], sims: dict[str, str], console: Console) -> None:
-    """Three tables: where requests went, latency per model, and refusals."""
-    where = Table(title="Where requests went (target model by server)")
+def report(
+    outcomes: list[Outcome], sims: dict[str, str], console: Console, split: Counter[str]
+) -> None:
+    """Where requests went, latency per model and refusals, and the weighted split."""
+    where = Table(title="Where requests went (model by server)")
     servers = sorted({sims.get(o.served, o.served or "?") for o in outcomes if o.status == 200})
-    where.add_column("target model")
+    where.add_column("model")
     for server in servers:
         where.add_column(server, justify="right")
     where.add_column("total", justify="right")
-    by_target: dict[str, Counter[str]] = defaultdict(Counter)
+    by_model: dict[str, Counter[str]] = defaultdict(Counter)
     for o in outcomes:
         if o.status == 200:
-            by_target[o.target][sims.get(o.served, o.served or "?")] += 1
-    for target in sorted(by_target):
-        counts = by_target[target]
-        where.add_row(target, *(str(counts[s]) for s in servers), str(sum(counts.values())))
+            by_model[o.model.rpartition("/")[2]][sims.get(o.served, o.served or "?")] += 1
+    for model in sorted(by_model):
+        counts = by_model[model]
+        where.add_row(model, *(str(counts[s]) for s in servers), str(sum(counts.values())))
     console.print(where)
 
     latency = Table(title="Latency per model and criticality (successful requests)")
@@ -265,7 +259,6 @@ def report(outcomes: list[Outcome], sims: dict[str, str], console: Console) -> N
             str(other),
         )
     console.print(latency)
-    split = Counter(o.target for o in outcomes if o.model == "food-review" and o.status == 200)
     total = sum(split.values())
     if total:
         shares = ", ".join(f"{t} {100 * c / total:.0f} %" for t, c in sorted(split.items()))
@@ -313,7 +306,9 @@ async def quickstart(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[bold green]gateway ready[/] on {url} (config in {directory})")
             outcomes = await drive_load(url, args.requests, args.concurrency, args.seed, console)
             sims = {f"127.0.0.1:{w.port}": w.name for w in listening}
-            report(outcomes, sims, console)
+            assert runtime.metrics is not None
+            split = split_from_metrics(runtime.metrics.render().decode(), "food-review")
+            report(outcomes, sims, console, split)
             if args.no_serve:
                 return 0 if any(o.status == 200 for o in outcomes) else 1
             console.print(

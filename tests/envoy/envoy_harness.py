@@ -111,13 +111,14 @@ class RoundRobinRouter:
     completed: list[tuple[int, Usage | None, str | None]] = field(default_factory=list)
     turn: int = 0
     moved: list[tuple[str, str]] = field(default_factory=list)
+    fixed: tuple[str, ...] | None = None  # when set: this primary + fallbacks list, always
 
     async def route(self, request: IncomingRequest) -> RoutingDecision:
         if not self.backends:
             raise NoReadyEndpoint("no ready endpoint")
         pick = self.backends[self.turn % len(self.backends)]
         self.turn += 1
-        hostports = (pick.hostport,)
+        hostports = self.fixed or (pick.hostport,)
         if not request.body:
             return RoutingDecision(request.request_id, hostports, "default/pool")
         try:

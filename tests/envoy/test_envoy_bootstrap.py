@@ -10,10 +10,12 @@ import pytest
 
 from poolkeeper.envoy.bootstrap import (
     FALLBACK_CLUSTER,
+    ROUTED_CLUSTER,
     BootstrapParams,
     build_bootstrap,
     render,
 )
+from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyNotFound, find_envoy
 
 
@@ -26,10 +28,15 @@ def _hcm(b: dict) -> dict:  # type: ignore[type-arg]
     return b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("fail_open", [False, True])
-def test_envoy_accepts_the_bootstrap(tmp_path: Path, fail_open: bool) -> None:
+@pytest.mark.parametrize(("fail_open", "eds"), [(False, False), (True, False), (False, True)])
+def test_envoy_accepts_the_bootstrap(tmp_path: Path, fail_open: bool, eds: bool) -> None:
+    endpoints = EndpointsFile(tmp_path / "endpoints.json")
+    endpoints.write(["127.0.0.1:8000", "127.0.0.2:8001"])
     params = BootstrapParams(
-        fail_open=fail_open, fallback_endpoints=("127.0.0.1:8000", "127.0.0.2:8001")
+        fail_open=fail_open,
+        fallback_endpoints=("127.0.0.1:8000", "127.0.0.2:8001"),
+        routed_endpoints=("127.0.0.1:8000", "127.0.0.2:8001"),
+        endpoints_file=str(endpoints.path) if eds else None,
     )
     path = tmp_path / "envoy.json"
     path.write_text(render(build_bootstrap(params)))
@@ -138,3 +145,54 @@ def test_h2c_pools_get_http2_upstreams(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _routed(b: dict) -> dict:  # type: ignore[type-arg]
+    (cluster,) = [c for c in b["static_resources"]["clusters"] if c["name"] == ROUTED_CLUSTER]
+    return cluster  # type: ignore[no-any-return]
+
+
+def test_routed_cluster_uses_override_host_and_retries_on_the_listed_fallbacks() -> None:
+    """Protocol v0.4+ (`004-endpoint-picker-protocol`): primary and fallbacks in one
+    comma-separated value; Envoy's override_host policy reads it from the `envoy.lb` metadata
+    (else the header) and takes the next address on each retry."""
+    b = build_bootstrap(BootstrapParams(routed_endpoints=("10.0.0.2:8000",), retries=5))
+    cluster = _routed(b)
+    assert cluster["type"] == "STATIC"
+    policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    config = policy["typed_config"]
+    assert config["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}},
+        {"header": "x-gateway-destination-endpoint"},
+    ]
+    fallback = config["fallback_policy"]["policies"][0]["typed_extension_config"]
+    assert fallback["typed_config"]["fallback_policy"] == "NO_FALLBACK"  # never another host
+    route = _hcm(b)["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert route["route"]["cluster"] == ROUTED_CLUSTER
+    assert route["route"]["retry_policy"]["num_retries"] == 5
+    assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset"
+    assert "ORIGINAL_DST" not in json.dumps(b)
+
+
+def test_endpoints_file_is_eds_and_rewritten_only_on_change(tmp_path: Path) -> None:
+    f = EndpointsFile(tmp_path / "endpoints.json")
+    assert f.write(["10.0.0.2:8000", "10.0.0.1:8000"])
+    assert not f.write(["10.0.0.1:8000", "10.0.0.2:8000"])  # same set
+    body = json.loads(f.path.read_text())
+    (cla,) = body["resources"]
+    hosts = [
+        e["endpoint"]["address"]["socket_address"] for e in cla["endpoints"][0]["lb_endpoints"]
+    ]
+    assert [(h["address"], h["port_value"]) for h in hosts] == [
+        ("10.0.0.1", 8000),
+        ("10.0.0.2", 8000),
+    ]
+    assert body["version_info"] == "1"
+    assert f.write([])
+    assert json.loads(f.path.read_text())["resources"][0]["endpoints"] == []
+    assert [p.name for p in tmp_path.iterdir()] == ["endpoints.json"]  # no temporary left
+    cluster = _routed(build_bootstrap(BootstrapParams(endpoints_file=str(f.path))))
+    assert cluster["type"] == "EDS"
+    source = cluster["eds_cluster_config"]["eds_config"]["path_config_source"]
+    assert source == {"path": str(f.path), "watched_directory": {"path": str(tmp_path)}}

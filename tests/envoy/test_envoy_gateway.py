@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from poolkeeper.envoy.bootstrap import BootstrapParams
+from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoySupervisor
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
@@ -46,10 +47,14 @@ class Rig:
     canary: Canary
     envoy: EnvoySupervisor
     epp: grpc.aio.Server | None
+    endpoints: EndpointsFile
+    admin_port: int
 
 
 @asynccontextmanager
-async def rig(tmp_path: Path, *, epp_up: bool, fail_open: bool) -> AsyncIterator[Rig]:
+async def rig(
+    tmp_path: Path, *, epp_up: bool, fail_open: bool, extra: tuple[str, ...] = ()
+) -> AsyncIterator[Rig]:
     backends = [Backend("a"), Backend("b")]
     for b in backends:
         await b.start()
@@ -64,17 +69,27 @@ async def rig(tmp_path: Path, *, epp_up: bool, fail_open: bool) -> AsyncIterator
             ExtProcServicer(router), f"127.0.0.1:{epp_port}", extra=health.register
         )
         await server.start()
+    endpoints = EndpointsFile(tmp_path / "endpoints.json")
+    endpoints.write([*(b.hostport for b in backends), *extra])
     params = BootstrapParams(
         listen_port=free_port(),
         extproc_port=epp_port,
         admin_port=free_port(),
         fail_open=fail_open,
         fallback_endpoints=tuple(b.hostport for b in backends),
+        endpoints_file=str(endpoints.path),
     )
     try:
         async with running_envoy(params, tmp_path) as envoy:
             yield Rig(
-                f"http://127.0.0.1:{params.listen_port}", backends, router, canary, envoy, server
+                f"http://127.0.0.1:{params.listen_port}",
+                backends,
+                router,
+                canary,
+                envoy,
+                server,
+                endpoints,
+                params.admin_port,
             )
     finally:
         if server is not None:
@@ -311,3 +326,63 @@ async def test_edge_limits_on_headers(tmp_path: Path) -> None:
             assert status == 0 or 400 <= status < 500
         assert all(not b.seen for b in r.backends)
         assert r.router.completed == []
+
+
+# --- protocol v0.4+ fallbacks (004-endpoint-picker-protocol): Envoy retries on the list -------
+
+
+async def test_fallback_endpoints_are_tried_in_order(tmp_path: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"  # in the cluster, nothing listening
+    async with rig(tmp_path, epp_up=True, fail_open=False, extra=(dead,)) as r:
+        a, b = r.backends
+        r.router.fixed = (dead, b.hostport, a.hostport)
+        status, headers, raw = await _post(r.url, {"model": "m", "messages": []})
+        assert status == 200, raw
+        assert json.loads(raw)["served_by"] == "b"  # the first fallback, not the second
+        assert headers[SERVED] == b.hostport
+        assert a.seen == []
+        for _ in range(50):
+            if r.router.completed:
+                break
+            await asyncio.sleep(0.02)
+        assert r.router.moved[-1][1] == b.hostport  # the EPP moved its accounting to b
+        assert r.router.completed[-1][2] == b.hostport
+
+
+async def test_exhausted_fallbacks_never_reach_an_unlisted_endpoint(tmp_path: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    async with rig(tmp_path, epp_up=True, fail_open=False, extra=(dead,)) as r:
+        r.router.fixed = (dead,)
+        status, _, raw = await _post(r.url, {"model": "m", "messages": []})
+        assert status == 503
+        assert json.loads(raw)["error"]["code"] == "upstream_unavailable"
+        assert all(backend.seen == [] for backend in r.backends)
+
+
+async def _cluster_hosts(admin_port: int) -> str:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{admin_port}/clusters") as resp,
+    ):
+        return await resp.text()
+
+
+async def test_endpoints_file_changes_reach_envoy(tmp_path: Path) -> None:
+    late = Backend("late")
+    await late.start()
+    try:
+        async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+            r.router.fixed = (late.hostport,)
+            status, _, _ = await _post(r.url, {"model": "m", "messages": []})
+            assert status == 503  # not in the cluster yet: never routed to
+            r.endpoints.write([*(b.hostport for b in r.backends), late.hostport])
+            for _ in range(100):  # bounded: Envoy reloads the watched file
+                if f"epp_routed_cluster::{late.hostport}::" in await _cluster_hosts(r.admin_port):
+                    break
+                await asyncio.sleep(0.05)
+            status, headers, raw = await _post(r.url, {"model": "m", "messages": []})
+            assert status == 200, raw
+            assert json.loads(raw)["served_by"] == "late"
+            assert headers[SERVED] == late.hostport
+    finally:
+        await late.stop()

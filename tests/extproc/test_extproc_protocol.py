@@ -106,13 +106,13 @@ async def test_streamed_body_any_chunking_same_decision(
     common = head.request_headers.response
     assert common.clear_route_cache
     headers = _set_headers(common.header_mutation)
-    assert headers[DEST] == PODS[0]
+    # Protocol v0.4+: primary then fallbacks, comma-separated, in the one key.
+    assert headers[DEST] == ",".join(PODS)
     body = _body_of(replies)
     assert headers["content-length"] == str(len(body))
     assert json.loads(body)["model"] == "adapter-1"
     meta = _dest_metadata(head)
-    assert meta[DEST] == headers[DEST]  # header and metadata never differ
-    assert meta["x-gateway-destination-endpoint-fallback"] == ",".join(PODS[1:])
+    assert meta == {DEST: headers[DEST]}  # header and metadata never differ; no -fallback key
     assert router.routed[-1].body == CHAT
     call.cancel()
 
@@ -140,12 +140,12 @@ async def test_buffered_mode_answers_every_message(envoy: FakeEnvoy, router: Fak
     (body,) = await _read(call, 1)
     common = body.request_body.response
     assert common.clear_route_cache
-    assert _set_headers(common.header_mutation)[DEST] == PODS[0]
+    assert _set_headers(common.header_mutation)[DEST] == ",".join(PODS)
     assert json.loads(common.body_mutation.body)["model"] == "adapter-1"
     assert _set_headers(common.header_mutation)["content-length"] == str(
         len(common.body_mutation.body)
     )
-    assert _dest_metadata(body)[DEST] == PODS[0]
+    assert _dest_metadata(body)[DEST] == ",".join(PODS)
     call.cancel()
 
 
@@ -175,10 +175,10 @@ async def test_subset_hint(envoy: FakeEnvoy, hint: list[str], expected: str | No
     if expected is None:
         assert replies[0].immediate_response.status.code == 503
     else:
-        assert _set_headers(replies[0].request_headers.response.header_mutation)[DEST] == expected
-        assert set(
-            _dest_metadata(replies[0])["x-gateway-destination-endpoint-fallback"].split(",")
-        ) <= set(hint)
+        value = _set_headers(replies[0].request_headers.response.header_mutation)[DEST]
+        assert value.split(",")[0] == expected
+        assert set(value.split(",")) <= set(hint)
+        assert _dest_metadata(replies[0])[DEST] == value
     call.cancel()
 
 
@@ -249,7 +249,7 @@ async def test_client_routing_headers_are_stripped(envoy: FakeEnvoy, router: Fak
     }
     call, replies = await _streamed_request(envoy, b'{"model": "base"}', piece=100, headers=spoof)
     mutation = replies[0].request_headers.response.header_mutation
-    assert _set_headers(mutation)[DEST] == PODS[0]
+    assert _set_headers(mutation)[DEST] == ",".join(PODS)
     assert set(mutation.remove_headers) == {
         "x-gateway-destination-endpoint-served",
         "x-gateway-destination-endpoint-subset",

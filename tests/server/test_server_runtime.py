@@ -93,6 +93,10 @@ async def test_bootstrap_follows_pool_failure_mode(tmp_path: Path, mode: str) ->
     assert params.admin_address == "127.0.0.1"
     assert params.fail_open is (mode == "FailOpen")
     assert params.fallback_endpoints == ((f"127.0.0.1:{ports[5]}",) if mode == "FailOpen" else ())
+    # every endpoint the EPP may name is in the routed cluster; retries = fallbackEndpoints
+    assert params.routed_endpoints == (f"127.0.0.1:{ports[5]}",)
+    assert params.retries == 3
+    assert params.endpoints_file is None  # envoy-config prints them inline
 
 
 def test_envoy_config_command_prints_bootstrap(

@@ -1,10 +1,12 @@
 """The Envoy bootstrap `poolkeeper serve` runs (and `poolkeeper envoy-config` prints).
 
 One HTTP listener whose filter chain is ext_proc (to the EPP) then the router. The EPP names the
-pod in `x-gateway-destination-endpoint`; a route matching that header sends the request to an
-ORIGINAL_DST cluster keyed on it. Requests the EPP did not route (it is down and the pool is
-FailOpen) match the next route: a round-robin cluster over the pool's endpoints, or, for
-FailClose, a 503 with an OpenAI error body.
+pod and its fallbacks in `x-gateway-destination-endpoint` (`ip:port,ip:port,...`, protocol
+v0.4+) and the same value in `envoy.lb` metadata; a route matching that header sends the request
+to the EPP-routed cluster (`override_host` policy, see `clusters.py`), whose retry policy moves on
+to the next listed endpoint when one cannot be reached. Requests the EPP did not route (it is
+down and the pool is FailOpen) match the next route: a round-robin cluster over the pool's
+endpoints, or, for FailClose, a 503 with an OpenAI error body.
 
 Why client copies of the destination header can never steer traffic: the HTTP connection
 manager's *early header mutation* removes every `x-gateway-destination-endpoint*` header (and
@@ -31,7 +33,8 @@ from poolkeeper.envoy.params import (
     FALLBACK_CLUSTER,
     FILE_LOG_TYPE,
     HCM,
-    ORIGINAL_DST_CLUSTER,
+    RETRY_ON,
+    ROUTED_CLUSTER,
     ROUTER_TYPE,
     SERVED_HEADER,
     STRIPPED_PREFIXES,
@@ -47,7 +50,7 @@ __all__ = [
     "EPP_CLUSTER",
     "EXT_PROC_SERVICE",
     "FALLBACK_CLUSTER",
-    "ORIGINAL_DST_CLUSTER",
+    "ROUTED_CLUSTER",
     "SERVED_HEADER",
     "BootstrapParams",
     "build_bootstrap",
@@ -102,6 +105,16 @@ NO_EPP_BODY = _openai_error(
 )
 
 
+def _retry_policy(p: BootstrapParams) -> dict[str, Any]:
+    """Try the listed fallbacks, one per retry (override_host takes the next address), when a
+    model server cannot be reached. A short backoff: the next try goes to another host."""
+    return {
+        "retry_on": RETRY_ON,
+        "num_retries": p.retries,
+        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+    }
+
+
 def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
     served = [
         {
@@ -118,7 +131,11 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
                 "prefix": "/",
                 "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
             },
-            "route": {"cluster": ORIGINAL_DST_CLUSTER, **route_opts},
+            "route": {
+                "cluster": ROUTED_CLUSTER,
+                **route_opts,
+                "retry_policy": _retry_policy(p),
+            },
             "response_headers_to_add": served,
         }
     ]
@@ -244,6 +261,8 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
 def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
     """The complete Envoy bootstrap as a dict."""
     return {
+        # File-based EDS (the routed cluster's endpoints) needs a node id and cluster.
+        "node": {"id": "poolkeeper", "cluster": "poolkeeper"},
         "admin": {"address": socket_address(p.admin_address, p.admin_port)},
         "static_resources": {
             "listeners": [

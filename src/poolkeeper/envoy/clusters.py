@@ -1,8 +1,16 @@
-"""The bootstrap's clusters: the EPP (HTTP/2, health-checked), the ORIGINAL_DST cluster keyed
-on the destination header, and the FailOpen fallback over the pool's endpoints."""
+"""The bootstrap's clusters: the EPP (HTTP/2, health-checked), the EPP-routed cluster, and the
+FailOpen fallback over the pool's endpoints.
+
+The EPP-routed cluster holds every pool endpoint and picks with Envoy's `override_host` policy:
+the request goes to the first `ip:port` the EPP listed (`envoy.lb` metadata, else the
+`x-gateway-destination-endpoint` header, protocol v0.4+) and each retry to the next one. When the
+list is used up the policy's fallback must pick: a subset policy with no subset and
+NO_FALLBACK, so it picks nothing (503) rather than an endpoint the EPP did not choose.
+"""
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any
 
 from poolkeeper.envoy.params import (
@@ -11,7 +19,11 @@ from poolkeeper.envoy.params import (
     EXT_PROC_SERVICE,
     FALLBACK_CLUSTER,
     HTTP_OPTS_TYPE,
-    ORIGINAL_DST_CLUSTER,
+    LB_NAMESPACE,
+    OVERRIDE_HOST_TYPE,
+    ROUND_ROBIN_TYPE,
+    ROUTED_CLUSTER,
+    SUBSET_TYPE,
     BootstrapParams,
     T,
     duration,
@@ -51,6 +63,63 @@ def _epp_health_check(p: BootstrapParams) -> dict[str, Any]:
     }
 
 
+def _policy(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    return {"policies": [{"typed_extension_config": {"name": name, "typed_config": config}}]}
+
+
+def override_host_policy() -> dict[str, Any]:
+    """The EPP's list first, then nothing (see the module docstring)."""
+    pick_nothing = {
+        T: SUBSET_TYPE,
+        "fallback_policy": "NO_FALLBACK",
+        "subset_selectors": [{"keys": ["poolkeeper.no-such-subset"]}],
+        "subset_lb_policy": _policy(
+            "envoy.load_balancing_policies.round_robin", {T: ROUND_ROBIN_TYPE}
+        ),
+    }
+    return _policy(
+        "envoy.load_balancing_policies.override_host",
+        {
+            T: OVERRIDE_HOST_TYPE,
+            "override_host_sources": [
+                {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
+                {"header": DESTINATION_HEADER},
+            ],
+            "fallback_policy": _policy("envoy.load_balancing_policies.subset", pick_nothing),
+        },
+    )
+
+
+def _routed_cluster(p: BootstrapParams) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": ROUTED_CLUSTER,
+        "connect_timeout": duration(p.connect_timeout_s),
+        "load_balancing_policy": override_host_policy(),
+        "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
+        # Retries go to other hosts: allow as many at once as requests.
+        "circuit_breakers": thresholds(p, max_retries=p.max_connections),
+        **_upstream_protocol(p),
+    }
+    if p.endpoints_file:
+        cluster["type"] = "EDS"
+        cluster["eds_cluster_config"] = {
+            "eds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {
+                    "path": p.endpoints_file,
+                    "watched_directory": {"path": str(PurePath(p.endpoints_file).parent)},
+                },
+            }
+        }
+    else:
+        cluster["type"] = "STATIC"
+        cluster["load_assignment"] = {
+            "cluster_name": ROUTED_CLUSTER,
+            "endpoints": [{"lb_endpoints": lb_endpoints(sorted(set(p.routed_endpoints)))}],
+        }
+    return cluster
+
+
 def clusters(p: BootstrapParams) -> list[dict[str, Any]]:
     clusters: list[dict[str, Any]] = [
         {
@@ -74,19 +143,7 @@ def clusters(p: BootstrapParams) -> list[dict[str, Any]]:
                 ],
             },
         },
-        {
-            "name": ORIGINAL_DST_CLUSTER,
-            "type": "ORIGINAL_DST",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": duration(p.connect_timeout_s),
-            "original_dst_lb_config": {
-                "use_http_header": True,
-                "http_header_name": DESTINATION_HEADER,
-            },
-            "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
-            "circuit_breakers": thresholds(p),
-            **_upstream_protocol(p),
-        },
+        _routed_cluster(p),
     ]
     if p.epp_health_interval_s > 0:
         clusters[0]["health_checks"] = [_epp_health_check(p)]

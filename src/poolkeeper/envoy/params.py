@@ -8,7 +8,19 @@ from typing import Any
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
-ORIGINAL_DST_CLUSTER = "original_destination_cluster"
+# Requests the EPP routed: override_host LB over every pool endpoint, retries on the fallbacks.
+ROUTED_CLUSTER = "epp_routed_cluster"
+OVERRIDE_HOST_TYPE = (
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+)
+SUBSET_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.subset.v3.Subset"
+ROUND_ROBIN_TYPE = (
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+)
+LB_NAMESPACE = "envoy.lb"
+# What the proxy retries on with the next listed endpoint: the server could not be reached or
+# reset the stream before answering (never a completed answer, whatever its status).
+RETRY_ON = "connect-failure,refused-stream,reset"
 FALLBACK_CLUSTER = "pool_fallback_cluster"
 EPP_CLUSTER = "epp"
 EXT_PROC_ERROR_STATUS = 502  # ext_proc status_on_error; bootstrap maps it to 503 + body
@@ -46,6 +58,11 @@ class BootstrapParams:
     admin_port: int = 9901
     fail_open: bool = False
     fallback_endpoints: tuple[str, ...] = ()  # "ip:port" of the pool's endpoints (FailOpen)
+    # Every pool endpoint ("ip:port"), the hosts the EPP may name. With `endpoints_file` they
+    # come from that file instead (kept current on hot reload), this is then only its start.
+    routed_endpoints: tuple[str, ...] = ()
+    endpoints_file: str | None = None
+    retries: int = 3  # attempts on the listed fallbacks (requestHandling.fallbackEndpoints)
     message_timeout_s: float = 1000.0  # per ext_proc message; requests may queue in the EPP
     stream_idle_timeout_s: float = 300.0  # long generations: no total timeout, only idle
     request_headers_timeout_s: float = 10.0
@@ -80,7 +97,7 @@ def lb_endpoints(hostports: Sequence[str]) -> list[dict[str, Any]]:
     return [{"endpoint": {"address": socket_address(*split_hostport(hp))}} for hp in hostports]
 
 
-def thresholds(p: BootstrapParams) -> dict[str, Any]:
+def thresholds(p: BootstrapParams, *, max_retries: int = 3) -> dict[str, Any]:
     limit = p.max_connections
     return {
         "thresholds": [
@@ -88,7 +105,7 @@ def thresholds(p: BootstrapParams) -> dict[str, Any]:
                 "max_connections": limit,
                 "max_pending_requests": limit,
                 "max_requests": limit,
-                "max_retries": 3,
+                "max_retries": max_retries,
             }
         ]
     }

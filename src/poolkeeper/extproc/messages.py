@@ -21,7 +21,6 @@ from google.protobuf import struct_pb2
 from poolkeeper.errors import GatewayError
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
-FALLBACK_KEY = "x-gateway-destination-endpoint-fallback"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
@@ -89,11 +88,15 @@ def header_mutation(
     )
 
 
+def destination_value(endpoints: Sequence[str]) -> str:
+    """Protocol v0.4+: the primary then its fallbacks, comma-separated, in one value."""
+    return ",".join(endpoints)
+
+
 def destination_metadata(endpoints: Sequence[str]) -> struct_pb2.Struct:
-    """`{"envoy.lb": {destination: primary, fallback: "a,b"}}`; the primary equals the header."""
-    inner: dict[str, Any] = {DESTINATION_HEADER: endpoints[0]}
-    if len(endpoints) > 1:
-        inner[FALLBACK_KEY] = ",".join(endpoints[1:])
+    """`{"envoy.lb": {"x-gateway-destination-endpoint": "primary,fb1,fb2"}}`, the same value as
+    the header (the protocol says they must not differ)."""
+    inner: dict[str, Any] = {DESTINATION_HEADER: destination_value(endpoints)}
     md = struct_pb2.Struct()
     md.update({LB_NAMESPACE: inner})
     return md
@@ -103,7 +106,7 @@ def routing_headers(
     endpoints: Sequence[str], body_length: int | None, spoofed: Iterable[str]
 ) -> pb.HeaderMutation:
     """Destination header (+ Content-Length of the body sent upstream); client copies removed."""
-    values = {DESTINATION_HEADER: endpoints[0]}
+    values = {DESTINATION_HEADER: destination_value(endpoints)}
     if body_length is not None:
         values["content-length"] = str(body_length)
     return header_mutation(values, remove=[h for h in spoofed if h not in values])

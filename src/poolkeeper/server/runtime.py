@@ -18,7 +18,7 @@ import logging
 import random
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.source import ResourceSource, SourceFactory
 from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
+from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.contracts import ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
@@ -54,8 +55,11 @@ class ServeOptions:
     ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
 
 
-def bootstrap_params(config: GatewayConfig, snapshot: DatastoreSnapshot) -> BootstrapParams:
-    """The Envoy bootstrap for this configuration (also what `envoy-config` prints)."""
+def bootstrap_params(
+    config: GatewayConfig, snapshot: DatastoreSnapshot, *, endpoints_file: Path | None = None
+) -> BootstrapParams:
+    """The Envoy bootstrap for this configuration (also what `envoy-config` prints, with the
+    routed endpoints inline; `serve` passes `endpoints_file`, kept current on hot reload)."""
     listeners = config.spec.listeners
     pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
     fail_open = bool(pools) and all(p.failure_mode() == "FailOpen" for p in pools)
@@ -73,7 +77,10 @@ def bootstrap_params(config: GatewayConfig, snapshot: DatastoreSnapshot) -> Boot
         admin_port=listeners.admin,
         fail_open=fail_open,
         fallback_endpoints=tuple(dict.fromkeys(fallback)),
-        # One upstream protocol for all pools (one ORIGINAL_DST cluster): h2c only if all say so.
+        routed_endpoints=tuple(e.hostport for e in snapshot.all_endpoints()),
+        endpoints_file=str(endpoints_file) if endpoints_file is not None else None,
+        retries=config.spec.request_handling.fallback_endpoints,
+        # One upstream protocol for all pools (one routed cluster): h2c only if all say so.
         upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )
 
@@ -95,6 +102,7 @@ class GatewayRuntime:
     _stopped: bool = False
     _source: ResourceSource | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
 
     # -- start ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -164,7 +172,15 @@ class GatewayRuntime:
             self._tmp = tempfile.TemporaryDirectory(prefix="poolkeeper-")
             workdir = Path(self._tmp.name)
         workdir.mkdir(parents=True, exist_ok=True)
-        params = bootstrap_params(config, self.datastore.snapshot())
+        # The routed cluster's endpoints, rewritten whenever the pools change (hot reload).
+        endpoints = EndpointsFile(workdir / "endpoints.json")
+        endpoints.write(e.hostport for e in self.datastore.snapshot().all_endpoints())
+
+        def rewrite(snapshot: DatastoreSnapshot, _kind: object) -> None:
+            endpoints.write(e.hostport for e in snapshot.all_endpoints())
+
+        self._unsubscribe.append(self.datastore.subscribe(rewrite))
+        params = bootstrap_params(config, self.datastore.snapshot(), endpoints_file=endpoints.path)
         config_path = workdir / "envoy.json"
         config_path.write_text(render(build_bootstrap(params)))
         self.envoy = EnvoySupervisor(
@@ -235,6 +251,8 @@ class GatewayRuntime:
             await self._drain_envoy(grace)
         if self.envoy is not None:
             await self.envoy.stop()
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
         for server in self._grpc_servers:
             await server.stop(grace if grace > 0 else None)
         if self._web is not None:

@@ -290,6 +290,8 @@ def test_crd_layout() -> None:
         "inferencemodels.inference.networking.x-k8s.io",
         "inferencepools.inference.networking.x-k8s.io",
         "inferencepools.inference.networking.k8s.io",
+        "inferenceobjectives.inference.networking.x-k8s.io",
+        "inferencemodelrewrites.inference.networking.x-k8s.io",
     }
     model = crds["inferencemodels.inference.networking.x-k8s.io"]["spec"]
     assert [(v["name"], v["served"], v["storage"]) for v in model["versions"]] == [

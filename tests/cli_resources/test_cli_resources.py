@@ -125,11 +125,13 @@ def test_status_json_keeps_stdout_parseable_on_errors(
     assert "apiVersion: Required value" in err
 
 
-def test_crds_prints_three_definitions(capsys: pytest.CaptureFixture[str]) -> None:
+def test_crds_prints_five_definitions(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["crds"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["metadata"]["name"] for d in docs] == [
         "inferencemodels.inference.networking.x-k8s.io",
+        "inferenceobjectives.inference.networking.x-k8s.io",
+        "inferencemodelrewrites.inference.networking.x-k8s.io",
         "inferencepools.inference.networking.x-k8s.io",
         "inferencepools.inference.networking.k8s.io",
     ]

@@ -51,7 +51,7 @@ def test_index_is_independent_of_input_order(order: int) -> None:
     models = MODELS[order:] + MODELS[:order]
     pools = POOLS[order % 2 :] + POOLS[: order % 2]
     index = build_model_index(pools, models)
-    assert {name: (r.pool_key, r.model.name) for name, r in index.by_name.items()} == {
+    assert {name: (r.pool_key, r.model and r.model.name) for name, r in index.by_name.items()} == {
         "chat": ("default/a", "winner"),
         "llama-base": ("default/b", "base"),
         "chat-b": ("default/b", "elsewhere"),
@@ -87,5 +87,6 @@ def test_a_name_in_two_pools_goes_to_the_oldest_model(
     for pools, ms in itertools.product([POOLS, POOLS[::-1]], [models, models[::-1]]):
         route = build_model_index(pools, ms).resolve("chat")
         assert route is not None
+        assert route.model is not None
         assert route.model.name == expected
         assert route.pool_key == ("default/a" if expected == "one" else "default/b")

@@ -126,6 +126,7 @@ def test_models_resolve_oldest_wins_per_pool() -> None:
     assert snap.models("default/b")["llama"].metadata.name == "in-b"
     resolved = snap.resolve("llama")  # in two pools: the oldest model's pool
     assert resolved is not None
+    assert resolved.model is not None
     assert (resolved.pool_key, resolved.model.metadata.name) == ("default/a", "old")
     assert snap.resolve("mistral") is None  # its pool does not exist
     assert snap.model_names() == ("llama",)

@@ -258,6 +258,23 @@ async def test_client_routing_headers_are_stripped(envoy: FakeEnvoy, router: Fak
     call.cancel()
 
 
+async def test_control_headers_reach_the_router_not_the_server(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    """Upstream v1.x `handlers/request.go`: the objective and rewrite headers are read by the
+    EPP (which honours them only when trusted) and removed before the request goes upstream."""
+    control = {
+        "x-gateway-inference-objective": "gold",
+        "x-gateway-model-name-rewrite": "other",
+        "x-gateway-inference-fairness-id": "tenant-a",
+    }
+    call, replies = await _streamed_request(envoy, b'{"model": "base"}', piece=100, headers=control)
+    mutation = replies[0].request_headers.response.header_mutation
+    assert set(mutation.remove_headers) == set(control)
+    assert {k: router.routed[-1].headers[k] for k in control} == control
+    call.cancel()
+
+
 def _sse(*events: object) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
 

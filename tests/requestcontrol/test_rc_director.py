@@ -17,7 +17,7 @@ from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
-from poolkeeper.datastore.models import ModelRoute
+from poolkeeper.datastore.models import ModelResource, ModelRoute
 from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.errors import (
     BadRequest,
@@ -95,7 +95,7 @@ def _store(
     *,
     pools: Mapping[str, str] | None = None,
     endpoints: Sequence[tuple[int, str]] | None = None,
-    models: Sequence[InferenceModel] = DEFAULT_MODELS,
+    models: Sequence[ModelResource] = DEFAULT_MODELS,
     waiting: int = 0,
     scraped_at: float = SCRAPED_AT,
 ) -> Datastore:
@@ -295,6 +295,12 @@ async def test_all_zero_weights_from_a_snapshot_is_no_valid_target_model() -> No
 
         def model_names(self) -> Sequence[str]:
             return ["dead"]
+
+        def rewrite_rule(self, pool_key: str, model_name: str) -> None:
+            return None
+
+        def objective(self, pool_key: str, name: str) -> None:
+            return None
 
         def states(self, pool_key: str) -> Sequence[EndpointState]:
             return real.snapshot().states(POOL)

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel
 
 from poolkeeper import __version__
-from poolkeeper.api import model, pool
+from poolkeeper.api import model, objective, pool, rewrite
 
 Schema = dict[str, Any]
 
@@ -24,6 +24,15 @@ _MODEL_COLUMNS = [
     {"name": "Model Name", "type": "string", "jsonPath": ".spec.modelName"},
     {"name": "Inference Pool", "type": "string", "jsonPath": ".spec.poolRef.name"},
     {"name": "Criticality", "type": "string", "jsonPath": ".spec.criticality"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+_OBJECTIVE_COLUMNS = [
+    {"name": "Inference Pool", "type": "string", "jsonPath": ".spec.poolRef.name"},
+    {"name": "Priority", "type": "string", "jsonPath": ".spec.priority"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+_REWRITE_COLUMNS = [
+    {"name": "Inference Pool", "type": "string", "jsonPath": ".spec.poolRef.name"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 _AGE_COLUMN = [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
@@ -99,6 +108,10 @@ def version_schema(api_version: str, kind: str) -> Schema:
         return openapi_schema(pool.InferencePool)
     if kind == pool.KIND and api_version == pool.V1:
         return openapi_schema(pool.InferencePoolV1)
+    if kind == objective.KIND and api_version == objective.V1ALPHA2:
+        return openapi_schema(objective.InferenceObjective)
+    if kind == rewrite.KIND and api_version == rewrite.V1ALPHA2:
+        return openapi_schema(rewrite.InferenceModelRewrite)
     raise KeyError(f"no CRD serves {api_version} {kind}")
 
 
@@ -145,7 +158,8 @@ def _version(
 
 
 def custom_resource_definitions() -> list[dict[str, Any]]:
-    """InferenceModel (v1alpha1 + v1alpha2, storage v1alpha2), InferencePool in both groups."""
+    """InferenceModel (v1alpha1 + v1alpha2, storage v1alpha2), InferencePool in both groups,
+    InferenceObjective and InferenceModelRewrite (v1alpha2)."""
     return [
         _crd(
             model.GROUP,
@@ -163,6 +177,30 @@ def custom_resource_definitions() -> list[dict[str, Any]]:
                     storage=True,
                     columns=_MODEL_COLUMNS,
                 ),
+            ],
+        ),
+        _crd(
+            objective.GROUP,
+            objective.KIND,
+            [
+                _version(
+                    "v1alpha2",
+                    openapi_schema(objective.InferenceObjective),
+                    storage=True,
+                    columns=_OBJECTIVE_COLUMNS,
+                )
+            ],
+        ),
+        _crd(
+            objective.GROUP,
+            rewrite.KIND,
+            [
+                _version(
+                    "v1alpha2",
+                    openapi_schema(rewrite.InferenceModelRewrite),
+                    storage=True,
+                    columns=_REWRITE_COLUMNS,
+                )
             ],
         ),
         _crd(

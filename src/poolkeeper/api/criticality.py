@@ -1,4 +1,5 @@
-"""Criticality of an InferenceModel: how its requests are admitted when the pool is saturated."""
+"""Criticality of an InferenceModel (and the band of an InferenceObjective priority): how its
+requests are admitted when the pool is saturated."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ _RANK = {Criticality.CRITICAL: 2, Criticality.STANDARD: 1, Criticality.SHEDDABLE
 def effective_criticality(value: Criticality | None) -> Criticality:
     """An unset criticality behaves as Standard (the API leaves it unset in the object)."""
     return Criticality.STANDARD if value is None else value
+
+
+def criticality_of_priority(priority: int) -> Criticality:
+    """The band an InferenceObjective priority (upstream v1.x) is served in.
+
+    Upstream: unset = 0, negative = sheddable, higher = served first. poolkeeper keeps its three
+    bands (admission shedding levels, flow-control queues) and maps onto them: > 0 Critical,
+    0 Standard, < 0 Sheddable. Priorities within one band are not ordered further.
+    """
+    if priority > 0:
+        return Criticality.CRITICAL
+    if priority < 0:
+        return Criticality.SHEDDABLE
+    return Criticality.STANDARD

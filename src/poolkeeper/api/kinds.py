@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from poolkeeper.api import model, pool
+from poolkeeper.api import model, objective, pool, rewrite
 
 GATEWAY_CONFIG_API_VERSION = "poolkeeper.dev/v1alpha1"
 GATEWAY_CONFIG_KIND = "GatewayConfig"
@@ -63,7 +63,8 @@ class KindRegistry:
 
 
 def default_registry() -> KindRegistry:
-    """InferenceModel (v1alpha1, v1alpha2), InferencePool (v1alpha1-v1), GatewayConfig."""
+    """InferenceModel (v1alpha1, v1alpha2), InferencePool (v1alpha1-v1), InferenceObjective and
+    InferenceModelRewrite (v1alpha2), GatewayConfig."""
     return KindRegistry(
         [
             KindEntry(model.V1ALPHA1, model.KIND, model.InferenceModel),
@@ -71,6 +72,8 @@ def default_registry() -> KindRegistry:
             KindEntry(pool.V1ALPHA1, pool.KIND, pool.InferencePoolV1Alpha1),
             KindEntry(pool.V1ALPHA2, pool.KIND, pool.InferencePool),
             KindEntry(pool.V1, pool.KIND, pool.InferencePoolV1),
+            KindEntry(objective.V1ALPHA2, objective.KIND, objective.InferenceObjective),
+            KindEntry(rewrite.V1ALPHA2, rewrite.KIND, rewrite.InferenceModelRewrite),
             KindEntry(GATEWAY_CONFIG_API_VERSION, GATEWAY_CONFIG_KIND, GATEWAY_CONFIG_TARGET),
         ]
     )

@@ -20,12 +20,14 @@ from pydantic import BaseModel, ValidationError
 from poolkeeper.api.fielderrors import FieldError, from_pydantic, go_value, supported_values
 from poolkeeper.api.kinds import KindRegistry, default_registry
 from poolkeeper.api.model import InferenceModel
+from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import (
     AnyInferencePool,
     InferencePool,
     InferencePoolV1,
     InferencePoolV1Alpha1,
 )
+from poolkeeper.api.rewrite import InferenceModelRewrite
 
 SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -96,6 +98,12 @@ class LoadResult:
 
     def models(self) -> list[InferenceModel]:
         return self.objects_of(InferenceModel)
+
+    def objectives(self) -> list[InferenceObjective]:
+        return self.objects_of(InferenceObjective)
+
+    def rewrites(self) -> list[InferenceModelRewrite]:
+        return self.objects_of(InferenceModelRewrite)
 
     def pools(self) -> list[AnyInferencePool]:
         return [

@@ -12,6 +12,10 @@ Reasons, in the order they are checked:
   False/ModelNameInUse     an older InferenceModel in the same pool claims the same modelName
   True/Accepted            this model serves modelName in its pool
 Models rejected for the first three reasons do not compete for their modelName.
+
+InferenceObjective and InferenceModelRewrite (upstream v1.x) have no name to compete for:
+`judge_pool_refs` gives them Unknown/Pending, False/PoolNotFound or True/Accepted by the same
+poolRef rules. Upstream defines their `Accepted` condition but never writes it either.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from poolkeeper.api import model as im
-from poolkeeper.api.meta import Condition, ConditionStatus
+from poolkeeper.api.meta import ApiObject, Condition, ConditionStatus
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
 from poolkeeper.api.pool import POOL_GROUPS, AnyInferencePool
 
@@ -91,7 +96,54 @@ def judge_models(
     return verdicts
 
 
-def age_order(m: InferenceModel) -> tuple[bool, datetime, str, str]:
+class PoolReferrer(Protocol):
+    """An object that names an InferencePool in its own namespace (objective, rewrite)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def pool_key(self) -> str: ...
+
+    @property
+    def pool_ref_triple(self) -> tuple[str, str, str]: ...
+
+
+def judge_pool_refs(
+    pools: Iterable[AnyInferencePool], objects: Iterable[PoolReferrer]
+) -> dict[str, Verdict]:
+    """The Accepted verdict of objects that only reference a pool, keyed by `namespace/name`.
+
+    The poolRef's group must be the pool's group (upstream's reconcilers filter on it).
+    """
+    known = {(p.namespace, p.name, p.group) for p in pools}
+    verdicts: dict[str, Verdict] = {}
+    for obj in objects:
+        group, kind, name = obj.pool_ref_triple
+        if kind != "InferencePool" or group not in POOL_GROUPS:
+            verdicts[obj.key] = Verdict(
+                "Unknown",
+                im.REASON_PENDING,
+                f"poolRef refers to {kind} in group {group or 'core'}, "
+                "which poolkeeper does not reconcile",
+            )
+        elif (obj.namespace, name, group) not in known:
+            verdicts[obj.key] = Verdict(
+                "False",
+                im.REASON_POOL_NOT_FOUND,
+                f"InferencePool {obj.pool_key} (group {group}) not found",
+            )
+        else:
+            verdicts[obj.key] = Verdict(
+                "True", im.REASON_ACCEPTED, f"applies to InferencePool {obj.pool_key}", obj.pool_key
+            )
+    return verdicts
+
+
+def age_order(m: ApiObject) -> tuple[bool, datetime, str, str]:
     """Sort key, oldest first: the one age rule for every "oldest wins" decision."""
     ts = m.metadata.creation_timestamp
     # A missing timestamp sorts after every real one: an object that states its age outranks

@@ -23,7 +23,9 @@ from rich.text import Text
 from poolkeeper.api.crds import crds_yaml
 from poolkeeper.api.load import LoadedResource, LoadResult, load_paths
 from poolkeeper.api.model import InferenceModel
+from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import InferencePool, InferencePoolV1, InferencePoolV1Alpha1
+from poolkeeper.api.rewrite import InferenceModelRewrite
 from poolkeeper.api.status import compute_model_statuses
 from poolkeeper.datastore.models import build_model_index
 
@@ -119,6 +121,18 @@ def _details(obj: object) -> str:
         crit = spec.criticality.value if spec.criticality else "(Standard)"
         text = f"model {spec.model_name} -> pool {spec.pool_ref.name}, {crit}"
         return text + (f", targets {targets}" if targets else "")
+    if isinstance(obj, InferenceObjective):
+        return f"pool {obj.spec.pool_ref.name}, priority {obj.priority} ({obj.criticality})"
+    if isinstance(obj, InferenceModelRewrite):
+        rules = "; ".join(
+            f"{'|'.join(r.exact_models()) or '*'} -> "
+            + ", ".join(
+                t.model_rewrite if t.weight is None else f"{t.model_rewrite}={t.weight}"
+                for t in r.targets
+            )
+            for r in obj.spec.rules
+        )
+        return f"pool {obj.spec.pool_ref.name}: {rules}"
     if isinstance(obj, InferencePoolV1Alpha1 | InferencePool | InferencePoolV1):
         selector = ",".join(f"{k}={v}" for k, v in sorted(obj.selector().items()))
         ports = ",".join(str(p) for p in obj.target_ports())
@@ -133,22 +147,54 @@ def run_status(args: argparse.Namespace) -> int:
     if result is None:
         return 2
     models = result.models()
-    verdicts = build_model_index(result.pools(), models).verdicts
-    statuses = compute_model_statuses(models, verdicts, now=datetime.now(UTC))
+    policies: list[InferenceObjective | InferenceModelRewrite] = [
+        *result.objectives(),
+        *result.rewrites(),
+    ]
+    index = build_model_index(result.pools(), [*models, *policies])
+    statuses = compute_model_statuses(models, index.verdicts, now=datetime.now(UTC))
+    # (kind, key, model name, pool, [(type, status, reason, message)])
+    rows: list[tuple[str, str, str, str, list[tuple[str, str, str, str]]]] = [
+        (
+            m.kind,
+            m.key,
+            m.spec.model_name,
+            m.spec.pool_ref.name,
+            [(c.type, c.status, c.reason, c.message) for c in statuses[m.key].conditions],
+        )
+        for m in models
+    ]
+    for obj in policies:
+        verdicts = (
+            index.objective_verdicts
+            if isinstance(obj, InferenceObjective)
+            else index.rewrite_verdicts
+        )
+        v = verdicts[obj.key]
+        accepted = ("Accepted", v.status, v.reason, v.message)
+        rows.append((obj.kind, obj.key, "", obj.spec.pool_ref.name, [accepted]))
     if args.output == "json":
-        rows = [
+        out = [
             {
-                "kind": m.kind,
-                "namespace": m.namespace,
-                "name": m.name,
-                "conditions": [c.to_dict() for c in statuses[m.key].conditions],
+                "kind": kind,
+                "namespace": key.split("/", 1)[0],
+                "name": key.split("/", 1)[1],
+                "conditions": (
+                    [c.to_dict() for c in statuses[key].conditions]
+                    if kind == "InferenceModel"
+                    else [
+                        dict(zip(("type", "status", "reason", "message"), c, strict=True))
+                        for c in conds
+                    ]
+                ),
             }
-            for m in models
+            for kind, key, _, _, conds in rows
         ]
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(out, indent=2))
     else:
-        table = Table(title="InferenceModel status")
+        table = Table(title="Status")
         for column in (
+            "Kind",
             "Namespace/Name",
             "Model Name",
             "Pool",
@@ -158,18 +204,9 @@ def run_status(args: argparse.Namespace) -> int:
             "Message",
         ):
             table.add_column(column)
-        for m in models:
-            for cond in statuses[m.key].conditions:
-                cells = (
-                    m.key,
-                    m.spec.model_name,
-                    m.spec.pool_ref.name,
-                    cond.type,
-                    cond.status,
-                    cond.reason,
-                    cond.message,
-                )
-                table.add_row(*(Text(x) for x in cells))
+        for kind, key, model_name, pool_name, conds in rows:
+            for cond in conds:
+                table.add_row(*(Text(x) for x in (kind, key, model_name, pool_name, *cond)))
         _console().print(table)
     return 0 if result.ok else 1
 

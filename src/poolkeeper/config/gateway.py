@@ -166,10 +166,19 @@ class StaticEndpoint(_Section):
 
 
 class UnknownModelPolicy(StrEnum):
-    """What to do with a request whose `model` no InferenceModel declares."""
+    """What to do with a request whose `model` no InferenceModel (or InferenceModelRewrite
+    exact match) declares."""
 
     REJECT = "Reject"
     PASSTHROUGH_SHEDDABLE = "PassthroughSheddable"
+    PASSTHROUGH = "Passthrough"
+
+
+class TrustedHeader(StrEnum):
+    """A client request header that may steer the Endpoint Picker (upstream v1.x)."""
+
+    INFERENCE_OBJECTIVE = "x-gateway-inference-objective"
+    MODEL_NAME_REWRITE = "x-gateway-model-name-rewrite"
 
 
 class RequestHandling(_Section):
@@ -177,7 +186,9 @@ class RequestHandling(_Section):
 
     unknown_model_policy: UnknownModelPolicy = UnknownModelPolicy.REJECT
     """Reject: 404 model_not_found (upstream v0.2-v0.4). PassthroughSheddable: route the
-    request unchanged to the default pool as a Sheddable request (upstream v0.5)."""
+    request unchanged to the default pool as a Sheddable request (upstream v0.5). Passthrough:
+    route it unchanged to the default pool at priority 0, Standard, unless an
+    InferenceObjective says otherwise (upstream v1.x, which has no model lookup)."""
     default_pool: str | None = None
     """Pool (`namespace/name`, or `name` in namespace `default`) for bodyless requests and
     passthrough models. Unset: the only pool, or the first by key when there are several."""
@@ -192,6 +203,15 @@ class RequestHandling(_Section):
     retry on connection failure (protocol v0.4 fallbacks). The scheduler's picker may return
     fewer (default preset: 3, `maxNumOfEndpoints` 4); bodyless requests get this many random
     ones."""
+    trusted_headers: list[TrustedHeader] = Field(default_factory=list)
+    """Client headers the Endpoint Picker honours; none by default, because whatever a client
+    sends must not choose how it is served unless the operator says so.
+    `x-gateway-inference-objective: <name>` selects the InferenceObjective of that name in the
+    request's pool (its priority sets the band: > 0 Critical, 0 Standard, < 0 Sheddable; it
+    overrides the InferenceModel's criticality). `x-gateway-model-name-rewrite: <model>` names
+    the model sent to the server when no InferenceModel split or InferenceModelRewrite rule
+    decides it (upstream's order). Untrusted, both are ignored; trusted or not, they are
+    removed before the request reaches the model server."""
     honor_subset_hint: bool = True
     """Restrict the pick to the proxy's `envoy.lb.subset_hint` endpoints when it sends one
     (matched by IP, like upstream). The hint comes from the proxy, never from client headers."""

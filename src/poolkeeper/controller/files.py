@@ -2,10 +2,11 @@
 
 The file implementation of the `ResourceSource` seam (`controller/source.py`). It loads the
 given files and directories with the API loader (`poolkeeper.api.load`), applies the
-InferencePools, InferenceModels and the standalone endpoints of the GatewayConfig document
-(`spec.endpoints`) in one datastore write, yields that GatewayConfig (the default one when the
-files have none; at most one is allowed), and computes every InferenceModel's `Accepted`
-status from the datastore's model index, logging changes. `load_files` is the one reader of
+InferencePools, InferenceModels, InferenceObjectives, InferenceModelRewrites and the standalone
+endpoints of the GatewayConfig document (`spec.endpoints`) in one datastore write, yields that
+GatewayConfig (the default one when the files have none; at most one is allowed), and
+computes every InferenceModel's `Accepted` status from the datastore's model index, logging
+changes. `load_files` is the one reader of
 resource files: `serve`, `envoy-config` and hot reload all go through it.
 
 Hot reload: `run()` polls the files' (mtime, size, inode) every `interval` seconds and reloads
@@ -34,6 +35,7 @@ from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.status import Verdict, compute_model_statuses
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.source import SourceFactory
+from poolkeeper.datastore.models import ModelResource
 from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.errors import ConfigError
 
@@ -73,6 +75,7 @@ class LoadedFiles:
     gateway_config: GatewayConfig  # the default one when the files have none
     notices: tuple[str, ...]
     errors: tuple[str, ...]
+    policies: tuple[ModelResource, ...] = ()  # InferenceObjectives and InferenceModelRewrites
 
 
 def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
@@ -101,6 +104,7 @@ def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
         gateway_config=gateway_config if gateway_config is not None else GatewayConfig.default(),
         notices=tuple(result.notices),
         errors=tuple(errors),
+        policies=(*result.objectives(), *result.rewrites()),
     )
 
 
@@ -247,7 +251,7 @@ class FileResourceSource:
         self._errors = ()
         self._gateway_config = loaded.gateway_config
         snapshot = self._datastore.set_all(
-            loaded.pools, loaded.models, loaded.specs, source=self._source
+            loaded.pools, (*loaded.models, *loaded.policies), loaded.specs, source=self._source
         )
         self._update_statuses(loaded.models, snapshot.model_index.verdicts)
         self.loads += 1

@@ -6,8 +6,9 @@ Writers (resource sources, scrapers) replace parts of the state copy-on-write an
 
 What a snapshot derives, once per resource write, so reads are cheap:
 - `model_index`: which InferenceModel each modelName means (`datastore/models.py`: oldest wins;
-  missing pool or all-zero weights do not compete), with every model's Accepted verdict.
-  Metrics writes keep the same index object.
+  missing pool or all-zero weights do not compete), with every model's Accepted verdict, and the
+  InferenceObjectives and InferenceModelRewrite rules of each pool (upstream v1.x kinds, handed
+  in with the models). Metrics writes keep the same index object.
 - `endpoints(pool_key)`: the endpoints a pool selects: its selector matches the endpoint's labels
   and, for endpoints with a namespace (pods), the namespaces agree (standalone endpoints from a
   GatewayConfig have none and may be selected by a pool of any namespace). An endpoint without
@@ -31,9 +32,17 @@ from types import MappingProxyType
 from typing import Final, TypeVar
 
 from poolkeeper.api.model import InferenceModel
+from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
-from poolkeeper.datastore.models import EMPTY_MODEL_INDEX, ModelIndex, ModelRoute, build_model_index
+from poolkeeper.datastore.models import (
+    EMPTY_MODEL_INDEX,
+    ModelIndex,
+    ModelResource,
+    ModelRoute,
+    RewriteRule,
+    build_model_index,
+)
 
 __all__ = ["ChangeKind", "Datastore", "DatastoreSnapshot", "EndpointSpec", "Listener"]
 
@@ -145,6 +154,14 @@ class DatastoreSnapshot:
         """Every servable modelName, sorted."""
         return self.model_index.names()
 
+    def rewrite_rule(self, pool_key: str, model_name: str) -> RewriteRule | None:
+        """The InferenceModelRewrite rule for `model_name` in a pool, if any."""
+        return self.model_index.rewrite_rule(pool_key, model_name)
+
+    def objective(self, pool_key: str, name: str) -> InferenceObjective | None:
+        """The accepted InferenceObjective `name` of a pool, if any."""
+        return self.model_index.objective(pool_key, name)
+
     def endpoints(self, pool_key: str) -> tuple[Endpoint, ...]:
         """The endpoints a pool selects, by name."""
         return self._endpoints_by_pool.get(pool_key, ())
@@ -199,7 +216,7 @@ class Datastore:
     def __init__(self) -> None:
         self._snapshot = _empty_snapshot()
         self._pools_by_source: dict[str, tuple[AnyInferencePool, ...]] = {}
-        self._models_by_source: dict[str, tuple[InferenceModel, ...]] = {}
+        self._models_by_source: dict[str, tuple[ModelResource, ...]] = {}
         self._specs_by_source: dict[str, tuple[EndpointSpec, ...]] = {}
         self._listeners: list[tuple[Listener, bool]] = []
         self._write_lock = threading.Lock()  # writers only; readers just read `_snapshot`
@@ -213,11 +230,12 @@ class Datastore:
     def set_resources(
         self,
         pools: Iterable[AnyInferencePool],
-        models: Iterable[InferenceModel],
+        models: Iterable[ModelResource],
         *,
         source: str = "files",
     ) -> DatastoreSnapshot:
-        """Replace the pools and models one source provides."""
+        """Replace the pools and models (InferenceModels, InferenceObjectives and
+        InferenceModelRewrites) one source provides."""
         with self._write_lock:
             self._pools_by_source[source] = tuple(pools)
             self._models_by_source[source] = tuple(models)
@@ -228,7 +246,7 @@ class Datastore:
     def set_all(
         self,
         pools: Iterable[AnyInferencePool],
-        models: Iterable[InferenceModel],
+        models: Iterable[ModelResource],
         endpoints: Iterable[EndpointSpec | Endpoint],
         *,
         source: str = "files",

@@ -27,6 +27,15 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 # Headers a client must never be able to set: they steer routing or claim a served endpoint.
 ROUTING_HEADER_PREFIX = DESTINATION_HEADER
+# Client headers the EPP may read (when the GatewayConfig trusts them) but that must never reach
+# a model server (upstream v1.x strips them too).
+CONTROL_HEADERS = frozenset(
+    {
+        "x-gateway-inference-objective",
+        "x-gateway-model-name-rewrite",
+        "x-gateway-inference-fairness-id",
+    }
+)
 MAX_BODY_CHUNK = 62_000
 
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD

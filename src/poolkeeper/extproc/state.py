@@ -69,6 +69,7 @@ class Exchange:
         self.response_mode = self.settings.default_body_mode
         self.headers: dict[str, str] = {}
         self.spoofed: list[str] = []
+        self.stripped: list[str] = []
         self.hint: tuple[str, ...] | None = None
         self.request_id = ""
         self.body = bytearray()
@@ -117,6 +118,8 @@ class Exchange:
         self.spoofed = [h for h in self.headers if h.startswith(msg.ROUTING_HEADER_PREFIX)]
         for name in self.spoofed:
             del self.headers[name]
+        # Removed on the way upstream; routing headers are also hidden from the Director.
+        self.stripped = self.spoofed + [h for h in self.headers if h in msg.CONTROL_HEADERS]
         self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
         method = self.headers.get(":method", "")
         path = self.headers.get(":path", "").split("?", 1)[0].rstrip("/")
@@ -128,7 +131,7 @@ class Exchange:
             return await self._route(trailers=False)
         self.phase = Phase.REQUEST_BODY
         if self.request_mode == BUFFERED:
-            return [msg.request_headers_reply(msg.header_mutation(remove=self.spoofed))]
+            return [msg.request_headers_reply(msg.header_mutation(remove=self.stripped))]
         return []  # FULL_DUPLEX: the headers reply waits for the routing decision
 
     async def _request_body(self, body: pb.HttpBody) -> Replies:
@@ -184,11 +187,11 @@ class Exchange:
         metadata = msg.destination_metadata(decision.endpoints)
         out_body = bytes(self.body) if decision.body is None else decision.body
         if self.header_only:  # nothing but the headers message to answer
-            mutation = msg.routing_headers(decision.endpoints, None, self.spoofed)
+            mutation = msg.routing_headers(decision.endpoints, None, self.stripped)
             return [msg.request_headers_reply(mutation, clear_route_cache=True, metadata=metadata)]
         if self.request_mode == BUFFERED:
             length = len(out_body) if decision.body is not None else None
-            mutation = msg.routing_headers(decision.endpoints, length, self.spoofed)
+            mutation = msg.routing_headers(decision.endpoints, length, self.stripped)
             return [
                 msg.buffered_body_reply(
                     body=decision.body,
@@ -197,7 +200,7 @@ class Exchange:
                     metadata=metadata,
                 )
             ]
-        mutation = msg.routing_headers(decision.endpoints, len(out_body), self.spoofed)
+        mutation = msg.routing_headers(decision.endpoints, len(out_body), self.stripped)
         replies = [msg.request_headers_reply(mutation, clear_route_cache=True, metadata=metadata)]
         replies += msg.streamed_body_replies(
             out_body, end_of_stream=not trailers, size=self.settings.body_chunk_bytes

@@ -1,6 +1,7 @@
 """The Director: one incoming request in, one routing decision (or one GatewayError) out.
 
     body -> InferenceModel by modelName -> target model by weight -> criticality
+         (v1.x: InferenceModelRewrite rule -> target model; InferenceObjective -> priority)
          -> candidates (pool endpoints, subset hint, in-flight load) -> admission -> scheduler
          -> destination endpoints + rewritten body; in-flight accounting until `complete`.
 
@@ -11,6 +12,14 @@ Transport-independent: the ext_proc server calls `route` once the body is comple
 Decisions (see docs/configuration.md, "Request handling"):
 - Which InferenceModel a modelName means is the datastore's answer (`DatastoreSnapshot.resolve`,
   `datastore/models.py`): oldest wins, within a pool and across pools.
+- Target model, first that applies: the InferenceModel's targetModels split; the pool's
+  InferenceModelRewrite rule for the name (exact, else generic); the trusted
+  `x-gateway-model-name-rewrite` header; the name itself.
+- Band: the InferenceObjective named by a trusted `x-gateway-inference-objective` header (in
+  the request's pool; priority > 0 Critical, 0 Standard, < 0 Sheddable), else the
+  InferenceModel's criticality, else Standard at priority 0 (a rewrite-routed name, policy
+  Passthrough) or Sheddable (policy PassthroughSheddable). Unknown objective names are
+  ignored, as upstream does (priority 0).
 - Bodyless requests (e.g. GET /v1/models) go to a random endpoint of the default pool
   (`requestHandling.defaultPool`, else the only pool, else the first pool by key); no model
   lookup, no admission, no in-flight accounting.
@@ -30,10 +39,21 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from poolkeeper.admission.controller import AdmissionController
-from poolkeeper.api.criticality import Criticality, effective_criticality
-from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
+from poolkeeper.api.criticality import (
+    Criticality,
+    criticality_of_priority,
+    effective_criticality,
+)
+from poolkeeper.api.model import InferenceModel
+from poolkeeper.api.objective import DEFAULT_PRIORITY, InferenceObjective
+from poolkeeper.config.gateway import (
+    GatewayConfig,
+    RequestHandling,
+    TrustedHeader,
+    UnknownModelPolicy,
+)
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.models import ModelRoute
+from poolkeeper.datastore.models import ModelRoute, RewriteRule
 from poolkeeper.errors import (
     GatewayError,
     ModelNotFound,
@@ -42,7 +62,7 @@ from poolkeeper.errors import (
 )
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
 from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
-from poolkeeper.requestcontrol.split import choose_target_model
+from poolkeeper.requestcontrol.split import choose_rewrite_target, choose_target_model
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.inflight import InflightTracker
@@ -64,6 +84,10 @@ class SnapshotView(Protocol):
     def resolve(self, model_name: str) -> ModelRoute | None: ...
 
     def model_names(self) -> Sequence[str]: ...
+
+    def rewrite_rule(self, pool_key: str, model_name: str) -> RewriteRule | None: ...
+
+    def objective(self, pool_key: str, name: str) -> InferenceObjective | None: ...
 
     def states(self, pool_key: str) -> Sequence[EndpointState]: ...
 
@@ -174,22 +198,67 @@ class Director:
 
         parsed = parse_body(request.path, request.body)
         found = snapshot.resolve(parsed.model)
+        policy = self._config.unknown_model_policy
         if found is not None:
             pool_key, model = found
-            target = choose_target_model(model, self._rng)
-            criticality = effective_criticality(model.spec.criticality)
-        elif self._config.unknown_model_policy is UnknownModelPolicy.PASSTHROUGH_SHEDDABLE:
-            pool_key = self._default_pool(snapshot)
-            target = parsed.model
-            criticality = Criticality.SHEDDABLE
-        else:
+        elif policy is UnknownModelPolicy.REJECT:
             raise ModelNotFound(f"model {quote_model(parsed.model)} not found", model=parsed.model)
+        else:
+            pool_key, model = self._default_pool(snapshot), None
+        target = self._target(request, snapshot, pool_key, parsed.model, model)
+        criticality, priority = self._band(request, snapshot, pool_key, model, found is None)
         try:
-            return self._schedule(request, snapshot, parsed, pool_key, target, criticality)
+            return self._schedule(
+                request, snapshot, parsed, pool_key, target, criticality, priority
+            )
         except GatewayError as exc:
             # The front end labels its error metrics with these; it must not parse again.
             exc.model, exc.target_model = parsed.model, target
             raise
+
+    def _trusted(self, request: IncomingRequest, header: TrustedHeader) -> str | None:
+        """A control header's value, only when the operator trusts it (else None)."""
+        if header not in self._config.trusted_headers:
+            return None
+        value = request.headers.get(header.value, "").strip()
+        return value or None
+
+    def _target(
+        self,
+        request: IncomingRequest,
+        snapshot: SnapshotView,
+        pool_key: str,
+        name: str,
+        model: InferenceModel | None,
+    ) -> str:
+        """The model sent to the server (see the module docstring for the order)."""
+        if model is not None and model.spec.target_models:
+            return choose_target_model(model, self._rng)
+        rule = snapshot.rewrite_rule(pool_key, name)
+        if rule is not None:
+            return choose_rewrite_target(rule, self._rng)
+        return self._trusted(request, TrustedHeader.MODEL_NAME_REWRITE) or name
+
+    def _band(
+        self,
+        request: IncomingRequest,
+        snapshot: SnapshotView,
+        pool_key: str,
+        model: InferenceModel | None,
+        passthrough: bool,
+    ) -> tuple[Criticality, int | None]:
+        """(criticality band, objective priority or None) of the request."""
+        wanted = self._trusted(request, TrustedHeader.INFERENCE_OBJECTIVE)
+        objective = snapshot.objective(pool_key, wanted) if wanted is not None else None
+        if objective is not None:
+            return objective.criticality, objective.priority
+        if model is not None:
+            return effective_criticality(model.spec.criticality), None
+        if passthrough and self._config.unknown_model_policy is (
+            UnknownModelPolicy.PASSTHROUGH_SHEDDABLE
+        ):
+            return Criticality.SHEDDABLE, None
+        return criticality_of_priority(DEFAULT_PRIORITY), DEFAULT_PRIORITY
 
     def _schedule(
         self,
@@ -199,6 +268,7 @@ class Director:
         pool_key: str,
         target: str,
         criticality: Criticality,
+        priority: int | None,
     ) -> RoutingDecision:
 
         subset = self._subset(request)
@@ -207,6 +277,7 @@ class Director:
             model=parsed.model,
             target_model=target,
             criticality=criticality,
+            priority=priority,
             prompt=parsed.prompt,
             prompt_tokens=parsed.prompt_tokens,
             max_tokens=parsed.max_tokens,
@@ -239,6 +310,7 @@ class Director:
             model_name=parsed.model,
             target_model=target,
             criticality=criticality,
+            priority=priority,
             stream=parsed.stream,
             prompt_tokens=parsed.prompt_tokens,
             body=body,

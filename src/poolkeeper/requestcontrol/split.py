@@ -1,4 +1,5 @@
-"""The traffic split: which target model of an InferenceModel serves one request.
+"""The traffic split: which target model of an InferenceModel, or of an InferenceModelRewrite
+rule (`datastore/models.py` `RewriteRule`, upstream v1.3+), serves one request.
 
 Pure; randomness comes from the caller's `random.Random`. Rules (upstream semantics):
 - no `targetModels` -> the client-facing `modelName` itself;
@@ -7,15 +8,29 @@ Pure; randomness comes from the caller's `random.Random`. Rules (upstream semant
   a weight among weighted ones counts as weight 1 (the API rejects that mix; this is the
   defensive reading);
 - every weight 0 -> `NoValidTargetModel` (404).
+Rewrite rules arrive with upstream's weights already applied by the model index (where some
+targets are weighted, unweighted ones are 0), so one draw serves both generations.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Protocol
 
-from poolkeeper.api.model import InferenceModel, TargetModel
+from poolkeeper.api.model import InferenceModel
+from poolkeeper.datastore.models import RewriteRule
 from poolkeeper.errors import NoValidTargetModel
+
+
+class Weighted(Protocol):
+    """A split target: InferenceModel's `TargetModel` or a rewrite rule's `WeightedTarget`."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def weight(self) -> int | None: ...
 
 
 def choose_target_model(model: InferenceModel, rng: random.Random) -> str:
@@ -31,7 +46,15 @@ def choose_target_model(model: InferenceModel, rng: random.Random) -> str:
     return name
 
 
-def choose_weighted(targets: Sequence[TargetModel], rng: random.Random) -> str | None:
+def choose_rewrite_target(rule: RewriteRule, rng: random.Random) -> str:
+    """The target model name for one request matched by an InferenceModelRewrite rule."""
+    name = choose_weighted(rule.targets, rng)
+    if name is None:  # not reachable through the API (weights >= 1); kept for safety
+        raise NoValidTargetModel(f"InferenceModelRewrite {rule.rewrite} has no usable target")
+    return name
+
+
+def choose_weighted(targets: Sequence[Weighted], rng: random.Random) -> str | None:
     """A target name drawn by weight; None when every weight is 0."""
     if all(t.weight is None for t in targets):
         return targets[rng.randrange(len(targets))].name

@@ -48,6 +48,7 @@ class RoutingDecision:
     model_name: str = ""  # client-facing model ("" for header-only requests)
     target_model: str = ""
     criticality: Criticality = Criticality.STANDARD
+    priority: int | None = None  # InferenceObjective priority (upstream v1.x), when one applies
     stream: bool = False
     prompt_tokens: int = 0
     body: bytes | None = None

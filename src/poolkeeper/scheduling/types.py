@@ -30,6 +30,7 @@ class LLMRequest:
     model: str  # the client-facing modelName
     target_model: str  # after the traffic split (base model or LoRA adapter name)
     criticality: Criticality = Criticality.STANDARD
+    priority: int | None = None  # InferenceObjective priority (upstream v1.x), when one applies
     prompt: str = ""  # text used for prefix-cache hashing (chat rendered by poolkeeper.tokens)
     prompt_tokens: int = 0
     max_tokens: int | None = None

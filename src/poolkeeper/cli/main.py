@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "poolkeeper.cli.resources",  # validate, status, crds
     "poolkeeper.cli.sim",  # sim
     "poolkeeper.cli.serve",  # serve, envoy-config
+    "poolkeeper.cli.bbr",  # bbr, bbr-envoy-config
     "poolkeeper.cli.quickstart",  # quickstart
     "poolkeeper.cli.bench",  # bench
 )

@@ -61,12 +61,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 def build_server(
-    servicer: ExtProcServicer,
+    servicer: pb_grpc.ExternalProcessorServicer,
     address: str,
     *,
     extra: Callable[[grpc.aio.Server], None] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server bound to `address` ("host:port", port 0 = any); returns (server, port)."""
+    """A grpc.aio server bound to `address` ("host:port", port 0 = any); returns (server, port).
+    The servicer is the EPP's (`ExtProcServicer`) or body-based routing's (`bbr.BbrServicer`)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -96,6 +96,12 @@ def parse_body(path: str, body: bytes) -> ParsedRequest:
     )
 
 
+def parse_model(body: bytes) -> str:
+    """Only the `model` of a body, with the same guards as `parse_body` (raises BadRequest):
+    what body-based routing needs (`extproc/bbr.py`)."""
+    return _model(decode_json_object(body))
+
+
 # --- JSON decoding with guards ---------------------------------------------------------------
 
 

@@ -1,0 +1,146 @@
+"""`poolkeeper bbr` (the body-based routing ext_proc service) and `poolkeeper bbr-envoy-config`
+(an Envoy bootstrap with BBR first, then per-pool Endpoint Pickers).
+
+poolkeeper bbr --port 9004                                  # BBR ext_proc + gRPC health
+poolkeeper bbr-envoy-config -f examples/ > envoy-bbr.json   # every pool via poolkeeper's EPP
+poolkeeper bbr-envoy-config -f pools/ --epp default/phi-pool=10.0.0.9:9002  # a pool's own EPP
+
+Routes come from the resource files: each model name the datastore's model index serves
+(InferenceModel modelName, InferenceModelRewrite exact match) is routed to its pool; the pool's
+EPP is poolkeeper's own (`listeners.extProc`) unless `--epp` names another one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.files import FileResourceSource
+from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
+from poolkeeper.envoy.bbr import BbrParams, PoolRoute, build_bbr_bootstrap, render
+from poolkeeper.errors import ConfigError
+from poolkeeper.extproc.bbr import BbrServicer
+from poolkeeper.extproc.server import build_server
+from poolkeeper.server.runtime import bootstrap_params
+from poolkeeper.telemetry.health import HealthService
+from poolkeeper.telemetry.logs import configure_logging
+
+BBR_PORT = 9004  # upstream's BBR chart serves ext_proc on 9004
+
+
+def register(subparsers: Any) -> None:
+    bbr: argparse.ArgumentParser = subparsers.add_parser(
+        "bbr",
+        help="run the body-based routing ext_proc service (model -> x-gateway-model-name)",
+        description="Serve upstream's body-based routing: copy the request body's `model` into "
+        "the x-gateway-model-name header so routes can pick the InferencePool.",
+    )
+    bbr.add_argument("--address", default="127.0.0.1", help="bind address (127.0.0.1)")
+    bbr.add_argument("--port", type=int, default=BBR_PORT, help=f"ext_proc port ({BBR_PORT})")
+    bbr.add_argument("--max-body-bytes", type=int, default=16 << 20, help="413 above this")
+    bbr.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    bbr.set_defaults(handler=run_bbr)
+
+    cfg: argparse.ArgumentParser = subparsers.add_parser(
+        "bbr-envoy-config",
+        help="print an Envoy bootstrap with BBR in front of per-pool endpoint pickers",
+        description="Print an Envoy bootstrap (JSON) that runs BBR first and routes each model "
+        "to its InferencePool's endpoint picker and model servers.",
+    )
+    cfg.add_argument(
+        "-f",
+        "--filename",
+        dest="paths",
+        action="extend",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="YAML/JSON files or directories with pools, models and a GatewayConfig",
+    )
+    cfg.add_argument("--bbr", default=f"127.0.0.1:{BBR_PORT}", help="host:port of `poolkeeper bbr`")
+    cfg.add_argument(
+        "--epp",
+        action="append",
+        default=[],
+        metavar="POOL=HOST:PORT",
+        help="a pool's own endpoint picker (pool as namespace/name); default poolkeeper's",
+    )
+    cfg.add_argument("-o", "--output", type=Path, default=None, help="write to a file")
+    cfg.set_defaults(handler=run_bbr_envoy_config)
+
+
+def _hostport(value: str, what: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
+    return value
+
+
+def bbr_params(
+    config: GatewayConfig, snapshot: DatastoreSnapshot, *, bbr: str, epps: dict[str, str]
+) -> BbrParams:
+    """BBR bootstrap inputs: one route per served model name, to its pool's EPP."""
+    base = bootstrap_params(config, snapshot)
+    unknown = sorted(set(epps) - set(snapshot.pool_keys()))
+    if unknown:
+        raise ConfigError(f"--epp names pools that are not loaded: {', '.join(unknown)}")
+    own = f"{base.extproc_address}:{base.extproc_port}"
+    index = snapshot.model_index
+    routes = []
+    for pool_key in snapshot.pool_keys():
+        models = tuple(n for n in index.names() if index.by_name[n].pool_key == pool_key)
+        endpoints = tuple(e.hostport for e in snapshot.endpoints(pool_key))
+        routes.append(PoolRoute(pool_key, models, epps.get(pool_key, own), endpoints))
+    if not routes:
+        raise ConfigError("no InferencePool is loaded")
+    return BbrParams(base, bbr, tuple(routes))
+
+
+def run_bbr_envoy_config(args: argparse.Namespace) -> int:
+    try:
+        epps: dict[str, str] = {}
+        for entry in args.epp:
+            pool, sep, hostport = entry.partition("=")
+            if not sep:
+                raise ConfigError(f"--epp: expected POOL=HOST:PORT, got {entry!r}")
+            epps[pool if "/" in pool else f"default/{pool}"] = _hostport(hostport, "--epp")
+        datastore = Datastore()
+        config = asyncio.run(FileResourceSource(args.paths, datastore).start())
+        params = bbr_params(
+            config, datastore.snapshot(), bbr=_hostport(args.bbr, "--bbr"), epps=epps
+        )
+        text = render(build_bbr_bootstrap(params))
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    if args.output is not None:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def run_bbr(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, json_lines=True)
+
+    async def main() -> None:
+        health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
+        server, port = build_server(
+            BbrServicer(max_body_bytes=args.max_body_bytes),
+            f"{args.address}:{args.port}",
+            extra=health.register,
+        )
+        await server.start()
+        print(f"poolkeeper bbr ready on {args.address}:{port}", file=sys.stderr, flush=True)
+        await server.wait_for_termination()
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,282 @@
+"""The Envoy bootstrap for body-based routing: several InferencePools, each with its own Endpoint
+Picker, behind one listener (what a Gateway builds from HTTPRoutes that match
+`X-Gateway-Model-Name`, upstream `config/manifests/bbr-example/httproute_bbr.yaml`).
+
+    client -> Envoy: early header mutation drops client copies of routing headers
+           -> ext_proc "bbr" (poolkeeper bbr): body `model` -> x-gateway-model-name, route again
+           -> route by x-gateway-model-name (one route per model name)
+           -> ext_proc "epp", overridden per route to that pool's EPP cluster: destination header
+           -> the pool's cluster (override_host over its endpoints, retries on the fallbacks)
+
+A model no route names gets 404 (OpenAI body) without asking any EPP; a request without a body
+(e.g. GET /v1/models) goes to the first pool's EPP. Everything else (timeouts, local replies,
+limits) is the single-pool bootstrap's (`bootstrap.py`), from the same `BootstrapParams`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from poolkeeper.envoy.bootstrap import (
+    _early_header_mutation,
+    _local_reply_config,
+    _openai_error,
+    _retry_policy,
+    ext_proc_filter,
+)
+from poolkeeper.envoy.clusters import override_host_policy
+from poolkeeper.envoy.params import (
+    DESTINATION_HEADER,
+    HCM,
+    HTTP_OPTS_TYPE,
+    ROUTER_TYPE,
+    SERVED_HEADER,
+    BootstrapParams,
+    T,
+    duration,
+    lb_endpoints,
+    socket_address,
+    thresholds,
+)
+
+MODEL_HEADER = "x-gateway-model-name"
+BBR_CLUSTER = "bbr"
+EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRoute:
+    """One InferencePool behind the BBR listener."""
+
+    pool: str  # pool key `namespace/name` (cluster names derive from it)
+    models: tuple[str, ...]  # values of x-gateway-model-name routed to this pool
+    epp: str  # host:port of the pool's Endpoint Picker (ext_proc gRPC)
+    endpoints: tuple[str, ...]  # ip:port of the pool's model servers (the EPP picks among them)
+
+
+@dataclass(frozen=True, slots=True)
+class BbrParams:
+    base: BootstrapParams  # listener, admin, timeouts and limits (its EPP fields are unused)
+    bbr: str  # host:port of the BBR ext_proc service
+    pools: tuple[PoolRoute, ...]
+
+
+def _slug(pool: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", pool.lower()).strip("_")
+
+
+def epp_cluster(pool: str) -> str:
+    return f"epp_{_slug(pool)}"
+
+
+def pool_cluster(pool: str) -> str:
+    return f"pool_{_slug(pool)}"
+
+
+def _grpc_cluster(name: str, hostport: str) -> dict[str, Any]:
+    host, _, port = hostport.rpartition(":")
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                T: HTTP_OPTS_TYPE,
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": socket_address(host, int(port))}}]}
+            ],
+        },
+    }
+
+
+def _pool_cluster(p: BootstrapParams, route: PoolRoute) -> dict[str, Any]:
+    name = pool_cluster(route.pool)
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": duration(p.connect_timeout_s),
+        "load_balancing_policy": override_host_policy(),
+        "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
+        "circuit_breakers": thresholds(p, max_retries=p.max_connections),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": lb_endpoints(sorted(set(route.endpoints)))}],
+        },
+    }
+
+
+def bbr_filter(p: BbrParams) -> dict[str, Any]:
+    """ext_proc to the BBR service: request headers and body only, nothing of the response."""
+    return {
+        "name": "bbr",
+        "typed_config": {
+            T: "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": BBR_CLUSTER}},
+            "failure_mode_allow": False,
+            "message_timeout": duration(p.base.message_timeout_s),
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND",
+                "response_header_mode": "SKIP",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+
+
+def _routes(p: BbrParams) -> list[dict[str, Any]]:
+    base = p.base
+    served = [
+        {
+            "header": {"key": SERVED_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+    ]
+    options = {"timeout": "0s", "idle_timeout": duration(base.stream_idle_timeout_s)}
+
+    def to_pool(name: str, route: PoolRoute, headers: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "name": name,
+            "match": {"prefix": "/", "headers": headers},
+            "route": {
+                "cluster": pool_cluster(route.pool),
+                **options,
+                "retry_policy": _retry_policy(base),
+            },
+            "response_headers_to_add": served,
+            "typed_per_filter_config": {
+                "epp": {
+                    T: EXT_PROC_PER_ROUTE,
+                    "overrides": {
+                        "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster(route.pool)}}
+                    },
+                }
+            },
+        }
+
+    routes = [
+        to_pool(
+            f"{_slug(route.pool)}_{i}",
+            route,
+            [{"name": MODEL_HEADER, "string_match": {"exact": model}}],
+        )
+        for route in p.pools
+        for i, model in enumerate(route.models)
+    ]
+    if p.pools:  # bodyless requests (no model header at all): the first pool's EPP decides
+        routes.append(
+            to_pool(
+                "bodyless",
+                p.pools[0],
+                [{"name": MODEL_HEADER, "present_match": True, "invert_match": True}],
+            )
+        )
+    unknown = _openai_error(
+        "no InferencePool serves the requested model", "invalid_request_error", "model_not_found"
+    )
+    routes.append(
+        {
+            "name": "no_pool",
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 404, "body": {"inline_string": unknown}},
+            "response_headers_to_add": [
+                {
+                    "header": {"key": "content-type", "value": "application/json"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            ],
+            "typed_per_filter_config": {"epp": {T: EXT_PROC_PER_ROUTE, "disabled": True}},
+        }
+    )
+    return routes
+
+
+def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
+    """The complete Envoy bootstrap (a dict) for BBR in front of per-pool EPPs."""
+    if not p.pools:
+        raise ValueError("body-based routing needs at least one pool")
+    base = replace(
+        p.base,
+        stripped_headers=(*p.base.stripped_headers, MODEL_HEADER),
+    )
+    epp = ext_proc_filter(base)
+    epp["name"] = "epp"
+    epp["typed_config"]["grpc_service"] = {
+        "envoy_grpc": {"cluster_name": epp_cluster(p.pools[0].pool)}
+    }
+    hcm = {
+        T: HCM,
+        "stat_prefix": "bbr_gateway",
+        "codec_type": "AUTO",
+        "use_remote_address": True,
+        "normalize_path": True,
+        "request_timeout": "0s",
+        "stream_idle_timeout": duration(base.stream_idle_timeout_s),
+        "max_request_headers_kb": base.max_request_headers_kb,
+        "early_header_mutation_extensions": [_early_header_mutation(base)],
+        "local_reply_config": _local_reply_config(),
+        "route_config": {
+            "name": "bbr",
+            "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(p)}],
+        },
+        "http_filters": [
+            bbr_filter(p),
+            epp,
+            {"name": "envoy.filters.http.router", "typed_config": {T: ROUTER_TYPE}},
+        ],
+    }
+    clusters = [_grpc_cluster(BBR_CLUSTER, p.bbr)]
+    for route in p.pools:
+        clusters.append(_grpc_cluster(epp_cluster(route.pool), route.epp))
+        clusters.append(_pool_cluster(base, route))
+    return {
+        "node": {"id": "poolkeeper-bbr", "cluster": "poolkeeper"},
+        "admin": {"address": socket_address(base.admin_address, base.admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "bbr_gateway",
+                    "address": socket_address(base.listen_address, base.listen_port),
+                    "per_connection_buffer_limit_bytes": base.buffer_limit_bytes,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def render(bootstrap: dict[str, Any]) -> str:
+    return json.dumps(bootstrap, indent=2) + "\n"
+
+
+__all__ = [
+    "DESTINATION_HEADER",
+    "MODEL_HEADER",
+    "BbrParams",
+    "PoolRoute",
+    "build_bbr_bootstrap",
+    "epp_cluster",
+    "pool_cluster",
+    "render",
+]

@@ -1,7 +1,8 @@
 """Upstream's own sample and conformance manifests, v0.1.0 to v1.6.0, load as upstream's API
 server would take them.
 
-`tests/api/upstream_corpus/` holds the InferencePool/InferenceModel documents of these files of
+`tests/api/upstream_corpus/` holds the InferencePool/InferenceModel/InferenceObjective/
+InferenceModelRewrite documents of these files of
 kubernetes-sigs/gateway-api-inference-extension, unchanged (each file names its source):
 
 - `test/testdata/inferencepool-with-model-hermetic.yaml@v0.1.0` (pool + model v1alpha1)
@@ -13,6 +14,8 @@ kubernetes-sigs/gateway-api-inference-extension, unchanged (each file names its 
 - `conformance/resources/manifests/manifests.yaml@v0.5.1` (FailOpen pool)
 - `conformance/resources/base.yaml@v1.0.0` and `@v1.5.0` (pool v1, h2c, 3 DP ports)
 - `conformance/tests/inferencepool_missing_epp_ref.yaml@v1.6.0` (no endpointPickerRef)
+- `config/manifests/inferenceobjective.yaml@v1.0.0` and `@v1.5.0` (InferenceObjective)
+- `site-src/guides/adapter-rollout.md@v1.5.0` (its 90/10 InferenceModelRewrite)
 
 and one that upstream's CRD rejects (`config/samples/gateway_v1alpha1_inferencepool.yaml@v0.1.0`
 has no `extensionRef`), which poolkeeper must reject too.

@@ -15,6 +15,11 @@ the endpoint snapshots the scheduler reads:
 
 Times are the caller's monotonic clock (the same one that stamps `updated_at`). Pure: no I/O,
 no clock of its own. `sweep` drops entries older than a bound, a safety net for a lost finish.
+
+Counts belong to the endpoint, not to its `ip:port`: when `apply` sees a different endpoint
+(another pod name or namespace) at an `ip:port` it counted for, as after a pod IP is reused,
+it forgets that address's in-flight entries and observed speed first (`forget`), so the new
+pod starts clean, as its scraped metrics do in the datastore.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class InflightTracker:
         "_by_endpoint",
         "_by_request",
         "_changes",
+        "_owners",
         "scrape_lag_s",
         "speed",
     )
@@ -74,6 +80,8 @@ class InflightTracker:
         # endpoint whose metrics and in-flight set did not change since the previous decision
         # gets the same object back instead of a new one (1,000 constructions cost ~1 ms).
         self._applied: dict[str, tuple[EndpointMetrics, Endpoint, int, EndpointState]] = {}
+        # key -> (namespace, name) of the endpoint `apply` last saw there (IP reuse detection)
+        self._owners: dict[str, tuple[str, str]] = {}
 
     def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> None:
         """Count `request_id` as sent to `endpoint_key` at `now` (a restart re-routes it)."""
@@ -121,6 +129,19 @@ class InflightTracker:
             self.finish(rid)
         return old
 
+    def forget(self, endpoint_key: str) -> list[str]:
+        """Drop every in-flight entry and the observed speed of `endpoint_key` (the endpoint
+        there was replaced); returns the dropped request ids (their `finish` is then a no-op)."""
+        load = self._by_endpoint.pop(endpoint_key, None)
+        dropped = list(load.entries) if load is not None else []
+        for request_id in dropped:
+            del self._by_request[request_id]
+        self._applied.pop(endpoint_key, None)
+        self._owners.pop(endpoint_key, None)
+        self.speed.forget(endpoint_key)
+        self._changes += 1
+        return dropped
+
     def __len__(self) -> int:
         return len(self._by_request)
 
@@ -151,7 +172,10 @@ class InflightTracker:
         (others returned as-is)."""
         by_endpoint = self._by_endpoint
         speeds = self.speed.estimates
-        if not by_endpoint and not speeds:
+        owners = self._owners
+        if not by_endpoint and not speeds:  # nothing to carry over: just note who is where
+            for s in states:
+                owners[s.endpoint.hostport] = (s.endpoint.namespace, s.endpoint.name)
             return [s if not (s.inflight_requests or s.unseen_requests) else _cleared(s)
                     for s in states]  # fmt: skip
         applied = self._applied
@@ -160,6 +184,12 @@ class InflightTracker:
         for s in states:
             ep = s.endpoint
             key = ep.hostport
+            owner = owners.get(key)
+            if owner is None or owner[1] != ep.name or owner[0] != ep.namespace:
+                if owner is not None:  # another endpoint took this ip:port (pod IP reuse)
+                    self.forget(key)
+                    speeds = self.speed.estimates
+                owners[key] = (ep.namespace, ep.name)
             load = by_endpoint.get(key)
             speed = speeds.get(key)
             if load is None and speed is None:

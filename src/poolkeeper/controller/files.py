@@ -179,6 +179,10 @@ class FileResourceSource:
         """Computed status of every loaded InferenceModel, by `namespace/name`."""
         return self._statuses
 
+    def healthy(self) -> bool:
+        """Always: a bad reload keeps the last good state in force."""
+        return True
+
     @property
     def gateway_config(self) -> GatewayConfig | None:
         """The GatewayConfig of the last good load (the default one if the files have none);

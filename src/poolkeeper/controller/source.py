@@ -7,9 +7,10 @@ it: it calls `start()` once, runs `run()` as a root task until shutdown, and rea
     source = factory(datastore)        # a SourceFactory, chosen by the CLI
     config = await source.start()      # first full load, applied; ConfigError lists problems
     await source.run()                 # keep the datastore in step (until cancelled)
+    source.healthy()                   # readiness: synced and keeping up
 
-Sources today: files with hot reload (`controller/files.py`). A Kubernetes source (list/watch of
-pools, models and Pods) plugs in here the same way.
+Sources today: files with hot reload (`controller/files.py`), and the Kubernetes API server
+(`controller/kubernetes/`: list, then watch pools, models and Pods; writes model status).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class ResourceSource(Protocol):
 
     def statuses(self) -> Mapping[str, InferenceModelStatus]:
         """The computed status of every InferenceModel the source provides, by `ns/name`."""
+        ...
+
+    def healthy(self) -> bool:
+        """True once the first full load is applied and the source is keeping up with changes
+        (a Kubernetes watch is not re-listing after a failure). Readiness requires it; files
+        are always healthy once started (a bad reload keeps the last good state)."""
         ...
 
 

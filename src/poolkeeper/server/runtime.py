@@ -213,7 +213,15 @@ class GatewayRuntime:
 
     # -- state ----------------------------------------------------------------------------
     def ready(self) -> bool:
-        return not self.draining and self.director is not None and self.director.ready()
+        """Serving: not draining, the source is synced and keeping up (a Kubernetes watch is
+        not re-listing), and the Director has an endpoint to send to."""
+        return (
+            not self.draining
+            and self._source is not None
+            and self._source.healthy()
+            and self.director is not None
+            and self.director.ready()
+        )
 
     def pool_stats(self) -> Iterator[PoolStats]:
         snapshot = self.datastore.snapshot()

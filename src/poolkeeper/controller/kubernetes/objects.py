@@ -1,0 +1,200 @@
+"""The pure core of the Kubernetes source: API objects (plain dicts) → pools, models, endpoints.
+
+No I/O here; the watch loops (`kubernetes/source.py`) feed these functions and apply the result.
+
+- `ResourceKind`: one (group, version, kind, plural) the source lists and watches.
+- `ObjectCache`: the objects of one kind as last seen, by `namespace/name`, with the
+  resource version to resume from. `apply_event` folds one watch event in; `replace` swaps in a
+  fresh list and says what vanished in the gap (pruned), so a re-list after 410 Gone or a
+  dropped stream converges however many events were lost.
+- `pod_endpoint`: a Pod is an endpoint while it is Ready, has an IP and is not being deleted;
+  it becomes an `EndpointSpec` without a port, so the datastore gives it each target port of
+  every pool whose selector matches its labels (in the pool's namespace).
+- `parse_pool` / `parse_model`: validation with the same API types the file loader uses; an
+  invalid object is left out and its problems are reported (`Kind/ns/name: path: message`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final
+
+from poolkeeper.api import model as im, pool as ip
+from poolkeeper.api.load import validate_object
+from poolkeeper.api.model import InferenceModel
+from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
+from poolkeeper.datastore.store import EndpointSpec
+
+__all__ = [
+    "LEASE",
+    "MODEL_KINDS",
+    "POD",
+    "POOL_KINDS",
+    "ObjectCache",
+    "ResourceKind",
+    "object_key",
+    "parse_model",
+    "parse_pool",
+    "pod_endpoint",
+    "resource_version",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceKind:
+    """One resource type the source reads (or, for Lease, writes)."""
+
+    group: str  # "" for the core group
+    version: str
+    kind: str
+    plural: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def __str__(self) -> str:
+        return f"{self.plural}.{self.group or 'core'}/{self.version}"
+
+
+POOL_KINDS: Final = (
+    ResourceKind(ip.X_GROUP, "v1alpha2", ip.KIND, "inferencepools"),
+    ResourceKind(ip.V1_GROUP, "v1", ip.KIND, "inferencepools"),
+)
+# One CRD serves both InferenceModel versions (same objects): the first version the API server
+# serves is watched, in this order of preference.
+MODEL_KINDS: Final = (
+    ResourceKind(im.GROUP, "v1alpha2", im.KIND, "inferencemodels"),
+    ResourceKind(im.GROUP, "v1alpha1", im.KIND, "inferencemodels"),
+)
+POD: Final = ResourceKind("", "v1", "Pod", "pods")
+LEASE: Final = ResourceKind("coordination.k8s.io", "v1", "Lease", "leases")
+
+
+def object_key(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace') or 'default'}/{meta.get('name') or ''}"
+
+
+def resource_version(obj: Mapping[str, Any]) -> str | None:
+    rv = (obj.get("metadata") or {}).get("resourceVersion")
+    return str(rv) if rv else None
+
+
+@dataclass(slots=True)
+class ObjectCache:
+    """The objects of one kind by `namespace/name`, and the version to resume watching from."""
+
+    kind: ResourceKind
+    objects: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    version: str | None = None  # the list's or the last event's resourceVersion
+    synced: bool = False  # a full list has been applied
+
+    def apply_event(self, event_type: str, obj: Mapping[str, Any]) -> bool:
+        """Fold one watch event in (ADDED, MODIFIED, DELETED, BOOKMARK); True if the set of
+        objects or one of them changed."""
+        rv = resource_version(obj)
+        if rv is not None:
+            self.version = rv
+        if event_type == "BOOKMARK":
+            return False
+        key = object_key(obj)
+        if event_type == "DELETED":
+            return self.objects.pop(key, None) is not None
+        if event_type in ("ADDED", "MODIFIED"):
+            old = self.objects.get(key)
+            if old is not None and rv is not None and resource_version(old) == rv:
+                return False
+            self.objects[key] = obj
+            return True
+        raise ValueError(f"unknown watch event type {event_type!r}")
+
+    def replace(self, items: Iterable[Mapping[str, Any]], version: str | None) -> list[str]:
+        """Swap in a full list; returns the keys pruned (gone since the last state seen)."""
+        fresh = {object_key(o): o for o in items}
+        pruned = sorted(self.objects.keys() - fresh.keys())
+        self.objects = fresh
+        self.version = version
+        self.synced = True
+        return pruned
+
+
+def _problems(kind: str, obj: Mapping[str, Any], problems: Iterable[Any]) -> list[str]:
+    ref = f"{kind}/{object_key(obj)}"
+    return [f"{ref}: {p.path}: {p.message}" if p.path else f"{ref}: {p.message}" for p in problems]
+
+
+def parse_pool(obj: Mapping[str, Any]) -> tuple[AnyInferencePool | None, list[str]]:
+    """The pool, or None and the reasons it is invalid."""
+    cls: type[AnyInferencePool]
+    api_version = obj.get("apiVersion")
+    if api_version == ip.V1:
+        cls = InferencePoolV1
+    elif api_version == ip.V1ALPHA2:
+        cls = InferencePool
+    else:
+        return None, [f"InferencePool/{object_key(obj)}: apiVersion: unsupported {api_version!r}"]
+    pool, problems = validate_object(cls, _without_status(obj))
+    return pool, _problems(ip.KIND, obj, problems)
+
+
+def parse_model(obj: Mapping[str, Any]) -> tuple[InferenceModel | None, list[str]]:
+    """The model, or None and the reasons it is invalid."""
+    model, problems = validate_object(InferenceModel, _strip_server_fields(obj))
+    return model, _problems(im.KIND, obj, problems)
+
+
+def _strip_server_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop what only the API server adds and the API types need not know."""
+    data = dict(obj)
+    meta = dict(data.get("metadata") or {})
+    meta.pop("selfLink", None)
+    data["metadata"] = meta
+    return data
+
+
+def _without_status(obj: Mapping[str, Any]) -> dict[str, Any]:
+    # A pool's status is written by the Gateway controller in its own shape; not ours to read.
+    data = _strip_server_fields(obj)
+    data.pop("status", None)
+    return data
+
+
+def pod_is_endpoint(pod: Mapping[str, Any]) -> bool:
+    """Ready, with an IP, and not being deleted."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if meta.get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
+    )
+
+
+def pod_endpoint(
+    pod: Mapping[str, Any], engine_for: Callable[[Mapping[str, str]], str]
+) -> EndpointSpec | None:
+    """The pod as an endpoint (port from the pool), or None while it is not one.
+
+    `engine_for(labels)` names the pod's metrics engine (the GatewayConfig's engine label rule);
+    a ValueError from it (unknown engine) leaves the pod out.
+    """
+    if not pod_is_endpoint(pod):
+        return None
+    meta = pod.get("metadata") or {}
+    labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+    try:
+        engine = engine_for(labels)
+    except ValueError:
+        return None
+    return EndpointSpec(
+        name=str(meta.get("name") or ""),
+        address=str((pod.get("status") or {})["podIP"]),
+        port=None,
+        namespace=str(meta.get("namespace") or "default"),
+        labels=MappingProxyType(labels),
+        engine=engine,
+    )

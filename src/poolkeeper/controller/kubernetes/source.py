@@ -1,0 +1,315 @@
+"""`KubernetesResourceSource`: pools, models and Pods from the API server → the datastore.
+
+The Kubernetes implementation of the `ResourceSource` seam (`controller/source.py`).
+
+start(): list InferencePools (x-k8s v1alpha2 and k8s.io v1; a version the API server does not
+serve counts as empty), InferenceModels (v1alpha2, or v1alpha1 where only that is served) and
+Pods in the namespace, apply them in one datastore write, and yield the GatewayConfig given at
+construction. An unreachable API server is retried with backoff for `start_timeout_s`, then a
+ConfigError says why.
+
+run(): one follower per kind watches from the list's resourceVersion (bookmarks keep it fresh)
+and applies every event as it comes: a Pod that turns NotReady leaves the datastore on that
+one event. When a watch fails (410 Gone, a dropped stream, the API server down), the follower
+marks itself degraded, backs off with jitter, re-lists and prunes whatever vanished in the gap,
+then watches again. Beside them: the leader election and the status writer (statuses are
+reconciled after every resource change, when leadership is gained, and every `resync_s` from
+the cache, writing only what differs).
+
+healthy(): the first full sync is done and no follower is degraded (readiness reads it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+
+from poolkeeper.api.model import InferenceModel, InferenceModelStatus
+from poolkeeper.api.pool import AnyInferencePool
+from poolkeeper.api.status import compute_model_statuses
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.kubernetes.backoff import Backoff
+from poolkeeper.controller.kubernetes.client import ApiUnavailable, Gone, KubeApi, NotFound
+from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming
+from poolkeeper.controller.kubernetes.objects import (
+    MODEL_KINDS,
+    POD,
+    POOL_KINDS,
+    ObjectCache,
+    parse_model,
+    parse_pool,
+    pod_endpoint,
+)
+from poolkeeper.controller.kubernetes.status import StatusWriter
+from poolkeeper.datastore.store import Datastore, EndpointSpec
+from poolkeeper.errors import ConfigError
+
+__all__ = ["KubeSettings", "KubernetesResourceSource"]
+
+log = logging.getLogger(__name__)
+
+Sleep = Callable[[float], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class KubeSettings:
+    namespace: str
+    identity: str  # this replica (the pod name in a cluster): Lease holder and field manager
+    pool_names: tuple[str, ...] = ()  # empty: every pool in the namespace
+    write_status: bool = True
+    lease_name: str = "poolkeeper-epp"
+    lease: LeaseTiming = field(default_factory=LeaseTiming)
+    watch_timeout_s: int = 300  # the API server ends each watch after this; it is resumed
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    start_timeout_s: float = 30.0
+    resync_s: float = 300.0  # status reconcile from the cache, as controller-runtime's resync
+
+
+class KubernetesResourceSource:
+    """Feeds a datastore from the API server and keeps it in step (a `ResourceSource`)."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        datastore: Datastore,
+        settings: KubeSettings,
+        gateway_config: GatewayConfig | None = None,
+        *,
+        sleep: Sleep = asyncio.sleep,
+        rng: random.Random | None = None,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        elector: LeaderElector | None = None,
+    ) -> None:
+        self.api = api
+        self.settings = settings
+        self.gateway_config = gateway_config or GatewayConfig.default()
+        self._datastore = datastore
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._now = now
+        self._pools = {k: ObjectCache(k) for k in POOL_KINDS}
+        self._models = ObjectCache(MODEL_KINDS[0])
+        self._pods = ObjectCache(POD)
+        self._degraded: set[str] = set()
+        self._problems: dict[str, tuple[str, ...]] = {}  # object -> problems logged
+        self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
+        self._models_by_key: dict[str, InferenceModel] = {}
+        self._status_due = asyncio.Event()
+        self.elector = elector or LeaderElector(
+            api, settings.lease_name, settings.identity, timing=settings.lease
+        )
+        self.elector.on_change = lambda leader: self._status_due.set() if leader else None
+        self.status_writer = StatusWriter(
+            api, field_manager=settings.identity, allowed=self.elector.is_leader, now=now
+        )
+        self.relists = 0  # full lists applied after the first sync (for tests and logs)
+
+    # --- the ResourceSource protocol ---------------------------------------------------------
+
+    def describe(self) -> str:
+        pools = ", ".join(self.settings.pool_names) or "every pool"
+        return f"kubernetes namespace {self.settings.namespace} ({pools})"
+
+    def statuses(self) -> Mapping[str, InferenceModelStatus]:
+        return self._statuses
+
+    def healthy(self) -> bool:
+        """First sync done and every watch running (not re-listing after a failure)."""
+        return self.synced() and not self._degraded
+
+    def synced(self) -> bool:
+        return all(c.synced for c in self._caches())
+
+    async def start(self) -> GatewayConfig:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.start_timeout_s
+        backoff = self._backoff()
+        while True:
+            try:
+                await self._negotiate_model_version()
+                for cache in self._caches():
+                    await self._list(cache)
+                break
+            except ApiUnavailable as exc:
+                if loop.time() >= deadline:
+                    raise ConfigError(
+                        f"cannot list resources in namespace {self.settings.namespace} from the "
+                        f"Kubernetes API server: {exc}"
+                    ) from exc
+                delay = backoff.next()
+                log.warning("listing resources failed (%s); retrying in %.1fs", exc, delay)
+                await self._sleep(delay)
+        self._apply(resources=True)
+        if not self._datastore.snapshot().pool_keys():
+            wanted = ", ".join(self.settings.pool_names) or "any"
+            log.warning(
+                "no InferencePool (%s) in namespace %s yet; waiting for one",
+                wanted,
+                self.settings.namespace,
+            )
+        return self.gateway_config
+
+    async def run(self) -> None:
+        tasks = [
+            asyncio.create_task(self._follow(c), name=f"watch {c.kind}") for c in self._caches()
+        ]
+        if self.settings.write_status:
+            tasks.append(asyncio.create_task(self.elector.run(self._sleep), name="lease"))
+            tasks.append(asyncio.create_task(self._write_statuses(), name="status"))
+            tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- listing and watching ----------------------------------------------------------------
+
+    def _caches(self) -> list[ObjectCache]:
+        return [*self._pools.values(), self._models, self._pods]
+
+    def _backoff(self) -> Backoff:
+        s = self.settings
+        return Backoff(s.backoff_initial_s, s.backoff_max_s, rng=self._rng)
+
+    async def _negotiate_model_version(self) -> None:
+        """Watch the first InferenceModel version served (one CRD serves the same objects at
+        every version, so watching two would see each model twice)."""
+        for kind in MODEL_KINDS:
+            try:
+                await self.api.list(kind)
+            except NotFound:
+                continue
+            if kind != self._models.kind:
+                self._models = ObjectCache(kind)
+            return
+
+    async def _list(self, cache: ObjectCache) -> list[str]:
+        try:
+            items, version = await self.api.list(cache.kind)
+        except NotFound:  # this version is not served (CRD not installed): nothing of it
+            items, version = [], None
+        pruned = cache.replace(items, version)
+        for key in pruned:
+            log.info("%s %s vanished while the watch was down; pruned", cache.kind.kind, key)
+        return pruned
+
+    async def _follow(self, cache: ObjectCache) -> None:
+        """Watch one kind forever: apply events; on failure back off, re-list, prune, resume."""
+        backoff = self._backoff()
+        name = str(cache.kind)
+        relist = False
+        while True:
+            try:
+                if relist or cache.version is None:
+                    await self._list(cache)
+                    self.relists += 1
+                    self._apply(resources=cache.kind is not POD)
+                    relist = False
+                self._degraded.discard(name)
+                if cache.version is None:  # not served: look again later
+                    await self._sleep(self.settings.backoff_max_s)
+                    relist = True
+                    continue
+                async for event_type, obj in self.api.watch(
+                    cache.kind, cache.version, timeout_s=self.settings.watch_timeout_s
+                ):
+                    backoff.reset()
+                    if cache.apply_event(event_type, obj):
+                        self._apply(resources=cache.kind is not POD)
+                # The server ended the watch (timeoutSeconds): resume from the last version.
+            except asyncio.CancelledError:
+                raise
+            except Gone:
+                log.info("watch of %s: resource version too old (410); re-listing", name)
+                self._degraded.add(name)
+                relist = True
+            except Exception as exc:  # ApiUnavailable, a dropped stream, bad JSON
+                self._degraded.add(name)
+                relist = True
+                delay = backoff.next()
+                log.warning("watch of %s failed (%s); re-listing in %.2fs", name, exc, delay)
+                await self._sleep(delay)
+
+    # --- applying to the datastore -----------------------------------------------------------
+
+    def _report(self, key: str, problems: list[str]) -> None:
+        if tuple(problems) != self._problems.get(key, ()):
+            for problem in problems:
+                log.error("ignoring invalid object: %s", problem)
+        if problems:
+            self._problems[key] = tuple(problems)
+        else:
+            self._problems.pop(key, None)
+
+    def current_pools(self) -> list[AnyInferencePool]:
+        wanted = set(self.settings.pool_names)
+        pools: list[AnyInferencePool] = []
+        for cache in self._pools.values():
+            for key, obj in sorted(cache.objects.items()):
+                pool, problems = parse_pool(obj)
+                self._report(f"{cache.kind}/{key}", problems)
+                if pool is not None and (not wanted or pool.name in wanted):
+                    pools.append(pool)
+        return pools
+
+    def current_models(self) -> list[InferenceModel]:
+        wanted = set(self.settings.pool_names)
+        models: list[InferenceModel] = []
+        for key, obj in sorted(self._models.objects.items()):
+            m, problems = parse_model(obj)
+            self._report(f"{self._models.kind}/{key}", problems)
+            # With named pools, models of other pools belong to another EPP: not ours to judge.
+            if m is not None and (not wanted or m.spec.pool_ref.name in wanted):
+                models.append(m)
+        return models
+
+    def current_endpoints(self) -> list[EndpointSpec]:
+        scraping = self.gateway_config.spec.scraping
+        specs = (
+            pod_endpoint(pod, scraping.engine_for) for _, pod in sorted(self._pods.objects.items())
+        )
+        return [s for s in specs if s is not None]
+
+    def _apply(self, *, resources: bool) -> None:
+        if not resources:
+            self._datastore.set_endpoints(self.current_endpoints(), source="k8s")
+            return
+        models = self.current_models()
+        snapshot = self._datastore.set_all(
+            self.current_pools(), models, self.current_endpoints(), source="k8s"
+        )
+        verdicts = snapshot.model_index.verdicts
+        self._models_by_key = {m.key: m for m in models}
+        self._statuses = MappingProxyType(compute_model_statuses(models, verdicts, now=self._now()))
+        self._status_due.set()
+
+    # --- status --------------------------------------------------------------------------------
+
+    async def reconcile_statuses(self) -> int:
+        """Write the statuses that differ now (only as leader); returns the writes made."""
+        if not self.settings.write_status or not self.elector.is_leader():
+            return 0
+        verdicts = self._datastore.snapshot().model_index.verdicts
+        return await self.status_writer.reconcile(self._models.kind, self._models_by_key, verdicts)
+
+    async def _write_statuses(self) -> None:
+        while True:
+            await self._status_due.wait()
+            self._status_due.clear()
+            with contextlib.suppress(ApiUnavailable):
+                await self.reconcile_statuses()
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await self._sleep(self.settings.resync_s)
+            self._status_due.set()

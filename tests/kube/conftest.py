@@ -1,0 +1,118 @@
+"""Fixtures for the Kubernetes source tests: the fake API server and object builders."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from poolkeeper.controller.kubernetes.client import KubeApi, load_config
+from poolkeeper.controller.kubernetes.leader import LeaseTiming
+from poolkeeper.controller.kubernetes.source import KubernetesResourceSource, KubeSettings
+from poolkeeper.datastore.store import Datastore
+from tests.kube.fakeapi import FakeApiServer
+
+X = "inference.networking.x-k8s.io"
+NS = "default"
+
+
+def pool_obj(name: str = "pool", app: str = "vllm", port: int = 8000) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{X}/v1alpha2",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "selector": {"app": app},
+            "targetPortNumber": port,
+            "extensionRef": {"name": "epp"},
+        },
+    }
+
+
+def model_obj(name: str, model_name: str, pool: str = "pool") -> dict[str, Any]:
+    return {
+        "apiVersion": f"{X}/v1alpha2",
+        "kind": "InferenceModel",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"modelName": model_name, "poolRef": {"name": pool}},
+    }
+
+
+def pod_obj(name: str, ip: str | None, *, ready: bool = True, app: str = "vllm") -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+    }
+    if ip is not None:
+        status["podIP"] = ip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": app}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+        "status": status,
+    }
+
+
+class VirtualSleep:
+    """An injected sleep: counts the seconds asked for and yields to the loop briefly."""
+
+    def __init__(self) -> None:
+        self.slept = 0.0
+
+    async def __call__(self, seconds: float) -> None:
+        self.slept += seconds
+        await asyncio.sleep(0.005)
+
+
+FAST = LeaseTiming(lease_duration_s=15, renew_deadline_s=10, retry_period_s=2)
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeApiServer]:
+    server = FakeApiServer()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+Factory = Callable[..., Awaitable[tuple[KubernetesResourceSource, Datastore]]]
+
+
+@pytest.fixture
+async def make_source(fake: FakeApiServer) -> AsyncIterator[Factory]:
+    made: list[KubernetesResourceSource] = []
+
+    async def make(
+        identity: str = "epp-0", *, sleep: Any = None, **settings: Any
+    ) -> tuple[KubernetesResourceSource, Datastore]:
+        api = KubeApi(load_config(server=fake.url), NS, timeout_s=2.0)
+        store = Datastore()
+        options: dict[str, Any] = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05} | settings
+        source = KubernetesResourceSource(
+            api,
+            store,
+            KubeSettings(namespace=NS, identity=identity, **options),
+            sleep=sleep or VirtualSleep(),
+            rng=random.Random(7),
+        )
+        made.append(source)
+        return source, store
+
+    yield make
+    for source in made:
+        await source.api.close()
+
+
+async def until(condition: Callable[[], bool], what: str, *, limit: int = 2000) -> None:
+    """Poll `condition` (bounded: `limit` turns of 5 ms); fail naming `what`."""
+    for _ in range(limit):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -28,6 +28,8 @@ import asyncio
 import copy
 import itertools
 import json
+import random
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,15 +92,19 @@ class FakeApiServer:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
+        """Listen on 127.0.0.1 (the same port again after `stop`).
+
+        The port is taken below the kernel's ephemeral range on purpose: a client retrying a
+        closed ephemeral port can connect to itself (TCP simultaneous open) and then wait
+        forever for an answer, which happened here while the server was down."""
+        if not self.port:
+            self.port = _port_below_ephemeral()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
-        if not self.port:
-            server: Any = site._server
-            self.port = server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         """The API server goes away: streams are cut, new connections refused."""
@@ -163,14 +169,20 @@ class FakeApiServer:
 
     # --- faults --------------------------------------------------------------------------------
 
-    def compact(self) -> None:
-        """Forget the event history: watches from any older version get 410 Gone."""
-        self.compacted = self.rv + 1
-        self.events.clear()
+    def compact(self, upto: int | None = None) -> None:
+        """Forget the event history: watches from a version below `upto` (default: the
+        current one, so only a fresh list's version is still good) get 410 Gone."""
+        self.compacted = self.rv if upto is None else upto
+        self.events = [e for e in self.events if e[0] > self.compacted]
 
     def drop_watches(self) -> None:
         for w in self.watchers:
             w.queue.put_nowait(None)
+
+    def end_watches(self) -> None:
+        """End every stream cleanly, as `timeoutSeconds` does (clients resume from a version)."""
+        for w in self.watchers:
+            w.queue.put_nowait(("END", {}))
 
     def lose_next_delete(self, n: int = 1) -> None:
         self._lose_delete += n
@@ -302,9 +314,11 @@ class FakeApiServer:
                 except TimeoutError:
                     break
                 if item is None:  # dropped: cut the stream without its final chunk
-                    assert request.transport is not None
-                    request.transport.abort()
+                    if request.transport is not None:
+                        request.transport.abort()
                     return response
+                if item[0] == "END":
+                    break
                 if item[0] == "BOOKMARK" and not bookmarks:
                     continue
                 await send(*item)
@@ -312,6 +326,19 @@ class FakeApiServer:
             self.watchers.remove(watcher)
         await response.write_eof()
         return response
+
+
+def _port_below_ephemeral() -> int:
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise OSError("no free port in 20000-32000 on 127.0.0.1")
 
 
 def merge_patch(target: Any, patch: Any) -> Any:

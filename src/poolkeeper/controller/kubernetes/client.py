@@ -13,6 +13,7 @@ yields every event, BOOKMARK included, so the caller always knows the version to
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
@@ -24,6 +25,7 @@ from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.config.kubeconfig import SingleConfig
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 from lightkube.core.generic_client import BasicRequest
+from lightkube.core.resource_registry import resource_registry
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import PatchType
 
@@ -99,17 +101,13 @@ class KubeApi:
 
     def __init__(self, config: SingleConfig, namespace: str, *, timeout_s: float = 10.0) -> None:
         self.namespace = namespace
+        self.timeout_s = timeout_s
         self._client = AsyncClient(
             config, namespace=namespace, timeout=httpx.Timeout(timeout_s), trust_env=False
         )
-        self._resources: dict[ResourceKind, Any] = {}
 
     def _res(self, kind: ResourceKind) -> Any:
-        res = self._resources.get(kind)
-        if res is None:
-            res = create_namespaced_resource(kind.group, kind.version, kind.kind, kind.plural)
-            self._resources[kind] = res
-        return res
+        return _resource_class(kind)
 
     def _in_ns(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         data = dict(obj)
@@ -122,8 +120,9 @@ class KubeApi:
     async def list(self, kind: ResourceKind) -> tuple[list[dict[str, Any]], str | None]:
         """Every object of `kind` in the namespace, and the list's resourceVersion."""
         try:
-            listing = self._client.list(self._res(kind), namespace=self.namespace)
-            items = [_plain(obj, kind) async for obj in listing]
+            async with asyncio.timeout(self.timeout_s):
+                listing = self._client.list(self._res(kind), namespace=self.namespace)
+                items = [_plain(obj, kind) async for obj in listing]
             version = getattr(listing, "_resourceVersion", None)
         except Exception as exc:
             raise _narrow(exc) from exc
@@ -149,21 +148,27 @@ class KubeApi:
             br.method, br.url, params=br.params, timeout=generic._watch_timeout
         )
         try:
-            response = await generic.send(request, stream=True)  # type: ignore[no-untyped-call]
+            async with asyncio.timeout(self.timeout_s):
+                response = await generic.send(request, stream=True)  # type: ignore[no-untyped-call]
         except Exception as exc:
             raise _narrow(exc) from exc
+        # The server ends the stream after timeout_s; a silent, half-dead connection must not
+        # hold the watch forever either.
+        deadline = asyncio.get_running_loop().time() + timeout_s + self.timeout_s
         try:
             if response.status_code >= 400:
                 await response.aread()
                 raise _status_error(response.status_code, response.text)
-            async for line in response.aiter_lines():
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                obj = event.get("object") or {}
-                if event.get("type") == "ERROR":
-                    raise _status_error(int(obj.get("code") or 500), obj.get("message") or "")
-                yield str(event.get("type")), obj
+            async with asyncio.timeout_at(deadline):
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    obj = event.get("object") or {}
+                    if event.get("type") == "ERROR":
+                        code = int(obj.get("code") or 500)
+                        raise _status_error(code, obj.get("message") or "")
+                    yield str(event.get("type")), obj
         except ApiUnavailable:
             raise
         except Exception as exc:
@@ -210,6 +215,22 @@ class KubeApi:
         except Exception as exc:
             raise _narrow(exc) from exc
         return _plain(replaced, kind)
+
+
+_RESOURCES: dict[ResourceKind, Any] = {}
+
+
+def _resource_class(kind: ResourceKind) -> Any:
+    """lightkube's generic resource class for `kind`, made once per process: lightkube keeps a
+    global registry, and for the core group its lookup misses what it registered ("/v1" vs
+    "v1"), so a second `create_namespaced_resource` for Pods would be refused."""
+    res = _RESOURCES.get(kind)
+    if res is None:
+        res = resource_registry.get(kind.api_version, kind.kind)
+        if res is None:
+            res = create_namespaced_resource(kind.group, kind.version, kind.kind, kind.plural)
+        _RESOURCES[kind] = res
+    return res
 
 
 def _status_error(code: int, text: str) -> ApiUnavailable:

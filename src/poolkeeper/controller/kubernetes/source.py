@@ -230,9 +230,15 @@ class KubernetesResourceSource:
             except asyncio.CancelledError:
                 raise
             except Gone:
-                log.info("watch of %s: resource version too old (410); re-listing", name)
+                # The first 410 re-lists at once; repeated ones (no event in between) back off.
                 self._degraded.add(name)
                 relist = True
+                delay = backoff.next() if backoff.failures else 0.0
+                backoff.failures = max(backoff.failures, 1)
+                log.info("watch of %s: resource version too old (410); re-listing in %.2fs",
+                         name, delay)  # fmt: skip
+                if delay:
+                    await self._sleep(delay)
             except Exception as exc:  # ApiUnavailable, a dropped stream, bad JSON
                 self._degraded.add(name)
                 relist = True

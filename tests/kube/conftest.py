@@ -89,7 +89,7 @@ async def make_source(fake: FakeApiServer) -> AsyncIterator[Factory]:
     made: list[KubernetesResourceSource] = []
 
     async def make(
-        identity: str = "epp-0", *, sleep: Any = None, **settings: Any
+        identity: str = "epp-0", *, sleep: Any = None, elector: Any = None, **settings: Any
     ) -> tuple[KubernetesResourceSource, Datastore]:
         api = KubeApi(load_config(server=fake.url), NS, timeout_s=2.0)
         store = Datastore()
@@ -100,6 +100,7 @@ async def make_source(fake: FakeApiServer) -> AsyncIterator[Factory]:
             KubeSettings(namespace=NS, identity=identity, **options),
             sleep=sleep or VirtualSleep(),
             rng=random.Random(7),
+            elector=elector,
         )
         made.append(source)
         return source, store

@@ -175,7 +175,7 @@ class LeaderElector:
                 await sleep(self.timing.retry_period_s)
         finally:
             if self.is_leader():
-                await asyncio.shield(self.release())
+                await self.release()
 
     async def release(self) -> None:
         """Give the Lease up now (shutdown), so another replica need not wait it out."""

@@ -2,6 +2,7 @@
 
 poolkeeper serve -f examples/                  # EPP + Envoy on listeners.http
 poolkeeper serve -f pool.yaml --no-envoy       # EPP only, for your own Envoy / Gateway
+poolkeeper serve --kubernetes --pool my-pool   # in a cluster: resources from the API server
 poolkeeper envoy-config -f examples/ > envoy.json && envoy -c envoy.json
 """
 
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.controller.files import FileResourceSource, file_source
+from poolkeeper.controller.files import FileResourceSource, file_source, load_files
+from poolkeeper.controller.kubernetes import KubeSettings, kubernetes_source, load_config
+from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
@@ -26,18 +31,52 @@ from poolkeeper.server.runtime import (
 from poolkeeper.telemetry.logs import configure_logging
 
 
-def _add_files(parser: argparse.ArgumentParser) -> None:
+def _add_files(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "-f",
         "--filename",
         dest="paths",
         action="extend",
         nargs="+",
-        required=True,
+        required=required,
         metavar="PATH",
         help="YAML/JSON files or directories with InferencePools, InferenceModels and an "
-        "optional GatewayConfig",
+        "optional GatewayConfig (with --kubernetes: only the GatewayConfig)",
     )
+
+
+def _add_kubernetes(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Kubernetes mode")
+    group.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="read pools, models and Pods from the Kubernetes API server and write model "
+        "status (implies --no-envoy: the cluster's Gateway is the Envoy)",
+    )
+    group.add_argument(
+        "--kubeconfig", type=Path, default=None, help="kubeconfig file (default: in-cluster)"
+    )
+    group.add_argument("--context", default=None, help="kubeconfig context")
+    group.add_argument(
+        "--namespace", default=None, help="namespace to watch (default: the pod's own)"
+    )
+    group.add_argument(
+        "--pool",
+        dest="pools",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="serve only this InferencePool (repeatable; default: every pool in the namespace)",
+    )
+    group.add_argument(
+        "--identity",
+        default=None,
+        help="this replica's name for the Lease (default: $POD_NAME, else the host name)",
+    )
+    group.add_argument(
+        "--lease-name", default="poolkeeper-epp", help="Lease for the status writer election"
+    )
+    group.add_argument("--no-status", action="store_true", help="never write InferenceModel status")
 
 
 def register(subparsers: Any) -> None:
@@ -47,7 +86,8 @@ def register(subparsers: Any) -> None:
         description="Load pools, models and the GatewayConfig, start the endpoint picker "
         "(ext_proc, health, metrics) and Envoy in front of it. Ctrl-C drains and stops.",
     )
-    _add_files(serve)
+    _add_files(serve, required=False)
+    _add_kubernetes(serve)
     serve.add_argument("--envoy-path", default=None, help="Envoy binary to run")
     serve.add_argument(
         "--no-envoy", action="store_true", help="run only the endpoint picker (own Envoy)"
@@ -81,11 +121,50 @@ def _check_workdir(workdir: Path | None, paths: list[str]) -> None:
             raise ConfigError(f"workdir {workdir} must not be inside the watched path {path}")
 
 
+def _source(args: argparse.Namespace) -> SourceFactory:
+    """Files, or the Kubernetes API server (ConfigError when the choice is incomplete)."""
+    if not args.kubernetes:
+        if not args.paths:
+            raise ConfigError("no files given: pass -f PATH, or --kubernetes")
+        for flag in ("kubeconfig", "namespace", "identity", "context"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag} needs --kubernetes")
+        if args.pools:
+            raise ConfigError("--pool needs --kubernetes")
+        return file_source(args.paths)
+    gateway_config = None
+    if args.paths:
+        loaded = load_files(args.paths)
+        if loaded.errors:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(loaded.errors))
+        if loaded.pools or loaded.models:
+            raise ConfigError(
+                "with --kubernetes, InferencePools and InferenceModels come from the API "
+                "server; -f may only hold a GatewayConfig"
+            )
+        gateway_config = loaded.gateway_config
+    config = load_config(kubeconfig=args.kubeconfig, context=args.context)
+    identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
+    settings = KubeSettings(
+        namespace=args.namespace or config.namespace or "default",
+        identity=identity,
+        pool_names=tuple(args.pools),
+        write_status=not args.no_status,
+        lease_name=args.lease_name,
+    )
+    return kubernetes_source(settings, gateway_config, config)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, json_lines=args.log_format == "json")
+    try:
+        source = _source(args)
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
     options = ServeOptions(
-        source=file_source(args.paths),
-        run_envoy=not args.no_envoy,
+        source=source,
+        run_envoy=not (args.no_envoy or args.kubernetes),
         envoy_path=args.envoy_path,
         workdir=args.workdir,
         envoy_concurrency=args.envoy_concurrency,
@@ -106,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
         await task
 
     try:
-        _check_workdir(args.workdir, args.paths)
+        _check_workdir(args.workdir, args.paths or [])
         asyncio.run(main())
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

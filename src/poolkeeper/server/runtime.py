@@ -18,7 +18,7 @@ import logging
 import random
 import signal
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,7 +152,11 @@ class GatewayRuntime:
         self._grpc_servers.append(health_server)
         for server in self._grpc_servers:
             await server.start()
-        self._web = web.AppRunner(self.metrics.app(), access_log=None)
+        app = self.metrics.app()
+        # HTTP probes beside /metrics, for orchestrators without gRPC probes.
+        app.router.add_get("/healthz", self._http_probe(lambda: True))
+        app.router.add_get("/readyz", self._http_probe(self.ready))
+        self._web = web.AppRunner(app, access_log=None)
         await self._web.setup()
         await web.TCPSite(self._web, listeners.address, listeners.metrics).start()
         log.info(
@@ -210,6 +214,14 @@ class GatewayRuntime:
                 log.warning("no endpoint has fresh metrics yet; starting anyway")
                 return
             await asyncio.sleep(0.05)
+
+    @staticmethod
+    def _http_probe(probe: Callable[[], bool]) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(_: web.Request) -> web.Response:
+            ok = probe()
+            return web.Response(status=200 if ok else 503, text="ok\n" if ok else "not ready\n")
+
+        return handler
 
     # -- state ----------------------------------------------------------------------------
     def ready(self) -> bool:

@@ -13,7 +13,7 @@ the runtime.
 
 from __future__ import annotations
 
-from pathlib import Path
+from lightkube.config.kubeconfig import SingleConfig
 
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.kubernetes.client import KubeApi, load_config
@@ -21,19 +21,20 @@ from poolkeeper.controller.kubernetes.source import KubernetesResourceSource, Ku
 from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 
-__all__ = ["KubeApi", "KubeSettings", "KubernetesResourceSource", "kubernetes_source"]
+__all__ = [
+    "KubeApi",
+    "KubeSettings",
+    "KubernetesResourceSource",
+    "kubernetes_source",
+    "load_config",
+]
 
 
 def kubernetes_source(
-    settings: KubeSettings,
-    gateway_config: GatewayConfig | None = None,
-    *,
-    kubeconfig: Path | None = None,
-    server: str | None = None,
+    settings: KubeSettings, gateway_config: GatewayConfig | None, config: SingleConfig
 ) -> SourceFactory:
-    """The factory `ServeOptions.source` takes; the configuration is read here, so a bad
-    kubeconfig is a ConfigError before anything starts."""
-    config = load_config(kubeconfig=kubeconfig, server=server)
+    """The factory `ServeOptions.source` takes (`config` from `load_config`, which raises
+    ConfigError for a bad kubeconfig before anything starts)."""
 
     def factory(datastore: Datastore) -> KubernetesResourceSource:
         api = KubeApi(config, settings.namespace)

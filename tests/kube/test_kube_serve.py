@@ -1,0 +1,117 @@
+"""`serve --kubernetes` end to end without a cluster: the runtime with the Kubernetes source
+against the fake API server, a simulator as the one Ready pod, and the probes.
+
+Readiness (gRPC `readiness` and HTTP /readyz) follows the source: NOT_SERVING while the watch
+is down, SERVING again once it has re-listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from poolkeeper.cli import serve as serve_cli
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.kubernetes import KubeSettings, kubernetes_source, load_config
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.sim.config import ServerSettings, build_fleet
+from poolkeeper.sim.server import SimCluster
+from poolkeeper.telemetry.health import NOT_SERVING, SERVING, check_health
+from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
+from tests.kube.fakeapi import FakeApiServer
+
+pytestmark = pytest.mark.integration
+
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, limit: int = 400) -> None:
+    for _ in range(limit):
+        if await check():
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_serve_kubernetes_readiness_follows_the_watch(fake: FakeApiServer) -> None:
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings()))
+    listening = await cluster.start()
+    sim_port = listening[0].port
+    fake.put(pool_obj(port=sim_port), "inferencepools")
+    fake.put(model_obj("m", "m"), "inferencemodels")
+    fake.put(pod_obj("sim-0", "127.0.0.1"), "pods")
+    ext_proc, metrics, health = _ports(3)
+    gateway = GatewayConfig.model_validate(
+        {"spec": {"listeners": {"extProc": ext_proc, "metrics": metrics, "health": health}}}
+    )
+    settings = KubeSettings(
+        namespace=NS, identity="epp-0", backoff_initial_s=0.05, backoff_max_s=0.2
+    )
+    source = kubernetes_source(settings, gateway, load_config(server=fake.url))
+    runtime = GatewayRuntime(ServeOptions(source=source, run_envoy=False, ready_wait_s=5))
+    health_addr = f"127.0.0.1:{health}"
+
+    async def ready() -> bool:
+        return await check_health(health_addr, "readiness") == SERVING
+
+    async def not_ready() -> bool:
+        return await check_health(health_addr, "readiness") == NOT_SERVING
+
+    await runtime.start()
+    try:
+        await eventually(ready, "readiness after the first sync and scrape")
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{metrics}/readyz") as resp:
+                assert resp.status == 200
+            await fake.stop()  # the API server goes away: the watches drop
+            await eventually(not_ready, "NOT_SERVING while the watch is degraded")
+            async with session.get(f"http://127.0.0.1:{metrics}/readyz") as resp:
+                assert resp.status == 503
+            await fake.start()
+            await eventually(ready, "SERVING again after the re-list")
+        # Only the leader writes status: this single replica took the Lease and wrote it.
+        model = ("inference.networking.x-k8s.io/v1alpha2", "inferencemodels", NS, "m")
+
+        async def written() -> bool:
+            return "status" in fake.get(*model)
+
+        await eventually(written, "the model's status")
+    finally:
+        await runtime.stop(grace_s=0)
+        await cluster.stop()
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ((), "no files given: pass -f PATH, or --kubernetes"),
+        (("-f", "x.yaml", "--pool", "p"), "--pool needs --kubernetes"),
+        (("-f", "x.yaml", "--namespace", "n"), "--namespace needs --kubernetes"),
+        (("--kubernetes", "--kubeconfig", "/nonexistent/kubeconfig"), "no such file"),
+    ],
+)
+def test_serve_flags_are_checked(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _parse(*argv)
+    assert args.handler(args) == 2
+    assert message in capsys.readouterr().err

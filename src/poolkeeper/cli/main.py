@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "poolkeeper.cli.bbr",  # bbr, bbr-envoy-config
     "poolkeeper.cli.quickstart",  # quickstart
     "poolkeeper.cli.bench",  # bench
+    "poolkeeper.cli.manifests",  # manifests
 )
 
 Handler = Callable[[argparse.Namespace], int]

@@ -1,0 +1,194 @@
+"""deploy/: generated, valid against the Kubernetes schemas, least-privilege RBAC.
+
+- Built-in kinds are validated with kubernetes-validate (strict: unknown fields are errors).
+- The CRDs are the project's own (`poolkeeper crds`); the example pool and models are
+  validated by the project's loader and by the CRDs' openAPIV3Schema (jsonschema).
+- Gateway and HTTPRoute have no schema available offline: their references are checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from poolkeeper.api.crds import custom_resource_definitions
+from poolkeeper.api.load import load_paths
+from poolkeeper.cli.dashboard import PANELS
+from poolkeeper.cli.deploy_objects import (
+    DRAIN_GRACE_S,
+    TERMINATION_GRACE_S,
+    DeployParams,
+    role_rules,
+)
+from poolkeeper.cli.main import main
+from poolkeeper.config.gateway import GatewayConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+K8S_VERSION = "1.32.0"
+NOT_BUILT_IN = {"InferencePool", "InferenceModel", "Gateway", "HTTPRoute", "GatewayClass"}
+
+
+def docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+
+
+def all_docs() -> list[dict[str, Any]]:
+    return [d for p in sorted(DEPLOY.rglob("*.yaml")) for d in docs(str(p.relative_to(DEPLOY)))]
+
+
+def test_deploy_is_what_the_generator_writes(tmp_path: Path) -> None:
+    assert main(["manifests", "--out", str(tmp_path)]) == 0
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    committed = sorted(
+        str(p.relative_to(DEPLOY))
+        for p in DEPLOY.rglob("*")
+        if p.is_file() and p.name != "Dockerfile"
+    )
+    assert written == committed
+    for name in written:
+        assert (tmp_path / name).read_text() == (DEPLOY / name).read_text(), (
+            f"deploy/{name} is stale: run `poolkeeper manifests --out deploy`"
+        )
+
+
+def test_built_in_kinds_validate_strictly() -> None:
+    checked = 0
+    for doc in all_docs():
+        if doc.get("kind") in NOT_BUILT_IN or doc.get("kind") == "Kustomization":
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 10
+
+
+def test_crds_are_the_projects_own() -> None:
+    assert docs("crds.yaml") == custom_resource_definitions()
+
+
+def _crd_schema(group: str, version: str, kind: str) -> dict[str, Any]:
+    for crd in custom_resource_definitions():
+        if crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == kind:
+            for v in crd["spec"]["versions"]:
+                if v["name"] == version:
+                    schema: dict[str, Any] = v["schema"]["openAPIV3Schema"]
+                    return schema
+    raise KeyError((group, version, kind))
+
+
+def test_example_pool_and_models_are_valid() -> None:
+    result = load_paths([DEPLOY / "example" / "pool.yaml"])
+    assert result.errors == []
+    assert len(result.pools()) == 1
+    assert len(result.models()) == 2
+    for doc in docs("example/pool.yaml"):
+        if doc["kind"] in ("InferencePool", "InferenceModel"):
+            group, version = doc["apiVersion"].split("/")
+            jsonschema.validate(doc, _crd_schema(group, version, doc["kind"]))
+    pool = result.pools()[0]
+    epp = next(d for d in docs("epp.yaml") if d["kind"] == "Service")
+    assert pool.endpoint_picker().name == epp["metadata"]["name"]
+    server = next(d for d in docs("example/pool.yaml") if d["kind"] == "Deployment")
+    assert pool.matches(server["spec"]["template"]["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("name", ["gateway/envoy-gateway.yaml", "gateway/istio.yaml"])
+def test_gateway_routes_point_at_the_pool(name: str) -> None:
+    objs = {d["kind"]: d for d in docs(name)}
+    route, gateway = objs["HTTPRoute"], objs["Gateway"]
+    assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
+    backend = route["spec"]["rules"][0]["backendRefs"][0]
+    pool = next(d for d in docs("example/pool.yaml") if d["kind"] == "InferencePool")
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        pool["apiVersion"].split("/")[0],
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
+
+
+def test_rbac_verb_table_is_exactly_what_the_controller_uses() -> None:
+    role = next(d for d in docs("rbac.yaml") if d["kind"] == "Role")
+    table = sorted(
+        (group, resource, tuple(sorted(rule["verbs"])), tuple(rule.get("resourceNames", ())))
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    )
+    x, ga, lease = "inference.networking.x-k8s.io", "inference.networking.k8s.io", "llm-pool-epp"
+    assert table == sorted(
+        [
+            ("", "pods", ("get", "list", "watch"), ()),
+            (x, "inferencepools", ("get", "list", "watch"), ()),
+            (x, "inferencemodels", ("get", "list", "watch"), ()),
+            (ga, "inferencepools", ("get", "list", "watch"), ()),
+            (x, "inferencemodels/status", ("patch", "update"), ()),
+            ("coordination.k8s.io", "leases", ("create",), ()),
+            ("coordination.k8s.io", "leases", ("get", "update"), (lease,)),
+        ]
+    )
+    assert role["rules"] == role_rules(DeployParams())
+    kinds = {d["kind"] for d in all_docs()}
+    assert "ClusterRole" not in kinds
+    assert "ClusterRoleBinding" not in kinds
+
+
+def test_epp_deployment_shape() -> None:
+    objs = {d["kind"]: d for d in docs("epp.yaml")}
+    spec = objs["Deployment"]["spec"]
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    assert spec["replicas"] == 2
+    assert objs["PodDisruptionBudget"]["spec"]["minAvailable"] == 1
+    assert pod["terminationGracePeriodSeconds"] == TERMINATION_GRACE_S > DRAIN_GRACE_S
+    assert container["args"][container["args"].index("--drain-grace") + 1] == str(DRAIN_GRACE_S)
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
+    lease = container["args"][container["args"].index("--lease-name") + 1]
+    assert lease == "llm-pool-epp"
+    config = GatewayConfig.model_validate(
+        yaml.safe_load(objs["ConfigMap"]["data"]["gatewayconfig.yaml"])
+    )
+    assert config.spec.listeners.address == "0.0.0.0"
+    ports = {p["name"]: p["port"] for p in objs["Service"]["spec"]["ports"]}
+    assert ports == {"grpc-ext-proc": config.spec.listeners.ext_proc, "http-metrics": 9090}
+
+
+def test_dashboard_queries_name_exported_metrics() -> None:
+    board = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    assert len(board["panels"]) == len(PANELS)
+    from prometheus_client import generate_latest
+
+    from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats
+
+    metrics = GatewayMetrics(pool_stats=lambda: iter([PoolStats("p", 0.0, 0.0, 1)]))
+    exported = generate_latest(metrics.registry).decode()
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            names = [w for w in _words(target["expr"]) if w.startswith("inference_")]
+            assert names, target["expr"]
+            for name in names:
+                base = name.removesuffix("_bucket").removesuffix("_sum")
+                assert f"# TYPE {base} " in exported or f"# TYPE {name} " in exported, name
+
+
+def _words(expr: str) -> list[str]:
+    for ch in "()[],{}":
+        expr = expr.replace(ch, " ")
+    return expr.split()
+
+
+def test_manifests_for_another_namespace_and_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["manifests", "-n", "llm", "--pool", "qwen", "--gateway", "istio"]) == 0
+    out = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    namespaced = [d for d in out if d["kind"] != "CustomResourceDefinition"]
+    assert {d["metadata"]["namespace"] for d in namespaced} == {"llm"}
+    assert any(d["kind"] == "HTTPRoute" for d in out)
+    role = next(d for d in out if d["kind"] == "Role")
+    assert role["rules"][-1]["resourceNames"] == ["qwen-epp"]
+    assert main(["manifests", "--pool", "Not_A_Name"]) == 2
+    assert "--pool 'Not_A_Name'" in capsys.readouterr().err

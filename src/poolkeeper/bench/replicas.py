@@ -1,0 +1,166 @@
+"""Prefix affinity with N EPP replicas: each replica sees 1/N of the requests (virtual time).
+
+In Kubernetes the EPP runs active-active: the Gateway's Envoy spreads ext_proc streams over the
+replicas, and every replica routes with its own prefix index, in-flight counts and observed
+speeds, built only from the requests it routed itself. Scraped metrics (queue, KV cache) are the
+same for all. So with N replicas, a replica has seen about 1/N of a prefix group's earlier
+requests: its index still points at the server that holds the prefix, as long as the group's
+requests keep arriving at it often enough.
+
+`run(replicas, ...)` replays one shared-prefix workload through the virtual fleet
+(`sim/virtual.py`) with `replicas` independent copies of the real scheduler (`poolkeeper`
+policy), request i going to replica hash(request id) mod N, and each replica's view of the
+in-flight counts limited to its own requests. Reported: prefix-cache hit rate (what the model
+servers actually reused), TTFT, and affinity: the share of each prefix group's requests that
+landed on that group's most used server.
+
+    python -m poolkeeper.bench.replicas [--servers 8] [--load 0.7] [--duration 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from poolkeeper.bench.metrics import SLO, summarize
+from poolkeeper.bench.routers import RoutingPolicy, make_policy
+from poolkeeper.bench.scenarios import build_scenario
+from poolkeeper.bench.simrun import SCRAPE_INTERVAL_S, _outcome, _sim_arrivals, fleet_capacity
+from poolkeeper.bench.workloads import Arrival, generate
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.errors import NoReadyEndpoint, RequestShed
+from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.sim.virtual import Arrival as SimArrival, RequestResult, VirtualFleet
+from poolkeeper.tokens import count_tokens
+
+
+class _Replica:
+    """One EPP replica: its own policy and its own in-flight view."""
+
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy = policy
+        self.inflight: dict[str, dict[str, tuple[float, int]]] = {}  # server -> id -> (t, tok)
+
+    def view(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+        out = []
+        for s in states:
+            mine = self.inflight.get(s.key, {})
+            scraped = s.metrics.updated_at
+            unseen = [tok for t, tok in mine.values() if t > scraped]
+            out.append(
+                replace(
+                    s,
+                    inflight_requests=len(mine),
+                    inflight_tokens=sum(tok for _, tok in mine.values()),
+                    unseen_requests=len(unseen),
+                    unseen_tokens=sum(unseen),
+                )
+            )
+        return out
+
+
+def replica_of(request_id: str, replicas: int) -> int:
+    return zlib.crc32(request_id.encode()) % replicas
+
+
+def run(
+    replicas: int,
+    *,
+    servers: int = 8,
+    load: float = 0.7,
+    duration: float = 120.0,
+    seed: int = 1,
+    capacity_rps: float | None = None,
+) -> dict[str, Any]:
+    """One replay with `replicas` independent schedulers; returns the summary figures.
+    `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given)."""
+    scenario = build_scenario("shared-prefix", servers)
+    if capacity_rps is None:
+        capacity_rps = float(fleet_capacity(scenario, seed=seed)["capacity_rps"])
+    arrivals = generate(scenario.spec, rate=load * capacity_rps, duration=duration, seed=seed)
+    group_of = {a.request_id: a.group for a in arrivals}
+    fleet = VirtualFleet(list(scenario.servers), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
+    index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
+    routers = [
+        _Replica(make_policy("poolkeeper", random.Random(f"{seed}:replica{k}"), scenario))
+        for k in range(replicas)
+    ]
+    owner: dict[str, tuple[int, str]] = {}
+
+    def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
+        a: Arrival = sim.payload  # type: ignore[assignment]
+        k = replica_of(a.request_id, replicas)
+        router = routers[k]
+        tokens = count_tokens(sim.prompt)
+        request = LLMRequest(
+            request_id=a.request_id,
+            model=a.model,
+            target_model=a.target_model,
+            criticality=a.criticality,
+            prompt=sim.prompt,
+            prompt_tokens=tokens,
+            max_tokens=a.output_tokens,
+            stream=True,
+        )
+        try:
+            chosen = router.policy.pick(request, router.view(states), now)
+        except (RequestShed, NoReadyEndpoint):
+            return None
+        router.inflight.setdefault(chosen.key, {})[a.request_id] = (now, tokens)
+        owner[a.request_id] = (k, chosen.key)
+        return index_of[chosen.key]
+
+    def finished(result: RequestResult) -> None:
+        k, key = owner.pop(result.request_id, (-1, ""))
+        if k < 0:
+            return
+        routers[k].inflight.get(key, {}).pop(result.request_id, None)
+        routers[k].policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
+
+    result = fleet.run(_sim_arrivals(arrivals), route, on_finish=finished)
+    by_id = {a.request_id: a for a in arrivals}
+    outcomes = [_outcome(r, by_id[r.request_id]) for r in result.requests]
+    summary = summarize(outcomes, duration=duration, slo=SLO())
+    per_group: dict[Any, Counter[str]] = {}
+    for r in result.requests:
+        if r.server_name:
+            per_group.setdefault(group_of[r.request_id], Counter())[r.server_name] += 1
+    served = sum(sum(c.values()) for c in per_group.values())
+    top = sum(c.most_common(1)[0][1] for c in per_group.values())
+    return {
+        "replicas": replicas,
+        "servers": servers,
+        "load": load,
+        "requests": len(arrivals),
+        "prefix_hit_rate": round(summary["prefix_hit_rate"], 4),
+        "affinity": round(top / served, 4) if served else 0.0,
+        "ttft_p50_s": round(summary["ttft_s"]["p50"], 4),
+        "ttft_p99_s": round(summary["ttft_s"]["p99"], 4),
+        "goodput_rps": round(summary["goodput_rps"], 3),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m poolkeeper.bench.replicas")
+    parser.add_argument("--servers", type=int, default=8)
+    parser.add_argument("--load", type=float, default=0.7)
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args(argv)
+    rows = [
+        run(n, servers=args.servers, load=args.load, duration=args.duration, seed=args.seed)
+        for n in args.replicas
+    ]
+    print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +194,24 @@ def test_manifests_for_another_namespace_and_pool(capsys: pytest.CaptureFixture[
     assert role["rules"][-1]["resourceNames"] == ["qwen-epp"]
     assert main(["manifests", "--pool", "Not_A_Name"]) == 2
     assert "--pool 'Not_A_Name'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize(
+    ("directory", "kinds"),
+    [
+        ("", 10),
+        ("example", 4),
+    ],
+)
+def test_kustomizations_build(directory: str, kinds: int) -> None:
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    built = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert len(built) == kinds

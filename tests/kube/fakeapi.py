@@ -37,10 +37,17 @@ from typing import Any
 from aiohttp import web
 
 SERVED: dict[tuple[str, str, str], str] = {
+    ("inference.networking.x-k8s.io", "v1alpha1", "inferencepools"): "InferencePool",
     ("inference.networking.x-k8s.io", "v1alpha2", "inferencepools"): "InferencePool",
     ("inference.networking.k8s.io", "v1", "inferencepools"): "InferencePool",
     ("inference.networking.x-k8s.io", "v1alpha1", "inferencemodels"): "InferenceModel",
     ("inference.networking.x-k8s.io", "v1alpha2", "inferencemodels"): "InferenceModel",
+    ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives"): "InferenceObjective",
+    (
+        "inference.networking.x-k8s.io",
+        "v1alpha2",
+        "inferencemodelrewrites",
+    ): "InferenceModelRewrite",
     ("", "v1", "pods"): "Pod",
     ("coordination.k8s.io", "v1", "leases"): "Lease",
 }

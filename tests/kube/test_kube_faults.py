@@ -260,3 +260,26 @@ async def test_named_pools_only(fake: FakeApiServer, make_source: Factory) -> No
     await source.start()
     assert store.snapshot().pool_keys() == (POOL,)
     assert set(source.statuses()) == {"default/m"}  # the other pool's models are not ours
+
+
+async def test_seed_era_pools_and_objectives_are_read(
+    fake: FakeApiServer, make_source: Factory
+) -> None:
+    fake.unserved.add(("inference.networking.x-k8s.io", "v1alpha2", "inferencepools"))
+    old_pool = pool_obj()
+    old_pool["apiVersion"] = "inference.networking.x-k8s.io/v1alpha1"
+    old_pool["spec"]["extensionRef"] = {"name": "epp"}
+    fake.put(old_pool, "inferencepools")
+    fake.put(pod_obj("p0", "10.0.0.1"), "pods")
+    objective = {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+        "kind": "InferenceObjective",
+        "metadata": {"name": "urgent", "namespace": NS},
+        "spec": {"priority": 5, "poolRef": {"name": "pool"}},
+    }
+    fake.put(objective, "inferenceobjectives")
+    source, store = await make_source(write_status=False)
+    await source.start()
+    assert source._pools[0].kind.version == "v1alpha1"
+    assert hostports(store) == ["10.0.0.1:8000"]
+    assert source.current_policies()[0].name == "urgent"

@@ -161,7 +161,7 @@ async def test_injected_409s_are_bounded_then_left_to_the_next_event(
     source._apply(resources=True)
     fake.conflicts = 10
     fake.delete(X, "inferencepools", NS, "pool")
-    source._pools[next(iter(source._pools))].objects.clear()
+    source._pools[0].objects.clear()
     source._apply(resources=True)
     patches = sum(1 for r in fake.requests if r.startswith("PATCH"))
     assert await source.reconcile_statuses() == 0
@@ -215,7 +215,7 @@ async def test_two_replicas_never_both_write_across_a_handover(
     # A status change now is b's to write.
     fake.delete(X, "inferencepools", NS, "pool")
     for src in (src_a, src_b):
-        src._pools[next(iter(src._pools))].objects.clear()
+        src._pools[0].objects.clear()
         src._apply(resources=True)
     await step(1.0)
     writers = [n for _, n in timeline]

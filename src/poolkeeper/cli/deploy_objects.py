@@ -70,7 +70,12 @@ def role_rules(p: DeployParams) -> list[dict[str, Any]]:
         {"apiGroups": [""], "resources": ["pods"], "verbs": read},
         {
             "apiGroups": [ip.X_GROUP],
-            "resources": ["inferencepools", "inferencemodels"],
+            "resources": [
+                "inferencepools",
+                "inferencemodels",
+                "inferenceobjectives",
+                "inferencemodelrewrites",
+            ],
             "verbs": read,
         },
         {"apiGroups": [ip.V1_GROUP], "resources": ["inferencepools"], "verbs": read},

@@ -10,8 +10,9 @@ No I/O here; the watch loops (`kubernetes/source.py`) feed these functions and a
 - `pod_endpoint`: a Pod is an endpoint while it is Ready, has an IP and is not being deleted;
   it becomes an `EndpointSpec` without a port, so the datastore gives it each target port of
   every pool whose selector matches its labels (in the pool's namespace).
-- `parse_pool` / `parse_model`: validation with the same API types the file loader uses; an
-  invalid object is left out and its problems are reported (`Kind/ns/name: path: message`).
+- `parse_object` (and `parse_pool` / `parse_model`): validation with the same kind registry and
+  API types the file loader uses; an invalid object is left out and its problems are reported
+  (`Kind/ns/name: path: message`).
 """
 
 from __future__ import annotations
@@ -21,21 +22,31 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
-from poolkeeper.api import model as im, pool as ip
+from pydantic import BaseModel
+
+from poolkeeper.api import model as im, objective, pool as ip, rewrite
+from poolkeeper.api.kinds import default_registry
 from poolkeeper.api.load import validate_object
 from poolkeeper.api.model import InferenceModel
-from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
+from poolkeeper.api.pool import (
+    AnyInferencePool,
+    InferencePool,
+    InferencePoolV1,
+    InferencePoolV1Alpha1,
+)
 from poolkeeper.datastore.store import EndpointSpec
 
 __all__ = [
     "LEASE",
     "MODEL_KINDS",
     "POD",
+    "POLICY_KINDS",
     "POOL_KINDS",
     "ObjectCache",
     "ResourceKind",
     "object_key",
     "parse_model",
+    "parse_object",
     "parse_pool",
     "pod_endpoint",
     "resource_version",
@@ -59,15 +70,23 @@ class ResourceKind:
         return f"{self.plural}.{self.group or 'core'}/{self.version}"
 
 
+# Each slot is one set of objects; where one CRD serves several versions of the same objects,
+# the slot lists them in order of preference and the first version served is watched (never
+# two: every object would appear twice).
 POOL_KINDS: Final = (
-    ResourceKind(ip.X_GROUP, "v1alpha2", ip.KIND, "inferencepools"),
-    ResourceKind(ip.V1_GROUP, "v1", ip.KIND, "inferencepools"),
+    (
+        ResourceKind(ip.X_GROUP, "v1alpha2", ip.KIND, "inferencepools"),
+        ResourceKind(ip.X_GROUP, "v1alpha1", ip.KIND, "inferencepools"),  # the seed's era
+    ),
+    (ResourceKind(ip.V1_GROUP, "v1", ip.KIND, "inferencepools"),),
 )
-# One CRD serves both InferenceModel versions (same objects): the first version the API server
-# serves is watched, in this order of preference.
 MODEL_KINDS: Final = (
     ResourceKind(im.GROUP, "v1alpha2", im.KIND, "inferencemodels"),
     ResourceKind(im.GROUP, "v1alpha1", im.KIND, "inferencemodels"),
+)
+POLICY_KINDS: Final = (
+    (ResourceKind(objective.GROUP, "v1alpha2", objective.KIND, "inferenceobjectives"),),
+    (ResourceKind(objective.GROUP, "v1alpha2", rewrite.KIND, "inferencemodelrewrites"),),
 )
 POD: Final = ResourceKind("", "v1", "Pod", "pods")
 LEASE: Final = ResourceKind("coordination.k8s.io", "v1", "Lease", "leases")
@@ -87,7 +106,8 @@ def resource_version(obj: Mapping[str, Any]) -> str | None:
 class ObjectCache:
     """The objects of one kind by `namespace/name`, and the version to resume watching from."""
 
-    kind: ResourceKind
+    kind: ResourceKind  # the version being watched (the first of `candidates` served)
+    candidates: tuple[ResourceKind, ...] = ()  # versions of the same objects, preferred first
     objects: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     version: str | None = None  # the list's or the last event's resourceVersion
     synced: bool = False  # a full list has been applied
@@ -126,24 +146,38 @@ def _problems(kind: str, obj: Mapping[str, Any], problems: Iterable[Any]) -> lis
     return [f"{ref}: {p.path}: {p.message}" if p.path else f"{ref}: {p.message}" for p in problems]
 
 
+_REGISTRY = default_registry()
+
+
+def parse_object(obj: Mapping[str, Any]) -> tuple[BaseModel | None, list[str]]:
+    """The API object (any kind poolkeeper knows), or None and the reasons it is invalid, with
+    the same types and rules as the file loader. A pool's status is dropped first: the Gateway
+    controller writes it in its own shape, and it is not ours to read."""
+    api_version, kind = obj.get("apiVersion"), obj.get("kind")
+    entry = _REGISTRY.lookup(str(api_version), str(kind))
+    if entry is None:
+        return None, [f"{kind}/{object_key(obj)}: apiVersion: unsupported {api_version!r}"]
+    data = _strip_server_fields(obj)
+    if kind == ip.KIND:
+        data.pop("status", None)
+    parsed, problems = validate_object(entry.resolve(), data)
+    return parsed, _problems(str(kind), obj, problems)
+
+
 def parse_pool(obj: Mapping[str, Any]) -> tuple[AnyInferencePool | None, list[str]]:
-    """The pool, or None and the reasons it is invalid."""
-    cls: type[AnyInferencePool]
-    api_version = obj.get("apiVersion")
-    if api_version == ip.V1:
-        cls = InferencePoolV1
-    elif api_version == ip.V1ALPHA2:
-        cls = InferencePool
-    else:
-        return None, [f"InferencePool/{object_key(obj)}: apiVersion: unsupported {api_version!r}"]
-    pool, problems = validate_object(cls, _without_status(obj))
-    return pool, _problems(ip.KIND, obj, problems)
+    parsed, problems = parse_object(obj)
+    if parsed is not None and not isinstance(
+        parsed, InferencePoolV1Alpha1 | InferencePool | InferencePoolV1
+    ):
+        return None, [f"InferencePool/{object_key(obj)}: not an InferencePool"]
+    return parsed, problems
 
 
 def parse_model(obj: Mapping[str, Any]) -> tuple[InferenceModel | None, list[str]]:
-    """The model, or None and the reasons it is invalid."""
-    model, problems = validate_object(InferenceModel, _strip_server_fields(obj))
-    return model, _problems(im.KIND, obj, problems)
+    parsed, problems = parse_object(obj)
+    if parsed is not None and not isinstance(parsed, InferenceModel):
+        return None, [f"InferenceModel/{object_key(obj)}: not an InferenceModel"]
+    return parsed, problems
 
 
 def _strip_server_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,13 +186,6 @@ def _strip_server_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
     meta = dict(data.get("metadata") or {})
     meta.pop("selfLink", None)
     data["metadata"] = meta
-    return data
-
-
-def _without_status(obj: Mapping[str, Any]) -> dict[str, Any]:
-    # A pool's status is written by the Gateway controller in its own shape; not ours to read.
-    data = _strip_server_fields(obj)
-    data.pop("status", None)
     return data
 
 

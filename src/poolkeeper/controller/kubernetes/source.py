@@ -2,11 +2,12 @@
 
 The Kubernetes implementation of the `ResourceSource` seam (`controller/source.py`).
 
-start(): list InferencePools (x-k8s v1alpha2 and k8s.io v1; a version the API server does not
-serve counts as empty), InferenceModels (v1alpha2, or v1alpha1 where only that is served) and
-Pods in the namespace, apply them in one datastore write, and yield the GatewayConfig given at
-construction. An unreachable API server is retried with backoff for `start_timeout_s`, then a
-ConfigError says why.
+start(): list InferencePools (x-k8s v1alpha2, or v1alpha1 where only that is served; k8s.io v1),
+InferenceModels (v1alpha2, else v1alpha1), InferenceObjectives and InferenceModelRewrites
+(v1alpha2) and Pods in the namespace (a resource the API server does not serve counts as empty
+and is looked for again later), apply them in one datastore write, and yield the GatewayConfig
+given at construction. An unreachable API server is retried with backoff for
+`start_timeout_s`, then a ConfigError says why.
 
 run(): one follower per kind watches from the list's resourceVersion (bookmarks keep it fresh)
 and applies every event as it comes: a Pod that turns NotReady leaves the datastore on that
@@ -32,7 +33,9 @@ from types import MappingProxyType
 from typing import Any
 
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
+from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import AnyInferencePool
+from poolkeeper.api.rewrite import InferenceModelRewrite
 from poolkeeper.api.status import compute_model_statuses
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.kubernetes.backoff import Backoff
@@ -41,13 +44,16 @@ from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming
 from poolkeeper.controller.kubernetes.objects import (
     MODEL_KINDS,
     POD,
+    POLICY_KINDS,
     POOL_KINDS,
     ObjectCache,
     parse_model,
+    parse_object,
     parse_pool,
     pod_endpoint,
 )
 from poolkeeper.controller.kubernetes.status import StatusWriter
+from poolkeeper.datastore.models import ModelResource
 from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.errors import ConfigError
 
@@ -95,9 +101,10 @@ class KubernetesResourceSource:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._now = now
-        self._pools = {k: ObjectCache(k) for k in POOL_KINDS}
-        self._models = ObjectCache(MODEL_KINDS[0])
-        self._pods = ObjectCache(POD)
+        self._pools = [ObjectCache(kinds[0], kinds) for kinds in POOL_KINDS]
+        self._models = ObjectCache(MODEL_KINDS[0], MODEL_KINDS)
+        self._policies = [ObjectCache(kinds[0], kinds) for kinds in POLICY_KINDS]
+        self._pods = ObjectCache(POD, (POD,))
         self._degraded: set[str] = set()
         self._problems: dict[str, tuple[str, ...]] = {}  # object -> problems logged
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
@@ -134,7 +141,6 @@ class KubernetesResourceSource:
         backoff = self._backoff()
         while True:
             try:
-                await self._negotiate_model_version()
                 for cache in self._caches():
                     await self._list(cache)
                 break
@@ -175,29 +181,26 @@ class KubernetesResourceSource:
     # --- listing and watching ----------------------------------------------------------------
 
     def _caches(self) -> list[ObjectCache]:
-        return [*self._pools.values(), self._models, self._pods]
+        return [*self._pools, self._models, *self._policies, self._pods]
 
     def _backoff(self) -> Backoff:
         s = self.settings
         return Backoff(s.backoff_initial_s, s.backoff_max_s, rng=self._rng)
 
-    async def _negotiate_model_version(self) -> None:
-        """Watch the first InferenceModel version served (one CRD serves the same objects at
-        every version, so watching two would see each model twice)."""
-        for kind in MODEL_KINDS:
+    async def _list(self, cache: ObjectCache) -> list[str]:
+        """List the first served version of the cache's objects, replace and prune. None
+        served (the CRD is not installed): empty, and `version` None so it is looked for again."""
+        items: list[dict[str, Any]] = []
+        version: str | None = None
+        for kind in cache.candidates or (cache.kind,):
             try:
-                await self.api.list(kind)
+                items, version = await self.api.list(kind)
             except NotFound:
                 continue
-            if kind != self._models.kind:
-                self._models = ObjectCache(kind)
-            return
-
-    async def _list(self, cache: ObjectCache) -> list[str]:
-        try:
-            items, version = await self.api.list(cache.kind)
-        except NotFound:  # this version is not served (CRD not installed): nothing of it
-            items, version = [], None
+            if kind != cache.kind:
+                log.info("watching %s (the version the API server serves)", kind)
+                cache.kind = kind
+            break
         pruned = cache.replace(items, version)
         for key in pruned:
             log.info("%s %s vanished while the watch was down; pruned", cache.kind.kind, key)
@@ -260,7 +263,7 @@ class KubernetesResourceSource:
     def current_pools(self) -> list[AnyInferencePool]:
         wanted = set(self.settings.pool_names)
         pools: list[AnyInferencePool] = []
-        for cache in self._pools.values():
+        for cache in self._pools:
             for key, obj in sorted(cache.objects.items()):
                 pool, problems = parse_pool(obj)
                 self._report(f"{cache.kind}/{key}", problems)
@@ -279,6 +282,20 @@ class KubernetesResourceSource:
                 models.append(m)
         return models
 
+    def current_policies(self) -> list[ModelResource]:
+        """InferenceObjectives and InferenceModelRewrites (of the named pools, if any)."""
+        wanted = set(self.settings.pool_names)
+        out: list[ModelResource] = []
+        for cache in self._policies:
+            for key, obj in sorted(cache.objects.items()):
+                parsed, problems = parse_object(obj)
+                self._report(f"{cache.kind}/{key}", problems)
+                if isinstance(parsed, InferenceObjective | InferenceModelRewrite) and (
+                    not wanted or parsed.spec.pool_ref.name in wanted
+                ):
+                    out.append(parsed)
+        return out
+
     def current_endpoints(self) -> list[EndpointSpec]:
         scraping = self.gateway_config.spec.scraping
         specs = (
@@ -292,7 +309,10 @@ class KubernetesResourceSource:
             return
         models = self.current_models()
         snapshot = self._datastore.set_all(
-            self.current_pools(), models, self.current_endpoints(), source="k8s"
+            self.current_pools(),
+            [*models, *self.current_policies()],
+            self.current_endpoints(),
+            source="k8s",
         )
         verdicts = snapshot.model_index.verdicts
         self._models_by_key = {m.key: m for m in models}

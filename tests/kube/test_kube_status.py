@@ -115,9 +115,13 @@ async def test_status_written_once_then_nothing_over_100_resyncs(
                     == rv, "our write to come back as an event")  # fmt: skip
         before = status_writes(fake)
         assert before == 2
-        for _ in range(100):  # what the periodic resync does: reconcile from the cache
+        # The periodic resync (its sleep injected, so it fires on every loop turn) reconciles
+        # every model from the cache: 100 of them write nothing.
+        resyncs = source.resyncs
+        await until(lambda: source.resyncs >= resyncs + 100, "100 resyncs")
+        for _ in range(100):  # and 100 direct reconciles, awaited one by one
             assert await source.reconcile_statuses() == 0
-        assert status_writes(fake) == before  # 0 writes over 100 no-op resyncs
+        assert status_writes(fake) == before  # 0 writes over the no-op resyncs
         # A real change is written once: the pool disappears, both models lose it.
         fake.delete(X, "inferencepools", NS, "pool")
         await until(lambda: accepted(fake, "a") == ("False", "PoolNotFound", 1), "PoolNotFound")

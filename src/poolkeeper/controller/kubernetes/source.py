@@ -118,6 +118,7 @@ class KubernetesResourceSource:
             api, field_manager=settings.identity, allowed=self.elector.is_leader, now=now
         )
         self.relists = 0  # full lists applied after the first sync (for tests and logs)
+        self.resyncs = 0  # periodic status reconciles from the cache
 
     # --- the ResourceSource protocol ---------------------------------------------------------
 
@@ -176,7 +177,8 @@ class KubernetesResourceSource:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)  # the Lease is released
+            await self.api.close()
 
     # --- listing and watching ----------------------------------------------------------------
 
@@ -338,4 +340,5 @@ class KubernetesResourceSource:
     async def _resync_loop(self) -> None:
         while True:
             await self._sleep(self.settings.resync_s)
+            self.resyncs += 1
             self._status_due.set()

@@ -91,6 +91,7 @@ class FakeApiServer:
         self._runner: web.AppRunner | None = None
         self.port = 0
         self.watch_count = 0
+        self.empty_watches = False  # fault: every watch ends at once, without an event
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -298,6 +299,9 @@ class FakeApiServer:
             data = obj if kind in ("ERROR", "BOOKMARK") else self._out(gvp, obj)
             await response.write(json.dumps({"type": kind, "object": data}).encode() + b"\n")
 
+        if self.empty_watches:
+            await response.write_eof()
+            return response
         if since and since < self.compacted:
             await send("ERROR", {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                  "message": f"too old resource version: {since}",

@@ -283,3 +283,24 @@ async def test_seed_era_pools_and_objectives_are_read(
     assert source._pools[0].kind.version == "v1alpha1"
     assert hostports(store) == ["10.0.0.1:8000"]
     assert source.current_policies()[0].name == "urgent"
+
+
+async def test_streams_closed_at_once_are_retried_with_backoff(
+    fake: FakeApiServer, make_source: Factory
+) -> None:
+    seed(fake)
+    sleep = VirtualSleep()
+    source, _ = await make_source(
+        write_status=False, sleep=sleep, backoff_initial_s=0.5, backoff_max_s=8.0
+    )
+    fake.empty_watches = True
+    await source.start()
+    task = asyncio.create_task(source.run())
+    try:
+        await until(lambda: fake.watch_count >= 6 * 8, "eight empty watches per kind")
+        # Each empty stream waited its backoff (0.25 s doubling to 8 s), not a hot loop.
+        assert sleep.slept >= 6 * (0.25 + 0.5 + 1 + 2 + 4)
+        assert source.healthy()  # the server answers: the watch is not degraded
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

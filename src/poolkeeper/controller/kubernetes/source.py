@@ -225,13 +225,19 @@ class KubernetesResourceSource:
                     await self._sleep(self.settings.backoff_max_s)
                     relist = True
                     continue
+                events = 0
                 async for event_type, obj in self.api.watch(
                     cache.kind, cache.version, timeout_s=self.settings.watch_timeout_s
                 ):
+                    events += 1
                     backoff.reset()
                     if cache.apply_event(event_type, obj):
                         self._apply(resources=cache.kind is not POD)
-                # The server ended the watch (timeoutSeconds): resume from the last version.
+                # The server ended the watch (timeoutSeconds): resume from the last version;
+                # after a stream with no event at all, not at once (no hot loop against a
+                # server that keeps closing streams).
+                if not events:
+                    await self._sleep(backoff.next())
             except asyncio.CancelledError:
                 raise
             except Gone:

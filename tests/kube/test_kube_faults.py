@@ -92,7 +92,7 @@ async def test_flapping_ready_ends_in_the_api_state(
     async with running(source, fake):
         for flip in range(22):  # ends Ready
             fake.put(pod_obj("p0", "10.0.0.1", ready=flip % 2 == 1), "pods")
-        await until(lambda: fake.rv == int(source._pods.version or 0), "the last event")
+        await until(lambda: fake.rv == int(source.state.pods_cache.version or 0), "the last event")
         assert hostports(store) == api_endpoints(fake) == ["10.0.0.1:8000", "10.0.0.2:8000",
                                                            "10.0.0.3:8000"]  # fmt: skip
         # Deleting and pending pods (no IP) are no endpoints either.
@@ -142,7 +142,9 @@ async def test_bookmarks_move_the_resume_version(fake: FakeApiServer, make_sourc
     async with running(source, fake):
         fake.put(pool_obj("other", app="other"), "inferencepools")  # no pod event, newer version
         fake.bookmark()
-        await until(lambda: source._pods.version == str(fake.rv), "the bookmark's version")
+        await until(
+            lambda: source.state.pods_cache.version == str(fake.rv), "the bookmark's version"
+        )
         assert any("allowWatchBookmarks=true" in r for r in fake.requests)
         # History before the bookmark is compacted: resuming from the bookmark needs no re-list.
         fake.compact(upto=fake.rv)
@@ -234,7 +236,7 @@ async def test_served_model_version_is_negotiated(
     fake.put(old, "inferencemodels")
     source, store = await make_source(write_status=False)
     await source.start()
-    assert source._models.kind.version == "v1alpha1"
+    assert source.state.models_cache.kind.version == "v1alpha1"
     assert store.snapshot().resolve("phi") is not None
     assert store.snapshot().resolve("llama") is not None
 
@@ -280,9 +282,9 @@ async def test_seed_era_pools_and_objectives_are_read(
     fake.put(objective, "inferenceobjectives")
     source, store = await make_source(write_status=False)
     await source.start()
-    assert source._pools[0].kind.version == "v1alpha1"
+    assert source.state.pool_caches[0].kind.version == "v1alpha1"
     assert hostports(store) == ["10.0.0.1:8000"]
-    assert source.current_policies()[0].name == "urgent"
+    assert source.state.policies()[0].name == "urgent"
 
 
 async def test_streams_closed_at_once_are_retried_with_backoff(

@@ -111,8 +111,11 @@ async def test_status_written_once_then_nothing_over_100_resyncs(
         assert accepted(fake, "a") == ("True", "Accepted", 1)
         assert accepted(fake, "b") == ("False", "ModelNameInUse", 1)
         rv = fake.get(X, "inferencemodels", NS, "b")["metadata"]["resourceVersion"]
-        await until(lambda: source._models.objects["default/b"]["metadata"]["resourceVersion"]
-                    == rv, "our write to come back as an event")  # fmt: skip
+        models = source.state.models_cache
+        await until(
+            lambda: models.objects["default/b"]["metadata"]["resourceVersion"] == rv,
+            "our write to come back as an event",
+        )
         before = status_writes(fake)
         assert before == 2
         # The periodic resync (its sleep injected, so it fires on every loop turn) reconciles
@@ -146,7 +149,7 @@ async def test_conflict_rereads_and_writes_the_new_generation(
     fake.put(edited, "inferencemodels")
     verdicts = source._datastore.snapshot().model_index.verdicts
     writer = source.status_writer
-    assert await writer.reconcile(source._models.kind, stale, verdicts) == 2
+    assert await writer.reconcile(source.state.models_cache.kind, stale, verdicts) == 2
     assert writer.conflicts == 1  # a's patch carried the old resourceVersion
     assert accepted(fake, "a") == ("True", "Accepted", 2)  # re-read: observes generation 2
 
@@ -165,7 +168,7 @@ async def test_injected_409s_are_bounded_then_left_to_the_next_event(
     source._apply(resources=True)
     fake.conflicts = 10
     fake.delete(X, "inferencepools", NS, "pool")
-    source._pools[0].objects.clear()
+    source.state.pool_caches[0].objects.clear()
     source._apply(resources=True)
     patches = sum(1 for r in fake.requests if r.startswith("PATCH"))
     assert await source.reconcile_statuses() == 0
@@ -219,7 +222,7 @@ async def test_two_replicas_never_both_write_across_a_handover(
     # A status change now is b's to write.
     fake.delete(X, "inferencepools", NS, "pool")
     for src in (src_a, src_b):
-        src._pools[0].objects.clear()
+        src.state.pool_caches[0].objects.clear()
         src._apply(resources=True)
     await step(1.0)
     writers = [n for _, n in timeline]

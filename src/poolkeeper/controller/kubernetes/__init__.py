@@ -2,6 +2,7 @@
 
     objects.py   pure core: API dicts → pools, models, endpoint specs; per-kind caches
     client.py    KubeApi: list / watch / get / patch status / Lease writes (lightkube)
+    state.py     ClusterState: the caches and their datastore view (pools, models, endpoints)
     source.py    KubernetesResourceSource: list, then watch; re-list and prune on failure
     status.py    StatusWriter: Accepted conditions, only when changed, 409-safe
     leader.py    LeaderElector: one status writer at a time (coordination.k8s.io Lease)

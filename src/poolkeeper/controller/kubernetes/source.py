@@ -33,28 +33,15 @@ from types import MappingProxyType
 from typing import Any
 
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
-from poolkeeper.api.objective import InferenceObjective
-from poolkeeper.api.pool import AnyInferencePool
-from poolkeeper.api.rewrite import InferenceModelRewrite
 from poolkeeper.api.status import compute_model_statuses
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.kubernetes.backoff import Backoff
 from poolkeeper.controller.kubernetes.client import ApiUnavailable, Gone, KubeApi, NotFound
 from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming
-from poolkeeper.controller.kubernetes.objects import (
-    MODEL_KINDS,
-    POD,
-    POLICY_KINDS,
-    POOL_KINDS,
-    ObjectCache,
-    parse_model,
-    parse_object,
-    parse_pool,
-    pod_endpoint,
-)
+from poolkeeper.controller.kubernetes.objects import ObjectCache
+from poolkeeper.controller.kubernetes.state import ClusterState
 from poolkeeper.controller.kubernetes.status import StatusWriter
-from poolkeeper.datastore.models import ModelResource
-from poolkeeper.datastore.store import Datastore, EndpointSpec
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
 
 __all__ = ["KubeSettings", "KubernetesResourceSource"]
@@ -101,12 +88,8 @@ class KubernetesResourceSource:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._now = now
-        self._pools = [ObjectCache(kinds[0], kinds) for kinds in POOL_KINDS]
-        self._models = ObjectCache(MODEL_KINDS[0], MODEL_KINDS)
-        self._policies = [ObjectCache(kinds[0], kinds) for kinds in POLICY_KINDS]
-        self._pods = ObjectCache(POD, (POD,))
+        self.state = ClusterState(settings.pool_names, self.gateway_config.spec.scraping.engine_for)
         self._degraded: set[str] = set()
-        self._problems: dict[str, tuple[str, ...]] = {}  # object -> problems logged
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
         self._models_by_key: dict[str, InferenceModel] = {}
         self._status_due = asyncio.Event()
@@ -183,7 +166,7 @@ class KubernetesResourceSource:
     # --- listing and watching ----------------------------------------------------------------
 
     def _caches(self) -> list[ObjectCache]:
-        return [*self._pools, self._models, *self._policies, self._pods]
+        return self.state.caches()
 
     def _backoff(self) -> Backoff:
         s = self.settings
@@ -218,7 +201,7 @@ class KubernetesResourceSource:
                 if relist or cache.version is None:
                     await self._list(cache)
                     self.relists += 1
-                    self._apply(resources=cache.kind is not POD)
+                    self._apply(resources=cache is not self.state.pods_cache)
                     relist = False
                 self._degraded.discard(name)
                 if cache.version is None:  # not served: look again later
@@ -232,7 +215,7 @@ class KubernetesResourceSource:
                     events += 1
                     backoff.reset()
                     if cache.apply_event(event_type, obj):
-                        self._apply(resources=cache.kind is not POD)
+                        self._apply(resources=cache is not self.state.pods_cache)
                 # The server ended the watch (timeoutSeconds): resume from the last version;
                 # after a stream with no event at all, not at once (no hot loop against a
                 # server that keeps closing streams).
@@ -259,68 +242,14 @@ class KubernetesResourceSource:
 
     # --- applying to the datastore -----------------------------------------------------------
 
-    def _report(self, key: str, problems: list[str]) -> None:
-        if tuple(problems) != self._problems.get(key, ()):
-            for problem in problems:
-                log.error("ignoring invalid object: %s", problem)
-        if problems:
-            self._problems[key] = tuple(problems)
-        else:
-            self._problems.pop(key, None)
-
-    def current_pools(self) -> list[AnyInferencePool]:
-        wanted = set(self.settings.pool_names)
-        pools: list[AnyInferencePool] = []
-        for cache in self._pools:
-            for key, obj in sorted(cache.objects.items()):
-                pool, problems = parse_pool(obj)
-                self._report(f"{cache.kind}/{key}", problems)
-                if pool is not None and (not wanted or pool.name in wanted):
-                    pools.append(pool)
-        return pools
-
-    def current_models(self) -> list[InferenceModel]:
-        wanted = set(self.settings.pool_names)
-        models: list[InferenceModel] = []
-        for key, obj in sorted(self._models.objects.items()):
-            m, problems = parse_model(obj)
-            self._report(f"{self._models.kind}/{key}", problems)
-            # With named pools, models of other pools belong to another EPP: not ours to judge.
-            if m is not None and (not wanted or m.spec.pool_ref.name in wanted):
-                models.append(m)
-        return models
-
-    def current_policies(self) -> list[ModelResource]:
-        """InferenceObjectives and InferenceModelRewrites (of the named pools, if any)."""
-        wanted = set(self.settings.pool_names)
-        out: list[ModelResource] = []
-        for cache in self._policies:
-            for key, obj in sorted(cache.objects.items()):
-                parsed, problems = parse_object(obj)
-                self._report(f"{cache.kind}/{key}", problems)
-                if isinstance(parsed, InferenceObjective | InferenceModelRewrite) and (
-                    not wanted or parsed.spec.pool_ref.name in wanted
-                ):
-                    out.append(parsed)
-        return out
-
-    def current_endpoints(self) -> list[EndpointSpec]:
-        scraping = self.gateway_config.spec.scraping
-        specs = (
-            pod_endpoint(pod, scraping.engine_for) for _, pod in sorted(self._pods.objects.items())
-        )
-        return [s for s in specs if s is not None]
-
     def _apply(self, *, resources: bool) -> None:
+        state = self.state
         if not resources:
-            self._datastore.set_endpoints(self.current_endpoints(), source="k8s")
+            self._datastore.set_endpoints(state.endpoints(), source="k8s")
             return
-        models = self.current_models()
+        models = state.models()
         snapshot = self._datastore.set_all(
-            self.current_pools(),
-            [*models, *self.current_policies()],
-            self.current_endpoints(),
-            source="k8s",
+            state.pools(), [*models, *state.policies()], state.endpoints(), source="k8s"
         )
         verdicts = snapshot.model_index.verdicts
         self._models_by_key = {m.key: m for m in models}
@@ -334,7 +263,8 @@ class KubernetesResourceSource:
         if not self.settings.write_status or not self.elector.is_leader():
             return 0
         verdicts = self._datastore.snapshot().model_index.verdicts
-        return await self.status_writer.reconcile(self._models.kind, self._models_by_key, verdicts)
+        kind = self.state.models_cache.kind
+        return await self.status_writer.reconcile(kind, self._models_by_key, verdicts)
 
     async def _write_statuses(self) -> None:
         while True:

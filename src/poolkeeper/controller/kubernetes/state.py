@@ -1,0 +1,106 @@
+"""`ClusterState`: the objects the Kubernetes source has seen, and what they mean for the
+datastore (pure: no I/O; the source's watch loops fill the caches).
+
+One `ObjectCache` per set of objects: the x-k8s and the k8s.io InferencePools, the
+InferenceModels, the InferenceObjectives, the InferenceModelRewrites and the Pods. The views
+parse each object with the API types (invalid ones are left out and logged once per change of
+their problems), keep only the named pools and what references them (`--pool`), and turn Ready
+Pods into endpoint specs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from poolkeeper.api.model import InferenceModel
+from poolkeeper.api.objective import InferenceObjective
+from poolkeeper.api.pool import AnyInferencePool
+from poolkeeper.api.rewrite import InferenceModelRewrite
+from poolkeeper.controller.kubernetes.objects import (
+    MODEL_KINDS,
+    POD,
+    POLICY_KINDS,
+    POOL_KINDS,
+    ObjectCache,
+    parse_model,
+    parse_object,
+    parse_pool,
+    pod_endpoint,
+)
+from poolkeeper.datastore.models import ModelResource
+from poolkeeper.datastore.store import EndpointSpec
+
+__all__ = ["ClusterState"]
+
+log = logging.getLogger(__name__)
+
+
+class ClusterState:
+    """The caches of one namespace and their datastore view."""
+
+    def __init__(
+        self, pool_names: Sequence[str], engine_for: Callable[[Mapping[str, str]], str]
+    ) -> None:
+        self.wanted = frozenset(pool_names)  # empty: every pool
+        self.engine_for = engine_for
+        self.pool_caches = [ObjectCache(kinds[0], kinds) for kinds in POOL_KINDS]
+        self.models_cache = ObjectCache(MODEL_KINDS[0], MODEL_KINDS)
+        self.policy_caches = [ObjectCache(kinds[0], kinds) for kinds in POLICY_KINDS]
+        self.pods_cache = ObjectCache(POD, (POD,))
+        self._problems: dict[str, tuple[str, ...]] = {}  # object -> problems logged
+
+    def caches(self) -> list[ObjectCache]:
+        return [*self.pool_caches, self.models_cache, *self.policy_caches, self.pods_cache]
+
+    def _ours(self, pool_name: str) -> bool:
+        return not self.wanted or pool_name in self.wanted
+
+    def _report(self, key: str, problems: list[str]) -> None:
+        if tuple(problems) != self._problems.get(key, ()):
+            for problem in problems:
+                log.error("ignoring invalid object: %s", problem)
+        if problems:
+            self._problems[key] = tuple(problems)
+        else:
+            self._problems.pop(key, None)
+
+    def pools(self) -> list[AnyInferencePool]:
+        out: list[AnyInferencePool] = []
+        for cache in self.pool_caches:
+            for key, obj in sorted(cache.objects.items()):
+                pool, problems = parse_pool(obj)
+                self._report(f"{cache.kind}/{key}", problems)
+                if pool is not None and self._ours(pool.name):
+                    out.append(pool)
+        return out
+
+    def models(self) -> list[InferenceModel]:
+        """With named pools, models of other pools belong to another EPP: not ours to judge."""
+        cache = self.models_cache
+        out: list[InferenceModel] = []
+        for key, obj in sorted(cache.objects.items()):
+            model, problems = parse_model(obj)
+            self._report(f"{cache.kind}/{key}", problems)
+            if model is not None and self._ours(model.spec.pool_ref.name):
+                out.append(model)
+        return out
+
+    def policies(self) -> list[ModelResource]:
+        """InferenceObjectives and InferenceModelRewrites (of the named pools, if any)."""
+        out: list[ModelResource] = []
+        for cache in self.policy_caches:
+            for key, obj in sorted(cache.objects.items()):
+                parsed, problems = parse_object(obj)
+                self._report(f"{cache.kind}/{key}", problems)
+                if isinstance(parsed, InferenceObjective | InferenceModelRewrite) and self._ours(
+                    parsed.spec.pool_ref.name
+                ):
+                    out.append(parsed)
+        return out
+
+    def endpoints(self) -> list[EndpointSpec]:
+        specs = (
+            pod_endpoint(pod, self.engine_for) for _, pod in sorted(self.pods_cache.objects.items())
+        )
+        return [s for s in specs if s is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -158,3 +159,23 @@ def test_apply_matches_a_naive_recount(ops: list[tuple[str, int, int, int]]) -> 
             assert got.inflight_tokens == sum(t for t, _ in mine)
             assert got.unseen_requests == len(unseen)
             assert got.unseen_tokens == sum(t for t, _ in unseen)
+
+
+def test_a_new_pod_at_a_reused_address_starts_clean() -> None:
+    tracker = InflightTracker()
+    old = state(1)
+    tracker.apply([old])  # the tracker notes which pod sits at 10.0.0.1:8000
+    tracker.start("r1", key(1), 50, now=1.0)
+    tracker.start("r2", key(1), 70, now=1.1)
+    tracker.finish("r2", now=2.0, output_tokens=10)  # an observed speed for the old pod
+    assert tracker.apply([old])[0].inflight_requests == 1
+    new_pod = replace(old, endpoint=replace(old.endpoint, name="another-pod"))
+    fresh = tracker.apply([new_pod])[0]
+    assert fresh.inflight_requests == 0
+    assert fresh.inflight_tokens == 0
+    assert fresh.seconds_per_output_token is None
+    assert tracker.finish("r1") is False  # the old pod's request no longer counts
+    assert len(tracker) == 0
+    # The same pod again (same name and namespace) keeps its counts.
+    tracker.start("r3", key(1), 10, now=3.0)
+    assert tracker.apply([new_pod])[0].inflight_requests == 1

@@ -84,6 +84,7 @@ class FakeApiServer:
         self.watchers: list[_Watcher] = []
         self.writes: list[Write] = []
         self.requests: list[str] = []
+        self.headers_seen: list[tuple[str, ...]] = []
         self.conflicts = 0
         self.unserved: set[tuple[str, str, str]] = set()
         self._lose_delete = 0
@@ -231,6 +232,7 @@ class FakeApiServer:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(f"{request.method} {request.path_qs}")
+        self.headers_seen.append(tuple(request.headers))
         route = self._route(request.path)
         if route is None or route[0] not in SERVED or route[0] in self.unserved:
             return status(404, "NotFound", f"the server could not find {request.path}")

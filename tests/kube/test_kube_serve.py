@@ -11,13 +11,21 @@ import argparse
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from poolkeeper.cli import serve as serve_cli
 from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.controller.kubernetes import KubeSettings, kubernetes_source, load_config
+from poolkeeper.controller.kubernetes import (
+    KubernetesResourceSource,
+    KubeSettings,
+    kubernetes_source,
+    load_config,
+)
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -115,3 +123,50 @@ def test_serve_flags_are_checked(
     args = _parse(*argv)
     assert args.handler(args) == 2
     assert message in capsys.readouterr().err
+
+
+async def test_serve_flags_build_the_source_from_a_kubeconfig(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    fake.put(pool_obj(), "inferencepools")
+    fake.put(pool_obj("other", app="other"), "inferencepools")
+    fake.put(pod_obj("p0", "10.0.0.1"), "pods")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
+                "users": [{"name": "me", "user": {"token": "not-checked"}}],
+                "contexts": [
+                    {"name": "fake", "context": {"cluster": "fake", "user": "me", "namespace": NS}}
+                ],
+                "current-context": "fake",
+            }
+        )
+    )
+    gw = tmp_path / "gw.yaml"
+    gw.write_text(
+        "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\n"
+        "spec: {listeners: {address: 0.0.0.0}}\n"
+    )
+    args = _parse(
+        "--kubernetes", "--kubeconfig", str(kubeconfig), "--pool", "pool", "-f", str(gw),
+        "--identity", "epp-test", "--no-status",
+    )  # fmt: skip
+    factory = serve_cli._source(args)
+    store = Datastore()
+    source = factory(store)
+    assert isinstance(source, KubernetesResourceSource)
+    assert source.settings.namespace == NS  # from the kubeconfig context
+    assert source.settings.identity == "epp-test"
+    assert not source.settings.write_status
+    config = await source.start()
+    try:
+        assert config.spec.listeners.address == "0.0.0.0"
+        assert store.snapshot().pool_keys() == ("default/pool",)
+        assert [e.hostport for e in store.snapshot().endpoints("default/pool")] == ["10.0.0.1:8000"]
+        assert any("Authorization" in h for h in fake.headers_seen)
+    finally:
+        await source.api.close()

@@ -168,3 +168,28 @@ def test_multiline_json_data_is_still_one_message() -> None:
     out, sse = _run(event, 5, strip=False)
     assert sse.usage == Usage(prompt_tokens=3, completion_tokens=1)
     assert out == event
+
+
+def _crlf(event: bytes) -> bytes:
+    return event.replace(b"\n\n", b"\r\n\r\n")
+
+
+# Servers and proxies may mix event endings within one stream. Each event ends at the first
+# ending found, whichever kind it is: taking a later one would glue two events together.
+MIXED_STREAMS = {
+    "lf-then-crlf": CONTENT[0] + _crlf(CONTENT[1]) + _crlf(USAGE_CHUNK) + DONE,
+    "crlf-then-lf": _crlf(CONTENT[0]) + CONTENT[1] + USAGE_CHUNK + _crlf(DONE),
+    "alternating": CONTENT[0] + _crlf(CONTENT[1]) + USAGE_CHUNK + _crlf(DONE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_STREAMS))
+def test_mixed_event_endings_split_at_the_first_ending(name: str) -> None:
+    stream = MIXED_STREAMS[name]
+    for cut in (0, len(stream) // 2, len(stream)):
+        out, f = _run(stream, cut, strip=True)
+        assert f.usage == EXPECTED, (name, cut)
+        assert f.saw_done, (name, cut)
+        assert b'"choices": []' not in out, (name, cut)  # the injected chunk never leaks
+        assert out.count(b"data: ") == 3, (name, cut)  # two content chunks and [DONE]
+        assert f.events == 4, (name, cut)

@@ -59,6 +59,10 @@ class FakeRouter:
                 raise
         if model == "shed":
             raise RequestShed("pool saturated")
+        if model == "boom":  # a bug in the router: anything but a GatewayError
+            raise RuntimeError("router bug with a secret detail")
+        if model == "nowhere":
+            return RoutingDecision(request.request_id, (), "default/pool", model_name=model)
         if model not in ("base", "split", "slow"):
             raise ModelNotFound(f"model {model!r} not found")
         if not pods:

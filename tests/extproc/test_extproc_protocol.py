@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -12,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper.extproc.contracts import ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.state import Exchange
 from poolkeeper.requestcontrol.types import Usage
 from tests.extproc.extproc_fakes import (
     BUFFERED,
@@ -33,8 +36,16 @@ def router() -> FakeRouter:
 
 
 @pytest.fixture
-async def envoy(router: FakeRouter) -> AsyncIterator[FakeEnvoy]:
-    servicer = ExtProcServicer(router, settings=ExtProcSettings(body_chunk_bytes=62_000))
+def ended() -> list[Exchange]:
+    """Exchanges whose gRPC stream has ended, appended after their `close()` ran."""
+    return []
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    router: FakeRouter, ended: list[Exchange], settings: ExtProcSettings
+) -> AsyncIterator[FakeEnvoy]:
+    servicer = ExtProcServicer(router, settings=settings, on_stream_end=ended.append)
     server, port = build_server(servicer, "127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -43,6 +54,20 @@ async def envoy(router: FakeRouter) -> AsyncIterator[FakeEnvoy]:
     finally:
         await channel.close()
         await server.stop(None)
+
+
+@pytest.fixture
+async def envoy(router: FakeRouter, ended: list[Exchange]) -> AsyncIterator[FakeEnvoy]:
+    async with _serving(router, ended, ExtProcSettings(body_chunk_bytes=62_000)) as envoy:
+        yield envoy
+
+
+async def _until(condition: Callable[[], object], polls: int = 2000) -> None:
+    """Polls `condition` every 5 ms until it is true; the bound (10 s) only ends a failing test."""
+    for _ in range(polls):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
 
 
 def _set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
@@ -354,14 +379,30 @@ async def test_error_status_from_model_server_is_recorded(
     call.cancel()
 
 
-async def test_cancel_after_routing_releases_once(envoy: FakeEnvoy, router: FakeRouter) -> None:
+async def test_cancel_after_routing_releases_once(
+    envoy: FakeEnvoy, router: FakeRouter, ended: list[Exchange]
+) -> None:
     call, _ = await _streamed_request(envoy, b'{"model": "base"}', piece=100)
+    assert router.completed == []  # routed, not yet released
     call.cancel()
-    for _ in range(100):
-        if router.completed:
-            break
-        await asyncio.sleep(0.01)
+    # Wait for the end of the server's stream handling (after `close()`), not for the first
+    # release: a second release would come before this point and be counted below.
+    await _until(lambda: ended)
+    assert len(ended) == 1
     assert [c[1] for c in router.completed] == [499]
+
+
+async def test_finished_response_is_released_once_when_the_stream_ends(
+    envoy: FakeEnvoy, router: FakeRouter, ended: list[Exchange]
+) -> None:
+    call, _ = await _streamed_request(envoy, b'{"model": "base"}', piece=100)
+    await call.write(headers_msg({":status": "200"}, response=True, eos=True))
+    await _read(call, 1)
+    assert [c[1] for c in router.completed] == [200]  # released when the response ended
+    await call.done_writing()
+    await _until(lambda: ended)
+    assert len(ended) == 1
+    assert [c[1] for c in router.completed] == [200]  # and not again by close()
 
 
 async def test_cancel_while_routing_cancels_the_router(
@@ -525,4 +566,84 @@ async def test_held_json_is_flushed_before_trailers(envoy: FakeEnvoy, router: Fa
     body = flushed.response_body.response.body_mutation.streamed_response.body
     assert body == b'{"model": "split"}'
     assert trailers.WhichOneof("response") == "response_trailers"
+    call.cancel()
+
+
+async def test_streamed_body_over_the_limit_is_413_without_routing(
+    router: FakeRouter, ended: list[Exchange]
+) -> None:
+    settings = ExtProcSettings(max_request_body_bytes=64)
+    at_limit = json.dumps({"model": "base", "pad": "x" * 36}).encode()
+    assert len(at_limit) == 64
+    async with _serving(router, ended, settings) as envoy:
+        call, replies = await _streamed_request(envoy, at_limit, piece=10)
+        assert replies[0].WhichOneof("response") == "request_headers"  # exactly the limit: fine
+        call.cancel()
+        over = json.dumps({"model": "base", "pad": "x" * 37}).encode()
+        call, replies = await _streamed_request(envoy, over, piece=10)
+        (reply,) = replies
+        assert reply.immediate_response.status.code == 413
+        err = json.loads(reply.immediate_response.body)["error"]
+        assert err["code"] == "request_too_large"
+        await call.done_writing()
+        await _until(lambda: len(ended) == 2)
+    assert len(router.routed) == 1  # only the request at the limit reached the router
+    assert [c[1] for c in router.completed] == [499]  # that one, cancelled; the 413 held nothing
+
+
+@pytest.mark.parametrize(
+    ("model", "logged"),
+    [("boom", "routing failed"), ("nowhere", "rejected")],
+)
+async def test_router_failure_is_a_500_that_hides_the_details(
+    envoy: FakeEnvoy,
+    router: FakeRouter,
+    ended: list[Exchange],
+    caplog: pytest.LogCaptureFixture,
+    model: str,
+    logged: str,
+) -> None:
+    caplog.set_level(logging.INFO, logger="poolkeeper")
+    call, replies = await _streamed_request(envoy, json.dumps({"model": model}).encode(), piece=4)
+    (reply,) = replies
+    imm = reply.immediate_response
+    assert imm.status.code == 500
+    err = json.loads(imm.body)["error"]
+    assert err["type"] == "internal_error"
+    assert "secret" not in imm.body.decode()
+    assert logged in caplog.text
+    await call.done_writing()
+    await _until(lambda: ended)
+    assert router.completed == []  # nothing was admitted, so nothing to release
+
+
+async def test_request_body_ended_by_trailers(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    call = envoy.open()
+    await call.write(headers_msg(post_headers(), mode=STREAMED))
+    await call.write(body_msg(CHAT[:10], eos=False))
+    await call.write(body_msg(CHAT[10:], eos=False))
+    await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    head, body, trailers = await _read(call, 3)
+    assert _set_headers(head.request_headers.response.header_mutation)[DEST] == PODS[0]
+    streamed = body.request_body.response.body_mutation.streamed_response
+    assert not streamed.end_of_stream  # the trailers end the stream, not the body
+    assert json.loads(streamed.body)["model"] == "adapter-1"
+    assert trailers.WhichOneof("response") == "request_trailers"
+    assert router.routed[-1].body == CHAT
+    call.cancel()
+
+
+async def test_request_trailers_after_a_buffered_body_are_answered(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    call = envoy.open()
+    await call.write(headers_msg(post_headers(), mode=BUFFERED))
+    await _read(call, 1)
+    await call.write(body_msg(CHAT, eos=True))
+    (routed,) = await _read(call, 1)
+    assert _set_headers(routed.request_body.response.header_mutation)[DEST] == PODS[0]
+    await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    (trailers,) = await _read(call, 1)
+    assert trailers.WhichOneof("response") == "request_trailers"
+    assert len(router.routed) == 1  # the trailers did not route the request again
     call.cancel()

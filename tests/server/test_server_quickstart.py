@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
+from collections import Counter
 
 import pytest
 from rich.console import Console
@@ -25,7 +27,28 @@ def _args(**overrides: object) -> argparse.Namespace:
 async def test_quickstart_demo_reports_where_requests_went() -> None:
     out = io.StringIO()
     console = Console(file=out, width=140, force_terminal=False)
-    assert await qs.quickstart(_args(), console) == 0
+    record = qs.DemoRecord()
+    # Servers twice as slow as the default calibration: the 48-wide burst queues on the
+    # 3 x 4 running slots on any machine, so the pool saturates and shedding is exercised, which
+    # is what makes "Critical is never shed" a check rather than a given.
+    args = _args(requests=200, time_scale=2.0)
+    assert await qs.quickstart(args, console, record) == 0
+    outcomes = record.outcomes
+    assert len(outcomes) == 200
+    assert [o for o in outcomes if o.status not in (200, 429)] == []  # errors: 0
+    by_criticality: dict[str, Counter[int]] = {}
+    for o in outcomes:
+        by_criticality.setdefault(o.criticality, Counter())[o.status] += 1
+    assert by_criticality["Critical"] == Counter({200: 50})  # never shed
+    # Standard is shed only from 8x the queue threshold, out of reach of this burst.
+    assert by_criticality["Standard"] == Counter({200: 90})
+    assert by_criticality["Sheddable"][429] >= 1  # the pool did saturate
+    assert sum(by_criticality["Sheddable"].values()) == 60
+    # The 70/30 split, within 4 binomial standard deviations (n = 90: +-17 requests).
+    targets = record.split  # counted by the gateway: responses carry the client's model name
+    assert set(targets) == {"food-review-v1", "food-review-v2"}
+    n = targets.total()
+    assert abs(targets["food-review-v1"] - 0.7 * n) <= 4 * math.sqrt(n * 0.7 * 0.3), targets
     text = out.getvalue()
     assert "gateway ready" in text
     assert "Where requests went" in text

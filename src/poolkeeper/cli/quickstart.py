@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,15 @@ class Outcome:
     status: int
     seconds: float
     served: str  # ip:port or ""
+
+
+@dataclass
+class DemoRecord:
+    """What one demo run measured: every request's outcome, and the weighted split of
+    food-review by target model (from the gateway's metrics)."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    split: Counter[str] = field(default_factory=Counter)
 
 
 def write_resources(directory: Path, sim_ports: list[int]) -> dict[str, int]:
@@ -265,7 +274,11 @@ def report(
         console.print(f"food-review weighted split (70/30 configured): {shares}")
 
 
-async def quickstart(args: argparse.Namespace, console: Console) -> int:
+async def quickstart(
+    args: argparse.Namespace, console: Console, record: DemoRecord | None = None
+) -> int:
+    """Runs the demo (and then serves unless --no-serve); what the demo measured goes into
+    `record` when given, so a caller can check it rather than the printed tables."""
     # Few running slots per server, so the demo's burst queues up and the pool saturates:
     # that is when Sheddable requests are shed and Critical ones still get through.
     settings = ServerSettings(
@@ -304,13 +317,16 @@ async def quickstart(args: argparse.Namespace, console: Console) -> int:
             assert runtime.config is not None  # set by start()
             listeners = runtime.config.spec.listeners
             console.print(f"[bold green]gateway ready[/] on {url} (config in {directory})")
-            outcomes = await drive_load(url, args.requests, args.concurrency, args.seed, console)
+            results = await drive_load(url, args.requests, args.concurrency, args.seed, console)
             sims = {f"127.0.0.1:{w.port}": w.name for w in listening}
             assert runtime.metrics is not None
             split = split_from_metrics(runtime.metrics.render().decode(), "food-review")
-            report(outcomes, sims, console, split)
+            report(results, sims, console, split)
+            if record is not None:
+                record.outcomes.extend(results)
+                record.split.update(split)
             if args.no_serve:
-                return 0 if any(o.status == 200 for o in outcomes) else 1
+                return 0 if any(o.status == 200 for o in results) else 1
             console.print(
                 "\nTry it:\n"
                 f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json' "

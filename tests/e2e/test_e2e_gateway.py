@@ -1,8 +1,9 @@
 """End to end: the official openai client → real Envoy → `poolkeeper serve` (EPP) → simulators.
 
-One gateway (three pools: a LoRA-serving fleet, a one-slot pool that saturates, and a pool with
-no endpoints) is shared by the module; the EPP-killed cases start their own small gateways over
-the same simulators, then SIGKILL the EPP process while its Envoy keeps running.
+One gateway is shared by the module, with four pools: a LoRA-serving fleet; three real-speed
+servers with one adapter slot each, whose adapters the LoRA test sets up; a one-slot pool that
+saturates; and a pool with no endpoints. The EPP-killed cases start their own small gateways
+over the same simulators, then SIGKILL the EPP process while its Envoy keeps running.
 """
 
 from __future__ import annotations
@@ -43,12 +44,17 @@ BASE = "meta-llama/Llama-3.1-8B-Instruct"
 ADAPTERS = ("food-review-v1", "food-review-v2", "tweet-summary-1")
 DEST = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
+# The "adapters" pool: one adapter slot per server (--max-loras 1), real speed, a small KV cache.
+LORA_ONLY = ("lora-a", "lora-b", "lora-c")
+HOLDER_PROMPT_TOKENS = 8000  # 500 of the 2000 KV blocks while its request runs
+HOLDER_MAX_TOKENS = 1500  # about 10 s of decoding; adds at most 94 blocks
 
 
 @dataclass
 class Fleet:
     ports: list[int]  # the LoRA fleet (app: sim)
     tiny_port: int  # one slow single-slot server (app: tiny)
+    lora_ports: list[int]  # three real-speed servers, one adapter slot each (app: lora)
     procs: list[Proc]
 
 
@@ -78,6 +84,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("sims")
     ports = free_ports(3, consecutive=True)
     (tiny_port,) = free_ports(1)
+    lora_ports = free_ports(3, consecutive=True)
     main = poolkeeper(
         ["sim", "--count", "3", "--port", str(ports[0]), "--lora-adapters", ",".join(ADAPTERS),
          "--max-loras", "2", "--time-scale", "0.02", "--seed", "1"],
@@ -88,12 +95,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
          "--max-num-seqs", "1"],
         logs / "tiny.log",
     )  # fmt: skip
-    procs = [main, tiny]
+    lora = poolkeeper(
+        ["sim", "--count", "3", "--port", str(lora_ports[0]),
+         "--lora-adapters", ",".join(LORA_ONLY), "--max-loras", "1", "--num-gpu-blocks", "2000",
+         "--seed", "2"],
+        logs / "lora.log",
+    )  # fmt: skip
+    procs = [main, tiny, lora]
     try:
         for port in ports:
             wait_for_port(port, main)
         wait_for_port(tiny_port, tiny)
-        yield Fleet(ports, tiny_port, procs)
+        for port in lora_ports:
+            wait_for_port(port, lora)
+        yield Fleet(ports, tiny_port, lora_ports, procs)
     finally:
         for p in procs:
             p.stop()
@@ -116,11 +131,14 @@ def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     ports = gateway_ports()
     endpoints = [(f"sim-{i}", p, "sim") for i, p in enumerate(fleet.ports)]
     endpoints.append(("tiny-0", fleet.tiny_port, "tiny"))
+    endpoints += [(f"lora-{i}", p, "lora") for i, p in enumerate(fleet.lora_ports)]
     docs = [
         gateway_doc(ports, endpoints),
         POOL.format(name="fleet", app="sim", failure_mode="FailClose"),
         POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
         POOL.format(name="empty", app="nothing-selected", failure_mode="FailClose"),
+        POOL.format(name="adapters", app="lora", failure_mode="FailClose"),
+        *(model_doc(adapter, "adapters", "Critical") for adapter in LORA_ONLY),
         model_doc(BASE, "fleet", "Critical"),
         model_doc("food-review", "fleet", "Standard", {"food-review-v1": 70, "food-review-v2": 30}),
         model_doc("tweet-summary", "fleet", "Sheddable", ["tweet-summary-1"]),
@@ -149,7 +167,7 @@ async def _close_clients(request: pytest.FixtureRequest) -> AsyncIterator[None]:
 async def test_models_listing(gateway: Gateway) -> None:
     models = await gateway.client().models.list()
     assert {m.id for m in models.data} == {
-        BASE, "food-review", "tweet-summary", "tiny-critical", "tiny-batch", "ghost",
+        BASE, "food-review", "tweet-summary", "tiny-critical", "tiny-batch", "ghost", *LORA_ONLY,
     }  # fmt: skip
 
 
@@ -247,26 +265,106 @@ async def test_weighted_split_within_statistical_bounds(gateway: Gateway) -> Non
     assert abs(counts["food-review-v1"] - 140) <= 26, counts
 
 
-def _models_of(hostport: str) -> set[str]:
-    with urllib.request.urlopen(f"http://{hostport}/v1/models", timeout=5) as resp:
-        return {m["id"] for m in json.loads(resp.read())["data"]}
+def _scrape(hostport: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples of a Prometheus endpoint by name: [(labels, value)]."""
+    with urllib.request.urlopen(f"http://{hostport}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
 
 
-async def test_lora_requests_land_on_pods_holding_the_adapter(gateway: Gateway) -> None:
+async def test_responses_carry_the_client_model_name(gateway: Gateway) -> None:
     client = gateway.client()
-    for _ in range(6):
-        r = await client.chat.completions.with_raw_response.create(
-            model="tweet-summary", messages=[{"role": "user", "content": "sum"}], max_tokens=2
-        )
-        assert r.parse().model == "tweet-summary"  # the client's name, not the adapter's
-        served = r.headers[SERVED]
-        held = await asyncio.to_thread(_models_of, served)
-        assert "tweet-summary-1" in held
+    r = await client.chat.completions.with_raw_response.create(
+        model="tweet-summary", messages=[{"role": "user", "content": "sum"}], max_tokens=2
+    )
+    assert r.parse().model == "tweet-summary"  # the client's name, not the adapter's
     stream = await client.chat.completions.create(
         model="tweet-summary", messages=[{"role": "user", "content": "s"}], max_tokens=3,
         stream=True,
     )  # fmt: skip
     assert {c.model async for c in stream} == {"tweet-summary"}
+
+
+def _adapters(labels: dict[str, str]) -> set[str]:
+    return {a for a in labels["running_lora_adapters"].split(",") if a}
+
+
+def _running_adapters(hostport: str) -> tuple[set[str], set[str], float]:
+    """A server's running adapters now (the newest vllm:lora_requests_info series), every
+    adapter any of its series ever showed running, and its KV-cache usage."""
+    samples = _scrape(hostport)
+    series = samples["vllm:lora_requests_info"]  # value: when that combination was last seen
+    newest = max(series, key=lambda item: item[1])[0]
+    ever = set().union(*(_adapters(labels) for labels, _ in series))
+    (kv,) = [value for _, value in samples["vllm:kv_cache_usage_perc"]]
+    return _adapters(newest), ever, kv
+
+
+def _pool_kv(gateway: Gateway, pool: str) -> float:
+    samples = _scrape(f"127.0.0.1:{gateway.ports['metrics']}")
+    (kv,) = [
+        value
+        for labels, value in samples["inference_pool_average_kv_cache_utilization"]
+        if labels["name"] == pool
+    ]
+    return kv
+
+
+async def test_lora_requests_land_on_the_pod_running_the_adapter(gateway: Gateway) -> None:
+    hosts = [f"127.0.0.1:{port}" for port in gateway.fleet.lora_ports]
+    holders = [
+        openai.AsyncOpenAI(base_url=f"http://{h}/v1", api_key="x", max_retries=0, timeout=30)
+        for h in hosts
+    ]
+    streams = []
+    try:
+        # One long request straight to each server, each for another adapter: with one adapter
+        # slot per server, each server now holds a different adapter.
+        for client, adapter in zip(holders, LORA_ONLY, strict=True):
+            stream = await client.completions.create(
+                model=adapter,
+                prompt=[7] * HOLDER_PROMPT_TOKENS,
+                max_tokens=HOLDER_MAX_TOKENS,
+                stream=True,
+            )
+            streams.append(stream)
+            await anext(aiter(stream))  # its first token: the request is running
+        loaded = [await asyncio.to_thread(_running_adapters, h) for h in hosts]
+        assert [running for running, _, _ in loaded] == [{a} for a in LORA_ONLY]
+        # Wait (polling) until the gateway has scraped every server since its holder started:
+        # the pool's average KV usage reaches the servers' own average only then (one stale
+        # server would leave it at most 2 x (500 + 94) / 3 blocks, below 500).
+        target = sum(kv for _, _, kv in loaded) / len(loaded)
+        assert target >= 0.25
+        for _ in range(400):  # 10 s at most
+            if await asyncio.to_thread(_pool_kv, gateway, "adapters") >= target - 1e-9:
+                break
+            await asyncio.sleep(0.025)
+        assert await asyncio.to_thread(_pool_kv, gateway, "adapters") >= target - 1e-9
+        client = gateway.client()
+        for host, adapter in zip(hosts, LORA_ONLY, strict=True):
+            for i in range(2):
+                r = await client.chat.completions.with_raw_response.create(
+                    model=adapter,
+                    messages=[{"role": "user", "content": f"summarise {adapter} {i}"}],
+                    max_tokens=2,
+                )
+                assert r.parse().model == adapter
+                assert r.headers[SERVED] == host, (adapter, r.headers[SERVED])
+        # No server ever ran another server's adapter (its series keep each combination seen).
+        for host, adapter in zip(hosts, LORA_ONLY, strict=True):
+            running, ever, _ = await asyncio.to_thread(_running_adapters, host)
+            assert running == {adapter}  # the holder still runs: the test ran inside its window
+            assert ever == {adapter}
+    finally:
+        for stream in streams:
+            await stream.close()
+        for client in holders:
+            await client.close()
 
 
 async def test_openai_errors_400_404_503(gateway: Gateway) -> None:

@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+MUTATE_STAMP := $(VENV)/.mutate-stamp
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest bench mutate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,5 +32,16 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(VENV)/bin/poolkeeper bench all --quick
 
+# Opt-in, not part of `make test`: mutation testing of the pure cores ([tool.mutmut] in
+# pyproject.toml; results and the surviving mutants in docs/testing.md). Starts afresh each time.
+$(MUTATE_STAMP): $(STAMP)
+	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev,mutate]'
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants

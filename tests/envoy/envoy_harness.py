@@ -26,6 +26,8 @@ class Backend:
     port: int = 0
     seen: list[dict[str, Any]] = field(default_factory=list)
     runner: web.AppRunner | None = None
+    # Model "gated": the second streamed event is written only once the test sets this.
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def hostport(self) -> str:
@@ -45,12 +47,11 @@ class Backend:
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
-            pause = 0.6 if body.get("model") == "slow" else 0.0  # between the two events
             for word in ("hello", "world"):
                 chunk = {"choices": [{"index": 0, "delta": {"content": word}}], "usage": None}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                if word == "hello":
-                    await asyncio.sleep(pause)
+                if word == "hello" and body.get("model") == "gated":
+                    await self.gate.wait()
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
                 chunk = {"choices": [], "usage": usage}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 from collections.abc import Awaitable, Callable
 
@@ -32,13 +33,22 @@ def scenario() -> list[Arrival]:
     return out
 
 
-async def run_real(url: str, arrivals: list[Arrival]) -> dict[str, tuple[float, float]]:
+async def run_real(
+    url: str, arrivals: list[Arrival]
+) -> tuple[dict[str, tuple[float, float]], list[Arrival]]:
+    """(TTFT, end-to-end) per request, and the arrivals as they really happened.
+
+    The sleeps only schedule the open-loop arrivals; a late wake-up (a loaded machine) is no
+    error because the virtual run replays the arrival times measured here.
+    """
     loop = asyncio.get_running_loop()
     results: dict[str, tuple[float, float]] = {}
+    happened: list[Arrival] = []
 
     async def one(http: aiohttp.ClientSession, arrival: Arrival, t0: float) -> None:
         await asyncio.sleep(max(0.0, t0 + arrival.time - loop.time()))
         start = loop.time()
+        happened.append(dataclasses.replace(arrival, time=start - t0))
         body = {"model": arrival.model, "prompt": arrival.prompt,
                 "max_tokens": arrival.max_tokens, "stream": True}  # fmt: skip
         first = None
@@ -53,18 +63,18 @@ async def run_real(url: str, arrivals: list[Arrival]) -> dict[str, tuple[float, 
     async with aiohttp.ClientSession() as http:
         t0 = loop.time() + 0.05
         await asyncio.gather(*(one(http, a, t0) for a in arrivals))
-    return results
+    return results, sorted(happened, key=lambda a: a.time)
 
 
 async def test_real_time_and_virtual_time_agree(sim_cluster: StartCluster) -> None:
-    arrivals = scenario()
+    _, (where,) = await sim_cluster(1, **SETTINGS)
+    real, happened = await run_real(where.url, scenario())
+    assert [a.request_id for a in happened] == [a.request_id for a in scenario()]  # same order
+
     specs = build_fleet(count=1, cli=ServerSettings.model_validate(SETTINGS))
-    virtual = VirtualFleet(specs).run(arrivals, lambda a, s, now: 0)
+    virtual = VirtualFleet(specs).run(happened, lambda a, s, now: 0)
     expected = {r.request_id: (r.ttft or 0.0, r.e2e or 0.0) for r in virtual.requests}
     assert all(r.finish is not None for r in virtual.requests)
-
-    _, (where,) = await sim_cluster(1, **SETTINGS)
-    real = await run_real(where.url, arrivals)
 
     step = 0.0066 * TIME_SCALE  # one decode step: the granularity of any disagreement
     for rid, (v_ttft, v_e2e) in expected.items():

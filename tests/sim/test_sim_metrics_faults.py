@@ -55,8 +55,15 @@ async def test_metrics_move_with_load(sim_cluster: StartCluster) -> None:
                                          shared + f"q{i}", 150))
             for i in range(6)
         ]  # fmt: skip
-        await asyncio.sleep(0.3)
-        busy = await scrape(http, where.url)
+        # Poll until all six have arrived (two run, four wait; each runs about a second).
+        for _ in range(200):  # 10 s at most: only a failing test gets near it
+            busy = await scrape(http, where.url)
+            if (
+                busy[("vllm:num_requests_running", ())] + busy[("vllm:num_requests_waiting", ())]
+                == 6
+            ):
+                break
+            await asyncio.sleep(0.05)
         assert busy[("vllm:num_requests_running", ())] == 2
         assert busy[("vllm:num_requests_waiting", ())] == 4
         assert busy[("vllm:gpu_cache_usage_perc", ())] > 0

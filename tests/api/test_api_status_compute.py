@@ -3,7 +3,7 @@ conflict resolution by age, lastTransitionTime stability."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
@@ -218,3 +218,43 @@ def test_previous_defaults_to_the_objects_own_status() -> None:
 def test_judge_models_reports_the_pool_key() -> None:
     verdicts = judge_models([POOL], [model("a")])
     assert verdicts["default/a"].pool_key == "default/pool"
+
+
+def test_pending_needs_only_one_of_kind_or_group_foreign_and_does_not_stop_the_rest() -> None:
+    wrong_kind = model("kind", "k", poolRef={"kind": "Service"}, created=T0)
+    wrong_group = model("group", "g", poolRef={"group": "", "kind": "InferencePool"}, created=T0)
+    fine = model("fine", "f", created=T0)
+    verdicts = judge_models([POOL], [wrong_kind, wrong_group, fine])
+    assert verdicts["default/kind"].message == (
+        "poolRef refers to Service in group inference.networking.x-k8s.io, "
+        "which poolkeeper does not reconcile"
+    )
+    assert verdicts["default/group"].message == (
+        "poolRef refers to InferencePool in group core, which poolkeeper does not reconcile"
+    )
+    assert verdicts["default/kind"].reason == verdicts["default/group"].reason == "Pending"
+    assert verdicts["default/fine"].reason == "Accepted"  # judged although it came after
+
+
+def test_rejected_verdicts_name_their_pool() -> None:
+    zero = model("zero", "z", api_version=M1, targetModels=[{"name": "a", "weight": 0}])
+    old = model("old", created=T0)
+    new = model("new", created=T0 + timedelta(hours=1))
+    verdicts = judge_models([POOL], [zero, old, new])
+    assert verdicts["default/zero"].pool_key == POOL.key
+    assert verdicts["default/zero"].message == (
+        "every target model has weight 0, so no request could be served"
+    )
+    assert verdicts["default/new"].pool_key == POOL.key
+    assert verdicts["default/new"].reason == "ModelNameInUse"
+
+
+def test_age_compares_instants_across_time_zones() -> None:
+    plus_two = timezone(timedelta(hours=2))
+    # 10:00+02:00 is 08:00 UTC: older than 09:00 UTC although its wall clock reads later.
+    east = model("east", created=datetime(2025, 6, 1, 10, 0, tzinfo=plus_two))
+    utc = model("utc", created=datetime(2025, 6, 1, 9, 0, tzinfo=UTC))
+    assert reasons([POOL], [utc, east]) == {
+        "default/east": ("True", "Accepted"),
+        "default/utc": ("False", "ModelNameInUse"),
+    }

@@ -219,3 +219,35 @@ def test_generated_payloads_match_the_oracle(text: str, data: st.DataObject) -> 
     assert set(found) == wanted
     for family in wanted:
         assert _same(found[family], expected[family]), family
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ('m{a="1",b=2} 1', "bad label syntax"),  # the error is at b, not a duplicate of a
+        ('m{a="1",X a="2"} 1', "bad label syntax"),  # X is no blank
+        ('m{a="1", a="2"} 1', "duplicate label 'a'"),
+        ('m{a="1", ', "bad label syntax"),  # cut off after a blank
+        ('m{a="1",', "bad label syntax"),  # cut off after a comma
+        ('m{a="1"', "expected ',' or '}' after a label"),  # cut off after a label
+        ("m", "missing value"),
+        ("m 1 2 3", "unexpected text after the timestamp"),
+        ("m 1 NaN", "invalid timestamp 'NaN'"),
+    ],
+)
+def test_malformed_lines_say_what_is_wrong(line: str, reason: str) -> None:
+    with pytest.raises(PromParseError) as err:
+        parse_families(f"# HELP m x\n{line}\n", frozenset({"m"}))
+    assert err.value.reason == reason
+    assert err.value.line_no == 2
+    assert str(err.value) == f"line 2: {reason}: {line.strip()!r}"
+
+
+def test_parse_error_shortens_long_lines_to_120_characters() -> None:
+    assert str(PromParseError(1, "r", "x" * 120)) == f"line 1: r: {'x' * 120!r}"
+    assert str(PromParseError(1, "r", "y" * 121)) == f"line 1: r: {'y' * 117 + '...'!r}"
+
+
+def test_family_filter_keeps_its_wanted_names() -> None:
+    wanted = frozenset({"a", "b"})
+    assert FamilyFilter(wanted).wanted == wanted

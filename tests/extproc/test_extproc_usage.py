@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
+from poolkeeper.extproc.usage import (
+    MAX_PENDING_EVENT,
+    SseUsageFilter,
+    usage_from_json,
+    usage_from_object,
+)
 from poolkeeper.requestcontrol.types import Usage
 
 
@@ -193,3 +198,49 @@ def test_mixed_event_endings_split_at_the_first_ending(name: str) -> None:
         assert b'"choices": []' not in out, (name, cut)  # the injected chunk never leaks
         assert out.count(b"data: ") == 3, (name, cut)  # two content chunks and [DONE]
         assert f.events == 4, (name, cut)
+
+
+def test_usage_with_only_completion_tokens() -> None:
+    assert usage_from_object({"usage": {"completion_tokens": 5}}) == Usage(0, 5)
+    assert usage_from_object({"usage": {"prompt_tokens": 4}}) == Usage(4, 0)
+    assert usage_from_object({"usage": {"total_tokens": 4}}) is None
+
+
+def test_cr_only_line_endings_and_data_without_a_blank() -> None:
+    # Bare "\r" ends lines and events too; "data:" need not be followed by a blank.
+    events = (
+        b'data: {"choices": [],\rdata: "usage": {"prompt_tokens": 3}}\r\r'
+        b'data:{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n'
+    )
+    f = SseUsageFilter(strip_injected_usage=True)
+    g = SseUsageFilter(strip_injected_usage=True)
+    assert f.feed(events[: events.index(b"\r\r") + 2]) == b""  # injected: dropped
+    assert f.usage == Usage(prompt_tokens=3, completion_tokens=0)
+    assert g.feed(events) == b""
+    assert g.usage == Usage(1, 2)
+
+
+def test_a_leading_blank_event_is_its_own_event() -> None:
+    out, f = _run(b"\n\n" + STREAM, 0, strip=True)
+    assert out == b"\n\n" + b"".join([*CONTENT_CLEAN, DONE])
+    assert f.usage == EXPECTED
+    assert f.events == 5
+
+
+def test_saw_done_is_false_until_done_arrives() -> None:
+    f = SseUsageFilter(strip_injected_usage=False)
+    f.feed(CONTENT[0])
+    assert f.saw_done is False
+    f.feed(DONE)
+    assert f.saw_done is True
+
+
+def test_an_endless_event_is_forwarded_once_it_passes_the_limit() -> None:
+    f = SseUsageFilter(strip_injected_usage=True)
+    head = b"data: " + b"x" * (MAX_PENDING_EVENT - 6)
+    assert len(head) == MAX_PENDING_EVENT
+    assert f.feed(head) == b""  # at the limit: still held
+    assert f.feed(b"y") == head + b"y"  # past it: forwarded, nothing kept
+    assert f.feed(CONTENT[1]) == CONTENT_CLEAN[1]  # and the stream goes on normally
+    assert f.finish() == b""
+    assert f.finish() == b""  # finishing twice adds nothing

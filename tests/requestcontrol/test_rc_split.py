@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from poolkeeper.api.model import InferenceModel
+from poolkeeper.api.model import InferenceModel, TargetModel
 from poolkeeper.errors import NoValidTargetModel
-from poolkeeper.requestcontrol.split import choose_target_model
+from poolkeeper.requestcontrol.split import choose_target_model, choose_weighted
 
 
 def _model(targets: list[dict[str, Any]], version: str = "v1alpha2") -> InferenceModel:
@@ -89,3 +89,22 @@ def test_same_seed_same_sequence() -> None:
     seq_b = [choose_target_model(model, rng_b) for _ in range(200)]
     assert seq_a == seq_b
     assert len(set(seq_a)) == 2
+
+
+class _Points(random.Random):
+    """randrange returns the given points in turn."""
+
+    def __init__(self, *points: int) -> None:
+        super().__init__(0)
+        self.points = list(points)
+
+    def randrange(self, *args: Any, **kwargs: Any) -> int:
+        return self.points.pop(0)
+
+
+def test_a_target_without_weight_among_weighted_ones_counts_as_one() -> None:
+    targets = [TargetModel(name="plain"), TargetModel(name="heavy", weight=2)]
+    # Weights (1, 2): point 0 is "plain", points 1 and 2 are "heavy".
+    assert [choose_weighted(targets, _Points(p)) for p in (0, 1, 2)] == ["plain", "heavy", "heavy"]
+    only = [TargetModel(name="plain"), TargetModel(name="off", weight=0)]
+    assert choose_weighted(only, _Points(0)) == "plain"

@@ -624,7 +624,7 @@ async def test_request_body_ended_by_trailers(envoy: FakeEnvoy, router: FakeRout
     await call.write(body_msg(CHAT[10:], eos=False))
     await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
     head, body, trailers = await _read(call, 3)
-    assert _set_headers(head.request_headers.response.header_mutation)[DEST] == PODS[0]
+    assert _set_headers(head.request_headers.response.header_mutation)[DEST] == ",".join(PODS)
     streamed = body.request_body.response.body_mutation.streamed_response
     assert not streamed.end_of_stream  # the trailers end the stream, not the body
     assert json.loads(streamed.body)["model"] == "adapter-1"
@@ -641,7 +641,7 @@ async def test_request_trailers_after_a_buffered_body_are_answered(
     await _read(call, 1)
     await call.write(body_msg(CHAT, eos=True))
     (routed,) = await _read(call, 1)
-    assert _set_headers(routed.request_body.response.header_mutation)[DEST] == PODS[0]
+    assert _set_headers(routed.request_body.response.header_mutation)[DEST] == ",".join(PODS)
     await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
     (trailers,) = await _read(call, 1)
     assert trailers.WhichOneof("response") == "request_trailers"

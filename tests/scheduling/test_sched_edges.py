@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import AffineScores, CycleState, TypedName
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
 from poolkeeper.scheduling.plugins.decision_tree import (
@@ -24,7 +25,7 @@ from poolkeeper.scheduling.plugins.filters import LoraAffinityFilter, LoraAffini
 from poolkeeper.scheduling.plugins.scorers import inverse_min_max
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
 from poolkeeper.scheduling.registry import BuildContext
-from poolkeeper.scheduling.types import EndpointState, LLMRequest
+from poolkeeper.scheduling.types import LLMRequest
 from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 
 
@@ -35,7 +36,7 @@ def named(type_: str, name: str, params: dict[str, Any] | None = None, seed: int
     def no_refs(ref: str) -> Any:
         raise AssertionError(ref)
 
-    ctx = BuildContext(rng=random.Random(seed), resolve_filter=no_refs)
+    ctx = BuildContext(rng=random.Random(seed), resolve_filter=no_refs, staleness_s=0.2)
     return spec.factory(TypedName(type_, name), spec.params.model_validate(params or {}), ctx)
 
 
@@ -133,7 +134,7 @@ OVERLOADED = state(9, waiting=100)
 
 
 def test_saturation_filter_keeps_an_endpoint_exactly_at_the_staleness_limit() -> None:
-    f = plugin("saturation-filter", {"metricsStalenessMs": 200})
+    f = plugin("saturation-filter", staleness_s=0.2)
     edge = state(1, updated_at=NOW - 0.2)
     assert keys(f.filter(cycle(), request(), [edge, OVERLOADED])) == [key(1)]
     just_over = state(1, updated_at=NOW - 0.2001)
@@ -183,14 +184,15 @@ def test_saturation_filter_counts_unseen_tokens_only_when_asked(
     assert keys(f.filter(cycle(), request(), pool)) == [key(i) for i in want]
 
 
-def test_saturation_filter_drops_an_endpoint_reporting_kv_above_one() -> None:
-    # A broken exporter's 1.3 is over the 0.8 x 1.5 = 1.2 limit, as reported.
-    f = plugin("saturation-filter")
-    assert keys(f.filter(cycle(), request(), [state(1, kv=1.3), state(2)])) == [key(2)]
+def test_saturation_filter_counts_an_out_of_range_kv_as_full() -> None:
+    # Limit 1.3: full KV is 1.0 / 0.8 = 1.25 (kept); 1.3 as reported would be 1.625.
+    f = plugin("saturation-filter", {"headroom": 0.3})
+    pool = [state(1, kv=1.3), state(2, kv=math.nan), OVERLOADED]
+    assert keys(f.filter(cycle(), request(), pool)) == [key(1), key(2)]
 
 
 def test_stale_metrics_filter_with_a_clock_near_zero() -> None:
-    f = plugin("stale-metrics-filter")
+    f = plugin("stale-metrics-filter", staleness_s=0.2)
     early = CycleState(0.6)
     pool = [state(1, updated_at=0.0), state(2, updated_at=0.5)]
     assert keys(f.filter(early, request(), pool)) == [key(2)]
@@ -318,7 +320,7 @@ def test_decision_tree_passes_the_cycle_to_every_node() -> None:
     nothing = CycleCheckingFilter(set())
     on_failure = CycleCheckingFilter({key(2)})
     filters = {"first": first, "ok": on_success, "none": nothing, "fallback": on_failure}
-    ctx = BuildContext(rng=random.Random(1), resolve_filter=filters.__getitem__)
+    ctx = BuildContext(rng=random.Random(1), resolve_filter=filters.__getitem__, staleness_s=0.2)
     name = TypedName("decision-tree-filter", "tree")
     tree = DecisionTreeFilter.build(
         name,

@@ -258,3 +258,12 @@ def test_age_compares_instants_across_time_zones() -> None:
         "default/east": ("True", "Accepted"),
         "default/utc": ("False", "ModelNameInUse"),
     }
+
+
+def test_a_model_without_its_pool_does_not_stop_the_rest() -> None:
+    lost = model("lost", "l", pool="no-such-pool")
+    fine = model("fine", "f")
+    assert reasons([POOL], [lost, fine]) == {
+        "default/lost": ("False", "PoolNotFound"),
+        "default/fine": ("True", "Accepted"),
+    }

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from poolkeeper.extproc.model_name import rewriter_for
 from poolkeeper.extproc.usage import (
     MAX_PENDING_EVENT,
     SseUsageFilter,
@@ -244,3 +245,11 @@ def test_an_endless_event_is_forwarded_once_it_passes_the_limit() -> None:
     assert f.feed(CONTENT[1]) == CONTENT_CLEAN[1]  # and the stream goes on normally
     assert f.finish() == b""
     assert f.finish() == b""  # finishing twice adds nothing
+
+
+def test_a_client_that_asked_for_usage_keeps_its_null_usage_fields() -> None:
+    # Held for the model-name rewrite, but not stripped: the client asked for usage, so the
+    # `"usage": null` of every chunk is part of what it asked for.
+    chunk = b'data: {"model":"lora-a","choices":[],"usage":null}\n\n'
+    f = SseUsageFilter(strip_injected_usage=False, rewrite=rewriter_for("lora-a", "client"))
+    assert f.feed(chunk) + f.finish() == b'data: {"model":"client","choices":[],"usage":null}\n\n'

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.scheduling.interfaces import AffineScores, CycleState, TypedName
+from poolkeeper.scheduling.interfaces import AffineScores, CycleState, ProfileResult, TypedName
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
 from poolkeeper.scheduling.plugins.decision_tree import (
     DecisionTreeFilter,
@@ -25,6 +25,7 @@ from poolkeeper.scheduling.plugins.filters import LoraAffinityFilter, LoraAffini
 from poolkeeper.scheduling.plugins.scorers import inverse_min_max
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
 from poolkeeper.scheduling.registry import BuildContext
+from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.scheduling.types import LLMRequest
 from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 
@@ -359,3 +360,48 @@ def test_prefix_index_rejects_a_zero_capacity_and_reports_unknown_endpoints() ->
     assert idx.blocks("10.9.9.9:8000") == 0
     idx.insert(key(1), prefix_hashes("m", "y" * 16, block_size=4, max_blocks=8))
     assert idx.blocks(key(1)) == 4
+
+
+def test_prefix_match_follows_only_endpoints_that_held_every_block_so_far() -> None:
+    idx = PrefixIndex(8)
+    idx.insert("a:1", [1])
+    idx.insert("b:1", [1, 2])
+    idx.insert("c:1", [2])  # holds block 2 but not block 1: no leading match
+    assert idx.match([1, 2]) == {"a:1": 1, "b:1": 2}
+
+
+def test_stale_metrics_filter_drops_never_scraped_even_when_the_clock_is_younger() -> None:
+    f = plugin("stale-metrics-filter", staleness_s=0.2)
+    early = CycleState(0.1)  # younger than the staleness window: 0.0 is not "too old"
+    pool = [state(1, updated_at=0.0), state(2, updated_at=0.05)]
+    assert keys(f.filter(early, request(), pool)) == [key(2)]
+
+
+def test_prefix_scorers_report_their_own_match_for_the_pick() -> None:
+    small = named("prefix-cache-scorer", "small", {"blockSize": 4})
+    large = named("prefix-cache-scorer", "large", {"blockSize": 8})
+    small_stats, large_stats = SchedulingStats(), SchedulingStats()
+    small.attach_stats(small_stats)
+    large.attach_stats(large_stats)
+    req = request(prompt="x" * 64)
+    pod = state(1)
+    small.index.insert(key(1), prefix_hashes("base", "x" * 64, block_size=4, max_blocks=256))
+    shared = cycle()
+    small.score(shared, req, [pod])
+    large.score(shared, req, [pod])  # matches nothing
+    result = ProfileResult("p", (pod,))
+    small.post_cycle(shared, req, result)
+    large.post_cycle(shared, req, result)
+    assert small_stats.prefix_hit_bytes.sum == 64  # all 16 blocks of 4 characters
+    assert large_stats.prefix_hit_bytes.sum == 0
+
+
+def test_a_prompt_too_short_to_hash_reports_no_match() -> None:
+    scorer = named("prefix-cache-scorer", "p", {"blockSize": 64})
+    stats = SchedulingStats()
+    scorer.attach_stats(stats)
+    req = request(prompt="short")
+    shared = cycle()
+    assert scorer.score(shared, req, [state(1)]) == 0.0
+    scorer.post_cycle(shared, req, ProfileResult("p", (state(1),)))
+    assert (stats.prefix_hit_bytes.count, stats.prefix_hit_bytes.sum) == (1, 0)

@@ -7,8 +7,14 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
+from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import AnyInferencePool, InferencePool, InferencePoolV1
-from poolkeeper.api.status import compute_model_statuses, judge_models, with_status
+from poolkeeper.api.status import (
+    compute_model_statuses,
+    judge_models,
+    judge_pool_refs,
+    with_status,
+)
 from tests.api.apidocs import M1, model_doc, pool1_doc, pool2_doc
 
 T0 = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)
@@ -266,4 +272,61 @@ def test_a_model_without_its_pool_does_not_stop_the_rest() -> None:
     assert reasons([POOL], [lost, fine]) == {
         "default/lost": ("False", "PoolNotFound"),
         "default/fine": ("True", "Accepted"),
+    }
+
+
+def _objective(object_name: str, **pool_ref: str) -> InferenceObjective:
+    return InferenceObjective.model_validate(
+        {
+            "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+            "kind": "InferenceObjective",
+            "metadata": {"name": object_name, "namespace": "default"},
+            "spec": {"poolRef": {"name": "pool", **pool_ref}},
+        }
+    )
+
+
+def test_pool_referrers_are_judged_by_kind_group_and_name() -> None:
+    x_group, v1_group = "inference.networking.x-k8s.io", "inference.networking.k8s.io"
+    objects = [
+        _objective("service", kind="Service"),
+        _objective("core", group=""),
+        _objective("lost", name="nope", group=x_group),
+        _objective("other-group"),  # poolRef's default group is v1; this pool is v1alpha2
+        _objective("fine", group=x_group),
+    ]
+    verdicts = judge_pool_refs([POOL], objects)
+    got = {k: (v.status, v.reason, v.message, v.pool_key) for k, v in verdicts.items()}
+    pending = "which poolkeeper does not reconcile"
+    assert got == {
+        "default/service": (
+            "Unknown",
+            "Pending",
+            f"poolRef refers to Service in group {v1_group}, {pending}",
+            None,
+        ),
+        "default/core": (
+            "Unknown",
+            "Pending",
+            f"poolRef refers to InferencePool in group core, {pending}",
+            None,
+        ),
+        "default/lost": (
+            "False",
+            "PoolNotFound",
+            f"InferencePool default/nope (group {x_group}) not found",
+            None,
+        ),
+        "default/other-group": (
+            "False",
+            "PoolNotFound",
+            f"InferencePool default/pool (group {v1_group}) not found",
+            None,
+        ),
+        "default/fine": (
+            "True",
+            "Accepted",
+            "applies to InferencePool default/pool",
+            "default/pool",
+        ),
     }

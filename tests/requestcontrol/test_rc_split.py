@@ -10,8 +10,13 @@ from typing import Any
 import pytest
 
 from poolkeeper.api.model import InferenceModel, TargetModel
+from poolkeeper.datastore.models import RewriteRule, WeightedTarget
 from poolkeeper.errors import NoValidTargetModel
-from poolkeeper.requestcontrol.split import choose_target_model, choose_weighted
+from poolkeeper.requestcontrol.split import (
+    choose_rewrite_target,
+    choose_target_model,
+    choose_weighted,
+)
 
 
 def _model(targets: list[dict[str, Any]], version: str = "v1alpha2") -> InferenceModel:
@@ -108,3 +113,11 @@ def test_a_target_without_weight_among_weighted_ones_counts_as_one() -> None:
     assert [choose_weighted(targets, _Points(p)) for p in (0, 1, 2)] == ["plain", "heavy", "heavy"]
     only = [TargetModel(name="plain"), TargetModel(name="off", weight=0)]
     assert choose_weighted(only, _Points(0)) == "plain"
+
+
+def test_a_rewrite_rule_without_a_usable_target_names_itself() -> None:
+    rule = RewriteRule("default/canary", 0, (WeightedTarget("v1", 0), WeightedTarget("v2", 0)))
+    with pytest.raises(NoValidTargetModel, match=r"InferenceModelRewrite default/canary has no"):
+        choose_rewrite_target(rule, random.Random(1))
+    rule = RewriteRule("default/canary", 0, (WeightedTarget("v1", 0), WeightedTarget("v2", 3)))
+    assert choose_rewrite_target(rule, random.Random(1)) == "v2"

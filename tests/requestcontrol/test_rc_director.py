@@ -594,6 +594,8 @@ async def test_build_director_from_a_gateway_config() -> None:
                 "requestHandling": {"fallbackEndpoints": 0},
                 "scraping": {"stalenessMs": 500},
                 "admission": {"queueDepthThreshold": 100, "allStalePolicy": "shed"},
+                # Admission's own path: with flow control the stale pool would queue instead.
+                "flowControl": {"enabled": False},
             }
         }
     )

@@ -17,7 +17,7 @@ from poolkeeper.bench.live import LiveSpec, peer_binary, repo_root, run_live
 from poolkeeper.bench.overhead import run_overhead
 from poolkeeper.bench.routers import ALL_POLICIES
 from poolkeeper.bench.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
-from poolkeeper.bench.workloads import WorkloadKind
+from poolkeeper.bench.workloads import ROUTING_WORKLOADS
 from poolkeeper.errors import ConfigError
 
 
@@ -28,7 +28,7 @@ def run_all(
     servers, duration = (4, 15.0) if quick else (8, 30.0)
     loads = (0.5, 0.9, 1.3) if quick else DEFAULT_LOADS
     sweeps = []
-    for kind in WorkloadKind:
+    for kind in ROUTING_WORKLOADS:
         spec = SweepSpec(workload=str(kind), servers=servers, policies=ALL_POLICIES,
                          loads=loads, duration=duration)  # fmt: skip
         sweeps.append(run_sweep(spec, out_dir=out_dir, img_dir=out_dir / "img", jobs=jobs,

@@ -43,7 +43,13 @@ from poolkeeper.bench.metrics import SLO, RequestOutcome, percentile, summarize,
 from poolkeeper.bench.report import command_line, machine_info, quantiles, write_json
 from poolkeeper.bench.scenarios import LORA_SLOTS, adapter_names, build_scenario
 from poolkeeper.bench.simrun import fleet_capacity
-from poolkeeper.bench.workloads import CRITICALITY_MODELS, WorkloadKind, default_spec, generate
+from poolkeeper.bench.workloads import (
+    CRITICALITY_MODELS,
+    FAIRNESS_MODELS,
+    WorkloadKind,
+    default_spec,
+    generate,
+)
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 
@@ -139,8 +145,10 @@ def _models(kind: WorkloadKind, spec_adapters: tuple[str, ...]) -> list[tuple[st
     """(modelName, criticality, target) for every model the workload asks for."""
     if kind is WorkloadKind.MULTI_LORA:
         return [(a, "Standard", a) for a in spec_adapters]
-    if kind is WorkloadKind.MIXED_CRITICALITY:
+    if kind in (WorkloadKind.MIXED_CRITICALITY, WorkloadKind.CRITICALITY_FLOOD):
         return [(m, str(c), "base-model") for c, m in CRITICALITY_MODELS.items()]
+    if kind is WorkloadKind.FAIRNESS:
+        return [(m, "Standard", "base-model") for m in FAIRNESS_MODELS]
     return [("base-model", "Standard", "base-model")]
 
 

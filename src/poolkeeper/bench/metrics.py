@@ -50,9 +50,11 @@ class RequestOutcome:
     finish: float | None = None
     cached_tokens: int = 0
     shed: bool = False
+    expired: bool = False  # held by the router's queue until its TTL (a kind of shed)
     router_queue_s: float = 0.0  # time held in the router's own queue before dispatch
     server_queue_s: float = 0.0  # time between reaching the server and its first step
     group: str = ""
+    model: str = ""  # client-facing model name
 
     @property
     def completed(self) -> bool:
@@ -128,10 +130,12 @@ def summarize(outcomes: Iterable[RequestOutcome], *, duration: float, slo: SLO) 
             "requests": len(mine),
             "completed": len(mine_done),
             "shed": sum(1 for o in mine if o.shed),
+            "expired": sum(1 for o in mine if o.expired),
             "router_queued": sum(1 for o in mine if o.router_queue_s > 0),
             "server_queued": sum(1 for o in mine_done if o.server_queue_s > 0),
             "goodput_rps": sum(1 for o in mine_done if meets_slo(o, slo)) / duration,
             "ttft_p90_s": percentile(mine_ttft, 90),
+            "ttft_p99_s": percentile(mine_ttft, 99),
         }
     return {
         "requests": len(items),

@@ -6,16 +6,19 @@
   cache-aware, dynamo-kv, aibrix-prefix);
 - `gie-v0.3` and `gie-v1`: poolkeeper's real scheduler configured with the GIE presets (the
   v0.3 decision tree; the v1.x default profile queue 2 / kv-cache 2 / prefix 3);
-- `poolkeeper`: poolkeeper's real scheduler with its default profile, plus its admission
-  controller (criticality-based shedding), exactly as the EPP runs them;
+- `poolkeeper`: poolkeeper's real scheduler with its default profile behind flow control
+  (queueing by criticality band, fair sharing between models), exactly as the EPP runs them
+  (`bench.flowpolicy`); such a policy also has `offer` and `release` (`QueueingPolicy`);
+- `poolkeeper-shed`: the same scheduler with admission's shedding and no queue (poolkeeper
+  before flow control, `flowControl.enabled: false`);
 - `poolkeeper-proposed`: the default-profile change the tuning suggests (bench.schedpolicy).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from poolkeeper.bench.policies import BASELINES
 from poolkeeper.bench.scenarios import Scenario
@@ -36,7 +39,25 @@ class RoutingPolicy(Protocol):
     def on_finish(self, request_id: str, server: str, now: float) -> None: ...
 
 
-SCHEDULER_POLICIES: tuple[str, ...] = ("gie-v0.3", "gie-v1", "poolkeeper", "poolkeeper-proposed")
+@runtime_checkable
+class QueueingPolicy(RoutingPolicy, Protocol):
+    """A policy that may hold requests (flow control): `offer` returns None to hold."""
+
+    def offer(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState | None: ...
+
+    def release(
+        self,
+        endpoints: Sequence[EndpointState],
+        now: float,
+        send: Callable[[str, EndpointState | None, str | None], None],
+    ) -> None: ...
+
+
+SCHEDULER_POLICIES: tuple[str, ...] = (
+    "gie-v0.3", "gie-v1", "poolkeeper", "poolkeeper-shed", "poolkeeper-proposed",
+)  # fmt: skip
 ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
 
 
@@ -45,6 +66,10 @@ def make_policy(name: str, rng: random.Random, scenario: Scenario | None = None)
     baseline = BASELINES.get(name)
     if baseline is not None:
         return baseline(rng)
+    if name == "poolkeeper":
+        from poolkeeper.bench.flowpolicy import flow_policy
+
+        return flow_policy(name, rng)
     if name in SCHEDULER_POLICIES:
         from poolkeeper.bench.schedpolicy import scheduler_policy
 

@@ -1,7 +1,9 @@
 """Policies that are poolkeeper's real scheduler (and admission controller) on a preset.
 
-- `poolkeeper`: the `default` scheduling preset and the default AdmissionConfig (Sheddable
-  shed at pool saturation 1.0, Standard at 2.0, Critical never), as `poolkeeper serve` runs.
+- `poolkeeper-shed`: the `default` scheduling preset and the default AdmissionConfig (Sheddable
+  shed at pool saturation 1.0, Standard at 8.0, Critical never): `poolkeeper serve` with
+  `flowControl.enabled: false`, i.e. poolkeeper before flow control. (`poolkeeper` itself, with
+  flow control, is `bench.flowpolicy`.)
 - `gie-v1`: the `gie-v1-default` preset (queue 2, kv-cache 2, prefix 3, scraped metrics only)
   with GIE v1's admission: only Sheddable requests are shed, when the pool is saturated
   (queue 5 / KV 0.8 thresholds), judged on scraped metrics only.
@@ -35,7 +37,7 @@ from poolkeeper.scheduling.speed import ObservedSpeed
 from poolkeeper.scheduling.types import LLMRequest
 
 _PRESET = {
-    "poolkeeper": "default",
+    "poolkeeper-shed": "default",
     "gie-v1": "gie-v1-default",
     "gie-v0.3": "gie-v0.3-decision-tree",
 }
@@ -104,7 +106,7 @@ def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
     )
     scheduler = build_scheduler(config, rng=rng)
     admission: AdmissionController | None
-    if name in ("poolkeeper", "poolkeeper-proposed"):
+    if name in ("poolkeeper-shed", "poolkeeper-proposed"):
         admission = AdmissionController(AdmissionConfig())
     elif name == "gie-v1":
         admission = AdmissionController(

@@ -24,16 +24,24 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from poolkeeper.bench.flowpolicy import FlowPolicy
 from poolkeeper.bench.metrics import SLO, RequestOutcome, summarize, ttft_values
 from poolkeeper.bench.report import quantiles
-from poolkeeper.bench.routers import RoutingPolicy, make_policy
+from poolkeeper.bench.routers import QueueingPolicy, RoutingPolicy, make_policy
 from poolkeeper.bench.scenarios import Scenario, build_scenario, server_configs
 from poolkeeper.bench.workloads import Arrival, WorkloadSpec, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.params import EngineConfig
-from poolkeeper.sim.virtual import Arrival as SimArrival, FleetResult, RequestResult, VirtualFleet
+from poolkeeper.sim.virtual import (
+    HOLD,
+    Arrival as SimArrival,
+    FleetResult,
+    RequestResult,
+    Send,
+    VirtualFleet,
+)
 from poolkeeper.tokens import count_tokens
 
 SCRAPE_INTERVAL_S = 0.05
@@ -52,7 +60,7 @@ def _sim_arrivals(arrivals: Sequence[Arrival]) -> Iterator[SimArrival]:
         )
 
 
-def _outcome(r: RequestResult, a: Arrival) -> RequestOutcome:
+def _outcome(r: RequestResult, a: Arrival, waited: float = 0.0) -> RequestOutcome:
     ok = r.status == "ok"
     return RequestOutcome(
         request_id=r.request_id,
@@ -65,7 +73,10 @@ def _outcome(r: RequestResult, a: Arrival) -> RequestOutcome:
         finish=r.finish if ok and r.completion_tokens else None,
         cached_tokens=r.cached_tokens,
         shed=r.status == "rejected",
+        expired=r.status == "rejected" and r.error == "expired",
+        router_queue_s=waited,
         group=a.group,
+        model=a.model,
     )
 
 
@@ -78,6 +89,8 @@ def replay(
 ) -> FleetResult:
     fleet = VirtualFleet(list(configs), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
     index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
+
+    queueing = policy if isinstance(policy, QueueingPolicy) else None
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
         a: Arrival = sim.payload  # type: ignore[assignment]
@@ -92,7 +105,13 @@ def replay(
             stream=True,
         )
         try:
-            chosen = policy.pick(request, states, now)
+            if queueing is None:
+                chosen = policy.pick(request, states, now)
+            else:
+                held = queueing.offer(request, states, now)
+                if held is None:
+                    return HOLD
+                chosen = held
         except (RequestShed, NoReadyEndpoint):
             return None
         return index_of[chosen.key]
@@ -100,7 +119,18 @@ def replay(
     def finished(result: RequestResult) -> None:
         policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
 
-    return fleet.run(_sim_arrivals(arrivals), route, on_finish=finished)
+    def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
+        assert queueing is not None
+
+        def to_fleet(rid: str, chosen: EndpointState | None, error: str | None) -> None:
+            send(rid, None if chosen is None else index_of[chosen.key], error)
+
+        queueing.release(states, now, to_fleet)
+
+    return fleet.run(
+        _sim_arrivals(arrivals), route, on_finish=finished,
+        release=release if queueing is not None else None,
+    )  # fmt: skip
 
 
 class _OneServer:
@@ -180,7 +210,10 @@ def run_point(
     result = replay(scenario.servers, arrivals, policy, seed=seed)
     wall = time.perf_counter() - started
     by_id = {a.request_id: a for a in arrivals}
-    outcomes = [_outcome(r, by_id[r.request_id]) for r in result.requests]
+    waited: dict[str, float] = getattr(policy, "waited", {})
+    outcomes = [
+        _outcome(r, by_id[r.request_id], waited.get(r.request_id, 0.0)) for r in result.requests
+    ]
     summary = summarize(outcomes, duration=duration, slo=slo)
     counters = [s.counters for s in result.servers]
     routed = [s.routed for s in result.servers]
@@ -198,6 +231,7 @@ def run_point(
             "end_time_s": result.end_time,
         },
         "wall_s": wall,
+        **({"flow_control": policy.summary()} if isinstance(policy, FlowPolicy) else {}),
     }
 
 

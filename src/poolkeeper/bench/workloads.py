@@ -1,6 +1,7 @@
 """Seeded benchmark workloads: lists of request arrivals, saved and loaded as JSONL files.
 
-Five workloads (the benchmarks issue), each a `WorkloadSpec` with documented parameters:
+Seven workloads (five from the benchmarks issue, two from flow control), each a `WorkloadSpec`
+with documented parameters:
 
 - `shared-prefix`: chat where groups of requests share a long system prompt (the shape of
   inference-perf's `shared_prefix` data type): `num_groups` groups chosen uniformly, a
@@ -12,6 +13,11 @@ Five workloads (the benchmarks issue), each a `WorkloadSpec` with documented par
 - `heavy-tail`: ShareGPT-like prompt and output lengths, every prompt unique.
 - `heterogeneous`: shared-prefix chat with heavy-tailed questions, run on a fleet of servers
   with different speeds (the fleet side lives in `bench.scenarios`).
+- `fairness`: two Standard models (`tenant-heavy`, `tenant-light`) of ShareGPT-like requests,
+  the heavy one offering `fairness_ratio` (10) times the light one's request rate: fair
+  sharing of token throughput between InferenceModels of equal criticality (flow control).
+- `criticality-flood`: a Critical trickle under a Sheddable flood (`criticality_mix` 10% /
+  0% / 90%): at 3x capacity the Critical share alone is 0.3x. Critical latency must not suffer.
 
 ShareGPT-like lengths are log-normal: prompt median 90 tokens (sigma 1.07), output median 200
 tokens (sigma 1.0), clipped to [4, 4096] and [1, 2048]. The means (about 160 and 330 tokens)
@@ -52,6 +58,8 @@ class WorkloadKind(StrEnum):
     MIXED_CRITICALITY = "mixed-criticality"
     HEAVY_TAIL = "heavy-tail"
     HETEROGENEOUS = "heterogeneous"
+    FAIRNESS = "fairness"
+    CRITICALITY_FLOOD = "criticality-flood"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +107,7 @@ class WorkloadSpec:
     prompt_sigma: float = 1.07
     output_median: float = 200.0  # ShareGPT-like output length median (tokens)
     output_sigma: float = 1.0
+    fairness_ratio: float = 10.0  # fairness: heavy model's request rate / light model's
 
     def describe(self) -> dict[str, Any]:
         data: dict[str, Any] = {"kind": str(self.kind)}
@@ -115,7 +124,18 @@ _FIELDS_BY_KIND: dict[WorkloadKind, tuple[str, ...]] = {
     WorkloadKind.MIXED_CRITICALITY: ("criticality_mix", *_SHAREGPT_FIELDS),
     WorkloadKind.HEAVY_TAIL: _SHAREGPT_FIELDS,
     WorkloadKind.HETEROGENEOUS: ("num_groups", "system_tokens", *_SHAREGPT_FIELDS),
+    WorkloadKind.FAIRNESS: ("fairness_ratio", *_SHAREGPT_FIELDS),
+    WorkloadKind.CRITICALITY_FLOOD: ("criticality_mix", *_SHAREGPT_FIELDS),
 }
+
+FAIRNESS_MODELS: tuple[str, str] = ("tenant-heavy", "tenant-light")
+
+# The routing-quality set that `bench sim` and `bench all` sweep by default; the flow-control
+# workloads are measured by `bench flow` (or `bench sim --workload fairness`).
+ROUTING_WORKLOADS: tuple[WorkloadKind, ...] = (
+    WorkloadKind.SHARED_PREFIX, WorkloadKind.MULTI_LORA, WorkloadKind.MIXED_CRITICALITY,
+    WorkloadKind.HEAVY_TAIL, WorkloadKind.HETEROGENEOUS,
+)  # fmt: skip
 
 CRITICALITY_MODELS: dict[Criticality, str] = {
     Criticality.CRITICAL: "chat-critical",
@@ -141,6 +161,8 @@ def default_spec(kind: WorkloadKind | str, servers: int) -> WorkloadSpec:
         return WorkloadSpec(kind, num_groups=min(4096, 16 * servers), system_tokens=800)
     if kind is WorkloadKind.MULTI_LORA:
         return WorkloadSpec(kind, num_adapters=max(32, 4 * servers))
+    if kind is WorkloadKind.CRITICALITY_FLOOD:
+        return WorkloadSpec(kind, criticality_mix=(0.1, 0.0, 0.9))
     return WorkloadSpec(kind)
 
 
@@ -240,7 +262,15 @@ class _ContentGenerator:
                 rid, time, adapter, adapter, Criticality.STANDARD, "", self._user(index, q),
                 out, adapter,
             )  # fmt: skip
-        if kind is WorkloadKind.MIXED_CRITICALITY:
+        if kind is WorkloadKind.FAIRNESS:
+            heavy = rng.random() < spec.fairness_ratio / (spec.fairness_ratio + 1.0)
+            model = FAIRNESS_MODELS[0 if heavy else 1]
+            q, out = self._sharegpt()
+            return Arrival(
+                rid, time, model, BASE_MODEL, Criticality.STANDARD, "", self._user(index, q),
+                out, model,
+            )  # fmt: skip
+        if kind in (WorkloadKind.MIXED_CRITICALITY, WorkloadKind.CRITICALITY_FLOOD):
             crit = rng.choices(list(CRITICALITY_MODELS), weights=spec.criticality_mix)[0]
             q, out = self._sharegpt()
             model = CRITICALITY_MODELS[crit]

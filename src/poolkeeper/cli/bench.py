@@ -130,10 +130,10 @@ def _sim(args: argparse.Namespace) -> int:
     from poolkeeper.bench.metrics import SLO
     from poolkeeper.bench.routers import ALL_POLICIES
     from poolkeeper.bench.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
-    from poolkeeper.bench.workloads import WorkloadKind
+    from poolkeeper.bench.workloads import ROUTING_WORKLOADS, WorkloadKind
 
     try:
-        workloads = args.workload or tuple(str(k) for k in WorkloadKind)
+        workloads = args.workload or tuple(str(k) for k in ROUTING_WORKLOADS)
         for w in workloads:
             WorkloadKind(w)
         policies = args.policies or ALL_POLICIES

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,9 +233,17 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def report(
-    outcomes: list[Outcome], sims: dict[str, str], console: Console, split: Counter[str]
+    outcomes: list[Outcome],
+    sims: dict[str, str],
+    console: Console,
+    split: Counter[str],
+    flow: Mapping[tuple[str, str], int] | None = None,
 ) -> None:
-    """Where requests went, latency per model and refusals, and the weighted split."""
+    """Where requests went, latency, queueing and refusals per model, and the weighted split.
+
+    `flow`: flow control's totals by (criticality, outcome) (`FlowGate.totals`), for the
+    queued and expired columns."""
+    flow = flow or {}
     where = Table(title="Where requests went (model by server)")
     servers = sorted({sims.get(o.served, o.served or "?") for o in outcomes if o.status == 200})
     where.add_column("model")
@@ -251,21 +260,26 @@ def report(
     console.print(where)
 
     latency = Table(title="Latency per model and criticality (successful requests)")
-    for col in ("model", "criticality", "ok", "p50 ms", "p99 ms", "shed 429", "errors"):
+    cols = ("model", "criticality", "ok", "p50 ms", "p99 ms", "queued", "shed 429", "expired 503",
+            "errors")  # fmt: skip
+    for col in cols:
         latency.add_column(col, justify="left" if col in ("model", "criticality") else "right")
     for model, criticality, _ in DEMO_MODELS:
         mine = [o for o in outcomes if o.model == model]
         ok = [o.seconds * 1000 for o in mine if o.status == 200]
         shed = sum(1 for o in mine if o.status == 429)
-        other = sum(1 for o in mine if o.status not in (200, 429))
+        expired = flow.get((criticality, "EvictedTTL"), 0)
+        other = sum(1 for o in mine if o.status not in (200, 429)) - expired
         latency.add_row(
             model.rpartition("/")[2],
             criticality,
             str(len(ok)),
             f"{_percentile(ok, 0.5):.0f}",
             f"{_percentile(ok, 0.99):.0f}",
+            str(flow.get((criticality, "queued"), 0)),
             str(shed),
-            str(other),
+            str(expired),
+            str(max(0, other)),
         )
     console.print(latency)
     total = sum(split.values())
@@ -321,7 +335,9 @@ async def quickstart(
             sims = {f"127.0.0.1:{w.port}": w.name for w in listening}
             assert runtime.metrics is not None
             split = split_from_metrics(runtime.metrics.render().decode(), "food-review")
-            report(results, sims, console, split)
+            gate = runtime.director.flow if runtime.director is not None else None
+            totals = {(str(b), o): n for (b, o), n in gate.totals.items()} if gate else None
+            report(results, sims, console, split, totals)
             if record is not None:
                 record.outcomes.extend(results)
                 record.split.update(split)

@@ -27,6 +27,7 @@ from poolkeeper.api.names import (
     label_value_errors,
 )
 from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.schema import CamelModel
 
@@ -243,6 +244,9 @@ class GatewayConfigSpec(_Section):
     """Saturation thresholds for shedding by criticality."""
     request_handling: RequestHandling = Field(default_factory=RequestHandling)
     """Body parsing, unknown models, stream usage, fallbacks."""
+    flow_control: FlowControlConfig = Field(default_factory=_defaults_of(FlowControlConfig))
+    """Queueing instead of shedding: strict criticality bands, fair sharing of token
+    throughput between models, per-band bounds and time-to-live (docs/flowcontrol.md)."""
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> Self:

@@ -54,13 +54,19 @@ from poolkeeper.config.gateway import (
 )
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.models import ModelRoute, RewriteRule
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import (
     GatewayError,
     ModelNotFound,
     NoReadyEndpoint,
     PayloadTooLarge,
+    QueueFull,
 )
+from poolkeeper.flowcontrol.config import FAIRNESS_ID_HEADER, FlowControlConfig
+from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
+from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver, Job
 from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
 from poolkeeper.requestcontrol.split import choose_rewrite_target, choose_target_model
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
@@ -134,6 +140,8 @@ class Ticket:
     endpoint: str  # where the in-flight accounting currently sits ("" = not tracked)
     tokens: int
     started_at: float
+    flow: str = ""  # flow-control flow to charge the answer to ("" = not flow-controlled)
+    band: Criticality = Criticality.STANDARD
     done: bool = False
 
 
@@ -150,6 +158,9 @@ class Director:
         config: RequestHandling,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
+        flow_control: FlowControlConfig | None = None,
+        headroom: Headroom | None = None,
+        flow_observer: FlowObserver | None = None,
     ) -> None:
         self._datastore = datastore
         self._scheduler = scheduler
@@ -159,6 +170,22 @@ class Director:
         self._rng = rng
         self._clock = clock
         self._sequence = itertools.count()
+        self._headroom = headroom
+        self._flow: FlowGate | None = None
+        if flow_control is not None and flow_control.enabled:
+            if headroom is None:
+                raise ValueError("flow control needs the headroom check")
+            self._flow = FlowGate(
+                flow_control, clock=clock, abandon=self._abandon, observer=flow_observer
+            )
+
+    @property
+    def flow(self) -> FlowGate | None:
+        """Flow control's queue (None when `flowControl.enabled` is false)."""
+        return self._flow
+
+    def _abandon(self, decision: RoutingDecision) -> None:
+        self.complete(decision, status=None, usage=None)
 
     @property
     def config(self) -> RequestHandling:
@@ -175,11 +202,30 @@ class Director:
     # --- request path ---------------------------------------------------------------------
 
     async def route(self, request: IncomingRequest) -> RoutingDecision:
-        """Decide where `request` goes. Raises GatewayError (its http_status is the answer)."""
-        return self.route_now(request)
+        """Decide where `request` goes, waiting in flow control's queue if it must (the
+        ext_proc stream stays open meanwhile). Raises GatewayError (its http_status is the
+        answer); cancelling the call takes a waiting request out of the queue at once."""
+        result = self._guarded(request)
+        if isinstance(result, RoutingDecision):
+            return result
+        assert self._flow is not None
+        try:
+            return await self._flow.wait(result)
+        except GatewayError as exc:
+            exc.model, exc.target_model = result.payload.model, result.payload.target
+            raise
 
     def route_now(self, request: IncomingRequest) -> RoutingDecision:
-        """`route` without the coroutine (for synchronous callers and the simulator)."""
+        """`route` without the coroutine (synchronous callers): a request that would have to
+        wait in the flow-control queue is refused with 429 queue_full instead."""
+        result = self._guarded(request)
+        if isinstance(result, RoutingDecision):
+            return result
+        assert self._flow is not None
+        self._flow.withdraw(result)
+        raise QueueFull("the request would have to wait and this caller cannot")
+
+    def _guarded(self, request: IncomingRequest) -> RoutingDecision | FlowItem[Job]:
         try:
             return self._route(request)
         except GatewayError:
@@ -188,7 +234,7 @@ class Director:
             log.exception("internal error routing request %s", request.request_id)
             raise GatewayError("internal error while routing the request") from exc
 
-    def _route(self, request: IncomingRequest) -> RoutingDecision:
+    def _route(self, request: IncomingRequest) -> RoutingDecision | FlowItem[Job]:
         limit = self._config.max_body_bytes
         if len(request.body) > limit:
             raise PayloadTooLarge(f"request body is larger than {limit} bytes")
@@ -208,9 +254,11 @@ class Director:
         target = self._target(request, snapshot, pool_key, parsed.model, model)
         criticality, priority = self._band(request, snapshot, pool_key, model, found is None)
         try:
-            return self._schedule(
-                request, snapshot, parsed, pool_key, target, criticality, priority
-            )
+            if self._flow is None:
+                return self._schedule(
+                    request, snapshot, parsed, pool_key, target, criticality, priority
+                )
+            return self._enqueue(request, snapshot, parsed, pool_key, target, criticality, priority)
         except GatewayError as exc:
             # The front end labels its error metrics with these; it must not parse again.
             exc.model, exc.target_model = parsed.model, target
@@ -260,6 +308,46 @@ class Director:
             return Criticality.SHEDDABLE, None
         return criticality_of_priority(DEFAULT_PRIORITY), DEFAULT_PRIORITY
 
+    def _enqueue(
+        self,
+        request: IncomingRequest,
+        snapshot: SnapshotView,
+        parsed: ParsedRequest,
+        pool_key: str,
+        target: str,
+        criticality: Criticality,
+        priority: int | None,
+    ) -> RoutingDecision | FlowItem[Job]:
+        """Flow control instead of admission: dispatch now, queue, or refuse (429)."""
+        assert self._flow is not None
+        assert self._headroom is not None
+        flow = parsed.model
+        if self._flow.config.fairness_id_header:
+            flow = request.headers.get(FAIRNESS_ID_HEADER) or flow
+        subset = self._subset(request)
+        self._candidates(snapshot, pool_key, subset)  # 503 now when nothing could ever serve it
+        headroom = self._headroom
+
+        def run() -> RoutingDecision:
+            # Late binding: the snapshot, load and prefix state of the moment of dispatch.
+            fresh = self._datastore.snapshot()
+            return self._schedule(
+                request, fresh, parsed, pool_key, target, criticality, priority,
+                admit=False, flow=flow,
+            )  # fmt: skip
+
+        def fits(limit: float) -> bool:
+            try:
+                states = self._candidates(self._datastore.snapshot(), pool_key, subset)
+            except NoReadyEndpoint:
+                return True  # the pool went away: dispatch, so the scheduler answers 503 now
+            return headroom.fits(self._inflight.apply(states), limit, self._clock())
+
+        job = Job(pool_key, parsed.model, target, run, fits)
+        return self._flow.submit(
+            job, band=criticality, flow=flow, tokens=parsed.prompt_tokens, size=len(request.body)
+        )
+
     def _schedule(
         self,
         request: IncomingRequest,
@@ -269,6 +357,9 @@ class Director:
         target: str,
         criticality: Criticality,
         priority: int | None,
+        *,
+        admit: bool = True,
+        flow: str = "",
     ) -> RoutingDecision:
 
         subset = self._subset(request)
@@ -287,7 +378,8 @@ class Director:
         )
         now = self._clock()
         candidates = self._inflight.apply(self._candidates(snapshot, pool_key, subset))
-        self._admission.admit(llm_request, candidates, now=now)
+        if admit:
+            self._admission.admit(llm_request, candidates, now=now)
         result = self._scheduler.schedule(llm_request, candidates, now=now)
         endpoints = self._destinations(result, candidates)
         if not endpoints:
@@ -315,7 +407,7 @@ class Director:
             prompt_tokens=parsed.prompt_tokens,
             body=body,
             include_usage_injected=inject,
-            ticket=Ticket(key, endpoints[0], parsed.prompt_tokens, now),
+            ticket=Ticket(key, endpoints[0], parsed.prompt_tokens, now, flow, criticality),
         )
 
     def _route_bodyless(self, request: IncomingRequest, snapshot: SnapshotView) -> RoutingDecision:
@@ -411,6 +503,9 @@ class Director:
         ticket.done = True
         # In-flight accounting is keyed by request id, so it ends wherever it sits (the primary,
         # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
+        if self._flow is not None and ticket.flow:
+            output = usage.completion_tokens if usage is not None else 0
+            self._flow.completed(decision.pool, ticket.flow, ticket.band, output)
         if ticket.endpoint:
             if status is not None and 200 <= status < 300 and usage is not None:
                 # A success with usage is a speed observation: the tracker measures the time
@@ -443,6 +538,7 @@ def build_director(
     *,
     rng: random.Random,
     clock: Callable[[], float] = time.monotonic,
+    flow_observer: FlowObserver | None = None,
 ) -> Director:
     """The Director `config.spec` describes, with its scheduler, admission controller and
     in-flight tracker: the one way a Director is built (the runtime and tests alike). Raises
@@ -450,15 +546,24 @@ def build_director(
     """
     spec = config.spec
     staleness_s = spec.scraping.staleness_s
-    return Director(
+    admission = AdmissionController(spec.admission, staleness_s=staleness_s)
+    director = Director(
         datastore=datastore,
         scheduler=build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s),
         inflight=InflightTracker(),
-        admission=AdmissionController(spec.admission, staleness_s=staleness_s),
+        admission=admission,
         config=spec.request_handling,
         rng=rng,
         clock=clock,
+        flow_control=spec.flow_control,
+        headroom=Headroom(admission.detector),  # the one saturation signal, shared
+        flow_observer=flow_observer,
     )
+    gate = director.flow
+    if gate is not None and isinstance(datastore, Datastore):
+        # Fresh metrics may mean headroom: let waiting requests re-check (free when none wait).
+        datastore.subscribe(lambda _snapshot, _kind: gate.wake(), metrics=True)
+    return director
 
 
 def _scheduler_headers(headers: Mapping[str, str]) -> Mapping[str, str]:

@@ -38,7 +38,7 @@ from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.director import Director, build_director
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.telemetry.health import HealthService
-from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats
+from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats, QueueStats
 
 log = logging.getLogger("poolkeeper.server")
 
@@ -132,7 +132,10 @@ class GatewayRuntime:
         self.metrics = GatewayMetrics(
             pool_stats=self.pool_stats,
             scheduling=stats if isinstance(stats, SchedulingStats) else None,
+            flow_stats=self.flow_stats,
         )
+        if self.director.flow is not None:
+            self.director.flow.observer = self.metrics  # queue outcomes and durations
         listeners = spec.listeners
         health = HealthService.for_gateway(
             live=lambda: True, ready=self.ready, answering=lambda: self.director is not None
@@ -245,6 +248,13 @@ class GatewayRuntime:
             ready = sum(1 for s in states if s.metrics.reachable)
             per_pod = tuple((s.endpoint.name, float(s.metrics.waiting)) for s in states)
             yield PoolStats(key.rpartition("/")[2], kv, queue, ready, per_pod)
+
+    def flow_stats(self) -> Iterator[QueueStats]:
+        gate = self.director.flow if self.director is not None else None
+        if gate is None:
+            return
+        for pool, band, requests, size in gate.queue_stats():
+            yield QueueStats(pool.rpartition("/")[2], str(band), requests, size)
 
     @property
     def extproc_address(self) -> str:

@@ -31,6 +31,11 @@ API (times in virtual seconds; the run starts wherever the first arrival's time 
   `unseen_requests` / `unseen_tokens` those routed since the last scrape. Treat the list as
   read-only and valid only during the call.
 - `on_finish(result)`: optional, called when a request completes (e.g. router bookkeeping).
+- `release(states, now, send)`: needed when `route` may return `HOLD` (the router keeps the
+  arrival, e.g. in a flow-control queue). The fleet calls it only while something is held:
+  after every engine event that finished requests and at every scrape tick. The router calls
+  `send(request_id, server)` to submit a held request now (states update before it returns)
+  or `send(request_id, None, reason)` to reject it. Held requests' TTFT counts from arrival.
 - Returns `FleetResult(requests=[RequestResult...] in arrival order, servers=[ServerResult...],
   end_time)`. RequestResult fields: request_id, model, arrival, server (-1 if not served),
   server_name, status ("ok" | "rejected" | "error"), error, prompt_tokens, cached_tokens,
@@ -47,6 +52,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.sim.config import ServerSpec
@@ -160,6 +166,17 @@ class FleetResult:
 
 
 Router = Callable[[Arrival, Sequence[EndpointState], float], int | None]
+
+# `route` may return HOLD: the router keeps the arrival (flow control) and later hands it to
+# the `send` callback that `release` receives: `send(request_id, server)` submits it now (the
+# states passed to `release` are updated in place before `send` returns, so the router's next
+# capacity check sees it), `send(request_id, None, error)` rejects it.
+HOLD: Final = -1
+Send = Callable[[str, int | None, str | None], None]
+Releaser = Callable[[Sequence[EndpointState], float, Send], None]
+_HELD = "held"
+_POLL = -1  # heap entry of a router poll (servers are >= 0)
+_STUCK_S = 3600.0  # a router that releases nothing for this long has a bug: stop the run
 
 
 class VirtualFleet:
@@ -290,6 +307,7 @@ class VirtualFleet:
         *,
         on_finish: Callable[[RequestResult], None] | None = None,
         record_token_times: bool = False,
+        release: Releaser | None = None,
     ) -> FleetResult:
         if self._ran:
             raise RuntimeError("a VirtualFleet runs once; build a new one")
@@ -303,6 +321,11 @@ class VirtualFleet:
         pending = next(it, None)
         last_arrival = -math.inf
         now = 0.0
+        # Arrivals the router holds (route returned HOLD), by request id, in arrival order.
+        held: dict[str, tuple[Arrival, RequestResult]] = {}
+        poll_due = math.inf  # time of the pending poll event (only while something is held)
+        poll_every = self.scrape_interval if self.scrape_interval > 0 else 0.05
+        last_send = -math.inf
 
         def reschedule(i: int) -> None:
             nonlocal seq
@@ -311,6 +334,36 @@ class VirtualFleet:
                 due[i] = t
                 seq += 1
                 heapq.heappush(heap, (t, seq, i))
+
+        def send(request_id: str, server: int | None, error: str | None = None) -> None:
+            nonlocal last_send
+            last_send = now
+            arrival, result = held.pop(request_id)
+            if server is None:
+                result.status, result.error = "rejected", error
+                return
+            self._submit(arrival, result, server, now, record_token_times)
+            if result.server >= 0:
+                reschedule(result.server)
+
+        def arm() -> None:
+            # Poll the router at the next scrape tick while it holds something: fresh metrics
+            # and TTL expiry come with time, not only with completions.
+            nonlocal seq, poll_due
+            if held and poll_due == math.inf:
+                if now - last_send > _STUCK_S:
+                    raise RuntimeError(f"router held {len(held)} requests for {_STUCK_S} s")
+                tick = math.floor(now / poll_every) + 1
+                while tick * poll_every <= now:  # float rounding must never poll at `now` again
+                    tick += 1
+                poll_due = tick * poll_every
+                seq += 1
+                heapq.heappush(heap, (poll_due, seq, _POLL))
+
+        def poll() -> None:
+            if release is not None and held:
+                release(self._views(now), now, send)
+            arm()
 
         while pending is not None or heap:
             if pending is not None and (not heap or pending.time < heap[0][0]):
@@ -322,20 +375,35 @@ class VirtualFleet:
                         f"{arrival.time} after {last_arrival}"
                     )
                 now = last_arrival = arrival.time
-                results.append(self._arrive(arrival, route, now, record_token_times))
-                server = results[-1].server
-                if server >= 0:
-                    reschedule(server)
+                result = self._arrive(arrival, route, now, record_token_times)
+                results.append(result)
+                if result.status == _HELD:
+                    if release is None:
+                        raise ValueError("route held an arrival but run() got no release")
+                    held[arrival.request_id] = (arrival, result)
+                    last_send = max(last_send, now)
+                    arm()
+                elif result.server >= 0:
+                    reschedule(result.server)
                 continue
             t, _, i = heapq.heappop(heap)
+            now = t
+            if i == _POLL:
+                if t == poll_due:
+                    poll_due = math.inf
+                    poll()
+                continue
             if due[i] != t:
                 continue  # superseded entry
             due[i] = None
-            now = t
             self._before_change(i, t)
+            finished = False
             for outcome in engines[i].advance(t):
+                finished = finished or bool(outcome.finished)
                 self._deliver(i, outcome, on_finish)
             reschedule(i)
+            if finished and held:
+                poll()
         servers = [ServerResult(e.name, self._routed[i], e.counters) for i, e in enumerate(engines)]
         return FleetResult(results, servers, now)
 
@@ -346,6 +414,16 @@ class VirtualFleet:
         if choice is None:
             result.status = "rejected"
             return result
+        if choice == HOLD:
+            result.status = _HELD
+            return result
+        self._submit(arrival, result, choice, now, record)
+        return result
+
+    def _submit(
+        self, arrival: Arrival, result: RequestResult, choice: int, now: float, record: bool
+    ) -> None:
+        result.status = "ok"
         if not 0 <= choice < len(self.engines):
             raise IndexError(f"route returned {choice} for a fleet of {len(self.engines)}")
         engine = self.engines[choice]
@@ -361,7 +439,7 @@ class VirtualFleet:
             )
         except (UnknownModelError, InvalidRequestError) as exc:
             result.status, result.error = "error", str(exc)
-            return result
+            return
         result.server = choice
         result.prompt_tokens = request.prompt_tokens
         if record:
@@ -375,7 +453,6 @@ class VirtualFleet:
         self._unseen[choice] += 1
         self._unseen_tokens[choice] += request.prompt_tokens
         self._rebuild(choice)
-        return result
 
     def _deliver(
         self, i: int, outcome: StepOutcome, on_finish: Callable[[RequestResult], None] | None

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from poolkeeper import __version__
+from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import GatewayError
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import HistogramData, SchedulingStats
@@ -77,6 +78,38 @@ class PoolStats:
     ready_pods: int
     # (endpoint name, waiting requests) for `inference_pool_per_pod_queue_size`
     per_pod_queue_size: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """One band of one pool's flow-control queue, at scrape time."""
+
+    pool: str  # the pool's name (upstream label `inference_pool`)
+    priority: str  # the band: Critical | Standard | Sheddable
+    requests: int
+    bytes: int
+
+
+class _QueueCollector(Collector):
+    def __init__(self, source: Callable[[], Iterable[QueueStats]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        size = GaugeMetricFamily(
+            "inference_extension_flow_control_queue_size",
+            "Requests waiting in the flow-control queue, per pool and priority band.",
+            labels=["inference_pool", "priority"],
+        )
+        size_bytes = GaugeMetricFamily(
+            "inference_extension_flow_control_queue_bytes",
+            "Request bytes waiting in the flow-control queue, per pool and priority band.",
+            labels=["inference_pool", "priority"],
+        )
+        for stats in self.source():
+            size.add_metric([stats.pool, stats.priority], stats.requests)
+            size_bytes.add_metric([stats.pool, stats.priority], stats.bytes)
+        yield size
+        yield size_bytes
 
 
 class _PoolCollector(Collector):
@@ -214,6 +247,7 @@ class GatewayMetrics:
         *,
         pool_stats: Callable[[], Iterable[PoolStats]] | None = None,
         scheduling: SchedulingStats | None = None,
+        flow_stats: Callable[[], Iterable[QueueStats]] | None = None,
         max_label_values: int = 100,
         objective_names: bool = True,
     ) -> None:
@@ -303,6 +337,16 @@ class GatewayMetrics:
             r.register(_PoolCollector(pool_stats))
         if scheduling is not None:
             r.register(_SchedulingCollector(scheduling))
+        self.flow_queue_duration = Histogram(
+            "inference_extension_flow_control_request_queue_duration_seconds",
+            "Time requests spent in the flow-control queue, by outcome (Dispatched, "
+            "RejectedCapacity, RejectedOther, EvictedTTL, EvictedContextCancelled).",
+            ["inference_pool", "priority", "outcome", "model_name"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        if flow_stats is not None:
+            r.register(_QueueCollector(flow_stats))
 
     def _labels(self, decision: RoutingDecision) -> tuple[str, str]:
         return self._model(decision.model_name), self._target(decision.target_model)
@@ -350,6 +394,14 @@ class GatewayMetrics:
                 self.output_tokens.labels(model, target).observe(usage.completion_tokens)
                 if seconds > 0:
                     self.ntpot.labels(model, target).observe(seconds / usage.completion_tokens)
+
+    # -- FlowObserver (requestcontrol.flowgate) ----------------------------------------------
+    def flow_outcome(
+        self, *, pool: str, band: Criticality, model: str, outcome: str, waited_s: float
+    ) -> None:
+        self.flow_queue_duration.labels(
+            pool.rpartition("/")[2], str(band), outcome, self._model(model)
+        ).observe(waited_s)
 
     # -- exposition -------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -1,0 +1,141 @@
+"""The `poolkeeper` benchmark policy with flow control: the EPP's dispatcher on the virtual fleet.
+
+`FlowPolicy` puts the pure `flowcontrol.FlowDispatcher` (the object the EPP's Director drives)
+in front of a `SchedulerPolicy` (the real scheduler). An arrival is offered: it is dispatched
+at once when its band and the bands above have nothing waiting and some endpoint has headroom
+(`flowcontrol.Headroom`, admission's saturation signal); otherwise it is held, refused (429)
+or, for a `send` band, sent anyway. The fleet then calls `release` after completions and at
+every scrape tick: expired requests are rejected (503), and heads are scheduled one by one on
+the fleet's live states, each counted before the next headroom check (late binding).
+
+Per-request facts for the reports: `waited` (router queue time of dispatched requests) and
+`ends` (request id -> outcome: dispatched / queue_full / shed / expired).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from poolkeeper.admission.saturation import SaturationDetector
+from poolkeeper.bench.schedpolicy import SchedulerPolicy, scheduler_policy
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.errors import QueueFull, RequestShed
+from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem, Submitted
+from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.scheduling.types import LLMRequest
+
+SendFn = Callable[[str, EndpointState | None, str | None], None]
+
+
+@dataclass(slots=True)
+class _Held:
+    request: LLMRequest
+
+
+class FlowPolicy:
+    """A SchedulerPolicy behind flow control (see the module docstring)."""
+
+    def __init__(self, name: str, inner: SchedulerPolicy, config: FlowControlConfig) -> None:
+        self.name = name
+        self.inner = inner
+        self.config = config
+        self.headroom = Headroom(SaturationDetector())
+        self.dispatcher: FlowDispatcher[_Held] = FlowDispatcher(config)
+        self.waited: dict[str, float] = {}
+        self.ends: dict[str, str] = {}
+        self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.max_waiting = 0
+        self._flows: dict[str, tuple[str, FlowItem[_Held]]] = {}
+        self._states: Sequence[EndpointState] = ()
+        self._now = 0.0
+
+    def _fits(self, item: FlowItem[_Held]) -> bool:
+        limit = self.config.bands.of(item.band).saturation_limit
+        return self.headroom.fits(self._states, limit, self._now)
+
+    def offer(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState | None:
+        """The endpoint, or None when the request is held; raises RequestShed to refuse it."""
+        self._states, self._now = endpoints, now
+        item = FlowItem(
+            _Held(request), request.criticality, request.model, request.prompt_tokens,
+            len(request.prompt),
+        )  # fmt: skip
+        verdict = self.dispatcher.submit(item, now, self._fits)
+        band = str(request.criticality)
+        if verdict is Submitted.DISPATCH:
+            self.dispatcher.dispatched(item)
+            self._end(request.request_id, band, "dispatched")
+            self.waited[request.request_id] = 0.0
+            return self._pick(item, endpoints, now)
+        if verdict is Submitted.QUEUED:
+            self.outcomes[(band, "queued")] += 1
+            self.max_waiting = max(self.max_waiting, self.dispatcher.waiting())
+            return None
+        self._end(request.request_id, band, "queue_full" if verdict is Submitted.FULL else "shed")
+        if verdict is Submitted.FULL:
+            raise QueueFull(f"{band} queue full")
+        raise RequestShed(f"{band}: no endpoint has headroom")
+
+    def release(self, endpoints: Sequence[EndpointState], now: float, send: SendFn) -> None:
+        self._states, self._now = endpoints, now
+        for item in self.dispatcher.expire(now):
+            self._end(item.payload.request.request_id, str(item.band), "expired")
+            send(item.payload.request.request_id, None, "expired")
+
+        def go(item: FlowItem[_Held]) -> None:
+            rid = item.payload.request.request_id
+            self._end(rid, str(item.band), "dispatched")
+            self.waited[rid] = now - item.arrived
+            send(rid, self._pick(item, endpoints, now), None)  # updates `endpoints` in place
+
+        self.dispatcher.pump(self._fits, go)
+
+    def _pick(
+        self, item: FlowItem[_Held], endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState:
+        request = item.payload.request
+        self._flows[request.request_id] = (request.model, item)
+        return self.inner.pick(request, endpoints, now)
+
+    def _end(self, request_id: str, band: str, outcome: str) -> None:
+        self.ends[request_id] = outcome
+        self.outcomes[(band, outcome)] += 1
+
+    def pick(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState:
+        chosen = self.offer(request, endpoints, now)
+        if chosen is None:
+            raise RuntimeError("FlowPolicy.pick cannot hold a request; use offer/release")
+        return chosen
+
+    def on_finish(self, request_id: str, server: str, now: float) -> None:
+        self.inner.on_finish(request_id, server, now)
+        found = self._flows.pop(request_id, None)
+        if found is not None:
+            flow, item = found
+            output = item.payload.request.max_tokens or 0  # the simulator serves max_tokens
+            self.dispatcher.completed(flow, item.band, output)
+
+    def summary(self) -> dict[str, object]:
+        by_band: dict[str, dict[str, int]] = {}
+        for (band, outcome), n in sorted(self.outcomes.items()):
+            by_band.setdefault(band, {})[outcome] = n
+        return {"outcomes": by_band, "max_waiting": self.max_waiting,
+                "left_waiting": self.dispatcher.waiting()}  # fmt: skip
+
+
+def flow_policy(
+    name: str, rng: random.Random, config: FlowControlConfig | None = None
+) -> FlowPolicy:
+    """`poolkeeper`: the default scheduling preset behind flow control with the default
+    `spec.flowControl` (admission's shedding is replaced by the bands, as in the EPP)."""
+    inner = scheduler_policy("poolkeeper-shed", rng)
+    inner.admission = None
+    return FlowPolicy(name, inner, config if config is not None else FlowControlConfig())

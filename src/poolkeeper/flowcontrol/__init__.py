@@ -1,0 +1,1 @@
+"""Flow control: bands, fair sharing (VTC) and the queue, pure and synchronous."""

@@ -1,0 +1,113 @@
+"""`FlowControlConfig`: the flow-control section of a GatewayConfig (`spec.flowControl`).
+
+    flowControl:
+      enabled: true
+      fairnessIdHeader: false        # honour x-gateway-inference-fairness-id (trusted clients only)
+      inputTokenWeight: 1            # VTC cost of one prompt token
+      outputTokenWeight: 2           # VTC cost of one output token (the VTC paper's default)
+      modelWeights: {chat-a: 2}      # fair-share weight per client-facing modelName (default 1)
+      bands:
+        critical:  {mode: send}                                   # never held, never shed
+        standard:  {mode: queue, saturationLimit: 1.5, ttlMs: 30000, maxRequests: 2000}
+        sheddable: {mode: queue, saturationLimit: 0.2, ttlMs: 1500,  maxRequests: 1000}
+
+One band per criticality, served in strict priority. A band's head is dispatched while some
+candidate endpoint's saturation (`scheduling.load.saturations`, thresholds from
+`spec.admission`) is below the band's `saturationLimit`; otherwise it waits (mode `queue`), is
+refused with 429 (mode `shed`), or goes anyway (mode `send`, today's Critical behaviour).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Self
+
+from pydantic import Field, model_validator
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.schema import CamelModel
+
+FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
+
+
+class BandMode(StrEnum):
+    SEND = "send"  # never held: dispatched at once whatever the load (today's Critical)
+    QUEUE = "queue"  # wait in the EPP for headroom, bounded by the limits and the TTL
+    SHED = "shed"  # no queue: 429 at once when no endpoint has headroom
+
+
+class BandConfig(CamelModel, use_attribute_docstrings=True):
+    """One criticality band."""
+
+    mode: BandMode = BandMode.QUEUE
+    """`queue` (wait for headroom), `shed` (429 when there is none) or `send` (never held)."""
+    saturation_limit: float = Field(default=1.0, gt=0)
+    """Dispatch while some candidate endpoint's saturation is below this (1.0 = at the
+    `spec.admission` thresholds: `queueDepthThreshold` waiting or `kvCacheUtilThreshold`)."""
+    max_requests: int = Field(default=1000, ge=1, le=1_000_000)
+    """Most requests waiting in this band per pool; one more is refused with 429 queue_full."""
+    max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    """Most request-body bytes waiting in this band per pool; over it: 429 queue_full."""
+    ttl_ms: int = Field(default=30_000, ge=1, le=3_600_000)
+    """Longest wait in the queue; then 503 queue_timeout."""
+
+
+def _band(**kwargs: object) -> BandConfig:
+    return BandConfig.model_validate(kwargs)
+
+
+class Bands(CamelModel, use_attribute_docstrings=True):
+    """The three bands, by criticality."""
+
+    critical: BandConfig = Field(
+        default_factory=lambda: _band(mode=BandMode.SEND, saturationLimit=2.0, ttlMs=60_000)
+    )
+    """Default `send`: Critical requests are never held nor shed, as before flow control.
+    With `queue` they wait ahead of every other band (and share fairly among themselves)."""
+    standard: BandConfig = Field(
+        default_factory=lambda: _band(saturationLimit=1.5, maxRequests=2000, ttlMs=30_000)
+    )
+    """Default: queue while no endpoint is below 1.5 (7.5 waiting requests), 30 s TTL."""
+    sheddable: BandConfig = Field(
+        default_factory=lambda: _band(saturationLimit=0.2, maxRequests=1000, ttlMs=1_500)
+    )
+    """Default: queue while no endpoint is below 0.2 (no waiting request and KV under 16%
+    at the default thresholds: servers keep no queue of Sheddable work, so Critical requests
+    sent to them start fast), 1.5 s TTL: answered quickly either way (docs/flowcontrol.md)."""
+
+    def of(self, criticality: Criticality) -> BandConfig:
+        if criticality is Criticality.CRITICAL:
+            return self.critical
+        if criticality is Criticality.STANDARD:
+            return self.standard
+        return self.sheddable
+
+
+class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
+    """Queueing, strict criticality bands and fair sharing (docs/flowcontrol.md)."""
+
+    enabled: bool = True
+    """Off: no queue; `spec.admission` sheds by pool saturation as before flow control."""
+    fairness_id_header: bool = False
+    """Share fairly between values of the `x-gateway-inference-fairness-id` header instead of
+    between modelNames. Only for trusted clients: with it a client picks its own tenant."""
+    input_token_weight: float = Field(default=1.0, ge=0)
+    """Virtual-token cost of a prompt token (charged when the request is dispatched)."""
+    output_token_weight: float = Field(default=2.0, ge=0)
+    """Virtual-token cost of an output token (charged when the request completes); 2 as in
+    the VTC paper (Sheng et al., OSDI 2024): decoding costs more than prefill."""
+    model_weights: dict[str, float] = Field(default_factory=dict)
+    """Fair-share weight per flow (modelName, or fairness id); unlisted flows weigh 1. A flow
+    of weight 2 gets twice the token throughput of a weight-1 flow while both wait."""
+    bands: Bands = Field(default_factory=Bands)
+    """Per-criticality settings."""
+
+    @model_validator(mode="after")
+    def _weights(self) -> Self:
+        bad = sorted(name for name, w in self.model_weights.items() if not w > 0)
+        if bad:
+            raise ValueError(f"modelWeights must be > 0 (got {', '.join(bad)})")
+        return self
+
+    def weight(self, flow: str) -> float:
+        return self.model_weights.get(flow, 1.0)

@@ -1,0 +1,222 @@
+"""`FlowDispatcher`: the queue of one pool and the decision of what to dispatch next.
+
+    submit(item, fits)   -> DISPATCH | QUEUED | SHED | FULL   (the fast path dispatches at once)
+    pump(now, fits, go)  -> dispatches heads while they fit; `go(item)` runs before the next check
+    expire(now)          -> items past their TTL, removed
+    cancel(item)         -> the client went away: removed at once
+    completed(flow, band, output_tokens)  -> VTC charge of the answer
+
+Order: strict priority between bands (Critical > Standard > Sheddable), the Virtual Token
+Counter between flows within a band (`vtc.py`), first come first served within a flow. When
+the best head of a band does not fit, dispatching stops for every lower band too: a lower band
+never overtakes a waiting higher one (no priority inversion; band limits are ordered, so a
+lower head would not fit either unless the two requests have different candidates).
+
+`fits(item)` answers "does some candidate endpoint have headroom for this item's band"; it is
+the caller's (it reads the scheduler's view of the pool). `go(item)` must account for the
+dispatched request before it returns (late binding: the next `fits` sees it), which is why
+`pump` takes it as a callback instead of returning a batch.
+
+Pure and synchronous: time is passed in; the same object runs in the EPP (requestcontrol's
+async edge) and in the virtual-time fleet (bench).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
+from poolkeeper.flowcontrol.vtc import VirtualTokenCounter
+
+T = TypeVar("T")
+
+BANDS: tuple[Criticality, ...] = (Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE)
+
+
+class Submitted(StrEnum):
+    DISPATCH = "dispatch"  # go now (the caller schedules it and calls `dispatched`)
+    QUEUED = "queued"
+    SHED = "shed"  # band mode `shed` and no headroom: 429
+    FULL = "full"  # the band's request or byte limit: 429 queue_full
+
+
+@dataclass(eq=False, slots=True)
+class FlowItem(Generic[T]):
+    """One request in flow control. `payload` is the caller's."""
+
+    payload: T
+    band: Criticality
+    flow: str
+    tokens: int  # prompt tokens, charged to the flow at dispatch
+    size: int  # request bytes, counted against maxBytes while queued
+    arrived: float = 0.0
+    deadline: float = math.inf
+    seq: int = field(default=0)
+    queued: bool = False
+
+
+class _Band(Generic[T]):
+    __slots__ = ("bytes", "count", "flows", "vtc")
+
+    def __init__(self, vtc: VirtualTokenCounter) -> None:
+        self.vtc = vtc
+        self.flows: dict[str, deque[FlowItem[T]]] = {}  # only flows with something waiting
+        self.count = 0
+        self.bytes = 0
+
+    def push(self, item: FlowItem[T]) -> None:
+        queue = self.flows.get(item.flow)
+        if queue is None:
+            self.vtc.activate(item.flow, self.flows)
+            queue = self.flows[item.flow] = deque()
+        queue.append(item)
+        self.count += 1
+        self.bytes += item.size
+
+    def head(self) -> FlowItem[T] | None:
+        flows = self.flows
+        flow = self.vtc.pick(flows, lambda f: flows[f][0].seq)
+        return None if flow is None else flows[flow][0]
+
+    def remove(self, item: FlowItem[T]) -> None:
+        queue = self.flows[item.flow]
+        if queue[0] is item:
+            queue.popleft()
+        else:
+            queue.remove(item)
+        self.count -= 1
+        self.bytes -= item.size
+        if not queue:
+            del self.flows[item.flow]
+            self.vtc.deactivate(item.flow, self.flows)
+
+    def items(self) -> Iterator[FlowItem[T]]:
+        for queue in self.flows.values():
+            yield from queue
+
+
+class FlowDispatcher(Generic[T]):
+    """Bands, fairness and bounds of one pool (see the module docstring)."""
+
+    def __init__(self, config: FlowControlConfig) -> None:
+        self.config = config
+        self._bands: dict[Criticality, _Band[T]] = {
+            b: _Band(
+                VirtualTokenCounter(
+                    weight=config.weight,
+                    input_weight=config.input_token_weight,
+                    output_weight=config.output_token_weight,
+                )
+            )
+            for b in BANDS
+        }
+        self._seq = itertools.count()
+
+    # -- arrivals -----------------------------------------------------------------------------
+
+    def submit(
+        self, item: FlowItem[T], now: float, fits: Callable[[FlowItem[T]], bool]
+    ) -> Submitted:
+        """Decide an arriving request. On DISPATCH the caller routes it and then calls
+        `dispatched(item)`; on QUEUED it waits for `pump`, `expire` or `cancel`."""
+        band = self.config.bands.of(item.band)
+        item.arrived = now
+        item.seq = next(self._seq)
+        if band.mode is BandMode.SEND:
+            return Submitted.DISPATCH
+        if not self._waiting_at_or_above(item.band) and fits(item):
+            return Submitted.DISPATCH
+        if band.mode is BandMode.SHED:
+            return Submitted.SHED
+        queue = self._bands[item.band]
+        if queue.count + 1 > band.max_requests or queue.bytes + item.size > band.max_bytes:
+            return Submitted.FULL
+        item.deadline = now + band.ttl_ms / 1000.0
+        item.queued = True
+        queue.push(item)
+        return Submitted.QUEUED
+
+    def dispatched(self, item: FlowItem[T]) -> None:
+        """Charge the prompt to the flow (fast path and pump alike)."""
+        self._bands[item.band].vtc.charge_input(item.flow, item.tokens)
+
+    def completed(self, flow: str, band: Criticality, output_tokens: int) -> None:
+        self._bands[band].vtc.charge_output(flow, output_tokens)
+
+    # -- the pump -----------------------------------------------------------------------------
+
+    def pump(self, fits: Callable[[FlowItem[T]], bool], go: Callable[[FlowItem[T]], None]) -> int:
+        """Dispatch heads in priority and fairness order while they fit; the number sent."""
+        sent = 0
+        for criticality in BANDS:
+            queue = self._bands[criticality]
+            while queue.count:
+                item = queue.head()
+                if item is None or not fits(item):
+                    return sent  # a waiting head blocks its band and every lower band
+                queue.remove(item)
+                item.queued = False
+                self.dispatched(item)
+                go(item)
+                sent += 1
+        return sent
+
+    def expire(self, now: float) -> list[FlowItem[T]]:
+        """Remove and return the items whose TTL has passed (their flows keep FCFS order)."""
+        out: list[FlowItem[T]] = []
+        for queue in self._bands.values():
+            if not queue.count:
+                continue
+            for flow in list(queue.flows):
+                waiting = queue.flows[flow]
+                # One TTL per band and FCFS per flow: deadlines grow along each flow's queue.
+                while flow in queue.flows and waiting[0].deadline <= now:
+                    item = waiting[0]
+                    queue.remove(item)
+                    item.queued = False
+                    out.append(item)
+        return out
+
+    def cancel(self, item: FlowItem[T]) -> bool:
+        """Remove a waiting item (client gone). False if it is not waiting any more."""
+        if not item.queued:
+            return False
+        self._bands[item.band].remove(item)
+        item.queued = False
+        return True
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def _waiting_at_or_above(self, band: Criticality) -> bool:
+        rank = band.rank
+        return any(self._bands[b].count for b in BANDS if b.rank >= rank)
+
+    def waiting(self, band: Criticality | None = None) -> int:
+        if band is not None:
+            return self._bands[band].count
+        return sum(q.count for q in self._bands.values())
+
+    def waiting_bytes(self, band: Criticality) -> int:
+        return self._bands[band].bytes
+
+    def items(self, band: Criticality) -> list[FlowItem[T]]:
+        return list(self._bands[band].items())
+
+    def head(self, band: Criticality) -> FlowItem[T] | None:
+        return self._bands[band].head()
+
+    def counter(self, band: Criticality, flow: str) -> float:
+        return self._bands[band].vtc.counter(flow)
+
+    def next_deadline(self) -> float:
+        return min(
+            (q[0].deadline for b in self._bands.values() for q in b.flows.values()),
+            default=math.inf,
+        )

@@ -1,0 +1,41 @@
+"""Headroom: may a request of a band be sent to this pool now?
+
+Yes when some candidate endpoint's saturation (`scheduling.load.saturations`, the one
+definition, with the thresholds, in-flight counting and freshness of admission's
+`SaturationDetector`) is below the band's `saturationLimit`. Per endpoint, not the pool
+average: a request is never held while one eligible endpoint has room. Stale endpoints have no
+headroom; when every endpoint is stale the detector knows nothing and `allStalePolicy`
+decides (`admit`, the default: fail open, as admission does). No endpoints: yes, so the
+scheduler answers 503 at once instead of the request waiting for its TTL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from poolkeeper.admission.saturation import SaturationDetector
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.load import STALE, saturations
+
+
+class Headroom:
+    __slots__ = ("detector",)
+
+    def __init__(self, detector: SaturationDetector) -> None:
+        self.detector = detector
+
+    def fits(self, states: Sequence[EndpointState], limit: float, now: float) -> bool:
+        if not states:
+            return True
+        c = self.detector.config
+        values = saturations(
+            states,
+            now=now,
+            staleness_s=self.detector.staleness_s,
+            queue_threshold=c.queue_depth_threshold,
+            kv_threshold=c.kv_cache_util_threshold,
+            count_unseen=c.count_unseen,
+        )
+        if any(v < limit for v in values):
+            return True
+        return all(v == STALE for v in values) and c.all_stale_policy == "admit"

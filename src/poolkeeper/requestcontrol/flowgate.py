@@ -1,0 +1,227 @@
+"""`FlowGate`: the async edge of flow control in the EPP (the pure core is `flowcontrol/`).
+
+One `FlowDispatcher` per pool (capacity is per pool). A request the dispatcher queues waits on
+a future while its ext_proc stream stays open; the pump dispatches it later:
+
+- `submit(job, ...)`: the fast path dispatches at once (`job.run()` schedules it); a queued
+  request gets a FlowItem; `shed`-mode bands and full bands raise 429 (RequestShed, QueueFull).
+- `wait(item)`: awaits the decision. Cancelled (client gone): the item leaves the queue at
+  once; a decision that raced the cancellation is handed back (`abandon`) so its in-flight
+  accounting ends. Nothing is left behind either way.
+- the pump: expires items past their TTL (503 QueueTimeout), then dispatches heads in priority
+  and fairness order. Each head is scheduled synchronously (`job.run()`: fresh snapshot,
+  scheduler, in-flight start) before the next headroom check, so a burst of wake-ups cannot
+  over-dispatch on one stale view (late binding). It runs on `wake()` (enqueue, completion,
+  datastore metrics writes; thread-safe) and on a short timer while anything waits (TTL
+  expiry, recovery from stale metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.errors import GatewayError, QueueFull, QueueTimeout, RequestShed
+from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.dispatcher import BANDS, FlowDispatcher, FlowItem, Submitted
+from poolkeeper.requestcontrol.types import RoutingDecision
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05  # pump period while something waits (TTL precision, stale-metrics recovery)
+
+# Upstream's flow-control queue outcomes (inference_extension_flow_control_* metrics).
+DISPATCHED = "Dispatched"
+REJECTED_CAPACITY = "RejectedCapacity"
+REJECTED_OTHER = "RejectedOther"
+EVICTED_TTL = "EvictedTTL"
+EVICTED_CANCELLED = "EvictedContextCancelled"
+
+
+class FlowObserver(Protocol):
+    """Metrics hook (telemetry implements it)."""
+
+    def flow_outcome(
+        self, *, pool: str, band: Criticality, model: str, outcome: str, waited_s: float
+    ) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """What the Director hands the gate for one request."""
+
+    pool: str
+    model: str  # client-facing model name (metrics, error labels)
+    target: str  # target model after the split (error labels)
+    run: Callable[[], RoutingDecision]  # schedule it now; raises GatewayError
+    fits: Callable[[float], bool]  # does some candidate endpoint have headroom below a limit
+    future: asyncio.Future[RoutingDecision] | None = None
+
+
+class FlowGate:
+    def __init__(
+        self,
+        config: FlowControlConfig,
+        *,
+        clock: Callable[[], float],
+        abandon: Callable[[RoutingDecision], None],
+        observer: FlowObserver | None = None,
+    ) -> None:
+        self.config = config
+        self.observer = observer
+        self.totals: Counter[tuple[Criticality, str]] = Counter()  # (band, outcome or "queued")
+        self._clock = clock
+        self._abandon = abandon
+        self._pools: dict[str, FlowDispatcher[Job]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._soon = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- the request path ---------------------------------------------------------------------
+
+    def submit(
+        self, job: Job, *, band: Criticality, flow: str, tokens: int, size: int
+    ) -> RoutingDecision | FlowItem[Job]:
+        dispatcher = self._pools.get(job.pool)
+        if dispatcher is None:
+            dispatcher = self._pools[job.pool] = FlowDispatcher(self.config)
+        item = FlowItem(job, band, flow, tokens, size)
+        verdict = dispatcher.submit(item, self._clock(), self._fits)
+        if verdict is Submitted.DISPATCH:
+            decision = job.run()
+            dispatcher.dispatched(item)
+            self._outcome(item, DISPATCHED, 0.0)
+            return decision
+        if verdict is Submitted.QUEUED:
+            self.totals[(band, "queued")] += 1
+            return item
+        if verdict is Submitted.FULL:
+            self._outcome(item, REJECTED_CAPACITY, 0.0)
+            raise QueueFull(f"the {band} queue of pool {job.pool} is full")
+        self._outcome(item, REJECTED_OTHER, 0.0)
+        raise RequestShed(
+            f"pool {job.pool} has no endpoint below the {band} saturation limit "
+            f"({self.config.bands.of(band).saturation_limit:g}) and {band} requests do not queue"
+        )
+
+    async def wait(self, item: FlowItem[Job]) -> RoutingDecision:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        future: asyncio.Future[RoutingDecision] = loop.create_future()
+        item.payload.future = future
+        self._arm()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._pools[item.payload.pool].cancel(item):
+                self._outcome(item, EVICTED_CANCELLED, self._clock() - item.arrived)
+            elif future.done() and not future.cancelled() and future.exception() is None:
+                self._abandon(future.result())  # dispatched just as the client left
+            raise
+
+    def withdraw(self, item: FlowItem[Job]) -> None:
+        """Take a queued item back (its caller cannot wait)."""
+        if self._pools[item.payload.pool].cancel(item):
+            self._outcome(item, REJECTED_CAPACITY, 0.0)
+
+    def completed(self, pool: str, flow: str, band: Criticality, output_tokens: int) -> None:
+        dispatcher = self._pools.get(pool)
+        if dispatcher is not None:
+            dispatcher.completed(flow, band, output_tokens)
+        self.wake()
+
+    # -- the pump -----------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Run the pump soon (from any thread); free when nothing waits."""
+        loop = self._loop
+        if loop is None or self._soon or not self.waiting():
+            return
+        self._soon = True
+        try:
+            loop.call_soon_threadsafe(self.pump)
+        except RuntimeError:  # loop closed: nothing can wait on it any more
+            self._soon = False
+
+    def pump(self) -> None:
+        self._soon = False
+        now = self._clock()
+        for dispatcher in self._pools.values():
+            for item in dispatcher.expire(now):
+                self._outcome(item, EVICTED_TTL, now - item.arrived)
+                self._fail(
+                    item,
+                    QueueTimeout(
+                        f"request waited {now - item.arrived:.1f} s in the {item.band} queue "
+                        f"(ttl {self.config.bands.of(item.band).ttl_ms} ms)"
+                    ),
+                )
+            if dispatcher.waiting():
+                dispatcher.pump(self._fits, self._go)
+        self._arm()
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.pump()
+
+    def _arm(self) -> None:
+        if self._timer is None and self._loop is not None and self.waiting():
+            self._timer = self._loop.call_later(TICK_S, self._tick)
+
+    def _fits(self, item: FlowItem[Job]) -> bool:
+        return item.payload.fits(self.config.bands.of(item.band).saturation_limit)
+
+    def _go(self, item: FlowItem[Job]) -> None:
+        job = item.payload
+        try:
+            decision = job.run()
+        except GatewayError as exc:
+            self._fail(item, exc)
+            return
+        except Exception as exc:  # a bug below must not kill the pump; the request gets a 500
+            log.exception("internal error dispatching a queued request")
+            self._fail(item, GatewayError("internal error while routing the request"))
+            del exc
+            return
+        self._outcome(item, DISPATCHED, self._clock() - item.arrived)
+        future = job.future
+        if future is None or future.done():
+            self._abandon(decision)  # nobody waits for it any more
+        else:
+            future.set_result(decision)
+
+    def _fail(self, item: FlowItem[Job], exc: GatewayError) -> None:
+        future = item.payload.future
+        if future is not None and not future.done():
+            future.set_exception(exc)
+
+    def _outcome(self, item: FlowItem[Job], outcome: str, waited: float) -> None:
+        self.totals[(item.band, outcome)] += 1
+        if self.observer is not None:
+            self.observer.flow_outcome(
+                pool=item.payload.pool, band=item.band, model=item.payload.model,
+                outcome=outcome, waited_s=waited,
+            )  # fmt: skip
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def waiting(self, pool: str | None = None, band: Criticality | None = None) -> int:
+        pools = self._pools.values() if pool is None else [self._pools.get(pool)]
+        return sum(d.waiting(band) for d in pools if d is not None)
+
+    def queue_stats(self) -> list[tuple[str, Criticality, int, int]]:
+        """(pool, band, requests waiting, bytes waiting) for every pool and band (gauges)."""
+        return [
+            (pool, band, d.waiting(band), d.waiting_bytes(band))
+            for pool, d in self._pools.items()
+            for band in BANDS
+        ]
+
+    def next_deadline(self) -> float:
+        return min((d.next_deadline() for d in self._pools.values()), default=math.inf)

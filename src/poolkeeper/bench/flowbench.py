@@ -5,9 +5,11 @@ Four experiments, each `poolkeeper` (flow control, default `spec.flowControl`) b
 flow control), same seed, same arrivals:
 
 - fairness: the `fairness` workload (two Standard models, one offering 10x the other's request
-  rate) at 2x capacity, and at 6x, where even the light model offers more than half the fleet
-  (both backlogged). Served tokens per model per second (prompt + output tokens of requests
-  finishing in the last two thirds of the run) and the light model's served / offered ratio.
+  rate) at 2x capacity, and at 10x, where even the light model offers more than half of what
+  the fleet really serves (both backlogged; "capacity" is the conservative estimate of
+  `bench.simrun`). Served tokens per model per second (prompt + output tokens of requests
+  finishing in the last two thirds of the arrival window) and each model's completed share of
+  its requests (at 2x the light model is under its fair share: it should get all of it).
 - flood: the `criticality-flood` workload (10% Critical, 90% Sheddable) at 3x capacity, and the
   same Critical requests alone (the idle pool). Critical p99 TTFT of both and their ratio,
   Critical shed, Sheddable outcomes (completed / 429 / expired) and the longest Sheddable wait.
@@ -77,7 +79,15 @@ def fairness(
         out[name] = {
             "served_tok_s": rates,
             "ratio_heavy_to_light": rates[heavy] / max(rates[light], 1e-9),
-            "light_served_over_offered": rates[light] / max(offered[light], 1e-9),
+            "completed_share": {
+                m: sum(
+                    1
+                    for r in result.requests
+                    if by_id[r.request_id].model == m and r.status == "ok"
+                )
+                / max(1, sum(1 for a in arrivals if a.model == m))
+                for m in FAIRNESS_MODELS
+            },
             "shed": sum(r.status == "rejected" for r in result.requests),
         }
     return out
@@ -171,7 +181,7 @@ def run_flow_bench(
     data: dict[str, Any] = {"kind": "bench-flow", "command": command_line(),
                             "machine": machine_info(), "servers": servers,
                             "duration_s": duration, "seed": seed, "capacity_rps": caps}  # fmt: skip
-    data["fairness"] = [fairness(servers, caps["fairness"], x, duration, seed) for x in (2.0, 6.0)]
+    data["fairness"] = [fairness(servers, caps["fairness"], x, duration, seed) for x in (2.0, 10.0)]
     progress(format_flow(data))
     data["flood"] = flood(servers, caps["criticality-flood"], 3.0, duration, seed)
     progress(format_flow(data))
@@ -191,8 +201,8 @@ def format_flow(data: dict[str, Any]) -> str:
             p = f[name]
             lines.append(
                 f"  {name:>16}: served tok/s {_r(p['served_tok_s'])}, heavy:light "
-                f"{p['ratio_heavy_to_light']:.2f}, light served/offered "
-                f"{p['light_served_over_offered']:.2f}, shed {p['shed']}"
+                f"{p['ratio_heavy_to_light']:.2f}, completed share "
+                f"{_r(p['completed_share'], '.2f')}, refused {p['shed']}"
             )
     if "flood" in data:
         f = data["flood"]
@@ -220,5 +230,5 @@ def format_flow(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _r(d: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.0f}" for k, v in d.items())
+def _r(d: dict[str, float], fmt: str = ".0f") -> str:
+    return ", ".join(f"{k} {v:{fmt}}" for k, v in d.items())

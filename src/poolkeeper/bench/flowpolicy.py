@@ -23,7 +23,7 @@ from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.bench.schedpolicy import SchedulerPolicy, scheduler_policy
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import QueueFull, RequestShed
-from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem, Submitted
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.scheduling.types import LLMRequest
@@ -52,6 +52,7 @@ class FlowPolicy:
         self._flows: dict[str, tuple[str, FlowItem[_Held]]] = {}
         self._states: Sequence[EndpointState] = ()
         self._now = 0.0
+        self._pushed: list[str] = []  # pushed out of a full band, to reject at the next release
 
     def _fits(self, item: FlowItem[_Held]) -> bool:
         limit = self.config.bands.of(item.band).saturation_limit
@@ -68,6 +69,10 @@ class FlowPolicy:
         )  # fmt: skip
         verdict = self.dispatcher.submit(item, now, self._fits)
         band = str(request.criticality)
+        for victim in self.dispatcher.take_pushed_out():
+            rid = victim.payload.request.request_id
+            self._end(rid, band, "queue_full")
+            self._pushed.append(rid)
         if verdict is Submitted.DISPATCH:
             self.dispatcher.dispatched(item)
             self._end(request.request_id, band, "dispatched")
@@ -84,6 +89,9 @@ class FlowPolicy:
 
     def release(self, endpoints: Sequence[EndpointState], now: float, send: SendFn) -> None:
         self._states, self._now = endpoints, now
+        for rid in self._pushed:
+            send(rid, None, "queue_full")
+        self._pushed.clear()
         for item in self.dispatcher.expire(now):
             self._end(item.payload.request.request_id, str(item.band), "expired")
             send(item.payload.request.request_id, None, "expired")
@@ -101,6 +109,9 @@ class FlowPolicy:
     ) -> EndpointState:
         request = item.payload.request
         self._flows[request.request_id] = (request.model, item)
+        band = self.config.bands.of(item.band)
+        if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
+            endpoints = self.headroom.within(endpoints, band.saturation_limit, now)
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

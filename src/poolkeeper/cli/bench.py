@@ -4,6 +4,7 @@
     poolkeeper bench workload --workload multi-lora --rate 20 --duration 60 --out w.jsonl
     poolkeeper bench live --peers vllm-router,sglang-router --out bench-results
     poolkeeper bench overhead --out bench-results
+    poolkeeper bench flow --servers 8 --duration 30   # flow control: fairness, flood, burst
     poolkeeper bench report --in bench-results
     poolkeeper bench all --quick          # what `make bench` runs (< 10 min on 2 cores)
 
@@ -51,7 +52,7 @@ def register(subparsers: Any) -> None:
 
     sim = sub.add_parser("sim", help="virtual-time fleet sweeps (no sockets)")
     sim.add_argument("--workload", type=_names, default=None,
-                     help="comma-separated workloads (default: all five)")  # fmt: skip
+                     help="comma-separated workloads (default: the five routing ones)")  # fmt: skip
     sim.add_argument("--policies", type=_names, default=None,
                      help="comma-separated policies (default: all)")  # fmt: skip
     sim.add_argument("--loads", type=_floats, default=None,
@@ -109,6 +110,16 @@ def register(subparsers: Any) -> None:
     ov.add_argument("--quick", action="store_true")
     ov.set_defaults(handler=_overhead)
 
+    flow = sub.add_parser("flow", help="flow control: fairness, Critical under a flood, burst")
+    flow.add_argument("--servers", type=int, default=8, help="fleet size (default 8)")
+    flow.add_argument("--duration", type=float, default=30.0,
+                      help="arrival window in virtual seconds (default 30)")  # fmt: skip
+    flow.add_argument("--burst", type=float, default=60.0,
+                      help="length of the 10x burst in virtual seconds (default 60)")  # fmt: skip
+    flow.add_argument("--seed", type=int, default=1)
+    flow.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    flow.set_defaults(handler=_flow)
+
     rep = sub.add_parser("report", help="markdown tables and plots from result files")
     rep.add_argument("--in", dest="inp", type=Path, default=DEFAULT_OUT)
     rep.add_argument("--img", type=Path, default=None)
@@ -164,6 +175,18 @@ def _sim(args: argparse.Namespace) -> int:
     for ours in ("poolkeeper", "poolkeeper-proposed"):
         if ours in policies and "round-robin" in policies:
             print(targets_table(sweeps, policy=ours))
+    return 0
+
+
+def _flow(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.flowbench import format_flow, run_flow_bench
+
+    if args.servers < 1 or args.duration <= 0 or args.burst <= 0:
+        print("poolkeeper bench flow: --servers >= 1, --duration and --burst > 0", file=sys.stderr)
+        return 2
+    data = run_flow_bench(servers=args.servers, duration=args.duration, burst_s=args.burst,
+                          seed=args.seed, out_dir=args.out, progress=_progress)  # fmt: skip
+    print(format_flow(data))
     return 0
 
 

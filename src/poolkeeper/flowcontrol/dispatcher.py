@@ -1,6 +1,8 @@
 """`FlowDispatcher`: the queue of one pool and the decision of what to dispatch next.
 
-    submit(item, fits)   -> DISPATCH | QUEUED | SHED | FULL   (the fast path dispatches at once)
+    submit(item, fits)   -> DISPATCH | QUEUED | SHED | FULL   (the fast path dispatches at once;
+                            a full band pushes out the newest request of its longest flow
+                            when the newcomer's flow is shorter: `take_pushed_out`)
     pump(now, fits, go)  -> dispatches heads while they fit; `go(item)` runs before the next check
     expire(now)          -> items past their TTL, removed
     cancel(item)         -> the client went away: removed at once
@@ -118,6 +120,7 @@ class FlowDispatcher(Generic[T]):
             for b in BANDS
         }
         self._seq = itertools.count()
+        self.pushed_out: list[FlowItem[T]] = []
 
     # -- arrivals -----------------------------------------------------------------------------
 
@@ -136,12 +139,34 @@ class FlowDispatcher(Generic[T]):
         if band.mode is BandMode.SHED:
             return Submitted.SHED
         queue = self._bands[item.band]
-        if queue.count + 1 > band.max_requests or queue.bytes + item.size > band.max_bytes:
+        if not self._make_room(queue, item, band.max_requests, band.max_bytes):
             return Submitted.FULL
         item.deadline = now + band.ttl_ms / 1000.0
         item.queued = True
         queue.push(item)
         return Submitted.QUEUED
+
+    def _make_room(self, queue: _Band[T], item: FlowItem[T], requests: int, size: int) -> bool:
+        """Room for `item` within the band's bounds, pushing out the newest requests of the
+        longest flow if `item`'s flow is shorter (longest-queue drop: one busy flow must not
+        fill the band and lock the others out). False: no room, `item` is refused."""
+        mine = len(queue.flows.get(item.flow, ()))
+        while queue.count + 1 > requests or queue.bytes + item.size > size:
+            if item.size > size:
+                return False
+            longest = max(queue.flows, key=lambda f: len(queue.flows[f]), default=None)
+            if longest is None or longest == item.flow or len(queue.flows[longest]) <= mine + 1:
+                return False
+            victim = queue.flows[longest][-1]
+            queue.remove(victim)
+            victim.queued = False
+            self.pushed_out.append(victim)
+        return True
+
+    def take_pushed_out(self) -> list[FlowItem[T]]:
+        """Requests pushed out of a full band by `submit` since the last call (429 them)."""
+        out, self.pushed_out = self.pushed_out, []
+        return out
 
     def dispatched(self, item: FlowItem[T]) -> None:
         """Charge the prompt to the flow (fast path and pump alike)."""

@@ -6,7 +6,8 @@ definition, with the thresholds, in-flight counting and freshness of admission's
 average: a request is never held while one eligible endpoint has room. Stale endpoints have no
 headroom; when every endpoint is stale the detector knows nothing and `allStalePolicy`
 decides (`admit`, the default: fail open, as admission does). No endpoints: yes, so the
-scheduler answers 503 at once instead of the request waiting for its TTL.
+scheduler answers 503 at once instead of the request waiting for its TTL. `within` narrows the
+candidates of a dispatched request to the endpoints with headroom.
 """
 
 from __future__ import annotations
@@ -27,8 +28,24 @@ class Headroom:
     def fits(self, states: Sequence[EndpointState], limit: float, now: float) -> bool:
         if not states:
             return True
+        values = self._values(states, now)
+        if any(v < limit for v in values):
+            return True
+        return all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit"
+
+    def within(
+        self, states: Sequence[EndpointState], limit: float, now: float
+    ) -> Sequence[EndpointState]:
+        """The endpoints below `limit`, or all of them when none is (fail open: the caller
+        decided to dispatch). A dispatched request goes where the headroom is; otherwise the
+        scheduler's prefix affinity could pile it onto an endpoint past its band's limit."""
+        values = self._values(states, now)
+        below = [s for s, v in zip(states, values, strict=True) if v < limit]
+        return below if below and len(below) < len(states) else states
+
+    def _values(self, states: Sequence[EndpointState], now: float) -> list[float]:
         c = self.detector.config
-        values = saturations(
+        return saturations(
             states,
             now=now,
             staleness_s=self.detector.staleness_s,
@@ -36,6 +53,3 @@ class Headroom:
             kv_threshold=c.kv_cache_util_threshold,
             count_unseen=c.count_unseen,
         )
-        if any(v < limit for v in values):
-            return True
-        return all(v == STALE for v in values) and c.all_stale_policy == "admit"

@@ -62,7 +62,7 @@ from poolkeeper.errors import (
     PayloadTooLarge,
     QueueFull,
 )
-from poolkeeper.flowcontrol.config import FAIRNESS_ID_HEADER, FlowControlConfig
+from poolkeeper.flowcontrol.config import FAIRNESS_ID_HEADER, BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
@@ -325,6 +325,8 @@ class Director:
         if self._flow.config.fairness_id_header:
             flow = request.headers.get(FAIRNESS_ID_HEADER) or flow
         subset = self._subset(request)
+        band = self._flow.config.bands.of(criticality)
+        limit = band.saturation_limit
         self._candidates(snapshot, pool_key, subset)  # 503 now when nothing could ever serve it
         headroom = self._headroom
 
@@ -333,7 +335,7 @@ class Director:
             fresh = self._datastore.snapshot()
             return self._schedule(
                 request, fresh, parsed, pool_key, target, criticality, priority,
-                admit=False, flow=flow,
+                admit=False, flow=flow, limit=limit if band.mode is not BandMode.SEND else None,
             )  # fmt: skip
 
         def fits(limit: float) -> bool:
@@ -360,6 +362,7 @@ class Director:
         *,
         admit: bool = True,
         flow: str = "",
+        limit: float | None = None,
     ) -> RoutingDecision:
 
         subset = self._subset(request)
@@ -380,6 +383,8 @@ class Director:
         candidates = self._inflight.apply(self._candidates(snapshot, pool_key, subset))
         if admit:
             self._admission.admit(llm_request, candidates, now=now)
+        if limit is not None and self._headroom is not None:
+            candidates = list(self._headroom.within(candidates, limit, now))
         result = self._scheduler.schedule(llm_request, candidates, now=now)
         endpoints = self._destinations(result, candidates)
         if not endpoints:

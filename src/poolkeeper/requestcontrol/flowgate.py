@@ -93,6 +93,9 @@ class FlowGate:
             dispatcher = self._pools[job.pool] = FlowDispatcher(self.config)
         item = FlowItem(job, band, flow, tokens, size)
         verdict = dispatcher.submit(item, self._clock(), self._fits)
+        for victim in dispatcher.take_pushed_out():
+            self._outcome(victim, REJECTED_CAPACITY, self._clock() - victim.arrived)
+            self._fail(victim, QueueFull(f"pushed out of the full {band} queue by a fairer flow"))
         if verdict is Submitted.DISPATCH:
             decision = job.run()
             dispatcher.dispatched(item)

@@ -1,0 +1,222 @@
+"""FlowDispatcher with an injected clock: fast path, bands, fairness, bounds, TTL, cancel;
+hypothesis properties: dispatch never inverts priority and never exceeds the bounds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import given, settings, strategies as st
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.dispatcher import BANDS, FlowDispatcher, FlowItem, Submitted
+
+C, S, X = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
+
+
+def _config(**bands: dict[str, Any]) -> FlowControlConfig:
+    return FlowControlConfig.model_validate({"bands": bands})
+
+
+def _item(name: str, band: Criticality = S, flow: str = "m", tokens: int = 10, size: int = 100):
+    return FlowItem(name, band, flow, tokens, size)
+
+
+def never(_item: FlowItem[str]) -> bool:
+    return False
+
+
+def always(_item: FlowItem[str]) -> bool:
+    return True
+
+
+def _budget(
+    n: int,
+) -> tuple[Callable[[FlowItem[str]], bool], Callable[[FlowItem[str]], None], list[str]]:
+    sent: list[str] = []
+
+    def fits(_item: FlowItem[str]) -> bool:
+        return len(sent) < n
+
+    def go(item: FlowItem[str]) -> None:
+        sent.append(item.payload)
+
+    return fits, go, sent
+
+
+def test_fast_path_dispatches_at_once_when_nothing_waits_and_there_is_room() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    assert d.submit(_item("a"), 0.0, always) is Submitted.DISPATCH
+    assert d.waiting() == 0
+
+
+def test_no_room_queues_and_the_pump_dispatches_in_arrival_order() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    for name in "abc":
+        assert d.submit(_item(name), 0.0, never) is Submitted.QUEUED
+    # Room again: a newcomer must not overtake the waiting requests of its band.
+    assert d.submit(_item("d"), 0.1, always) is Submitted.QUEUED
+    fits, go, sent = _budget(2)
+    assert d.pump(fits, go) == 2
+    assert sent == ["a", "b"]
+    assert d.waiting() == 2
+
+
+def test_critical_is_sent_by_default_and_a_shed_band_refuses() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(_config(sheddable={"mode": "shed"}))
+    assert d.submit(_item("c", C), 0.0, never) is Submitted.DISPATCH
+    assert d.submit(_item("s", X), 0.0, never) is Submitted.SHED
+    assert d.submit(_item("s2", X), 0.0, always) is Submitted.DISPATCH
+
+
+def test_strict_priority_and_head_of_line_blocking() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(_config(critical={"mode": "queue"}))
+    d.submit(_item("low", X), 0.0, never)
+    d.submit(_item("std", S), 0.0, never)
+    d.submit(_item("crit", C), 0.0, never)
+    # Only Sheddable fits (e.g. different candidates): nothing may pass the blocked Critical.
+    sent: list[str] = []
+    assert d.pump(lambda i: i.band is X, lambda i: sent.append(i.payload)) == 0
+    fits, go, sent = _budget(3)
+    d.pump(fits, go)
+    assert sent == ["crit", "std", "low"]
+
+
+def test_fair_share_between_flows_by_tokens() -> None:
+    """A heavy flow with many waiting requests and a light one: served alternately by tokens."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    for i in range(10):
+        d.submit(_item(f"h{i}", flow="heavy", tokens=100), 0.0, never)
+    for i in range(3):
+        d.submit(_item(f"l{i}", flow="light", tokens=100), 0.0, never)
+    fits, go, sent = _budget(6)
+    d.pump(fits, go)
+    assert sorted(sent) == ["h0", "h1", "h2", "l0", "l1", "l2"]
+    # Output tokens count too (weight 2): a flow whose answers were long waits its turn.
+    d.completed("heavy", S, 1000)
+    fits, go, sent = _budget(2)
+    d.pump(fits, go)
+    assert sent == ["h3", "h4"]  # light has nothing left; heavy is alone
+
+
+def test_weights_share_in_proportion() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig(model_weights={"gold": 3}))
+    for i in range(20):
+        d.submit(_item(f"g{i}", flow="gold"), 0.0, never)
+        d.submit(_item(f"p{i}", flow="plain"), 0.0, never)
+    fits, go, sent = _budget(12)
+    d.pump(fits, go)
+    gold = sum(1 for name in sent if name.startswith("g"))
+    assert gold == 9  # 3:1
+
+
+def test_bounds_refuse_with_full() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"maxRequests": 2, "maxBytes": 1024}))
+    assert d.submit(_item("a", size=500), 0.0, never) is Submitted.QUEUED
+    assert d.submit(_item("b", size=600), 0.0, never) is Submitted.FULL  # bytes
+    assert d.submit(_item("c", size=100), 0.0, never) is Submitted.QUEUED
+    assert d.submit(_item("d", size=1), 0.0, never) is Submitted.FULL  # requests
+    assert (d.waiting(S), d.waiting_bytes(S)) == (2, 600)
+
+
+def test_ttl_expires_in_order_and_cancel_removes_at_once() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"ttlMs": 1000}))
+    a, b, c = _item("a"), _item("b", flow="other"), _item("c")
+    d.submit(a, 0.0, never)
+    d.submit(b, 0.5, never)
+    d.submit(c, 0.9, never)
+    assert d.cancel(b) is True
+    assert d.cancel(b) is False
+    assert d.expire(0.99) == []
+    assert [i.payload for i in d.expire(1.0)] == ["a"]
+    assert [i.payload for i in d.expire(5.0)] == ["c"]
+    assert (d.waiting(), d.waiting_bytes(S)) == (0, 0)
+    assert d.next_deadline() == float("inf")
+
+
+# -- properties -------------------------------------------------------------------------------
+
+_op = st.one_of(
+    st.tuples(st.just("submit"), st.sampled_from(BANDS), st.sampled_from(["a", "b", "c"]),
+              st.integers(1, 500), st.integers(1, 400), st.booleans()),
+    st.tuples(st.just("pump"), st.integers(0, 5)),
+    st.tuples(st.just("tick"), st.floats(0.0, 2.0)),
+    st.tuples(st.just("cancel"), st.integers(0, 50)),
+    st.tuples(st.just("done"), st.sampled_from(BANDS), st.sampled_from(["a", "b", "c"]),
+              st.integers(0, 500)),
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(_op, max_size=60), queue_critical=st.booleans())
+def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
+    ops: list[tuple[Any, ...]], queue_critical: bool
+) -> None:
+    limits = {"maxRequests": 4, "maxBytes": 1024, "ttlMs": 1000}
+    config = _config(
+        critical={**limits, "mode": "queue" if queue_critical else "send"},
+        standard=limits,
+        sheddable=limits,
+    )
+    d: FlowDispatcher[str] = FlowDispatcher(config)
+    now = 0.0
+    items: list[FlowItem[str]] = []
+    order: dict[str, list[int]] = {}  # flow@band -> seq of dispatched items, must grow
+
+    def check_go(item: FlowItem[str]) -> None:
+        for band in BANDS:
+            if band.rank > item.band.rank:
+                assert d.waiting(band) == 0, "a lower band overtook a waiting higher one"
+        key = f"{item.flow}@{item.band}"
+        assert order.setdefault(key, [-1])[-1] < item.seq, "FCFS within a flow broken"
+        order[key].append(item.seq)
+
+    for op in ops:
+        if op[0] == "submit":
+            _, band, flow, tokens, size, room = op
+            item = FlowItem(f"r{len(items)}", band, flow, tokens, size)
+            items.append(item)
+            above = any(d.waiting(b) for b in BANDS if b.rank >= band.rank)
+            verdict = d.submit(item, now, always if room else never)
+            if verdict is Submitted.DISPATCH:
+                assert config.bands.of(band).mode.value == "send" or (room and not above)
+                d.dispatched(item)
+        elif op[0] == "pump":
+            fits, go, _sent = _budget(op[1])
+
+            def checked(item: FlowItem[str], go: Callable[[FlowItem[str]], None] = go) -> None:
+                check_go(item)
+                go(item)
+
+            d.pump(fits, checked)
+        elif op[0] == "tick":
+            now += op[1]
+            for item in d.expire(now):
+                assert item.deadline <= now
+        elif op[0] == "cancel" and items:
+            d.cancel(items[op[1] % len(items)])
+        elif op[0] == "done":
+            d.completed(op[2], op[1], op[3])
+        for band in BANDS:
+            assert d.waiting(band) <= 4
+            assert d.waiting_bytes(band) <= 1024
+            assert d.waiting_bytes(band) == sum(i.size for i in d.items(band))
+    # No starvation: everything waiting ends by its TTL.
+    d.expire(now + 1.0)
+    assert d.waiting() == 0
+
+
+def test_a_full_band_pushes_out_the_longest_flow_not_the_light_one() -> None:
+    """One busy flow must not fill the band and lock the others out."""
+    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"maxRequests": 3}))
+    for name in ("h0", "h1", "h2"):
+        assert d.submit(_item(name, flow="heavy"), 0.0, never) is Submitted.QUEUED
+    assert d.submit(_item("h3", flow="heavy"), 0.0, never) is Submitted.FULL
+    assert d.submit(_item("l0", flow="light"), 0.0, never) is Submitted.QUEUED
+    assert [i.payload for i in d.take_pushed_out()] == ["h2"]  # the newest of the longest
+    assert d.take_pushed_out() == []
+    assert (
+        d.submit(_item("l1", flow="light"), 0.0, never) is Submitted.FULL
+    )  # heavy 2, light 1: no longer
+    assert sorted(i.payload for i in d.items(S)) == ["h0", "h1", "l0"]

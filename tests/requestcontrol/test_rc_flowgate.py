@@ -1,0 +1,166 @@
+"""The Director with flow control (the real Datastore, scheduler, in-flight tracker, gate):
+requests wait instead of failing, are dispatched late-bound when capacity frees, and every way
+out of the queue (dispatch, TTL, client gone, full band) leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.datastore.endpoint import EndpointMetrics
+from poolkeeper.datastore.store import Datastore
+from poolkeeper.errors import QueueFull, QueueTimeout, RequestShed
+from poolkeeper.requestcontrol.director import Director, build_director
+from poolkeeper.requestcontrol.flowgate import FlowGate
+from poolkeeper.requestcontrol.types import Usage
+from tests.requestcontrol.test_rc_director import NOW, _chat, _store
+
+SHEDDABLE = Criticality.SHEDDABLE
+
+
+def _director(store: Datastore, clock: list[float], **flow: Any) -> tuple[Director, FlowGate]:
+    # Metrics stay fresh for a minute, so moving the clock tests TTLs, not staleness.
+    spec = {"flowControl": flow, "scraping": {"stalenessMs": 60_000}}
+    config = GatewayConfig.model_validate({"spec": spec})
+    director = build_director(config, store, rng=random.Random(1), clock=lambda: clock[0])
+    assert director.flow is not None
+    return director, director.flow
+
+
+async def _until(condition: Any) -> None:
+    """Let other tasks run until `condition()` holds (bounded: no sleeping on wall time)."""
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+async def test_a_saturated_pool_holds_sheddable_and_fresh_metrics_release_it() -> None:
+    store = _store(waiting=50)
+    clock = [NOW]
+    director, gate = _director(store, clock)
+    task = asyncio.create_task(director.route(_chat("cheap")))
+    await _until(lambda: gate.waiting() == 1)
+    assert not task.done()
+    # Critical is never held (band mode `send`), even now.
+    critical = await director.route(_chat("chat", rid="c"))
+    assert critical.endpoints
+    # A scrape shows room on one endpoint: the metrics write wakes the pump.
+    store.update_metrics("10.0.0.3:8000", EndpointMetrics(waiting=0, updated_at=NOW))
+    decision = await asyncio.wait_for(task, timeout=5)
+    assert decision.endpoints[0] == "10.0.0.3:8000"  # late binding: scheduled on the fresh view
+    assert gate.waiting() == 0
+    assert gate.totals[(SHEDDABLE, "queued")] == 1
+    assert gate.totals[(SHEDDABLE, "Dispatched")] == 1
+
+
+async def test_completion_frees_exactly_one_slot() -> None:
+    """Sheddable limit 0.2 = no waiting request (queue threshold 5): one per endpoint at once."""
+    store = _store(endpoints=[(1, "sim"), (2, "sim")], waiting=0)
+    clock = [NOW]
+    director, gate = _director(store, clock)
+    first = await director.route(_chat("cheap", rid="a"))
+    second = await director.route(_chat("cheap", rid="b"))
+    assert {first.endpoints[0], second.endpoints[0]} == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    waiting = [asyncio.create_task(director.route(_chat("cheap", rid=f"w{i}"))) for i in range(3)]
+    await _until(lambda: gate.waiting() == 3)
+    director.complete(first, status=200, usage=Usage(prompt_tokens=30, completion_tokens=5))
+    await _until(lambda: waiting[0].done())
+    assert gate.waiting() == 2  # FCFS, and only one slot freed
+    assert not waiting[1].done()
+    assert waiting[0].result().endpoints[0] == first.endpoints[0]
+    for task in waiting[1:]:
+        task.cancel()
+    await asyncio.gather(*waiting[1:], return_exceptions=True)
+    assert gate.waiting() == 0
+
+
+async def test_ttl_answers_503_with_the_model() -> None:
+    store = _store(waiting=50)
+    clock = [NOW]
+    director, gate = _director(store, clock, bands={"sheddable": {"ttlMs": 1000}})
+    task = asyncio.create_task(director.route(_chat("cheap")))
+    await _until(lambda: gate.waiting() == 1)
+    clock[0] += 0.5
+    gate.pump()
+    assert not task.done()
+    assert gate.waiting() == 1
+    clock[0] += 0.6
+    gate.pump()
+    with pytest.raises(QueueTimeout) as expired:
+        await task
+    assert expired.value.http_status == 503
+    assert expired.value.model == "cheap"
+    assert gate.waiting() == 0
+    assert gate.totals[(SHEDDABLE, "EvictedTTL")] == 1
+
+
+async def test_client_gone_leaves_the_queue_at_once() -> None:
+    store = _store(waiting=50)
+    director, gate = _director(store, [NOW])
+    task = asyncio.create_task(director.route(_chat("cheap")))
+    await _until(lambda: gate.waiting() == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gate.waiting() == 0
+    assert gate.totals[(SHEDDABLE, "EvictedContextCancelled")] == 1
+    assert all(requests == 0 and size == 0 for _p, _b, requests, size in gate.queue_stats())
+
+
+async def test_a_decision_that_races_the_cancellation_is_completed() -> None:
+    """Dispatched just as the client left: the in-flight accounting must not leak."""
+    store = _store(waiting=50)
+    director, gate = _director(store, [NOW])
+    task = asyncio.create_task(director.route(_chat("cheap")))
+    await _until(lambda: gate.waiting() == 1)
+    store.update_metrics("10.0.0.1:8000", EndpointMetrics(waiting=0, updated_at=NOW))
+    gate.pump()  # the decision is set on the future, the task has not resumed yet
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    inflight: Any = director.inflight
+    assert len(inflight) == 0
+
+
+async def test_full_band_and_shed_mode_answer_429() -> None:
+    store = _store(waiting=50)
+    director, gate = _director(
+        store, [NOW], bands={"sheddable": {"maxRequests": 1}, "standard": {"mode": "shed"}}
+    )
+    task = asyncio.create_task(director.route(_chat("cheap", rid="a")))
+    await _until(lambda: gate.waiting() == 1)
+    with pytest.raises(QueueFull) as full:
+        await director.route(_chat("cheap", rid="b"))
+    assert full.value.http_status == 429
+    with pytest.raises(RequestShed):
+        await director.route(_chat("split", rid="s"))  # Standard, mode shed, no headroom
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_fairness_id_header_only_when_enabled() -> None:
+    header = {"content-type": "application/json", "x-gateway-inference-fairness-id": "tenant-7"}
+    for enabled, flow in ((False, "cheap"), (True, "tenant-7")):
+        store = _store(waiting=50)
+        director, gate = _director(store, [NOW], fairnessIdHeader=enabled)
+        task = asyncio.create_task(director.route(_chat("cheap", headers=header)))
+        await _until(lambda gate=gate: gate.waiting() == 1)
+        dispatcher = gate._pools["default/pool"]
+        assert [i.flow for i in dispatcher.items(SHEDDABLE)] == [flow]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_disabled_flow_control_sheds_as_before() -> None:
+    config = GatewayConfig.model_validate({"spec": {"flowControl": {"enabled": False}}})
+    director = build_director(config, _store(waiting=50), rng=random.Random(1), clock=lambda: NOW)
+    assert director.flow is None
+    with pytest.raises(RequestShed):
+        await director.route(_chat("cheap"))

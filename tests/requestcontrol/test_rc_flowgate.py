@@ -61,7 +61,7 @@ async def test_a_saturated_pool_holds_sheddable_and_fresh_metrics_release_it() -
 
 
 async def test_completion_frees_exactly_one_slot() -> None:
-    """Sheddable limit 0.2 = no waiting request (queue threshold 5): one per endpoint at once."""
+    """Sheddable has room only where nothing waits (its queue threshold 1): one per endpoint."""
     store = _store(endpoints=[(1, "sim"), (2, "sim")], waiting=0)
     clock = [NOW]
     director, gate = _director(store, clock)

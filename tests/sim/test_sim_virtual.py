@@ -11,7 +11,7 @@ import pytest
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.sim.params import EngineConfig
-from poolkeeper.sim.virtual import Arrival, RequestResult, VirtualFleet
+from poolkeeper.sim.virtual import HOLD, Arrival, RequestResult, Send, VirtualFleet
 
 BASE = EngineConfig()
 MODEL = BASE.model
@@ -209,3 +209,41 @@ def test_fused_decode_steps_change_nothing_but_speed(config: EngineConfig) -> No
         assert a[6] == pytest.approx(b[6], abs=1e-9)
     if config.num_gpu_blocks == 40:
         assert sum(x[5] for x in stepwise) > 0
+
+
+def test_a_router_can_hold_arrivals_and_release_them_later() -> None:
+    """HOLD keeps an arrival in the router; `release` runs after completions and at scrape
+    ticks while something is held; a released request's TTFT counts from its arrival."""
+    held: list[str] = []
+    calls: list[float] = []
+
+    def route(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int | None:
+        if states[0].inflight_requests >= 2:
+            held.append(arrival.request_id)
+            return HOLD
+        return 0
+
+    def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
+        calls.append(now)
+        while held and states[0].inflight_requests < 2:
+            send(held.pop(0), 0, None)  # states update before send returns
+        if held and now > 3.0:
+            send(held.pop(), None, "expired")
+
+    arrivals = [Arrival(0.01 * i, f"r{i}", MODEL, "hello " * 20, max_tokens=50) for i in range(8)]
+    result = VirtualFleet([BASE], seed=1).run(arrivals, route, release=release)
+    statuses = {r.request_id: r.status for r in result.requests}
+    assert list(statuses.values()).count("ok") >= 6
+    assert all(s in ("ok", "rejected") for s in statuses.values())
+    assert not held
+    assert calls == sorted(calls)
+    late = [r for r in result.requests if r.status == "ok" and r.request_id not in ("r0", "r1")]
+    assert all(r.ttft is not None and r.ttft > 0.05 for r in late)  # they waited for a slot
+    first = {r.request_id: r for r in result.requests}
+    assert first["r0"].ttft is not None
+    assert first["r0"].ttft < min(r.ttft for r in late if r.ttft is not None)
+
+
+def test_holding_without_release_is_an_error() -> None:
+    with pytest.raises(ValueError, match="release"):
+        VirtualFleet([BASE], seed=1).run([Arrival(0.0, "r0", MODEL, "hi")], lambda a, s, n: HOLD)

@@ -55,8 +55,7 @@ class FlowPolicy:
         self._pushed: list[str] = []  # pushed out of a full band, to reject at the next release
 
     def _fits(self, item: FlowItem[_Held]) -> bool:
-        limit = self.config.bands.of(item.band).saturation_limit
-        return self.headroom.fits(self._states, limit, self._now)
+        return self.headroom.fits(self._states, self.config.bands.of(item.band), self._now)
 
     def offer(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
@@ -111,7 +110,7 @@ class FlowPolicy:
         self._flows[request.request_id] = (request.model, item)
         band = self.config.bands.of(item.band)
         if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
-            endpoints = self.headroom.within(endpoints, band.saturation_limit, now)
+            endpoints = self.headroom.within(endpoints, band, now)
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

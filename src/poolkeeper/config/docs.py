@@ -28,6 +28,7 @@ from poolkeeper.config.gateway import (
     RequestHandling,
     StaticEndpoint,
 )
+from poolkeeper.flowcontrol.config import BandConfig, Bands
 
 BEGIN_MARKER = "<!-- BEGIN GENERATED FIELD TABLES (python -m poolkeeper.config.docs) -->"
 END_MARKER = "<!-- END GENERATED FIELD TABLES -->"
@@ -139,6 +140,9 @@ def sections() -> list[tuple[str, type[BaseModel]]]:
         ("spec.scraping", _section_model("scraping")),
         ("spec.admission", _section_model("admission")),
         ("spec.scheduling", _section_model("scheduling")),
+        ("spec.flowControl", _section_model("flow_control")),
+        ("spec.flowControl.bands", Bands),
+        ("spec.flowControl.bands.<critical|standard|sheddable>", BandConfig),
     ]
 
 

@@ -9,11 +9,11 @@
       bands:
         critical:  {mode: send}                                   # never held, never shed
         standard:  {mode: queue, saturationLimit: 1.5, ttlMs: 30000, maxRequests: 2000}
-        sheddable: {mode: queue, saturationLimit: 0.2, ttlMs: 1500,  maxRequests: 1000}
+        sheddable: {mode: queue, queueDepthThreshold: 1, ttlMs: 1500, maxRequests: 1000}
 
 One band per criticality, served in strict priority. A band's head is dispatched while some
 candidate endpoint's saturation (`scheduling.load.saturations`, thresholds from
-`spec.admission`) is below the band's `saturationLimit`; otherwise it waits (mode `queue`), is
+`spec.admission` unless the band sets its own) is below the band's `saturationLimit`; otherwise it waits (mode `queue`), is
 refused with 429 (mode `shed`), or goes anyway (mode `send`, today's Critical behaviour).
 """
 
@@ -44,8 +44,16 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     saturation_limit: float = Field(default=1.0, gt=0)
     """Dispatch while some candidate endpoint's saturation is below this (1.0 = at the
     `spec.admission` thresholds: `queueDepthThreshold` waiting or `kvCacheUtilThreshold`)."""
+    queue_depth_threshold: float | None = Field(default=None, gt=0)
+    """This band's waiting-requests threshold in the saturation formula (null: the one of
+    `spec.admission`, 5). Sheddable uses 1: a server with any request waiting (or sent since
+    its last scrape) has no room for Sheddable work, while its KV cache may still fill."""
+    kv_cache_util_threshold: float | None = Field(default=None, gt=0, le=1)
+    """This band's KV-cache threshold in the saturation formula (null: `spec.admission`'s)."""
     max_requests: int = Field(default=1000, ge=1, le=1_000_000)
-    """Most requests waiting in this band per pool; one more is refused with 429 queue_full."""
+    """Most requests waiting in this band per pool. One more is refused with 429 queue_full,
+    unless its flow has fewer waiting than the longest flow, whose newest request is then
+    pushed out (429) instead: one busy model cannot lock the others out."""
     max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
     """Most request-body bytes waiting in this band per pool; over it: 429 queue_full."""
     ttl_ms: int = Field(default=30_000, ge=1, le=3_600_000)
@@ -69,11 +77,11 @@ class Bands(CamelModel, use_attribute_docstrings=True):
     )
     """Default: queue while no endpoint is below 1.5 (7.5 waiting requests), 30 s TTL."""
     sheddable: BandConfig = Field(
-        default_factory=lambda: _band(saturationLimit=0.2, maxRequests=1000, ttlMs=1_500)
+        default_factory=lambda: _band(queueDepthThreshold=1, maxRequests=1000, ttlMs=1_500)
     )
-    """Default: queue while no endpoint is below 0.2 (no waiting request and KV under 16%
-    at the default thresholds: servers keep no queue of Sheddable work, so Critical requests
-    sent to them start fast), 1.5 s TTL: answered quickly either way (docs/flowcontrol.md)."""
+    """Default: queue while every endpoint has a request waiting (or sent since its last
+    scrape) or KV at 80%: servers keep no queue of Sheddable work, so Critical requests sent
+    to them start fast; 1.5 s TTL: answered quickly either way (docs/flowcontrol.md)."""
 
     def of(self, criticality: Criticality) -> BandConfig:
         if criticality is Criticality.CRITICAL:

@@ -2,7 +2,8 @@
 
 Yes when some candidate endpoint's saturation (`scheduling.load.saturations`, the one
 definition, with the thresholds, in-flight counting and freshness of admission's
-`SaturationDetector`) is below the band's `saturationLimit`. Per endpoint, not the pool
+`SaturationDetector`; a band may set its own thresholds) is below the band's
+`saturationLimit`. Per endpoint, not the pool
 average: a request is never held while one eligible endpoint has room. Stale endpoints have no
 headroom; when every endpoint is stale the detector knows nothing and `allStalePolicy`
 decides (`admit`, the default: fail open, as admission does). No endpoints: yes, so the
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.flowcontrol.config import BandConfig
 from poolkeeper.scheduling.load import STALE, saturations
 
 
@@ -25,31 +27,34 @@ class Headroom:
     def __init__(self, detector: SaturationDetector) -> None:
         self.detector = detector
 
-    def fits(self, states: Sequence[EndpointState], limit: float, now: float) -> bool:
+    def fits(self, states: Sequence[EndpointState], band: BandConfig, now: float) -> bool:
         if not states:
             return True
-        values = self._values(states, now)
+        values = self._values(states, band, now)
+        limit = band.saturation_limit
         if any(v < limit for v in values):
             return True
         return all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit"
 
     def within(
-        self, states: Sequence[EndpointState], limit: float, now: float
+        self, states: Sequence[EndpointState], band: BandConfig, now: float
     ) -> Sequence[EndpointState]:
         """The endpoints below `limit`, or all of them when none is (fail open: the caller
         decided to dispatch). A dispatched request goes where the headroom is; otherwise the
         scheduler's prefix affinity could pile it onto an endpoint past its band's limit."""
-        values = self._values(states, now)
-        below = [s for s, v in zip(states, values, strict=True) if v < limit]
+        values = self._values(states, band, now)
+        below = [s for s, v in zip(states, values, strict=True) if v < band.saturation_limit]
         return below if below and len(below) < len(states) else states
 
-    def _values(self, states: Sequence[EndpointState], now: float) -> list[float]:
+    def _values(self, states: Sequence[EndpointState], band: BandConfig, now: float) -> list[float]:
         c = self.detector.config
+        queue = band.queue_depth_threshold
+        kv = band.kv_cache_util_threshold
         return saturations(
             states,
             now=now,
             staleness_s=self.detector.staleness_s,
-            queue_threshold=c.queue_depth_threshold,
-            kv_threshold=c.kv_cache_util_threshold,
+            queue_threshold=c.queue_depth_threshold if queue is None else queue,
+            kv_threshold=c.kv_cache_util_threshold if kv is None else kv,
             count_unseen=c.count_unseen,
         )

@@ -62,7 +62,12 @@ from poolkeeper.errors import (
     PayloadTooLarge,
     QueueFull,
 )
-from poolkeeper.flowcontrol.config import FAIRNESS_ID_HEADER, BandMode, FlowControlConfig
+from poolkeeper.flowcontrol.config import (
+    FAIRNESS_ID_HEADER,
+    BandConfig,
+    BandMode,
+    FlowControlConfig,
+)
 from poolkeeper.flowcontrol.dispatcher import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
@@ -326,7 +331,6 @@ class Director:
             flow = request.headers.get(FAIRNESS_ID_HEADER) or flow
         subset = self._subset(request)
         band = self._flow.config.bands.of(criticality)
-        limit = band.saturation_limit
         self._candidates(snapshot, pool_key, subset)  # 503 now when nothing could ever serve it
         headroom = self._headroom
 
@@ -335,15 +339,15 @@ class Director:
             fresh = self._datastore.snapshot()
             return self._schedule(
                 request, fresh, parsed, pool_key, target, criticality, priority,
-                admit=False, flow=flow, limit=limit if band.mode is not BandMode.SEND else None,
+                admit=False, flow=flow, band=band if band.mode is not BandMode.SEND else None,
             )  # fmt: skip
 
-        def fits(limit: float) -> bool:
+        def fits() -> bool:
             try:
                 states = self._candidates(self._datastore.snapshot(), pool_key, subset)
             except NoReadyEndpoint:
                 return True  # the pool went away: dispatch, so the scheduler answers 503 now
-            return headroom.fits(self._inflight.apply(states), limit, self._clock())
+            return headroom.fits(self._inflight.apply(states), band, self._clock())
 
         job = Job(pool_key, parsed.model, target, run, fits)
         return self._flow.submit(
@@ -362,7 +366,7 @@ class Director:
         *,
         admit: bool = True,
         flow: str = "",
-        limit: float | None = None,
+        band: BandConfig | None = None,
     ) -> RoutingDecision:
 
         subset = self._subset(request)
@@ -383,8 +387,8 @@ class Director:
         candidates = self._inflight.apply(self._candidates(snapshot, pool_key, subset))
         if admit:
             self._admission.admit(llm_request, candidates, now=now)
-        if limit is not None and self._headroom is not None:
-            candidates = list(self._headroom.within(candidates, limit, now))
+        if band is not None and self._headroom is not None:
+            candidates = list(self._headroom.within(candidates, band, now))
         result = self._scheduler.schedule(llm_request, candidates, now=now)
         endpoints = self._destinations(result, candidates)
         if not endpoints:

@@ -60,7 +60,7 @@ class Job:
     model: str  # client-facing model name (metrics, error labels)
     target: str  # target model after the split (error labels)
     run: Callable[[], RoutingDecision]  # schedule it now; raises GatewayError
-    fits: Callable[[float], bool]  # does some candidate endpoint have headroom below a limit
+    fits: Callable[[], bool]  # does some candidate endpoint have headroom for its band now
     future: asyncio.Future[RoutingDecision] | None = None
 
 
@@ -178,7 +178,7 @@ class FlowGate:
             self._timer = self._loop.call_later(TICK_S, self._tick)
 
     def _fits(self, item: FlowItem[Job]) -> bool:
-        return item.payload.fits(self.config.bands.of(item.band).saturation_limit)
+        return item.payload.fits()
 
     def _go(self, item: FlowItem[Job]) -> None:
         job = item.payload

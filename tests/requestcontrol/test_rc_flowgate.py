@@ -164,3 +164,37 @@ async def test_disabled_flow_control_sheds_as_before() -> None:
     assert director.flow is None
     with pytest.raises(RequestShed):
         await director.route(_chat("cheap"))
+
+
+async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> None:
+    from poolkeeper.telemetry.metrics import GatewayMetrics, QueueStats
+
+    gate_ref: list[FlowGate] = []
+
+    def stats() -> list[QueueStats]:
+        return [
+            QueueStats(pool.rpartition("/")[2], str(band), n, size)
+            for pool, band, n, size in gate_ref[0].queue_stats()
+        ]
+
+    metrics = GatewayMetrics(flow_stats=stats)
+    config = GatewayConfig.model_validate({"spec": {"scraping": {"stalenessMs": 60_000}}})
+    director = build_director(
+        config, _store(waiting=50), rng=random.Random(1), clock=lambda: NOW, flow_observer=metrics
+    )
+    assert director.flow is not None
+    gate_ref.append(director.flow)
+    task = asyncio.create_task(director.route(_chat("cheap")))
+    await _until(lambda: director.flow is not None and director.flow.waiting() == 1)
+    text = metrics.render().decode()
+    size = 'inference_extension_flow_control_queue_size{inference_pool="pool",priority="Sheddable"}'
+    assert f"{size} 1.0" in text
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    text = metrics.render().decode()
+    assert f"{size} 0.0" in text
+    assert (
+        "inference_extension_flow_control_request_queue_duration_seconds_count{"
+        'inference_pool="pool",model_name="cheap",outcome="EvictedContextCancelled",'
+        'priority="Sheddable"} 1.0'
+    ) in text

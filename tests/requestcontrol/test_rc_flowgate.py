@@ -145,11 +145,16 @@ async def test_full_band_and_shed_mode_answer_429() -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_fairness_id_header_only_when_enabled() -> None:
+async def test_fairness_id_header_only_when_trusted() -> None:
     header = {"content-type": "application/json", "x-gateway-inference-fairness-id": "tenant-7"}
-    for enabled, flow in ((False, "cheap"), (True, "tenant-7")):
+    for trusted, flow in (([], "cheap"), (["x-gateway-inference-fairness-id"], "tenant-7")):
         store = _store(waiting=50)
-        director, gate = _director(store, [NOW], fairnessIdHeader=enabled)
+        config = GatewayConfig.model_validate(
+            {"spec": {"requestHandling": {"trustedHeaders": trusted}}}
+        )
+        director = build_director(config, store, rng=random.Random(1), clock=lambda: NOW)
+        gate = director.flow
+        assert gate is not None
         task = asyncio.create_task(director.route(_chat("cheap", headers=header)))
         await _until(lambda gate=gate: gate.waiting() == 1)
         dispatcher = gate._pools["default/pool"]

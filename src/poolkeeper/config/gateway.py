@@ -180,6 +180,7 @@ class TrustedHeader(StrEnum):
 
     INFERENCE_OBJECTIVE = "x-gateway-inference-objective"
     MODEL_NAME_REWRITE = "x-gateway-model-name-rewrite"
+    FAIRNESS_ID = "x-gateway-inference-fairness-id"
 
 
 class RequestHandling(_Section):
@@ -211,8 +212,10 @@ class RequestHandling(_Section):
     request's pool (its priority sets the band: > 0 Critical, 0 Standard, < 0 Sheddable; it
     overrides the InferenceModel's criticality). `x-gateway-model-name-rewrite: <model>` names
     the model sent to the server when no InferenceModel split or InferenceModelRewrite rule
-    decides it (upstream's order). Untrusted, both are ignored; trusted or not, they are
-    removed before the request reaches the model server."""
+    decides it (upstream's order). `x-gateway-inference-fairness-id: <id>` makes flow control
+    share fairly between these ids instead of between modelNames (docs/flowcontrol.md).
+    Untrusted, they are ignored; trusted or not, they are removed before the request reaches
+    the model server."""
     honor_subset_hint: bool = True
     """Restrict the pick to the proxy's `envoy.lb.subset_hint` endpoints when it sends one
     (matched by IP, like upstream). The hint comes from the proxy, never from client headers."""

@@ -2,7 +2,6 @@
 
     flowControl:
       enabled: true
-      fairnessIdHeader: false        # honour x-gateway-inference-fairness-id (trusted clients only)
       inputTokenWeight: 1            # VTC cost of one prompt token
       outputTokenWeight: 2           # VTC cost of one output token (the VTC paper's default)
       modelWeights: {chat-a: 2}      # fair-share weight per client-facing modelName (default 1)
@@ -27,8 +26,6 @@ from pydantic import Field, model_validator
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.schema import CamelModel
-
-FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 
 
 class BandMode(StrEnum):
@@ -97,16 +94,14 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
 
     enabled: bool = True
     """Off: no queue; `spec.admission` sheds by pool saturation as before flow control."""
-    fairness_id_header: bool = False
-    """Share fairly between values of the `x-gateway-inference-fairness-id` header instead of
-    between modelNames. Only for trusted clients: with it a client picks its own tenant."""
     input_token_weight: float = Field(default=1.0, ge=0)
     """Virtual-token cost of a prompt token (charged when the request is dispatched)."""
     output_token_weight: float = Field(default=2.0, ge=0)
     """Virtual-token cost of an output token (charged when the request completes); 2 as in
     the VTC paper (Sheng et al., OSDI 2024): decoding costs more than prefill."""
     model_weights: dict[str, float] = Field(default_factory=dict)
-    """Fair-share weight per flow (modelName, or fairness id); unlisted flows weigh 1. A flow
+    """Fair-share weight per flow (the modelName, or the `x-gateway-inference-fairness-id`
+    value when `requestHandling.trustedHeaders` lists it); unlisted flows weigh 1. A flow
     of weight 2 gets twice the token throughput of a weight-1 flow while both wait."""
     bands: Bands = Field(default_factory=Bands)
     """Per-criticality settings."""

@@ -63,7 +63,6 @@ from poolkeeper.errors import (
     QueueFull,
 )
 from poolkeeper.flowcontrol.config import (
-    FAIRNESS_ID_HEADER,
     BandConfig,
     BandMode,
     FlowControlConfig,
@@ -326,9 +325,8 @@ class Director:
         """Flow control instead of admission: dispatch now, queue, or refuse (429)."""
         assert self._flow is not None
         assert self._headroom is not None
-        flow = parsed.model
-        if self._flow.config.fairness_id_header:
-            flow = request.headers.get(FAIRNESS_ID_HEADER) or flow
+        # The fairness key: the modelName, or the operator-trusted fairness-id header.
+        flow = self._trusted(request, TrustedHeader.FAIRNESS_ID) or parsed.model
         subset = self._subset(request)
         band = self._flow.config.bands.of(criticality)
         self._candidates(snapshot, pool_key, subset)  # 503 now when nothing could ever serve it

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from poolkeeper.bench.flowpolicy import FlowPolicy
 from poolkeeper.bench.routers import make_policy
 from poolkeeper.bench.schedpolicy import SchedulerPolicy
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
@@ -23,7 +24,7 @@ def _request(rid: str, tokens: int = 100) -> LLMRequest:
     return LLMRequest(rid, "m", "m", prompt=f"prompt {rid}", prompt_tokens=3, max_tokens=tokens)
 
 
-@pytest.mark.parametrize("name", ["poolkeeper", "poolkeeper-proposed", "gie-v1"])
+@pytest.mark.parametrize("name", ["poolkeeper-shed", "poolkeeper-proposed", "gie-v1"])
 def test_finish_feeds_the_estimator_with_elapsed_virtual_time(name: str) -> None:
     policy = make_policy(name, random.Random(1))
     assert isinstance(policy, SchedulerPolicy)
@@ -36,7 +37,9 @@ def test_finish_feeds_the_estimator_with_elapsed_virtual_time(name: str) -> None
 
 
 def test_default_policy_moves_traffic_to_the_observed_faster_server() -> None:
-    policy = make_policy("poolkeeper", random.Random(3))
+    flow = make_policy("poolkeeper", random.Random(3))
+    assert isinstance(flow, FlowPolicy)  # flow control in front of the scheduler policy
+    policy = flow.inner
     assert isinstance(policy, SchedulerPolicy)
     pool = _pool()
     slow, fast = pool[0].key, pool[1].key

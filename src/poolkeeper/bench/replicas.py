@@ -8,8 +8,9 @@ requests: its index still points at the server that holds the prefix, as long as
 requests keep arriving at it often enough.
 
 `run(replicas, ...)` replays one shared-prefix workload through the virtual fleet
-(`sim/virtual.py`) with `replicas` independent copies of the real scheduler (`poolkeeper`
-policy), request i going to replica hash(request id) mod N, and each replica's view of the
+(`sim/virtual.py`) with `replicas` independent copies of the real scheduler (the
+`poolkeeper-shed` policy: poolkeeper's scheduler and admission without flow control's queue,
+which this driver does not hold; below capacity they route alike), request i going to replica hash(request id) mod N, and each replica's view of the
 in-flight counts limited to its own requests. Reported: prefix-cache hit rate (what the model
 servers actually reused), TTFT, and affinity: the share of each prefix group's requests that
 landed on that group's most used server.
@@ -88,7 +89,7 @@ def run(
     fleet = VirtualFleet(list(scenario.servers), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
     index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
     routers = [
-        _Replica(make_policy("poolkeeper", random.Random(f"{seed}:replica{k}"), scenario))
+        _Replica(make_policy("poolkeeper-shed", random.Random(f"{seed}:replica{k}"), scenario))
         for k in range(replicas)
     ]
     owner: dict[str, tuple[int, str]] = {}

@@ -10,8 +10,9 @@ requests keep arriving at it often enough.
 `run(replicas, ...)` replays one shared-prefix workload through the virtual fleet
 (`sim/virtual.py`) with `replicas` independent copies of the real scheduler (the
 `poolkeeper-shed` policy: poolkeeper's scheduler and admission without flow control's queue,
-which this driver does not hold; below capacity they route alike), request i going to replica hash(request id) mod N, and each replica's view of the
-in-flight counts limited to its own requests. Reported: prefix-cache hit rate (what the model
+which this driver does not hold; below capacity they route alike), request i going to replica
+hash(request id) mod N, and each replica's view of the in-flight counts limited to its own
+requests. Reported: prefix-cache hit rate (what the model
 servers actually reused), TTFT, and affinity: the share of each prefix group's requests that
 landed on that group's most used server.
 

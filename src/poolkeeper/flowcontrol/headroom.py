@@ -36,6 +36,21 @@ class Headroom:
             return True
         return all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit"
 
+    def room(
+        self, states: Sequence[EndpointState], band: BandConfig, now: float
+    ) -> list[EndpointState] | None:
+        """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room)."""
+        if not states:
+            return list(states)
+        values = self._values(states, band, now)
+        limit = band.saturation_limit
+        below = [s for s, v in zip(states, values, strict=True) if v < limit]
+        if below:
+            return below if len(below) < len(states) else list(states)
+        if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
+            return list(states)
+        return None
+
     def within(
         self, states: Sequence[EndpointState], band: BandConfig, now: float
     ) -> Sequence[EndpointState]:

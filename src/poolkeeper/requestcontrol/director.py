@@ -63,8 +63,6 @@ from poolkeeper.errors import (
     QueueFull,
 )
 from poolkeeper.flowcontrol.config import (
-    BandConfig,
-    BandMode,
     FlowControlConfig,
 )
 from poolkeeper.flowcontrol.dispatcher import FlowItem
@@ -329,28 +327,45 @@ class Director:
         flow = self._trusted(request, TrustedHeader.FAIRNESS_ID) or parsed.model
         subset = self._subset(request)
         band = self._flow.config.bands.of(criticality)
-        self._candidates(snapshot, pool_key, subset)  # 503 now when nothing could ever serve it
+        # 503 now when nothing could ever serve it; the fast path's check reuses this read.
+        now_states = [self._candidates(snapshot, pool_key, subset)]
         headroom = self._headroom
+        # `fits` hands the endpoints with room to the `run` that follows it in the same
+        # synchronous step (fast path or pump), so a dispatch reads the pool once, not twice.
+        ready: list[list[EndpointState]] = []
 
         def run() -> RoutingDecision:
             # Late binding: the snapshot, load and prefix state of the moment of dispatch.
             fresh = self._datastore.snapshot()
             return self._schedule(
                 request, fresh, parsed, pool_key, target, criticality, priority,
-                admit=False, flow=flow, band=band if band.mode is not BandMode.SEND else None,
+                admit=False, flow=flow, candidates=ready.pop() if ready else None,
             )  # fmt: skip
 
         def fits() -> bool:
+            ready.clear()
             try:
-                states = self._candidates(self._datastore.snapshot(), pool_key, subset)
+                states = (
+                    now_states.pop()
+                    if now_states
+                    else self._candidates(self._datastore.snapshot(), pool_key, subset)
+                )
             except NoReadyEndpoint:
                 return True  # the pool went away: dispatch, so the scheduler answers 503 now
-            return headroom.fits(self._inflight.apply(states), band, self._clock())
+            room = headroom.room(self._inflight.apply(states), band, self._clock())
+            if room is None:
+                return False
+            ready.append(room)
+            return True
 
         job = Job(pool_key, parsed.model, target, run, fits)
-        return self._flow.submit(
-            job, band=criticality, flow=flow, tokens=parsed.prompt_tokens, size=len(request.body)
-        )
+        try:
+            return self._flow.submit(
+                job, band=criticality, flow=flow, tokens=parsed.prompt_tokens,
+                size=len(request.body),
+            )  # fmt: skip
+        finally:
+            now_states.clear()  # a request that waits re-reads the pool when the pump asks
 
     def _schedule(
         self,
@@ -364,7 +379,7 @@ class Director:
         *,
         admit: bool = True,
         flow: str = "",
-        band: BandConfig | None = None,
+        candidates: list[EndpointState] | None = None,
     ) -> RoutingDecision:
 
         subset = self._subset(request)
@@ -382,11 +397,10 @@ class Director:
             subset=subset,
         )
         now = self._clock()
-        candidates = self._inflight.apply(self._candidates(snapshot, pool_key, subset))
+        if candidates is None:  # else: flow control's endpoints with room, read just now
+            candidates = self._inflight.apply(self._candidates(snapshot, pool_key, subset))
         if admit:
             self._admission.admit(llm_request, candidates, now=now)
-        if band is not None and self._headroom is not None:
-            candidates = list(self._headroom.within(candidates, band, now))
         result = self._scheduler.schedule(llm_request, candidates, now=now)
         endpoints = self._destinations(result, candidates)
         if not endpoints:

@@ -134,11 +134,13 @@ class Outcome:
 
 @dataclass
 class DemoRecord:
-    """What one demo run measured: every request's outcome, and the weighted split of
-    food-review by target model (from the gateway's metrics)."""
+    """What one demo run measured: every request's outcome, the weighted split of
+    food-review by target model (from the gateway's metrics), and flow control's totals by
+    (criticality, outcome or "queued")."""
 
     outcomes: list[Outcome] = field(default_factory=list)
     split: Counter[str] = field(default_factory=Counter)
+    flow: Counter[tuple[str, str]] = field(default_factory=Counter)
 
 
 def write_resources(directory: Path, sim_ports: list[int]) -> dict[str, int]:
@@ -341,6 +343,7 @@ async def quickstart(
             if record is not None:
                 record.outcomes.extend(results)
                 record.split.update(split)
+                record.flow.update(totals or {})
             if args.no_serve:
                 return 0 if any(o.status == 200 for o in results) else 1
             console.print(

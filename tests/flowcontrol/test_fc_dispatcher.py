@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import FlowControlConfig
@@ -140,7 +140,8 @@ def test_ttl_expires_in_order_and_cancel_removes_at_once() -> None:
 _op = st.one_of(
     st.tuples(st.just("submit"), st.sampled_from(BANDS), st.sampled_from(["a", "b", "c"]),
               st.integers(1, 500), st.integers(1, 400), st.booleans()),
-    st.tuples(st.just("pump"), st.integers(0, 5)),
+    # budget, and the bands that fit (candidates differ per request, e.g. subset hints)
+    st.tuples(st.just("pump"), st.integers(0, 5), st.sets(st.sampled_from(BANDS))),
     st.tuples(st.just("tick"), st.floats(0.0, 2.0)),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
     st.tuples(st.just("done"), st.sampled_from(BANDS), st.sampled_from(["a", "b", "c"]),
@@ -148,8 +149,12 @@ _op = st.one_of(
 )  # fmt: skip
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=st.lists(_op, max_size=60), queue_critical=st.booleans())
+@example(  # a lower band that fits while a higher one waits: it must not go first
+    ops=[("submit", S, "a", 1, 1, False), ("submit", X, "a", 1, 1, False), ("pump", 3, {X})],
+    queue_critical=False,
+)
 def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
     ops: list[tuple[Any, ...]], queue_critical: bool
 ) -> None:
@@ -183,7 +188,10 @@ def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
                 assert config.bands.of(band).mode.value == "send" or (room and not above)
                 d.dispatched(item)
         elif op[0] == "pump":
-            fits, go, _sent = _budget(op[1])
+            budget, go, _sent = _budget(op[1])
+
+            def fits(item: FlowItem[str], budget: Any = budget, bands: Any = op[2]) -> bool:
+                return bool(budget(item)) and item.band in bands
 
             def checked(item: FlowItem[str], go: Callable[[FlowItem[str]], None] = go) -> None:
                 check_go(item)

@@ -19,8 +19,10 @@ otherwise it waits (mode `queue`), is refused with 429 (mode `shed`), or goes an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Self
+from types import MappingProxyType
+from typing import Any, Final, Self
 
 from pydantic import Field, model_validator
 
@@ -58,28 +60,50 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     """Longest wait in the queue; then 503 queue_timeout."""
 
 
-def _band(**kwargs: object) -> BandConfig:
-    return BandConfig.model_validate(kwargs)
+# Each band's own defaults, as a document. A band the user configures is validated from these
+# with the user's keys on top, so `sheddable: {ttlMs: 3000}` keeps Sheddable's own
+# `queueDepthThreshold: 1` instead of silently falling back to the generic band defaults.
+BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
+    {
+        "critical": MappingProxyType({"mode": "send", "saturationLimit": 2.0, "ttlMs": 60_000}),
+        "standard": MappingProxyType(
+            {"saturationLimit": 1.5, "maxRequests": 2000, "ttlMs": 30_000}
+        ),
+        "sheddable": MappingProxyType(
+            {"queueDepthThreshold": 1, "maxRequests": 1000, "ttlMs": 1_500}
+        ),
+    }
+)
+
+
+def _band(name: str) -> BandConfig:
+    return BandConfig.model_validate(dict(BAND_DEFAULTS[name]))
 
 
 class Bands(CamelModel, use_attribute_docstrings=True):
-    """The three bands, by criticality."""
+    """The three bands, by criticality. Keys set for a band override that band's defaults."""
 
-    critical: BandConfig = Field(
-        default_factory=lambda: _band(mode=BandMode.SEND, saturationLimit=2.0, ttlMs=60_000)
-    )
+    critical: BandConfig = Field(default_factory=lambda: _band("critical"))
     """Default `send`: Critical requests are never held nor shed, as before flow control.
     With `queue` they wait ahead of every other band (and share fairly among themselves)."""
-    standard: BandConfig = Field(
-        default_factory=lambda: _band(saturationLimit=1.5, maxRequests=2000, ttlMs=30_000)
-    )
+    standard: BandConfig = Field(default_factory=lambda: _band("standard"))
     """Default: queue while no endpoint is below 1.5 (7.5 waiting requests), 30 s TTL."""
-    sheddable: BandConfig = Field(
-        default_factory=lambda: _band(queueDepthThreshold=1, maxRequests=1000, ttlMs=1_500)
-    )
+    sheddable: BandConfig = Field(default_factory=lambda: _band("sheddable"))
     """Default: queue while every endpoint has a request waiting (or sent since its last
     scrape) or KV at 80%: servers keep no queue of Sheddable work, so Critical requests sent
     to them start fast; 1.5 s TTL: answered quickly either way (docs/flowcontrol.md)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _over_band_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, defaults in BAND_DEFAULTS.items():
+            given = data.get(name)
+            if isinstance(given, dict):
+                merged[name] = {**defaults, **given}
+        return merged
 
     def of(self, criticality: Criticality) -> BandConfig:
         if criticality is Criticality.CRITICAL:

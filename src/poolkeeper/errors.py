@@ -4,12 +4,14 @@
     ├── ConfigError                    (startup: bad files or settings; never reaches a client)
     ├── BadRequest                     400 invalid_request_error
     │   └── PayloadTooLarge            413 (body over requestHandling.maxBodyBytes)
+    ├── PathNotFound                   404 invalid_request_error / not_found (not an inference path)
     ├── ModelNotFound                  404 invalid_request_error / model_not_found
     │   └── NoValidTargetModel         404 (every target model has weight 0)
     ├── RequestShed                    429 rate_limit_error (saturated pool, criticality too low)
     │   └── QueueFull                  429 (flow-control capacity exceeded)
     ├── ServiceUnavailable             503 service_unavailable_error
     │   ├── NoReadyEndpoint            503 (no endpoint left to pick from)
+    │   ├── ServerBusy                 503 (the EPP's in-flight body budget is spent)
     │   └── QueueTimeout               503 (waited in a flow-control queue past its TTL)
     └── UpstreamError                  502 (the model server failed)
 
@@ -61,6 +63,13 @@ class PayloadTooLarge(BadRequest):
     openai_code = "request_too_large"
 
 
+class PathNotFound(GatewayError):
+    http_status = 404
+    code = "BadRequest"
+    openai_type = "invalid_request_error"
+    openai_code = "not_found"
+
+
 class ModelNotFound(GatewayError):
     http_status = 404
     code = "BadConfiguration"  # upstream's error code for an unknown model (v0.2-v0.4)
@@ -92,6 +101,10 @@ class ServiceUnavailable(GatewayError):
 
 class NoReadyEndpoint(ServiceUnavailable):
     openai_code = "no_ready_endpoint"
+
+
+class ServerBusy(ServiceUnavailable):
+    openai_code = "server_busy"
 
 
 class QueueTimeout(ServiceUnavailable):

@@ -61,8 +61,10 @@ def test_failure_mode_and_fallback_follow_the_pool() -> None:
     names = {c["name"] for c in opened["static_resources"]["clusters"]}
     assert FALLBACK_CLUSTER in names
     assert FALLBACK_CLUSTER not in {c["name"] for c in closed["static_resources"]["clusters"]}
-    closed_routes = _hcm(closed)["route_config"]["virtual_hosts"][0]["routes"]
-    assert closed_routes[-1]["direct_response"]["status"] == 503
+    closed_routes = {
+        r["name"]: r for r in _hcm(closed)["route_config"]["virtual_hosts"][0]["routes"]
+    }
+    assert closed_routes["not_routed"]["direct_response"]["status"] == 503
 
 
 def test_processing_mode_and_timeouts_fit_long_streams() -> None:
@@ -70,14 +72,16 @@ def test_processing_mode_and_timeouts_fit_long_streams() -> None:
     ext = _ext_proc(b)
     assert ext["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
-    assert ext["message_timeout"] == "1000s"
+    assert ext["message_timeout"] == "60s"  # bounded: a hung EPP costs at most this
     hcm = _hcm(b)
     assert hcm["request_timeout"] == "0s"
     assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == (
         "REJECT_REQUEST"
     )
-    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]}
+    route = routes["epp_routed"]
     assert route["route"]["timeout"] == "0s"
+    assert route["route"]["retry_policy"]["per_try_timeout"] == "300s"
     assert b["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     stripped = json.dumps(hcm["early_header_mutation_extensions"])
     assert "x-gateway-destination-endpoint" in stripped
@@ -168,7 +172,8 @@ def test_routed_cluster_uses_override_host_and_retries_on_the_listed_fallbacks()
     ]
     fallback = config["fallback_policy"]["policies"][0]["typed_extension_config"]
     assert fallback["typed_config"]["fallback_policy"] == "NO_FALLBACK"  # never another host
-    route = _hcm(b)["route_config"]["virtual_hosts"][0]["routes"][0]
+    routes = _hcm(b)["route_config"]["virtual_hosts"][0]["routes"]
+    (route,) = [r for r in routes if r["name"] == "epp_routed"]
     assert route["route"]["cluster"] == ROUTED_CLUSTER
     assert route["route"]["retry_policy"]["num_retries"] == 5
     assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset"

@@ -23,6 +23,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from poolkeeper.config.gateway import (
+    Edge,
     GatewayConfigSpec,
     Listeners,
     RequestHandling,
@@ -130,6 +131,7 @@ OWN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("spec.listeners", Listeners),
     ("spec.endpoints[]", StaticEndpoint),
     ("spec.requestHandling", RequestHandling),
+    ("spec.edge", Edge),
 )
 
 

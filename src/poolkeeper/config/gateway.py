@@ -166,6 +166,44 @@ class StaticEndpoint(_Section):
         return value
 
 
+# The OpenAI paths the public listener serves (everything else: 404 in OpenAI JSON).
+DEFAULT_INFERENCE_PATHS: Final = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/models",
+)
+_PATH = re.compile(r"^/[A-Za-z0-9._~/-]*$")
+
+
+class Edge(_Section):
+    """What the public listener lets through, and how long it waits (reliability.md)."""
+
+    inference_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_INFERENCE_PATHS))
+    """Request paths proxied to model servers (exact, a trailing slash and a query string
+    allowed). Every other path gets 404 in OpenAI JSON, so model servers' admin endpoints
+    (`/v1/load_lora_adapter`, `/metrics`, ...) are never reachable through the gateway."""
+    epp_timeout_s: float = Field(default=60.0, ge=1.0, le=3600.0)
+    """How long a request may wait for the endpoint picker's decision before Envoy answers
+    504 (a hung EPP). Must exceed any queueing time in the EPP."""
+    first_byte_timeout_s: float = Field(default=300.0, ge=1.0, le=86_400.0)
+    """How long a model server may take to send its response headers (a non-streaming
+    answer's whole generation) before the gateway answers 504 upstream_timeout."""
+    stream_idle_timeout_s: float = Field(default=300.0, ge=1.0, le=86_400.0)
+    """A response stream silent for this long is closed (there is no total timeout)."""
+
+    @field_validator("inference_paths")
+    @classmethod
+    def _paths(cls, value: list[str]) -> list[str]:
+        bad = [p for p in value if not _PATH.match(p)]
+        if bad or not value:
+            raise rule_error(
+                *(("", f"Invalid value: {go_value(p)}: must be an absolute path") for p in bad)
+            )
+        return value
+
+
 class UnknownModelPolicy(StrEnum):
     """What to do with a request whose `model` no InferenceModel (or InferenceModelRewrite
     exact match) declares."""
@@ -195,7 +233,13 @@ class RequestHandling(_Section):
     """Pool (`namespace/name`, or `name` in namespace `default`) for bodyless requests and
     passthrough models. Unset: the only pool, or the first by key when there are several."""
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
-    """Largest request body accepted, in bytes; larger bodies get 413 request_too_large."""
+    """Largest request body accepted, in bytes; larger bodies get 413 request_too_large
+    (a declared Content-Length over it before any byte of the body is read)."""
+    max_inflight_body_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, le=16 * 1024 * 1024 * 1024
+    )
+    """Request-body bytes the endpoint picker holds at once, over all requests; a body that
+    would pass it gets 503 server_busy at once, so hostile bodies cannot grow memory."""
     inject_stream_usage: bool = True
     """Add `stream_options.include_usage: true` to streaming chat/completions requests that
     did not ask for it, so the gateway learns token usage; the extra usage chunk is removed
@@ -250,6 +294,8 @@ class GatewayConfigSpec(_Section):
     flow_control: FlowControlConfig = Field(default_factory=_defaults_of(FlowControlConfig))
     """Queueing instead of shedding: strict criticality bands, fair sharing of token
     throughput between models, per-band bounds and time-to-live (docs/flowcontrol.md)."""
+    edge: Edge = Field(default_factory=Edge)
+    """The public listener: inference paths, timeouts."""
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> Self:

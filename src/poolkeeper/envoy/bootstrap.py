@@ -20,6 +20,7 @@ Everything is a plain dict (JSON is valid YAML, so `envoy -c` takes either).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from poolkeeper.envoy.clusters import clusters
@@ -28,11 +29,14 @@ from poolkeeper.envoy.params import (
     EARLY_TYPE,
     EPP_CLUSTER,
     EXT_PROC_ERROR_STATUS,
+    EXT_PROC_FILTER,
+    EXT_PROC_PER_ROUTE_TYPE,
     EXT_PROC_SERVICE,
     EXT_PROC_TYPE,
     FALLBACK_CLUSTER,
     FILE_LOG_TYPE,
     HCM,
+    HEADER_HEADROOM,
     RETRY_ON,
     ROUTED_CLUSTER,
     ROUTER_TYPE,
@@ -60,7 +64,7 @@ __all__ = [
 
 def ext_proc_filter(p: BootstrapParams) -> dict[str, Any]:
     return {
-        "name": "envoy.filters.http.ext_proc",
+        "name": EXT_PROC_FILTER,
         "typed_config": {
             T: EXT_PROC_TYPE,
             "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
@@ -105,14 +109,50 @@ NO_EPP_BODY = _openai_error(
 )
 
 
+NOT_FOUND = _openai_error(
+    "no such inference API path on this gateway", "invalid_request_error", "not_found"
+)
+TOO_LARGE_BODY = _openai_error(
+    "request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
+)
+
+
 def _retry_policy(p: BootstrapParams) -> dict[str, Any]:
     """Try the listed fallbacks, one per retry (override_host takes the next address), when a
-    model server cannot be reached. A short backoff: the next try goes to another host."""
+    model server cannot be reached. A short backoff: the next try goes to another host. The
+    per-try timeout is a first-byte timeout (Envoy disarms it once response headers arrive)."""
     return {
         "retry_on": RETRY_ON,
         "num_retries": p.retries,
+        "per_try_timeout": duration(p.first_byte_timeout_s),
         "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
     }
+
+
+def _json_direct(status: int, body: str, *, skip_epp: bool = True) -> dict[str, Any]:
+    """A route answered by Envoy itself with an OpenAI error body; with `skip_epp` the EPP is
+    never consulted (the route is chosen before ext_proc runs, from the client's request)."""
+    route: dict[str, Any] = {
+        "direct_response": {"status": status, "body": {"inline_string": body}},
+        "response_headers_to_add": [
+            {
+                "header": {"key": "content-type", "value": "application/json"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ],
+    }
+    if skip_epp:
+        route["typed_per_filter_config"] = {
+            EXT_PROC_FILTER: {T: EXT_PROC_PER_ROUTE_TYPE, "disabled": True}
+        }
+    return route
+
+
+def inference_path_regex(paths: tuple[str, ...]) -> str:
+    """One RE2 pattern for the allowlist: each path exactly, with an optional trailing slash
+    (Envoy matches it against the normalised path without the query string)."""
+    alternatives = "|".join(re.escape(path.rstrip("/")) for path in paths)
+    return f"^(?:{alternatives})/?$"
 
 
 def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
@@ -123,45 +163,67 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
         }
     ]
     # No total timeout (a generation can run for minutes); idle timeouts bound dead streams.
+    # The per-try timeout ends when the response headers arrive: a first-byte timeout.
     route_opts = {"timeout": "0s", "idle_timeout": duration(p.stream_idle_timeout_s)}
+    allowed = {"safe_regex": {"regex": inference_path_regex(p.inference_paths)}}
     routes: list[dict[str, Any]] = [
         {
-            "name": "epp_routed",
+            # A declared Content-Length over the limit: 413 before any body is read or buffered
+            # (and, with proxy_100_continue, before any `100 Continue`).
+            "name": "too_large",
             "match": {
                 "prefix": "/",
-                "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
+                "headers": [
+                    {
+                        "name": "content-length",
+                        "range_match": {"start": p.max_body_bytes + 1, "end": 1 << 62},
+                    }
+                ],
             },
+            **_json_direct(413, TOO_LARGE_BODY.replace("{limit}", str(p.max_body_bytes))),
+        },
+        {
+            "name": "epp_routed",
+            "match": {**allowed, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
             "route": {
                 "cluster": ROUTED_CLUSTER,
                 **route_opts,
                 "retry_policy": _retry_policy(p),
             },
             "response_headers_to_add": served,
-        }
+        },
     ]
     if p.fail_open and p.fallback_endpoints:
         routes.append(
             {
                 "name": "fail_open",
-                "match": {"prefix": "/"},
-                "route": {"cluster": FALLBACK_CLUSTER, **route_opts},
+                "match": allowed,
+                "route": {
+                    "cluster": FALLBACK_CLUSTER,
+                    # Chosen before the EPP answers: its idle timeout bounds a hung EPP too.
+                    **route_opts,
+                    "idle_timeout": duration(p.message_timeout_s),
+                    "retry_policy": {
+                        "per_try_timeout": duration(p.first_byte_timeout_s),
+                        "num_retries": 0,
+                    },
+                },
                 "response_headers_to_add": served,
             }
         )
     else:
+        # Chosen first for every inference request (the EPP adds the destination header and
+        # clears the route cache), so the EPP must run here; only if it did not route it is
+        # this the answer.
         routes.append(
             {
                 "name": "not_routed",
-                "match": {"prefix": "/"},
-                "direct_response": {"status": 503, "body": {"inline_string": NO_EPP_BODY}},
-                "response_headers_to_add": [
-                    {
-                        "header": {"key": "content-type", "value": "application/json"},
-                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                    }
-                ],
+                "match": allowed,
+                **_json_direct(503, NO_EPP_BODY, skip_epp=False),
             }
         )
+    # Everything outside the inference API: the model servers' admin paths included.
+    routes.append({"name": "not_found", "match": {"prefix": "/"}, **_json_direct(404, NOT_FOUND)})
     return routes
 
 
@@ -183,6 +245,26 @@ def _local_reply_config() -> dict[str, Any]:
 
     return {
         "mappers": [
+            {
+                # The stream idled before the EPP answered (or the server went silent).
+                "filter": {"response_flag_filter": {"flags": ["SI"]}},
+                "status_code": 504,
+                "body_format_override": reply(
+                    "no progress on the request in time (endpoint picker or model server)",
+                    "timeout_error",
+                    "stream_idle_timeout",
+                ),
+            },
+            {
+                # No response headers within the first-byte (per-try) timeout.
+                "filter": {"response_flag_filter": {"flags": ["UT"]}},
+                "status_code": 504,
+                "body_format_override": reply(
+                    "the model server did not start answering in time",
+                    "timeout_error",
+                    "upstream_timeout",
+                ),
+            },
             {
                 "filter": {"response_flag_filter": {"flags": list(UPSTREAM_FAILURE_FLAGS)}},
                 "body_format_override": reply(
@@ -224,12 +306,16 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
         "max_request_headers_kb": p.max_request_headers_kb,
-        "stream_idle_timeout": duration(p.stream_idle_timeout_s),
+        # Until the EPP has routed a request, its stream may idle only this long: a hung EPP
+        # (alive, never answering) costs a request at most this. Envoy's ext_proc message
+        # timer does not run for FULL_DUPLEX_STREAMED bodies, so this is the bound that holds.
+        # Routed requests get the route's idle timeout (stream_idle_timeout_s) instead.
+        "stream_idle_timeout": duration(p.message_timeout_s),
         "request_timeout": "0s",
         "request_headers_timeout": duration(p.request_headers_timeout_s),
         "common_http_protocol_options": {
             "headers_with_underscores_action": "REJECT_REQUEST",
-            "max_headers_count": p.max_headers_count,
+            "max_headers_count": p.max_headers_count + HEADER_HEADROOM,
             "idle_timeout": "3600s",
         },
         "http2_protocol_options": {

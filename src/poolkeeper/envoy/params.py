@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from poolkeeper.config.gateway import DEFAULT_INFERENCE_PATHS
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 # Requests the EPP routed: override_host LB over every pool endpoint, retries on the fallbacks.
@@ -30,6 +32,14 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Client-supplied headers removed before anything else runs: exact names and name prefixes.
 STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
 STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-")
+# Envoy applies the client header-count limit to the EPP's header mutation too: the headers
+# Envoy itself adds (x-forwarded-*, x-request-id, ...) plus the EPP's would push a request with
+# 94-100 client headers over it. The listener's limit is the client limit plus this headroom.
+HEADER_HEADROOM = 20
+EXT_PROC_PER_ROUTE_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+)
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 
 T = "@type"
 HCM = (
@@ -63,8 +73,13 @@ class BootstrapParams:
     routed_endpoints: tuple[str, ...] = ()
     endpoints_file: str | None = None
     retries: int = 3  # attempts on the listed fallbacks (requestHandling.fallbackEndpoints)
-    message_timeout_s: float = 1000.0  # per ext_proc message; requests may queue in the EPP
+    message_timeout_s: float = 60.0  # per ext_proc message; bounds a hung EPP (edge section)
     stream_idle_timeout_s: float = 300.0  # long generations: no total timeout, only idle
+    first_byte_timeout_s: float = 300.0  # model server silent before its response headers
+    # The public listener serves these paths only (everything else: 404 in OpenAI JSON), so
+    # a model server's admin paths (/v1/load_lora_adapter, /metrics, ...) are never reachable.
+    inference_paths: tuple[str, ...] = DEFAULT_INFERENCE_PATHS
+    max_body_bytes: int = 16 << 20  # a larger declared Content-Length: 413 before any body
     request_headers_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
     buffer_limit_bytes: int = 1 << 20

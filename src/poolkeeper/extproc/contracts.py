@@ -88,3 +88,24 @@ class ExtProcSettings:
     max_response_capture_bytes: int = 8 << 20  # JSON bodies kept for usage parsing
     models_path: str = "/v1/models"
     body_chunk_bytes: int = MAX_BODY_CHUNK
+    # Paths the EPP routes (None: any); others get 404 not_found. Envoy's listener enforces
+    # the same allowlist first; this guards EPPs behind another proxy (`serve --no-envoy`).
+    inference_paths: frozenset[str] | None = None
+
+
+class BodyBudget:
+    """Request-body bytes held by every exchange of one EPP together (reliability finding 3):
+    hostile bodies are refused once the budget is spent instead of growing memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used = max(0, self.used - n)

@@ -17,7 +17,12 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.extproc.contracts import ExchangeObserver, ExtProcSettings, RequestRouter
+from poolkeeper.extproc.contracts import (
+    BodyBudget,
+    ExchangeObserver,
+    ExtProcSettings,
+    RequestRouter,
+)
 from poolkeeper.extproc.state import Exchange
 
 log = logging.getLogger("poolkeeper.extproc")
@@ -35,11 +40,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         settings: ExtProcSettings | None = None,
         observer: ExchangeObserver | None = None,
         on_stream_end: Callable[[Exchange], None] | None = None,
+        budget: BodyBudget | None = None,
     ) -> None:
         self.router = router
         self.settings = settings or ExtProcSettings()
         self.observer = observer
         self.on_stream_end = on_stream_end
+        self.budget = budget  # request-body bytes held by all streams together
         self.active = 0
 
     async def Process(
@@ -47,7 +54,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        exchange = Exchange(self.router, settings=self.settings, observer=self.observer)
+        exchange = Exchange(
+            self.router, settings=self.settings, observer=self.observer, budget=self.budget
+        )
         self.active += 1
         try:
             async for request in request_iterator:

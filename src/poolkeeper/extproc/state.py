@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from poolkeeper.errors import GatewayError, PayloadTooLarge
+from poolkeeper.errors import GatewayError, PathNotFound, PayloadTooLarge, ServerBusy
 from poolkeeper.extproc import messages as msg
 from poolkeeper.extproc.contracts import (
     BUFFERED,
     CANCELLED_STATUS,
+    BodyBudget,
     ExchangeObserver,
     ExtProcSettings,
     NullObserver,
@@ -58,8 +59,11 @@ class Exchange:
         settings: ExtProcSettings | None = None,
         observer: ExchangeObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        budget: BodyBudget | None = None,
     ) -> None:
         self.router = router
+        self.budget = budget
+        self.budgeted = 0  # bytes of `body` taken from the shared budget
         self.settings = settings or ExtProcSettings()
         self.observer: ExchangeObserver = observer or NullObserver()
         self.clock = clock
@@ -123,6 +127,9 @@ class Exchange:
         self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
         method = self.headers.get(":method", "")
         path = self.headers.get(":path", "").split("?", 1)[0].rstrip("/")
+        allowed = self.settings.inference_paths
+        if allowed is not None and path not in allowed and path + "/" not in allowed:
+            return self._reject(PathNotFound("no such inference API path on this gateway"))
         if method == "GET" and path == self.settings.models_path:
             self.phase = Phase.DONE
             return [msg.models_reply(self.router.model_names())]
@@ -137,10 +144,16 @@ class Exchange:
     async def _request_body(self, body: pb.HttpBody) -> Replies:
         if self.phase is not Phase.REQUEST_BODY:
             return []
-        self.body += body.body
-        if len(self.body) > self.settings.max_request_body_bytes:
+        if len(self.body) + len(body.body) > self.settings.max_request_body_bytes:
             limit = self.settings.max_request_body_bytes
             return self._reject(PayloadTooLarge(f"request body exceeds {limit} bytes"))
+        if self.budget is not None:
+            if not self.budget.take(len(body.body)):
+                return self._reject(
+                    ServerBusy("too many request bytes in flight at the gateway; retry later")
+                )
+            self.budgeted += len(body.body)
+        self.body += body.body
         if body.end_of_stream:
             return await self._route(trailers=False)
         if self.request_mode == BUFFERED:  # BUFFERED_PARTIAL-like pieces: let them continue
@@ -192,6 +205,7 @@ class Exchange:
         if self.request_mode == BUFFERED:
             length = len(out_body) if decision.body is not None else None
             mutation = msg.routing_headers(decision.endpoints, length, self.stripped)
+            self._release_body()
             return [
                 msg.buffered_body_reply(
                     body=decision.body,
@@ -207,11 +221,21 @@ class Exchange:
         )
         if trailers:
             replies.append(msg.trailers_reply(response=False))
+        self._release_body()
         return replies
 
+    def _release_body(self) -> None:
+        """The body is no longer needed (routed, refused, or the stream ended)."""
+        self.body = bytearray()
+        if self.budget is not None and self.budgeted:
+            self.budget.give(self.budgeted)
+        self.budgeted = 0
+
     def _reject(self, error: GatewayError) -> Replies:
+        size = len(self.body)
+        self._release_body()
         self.phase = Phase.DONE
-        self.observer.rejected(error.model, error, len(self.body))
+        self.observer.rejected(error.model, error, size)
         log.info(
             "rejected request_id=%s status=%d code=%s",
             self.request_id,
@@ -329,6 +353,7 @@ class Exchange:
         if not self.completed and self.decision is not None:
             usage = self.sse.usage if self.sse is not None else None
             self._complete(CANCELLED_STATUS, usage)
+        self._release_body()
         self.phase = Phase.DONE
 
     def _complete(self, status: int, usage: Usage | None) -> None:

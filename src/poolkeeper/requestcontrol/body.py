@@ -80,6 +80,8 @@ def api_kind(path: str) -> ApiKind:
 
 def parse_body(path: str, body: bytes) -> ParsedRequest:
     """Decode and interpret one request body. Raises BadRequest with a precise message."""
+    if not body.strip():
+        raise BadRequest('request body is empty: expected a JSON object with a "model" field')
     payload = decode_json_object(body)
     model = _model(payload)
     kind = api_kind(path)

@@ -76,6 +76,7 @@ from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 log = logging.getLogger(__name__)
 
 _CONTROL_HEADER_PREFIX = "x-gateway-"
@@ -241,7 +242,8 @@ class Director:
         if len(request.body) > limit:
             raise PayloadTooLarge(f"request body is larger than {limit} bytes")
         snapshot = self._datastore.snapshot()
-        if not request.body:
+        if not request.body and request.method.upper() not in _BODY_METHODS:
+            # An empty POST is not bodyless: it gets the body checks (400), never a random pod.
             return self._route_bodyless(request, snapshot)
 
         parsed = parse_body(request.path, request.body)

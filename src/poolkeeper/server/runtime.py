@@ -33,7 +33,7 @@ from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
-from poolkeeper.extproc.contracts import ExtProcSettings
+from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.director import Director, build_director
 from poolkeeper.scheduling.stats import SchedulingStats
@@ -61,6 +61,7 @@ def bootstrap_params(
     """The Envoy bootstrap for this configuration (also what `envoy-config` prints, with the
     routed endpoints inline; `serve` passes `endpoints_file`, kept current on hot reload)."""
     listeners = config.spec.listeners
+    edge = config.spec.edge
     pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
     fail_open = bool(pools) and all(p.failure_mode() == "FailOpen" for p in pools)
     fallback: list[str] = []
@@ -80,6 +81,11 @@ def bootstrap_params(
         routed_endpoints=tuple(e.hostport for e in snapshot.all_endpoints()),
         endpoints_file=str(endpoints_file) if endpoints_file is not None else None,
         retries=config.spec.request_handling.fallback_endpoints,
+        message_timeout_s=edge.epp_timeout_s,
+        first_byte_timeout_s=edge.first_byte_timeout_s,
+        stream_idle_timeout_s=edge.stream_idle_timeout_s,
+        inference_paths=tuple(edge.inference_paths),
+        max_body_bytes=config.spec.request_handling.max_body_bytes,
         # One upstream protocol for all pools (one routed cluster): h2c only if all say so.
         upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )
@@ -141,9 +147,15 @@ class GatewayRuntime:
             live=lambda: True, ready=self.ready, answering=lambda: self.director is not None
         )
         settings = ExtProcSettings(
-            max_request_body_bytes=spec.request_handling.max_body_bytes + 1024
+            max_request_body_bytes=spec.request_handling.max_body_bytes + 1024,
+            inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
         )
-        self.servicer = ExtProcServicer(self.director, settings=settings, observer=self.metrics)
+        self.servicer = ExtProcServicer(
+            self.director,
+            settings=settings,
+            observer=self.metrics,
+            budget=BodyBudget(spec.request_handling.max_inflight_body_bytes),
+        )
         extproc, _ = build_server(
             self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=health.register
         )

@@ -2,6 +2,9 @@
 
 Request logs carry ids, model names, endpoints, statuses and timings; the ext_proc layer never
 passes request or response bodies to a logger, so prompts and completions stay out of logs.
+Client-supplied text (a model name) may hold newlines or escape sequences: JSON lines escape
+them by construction, and the text format escapes every control character, so one record is
+always one line and no client can forge another. Messages longer than `MAX_MESSAGE_CHARS` are cut.
 """
 
 from __future__ import annotations
@@ -12,6 +15,32 @@ import sys
 import time
 from typing import TextIO
 
+MAX_MESSAGE_CHARS = 4096
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[:MAX_MESSAGE_CHARS] + f"...[{len(message) - MAX_MESSAGE_CHARS} chars cut]"
+
+
+def escape_controls(text: str) -> str:
+    """Control characters as visible escapes (`\\n`, `\\x1b`, ...): one record, one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+class TextFormatter(logging.Formatter):
+    """`--log-format text`: human-readable, with the message escaped and bounded."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_controls(_bounded(record.message))
+        return super().formatMessage(record)
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -20,7 +49,7 @@ class JsonFormatter(logging.Formatter):
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": _bounded(record.getMessage()),
         }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
@@ -47,7 +76,7 @@ def configure_logging(
     if json_lines:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger("poolkeeper")
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -6,7 +6,8 @@ gateways, tests and the quickstart can live in one process. It implements the ex
 `ExchangeObserver` hooks. Pool gauges and the scheduler's plugin/prefix-index measurements are
 read at scrape time from callables, so no loop has to keep them fresh. Label values that come
 from clients (model names) are capped: after `max_label_values` distinct values per label, new
-ones are reported as "other".
+ones are reported as "other", and each value is sanitised first (control characters replaced,
+at most `MAX_LABEL_CHARS` characters), so neither many names nor long ones can bloat /metrics.
 
 Exposition differs from prometheus_client's default in two ways, both to look like upstream's
 Go client: no `_created` series, and (unless `objective_names=False`) every `inference_model_*`
@@ -54,14 +55,27 @@ MODEL_PREFIX = "inference_model_"
 OBJECTIVE_PREFIX = "inference_objective_"
 
 
+MAX_LABEL_CHARS = 128  # longer client-supplied label values are cut (with a "..." marker)
+
+
+def sanitize_label(value: str, limit: int = MAX_LABEL_CHARS) -> str:
+    """A client-supplied label value made safe: control characters become "?", and a value
+    longer than `limit` characters is cut to `limit` ending in "..."."""
+    if value.isprintable() and len(value) <= limit:
+        return value
+    clean = "".join(c if c.isprintable() else "?" for c in value[: limit + 1])
+    return clean if len(clean) <= limit else clean[: limit - 3] + "..."
+
+
 class LabelCap:
-    """Admits at most `limit` distinct values; the rest collapse into "other"."""
+    """Admits at most `limit` distinct (sanitised) values; the rest collapse into "other"."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._seen: set[str] = set()
 
     def __call__(self, value: str) -> str:
+        value = sanitize_label(value)
         if value in self._seen:
             return value
         if len(self._seen) >= self.limit:

@@ -17,7 +17,7 @@ from tests.reliability.rel_harness import gate
 
 pytestmark = pytest.mark.integration
 
-CHAT = {"model": "m", "messages": []}
+CHAT: dict[str, object] = {"model": "m", "messages": []}
 
 
 async def _post(url: str, body: dict[str, object]) -> tuple[int, bytes]:

@@ -23,6 +23,7 @@ from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
 from poolkeeper.server.runtime import (
+    DEFAULT_DRAIN_GRACE_S,
     GatewayRuntime,
     ServeOptions,
     bootstrap_params,
@@ -96,7 +97,12 @@ def register(subparsers: Any) -> None:
         "--workdir", type=Path, default=None, help="where the bootstrap and Envoy log go"
     )
     serve.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy worker threads")
-    serve.add_argument("--drain-grace", type=float, default=5.0, help="seconds to drain (5)")
+    serve.add_argument(
+        "--drain-grace",
+        type=float,
+        default=DEFAULT_DRAIN_GRACE_S,
+        help="on SIGTERM: seconds accepted requests get to finish (130, as upstream's chart)",
+    )
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
     serve.add_argument(
         "--log-format", choices=("json", "text"), default="json", help="log line format"

@@ -4,9 +4,12 @@ ext_proc + health + metrics servers → Envoy child process; and the reverse on 
 The one startup path: the `ResourceSource` the options name (files today; `controller/source.py`)
 fills the datastore and yields the GatewayConfig, and everything else is built from those two.
 
-Shutdown drains: readiness turns NOT_SERVING (so Envoy's health check and any orchestrator stop
-sending new work), Envoy's listeners drain gracefully, in-flight ext_proc streams get up to the
-grace period to finish, then Envoy, the gRPC servers and the scrapers stop. grpc.aio does not
+Shutdown drains as Kubernetes expects (reliability finding 2): readiness turns NOT_SERVING
+first, Envoy's listeners stop accepting at once (new connections are refused, so clients and
+load balancers go to a peer instead of being accepted and cut later; idle keep-alive
+connections are closed), every request already accepted gets up to the grace period (default
+130 s, like upstream's chart) to finish, counted by Envoy itself and by the EPP's streams, then
+Envoy, the gRPC servers and the scrapers stop. grpc.aio does not
 stop on signals by itself, so `serve_until_signalled` installs its own SIGINT/SIGTERM handlers.
 """
 
@@ -42,6 +45,9 @@ from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats, QueueStats
 
 log = logging.getLogger("poolkeeper.server")
 
+DEFAULT_DRAIN_GRACE_S = 130.0  # upstream chart's terminationGracePeriodSeconds (vLLM's)
+_ACTIVE_STAT = "http.gateway.downstream_rq_active"
+
 
 @dataclass(slots=True)
 class ServeOptions:
@@ -50,7 +56,7 @@ class ServeOptions:
     envoy_path: str | None = None
     workdir: Path | None = None  # bootstrap + Envoy log; a temporary directory when None
     envoy_concurrency: int = 1
-    drain_grace_s: float = 5.0
+    drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
     rng_seed: int | None = None
     ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
 
@@ -309,22 +315,40 @@ class GatewayRuntime:
         log.info("stopped")
 
     async def _drain_envoy(self, grace_s: float) -> None:
-        """Stop accepting new connections; wait for in-flight requests, up to `grace_s`."""
+        """Stop accepting new connections now; wait for the accepted requests, up to `grace_s`.
+
+        `/drain_listeners` without `graceful` closes the listening sockets at once (a graceful
+        drain would keep accepting for Envoy's drain time and then cut what it accepted), and
+        starts draining open connections (HTTP/1 `connection: close`, HTTP/2 GOAWAY)."""
         assert self.envoy is not None
-        admin = self.envoy.options.admin_url
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session,
-                session.post(f"{admin}/drain_listeners?graceful") as resp,
-            ):
-                await resp.read()
+        admin = self.envoy.options.admin_url or ""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while self.servicer is not None and self.servicer.active > 0:
-            if loop.time() >= deadline:
-                log.warning("drain grace over with %d requests in flight", self.servicer.active)
-                break
-            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.post(f"{admin}/drain_listeners") as resp:
+                    await resp.read()
+            while loop.time() < deadline:
+                envoy_active = await _envoy_active_requests(session, admin)
+                epp_active = self.servicer.active if self.servicer is not None else 0
+                if epp_active == 0 and envoy_active == 0:
+                    return
+                await asyncio.sleep(0.1)
+        log.warning("drain grace over with requests in flight; stopping anyway")
+
+
+async def _envoy_active_requests(session: aiohttp.ClientSession, admin: str) -> int:
+    """Envoy's own count of requests in progress on the gateway listener (0 if unknown)."""
+    try:
+        async with session.get(f"{admin}/stats", params={"filter": f"^{_ACTIVE_STAT}$"}) as resp:
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return 0  # Envoy is gone: nothing of its own left to wait for
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == _ACTIVE_STAT and value.strip().isdigit():
+            return int(value.strip())
+    return 0
 
 
 async def serve_until_signalled(

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 MUTATE_STAMP := $(VENV)/.mutate-stamp
 
-.PHONY: demo test lint typecheck pytest bench mutate clean
+.PHONY: demo test lint typecheck pytest bench mutate clean soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +45,7 @@ mutate: $(MUTATE_STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants
+
+# Opt-in reliability runs (minutes): the heavy and long scenarios of docs/reliability.md.
+soak: $(STAMP)
+	$(VENV)/bin/pytest -q -s -m soak tests/reliability

@@ -87,6 +87,10 @@ class BootstrapParams:
     max_headers_count: int = 100
     max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
     max_downstream_connections: int = 50_000
+    heap_limit_bytes: int = 1 << 30  # the overload manager's heap scale (not a hard limit)
+    # Heap in use above this fraction of heap_limit_bytes (1 MiB: always, in practice) makes
+    # Envoy give its free heap back every 10 s (shrink_heap).
+    shrink_heap_at: float = 0.001
     upstream_h2c: bool = False  # model servers speak HTTP/2 cleartext (appProtocol h2c)
     access_log_path: str | None = None
     epp_health_interval_s: float = 1.0  # 0 disables Envoy's gRPC health check of the EPP

@@ -100,11 +100,13 @@ class BodyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.peak = 0  # highest `used` since the owner last reset it (memory trimming)
 
     def take(self, n: int) -> bool:
         if self.used + n > self.limit:
             return False
         self.used += n
+        self.peak = max(self.peak, self.used)
         return True
 
     def give(self, n: int) -> None:

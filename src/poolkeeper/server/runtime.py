@@ -40,6 +40,7 @@ from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.director import Director, build_director
 from poolkeeper.scheduling.stats import SchedulingStats
+from poolkeeper.server.memory import pin_mmap_threshold, trim
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats, QueueStats
 
@@ -128,6 +129,7 @@ class GatewayRuntime:
     async def _start(self) -> None:
         # Fail before loading or binding anything when Envoy is wanted but missing.
         binary = find_envoy(self.options.envoy_path) if self.options.run_envoy else ""
+        pin_mmap_threshold()  # big request bodies must not leave RSS at their peak
         # The source applies pools, models and endpoints and keeps them in step later; the
         # GatewayConfig it yields (listeners, scheduling, the Envoy bootstrap) is read once.
         self._source = self.options.source(self.datastore)
@@ -156,12 +158,11 @@ class GatewayRuntime:
             max_request_body_bytes=spec.request_handling.max_body_bytes + 1024,
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
         )
+        budget = BodyBudget(spec.request_handling.max_inflight_body_bytes)
         self.servicer = ExtProcServicer(
-            self.director,
-            settings=settings,
-            observer=self.metrics,
-            budget=BodyBudget(spec.request_handling.max_inflight_body_bytes),
+            self.director, settings=settings, observer=self.metrics, budget=budget
         )
+        self._tasks.append(asyncio.create_task(_trim_after_bursts(budget), name="trim"))
         extproc, _ = build_server(
             self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=health.register
         )
@@ -335,6 +336,19 @@ class GatewayRuntime:
                     return
                 await asyncio.sleep(0.1)
         log.warning("drain grace over with requests in flight; stopping anyway")
+
+
+TRIM_AFTER_BYTES = 16 << 20  # a burst of request bodies this large is given back afterwards
+
+
+async def _trim_after_bursts(budget: BodyBudget, every_s: float = 2.0) -> None:
+    """Once a burst of big request bodies is over (the budget back at zero), give the freed
+    heap back to the OS; the receive buffers of many small chunks fragment it otherwise."""
+    while True:
+        await asyncio.sleep(every_s)
+        if budget.used == 0 and budget.peak >= TRIM_AFTER_BYTES:
+            budget.peak = 0
+            await asyncio.to_thread(trim)
 
 
 async def _envoy_active_requests(session: aiohttp.ClientSession, admin: str) -> int:

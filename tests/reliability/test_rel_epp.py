@@ -5,6 +5,7 @@ must get the model check rather than a random pod."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,8 +14,10 @@ from poolkeeper.errors import BadRequest
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.state import Exchange
 from poolkeeper.requestcontrol.types import IncomingRequest
+from poolkeeper.server.runtime import fail_open_unserved_names
 from tests.extproc.extproc_fakes import FakeRouter, body_msg, headers_msg, post_headers
 from tests.requestcontrol.test_rc_director import _rig
+from tests.server.test_server_runtime import _start, _write
 
 CHAT = b'{"model":"base","messages":[]}'
 
@@ -84,3 +87,17 @@ async def test_empty_post_body_gets_the_model_check() -> None:
         await rig.director.route(empty)
     bodyless = await rig.director.route(IncomingRequest("g", "GET", "/health", {}, b""))
     assert bodyless.endpoints  # GET without a body still goes to the default pool
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("FailOpen", ["split"]), ("FailClose", [])])
+async def test_fail_open_split_names_are_reported(tmp_path: Path, mode: str, expected: list[str]):
+    """Finding 5: under FailOpen with the EPP down a split name reaches servers unrewritten
+    (404 from the server); the gateway names such models at start (documented limit)."""
+    directory, _ = _write(tmp_path, mode)
+    (directory / "split.yaml").write_text(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\n"
+        "metadata: {name: split, namespace: default}\n"
+        "spec: {modelName: split, poolRef: {name: pool}, targetModels: [{name: m-v1}]}\n"
+    )
+    _, store = await _start([directory])
+    assert fail_open_unserved_names(store.snapshot()) == expected

@@ -62,6 +62,22 @@ class ServeOptions:
     ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
 
 
+def fail_open_unserved_names(snapshot: DatastoreSnapshot) -> list[str]:
+    """Client-facing model names of FailOpen pools that only name a split (reliability finding
+    5): with the EPP down, Envoy forwards the body unchanged, so the server gets a name it does
+    not serve (e.g. `food-review` split over `food-review-v1/-v2`) and answers 404."""
+    names: list[str] = []
+    for key in snapshot.pool_keys():
+        pool = snapshot.pool(key)
+        if pool is None or pool.failure_mode() != "FailOpen":
+            continue
+        for name, model in snapshot.models(key).items():
+            targets = {t.name for t in model.spec.target_models}
+            if targets and name not in targets:
+                names.append(name)
+    return sorted(set(names))
+
+
 def bootstrap_params(
     config: GatewayConfig, snapshot: DatastoreSnapshot, *, endpoints_file: Path | None = None
 ) -> BootstrapParams:
@@ -189,6 +205,13 @@ class GatewayRuntime:
             listeners.metrics,
         )
         await self._wait_ready(self.options.ready_wait_s)
+        unserved = fail_open_unserved_names(self.datastore.snapshot())
+        if unserved:
+            log.warning(
+                "FailOpen: with the endpoint picker down, requests for %s reach model servers "
+                "unrewritten and get 404 (they name only a split); see docs/reliability.md",
+                ", ".join(unserved),
+            )
         if self.options.run_envoy:
             await self._start_envoy(config, binary)
 

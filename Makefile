@@ -48,4 +48,5 @@ clean:
 
 # Opt-in reliability runs (minutes): the heavy and long scenarios of docs/reliability.md.
 soak: $(STAMP)
-	$(VENV)/bin/pytest -q -s -m soak tests/reliability
+	POOLKEEPER_FUZZ_EXAMPLES=5000 $(VENV)/bin/pytest -q -s -m soak tests/reliability
+	POOLKEEPER_FUZZ_EXAMPLES=5000 $(VENV)/bin/pytest -q tests/reliability/test_rel_fuzz.py

@@ -358,8 +358,39 @@ def _reject_duplicates(result: LoadResult) -> None:
     result.resources[:] = kept
 
 
+MAX_EXPANDED_NODES = 200_000  # a document's nodes with every alias expanded
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes in `node` with aliases expanded (memoised: linear in the composed graph)."""
+    known = memo.get(id(node))
+    if known is not None:
+        return known
+    memo[id(node)] = 1  # a cycle counts once (the constructor refuses what it cannot build)
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    memo[id(node)] = size
+    return size
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that keeps timestamps as strings (like JSON) and rejects duplicate keys."""
+    """SafeLoader that keeps timestamps as strings (like JSON), rejects duplicate keys, and
+    refuses documents whose aliases expand past MAX_EXPANDED_NODES (a "billion laughs" bomb
+    composes in microseconds but would take hours to validate)."""
+
+    def compose_document(self) -> yaml.Node | None:
+        node: yaml.Node | None = super().compose_document()
+        if node is not None and _expanded_size(node, {}) > MAX_EXPANDED_NODES:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"document expands to more than {MAX_EXPANDED_NODES} nodes (aliases)",
+                node.start_mark,
+            )
+        return node
 
     yaml_implicit_resolvers = {
         first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]

@@ -163,7 +163,7 @@ async def test_d6_a_client_that_stops_reading_is_bounded(tmp_path: Path) -> None
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         async with gate(tmp_path, fixed=(f"127.0.0.1:{port}",), stream_idle_timeout_s=2.0) as g:
-            reader, writer = await asyncio.open_connection("127.0.0.1", g.port)
+            _reader, writer = await asyncio.open_connection("127.0.0.1", g.port)  # never read
             body = b'{"model": "m", "stream": true}'
             writer.write(
                 b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"

@@ -1,0 +1,169 @@
+"""G3 soak: `poolkeeper serve` (with Envoy) over two simulators under mixed traffic with unique
+prompts (streams, client cancels, 404s, server 503s via the simulator's fault header, streams
+cut by the server). Afterwards the EPP's open file descriptors and running-request gauges are
+back to baseline; the soak version also fits the EPP's RSS slope after warm-up.
+
+CI runs 20 s (`test_short_soak...`); `make soak` runs POOLKEEPER_SOAK_S (default 1800 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from poolkeeper.netutil import free_ports
+from tests.e2e.e2e_harness import (
+    POOL,
+    gateway_doc,
+    gateway_ports,
+    model_doc,
+    poolkeeper,
+    wait_for_port,
+    write_config,
+)
+from tests.reliability.memprobe import rss_mb
+from tests.reliability.test_rel_restart import _serve
+
+MODEL = "tiny-base"
+WORKERS = 8
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def _worker(url: str, rng: random.Random, until: float, counts: dict[str, int]) -> None:
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while time.monotonic() < until:
+            kind = rng.choice(["stream", "plain", "cancel", "unknown", "fault", "cut"])
+            prompt = f"{rng.getrandbits(64):x} " * rng.randint(4, 64)  # unique prefixes
+            body: dict[str, object] = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
+            headers = {}
+            if kind in ("stream", "cancel", "cut"):
+                body["stream"] = True
+            if kind == "unknown":
+                body["model"] = f"nope-{rng.getrandbits(16)}"
+            if kind == "fault":
+                headers["x-sim-fault"] = "status=503"
+            if kind == "cut":
+                headers["x-sim-fault"] = "cut-after=2"
+            try:
+                async with session.post(
+                    f"{url}/v1/completions", json=body, headers=headers
+                ) as resp:
+                    if kind == "cancel":
+                        await resp.content.readany()
+                        resp.close()  # the client walks away mid-stream
+                    else:
+                        await resp.read()
+                    counts[str(resp.status)] = counts.get(str(resp.status), 0) + 1
+            except aiohttp.ClientError:
+                counts["cut"] = counts.get("cut", 0) + 1
+
+
+async def _soak(tmp_path: Path, seconds: float) -> dict[str, object]:
+    sim_ports = free_ports(2, consecutive=True)
+    sim = poolkeeper(
+        ["sim", "--count", "2", "--port", str(sim_ports[0]), "--model", MODEL,
+         "--time-scale", "0.05"],
+        tmp_path / "sim.log",
+    )  # fmt: skip
+    ports = gateway_ports()
+    docs = [
+        gateway_doc(ports, [(f"s-{i}", p, "s") for i, p in enumerate(sim_ports)]),
+        POOL.format(name="s", app="s", failure_mode="FailClose"),
+        model_doc(MODEL, "s", "Critical"),
+    ]
+    directory = write_config(tmp_path / "config", docs)
+    gw = None
+    try:
+        for port in sim_ports:
+            wait_for_port(port, sim)
+        gw = await asyncio.to_thread(_serve, directory, ports, tmp_path / "gw")
+        url = f"http://127.0.0.1:{ports['http']}"
+        pid = gw.process.pid
+        fds0 = _fds(pid)
+        began = time.monotonic()
+        counts: dict[str, int] = {}
+        samples: list[tuple[float, float]] = []
+        rng = random.Random(3)
+        workers = [
+            asyncio.create_task(
+                _worker(url, random.Random(rng.getrandbits(32)), began + seconds, counts)
+            )
+            for _ in range(WORKERS)
+        ]
+        while not all(w.done() for w in workers):
+            samples.append((time.monotonic() - began, rss_mb(pid)))
+            await asyncio.wait(workers, timeout=max(1.0, seconds / 60))
+        await asyncio.gather(*workers)
+        metrics_url = f"http://127.0.0.1:{ports['metrics']}/metrics"
+        deadline = time.monotonic() + 20
+        running = ""
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                async with session.get(metrics_url) as resp:
+                    text = await resp.text()
+                running = "\n".join(
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("inference_model_running_requests{")
+                    and not line.endswith(" 0.0")
+                )
+                if not running and _fds(pid) <= fds0 + 2:
+                    break
+                await asyncio.sleep(0.2)
+        warm = [(t, m) for t, m in samples if t >= seconds / 3]
+        return {
+            "requests": sum(counts.values()),
+            "counts": counts,
+            "fds_before": fds0,
+            "fds_after": _fds(pid),
+            "running_left": running,
+            "rss_first": samples[0][1] if samples else 0.0,
+            "rss_last": samples[-1][1] if samples else 0.0,
+            "slope_mb_per_min": _slope(warm) * 60,
+        }
+    finally:
+        if gw is not None:
+            gw.stop()
+        sim.stop()
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope (MB per second) of (seconds, MB) points; 0 with fewer than 3."""
+    if len(points) < 3:
+        return 0.0
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mm = sum(m for _, m in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (m - mm) for t, m in points) / var if var else 0.0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_short_soak_returns_to_baseline(tmp_path: Path) -> None:
+    result = await _soak(tmp_path, 20)
+    print("short soak", result)
+    assert result["requests"] >= 100, result
+    assert result["running_left"] == "", result
+    assert result["fds_after"] <= result["fds_before"] + 2, result  # type: ignore[operator]
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(7200)
+async def test_soak_rss_slope_is_flat_after_warm_up(tmp_path: Path) -> None:
+    seconds = float(os.environ.get("POOLKEEPER_SOAK_S", "1800"))
+    result = await _soak(tmp_path, seconds)
+    print("soak", seconds, "s:", result)
+    assert result["running_left"] == "", result
+    assert result["fds_after"] <= result["fds_before"] + 2, result  # type: ignore[operator]
+    assert abs(result["slope_mb_per_min"]) < 1.0, result  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -68,7 +69,7 @@ async def _worker(url: str, rng: random.Random, until: float, counts: dict[str, 
                 counts["cut"] = counts.get("cut", 0) + 1
 
 
-async def _soak(tmp_path: Path, seconds: float) -> dict[str, object]:
+async def _soak(tmp_path: Path, seconds: float) -> dict[str, Any]:
     sim_ports = free_ports(2, consecutive=True)
     sim = poolkeeper(
         ["sim", "--count", "2", "--port", str(sim_ports[0]), "--model", MODEL,
@@ -155,7 +156,7 @@ async def test_short_soak_returns_to_baseline(tmp_path: Path) -> None:
     print("short soak", result)
     assert result["requests"] >= 100, result
     assert result["running_left"] == "", result
-    assert result["fds_after"] <= result["fds_before"] + 2, result  # type: ignore[operator]
+    assert result["fds_after"] <= result["fds_before"] + 2, result
 
 
 @pytest.mark.soak
@@ -165,5 +166,5 @@ async def test_soak_rss_slope_is_flat_after_warm_up(tmp_path: Path) -> None:
     result = await _soak(tmp_path, seconds)
     print("soak", seconds, "s:", result)
     assert result["running_left"] == "", result
-    assert result["fds_after"] <= result["fds_before"] + 2, result  # type: ignore[operator]
-    assert abs(result["slope_mb_per_min"]) < 1.0, result  # type: ignore[arg-type]
+    assert result["fds_after"] <= result["fds_before"] + 2, result
+    assert abs(result["slope_mb_per_min"]) < 1.0, result

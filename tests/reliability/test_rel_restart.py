@@ -131,5 +131,6 @@ async def test_restart_under_50_streaming_clients_fails_nothing(tmp_path: Path) 
             if proc is not None:
                 proc.stop()
     summary = json.dumps(tally.__dict__)
+    print("restart under", CLIENTS, "streaming clients:", summary)
     assert tally.failed == 0, (summary, failures[:5])
     assert tally.ok >= 2 * CLIENTS, summary

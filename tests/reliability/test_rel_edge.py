@@ -140,63 +140,45 @@ async def test_hung_epp_under_fail_open_is_bounded_too(tmp_path: Path) -> None:
         assert body["error"]["code"] == "stream_idle_timeout"
 
 
-@pytest.mark.parametrize(
-    "probe",
-    [
-        pytest.param(
-            _post("/v1/chat/completions", extra="transfer-encoding: chunked\r\n"), id="cl-te"
-        ),
-        pytest.param(_post("/v1/chat/completions", extra="content-length: 3\r\n"), id="two-cl"),
-        pytest.param(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-            b"transfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
-            id="te-gzip-chunked",
-        ),
-        pytest.param(_post("/v1/chat/completions", extra="x_under: 1\r\n"), id="underscore"),
-    ],
-)
-async def test_smuggling_and_malformed_framing_never_reach_upstream(
-    tmp_path: Path, probe: bytes
-) -> None:
+SMUGGLING = {
+    "cl-te": _post("/v1/chat/completions", extra="transfer-encoding: chunked\r\n"),
+    "two-cl": _post("/v1/chat/completions", extra="content-length: 3\r\n"),
+    "te-gzip-chunked": b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+    b"transfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+    "underscore": _post("/v1/chat/completions", extra="x_under: 1\r\n"),
+}
+NORMALISED = {
+    "obs-fold": _post("/v1/chat/completions", extra="x-a: 1\r\n folded\r\n"),
+    "bare-lf": b"POST /v1/chat/completions HTTP/1.1\nhost: x\nx-a: 1\ncontent-length: "
+    + str(len(CHAT)).encode()
+    + b"\n\n"
+    + CHAT,
+}
+
+
+async def test_smuggling_and_malformed_framing_never_reach_upstream(tmp_path: Path) -> None:
     """E2/E3: refused with 400 or a closed connection; nothing reaches a model server or the
-    EPP."""
+    EPP. Then finding 7, as far as Envoy allows: neither of its HTTP/1 parsers (balsa,
+    http-parser) can be told to refuse obs-fold or bare LF. RFC 9112 lets a proxy replace
+    obs-fold with SP (section 5.2) and accept bare LF (section 2.2) instead; what matters is
+    that the model server sees one well-formed request, so nothing is smuggled past the EPP."""
     async with gate(tmp_path) as g:
-        answer = await raw_http(g.port, probe)
-        assert status_of(answer) in (0, 400), answer[:200]
-        assert g.router.turn == 0
-        assert not any(b.seen for b in g.backends)
-
-
-@pytest.mark.parametrize(
-    "probe",
-    [
-        pytest.param(_post("/v1/chat/completions", extra="x-a: 1\r\n folded\r\n"), id="obs-fold"),
-        pytest.param(
-            b"POST /v1/chat/completions HTTP/1.1\nhost: x\nx-a: 1\ncontent-length: "
-            + str(len(CHAT)).encode()
-            + b"\n\n"
-            + CHAT,
-            id="bare-lf",
-        ),
-    ],
-)
-async def test_obs_fold_and_bare_lf_are_normalised_never_smuggled(
-    tmp_path: Path, probe: bytes
-) -> None:
-    """Finding 7, as far as Envoy allows: neither of its HTTP/1 parsers (balsa, http-parser)
-    can be told to refuse obs-fold or bare LF. RFC 9112 lets a proxy replace obs-fold with SP
-    (section 5.2) and accept bare LF (section 2.2) instead; what matters is that the model
-    server sees one well-formed request, so nothing is smuggled past the EPP."""
-    async with gate(tmp_path) as g:
-        answer = await raw_http(g.port, probe)
-        status = status_of(answer)
-        assert status in (0, 400, 200), answer[:200]
-        seen = [s for b in g.backends for s in b.seen]
-        if status == 200:
-            assert len(seen) == 1
-            value = seen[0]["headers"].get("x-a", "")
-            assert "\n" not in value
-            assert "\r" not in value
-            assert seen[0]["body"] == json.loads(CHAT)
-        else:
-            assert not seen
+        for name, probe in SMUGGLING.items():
+            answer = await raw_http(g.port, probe)
+            assert status_of(answer) in (0, 400), (name, answer[:200])
+            assert g.router.turn == 0, name
+            assert not any(b.seen for b in g.backends), name
+        for name, probe in NORMALISED.items():
+            before = sum(len(b.seen) for b in g.backends)
+            answer = await raw_http(g.port, probe)
+            status = status_of(answer)
+            assert status in (0, 400, 200), (name, answer[:200])
+            seen = [s for b in g.backends for s in b.seen]
+            if status == 200:
+                assert len(seen) == before + 1, name
+                value = seen[-1]["headers"].get("x-a", "")
+                assert "\n" not in value, name
+                assert "\r" not in value, name
+                assert seen[-1]["body"] == json.loads(CHAT), name
+            else:
+                assert len(seen) == before, name

@@ -3,7 +3,7 @@ prompts (streams, client cancels, 404s, server 503s via the simulator's fault he
 cut by the server). Afterwards the EPP's open file descriptors and running-request gauges are
 back to baseline; the soak version also fits the EPP's RSS slope after warm-up.
 
-CI runs 8 s (`test_short_soak...`); `make soak` runs POOLKEEPER_SOAK_S (default 1800 s).
+CI runs 5 s (`test_short_soak...`); `make soak` runs POOLKEEPER_SOAK_S (default 1800 s).
 """
 
 from __future__ import annotations
@@ -152,9 +152,9 @@ def _slope(points: list[tuple[float, float]]) -> float:
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 async def test_short_soak_returns_to_baseline(tmp_path: Path) -> None:
-    result = await _soak(tmp_path, 8)
+    result = await _soak(tmp_path, 5)
     print("short soak", result)
-    assert result["requests"] >= 50, result
+    assert result["requests"] >= 30, result
     assert result["running_left"] == "", result
     assert result["fds_after"] <= result["fds_before"] + 2, result
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from poolkeeper.api.load import load_paths, load_text
 from poolkeeper.config.gateway import (
@@ -197,6 +198,11 @@ def test_default_pool_gets_the_default_namespace() -> None:
             "spec.requestHandling.injectStreamUsage",
             "boolean",
         ),
+        (
+            {"flowControl": {"bands": {"standard": {"ttlMs": 90000}}}},
+            "spec.edge.eppTimeoutS",
+            "must exceed the longest flow-control queue TTL (flowControl.bands.standard.ttlMs",
+        ),
         ({"endpoint": []}, "spec.endpoint", "unknown field"),
     ],
 )
@@ -229,3 +235,19 @@ def test_wrong_api_version_is_reported() -> None:
 )
 def test_host_rules(host: str, ok: bool) -> None:
     assert (host_errors(host) == []) is ok
+
+
+def test_epp_timeout_must_outlast_the_longest_queue_ttl() -> None:
+    """A request still queued when Envoy gives up on the EPP would get Envoy's 504 (the error
+    and its path are in the table above); fine when Envoy waits longer, when the band does not
+    queue, or without flow control."""
+    with pytest.raises(ValidationError, match=r"standard\.ttlMs 90000"):
+        GatewayConfig.model_validate(
+            {"spec": {"flowControl": {"bands": {"standard": {"ttlMs": 90000}}}}}
+        )
+    for spec in (
+        {"flowControl": {"bands": {"standard": {"ttlMs": 90000}}}, "edge": {"eppTimeoutS": 120}},
+        {"flowControl": {"bands": {"standard": {"ttlMs": 90000, "mode": "shed"}}}},
+        {"flowControl": {"enabled": False, "bands": {"standard": {"ttlMs": 90000}}}},
+    ):
+        GatewayConfig.model_validate({"spec": spec})

@@ -27,7 +27,7 @@ from poolkeeper.api.names import (
     label_value_errors,
 )
 from poolkeeper.backend.config import ScrapingConfig
-from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.schema import CamelModel
 
@@ -296,6 +296,35 @@ class GatewayConfigSpec(_Section):
     throughput between models, per-band bounds and time-to-live (docs/flowcontrol.md)."""
     edge: Edge = Field(default_factory=Edge)
     """The public listener: inference paths, timeouts."""
+
+    @model_validator(mode="after")
+    def _epp_timeout_outlasts_queueing(self) -> Self:
+        # Envoy gives up on the EPP after eppTimeoutS; a request still waiting in a
+        # flow-control queue then would get Envoy's 504 instead of its band's outcome.
+        if not self.flow_control.enabled:
+            return self
+        bands = self.flow_control.bands
+        waits = {
+            name: band.ttl_ms / 1000.0
+            for name, band in (
+                ("critical", bands.critical),
+                ("standard", bands.standard),
+                ("sheddable", bands.sheddable),
+            )
+            if band.mode is BandMode.QUEUE
+        }
+        if waits:
+            name, longest = max(waits.items(), key=lambda item: item[1])
+            if longest >= self.edge.epp_timeout_s:
+                raise rule_error(
+                    (
+                        ".edge.eppTimeoutS",
+                        f"Invalid value: {go_value(self.edge.epp_timeout_s)}: must exceed the "
+                        f"longest flow-control queue TTL (flowControl.bands.{name}.ttlMs "
+                        f"{longest * 1000:g}), or a request still queued gets Envoy's 504",
+                    )
+                )
+        return self
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> Self:

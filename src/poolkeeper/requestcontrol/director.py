@@ -148,6 +148,19 @@ class Ticket:
     done: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request once the Director knows what it is: parsed, resolved and split, banded. What
+    scheduling it needs, now or (after waiting in flow control) later."""
+
+    request: IncomingRequest
+    parsed: ParsedRequest
+    pool_key: str
+    target: str  # the model sent to the server
+    criticality: Criticality
+    priority: int | None  # the objective's priority, when one decided the band
+
+
 class Director:
     """Turns IncomingRequests into RoutingDecisions; see the module docstring."""
 
@@ -257,12 +270,11 @@ class Director:
             pool_key, model = self._default_pool(snapshot), None
         target = self._target(request, snapshot, pool_key, parsed.model, model)
         criticality, priority = self._band(request, snapshot, pool_key, model, found is None)
+        prepared = Prepared(request, parsed, pool_key, target, criticality, priority)
         try:
             if self._flow is None:
-                return self._schedule(
-                    request, snapshot, parsed, pool_key, target, criticality, priority
-                )
-            return self._enqueue(request, snapshot, parsed, pool_key, target, criticality, priority)
+                return self._schedule(prepared, snapshot)
+            return self._enqueue(prepared, snapshot)
         except GatewayError as exc:
             # The front end labels its error metrics with these; it must not parse again.
             exc.model, exc.target_model = parsed.model, target
@@ -313,22 +325,16 @@ class Director:
         return criticality_of_priority(DEFAULT_PRIORITY), DEFAULT_PRIORITY
 
     def _enqueue(
-        self,
-        request: IncomingRequest,
-        snapshot: SnapshotView,
-        parsed: ParsedRequest,
-        pool_key: str,
-        target: str,
-        criticality: Criticality,
-        priority: int | None,
+        self, prepared: Prepared, snapshot: SnapshotView
     ) -> RoutingDecision | FlowItem[Job]:
         """Flow control instead of admission: dispatch now, queue, or refuse (429)."""
         assert self._flow is not None
         assert self._headroom is not None
+        request, parsed, pool_key = prepared.request, prepared.parsed, prepared.pool_key
         # The fairness key: the modelName, or the operator-trusted fairness-id header.
         flow = self._trusted(request, TrustedHeader.FAIRNESS_ID) or parsed.model
         subset = self._subset(request)
-        band = self._flow.config.bands.of(criticality)
+        band = self._flow.config.bands.of(prepared.criticality)
         # 503 now when nothing could ever serve it; the fast path's check reuses this read.
         now_states = [self._candidates(snapshot, pool_key, subset)]
         headroom = self._headroom
@@ -340,8 +346,8 @@ class Director:
             # Late binding: the snapshot, load and prefix state of the moment of dispatch.
             fresh = self._datastore.snapshot()
             return self._schedule(
-                request, fresh, parsed, pool_key, target, criticality, priority,
-                admit=False, flow=flow, candidates=ready.pop() if ready else None,
+                prepared, fresh, admit=False, flow=flow,
+                candidates=ready.pop() if ready else None,
             )  # fmt: skip
 
         def fits() -> bool:
@@ -360,10 +366,10 @@ class Director:
             ready.append(room)
             return True
 
-        job = Job(pool_key, parsed.model, target, run, fits)
+        job = Job(pool_key, parsed.model, prepared.target, run, fits)
         try:
             return self._flow.submit(
-                job, band=criticality, flow=flow, tokens=parsed.prompt_tokens,
+                job, band=prepared.criticality, flow=flow, tokens=parsed.prompt_tokens,
                 size=len(request.body),
             )  # fmt: skip
         finally:
@@ -371,26 +377,22 @@ class Director:
 
     def _schedule(
         self,
-        request: IncomingRequest,
+        prepared: Prepared,
         snapshot: SnapshotView,
-        parsed: ParsedRequest,
-        pool_key: str,
-        target: str,
-        criticality: Criticality,
-        priority: int | None,
         *,
         admit: bool = True,
         flow: str = "",
         candidates: list[EndpointState] | None = None,
     ) -> RoutingDecision:
-
+        request, parsed, pool_key = prepared.request, prepared.parsed, prepared.pool_key
+        target, criticality = prepared.target, prepared.criticality
         subset = self._subset(request)
         llm_request = LLMRequest(
             request_id=request.request_id,
             model=parsed.model,
             target_model=target,
             criticality=criticality,
-            priority=priority,
+            priority=prepared.priority,
             prompt=parsed.prompt,
             prompt_tokens=parsed.prompt_tokens,
             max_tokens=parsed.max_tokens,
@@ -425,7 +427,7 @@ class Director:
             model_name=parsed.model,
             target_model=target,
             criticality=criticality,
-            priority=priority,
+            priority=prepared.priority,
             stream=parsed.stream,
             prompt_tokens=parsed.prompt_tokens,
             body=body,

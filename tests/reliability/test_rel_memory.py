@@ -1,10 +1,15 @@
 """Finding 3 (checklist E4): hostile bodies cost bounded memory. Concurrent 17 MB bodies,
 declared (Content-Length) and chunked (no length), against `poolkeeper serve` with its Envoy;
 every one is refused (413 early, or 413/503 once the per-request limit or the EPP's in-flight
-budget is passed), and the EPP's RSS afterwards stays within 50 MB of idle (Envoy's: see the
-soak version).
+budget is passed). Two bursts, one after the other:
 
-The CI version sends 10 bodies of each kind; `make soak` sends the headline's 50.
+- the EPP's RSS stays within 50 MB of idle;
+- Envoy keeps no body: its live heap (`allocated` on its admin /memory) is back near idle;
+- Envoy's RSS is bounded: tcmalloc keeps the pages the burst freed (on CI machines 25-55 MB
+  after 10 bodies, 55-65 MB after 50; shrink_heap gives only part back), but a second burst
+  reuses them instead of stacking on top.
+
+The CI version sends 10 bodies of each burst; `make soak` sends the headline's 50.
 """
 
 from __future__ import annotations
@@ -66,6 +71,13 @@ async def _attack(port: int, n: int) -> list[int]:
     return list(await asyncio.gather(*(_one(port, bool(i % 2)) for i in range(n))))
 
 
+async def _envoy_allocated_mb(admin_port: int) -> float:
+    """Envoy's live heap (tcmalloc `allocated`): memory in use, not free pages held."""
+    url = f"http://127.0.0.1:{admin_port}/memory"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return int((await resp.json())["allocated"]) / (1 << 20)
+
+
 async def _measure(tmp_path: Path, n: int) -> dict[str, float]:
     (sim_port,) = free_ports(1)
     sim = poolkeeper(["sim", "--port", str(sim_port), "--model", "tiny-base"], tmp_path / "s.log")
@@ -88,57 +100,65 @@ async def _measure(tmp_path: Path, n: int) -> dict[str, float]:
             session.post(f"{url}/v1/completions", json=body) as resp,
         ):
             assert resp.status == 200
-        idle = {"epp": rss_mb(gw.process.pid), "envoy": rss_mb(envoy)}
-        statuses = await _attack(ports["http"], n)
-        assert all(s in (0, 413, 503) for s in statuses), statuses
-        assert statuses.count(0) < n  # most get an answer, not just a closed connection
-        # Envoy gives free heap back on its overload manager's 10 s shrink_heap cycle: poll
-        # (up to 30 s) until both are near idle, then report what they are at.
+        figures = {
+            "idle_epp": rss_mb(gw.process.pid),
+            "idle_envoy": rss_mb(envoy),
+            "idle_envoy_live": await _envoy_allocated_mb(ports["admin"]),
+        }
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while loop.time() < deadline:
-            after = {"epp": rss_mb(gw.process.pid), "envoy": rss_mb(envoy)}
-            if all(after[k] - idle[k] < 50 for k in after):
-                break
-            await asyncio.sleep(0.5)
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(f"http://127.0.0.1:{ports['admin']}/memory") as resp,
-        ):
-            print("envoy /memory", await resp.text())
+        for burst in ("first", "second"):
+            statuses = await _attack(ports["http"], n)
+            assert all(s in (0, 413, 503) for s in statuses), statuses
+            assert statuses.count(0) < n  # most get an answer, not just a closed connection
+            # Buffers are freed as the connections close: poll (up to 30 s) until the EPP's
+            # RSS and Envoy's live heap are near idle, then record where everything is.
+            deadline = loop.time() + 30
+            while loop.time() < deadline:
+                live = await _envoy_allocated_mb(ports["admin"])
+                epp = rss_mb(gw.process.pid)
+                if epp - figures["idle_epp"] < 50 and live - figures["idle_envoy_live"] < 16:
+                    break
+                await asyncio.sleep(0.5)
+            figures[f"{burst}_epp"] = rss_mb(gw.process.pid)
+            figures[f"{burst}_envoy"] = rss_mb(envoy)
+            figures[f"{burst}_envoy_live"] = await _envoy_allocated_mb(ports["admin"])
         async with (
             aiohttp.ClientSession() as session,  # still serving
             session.post(f"{url}/v1/completions", json=body) as resp,
         ):
             assert resp.status == 200
-        return {
-            "idle_epp": idle["epp"],
-            "idle_envoy": idle["envoy"],
-            "after_epp": after["epp"],
-            "after_envoy": after["envoy"],
-        }
+        return figures
     finally:
         if gw is not None:
             gw.stop()
         sim.stop()
 
 
-def _report(n: int, figures: dict[str, float]) -> str:
+def _report(n: int, f: dict[str, float]) -> str:
     return (
-        f"{n} x {BODY_MB} MB rejected: EPP {figures['idle_epp']:.0f} -> "
-        f"{figures['after_epp']:.0f} MB, Envoy {figures['idle_envoy']:.0f} -> "
-        f"{figures['after_envoy']:.0f} MB"
+        f"2 bursts of {n} x {BODY_MB} MB rejected: EPP RSS {f['idle_epp']:.0f} -> "
+        f"{f['first_epp']:.0f} -> {f['second_epp']:.0f} MB; Envoy RSS {f['idle_envoy']:.0f} -> "
+        f"{f['first_envoy']:.0f} -> {f['second_envoy']:.0f} MB, live heap "
+        f"{f['idle_envoy_live']:.0f} -> {f['first_envoy_live']:.0f} -> "
+        f"{f['second_envoy_live']:.0f} MB"
     )
+
+
+def _assert_bounded(n: int, f: dict[str, float], envoy_rss_bound: float) -> None:
+    report = _report(n, f)
+    assert f["second_epp"] - f["idle_epp"] < 50, report
+    assert f["second_envoy_live"] - f["idle_envoy_live"] < 16, report  # no body kept
+    assert f["second_envoy"] - f["first_envoy"] < 25, report  # freed pages are reused
+    assert f["second_envoy"] - f["idle_envoy"] < envoy_rss_bound, report
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
-async def test_rejected_big_bodies_leave_memory_near_idle(tmp_path: Path) -> None:
+async def test_rejected_big_bodies_leave_memory_bounded(tmp_path: Path) -> None:
     n = int(os.environ.get("POOLKEEPER_MEMORY_BODIES", "10"))
     figures = await _measure(tmp_path, n)
     print(_report(n, figures))
-    assert figures["after_epp"] - figures["idle_epp"] < 50, _report(n, figures)
-    assert figures["after_envoy"] - figures["idle_envoy"] < 50, _report(n, figures)
+    _assert_bounded(n, figures, envoy_rss_bound=80)
 
 
 @pytest.mark.soak
@@ -146,7 +166,6 @@ async def test_rejected_big_bodies_leave_memory_near_idle(tmp_path: Path) -> Non
 async def test_headline_50_rejected_17mb_bodies(tmp_path: Path) -> None:
     figures = await _measure(tmp_path, 50)
     print(_report(50, figures))
-    assert figures["after_epp"] - figures["idle_epp"] < 50, _report(50, figures)
-    # Envoy: its 1 MiB per-connection buffers x 50 leave tcmalloc free pages (allocated falls
-    # back to ~7 MB; shrink_heap gives part back): measured +55-65 MB (docs/reliability.md).
-    assert figures["after_envoy"] - figures["idle_envoy"] < 100, _report(50, figures)
+    # Envoy's RSS: the issue's target is 50 MB over idle; measured +55-65 MB, held as
+    # tcmalloc free pages (docs/reliability.md, left open).
+    _assert_bounded(50, figures, envoy_rss_bound=100)

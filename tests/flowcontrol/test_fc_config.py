@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from poolkeeper.flowcontrol.config import BAND_DEFAULTS, BandMode, FlowControlConfig
+from poolkeeper.flowcontrol.config import BAND_DEFAULTS, BandMode, FlowControlConfig, Placement
 
 
 def test_partial_band_settings_keep_the_bands_own_defaults() -> None:
@@ -16,6 +16,8 @@ def test_partial_band_settings_keep_the_bands_own_defaults() -> None:
     assert sheddable.ttl_ms == 3000
     assert sheddable.queue_depth_threshold == 1  # Sheddable's own, not the generic None
     assert sheddable.max_requests == 1000
+    assert sheddable.placement is Placement.HEADROOM  # fills spare capacity only
+    assert config.bands.standard.placement is Placement.SCHEDULER  # keeps prefix affinity
     critical = config.bands.critical
     assert critical.mode is BandMode.QUEUE
     assert (critical.saturation_limit, critical.ttl_ms) == (2.0, 60_000)

@@ -203,3 +203,24 @@ async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> No
         'inference_pool="pool",model_name="cheap",outcome="EvictedContextCancelled",'
         'priority="Sheddable"} 1.0'
     ) in text
+
+
+@pytest.mark.parametrize(("model", "to_holder"), [("split", True), ("cheap", False)])
+async def test_standard_keeps_its_prefix_server_sheddable_goes_where_the_headroom_is(
+    model: str, to_holder: bool
+) -> None:
+    # Standard (`placement: scheduler`): a busy server holding the prompt's prefix still gets
+    # it (narrowing to servers with headroom cost shared-prefix chat 19x its p90 TTFT).
+    # Sheddable (`placement: headroom`): only servers below its limit.
+    store = _store()
+    clock = [NOW]
+    director, _ = _director(store, clock)
+    text = "the same long system prompt " * 40  # past the default profile's 8-block floor
+    first = await director.route(_chat(model, rid="warm", text=text))
+    holder = first.endpoints[0]
+    director.complete(first, status=200, usage=None)
+    # The holder is past both bands' limits (10 waiting: Standard saturation 2.0 > 1.5).
+    store.update_metrics(holder, EndpointMetrics(waiting=10, updated_at=NOW))
+    second = await director.route(_chat(model, rid="again", text=text))
+    assert (second.endpoints[0] == holder) is to_holder
+    director.complete(second, status=200, usage=None)

@@ -7,8 +7,9 @@ definition, with the thresholds, in-flight counting and freshness of admission's
 average: a request is never held while one eligible endpoint has room. Stale endpoints have no
 headroom; when every endpoint is stale the detector knows nothing and `allStalePolicy`
 decides (`admit`, the default: fail open, as admission does). No endpoints: yes, so the
-scheduler answers 503 at once instead of the request waiting for its TTL. `within` narrows the
-candidates of a dispatched request to the endpoints with headroom.
+scheduler answers 503 at once instead of the request waiting for its TTL. For a band with
+`placement: headroom` (Sheddable), `within` narrows the candidates of a dispatched request to
+the endpoints with headroom; other bands leave placement to the scheduler.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.flowcontrol.config import BandConfig
+from poolkeeper.flowcontrol.config import BandConfig, Placement
 from poolkeeper.scheduling.load import STALE, saturations
 
 
@@ -46,7 +47,9 @@ class Headroom:
         limit = band.saturation_limit
         below = [s for s, v in zip(states, values, strict=True) if v < limit]
         if below:
-            return below if len(below) < len(states) else list(states)
+            if band.placement is Placement.SCHEDULER or len(below) == len(states):
+                return list(states)
+            return below
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
             return list(states)
         return None
@@ -54,9 +57,12 @@ class Headroom:
     def within(
         self, states: Sequence[EndpointState], band: BandConfig, now: float
     ) -> Sequence[EndpointState]:
-        """The endpoints below `limit`, or all of them when none is (fail open: the caller
-        decided to dispatch). A dispatched request goes where the headroom is; otherwise the
-        scheduler's prefix affinity could pile it onto an endpoint past its band's limit."""
+        """Where a dispatched request of `band` may go: every candidate for `scheduler`
+        placement; for `headroom` placement the endpoints below the limit, or all of them when
+        none is (fail open: the caller decided to dispatch), so the scheduler's prefix
+        affinity cannot pile the band's work onto an endpoint past its limit."""
+        if band.placement is Placement.SCHEDULER:
+            return states
         values = self._values(states, band, now)
         below = [s for s, v in zip(states, values, strict=True) if v < band.saturation_limit]
         return below if below and len(below) < len(states) else states

@@ -58,7 +58,7 @@ def test_no_room_queues_and_the_pump_dispatches_in_arrival_order() -> None:
     # Room again: a newcomer must not overtake the waiting requests of its band.
     assert d.submit(_item("d"), 0.1, always) is Submitted.QUEUED
     fits, go, sent = _budget(2)
-    assert d.pump(fits, go) == 2
+    assert d.pump(0.1, fits, go) == 2
     assert sent == ["a", "b"]
     assert d.waiting() == 2
 
@@ -77,9 +77,9 @@ def test_strict_priority_and_head_of_line_blocking() -> None:
     d.submit(_item("crit", C), 0.0, never)
     # Only Sheddable fits (e.g. different candidates): nothing may pass the blocked Critical.
     sent: list[str] = []
-    assert d.pump(lambda i: i.band is X, lambda i: sent.append(i.payload)) == 0
+    assert d.pump(0.0, lambda i: i.band is X, lambda i: sent.append(i.payload)) == 0
     fits, go, sent = _budget(3)
-    d.pump(fits, go)
+    d.pump(0.1, fits, go)
     assert sent == ["crit", "std", "low"]
 
 
@@ -91,12 +91,12 @@ def test_fair_share_between_flows_by_tokens() -> None:
     for i in range(3):
         d.submit(_item(f"l{i}", flow="light", tokens=100), 0.0, never)
     fits, go, sent = _budget(6)
-    d.pump(fits, go)
+    d.pump(0.1, fits, go)
     assert sorted(sent) == ["h0", "h1", "h2", "l0", "l1", "l2"]
     # Output tokens count too (weight 2): a flow whose answers were long waits its turn.
     d.completed("heavy", S, 1000)
     fits, go, sent = _budget(2)
-    d.pump(fits, go)
+    d.pump(0.1, fits, go)
     assert sent == ["h3", "h4"]  # light has nothing left; heavy is alone
 
 
@@ -106,7 +106,7 @@ def test_weights_share_in_proportion() -> None:
         d.submit(_item(f"g{i}", flow="gold"), 0.0, never)
         d.submit(_item(f"p{i}", flow="plain"), 0.0, never)
     fits, go, sent = _budget(12)
-    d.pump(fits, go)
+    d.pump(0.1, fits, go)
     gold = sum(1 for name in sent if name.startswith("g"))
     assert gold == 9  # 3:1
 
@@ -150,15 +150,22 @@ _op = st.one_of(
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(_op, max_size=60), queue_critical=st.booleans())
+@given(ops=st.lists(_op, max_size=60), queue_critical=st.booleans(), lifo=st.booleans())
 @example(  # a lower band that fits while a higher one waits: it must not go first
     ops=[("submit", S, "a", 1, 1, False), ("submit", X, "a", 1, 1, False), ("pump", 3, {X})],
     queue_critical=False,
+    lifo=False,
 )
 def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
-    ops: list[tuple[Any, ...]], queue_critical: bool
+    ops: list[tuple[Any, ...]], queue_critical: bool, lifo: bool
 ) -> None:
-    limits = {"maxRequests": 4, "maxBytes": 1024, "ttlMs": 1000}
+    # With `lifo`, every band goes newest-first once a flow's oldest waited 0.5 s.
+    limits = {
+        "maxRequests": 4,
+        "maxBytes": 1024,
+        "ttlMs": 1000,
+        "lifoAfterMs": 500 if lifo else None,
+    }
     config = _config(
         critical={**limits, "mode": "queue" if queue_critical else "send"},
         standard=limits,
@@ -167,15 +174,16 @@ def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
     d: FlowDispatcher[str] = FlowDispatcher(config)
     now = 0.0
     items: list[FlowItem[str]] = []
-    order: dict[str, list[int]] = {}  # flow@band -> seq of dispatched items, must grow
 
     def check_go(item: FlowItem[str]) -> None:
         for band in BANDS:
             if band.rank > item.band.rank:
                 assert d.waiting(band) == 0, "a lower band overtook a waiting higher one"
-        key = f"{item.flow}@{item.band}"
-        assert order.setdefault(key, [-1])[-1] < item.seq, "FCFS within a flow broken"
-        order[key].append(item.seq)
+        rest = [i for i in d.items(item.band) if i.flow == item.flow]
+        if any(i.seq < item.seq for i in rest):  # not the flow's oldest: only as adaptive LIFO
+            assert lifo, "FCFS within a flow broken"
+            assert all(i.seq < item.seq for i in rest), "neither the oldest nor the newest"
+            assert now - min(i.arrived for i in rest) > 0.5, "LIFO before the flow was late"
 
     for op in ops:
         if op[0] == "submit":
@@ -197,7 +205,7 @@ def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
                 check_go(item)
                 go(item)
 
-            d.pump(fits, checked)
+            d.pump(now, fits, checked)
         elif op[0] == "tick":
             now += op[1]
             for item in d.expire(now):
@@ -228,3 +236,36 @@ def test_a_full_band_pushes_out_the_longest_flow_not_the_light_one() -> None:
         d.submit(_item("l1", flow="light"), 0.0, never) is Submitted.FULL
     )  # heavy 2, light 1: no longer
     assert sorted(i.payload for i in d.items(S)) == ["h0", "h1", "l0"]
+
+
+def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())  # Standard: lifoAfterMs 1000
+    for t, name in enumerate("abcd"):
+        d.submit(_item(name), t * 0.2, never)  # a at 0.0 ... d at 0.6
+    head = d.head(S, now=0.9)
+    assert head is not None
+    assert head.payload == "a"
+    fits, go, sent = _budget(1)
+    d.pump(0.9, fits, go)  # the oldest waited 0.9 s: still first come, first served
+    assert sent == ["a"]
+    fits, go, sent = _budget(2)
+    d.pump(1.3, fits, go)  # b waited 1.1 s: the flow is late, the newest go first
+    assert sent == ["d", "c"]
+    fifo = FlowDispatcher[str](_config(standard={"lifoAfterMs": None}))
+    for t, name in enumerate("abcd"):
+        fifo.submit(_item(name), t * 0.2, never)
+    fits, go, sent = _budget(2)
+    fifo.pump(5.0, fits, go)
+    assert sent == ["a", "b"]
+
+
+def test_a_full_late_band_pushes_out_its_oldest_for_a_newcomer() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"maxRequests": 2}))
+    d.submit(_item("a"), 0.0, never)
+    d.submit(_item("b"), 0.1, never)
+    # Not late yet: a newcomer of the same flow is refused (longest-queue drop spares it).
+    assert d.submit(_item("c"), 0.5, never) is Submitted.FULL
+    # Late (a waited 1.2 s): the oldest cannot be on time any more; the newcomer can.
+    assert d.submit(_item("e"), 1.2, never) is Submitted.QUEUED
+    assert [i.payload for i in d.take_pushed_out()] == ["a"]
+    assert sorted(i.payload for i in d.items(S)) == ["b", "e"]

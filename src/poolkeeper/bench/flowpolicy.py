@@ -101,7 +101,7 @@ class FlowPolicy:
             self.waited[rid] = now - item.arrived
             send(rid, self._pick(item, endpoints, now), None)  # updates `endpoints` in place
 
-        self.dispatcher.pump(self._fits, go)
+        self.dispatcher.pump(now, self._fits, go)
 
     def _pick(
         self, item: FlowItem[_Held], endpoints: Sequence[EndpointState], now: float

@@ -7,7 +7,8 @@
       modelWeights: {chat-a: 2}      # fair-share weight per client-facing modelName (default 1)
       bands:
         critical:  {mode: send}                                   # never held, never shed
-        standard:  {mode: queue, saturationLimit: 1.5, ttlMs: 30000, maxRequests: 2000}
+        standard:  {mode: queue, saturationLimit: 1.5, ttlMs: 30000, maxRequests: 2000,
+                    lifoAfterMs: 1000}
         sheddable: {mode: queue, queueDepthThreshold: 1, ttlMs: 1500, maxRequests: 1000,
                     placement: headroom}
 
@@ -64,6 +65,12 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     """Most request-body bytes waiting in this band per pool; over it: 429 queue_full."""
     ttl_ms: int = Field(default=30_000, ge=1, le=3_600_000)
     """Longest wait in the queue; then 503 queue_timeout."""
+    lifo_after_ms: int | None = Field(default=None, ge=1, le=3_600_000)
+    """Adaptive LIFO: while a flow's oldest waiting request has waited longer than this, the
+    flow's newest goes first, and a full band pushes out the oldest (null: first come first
+    served always). In sustained overload a FIFO queue makes every request wait the whole
+    queue, so every answer is late; newest-first serves those that can still be on time and
+    lets the oldest run out at `ttlMs`. Standard: 1000 (docs/flowcontrol.md)."""
     placement: Placement = Placement.SCHEDULER
     """Where a dispatched request may go: `scheduler` (any candidate; the scheduler's prefix
     and adapter affinity decide) or `headroom` (only the endpoints below `saturationLimit`,
@@ -73,6 +80,10 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     0.12 s; docs/flowcontrol.md): it sends a request away from the server holding its prefix
     exactly when that server is busy, and the cold prefill elsewhere makes everyone busier."""
 
+    @property
+    def lifo_after_s(self) -> float | None:
+        return None if self.lifo_after_ms is None else self.lifo_after_ms / 1000.0
+
 
 # Each band's own defaults, as a document. A band the user configures is validated from these
 # with the user's keys on top, so `sheddable: {ttlMs: 3000}` keeps Sheddable's own
@@ -81,7 +92,7 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
     {
         "critical": MappingProxyType({"mode": "send", "saturationLimit": 2.0, "ttlMs": 60_000}),
         "standard": MappingProxyType(
-            {"saturationLimit": 1.5, "maxRequests": 2000, "ttlMs": 30_000}
+            {"saturationLimit": 1.5, "maxRequests": 2000, "ttlMs": 30_000, "lifoAfterMs": 1000}
         ),
         "sheddable": MappingProxyType(
             {

@@ -9,7 +9,12 @@
     completed(flow, band, output_tokens)  -> VTC charge of the answer
 
 Order: strict priority between bands (Critical > Standard > Sheddable), the Virtual Token
-Counter between flows within a band (`vtc.py`), first come first served within a flow. When
+Counter between flows within a band (`vtc.py`), first come first served within a flow, except
+in overload: while a flow's oldest request has waited longer than its band's `lifoAfterMs`,
+its newest goes first (adaptive LIFO, as in Facebook's and CoDel-style server queues). A FIFO
+queue in sustained overload makes every request wait the whole queue, so every answer is late
+(goodput collapses); newest-first serves the requests that can still be on time, and the old
+ones run out at their TTL (or are pushed out of a full band first). When
 the best head of a band does not fit, dispatching stops for every lower band too: a lower band
 never overtakes a waiting higher one (no priority inversion; band limits are ordered, so a
 lower head would not fit either unless the two requests have different candidates).
@@ -34,7 +39,7 @@ from enum import StrEnum
 from typing import Generic, TypeVar
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
+from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.vtc import VirtualTokenCounter
 
 T = TypeVar("T")
@@ -82,15 +87,24 @@ class _Band(Generic[T]):
         self.count += 1
         self.bytes += item.size
 
-    def head(self) -> FlowItem[T] | None:
+    def head(self, now: float, lifo_after: float | None) -> FlowItem[T] | None:
+        """The next item: the fairest flow's oldest, or its newest while its oldest has
+        waited longer than `lifo_after` seconds (adaptive LIFO, see the module docstring)."""
         flows = self.flows
         flow = self.vtc.pick(flows, lambda f: flows[f][0].seq)
-        return None if flow is None else flows[flow][0]
+        if flow is None:
+            return None
+        queue = flows[flow]
+        if lifo_after is not None and now - queue[0].arrived > lifo_after:
+            return queue[-1]
+        return queue[0]
 
     def remove(self, item: FlowItem[T]) -> None:
         queue = self.flows[item.flow]
         if queue[0] is item:
             queue.popleft()
+        elif queue[-1] is item:
+            queue.pop()
         else:
             queue.remove(item)
         self.count -= 1
@@ -139,25 +153,35 @@ class FlowDispatcher(Generic[T]):
         if band.mode is BandMode.SHED:
             return Submitted.SHED
         queue = self._bands[item.band]
-        if not self._make_room(queue, item, band.max_requests, band.max_bytes):
+        if not self._make_room(queue, item, band, now):
             return Submitted.FULL
         item.deadline = now + band.ttl_ms / 1000.0
         item.queued = True
         queue.push(item)
         return Submitted.QUEUED
 
-    def _make_room(self, queue: _Band[T], item: FlowItem[T], requests: int, size: int) -> bool:
+    def _make_room(self, queue: _Band[T], item: FlowItem[T], band: BandConfig, now: float) -> bool:
         """Room for `item` within the band's bounds, pushing out the newest requests of the
         longest flow if `item`'s flow is shorter (longest-queue drop: one busy flow must not
-        fill the band and lock the others out). False: no room, `item` is refused."""
-        mine = len(queue.flows.get(item.flow, ()))
+        fill the band and lock the others out); in overload (the longest flow's oldest
+        waited past `lifoAfterMs`) its oldest instead, even from `item`'s own flow: it can no
+        longer be served in time, the newcomer can. False: no room, `item` is refused."""
+        requests, size = band.max_requests, band.max_bytes
+        lifo_after = band.lifo_after_s
         while queue.count + 1 > requests or queue.bytes + item.size > size:
             if item.size > size:
                 return False
             longest = max(queue.flows, key=lambda f: len(queue.flows[f]), default=None)
-            if longest is None or longest == item.flow or len(queue.flows[longest]) <= mine + 1:
+            if longest is None:
                 return False
-            victim = queue.flows[longest][-1]
+            waiting = queue.flows[longest]
+            mine = len(queue.flows.get(item.flow, ()))
+            if lifo_after is not None and now - waiting[0].arrived > lifo_after:
+                victim = waiting[0]
+            elif longest == item.flow or len(waiting) <= mine + 1:
+                return False
+            else:
+                victim = waiting[-1]
             queue.remove(victim)
             victim.queued = False
             self.pushed_out.append(victim)
@@ -177,13 +201,16 @@ class FlowDispatcher(Generic[T]):
 
     # -- the pump -----------------------------------------------------------------------------
 
-    def pump(self, fits: Callable[[FlowItem[T]], bool], go: Callable[[FlowItem[T]], None]) -> int:
+    def pump(
+        self, now: float, fits: Callable[[FlowItem[T]], bool], go: Callable[[FlowItem[T]], None]
+    ) -> int:
         """Dispatch heads in priority and fairness order while they fit; the number sent."""
         sent = 0
         for criticality in BANDS:
             queue = self._bands[criticality]
+            lifo_after = self.config.bands.of(criticality).lifo_after_s
             while queue.count:
-                item = queue.head()
+                item = queue.head(now, lifo_after)
                 if item is None or not fits(item):
                     return sent  # a waiting head blocks its band and every lower band
                 queue.remove(item)
@@ -234,8 +261,9 @@ class FlowDispatcher(Generic[T]):
     def items(self, band: Criticality) -> list[FlowItem[T]]:
         return list(self._bands[band].items())
 
-    def head(self, band: Criticality) -> FlowItem[T] | None:
-        return self._bands[band].head()
+    def head(self, band: Criticality, now: float = math.inf) -> FlowItem[T] | None:
+        """The item `pump` would try next at `now` (by default: as if every wait were long)."""
+        return self._bands[band].head(now, self.config.bands.of(band).lifo_after_s)
 
     def counter(self, band: Criticality, flow: str) -> float:
         return self._bands[band].vtc.counter(flow)

@@ -166,7 +166,7 @@ class FlowGate:
                     ),
                 )
             if dispatcher.waiting():
-                dispatcher.pump(self._fits, self._go)
+                dispatcher.pump(now, self._fits, self._go)
         self._arm()
 
     def _tick(self) -> None:

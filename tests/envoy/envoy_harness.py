@@ -157,6 +157,9 @@ class RoundRobinRouter:
     def served(self, decision: RoutingDecision, endpoint: str) -> None:
         self.moved.append((decision.request_id, endpoint))
 
+    def first_byte(self, decision: RoutingDecision) -> None:
+        return None
+
     def model_names(self) -> list[str]:
         return ["alias"]
 

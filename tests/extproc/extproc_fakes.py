@@ -33,6 +33,7 @@ class FakeRouter:
     )
     cancelled: int = 0
     moved: list[tuple[str, str]] = field(default_factory=list)
+    first_bytes: list[str] = field(default_factory=list)
     slow: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def route(self, request: IncomingRequest) -> RoutingDecision:
@@ -99,6 +100,9 @@ class FakeRouter:
 
     def served(self, decision: RoutingDecision, endpoint: str) -> None:
         self.moved.append((decision.request_id, endpoint))
+
+    def first_byte(self, decision: RoutingDecision) -> None:
+        self.first_bytes.append(decision.request_id)
 
     def model_names(self) -> list[str]:
         return ["base", "split"]

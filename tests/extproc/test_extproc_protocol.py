@@ -647,3 +647,19 @@ async def test_request_trailers_after_a_buffered_body_are_answered(
     assert trailers.WhichOneof("response") == "request_trailers"
     assert len(router.routed) == 1  # the trailers did not route the request again
     call.cancel()
+
+
+@pytest.mark.parametrize(("status", "expected"), [("200", 1), ("503", 0)])
+async def test_the_first_response_byte_of_a_success_is_reported_once(
+    envoy: FakeEnvoy, router: FakeRouter, status: str, expected: int
+) -> None:
+    call, _ = await _streamed_request(envoy, b'{"model": "base"}', piece=100)
+    await call.write(headers_msg({":status": status}, response=True))
+    await _read(call, 1)
+    assert router.first_bytes == []  # headers are not a byte of the body
+    await call.write(body_msg(b"", eos=False, response=True))
+    await call.write(body_msg(b"data: first\n\n", eos=False, response=True))
+    await call.write(body_msg(b"data: second\n\n", eos=True, response=True))
+    await _until(lambda: router.completed)
+    assert len(router.first_bytes) == expected
+    await call.done_writing()

@@ -689,3 +689,32 @@ async def test_complete_feeds_observed_speed_on_success(
     await rig.director.route(_chat(rid="next"))
     seen = {s.key: s.seconds_per_output_token for s in rig.scheduler.seen[-1][1]}
     assert seen[decision.endpoints[0]] == (None if want is None else pytest.approx(want))
+
+
+async def test_a_learning_scheduler_gets_the_first_byte_of_streamed_requests_only() -> None:
+    from poolkeeper.config.gateway import GatewayConfig
+    from poolkeeper.requestcontrol.director import build_director
+    from poolkeeper.scheduling.plugins.ttft_scorer import PredictedTtftScorer
+    from poolkeeper.scheduling.scheduler import Scheduler
+
+    clock = [NOW]
+    config = GatewayConfig.model_validate(
+        {"spec": {"scheduling": {"preset": "predicted-ttft"}, "flowControl": {"enabled": False}}}
+    )
+    director = build_director(config, _store(), rng=random.Random(1), clock=lambda: clock[0])
+    scheduler = director.scheduler
+    assert isinstance(scheduler, Scheduler)
+    scorer = scheduler.plugins["predicted-ttft-scorer"]
+    assert isinstance(scorer, PredictedTtftScorer)
+    streamed = await director.route(_chat("split", rid="s", stream=True))
+    plain = await director.route(_chat("split", rid="p"))
+    assert scorer.model.pending == 2
+    clock[0] += 0.25
+    director.first_byte(streamed)
+    director.first_byte(plain)  # the whole answer at once: not a time to first token
+    assert scorer.model.samples == 1
+    director.complete(streamed, status=200, usage=None)
+    director.complete(plain, status=200, usage=None)
+    assert scorer.model.pending == 0  # the plain request's decision is forgotten at its end
+    director.first_byte(streamed)  # late or repeated reports change nothing
+    assert scorer.model.samples == 1

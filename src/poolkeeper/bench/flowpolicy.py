@@ -125,6 +125,9 @@ class FlowPolicy:
             raise RuntimeError("FlowPolicy.pick cannot hold a request; use offer/release")
         return chosen
 
+    def on_first_token(self, request_id: str, now: float) -> None:
+        self.inner.on_first_token(request_id, now)
+
     def on_finish(self, request_id: str, server: str, now: float) -> None:
         self.inner.on_finish(request_id, server, now)
         found = self._flows.pop(request_id, None)
@@ -144,8 +147,9 @@ class FlowPolicy:
 def flow_policy(
     name: str, rng: random.Random, config: FlowControlConfig | None = None
 ) -> FlowPolicy:
-    """`poolkeeper`: the default scheduling preset behind flow control with the default
+    """`poolkeeper` (the default scheduling preset) or `poolkeeper-ttft` (`predicted-ttft`)
+    behind flow control with the default
     `spec.flowControl` (admission's shedding is replaced by the bands, as in the EPP)."""
-    inner = scheduler_policy("poolkeeper-shed", rng)
+    inner = scheduler_policy(f"{name}-shed", rng)
     inner.admission = None
     return FlowPolicy(name, inner, config if config is not None else FlowControlConfig())

@@ -174,6 +174,9 @@ class _TrivialRouter:
     def served(self, decision: Any, endpoint: str) -> None:
         pass
 
+    def first_byte(self, decision: Any) -> None:
+        pass
+
     def model_names(self) -> list[str]:
         return ["m"]
 

@@ -69,6 +69,9 @@ class BaselinePolicy:
     def on_finish(self, request_id: str, server: str, now: float) -> None:
         """Called when a routed request completes (no baseline needs it; kept for symmetry)."""
 
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """Called at a routed request's first token (no baseline learns from it)."""
+
 
 def _load(e: EndpointState) -> int:
     return e.inflight_requests

@@ -38,6 +38,10 @@ class RoutingPolicy(Protocol):
 
     def on_finish(self, request_id: str, server: str, now: float) -> None: ...
 
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """The request's first token reached the router (a TTFT observation)."""
+        ...
+
 
 @runtime_checkable
 class QueueingPolicy(RoutingPolicy, Protocol):
@@ -57,6 +61,7 @@ class QueueingPolicy(RoutingPolicy, Protocol):
 
 SCHEDULER_POLICIES: tuple[str, ...] = (
     "gie-v0.3", "gie-v1", "poolkeeper", "poolkeeper-shed", "poolkeeper-proposed",
+    "poolkeeper-ttft", "poolkeeper-ttft-shed",
 )  # fmt: skip
 ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
 
@@ -66,7 +71,7 @@ def make_policy(name: str, rng: random.Random, scenario: Scenario | None = None)
     baseline = BASELINES.get(name)
     if baseline is not None:
         return baseline(rng)
-    if name == "poolkeeper":
+    if name in ("poolkeeper", "poolkeeper-ttft"):
         from poolkeeper.bench.flowpolicy import flow_policy
 
         return flow_policy(name, rng)

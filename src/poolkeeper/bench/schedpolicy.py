@@ -38,6 +38,7 @@ from poolkeeper.scheduling.types import LLMRequest
 
 _PRESET = {
     "poolkeeper-shed": "default",
+    "poolkeeper-ttft-shed": "predicted-ttft",
     "gie-v1": "gie-v1-default",
     "gie-v0.3": "gie-v0.3-decision-tree",
 }
@@ -77,6 +78,7 @@ class SchedulerPolicy:
         self.scheduler = scheduler
         self.admission = admission
         self.speed = ObservedSpeed()
+        self._learns = scheduler.observes_first_tokens
         # request id -> (endpoint ip:port, sent at, expected output tokens)
         self._sent: dict[str, tuple[str, float, int]] = {}
 
@@ -96,6 +98,12 @@ class SchedulerPolicy:
         if sent is not None:
             key, started, tokens = sent
             self.speed.observe(key, now - started, tokens)
+        if self._learns:
+            self.scheduler.request_ended(request_id)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        if self._learns:
+            self.scheduler.observe_first_token(request_id, None, now)
 
 
 def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
@@ -106,7 +114,7 @@ def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
     )
     scheduler = build_scheduler(config, rng=rng)
     admission: AdmissionController | None
-    if name in ("poolkeeper-shed", "poolkeeper-proposed"):
+    if name in ("poolkeeper-shed", "poolkeeper-ttft-shed", "poolkeeper-proposed"):
         admission = AdmissionController(AdmissionConfig())
     elif name == "gie-v1":
         admission = AdmissionController(

@@ -119,6 +119,9 @@ def replay(
     def finished(result: RequestResult) -> None:
         policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
 
+    def first_token(result: RequestResult) -> None:
+        policy.on_first_token(result.request_id, result.first_token or 0.0)
+
     def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
         assert queueing is not None
 
@@ -128,7 +131,7 @@ def replay(
         queueing.release(states, now, to_fleet)
 
     return fleet.run(
-        _sim_arrivals(arrivals), route, on_finish=finished,
+        _sim_arrivals(arrivals), route, on_finish=finished, on_first_token=first_token,
         release=release if queueing is not None else None,
     )  # fmt: skip
 
@@ -144,6 +147,9 @@ class _OneServer:
         return endpoints[0]
 
     def on_finish(self, request_id: str, server: str, now: float) -> None:
+        return None
+
+    def on_first_token(self, request_id: str, now: float) -> None:
         return None
 
 

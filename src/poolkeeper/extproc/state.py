@@ -284,6 +284,8 @@ class Exchange:
         if self.phase is not Phase.RESPONSE:
             return []
         data = body.body
+        if data and not self.response_bytes and 200 <= self.status < 300:
+            self._first_byte()
         self.response_bytes += len(data)
         if self.sse is not None:
             out = self.sse.feed(data)
@@ -337,6 +339,14 @@ class Exchange:
         return msg.streamed_body_replies(
             out, end_of_stream=False, response=True, size=self.settings.body_chunk_bytes
         )
+
+    def _first_byte(self) -> None:
+        if self.decision is None:
+            return
+        try:
+            self.router.first_byte(self.decision)
+        except Exception:
+            log.exception("first-byte bookkeeping failed request_id=%s", self.request_id)
 
     # -- completion -------------------------------------------------------------------------
     def _finish(self) -> None:

@@ -36,7 +36,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import (
@@ -111,6 +111,18 @@ class SchedulerLike(Protocol):
     ) -> SchedulingResult: ...
 
 
+@runtime_checkable
+class LearningSchedulerLike(SchedulerLike, Protocol):
+    """A scheduler with a plugin that learns from first tokens (the predicted-TTFT scorer)."""
+
+    @property
+    def observes_first_tokens(self) -> bool: ...
+
+    def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None: ...
+
+    def request_ended(self, request_id: str) -> None: ...
+
+
 class InflightLike(Protocol):
     def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> object: ...
 
@@ -180,6 +192,12 @@ class Director:
     ) -> None:
         self._datastore = datastore
         self._scheduler = scheduler
+        # Told about first bytes and ends only when some plugin learns from them.
+        self._learner = (
+            scheduler
+            if isinstance(scheduler, LearningSchedulerLike) and scheduler.observes_first_tokens
+            else None
+        )
         self._inflight = inflight
         self._admission = admission
         self._config = config
@@ -513,6 +531,16 @@ class Director:
         self._inflight.start(ticket.key, endpoint, ticket.tokens, self._clock())
         ticket.endpoint = endpoint
 
+    def first_byte(self, decision: RoutingDecision) -> None:
+        """The first response byte of a streamed request arrived: for a scheduler that learns
+        time to first token, one observation (sent -> now, on the decision's clock)."""
+        ticket = decision.ticket
+        learner = self._learner
+        if learner is None or not decision.stream or not isinstance(ticket, Ticket):
+            return
+        if not ticket.done:
+            learner.observe_first_token(decision.request_id, ticket.endpoint, self._clock())
+
     def complete(
         self,
         decision: RoutingDecision,
@@ -526,6 +554,8 @@ class Director:
         if not isinstance(ticket, Ticket) or ticket.done:
             return
         ticket.done = True
+        if self._learner is not None:
+            self._learner.request_ended(decision.request_id)
         # In-flight accounting is keyed by request id, so it ends wherever it sits (the primary,
         # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
         if self._flow is not None and ticket.flow:

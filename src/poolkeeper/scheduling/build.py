@@ -56,7 +56,18 @@ def build_scheduler(
             raise ConfigError(f"plugin {name!r} is not a filter")
         return plugin
 
-    ctx = BuildContext(rng=rng, resolve_filter=resolve_filter, staleness_s=staleness_s)
+    def resolve_plugin(name: str) -> Plugin:
+        if name not in plan.plugins:
+            known = ", ".join(sorted(plan.plugins))
+            raise ConfigError(f"no plugin named {name!r} in the configuration (plugins: {known})")
+        return instance(name)
+
+    ctx = BuildContext(
+        rng=rng,
+        resolve_filter=resolve_filter,
+        resolve_plugin=resolve_plugin,
+        staleness_s=staleness_s,
+    )
     profiles: list[SchedulerProfile] = []
     for prof in plan.profiles:
         filters = [resolve_filter(n) for n in prof.filters]

@@ -135,6 +135,18 @@ class EndpointForgetter(Plugin, Protocol):
         ...
 
 
+@runtime_checkable
+class FirstTokenObserver(Plugin, Protocol):
+    def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
+        """The first response byte of a scheduled request arrived from `endpoint` (ip:port,
+        None if unknown) at `now`, on the clock of the decision's `CycleState.now`."""
+        ...
+
+    def request_ended(self, request_id: str) -> None:
+        """The request ended (any outcome); drop whatever was kept for it."""
+        ...
+
+
 class ProfileRunner(Protocol):
     """What a profile handler sees of a profile."""
 

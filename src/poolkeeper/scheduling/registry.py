@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
+from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.interfaces import Filter, Plugin, TypedName
 from poolkeeper.schema import CamelModel
 
@@ -31,6 +32,10 @@ class NoParams(PluginParams):
     """A plugin without parameters."""
 
 
+def _no_plugin(name: str) -> Plugin:
+    raise ConfigError(f"no plugin named {name!r} can be referred to here")
+
+
 @dataclass(frozen=True, slots=True)
 class BuildContext:
     """What a factory may use: the shared seeded RNG, the gateway's freshness setting and other
@@ -41,6 +46,9 @@ class BuildContext:
     # Metrics older than this are stale (`spec.scraping.stalenessMs`, the one freshness setting;
     # the filters that skip stale endpoints read it here rather than having their own).
     staleness_s: float
+    # Another plugin instance by name (a scorer reading a prefix index it does not own);
+    # raises ConfigError for a name the configuration does not define.
+    resolve_plugin: Callable[[str], Plugin] = field(default=_no_plugin)
 
 
 PluginFactory = Callable[[TypedName, PluginParams, BuildContext], Plugin]

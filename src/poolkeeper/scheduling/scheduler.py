@@ -16,6 +16,7 @@ from poolkeeper.errors import GatewayError, NoReadyEndpoint
 from poolkeeper.scheduling.interfaces import (
     CycleState,
     EndpointForgetter,
+    FirstTokenObserver,
     Plugin,
     ProfileHandler,
     ProfileResult,
@@ -28,7 +29,7 @@ from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 class Scheduler:
     """Profiles + a profile handler, built from a SchedulingConfig by `build_scheduler`."""
 
-    __slots__ = ("_forgetters", "handler", "plugins", "profiles", "source", "stats")
+    __slots__ = ("_forgetters", "_observers", "handler", "plugins", "profiles", "source", "stats")
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class Scheduler:
         self.plugins: Mapping[str, Plugin] = MappingProxyType(dict(plugins))
         self.source = source  # "config" or "preset <name>", for logs and `poolkeeper status`
         self._forgetters = tuple(p for p in plugins.values() if isinstance(p, EndpointForgetter))
+        self._observers = tuple(p for p in plugins.values() if isinstance(p, FirstTokenObserver))
         self.stats = SchedulingStats()
         for profile in profiles:
             profile.attach_stats(self.stats)
@@ -93,6 +95,21 @@ class Scheduler:
                 t.endpoint.hostport: s for t, s in zip(result.targets, result.scores, strict=True)
             },
         )
+
+    @property
+    def observes_first_tokens(self) -> bool:
+        """Whether a plugin learns from first tokens (callers may skip reporting them)."""
+        return bool(self._observers)
+
+    def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
+        """Report the first response byte of a request this scheduler decided."""
+        for plugin in self._observers:
+            plugin.observe_first_token(request_id, endpoint, now)
+
+    def request_ended(self, request_id: str) -> None:
+        """Report the end of a request this scheduler decided (any outcome)."""
+        for plugin in self._observers:
+            plugin.request_ended(request_id)
 
     def forget_endpoints(self, keep: set[str]) -> None:
         """Drop plugin state (prefix index) of endpoints (ip:port) that left the pool."""

@@ -31,6 +31,8 @@ API (times in virtual seconds; the run starts wherever the first arrival's time 
   `unseen_requests` / `unseen_tokens` those routed since the last scrape. Treat the list as
   read-only and valid only during the call.
 - `on_finish(result)`: optional, called when a request completes (e.g. router bookkeeping).
+- `on_first_token(result)`: optional, called when a request's first token is out (`first_token`
+  set): what a router sees as the first response byte, for latency-learning policies.
 - `release(states, now, send)`: needed when `route` may return `HOLD` (the router keeps the
   arrival, e.g. in a flow-control queue). The fleet calls it only while something is held:
   after every engine event that finished requests and at every scrape tick. The router calls
@@ -306,6 +308,7 @@ class VirtualFleet:
         route: Router,
         *,
         on_finish: Callable[[RequestResult], None] | None = None,
+        on_first_token: Callable[[RequestResult], None] | None = None,
         record_token_times: bool = False,
         release: Releaser | None = None,
     ) -> FleetResult:
@@ -400,7 +403,7 @@ class VirtualFleet:
             finished = False
             for outcome in engines[i].advance(t):
                 finished = finished or bool(outcome.finished)
-                self._deliver(i, outcome, on_finish)
+                self._deliver(i, outcome, on_finish, on_first_token)
             reschedule(i)
             if finished and held:
                 poll()
@@ -455,7 +458,11 @@ class VirtualFleet:
         self._rebuild(choice)
 
     def _deliver(
-        self, i: int, outcome: StepOutcome, on_finish: Callable[[RequestResult], None] | None
+        self,
+        i: int,
+        outcome: StepOutcome,
+        on_finish: Callable[[RequestResult], None] | None,
+        on_first_token: Callable[[RequestResult], None] | None = None,
     ) -> None:
         first_time, t = outcome.first_time, outcome.time
         longest = outcome.longest_step
@@ -464,6 +471,8 @@ class VirtualFleet:
             result: RequestResult = request.sink  # type: ignore[assignment]
             if result.first_token is None:
                 result.first_token = first_time
+                if on_first_token is not None:
+                    on_first_token(result)
             else:
                 gap = first_time - result.finish if result.finish is not None else 0.0
                 result.itl_max = max(result.itl_max, gap, longest)

@@ -9,6 +9,7 @@ import random
 from collections.abc import Callable
 from typing import TypeVar
 
+from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.interfaces import Plugin, TypedName
 from poolkeeper.scheduling.plugins.decision_tree import (
     DecisionTreeFilter,
@@ -51,6 +52,7 @@ from poolkeeper.scheduling.plugins.scorers import (
     QueueScorer,
     RunningRequestsScorer,
 )
+from poolkeeper.scheduling.plugins.ttft_scorer import PredictedTtftParams, PredictedTtftScorer
 from poolkeeper.scheduling.registry import (
     BuildContext,
     NoParams,
@@ -107,6 +109,19 @@ def _tree(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
     return DecisionTreeFilter.build(tn, params, ctx)
 
 
+def _predicted_ttft(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    assert isinstance(params, PredictedTtftParams)
+    if not params.prefix_scorer:
+        return PredictedTtftScorer(tn, params, None)
+    prefix = ctx.resolve_plugin(params.prefix_scorer)
+    if not isinstance(prefix, PrefixCacheScorer):
+        raise ConfigError(
+            f"plugin {tn.name!r}: prefixScorer {params.prefix_scorer!r} is not a "
+            "prefix-cache-scorer"
+        )
+    return PredictedTtftScorer(tn, params, prefix)
+
+
 def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
     """Register every built-in plugin type on `registry` (once) and return it."""
     specs = [
@@ -159,6 +174,8 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
         PluginSpec("prefix-cache-scorer", S, PrefixCacheParams,
                    _with_params(PrefixCacheScorer, PrefixCacheParams),
                    "Share of the prompt's leading blocks the endpoint probably caches."),
+        PluginSpec("predicted-ttft-scorer", S, PredictedTtftParams, _predicted_ttft,
+                   "Lowest predicted time to first token / this endpoint's (learned online)."),
         # Pickers
         PluginSpec("max-score-picker", P, PickerParams, _with_rng(MaxScorePicker, PickerParams),
                    "Highest score, random tie-break."),

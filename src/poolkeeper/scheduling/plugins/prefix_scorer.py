@@ -92,14 +92,24 @@ class PrefixCacheScorer(NamedPlugin):
         cycle.put(self._state_key, hashes)
         return hashes
 
+    def matched(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
+        """ip:port -> leading blocks of the prompt it probably caches, once per decision
+        (the predicted-TTFT scorer reads the same match)."""
+        cached = cycle.get(self._match_key)
+        if isinstance(cached, dict):
+            return cached
+        hashes = self.hashes(cycle, request)
+        matched = self.index.match(hashes) if hashes else {}
+        cycle.put(self._match_key, matched)
+        return matched
+
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
         hashes = self.hashes(cycle, request)
         if not hashes:
             return 0.0
-        matched = self.index.match(hashes)
-        cycle.put(self._match_key, matched)
+        matched = self.matched(cycle, request)
         if not matched:
             return 0.0
         total = max(len(hashes), self.params.min_scored_blocks)

@@ -13,6 +13,9 @@ unseen in-flight requests, and GC stays on (as in production). Two timings per s
   `schedule` + `InflightTracker.start`, i.e. what the EPP spends per request on admission and
   endpoint picking.
 
+A scheduler that learns from first tokens (`predicted-ttft`) is told of one after each decision,
+outside the timed part, so its scorer is active for every measured decision.
+
 Not a test: run it by hand and copy the table into docs/benchmarks.md.
 
     .venv/bin/python -m poolkeeper.bench.scheduler_decision [--preset NAME]... [--repeat 3]
@@ -73,6 +76,7 @@ def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str
     rng = random.Random(seed)
     now = 1000.0
     scheduler = build_scheduler(preset_config(preset), rng=random.Random(seed))
+    learns = scheduler.observes_first_tokens
     tracker = InflightTracker()
     admission = AdmissionController()
     pool = make_pool(rng, n, now)
@@ -100,6 +104,8 @@ def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str
         t2 = time.perf_counter_ns()
         tracker.start(req.request_id, result.primary.key, req.prompt_tokens, now)
         t3 = time.perf_counter_ns()
+        if learns:  # a first token per decision (untimed), so a learning scorer is active
+            scheduler.observe_first_token(req.request_id, result.primary.key, now + 0.05)
         inflight.append(req.request_id)
         if len(inflight) > 2 * n:  # keep roughly two requests per endpoint in flight
             tracker.finish(inflight.pop(0))

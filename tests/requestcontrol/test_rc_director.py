@@ -28,7 +28,8 @@ from poolkeeper.errors import (
     PayloadTooLarge,
     RequestShed,
 )
-from poolkeeper.requestcontrol.director import Director, Ticket, build_director
+from poolkeeper.requestcontrol.build import build_director
+from poolkeeper.requestcontrol.director import Director, Ticket
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
@@ -693,7 +694,6 @@ async def test_complete_feeds_observed_speed_on_success(
 
 async def test_a_learning_scheduler_gets_the_first_byte_of_streamed_requests_only() -> None:
     from poolkeeper.config.gateway import GatewayConfig
-    from poolkeeper.requestcontrol.director import build_director
     from poolkeeper.scheduling.plugins.ttft_scorer import PredictedTtftScorer
     from poolkeeper.scheduling.scheduler import Scheduler
 

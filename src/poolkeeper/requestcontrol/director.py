@@ -36,25 +36,20 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import (
     Criticality,
     criticality_of_priority,
     effective_criticality,
 )
 from poolkeeper.api.model import InferenceModel
-from poolkeeper.api.objective import DEFAULT_PRIORITY, InferenceObjective
+from poolkeeper.api.objective import DEFAULT_PRIORITY
 from poolkeeper.config.gateway import (
-    GatewayConfig,
     RequestHandling,
     TrustedHeader,
     UnknownModelPolicy,
 )
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.models import ModelRoute, RewriteRule
-from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import (
     GatewayError,
     ModelNotFound,
@@ -69,74 +64,23 @@ from poolkeeper.flowcontrol.dispatcher import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
 from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver, Job
+from poolkeeper.requestcontrol.ports import (
+    AdmissionLike,
+    InflightLike,
+    LearningSchedulerLike,
+    SchedulerLike,
+    SnapshotSource,
+    SnapshotView,
+)
 from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
 from poolkeeper.requestcontrol.split import choose_rewrite_target, choose_target_model
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
-from poolkeeper.scheduling.build import build_scheduler
-from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 log = logging.getLogger(__name__)
 
 _CONTROL_HEADER_PREFIX = "x-gateway-"
-
-
-# --- what the Director needs from its collaborators ------------------------------------------
-
-
-class SnapshotView(Protocol):
-    """The part of a datastore snapshot the Director reads."""
-
-    def pool_keys(self) -> Sequence[str]: ...
-
-    def resolve(self, model_name: str) -> ModelRoute | None: ...
-
-    def model_names(self) -> Sequence[str]: ...
-
-    def rewrite_rule(self, pool_key: str, model_name: str) -> RewriteRule | None: ...
-
-    def objective(self, pool_key: str, name: str) -> InferenceObjective | None: ...
-
-    def states(self, pool_key: str) -> Sequence[EndpointState]: ...
-
-
-class SnapshotSource(Protocol):
-    def snapshot(self) -> SnapshotView: ...
-
-
-class SchedulerLike(Protocol):
-    def schedule(
-        self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float
-    ) -> SchedulingResult: ...
-
-
-@runtime_checkable
-class LearningSchedulerLike(SchedulerLike, Protocol):
-    """A scheduler with a plugin that learns from first tokens (the predicted-TTFT scorer)."""
-
-    @property
-    def observes_first_tokens(self) -> bool: ...
-
-    def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None: ...
-
-    def request_ended(self, request_id: str) -> None: ...
-
-
-class InflightLike(Protocol):
-    def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> object: ...
-
-    def finish(
-        self, request_id: str, *, now: float | None = None, output_tokens: int | None = None
-    ) -> object: ...
-
-    def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]: ...
-
-
-class AdmissionLike(Protocol):
-    def admit(
-        self, request: LLMRequest, states: Sequence[EndpointState], *, now: float
-    ) -> object: ...
 
 
 # --- bookkeeping -------------------------------------------------------------------------------
@@ -585,40 +529,6 @@ class Director:
             for pool_key in snapshot.pool_keys()
             for state in snapshot.states(pool_key)
         )
-
-
-def build_director(
-    config: GatewayConfig,
-    datastore: SnapshotSource,
-    *,
-    rng: random.Random,
-    clock: Callable[[], float] = time.monotonic,
-    flow_observer: FlowObserver | None = None,
-) -> Director:
-    """The Director `config.spec` describes, with its scheduler, admission controller and
-    in-flight tracker: the one way a Director is built (the runtime and tests alike). Raises
-    ConfigError for a scheduling section that cannot be built.
-    """
-    spec = config.spec
-    staleness_s = spec.scraping.staleness_s
-    admission = AdmissionController(spec.admission, staleness_s=staleness_s)
-    director = Director(
-        datastore=datastore,
-        scheduler=build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s),
-        inflight=InflightTracker(),
-        admission=admission,
-        config=spec.request_handling,
-        rng=rng,
-        clock=clock,
-        flow_control=spec.flow_control,
-        headroom=Headroom(admission.detector),  # the one saturation signal, shared
-        flow_observer=flow_observer,
-    )
-    gate = director.flow
-    if gate is not None and isinstance(datastore, Datastore):
-        # Fresh metrics may mean headroom: let waiting requests re-check (free when none wait).
-        datastore.subscribe(lambda _snapshot, _kind: gate.wake(), metrics=True)
-    return director
 
 
 def _scheduler_headers(headers: Mapping[str, str]) -> Mapping[str, str]:

@@ -38,7 +38,8 @@ from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.requestcontrol.director import Director, build_director
+from poolkeeper.requestcontrol.build import build_director
+from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
 from poolkeeper.telemetry.health import HealthService

@@ -6,6 +6,9 @@ process (EPP + supervised Envoy) in front of it, all on 127.0.0.1. Then:
 1. Added latency: at each request rate, an open-loop schedule of *pairs*: the same request sent
    straight to the simulator and through the gateway, in alternating order, one pair every
    1/rate seconds. Reported: p50 and p99 of each path, and of the per-pair difference.
+   With `--prompt-bytes`, the same pairs at `--size-rate` for each prompt size (a user message
+   of that many bytes of English-like text, one output token): what the gateway adds to large
+   prompts (the body crosses Envoy, the ext_proc stream and the EPP's parser).
 2. EPP throughput: closed-loop clients (16 in flight) through the gateway for a few seconds;
    requests completed divided by the CPU seconds the EPP process used = requests/s per core.
 3. The ext_proc layer alone: the same message pattern Envoy sends for one request (request
@@ -38,7 +41,18 @@ import aiohttp
 from poolkeeper.netutil import free_ports
 
 MODEL = "bench-model"
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+BODY: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 1,
+}
+_WORDS = "the quick brown fox jumps over the lazy dog while a model server answers "
+
+
+def body_of(prompt_bytes: int) -> dict[str, Any]:
+    """The benchmark request with a user message of `prompt_bytes` bytes (1 output token)."""
+    text = (_WORDS * (prompt_bytes // len(_WORDS) + 1))[:prompt_bytes]
+    return {**BODY, "messages": [{"role": "user", "content": text}]}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -89,9 +103,10 @@ async def wait_http(url: str, within_s: float = 30) -> None:
     raise TimeoutError(url)
 
 
-async def timed(session: aiohttp.ClientSession, url: str) -> float:
+async def timed(session: aiohttp.ClientSession, url: str, data: bytes) -> float:
     began = time.perf_counter()
-    async with session.post(url, json=BODY) as resp:
+    headers = {"content-type": "application/json"}
+    async with session.post(url, data=data, headers=headers) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}")
@@ -103,19 +118,22 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def paired(direct: str, gateway: str, rate: float, duration: float) -> dict[str, float]:
+async def paired(
+    direct: str, gateway: str, rate: float, duration: float, body: dict[str, Any] | None = None
+) -> dict[str, float]:
     n = max(1, int(rate * duration))
+    data = json.dumps(BODY if body is None else body).encode()
     results: list[tuple[float, float]] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def pair(i: int) -> None:
             if i % 2:
-                g = await timed(session, gateway)
-                d = await timed(session, direct)
+                g = await timed(session, gateway, data)
+                d = await timed(session, direct, data)
             else:
-                d = await timed(session, direct)
-                g = await timed(session, gateway)
+                d = await timed(session, direct, data)
+                g = await timed(session, gateway, data)
             results.append((d, g))
 
         start = time.perf_counter()
@@ -139,13 +157,14 @@ async def paired(direct: str, gateway: str, rate: float, duration: float) -> dic
 
 async def closed_loop(gateway: str, epp_pid: int, seconds: float, clients: int) -> dict[str, float]:
     done = 0
+    data = json.dumps(BODY).encode()
     stop_at = time.perf_counter() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def worker() -> None:
             nonlocal done
             while time.perf_counter() < stop_at:
-                await timed(session, gateway)
+                await timed(session, gateway, data)
                 done += 1
 
         cpu0, t0 = cpu_seconds(epp_pid), time.perf_counter()
@@ -291,7 +310,14 @@ async def main(protocol_rate: float) -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
     parser.add_argument("--loop-seconds", type=float, default=10.0, help="closed-loop window")
     parser.add_argument("--clients", type=int, default=16, help="closed-loop clients")
+    parser.add_argument(
+        "--prompt-bytes", default="", help="prompt sizes for size pairs, e.g. 1024,65536,1048576"
+    )
+    parser.add_argument("--size-rate", type=float, default=5.0, help="pairs/s of size pairs")
     args = parser.parse_args()
+    sizes = [int(b) for b in args.prompt_bytes.split(",") if b]
+    if any(not 1 <= b <= 8 * 1024 * 1024 for b in sizes) or not 0 < args.size_rate <= 100:
+        parser.error("--prompt-bytes must be in [1, 8 MiB] and --size-rate in (0, 100]")
     rates = [float(r) for r in args.rates.split(",")]
     if any(r <= 0 or r > 1000 for r in rates) or not 0 < args.duration <= 120:
         parser.error("rates must be in (0, 1000] and --duration in (0, 120]")
@@ -300,9 +326,11 @@ async def main(protocol_rate: float) -> int:
     (config := tmp / "config").mkdir()
     sim_port, *ports = free_ports(6)
     write_config(config, sim_port, ports)
+    # A context long enough for the largest prompt size (1 MB of text is ~262k tokens).
+    (tmp / "sim.yaml").write_text("defaults: {max_model_len: 2500000, num_gpu_blocks: 160000}\n")
     sim = start(
         ["sim", "--count", "1", "--port", str(sim_port), "--model", MODEL, "--time-scale",
-         "0.001", "--max-num-seqs", "1024"],
+         "0.001", "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")],
         tmp / "sim.log",
     )  # fmt: skip
     serve = start(
@@ -316,6 +344,10 @@ async def main(protocol_rate: float) -> int:
         await wait_http(gateway)
         await paired(direct, gateway, 20, 1.0)  # warm-up
         rows = [(rate, await paired(direct, gateway, rate, args.duration)) for rate in rates]
+        size_rows = [
+            (b, await paired(direct, gateway, args.size_rate, args.duration, body_of(b)))
+            for b in sizes
+        ]
         loop = await closed_loop(gateway, serve.pid, args.loop_seconds, args.clients)
     finally:
         for p in (serve, sim):
@@ -340,6 +372,17 @@ async def main(protocol_rate: float) -> int:
             f"| {r['gateway_p50']:.2f} / {r['gateway_p99']:.2f} "
             f"| {r['added_p50']:.2f} / {r['added_p99']:.2f} |"
         )
+    if size_rows:
+        print(f"\nPrompt sizes, {args.size_rate:g} pairs/s, {args.duration:g} s each:\n")
+        print("| prompt bytes | pairs | direct p50 / p99 ms | gateway p50 / p99 ms "
+              "| added p50 / p99 ms |")  # fmt: skip
+        print("|---|---|---|---|---|")
+        for b, r in size_rows:
+            print(
+                f"| {b:,} | {r['pairs']:.0f} | {r['direct_p50']:.2f} / {r['direct_p99']:.2f} "
+                f"| {r['gateway_p50']:.2f} / {r['gateway_p99']:.2f} "
+                f"| {r['added_p50']:.2f} / {r['added_p99']:.2f} |"
+            )
     print(
         f"\nClosed loop, {args.clients} clients, {args.loop_seconds:g} s: "
         f"{loop['rps']:.0f} requests/s through the gateway; the EPP process used "

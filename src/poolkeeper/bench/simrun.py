@@ -86,8 +86,9 @@ def replay(
     policy: RoutingPolicy,
     *,
     seed: int,
+    scrape_interval: float = SCRAPE_INTERVAL_S,
 ) -> FleetResult:
-    fleet = VirtualFleet(list(configs), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
+    fleet = VirtualFleet(list(configs), seed=seed, scrape_interval=scrape_interval)
     index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
 
     queueing = policy if isinstance(policy, QueueingPolicy) else None
@@ -206,14 +207,17 @@ def run_point(
     duration: float,
     seed: int,
     slo: SLO,
+    scrape_interval: float = SCRAPE_INTERVAL_S,
 ) -> dict[str, Any]:
-    """One (policy, load) point: replay, summarize, and a 101-point TTFT distribution."""
+    """One (policy, load) point: replay, summarize, and a 101-point TTFT distribution.
+    `scrape_interval`: how stale the routers' view of the servers' metrics may be (capacity is
+    a property of the servers and is measured at the default)."""
     rate = load * capacity_rps
     arrivals = generate(scenario.spec, rate=rate, duration=duration, seed=seed)
     # Every policy gets the same random stream, so tie-breaks differ only by what they decide.
     policy = make_policy(policy_name, random.Random(f"{seed}:policy"), scenario)
     started = time.perf_counter()
-    result = replay(scenario.servers, arrivals, policy, seed=seed)
+    result = replay(scenario.servers, arrivals, policy, seed=seed, scrape_interval=scrape_interval)
     wall = time.perf_counter() - started
     by_id = {a.request_id: a for a in arrivals}
     waited: dict[str, float] = getattr(policy, "waited", {})

@@ -30,13 +30,14 @@ class SweepSpec:
     duration: float = 60.0
     seed: int = 1
     slo: SLO = field(default_factory=SLO)
+    scrape_interval: float = SCRAPE_INTERVAL_S
 
 
 def _point(spec: SweepSpec, policy: str, load: float, capacity: float) -> dict[str, Any]:
     scenario = build_scenario(spec.workload, spec.servers)
     return run_point(
         scenario, policy, load=load, capacity_rps=capacity, duration=spec.duration,
-        seed=spec.seed, slo=spec.slo,
+        seed=spec.seed, slo=spec.slo, scrape_interval=spec.scrape_interval,
     )  # fmt: skip
 
 
@@ -82,7 +83,7 @@ def run_sweep(
         "duration_s": spec.duration,
         "seed": spec.seed,
         "slo": {"ttft_s": spec.slo.ttft_s, "itl_s": spec.slo.itl_s, "text": spec.slo.describe()},
-        "scrape_interval_s": SCRAPE_INTERVAL_S,
+        "scrape_interval_s": spec.scrape_interval,
         "wall_s": 0.0,
         "runs": runs,
     }

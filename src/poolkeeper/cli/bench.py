@@ -67,6 +67,9 @@ def register(subparsers: Any) -> None:
                      help="plots directory (default <out>/img)")  # fmt: skip
     sim.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO: TTFT (s)")
     sim.add_argument("--slo-itl", type=float, default=0.1, help="goodput SLO: mean ITL (s)")
+    sim.add_argument("--scrape-interval", type=float, default=0.05,
+                     help="seconds between metric scrapes the routers see (default 0.05, "
+                     "GIE's refresh interval)")  # fmt: skip
     sim.set_defaults(handler=_sim)
 
     wl = sub.add_parser("workload", help="write a workload to a JSONL file")
@@ -153,6 +156,8 @@ def _sim(args: argparse.Namespace) -> int:
             raise ConfigError(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
         if args.servers < 1 or args.duration <= 0:
             raise ConfigError("--servers must be >= 1 and --duration > 0")
+        if not 0 < args.scrape_interval <= 60:
+            raise ConfigError("--scrape-interval must be in (0, 60] seconds")
     except (ValueError, ConfigError) as exc:
         print(f"poolkeeper bench sim: {exc}", file=sys.stderr)
         return 2
@@ -161,7 +166,7 @@ def _sim(args: argparse.Namespace) -> int:
         spec = SweepSpec(
             workload=w, servers=args.servers, policies=tuple(policies),
             loads=args.loads or DEFAULT_LOADS, duration=args.duration, seed=args.seed,
-            slo=SLO(args.slo_ttft, args.slo_itl),
+            slo=SLO(args.slo_ttft, args.slo_itl), scrape_interval=args.scrape_interval,
         )  # fmt: skip
         sweeps.append(
             run_sweep(

@@ -62,3 +62,19 @@ def test_bench_workload_file(tmp_path: Path) -> None:
     assert head["kind"] == "multi-lora"
     assert head["rate_rps"] == 10
     assert len(lines) > 20
+
+
+def test_bench_sim_scrape_interval_is_recorded_and_stale_metrics_change_the_routing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [*ARGS[:-1], "gie-v1", "--loads", "1.2"]  # scraped metrics only: sees the staleness
+    assert main([*args, "--out", str(tmp_path / "fresh"), "--scrape-interval", "0.05"]) == 0
+    assert main([*args, "--out", str(tmp_path / "stale"), "--scrape-interval", "2"]) == 0
+    fresh, stale = (
+        json.loads((tmp_path / d / "sim-shared-prefix-2.json").read_text())
+        for d in ("fresh", "stale")
+    )
+    assert (fresh["scrape_interval_s"], stale["scrape_interval_s"]) == (0.05, 2.0)
+    assert fresh["runs"][0]["summary"] != stale["runs"][0]["summary"]
+    assert main([*args, "--out", str(tmp_path), "--scrape-interval", "0"]) == 2
+    assert "--scrape-interval" in capsys.readouterr().err

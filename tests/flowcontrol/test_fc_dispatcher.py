@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from poolkeeper.api.criticality import Criticality
@@ -241,15 +242,17 @@ def test_a_full_band_pushes_out_the_longest_flow_not_the_light_one() -> None:
 def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
     d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())  # Standard: lifoAfterMs 1000
     for t, name in enumerate("abcd"):
-        d.submit(_item(name), t * 0.2, never)  # a at 0.0 ... d at 0.6
-    head = d.head(S, now=0.9)
+        d.submit(_item(name), 10.0 + t * 0.2, never)  # a at 10.0 ... d at 10.6
+    head, late = d.head(S, now=10.9), d.head(S, now=11.1)
     assert head is not None
     assert head.payload == "a"
+    assert late is not None
+    assert late.payload == "d"  # what the pump would take at 11.1
     fits, go, sent = _budget(1)
-    d.pump(0.9, fits, go)  # the oldest waited 0.9 s: still first come, first served
+    d.pump(10.9, fits, go)  # the oldest waited 0.9 s: still first come, first served
     assert sent == ["a"]
     fits, go, sent = _budget(2)
-    d.pump(1.3, fits, go)  # b waited 1.1 s: the flow is late, the newest go first
+    d.pump(11.3, fits, go)  # b waited 1.1 s: the flow is late, the newest go first
     assert sent == ["d", "c"]
     fifo = FlowDispatcher[str](_config(standard={"lifoAfterMs": None}))
     for t, name in enumerate("abcd"):
@@ -261,11 +264,53 @@ def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
 
 def test_a_full_late_band_pushes_out_its_oldest_for_a_newcomer() -> None:
     d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"maxRequests": 2}))
-    d.submit(_item("a"), 0.0, never)
-    d.submit(_item("b"), 0.1, never)
+    d.submit(_item("a"), 10.0, never)
+    d.submit(_item("b"), 10.1, never)
     # Not late yet: a newcomer of the same flow is refused (longest-queue drop spares it).
-    assert d.submit(_item("c"), 0.5, never) is Submitted.FULL
+    assert d.submit(_item("c"), 10.5, never) is Submitted.FULL
     # Late (a waited 1.2 s): the oldest cannot be on time any more; the newcomer can.
-    assert d.submit(_item("e"), 1.2, never) is Submitted.QUEUED
-    assert [i.payload for i in d.take_pushed_out()] == ["a"]
+    assert d.submit(_item("e"), 11.2, never) is Submitted.QUEUED
+    pushed = d.take_pushed_out()
+    assert [i.payload for i in pushed] == ["a"]
+    assert not pushed[0].queued
     assert sorted(i.payload for i in d.items(S)) == ["b", "e"]
+
+
+def test_byte_bounds_and_the_longest_queue_drop_boundary() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"maxBytes": 1024}))
+    assert d.submit(_item("huge", size=2048), 0.0, never) is Submitted.FULL  # never fits
+    whole = _item("whole", size=1024)
+    assert d.submit(whole, 0.0, never) is Submitted.QUEUED  # exactly the band's bytes
+    assert d.cancel(whole)
+    assert d.submit(_item("a", size=512), 0.0, never) is Submitted.QUEUED
+    assert d.submit(_item("b", size=512), 0.0, never) is Submitted.QUEUED  # exactly the limit
+    assert d.waiting_bytes(S) == 1024
+    # Another flow with nothing waiting pushes out the busy flow's newest only while the busy
+    # flow is longer by two or more (its one-request lead is fair).
+    assert d.submit(_item("x", flow="other", size=512), 0.1, never) is Submitted.QUEUED
+    assert [i.payload for i in d.take_pushed_out()] == ["b"]
+    assert d.submit(_item("y", flow="other", size=512), 0.2, never) is Submitted.FULL
+    assert d.take_pushed_out() == []
+
+
+def test_removal_from_the_middle_of_a_flow_removes_that_request_only() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    items = [_item(name) for name in "abcd"]
+    for t, item in enumerate(items):
+        d.submit(item, float(t), never)
+    assert d.cancel(items[1])
+    assert not d.cancel(items[1])  # not waiting any more
+    assert [i.payload for i in d.items(S)] == ["a", "c", "d"]
+    assert d.next_deadline() == pytest.approx(30.0)  # a's: Standard ttlMs 30000 from 0.0
+
+
+def test_token_weights_and_completions_charge_the_flow() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(
+        FlowControlConfig.model_validate({"inputTokenWeight": 3, "outputTokenWeight": 5})
+    )
+    item = _item("a", tokens=10)
+    d.submit(item, 0.0, always)
+    d.dispatched(item)
+    assert d.counter(S, "m") == pytest.approx(30.0)
+    d.completed("m", S, 4)
+    assert d.counter(S, "m") == pytest.approx(50.0)

@@ -96,9 +96,37 @@ def test_pending_decisions_are_bounded_and_forgotten_with_their_endpoint() -> No
     assert model.observe("r3", NOW + 1)
 
 
+def test_a_negative_fit_predicts_zero_and_the_prior_is_a_ridge() -> None:
+    model = TtftModel(prior=0.5)
+    assert model.p == [[0.5 if i == j else 0.0 for j in range(7)] for i in range(7)]
+    model.w = [-1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert model.predict((1.0,) * 7) == 0.0
+    model.w = [0.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert model.predict((1.0,) * 7) == 0.25
+
+
+def test_a_reused_request_id_is_the_newest_decision() -> None:
+    model = TtftModel(max_pending=2, min_samples=1)
+    x = (1.0,) * 7
+    model.remember("a", "e1", NOW, x)
+    model.remember("b", "e1", NOW, x)
+    model.remember("a", "e2", NOW + 1, x)  # a again: now the newest
+    model.remember("c", "e1", NOW + 2, x)  # evicts b, the oldest
+    assert not model.observe("b", NOW + 3)
+    assert model.observe("a", NOW + 1, endpoint="e2")  # the same instant: a sample of 0 s
+    assert not model.observe("c", float("inf"))
+
+
+@pytest.mark.parametrize("ok", [{"forgetting": 1.0}, {"forgetting": 0.9}, {"max_pending": 1}])
+def test_edge_settings_are_accepted(ok: dict[str, float]) -> None:
+    assert not TtftModel(**ok).ready  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
-    "bad", [{"forgetting": 0.5}, {"min_samples": 0}, {"max_pending": 0}, {"prior": 0.0}]
-)
+    "bad",
+    [{"forgetting": 0.5}, {"forgetting": 1.5}, {"min_samples": 0}, {"max_pending": 0},
+     {"prior": 0.0}],
+)  # fmt: skip
 def test_bad_model_settings_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be"):
         TtftModel(**bad)  # type: ignore[arg-type]

@@ -1,0 +1,63 @@
+"""Headroom: when a band may send (some endpoint below its limit, per endpoint, stale ones never)
+and where a dispatched request may go (the band's placement)."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolkeeper.admission.config import AdmissionConfig
+from poolkeeper.admission.saturation import SaturationDetector
+from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
+from poolkeeper.flowcontrol.headroom import Headroom
+from tests.scheduling.sched_factories import NOW, state
+
+BANDS = FlowControlConfig().bands
+STANDARD, SHEDDABLE = BANDS.standard, BANDS.sheddable  # limit 1.5 (queue 5); queue 1, limit 1
+
+
+def _headroom(**admission: object) -> Headroom:
+    return Headroom(SaturationDetector(AdmissionConfig.model_validate(admission)))
+
+
+def test_one_endpoint_below_the_limit_is_enough_and_placement_decides_where() -> None:
+    busy, idle = state(1, waiting=10), state(2, waiting=0)  # Standard saturation 2.0 and 0
+    h = _headroom()
+    assert h.fits([busy, idle], STANDARD, NOW)
+    assert not h.fits([busy], STANDARD, NOW)
+    # Standard: the scheduler chooses among all (it may pick the busy prefix holder).
+    assert h.room([busy, idle], STANDARD, NOW) == [busy, idle]
+    assert h.within([busy, idle], STANDARD, NOW) == [busy, idle]
+    # Sheddable: only where its own limit leaves room.
+    assert h.room([busy, idle], SHEDDABLE, NOW) == [idle]
+    assert list(h.within([busy, idle], SHEDDABLE, NOW)) == [idle]
+    assert h.room([busy], STANDARD, NOW) is None
+
+
+def test_unseen_requests_count_and_a_band_may_set_its_own_thresholds() -> None:
+    sent_to = state(1, waiting=0, unseen=1)  # a request sent since the scrape: not empty
+    assert not _headroom().fits([sent_to], SHEDDABLE, NOW)
+    assert _headroom(countUnseen=False).fits([sent_to], SHEDDABLE, NOW)
+    full_kv = state(1, kv=0.9)
+    assert not _headroom().fits([full_kv], SHEDDABLE, NOW)  # admission's KV 0.8
+    roomy = BandConfig.model_validate({"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0})
+    assert _headroom().fits([full_kv], roomy, NOW)
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("admit", True), ("shed", False)])
+def test_stale_endpoints_have_no_headroom_and_all_stale_follows_the_policy(
+    policy: str, expected: bool
+) -> None:
+    stale = state(1, updated_at=NOW - 5.0)
+    fresh_busy = state(2, waiting=10)
+    h = _headroom(allStalePolicy=policy)
+    assert not h.fits([stale, fresh_busy], STANDARD, NOW)  # one fresh endpoint knows: no room
+    assert h.fits([stale], STANDARD, NOW) is expected
+    assert (h.room([stale], STANDARD, NOW) == [stale]) is expected
+    # A dispatched Sheddable request among stale-only endpoints goes anywhere (fails open).
+    assert list(h.within([stale], SHEDDABLE, NOW)) == [stale]
+
+
+def test_no_endpoints_means_go_so_the_scheduler_answers_503_at_once() -> None:
+    h = _headroom()
+    assert h.fits([], STANDARD, NOW)
+    assert h.room([], STANDARD, NOW) == []

@@ -160,6 +160,7 @@ def test_trained_it_ranks_by_predicted_time_and_agrees_with_the_model() -> None:
         state(2, waiting=1, served_model="base"),
         state(3, waiting=0, running=200, served_model="base"),  # a full batch: +100 ms
         state(4, waiting=0, served_model="other"),  # would load an adapter: +200 ms
+        state(5, waiting=1, kv=float("nan"), served_model="base"),  # unknown KV counts as full
     ]
     cycle = CycleState(NOW)
     preds = scorer.predictions(cycle, req, pool)
@@ -171,6 +172,7 @@ def test_trained_it_ranks_by_predicted_time_and_agrees_with_the_model() -> None:
     assert scores[1] == 1.0  # endpoint 2: one waiting request is the cheapest here
     assert scores[0] < scores[2] < scores[1]
     assert scores[3] < scores[1]
+    assert preds[4] == pytest.approx(preds[1] + scorer.model.w[5])  # + the full-KV term
     assert all(0.0 < v <= 1.0 for v in scores)
 
 

@@ -22,6 +22,7 @@ from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
+from poolkeeper.scheduling.load import effective_kv
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.registry import PluginParams
@@ -77,8 +78,7 @@ class PredictedTtftScorer(NamedPlugin):
         m = state.metrics
         tokens = request.prompt_tokens
         share = min(1.0, cached_chars / prompt_chars) if prompt_chars else 0.0
-        kv = m.kv_cache_usage
-        kv = 0.0 if not kv > 0.0 else kv if kv < 1.0 else 1.0
+        kv = effective_kv(state, count_unseen=False)  # unseen tokens are their own feature
         target = request.target_model
         resident = target == m.served_model or target in m.active_adapters
         return (
@@ -110,7 +110,8 @@ class PredictedTtftScorer(NamedPlugin):
             m = s.metrics
             hit = get(s.endpoint.hostport, 0)
             kv = m.kv_cache_usage
-            kv = 0.0 if not kv > 0.0 else kv if kv < 1.0 else 1.0
+            if not 0.0 < kv < 1.0:  # load.effective_kv's rule, inlined: NaN (unknown) is full
+                kv = 0.0 if kv <= 0.0 else 1.0
             p = (
                 w0
                 + (own - per_char * hit if hit < chars else 0.0)

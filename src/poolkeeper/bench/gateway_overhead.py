@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -38,7 +40,10 @@ from typing import Any
 
 import aiohttp
 
+from poolkeeper.bench import live, overhead_peers as peer
 from poolkeeper.netutil import free_ports
+
+PEERS = ("vllm-router", "sglang-router")
 
 MODEL = "bench-model"
 BODY: dict[str, Any] = {
@@ -46,6 +51,7 @@ BODY: dict[str, Any] = {
     "messages": [{"role": "user", "content": "hi"}],
     "max_tokens": 1,
 }
+JSON = {"content-type": "application/json"}
 _WORDS = "the quick brown fox jumps over the lazy dog while a model server answers "
 
 
@@ -105,8 +111,7 @@ async def wait_http(url: str, within_s: float = 30) -> None:
 
 async def timed(session: aiohttp.ClientSession, url: str, data: bytes) -> float:
     began = time.perf_counter()
-    headers = {"content-type": "application/json"}
-    async with session.post(url, data=data, headers=headers) as resp:
+    async with session.post(url, data=data, headers=JSON) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}")
@@ -175,6 +180,30 @@ async def closed_loop(gateway: str, epp_pid: int, seconds: float, clients: int) 
         "requests": done, "rps": done / (t1 - t0), "epp_cpu_s": cpu,
         "per_core": done / cpu if cpu > 0 else float("nan"),
     }  # fmt: skip
+
+
+async def stream_cpu(gateway: str, epp_pid: int, tokens: int, seconds: float) -> dict[str, float]:
+    """EPP CPU per streamed request of `tokens` output tokens (8 clients, closed loop)."""
+    body = {**BODY, "max_tokens": tokens, "stream": True}
+    data = json.dumps(body).encode()
+    done = events = 0
+    stop_at = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def worker() -> None:
+            nonlocal done, events
+            while time.perf_counter() < stop_at:
+                async with session.post(gateway, data=data, headers=JSON) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"{gateway}: HTTP {resp.status}")
+                events += raw.count(b"data:")
+                done += 1
+
+        cpu0 = cpu_seconds(epp_pid)
+        await asyncio.gather(*(worker() for _ in range(8)))
+        cpu = cpu_seconds(epp_pid) - cpu0
+    return {"requests": done, "events": events / max(done, 1), "cpu_ms": cpu * 1000 / done}
 
 
 class _TrivialRouter:
@@ -314,11 +343,32 @@ async def main(protocol_rate: float) -> int:
         "--prompt-bytes", default="", help="prompt sizes for size pairs, e.g. 1024,65536,1048576"
     )
     parser.add_argument("--size-rate", type=float, default=5.0, help="pairs/s of size pairs")
+    parser.add_argument(
+        "--peers", default="", help="peer routers to compare, e.g. vllm-router,sglang-router"
+    )
+    parser.add_argument("--peer-rate", type=float, default=10.0, help="ticks/s with --peers")
+    parser.add_argument(
+        "--stream-tokens",
+        default="",
+        help="EPP CPU per streamed request for these output lengths, e.g. 10,1000",
+    )
+    parser.add_argument(
+        "--sim-time-scale",
+        type=float,
+        default=0.001,
+        help="simulator speed (0.05 paces streamed tokens ~0.4 ms apart, as separate chunks)",
+    )
     args = parser.parse_args()
+    peers = [p for p in args.peers.split(",") if p]
+    if any(p not in PEERS for p in peers) or not 0 < args.peer_rate <= 100:
+        parser.error(f"--peers takes {', '.join(PEERS)}; --peer-rate must be in (0, 100]")
     sizes = [int(b) for b in args.prompt_bytes.split(",") if b]
     if any(not 1 <= b <= 8 * 1024 * 1024 for b in sizes) or not 0 < args.size_rate <= 100:
         parser.error("--prompt-bytes must be in [1, 8 MiB] and --size-rate in (0, 100]")
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    tokens = [int(t) for t in args.stream_tokens.split(",") if t]
+    if any(not 1 <= t <= 4096 for t in tokens) or not 0 < args.sim_time_scale <= 1:
+        parser.error("--stream-tokens must be in [1, 4096] and --sim-time-scale in (0, 1]")
     if any(r <= 0 or r > 1000 for r in rates) or not 0 < args.duration <= 120:
         parser.error("rates must be in (0, 1000] and --duration in (0, 120]")
 
@@ -330,7 +380,7 @@ async def main(protocol_rate: float) -> int:
     (tmp / "sim.yaml").write_text("defaults: {max_model_len: 2500000, num_gpu_blocks: 160000}\n")
     sim = start(
         ["sim", "--count", "1", "--port", str(sim_port), "--model", MODEL, "--time-scale",
-         "0.001", "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")],
+         str(args.sim_time_scale), "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")],
         tmp / "sim.log",
     )  # fmt: skip
     serve = start(
@@ -349,6 +399,9 @@ async def main(protocol_rate: float) -> int:
             for b in sizes
         ]
         loop = await closed_loop(gateway, serve.pid, args.loop_seconds, args.clients)
+        streamed = [(n, await stream_cpu(gateway, serve.pid, n, args.loop_seconds)) for n in tokens]
+        if peers:
+            compared = await against_peers(peers, tmp, sim_port, direct, gateway, serve.pid, args)
     finally:
         for p in (serve, sim):
             p.terminate()
@@ -363,15 +416,16 @@ async def main(protocol_rate: float) -> int:
         f"{platform.python_version()}, {platform.system()} {platform.release()}; sim, EPP, "
         "Envoy (1 worker) and the client share the machine.\n"
     )
-    print("| rate (pairs/s) | pairs | direct p50 / p99 ms | gateway p50 / p99 ms "
-          "| added p50 / p99 ms |")  # fmt: skip
-    print("|---|---|---|---|---|")
-    for rate, r in rows:
-        print(
-            f"| {rate:g} | {r['pairs']:.0f} | {r['direct_p50']:.2f} / {r['direct_p99']:.2f} "
-            f"| {r['gateway_p50']:.2f} / {r['gateway_p99']:.2f} "
-            f"| {r['added_p50']:.2f} / {r['added_p99']:.2f} |"
-        )
+    if rows:
+        print("| rate (pairs/s) | pairs | direct p50 / p99 ms | gateway p50 / p99 ms "
+              "| added p50 / p99 ms |")  # fmt: skip
+        print("|---|---|---|---|---|")
+        for rate, r in rows:
+            print(
+                f"| {rate:g} | {r['pairs']:.0f} | {r['direct_p50']:.2f} / {r['direct_p99']:.2f} "
+                f"| {r['gateway_p50']:.2f} / {r['gateway_p99']:.2f} "
+                f"| {r['added_p50']:.2f} / {r['added_p99']:.2f} |"
+            )
     if size_rows:
         print(f"\nPrompt sizes, {args.size_rate:g} pairs/s, {args.duration:g} s each:\n")
         print("| prompt bytes | pairs | direct p50 / p99 ms | gateway p50 / p99 ms "
@@ -393,7 +447,56 @@ async def main(protocol_rate: float) -> int:
         f"The ext_proc layer alone (trivial router, 16 streams): {protocol_rate:.0f} requests "
         "per server CPU-second."
     )
+    if streamed:
+        print("\nStreamed responses (closed loop, 8 clients):\n")
+        print("| output tokens | requests | SSE events per response | EPP CPU ms per request |")
+        print("|---|---|---|---|")
+        for n, r in streamed:
+            print(f"| {n} | {r['requests']:.0f} | {r['events']:.0f} | {r['cpu_ms']:.2f} |")
+    if peers:
+        print("\n## Against the peer routers\n")
+        print(compared)
     return 0
+
+
+async def against_peers(
+    peers: list[str],
+    tmp: Path,
+    sim_port: int,
+    direct: str,
+    gateway: str,
+    serve_pid: int,
+    args: argparse.Namespace,
+) -> str:
+    """Start each peer in front of the simulator; interleaved light load, then closed loops."""
+    root = live.repo_root()
+    with contextlib.ExitStack() as stack:
+        targets = {"direct": direct, "poolkeeper": gateway}
+        cpu = {"poolkeeper": {"epp": lambda: cpu_seconds(serve_pid),
+                              "epp+envoy": lambda: peer.tree_cpu_seconds(serve_pid)}}  # fmt: skip
+        for name in peers:
+            cmd, port, ready = live.router_command(name, root, tmp, [sim_port], [])
+            pid = stack.enter_context(live.process(cmd, tmp / f"{name}.log")).pid
+            live.wait_http(ready, lambda s: s == 200, 60, name)
+            targets[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
+            cpu[name] = {"router": functools.partial(peer.tree_cpu_seconds, pid)}
+            await wait_http(targets[name])
+        await peer.interleaved(targets, 20, 1.0, BODY)  # warm-up
+        light = await peer.interleaved(targets, args.peer_rate, args.duration, BODY)
+        sections = [peer.latency_table(light, args.peer_rate)]
+        for size in [int(b) for b in args.prompt_bytes.split(",") if b]:
+            rows = await peer.interleaved(targets, args.size_rate, args.duration, body_of(size))
+            sections.append(f"\nPrompt of {size:,} bytes:\n")
+            sections.append(peer.latency_table(rows, args.size_rate))
+        loops = {
+            name: await peer.closed_loop(
+                targets[name], cpu[name], args.loop_seconds, args.clients, BODY
+            )
+            for name in targets
+            if name != "direct"
+        }
+        sections.append("\n" + peer.loop_table(loops, args.clients, args.loop_seconds))
+    return "\n".join(sections)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,9 @@ def wait_http(url: str, ok: Callable[[int], bool], timeout: float, what: str) ->
 
 
 @contextlib.contextmanager
-def process(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+def process(
+    cmd: Sequence[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run `cmd` (own process group, output to `log`) for the duration of the block."""
     with log.open("w") as fh:
         proc = subprocess.Popen(
@@ -128,7 +130,7 @@ def process(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None) ->
             env={**os.environ, **(env or {})},
         )  # fmt: skip
         try:
-            yield
+            yield proc
         finally:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

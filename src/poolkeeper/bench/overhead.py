@@ -5,7 +5,9 @@ Two measurements, each owned by the benchmark module of the part it measures:
 - `poolkeeper.bench.scheduler_decision` (the scheduler's): CPU time of one scheduling decision
   at 10, 100 and 1,000 endpoints (decision time vs fleet size);
 - `poolkeeper.bench.gateway_overhead` (the gateway's): added latency of Envoy + EPP versus going
-  direct, and EPP requests/s per core.
+  direct, and EPP requests/s per core; with `--peers`, the same light load interleaved through
+  vllm-router and sglang-router too (`poolkeeper.bench.overhead_peers`), with `--prompt-bytes`
+  per prompt size.
 
 Both ship in the package, so the installed command works anywhere (no checkout needed). Each
 runs in a child process of the current interpreter (`python -m ...`), bounded in time, and its
@@ -59,6 +61,8 @@ def run_overhead(
     decisions: int,
     out_dir: Path,
     quick: bool,
+    peers: Sequence[str] = (),
+    prompt_bytes: str = "",
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     result: dict[str, Any] = {
@@ -79,7 +83,13 @@ def run_overhead(
         if quick
         else ["--rates", "10,50,100", "--duration", "10", "--loop-seconds", "10"]
     )
-    result["gateway_overhead"] = _run_module(GATEWAY_MODULE, args, SCRIPT_TIMEOUT_S)
+    if peers:
+        args += ["--peers", ",".join(peers)]
+    if prompt_bytes:
+        args += ["--prompt-bytes", prompt_bytes]
+    # Peers and prompt sizes add their own timed sections (each bounded by --duration).
+    limit = SCRIPT_TIMEOUT_S * (2 if peers or prompt_bytes else 1)
+    result["gateway_overhead"] = _run_module(GATEWAY_MODULE, args, limit)
     progress(result["gateway_overhead"]["stdout"])
     write_json(out_dir / "overhead.json", result)
     return result

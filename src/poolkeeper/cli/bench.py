@@ -111,6 +111,16 @@ def register(subparsers: Any) -> None:
     ov.add_argument("--decisions", type=int, default=2000)
     ov.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ov.add_argument("--quick", action="store_true")
+    ov.add_argument(
+        "--peers",
+        type=_names,
+        default=(),
+        help="also through these routers, side by side (vllm-router,sglang-router; "
+        "installed by scripts/install-peers.sh)",
+    )
+    ov.add_argument(
+        "--prompt-bytes", default="", help="prompt sizes to compare, e.g. 1024,65536,262144,1048576"
+    )
     ov.set_defaults(handler=_overhead)
 
     flow = sub.add_parser("flow", help="flow control: fairness, Critical under a flood, burst")
@@ -236,6 +246,7 @@ def _overhead(args: argparse.Namespace) -> int:
         print(f"poolkeeper bench overhead: bad --sizes {args.sizes!r}", file=sys.stderr)
         return 2
     run_overhead(sizes=sizes, decisions=args.decisions, out_dir=args.out, quick=args.quick,
+                 peers=tuple(args.peers), prompt_bytes=args.prompt_bytes,
                  progress=_progress)  # fmt: skip
     return 0
 

@@ -161,24 +161,13 @@ async def paired(
 
 
 async def closed_loop(gateway: str, epp_pid: int, seconds: float, clients: int) -> dict[str, float]:
-    done = 0
-    data = json.dumps(BODY).encode()
-    stop_at = time.perf_counter() + seconds
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < stop_at:
-                await timed(session, gateway, data)
-                done += 1
-
-        cpu0, t0 = cpu_seconds(epp_pid), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        cpu1, t1 = cpu_seconds(epp_pid), time.perf_counter()
-    cpu = cpu1 - cpu0
+    """Closed loop through the gateway: requests/s and requests per EPP CPU-second."""
+    row = await peer.closed_loop(
+        gateway, {"epp": lambda: cpu_seconds(epp_pid)}, seconds, clients, BODY
+    )
     return {
-        "requests": done, "rps": done / (t1 - t0), "epp_cpu_s": cpu,
-        "per_core": done / cpu if cpu > 0 else float("nan"),
+        "requests": row["requests"], "rps": row["rps"], "epp_cpu_s": row["epp_cpu_s"],
+        "per_core": row["epp_per_core"],
     }  # fmt: skip
 
 

@@ -109,54 +109,20 @@ async def wait_http(url: str, within_s: float = 30) -> None:
     raise TimeoutError(url)
 
 
-async def timed(session: aiohttp.ClientSession, url: str, data: bytes) -> float:
-    began = time.perf_counter()
-    async with session.post(url, data=data, headers=JSON) as resp:
-        await resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}")
-    return time.perf_counter() - began
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def paired(
     direct: str, gateway: str, rate: float, duration: float, body: dict[str, Any] | None = None
 ) -> dict[str, float]:
-    n = max(1, int(rate * duration))
-    data = json.dumps(BODY if body is None else body).encode()
-    results: list[tuple[float, float]] = []
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def pair(i: int) -> None:
-            if i % 2:
-                g = await timed(session, gateway, data)
-                d = await timed(session, direct, data)
-            else:
-                d = await timed(session, direct, data)
-                g = await timed(session, gateway, data)
-            results.append((d, g))
-
-        start = time.perf_counter()
-        tasks = []
-        for i in range(n):
-            delay = start + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(pair(i)))
-        await asyncio.gather(*tasks)
-    d = [r[0] * 1000 for r in results]
-    g = [r[1] * 1000 for r in results]
-    diff = [b - a for a, b in zip(d, g, strict=True)]
+    """Direct and gateway in alternating order, one pair every 1/rate s (the two-target case
+    of `overhead_peers.interleaved`)."""
+    rows = await peer.interleaved(
+        {"direct": direct, "gateway": gateway}, rate, duration, BODY if body is None else body
+    )
+    d, g = rows["direct"], rows["gateway"]
     return {
-        "pairs": len(results),
-        "direct_p50": pct(d, 0.5), "direct_p99": pct(d, 0.99),
-        "gateway_p50": pct(g, 0.5), "gateway_p99": pct(g, 0.99),
-        "added_p50": pct(diff, 0.5), "added_p99": pct(diff, 0.99),
+        "pairs": d["n"],
+        "direct_p50": d["p50"], "direct_p99": d["p99"],
+        "gateway_p50": g["p50"], "gateway_p99": g["p99"],
+        "added_p50": g["added_p50"], "added_p99": g["added_p99"],
     }  # fmt: skip
 
 

@@ -113,6 +113,8 @@ class RoundRobinRouter:
     turn: int = 0
     moved: list[tuple[str, str]] = field(default_factory=list)
     fixed: tuple[str, ...] | None = None  # when set: this primary + fallbacks list, always
+    inject_usage: bool = True  # ask streams for usage the client did not ask for
+    first_byte_after: list[float | None] = field(default_factory=list)
 
     async def route(self, request: IncomingRequest) -> RoutingDecision:
         if not self.backends:
@@ -131,7 +133,8 @@ class RoundRobinRouter:
         if obj.get("model") == "alias":
             obj["model"] = "real"
             body = json.dumps(obj).encode()
-        if obj.get("stream") and not (obj.get("stream_options") or {}).get("include_usage"):
+        asked = (obj.get("stream_options") or {}).get("include_usage")
+        if self.inject_usage and obj.get("stream") and not asked:
             obj["stream_options"] = {"include_usage": True}
             body = json.dumps(obj).encode()
             injected = True
@@ -140,6 +143,7 @@ class RoundRobinRouter:
             hostports,
             "default/pool",
             model_name=str(obj.get("model")),
+            stream=bool(obj.get("stream")),
             body=body,
             include_usage_injected=injected,
         )
@@ -157,8 +161,8 @@ class RoundRobinRouter:
     def served(self, decision: RoutingDecision, endpoint: str) -> None:
         self.moved.append((decision.request_id, endpoint))
 
-    def first_byte(self, decision: RoutingDecision) -> None:
-        return None
+    def first_byte(self, decision: RoutingDecision, *, after_s: float | None = None) -> None:
+        self.first_byte_after.append(after_s)
 
     def model_names(self) -> list[str]:
         return ["alias"]

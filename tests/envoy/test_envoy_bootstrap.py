@@ -28,8 +28,13 @@ def _hcm(b: dict) -> dict:  # type: ignore[type-arg]
     return b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize(("fail_open", "eds"), [(False, False), (True, False), (False, True)])
-def test_envoy_accepts_the_bootstrap(tmp_path: Path, fail_open: bool, eds: bool) -> None:
+@pytest.mark.parametrize(
+    ("fail_open", "eds", "observe"),
+    [(False, False, False), (True, False, True), (False, True, False), (False, True, True)],
+)
+def test_envoy_accepts_the_bootstrap(
+    tmp_path: Path, fail_open: bool, eds: bool, observe: bool
+) -> None:
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write(["127.0.0.1:8000", "127.0.0.2:8001"])
     params = BootstrapParams(
@@ -37,6 +42,7 @@ def test_envoy_accepts_the_bootstrap(tmp_path: Path, fail_open: bool, eds: bool)
         fallback_endpoints=("127.0.0.1:8000", "127.0.0.2:8001"),
         routed_endpoints=("127.0.0.1:8000", "127.0.0.2:8001"),
         endpoints_file=str(endpoints.path) if eds else None,
+        observe_responses=observe,
     )
     path = tmp_path / "envoy.json"
     path.write_text(render(build_bootstrap(params)))
@@ -49,6 +55,59 @@ def test_envoy_accepts_the_bootstrap(tmp_path: Path, fail_open: bool, eds: bool)
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "OK" in result.stdout + result.stderr
+
+
+def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp() -> None:
+    plain = build_bootstrap(BootstrapParams())
+    observed = build_bootstrap(BootstrapParams(observe_responses=True, observer_flush_s=0.01))
+    assert [f["name"] for f in _hcm(plain)["http_filters"]] == [
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    filters = _hcm(observed)["http_filters"]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.ext_proc",
+        "poolkeeper.response_processor",
+        "envoy.filters.http.lua",  # last before the router: it sees the server's response
+        "envoy.filters.http.router",
+    ]
+    # The EPP's filter sees requests only; the response processor responses only.
+    modes = _ext_proc(observed)["processing_mode"]
+    assert (modes["response_header_mode"], modes["response_body_mode"]) == ("SKIP", "NONE")
+    assert _ext_proc(plain)["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    processor = filters[1]["typed_config"]
+    assert processor["processing_mode"]["request_header_mode"] == "SKIP"
+    assert processor["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert processor["grpc_service"] == _ext_proc(observed)["grpc_service"]
+    # ext_proc applies the EPP's `poolkeeper` metadata (the exchange key) only if told to, and
+    # the response processor forwards it (the EPP finds the request by it).
+    namespaces = _ext_proc(observed)["metadata_options"]["receiving_namespaces"]["untyped"]
+    assert namespaces == ["poolkeeper"]
+    assert processor["metadata_options"]["forwarding_namespaces"]["untyped"] == ["poolkeeper"]
+    (als,) = _hcm(observed)["access_log"]
+    common = als["typed_config"]["common_config"]
+    assert common["grpc_service"]["envoy_grpc"]["cluster_name"] == "epp"
+    assert common["buffer_flush_interval"] == "0.01s"
+    matcher = als["filter"]["metadata_filter"]["matcher"]
+    assert (matcher["filter"], matcher["path"]) == ("poolkeeper", [{"key": "exchange"}])
+    assert "access_log" not in _hcm(plain)
+    # Routes Envoy answers itself (404 outside the inference API) run no Lua.
+    routes = _hcm(observed)["route_config"]["virtual_hosts"][0]["routes"]
+    direct = [r for r in routes if "direct_response" in r]
+    assert direct
+    assert all(r["typed_per_filter_config"]["envoy.filters.http.lua"]["disabled"] for r in direct)
+    # The response processor is on for one route only: the EPP's metadata chooses it.
+    processing = {
+        r["name"]
+        for r in routes
+        if not r["typed_per_filter_config"]["poolkeeper.response_processor"].get("disabled")
+    }
+    assert processing == {"epp_routed_response_via_epp"}
+    (via,) = [r for r in routes if r["name"] == "epp_routed_response_via_epp"]
+    (matcher,) = via["match"]["dynamic_metadata"]
+    assert (matcher["filter"], matcher["path"]) == ("poolkeeper", [{"key": "response"}])
+    names = [r["name"] for r in routes]
+    assert names.index("epp_routed_response_via_epp") + 1 == names.index("epp_routed")
 
 
 def test_failure_mode_and_fallback_follow_the_pool() -> None:

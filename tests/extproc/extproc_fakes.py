@@ -34,6 +34,7 @@ class FakeRouter:
     cancelled: int = 0
     moved: list[tuple[str, str]] = field(default_factory=list)
     first_bytes: list[str] = field(default_factory=list)
+    first_byte_after: list[float | None] = field(default_factory=list)  # the observer's timing
     slow: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def route(self, request: IncomingRequest) -> RoutingDecision:
@@ -101,8 +102,9 @@ class FakeRouter:
     def served(self, decision: RoutingDecision, endpoint: str) -> None:
         self.moved.append((decision.request_id, endpoint))
 
-    def first_byte(self, decision: RoutingDecision) -> None:
+    def first_byte(self, decision: RoutingDecision, *, after_s: float | None = None) -> None:
         self.first_bytes.append(decision.request_id)
+        self.first_byte_after.append(after_s)
 
     def model_names(self) -> list[str]:
         return ["base", "split"]

@@ -143,6 +143,7 @@ def _rig(
     store: Datastore | None = None,
     config: RequestHandling | None = None,
     scheduler: Any = None,
+    responses_observed: bool = False,
 ) -> Rig:
     store = store if store is not None else _store()
     inflight = InflightTracker()
@@ -157,6 +158,7 @@ def _rig(
         config=config or RequestHandling(),
         rng=rng,
         clock=lambda: clock[0],
+        responses_observed=responses_observed,
     )
     return Rig(director, store, inflight, recording, clock)
 
@@ -253,6 +255,19 @@ async def test_stream_usage_injected_and_recorded() -> None:
     off = _rig(config=RequestHandling(inject_stream_usage=False))
     decision = await off.director.route(_chat(stream=True))
     assert (decision.include_usage_injected, decision.body) == (False, None)
+
+
+async def test_with_observed_responses_usage_is_injected_only_where_the_epp_rewrites() -> None:
+    """The response observer: a response the EPP does not rewrite never passes it, so nothing
+    could strip an injected usage chunk; a split's response still passes (its model name)."""
+    rig = _rig(responses_observed=True)
+    same = await rig.director.route(_chat(stream=True))
+    assert (same.include_usage_injected, same.body) == (False, None)
+    split = await rig.director.route(_chat("split", rid="r2", stream=True))
+    assert split.target_model != "split"
+    assert split.include_usage_injected is True
+    assert split.body is not None
+    assert json.loads(split.body)["stream_options"] == {"include_usage": True}
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,20 @@ def test_request_lifecycle_metrics_have_upstream_names() -> None:
     assert s[("inference_model_response_sizes_sum", labels)] == 900
 
 
+def test_token_metrics_count_only_what_the_server_reported() -> None:
+    """A stream's usage counted by the gateway (the response observer, one token per event)
+    steers fairness, never the token histograms (upstream counts only a response's usage)."""
+    m = GatewayMetrics()
+    d = _decision()
+    m.routed(d, 10, 0.001)
+    m.finished(d, status=200, usage=Usage(30, 7, estimated=True), seconds=1.0, response_bytes=9)
+    labels = (("model_name", "chat"), ("target_model_name", "lora-a"))
+    s = _samples(m)
+    assert s[("inference_model_request_duration_seconds_count", labels)] == 1
+    assert ("inference_model_output_tokens_count", labels) not in s
+    assert ("inference_model_input_tokens_count", labels) not in s
+
+
 def test_errors_are_counted_by_code() -> None:
     m = GatewayMetrics()
     m.rejected("chat", RequestShed("busy"), 10)

@@ -177,7 +177,7 @@ class _TrivialRouter:
     def served(self, decision: Any, endpoint: str) -> None:
         pass
 
-    def first_byte(self, decision: Any) -> None:
+    def first_byte(self, decision: Any, *, after_s: float | None = None) -> None:
         pass
 
     def model_names(self) -> list[str]:

@@ -192,6 +192,17 @@ class Edge(_Section):
     answer's whole generation) before the gateway answers 504 upstream_timeout."""
     stream_idle_timeout_s: float = Field(default=300.0, ge=1.0, le=86_400.0)
     """A response stream silent for this long is closed (there is no total timeout)."""
+    observe_responses: bool = True
+    """With the Envoy `serve` runs: once a request is routed and its response needs no
+    rewrite, the endpoint picker ends its ext_proc stream and learns how the response ended
+    (status, first byte, token usage) from Envoy's access log and a small Lua filter. Streams
+    then outlive the endpoint picker under FailOpen, and its CPU per request no longer grows
+    with the tokens generated. Responses whose model name the gateway rewrites (a split to
+    another target) still pass the endpoint picker. `requestHandling.injectStreamUsage` then
+    applies only to those (nothing else could remove the extra chunk); other streams without
+    `usage` are counted one token per event for fairness and speed, and kept out of the token
+    metrics (as upstream, which counts only a response's own usage). False: every response
+    passes through the endpoint picker."""
 
     @field_validator("inference_paths")
     @classmethod
@@ -243,7 +254,8 @@ class RequestHandling(_Section):
     inject_stream_usage: bool = True
     """Add `stream_options.include_usage: true` to streaming chat/completions requests that
     did not ask for it, so the gateway learns token usage; the extra usage chunk is removed
-    from the response before the client sees it."""
+    from the response before the client sees it. With `edge.observeResponses`, only into
+    responses that pass the endpoint picker (see there)."""
     fallback_endpoints: int = Field(default=3, ge=0, le=16)
     """At most this many endpoints are listed after the pick, best first, for the proxy to
     retry on connection failure (protocol v0.4 fallbacks). The scheduler's picker may return

@@ -23,7 +23,17 @@ import json
 import re
 from typing import Any
 
+from poolkeeper import observation
 from poolkeeper.envoy.clusters import clusters
+from poolkeeper.envoy.observer import (
+    RESPONSE_PROCESSOR,
+    access_log,
+    lua_disabled,
+    lua_filter,
+    response_processor_disabled,
+    response_processor_enabled,
+    via_epp_matcher,
+)
 from poolkeeper.envoy.params import (
     DESTINATION_HEADER,
     EARLY_TYPE,
@@ -63,26 +73,60 @@ __all__ = [
 
 
 def ext_proc_filter(p: BootstrapParams) -> dict[str, Any]:
+    """The EPP's ext_proc filter. With the response observer it sees requests only: responses
+    that need the EPP go through `response_processor` (envoy/observer.py), the rest past it."""
+    responses = "SKIP" if p.observe_responses else "SEND"
     return {
         "name": EXT_PROC_FILTER,
         "typed_config": {
-            T: EXT_PROC_TYPE,
-            "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
-            "failure_mode_allow": p.fail_open,
-            "allow_mode_override": False,
-            "message_timeout": duration(p.message_timeout_s),
+            **ext_proc_config(p),
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
                 "request_trailer_mode": "SEND",
+                "response_header_mode": responses,
+                "response_body_mode": "NONE" if p.observe_responses else "FULL_DUPLEX_STREAMED",
+                "response_trailer_mode": responses,
+            },
+            # The EPP names each routed request in `poolkeeper` metadata (the response
+            # observer's keys; poolkeeper.observation).
+            "metadata_options": {"receiving_namespaces": {"untyped": [observation.NAMESPACE]}},
+        },
+    }
+
+
+def response_processor(p: BootstrapParams) -> dict[str, Any]:
+    """With the response observer: a second ext_proc filter that sends the EPP only responses,
+    and only on the route the EPP chose for the responses it rewrites (envoy/observer.py)."""
+    return {
+        "name": RESPONSE_PROCESSOR,
+        "typed_config": {
+            **ext_proc_config(p),
+            "processing_mode": {
+                "request_header_mode": "SKIP",
+                "request_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
                 "response_header_mode": "SEND",
                 "response_body_mode": "FULL_DUPLEX_STREAMED",
                 "response_trailer_mode": "SEND",
             },
-            # FailClose with the EPP unreachable: a marker status the local-reply mapper turns
-            # into 503 "endpoint picker unavailable" with an OpenAI body.
-            "status_on_error": {"code": EXT_PROC_ERROR_STATUS},
+            # The exchange key tells the EPP which routed request this response belongs to.
+            "metadata_options": {"forwarding_namespaces": {"untyped": [observation.NAMESPACE]}},
         },
+    }
+
+
+def ext_proc_config(p: BootstrapParams) -> dict[str, Any]:
+    """What every ext_proc filter towards the EPP shares."""
+    return {
+        T: EXT_PROC_TYPE,
+        "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+        "failure_mode_allow": p.fail_open,
+        "allow_mode_override": False,
+        "message_timeout": duration(p.message_timeout_s),
+        # FailClose with the EPP unreachable: a marker status the local-reply mapper turns
+        # into 503 "endpoint picker unavailable" with an OpenAI body.
+        "status_on_error": {"code": EXT_PROC_ERROR_STATUS},
     }
 
 
@@ -182,17 +226,24 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
             },
             **_json_direct(413, TOO_LARGE_BODY.replace("{limit}", str(p.max_body_bytes))),
         },
-        {
-            "name": "epp_routed",
-            "match": {**allowed, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
-            "route": {
-                "cluster": ROUTED_CLUSTER,
-                **route_opts,
-                "retry_policy": _retry_policy(p),
-            },
-            "response_headers_to_add": served,
-        },
     ]
+    routed = {"headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
+    epp_routed = {
+        "route": {"cluster": ROUTED_CLUSTER, **route_opts, "retry_policy": _retry_policy(p)},
+        "response_headers_to_add": served,
+    }
+    if p.observe_responses:
+        # The EPP asked to see this response (it rewrites it): the same route, with the
+        # response processor on (chosen again once the EPP has set its metadata).
+        routes.append(
+            {
+                "name": "epp_routed_response_via_epp",
+                "match": {**allowed, **routed, "dynamic_metadata": [via_epp_matcher()]},
+                **epp_routed,
+                "typed_per_filter_config": {RESPONSE_PROCESSOR: response_processor_enabled()},
+            }
+        )
+    routes.append({"name": "epp_routed", "match": {**allowed, **routed}, **epp_routed})
     if p.fail_open and p.fallback_endpoints:
         routes.append(
             {
@@ -224,6 +275,12 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
         )
     # Everything outside the inference API: the model servers' admin paths included.
     routes.append({"name": "not_found", "match": {"prefix": "/"}, **_json_direct(404, NOT_FOUND)})
+    if p.observe_responses:
+        for route in routes:
+            per_filter = route.setdefault("typed_per_filter_config", {})
+            per_filter.setdefault(RESPONSE_PROCESSOR, response_processor_disabled())
+            if "direct_response" in route:  # answered by Envoy: nothing to observe
+                per_filter.update(lua_disabled())
     return routes
 
 
@@ -331,16 +388,23 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         },
         "http_filters": [
             ext_proc_filter(p),
+            # Encoding runs backwards: Lua sees the model server's response as it came.
+            *([response_processor(p), lua_filter()] if p.observe_responses else []),
             {"name": "envoy.filters.http.router", "typed_config": {T: ROUTER_TYPE}},
         ],
     }
+    logs: list[dict[str, Any]] = []
     if p.access_log_path:
-        hcm["access_log"] = [
+        logs.append(
             {
                 "name": "envoy.access_loggers.file",
                 "typed_config": {T: FILE_LOG_TYPE, "path": p.access_log_path},
             }
-        ]
+        )
+    if p.observe_responses:
+        logs.append(access_log(p.observer_flush_s))
+    if logs:
+        hcm["access_log"] = logs
     return hcm
 
 

@@ -95,6 +95,10 @@ class BootstrapParams:
     access_log_path: str | None = None
     epp_health_interval_s: float = 1.0  # 0 disables Envoy's gRPC health check of the EPP
     stripped_headers: tuple[str, ...] = field(default=STRIPPED_HEADERS)
+    # The response observer (envoy/observer.py): a Lua filter and gRPC access log tell the EPP
+    # how a response ended, so the EPP need not process response bodies.
+    observe_responses: bool = False
+    observer_flush_s: float = 0.02  # access-log batches: at most this late
 
 
 def duration(seconds: float) -> str:

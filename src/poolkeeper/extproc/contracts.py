@@ -37,8 +37,9 @@ class RequestRouter(Protocol):
 
     def served(self, decision: RoutingDecision, endpoint: str) -> None: ...
 
-    def first_byte(self, decision: RoutingDecision) -> None:
-        """The first non-empty response body chunk of a successful response passed."""
+    def first_byte(self, decision: RoutingDecision, *, after_s: float | None = None) -> None:
+        """The first non-empty response body chunk of a successful response passed: now, or
+        (from the response observer, told afterwards) `after_s` after the request was sent."""
         ...
 
     def model_names(self) -> list[str]: ...

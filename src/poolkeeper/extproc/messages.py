@@ -18,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from poolkeeper import observation
 from poolkeeper.errors import GatewayError
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -109,6 +110,24 @@ def destination_metadata(endpoints: Sequence[str]) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
     md.update({LB_NAMESPACE: inner})
     return md
+
+
+def add_exchange_key(metadata: struct_pb2.Struct, key: str, *, via_epp: bool) -> None:
+    """Name the request for the response observer (`poolkeeper.exchange`); `via_epp`: its
+    response comes back to the EPP, through the response processor (envoy/observer.py)."""
+    names: dict[str, str] = {observation.EXCHANGE: key}
+    if via_epp:
+        names[observation.RESPONSE_PATH] = observation.VIA_EPP
+    metadata.update({observation.NAMESPACE: names})
+
+
+def exchange_key(request: pb.ProcessingRequest) -> str | None:
+    """The exchange key Envoy forwarded with a response (the response processor's streams)."""
+    names = request.metadata_context.filter_metadata.get(observation.NAMESPACE)
+    value = names.fields.get(observation.EXCHANGE) if names is not None else None
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    return str(value.string_value)
 
 
 def routing_headers(

@@ -1,9 +1,10 @@
 """The grpc.aio ExternalProcessor service: one `Exchange` per gRPC stream.
 
 The servicer only moves messages: it feeds each ProcessingRequest to the stream's Exchange and
-writes its replies in order. The `finally` runs on normal end, on errors and when Envoy cancels
-the stream (the task is cancelled inside `route` or between messages), so in-flight accounting
-is always released.
+writes its replies in order, and ends the stream early when the Exchange has detached (the
+response observer, `extproc/accesslog.py`). The `finally` runs on normal end, on errors and
+when Envoy cancels the stream (the task is cancelled inside `route` or between messages), so
+in-flight accounting is always released (or, for a detached exchange, left to the access log).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
+from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc.accesslog import DetachedExchanges
 from poolkeeper.extproc.contracts import (
     BodyBudget,
     ExchangeObserver,
@@ -41,12 +44,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         observer: ExchangeObserver | None = None,
         on_stream_end: Callable[[Exchange], None] | None = None,
         budget: BodyBudget | None = None,
+        detached: DetachedExchanges | None = None,
     ) -> None:
         self.router = router
         self.settings = settings or ExtProcSettings()
         self.observer = observer
         self.on_stream_end = on_stream_end
         self.budget = budget  # request-body bytes held by all streams together
+        # The response observer's waiting room (None: the EPP processes every response).
+        self.detached = detached
         self.active = 0
 
     async def Process(
@@ -55,16 +61,44 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
         exchange = Exchange(
-            self.router, settings=self.settings, observer=self.observer, budget=self.budget
+            self.router,
+            settings=self.settings,
+            observer=self.observer,
+            budget=self.budget,
+            detached=self.detached,
         )
         self.active += 1
+        generation = 0  # of the exchange this stream has: a resumed one's is later
+        handed_off = False
         try:
             async for request in request_iterator:
-                for reply in await exchange.handle(request):
+                if self.detached is not None and request.HasField("response_headers"):
+                    # The response processor's stream (envoy/observer.py): the request was
+                    # routed on an earlier stream. An unknown key (routed by an earlier EPP
+                    # process) keeps the fresh Exchange, which passes the response on as is.
+                    resumed = self.detached.resume(msg.exchange_key(request))
+                    if isinstance(resumed, Exchange):
+                        resumed.resumed()
+                        exchange, generation = resumed, resumed.generation
+                replies = await exchange.handle(request)
+                if exchange.detach_key is not None:
+                    # Routed: the replies go, then the stream ends (status OK). Envoy sends the
+                    # response on without this process; the access log reports how it ended,
+                    # or the response processor's stream resumes the request if the EPP
+                    # rewrites it. Handed off from the first reply on (it names the exchange
+                    # to Envoy): Envoy may finish the request, and cancel this stream, before
+                    # this generator runs again. (Should Envoy never have had that reply, the
+                    # waiting room's TTL releases the exchange.)
+                    handed_off = True
+                    for reply in replies:
+                        yield reply
+                    return
+                for reply in replies:
                     yield reply
         finally:
             self.active -= 1
-            exchange.close()
+            if not handed_off:
+                exchange.close(generation)
             if self.on_stream_end is not None:
                 self.on_stream_end(exchange)
 

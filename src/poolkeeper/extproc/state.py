@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper.errors import GatewayError, PathNotFound, PayloadTooLarge, ServerBusy
 from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
 from poolkeeper.extproc.contracts import (
     BUFFERED,
     CANCELLED_STATUS,
@@ -60,8 +61,15 @@ class Exchange:
         observer: ExchangeObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         budget: BodyBudget | None = None,
+        detached: DetachedExchanges | None = None,
     ) -> None:
         self.router = router
+        # With the response observer (extproc/accesslog.py): a routed request leaves this
+        # stream; Envoy's access log reports how it ended, or, for a response the EPP
+        # rewrites, the response processor's stream resumes it (`resumed`).
+        self.detached = detached
+        self.detach_key: str | None = None
+        self.generation = 0  # which gRPC stream has it: 1 once the response processor's does
         self.budget = budget
         self.budgeted = 0  # bytes of `body` taken from the shared budget
         self.settings = settings or ExtProcSettings()
@@ -198,6 +206,9 @@ class Exchange:
 
     def _routing_replies(self, decision: RoutingDecision, *, trailers: bool) -> Replies:
         metadata = msg.destination_metadata(decision.endpoints)
+        if self.detached is not None:
+            self.detach_key = self.detached.hold(self)
+            msg.add_exchange_key(metadata, self.detach_key, via_epp=_rewrites_response(decision))
         out_body = bytes(self.body) if decision.body is None else decision.body
         if self.header_only:  # nothing but the headers message to answer
             mutation = msg.routing_headers(decision.endpoints, None, self.stripped)
@@ -358,20 +369,51 @@ class Exchange:
             usage = usage_from_json(bytes(self.captured)) if self.captured else None
         self._complete(self.status, usage)
 
-    def close(self) -> None:
-        """End of the gRPC stream for any reason: release whatever is still held."""
+    def resumed(self) -> None:
+        """The response processor's stream takes this request over (its response needs the
+        EPP): from here on it ends like any other, with that stream."""
+        self.detach_key = None
+        self.generation += 1
+        self.phase = Phase.ROUTED
+
+    def observed(self, outcome: Outcome) -> None:
+        """A detached request ended (its access-log entry, or given up on as unknown)."""
+        decision = self.decision
+        if decision is None or self.completed:
+            return
+        self.served = outcome.served or self.served
+        self.status = outcome.status
+        self.response_bytes = outcome.response_bytes
+        if outcome.first_byte_after_s is not None and 200 <= outcome.status < 300:
+            try:
+                self.router.first_byte(decision, after_s=outcome.first_byte_after_s)
+            except Exception:
+                log.exception("first-byte bookkeeping failed request_id=%s", self.request_id)
+        # Envoy's own duration: the entry itself arrives up to a flush interval later.
+        self._complete(outcome.status, _usage_of(outcome, decision), seconds=outcome.duration_s)
+
+    def close(self, generation: int = 0) -> None:
+        """End of the gRPC stream for any reason (before any hand-off): release whatever is
+        still held. `generation`: the stream's; an earlier stream than the one that has the
+        request now changes nothing."""
+        if generation != self.generation:
+            return
+        if self.detach_key is not None and self.detached is not None:
+            self.detached.discard(self.detach_key)  # Envoy may never have had the replies
+            self.detach_key = None
         if not self.completed and self.decision is not None:
             usage = self.sse.usage if self.sse is not None else None
             self._complete(CANCELLED_STATUS, usage)
         self._release_body()
         self.phase = Phase.DONE
 
-    def _complete(self, status: int, usage: Usage | None) -> None:
+    def _complete(self, status: int, usage: Usage | None, *, seconds: float | None = None) -> None:
         if self.completed or self.decision is None:
             return
         self.completed = True
         decision = self.decision
-        seconds = self.clock() - self.started
+        if seconds is None:
+            seconds = self.clock() - self.started
         try:
             result = self.router.complete(
                 decision, status=status, usage=usage, served_endpoint=self.served
@@ -400,3 +442,30 @@ class Exchange:
             self.served or decision.endpoints[0],
             seconds,
         )
+
+
+def _rewrites_response(decision: RoutingDecision) -> bool:
+    """Whether the EPP must see the response: to drop the usage chunk it asked for on the
+    client's behalf, or to give the client's model name back."""
+    return decision.include_usage_injected or (
+        rewriter_for(decision.target_model, decision.model_name) is not None
+    )
+
+
+def _usage_of(outcome: Outcome, decision: RoutingDecision) -> Usage | None:
+    """The response's own usage; else, for a stream, an estimate (one token per SSE event that
+    is not `[DONE]`, the prompt as the EPP counted it), marked as such."""
+    if outcome.prompt_tokens is not None or outcome.completion_tokens is not None:
+        return Usage(
+            prompt_tokens=outcome.prompt_tokens or 0,
+            completion_tokens=outcome.completion_tokens or 0,
+            cached_tokens=outcome.cached_tokens,
+        )
+    generated = outcome.events - outcome.done_events
+    if decision.stream and generated > 0:
+        return Usage(
+            prompt_tokens=decision.prompt_tokens,
+            completion_tokens=generated,
+            estimated=True,
+        )
+    return None

@@ -30,10 +30,13 @@ def build_director(
     rng: random.Random,
     clock: Callable[[], float] = time.monotonic,
     flow_observer: FlowObserver | None = None,
+    responses_observed: bool = False,
 ) -> Director:
     """The Director `config.spec` describes, with its scheduler, admission controller and
     in-flight tracker: the one way a Director is built (the runtime and tests alike). Raises
-    ConfigError for a scheduling section that cannot be built.
+    ConfigError for a scheduling section that cannot be built. `responses_observed`: the
+    response observer is on (server/runtime.py), so usage is injected only into responses
+    that still pass the EPP (those whose model name it rewrites).
     """
     spec = config.spec
     staleness_s = spec.scraping.staleness_s
@@ -49,6 +52,7 @@ def build_director(
         flow_control=spec.flow_control,
         headroom=Headroom(admission.detector),  # the one saturation signal, shared
         flow_observer=flow_observer,
+        responses_observed=responses_observed,
     )
     gate = director.flow
     if gate is not None and isinstance(datastore, Datastore):

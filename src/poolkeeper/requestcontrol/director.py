@@ -133,8 +133,12 @@ class Director:
         flow_control: FlowControlConfig | None = None,
         headroom: Headroom | None = None,
         flow_observer: FlowObserver | None = None,
+        responses_observed: bool = False,
     ) -> None:
         self._datastore = datastore
+        # With the response observer, a response whose model name needs no rewrite never
+        # passes the EPP, so nothing could strip a usage chunk injected into it.
+        self._responses_observed = responses_observed
         self._scheduler = scheduler
         # Told about first bytes and ends only when some plugin learns from them.
         self._learner = (
@@ -372,7 +376,10 @@ class Director:
         if not endpoints:
             raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
 
-        inject = should_inject_usage(parsed, enabled=self._config.inject_stream_usage)
+        passes_epp = not self._responses_observed or target != parsed.model
+        inject = should_inject_usage(
+            parsed, enabled=self._config.inject_stream_usage and passes_epp
+        )
         body = None
         if inject or target != parsed.model:
             body = rewrite_body(
@@ -475,15 +482,17 @@ class Director:
         self._inflight.start(ticket.key, endpoint, ticket.tokens, self._clock())
         ticket.endpoint = endpoint
 
-    def first_byte(self, decision: RoutingDecision) -> None:
+    def first_byte(self, decision: RoutingDecision, *, after_s: float | None = None) -> None:
         """The first response byte of a streamed request arrived: for a scheduler that learns
-        time to first token, one observation (sent -> now, on the decision's clock)."""
+        time to first token, one observation (sent -> now, on the decision's clock; or sent
+        -> sent + `after_s` when the response observer reports it after the fact)."""
         ticket = decision.ticket
         learner = self._learner
         if learner is None or not decision.stream or not isinstance(ticket, Ticket):
             return
         if not ticket.done:
-            learner.observe_first_token(decision.request_id, ticket.endpoint, self._clock())
+            at = self._clock() if after_s is None else ticket.started_at + max(0.0, after_s)
+            learner.observe_first_token(decision.request_id, ticket.endpoint, at)
 
     def complete(
         self,

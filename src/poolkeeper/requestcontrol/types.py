@@ -27,6 +27,9 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None
+    # Counted by the gateway, not reported by the server (a stream without `usage`, seen only
+    # by the response observer): good for fairness and speed, kept out of token metrics.
+    estimated: bool = False
 
     @property
     def total_tokens(self) -> int:

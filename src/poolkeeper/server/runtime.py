@@ -36,6 +36,7 @@ from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.build import build_director
@@ -110,6 +111,7 @@ def bootstrap_params(
         stream_idle_timeout_s=edge.stream_idle_timeout_s,
         inference_paths=tuple(edge.inference_paths),
         max_body_bytes=config.spec.request_handling.max_body_bytes,
+        observe_responses=edge.observe_responses,
         # One upstream protocol for all pools (one routed cluster): h2c only if all say so.
         upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )
@@ -123,6 +125,7 @@ class GatewayRuntime:
     director: Director | None = None
     metrics: GatewayMetrics | None = None
     servicer: ExtProcServicer | None = None
+    detached: DetachedExchanges | None = None  # the response observer's waiting room
     envoy: EnvoySupervisor | None = None
     draining: bool = False
     _scrapers: ScraperManager | None = None
@@ -156,8 +159,13 @@ class GatewayRuntime:
         log.info("resources from %s", self._source.describe())
         self._scrapers = ScraperManager(spec.scraping, self.datastore.update_metrics)
         self._scrapers.follow(self.datastore)
+        # The response observer needs the Envoy we run (its Lua filter and access log).
+        observing = spec.edge.observe_responses and self.options.run_envoy
         self.director = build_director(
-            config, self.datastore, rng=random.Random(self.options.rng_seed)
+            config,
+            self.datastore,
+            rng=random.Random(self.options.rng_seed),
+            responses_observed=observing,
         )
         stats = getattr(self.director.scheduler, "stats", None)
         self.metrics = GatewayMetrics(
@@ -176,12 +184,24 @@ class GatewayRuntime:
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
         )
         budget = BodyBudget(spec.request_handling.max_inflight_body_bytes)
+        self.detached = DetachedExchanges() if observing else None
         self.servicer = ExtProcServicer(
-            self.director, settings=settings, observer=self.metrics, budget=budget
+            self.director,
+            settings=settings,
+            observer=self.metrics,
+            budget=budget,
+            detached=self.detached,
         )
         self._tasks.append(asyncio.create_task(_trim_after_bursts(budget), name="trim"))
+        detached = self.detached
+
+        def register(server: grpc.aio.Server) -> None:
+            health.register(server)
+            if detached is not None:  # the response observer's entries arrive here
+                AccessLogReceiver(detached).register(server)
+
         extproc, _ = build_server(
-            self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=health.register
+            self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=register
         )
         self._grpc_servers.append(extproc)
         health_server = grpc.aio.server()

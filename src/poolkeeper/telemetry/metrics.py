@@ -400,8 +400,8 @@ class GatewayMetrics:
             return
         self.request_duration.labels(model, target).observe(seconds)
         self.response_sizes.labels(model, target).observe(response_bytes)
-        if usage is not None:
-            # Upstream records token counts only when positive.
+        if usage is not None and not usage.estimated:
+            # Upstream records token counts only when positive, and only the server's own.
             if usage.prompt_tokens > 0:
                 self.input_tokens.labels(model, target).observe(usage.prompt_tokens)
             if usage.completion_tokens > 0:

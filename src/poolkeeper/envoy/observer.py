@@ -1,0 +1,161 @@
+"""The response observer: what Envoy tells the EPP about a response the EPP no longer processes.
+
+Why: the EPP answering every response chunk costs it CPU per generated token, and a stream
+whose body goes through the EPP cannot outlive it (Envoy fails open only until a
+FULL_DUPLEX body has been sent). So the EPP's ext_proc filter sees requests only; once a
+request is routed the EPP ends its ext_proc stream (`extproc/state.py`) and learns the
+outcome from Envoy:
+
+- a small Lua filter (after ext_proc) notes, in the stream's `poolkeeper` dynamic metadata
+  (keys in `poolkeeper.observation`), the time the request left for the model server, the time
+  of the first response body byte, the last OpenAI `usage` object's token counts and the number
+  of SSE `data:` events; it reads the bytes as they pass and holds none back;
+- Envoy's gRPC access-log service sends one entry per request that the EPP routed (a
+  metadata filter on `poolkeeper.exchange`, the key the EPP set when routing) to the EPP's own
+  gRPC port, on completion, client reset and upstream failure alike, with the status, the
+  response flags, the serving host and that metadata (`extproc/accesslog.py` reads it).
+
+A response the EPP must rewrite (the client's model name given back, an injected usage chunk
+removed) goes through a second ext_proc filter, `RESPONSE_PROCESSOR`, that sends responses
+only. It is off on every route but one, chosen again once the EPP has routed the request and
+set `poolkeeper.response` to "epp"; the EPP finds the request by its exchange key, forwarded
+with the response. (A per-request processing-mode override is refused by Envoy with
+FULL_DUPLEX bodies, and ending the one stream while Envoy may already be sending the response
+body would lose the chunk in flight: so a separate filter, chosen by the route.)
+"""
+
+from __future__ import annotations
+
+from string import Template
+from typing import Any
+
+from poolkeeper import observation as wire
+from poolkeeper.envoy.params import EPP_CLUSTER, EXT_PROC_PER_ROUTE_TYPE, T
+
+LUA_FILTER = "envoy.filters.http.lua"
+LUA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
+LUA_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.LuaPerRoute"
+ALS_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+ALS_LOG_NAME = "poolkeeper-observer"
+RESPONSE_PROCESSOR = "poolkeeper.response_processor"
+
+# Lua patterns, not regular expressions: `%b{}` is a balanced {...}. A `"usage"` key can only
+# be structural JSON (inside a JSON string its quotes are escaped). Each chunk is searched
+# together with the last 512 bytes of the previous one, so an object split between chunks is
+# still found; the last one seen wins (the final usage chunk of a stream).
+LUA_SOURCE = Template(r"""
+local NS = "${NS}"
+
+function envoy_on_request(handle)
+  handle:streamInfo():dynamicMetadata():set(NS, "${SENT}", handle:timestamp())
+end
+
+local function number(text, key)
+  local value = string.match(text, '"' .. key .. '"%s*:%s*(%d+)')
+  if value then return tonumber(value) end
+  return nil
+end
+
+function envoy_on_response(handle)
+  -- Envoy's Lua objects are valid only until the script yields (each body chunk), so the
+  -- metadata handle is fetched anew after each.
+  local seen_first = false
+  local events, done = 0, 0
+  local tail = ""
+  for chunk in handle:bodyChunks() do
+    local size = chunk:length()
+    if size > 0 then
+      if not seen_first then
+        seen_first = true
+        handle:streamInfo():dynamicMetadata():set(NS, "${FIRST}", handle:timestamp())
+      end
+      local bytes = chunk:getBytes(0, size)
+      local text = tail .. bytes
+      local _, n = string.gsub(bytes, "data:", "")
+      local _, d = string.gsub(bytes, "%[DONE%]", "")
+      events, done = events + n, done + d
+      for usage in string.gmatch(text, '"usage"%s*:%s*(%b{})') do
+        local prompt = number(usage, "prompt_tokens")
+        local completion = number(usage, "completion_tokens")
+        if prompt or completion then
+          local md = handle:streamInfo():dynamicMetadata()
+          md:set(NS, "${PROMPT}", prompt or 0)
+          md:set(NS, "${COMPLETION}", completion or 0)
+          local cached = number(usage, "cached_tokens")
+          if cached then md:set(NS, "${CACHED}", cached) end
+        end
+      end
+      if #text > 512 then tail = string.sub(text, -512) else tail = text end
+    end
+  end
+  local md = handle:streamInfo():dynamicMetadata()
+  md:set(NS, "${EVENTS}", events)
+  md:set(NS, "${DONE}", done)
+end
+""").substitute(
+    NS=wire.NAMESPACE,
+    SENT=wire.SENT_AT,
+    FIRST=wire.FIRST_BYTE_AT,
+    PROMPT=wire.PROMPT_TOKENS,
+    COMPLETION=wire.COMPLETION_TOKENS,
+    CACHED=wire.CACHED_TOKENS,
+    EVENTS=wire.EVENTS,
+    DONE=wire.DONE_EVENTS,
+)
+
+
+def lua_filter() -> dict[str, Any]:
+    return {
+        "name": LUA_FILTER,
+        "typed_config": {T: LUA_TYPE, "default_source_code": {"inline_string": LUA_SOURCE}},
+    }
+
+
+def via_epp_matcher() -> dict[str, Any]:
+    """Route match: the EPP asked to process this request's response."""
+    return {
+        "filter": wire.NAMESPACE,
+        "path": [{"key": wire.RESPONSE_PATH}],
+        "value": {"string_match": {"exact": wire.VIA_EPP}},
+    }
+
+
+def response_processor_enabled() -> dict[str, Any]:
+    return {T: EXT_PROC_PER_ROUTE_TYPE, "overrides": {}}
+
+
+def response_processor_disabled() -> dict[str, Any]:
+    return {T: EXT_PROC_PER_ROUTE_TYPE, "disabled": True}
+
+
+def lua_disabled() -> dict[str, Any]:
+    """Per-route: no observation on routes Envoy answers itself."""
+    return {LUA_FILTER: {T: LUA_PER_ROUTE_TYPE, "disabled": True}}
+
+
+def access_log(flush_interval_s: float) -> dict[str, Any]:
+    """One gRPC access-log entry per EPP-routed request, to the EPP's port, batched for at most
+    `flush_interval_s` (or 16 KiB): one message per batch, whatever the response's length."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {
+            "metadata_filter": {
+                "matcher": {
+                    "filter": wire.NAMESPACE,
+                    "path": [{"key": wire.EXCHANGE}],
+                    "value": {"present_match": True},
+                },
+                "match_if_key_not_found": False,
+            }
+        },
+        "typed_config": {
+            T: ALS_TYPE,
+            "common_config": {
+                "log_name": ALS_LOG_NAME,
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+                "buffer_flush_interval": f"{flush_interval_s:g}s",
+                "buffer_size_bytes": 16384,
+            },
+        },
+    }

@@ -1,0 +1,221 @@
+"""The EPP's end of the response observer: detached exchanges and Envoy's access-log entries.
+
+Once a routed request's response needs no rewrite, its Exchange ends the ext_proc stream and
+waits here, under the key the EPP put in the stream's `poolkeeper.exchange` metadata, until
+Envoy's gRPC access log (envoy/observer.py) reports how the response ended. `outcome_of` turns
+one access-log entry into an `Outcome` (a pure function of the entry); `DetachedExchanges`
+settles the waiting exchange with it. Bounded: at most `limit` exchanges wait, the oldest is
+settled as unknown (status 0) when a new one would pass the limit, and any left waiting longer
+than `ttl_s` (an entry lost with a broken access-log stream) is settled the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf import struct_pb2
+
+from poolkeeper import observation as wire
+
+log = logging.getLogger("poolkeeper.extproc")
+
+CUT_STATUS = 499  # the stream ended before its response did (as a cancelled ext_proc stream)
+UNKNOWN_STATUS = 0
+# Response flags meaning a response that had begun was cut short: reported like an ext_proc
+# stream that ended early. A failure before any response began has its own status.
+_UPSTREAM_CUT = (  # the model server's side: its response cannot have been whole
+    "upstream_remote_reset",
+    "upstream_connection_termination",
+    "upstream_protocol_error",  # e.g. unfinished chunked encoding: a server that died
+    "upstream_request_timeout",
+    "upstream_max_stream_duration_reached",
+)
+_DOWNSTREAM_CUT = (  # the client's side, or Envoy's: only if the response had not ended
+    "downstream_connection_termination",
+    "downstream_remote_reset",
+    "downstream_protocol_error",
+    "local_reset",
+    "stream_idle_timeout",
+    "duration_timeout",
+    "overload_manager",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a detached request ended, as Envoy saw it."""
+
+    status: int
+    served: str | None = None  # ip:port of the model server that answered
+    first_byte_after_s: float | None = None  # request sent upstream -> first body byte
+    prompt_tokens: int | None = None  # from the response's `usage`, when it had one
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    events: int = 0  # SSE `data:` events in the response
+    done_events: int = 0  # of which `[DONE]`
+    response_bytes: int = 0
+    duration_s: float | None = None  # request start -> last byte to the client (Envoy's clock)
+
+
+class Detached(Protocol):
+    """What waits here: an Exchange whose ext_proc stream has ended."""
+
+    def observed(self, outcome: Outcome) -> None: ...
+
+
+def _number(fields: Any, key: str) -> float | None:
+    value = fields.get(key)
+    if value is None or value.WhichOneof("kind") != "number_value":
+        return None
+    return float(value.number_value)
+
+
+def _count(fields: Any, key: str) -> int | None:
+    value = _number(fields, key)
+    return int(value) if value is not None and 0 <= value < 1 << 53 else None
+
+
+def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, Outcome] | None:
+    """(exchange key, outcome) of one entry; None for entries the EPP did not detach."""
+    common = entry.common_properties
+    meta: struct_pb2.Struct | None = common.metadata.filter_metadata.get(wire.NAMESPACE)
+    if meta is None:
+        return None
+    key_value = meta.fields.get(wire.EXCHANGE)
+    if key_value is None or key_value.WhichOneof("kind") != "string_value":
+        return None
+    fields = meta.fields
+    status = entry.response.response_code.value
+    flags = common.response_flags
+    # The Lua filter writes its counts once the whole response body has passed it: a client
+    # that closes its connection just after the last byte did get the whole response.
+    whole = wire.EVENTS in fields
+    cut = any(getattr(flags, name) for name in _UPSTREAM_CUT) or (
+        not whole and any(getattr(flags, name) for name in _DOWNSTREAM_CUT)
+    )
+    if status == 0 or (status < 400 and cut):
+        status = CUT_STATUS
+    t0, first = _number(fields, wire.SENT_AT), _number(fields, wire.FIRST_BYTE_AT)
+    address = common.upstream_remote_address.socket_address
+    served = f"{address.address}:{address.port_value}" if address.address else None
+    outcome = Outcome(
+        status=status,
+        served=served,
+        first_byte_after_s=(first - t0) / 1000 if t0 is not None and first is not None else None,
+        prompt_tokens=_count(fields, wire.PROMPT_TOKENS),
+        completion_tokens=_count(fields, wire.COMPLETION_TOKENS),
+        cached_tokens=_count(fields, wire.CACHED_TOKENS),
+        events=_count(fields, wire.EVENTS) or 0,
+        done_events=_count(fields, wire.DONE_EVENTS) or 0,
+        response_bytes=entry.response.response_body_bytes,
+        duration_s=(
+            common.time_to_last_downstream_tx_byte.ToTimedelta().total_seconds()
+            if common.HasField("time_to_last_downstream_tx_byte")
+            else None
+        ),
+    )
+    return key_value.string_value, outcome
+
+
+class DetachedExchanges:
+    """Exchanges waiting for their access-log entry, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        limit: int = 65_536,
+        ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit = limit
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._waiting: dict[str, tuple[float, Detached]] = {}
+        self._prefix = secrets.token_hex(4)  # keys of an earlier EPP process never match
+        self._sequence = itertools.count(1)
+        self.settled = 0
+        self.expired = 0  # settled as unknown: over the limit or the TTL
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def hold(self, exchange: Detached) -> str:
+        """Keep `exchange` until its entry arrives; returns the key Envoy will log."""
+        if len(self._waiting) >= self.limit:
+            oldest = next(iter(self._waiting))
+            self._give_up(oldest, "over the limit of waiting exchanges")
+        key = f"{self._prefix}-{next(self._sequence):x}"
+        self._waiting[key] = (self.clock(), exchange)
+        return key
+
+    def resume(self, key: str | None) -> Detached | None:
+        """The response processor's stream for `key` began: it takes the exchange over (its
+        access-log entry is then ignored). None for a key this process never gave out."""
+        held = self._waiting.pop(key, None) if key is not None else None
+        return held[1] if held is not None else None
+
+    def discard(self, key: str) -> None:
+        """The detach never reached Envoy (the stream broke first): forget it."""
+        self._waiting.pop(key, None)
+
+    def settle(self, key: str, outcome: Outcome) -> bool:
+        held = self._waiting.pop(key, None)
+        if held is None:
+            return False
+        self.settled += 1
+        held[1].observed(outcome)
+        return True
+
+    def expire(self) -> int:
+        """Settle, as unknown, the exchanges that waited longer than the TTL."""
+        cutoff = self.clock() - self.ttl_s
+        old = [key for key, (since, _) in self._waiting.items() if since < cutoff]
+        for key in old:
+            self._give_up(key, "no access-log entry within the TTL")
+        return len(old)
+
+    def _give_up(self, key: str, why: str) -> None:
+        held = self._waiting.pop(key, None)
+        if held is None:
+            return
+        self.expired += 1
+        log.warning("response observer: request settled as unknown (%s) key=%s", why, key)
+        held[1].observed(Outcome(status=UNKNOWN_STATUS))
+
+
+class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    """Envoy's access-log stream: each HTTP entry settles its detached exchange."""
+
+    def __init__(self, detached: DetachedExchanges) -> None:
+        self.detached = detached
+        self.entries = 0
+
+    async def StreamAccessLogs(
+        self,
+        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                self.entries += 1
+                try:
+                    parsed = outcome_of(entry)
+                    log.debug("access-log entry %s", parsed)
+                    if parsed is not None:
+                        self.detached.settle(*parsed)
+                except Exception:
+                    log.exception("response observer: an access-log entry could not be applied")
+            self.detached.expire()
+        return als_pb2.StreamAccessLogsResponse()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self, server)

@@ -1,0 +1,19 @@
+"""The response observer's wire contract, shared by both of its ends.
+
+Envoy's side (`envoy/observer.py`: a Lua filter and the gRPC access log) writes these keys in
+the stream's dynamic metadata; the EPP's side (`extproc/accesslog.py`) reads them. The EPP
+itself sets `EXCHANGE` when it routes a request, and `RESPONSE_PATH` when it will process
+the response too.
+"""
+
+NAMESPACE = "poolkeeper"
+EXCHANGE = "exchange"  # the EPP's key for the detached exchange (string)
+RESPONSE_PATH = "response"  # VIA_EPP: the EPP processes this response (it rewrites it)
+VIA_EPP = "epp"
+SENT_AT = "t0"  # ms (Envoy's clock) when the routed request went on towards the model server
+FIRST_BYTE_AT = "first"  # ms when the first response body byte passed
+PROMPT_TOKENS = "prompt"  # the last OpenAI `usage` object's counts, when the response had one
+COMPLETION_TOKENS = "completion"
+CACHED_TOKENS = "cached"
+EVENTS = "events"  # SSE `data:` events in the response; set once the whole body has passed
+DONE_EVENTS = "done"  # of which `data: [DONE]`

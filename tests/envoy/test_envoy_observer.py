@@ -1,0 +1,200 @@
+"""The response observer against the real Envoy: its Lua filter and gRPC access log tell the
+EPP how each routed response ended, after the EPP has left the request's ext_proc stream.
+
+What only a real Envoy shows: a stream in flight survives the EPP's death under FailOpen
+(with every response body passing the EPP it is cut: Envoy cannot fail open once a
+FULL_DUPLEX body was sent), and the status, first-byte time, usage, serving host, client
+resets and backend cuts all arrive through the access log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+
+from poolkeeper.envoy.bootstrap import BootstrapParams
+from poolkeeper.envoy.endpoints_file import EndpointsFile
+from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges
+from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.netutil import free_port
+from poolkeeper.telemetry.health import HealthService
+from tests.envoy.envoy_harness import Backend, RoundRobinRouter, running_envoy
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Rig:
+    url: str
+    backends: list[Backend]
+    router: RoundRobinRouter
+    epp: grpc.aio.Server
+    detached: DetachedExchanges | None
+
+
+@asynccontextmanager
+async def rig(
+    tmp_path: Path, *, observe: bool, inject_usage: bool = False, fail_open: bool = True
+) -> AsyncIterator[Rig]:
+    backends = [Backend("a"), Backend("b")]
+    for b in backends:
+        await b.start()
+    router = RoundRobinRouter(backends, inject_usage=inject_usage)
+    detached = DetachedExchanges() if observe else None
+    health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
+
+    def register(server: grpc.aio.Server) -> None:
+        health.register(server)
+        if detached is not None:
+            AccessLogReceiver(detached).register(server)
+
+    server, epp_port = build_server(
+        ExtProcServicer(router, detached=detached), f"127.0.0.1:{free_port()}", extra=register
+    )
+    await server.start()
+    endpoints = EndpointsFile(tmp_path / "endpoints.json")
+    endpoints.write([b.hostport for b in backends])
+    params = BootstrapParams(
+        listen_port=free_port(),
+        extproc_port=epp_port,
+        admin_port=free_port(),
+        fail_open=fail_open,
+        fallback_endpoints=tuple(b.hostport for b in backends),
+        endpoints_file=str(endpoints.path),
+        observe_responses=observe,
+    )
+    try:
+        async with running_envoy(params, tmp_path):
+            yield Rig(f"http://127.0.0.1:{params.listen_port}", backends, router, server, detached)
+    finally:
+        await server.stop(None)
+        for b in backends:
+            await b.stop()
+
+
+async def _until(condition: Callable[[], object], seconds: float = 10.0) -> None:
+    """Polls until `condition` holds; the bound only ends a failing test."""
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("observe", [True, False])
+async def test_a_stream_in_flight_outlives_the_epp_only_with_the_observer(
+    tmp_path: Path, observe: bool
+) -> None:
+    async with rig(tmp_path, observe=observe) as r:
+        body = {"model": "gated", "stream": True, "stream_options": {"include_usage": True}}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{r.url}{CHAT}", json=body) as resp,
+        ):
+            assert resp.status == 200
+            first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 20)
+            await r.epp.stop(None)  # the EPP dies while the answer is being generated
+            for backend in r.backends:
+                backend.gate.set()
+            try:
+                rest = await asyncio.wait_for(resp.read(), 20)
+            except aiohttp.ClientPayloadError:
+                rest = b"<cut>"
+        assert b"hello" in first
+        if observe:
+            assert rest.endswith(b"data: [DONE]\n\n"), rest
+            assert b"world" in rest
+        else:  # the body went through the EPP: Envoy cannot fail open any more
+            assert not rest.endswith(b"data: [DONE]\n\n"), rest
+
+
+async def test_the_outcome_of_a_stream_arrives_through_the_access_log(tmp_path: Path) -> None:
+    async with rig(tmp_path, observe=True) as r:
+        body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{r.url}{CHAT}", json=body) as resp,
+        ):
+            raw = await resp.read()
+        assert raw.endswith(b"data: [DONE]\n\n")
+        await _until(lambda: r.router.completed)
+        ((status, usage, served),) = r.router.completed
+        assert status == 200
+        assert served in {b.hostport for b in r.backends}
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.estimated) == (5, 2, False)
+        (after,) = r.router.first_byte_after
+        assert after is not None
+        assert 0 <= after < 5
+        assert r.detached is not None
+        assert len(r.detached) == 0
+
+
+async def test_a_json_answer_and_a_stream_without_usage(tmp_path: Path) -> None:
+    async with rig(tmp_path, observe=True) as r, aiohttp.ClientSession() as session:
+        async with session.post(f"{r.url}{CHAT}", json={"model": "m"}) as resp:
+            assert resp.status == 200
+            await resp.read()
+        await _until(lambda: len(r.router.completed) == 1)
+        async with session.post(f"{r.url}{CHAT}", json={"model": "m", "stream": True}) as resp:
+            raw = await resp.read()
+        assert b"usage" in raw
+        assert b'"prompt_tokens"' not in raw
+        await _until(lambda: len(r.router.completed) == 2)
+    (json_status, json_usage, _), (sse_status, sse_usage, _) = r.router.completed
+    assert json_status == sse_status == 200
+    assert json_usage is not None
+    assert (json_usage.prompt_tokens, json_usage.estimated) == (3, False)
+    assert json_usage.completion_tokens == 4
+    # Two content events and `[DONE]`: two tokens, counted by the gateway.
+    assert sse_usage is not None
+    assert (sse_usage.completion_tokens, sse_usage.estimated) == (2, True)
+
+
+async def test_a_client_leaving_mid_stream_and_a_backend_cut_are_reported_cut(
+    tmp_path: Path,
+) -> None:
+    async with rig(tmp_path, observe=True) as r, aiohttp.ClientSession() as session:
+        body = {"model": "gated", "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(f"{r.url}{CHAT}", json=body) as resp:
+            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 20)
+            resp.close()  # the client walks away
+        await _until(lambda: r.router.completed)
+        for backend in r.backends:
+            backend.gate.set()
+        async with session.post(f"{r.url}{CHAT}", json={"model": "cut", "stream": True}) as resp:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+        await _until(lambda: len(r.router.completed) == 2)
+    assert [status for status, _, _ in r.router.completed] == [499, 499]
+    assert r.detached is not None
+    assert len(r.detached) == 0
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_responses_the_epp_rewrites_still_pass_it(tmp_path: Path, fail_open: bool) -> None:
+    """An injected usage chunk must be stripped: that stream goes to the EPP (through the
+    response processor, on the route the EPP's metadata chooses)."""
+    async with rig(tmp_path, observe=True, inject_usage=True, fail_open=fail_open) as r:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{r.url}{CHAT}", json={"model": "m", "stream": True}) as resp,
+        ):
+            raw = await resp.read()
+        assert raw.endswith(b"data: [DONE]\n\n")
+        assert b'"prompt_tokens"' not in raw  # the injected usage chunk was removed
+        await _until(lambda: r.router.completed)
+        ((status, usage, _),) = r.router.completed
+        assert status == 200
+        assert usage is not None
+        assert (usage.completion_tokens, usage.estimated) == (2, False)
+        assert r.detached is not None
+        assert len(r.detached) == 0

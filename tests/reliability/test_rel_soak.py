@@ -33,6 +33,13 @@ from tests.reliability.test_rel_restart import _serve
 
 MODEL = "tiny-base"
 WORKERS = 8
+# Every request ended, the response observer's waiting room included, and none given up on
+# (each access-log entry arrived).
+UNSETTLED = (
+    "inference_model_running_requests{",
+    "inference_extension_response_observer_waiting ",
+    "inference_extension_response_observer_given_up_total ",
+)
 
 
 def _fds(pid: int) -> int:
@@ -107,7 +114,7 @@ async def _soak(tmp_path: Path, seconds: float) -> dict[str, Any]:
         await asyncio.gather(*workers)
         metrics_url = f"http://127.0.0.1:{ports['metrics']}/metrics"
         deadline = time.monotonic() + 20
-        running = ""
+        running = text = ""
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
                 async with session.get(metrics_url) as resp:
@@ -115,8 +122,7 @@ async def _soak(tmp_path: Path, seconds: float) -> dict[str, Any]:
                 running = "\n".join(
                     line
                     for line in text.splitlines()
-                    if line.startswith("inference_model_running_requests{")
-                    and not line.endswith(" 0.0")
+                    if line.startswith(UNSETTLED) and not line.endswith(" 0.0")
                 )
                 if not running and _fds(pid) <= fds0 + 2:
                     break
@@ -128,6 +134,7 @@ async def _soak(tmp_path: Path, seconds: float) -> dict[str, Any]:
             "fds_before": fds0,
             "fds_after": _fds(pid),
             "running_left": running,
+            "observer_exported": UNSETTLED[1] in text,
             "rss_first": samples[0][1] if samples else 0.0,
             "rss_last": samples[-1][1] if samples else 0.0,
             "slope_mb_per_min": _slope(warm) * 60,
@@ -156,6 +163,7 @@ async def test_short_soak_returns_to_baseline(tmp_path: Path) -> None:
     print("short soak", result)
     assert result["requests"] >= 30, result
     assert result["running_left"] == "", result
+    assert result["observer_exported"], "the response observer's gauge is missing"
     assert result["fds_after"] <= result["fds_before"] + 2, result
 
 

@@ -20,7 +20,7 @@ from poolkeeper.telemetry.health import (
     check_health,
 )
 from poolkeeper.telemetry.logs import configure_logging
-from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, PoolStats
+from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, ObserverStats, PoolStats
 
 
 def _samples(m: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -66,6 +66,18 @@ def test_token_metrics_count_only_what_the_server_reported() -> None:
     assert s[("inference_model_request_duration_seconds_count", labels)] == 1
     assert ("inference_model_output_tokens_count", labels) not in s
     assert ("inference_model_input_tokens_count", labels) not in s
+
+
+def test_the_response_observers_waiting_room_is_exported() -> None:
+    m = GatewayMetrics()
+    stats = [ObserverStats(waiting=3, settled=10, given_up=1)]
+    m.follow_observer(lambda: stats[0])
+    s = _samples(m)
+    assert s[("inference_extension_response_observer_waiting", ())] == 3
+    assert s[("inference_extension_response_observer_settled_total", ())] == 10
+    assert s[("inference_extension_response_observer_given_up_total", ())] == 1
+    stats[0] = ObserverStats(waiting=0, settled=13, given_up=1)  # read at every scrape
+    assert _samples(m)[("inference_extension_response_observer_waiting", ())] == 0
 
 
 def test_errors_are_counted_by_code() -> None:

@@ -44,7 +44,7 @@ from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
 from poolkeeper.telemetry.health import HealthService
-from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats, QueueStats
+from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats, QueueStats
 
 log = logging.getLogger("poolkeeper.server")
 
@@ -184,7 +184,11 @@ class GatewayRuntime:
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
         )
         budget = BodyBudget(spec.request_handling.max_inflight_body_bytes)
-        self.detached = DetachedExchanges() if observing else None
+        self.detached = detached = DetachedExchanges() if observing else None
+        if detached is not None:
+            self.metrics.follow_observer(
+                lambda: ObserverStats(len(detached), detached.settled, detached.expired)
+            )
         self.servicer = ExtProcServicer(
             self.director,
             settings=settings,
@@ -193,7 +197,6 @@ class GatewayRuntime:
             detached=self.detached,
         )
         self._tasks.append(asyncio.create_task(_trim_after_bursts(budget), name="trim"))
-        detached = self.detached
 
         def register(server: grpc.aio.Server) -> None:
             health.register(server)

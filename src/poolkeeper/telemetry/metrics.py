@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
@@ -124,6 +129,38 @@ class _QueueCollector(Collector):
             size_bytes.add_metric([stats.pool, stats.priority], stats.bytes)
         yield size
         yield size_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ObserverStats:
+    """The response observer's waiting room (extproc/accesslog.py), read at scrape time."""
+
+    waiting: int  # routed requests whose response has not been reported yet
+    settled: int  # ended by their access-log entry
+    given_up: int  # settled as unknown: over the limit or the TTL (entries lost)
+
+
+class _ObserverCollector(Collector):
+    def __init__(self, source: Callable[[], ObserverStats]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.source()
+        yield GaugeMetricFamily(
+            "inference_extension_response_observer_waiting",
+            "Routed requests whose end Envoy's access log has not reported yet.",
+            value=stats.waiting,
+        )
+        yield CounterMetricFamily(
+            "inference_extension_response_observer_settled",
+            "Requests ended by their access-log entry.",
+            value=stats.settled,
+        )
+        yield CounterMetricFamily(
+            "inference_extension_response_observer_given_up",
+            "Requests settled as unknown, their entry never seen (waiting-room limit or TTL).",
+            value=stats.given_up,
+        )
 
 
 class _PoolCollector(Collector):
@@ -361,6 +398,10 @@ class GatewayMetrics:
         )
         if flow_stats is not None:
             r.register(_QueueCollector(flow_stats))
+
+    def follow_observer(self, source: Callable[[], ObserverStats]) -> None:
+        """Export the response observer's waiting room (when the runtime has one)."""
+        self.registry.register(_ObserverCollector(source))
 
     def _labels(self, decision: RoutingDecision) -> tuple[str, str]:
         return self._model(decision.model_name), self._target(decision.target_model)

@@ -172,3 +172,18 @@ def test_installed_command_prints_the_bootstrap(tmp_path: Path) -> None:
     bootstrap = json.loads(result.stdout)
     listener = bootstrap["static_resources"]["listeners"][0]
     assert listener["address"]["socket_address"]["port_value"] == ports[0]
+
+
+def test_serve_runs_on_uvloop_unless_asked_for_asyncio() -> None:
+    import uvloop
+
+    from poolkeeper.cli.serve import loop_factory
+
+    assert loop_factory("asyncio") is None  # asyncio.Runner's own default loop
+    factory = loop_factory("uvloop")
+    assert factory is not None
+    loop = factory()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()

@@ -330,6 +330,9 @@ async def main(protocol_rate: float) -> int:
         default=0.001,
         help="simulator speed (0.05 paces streamed tokens ~0.4 ms apart, as separate chunks)",
     )
+    parser.add_argument(
+        "--envoy-concurrency", type=int, default=1, help="Envoy worker threads (serve's flag)"
+    )
     args = parser.parse_args()
     peers = [p for p in args.peers.split(",") if p]
     if any(p not in PEERS for p in peers) or not 0 < args.peer_rate <= 100:
@@ -343,6 +346,8 @@ async def main(protocol_rate: float) -> int:
         parser.error("--stream-tokens must be in [1, 4096] and --sim-time-scale in (0, 1]")
     if any(r <= 0 or r > 1000 for r in rates) or not 0 < args.duration <= 120:
         parser.error("rates must be in (0, 1000] and --duration in (0, 120]")
+    if not 1 <= args.envoy_concurrency <= 64:
+        parser.error("--envoy-concurrency must be in [1, 64]")
 
     tmp = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
     (config := tmp / "config").mkdir()
@@ -356,7 +361,17 @@ async def main(protocol_rate: float) -> int:
         tmp / "sim.log",
     )  # fmt: skip
     serve = start(
-        ["serve", "-f", str(config), "--workdir", str(tmp / "envoy"), "--log-level", "warning"],
+        [
+            "serve",
+            "-f",
+            str(config),
+            "--workdir",
+            str(tmp / "envoy"),
+            "--log-level",
+            "warning",
+            "--envoy-concurrency",
+            str(args.envoy_concurrency),
+        ],
         tmp / "serve.log",
     )
     direct = f"http://127.0.0.1:{sim_port}/v1/chat/completions"
@@ -389,7 +404,7 @@ async def main(protocol_rate: float) -> int:
     print(
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}, {platform.system()} {platform.release()}; sim, EPP, "
-        "Envoy (1 worker) and the client share the machine.\n"
+        f"Envoy ({args.envoy_concurrency} worker) and the client share the machine.\n"
     )
     if rows:
         print("| rate (pairs/s) | pairs | direct p50 / p99 ms | gateway p50 / p99 ms "

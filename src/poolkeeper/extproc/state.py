@@ -5,8 +5,13 @@ trailers. In FULL_DUPLEX_STREAMED mode the EPP holds its request-headers reply u
 body has arrived and been routed, then answers headers → body (≤ 62,000-byte chunks) in that
 order; in BUFFERED mode every message is answered as it comes and the decision rides on the
 body reply. Response messages are answered one for one. After an ImmediateResponse nothing more
-is sent. `close()` always runs (normal end, error or cancellation) and releases the request's
-in-flight accounting exactly once.
+is sent. `close()` runs when a stream ends before any hand-off (normal end, error or
+cancellation) and releases the request's in-flight accounting exactly once.
+
+With the response observer (`extproc/accesslog.py`) a request lives on two or three streams'
+worth of time: its own stream ends once routed (the hand-off); then either `observed()` (Envoy's
+access log) or, for a response the EPP rewrites, `resumed()` by the response processor's stream
+ends it, exactly once either way.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from aiohttp import web
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.errors import BadRequest, NoReadyEndpoint
+from poolkeeper.netutil import free_port
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 
 
@@ -169,6 +170,21 @@ class RoundRobinRouter:
 
     def ready(self) -> bool:
         return True
+
+
+def rig_params(
+    backends: list[Backend], epp_port: int, endpoints_path: Path, *, fail_open: bool, **more: Any
+) -> BootstrapParams:
+    """The bootstrap of the tests' rigs: the backends are the fallbacks, fresh local ports."""
+    return BootstrapParams(
+        listen_port=free_port(),
+        extproc_port=epp_port,
+        admin_port=free_port(),
+        fail_open=fail_open,
+        fallback_endpoints=tuple(b.hostport for b in backends),
+        endpoints_file=str(endpoints_path),
+        **more,
+    )
 
 
 @asynccontextmanager

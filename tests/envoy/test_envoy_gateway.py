@@ -19,7 +19,6 @@ import aiohttp
 import grpc
 import pytest
 
-from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoySupervisor
 from poolkeeper.extproc.server import ExtProcServicer, build_server
@@ -30,6 +29,7 @@ from tests.envoy.envoy_harness import (
     Backend,
     Canary,
     RoundRobinRouter,
+    rig_params,
     running_envoy,
 )
 
@@ -71,14 +71,7 @@ async def rig(
         await server.start()
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([*(b.hostport for b in backends), *extra])
-    params = BootstrapParams(
-        listen_port=free_port(),
-        extproc_port=epp_port,
-        admin_port=free_port(),
-        fail_open=fail_open,
-        fallback_endpoints=tuple(b.hostport for b in backends),
-        endpoints_file=str(endpoints.path),
-    )
+    params = rig_params(backends, epp_port, endpoints.path, fail_open=fail_open)
     try:
         async with running_envoy(params, tmp_path) as envoy:
             yield Rig(

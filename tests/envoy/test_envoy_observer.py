@@ -19,13 +19,12 @@ import aiohttp
 import grpc
 import pytest
 
-from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.telemetry.health import HealthService
-from tests.envoy.envoy_harness import Backend, RoundRobinRouter, running_envoy
+from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params, running_envoy
 
 pytestmark = pytest.mark.integration
 
@@ -63,14 +62,8 @@ async def rig(
     await server.start()
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([b.hostport for b in backends])
-    params = BootstrapParams(
-        listen_port=free_port(),
-        extproc_port=epp_port,
-        admin_port=free_port(),
-        fail_open=fail_open,
-        fallback_endpoints=tuple(b.hostport for b in backends),
-        endpoints_file=str(endpoints.path),
-        observe_responses=observe,
+    params = rig_params(
+        backends, epp_port, endpoints.path, fail_open=fail_open, observe_responses=observe
     )
     try:
         async with running_envoy(params, tmp_path):

@@ -99,6 +99,27 @@ async def test_bootstrap_follows_pool_failure_mode(tmp_path: Path, mode: str) ->
     assert params.endpoints_file is None  # envoy-config prints them inline
 
 
+@pytest.mark.parametrize(
+    ("setting", "managed", "observed"),
+    [
+        (None, True, True),  # serve's own Envoy: on
+        (None, False, False),  # envoy-config / --no-envoy / --kubernetes: a proxy we don't run
+        (True, False, True),  # the operator runs the bootstrap envoy-config prints
+        (False, True, False),
+    ],
+)
+async def test_the_response_observer_is_on_only_where_poolkeeper_configures_the_proxy(
+    tmp_path: Path, setting: bool | None, managed: bool, observed: bool
+) -> None:
+    directory, _ = _write(tmp_path, "FailClose")
+    config, store = await _start([directory])
+    edge = config.spec.edge.model_copy(update={"observe_responses": setting})
+    config = config.model_copy(update={"spec": config.spec.model_copy(update={"edge": edge})})
+    assert edge.responses_observed(managed_envoy=managed) is observed
+    params = bootstrap_params(config, store.snapshot(), managed=managed)
+    assert params.observe_responses is observed
+
+
 def test_envoy_config_command_prints_bootstrap(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -192,17 +192,24 @@ class Edge(_Section):
     answer's whole generation) before the gateway answers 504 upstream_timeout."""
     stream_idle_timeout_s: float = Field(default=300.0, ge=1.0, le=86_400.0)
     """A response stream silent for this long is closed (there is no total timeout)."""
-    observe_responses: bool = True
-    """With the Envoy `serve` runs: once a request is routed and its response needs no
-    rewrite, the endpoint picker ends its ext_proc stream and learns how the response ended
-    (status, first byte, token usage) from Envoy's access log and a small Lua filter. Streams
-    then outlive the endpoint picker under FailOpen, and its CPU per request no longer grows
-    with the tokens generated. Responses whose model name the gateway rewrites (a split to
-    another target) still pass the endpoint picker. `requestHandling.injectStreamUsage` then
-    applies only to those (nothing else could remove the extra chunk); other streams without
+    observe_responses: bool | None = None
+    """The response observer. On, once a request is routed the endpoint picker ends its
+    ext_proc stream and learns how the response ended (status, first byte, token usage) from
+    Envoy's gRPC access log and a small Lua filter: streams then outlive the endpoint picker
+    under FailOpen, and its CPU per request no longer grows with the tokens generated.
+    Responses the gateway rewrites (a split's model name, an injected usage chunk) still pass
+    the endpoint picker, through a second, response-only ext_proc filter;
+    `requestHandling.injectStreamUsage` then applies only to those. Other streams without
     `usage` are counted one token per event for fairness and speed, and kept out of the token
-    metrics (as upstream, which counts only a response's own usage). False: every response
-    passes through the endpoint picker."""
+    metrics (as upstream, which counts only a response's own usage). Unset (default): on with
+    the Envoy `serve` runs, off with `serve --no-envoy` or `--kubernetes` (a proxy the endpoint
+    picker does not configure) and in what `envoy-config` prints. True: on everywhere; your
+    own Envoy must then run the bootstrap `envoy-config` prints. False: every response passes
+    through the endpoint picker."""
+
+    def responses_observed(self, *, managed_envoy: bool) -> bool:
+        """Whether the response observer is on, given whether `serve` runs the Envoy."""
+        return managed_envoy if self.observe_responses is None else self.observe_responses
 
     @field_validator("inference_paths")
     @classmethod

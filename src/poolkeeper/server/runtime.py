@@ -81,10 +81,15 @@ def fail_open_unserved_names(snapshot: DatastoreSnapshot) -> list[str]:
 
 
 def bootstrap_params(
-    config: GatewayConfig, snapshot: DatastoreSnapshot, *, endpoints_file: Path | None = None
+    config: GatewayConfig,
+    snapshot: DatastoreSnapshot,
+    *,
+    endpoints_file: Path | None = None,
+    managed: bool = False,
 ) -> BootstrapParams:
     """The Envoy bootstrap for this configuration (also what `envoy-config` prints, with the
-    routed endpoints inline; `serve` passes `endpoints_file`, kept current on hot reload)."""
+    routed endpoints inline; `serve` passes `endpoints_file`, kept current on hot reload, and
+    `managed`: it runs this Envoy itself)."""
     listeners = config.spec.listeners
     edge = config.spec.edge
     pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
@@ -111,7 +116,7 @@ def bootstrap_params(
         stream_idle_timeout_s=edge.stream_idle_timeout_s,
         inference_paths=tuple(edge.inference_paths),
         max_body_bytes=config.spec.request_handling.max_body_bytes,
-        observe_responses=edge.observe_responses,
+        observe_responses=edge.responses_observed(managed_envoy=managed),
         # One upstream protocol for all pools (one routed cluster): h2c only if all say so.
         upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )
@@ -159,8 +164,8 @@ class GatewayRuntime:
         log.info("resources from %s", self._source.describe())
         self._scrapers = ScraperManager(spec.scraping, self.datastore.update_metrics)
         self._scrapers.follow(self.datastore)
-        # The response observer needs the Envoy we run (its Lua filter and access log).
-        observing = spec.edge.observe_responses and self.options.run_envoy
+        # The response observer: on by default only with the Envoy we run and configure.
+        observing = spec.edge.responses_observed(managed_envoy=self.options.run_envoy)
         self.director = build_director(
             config,
             self.datastore,
@@ -253,7 +258,9 @@ class GatewayRuntime:
             endpoints.write(e.hostport for e in snapshot.all_endpoints())
 
         self._unsubscribe.append(self.datastore.subscribe(rewrite))
-        params = bootstrap_params(config, self.datastore.snapshot(), endpoints_file=endpoints.path)
+        params = bootstrap_params(
+            config, self.datastore.snapshot(), endpoints_file=endpoints.path, managed=True
+        )
         config_path = workdir / "envoy.json"
         config_path.write_text(render(build_bootstrap(params)))
         self.envoy = EnvoySupervisor(

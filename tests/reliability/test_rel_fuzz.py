@@ -1,6 +1,7 @@
 """Property and fuzz tests (hypothesis) of the parsers clients and servers feed: the request
-body parser, the SSE re-framer, the Prometheus reader, the YAML loader and ext_proc message
-sequences. Each must answer every input with a result or its own precise error, never a crash.
+body parser, the SSE re-framer, the Prometheus reader, the YAML loader, ext_proc message
+sequences and Envoy's access-log entries (the response observer). Each must answer every
+input with a result or its own precise error, never a crash.
 
 Examples per property: POOLKEEPER_FUZZ_EXAMPLES (default 150 in CI; `make soak` raises it).
 """
@@ -8,14 +9,19 @@ Examples per property: POOLKEEPER_FUZZ_EXAMPLES (default 150 in CI; `make soak` 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
+from envoy.data.accesslog.v3 import accesslog_pb2
+from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from poolkeeper import observation as wire
 from poolkeeper.api.load import MAX_EXPANDED_NODES, load_text
 from poolkeeper.backend.promtext import PromParseError, parse_families
 from poolkeeper.errors import BadRequest
+from poolkeeper.extproc.accesslog import outcome_of
 from poolkeeper.extproc.contracts import BodyBudget
 from poolkeeper.extproc.state import Exchange
 from poolkeeper.extproc.usage import SseUsageFilter
@@ -172,6 +178,49 @@ async def test_extproc_message_sequences_never_crash_or_leak(messages: list[Any]
     assert len(router.completed) <= 1
     if exchange.decision is not None:
         assert len(router.completed) == 1
+
+
+_WIRE_KEYS = [
+    wire.EXCHANGE, wire.SENT_AT, wire.FIRST_BYTE_AT, wire.PROMPT_TOKENS,
+    wire.COMPLETION_TOKENS, wire.CACHED_TOKENS, wire.EVENTS, wire.DONE_EVENTS, "other",
+]  # fmt: skip
+
+
+@FUZZ
+@given(
+    st.fixed_dictionaries(
+        {wire.EXCHANGE: st.text(max_size=8)},
+        optional={key: st.floats() | _json for key in _WIRE_KEYS[1:]},
+    )
+    | st.dictionaries(st.sampled_from(_WIRE_KEYS), _json | st.floats(), max_size=9),
+    st.integers(min_value=0, max_value=999),
+    st.lists(st.sampled_from(["downstream_remote_reset", "upstream_protocol_error"]), max_size=2),
+)
+def test_access_log_entries_never_crash_the_observer(
+    fields: dict[str, Any], status: int, flags: list[str]
+) -> None:
+    """Whatever an access-log entry carries (the Lua filter's keys with any JSON value, NaN
+    and infinities included), reading it gives an outcome with sane numbers, or nothing."""
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.response.response_code.value = status
+    meta = struct_pb2.Struct()
+    meta.update(fields)
+    entry.common_properties.metadata.filter_metadata[wire.NAMESPACE].CopyFrom(meta)
+    for flag in flags:
+        setattr(entry.common_properties.response_flags, flag, True)
+    parsed = outcome_of(entry)
+    if not isinstance(fields.get(wire.EXCHANGE), str):
+        assert parsed is None
+        return
+    assert parsed is not None
+    key, outcome = parsed
+    assert key == fields[wire.EXCHANGE]
+    for count in (outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens):
+        assert count is None or (isinstance(count, int) and count >= 0)
+    assert outcome.events >= 0
+    assert outcome.done_events >= 0
+    after = outcome.first_byte_after_s
+    assert after is None or (after >= 0 and math.isfinite(after))
 
 
 def test_billion_laughs_is_refused_at_once() -> None:

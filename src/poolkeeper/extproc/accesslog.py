@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -84,6 +85,15 @@ def _count(fields: Any, key: str) -> int | None:
     return int(value) if value is not None and 0 <= value < 1 << 53 else None
 
 
+def _elapsed_s(start_ms: float | None, end_ms: float | None) -> float | None:
+    """Seconds between two of the Lua filter's millisecond stamps; None unless both are there
+    and the difference is a real, non-negative time."""
+    if start_ms is None or end_ms is None:
+        return None
+    seconds = (end_ms - start_ms) / 1000
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
 def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, Outcome] | None:
     """(exchange key, outcome) of one entry; None for entries the EPP did not detach."""
     common = entry.common_properties
@@ -110,7 +120,7 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, Outcome] |
     outcome = Outcome(
         status=status,
         served=served,
-        first_byte_after_s=(first - t0) / 1000 if t0 is not None and first is not None else None,
+        first_byte_after_s=_elapsed_s(t0, first),
         prompt_tokens=_count(fields, wire.PROMPT_TOKENS),
         completion_tokens=_count(fields, wire.COMPLETION_TOKENS),
         cached_tokens=_count(fields, wire.CACHED_TOKENS),

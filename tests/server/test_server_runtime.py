@@ -208,3 +208,34 @@ def test_serve_runs_on_uvloop_unless_asked_for_asyncio() -> None:
         assert isinstance(loop, uvloop.Loop)
     finally:
         loop.close()
+
+
+async def test_exchanges_whose_entry_never_comes_are_released_without_any_entry() -> None:
+    """The access-log stream may be gone for good: the runtime's own timer applies the TTL."""
+    import asyncio
+
+    from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
+    from poolkeeper.server.runtime import _expire_detached
+
+    now = [0.0]
+    room = DetachedExchanges(ttl_s=10.0, clock=lambda: now[0])
+    outcomes: list[Outcome] = []
+
+    class Waiting:
+        def observed(self, outcome: Outcome) -> None:
+            outcomes.append(outcome)
+
+    room.hold(Waiting())
+    task = asyncio.create_task(_expire_detached(room, every_s=0.01))
+    try:
+        await asyncio.sleep(0.05)
+        assert outcomes == []  # younger than the TTL
+        now[0] = 11.0
+        for _ in range(200):
+            if outcomes:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert [o.status for o in outcomes] == [0]
+    assert len(room) == 0

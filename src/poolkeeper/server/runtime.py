@@ -202,6 +202,8 @@ class GatewayRuntime:
             detached=self.detached,
         )
         self._tasks.append(asyncio.create_task(_trim_after_bursts(budget), name="trim"))
+        if detached is not None:
+            self._tasks.append(asyncio.create_task(_expire_detached(detached), name="expire"))
 
         def register(server: grpc.aio.Server) -> None:
             health.register(server)
@@ -403,6 +405,14 @@ async def _trim_after_bursts(budget: BodyBudget, every_s: float = 2.0) -> None:
         if budget.used == 0 and budget.peak >= TRIM_AFTER_BYTES:
             budget.peak = 0
             await asyncio.to_thread(trim)
+
+
+async def _expire_detached(detached: DetachedExchanges, every_s: float = 30.0) -> None:
+    """Settle exchanges whose access-log entry never came (their TTL passed) even when no
+    entries arrive at all (the access-log stream broken for good)."""
+    while True:
+        await asyncio.sleep(every_s)
+        detached.expire()
 
 
 async def _envoy_active_requests(session: aiohttp.ClientSession, admin: str) -> int:

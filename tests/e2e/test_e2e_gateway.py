@@ -456,10 +456,13 @@ async def test_spoofed_destination_header_is_ignored(gateway: Gateway) -> None:
         await canary.stop()
 
 
-def _small_gateway(fleet: Fleet, directory: Path, failure_mode: str) -> tuple[Proc, dict[str, int]]:
+def _small_gateway(
+    fleet: Fleet, directory: Path, failure_mode: str, spec: str = ""
+) -> tuple[Proc, dict[str, int]]:
+    """`spec`: more lines of the GatewayConfig's spec (indented by two spaces)."""
     ports = gateway_ports()
     docs = [
-        gateway_doc(ports, [(f"sim-{i}", p, "sim") for i, p in enumerate(fleet.ports)]),
+        gateway_doc(ports, [(f"sim-{i}", p, "sim") for i, p in enumerate(fleet.ports)]) + spec,
         POOL.format(name="fleet", app="sim", failure_mode=failure_mode),
         model_doc(BASE, "fleet", "Critical"),
     ]
@@ -509,6 +512,44 @@ async def test_epp_killed(fleet: Fleet, tmp_path: Path, failure_mode: str) -> No
         finally:
             await client.close()
             await canary.stop()
+
+
+@pytest.mark.parametrize("observe", [True, False])
+async def test_a_stream_in_flight_outlives_a_killed_epp_under_fail_open(
+    fleet: Fleet, tmp_path: Path, observe: bool
+) -> None:
+    """Reliability finding 5: with the response observer (the default with `serve`'s Envoy)
+    the EPP leaves each request once routed, so its death does not cut the answer; with every
+    response through the EPP (`observeResponses: false`) Envoy cannot fail open mid-stream."""
+    spec = "" if observe else "  edge: {observeResponses: false}\n"
+    proc, ports = _small_gateway(fleet, tmp_path, "FailOpen", spec)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="x", max_retries=0, timeout=30
+    )
+    chunks: list[Any] = []
+    cut = False
+    with killing_orphans(proc):
+        try:
+            stream = await client.chat.completions.create(
+                model=BASE, messages=[{"role": "user", "content": "a long story"}],
+                max_tokens=1500, stream=True,
+            )  # fmt: skip
+            try:
+                async for chunk in stream:
+                    chunks.append(chunk)
+                    if len(chunks) == 1:
+                        proc.stop(signal.SIGKILL)  # the EPP dies; its Envoy child runs on
+            except openai.APIError:
+                cut = True
+        finally:
+            await client.close()
+    finished = any(c.choices and c.choices[0].finish_reason for c in chunks)
+    if observe:
+        assert not cut
+        assert finished
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 100
+    else:
+        assert cut or not finished
 
 
 async def test_sigterm_drains_an_inflight_stream(fleet: Fleet, tmp_path: Path) -> None:

@@ -110,6 +110,19 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
     assert names.index("epp_routed_response_via_epp") + 1 == names.index("epp_routed")
 
 
+def test_client_connections_buffer_little_but_a_retry_keeps_a_larger_body() -> None:
+    """Finding 3: a small read buffer per client connection (Envoy keeps what a burst used);
+    the routed routes still keep up to `buffer_limit_bytes` of a body for a retry."""
+    params = BootstrapParams(connection_buffer_bytes=256 << 10, buffer_limit_bytes=1 << 20)
+    b = build_bootstrap(params)
+    listener = b["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == 256 << 10
+    routes = _hcm(b)["route_config"]["virtual_hosts"][0]["routes"]
+    routed = [r for r in routes if r.get("route", {}).get("cluster") == ROUTED_CLUSTER]
+    assert routed
+    assert all(r["per_request_buffer_limit_bytes"] == 1 << 20 for r in routed)
+
+
 def test_failure_mode_and_fallback_follow_the_pool() -> None:
     closed = build_bootstrap(BootstrapParams(fallback_endpoints=("127.0.0.1:8000",)))
     opened = build_bootstrap(

@@ -5,9 +5,10 @@ budget is passed). Two bursts, one after the other:
 
 - the EPP's RSS stays within 50 MB of idle;
 - Envoy keeps no body: its live heap (`allocated` on its admin /memory) is back near idle;
-- Envoy's RSS is bounded: tcmalloc keeps the pages the burst freed (on CI machines 25-55 MB
-  after 10 bodies, 55-65 MB after 50; shrink_heap gives only part back), but a second burst
-  reuses them instead of stacking on top.
+- Envoy's RSS is bounded: tcmalloc keeps the pages the burst freed (shrink_heap gives only
+  part back; with the 256 KiB client-connection buffer +19-54 MB after 50 bodies, +59-118
+  MB with the 1 MiB it had before), but a second burst reuses them instead of stacking on
+  top.
 
 The CI version sends 10 bodies of each burst; `make soak` sends the headline's 50.
 """
@@ -166,6 +167,6 @@ async def test_rejected_big_bodies_leave_memory_bounded(tmp_path: Path) -> None:
 async def test_headline_50_rejected_17mb_bodies(tmp_path: Path) -> None:
     figures = await _measure(tmp_path, 50)
     print(_report(50, figures))
-    # Envoy's RSS: the issue's target is 50 MB over idle; measured +55-65 MB, held as
-    # tcmalloc free pages (docs/reliability.md, left open).
-    _assert_bounded(50, figures, envoy_rss_bound=100)
+    # Envoy's RSS: the issue's target is 50 MB over idle; measured +19-54 MB (one outlier
+    # above), held as tcmalloc free pages (docs/reliability.md, left open).
+    _assert_bounded(50, figures, envoy_rss_bound=80)

@@ -229,6 +229,8 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
     ]
     routed = {"headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
     epp_routed = {
+        # The body kept for a retry: larger than the client connection's buffer.
+        "per_request_buffer_limit_bytes": p.buffer_limit_bytes,
         "route": {"cluster": ROUTED_CLUSTER, **route_opts, "retry_policy": _retry_policy(p)},
         "response_headers_to_add": served,
     }
@@ -419,7 +421,7 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                 {
                     "name": "gateway",
                     "address": socket_address(p.listen_address, p.listen_port),
-                    "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
+                    "per_connection_buffer_limit_bytes": p.connection_buffer_bytes,
                     "filter_chains": [
                         {
                             "filters": [

@@ -9,6 +9,7 @@ import pytest
 
 from poolkeeper.extproc.model_name import rewriter_for
 from poolkeeper.extproc.usage import SseUsageFilter
+from poolkeeper.requestcontrol.types import model_renamed
 
 TARGET, CLIENT = "vllm-backend-01", "gpt-4-proxy"
 
@@ -87,3 +88,20 @@ def test_sse_events_split_anywhere_are_rewritten_whole() -> None:
     for cut in range(len(stream) + 1):
         f = SseUsageFilter(strip_injected_usage=False, rewrite=rewriter_for(TARGET, CLIENT))
         assert f.feed(stream[:cut]) + f.feed(stream[cut:]) + f.finish() == want, cut
+
+
+@pytest.mark.parametrize(
+    ("target", "client", "renamed"),
+    [
+        ("food-review-v1", "food-review", True),
+        ("m", "m", False),
+        ("", "m", False),
+        ("m", "", False),
+    ],
+)
+def test_one_rule_says_when_a_response_carries_another_name(
+    target: str, client: str, renamed: bool
+) -> None:
+    """The Director (usage injection) and ext_proc (rewrite, the response path) share it."""
+    assert model_renamed(target, client) is renamed
+    assert (rewriter_for(target, client) is not None) is renamed

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 
+from poolkeeper.requestcontrol.types import model_renamed
+
 
 class ModelNameRewriter:
     """Replaces `"model": "<target>"` with `"model": "<client name>"` in JSON text."""
@@ -33,6 +35,4 @@ class ModelNameRewriter:
 
 def rewriter_for(target: str, client: str) -> ModelNameRewriter | None:
     """A rewriter when the two names differ (and both are known), else None."""
-    if not target or not client or target == client:
-        return None
-    return ModelNameRewriter(target, client)
+    return ModelNameRewriter(target, client) if model_renamed(target, client) else None

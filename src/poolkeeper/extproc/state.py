@@ -39,7 +39,7 @@ from poolkeeper.extproc.contracts import (
 )
 from poolkeeper.extproc.model_name import ModelNameRewriter, rewriter_for
 from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
-from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
+from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage, model_renamed
 
 log = logging.getLogger("poolkeeper.extproc")
 
@@ -452,8 +452,8 @@ class Exchange:
 def _rewrites_response(decision: RoutingDecision) -> bool:
     """Whether the EPP must see the response: to drop the usage chunk it asked for on the
     client's behalf, or to give the client's model name back."""
-    return decision.include_usage_injected or (
-        rewriter_for(decision.target_model, decision.model_name) is not None
+    return decision.include_usage_injected or model_renamed(
+        decision.target_model, decision.model_name
     )
 
 

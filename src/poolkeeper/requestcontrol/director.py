@@ -74,7 +74,12 @@ from poolkeeper.requestcontrol.ports import (
 )
 from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
 from poolkeeper.requestcontrol.split import choose_rewrite_target, choose_target_model
-from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
+from poolkeeper.requestcontrol.types import (
+    IncomingRequest,
+    RoutingDecision,
+    Usage,
+    model_renamed,
+)
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -376,7 +381,7 @@ class Director:
         if not endpoints:
             raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
 
-        passes_epp = not self._responses_observed or target != parsed.model
+        passes_epp = not self._responses_observed or model_renamed(target, parsed.model)
         inject = should_inject_usage(
             parsed, enabled=self._config.inject_stream_usage and passes_epp
         )

@@ -57,3 +57,11 @@ class RoutingDecision:
     body: bytes | None = None
     include_usage_injected: bool = False  # the Director added stream_options.include_usage
     ticket: object = field(default=None, repr=False)
+
+
+def model_renamed(target: str, client: str) -> bool:
+    """Whether the model server answers under another name than the one the client asked for
+    (a split or rewrite to another target), so the response's model name must be given back.
+    The one rule for it: the Director (may usage be injected) and ext_proc (rewrite, and
+    whether the response must come back to the EPP) both ask here."""
+    return bool(target) and bool(client) and target != client

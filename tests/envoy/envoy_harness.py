@@ -48,6 +48,18 @@ class Backend:
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
+            if body.get("model") == "trickle":  # the stream in 3-byte writes, 2 ms apart
+                events = [
+                    {"choices": [{"index": 0, "delta": {"content": word}}]}
+                    for word in ("hello", "world", "again")
+                ]
+                raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                raw += b"data: [DONE]\n\n"
+                for i in range(0, len(raw), 3):
+                    await resp.write(raw[i : i + 3])
+                    await asyncio.sleep(0.002)
+                await resp.write_eof()
+                return resp
             for word in ("hello", "world"):
                 chunk = {"choices": [{"index": 0, "delta": {"content": word}}], "usage": None}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")

@@ -152,6 +152,21 @@ async def test_a_json_answer_and_a_stream_without_usage(tmp_path: Path) -> None:
     assert (sse_usage.completion_tokens, sse_usage.estimated) == (2, True)
 
 
+async def test_events_split_across_body_chunks_are_counted_once(tmp_path: Path) -> None:
+    """A stream written 3 bytes at a time: every `data:` and `[DONE]` marker is split between
+    chunks, and the Lua filter still counts each event once."""
+    async with rig(tmp_path, observe=True) as r, aiohttp.ClientSession() as session:
+        body = {"model": "trickle", "stream": True}
+        async with session.post(f"{r.url}{CHAT}", json=body) as resp:
+            raw = await resp.read()
+        assert raw.endswith(b"data: [DONE]\n\n")
+        await _until(lambda: r.router.completed)
+    ((status, usage, _),) = r.router.completed
+    assert status == 200
+    assert usage is not None
+    assert (usage.completion_tokens, usage.estimated) == (3, True)  # 4 events, one [DONE]
+
+
 async def test_a_client_leaving_mid_stream_and_a_backend_cut_are_reported_cut(
     tmp_path: Path,
 ) -> None:

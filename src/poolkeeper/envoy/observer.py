@@ -62,6 +62,9 @@ function envoy_on_response(handle)
   local seen_first = false
   local events, done = 0, 0
   local tail = ""
+  -- The bytes before this chunk that could begin a marker split across chunks: one fewer
+  -- than the marker's length, so a marker already counted is never counted again.
+  local before_data, before_done = "", ""
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
     if size > 0 then
@@ -71,9 +74,11 @@ function envoy_on_response(handle)
       end
       local bytes = chunk:getBytes(0, size)
       local text = tail .. bytes
-      local _, n = string.gsub(bytes, "data:", "")
-      local _, d = string.gsub(bytes, "%[DONE%]", "")
+      local with_data, with_done = before_data .. bytes, before_done .. bytes
+      local _, n = string.gsub(with_data, "data:", "")
+      local _, d = string.gsub(with_done, "%[DONE%]", "")
       events, done = events + n, done + d
+      before_data, before_done = string.sub(with_data, -4), string.sub(with_done, -5)
       for usage in string.gmatch(text, '"usage"%s*:%s*(%b{})') do
         local prompt = number(usage, "prompt_tokens")
         local completion = number(usage, "completion_tokens")

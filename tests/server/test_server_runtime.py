@@ -211,7 +211,8 @@ def test_serve_runs_on_uvloop_unless_asked_for_asyncio() -> None:
 
 
 async def test_exchanges_whose_entry_never_comes_are_released_without_any_entry() -> None:
-    """The access-log stream may be gone for good: the runtime's own timer applies the TTL."""
+    """The runtime's own timer applies the TTL (entries may never come: the access-log stream
+    gone for good)."""
     import asyncio
 
     from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome

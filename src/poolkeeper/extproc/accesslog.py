@@ -6,7 +6,8 @@ Envoy's gRPC access log (envoy/observer.py) reports how the response ended. `out
 one access-log entry into an `Outcome` (a pure function of the entry); `DetachedExchanges`
 settles the waiting exchange with it. Bounded: at most `limit` exchanges wait, the oldest is
 settled as unknown (status 0) when a new one would pass the limit, and any left waiting longer
-than `ttl_s` (an entry lost with a broken access-log stream) is settled the same way.
+than `ttl_s` (an entry lost with a broken access-log stream) is settled the same way, by
+the runtime's timer calling `expire()` (off the request path).
 """
 
 from __future__ import annotations
@@ -207,7 +208,6 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
 
     def __init__(self, detached: DetachedExchanges) -> None:
         self.detached = detached
-        self.entries = 0
 
     async def StreamAccessLogs(
         self,
@@ -216,7 +216,6 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
     ) -> als_pb2.StreamAccessLogsResponse:
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
-                self.entries += 1
                 try:
                     parsed = outcome_of(entry)
                     log.debug("access-log entry %s", parsed)
@@ -224,7 +223,6 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                         self.detached.settle(*parsed)
                 except Exception:
                     log.exception("response observer: an access-log entry could not be applied")
-            self.detached.expire()
         return als_pb2.StreamAccessLogsResponse()
 
     def register(self, server: grpc.aio.Server) -> None:

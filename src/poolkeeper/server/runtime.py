@@ -408,8 +408,8 @@ async def _trim_after_bursts(budget: BodyBudget, every_s: float = 2.0) -> None:
 
 
 async def _expire_detached(detached: DetachedExchanges, every_s: float = 30.0) -> None:
-    """Settle exchanges whose access-log entry never came (their TTL passed) even when no
-    entries arrive at all (the access-log stream broken for good)."""
+    """Settle exchanges whose access-log entry never came (their TTL passed): the one place
+    the TTL is applied, every `every_s`, so the access-log path never scans the waiting room."""
     while True:
         await asyncio.sleep(every_s)
         detached.expire()

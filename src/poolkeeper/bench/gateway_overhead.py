@@ -333,6 +333,12 @@ async def main(protocol_rate: float) -> int:
     parser.add_argument(
         "--envoy-concurrency", type=int, default=1, help="Envoy worker threads (serve's flag)"
     )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning"],
+        help="serve's log level (its log goes to a file): the cost of verbose logging",
+    )
     args = parser.parse_args()
     peers = [p for p in args.peers.split(",") if p]
     if any(p not in PEERS for p in peers) or not 0 < args.peer_rate <= 100:
@@ -368,7 +374,7 @@ async def main(protocol_rate: float) -> int:
             "--workdir",
             str(tmp / "envoy"),
             "--log-level",
-            "warning",
+            args.log_level,
             "--envoy-concurrency",
             str(args.envoy_concurrency),
         ],

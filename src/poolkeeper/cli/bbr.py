@@ -125,7 +125,7 @@ def run_bbr_envoy_config(args: argparse.Namespace) -> int:
 
 
 def run_bbr(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, json_lines=True)
+    logs = configure_logging(args.log_level, json_lines=True, queued=True)
 
     async def main() -> None:
         health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
@@ -143,4 +143,7 @@ def run_bbr(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if logs is not None:
+            logs.close()
     return 0

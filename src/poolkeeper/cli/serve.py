@@ -183,7 +183,15 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, json_lines=args.log_format == "json")
+    logs = configure_logging(args.log_level, json_lines=args.log_format == "json", queued=True)
+    try:
+        return _serve(args)
+    finally:
+        if logs is not None:
+            logs.close()
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
         source = _source(args)
     except ConfigError as exc:

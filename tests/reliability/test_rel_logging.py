@@ -186,3 +186,16 @@ def _drain_after_stop(read_end: int, gw: Proc) -> str:
 def _read_all(fd: int, chunks: list[bytes]) -> None:
     while data := os.read(fd, 1 << 16):
         chunks.append(data)
+
+
+def test_records_after_close_are_still_written_and_close_twice_is_harmless() -> None:
+    stream = io.StringIO()
+    logger, writer = _queue(stream, capacity=10)
+    logger.info("before")
+    writer.close()
+    logger.info("after")  # e.g. a shutdown message once `serve` closed its log queue
+    writer.close()
+    assert [json.loads(line)["msg"] for line in stream.getvalue().splitlines()] == [
+        "before",
+        "after",
+    ]

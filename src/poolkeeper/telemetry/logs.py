@@ -93,6 +93,7 @@ class LogQueue(logging.Handler):
         self._reported = 0
         self._queue: queue.Queue[logging.LogRecord | None] = queue.Queue(capacity)
         self._drop_lock = threading.Lock()
+        self._closing = False
         self._writer = threading.Thread(target=self._write, name="poolkeeper-logs", daemon=True)
         self._writer.start()
 
@@ -105,6 +106,9 @@ class LogQueue(logging.Handler):
                 record.exc_info = None  # tracebacks hold frames: do not keep them queued
         except Exception:
             self.handleError(record)
+            return
+        if self._closing:  # the writer is gone or going: write it here, as at exit
+            self.target.handle(record)
             return
         try:
             self._queue.put_nowait(record)
@@ -131,10 +135,12 @@ class LogQueue(logging.Handler):
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Write what is queued (for at most `timeout_s`: a stalled stream must not hold up
-        an exit), then stop the writer."""
-        with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=timeout_s)
-        self._writer.join(timeout_s)
+        an exit), then stop the writer. Idempotent: logging's exit hook closes it again."""
+        if self._writer.is_alive() and not self._closing:
+            self._closing = True
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=timeout_s)
+            self._writer.join(timeout_s)
         super().close()
 
 

@@ -123,6 +123,20 @@ def test_client_connections_buffer_little_but_a_retry_keeps_a_larger_body() -> N
     assert all(r["per_request_buffer_limit_bytes"] == 1 << 20 for r in routed)
 
 
+def test_shrink_heap_gives_back_all_but_a_little_free_heap() -> None:
+    """Finding 3: Envoy's shrink_heap keeps 100 MB of free pages by default, so it released
+    nothing after a burst of big bodies; the bootstrap keeps only `shrink_heap_keep_bytes`."""
+    b = build_bootstrap(BootstrapParams(shrink_heap_keep_bytes=2 << 20, shrink_heap_every_s=2))
+    (action,) = [
+        a
+        for a in b["overload_manager"]["actions"]
+        if a["name"] == "envoy.overload_actions.shrink_heap"
+    ]
+    assert action["typed_config"]["@type"].endswith("overload.v3.ShrinkHeapConfig")
+    assert action["typed_config"]["max_unfreed_memory_bytes"] == 2 << 20
+    assert action["typed_config"]["timer_interval"] == "2s"
+
+
 def test_failure_mode_and_fallback_follow_the_pool() -> None:
     closed = build_bootstrap(BootstrapParams(fallback_endpoints=("127.0.0.1:8000",)))
     opened = build_bootstrap(

@@ -51,6 +51,7 @@ from poolkeeper.envoy.params import (
     ROUTED_CLUSTER,
     ROUTER_TYPE,
     SERVED_HEADER,
+    SHRINK_HEAP_TYPE,
     STRIPPED_PREFIXES,
     UPSTREAM_FAILURE_FLAGS,
     BootstrapParams,
@@ -445,7 +446,9 @@ def _overload_manager(p: BootstrapParams) -> dict[str, Any]:
     to the OS after a burst of big bodies (reliability finding 3): while the heap in use is
     above `shrink_heap_at` of `heap_limit_bytes` (the fixed_heap monitor measures memory in
     use, not free memory, so the default threshold is tiny: always), Envoy releases tcmalloc's
-    free pages every 10 s (`shrink_heap`); tcmalloc would otherwise keep them for ever."""
+    free pages beyond `shrink_heap_keep_bytes` every `shrink_heap_every_s` (`shrink_heap`);
+    tcmalloc would otherwise keep them for ever. Free pages inside huge pages that still hold
+    live objects stay: what a burst leaves behind depends on its peak (docs/reliability.md)."""
     return {
         "refresh_interval": "1s",
         "resource_monitors": [
@@ -469,6 +472,11 @@ def _overload_manager(p: BootstrapParams) -> dict[str, Any]:
         "actions": [
             {
                 "name": "envoy.overload_actions.shrink_heap",
+                "typed_config": {
+                    T: SHRINK_HEAP_TYPE,
+                    "max_unfreed_memory_bytes": p.shrink_heap_keep_bytes,
+                    "timer_interval": duration(p.shrink_heap_every_s),
+                },
                 "triggers": [
                     {
                         "name": "envoy.resource_monitors.fixed_heap",

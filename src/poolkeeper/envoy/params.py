@@ -54,6 +54,8 @@ EARLY_TYPE = (
 )
 HTTP_OPTS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 FILE_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
+# Since Envoy 1.38; not in the xds-protos stubs, so written here by name.
+SHRINK_HEAP_TYPE = "type.googleapis.com/envoy.config.overload.v3.ShrinkHeapConfig"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +97,12 @@ class BootstrapParams:
     max_downstream_connections: int = 50_000
     heap_limit_bytes: int = 1 << 30  # the overload manager's heap scale (not a hard limit)
     # Heap in use above this fraction of heap_limit_bytes (1 MiB: always, in practice) makes
-    # Envoy give its free heap back every 10 s (shrink_heap).
+    # Envoy give its free heap back (shrink_heap) every `shrink_heap_every_s`, down to
+    # `shrink_heap_keep_bytes` of free pages. Envoy's own default keeps 100 MB, which made the
+    # action a no-op after a burst of big bodies (they leave 10-60 MB free).
     shrink_heap_at: float = 0.001
+    shrink_heap_keep_bytes: int = 2 << 20
+    shrink_heap_every_s: float = 2.0
     upstream_h2c: bool = False  # model servers speak HTTP/2 cleartext (appProtocol h2c)
     access_log_path: str | None = None
     epp_health_interval_s: float = 1.0  # 0 disables Envoy's gRPC health check of the EPP

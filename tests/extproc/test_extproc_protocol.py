@@ -232,6 +232,17 @@ async def test_errors_are_immediate_openai_responses(
     assert router.completed == []  # nothing was admitted, so nothing to release
 
 
+async def test_an_immediate_response_ends_the_stream_at_once(
+    envoy: FakeEnvoy, router: FakeRouter
+) -> None:
+    """After an ImmediateResponse the EPP ends the stream itself (status OK) instead of
+    waiting for Envoy to close or reset it: a read left pending at Envoy's reset leaks native
+    memory in grpc.aio (grpc/grpc#43360; checklist G3)."""
+    call, (reply,) = await _streamed_request(envoy, b'{"model": "nope"}', piece=5)
+    assert reply.immediate_response.status.code == 404
+    assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.OK  # we never half-closed
+
+
 async def test_no_pods_gives_503(envoy: FakeEnvoy, router: FakeRouter) -> None:
     router.pods = ()
     call, (reply,) = await _streamed_request(envoy, b'{"model": "base"}', piece=4)

@@ -95,6 +95,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     return
                 for reply in replies:
                     yield reply
+                if replies and replies[-1].HasField("immediate_response"):
+                    # Envoy answers the client and drops the stream; end it now rather than
+                    # wait for that. A read still pending when Envoy resets the stream, or a
+                    # status sent after the reset, leaks ~80 bytes of native memory per
+                    # request in grpc.aio (grpc/grpc#43360): 106 bytes per rejected request
+                    # before this, 45 after (docs/reliability.md, Soak).
+                    return
         finally:
             self.active -= 1
             if not handed_off:

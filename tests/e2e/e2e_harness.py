@@ -194,6 +194,19 @@ def write_config(directory: Path, docs: list[str]) -> Path:
     return directory
 
 
+def one_server_config(
+    directory: Path, ports: dict[str, int], sim_port: int, model: str = "tiny-base"
+) -> Path:
+    """A gateway over one simulator at `sim_port`: pool "tiny" (FailClose) serving `model`
+    (Critical); the documents written to `directory`."""
+    docs = [
+        gateway_doc(ports, [("tiny-0", sim_port, "tiny")]),
+        POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
+        model_doc(model, "tiny", "Critical"),
+    ]
+    return write_config(directory, docs)
+
+
 def gateway_ports() -> dict[str, int]:
     http, ext_proc, metrics, health, admin = free_ports(5)
     return {"http": http, "ext_proc": ext_proc, "metrics": metrics, "health": health,

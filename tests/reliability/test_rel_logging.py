@@ -23,17 +23,14 @@ from poolkeeper.netutil import free_ports
 from poolkeeper.telemetry.logs import JsonFormatter, LogQueue
 from tests.e2e.e2e_harness import (
     _RUNNER,
-    POOL,
     SERVING,
     Proc,
-    gateway_doc,
     gateway_ports,
     health_status,
-    model_doc,
+    one_server_config,
     poolkeeper,
     wait_for_port,
     wait_ready,
-    write_config,
 )
 
 
@@ -120,12 +117,7 @@ async def test_debug_logs_to_a_pipe_nobody_reads_do_not_stall_the_gateway(
     (sim_port,) = free_ports(1)
     sim = poolkeeper(["sim", "--port", str(sim_port), "--model", MODEL], tmp_path / "s.log")
     ports = gateway_ports()
-    docs = [
-        gateway_doc(ports, [("tiny-0", sim_port, "tiny")]),
-        POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
-        model_doc(MODEL, "tiny", "Critical"),
-    ]
-    directory = write_config(tmp_path / "config", docs)
+    directory = one_server_config(tmp_path / "config", ports, sim_port, MODEL)
     read_end, gw = _serve_into_a_pipe(directory, tmp_path)
     try:
         wait_for_port(sim_port, sim)

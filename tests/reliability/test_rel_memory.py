@@ -25,13 +25,10 @@ import pytest
 from poolkeeper.envoy.params import BootstrapParams
 from poolkeeper.netutil import free_ports
 from tests.e2e.e2e_harness import (
-    POOL,
-    gateway_doc,
     gateway_ports,
-    model_doc,
+    one_server_config,
     poolkeeper,
     wait_for_port,
-    write_config,
 )
 from tests.reliability.memprobe import children, rss_mb
 from tests.reliability.test_rel_restart import _serve
@@ -119,12 +116,7 @@ async def _measure(tmp_path: Path, n: int) -> dict[str, float]:
     (sim_port,) = free_ports(1)
     sim = poolkeeper(["sim", "--port", str(sim_port), "--model", "tiny-base"], tmp_path / "s.log")
     ports = gateway_ports()
-    docs = [
-        gateway_doc(ports, [("tiny-0", sim_port, "tiny")]),
-        POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
-        model_doc("tiny-base", "tiny", "Critical"),
-    ]
-    directory = write_config(tmp_path / "config", docs)
+    directory = one_server_config(tmp_path / "config", ports, sim_port)
     gw = None
     try:
         wait_for_port(sim_port, sim)

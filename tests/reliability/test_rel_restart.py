@@ -23,16 +23,13 @@ import pytest
 
 from poolkeeper.netutil import free_ports
 from tests.e2e.e2e_harness import (
-    POOL,
     Proc,
-    gateway_doc,
     gateway_ports,
-    model_doc,
+    one_server_config,
     poolkeeper,
     wait_for_port,
     wait_for_text,
     wait_ready,
-    write_config,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -98,12 +95,7 @@ async def test_restart_under_50_streaming_clients_fails_nothing(tmp_path: Path) 
         tmp_path / "sim.log",
     )
     ports = gateway_ports()
-    docs = [
-        gateway_doc(ports, [("tiny-0", sim_port, "tiny")]),
-        POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
-        model_doc(MODEL, "tiny", "Critical"),
-    ]
-    directory = write_config(tmp_path / "config", docs)
+    directory = one_server_config(tmp_path / "config", ports, sim_port, MODEL)
     tally, failures, stop = Tally(), list[str](), asyncio.Event()
     first = second = None
     tasks: list[asyncio.Task[None]] = []

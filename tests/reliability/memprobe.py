@@ -22,3 +22,20 @@ def children(pid: int) -> list[int]:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def main_arena_mb(pid: int) -> float:
+    """Resident size of the `[heap]` mapping of `pid` in MB: glibc's main malloc arena, where
+    native allocations of the event-loop thread live (0.0 when unreadable)."""
+    total, current = 0, ""
+    try:
+        with open(f"/proc/{pid}/smaps") as smaps:
+            for line in smaps:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    current = line.split()[-1]
+                elif head == "Rss:" and current == "[heap]":
+                    total += int(line.split()[1])
+    except OSError:
+        return 0.0
+    return total / 1024

@@ -6,6 +6,7 @@
     poolkeeper bench overhead --out bench-results
     poolkeeper bench flow --servers 8 --duration 30   # flow control: fairness, flood, burst
     poolkeeper bench report --in bench-results
+    poolkeeper bench seeds bench-results/s1 bench-results/s2 bench-results/s3   # mean of seeds
     poolkeeper bench all --quick          # what `make bench` runs (< 10 min on 2 cores)
 
 docs/benchmarks.md explains each benchmark, its definitions and its results.
@@ -138,6 +139,12 @@ def register(subparsers: Any) -> None:
     rep.add_argument("--img", type=Path, default=None)
     rep.set_defaults(handler=_report)
 
+    seeds = sub.add_parser(
+        "seeds", help="mean-of-seeds tables: each poolkeeper policy against the best baseline"
+    )
+    seeds.add_argument("dirs", type=Path, nargs="+", help="one sweep directory per seed")
+    seeds.set_defaults(handler=_seeds)
+
     allp = sub.add_parser("all", help="every benchmark (reduced with --quick)")
     allp.add_argument("--quick", action="store_true",
                       help="the reduced set `make bench` runs (< 10 min on 2 cores)")  # fmt: skip
@@ -268,6 +275,27 @@ def _report(args: argparse.Namespace) -> int:
     for ours in ("poolkeeper", "poolkeeper-proposed"):
         print(f"\n### targets: {ours}\n")
         print(targets_table([s for s in sweeps if ours in s["policies"]], policy=ours))
+    return 0
+
+
+def _seeds(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.report import read_json
+    from poolkeeper.bench.seedmeans import check_sweep, seed_tables
+
+    files = [f for d in args.dirs for f in sorted(d.glob("sim-*.json"))]
+    if not files:
+        where = ", ".join(str(d) for d in args.dirs)
+        print(f"poolkeeper bench seeds: no sim-*.json in {where}", file=sys.stderr)
+        return 2
+    sweeps = []
+    for f in files:
+        try:
+            sweeps.append(check_sweep(read_json(f), str(f)))
+        except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+            text = str(exc) if str(f) in str(exc) else f"{f}: {exc}"
+            print(f"poolkeeper bench seeds: {text}", file=sys.stderr)
+            return 2
+    print(seed_tables(sweeps))
     return 0
 
 

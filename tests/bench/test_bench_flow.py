@@ -17,8 +17,10 @@ def test_fair_share_between_two_backlogged_models() -> None:
     before = result["poolkeeper-shed"]["ratio_heavy_to_light"]
     assert before > 8  # without flow control the heavy model takes what it offers
     assert fair < before / 4, format_flow({"fairness": [result]})
+    # Both flows keep a standing queue at 10x, so what each offers beyond its share times out
+    # at the overload TTL instead of being served late; the light model loses far less.
     shares = result["poolkeeper"]["completed_share"]
-    assert shares["tenant-light"] > 0.95 > 0.8 > shares["tenant-heavy"]
+    assert shares["tenant-light"] > 0.85 > 0.5 > shares["tenant-heavy"]
     assert "fairness" in format_flow({"fairness": [result]})
 
 

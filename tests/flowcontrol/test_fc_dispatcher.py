@@ -151,21 +151,30 @@ _op = st.one_of(
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(_op, max_size=60), queue_critical=st.booleans(), lifo=st.booleans())
+@given(
+    ops=st.lists(_op, max_size=60),
+    queue_critical=st.booleans(),
+    lifo=st.booleans(),
+    overload=st.booleans(),
+)
 @example(  # a lower band that fits while a higher one waits: it must not go first
     ops=[("submit", S, "a", 1, 1, False), ("submit", X, "a", 1, 1, False), ("pump", 3, {X})],
     queue_critical=False,
     lifo=False,
+    overload=False,
 )
 def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
-    ops: list[tuple[Any, ...]], queue_critical: bool, lifo: bool
+    ops: list[tuple[Any, ...]], queue_critical: bool, lifo: bool, overload: bool
 ) -> None:
-    # With `lifo`, every band goes newest-first once a flow's oldest waited 0.5 s.
-    limits = {
+    # With `lifo`, every band goes newest-first once a flow's oldest waited 0.5 s; with
+    # `overload`, a band waiting without a break for 0.7 s gives newcomers a 0.2 s TTL.
+    limits: dict[str, Any] = {
         "maxRequests": 4,
         "maxBytes": 1024,
         "ttlMs": 1000,
         "lifoAfterMs": 500 if lifo else None,
+        "overloadTtlMs": 200 if overload else None,
+        "overloadAfterMs": 700,
     }
     config = _config(
         critical={**limits, "mode": "queue" if queue_critical else "send"},
@@ -193,6 +202,9 @@ def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
             items.append(item)
             above = any(d.waiting(b) for b in BANDS if b.rank >= band.rank)
             verdict = d.submit(item, now, always if room else never)
+            if verdict is Submitted.QUEUED:  # never longer than the TTL, never below both limits
+                assert item.deadline - now <= 1.0 + 1e-9
+                assert item.deadline - now >= (0.2 if overload else 1.0) - 1e-9
             if verdict is Submitted.DISPATCH:
                 assert config.bands.of(band).mode.value == "send" or (room and not above)
                 d.dispatched(item)
@@ -211,6 +223,8 @@ def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
             now += op[1]
             for item in d.expire(now):
                 assert item.deadline <= now
+            for band in BANDS:  # nothing past its deadline is left behind (per-flow order)
+                assert all(i.deadline > now for i in d.items(band))
         elif op[0] == "cancel" and items:
             d.cancel(items[op[1] % len(items)])
         elif op[0] == "done":
@@ -240,7 +254,7 @@ def test_a_full_band_pushes_out_the_longest_flow_not_the_light_one() -> None:
 
 
 def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
-    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())  # Standard: lifoAfterMs 1000
+    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"lifoAfterMs": 1000}))
     for t, name in enumerate("abcd"):
         d.submit(_item(name), 10.0 + t * 0.2, never)  # a at 10.0 ... d at 10.6
     head, late = d.head(S, now=10.9), d.head(S, now=11.1)
@@ -263,7 +277,9 @@ def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
 
 
 def test_a_full_late_band_pushes_out_its_oldest_for_a_newcomer() -> None:
-    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"maxRequests": 2}))
+    d: FlowDispatcher[str] = FlowDispatcher(
+        _config(standard={"maxRequests": 2, "lifoAfterMs": 1000})
+    )
     d.submit(_item("a"), 10.0, never)
     d.submit(_item("b"), 10.1, never)
     # Not late yet: a newcomer of the same flow is refused (longest-queue drop spares it).
@@ -301,7 +317,8 @@ def test_removal_from_the_middle_of_a_flow_removes_that_request_only() -> None:
     assert d.cancel(items[1])
     assert not d.cancel(items[1])  # not waiting any more
     assert [i.payload for i in d.items(S)] == ["a", "c", "d"]
-    assert d.next_deadline() == pytest.approx(30.0)  # a's: Standard ttlMs 30000 from 0.0
+    # a's: Standard's defaults give a burst overloadAfterMs (3 s) from when the band filled.
+    assert d.next_deadline() == pytest.approx(3.0)
 
 
 def test_token_weights_and_completions_charge_the_flow() -> None:
@@ -314,3 +331,35 @@ def test_token_weights_and_completions_charge_the_flow() -> None:
     assert d.counter(S, "m") == pytest.approx(30.0)
     d.completed("m", S, 4)
     assert d.counter(S, "m") == pytest.approx(50.0)
+
+
+def test_a_standing_queue_gives_newcomers_the_short_overload_ttl() -> None:
+    """CoDel's rule per flow: a burst may wait out `overloadAfterMs`; once a flow has been
+    waiting without a break that long, each of its requests queued waits at most
+    `overloadTtlMs`. Another flow that just started waiting keeps the long allowance."""
+    d: FlowDispatcher[str] = FlowDispatcher(
+        _config(standard={"ttlMs": 30_000, "overloadTtlMs": 300, "overloadAfterMs": 3000})
+    )
+    a, b, c = _item("a"), _item("b"), _item("c")
+    light = _item("light", flow="light")
+    d.submit(a, 10.0, never)  # the flow was not waiting: calm until 13.0
+    d.submit(b, 12.9, never)
+    d.submit(c, 20.0, never)  # the flow never emptied: a standing queue
+    d.submit(light, 20.0, never)  # a flow that was not waiting: calm until 23.0
+    assert [i.deadline for i in (a, b, c, light)] == pytest.approx([13.0, 13.2, 20.3, 23.0])
+    assert d.next_deadline() == pytest.approx(13.0)
+    assert [i.payload for i in d.expire(13.0)] == ["a"]
+    assert [i.payload for i in d.expire(13.25)] == ["b"]
+    assert [i.payload for i in d.expire(20.3)] == ["c"]
+    late = _item("late")
+    d.submit(late, 25.0, never)  # its flow emptied: a new burst gets the calm allowance
+    assert late.deadline == pytest.approx(28.0)
+    short = FlowDispatcher[str](_config(standard={"ttlMs": 1000, "overloadTtlMs": 300}))
+    first = _item("first")
+    short.submit(first, 0.0, never)
+    assert first.deadline == pytest.approx(1.0)  # the band's TTL still bounds every wait
+    plain = FlowDispatcher[str](_config(standard={"ttlMs": 5000, "overloadTtlMs": None}))
+    for t in range(10):
+        plain.submit(_item(f"p{t}"), float(t), never)
+    assert plain.next_deadline() == pytest.approx(5.0)
+    assert [i.deadline for i in plain.items(S)][-1] == pytest.approx(14.0)  # no overload rule

@@ -7,10 +7,10 @@
       modelWeights: {chat-a: 2}      # fair-share weight per client-facing modelName (default 1)
       bands:
         critical:  {mode: send}                                   # never held, never shed
-        standard:  {mode: queue, saturationLimit: 1.5, ttlMs: 30000, maxRequests: 2000,
-                    lifoAfterMs: 1000}
+        standard:  {mode: queue, saturationLimit: 1.2, ttlMs: 30000, maxRequests: 2000,
+                    lifoAfterMs: 200, overloadTtlMs: 300, overloadAfterMs: 3000}
         sheddable: {mode: queue, queueDepthThreshold: 1, ttlMs: 1500, maxRequests: 1000,
-                    placement: headroom}
+                    lifoAfterMs: 200, placement: headroom}
 
 One band per criticality, served in strict priority. A band's head is dispatched while some
 candidate endpoint's saturation (`scheduling.load.saturations`, thresholds from
@@ -70,7 +70,18 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     flow's newest goes first, and a full band pushes out the oldest (null: first come first
     served always). In sustained overload a FIFO queue makes every request wait the whole
     queue, so every answer is late; newest-first serves those that can still be on time and
-    lets the oldest run out at `ttlMs`. Standard: 1000 (docs/flowcontrol.md)."""
+    lets the oldest run out at their TTL. Standard and Sheddable: 200 (docs/flowcontrol.md)."""
+    overload_ttl_ms: int | None = Field(default=None, ge=1, le=3_600_000)
+    """Longest wait in sustained overload (null: `ttlMs` always). Once a flow (a model) has had
+    requests waiting in this band without a break for `overloadAfterMs`, its requests queued
+    from then on wait at most this long, then 503 queue_timeout (CoDel's rule, per flow as in
+    FQ-CoDel; Facebook's servers pair it with adaptive LIFO). A light flow that drains between
+    its requests keeps `ttlMs`. A queue that never empties adds waiting to every answer and no
+    throughput: the servers are busy either way, so it only decides who is late. A burst still
+    waits up to `overloadAfterMs`. Standard: 300 (docs/flowcontrol.md)."""
+    overload_after_ms: int = Field(default=3000, ge=1, le=3_600_000)
+    """How long a flow must have had requests waiting in this band, without a moment empty, to
+    count as in sustained overload (only read with `overloadTtlMs`)."""
     placement: Placement = Placement.SCHEDULER
     """Where a dispatched request may go: `scheduler` (any candidate; the scheduler's prefix
     and adapter affinity decide) or `headroom` (only the endpoints below `saturationLimit`,
@@ -84,6 +95,16 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     def lifo_after_s(self) -> float | None:
         return None if self.lifo_after_ms is None else self.lifo_after_ms / 1000.0
 
+    def deadline(self, now: float, busy_since: float) -> float:
+        """When a request queued at `now` in this band times out, its flow having had requests
+        waiting without a break since `busy_since` (<= now). It stays right while the request
+        waits: the flow's queue cannot empty while it holds the request."""
+        limit = now + self.ttl_ms / 1000.0
+        if self.overload_ttl_ms is None:
+            return limit
+        calm_until = busy_since + self.overload_after_ms / 1000.0
+        return min(limit, max(now + self.overload_ttl_ms / 1000.0, calm_until))
+
 
 # Each band's own defaults, as a document. A band the user configures is validated from these
 # with the user's keys on top, so `sheddable: {ttlMs: 3000}` keeps Sheddable's own
@@ -92,11 +113,18 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
     {
         "critical": MappingProxyType({"mode": "send", "saturationLimit": 2.0, "ttlMs": 60_000}),
         "standard": MappingProxyType(
-            {"saturationLimit": 1.5, "maxRequests": 2000, "ttlMs": 30_000, "lifoAfterMs": 1000}
+            {
+                "saturationLimit": 1.2,
+                "maxRequests": 2000,
+                "ttlMs": 30_000,
+                "lifoAfterMs": 200,
+                "overloadTtlMs": 300,
+            }
         ),
         "sheddable": MappingProxyType(
             {
                 "queueDepthThreshold": 1,
+                "lifoAfterMs": 200,
                 "maxRequests": 1000,
                 "ttlMs": 1_500,
                 "placement": "headroom",
@@ -117,7 +145,8 @@ class Bands(CamelModel, use_attribute_docstrings=True):
     """Default `send`: Critical requests are never held nor shed, as before flow control.
     With `queue` they wait ahead of every other band (and share fairly among themselves)."""
     standard: BandConfig = Field(default_factory=lambda: _band("standard"))
-    """Default: queue while no endpoint is below 1.5 (7.5 waiting requests), 30 s TTL."""
+    """Default: queue while no endpoint is below 1.2 (6 waiting requests); 30 s TTL, 300 ms for a
+    flow that has been waiting for 3 s without a break (a standing queue: sustained overload)."""
     sheddable: BandConfig = Field(default_factory=lambda: _band("sheddable"))
     """Default: queue while every endpoint has a request waiting (or sent since its last
     scrape) or KV at 80%: servers keep no queue of Sheddable work, so Critical requests sent

@@ -4,7 +4,7 @@
                             a full band pushes out the newest request of its longest flow
                             when the newcomer's flow is shorter: `take_pushed_out`)
     pump(now, fits, go)  -> dispatches heads while they fit; `go(item)` runs before the next check
-    expire(now)          -> items past their TTL, removed
+    expire(now)          -> items past their deadline (TTL, or the overload TTL), removed
     cancel(item)         -> the client went away: removed at once
     completed(flow, band, output_tokens)  -> VTC charge of the answer
 
@@ -14,7 +14,12 @@ in overload: while a flow's oldest request has waited longer than its band's `li
 its newest goes first (adaptive LIFO, as in Facebook's and CoDel-style server queues). A FIFO
 queue in sustained overload makes every request wait the whole queue, so every answer is late
 (goodput collapses); newest-first serves the requests that can still be on time, and the old
-ones run out at their TTL (or are pushed out of a full band first). When
+ones run out at their TTL (or are pushed out of a full band first). Once a flow has had
+requests waiting without a break for its band's `overloadAfterMs`, the TTL of its requests
+queued from then on is the band's `overloadTtlMs` (CoDel's short limit for a standing queue,
+per flow as in FQ-CoDel; `BandConfig.deadline`): the old ones run out quickly instead of
+waiting out the long TTL, and a light flow that drains between its requests keeps the long one.
+When
 the best head of a band does not fit, dispatching stops for every lower band too: a lower band
 never overtakes a waiting higher one (no priority inversion; band limits are ordered, so a
 lower head would not fit either unless the two requests have different candidates).
@@ -70,19 +75,24 @@ class FlowItem(Generic[T]):
 
 
 class _Band(Generic[T]):
-    __slots__ = ("bytes", "count", "flows", "vtc")
+    __slots__ = ("busy_since", "bytes", "count", "flows", "vtc")
 
     def __init__(self, vtc: VirtualTokenCounter) -> None:
         self.vtc = vtc
         self.flows: dict[str, deque[FlowItem[T]]] = {}  # only flows with something waiting
         self.count = 0
         self.bytes = 0
+        # Per waiting flow: since when it has had requests waiting without a break (CoDel per
+        # flow, as FQ-CoDel: a flow that keeps a standing queue gets the short overload TTL, a
+        # light flow that drains between its requests does not).
+        self.busy_since: dict[str, float] = {}
 
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
         if queue is None:
             self.vtc.activate(item.flow, self.flows)
             queue = self.flows[item.flow] = deque()
+            self.busy_since[item.flow] = item.arrived
         queue.append(item)
         self.count += 1
         self.bytes += item.size
@@ -111,6 +121,7 @@ class _Band(Generic[T]):
         self.bytes -= item.size
         if not queue:
             del self.flows[item.flow]
+            del self.busy_since[item.flow]
             self.vtc.deactivate(item.flow, self.flows)
 
     def items(self) -> Iterator[FlowItem[T]]:
@@ -155,9 +166,9 @@ class FlowDispatcher(Generic[T]):
         queue = self._bands[item.band]
         if not self._make_room(queue, item, band, now):
             return Submitted.FULL
-        item.deadline = now + band.ttl_ms / 1000.0
         item.queued = True
         queue.push(item)
+        item.deadline = band.deadline(now, queue.busy_since[item.flow])
         return Submitted.QUEUED
 
     def _make_room(self, queue: _Band[T], item: FlowItem[T], band: BandConfig, now: float) -> bool:
@@ -228,7 +239,8 @@ class FlowDispatcher(Generic[T]):
                 continue
             for flow in list(queue.flows):
                 waiting = queue.flows[flow]
-                # One TTL per band and FCFS per flow: deadlines grow along each flow's queue.
+                # Deadlines grow along each flow's queue: one rule per band, applied in
+                # arrival order, with the flow's `busy_since` fixed while it has anything waiting.
                 while flow in queue.flows and waiting[0].deadline <= now:
                     item = waiting[0]
                     queue.remove(item)

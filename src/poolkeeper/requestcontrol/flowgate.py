@@ -162,7 +162,7 @@ class FlowGate:
                     item,
                     QueueTimeout(
                         f"request waited {now - item.arrived:.1f} s in the {item.band} queue "
-                        f"(ttl {self.config.bands.of(item.band).ttl_ms} ms)"
+                        f"(its limit: {(item.deadline - item.arrived) * 1000:.0f} ms)"
                     ),
                 )
             if dispatcher.waiting():

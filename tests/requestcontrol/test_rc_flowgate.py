@@ -102,6 +102,42 @@ async def test_ttl_answers_503_with_the_model() -> None:
     assert gate.totals[(SHEDDABLE, "EvictedTTL")] == 1
 
 
+async def test_a_standing_standard_queue_times_out_at_the_overload_ttl() -> None:
+    """Standard's defaults: a burst may wait up to 3 s from when its model started waiting;
+    once the queue has stood that long, each newcomer waits at most 300 ms, then 503."""
+    store = _store(waiting=50)
+    clock = [NOW]
+    director, gate = _director(store, clock)
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def arrive(rid: str) -> None:
+        tasks.append(asyncio.create_task(director.route(_chat("split", rid=rid))))
+        await _until(lambda: gate.waiting() == sum(not t.done() for t in tasks))
+
+    async def at(t: float, done: int) -> None:
+        clock[0] = NOW + t
+        gate.pump()
+        await _until(lambda: sum(task.done() for task in tasks) == done)
+
+    await arrive("burst")  # t = 0: the flow starts waiting, calm until 3.0
+    clock[0] = NOW + 2.9
+    await arrive("late")  # 2.9: max(3.2, 3.0)
+    await at(3.05, done=1)
+    clock[0] = NOW + 3.1
+    await arrive("standing")  # 3.1: the queue has stood 3 s: 300 ms
+    await at(3.25, done=2)
+    await at(3.45, done=3)
+    limits = []
+    for task in tasks:
+        with pytest.raises(QueueTimeout) as expired:
+            await task
+        assert expired.value.http_status == 503
+        limits.append(str(expired.value).rsplit("its limit: ", 1)[1])
+    assert limits == ["3000 ms)", "300 ms)", "300 ms)"]
+    assert gate.waiting() == 0
+    assert gate.totals[(Criticality.STANDARD, "EvictedTTL")] == 3
+
+
 async def test_client_gone_leaves_the_queue_at_once() -> None:
     store = _store(waiting=50)
     director, gate = _director(store, [NOW])
@@ -220,7 +256,7 @@ async def test_standard_keeps_its_prefix_server_sheddable_goes_where_the_headroo
     first = await director.route(_chat(model, rid="warm", text=text))
     holder = first.endpoints[0]
     director.complete(first, status=200, usage=None)
-    # The holder is past both bands' limits (10 waiting: Standard saturation 2.0 > 1.5).
+    # The holder is past both bands' limits (10 waiting: Standard saturation 2.0 > 1.2).
     store.update_metrics(holder, EndpointMetrics(waiting=10, updated_at=NOW))
     second = await director.route(_chat(model, rid="again", text=text))
     assert (second.endpoints[0] == holder) is to_holder

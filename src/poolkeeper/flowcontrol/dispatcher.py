@@ -19,9 +19,8 @@ requests waiting without a break for its band's `overloadAfterMs`, the TTL of it
 queued from then on is the band's `overloadTtlMs` (CoDel's short limit for a standing queue,
 per flow as in FQ-CoDel; `BandConfig.deadline`): the old ones run out quickly instead of
 waiting out the long TTL, and a light flow that drains between its requests keeps the long one.
-When
-the best head of a band does not fit, dispatching stops for every lower band too: a lower band
-never overtakes a waiting higher one (no priority inversion; band limits are ordered, so a
+When the best head of a band does not fit, dispatching stops for every lower band too: a lower
+band never overtakes a waiting higher one (no priority inversion; band limits are ordered, so a
 lower head would not fit either unless the two requests have different candidates).
 
 `fits(item)` answers "does some candidate endpoint have headroom for this item's band"; it is

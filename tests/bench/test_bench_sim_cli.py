@@ -78,3 +78,31 @@ def test_bench_sim_scrape_interval_is_recorded_and_stale_metrics_change_the_rout
     assert fresh["runs"][0]["summary"] != stale["runs"][0]["summary"]
     assert main([*args, "--out", str(tmp_path), "--scrape-interval", "0"]) == 2
     assert "--scrape-interval" in capsys.readouterr().err
+
+
+def test_bench_sim_flow_control_reaches_the_poolkeeper_policy_and_is_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Shared-prefix is all Standard: with the band in `shed` mode the router refuses at once
+    # (no queue), where the default queues; the sweep file says which config it ran.
+    args = [*ARGS[:-1], "poolkeeper", "--loads", "1.2"]
+    shed_mode = '{"bands": {"standard": {"mode": "shed"}}}'
+    assert main([*args, "--out", str(tmp_path / "d")]) == 0
+    assert main([*args, "--out", str(tmp_path / "s"), "--flow-control", shed_mode]) == 0
+    default, shed = (
+        json.loads((tmp_path / d / "sim-shared-prefix-2.json").read_text()) for d in ("d", "s")
+    )
+    assert "flow_control" not in default
+    assert shed["flow_control"]["bands"]["standard"]["mode"] == "shed"
+    assert shed["flow_control"]["bands"]["standard"]["overloadTtlMs"] == 300  # defaults kept
+    queued = default["runs"][0]["flow_control"]["outcomes"]["Standard"]
+    refused = shed["runs"][0]["flow_control"]["outcomes"]["Standard"]
+    assert queued.get("queued", 0) > 0
+    assert "queued" not in refused
+    assert refused["shed"] > 0
+    bad = '{"bands": {"standard": {"saturationLimit": -1}}}'
+    assert main([*args, "--out", str(tmp_path / "x"), "--flow-control", bad]) == 2
+    err = capsys.readouterr().err
+    assert "--flow-control: bands.standard.saturationLimit: Input should be greater than 0" in err
+    assert main([*args, "--out", str(tmp_path / "x"), "--flow-control", "{nope"]) == 2
+    assert "--flow-control: (document): Invalid JSON" in capsys.readouterr().err

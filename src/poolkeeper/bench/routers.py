@@ -24,6 +24,7 @@ from poolkeeper.bench.policies import BASELINES
 from poolkeeper.bench.scenarios import Scenario
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import ConfigError
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.types import LLMRequest
 
 
@@ -66,7 +67,14 @@ SCHEDULER_POLICIES: tuple[str, ...] = (
 ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
 
 
-def make_policy(name: str, rng: random.Random, scenario: Scenario | None = None) -> RoutingPolicy:
+def make_policy(
+    name: str,
+    rng: random.Random,
+    scenario: Scenario | None = None,
+    flow_control: FlowControlConfig | None = None,
+) -> RoutingPolicy:
+    """`flow_control`: the `spec.flowControl` of the flow-controlled policies (`poolkeeper`,
+    `poolkeeper-ttft`); None = the defaults. The other policies have no flow control."""
     del scenario  # reserved: policies that need fleet facts (none yet)
     baseline = BASELINES.get(name)
     if baseline is not None:
@@ -74,7 +82,7 @@ def make_policy(name: str, rng: random.Random, scenario: Scenario | None = None)
     if name in ("poolkeeper", "poolkeeper-ttft"):
         from poolkeeper.bench.flowpolicy import flow_policy
 
-        return flow_policy(name, rng)
+        return flow_policy(name, rng, flow_control)
     if name in SCHEDULER_POLICIES:
         from poolkeeper.bench.schedpolicy import scheduler_policy
 

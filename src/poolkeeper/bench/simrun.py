@@ -32,6 +32,7 @@ from poolkeeper.bench.scenarios import Scenario, build_scenario, server_configs
 from poolkeeper.bench.workloads import Arrival, WorkloadSpec, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.params import EngineConfig
 from poolkeeper.sim.virtual import (
@@ -208,6 +209,7 @@ def run_point(
     seed: int,
     slo: SLO,
     scrape_interval: float = SCRAPE_INTERVAL_S,
+    flow_control: FlowControlConfig | None = None,
 ) -> dict[str, Any]:
     """One (policy, load) point: replay, summarize, and a 101-point TTFT distribution.
     `scrape_interval`: how stale the routers' view of the servers' metrics may be (capacity is
@@ -215,7 +217,7 @@ def run_point(
     rate = load * capacity_rps
     arrivals = generate(scenario.spec, rate=rate, duration=duration, seed=seed)
     # Every policy gets the same random stream, so tie-breaks differ only by what they decide.
-    policy = make_policy(policy_name, random.Random(f"{seed}:policy"), scenario)
+    policy = make_policy(policy_name, random.Random(f"{seed}:policy"), scenario, flow_control)
     started = time.perf_counter()
     result = replay(scenario.servers, arrivals, policy, seed=seed, scrape_interval=scrape_interval)
     wall = time.perf_counter() - started

@@ -17,6 +17,7 @@ from poolkeeper.bench.metrics import SLO
 from poolkeeper.bench.report import command_line, machine_info, plot_sweep, write_json
 from poolkeeper.bench.scenarios import build_scenario
 from poolkeeper.bench.simrun import SCRAPE_INTERVAL_S, fleet_capacity, run_point
+from poolkeeper.flowcontrol.config import FlowControlConfig
 
 DEFAULT_LOADS: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9, 1.1, 1.3)
 
@@ -31,6 +32,7 @@ class SweepSpec:
     seed: int = 1
     slo: SLO = field(default_factory=SLO)
     scrape_interval: float = SCRAPE_INTERVAL_S
+    flow_control: FlowControlConfig | None = None  # spec.flowControl of the poolkeeper policies
 
 
 def _point(spec: SweepSpec, policy: str, load: float, capacity: float) -> dict[str, Any]:
@@ -38,6 +40,7 @@ def _point(spec: SweepSpec, policy: str, load: float, capacity: float) -> dict[s
     return run_point(
         scenario, policy, load=load, capacity_rps=capacity, duration=spec.duration,
         seed=spec.seed, slo=spec.slo, scrape_interval=spec.scrape_interval,
+        flow_control=spec.flow_control,
     )  # fmt: skip
 
 
@@ -84,6 +87,11 @@ def run_sweep(
         "seed": spec.seed,
         "slo": {"ttft_s": spec.slo.ttft_s, "itl_s": spec.slo.itl_s, "text": spec.slo.describe()},
         "scrape_interval_s": spec.scrape_interval,
+        **(
+            {"flow_control": spec.flow_control.model_dump(mode="json", by_alias=True)}
+            if spec.flow_control is not None
+            else {}
+        ),
         "wall_s": 0.0,
         "runs": runs,
     }

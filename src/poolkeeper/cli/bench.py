@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poolkeeper.errors import ConfigError
+
+if TYPE_CHECKING:
+    from poolkeeper.flowcontrol.config import FlowControlConfig
 
 DEFAULT_OUT = Path("bench-results")
 
@@ -59,6 +62,10 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--loads", type=_floats, default=None,
                      help="offered loads as multiples of fleet capacity (0.3,...,1.3)")  # fmt: skip
     sim.add_argument("--servers", type=int, default=8, help="fleet size (default 8)")
+    sim.add_argument("--flow-control", default=None, metavar="JSON",
+                     help="spec.flowControl for the poolkeeper policies, as JSON, e.g. "
+                          "'{\"bands\": {\"standard\": {\"saturationLimit\": 1.5}}}' "
+                          "(default: the shipped defaults)")  # fmt: skip
     sim.add_argument("--duration", type=float, default=60.0,
                      help="arrival window in virtual seconds (default 60)")  # fmt: skip
     sim.add_argument("--seed", type=int, default=1)
@@ -175,6 +182,7 @@ def _sim(args: argparse.Namespace) -> int:
             raise ConfigError("--servers must be >= 1 and --duration > 0")
         if not 0 < args.scrape_interval <= 60:
             raise ConfigError("--scrape-interval must be in (0, 60] seconds")
+        flow_control = _flow_control(args.flow_control)
     except (ValueError, ConfigError) as exc:
         print(f"poolkeeper bench sim: {exc}", file=sys.stderr)
         return 2
@@ -184,6 +192,7 @@ def _sim(args: argparse.Namespace) -> int:
             workload=w, servers=args.servers, policies=tuple(policies),
             loads=args.loads or DEFAULT_LOADS, duration=args.duration, seed=args.seed,
             slo=SLO(args.slo_ttft, args.slo_itl), scrape_interval=args.scrape_interval,
+            flow_control=flow_control,
         )  # fmt: skip
         sweeps.append(
             run_sweep(
@@ -198,6 +207,24 @@ def _sim(args: argparse.Namespace) -> int:
         if ours in policies and "round-robin" in policies:
             print(targets_table(sweeps, policy=ours))
     return 0
+
+
+def _flow_control(text: str | None) -> FlowControlConfig | None:
+    """`--flow-control` as a FlowControlConfig; ConfigError naming the field on bad input."""
+    if text is None:
+        return None
+    from pydantic import ValidationError
+
+    from poolkeeper.flowcontrol.config import FlowControlConfig
+
+    try:
+        return FlowControlConfig.model_validate_json(text)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(document)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"--flow-control: {problems}") from None
 
 
 def _flow(args: argparse.Namespace) -> int:

@@ -103,6 +103,8 @@ def test_bench_sim_flow_control_reaches_the_poolkeeper_policy_and_is_recorded(
     bad = '{"bands": {"standard": {"saturationLimit": -1}}}'
     assert main([*args, "--out", str(tmp_path / "x"), "--flow-control", bad]) == 2
     err = capsys.readouterr().err
-    assert "--flow-control: bands.standard.saturationLimit: Input should be greater than 0" in err
+    assert "--flow-control: spec.flowControl.bands.standard.saturationLimit: Invalid" in err
     assert main([*args, "--out", str(tmp_path / "x"), "--flow-control", "{nope"]) == 2
-    assert "--flow-control: (document): Invalid JSON" in capsys.readouterr().err
+    assert '--flow-control: spec.flowControl: Invalid value: "{nope": Invalid JSON' in (
+        capsys.readouterr().err
+    )

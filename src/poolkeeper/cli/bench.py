@@ -215,15 +215,13 @@ def _flow_control(text: str | None) -> FlowControlConfig | None:
         return None
     from pydantic import ValidationError
 
+    from poolkeeper.api.fielderrors import from_pydantic
     from poolkeeper.flowcontrol.config import FlowControlConfig
 
     try:
         return FlowControlConfig.model_validate_json(text)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(document)'}: {err['msg']}"
-            for err in exc.errors()
-        )
+    except ValidationError as exc:  # the wording of every other config error
+        problems = "; ".join(str(e) for e in from_pydantic(exc, prefix=("spec", "flowControl")))
         raise ConfigError(f"--flow-control: {problems}") from None
 
 

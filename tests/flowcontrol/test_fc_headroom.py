@@ -61,3 +61,24 @@ def test_no_endpoints_means_go_so_the_scheduler_answers_503_at_once() -> None:
     h = _headroom()
     assert h.fits([], STANDARD, NOW)
     assert h.room([], STANDARD, NOW) == []
+
+
+def test_an_endpoint_running_the_adapter_has_room_past_other_adapters_deferred_requests() -> None:
+    # Ten requests wait on the endpoint, all for adapters without a slot (vLLM skips them);
+    # lora-a runs there and none of its requests waits, so a lora-a request joins the batch.
+    deferred = state(1, waiting=10, active=("lora-a",), queued_adapters=("lora-b", "lora-c"))
+    h = _headroom()
+    assert not h.fits([deferred], STANDARD, NOW)  # no adapter named: the queue counts
+    assert h.fits([deferred], STANDARD, NOW, "lora-a")
+    assert h.room([deferred], STANDARD, NOW, "lora-a") == [deferred]
+    # Another adapter would wait for a slot behind them: no room for it.
+    assert not h.fits([deferred], STANDARD, NOW, "lora-b")
+    assert not h.fits([deferred], STANDARD, NOW, "lora-z")
+    # lora-a requests already wait there: they are not deferred by slots, the queue counts.
+    own_waiting = state(2, waiting=10, active=("lora-a",), queued_adapters=("lora-a",))
+    assert not h.fits([own_waiting], STANDARD, NOW, "lora-a")
+    # What this router sent since the scrape still counts, and so does KV.
+    sent = state(3, waiting=10, active=("lora-a",), unseen=10)
+    assert not h.fits([sent], STANDARD, NOW, "lora-a")
+    full = state(4, waiting=10, active=("lora-a",), kv=0.99)
+    assert not h.fits([full], STANDARD, NOW, "lora-a")

@@ -261,3 +261,35 @@ async def test_standard_keeps_its_prefix_server_sheddable_goes_where_the_headroo
     second = await director.route(_chat(model, rid="again", text=text))
     assert (second.endpoints[0] == holder) is to_holder
     director.complete(second, status=200, usage=None)
+
+
+@pytest.mark.parametrize(("queued_adapters", "held"), [({"lora-x"}, False), ({"lora-a"}, True)])
+async def test_a_server_running_the_target_adapter_has_room_past_deferred_requests(
+    queued_adapters: set[str], held: bool
+) -> None:
+    """Every server has 50 waiting. sim-2 runs lora-a (the `split` model's target): if what
+    waits there is another adapter's (deferred by vLLM for want of a slot), a lora-a request
+    joins its batch now; if lora-a requests wait there too, the queue counts and it waits."""
+    store = _store(waiting=50)
+    store.update_metrics(
+        "10.0.0.2:8000",
+        EndpointMetrics(
+            waiting=50,
+            active_adapters=frozenset({"lora-a"}),
+            waiting_adapters=frozenset(queued_adapters),
+            updated_at=NOW,
+        ),
+    )
+    director, gate = _director(store, [NOW])
+    task = asyncio.create_task(director.route(_chat("split")))
+    if held:
+        await _until(lambda: gate.waiting() == 1)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return
+    decision = await asyncio.wait_for(task, timeout=5)
+    assert decision.target_model == "lora-a"
+    assert decision.endpoints[0] == "10.0.0.2:8000"
+    assert gate.totals[(Criticality.STANDARD, "queued")] == 0

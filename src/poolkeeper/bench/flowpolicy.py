@@ -55,7 +55,8 @@ class FlowPolicy:
         self._pushed: list[str] = []  # pushed out of a full band, to reject at the next release
 
     def _fits(self, item: FlowItem[_Held]) -> bool:
-        return self.headroom.fits(self._states, self.config.bands.of(item.band), self._now)
+        band = self.config.bands.of(item.band)
+        return self.headroom.fits(self._states, band, self._now, item.payload.request.target_model)
 
     def offer(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float

@@ -9,7 +9,9 @@ headroom; when every endpoint is stale the detector knows nothing and `allStaleP
 decides (`admit`, the default: fail open, as admission does). No endpoints: yes, so the
 scheduler answers 503 at once instead of the request waiting for its TTL. For a band with
 `placement: headroom` (Sheddable), `within` narrows the candidates of a dispatched request to
-the endpoints with headroom; other bands leave placement to the scheduler.
+the endpoints with headroom; other bands leave placement to the scheduler. `adapter` (the
+request's target model) lets an endpoint that already runs that LoRA adapter count only what
+can hold the request up there (`saturations`).
 """
 
 from __future__ import annotations
@@ -28,22 +30,32 @@ class Headroom:
     def __init__(self, detector: SaturationDetector) -> None:
         self.detector = detector
 
-    def fits(self, states: Sequence[EndpointState], band: BandConfig, now: float) -> bool:
+    def fits(
+        self,
+        states: Sequence[EndpointState],
+        band: BandConfig,
+        now: float,
+        adapter: str | None = None,
+    ) -> bool:
         if not states:
             return True
-        values = self._values(states, band, now)
+        values = self._values(states, band, now, adapter)
         limit = band.saturation_limit
         if any(v < limit for v in values):
             return True
         return all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit"
 
     def room(
-        self, states: Sequence[EndpointState], band: BandConfig, now: float
+        self,
+        states: Sequence[EndpointState],
+        band: BandConfig,
+        now: float,
+        adapter: str | None = None,
     ) -> list[EndpointState] | None:
         """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room)."""
         if not states:
             return list(states)
-        values = self._values(states, band, now)
+        values = self._values(states, band, now, adapter)
         limit = band.saturation_limit
         below = [s for s, v in zip(states, values, strict=True) if v < limit]
         if below:
@@ -67,7 +79,13 @@ class Headroom:
         below = [s for s, v in zip(states, values, strict=True) if v < band.saturation_limit]
         return below if below and len(below) < len(states) else states
 
-    def _values(self, states: Sequence[EndpointState], band: BandConfig, now: float) -> list[float]:
+    def _values(
+        self,
+        states: Sequence[EndpointState],
+        band: BandConfig,
+        now: float,
+        adapter: str | None = None,
+    ) -> list[float]:
         c = self.detector.config
         queue = band.queue_depth_threshold
         kv = band.kv_cache_util_threshold
@@ -78,4 +96,5 @@ class Headroom:
             queue_threshold=c.queue_depth_threshold if queue is None else queue,
             kv_threshold=c.kv_cache_util_threshold if kv is None else kv,
             count_unseen=c.count_unseen,
+            adapter=adapter,
         )

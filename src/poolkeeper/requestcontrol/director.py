@@ -331,7 +331,7 @@ class Director:
                 )
             except NoReadyEndpoint:
                 return True  # the pool went away: dispatch, so the scheduler answers 503 now
-            room = headroom.room(self._inflight.apply(states), band, self._clock())
+            room = headroom.room(self._inflight.apply(states), band, self._clock(), prepared.target)
             if room is None:
                 return False
             ready.append(room)

@@ -52,8 +52,18 @@ def saturations(
     queue_threshold: float,
     kv_threshold: float,
     count_unseen: bool = True,
+    adapter: str | None = None,
 ) -> list[float]:
     """Per-endpoint saturation, in order: `max(queue / queueThreshold, kv / kvThreshold)`.
+
+    `adapter`: the LoRA adapter the request needs, when the question is "is there room for
+    this request" (flow control's headroom). On an endpoint that runs it and has none of its
+    requests waiting, the scraped queue is other adapters' requests, which vLLM's scheduler
+    skips while their adapters find no slot (the "deferred" requests of a LoRA fleet): a
+    request for the running adapter joins the batch past them, so there the queue counts only
+    the requests sent since the scrape. Without it a fleet whose queues are full of deferred
+    requests looked saturated for every adapter, and flow control held requests the servers
+    had room for (multi-LoRA at 0.9x: 543 refused on one seed; docs/flowcontrol.md).
 
     Queue and KV include what was sent since the scrape (`count_unseen`); an out-of-range KV
     is clamped to 0..1 (NaN counts as full). 1.0 means "at the threshold" and the value is
@@ -71,7 +81,14 @@ def saturations(
         if u <= 0.0 or u < fresh_since:
             append(STALE)
             continue
-        q = (m.waiting + s.unseen_requests if count_unseen else m.waiting) / queue_threshold
+        if (
+            adapter is not None
+            and adapter in m.active_adapters
+            and adapter not in m.waiting_adapters
+        ):
+            q = (s.unseen_requests if count_unseen else 0) / queue_threshold
+        else:
+            q = (m.waiting + s.unseen_requests if count_unseen else m.waiting) / queue_threshold
         kv = m.kv_cache_usage
         if count_unseen and s.unseen_tokens:
             kv = effective_kv(s)

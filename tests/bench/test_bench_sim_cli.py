@@ -100,6 +100,15 @@ def test_bench_sim_flow_control_reaches_the_poolkeeper_policy_and_is_recorded(
     assert queued.get("queued", 0) > 0
     assert "queued" not in refused
     assert refused["shed"] > 0
+    # `enabled: false`: no bands at all, as in the EPP; admission sheds instead of queueing.
+    assert (
+        main([*args, "--out", str(tmp_path / "off"), "--flow-control", '{"enabled": false}']) == 0
+    )
+    off = json.loads((tmp_path / "off" / "sim-shared-prefix-2.json").read_text())
+    assert off["flow_control"]["enabled"] is False
+    assert off["runs"][0]["policy"] == "poolkeeper"
+    assert "flow_control" not in off["runs"][0]  # no dispatcher ran
+    assert off["runs"][0]["summary"] != default["runs"][0]["summary"]
     bad = '{"bands": {"standard": {"saturationLimit": -1}}}'
     assert main([*args, "--out", str(tmp_path / "x"), "--flow-control", bad]) == 2
     err = capsys.readouterr().err

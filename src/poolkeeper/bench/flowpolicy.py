@@ -147,10 +147,15 @@ class FlowPolicy:
 
 def flow_policy(
     name: str, rng: random.Random, config: FlowControlConfig | None = None
-) -> FlowPolicy:
+) -> FlowPolicy | SchedulerPolicy:
     """`poolkeeper` (the default scheduling preset) or `poolkeeper-ttft` (`predicted-ttft`)
-    behind flow control with the default
-    `spec.flowControl` (admission's shedding is replaced by the bands, as in the EPP)."""
+    behind flow control with the given (default) `spec.flowControl`: admission's shedding is
+    replaced by the bands, as in the EPP. With `enabled: false` the EPP has no bands and
+    admission sheds instead; so does this policy (under the same name)."""
     inner = scheduler_policy(f"{name}-shed", rng)
+    config = config if config is not None else FlowControlConfig()
+    if not config.enabled:
+        inner.name = name
+        return inner
     inner.admission = None
-    return FlowPolicy(name, inner, config if config is not None else FlowControlConfig())
+    return FlowPolicy(name, inner, config)

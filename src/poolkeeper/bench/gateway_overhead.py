@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp
 
 from poolkeeper.bench import live, overhead_peers as peer
+from poolkeeper.bench.overhead_floor import floor_gateways
 from poolkeeper.netutil import free_ports
 
 PEERS = ("vllm-router", "sglang-router")
@@ -320,6 +321,12 @@ async def main(protocol_rate: float) -> int:
     )
     parser.add_argument("--peer-rate", type=float, default=10.0, help="ticks/s with --peers")
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also through Envoy alone and Envoy + a do-nothing Python ext_proc "
+        "(bench/overhead_floor.py), side by side with --peers",
+    )
+    parser.add_argument(
         "--stream-tokens",
         default="",
         help="EPP CPU per streamed request for these output lengths, e.g. 10,1000",
@@ -396,7 +403,7 @@ async def main(protocol_rate: float) -> int:
         streamed = [
             (n, await stream_cpu(gateway, serve.pid, n, args.loop_seconds, idle)) for n in tokens
         ]
-        if peers:
+        if peers or args.floor:
             compared = await against_peers(peers, tmp, sim_port, direct, gateway, serve.pid, args)
     finally:
         for p in (serve, sim):
@@ -458,7 +465,7 @@ async def main(protocol_rate: float) -> int:
                 f"| {n} | {r['requests']:.0f} | {r['events']:.0f} | {r['cpu_ms']:.2f} "
                 f"| {r['net_cpu_ms']:.2f} |"
             )
-    if peers:
+    if peers or args.floor:
         print("\n## Against the peer routers\n")
         print(compared)
     return 0
@@ -473,12 +480,19 @@ async def against_peers(
     serve_pid: int,
     args: argparse.Namespace,
 ) -> str:
-    """Start each peer in front of the simulator; interleaved light load, then closed loops."""
+    """Start each peer (and with --floor the floor gateways) in front of the simulator;
+    interleaved light load, then closed loops."""
     root = live.repo_root()
     with contextlib.ExitStack() as stack:
         targets = {"direct": direct, "poolkeeper": gateway}
         cpu = {"poolkeeper": {"epp": lambda: cpu_seconds(serve_pid),
                               "epp+envoy": lambda: peer.tree_cpu_seconds(serve_pid)}}  # fmt: skip
+        if args.floor:
+            for name, (url, clocks) in stack.enter_context(
+                floor_gateways(tmp, sim_port, cpu_seconds)
+            ).items():
+                targets[name], cpu[name] = url, clocks
+                await wait_http(url)
         for name in peers:
             cmd, port, ready = live.router_command(name, root, tmp, [sim_port], [])
             pid = stack.enter_context(live.process(cmd, tmp / f"{name}.log")).pid

@@ -6,8 +6,9 @@ Two measurements, each owned by the benchmark module of the part it measures:
   at 10, 100 and 1,000 endpoints (decision time vs fleet size);
 - `poolkeeper.bench.gateway_overhead` (the gateway's): added latency of Envoy + EPP versus going
   direct, and EPP requests/s per core; with `--peers`, the same light load interleaved through
-  vllm-router and sglang-router too (`poolkeeper.bench.overhead_peers`), with `--prompt-bytes`
-  per prompt size.
+  vllm-router and sglang-router too (`poolkeeper.bench.overhead_peers`), with `--floor` through
+  Envoy alone and Envoy + a do-nothing Python ext_proc (`poolkeeper.bench.overhead_floor`),
+  with `--prompt-bytes` per prompt size.
 
 Both ship in the package, so the installed command works anywhere (no checkout needed). Each
 runs in a child process of the current interpreter (`python -m ...`), bounded in time, and its
@@ -63,6 +64,7 @@ def run_overhead(
     quick: bool,
     peers: Sequence[str] = (),
     prompt_bytes: str = "",
+    floor: bool = False,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     result: dict[str, Any] = {
@@ -85,10 +87,13 @@ def run_overhead(
     )
     if peers:
         args += ["--peers", ",".join(peers)]
+    if floor:
+        args.append("--floor")
     if prompt_bytes:
         args += ["--prompt-bytes", prompt_bytes]
-    # Peers and prompt sizes add their own timed sections (each bounded by --duration).
-    limit = SCRIPT_TIMEOUT_S * (2 if peers or prompt_bytes else 1)
+    # Peers, the floor and prompt sizes add their own timed sections (each bounded by
+    # --duration).
+    limit = SCRIPT_TIMEOUT_S * (2 if peers or floor or prompt_bytes else 1)
     result["gateway_overhead"] = _run_module(GATEWAY_MODULE, args, limit)
     progress(result["gateway_overhead"]["stdout"])
     write_json(out_dir / "overhead.json", result)

@@ -129,6 +129,12 @@ def register(subparsers: Any) -> None:
     ov.add_argument(
         "--prompt-bytes", default="", help="prompt sizes to compare, e.g. 1024,65536,262144,1048576"
     )
+    ov.add_argument(
+        "--floor",
+        action="store_true",
+        help="also through Envoy alone and Envoy + a do-nothing Python ext_proc processor: "
+        "the floor under poolkeeper's added latency",
+    )
     ov.set_defaults(handler=_overhead)
 
     flow = sub.add_parser("flow", help="flow control: fairness, Critical under a flood, burst")
@@ -278,7 +284,7 @@ def _overhead(args: argparse.Namespace) -> int:
         print(f"poolkeeper bench overhead: bad --sizes {args.sizes!r}", file=sys.stderr)
         return 2
     run_overhead(sizes=sizes, decisions=args.decisions, out_dir=args.out, quick=args.quick,
-                 peers=tuple(args.peers), prompt_bytes=args.prompt_bytes,
+                 peers=tuple(args.peers), prompt_bytes=args.prompt_bytes, floor=args.floor,
                  progress=_progress)  # fmt: skip
     return 0
 

@@ -188,7 +188,9 @@ def floor_gateways(
                    "--disable-hot-restart"]  # fmt: skip
             envoy_proc = stack.enter_context(live.process(cmd, config.with_suffix(".log")))
             live.wait_http(f"http://127.0.0.1:{admin_port}/ready", lambda s: s == 200, 30, name)
-            clocks: dict[str, Callable[[], float]] = {"envoy": functools.partial(cpu_seconds, envoy_proc.pid)}
+            clocks: dict[str, Callable[[], float]] = {
+                "envoy": functools.partial(cpu_seconds, envoy_proc.pid)
+            }
             if ext is not None:
                 clocks["ext_proc"] = functools.partial(cpu_seconds, proc.pid)
             out[name] = (f"http://127.0.0.1:{port}/v1/chat/completions", clocks)

@@ -15,6 +15,9 @@ process (EPP + supervised Envoy) in front of it, all on 127.0.0.1. Then:
    headers + body, response headers, two response body chunks) from a gRPC client to the
    ext_proc server with a trivial router in a child process: requests per server CPU-second,
    i.e. the protocol's share of the EPP's cost.
+4. With `--peers` and/or `--floor`: the same light load interleaved through vllm-router and
+   sglang-router, and through Envoy alone and Envoy + a do-nothing Python ext_proc
+   (`overhead_floor.py`), then a closed loop through each.
 
 Bounded (rates x duration, then a fixed closed-loop window) and local only. Not a test: run it
 by hand and copy the printed Markdown into docs/benchmarks.md (## Gateway overhead).

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from poolkeeper.bench.policies import BASELINES
+from poolkeeper.bench.reference_policies import REFERENCE_POLICIES
 from poolkeeper.bench.scenarios import Scenario
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import ConfigError
@@ -65,6 +66,8 @@ SCHEDULER_POLICIES: tuple[str, ...] = (
     "poolkeeper-ttft", "poolkeeper-ttft-shed",
 )  # fmt: skip
 ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
+# Run only when asked for by name (never by default: `ref-oracle` takes minutes per point).
+KNOWN_POLICIES: tuple[str, ...] = (*ALL_POLICIES, *REFERENCE_POLICIES)
 
 
 def make_policy(
@@ -83,8 +86,11 @@ def make_policy(
         from poolkeeper.bench.flowpolicy import flow_policy
 
         return flow_policy(name, rng, flow_control)
+    reference = REFERENCE_POLICIES.get(name)
+    if reference is not None:
+        return reference(rng)
     if name in SCHEDULER_POLICIES:
         from poolkeeper.bench.schedpolicy import scheduler_policy
 
         return scheduler_policy(name, rng)
-    raise ConfigError(f"unknown policy {name!r}; known: {', '.join(ALL_POLICIES)}")
+    raise ConfigError(f"unknown policy {name!r}; known: {', '.join(KNOWN_POLICIES)}")

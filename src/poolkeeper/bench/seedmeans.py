@@ -6,11 +6,12 @@ Reads the `sim-<workload>-<servers>.json` sweeps of each directory (one seed eac
 p90 TTFT and goodput over the seeds per (workload, servers, load, policy), and prints one
 markdown table per workload and fleet size:
 
-- best baseline = the lowest mean p90 (resp. highest mean goodput) among the policies whose
-  name does not start with `poolkeeper`, at that load;
-- floor = the lowest mean p90 of any policy at the lowest load; a load where the best baseline
-  is within 10 % of it is marked `floor` (every router sits at the idle pool's latency there,
-  and the ratio target does not apply);
+- best baseline = the lowest mean p90 (resp. highest mean goodput) among the peer routers'
+  policies (neither `poolkeeper*` nor a `ref-*` reference policy), at that load; the poolkeeper
+  and reference policies get a column each;
+- floor = the lowest mean p90 at the lowest load of any policy but the reference ones; a load
+  where the best baseline is within 10 % of it is marked `floor` (every router sits at the
+  idle pool's latency there, and the ratio target does not apply);
 - ratio = ours / best baseline, marked `*` above 0.85 where the target applies; a goodput
   marked `(<)` is more than 0.5 % below the best baseline's;
 - shed = mean requests refused or timed out in the router per run.
@@ -26,6 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from poolkeeper.bench.reference_policies import is_baseline, is_reference
+
 P90_TARGET = 0.85
 GOODPUT_SLACK = 0.005
 FLOOR_MARGIN = 1.10
@@ -36,10 +39,6 @@ class Mean:
     p90: float
     goodput: float
     shed: float
-
-
-def _is_ours(policy: str) -> bool:
-    return policy.startswith("poolkeeper")
 
 
 def check_sweep(sweep: Any, source: str) -> Mapping[str, Any]:
@@ -103,7 +102,11 @@ def mean_points(
 
 def _table(points: Mapping[float, Mapping[str, Mean]], ours: Sequence[str]) -> list[str]:
     loads = sorted(points)
-    floor = min((m.p90 for m in points[loads[0]].values() if not math.isnan(m.p90)), default=0.0)
+    lowest = points[loads[0]]
+    floor = min(  # what routers reach on the idle pool: the reference policies are not routers
+        (m.p90 for p, m in lowest.items() if not is_reference(p) and not math.isnan(m.p90)),
+        default=0.0,
+    )
     head = "| load | best baseline p90 (s) |"
     rule = "|---|---|"
     for name in ours:
@@ -114,7 +117,7 @@ def _table(points: Mapping[float, Mapping[str, Mean]], ours: Sequence[str]) -> l
     lines = [f"(floor = lowest mean p90 at {loads[0]:g}x: {floor:.3f} s)", "", head, rule]
     for load in loads:
         row = points[load]
-        base = {p: m for p, m in row.items() if not _is_ours(p)}
+        base = {p: m for p, m in row.items() if is_baseline(p)}
         present = [name for name in ours if name in row]
         if not base or not present:
             continue
@@ -147,7 +150,7 @@ def seed_tables(sweeps: Iterable[Mapping[str, Any]]) -> str:
     parts: list[str] = []
     for workload, servers in sorted(points):
         by_load = points[(workload, servers)]
-        ours = sorted({p for row in by_load.values() for p in row if _is_ours(p)})
+        ours = sorted({p for row in by_load.values() for p in row if not is_baseline(p)})
         if not ours:
             continue
         parts.append(f"#### {workload}, {servers} servers ({seeds[(workload, servers)]} seeds)")

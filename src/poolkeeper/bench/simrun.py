@@ -90,6 +90,9 @@ def replay(
     scrape_interval: float = SCRAPE_INTERVAL_S,
 ) -> FleetResult:
     fleet = VirtualFleet(list(configs), seed=seed, scrape_interval=scrape_interval)
+    bind = getattr(policy, "bind", None)
+    if bind is not None:  # a reference policy that reads the engines (reference_policies.py)
+        bind(fleet)
     index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
 
     queueing = policy if isinstance(policy, QueueingPolicy) else None

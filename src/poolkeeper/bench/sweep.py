@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from poolkeeper.bench.metrics import SLO
+from poolkeeper.bench.reference_policies import is_baseline
 from poolkeeper.bench.report import command_line, machine_info, plot_sweep, write_json
 from poolkeeper.bench.scenarios import build_scenario
 from poolkeeper.bench.simrun import SCRAPE_INTERVAL_S, fleet_capacity, run_point
@@ -136,12 +137,12 @@ def targets_table(sweeps: Sequence[dict[str, Any]], *, policy: str = "poolkeeper
             return _p90(runs, name, load)
 
         ours, rr = p90(policy), p90("round-robin")
-        others = [p for p in sweep["policies"] if not p.startswith("poolkeeper")]
+        others = [p for p in sweep["policies"] if is_baseline(p)]
         best = min(others, key=p90)
         good_ok: list[str] = []
         for load in sorted({r["load"] for r in runs}):
             g = {r["policy"]: r["summary"]["goodput_rps"] for r in runs if r["load"] == load}
-            top = max(v for k, v in g.items() if not k.startswith("poolkeeper"))
+            top = max(v for k, v in g.items() if is_baseline(k))
             if g.get(policy, 0.0) < top - 1e-9:
                 good_ok.append(f"{load:g}x: {g.get(policy, 0.0):.1f} < {top:.1f}")
         lines.append(

@@ -58,7 +58,8 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--workload", type=_names, default=None,
                      help="comma-separated workloads (default: the five routing ones)")  # fmt: skip
     sim.add_argument("--policies", type=_names, default=None,
-                     help="comma-separated policies (default: all)")  # fmt: skip
+                     help="comma-separated policies (default: all but the ref-* "
+                          "reference policies, which run only when named)")  # fmt: skip
     sim.add_argument("--loads", type=_floats, default=None,
                      help="offered loads as multiples of fleet capacity (0.3,...,1.3)")  # fmt: skip
     sim.add_argument("--servers", type=int, default=8, help="fleet size (default 8)")
@@ -172,7 +173,7 @@ def _progress(msg: str) -> None:
 
 def _sim(args: argparse.Namespace) -> int:
     from poolkeeper.bench.metrics import SLO
-    from poolkeeper.bench.routers import ALL_POLICIES
+    from poolkeeper.bench.routers import ALL_POLICIES, KNOWN_POLICIES
     from poolkeeper.bench.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
     from poolkeeper.bench.workloads import ROUTING_WORKLOADS, WorkloadKind
 
@@ -181,9 +182,9 @@ def _sim(args: argparse.Namespace) -> int:
         for w in workloads:
             WorkloadKind(w)
         policies = args.policies or ALL_POLICIES
-        unknown = [p for p in policies if p not in ALL_POLICIES]
+        unknown = [p for p in policies if p not in KNOWN_POLICIES]
         if unknown:
-            raise ConfigError(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
+            raise ConfigError(f"unknown policies {unknown}; known: {', '.join(KNOWN_POLICIES)}")
         if args.servers < 1 or args.duration <= 0:
             raise ConfigError("--servers must be >= 1 and --duration > 0")
         if not 0 < args.scrape_interval <= 60:

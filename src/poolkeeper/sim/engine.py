@@ -8,6 +8,8 @@ at a time; a step is planned when it starts and its tokens appear when it ends:
     outcomes = engine.advance(now)       # finish every step that ends at or before `now`
     engine.cancel(request_id, now)       # client went away: free its slots and blocks
     engine.stats()                       # what a /metrics scrape would show now
+    engine.first_token_if_submitted(...) # what-if on a copy: when a new request's first token
+                                         # would come if nothing else arrived (bench oracle)
 
 Scheduling per step, as vLLM's V1 scheduler does it:
 1. Running requests first, in order: each gets its remaining prefill (chunked to the token budget
@@ -28,6 +30,8 @@ A step only admits requests whose arrival <= the step's start, so drivers may ca
 """
 
 from __future__ import annotations
+
+import copy
 
 from poolkeeper.sim.batch import BatchCore, Step
 from poolkeeper.sim.kvcache import prompt_block_hashes
@@ -180,6 +184,36 @@ class EngineModel(BatchCore):
     @property
     def busy(self) -> bool:
         return self._step is not None
+
+    def first_token_if_submitted(
+        self,
+        request_id: str,
+        model: str,
+        prompt: str,
+        now: float,
+        *,
+        max_tokens: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> float | None:
+        """When a request submitted at `now` would get its first token if nothing else arrived
+        after it: runs a copy of this engine (its own RNG state, blocks and queue; the requests'
+        sinks are shared and never written). This engine is unchanged. None: the request would
+        be refused (unknown model, too long) or never scheduled."""
+        sinks = {id(r.sink): r.sink for r in self._by_id.values() if r.sink is not None}
+        twin = copy.deepcopy(self, sinks)
+        try:
+            request = twin.create_request(
+                request_id, model, prompt, arrival=now, max_tokens=max_tokens,
+                prompt_tokens=prompt_tokens,
+            )  # fmt: skip
+        except (UnknownModelError, InvalidRequestError):
+            return None
+        twin.submit(request, now)
+        while (t := twin.next_event_time()) is not None:
+            for outcome in twin.advance(t):
+                if any(r is request for r in outcome.tokens):
+                    return outcome.first_time
+        return None
 
     def stats(self) -> EngineStats:
         waiting_adapters = {r.adapter for r in self.waiting if r.adapter is not None}

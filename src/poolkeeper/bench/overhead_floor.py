@@ -38,7 +38,15 @@ from envoy.service.ext_proc.v3 import (
 )
 
 from poolkeeper.bench import live
-from poolkeeper.envoy.params import EXT_PROC_TYPE, HCM, HTTP_OPTS_TYPE, ROUTER_TYPE, T
+from poolkeeper.envoy.params import (
+    EXT_PROC_TYPE,
+    HCM,
+    HTTP_OPTS_TYPE,
+    ROUTER_TYPE,
+    T,
+    lb_endpoints,
+    socket_address,
+)
 from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc import messages as msg
 from poolkeeper.netutil import free_ports
@@ -55,10 +63,9 @@ def _cluster(name: str, port: int, *, h2: bool = False) -> dict[str, Any]:
         "connect_timeout": "1s",
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
-                "address": "127.0.0.1", "port_value": port}}}}]}],
+            "endpoints": [{"lb_endpoints": lb_endpoints([f"127.0.0.1:{port}"])}],
         },
-    }  # fmt: skip
+    }
     if h2:  # gRPC
         cluster["typed_extension_protocol_options"] = {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -103,11 +110,11 @@ def bootstrap(listen: int, admin: int, upstream: int, ext_proc: int | None) -> d
         "http_filters": filters,
     }
     return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "admin": {"address": socket_address("127.0.0.1", admin)},
         "static_resources": {
             "listeners": [{
                 "name": "floor",
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                "address": socket_address("127.0.0.1", listen),
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
                     "typed_config": manager,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from poolkeeper.bench.metrics import percentile
+from poolkeeper.bench.reference_policies import is_ours
 
 
 def git_commit() -> str:
@@ -99,7 +100,7 @@ def _dig(data: Mapping[str, Any], keys: Sequence[str]) -> float:
 
 
 def _width(policy: str) -> float:
-    return 2.2 if policy.startswith("poolkeeper") else 1.2
+    return 2.2 if is_ours(policy) else 1.2
 
 
 def _style(policies: Sequence[str]) -> dict[str, dict[str, Any]]:

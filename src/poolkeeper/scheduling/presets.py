@@ -74,6 +74,22 @@ def _predicted_ttft(weight: float) -> dict[str, Any]:
     return doc
 
 
+def _prefill_backlog(weight: float) -> dict[str, Any]:
+    """The default profile plus `prefill-backlog-scorer` reading the default's prefix index."""
+    doc = copy.deepcopy(_DEFAULT)
+    doc["plugins"].insert(
+        -1,
+        {
+            "type": "prefill-backlog-scorer",
+            "parameters": {"prefixScorer": "prefix-cache-scorer"},
+        },
+    )
+    doc["schedulingProfiles"][0]["plugins"].insert(
+        -1, {"pluginRef": "prefill-backlog-scorer", "weight": weight}
+    )
+    return doc
+
+
 def _gie_v1(queue: float, kv: float, prefix: float) -> dict[str, Any]:
     return {
         "plugins": [
@@ -168,6 +184,7 @@ _RANDOM: dict[str, Any] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "default": _DEFAULT,
     "predicted-ttft": _predicted_ttft(2),
+    "prefill-backlog": _prefill_backlog(4),
     "gie-v1-default": _gie_v1(2, 2, 3),  # GIE v1.2+ / v1.5 built-in default
     "gie-v1.0-default": _gie_v1(1, 1, 1),  # GIE v1.0 chart / v0.5 plugins-v2.yaml
     "gie-v0.3-decision-tree": _V03,

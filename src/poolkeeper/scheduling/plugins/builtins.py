@@ -11,6 +11,10 @@ from typing import TypeVar
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.interfaces import Plugin, TypedName
+from poolkeeper.scheduling.plugins.backlog_scorer import (
+    PrefillBacklogParams,
+    PrefillBacklogScorer,
+)
 from poolkeeper.scheduling.plugins.decision_tree import (
     DecisionTreeFilter,
     DecisionTreeParams,
@@ -109,17 +113,24 @@ def _tree(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
     return DecisionTreeFilter.build(tn, params, ctx)
 
 
+def _prefix_scorer(tn: TypedName, name: str, ctx: BuildContext) -> PrefixCacheScorer | None:
+    """The prefix-cache-scorer instance a plugin's `prefixScorer` names (None for "")."""
+    if not name:
+        return None
+    prefix = ctx.resolve_plugin(name)
+    if not isinstance(prefix, PrefixCacheScorer):
+        raise ConfigError(f"plugin {tn.name!r}: prefixScorer {name!r} is not a prefix-cache-scorer")
+    return prefix
+
+
 def _predicted_ttft(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
     assert isinstance(params, PredictedTtftParams)
-    if not params.prefix_scorer:
-        return PredictedTtftScorer(tn, params, None)
-    prefix = ctx.resolve_plugin(params.prefix_scorer)
-    if not isinstance(prefix, PrefixCacheScorer):
-        raise ConfigError(
-            f"plugin {tn.name!r}: prefixScorer {params.prefix_scorer!r} is not a "
-            "prefix-cache-scorer"
-        )
-    return PredictedTtftScorer(tn, params, prefix)
+    return PredictedTtftScorer(tn, params, _prefix_scorer(tn, params.prefix_scorer, ctx))
+
+
+def _prefill_backlog(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    assert isinstance(params, PrefillBacklogParams)
+    return PrefillBacklogScorer(tn, params, _prefix_scorer(tn, params.prefix_scorer, ctx))
 
 
 def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
@@ -176,6 +187,8 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
                    "Share of the prompt's leading blocks the endpoint probably caches."),
         PluginSpec("predicted-ttft-scorer", S, PredictedTtftParams, _predicted_ttft,
                    "Lowest predicted time to first token / this endpoint's (learned online)."),
+        PluginSpec("prefill-backlog-scorer", S, PrefillBacklogParams, _prefill_backlog,
+                   "Least prefill ahead of the first token (unanswered prompt tokens sent)."),
         # Pickers
         PluginSpec("max-score-picker", P, PickerParams, _with_rng(MaxScorePicker, PickerParams),
                    "Highest score, random tie-break."),

@@ -1,0 +1,100 @@
+"""Prefill backlog: the prompt tokens this router sent that have not had their first token yet.
+
+A continuous-batching engine gives a new request its first token at the end of the step that
+finishes its prefill, and every prefill already queued or running there is ahead of it (or in
+the same step). The scraped queue says how many requests wait, not how long their prompts are,
+and it lags the router by a scrape; the router itself knows both: what it sent where, and (from
+the first response byte) when each prefill was over. `PrefillBacklog` keeps, per endpoint, the
+uncached prompt tokens of the requests sent there whose first byte has not come back:
+
+    backlog.sent(request_id, endpoint, tokens, now)   # at the decision (PostCycle)
+    backlog.first_token(request_id)                   # the first response byte arrived
+    backlog.ended(request_id)                         # the request ended (any outcome)
+    backlog.tokens(endpoint)                          # what a new request there waits behind
+
+Pure: no clock, no I/O. Bounded: at most `max_entries` requests are held (the oldest is dropped
+first), and `sent` forgets entries older than `max_age_s` (a lost first byte and a lost end must
+not count forever), so nothing a client does can grow it without bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(slots=True)
+class _Entry:
+    endpoint: str
+    tokens: int
+    sent_at: float
+
+
+class PrefillBacklog:
+    """Per-endpoint sums of not-yet-answered prompt tokens (not thread-safe)."""
+
+    __slots__ = ("_by_endpoint", "_counts", "_entries", "max_age_s", "max_entries")
+
+    def __init__(self, *, max_entries: int = 65_536, max_age_s: float = 60.0) -> None:
+        if max_entries < 1 or not max_age_s > 0.0:
+            raise ValueError("max_entries and max_age_s must be positive")
+        self.max_entries = max_entries
+        self.max_age_s = max_age_s
+        # request id -> entry, in send order (the clock is monotonic), so the oldest come first
+        self._entries: dict[str, _Entry] = {}
+        self._by_endpoint: dict[str, int] = {}  # endpoint -> backlog tokens
+        self._counts: dict[str, int] = {}  # endpoint -> entries (tokens may sum to 0)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def sent(self, request_id: str, endpoint: str, tokens: int, now: float) -> None:
+        """`request_id` went to `endpoint` with `tokens` prompt tokens to prefill there."""
+        self._remove(request_id)  # a reused id (a retry re-routed): the newest decision counts
+        entries = self._entries
+        while entries:
+            oldest_id, oldest = next(iter(entries.items()))
+            if len(entries) < self.max_entries and oldest.sent_at >= now - self.max_age_s:
+                break
+            self._remove(oldest_id)
+        tokens = max(0, tokens)
+        entries[request_id] = _Entry(endpoint, tokens, now)
+        self._by_endpoint[endpoint] = self._by_endpoint.get(endpoint, 0) + tokens
+        self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
+
+    def first_token(self, request_id: str) -> bool:
+        """The prefill of `request_id` is over; False if it was not counted. (From whichever
+        endpoint: if a fallback served it, the decided one never got that prefill either.)"""
+        return self._remove(request_id)
+
+    def ended(self, request_id: str) -> bool:
+        """The request ended (completed, failed, cancelled) before or after its first byte."""
+        return self._remove(request_id)
+
+    def tokens(self, endpoint: str) -> int:
+        """Prompt tokens sent to `endpoint` whose first byte has not come back."""
+        return self._by_endpoint.get(endpoint, 0)
+
+    def snapshot(self) -> Mapping[str, int]:
+        """endpoint -> backlog tokens of every endpoint with an entry (read-only)."""
+        return MappingProxyType(self._by_endpoint)
+
+    def forget_endpoints(self, keep: set[str]) -> None:
+        """Drop the entries of endpoints that left the pool."""
+        for rid in [r for r, e in self._entries.items() if e.endpoint not in keep]:
+            self._remove(rid)
+
+    def _remove(self, request_id: str) -> bool:
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return False
+        key = entry.endpoint
+        count = self._counts[key] - 1
+        if count:
+            self._counts[key] = count
+            self._by_endpoint[key] -= entry.tokens
+        else:  # the endpoint's last entry: drop its key, so the map holds only backlogs
+            del self._counts[key]
+            del self._by_endpoint[key]
+        return True

@@ -1,0 +1,177 @@
+"""The prefill backlog and its scorer: unanswered prompt tokens per endpoint, ended by the first
+byte or the request's end, bounded, and turned into scores that keep a short prompt off a server
+still prefilling a long one, unless that server holds the prompt's prefix."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.errors import ConfigError
+from poolkeeper.scheduling.backlog import PrefillBacklog
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.config import SchedulingConfig, preset_config
+from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+from tests.scheduling.sched_factories import NOW, key, plugin, request, state
+
+A, B = key(1), key(2)
+
+
+def _pool(n: int = 2) -> list[EndpointState]:
+    """`n` idle endpoints serving the base model the test requests ask for."""
+    return [state(i, served_model="base") for i in range(1, n + 1)]
+
+
+def test_tokens_count_until_the_first_byte_or_the_end() -> None:
+    backlog = PrefillBacklog()
+    backlog.sent("r1", A, 2000, NOW)
+    backlog.sent("r2", A, 30, NOW)
+    backlog.sent("r3", B, 0, NOW)  # a fully cached prompt: an entry with no tokens
+    assert (backlog.tokens(A), backlog.tokens(B), len(backlog)) == (2030, 0, 3)
+    assert backlog.first_token("r1")
+    assert not backlog.first_token("r1")  # once only
+    assert backlog.tokens(A) == 30
+    assert backlog.ended("r2")  # ended before any first byte (an error, a disconnect)
+    assert not backlog.ended("r2")
+    assert backlog.ended("r3")
+    assert dict(backlog.snapshot()) == {}  # no empty keys left behind
+    assert len(backlog) == 0
+
+
+def test_a_reused_id_is_the_newest_decision() -> None:
+    backlog = PrefillBacklog()
+    backlog.sent("r1", A, 500, NOW)
+    backlog.sent("r1", B, 700, NOW + 1)  # re-routed
+    assert dict(backlog.snapshot()) == {B: 700}
+
+
+def test_entries_are_bounded_in_count_and_age() -> None:
+    backlog = PrefillBacklog(max_entries=3, max_age_s=10.0)
+    for i in range(5):
+        backlog.sent(f"r{i}", A if i % 2 else B, 100, NOW + i)
+    assert len(backlog) == 3  # r0 and r1 were dropped, oldest first
+    assert not backlog.first_token("r0")
+    assert (backlog.tokens(A), backlog.tokens(B)) == (100, 200)
+    backlog.sent("late", A, 1, NOW + 13.5)  # r2 and r3 are older than 10 s by now
+    assert not backlog.ended("r3")
+    assert dict(backlog.snapshot()) == {B: 100, A: 1}
+
+
+def test_endpoints_that_left_are_forgotten() -> None:
+    backlog = PrefillBacklog()
+    backlog.sent("r1", A, 10, NOW)
+    backlog.sent("r2", B, 20, NOW)
+    backlog.forget_endpoints({B})
+    assert dict(backlog.snapshot()) == {B: 20}
+    assert not backlog.first_token("r1")
+
+
+@pytest.mark.parametrize("bad", [{"max_entries": 0}, {"max_age_s": 0.0}])
+def test_bad_settings_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        PrefillBacklog(**bad)  # type: ignore[arg-type]
+
+
+def _decide(scorer: PrefillBacklogScorer, rid: str, prompt: str, pick: int) -> None:
+    """Record a decision for `rid` on endpoint `pick` (1 or 2), as the scheduler would."""
+    cycle = CycleState(NOW)
+    req = request(prompt=prompt, request_id=rid)
+    pool = _pool()
+    scorer.score(cycle, req, pool)
+    scorer.post_cycle(cycle, req, ProfileResult("p", (pool[pick - 1],)))
+
+
+def test_the_scorer_ranks_by_prefill_ahead_and_forgets_it_at_the_first_byte() -> None:
+    scorer = plugin("prefill-backlog-scorer")
+    assert isinstance(scorer, PrefillBacklogScorer)
+    pool = _pool()
+    short = request(prompt="x" * 400, request_id="short")  # 100 tokens
+    assert scorer.score(CycleState(NOW), short, pool) == 1.0  # nothing sent: no signal
+    _decide(scorer, "long", "y" * 8000, 1)  # 2,000 tokens now prefilling on endpoint 1
+    scores = scorer.score(CycleState(NOW), short, pool)
+    assert isinstance(scores, list)
+    # (128 + 100) / (128 + 100 + 2000): the short prompt waits ten times as long there.
+    assert scores == pytest.approx([228 / 2228, 1.0])
+    scorer.observe_first_token("long", A, NOW + 0.1)
+    assert scorer.score(CycleState(NOW), short, pool) == 1.0
+    _decide(scorer, "gone", "z" * 400, 2)
+    scorer.request_ended("gone")
+    assert scorer.score(CycleState(NOW), short, pool) == 1.0
+    _decide(scorer, "left", "z" * 400, 2)
+    scorer.forget_endpoints({A})
+    assert scorer.score(CycleState(NOW), short, pool) == 1.0
+
+
+def test_with_a_prefix_index_a_cached_prompt_costs_only_its_uncached_part() -> None:
+    scheduler = build_scheduler(preset_config("prefill-backlog"), rng=random.Random(1))
+    scorer = scheduler.plugins["prefill-backlog-scorer"]
+    assert isinstance(scorer, PrefillBacklogScorer)
+    assert scorer.prefix is not None
+    shared = "a long shared system prompt " * 100  # 2,800 characters, 700 tokens
+    req = request(prompt=shared + "question?", request_id="q")
+    pool = _pool()
+    scorer.prefix.index.insert(A, scorer.prefix.hashes(CycleState(NOW), req))
+    scorer.backlog.sent("other", A, 300, NOW)  # endpoint 1 also has 300 tokens ahead
+    costs = scorer.costs(CycleState(NOW), req, pool)
+    # 2,809 characters, 702 tokens; endpoint 1 caches its 43 whole blocks of 64 characters,
+    # 2,752 characters at 702 / 2,809 tokens each: 687 tokens.
+    assert costs == [128 + 702 - 687 + 300, 128 + 702]
+    assert scheduler.schedule(req, pool, now=NOW).primary.key == A
+    # The decision counted the 15 uncached tokens on endpoint 1, not the whole prompt.
+    assert scorer.backlog.tokens(A) == 315
+    scheduler.observe_first_token("q", A, NOW + 0.05)
+    assert scorer.backlog.tokens(A) == 300
+
+
+def test_the_scheduler_keeps_short_prompts_off_a_long_prefill() -> None:
+    scheduler = build_scheduler(preset_config("prefill-backlog"), rng=random.Random(3))
+    pool = _pool(4)
+    assert scheduler.observes_first_tokens
+    first = scheduler.schedule(request(prompt="w" * 16000, request_id="long"), pool, now=NOW)
+    busy = first.primary.key
+    for i in range(20):
+        req = request(prompt=f"short question {i} " * 4, request_id=f"s{i}")
+        chosen = scheduler.schedule(req, pool, now=NOW).primary.key
+        assert chosen != busy
+        scheduler.observe_first_token(f"s{i}", chosen, NOW)
+    scheduler.observe_first_token("long", busy, NOW)
+    picks = set()
+    for i in range(40):
+        req = request(prompt=f"later question {i} " * 4, request_id=f"t{i}")
+        picks.add(scheduler.schedule(req, pool, now=NOW).primary.key)
+        scheduler.observe_first_token(f"t{i}", None, NOW)
+    assert busy in picks  # once its prefill is over it is a candidate like the others
+
+
+def test_an_absent_adapter_costs_its_load() -> None:
+    scorer = plugin("prefill-backlog-scorer", {"adapterTokens": 1000})
+    pool = [
+        state(1, served_model="base", active=("sql",)),  # the adapter is loaded here
+        state(2, served_model="base"),  # it would have to be loaded here
+        state(3, served_model="sql"),  # the target is this server's base model
+    ]
+    req = request("sql", prompt="x" * 400)  # 100 tokens
+    assert scorer.costs(CycleState(NOW), req, pool) == [228, 1228, 228]
+    scorer.backlog.sent("other", A, 2000, NOW)  # a long prefill where the adapter is
+    assert scorer.costs(CycleState(NOW), req, pool) == [2228, 1228, 228]
+    off = plugin("prefill-backlog-scorer", {"adapterTokens": 0})
+    assert off.costs(CycleState(NOW), req, pool) == [228, 228, 228]
+
+
+def test_prefix_scorer_reference_must_name_a_prefix_cache_scorer() -> None:
+    config = SchedulingConfig.model_validate(
+        {
+            "plugins": [
+                {"type": "queue-scorer"},
+                {"type": "prefill-backlog-scorer", "parameters": {"prefixScorer": "queue-scorer"}},
+            ],
+            "schedulingProfiles": [
+                {"name": "p", "plugins": [{"pluginRef": "prefill-backlog-scorer"}]}
+            ],
+        }
+    )
+    with pytest.raises(ConfigError, match="is not a prefix-cache-scorer"):
+        build_scheduler(config, rng=random.Random(1))

@@ -84,6 +84,13 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
     namespaces = _ext_proc(observed)["metadata_options"]["receiving_namespaces"]["untyped"]
     assert namespaces == ["poolkeeper"]
     assert processor["metadata_options"]["forwarding_namespaces"]["untyped"] == ["poolkeeper"]
+    # The first-byte report is in the Lua script only when asked for.
+    lua = filters[2]["typed_config"]["default_source_code"]["inline_string"]
+    assert "local REPORT = false" in lua
+    reporting = build_bootstrap(BootstrapParams(observe_responses=True, report_first_bytes=True))
+    lua = _hcm(reporting)["http_filters"][2]["typed_config"]["default_source_code"]
+    assert "local REPORT = true" in lua["inline_string"]
+    assert '"/poolkeeper.observer.v1.ResponseObserver/FirstByte"' in lua["inline_string"]
     (als,) = _hcm(observed)["access_log"]
     common = als["typed_config"]["common_config"]
     assert common["grpc_service"]["envoy_grpc"]["cluster_name"] == "epp"

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from poolkeeper.envoy.endpoints_file import EndpointsFile
-from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges
+from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.telemetry.health import HealthService
@@ -42,7 +42,12 @@ class Rig:
 
 @asynccontextmanager
 async def rig(
-    tmp_path: Path, *, observe: bool, inject_usage: bool = False, fail_open: bool = True
+    tmp_path: Path,
+    *,
+    observe: bool,
+    inject_usage: bool = False,
+    fail_open: bool = True,
+    report: bool = False,
 ) -> AsyncIterator[Rig]:
     backends = [Backend("a"), Backend("b")]
     for b in backends:
@@ -55,6 +60,7 @@ async def rig(
         health.register(server)
         if detached is not None:
             AccessLogReceiver(detached).register(server)
+            FirstByteReceiver(detached).register(server)
 
     server, epp_port = build_server(
         ExtProcServicer(router, detached=detached), f"127.0.0.1:{free_port()}", extra=register
@@ -63,8 +69,9 @@ async def rig(
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([b.hostport for b in backends])
     params = rig_params(
-        backends, epp_port, endpoints.path, fail_open=fail_open, observe_responses=observe
-    )
+        backends, epp_port, endpoints.path, fail_open=fail_open, observe_responses=observe,
+        report_first_bytes=report,
+    )  # fmt: skip
     try:
         async with running_envoy(params, tmp_path):
             yield Rig(f"http://127.0.0.1:{params.listen_port}", backends, router, server, detached)
@@ -129,6 +136,51 @@ async def test_the_outcome_of_a_stream_arrives_through_the_access_log(tmp_path: 
         assert 0 <= after < 5
         assert r.detached is not None
         assert len(r.detached) == 0
+
+
+@pytest.mark.parametrize("report", [True, False])
+async def test_the_first_byte_is_reported_while_the_stream_is_still_open(
+    tmp_path: Path, report: bool
+) -> None:
+    """With the report (a scheduler that learns from first tokens), the Lua filter tells the
+    EPP as the first byte passes; without it the EPP learns it from the access log only."""
+    async with rig(tmp_path, observe=True, report=report) as r:
+        body = {"model": "gated", "stream": True}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{r.url}{CHAT}", json=body) as resp,
+        ):
+            first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 20)
+            assert b"hello" in first
+            if report:
+                await _until(lambda: r.router.first_byte_after)
+                assert r.router.first_byte_after == [None]  # told now, not afterwards
+            else:
+                await asyncio.sleep(0.3)  # time enough for a report, were one sent
+                assert r.router.first_byte_after == []
+            assert r.router.completed == []  # the response is still being generated
+            for backend in r.backends:
+                backend.gate.set()
+            rest = await asyncio.wait_for(resp.read(), 20)
+        assert rest.endswith(b"data: [DONE]\n\n")
+        await _until(lambda: r.router.completed)
+        ((status, _usage, _served),) = r.router.completed
+        assert status == 200
+        # Told once either way: the access log's timing only when no report came first.
+        (after,) = r.router.first_byte_after
+        assert (after is None) == report
+
+
+async def test_no_first_byte_report_for_a_json_answer(tmp_path: Path) -> None:
+    async with rig(tmp_path, observe=True, report=True) as r, aiohttp.ClientSession() as s:
+        async with s.post(f"{r.url}{CHAT}", json={"model": "m"}) as resp:
+            assert resp.status == 200
+            await resp.read()
+        await _until(lambda: r.router.completed)
+        await asyncio.sleep(0.2)
+        # A JSON answer's first byte is its whole body: no report, only the access log's.
+        (after,) = r.router.first_byte_after
+        assert after is not None
 
 
 async def test_a_json_answer_and_a_stream_without_usage(tmp_path: Path) -> None:

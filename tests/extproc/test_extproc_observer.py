@@ -17,7 +17,7 @@ import grpc
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from google.protobuf import struct_pb2
+from google.protobuf import empty_pb2, struct_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
 from poolkeeper.extproc.accesslog import (
@@ -25,6 +25,7 @@ from poolkeeper.extproc.accesslog import (
     UNKNOWN_STATUS,
     AccessLogReceiver,
     DetachedExchanges,
+    FirstByteReceiver,
     Outcome,
     outcome_of,
 )
@@ -148,9 +149,25 @@ def test_token_counts_that_are_not_counts_are_dropped(bad: object) -> None:
 class _Waiting:
     def __init__(self) -> None:
         self.outcomes: list[Outcome] = []
+        self.first_bytes = 0
 
     def observed(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
+
+    def first_byte_passed(self) -> None:
+        self.first_bytes += 1
+
+
+def test_a_first_byte_report_reaches_only_its_own_waiting_exchange() -> None:
+    room = DetachedExchanges()
+    a, b = _Waiting(), _Waiting()
+    key_a, _ = room.hold(a), room.hold(b)
+    assert room.first_byte(key_a)
+    assert not room.first_byte("someone-else")
+    assert (a.first_bytes, b.first_bytes) == (1, 0)
+    assert len(room) == 2  # still waiting for the access-log entry
+    assert room.settle(key_a, Outcome(status=200))
+    assert not room.first_byte(key_a)  # settled: a late report finds nothing
 
 
 def test_detached_exchanges_are_settled_once_by_their_own_key() -> None:
@@ -193,7 +210,12 @@ async def _serving(
     router: FakeRouter, room: DetachedExchanges
 ) -> AsyncIterator[tuple[FakeEnvoy, grpc.aio.Channel]]:
     servicer = ExtProcServicer(router, settings=ExtProcSettings(), detached=room)
-    server, port = build_server(servicer, "127.0.0.1:0", extra=AccessLogReceiver(room).register)
+
+    def register(server: grpc.aio.Server) -> None:
+        AccessLogReceiver(room).register(server)
+        FirstByteReceiver(room).register(server)
+
+    server, port = build_server(servicer, "127.0.0.1:0", extra=register)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -247,6 +269,39 @@ async def test_a_routed_request_leaves_the_stream_and_its_log_entry_completes_it
     assert router.first_bytes == ["req-1"]  # told once, with Envoy's timing
     assert router.first_byte_after == [pytest.approx(0.025)]
     assert len(room) == 0
+
+
+async def test_a_first_byte_report_tells_the_router_before_the_log_entry_and_only_once() -> None:
+    router, room = FakeRouter(), DetachedExchanges()
+    async with _serving(router, room) as (envoy, channel):
+        replies, _ = await _route(envoy, {"model": "base", "prompt": "hi", "stream": True})
+        key = _metadata(replies)[wire.EXCHANGE]
+        # What the Lua filter sends: a unary call with the key as a StringValue.
+        report = channel.unary_unary(
+            wire.FIRST_BYTE_PATH,
+            request_serializer=wrappers_pb2.StringValue.SerializeToString,
+            response_deserializer=empty_pb2.Empty.FromString,
+        )
+        answer = await asyncio.wait_for(report(wrappers_pb2.StringValue(value=key)), 5)
+        assert answer == empty_pb2.Empty()
+        assert router.first_bytes == ["req-1"]
+        assert router.first_byte_after == [None]  # now, on the EPP's clock
+        assert router.completed == []  # still in flight
+        # A stranger's key and a repeated report are answered and change nothing.
+        await asyncio.wait_for(report(wrappers_pb2.StringValue(value="other")), 5)
+        await asyncio.wait_for(report(wrappers_pb2.StringValue(value=key)), 5)
+        assert router.first_bytes == ["req-1"]
+        stub = als_pb2_grpc.AccessLogServiceStub(channel)
+        fields = {wire.SENT_AT: 10.0, wire.FIRST_BYTE_AT: 35.0}
+        message = als_pb2.StreamAccessLogsMessage()
+        message.http_logs.log_entry.extend([_entry(key, fields=fields)])
+
+        async def entries() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+            yield message
+
+        await asyncio.wait_for(stub.StreamAccessLogs(entries()), 5)
+    assert len(router.completed) == 1
+    assert router.first_bytes == ["req-1"]  # the entry's first-byte time is not told again
 
 
 def _metadata(replies: list[object]) -> dict[str, str]:

@@ -15,6 +15,7 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource, file_source
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
+from poolkeeper.scheduling.config import preset_config
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
 from poolkeeper.telemetry.health import EXT_PROC_SERVICE, NOT_SERVING, SERVING, check_health
 
@@ -118,6 +119,23 @@ async def test_the_response_observer_is_on_only_where_poolkeeper_configures_the_
     assert edge.responses_observed(managed_envoy=managed) is observed
     params = bootstrap_params(config, store.snapshot(), managed=managed)
     assert params.observe_responses is observed
+    assert not params.report_first_bytes  # the default profile learns nothing from them
+
+
+@pytest.mark.parametrize(
+    ("preset", "reported"),
+    [("default", False), ("prefill-backlog", True), ("predicted-ttft", True)],
+)
+async def test_first_bytes_are_reported_at_once_only_to_a_scheduler_that_learns_from_them(
+    tmp_path: Path, preset: str, reported: bool
+) -> None:
+    directory, _ = _write(tmp_path, "FailClose")
+    config, store = await _start([directory])
+    spec = config.spec.model_copy(update={"scheduling": preset_config(preset)})
+    config = config.model_copy(update={"spec": spec})
+    assert bootstrap_params(config, store.snapshot(), managed=True).report_first_bytes is reported
+    # No observer (a proxy poolkeeper does not configure): the EPP sees responses itself.
+    assert not bootstrap_params(config, store.snapshot(), managed=False).report_first_bytes
 
 
 def test_envoy_config_command_prints_bootstrap(
@@ -225,6 +243,9 @@ async def test_exchanges_whose_entry_never_comes_are_released_without_any_entry(
     class Waiting:
         def observed(self, outcome: Outcome) -> None:
             outcomes.append(outcome)
+
+        def first_byte_passed(self) -> None:
+            raise AssertionError("no first-byte report here")
 
     room.hold(Waiting())
     task = asyncio.create_task(_expire_detached(room, every_s=0.01))

@@ -392,7 +392,11 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         "http_filters": [
             ext_proc_filter(p),
             # Encoding runs backwards: Lua sees the model server's response as it came.
-            *([response_processor(p), lua_filter()] if p.observe_responses else []),
+            *(
+                [response_processor(p), lua_filter(report_first_bytes=p.report_first_bytes)]
+                if p.observe_responses
+                else []
+            ),
             {"name": "envoy.filters.http.router", "typed_config": {T: ROUTER_TYPE}},
         ],
     }

@@ -13,7 +13,11 @@ outcome from Envoy:
 - Envoy's gRPC access-log service sends one entry per request that the EPP routed (a
   metadata filter on `poolkeeper.exchange`, the key the EPP set when routing) to the EPP's own
   gRPC port, on completion, client reset and upstream failure alike, with the status, the
-  response flags, the serving host and that metadata (`extproc/accesslog.py` reads it).
+  response flags, the serving host and that metadata (`extproc/accesslog.py` reads it);
+- only when the scheduler learns from first tokens (`BootstrapParams.report_first_bytes`):
+  the Lua filter also reports a 2xx event stream's first body byte as it passes, one
+  asynchronous unary gRPC call to the EPP (`observation.FIRST_BYTE_PATH`), so that the EPP
+  knows at once that the request's prefill is over, not minutes later with the access log.
 
 A response the EPP must rewrite (the client's model name given back, an injected usage chunk
 removed) goes through a second ext_proc filter, `RESPONSE_PROCESSOR`, that sends responses
@@ -43,8 +47,38 @@ RESPONSE_PROCESSOR = "poolkeeper.response_processor"
 # be structural JSON (inside a JSON string its quotes are escaped). Each chunk is searched
 # together with the last 512 bytes of the previous one, so an object split between chunks is
 # still found; the last one seen wins (the final usage chunk of a stream).
-LUA_SOURCE = Template(r"""
+#
+# The first-byte report (REPORT true) is a gRPC request written by hand: a 5-byte frame
+# header (uncompressed, big-endian length) around a StringValue (field 1, length-delimited),
+# sent asynchronously (Envoy neither waits for nor surfaces the answer), so the response to
+# the client is never held up by it. Only for 2xx event streams: the Director learns first
+# tokens of streamed requests only, and an error body is not a first token.
+_LUA = Template(r"""
 local NS = "${NS}"
+local REPORT = ${REPORT}
+
+local function varint(n)
+  local out = ""
+  while n >= 128 do
+    out = out .. string.char(n % 128 + 128)
+    n = math.floor(n / 128)
+  end
+  return out .. string.char(n)
+end
+
+local function report_first_byte(handle)
+  local names = handle:streamInfo():dynamicMetadata():get(NS)
+  local key = names and names["${EXCHANGE}"]
+  if type(key) ~= "string" then return end
+  local message = "\10" .. varint(#key) .. key
+  local n = #message
+  local frame = "\0" .. string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+    math.floor(n / 256) % 256, n % 256) .. message
+  handle:httpCall("${CLUSTER}", {
+    [":method"] = "POST", [":path"] = "${PATH}", [":authority"] = "${CLUSTER}",
+    ["content-type"] = "application/grpc", ["te"] = "trailers",
+  }, frame, ${TIMEOUT_MS}, true)
+end
 
 function envoy_on_request(handle)
   handle:streamInfo():dynamicMetadata():set(NS, "${SENT}", handle:timestamp())
@@ -59,6 +93,12 @@ end
 function envoy_on_response(handle)
   -- Envoy's Lua objects are valid only until the script yields (each body chunk), so the
   -- metadata handle is fetched anew after each.
+  local report = false
+  if REPORT then
+    local status = handle:headers():get(":status") or ""
+    local kind = handle:headers():get("content-type") or ""
+    report = string.sub(status, 1, 1) == "2" and string.find(kind, "text/event-stream", 1, true)
+  end
   local seen_first = false
   local events, done = 0, 0
   local tail = ""
@@ -71,6 +111,7 @@ function envoy_on_response(handle)
       if not seen_first then
         seen_first = true
         handle:streamInfo():dynamicMetadata():set(NS, "${FIRST}", handle:timestamp())
+        if report then report_first_byte(handle) end
       end
       local bytes = chunk:getBytes(0, size)
       local text = tail .. bytes
@@ -97,22 +138,36 @@ function envoy_on_response(handle)
   md:set(NS, "${EVENTS}", events)
   md:set(NS, "${DONE}", done)
 end
-""").substitute(
-    NS=wire.NAMESPACE,
-    SENT=wire.SENT_AT,
-    FIRST=wire.FIRST_BYTE_AT,
-    PROMPT=wire.PROMPT_TOKENS,
-    COMPLETION=wire.COMPLETION_TOKENS,
-    CACHED=wire.CACHED_TOKENS,
-    EVENTS=wire.EVENTS,
-    DONE=wire.DONE_EVENTS,
-)
+""")
+
+# The first-byte report's deadline: Envoy drops the call after this (the EPP answers at once).
+REPORT_TIMEOUT_MS = 1000
 
 
-def lua_filter() -> dict[str, Any]:
+def lua_source(*, report_first_bytes: bool) -> str:
+    """The observer's Lua script; `report_first_bytes`: with the first-byte report."""
+    return _LUA.substitute(
+        NS=wire.NAMESPACE,
+        REPORT="true" if report_first_bytes else "false",
+        EXCHANGE=wire.EXCHANGE,
+        CLUSTER=EPP_CLUSTER,
+        PATH=wire.FIRST_BYTE_PATH,
+        TIMEOUT_MS=REPORT_TIMEOUT_MS,
+        SENT=wire.SENT_AT,
+        FIRST=wire.FIRST_BYTE_AT,
+        PROMPT=wire.PROMPT_TOKENS,
+        COMPLETION=wire.COMPLETION_TOKENS,
+        CACHED=wire.CACHED_TOKENS,
+        EVENTS=wire.EVENTS,
+        DONE=wire.DONE_EVENTS,
+    )
+
+
+def lua_filter(*, report_first_bytes: bool = False) -> dict[str, Any]:
+    source = lua_source(report_first_bytes=report_first_bytes)
     return {
         "name": LUA_FILTER,
-        "typed_config": {T: LUA_TYPE, "default_source_code": {"inline_string": LUA_SOURCE}},
+        "typed_config": {T: LUA_TYPE, "default_source_code": {"inline_string": source}},
     }
 
 

@@ -111,6 +111,10 @@ class BootstrapParams:
     # how a response ended, so the EPP need not process response bodies.
     observe_responses: bool = False
     observer_flush_s: float = 0.02  # access-log batches: at most this late
+    # With the observer: the Lua filter also tells the EPP at once when a streamed response's
+    # first byte passed (one unary gRPC call per request), for schedulers that learn from
+    # first tokens (`Scheduler.observes_first_tokens`); otherwise the access log tells it later.
+    report_first_bytes: bool = False
 
 
 def duration(seconds: float) -> str:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from google.protobuf import struct_pb2
+from google.protobuf import empty_pb2, struct_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
 
@@ -72,6 +72,10 @@ class Detached(Protocol):
     """What waits here: an Exchange whose ext_proc stream has ended."""
 
     def observed(self, outcome: Outcome) -> None: ...
+
+    def first_byte_passed(self) -> None:
+        """Envoy reports the response's first byte as it passes (before `observed`)."""
+        ...
 
 
 def _number(fields: Any, key: str) -> float | None:
@@ -178,6 +182,14 @@ class DetachedExchanges:
         """The detach never reached Envoy (the stream broke first): forget it."""
         self._waiting.pop(key, None)
 
+    def first_byte(self, key: str) -> bool:
+        """The first byte of `key`'s response passed Envoy; False for a key not waiting."""
+        held = self._waiting.get(key)
+        if held is None:
+            return False
+        held[1].first_byte_passed()
+        return True
+
     def settle(self, key: str, outcome: Outcome) -> bool:
         held = self._waiting.pop(key, None)
         if held is None:
@@ -227,3 +239,36 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
 
     def register(self, server: grpc.aio.Server) -> None:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self, server)
+
+
+class FirstByteReceiver:
+    """The Lua filter's first-byte reports (`observation.FIRST_BYTE_PATH`), as they happen.
+
+    Unary calls with the exchange key as a StringValue; an unknown key (an earlier EPP
+    process, or the access-log entry came first) is ignored. Always answered with Empty, so
+    a report can never make Envoy retry or log an error for the client's request."""
+
+    def __init__(self, detached: DetachedExchanges) -> None:
+        self.detached = detached
+        self.reports = 0  # reports that found their exchange waiting
+
+    async def first_byte(
+        self, request: wrappers_pb2.StringValue, context: grpc.aio.ServicerContext
+    ) -> empty_pb2.Empty:
+        try:
+            if self.detached.first_byte(request.value):
+                self.reports += 1
+        except Exception:
+            log.exception("response observer: a first-byte report could not be applied")
+        return empty_pb2.Empty()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        handler = grpc.unary_unary_rpc_method_handler(
+            self.first_byte,
+            request_deserializer=wrappers_pb2.StringValue.FromString,
+            response_serializer=empty_pb2.Empty.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(wire.FIRST_BYTE_SERVICE,
+                                                  {wire.FIRST_BYTE_METHOD: handler}),)
+        )  # fmt: skip

@@ -99,6 +99,7 @@ class Exchange:
         self.held = bytearray()
         self.captured = bytearray()
         self.response_bytes = 0
+        self.first_byte_seen = False  # told to the router (once per request)
         self.completed = False
         self.header_only = False  # the request headers carried end_of_stream
 
@@ -356,9 +357,16 @@ class Exchange:
             out, end_of_stream=False, response=True, size=self.settings.body_chunk_bytes
         )
 
+    def first_byte_passed(self) -> None:
+        """A detached request's first response byte passed Envoy now (its Lua filter's
+        report): told to the router at once, not only with the access-log entry."""
+        if not self.completed:
+            self._first_byte()
+
     def _first_byte(self) -> None:
-        if self.decision is None:
+        if self.decision is None or self.first_byte_seen:
             return
+        self.first_byte_seen = True
         try:
             self.router.first_byte(self.decision)
         except Exception:
@@ -389,7 +397,11 @@ class Exchange:
         self.served = outcome.served or self.served
         self.status = outcome.status
         self.response_bytes = outcome.response_bytes
-        if outcome.first_byte_after_s is not None and 200 <= outcome.status < 300:
+        if (
+            not self.first_byte_seen
+            and outcome.first_byte_after_s is not None
+            and 200 <= outcome.status < 300
+        ):
             try:
                 self.router.first_byte(decision, after_s=outcome.first_byte_after_s)
             except Exception:

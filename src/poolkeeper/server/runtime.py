@@ -36,11 +36,12 @@ from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
-from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges
+from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director
+from poolkeeper.scheduling.build import learns_from_first_tokens
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
 from poolkeeper.telemetry.health import HealthService
@@ -92,6 +93,7 @@ def bootstrap_params(
     `managed`: it runs this Envoy itself)."""
     listeners = config.spec.listeners
     edge = config.spec.edge
+    observe = edge.responses_observed(managed_envoy=managed)
     pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
     fail_open = bool(pools) and all(p.failure_mode() == "FailOpen" for p in pools)
     fallback: list[str] = []
@@ -116,7 +118,8 @@ def bootstrap_params(
         stream_idle_timeout_s=edge.stream_idle_timeout_s,
         inference_paths=tuple(edge.inference_paths),
         max_body_bytes=config.spec.request_handling.max_body_bytes,
-        observe_responses=edge.responses_observed(managed_envoy=managed),
+        observe_responses=observe,
+        report_first_bytes=observe and learns_from_first_tokens(config.spec.scheduling),
         # One upstream protocol for all pools (one routed cluster): h2c only if all say so.
         upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )
@@ -209,6 +212,7 @@ class GatewayRuntime:
             health.register(server)
             if detached is not None:  # the response observer's entries arrive here
                 AccessLogReceiver(detached).register(server)
+                FirstByteReceiver(detached).register(server)
 
         extproc, _ = build_server(
             self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=register

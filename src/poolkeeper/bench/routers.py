@@ -11,7 +11,9 @@
   (`bench.flowpolicy`); such a policy also has `offer` and `release` (`QueueingPolicy`);
 - `poolkeeper-shed`: the same scheduler with admission's shedding and no queue (poolkeeper
   before flow control, `flowControl.enabled: false`);
-- `poolkeeper-proposed`: the default-profile change the tuning suggests (bench.schedpolicy).
+- `poolkeeper-proposed`: the default-profile change the tuning suggests (bench.schedpolicy);
+- `poolkeeper-ttft` / `poolkeeper-backlog`: the same flow control in front of the
+  `predicted-ttft` / `prefill-backlog` presets (`-shed`: with admission's shedding instead).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class QueueingPolicy(RoutingPolicy, Protocol):
 
 SCHEDULER_POLICIES: tuple[str, ...] = (
     "gie-v0.3", "gie-v1", "poolkeeper", "poolkeeper-shed", "poolkeeper-proposed",
-    "poolkeeper-ttft", "poolkeeper-ttft-shed",
+    "poolkeeper-ttft", "poolkeeper-ttft-shed", "poolkeeper-backlog", "poolkeeper-backlog-shed",
 )  # fmt: skip
 ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
 # Run only when asked for by name (never by default: `ref-oracle` takes minutes per point).
@@ -82,7 +84,7 @@ def make_policy(
     baseline = BASELINES.get(name)
     if baseline is not None:
         return baseline(rng)
-    if name in ("poolkeeper", "poolkeeper-ttft"):
+    if name in ("poolkeeper", "poolkeeper-ttft", "poolkeeper-backlog"):
         from poolkeeper.bench.flowpolicy import flow_policy
 
         return flow_policy(name, rng, flow_control)

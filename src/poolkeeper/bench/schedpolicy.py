@@ -4,6 +4,8 @@
   shed at pool saturation 1.0, Standard at 8.0, Critical never): `poolkeeper serve` with
   `flowControl.enabled: false`, i.e. poolkeeper before flow control. (`poolkeeper` itself, with
   flow control, is `bench.flowpolicy`.)
+- `poolkeeper-ttft-shed` / `poolkeeper-backlog-shed`: the same on the `predicted-ttft` /
+  `prefill-backlog` presets.
 - `gie-v1`: the `gie-v1-default` preset (queue 2, kv-cache 2, prefix 3, scraped metrics only)
   with GIE v1's admission: only Sheddable requests are shed, when the pool is saturated
   (queue 5 / KV 0.8 thresholds), judged on scraped metrics only.
@@ -39,6 +41,7 @@ from poolkeeper.scheduling.types import LLMRequest
 _PRESET = {
     "poolkeeper-shed": "default",
     "poolkeeper-ttft-shed": "predicted-ttft",
+    "poolkeeper-backlog-shed": "prefill-backlog",
     "gie-v1": "gie-v1-default",
     "gie-v0.3": "gie-v0.3-decision-tree",
 }
@@ -114,7 +117,8 @@ def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
     )
     scheduler = build_scheduler(config, rng=rng)
     admission: AdmissionController | None
-    if name in ("poolkeeper-shed", "poolkeeper-ttft-shed", "poolkeeper-proposed"):
+    if name in ("poolkeeper-shed", "poolkeeper-ttft-shed", "poolkeeper-backlog-shed",
+                "poolkeeper-proposed"):  # fmt: skip
         admission = AdmissionController(AdmissionConfig())
     elif name == "gie-v1":
         admission = AdmissionController(

@@ -1,0 +1,49 @@
+"""`poolkeeper-backlog`: the real scheduler on the `prefill-backlog` preset behind flow control,
+fed the virtual fleet's first tokens and ends as the EPP's Director feeds the real one."""
+
+from __future__ import annotations
+
+import random
+
+from poolkeeper.bench.flowpolicy import FlowPolicy
+from poolkeeper.bench.routers import ALL_POLICIES, make_policy
+from poolkeeper.bench.schedpolicy import SchedulerPolicy
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+from poolkeeper.scheduling.types import LLMRequest
+
+
+def _pool() -> list[EndpointState]:
+    return [
+        EndpointState(
+            Endpoint(f"s{i}", f"10.0.0.{i}", 8000),
+            EndpointMetrics(updated_at=1.0, served_model="m"),
+        )
+        for i in (1, 2, 3)
+    ]
+
+
+def _request(rid: str, tokens: int) -> LLMRequest:
+    return LLMRequest(rid, "m", "m", prompt="p" * 4 * tokens, prompt_tokens=tokens, max_tokens=8)
+
+
+def test_first_tokens_and_ends_reach_the_backlog_and_steer_the_next_picks() -> None:
+    assert "poolkeeper-backlog" in ALL_POLICIES
+    flow = make_policy("poolkeeper-backlog", random.Random(2))
+    assert isinstance(flow, FlowPolicy)
+    inner = flow.inner
+    assert isinstance(inner, SchedulerPolicy)
+    scorer = inner.scheduler.plugins["prefill-backlog-scorer"]
+    assert isinstance(scorer, PrefillBacklogScorer)
+    pool = _pool()
+    busy = flow.pick(_request("long", 4000), pool, now=2.0).key
+    assert scorer.backlog.tokens(busy) == 4000
+    for i in range(12):  # short prompts stay off the server still prefilling the long one
+        chosen = flow.pick(_request(f"s{i}", 20), pool, now=2.0)
+        assert chosen.key != busy
+        flow.on_first_token(f"s{i}", now=2.01)
+        flow.on_finish(f"s{i}", chosen.endpoint.name, now=2.1)
+    flow.on_first_token("long", now=2.2)
+    assert scorer.backlog.tokens(busy) == 0
+    flow.on_finish("long", busy, now=3.0)
+    assert len(scorer.backlog) == 0

@@ -46,6 +46,7 @@ import aiohttp
 from poolkeeper.bench import live, overhead_peers as peer
 from poolkeeper.bench.overhead_floor import floor_gateways
 from poolkeeper.netutil import free_ports
+from poolkeeper.scheduling.presets import PRESETS
 
 PEERS = ("vllm-router", "sglang-router")
 
@@ -71,7 +72,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def write_config(directory: Path, sim_port: int, ports: list[int]) -> None:
+def write_config(
+    directory: Path, sim_port: int, ports: list[int], preset: str = "default"
+) -> None:
     http, ext_proc, metrics, health, admin = ports
     (directory / "gateway.yaml").write_text(f"""\
 apiVersion: poolkeeper.dev/v1alpha1
@@ -81,6 +84,7 @@ spec:
   listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
     admin: {admin}}}
   scraping: {{intervalMs: 50}}
+  scheduling: {{preset: {preset}}}
   endpoints:
     - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: bench}}}}
 ---
@@ -344,6 +348,13 @@ async def main(protocol_rate: float) -> int:
         "--envoy-concurrency", type=int, default=1, help="Envoy worker threads (serve's flag)"
     )
     parser.add_argument(
+        "--preset",
+        default="default",
+        choices=sorted(PRESETS),
+        help="serve's scheduling preset (one that learns from first tokens, e.g. "
+        "prefill-backlog, has Envoy report each stream's first byte)",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning"],
@@ -368,7 +379,7 @@ async def main(protocol_rate: float) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
     (config := tmp / "config").mkdir()
     sim_port, *ports = free_ports(6)
-    write_config(config, sim_port, ports)
+    write_config(config, sim_port, ports, args.preset)
     # A context long enough for the largest prompt size (1 MB of text is ~262k tokens).
     (tmp / "sim.yaml").write_text("defaults: {max_model_len: 2500000, num_gpu_blocks: 160000}\n")
     sim = start(

@@ -161,6 +161,23 @@ def test_an_absent_adapter_costs_its_load() -> None:
     assert off.costs(CycleState(NOW), req, pool) == [228, 228, 228]
 
 
+def test_a_slower_endpoints_cost_is_scaled_by_how_much_slower() -> None:
+    scorer = plugin("prefill-backlog-scorer")  # speedTolerance 0.3
+    fast, near, slow, new = (state(i, served_model="base") for i in range(1, 5))
+    pool = [
+        EndpointState(fast.endpoint, fast.metrics, seconds_per_output_token=0.01),
+        EndpointState(near.endpoint, near.metrics, seconds_per_output_token=0.012),  # noise
+        EndpointState(slow.endpoint, slow.metrics, seconds_per_output_token=0.026),
+        new,  # not observed yet: counts as fast
+    ]
+    req = request(prompt="x" * 400)  # 100 tokens: 228 with the base
+    costs = scorer.costs(CycleState(NOW), req, pool)
+    # 0.026 s against 1.3 x 0.01 s: twice as slow beyond the tolerance.
+    assert costs == pytest.approx([228, 228, 456, 228])
+    blind = plugin("prefill-backlog-scorer", {"speedTolerance": None})
+    assert blind.costs(CycleState(NOW), req, pool) == [228, 228, 228, 228]
+
+
 def test_prefix_scorer_reference_must_name_a_prefix_cache_scorer() -> None:
     config = SchedulingConfig.model_validate(
         {

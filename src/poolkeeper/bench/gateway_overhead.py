@@ -72,9 +72,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def write_config(
-    directory: Path, sim_port: int, ports: list[int], preset: str = "default"
-) -> None:
+def write_config(directory: Path, sim_port: int, ports: list[int], preset: str = "default") -> None:
     http, ext_proc, metrics, health, admin = ports
     (directory / "gateway.yaml").write_text(f"""\
 apiVersion: poolkeeper.dev/v1alpha1

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 
 @dataclass(slots=True)
@@ -77,8 +76,9 @@ class PrefillBacklog:
         return self._by_endpoint.get(endpoint, 0)
 
     def snapshot(self) -> Mapping[str, int]:
-        """endpoint -> backlog tokens of every endpoint with an entry (read-only)."""
-        return MappingProxyType(self._by_endpoint)
+        """endpoint -> backlog tokens of every endpoint with an entry: the live map, read-only
+        by type (a mappingproxy's `get` cost a third of a 1,000-endpoint decision)."""
+        return self._by_endpoint
 
     def forget_endpoints(self, keep: set[str]) -> None:
         """Drop the entries of endpoints that left the pool."""

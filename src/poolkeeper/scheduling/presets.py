@@ -184,7 +184,7 @@ _RANDOM: dict[str, Any] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "default": _DEFAULT,
     "predicted-ttft": _predicted_ttft(2),
-    "prefill-backlog": _prefill_backlog(4),
+    "prefill-backlog": _prefill_backlog(2),
     "gie-v1-default": _gie_v1(2, 2, 3),  # GIE v1.2+ / v1.5 built-in default
     "gie-v1.0-default": _gie_v1(1, 1, 1),  # GIE v1.0 chart / v0.5 plugins-v2.yaml
     "gie-v0.3-decision-tree": _V03,

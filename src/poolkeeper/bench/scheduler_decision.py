@@ -13,8 +13,10 @@ unseen in-flight requests, and GC stays on (as in production). Two timings per s
   `schedule` + `InflightTracker.start`, i.e. what the EPP spends per request on admission and
   endpoint picking.
 
-A scheduler that learns from first tokens (`predicted-ttft`) is told of one after each decision,
-outside the timed part, so its scorer is active for every measured decision.
+A scheduler that learns from first tokens (`predicted-ttft`, `prefill-backlog`) is told of one
+after each decision, outside the timed part: that of the decision n/2 earlier, so a learning
+scorer is active for every measured decision and about half the endpoints have a prefill
+backlog, as in a busy pool.
 
 Not a test: run it by hand and copy the table into docs/benchmarks.md.
 
@@ -24,6 +26,7 @@ Not a test: run it by hand and copy the table into docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import platform
 import random
 import statistics
@@ -91,6 +94,7 @@ def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str
     sched_cpu_ns: list[int] = []
     path_ns: list[int] = []
     inflight: list[str] = []
+    answered: collections.deque[tuple[str, str]] = collections.deque()
     for k in range(warmup + decisions):
         req = request(k)
         now += 0.001
@@ -104,8 +108,13 @@ def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str
         t2 = time.perf_counter_ns()
         tracker.start(req.request_id, result.primary.key, req.prompt_tokens, now)
         t3 = time.perf_counter_ns()
-        if learns:  # a first token per decision (untimed), so a learning scorer is active
-            scheduler.observe_first_token(req.request_id, result.primary.key, now + 0.05)
+        if learns:  # a first token per decision (untimed), so a learning scorer is active:
+            # that of the decision n/2 earlier, so that, as in a busy pool, about half the
+            # endpoints wait for a first token (the prefill-backlog scorer's map is that full)
+            answered.append((req.request_id, result.primary.key))
+            if len(answered) > n // 2:
+                rid, key = answered.popleft()
+                scheduler.observe_first_token(rid, key, now)
         inflight.append(req.request_id)
         if len(inflight) > 2 * n:  # keep roughly two requests per endpoint in flight
             tracker.finish(inflight.pop(0))

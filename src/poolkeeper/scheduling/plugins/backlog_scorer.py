@@ -116,9 +116,11 @@ class PrefillBacklogScorer(NamedPlugin):
         if cached or backlog:
             hit, ahead = cached.get, backlog.get
             keys = [s.endpoint.hostport for s in candidates]
-            if cached:
+            if cached and backlog:
+                costs = [c - hit(k, 0) + ahead(k, 0) for c, k in zip(costs, keys, strict=True)]
+            elif cached:
                 costs = [c - hit(k, 0) for c, k in zip(costs, keys, strict=True)]
-            if backlog:
+            else:
                 costs = [c + ahead(k, 0) for c, k in zip(costs, keys, strict=True)]
         if self.slack is not None:
             return self._slowed(costs, candidates, self.slack)

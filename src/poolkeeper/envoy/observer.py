@@ -17,7 +17,7 @@ outcome from Envoy:
 - only when the scheduler learns from first tokens (`BootstrapParams.report_first_bytes`):
   the Lua filter also reports a 2xx event stream's first body byte as it passes, one
   asynchronous unary gRPC call to the EPP (`observation.FIRST_BYTE_PATH`), so that the EPP
-  knows at once that the request's prefill is over, not minutes later with the access log.
+  knows at once that the request's prefill is over, not only when the request has ended.
 
 A response the EPP must rewrite (the client's model name given back, an injected usage chunk
 removed) goes through a second ext_proc filter, `RESPONSE_PROCESSOR`, that sends responses

@@ -250,14 +250,12 @@ class FirstByteReceiver:
 
     def __init__(self, detached: DetachedExchanges) -> None:
         self.detached = detached
-        self.reports = 0  # reports that found their exchange waiting
 
     async def first_byte(
         self, request: wrappers_pb2.StringValue, context: grpc.aio.ServicerContext
     ) -> empty_pb2.Empty:
         try:
-            if self.detached.first_byte(request.value):
-                self.reports += 1
+            self.detached.first_byte(request.value)
         except Exception:
             log.exception("response observer: a first-byte report could not be applied")
         return empty_pb2.Empty()

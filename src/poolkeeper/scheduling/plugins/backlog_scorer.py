@@ -4,8 +4,11 @@ Cost of sending a request to an endpoint, in prompt tokens: the endpoint's prefi
 (`scheduling/backlog.py`: uncached prompt tokens this router sent there whose first byte has
 not come back) plus the request's own uncached tokens there (prompt tokens minus the expected
 prefix hit, read from a `prefix-cache-scorer` named by `prefixScorer`, so one index serves
-both), plus `baseTokens` for the step every first token waits for anyway. Score = the lowest
-cost / this endpoint's: 1 for the best, 0.5 for twice the prefill ahead.
+both), plus `baseTokens` for the step every first token waits for anyway, plus `adapterTokens`
+where the request's LoRA adapter is not resident; on an endpoint the router measured as
+slower per output token than `1 + speedTolerance` times the fastest, scaled by how much
+slower. Score = the lowest cost / this endpoint's: 1 for the best, 0.5 for twice the prefill
+ahead.
 
 Why: a continuous-batching engine gives a request its first token at the end of the step that
 finishes its prefill, and prefills queued or running there come first or share the step. The

@@ -31,6 +31,12 @@ def test_first_tokens_and_ends_reach_the_backlog_and_steer_the_next_picks() -> N
     assert "poolkeeper-backlog" in ALL_POLICIES
     flow = make_policy("poolkeeper-backlog", random.Random(2))
     assert isinstance(flow, FlowPolicy)
+    # It learns from first tokens, so the fleet shows it which unseen requests answered (as
+    # Envoy's first-byte report shows the EPP); the default learns nothing and sees none.
+    assert flow.observes_first_tokens
+    default = make_policy("poolkeeper", random.Random(2))
+    assert isinstance(default, FlowPolicy)
+    assert not default.observes_first_tokens
     inner = flow.inner
     assert isinstance(inner, SchedulerPolicy)
     scorer = inner.scheduler.plugins["prefill-backlog-scorer"]

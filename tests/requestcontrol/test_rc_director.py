@@ -733,3 +733,33 @@ async def test_a_learning_scheduler_gets_the_first_byte_of_streamed_requests_onl
     assert scorer.model.pending == 0  # the plain request's decision is forgotten at its end
     director.first_byte(streamed)  # late or repeated reports change nothing
     assert scorer.model.samples == 1
+
+
+async def test_a_streamed_first_byte_takes_the_request_out_of_the_unseen_queue() -> None:
+    # The default profile learns nothing from first bytes; the in-flight tracker still does:
+    # a request that answered runs, and must not count as waiting until the next scrape.
+    from poolkeeper.config.gateway import GatewayConfig
+    from poolkeeper.scheduling.inflight import InflightTracker
+
+    clock = [NOW]
+    config = GatewayConfig.model_validate({"spec": {"flowControl": {"enabled": False}}})
+    store = _store()
+    director = build_director(config, store, rng=random.Random(1), clock=lambda: clock[0])
+    tracker = director.inflight
+    assert isinstance(tracker, InflightTracker)
+    streamed = await director.route(_chat("split", rid="s", stream=True))
+    plain = await director.route(_chat("split", rid="p"))
+    clock[0] += 0.01
+
+    def answered() -> int:
+        snapshot = store.snapshot()
+        states = [s for key in snapshot.pool_keys() for s in snapshot.states(key)]
+        return sum(s.unseen_answered for s in tracker.apply(states))
+
+    assert answered() == 0
+    director.first_byte(plain)  # a JSON answer's first byte is its end: not counted
+    assert answered() == 0
+    director.first_byte(streamed)
+    assert answered() == 1
+    director.complete(streamed, status=200, usage=None)
+    assert answered() == 0

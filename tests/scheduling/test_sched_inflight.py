@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.inflight import InflightTracker
+from poolkeeper.scheduling.load import effective_waiting, saturations
 from tests.scheduling.sched_factories import key, request, scheduler, state
 
 
@@ -63,6 +64,26 @@ def test_apply_reuses_unchanged_states_and_clears_stale_counts() -> None:
     carried = [state(1, unseen=3, inflight=3)]  # counts from an earlier apply
     cleared = t.apply(carried)[0]
     assert (cleared.inflight_requests, cleared.unseen_requests) == (0, 0)
+
+
+def test_an_unseen_request_that_answered_runs_and_no_longer_queues() -> None:
+    t = InflightTracker()
+    t.start("old", key(1), 100, now=9.0)  # in the scraped gauges already
+    t.start("a", key(1), 10, now=10.5)
+    t.start("b", key(1), 20, now=10.6)
+    pool = [state(1, updated_at=10.0, waiting=2)]
+    before = t.apply(pool)[0]
+    assert t.first_token("a")
+    assert t.first_token("old")  # answered too, but the scrape already counted it somewhere
+    assert not t.first_token("never-started")
+    after = t.apply(pool)[0]
+    assert after is not before  # the change is seen, not a cached state
+    assert (after.unseen_requests, after.unseen_tokens, after.unseen_answered) == (2, 30, 1)
+    # The queue estimates leave the answered one out; KV and running still count it.
+    assert effective_waiting(after) == 2 + 1
+    assert saturations([after], now=10.7, staleness_s=1, queue_threshold=3, kv_threshold=1) == [1.0]
+    t.finish("a")
+    assert t.apply(pool)[0].unseen_answered == 0
 
 
 def test_scrape_lag_counts_requests_just_before_the_scrape_as_unseen() -> None:
@@ -120,7 +141,7 @@ def test_equal_pool_burst_is_even_with_tracking() -> None:
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["start", "finish", "scrape"]),
+        st.sampled_from(["start", "finish", "scrape", "first"]),
         st.integers(0, 7),  # request id
         st.integers(1, 3),  # endpoint
         st.integers(0, 50),  # tokens
@@ -136,6 +157,7 @@ def test_apply_matches_a_naive_recount(ops: list[tuple[str, int, int, int]]) -> 
     counts a from-scratch recount gives."""
     tracker = InflightTracker()
     live: dict[str, tuple[int, int, float]] = {}  # id -> (endpoint, tokens, started)
+    answered: set[str] = set()  # ids whose first byte came back
     scraped = {1: 0.5, 2: 0.5, 3: 0.5}
     # Snapshots are replaced only by a scrape, so `apply`'s per-endpoint cache gets hits.
     pool = [state(i, updated_at=scraped[i]) for i in (1, 2, 3)]
@@ -145,20 +167,27 @@ def test_apply_matches_a_naive_recount(ops: list[tuple[str, int, int, int]]) -> 
         if op == "start":
             tracker.start(f"r{rid}", key(ep), tokens, now)
             live[f"r{rid}"] = (ep, tokens, now)
+            answered.discard(f"r{rid}")  # a restart has not answered yet
         elif op == "finish":
             assert tracker.finish(f"r{rid}") == (f"r{rid}" in live)
             live.pop(f"r{rid}", None)
+            answered.discard(f"r{rid}")
+        elif op == "first":
+            assert tracker.first_token(f"r{rid}") == (f"r{rid}" in live)
+            if f"r{rid}" in live:
+                answered.add(f"r{rid}")
         else:
             scraped[ep] = now
             pool[ep - 1] = state(ep, updated_at=now)
         for got in tracker.apply(pool):
             i = int(got.endpoint.name.removeprefix("pod"))
-            mine = [(t, s) for e, t, s in live.values() if e == i]
-            unseen = [(t, s) for t, s in mine if s > scraped[i]]
+            mine = [(r, t, s) for r, (e, t, s) in live.items() if e == i]
+            unseen = [(r, t) for r, t, s in mine if s > scraped[i]]
             assert got.inflight_requests == len(mine)
-            assert got.inflight_tokens == sum(t for t, _ in mine)
+            assert got.inflight_tokens == sum(t for _, t, _ in mine)
             assert got.unseen_requests == len(unseen)
-            assert got.unseen_tokens == sum(t for t, _ in unseen)
+            assert got.unseen_tokens == sum(t for _, t in unseen)
+            assert got.unseen_answered == sum(r in answered for r, _ in unseen)
 
 
 def test_a_new_pod_at_a_reused_address_starts_clean() -> None:

@@ -90,6 +90,33 @@ def test_router_sees_metrics_as_of_the_last_scrape_tick() -> None:
     assert unseen == 0
 
 
+@pytest.mark.parametrize("answers_seen", [True, False])
+def test_unseen_requests_that_answered_are_shown_to_a_router_that_sees_answers(
+    answers_seen: bool,
+) -> None:
+    seen: list[tuple[float, int, int]] = []
+
+    def route(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int:
+        seen.append((now, states[0].unseen_requests, states[0].unseen_answered))
+        return 0
+
+    # Two short prompts at once, then one 30 ms later within the same 1 s scrape tick: the
+    # first two have their first token by then (one ~10 ms step), so they are running.
+    arrivals = [
+        Arrival(0.100, "a", MODEL, "x" * 40, max_tokens=50),
+        Arrival(0.100, "b", MODEL, "y" * 40, max_tokens=50),
+        Arrival(0.130, "c", MODEL, "z" * 40, max_tokens=50),
+        Arrival(1.010, "d", MODEL, "w" * 40, max_tokens=5),  # after a scrape: nothing unseen
+    ]
+    fleet = VirtualFleet([BASE], scrape_interval=1.0, answers_seen=answers_seen)
+    results = {r.request_id: r for r in fleet.run(arrivals, route).requests}
+    assert results["b"].first_token is not None
+    assert results["b"].first_token < 0.130
+    assert seen[2][1] == 2  # a and b were routed since the last scrape
+    assert seen[2][2] == (2 if answers_seen else 0)
+    assert seen[3][1:] == (0, 0)
+
+
 def test_fresh_scrapes_when_interval_is_zero() -> None:
     running_seen: list[int] = []
 

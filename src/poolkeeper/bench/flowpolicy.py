@@ -118,6 +118,10 @@ class FlowPolicy:
         self.ends[request_id] = outcome
         self.outcomes[(band, outcome)] += 1
 
+    @property
+    def observes_first_tokens(self) -> bool:
+        return self.inner.observes_first_tokens
+
     def pick(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
     ) -> EndpointState:

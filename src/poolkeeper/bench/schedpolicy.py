@@ -85,6 +85,12 @@ class SchedulerPolicy:
         # request id -> (endpoint ip:port, sent at, expected output tokens)
         self._sent: dict[str, tuple[str, float, int]] = {}
 
+    @property
+    def observes_first_tokens(self) -> bool:
+        """Whether the scheduler learns from first tokens (then `serve` has them reported as
+        they happen, and the fleet shows which unseen requests answered)."""
+        return self._learns
+
     def pick(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
     ) -> EndpointState:

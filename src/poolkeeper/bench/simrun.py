@@ -89,7 +89,12 @@ def replay(
     seed: int,
     scrape_interval: float = SCRAPE_INTERVAL_S,
 ) -> FleetResult:
-    fleet = VirtualFleet(list(configs), seed=seed, scrape_interval=scrape_interval)
+    # A scheduler that learns from first tokens has `serve` ask Envoy for each stream's first
+    # byte as it passes, so its in-flight tracker knows which unseen requests answered.
+    answers_seen = bool(getattr(policy, "observes_first_tokens", False))
+    fleet = VirtualFleet(
+        list(configs), seed=seed, scrape_interval=scrape_interval, answers_seen=answers_seen
+    )
     bind = getattr(policy, "bind", None)
     if bind is not None:  # a reference policy that reads the engines (reference_policies.py)
         bind(fleet)

@@ -84,7 +84,10 @@ class EndpointState:
     metrics were scraped, so not yet visible in `metrics.waiting` / `metrics.running`.
     `seconds_per_output_token` is the router's own observation of how fast the endpoint
     serves (`scheduling/speed.py`: EWMA of sent-to-finished seconds per output token), None
-    until a request there finished.
+    until a request there finished. `unseen_answered` is the part of the unseen requests whose
+    first response byte already came back: running there, no longer queued, so the queue
+    estimates (`scheduling/load.py`) leave them out (0 where the router does not learn first
+    bytes as they happen).
     """
 
     endpoint: Endpoint
@@ -94,6 +97,7 @@ class EndpointState:
     unseen_requests: int = 0
     unseen_tokens: int = 0
     seconds_per_output_token: float | None = None
+    unseen_answered: int = 0
 
     @property
     def key(self) -> str:

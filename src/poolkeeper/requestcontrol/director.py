@@ -488,14 +488,17 @@ class Director:
         ticket.endpoint = endpoint
 
     def first_byte(self, decision: RoutingDecision, *, after_s: float | None = None) -> None:
-        """The first response byte of a streamed request arrived: for a scheduler that learns
-        time to first token, one observation (sent -> now, on the decision's clock; or sent
-        -> sent + `after_s` when the response observer reports it after the fact)."""
+        """The first response byte of a streamed request arrived: the in-flight tracker
+        stops counting it as queued, and for a scheduler that learns from first tokens, one
+        observation (sent -> now, on the decision's clock; or sent -> sent + `after_s` when
+        the response observer reports it after the fact)."""
         ticket = decision.ticket
-        learner = self._learner
-        if learner is None or not decision.stream or not isinstance(ticket, Ticket):
+        if not decision.stream or not isinstance(ticket, Ticket) or ticket.done:
             return
-        if not ticket.done:
+        if ticket.endpoint:
+            self._inflight.first_token(ticket.key)
+        learner = self._learner
+        if learner is not None:
             at = self._clock() if after_s is None else ticket.started_at + max(0.0, after_s)
             learner.observe_first_token(decision.request_id, ticket.endpoint, at)
 

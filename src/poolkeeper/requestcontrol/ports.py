@@ -63,6 +63,8 @@ class InflightLike(Protocol):
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]: ...
 
+    def first_token(self, request_id: str) -> object: ...
+
 
 class AdmissionLike(Protocol):
     def admit(

@@ -9,6 +9,8 @@ the endpoint snapshots the scheduler reads:
 - `inflight_requests` / `inflight_tokens`: everything this router has outstanding there;
 - `unseen_requests` / `unseen_tokens`: the part started after the endpoint's metrics were
   scraped (`metrics.updated_at`), which the scraped queue cannot contain yet;
+- `unseen_answered`: of those, the ones whose first response byte came back (`first_token`,
+  the Director at the first byte): running, not queued, so the queue estimates leave them out;
 - `seconds_per_output_token`: the endpoint's observed speed (`speed.ObservedSpeed`), fed by
   `finish(..., now=, output_tokens=)` when a request completed successfully (elapsed time
   since its `start`); plain `finish(request_id)` (errors, disconnects) observes nothing.
@@ -40,7 +42,7 @@ class InflightEntry:
 
 
 class _EndpointLoad:
-    __slots__ = ("entries", "tokens", "version")
+    __slots__ = ("answered", "entries", "tokens", "version")
 
     def __init__(self) -> None:
         self.version = 0  # the tracker's change counter at this endpoint's last change
@@ -48,6 +50,7 @@ class _EndpointLoad:
         # a scrape are a suffix and `apply` only walks that suffix.
         self.entries: dict[str, InflightEntry] = {}
         self.tokens = 0
+        self.answered: set[str] = set()  # request ids whose first byte came back
 
 
 class InflightTracker:
@@ -111,6 +114,7 @@ class InflightTracker:
         key = entry.endpoint_key
         load = self._by_endpoint[key]
         del load.entries[request_id]
+        load.answered.discard(request_id)
         load.tokens -= entry.tokens
         self._changes += 1
         load.version = self._changes
@@ -119,6 +123,19 @@ class InflightTracker:
         if not load.entries:
             del self._by_endpoint[key]
             self._applied.pop(key, None)
+        return True
+
+    def first_token(self, request_id: str) -> bool:
+        """The first response byte of `request_id` came back: it runs, it no longer waits in
+        its endpoint's queue. False if it is not counted (any more)."""
+        entry = self._by_request.get(request_id)
+        if entry is None:
+            return False
+        load = self._by_endpoint[entry.endpoint_key]
+        if request_id not in load.answered:
+            load.answered.add(request_id)
+            self._changes += 1
+            load.version = self._changes
         return True
 
     def sweep(self, now: float, max_age_s: float) -> list[str]:
@@ -153,19 +170,23 @@ class InflightTracker:
         load = self._by_endpoint.get(endpoint_key)
         return (0, 0) if load is None else (len(load.entries), load.tokens)
 
-    def unseen(self, endpoint_key: str, scraped_at: float) -> tuple[int, int]:
-        """(requests, tokens) in flight to `endpoint_key` started after `scraped_at`."""
+    def unseen(self, endpoint_key: str, scraped_at: float) -> tuple[int, int, int]:
+        """(requests, tokens, requests answered) in flight to `endpoint_key` started after
+        `scraped_at`."""
         load = self._by_endpoint.get(endpoint_key)
         if load is None:
-            return (0, 0)
+            return (0, 0, 0)
         since = scraped_at - self.scrape_lag_s
-        n = tokens = 0
+        answered = load.answered
+        n = tokens = done = 0
         for entry in reversed(load.entries.values()):
             if entry.started_at <= since:
                 break
             n += 1
             tokens += entry.tokens
-        return n, tokens
+            if answered and entry.request_id in answered:
+                done += 1
+        return n, tokens, done
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
         """The snapshots with in-flight and unseen counts and the observed speed filled in
@@ -214,8 +235,10 @@ class InflightTracker:
             if load is None:
                 new = EndpointState(ep, m, seconds_per_output_token=spt)
             else:
-                n_unseen, t_unseen = self.unseen(key, m.updated_at)
-                new = EndpointState(ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt)
+                n_unseen, t_unseen, n_answered = self.unseen(key, m.updated_at)
+                new = EndpointState(
+                    ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt, n_answered
+                )
             applied[key] = (m, ep, version, new)
             append(new)
         return out

@@ -17,9 +17,10 @@ from poolkeeper.datastore.endpoint import EndpointState
 
 
 def effective_waiting(state: EndpointState, count_unseen: bool = True) -> int:
-    """Waiting queue as scraped, plus requests sent since the scrape (they queue first)."""
+    """Waiting queue as scraped, plus requests sent since the scrape (they queue first) that
+    have not answered yet (`EndpointState.unseen_answered`: those are running)."""
     if count_unseen:
-        return state.metrics.waiting + state.unseen_requests
+        return state.metrics.waiting + state.unseen_requests - state.unseen_answered
     return state.metrics.waiting
 
 
@@ -65,7 +66,8 @@ def saturations(
     requests looked saturated for every adapter, and flow control held requests the servers
     had room for (multi-LoRA at 0.9x: 543 refused on one seed; docs/flowcontrol.md).
 
-    Queue and KV include what was sent since the scrape (`count_unseen`); an out-of-range KV
+    Queue and KV include what was sent since the scrape (`count_unseen`; the queue leaves out
+    the unseen requests that already answered, they run); an out-of-range KV
     is clamped to 0..1 (NaN counts as full). 1.0 means "at the threshold" and the value is
     unbounded above; `STALE` (infinity) marks metrics older than `staleness_s` or never
     scraped, and each caller decides what that means (admission counts it 1.0, the saturation
@@ -86,9 +88,11 @@ def saturations(
             and adapter in m.active_adapters
             and adapter not in m.waiting_adapters
         ):
-            q = (s.unseen_requests if count_unseen else 0) / queue_threshold
+            q = (s.unseen_requests - s.unseen_answered if count_unseen else 0) / queue_threshold
         else:
-            q = (m.waiting + s.unseen_requests if count_unseen else m.waiting) / queue_threshold
+            q = (
+                m.waiting + s.unseen_requests - s.unseen_answered if count_unseen else m.waiting
+            ) / queue_threshold
         kv = m.kv_cache_usage
         if count_unseen and s.unseen_tokens:
             kv = effective_kv(s)

@@ -117,7 +117,7 @@ class ObservedSpeed:
                 continue
             new = EndpointState(
                 s.endpoint, s.metrics, s.inflight_requests, s.inflight_tokens,
-                s.unseen_requests, s.unseen_tokens, speed.seconds_per_token,
+                s.unseen_requests, s.unseen_tokens, speed.seconds_per_token, s.unseen_answered,
             )  # fmt: skip
             applied[key] = (s, speed.version, new)
             append(new)

@@ -28,8 +28,10 @@ API (times in virtual seconds; the run starts wherever the first arrival's time 
   `metrics` is the engine's state at the last scrape tick (every `scrape_interval` seconds,
   `updated_at` = the tick time; 0 = scrape at every decision), while `inflight_requests` /
   `inflight_tokens` (prompt tokens) count routed-but-unfinished requests right now and
-  `unseen_requests` / `unseen_tokens` those routed since the last scrape. Treat the list as
-  read-only and valid only during the call.
+  `unseen_requests` / `unseen_tokens` those routed since the last scrape; with
+  `answers_seen` (a router that learns each first byte as it happens), `unseen_answered`
+  counts the unseen requests whose first token is out. Treat the list as read-only and valid
+  only during the call.
 - `on_finish(result)`: optional, called when a request completes (e.g. router bookkeeping).
 - `on_first_token(result)`: optional, called when a request's first token is out (`first_token`
   set): what a router sees as the first response byte, for latency-learning policies.
@@ -192,6 +194,7 @@ class VirtualFleet:
         scrape_interval: float = 0.05,
         fuse_decode_steps: int = 64,
         timestamp_refresh: float = 0.25,
+        answers_seen: bool = False,
     ) -> None:
         if not servers:
             raise ValueError("a fleet needs at least one server")
@@ -199,6 +202,9 @@ class VirtualFleet:
             raise ValueError("scrape_interval must be >= 0")
         self.scrape_interval = scrape_interval
         self.timestamp_refresh = timestamp_refresh
+        # The router learns first tokens as they happen (the EPP with Envoy's first-byte
+        # report): its unseen requests that answered no longer count as queued.
+        self.answers_seen = answers_seen
         self.engines: list[EngineModel] = []
         self.endpoints: list[Endpoint] = []
         for i, server in enumerate(servers):
@@ -225,6 +231,9 @@ class VirtualFleet:
         self._inflight_tokens = [0] * n
         self._unseen = [0] * n
         self._unseen_tokens = [0] * n
+        self._answered = [0] * n  # of the unseen, those whose first token is out
+        self._scrapes = [0] * n  # scrapes per server: which scrape a request was unseen by
+        self._unseen_by: dict[str, int] = {}  # request id -> its server's scrape count at routing
         self._routed = [0] * n
         self._refreshed_tick = -1
         self._ran = False
@@ -260,6 +269,8 @@ class VirtualFleet:
             )  # fmt: skip
         self._unseen[i] = 0
         self._unseen_tokens[i] = 0
+        self._answered[i] = 0
+        self._scrapes[i] += 1
         self._rebuild(i)
 
     def _rebuild(self, i: int) -> None:
@@ -270,6 +281,7 @@ class VirtualFleet:
             inflight_tokens=self._inflight_tokens[i],
             unseen_requests=self._unseen[i],
             unseen_tokens=self._unseen_tokens[i],
+            unseen_answered=self._answered[i],
         )
 
     def _before_change(self, i: int, now: float) -> None:
@@ -455,6 +467,8 @@ class VirtualFleet:
         self._inflight_tokens[choice] += request.prompt_tokens
         self._unseen[choice] += 1
         self._unseen_tokens[choice] += request.prompt_tokens
+        if self.answers_seen:
+            self._unseen_by[request.request_id] = self._scrapes[choice]
         self._rebuild(choice)
 
     def _deliver(
@@ -471,6 +485,10 @@ class VirtualFleet:
             result: RequestResult = request.sink  # type: ignore[assignment]
             if result.first_token is None:
                 result.first_token = first_time
+                # Still unseen by a scrape (routed since the last one): it answered.
+                if self._unseen_by.pop(result.request_id, -1) == self._scrapes[i]:
+                    self._answered[i] += 1
+                    self._rebuild(i)
                 if on_first_token is not None:
                     on_first_token(result)
             else:

@@ -82,7 +82,7 @@ class QueueScorer(_MinMaxLoadScorer):
     @staticmethod
     def loads(candidates: Sequence[EndpointState], count_unseen: bool) -> list[int]:
         if count_unseen:
-            return [s.metrics.waiting + s.unseen_requests for s in candidates]
+            return [s.metrics.waiting + s.unseen_requests - s.unseen_answered for s in candidates]
         return [s.metrics.waiting for s in candidates]
 
 

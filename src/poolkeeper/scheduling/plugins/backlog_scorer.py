@@ -107,10 +107,11 @@ class PrefillBacklogScorer(NamedPlugin):
         # One comprehension per case rather than one loop with branches: at 1,000 candidates
         # the generic loop cost twice as much as the scoring it feeds.
         if miss:
-            metrics = [s.metrics for s in candidates]
             costs = [
-                own if target == m.served_model or target in m.active_adapters else own + miss
-                for m in metrics
+                own
+                if target == (m := s.metrics).served_model or target in m.active_adapters
+                else own + miss
+                for s in candidates
             ]
         else:
             costs = [own] * len(candidates)

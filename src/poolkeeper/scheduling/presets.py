@@ -58,35 +58,14 @@ _DEFAULT: dict[str, Any] = {
 }
 
 
-def _predicted_ttft(weight: float) -> dict[str, Any]:
-    """The default profile plus `predicted-ttft-scorer` reading the default's prefix index."""
+def _default_plus(scorer: str, weight: float) -> dict[str, Any]:
+    """The default profile plus `scorer` (a type taking `prefixScorer`) reading the default's
+    prefix index, at `weight`: the `predicted-ttft` and `prefill-backlog` presets."""
     doc = copy.deepcopy(_DEFAULT)
     doc["plugins"].insert(
-        -1,
-        {
-            "type": "predicted-ttft-scorer",
-            "parameters": {"prefixScorer": "prefix-cache-scorer"},
-        },
+        -1, {"type": scorer, "parameters": {"prefixScorer": "prefix-cache-scorer"}}
     )
-    doc["schedulingProfiles"][0]["plugins"].insert(
-        -1, {"pluginRef": "predicted-ttft-scorer", "weight": weight}
-    )
-    return doc
-
-
-def _prefill_backlog(weight: float) -> dict[str, Any]:
-    """The default profile plus `prefill-backlog-scorer` reading the default's prefix index."""
-    doc = copy.deepcopy(_DEFAULT)
-    doc["plugins"].insert(
-        -1,
-        {
-            "type": "prefill-backlog-scorer",
-            "parameters": {"prefixScorer": "prefix-cache-scorer"},
-        },
-    )
-    doc["schedulingProfiles"][0]["plugins"].insert(
-        -1, {"pluginRef": "prefill-backlog-scorer", "weight": weight}
-    )
+    doc["schedulingProfiles"][0]["plugins"].insert(-1, {"pluginRef": scorer, "weight": weight})
     return doc
 
 
@@ -183,8 +162,8 @@ _RANDOM: dict[str, Any] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": _DEFAULT,
-    "predicted-ttft": _predicted_ttft(2),
-    "prefill-backlog": _prefill_backlog(2),
+    "predicted-ttft": _default_plus("predicted-ttft-scorer", 2),
+    "prefill-backlog": _default_plus("prefill-backlog-scorer", 2),
     "gie-v1-default": _gie_v1(2, 2, 3),  # GIE v1.2+ / v1.5 built-in default
     "gie-v1.0-default": _gie_v1(1, 1, 1),  # GIE v1.0 chart / v0.5 plugins-v2.yaml
     "gie-v0.3-decision-tree": _V03,

@@ -34,6 +34,7 @@ from poolkeeper.scheduling.backlog import PrefillBacklog
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.plugins.scorers import speed_bar
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -68,7 +69,7 @@ class PrefillBacklogParams(PluginParams):
 class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
-    __slots__ = ("adapter_tokens", "backlog", "base_tokens", "prefix", "slack")
+    __slots__ = ("_cycle_key", "adapter_tokens", "backlog", "base_tokens", "prefix", "slack")
     bounded = True
 
     def __init__(
@@ -84,18 +85,25 @@ class PrefillBacklogScorer(NamedPlugin):
         tolerance = params.speed_tolerance
         self.slack = None if tolerance is None else 1.0 + tolerance
         self.prefix = prefix
+        self._cycle_key = f"prefill-cached/{typed_name.name}"
 
     def _cached_tokens(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
-        """ip:port -> prompt tokens the endpoint probably caches (whole prompt at most)."""
+        """ip:port -> prompt tokens the endpoint probably caches (whole prompt at most), once
+        per decision (scoring and PostCycle read the same)."""
         prefix = self.prefix
         chars = len(request.prompt)
         if prefix is None or not chars:
             return {}
+        done = cycle.get(self._cycle_key)
+        if isinstance(done, dict):
+            return done
         per_block = prefix.params.block_size * request.prompt_tokens / chars
         tokens = request.prompt_tokens
-        return {
+        cached = {
             k: min(tokens, int(b * per_block)) for k, b in prefix.matched(cycle, request).items()
         }
+        cycle.put(self._cycle_key, cached)
+        return cached
 
     def costs(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -135,15 +143,12 @@ class PrefillBacklogScorer(NamedPlugin):
         costs: list[float], candidates: Sequence[EndpointState], slack: float
     ) -> list[float]:
         """Costs scaled by each endpoint's observed seconds per output token over `slack` x
-        the fastest's (`observed-speed-scorer`'s rule); unobserved endpoints count as fast."""
-        speeds = [s.seconds_per_output_token for s in candidates]
-        known = [v for v in speeds if v is not None and v > 0.0]
-        if not known:
+        the fastest's (`speed_bar`, `observed-speed-scorer`'s rule); unobserved ones are fast."""
+        found = speed_bar(candidates, slack)
+        if found is None:
             return costs
-        bar = min(known) * slack
-        return [
-            c if v is None or v <= bar else c * v / bar for c, v in zip(costs, speeds, strict=True)
-        ]
+        speeds, bar = found
+        return [c if v <= bar else c * v / bar for c, v in zip(costs, speeds, strict=True)]
 
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]

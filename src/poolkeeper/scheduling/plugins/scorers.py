@@ -210,6 +210,27 @@ class LoraAffinityScorer(NamedPlugin):
         return out[0] if out and out.count(out[0]) == len(out) else out
 
 
+def speed_bar(
+    candidates: Sequence[EndpointState], slack: float
+) -> tuple[list[float], float] | None:
+    """Each candidate's observed seconds per output token (0.0 where not observed yet) and the
+    bar `slack` x the fastest observed one: slower than the bar is slow. None when no candidate
+    was observed. The one rule of "slower than the fastest" (`observed-speed-scorer`, the
+    prefill-backlog scorer's speed term)."""
+    values = [s.seconds_per_output_token for s in candidates]
+    try:
+        fastest = min(values)  # type: ignore[type-var]  # the common case: all observed
+    except TypeError:  # some endpoint not observed yet (None)
+        fastest = None
+    if fastest is None or fastest <= 0.0:
+        known = [v for v in values if v is not None and v > 0.0]
+        if not known:
+            return None
+        fastest = min(known)
+        values = [0.0 if v is None else v for v in values]  # unobserved: counts as fast
+    return values, fastest * slack  # type: ignore[return-value]  # None replaced above
+
+
 class ObservedSpeedParams(PluginParams):
     tolerance: float = Field(
         default=0.0,
@@ -237,16 +258,8 @@ class ObservedSpeedScorer(NamedPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
-        values = [s.seconds_per_output_token for s in candidates]
-        try:
-            fastest = min(values)  # type: ignore[type-var]  # the common case: all observed
-        except TypeError:  # some endpoint not observed yet (None)
-            fastest = None
-        if fastest is None or fastest <= 0.0:
-            known = [v for v in values if v is not None and v > 0.0]
-            if not known:
-                return 1.0
-            fastest = min(known)
-            values = [0.0 if v is None else v for v in values]  # unobserved: scores 1 below
-        bar = fastest * self.slack
-        return [1.0 if v <= bar else bar / v for v in values]  # type: ignore[operator]
+        found = speed_bar(candidates, self.slack)
+        if found is None:
+            return 1.0
+        values, bar = found
+        return [1.0 if v <= bar else bar / v for v in values]

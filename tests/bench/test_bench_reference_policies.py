@@ -8,6 +8,12 @@ from collections.abc import Sequence
 import pytest
 
 from poolkeeper.bench.reference_policies import (
+    FirstBytePhase,
+    LateObservedPhase,
+    LateObservedPhase2ms,
+    LateObservedPhase5ms,
+    LateObservedPhase20ms,
+    ObservedPhase,
     Oracle,
     PendingPrefill,
     StepPhase,
@@ -17,7 +23,7 @@ from poolkeeper.bench.routers import ALL_POLICIES, KNOWN_POLICIES, make_policy
 from poolkeeper.bench.seedmeans import seed_tables
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.scheduling.types import LLMRequest
-from poolkeeper.sim.engine import EngineModel
+from poolkeeper.sim.engine import STEP_END_HISTORY, EngineModel
 from poolkeeper.sim.params import EngineConfig
 from poolkeeper.sim.virtual import Arrival, VirtualFleet
 from poolkeeper.tokens import count_tokens
@@ -54,7 +60,7 @@ def test_what_if_predicts_the_first_token_exactly_and_leaves_the_engine_alone() 
     assert engine.first_token_if_submitted("c", "no-such-model", SHORT, 0.0) is None
 
 
-def _fleet_run(policy: Oracle | StepPhase | PendingPrefill) -> dict[str, str]:
+def _fleet_run(policy: Oracle | PendingPrefill) -> dict[str, str]:
     """Two idle servers; a long prompt at t=0, a short one 1 ms later: where each went."""
     fleet = VirtualFleet([EngineConfig(), EngineConfig()], seed=1)
     bind = getattr(policy, "bind", None)
@@ -77,9 +83,15 @@ def _fleet_run(policy: Oracle | StepPhase | PendingPrefill) -> dict[str, str]:
     return {r.request_id: r.server_name for r in result.requests}
 
 
-@pytest.mark.parametrize("make", [Oracle, StepPhase, PendingPrefill])
+@pytest.mark.parametrize(
+    "make",
+    [
+        Oracle, StepPhase, PendingPrefill, ObservedPhase, LateObservedPhase2ms,
+        LateObservedPhase5ms, LateObservedPhase20ms, FirstBytePhase,
+    ],
+)  # fmt: skip
 def test_each_reference_policy_sends_the_short_prompt_away_from_the_long_prefill(
-    make: type[Oracle] | type[StepPhase] | type[PendingPrefill],
+    make: type[Oracle] | type[PendingPrefill],
 ) -> None:
     # Round-robin-like tie breaks would put it behind the long prefill half the time; every
     # reference policy knows (from its own bookkeeping or the engine) that server is busy.
@@ -106,14 +118,60 @@ def test_pending_prefill_bookkeeping_follows_first_tokens_and_completions() -> N
     assert set(policy.decoding.values()) == {0}
 
 
-def test_step_phase_steps_one_by_one_once_bound() -> None:
+@pytest.mark.parametrize("make", [StepPhase, ObservedPhase, LateObservedPhase20ms, FirstBytePhase])
+def test_the_step_phase_policies_step_one_by_one_once_bound(make: type[StepPhase]) -> None:
     fleet = VirtualFleet([EngineConfig()], seed=1, fuse_decode_steps=64)
-    StepPhase(random.Random(1)).bind(fleet)
+    make(random.Random(1)).bind(fleet)
     assert [e.max_fused_steps for e in fleet.engines] == [1]
 
 
+def test_the_engine_remembers_its_last_step_ends_bounded() -> None:
+    engine = EngineModel(EngineConfig())
+    model = EngineConfig().model
+    assert engine.step_end_before(1e9) == float("-inf")
+    engine.submit(engine.create_request("a", model, SHORT, arrival=0.0, max_tokens=200), 0.0)
+    ends = []
+    while (t := engine.next_event_time()) is not None:
+        engine.advance(t)
+        ends.append(engine.last_step_end)
+    assert len(ends) > STEP_END_HISTORY  # one step per token, so older ends were forgotten
+    assert ends == sorted(ends)
+    assert engine.step_end_before(ends[-1]) == ends[-1]
+    assert engine.step_end_before(ends[-1] - 1e-9) == ends[-2]
+    assert engine.step_end_before((ends[-3] + ends[-2]) / 2) == ends[-3]
+    assert engine.step_end_before(ends[-STEP_END_HISTORY]) == ends[-STEP_END_HISTORY]
+    assert engine.step_end_before(ends[-STEP_END_HISTORY] - 1e-9) == float("-inf")
+
+
+def test_first_byte_phase_knows_step_ends_only_from_first_bytes_and_ends() -> None:
+    fleet = VirtualFleet([EngineConfig(), EngineConfig()], seed=1)
+    policy = FirstBytePhase(random.Random(1))
+    policy.bind(fleet)
+    states = [EndpointState(e, EndpointMetrics()) for e in fleet.endpoints]
+    busy = policy.pick(_request("r1", SHORT), states, 0.0).key
+    idle = next(s.key for s in states if s.key != busy)
+    c = EngineConfig()
+    assert policy.score(idle, 0.0) == (c.step_overhead_s * c.time_scale,)  # nothing there
+    pending_step = policy.next_step_s(busy)
+    assert policy.score(busy, 0.0) == (1.5 * pending_step,)  # busy, no step end known yet
+    policy.on_first_token("r1", 0.05)
+    step = policy.next_step_s(busy)  # now one decoding request
+    assert step < pending_step
+    assert policy.known_step_end(busy) == 0.05
+    assert policy.score(busy, 0.05 + step / 4) == pytest.approx((step * 0.75 + step,))
+    # steps assumed back to back: a quarter into the third one after the known end
+    assert policy.score(busy, 0.05 + 2.25 * step) == pytest.approx((step * 0.75 + step,))
+    policy.on_finish("r1", busy, 0.2)
+    assert policy.known_step_end(busy) == 0.2
+    assert policy.score(busy, 0.3) == (c.step_overhead_s * c.time_scale,)  # idle again
+
+
 def test_reference_policies_run_only_by_name_and_are_never_the_best_baseline() -> None:
-    for name in ("ref-pending-prefill", "ref-step-phase", "ref-oracle"):
+    names = (
+        "ref-pending-prefill", "ref-step-phase", "ref-observed-phase", "ref-observed-phase-2ms",
+        "ref-observed-phase-5ms", "ref-observed-phase-20ms", "ref-first-byte-phase", "ref-oracle",
+    )  # fmt: skip
+    for name in names:
         assert name in KNOWN_POLICIES
         assert name not in ALL_POLICIES
         assert make_policy(name, random.Random(1)).name == name
@@ -133,3 +191,34 @@ def test_reference_policies_run_only_by_name_and_are_never_the_best_baseline() -
     assert row.startswith("| 0.7 | 0.040 (round-robin) floor |")
     assert "| 0.038 | 0.95 |" in row
     assert "| 0.020 | 0.50 |" in row
+
+
+def test_the_late_observed_phase_knows_step_ends_only_up_to_its_horizon() -> None:
+    fleet = VirtualFleet([EngineConfig()], seed=1)
+    late, now_seen = LateObservedPhase20ms(random.Random(1)), LateObservedPhase(random.Random(1))
+    exact = ObservedPhase(random.Random(1))
+    for policy in (late, now_seen, exact):
+        policy.bind(fleet)
+    engine, key = fleet.engines[0], fleet.endpoints[0].hostport
+    for policy in (late, now_seen, exact):
+        policy.pick(_request("r1", SHORT, max_tokens=400), [EndpointState(fleet.endpoints[0],
+                    EndpointMetrics())], 0.0)  # fmt: skip
+    engine.submit(engine.create_request("r1", EngineConfig().model, SHORT, arrival=0.0,
+                  max_tokens=400), 0.0)  # fmt: skip
+    for _ in range(30):  # thirty steps, then ask between two step ends
+        t = engine.next_event_time()
+        assert t is not None
+        engine.advance(t)
+    for policy in (late, now_seen, exact):
+        policy.on_first_token("r1", 0.0)  # one decoding request there: steps of one length
+    step = exact.next_step_s(key)
+    now = engine.last_step_end + step / 4
+    # Told at once, it is `ref-observed-phase`: three quarters of a step left, then a step.
+    assert now_seen.score(key, now) == exact.score(key, now)
+    assert exact.score(key, now) == pytest.approx((step * 0.75 + step,))
+    # 20 ms late it knows an older end and counts whole steps since: in this run of identical
+    # decode steps (the model's length to within a microsecond) that is the same phase.
+    known = engine.step_end_before(now - 0.020)
+    assert known < engine.last_step_end - 0.015
+    left = late.score(key, now)[0] - step
+    assert left == pytest.approx(step - (now - known) % step)

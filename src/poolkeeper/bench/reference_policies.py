@@ -8,18 +8,36 @@ knowledge. From least to most informed:
   it sent that have not had their first token yet (the prefill still ahead of a new request
   there), then the requests it sent that are decoding. Picks the least pending prefill, then
   the fewest decoding, ties at random. No scraped metric at all.
-- `ref-step-phase`: the same, plus the exact end of each server's current forward pass, read
-  from the simulator's engine (a router could only estimate it, from the timing of each
-  server's token stream). Score: time left in the current step + the next step's length from
-  the engine's step-time model (overhead + prefill and decode tokens ahead).
+- `ref-first-byte-phase`: the phase of each server's step estimated from only the step ends a
+  router already sees today, the first bytes and the ends of its own requests there (the
+  first-byte report and the access log), nothing per token: steps are taken to follow back
+  to back since the last one seen, the phase being the time since modulo the step length
+  that `ref-observed-phase` (below) models.
+- `ref-observed-phase-2ms`, `-5ms`, `-20ms`: `ref-observed-phase` (below) with its signal
+  reaching the router 2, 5 or 20 ms late, as an asynchronous report would: every step end up
+  to that horizon is known, none after it. The step after the last known end ends at its
+  modelled length (or just after the horizon, if it overran); steps follow back to back
+  after that.
+- `ref-observed-phase`: `ref-step-phase` (below) with the end of the current step
+  *estimated* from what a router in the response path could see: the end of each server's
+  last step (the time of the last token it streamed) plus the length the step-time model
+  gives for what the router has outstanding there (its pending prefill and decoding
+  requests); a step running past its estimate counts as about to end. It still reads the
+  engine's step-time coefficients (a real router would learn them) and treats every step as
+  ending with a token (a step that only advances a chunked prefill streams none), so it is an
+  upper bound on that signal, not a design.
+- `ref-step-phase`: `ref-pending-prefill` plus the exact end of each server's current forward
+  pass, read from the simulator's engine (a router could only estimate it, from the timing of
+  each server's token stream). Score: time left in the current step + the next step's length
+  from the engine's step-time model (overhead + prefill and decode tokens ahead).
 - `ref-oracle`: for every server, a copy of its engine is handed the request and run to the
   request's first token (`EngineModel.first_token_if_submitted`); picks the earliest. Perfect
   information about the present, none about later arrivals (myopic, not a lower bound).
   Costly: eight engine copies per request at 8 servers, minutes per load point.
 
-The two that read engines get the fleet through `bind` before the run (`simrun.replay`);
-`ref-step-phase` turns off decode-step fusing there (same results, step by step, so that the
-current step's end is the next event).
+Those that read engines get the fleet through `bind` before the run (`simrun.replay`); all
+but `ref-oracle` turn off decode-step fusing there (same results, step by step, so that the
+current step's end is the next event and the last one's end is the last token).
 """
 
 from __future__ import annotations
@@ -117,6 +135,103 @@ class StepPhase(PendingPrefill):
         return (left + ahead * c.time_scale,)
 
 
+class ObservedPhase(StepPhase):
+    """`ref-observed-phase` (see the module docstring)."""
+
+    name = "ref-observed-phase"
+
+    def next_step_s(self, endpoint: str) -> float:
+        """The step-time model's length of the next step for what the router has there."""
+        c = self.engines[endpoint].config
+        step = c.step_overhead_s + c.prefill_token_s * self.pending.get(endpoint, 0)
+        step += c.decode_token_s * self.decoding.get(endpoint, 0)
+        return step * c.time_scale
+
+    def busy(self, endpoint: str) -> bool:
+        """The router has work there, so a step is (probably) running."""
+        return bool(self.pending.get(endpoint, 0) or self.decoding.get(endpoint, 0))
+
+    def score(self, endpoint: str, now: float) -> tuple[float, ...]:
+        step = self.next_step_s(endpoint)
+        left = 0.0
+        if self.busy(endpoint):
+            left = max(0.0, self.engines[endpoint].last_step_end + step - now)
+        return (left + step,)
+
+
+class LateObservedPhase(ObservedPhase):
+    """`ref-observed-phase-2ms`, `-5ms` and `-20ms` (see the module docstring)."""
+
+    name = "ref-observed-phase-late"
+    report_delay_s = 0.0
+
+    def score(self, endpoint: str, now: float) -> tuple[float, ...]:
+        step = self.next_step_s(endpoint)
+        if not self.busy(endpoint):
+            return (step,)
+        horizon = now - self.report_delay_s  # every step end up to here is known
+        known = self.engines[endpoint].step_end_before(horizon)
+        if known == float("-inf"):
+            return (step / 2 + step,)
+        # The step after the last known end had not ended by the horizon (else it would be
+        # known): it ends at its modelled length, or just after the horizon if it overran;
+        # after that, steps follow back to back.
+        end = max(known + step, horizon)
+        if end < now:
+            end += step * (1 + (now - end) // step)
+        return (max(0.0, end - now) + step,)
+
+
+class LateObservedPhase2ms(LateObservedPhase):
+    name = "ref-observed-phase-2ms"
+    report_delay_s = 0.002
+
+
+class LateObservedPhase5ms(LateObservedPhase):
+    name = "ref-observed-phase-5ms"
+    report_delay_s = 0.005
+
+
+class LateObservedPhase20ms(LateObservedPhase):
+    name = "ref-observed-phase-20ms"
+    report_delay_s = 0.020
+
+
+class FirstBytePhase(ObservedPhase):
+    """`ref-first-byte-phase` (see the module docstring)."""
+
+    name = "ref-first-byte-phase"
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__(rng)
+        self.seen_step_end: dict[str, float] = {}  # endpoint -> last first byte or end seen there
+
+    def _saw_step_end(self, request_id: str, now: float) -> None:
+        where = self._where.get(request_id)
+        if where is not None:
+            key = where[0]
+            self.seen_step_end[key] = max(self.seen_step_end.get(key, now), now)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        self._saw_step_end(request_id, now)
+        super().on_first_token(request_id, now)
+
+    def on_finish(self, request_id: str, server: str, now: float) -> None:
+        self._saw_step_end(request_id, now)
+        super().on_finish(request_id, server, now)
+
+    def known_step_end(self, endpoint: str) -> float | None:
+        return self.seen_step_end.get(endpoint)
+
+    def score(self, endpoint: str, now: float) -> tuple[float, ...]:
+        step = self.next_step_s(endpoint)
+        left = 0.0
+        if self.busy(endpoint):  # half a step left while no end is known there
+            known = self.known_step_end(endpoint)
+            left = step / 2 if known is None else step - max(0.0, now - known) % step
+        return (left + step,)
+
+
 class Oracle:
     """`ref-oracle` (see the module docstring)."""
 
@@ -155,5 +270,10 @@ class Oracle:
 REFERENCE_POLICIES: dict[str, type[PendingPrefill] | type[Oracle]] = {
     PendingPrefill.name: PendingPrefill,
     StepPhase.name: StepPhase,
+    ObservedPhase.name: ObservedPhase,
+    LateObservedPhase2ms.name: LateObservedPhase2ms,
+    LateObservedPhase5ms.name: LateObservedPhase5ms,
+    LateObservedPhase20ms.name: LateObservedPhase20ms,
+    FirstBytePhase.name: FirstBytePhase,
     Oracle.name: Oracle,
 }

@@ -32,6 +32,7 @@ A step only admits requests whose arrival <= the step's start, so drivers may ca
 from __future__ import annotations
 
 import copy
+from collections import deque
 
 from poolkeeper.sim.batch import BatchCore, Step
 from poolkeeper.sim.kvcache import prompt_block_hashes
@@ -45,6 +46,8 @@ from poolkeeper.sim.request import (
 )
 from poolkeeper.sim.stats import EngineStats
 from poolkeeper.tokens import count_tokens
+
+STEP_END_HISTORY = 64  # step ends kept for `step_end_before`: well over 100 ms of steps
 
 __all__ = [
     "EngineModel",
@@ -70,6 +73,9 @@ class EngineModel(BatchCore):
         self._pending: list[StepOutcome] = []
         self._step: Step | None = None
         self._free_at = float("-inf")  # end of the last step
+        # The ends of the last steps, for a reference policy that sees them late (read only by
+        # `bench/reference_policies.py`): bounded, so a long run holds no more.
+        self._step_ends: deque[float] = deque(maxlen=STEP_END_HISTORY)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -176,6 +182,7 @@ class EngineModel(BatchCore):
                 return outcomes
             self._step = None
             self._free_at = step.end
+            self._step_ends.append(step.end)
             if step.fused > 1:
                 outcomes.append(self._complete_fused(step, step.fused))
             else:
@@ -184,6 +191,22 @@ class EngineModel(BatchCore):
     @property
     def busy(self) -> bool:
         return self._step is not None
+
+    @property
+    def last_step_end(self) -> float:
+        """When the last completed step ended (-inf before the first): what a client of a
+        stream sees as its last token's time, since every step ends with one token for each
+        decoding request (vLLM's default stream interval)."""
+        return self._free_at
+
+    def step_end_before(self, when: float) -> float:
+        """The end of the last step that ended at or before `when`, among the last
+        `STEP_END_HISTORY` (-inf if none): what a router told of step ends `now - when` late
+        would know."""
+        for end in reversed(self._step_ends):
+            if end <= when:
+                return end
+        return float("-inf")
 
     def first_token_if_submitted(
         self,
@@ -306,6 +329,7 @@ class EngineModel(BatchCore):
         if done:
             self._pending.append(self._complete_fused(step, done))
             self._free_at = step.end_of(done - 1)
+            self._step_ends.append(self._free_at)
         bs = self.config.block_size
         for request, _ in step.scheduled:
             keep = -(-(request.num_computed + 1) // bs) - len(request.held_hashed)

@@ -5,7 +5,7 @@ the stream's dynamic metadata; the EPP's side (`extproc/accesslog.py`) reads the
 itself sets `EXCHANGE` when it routes a request, and `RESPONSE_PATH` when it will process
 the response too.
 
-The Lua filter also reports each streamed 2xx
+When the scheduler learns from first tokens, the Lua filter also reports each streamed 2xx
 response's first body byte as it passes: a unary gRPC call `FIRST_BYTE_PATH` to the EPP's
 port whose request is a `google.protobuf.StringValue` holding the exchange key, answered
 with a `google.protobuf.Empty`.

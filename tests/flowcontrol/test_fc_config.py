@@ -5,13 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from poolkeeper.flowcontrol.config import (
-    BAND_DEFAULTS,
-    BandMode,
-    FlowControlConfig,
-    Placement,
-    UnseenUntil,
-)
+from poolkeeper.flowcontrol.config import BAND_DEFAULTS, BandMode, FlowControlConfig, Placement
 
 
 def test_partial_band_settings_keep_the_bands_own_defaults() -> None:
@@ -24,9 +18,6 @@ def test_partial_band_settings_keep_the_bands_own_defaults() -> None:
     assert sheddable.max_requests == 1000
     assert sheddable.placement is Placement.HEADROOM  # fills spare capacity only
     assert config.bands.standard.placement is Placement.SCHEDULER  # keeps prefix affinity
-    assert sheddable.unseen_waits_until is UnseenUntil.SCRAPE  # one per server per scrape
-    assert config.bands.standard.unseen_waits_until is UnseenUntil.FIRST_BYTE
-    assert config.bands.critical.unseen_waits_until is UnseenUntil.FIRST_BYTE
     critical = config.bands.critical
     assert critical.mode is BandMode.QUEUE
     assert (critical.saturation_limit, critical.ttl_ms) == (2.0, 60_000)
@@ -44,13 +35,3 @@ def test_defaults_come_from_one_table() -> None:
 def test_a_bad_band_value_names_its_path() -> None:
     with pytest.raises(ValidationError, match=r"bands\.sheddable\.ttlMs"):
         FlowControlConfig.model_validate({"bands": {"sheddable": {"ttlMs": 0}}})
-
-
-def test_until_when_an_unseen_request_waits_is_a_band_setting_with_a_precise_error() -> None:
-    config = FlowControlConfig.model_validate(
-        {"bands": {"sheddable": {"unseenWaitsUntil": "firstByte"}}}
-    )
-    assert config.bands.sheddable.unseen_waits_until is UnseenUntil.FIRST_BYTE
-    assert config.bands.sheddable.queue_depth_threshold == 1  # the rest of Sheddable's own
-    with pytest.raises(ValidationError, match=r"bands\.standard\.unseenWaitsUntil"):
-        FlowControlConfig.model_validate({"bands": {"standard": {"unseenWaitsUntil": "never"}}})

@@ -3,13 +3,11 @@ and where a dispatched request may go (the band's placement)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.admission.saturation import SaturationDetector
-from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig, UnseenUntil
+from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
 from poolkeeper.flowcontrol.headroom import Headroom
 from tests.scheduling.sched_factories import NOW, state
 
@@ -43,26 +41,6 @@ def test_unseen_requests_count_and_a_band_may_set_its_own_thresholds() -> None:
     assert not _headroom().fits([full_kv], SHEDDABLE, NOW)  # admission's KV 0.8
     roomy = BandConfig.model_validate({"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0})
     assert _headroom().fits([full_kv], roomy, NOW)
-
-
-def test_an_answered_unseen_request_stops_waiting_except_for_a_band_that_waits_for_the_scrape() -> (
-    None
-):
-    # Five requests sent since the scrape to an empty server, four of them answered (their
-    # first byte came back: they run). Standard counts the one still unanswered: 1/5 of its
-    # queue threshold. Sheddable (`unseenWaitsUntil: scrape`) counts all five until the next
-    # scrape shows them, so it finds no room there; with `firstByte` it would find none
-    # either (one is unanswered), and with all five answered it would.
-    sent = dataclasses.replace(state(1, unseen=5), unseen_answered=4)
-    answered = dataclasses.replace(sent, unseen_answered=5)
-    h = _headroom()
-    assert h._values([sent], STANDARD, NOW) == [pytest.approx(0.2)]
-    assert h._values([answered], STANDARD, NOW) == [0.0]
-    assert h._values([answered], SHEDDABLE, NOW) == [5.0]
-    by_first_byte = SHEDDABLE.model_copy(update={"unseen_waits_until": UnseenUntil.FIRST_BYTE})
-    assert not h.fits([sent], by_first_byte, NOW)
-    assert h.fits([answered], by_first_byte, NOW)
-    assert not h.fits([answered], SHEDDABLE, NOW)
 
 
 @pytest.mark.parametrize(("policy", "expected"), [("admit", True), ("shed", False)])

@@ -119,20 +119,21 @@ async def test_the_response_observer_is_on_only_where_poolkeeper_configures_the_
     assert edge.responses_observed(managed_envoy=managed) is observed
     params = bootstrap_params(config, store.snapshot(), managed=managed)
     assert params.observe_responses is observed
-    # Wherever Envoy observes responses it reports first bytes as they pass, whatever the
-    # profile: the in-flight tracker needs them (answered requests no longer count as waiting).
-    assert params.report_first_bytes is observed
+    assert not params.report_first_bytes  # the default profile learns nothing from them
 
 
-@pytest.mark.parametrize("preset", ["default", "prefill-backlog", "predicted-ttft"])
-async def test_first_bytes_are_reported_at_once_with_every_scheduling_preset(
-    tmp_path: Path, preset: str
+@pytest.mark.parametrize(
+    ("preset", "reported"),
+    [("default", False), ("prefill-backlog", True), ("predicted-ttft", True)],
+)
+async def test_first_bytes_are_reported_at_once_only_to_a_scheduler_that_learns_from_them(
+    tmp_path: Path, preset: str, reported: bool
 ) -> None:
     directory, _ = _write(tmp_path, "FailClose")
     config, store = await _start([directory])
     spec = config.spec.model_copy(update={"scheduling": preset_config(preset)})
     config = config.model_copy(update={"spec": spec})
-    assert bootstrap_params(config, store.snapshot(), managed=True).report_first_bytes
+    assert bootstrap_params(config, store.snapshot(), managed=True).report_first_bytes is reported
     # No observer (a proxy poolkeeper does not configure): the EPP sees responses itself.
     assert not bootstrap_params(config, store.snapshot(), managed=False).report_first_bytes
 

@@ -26,7 +26,6 @@ from typing import Any
 
 from poolkeeper.bench.flowpolicy import FlowPolicy
 from poolkeeper.bench.metrics import SLO, RequestOutcome, summarize, ttft_values
-from poolkeeper.bench.reference_policies import is_ours
 from poolkeeper.bench.report import quantiles
 from poolkeeper.bench.routers import QueueingPolicy, RoutingPolicy, make_policy
 from poolkeeper.bench.scenarios import Scenario, build_scenario, server_configs
@@ -82,15 +81,6 @@ def _outcome(r: RequestResult, a: Arrival, waited: float = 0.0) -> RequestOutcom
     )
 
 
-def sees_first_bytes(policy: RoutingPolicy) -> bool:
-    """Whether the fleet shows `policy` which unseen requests answered: every poolkeeper policy
-    (`serve` has Envoy report each stream's first byte as it passes) and any policy that learns
-    from first tokens; never a peer router's rule, which counts no such thing."""
-    return is_ours(getattr(policy, "name", "")) or bool(
-        getattr(policy, "observes_first_tokens", False)
-    )
-
-
 def replay(
     configs: Sequence[EngineConfig],
     arrivals: Sequence[Arrival],
@@ -99,11 +89,11 @@ def replay(
     seed: int,
     scrape_interval: float = SCRAPE_INTERVAL_S,
 ) -> FleetResult:
+    # A scheduler that learns from first tokens has `serve` ask Envoy for each stream's first
+    # byte as it passes, so its in-flight tracker knows which unseen requests answered.
+    answers_seen = bool(getattr(policy, "observes_first_tokens", False))
     fleet = VirtualFleet(
-        list(configs),
-        seed=seed,
-        scrape_interval=scrape_interval,
-        answers_seen=sees_first_bytes(policy),
+        list(configs), seed=seed, scrape_interval=scrape_interval, answers_seen=answers_seen
     )
     bind = getattr(policy, "bind", None)
     if bind is not None:  # a reference policy that reads the engines (reference_policies.py)

@@ -14,7 +14,7 @@ outcome from Envoy:
   metadata filter on `poolkeeper.exchange`, the key the EPP set when routing) to the EPP's own
   gRPC port, on completion, client reset and upstream failure alike, with the status, the
   response flags, the serving host and that metadata (`extproc/accesslog.py` reads it);
-- with `BootstrapParams.report_first_bytes` (`serve` sets it wherever it observes responses):
+- only when the scheduler learns from first tokens (`BootstrapParams.report_first_bytes`):
   the Lua filter also reports a 2xx event stream's first body byte as it passes, one
   asynchronous unary gRPC call to the EPP (`observation.FIRST_BYTE_PATH`), so that the EPP
   knows at once that the request's prefill is over, not only when the request has ended.

@@ -112,9 +112,8 @@ class BootstrapParams:
     observe_responses: bool = False
     observer_flush_s: float = 0.02  # access-log batches: at most this late
     # With the observer: the Lua filter also tells the EPP at once when a streamed response's
-    # first byte passed (one unary gRPC call per request): answered requests stop counting as
-    # waiting, and a scheduler that learns from first tokens learns them at once; without it
-    # the access log tells the first byte only at the request's end.
+    # first byte passed (one unary gRPC call per request), for schedulers that learn from
+    # first tokens (`Scheduler.observes_first_tokens`); otherwise the access log tells it later.
     report_first_bytes: bool = False
 
 

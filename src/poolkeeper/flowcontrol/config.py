@@ -10,7 +10,7 @@
         standard:  {mode: queue, saturationLimit: 1.2, ttlMs: 30000, maxRequests: 2000,
                     lifoAfterMs: 200, overloadTtlMs: 300, overloadAfterMs: 3000}
         sheddable: {mode: queue, queueDepthThreshold: 1, ttlMs: 1500, maxRequests: 1000,
-                    lifoAfterMs: 200, placement: headroom, unseenWaitsUntil: scrape}
+                    lifoAfterMs: 200, placement: headroom}
 
 One band per criticality, served in strict priority. A band's head is dispatched while some
 candidate endpoint's saturation (`scheduling.load.saturations`, thresholds from
@@ -43,11 +43,6 @@ class Placement(StrEnum):
     HEADROOM = "headroom"  # only endpoints below the band's saturation limit (fails open)
 
 
-class UnseenUntil(StrEnum):
-    FIRST_BYTE = "firstByte"  # a request sent since the scrape waits there until it answers
-    SCRAPE = "scrape"  # ... until the next scrape shows it, answered or not
-
-
 class BandConfig(CamelModel, use_attribute_docstrings=True):
     """One criticality band."""
 
@@ -62,13 +57,6 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     its last scrape) has no room for Sheddable work, while its KV cache may still fill."""
     kv_cache_util_threshold: float | None = Field(default=None, gt=0, le=1)
     """This band's KV-cache threshold in the saturation formula (null: `spec.admission`'s)."""
-    unseen_waits_until: UnseenUntil = UnseenUntil.FIRST_BYTE
-    """Until when a request this router sent since an endpoint's last scrape counts as waiting
-    there: `firstByte` (its first response byte means it runs; behind the managed Envoy the
-    first-byte report tells the EPP at once) or `scrape` (until the next scrape, answered or
-    not). Sheddable uses `scrape`: at most one Sheddable request per server per scrape
-    interval, which keeps Critical's tail under a Sheddable flood (with `firstByte`: 1.72x /
-    1.47x its idle p99 on seeds 1 / 2 instead of 1.27x / 1.26x; docs/flowcontrol.md)."""
     max_requests: int = Field(default=1000, ge=1, le=1_000_000)
     """Most requests waiting in this band per pool. One more is refused with 429 queue_full,
     unless its flow has fewer waiting than the longest flow, whose newest request is then
@@ -140,7 +128,6 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
                 "maxRequests": 1000,
                 "ttlMs": 1_500,
                 "placement": "headroom",
-                "unseenWaitsUntil": "scrape",
             }
         ),
     }

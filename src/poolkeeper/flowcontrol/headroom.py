@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.flowcontrol.config import BandConfig, Placement, UnseenUntil
+from poolkeeper.flowcontrol.config import BandConfig, Placement
 from poolkeeper.scheduling.load import STALE, saturations
 
 
@@ -96,6 +96,5 @@ class Headroom:
             queue_threshold=c.queue_depth_threshold if queue is None else queue,
             kv_threshold=c.kv_cache_util_threshold if kv is None else kv,
             count_unseen=c.count_unseen,
-            count_answered=band.unseen_waits_until is UnseenUntil.SCRAPE,
             adapter=adapter,
         )

@@ -85,3 +85,9 @@ def build_scheduler(
     if not isinstance(handler, ProfileHandler):
         raise ConfigError(f"plugin {plan.handler!r} is not a profile handler")
     return Scheduler(profiles, handler, instances, source=plan.source)
+
+
+def learns_from_first_tokens(config: SchedulingConfig) -> bool:
+    """Whether the scheduler `config` describes learns from first tokens (its built form's
+    `Scheduler.observes_first_tokens`), e.g. to ask Envoy to report them as they happen."""
+    return build_scheduler(config, rng=random.Random(0)).observes_first_tokens

@@ -53,7 +53,6 @@ def saturations(
     queue_threshold: float,
     kv_threshold: float,
     count_unseen: bool = True,
-    count_answered: bool = False,
     adapter: str | None = None,
 ) -> list[float]:
     """Per-endpoint saturation, in order: `max(queue / queueThreshold, kv / kvThreshold)`.
@@ -68,9 +67,7 @@ def saturations(
     had room for (multi-LoRA at 0.9x: 543 refused on one seed; docs/flowcontrol.md).
 
     Queue and KV include what was sent since the scrape (`count_unseen`; the queue leaves out
-    the unseen requests that already answered, they run, unless `count_answered`: then every
-    request sent since the scrape counts as waiting until the next scrape, the rule of a band
-    that wants servers with no new work at all); an out-of-range KV
+    the unseen requests that already answered, they run); an out-of-range KV
     is clamped to 0..1 (NaN counts as full). 1.0 means "at the threshold" and the value is
     unbounded above; `STALE` (infinity) marks metrics older than `staleness_s` or never
     scraped, and each caller decides what that means (admission counts it 1.0, the saturation
@@ -91,12 +88,11 @@ def saturations(
             and adapter in m.active_adapters
             and adapter not in m.waiting_adapters
         ):
-            q = 0.0  # what waits there is other adapters' requests (docstring)
+            q = (s.unseen_requests - s.unseen_answered if count_unseen else 0) / queue_threshold
         else:
-            q = m.waiting
-        if count_unseen:
-            q += s.unseen_requests if count_answered else s.unseen_requests - s.unseen_answered
-        q /= queue_threshold
+            q = (
+                m.waiting + s.unseen_requests - s.unseen_answered if count_unseen else m.waiting
+            ) / queue_threshold
         kv = m.kv_cache_usage
         if count_unseen and s.unseen_tokens:
             kv = effective_kv(s)

@@ -41,6 +41,7 @@ from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director
+from poolkeeper.scheduling.build import learns_from_first_tokens
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
 from poolkeeper.telemetry.health import HealthService
@@ -118,10 +119,7 @@ def bootstrap_params(
         inference_paths=tuple(edge.inference_paths),
         max_body_bytes=config.spec.request_handling.max_body_bytes,
         observe_responses=observe,
-        # Every streamed first byte, as it passes: the in-flight tracker stops counting an
-        # answered request as waiting (the queue signal between scrapes), and a scheduler that
-        # learns from first tokens learns it at once (docs/gateway.md, "First-byte report").
-        report_first_bytes=observe,
+        report_first_bytes=observe and learns_from_first_tokens(config.spec.scheduling),
         # One upstream protocol for all pools (one routed cluster): h2c only if all say so.
         upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )

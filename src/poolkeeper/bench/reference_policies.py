@@ -125,27 +125,23 @@ class StepPhase(PendingPrefill):
             engine.max_fused_steps = 1  # the next event is then the end of the current step
             self.engines[endpoint.hostport] = engine
 
-    def score(self, endpoint: str, now: float) -> tuple[float, ...]:
-        engine = self.engines[endpoint]
-        end = engine.next_event_time()
-        left = 0.0 if end is None else max(0.0, end - now)
-        c = engine.config
-        ahead = c.step_overhead_s + c.prefill_token_s * self.pending.get(endpoint, 0)
-        ahead += c.decode_token_s * self.decoding.get(endpoint, 0)
-        return (left + ahead * c.time_scale,)
-
-
-class ObservedPhase(StepPhase):
-    """`ref-observed-phase` (see the module docstring)."""
-
-    name = "ref-observed-phase"
-
     def next_step_s(self, endpoint: str) -> float:
         """The step-time model's length of the next step for what the router has there."""
         c = self.engines[endpoint].config
         step = c.step_overhead_s + c.prefill_token_s * self.pending.get(endpoint, 0)
         step += c.decode_token_s * self.decoding.get(endpoint, 0)
         return step * c.time_scale
+
+    def score(self, endpoint: str, now: float) -> tuple[float, ...]:
+        end = self.engines[endpoint].next_event_time()
+        left = 0.0 if end is None else max(0.0, end - now)
+        return (left + self.next_step_s(endpoint),)
+
+
+class ObservedPhase(StepPhase):
+    """`ref-observed-phase` (see the module docstring)."""
+
+    name = "ref-observed-phase"
 
     def busy(self, endpoint: str) -> bool:
         """The router has work there, so a step is (probably) running."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
-from poolkeeper.bench.flowpolicy import FlowPolicy
-from poolkeeper.bench.routers import ALL_POLICIES, make_policy
-from poolkeeper.bench.schedpolicy import SchedulerPolicy
+from poolkeeper.bench.policies.flowpolicy import FlowPolicy
+from poolkeeper.bench.policies.routers import ALL_POLICIES, make_policy
+from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.types import LLMRequest

@@ -3,7 +3,7 @@ numbers of `poolkeeper bench flow`; these runs are small so that `make test` sta
 
 from __future__ import annotations
 
-from poolkeeper.bench.flowbench import burst, fairness, flood, format_flow
+from poolkeeper.bench.fleet.flowbench import burst, fairness, flood, format_flow
 
 SERVERS = 2
 CAPACITY = 37.2 * SERVERS  # bench.simrun's single-server estimate (docs/benchmarks.md)
@@ -11,7 +11,8 @@ CAPACITY = 37.2 * SERVERS  # bench.simrun's single-server estimate (docs/benchma
 
 def test_fair_share_between_two_backlogged_models() -> None:
     # Short and small: the light model is only backlogged for part of this run, so the bounds
-    # are loose (the full run in docs/benchmarks.md: 0.97:1 with flow control, 9.4:1 without).
+    # are loose (the full run in docs/benchmarks.md, "Flow control": 1.01:1 with flow control,
+    # 8.96:1 without).
     result = fairness(SERVERS, CAPACITY, 10.0, 6.0, 1)
     fair = result["poolkeeper"]["ratio_heavy_to_light"]
     before = result["poolkeeper-shed"]["ratio_heavy_to_light"]

@@ -13,9 +13,9 @@ import yaml
 from aiohttp import web
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.live import envoy_rr_bootstrap, poolkeeper_config, ratios
-from poolkeeper.bench.loadgen import check_loopback, run_open_loop
-from poolkeeper.bench.workloads import Arrival
+from poolkeeper.bench.live.live import envoy_rr_bootstrap, poolkeeper_config, ratios
+from poolkeeper.bench.live.loadgen import check_loopback, run_open_loop
+from poolkeeper.bench.workload.workloads import Arrival
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 

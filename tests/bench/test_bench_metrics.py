@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.metrics import SLO, RequestOutcome, meets_slo, percentile, summarize
+from poolkeeper.bench.results.metrics import SLO, RequestOutcome, meets_slo, percentile, summarize
 
 
 def _done(

@@ -19,8 +19,8 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.bench.gateway_overhead import cpu_seconds
-from poolkeeper.bench.overhead_floor import (
+from poolkeeper.bench.overhead.gateway_overhead import cpu_seconds
+from poolkeeper.bench.overhead.overhead_floor import (
     ENVOY,
     EXT_PROC,
     ROUTED_HEADER,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from poolkeeper.bench.overhead import DECISION_MODULE, GATEWAY_MODULE
+from poolkeeper.bench.overhead.overhead import DECISION_MODULE, GATEWAY_MODULE
 
 
 @pytest.mark.integration

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from poolkeeper.bench.overhead_peers import (
+from poolkeeper.bench.overhead.overhead_peers import (
     closed_loop,
     interleaved,
     latency_table,

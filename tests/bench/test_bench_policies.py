@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from poolkeeper.bench.policies import (
+from poolkeeper.bench.policies.baselines import (
     AIBrixPrefix,
     CacheAware,
     CacheAwareParams,
@@ -17,7 +17,11 @@ from poolkeeper.bench.policies import (
     RandomPick,
     RoundRobin,
 )
-from poolkeeper.bench.prefixtrees import ApproxRadixTree, BlockPrefixIndex, common_prefix_len
+from poolkeeper.bench.policies.prefixtrees import (
+    ApproxRadixTree,
+    BlockPrefixIndex,
+    common_prefix_len,
+)
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.errors import NoReadyEndpoint
 from poolkeeper.scheduling.types import LLMRequest

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from poolkeeper.bench.reference_policies import (
+from poolkeeper.bench.policies.reference_policies import (
     FirstBytePhase,
     LateObservedPhase,
     LateObservedPhase2ms,
@@ -19,8 +19,8 @@ from poolkeeper.bench.reference_policies import (
     StepPhase,
     is_baseline,
 )
-from poolkeeper.bench.routers import ALL_POLICIES, KNOWN_POLICIES, make_policy
-from poolkeeper.bench.seedmeans import seed_tables
+from poolkeeper.bench.policies.routers import ALL_POLICIES, KNOWN_POLICIES, make_policy
+from poolkeeper.bench.results.seedmeans import seed_tables
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.engine import STEP_END_HISTORY, EngineModel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from poolkeeper.bench.replicas import replica_of, run
+from poolkeeper.bench.fleet.replicas import replica_of, run
 
 
 def test_replica_split_is_even_and_stable() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from poolkeeper.bench.report import matrix_table, sweep_table
-from poolkeeper.bench.sweep import targets_table
+from poolkeeper.bench.fleet.sweep import targets_table
+from poolkeeper.bench.results.report import matrix_table, sweep_table
 
 
 def _run(policy: str, load: float, p90: float, goodput: float) -> dict[str, Any]:

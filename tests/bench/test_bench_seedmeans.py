@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from poolkeeper.bench.seedmeans import check_sweep, mean_points, seed_tables
+from poolkeeper.bench.results.seedmeans import check_sweep, mean_points, seed_tables
 from poolkeeper.cli.main import main
 
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from poolkeeper.bench.flowpolicy import FlowPolicy
-from poolkeeper.bench.routers import make_policy
-from poolkeeper.bench.schedpolicy import SchedulerPolicy
+from poolkeeper.bench.policies.flowpolicy import FlowPolicy
+from poolkeeper.bench.policies.routers import make_policy
+from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.scheduling.types import LLMRequest
 

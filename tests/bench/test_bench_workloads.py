@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.workloads import (
+from poolkeeper.bench.workload.workloads import (
     WorkloadKind,
     WorkloadSpec,
     default_spec,

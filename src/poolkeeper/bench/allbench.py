@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from poolkeeper.bench.live import LiveSpec, peer_binary, repo_root, run_live
-from poolkeeper.bench.overhead import run_overhead
-from poolkeeper.bench.routers import ALL_POLICIES
-from poolkeeper.bench.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
-from poolkeeper.bench.workloads import ROUTING_WORKLOADS
+from poolkeeper.bench.fleet.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
+from poolkeeper.bench.live.live import LiveSpec, peer_binary, repo_root, run_live
+from poolkeeper.bench.overhead.overhead import run_overhead
+from poolkeeper.bench.policies.routers import ALL_POLICIES
+from poolkeeper.bench.workload.workloads import ROUTING_WORKLOADS
 from poolkeeper.errors import ConfigError
 
 

@@ -172,10 +172,10 @@ def _progress(msg: str) -> None:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.metrics import SLO
-    from poolkeeper.bench.routers import ALL_POLICIES, KNOWN_POLICIES
-    from poolkeeper.bench.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
-    from poolkeeper.bench.workloads import ROUTING_WORKLOADS, WorkloadKind
+    from poolkeeper.bench.fleet.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
+    from poolkeeper.bench.policies.routers import ALL_POLICIES, KNOWN_POLICIES
+    from poolkeeper.bench.results.metrics import SLO
+    from poolkeeper.bench.workload.workloads import ROUTING_WORKLOADS, WorkloadKind
 
     try:
         workloads = args.workload or tuple(str(k) for k in ROUTING_WORKLOADS)
@@ -233,7 +233,7 @@ def _flow_control(text: str | None) -> FlowControlConfig | None:
 
 
 def _flow(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.flowbench import format_flow, run_flow_bench
+    from poolkeeper.bench.fleet.flowbench import format_flow, run_flow_bench
 
     if args.servers < 1 or args.duration <= 0 or args.burst <= 0:
         print("poolkeeper bench flow: --servers >= 1, --duration and --burst > 0", file=sys.stderr)
@@ -245,7 +245,7 @@ def _flow(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.workloads import default_spec, generate, save_jsonl
+    from poolkeeper.bench.workload.workloads import default_spec, generate, save_jsonl
 
     try:
         spec = default_spec(args.workload, args.servers)
@@ -261,7 +261,7 @@ def _workload(args: argparse.Namespace) -> int:
 
 
 def _live(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.live import LiveSpec, run_live
+    from poolkeeper.bench.live.live import LiveSpec, run_live
 
     spec = LiveSpec(
         workload=args.workload, servers=args.servers, rate=args.rate, duration=args.duration,
@@ -277,7 +277,7 @@ def _live(args: argparse.Namespace) -> int:
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.overhead import run_overhead
+    from poolkeeper.bench.overhead.overhead import run_overhead
 
     try:
         sizes = tuple(int(x) for x in args.sizes.split(","))
@@ -291,8 +291,8 @@ def _overhead(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.report import plot_sweep, read_json, sweep_table
-    from poolkeeper.bench.sweep import targets_table
+    from poolkeeper.bench.fleet.sweep import targets_table
+    from poolkeeper.bench.results.report import plot_sweep, read_json, sweep_table
 
     files = sorted(args.inp.glob("sim-*.json"))
     if not files:
@@ -311,8 +311,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _seeds(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.report import read_json
-    from poolkeeper.bench.seedmeans import check_sweep, seed_tables
+    from poolkeeper.bench.results.report import read_json
+    from poolkeeper.bench.results.seedmeans import check_sweep, seed_tables
 
     files = [f for d in args.dirs for f in sorted(d.glob("sim-*.json"))]
     if not files:

@@ -74,7 +74,7 @@ class EngineModel(BatchCore):
         self._step: Step | None = None
         self._free_at = float("-inf")  # end of the last step
         # The ends of the last steps, for a reference policy that sees them late (read only by
-        # `bench/reference_policies.py`): bounded, so a long run holds no more.
+        # `bench/policies/reference_policies.py`): bounded, so a long run holds no more.
         self._step_ends: deque[float] = deque(maxlen=STEP_END_HISTORY)
 
     # -- requests -------------------------------------------------------------------------

@@ -7,7 +7,7 @@ flow control), same seed, same arrivals:
 - fairness: the `fairness` workload (two Standard models, one offering 10x the other's request
   rate) at 2x capacity, and at 10x, where even the light model offers more than half of what
   the fleet really serves (both backlogged; "capacity" is the conservative estimate of
-  `bench.simrun`). Served tokens per model per second (prompt + output tokens of requests
+  `bench.fleet.simrun`). Served tokens per model per second (prompt + output tokens of requests
   finishing in the last two thirds of the arrival window) and each model's completed share of
   its requests (at 2x the light model is under its fair share: it should get all of it).
 - flood: the `criticality-flood` workload (10% Critical, 90% Sheddable) at 3x capacity, and the
@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.flowpolicy import FlowPolicy
-from poolkeeper.bench.metrics import SLO, percentile
-from poolkeeper.bench.report import command_line, machine_info, write_json
-from poolkeeper.bench.routers import make_policy
-from poolkeeper.bench.scenarios import build_scenario
-from poolkeeper.bench.simrun import fleet_capacity, replay
-from poolkeeper.bench.workloads import FAIRNESS_MODELS, Arrival, generate
+from poolkeeper.bench.fleet.simrun import fleet_capacity, replay
+from poolkeeper.bench.policies.flowpolicy import FlowPolicy
+from poolkeeper.bench.policies.routers import make_policy
+from poolkeeper.bench.results.metrics import SLO, percentile
+from poolkeeper.bench.results.report import command_line, machine_info, write_json
+from poolkeeper.bench.workload.scenarios import build_scenario
+from poolkeeper.bench.workload.workloads import FAIRNESS_MODELS, Arrival, generate
 from poolkeeper.sim.virtual import FleetResult
 
 POLICIES: tuple[str, str] = ("poolkeeper", "poolkeeper-shed")

@@ -16,7 +16,7 @@ requests. Reported: prefix-cache hit rate (what the model
 servers actually reused), TTFT, and affinity: the share of each prefix group's requests that
 landed on that group's most used server.
 
-    python -m poolkeeper.bench.replicas [--servers 8] [--load 0.7] [--duration 120]
+    python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120]
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from poolkeeper.bench.metrics import SLO, summarize
-from poolkeeper.bench.routers import RoutingPolicy, make_policy
-from poolkeeper.bench.scenarios import build_scenario
-from poolkeeper.bench.simrun import SCRAPE_INTERVAL_S, _outcome, _sim_arrivals, fleet_capacity
-from poolkeeper.bench.workloads import Arrival, generate
+from poolkeeper.bench.fleet.simrun import SCRAPE_INTERVAL_S, _outcome, _sim_arrivals, fleet_capacity
+from poolkeeper.bench.policies.routers import RoutingPolicy, make_policy
+from poolkeeper.bench.results.metrics import SLO, summarize
+from poolkeeper.bench.workload.scenarios import build_scenario
+from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.scheduling.types import LLMRequest
@@ -149,7 +149,7 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m poolkeeper.bench.replicas")
+    parser = argparse.ArgumentParser(prog="python -m poolkeeper.bench.fleet.replicas")
     parser.add_argument("--servers", type=int, default=8)
     parser.add_argument("--load", type=float, default=0.7)
     parser.add_argument("--duration", type=float, default=120.0)

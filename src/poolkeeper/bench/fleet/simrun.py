@@ -24,12 +24,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from poolkeeper.bench.flowpolicy import FlowPolicy
-from poolkeeper.bench.metrics import SLO, RequestOutcome, summarize, ttft_values
-from poolkeeper.bench.report import quantiles
-from poolkeeper.bench.routers import QueueingPolicy, RoutingPolicy, make_policy
-from poolkeeper.bench.scenarios import Scenario, build_scenario, server_configs
-from poolkeeper.bench.workloads import Arrival, WorkloadSpec, generate
+from poolkeeper.bench.policies.flowpolicy import FlowPolicy
+from poolkeeper.bench.policies.routers import QueueingPolicy, RoutingPolicy, make_policy
+from poolkeeper.bench.results.metrics import SLO, RequestOutcome, summarize, ttft_values
+from poolkeeper.bench.results.report import quantiles
+from poolkeeper.bench.workload.scenarios import Scenario, build_scenario, server_configs
+from poolkeeper.bench.workload.workloads import Arrival, WorkloadSpec, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.flowcontrol.config import FlowControlConfig

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.bench.metrics import SLO
-from poolkeeper.bench.reference_policies import is_baseline
-from poolkeeper.bench.report import command_line, machine_info, plot_sweep, write_json
-from poolkeeper.bench.scenarios import build_scenario
-from poolkeeper.bench.simrun import SCRAPE_INTERVAL_S, fleet_capacity, run_point
+from poolkeeper.bench.fleet.simrun import SCRAPE_INTERVAL_S, fleet_capacity, run_point
+from poolkeeper.bench.policies.reference_policies import is_baseline
+from poolkeeper.bench.results.metrics import SLO
+from poolkeeper.bench.results.report import command_line, machine_info, plot_sweep, write_json
+from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.flowcontrol.config import FlowControlConfig
 
 DEFAULT_LOADS: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9, 1.1, 1.3)

@@ -2,7 +2,7 @@
 
 Every measured run starts from scratch: a fresh simulated fleet (`poolkeeper sim`, N servers
 on consecutive free ports, caches empty), then the router under test, then the workload
-replayed open-loop by `bench.loadgen`, then both are stopped. Targets:
+replayed open-loop by `bench.live.loadgen`, then both are stopped. Targets:
 
 - `poolkeeper`: `poolkeeper serve` (Envoy + EPP) with a generated config: one InferencePool
   selecting the simulators, one InferenceModel per workload model, the default scheduling
@@ -38,12 +38,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.bench.loadgen import run_open_loop
-from poolkeeper.bench.metrics import SLO, RequestOutcome, percentile, summarize, ttft_values
-from poolkeeper.bench.report import command_line, machine_info, quantiles, write_json
-from poolkeeper.bench.scenarios import LORA_SLOTS, adapter_names, build_scenario
-from poolkeeper.bench.simrun import fleet_capacity
-from poolkeeper.bench.workloads import (
+from poolkeeper.bench.fleet.simrun import fleet_capacity
+from poolkeeper.bench.live.loadgen import run_open_loop
+from poolkeeper.bench.results.metrics import SLO, RequestOutcome, percentile, summarize, ttft_values
+from poolkeeper.bench.results.report import command_line, machine_info, quantiles, write_json
+from poolkeeper.bench.workload.scenarios import LORA_SLOTS, adapter_names, build_scenario
+from poolkeeper.bench.workload.workloads import (
     CRITICALITY_MODELS,
     FAIRNESS_MODELS,
     WorkloadKind,

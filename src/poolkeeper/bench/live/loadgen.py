@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from poolkeeper.bench.metrics import RequestOutcome
-from poolkeeper.bench.workloads import Arrival
+from poolkeeper.bench.results.metrics import RequestOutcome
+from poolkeeper.bench.workload.workloads import Arrival
 from poolkeeper.errors import ConfigError
 from poolkeeper.tokens import count_tokens
 

@@ -11,7 +11,7 @@ latencies are (the servers' own model-time histograms over the same window):
 plus the simulator's CPU use and the driver's delivery lag. Not a test: run it by hand and copy
 the table into docs/benchmarks.md (## Simulator capacity).
 
-    .venv/bin/python -m poolkeeper.bench.sim_capacity --servers 16 --streams 250,500,1000 \
+    .venv/bin/python -m poolkeeper.bench.live.sim_capacity --servers 16 --streams 250,500,1000 \
         --duration 20
 
 `--virtual` instead times the virtual-time fleet (no sockets): `--servers` engines, Poisson

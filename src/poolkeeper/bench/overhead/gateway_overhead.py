@@ -22,7 +22,7 @@ process (EPP + supervised Envoy) in front of it, all on 127.0.0.1. Then:
 Bounded (rates x duration, then a fixed closed-loop window) and local only. Not a test: run it
 by hand and copy the printed Markdown into docs/benchmarks.md (## Gateway overhead).
 
-    .venv/bin/python -m poolkeeper.bench.gateway_overhead --rates 10,50,100 --duration 10
+    .venv/bin/python -m poolkeeper.bench.overhead.gateway_overhead --rates 10,50,100 --duration 10
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from typing import Any
 
 import aiohttp
 
-from poolkeeper.bench import live, overhead_peers as peer
-from poolkeeper.bench.overhead_floor import floor_gateways
+from poolkeeper.bench.live import live
+from poolkeeper.bench.overhead import overhead_peers as peer
+from poolkeeper.bench.overhead.overhead_floor import floor_gateways
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.presets import PRESETS
 
@@ -329,7 +330,7 @@ async def main(protocol_rate: float) -> int:
         "--floor",
         action="store_true",
         help="also through Envoy alone and Envoy + a do-nothing Python ext_proc "
-        "(bench/overhead_floor.py), side by side with --peers",
+        "(bench/overhead/overhead_floor.py), side by side with --peers",
     )
     parser.add_argument(
         "--stream-tokens",

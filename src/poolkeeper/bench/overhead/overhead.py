@@ -2,13 +2,13 @@
 
 Two measurements, each owned by the benchmark module of the part it measures:
 
-- `poolkeeper.bench.scheduler_decision` (the scheduler's): CPU time of one scheduling decision
-  at 10, 100 and 1,000 endpoints (decision time vs fleet size);
-- `poolkeeper.bench.gateway_overhead` (the gateway's): added latency of Envoy + EPP versus going
-  direct, and EPP requests/s per core; with `--peers`, the same light load interleaved through
-  vllm-router and sglang-router too (`poolkeeper.bench.overhead_peers`), with `--floor` through
-  Envoy alone and Envoy + a do-nothing Python ext_proc (`poolkeeper.bench.overhead_floor`),
-  with `--prompt-bytes` per prompt size.
+- `poolkeeper.bench.overhead.scheduler_decision` (the scheduler's): CPU time of one scheduling
+  decision at 10, 100 and 1,000 endpoints (decision time vs fleet size);
+- `poolkeeper.bench.overhead.gateway_overhead` (the gateway's): added latency of Envoy + EPP
+  versus going direct, and EPP requests/s per core; with `--peers`, the same light load
+  interleaved through vllm-router and sglang-router too (`bench.overhead.overhead_peers`), with
+  `--floor` through Envoy alone and Envoy + a do-nothing Python ext_proc
+  (`bench.overhead.overhead_floor`), with `--prompt-bytes` per prompt size.
 
 Both ship in the package, so the installed command works anywhere (no checkout needed). Each
 runs in a child process of the current interpreter (`python -m ...`), bounded in time, and its
@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.bench.report import command_line, machine_info, write_json
+from poolkeeper.bench.results.report import command_line, machine_info, write_json
 
 SCRIPT_TIMEOUT_S = 420.0
-DECISION_MODULE = "poolkeeper.bench.scheduler_decision"
-GATEWAY_MODULE = "poolkeeper.bench.gateway_overhead"
+DECISION_MODULE = "poolkeeper.bench.overhead.scheduler_decision"
+GATEWAY_MODULE = "poolkeeper.bench.overhead.gateway_overhead"
 
 
 def _run_module(module: str, args: Sequence[str], timeout: float) -> dict[str, Any]:

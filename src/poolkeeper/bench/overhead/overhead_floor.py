@@ -15,8 +15,8 @@ the same simulator:
 What poolkeeper adds above `envoy+ext_proc` is its own work (Director, scheduler, metadata,
 access log); what `envoy+ext_proc` adds above `envoy` is the price of a Python gRPC stream,
 which no amount of EPP tuning removes. The processor runs as its own process
-(`python -m poolkeeper.bench.overhead_floor --port N`) so that its CPU per request can be read
-like the EPP's.
+(`python -m poolkeeper.bench.overhead.overhead_floor --port N`) so that its CPU per request can
+be read like the EPP's.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.bench import live
+from poolkeeper.bench.live import live
 from poolkeeper.envoy.params import (
     EXT_PROC_TYPE,
     HCM,
@@ -54,6 +54,7 @@ from poolkeeper.netutil import free_ports
 ENVOY = "envoy"
 EXT_PROC = "envoy+ext_proc"
 ROUTED_HEADER = "x-floor-routed"  # set by the minimal processor; the route requires it
+PROCESSOR_MODULE = "poolkeeper.bench.overhead.overhead_floor"  # run as its own process
 
 
 def _cluster(name: str, port: int, *, h2: bool = False) -> dict[str, Any]:
@@ -182,7 +183,7 @@ def floor_gateways(
     out: dict[str, tuple[str, dict[str, Callable[[], float]]]] = {}
     with contextlib.ExitStack() as stack:
         proc = stack.enter_context(live.process(
-            [sys.executable, "-m", "poolkeeper.bench.overhead_floor", "--port", str(processor)],
+            [sys.executable, "-m", PROCESSOR_MODULE, "--port", str(processor)],
             work / "floor-processor.log",
         ))  # fmt: skip
         for name, port, admin_port, ext in (

@@ -1,6 +1,6 @@
 """Router against router: the latency each one adds over a direct call, and its CPU per request.
 
-`poolkeeper.bench.gateway_overhead --peers vllm-router,sglang-router` (or `poolkeeper bench
+`poolkeeper.bench.overhead.gateway_overhead --peers vllm-router,sglang-router` (or `poolkeeper bench
 overhead --peers ...`) starts each peer router (installed by `scripts/install-peers.sh`) in
 front of the same one-token simulator as the gateway, then:
 

@@ -1,6 +1,6 @@
 """Microseconds per metrics page: poolkeeper's filter reader vs prometheus_client's parser.
 
-    .venv/bin/python -m poolkeeper.bench.promtext_parse [--rounds N]
+    .venv/bin/python -m poolkeeper.bench.overhead.promtext_parse [--rounds N]
 
 The page (`--page`, default tests/backend/fixtures/vllm_v1.prom of a checkout) is a
 realistic vLLM V1 /metrics page (196 lines, ~18 KB: gauges, LoRA info with three series, cache

@@ -20,7 +20,7 @@ backlog, as in a busy pool.
 
 Not a test: run it by hand and copy the table into docs/benchmarks.md.
 
-    .venv/bin/python -m poolkeeper.bench.scheduler_decision [--preset NAME]... [--repeat 3]
+    .venv/bin/python -m poolkeeper.bench.overhead.scheduler_decision [--preset NAME]... [--repeat 3]
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ none of the baselines reads a queue it did not fill, except where stated.
   128-character blocks, 200,000 blocks per pod.
 
 The GIE presets (v0.3 decision tree, v1 default scorers) and poolkeeper's own default profile
-are not here: they are the real scheduler, built in `bench.routers`.
+are not here: they are the real scheduler, built in `bench.policies.routers`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from poolkeeper.bench.prefixtrees import ApproxRadixTree, BlockPrefixIndex
+from poolkeeper.bench.policies.prefixtrees import ApproxRadixTree, BlockPrefixIndex
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint
 from poolkeeper.scheduling.types import LLMRequest

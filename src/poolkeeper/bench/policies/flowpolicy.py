@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from poolkeeper.admission.saturation import SaturationDetector
-from poolkeeper.bench.schedpolicy import SchedulerPolicy, scheduler_policy
+from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy, scheduler_policy
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import QueueFull, RequestShed
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig

@@ -2,16 +2,17 @@
 
 `make_policy(name, rng, scenario)` builds a fresh policy for one run:
 
-- the baselines of `bench.policies` (round-robin, random, least-request, power-of-two,
+- the baselines of `bench.policies.baselines` (round-robin, random, least-request, power-of-two,
   cache-aware, dynamo-kv, aibrix-prefix);
 - `gie-v0.3` and `gie-v1`: poolkeeper's real scheduler configured with the GIE presets (the
   v0.3 decision tree; the v1.x default profile queue 2 / kv-cache 2 / prefix 3);
 - `poolkeeper`: poolkeeper's real scheduler with its default profile behind flow control
   (queueing by criticality band, fair sharing between models), exactly as the EPP runs them
-  (`bench.flowpolicy`); such a policy also has `offer` and `release` (`QueueingPolicy`);
+  (`bench.policies.flowpolicy`); such a policy also has `offer` and `release` (`QueueingPolicy`);
 - `poolkeeper-shed`: the same scheduler with admission's shedding and no queue (poolkeeper
   before flow control, `flowControl.enabled: false`);
-- `poolkeeper-proposed`: the default-profile change the tuning suggests (bench.schedpolicy);
+- `poolkeeper-proposed`: the default-profile change the tuning suggests
+  (bench.policies.schedpolicy);
 - `poolkeeper-ttft` / `poolkeeper-backlog`: the same flow control in front of the
   `predicted-ttft` / `prefill-backlog` presets (`-shed`: with admission's shedding instead).
 """
@@ -22,9 +23,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from poolkeeper.bench.policies import BASELINES
-from poolkeeper.bench.reference_policies import REFERENCE_POLICIES
-from poolkeeper.bench.scenarios import Scenario
+from poolkeeper.bench.policies.baselines import BASELINES
+from poolkeeper.bench.policies.reference_policies import REFERENCE_POLICIES
+from poolkeeper.bench.workload.scenarios import Scenario
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import ConfigError
 from poolkeeper.flowcontrol.config import FlowControlConfig
@@ -85,14 +86,14 @@ def make_policy(
     if baseline is not None:
         return baseline(rng)
     if name in ("poolkeeper", "poolkeeper-ttft", "poolkeeper-backlog"):
-        from poolkeeper.bench.flowpolicy import flow_policy
+        from poolkeeper.bench.policies.flowpolicy import flow_policy
 
         return flow_policy(name, rng, flow_control)
     reference = REFERENCE_POLICIES.get(name)
     if reference is not None:
         return reference(rng)
     if name in SCHEDULER_POLICIES:
-        from poolkeeper.bench.schedpolicy import scheduler_policy
+        from poolkeeper.bench.policies.schedpolicy import scheduler_policy
 
         return scheduler_policy(name, rng)
     raise ConfigError(f"unknown policy {name!r}; known: {', '.join(KNOWN_POLICIES)}")

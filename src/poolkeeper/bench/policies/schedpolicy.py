@@ -3,7 +3,7 @@
 - `poolkeeper-shed`: the `default` scheduling preset and the default AdmissionConfig (Sheddable
   shed at pool saturation 1.0, Standard at 8.0, Critical never): `poolkeeper serve` with
   `flowControl.enabled: false`, i.e. poolkeeper before flow control. (`poolkeeper` itself, with
-  flow control, is `bench.flowpolicy`.)
+  flow control, is `bench.policies.flowpolicy`.)
 - `poolkeeper-ttft-shed` / `poolkeeper-backlog-shed`: the same on the `predicted-ttft` /
   `prefill-backlog` presets.
 - `gie-v1`: the `gie-v1-default` preset (queue 2, kv-cache 2, prefix 3, scraped metrics only)
@@ -12,10 +12,10 @@
 - `gie-v0.3`: the `gie-v0.3-decision-tree` preset; its tree itself drops non-critical requests
   when no endpoint has capacity (there was no separate admission step in v0.3).
 - `poolkeeper-proposed`: the change to poolkeeper's default profile that the benchmark tuning
-  suggests (docs/benchmarks.md, "Tuning"): no saturation filter (it pushed requests away from
-  the endpoints holding their prefix exactly when the fleet was busy), plain min-max queue
-  (2) and running-requests (1) scores counting unseen requests, KV (2), prefix (3) and LoRA
-  affinity (2); default admission.
+  suggests (docs/notes/2026-12-02-tuning-the-default-profile.md): no saturation filter (it
+  pushed requests away from the endpoints holding their prefix exactly when the fleet was
+  busy), plain min-max queue (2) and running-requests (1) scores counting unseen requests, KV
+  (2), prefix (3) and LoRA affinity (2); default admission.
 
 Every scheduler-backed policy observes speed as a router would: at `pick` it notes when and
 where each request went, at `on_finish` it feeds the elapsed virtual time and the request's

@@ -1,7 +1,7 @@
 """Benchmark results on disk: one JSON file per sweep, PNG plots, markdown tables.
 
 A sweep file holds the run's inputs (workload, fleet, loads, seed, SLO, command line, machine)
-and one entry per (policy, load) with the summary of `bench.metrics` plus the TTFT
+and one entry per (policy, load) with the summary of `bench.results.metrics` plus the TTFT
 distribution as 101 quantiles (enough to draw a CDF without storing every request).
 Plots use matplotlib's Agg backend (no display needed).
 """
@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.bench.metrics import percentile
-from poolkeeper.bench.reference_policies import is_ours
+from poolkeeper.bench.policies.reference_policies import is_ours
+from poolkeeper.bench.results.metrics import percentile
 
 
 def git_commit() -> str:

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from poolkeeper.bench.reference_policies import is_baseline, is_reference
+from poolkeeper.bench.policies.reference_policies import is_baseline, is_reference
 
 P90_TARGET = 0.85
 GOODPUT_SLACK = 0.005

@@ -12,7 +12,7 @@ with documented parameters:
   (Critical / Standard / Sheddable fractions), meant to be run into overload.
 - `heavy-tail`: ShareGPT-like prompt and output lengths, every prompt unique.
 - `heterogeneous`: shared-prefix chat with heavy-tailed questions, run on a fleet of servers
-  with different speeds (the fleet side lives in `bench.scenarios`).
+  with different speeds (the fleet side lives in `bench.workload.scenarios`).
 - `fairness`: two Standard models (`tenant-heavy`, `tenant-light`) of ShareGPT-like requests,
   the heavy one offering `fairness_ratio` (10) times the light one's request rate: fair
   sharing of token throughput between InferenceModels of equal criticality (flow control).

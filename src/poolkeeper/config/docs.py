@@ -1,10 +1,11 @@
 """Field reference tables of the GatewayConfig, generated from the pydantic schema.
 
-docs/configuration.md carries the output between two marker lines; regenerate it with
+docs/configuration.md carries the output between two marker lines, and the engine table of the
+engine registry (`poolkeeper.backend.engines`) between two others; regenerate both with
 
     .venv/bin/python -m poolkeeper.config.docs docs/configuration.md
 
-A test checks that the sections owned by this package are current.
+Tests check that the sections owned by this package and the engine table are current.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from poolkeeper.backend.engines import Engine
 from poolkeeper.config.gateway import (
     Edge,
     GatewayConfigSpec,
@@ -33,6 +35,8 @@ from poolkeeper.flowcontrol.config import BandConfig, Bands
 
 BEGIN_MARKER = "<!-- BEGIN GENERATED FIELD TABLES (python -m poolkeeper.config.docs) -->"
 END_MARKER = "<!-- END GENERATED FIELD TABLES -->"
+ENGINES_BEGIN_MARKER = "<!-- BEGIN GENERATED ENGINE TABLE (python -m poolkeeper.config.docs) -->"
+ENGINES_END_MARKER = "<!-- END GENERATED ENGINE TABLE -->"
 
 
 def _type_name(annotation: Any) -> str:
@@ -159,10 +163,36 @@ def reference_markdown() -> str:
     return f"{BEGIN_MARKER}\n\n{body}\n{END_MARKER}"
 
 
-def replace_block(text: str, block: str) -> str:
+def engine_table() -> str:
+    """A markdown table of the engine registry: names, aliases and the families read."""
+    lines = [
+        "| Engine | Name | Aliases | Waiting / running / KV usage read from |",
+        "|---|---|---|---|",
+    ]
+    for engine in Engine:
+        mapping = engine.mapping
+        families = " / ".join(
+            " or ".join(f"`{spec}`" for spec in specs)
+            for specs in (mapping.waiting, mapping.running, mapping.kv_usage)
+        )
+        aliases = ", ".join(f"`{a}`" for a in engine.definition.aliases) or "-"
+        lines.append(
+            f"| {engine.definition.title} | `{engine.value}` | {aliases} | {_cell(families)} |"
+        )
+    return "\n".join(lines)
+
+
+def engines_markdown() -> str:
+    """The generated engine block (markers included)."""
+    return f"{ENGINES_BEGIN_MARKER}\n\n{engine_table()}\n\n{ENGINES_END_MARKER}"
+
+
+def replace_block(
+    text: str, block: str, begin: str = BEGIN_MARKER, end_marker: str = END_MARKER
+) -> str:
     """`text` with the part between the markers (inclusive) replaced by `block`."""
-    start = text.index(BEGIN_MARKER)
-    end = text.index(END_MARKER) + len(END_MARKER)
+    start = text.index(begin)
+    end = text.index(end_marker) + len(end_marker)
     return text[:start] + block + text[end:]
 
 
@@ -175,7 +205,10 @@ def main(argv: list[str]) -> int:
     if BEGIN_MARKER not in text or END_MARKER not in text:
         print(f"{path}: the generated-table markers are missing", file=sys.stderr)
         return 1
-    path.write_text(replace_block(text, reference_markdown()), encoding="utf-8")
+    text = replace_block(text, reference_markdown())
+    if ENGINES_BEGIN_MARKER in text and ENGINES_END_MARKER in text:
+        text = replace_block(text, engines_markdown(), ENGINES_BEGIN_MARKER, ENGINES_END_MARKER)
+    path.write_text(text, encoding="utf-8")
     return 0
 
 

@@ -27,6 +27,7 @@ from poolkeeper.api.names import (
     label_value_errors,
 )
 from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.backend.engines import Engine as Engine  # the field type of endpoints[].engine
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.schema import CamelModel
@@ -118,15 +119,6 @@ class Listeners(_Section):
         return self
 
 
-class Engine(StrEnum):
-    """Model-server engine: decides how its /metrics are read."""
-
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    TRTLLM_SERVE = "trtllm-serve"
-    TRITON_TRTLLM = "triton-trtllm"
-
-
 class StaticEndpoint(_Section):
     """One model server, standing in for a pod in standalone mode."""
 
@@ -140,7 +132,8 @@ class StaticEndpoint(_Section):
     labels: dict[str, str] = Field(default_factory=dict)
     """Labels that InferencePool selectors match (Kubernetes label rules)."""
     engine: Engine | None = None
-    """Engine of the server; unset means the scraping section's default engine."""
+    """Engine of the server (a name or alias from the engine table); unset means the scraping
+    section's default engine."""
 
     @field_validator("name")
     @classmethod

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from poolkeeper.api import model, objective, pool, rewrite
+from poolkeeper.api.versions import GENERATIONS
 
 GATEWAY_CONFIG_API_VERSION = "poolkeeper.dev/v1alpha1"
 GATEWAY_CONFIG_KIND = "GatewayConfig"
@@ -63,17 +63,10 @@ class KindRegistry:
 
 
 def default_registry() -> KindRegistry:
-    """InferenceModel (v1alpha1, v1alpha2), InferencePool (v1alpha1-v1), InferenceObjective and
-    InferenceModelRewrite (v1alpha2), GatewayConfig."""
+    """Every row of the API-generation table (`poolkeeper.api.versions`), and GatewayConfig."""
     return KindRegistry(
         [
-            KindEntry(model.V1ALPHA1, model.KIND, model.InferenceModel),
-            KindEntry(model.V1ALPHA2, model.KIND, model.InferenceModel),
-            KindEntry(pool.V1ALPHA1, pool.KIND, pool.InferencePoolV1Alpha1),
-            KindEntry(pool.V1ALPHA2, pool.KIND, pool.InferencePool),
-            KindEntry(pool.V1, pool.KIND, pool.InferencePoolV1),
-            KindEntry(objective.V1ALPHA2, objective.KIND, objective.InferenceObjective),
-            KindEntry(rewrite.V1ALPHA2, rewrite.KIND, rewrite.InferenceModelRewrite),
+            *(KindEntry(row.api_version, row.kind, row.model) for row in GENERATIONS),
             KindEntry(GATEWAY_CONFIG_API_VERSION, GATEWAY_CONFIG_KIND, GATEWAY_CONFIG_TARGET),
         ]
     )

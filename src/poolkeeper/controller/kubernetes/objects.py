@@ -170,7 +170,7 @@ def parse_object(obj: Mapping[str, Any]) -> tuple[BaseModel | None, list[str]]:
     data = _strip_server_fields(obj)
     if kind == ip.KIND:
         data.pop("status", None)
-    parsed, problems = validate_object(entry.resolve(), data)
+    parsed, problems = validate_object(entry.target, data)
     return parsed, _problems(str(kind), obj, problems)
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Final
 import aiohttp
 
 from poolkeeper.backend.config import ScrapingConfig
-from poolkeeper.backend.mappings import EngineMapping, MissingMetrics, mapping_for
+from poolkeeper.backend.engines import EngineMapping, MissingMetrics, mapping_for
 from poolkeeper.backend.promtext import PromParseError
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
 

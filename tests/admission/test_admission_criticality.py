@@ -10,8 +10,8 @@ from poolkeeper.admission.controller import AdmissionController, AdmissionDecisi
 from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.errors import RequestShed
-from poolkeeper.scheduling.load import STALE, saturations
 from poolkeeper.scheduling.types import LLMRequest
 
 NOW = 50.0

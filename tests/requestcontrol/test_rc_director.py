@@ -17,6 +17,7 @@ from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.models import ModelResource, ModelRoute
 from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.errors import (
@@ -33,7 +34,6 @@ from poolkeeper.requestcontrol.director import Director, Ticket
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
 POOL = "default/pool"
@@ -739,7 +739,7 @@ async def test_a_streamed_first_byte_takes_the_request_out_of_the_unseen_queue()
     # The default profile learns nothing from first bytes; the in-flight tracker still does:
     # a request that answered runs, and must not count as waiting until the next scrape.
     from poolkeeper.config.gateway import GatewayConfig
-    from poolkeeper.scheduling.inflight import InflightTracker
+    from poolkeeper.datastore.inflight import InflightTracker
 
     clock = [NOW]
     config = GatewayConfig.model_validate({"spec": {"flowControl": {"enabled": False}}})

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S, EndpointState
-from poolkeeper.scheduling.load import STALE, saturations
+from poolkeeper.datastore.load import STALE, saturations
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.requestcontrol.flowgate import FlowObserver
 from poolkeeper.requestcontrol.ports import SnapshotSource
 from poolkeeper.scheduling.build import build_scheduler
-from poolkeeper.scheduling.inflight import InflightTracker
 
 
 def build_director(

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import InferencePool
@@ -29,6 +28,7 @@ from poolkeeper.errors import (
     PayloadTooLarge,
     RequestShed,
 )
+from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director, Ticket
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage

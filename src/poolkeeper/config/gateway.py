@@ -18,7 +18,6 @@ from typing import Annotated, Any, Final, Literal, Self, TypeVar
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.api.fielderrors import go_value, rule_error
 from poolkeeper.api.meta import ObjectMeta, label_key_errors
 from poolkeeper.api.names import (
@@ -27,6 +26,7 @@ from poolkeeper.api.names import (
     label_value_errors,
 )
 from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.schema import CamelModel

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.flowcontrol.config import BandConfig, Placement
+from poolkeeper.flowcontrol.saturation import SaturationDetector
 
 
 class Headroom:

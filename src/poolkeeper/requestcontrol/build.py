@@ -12,11 +12,11 @@ import random
 import time
 from collections.abc import Callable
 
-from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.requestcontrol.flowgate import FlowObserver
 from poolkeeper.requestcontrol.ports import SnapshotSource

@@ -31,6 +31,7 @@ from poolkeeper.errors import (
 from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director, Ticket
+from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
@@ -154,7 +155,7 @@ def _rig(
         datastore=store,
         scheduler=recording,
         inflight=inflight,
-        admission=AdmissionController(),
+        gate=ShedGate(AdmissionController(), clock=lambda: clock[0]),
         config=config or RequestHandling(),
         rng=rng,
         clock=lambda: clock[0],
@@ -329,7 +330,7 @@ async def test_all_zero_weights_from_a_snapshot_is_no_valid_target_model() -> No
         datastore=Source(),
         scheduler=build_scheduler(SchedulingConfig(), rng=random.Random(0)),
         inflight=InflightTracker(),
-        admission=AdmissionController(),
+        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
         config=RequestHandling(),
         rng=random.Random(0),
         clock=lambda: NOW,

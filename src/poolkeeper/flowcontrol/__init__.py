@@ -4,5 +4,6 @@ Admission (`admission.py`, the `spec.admission` section; `saturation.py`, the po
 saturation detector; `shedding.py`, admit or shed by criticality when nothing queues) and
 queueing (`config.py`, the `spec.flowControl` section; `headroom.py`; `dispatcher.py`, bands
 and bounds; `vtc.py`, fairness between flows). Reads the load views of `datastore/` and never
-imports `scheduling` (where a request goes is its sibling's question). The async edge that holds waiting requests is `requestcontrol/flowgate.py`.
+imports `scheduling` (where a request goes is its sibling's question). The async edges, the
+Director's two gates, are `requestcontrol/flowgate.py` (queue) and `shedgate.py` (shed).
 """

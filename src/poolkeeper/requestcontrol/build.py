@@ -1,9 +1,8 @@
 """`build_director`: the one way a Director is built from a GatewayConfig (runtime and tests).
 
 Wires the real collaborators into the Director's ports: the scheduler the `scheduling` section
-describes, the admission controller, the in-flight tracker, flow control's headroom check on
-admission's saturation detector (one saturation signal), and the datastore subscription that
-wakes waiting requests when fresh metrics may mean headroom.
+describes, the in-flight tracker and the gate (`build_gate`), and the datastore subscription
+that wakes waiting requests when fresh metrics may mean headroom.
 """
 
 from __future__ import annotations
@@ -12,14 +11,15 @@ import random
 import time
 from collections.abc import Callable
 
-from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.config.gateway import GatewayConfig, GatewayConfigSpec
 from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.director import Director
-from poolkeeper.requestcontrol.flowgate import FlowObserver
-from poolkeeper.requestcontrol.ports import SnapshotSource
+from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver
+from poolkeeper.requestcontrol.ports import Gate, SnapshotSource
+from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.scheduling.build import build_scheduler
 
 
@@ -40,22 +40,33 @@ def build_director(
     """
     spec = config.spec
     staleness_s = spec.scraping.staleness_s
-    admission = AdmissionController(spec.admission, staleness_s=staleness_s)
+    gate = build_gate(spec, clock=clock, flow_observer=flow_observer)
     director = Director(
         datastore=datastore,
         scheduler=build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s),
         inflight=InflightTracker(),
-        admission=admission,
+        gate=gate,
         config=spec.request_handling,
         rng=rng,
         clock=clock,
-        flow_control=spec.flow_control,
-        headroom=Headroom(admission.detector),  # the one saturation signal, shared
-        flow_observer=flow_observer,
         responses_observed=responses_observed,
     )
-    gate = director.flow
-    if gate is not None and isinstance(datastore, Datastore):
+    if isinstance(gate, FlowGate) and isinstance(datastore, Datastore):
         # Fresh metrics may mean headroom: let waiting requests re-check (free when none wait).
         datastore.subscribe(lambda _snapshot, _kind: gate.wake(), metrics=True)
     return director
+
+
+def build_gate(
+    spec: GatewayConfigSpec,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    flow_observer: FlowObserver | None = None,
+) -> Gate:
+    """The gate the spec describes: flow control's queue (`flowControl.enabled`) or admit-or-
+    shed. Both judge saturation with admission's detector (the one saturation signal)."""
+    admission = AdmissionController(spec.admission, staleness_s=spec.scraping.staleness_s)
+    if spec.flow_control.enabled:
+        headroom = Headroom(admission.detector)
+        return FlowGate(spec.flow_control, headroom, clock=clock, observer=flow_observer)
+    return ShedGate(admission, clock=clock)

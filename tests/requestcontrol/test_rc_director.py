@@ -29,13 +29,13 @@ from poolkeeper.errors import (
     RequestShed,
 )
 from poolkeeper.flowcontrol.shedding import AdmissionController
-from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director, Ticket
 from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
+from poolkeeper.server.wiring import build_director
 
 POOL = "default/pool"
 OTHER_POOL = "default/other"

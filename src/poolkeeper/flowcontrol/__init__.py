@@ -3,7 +3,8 @@
 Admission (`admission.py`, the `spec.admission` section; `saturation.py`, the pool's
 saturation detector; `shedding.py`, admit or shed by criticality when nothing queues) and
 queueing (`config.py`, the `spec.flowControl` section; `headroom.py`; `dispatcher.py`, bands
-and bounds; `vtc.py`, fairness between flows). Reads the load views of `datastore/` and never
-imports `scheduling` (where a request goes is its sibling's question). The async edges, the
-Director's two gates, are `requestcontrol/flowgate.py` (queue) and `shedgate.py` (shed).
+and bounds; the policy seams `fairness.py`, between flows, today `vtc.py`, and `ordering.py`,
+within a flow). Reads the load views of `datastore/` and never imports `scheduling` (where a
+request goes is its sibling's question). The async edges, the Director's two gates, are
+`requestcontrol/flowgate.py` (queue) and `requestcontrol/shedgate.py` (shed).
 """

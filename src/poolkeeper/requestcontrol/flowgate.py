@@ -29,7 +29,13 @@ from typing import Protocol
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import GatewayError, NoReadyEndpoint, QueueFull, QueueTimeout, RequestShed
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import BANDS, FlowDispatcher, FlowItem, Submitted
+from poolkeeper.flowcontrol.dispatcher import (
+    BANDS,
+    FlowDispatcher,
+    FlowItem,
+    FlowPolicies,
+    Submitted,
+)
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.requestcontrol.ports import Job
 from poolkeeper.requestcontrol.types import RoutingDecision
@@ -64,9 +70,11 @@ class FlowGate:
         *,
         clock: Callable[[], float],
         observer: FlowObserver | None = None,
+        policies: FlowPolicies | None = None,
     ) -> None:
         self.config = config
         self.headroom = headroom
+        self.policies = policies  # fairness and ordering (None: today's, VTC and FCFS/LIFO)
         self.observer = observer
         self.totals: Counter[tuple[Criticality, str]] = Counter()  # (band, outcome or "queued")
         self._clock = clock
@@ -80,7 +88,7 @@ class FlowGate:
     def submit(self, job: Job) -> RoutingDecision | FlowItem[Job]:
         dispatcher = self._pools.get(job.pool)
         if dispatcher is None:
-            dispatcher = self._pools[job.pool] = FlowDispatcher(self.config)
+            dispatcher = self._pools[job.pool] = FlowDispatcher(self.config, self.policies)
         band = job.criticality
         item = FlowItem(job, band, job.flow, job.tokens, job.size)
         verdict = dispatcher.submit(item, self._clock(), self._fits)

@@ -19,6 +19,7 @@ from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.dispatcher import FlowPolicies
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.director import Director
@@ -75,11 +76,15 @@ def build_gate(
     staleness_s: float,
     clock: Callable[[], float] = time.monotonic,
     flow_observer: FlowObserver | None = None,
+    policies: FlowPolicies | None = None,
 ) -> Gate:
     """The gate the sections describe: flow control's queue (`flowControl.enabled`) or admit
-    or shed at once. Both judge saturation with admission's detector (one saturation signal)."""
+    or shed at once. Both judge saturation with admission's detector (one saturation signal).
+    `policies`: flow control's fairness and ordering policies (default: today's)."""
     controller = AdmissionController(admission, staleness_s=staleness_s)
     if flow_control.enabled:
         headroom = Headroom(controller.detector)
-        return FlowGate(flow_control, headroom, clock=clock, observer=flow_observer)
+        return FlowGate(
+            flow_control, headroom, clock=clock, observer=flow_observer, policies=policies
+        )
     return ShedGate(controller, clock=clock)

@@ -17,9 +17,9 @@ import pytest
 from poolkeeper.controller.kubernetes.client import KubeApi, load_config
 from poolkeeper.controller.kubernetes.source import KubernetesResourceSource
 from poolkeeper.datastore.endpoint import EndpointMetrics
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
-from poolkeeper.scheduling.inflight import InflightTracker
 from tests.kube.conftest import NS, Factory, VirtualSleep, model_obj, pod_obj, pool_obj, until
 from tests.kube.fakeapi import FakeApiServer
 

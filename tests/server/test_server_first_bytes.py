@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from poolkeeper.controller.files import file_source
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.netutil import free_ports
-from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions

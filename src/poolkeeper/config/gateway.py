@@ -20,7 +20,6 @@ from typing import Any, Final, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 
-from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.api.fielderrors import go_value, rule_error
 from poolkeeper.api.meta import ObjectMeta
 from poolkeeper.api.names import host_errors as host_errors
@@ -32,6 +31,7 @@ from poolkeeper.envoy.config import (
     Edge as Edge,
     Listeners as Listeners,
 )
+from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
 from poolkeeper.requestcontrol.config import (
     RequestHandling as RequestHandling,

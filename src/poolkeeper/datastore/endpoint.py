@@ -83,10 +83,10 @@ class EndpointState:
     has not seen finish; `unseen_requests` / `unseen_tokens` are the part of those sent after the
     metrics were scraped, so not yet visible in `metrics.waiting` / `metrics.running`.
     `seconds_per_output_token` is the router's own observation of how fast the endpoint
-    serves (`scheduling/speed.py`: EWMA of sent-to-finished seconds per output token), None
+    serves (`datastore/speed.py`: EWMA of sent-to-finished seconds per output token), None
     until a request there finished. `unseen_answered` is the part of the unseen requests whose
     first response byte already came back: running there, no longer queued, so the queue
-    estimates (`scheduling/load.py`) leave them out (0 where the router does not learn first
+    estimates (`datastore/load.py`) leave them out (0 where the router does not learn first
     bytes as they happen).
     """
 

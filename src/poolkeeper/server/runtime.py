@@ -39,11 +39,13 @@ from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director
-from poolkeeper.scheduling.build import learns_from_first_tokens
+from poolkeeper.scheduling.build import (
+    learns_from_first_tokens as scheduler_learns_from_first_tokens,
+)
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
+from poolkeeper.server.wiring import build_director
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats, QueueStats
 
@@ -87,13 +89,19 @@ def bootstrap_params(
     *,
     endpoints_file: Path | None = None,
     managed: bool = False,
+    learns_from_first_tokens: bool | None = None,
 ) -> BootstrapParams:
     """The Envoy bootstrap for this configuration (also what `envoy-config` prints, with the
     routed endpoints inline; `serve` passes `endpoints_file`, kept current on hot reload, and
-    `managed`: it runs this Envoy itself)."""
+    `managed`: it runs this Envoy itself). `learns_from_first_tokens`: what the running
+    Director's scheduler says (`Director.learns_from_first_tokens`); without a Director (the
+    `envoy-config` commands) it is read from the scheduling section."""
     listeners = config.spec.listeners
     edge = config.spec.edge
     observe = edge.responses_observed(managed_envoy=managed)
+    learns = learns_from_first_tokens
+    if observe and learns is None:
+        learns = scheduler_learns_from_first_tokens(config.spec.scheduling)
     pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
     fail_open = bool(pools) and all(p.failure_mode() == "FailOpen" for p in pools)
     fallback: list[str] = []
@@ -119,7 +127,7 @@ def bootstrap_params(
         inference_paths=tuple(edge.inference_paths),
         max_body_bytes=config.spec.request_handling.max_body_bytes,
         observe_responses=observe,
-        report_first_bytes=observe and learns_from_first_tokens(config.spec.scheduling),
+        report_first_bytes=observe and bool(learns),
         # One upstream protocol for all pools (one routed cluster): h2c only if all say so.
         upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )
@@ -265,7 +273,12 @@ class GatewayRuntime:
 
         self._unsubscribe.append(self.datastore.subscribe(rewrite))
         params = bootstrap_params(
-            config, self.datastore.snapshot(), endpoints_file=endpoints.path, managed=True
+            config,
+            self.datastore.snapshot(),
+            endpoints_file=endpoints.path,
+            managed=True,
+            learns_from_first_tokens=self.director is not None
+            and self.director.learns_from_first_tokens,
         )
         config_path = workdir / "envoy.json"
         config_path.write_text(render(build_bootstrap(params)))

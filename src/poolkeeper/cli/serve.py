@@ -204,6 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         envoy_concurrency=args.envoy_concurrency,
         drain_grace_s=args.drain_grace,
+        ready_once_synced=args.kubernetes,
     )
     runtime = GatewayRuntime(options)
 

@@ -63,6 +63,10 @@ class ServeOptions:
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
     rng_seed: int | None = None
     ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
+    # Readiness as upstream's EPP (Kubernetes mode): ready once the source has synced, and
+    # then through API trouble and an empty pool (the EPP answers 503 itself). Otherwise
+    # readiness also needs an endpoint with fresh metrics.
+    ready_once_synced: bool = False
 
 
 def fail_open_unserved_names(snapshot: DatastoreSnapshot) -> list[str]:
@@ -181,6 +185,7 @@ class GatewayRuntime:
             scheduling=stats if isinstance(stats, SchedulingStats) else None,
             flow_stats=self.flow_stats,
         )
+        self.metrics.follow_source(self._source.stale_s)
         if self.director.flow is not None:
             self.director.flow.observer = self.metrics  # queue outcomes and durations
         listeners = spec.listeners
@@ -291,7 +296,7 @@ class GatewayRuntime:
         """Give the first scrapes a moment, so the first requests see fresh metrics."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
-        while not self.ready():
+        while not (self.ready() and self.director is not None and self.director.ready()):
             if loop.time() >= deadline:
                 log.warning("no endpoint has fresh metrics yet; starting anyway")
                 return
@@ -307,15 +312,13 @@ class GatewayRuntime:
 
     # -- state ----------------------------------------------------------------------------
     def ready(self) -> bool:
-        """Serving: not draining, the source is synced and keeping up (a Kubernetes watch is
-        not re-listing), and the Director has an endpoint to send to."""
-        return (
-            not self.draining
-            and self._source is not None
-            and self._source.healthy()
-            and self.director is not None
-            and self.director.ready()
-        )
+        """Serving: not draining, the source has synced, and (unless `ready_once_synced`) the
+        Director has an endpoint with fresh metrics to send to."""
+        if self.draining or self._source is None or not self._source.healthy():
+            return False
+        if self.options.ready_once_synced:
+            return self.director is not None
+        return self.director is not None and self.director.ready()
 
     def pool_stats(self) -> Iterator[PoolStats]:
         snapshot = self.datastore.snapshot()

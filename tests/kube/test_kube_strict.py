@@ -289,3 +289,17 @@ async def test_60s_outage_every_replica_ready_and_routing_then_converged_within_
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_cancelling_run_releases_the_lease(fake: FakeApiServer, make_source: Factory) -> None:
+    """The shutdown path, not `release()` called by hand: cancel run() while leading."""
+    seed(fake)
+    source, _ = await make_source("epp-0")
+    await source.start()
+    task = asyncio.create_task(source.run())
+    await until(source.elector.is_leader, "the Lease")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    lease = fake.get("coordination.k8s.io/v1", "leases", NS, "poolkeeper-epp")
+    assert "holderIdentity" not in lease["spec"]
+    assert lease["spec"]["leaseDurationSeconds"] == 1

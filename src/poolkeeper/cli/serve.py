@@ -25,6 +25,7 @@ from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
 from poolkeeper.server.runtime import (
     DEFAULT_DRAIN_GRACE_S,
+    DEFAULT_DRAIN_TIMEOUT_S,
     GatewayRuntime,
     ServeOptions,
     bootstrap_params,
@@ -104,6 +105,13 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_DRAIN_GRACE_S,
         help="on SIGTERM: seconds accepted requests get to finish (130, as upstream's chart)",
     )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="on SIGTERM: seconds ext_proc keeps taking new requests after readiness turned "
+        "NOT_SERVING (default 30 with --kubernetes, as upstream's EPP; else 0)",
+    )
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
     serve.add_argument(
         "--log-format", choices=("json", "text"), default="json", help="log line format"
@@ -168,6 +176,14 @@ def _source(args: argparse.Namespace) -> SourceFactory:
     return kubernetes_source(settings, gateway_config, config)
 
 
+def _drain_timeout(args: argparse.Namespace) -> float:
+    if args.drain_timeout is not None:
+        if args.drain_timeout < 0:
+            raise ConfigError("--drain-timeout must be 0 or more seconds")
+        return float(args.drain_timeout)
+    return DEFAULT_DRAIN_TIMEOUT_S if args.kubernetes else 0.0
+
+
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop `serve` runs on: uvloop if asked for and installed (a dependency on
     Linux and macOS), else asyncio's own (None). Measured: gateway_overhead's closed loop
@@ -194,6 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     try:
         source = _source(args)
+        drain_timeout = _drain_timeout(args)
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
@@ -205,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
         envoy_concurrency=args.envoy_concurrency,
         drain_grace_s=args.drain_grace,
         ready_once_synced=args.kubernetes,
+        drain_timeout_s=drain_timeout,
     )
     runtime = GatewayRuntime(options)
 

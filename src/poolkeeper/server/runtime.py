@@ -50,6 +50,7 @@ from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStat
 log = logging.getLogger("poolkeeper.server")
 
 DEFAULT_DRAIN_GRACE_S = 130.0  # upstream chart's terminationGracePeriodSeconds (vLLM's)
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # upstream EPP's --drain-timeout (Kubernetes mode)
 _ACTIVE_STAT = "http.gateway.downstream_rq_active"
 
 
@@ -67,6 +68,10 @@ class ServeOptions:
     # then through API trouble and an empty pool (the EPP answers 503 itself). Otherwise
     # readiness also needs an endpoint with fresh metrics.
     ready_once_synced: bool = False
+    # After SIGTERM, ext_proc keeps taking new streams this long (readiness already
+    # NOT_SERVING, the source stopped, so a Kubernetes Lease is released at once): the
+    # cluster's Gateway keeps sending until it sees this replica go (upstream --drain-timeout).
+    drain_timeout_s: float = 0.0
 
 
 def fail_open_unserved_names(snapshot: DatastoreSnapshot) -> list[str]:
@@ -147,6 +152,7 @@ class GatewayRuntime:
     _stopped: bool = False
     _source: ResourceSource | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _source_task: asyncio.Task[None] | None = None
     _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
 
     # -- start ----------------------------------------------------------------------------
@@ -167,7 +173,8 @@ class GatewayRuntime:
         self._source = self.options.source(self.datastore)
         config = self.config = await self._source.start()
         spec = config.spec
-        self._tasks.append(asyncio.create_task(self._source.run(), name="resource-source"))
+        self._source_task = asyncio.create_task(self._source.run(), name="resource-source")
+        self._tasks.append(self._source_task)
         log.info("resources from %s", self._source.describe())
         self._scrapers = ScraperManager(spec.scraping, self.datastore.update_metrics)
         self._scrapers.follow(self.datastore)
@@ -359,6 +366,10 @@ class GatewayRuntime:
         self._stopped = True
         grace = self.options.drain_grace_s if grace_s is None else grace_s
         self.draining = True
+        await self._stop_source()
+        if grace > 0 and self.options.drain_timeout_s > 0:
+            log.info("draining: ext_proc serves for %.0fs more", self.options.drain_timeout_s)
+            await asyncio.sleep(self.options.drain_timeout_s)
         if self.envoy is not None and grace > 0:
             await self._drain_envoy(grace)
         if self.envoy is not None:
@@ -377,6 +388,16 @@ class GatewayRuntime:
         if self._tmp is not None:
             self._tmp.cleanup()
         log.info("stopped")
+
+    async def _stop_source(self) -> None:
+        """Stop following the source first (routing goes on with the datastore as it is): a
+        Kubernetes source releases its Lease as it stops, so another replica takes over the
+        status writes within one retry period instead of a whole lease duration."""
+        task = self._source_task
+        if task is None or task.done():
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     async def _drain_envoy(self, grace_s: float) -> None:
         """Stop accepting new connections now; wait for the accepted requests, up to `grace_s`.

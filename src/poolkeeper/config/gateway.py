@@ -28,6 +28,7 @@ from poolkeeper.api.names import (
 )
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
+from poolkeeper.hostport import join_hostport
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.schema import CamelModel
 
@@ -50,18 +51,19 @@ def _defaults_of(cls: type[_M]) -> Callable[[], _M]:
     return lambda: cls.model_validate({})
 
 
-def host_errors(value: str) -> list[str]:
-    """Problems with an address: it must be an IPv4 address or a DNS hostname (RFC 1123).
+def host_errors(value: str, *, ipv6: bool = False) -> list[str]:
+    """Problems with an address: it must be an IPv4 address or a DNS hostname (RFC 1123), or,
+    with `ipv6`, an IPv6 address (endpoints: every `ip:port` formed from them is bracketed,
+    `hostport.py`).
 
-    IPv6 literals are refused for now: an `ip:port` destination value would need brackets that
-    the rest of the request path does not add.
+    IPv6 listener addresses are refused for now: the servers' bind strings are not bracketed.
     """
     try:
         ip = ipaddress.ip_address(value)
     except ValueError:
         pass
     else:
-        if ip.version == 6:
+        if ip.version == 6 and not ipv6:
             return ["IPv6 addresses are not supported yet; use an IPv4 address"]
         return []
     labels = value.split(".")
@@ -150,7 +152,7 @@ class StaticEndpoint(_Section):
     @field_validator("address")
     @classmethod
     def _address(cls, value: str) -> str:
-        return _check(value, host_errors(value))
+        return _check(value, host_errors(value, ipv6=True))
 
     @field_validator("labels")
     @classmethod
@@ -362,7 +364,7 @@ class GatewayConfigSpec(_Section):
             names.setdefault(endpoint.name, i)
             if endpoint.port is None:
                 continue  # the port comes from the selecting pool; clashes are the pool's
-            hostport = f"{endpoint.address}:{endpoint.port}"
+            hostport = join_hostport(endpoint.address, endpoint.port)
             if hostport in hostports:
                 issues.append(
                     (

@@ -62,6 +62,7 @@ from poolkeeper.flowcontrol.config import (
 )
 from poolkeeper.flowcontrol.dispatcher import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.hostport import host_of
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
 from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver, Job
 from poolkeeper.requestcontrol.ports import (
@@ -462,7 +463,7 @@ class Director:
     ) -> list[EndpointState]:
         states = list(snapshot.states(pool_key))
         if subset is not None:
-            ips = {entry.rpartition(":")[0] or entry for entry in subset}
+            ips = {host_of(entry) for entry in subset}
             states = [s for s in states if s.endpoint.address in ips]
             if not states:
                 raise NoReadyEndpoint(

@@ -198,3 +198,52 @@ async def test_serve_flags_build_the_source_from_a_kubeconfig(
         assert any("Authorization" in h for h in fake.headers_seen)
     finally:
         await source.api.close()
+
+
+async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_path: Path) -> None:
+    """README's Kubernetes steps against the double: step 3's `rollout status` needs the EPP
+    Ready with nothing else in the namespace (no pool, model or model server: step 4 makes
+    them); step 4's objects are then routed to. The options are the CLI's own."""
+    ext_proc, metrics, health = _ports(3)
+    gw = tmp_path / "gw.yaml"
+    gw.write_text(
+        "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\n"
+        f"spec: {{listeners: {{extProc: {ext_proc}, metrics: {metrics}, health: {health}}}}}\n"
+    )
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "clusters": [{"name": "f", "cluster": {"server": fake.url}}],
+                "users": [{"name": "u", "user": {}}],
+                "contexts": [{"name": "f", "context": {"cluster": "f", "user": "u"}}],
+                "current-context": "f",
+            }
+        )
+    )
+    args = _parse("--kubernetes", "--kubeconfig", str(kubeconfig), "-f", str(gw))
+    options = serve_cli.serve_options(args, serve_cli._source(args))
+    assert (options.run_envoy, options.ready_once_synced, options.drain_timeout_s) == (
+        False, True, 30.0,
+    )  # fmt: skip
+    options.ready_wait_s = 0
+    runtime = GatewayRuntime(options)
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model="m")))
+    await runtime.start()
+    try:
+        # Step 3: `kubectl rollout status` waits for readiness, with an empty namespace.
+        assert await check_health(f"127.0.0.1:{health}", "readiness") == SERVING
+        # Step 4: the pool, its model and a model server appear; they are routed to.
+        sim_port = (await cluster.start())[0].port
+        fake.put(pool_obj(port=sim_port), "inferencepools")
+        fake.put(model_obj("m", "m"), "inferencemodels")
+        fake.put(pod_obj("sim-0", "127.0.0.1"), "pods")
+
+        async def routable() -> bool:
+            return runtime.director is not None and runtime.director.ready()
+
+        await eventually(routable, "the model server to be routable")
+        assert await check_health(f"127.0.0.1:{health}", "readiness") == SERVING
+    finally:
+        await runtime.stop(grace_s=0)
+        await cluster.stop()

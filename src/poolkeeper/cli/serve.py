@@ -176,6 +176,21 @@ def _source(args: argparse.Namespace) -> SourceFactory:
     return kubernetes_source(settings, gateway_config, config)
 
 
+def serve_options(args: argparse.Namespace, source: SourceFactory) -> ServeOptions:
+    """The runtime's options for these flags (Kubernetes mode: no Envoy, readiness as
+    upstream's, a drain timeout); ConfigError for a bad value."""
+    return ServeOptions(
+        source=source,
+        run_envoy=not (args.no_envoy or args.kubernetes),
+        envoy_path=args.envoy_path,
+        workdir=args.workdir,
+        envoy_concurrency=args.envoy_concurrency,
+        drain_grace_s=args.drain_grace,
+        ready_once_synced=args.kubernetes,
+        drain_timeout_s=_drain_timeout(args),
+    )
+
+
 def _drain_timeout(args: argparse.Namespace) -> float:
     if args.drain_timeout is not None:
         if args.drain_timeout < 0:
@@ -209,21 +224,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        source = _source(args)
-        drain_timeout = _drain_timeout(args)
+        options = serve_options(args, _source(args))
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    options = ServeOptions(
-        source=source,
-        run_envoy=not (args.no_envoy or args.kubernetes),
-        envoy_path=args.envoy_path,
-        workdir=args.workdir,
-        envoy_concurrency=args.envoy_concurrency,
-        drain_grace_s=args.drain_grace,
-        ready_once_synced=args.kubernetes,
-        drain_timeout_s=drain_timeout,
-    )
     runtime = GatewayRuntime(options)
 
     async def main() -> None:

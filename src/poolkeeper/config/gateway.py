@@ -135,8 +135,8 @@ class StaticEndpoint(_Section):
     name: str
     """Unique name (like a pod name: lower-case alphanumerics, '-' and '.')."""
     address: str
-    """IPv4 address or hostname. Envoy's original-destination cluster needs an IP, so prefer
-    IPs when Envoy carries the traffic."""
+    """IPv4 or IPv6 address, or hostname. Envoy's original-destination cluster needs an IP, so
+    prefer IPs when Envoy carries the traffic."""
     port: Port | None = None
     """Serving port; when unset, the target port of the pool that selects this endpoint."""
     labels: dict[str, str] = Field(default_factory=dict)

@@ -7,6 +7,7 @@ answers readiness NOT_SERVING and keeps ext_proc up for its `--drain-timeout`, t
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -117,6 +118,9 @@ async def test_sigterm_on_the_leader_hands_the_lease_over_within_3s(
         assert leader.stderr is not None
         log = (await leader.stderr.read()).decode()
         assert "epp-a released the Lease poolkeeper-epp" in log
+        # JSON logs stay JSON: the "ready" line is a log record, not a plain print.
+        (ready,) = [line for line in log.splitlines() if "endpoint picker ready" in line]
+        assert json.loads(ready)["level"] == "info"
     finally:
         for process in (leader, follower):
             if process is not None and process.returncode is None:

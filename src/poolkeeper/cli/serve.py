@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import socket
 import sys
@@ -235,10 +236,16 @@ def _serve(args: argparse.Namespace) -> int:
         task = asyncio.create_task(serve_until_signalled(runtime, started))
         waiter = asyncio.create_task(started.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if started.is_set() and options.run_envoy:
-            print(f"poolkeeper gateway ready on {runtime.http_url}", file=sys.stderr, flush=True)
-        elif started.is_set():
-            print(f"poolkeeper endpoint picker ready ({runtime.extproc_address})", file=sys.stderr)
+        if started.is_set():
+            what = (
+                f"poolkeeper gateway ready on {runtime.http_url}"
+                if options.run_envoy
+                else f"poolkeeper endpoint picker ready ({runtime.extproc_address})"
+            )
+            if args.log_format == "json":  # one format per stream: a log record, not a print
+                logging.getLogger("poolkeeper.cli").info("%s", what)
+            else:
+                print(what, file=sys.stderr, flush=True)
         waiter.cancel()
         await task
 

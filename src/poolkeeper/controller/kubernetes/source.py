@@ -199,7 +199,10 @@ class KubernetesResourceSource:
             # asyncio.wait, not gather: cancelling run() must reach every task exactly once
             # (below). A gather cancels its children itself and returns at the first one
             # cancelled, so a second cancel landed inside the elector's Lease release.
-            await asyncio.wait(tasks)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:  # none should end (each catches its own errors): a bug
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("%s stopped", task.get_name(), exc_info=task.exception())
         finally:
             for task in tasks:
                 task.cancel()

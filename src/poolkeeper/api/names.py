@@ -121,18 +121,19 @@ def label_value_errors(value: str) -> list[str]:
 _HOSTNAME_LABEL = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?$")
 
 
-def host_errors(value: str) -> list[str]:
-    """Problems with an address: it must be an IPv4 address or a DNS hostname (RFC 1123).
+def host_errors(value: str, *, ipv6: bool = False) -> list[str]:
+    """Problems with an address: it must be an IPv4 address or a DNS hostname (RFC 1123), or,
+    with `ipv6`, an IPv6 address (endpoints: every `ip:port` formed from them is bracketed,
+    `hostport.py`).
 
-    IPv6 literals are refused for now: an `ip:port` destination value would need brackets that
-    the rest of the request path does not add.
+    IPv6 listener addresses are refused for now: the servers' bind strings are not bracketed.
     """
     try:
         ip = ipaddress.ip_address(value)
     except ValueError:
         pass
     else:
-        if ip.version == 6:
+        if ip.version == 6 and not ipv6:
             return ["IPv6 addresses are not supported yet; use an IPv4 address"]
         return []
     labels = value.split(".")

@@ -7,7 +7,9 @@ namespace, pool and image. The example pool and Gateways are in `deploy_examples
   update only that one by name. No events, no secrets, no cluster scope.
 - The EPP Deployment runs 2 replicas (active-active routing, one status writer by Lease), gRPC
   probes on the health port (`liveness`, `readiness` services), a PodDisruptionBudget, and a
-  termination grace period longer than the drain grace (streams finish before SIGKILL).
+  termination grace period longer than the drain timeout plus the drain grace (after SIGTERM
+  readiness turns NOT_SERVING and the Lease is released at once, ext_proc keeps taking streams
+  for 30 s while the Gateway notices, then streams get 120 s to finish before SIGKILL).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ EXT_PROC_PORT = 9002
 HEALTH_PORT = 9003
 METRICS_PORT = 9090
 MODEL_PORT = 8000
-DRAIN_GRACE_S = 120  # the longest stream we wait for on shutdown
-TERMINATION_GRACE_S = DRAIN_GRACE_S + 15
+DRAIN_TIMEOUT_S = 30  # after SIGTERM ext_proc keeps taking streams this long (upstream's)
+DRAIN_GRACE_S = 120  # then the longest stream we wait for on shutdown
+TERMINATION_GRACE_S = DRAIN_TIMEOUT_S + DRAIN_GRACE_S + 15
 DEFAULT_IMAGE = f"poolkeeper:{__version__}"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -134,6 +137,8 @@ def epp(p: DeployParams) -> list[dict[str, Any]]:
         p.lease,
         "-f",
         "/etc/poolkeeper/gatewayconfig.yaml",
+        "--drain-timeout",
+        str(DRAIN_TIMEOUT_S),
         "--drain-grace",
         str(DRAIN_GRACE_S),
         "--log-format",

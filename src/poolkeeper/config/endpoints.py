@@ -24,8 +24,8 @@ class StaticEndpoint(CamelModel, use_attribute_docstrings=True):
     name: str
     """Unique name (like a pod name: lower-case alphanumerics, '-' and '.')."""
     address: str
-    """IPv4 address or hostname. Envoy's original-destination cluster needs an IP, so prefer
-    IPs when Envoy carries the traffic."""
+    """IPv4 or IPv6 address, or hostname. Envoy's original-destination cluster needs an IP, so
+    prefer IPs when Envoy carries the traffic."""
     port: Port | None = None
     """Serving port; when unset, the target port of the pool that selects this endpoint."""
     labels: dict[str, str] = Field(default_factory=dict)
@@ -42,7 +42,7 @@ class StaticEndpoint(CamelModel, use_attribute_docstrings=True):
     @field_validator("address")
     @classmethod
     def _address(cls, value: str) -> str:
-        return checked(value, host_errors(value))
+        return checked(value, host_errors(value, ipv6=True))
 
     @field_validator("labels")
     @classmethod

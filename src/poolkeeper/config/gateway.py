@@ -33,6 +33,7 @@ from poolkeeper.envoy.config import (
 )
 from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
+from poolkeeper.hostport import join_hostport
 from poolkeeper.requestcontrol.config import (
     RequestHandling as RequestHandling,
     TrustedHeader as TrustedHeader,
@@ -124,7 +125,7 @@ class GatewayConfigSpec(_Section):
             names.setdefault(endpoint.name, i)
             if endpoint.port is None:
                 continue  # the port comes from the selecting pool; clashes are the pool's
-            hostport = f"{endpoint.address}:{endpoint.port}"
+            hostport = join_hostport(endpoint.address, endpoint.port)
             if hostport in hostports:
                 issues.append(
                     (

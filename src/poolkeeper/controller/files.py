@@ -184,6 +184,10 @@ class FileResourceSource:
         """Always: a bad reload keeps the last good state in force."""
         return True
 
+    def stale_s(self) -> float:
+        """Never stale: the files read are the state (a bad reload is reported on its own)."""
+        return 0.0
+
     @property
     def gateway_config(self) -> GatewayConfig | None:
         """The GatewayConfig of the last good load (the default one if the files have none);

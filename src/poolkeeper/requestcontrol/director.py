@@ -58,6 +58,7 @@ from poolkeeper.errors import (
     QueueFull,
 )
 from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.hostport import host_of
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
 from poolkeeper.requestcontrol.config import RequestHandling, TrustedHeader, UnknownModelPolicy
 from poolkeeper.requestcontrol.flowgate import FlowGate
@@ -435,7 +436,7 @@ class Director:
     ) -> list[EndpointState]:
         states = list(snapshot.states(pool_key))
         if subset is not None:
-            ips = {entry.rpartition(":")[0] or entry for entry in subset}
+            ips = {host_of(entry) for entry in subset}
             states = [s for s in states if s.endpoint.address in ips]
             if not states:
                 raise NoReadyEndpoint(

@@ -556,7 +556,10 @@ async def test_a_stream_in_flight_outlives_a_killed_epp_under_fail_open(
     if observe:
         assert not cut
         assert finished
-        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 100
+        # The whole answer came: every token (a loaded machine may merge steps into fewer
+        # events, so the number of events says nothing about a cut).
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert count_tokens(text) == 1500
     else:
         assert cut or not finished
 

@@ -18,7 +18,7 @@ from poolkeeper.cli.epp_flags import (
     parse_epp_args,
     standalone_pool_name,
 )
-from poolkeeper.cli.epp_values import parse_duration, parse_label_selector, parse_size
+from poolkeeper.config.endpointpicker.values import parse_duration, parse_label_selector, parse_size
 
 DATA = Path(__file__).parent / "data"
 

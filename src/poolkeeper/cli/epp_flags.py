@@ -30,7 +30,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Final
 
-from poolkeeper.cli.epp_values import (
+from poolkeeper.config.endpointpicker.values import (
     parse_bool,
     parse_duration,
     parse_int,

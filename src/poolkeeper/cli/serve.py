@@ -205,6 +205,16 @@ def _serve(args: argparse.Namespace) -> int:
         envoy_concurrency=args.envoy_concurrency,
         drain_grace_s=args.drain_grace,
     )
+    try:
+        _check_workdir(args.workdir, args.paths or [])
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    return run_gateway(options, args.event_loop)
+
+
+def run_gateway(options: ServeOptions, event_loop: str) -> int:
+    """Run the gateway until a signal stops it (`serve`, `epp`): exit code 0, 1 or 2."""
     runtime = GatewayRuntime(options)
 
     async def main() -> None:
@@ -220,8 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
         await task
 
     try:
-        _check_workdir(args.workdir, args.paths or [])
-        with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+        with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
             runner.run(main())
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

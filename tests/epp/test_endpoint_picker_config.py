@@ -159,3 +159,22 @@ def test_poolkeepers_own_plugins_may_be_named() -> None:
     )
     config, _ = _gateway(text)
     assert _plugins(config)["inflight-load-scorer"]["unit"] == "tokens"
+
+
+def test_validate_and_load_files_read_endpoint_picker_configs(tmp_path: Path) -> None:
+    from poolkeeper.cli.main import main as poolkeeper_main
+    from poolkeeper.controller.files import load_files
+
+    assert poolkeeper_main(["validate", str(CONFIGS / "sim-epp-config.yaml")]) == 0
+    assert poolkeeper_main(["validate", str(CONFIGS / "pd-epp-config.yaml")]) == 1
+    loaded = load_files([CONFIGS / "sim-epp-config.yaml"])
+    assert loaded.errors == ()
+    plugins = {p.instance_name for p in loaded.gateway_config.spec.scheduling.plugins}
+    assert "decode-filter" in plugins
+    assert any("autoTune" in n for n in loaded.notices)
+    both = tmp_path / "both.yaml"
+    both.write_text(
+        (CONFIGS / "sim-epp-config.yaml").read_text()
+        + "---\napiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nspec: {}\n"
+    )
+    assert any("not several" in e for e in load_files([both]).errors)

@@ -18,6 +18,10 @@ from poolkeeper.api import model, objective, pool, rewrite
 GATEWAY_CONFIG_API_VERSION = "poolkeeper.dev/v1alpha1"
 GATEWAY_CONFIG_KIND = "GatewayConfig"
 GATEWAY_CONFIG_TARGET = "poolkeeper.config.gateway:GatewayConfig"
+# llm-d-router's EndpointPickerConfig (both groups), translated into a GatewayConfig.
+EPP_CONFIG_KIND = "EndpointPickerConfig"
+EPP_CONFIG_API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")
+EPP_CONFIG_TARGET = "poolkeeper.config.endpointpicker.checked:CheckedEndpointPickerConfig"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,5 +79,6 @@ def default_registry() -> KindRegistry:
             KindEntry(objective.V1ALPHA2, objective.KIND, objective.InferenceObjective),
             KindEntry(rewrite.V1ALPHA2, rewrite.KIND, rewrite.InferenceModelRewrite),
             KindEntry(GATEWAY_CONFIG_API_VERSION, GATEWAY_CONFIG_KIND, GATEWAY_CONFIG_TARGET),
+            *(KindEntry(v, EPP_CONFIG_KIND, EPP_CONFIG_TARGET) for v in EPP_CONFIG_API_VERSIONS),
         ]
     )

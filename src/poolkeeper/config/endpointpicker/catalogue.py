@@ -44,6 +44,7 @@ class Role(StrEnum):
     FAIRNESS = "fairness policy"
     ORDERING = "ordering policy"
     USAGE_LIMIT = "usage-limit policy"
+    DECIDER = "disaggregation decider"
     OTHER = "request control"
 
 
@@ -137,6 +138,7 @@ class UpstreamPlugin:
 _U = UpstreamPlugin
 F, SC, PK, PH = Role.FILTER, Role.SCORER, Role.PICKER, Role.PROFILE_HANDLER
 PR, PA, DA, DE, OT = Role.PRODUCER, Role.PARSER, Role.DATA, Role.DETECTOR, Role.OTHER
+DC = Role.DECIDER
 S, T, A, M = Use.SCHEDULING, Use.SETTING, Use.ACCEPTED, Use.MISSING
 
 _PLUGINS: Final[tuple[UpstreamPlugin, ...]] = (
@@ -171,8 +173,8 @@ _PLUGINS: Final[tuple[UpstreamPlugin, ...]] = (
     _U("single-profile-handler", PH, S),
     _U("disagg-profile-handler", PH, M), _U("pd-profile-handler", PH, M),
     _U("disagg-headers-handler", PH, M), _U("prefill-header-handler", PH, M),
-    _U("always-disagg-pd-decider", OT, M), _U("always-disagg-multimodal-decider", OT, M),
-    _U("prefix-based-pd-decider", OT, M), _U("data-parallel-profile-handler", PH, M),
+    _U("always-disagg-pd-decider", DC, M), _U("always-disagg-multimodal-decider", DC, M),
+    _U("prefix-based-pd-decider", DC, M), _U("data-parallel-profile-handler", PH, M),
     _U("header-profile-handler", PH, M, alpha=True),
     # Request control: producers and others
     _U("approx-prefix-cache-producer", PR, T, ApproxPrefixParams),

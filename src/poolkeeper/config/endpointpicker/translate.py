@@ -66,6 +66,14 @@ _PROFILE_ROLES = (Role.FILTER, Role.SCORER, Role.PICKER)
 _TOKEN_CHARS = 4  # poolkeeper's approximate tokenizer (tokens.py)
 
 
+class InvalidEndpointPickerConfig(ConfigError):
+    """Every problem of one EndpointPickerConfig (`problems`, one line each)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid EndpointPickerConfig:\n  " + "\n  ".join(problems))
+        self.problems = tuple(problems)
+
+
 @dataclass(frozen=True, slots=True)
 class Translation:
     """The GatewayConfig spec sections an EndpointPickerConfig means, and what to tell."""
@@ -468,7 +476,7 @@ def translate(
         scraping["stalenessMs"] = staleness
     _parsers(config, work)
     if work.problems:
-        raise ConfigError("invalid EndpointPickerConfig:\n  " + "\n  ".join(work.problems))
+        raise InvalidEndpointPickerConfig(work.problems)
     sections: dict[str, Any] = {
         "scheduling": scheduling,
         "scraping": scraping,

@@ -43,7 +43,7 @@ def test_chart_arguments_give_upstreams_defaults(tmp_path: Path) -> None:
     assert spec.listeners.address == "0.0.0.0"
     assert spec.request_handling.fallback_endpoints == 0
     assert spec.request_handling.unknown_model_policy is UnknownModelPolicy.PASSTHROUGH
-    assert len(spec.request_handling.trusted_headers) >= 3
+    assert len(spec.request_handling.trusted_headers) == 6
     assert spec.scraping.default_engine == "sglang"
 
 

@@ -37,7 +37,7 @@ from poolkeeper.config.endpointpicker import (
     load_endpoint_picker_config,
     translate,
 )
-from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.config.gateway import GatewayConfig, TrustedHeader
 from poolkeeper.errors import ConfigError
 
 log = logging.getLogger("poolkeeper.epp")
@@ -123,11 +123,7 @@ def epp_gateway_config(options: EppOptions) -> tuple[GatewayConfig, list[str]]:
         # any model at priority 0, the control headers read.
         "fallbackEndpoints": 0,
         "unknownModelPolicy": "Passthrough",
-        "trustedHeaders": [
-            "x-gateway-inference-objective",
-            "x-gateway-model-name-rewrite",
-            "x-gateway-inference-fairness-id",
-        ],
+        "trustedHeaders": [header.value for header in TrustedHeader],
         "honorSubsetHint": not options.flag("disable-endpoint-subset-filter"),
     }
     try:

@@ -35,6 +35,9 @@ CONTROL_HEADERS = frozenset(
         "x-gateway-inference-objective",
         "x-gateway-model-name-rewrite",
         "x-gateway-inference-fairness-id",
+        "x-llm-d-inference-objective",
+        "x-llm-d-model-name-rewrite",
+        "x-llm-d-inference-fairness-id",
     }
 )
 MAX_BODY_CHUNK = 62_000

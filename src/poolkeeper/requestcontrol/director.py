@@ -252,11 +252,14 @@ class Director:
             raise
 
     def _trusted(self, request: IncomingRequest, header: TrustedHeader) -> str | None:
-        """A control header's value, only when the operator trusts it (else None)."""
-        if header not in self._config.trusted_headers:
-            return None
-        value = request.headers.get(header.value, "").strip()
-        return value or None
+        """A control header's value in either spelling (the llm-d one first), only where the
+        operator trusts that spelling (else None)."""
+        for name in header.spellings():
+            if name in self._config.trusted_headers:
+                value = request.headers.get(name.value, "").strip()
+                if value:
+                    return value
+        return None
 
     def _target(
         self,

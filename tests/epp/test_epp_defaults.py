@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.config.gateway import RequestHandling, TrustedHeader
+from poolkeeper.api.objective import InferenceObjective
+from poolkeeper.config.gateway import RequestHandling, TrustedHeader, UnknownModelPolicy
 from tests.requestcontrol.test_rc_director import _chat, _rig, _store
 from tests.requestcontrol.test_rc_director_objectives import RESOURCES, headers
 
@@ -49,3 +50,57 @@ async def test_llm_d_rewrite_header_names_the_target() -> None:
         _chat("chat", headers=headers(x_llm_d_model_name_rewrite="chat-v2"))
     )
     assert decision.target_model == "chat-v2"
+
+
+def _v1_store() -> Any:
+    from poolkeeper.api.pool import InferencePoolV1
+    from poolkeeper.datastore.endpoint import EndpointMetrics
+    from poolkeeper.datastore.store import Datastore, EndpointSpec
+
+    pool = InferencePoolV1.model_validate(
+        {
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": "pool"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "sim"}},
+                "targetPorts": [{"number": 8000}],
+                "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
+            },
+        }
+    )
+    store = Datastore()
+    batch = InferenceObjective.model_validate(
+        {
+            "metadata": {"name": "batch"},
+            "spec": {"priority": -1, "poolRef": {"name": "pool"}},  # group: k8s.io (default)
+        }
+    )
+    store.set_resources([pool], [batch])  # no model is named
+    store.set_endpoints([EndpointSpec("sim-1", "10.0.0.1", labels={"app": "sim"})])
+    store.update_metrics("10.0.0.1:8000", EndpointMetrics(updated_at=1.0))
+    return store
+
+
+async def test_a_v1_pool_serves_any_model_at_priority_0_and_objectives_set_priority() -> None:
+    r = _rig(_v1_store(), RequestHandling())
+    decision = await r.director.route(_chat("any-model-at-all"))
+    assert (decision.criticality, decision.priority) == (Criticality.STANDARD, 0)
+    assert decision.target_model == "any-model-at-all"
+    decision = await r.director.route(
+        _chat("any-model-at-all", headers=headers(x_llm_d_inference_objective="batch"))
+    )
+    assert (decision.criticality, decision.priority) == (Criticality.SHEDDABLE, -1)
+
+
+async def test_an_x_k8s_pool_still_refuses_unknown_models() -> None:
+    import pytest
+
+    from poolkeeper.errors import ModelNotFound
+
+    r = _default_rig()
+    with pytest.raises(ModelNotFound):
+        await r.director.route(_chat("any-model-at-all"))
+    r = _rig(_v1_store(), RequestHandling(unknown_model_policy=UnknownModelPolicy.REJECT))
+    with pytest.raises(ModelNotFound):
+        await r.director.route(_chat("any-model-at-all"))

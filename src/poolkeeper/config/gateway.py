@@ -251,11 +251,15 @@ class TrustedHeader(StrEnum):
 class RequestHandling(_Section):
     """How the Endpoint Picker treats request bodies before scheduling."""
 
-    unknown_model_policy: UnknownModelPolicy = UnknownModelPolicy.REJECT
-    """Reject: 404 model_not_found (upstream v0.2-v0.4). PassthroughSheddable: route the
-    request unchanged to the default pool as a Sheddable request (upstream v0.5). Passthrough:
-    route it unchanged to the default pool at priority 0, Standard, unless an
-    InferenceObjective says otherwise (upstream v1.x, which has no model lookup)."""
+    unknown_model_policy: UnknownModelPolicy | None = None
+    """Unset (default): by the API generation of the default pool, as each upstream generation
+    did: an `inference.networking.k8s.io/v1` pool passes any model through at priority 0
+    (Passthrough: upstream v1.x and llm-d-router have no model list), an
+    `inference.networking.x-k8s.io` pool refuses it (Reject; a v0.5 setup sets
+    PassthroughSheddable). Reject: 404 model_not_found (upstream v0.2-v0.4).
+    PassthroughSheddable: route the request unchanged to the default pool as a Sheddable
+    request (upstream v0.5). Passthrough: route it unchanged to the default pool at priority
+    0, Standard, unless an InferenceObjective says otherwise (upstream v1.x)."""
     default_pool: str | None = None
     """Pool (`namespace/name`, or `name` in namespace `default`) for bodyless requests and
     passthrough models. Unset: the only pool, or the first by key when there are several."""

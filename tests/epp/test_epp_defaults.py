@@ -104,3 +104,24 @@ async def test_an_x_k8s_pool_still_refuses_unknown_models() -> None:
     r = _rig(_v1_store(), RequestHandling(unknown_model_policy=UnknownModelPolicy.REJECT))
     with pytest.raises(ModelNotFound):
         await r.director.route(_chat("any-model-at-all"))
+
+
+def test_error_replies_carry_upstreams_dropped_reason() -> None:
+    from poolkeeper.errors import NoReadyEndpoint, QueueFull, QueueTimeout, RequestShed
+    from poolkeeper.extproc.messages import error_reply
+
+    def reply(error: Exception) -> tuple[int, dict[str, str]]:
+        assert isinstance(error, RequestShed | NoReadyEndpoint)
+        immediate = error_reply(error).immediate_response
+        headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+        return immediate.status.code, headers
+
+    status, headers = reply(QueueTimeout("waited"))
+    assert (status, headers["x-llm-d-request-dropped-reason"]) == (429, "rejected-ttl-expired")
+    status, headers = reply(QueueFull("full"))
+    assert (status, headers["x-llm-d-request-dropped-reason"]) == (429, "rejected-saturated")
+    status, headers = reply(NoReadyEndpoint("none"))
+    assert (status, headers["x-llm-d-request-dropped-reason"]) == (503, "rejected-no-endpoints")
+    status, headers = reply(RequestShed("legacy admission"))  # upstream sends no header here
+    assert status == 429
+    assert "x-llm-d-request-dropped-reason" not in headers

@@ -125,3 +125,20 @@ def test_error_replies_carry_upstreams_dropped_reason() -> None:
     status, headers = reply(RequestShed("legacy admission"))  # upstream sends no header here
     assert status == 429
     assert "x-llm-d-request-dropped-reason" not in headers
+
+
+def test_serve_kubernetes_sends_one_endpoint_unless_configured() -> None:
+    from poolkeeper.cli.serve import one_endpoint_unless_set
+    from poolkeeper.config.gateway import GatewayConfig
+
+    assert one_endpoint_unless_set(None).spec.request_handling.fallback_endpoints == 0
+    kept = GatewayConfig.model_validate(
+        {"spec": {"requestHandling": {"fallbackEndpoints": 2}, "listeners": {"extProc": 9100}}}
+    )
+    assert one_endpoint_unless_set(kept).spec.request_handling.fallback_endpoints == 2
+    other = GatewayConfig.model_validate({"spec": {"listeners": {"extProc": 9100}}})
+    changed = one_endpoint_unless_set(other)
+    assert changed.spec.request_handling.fallback_endpoints == 0
+    assert changed.spec.listeners.ext_proc == 9100
+    # serve with its own Envoy (and --no-envoy) keeps 3: that Envoy retries on the list.
+    assert GatewayConfig.default().spec.request_handling.fallback_endpoints == 3

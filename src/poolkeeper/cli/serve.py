@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource, file_source, load_files
 from poolkeeper.controller.kubernetes import KubeSettings, kubernetes_source, load_config
 from poolkeeper.controller.source import SourceFactory
@@ -156,6 +157,7 @@ def _source(args: argparse.Namespace) -> SourceFactory:
                 "server; -f may only hold a GatewayConfig"
             )
         gateway_config = loaded.gateway_config
+    gateway_config = one_endpoint_unless_set(gateway_config)
     config = load_config(kubeconfig=args.kubeconfig, context=args.context)
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
     settings = KubeSettings(
@@ -166,6 +168,21 @@ def _source(args: argparse.Namespace) -> SourceFactory:
         lease_name=args.lease_name,
     )
     return kubernetes_source(settings, gateway_config, config)
+
+
+def one_endpoint_unless_set(config: GatewayConfig | None) -> GatewayConfig:
+    """`serve --kubernetes` sends one endpoint unless `requestHandling.fallbackEndpoints` is
+    set: the cluster's Gateway is not poolkeeper's Envoy, and gateways that route by the
+    destination header alone (Envoy ORIGINAL_DST with use_http_header, as upstream's e2e
+    config) answer 503 to a comma list. `serve` with its own Envoy keeps 3 fallbacks, which
+    that Envoy retries on; so does `--no-envoy`, meant for the bootstrap `envoy-config`
+    prints."""
+    config = config if config is not None else GatewayConfig.default()
+    if "fallback_endpoints" in config.spec.request_handling.model_fields_set:
+        return config
+    document = config.model_dump(by_alias=True, exclude_unset=True)
+    document.setdefault("spec", {}).setdefault("requestHandling", {})["fallbackEndpoints"] = 0
+    return GatewayConfig.model_validate(document)
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -118,7 +118,7 @@ def epp_gateway_config(options: EppOptions) -> tuple[GatewayConfig, list[str]]:
         interval, warning = effective_refresh_interval(options)
         spec["scraping"]["intervalMs"] = round(interval * 1000)
         notices.extend([warning] if warning else [])
-    spec["requestHandling"] = {
+    spec["requestHandling"] = spec.get("requestHandling", {}) | {
         # Upstream's defaults: one endpoint (gateways routing by the header alone need it),
         # any model at priority 0, the control headers read.
         "fallbackEndpoints": 0,

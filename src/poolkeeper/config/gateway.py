@@ -294,6 +294,11 @@ class RequestHandling(_Section):
     <id>` makes flow control share fairly between these ids instead of between modelNames
     (docs/flowcontrol.md). Untrusted, they are ignored; trusted or not, they are removed
     before the request reaches the model server."""
+    conformance_served_endpoint_header: bool = False
+    """Conformance testing only: add `x-conformance-test-served-endpoint: <ip:port>` (the
+    proxy's `envoy.lb` served-endpoint metadata) to every response, as llm-d-router's
+    `destination-endpoint-served-verifier` does for the gateway conformance suite. Needs the
+    responses to pass the endpoint picker (`edge.observeResponses` off). Off by default."""
     honor_subset_hint: bool = True
     """Restrict the pick to the proxy's `envoy.lb.subset_hint` endpoints when it sends one
     (matched by IP, like upstream). The hint comes from the proxy, never from client headers."""

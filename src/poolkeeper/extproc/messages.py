@@ -227,6 +227,7 @@ def trailers_reply(*, response: bool) -> pb.ProcessingResponse:
 
 
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+CONFORMANCE_SERVED_HEADER = "x-conformance-test-served-endpoint"
 
 
 def immediate_reply(

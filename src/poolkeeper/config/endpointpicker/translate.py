@@ -489,4 +489,6 @@ def translate(
         s is not None and s.type_name == "destination-endpoint-served-verifier"
         for s in work.specs.values()
     )
+    if served:
+        sections["requestHandling"] = {"conformanceServedEndpointHeader": True}
     return Translation(sections, tuple(work.notices), gates, served)

@@ -178,3 +178,13 @@ def test_validate_and_load_files_read_endpoint_picker_configs(tmp_path: Path) ->
         + "---\napiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nspec: {}\n"
     )
     assert any("not several" in e for e in load_files([both]).errors)
+
+
+def test_a_bad_detector_reference_is_reported_once() -> None:
+    text = (
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: []\n"
+        "saturationDetector: {pluginRef: nowhere}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        _gateway(text)
+    assert info.value.message.count("unknown plugin 'nowhere'") == 1

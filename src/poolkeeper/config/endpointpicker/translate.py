@@ -475,8 +475,8 @@ def translate(
     if staleness:
         scraping["stalenessMs"] = staleness
     _parsers(config, work)
-    if work.problems:
-        raise InvalidEndpointPickerConfig(work.problems)
+    if work.problems:  # a bad detector reference is met twice: each problem said once
+        raise InvalidEndpointPickerConfig(list(dict.fromkeys(work.problems)))
     sections: dict[str, Any] = {
         "scheduling": scheduling,
         "scraping": scraping,

@@ -8,12 +8,17 @@
     ├── ModelNotFound                  404 invalid_request_error / model_not_found
     │   └── NoValidTargetModel         404 (every target model has weight 0)
     ├── RequestShed                    429 rate_limit_error (saturated pool, criticality too low)
-    │   └── QueueFull                  429 (flow-control capacity exceeded)
+    │   ├── QueueFull                  429 rejected-saturated (flow-control capacity exceeded)
+    │   ├── QueueTimeout               429 rejected-ttl-expired (waited in a flow-control
+    │   │                                  queue past its TTL; upstream's code)
+    │   └── FilteredOut                429 rejected-saturated (the profile's filters kept none)
     ├── ServiceUnavailable             503 service_unavailable_error
-    │   ├── NoReadyEndpoint            503 (no endpoint left to pick from)
-    │   ├── ServerBusy                 503 (the EPP's in-flight body budget is spent)
-    │   └── QueueTimeout               503 (waited in a flow-control queue past its TTL)
+    │   ├── NoReadyEndpoint            503 rejected-no-endpoints (no endpoint to pick from)
+    │   └── ServerBusy                 503 (the EPP's in-flight body budget is spent)
     └── UpstreamError                  502 (the model server failed)
+
+An error that drops a request the way llm-d-router names it carries that name in
+`dropped_reason`, sent to the client as `x-llm-d-request-dropped-reason`.
 
 Inside the package raise these (with `from exc` when wrapping); only the wire layers
 (ext_proc, HTTP servers) turn them into responses, through `openai_error_body`.
@@ -32,6 +37,7 @@ class GatewayError(Exception):
     code: ClassVar[str] = "Internal"
     openai_type: ClassVar[str] = "internal_error"
     openai_code: ClassVar[str | None] = None
+    dropped_reason: ClassVar[str | None] = None  # llm-d-router's x-llm-d-request-dropped-reason
 
     def __init__(self, message: str, *, model: str = "", target_model: str = "") -> None:
         super().__init__(message)
@@ -91,6 +97,22 @@ class RequestShed(GatewayError):
 
 class QueueFull(RequestShed):
     openai_code = "queue_full"
+    dropped_reason = "rejected-saturated"
+
+
+class QueueTimeout(RequestShed):
+    """Waited in a flow-control queue past its TTL: 429, as llm-d-router answers while the
+    pool has endpoints (GIE-era poolkeeper answered 503)."""
+
+    openai_code = "queue_timeout"
+    dropped_reason = "rejected-ttl-expired"
+
+
+class FilteredOut(RequestShed):
+    """The pool has endpoints but the scheduling profile's filters kept none (upstream 429)."""
+
+    openai_code = "no_endpoint_passed_filters"
+    dropped_reason = "rejected-saturated"
 
 
 class ServiceUnavailable(GatewayError):
@@ -101,14 +123,11 @@ class ServiceUnavailable(GatewayError):
 
 class NoReadyEndpoint(ServiceUnavailable):
     openai_code = "no_ready_endpoint"
+    dropped_reason = "rejected-no-endpoints"
 
 
 class ServerBusy(ServiceUnavailable):
     openai_code = "server_busy"
-
-
-class QueueTimeout(ServiceUnavailable):
-    openai_code = "queue_timeout"
 
 
 class UpstreamError(GatewayError):

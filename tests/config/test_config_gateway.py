@@ -13,6 +13,7 @@ from poolkeeper.config.gateway import (
     Engine,
     GatewayConfig,
     RequestHandling,
+    TrustedHeader,
     UnknownModelPolicy,
     host_errors,
 )
@@ -47,7 +48,9 @@ def test_empty_spec_gives_documented_defaults() -> None:
     assert (listeners.metrics, listeners.health, listeners.admin) == (9090, 9003, 9901)
     assert config.spec.endpoints == []
     handling = config.spec.request_handling
-    assert handling.unknown_model_policy is UnknownModelPolicy.REJECT
+    # Unset: by the pool's generation (v1 pools pass any model through, x-k8s ones 404).
+    assert handling.unknown_model_policy is None
+    assert set(handling.trusted_headers) == set(TrustedHeader)
     assert handling.max_body_bytes == 16 * 1024 * 1024
     assert handling.inject_stream_usage is True
     assert handling.fallback_endpoints == 3

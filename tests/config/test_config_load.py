@@ -1,19 +1,27 @@
-"""The config package's loader: the API kinds plus GatewayConfig, composed from above."""
+"""The config package's loader: the API kinds plus GatewayConfig and llm-d-router's
+EndpointPickerConfig, composed from above."""
 
 from __future__ import annotations
 
 from poolkeeper.api import load as api_load
 from poolkeeper.api.kinds import default_registry
+from poolkeeper.config.endpointpicker.checked import CheckedEndpointPickerConfig
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.config.load import kind_registry, load_text
 
 DOC = "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\nspec: {}\n"
 
 
-def test_the_config_registry_is_the_api_registry_plus_gateway_config() -> None:
+def test_the_config_registry_is_the_api_registry_plus_the_gateway_configs() -> None:
     api_kinds = {(e.api_version, e.kind): e.target for e in default_registry().entries()}
     ours = {(e.api_version, e.kind): e.target for e in kind_registry().entries()}
-    assert ours == api_kinds | {("poolkeeper.dev/v1alpha1", "GatewayConfig"): GatewayConfig}
+    assert ours == api_kinds | {
+        ("poolkeeper.dev/v1alpha1", "GatewayConfig"): GatewayConfig,
+        ("llm-d.ai/v1alpha1", "EndpointPickerConfig"): CheckedEndpointPickerConfig,
+        ("inference.networking.x-k8s.io/v1alpha1", "EndpointPickerConfig"): (
+            CheckedEndpointPickerConfig
+        ),
+    }
 
 
 def test_only_the_composed_loader_reads_a_gateway_config() -> None:

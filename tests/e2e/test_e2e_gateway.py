@@ -402,11 +402,12 @@ async def test_openai_errors_400_404_503(gateway: Gateway) -> None:
     assert body["type"] == "service_unavailable_error"
 
 
-async def test_sheddable_waits_then_503_when_pool_saturated_critical_does_not(
+async def test_sheddable_waits_then_429_when_pool_saturated_critical_does_not(
     gateway: Gateway,
 ) -> None:
     """Flow control (default): on a saturated pool a Sheddable request waits in the EPP's queue
-    and, as the server never frees up, is answered 503 queue_timeout at its 1.5 s TTL: fast,
+    and, as the server never frees up, is answered 429 queue_timeout (llm-d-router's
+    `x-llm-d-request-dropped-reason: rejected-ttl-expired`) at its 1.5 s TTL: fast,
     never left to a client timeout. Critical requests are never held."""
     client = gateway.client()
     # Long Critical streams on a one-slot server: one runs, the others wait on the server.
@@ -424,12 +425,13 @@ async def test_sheddable_waits_then_503_when_pool_saturated_critical_does_not(
             started = time.monotonic()
             try:
                 await client.completions.create(model="tiny-batch", prompt="x", max_tokens=1)
-            except openai.InternalServerError as exc:
+            except openai.RateLimitError as exc:
                 expired, waited = exc, time.monotonic() - started
                 break
             await asyncio.sleep(0.1)
         assert expired is not None, "the saturated pool never held the Sheddable request"
-        assert expired.status_code == 503
+        assert expired.status_code == 429
+        assert expired.response.headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
         assert isinstance(expired.body, dict)
         assert expired.body["code"] == "queue_timeout"
         # Held for its TTL (1.5 s), and answered by the EPP, not left to the client's timeout

@@ -322,6 +322,9 @@ async def test_all_zero_weights_from_a_snapshot_is_no_valid_target_model() -> No
         def states(self, pool_key: str) -> Sequence[EndpointState]:
             return real.snapshot().states(POOL)
 
+        def pool(self, pool_key: str) -> None:
+            return None
+
     class Source:
         def snapshot(self) -> Unfiltered:
             return Unfiltered()

@@ -93,7 +93,7 @@ async def test_trusted_objective_header_sets_the_band(
 
 
 async def test_untrusted_objective_header_is_ignored() -> None:
-    r = rig()  # default: no client header trusted
+    r = rig()  # trustedHeaders: [] turns the headers off (the default reads them all)
     decision = await r.director.route(
         _chat("chat", headers=headers(x_gateway_inference_objective="gold"))
     )

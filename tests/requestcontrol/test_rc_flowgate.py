@@ -82,7 +82,7 @@ async def test_completion_frees_exactly_one_slot() -> None:
     assert gate.waiting() == 0
 
 
-async def test_ttl_answers_503_with_the_model() -> None:
+async def test_ttl_answers_429_ttl_expired_with_the_model() -> None:
     store = _store(waiting=50)
     clock = [NOW]
     director, gate = _director(store, clock, bands={"sheddable": {"ttlMs": 1000}})
@@ -96,7 +96,9 @@ async def test_ttl_answers_503_with_the_model() -> None:
     gate.pump()
     with pytest.raises(QueueTimeout) as expired:
         await task
-    assert expired.value.http_status == 503
+    # llm-d-router's answer while the pool has endpoints (GIE-era poolkeeper said 503).
+    assert expired.value.http_status == 429
+    assert expired.value.dropped_reason == "rejected-ttl-expired"
     assert expired.value.model == "cheap"
     assert gate.waiting() == 0
     assert gate.totals[(SHEDDABLE, "EvictedTTL")] == 1
@@ -104,7 +106,7 @@ async def test_ttl_answers_503_with_the_model() -> None:
 
 async def test_a_standing_standard_queue_times_out_at_the_overload_ttl() -> None:
     """Standard's defaults: a burst may wait up to 3 s from when its model started waiting;
-    once the queue has stood that long, each newcomer waits at most 300 ms, then 503."""
+    once the queue has stood that long, each newcomer waits at most 300 ms, then 429."""
     store = _store(waiting=50)
     clock = [NOW]
     director, gate = _director(store, clock)
@@ -131,7 +133,7 @@ async def test_a_standing_standard_queue_times_out_at_the_overload_ttl() -> None
     for task in tasks:
         with pytest.raises(QueueTimeout) as expired:
             await task
-        assert expired.value.http_status == 503
+        assert expired.value.http_status == 429
         limits.append(str(expired.value).rsplit("its limit: ", 1)[1])
     assert limits == ["3000 ms)", "300 ms)", "300 ms)"]
     assert gate.waiting() == 0

@@ -169,8 +169,8 @@ def test_decision_tree_failure_passes_the_original_input() -> None:
 
 
 def test_decision_tree_failure_without_next_fails_the_profile() -> None:
-    from poolkeeper.errors import NoReadyEndpoint
+    from poolkeeper.errors import FilteredOut
 
     pool = [state(1, waiting=4)]
-    with pytest.raises(NoReadyEndpoint, match="passed the filters"):
+    with pytest.raises(FilteredOut, match="passed the filters"):
         scheduler(_tree({"current": "q0"})).schedule(request(), pool, now=100.0)

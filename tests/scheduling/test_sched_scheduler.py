@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.errors import GatewayError, NoReadyEndpoint
+from poolkeeper.errors import FilteredOut, GatewayError, NoReadyEndpoint
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.interfaces import (
@@ -32,12 +32,15 @@ def test_no_candidates_is_no_ready_endpoint_503() -> None:
     assert info.value.http_status == 503
 
 
-def test_everything_filtered_is_no_ready_endpoint() -> None:
+def test_everything_filtered_is_429_rejected_saturated() -> None:
+    """A pool with endpoints that the filters all drop: upstream's 429 rejected-saturated
+    (503 stays for a pool with no endpoint at all)."""
     sched = scheduler({"plugins": [{"type": "low-queue-filter", "parameters": {"threshold": 1}}]})
     with pytest.raises(
-        NoReadyEndpoint, match=r"passed the filters of scheduling profile 'default'"
-    ):
+        FilteredOut, match=r"passed the filters of scheduling profile 'default'"
+    ) as info:
         sched.schedule(request(), [state(1, waiting=5)], now=100.0)
+    assert (info.value.http_status, info.value.dropped_reason) == (429, "rejected-saturated")
 
 
 def test_default_profile_returns_primary_and_ranked_fallbacks() -> None:

@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "poolkeeper.cli.quickstart",  # quickstart
     "poolkeeper.cli.bench",  # bench
     "poolkeeper.cli.manifests",  # manifests
+    "poolkeeper.cli.epp",  # epp (llm-d-router's EPP command line; parsed by cli/epp.py)
 )
 
 Handler = Callable[[argparse.Namespace], int]
@@ -41,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["epp"]:  # upstream's pflag syntax, which argparse cannot parse
+        from poolkeeper.cli.epp import main as epp_main
+
+        return epp_main(args_list[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = cast(Handler | None, getattr(args, "handler", None))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource, file_source, load_files
 from poolkeeper.controller.kubernetes import KubeSettings, kubernetes_source, load_config
 from poolkeeper.controller.source import SourceFactory
@@ -165,6 +166,7 @@ def _source(args: argparse.Namespace) -> SourceFactory:
                 "server; -f may only hold a GatewayConfig"
             )
         gateway_config = loaded.gateway_config
+    gateway_config = one_endpoint_unless_set(gateway_config)
     config = load_config(kubeconfig=args.kubeconfig, context=args.context)
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
     settings = KubeSettings(
@@ -200,6 +202,21 @@ def _drain_timeout(args: argparse.Namespace) -> float:
     return DEFAULT_DRAIN_TIMEOUT_S if args.kubernetes else 0.0
 
 
+def one_endpoint_unless_set(config: GatewayConfig | None) -> GatewayConfig:
+    """`serve --kubernetes` sends one endpoint unless `requestHandling.fallbackEndpoints` is
+    set: the cluster's Gateway is not poolkeeper's Envoy, and gateways that route by the
+    destination header alone (Envoy ORIGINAL_DST with use_http_header, as upstream's e2e
+    config) answer 503 to a comma list. `serve` with its own Envoy keeps 3 fallbacks, which
+    that Envoy retries on; so does `--no-envoy`, meant for the bootstrap `envoy-config`
+    prints."""
+    config = config if config is not None else GatewayConfig.default()
+    if "fallback_endpoints" in config.spec.request_handling.model_fields_set:
+        return config
+    document = config.model_dump(by_alias=True, exclude_unset=True)
+    document.setdefault("spec", {}).setdefault("requestHandling", {})["fallbackEndpoints"] = 0
+    return GatewayConfig.model_validate(document)
+
+
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop `serve` runs on: uvloop if asked for and installed (a dependency on
     Linux and macOS), else asyncio's own (None). Measured: gateway_overhead's closed loop
@@ -229,6 +246,16 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    try:
+        _check_workdir(args.workdir, args.paths or [])
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    return run_gateway(options, args.event_loop, json_logs=args.log_format == "json")
+
+
+def run_gateway(options: ServeOptions, event_loop: str, *, json_logs: bool = False) -> int:
+    """Run the gateway until a signal stops it (`serve`, `epp`): exit code 0, 1 or 2."""
     runtime = GatewayRuntime(options)
 
     async def main() -> None:
@@ -242,7 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
                 if options.run_envoy
                 else f"poolkeeper endpoint picker ready ({runtime.extproc_address})"
             )
-            if args.log_format == "json":  # one format per stream: a log record, not a print
+            if json_logs:  # one format per stream: a log record, not a print
                 logging.getLogger("poolkeeper.cli").info("%s", what)
             else:
                 print(what, file=sys.stderr, flush=True)
@@ -250,8 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
         await task
 
     try:
-        _check_workdir(args.workdir, args.paths or [])
-        with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+        with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
             runner.run(main())
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Loading poolkeeper's files: the API kinds and the GatewayConfig, through one kind registry.
+"""Loading poolkeeper's files: the API kinds and the gateway's configuration (GatewayConfig or
+an EndpointPickerConfig), through one kind registry.
 
 `poolkeeper.api.load` knows the API kinds only; this module composes its registry with the
 GatewayConfig document, so the API package never imports the config package. Everything that
@@ -13,14 +14,23 @@ from pathlib import Path
 from poolkeeper.api import load as api_load
 from poolkeeper.api.kinds import KindEntry, KindRegistry, default_registry
 from poolkeeper.api.load import LoadResult
+from poolkeeper.config.endpointpicker import document as epp_document
+from poolkeeper.config.endpointpicker.checked import CheckedEndpointPickerConfig
 from poolkeeper.config.gateway import API_VERSION, KIND, GatewayConfig
 
 __all__ = ["kind_registry", "load_paths", "load_text"]
 
 
 def kind_registry() -> KindRegistry:
-    """The API kinds plus `poolkeeper.dev/v1alpha1` GatewayConfig."""
-    return default_registry().with_entries(KindEntry(API_VERSION, KIND, GatewayConfig))
+    """The API kinds plus `poolkeeper.dev/v1alpha1` GatewayConfig and llm-d-router's
+    EndpointPickerConfig (both groups), which is translated into a GatewayConfig."""
+    return default_registry().with_entries(
+        KindEntry(API_VERSION, KIND, GatewayConfig),
+        *(
+            KindEntry(version, epp_document.KIND, CheckedEndpointPickerConfig)
+            for version in epp_document.API_VERSIONS
+        ),
+    )
 
 
 def load_paths(paths: Iterable[str | Path]) -> LoadResult:

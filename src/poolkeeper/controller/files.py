@@ -29,10 +29,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
 
-from poolkeeper.api.load import SUFFIXES, LoadResult
+from pydantic import ValidationError
+
+from poolkeeper.api.fielderrors import from_pydantic
+from poolkeeper.api.load import SUFFIXES, LoadedResource, LoadResult
 from poolkeeper.api.model import CONDITION_ACCEPTED, InferenceModel, InferenceModelStatus
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.status import Verdict, compute_model_statuses
+from poolkeeper.config.endpointpicker.checked import CheckedEndpointPickerConfig
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.config.load import load_paths
 from poolkeeper.controller.source import SourceFactory
@@ -93,9 +97,18 @@ def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
     elif configs:
         assert isinstance(configs[0].obj, GatewayConfig)
         gateway_config = configs[0].obj
-        specs, spec_errors = endpoint_specs(
-            gateway_config, f"{configs[0].location}: {configs[0].ref}"
+    notices = list(result.notices)
+    picker_configs = [r for r in result.resources if isinstance(r.obj, CheckedEndpointPickerConfig)]
+    if picker_configs and (configs or len(picker_configs) > 1):
+        places = ", ".join(
+            f"{r.location} ({type(r.obj).__name__})" for r in (*configs, *picker_configs)
         )
+        errors.append(f"give one GatewayConfig or one EndpointPickerConfig, not several: {places}")
+    elif picker_configs:
+        gateway_config = _from_endpoint_picker_config(picker_configs[0], errors, notices)
+    if gateway_config is not None:
+        where = f"{configs[0].location}: {configs[0].ref}" if configs else "GatewayConfig"
+        specs, spec_errors = endpoint_specs(gateway_config, where)
         errors.extend(spec_errors)
     return LoadedFiles(
         pools=tuple(result.pools()),
@@ -103,10 +116,25 @@ def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
         specs=specs,
         # Built only when the files have none: validating one resolves its scheduling section.
         gateway_config=gateway_config if gateway_config is not None else GatewayConfig.default(),
-        notices=tuple(result.notices),
+        notices=tuple(notices),
         errors=tuple(errors),
         policies=(*result.objectives(), *result.rewrites()),
     )
+
+
+def _from_endpoint_picker_config(
+    loaded: LoadedResource, errors: list[str], notices: list[str]
+) -> GatewayConfig | None:
+    """The GatewayConfig an EndpointPickerConfig means (its scheduling, scraping, admission and
+    flow-control sections; everything else at GatewayConfig's defaults)."""
+    assert isinstance(loaded.obj, CheckedEndpointPickerConfig)
+    translation = loaded.obj.translation
+    notices.extend(f"{loaded.location}: {notice}" for notice in translation.notices)
+    try:
+        return GatewayConfig.model_validate({"spec": dict(translation.sections)})
+    except ValidationError as exc:
+        errors.extend(f"{loaded.location}: {e}" for e in from_pydantic(exc))
+        return None
 
 
 def endpoint_specs(

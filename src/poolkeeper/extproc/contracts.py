@@ -96,6 +96,9 @@ class ExtProcSettings:
     # Paths the EPP routes (None: any); others get 404 not_found. Envoy's listener enforces
     # the same allowlist first; this guards EPPs behind another proxy (`serve --no-envoy`).
     inference_paths: frozenset[str] | None = None
+    # Conformance: answer every response with `x-conformance-test-served-endpoint` (upstream's
+    # destination-endpoint-served-verifier); off unless configured.
+    conformance_served_header: bool = False
 
 
 class BodyBudget:

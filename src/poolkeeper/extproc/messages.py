@@ -35,6 +35,9 @@ CONTROL_HEADERS = frozenset(
         "x-gateway-inference-objective",
         "x-gateway-model-name-rewrite",
         "x-gateway-inference-fairness-id",
+        "x-llm-d-inference-objective",
+        "x-llm-d-model-name-rewrite",
+        "x-llm-d-inference-fairness-id",
     }
 )
 MAX_BODY_CHUNK = 62_000
@@ -223,13 +226,22 @@ def trailers_reply(*, response: bool) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 
 
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+CONFORMANCE_SERVED_HEADER = "x-conformance-test-served-endpoint"
+
+
 def immediate_reply(
-    status: int, body: bytes, *, content_type: str = "application/json", details: str = ""
+    status: int,
+    body: bytes,
+    *,
+    content_type: str = "application/json",
+    details: str = "",
+    headers: dict[str, str] | None = None,
 ) -> pb.ProcessingResponse:
     reply = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=header_mutation({"content-type": content_type}),
+            headers=header_mutation({"content-type": content_type, **(headers or {})}),
             body=body,
             details=details,
         )
@@ -240,7 +252,8 @@ def immediate_reply(
 def error_reply(error: GatewayError) -> pb.ProcessingResponse:
     """ImmediateResponse with the error's HTTP status and its OpenAI error JSON."""
     body = json.dumps(error.openai_body(), separators=(",", ":")).encode()
-    return immediate_reply(error.http_status, body, details=error.code)
+    reason = {DROPPED_REASON_HEADER: error.dropped_reason} if error.dropped_reason else None
+    return immediate_reply(error.http_status, body, details=error.code, headers=reason)
 
 
 def models_reply(model_names: Iterable[str]) -> pb.ProcessingResponse:

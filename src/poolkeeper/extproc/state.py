@@ -293,9 +293,20 @@ class Exchange:
             self.json_rewrite = rename
             if "content-length" in values:
                 mutation = msg.header_mutation(remove=["content-length"])
+        if self.settings.conformance_served_header:
+            mutation = self._with_served_header(mutation)
         if headers.end_of_stream:
             self._finish()
         return [msg.response_headers_reply(mutation)]
+
+    def _with_served_header(self, mutation: pb.HeaderMutation | None) -> pb.HeaderMutation:
+        """Upstream's destination-endpoint-served-verifier: the served endpoint from the
+        proxy's `envoy.lb` metadata, or why it is missing, in a response header."""
+        value = self.served or "fail: missing destination endpoint served metadata"
+        out = mutation if mutation is not None else msg.header_mutation()
+        served = msg.header_mutation({msg.CONFORMANCE_SERVED_HEADER: value})
+        out.set_headers.extend(served.set_headers)
+        return out
 
     def _response_body(self, body: pb.HttpBody) -> Replies:
         if self.phase is not Phase.RESPONSE:

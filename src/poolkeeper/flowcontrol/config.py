@@ -64,7 +64,8 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
     """Most request-body bytes waiting in this band per pool; over it: 429 queue_full."""
     ttl_ms: int = Field(default=30_000, ge=1, le=3_600_000)
-    """Longest wait in the queue; then 503 queue_timeout."""
+    """Longest wait in the queue; then 429 queue_timeout
+    (`x-llm-d-request-dropped-reason: rejected-ttl-expired`, as llm-d-router)."""
     lifo_after_ms: int | None = Field(default=None, ge=1, le=3_600_000)
     """Adaptive LIFO: while a flow's oldest waiting request has waited longer than this, the
     flow's newest goes first, and a full band pushes out the oldest (null: first come first
@@ -74,7 +75,7 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     overload_ttl_ms: int | None = Field(default=None, ge=1, le=3_600_000)
     """Longest wait in sustained overload (null: `ttlMs` always). Once a flow (a model) has had
     requests waiting in this band without a break for `overloadAfterMs`, its requests queued
-    from then on wait at most this long, then 503 queue_timeout (CoDel's rule, per flow as in
+    from then on wait at most this long, then 429 queue_timeout (CoDel's rule, per flow as in
     FQ-CoDel; Facebook's servers pair it with adaptive LIFO). A light flow that drains between
     its requests keeps `ttlMs`. A queue that never empties adds waiting to every answer and no
     throughput: the servers are busy either way, so it only decides who is late. A burst still

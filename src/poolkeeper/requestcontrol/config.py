@@ -28,21 +28,34 @@ class UnknownModelPolicy(StrEnum):
 
 
 class TrustedHeader(StrEnum):
-    """A client request header that may steer the Endpoint Picker (upstream v1.x)."""
+    """A client request header that may steer the Endpoint Picker: llm-d-router's names and
+    the GIE v1.x names it still reads (its deprecated aliases)."""
 
     INFERENCE_OBJECTIVE = "x-gateway-inference-objective"
     MODEL_NAME_REWRITE = "x-gateway-model-name-rewrite"
     FAIRNESS_ID = "x-gateway-inference-fairness-id"
+    LLMD_INFERENCE_OBJECTIVE = "x-llm-d-inference-objective"
+    LLMD_MODEL_NAME_REWRITE = "x-llm-d-model-name-rewrite"
+    LLMD_FAIRNESS_ID = "x-llm-d-inference-fairness-id"
+
+    def spellings(self) -> tuple[TrustedHeader, TrustedHeader]:
+        """(llm-d name, GIE name) of this header's meaning; the llm-d name wins, as upstream."""
+        gie = TrustedHeader(self.value.replace("x-llm-d-", "x-gateway-"))
+        return TrustedHeader(gie.value.replace("x-gateway-", "x-llm-d-")), gie
 
 
 class RequestHandling(CamelModel, use_attribute_docstrings=True):
     """How the Endpoint Picker treats request bodies before scheduling."""
 
-    unknown_model_policy: UnknownModelPolicy = UnknownModelPolicy.REJECT
-    """Reject: 404 model_not_found (upstream v0.2-v0.4). PassthroughSheddable: route the
-    request unchanged to the default pool as a Sheddable request (upstream v0.5). Passthrough:
-    route it unchanged to the default pool at priority 0, Standard, unless an
-    InferenceObjective says otherwise (upstream v1.x, which has no model lookup)."""
+    unknown_model_policy: UnknownModelPolicy | None = None
+    """Unset (default): by the API generation of the default pool, as each upstream generation
+    did: an `inference.networking.k8s.io/v1` pool passes any model through at priority 0
+    (Passthrough: upstream v1.x and llm-d-router have no model list), an
+    `inference.networking.x-k8s.io` pool refuses it (Reject; a v0.5 setup sets
+    PassthroughSheddable). Reject: 404 model_not_found (upstream v0.2-v0.4).
+    PassthroughSheddable: route the request unchanged to the default pool as a Sheddable
+    request (upstream v0.5). Passthrough: route it unchanged to the default pool at priority
+    0, Standard, unless an InferenceObjective says otherwise (upstream v1.x)."""
     default_pool: str | None = None
     """Pool (`namespace/name`, or `name` in namespace `default`) for bodyless requests and
     passthrough models. Unset: the only pool, or the first by key when there are several."""
@@ -64,17 +77,24 @@ class RequestHandling(CamelModel, use_attribute_docstrings=True):
     retry on connection failure (protocol v0.4 fallbacks). The scheduler's picker may return
     fewer (default preset: 3, `maxNumOfEndpoints` 4); bodyless requests get this many random
     ones."""
-    trusted_headers: list[TrustedHeader] = Field(default_factory=list)
-    """Client headers the Endpoint Picker honours; none by default, because whatever a client
-    sends must not choose how it is served unless the operator says so.
-    `x-gateway-inference-objective: <name>` selects the InferenceObjective of that name in the
-    request's pool (its priority sets the band: > 0 Critical, 0 Standard, < 0 Sheddable; it
-    overrides the InferenceModel's criticality). `x-gateway-model-name-rewrite: <model>` names
-    the model sent to the server when no InferenceModel split or InferenceModelRewrite rule
-    decides it (upstream's order). `x-gateway-inference-fairness-id: <id>` makes flow control
-    share fairly between these ids instead of between modelNames (docs/flowcontrol.md).
-    Untrusted, they are ignored; trusted or not, they are removed before the request reaches
-    the model server."""
+    trusted_headers: list[TrustedHeader] = Field(default_factory=lambda: list(TrustedHeader))
+    """Client headers the Endpoint Picker honours: by default all six, both spellings, as
+    upstream (llm-d-router) reads them; `[]` turns them off, where clients must not choose
+    how they are served. Where both spellings come, the `x-llm-d-` one wins.
+    `x-llm-d-inference-objective` / `x-gateway-inference-objective: <name>` selects the
+    InferenceObjective of that name in the request's pool (its priority sets the band: > 0
+    Critical, 0 Standard, < 0 Sheddable; it overrides the InferenceModel's criticality).
+    `x-llm-d-model-name-rewrite` / `x-gateway-model-name-rewrite: <model>` names the model
+    sent to the server when no InferenceModel split or InferenceModelRewrite rule decides it
+    (upstream's order). `x-llm-d-inference-fairness-id` / `x-gateway-inference-fairness-id:
+    <id>` makes flow control share fairly between these ids instead of between modelNames
+    (docs/flowcontrol.md). Untrusted, they are ignored; trusted or not, they are removed
+    before the request reaches the model server."""
+    conformance_served_endpoint_header: bool = False
+    """Conformance testing only: add `x-conformance-test-served-endpoint: <ip:port>` (the
+    proxy's `envoy.lb` served-endpoint metadata) to every response, as llm-d-router's
+    `destination-endpoint-served-verifier` does for the gateway conformance suite. Needs the
+    responses to pass the endpoint picker (`edge.observeResponses` off). Off by default."""
     honor_subset_hint: bool = True
     """Restrict the pick to the proxy's `envoy.lb.subset_hint` endpoints when it sends one
     (matched by IP, like upstream). The hint comes from the proxy, never from client headers."""

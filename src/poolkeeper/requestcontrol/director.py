@@ -49,6 +49,7 @@ from poolkeeper.api.criticality import (
 )
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.objective import DEFAULT_PRIORITY
+from poolkeeper.api.pool import V1 as POOL_V1
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import (
     GatewayError,
@@ -228,13 +229,12 @@ class Director:
 
         parsed = parse_body(request.path, request.body)
         found = snapshot.resolve(parsed.model)
-        policy = self._config.unknown_model_policy
         if found is not None:
             pool_key, model = found
-        elif policy is UnknownModelPolicy.REJECT:
+        elif (unknown := self._unknown_model_pool(snapshot)) is None:
             raise ModelNotFound(f"model {quote_model(parsed.model)} not found", model=parsed.model)
         else:
-            pool_key, model = self._default_pool(snapshot), None
+            pool_key, model = unknown, None
         target = self._target(request, snapshot, pool_key, parsed.model, model)
         criticality, priority = self._band(request, snapshot, pool_key, model, found is None)
         prepared = Prepared(request, parsed, pool_key, target, criticality, priority)
@@ -245,12 +245,33 @@ class Director:
             exc.model, exc.target_model = parsed.model, target
             raise
 
-    def _trusted(self, request: IncomingRequest, header: TrustedHeader) -> str | None:
-        """A control header's value, only when the operator trusts it (else None)."""
-        if header not in self._config.trusted_headers:
+    def _unknown_model_pool(self, snapshot: SnapshotView) -> str | None:
+        """The pool a model no resource names goes to, or None to refuse it (404).
+
+        `unknownModelPolicy` unset follows the default pool's API generation: an
+        `inference.networking.k8s.io/v1` pool passes any model through (upstream v1.x and
+        llm-d-router have no model list), the x-k8s generations keep their 404."""
+        policy = self._config.unknown_model_policy
+        if policy is UnknownModelPolicy.REJECT:
             return None
-        value = request.headers.get(header.value, "").strip()
-        return value or None
+        if policy is not None:
+            return self._default_pool(snapshot)
+        try:
+            pool_key = self._default_pool(snapshot)
+        except NoReadyEndpoint:
+            return None
+        pool = snapshot.pool(pool_key)
+        return pool_key if pool is not None and pool.api_version == POOL_V1 else None
+
+    def _trusted(self, request: IncomingRequest, header: TrustedHeader) -> str | None:
+        """A control header's value in either spelling (the llm-d one first), only where the
+        operator trusts that spelling (else None)."""
+        for name in header.spellings():
+            if name in self._config.trusted_headers:
+                value = request.headers.get(name.value, "").strip()
+                if value:
+                    return value
+        return None
 
     def _target(
         self,

@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.objective import InferenceObjective
+from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.models import ModelRoute, RewriteRule
 from poolkeeper.flowcontrol.dispatcher import FlowItem
@@ -42,6 +43,8 @@ class SnapshotView(Protocol):
     def objective(self, pool_key: str, name: str) -> InferenceObjective | None: ...
 
     def states(self, pool_key: str) -> Sequence[EndpointState]: ...
+
+    def pool(self, pool_key: str) -> AnyInferencePool | None: ...
 
 
 class SnapshotSource(Protocol):

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.errors import GatewayError, NoReadyEndpoint
+from poolkeeper.errors import FilteredOut, GatewayError, NoReadyEndpoint
 from poolkeeper.scheduling.interfaces import (
     CycleState,
     EndpointForgetter,
@@ -83,7 +83,7 @@ class Scheduler:
         primary = self.handler.primary(cycle, request, results)
         result = results.get(primary)
         if result is None:
-            raise NoReadyEndpoint(
+            raise FilteredOut(
                 f"no endpoint for model {request.model!r} passed the filters of scheduling "
                 f"profile {primary!r} ({len(candidates)} candidates)"
             )

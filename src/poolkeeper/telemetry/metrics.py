@@ -12,11 +12,13 @@ at most `MAX_LABEL_CHARS` characters), so neither many names nor long ones can b
 Exposition differs from prometheus_client's default in two ways, both to look like upstream's
 Go client: no `_created` series, and (unless `objective_names=False`) every `inference_model_*`
 family is also exposed as `inference_objective_*`, the v1.1+ name, with the same samples.
+llm-d-router's `llm_d_epp_*` families come beside them (`telemetry/llmd.py`). Label values are
+capped at 1,000 distinct values per label by default, as upstream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -35,6 +37,7 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import GatewayError
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import HistogramData, SchedulingStats
+from poolkeeper.telemetry.llmd import ALSO_AS, LlmdRequestMetrics
 
 OTHER = "other"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -285,6 +288,8 @@ class _Exposition:
         for family in self.registry.collect():
             samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield _copy(family, family.name, samples)
+            if family.name in ALSO_AS:
+                yield _renamed(family, samples, *ALSO_AS[family.name])
             if self.objective_names and family.name.startswith(MODEL_PREFIX):
                 renamed = OBJECTIVE_PREFIX + family.name.removeprefix(MODEL_PREFIX)
                 yield _copy(
@@ -295,6 +300,18 @@ class _Exposition:
                         for s in samples
                     ],
                 )
+
+
+def _renamed(family: Metric, samples: list[Sample], name: str, labels: Mapping[str, str]) -> Metric:
+    """`family` under llm-d-router's name (and label names)."""
+    renamed = [
+        s._replace(
+            name=name + s.name.removeprefix(family.name),
+            labels={labels.get(k, k): v for k, v in s.labels.items()},
+        )
+        for s in samples
+    ]
+    return _copy(family, name, renamed)
 
 
 def _copy(family: Metric, name: str, samples: list[Sample]) -> Metric:
@@ -312,14 +329,31 @@ class GatewayMetrics:
         pool_stats: Callable[[], Iterable[PoolStats]] | None = None,
         scheduling: SchedulingStats | None = None,
         flow_stats: Callable[[], Iterable[QueueStats]] | None = None,
-        max_label_values: int = 100,
+        max_label_values: int = 1000,
         objective_names: bool = True,
     ) -> None:
         self.registry = CollectorRegistry()
         self._exposition = _Exposition(self.registry, objective_names=objective_names)
         self._model = LabelCap(max_label_values)
         self._target = LabelCap(max_label_values)
+        caps = {
+            "model_name": self._model,
+            "target_model_name": self._target,
+            "fairness_id": LabelCap(max_label_values),
+        }
         r = self.registry
+        self.llmd = LlmdRequestMetrics(
+            r,
+            lambda label, value: caps[label](value),
+            {
+                "duration": DURATION_BUCKETS,
+                "request_size": REQUEST_SIZE_BUCKETS,
+                "response_size": RESPONSE_SIZE_BUCKETS,
+                "input_tokens": INPUT_TOKEN_BUCKETS,
+                "output_tokens": OUTPUT_TOKEN_BUCKETS,
+                "ntpot": NTPOT_BUCKETS,
+            },
+        )
         model_labels = ["model_name", "target_model_name"]
         self.request_total = Counter(
             "inference_model_request",
@@ -427,6 +461,7 @@ class GatewayMetrics:
     # -- ExchangeObserver -------------------------------------------------------------------
     def routed(self, decision: RoutingDecision, request_bytes: int, route_seconds: float) -> None:
         self.scheduler_duration.observe(route_seconds)
+        self.llmd.routed(decision, request_bytes, route_seconds)
         if not decision.model_name:
             return  # header-only requests carry no model: not an inference request
         model, target = self._labels(decision)
@@ -438,6 +473,7 @@ class GatewayMetrics:
         # Like upstream, errors after model resolution (shed, no endpoint) carry the target.
         target = self._target(error.target_model) if error.target_model else ""
         self.request_error_total.labels(self._model(model_name), target, error.code).inc()
+        self.llmd.rejected(model_name, error.target_model, error.code)
 
     def finished(
         self,
@@ -450,6 +486,9 @@ class GatewayMetrics:
     ) -> None:
         if not decision.model_name:
             return
+        self.llmd.finished(
+            decision, status=status, usage=usage, seconds=seconds, response_bytes=response_bytes
+        )
         model, target = self._labels(decision)
         self.running_requests.labels(model).dec()
         if status == 499:

@@ -44,6 +44,12 @@ from poolkeeper.scheduling.plugins.pickers import (
 )
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheParams, PrefixCacheScorer
 from poolkeeper.scheduling.plugins.profile_handlers import SingleProfileHandler
+from poolkeeper.scheduling.plugins.role_filters import (
+    DecodeFilter,
+    EncodeFilter,
+    HeaderBasedTestingFilter,
+    PrefillFilter,
+)
 from poolkeeper.scheduling.plugins.scorers import (
     InflightLoadParams,
     InflightLoadScorer,
@@ -163,6 +169,14 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
                    "Drops endpoints with stale metrics; fails open."),
         PluginSpec("decision-tree-filter", F, DecisionTreeParams, _tree,
                    "GIE v0.1-v0.5 filter tree.", filter_references=tree_references),
+        PluginSpec("decode-filter", F, NoParams, _plain(DecodeFilter),
+                   "llm-d.ai/role can decode (unlabelled endpoints kept)."),
+        PluginSpec("prefill-filter", F, NoParams, _plain(PrefillFilter),
+                   "llm-d.ai/role can prefill."),
+        PluginSpec("encode-filter", F, NoParams, _plain(EncodeFilter),
+                   "llm-d.ai/role can encode."),
+        PluginSpec("header-based-testing-filter", F, NoParams, _plain(HeaderBasedTestingFilter),
+                   "Conformance: the endpoints test-epp-endpoint-selection lists."),
         # Scorers
         PluginSpec("queue-scorer", S, MinMaxLoadParams,
                    _with_params(QueueScorer, MinMaxLoadParams),

@@ -1,0 +1,247 @@
+"""`poolkeeper epp ARGS...` and the `poolkeeper-epp` console script: a drop-in for the EPP of
+llm-d-router v0.10, for images whose ENTRYPOINT the upstream chart runs with its own arguments.
+
+    poolkeeper-epp --pool-name qwen --pool-namespace llm --config-file /config/default-plugins.yaml
+
+The arguments are upstream's (cli/epp_flags.py); they map onto Kubernetes mode (`serve
+--kubernetes` for the one named pool, no Envoy, status never written: the chart's RBAC is
+read-only), the EndpointPickerConfig (or upstream's default one) onto the scheduling,
+scraping, admission and flow-control settings (config/endpointpicker/), and upstream's
+request-handling defaults apply: one endpoint in the destination header, any model name passed
+through at priority 0, the objective / rewrite / fairness headers read. Flags poolkeeper cannot
+honour yet are accepted and named in one startup notice (docs/kubernetes.md lists them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from poolkeeper.api.fielderrors import from_pydantic
+from poolkeeper.cli.epp_flags import (
+    DEPRECATED_METRIC_FLAGS,
+    EppOptions,
+    FlagError,
+    effective_refresh_interval,
+    parse_epp_args,
+)
+from poolkeeper.config.endpointpicker import (
+    DEFAULT_CONFIG_TEXT,
+    load_endpoint_picker_config,
+    translate,
+)
+from poolkeeper.config.gateway import GatewayConfig, TrustedHeader
+from poolkeeper.errors import ConfigError
+
+log = logging.getLogger("poolkeeper.epp")
+
+# Flags accepted but not (yet) honoured, with what happens instead. Those whose upstream
+# default asks for something poolkeeper lacks are named even when not given.
+UNHONOURED: dict[str, str] = {
+    "secure-serving": "ext_proc is served in plaintext (h2c); set --secure-serving=false",
+    "cert-path": "no TLS on ext_proc",
+    "enable-cert-reload": "no TLS on ext_proc",
+    "tls-min-version": "no TLS on ext_proc",
+    "tls-cipher-suites": "no TLS on ext_proc",
+    "metrics-endpoint-auth": "/metrics is served without authentication",
+    "metrics-cert-dir": "/metrics is served over plain HTTP",
+    "metrics-client-ca-file": "/metrics is served over plain HTTP",
+    "tracing": "no OpenTelemetry tracing",
+    "enable-pprof": "no pprof (a Python process)",
+    "ha-enable-leader-election": "every replica serves and reports ready (active-active)",
+    "health-checking": "gRPC health is served on the health port only",
+    "emit-endpoint-scores": "scores are not written to envoy.lb metadata",
+    "enable-grpc-stream-metrics": "no extproc_* stream metrics",
+    "grpc-max-recv-msg-size": "gRPC message sizes keep poolkeeper's limits",
+    "grpc-max-send-msg-size": "gRPC message sizes keep poolkeeper's limits",
+    "refresh-prometheus-metrics-interval": "pool gauges are computed at each scrape of /metrics",
+    "metrics-staleness-threshold": "staleness is the detector's metricsStalenessThreshold",
+    "plugin-state-staleness-threshold": "in-flight state ends with each request",
+    "fairness-id-metric-label-limit": "label values are capped at 1,000",
+    "zap-devel": "log format follows --zap-encoder",
+    "zap-stacktrace-level": "log format follows --zap-encoder",
+    "zap-time-encoding": "log format follows --zap-encoder",
+}
+_DEFAULT_ON = ("secure-serving", "metrics-endpoint-auth", "tracing", "enable-pprof")
+
+
+def unhonoured(options: EppOptions) -> list[str]:
+    """`--flag: what happens instead` for each flag asking for what poolkeeper lacks."""
+    out = []
+    for name, instead in UNHONOURED.items():
+        value = options.values[name]
+        asked = name in options.given and value not in (False, "", (), None)
+        if name in _DEFAULT_ON:
+            asked = value is True
+        if asked:
+            out.append(f"--{name}: {instead}")
+    return out
+
+
+def _config_text(options: EppOptions) -> tuple[str, str]:
+    """(text, where) of the EndpointPickerConfig: --config-text, --config-file or the default."""
+    if options.text("config-text"):
+        return options.text("config-text"), "--config-text"
+    path = options.text("config-file")
+    if not path:
+        return DEFAULT_CONFIG_TEXT, "upstream's default configuration"
+    try:
+        return Path(path).read_text(), path
+    except OSError as exc:
+        raise ConfigError(f"--config-file: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def epp_gateway_config(options: EppOptions) -> tuple[GatewayConfig, list[str]]:
+    """The GatewayConfig the command line means, and the notices for the startup log."""
+    text, where = _config_text(options)
+    translation = translate(
+        load_endpoint_picker_config(text, where),
+        feature_gates=options.texts("feature-gates"),
+        allow_experimental=options.flag("allow-experimental-plugins"),
+    )
+    notices = list(translation.notices)
+    spec: dict[str, Any] = {key: dict(value) for key, value in translation.sections.items()}
+    spec["listeners"] = {
+        "address": "0.0.0.0",
+        "extProc": options.number("grpc-port"),
+        "health": options.number("grpc-health-port"),
+        "metrics": options.number("metrics-port"),
+    }
+    if "refresh-metrics-interval" in options.given and "intervalMs" not in spec["scraping"]:
+        interval, warning = effective_refresh_interval(options)
+        spec["scraping"]["intervalMs"] = round(interval * 1000)
+        notices.extend([warning] if warning else [])
+    spec["requestHandling"] = spec.get("requestHandling", {}) | {
+        # Upstream's defaults: one endpoint (gateways routing by the header alone need it),
+        # any model at priority 0, the control headers read.
+        "fallbackEndpoints": 0,
+        "unknownModelPolicy": "Passthrough",
+        "trustedHeaders": [header.value for header in TrustedHeader],
+        "honorSubsetHint": not options.flag("disable-endpoint-subset-filter"),
+    }
+    try:
+        config = GatewayConfig.model_validate({"spec": spec})
+    except ValidationError as exc:
+        lines = [f"{e.path}: {e.message}" for e in from_pydantic(exc)]
+        raise ConfigError("the EPP settings are invalid:\n  " + "\n  ".join(lines)) from None
+    return config, notices
+
+
+def _json_logs(options: EppOptions) -> bool:
+    """zap's encoder: json unless `--zap-encoder console` (or `--zap-devel` without one)."""
+    encoder = options.text("zap-encoder") or ("console" if options.flag("zap-devel") else "json")
+    return encoder == "json"
+
+
+def _log_level(options: EppOptions) -> str:
+    level = options.text("zap-log-level")
+    if level in ("debug", "info", "error"):
+        return level
+    if level == "panic":
+        return "critical"
+    verbosity = int(level) if level.lstrip("-").isdigit() else options.number("v")
+    return "debug" if verbosity >= 4 else "info"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `poolkeeper-epp` console script (also `poolkeeper epp ...`)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        _print_help()
+        return 0
+    try:
+        options = parse_epp_args(args)
+    except FlagError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 2
+    from poolkeeper.cli.serve import run_gateway
+    from poolkeeper.telemetry.logs import configure_logging
+
+    logs = configure_logging(_log_level(options), json_lines=_json_logs(options), queued=True)
+    try:
+        return _run(options, run_gateway)
+    finally:
+        if logs is not None:
+            logs.close()
+
+
+def _run(options: EppOptions, run_gateway: Any) -> int:
+    shown = {k: v for k, v in options.values.items() if k not in DEPRECATED_METRIC_FLAGS}
+    log.info("Flags processed: %s", shown)
+    for warning in options.warnings:
+        log.warning("%s", warning)
+    if options.ignored_args:
+        log.warning("arguments ignored (not flags): %s", " ".join(options.ignored_args))
+    if options.standalone:
+        print(
+            "error: --endpoint-selector (standalone mode, no InferencePool) is not implemented "
+            "by poolkeeper's EPP yet; create an InferencePool and pass --pool-name",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        config, notices = epp_gateway_config(options)
+        source = _kubernetes_source(options, config)
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    for notice in notices:
+        log.warning("%s", notice)
+    missing = unhonoured(options)
+    if missing:
+        log.warning("accepted but not honoured by poolkeeper: %s", "; ".join(missing))
+    from poolkeeper.server.runtime import ServeOptions
+
+    # Readiness and drain as upstream's EPP: ready once synced; on SIGTERM NOT_SERVING, the
+    # Lease released, ext_proc serving for --drain-timeout, then the usual drain.
+    serve = ServeOptions(
+        source=source,
+        run_envoy=False,
+        ready_once_synced=True,
+        drain_timeout_s=options.seconds("drain-timeout"),
+    )
+    code: int = run_gateway(serve, "uvloop", json_logs=_json_logs(options))
+    return code
+
+
+def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
+    from poolkeeper.controller.kubernetes import (
+        KubeSettings,
+        kubernetes_source,
+        load_config,
+    )
+
+    namespace, name = options.pool_namespace, options.text("pool-name")
+    settings = KubeSettings(
+        namespace=namespace,
+        identity=os.environ.get("POD_NAME") or socket.gethostname(),
+        pool_names=(name,),
+        write_status=False,  # upstream never writes status; the chart grants read only
+        lease_name=f"epp-{namespace}-{name}.llm-d.ai",
+    )
+    return kubernetes_source(settings, config, load_config(kubeconfig=None, context=None))
+
+
+def _print_help() -> None:
+    from poolkeeper.cli.epp_flags import FLAGS
+
+    print("Usage of poolkeeper-epp (llm-d-router v0.10 EPP flags):")
+    for flag in FLAGS:
+        print(f"  --{flag.name} {flag.kind.value}\t{flag.help} (default {flag.default!r})")
+
+
+def register(subparsers: Any) -> None:
+    """`poolkeeper epp` in the help listing; main.py hands its arguments to `main` unparsed
+    (argparse cannot parse pflag's syntax)."""
+    subparsers.add_parser(
+        "epp",
+        help="run as a drop-in for llm-d-router's EPP (upstream's flags; see poolkeeper-epp -h)",
+        add_help=False,
+    )

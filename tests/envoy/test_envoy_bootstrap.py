@@ -167,7 +167,10 @@ def test_processing_mode_and_timeouts_fit_long_streams() -> None:
     assert ext["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext["message_timeout"] == "60s"  # bounded: a hung EPP costs at most this
     hcm = _hcm(b)
-    assert hcm["request_timeout"] == "0s"
+    assert hcm["request_timeout"] == "120s"  # a trickled body cannot reset it
+    assert hcm["common_http_protocol_options"]["idle_timeout"] == "60s"
+    listener = b["static_resources"]["listeners"][0]
+    assert listener["listener_filters_timeout"] == "10s"  # from accept, not the first byte
     assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == (
         "REJECT_REQUEST"
     )

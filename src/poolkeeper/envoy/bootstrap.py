@@ -371,12 +371,16 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         # timer does not run for FULL_DUPLEX_STREAMED bodies, so this is the bound that holds.
         # Routed requests get the route's idle timeout (stream_idle_timeout_s) instead.
         "stream_idle_timeout": duration(p.message_timeout_s),
-        "request_timeout": "0s",
+        # The whole request (headers and body) within this, counted from its start: a body
+        # trickling one byte at a time resets the idle timers but not this one. Disarmed once
+        # the last byte went upstream, so a long generation is not cut.
+        "request_timeout": duration(p.request_timeout_s),
         "request_headers_timeout": duration(p.request_headers_timeout_s),
         "common_http_protocol_options": {
             "headers_with_underscores_action": "REJECT_REQUEST",
             "max_headers_count": p.max_headers_count + HEADER_HEADROOM,
-            "idle_timeout": "3600s",
+            # A connection with no request in progress (keep-alive between requests).
+            "idle_timeout": duration(p.connection_idle_timeout_s),
         },
         "http2_protocol_options": {
             "max_concurrent_streams": 100,
@@ -427,6 +431,13 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                     "name": "gateway",
                     "address": socket_address(p.listen_address, p.listen_port),
                     "per_connection_buffer_limit_bytes": p.connection_buffer_bytes,
+                    # A connection that sends nothing is closed `accept_timeout_s` after
+                    # accept: the HTTP inspector waits for the first bytes, and the listener
+                    # filters' timeout closes the socket when none came (Envoy's own header
+                    # timer starts only at the first byte).
+                    "listener_filters": [_http_inspector()],
+                    "listener_filters_timeout": duration(p.accept_timeout_s),
+                    "continue_on_listener_filters_timeout": False,
                     "filter_chains": [
                         {
                             "filters": [
@@ -442,6 +453,16 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
             "clusters": clusters(p),
         },
         "overload_manager": _overload_manager(p),
+    }
+
+
+def _http_inspector() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.listener.http_inspector",
+        "typed_config": {
+            T: "type.googleapis.com/envoy.extensions.filters.listener.http_inspector.v3."
+            "HttpInspector"
+        },
     }
 
 

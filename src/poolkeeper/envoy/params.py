@@ -82,7 +82,16 @@ class BootstrapParams:
     # a model server's admin paths (/v1/load_lora_adapter, /metrics, ...) are never reachable.
     inference_paths: tuple[str, ...] = DEFAULT_INFERENCE_PATHS
     max_body_bytes: int = 16 << 20  # a larger declared Content-Length: 413 before any body
+    # Connection limits (reliability round 2, finding 1). From accept, a connection has
+    # `accept_timeout_s` to send its first bytes (the listener's inspector closes it otherwise:
+    # Envoy's header timer starts only at the first byte), then `request_headers_timeout_s` for
+    # the rest of its headers. A request has `request_timeout_s` in all to be received (a body
+    # trickling a byte at a time resets the idle timers, never this one). A connection with no
+    # request in progress is closed after `connection_idle_timeout_s`.
+    accept_timeout_s: float = 10.0
     request_headers_timeout_s: float = 10.0
+    request_timeout_s: float = 120.0
+    connection_idle_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     # Request body Envoy keeps for a retry on a fallback endpoint (per request, routed routes).
     buffer_limit_bytes: int = 1 << 20
@@ -94,6 +103,9 @@ class BootstrapParams:
     max_request_headers_kb: int = 60
     max_headers_count: int = 100
     max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
+    # The overload manager's cap on client connections: `serve` derives it from the descriptor
+    # limit it gives Envoy (`downstream_connection_cap`), so the cap acts before descriptors
+    # run out (each proxied request also holds an upstream descriptor).
     max_downstream_connections: int = 50_000
     heap_limit_bytes: int = 1 << 30  # the overload manager's heap scale (not a hard limit)
     # Heap in use above this fraction of heap_limit_bytes (1 MiB: always, in practice) makes
@@ -115,6 +127,16 @@ class BootstrapParams:
     # first byte passed (one unary gRPC call per request), for schedulers that learn from
     # first tokens (`Scheduler.observes_first_tokens`); otherwise the access log tells it later.
     report_first_bytes: bool = False
+
+
+# Descriptors kept back from the cap for Envoy itself: admin, EPP, logs, EDS file, upstream pools.
+FD_RESERVE = 1024
+
+
+def downstream_connection_cap(descriptors: int) -> int:
+    """The most client connections Envoy accepts with `descriptors` file descriptors: each may
+    hold an upstream connection too, and `FD_RESERVE` stay free for everything else."""
+    return max(64, (descriptors - FD_RESERVE) // 2)
 
 
 def duration(seconds: float) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import signal
@@ -35,7 +36,13 @@ from poolkeeper.controller.source import ResourceSource, SourceFactory
 from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
-from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.envoy.params import downstream_connection_cap
+from poolkeeper.envoy.process import (
+    EnvoyOptions,
+    EnvoySupervisor,
+    find_envoy,
+    raise_descriptor_limit,
+)
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
@@ -114,6 +121,9 @@ def bootstrap_params(
         endpoints_file=str(endpoints_file) if endpoints_file is not None else None,
         retries=config.spec.request_handling.fallback_endpoints,
         message_timeout_s=edge.epp_timeout_s,
+        # Outlasts the longest queueing (epp_timeout_s exceeds every queue TTL) plus a minute
+        # for the body's upload; a trickled body cannot stretch it.
+        request_timeout_s=edge.epp_timeout_s + 60.0,
         first_byte_timeout_s=edge.first_byte_timeout_s,
         stream_idle_timeout_s=edge.stream_idle_timeout_s,
         inference_paths=tuple(edge.inference_paths),
@@ -267,6 +277,11 @@ class GatewayRuntime:
         params = bootstrap_params(
             config, self.datastore.snapshot(), endpoints_file=endpoints.path, managed=True
         )
+        # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
+        # idle connections are refused by the cap, never by descriptors running out.
+        descriptors = raise_descriptor_limit()
+        cap = min(params.max_downstream_connections, downstream_connection_cap(descriptors))
+        params = dataclasses.replace(params, max_downstream_connections=cap)
         config_path = workdir / "envoy.json"
         config_path.write_text(render(build_bootstrap(params)))
         self.envoy = EnvoySupervisor(
@@ -281,10 +296,11 @@ class GatewayRuntime:
         await self.envoy.start()
         await self.envoy.wait_ready()
         log.info(
-            "envoy listening http=%s:%d failure_mode=%s",
+            "envoy listening http=%s:%d failure_mode=%s max_connections=%d",
             params.listen_address,
             params.listen_port,
             "FailOpen" if params.fail_open else "FailClose",
+            params.max_downstream_connections,
         )
 
     async def _wait_ready(self, within_s: float) -> None:

@@ -57,6 +57,7 @@ from poolkeeper.envoy.params import (
     BootstrapParams,
     T,
     duration,
+    epp_grpc_service,
     socket_address,
 )
 
@@ -121,7 +122,7 @@ def ext_proc_config(p: BootstrapParams) -> dict[str, Any]:
     """What every ext_proc filter towards the EPP shares."""
     return {
         T: EXT_PROC_TYPE,
-        "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+        "grpc_service": epp_grpc_service(p),
         "failure_mode_allow": p.fail_open,
         "allow_mode_override": False,
         "message_timeout": duration(p.message_timeout_s),
@@ -397,7 +398,10 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
             ext_proc_filter(p),
             # Encoding runs backwards: Lua sees the model server's response as it came.
             *(
-                [response_processor(p), lua_filter(report_first_bytes=p.report_first_bytes)]
+                [
+                    response_processor(p),
+                    lua_filter(report_first_bytes=p.report_first_bytes, token=p.epp_token),
+                ]
                 if p.observe_responses
                 else []
             ),
@@ -413,7 +417,7 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
             }
         )
     if p.observe_responses:
-        logs.append(access_log(p.observer_flush_s))
+        logs.append(access_log(p.observer_flush_s, epp_grpc_service(p)))
     if logs:
         hcm["access_log"] = logs
     return hcm

@@ -28,6 +28,7 @@ EPP_CLUSTER = "epp"
 EXT_PROC_ERROR_STATUS = 502  # ext_proc status_on_error; bootstrap maps it to 503 + body
 # Response flags of Envoy's local replies when the chosen model server cannot be reached.
 UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "URX", "UO", "UC", "UPE")
+EPP_TOKEN_HEADER = "x-poolkeeper-epp-token"  # extproc.auth.TOKEN_HEADER
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Client-supplied headers removed before anything else runs: exact names and name prefixes.
 STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
@@ -127,6 +128,9 @@ class BootstrapParams:
     # first byte passed (one unary gRPC call per request), for schedulers that learn from
     # first tokens (`Scheduler.observes_first_tokens`); otherwise the access log tells it later.
     report_first_bytes: bool = False
+    # Sent as gRPC metadata (`extproc.auth.TOKEN_HEADER`) on every call to the EPP: `serve`
+    # makes one per run and its EPP refuses calls without it. None: no token (envoy-config).
+    epp_token: str | None = None
 
 
 # Descriptors kept back from the cap for Envoy itself: admin, EPP, logs, EDS file, upstream pools.
@@ -137,6 +141,14 @@ def downstream_connection_cap(descriptors: int) -> int:
     """The most client connections Envoy accepts with `descriptors` file descriptors: each may
     hold an upstream connection too, and `FD_RESERVE` stay free for everything else."""
     return max(64, (descriptors - FD_RESERVE) // 2)
+
+
+def epp_grpc_service(p: BootstrapParams) -> dict[str, Any]:
+    """How every filter and log reaches the EPP: its cluster, with the run's token."""
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": EPP_CLUSTER}}
+    if p.epp_token is not None:
+        service["initial_metadata"] = [{"key": EPP_TOKEN_HEADER, "value": p.epp_token}]
+    return service
 
 
 def duration(seconds: float) -> str:

@@ -44,6 +44,7 @@ from poolkeeper.envoy.process import (
     raise_descriptor_limit,
 )
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
+from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.build import build_director
@@ -153,6 +154,8 @@ class GatewayRuntime:
     _stopped: bool = False
     _source: ResourceSource | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # With the Envoy we run: its token for the EPP's gRPC port (extproc/auth.py).
+    _epp_token: str | None = None
     _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
 
     # -- start ----------------------------------------------------------------------------
@@ -224,13 +227,26 @@ class GatewayRuntime:
                 AccessLogReceiver(detached).register(server)
                 FirstByteReceiver(detached).register(server)
 
+        # With the Envoy we run, the EPP's ports are for that Envoy only (round 2, finding 2):
+        # loopback whatever the public address, and a token on every gRPC call but health.
+        # Without it (--no-envoy, Kubernetes) another host's Envoy must reach them.
+        local = self.epp_address
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.options.run_envoy:
+            self._epp_token = new_token()
+            guard = EnvoyOnly(self._epp_token)
+            interceptors.append(guard)
+            self.metrics.follow_refused(lambda: guard.refused)
         extproc, _ = build_server(
-            self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=register
+            self.servicer,
+            f"{local}:{listeners.ext_proc}",
+            extra=register,
+            interceptors=interceptors,
         )
         self._grpc_servers.append(extproc)
         health_server = grpc.aio.server()
         health.register(health_server)
-        if health_server.add_insecure_port(f"{listeners.address}:{listeners.health}") == 0:
+        if health_server.add_insecure_port(f"{local}:{listeners.health}") == 0:
             raise OSError(f"cannot bind the health server to port {listeners.health}")
         self._grpc_servers.append(health_server)
         for server in self._grpc_servers:
@@ -241,10 +257,10 @@ class GatewayRuntime:
         app.router.add_get("/readyz", self._http_probe(self.ready))
         self._web = web.AppRunner(app, access_log=None)
         await self._web.setup()
-        await web.TCPSite(self._web, listeners.address, listeners.metrics).start()
+        await web.TCPSite(self._web, local, listeners.metrics).start()
         log.info(
             "epp listening ext_proc=%s:%d health=%d metrics=%d",
-            listeners.address,
+            local,
             listeners.ext_proc,
             listeners.health,
             listeners.metrics,
@@ -277,6 +293,7 @@ class GatewayRuntime:
         params = bootstrap_params(
             config, self.datastore.snapshot(), endpoints_file=endpoints.path, managed=True
         )
+        params = dataclasses.replace(params, epp_token=self._epp_token)
         # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
         # idle connections are refused by the cap, never by descriptors running out.
         descriptors = raise_descriptor_limit()
@@ -352,10 +369,15 @@ class GatewayRuntime:
             yield QueueStats(pool.rpartition("/")[2], str(band), requests, size)
 
     @property
+    def epp_address(self) -> str:
+        """Where the EPP's own ports listen: loopback with the Envoy we run."""
+        assert self.config is not None
+        return "127.0.0.1" if self.options.run_envoy else self.config.spec.listeners.address
+
+    @property
     def extproc_address(self) -> str:
         assert self.config is not None
-        listeners = self.config.spec.listeners
-        return f"ext_proc {listeners.address}:{listeners.ext_proc}"
+        return f"ext_proc {self.epp_address}:{self.config.spec.listeners.ext_proc}"
 
     @property
     def http_url(self) -> str:

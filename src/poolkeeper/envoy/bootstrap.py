@@ -25,6 +25,7 @@ from typing import Any
 
 from poolkeeper import observation
 from poolkeeper.envoy.clusters import clusters
+from poolkeeper.envoy.guard import header_guard
 from poolkeeper.envoy.observer import (
     RESPONSE_PROCESSOR,
     access_log,
@@ -47,6 +48,7 @@ from poolkeeper.envoy.params import (
     FILE_LOG_TYPE,
     HCM,
     HEADER_HEADROOM,
+    HEADER_KB_HEADROOM,
     RETRY_ON,
     ROUTED_CLUSTER,
     ROUTER_TYPE,
@@ -366,7 +368,9 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         "normalize_path": True,
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
-        "max_request_headers_kb": p.max_request_headers_kb,
+        # The codec's limits leave room for the EPP's header mutation; the header guard holds
+        # clients to `max_request_headers_kb` / `max_headers_count` (envoy/guard.py).
+        "max_request_headers_kb": p.max_request_headers_kb + HEADER_KB_HEADROOM,
         # Until the EPP has routed a request, its stream may idle only this long: a hung EPP
         # (alive, never answering) costs a request at most this. Envoy's ext_proc message
         # timer does not run for FULL_DUPLEX_STREAMED bodies, so this is the bound that holds.
@@ -395,6 +399,7 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(p)}],
         },
         "http_filters": [
+            header_guard(max_headers=p.max_headers_count, max_kb=p.max_request_headers_kb),
             ext_proc_filter(p),
             # Encoding runs backwards: Lua sees the model server's response as it came.
             *(

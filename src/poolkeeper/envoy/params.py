@@ -37,6 +37,9 @@ STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-")
 # Envoy itself adds (x-forwarded-*, x-request-id, ...) plus the EPP's would push a request with
 # 94-100 client headers over it. The listener's limit is the client limit plus this headroom.
 HEADER_HEADROOM = 20
+# The same for size: the codec allows the client's `max_request_headers_kb` plus this, and the
+# header guard (envoy/guard.py) holds clients to their own limits before the EPP is asked.
+HEADER_KB_HEADROOM = 4
 EXT_PROC_PER_ROUTE_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 )

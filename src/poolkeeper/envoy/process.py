@@ -88,6 +88,9 @@ class EnvoyOptions:
     restart_initial_s: float = 0.5
     restart_max_s: float = 10.0
     stable_after_s: float = 30.0  # a run this long resets the backoff
+    # On a drain (POST /drain_listeners?graceful) every connection is told to close at once:
+    # HTTP/1 answers carry `connection: close`, HTTP/2 gets GOAWAY (see runtime._drain_envoy).
+    drain_time_s: float = 1.0
 
 
 class EnvoySupervisor:
@@ -115,6 +118,10 @@ class EnvoySupervisor:
             "--log-level",
             o.log_level,
             "--disable-hot-restart",  # several Envoys may run side by side (tests, quickstart)
+            "--drain-strategy",
+            "immediate",
+            "--drain-time-s",
+            f"{max(1, round(o.drain_time_s))}",
         ]
 
     async def _spawn(self) -> asyncio.subprocess.Process:

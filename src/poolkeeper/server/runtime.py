@@ -416,17 +416,22 @@ class GatewayRuntime:
     async def _drain_envoy(self, grace_s: float) -> None:
         """Stop accepting new connections now; wait for the accepted requests, up to `grace_s`.
 
+        First `/drain_listeners?graceful` starts Envoy's drain sequence, which with the
+        `immediate` strategy tells every open connection to close at once: idle keep-alive
+        connections are closed, a request already on its way on one is answered with
+        `connection: close`, HTTP/2 gets GOAWAY (round 2, finding 4: keep-alive clients were
+        served for the whole drain, and whatever they sent last was cut when it ended). Then
         `/drain_listeners` without `graceful` closes the listening sockets at once (a graceful
-        drain would keep accepting for Envoy's drain time and then cut what it accepted), and
-        starts draining open connections (HTTP/1 `connection: close`, HTTP/2 GOAWAY)."""
+        drain alone would keep accepting for Envoy's drain time)."""
         assert self.envoy is not None
         admin = self.envoy.options.admin_url or ""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.post(f"{admin}/drain_listeners") as resp:
-                    await resp.read()
+            for query in ("?graceful", ""):
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with session.post(f"{admin}/drain_listeners{query}") as resp:
+                        await resp.read()
             while loop.time() < deadline:
                 envoy_active = await _envoy_active_requests(session, admin)
                 epp_active = self.servicer.active if self.servicer is not None else 0

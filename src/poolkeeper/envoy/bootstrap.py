@@ -25,6 +25,11 @@ from typing import Any
 
 from poolkeeper import observation
 from poolkeeper.envoy.clusters import clusters
+from poolkeeper.envoy.failopen import (
+    FAILOPEN_FILTER,
+    fail_open_rewrite,
+    fail_open_rewrite_disabled,
+)
 from poolkeeper.envoy.guard import header_guard
 from poolkeeper.envoy.observer import (
     RESPONSE_PROCESSOR,
@@ -255,6 +260,12 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
             {
                 "name": "fail_open",
                 "match": allowed,
+                # The split-name rewrite buffers the body (envoy/failopen.py).
+                **(
+                    {"per_request_buffer_limit_bytes": p.max_body_bytes}
+                    if _rewrites_split_names(p)
+                    else {}
+                ),
                 "route": {
                     "cluster": FALLBACK_CLUSTER,
                     # Chosen before the EPP answers: its idle timeout bounds a hung EPP too.
@@ -281,6 +292,11 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
         )
     # Everything outside the inference API: the model servers' admin paths included.
     routes.append({"name": "not_found", "match": {"prefix": "/"}, **_json_direct(404, NOT_FOUND)})
+    if _rewrites_split_names(p):  # on the FailOpen route only
+        for route in routes:
+            if route["name"] != "fail_open":
+                per_filter = route.setdefault("typed_per_filter_config", {})
+                per_filter[FAILOPEN_FILTER] = fail_open_rewrite_disabled()
     if p.observe_responses:
         for route in routes:
             per_filter = route.setdefault("typed_per_filter_config", {})
@@ -288,6 +304,10 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
             if "direct_response" in route:  # answered by Envoy: nothing to observe
                 per_filter.update(lua_disabled())
     return routes
+
+
+def _rewrites_split_names(p: BootstrapParams) -> bool:
+    return p.fail_open and bool(p.fallback_endpoints) and bool(p.fail_open_targets)
 
 
 def _local_reply_config() -> dict[str, Any]:
@@ -401,6 +421,7 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         "http_filters": [
             header_guard(max_headers=p.max_headers_count, max_kb=p.max_request_headers_kb),
             ext_proc_filter(p),
+            *([fail_open_rewrite(p.fail_open_targets)] if _rewrites_split_names(p) else []),
             # Encoding runs backwards: Lua sees the model server's response as it came.
             *(
                 [

@@ -74,6 +74,9 @@ class BootstrapParams:
     admin_port: int = 9901
     fail_open: bool = False
     fallback_endpoints: tuple[str, ...] = ()  # "ip:port" of the pool's endpoints (FailOpen)
+    # FailOpen with the EPP down: client-facing split names -> the split's first target,
+    # rewritten in the body by Envoy itself (envoy/failopen.py).
+    fail_open_targets: tuple[tuple[str, str], ...] = ()
     # Every pool endpoint ("ip:port"), the hosts the EPP may name. With `endpoints_file` they
     # come from that file instead (kept current on hot reload), this is then only its start.
     routed_endpoints: tuple[str, ...] = ()

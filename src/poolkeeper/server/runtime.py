@@ -73,20 +73,21 @@ class ServeOptions:
     ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
 
 
-def fail_open_unserved_names(snapshot: DatastoreSnapshot) -> list[str]:
-    """Client-facing model names of FailOpen pools that only name a split (reliability finding
-    5): with the EPP down, Envoy forwards the body unchanged, so the server gets a name it does
-    not serve (e.g. `food-review` split over `food-review-v1/-v2`) and answers 404."""
-    names: list[str] = []
+def fail_open_split_targets(snapshot: DatastoreSnapshot) -> dict[str, str]:
+    """Client-facing model names of FailOpen pools that only name a split, each with its
+    split's first target (reliability finding 5, round 2 R5): with the EPP down, the body
+    reaches a server unchanged, and a name it does not serve (e.g. `food-review` split over
+    `food-review-v1/-v2`) got 404. The managed Envoy rewrites these (envoy/failopen.py)."""
+    table: dict[str, str] = {}
     for key in snapshot.pool_keys():
         pool = snapshot.pool(key)
         if pool is None or pool.failure_mode() != "FailOpen":
             continue
-        for name, model in snapshot.models(key).items():
-            targets = {t.name for t in model.spec.target_models}
+        for name, model in sorted(snapshot.models(key).items()):
+            targets = [t.name for t in model.spec.target_models]
             if targets and name not in targets:
-                names.append(name)
-    return sorted(set(names))
+                table.setdefault(name, targets[0])
+    return dict(sorted(table.items()))
 
 
 def bootstrap_params(
@@ -118,6 +119,7 @@ def bootstrap_params(
         admin_port=listeners.admin,
         fail_open=fail_open,
         fallback_endpoints=tuple(dict.fromkeys(fallback)),
+        fail_open_targets=tuple(fail_open_split_targets(snapshot).items()) if fail_open else (),
         routed_endpoints=tuple(e.hostport for e in snapshot.all_endpoints()),
         endpoints_file=str(endpoints_file) if endpoints_file is not None else None,
         retries=config.spec.request_handling.fallback_endpoints,
@@ -266,11 +268,12 @@ class GatewayRuntime:
             listeners.metrics,
         )
         await self._wait_ready(self.options.ready_wait_s)
-        unserved = fail_open_unserved_names(self.datastore.snapshot())
-        if unserved:
+        unserved = fail_open_split_targets(self.datastore.snapshot())
+        if unserved and not self.options.run_envoy:  # the Envoy we run holds the table
             log.warning(
                 "FailOpen: with the endpoint picker down, requests for %s reach model servers "
-                "unrewritten and get 404 (they name only a split); see docs/reliability.md",
+                "unrewritten and get 404 (they name only a split) unless your Envoy rewrites "
+                "them; see docs/reliability.md",
                 ", ".join(unserved),
             )
         if self.options.run_envoy:

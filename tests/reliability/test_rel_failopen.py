@@ -11,8 +11,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from poolkeeper.envoy.failopen import fail_open_rewrite
 from poolkeeper.envoy.endpoints_file import EndpointsFile
+from poolkeeper.envoy.failopen import fail_open_rewrite
 from poolkeeper.netutil import free_port
 from tests.envoy.envoy_harness import Backend, rig_params, running_envoy
 
@@ -35,9 +35,12 @@ async def test_split_names_are_rewritten_to_their_first_target_with_the_epp_down
     url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
     try:
         async with running_envoy(params, tmp_path), aiohttp.ClientSession() as session:
-            cases = [
+            cases: list[tuple[dict[str, object], str]] = [
                 ({"model": "food-review", "messages": []}, "food-review-v1"),
-                ({"messages": [{"role": "user", "content": "x" * 5000}], "model": "chat"}, "chat-2"),
+                (
+                    {"messages": [{"role": "user", "content": "x" * 5000}], "model": "chat"},
+                    "chat-2",
+                ),
                 ({"model": "food-review-v2", "messages": []}, "food-review-v2"),  # a target
                 ({"model": "other", "messages": []}, "other"),
             ]
@@ -47,9 +50,7 @@ async def test_split_names_are_rewritten_to_their_first_target_with_the_epp_down
                     assert resp.status == 200, reply
                     assert reply["model"] == expected
                     # The server read the whole rewritten body: its length was updated.
-                    assert reply["received_bytes"] == len(
-                        json.dumps({**body, "model": expected})
-                    )
+                    assert reply["received_bytes"] == len(json.dumps({**body, "model": expected}))
     finally:
         for b in backends:
             await b.stop()

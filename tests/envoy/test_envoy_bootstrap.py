@@ -112,7 +112,8 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
         for r in routes
         if not r["typed_per_filter_config"]["poolkeeper.response_processor"].get("disabled")
     }
-    assert processing == {"epp_routed_response_via_epp"}
+    # (per method: POST paths, and GET for the model list)
+    assert processing == {"epp_routed_response_via_epp", "epp_routed_response_via_epp_get"}
     (via,) = [r for r in routes if r["name"] == "epp_routed_response_via_epp"]
     (matcher,) = via["match"]["dynamic_metadata"]
     assert (matcher["filter"], matcher["path"]) == ("poolkeeper", [{"key": "response"}])

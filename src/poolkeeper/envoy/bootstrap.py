@@ -165,6 +165,14 @@ NO_EPP_BODY = _openai_error(
 NOT_FOUND = _openai_error(
     "no such inference API path on this gateway", "invalid_request_error", "not_found"
 )
+NOT_ALLOWED = _openai_error(
+    "method not allowed on this path", "invalid_request_error", "method_not_allowed"
+)
+UNSUPPORTED_ENCODING = _openai_error(
+    "Content-Encoding is not supported: send the body uncompressed (identity)",
+    "invalid_request_error",
+    "unsupported_media_type",
+)
 TOO_LARGE_BODY = _openai_error(
     "request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
 )
@@ -208,17 +216,16 @@ def inference_path_regex(paths: tuple[str, ...]) -> str:
     return f"^(?:{alternatives})/?$"
 
 
+def method_groups(paths: tuple[str, ...]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(route-name suffix, method, paths): the model list is read with GET, every other
+    inference path is POSTed (round 2, finding 6: the method was not checked)."""
+    reads = tuple(path for path in paths if path.rstrip("/").endswith("/models"))
+    posts = tuple(path for path in paths if path not in reads)
+    return [(suffix, method, group) for suffix, method, group in
+            (("", "POST", posts), ("_get", "GET", reads)) if group]  # fmt: skip
+
+
 def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
-    served = [
-        {
-            "header": {"key": SERVED_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
-            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-        }
-    ]
-    # No total timeout (a generation can run for minutes); idle timeouts bound dead streams.
-    # The per-try timeout ends when the response headers arrive: a first-byte timeout.
-    route_opts = {"timeout": "0s", "idle_timeout": duration(p.stream_idle_timeout_s)}
-    allowed = {"safe_regex": {"regex": inference_path_regex(p.inference_paths)}}
     routes: list[dict[str, Any]] = [
         {
             # A declared Content-Length over the limit: 413 before any body is read or buffered
@@ -235,8 +242,68 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
             },
             **_json_direct(413, TOO_LARGE_BODY.replace("{limit}", str(p.max_body_bytes))),
         },
+        {
+            # A body the gateway and the server could read differently (round 2, finding 6):
+            # only identity is accepted, before the EPP reads anything.
+            "name": "unsupported_encoding",
+            "match": {
+                "prefix": "/",
+                "headers": [
+                    {"name": "content-encoding", "present_match": True},
+                    {
+                        "name": "content-encoding",
+                        "string_match": {"exact": "identity", "ignore_case": True},
+                        "invert_match": True,
+                    },
+                ],
+            },
+            **_json_direct(415, UNSUPPORTED_ENCODING),
+        },
     ]
-    routed = {"headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
+    for suffix, method, paths in method_groups(p.inference_paths):
+        routes += _inference_routes(p, suffix, method, paths)
+    # An inference path with another method: 405, the EPP not consulted.
+    every_path = {"safe_regex": {"regex": inference_path_regex(p.inference_paths)}}
+    routes.append(
+        {"name": "method_not_allowed", "match": every_path, **_json_direct(405, NOT_ALLOWED)}
+    )
+    # Everything outside the inference API: the model servers' admin paths included.
+    routes.append({"name": "not_found", "match": {"prefix": "/"}, **_json_direct(404, NOT_FOUND)})
+    if _rewrites_split_names(p):  # on the FailOpen route only
+        for route in routes:
+            if not route["name"].startswith("fail_open"):
+                per_filter = route.setdefault("typed_per_filter_config", {})
+                per_filter[FAILOPEN_FILTER] = fail_open_rewrite_disabled()
+    if p.observe_responses:
+        for route in routes:
+            per_filter = route.setdefault("typed_per_filter_config", {})
+            per_filter.setdefault(RESPONSE_PROCESSOR, response_processor_disabled())
+            if "direct_response" in route:  # answered by Envoy: nothing to observe
+                per_filter.update(lua_disabled())
+    return routes
+
+
+def _inference_routes(
+    p: BootstrapParams, suffix: str, method: str, paths: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """The routes of the inference paths `paths` with `method`: EPP-routed, then FailOpen or
+    the EPP's 503."""
+    served = [
+        {
+            "header": {"key": SERVED_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+    ]
+    # No total timeout (a generation can run for minutes); idle timeouts bound dead streams.
+    # The per-try timeout ends when the response headers arrive: a first-byte timeout.
+    route_opts = {"timeout": "0s", "idle_timeout": duration(p.stream_idle_timeout_s)}
+    by_method = {"name": ":method", "string_match": {"exact": method}}
+    allowed = {"safe_regex": {"regex": inference_path_regex(paths)}, "headers": [by_method]}
+    routed = {
+        **allowed,
+        "headers": [by_method, {"name": DESTINATION_HEADER, "present_match": True}],
+    }
+    routes: list[dict[str, Any]] = []
     epp_routed = {
         # The body kept for a retry: larger than the client connection's buffer.
         "per_request_buffer_limit_bytes": p.buffer_limit_bytes,
@@ -248,17 +315,17 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
         # response processor on (chosen again once the EPP has set its metadata).
         routes.append(
             {
-                "name": "epp_routed_response_via_epp",
-                "match": {**allowed, **routed, "dynamic_metadata": [via_epp_matcher()]},
+                "name": f"epp_routed_response_via_epp{suffix}",
+                "match": {**routed, "dynamic_metadata": [via_epp_matcher()]},
                 **epp_routed,
                 "typed_per_filter_config": {RESPONSE_PROCESSOR: response_processor_enabled()},
             }
         )
-    routes.append({"name": "epp_routed", "match": {**allowed, **routed}, **epp_routed})
+    routes.append({"name": f"epp_routed{suffix}", "match": routed, **epp_routed})
     if p.fail_open and p.fallback_endpoints:
         routes.append(
             {
-                "name": "fail_open",
+                "name": f"fail_open{suffix}",
                 "match": allowed,
                 # The split-name rewrite buffers the body (envoy/failopen.py).
                 **(
@@ -285,24 +352,11 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
         # this the answer.
         routes.append(
             {
-                "name": "not_routed",
+                "name": f"not_routed{suffix}",
                 "match": allowed,
                 **_json_direct(503, NO_EPP_BODY, skip_epp=False),
             }
         )
-    # Everything outside the inference API: the model servers' admin paths included.
-    routes.append({"name": "not_found", "match": {"prefix": "/"}, **_json_direct(404, NOT_FOUND)})
-    if _rewrites_split_names(p):  # on the FailOpen route only
-        for route in routes:
-            if route["name"] != "fail_open":
-                per_filter = route.setdefault("typed_per_filter_config", {})
-                per_filter[FAILOPEN_FILTER] = fail_open_rewrite_disabled()
-    if p.observe_responses:
-        for route in routes:
-            per_filter = route.setdefault("typed_per_filter_config", {})
-            per_filter.setdefault(RESPONSE_PROCESSOR, response_processor_disabled())
-            if "direct_response" in route:  # answered by Envoy: nothing to observe
-                per_filter.update(lua_disabled())
     return routes
 
 
@@ -387,6 +441,9 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         "use_remote_address": True,
         "normalize_path": True,
         "merge_slashes": True,
+        # HTTP/1.0 clients are served (they got an empty reply: round 2, finding 6); without
+        # a Host header the request gets this authority.
+        "http_protocol_options": {"accept_http_10": True, "default_host_for_http_10": "gateway"},
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
         # The codec's limits leave room for the EPP's header mutation; the header guard holds
         # clients to `max_request_headers_kb` / `max_headers_count` (envoy/guard.py).

@@ -32,7 +32,8 @@ EPP_TOKEN_HEADER = "x-poolkeeper-epp-token"  # extproc.auth.TOKEN_HEADER
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Client-supplied headers removed before anything else runs: exact names and name prefixes.
 STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
-STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-")
+# `x-sim-`: the simulator's fault headers are for its own tests, never a client's to send.
+STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-", "x-sim-")
 # Envoy applies the client header-count limit to the EPP's header mutation too: the headers
 # Envoy itself adds (x-forwarded-*, x-request-id, ...) plus the EPP's would push a request with
 # 94-100 client headers over it. The listener's limit is the client limit plus this headroom.

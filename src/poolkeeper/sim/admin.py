@@ -102,7 +102,7 @@ class AdminEndpoints:
 
     async def metrics(self, request: web.Request) -> web.Response:
         mode = self.faults.metrics
-        header = request.headers.get(FAULT_HEADER)
+        header = request.headers.get(FAULT_HEADER) if self.faults.header_faults else None
         if header:
             try:
                 mode = decide_faults(FaultConfig(), header, self.rng).metrics

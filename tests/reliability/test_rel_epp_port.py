@@ -25,10 +25,11 @@ from envoy.service.ext_proc.v3 import (
 from google.protobuf import empty_pb2, struct_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
-from poolkeeper.controller.files import file_source
+from poolkeeper.controller.files import FileResourceSource, file_source
+from poolkeeper.datastore import Datastore
 from poolkeeper.extproc.accesslog import DetachedExchanges
 from poolkeeper.netutil import free_ports
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 
@@ -182,3 +183,20 @@ async def test_a_direct_client_of_the_epp_port_changes_nothing(tmp_path: Path) -
     finally:
         await runtime.stop(grace_s=0)
         await cluster.stop()
+
+
+@pytest.mark.parametrize(("managed", "expected"), [(True, "127.0.0.1"), (False, "10.1.2.3")])
+async def test_the_managed_envoy_reaches_the_epp_on_loopback(
+    tmp_path: Path, managed: bool, expected: str
+) -> None:
+    """With a specific public address the EPP still listens on loopback for its own Envoy,
+    so that Envoy must look for it there; another host's Envoy uses the public address."""
+    directory = _config(tmp_path, 8000)
+    text = (directory / "gw.yaml").read_text().replace("address: 0.0.0.0", "address: 10.1.2.3")
+    (directory / "gw.yaml").write_text(text)
+    store = Datastore()
+    source = FileResourceSource([directory], store)
+    config = await source.start()
+    params = bootstrap_params(config, store.snapshot(), managed=managed)
+    assert params.extproc_address == expected
+    assert params.listen_address == "10.1.2.3"

@@ -109,7 +109,9 @@ def bootstrap_params(
     if fail_open:
         for pool in pools:
             fallback += [e.hostport for e in snapshot.endpoints(pool.key)]
-    local = "127.0.0.1" if listeners.address in ("0.0.0.0", "127.0.0.1") else listeners.address
+    # The Envoy `serve` runs reaches the EPP on loopback, where the EPP then listens.
+    wildcard = listeners.address in ("0.0.0.0", "127.0.0.1")
+    local = "127.0.0.1" if managed or wildcard else listeners.address
     return BootstrapParams(
         listen_address=listeners.address,
         listen_port=listeners.http,

@@ -59,6 +59,8 @@ log = logging.getLogger("poolkeeper.server")
 
 DEFAULT_DRAIN_GRACE_S = 130.0  # upstream chart's terminationGracePeriodSeconds (vLLM's)
 _ACTIVE_STAT = "http.gateway.downstream_rq_active"
+# Between closing the listeners and telling open connections to close (see _drain_envoy).
+DRAIN_SETTLE_S = 0.5
 
 
 @dataclass(slots=True)
@@ -421,22 +423,26 @@ class GatewayRuntime:
     async def _drain_envoy(self, grace_s: float) -> None:
         """Stop accepting new connections now; wait for the accepted requests, up to `grace_s`.
 
-        First `/drain_listeners?graceful` starts Envoy's drain sequence, which with the
-        `immediate` strategy tells every open connection to close at once: idle keep-alive
-        connections are closed, a request already on its way on one is answered with
-        `connection: close`, HTTP/2 gets GOAWAY (round 2, finding 4: keep-alive clients were
-        served for the whole drain, and whatever they sent last was cut when it ended). Then
-        `/drain_listeners` without `graceful` closes the listening sockets at once (a graceful
-        drain alone would keep accepting for Envoy's drain time)."""
+        First `/drain_listeners` without `graceful` closes the listening sockets at once (a
+        graceful drain alone would keep accepting for Envoy's drain time). A moment later,
+        `/drain_listeners?graceful` starts Envoy's drain sequence, which with the `immediate`
+        strategy tells every open connection to close: idle keep-alive connections are closed,
+        a request on its way on one is answered with `connection: close`, HTTP/2 gets GOAWAY
+        (round 2, finding 4: keep-alive clients were served for the whole drain, and whatever
+        they sent last was cut when it ended). The moment between the two lets a connection
+        accepted just before the stop get its request parsed: until then Envoy counts it as
+        idle, and would close it under a request the client already sent."""
         assert self.envoy is not None
         admin = self.envoy.options.admin_url or ""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            for query in ("?graceful", ""):
+            for query in ("", "?graceful"):
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with session.post(f"{admin}/drain_listeners{query}") as resp:
                         await resp.read()
+                if not query:
+                    await asyncio.sleep(min(DRAIN_SETTLE_S, grace_s))
             while loop.time() < deadline:
                 envoy_active = await _envoy_active_requests(session, admin)
                 epp_active = self.servicer.active if self.servicer is not None else 0

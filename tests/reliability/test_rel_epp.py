@@ -44,6 +44,21 @@ async def test_epp_refuses_paths_outside_the_allowlist() -> None:
     assert (await ok.handle(body_msg(CHAT, eos=True)))[0].HasField("request_headers")
 
 
+async def test_epp_refuses_an_encoded_body_with_415() -> None:
+    """Round 2, finding 6, for EPPs behind another proxy: a gzip body got a misleading "not
+    valid UTF-8", a plain body labelled gzip reached the server (500)."""
+    router = FakeRouter()
+    for encoding in ("gzip", "br", "GZIP"):
+        ex = Exchange(router)
+        replies = await ex.handle(headers_msg(post_headers(**{"content-encoding": encoding})))
+        assert _status(replies) == 415
+        body = json.loads(replies[0].immediate_response.body)
+        assert body["error"]["code"] == "unsupported_media_type"
+    ok = Exchange(router)
+    assert await ok.handle(headers_msg(post_headers(**{"content-encoding": "identity"}))) == []
+    assert (await ok.handle(body_msg(CHAT, eos=True)))[0].HasField("request_headers")
+
+
 async def test_global_body_budget_refuses_and_is_given_back() -> None:
     budget = BodyBudget(100_000)
     router = FakeRouter()

@@ -27,7 +27,8 @@ from google.protobuf import empty_pb2, struct_pb2, wrappers_pb2
 from poolkeeper import observation as wire
 from poolkeeper.controller.files import FileResourceSource, file_source
 from poolkeeper.datastore import Datastore
-from poolkeeper.extproc.accesslog import DetachedExchanges
+from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor
+from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
 from poolkeeper.sim.config import ServerSettings, build_fleet
@@ -200,3 +201,43 @@ async def test_the_managed_envoy_reaches_the_epp_on_loopback(
     params = bootstrap_params(config, store.snapshot(), managed=managed)
     assert params.extproc_address == expected
     assert params.listen_address == "10.1.2.3"
+
+
+async def test_a_dead_envoys_routed_requests_are_settled_at_once(tmp_path: Path) -> None:
+    """Envoy's access-log entries of the requests it routed die with it: the waiting room is
+    emptied when the supervisor sees it die, instead of holding them for the hour-long TTL."""
+    outcomes: list[Outcome] = []
+
+    class Waiting:
+        def observed(self, outcome: Outcome) -> None:
+            outcomes.append(outcome)
+
+        def first_byte_passed(self) -> None:
+            raise AssertionError("no first-byte report here")
+
+    room = DetachedExchanges()
+    for _ in range(3):
+        room.hold(Waiting())
+    fake = tmp_path / "envoy"
+    fake.write_text("#!/bin/sh\nsleep 0.1\nexit 1\n")  # an Envoy that dies at once
+    fake.chmod(0o755)
+    supervisor = EnvoySupervisor(
+        EnvoyOptions(
+            binary=str(fake),
+            config_path=tmp_path / "envoy.json",
+            log_path=tmp_path / "envoy.log",
+            restart_initial_s=5.0,
+        )
+    )
+    supervisor.on_death = lambda: room.give_up_all("envoy died")
+    await supervisor.start()
+    try:
+        for _ in range(300):
+            if outcomes:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await supervisor.stop(grace_s=1)
+    assert [o.status for o in outcomes] == [0, 0, 0]
+    assert len(room) == 0
+    assert room.expired == 3

@@ -15,6 +15,7 @@ import os
 import resource
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,9 @@ class EnvoySupervisor:
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self._log_file: int | None = None
+        # Called when Envoy died unexpectedly, before it is restarted: whatever it still owed
+        # the EPP (access-log entries of routed requests) will never come.
+        self.on_death: Callable[[], object] | None = None
 
     def stopping(self) -> bool:
         return self._stopping
@@ -152,6 +156,11 @@ class EnvoySupervisor:
             code = await self.process.wait()
             if self.stopping():
                 return
+            if self.on_death is not None:
+                try:
+                    self.on_death()
+                except Exception:
+                    log.exception("envoy death handler failed")
             if loop.time() - began >= self.options.stable_after_s:
                 delay = self.options.restart_initial_s
             log.warning(

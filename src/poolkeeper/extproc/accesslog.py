@@ -207,12 +207,21 @@ class DetachedExchanges:
             self._give_up(key, "no access-log entry within the TTL")
         return len(old)
 
-    def _give_up(self, key: str, why: str) -> None:
+    def give_up_all(self, why: str) -> int:
+        """Settle every waiting exchange as unknown (their entries can no longer come: the
+        Envoy that owed them died); returns how many."""
+        keys = list(self._waiting)
+        for key in keys:
+            self._give_up(key, why, quiet=True)  # the caller logs once for all
+        return len(keys)
+
+    def _give_up(self, key: str, why: str, *, quiet: bool = False) -> None:
         held = self._waiting.pop(key, None)
         if held is None:
             return
         self.expired += 1
-        log.warning("response observer: request settled as unknown (%s) key=%s", why, key)
+        if not quiet:
+            log.warning("response observer: request settled as unknown (%s) key=%s", why, key)
         held[1].observed(Outcome(status=UNKNOWN_STATUS))
 
 

@@ -317,6 +317,12 @@ class GatewayRuntime:
                 admin_url=f"http://127.0.0.1:{params.admin_port}",
             )
         )
+        detached = self.detached
+        if detached is not None:  # a dead Envoy's access-log entries never come
+            self.envoy.on_death = lambda: log.warning(
+                "envoy died: %d routed request(s) settled as unknown",
+                detached.give_up_all("envoy died"),
+            )
         await self.envoy.start()
         await self.envoy.wait_ready()
         log.info(

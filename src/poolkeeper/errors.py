@@ -69,6 +69,15 @@ class PayloadTooLarge(BadRequest):
     openai_code = "request_too_large"
 
 
+class UnsupportedEncoding(BadRequest):
+    """A body with a Content-Encoding other than identity: the gateway does not decode bodies,
+    so it would read a different body from the server's (reliability round 2, finding 6)."""
+
+    http_status = 415
+    code = "UnsupportedMediaType"
+    openai_code = "unsupported_media_type"
+
+
 class PathNotFound(GatewayError):
     http_status = 404
     code = "BadRequest"

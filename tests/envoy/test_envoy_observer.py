@@ -10,6 +10,7 @@ resets and backend cuts all arrive through the access log.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -81,9 +82,11 @@ async def rig(
             await b.stop()
 
 
-async def _until(condition: Callable[[], object], seconds: float = 10.0) -> None:
-    """Polls until `condition` holds; the bound only ends a failing test."""
-    for _ in range(int(seconds / 0.02)):
+async def _until(condition: Callable[[], object], seconds: float = 60.0) -> None:
+    """Polls until `condition` holds; the bound only ends a failing test, so it is generous:
+    Envoy flushes its access log on a timer, which a loaded machine can delay by seconds."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         if condition():
             return
         await asyncio.sleep(0.02)

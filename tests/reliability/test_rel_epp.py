@@ -14,7 +14,7 @@ from poolkeeper.errors import BadRequest
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.state import Exchange
 from poolkeeper.requestcontrol.types import IncomingRequest
-from poolkeeper.server.runtime import fail_open_unserved_names
+from poolkeeper.server.runtime import fail_open_split_targets
 from tests.extproc.extproc_fakes import FakeRouter, body_msg, headers_msg, post_headers
 from tests.requestcontrol.test_rc_director import _rig
 from tests.server.test_server_runtime import _start, _write
@@ -41,6 +41,21 @@ async def test_epp_refuses_paths_outside_the_allowlist() -> None:
     assert (
         await ok.handle(headers_msg(post_headers(**{":path": "/v1/chat/completions/?a=1"}))) == []
     )
+    assert (await ok.handle(body_msg(CHAT, eos=True)))[0].HasField("request_headers")
+
+
+async def test_epp_refuses_an_encoded_body_with_415() -> None:
+    """Round 2, finding 6, for EPPs behind another proxy: a gzip body got a misleading "not
+    valid UTF-8", a plain body labelled gzip reached the server (500)."""
+    router = FakeRouter()
+    for encoding in ("gzip", "br", "GZIP"):
+        ex = Exchange(router)
+        replies = await ex.handle(headers_msg(post_headers(**{"content-encoding": encoding})))
+        assert _status(replies) == 415
+        body = json.loads(replies[0].immediate_response.body)
+        assert body["error"]["code"] == "unsupported_media_type"
+    ok = Exchange(router)
+    assert await ok.handle(headers_msg(post_headers(**{"content-encoding": "identity"}))) == []
     assert (await ok.handle(body_msg(CHAT, eos=True)))[0].HasField("request_headers")
 
 
@@ -89,10 +104,12 @@ async def test_empty_post_body_gets_the_model_check() -> None:
     assert bodyless.endpoints  # GET without a body still goes to the default pool
 
 
-@pytest.mark.parametrize(("mode", "expected"), [("FailOpen", ["split"]), ("FailClose", [])])
-async def test_fail_open_split_names_are_reported(tmp_path: Path, mode: str, expected: list[str]):
-    """Finding 5: under FailOpen with the EPP down a split name reaches servers unrewritten
-    (404 from the server); the gateway names such models at start (documented limit)."""
+@pytest.mark.parametrize(("mode", "expected"), [("FailOpen", {"split": "m-v1"}), ("FailClose", {})])
+async def test_fail_open_split_names_are_reported(
+    tmp_path: Path, mode: str, expected: dict[str, str]
+) -> None:
+    """Finding 5: under FailOpen with the EPP down a split name reached servers unrewritten
+    (404 from the server); the managed Envoy now holds this table (round 2 R5)."""
     directory, _ = _write(tmp_path, mode)
     (directory / "split.yaml").write_text(
         "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\n"
@@ -100,4 +117,4 @@ async def test_fail_open_split_names_are_reported(tmp_path: Path, mode: str, exp
         "spec: {modelName: split, poolRef: {name: pool}, targetModels: [{name: m-v1}]}\n"
     )
     _, store = await _start([directory])
-    assert fail_open_unserved_names(store.snapshot()) == expected
+    assert fail_open_split_targets(store.snapshot()) == expected

@@ -12,7 +12,6 @@ the runtime's timer calling `expire()` (off the request path).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import secrets
@@ -156,8 +155,6 @@ class DetachedExchanges:
         self.ttl_s = ttl_s
         self.clock = clock
         self._waiting: dict[str, tuple[float, Detached]] = {}
-        self._prefix = secrets.token_hex(4)  # keys of an earlier EPP process never match
-        self._sequence = itertools.count(1)
         self.settled = 0
         self.expired = 0  # settled as unknown: over the limit or the TTL
 
@@ -169,7 +166,11 @@ class DetachedExchanges:
         if len(self._waiting) >= self.limit:
             oldest = next(iter(self._waiting))
             self._give_up(oldest, "over the limit of waiting exchanges")
-        key = f"{self._prefix}-{next(self._sequence):x}"
+        # Random per request (round 2, finding 2): a key seen once tells nothing of the next,
+        # and keys of an earlier EPP process never match.
+        key = secrets.token_urlsafe(12)
+        while key in self._waiting:  # pragma: no cover  (96 random bits)
+            key = secrets.token_urlsafe(12)
         self._waiting[key] = (self.clock(), exchange)
         return key
 
@@ -207,12 +208,21 @@ class DetachedExchanges:
             self._give_up(key, "no access-log entry within the TTL")
         return len(old)
 
-    def _give_up(self, key: str, why: str) -> None:
+    def give_up_all(self, why: str) -> int:
+        """Settle every waiting exchange as unknown (their entries can no longer come: the
+        Envoy that owed them died); returns how many."""
+        keys = list(self._waiting)
+        for key in keys:
+            self._give_up(key, why, quiet=True)  # the caller logs once for all
+        return len(keys)
+
+    def _give_up(self, key: str, why: str, *, quiet: bool = False) -> None:
         held = self._waiting.pop(key, None)
         if held is None:
             return
         self.expired += 1
-        log.warning("response observer: request settled as unknown (%s) key=%s", why, key)
+        if not quiet:
+            log.warning("response observer: request settled as unknown (%s) key=%s", why, key)
         held[1].observed(Outcome(status=UNKNOWN_STATUS))
 
 

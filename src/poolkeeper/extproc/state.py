@@ -25,7 +25,13 @@ from collections.abc import Callable
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from poolkeeper.errors import GatewayError, PathNotFound, PayloadTooLarge, ServerBusy
+from poolkeeper.errors import (
+    GatewayError,
+    PathNotFound,
+    PayloadTooLarge,
+    ServerBusy,
+    UnsupportedEncoding,
+)
 from poolkeeper.extproc import messages as msg
 from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
 from poolkeeper.extproc.contracts import (
@@ -144,6 +150,13 @@ class Exchange:
         allowed = self.settings.inference_paths
         if allowed is not None and path not in allowed and path + "/" not in allowed:
             return self._reject(PathNotFound("no such inference API path on this gateway"))
+        encoding = self.headers.get("content-encoding", "").strip().lower()
+        if encoding and encoding != "identity":  # our Envoy refuses these first (routes.py)
+            return self._reject(
+                UnsupportedEncoding(
+                    "Content-Encoding is not supported: send the body uncompressed (identity)"
+                )
+            )
         if method == "GET" and path == self.settings.models_path:
             self.phase = Phase.DONE
             return [msg.models_reply(self.router.model_names())]

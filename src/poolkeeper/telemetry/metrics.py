@@ -143,6 +143,18 @@ class ObserverStats:
     given_up: int  # settled as unknown: over the limit or the TTL (entries lost)
 
 
+class _RefusedCollector(Collector):
+    def __init__(self, source: Callable[[], int]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "inference_extension_epp_refused_calls",
+            "gRPC calls to the EPP refused: they lacked the token of the Envoy serve runs.",
+            value=self.source(),
+        )
+
+
 class _ObserverCollector(Collector):
     def __init__(self, source: Callable[[], ObserverStats]) -> None:
         self.source = source
@@ -450,6 +462,10 @@ class GatewayMetrics:
         """Export how long the resource source has not been in step (Kubernetes: watches
         down, the last known state served); 0 while it is."""
         self.registry.register(_StaleCollector(stale_s))
+
+    def follow_refused(self, source: Callable[[], int]) -> None:
+        """Export the count of gRPC calls refused for want of Envoy's token (extproc/auth)."""
+        self.registry.register(_RefusedCollector(source))
 
     def follow_observer(self, source: Callable[[], ObserverStats]) -> None:
         """Export the response observer's waiting room (when the runtime has one)."""

@@ -38,12 +38,13 @@ from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
-from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import learns_from_first_tokens
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
+from poolkeeper.server.transport import Stoppable, export_transport, start_extproc
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats, QueueStats
 
@@ -137,7 +138,7 @@ class GatewayRuntime:
     envoy: EnvoySupervisor | None = None
     draining: bool = False
     _scrapers: ScraperManager | None = None
-    _grpc_servers: list[grpc.aio.Server] = field(default_factory=list)
+    _grpc_servers: list[Stoppable] = field(default_factory=list)  # grpc.aio or lean
     _web: web.AppRunner | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _stopped: bool = False
@@ -214,10 +215,17 @@ class GatewayRuntime:
                 AccessLogReceiver(detached).register(server)
                 FirstByteReceiver(detached).register(server)
 
-        extproc, _ = build_server(
-            self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=register
+        extproc = await start_extproc(
+            listeners.ext_proc_transport,
+            self.servicer,
+            listeners.address,
+            listeners.ext_proc,
+            health=health,
+            detached=detached,
+            register=register,
         )
         self._grpc_servers.append(extproc)
+        export_transport(self.metrics.registry, extproc)
         health_server = grpc.aio.server()
         health.register(health_server)
         if health_server.add_insecure_port(f"{listeners.address}:{listeners.health}") == 0:

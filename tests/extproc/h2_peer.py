@@ -68,6 +68,7 @@ class Peer:
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.next_id = 1
+        self.kept: dict[int, list[tuple[Frame, dict[str, str]]]] = {}
 
     @classmethod
     async def connect(cls, port: int, *, settings: dict[int, int] | None = None) -> Peer:
@@ -121,26 +122,39 @@ class Peer:
                 return frame
 
     async def response(self, stream_id: int) -> tuple[list[bytes], dict[str, str]]:
-        """The messages and trailers of `stream_id` (other streams' frames are skipped)."""
+        """The messages and trailers of `stream_id`; other streams' frames are kept for their
+        own `response` (header blocks are decoded as they arrive: HPACK's table is shared)."""
         data = b""
         messages: list[bytes] = []
         while True:
-            frame = await self.read_frame()
-            assert frame is not None, "connection closed before the trailers"
-            if frame.kind == f.HEADERS:
-                fields = {str(k): str(v) for k, v in self.decoder.decode(frame.payload)}
-                if frame.stream_id == stream_id and frame.flags & f.END_STREAM:
-                    while len(data) >= 5:
-                        size = struct.unpack_from(">L", data, 1)[0]
-                        messages.append(data[5 : 5 + size])
-                        data = data[5 + size :]
-                    return messages, fields
-            elif frame.kind == f.DATA and frame.stream_id == stream_id:
+            kept = self.kept.get(stream_id)
+            if kept:
+                frame, fields = kept.pop(0)
+            else:
+                read = await self.read_frame()
+                assert read is not None, "connection closed before the trailers"
+                frame, fields = read, {}
+                if frame.kind == f.HEADERS:
+                    decoded = self.decoder.decode(frame.payload)
+                    fields = {str(k): str(v) for k, v in decoded}
+                if frame.kind == f.GOAWAY:
+                    code, debug = f.u32(frame.payload[4:8]), frame.payload[8:]
+                    raise AssertionError(f"GOAWAY {code}: {debug!r}")
+                if frame.stream_id != stream_id:
+                    if frame.stream_id:
+                        self.kept.setdefault(frame.stream_id, []).append((frame, fields))
+                    continue
+            if frame.kind == f.HEADERS and frame.flags & f.END_STREAM:
+                while len(data) >= 5:
+                    size = struct.unpack_from(">L", data, 1)[0]
+                    messages.append(data[5 : 5 + size])
+                    data = data[5 + size :]
+                self.kept.pop(stream_id, None)
+                return messages, fields
+            if frame.kind == f.DATA:
                 data += frame.payload
-            elif frame.kind == f.RST_STREAM and frame.stream_id == stream_id:
+            elif frame.kind == f.RST_STREAM:
                 raise AssertionError(f"stream reset: {f.u32(frame.payload)}")
-            elif frame.kind == f.GOAWAY:
-                raise AssertionError(f"GOAWAY {f.u32(frame.payload[4:8])}: {frame.payload[8:]!r}")
 
     async def close(self) -> None:
         self.writer.close()

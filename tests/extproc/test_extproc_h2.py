@@ -4,7 +4,12 @@ grpcio speak it, and every limit of `Limits` holding against a peer that breaks 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,6 +18,7 @@ import pytest
 from poolkeeper.extproc.h2 import frames as f
 from poolkeeper.extproc.h2.limits import Limits
 from poolkeeper.extproc.h2.rpc import RpcError
+from poolkeeper.extproc.h2.server import tls_context
 from tests.extproc.h2_peer import PATH, Peer, echo_method, goaway_code, lean
 
 pytestmark = pytest.mark.integration
@@ -294,3 +300,33 @@ async def test_grpcio_clients_interoperate() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await unknown(b"")
         assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_tls_with_alpn_h2_serves_grpcio_and_refuses_other_protocols(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    async with lean(tls=tls_context(str(cert), str(key))) as server:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"localhost:{server.port}", credentials) as channel:
+            replies = [r async for r in channel.stream_stream(PATH)(iter([b"over", b"tls"]))]
+            assert replies == [b"over", b"tls"]
+        client = ssl.create_default_context(cafile=str(cert))
+        client.set_alpn_protocols(["http/1.1"])
+        reader, writer = await asyncio.open_connection(
+            "localhost", server.port, ssl=client, server_hostname="localhost"
+        )
+        writer.write(f.PREFACE)
+        with contextlib.suppress(ConnectionResetError, ssl.SSLError):
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing served
+        writer.close()

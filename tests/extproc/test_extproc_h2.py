@@ -330,3 +330,18 @@ async def test_tls_with_alpn_h2_serves_grpcio_and_refuses_other_protocols(tmp_pa
         with contextlib.suppress(ConnectionResetError, ssl.SSLError):
             assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing served
         writer.close()
+
+
+def test_the_transport_serves_on_uvloop_as_serve_runs_it() -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def exchange() -> list[bytes]:
+        async with lean() as server:
+            peer = await Peer.connect(server.port)
+            sid = peer.open()
+            peer.message(sid, b"uv", end_stream=True)
+            messages, _ = await peer.response(sid)
+            await peer.close()
+            return messages
+
+    assert uvloop.run(exchange()) == [b"uv"]

@@ -14,7 +14,7 @@ import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import hpack
 
@@ -117,8 +117,8 @@ class Connection(asyncio.Protocol):
 
     # -- transport callbacks --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's is not an asyncio.Transport subclass, only its shape).
+        self.transport = transport = cast(asyncio.Transport, transport)
         shared = self.shared
         if shared.draining or len(shared.connections) >= self.limits.max_connections:
             self._closed = True

@@ -21,7 +21,8 @@ from poolkeeper.envoy.process import EnvoyNotFound, find_envoy
 
 def _ext_proc(b: dict) -> dict:  # type: ignore[type-arg]
     hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm["http_filters"][0]["typed_config"]  # type: ignore[no-any-return]
+    (ext,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    return ext["typed_config"]  # type: ignore[no-any-return]
 
 
 def _hcm(b: dict) -> dict:  # type: ignore[type-arg]
@@ -61,11 +62,13 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
     plain = build_bootstrap(BootstrapParams())
     observed = build_bootstrap(BootstrapParams(observe_responses=True, observer_flush_s=0.01))
     assert [f["name"] for f in _hcm(plain)["http_filters"]] == [
+        "poolkeeper.header_guard",  # the client's header limits, before the EPP is asked
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.router",
     ]
     filters = _hcm(observed)["http_filters"]
     assert [f["name"] for f in filters] == [
+        "poolkeeper.header_guard",
         "envoy.filters.http.ext_proc",
         "poolkeeper.response_processor",
         "envoy.filters.http.lua",  # last before the router: it sees the server's response
@@ -75,7 +78,7 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
     modes = _ext_proc(observed)["processing_mode"]
     assert (modes["response_header_mode"], modes["response_body_mode"]) == ("SKIP", "NONE")
     assert _ext_proc(plain)["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
-    processor = filters[1]["typed_config"]
+    processor = filters[2]["typed_config"]
     assert processor["processing_mode"]["request_header_mode"] == "SKIP"
     assert processor["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert processor["grpc_service"] == _ext_proc(observed)["grpc_service"]
@@ -85,10 +88,10 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
     assert namespaces == ["poolkeeper"]
     assert processor["metadata_options"]["forwarding_namespaces"]["untyped"] == ["poolkeeper"]
     # The first-byte report is in the Lua script only when asked for.
-    lua = filters[2]["typed_config"]["default_source_code"]["inline_string"]
+    lua = filters[3]["typed_config"]["default_source_code"]["inline_string"]
     assert "local REPORT = false" in lua
     reporting = build_bootstrap(BootstrapParams(observe_responses=True, report_first_bytes=True))
-    lua = _hcm(reporting)["http_filters"][2]["typed_config"]["default_source_code"]
+    lua = _hcm(reporting)["http_filters"][3]["typed_config"]["default_source_code"]
     assert "local REPORT = true" in lua["inline_string"]
     assert '"/poolkeeper.observer.v1.ResponseObserver/FirstByte"' in lua["inline_string"]
     (als,) = _hcm(observed)["access_log"]
@@ -109,7 +112,8 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
         for r in routes
         if not r["typed_per_filter_config"]["poolkeeper.response_processor"].get("disabled")
     }
-    assert processing == {"epp_routed_response_via_epp"}
+    # (per method: POST paths, and GET for the model list)
+    assert processing == {"epp_routed_response_via_epp", "epp_routed_response_via_epp_get"}
     (via,) = [r for r in routes if r["name"] == "epp_routed_response_via_epp"]
     (matcher,) = via["match"]["dynamic_metadata"]
     assert (matcher["filter"], matcher["path"]) == ("poolkeeper", [{"key": "response"}])
@@ -167,7 +171,10 @@ def test_processing_mode_and_timeouts_fit_long_streams() -> None:
     assert ext["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext["message_timeout"] == "60s"  # bounded: a hung EPP costs at most this
     hcm = _hcm(b)
-    assert hcm["request_timeout"] == "0s"
+    assert hcm["request_timeout"] == "120s"  # a trickled body cannot reset it
+    assert hcm["common_http_protocol_options"]["idle_timeout"] == "60s"
+    listener = b["static_resources"]["listeners"][0]
+    assert listener["listener_filters_timeout"] == "10s"  # from accept, not the first byte
     assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == (
         "REJECT_REQUEST"
     )

@@ -198,7 +198,7 @@ async def test_spoofed_destination_never_reaches_canary_epp_up(
             assert json.loads(raw)["served_by"] in ("a", "b")
         async with (
             aiohttp.ClientSession() as session,
-            session.get(f"{r.url}/v1/completions", headers=spoof) as resp,
+            session.get(f"{r.url}/v1/models", headers=spoof) as resp,  # a bodyless GET
         ):
             assert resp.status == 200
         assert r.canary.connections == 0

@@ -14,7 +14,7 @@ from poolkeeper.errors import BadRequest
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.state import Exchange
 from poolkeeper.requestcontrol.types import IncomingRequest
-from poolkeeper.server.runtime import fail_open_unserved_names
+from poolkeeper.server.runtime import fail_open_split_targets
 from tests.extproc.extproc_fakes import FakeRouter, body_msg, headers_msg, post_headers
 from tests.requestcontrol.test_rc_director import _rig
 from tests.server.test_server_runtime import _start, _write
@@ -89,10 +89,12 @@ async def test_empty_post_body_gets_the_model_check() -> None:
     assert bodyless.endpoints  # GET without a body still goes to the default pool
 
 
-@pytest.mark.parametrize(("mode", "expected"), [("FailOpen", ["split"]), ("FailClose", [])])
-async def test_fail_open_split_names_are_reported(tmp_path: Path, mode: str, expected: list[str]):
-    """Finding 5: under FailOpen with the EPP down a split name reaches servers unrewritten
-    (404 from the server); the gateway names such models at start (documented limit)."""
+@pytest.mark.parametrize(("mode", "expected"), [("FailOpen", {"split": "m-v1"}), ("FailClose", {})])
+async def test_fail_open_split_names_are_reported(
+    tmp_path: Path, mode: str, expected: dict[str, str]
+) -> None:
+    """Finding 5: under FailOpen with the EPP down a split name reached servers unrewritten
+    (404 from the server); the managed Envoy now holds this table (round 2 R5)."""
     directory, _ = _write(tmp_path, mode)
     (directory / "split.yaml").write_text(
         "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\n"
@@ -100,4 +102,4 @@ async def test_fail_open_split_names_are_reported(tmp_path: Path, mode: str, exp
         "spec: {modelName: split, poolRef: {name: pool}, targetModels: [{name: m-v1}]}\n"
     )
     _, store = await _start([directory])
-    assert fail_open_unserved_names(store.snapshot()) == expected
+    assert fail_open_split_targets(store.snapshot()) == expected

@@ -95,8 +95,24 @@ def api(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
 
 
-async def test_fault_header_status_latency_and_bad_spec(sim_cluster: StartCluster) -> None:
+HEADER_FAULTS = {"faults": {"header_faults": True}}  # as `poolkeeper sim --fault-headers`
+
+
+async def test_fault_header_is_ignored_unless_the_server_was_told_to_obey_it(
+    sim_cluster: StartCluster,
+) -> None:
+    """A client of a gateway must not be able to make a server fail (round 2, finding 6)."""
     _, (where,) = await sim_cluster(1)
+    async with api(where.url) as client:
+        reply = await client.completions.create(
+            model=DEFAULT_MODEL, prompt="x", max_tokens=1,
+            extra_headers={"x-sim-fault": "status=503"},
+        )  # fmt: skip
+        assert reply.choices
+
+
+async def test_fault_header_status_latency_and_bad_spec(sim_cluster: StartCluster) -> None:
+    _, (where,) = await sim_cluster(1, **HEADER_FAULTS)
     async with api(where.url) as client:
         with pytest.raises(openai.InternalServerError) as info:
             await client.completions.create(
@@ -122,7 +138,7 @@ async def test_fault_header_status_latency_and_bad_spec(sim_cluster: StartCluste
 
 
 async def test_stall_before_first_byte_and_cut_stream(sim_cluster: StartCluster) -> None:
-    _, (where,) = await sim_cluster(1)
+    _, (where,) = await sim_cluster(1, **HEADER_FAULTS)
     body = {"model": DEFAULT_MODEL, "prompt": "x", "max_tokens": 20, "stream": True}
     async with aiohttp.ClientSession() as http:
         started = time.monotonic()
@@ -151,7 +167,7 @@ async def test_stall_before_first_byte_and_cut_stream(sim_cluster: StartCluster)
 
 
 async def test_metrics_faults_and_standing_faults(sim_cluster: StartCluster) -> None:
-    _, (where,) = await sim_cluster(1)
+    _, (where,) = await sim_cluster(1, **HEADER_FAULTS)
     async with aiohttp.ClientSession() as http:
         async with http.get(
             f"{where.url}/metrics", headers={"x-sim-fault": "metrics=garbage"}

@@ -57,6 +57,12 @@ def register(subparsers: Any) -> None:
         help="tokens per streamed event after the first, as vLLM's --stream-interval (1)",
     )
     parser.add_argument("--config", default=None, help="YAML file with per-server settings")
+    parser.add_argument(
+        "--fault-headers",
+        action="store_true",
+        help="obey the x-sim-fault request header (fault injection by the client; off by "
+        "default, so a client cannot make the server fail)",
+    )
     parser.set_defaults(handler=run_sim)
 
 
@@ -74,6 +80,8 @@ def _cli_settings(args: argparse.Namespace) -> ServerSettings:
     }
     if args.lora_adapters is not None:
         values["lora_adapters"] = [a.strip() for a in args.lora_adapters.split(",") if a.strip()]
+    if getattr(args, "fault_headers", False):
+        values["faults"] = {"header_faults": True}
     return ServerSettings.model_validate({k: v for k, v in values.items() if v is not None})
 
 

@@ -13,7 +13,11 @@ Hot reload: `run()` polls the files' (mtime, size, inode) every `interval` secon
 when anything changed, including files added to or removed from a directory. A load with any
 error (bad YAML, invalid object, two GatewayConfigs, an unknown engine type) is not applied:
 the last good state stays in force, each error is logged once as `file[:doc]: Kind/ns/name:
-field.path: message`, and `last_errors` keeps them until a good load. File reading and
+field.path: message`, and `last_errors` keeps them until a good load. A deleted file is such
+an error too when resources it held are gone with it (reliability round 2, finding 6: deleting
+the models file emptied the model set): to remove a file's resources, the operator empties the
+file (or deletes its documents) first, then deletes it; moving resources to another file and
+deleting the old one is fine. File reading and
 validation run in a worker thread; datastore writes happen on the event loop, because listeners
 (the scraper manager) start tasks.
 """
@@ -24,7 +28,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
@@ -76,6 +80,8 @@ class LoadedFiles:
     notices: tuple[str, ...]
     errors: tuple[str, ...]
     policies: tuple[ModelResource, ...] = ()  # InferenceObjectives and InferenceModelRewrites
+    # file -> refs of its resources
+    held: Mapping[str, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
@@ -105,7 +111,31 @@ def load_files(paths: Sequence[str | Path]) -> LoadedFiles:
         notices=tuple(result.notices),
         errors=tuple(errors),
         policies=(*result.objectives(), *result.rewrites()),
+        held=MappingProxyType(_held(result)),
     )
+
+
+def _held(result: LoadResult) -> dict[str, frozenset[str]]:
+    refs: dict[str, set[str]] = {}
+    for resource in result.resources:
+        refs.setdefault(resource.source, set()).add(resource.ref)
+    return {source: frozenset(names) for source, names in refs.items()}
+
+
+def deleted_file_errors(before: Mapping[str, frozenset[str]], now: LoadedFiles) -> tuple[str, ...]:
+    """Files of the last good load that are gone, taking resources with them: one error each
+    (a deletion that was not confirmed by emptying the file first)."""
+    present = frozenset().union(*now.held.values()) if now.held else frozenset()
+    errors = []
+    for source, refs in sorted(before.items()):
+        lost = sorted(refs - present)
+        if source not in now.held and lost and not os.path.exists(source):
+            errors.append(
+                f"{source}: deleted, taking {len(lost)} resource(s) with it ({', '.join(lost[:3])}"
+                f"{', ...' if len(lost) > 3 else ''}); treated as a bad edit. To remove them, "
+                "empty the file first, then delete it"
+            )
+    return tuple(errors)
 
 
 def endpoint_specs(
@@ -168,6 +198,7 @@ class FileResourceSource:
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
         self._gateway_config: GatewayConfig | None = None  # set by the first good load
         self._errors: tuple[str, ...] = ()
+        self._held: Mapping[str, frozenset[str]] = MappingProxyType({})  # of the last good load
         self.loads = 0  # successful loads applied
 
     # --- queries -----------------------------------------------------------------------------
@@ -240,7 +271,9 @@ class FileResourceSource:
                 log.exception("reloading %s failed", ", ".join(map(str, self.paths)))
 
     def _load(self) -> LoadedFiles:
-        return load_files(self.paths)
+        loaded = load_files(self.paths)
+        deleted = deleted_file_errors(self._held, loaded) if self.loads else ()
+        return replace(loaded, errors=(*loaded.errors, *deleted)) if deleted else loaded
 
     def _apply(self, loaded: LoadedFiles) -> ReloadOutcome:
         for notice in loaded.notices:
@@ -253,6 +286,7 @@ class FileResourceSource:
             log.error("resource files have %d error(s); %s", len(loaded.errors), kept)
             return ReloadOutcome(applied=False, errors=loaded.errors, notices=loaded.notices)
         self._errors = ()
+        self._held = loaded.held
         self._gateway_config = loaded.gateway_config
         snapshot = self._datastore.set_all(
             loaded.pools, (*loaded.models, *loaded.policies), loaded.specs, source=self._source

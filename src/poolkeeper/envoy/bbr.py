@@ -23,8 +23,6 @@ from typing import Any
 from poolkeeper.envoy.bootstrap import (
     _early_header_mutation,
     _local_reply_config,
-    _openai_error,
-    _retry_policy,
     ext_proc_filter,
 )
 from poolkeeper.envoy.clusters import override_host_policy
@@ -41,6 +39,7 @@ from poolkeeper.envoy.params import (
     socket_address,
     thresholds,
 )
+from poolkeeper.envoy.routes import _openai_error, _retry_policy
 
 MODEL_HEADER = "x-gateway-model-name"
 BBR_CLUSTER = "bbr"

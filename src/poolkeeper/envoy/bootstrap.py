@@ -1,6 +1,7 @@
 """The Envoy bootstrap `poolkeeper serve` runs (and `poolkeeper envoy-config` prints).
 
-One HTTP listener whose filter chain is ext_proc (to the EPP) then the router. The EPP names the
+One HTTP listener whose filter chain is the header guard (`guard.py`), ext_proc (to the EPP)
+then the router; its routes are built in `routes.py`. The EPP names the
 pod and its fallbacks in `x-gateway-destination-endpoint` (`ip:port,ip:port,...`, protocol
 v0.4+) and the same value in `envoy.lb` metadata; a route matching that header sends the request
 to the EPP-routed cluster (`override_host` policy, see `clusters.py`), whose retry policy moves on
@@ -14,25 +15,29 @@ manager's *early header mutation* removes every `x-gateway-destination-endpoint*
 header exists is the EPP setting it. Response headers name the pod that served
 (`x-gateway-destination-endpoint-served`, from the upstream address).
 
+Connection limits (reliability round 2): a silent connection is closed from accept (the HTTP
+inspector and the listener filters' timeout), a request has a total timeout no trickle resets,
+idle keep-alive connections close in seconds, and the overload manager's connection cap sits
+below the descriptor limit `serve` gives Envoy.
+
 Everything is a plain dict (JSON is valid YAML, so `envoy -c` takes either).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from poolkeeper import observation
 from poolkeeper.envoy.clusters import clusters
+from poolkeeper.envoy.failopen import (
+    fail_open_rewrite,
+)
+from poolkeeper.envoy.guard import header_guard
 from poolkeeper.envoy.observer import (
     RESPONSE_PROCESSOR,
     access_log,
-    lua_disabled,
     lua_filter,
-    response_processor_disabled,
-    response_processor_enabled,
-    via_epp_matcher,
 )
 from poolkeeper.envoy.params import (
     DESTINATION_HEADER,
@@ -40,14 +45,13 @@ from poolkeeper.envoy.params import (
     EPP_CLUSTER,
     EXT_PROC_ERROR_STATUS,
     EXT_PROC_FILTER,
-    EXT_PROC_PER_ROUTE_TYPE,
     EXT_PROC_SERVICE,
     EXT_PROC_TYPE,
     FALLBACK_CLUSTER,
     FILE_LOG_TYPE,
     HCM,
     HEADER_HEADROOM,
-    RETRY_ON,
+    HEADER_KB_HEADROOM,
     ROUTED_CLUSTER,
     ROUTER_TYPE,
     SERVED_HEADER,
@@ -57,8 +61,10 @@ from poolkeeper.envoy.params import (
     BootstrapParams,
     T,
     duration,
+    epp_grpc_service,
     socket_address,
 )
+from poolkeeper.envoy.routes import _openai_error, _rewrites_split_names, _routes
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -121,7 +127,7 @@ def ext_proc_config(p: BootstrapParams) -> dict[str, Any]:
     """What every ext_proc filter towards the EPP shares."""
     return {
         T: EXT_PROC_TYPE,
-        "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+        "grpc_service": epp_grpc_service(p),
         "failure_mode_allow": p.fail_open,
         "allow_mode_override": False,
         "message_timeout": duration(p.message_timeout_s),
@@ -140,151 +146,6 @@ def _early_header_mutation(p: BootstrapParams) -> dict[str, Any]:
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {T: EARLY_TYPE, "mutations": mutations},
     }
-
-
-def _openai_error(message: str, type_: str, code: str) -> str:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return json.dumps(body, separators=(",", ":"))
-
-
-NO_EPP_BODY = _openai_error(
-    "the endpoint picker is unavailable and the pool is FailClose",
-    "service_unavailable_error",
-    "endpoint_picker_unavailable",
-)
-
-
-NOT_FOUND = _openai_error(
-    "no such inference API path on this gateway", "invalid_request_error", "not_found"
-)
-TOO_LARGE_BODY = _openai_error(
-    "request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
-)
-
-
-def _retry_policy(p: BootstrapParams) -> dict[str, Any]:
-    """Try the listed fallbacks, one per retry (override_host takes the next address), when a
-    model server cannot be reached. A short backoff: the next try goes to another host. The
-    per-try timeout is a first-byte timeout (Envoy disarms it once response headers arrive)."""
-    return {
-        "retry_on": RETRY_ON,
-        "num_retries": p.retries,
-        "per_try_timeout": duration(p.first_byte_timeout_s),
-        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
-    }
-
-
-def _json_direct(status: int, body: str, *, skip_epp: bool = True) -> dict[str, Any]:
-    """A route answered by Envoy itself with an OpenAI error body; with `skip_epp` the EPP is
-    never consulted (the route is chosen before ext_proc runs, from the client's request)."""
-    route: dict[str, Any] = {
-        "direct_response": {"status": status, "body": {"inline_string": body}},
-        "response_headers_to_add": [
-            {
-                "header": {"key": "content-type", "value": "application/json"},
-                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            }
-        ],
-    }
-    if skip_epp:
-        route["typed_per_filter_config"] = {
-            EXT_PROC_FILTER: {T: EXT_PROC_PER_ROUTE_TYPE, "disabled": True}
-        }
-    return route
-
-
-def inference_path_regex(paths: tuple[str, ...]) -> str:
-    """One RE2 pattern for the allowlist: each path exactly, with an optional trailing slash
-    (Envoy matches it against the normalised path without the query string)."""
-    alternatives = "|".join(re.escape(path.rstrip("/")) for path in paths)
-    return f"^(?:{alternatives})/?$"
-
-
-def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
-    served = [
-        {
-            "header": {"key": SERVED_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
-            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-        }
-    ]
-    # No total timeout (a generation can run for minutes); idle timeouts bound dead streams.
-    # The per-try timeout ends when the response headers arrive: a first-byte timeout.
-    route_opts = {"timeout": "0s", "idle_timeout": duration(p.stream_idle_timeout_s)}
-    allowed = {"safe_regex": {"regex": inference_path_regex(p.inference_paths)}}
-    routes: list[dict[str, Any]] = [
-        {
-            # A declared Content-Length over the limit: 413 before any body is read or buffered
-            # (and, with proxy_100_continue, before any `100 Continue`).
-            "name": "too_large",
-            "match": {
-                "prefix": "/",
-                "headers": [
-                    {
-                        "name": "content-length",
-                        "range_match": {"start": p.max_body_bytes + 1, "end": 1 << 62},
-                    }
-                ],
-            },
-            **_json_direct(413, TOO_LARGE_BODY.replace("{limit}", str(p.max_body_bytes))),
-        },
-    ]
-    routed = {"headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
-    epp_routed = {
-        # The body kept for a retry: larger than the client connection's buffer.
-        "per_request_buffer_limit_bytes": p.buffer_limit_bytes,
-        "route": {"cluster": ROUTED_CLUSTER, **route_opts, "retry_policy": _retry_policy(p)},
-        "response_headers_to_add": served,
-    }
-    if p.observe_responses:
-        # The EPP asked to see this response (it rewrites it): the same route, with the
-        # response processor on (chosen again once the EPP has set its metadata).
-        routes.append(
-            {
-                "name": "epp_routed_response_via_epp",
-                "match": {**allowed, **routed, "dynamic_metadata": [via_epp_matcher()]},
-                **epp_routed,
-                "typed_per_filter_config": {RESPONSE_PROCESSOR: response_processor_enabled()},
-            }
-        )
-    routes.append({"name": "epp_routed", "match": {**allowed, **routed}, **epp_routed})
-    if p.fail_open and p.fallback_endpoints:
-        routes.append(
-            {
-                "name": "fail_open",
-                "match": allowed,
-                "route": {
-                    "cluster": FALLBACK_CLUSTER,
-                    # Chosen before the EPP answers: its idle timeout bounds a hung EPP too.
-                    **route_opts,
-                    "idle_timeout": duration(p.message_timeout_s),
-                    "retry_policy": {
-                        "per_try_timeout": duration(p.first_byte_timeout_s),
-                        "num_retries": 0,
-                    },
-                },
-                "response_headers_to_add": served,
-            }
-        )
-    else:
-        # Chosen first for every inference request (the EPP adds the destination header and
-        # clears the route cache), so the EPP must run here; only if it did not route it is
-        # this the answer.
-        routes.append(
-            {
-                "name": "not_routed",
-                "match": allowed,
-                **_json_direct(503, NO_EPP_BODY, skip_epp=False),
-            }
-        )
-    # Everything outside the inference API: the model servers' admin paths included.
-    routes.append({"name": "not_found", "match": {"prefix": "/"}, **_json_direct(404, NOT_FOUND)})
-    if p.observe_responses:
-        for route in routes:
-            per_filter = route.setdefault("typed_per_filter_config", {})
-            per_filter.setdefault(RESPONSE_PROCESSOR, response_processor_disabled())
-            if "direct_response" in route:  # answered by Envoy: nothing to observe
-                per_filter.update(lua_disabled())
-    return routes
 
 
 def _local_reply_config() -> dict[str, Any]:
@@ -364,19 +225,28 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         "use_remote_address": True,
         "normalize_path": True,
         "merge_slashes": True,
+        # HTTP/1.0 clients are served (they got an empty reply: round 2, finding 6); without
+        # a Host header the request gets this authority.
+        "http_protocol_options": {"accept_http_10": True, "default_host_for_http_10": "gateway"},
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
-        "max_request_headers_kb": p.max_request_headers_kb,
+        # The codec's limits leave room for the EPP's header mutation; the header guard holds
+        # clients to `max_request_headers_kb` / `max_headers_count` (envoy/guard.py).
+        "max_request_headers_kb": p.max_request_headers_kb + HEADER_KB_HEADROOM,
         # Until the EPP has routed a request, its stream may idle only this long: a hung EPP
         # (alive, never answering) costs a request at most this. Envoy's ext_proc message
         # timer does not run for FULL_DUPLEX_STREAMED bodies, so this is the bound that holds.
         # Routed requests get the route's idle timeout (stream_idle_timeout_s) instead.
         "stream_idle_timeout": duration(p.message_timeout_s),
-        "request_timeout": "0s",
+        # The whole request (headers and body) within this, counted from its start: a body
+        # trickling one byte at a time resets the idle timers but not this one. Disarmed once
+        # the last byte went upstream, so a long generation is not cut.
+        "request_timeout": duration(p.request_timeout_s),
         "request_headers_timeout": duration(p.request_headers_timeout_s),
         "common_http_protocol_options": {
             "headers_with_underscores_action": "REJECT_REQUEST",
             "max_headers_count": p.max_headers_count + HEADER_HEADROOM,
-            "idle_timeout": "3600s",
+            # A connection with no request in progress (keep-alive between requests).
+            "idle_timeout": duration(p.connection_idle_timeout_s),
         },
         "http2_protocol_options": {
             "max_concurrent_streams": 100,
@@ -390,10 +260,15 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(p)}],
         },
         "http_filters": [
+            header_guard(max_headers=p.max_headers_count, max_kb=p.max_request_headers_kb),
             ext_proc_filter(p),
+            *([fail_open_rewrite(p.fail_open_targets)] if _rewrites_split_names(p) else []),
             # Encoding runs backwards: Lua sees the model server's response as it came.
             *(
-                [response_processor(p), lua_filter(report_first_bytes=p.report_first_bytes)]
+                [
+                    response_processor(p),
+                    lua_filter(report_first_bytes=p.report_first_bytes, token=p.epp_token),
+                ]
                 if p.observe_responses
                 else []
             ),
@@ -409,7 +284,7 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
             }
         )
     if p.observe_responses:
-        logs.append(access_log(p.observer_flush_s))
+        logs.append(access_log(p.observer_flush_s, epp_grpc_service(p)))
     if logs:
         hcm["access_log"] = logs
     return hcm
@@ -427,6 +302,13 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                     "name": "gateway",
                     "address": socket_address(p.listen_address, p.listen_port),
                     "per_connection_buffer_limit_bytes": p.connection_buffer_bytes,
+                    # A connection that sends nothing is closed `accept_timeout_s` after
+                    # accept: the HTTP inspector waits for the first bytes, and the listener
+                    # filters' timeout closes the socket when none came (Envoy's own header
+                    # timer starts only at the first byte).
+                    "listener_filters": [_http_inspector()],
+                    "listener_filters_timeout": duration(p.accept_timeout_s),
+                    "continue_on_listener_filters_timeout": False,
                     "filter_chains": [
                         {
                             "filters": [
@@ -442,6 +324,16 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
             "clusters": clusters(p),
         },
         "overload_manager": _overload_manager(p),
+    }
+
+
+def _http_inspector() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.listener.http_inspector",
+        "typed_config": {
+            T: "type.googleapis.com/envoy.extensions.filters.listener.http_inspector.v3."
+            "HttpInspector"
+        },
     }
 
 

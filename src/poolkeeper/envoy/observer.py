@@ -34,7 +34,7 @@ from string import Template
 from typing import Any
 
 from poolkeeper import observation as wire
-from poolkeeper.envoy.params import EPP_CLUSTER, EXT_PROC_PER_ROUTE_TYPE, T
+from poolkeeper.envoy.params import EPP_CLUSTER, EPP_TOKEN_HEADER, EXT_PROC_PER_ROUTE_TYPE, T
 
 LUA_FILTER = "envoy.filters.http.lua"
 LUA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
@@ -76,7 +76,7 @@ local function report_first_byte(handle)
     math.floor(n / 256) % 256, n % 256) .. message
   handle:httpCall("${CLUSTER}", {
     [":method"] = "POST", [":path"] = "${PATH}", [":authority"] = "${CLUSTER}",
-    ["content-type"] = "application/grpc", ["te"] = "trailers",
+    ["content-type"] = "application/grpc", ["te"] = "trailers",${TOKEN}
   }, frame, ${TIMEOUT_MS}, true)
 end
 
@@ -144,9 +144,13 @@ end
 REPORT_TIMEOUT_MS = 1000
 
 
-def lua_source(*, report_first_bytes: bool) -> str:
-    """The observer's Lua script; `report_first_bytes`: with the first-byte report."""
+def lua_source(*, report_first_bytes: bool, token: str | None = None) -> str:
+    """The observer's Lua script; `report_first_bytes`: with the first-byte report, which
+    carries the EPP's `token` (URL-safe characters only: safe in a Lua string)."""
+    if token is not None and not token.replace("-", "").replace("_", "").isalnum():
+        raise ValueError("the EPP token must be URL-safe base64")
     return _LUA.substitute(
+        TOKEN="" if token is None else f' ["{EPP_TOKEN_HEADER}"] = "{token}",',
         NS=wire.NAMESPACE,
         REPORT="true" if report_first_bytes else "false",
         EXCHANGE=wire.EXCHANGE,
@@ -163,8 +167,8 @@ def lua_source(*, report_first_bytes: bool) -> str:
     )
 
 
-def lua_filter(*, report_first_bytes: bool = False) -> dict[str, Any]:
-    source = lua_source(report_first_bytes=report_first_bytes)
+def lua_filter(*, report_first_bytes: bool = False, token: str | None = None) -> dict[str, Any]:
+    source = lua_source(report_first_bytes=report_first_bytes, token=token)
     return {
         "name": LUA_FILTER,
         "typed_config": {T: LUA_TYPE, "default_source_code": {"inline_string": source}},
@@ -193,7 +197,7 @@ def lua_disabled() -> dict[str, Any]:
     return {LUA_FILTER: {T: LUA_PER_ROUTE_TYPE, "disabled": True}}
 
 
-def access_log(flush_interval_s: float) -> dict[str, Any]:
+def access_log(flush_interval_s: float, grpc_service: dict[str, Any]) -> dict[str, Any]:
     """One gRPC access-log entry per EPP-routed request, to the EPP's port, batched for at most
     `flush_interval_s` (or 16 KiB): one message per batch, whatever the response's length."""
     return {
@@ -213,7 +217,7 @@ def access_log(flush_interval_s: float) -> dict[str, Any]:
             "common_config": {
                 "log_name": ALS_LOG_NAME,
                 "transport_api_version": "V3",
-                "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+                "grpc_service": grpc_service,
                 "buffer_flush_interval": f"{flush_interval_s:g}s",
                 "buffer_size_bytes": 16384,
             },

@@ -28,14 +28,19 @@ EPP_CLUSTER = "epp"
 EXT_PROC_ERROR_STATUS = 502  # ext_proc status_on_error; bootstrap maps it to 503 + body
 # Response flags of Envoy's local replies when the chosen model server cannot be reached.
 UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "URX", "UO", "UC", "UPE")
+EPP_TOKEN_HEADER = "x-poolkeeper-epp-token"  # extproc.auth.TOKEN_HEADER
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Client-supplied headers removed before anything else runs: exact names and name prefixes.
 STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
-STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-")
+# `x-sim-`: the simulator's fault headers are for its own tests, never a client's to send.
+STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-", "x-sim-")
 # Envoy applies the client header-count limit to the EPP's header mutation too: the headers
 # Envoy itself adds (x-forwarded-*, x-request-id, ...) plus the EPP's would push a request with
 # 94-100 client headers over it. The listener's limit is the client limit plus this headroom.
 HEADER_HEADROOM = 20
+# The same for size: the codec allows the client's `max_request_headers_kb` plus this, and the
+# header guard (envoy/guard.py) holds clients to their own limits before the EPP is asked.
+HEADER_KB_HEADROOM = 4
 EXT_PROC_PER_ROUTE_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 )
@@ -70,6 +75,9 @@ class BootstrapParams:
     admin_port: int = 9901
     fail_open: bool = False
     fallback_endpoints: tuple[str, ...] = ()  # "ip:port" of the pool's endpoints (FailOpen)
+    # FailOpen with the EPP down: client-facing split names -> the split's first target,
+    # rewritten in the body by Envoy itself (envoy/failopen.py).
+    fail_open_targets: tuple[tuple[str, str], ...] = ()
     # Every pool endpoint ("ip:port"), the hosts the EPP may name. With `endpoints_file` they
     # come from that file instead (kept current on hot reload), this is then only its start.
     routed_endpoints: tuple[str, ...] = ()
@@ -82,7 +90,16 @@ class BootstrapParams:
     # a model server's admin paths (/v1/load_lora_adapter, /metrics, ...) are never reachable.
     inference_paths: tuple[str, ...] = DEFAULT_INFERENCE_PATHS
     max_body_bytes: int = 16 << 20  # a larger declared Content-Length: 413 before any body
+    # Connection limits (reliability round 2, finding 1). From accept, a connection has
+    # `accept_timeout_s` to send its first bytes (the listener's inspector closes it otherwise:
+    # Envoy's header timer starts only at the first byte), then `request_headers_timeout_s` for
+    # the rest of its headers. A request has `request_timeout_s` in all to be received (a body
+    # trickling a byte at a time resets the idle timers, never this one). A connection with no
+    # request in progress is closed after `connection_idle_timeout_s`.
+    accept_timeout_s: float = 10.0
     request_headers_timeout_s: float = 10.0
+    request_timeout_s: float = 120.0
+    connection_idle_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     # Request body Envoy keeps for a retry on a fallback endpoint (per request, routed routes).
     buffer_limit_bytes: int = 1 << 20
@@ -94,6 +111,9 @@ class BootstrapParams:
     max_request_headers_kb: int = 60
     max_headers_count: int = 100
     max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
+    # The overload manager's cap on client connections: `serve` derives it from the descriptor
+    # limit it gives Envoy (`downstream_connection_cap`), so the cap acts before descriptors
+    # run out (each proxied request also holds an upstream descriptor).
     max_downstream_connections: int = 50_000
     heap_limit_bytes: int = 1 << 30  # the overload manager's heap scale (not a hard limit)
     # Heap in use above this fraction of heap_limit_bytes (1 MiB: always, in practice) makes
@@ -115,6 +135,27 @@ class BootstrapParams:
     # first byte passed (one unary gRPC call per request), for schedulers that learn from
     # first tokens (`Scheduler.observes_first_tokens`); otherwise the access log tells it later.
     report_first_bytes: bool = False
+    # Sent as gRPC metadata (`extproc.auth.TOKEN_HEADER`) on every call to the EPP: `serve`
+    # makes one per run and its EPP refuses calls without it. None: no token (envoy-config).
+    epp_token: str | None = None
+
+
+# Descriptors kept back from the cap for Envoy itself: admin, EPP, logs, EDS file, upstream pools.
+FD_RESERVE = 1024
+
+
+def downstream_connection_cap(descriptors: int) -> int:
+    """The most client connections Envoy accepts with `descriptors` file descriptors: each may
+    hold an upstream connection too, and `FD_RESERVE` stay free for everything else."""
+    return max(64, (descriptors - FD_RESERVE) // 2)
+
+
+def epp_grpc_service(p: BootstrapParams) -> dict[str, Any]:
+    """How every filter and log reaches the EPP: its cluster, with the run's token."""
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": EPP_CLUSTER}}
+    if p.epp_token is not None:
+        service["initial_metadata"] = [{"key": EPP_TOKEN_HEADER, "value": p.epp_token}]
+    return service
 
 
 def duration(seconds: float) -> str:

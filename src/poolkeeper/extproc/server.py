@@ -10,7 +10,7 @@ in-flight accounting is always released (or, for a detached exchange, left to th
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from envoy.service.ext_proc.v3 import (
@@ -115,15 +115,17 @@ def build_server(
     address: str,
     *,
     extra: Callable[[grpc.aio.Server], None] | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to `address` ("host:port", port 0 = any); returns (server, port).
     The servicer is the EPP's (`ExtProcServicer`) or body-based routing's (`bbr.BbrServicer`)."""
     server = grpc.aio.server(
+        interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     if extra is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import signal
@@ -35,8 +36,15 @@ from poolkeeper.controller.source import ResourceSource, SourceFactory
 from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
-from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.envoy.params import downstream_connection_cap
+from poolkeeper.envoy.process import (
+    EnvoyOptions,
+    EnvoySupervisor,
+    find_envoy,
+    raise_descriptor_limit,
+)
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
+from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.requestcontrol.build import build_director
@@ -44,7 +52,12 @@ from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import learns_from_first_tokens
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
-from poolkeeper.server.transport import Stoppable, export_transport, start_extproc
+from poolkeeper.server.transport import (
+    Stoppable,
+    export_transport,
+    refused_calls,
+    start_extproc,
+)
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats, QueueStats
 
@@ -66,20 +79,21 @@ class ServeOptions:
     ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
 
 
-def fail_open_unserved_names(snapshot: DatastoreSnapshot) -> list[str]:
-    """Client-facing model names of FailOpen pools that only name a split (reliability finding
-    5): with the EPP down, Envoy forwards the body unchanged, so the server gets a name it does
-    not serve (e.g. `food-review` split over `food-review-v1/-v2`) and answers 404."""
-    names: list[str] = []
+def fail_open_split_targets(snapshot: DatastoreSnapshot) -> dict[str, str]:
+    """Client-facing model names of FailOpen pools that only name a split, each with its
+    split's first target (reliability finding 5, round 2 R5): with the EPP down, the body
+    reaches a server unchanged, and a name it does not serve (e.g. `food-review` split over
+    `food-review-v1/-v2`) got 404. The managed Envoy rewrites these (envoy/failopen.py)."""
+    table: dict[str, str] = {}
     for key in snapshot.pool_keys():
         pool = snapshot.pool(key)
         if pool is None or pool.failure_mode() != "FailOpen":
             continue
-        for name, model in snapshot.models(key).items():
-            targets = {t.name for t in model.spec.target_models}
+        for name, model in sorted(snapshot.models(key).items()):
+            targets = [t.name for t in model.spec.target_models]
             if targets and name not in targets:
-                names.append(name)
-    return sorted(set(names))
+                table.setdefault(name, targets[0])
+    return dict(sorted(table.items()))
 
 
 def bootstrap_params(
@@ -101,7 +115,9 @@ def bootstrap_params(
     if fail_open:
         for pool in pools:
             fallback += [e.hostport for e in snapshot.endpoints(pool.key)]
-    local = "127.0.0.1" if listeners.address in ("0.0.0.0", "127.0.0.1") else listeners.address
+    # The Envoy `serve` runs reaches the EPP on loopback, where the EPP then listens.
+    wildcard = listeners.address in ("0.0.0.0", "127.0.0.1")
+    local = "127.0.0.1" if managed or wildcard else listeners.address
     return BootstrapParams(
         listen_address=listeners.address,
         listen_port=listeners.http,
@@ -111,10 +127,14 @@ def bootstrap_params(
         admin_port=listeners.admin,
         fail_open=fail_open,
         fallback_endpoints=tuple(dict.fromkeys(fallback)),
+        fail_open_targets=tuple(fail_open_split_targets(snapshot).items()) if fail_open else (),
         routed_endpoints=tuple(e.hostport for e in snapshot.all_endpoints()),
         endpoints_file=str(endpoints_file) if endpoints_file is not None else None,
         retries=config.spec.request_handling.fallback_endpoints,
         message_timeout_s=edge.epp_timeout_s,
+        # Outlasts the longest queueing (epp_timeout_s exceeds every queue TTL) plus a minute
+        # for the body's upload; a trickled body cannot stretch it.
+        request_timeout_s=edge.epp_timeout_s + 60.0,
         first_byte_timeout_s=edge.first_byte_timeout_s,
         stream_idle_timeout_s=edge.stream_idle_timeout_s,
         inference_paths=tuple(edge.inference_paths),
@@ -144,6 +164,8 @@ class GatewayRuntime:
     _stopped: bool = False
     _source: ResourceSource | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # With the Envoy we run: its token for the EPP's gRPC port (extproc/auth.py).
+    _epp_token: str | None = None
     _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
 
     # -- start ----------------------------------------------------------------------------
@@ -215,20 +237,34 @@ class GatewayRuntime:
                 AccessLogReceiver(detached).register(server)
                 FirstByteReceiver(detached).register(server)
 
+        # With the Envoy we run, the EPP's ports are for that Envoy only (round 2, finding 2):
+        # loopback whatever the public address, and a token on every gRPC call but health.
+        # Without it (--no-envoy, Kubernetes) another host's Envoy must reach them. Both
+        # transports hold to it: grpcio by the interceptor, the lean one by its own check.
+        local = self.epp_address
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.options.run_envoy:
+            self._epp_token = new_token()
+            guard = EnvoyOnly(self._epp_token)
+            interceptors.append(guard)
         extproc = await start_extproc(
             listeners.ext_proc_transport,
             self.servicer,
-            listeners.address,
+            local,
             listeners.ext_proc,
             health=health,
             detached=detached,
             register=register,
+            interceptors=interceptors,
+            token=self._epp_token,
         )
         self._grpc_servers.append(extproc)
         export_transport(self.metrics.registry, extproc)
+        if interceptors:
+            self.metrics.follow_refused(refused_calls(extproc, guard))
         health_server = grpc.aio.server()
         health.register(health_server)
-        if health_server.add_insecure_port(f"{listeners.address}:{listeners.health}") == 0:
+        if health_server.add_insecure_port(f"{local}:{listeners.health}") == 0:
             raise OSError(f"cannot bind the health server to port {listeners.health}")
         self._grpc_servers.append(health_server)
         for server in self._grpc_servers:
@@ -239,20 +275,21 @@ class GatewayRuntime:
         app.router.add_get("/readyz", self._http_probe(self.ready))
         self._web = web.AppRunner(app, access_log=None)
         await self._web.setup()
-        await web.TCPSite(self._web, listeners.address, listeners.metrics).start()
+        await web.TCPSite(self._web, local, listeners.metrics).start()
         log.info(
             "epp listening ext_proc=%s:%d health=%d metrics=%d",
-            listeners.address,
+            local,
             listeners.ext_proc,
             listeners.health,
             listeners.metrics,
         )
         await self._wait_ready(self.options.ready_wait_s)
-        unserved = fail_open_unserved_names(self.datastore.snapshot())
-        if unserved:
+        unserved = fail_open_split_targets(self.datastore.snapshot())
+        if unserved and not self.options.run_envoy:  # the Envoy we run holds the table
             log.warning(
                 "FailOpen: with the endpoint picker down, requests for %s reach model servers "
-                "unrewritten and get 404 (they name only a split); see docs/reliability.md",
+                "unrewritten and get 404 (they name only a split) unless your Envoy rewrites "
+                "them; see docs/reliability.md",
                 ", ".join(unserved),
             )
         if self.options.run_envoy:
@@ -275,6 +312,12 @@ class GatewayRuntime:
         params = bootstrap_params(
             config, self.datastore.snapshot(), endpoints_file=endpoints.path, managed=True
         )
+        params = dataclasses.replace(params, epp_token=self._epp_token)
+        # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
+        # idle connections are refused by the cap, never by descriptors running out.
+        descriptors = raise_descriptor_limit()
+        cap = min(params.max_downstream_connections, downstream_connection_cap(descriptors))
+        params = dataclasses.replace(params, max_downstream_connections=cap)
         config_path = workdir / "envoy.json"
         config_path.write_text(render(build_bootstrap(params)))
         self.envoy = EnvoySupervisor(
@@ -289,10 +332,11 @@ class GatewayRuntime:
         await self.envoy.start()
         await self.envoy.wait_ready()
         log.info(
-            "envoy listening http=%s:%d failure_mode=%s",
+            "envoy listening http=%s:%d failure_mode=%s max_connections=%d",
             params.listen_address,
             params.listen_port,
             "FailOpen" if params.fail_open else "FailClose",
+            params.max_downstream_connections,
         )
 
     async def _wait_ready(self, within_s: float) -> None:
@@ -344,10 +388,15 @@ class GatewayRuntime:
             yield QueueStats(pool.rpartition("/")[2], str(band), requests, size)
 
     @property
+    def epp_address(self) -> str:
+        """Where the EPP's own ports listen: loopback with the Envoy we run."""
+        assert self.config is not None
+        return "127.0.0.1" if self.options.run_envoy else self.config.spec.listeners.address
+
+    @property
     def extproc_address(self) -> str:
         assert self.config is not None
-        listeners = self.config.spec.listeners
-        return f"ext_proc {listeners.address}:{listeners.ext_proc}"
+        return f"ext_proc {self.epp_address}:{self.config.spec.listeners.ext_proc}"
 
     @property
     def http_url(self) -> str:
@@ -386,17 +435,22 @@ class GatewayRuntime:
     async def _drain_envoy(self, grace_s: float) -> None:
         """Stop accepting new connections now; wait for the accepted requests, up to `grace_s`.
 
+        First `/drain_listeners?graceful` starts Envoy's drain sequence, which with the
+        `immediate` strategy tells every open connection to close at once: idle keep-alive
+        connections are closed, a request already on its way on one is answered with
+        `connection: close`, HTTP/2 gets GOAWAY (round 2, finding 4: keep-alive clients were
+        served for the whole drain, and whatever they sent last was cut when it ended). Then
         `/drain_listeners` without `graceful` closes the listening sockets at once (a graceful
-        drain would keep accepting for Envoy's drain time and then cut what it accepted), and
-        starts draining open connections (HTTP/1 `connection: close`, HTTP/2 GOAWAY)."""
+        drain alone would keep accepting for Envoy's drain time)."""
         assert self.envoy is not None
         admin = self.envoy.options.admin_url or ""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.post(f"{admin}/drain_listeners") as resp:
-                    await resp.read()
+            for query in ("?graceful", ""):
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with session.post(f"{admin}/drain_listeners{query}") as resp:
+                        await resp.read()
             while loop.time() < deadline:
                 envoy_active = await _envoy_active_requests(session, admin)
                 epp_active = self.servicer.active if self.servicer is not None else 0

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from poolkeeper.extproc.accesslog import DetachedExchanges
+from poolkeeper.extproc.auth import EnvoyOnly
 from poolkeeper.extproc.h2.limits import TransportStats
 from poolkeeper.extproc.h2.rpc import Method, RpcError, unary
 from poolkeeper.extproc.h2.server import LeanServer
@@ -78,7 +79,9 @@ async def start_extproc(
             servicer, address, port, detached=detached, token=token, tls=tls,
             more=health_methods(health),
         )  # fmt: skip
-    server: Stoppable = build_server(servicer, f"{address}:{port}", extra=register)[0]
+    server: Stoppable = build_server(
+        servicer, f"{address}:{port}", extra=register, interceptors=interceptors or ()
+    )[0]
     return server
 
 
@@ -109,6 +112,14 @@ class TransportCollector(Collector):
             f"{prefix}_open_connections", "Open connections.", value=s.open_connections
         )
         yield GaugeMetricFamily(f"{prefix}_active_streams", "Open streams.", value=s.active_streams)
+
+
+def refused_calls(server: Stoppable, guard: EnvoyOnly) -> Callable[[], int]:
+    """Calls refused for want of Envoy's token, as the transport in use counts them."""
+    if isinstance(server, LeanServer):
+        stats = server.stats
+        return lambda: stats.unauthenticated
+    return lambda: guard.refused
 
 
 def export_transport(registry: CollectorRegistry, server: Stoppable) -> None:

@@ -102,10 +102,10 @@ class AdminEndpoints:
 
     async def metrics(self, request: web.Request) -> web.Response:
         mode = self.faults.metrics
-        header = request.headers.get(FAULT_HEADER)
+        header = request.headers.get(FAULT_HEADER) if self.faults.header_faults else None
         if header:
             try:
-                mode = decide_faults(FaultConfig(), header, self.rng).metrics
+                mode = decide_faults(FaultConfig(header_faults=True), header, self.rng).metrics
             except FaultSpecError as exc:
                 return json_error(str(exc), 400)
         if mode == "garbage":
@@ -196,6 +196,8 @@ class AdminEndpoints:
             settings = FaultSettings.model_validate(body)
         except ValidationError as exc:
             return json_error(str(exc).replace("\n", " "), 400)
+        if "header_faults" not in settings.model_fields_set:  # a start-up choice: kept
+            settings = settings.model_copy(update={"header_faults": self.faults.header_faults})
         self.faults = settings.to_fault_config()
         return web.json_response(settings.model_dump())
 

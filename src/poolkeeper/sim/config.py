@@ -44,6 +44,8 @@ class FaultSettings(BaseModel):
     cut_after: int | None = Field(default=None, ge=0)
     metrics: Literal["ok", "garbage", "slow"] = "ok"
     metrics_delay_s: float = Field(default=2.0, ge=0.0)
+    cut_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    header_faults: bool = False
 
     def to_fault_config(self) -> FaultConfig:
         return FaultConfig(**self.model_dump())
@@ -150,7 +152,11 @@ def build_fleet(
     file = file or FleetFile()
     cli = cli or ServerSettings()
     base: dict[str, Any] = {**file.defaults.overrides(), **cli.overrides()}
-    base_faults = cli.faults or file.defaults.faults or FaultSettings()
+    base_faults = file.defaults.faults or FaultSettings()
+    if cli.faults is not None:  # what the command line set, over the file's defaults
+        base_faults = base_faults.model_copy(update=cli.faults.model_dump(exclude_unset=True))
+    # --fault-headers holds for every server, whatever faults its own entry lists.
+    header_faults = cli.faults is not None and cli.faults.header_faults
     entries: list[ServerSettings] = []
     if file.servers is not None:
         for entry in file.servers:
@@ -183,6 +189,9 @@ def build_fleet(
             engine = EngineConfig(**values)
         except ValueError as exc:
             raise ConfigError(f"server {name}: {exc}") from None
-        faults = (entry.faults or base_faults).to_fault_config()
+        settings = entry.faults or base_faults
+        if header_faults:
+            settings = settings.model_copy(update={"header_faults": True})
+        faults = settings.to_fault_config()
         specs.append(ServerSpec(name, engine, faults))
     return specs

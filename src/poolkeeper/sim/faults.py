@@ -1,6 +1,8 @@
 """Fault injection: what can go wrong with a model server, chosen by config or per request.
 
-Per request, through the header `x-sim-fault` (comma- or semicolon-separated `key=value`):
+Per request, through the header `x-sim-fault` (comma- or semicolon-separated `key=value`), only
+on a server started with `--fault-headers` (`header_faults`; a client of a gateway in front of
+it must not be able to make it fail: the gateway also strips `x-sim-*`):
 
     status=503        answer with this HTTP error status (OpenAI-shaped error body)
     latency=0.5       wait 0.5 s (wall) before the request reaches the engine
@@ -12,7 +14,8 @@ Per request, through the header `x-sim-fault` (comma- or semicolon-separated `ke
 By configuration (`faults:` of a server in the --config file, or POST /sim/faults at run time)
 the same faults apply to a fraction of requests: `error_rate` with `error_status`,
 `latency_spike_rate` with `latency_spike_s`, plus fixed `latency_s`, `stall_s`, `cut_after`, and
-`metrics` (ok | garbage | slow) with `metrics_delay_s`. Header values win over configuration.
+`metrics` (ok | garbage | slow) with `metrics_delay_s`; with `cut_rate`, `cut_after` (2 when
+unset) applies to that fraction of requests only. Header values win over configuration.
 Fault durations are wall seconds; they are not scaled by --time-scale.
 """
 
@@ -43,6 +46,8 @@ class FaultConfig:
     cut_after: int | None = None
     metrics: MetricsFault = "ok"
     metrics_delay_s: float = 2.0
+    cut_rate: float = 0.0  # > 0: cut only this fraction of responses (after `cut_after` events)
+    header_faults: bool = False  # obey the `x-sim-fault` header
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +107,12 @@ def decide_faults(config: FaultConfig, header: str | None, rng: random.Random) -
         latency += config.latency_spike_s
     stall = config.stall_s
     cut_after = config.cut_after
+    if config.cut_rate:
+        cut_after = (
+            (2 if cut_after is None else cut_after) if rng.random() < config.cut_rate else None
+        )
     metrics: MetricsFault = config.metrics
-    if header:
+    if header and config.header_faults:
         spec = parse_fault_header(header)
         if "status" in spec:
             status = int(_number("status", spec["status"], integer=True))

@@ -140,6 +140,18 @@ class ObserverStats:
     given_up: int  # settled as unknown: over the limit or the TTL (entries lost)
 
 
+class _RefusedCollector(Collector):
+    def __init__(self, source: Callable[[], int]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "inference_extension_epp_refused_calls",
+            "gRPC calls to the EPP refused: they lacked the token of the Envoy serve runs.",
+            value=self.source(),
+        )
+
+
 class _ObserverCollector(Collector):
     def __init__(self, source: Callable[[], ObserverStats]) -> None:
         self.source = source
@@ -398,6 +410,10 @@ class GatewayMetrics:
         )
         if flow_stats is not None:
             r.register(_QueueCollector(flow_stats))
+
+    def follow_refused(self, source: Callable[[], int]) -> None:
+        """Export the count of gRPC calls refused for want of Envoy's token (extproc/auth)."""
+        self.registry.register(_RefusedCollector(source))
 
     def follow_observer(self, source: Callable[[], ObserverStats]) -> None:
         """Export the response observer's waiting room (when the runtime has one)."""

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import hpack
 
+from poolkeeper.extproc.auth import TOKEN_HEADER
 from poolkeeper.extproc.h2 import frames as f
 from poolkeeper.extproc.h2.limits import Bucket, Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import (
@@ -46,7 +47,7 @@ class Shared:
     limits: Limits
     stats: TransportStats
     token: bytes | None = None  # required in `token_header` on every call but open ones
-    token_header: bytes = b"x-poolkeeper-epp-token"
+    token_header: bytes = TOKEN_HEADER.encode()  # the one grpcio's EnvoyOnly checks
     connections: set[Connection] = field(default_factory=set)
     draining: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set when none is open

@@ -1,0 +1,202 @@
+"""Round 2, finding 2: the EPP's ports are for the Envoy `serve` runs, and nobody else.
+
+Before: with `listeners.address: 0.0.0.0` the ext_proc, health and metrics ports bound every
+address; any client of the gRPC port could route requests it never sent (phantom in-flight
+requests, every endpoint named in the replies) and settle live streams with forged access-log
+entries (keys: a per-process prefix plus a counter). Real parts: `GatewayRuntime` with its
+managed Envoy and a simulated model server, all on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.ext_proc.v3 import (
+    external_processor_pb2 as pb,
+    external_processor_pb2_grpc as pb_grpc,
+)
+from google.protobuf import empty_pb2, struct_pb2, wrappers_pb2
+
+from poolkeeper import observation as wire
+from poolkeeper.controller.files import FileResourceSource, file_source
+from poolkeeper.datastore import Datastore
+from poolkeeper.extproc.accesslog import DetachedExchanges
+from poolkeeper.netutil import free_ports
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
+from poolkeeper.sim.config import ServerSettings, build_fleet
+from poolkeeper.sim.server import SimCluster
+
+pytestmark = pytest.mark.integration
+
+MODEL = "m"
+
+
+def _config(tmp_path: Path, sim_port: int) -> Path:
+    http, ext_proc, metrics, health, admin = free_ports(5)
+    (tmp_path / "gw.yaml").write_text(
+        f"""\
+apiVersion: poolkeeper.dev/v1alpha1
+kind: GatewayConfig
+metadata: {{name: default}}
+spec:
+  listeners: {{address: 0.0.0.0, http: {http}, extProc: {ext_proc}, metrics: {metrics},
+    health: {health}, admin: {admin}}}
+  endpoints:
+    - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: sim}}}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: pool, namespace: default}}
+spec:
+  selector: {{app: sim}}
+  targetPortNumber: 8000
+  extensionRef: {{name: epp}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: m, namespace: default}}
+spec: {{modelName: {MODEL}, poolRef: {{name: pool}}}}
+"""
+    )
+    return tmp_path
+
+
+def _headers() -> pb.ProcessingRequest:
+    values = {
+        ":method": "POST",
+        ":path": "/v1/chat/completions",
+        ":authority": "gw",
+        "content-type": "application/json",
+    }
+    headers = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+    )
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers))
+
+
+def _body() -> pb.ProcessingRequest:
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":3}'
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+
+
+def _forged_entry(key: str) -> als_pb2.StreamAccessLogsMessage:
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    meta = struct_pb2.Struct()
+    meta.update({wire.EXCHANGE: key, wire.COMPLETION_TOKENS: 10_000_000, wire.EVENTS: 1})
+    entry.common_properties.metadata.filter_metadata[wire.NAMESPACE].CopyFrom(meta)
+    entry.response.response_code.value = 200
+    message = als_pb2.StreamAccessLogsMessage()
+    message.http_logs.log_entry.append(entry)
+    return message
+
+
+def _reachable(address: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((address, port)) == 0
+
+
+def test_waiting_room_keys_are_random_per_request() -> None:
+    """Keys were a per-process prefix and a counter: one routing told the next key."""
+
+    class Held:
+        def observed(self, outcome: object) -> None:
+            pass
+
+        def first_byte_passed(self) -> None:
+            pass
+
+    room = DetachedExchanges()
+    keys = [room.hold(Held()) for _ in range(200)]
+    assert len(set(keys)) == 200
+    prefixes = {key[:6] for key in keys}
+    assert len(prefixes) > 150  # no shared prefix: nothing to learn from one key
+    assert all(len(key) >= 16 for key in keys)
+
+
+async def test_a_direct_client_of_the_epp_port_changes_nothing(tmp_path: Path) -> None:
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
+    (sim,) = await cluster.start()
+    runtime = GatewayRuntime(
+        ServeOptions(source=file_source([_config(tmp_path, sim.port)]), ready_wait_s=5)
+    )
+    await runtime.start()
+    try:
+        assert runtime.config is not None
+        assert runtime.director is not None
+        assert runtime.detached is not None
+        assert runtime.metrics is not None
+        listeners = runtime.config.spec.listeners
+        # The public listener serves every address; the EPP's own ports only loopback.
+        assert _reachable("127.0.0.2", listeners.http)
+        for port in (listeners.ext_proc, listeners.health, listeners.metrics):
+            assert not _reachable("127.0.0.2", port), port
+            assert _reachable("127.0.0.1", port), port
+        url = f"http://127.0.0.1:{listeners.http}/v1/chat/completions"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+        for _ in range(100):  # Envoy's access log reaches the EPP (it carries the token)
+            if runtime.detached.settled >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert runtime.detached.settled == 1
+        inflight_before = len(runtime.director.inflight)  # type: ignore[arg-type]
+        waiting_before = len(runtime.detached)
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{listeners.ext_proc}") as channel:
+            process = pb_grpc.ExternalProcessorStub(channel).Process(iter([_headers(), _body()]))
+            with pytest.raises(grpc.aio.AioRpcError) as routed:
+                await process.read()  # refused before any reply: not routed, nothing named
+            assert routed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            logs = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(
+                iter([_forged_entry("any-key")])
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as forged:
+                await logs
+            assert forged.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            first_byte = channel.unary_unary(
+                wire.FIRST_BYTE_PATH,
+                request_serializer=wrappers_pb2.StringValue.SerializeToString,
+                response_deserializer=empty_pb2.Empty.FromString,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as reported:
+                await first_byte(wrappers_pb2.StringValue(value="any-key"))
+            assert reported.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        assert len(runtime.director.inflight) == inflight_before  # type: ignore[arg-type]
+        assert len(runtime.detached) == waiting_before
+        assert runtime.detached.settled == 1
+        page = runtime.metrics.render().decode()
+        assert "inference_extension_epp_refused_calls_total 3.0" in page
+        # And the gateway still serves: Envoy's own calls carry the token.
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+            assert resp.status == 200
+    finally:
+        await runtime.stop(grace_s=0)
+        await cluster.stop()
+
+
+@pytest.mark.parametrize(("managed", "expected"), [(True, "127.0.0.1"), (False, "10.1.2.3")])
+async def test_the_managed_envoy_reaches_the_epp_on_loopback(
+    tmp_path: Path, managed: bool, expected: str
+) -> None:
+    """With a specific public address the EPP still listens on loopback for its own Envoy,
+    so that Envoy must look for it there; another host's Envoy uses the public address."""
+    directory = _config(tmp_path, 8000)
+    text = (directory / "gw.yaml").read_text().replace("address: 0.0.0.0", "address: 10.1.2.3")
+    (directory / "gw.yaml").write_text(text)
+    store = Datastore()
+    source = FileResourceSource([directory], store)
+    config = await source.start()
+    params = bootstrap_params(config, store.snapshot(), managed=managed)
+    assert params.extproc_address == expected
+    assert params.listen_address == "10.1.2.3"

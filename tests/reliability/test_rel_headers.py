@@ -1,0 +1,60 @@
+"""Round 2, finding 3: header limits the client owns. 114-120 client headers (accepted by the
+listener, which leaves room for the EPP's mutation) and a single ~61 KB header got 503 "the
+endpoint picker is unavailable": the EPP's header mutation pushed the request over Envoy's
+limit, and the failure was reported as the EPP's. Now the client's limits are checked before
+the EPP is asked: 431 in OpenAI's error shape (or 200 within the limits), never a 503."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.rel_harness import gate, raw_http, status_of
+
+pytestmark = pytest.mark.integration
+
+CHAT = b'{"model":"m","messages":[]}'
+
+
+def _request(headers: list[tuple[str, str]]) -> bytes:
+    """A chat request with exactly these headers besides host, content-type, content-length."""
+    head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    head += f"content-length: {len(CHAT)}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers)
+    return (head + "\r\n").encode() + CHAT
+
+
+def _body(answer: bytes) -> dict[str, object]:
+    _, _, body = answer.partition(b"\r\n\r\n")
+    start, end = body.find(b"{"), body.rfind(b"}")  # plain or one chunk
+    parsed = json.loads(body[start : end + 1]) if 0 <= start < end else {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+async def test_too_many_or_too_large_headers_get_431_never_503(
+    tmp_path: Path, fail_open: bool
+) -> None:
+    async with gate(tmp_path, fail_open=fail_open) as g:
+        for total in (101, 104, 110, 114, 117, 120):
+            turns = g.router.turn
+            answer = await raw_http(g.port, _request([(f"x-h{i}", "v") for i in range(total - 3)]))
+            status = status_of(answer)
+            assert status in (200, 431), (total, answer[:300])
+            if status == 431:
+                error = _body(answer)["error"]
+                assert isinstance(error, dict)
+                assert error["code"] == "request_header_fields_too_large"
+                assert g.router.turn == turns, total  # refused before the EPP was asked
+        for size in (60 * 1024 - 200, 61 * 1024, 62 * 1024):
+            answer = await raw_http(g.port, _request([("x-big", "v" * size)]))
+            status = status_of(answer)
+            assert status != 503, (size, answer[:300])
+            assert b"endpoint_picker_unavailable" not in answer, size
+            if size > 60 * 1024:  # within the limit it reaches the echo server (its own 400)
+                assert status in (0, 431), (size, answer[:300])
+        # Within the limits: served.
+        answer = await raw_http(g.port, _request([(f"x-h{i}", "v") for i in range(97)]))
+        assert status_of(answer) == 200

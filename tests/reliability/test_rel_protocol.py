@@ -1,0 +1,86 @@
+"""Round 2, finding 6 at the edge, against a real Envoy running our bootstrap: HTTP/1.0 clients
+got an empty reply; GET/PUT/DELETE/TRACE on the chat path reached a model server; a client's
+`x-sim-fault` reached the simulator (any client could make it fail requests); the EPP ignored
+`Content-Encoding`, so the gateway and the server could read different bodies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.reliability.rel_harness import gate, raw_http, status_of
+
+pytestmark = pytest.mark.integration
+
+CHAT = b'{"model":"m","messages":[]}'
+
+
+def _error(answer: bytes) -> dict[str, object]:
+    _, _, body = answer.partition(b"\r\n\r\n")
+    start, end = body.find(b"{"), body.rfind(b"}")
+    parsed = json.loads(body[start : end + 1])
+    assert isinstance(parsed, dict)
+    error = parsed["error"]
+    assert isinstance(error, dict)
+    return error
+
+
+async def test_http_10_is_answered(tmp_path: Path) -> None:
+    async with gate(tmp_path) as g:
+        for host in ("host: x\r\n", ""):
+            request = (
+                f"POST /v1/chat/completions HTTP/1.0\r\n{host}content-type: application/json\r\n"
+                f"content-length: {len(CHAT)}\r\n\r\n"
+            ).encode() + CHAT
+            answer = await raw_http(g.port, request)
+            assert status_of(answer) == 200, answer[:300]
+            assert b'"served_by"' in answer
+
+
+async def test_only_the_paths_method_reaches_a_server(tmp_path: Path) -> None:
+    async with gate(tmp_path) as g, aiohttp.ClientSession() as session:
+        for method in ("GET", "PUT", "DELETE", "TRACE", "PATCH"):
+            async with session.request(method, g.url + "/v1/chat/completions", data=CHAT) as resp:
+                body = await resp.json(content_type=None)
+                assert resp.status == 405, (method, body)
+                assert body["error"]["code"] == "method_not_allowed"
+        async with session.post(g.url + "/v1/models", data=CHAT) as resp:
+            assert resp.status == 405
+        assert not any(b.seen for b in g.backends)
+        assert g.router.turn == 0  # refused before the EPP was asked
+        async with session.get(g.url + "/v1/models") as resp:
+            assert resp.status == 200
+        async with session.post(g.url + "/v1/chat/completions", data=CHAT) as resp:
+            assert resp.status == 200
+
+
+async def test_internal_headers_are_stripped_at_the_public_listener(tmp_path: Path) -> None:
+    async with gate(tmp_path) as g, aiohttp.ClientSession() as session:
+        headers = {"x-sim-fault": "status=503", "x-sim-anything": "1", "x-poolkeeper-x": "1"}
+        async with session.post(g.url + "/v1/chat/completions", data=CHAT, headers=headers) as r:
+            assert r.status == 200
+        (seen,) = [s for b in g.backends for s in b.seen]
+        names = {name.lower() for name in seen["headers"]}
+        assert not any(n.startswith(("x-sim-", "x-poolkeeper-")) for n in names), names
+
+
+async def test_a_compressed_body_gets_415_in_openai_shape(tmp_path: Path) -> None:
+    async with gate(tmp_path) as g:
+        for encoding in ("gzip", "br", "deflate", "GZIP", "identity, gzip"):
+            request = (
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                f"\r\ncontent-encoding: {encoding}\r\ncontent-length: {len(CHAT)}\r\n\r\n"
+            ).encode() + CHAT
+            answer = await raw_http(g.port, request)
+            assert status_of(answer) == 415, (encoding, answer[:300])
+            assert _error(answer)["code"] == "unsupported_media_type"
+        assert g.router.turn == 0
+        assert not any(b.seen for b in g.backends)
+        request = (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            f"\r\ncontent-encoding: identity\r\ncontent-length: {len(CHAT)}\r\n\r\n"
+        ).encode() + CHAT
+        assert status_of(await raw_http(g.port, request)) == 200

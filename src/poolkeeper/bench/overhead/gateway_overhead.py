@@ -110,7 +110,7 @@ spec: {{modelName: {MODEL}, criticality: Critical, poolRef: {{name: bench}}}}
 """)
 
 
-async def wait_http(url: str, within_s: float = 30) -> None:
+async def wait_http(url: str, within_s: float = 120) -> None:  # startup on a loaded machine
     deadline = time.monotonic() + within_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from poolkeeper.backend.mappings import (
+from poolkeeper.backend.engines import (
     BUILTIN_MAPPINGS,
     MetricSpec,
     MissingMetrics,

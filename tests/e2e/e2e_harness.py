@@ -74,7 +74,13 @@ def poolkeeper(args: list[str], log_path: Path) -> Proc:
     return Proc(process, log_path, log)
 
 
-def wait_for_port(port: int, proc: Proc, timeout: float = 30) -> None:
+# How long a subprocess may take to come up before a wait gives up. It bounds a hang only:
+# `poolkeeper serve` imports for ~2 s of CPU and then starts Envoy, which a loaded 2-core
+# machine stretches many times over (30 s failed 5 e2e tests with one competing CPU hog).
+STARTUP_S = 90.0
+
+
+def wait_for_port(port: int, proc: Proc, timeout: float = STARTUP_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.process.poll() is not None:
@@ -87,7 +93,7 @@ def wait_for_port(port: int, proc: Proc, timeout: float = 30) -> None:
     raise TimeoutError(f"port {port} not open after {timeout}s:\n{proc.log_text()[-3000:]}")
 
 
-def wait_for_text(proc: Proc, text: str, timeout: float = 30) -> None:
+def wait_for_text(proc: Proc, text: str, timeout: float = STARTUP_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if text in proc.log_text():
@@ -110,7 +116,7 @@ def health_status(port: int, service: str) -> int:
         return int(call(HealthCheckRequest(service=service), timeout=2).status)
 
 
-def wait_ready(port: int, proc: Proc, timeout: float = 30) -> None:
+def wait_ready(port: int, proc: Proc, timeout: float = STARTUP_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(grpc.RpcError):

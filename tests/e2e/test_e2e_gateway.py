@@ -25,8 +25,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.netutil import free_ports
+from poolkeeper.tokens import count_tokens
 from tests.e2e.e2e_harness import (
     POOL,
+    STARTUP_S,
     Proc,
     gateway_doc,
     gateway_ports,
@@ -343,7 +345,8 @@ async def test_lora_requests_land_on_the_pod_running_the_adapter(gateway: Gatewa
         # server would leave it at most 2 x (500 + 94) / 3 blocks, below 500).
         target = sum(kv for _, _, kv in loaded) / len(loaded)
         assert target >= 0.25
-        for _ in range(400):  # 10 s at most
+        deadline = time.monotonic() + 60  # a few scrapes; generous for a loaded machine
+        while time.monotonic() < deadline:
             if await asyncio.to_thread(_pool_kv, gateway, "adapters") >= target - 1e-9:
                 break
             await asyncio.sleep(0.025)
@@ -418,7 +421,8 @@ async def test_sheddable_waits_then_503_when_pool_saturated_critical_does_not(
         )
     try:
         expired = None
-        for _ in range(20):
+        deadline = time.monotonic() + 60  # until the gateway has seen the saturation
+        while time.monotonic() < deadline:
             started = time.monotonic()
             try:
                 await client.completions.create(model="tiny-batch", prompt="x", max_tokens=1)
@@ -430,7 +434,10 @@ async def test_sheddable_waits_then_503_when_pool_saturated_critical_does_not(
         assert expired.status_code == 503
         assert isinstance(expired.body, dict)
         assert expired.body["code"] == "queue_timeout"
-        assert 1.4 < waited < 5.0  # its TTL, not a client timeout
+        # Held for its TTL (1.5 s), and answered by the EPP, not left to the client's timeout
+        # (that would be an APITimeoutError). How soon after the TTL is wall-clock speed: the
+        # TTL's timing is tested on injected clocks (test_fc_dispatcher, test_rc_flowgate).
+        assert waited > 1.4
         # Critical is still sent while saturated (it queues on the server).
         extra = await client.completions.create(
             model="tiny-critical", prompt="x", max_tokens=1, stream=True
@@ -491,7 +498,9 @@ async def test_epp_killed(fleet: Fleet, tmp_path: Path, failure_mode: str) -> No
             assert ok.choices
             proc.stop(signal.SIGKILL)  # the EPP dies; its Envoy child keeps running
             outcomes = []
-            for _ in range(40):  # Envoy's EPP health check notices within about a second
+            # Envoy's EPP health check notices within about a second on a quiet machine.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
                 try:
                     r = await client.chat.completions.with_raw_response.create(
                         model=BASE, messages=[{"role": "user", "content": "x"}], max_tokens=1
@@ -549,7 +558,10 @@ async def test_a_stream_in_flight_outlives_a_killed_epp_under_fail_open(
     if observe:
         assert not cut
         assert finished
-        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 100
+        # The whole answer came: every token (a loaded machine may merge steps into fewer
+        # events, so the number of events says nothing about a cut).
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert count_tokens(text) == 1500
     else:
         assert cut or not finished
 
@@ -574,9 +586,11 @@ async def test_sigterm_drains_an_inflight_stream(fleet: Fleet, tmp_path: Path) -
         proc.process.send_signal(signal.SIGTERM)  # drain starts while the stream is running
         chunks += [c async for c in stream]
         assert chunks[-1].choices[0].finish_reason == "length"
-        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 30
+        # Every token arrived (counted in the text: a loaded machine may merge steps into
+        # fewer events, so the number of events says nothing about a cut).
+        assert count_tokens("".join(c.choices[0].text for c in chunks if c.choices)) == 40
         # The drain waited for the stream: nothing was cut, and the process exits cleanly.
-        returncode = await asyncio.to_thread(proc.process.wait, 20)
+        returncode = await asyncio.to_thread(proc.process.wait, STARTUP_S)
         assert returncode == 0, proc.log_text()[-2000:]
     finally:
         await client.close()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from poolkeeper.admission.config import AdmissionConfig
-from poolkeeper.admission.saturation import SaturationDetector
+from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
 from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.flowcontrol.saturation import SaturationDetector
 from tests.scheduling.sched_factories import NOW, state
 
 BANDS = FlowControlConfig().bands

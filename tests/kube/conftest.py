@@ -117,3 +117,38 @@ async def until(condition: Callable[[], bool], what: str, *, limit: int = 2000) 
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class ManualClock:
+    """A monotonic clock and sleep that only move when the test says so (`advance`): several
+    replicas' backoffs run against one virtual timeline, so "the API server is down for 60 s"
+    takes a fraction of a second and never depends on the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._sleepers: list[tuple[float, asyncio.Future[None]]] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (self.now + seconds, future)
+        self._sleepers.append(entry)
+        try:
+            await future
+        finally:
+            if entry in self._sleepers:
+                self._sleepers.remove(entry)
+
+    async def advance(self, seconds: float, *, step: float = 0.1) -> None:
+        """Move time on by `seconds` in `step`s, waking every sleeper that is due and letting
+        the loop run (real I/O against the fake API server) after each step."""
+        target = self.now + seconds
+        while self.now < target - 1e-9:
+            self.now = min(target, self.now + step)
+            for deadline, future in list(self._sleepers):
+                if deadline <= self.now and not future.done():
+                    future.set_result(None)
+            for _ in range(3):
+                await asyncio.sleep(0.002)

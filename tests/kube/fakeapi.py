@@ -3,23 +3,40 @@
 Why not kmock: kmock 0.8 (measured in shared/reference/ecosystem.md) keeps no
 resourceVersion, never answers 410 Gone, has no optimistic concurrency (409) and ignores label
 selectors. Those are exactly the behaviours the Kubernetes source must survive, so the tests
-use this project-owned server instead (aiohttp, on 127.0.0.1).
+use this project-owned server instead (aiohttp, on 127.0.0.1, JSON over HTTP/1.1 as lightkube
+speaks it).
 
 What it speaks, like kube-apiserver:
 - LIST  GET  /apis/G/V/namespaces/NS/PLURAL (and /api/v1/... for pods): items without
-  apiVersion/kind, `metadata.resourceVersion` of the list.
+  apiVersion/kind, `metadata.resourceVersion` of the list (the cluster-wide version now).
+  `resourceVersion=` on a list: "" or "0" serve the current state; a version newer than the
+  server's gets 504 "Too large resource version"; `resourceVersionMatch=Exact` below the
+  compaction point gets 410 Expired.
 - WATCH the same with `?watch=true&resourceVersion=RV[&allowWatchBookmarks=true]`: JSON lines
-  `{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}`; a version older than the
-  compaction point gets an ERROR event with a 410 Status; `timeoutSeconds` ends the stream.
+  `{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}`, every event after RV (no
+  RV or "0": the current objects as ADDED first); a version older than the compaction point
+  gets an ERROR event with a 410 Status; BOOKMARKs only to watches that allowed them;
+  `timeoutSeconds` ends the stream.
+- `labelSelector` and `fieldSelector` on lists and watches (`selectors.py`); on a watch, an
+  object that stops matching arrives as DELETED and one that starts matching as ADDED, as the
+  watch cache sends them.
 - GET one, POST create (409 AlreadyExists), PUT replace (409 on a stale resourceVersion),
   PATCH merge to the object or its `/status` subresource (409 on a stale resourceVersion in
   the patch). Errors are `Status` objects. Every object gets uid, generation (bumped on spec
-  changes), creationTimestamp and a cluster-wide increasing resourceVersion.
+  changes), creationTimestamp and a cluster-wide, strictly increasing resourceVersion.
 - Two versions of one group/plural share their objects (one CRD serving two versions).
 
 Faults: `compact()` (next watches from older versions get 410), `drop_watches()` (streams cut
 mid-chunk), `lose_next_delete()`, `conflicts` (the next N status writes get 409), `stop()` /
-`start()` (the server is down: connections refused), `unserved` (versions answering 404).
+`start()` (the server is down: connections refused), `unserved` (versions answering 404),
+`throttle(n, retry_after_s)` (API priority and fairness: the next N requests get 429
+TooManyRequests with a `Retry-After` header), `forbid(verb, resource)` (RBAC: 403 Forbidden
+with the API server's "cannot VERB resource ..." message), `list_delay_s` (slow lists).
+
+Not modelled (docs/kubernetes.md lists these too): pagination (`limit`/`continue`), server-side
+apply and strategic merge patch, managedFields, schema validation and admission, graceful
+deletion and finalizers, cluster-scoped resources, `sendInitialEvents` watch-lists, periodic
+bookmarks (`bookmark()` sends one on demand), authentication, protobuf and HTTP/2.
 """
 
 from __future__ import annotations
@@ -35,6 +52,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from tests.kube.selectors import SelectorError, field_selector, label_selector
 
 SERVED: dict[tuple[str, str, str], str] = {
     ("inference.networking.x-k8s.io", "v1alpha1", "inferencepools"): "InferencePool",
@@ -62,17 +81,47 @@ class Write:
     method: str
 
 
+Event = tuple[str, dict[str, Any], dict[str, Any] | None]  # type, object, the object before
+
+
 @dataclass
 class _Watcher:
     store: tuple[str, str]
     namespace: str
-    queue: asyncio.Queue[tuple[str, dict[str, Any]] | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
 
 
-def status(code: int, reason: str, message: str) -> web.Response:
+def status(
+    code: int,
+    reason: str,
+    message: str,
+    *,
+    details: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "code": code}  # fmt: skip
-    return web.json_response(body, status=code)
+    if details:
+        body["details"] = details
+    return _json(body, status=code, headers=headers)
+
+
+def _json(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """JSON as kube-apiserver sends it: `Content-Type: application/json`, no charset
+    (lightkube only turns an error into its Status when the type is exactly that)."""
+    return web.Response(
+        body=json.dumps(body).encode(),
+        status=status,
+        headers={**(headers or {}), "Content-Type": "application/json"},
+    )
+
+
+def _verb(method: str, name: str | None, watch: bool) -> str:
+    if method == "GET":
+        return "get" if name else "watch" if watch else "list"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
+        method, method.lower()
+    )
 
 
 class FakeApiServer:
@@ -80,7 +129,7 @@ class FakeApiServer:
         self.objects: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = {}
         self.rv = 100
         self.compacted = 0  # watches from a version below this get 410
-        self.events: list[tuple[int, tuple[str, str], str, dict[str, Any]]] = []
+        self.events: list[tuple[int, tuple[str, str], Event]] = []
         self.watchers: list[_Watcher] = []
         self.writes: list[Write] = []
         self.requests: list[str] = []
@@ -93,6 +142,12 @@ class FakeApiServer:
         self.port = 0
         self.watch_count = 0
         self.empty_watches = False  # fault: every watch ends at once, without an event
+        self.list_delay_s = 0.0  # fault: every list answers this late (a slow list)
+        self.throttled = 0  # fault: the next N requests get 429
+        self.retry_after_s = 1
+        self.throttle_verbs: frozenset[str] | None = None  # None: every verb
+        self.forbidden: set[tuple[str, str]] = set()  # (verb, resource[/subresource])
+        self.user = "system:serviceaccount:default:poolkeeper-epp"
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -153,7 +208,7 @@ class FakeApiServer:
                 data["status"] = old["status"]
         meta["resourceVersion"] = self._bump()
         self.objects[store][key] = data
-        self._emit(store, "ADDED" if old is None else "MODIFIED", data)
+        self._emit(store, ("ADDED" if old is None else "MODIFIED", data, old))
         return data
 
     def delete(self, api_version: str, plural: str, namespace: str, name: str) -> None:
@@ -164,17 +219,18 @@ class FakeApiServer:
         if self._lose_delete:
             self._lose_delete -= 1
             return
-        self._emit(store, "DELETED", obj)
+        self._emit(store, ("DELETED", obj, None))
 
     def get(self, api_version: str, plural: str, namespace: str, name: str) -> dict[str, Any]:
         return self.objects[self.store_of(api_version, plural)][(namespace, name)]
 
-    def _emit(self, store: tuple[str, str], kind: str, obj: dict[str, Any]) -> None:
+    def _emit(self, store: tuple[str, str], event: Event) -> None:
+        kind, obj, old = event
         rv = int(obj["metadata"]["resourceVersion"])
-        self.events.append((rv, store, kind, copy.deepcopy(obj)))
+        self.events.append((rv, store, (kind, copy.deepcopy(obj), copy.deepcopy(old))))
         for w in self.watchers:
             if w.store == store and obj["metadata"]["namespace"] == w.namespace:
-                w.queue.put_nowait((kind, obj))
+                w.queue.put_nowait(event)
 
     # --- faults --------------------------------------------------------------------------------
 
@@ -184,6 +240,17 @@ class FakeApiServer:
         self.compacted = self.rv if upto is None else upto
         self.events = [e for e in self.events if e[0] > self.compacted]
 
+    def throttle(
+        self, n: int = 1, retry_after_s: int = 1, verbs: frozenset[str] | None = None
+    ) -> None:
+        """API priority and fairness rejects the next `n` requests (of `verbs`, default any)
+        with 429 and `Retry-After: retry_after_s`."""
+        self.throttled, self.retry_after_s, self.throttle_verbs = n, retry_after_s, verbs
+
+    def forbid(self, verb: str, resource: str) -> None:
+        """RBAC refuses `verb` on `resource` (a plural, or `plural/status`) from now on."""
+        self.forbidden.add((verb, resource))
+
     def drop_watches(self) -> None:
         for w in self.watchers:
             w.queue.put_nowait(None)
@@ -191,14 +258,14 @@ class FakeApiServer:
     def end_watches(self) -> None:
         """End every stream cleanly, as `timeoutSeconds` does (clients resume from a version)."""
         for w in self.watchers:
-            w.queue.put_nowait(("END", {}))
+            w.queue.put_nowait(("END", {}, None))
 
     def lose_next_delete(self, n: int = 1) -> None:
         self._lose_delete += n
 
     def bookmark(self) -> None:
         for w in self.watchers:
-            w.queue.put_nowait(("BOOKMARK", {"metadata": {"resourceVersion": str(self.rv)}}))
+            w.queue.put_nowait(("BOOKMARK", {"metadata": {"resourceVersion": str(self.rv)}}, None))
 
     # --- HTTP ----------------------------------------------------------------------------------
 
@@ -230,6 +297,36 @@ class FakeApiServer:
             data["kind"] = SERVED[gvp]
         return data
 
+    def _refusal(
+        self,
+        request: web.Request,
+        gvp: tuple[str, str, str],
+        namespace: str,
+        verb: str,
+        sub: str | None,
+    ) -> web.Response | None:
+        """429 from priority and fairness, or 403 from RBAC, as the real server words them."""
+        if self.throttled > 0 and (self.throttle_verbs is None or verb in self.throttle_verbs):
+            self.throttled -= 1
+            return status(429, "TooManyRequests", "Too many requests, please try again later.",
+                          details={"retryAfterSeconds": self.retry_after_s},
+                          headers={"Retry-After": str(self.retry_after_s)})  # fmt: skip
+        resource = gvp[2] + (f"/{sub}" if sub else "")
+        if (verb, resource) in self.forbidden:
+            message = (
+                f'{resource} is forbidden: User "{self.user}" cannot {verb} resource '
+                f'"{resource}" in API group "{gvp[0]}" in the namespace "{namespace}"'
+            )
+            return status(403, "Forbidden", message,
+                          details={"kind": gvp[2], "group": gvp[0]})  # fmt: skip
+        return None
+
+    def _selected(self, request: web.Request, plural: str) -> Any:
+        q = request.query
+        labels = label_selector(q.get("labelSelector", ""))
+        fields = field_selector(q.get("fieldSelector", ""), plural)
+        return lambda obj: labels(obj) and fields(obj)
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(f"{request.method} {request.path_qs}")
         self.headers_seen.append(tuple(request.headers))
@@ -240,14 +337,18 @@ class FakeApiServer:
         store = (gvp[0], gvp[2])
         objects = self.objects.setdefault(store, {})
         q = request.query
+        watching = q.get("watch") in ("true", "1")
+        refused = self._refusal(request, gvp, namespace, _verb(request.method, name, watching), sub)
+        if refused is not None:
+            return refused
         if request.method == "GET" and name is None:
-            if q.get("watch") in ("true", "1"):
-                return await self._watch(request, gvp, store, namespace)
-            items = [self._out(gvp, o, item=True) for (ns, _), o in sorted(objects.items())
-                     if ns == namespace]  # fmt: skip
-            listing = {"kind": SERVED[gvp] + "List", "apiVersion": gvp[1],
-                       "metadata": {"resourceVersion": str(self.rv)}, "items": items}  # fmt: skip
-            return web.json_response(listing)
+            try:
+                selected = self._selected(request, gvp[2])
+            except SelectorError as exc:
+                return status(400, "BadRequest", str(exc))
+            if watching:
+                return await self._watch(request, gvp, store, namespace, selected)
+            return await self._list(request, gvp, objects, namespace, selected)
         if request.method == "POST" and name is None:
             body = await request.json()
             key = (namespace, body["metadata"]["name"])
@@ -256,20 +357,21 @@ class FakeApiServer:
             body["metadata"]["namespace"] = namespace
             created = self.put(dict(body, apiVersion=self._out(gvp, {})["apiVersion"]), gvp[2])
             self.writes.append(Write(gvp[2], key[1], q.get("fieldManager"), None, "POST"))
-            return web.json_response(self._out(gvp, created), status=201)
+            return _json(self._out(gvp, created), status=201)
         obj = objects.get((namespace, name or ""))
         if obj is None:
             return status(404, "NotFound", f'{gvp[2]} "{name}" not found')
         if request.method == "GET":
-            return web.json_response(self._out(gvp, obj))
+            return _json(self._out(gvp, obj))
         body = await request.json()
         wanted_rv = (body.get("metadata") or {}).get("resourceVersion")
         if sub == "status" and self.conflicts > 0:
             self.conflicts -= 1
             return status(409, "Conflict", "the object has been modified (injected)")
         if wanted_rv and wanted_rv != obj["metadata"]["resourceVersion"]:
-            return status(409, "Conflict", "the object has been modified; please apply your "
-                          "changes to the latest version and try again")  # fmt: skip
+            return status(409, "Conflict", f'Operation cannot be fulfilled on {gvp[2]} "{name}": '
+                          "the object has been modified; please apply your changes to the "
+                          "latest version and try again")  # fmt: skip
         self.writes.append(Write(gvp[2], name or "", q.get("fieldManager"), sub, request.method))
         if request.method == "PUT":
             new = dict(body)
@@ -285,10 +387,33 @@ class FakeApiServer:
             return status(405, "MethodNotAllowed", request.method)
         new["apiVersion"] = obj.get("apiVersion", self._out(gvp, {})["apiVersion"])
         updated = self.put(new, gvp[2])
-        return web.json_response(self._out(gvp, updated))
+        return _json(self._out(gvp, updated))
+
+    async def _list(self, request: web.Request, gvp: tuple[str, str, str],
+                    objects: dict[tuple[str, str], dict[str, Any]], namespace: str,
+                    selected: Any) -> web.Response:  # fmt: skip
+        q = request.query
+        wanted = q.get("resourceVersion") or ""
+        if wanted not in ("", "0"):
+            if not wanted.isdigit():
+                return status(400, "BadRequest", f"invalid resource version {wanted!r}")
+            if int(wanted) > self.rv:
+                return status(504, "Timeout", f"Too large resource version: {wanted}, "
+                              f"current: {self.rv}")  # fmt: skip
+            if q.get("resourceVersionMatch") == "Exact" and int(wanted) < self.compacted:
+                return status(410, "Expired", f"too old resource version: {wanted}")
+        if self.list_delay_s:
+            await asyncio.sleep(self.list_delay_s)
+        # The version is read after the delay: what the list holds is the state at that version.
+        items = [self._out(gvp, o, item=True) for (ns, _), o in sorted(objects.items())
+                 if ns == namespace and selected(o)]  # fmt: skip
+        listing = {"kind": SERVED[gvp] + "List", "apiVersion": gvp[1],
+                   "metadata": {"resourceVersion": str(self.rv)}, "items": items}  # fmt: skip
+        return _json(listing)
 
     async def _watch(self, request: web.Request, gvp: tuple[str, str, str],
-                     store: tuple[str, str], namespace: str) -> web.StreamResponse:  # fmt: skip
+                     store: tuple[str, str], namespace: str,
+                     selected: Any) -> web.StreamResponse:  # fmt: skip
         self.watch_count += 1
         q = request.query
         since = int(q.get("resourceVersion") or 0)
@@ -297,7 +422,15 @@ class FakeApiServer:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
 
-        async def send(kind: str, obj: dict[str, Any]) -> None:
+        async def send(kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+            if kind not in ("ERROR", "BOOKMARK"):
+                # Selectors, as the watch cache applies them: leaving the selection is a
+                # DELETED, entering it an ADDED.
+                now, before = selected(obj), old is not None and selected(old)
+                if kind == "MODIFIED" and now != before:
+                    kind = "ADDED" if now else "DELETED"
+                elif not now:
+                    return
             data = obj if kind in ("ERROR", "BOOKMARK") else self._out(gvp, obj)
             await response.write(json.dumps({"type": kind, "object": data}).encode() + b"\n")
 
@@ -307,17 +440,17 @@ class FakeApiServer:
         if since and since < self.compacted:
             await send("ERROR", {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                  "message": f"too old resource version: {since}",
-                                 "reason": "Expired", "code": 410})  # fmt: skip
+                                 "reason": "Expired", "code": 410}, None)  # fmt: skip
             await response.write_eof()
             return response
         if not since:
             for (ns, _), obj in sorted(self.objects.get(store, {}).items()):
                 if ns == namespace:
-                    await send("ADDED", obj)
+                    await send("ADDED", obj, None)
         else:
-            for rv, s, kind, obj in list(self.events):
+            for rv, s, (kind, obj, old) in list(self.events):
                 if s == store and rv > since and obj["metadata"]["namespace"] == namespace:
-                    await send(kind, obj)
+                    await send(kind, obj, old)
         self.watchers.append(watcher)
         timeout = float(q.get("timeoutSeconds") or 300)
         try:

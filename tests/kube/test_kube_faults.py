@@ -17,9 +17,9 @@ import pytest
 from poolkeeper.controller.kubernetes.client import KubeApi, load_config
 from poolkeeper.controller.kubernetes.source import KubernetesResourceSource
 from poolkeeper.datastore.endpoint import EndpointMetrics
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
-from poolkeeper.scheduling.inflight import InflightTracker
 from tests.kube.conftest import NS, Factory, VirtualSleep, model_obj, pod_obj, pool_obj, until
 from tests.kube.fakeapi import FakeApiServer
 
@@ -121,7 +121,7 @@ async def test_410_gone_relists_and_prunes_a_lost_delete(
         await until(lambda: "10.0.0.1:8000" not in hostports(store), "the re-list to prune p0")
         assert hostports(store) == api_endpoints(fake)
         assert source.relists >= 1
-        await until(source.healthy, "the source to be healthy again")
+        await until(source.in_step, "the source to be healthy again")
 
 
 async def test_dropped_stream_relists_and_prunes(fake: FakeApiServer, make_source: Factory) -> None:
@@ -133,7 +133,7 @@ async def test_dropped_stream_relists_and_prunes(fake: FakeApiServer, make_sourc
         fake.drop_watches()  # cut mid-chunk: the client sees an incomplete stream
         await until(lambda: "10.0.0.2:8000" not in hostports(store), "p1 pruned")
         assert hostports(store) == api_endpoints(fake)
-        await until(source.healthy, "healthy again")
+        await until(source.in_step, "healthy again")
 
 
 async def test_bookmarks_move_the_resume_version(fake: FakeApiServer, make_source: Factory) -> None:
@@ -162,6 +162,7 @@ async def test_api_outage_of_30s_converges(fake: FakeApiServer, make_source: Fac
     )
     async with running(source, fake):
         assert source.healthy()
+        assert source.in_step()
         await fake.stop()
         # Changes while the API server is unreachable: deleted, added, turned NotReady, reused IP.
         fake.delete("v1", "pods", NS, "p0")
@@ -171,11 +172,12 @@ async def test_api_outage_of_30s_converges(fake: FakeApiServer, make_source: Fac
         fake.put(pod_obj("p8", "10.0.0.4"), "pods")  # p3's IP, now another pod's
         fake.put(model_obj("m2", "mistral"), "inferencemodels")
         fake.compact()
-        await until(lambda: not source.healthy(), "readiness to drop", limit=4000)
+        await until(lambda: not source.in_step(), "the watches to drop", limit=4000)
+        assert source.healthy()  # readiness stays: the last known state is served
         await until(lambda: sleep.slept >= 30.0, "30 s of backoff", limit=20000)
         await fake.start()
         await until(lambda: hostports(store) == api_endpoints(fake), "convergence", limit=4000)
-        await until(source.healthy, "healthy after the outage")
+        await until(source.in_step, "in step after the outage")
         endpoint = store.snapshot().endpoint("10.0.0.4:8000")
         assert endpoint is not None
         assert endpoint.name == "p8"
@@ -302,7 +304,7 @@ async def test_streams_closed_at_once_are_retried_with_backoff(
         await until(lambda: fake.watch_count >= 6 * 8, "eight empty watches per kind")
         # Each empty stream waited its backoff (0.25 s doubling to 8 s), not a hot loop.
         assert sleep.slept >= 6 * (0.25 + 0.5 + 1 + 2 + 4)
-        assert source.healthy()  # the server answers: the watch is not degraded
+        assert source.in_step()  # the server answers: the watch is not degraded
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -33,7 +33,17 @@ from poolkeeper.config.gateway import GatewayConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSION = "1.32.0"
-NOT_BUILT_IN = {"InferencePool", "InferenceModel", "Gateway", "HTTPRoute", "GatewayClass"}
+NOT_BUILT_IN = {
+    "InferencePool",
+    "InferenceModel",
+    "Gateway",
+    "HTTPRoute",
+    "GatewayClass",
+    "DestinationRule",
+    "HealthCheckPolicy",
+    "GCPBackendPolicy",
+}
+PROVIDERS = ["envoy-gateway", "istio", "kgateway", "gke", "nginx-gateway-fabric"]
 
 
 def docs(name: str) -> list[dict[str, Any]]:
@@ -70,7 +80,18 @@ def test_built_in_kinds_validate_strictly() -> None:
 
 
 def test_crds_are_the_projects_own() -> None:
-    assert docs("crds.yaml") == custom_resource_definitions()
+    own, upstream = docs("crds.yaml"), docs("upstream/inferencepool-crd.yaml")
+    assert own + upstream == custom_resource_definitions()
+    # `kubectl apply -k` never touches the GA InferencePool CRD (the Gateway's install owns it).
+    assert {c["spec"]["group"] for c in own} == {"inference.networking.x-k8s.io"}
+    assert [c["metadata"]["name"] for c in upstream] == [
+        "inferencepools.inference.networking.k8s.io"
+    ]
+    resources = docs("kustomization.yaml")[0]["resources"]
+    assert not any("upstream" in r for r in resources)
+    assert "kubectl get crd inferencepools.inference.networking.k8s.io ||" in (
+        (DEPLOY / "upstream" / "inferencepool-crd.yaml").read_text()
+    )
 
 
 def _crd_schema(group: str, version: str, kind: str) -> dict[str, Any]:
@@ -99,9 +120,9 @@ def test_example_pool_and_models_are_valid() -> None:
     assert pool.matches(server["spec"]["template"]["metadata"]["labels"])
 
 
-@pytest.mark.parametrize("name", ["gateway/envoy-gateway.yaml", "gateway/istio.yaml"])
-def test_gateway_routes_point_at_the_pool(name: str) -> None:
-    objs = {d["kind"]: d for d in docs(name)}
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_gateway_routes_point_at_the_pool(provider: str) -> None:
+    objs = {d["kind"]: d for d in docs(f"gateway/{provider}.yaml")}
     route, gateway = objs["HTTPRoute"], objs["Gateway"]
     assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
     backend = route["spec"]["rules"][0]["backendRefs"][0]
@@ -214,3 +235,41 @@ def test_kustomizations_build(directory: str, files: list[str]) -> None:
     assert result.returncode == 0, result.stderr
     built = [d for d in yaml.safe_load_all(result.stdout) if d]
     assert len(built) == sum(len(docs(f)) for f in files)
+
+
+def test_provider_extras_point_at_the_epp_and_the_pool() -> None:
+    epp = next(d for d in docs("epp.yaml") if d["kind"] == "Service")["metadata"]
+    (rule,) = [d for d in docs("gateway/istio.yaml") if d["kind"] == "DestinationRule"]
+    assert rule["spec"]["host"] == f"{epp['name']}.{epp['namespace']}.svc.cluster.local"
+    assert rule["spec"]["trafficPolicy"]["tls"]["mode"] == "DISABLE"  # the EPP serves h2c
+    pool = next(d for d in docs("example/pool.yaml") if d["kind"] == "InferencePool")
+    for policy in docs("gateway/gke.yaml"):
+        if policy["kind"] in ("HealthCheckPolicy", "GCPBackendPolicy"):
+            ref = policy["spec"]["targetRef"]
+            assert (ref["group"], ref["kind"], ref["name"]) == (
+                pool["apiVersion"].split("/")[0],
+                "InferencePool",
+                pool["metadata"]["name"],
+            )
+    classes = {
+        p: next(d for d in docs(f"gateway/{p}.yaml") if d["kind"] == "Gateway")["spec"][
+            "gatewayClassName"
+        ]
+        for p in PROVIDERS
+    }
+    assert classes == {
+        "envoy-gateway": "envoy-gateway",
+        "istio": "istio",
+        "kgateway": "kgateway",
+        "gke": "gke-l7-regional-external-managed",
+        "nginx-gateway-fabric": "nginx",
+    }
+
+
+def test_dockerfile_has_a_slim_kubernetes_target_without_envoy() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = [line.split()[-1] for line in text.splitlines() if line.startswith("FROM ")]
+    assert stages == ["build", "kubernetes", "full"]  # full last: the default target
+    slim = text.split("AS kubernetes")[1].split("FROM ")[0]
+    assert "/install-kubernetes" in slim
+    assert "rm -f /install-kubernetes/lib/python3.11/site-packages/envoy/_bin/envoy" in text

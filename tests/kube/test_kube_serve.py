@@ -1,8 +1,8 @@
 """`serve --kubernetes` end to end without a cluster: the runtime with the Kubernetes source
 against the fake API server, a simulator as the one Ready pod, and the probes.
 
-Readiness (gRPC `readiness` and HTTP /readyz) follows the source: NOT_SERVING while the watch
-is down, SERVING again once it has re-listed.
+Readiness (gRPC `readiness` and HTTP /readyz) is upstream's: SERVING once the first sync is
+done, and through an API outage (the staleness metric says for how long the state is old).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from poolkeeper.datastore.store import Datastore
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
-from poolkeeper.telemetry.health import NOT_SERVING, SERVING, check_health
+from poolkeeper.telemetry.health import SERVING, check_health
 from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
 
@@ -54,7 +54,19 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str, limit: int
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def test_serve_kubernetes_readiness_follows_the_watch(fake: FakeApiServer) -> None:
+async def _stale_s(metrics_port: int) -> float:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp,
+    ):
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith("poolkeeper_resource_source_stale_seconds "):
+            return float(line.split()[1])
+    raise AssertionError("no poolkeeper_resource_source_stale_seconds in /metrics")
+
+
+async def test_serve_kubernetes_stays_ready_through_an_api_outage(fake: FakeApiServer) -> None:
     cluster = SimCluster(build_fleet(count=1, cli=ServerSettings()))
     listening = await cluster.start()
     sim_port = listening[0].port
@@ -69,14 +81,13 @@ async def test_serve_kubernetes_readiness_follows_the_watch(fake: FakeApiServer)
         namespace=NS, identity="epp-0", backoff_initial_s=0.05, backoff_max_s=0.2
     )
     source = kubernetes_source(settings, gateway, load_config(server=fake.url))
-    runtime = GatewayRuntime(ServeOptions(source=source, run_envoy=False, ready_wait_s=5))
+    runtime = GatewayRuntime(
+        ServeOptions(source=source, run_envoy=False, ready_wait_s=5, ready_once_synced=True)
+    )
     health_addr = f"127.0.0.1:{health}"
 
     async def ready() -> bool:
         return await check_health(health_addr, "readiness") == SERVING
-
-    async def not_ready() -> bool:
-        return await check_health(health_addr, "readiness") == NOT_SERVING
 
     await runtime.start()
     try:
@@ -85,11 +96,28 @@ async def test_serve_kubernetes_readiness_follows_the_watch(fake: FakeApiServer)
             async with session.get(f"http://127.0.0.1:{metrics}/readyz") as resp:
                 assert resp.status == 200
             await fake.stop()  # the API server goes away: the watches drop
-            await eventually(not_ready, "NOT_SERVING while the watch is degraded")
+
+            async def stale() -> bool:
+                return await _stale_s(metrics) > 0
+
+            await eventually(stale, "the staleness metric to rise")
+            assert await ready()  # still SERVING: the last known state is routed
             async with session.get(f"http://127.0.0.1:{metrics}/readyz") as resp:
-                assert resp.status == 503
+                assert resp.status == 200
             await fake.start()
-            await eventually(ready, "SERVING again after the re-list")
+
+            async def in_step() -> bool:
+                return await _stale_s(metrics) == 0
+
+            await eventually(in_step, "back in step after the re-list")
+            assert await ready()
+            # The pool scaled to zero: still ready (the EPP answers its own 503).
+            fake.delete("v1", "pods", NS, "sim-0")
+            await eventually(
+                lambda: asyncio.sleep(0, not runtime.datastore.snapshot().all_endpoints()),
+                "the pod to leave",
+            )
+            assert await ready()
         # Only the leader writes status: this single replica took the Lease and wrote it.
         model = ("inference.networking.x-k8s.io/v1alpha2", "inferencemodels", NS, "m")
 
@@ -170,3 +198,52 @@ async def test_serve_flags_build_the_source_from_a_kubeconfig(
         assert any("Authorization" in h for h in fake.headers_seen)
     finally:
         await source.api.close()
+
+
+async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_path: Path) -> None:
+    """README's Kubernetes steps against the double: step 3's `rollout status` needs the EPP
+    Ready with nothing else in the namespace (no pool, model or model server: step 4 makes
+    them); step 4's objects are then routed to. The options are the CLI's own."""
+    ext_proc, metrics, health = _ports(3)
+    gw = tmp_path / "gw.yaml"
+    gw.write_text(
+        "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\n"
+        f"spec: {{listeners: {{extProc: {ext_proc}, metrics: {metrics}, health: {health}}}}}\n"
+    )
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "clusters": [{"name": "f", "cluster": {"server": fake.url}}],
+                "users": [{"name": "u", "user": {}}],
+                "contexts": [{"name": "f", "context": {"cluster": "f", "user": "u"}}],
+                "current-context": "f",
+            }
+        )
+    )
+    args = _parse("--kubernetes", "--kubeconfig", str(kubeconfig), "-f", str(gw))
+    options = serve_cli.serve_options(args, serve_cli._source(args))
+    assert (options.run_envoy, options.ready_once_synced, options.drain_timeout_s) == (
+        False, True, 30.0,
+    )  # fmt: skip
+    options.ready_wait_s = 0
+    runtime = GatewayRuntime(options)
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model="m")))
+    await runtime.start()
+    try:
+        # Step 3: `kubectl rollout status` waits for readiness, with an empty namespace.
+        assert await check_health(f"127.0.0.1:{health}", "readiness") == SERVING
+        # Step 4: the pool, its model and a model server appear; they are routed to.
+        sim_port = (await cluster.start())[0].port
+        fake.put(pool_obj(port=sim_port), "inferencepools")
+        fake.put(model_obj("m", "m"), "inferencemodels")
+        fake.put(pod_obj("sim-0", "127.0.0.1"), "pods")
+
+        async def routable() -> bool:
+            return runtime.director is not None and runtime.director.ready()
+
+        await eventually(routable, "the model server to be routable")
+        assert await check_health(f"127.0.0.1:{health}", "readiness") == SERVING
+    finally:
+        await runtime.stop(grace_s=0)
+        await cluster.stop()

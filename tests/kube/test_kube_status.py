@@ -184,8 +184,9 @@ async def test_two_replicas_never_both_write_across_a_handover(
     clock = Clock()
     a = await elector_for(fake, "epp-a", clock)
     b = await elector_for(fake, "epp-b", clock)
-    src_a, _ = await make_source("epp-a", elector=None)
-    src_b, _ = await make_source("epp-b", elector=None)
+    # Field managers told apart here only to count who wrote (the default is one stable name).
+    src_a, _ = await make_source("epp-a", elector=None, field_manager="epp-a")
+    src_b, _ = await make_source("epp-b", elector=None, field_manager="epp-b")
     for src, elector in ((src_a, a), (src_b, b)):
         src.elector = elector
         src.status_writer.allowed = elector.is_leader

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import aiohttp
@@ -46,6 +47,32 @@ class StalledStream(io.StringIO):
         return super().write(text)
 
 
+class GatedStream(io.StringIO):
+    """A log stream that writes only as many records as the test allows (`allow`), and says
+    how many writes have begun: the writer thread's progress, step by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._permits = threading.Semaphore(0)
+        self._begun = threading.Condition()
+        self.writes_begun = 0
+
+    def write(self, text: str) -> int:
+        with self._begun:
+            self.writes_begun += 1
+            self._begun.notify_all()
+        if not self._permits.acquire(timeout=30):
+            raise TimeoutError("the test never allowed this write")
+        return super().write(text)
+
+    def allow(self, writes: int) -> None:
+        self._permits.release(writes)
+
+    def wait_for_write(self, count: int) -> None:
+        with self._begun:
+            assert self._begun.wait_for(lambda: self.writes_begun >= count, timeout=30)
+
+
 def _queue(stream: io.StringIO, capacity: int) -> tuple[logging.Logger, LogQueue]:
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
@@ -76,6 +103,32 @@ def test_a_stalled_log_stream_drops_and_counts_instead_of_blocking() -> None:
     (note,) = [e for e in entries if e["logger"] == "poolkeeper.logs"]
     assert note["level"] == "warning"
     assert note["msg"].startswith(f"{writer.dropped} log records dropped")
+
+
+def test_drops_are_reported_when_the_stream_recovers_only_after_close() -> None:
+    """The exit path of a stalled stream: close() gives up waiting and queues its sentinel
+    while records are still queued behind a blocked write. When the stream recovers, the
+    writer drains the queue and must still say how many records it dropped (it used to
+    report only on an empty queue, which the sentinel never leaves: the note was lost, and
+    under CPU load the test above lost it too)."""
+    stream = GatedStream()
+    logger, writer = _queue(stream, capacity=10)
+    logger.debug("routed request_id=0")
+    stream.wait_for_write(1)  # the writer holds record 0, blocked in its write
+    for i in range(1, 21):
+        logger.debug("routed request_id=%d", i)  # 1-10 queued, 11-20 dropped
+    assert writer.dropped == 10
+    stream.allow(1)  # record 0 out; the writer takes record 1 and blocks again
+    stream.wait_for_write(2)  # so the queue holds 2-10 and one free slot
+    writer.close(timeout_s=0.05)  # the sentinel takes that slot; the join gives up
+    stream.allow(1_000)  # the stream recovers after close
+    deadline = time.monotonic() + 10
+    while '"logger":"poolkeeper.logs"' not in stream.getvalue():
+        assert time.monotonic() < deadline, stream.getvalue()
+        time.sleep(0.01)
+    entries = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [int(e["msg"].split("=")[1]) for e in entries[:-1]] == list(range(11))
+    assert entries[-1]["msg"].startswith("10 log records dropped")
 
 
 def test_queued_records_keep_their_values_and_tracebacks() -> None:

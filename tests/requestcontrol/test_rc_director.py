@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownModelPolicy
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.models import ModelResource, ModelRoute
 from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.errors import (
@@ -28,13 +28,14 @@ from poolkeeper.errors import (
     PayloadTooLarge,
     RequestShed,
 )
-from poolkeeper.requestcontrol.build import build_director
+from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.director import Director, Ticket
+from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
+from poolkeeper.server.wiring import build_director
 
 POOL = "default/pool"
 OTHER_POOL = "default/other"
@@ -154,7 +155,7 @@ def _rig(
         datastore=store,
         scheduler=recording,
         inflight=inflight,
-        admission=AdmissionController(),
+        gate=ShedGate(AdmissionController(), clock=lambda: clock[0]),
         config=config or RequestHandling(),
         rng=rng,
         clock=lambda: clock[0],
@@ -329,7 +330,7 @@ async def test_all_zero_weights_from_a_snapshot_is_no_valid_target_model() -> No
         datastore=Source(),
         scheduler=build_scheduler(SchedulingConfig(), rng=random.Random(0)),
         inflight=InflightTracker(),
-        admission=AdmissionController(),
+        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
         config=RequestHandling(),
         rng=random.Random(0),
         clock=lambda: NOW,
@@ -739,7 +740,7 @@ async def test_a_streamed_first_byte_takes_the_request_out_of_the_unseen_queue()
     # The default profile learns nothing from first bytes; the in-flight tracker still does:
     # a request that answered runs, and must not count as waiting until the next scrape.
     from poolkeeper.config.gateway import GatewayConfig
-    from poolkeeper.scheduling.inflight import InflightTracker
+    from poolkeeper.datastore.inflight import InflightTracker
 
     clock = [NOW]
     config = GatewayConfig.model_validate({"spec": {"flowControl": {"enabled": False}}})

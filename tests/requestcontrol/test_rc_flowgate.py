@@ -15,10 +15,10 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.endpoint import EndpointMetrics
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import QueueFull, QueueTimeout, RequestShed
-from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.requestcontrol.flowgate import FlowGate
 from poolkeeper.requestcontrol.types import Usage
+from poolkeeper.server.wiring import build_director
 from tests.requestcontrol.test_rc_director import NOW, _chat, _store
 
 SHEDDABLE = Criticality.SHEDDABLE

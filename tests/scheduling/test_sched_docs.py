@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from poolkeeper.admission.config import AdmissionConfig
+from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
 from poolkeeper.scheduling.presets import PRESETS, preset_document

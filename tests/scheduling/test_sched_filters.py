@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
-from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.errors import RequestShed
+from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.load import STALE, saturations
 from poolkeeper.scheduling.plugins.filters import SaturationFilter, StaleMetricsFilter
 from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 

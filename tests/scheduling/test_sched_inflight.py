@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.scheduling.inflight import InflightTracker
-from poolkeeper.scheduling.load import effective_waiting, saturations
+from poolkeeper.datastore.inflight import InflightTracker
+from poolkeeper.datastore.load import effective_waiting, saturations
 from tests.scheduling.sched_factories import key, request, scheduler, state
 
 

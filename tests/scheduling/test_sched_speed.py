@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
 
-from poolkeeper.scheduling.inflight import InflightTracker
-from poolkeeper.scheduling.speed import ObservedSpeed
+from poolkeeper.datastore.inflight import InflightTracker
+from poolkeeper.datastore.speed import ObservedSpeed
 from tests.scheduling.sched_factories import key, plugin, request, scores_of, state
 
 

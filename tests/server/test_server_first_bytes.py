@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from poolkeeper.controller.files import file_source
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.netutil import free_ports
-from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
@@ -62,7 +62,7 @@ spec: {{modelName: {MODEL}, poolRef: {{name: pool}}}}
     return tmp_path
 
 
-async def _until(condition: Callable[[], object], seconds: float = 10.0) -> bool:
+async def _until(condition: Callable[[], object], seconds: float = 30.0) -> bool:
     """Polls until `condition` holds; False once the bound passes."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -72,11 +72,25 @@ async def _until(condition: Callable[[], object], seconds: float = 10.0) -> bool
     return False
 
 
+async def _until_serving(client: openai.AsyncOpenAI, seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
+            return True
+        except openai.InternalServerError:
+            await asyncio.sleep(0.1)
+    return False
+
+
 async def test_the_backlog_forgets_a_prompt_at_its_first_byte_not_at_the_end(
     tmp_path: Path,
 ) -> None:
-    # One server serving `m`, about 5 ms per generated token: 400 tokens take ~2 s after the
-    # first one, far longer than the report needs to arrive.
+    # One server serving `m`, about 5 ms per generated token: 8,000 tokens take ~40 s after
+    # the first one, longer than the report may take even on a loaded machine (the test
+    # closes the stream once it has seen enough).
     cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
     (sim,) = await cluster.start()
     runtime = GatewayRuntime(
@@ -95,10 +109,14 @@ async def test_the_backlog_forgets_a_prompt_at_its_first_byte_not_at_the_end(
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30
         )
+        # Envoy is ready once its admin says so; its first health check of the EPP may pass
+        # later on a loaded machine (a FailClose 503 meanwhile): wait until it serves.
+        assert await _until_serving(client)
+        await _until(lambda: len(scorer.backlog) == 0 and len(inflight) == 0)
         stream = await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "tell me a long story " * 20}],
-            max_tokens=400,
+            max_tokens=8000,
             stream=True,
         )
         chunks = 0
@@ -106,11 +124,14 @@ async def test_the_backlog_forgets_a_prompt_at_its_first_byte_not_at_the_end(
         async for chunk in stream:
             chunks += 1
             if chunks == 1:
-                # The report travels Lua -> EPP asynchronously: wait for it, briefly.
-                forgotten_while_open = await _until(lambda: len(scorer.backlog) == 0, 1.5)
+                # The report travels Lua -> EPP asynchronously: wait for it ...
+                forgotten_while_open = await _until(lambda: len(scorer.backlog) == 0)
                 # ... while the EPP still counts the request in flight: the stream is open.
                 assert len(inflight) == 1
             del chunk
+            if chunks > 100:
+                break
+        await stream.close()
         assert chunks > 100
         assert forgotten_while_open
         await client.close()

@@ -11,7 +11,7 @@
       scheme: http              # or https (certificates checked only if insecureSkipVerify false)
       insecureSkipVerify: true
       engineLabel: inference.networking.k8s.io/engine-type
-      defaultEngine: vllm       # vllm | sglang | trtllm-serve | triton-trtllm
+      defaultEngine: vllm       # an engine name or alias (backend/engines/registry.py)
 
 Upstream differences: the per-fetch timeout is 1 s here instead of 5-10 s, because a metrics page
 slower than that is useless at a 50 ms cadence and would only hold a connection.
@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from poolkeeper.backend.mappings import mapping_for
+from poolkeeper.backend.engines import resolve_engine
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S
 from poolkeeper.schema import CamelModel
 
@@ -58,8 +58,8 @@ class ScrapingConfig(CamelModel, use_attribute_docstrings=True):
     engine_label: str = Field(default=ENGINE_TYPE_LABEL, min_length=1)
     """Endpoint (pod) label naming the engine type of the server."""
     default_engine: str = "vllm"
-    """Engine type of endpoints without the label: vllm, sglang, trtllm-serve or
-    triton-trtllm."""
+    """Engine type of endpoints without the label: a name or alias from the engine table
+    (Engines, above)."""
 
     @field_validator("path")
     @classmethod
@@ -71,7 +71,7 @@ class ScrapingConfig(CamelModel, use_attribute_docstrings=True):
     @field_validator("default_engine")
     @classmethod
     def _engine_is_known(cls, value: str) -> str:
-        return mapping_for(value).name  # raises ValueError naming the known engines
+        return resolve_engine(value).value  # raises ValueError naming the known engines
 
     @property
     def interval_s(self) -> float:
@@ -95,4 +95,4 @@ class ScrapingConfig(CamelModel, use_attribute_docstrings=True):
         The result is the canonical built-in name; ValueError for an unknown engine type.
         """
         chosen = explicit or labels.get(self.engine_label) or self.default_engine
-        return mapping_for(chosen).name
+        return resolve_engine(chosen).value

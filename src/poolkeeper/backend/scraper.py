@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Final
 import aiohttp
 
 from poolkeeper.backend.config import ScrapingConfig
-from poolkeeper.backend.mappings import EngineMapping, MissingMetrics, mapping_for
+from poolkeeper.backend.engines import EngineMapping, MissingMetrics, mapping_for
 from poolkeeper.backend.promtext import PromParseError
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
+from poolkeeper.hostport import join_hostport
 
 if TYPE_CHECKING:
     from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
@@ -49,10 +50,7 @@ class ScrapeFailed(Exception):
 
 def metrics_url(endpoint: Endpoint, config: ScrapingConfig) -> str:
     """The metrics URL of an endpoint (IPv6 addresses bracketed)."""
-    host = endpoint.address
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{config.scheme}://{host}:{endpoint.port}{config.path}"
+    return f"{config.scheme}://{join_hostport(endpoint.address, endpoint.port)}{config.path}"
 
 
 class MetricsScraper:

@@ -1,7 +1,7 @@
 """The example objects of `deploy/`: an InferencePool with two InferenceModels and its model
 servers (the poolkeeper simulator as a stand-in for vLLM), and a Gateway + HTTPRoute whose
-backendRef is the InferencePool, for Envoy Gateway and for Istio (pure dicts, like
-`deploy_objects.py`)."""
+backendRef is the InferencePool, for each provider: Envoy Gateway, Istio, kgateway, GKE and
+NGINX Gateway Fabric (pure dicts, like `deploy_objects.py`)."""
 
 from __future__ import annotations
 
@@ -138,5 +138,74 @@ def envoy_gateway(p: DeployParams) -> list[dict[str, Any]]:
 
 
 def istio(p: DeployParams) -> list[dict[str, Any]]:
-    """Istio (1.27+, installed with ENABLE_GATEWAY_API_INFERENCE_EXTENSION=true)."""
-    return [_gateway(p, "inference-gateway", "istio"), _route(p, "inference-gateway")]
+    """Istio (1.27+, installed with ENABLE_GATEWAY_API_INFERENCE_EXTENSION=true), and a
+    DestinationRule for the gateway's connection to the EPP Service. Upstream's EPP serves TLS
+    (self-signed), so its chart asks for `SIMPLE` with `insecureSkipVerify`; poolkeeper's EPP
+    serves plaintext h2c today, so the rule says `DISABLE` (no mesh mTLS either: the Gateway
+    speaks ext_proc to it directly). Switch to SIMPLE once the EPP serves TLS."""
+    rule = {
+        "apiVersion": "networking.istio.io/v1",
+        "kind": "DestinationRule",
+        "metadata": meta(p.epp, p),
+        "spec": {
+            "host": f"{p.epp}.{p.namespace}.svc.cluster.local",
+            "trafficPolicy": {"tls": {"mode": "DISABLE"}},
+        },
+    }
+    return [_gateway(p, "inference-gateway", "istio"), _route(p, "inference-gateway"), rule]
+
+
+def kgateway(p: DeployParams) -> list[dict[str, Any]]:
+    """kgateway (v2.1+, installed with `inferenceExtension.enabled=true`; its Helm chart
+    creates the `kgateway` GatewayClass)."""
+    return [_gateway(p, "inference-gateway", "kgateway"), _route(p, "inference-gateway")]
+
+
+def nginx_gateway_fabric(p: DeployParams) -> list[dict[str, Any]]:
+    """NGINX Gateway Fabric (v2.2+, installed with
+    `nginxGateway.gwAPIInferenceExtension.enable=true`; its chart creates the `nginx` class)."""
+    return [_gateway(p, "inference-gateway", "nginx"), _route(p, "inference-gateway")]
+
+
+def gke(p: DeployParams) -> list[dict[str, Any]]:
+    """GKE's managed Gateway (regional external Application Load Balancer, the class upstream's
+    guide uses), with the load balancer's health check of the pool's model servers and a
+    backend timeout long enough for a generation (upstream's chart sets both as well)."""
+    target = {"group": ip.V1_GROUP, "kind": "InferencePool", "name": p.pool}
+    return [
+        _gateway(p, "inference-gateway", "gke-l7-regional-external-managed"),
+        _route(p, "inference-gateway"),
+        {
+            "apiVersion": "networking.gke.io/v1",
+            "kind": "HealthCheckPolicy",
+            "metadata": meta(p.pool, p),
+            "spec": {
+                "targetRef": target,
+                "default": {
+                    "config": {
+                        "type": "HTTP",
+                        "httpHealthCheck": {"requestPath": "/health", "port": MODEL_PORT},
+                    }
+                },
+            },
+        },
+        {
+            "apiVersion": "networking.gke.io/v1",
+            "kind": "GCPBackendPolicy",
+            "metadata": meta(p.pool, p),
+            "spec": {
+                "targetRef": target,
+                "default": {"timeoutSec": 300, "logging": {"enabled": True}},
+            },
+        },
+    ]
+
+
+# --gateway NAME and deploy/gateway/NAME.yaml: one entry per provider.
+PROVIDERS = {
+    "envoy-gateway": envoy_gateway,
+    "istio": istio,
+    "kgateway": kgateway,
+    "gke": gke,
+    "nginx-gateway-fabric": nginx_gateway_fabric,
+}

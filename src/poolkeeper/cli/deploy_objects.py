@@ -7,7 +7,9 @@ namespace, pool and image. The example pool and Gateways are in `deploy_examples
   update only that one by name. No events, no secrets, no cluster scope.
 - The EPP Deployment runs 2 replicas (active-active routing, one status writer by Lease), gRPC
   probes on the health port (`liveness`, `readiness` services), a PodDisruptionBudget, and a
-  termination grace period longer than the drain grace (streams finish before SIGKILL).
+  termination grace period longer than the drain timeout plus the drain grace (after SIGTERM
+  readiness turns NOT_SERVING and the Lease is released at once, ext_proc keeps taking streams
+  for 30 s while the Gateway notices, then streams get 120 s to finish before SIGKILL).
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from poolkeeper import __version__
-from poolkeeper.api import model as im, pool as ip
+from poolkeeper.api import model as im
 from poolkeeper.api.names import dns1123_label_errors
+from poolkeeper.controller.kubernetes.objects import watched_resources
 
 EXT_PROC_PORT = 9002
 HEALTH_PORT = 9003
 METRICS_PORT = 9090
 MODEL_PORT = 8000
-DRAIN_GRACE_S = 120  # the longest stream we wait for on shutdown
-TERMINATION_GRACE_S = DRAIN_GRACE_S + 15
+DRAIN_TIMEOUT_S = 30  # after SIGTERM ext_proc keeps taking streams this long (upstream's)
+DRAIN_GRACE_S = 120  # then the longest stream we wait for on shutdown
+TERMINATION_GRACE_S = DRAIN_TIMEOUT_S + DRAIN_GRACE_S + 15
 DEFAULT_IMAGE = f"poolkeeper:{__version__}"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -68,17 +72,10 @@ def role_rules(p: DeployParams) -> list[dict[str, Any]]:
     read = ["get", "list", "watch"]
     return [
         {"apiGroups": [""], "resources": ["pods"], "verbs": read},
-        {
-            "apiGroups": [ip.X_GROUP],
-            "resources": [
-                "inferencepools",
-                "inferencemodels",
-                "inferenceobjectives",
-                "inferencemodelrewrites",
-            ],
-            "verbs": read,
-        },
-        {"apiGroups": [ip.V1_GROUP], "resources": ["inferencepools"], "verbs": read},
+        *(
+            {"apiGroups": [group], "resources": plurals, "verbs": read}
+            for group, plurals in watched_resources().items()
+        ),
         {
             "apiGroups": [im.GROUP],
             "resources": ["inferencemodels/status"],
@@ -140,6 +137,8 @@ def epp(p: DeployParams) -> list[dict[str, Any]]:
         p.lease,
         "-f",
         "/etc/poolkeeper/gatewayconfig.yaml",
+        "--drain-timeout",
+        str(DRAIN_TIMEOUT_S),
         "--drain-grace",
         str(DRAIN_GRACE_S),
         "--log-format",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import socket
 import sys
@@ -25,6 +26,7 @@ from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
 from poolkeeper.server.runtime import (
     DEFAULT_DRAIN_GRACE_S,
+    DEFAULT_DRAIN_TIMEOUT_S,
     GatewayRuntime,
     ServeOptions,
     bootstrap_params,
@@ -104,6 +106,13 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_DRAIN_GRACE_S,
         help="on SIGTERM: seconds accepted requests get to finish (130, as upstream's chart)",
     )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="on SIGTERM: seconds ext_proc keeps taking new requests after readiness turned "
+        "NOT_SERVING (default 30 with --kubernetes, as upstream's EPP; else 0)",
+    )
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
     serve.add_argument(
         "--log-format", choices=("json", "text"), default="json", help="log line format"
@@ -168,6 +177,29 @@ def _source(args: argparse.Namespace) -> SourceFactory:
     return kubernetes_source(settings, gateway_config, config)
 
 
+def serve_options(args: argparse.Namespace, source: SourceFactory) -> ServeOptions:
+    """The runtime's options for these flags (Kubernetes mode: no Envoy, readiness as
+    upstream's, a drain timeout); ConfigError for a bad value."""
+    return ServeOptions(
+        source=source,
+        run_envoy=not (args.no_envoy or args.kubernetes),
+        envoy_path=args.envoy_path,
+        workdir=args.workdir,
+        envoy_concurrency=args.envoy_concurrency,
+        drain_grace_s=args.drain_grace,
+        ready_once_synced=args.kubernetes,
+        drain_timeout_s=_drain_timeout(args),
+    )
+
+
+def _drain_timeout(args: argparse.Namespace) -> float:
+    if args.drain_timeout is not None:
+        if args.drain_timeout < 0:
+            raise ConfigError("--drain-timeout must be 0 or more seconds")
+        return float(args.drain_timeout)
+    return DEFAULT_DRAIN_TIMEOUT_S if args.kubernetes else 0.0
+
+
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop `serve` runs on: uvloop if asked for and installed (a dependency on
     Linux and macOS), else asyncio's own (None). Measured: gateway_overhead's closed loop
@@ -193,18 +225,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        source = _source(args)
+        options = serve_options(args, _source(args))
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    options = ServeOptions(
-        source=source,
-        run_envoy=not (args.no_envoy or args.kubernetes),
-        envoy_path=args.envoy_path,
-        workdir=args.workdir,
-        envoy_concurrency=args.envoy_concurrency,
-        drain_grace_s=args.drain_grace,
-    )
     runtime = GatewayRuntime(options)
 
     async def main() -> None:
@@ -212,10 +236,16 @@ def _serve(args: argparse.Namespace) -> int:
         task = asyncio.create_task(serve_until_signalled(runtime, started))
         waiter = asyncio.create_task(started.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if started.is_set() and options.run_envoy:
-            print(f"poolkeeper gateway ready on {runtime.http_url}", file=sys.stderr, flush=True)
-        elif started.is_set():
-            print(f"poolkeeper endpoint picker ready ({runtime.extproc_address})", file=sys.stderr)
+        if started.is_set():
+            what = (
+                f"poolkeeper gateway ready on {runtime.http_url}"
+                if options.run_envoy
+                else f"poolkeeper endpoint picker ready ({runtime.extproc_address})"
+            )
+            if args.log_format == "json":  # one format per stream: a log record, not a print
+                logging.getLogger("poolkeeper.cli").info("%s", what)
+            else:
+                print(what, file=sys.stderr, flush=True)
         waiter.cancel()
         await task
 

@@ -1,10 +1,11 @@
 """Field reference tables of the GatewayConfig, generated from the pydantic schema.
 
-docs/configuration.md carries the output between two marker lines; regenerate it with
+docs/configuration.md carries the output between two marker lines, and the engine table of the
+engine registry (`poolkeeper.backend.engines`) between two others; regenerate both with
 
     .venv/bin/python -m poolkeeper.config.docs docs/configuration.md
 
-A test checks that the sections owned by this package are current.
+Tests check that every section's table and the engine table are current.
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from poolkeeper.config.gateway import (
-    Edge,
-    GatewayConfigSpec,
-    Listeners,
-    RequestHandling,
-    StaticEndpoint,
-)
+from poolkeeper.backend.engines import Engine
+from poolkeeper.config.endpoints import StaticEndpoint
+from poolkeeper.config.gateway import GatewayConfigSpec
+from poolkeeper.envoy.config import Edge, Listeners
 from poolkeeper.flowcontrol.config import BandConfig, Bands
+from poolkeeper.requestcontrol.config import RequestHandling
 
 BEGIN_MARKER = "<!-- BEGIN GENERATED FIELD TABLES (python -m poolkeeper.config.docs) -->"
 END_MARKER = "<!-- END GENERATED FIELD TABLES -->"
+ENGINES_BEGIN_MARKER = "<!-- BEGIN GENERATED ENGINE TABLE (python -m poolkeeper.config.docs) -->"
+ENGINES_END_MARKER = "<!-- END GENERATED ENGINE TABLE -->"
 
 
 def _type_name(annotation: Any) -> str:
@@ -125,27 +126,26 @@ def _section_model(name: str) -> type[BaseModel]:
     return annotation
 
 
-# (heading, path in the document, model): the sections this package owns come first.
+# (heading, model) of every documented section, in the page's order. Each section is declared
+# by the package that reads it (config/gateway.py says which); tests check every table is current.
 OWN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("spec", GatewayConfigSpec),
     ("spec.listeners", Listeners),
     ("spec.endpoints[]", StaticEndpoint),
     ("spec.requestHandling", RequestHandling),
     ("spec.edge", Edge),
+    ("spec.scraping", _section_model("scraping")),
+    ("spec.admission", _section_model("admission")),
+    ("spec.scheduling", _section_model("scheduling")),
+    ("spec.flowControl", _section_model("flow_control")),
+    ("spec.flowControl.bands", Bands),
+    ("spec.flowControl.bands.<critical|standard|sheddable>", BandConfig),
 )
 
 
 def sections() -> list[tuple[str, type[BaseModel]]]:
-    """Every documented section: ours, then those owned by other packages."""
-    return [
-        *OWN_SECTIONS,
-        ("spec.scraping", _section_model("scraping")),
-        ("spec.admission", _section_model("admission")),
-        ("spec.scheduling", _section_model("scheduling")),
-        ("spec.flowControl", _section_model("flow_control")),
-        ("spec.flowControl.bands", Bands),
-        ("spec.flowControl.bands.<critical|standard|sheddable>", BandConfig),
-    ]
+    """Every documented section, in the page's order."""
+    return list(OWN_SECTIONS)
 
 
 def section_markdown(heading: str, model: type[BaseModel]) -> str:
@@ -159,10 +159,36 @@ def reference_markdown() -> str:
     return f"{BEGIN_MARKER}\n\n{body}\n{END_MARKER}"
 
 
-def replace_block(text: str, block: str) -> str:
+def engine_table() -> str:
+    """A markdown table of the engine registry: names, aliases and the families read."""
+    lines = [
+        "| Engine | Name | Aliases | Waiting / running / KV usage read from |",
+        "|---|---|---|---|",
+    ]
+    for engine in Engine:
+        mapping = engine.mapping
+        families = " / ".join(
+            " or ".join(f"`{spec}`" for spec in specs)
+            for specs in (mapping.waiting, mapping.running, mapping.kv_usage)
+        )
+        aliases = ", ".join(f"`{a}`" for a in engine.definition.aliases) or "-"
+        lines.append(
+            f"| {engine.definition.title} | `{engine.value}` | {aliases} | {_cell(families)} |"
+        )
+    return "\n".join(lines)
+
+
+def engines_markdown() -> str:
+    """The generated engine block (markers included)."""
+    return f"{ENGINES_BEGIN_MARKER}\n\n{engine_table()}\n\n{ENGINES_END_MARKER}"
+
+
+def replace_block(
+    text: str, block: str, begin: str = BEGIN_MARKER, end_marker: str = END_MARKER
+) -> str:
     """`text` with the part between the markers (inclusive) replaced by `block`."""
-    start = text.index(BEGIN_MARKER)
-    end = text.index(END_MARKER) + len(END_MARKER)
+    start = text.index(begin)
+    end = text.index(end_marker) + len(end_marker)
     return text[:start] + block + text[end:]
 
 
@@ -175,7 +201,10 @@ def main(argv: list[str]) -> int:
     if BEGIN_MARKER not in text or END_MARKER not in text:
         print(f"{path}: the generated-table markers are missing", file=sys.stderr)
         return 1
-    path.write_text(replace_block(text, reference_markdown()), encoding="utf-8")
+    text = replace_block(text, reference_markdown())
+    if ENGINES_BEGIN_MARKER in text and ENGINES_END_MARKER in text:
+        text = replace_block(text, engines_markdown(), ENGINES_BEGIN_MARKER, ENGINES_END_MARKER)
+    path.write_text(text, encoding="utf-8")
     return 0
 
 

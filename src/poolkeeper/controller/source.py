@@ -7,7 +7,8 @@ it: it calls `start()` once, runs `run()` as a root task until shutdown, and rea
     source = factory(datastore)        # a SourceFactory, chosen by the CLI
     config = await source.start()      # first full load, applied; ConfigError lists problems
     await source.run()                 # keep the datastore in step (until cancelled)
-    source.healthy()                   # readiness: synced and keeping up
+    source.healthy()                   # readiness: synced
+    source.stale_s()                   # seconds not kept in step (the last known state served)
 
 Sources today: files with hot reload (`controller/files.py`), and the Kubernetes API server
 (`controller/kubernetes/`: list, then watch pools, models and Pods; writes model status).
@@ -49,9 +50,13 @@ class ResourceSource(Protocol):
         ...
 
     def healthy(self) -> bool:
-        """True once the first full load is applied and the source is keeping up with changes
-        (a Kubernetes watch is not re-listing after a failure). Readiness requires it; files
-        are always healthy once started (a bad reload keeps the last good state)."""
+        """True once the first full load is applied. Readiness requires it; afterwards the
+        last known state is served whatever the source does (files: a bad reload keeps the
+        last good state; Kubernetes: an API outage keeps the last listed state)."""
+        ...
+
+    def stale_s(self) -> float:
+        """Seconds the datastore has not been kept in step with the source (0 while it is)."""
         ...
 
 

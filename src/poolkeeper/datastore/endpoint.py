@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from poolkeeper.hostport import join_hostport
+
 _EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
 
 # Metrics older than this are stale: admission counts the endpoint saturated and the filters
@@ -39,12 +41,12 @@ class Endpoint:
     namespace: str = "default"
     labels: Mapping[str, str] = field(default_factory=empty_labels, compare=False, hash=False)
     engine: str = "vllm"
-    # `ip:port`, the value of the x-gateway-destination-endpoint header. Computed once here,
-    # because the scheduler reads it for every candidate of every decision.
+    # `ip:port` (`[v6]:port`), the value of the x-gateway-destination-endpoint header. Computed
+    # once here, because the scheduler reads it for every candidate of every decision.
     hostport: str = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hostport", f"{self.address}:{self.port}")
+        object.__setattr__(self, "hostport", join_hostport(self.address, self.port))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +85,10 @@ class EndpointState:
     has not seen finish; `unseen_requests` / `unseen_tokens` are the part of those sent after the
     metrics were scraped, so not yet visible in `metrics.waiting` / `metrics.running`.
     `seconds_per_output_token` is the router's own observation of how fast the endpoint
-    serves (`scheduling/speed.py`: EWMA of sent-to-finished seconds per output token), None
+    serves (`datastore/speed.py`: EWMA of sent-to-finished seconds per output token), None
     until a request there finished. `unseen_answered` is the part of the unseen requests whose
     first response byte already came back: running there, no longer queued, so the queue
-    estimates (`scheduling/load.py`) leave them out (0 where the router does not learn first
+    estimates (`datastore/load.py`) leave them out (0 where the router does not learn first
     bytes as they happen).
     """
 

@@ -1,1 +1,2 @@
-"""Envoy in front of the EPP: bootstrap generation and the supervised Envoy child process."""
+"""Envoy in front of the EPP: bootstrap generation, the supervised Envoy child process, and the
+GatewayConfig sections about the network edge (`config.py`: listeners, edge)."""

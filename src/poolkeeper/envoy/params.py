@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from poolkeeper.config.gateway import DEFAULT_INFERENCE_PATHS
+from poolkeeper.envoy.config import DEFAULT_INFERENCE_PATHS
+from poolkeeper.hostport import split_hostport
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
@@ -164,13 +165,6 @@ def duration(seconds: float) -> str:
 
 def socket_address(address: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": address, "port_value": port}}
-
-
-def split_hostport(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"endpoint {value!r}: expected ip:port")
-    return host, int(port)
 
 
 def lb_endpoints(hostports: Sequence[str]) -> list[dict[str, Any]]:

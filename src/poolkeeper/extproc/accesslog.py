@@ -26,6 +26,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import empty_pb2, struct_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
+from poolkeeper.hostport import join_hostport
 
 log = logging.getLogger("poolkeeper.extproc")
 
@@ -120,7 +121,7 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, Outcome] |
         status = CUT_STATUS
     t0, first = _number(fields, wire.SENT_AT), _number(fields, wire.FIRST_BYTE_AT)
     address = common.upstream_remote_address.socket_address
-    served = f"{address.address}:{address.port_value}" if address.address else None
+    served = join_hostport(address.address, address.port_value) if address.address else None
     outcome = Outcome(
         status=status,
         served=served,

@@ -1,1 +1,10 @@
-"""Flow control: bands, fair sharing (VTC) and the queue, pure and synchronous."""
+"""Flow control: whether and when a request goes, pure and synchronous (the one gate's core).
+
+Admission (`admission.py`, the `spec.admission` section; `saturation.py`, the pool's
+saturation detector; `shedding.py`, admit or shed by criticality when nothing queues) and
+queueing (`config.py`, the `spec.flowControl` section; `headroom.py`; `dispatcher.py`, bands
+and bounds; the policy seams `fairness.py`, between flows, today `vtc.py`, and `ordering.py`,
+within a flow). Reads the load views of `datastore/` and never imports `scheduling` (where a
+request goes is its sibling's question). The async edges, the Director's two gates, are
+`requestcontrol/flowgate.py` (queue) and `requestcontrol/shedgate.py` (shed).
+"""

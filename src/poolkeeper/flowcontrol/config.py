@@ -13,7 +13,7 @@
                     lifoAfterMs: 200, placement: headroom}
 
 One band per criticality, served in strict priority. A band's head is dispatched while some
-candidate endpoint's saturation (`scheduling.load.saturations`, thresholds from
+candidate endpoint's saturation (`datastore.load.saturations`, thresholds from
 `spec.admission` unless the band sets its own) is below the band's `saturationLimit`;
 otherwise it waits (mode `queue`), is refused with 429 (mode `shed`), or goes anyway (mode
 `send`, today's Critical behaviour).

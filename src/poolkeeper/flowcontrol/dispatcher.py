@@ -8,13 +8,12 @@
     cancel(item)         -> the client went away: removed at once
     completed(flow, band, output_tokens)  -> VTC charge of the answer
 
-Order: strict priority between bands (Critical > Standard > Sheddable), the Virtual Token
-Counter between flows within a band (`vtc.py`), first come first served within a flow, except
-in overload: while a flow's oldest request has waited longer than its band's `lifoAfterMs`,
-its newest goes first (adaptive LIFO, as in Facebook's and CoDel-style server queues). A FIFO
-queue in sustained overload makes every request wait the whole queue, so every answer is late
-(goodput collapses); newest-first serves the requests that can still be on time, and the old
-ones run out at their TTL (or are pushed out of a full band first). Once a flow has had
+Order: strict priority between bands (Critical > Standard > Sheddable); between the flows of
+a band, the band's fairness policy (`fairness.py`; today the Virtual Token Counter, `vtc.py`);
+within a flow, the band's ordering policy (`ordering.py`; today first come first served,
+except in overload: while a flow's oldest request has waited longer than its band's
+`lifoAfterMs`, its newest goes first, adaptive LIFO). Both policies are chosen by the
+`FlowPolicies` the dispatcher is built with, so a new policy needs no edit here. Once a flow has had
 requests waiting without a break for its band's `overloadAfterMs`, the TTL of its requests
 queued from then on is the band's `overloadTtlMs` (CoDel's short limit for a standing queue,
 per flow as in FQ-CoDel; `BandConfig.deadline`): the old ones run out quickly instead of
@@ -44,7 +43,8 @@ from typing import Generic, TypeVar
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
-from poolkeeper.flowcontrol.vtc import VirtualTokenCounter
+from poolkeeper.flowcontrol.fairness import FairnessFactory, FairnessPolicy, vtc_fairness
+from poolkeeper.flowcontrol.ordering import FcfsAdaptiveLifo, OrderingFactory, OrderingPolicy
 
 T = TypeVar("T")
 
@@ -73,11 +73,21 @@ class FlowItem(Generic[T]):
     queued: bool = False
 
 
-class _Band(Generic[T]):
-    __slots__ = ("busy_since", "bytes", "count", "flows", "vtc")
+@dataclass(frozen=True, slots=True)
+class FlowPolicies:
+    """The policies a dispatcher orders its queue by, one of each per band (the seams of
+    `fairness.py` and `ordering.py`); the defaults are today's behaviour."""
 
-    def __init__(self, vtc: VirtualTokenCounter) -> None:
-        self.vtc = vtc
+    fairness: FairnessFactory = vtc_fairness
+    ordering: OrderingFactory = FcfsAdaptiveLifo.of
+
+
+class _Band(Generic[T]):
+    __slots__ = ("busy_since", "bytes", "count", "fairness", "flows", "ordering")
+
+    def __init__(self, fairness: FairnessPolicy, ordering: OrderingPolicy) -> None:
+        self.fairness = fairness
+        self.ordering = ordering
         self.flows: dict[str, deque[FlowItem[T]]] = {}  # only flows with something waiting
         self.count = 0
         self.bytes = 0
@@ -89,24 +99,20 @@ class _Band(Generic[T]):
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
         if queue is None:
-            self.vtc.activate(item.flow, self.flows)
+            self.fairness.activate(item.flow, self.flows)
             queue = self.flows[item.flow] = deque()
             self.busy_since[item.flow] = item.arrived
         queue.append(item)
         self.count += 1
         self.bytes += item.size
 
-    def head(self, now: float, lifo_after: float | None) -> FlowItem[T] | None:
-        """The next item: the fairest flow's oldest, or its newest while its oldest has
-        waited longer than `lifo_after` seconds (adaptive LIFO, see the module docstring)."""
+    def head(self, now: float) -> FlowItem[T] | None:
+        """The next item: the fairness policy's flow, the ordering policy's item of it."""
         flows = self.flows
-        flow = self.vtc.pick(flows, lambda f: flows[f][0].seq)
+        flow = self.fairness.pick(flows, lambda f: flows[f][0].seq)
         if flow is None:
             return None
-        queue = flows[flow]
-        if lifo_after is not None and now - queue[0].arrived > lifo_after:
-            return queue[-1]
-        return queue[0]
+        return self.ordering.head(flows[flow], now)
 
     def remove(self, item: FlowItem[T]) -> None:
         queue = self.flows[item.flow]
@@ -121,7 +127,7 @@ class _Band(Generic[T]):
         if not queue:
             del self.flows[item.flow]
             del self.busy_since[item.flow]
-            self.vtc.deactivate(item.flow, self.flows)
+            self.fairness.deactivate(item.flow, self.flows)
 
     def items(self) -> Iterator[FlowItem[T]]:
         for queue in self.flows.values():
@@ -131,16 +137,11 @@ class _Band(Generic[T]):
 class FlowDispatcher(Generic[T]):
     """Bands, fairness and bounds of one pool (see the module docstring)."""
 
-    def __init__(self, config: FlowControlConfig) -> None:
+    def __init__(self, config: FlowControlConfig, policies: FlowPolicies | None = None) -> None:
         self.config = config
+        policies = policies if policies is not None else FlowPolicies()
         self._bands: dict[Criticality, _Band[T]] = {
-            b: _Band(
-                VirtualTokenCounter(
-                    weight=config.weight,
-                    input_weight=config.input_token_weight,
-                    output_weight=config.output_token_weight,
-                )
-            )
+            b: _Band(policies.fairness(config, b), policies.ordering(config.bands.of(b)))
             for b in BANDS
         }
         self._seq = itertools.count()
@@ -173,11 +174,11 @@ class FlowDispatcher(Generic[T]):
     def _make_room(self, queue: _Band[T], item: FlowItem[T], band: BandConfig, now: float) -> bool:
         """Room for `item` within the band's bounds, pushing out the newest requests of the
         longest flow if `item`'s flow is shorter (longest-queue drop: one busy flow must not
-        fill the band and lock the others out); in overload (the longest flow's oldest
-        waited past `lifoAfterMs`) its oldest instead, even from `item`'s own flow: it can no
-        longer be served in time, the newcomer can. False: no room, `item` is refused."""
+        fill the band and lock the others out); in overload (the ordering policy finds the
+        longest flow's request overdue: today its oldest waited past `lifoAfterMs`) that one
+        instead, even from `item`'s own flow: it can no longer be served in time, the
+        newcomer can. False: no room, `item` is refused."""
         requests, size = band.max_requests, band.max_bytes
-        lifo_after = band.lifo_after_s
         while queue.count + 1 > requests or queue.bytes + item.size > size:
             if item.size > size:
                 return False
@@ -186,8 +187,9 @@ class FlowDispatcher(Generic[T]):
                 return False
             waiting = queue.flows[longest]
             mine = len(queue.flows.get(item.flow, ()))
-            if lifo_after is not None and now - waiting[0].arrived > lifo_after:
-                victim = waiting[0]
+            overdue = queue.ordering.overdue(waiting, now)
+            if overdue is not None:
+                victim = overdue
             elif longest == item.flow or len(waiting) <= mine + 1:
                 return False
             else:
@@ -204,10 +206,10 @@ class FlowDispatcher(Generic[T]):
 
     def dispatched(self, item: FlowItem[T]) -> None:
         """Charge the prompt to the flow (fast path and pump alike)."""
-        self._bands[item.band].vtc.charge_input(item.flow, item.tokens)
+        self._bands[item.band].fairness.charge_input(item.flow, item.tokens)
 
     def completed(self, flow: str, band: Criticality, output_tokens: int) -> None:
-        self._bands[band].vtc.charge_output(flow, output_tokens)
+        self._bands[band].fairness.charge_output(flow, output_tokens)
 
     # -- the pump -----------------------------------------------------------------------------
 
@@ -218,9 +220,8 @@ class FlowDispatcher(Generic[T]):
         sent = 0
         for criticality in BANDS:
             queue = self._bands[criticality]
-            lifo_after = self.config.bands.of(criticality).lifo_after_s
             while queue.count:
-                item = queue.head(now, lifo_after)
+                item = queue.head(now)
                 if item is None or not fits(item):
                     return sent  # a waiting head blocks its band and every lower band
                 queue.remove(item)
@@ -274,10 +275,10 @@ class FlowDispatcher(Generic[T]):
 
     def head(self, band: Criticality, now: float = math.inf) -> FlowItem[T] | None:
         """The item `pump` would try next at `now` (by default: as if every wait were long)."""
-        return self._bands[band].head(now, self.config.bands.of(band).lifo_after_s)
+        return self._bands[band].head(now)
 
     def counter(self, band: Criticality, flow: str) -> float:
-        return self._bands[band].vtc.counter(flow)
+        return self._bands[band].fairness.counter(flow)
 
     def next_deadline(self) -> float:
         return min(

@@ -1,6 +1,6 @@
 """Headroom: may a request of a band be sent to this pool now?
 
-Yes when some candidate endpoint's saturation (`scheduling.load.saturations`, the one
+Yes when some candidate endpoint's saturation (`datastore.load.saturations`, the one
 definition, with the thresholds, in-flight counting and freshness of admission's
 `SaturationDetector`; a band may set its own thresholds) is below the band's
 `saturationLimit`. Per endpoint, not the pool
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.flowcontrol.config import BandConfig, Placement
-from poolkeeper.scheduling.load import STALE, saturations
+from poolkeeper.flowcontrol.saturation import SaturationDetector
 
 
 class Headroom:

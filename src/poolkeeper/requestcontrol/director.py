@@ -2,8 +2,13 @@
 
     body -> InferenceModel by modelName -> target model by weight -> criticality
          (v1.x: InferenceModelRewrite rule -> target model; InferenceObjective -> priority)
-         -> candidates (pool endpoints, subset hint, in-flight load) -> admission -> scheduler
+         -> candidates (pool endpoints, subset hint, in-flight load) -> the gate (now, wait in
+         flow control's queue, or 429) -> scheduler
          -> destination endpoints + rewritten body; in-flight accounting until `complete`.
+
+One path: the gate (`ports.Gate`) decides whether and when, with flow control on
+(`FlowGate`: queue by band and flow) or off (`ShedGate`: admit or shed at once); the Director
+does not know which.
 
 Transport-independent: the ext_proc server calls `route` once the body is complete and
 `complete` once the response has ended (or the stream was cancelled). Everything raised out of
@@ -22,7 +27,7 @@ Decisions (see docs/configuration.md, "Request handling"):
   ignored, as upstream does (priority 0).
 - Bodyless requests (e.g. GET /v1/models) go to a random endpoint of the default pool
   (`requestHandling.defaultPool`, else the only pool, else the first pool by key); no model
-  lookup, no admission, no in-flight accounting.
+  lookup, no gate, no in-flight accounting.
 - The subset hint comes from proxy metadata, never from client headers; entries match endpoints
   by IP (upstream behaviour). Client `x-gateway-*` headers are dropped before the scheduler sees
   the request, so no plugin can be steered by them.
@@ -44,11 +49,6 @@ from poolkeeper.api.criticality import (
 )
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.objective import DEFAULT_PRIORITY
-from poolkeeper.config.gateway import (
-    RequestHandling,
-    TrustedHeader,
-    UnknownModelPolicy,
-)
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import (
     GatewayError,
@@ -57,16 +57,15 @@ from poolkeeper.errors import (
     PayloadTooLarge,
     QueueFull,
 )
-from poolkeeper.flowcontrol.config import (
-    FlowControlConfig,
-)
 from poolkeeper.flowcontrol.dispatcher import FlowItem
-from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.hostport import host_of
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
-from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver, Job
+from poolkeeper.requestcontrol.config import RequestHandling, TrustedHeader, UnknownModelPolicy
+from poolkeeper.requestcontrol.flowgate import FlowGate
 from poolkeeper.requestcontrol.ports import (
-    AdmissionLike,
+    Gate,
     InflightLike,
+    Job,
     LearningSchedulerLike,
     SchedulerLike,
     SnapshotSource,
@@ -104,7 +103,7 @@ class Ticket:
     endpoint: str  # where the in-flight accounting currently sits ("" = not tracked)
     tokens: int
     started_at: float
-    flow: str = ""  # flow-control flow to charge the answer to ("" = not flow-controlled)
+    flow: str = ""  # the gate's flow to charge the answer to ("" = none: bodyless)
     band: Criticality = Criticality.STANDARD
     done: bool = False
 
@@ -131,13 +130,10 @@ class Director:
         datastore: SnapshotSource,
         scheduler: SchedulerLike,
         inflight: InflightLike,
-        admission: AdmissionLike,
+        gate: Gate,
         config: RequestHandling,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
-        flow_control: FlowControlConfig | None = None,
-        headroom: Headroom | None = None,
-        flow_observer: FlowObserver | None = None,
         responses_observed: bool = False,
     ) -> None:
         self._datastore = datastore
@@ -152,24 +148,26 @@ class Director:
             else None
         )
         self._inflight = inflight
-        self._admission = admission
+        self._gate = gate
         self._config = config
         self._rng = rng
         self._clock = clock
         self._sequence = itertools.count()
-        self._headroom = headroom
-        self._flow: FlowGate | None = None
-        if flow_control is not None and flow_control.enabled:
-            if headroom is None:
-                raise ValueError("flow control needs the headroom check")
-            self._flow = FlowGate(
-                flow_control, clock=clock, abandon=self._abandon, observer=flow_observer
-            )
+
+    @property
+    def gate(self) -> Gate:
+        return self._gate
 
     @property
     def flow(self) -> FlowGate | None:
-        """Flow control's queue (None when `flowControl.enabled` is false)."""
-        return self._flow
+        """The gate when it queues (flow control on; its gauges and metrics hook), else None."""
+        return self._gate if isinstance(self._gate, FlowGate) else None
+
+    @property
+    def learns_from_first_tokens(self) -> bool:
+        """Whether the scheduler learns from first tokens (so they should be reported as
+        they happen, `server/runtime.py`'s bootstrap)."""
+        return self._learner is not None
 
     def _abandon(self, decision: RoutingDecision) -> None:
         self.complete(decision, status=None, usage=None)
@@ -195,9 +193,8 @@ class Director:
         result = self._guarded(request)
         if isinstance(result, RoutingDecision):
             return result
-        assert self._flow is not None
         try:
-            return await self._flow.wait(result)
+            return await self._gate.wait(result)
         except GatewayError as exc:
             exc.model, exc.target_model = result.payload.model, result.payload.target
             raise
@@ -208,8 +205,7 @@ class Director:
         result = self._guarded(request)
         if isinstance(result, RoutingDecision):
             return result
-        assert self._flow is not None
-        self._flow.withdraw(result)
+        self._gate.withdraw(result)
         raise QueueFull("the request would have to wait and this caller cannot")
 
     def _guarded(self, request: IncomingRequest) -> RoutingDecision | FlowItem[Job]:
@@ -243,9 +239,7 @@ class Director:
         criticality, priority = self._band(request, snapshot, pool_key, model, found is None)
         prepared = Prepared(request, parsed, pool_key, target, criticality, priority)
         try:
-            if self._flow is None:
-                return self._schedule(prepared, snapshot)
-            return self._enqueue(prepared, snapshot)
+            return self._submit(prepared, snapshot)
         except GatewayError as exc:
             # The front end labels its error metrics with these; it must not parse again.
             exc.model, exc.target_model = parsed.model, target
@@ -295,65 +289,48 @@ class Director:
             return Criticality.SHEDDABLE, None
         return criticality_of_priority(DEFAULT_PRIORITY), DEFAULT_PRIORITY
 
-    def _enqueue(
+    def _submit(
         self, prepared: Prepared, snapshot: SnapshotView
     ) -> RoutingDecision | FlowItem[Job]:
-        """Flow control instead of admission: dispatch now, queue, or refuse (429)."""
-        assert self._flow is not None
-        assert self._headroom is not None
+        """Hand the request to the gate: it goes now, waits, or is refused (429)."""
         request, parsed, pool_key = prepared.request, prepared.parsed, prepared.pool_key
         # The fairness key: the modelName, or the operator-trusted fairness-id header.
         flow = self._trusted(request, TrustedHeader.FAIRNESS_ID) or parsed.model
         subset = self._subset(request)
-        band = self._flow.config.bands.of(prepared.criticality)
-        # 503 now when nothing could ever serve it; the fast path's check reuses this read.
-        now_states = [self._candidates(snapshot, pool_key, subset)]
-        headroom = self._headroom
-        # `fits` hands the endpoints with room to the `run` that follows it in the same
-        # synchronous step (fast path or pump), so a dispatch reads the pool once, not twice.
-        ready: list[list[EndpointState]] = []
+        # 503 now when nothing could ever serve it; the gate's first look reuses this read.
+        first = [self._candidates(snapshot, pool_key, subset)]
 
-        def run() -> RoutingDecision:
-            # Late binding: the snapshot, load and prefix state of the moment of dispatch.
-            fresh = self._datastore.snapshot()
-            return self._schedule(
-                prepared, fresh, admit=False, flow=flow,
-                candidates=ready.pop() if ready else None,
-            )  # fmt: skip
+        def states() -> list[EndpointState]:
+            raw = (
+                first.pop()
+                if first
+                else self._candidates(self._datastore.snapshot(), pool_key, subset)
+            )
+            return self._inflight.apply(raw)
 
-        def fits() -> bool:
-            ready.clear()
-            try:
-                states = (
-                    now_states.pop()
-                    if now_states
-                    else self._candidates(self._datastore.snapshot(), pool_key, subset)
-                )
-            except NoReadyEndpoint:
-                return True  # the pool went away: dispatch, so the scheduler answers 503 now
-            room = headroom.room(self._inflight.apply(states), band, self._clock(), prepared.target)
-            if room is None:
-                return False
-            ready.append(room)
-            return True
+        def run(candidates: list[EndpointState] | None, now: float | None) -> RoutingDecision:
+            if candidates is None:
+                # Late binding: the snapshot and load of the moment of dispatch.
+                fresh = self._datastore.snapshot()
+                candidates = self._inflight.apply(self._candidates(fresh, pool_key, subset))
+            return self._schedule(prepared, candidates, flow=flow, now=now)
 
-        job = Job(pool_key, parsed.model, prepared.target, run, fits)
+        job = Job(
+            request.request_id, pool_key, parsed.model, prepared.target, prepared.criticality,
+            flow, parsed.prompt_tokens, len(request.body), states, run, self._abandon,
+        )  # fmt: skip
         try:
-            return self._flow.submit(
-                job, band=prepared.criticality, flow=flow, tokens=parsed.prompt_tokens,
-                size=len(request.body),
-            )  # fmt: skip
+            return self._gate.submit(job)
         finally:
-            now_states.clear()  # a request that waits re-reads the pool when the pump asks
+            first.clear()  # a request that waits re-reads the pool when the pump asks
 
     def _schedule(
         self,
         prepared: Prepared,
-        snapshot: SnapshotView,
+        candidates: list[EndpointState],
         *,
-        admit: bool = True,
-        flow: str = "",
-        candidates: list[EndpointState] | None = None,
+        flow: str,
+        now: float | None,
     ) -> RoutingDecision:
         request, parsed, pool_key = prepared.request, prepared.parsed, prepared.pool_key
         target, criticality = prepared.target, prepared.criticality
@@ -371,11 +348,8 @@ class Director:
             headers=_scheduler_headers(request.headers),
             subset=subset,
         )
-        now = self._clock()
-        if candidates is None:  # else: flow control's endpoints with room, read just now
-            candidates = self._inflight.apply(self._candidates(snapshot, pool_key, subset))
-        if admit:
-            self._admission.admit(llm_request, candidates, now=now)
+        if now is None:
+            now = self._clock()
         result = self._scheduler.schedule(llm_request, candidates, now=now)
         endpoints = self._destinations(result, candidates)
         if not endpoints:
@@ -462,7 +436,7 @@ class Director:
     ) -> list[EndpointState]:
         states = list(snapshot.states(pool_key))
         if subset is not None:
-            ips = {entry.rpartition(":")[0] or entry for entry in subset}
+            ips = {host_of(entry) for entry in subset}
             states = [s for s in states if s.endpoint.address in ips]
             if not states:
                 raise NoReadyEndpoint(
@@ -519,9 +493,9 @@ class Director:
             self._learner.request_ended(decision.request_id)
         # In-flight accounting is keyed by request id, so it ends wherever it sits (the primary,
         # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
-        if self._flow is not None and ticket.flow:
+        if ticket.flow:
             output = usage.completion_tokens if usage is not None else 0
-            self._flow.completed(decision.pool, ticket.flow, ticket.band, output)
+            self._gate.completed(decision.pool, ticket.flow, ticket.band, output)
         if ticket.endpoint:
             if status is not None and 200 <= status < 300 and usage is not None:
                 # A success with usage is a speed observation: the tracker measures the time

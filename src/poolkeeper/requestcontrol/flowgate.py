@@ -1,9 +1,10 @@
-"""`FlowGate`: the async edge of flow control in the EPP (the pure core is `flowcontrol/`).
+"""`FlowGate`: the Director's gate when flow control is on; the async edge of flow control in
+the EPP (the pure core is `flowcontrol/`: the dispatcher and the headroom check).
 
 One `FlowDispatcher` per pool (capacity is per pool). A request the dispatcher queues waits on
 a future while its ext_proc stream stays open; the pump dispatches it later:
 
-- `submit(job, ...)`: the fast path dispatches at once (`job.run()` schedules it); a queued
+- `submit(job)`: the fast path dispatches at once (`job.run` schedules it); a queued
   request gets a FlowItem; `shed`-mode bands and full bands raise 429 (RequestShed, QueueFull).
 - `wait(item)`: awaits the decision. Cancelled (client gone): the item leaves the queue at
   once; a decision that raced the cancellation is handed back (`abandon`) so its in-flight
@@ -23,13 +24,20 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.errors import GatewayError, QueueFull, QueueTimeout, RequestShed
+from poolkeeper.errors import GatewayError, NoReadyEndpoint, QueueFull, QueueTimeout, RequestShed
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import BANDS, FlowDispatcher, FlowItem, Submitted
+from poolkeeper.flowcontrol.dispatcher import (
+    BANDS,
+    FlowDispatcher,
+    FlowItem,
+    FlowPolicies,
+    Submitted,
+)
+from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.requestcontrol.ports import Job
 from poolkeeper.requestcontrol.types import RoutingDecision
 
 log = logging.getLogger(__name__)
@@ -52,32 +60,24 @@ class FlowObserver(Protocol):
     ) -> None: ...
 
 
-@dataclass(eq=False, slots=True)
-class Job:
-    """What the Director hands the gate for one request."""
-
-    pool: str
-    model: str  # client-facing model name (metrics, error labels)
-    target: str  # target model after the split (error labels)
-    run: Callable[[], RoutingDecision]  # schedule it now; raises GatewayError
-    fits: Callable[[], bool]  # does some candidate endpoint have headroom for its band now
-    future: asyncio.Future[RoutingDecision] | None = None
-
-
 class FlowGate:
+    """The `Gate` (requestcontrol/ports.py) that queues: see the module docstring."""
+
     def __init__(
         self,
         config: FlowControlConfig,
+        headroom: Headroom,
         *,
         clock: Callable[[], float],
-        abandon: Callable[[RoutingDecision], None],
         observer: FlowObserver | None = None,
+        policies: FlowPolicies | None = None,
     ) -> None:
         self.config = config
+        self.headroom = headroom
+        self.policies = policies  # fairness and ordering (None: today's, VTC and FCFS/LIFO)
         self.observer = observer
         self.totals: Counter[tuple[Criticality, str]] = Counter()  # (band, outcome or "queued")
         self._clock = clock
-        self._abandon = abandon
         self._pools: dict[str, FlowDispatcher[Job]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._soon = False
@@ -85,19 +85,18 @@ class FlowGate:
 
     # -- the request path ---------------------------------------------------------------------
 
-    def submit(
-        self, job: Job, *, band: Criticality, flow: str, tokens: int, size: int
-    ) -> RoutingDecision | FlowItem[Job]:
+    def submit(self, job: Job) -> RoutingDecision | FlowItem[Job]:
         dispatcher = self._pools.get(job.pool)
         if dispatcher is None:
-            dispatcher = self._pools[job.pool] = FlowDispatcher(self.config)
-        item = FlowItem(job, band, flow, tokens, size)
+            dispatcher = self._pools[job.pool] = FlowDispatcher(self.config, self.policies)
+        band = job.criticality
+        item = FlowItem(job, band, job.flow, job.tokens, job.size)
         verdict = dispatcher.submit(item, self._clock(), self._fits)
         for victim in dispatcher.take_pushed_out():
             self._outcome(victim, REJECTED_CAPACITY, self._clock() - victim.arrived)
             self._fail(victim, QueueFull(f"pushed out of the full {band} queue by a fairer flow"))
         if verdict is Submitted.DISPATCH:
-            decision = job.run()
+            decision = _run(job)
             dispatcher.dispatched(item)
             self._outcome(item, DISPATCHED, 0.0)
             return decision
@@ -125,7 +124,7 @@ class FlowGate:
             if self._pools[item.payload.pool].cancel(item):
                 self._outcome(item, EVICTED_CANCELLED, self._clock() - item.arrived)
             elif future.done() and not future.cancelled() and future.exception() is None:
-                self._abandon(future.result())  # dispatched just as the client left
+                item.payload.abandon(future.result())  # dispatched just as the client left
             raise
 
     def withdraw(self, item: FlowItem[Job]) -> None:
@@ -178,12 +177,26 @@ class FlowGate:
             self._timer = self._loop.call_later(TICK_S, self._tick)
 
     def _fits(self, item: FlowItem[Job]) -> bool:
-        return item.payload.fits()
+        """Does some candidate endpoint have headroom for the item's band now? The endpoints
+        with room go to the `job.run` that follows in the same synchronous step (fast path or
+        pump), so a dispatch reads the pool once, not twice."""
+        job = item.payload
+        job.ready = None
+        try:
+            states = job.states()
+        except NoReadyEndpoint:
+            return True  # the pool went away: dispatch, so the scheduler answers 503 now
+        band = self.config.bands.of(item.band)
+        room = self.headroom.room(states, band, self._clock(), job.target)
+        if room is None:
+            return False
+        job.ready = room
+        return True
 
     def _go(self, item: FlowItem[Job]) -> None:
         job = item.payload
         try:
-            decision = job.run()
+            decision = _run(job)
         except GatewayError as exc:
             self._fail(item, exc)
             return
@@ -195,7 +208,7 @@ class FlowGate:
         self._outcome(item, DISPATCHED, self._clock() - item.arrived)
         future = job.future
         if future is None or future.done():
-            self._abandon(decision)  # nobody waits for it any more
+            job.abandon(decision)  # nobody waits for it any more
         else:
             future.set_result(decision)
 
@@ -228,3 +241,9 @@ class FlowGate:
 
     def next_deadline(self) -> float:
         return min((d.next_deadline() for d in self._pools.values()), default=math.inf)
+
+
+def _run(job: Job) -> RoutingDecision:
+    """Schedule a dispatched job on the endpoints its headroom check found (late binding)."""
+    ready, job.ready = job.ready, None
+    return job.run(ready, None)

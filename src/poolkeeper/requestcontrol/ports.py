@@ -1,18 +1,30 @@
 """What the Director needs from its collaborators: the ports it is written against.
 
 The datastore snapshot, the scheduler (and, when a plugin learns from first tokens, its
-learning side), the in-flight tracker and the admission controller. The Director depends on
-these protocols only; `requestcontrol/build.py` plugs the real objects in, tests plug fakes.
+learning side), the in-flight tracker and the gate. The Director depends on these protocols
+only; `server/wiring.py` plugs the real objects in, tests plug fakes.
+
+The gate answers "may this request go now?" for every request that has a body, with or without
+flow control: the Director hands it a `Job` and gets a RoutingDecision (it went), a queued
+item to `wait` on, or a GatewayError (429 shed or queue full, 503). Its implementations are
+`requestcontrol/flowgate.py`'s `FlowGate` (queue, `flowControl.enabled`) and
+`requestcontrol/shedgate.py`'s `ShedGate` (admit or shed at once); the decisions themselves
+are `flowcontrol/`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from poolkeeper.api.criticality import Criticality
 from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.models import ModelRoute, RewriteRule
+from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.requestcontrol.types import RoutingDecision
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 
 
@@ -66,7 +78,46 @@ class InflightLike(Protocol):
     def first_token(self, request_id: str) -> object: ...
 
 
-class AdmissionLike(Protocol):
-    def admit(
-        self, request: LLMRequest, states: Sequence[EndpointState], *, now: float
-    ) -> object: ...
+@dataclass(eq=False, slots=True)
+class Job:
+    """One request, as the Director hands it to the gate: what it is, and how to read its
+    candidates and to schedule it (the Director's, called by the gate)."""
+
+    request_id: str
+    pool: str
+    model: str  # client-facing model name (metrics, error labels)
+    target: str  # target model after the split (error labels; a LoRA adapter's headroom)
+    criticality: Criticality
+    flow: str  # the fairness key: the modelName, or the trusted fairness-id header
+    tokens: int  # prompt tokens
+    size: int  # request bytes
+    # The candidate endpoints now, with this router's in-flight counts; raises NoReadyEndpoint.
+    states: Callable[[], list[EndpointState]]
+    # Schedule it on these candidates (None: read them now) at `now` (None: the clock's now);
+    # accounts for the request before it returns (late binding). Raises GatewayError.
+    run: Callable[[list[EndpointState] | None, float | None], RoutingDecision]
+    # Hand back a decision nobody waits for any more (ends its accounting).
+    abandon: Callable[[RoutingDecision], None]
+    # FlowGate's: the endpoints with room its last headroom check found, and the waiter.
+    ready: list[EndpointState] | None = None
+    future: asyncio.Future[RoutingDecision] | None = None
+
+
+class Gate(Protocol):
+    """Whether and when a request goes (see the module docstring)."""
+
+    def submit(self, job: Job) -> RoutingDecision | FlowItem[Job]:
+        """Dispatch now (`job.run`), or queue (the item to `wait` on); raises GatewayError."""
+        ...
+
+    async def wait(self, item: FlowItem[Job]) -> RoutingDecision:
+        """The decision for a queued item; cancelling the call takes it out of the queue."""
+        ...
+
+    def withdraw(self, item: FlowItem[Job]) -> None:
+        """Take a queued item back (its caller cannot wait)."""
+        ...
+
+    def completed(self, pool: str, flow: str, band: Criticality, output_tokens: int) -> None:
+        """A dispatched request of `flow` ended with `output_tokens` (fairness, wake-ups)."""
+        ...

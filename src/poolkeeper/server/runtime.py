@@ -47,9 +47,10 @@ from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, F
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
-from poolkeeper.requestcontrol.build import build_director
 from poolkeeper.requestcontrol.director import Director
-from poolkeeper.scheduling.build import learns_from_first_tokens
+from poolkeeper.scheduling.build import (
+    learns_from_first_tokens as scheduler_learns_from_first_tokens,
+)
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
 from poolkeeper.server.transport import (
@@ -58,12 +59,14 @@ from poolkeeper.server.transport import (
     refused_calls,
     start_extproc,
 )
+from poolkeeper.server.wiring import build_director
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats, QueueStats
 
 log = logging.getLogger("poolkeeper.server")
 
 DEFAULT_DRAIN_GRACE_S = 130.0  # upstream chart's terminationGracePeriodSeconds (vLLM's)
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # upstream EPP's --drain-timeout (Kubernetes mode)
 _ACTIVE_STAT = "http.gateway.downstream_rq_active"
 
 
@@ -77,6 +80,14 @@ class ServeOptions:
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
     rng_seed: int | None = None
     ready_wait_s: float = 3.0  # at start, wait this long at most for a fresh endpoint
+    # Readiness as upstream's EPP (Kubernetes mode): ready once the source has synced, and
+    # then through API trouble and an empty pool (the EPP answers 503 itself). Otherwise
+    # readiness also needs an endpoint with fresh metrics.
+    ready_once_synced: bool = False
+    # After SIGTERM, ext_proc keeps taking new streams this long (readiness already
+    # NOT_SERVING, the source stopped, so a Kubernetes Lease is released at once): the
+    # cluster's Gateway keeps sending until it sees this replica go (upstream --drain-timeout).
+    drain_timeout_s: float = 0.0
 
 
 def fail_open_split_targets(snapshot: DatastoreSnapshot) -> dict[str, str]:
@@ -102,13 +113,19 @@ def bootstrap_params(
     *,
     endpoints_file: Path | None = None,
     managed: bool = False,
+    learns_from_first_tokens: bool | None = None,
 ) -> BootstrapParams:
     """The Envoy bootstrap for this configuration (also what `envoy-config` prints, with the
     routed endpoints inline; `serve` passes `endpoints_file`, kept current on hot reload, and
-    `managed`: it runs this Envoy itself)."""
+    `managed`: it runs this Envoy itself). `learns_from_first_tokens`: what the running
+    Director's scheduler says (`Director.learns_from_first_tokens`); without a Director (the
+    `envoy-config` commands) it is read from the scheduling section."""
     listeners = config.spec.listeners
     edge = config.spec.edge
     observe = edge.responses_observed(managed_envoy=managed)
+    learns = learns_from_first_tokens
+    if observe and learns is None:
+        learns = scheduler_learns_from_first_tokens(config.spec.scheduling)
     pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
     fail_open = bool(pools) and all(p.failure_mode() == "FailOpen" for p in pools)
     fallback: list[str] = []
@@ -140,7 +157,7 @@ def bootstrap_params(
         inference_paths=tuple(edge.inference_paths),
         max_body_bytes=config.spec.request_handling.max_body_bytes,
         observe_responses=observe,
-        report_first_bytes=observe and learns_from_first_tokens(config.spec.scheduling),
+        report_first_bytes=observe and bool(learns),
         # One upstream protocol for all pools (one routed cluster): h2c only if all say so.
         upstream_h2c=bool(pools) and all(p.app_protocol() == "kubernetes.io/h2c" for p in pools),
     )
@@ -166,6 +183,7 @@ class GatewayRuntime:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # With the Envoy we run: its token for the EPP's gRPC port (extproc/auth.py).
     _epp_token: str | None = None
+    _source_task: asyncio.Task[None] | None = None
     _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
 
     # -- start ----------------------------------------------------------------------------
@@ -186,7 +204,8 @@ class GatewayRuntime:
         self._source = self.options.source(self.datastore)
         config = self.config = await self._source.start()
         spec = config.spec
-        self._tasks.append(asyncio.create_task(self._source.run(), name="resource-source"))
+        self._source_task = asyncio.create_task(self._source.run(), name="resource-source")
+        self._tasks.append(self._source_task)
         log.info("resources from %s", self._source.describe())
         self._scrapers = ScraperManager(spec.scraping, self.datastore.update_metrics)
         self._scrapers.follow(self.datastore)
@@ -204,6 +223,7 @@ class GatewayRuntime:
             scheduling=stats if isinstance(stats, SchedulingStats) else None,
             flow_stats=self.flow_stats,
         )
+        self.metrics.follow_source(self._source.stale_s)
         if self.director.flow is not None:
             self.director.flow.observer = self.metrics  # queue outcomes and durations
         listeners = spec.listeners
@@ -310,7 +330,12 @@ class GatewayRuntime:
 
         self._unsubscribe.append(self.datastore.subscribe(rewrite))
         params = bootstrap_params(
-            config, self.datastore.snapshot(), endpoints_file=endpoints.path, managed=True
+            config,
+            self.datastore.snapshot(),
+            endpoints_file=endpoints.path,
+            managed=True,
+            learns_from_first_tokens=self.director is not None
+            and self.director.learns_from_first_tokens,
         )
         params = dataclasses.replace(params, epp_token=self._epp_token)
         # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
@@ -343,7 +368,7 @@ class GatewayRuntime:
         """Give the first scrapes a moment, so the first requests see fresh metrics."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
-        while not self.ready():
+        while not (self.ready() and self.director is not None and self.director.ready()):
             if loop.time() >= deadline:
                 log.warning("no endpoint has fresh metrics yet; starting anyway")
                 return
@@ -359,15 +384,13 @@ class GatewayRuntime:
 
     # -- state ----------------------------------------------------------------------------
     def ready(self) -> bool:
-        """Serving: not draining, the source is synced and keeping up (a Kubernetes watch is
-        not re-listing), and the Director has an endpoint to send to."""
-        return (
-            not self.draining
-            and self._source is not None
-            and self._source.healthy()
-            and self.director is not None
-            and self.director.ready()
-        )
+        """Serving: not draining, the source has synced, and (unless `ready_once_synced`) the
+        Director has an endpoint with fresh metrics to send to."""
+        if self.draining or self._source is None or not self._source.healthy():
+            return False
+        if self.options.ready_once_synced:
+            return self.director is not None
+        return self.director is not None and self.director.ready()
 
     def pool_stats(self) -> Iterator[PoolStats]:
         snapshot = self.datastore.snapshot()
@@ -413,6 +436,10 @@ class GatewayRuntime:
         self._stopped = True
         grace = self.options.drain_grace_s if grace_s is None else grace_s
         self.draining = True
+        await self._stop_source()
+        if grace > 0 and self.options.drain_timeout_s > 0:
+            log.info("draining: ext_proc serves for %.0fs more", self.options.drain_timeout_s)
+            await asyncio.sleep(self.options.drain_timeout_s)
         if self.envoy is not None and grace > 0:
             await self._drain_envoy(grace)
         if self.envoy is not None:
@@ -431,6 +458,16 @@ class GatewayRuntime:
         if self._tmp is not None:
             self._tmp.cleanup()
         log.info("stopped")
+
+    async def _stop_source(self) -> None:
+        """Stop following the source first (routing goes on with the datastore as it is): a
+        Kubernetes source releases its Lease as it stops, so another replica takes over the
+        status writes within one retry period instead of a whole lease duration."""
+        task = self._source_task
+        if task is None or task.done():
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     async def _drain_envoy(self, grace_s: float) -> None:
         """Stop accepting new connections now; wait for the accepted requests, up to `grace_s`.

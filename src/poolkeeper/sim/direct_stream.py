@@ -21,6 +21,16 @@ def usage_of(request: SimRequest) -> dict[str, Any]:
     return usage_dict(request.prompt_tokens, request.output_tokens, request.cached_tokens)
 
 
+def event_boundary(produced: int, done: bool, interval: int) -> int:
+    """How many of `produced` tokens the events sent so far may cover (`--stream-interval`):
+    like vLLM, the first token goes alone, then one event per `interval` tokens, and the rest
+    with the finish. A stream written late (a busy loop delivered several steps at once) sends
+    the groups that are complete, merged, and never cuts a group in two."""
+    if done or produced <= 1:
+        return produced
+    return 1 + (produced - 1) // interval * interval
+
+
 class DirectStream:
     """Writes a stream's tokens from the driver, synchronously, as HTTP/1.1 chunks."""
 
@@ -55,9 +65,9 @@ class DirectStream:
             self.waiter.notify()
             return
         request = self.waiter.request
-        produced = request.output_tokens
         done = request.done
-        if not done and produced - self.sent < self.interval:
+        produced = event_boundary(request.output_tokens, done, self.interval)
+        if not done and produced <= self.sent:
             return  # batch tokens per event (--stream-interval); the last one always goes
         text = ""
         if produced > self.sent:

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from poolkeeper.sim.admin import AdminEndpoints, json_error
 from poolkeeper.sim.config import ServerSpec
-from poolkeeper.sim.direct_stream import DirectStream, usage_of
+from poolkeeper.sim.direct_stream import DirectStream, event_boundary, usage_of
 from poolkeeper.sim.driver import RealtimeDriver, TokenWaiter
 from poolkeeper.sim.engine import EngineModel, InvalidRequestError, UnknownModelError
 from poolkeeper.sim.faults import (
@@ -194,11 +194,12 @@ class SimServer(AdminEndpoints):
         role_pending = writer.chat
         sent = 0
         direct: DirectStream | None = None
+        interval = self.engine.config.stream_interval
         while True:
             if cut_after is not None and events >= cut_after:
                 _cut(http)
                 return response
-            produced = request.output_tokens
+            produced = event_boundary(request.output_tokens, request.done, interval)
             if role_pending and (produced > sent or request.done):
                 role_pending = False
                 events += 1
@@ -218,7 +219,6 @@ class SimServer(AdminEndpoints):
             if direct is None and events and cut_after is None and transport is not None:
                 # Headers and the first event are out: from here on the driver writes each
                 # step's tokens straight to the socket, framed as HTTP chunks.
-                interval = self.engine.config.stream_interval
                 direct = DirectStream(transport, waiter, writer, seed, sent, interval)
                 waiter.pusher = direct.push
             await waiter.wait()

@@ -3,7 +3,8 @@
 The two messages are defined from a hand-built file descriptor in a private descriptor pool (so
 they cannot clash with the official module if it is installed too). Services answered:
 `""` and `liveness` (the process runs), `readiness` (resources loaded and at least one endpoint
-with fresh metrics; NOT_SERVING while draining: for orchestrators), and the ext_proc service name
+with fresh metrics; in Kubernetes mode, as upstream's EPP, only the first sync; NOT_SERVING
+while draining: for orchestrators), and the ext_proc service name
 (the EPP can answer: resources loaded). Envoy health-checks the ext_proc service name, so only an
 EPP that cannot answer at all counts as down; with stale endpoints the EPP still answers (and
 says why, e.g. 503 no ready endpoint). Any other service name (upstream v0.3-v0.5 Deployments

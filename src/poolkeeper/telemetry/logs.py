@@ -119,19 +119,27 @@ class LogQueue(logging.Handler):
     def _write(self) -> None:
         while (record := self._queue.get()) is not None:
             self.target.handle(record)
-            if self._queue.empty() and self.dropped > self._reported:
-                lost, self._reported = self.dropped - self._reported, self.dropped
-                self.target.handle(
-                    logging.makeLogRecord(
-                        {
-                            "name": "poolkeeper.logs",
-                            "levelno": logging.WARNING,
-                            "levelname": "WARNING",
-                            "msg": f"{lost} log records dropped: the log stream was slower "
-                            "than the gateway",
-                        }
-                    )
+            if self._queue.empty():
+                self._report_drops()
+        # close()'s sentinel can join the queue before the writer has caught up (a stream that
+        # was stalled until exit): the queue is then never empty after a record, so say here
+        # what was lost, or the note would be lost with the writer.
+        self._report_drops()
+
+    def _report_drops(self) -> None:
+        if self.dropped > self._reported:
+            lost, self._reported = self.dropped - self._reported, self.dropped
+            self.target.handle(
+                logging.makeLogRecord(
+                    {
+                        "name": "poolkeeper.logs",
+                        "levelno": logging.WARNING,
+                        "levelname": "WARNING",
+                        "msg": f"{lost} log records dropped: the log stream was slower "
+                        "than the gateway",
+                    }
                 )
+            )
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Write what is queued (for at most `timeout_s`: a stalled stream must not hold up

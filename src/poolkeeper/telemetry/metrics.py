@@ -175,6 +175,19 @@ class _ObserverCollector(Collector):
         )
 
 
+class _StaleCollector(Collector):
+    def __init__(self, stale_s: Callable[[], float]) -> None:
+        self.stale_s = stale_s
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "poolkeeper_resource_source_stale_seconds",
+            "Seconds the routing state has not been kept in step with its source (API server "
+            "watches down: the last known state is served); 0 while in step.",
+            value=self.stale_s(),
+        )
+
+
 class _PoolCollector(Collector):
     def __init__(self, source: Callable[[], Iterable[PoolStats]]) -> None:
         self.source = source
@@ -414,6 +427,11 @@ class GatewayMetrics:
     def follow_refused(self, source: Callable[[], int]) -> None:
         """Export the count of gRPC calls refused for want of Envoy's token (extproc/auth)."""
         self.registry.register(_RefusedCollector(source))
+
+    def follow_source(self, stale_s: Callable[[], float]) -> None:
+        """Export how long the resource source has not been in step (Kubernetes: watches
+        down, the last known state served); 0 while it is."""
+        self.registry.register(_StaleCollector(stale_s))
 
     def follow_observer(self, source: Callable[[], ObserverStats]) -> None:
         """Export the response observer's waiting room (when the runtime has one)."""

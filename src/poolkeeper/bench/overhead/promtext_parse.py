@@ -26,7 +26,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from poolkeeper.backend.mappings import mapping_for
+from poolkeeper.backend.engines import mapping_for
 from poolkeeper.datastore.endpoint import EndpointMetrics
 
 PAGE = Path("tests") / "backend" / "fixtures" / "vllm_v1.prom"  # run from the repository root

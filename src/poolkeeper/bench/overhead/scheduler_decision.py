@@ -32,11 +32,11 @@ import random
 import statistics
 import time
 
-from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.inflight import InflightTracker
+from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import preset_config
-from poolkeeper.scheduling.inflight import InflightTracker
 from poolkeeper.scheduling.presets import PRESETS
 from poolkeeper.scheduling.types import LLMRequest
 

@@ -19,13 +19,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy, scheduler_policy
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import QueueFull, RequestShed
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem, Submitted
 from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.scheduling.types import LLMRequest
 
 SendFn = Callable[[str, EndpointState | None, str | None], None]

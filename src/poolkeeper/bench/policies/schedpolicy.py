@@ -29,13 +29,13 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from poolkeeper.admission.config import AdmissionConfig
-from poolkeeper.admission.controller import AdmissionController
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.speed import ObservedSpeed
+from poolkeeper.flowcontrol.admission import AdmissionConfig
+from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig, preset_config
 from poolkeeper.scheduling.scheduler import Scheduler
-from poolkeeper.scheduling.speed import ObservedSpeed
 from poolkeeper.scheduling.types import LLMRequest
 
 _PRESET = {

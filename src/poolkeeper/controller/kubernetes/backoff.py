@@ -25,6 +25,11 @@ class Backoff:
         self.failures += 1
         return float(ceiling * self.rng.uniform(0.5, 1.0))
 
+    def after(self, retry_after_s: float) -> float:
+        """The delay for a server that said when to come back (429 Retry-After): that, plus up
+        to 10% jitter; the exponential count is left as it was."""
+        return float(retry_after_s * self.rng.uniform(1.0, 1.1))
+
     def reset(self) -> None:
         """After a success: the next failure starts from `initial_s` again."""
         self.failures = 0

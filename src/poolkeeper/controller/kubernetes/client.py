@@ -3,8 +3,10 @@
 A thin adapter over lightkube's `AsyncClient` (configuration: in-cluster service account,
 a kubeconfig file, or a bare server URL for tests; TLS, tokens and their refresh are
 lightkube's). Objects travel as plain dicts, so the pure core never sees a client type, and
-errors are narrowed to the four cases the callers act on: `Gone` (410: re-list), `Conflict`
-(409: re-read and retry), `NotFound` (404), `ApiUnavailable` (anything else: back off).
+errors are narrowed to the cases the callers act on: `Gone` (410: re-list), `Conflict`
+(409: re-read and retry), `NotFound` (404), `Throttled` (429 from API priority and fairness:
+wait its `Retry-After`), `Forbidden` (403: RBAC refused; the message is the API server's
+"cannot VERB resource ...", logged as is), `ApiUnavailable` (anything else: back off).
 
 One watch request = one stream: `watch()` asks for bookmarks (`allowWatchBookmarks`, which
 lightkube's public `watch()` does not expose, hence the one use of its request builder) and
@@ -32,7 +34,7 @@ from lightkube.types import PatchType
 from poolkeeper.controller.kubernetes.objects import ResourceKind
 from poolkeeper.errors import ConfigError
 
-__all__ = ["ApiUnavailable", "Conflict", "Gone", "KubeApi", "NotFound"]
+__all__ = ["ApiUnavailable", "Conflict", "Forbidden", "Gone", "KubeApi", "NotFound", "Throttled"]
 
 
 class ApiUnavailable(Exception):
@@ -51,16 +53,48 @@ class NotFound(ApiUnavailable):
     """404: no such object, or the API server does not serve this resource."""
 
 
+class Forbidden(ApiUnavailable):
+    """403: RBAC refused the request; the message is the API server's own."""
+
+
+class Throttled(ApiUnavailable):
+    """429: API priority and fairness turned the request away; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+_BY_CODE: dict[int, type[ApiUnavailable]] = {
+    410: Gone,
+    409: Conflict,
+    404: NotFound,
+    403: Forbidden,
+}
+
+
+def _error(code: int, message: str, retry_after: str | None = None) -> ApiUnavailable:
+    if code == 429:
+        try:
+            delay = max(0.0, float(retry_after or 1))
+        except ValueError:  # an HTTP date: not sent by kube-apiserver; wait the default
+            delay = 1.0
+        return Throttled(f"{code}: {message}", delay)
+    return _BY_CODE.get(code, ApiUnavailable)(f"{code}: {message}")
+
+
 def _narrow(exc: Exception) -> ApiUnavailable:
-    if isinstance(exc, ApiError):
-        code = exc.status.code
-        message = exc.status.message or str(exc)
-        cls = {410: Gone, 409: Conflict, 404: NotFound}.get(code or 0, ApiUnavailable)
-        return cls(f"{code}: {message}")
     if isinstance(exc, httpx.HTTPStatusError):
-        code = exc.response.status_code
-        cls = {410: Gone, 409: Conflict, 404: NotFound}.get(code, ApiUnavailable)
-        return cls(f"{code}: {exc}")
+        response: httpx.Response | None = None
+        with contextlib.suppress(RuntimeError, AttributeError):  # an ApiError from a watch
+            response = exc.response
+        status = exc.status if isinstance(exc, ApiError) else None
+        message = (status.message if status is not None else None) or _message_of(response, exc)
+        code = (status.code if status is not None else None) or (
+            response.status_code if response is not None else 500
+        )
+        retry_after = response.headers.get("Retry-After") if response is not None else None
+        return _error(code, message, retry_after)
     return ApiUnavailable(f"{type(exc).__name__}: {exc}")
 
 
@@ -158,7 +192,9 @@ class KubeApi:
         try:
             if response.status_code >= 400:
                 await response.aread()
-                raise _status_error(response.status_code, response.text)
+                raise _status_error(
+                    response.status_code, response.text, response.headers.get("Retry-After")
+                )
             async with asyncio.timeout_at(deadline):
                 async for line in response.aiter_lines():
                     if not line.strip():
@@ -201,17 +237,25 @@ class KubeApi:
             raise _narrow(exc) from exc
         return _plain(obj, kind)
 
-    async def create(self, kind: ResourceKind, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def create(
+        self, kind: ResourceKind, obj: Mapping[str, Any], *, field_manager: str | None = None
+    ) -> dict[str, Any]:
         try:
-            created = await self._client.create(self._res(kind).from_dict(self._in_ns(obj)))
+            created = await self._client.create(
+                self._res(kind).from_dict(self._in_ns(obj)), field_manager=field_manager
+            )
         except Exception as exc:
             raise _narrow(exc) from exc
         return _plain(created, kind)
 
-    async def replace(self, kind: ResourceKind, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def replace(
+        self, kind: ResourceKind, obj: Mapping[str, Any], *, field_manager: str | None = None
+    ) -> dict[str, Any]:
         """PUT the whole object (its `metadata.resourceVersion` guards against lost updates)."""
         try:
-            replaced = await self._client.replace(self._res(kind).from_dict(self._in_ns(obj)))
+            replaced = await self._client.replace(
+                self._res(kind).from_dict(self._in_ns(obj)), field_manager=field_manager
+            )
         except Exception as exc:
             raise _narrow(exc) from exc
         return _plain(replaced, kind)
@@ -233,12 +277,22 @@ def _resource_class(kind: ResourceKind) -> Any:
     return res
 
 
-def _status_error(code: int, text: str) -> ApiUnavailable:
+def _message_of(response: httpx.Response | None, exc: Exception) -> str:
+    """The Status message in the body (lightkube only parses a body whose Content-Type is
+    exactly `application/json`; a proxy may add a charset), else the HTTP client's words."""
+    if response is not None:
+        with contextlib.suppress(Exception):
+            message = response.json().get("message")
+            if isinstance(message, str) and message:
+                return message
+    return str(exc)
+
+
+def _status_error(code: int, text: str, retry_after: str | None = None) -> ApiUnavailable:
     message = text
     with contextlib.suppress(ValueError, AttributeError):
         message = json.loads(text).get("message") or text
-    cls = {410: Gone, 409: Conflict, 404: NotFound}.get(code, ApiUnavailable)
-    return cls(f"{code}: {message}")
+    return _error(code, message, retry_after)
 
 
 def _plain(obj: Any, kind: ResourceKind) -> dict[str, Any]:

@@ -12,6 +12,9 @@ lease duration 15 s, renew deadline 10 s, retry period 2 s.
 - Conflicts (409) mean someone else wrote first: this round is lost, nothing else happens.
 - On shutdown the holder releases the Lease (empty holder, 1 s duration) so the next replica
   takes over within one retry period instead of a whole lease duration.
+- Every write names the field manager (`poolkeeper-epp` by default: one managedFields entry
+  however many pods come and go). A refused write (403) is logged at ERROR every time, with
+  the API server's message: without the Lease no status is ever written.
 
 `decide` is the pure rule; `LeaderElector.try_once` is one round against the API server, and
 `run` repeats it. The clock is injected, so tests step through a handover without waiting.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from poolkeeper.controller.kubernetes.client import ApiUnavailable, KubeApi, NotFound
+from poolkeeper.controller.kubernetes.client import ApiUnavailable, Forbidden, KubeApi, NotFound
 from poolkeeper.controller.kubernetes.objects import LEASE
 
 __all__ = ["LeaderElector", "LeaseTiming", "decide"]
@@ -93,8 +96,10 @@ class LeaderElector:
         timing: LeaseTiming | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
+        field_manager: str = "poolkeeper-epp",
     ) -> None:
         self.api = api
+        self.field_manager = field_manager
         self.name = name
         self.identity = identity
         self.timing = timing or LeaseTiming()
@@ -122,6 +127,10 @@ class LeaderElector:
         started = self._clock()
         try:
             await self._round(started)
+        except Forbidden as exc:
+            log.error(
+                "permission denied on the Lease %s (no status is written): %s", self.name, exc
+            )
         except ApiUnavailable as exc:
             log.debug("lease %s: %s", self.name, exc)
         self._note()
@@ -159,11 +168,12 @@ class LeaderElector:
                 "metadata": {"name": self.name, "namespace": self.api.namespace},
                 "spec": new_spec,
             }
-            written = await self.api.create(LEASE, body)
+            written = await self.api.create(LEASE, body, field_manager=self.field_manager)
         else:
             body = dict(lease)
             body["spec"] = new_spec
-            written = await self.api.replace(LEASE, body)  # 409 if someone wrote first
+            # 409 if someone wrote first
+            written = await self.api.replace(LEASE, body, field_manager=self.field_manager)
         self._observed = (_fingerprint(written.get("spec") or new_spec), started)
         self._leading_until = started + self.timing.renew_deadline_s
 
@@ -188,6 +198,10 @@ class LeaderElector:
                 return
             spec.update(holderIdentity=None, leaseDurationSeconds=1)
             spec.pop("holderIdentity")
-            await self.api.replace(LEASE, dict(lease, spec=spec))
+            await self.api.replace(LEASE, dict(lease, spec=spec), field_manager=self.field_manager)
+        except Forbidden as exc:
+            log.error("permission denied releasing the Lease %s: %s", self.name, exc)
         except ApiUnavailable as exc:
             log.warning("could not release the Lease %s: %s", self.name, exc)
+        else:
+            log.info("%s released the Lease %s", self.identity, self.name)

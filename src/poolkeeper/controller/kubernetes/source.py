@@ -12,12 +12,18 @@ given at construction. An unreachable API server is retried with backoff for
 run(): one follower per kind watches from the list's resourceVersion (bookmarks keep it fresh)
 and applies every event as it comes: a Pod that turns NotReady leaves the datastore on that
 one event. When a watch fails (410 Gone, a dropped stream, the API server down), the follower
-marks itself degraded, backs off with jitter, re-lists and prunes whatever vanished in the gap,
-then watches again. Beside them: the leader election and the status writer (statuses are
-reconciled after every resource change, when leadership is gained, and every `resync_s` from
-the cache, writing only what differs).
+marks itself stale, backs off with jitter (a 429 waits the server's Retry-After instead),
+re-lists and prunes whatever vanished in the gap, then watches again; a successful list
+resets the backoff, so every replica is back within one capped delay (`backoff_max_s`, 4 s)
+of the API server's return. A 403 is logged at ERROR with the API server's own message (the
+verb and resource refused), on every attempt. Beside them: the leader election and the status
+writer (statuses are reconciled after every resource change, when leadership is gained, and
+every `resync_s` from the cache, writing only what differs).
 
-healthy(): the first full sync is done and no follower is degraded (readiness reads it).
+healthy(): the first full sync is done. As upstream's EPP, readiness never depends on the API
+server afterwards: through an outage the datastore keeps the last known state and routing goes
+on; `stale_s()` says for how long it has not been kept in step (a metric and the retry logs).
+run() releases the Lease when cancelled, whatever else ends with it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,7 +43,14 @@ from poolkeeper.api.model import InferenceModel, InferenceModelStatus
 from poolkeeper.api.status import compute_model_statuses
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.kubernetes.backoff import Backoff
-from poolkeeper.controller.kubernetes.client import ApiUnavailable, Gone, KubeApi, NotFound
+from poolkeeper.controller.kubernetes.client import (
+    ApiUnavailable,
+    Forbidden,
+    Gone,
+    KubeApi,
+    NotFound,
+    Throttled,
+)
 from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming
 from poolkeeper.controller.kubernetes.objects import ObjectCache
 from poolkeeper.controller.kubernetes.state import ClusterState
@@ -54,16 +68,17 @@ Sleep = Callable[[float], Any]
 @dataclass(frozen=True, slots=True)
 class KubeSettings:
     namespace: str
-    identity: str  # this replica (the pod name in a cluster): Lease holder and field manager
+    identity: str  # this replica (the pod name in a cluster): the Lease holder
     pool_names: tuple[str, ...] = ()  # empty: every pool in the namespace
     write_status: bool = True
     lease_name: str = "poolkeeper-epp"
     lease: LeaseTiming = field(default_factory=LeaseTiming)
     watch_timeout_s: int = 300  # the API server ends each watch after this; it is resumed
     backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
+    backoff_max_s: float = 4.0  # also bounds how long after the API server's return replicas agree
     start_timeout_s: float = 30.0
     resync_s: float = 300.0  # status reconcile from the cache, as controller-runtime's resync
+    field_manager: str = "poolkeeper-epp"  # stable across pods: one managedFields entry
 
 
 class KubernetesResourceSource:
@@ -79,6 +94,7 @@ class KubernetesResourceSource:
         sleep: Sleep = asyncio.sleep,
         rng: random.Random | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        clock: Callable[[], float] = time.monotonic,
         elector: LeaderElector | None = None,
     ) -> None:
         self.api = api
@@ -88,17 +104,22 @@ class KubernetesResourceSource:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._now = now
+        self._clock = clock
         self.state = ClusterState(settings.pool_names, self.gateway_config.spec.scraping.engine_for)
-        self._degraded: set[str] = set()
+        self._degraded: dict[str, float] = {}  # follower -> when it lost the watch (clock)
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
         self._models_by_key: dict[str, InferenceModel] = {}
         self._status_due = asyncio.Event()
         self.elector = elector or LeaderElector(
-            api, settings.lease_name, settings.identity, timing=settings.lease
+            api,
+            settings.lease_name,
+            settings.identity,
+            timing=settings.lease,
+            field_manager=settings.field_manager,
         )
         self.elector.on_change = lambda leader: self._status_due.set() if leader else None
         self.status_writer = StatusWriter(
-            api, field_manager=settings.identity, allowed=self.elector.is_leader, now=now
+            api, field_manager=settings.field_manager, allowed=self.elector.is_leader, now=now
         )
         self.relists = 0  # full lists applied after the first sync (for tests and logs)
         self.resyncs = 0  # periodic status reconciles from the cache
@@ -113,8 +134,19 @@ class KubernetesResourceSource:
         return self._statuses
 
     def healthy(self) -> bool:
-        """First sync done and every watch running (not re-listing after a failure)."""
+        """The first full sync is done (readiness, as upstream: API trouble later never takes
+        the data plane down; the last known state is served, see `stale_s`)."""
+        return self.synced()
+
+    def in_step(self) -> bool:
+        """Every watch is running (none re-listing after a failure)."""
         return self.synced() and not self._degraded
+
+    def stale_s(self) -> float:
+        """For how long the datastore has not been kept in step (0 while every watch runs)."""
+        if not self._degraded:
+            return 0.0
+        return max(0.0, self._clock() - min(self._degraded.values()))
 
     def synced(self) -> bool:
         return all(c.synced for c in self._caches())
@@ -128,13 +160,21 @@ class KubernetesResourceSource:
                 for cache in self._caches():
                     await self._list(cache)
                 break
+            except Forbidden as exc:
+                # RBAC is not going to change by itself within the start timeout: say so now.
+                log.error("permission denied listing resources: %s", exc)
+                raise ConfigError(
+                    f"the Kubernetes API server refused to list resources in namespace "
+                    f"{self.settings.namespace} ({exc}); the EPP's Role needs list and watch on "
+                    f"them (deploy/rbac.yaml)"
+                ) from exc
             except ApiUnavailable as exc:
                 if loop.time() >= deadline:
                     raise ConfigError(
                         f"cannot list resources in namespace {self.settings.namespace} from the "
                         f"Kubernetes API server: {exc}"
                     ) from exc
-                delay = backoff.next()
+                delay = self._delay(backoff, exc)
                 log.warning("listing resources failed (%s); retrying in %.1fs", exc, delay)
                 await self._sleep(delay)
         self._apply(resources=True)
@@ -156,11 +196,20 @@ class KubernetesResourceSource:
             tasks.append(asyncio.create_task(self._write_statuses(), name="status"))
             tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
         try:
-            await asyncio.gather(*tasks)
+            # asyncio.wait, not gather: cancelling run() must reach every task exactly once
+            # (below). A gather cancels its children itself and returns at the first one
+            # cancelled, so a second cancel landed inside the elector's Lease release.
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:  # none should end (each catches its own errors): a bug
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("%s stopped", task.get_name(), exc_info=task.exception())
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # the Lease is released
+            # Shielded: a second cancel of run() (shutdown timing out) must not cut the
+            # Lease release short; it takes one GET and one PUT.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
             await self.api.close()
 
     # --- listing and watching ----------------------------------------------------------------
@@ -171,6 +220,13 @@ class KubernetesResourceSource:
     def _backoff(self) -> Backoff:
         s = self.settings
         return Backoff(s.backoff_initial_s, s.backoff_max_s, rng=self._rng)
+
+    def _delay(self, backoff: Backoff, exc: Exception) -> float:
+        """How long to wait after `exc`: a 429's Retry-After (plus up to 10% jitter, so the
+        replicas it turned away do not all come back in the same instant), else the backoff."""
+        if isinstance(exc, Throttled):
+            return backoff.after(exc.retry_after_s)
+        return backoff.next()
 
     async def _list(self, cache: ObjectCache) -> list[str]:
         """List the first served version of the cache's objects, replace and prune. None
@@ -203,7 +259,10 @@ class KubernetesResourceSource:
                     self.relists += 1
                     self._apply(resources=cache is not self.state.pods_cache)
                     relist = False
-                self._degraded.discard(name)
+                    backoff.reset()  # in step again: the next failure starts small
+                lost = self._degraded.pop(name, None)
+                if lost is not None:
+                    log.info("watch of %s is back; in step after %.1fs", name, self._clock() - lost)
                 if cache.version is None:  # not served: look again later
                     await self._sleep(self.settings.backoff_max_s)
                     relist = True
@@ -225,7 +284,7 @@ class KubernetesResourceSource:
                 raise
             except Gone:
                 # The first 410 re-lists at once; repeated ones (no event in between) back off.
-                self._degraded.add(name)
+                self._degraded.setdefault(name, self._clock())
                 relist = True
                 delay = backoff.next() if backoff.failures else 0.0
                 backoff.failures = max(backoff.failures, 1)
@@ -234,10 +293,18 @@ class KubernetesResourceSource:
                 if delay:
                     await self._sleep(delay)
             except Exception as exc:  # ApiUnavailable, a dropped stream, bad JSON
-                self._degraded.add(name)
+                self._degraded.setdefault(name, self._clock())
                 relist = True
-                delay = backoff.next()
-                log.warning("watch of %s failed (%s); re-listing in %.2fs", name, exc, delay)
+                delay = self._delay(backoff, exc)
+                message = "watch of %s failed (%s); serving the last known state (%.1fs stale); "
+                log.log(
+                    logging.ERROR if isinstance(exc, Forbidden) else logging.WARNING,
+                    message + "re-listing in %.2fs",
+                    name,
+                    exc,
+                    self.stale_s(),
+                    delay,
+                )
                 await self._sleep(delay)
 
     # --- applying to the datastore -----------------------------------------------------------

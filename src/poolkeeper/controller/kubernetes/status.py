@@ -11,6 +11,7 @@
   change is refused with 409; the writer then re-reads the object and tries again, at most
   `attempts` times in all, and otherwise leaves it to the next event or resync.
 - Only the leader writes (`allowed()` is asked right before every request).
+- A write refused by RBAC (403) is logged at ERROR, every time, with the API server's message.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from typing import Any
 
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
 from poolkeeper.api.status import Verdict, compute_model_statuses
-from poolkeeper.controller.kubernetes.client import ApiUnavailable, Conflict, KubeApi, NotFound
+from poolkeeper.controller.kubernetes.client import (
+    ApiUnavailable,
+    Conflict,
+    Forbidden,
+    KubeApi,
+    NotFound,
+)
 from poolkeeper.controller.kubernetes.objects import ResourceKind, parse_model
 
 __all__ = ["StatusWriter", "needs_write"]
@@ -117,6 +124,10 @@ class StatusWriter:
                 model = fresh
                 continue
             except NotFound:
+                return False
+            except Forbidden as exc:
+                self.failures += 1
+                log.error("permission denied writing InferenceModel %s status: %s", model.key, exc)
                 return False
             except ApiUnavailable as exc:
                 self.failures += 1

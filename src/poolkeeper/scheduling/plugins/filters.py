@@ -13,9 +13,9 @@ from pydantic import Field
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.load import effective_kv, effective_waiting, saturations
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
-from poolkeeper.scheduling.load import effective_kv, effective_waiting, saturations
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest

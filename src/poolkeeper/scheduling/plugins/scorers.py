@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.load import effective_kv
 from poolkeeper.scheduling.interfaces import AffineScores, CycleState, Scores, TypedName
-from poolkeeper.scheduling.load import effective_kv
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.filters import LoadParams
 from poolkeeper.scheduling.registry import PluginParams

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.load import effective_kv
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
-from poolkeeper.scheduling.load import effective_kv
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.registry import PluginParams

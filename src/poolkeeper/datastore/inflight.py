@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
-from poolkeeper.scheduling.speed import DEFAULT_SPEED_ALPHA, ObservedSpeed
+from poolkeeper.datastore.speed import DEFAULT_SPEED_ALPHA, ObservedSpeed
 
 
 @dataclass(frozen=True, slots=True)

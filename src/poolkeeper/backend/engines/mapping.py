@@ -1,22 +1,9 @@
-"""Engine mappings: which Prometheus families of a model server mean queue, load, KV and LoRA.
+"""How an engine's metrics page is read: `MetricSpec`, `EngineMapping`, and the mapping rules.
 
-One `EngineMapping` per engine type (gie.md §4.1), chosen per endpoint by `Endpoint.engine`
-(from the `inference.networking.k8s.io/engine-type` label, default `vllm`):
-
-    signal      vllm                                     sglang
-    waiting     vllm:num_requests_waiting                sglang:num_queue_reqs
-    running     vllm:num_requests_running                sglang:num_running_reqs
-    KV 0..1     vllm:kv_cache_usage_perc, else           sglang:token_usage
-                vllm:gpu_cache_usage_perc
-    LoRA        vllm:lora_requests_info                  -
-    block size  vllm:cache_config_info{block_size}       sglang:cache_config_info{page_size}
-    GPU blocks  vllm:cache_config_info{num_gpu_blocks}   sglang:cache_config_info{num_pages}
-    base model  model_name label of waiting/running      model_name label of waiting/running
-
-trtllm-serve reads `trtllm_num_requests_waiting`, `trtllm_num_requests_running`,
-`trtllm_kv_cache_utilization`, `trtllm_kv_cache_tokens_per_block`, `trtllm_kv_cache_max_blocks`.
-Triton TensorRT-LLM reads `nv_trt_llm_request_metrics{request_type=waiting|scheduled}` and
-`nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction|tokens_per|max}`.
+Each engine module of this package (`vllm.py`, `sglang.py`, `trtllm.py`) declares one
+`EngineMapping` per engine: which Prometheus families mean queue, load, KV and LoRA. The registry
+(`registry.py`) picks one per endpoint by `Endpoint.engine` (from the
+`inference.networking.k8s.io/engine-type` label, default `vllm`; gie.md §4.1).
 
 Rules (the documented decisions of this module):
 - Several matching series (vLLM data parallelism: `engine="0"`, `engine="1"`; several models
@@ -55,16 +42,7 @@ from typing import Final
 from poolkeeper.backend.promtext import FamilyFilter, Sample
 from poolkeeper.datastore.endpoint import EndpointMetrics
 
-__all__ = [
-    "BUILTIN_MAPPINGS",
-    "ENGINE_ALIASES",
-    "EngineMapping",
-    "IntField",
-    "MetricSpec",
-    "MissingMetrics",
-    "known_engines",
-    "mapping_for",
-]
+__all__ = ["EngineMapping", "EngineType", "IntField", "MetricSpec", "MissingMetrics", "specs"]
 
 _EMPTY: Final[Mapping[str, str]] = MappingProxyType({})
 _SPEC_RE: Final = re.compile(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(.*)\})?\s*$")
@@ -283,73 +261,22 @@ class EngineMapping:
         return None if text is None else _ints(text)
 
 
-def _specs(*texts: str) -> tuple[MetricSpec, ...]:
+def specs(*texts: str) -> tuple[MetricSpec, ...]:
+    """Parse each `name{label=value,...}` text (alternatives, in order of preference)."""
     return tuple(MetricSpec.parse(t) for t in texts)
 
 
-def _builtin() -> dict[str, EngineMapping]:
-    vllm_cache = MetricSpec("vllm:cache_config_info")
-    sglang_cache = MetricSpec("sglang:cache_config_info")
-    triton_kv = "nv_trt_llm_kv_cache_block_metrics"
-    return {
-        "vllm": EngineMapping(
-            name="vllm",
-            waiting=_specs("vllm:num_requests_waiting"),
-            running=_specs("vllm:num_requests_running"),
-            kv_usage=_specs("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-            lora_info=MetricSpec("vllm:lora_requests_info"),
-            block_size=IntField(vllm_cache, "block_size"),
-            num_gpu_blocks=IntField(vllm_cache, "num_gpu_blocks"),
-            served_model_label="model_name",
-        ),
-        "sglang": EngineMapping(
-            name="sglang",
-            waiting=_specs("sglang:num_queue_reqs"),
-            running=_specs("sglang:num_running_reqs"),
-            kv_usage=_specs("sglang:token_usage"),
-            block_size=IntField(sglang_cache, "page_size"),
-            num_gpu_blocks=IntField(sglang_cache, "num_pages"),
-            served_model_label="model_name",
-        ),
-        "trtllm-serve": EngineMapping(
-            name="trtllm-serve",
-            waiting=_specs("trtllm_num_requests_waiting"),
-            running=_specs("trtllm_num_requests_running"),
-            kv_usage=_specs("trtllm_kv_cache_utilization"),
-            block_size=IntField(MetricSpec("trtllm_kv_cache_tokens_per_block")),
-            num_gpu_blocks=IntField(MetricSpec("trtllm_kv_cache_max_blocks")),
-        ),
-        "triton-trtllm": EngineMapping(
-            name="triton-trtllm",
-            waiting=_specs("nv_trt_llm_request_metrics{request_type=waiting}"),
-            running=_specs("nv_trt_llm_request_metrics{request_type=scheduled}"),
-            kv_usage=_specs(f"{triton_kv}{{kv_cache_block_type=fraction}}"),
-            block_size=IntField(MetricSpec.parse(f"{triton_kv}{{kv_cache_block_type=tokens_per}}")),
-            num_gpu_blocks=IntField(MetricSpec.parse(f"{triton_kv}{{kv_cache_block_type=max}}")),
-        ),
-    }
+@dataclass(frozen=True, slots=True)
+class EngineType:
+    """One model-server engine: the name endpoints use for it, and how its page is read."""
 
+    name: str  # canonical: what labels and config resolve to, and what endpoints carry
+    title: str  # the product's own spelling, for docs and messages
+    mapping: EngineMapping
+    aliases: tuple[str, ...] = ()  # other accepted spellings (lower case)
 
-BUILTIN_MAPPINGS: Final[Mapping[str, EngineMapping]] = MappingProxyType(_builtin())
-"""The built-in engines by name (read-only)."""
-
-ENGINE_ALIASES: Final[Mapping[str, str]] = MappingProxyType(
-    {"trtllm": "trtllm-serve", "triton": "triton-trtllm", "triton-tensorrt-llm": "triton-trtllm"}
-)
-"""Other spellings of engine names accepted in labels and config."""
-
-
-def known_engines() -> tuple[str, ...]:
-    """Names accepted by `mapping_for` (built-ins first, then aliases)."""
-    return (*BUILTIN_MAPPINGS, *ENGINE_ALIASES)
-
-
-def mapping_for(engine: str) -> EngineMapping:
-    """The mapping for an engine name or alias (case-insensitive); ValueError if unknown."""
-    key = engine.strip().lower()
-    key = ENGINE_ALIASES.get(key, key)
-    mapping = BUILTIN_MAPPINGS.get(key)
-    if mapping is None:
-        known = ", ".join(known_engines())
-        raise ValueError(f"unknown engine type {engine!r} (known: {known})")
-    return mapping
+    def __post_init__(self) -> None:
+        if self.mapping.name != self.name:
+            raise ValueError(f"engine {self.name!r} has the mapping of {self.mapping.name!r}")
+        if any(a != a.strip().lower() or a == self.name for a in self.aliases):
+            raise ValueError(f"engine {self.name!r}: aliases must be lower case and new")

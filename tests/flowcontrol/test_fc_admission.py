@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from poolkeeper.admission.config import AdmissionConfig
-from poolkeeper.admission.controller import AdmissionController, AdmissionDecision
-from poolkeeper.admission.saturation import SaturationDetector
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.errors import RequestShed
-from poolkeeper.scheduling.load import STALE, saturations
+from poolkeeper.flowcontrol.admission import AdmissionConfig
+from poolkeeper.flowcontrol.saturation import SaturationDetector
+from poolkeeper.flowcontrol.shedding import AdmissionController, AdmissionDecision
 from poolkeeper.scheduling.types import LLMRequest
 
 NOW = 50.0

@@ -1,13 +1,15 @@
 """AdmissionController: admit or shed one request by criticality and pool saturation.
 
+The gate's policy when flow control is off (`flowControl.enabled: false`): nothing waits, a
+request is admitted or shed (429) at once.
+
     Critical   always admitted (it queues on the model servers, never shed here)
     Standard   shed only when saturation >= standardOverloadLevel (default 8.0)
     Sheddable  shed when saturation >= sheddableSaturationLevel (default 1.0)
 
 An empty pool is not shedding: the controller admits, and the scheduler answers 503
 (NoReadyEndpoint), so clients can tell "overloaded, retry later" (429) from "nothing to serve
-this" (503). `decide` returns a decision value so that a flow-control layer can later add a
-QUEUE outcome (wait for capacity instead of 429) without changing callers of `admit`.
+this" (503). Queueing instead of shedding is the dispatcher's (`dispatcher.py`).
 """
 
 from __future__ import annotations
@@ -15,19 +17,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
-from poolkeeper.admission.config import AdmissionConfig
-from poolkeeper.admission.saturation import SaturationDetector, SaturationReport
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S, EndpointState
 from poolkeeper.errors import RequestShed
-from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.flowcontrol.admission import AdmissionConfig
+from poolkeeper.flowcontrol.saturation import SaturationDetector, SaturationReport
+
+
+class Admittable(Protocol):
+    """What admission reads of a request (the scheduler's `LLMRequest` is one)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def criticality(self) -> Criticality: ...
 
 
 class AdmissionDecision(StrEnum):
     ADMIT = "admit"
     SHED = "shed"
-    # QUEUE = "queue"  (flow control, a later issue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +71,7 @@ class AdmissionController:
         return self.config.sheddable_saturation_level
 
     def decide(
-        self, request: LLMRequest, states: Sequence[EndpointState], *, now: float
+        self, request: Admittable, states: Sequence[EndpointState], *, now: float
     ) -> AdmissionOutcome:
         level = self.shed_level(request.criticality)
         if level is None:
@@ -92,7 +106,7 @@ class AdmissionController:
             AdmissionDecision.ADMIT, f"saturation {report.saturation:.2f} < {level:g}", report
         )
 
-    def admit(self, request: LLMRequest, states: Sequence[EndpointState], *, now: float) -> None:
+    def admit(self, request: Admittable, states: Sequence[EndpointState], *, now: float) -> None:
         """Return if admitted; raise RequestShed (429) with the reason otherwise."""
         outcome = self.decide(request, states, now=now)
         if outcome.decision is AdmissionDecision.SHED:

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from poolkeeper.admission.config import AdmissionConfig
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S, EndpointState
-from poolkeeper.scheduling.load import STALE, saturations
+from poolkeeper.datastore.load import STALE, saturations
+from poolkeeper.flowcontrol.admission import AdmissionConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,73 @@
+"""Ordering within a flow: which of one flow's waiting requests goes next (a policy seam).
+
+The dispatcher keeps each flow's waiting requests in arrival order (a deque, oldest first) and
+asks the band's `OrderingPolicy` two questions: which request is the flow's head (`head`), and
+which request, if any, can no longer be served in time (`overdue`: pushed out first when the
+band is full, even from the newcomer's own flow). A new policy is a class with these two
+methods and a factory from a band's settings (`OrderingFactory`), handed to the dispatcher in
+`FlowPolicies` (`dispatcher.py`); `dispatcher.py` itself does not change.
+
+Today's policy, `FcfsAdaptiveLifo`: first come first served, except in overload: while the
+flow's oldest request has waited longer than the band's `lifoAfterMs`, its newest goes first
+(adaptive LIFO, as in Facebook's and CoDel-style server queues), and that oldest is overdue.
+A FIFO queue in sustained overload makes every request wait the whole queue, so every answer
+is late; newest-first serves the requests that can still be on time, and the old ones run out
+at their TTL or are pushed out of a full band first. Pure; `now` is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from poolkeeper.flowcontrol.config import BandConfig
+
+
+class Arrived(Protocol):
+    """What ordering reads of a waiting request (the dispatcher's `FlowItem`)."""
+
+    @property
+    def arrived(self) -> float: ...
+
+
+A = TypeVar("A", bound=Arrived)
+
+
+class OrderingPolicy(Protocol):
+    """Order within one flow of one band (see the module docstring)."""
+
+    def head(self, waiting: deque[A], now: float) -> A:
+        """The request of this flow to dispatch next; `waiting` is oldest first, not empty."""
+        ...
+
+    def overdue(self, waiting: deque[A], now: float) -> A | None:
+        """A request of this flow that can no longer be served in time (pushed out first
+        when the band is full), or None."""
+        ...
+
+
+OrderingFactory = Callable[[BandConfig], OrderingPolicy]
+
+
+class FcfsAdaptiveLifo:
+    """First come first served; newest first while the oldest is late (`lifoAfterMs`)."""
+
+    __slots__ = ("lifo_after_s",)
+
+    def __init__(self, lifo_after_s: float | None) -> None:
+        self.lifo_after_s = lifo_after_s  # None: always FCFS
+
+    @classmethod
+    def of(cls, band: BandConfig) -> FcfsAdaptiveLifo:
+        return cls(band.lifo_after_s)
+
+    def head(self, waiting: deque[A], now: float) -> A:
+        if self.lifo_after_s is not None and now - waiting[0].arrived > self.lifo_after_s:
+            return waiting[-1]
+        return waiting[0]
+
+    def overdue(self, waiting: deque[A], now: float) -> A | None:
+        if self.lifo_after_s is not None and now - waiting[0].arrived > self.lifo_after_s:
+            return waiting[0]
+        return None

@@ -1,0 +1,90 @@
+"""Wiring: the one place the request path is composed from a GatewayConfig (runtime and tests).
+
+`build_director` reads the config's sections and hands each part only its own: the Director
+gets `requestHandling`, the scheduler `scheduling` (and the freshness of `scraping`), the gate
+`admission` and `flowControl`. It wires the real collaborators into the Director's ports
+(`requestcontrol/ports.py`): the scheduler, the in-flight tracker (`datastore/inflight.py`), the
+gate (`build_gate`), and the datastore subscription that wakes waiting requests when fresh
+metrics may mean headroom.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.datastore.inflight import InflightTracker
+from poolkeeper.datastore.store import Datastore
+from poolkeeper.flowcontrol.admission import AdmissionConfig
+from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.dispatcher import FlowPolicies
+from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.flowcontrol.shedding import AdmissionController
+from poolkeeper.requestcontrol.director import Director
+from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver
+from poolkeeper.requestcontrol.ports import Gate, SnapshotSource
+from poolkeeper.requestcontrol.shedgate import ShedGate
+from poolkeeper.scheduling.build import build_scheduler
+
+
+def build_director(
+    config: GatewayConfig,
+    datastore: SnapshotSource,
+    *,
+    rng: random.Random,
+    clock: Callable[[], float] = time.monotonic,
+    flow_observer: FlowObserver | None = None,
+    responses_observed: bool = False,
+) -> Director:
+    """The Director `config.spec` describes, with its scheduler, gate and in-flight tracker:
+    the one way a Director is built (the runtime and tests alike). Raises ConfigError for a
+    scheduling section that cannot be built. `responses_observed`: the response observer is
+    on (server/runtime.py), so usage is injected only into responses that still pass the EPP
+    (those whose model name it rewrites).
+    """
+    spec = config.spec
+    staleness_s = spec.scraping.staleness_s
+    gate = build_gate(
+        spec.admission,
+        spec.flow_control,
+        staleness_s=staleness_s,
+        clock=clock,
+        flow_observer=flow_observer,
+    )
+    director = Director(
+        datastore=datastore,
+        scheduler=build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s),
+        inflight=InflightTracker(),
+        gate=gate,
+        config=spec.request_handling,
+        rng=rng,
+        clock=clock,
+        responses_observed=responses_observed,
+    )
+    if isinstance(gate, FlowGate) and isinstance(datastore, Datastore):
+        # Fresh metrics may mean headroom: let waiting requests re-check (free when none wait).
+        datastore.subscribe(lambda _snapshot, _kind: gate.wake(), metrics=True)
+    return director
+
+
+def build_gate(
+    admission: AdmissionConfig,
+    flow_control: FlowControlConfig,
+    *,
+    staleness_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    flow_observer: FlowObserver | None = None,
+    policies: FlowPolicies | None = None,
+) -> Gate:
+    """The gate the sections describe: flow control's queue (`flowControl.enabled`) or admit
+    or shed at once. Both judge saturation with admission's detector (one saturation signal).
+    `policies`: flow control's fairness and ordering policies (default: today's)."""
+    controller = AdmissionController(admission, staleness_s=staleness_s)
+    if flow_control.enabled:
+        headroom = Headroom(controller.detector)
+        return FlowGate(
+            flow_control, headroom, clock=clock, observer=flow_observer, policies=policies
+        )
+    return ShedGate(controller, clock=clock)

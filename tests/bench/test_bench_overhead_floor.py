@@ -24,6 +24,7 @@ from poolkeeper.bench.overhead.gateway_overhead import cpu_seconds
 from poolkeeper.bench.overhead.overhead_floor import (
     ENVOY,
     EXT_PROC,
+    EXT_PROC_LEAN,
     ROUTED_HEADER,
     MinimalProcessor,
     bootstrap,
@@ -116,9 +117,9 @@ async def test_floor_gateways_reach_the_model_server_through_envoy_and_the_proce
     async with model_server(seen) as upstream:
         # floor_gateways waits for Envoy in this thread; the model server is not needed yet.
         with floor_gateways(tmp_path, upstream, cpu_seconds) as gateways:
-            assert set(gateways) == {ENVOY, EXT_PROC}
+            assert set(gateways) == {ENVOY, EXT_PROC, EXT_PROC_LEAN}
             async with aiohttp.ClientSession() as session:
-                for name in (ENVOY, EXT_PROC):
+                for name in (ENVOY, EXT_PROC, EXT_PROC_LEAN):
                     url = gateways[name][0]
                     # The processor (a Python subprocess) may still be importing and binding
                     # its port: a deadline for a loaded machine, as the bench's own wait_http.
@@ -129,8 +130,10 @@ async def test_floor_gateways_reach_the_model_server_through_envoy_and_the_proce
                                 break
                         await asyncio.sleep(0.1)
                     assert resp.status == 200, name
-            clocks = gateways[EXT_PROC][1]
-            assert set(clocks) == {"envoy", "ext_proc"}
-            assert all(clock() > 0 for clock in clocks.values())
+            for name in (EXT_PROC, EXT_PROC_LEAN):
+                clocks = gateways[name][1]
+                assert set(clocks) == {"envoy", "ext_proc"}
+                assert all(clock() > 0 for clock in clocks.values())
     assert seen[0] == (None, body)  # Envoy alone: nothing set the header
-    assert seen[-1] == ("1", body)  # through the processor, with the body passed back intact
+    # through each processor (grpc.aio, then the lean transport), the body passed back intact
+    assert seen[-2] == seen[-1] == ("1", body)

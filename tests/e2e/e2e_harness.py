@@ -177,7 +177,9 @@ def model_doc(
     )
 
 
-def gateway_doc(ports: dict[str, int], endpoints: list[tuple[str, int, str]]) -> str:
+def gateway_doc(
+    ports: dict[str, int], endpoints: list[tuple[str, int, str]], transport: str = "grpcio"
+) -> str:
     eps = "".join(
         f"    - {{name: {name}, address: 127.0.0.1, port: {port}, labels: {{app: {app}}}}}\n"
         for name, port, app in endpoints
@@ -188,7 +190,7 @@ kind: GatewayConfig
 metadata: {{name: default}}
 spec:
   listeners: {{http: {ports["http"]}, extProc: {ports["ext_proc"]}, metrics: {ports["metrics"]},
-    health: {ports["health"]}, admin: {ports["admin"]}}}
+    health: {ports["health"]}, admin: {ports["admin"]}, extProcTransport: {transport}}}
   scraping: {{intervalMs: 50, timeoutMs: 1000}}
   endpoints:
 {eps}"""

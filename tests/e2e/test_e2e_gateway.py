@@ -129,14 +129,16 @@ def _serve(directory: Path, ports: dict[str, int]) -> Proc:
     return proc
 
 
-@pytest.fixture(scope="module")
-def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+@pytest.fixture(scope="module", params=["grpcio", "lean"])
+def gateway(
+    fleet: Fleet, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Gateway]:
     ports = gateway_ports()
     endpoints = [(f"sim-{i}", p, "sim") for i, p in enumerate(fleet.ports)]
     endpoints.append(("tiny-0", fleet.tiny_port, "tiny"))
     endpoints += [(f"lora-{i}", p, "lora") for i, p in enumerate(fleet.lora_ports)]
     docs = [
-        gateway_doc(ports, endpoints),
+        gateway_doc(ports, endpoints, request.param),
         POOL.format(name="fleet", app="sim", failure_mode="FailClose"),
         POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
         POOL.format(name="empty", app="nothing-selected", failure_mode="FailClose"),

@@ -10,13 +10,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from aiohttp import web
 
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.errors import BadRequest, NoReadyEndpoint
+from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
+from poolkeeper.extproc.lean import start_lean
+from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
+from poolkeeper.server.transport import health_methods
+from poolkeeper.telemetry.health import HealthService
 
 
 @dataclass
@@ -218,3 +224,41 @@ async def running_envoy(params: BootstrapParams, workdir: Path) -> AsyncIterator
         yield supervisor
     finally:
         await supervisor.stop()
+
+
+@dataclass
+class Epp:
+    """The EPP's ext_proc server of a rig, on either transport."""
+
+    server: Any  # grpc.aio.Server or LeanServer: both have stop(grace)
+    port: int
+
+    async def stop(self, grace: float | None) -> None:
+        await self.server.stop(grace)
+
+
+async def start_epp(
+    transport: str,
+    servicer: ExtProcServicer,
+    port: int,
+    *,
+    detached: DetachedExchanges | None = None,
+) -> Epp:
+    """`servicer` (with the response observer's receivers for `detached`, and gRPC health)
+    served on 127.0.0.1:`port` by `transport`: the ext_proc tests run on both."""
+    health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
+    if transport == "lean":
+        lean = await start_lean(
+            servicer, "127.0.0.1", port, detached=detached, more=health_methods(health)
+        )
+        return Epp(lean, lean.port)
+
+    def register(server: grpc.aio.Server) -> None:
+        health.register(server)
+        if detached is not None:
+            AccessLogReceiver(detached).register(server)
+            FirstByteReceiver(detached).register(server)
+
+    server, bound = build_server(servicer, f"127.0.0.1:{port}", extra=register)
+    await server.start()
+    return Epp(server, bound)

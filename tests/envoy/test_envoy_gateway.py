@@ -16,21 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import grpc
 import pytest
 
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoySupervisor
-from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.netutil import free_port
 from poolkeeper.requestcontrol.types import Usage
-from poolkeeper.telemetry.health import HealthService
 from tests.envoy.envoy_harness import (
     Backend,
     Canary,
+    Epp,
     RoundRobinRouter,
     rig_params,
     running_envoy,
+    start_epp,
 )
 
 pytestmark = pytest.mark.integration
@@ -46,14 +46,19 @@ class Rig:
     router: RoundRobinRouter
     canary: Canary
     envoy: EnvoySupervisor
-    epp: grpc.aio.Server | None
+    epp: Epp | None
     endpoints: EndpointsFile
     admin_port: int
 
 
 @asynccontextmanager
 async def rig(
-    tmp_path: Path, *, epp_up: bool, fail_open: bool, extra: tuple[str, ...] = ()
+    tmp_path: Path,
+    transport: str,
+    *,
+    epp_up: bool,
+    fail_open: bool,
+    extra: tuple[str, ...] = (),
 ) -> AsyncIterator[Rig]:
     backends = [Backend("a"), Backend("b")]
     for b in backends:
@@ -64,11 +69,7 @@ async def rig(
     server = None
     epp_port = free_port()
     if epp_up:
-        health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
-        server, epp_port = build_server(
-            ExtProcServicer(router), f"127.0.0.1:{epp_port}", extra=health.register
-        )
-        await server.start()
+        server = await start_epp(transport, ExtProcServicer(router), epp_port)
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([*(b.hostport for b in backends), *extra])
     params = rig_params(backends, epp_port, endpoints.path, fail_open=fail_open)
@@ -102,8 +103,10 @@ async def _post(
         return resp.status, dict(resp.headers), await resp.read()
 
 
-async def test_routed_by_epp_with_body_rewrite_and_served_header(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+async def test_routed_by_epp_with_body_rewrite_and_served_header(
+    tmp_path: Path, transport: str
+) -> None:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False) as r:
         served = []
         for _ in range(4):
             status, headers, raw = await _post(r.url, {"model": "alias", "messages": []})
@@ -124,8 +127,8 @@ async def test_routed_by_epp_with_body_rewrite_and_served_header(tmp_path: Path)
         assert r.router.completed[0][1] == Usage(3, 4)
 
 
-async def test_large_body_and_sse_with_injected_usage(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+async def test_large_body_and_sse_with_injected_usage(tmp_path: Path, transport: str) -> None:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False) as r:
         big = "y" * 900_000  # near the 1 MiB buffer limit, many 62,000-byte chunks
         status, _, raw = await _post(r.url, {"model": "alias", "prompt": big})
         assert status == 200, raw[:500]
@@ -150,9 +153,9 @@ async def test_large_body_and_sse_with_injected_usage(tmp_path: Path) -> None:
         assert raw.count(b'"usage": {') == 1  # asked for: kept
 
 
-async def test_models_list_and_error_from_epp(tmp_path: Path) -> None:
+async def test_models_list_and_error_from_epp(tmp_path: Path, transport: str) -> None:
     async with (
-        rig(tmp_path, epp_up=True, fail_open=False) as r,
+        rig(tmp_path, transport, epp_up=True, fail_open=False) as r,
         aiohttp.ClientSession() as session,
     ):
         async with session.get(f"{r.url}/v1/models") as resp:
@@ -166,8 +169,10 @@ async def test_models_list_and_error_from_epp(tmp_path: Path) -> None:
             assert (await resp.json())["error"]["type"] == "invalid_request_error"
 
 
-async def test_epp_503_keeps_its_own_body_and_dead_upstream_gets_one(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+async def test_epp_503_keeps_its_own_body_and_dead_upstream_gets_one(
+    tmp_path: Path, transport: str
+) -> None:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False) as r:
         backends = list(r.router.backends)
         r.router.backends = []
         status, _, raw = await _post(r.url, {"model": "m"})
@@ -182,8 +187,10 @@ async def test_epp_503_keeps_its_own_body_and_dead_upstream_gets_one(tmp_path: P
         r.router.backends = backends
 
 
-async def test_spoofed_destination_never_reaches_canary_epp_up(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=True) as r:
+async def test_spoofed_destination_never_reaches_canary_epp_up(
+    tmp_path: Path, transport: str
+) -> None:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=True) as r:
         spoof = {DEST: f"127.0.0.1:{r.canary.port}", f"{DEST}-served": "x"}
         for _ in range(3):
             status, _, raw = await _post(r.url, {"model": "m"}, spoof)
@@ -201,8 +208,8 @@ async def test_spoofed_destination_never_reaches_canary_epp_up(tmp_path: Path) -
                 assert headers[DEST] == b.hostport  # the EPP's value, not the client's
 
 
-async def test_epp_down_fail_open_serves_and_ignores_spoof(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=False, fail_open=True) as r:
+async def test_epp_down_fail_open_serves_and_ignores_spoof(tmp_path: Path, transport: str) -> None:
+    async with rig(tmp_path, transport, epp_up=False, fail_open=True) as r:
         spoof = {DEST: f"127.0.0.1:{r.canary.port}"}
         names = set()
         for _ in range(4):
@@ -214,8 +221,8 @@ async def test_epp_down_fail_open_serves_and_ignores_spoof(tmp_path: Path) -> No
         assert r.canary.connections == 0
 
 
-async def test_epp_down_fail_close_refuses(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=False, fail_open=False) as r:
+async def test_epp_down_fail_close_refuses(tmp_path: Path, transport: str) -> None:
+    async with rig(tmp_path, transport, epp_up=False, fail_open=False) as r:
         spoof = {DEST: f"127.0.0.1:{r.canary.port}"}
         status, headers, raw = await _post(r.url, {"model": "m"}, spoof)
         assert status == 503
@@ -225,8 +232,8 @@ async def test_epp_down_fail_close_refuses(tmp_path: Path) -> None:
         assert all(not b.seen for b in r.backends)
 
 
-async def test_supervisor_restarts_a_dead_envoy(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+async def test_supervisor_restarts_a_dead_envoy(tmp_path: Path, transport: str) -> None:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False) as r:
         first = r.envoy.process
         assert first is not None
         first.kill()
@@ -241,8 +248,8 @@ async def test_supervisor_restarts_a_dead_envoy(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("fail_open", [True, False])
-async def test_epp_killed_while_running(tmp_path: Path, fail_open: bool) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=fail_open) as r:
+async def test_epp_killed_while_running(tmp_path: Path, transport: str, fail_open: bool) -> None:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=fail_open) as r:
         status, headers, _ = await _post(r.url, {"model": "m"})
         assert status == 200
         assert r.epp is not None
@@ -267,8 +274,10 @@ async def test_epp_killed_while_running(tmp_path: Path, fail_open: bool) -> None
         assert r.canary.connections == 0
 
 
-async def test_backend_dying_mid_stream_is_an_error_not_a_clean_end(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+async def test_backend_dying_mid_stream_is_an_error_not_a_clean_end(
+    tmp_path: Path, transport: str
+) -> None:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False) as r:
         async with aiohttp.ClientSession() as session:
             url = f"{r.url}/v1/chat/completions"
             async with session.post(url, json={"model": "cut", "stream": True}) as resp:
@@ -284,9 +293,9 @@ async def test_backend_dying_mid_stream_is_an_error_not_a_clean_end(tmp_path: Pa
 
 @pytest.mark.parametrize("client_asked_usage", [False, True])
 async def test_sse_events_arrive_as_they_are_produced(
-    tmp_path: Path, client_asked_usage: bool
+    tmp_path: Path, transport: str, client_asked_usage: bool
 ) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False) as r:
         body: dict[str, object] = {"model": "gated", "stream": True}
         if client_asked_usage:
             body["stream_options"] = {"include_usage": True}
@@ -308,8 +317,8 @@ async def test_sse_events_arrive_as_they_are_produced(
         assert rest.endswith(b"data: [DONE]\n\n")
 
 
-async def test_edge_limits_on_headers(tmp_path: Path) -> None:
-    async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+async def test_edge_limits_on_headers(tmp_path: Path, transport: str) -> None:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False) as r:
         for bad in ({"x-big": "a" * 70_000}, {"x_under_score": "1"}):
             # Over max_request_headers_kb (60) / an underscore (REJECT_REQUEST): Envoy's HTTP/1
             # codec refuses the request (a 4xx, or for these codec errors a closed connection).
@@ -325,9 +334,9 @@ async def test_edge_limits_on_headers(tmp_path: Path) -> None:
 # --- protocol v0.4+ fallbacks (004-endpoint-picker-protocol): Envoy retries on the list -------
 
 
-async def test_fallback_endpoints_are_tried_in_order(tmp_path: Path) -> None:
+async def test_fallback_endpoints_are_tried_in_order(tmp_path: Path, transport: str) -> None:
     dead = f"127.0.0.1:{free_port()}"  # in the cluster, nothing listening
-    async with rig(tmp_path, epp_up=True, fail_open=False, extra=(dead,)) as r:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False, extra=(dead,)) as r:
         a, b = r.backends
         r.router.fixed = (dead, b.hostport, a.hostport)
         status, headers, raw = await _post(r.url, {"model": "m", "messages": []})
@@ -343,9 +352,11 @@ async def test_fallback_endpoints_are_tried_in_order(tmp_path: Path) -> None:
         assert r.router.completed[-1][2] == b.hostport
 
 
-async def test_exhausted_fallbacks_never_reach_an_unlisted_endpoint(tmp_path: Path) -> None:
+async def test_exhausted_fallbacks_never_reach_an_unlisted_endpoint(
+    tmp_path: Path, transport: str
+) -> None:
     dead = f"127.0.0.1:{free_port()}"
-    async with rig(tmp_path, epp_up=True, fail_open=False, extra=(dead,)) as r:
+    async with rig(tmp_path, transport, epp_up=True, fail_open=False, extra=(dead,)) as r:
         r.router.fixed = (dead,)
         status, _, raw = await _post(r.url, {"model": "m", "messages": []})
         assert status == 503
@@ -361,11 +372,11 @@ async def _cluster_hosts(admin_port: int) -> str:
         return await resp.text()
 
 
-async def test_endpoints_file_changes_reach_envoy(tmp_path: Path) -> None:
+async def test_endpoints_file_changes_reach_envoy(tmp_path: Path, transport: str) -> None:
     late = Backend("late")
     await late.start()
     try:
-        async with rig(tmp_path, epp_up=True, fail_open=False) as r:
+        async with rig(tmp_path, transport, epp_up=True, fail_open=False) as r:
             r.router.fixed = (late.hostport,)
             status, _, _ = await _post(r.url, {"model": "m", "messages": []})
             assert status == 503  # not in the cluster yet: never routed to

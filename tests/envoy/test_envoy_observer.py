@@ -17,15 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import grpc
 import pytest
 
 from poolkeeper.envoy.endpoints_file import EndpointsFile
-from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
-from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.accesslog import DetachedExchanges
+from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.netutil import free_port
-from poolkeeper.telemetry.health import HealthService
-from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params, running_envoy
+from tests.envoy.envoy_harness import (
+    Backend,
+    Epp,
+    RoundRobinRouter,
+    rig_params,
+    running_envoy,
+    start_epp,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -37,13 +42,14 @@ class Rig:
     url: str
     backends: list[Backend]
     router: RoundRobinRouter
-    epp: grpc.aio.Server
+    epp: Epp
     detached: DetachedExchanges | None
 
 
 @asynccontextmanager
 async def rig(
     tmp_path: Path,
+    transport: str,
     *,
     observe: bool,
     inject_usage: bool = False,
@@ -55,18 +61,10 @@ async def rig(
         await b.start()
     router = RoundRobinRouter(backends, inject_usage=inject_usage)
     detached = DetachedExchanges() if observe else None
-    health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
-
-    def register(server: grpc.aio.Server) -> None:
-        health.register(server)
-        if detached is not None:
-            AccessLogReceiver(detached).register(server)
-            FirstByteReceiver(detached).register(server)
-
-    server, epp_port = build_server(
-        ExtProcServicer(router, detached=detached), f"127.0.0.1:{free_port()}", extra=register
+    server = await start_epp(
+        transport, ExtProcServicer(router, detached=detached), free_port(), detached=detached
     )
-    await server.start()
+    epp_port = server.port
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([b.hostport for b in backends])
     params = rig_params(
@@ -94,9 +92,9 @@ async def _until(condition: Callable[[], object], seconds: float = 60.0) -> None
 
 @pytest.mark.parametrize("observe", [True, False])
 async def test_a_stream_in_flight_outlives_the_epp_only_with_the_observer(
-    tmp_path: Path, observe: bool
+    tmp_path: Path, transport: str, observe: bool
 ) -> None:
-    async with rig(tmp_path, observe=observe) as r:
+    async with rig(tmp_path, transport, observe=observe) as r:
         body = {"model": "gated", "stream": True, "stream_options": {"include_usage": True}}
         async with (
             aiohttp.ClientSession() as session,
@@ -119,8 +117,10 @@ async def test_a_stream_in_flight_outlives_the_epp_only_with_the_observer(
             assert not rest.endswith(b"data: [DONE]\n\n"), rest
 
 
-async def test_the_outcome_of_a_stream_arrives_through_the_access_log(tmp_path: Path) -> None:
-    async with rig(tmp_path, observe=True) as r:
+async def test_the_outcome_of_a_stream_arrives_through_the_access_log(
+    tmp_path: Path, transport: str
+) -> None:
+    async with rig(tmp_path, transport, observe=True) as r:
         body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
         async with (
             aiohttp.ClientSession() as session,
@@ -143,11 +143,11 @@ async def test_the_outcome_of_a_stream_arrives_through_the_access_log(tmp_path: 
 
 @pytest.mark.parametrize("report", [True, False])
 async def test_the_first_byte_is_reported_while_the_stream_is_still_open(
-    tmp_path: Path, report: bool
+    tmp_path: Path, transport: str, report: bool
 ) -> None:
     """With the report (a scheduler that learns from first tokens), the Lua filter tells the
     EPP as the first byte passes; without it the EPP learns it from the access log only."""
-    async with rig(tmp_path, observe=True, report=report) as r:
+    async with rig(tmp_path, transport, observe=True, report=report) as r:
         body = {"model": "gated", "stream": True}
         async with (
             aiohttp.ClientSession() as session,
@@ -174,8 +174,11 @@ async def test_the_first_byte_is_reported_while_the_stream_is_still_open(
         assert (after is None) == report
 
 
-async def test_no_first_byte_report_for_a_json_answer(tmp_path: Path) -> None:
-    async with rig(tmp_path, observe=True, report=True) as r, aiohttp.ClientSession() as s:
+async def test_no_first_byte_report_for_a_json_answer(tmp_path: Path, transport: str) -> None:
+    async with (
+        rig(tmp_path, transport, observe=True, report=True) as r,
+        aiohttp.ClientSession() as s,
+    ):
         async with s.post(f"{r.url}{CHAT}", json={"model": "m"}) as resp:
             assert resp.status == 200
             await resp.read()
@@ -186,8 +189,8 @@ async def test_no_first_byte_report_for_a_json_answer(tmp_path: Path) -> None:
         assert after is not None
 
 
-async def test_a_json_answer_and_a_stream_without_usage(tmp_path: Path) -> None:
-    async with rig(tmp_path, observe=True) as r, aiohttp.ClientSession() as session:
+async def test_a_json_answer_and_a_stream_without_usage(tmp_path: Path, transport: str) -> None:
+    async with rig(tmp_path, transport, observe=True) as r, aiohttp.ClientSession() as session:
         async with session.post(f"{r.url}{CHAT}", json={"model": "m"}) as resp:
             assert resp.status == 200
             await resp.read()
@@ -207,10 +210,12 @@ async def test_a_json_answer_and_a_stream_without_usage(tmp_path: Path) -> None:
     assert (sse_usage.completion_tokens, sse_usage.estimated) == (2, True)
 
 
-async def test_events_split_across_body_chunks_are_counted_once(tmp_path: Path) -> None:
+async def test_events_split_across_body_chunks_are_counted_once(
+    tmp_path: Path, transport: str
+) -> None:
     """A stream written 3 bytes at a time: every `data:` and `[DONE]` marker is split between
     chunks, and the Lua filter still counts each event once."""
-    async with rig(tmp_path, observe=True) as r, aiohttp.ClientSession() as session:
+    async with rig(tmp_path, transport, observe=True) as r, aiohttp.ClientSession() as session:
         body = {"model": "trickle", "stream": True}
         async with session.post(f"{r.url}{CHAT}", json=body) as resp:
             raw = await resp.read()
@@ -224,8 +229,9 @@ async def test_events_split_across_body_chunks_are_counted_once(tmp_path: Path) 
 
 async def test_a_client_leaving_mid_stream_and_a_backend_cut_are_reported_cut(
     tmp_path: Path,
+    transport: str,
 ) -> None:
-    async with rig(tmp_path, observe=True) as r, aiohttp.ClientSession() as session:
+    async with rig(tmp_path, transport, observe=True) as r, aiohttp.ClientSession() as session:
         body = {"model": "gated", "stream": True, "stream_options": {"include_usage": True}}
         async with session.post(f"{r.url}{CHAT}", json=body) as resp:
             await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 20)
@@ -243,10 +249,12 @@ async def test_a_client_leaving_mid_stream_and_a_backend_cut_are_reported_cut(
 
 
 @pytest.mark.parametrize("fail_open", [True, False])
-async def test_responses_the_epp_rewrites_still_pass_it(tmp_path: Path, fail_open: bool) -> None:
+async def test_responses_the_epp_rewrites_still_pass_it(
+    tmp_path: Path, transport: str, fail_open: bool
+) -> None:
     """An injected usage chunk must be stripped: that stream goes to the EPP (through the
     response processor, on the route the EPP's metadata chooses)."""
-    async with rig(tmp_path, observe=True, inject_usage=True, fail_open=fail_open) as r:
+    async with rig(tmp_path, transport, observe=True, inject_usage=True, fail_open=fail_open) as r:
         async with (
             aiohttp.ClientSession() as session,
             session.post(f"{r.url}{CHAT}", json={"model": "m", "stream": True}) as resp,

@@ -14,7 +14,7 @@ from poolkeeper.config.endpointpicker import load_endpoint_picker_config, transl
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.extproc.contracts import ExtProcSettings
 from poolkeeper.extproc.state import Exchange
-from tests.extproc.extproc_fakes import FakeRouter, headers_msg
+from tests.extproc.extproc_fakes import TRANSPORTS, FakeRouter, headers_msg
 from tests.extproc.test_extproc_protocol import CHAT, _serving, _set_headers, _streamed_request
 
 SERVED = "x-conformance-test-served-endpoint"
@@ -29,10 +29,10 @@ def _response_headers(served: str | None) -> pb.ProcessingRequest:
     return request
 
 
-async def _served_header(enabled: bool, served: str | None) -> str | None:
+async def _served_header(enabled: bool, served: str | None, transport: str) -> str | None:
     ended: list[Exchange] = []
     settings = ExtProcSettings(conformance_served_header=enabled)
-    async with _serving(FakeRouter(), ended, settings) as envoy:
+    async with _serving(FakeRouter(), ended, settings, transport) as envoy:
         call, _ = await _streamed_request(envoy, CHAT, piece=len(CHAT))
         await call.write(_response_headers(served))
         reply = await asyncio.wait_for(call.read(), 5)
@@ -49,8 +49,11 @@ async def _served_header(enabled: bool, served: str | None) -> str | None:
         (False, "10.0.0.2:8000", None),
     ],
 )
-async def test_served_endpoint_header(enabled: bool, served: str | None, expected: str) -> None:
-    assert await _served_header(enabled, served) == expected
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_served_endpoint_header(
+    enabled: bool, served: str | None, expected: str, transport: str
+) -> None:
+    assert await _served_header(enabled, served, transport) == expected
 
 
 def test_the_verifier_plugin_turns_it_on_and_it_is_off_by_default() -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,6 +18,9 @@ from envoy.service.ext_proc.v3 import (
 from google.protobuf import struct_pb2
 
 from poolkeeper.errors import BadRequest, ModelNotFound, NoReadyEndpoint, RequestShed
+from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
+from poolkeeper.extproc.lean import start_lean
+from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 
 PODS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
@@ -173,3 +177,36 @@ class FakeEnvoy:
 
     def open(self) -> grpc.aio.StreamStreamCall:
         return self.stub.Process()
+
+
+TRANSPORTS = ("grpcio", "lean")
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    transport: str,
+    servicer: ExtProcServicer,
+    *,
+    detached: DetachedExchanges | None = None,
+) -> AsyncIterator[int]:
+    """`servicer` (and with `detached` the access-log and first-byte receivers) served on
+    127.0.0.1 by `transport`; yields the port. Both transports must pass the same tests."""
+    if transport == "lean":
+        lean = await start_lean(servicer, "127.0.0.1", 0, detached=detached)
+        try:
+            yield lean.port
+        finally:
+            await lean.stop(None)
+        return
+
+    def register(server: grpc.aio.Server) -> None:
+        if detached is not None:
+            AccessLogReceiver(detached).register(server)
+            FirstByteReceiver(detached).register(server)
+
+    server, port = build_server(servicer, "127.0.0.1:0", extra=register)
+    await server.start()
+    try:
+        yield port
+    finally:
+        await server.stop(None)

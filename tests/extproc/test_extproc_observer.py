@@ -23,14 +23,12 @@ from poolkeeper import observation as wire
 from poolkeeper.extproc.accesslog import (
     CUT_STATUS,
     UNKNOWN_STATUS,
-    AccessLogReceiver,
     DetachedExchanges,
-    FirstByteReceiver,
     Outcome,
     outcome_of,
 )
 from poolkeeper.extproc.contracts import CANCELLED_STATUS, ExtProcSettings
-from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.state import Exchange
 from tests.extproc.extproc_fakes import (
     STREAMED,
@@ -39,6 +37,7 @@ from tests.extproc.extproc_fakes import (
     body_msg,
     headers_msg,
     post_headers,
+    serving,
 )
 
 
@@ -207,22 +206,15 @@ def test_the_waiting_room_is_bounded_by_count_and_by_age() -> None:
 
 @contextlib.asynccontextmanager
 async def _serving(
-    router: FakeRouter, room: DetachedExchanges
+    router: FakeRouter, room: DetachedExchanges, transport: str
 ) -> AsyncIterator[tuple[FakeEnvoy, grpc.aio.Channel]]:
     servicer = ExtProcServicer(router, settings=ExtProcSettings(), detached=room)
-
-    def register(server: grpc.aio.Server) -> None:
-        AccessLogReceiver(room).register(server)
-        FirstByteReceiver(room).register(server)
-
-    server, port = build_server(servicer, "127.0.0.1:0", extra=register)
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield FakeEnvoy(channel), channel
-    finally:
-        await channel.close()
-        await server.stop(None)
+    async with serving(transport, servicer, detached=room) as port:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            yield FakeEnvoy(channel), channel
+        finally:
+            await channel.close()
 
 
 async def _route(envoy: FakeEnvoy, body: dict[str, object]) -> tuple[list[object], object]:
@@ -239,9 +231,11 @@ async def _route(envoy: FakeEnvoy, body: dict[str, object]) -> tuple[list[object
     raise AssertionError(f"an unexpected reply: {after}")
 
 
-async def test_a_routed_request_leaves_the_stream_and_its_log_entry_completes_it() -> None:
+async def test_a_routed_request_leaves_the_stream_and_its_log_entry_completes_it(
+    transport: str,
+) -> None:
     router, room = FakeRouter(), DetachedExchanges()
-    async with _serving(router, room) as (envoy, channel):
+    async with _serving(router, room, transport) as (envoy, channel):
         replies, code = await _route(envoy, {"model": "base", "prompt": "hi"})
         assert code == grpc.StatusCode.OK  # the EPP ended its stream after routing
         kinds = [r.WhichOneof("response") for r in replies]  # type: ignore[attr-defined]
@@ -271,9 +265,11 @@ async def test_a_routed_request_leaves_the_stream_and_its_log_entry_completes_it
     assert len(room) == 0
 
 
-async def test_a_first_byte_report_tells_the_router_before_the_log_entry_and_only_once() -> None:
+async def test_a_first_byte_report_tells_the_router_before_the_log_entry_and_only_once(
+    transport: str,
+) -> None:
     router, room = FakeRouter(), DetachedExchanges()
-    async with _serving(router, room) as (envoy, channel):
+    async with _serving(router, room, transport) as (envoy, channel):
         replies, _ = await _route(envoy, {"model": "base", "prompt": "hi", "stream": True})
         key = _metadata(replies)[wire.EXCHANGE]
         # What the Lua filter sends: a unary call with the key as a StringValue.
@@ -344,9 +340,11 @@ SSE = (
 )
 
 
-async def test_a_response_the_epp_rewrites_comes_back_on_the_response_processors_stream() -> None:
+async def test_a_response_the_epp_rewrites_comes_back_on_the_response_processors_stream(
+    transport: str,
+) -> None:
     router, room = FakeRouter(), DetachedExchanges()
-    async with _serving(router, room) as (envoy, _):
+    async with _serving(router, room, transport) as (envoy, _):
         # `split` is served as adapter-1 and the EPP injected include_usage: the client must
         # get its own model name back and no usage chunk, so the response comes to the EPP.
         replies, code = await _route(envoy, {"model": "split", "prompt": "hi", "stream": True})
@@ -366,9 +364,9 @@ async def test_a_response_the_epp_rewrites_comes_back_on_the_response_processors
     assert len(room) == 0  # taken over by the response stream: no access-log entry awaited
 
 
-async def test_a_response_stream_for_an_unknown_key_passes_the_response_on() -> None:
+async def test_a_response_stream_for_an_unknown_key_passes_the_response_on(transport: str) -> None:
     router, room = FakeRouter(), DetachedExchanges()
-    async with _serving(router, room) as (envoy, _):
+    async with _serving(router, room, transport) as (envoy, _):
         assert await _response_stream(envoy, "an-earlier-process-1", SSE) == SSE
         assert await _response_stream(envoy, None, SSE) == SSE
     assert router.completed == []

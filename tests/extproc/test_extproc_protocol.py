@@ -13,7 +13,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper.extproc.contracts import ExtProcSettings
-from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.state import Exchange
 from poolkeeper.requestcontrol.types import Usage
 from tests.extproc.extproc_fakes import (
@@ -25,6 +25,7 @@ from tests.extproc.extproc_fakes import (
     body_msg,
     headers_msg,
     post_headers,
+    serving,
 )
 
 DEST = "x-gateway-destination-endpoint"
@@ -43,22 +44,23 @@ def ended() -> list[Exchange]:
 
 @contextlib.asynccontextmanager
 async def _serving(
-    router: FakeRouter, ended: list[Exchange], settings: ExtProcSettings
+    router: FakeRouter, ended: list[Exchange], settings: ExtProcSettings, transport: str
 ) -> AsyncIterator[FakeEnvoy]:
     servicer = ExtProcServicer(router, settings=settings, on_stream_end=ended.append)
-    server, port = build_server(servicer, "127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield FakeEnvoy(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
+    async with serving(transport, servicer) as port:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            yield FakeEnvoy(channel)
+        finally:
+            await channel.close()
 
 
 @pytest.fixture
-async def envoy(router: FakeRouter, ended: list[Exchange]) -> AsyncIterator[FakeEnvoy]:
-    async with _serving(router, ended, ExtProcSettings(body_chunk_bytes=62_000)) as envoy:
+async def envoy(
+    router: FakeRouter, ended: list[Exchange], transport: str
+) -> AsyncIterator[FakeEnvoy]:
+    settings = ExtProcSettings(body_chunk_bytes=62_000)
+    async with _serving(router, ended, settings, transport) as envoy:
         yield envoy
 
 
@@ -581,12 +583,12 @@ async def test_held_json_is_flushed_before_trailers(envoy: FakeEnvoy, router: Fa
 
 
 async def test_streamed_body_over_the_limit_is_413_without_routing(
-    router: FakeRouter, ended: list[Exchange]
+    router: FakeRouter, ended: list[Exchange], transport: str
 ) -> None:
     settings = ExtProcSettings(max_request_body_bytes=64)
     at_limit = json.dumps({"model": "base", "pad": "x" * 36}).encode()
     assert len(at_limit) == 64
-    async with _serving(router, ended, settings) as envoy:
+    async with _serving(router, ended, settings, transport) as envoy:
         call, replies = await _streamed_request(envoy, at_limit, piece=10)
         assert replies[0].WhichOneof("response") == "request_headers"  # exactly the limit: fine
         call.cancel()

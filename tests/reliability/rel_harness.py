@@ -37,7 +37,7 @@ class Gate:
 class HungServicer(ExtProcServicer):
     """An EPP that accepts every stream and never answers (alive, but stuck)."""
 
-    async def Process(self, request_iterator: Any, context: Any) -> Any:
+    async def Process(self, request_iterator: Any, context: Any = None) -> Any:
         self.active += 1
         try:
             async for _ in request_iterator:

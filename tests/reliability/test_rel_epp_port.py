@@ -39,7 +39,7 @@ pytestmark = pytest.mark.integration
 MODEL = "m"
 
 
-def _config(tmp_path: Path, sim_port: int) -> Path:
+def _config(tmp_path: Path, sim_port: int, transport: str = "grpcio") -> Path:
     http, ext_proc, metrics, health, admin = free_ports(5)
     (tmp_path / "gw.yaml").write_text(
         f"""\
@@ -48,7 +48,7 @@ kind: GatewayConfig
 metadata: {{name: default}}
 spec:
   listeners: {{address: 0.0.0.0, http: {http}, extProc: {ext_proc}, metrics: {metrics},
-    health: {health}, admin: {admin}}}
+    health: {health}, admin: {admin}, extProcTransport: {transport}}}
   endpoints:
     - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: sim}}}}
 ---
@@ -122,11 +122,14 @@ def test_waiting_room_keys_are_random_per_request() -> None:
     assert all(len(key) >= 16 for key in keys)
 
 
-async def test_a_direct_client_of_the_epp_port_changes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["grpcio", "lean"])
+async def test_a_direct_client_of_the_epp_port_changes_nothing(
+    tmp_path: Path, transport: str
+) -> None:
     cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
     (sim,) = await cluster.start()
     runtime = GatewayRuntime(
-        ServeOptions(source=file_source([_config(tmp_path, sim.port)]), ready_wait_s=5)
+        ServeOptions(source=file_source([_config(tmp_path, sim.port, transport)]), ready_wait_s=5)
     )
     await runtime.start()
     try:

@@ -133,8 +133,14 @@ def register(subparsers: Any) -> None:
     ov.add_argument(
         "--floor",
         action="store_true",
-        help="also through Envoy alone and Envoy + a do-nothing Python ext_proc processor: "
-        "the floor under poolkeeper's added latency",
+        help="also through Envoy alone and Envoy + a do-nothing Python ext_proc processor "
+        "(on grpc.aio and on the lean transport): the floor under poolkeeper's added latency",
+    )
+    ov.add_argument(
+        "--lean",
+        action="store_true",
+        help="also through a second poolkeeper whose ext_proc port runs the lean transport "
+        "(listeners.extProcTransport: lean), interleaved with the first",
     )
     ov.set_defaults(handler=_overhead)
 
@@ -286,6 +292,7 @@ def _overhead(args: argparse.Namespace) -> int:
         return 2
     run_overhead(sizes=sizes, decisions=args.decisions, out_dir=args.out, quick=args.quick,
                  peers=tuple(args.peers), prompt_bytes=args.prompt_bytes, floor=args.floor,
+                 lean=args.lean,
                  progress=_progress)  # fmt: skip
     return 0
 

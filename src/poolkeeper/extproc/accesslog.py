@@ -235,7 +235,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
     async def StreamAccessLogs(
         self,
         request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext | None = None,
     ) -> als_pb2.StreamAccessLogsResponse:
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
@@ -263,7 +263,7 @@ class FirstByteReceiver:
         self.detached = detached
 
     async def first_byte(
-        self, request: wrappers_pb2.StringValue, context: grpc.aio.ServicerContext
+        self, request: wrappers_pb2.StringValue, context: grpc.aio.ServicerContext | None = None
     ) -> empty_pb2.Empty:
         try:
             self.detached.first_byte(request.value)

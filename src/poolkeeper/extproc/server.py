@@ -58,7 +58,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[pb.ProcessingResponse]:
         exchange = Exchange(
             self.router,

@@ -46,13 +46,19 @@ from poolkeeper.envoy.process import (
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
-from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import (
     learns_from_first_tokens as scheduler_learns_from_first_tokens,
 )
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
+from poolkeeper.server.transport import (
+    Stoppable,
+    export_transport,
+    refused_calls,
+    start_extproc,
+)
 from poolkeeper.server.wiring import build_director
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats, QueueStats
@@ -171,7 +177,7 @@ class GatewayRuntime:
     envoy: EnvoySupervisor | None = None
     draining: bool = False
     _scrapers: ScraperManager | None = None
-    _grpc_servers: list[grpc.aio.Server] = field(default_factory=list)
+    _grpc_servers: list[Stoppable] = field(default_factory=list)  # grpc.aio or lean
     _web: web.AppRunner | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _stopped: bool = False
@@ -256,21 +262,29 @@ class GatewayRuntime:
 
         # With the Envoy we run, the EPP's ports are for that Envoy only (round 2, finding 2):
         # loopback whatever the public address, and a token on every gRPC call but health.
-        # Without it (--no-envoy, Kubernetes) another host's Envoy must reach them.
+        # Without it (--no-envoy, Kubernetes) another host's Envoy must reach them. Both
+        # transports hold to it: grpcio by the interceptor, the lean one by its own check.
         local = self.epp_address
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.options.run_envoy:
             self._epp_token = new_token()
             guard = EnvoyOnly(self._epp_token)
             interceptors.append(guard)
-            self.metrics.follow_refused(lambda: guard.refused)
-        extproc, _ = build_server(
+        extproc = await start_extproc(
+            listeners.ext_proc_transport,
             self.servicer,
-            f"{local}:{listeners.ext_proc}",
-            extra=register,
+            local,
+            listeners.ext_proc,
+            health=health,
+            detached=detached,
+            register=register,
             interceptors=interceptors,
+            token=self._epp_token,
         )
         self._grpc_servers.append(extproc)
+        export_transport(self.metrics.registry, extproc)
+        if interceptors:
+            self.metrics.follow_refused(refused_calls(extproc, guard))
         health_server = grpc.aio.server()
         health.register(health_server)
         if health_server.add_insecure_port(f"{local}:{listeners.health}") == 0:

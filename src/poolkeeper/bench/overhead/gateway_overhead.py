@@ -16,8 +16,9 @@ process (EPP + supervised Envoy) in front of it, all on 127.0.0.1. Then:
    ext_proc server with a trivial router in a child process: requests per server CPU-second,
    i.e. the protocol's share of the EPP's cost.
 4. With `--peers` and/or `--floor`: the same light load interleaved through vllm-router and
-   sglang-router, and through Envoy alone and Envoy + a do-nothing Python ext_proc
-   (`overhead_floor.py`), then a closed loop through each.
+   sglang-router, and through Envoy alone and Envoy + a do-nothing Python ext_proc on grpc.aio
+   and on the lean transport (`overhead_floor.py`), then a closed loop through each. With
+   `--lean`, a second poolkeeper on the lean ext_proc transport joins the same rounds.
 
 Bounded (rates x duration, then a fixed closed-loop window) and local only. Not a test: run it
 by hand and copy the printed Markdown into docs/benchmarks.md (## Gateway overhead).
@@ -50,6 +51,7 @@ from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.presets import PRESETS
 
 PEERS = ("vllm-router", "sglang-router")
+LEAN = "poolkeeper (lean)"  # --lean: the second serve, on the lean ext_proc transport
 
 MODEL = "bench-model"
 BODY: dict[str, Any] = {
@@ -73,7 +75,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def write_config(directory: Path, sim_port: int, ports: list[int], preset: str = "default") -> None:
+def write_config(
+    directory: Path,
+    sim_port: int,
+    ports: list[int],
+    preset: str = "default",
+    transport: str = "grpcio",
+) -> None:
     http, ext_proc, metrics, health, admin = ports
     (directory / "gateway.yaml").write_text(f"""\
 apiVersion: poolkeeper.dev/v1alpha1
@@ -81,7 +89,7 @@ kind: GatewayConfig
 metadata: {{name: bench}}
 spec:
   listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
-    admin: {admin}}}
+    admin: {admin}, extProcTransport: {transport}}}
   scraping: {{intervalMs: 50}}
   scheduling: {{preset: {preset}}}
   endpoints:
@@ -102,7 +110,7 @@ spec: {{modelName: {MODEL}, criticality: Critical, poolRef: {{name: bench}}}}
 """)
 
 
-async def wait_http(url: str, within_s: float = 30) -> None:
+async def wait_http(url: str, within_s: float = 120) -> None:  # startup on a loaded machine
     deadline = time.monotonic() + within_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
@@ -333,6 +341,12 @@ async def main(protocol_rate: float) -> int:
         "(bench/overhead/overhead_floor.py), side by side with --peers",
     )
     parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="also a second poolkeeper with listeners.extProcTransport: lean, interleaved "
+        "beside the first (grpcio) in the comparison with --peers/--floor",
+    )
+    parser.add_argument(
         "--stream-tokens",
         default="",
         help="EPP CPU per streamed request for these output lengths, e.g. 10,1000",
@@ -402,6 +416,17 @@ async def main(protocol_rate: float) -> int:
     )
     direct = f"http://127.0.0.1:{sim_port}/v1/chat/completions"
     gateway = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
+    lean: subprocess.Popen[bytes] | None = None
+    if args.lean:
+        (lean_config := tmp / "config-lean").mkdir()
+        lean_ports = free_ports(5)
+        write_config(lean_config, sim_port, lean_ports, args.preset, transport="lean")
+        lean = start(
+            ["serve", "-f", str(lean_config), "--workdir", str(tmp / "envoy-lean"),
+             "--log-level", args.log_level, "--envoy-concurrency", str(args.envoy_concurrency)],
+            tmp / "serve-lean.log",
+        )  # fmt: skip
+        args.lean_gateway = (f"http://127.0.0.1:{lean_ports[0]}/v1/chat/completions", lean.pid)
     try:
         await wait_http(direct)
         await wait_http(gateway)
@@ -416,10 +441,10 @@ async def main(protocol_rate: float) -> int:
         streamed = [
             (n, await stream_cpu(gateway, serve.pid, n, args.loop_seconds, idle)) for n in tokens
         ]
-        if peers or args.floor:
+        if peers or args.floor or args.lean:
             compared = await against_peers(peers, tmp, sim_port, direct, gateway, serve.pid, args)
     finally:
-        for p in (serve, sim):
+        for p in (serve, sim, *([lean] if lean is not None else [])):
             p.terminate()
             try:
                 p.wait(15)
@@ -478,7 +503,7 @@ async def main(protocol_rate: float) -> int:
                 f"| {n} | {r['requests']:.0f} | {r['events']:.0f} | {r['cpu_ms']:.2f} "
                 f"| {r['net_cpu_ms']:.2f} |"
             )
-    if peers or args.floor:
+    if peers or args.floor or args.lean:
         print("\n## Against the peer routers\n")
         print(compared)
     return 0
@@ -500,6 +525,12 @@ async def against_peers(
         targets = {"direct": direct, "poolkeeper": gateway}
         cpu = {"poolkeeper": {"epp": lambda: cpu_seconds(serve_pid),
                               "epp+envoy": lambda: peer.tree_cpu_seconds(serve_pid)}}  # fmt: skip
+        if args.lean:
+            url, pid = args.lean_gateway
+            await wait_http(url)
+            targets[LEAN] = url
+            cpu[LEAN] = {"epp": functools.partial(cpu_seconds, pid),
+                         "epp+envoy": functools.partial(peer.tree_cpu_seconds, pid)}  # fmt: skip
         if args.floor:
             for name, (url, clocks) in stack.enter_context(
                 floor_gateways(tmp, sim_port, cpu_seconds)

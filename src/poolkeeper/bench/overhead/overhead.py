@@ -7,8 +7,9 @@ Two measurements, each owned by the benchmark module of the part it measures:
 - `poolkeeper.bench.overhead.gateway_overhead` (the gateway's): added latency of Envoy + EPP
   versus going direct, and EPP requests/s per core; with `--peers`, the same light load
   interleaved through vllm-router and sglang-router too (`bench.overhead.overhead_peers`), with
-  `--floor` through Envoy alone and Envoy + a do-nothing Python ext_proc
-  (`bench.overhead.overhead_floor`), with `--prompt-bytes` per prompt size.
+  `--floor` through Envoy alone and Envoy + a do-nothing Python ext_proc on grpc.aio and on
+  the lean transport (`bench.overhead.overhead_floor`), with `--lean` through a second
+  poolkeeper on the lean ext_proc transport, with `--prompt-bytes` per prompt size.
 
 Both ship in the package, so the installed command works anywhere (no checkout needed). Each
 runs in a child process of the current interpreter (`python -m ...`), bounded in time, and its
@@ -65,6 +66,7 @@ def run_overhead(
     peers: Sequence[str] = (),
     prompt_bytes: str = "",
     floor: bool = False,
+    lean: bool = False,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     result: dict[str, Any] = {
@@ -89,11 +91,13 @@ def run_overhead(
         args += ["--peers", ",".join(peers)]
     if floor:
         args.append("--floor")
+    if lean:
+        args.append("--lean")
     if prompt_bytes:
         args += ["--prompt-bytes", prompt_bytes]
     # Peers, the floor and prompt sizes add their own timed sections (each bounded by
     # --duration).
-    limit = SCRIPT_TIMEOUT_S * (2 if peers or floor or prompt_bytes else 1)
+    limit = SCRIPT_TIMEOUT_S * (2 if peers or floor or lean or prompt_bytes else 1)
     result["gateway_overhead"] = _run_module(GATEWAY_MODULE, args, limit)
     progress(result["gateway_overhead"]["stdout"])
     write_json(out_dir / "overhead.json", result)

@@ -11,6 +11,8 @@ the same simulator:
   lookup, no scheduling; it answers the headers with one route header once the body has ended,
   and passes the body back as it came. The only route needs that header (otherwise Envoy
   answers 503), so every 200 through it shows the processor was asked.
+- `envoy+ext_proc (lean)`: the same again, the processor served by the lean transport
+  (extproc/h2/) instead of grpc.aio: what the transport alone costs or saves.
 
 What poolkeeper adds above `envoy+ext_proc` is its own work (Director, scheduler, metadata,
 access log); what `envoy+ext_proc` adds above `envoy` is the price of a Python gRPC stream,
@@ -49,10 +51,14 @@ from poolkeeper.envoy.params import (
 )
 from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc.h2.rpc import bidi
+from poolkeeper.extproc.h2.server import LeanServer
+from poolkeeper.extproc.lean import PROCESS_PATH
 from poolkeeper.netutil import free_ports
 
 ENVOY = "envoy"
 EXT_PROC = "envoy+ext_proc"
+EXT_PROC_LEAN = "envoy+ext_proc (lean)"  # the same processor on the lean transport (extproc/h2)
 ROUTED_HEADER = "x-floor-routed"  # set by the minimal processor; the route requires it
 PROCESSOR_MODULE = "poolkeeper.bench.overhead.overhead_floor"  # run as its own process
 
@@ -136,7 +142,7 @@ class MinimalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[pb.ProcessingResponse]:
         self.streams += 1
         body = bytearray()
@@ -159,10 +165,23 @@ class MinimalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return
 
 
-async def serve_processor(port: int) -> None:
-    """Run the minimal processor on 127.0.0.1:`port` until cancelled."""
+async def serve_processor(port: int, transport: str = "grpcio") -> None:
+    """Run the minimal processor on 127.0.0.1:`port` until cancelled, on grpc.aio or on the
+    lean transport (`listeners.extProcTransport`'s two choices)."""
+    processor = MinimalProcessor()
+    if transport == "lean":
+        lean = LeanServer({
+            PROCESS_PATH: bidi(processor.Process, pb.ProcessingRequest.FromString,
+                               pb.ProcessingResponse.SerializeToString),
+        })  # fmt: skip
+        await lean.listen("127.0.0.1", port)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await lean.stop(0)
+        return
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(MinimalProcessor(), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
         raise OSError(f"cannot bind the minimal ext_proc processor to 127.0.0.1:{port}")
     await server.start()
@@ -178,19 +197,24 @@ def floor_gateways(
 ) -> Iterator[dict[str, tuple[str, dict[str, Callable[[], float]]]]]:
     """Start both floor gateways in front of 127.0.0.1:`upstream`; yields name -> (chat
     completions URL, CPU clocks to read in a closed loop) and stops them on exit."""
-    listen, admin, listen2, admin2, processor = free_ports(5)
+    listen, admin, listen2, admin2, processor, listen3, admin3, lean = free_ports(8)
     envoy = find_envoy()
     out: dict[str, tuple[str, dict[str, Callable[[], float]]]] = {}
     with contextlib.ExitStack() as stack:
-        proc = stack.enter_context(live.process(
-            [sys.executable, "-m", PROCESSOR_MODULE, "--port", str(processor)],
-            work / "floor-processor.log",
-        ))  # fmt: skip
+        pids: dict[int, int] = {}
+        for port, transport in ((processor, "grpcio"), (lean, "lean")):
+            pids[port] = stack.enter_context(live.process(
+                [sys.executable, "-m", PROCESSOR_MODULE, "--port", str(port),
+                 "--transport", transport],
+                work / f"floor-processor-{transport}.log",
+            )).pid  # fmt: skip
         for name, port, admin_port, ext in (
             (ENVOY, listen, admin, None),
             (EXT_PROC, listen2, admin2, processor),
+            (EXT_PROC_LEAN, listen3, admin3, lean),
         ):
-            config = work / f"floor-{name.replace('+', '-')}.json"
+            slug = name.replace("+", "-").replace(" (", "-").rstrip(")")
+            config = work / f"floor-{slug}.json"
             config.write_text(json.dumps(bootstrap(port, admin_port, upstream, ext)))
             cmd = [envoy, "-c", str(config), "--concurrency", "1", "--log-level", "warning",
                    "--disable-hot-restart"]  # fmt: skip
@@ -200,7 +224,7 @@ def floor_gateways(
                 "envoy": functools.partial(cpu_seconds, envoy_proc.pid)
             }
             if ext is not None:
-                clocks["ext_proc"] = functools.partial(cpu_seconds, proc.pid)
+                clocks["ext_proc"] = functools.partial(cpu_seconds, pids[ext])
             out[name] = (f"http://127.0.0.1:{port}/v1/chat/completions", clocks)
         yield out
 
@@ -208,6 +232,7 @@ def floor_gateways(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the minimal ext_proc processor of --floor")
     parser.add_argument("--port", type=int, required=True, help="port on 127.0.0.1")
+    parser.add_argument("--transport", choices=["grpcio", "lean"], default="grpcio")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error("--port must be in 1..65535")
@@ -218,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         runner = asyncio.run
     with contextlib.suppress(KeyboardInterrupt):
-        runner(serve_processor(args.port))
+        runner(serve_processor(args.port, args.transport))
     return 0
 
 

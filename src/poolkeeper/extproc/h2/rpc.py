@@ -1,0 +1,184 @@
+"""The gRPC side of the lean transport: methods, message framing, a stream's inbox, statuses.
+
+Every method is driven in one shape, the ext_proc servicer's: an async iterator of decoded
+requests in, an async iterator of replies out. Unary and client-streaming handlers (access log,
+first byte, health) are adapted to it here, so the connection knows only that one shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from poolkeeper.extproc.h2.frames import literal
+
+# gRPC status codes used by the transport (grpc/doc/statuscodes.md).
+OK, UNKNOWN, INVALID_ARGUMENT, RESOURCE_EXHAUSTED = 0, 2, 3, 8
+UNIMPLEMENTED, INTERNAL, UNAVAILABLE, UNAUTHENTICATED = 12, 13, 14, 16
+
+Handler = Callable[[AsyncIterator[Any]], AsyncIterator[Any]]
+_PREFIX = struct.Struct(">BL")
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    decode: Callable[[bytes], Any]
+    encode: Callable[[Any], bytes]
+    handler: Handler
+    open: bool = False  # callable without the gateway Envoy's token (health)
+
+
+def bidi(
+    handler: Handler, decode: Callable[[bytes], Any], encode: Callable[[Any], bytes]
+) -> Method:
+    return Method(decode, encode, handler)
+
+
+def client_stream(
+    fn: Callable[[AsyncIterator[Any]], Awaitable[Any]],
+    decode: Callable[[bytes], Any],
+    encode: Callable[[Any], bytes],
+) -> Method:
+    async def handler(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        yield await fn(requests)
+
+    return Method(decode, encode, handler)
+
+
+def unary(
+    fn: Callable[[Any], Awaitable[Any]],
+    decode: Callable[[bytes], Any],
+    encode: Callable[[Any], bytes],
+    *,
+    open: bool = False,
+) -> Method:
+    async def handler(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        request = None
+        async for message in requests:
+            if request is not None:
+                raise RpcError(INVALID_ARGUMENT, "a unary call sent more than one message")
+            request = message
+        if request is None:
+            raise RpcError(INVALID_ARGUMENT, "a unary call sent no message")
+        yield await fn(request)
+
+    return Method(decode, encode, handler, open)
+
+
+class RpcError(Exception):
+    """Ends the call with `code` (a handler may raise it; the transport raises it too)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def envelope(payload: bytes) -> bytes:
+    """One uncompressed gRPC message: flag, 4-byte length, bytes."""
+    return _PREFIX.pack(0, len(payload)) + payload
+
+
+def trailers(code: int, message: str | None = None) -> bytes:
+    """The trailer block (HPACK literals) for grpc-status `code`."""
+    block = literal(b"grpc-status", str(code).encode())
+    if message:
+        # grpc-message is percent-encoded (gRPC over HTTP/2, "Responses").
+        block += literal(b"grpc-message", quote(message, safe=" ").encode())
+    return block
+
+
+class MessageReader:
+    """Cuts a stream's DATA into gRPC messages; bytes of an unfinished message stay here."""
+
+    __slots__ = ("_buf", "max_bytes")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if not self._buf and len(data) >= 5:  # the common case: one DATA frame, one message
+            flag, size = _PREFIX.unpack_from(data)
+            if size == len(data) - 5 and not flag:
+                if size > self.max_bytes:
+                    raise RpcError(RESOURCE_EXHAUSTED, f"message over {self.max_bytes} bytes")
+                return [data[5:]]
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        while len(buf) >= 5:
+            flag, size = _PREFIX.unpack_from(buf)
+            if flag:
+                raise RpcError(UNIMPLEMENTED, "compressed messages are not accepted")
+            if size > self.max_bytes:
+                raise RpcError(RESOURCE_EXHAUSTED, f"message over {self.max_bytes} bytes")
+            if len(buf) < 5 + size:
+                break
+            out.append(bytes(buf[5 : 5 + size]))
+            del buf[: 5 + size]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+class Inbox:
+    """A stream's requests, as the handler's async iterator. The connection puts raw messages
+    in (`put`, `end`, `fail`); decoding happens as the handler reads them, so a bad message is
+    the handler's error (grpc-status INTERNAL), as with grpcio."""
+
+    __slots__ = ("_decode", "_done", "_error", "_on_read", "_queue", "_waiter", "queued")
+
+    def __init__(self, decode: Callable[[bytes], Any], on_read: Callable[[int], None]) -> None:
+        self._decode = decode
+        self._on_read = on_read  # bytes read: the connection credits the window
+        self._queue: deque[bytes] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False
+        self._error: BaseException | None = None
+        self.queued = 0  # bytes put and not yet read
+
+    def put(self, message: bytes) -> None:
+        self._queue.append(message)
+        self.queued += len(message)
+        self._wake()
+
+    def end(self) -> None:
+        self._done = True
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def __aiter__(self) -> Inbox:
+        return self
+
+    async def __anext__(self) -> Any:
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._queue:
+                message = self._queue.popleft()
+                self.queued -= len(message)
+                self._on_read(len(message))
+                return self._decode(message)
+            if self._done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None

@@ -7,10 +7,13 @@ MUTATE_STAMP := $(VENV)/.mutate-stamp
 
 .PHONY: demo test lint typecheck pytest bench mutate clean soak timing
 
+# --compile-bytecode: pip's default, not uv's. Without it no dependency has a .pyc, and where
+# PYTHONDONTWRITEBYTECODE is set none is ever written: every Python process of `make test`
+# (pytest, each `poolkeeper sim/serve` a test starts) compiles pydantic, aiohttp, grpc, ... anew.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
-	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -4,15 +4,45 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from poolkeeper.bench.fleet import simrun
+from poolkeeper.bench.workload.scenarios import Scenario
 from poolkeeper.cli.main import main
 
 ARGS = [
     "bench", "sim", "--workload", "shared-prefix", "--servers", "2", "--duration", "3",
     "--loads", "0.5,1.2", "--policies", "round-robin,cache-aware,poolkeeper,gie-v0.3",
 ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def _capacities() -> dict[tuple[Scenario, int], dict[str, Any]]:
+    return {}
+
+
+@pytest.fixture
+def shared_capacity(
+    monkeypatch: pytest.MonkeyPatch, _capacities: dict[tuple[Scenario, int], dict[str, Any]]
+) -> None:
+    """Each (scenario, seed) capacity probe runs once for the tests that ask for this.
+
+    The probe (a doubling search over 30 s windows of one server) costs more than a whole
+    3-second sweep. It is a pure function of the frozen scenario and the seed (virtual time,
+    seeded arrivals), so sharing its result cannot carry state between tests. The first test
+    leaves it real: it runs the probe twice and checks that the same seed gives the same numbers.
+    """
+    real = simrun.fleet_capacity
+
+    def once(scenario: Scenario, *, seed: int) -> dict[str, Any]:
+        key = (scenario, seed)
+        if key not in _capacities:
+            _capacities[key] = real(scenario, seed=seed)
+        return _capacities[key]
+
+    monkeypatch.setattr("poolkeeper.bench.fleet.sweep.fleet_capacity", once)
 
 
 def test_bench_sim_writes_results_and_plots(
@@ -64,6 +94,7 @@ def test_bench_workload_file(tmp_path: Path) -> None:
     assert len(lines) > 20
 
 
+@pytest.mark.usefixtures("shared_capacity")
 def test_bench_sim_scrape_interval_is_recorded_and_stale_metrics_change_the_routing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -80,6 +111,7 @@ def test_bench_sim_scrape_interval_is_recorded_and_stale_metrics_change_the_rout
     assert "--scrape-interval" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("shared_capacity")
 def test_bench_sim_flow_control_reaches_the_poolkeeper_policy_and_is_recorded(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -563,5 +563,7 @@ async def against_peers(
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):  # the usage needs no 20 s protocol measurement
+        sys.exit(asyncio.run(main(0.0)))
     rate = protocol_only()  # before the event loop: it runs its own in a child process
     sys.exit(asyncio.run(main(rate)))

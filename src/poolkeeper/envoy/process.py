@@ -198,6 +198,29 @@ class EnvoySupervisor:
                 await asyncio.sleep(0.05)
         raise TimeoutError(f"envoy not ready after {timeout_s}s; log tail:\n{self.log_tail()}")
 
+    async def wait_healthy(self, cluster: str, timeout_s: float = 30.0) -> bool:
+        """Until Envoy counts a healthy host in `cluster` (its `membership_healthy` gauge).
+
+        `/ready` turns LIVE once clusters are initialised, which can be before the first
+        active health check of the EPP has passed on a busy machine: a FailClose pool would
+        then answer 503 to the first requests. True once healthy; False at the timeout (the
+        caller goes on: Envoy keeps checking)."""
+        if self.options.admin_url is None:
+            return True
+        url = f"{self.options.admin_url}/stats?filter=^cluster\\.{cluster}\\.membership_healthy$"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+            while loop.time() < deadline:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with session.get(url) as resp:
+                        text = await resp.text()
+                        value = text.rpartition(":")[2].strip()
+                        if resp.status == 200 and value.isdigit() and int(value) > 0:
+                            return True
+                await asyncio.sleep(0.05)
+        return False
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             text = self.options.log_path.read_text(errors="replace")

@@ -36,7 +36,7 @@ from poolkeeper.controller.source import ResourceSource, SourceFactory
 from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
-from poolkeeper.envoy.params import downstream_connection_cap
+from poolkeeper.envoy.params import EPP_CLUSTER, downstream_connection_cap
 from poolkeeper.envoy.process import (
     EnvoyOptions,
     EnvoySupervisor,
@@ -365,6 +365,8 @@ class GatewayRuntime:
             )
         await self.envoy.start()
         await self.envoy.wait_ready()
+        if params.epp_health_interval_s > 0 and not await self.envoy.wait_healthy(EPP_CLUSTER):
+            log.warning("envoy has not seen the endpoint picker healthy yet; serving anyway")
         log.info(
             "envoy listening http=%s:%d failure_mode=%s max_connections=%d",
             params.listen_address,

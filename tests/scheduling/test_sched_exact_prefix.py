@@ -149,7 +149,7 @@ def test_staleness_rule() -> None:
 
 
 def test_scorer_adds_fresh_engine_reports_to_its_guesses_per_endpoint() -> None:
-    scorer = plugin("prefix-cache-scorer", {"kvEvents": True})
+    scorer = plugin("prefix-cache-scorer", {"kvEvents": True, "kvEventsSubscribe": False})
     pool = [state(1), state(2), state(3)]
     prompt = A + B + C + B
     req = request(prompt=prompt)

@@ -15,7 +15,8 @@ Exact mode (`kvEvents: true`): the scorer also keeps an `ExactPrefixIndex` fed b
 engines' KV-cache events (`exact_prefix.py`, which states the staleness rule). For an endpoint
 whose exact view is fresh, its match is the longer of the engine-reported one and the
 approximate guess (`_with_exact` says why); for the others, the approximate guess alone.
-Matches are in prompt characters, so the two block sizes mix.
+Matches are in prompt characters, so the two block sizes mix. Live, the index is fed by a
+`KVEventSubscriber` that follows each decision's candidates (`kvsubscriber.py`).
 
 With the scheduler's stats attached it reports, like upstream, the index size and, after each
 pick, the picked endpoint's matched prefix in characters ("bytes" upstream) and as a ratio.
@@ -31,6 +32,7 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.kvevents import engine_block_hashes
+from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
 from poolkeeper.scheduling.registry import PluginParams
@@ -78,6 +80,25 @@ class PrefixCacheParams(PluginParams):
         le=4096,
         description="Engine KV block size in tokens until the first BlockStored event says.",
     )
+    kv_events_port: int = Field(
+        default=5557,
+        ge=1,
+        le=65535,
+        description="Port of each endpoint's KV-event PUB socket (vLLM's kv-events-config "
+        "endpoint tcp://*:5557), connected at the endpoint's IP.",
+    )
+    kv_events_port_offset: int | None = Field(
+        default=None,
+        ge=-65535,
+        le=65535,
+        description="If set, the KV-event port is the endpoint's HTTP port plus this (several "
+        "servers on one host, as the simulator's --kv-events-port-offset runs them).",
+    )
+    kv_events_subscribe: bool = Field(
+        default=True,
+        description="Subscribe to the endpoints' KV events over ZMQ (false: the index is fed "
+        "in-process, as the virtual-time fleet does).",
+    )
     kv_events_stale_after_s: float = Field(
         default=5.0,
         gt=0,
@@ -89,7 +110,15 @@ class PrefixCacheParams(PluginParams):
 class PrefixCacheScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter around one approximate prefix index."""
 
-    __slots__ = ("_match_key", "_state_key", "_stats", "exact", "index", "params")
+    __slots__ = (
+        "_match_key",
+        "_state_key",
+        "_stats",
+        "_subscriber",
+        "exact",
+        "index",
+        "params",
+    )
     bounded = True
 
     def __init__(self, typed_name: TypedName, params: PrefixCacheParams) -> None:
@@ -100,11 +129,17 @@ class PrefixCacheScorer(NamedPlugin):
         self._match_key = f"prefix-match/{typed_name.name}"
         self._stats: SchedulingStats | None = None
         self.exact: ExactPrefixIndex | None = None
+        self._subscriber: KVEventSubscriber | None = None
         if params.kv_events:
             self.exact = ExactPrefixIndex(
                 block_size=params.kv_events_block_size,
                 stale_after_s=params.kv_events_stale_after_s,
             )
+            if params.kv_events_subscribe:
+                port, offset = params.kv_events_port, params.kv_events_port_offset
+                self._subscriber = KVEventSubscriber(
+                    self.exact, lambda hp: events_address(hp, port=port, port_offset=offset)
+                )
 
     def attach_stats(self, stats: SchedulingStats) -> None:
         self._stats = stats
@@ -163,6 +198,8 @@ class PrefixCacheScorer(NamedPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
+        if self._subscriber is not None:
+            self._subscriber.follow(s.endpoint.hostport for s in candidates)
         hashes = self.hashes(cycle, request)
         if not hashes:
             return 0.0
@@ -194,3 +231,5 @@ class PrefixCacheScorer(NamedPlugin):
         self.index.forget_endpoints(keep)
         if self.exact is not None:
             self.exact.forget_endpoints(keep)
+        if self._subscriber is not None:
+            self._subscriber.forget(keep)

@@ -23,6 +23,12 @@ the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
         [--replicas 1 2 4] [--index approx exact]
+    python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000]
+
+`--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
+each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
+approximate index with the same entries: bytes per (endpoint, block) entry and per 1,000
+endpoints at that many blocks each.
 """
 
 from __future__ import annotations
@@ -201,6 +207,35 @@ def run(
     }
 
 
+def memory(endpoints: int, blocks: int) -> dict[str, Any]:
+    """Traced bytes of the exact and the approximate index at `blocks` per endpoint."""
+    import tracemalloc
+
+    from poolkeeper.scheduling.prefix import PrefixIndex
+
+    rng = random.Random(1)
+    out: dict[str, Any] = {"endpoints": endpoints, "blocks_per_endpoint": blocks}
+    for kind in ("exact", "approx"):
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        exact = ExactPrefixIndex()
+        approx = PrefixIndex(blocks)
+        for i in range(endpoints):
+            key = f"10.0.{i // 250}.{i % 250 + 1}:8000"
+            hashes = [rng.getrandbits(64) for _ in range(blocks)]
+            if kind == "exact":
+                exact.stored(key, hashes, 0.0)
+            else:
+                approx.insert(key, hashes)
+        used = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        entries = endpoints * blocks
+        out[f"{kind}_bytes_per_entry"] = round(used / entries, 1)
+        out[f"{kind}_mib_per_1000_endpoints"] = round(used / endpoints * 1000 / 2**20, 1)
+        del exact, approx
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m poolkeeper.bench.fleet.replicas")
     parser.add_argument("--servers", type=int, default=8)
@@ -209,7 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--index", nargs="+", choices=["approx", "exact"], default=["approx"])
+    parser.add_argument("--memory", action="store_true", help="measure index memory only")
+    parser.add_argument("--endpoints", type=int, default=1000)
+    parser.add_argument("--blocks", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.memory:
+        print(json.dumps(memory(args.endpoints, args.blocks), indent=2))
+        return 0
     capacity = float(
         fleet_capacity(build_scenario("shared-prefix", args.servers), seed=args.seed)[
             "capacity_rps"

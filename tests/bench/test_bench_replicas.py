@@ -28,3 +28,26 @@ def test_more_replicas_see_less_of_each_prefix_group() -> None:
     # One router keeps each group on one server; four independent routers split groups.
     assert one["affinity"] > four["affinity"]
     assert one["prefix_hit_rate"] > four["prefix_hit_rate"]
+
+
+def test_exact_kv_events_give_every_replica_the_whole_picture() -> None:
+    def once(replicas: int, exact: bool) -> dict[str, Any]:
+        return run(replicas, servers=4, duration=5.0, seed=3, capacity_rps=100.0, exact=exact)
+
+    approx4, exact4 = once(4, False), once(4, True)
+    assert exact4["index"] == "exact"
+    assert exact4["requests"] == approx4["requests"]
+    # Fed by the engines, four replicas keep groups together far better than on their own.
+    assert exact4["affinity"] > approx4["affinity"]
+    assert exact4["prefix_hit_rate"] > approx4["prefix_hit_rate"]
+    assert exact4 == once(4, True)  # deterministic
+
+
+def test_index_memory_is_measured_per_entry() -> None:
+    from poolkeeper.bench.fleet.replicas import memory
+
+    got = memory(20, 50)
+    assert got["endpoints"] == 20
+    # Tens to a few hundred bytes per entry in CPython; zero would mean nothing was measured.
+    assert 20 < got["exact_bytes_per_entry"] < 1000
+    assert 20 < got["approx_bytes_per_entry"] < 1000

@@ -95,3 +95,37 @@ def test_the_command_prints_tables_or_a_clear_error(
     assert "Traceback" not in err
     assert main(["bench", "seeds", str(tmp_path / "nothing")]) == 2
     assert "no sim-*.json" in capsys.readouterr().err
+
+
+def test_mixed_criticality_gets_a_table_per_criticality() -> None:
+    def sweep(seed: int) -> dict[str, Any]:
+        def summary(p90: float, crit: dict[str, float]) -> dict[str, Any]:
+            by = {
+                name: {"ttft_p90_s": p, "goodput_rps": 10.0, "shed": 0} for name, p in crit.items()
+            }
+            return {"ttft_s": {"p90": p90}, "goodput_rps": 30.0, "shed": 0, "by_criticality": by}
+
+        crit_rr = {"Critical": 0.05, "Standard": 0.05, "Sheddable": 0.05}
+        crit_pk = {"Critical": 0.03, "Standard": 0.06, "Sheddable": 0.5}
+        runs = [
+            {"policy": "round-robin", "load": 0.9, "summary": summary(0.05, crit_rr)},
+            {"policy": "poolkeeper", "load": 0.9, "summary": summary(0.2, crit_pk)},
+        ]
+        return {
+            "workload": {"kind": "mixed-criticality"},
+            "fleet": {"servers": 8},
+            "seed": seed,
+            "runs": runs,
+        }
+
+    points, seeds = mean_points([sweep(1), sweep(2)])
+    assert seeds[("mixed-criticality [Critical]", 8)] == 2
+    assert ("mixed-criticality [Sheddable]", 8) not in points
+    assert points[("mixed-criticality [Standard]", 8)][0.9]["poolkeeper"].p90 == 0.06
+    text = seed_tables([sweep(1), sweep(2)])
+    assert "#### mixed-criticality [Critical], 8 servers (2 seeds)" in text
+    # Critical: 0.03 against round-robin's 0.05 -> 0.60; Standard 0.06 -> 1.20 (at its floor).
+    critical = text.split("[Critical]", 1)[1].split("####", 1)[0]
+    standard = text.split("[Standard]", 1)[1].split("####", 1)[0]
+    assert "| 0.9 | 0.050 (round-robin) | 0.030 | 0.60 |" in critical
+    assert "| 0.9 | 0.050 (round-robin) floor | 0.060 | 1.20 |" in standard

@@ -32,6 +32,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--count", type=int, default=None, help="number of servers (default 1)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="first port (default 8000)")
+    parser.add_argument(
+        "--kv-events-port-offset",
+        type=int,
+        default=None,
+        help="publish each server's KV-cache events as vLLM does (msgpack over ZMQ PUB) on "
+        "its HTTP port plus this offset (needs the kv-events extra)",
+    )
     parser.add_argument("--model", default=None, help=f"served model name ({DEFAULT_MODEL})")
     parser.add_argument(
         "--lora-adapters", default=None, help="comma-separated adapters the servers can load"
@@ -103,7 +110,13 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"poolkeeper sim: {exc.message}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_serve(SimCluster(specs, host=args.host, base_port=args.port)))
+        cluster = SimCluster(
+            specs,
+            host=args.host,
+            base_port=args.port,
+            kv_events_port_offset=args.kv_events_port_offset,
+        )
+        return asyncio.run(_serve(cluster))
     except OSError as exc:
         print(f"poolkeeper sim: cannot listen: {exc}", file=sys.stderr)
         return 1

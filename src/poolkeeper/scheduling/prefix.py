@@ -129,6 +129,21 @@ class PrefixIndex:
             old, _none = lru.popitem(last=False)
             self._drop(old, endpoint)
 
+    def remove(self, endpoint: str, hashes: Sequence[int]) -> None:
+        """`endpoint` no longer holds these blocks (the exact index's BlockRemoved)."""
+        lru = self._lrus.get(endpoint)
+        if lru is None:
+            return
+        for h in hashes:
+            if h in lru:
+                del lru[h]
+                self._drop(h, endpoint)
+
+    def clear(self, endpoint: str) -> None:
+        """`endpoint` holds nothing any more (AllBlocksCleared, or its events were lost)."""
+        for h in self._lrus.pop(endpoint, ()):
+            self._drop(h, endpoint)
+
     def forget_endpoints(self, keep: set[str]) -> None:
         """Remove every endpoint not in `keep` (it left the pool) and its blocks."""
         for endpoint in [e for e in self._lrus if e not in keep]:

@@ -106,8 +106,7 @@ class BatchCore:
                     request.adapter_loaded = True
                     self.counters.lora_loads += 1
             waiting.popleft()
-            for h in hashes:
-                self.kv.take_hashed(h)
+            self._take(hashes, None)
             self.kv.take_private(private)
             request.held_hashed = hashes
             request.held_private = private
@@ -145,12 +144,18 @@ class BatchCore:
             return True
         if not self.kv.can_allocate(hashes, private):
             return False
-        for h in hashes:
-            self.kv.take_hashed(h)
+        self._take(hashes, request.held_hashed[-1] if request.held_hashed else None)
         self.kv.take_private(private)
         request.held_hashed.extend(hashes)
         request.held_private += private
         return True
+
+    def _take(self, hashes: list[int], parent: int | None) -> None:
+        """Reference a run of chained blocks; `parent` precedes the first (None at the start)."""
+        take = self.kv.take_hashed
+        for h in hashes:
+            take(h, parent)
+            parent = h
 
     def _preempt(self, request: SimRequest) -> None:
         self._free(request)

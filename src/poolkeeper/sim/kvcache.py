@@ -10,6 +10,9 @@ Block accounting follows vLLM's V1 KV cache manager in spirit, without block ids
 - Usage (what vllm:kv_cache_usage_perc reports) counts referenced blocks only: evictable cached
   blocks are free space.
 
+With a `sink`, the cache reports what it stores and evicts, as vLLM's KV events do
+(BlockStored when a hashed block is filled, BlockRemoved when an evictable one is reused).
+
 `prompt_block_hashes` is the hashing contract: chunks of block_size tokens = block_size * 4
 characters of prompt text (poolkeeper.tokens' rule), chained with xxh3-64, seeded by the target
 model so that adapters do not share each other's cache.
@@ -18,29 +21,30 @@ model so that adapters do not share each other's cache.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
-import xxhash
-
-from poolkeeper.tokens import CHARS_PER_TOKEN
+from poolkeeper.scheduling.kvevents import engine_block_hashes
 
 
 def prompt_block_hashes(text: str, block_size: int, model: str = "") -> list[int]:
-    """Chained hashes of each *full* block of `text` (block_size * 4 characters per block)."""
-    chunk = block_size * CHARS_PER_TOKEN
-    parent = xxhash.xxh3_64_intdigest(model.encode())
-    hashes: list[int] = []
-    # Chunks of characters, not bytes, so a gateway working on str gets the same blocks.
-    for start in range(0, len(text) - chunk + 1, chunk):
-        piece = text[start : start + chunk].encode("utf-8", "surrogatepass")
-        parent = xxhash.xxh3_64_intdigest(piece, seed=parent)
-        hashes.append(parent)
-    return hashes
+    """Chained hashes of each *full* block of `text` (block_size * 4 characters per block);
+    the contract lives with the KV events (`scheduling/kvevents.py`), which the EPP matches."""
+    return engine_block_hashes(model, text, block_size)
+
+
+class KVEventSink(Protocol):
+    """Who hears about the cache's contents: a KV-event publisher, or in virtual time the
+    routers' exact indexes directly. Called synchronously from the engine's step."""
+
+    def stored(self, hashes: list[int], parent: int | None) -> None: ...
+
+    def removed(self, hashes: list[int]) -> None: ...
 
 
 class PrefixKVCache:
     """Block pool with reference-counted, LRU-evicted prefix blocks. Pure bookkeeping."""
 
-    __slots__ = ("_evictable", "_refcount", "caching", "num_blocks", "referenced")
+    __slots__ = ("_evictable", "_refcount", "caching", "num_blocks", "referenced", "sink")
 
     def __init__(self, num_blocks: int, *, caching: bool = True) -> None:
         self.num_blocks = num_blocks
@@ -48,6 +52,7 @@ class PrefixKVCache:
         self.referenced = 0  # blocks in use by at least one request
         self._refcount: dict[int, int] = {}  # hash -> users (0 = evictable, still cached)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        self.sink: KVEventSink | None = None
 
     @property
     def free(self) -> int:
@@ -91,13 +96,16 @@ class PrefixKVCache:
                 needed += 1
         return needed <= self.free
 
-    def take_hashed(self, h: int) -> None:
-        """Reference the block named `h` (sharing it if cached, else filling a free block)."""
+    def take_hashed(self, h: int, parent: int | None = None) -> None:
+        """Reference the block named `h` (sharing it if cached, else filling a free block);
+        `parent` is the block before it in its chain (for the BlockStored event)."""
         users = self._refcount.get(h)
         if users is None:
             self._make_room(1)
             self._refcount[h] = 1
             self.referenced += 1
+            if self.sink is not None and self.caching:
+                self.sink.stored([h], parent)
         elif users == 0:
             del self._evictable[h]
             self._refcount[h] = 1
@@ -130,7 +138,11 @@ class PrefixKVCache:
         if self.referenced + count > self.num_blocks:
             raise RuntimeError("KV cache over-allocated; callers must check can_allocate")
         empty = self.num_blocks - self.referenced - len(self._evictable)
+        evicted: list[int] = []
         while empty < count:
             h, _ = self._evictable.popitem(last=False)
             del self._refcount[h]
+            evicted.append(h)
             empty += 1
+        if evicted and self.sink is not None:
+            self.sink.removed(evicted)

@@ -11,6 +11,9 @@ port (base_port + i; 0 = any free port) and drives them all from one RealtimeDri
     GET  /sim/stats   counters and model-time latency sums (for benchmarks)
     GET|POST /sim/faults   read or replace the standing faults (body: FaultSettings JSON)
 
+With `kv_events_port_offset`, each server also publishes its KV-cache events as vLLM does
+(`sim/kvpublish.py`) on a ZMQ PUB socket at its HTTP port plus the offset.
+
 Every response carries `x-sim-server: <name>` and `x-sim-server-port: <port>`; the JSON `model`
 field is the model the request named. Faults: see sim/faults.py.
 """
@@ -38,6 +41,7 @@ from poolkeeper.sim.faults import (
     RequestFaults,
     decide_faults,
 )
+from poolkeeper.sim.kvpublish import ZmqKVEventPublisher
 from poolkeeper.sim.metrics_text import LoraInfoSeries
 from poolkeeper.sim.openai_format import (
     BadRequestBody,
@@ -259,8 +263,17 @@ class Listening:
 class SimCluster:
     """All simulated servers of one process: start them, find them, stop them."""
 
-    def __init__(self, specs: list[ServerSpec], *, host: str = "127.0.0.1", base_port: int = 0):
+    def __init__(
+        self,
+        specs: list[ServerSpec],
+        *,
+        host: str = "127.0.0.1",
+        base_port: int = 0,
+        kv_events_port_offset: int | None = None,
+    ):
         self.host = host
+        self.kv_events_port_offset = kv_events_port_offset
+        self._publishers: list[ZmqKVEventPublisher] = []
         self.base_port = base_port
         engines = [EngineModel(spec.engine, name=spec.name) for spec in specs]
         self.driver = RealtimeDriver(engines)
@@ -303,12 +316,27 @@ class SimCluster:
                     sock.close()
                     raise
                 out.append(Listening(server.name, self.host, server.port))
+                if self.kv_events_port_offset is not None:
+                    self._publish_kv_events(server)
         except BaseException:
             await self.stop()
             raise
         return out
 
+    def _publish_kv_events(self, server: SimServer) -> None:
+        assert self.kv_events_port_offset is not None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        publisher = ZmqKVEventPublisher(
+            f"tcp://{host}:{server.port + self.kv_events_port_offset}",
+            block_size=server.engine.config.block_size,
+        )
+        self._publishers.append(publisher)
+        server.engine.kv.sink = publisher
+
     async def stop(self) -> None:
+        for publisher in self._publishers:
+            publisher.close()
+        self._publishers.clear()
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()

@@ -16,7 +16,19 @@ requests. Reported: prefix-cache hit rate (what the model
 servers actually reused), TTFT, and affinity: the share of each prefix group's requests that
 landed on that group's most used server.
 
-    python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120]
+With `exact=True` every replica's prefix scorer also keeps the exact index of KV-cache events
+(`scheduling/exact_prefix.py`), fed here straight from each simulated engine's KV cache (the
+same events the live simulator publishes over ZMQ, without sockets), stamped with the time of
+the latest routing decision.
+
+    python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
+        [--replicas 1 2 4] [--index approx exact]
+    python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000]
+
+`--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
+each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
+approximate index with the same entries: bytes per (endpoint, block) entry and per 1,000
+endpoints at that many blocks each.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.virtual import Arrival as SimArrival, RequestResult, VirtualFleet
 from poolkeeper.tokens import count_tokens
@@ -71,6 +85,40 @@ def replica_of(request_id: str, replicas: int) -> int:
     return zlib.crc32(request_id.encode()) % replicas
 
 
+class _ExactFeed:
+    """One engine's KV-cache sink: its events go to every replica's exact index."""
+
+    def __init__(self, endpoint: str, indexes: list[ExactPrefixIndex], clock: list[float]):
+        self.endpoint = endpoint
+        self.indexes = indexes
+        self.clock = clock
+
+    def stored(self, hashes: list[int], parent: int | None) -> None:
+        del parent  # the index keys blocks by their own (chained) hash
+        for index in self.indexes:
+            index.stored(self.endpoint, hashes, self.clock[0])
+
+    def removed(self, hashes: list[int]) -> None:
+        for index in self.indexes:
+            index.removed(self.endpoint, hashes, self.clock[0])
+
+
+def _exact_indexes(routers: Sequence[_Replica], block_size: int) -> list[ExactPrefixIndex]:
+    """Give each replica's prefix scorer(s) an exact index; returns them all."""
+    out: list[ExactPrefixIndex] = []
+    for router in routers:
+        scheduler = getattr(router.policy, "scheduler", None)
+        plugins = getattr(scheduler, "plugins", {})
+        for plugin in plugins.values():
+            if isinstance(plugin, PrefixCacheScorer):
+                index = ExactPrefixIndex(block_size=block_size)
+                plugin.enable_exact(index)
+                out.append(index)
+    if len(out) < len(routers):
+        raise ValueError("exact=True needs a policy with a prefix-cache-scorer")
+    return out
+
+
 def run(
     replicas: int,
     *,
@@ -79,9 +127,12 @@ def run(
     duration: float = 120.0,
     seed: int = 1,
     capacity_rps: float | None = None,
+    exact: bool = False,
+    policy: str = "poolkeeper-shed",
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
-    `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given)."""
+    `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
+    `exact`: the replicas' prefix scorers also read the engines' KV events."""
     scenario = build_scenario("shared-prefix", servers)
     if capacity_rps is None:
         capacity_rps = float(fleet_capacity(scenario, seed=seed)["capacity_rps"])
@@ -90,13 +141,19 @@ def run(
     fleet = VirtualFleet(list(scenario.servers), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
     index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
     routers = [
-        _Replica(make_policy("poolkeeper-shed", random.Random(f"{seed}:replica{k}"), scenario))
+        _Replica(make_policy(policy, random.Random(f"{seed}:replica{k}"), scenario))
         for k in range(replicas)
     ]
+    clock = [0.0]
+    if exact:
+        indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
+        for engine, endpoint in zip(fleet.engines, fleet.endpoints, strict=True):
+            engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock)
     owner: dict[str, tuple[int, str]] = {}
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
         a: Arrival = sim.payload  # type: ignore[assignment]
+        clock[0] = now
         k = replica_of(a.request_id, replicas)
         router = routers[k]
         tokens = count_tokens(sim.prompt)
@@ -137,15 +194,46 @@ def run(
     top = sum(c.most_common(1)[0][1] for c in per_group.values())
     return {
         "replicas": replicas,
+        "index": "exact" if exact else "approx",
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
         "prefix_hit_rate": round(summary["prefix_hit_rate"], 4),
         "affinity": round(top / served, 4) if served else 0.0,
         "ttft_p50_s": round(summary["ttft_s"]["p50"], 4),
+        "ttft_p90_s": round(summary["ttft_s"]["p90"], 4),
         "ttft_p99_s": round(summary["ttft_s"]["p99"], 4),
         "goodput_rps": round(summary["goodput_rps"], 3),
     }
+
+
+def memory(endpoints: int, blocks: int) -> dict[str, Any]:
+    """Traced bytes of the exact and the approximate index at `blocks` per endpoint."""
+    import tracemalloc
+
+    from poolkeeper.scheduling.prefix import PrefixIndex
+
+    rng = random.Random(1)
+    out: dict[str, Any] = {"endpoints": endpoints, "blocks_per_endpoint": blocks}
+    for kind in ("exact", "approx"):
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        exact = ExactPrefixIndex()
+        approx = PrefixIndex(blocks)
+        for i in range(endpoints):
+            key = f"10.0.{i // 250}.{i % 250 + 1}:8000"
+            hashes = [rng.getrandbits(64) for _ in range(blocks)]
+            if kind == "exact":
+                exact.stored(key, hashes, 0.0)
+            else:
+                approx.insert(key, hashes)
+        used = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        entries = endpoints * blocks
+        out[f"{kind}_bytes_per_entry"] = round(used / entries, 1)
+        out[f"{kind}_mib_per_1000_endpoints"] = round(used / endpoints * 1000 / 2**20, 1)
+        del exact, approx
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,9 +243,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--index", nargs="+", choices=["approx", "exact"], default=["approx"])
+    parser.add_argument("--memory", action="store_true", help="measure index memory only")
+    parser.add_argument("--endpoints", type=int, default=1000)
+    parser.add_argument("--blocks", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.memory:
+        print(json.dumps(memory(args.endpoints, args.blocks), indent=2))
+        return 0
+    capacity = float(
+        fleet_capacity(build_scenario("shared-prefix", args.servers), seed=args.seed)[
+            "capacity_rps"
+        ]
+    )
     rows = [
-        run(n, servers=args.servers, load=args.load, duration=args.duration, seed=args.seed)
+        run(
+            n,
+            servers=args.servers,
+            load=args.load,
+            duration=args.duration,
+            seed=args.seed,
+            capacity_rps=capacity,
+            exact=kind == "exact",
+        )
+        for kind in args.index
         for n in args.replicas
     ]
     print(json.dumps(rows, indent=2))

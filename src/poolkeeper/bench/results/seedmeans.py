@@ -17,6 +17,12 @@ markdown table per workload and fleet size:
 - shed = mean requests refused or timed out in the router per run.
 
 Only points present for every seed are averaged; the seed count is in each table's title.
+
+A workload whose runs mix criticalities (mixed-criticality) also gets one table per criticality
+that a router must not trade away, Critical and Standard (`<workload> [Critical]`): the same
+columns over that criticality's requests alone (its p90 TTFT, goodput and refusals; the floor
+is that criticality's lowest p90 at the lowest load). Sheddable waits in the router by design
+and has no table of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from poolkeeper.bench.policies.reference_policies import is_baseline, is_referen
 P90_TARGET = 0.85
 GOODPUT_SLACK = 0.005
 FLOOR_MARGIN = 1.10
+# Criticalities with a table of their own where a workload mixes them.
+REPORTED_CRITICALITIES = ("Critical", "Standard")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +90,27 @@ def mean_points(
         for run in sweep["runs"]:
             s = run["summary"]
             p90 = s["ttft_s"]["p90"]
-            values[(*key, float(run["load"]), str(run["policy"]))][seed] = (
+            load, policy = float(run["load"]), str(run["policy"])
+            values[(*key, load, policy)][seed] = (
                 float("nan") if p90 is None else float(p90),
                 float(s["goodput_rps"]),
                 float(s["shed"]),
             )
+            by_crit = s.get("by_criticality")
+            if not isinstance(by_crit, dict) or len(by_crit) < 2:
+                continue
+            for crit in REPORTED_CRITICALITIES:
+                c = by_crit.get(crit)
+                if not isinstance(c, dict):
+                    continue
+                crit_key = (f"{key[0]} [{crit}]", key[1])
+                seeds[crit_key].add(seed)
+                p90c = c.get("ttft_p90_s")
+                values[(*crit_key, load, policy)][seed] = (
+                    float("nan") if p90c is None else float(p90c),
+                    float(c.get("goodput_rps", 0.0)),
+                    float(c.get("shed", 0.0)),
+                )
     out: dict[tuple[str, int], dict[float, dict[str, Mean]]] = defaultdict(dict)
     for (workload, servers, load, policy), by_seed in values.items():
         want = seeds[(workload, servers)]

@@ -97,10 +97,10 @@ class PrefillBacklogScorer(NamedPlugin):
         done = cycle.get(self._cycle_key)
         if isinstance(done, dict):
             return done
-        per_block = prefix.params.block_size * request.prompt_tokens / chars
+        per_char = request.prompt_tokens / chars
         tokens = request.prompt_tokens
         cached = {
-            k: min(tokens, int(b * per_block)) for k, b in prefix.matched(cycle, request).items()
+            k: min(tokens, int(c * per_char)) for k, c in prefix.matched(cycle, request).items()
         }
         cycle.put(self._cycle_key, cached)
         return cached

@@ -11,6 +11,13 @@ so identical short prompts (health checks, canned questions) herd onto one serve
 it is. With a floor of N blocks, a hit on a short prompt earns at most its share of N blocks.
 The plugin default (1) keeps upstream's rule; poolkeeper's default profile sets 8 (512 chars).
 
+Exact mode (`kvEvents: true`): the scorer also keeps an `ExactPrefixIndex` fed by the
+engines' KV-cache events (`exact_prefix.py`, which states the staleness rule). For an endpoint
+whose exact view is fresh, its match is the longer of the engine-reported one and the
+approximate guess (`_with_exact` says why); for the others, the approximate guess alone.
+Matches are in prompt characters, so the two block sizes mix. Live, the index is fed by a
+`KVEventSubscriber` that follows each decision's candidates (`kvsubscriber.py`).
+
 With the scheduler's stats attached it reports, like upstream, the index size and, after each
 pick, the picked endpoint's matched prefix in characters ("bytes" upstream) and as a ratio.
 """
@@ -22,12 +29,16 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
+from poolkeeper.scheduling.kvevents import engine_block_hashes
+from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.tokens import CHARS_PER_TOKEN
 
 
 class PrefixCacheParams(PluginParams):
@@ -57,12 +68,57 @@ class PrefixCacheParams(PluginParams):
         description="Blocks remembered per endpoint, LRU (default 31,250: "
         "500K tokens of KV cache / 16 tokens per block, GIE lruCapacityPerServer).",
     )
+    kv_events: bool = Field(
+        default=False,
+        description="Keep an exact block index from the engines' KV-cache events (vLLM's "
+        "BlockStored / BlockRemoved / AllBlocksCleared) and prefer it over the approximate "
+        "index for endpoints whose event feed is fresh.",
+    )
+    kv_events_block_size: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Engine KV block size in tokens until the first BlockStored event says.",
+    )
+    kv_events_port: int = Field(
+        default=5557,
+        ge=1,
+        le=65535,
+        description="Port of each endpoint's KV-event PUB socket (vLLM's kv-events-config "
+        "endpoint tcp://*:5557), connected at the endpoint's IP.",
+    )
+    kv_events_port_offset: int | None = Field(
+        default=None,
+        ge=-65535,
+        le=65535,
+        description="If set, the KV-event port is the endpoint's HTTP port plus this (several "
+        "servers on one host, as the simulator's --kv-events-port-offset runs them).",
+    )
+    kv_events_subscribe: bool = Field(
+        default=True,
+        description="Subscribe to the endpoints' KV events over ZMQ (false: the index is fed "
+        "in-process, as the virtual-time fleet does).",
+    )
+    kv_events_stale_after_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="An endpoint's exact view is distrusted when a request routed to it this "
+        "long ago has been followed by no event batch, or this long after a sequence gap.",
+    )
 
 
 class PrefixCacheScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter around one approximate prefix index."""
 
-    __slots__ = ("_match_key", "_state_key", "_stats", "index", "params")
+    __slots__ = (
+        "_match_key",
+        "_state_key",
+        "_stats",
+        "_subscriber",
+        "exact",
+        "index",
+        "params",
+    )
     bounded = True
 
     def __init__(self, typed_name: TypedName, params: PrefixCacheParams) -> None:
@@ -72,6 +128,18 @@ class PrefixCacheScorer(NamedPlugin):
         self._state_key = f"prefix-hashes/{typed_name.name}"
         self._match_key = f"prefix-match/{typed_name.name}"
         self._stats: SchedulingStats | None = None
+        self.exact: ExactPrefixIndex | None = None
+        self._subscriber: KVEventSubscriber | None = None
+        if params.kv_events:
+            self.exact = ExactPrefixIndex(
+                block_size=params.kv_events_block_size,
+                stale_after_s=params.kv_events_stale_after_s,
+            )
+            if params.kv_events_subscribe:
+                port, offset = params.kv_events_port, params.kv_events_port_offset
+                self._subscriber = KVEventSubscriber(
+                    self.exact, lambda hp: events_address(hp, port=port, port_offset=offset)
+                )
 
     def attach_stats(self, stats: SchedulingStats) -> None:
         self._stats = stats
@@ -93,27 +161,53 @@ class PrefixCacheScorer(NamedPlugin):
         return hashes
 
     def matched(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
-        """ip:port -> leading blocks of the prompt it probably caches, once per decision
-        (the predicted-TTFT scorer reads the same match)."""
+        """ip:port -> prompt characters it (probably) caches, once per decision (the
+        predicted-TTFT and backlog scorers read the same match)."""
         cached = cycle.get(self._match_key)
         if isinstance(cached, dict):
             return cached
         hashes = self.hashes(cycle, request)
-        matched = self.index.match(hashes) if hashes else {}
+        size = self.params.block_size
+        matched = {k: b * size for k, b in self.index.match(hashes).items()} if hashes else {}
+        if self.exact is not None and hashes:
+            matched = self._with_exact(self.exact, matched, request, len(hashes) * size, cycle.now)
         cycle.put(self._match_key, matched)
         return matched
+
+    @staticmethod
+    def _with_exact(
+        exact: ExactPrefixIndex, approx: dict[str, int], request: LLMRequest, upto: int, now: float
+    ) -> dict[str, int]:
+        """Per endpoint, the longer of the engine-reported match (where fresh) and the
+        approximate one. Why not the engine's alone: an engine stores a prompt's blocks only
+        when it schedules the request, so a burst routed to it and still queued there is
+        invisible to its events; the approximate index has it from this replica's decisions.
+        What the engine reports that this replica never routed (other replicas' requests)
+        is what exact mode adds."""
+        chunk = exact.block_size * CHARS_PER_TOKEN
+        found = exact.match(
+            engine_block_hashes(request.target_model, request.prompt[:upto], exact.block_size)
+        )
+        out = dict(approx)
+        for key, blocks in found.items():
+            chars = blocks * chunk
+            if chars > out.get(key, 0) and exact.fresh(key, now):
+                out[key] = chars
+        return out
 
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
+        if self._subscriber is not None:
+            self._subscriber.follow(s.endpoint.hostport for s in candidates)
         hashes = self.hashes(cycle, request)
         if not hashes:
             return 0.0
         matched = self.matched(cycle, request)
         if not matched:
             return 0.0
-        total = max(len(hashes), self.params.min_scored_blocks)
-        get = {key: blocks / total for key, blocks in matched.items()}.get
+        total = max(len(hashes), self.params.min_scored_blocks) * self.params.block_size
+        get = {key: min(1.0, chars / total) for key, chars in matched.items()}.get
         return [get(s.endpoint.hostport, 0.0) for s in candidates]
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
@@ -122,11 +216,20 @@ class PrefixCacheScorer(NamedPlugin):
             picked = result.targets[0].endpoint.hostport
             if self._stats is not None:
                 matched = cycle.get(self._match_key)
-                blocks = matched.get(picked, 0) if isinstance(matched, dict) else 0
-                size = self.params.block_size
-                self._stats.prefix_match(blocks * size, len(hashes) * size)
+                chars = matched.get(picked, 0) if isinstance(matched, dict) else 0
+                self._stats.prefix_match(chars, len(hashes) * self.params.block_size)
             if hashes:
                 self.index.insert(picked, hashes)
+            if self.exact is not None:
+                self.exact.routed(picked, cycle.now)
+
+    def enable_exact(self, exact: ExactPrefixIndex) -> None:
+        """Use `exact` (fed by the caller) from now on; the virtual-time fleet's hook."""
+        self.exact = exact
 
     def forget_endpoints(self, keep: set[str]) -> None:
         self.index.forget_endpoints(keep)
+        if self.exact is not None:
+            self.exact.forget_endpoints(keep)
+        if self._subscriber is not None:
+            self._subscriber.forget(keep)

@@ -67,9 +67,7 @@ class PredictedTtftScorer(NamedPlugin):
         """ip:port -> matched prompt characters, and the prompt's length in characters."""
         if self.prefix is None or not request.prompt:
             return {}, len(request.prompt)
-        size = self.prefix.params.block_size
-        matched = self.prefix.matched(cycle, request)
-        return {k: b * size for k, b in matched.items()}, len(request.prompt)
+        return self.prefix.matched(cycle, request), len(request.prompt)
 
     def features(
         self, request: LLMRequest, state: EndpointState, cached_chars: int, prompt_chars: int

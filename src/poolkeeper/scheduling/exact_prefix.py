@@ -1,0 +1,134 @@
+"""The exact prefix index: which endpoint holds which KV block, as its engine reported it.
+
+Fed by the engines' KV-cache events (`kvevents.py`; live through `kvsubscriber.py`, in virtual
+time straight from the simulated engines' caches). Keys are the engines' own block hashes, so a
+prompt is matched by recomputing them (`engine_block_hashes`). Unlike the approximate index it
+knows about requests other EPP replicas routed and about evictions, and it holds no guesses.
+
+Staleness rule (per endpoint), checked at every decision: the exact view of an endpoint is used
+only if
+- it has delivered at least one event batch,
+- no sequence gap was seen in the last `stale_after_s` seconds (a gap drops the endpoint's
+  blocks: whatever was lost cannot be trusted), and
+- the EPP has not routed a request to it `stale_after_s` ago or earlier with no event batch
+  from it since (a server that takes prompts and reports nothing has a broken feed; an
+  idle server that reports nothing is fine).
+Otherwise the prefix scorer falls back to its approximate index for that endpoint, which it
+keeps up to date either way.
+
+Memory: the same structure as the approximate index (one entry per (endpoint, block)), bounded
+by the engines' caches instead of an LRU capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from poolkeeper.scheduling.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from poolkeeper.scheduling.prefix import PrefixIndex
+
+# No capacity bound of its own: the engines evict and say so.
+_UNBOUNDED = 1 << 62
+
+
+class ExactPrefixIndex:
+    """Engine-reported blocks per endpoint, with a freshness verdict per endpoint."""
+
+    __slots__ = (
+        "_distrust_until",
+        "_index",
+        "_last_event",
+        "_routed_since",
+        "block_size",
+        "stale_after_s",
+    )
+
+    def __init__(self, *, block_size: int = 16, stale_after_s: float = 5.0) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if stale_after_s <= 0:
+            raise ValueError("stale_after_s must be > 0")
+        self.block_size = block_size  # tokens per block; updated from BlockStored events
+        self.stale_after_s = stale_after_s
+        self._index = PrefixIndex(_UNBOUNDED)
+        self._last_event: dict[str, float] = {}
+        self._routed_since: dict[str, float] = {}  # first routing after the last event
+        self._distrust_until: dict[str, float] = {}
+
+    # -- feeding ------------------------------------------------------------------------
+
+    def apply(self, endpoint: str, batch: KVEventBatch, now: float) -> None:
+        """Apply one event batch from `endpoint`, received at `now`."""
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.stored(endpoint, event.block_hashes, now, block_size=event.block_size)
+            elif isinstance(event, BlockRemoved):
+                self.removed(endpoint, event.block_hashes, now)
+            elif isinstance(event, AllBlocksCleared):
+                self.cleared(endpoint, now)
+        self.heard(endpoint, now)
+
+    def stored(
+        self, endpoint: str, hashes: Sequence[int], now: float, *, block_size: int | None = None
+    ) -> None:
+        if block_size is not None and block_size >= 1:
+            self.block_size = block_size
+        self._index.insert(endpoint, hashes)
+        self.heard(endpoint, now)
+
+    def removed(self, endpoint: str, hashes: Sequence[int], now: float) -> None:
+        self._index.remove(endpoint, hashes)
+        self.heard(endpoint, now)
+
+    def cleared(self, endpoint: str, now: float) -> None:
+        self._index.clear(endpoint)
+        self.heard(endpoint, now)
+
+    def heard(self, endpoint: str, now: float) -> None:
+        """An event batch (possibly empty) arrived from `endpoint`."""
+        self._last_event[endpoint] = now
+        self._routed_since.pop(endpoint, None)
+
+    def lost(self, endpoint: str, now: float) -> None:
+        """Events from `endpoint` were lost (sequence gap, reconnect): drop what it reported
+        and distrust it for `stale_after_s`, while new events rebuild its view."""
+        self._index.clear(endpoint)
+        self._distrust_until[endpoint] = now + self.stale_after_s
+
+    def routed(self, endpoint: str, now: float) -> None:
+        """The EPP sent a request to `endpoint` at `now` (the staleness rule's evidence)."""
+        self._routed_since.setdefault(endpoint, now)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def fresh(self, endpoint: str, now: float) -> bool:
+        """Whether `endpoint`'s exact view may be used at `now` (the module's rule)."""
+        if endpoint not in self._last_event:
+            return False
+        if now < self._distrust_until.get(endpoint, float("-inf")):
+            return False
+        since = self._routed_since.get(endpoint)
+        return since is None or now - since < self.stale_after_s
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Per endpoint, the leading blocks of `hashes` it reported holding (only those > 0)."""
+        return self._index.match(hashes)
+
+    def blocks(self, endpoint: str) -> int:
+        return self._index.blocks(endpoint)
+
+    @property
+    def size(self) -> int:
+        """Total (endpoint, block) entries."""
+        return self._index.size
+
+    def forget_endpoints(self, keep: set[str]) -> None:
+        self._index.forget_endpoints(keep)
+        for table in (self._last_event, self._routed_since, self._distrust_until):
+            for endpoint in [e for e in table if e not in keep]:
+                del table[endpoint]

@@ -1,0 +1,187 @@
+"""KV-cache events in vLLM's wire format, and the engine's block-hashing contract.
+
+vLLM (`--kv-events-config`, `vllm/distributed/kv_events.py`) publishes one `KVEventBatch` per
+engine step on a ZMQ PUB socket as a three-frame message: topic, an 8-byte big-endian sequence
+number, and the msgpack payload. The payload is `[ts, [event, ...], data_parallel_rank]`, each
+event an array whose first item is its tag:
+
+- `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`
+  (newer vLLM appends lora_name and more; extra trailing items are ignored)
+- `["BlockRemoved", block_hashes, medium]`
+- `["AllBlocksCleared"]`
+
+Newer vLLM encodes structs as maps (`{"type": "BlockStored", "block_hashes": ...}`); `decode`
+reads both forms. Hashes are 64-bit integers (the simulator's) or bytes (vLLM's sha256 digests,
+folded to an int so one index type serves both).
+
+`engine_block_hashes` is the simulator's hashing contract, which the exact prefix index must
+reproduce from the prompt: chunks of block_size x 4 characters (poolkeeper.tokens' rule),
+chained xxh3-64, seeded by the model name. A real vLLM hashes token ids (sha256/cbor); matching
+its events from a prompt needs its tokenizer, which the EPP does not have (not done here).
+
+`msgpack` is an optional dependency (the `kv-events` extra): only encoding and decoding need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from poolkeeper.errors import ConfigError
+from poolkeeper.tokens import CHARS_PER_TOKEN
+
+
+def engine_block_hashes(model: str, prompt: str, block_size: int) -> list[int]:
+    """Chained hashes of each *full* block of `prompt` (block_size tokens = x4 characters)."""
+    chunk = block_size * CHARS_PER_TOKEN
+    parent = xxhash.xxh3_64_intdigest(model.encode())
+    hashes: list[int] = []
+    # Chunks of characters, not bytes, so a gateway working on str gets the same blocks.
+    for start in range(0, len(prompt) - chunk + 1, chunk):
+        piece = prompt[start : start + chunk].encode("utf-8", "surrogatepass")
+        parent = xxhash.xxh3_64_intdigest(piece, seed=parent)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int] = field(default_factory=list)
+    block_size: int = 16
+    lora_id: int | None = None
+    medium: str | None = "GPU"
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = "GPU"
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+def _msgpack() -> Any:
+    try:
+        import msgpack
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ConfigError(
+            "KV events need the msgpack package: pip install 'poolkeeper[kv-events]'"
+        ) from exc
+    return msgpack
+
+
+def _event_array(event: KVEvent) -> list[Any]:
+    if isinstance(event, BlockStored):
+        return [
+            "BlockStored",
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            event.lora_id,
+            event.medium,
+        ]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", event.block_hashes, event.medium]
+    return ["AllBlocksCleared"]
+
+
+def encode(batch: KVEventBatch) -> bytes:
+    """The msgpack payload of one batch, in vLLM's array form."""
+    events = [_event_array(e) for e in batch.events]
+    payload: bytes = _msgpack().packb([batch.ts, events, batch.data_parallel_rank])
+    return payload
+
+
+class KVEventError(ValueError):
+    """A payload that is not a KV event batch."""
+
+
+def _hash(value: Any) -> int:
+    if isinstance(value, bool):
+        raise KVEventError(f"block hash must be an integer or bytes, not {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, bytes):
+        return int.from_bytes(value[:8], "big")
+    raise KVEventError(f"block hash must be an integer or bytes, not {type(value).__name__}")
+
+
+def _hashes(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise KVEventError("block_hashes must be a list")
+    return [_hash(v) for v in value]
+
+
+def _event(raw: Any) -> KVEvent | None:
+    """One event (None for an unknown tag: newer engines may add kinds)."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        get = raw.get
+        if tag == "BlockStored":
+            parent = get("parent_block_hash")
+            return BlockStored(
+                _hashes(get("block_hashes")),
+                None if parent is None else _hash(parent),
+                block_size=int(get("block_size") or 16),
+                lora_id=get("lora_id"),
+                medium=get("medium"),
+            )
+        if tag == "BlockRemoved":
+            return BlockRemoved(_hashes(get("block_hashes")), get("medium"))
+        return AllBlocksCleared() if tag == "AllBlocksCleared" else None
+    if not isinstance(raw, list) or not raw:
+        raise KVEventError("an event must be a non-empty array or a map")
+    tag = raw[0]
+    if tag == "BlockStored":
+        if len(raw) < 5:
+            raise KVEventError("BlockStored needs block_hashes, parent, token_ids, block_size")
+        parent = raw[2]
+        return BlockStored(
+            _hashes(raw[1]),
+            None if parent is None else _hash(parent),
+            block_size=int(raw[4]),
+            lora_id=raw[5] if len(raw) > 5 else None,
+            medium=raw[6] if len(raw) > 6 else None,
+        )
+    if tag == "BlockRemoved":
+        if len(raw) < 2:
+            raise KVEventError("BlockRemoved needs block_hashes")
+        return BlockRemoved(_hashes(raw[1]), raw[2] if len(raw) > 2 else None)
+    return AllBlocksCleared() if tag == "AllBlocksCleared" else None
+
+
+def decode(payload: bytes) -> KVEventBatch:
+    """One batch from its msgpack payload (array or map form); `KVEventError` if malformed.
+    Token ids are not kept: the index matches by hash, and they are most of a batch's size."""
+    try:
+        raw = _msgpack().unpackb(payload, raw=False, strict_map_key=False)
+    except ValueError as exc:
+        raise KVEventError(f"not msgpack: {exc}") from exc
+    if isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    else:
+        raise KVEventError("a batch must be [ts, events, rank] or a map")
+    if not isinstance(ts, int | float) or not isinstance(events, list):
+        raise KVEventError("a batch needs a numeric ts and a list of events")
+    decoded = [e for e in (_event(r) for r in events) if e is not None]
+    return KVEventBatch(float(ts), decoded, rank if isinstance(rank, int) else None)

@@ -1,0 +1,114 @@
+"""The EPP side of KV events: one ZMQ SUB socket per endpoint, feeding the exact prefix index.
+
+Each engine publishes on its own address (vLLM: `--kv-events-config` with a `tcp://*:PORT`
+PUB endpoint); the subscriber connects to `tcp://<endpoint ip>:<port>` for every endpoint it is
+asked to follow, reads three-frame messages (topic, 8-byte big-endian sequence number, msgpack
+batch: `kvevents.py`) and applies each batch to the `ExactPrefixIndex` at `time.monotonic()`
+(the director's clock). A sequence gap (ZMQ PUB drops messages past its high-water mark, and
+a reconnect misses whatever was sent meanwhile) or an undecodable batch tells the index its
+view of that endpoint was lost (`ExactPrefixIndex.lost`, which distrusts it for a while; the
+scorer falls back meanwhile).
+
+Endpoints are followed lazily: the prefix scorer calls `follow` with the candidates of each
+decision (no wiring into the datastore), `forget` drops the ones that left the pool. Needs
+`pyzmq` (the `kv-events` extra); without it `follow` raises ConfigError once at startup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from poolkeeper.errors import ConfigError
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.kvevents import KVEventError, decode
+
+log = logging.getLogger(__name__)
+
+
+def events_address(hostport: str, *, port: int, port_offset: int | None) -> str:
+    """The ZMQ address of an endpoint's KV events: its IP and `port`, or its HTTP port plus
+    `port_offset` (several servers on one host, as the simulator runs them)."""
+    host, _, http_port = hostport.rpartition(":")
+    if port_offset is not None:
+        port = int(http_port) + port_offset
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6
+    return f"tcp://{host}:{port}"
+
+
+class KVEventSubscriber:
+    """Per-endpoint SUB tasks on the running loop; not thread-safe (one loop owns it)."""
+
+    __slots__ = ("_address", "_ctx", "_tasks", "index", "received")
+
+    def __init__(self, index: ExactPrefixIndex, address: Callable[[str], str]) -> None:
+        try:
+            import zmq.asyncio
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ConfigError(
+                "kvEvents needs the pyzmq package: pip install 'poolkeeper[kv-events]'"
+            ) from exc
+        self.index = index
+        self._address = address
+        self._ctx = zmq.asyncio.Context()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.received = 0  # batches applied (for tests and stats)
+
+    def follow(self, endpoints: Iterable[str]) -> None:
+        """Subscribe to every endpoint (ip:port) not yet followed (nothing without a running
+        loop: a scheduler driven synchronously, as in virtual time, is fed in-process)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for endpoint in endpoints:
+            if endpoint not in self._tasks:
+                self._tasks[endpoint] = loop.create_task(
+                    self._run(endpoint), name=f"kv-events:{endpoint}"
+                )
+
+    def forget(self, keep: set[str]) -> None:
+        for endpoint in [e for e in self._tasks if e not in keep]:
+            self._tasks.pop(endpoint).cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._ctx.term()
+
+    async def _run(self, endpoint: str) -> None:
+        import zmq
+
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self._address(endpoint))
+        index = self.index
+        expected: int | None = None
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                now = time.monotonic()  # the director's decision clock
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    log.warning("kv events from %s: not (topic, seq, payload); ignored", endpoint)
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                if expected is not None and seq != expected:
+                    index.lost(endpoint, now)
+                expected = seq + 1
+                try:
+                    batch = decode(frames[2])
+                except KVEventError as exc:
+                    log.warning("kv events from %s: %s", endpoint, exc)
+                    index.lost(endpoint, now)
+                    continue
+                index.apply(endpoint, batch, now)
+                self.received += 1
+        finally:
+            sock.close(linger=0)

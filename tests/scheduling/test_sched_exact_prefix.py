@@ -1,0 +1,184 @@
+"""KV events (vLLM's wire format), the exact prefix index and its staleness rule, and the
+prefix scorer's exact mode preferring engine-reported blocks over its own guesses."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
+from poolkeeper.scheduling.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventError,
+    decode,
+    encode,
+    engine_block_hashes,
+)
+from poolkeeper.sim.kvcache import PrefixKVCache
+from tests.scheduling.sched_factories import NOW, key, plugin, request, state
+
+A, B, C = "a" * 64, "b" * 64, "c" * 64  # one 16-token engine block each
+
+
+def test_batch_round_trips_in_vllm_array_form() -> None:
+    batch = KVEventBatch(
+        12.5,
+        [
+            BlockStored([1, 2], None, [7] * 32, 16, None, "GPU"),
+            BlockRemoved([1], "GPU"),
+            AllBlocksCleared(),
+        ],
+        0,
+    )
+    payload = encode(batch)
+    # The wire form is vLLM's: [ts, [[tag, fields...], ...], rank].
+    raw = msgpack.unpackb(payload)
+    assert raw[0] == 12.5
+    assert raw[2] == 0
+    assert raw[1][0] == ["BlockStored", [1, 2], None, [7] * 32, 16, None, "GPU"]
+    assert raw[1][1] == ["BlockRemoved", [1], "GPU"]
+    assert raw[1][2] == ["AllBlocksCleared"]
+    # Decoding keeps everything but the token ids (the index does not need them).
+    batch.events[0].token_ids = []  # type: ignore[union-attr]
+    assert decode(payload) == batch
+
+
+def test_decode_reads_the_map_form_bytes_hashes_and_skips_unknown_tags() -> None:
+    payload = msgpack.packb(
+        {
+            "ts": 1,
+            "events": [
+                {"type": "BlockStored", "block_hashes": [b"\x00" * 7 + b"\x05"],
+                 "parent_block_hash": None, "token_ids": [], "block_size": 32,
+                 "lora_id": None, "medium": "GPU", "lora_name": None},
+                {"type": "SomethingNew"},
+                ["BlockRemoved", [9], None, 0],  # a trailing field from a newer engine
+            ],
+        }
+    )  # fmt: skip
+    got = decode(payload)
+    assert got.ts == 1.0
+    assert got.data_parallel_rank is None
+    assert got.events == [
+        BlockStored([5], None, block_size=32, medium="GPU"),
+        BlockRemoved([9], None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"\xc1", "not msgpack"),
+        (msgpack.packb("x"), "a batch must be"),
+        (msgpack.packb([1.0, "no"]), "numeric ts and a list"),
+        (msgpack.packb([1.0, [["BlockStored", [1]]]]), "BlockStored needs"),
+        (msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]), "integer or bytes"),
+        (msgpack.packb([1.0, [7]]), "non-empty array or a map"),
+    ],
+)
+def test_malformed_batches_get_a_precise_error(payload: bytes, message: str) -> None:
+    with pytest.raises(KVEventError, match=message):
+        decode(payload)
+
+
+def test_engine_hashes_are_the_simulators_contract() -> None:
+    from poolkeeper.sim.kvcache import prompt_block_hashes
+
+    text = A + B + "tail"
+    assert engine_block_hashes("m", text, 16) == prompt_block_hashes(text, 16, "m")
+    assert len(engine_block_hashes("m", text, 16)) == 2
+
+
+def test_the_simulated_cache_reports_stores_with_parents_and_evictions() -> None:
+    class Sink:
+        def __init__(self) -> None:
+            self.events: list[tuple[str, list[int], int | None]] = []
+
+        def stored(self, hashes: list[int], parent: int | None) -> None:
+            self.events.append(("stored", hashes, parent))
+
+        def removed(self, hashes: list[int]) -> None:
+            self.events.append(("removed", hashes, None))
+
+    kv = PrefixKVCache(2)
+    sink = kv.sink = Sink()
+    kv.take_hashed(10, None)
+    kv.take_hashed(11, 10)
+    kv.take_hashed(10, None)  # shared: no new event
+    kv.release([10, 11], 0)
+    kv.release([10], 0)
+    kv.take_private(1)  # reuses the least recently freed cached block
+    assert sink.events == [("stored", [10], None), ("stored", [11], 10), ("removed", [11], None)]
+
+
+def test_exact_index_follows_stores_removals_and_clears() -> None:
+    index = ExactPrefixIndex()
+    index.apply("e1", KVEventBatch(0.0, [BlockStored([1, 2, 3], None)]), now=1.0)
+    index.apply("e2", KVEventBatch(0.0, [BlockStored([1], None)]), now=1.0)
+    assert index.match([1, 2, 3, 4]) == {"e1": 3, "e2": 1}
+    index.apply("e1", KVEventBatch(0.0, [BlockRemoved([2])]), now=2.0)
+    assert index.match([1, 2, 3]) == {"e1": 1, "e2": 1}
+    index.apply("e2", KVEventBatch(0.0, [AllBlocksCleared()]), now=2.0)
+    assert index.match([1]) == {"e1": 1}
+    assert index.size == 2
+    index.forget_endpoints({"e2"})
+    assert index.size == 0
+    assert not index.fresh("e1", 2.0)
+
+
+def test_staleness_rule() -> None:
+    index = ExactPrefixIndex(stale_after_s=5.0)
+    assert not index.fresh("e", 0.0)  # never heard from
+    index.heard("e", 0.0)
+    assert index.fresh("e", 100.0)  # idle and silent is fine
+    index.routed("e", 100.0)
+    index.routed("e", 103.0)  # the oldest unanswered routing counts
+    assert index.fresh("e", 104.9)
+    assert not index.fresh("e", 105.0)  # routed 5 s ago, nothing heard since
+    index.heard("e", 106.0)
+    assert index.fresh("e", 106.0)
+    index.stored("e", [1], 107.0)
+    index.lost("e", 107.0)  # sequence gap: its blocks are dropped and distrusted a while
+    assert index.match([1]) == {}
+    assert not index.fresh("e", 111.0)
+    assert index.fresh("e", 112.0)
+
+
+def test_scorer_adds_fresh_engine_reports_to_its_guesses_per_endpoint() -> None:
+    scorer = plugin("prefix-cache-scorer", {"kvEvents": True, "kvEventsSubscribe": False})
+    pool = [state(1), state(2), state(3)]
+    prompt = A + B + C + B
+    req = request(prompt=prompt)
+    # This replica routed the prompt to endpoint 1: the approximate index has it there.
+    scorer.post_cycle(CycleState(NOW), req, ProfileResult("p", (pool[0],)))
+    exact = scorer.exact
+    assert exact is not None
+    hashes = engine_block_hashes("base", prompt, 16)
+
+    def scores(now: float = NOW) -> list[float]:
+        out = scorer.score(CycleState(now), req, pool)
+        return [float(out)] * 3 if isinstance(out, float) else list(out)
+
+    assert scores() == [1.0, 0.0, 0.0]
+    # Engines 2 and 3 report blocks of it (requests another replica routed); engine 1 reports
+    # only its first block (the rest still queued there): the longer match counts.
+    exact.stored(key(1), hashes[:1], NOW)
+    exact.stored(key(2), hashes[:2], NOW)
+    exact.stored(key(3), hashes[:3], NOW)
+    assert scores() == [1.0, 0.5, 0.75]
+    # This replica routes another prompt to endpoint 2, whose feed then stays silent: after
+    # `kvEventsStaleAfterS` its engine reports no longer count.
+    scorer.post_cycle(CycleState(NOW + 1), request(prompt=C * 4), ProfileResult("p", (pool[1],)))
+    assert scores(NOW + 5.9) == [1.0, 0.5, 0.75]
+    assert scores(NOW + 6) == [1.0, 0.0, 0.75]
+
+
+def test_predicted_ttft_scorer_reads_characters_from_the_shared_match() -> None:
+    scorer = plugin("prefix-cache-scorer")
+    req = request(prompt=A + B + "z" * 10)
+    scorer.post_cycle(CycleState(NOW), req, ProfileResult("p", (state(1),)))
+    assert scorer.matched(CycleState(NOW), req) == {key(1): 128}

@@ -1,0 +1,67 @@
+"""A live simulated server publishes its KV-cache events over ZMQ as vLLM does, and the EPP's
+subscriber turns them into an exact prefix index (real sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.kvevents import engine_block_hashes
+from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
+from poolkeeper.sim.config import ServerSettings, build_fleet
+from poolkeeper.sim.params import DEFAULT_MODEL
+from poolkeeper.sim.server import SimCluster
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_events_address() -> None:
+    assert events_address("10.0.0.1:8000", port=5557, port_offset=None) == "tcp://10.0.0.1:5557"
+    assert events_address("10.0.0.1:8000", port=5557, port_offset=100) == "tcp://10.0.0.1:8100"
+    assert events_address("fd00::1:8000", port=5557, port_offset=None) == "tcp://[fd00::1]:5557"
+
+
+async def test_served_prompts_reach_the_exact_index_through_zmq() -> None:
+    http_port, events_port = _free_port(), _free_port()
+    specs = build_fleet(count=1, cli=ServerSettings.model_validate({}))
+    cluster = SimCluster(specs, base_port=http_port, kv_events_port_offset=events_port - http_port)
+    await cluster.start()
+    endpoint = f"127.0.0.1:{http_port}"
+    index = ExactPrefixIndex()
+    subscriber = KVEventSubscriber(
+        index, lambda hp: events_address(hp, port=0, port_offset=events_port - http_port)
+    )
+    subscriber.follow([endpoint])
+    try:
+        async with aiohttp.ClientSession() as http:
+            # A PUB socket drops what it sends before the subscription is in place (ZMQ's slow
+            # joiner): send distinct prompts until one is reported, within a generous bound.
+            for attempt in range(200):
+                prompt = f"{attempt:04d}" * 64  # 256 characters = 4 blocks of 16 tokens
+                body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 1}
+                async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                hashes = engine_block_hashes(DEFAULT_MODEL, prompt, 16)
+                for _ in range(20):
+                    if index.match(hashes):
+                        break
+                    await asyncio.sleep(0.01)
+                if index.match(hashes):
+                    break
+            assert index.match(hashes) == {endpoint: 4}
+            assert subscriber.received >= 1
+            assert index.fresh(endpoint, time.monotonic())
+    finally:
+        await subscriber.close()
+        await cluster.stop()

@@ -6,9 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
-from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
-from poolkeeper.scheduling.kvevents import (
+from poolkeeper.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -18,6 +16,8 @@ from poolkeeper.scheduling.kvevents import (
     encode,
     engine_block_hashes,
 )
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
 from poolkeeper.sim.kvcache import PrefixKVCache
 from tests.scheduling.sched_factories import NOW, key, plugin, request, state
 

@@ -10,8 +10,8 @@ import time
 import aiohttp
 import pytest
 
+from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
-from poolkeeper.scheduling.kvevents import engine_block_hashes
 from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.params import DEFAULT_MODEL

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from poolkeeper.scheduling.kvevents import (
+from poolkeeper.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from poolkeeper.errors import ConfigError
+from poolkeeper.kvevents import KVEventError, decode
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
-from poolkeeper.scheduling.kvevents import KVEventError, decode
 
 log = logging.getLogger(__name__)
 

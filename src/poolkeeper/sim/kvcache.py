@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from poolkeeper.scheduling.kvevents import engine_block_hashes
+from poolkeeper.kvevents import engine_block_hashes
 
 
 def prompt_block_hashes(text: str, block_size: int, model: str = "") -> list[int]:
     """Chained hashes of each *full* block of `text` (block_size * 4 characters per block);
-    the contract lives with the KV events (`scheduling/kvevents.py`), which the EPP matches."""
+    the contract lives with the KV events (`kvevents.py`), which the EPP matches."""
     return engine_block_hashes(model, text, block_size)
 
 

@@ -3,7 +3,7 @@
 A `ZmqKVEventPublisher` is the `KVEventSink` of one engine's KV cache: the stores and evictions
 of one engine step are gathered and sent once the step's callbacks are done (one `call_soon`),
 as one `KVEventBatch` in a three-frame ZMQ PUB message: topic, 8-byte big-endian sequence
-number, msgpack payload (`scheduling/kvevents.py`), like vLLM's `ZmqEventPublisher` with
+number, msgpack payload (`kvevents.py`), like vLLM's `ZmqEventPublisher` with
 `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 "endpoint": "tcp://*:5557"}'`. No replay socket. Needs pyzmq and msgpack (the kv-events extra).
 """
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from poolkeeper.errors import ConfigError
-from poolkeeper.scheduling.kvevents import (
+from poolkeeper.kvevents import (
     BlockRemoved,
     BlockStored,
     KVEvent,

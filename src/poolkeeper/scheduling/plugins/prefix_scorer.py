@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
-from poolkeeper.scheduling.kvevents import engine_block_hashes
 from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.prefix import PrefixIndex, prefix_hashes

@@ -14,7 +14,9 @@ The bottom layer: imports nothing from poolkeeper.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 
@@ -25,3 +27,7 @@ class CamelModel(BaseModel):
     model_config = ConfigDict(
         extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
     )
+
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+"""A TCP port number (1..65535)."""

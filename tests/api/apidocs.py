@@ -93,9 +93,9 @@ def python_errors(doc: Doc, old: Doc | None = None) -> list[FieldError]:
     """Validate `doc` with poolkeeper's types (plus update rules when `old` is given)."""
     entry = default_registry().lookup(doc["apiVersion"], doc["kind"])
     assert entry is not None, (doc["apiVersion"], doc["kind"])
-    obj, errors = validate_object(entry.resolve(), doc)
+    obj, errors = validate_object(entry.target, doc)
     if obj is not None and old is not None:
-        old_obj, old_errors = validate_object(entry.resolve(), old)
+        old_obj, old_errors = validate_object(entry.target, old)
         assert not old_errors, old_errors
         assert isinstance(obj, InferenceModel)
         assert isinstance(old_obj, InferenceModel)

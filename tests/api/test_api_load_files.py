@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from poolkeeper.api.kinds import KindEntry, KindRegistry, default_registry
+from poolkeeper.api.kinds import KindEntry, default_registry
 from poolkeeper.api.load import load_paths, load_text
+from poolkeeper.api.meta import ApiObject
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import InferencePool, InferencePoolV1
 
@@ -226,31 +228,29 @@ def test_missing_path_is_an_error(tmp_path: Path) -> None:
     ]
 
 
-def test_gateway_config_import_failure_is_a_notice() -> None:
-    registry = KindRegistry(
-        [
-            *default_registry().entries(),
-            KindEntry("example.dev/v1", "Broken", "poolkeeper.no_such_module:X"),
-        ]
-    )
-    result = load_text(
-        "apiVersion: example.dev/v1\nkind: Broken\nmetadata: {name: b}\n", registry=registry
-    )
-    assert result.ok
-    assert result.resources == []
-    (notice,) = result.notices
-    assert "skipping example.dev/v1 Broken/default/b (support unavailable" in notice
-    assert "poolkeeper.no_such_module" in notice
+class Widget(ApiObject):
+    api_version: Literal["example.dev/v1"] = "example.dev/v1"
+    kind: Literal["Widget"] = "Widget"
 
 
-def test_registry_knows_every_kind() -> None:
+def test_a_composed_registry_adds_kinds_without_changing_the_default() -> None:
+    base = default_registry()
+    registry = base.with_entries(KindEntry("example.dev/v1", "Widget", Widget))
+    text = "apiVersion: example.dev/v1\nkind: Widget\nmetadata: {name: w}\n"
+    (loaded,) = load_text(text, registry=registry).resources
+    assert isinstance(loaded.obj, Widget)
+    skipped = load_text(text, registry=base)
+    assert skipped.resources == []
+    assert "skipping example.dev/v1 Widget/default/w (not a poolkeeper kind)" in skipped.notices[0]
+
+
+def test_registry_knows_every_api_kind_and_only_those() -> None:
     registry = default_registry()
     assert registry.lookup("inference.networking.x-k8s.io/v1alpha1", "InferenceModel") is not None
     assert registry.lookup("inference.networking.x-k8s.io/v1alpha2", "InferencePool") is not None
     assert registry.lookup("inference.networking.k8s.io/v1", "InferencePool") is not None
-    entry = registry.lookup("poolkeeper.dev/v1alpha1", "GatewayConfig")
-    assert entry is not None
-    assert entry.target == "poolkeeper.config.gateway:GatewayConfig"
+    # GatewayConfig is the config package's kind: it composes its own registry (config/load.py).
+    assert registry.lookup("poolkeeper.dev/v1alpha1", "GatewayConfig") is None
     assert registry.lookup("apps/v1", "Deployment") is None
 
 

@@ -9,7 +9,6 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from poolkeeper.api.load import load_paths, load_text
 from poolkeeper.config.gateway import (
     Engine,
     GatewayConfig,
@@ -17,6 +16,7 @@ from poolkeeper.config.gateway import (
     UnknownModelPolicy,
     host_errors,
 )
+from poolkeeper.config.load import load_paths, load_text
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from poolkeeper.api.load import load_text
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.config.load import load_text
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling import config as scheduling_config, resolve
 from poolkeeper.scheduling.build import build_scheduler

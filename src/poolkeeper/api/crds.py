@@ -5,6 +5,9 @@ The pydantic JSON schema is turned into a structural OpenAPI v3 schema: `$ref`s 
 `Optional` unwrapped, titles and `additionalProperties: false` dropped (the API server prunes or,
 with strict field validation, rejects unknown fields itself), empty defaults dropped. The few
 per-version differences of InferenceModel are applied from the tables in `poolkeeper.api.model`.
+
+Which CRDs and versions exist comes from the API-generation table (`poolkeeper.api.versions`);
+this module only adds how each kind is printed (columns, short names).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pydantic import BaseModel
 
 from poolkeeper import __version__
 from poolkeeper.api import model, objective, pool, rewrite
+from poolkeeper.api.versions import GENERATIONS, resources
 
 Schema = dict[str, Any]
 
@@ -36,6 +40,15 @@ _REWRITE_COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 _AGE_COLUMN = [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+_COLUMNS = {
+    model.KIND: _MODEL_COLUMNS,
+    objective.KIND: _OBJECTIVE_COLUMNS,
+    rewrite.KIND: _REWRITE_COLUMNS,
+    pool.KIND: _AGE_COLUMN,
+}
+_SHORT_NAMES = {(pool.V1_GROUP, pool.KIND): ["infpool"]}  # upstream's v1 CRD
+# Groups under these suffixes are Kubernetes-owned: their CRDs must carry an approval annotation.
+_PROTECTED_GROUP_SUFFIXES = (".k8s.io", ".kubernetes.io")
 
 
 def openapi_schema(cls: type[BaseModel]) -> Schema:
@@ -99,19 +112,13 @@ def inference_model_schema(version: str) -> Schema:
 
 
 def version_schema(api_version: str, kind: str) -> Schema:
-    """The openAPIV3Schema the CRDs below serve for (apiVersion, kind)."""
-    if kind == model.KIND and api_version in (model.V1ALPHA1, model.V1ALPHA2):
-        return inference_model_schema(api_version.rpartition("/")[2])
-    if kind == pool.KIND and api_version == pool.V1ALPHA1:
-        return openapi_schema(pool.InferencePoolV1Alpha1)  # loads from files; not served
-    if kind == pool.KIND and api_version == pool.V1ALPHA2:
-        return openapi_schema(pool.InferencePool)
-    if kind == pool.KIND and api_version == pool.V1:
-        return openapi_schema(pool.InferencePoolV1)
-    if kind == objective.KIND and api_version == objective.V1ALPHA2:
-        return openapi_schema(objective.InferenceObjective)
-    if kind == rewrite.KIND and api_version == rewrite.V1ALPHA2:
-        return openapi_schema(rewrite.InferenceModelRewrite)
+    """The openAPIV3Schema for (apiVersion, kind): every row of the generation table has one,
+    served or not."""
+    for row in GENERATIONS:
+        if (row.api_version, row.kind) == (api_version, kind):
+            if kind == model.KIND:
+                return inference_model_schema(row.version)
+            return openapi_schema(row.model)
     raise KeyError(f"no CRD serves {api_version} {kind}")
 
 
@@ -158,79 +165,38 @@ def _version(
 
 
 def custom_resource_definitions() -> list[dict[str, Any]]:
-    """InferenceModel (v1alpha1 + v1alpha2, storage v1alpha2), InferencePool in both groups,
-    InferenceObjective and InferenceModelRewrite (v1alpha2)."""
-    return [
-        _crd(
-            model.GROUP,
-            model.KIND,
-            [
-                _version(
-                    "v1alpha1",
-                    inference_model_schema("v1alpha1"),
-                    storage=False,
-                    columns=_MODEL_COLUMNS,
-                ),
-                _version(
-                    "v1alpha2",
-                    inference_model_schema("v1alpha2"),
-                    storage=True,
-                    columns=_MODEL_COLUMNS,
-                ),
-            ],
-        ),
-        _crd(
-            objective.GROUP,
-            objective.KIND,
-            [
-                _version(
-                    "v1alpha2",
-                    openapi_schema(objective.InferenceObjective),
-                    storage=True,
-                    columns=_OBJECTIVE_COLUMNS,
-                )
-            ],
-        ),
-        _crd(
-            objective.GROUP,
-            rewrite.KIND,
-            [
-                _version(
-                    "v1alpha2",
-                    openapi_schema(rewrite.InferenceModelRewrite),
-                    storage=True,
-                    columns=_REWRITE_COLUMNS,
-                )
-            ],
-        ),
-        _crd(
-            pool.X_GROUP,
-            pool.KIND,
-            [
-                _version(
-                    "v1alpha2",
-                    openapi_schema(pool.InferencePool),
-                    storage=True,
-                    columns=_AGE_COLUMN,
-                )
-            ],
-        ),
-        _crd(
-            pool.V1_GROUP,
-            pool.KIND,
-            [
-                _version(
-                    "v1", openapi_schema(pool.InferencePoolV1), storage=True, columns=_AGE_COLUMN
-                )
-            ],
-            short_names=["infpool"],
-            # *.k8s.io groups need this annotation; the upstream CRD carries the real approval.
-            annotations={
+    """One CRD per (group, kind) of the generation table with a served version."""
+    crds = []
+    for group, kind, rows in resources():
+        versions = [
+            _version(
+                row.version,
+                version_schema(row.api_version, kind),
+                storage=row.storage,
+                columns=_COLUMNS.get(kind, _AGE_COLUMN),
+            )
+            for row in rows
+            if row.served
+        ]
+        if not versions:
+            continue
+        annotations = None
+        if group.endswith(_PROTECTED_GROUP_SUFFIXES):
+            # The upstream CRD carries the real approval.
+            annotations = {
                 "api-approved.kubernetes.io": "unapproved, generated by poolkeeper; "
                 "install the upstream CRD in production clusters"
-            },
-        ),
-    ]
+            }
+        crds.append(
+            _crd(
+                group,
+                kind,
+                versions,
+                short_names=_SHORT_NAMES.get((group, kind)),
+                annotations=annotations,
+            )
+        )
+    return crds
 
 
 def crds_yaml() -> str:

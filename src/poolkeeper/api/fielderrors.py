@@ -41,6 +41,13 @@ def rule_error(*issues: tuple[str, str]) -> PydanticCustomError:
     return PydanticCustomError(RULE_ERROR_TYPE, "{detail}", {"detail": first, "issues": issues})
 
 
+def checked(value: str, errors: Sequence[str]) -> str:
+    """`value` when `errors` is empty, else a rule error: `Invalid value: "...": <msg>` each."""
+    if errors:
+        raise rule_error(*(("", f"Invalid value: {go_value(value)}: {msg}") for msg in errors))
+    return value
+
+
 def go_value(value: Any) -> str:
     """Render a value the way the API server prints it inside `Invalid value: ...`."""
     if isinstance(value, bool):

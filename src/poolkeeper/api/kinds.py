@@ -1,23 +1,18 @@
-"""The registry of kinds poolkeeper understands, keyed by (apiVersion, kind).
+"""The registry of kinds a loader understands, keyed by (apiVersion, kind).
 
-Entries name either a class or a lazily imported "module:Class" path, so that the API package
-does not import the config package (GatewayConfig lives there and may be absent or broken; the
-loader then treats it as an unknown kind and says why).
+`default_registry()` holds the API kinds only: every row of the API-generation table
+(`poolkeeper.api.versions`). Packages above add their own document kinds by composing a registry
+(`poolkeeper.config.load` adds GatewayConfig), so this package never imports them.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from poolkeeper.api import model, objective, pool, rewrite
-
-GATEWAY_CONFIG_API_VERSION = "poolkeeper.dev/v1alpha1"
-GATEWAY_CONFIG_KIND = "GatewayConfig"
-GATEWAY_CONFIG_TARGET = "poolkeeper.config.gateway:GatewayConfig"
+from poolkeeper.api.versions import GENERATIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,23 +21,7 @@ class KindEntry:
 
     api_version: str
     kind: str
-    target: type[BaseModel] | str
-
-    def resolve(self) -> type[BaseModel]:
-        """The model class; raises ImportError (with the reason) when a lazy target is missing."""
-        if not isinstance(self.target, str):
-            return self.target
-        module_name, _, attr = self.target.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-            cls = getattr(module, attr)
-        except ImportError:
-            raise
-        except Exception as exc:  # a broken module must not crash loading: report it instead
-            raise ImportError(f"{self.target}: {type(exc).__name__}: {exc}") from exc
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
-            raise ImportError(f"{self.target} is not a pydantic model")
-        return cls
+    target: type[BaseModel]
 
 
 class KindRegistry:
@@ -61,19 +40,11 @@ class KindRegistry:
     def entries(self) -> list[KindEntry]:
         return list(self._entries.values())
 
+    def with_entries(self, *entries: KindEntry) -> KindRegistry:
+        """This registry plus `entries` (a new registry; this one is unchanged)."""
+        return KindRegistry([*self._entries.values(), *entries])
+
 
 def default_registry() -> KindRegistry:
-    """InferenceModel (v1alpha1, v1alpha2), InferencePool (v1alpha1-v1), InferenceObjective and
-    InferenceModelRewrite (v1alpha2), GatewayConfig."""
-    return KindRegistry(
-        [
-            KindEntry(model.V1ALPHA1, model.KIND, model.InferenceModel),
-            KindEntry(model.V1ALPHA2, model.KIND, model.InferenceModel),
-            KindEntry(pool.V1ALPHA1, pool.KIND, pool.InferencePoolV1Alpha1),
-            KindEntry(pool.V1ALPHA2, pool.KIND, pool.InferencePool),
-            KindEntry(pool.V1, pool.KIND, pool.InferencePoolV1),
-            KindEntry(objective.V1ALPHA2, objective.KIND, objective.InferenceObjective),
-            KindEntry(rewrite.V1ALPHA2, rewrite.KIND, rewrite.InferenceModelRewrite),
-            KindEntry(GATEWAY_CONFIG_API_VERSION, GATEWAY_CONFIG_KIND, GATEWAY_CONFIG_TARGET),
-        ]
-    )
+    """The API kinds: every row of the API-generation table (`poolkeeper.api.versions`)."""
+    return KindRegistry(KindEntry(row.api_version, row.kind, row.model) for row in GENERATIONS)

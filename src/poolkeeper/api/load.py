@@ -21,12 +21,7 @@ from poolkeeper.api.fielderrors import FieldError, from_pydantic, go_value, supp
 from poolkeeper.api.kinds import KindRegistry, default_registry
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.objective import InferenceObjective
-from poolkeeper.api.pool import (
-    AnyInferencePool,
-    InferencePool,
-    InferencePoolV1,
-    InferencePoolV1Alpha1,
-)
+from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.rewrite import InferenceModelRewrite
 
 SUFFIXES = (".yaml", ".yml", ".json")
@@ -106,11 +101,7 @@ class LoadResult:
         return self.objects_of(InferenceModelRewrite)
 
     def pools(self) -> list[AnyInferencePool]:
-        return [
-            r.obj
-            for r in self.resources
-            if isinstance(r.obj, InferencePoolV1Alpha1 | InferencePool | InferencePoolV1)
-        ]
+        return [r.obj for r in self.resources if isinstance(r.obj, AnyInferencePool)]
 
 
 def object_ref(obj: Any) -> str:
@@ -284,12 +275,7 @@ def _load_document(
         else:
             result.notices.append(f"{where}: skipping {api_version} {ref} (not a poolkeeper kind)")
         return
-    try:
-        cls = entry.resolve()
-    except ImportError as exc:
-        result.notices.append(f"{where}: skipping {api_version} {ref} (support unavailable: {exc})")
-        return
-    obj, problems = validate_object(cls, data)
+    obj, problems = validate_object(entry.target, data)
     for problem in problems:
         error(problem.message, problem.path, ref)
     if obj is not None:

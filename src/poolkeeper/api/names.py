@@ -7,6 +7,7 @@ Each `*_errors` function returns the list of problems (empty when the value is v
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 DNS1123_LABEL_FMT = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -115,3 +116,28 @@ def label_value_errors(value: str) -> list[str]:
     if not _LABEL_VALUE.match(value):
         errs.append(regex_error(_LABEL_VALUE_MSG, LABEL_VALUE_FMT, "MyValue", "my_value", "12345"))
     return errs
+
+
+_HOSTNAME_LABEL = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?$")
+
+
+def host_errors(value: str) -> list[str]:
+    """Problems with an address: it must be an IPv4 address or a DNS hostname (RFC 1123).
+
+    IPv6 literals are refused for now: an `ip:port` destination value would need brackets that
+    the rest of the request path does not add.
+    """
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        pass
+    else:
+        if ip.version == 6:
+            return ["IPv6 addresses are not supported yet; use an IPv4 address"]
+        return []
+    labels = value.split(".")
+    if len(value) > 253 or not all(_HOSTNAME_LABEL.match(label) for label in labels):
+        return ["must be an IPv4 address or a DNS hostname"]
+    if labels[-1].isdigit():
+        return ["must be an IPv4 address or a DNS hostname (the last label may not be numeric)"]
+    return []

@@ -35,7 +35,6 @@ V1ALPHA1: Final = "inference.networking.x-k8s.io/v1alpha1"
 V1ALPHA2: Final = "inference.networking.x-k8s.io/v1alpha2"
 V1: Final = "inference.networking.k8s.io/v1"
 KIND: Final = "InferencePool"
-POOL_GROUPS: Final = (X_GROUP, V1_GROUP)
 
 FailureMode = Literal["FailOpen", "FailClose"]
 AppProtocol = Literal["http", "kubernetes.io/h2c"]
@@ -147,26 +146,38 @@ class ParentReference(ApiModel):
 # ---------------------------------------------------------------- v1alpha2
 
 
-class Extension(ApiModel):
-    """v1alpha2 `extensionRef`: the Service running the endpoint picker."""
+class _ExtensionRef(ApiModel):
+    """What both x-k8s.io versions' `extensionRef` share (the port field follows)."""
 
     group: Annotated[Group, Field(description='API group; "" is the core group.')] = ""
     kind: Annotated[
         Kind, Field(description="Referent kind (ExternalName Services are not supported).")
     ] = "Service"
     name: Annotated[ObjectName, Field(description="Name of the referent.")]
-    port_number: Annotated[
-        PortNumber | None,
-        Field(description="Port of the ext_proc service; implementations assume 9002 when unset."),
-    ] = None
-    failure_mode: Annotated[
-        FailureMode,
-        Field(description="What the gateway does when the endpoint picker cannot be reached."),
-    ] = "FailClose"
 
 
-class InferencePoolSpec(ApiModel):
-    """v1alpha2 pool: pods matching `selector`, served on `targetPortNumber`."""
+_EppPort = Annotated[
+    PortNumber | None,
+    Field(description="Port of the ext_proc service; implementations assume 9002 when unset."),
+]
+_FailureMode = Annotated[
+    FailureMode,
+    Field(description="What the gateway does when the endpoint picker cannot be reached."),
+]
+
+
+class Extension(_ExtensionRef):
+    """v1alpha2 `extensionRef`: the Service running the endpoint picker."""
+
+    port_number: _EppPort = None
+    failure_mode: _FailureMode = "FailClose"
+
+    def port(self) -> int | None:
+        return self.port_number
+
+
+class _SelectorSpec(ApiModel):
+    """What both x-k8s.io versions' spec share (`extensionRef` follows)."""
 
     selector: Annotated[
         dict[str, LabelValue],
@@ -179,7 +190,6 @@ class InferencePoolSpec(ApiModel):
     target_port_number: Annotated[
         PortNumber, Field(description="Port the model servers listen on.")
     ]
-    extension_ref: Annotated[Extension, Field(description="The endpoint picker service.")]
 
     @field_validator("selector")
     @classmethod
@@ -188,6 +198,12 @@ class InferencePoolSpec(ApiModel):
         if issues:
             raise rule_error(*issues)
         return value
+
+
+class InferencePoolSpec(_SelectorSpec):
+    """v1alpha2 pool: pods matching `selector`, served on `targetPortNumber`."""
+
+    extension_ref: Annotated[Extension, Field(description="The endpoint picker service.")]
 
 
 class PoolParentReference(ParentReference):
@@ -212,7 +228,33 @@ class InferencePoolStatus(ApiModel):
     parent: Annotated[list[PoolStatus], Field(max_length=32)] = Field(default_factory=list)
 
 
-class InferencePool(ApiObject):
+class _SelectorPool(ApiObject):
+    """The accessors of the two `inference.networking.x-k8s.io` pools: a selector map, one
+    target port and an `extensionRef` (v1alpha1 differs from v1alpha2 in names only)."""
+
+    spec: InferencePoolSpec | InferencePoolV1Alpha1Spec
+
+    def selector(self) -> dict[str, str]:
+        return dict(self.spec.selector)
+
+    def target_ports(self) -> tuple[int, ...]:
+        return (self.spec.target_port_number,)
+
+    def failure_mode(self) -> str:
+        return self.spec.extension_ref.failure_mode
+
+    def app_protocol(self) -> str:
+        return "http"
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return selector_matches(self.spec.selector, labels)
+
+    def endpoint_picker(self) -> EndpointPickerTarget:
+        ref = self.spec.extension_ref
+        return EndpointPickerTarget(ref.group, ref.kind, ref.name, ref.port(), ref.failure_mode)
+
+
+class InferencePool(_SelectorPool):
     """`inference.networking.x-k8s.io/v1alpha2` InferencePool."""
 
     api_version: Literal["inference.networking.x-k8s.io/v1alpha2"] = V1ALPHA2
@@ -220,106 +262,37 @@ class InferencePool(ApiObject):
     spec: InferencePoolSpec
     status: InferencePoolStatus | None = None
 
-    def selector(self) -> dict[str, str]:
-        return dict(self.spec.selector)
-
-    def target_ports(self) -> tuple[int, ...]:
-        return (self.spec.target_port_number,)
-
-    def failure_mode(self) -> str:
-        return self.spec.extension_ref.failure_mode
-
-    def app_protocol(self) -> str:
-        return "http"
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        return selector_matches(self.spec.selector, labels)
-
-    def endpoint_picker(self) -> EndpointPickerTarget:
-        ref = self.spec.extension_ref
-        return EndpointPickerTarget(
-            ref.group, ref.kind, ref.name, ref.port_number, ref.failure_mode
-        )
-
 
 # ---------------------------------------------------------------- v1alpha1
 
 
-class ExtensionV1Alpha1(ApiModel):
+class ExtensionV1Alpha1(_ExtensionRef):
     """v1alpha1 `extensionRef`: as v1alpha2, the port is called `targetPortNumber`."""
 
-    group: Annotated[Group, Field(description='API group; "" is the core group.')] = ""
-    kind: Annotated[
-        Kind, Field(description="Referent kind (ExternalName Services are not supported).")
-    ] = "Service"
-    name: Annotated[ObjectName, Field(description="Name of the referent.")]
-    target_port_number: Annotated[
-        PortNumber | None,
-        Field(description="Port of the ext_proc service; implementations assume 9002 when unset."),
-    ] = None
-    failure_mode: Annotated[
-        FailureMode,
-        Field(description="What the gateway does when the endpoint picker cannot be reached."),
-    ] = "FailClose"
+    target_port_number: _EppPort = None
+    failure_mode: _FailureMode = "FailClose"
+
+    def port(self) -> int | None:
+        return self.target_port_number
 
 
-class InferencePoolV1Alpha1Spec(ApiModel):
+class InferencePoolV1Alpha1Spec(_SelectorSpec):
     """v1alpha1 pool (upstream v0.1): pods matching `selector`, served on `targetPortNumber`."""
 
-    selector: Annotated[
-        dict[str, LabelValue],
-        Field(
-            max_length=MAX_SELECTOR_LABELS,
-            json_schema_extra=_SELECTOR_EXTRA,
-            description="Pod labels that select the pool's model servers (same namespace).",
-        ),
-    ]
-    target_port_number: Annotated[
-        PortNumber, Field(description="Port the model servers listen on.")
-    ]
     extension_ref: Annotated[ExtensionV1Alpha1, Field(description="The endpoint picker service.")]
-
-    @field_validator("selector")
-    @classmethod
-    def _selector_keys(cls, value: dict[str, str]) -> dict[str, str]:
-        issues = _selector_key_issues(value)
-        if issues:
-            raise rule_error(*issues)
-        return value
 
 
 class InferencePoolV1Alpha1Status(_Conditions):
     """v1alpha1 status: one conditions list (upstream's `Ready`), written by the gateway."""
 
 
-class InferencePoolV1Alpha1(ApiObject):
+class InferencePoolV1Alpha1(_SelectorPool):
     """`inference.networking.x-k8s.io/v1alpha1` InferencePool (upstream v0.1, removed in v0.2)."""
 
     api_version: Literal["inference.networking.x-k8s.io/v1alpha1"] = V1ALPHA1
     kind: Literal["InferencePool"] = KIND
     spec: InferencePoolV1Alpha1Spec
     status: InferencePoolV1Alpha1Status | None = None
-
-    def selector(self) -> dict[str, str]:
-        return dict(self.spec.selector)
-
-    def target_ports(self) -> tuple[int, ...]:
-        return (self.spec.target_port_number,)
-
-    def failure_mode(self) -> str:
-        return self.spec.extension_ref.failure_mode
-
-    def app_protocol(self) -> str:
-        return "http"
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        return selector_matches(self.spec.selector, labels)
-
-    def endpoint_picker(self) -> EndpointPickerTarget:
-        ref = self.spec.extension_ref
-        return EndpointPickerTarget(
-            ref.group, ref.kind, ref.name, ref.target_port_number, ref.failure_mode
-        )
 
 
 # ---------------------------------------------------------------- v1

@@ -23,12 +23,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Final, Protocol
 
 from poolkeeper.api import model as im
 from poolkeeper.api.meta import ApiObject, Condition, ConditionStatus
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
-from poolkeeper.api.pool import POOL_GROUPS, AnyInferencePool
+from poolkeeper.api.pool import KIND as POOL_KIND, AnyInferencePool
+from poolkeeper.api.versions import groups_of
+
+POOL_GROUPS: Final = groups_of(POOL_KIND)  # the groups whose InferencePools a reference may name
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from poolkeeper import __version__
-from poolkeeper.api import model as im, pool as ip
+from poolkeeper.api import model as im
 from poolkeeper.api.names import dns1123_label_errors
+from poolkeeper.controller.kubernetes.objects import watched_resources
 
 EXT_PROC_PORT = 9002
 HEALTH_PORT = 9003
@@ -68,17 +69,10 @@ def role_rules(p: DeployParams) -> list[dict[str, Any]]:
     read = ["get", "list", "watch"]
     return [
         {"apiGroups": [""], "resources": ["pods"], "verbs": read},
-        {
-            "apiGroups": [ip.X_GROUP],
-            "resources": [
-                "inferencepools",
-                "inferencemodels",
-                "inferenceobjectives",
-                "inferencemodelrewrites",
-            ],
-            "verbs": read,
-        },
-        {"apiGroups": [ip.V1_GROUP], "resources": ["inferencepools"], "verbs": read},
+        *(
+            {"apiGroups": [group], "resources": plurals, "verbs": read}
+            for group, plurals in watched_resources().items()
+        ),
         {
             "apiGroups": [im.GROUP],
             "resources": ["inferencemodels/status"],

@@ -21,12 +21,13 @@ from rich.table import Table
 from rich.text import Text
 
 from poolkeeper.api.crds import crds_yaml
-from poolkeeper.api.load import LoadedResource, LoadResult, load_paths
+from poolkeeper.api.load import LoadedResource, LoadResult
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import InferencePool, InferencePoolV1, InferencePoolV1Alpha1
 from poolkeeper.api.rewrite import InferenceModelRewrite
 from poolkeeper.api.status import compute_model_statuses
+from poolkeeper.config.load import load_paths
 from poolkeeper.datastore.models import build_model_index
 
 

@@ -29,11 +29,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
 
-from poolkeeper.api.load import SUFFIXES, LoadResult, load_paths
+from poolkeeper.api.load import SUFFIXES, LoadResult
 from poolkeeper.api.model import CONDITION_ACCEPTED, InferenceModel, InferenceModelStatus
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.status import Verdict, compute_model_statuses
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.config.load import load_paths
 from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.models import ModelResource
 from poolkeeper.datastore.store import Datastore, EndpointSpec

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from poolkeeper.config.gateway import DEFAULT_INFERENCE_PATHS
+from poolkeeper.envoy.config import DEFAULT_INFERENCE_PATHS
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"

@@ -45,11 +45,6 @@ from poolkeeper.api.criticality import (
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.objective import DEFAULT_PRIORITY
 from poolkeeper.backend.engines import names_responses_itself
-from poolkeeper.config.gateway import (
-    RequestHandling,
-    TrustedHeader,
-    UnknownModelPolicy,
-)
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import (
     GatewayError,
@@ -64,6 +59,7 @@ from poolkeeper.flowcontrol.config import (
 from poolkeeper.flowcontrol.dispatcher import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
+from poolkeeper.requestcontrol.config import RequestHandling, TrustedHeader, UnknownModelPolicy
 from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver, Job
 from poolkeeper.requestcontrol.ports import (
     AdmissionLike,

@@ -24,7 +24,7 @@ API (times in virtual seconds; the run starts wherever the first arrival's time 
   still names the prefix-cache blocks). `payload` is passed through untouched (e.g. the
   LLMRequest the bench built), available as `RequestResult.payload`.
 - `route(arrival, states, now) -> int | None`: pick a server index, or None to reject. `states`
-  is a list of `scheduling.types.EndpointState`, one per server, as a scraper would show them:
+  is a list of `datastore.endpoint.EndpointState`, one per server, as a scraper would show them:
   `metrics` is the engine's state at the last scrape tick (every `scrape_interval` seconds,
   `updated_at` = the tick time; 0 = scrape at every decision), while `inflight_requests` /
   `inflight_tokens` (prompt tokens) count routed-but-unfinished requests right now and

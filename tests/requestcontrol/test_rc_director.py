@@ -271,6 +271,26 @@ async def test_with_observed_responses_usage_is_injected_only_where_the_epp_rewr
     assert json.loads(split.body)["stream_options"] == {"include_usage": True}
 
 
+async def test_a_server_that_names_responses_itself_gets_them_renamed() -> None:
+    """llama.cpp answers under its own name whatever the request said: its responses always
+    pass the EPP (with the response observer) to get the client's name back, and only its."""
+    store = Datastore()
+    store.set_resources([_pool("pool", "sim")], DEFAULT_MODELS)
+    store.set_endpoints(
+        [EndpointSpec("llama-1", "10.0.0.1", labels={"app": "sim"}, engine="llamacpp")]
+    )
+    store.update_metrics("10.0.0.1:8000", EndpointMetrics(updated_at=SCRAPED_AT))
+    rig = _rig(store, responses_observed=True)
+    decision = await rig.director.route(_chat(stream=True))
+    assert decision.target_model == decision.model_name == "chat"
+    assert decision.server_names_model is True
+    assert decision.renames_response_model is True
+    assert decision.include_usage_injected is True  # it passes the EPP, which strips it again
+
+    vllm = await _rig(responses_observed=True).director.route(_chat(rid="r2", stream=True))
+    assert (vllm.server_names_model, vllm.renames_response_model) == (False, False)
+
+
 @pytest.mark.parametrize(
     ("request_", "error", "status", "code"),
     [

@@ -168,7 +168,7 @@ def engine_table() -> str:
     for engine in Engine:
         mapping = engine.mapping
         families = " / ".join(
-            " or ".join(f"`{spec}`" for spec in specs)
+            " or ".join(f"`{spec}`" for spec in specs) or "(not exported)"
             for specs in (mapping.waiting, mapping.running, mapping.kv_usage)
         )
         aliases = ", ".join(f"`{a}`" for a in engine.definition.aliases) or "-"

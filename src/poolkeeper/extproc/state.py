@@ -45,7 +45,7 @@ from poolkeeper.extproc.contracts import (
 )
 from poolkeeper.extproc.model_name import ModelNameRewriter, rewriter_for
 from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
-from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage, model_renamed
+from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 
 log = logging.getLogger("poolkeeper.extproc")
 
@@ -293,7 +293,9 @@ class Exchange:
         content_type = values.get("content-type", "")
         decision = self.decision
         rename = (
-            rewriter_for(decision.target_model, decision.model_name)
+            rewriter_for(
+                decision.target_model, decision.model_name, any_name=decision.server_names_model
+            )
             if decision is not None
             else None
         )
@@ -488,9 +490,7 @@ class Exchange:
 def _rewrites_response(decision: RoutingDecision) -> bool:
     """Whether the EPP must see the response: to drop the usage chunk it asked for on the
     client's behalf, or to give the client's model name back."""
-    return decision.include_usage_injected or model_renamed(
-        decision.target_model, decision.model_name
-    )
+    return decision.include_usage_injected or decision.renames_response_model
 
 
 def _usage_of(outcome: Outcome, decision: RoutingDecision) -> Usage | None:

@@ -50,6 +50,7 @@ from poolkeeper.api.criticality import (
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.objective import DEFAULT_PRIORITY
 from poolkeeper.api.pool import V1 as POOL_V1
+from poolkeeper.backend.engines import names_responses_itself
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import (
     GatewayError,
@@ -86,6 +87,13 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 log = logging.getLogger(__name__)
 
 _CONTROL_HEADER_PREFIX = "x-gateway-"
+
+
+def _names_responses_itself(candidates: Sequence[EndpointState], endpoints: Sequence[str]) -> bool:
+    """Whether any server the request may go to (pick or fallback) names its responses after
+    itself, whatever the request's model (llama.cpp)."""
+    chosen = set(endpoints)
+    return any(names_responses_itself(s.endpoint.engine) for s in candidates if s.key in chosen)
 
 
 # --- bookkeeping -------------------------------------------------------------------------------
@@ -376,7 +384,12 @@ class Director:
         if not endpoints:
             raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
 
-        passes_epp = not self._responses_observed or model_renamed(target, parsed.model)
+        server_names_model = _names_responses_itself(candidates, endpoints)
+        passes_epp = (
+            not self._responses_observed
+            or server_names_model
+            or model_renamed(target, parsed.model)
+        )
         inject = should_inject_usage(
             parsed, enabled=self._config.inject_stream_usage and passes_epp
         )
@@ -401,6 +414,7 @@ class Director:
             prompt_tokens=parsed.prompt_tokens,
             body=body,
             include_usage_injected=inject,
+            server_names_model=server_names_model,
             ticket=Ticket(key, endpoints[0], parsed.prompt_tokens, now, flow, criticality),
         )
 

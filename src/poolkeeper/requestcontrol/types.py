@@ -57,6 +57,17 @@ class RoutingDecision:
     body: bytes | None = None
     include_usage_injected: bool = False  # the Director added stream_options.include_usage
     ticket: object = field(default=None, repr=False)
+    # A server it may go to answers under its own model name whatever the request said (an
+    # engine with `names_responses_itself`: llama.cpp), so the response's model is given back
+    # to the client's name even when the request was not renamed.
+    server_names_model: bool = False
+
+    @property
+    def renames_response_model(self) -> bool:
+        """Whether the response's model name must be given back to the client's."""
+        return bool(self.model_name) and (
+            self.server_names_model or model_renamed(self.target_model, self.model_name)
+        )
 
 
 def model_renamed(target: str, client: str) -> bool:

@@ -17,6 +17,7 @@ from poolkeeper.backend.engines.registry import (
     Engine,
     known_engines,
     mapping_for,
+    names_responses_itself,
     resolve_engine,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "MissingMetrics",
     "known_engines",
     "mapping_for",
+    "names_responses_itself",
     "resolve_engine",
 ]

@@ -1,8 +1,8 @@
 """How an engine's metrics page is read: `MetricSpec`, `EngineMapping`, and the mapping rules.
 
-Each engine module of this package (`vllm.py`, `sglang.py`, `trtllm.py`) declares one
-`EngineMapping` per engine: which Prometheus families mean queue, load, KV and LoRA. The registry
-(`registry.py`) picks one per endpoint by `Endpoint.engine` (from the
+Each engine module of this package (`vllm.py`, `sglang.py`, `trtllm.py`, `llamacpp.py`) declares
+one `EngineMapping` per engine: which Prometheus families mean queue, load, KV and LoRA. The
+registry (`registry.py`) picks one per endpoint by `Endpoint.engine` (from the
 `inference.networking.k8s.io/engine-type` label, default `vllm`; gie.md §4.1).
 
 Rules (the documented decisions of this module):
@@ -14,6 +14,8 @@ Rules (the documented decisions of this module):
   `partial: ...` while `updated_at` is still stamped (the other signals are fresh). If no core
   signal is present at all the page is rejected with `MissingMetrics` (wrong engine type, or not
   a metrics page), and the scraper keeps the old metrics and their old `updated_at`.
+- An engine that exports no KV signal (llama.cpp) declares no KV families: its KV usage stays
+  0.0 and its pages are never partial for the want of one.
 - Static cache config (block size, GPU blocks) keeps its previous value when absent; `"None"`
   or a non-integer label reads as unknown (None).
 - LoRA (vLLM): `lora_requests_info` is one series per label combination whose value is a unix
@@ -128,7 +130,7 @@ class EngineMapping:
     name: str
     waiting: tuple[MetricSpec, ...]  # alternatives in order of preference
     running: tuple[MetricSpec, ...]
-    kv_usage: tuple[MetricSpec, ...]
+    kv_usage: tuple[MetricSpec, ...]  # empty: the engine exports none (KV reads 0.0)
     lora_info: MetricSpec | None = None
     block_size: IntField | None = None
     num_gpu_blocks: IntField | None = None
@@ -158,7 +160,11 @@ class EngineMapping:
         notes: list[str] = []
         waiting = self._gauge(self.waiting, families, "waiting", notes, total=True)
         running = self._gauge(self.running, families, "running", notes, total=True)
-        kv = self._gauge(self.kv_usage, families, "KV usage", notes, total=False)
+        kv = (
+            self._gauge(self.kv_usage, families, "KV usage", notes, total=False)
+            if self.kv_usage
+            else None  # not exported (llama.cpp): not a partial page, KV stays 0.0
+        )
         if waiting is None and running is None and kv is None:
             raise MissingMetrics(
                 f"no usable {self.name} metrics on the page ({'; '.join(notes)}); "
@@ -274,6 +280,10 @@ class EngineType:
     title: str  # the product's own spelling, for docs and messages
     mapping: EngineMapping
     aliases: tuple[str, ...] = ()  # other accepted spellings (lower case)
+    # The server answers every request under its own model name, whatever the request's
+    # `model` said (llama.cpp), so the gateway gives each response the client's name back even
+    # when no split or rewrite renamed the request (requestcontrol `RoutingDecision`).
+    names_responses_itself: bool = False
 
     def __post_init__(self) -> None:
         if self.mapping.name != self.name:

@@ -18,7 +18,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Final
 
-from poolkeeper.backend.engines import sglang, trtllm, vllm
+from poolkeeper.backend.engines import llamacpp, sglang, trtllm, vllm
 from poolkeeper.backend.engines.mapping import EngineMapping, EngineType
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Engine",
     "known_engines",
     "mapping_for",
+    "names_responses_itself",
     "resolve_engine",
 ]
 
@@ -44,6 +45,7 @@ class Engine(StrEnum):
     SGLANG = sglang.ENGINE
     TRTLLM_SERVE = trtllm.SERVE
     TRITON_TRTLLM = trtllm.TRITON
+    LLAMACPP = llamacpp.ENGINE
 
     def __new__(cls, definition: EngineType) -> Engine:
         member = str.__new__(cls, definition.name)
@@ -89,6 +91,13 @@ def resolve_engine(name: str) -> Engine:
     if engine is None:
         raise ValueError(f"unknown engine type {name!r} (known: {', '.join(known_engines())})")
     return engine
+
+
+def names_responses_itself(engine: str) -> bool:
+    """Whether servers of this engine (a canonical name, as endpoints carry it) answer under
+    their own model name whatever the request asked for; False for an unknown name."""
+    member = Engine._missing_(engine)
+    return member is not None and member.definition.names_responses_itself
 
 
 def mapping_for(engine: str) -> EngineMapping:

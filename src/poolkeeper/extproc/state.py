@@ -144,7 +144,7 @@ class Exchange:
         allowed = self.settings.inference_paths
         if allowed is not None and path not in allowed and path + "/" not in allowed:
             return self._reject(PathNotFound("no such inference API path on this gateway"))
-        if method == "GET" and path == self.settings.models_path:
+        if self.settings.answer_models and method == "GET" and path == self.settings.models_path:
             self.phase = Phase.DONE
             return [msg.models_reply(self.router.model_names())]
         if headers.end_of_stream:  # header-only request: route now, body-less

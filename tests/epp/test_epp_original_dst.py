@@ -1,6 +1,7 @@
 """Acceptance (issue 32): behind an Envoy that routes by the destination header alone, as
 upstream's e2e gateway does (an ORIGINAL_DST cluster with `use_http_header`), requests through
-the official openai client succeed with `poolkeeper epp`'s defaults.
+the official openai client succeed with `poolkeeper epp`'s defaults (and `GET /v1/models`
+reaches a pod).
 
 Such an Envoy reads `x-gateway-destination-endpoint` as one `ip:port`: the comma list of a pick
 plus fallbacks is no address to it, and every request got 503. The EPP here is the chart's
@@ -197,6 +198,8 @@ async def test_requests_succeed_behind_original_dst_with_use_http_header(
                     model=MODEL, prompt="once upon", max_tokens=3
                 )
                 assert completion.choices[0].text
+                listing = await client.models.list()  # body-less: a pod's own list, as upstream
+                assert MODEL in [m.id async for m in listing]
             finally:
                 await client.close()
         served = [s.engine.counters.requests_submitted for c in (first, second) for s in c.servers]

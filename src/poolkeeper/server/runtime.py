@@ -201,6 +201,7 @@ class GatewayRuntime:
             flow_stats=self.flow_stats,
         )
         self.metrics.follow_source(self._source.stale_s)
+        self.director.observer = self.metrics  # time to first token, rewrite decisions
         if self.director.flow is not None:
             self.director.flow.observer = self.metrics  # queue outcomes and durations
         listeners = spec.listeners

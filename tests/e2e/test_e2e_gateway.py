@@ -136,7 +136,8 @@ def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     endpoints.append(("tiny-0", fleet.tiny_port, "tiny"))
     endpoints += [(f"lora-{i}", p, "lora") for i, p in enumerate(fleet.lora_ports)]
     docs = [
-        gateway_doc(ports, endpoints),
+        # Four pools behind one gateway: the EPP answers the model list for all of them.
+        gateway_doc(ports, endpoints) + "  requestHandling: {answerModelsList: true}\n",
         POOL.format(name="fleet", app="sim", failure_mode="FailClose"),
         POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
         POOL.format(name="empty", app="nothing-selected", failure_mode="FailClose"),

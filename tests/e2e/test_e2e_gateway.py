@@ -138,7 +138,9 @@ def gateway(
     endpoints.append(("tiny-0", fleet.tiny_port, "tiny"))
     endpoints += [(f"lora-{i}", p, "lora") for i, p in enumerate(fleet.lora_ports)]
     docs = [
-        gateway_doc(ports, endpoints, request.param),
+        # Four pools behind one gateway: the EPP answers the model list for all of them.
+        gateway_doc(ports, endpoints, request.param)
+        + "  requestHandling: {answerModelsList: true}\n",
         POOL.format(name="fleet", app="sim", failure_mode="FailClose"),
         POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
         POOL.format(name="empty", app="nothing-selected", failure_mode="FailClose"),

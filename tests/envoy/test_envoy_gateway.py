@@ -153,14 +153,20 @@ async def test_large_body_and_sse_with_injected_usage(tmp_path: Path, transport:
         assert raw.count(b'"usage": {') == 1  # asked for: kept
 
 
-async def test_models_list_and_error_from_epp(tmp_path: Path, transport: str) -> None:
+async def test_read_paths_reach_a_model_server_and_errors_come_from_epp(
+    tmp_path: Path, transport: str
+) -> None:
     async with (
         rig(tmp_path, transport, epp_up=True, fail_open=False) as r,
         aiohttp.ClientSession() as session,
     ):
-        async with session.get(f"{r.url}/v1/models") as resp:
-            assert resp.status == 200
-            assert [m["id"] for m in (await resp.json())["data"]] == ["alias"]
+        for path in ("/v1/models", "/version"):  # body-less: routed by the EPP, as upstream
+            async with session.get(f"{r.url}{path}") as resp:
+                assert resp.status == 200
+                assert (await resp.json())["served_by"] in {"a", "b"}
+        assert [seen["path"] for b in r.backends for seen in b.seen] == ["/v1/models", "/version"]
+        async with session.get(f"{r.url}/metrics") as resp:  # admin paths stay blocked
+            assert resp.status == 404
         json_type = {"content-type": "application/json"}
         url = f"{r.url}/v1/completions"
         async with session.post(url, data=b"{oops", headers=json_type) as resp:

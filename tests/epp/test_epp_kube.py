@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +49,22 @@ def _v1_pool(port: int) -> dict[str, Any]:
     }
 
 
-async def test_the_charts_arguments_serve_a_v1_pool(
+@dataclass
+class ChartEpp:
+    """`poolkeeper epp` with the chart's arguments, running against the API-server double."""
+
+    ext_proc: int
+    health: int
+    metrics: int
+
+
+@asynccontextmanager
+async def chart_epp(
     fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings()))
-    sim_port = (await cluster.start())[0].port
-    fake.put(_v1_pool(sim_port), "inferencepools")
-    fake.put(pod_obj("sim-0", "127.0.0.1"), "pods")
+) -> AsyncIterator[ChartEpp]:
+    """The chart's rendered arguments (its default-plugins.yaml for vllm), the API server from
+    a kubeconfig; ready (readiness SERVING) when entered. Only the bind address differs:
+    tests bind loopback."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         yaml.safe_dump(
@@ -74,32 +86,49 @@ async def test_the_charts_arguments_serve_a_v1_pool(
             f"--metrics-port={metrics}"]  # fmt: skip
     options = parse_epp_args(argv)
     config, _ = epp_cli.epp_gateway_config(options)
-    # Tests bind loopback only; everything else is what the chart's arguments gave.
     document = config.model_dump(by_alias=True, exclude_unset=True)
     document["spec"]["listeners"]["address"] = "127.0.0.1"
     config = GatewayConfig.model_validate(document)
     source = epp_cli._kubernetes_source(options, config)
     runtime = GatewayRuntime(ServeOptions(source=source, run_envoy=False, ready_wait_s=5))
     await runtime.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{ext_proc}")
     try:
 
         async def ready() -> bool:
             return await check_health(f"127.0.0.1:{health}", "readiness") == SERVING
 
         await eventually(ready, "readiness")
-        body = json.dumps(
-            {"model": "Qwen/any-name-at-all", "messages": [{"role": "user", "content": "hi"}]}
-        ).encode()
-        call, replies = await _streamed_request(FakeEnvoy(channel), body, piece=len(body))
-        call.cancel()
-        assert replies[0].WhichOneof("response") == "request_headers", replies[0]
-        first = replies[0].request_headers.response
-        destination = _set_headers(first.header_mutation)["x-gateway-destination-endpoint"]
-        assert destination == f"127.0.0.1:{sim_port}"  # one endpoint, no fallbacks
-        assert fake.writes == []  # read-only, as the chart's RBAC allows
+        yield ChartEpp(ext_proc, health, metrics)
     finally:
-        await channel.close()
         await runtime.stop(grace_s=0)
+
+
+async def test_the_charts_arguments_serve_a_v1_pool(
+    fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings()))
+    sim_port = (await cluster.start())[0].port
+    fake.put(_v1_pool(sim_port), "inferencepools")
+    fake.put(pod_obj("sim-0", "127.0.0.1"), "pods")
+    try:
+        async with chart_epp(fake, tmp_path, monkeypatch) as epp:
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{epp.ext_proc}")
+            try:
+                body = json.dumps(
+                    {
+                        "model": "Qwen/any-name-at-all",
+                        "messages": [{"role": "user", "content": "hi"}],
+                    }
+                ).encode()
+                call, replies = await _streamed_request(FakeEnvoy(channel), body, piece=len(body))
+                call.cancel()
+                assert replies[0].WhichOneof("response") == "request_headers", replies[0]
+                first = replies[0].request_headers.response
+                destination = _set_headers(first.header_mutation)["x-gateway-destination-endpoint"]
+                assert destination == f"127.0.0.1:{sim_port}"  # one endpoint, no fallbacks
+                assert fake.writes == []  # read-only, as the chart's RBAC allows
+            finally:
+                await channel.close()
+    finally:
         await cluster.stop()
         await asyncio.sleep(0)

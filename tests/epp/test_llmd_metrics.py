@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.api.criticality import Criticality
@@ -13,6 +14,8 @@ from poolkeeper.errors import QueueTimeout
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, PoolStats, QueueStats
+from tests.requestcontrol.test_rc_director import _chat
+from tests.requestcontrol.test_rc_director_objectives import rig
 
 # llm-d-router v0.10's core families (§4 table), counters with their _total.
 UPSTREAM: frozenset[str] = frozenset(
@@ -185,3 +188,47 @@ def test_labels_are_capped_at_1000_values_then_other() -> None:
     assert len(names) == 1001
     assert OTHER in names
     assert {s["priority"] for s in _samples(m, "llm_d_epp_request")} == {"0"}
+
+
+async def test_time_to_first_token_and_rewrite_decisions_come_from_the_director() -> None:
+    """Filled from the Director's events: a successful response's first byte (sent -> first
+    byte, on the Director's clock) and each InferenceModelRewrite decision."""
+    r = rig()
+    m = _metrics()
+    r.director.observer = m
+    streamed = await r.director.route(_chat("food-review", rid="s", stream=True))  # a rule
+    plain = await r.director.route(_chat("chat", rid="p"))  # no rule: no decision counted
+    r.clock[0] += 0.3
+    r.director.first_byte(streamed)
+    r.clock[0] += 0.2
+    r.director.first_byte(plain)  # a JSON answer: its first byte, labelled streaming=false
+    r.director.complete(plain, status=200, usage=None)
+    r.director.first_byte(plain)  # after the end: nothing
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    rewrites = [
+        (s.labels, s.value)
+        for s in families["llm_d_epp_model_rewrite_decisions"].samples
+        if s.name.endswith("_total")
+    ]
+    assert rewrites == [
+        (
+            {
+                "model_rewrite_name": "canary",
+                "model_name": "food-review",
+                "target_model": streamed.target_model,
+            },
+            1.0,
+        )
+    ]
+    sums = {
+        (s.labels["model_name"], s.labels["streaming"]): s.value
+        for s in families["llm_d_epp_request_ttft_seconds"].samples
+        if s.name.endswith("_sum")
+    }
+    counts = {
+        (s.labels["model_name"], s.labels["streaming"]): s.value
+        for s in families["llm_d_epp_request_ttft_seconds"].samples
+        if s.name.endswith("_count")
+    }
+    assert sums == pytest.approx({("food-review", "true"): 0.3, ("chat", "false"): 0.5})
+    assert counts == {("food-review", "true"): 1.0, ("chat", "false"): 1.0}

@@ -267,16 +267,29 @@ async def test_header_only_request_is_routed_at_once(envoy: FakeEnvoy, router: F
     call.cancel()
 
 
-async def test_models_listing_is_answered_by_the_epp(envoy: FakeEnvoy, router: FakeRouter) -> None:
+async def test_models_listing_goes_to_a_model_server(envoy: FakeEnvoy, router: FakeRouter) -> None:
+    """As upstream's gateways: a body-less request like any other (requestHandling default)."""
     call = envoy.open()
     await call.write(headers_msg({":method": "GET", ":path": "/v1/models?x=1"}, eos=True))
     (reply,) = await _read(call, 1)
-    assert reply.immediate_response.status.code == 200
-    listing = json.loads(reply.immediate_response.body)
-    assert listing["object"] == "list"
-    assert [m["id"] for m in listing["data"]] == ["base", "split"]
-    assert router.routed == []
+    assert _set_headers(reply.request_headers.response.header_mutation)[DEST] == PODS[0]
+    assert [r.path for r in router.routed] == ["/v1/models?x=1"]
     call.cancel()
+
+
+async def test_models_listing_answered_by_the_epp_when_asked(
+    router: FakeRouter, ended: list[Exchange], transport: str
+) -> None:
+    async with _serving(router, ended, ExtProcSettings(answer_models=True), transport) as envoy:
+        call = envoy.open()
+        await call.write(headers_msg({":method": "GET", ":path": "/v1/models?x=1"}, eos=True))
+        (reply,) = await _read(call, 1)
+        assert reply.immediate_response.status.code == 200
+        listing = json.loads(reply.immediate_response.body)
+        assert listing["object"] == "list"
+        assert [m["id"] for m in listing["data"]] == ["base", "split"]
+        assert router.routed == []
+        call.cancel()
 
 
 async def test_client_routing_headers_are_stripped(envoy: FakeEnvoy, router: FakeRouter) -> None:

@@ -65,13 +65,18 @@ class Listeners(CamelModel, use_attribute_docstrings=True):
         return self
 
 
-# The OpenAI paths the public listener serves (everything else: 404 in OpenAI JSON).
+# The paths the public listener serves (everything else: 404 in OpenAI JSON): the OpenAI
+# inference API, and the engines' read paths that upstream's gateways pass to the pool (the
+# model list, vLLM's server version). Admin paths stay blocked: adapter loading, cache resets,
+# sleep, profiling, /metrics; so does /health (one random pod's liveness says nothing about
+# the gateway, whose own health has its port).
 DEFAULT_INFERENCE_PATHS: Final = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
     "/v1/responses",
     "/v1/models",
+    "/version",
 )
 _PATH = re.compile(r"^/[A-Za-z0-9._~/-]*$")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Final
 
 from poolkeeper.envoy.failopen import FAILOPEN_FILTER, fail_open_rewrite_disabled
 from poolkeeper.envoy.observer import (
@@ -102,10 +102,15 @@ def inference_path_regex(paths: tuple[str, ...]) -> str:
     return f"^(?:{alternatives})/?$"
 
 
+# Paths a client reads with GET (everything else is POSTed): the engines' model list and version.
+READ_PATH_ENDINGS: Final = ("/models", "/version")
+
+
 def method_groups(paths: tuple[str, ...]) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(route-name suffix, method, paths): the model list is read with GET, every other
-    inference path is POSTed (round 2, finding 6: the method was not checked)."""
-    reads = tuple(path for path in paths if path.rstrip("/").endswith("/models"))
+    """(route-name suffix, method, paths): the read paths (the model list, `/version`) are
+    read with GET, every other inference path is POSTed (round 2, finding 6: the method was
+    not checked)."""
+    reads = tuple(path for path in paths if path.rstrip("/").endswith(READ_PATH_ENDINGS))
     posts = tuple(path for path in paths if path not in reads)
     return [(suffix, method, group) for suffix, method, group in
             (("", "POST", posts), ("_get", "GET", reads)) if group]  # fmt: skip

@@ -92,6 +92,9 @@ class ExtProcSettings:
     max_request_body_bytes: int = 16 << 20
     max_response_capture_bytes: int = 8 << 20  # JSON bodies kept for usage parsing
     models_path: str = "/v1/models"
+    # GET models_path answered from router.model_names() (requestHandling.answerModelsList);
+    # off, it is a body-less request like any other, routed to a model server (upstream).
+    answer_models: bool = False
     body_chunk_bytes: int = MAX_BODY_CHUNK
     # Paths the EPP routes (None: any); others get 404 not_found. Envoy's listener enforces
     # the same allowlist first; this guards EPPs behind another proxy (`serve --no-envoy`).

@@ -157,7 +157,7 @@ class Exchange:
                     "Content-Encoding is not supported: send the body uncompressed (identity)"
                 )
             )
-        if method == "GET" and path == self.settings.models_path:
+        if self.settings.answer_models and method == "GET" and path == self.settings.models_path:
             self.phase = Phase.DONE
             return [msg.models_reply(self.router.model_names())]
         if headers.end_of_stream:  # header-only request: route now, body-less

@@ -95,6 +95,11 @@ class RequestHandling(CamelModel, use_attribute_docstrings=True):
     proxy's `envoy.lb` served-endpoint metadata) to every response, as llm-d-router's
     `destination-endpoint-served-verifier` does for the gateway conformance suite. Needs the
     responses to pass the endpoint picker (`edge.observeResponses` off). Off by default."""
+    answer_models_list: bool = False
+    """Answer `GET /v1/models` in the endpoint picker: one OpenAI list of every client-facing
+    model name of every pool, without asking a model server. Off (default, as upstream's
+    gateways): the request goes to a random ready endpoint of the default pool, like any
+    request without a body, and that server's own list comes back."""
     honor_subset_hint: bool = True
     """Restrict the pick to the proxy's `envoy.lb.subset_hint` endpoints when it sends one
     (matched by IP, like upstream). The hint comes from the proxy, never from client headers."""

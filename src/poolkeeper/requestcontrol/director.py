@@ -41,6 +41,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from poolkeeper.api.criticality import (
     Criticality,
@@ -97,6 +98,19 @@ def _names_responses_itself(candidates: Sequence[EndpointState], endpoints: Sequ
 
 
 # --- bookkeeping -------------------------------------------------------------------------------
+
+
+class DirectorObserver(Protocol):
+    """Metrics hooks on the Director's own events (telemetry implements them)."""
+
+    def first_token(self, decision: RoutingDecision, seconds: float) -> None:
+        """A successful response's first body byte, `seconds` after the request was sent to
+        its endpoint."""
+        ...
+
+    def model_rewritten(self, rewrite: str, model: str, target: str) -> None:
+        """An InferenceModelRewrite rule (`namespace/name`) chose `target` for `model`."""
+        ...
 
 
 @dataclass(slots=True)
@@ -162,6 +176,7 @@ class Director:
         self._rng = rng
         self._clock = clock
         self._sequence = itertools.count()
+        self.observer: DirectorObserver | None = None  # set by the runtime (metrics)
 
     @property
     def gate(self) -> Gate:
@@ -294,7 +309,10 @@ class Director:
             return choose_target_model(model, self._rng)
         rule = snapshot.rewrite_rule(pool_key, name)
         if rule is not None:
-            return choose_rewrite_target(rule, self._rng)
+            target = choose_rewrite_target(rule, self._rng)
+            if self.observer is not None:
+                self.observer.model_rewritten(rule.rewrite, name, target)
+            return target
         return self._trusted(request, TrustedHeader.MODEL_NAME_REWRITE) or name
 
     def _band(
@@ -497,18 +515,22 @@ class Director:
         ticket.endpoint = endpoint
 
     def first_byte(self, decision: RoutingDecision, *, after_s: float | None = None) -> None:
-        """The first response byte of a streamed request arrived: the in-flight tracker
-        stops counting it as queued, and for a scheduler that learns from first tokens, one
-        observation (sent -> now, on the decision's clock; or sent -> sent + `after_s` when
-        the response observer reports it after the fact)."""
+        """The first response byte arrived: the observer's time to first token (sent -> now,
+        on the decision's clock; or sent -> sent + `after_s` when the response observer
+        reports it after the fact); for a stream, the in-flight tracker stops counting it as
+        queued, and a scheduler that learns from first tokens gets one observation."""
         ticket = decision.ticket
-        if not decision.stream or not isinstance(ticket, Ticket) or ticket.done:
+        if not isinstance(ticket, Ticket) or ticket.done:
+            return
+        at = self._clock() if after_s is None else ticket.started_at + max(0.0, after_s)
+        if self.observer is not None and decision.model_name:
+            self.observer.first_token(decision, max(0.0, at - ticket.started_at))
+        if not decision.stream:
             return
         if ticket.endpoint:
             self._inflight.first_token(ticket.key)
         learner = self._learner
         if learner is not None:
-            at = self._clock() if after_s is None else ticket.started_at + max(0.0, after_s)
             learner.observe_first_token(decision.request_id, ticket.endpoint, at)
 
     def complete(

@@ -226,6 +226,7 @@ class GatewayRuntime:
             flow_stats=self.flow_stats,
         )
         self.metrics.follow_source(self._source.stale_s)
+        self.director.observer = self.metrics  # time to first token, rewrite decisions
         if self.director.flow is not None:
             self.director.flow.observer = self.metrics  # queue outcomes and durations
         listeners = spec.listeners
@@ -236,6 +237,7 @@ class GatewayRuntime:
             max_request_body_bytes=spec.request_handling.max_body_bytes + 1024,
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
             conformance_served_header=spec.request_handling.conformance_served_endpoint_header,
+            answer_models=spec.request_handling.answer_models_list,
         )
         budget = BodyBudget(spec.request_handling.max_inflight_body_bytes)
         self.detached = detached = DetachedExchanges() if observing else None

@@ -146,7 +146,7 @@ class LlmdRequestMetrics:
             "Time the EPP spent deciding where a request goes, seconds.",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
                      5, 10), registry=r)  # fmt: skip
-        # Declared without samples yet, as upstream (filled only by model-rewrite decisions).
+        # Without samples until an InferenceModelRewrite rule decides, as upstream.
         self.rewrites = Counter(
             PREFIX + "model_rewrite_decisions",
             "Model rewrite decisions, by rewrite name, model and target.",
@@ -173,6 +173,21 @@ class LlmdRequestMetrics:
         self.total.labels(*labels).inc()
         self.request_size.labels(*labels).observe(request_bytes)
         self.running.labels(*labels).inc()
+
+    def first_token(self, decision: RoutingDecision, seconds: float) -> None:
+        """Time to first token: from the request's dispatch to its endpoint (after any
+        flow-control wait) to the first body byte of a successful response."""
+        if decision.model_name:
+            streaming = "true" if decision.stream else "false"
+            self.ttft.labels(*self._r(decision), streaming).observe(seconds)
+
+    def model_rewritten(self, rewrite: str, model: str, target: str) -> None:
+        """One InferenceModelRewrite decision; the rule's object by name, as upstream."""
+        self.rewrites.labels(
+            rewrite.rpartition("/")[2],
+            self._cap("model_name", model),
+            self._cap("target_model_name", target),
+        ).inc()
 
     def rejected(self, model_name: str, target_model: str, code: str) -> None:
         self.errors.labels(

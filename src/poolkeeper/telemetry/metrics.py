@@ -523,6 +523,13 @@ class GatewayMetrics:
                 if seconds > 0:
                     self.ntpot.labels(model, target).observe(seconds / usage.completion_tokens)
 
+    # -- DirectorObserver (requestcontrol.director) ------------------------------------------
+    def first_token(self, decision: RoutingDecision, seconds: float) -> None:
+        self.llmd.first_token(decision, seconds)
+
+    def model_rewritten(self, rewrite: str, model: str, target: str) -> None:
+        self.llmd.model_rewritten(rewrite, model, target)
+
     # -- FlowObserver (requestcontrol.flowgate) ----------------------------------------------
     def flow_outcome(
         self, *, pool: str, band: Criticality, model: str, outcome: str, waited_s: float

@@ -61,6 +61,8 @@ SERVED: dict[tuple[str, str, str], str] = {
     ("inference.networking.k8s.io", "v1", "inferencepools"): "InferencePool",
     ("inference.networking.x-k8s.io", "v1alpha1", "inferencemodels"): "InferenceModel",
     ("inference.networking.x-k8s.io", "v1alpha2", "inferencemodels"): "InferenceModel",
+    ("llm-d.ai", "v1alpha2", "inferenceobjectives"): "InferenceObjective",
+    ("llm-d.ai", "v1alpha2", "inferencemodelrewrites"): "InferenceModelRewrite",
     ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives"): "InferenceObjective",
     (
         "inference.networking.x-k8s.io",

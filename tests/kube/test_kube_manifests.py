@@ -243,7 +243,7 @@ def test_provider_extras_point_at_the_epp_and_the_pool() -> None:
     epp = next(d for d in docs("epp.yaml") if d["kind"] == "Service")["metadata"]
     (rule,) = [d for d in docs("gateway/istio.yaml") if d["kind"] == "DestinationRule"]
     assert rule["spec"]["host"] == f"{epp['name']}.{epp['namespace']}.svc.cluster.local"
-    assert rule["spec"]["trafficPolicy"]["tls"]["mode"] == "DISABLE"  # the EPP serves h2c
+    assert rule["spec"]["trafficPolicy"]["tls"] == {"mode": "SIMPLE", "insecureSkipVerify": True}
     pool = next(d for d in docs("example/pool.yaml") if d["kind"] == "InferencePool")
     for policy in docs("gateway/gke.yaml"):
         if policy["kind"] in ("HealthCheckPolicy", "GCPBackendPolicy"):

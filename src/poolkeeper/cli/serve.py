@@ -3,6 +3,7 @@
 poolkeeper serve -f examples/                  # EPP + Envoy on listeners.http
 poolkeeper serve -f pool.yaml --no-envoy       # EPP only, for your own Envoy / Gateway
 poolkeeper serve --kubernetes --pool my-pool   # in a cluster: resources from the API server
+                                               # (ext_proc over TLS, as upstream's EPP)
 poolkeeper envoy-config -f examples/ > envoy.json && envoy -c envoy.json
 """
 
@@ -24,6 +25,7 @@ from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
+from poolkeeper.extproc.tls import TlsError, TlsSettings
 from poolkeeper.server.runtime import (
     DEFAULT_DRAIN_GRACE_S,
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -83,6 +85,60 @@ def _add_kubernetes(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-status", action="store_true", help="never write InferenceModel status")
 
 
+def _add_tls(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS on the ext_proc port (upstream's EPP flags)")
+    group.add_argument(
+        "--secure-serving",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve ext_proc over TLS, ALPN h2 (default: on with --kubernetes, as upstream's "
+        "EPP; otherwise off, loopback plaintext to the managed Envoy)",
+    )
+    group.add_argument(
+        "--cert-path",
+        type=Path,
+        default=None,
+        help="directory with tls.crt and tls.key (default: a self-signed cert made at start)",
+    )
+    group.add_argument(
+        "--enable-cert-reload",
+        action="store_true",
+        help="serve a changed tls.crt/tls.key from the next connection on (needs --cert-path)",
+    )
+    group.add_argument(
+        "--tls-min-version",
+        default="",
+        help="VersionTLS10..VersionTLS12 (gRPC serves TLS 1.2 and up in any case)",
+    )
+    group.add_argument(
+        "--tls-cipher-suites",
+        default="",
+        help="comma list (accepted for upstream's flag; grpcio cannot apply one: refused)",
+    )
+
+
+def tls_settings(args: argparse.Namespace) -> TlsSettings:
+    """The ext_proc TLS settings for these flags; ConfigError for what cannot be served."""
+    secure = args.kubernetes if args.secure_serving is None else args.secure_serving
+    settings = TlsSettings(
+        secure_serving=secure,
+        cert_path=args.cert_path,
+        enable_cert_reload=args.enable_cert_reload,
+        tls_min_version=args.tls_min_version,
+        tls_cipher_suites=tuple(c.strip() for c in args.tls_cipher_suites.split(",") if c.strip()),
+    )
+    try:
+        settings.check()
+    except TlsError as exc:
+        raise ConfigError(str(exc)) from None
+    if secure and not (args.no_envoy or args.kubernetes):
+        raise ConfigError(
+            "--secure-serving is for an Envoy or Gateway of your own (with --no-envoy or "
+            "--kubernetes); the managed Envoy dials the EPP in plaintext on loopback"
+        )
+    return settings
+
+
 def register(subparsers: Any) -> None:
     serve: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -92,6 +148,7 @@ def register(subparsers: Any) -> None:
     )
     _add_files(serve, required=False)
     _add_kubernetes(serve)
+    _add_tls(serve)
     serve.add_argument("--envoy-path", default=None, help="Envoy binary to run")
     serve.add_argument(
         "--no-envoy", action="store_true", help="run only the endpoint picker (own Envoy)"
@@ -189,6 +246,7 @@ def serve_options(args: argparse.Namespace, source: SourceFactory) -> ServeOptio
         drain_grace_s=args.drain_grace,
         ready_once_synced=args.kubernetes,
         drain_timeout_s=_drain_timeout(args),
+        tls=tls_settings(args),
     )
 
 

@@ -39,6 +39,7 @@ from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
+from poolkeeper.extproc.tls import TlsSettings, server_credentials
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import (
     learns_from_first_tokens as scheduler_learns_from_first_tokens,
@@ -74,6 +75,8 @@ class ServeOptions:
     # NOT_SERVING, the source stopped, so a Kubernetes Lease is released at once): the
     # cluster's Gateway keeps sending until it sees this replica go (upstream --drain-timeout).
     drain_timeout_s: float = 0.0
+    # TLS on the ext_proc port (upstream's --secure-serving; Kubernetes mode turns it on).
+    tls: TlsSettings = field(default_factory=TlsSettings)
 
 
 def fail_open_unserved_names(snapshot: DatastoreSnapshot) -> list[str]:
@@ -235,7 +238,10 @@ class GatewayRuntime:
                 FirstByteReceiver(detached).register(server)
 
         extproc, _ = build_server(
-            self.servicer, f"{listeners.address}:{listeners.ext_proc}", extra=register
+            self.servicer,
+            f"{listeners.address}:{listeners.ext_proc}",
+            extra=register,
+            credentials=server_credentials(self.options.tls),
         )
         self._grpc_servers.append(extproc)
         health_server = grpc.aio.server()

@@ -21,6 +21,8 @@ from typing import Any
 
 from poolkeeper.controller.files import FileResourceSource, file_source, load_files
 from poolkeeper.controller.kubernetes import KubeSettings, kubernetes_source, load_config
+from poolkeeper.controller.kubernetes.client import KubeApi
+from poolkeeper.controller.kubernetes.metricsauth import MetricsAuth
 from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render
@@ -83,6 +85,13 @@ def _add_kubernetes(parser: argparse.ArgumentParser) -> None:
         "--lease-name", default="poolkeeper-epp", help="Lease for the status writer election"
     )
     group.add_argument("--no-status", action="store_true", help="never write InferenceModel status")
+    group.add_argument(
+        "--metrics-endpoint-auth",
+        action="store_true",
+        help="/metrics only for a bearer token the API server authenticates (TokenReview) "
+        "and allows to get /metrics (SubjectAccessReview), as upstream's EPP; needs a "
+        "ClusterRole to create both",
+    )
 
 
 def _add_tls(parser: argparse.ArgumentParser) -> None:
@@ -247,7 +256,18 @@ def serve_options(args: argparse.Namespace, source: SourceFactory) -> ServeOptio
         ready_once_synced=args.kubernetes,
         drain_timeout_s=_drain_timeout(args),
         tls=tls_settings(args),
+        metrics_middlewares=_metrics_auth(args),
     )
+
+
+def _metrics_auth(args: argparse.Namespace) -> tuple[Any, ...]:
+    if not args.metrics_endpoint_auth:
+        return ()
+    if not args.kubernetes:
+        raise ConfigError("--metrics-endpoint-auth needs --kubernetes (the API server decides)")
+    config = load_config(kubeconfig=args.kubeconfig, context=args.context)
+    namespace = args.namespace or config.namespace or "default"
+    return (MetricsAuth(lambda: KubeApi(config, namespace)).middleware,)
 
 
 def _drain_timeout(args: argparse.Namespace) -> float:

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -77,6 +78,8 @@ class ServeOptions:
     drain_timeout_s: float = 0.0
     # TLS on the ext_proc port (upstream's --secure-serving; Kubernetes mode turns it on).
     tls: TlsSettings = field(default_factory=TlsSettings)
+    # aiohttp middlewares of the metrics server (upstream's --metrics-endpoint-auth).
+    metrics_middlewares: tuple[Any, ...] = ()
 
 
 def fail_open_unserved_names(snapshot: DatastoreSnapshot) -> list[str]:
@@ -252,6 +255,7 @@ class GatewayRuntime:
         for server in self._grpc_servers:
             await server.start()
         app = self.metrics.app()
+        app.middlewares.extend(self.options.metrics_middlewares)
         # HTTP probes beside /metrics, for orchestrators without gRPC probes.
         app.router.add_get("/healthz", self._http_probe(lambda: True))
         app.router.add_get("/readyz", self._http_probe(self.ready))

@@ -290,9 +290,16 @@ def test_crd_layout() -> None:
         "inferencemodels.inference.networking.x-k8s.io",
         "inferencepools.inference.networking.x-k8s.io",
         "inferencepools.inference.networking.k8s.io",
-        "inferenceobjectives.inference.networking.x-k8s.io",
-        "inferencemodelrewrites.inference.networking.x-k8s.io",
+        "inferenceobjectives.llm-d.ai",  # the x-k8s group of these two: read, never served
+        "inferencemodelrewrites.llm-d.ai",
     }
+    for name in ("inferenceobjectives.llm-d.ai", "inferencemodelrewrites.llm-d.ai"):
+        spec = crds[name]["spec"]
+        assert [(v["name"], v["served"], v["storage"]) for v in spec["versions"]] == [
+            ("v1alpha2", True, True)
+        ]
+        assert spec["versions"][0]["subresources"] == {"status": {}}
+        assert "api-approved.kubernetes.io" not in crds[name]["metadata"]["annotations"]
     model = crds["inferencemodels.inference.networking.x-k8s.io"]["spec"]
     assert [(v["name"], v["served"], v["storage"]) for v in model["versions"]] == [
         ("v1alpha1", True, False),

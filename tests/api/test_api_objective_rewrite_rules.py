@@ -139,8 +139,8 @@ def test_defaults_follow_upstream() -> None:
 
 def test_crd_layout() -> None:
     crds = {c["metadata"]["name"]: c["spec"] for c in custom_resource_definitions()}
-    objective = crds["inferenceobjectives.inference.networking.x-k8s.io"]
-    rewrite = crds["inferencemodelrewrites.inference.networking.x-k8s.io"]
+    objective = crds["inferenceobjectives.llm-d.ai"]
+    rewrite = crds["inferencemodelrewrites.llm-d.ai"]
     for crd in (objective, rewrite):
         assert [(v["name"], v["served"], v["storage"]) for v in crd["versions"]] == [
             ("v1alpha2", True, True)

@@ -7,12 +7,12 @@ import typing
 import pytest
 
 import poolkeeper.api as api_package
-from poolkeeper.api import pool
+from poolkeeper.api import objective, pool, rewrite
 from poolkeeper.api.crds import custom_resource_definitions, version_schema
 from poolkeeper.api.kinds import default_registry
 from poolkeeper.api.meta import ApiObject
 from poolkeeper.api.status import POOL_GROUPS
-from poolkeeper.api.versions import GENERATIONS, Generation, groups_of
+from poolkeeper.api.versions import GENERATIONS, Generation, fallback_applies, groups_of
 from poolkeeper.cli.deploy_objects import DeployParams, role_rules
 from poolkeeper.controller.kubernetes.objects import MODEL_KINDS, POLICY_KINDS, POOL_KINDS
 
@@ -79,7 +79,11 @@ def test_the_watches_cover_every_row_one_slot_per_resource() -> None:
     assert watched == {(r.api_version, r.kind, r.plural) for r in GENERATIONS}
     for slot in WATCH_SLOTS:
         assert len({(k.group, k.kind) for k in slot}) == 1
-        assert ROWS[(slot[0].api_version, slot[0].kind)].storage  # the stored version first
+        rows = [ROWS[(k.api_version, k.kind)] for k in slot]
+        if any(row.served for row in rows):
+            assert rows[0].storage  # the stored version first
+        else:
+            assert all(row.fallback for row in rows)  # a legacy group: read, never served
 
 
 def test_the_controller_may_read_every_watched_resource() -> None:
@@ -105,3 +109,18 @@ def test_a_row_its_type_does_not_validate_is_refused() -> None:
         Generation("example.dev/v1", pool.KIND, pool.InferencePool)
     with pytest.raises(ValueError, match="must be served"):
         Generation(pool.V1, pool.KIND, pool.InferencePoolV1, storage=True, served=False)
+
+
+def test_the_legacy_group_of_objectives_and_rewrites_is_a_read_only_fallback() -> None:
+    for kind in (objective.KIND, rewrite.KIND):
+        assert groups_of(kind) == ("llm-d.ai", "inference.networking.x-k8s.io")
+        assert fallback_applies(kind, "llm-d.ai", ()) is True
+        assert fallback_applies(kind, "llm-d.ai", ("llm-d.ai",)) is True
+        legacy = "inference.networking.x-k8s.io"
+        assert fallback_applies(kind, legacy, ()) is True
+        assert fallback_applies(kind, legacy, (legacy,)) is True
+        assert fallback_applies(kind, legacy, ("llm-d.ai", legacy)) is False
+        assert fallback_applies(kind, "example.dev", ()) is None
+    assert fallback_applies(pool.KIND, pool.X_GROUP, (pool.V1_GROUP,)) is True  # both count
+    with pytest.raises(ValueError, match="never served"):
+        Generation(objective.V1ALPHA2, objective.KIND, objective.InferenceObjective, fallback=True)

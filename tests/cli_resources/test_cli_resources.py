@@ -130,8 +130,8 @@ def test_crds_prints_five_definitions(capsys: pytest.CaptureFixture[str]) -> Non
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["metadata"]["name"] for d in docs] == [
         "inferencemodels.inference.networking.x-k8s.io",
-        "inferenceobjectives.inference.networking.x-k8s.io",
-        "inferencemodelrewrites.inference.networking.x-k8s.io",
+        "inferenceobjectives.llm-d.ai",
+        "inferencemodelrewrites.llm-d.ai",
         "inferencepools.inference.networking.x-k8s.io",
         "inferencepools.inference.networking.k8s.io",
     ]

@@ -69,9 +69,21 @@ def test_config_text_and_unreadable_file() -> None:
         )
 
 
+def test_ext_proc_tls_follows_upstream_flags() -> None:
+    on = epp_cli._tls(parse_epp_args(["--pool-name=p"]))
+    assert on.secure_serving is True  # upstream's default: TLS on ext_proc
+    assert on.cert_path is None  # self-signed
+    off = epp_cli._tls(parse_epp_args(["--pool-name=p", "--secure-serving=false"]))
+    assert off.secure_serving is False
+    files = epp_cli._tls(
+        parse_epp_args(["--pool-name=p", "--cert-path=/certs", "--enable-cert-reload"])
+    )
+    assert (str(files.cert_path), files.enable_cert_reload) == ("/certs", True)
+
+
 def test_unhonoured_flags_are_named() -> None:
     defaults = epp_cli.unhonoured(parse_epp_args(["--pool-name=p"]))
-    assert any(n.startswith("--secure-serving:") for n in defaults)
+    assert not any(n.startswith("--secure-serving:") for n in defaults)  # TLS is served
     assert any(n.startswith("--metrics-endpoint-auth:") for n in defaults)
     quiet = epp_cli.unhonoured(
         parse_epp_args(
@@ -129,6 +141,7 @@ def test_the_chart_arguments_reach_the_runtime(
     )
     ((options, json_logs),) = seen
     assert options.run_envoy is False
+    assert options.tls.secure_serving is False  # this rendering passes --secure-serving=false
     # upstream's --drain-timeout: ext_proc keeps serving this long after SIGTERM, then drains
     assert options.drain_timeout_s == 7.0
     assert options.ready_once_synced is True  # ready once synced, as upstream

@@ -61,6 +61,8 @@ SERVED: dict[tuple[str, str, str], str] = {
     ("inference.networking.k8s.io", "v1", "inferencepools"): "InferencePool",
     ("inference.networking.x-k8s.io", "v1alpha1", "inferencemodels"): "InferenceModel",
     ("inference.networking.x-k8s.io", "v1alpha2", "inferencemodels"): "InferenceModel",
+    ("llm-d.ai", "v1alpha2", "inferenceobjectives"): "InferenceObjective",
+    ("llm-d.ai", "v1alpha2", "inferencemodelrewrites"): "InferenceModelRewrite",
     ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives"): "InferenceObjective",
     (
         "inference.networking.x-k8s.io",
@@ -69,6 +71,12 @@ SERVED: dict[tuple[str, str, str], str] = {
     ): "InferenceModelRewrite",
     ("", "v1", "pods"): "Pod",
     ("coordination.k8s.io", "v1", "leases"): "Lease",
+}
+
+
+_REVIEWS = {
+    "/apis/authentication.k8s.io/v1/tokenreviews": "tokenreviews",
+    "/apis/authorization.k8s.io/v1/subjectaccessreviews": "subjectaccessreviews",
 }
 
 
@@ -148,6 +156,10 @@ class FakeApiServer:
         self.throttle_verbs: frozenset[str] | None = None  # None: every verb
         self.forbidden: set[tuple[str, str]] = set()  # (verb, resource[/subresource])
         self.user = "system:serviceaccount:default:poolkeeper-epp"
+        # TokenReview / SubjectAccessReview (cluster-scoped, never stored): who a bearer token
+        # is, and which (user, non-resource path) may be read with GET.
+        self.tokens: dict[str, dict[str, Any]] = {}
+        self.may_get: set[tuple[str, str]] = set()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -321,6 +333,26 @@ class FakeApiServer:
                           details={"kind": gvp[2], "group": gvp[0]})  # fmt: skip
         return None
 
+    async def _review(self, request: web.Request, resource: str) -> web.Response:
+        """A TokenReview or SubjectAccessReview: the request's spec and the verdict as status."""
+        if ("create", resource) in self.forbidden:
+            message = (
+                f'{resource}.{request.path.split("/")[2]} is forbidden: User "{self.user}" '
+                f'cannot create resource "{resource}" in API group "{request.path.split("/")[2]}"'
+                " at the cluster scope"
+            )
+            return status(403, "Forbidden", message)
+        body = await request.json()
+        spec = body.get("spec") or {}
+        if resource == "tokenreviews":
+            user = self.tokens.get(str(spec.get("token")))
+            body["status"] = {"authenticated": True, "user": user} if user else {}
+        else:
+            path = (spec.get("nonResourceAttributes") or {}).get("path")
+            verb = (spec.get("nonResourceAttributes") or {}).get("verb")
+            body["status"] = {"allowed": verb == "get" and (spec.get("user"), path) in self.may_get}
+        return _json(body, status=201)
+
     def _selected(self, request: web.Request, plural: str) -> Any:
         q = request.query
         labels = label_selector(q.get("labelSelector", ""))
@@ -330,6 +362,9 @@ class FakeApiServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(f"{request.method} {request.path_qs}")
         self.headers_seen.append(tuple(request.headers))
+        review = _REVIEWS.get(request.path)
+        if review is not None and request.method == "POST":
+            return await self._review(request, review)
         route = self._route(request.path)
         if route is None or route[0] not in SERVED or route[0] in self.unserved:
             return status(404, "NotFound", f"the server could not find {request.path}")

@@ -270,6 +270,7 @@ async def test_seed_era_pools_and_objectives_are_read(
     fake: FakeApiServer, make_source: Factory
 ) -> None:
     fake.unserved.add(("inference.networking.x-k8s.io", "v1alpha2", "inferencepools"))
+    fake.unserved.add(("llm-d.ai", "v1alpha2", "inferenceobjectives"))  # a GIE v1.x cluster
     old_pool = pool_obj()
     old_pool["apiVersion"] = "inference.networking.x-k8s.io/v1alpha1"
     old_pool["spec"]["extensionRef"] = {"name": "epp"}

@@ -83,7 +83,7 @@ def test_crds_are_the_projects_own() -> None:
     own, upstream = docs("crds.yaml"), docs("upstream/inferencepool-crd.yaml")
     assert own + upstream == custom_resource_definitions()
     # `kubectl apply -k` never touches the GA InferencePool CRD (the Gateway's install owns it).
-    assert {c["spec"]["group"] for c in own} == {"inference.networking.x-k8s.io"}
+    assert {c["spec"]["group"] for c in own} == {"inference.networking.x-k8s.io", "llm-d.ai"}
     assert [c["metadata"]["name"] for c in upstream] == [
         "inferencepools.inference.networking.k8s.io"
     ]
@@ -150,6 +150,8 @@ def test_rbac_verb_table_is_exactly_what_the_controller_uses() -> None:
             (x, "inferencemodels", ("get", "list", "watch"), ()),
             (x, "inferenceobjectives", ("get", "list", "watch"), ()),
             (x, "inferencemodelrewrites", ("get", "list", "watch"), ()),
+            ("llm-d.ai", "inferenceobjectives", ("get", "list", "watch"), ()),
+            ("llm-d.ai", "inferencemodelrewrites", ("get", "list", "watch"), ()),
             (ga, "inferencepools", ("get", "list", "watch"), ()),
             (x, "inferencemodels/status", ("patch", "update"), ()),
             ("coordination.k8s.io", "leases", ("create",), ()),
@@ -241,7 +243,7 @@ def test_provider_extras_point_at_the_epp_and_the_pool() -> None:
     epp = next(d for d in docs("epp.yaml") if d["kind"] == "Service")["metadata"]
     (rule,) = [d for d in docs("gateway/istio.yaml") if d["kind"] == "DestinationRule"]
     assert rule["spec"]["host"] == f"{epp['name']}.{epp['namespace']}.svc.cluster.local"
-    assert rule["spec"]["trafficPolicy"]["tls"]["mode"] == "DISABLE"  # the EPP serves h2c
+    assert rule["spec"]["trafficPolicy"]["tls"] == {"mode": "SIMPLE", "insecureSkipVerify": True}
     pool = next(d for d in docs("example/pool.yaml") if d["kind"] == "InferencePool")
     for policy in docs("gateway/gke.yaml"):
         if policy["kind"] in ("HealthCheckPolicy", "GCPBackendPolicy"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from poolkeeper.controller.kubernetes import (
     load_config,
 )
 from poolkeeper.datastore.store import Datastore
+from poolkeeper.errors import ConfigError
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -130,6 +132,46 @@ async def test_serve_kubernetes_stays_ready_through_an_api_outage(fake: FakeApiS
         await cluster.stop()
 
 
+def _alpn(port: int) -> str | None:
+    """The ALPN protocol a TLS handshake with 127.0.0.1:port selects (no verification)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw) as tls,
+    ):
+        return tls.selected_alpn_protocol()
+
+
+@pytest.mark.parametrize(
+    ("argv", "secure"),
+    [
+        (("--kubernetes",), True),
+        (("--kubernetes", "--no-secure-serving"), False),
+        (("-f", "x.yaml"), False),  # one machine: loopback plaintext to the managed Envoy
+        (("-f", "x.yaml", "--no-envoy", "--secure-serving"), True),
+    ],
+)
+def test_tls_is_on_by_default_in_kubernetes_mode_only(argv: tuple[str, ...], secure: bool) -> None:
+    assert serve_cli.tls_settings(_parse(*argv)).secure_serving is secure
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("-f", "x.yaml", "--secure-serving"), "--secure-serving is for an Envoy or Gateway"),
+        (("--kubernetes", "--enable-cert-reload"), "--enable-cert-reload needs --cert-path"),
+        (("--kubernetes", "--tls-min-version", "VersionTLS13"), "grpcio cannot refuse TLS 1.2"),
+        (("--kubernetes", "--tls-cipher-suites", "A,B"), "grpcio offers no cipher setting"),
+    ],
+)
+def test_tls_flags_that_cannot_be_served_are_refused(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        serve_cli.tls_settings(_parse(*argv))
+
+
 def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     serve_cli.register(parser.add_subparsers())
@@ -226,6 +268,7 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
     assert (options.run_envoy, options.ready_once_synced, options.drain_timeout_s) == (
         False, True, 30.0,
     )  # fmt: skip
+    assert options.tls.secure_serving  # upstream's --secure-serving default in a cluster
     options.ready_wait_s = 0
     runtime = GatewayRuntime(options)
     cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model="m")))
@@ -233,6 +276,8 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
     try:
         # Step 3: `kubectl rollout status` waits for readiness, with an empty namespace.
         assert await check_health(f"127.0.0.1:{health}", "readiness") == SERVING
+        # ext_proc speaks TLS with ALPN h2 (a self-signed cert), the health port plaintext.
+        assert await asyncio.to_thread(_alpn, ext_proc) == "h2"
         # Step 4: the pool, its model and a model server appear; they are routed to.
         sim_port = (await cluster.start())[0].port
         fake.put(pool_obj(port=sim_port), "inferencepools")

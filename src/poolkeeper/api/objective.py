@@ -1,5 +1,11 @@
-"""InferenceObjective (`inference.networking.x-k8s.io/v1alpha2`, upstream v1.0-v1.5): the
-InferenceModel's successor for *policy*: an integer `priority` for the requests that name it.
+"""InferenceObjective (`llm-d.ai/v1alpha2`, llm-d-router v0.10+; before it
+`inference.networking.x-k8s.io/v1alpha2`, GIE v1.0-v1.5): the InferenceModel's successor for
+*policy*: an integer `priority` for the requests that name it.
+
+The two groups carry the same schema, so one type validates both apiVersions (two rows of
+`poolkeeper.api.versions`). In a cluster the x-k8s group is a read-only fallback, as upstream
+reads it: its objects count only while the llm-d.ai CRD is not installed
+(`poolkeeper.controller.kubernetes.state`).
 
 Upstream split InferenceModel in two (proposal 1199): identity and traffic split moved to
 `InferenceModelRewrite` (`poolkeeper.api.rewrite`) and to HTTPRoutes, and the criticality enum
@@ -29,6 +35,8 @@ from poolkeeper.api.pool import V1_GROUP
 
 V1ALPHA2: Final = "inference.networking.x-k8s.io/v1alpha2"
 GROUP: Final = "inference.networking.x-k8s.io"
+LLMD_GROUP: Final = "llm-d.ai"
+LLMD_V1ALPHA2: Final = "llm-d.ai/v1alpha2"
 KIND: Final = "InferenceObjective"
 OBJECTIVE_HEADER: Final = "x-gateway-inference-objective"
 DEFAULT_PRIORITY: Final = 0
@@ -74,7 +82,7 @@ class InferenceObjectiveStatus(InferenceModelStatus):
 class InferenceObjective(ApiObject):
     """A named request objective (priority) for one InferencePool."""
 
-    api_version: Literal["inference.networking.x-k8s.io/v1alpha2"] = V1ALPHA2
+    api_version: Literal["llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2"] = V1ALPHA2
     kind: Literal["InferenceObjective"] = KIND
     spec: InferenceObjectiveSpec
     status: InferenceObjectiveStatus = Field(default_factory=InferenceObjectiveStatus)

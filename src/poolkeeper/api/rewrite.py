@@ -1,4 +1,6 @@
-"""InferenceModelRewrite (`inference.networking.x-k8s.io/v1alpha2`, upstream v1.3-v1.5): maps
+"""InferenceModelRewrite (`llm-d.ai/v1alpha2`, llm-d-router v0.10+; before it
+`inference.networking.x-k8s.io/v1alpha2`, GIE v1.3-v1.5; one type for both groups, the x-k8s
+one a read-only fallback in a cluster as for InferenceObjective): maps
 the model a client asks for onto weighted target models within one InferencePool, the traffic
 split that InferenceModel's `targetModels` used to carry.
 
@@ -28,6 +30,7 @@ from poolkeeper.api.model import MAX_WEIGHT, InferenceModelStatus
 from poolkeeper.api.objective import PoolReference
 
 V1ALPHA2: Final = "inference.networking.x-k8s.io/v1alpha2"
+LLMD_V1ALPHA2: Final = "llm-d.ai/v1alpha2"
 KIND: Final = "InferenceModelRewrite"
 REWRITE_HEADER: Final = "x-gateway-model-name-rewrite"
 
@@ -113,7 +116,7 @@ class InferenceModelRewriteStatus(InferenceModelStatus):
 class InferenceModelRewrite(ApiObject):
     """Model-name rewrite and traffic-split rules for one InferencePool."""
 
-    api_version: Literal["inference.networking.x-k8s.io/v1alpha2"] = V1ALPHA2
+    api_version: Literal["llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2"] = V1ALPHA2
     kind: Literal["InferenceModelRewrite"] = KIND
     spec: InferenceModelRewriteSpec
     status: InferenceModelRewriteStatus = Field(default_factory=InferenceModelRewriteStatus)

@@ -139,17 +139,17 @@ def envoy_gateway(p: DeployParams) -> list[dict[str, Any]]:
 
 def istio(p: DeployParams) -> list[dict[str, Any]]:
     """Istio (1.27+, installed with ENABLE_GATEWAY_API_INFERENCE_EXTENSION=true), and a
-    DestinationRule for the gateway's connection to the EPP Service. Upstream's EPP serves TLS
-    (self-signed), so its chart asks for `SIMPLE` with `insecureSkipVerify`; poolkeeper's EPP
-    serves plaintext h2c today, so the rule says `DISABLE` (no mesh mTLS either: the Gateway
-    speaks ext_proc to it directly). Switch to SIMPLE once the EPP serves TLS."""
+    DestinationRule for the gateway's connection to the EPP Service. The EPP serves TLS in
+    Kubernetes mode (`--secure-serving`, a self-signed certificate unless `--cert-path`), as
+    upstream's does, so the rule says `SIMPLE` with `insecureSkipVerify`, as upstream's chart
+    (no mesh mTLS: the Gateway speaks ext_proc to the EPP directly)."""
     rule = {
         "apiVersion": "networking.istio.io/v1",
         "kind": "DestinationRule",
         "metadata": meta(p.epp, p),
         "spec": {
             "host": f"{p.epp}.{p.namespace}.svc.cluster.local",
-            "trafficPolicy": {"tls": {"mode": "DISABLE"}},
+            "trafficPolicy": {"tls": {"mode": "SIMPLE", "insecureSkipVerify": True}},
         },
     }
     return [_gateway(p, "inference-gateway", "istio"), _route(p, "inference-gateway"), rule]

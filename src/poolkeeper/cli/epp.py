@@ -39,17 +39,13 @@ from poolkeeper.config.endpointpicker import (
 )
 from poolkeeper.config.gateway import GatewayConfig, TrustedHeader
 from poolkeeper.errors import ConfigError
+from poolkeeper.extproc.tls import TlsSettings
 
 log = logging.getLogger("poolkeeper.epp")
 
 # Flags accepted but not (yet) honoured, with what happens instead. Those whose upstream
 # default asks for something poolkeeper lacks are named even when not given.
 UNHONOURED: dict[str, str] = {
-    "secure-serving": "ext_proc is served in plaintext (h2c); set --secure-serving=false",
-    "cert-path": "no TLS on ext_proc",
-    "enable-cert-reload": "no TLS on ext_proc",
-    "tls-min-version": "no TLS on ext_proc",
-    "tls-cipher-suites": "no TLS on ext_proc",
     "metrics-endpoint-auth": "/metrics is served without authentication",
     "metrics-cert-dir": "/metrics is served over plain HTTP",
     "metrics-client-ca-file": "/metrics is served over plain HTTP",
@@ -69,7 +65,7 @@ UNHONOURED: dict[str, str] = {
     "zap-stacktrace-level": "log format follows --zap-encoder",
     "zap-time-encoding": "log format follows --zap-encoder",
 }
-_DEFAULT_ON = ("secure-serving", "metrics-endpoint-auth", "tracing", "enable-pprof")
+_DEFAULT_ON = ("metrics-endpoint-auth", "tracing", "enable-pprof")
 
 
 def unhonoured(options: EppOptions) -> list[str]:
@@ -132,6 +128,18 @@ def epp_gateway_config(options: EppOptions) -> tuple[GatewayConfig, list[str]]:
         lines = [f"{e.path}: {e.message}" for e in from_pydantic(exc)]
         raise ConfigError("the EPP settings are invalid:\n  " + "\n  ".join(lines)) from None
     return config, notices
+
+
+def _tls(options: EppOptions) -> TlsSettings:
+    """ext_proc's TLS as upstream's flags say (on by default: self-signed, ALPN h2)."""
+    cert_path = options.text("cert-path")
+    return TlsSettings(
+        secure_serving=options.flag("secure-serving"),
+        cert_path=Path(cert_path) if cert_path else None,
+        enable_cert_reload=options.flag("enable-cert-reload"),
+        tls_min_version=options.text("tls-min-version"),
+        tls_cipher_suites=options.texts("tls-cipher-suites"),
+    )
 
 
 def _json_logs(options: EppOptions) -> bool:
@@ -206,6 +214,7 @@ def _run(options: EppOptions, run_gateway: Any) -> int:
         run_envoy=False,
         ready_once_synced=True,
         drain_timeout_s=options.seconds("drain-timeout"),
+        tls=_tls(options),
     )
     code: int = run_gateway(serve, "uvloop", json_logs=_json_logs(options))
     return code

@@ -3,6 +3,7 @@
 poolkeeper serve -f examples/                  # EPP + Envoy on listeners.http
 poolkeeper serve -f pool.yaml --no-envoy       # EPP only, for your own Envoy / Gateway
 poolkeeper serve --kubernetes --pool my-pool   # in a cluster: resources from the API server
+                                               # (ext_proc over TLS, as upstream's EPP)
 poolkeeper envoy-config -f examples/ > envoy.json && envoy -c envoy.json
 """
 
@@ -21,10 +22,13 @@ from typing import Any
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource, file_source, load_files
 from poolkeeper.controller.kubernetes import KubeSettings, kubernetes_source, load_config
+from poolkeeper.controller.kubernetes.client import KubeApi
+from poolkeeper.controller.kubernetes.metricsauth import MetricsAuth
 from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
+from poolkeeper.extproc.tls import TlsError, TlsSettings
 from poolkeeper.server.runtime import (
     DEFAULT_DRAIN_GRACE_S,
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -82,6 +86,67 @@ def _add_kubernetes(parser: argparse.ArgumentParser) -> None:
         "--lease-name", default="poolkeeper-epp", help="Lease for the status writer election"
     )
     group.add_argument("--no-status", action="store_true", help="never write InferenceModel status")
+    group.add_argument(
+        "--metrics-endpoint-auth",
+        action="store_true",
+        help="/metrics only for a bearer token the API server authenticates (TokenReview) "
+        "and allows to get /metrics (SubjectAccessReview), as upstream's EPP; needs a "
+        "ClusterRole to create both",
+    )
+
+
+def _add_tls(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS on the ext_proc port (upstream's EPP flags)")
+    group.add_argument(
+        "--secure-serving",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve ext_proc over TLS, ALPN h2 (default: on with --kubernetes, as upstream's "
+        "EPP; otherwise off, loopback plaintext to the managed Envoy)",
+    )
+    group.add_argument(
+        "--cert-path",
+        type=Path,
+        default=None,
+        help="directory with tls.crt and tls.key (default: a self-signed cert made at start)",
+    )
+    group.add_argument(
+        "--enable-cert-reload",
+        action="store_true",
+        help="serve a changed tls.crt/tls.key from the next connection on (needs --cert-path)",
+    )
+    group.add_argument(
+        "--tls-min-version",
+        default="",
+        help="VersionTLS10..VersionTLS12 (gRPC serves TLS 1.2 and up in any case)",
+    )
+    group.add_argument(
+        "--tls-cipher-suites",
+        default="",
+        help="comma list (accepted for upstream's flag; grpcio cannot apply one: refused)",
+    )
+
+
+def tls_settings(args: argparse.Namespace) -> TlsSettings:
+    """The ext_proc TLS settings for these flags; ConfigError for what cannot be served."""
+    secure = args.kubernetes if args.secure_serving is None else args.secure_serving
+    settings = TlsSettings(
+        secure_serving=secure,
+        cert_path=args.cert_path,
+        enable_cert_reload=args.enable_cert_reload,
+        tls_min_version=args.tls_min_version,
+        tls_cipher_suites=tuple(c.strip() for c in args.tls_cipher_suites.split(",") if c.strip()),
+    )
+    try:
+        settings.check()
+    except TlsError as exc:
+        raise ConfigError(str(exc)) from None
+    if secure and not (args.no_envoy or args.kubernetes):
+        raise ConfigError(
+            "--secure-serving is for an Envoy or Gateway of your own (with --no-envoy or "
+            "--kubernetes); the managed Envoy dials the EPP in plaintext on loopback"
+        )
+    return settings
 
 
 def register(subparsers: Any) -> None:
@@ -93,6 +158,7 @@ def register(subparsers: Any) -> None:
     )
     _add_files(serve, required=False)
     _add_kubernetes(serve)
+    _add_tls(serve)
     serve.add_argument("--envoy-path", default=None, help="Envoy binary to run")
     serve.add_argument(
         "--no-envoy", action="store_true", help="run only the endpoint picker (own Envoy)"
@@ -191,7 +257,19 @@ def serve_options(args: argparse.Namespace, source: SourceFactory) -> ServeOptio
         drain_grace_s=args.drain_grace,
         ready_once_synced=args.kubernetes,
         drain_timeout_s=_drain_timeout(args),
+        tls=tls_settings(args),
+        metrics_middlewares=_metrics_auth(args),
     )
+
+
+def _metrics_auth(args: argparse.Namespace) -> tuple[Any, ...]:
+    if not args.metrics_endpoint_auth:
+        return ()
+    if not args.kubernetes:
+        raise ConfigError("--metrics-endpoint-auth needs --kubernetes (the API server decides)")
+    config = load_config(kubeconfig=args.kubeconfig, context=args.context)
+    namespace = args.namespace or config.namespace or "default"
+    return (MetricsAuth(lambda: KubeApi(config, namespace)).middleware,)
 
 
 def _drain_timeout(args: argparse.Namespace) -> float:

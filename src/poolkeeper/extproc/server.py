@@ -116,9 +116,11 @@ def build_server(
     *,
     extra: Callable[[grpc.aio.Server], None] | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to `address` ("host:port", port 0 = any); returns (server, port).
-    The servicer is the EPP's (`ExtProcServicer`) or body-based routing's (`bbr.BbrServicer`)."""
+    The servicer is the EPP's (`ExtProcServicer`) or body-based routing's (`bbr.BbrServicer`).
+    `credentials` (`extproc.tls.server_credentials`): TLS; None: plaintext."""
     server = grpc.aio.server(
         interceptors=list(interceptors),
         options=[
@@ -130,7 +132,10 @@ def build_server(
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     if extra is not None:
         extra(server)
-    port = server.add_insecure_port(address)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot bind the ext_proc server to {address}")
     return server, port

@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -43,10 +44,12 @@ from poolkeeper.envoy.process import (
     find_envoy,
     raise_descriptor_limit,
 )
+from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
+from poolkeeper.extproc.tls import TlsSettings, server_credentials
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import (
     learns_from_first_tokens as scheduler_learns_from_first_tokens,
@@ -90,6 +93,10 @@ class ServeOptions:
     # NOT_SERVING, the source stopped, so a Kubernetes Lease is released at once): the
     # cluster's Gateway keeps sending until it sees this replica go (upstream --drain-timeout).
     drain_timeout_s: float = 0.0
+    # TLS on the ext_proc port (upstream's --secure-serving; Kubernetes mode turns it on).
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    # aiohttp middlewares of the metrics server (upstream's --metrics-endpoint-auth).
+    metrics_middlewares: tuple[Any, ...] = ()
 
 
 def fail_open_split_targets(snapshot: DatastoreSnapshot) -> dict[str, str]:
@@ -267,6 +274,11 @@ class GatewayRuntime:
         # Without it (--no-envoy, Kubernetes) another host's Envoy must reach them. Both
         # transports hold to it: grpcio by the interceptor, the lean one by its own check.
         local = self.epp_address
+        if self.options.tls.secure_serving and listeners.ext_proc_transport == "lean":
+            raise ConfigError(
+                "TLS on the ext_proc port (--secure-serving) is served by the grpcio transport "
+                "only for now: set spec.listeners.extProcTransport: grpcio"
+            )
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.options.run_envoy:
             self._epp_token = new_token()
@@ -282,6 +294,7 @@ class GatewayRuntime:
             register=register,
             interceptors=interceptors,
             token=self._epp_token,
+            credentials=server_credentials(self.options.tls),
         )
         self._grpc_servers.append(extproc)
         export_transport(self.metrics.registry, extproc)
@@ -295,6 +308,7 @@ class GatewayRuntime:
         for server in self._grpc_servers:
             await server.start()
         app = self.metrics.app()
+        app.middlewares.extend(self.options.metrics_middlewares)
         # HTTP probes beside /metrics, for orchestrators without gRPC probes.
         app.router.add_get("/healthz", self._http_probe(lambda: True))
         app.router.add_get("/readyz", self._http_probe(self.ready))

@@ -70,17 +70,23 @@ async def start_extproc(
     interceptors: list[grpc.aio.ServerInterceptor] | None = None,
     token: str | None = None,
     tls: ssl.SSLContext | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> Stoppable:
     """The ext_proc port's server, listening (grpcio's is started by the caller with the
     others). `register` adds grpcio's extra services; `token` is the lean transport's form of
-    grpcio's `interceptors` (calls without it are refused, health excepted)."""
+    grpcio's `interceptors` (calls without it are refused, health excepted); `credentials`:
+    grpcio's TLS (`extproc.tls.server_credentials`), `tls` the lean transport's."""
     if transport == "lean":
         return await start_lean(
             servicer, address, port, detached=detached, token=token, tls=tls,
             more=health_methods(health),
         )  # fmt: skip
     server: Stoppable = build_server(
-        servicer, f"{address}:{port}", extra=register, interceptors=interceptors or ()
+        servicer,
+        f"{address}:{port}",
+        extra=register,
+        interceptors=interceptors or (),
+        credentials=credentials,
     )[0]
     return server
 

@@ -248,6 +248,16 @@ class KubeApi:
             raise _narrow(exc) from exc
         return _plain(created, kind)
 
+    async def review(self, review: Any) -> dict[str, Any]:
+        """Create a cluster-scoped review (lightkube's TokenReview or SubjectAccessReview
+        resource: never stored, the verdict comes back) and return its status as a dict."""
+        try:
+            created = await self._client.create(review)
+        except Exception as exc:
+            raise _narrow(exc) from exc
+        status = getattr(created, "status", None)
+        return dict(status.to_dict()) if status is not None else {}
+
     async def replace(
         self, kind: ResourceKind, obj: Mapping[str, Any], *, field_manager: str | None = None
     ) -> dict[str, Any]:

@@ -121,6 +121,7 @@ class ObjectCache:
     objects: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     version: str | None = None  # the list's or the last event's resourceVersion
     synced: bool = False  # a full list has been applied
+    installed: bool = False  # the last list found the resource served (its CRD is installed)
 
     def apply_event(self, event_type: str, obj: Mapping[str, Any]) -> bool:
         """Fold one watch event in (ADDED, MODIFIED, DELETED, BOOKMARK); True if the set of

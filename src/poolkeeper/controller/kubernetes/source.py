@@ -233,6 +233,7 @@ class KubernetesResourceSource:
         served (the CRD is not installed): empty, and `version` None so it is looked for again."""
         items: list[dict[str, Any]] = []
         version: str | None = None
+        cache.installed = False
         for kind in cache.candidates or (cache.kind,):
             try:
                 items, version = await self.api.list(kind)
@@ -241,6 +242,7 @@ class KubernetesResourceSource:
             if kind != cache.kind:
                 log.info("watching %s (the version the API server serves)", kind)
                 cache.kind = kind
+            cache.installed = True
             break
         pruned = cache.replace(items, version)
         for key in pruned:

@@ -2,7 +2,8 @@
 datastore (pure: no I/O; the source's watch loops fill the caches).
 
 One `ObjectCache` per set of objects: the x-k8s and the k8s.io InferencePools, the
-InferenceModels, the InferenceObjectives, the InferenceModelRewrites and the Pods. The views
+InferenceModels, the InferenceObjectives and InferenceModelRewrites of each group (llm-d.ai, and
+the x-k8s group read only as a fallback) and the Pods. The views
 parse each object with the API types (invalid ones are left out and logged once per change of
 their problems), keep only the named pools and what references them (`--pool`), and turn Ready
 Pods into endpoint specs.
@@ -17,6 +18,7 @@ from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.rewrite import InferenceModelRewrite
+from poolkeeper.api.versions import fallback_applies, is_fallback
 from poolkeeper.controller.kubernetes.objects import (
     MODEL_KINDS,
     POD,
@@ -49,6 +51,7 @@ class ClusterState:
         self.policy_caches = [ObjectCache(kinds[0], kinds) for kinds in POLICY_KINDS]
         self.pods_cache = ObjectCache(POD, (POD,))
         self._problems: dict[str, tuple[str, ...]] = {}  # object -> problems logged
+        self._legacy_logged: dict[str, str] = {}  # fallback-group object -> verdict logged
 
     def caches(self) -> list[ObjectCache]:
         return [*self.pool_caches, self.models_cache, *self.policy_caches, self.pods_cache]
@@ -87,10 +90,21 @@ class ClusterState:
         return out
 
     def policies(self) -> list[ModelResource]:
-        """InferenceObjectives and InferenceModelRewrites (of the named pools, if any)."""
+        """InferenceObjectives and InferenceModelRewrites (of the named pools, if any).
+
+        The x-k8s group of these kinds is upstream's read-only fallback: its objects count only
+        while the kind's llm-d.ai CRD is not installed (each logged once as deprecated), and are
+        ignored with a warning once it is (`poolkeeper.api.versions.fallback_applies`)."""
         out: list[ModelResource] = []
         for cache in self.policy_caches:
+            kind = cache.kind.kind
+            installed = [
+                c.kind.group for c in self.policy_caches if c.installed and c.kind.kind == kind
+            ]
+            counts = fallback_applies(cache.kind.kind, cache.kind.group, installed) is not False
             for key, obj in sorted(cache.objects.items()):
+                if not self._legacy(cache, key, counts=counts):
+                    continue
                 parsed, problems = parse_object(obj)
                 self._report(f"{cache.kind}/{key}", problems)
                 if isinstance(parsed, InferenceObjective | InferenceModelRewrite) and self._ours(
@@ -98,6 +112,20 @@ class ClusterState:
                 ):
                     out.append(parsed)
         return out
+
+    def _legacy(self, cache: ObjectCache, key: str, *, counts: bool) -> bool:
+        """Whether an object of `cache` counts; logs a fallback-group object once per verdict."""
+        if not is_fallback(cache.kind.kind, cache.kind.group):
+            return True
+        ref = f"{cache.kind.kind} {key} ({cache.kind.api_version})"
+        verdict = "read" if counts else "ignored"
+        if self._legacy_logged.get(ref) != verdict:
+            self._legacy_logged[ref] = verdict
+            if counts:
+                log.warning("DEPRECATION: %s is in the legacy group; move it to llm-d.ai", ref)
+            else:
+                log.warning("ignoring %s: the llm-d.ai CRD of this kind is installed", ref)
+        return counts
 
     def endpoints(self) -> list[EndpointSpec]:
         specs = (

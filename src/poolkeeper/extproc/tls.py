@@ -1,0 +1,216 @@
+"""TLS for the ext_proc gRPC server, as upstream's EPP serves it (`--secure-serving`).
+
+`server_credentials(TlsSettings)` is the one function a server calls: None means plaintext
+(`add_insecure_port`), else grpc server credentials for `add_secure_port`. gRPC negotiates
+ALPN `h2` itself.
+
+- No `cert_path`: a self-signed certificate made at start (upstream does the same: RSA-4096, ten
+  years, O="Inference Ext", no SANs). Here ECDSA P-256 (generated in milliseconds, not seconds)
+  with the SANs `localhost` and `127.0.0.1`, so that a verifying client on the same host can
+  pin it; gateways in front of an EPP skip verification either way (upstream's Istio
+  DestinationRule says `insecureSkipVerify`).
+- `cert_path`: a directory with `tls.crt` and `tls.key` (a Kubernetes TLS Secret's keys).
+- `enable_cert_reload`: gRPC's dynamic server credentials ask `CertReloader.fetch` at every new
+  connection; it re-reads the pair when either file changed (a Secret update swaps the files
+  behind a symlink), so a new handshake serves the new certificate at once. A half-written or
+  mismatched pair is logged and the previous one kept until the files agree again.
+- `tls_min_version`: upstream's Go names. grpcio's floor is TLS 1.2 and it offers no setting,
+  so `VersionTLS10`-`12` are served as 1.2+ (stricter); `VersionTLS13` and cipher suites
+  cannot be enforced through grpcio and are refused with a precise error rather than ignored.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+__all__ = [
+    "CERT_FILE",
+    "KEY_FILE",
+    "TLS_VERSIONS",
+    "CertReloader",
+    "TlsError",
+    "TlsSettings",
+    "read_pair",
+    "self_signed_pair",
+    "server_credentials",
+]
+
+log = logging.getLogger(__name__)
+
+CERT_FILE: Final = "tls.crt"
+KEY_FILE: Final = "tls.key"
+TLS_VERSIONS: Final = ("VersionTLS10", "VersionTLS11", "VersionTLS12", "VersionTLS13")
+_ENFORCEABLE: Final = frozenset({"", "VersionTLS10", "VersionTLS11", "VersionTLS12"})
+_VALIDITY: Final = datetime.timedelta(days=3650)
+
+
+class TlsError(ValueError):
+    """A TLS setting or certificate that cannot be served (the message says which and why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """How the ext_proc server is served; upstream's flags of the same names."""
+
+    secure_serving: bool = False  # `serve` on one machine: loopback plaintext unless asked
+    cert_path: Path | None = None  # a directory with tls.crt and tls.key
+    enable_cert_reload: bool = False  # needs cert_path
+    tls_min_version: str = ""  # "" or one of TLS_VERSIONS
+    tls_cipher_suites: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        """Raise TlsError for a combination that cannot be served."""
+        if self.enable_cert_reload and self.cert_path is None:
+            raise TlsError(
+                "--enable-cert-reload needs --cert-path (a self-signed cert never changes)"
+            )
+        if self.tls_min_version not in ("", *TLS_VERSIONS):
+            raise TlsError(
+                f"--tls-min-version {self.tls_min_version!r}: expected one of "
+                + ", ".join(TLS_VERSIONS)
+            )
+        if self.tls_min_version not in _ENFORCEABLE:
+            raise TlsError(
+                f"--tls-min-version {self.tls_min_version}: grpcio cannot refuse TLS 1.2 "
+                "(it serves TLS 1.2 and 1.3 with no setting); leave it unset or VersionTLS12"
+            )
+        if self.tls_cipher_suites:
+            raise TlsError(
+                "--tls-cipher-suites: grpcio offers no cipher setting (it serves BoringSSL's "
+                "ECDHE AES-GCM and ChaCha20 suites); leave it unset"
+            )
+        if self.cert_path is not None and not self.secure_serving:
+            raise TlsError("--cert-path needs --secure-serving")
+
+
+def self_signed_pair(hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> tuple[bytes, bytes]:
+    """A fresh self-signed server certificate and its key, PEM: (cert, key)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Inference Ext"),
+            x509.NameAttribute(NameOID.COMMON_NAME, hosts[0] if hosts else "poolkeeper"),
+        ]
+    )
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))  # clock skew between hosts
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(key, hashes.SHA256())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def read_pair(directory: Path) -> tuple[bytes, bytes]:
+    """(cert, key) PEM from `directory`; TlsError unless both parse and belong together."""
+    cert_file, key_file = directory / CERT_FILE, directory / KEY_FILE
+    try:
+        cert_pem, key_pem = cert_file.read_bytes(), key_file.read_bytes()
+    except OSError as exc:
+        raise TlsError(f"cannot read the TLS pair in {directory}: {exc}") from None
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise TlsError(f"{cert_file}: not a PEM certificate ({exc})") from None
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as exc:
+        raise TlsError(f"{key_file}: not an unencrypted PEM private key ({exc})") from None
+    raw = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if cert.public_key().public_bytes(*raw) != key.public_key().public_bytes(*raw):
+        raise TlsError(f"{key_file} is not the key of {cert_file}")
+    return cert_pem, key_pem
+
+
+def _stamp(directory: Path) -> tuple[tuple[int, int, int], ...]:
+    """What changes when either file is rewritten or swapped (mtime, size, inode)."""
+    out = []
+    for name in (CERT_FILE, KEY_FILE):
+        try:
+            st = os.stat(directory / name)
+        except OSError:
+            out.append((-1, -1, -1))
+        else:
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(out)
+
+
+class CertReloader:
+    """The certificate fetcher of gRPC's dynamic server credentials (called per connection)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._stamp = _stamp(directory)
+        self.pair = read_pair(directory)
+        self.reloads = 0
+        self._rejected: tuple[tuple[int, int, int], ...] | None = None
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        cert, key = self.pair
+        return grpc.ssl_server_certificate_configuration([(key, cert)])
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """The new configuration when the files changed into a valid pair, else None (keep)."""
+        stamp = _stamp(self.directory)
+        if stamp == self._stamp or stamp == self._rejected:
+            return None
+        try:
+            pair = read_pair(self.directory)
+        except TlsError as exc:
+            self._rejected = stamp  # once per change: the next write is looked at again
+            log.warning("TLS pair not reloaded, still serving the previous one: %s", exc)
+            return None
+        self._stamp, self.pair, self._rejected = stamp, pair, None
+        self.reloads += 1
+        log.info("TLS certificate reloaded from %s", self.directory)
+        return self.configuration()
+
+
+def server_credentials(settings: TlsSettings) -> grpc.ServerCredentials | None:
+    """Credentials for the ext_proc port, or None for plaintext; TlsError if unservable."""
+    settings.check()
+    if not settings.secure_serving:
+        return None
+    if settings.cert_path is None:
+        cert, key = self_signed_pair()
+        log.info("ext_proc serves TLS with a self-signed certificate made at start")
+        return grpc.ssl_server_credentials([(key, cert)])
+    if settings.enable_cert_reload:
+        reloader = CertReloader(settings.cert_path)
+        log.info("ext_proc serves TLS from %s, reloaded on change", settings.cert_path)
+        return grpc.dynamic_ssl_server_credentials(reloader.configuration(), reloader.fetch)
+    cert, key = read_pair(settings.cert_path)
+    log.info("ext_proc serves TLS from %s", settings.cert_path)
+    return grpc.ssl_server_credentials([(key, cert)])

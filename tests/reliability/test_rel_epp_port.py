@@ -160,7 +160,14 @@ async def test_a_direct_client_of_the_epp_port_changes_nothing(
             process = pb_grpc.ExternalProcessorStub(channel).Process(iter([_headers(), _body()]))
             with pytest.raises(grpc.aio.AioRpcError) as routed:
                 await process.read()  # refused before any reply: not routed, nothing named
-            assert routed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            # The refusal is a trailers-only UNAUTHENTICATED plus RST_STREAM(NO_ERROR) while
+            # the client may still be sending; grpc-core then sometimes reports the reset
+            # (INTERNAL) instead of the status. That it was the token check that refused is
+            # proven below by the refused-calls counter (3: this call and the two after it).
+            assert routed.value.code() in (
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.INTERNAL,
+            )
             logs = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(
                 iter([_forged_entry("any-key")])
             )

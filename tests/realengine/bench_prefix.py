@@ -40,6 +40,7 @@ from pathlib import Path
 
 import openai
 
+from poolkeeper.bench.live.live import envoy_rr_bootstrap
 from poolkeeper.netutil import free_ports
 from tests.realengine.llama import BASE_MODEL, LlamaServer, start_server, wait_healthy
 
@@ -183,47 +184,9 @@ spec:
 
 
 def round_robin_config(path: Path, servers: Sequence[LlamaServer]) -> tuple[list[str], str]:
+    """Envoy alone, round-robin over the servers: the same bootstrap `bench live` uses."""
     port, admin = free_ports(2)
-    endpoints = "".join(
-        "        - endpoint: {address: {socket_address: "
-        f"{{address: 127.0.0.1, port_value: {s.port}}}}}}}\n"
-        for s in servers
-    )
-    hcm = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-    path.write_text(f"""\
-admin:
-  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
-static_resources:
-  listeners:
-  - name: rr
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": {hcm}.HttpConnectionManager
-          stat_prefix: rr
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route: {{cluster: llama, timeout: 0s}}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: llama
-    type: STATIC
-    lb_policy: ROUND_ROBIN
-    connect_timeout: 1s
-    load_assignment:
-      cluster_name: llama
-      endpoints:
-      - lb_endpoints:
-{endpoints}""")
+    envoy_rr_bootstrap(path, port, admin, [s.port for s in servers])
     envoy = Path(sys.executable).parent / "envoy"
     cmd = [str(envoy), "-c", str(path), "--concurrency", "1", "--log-level", "warn",
            "--disable-hot-restart"]  # fmt: skip

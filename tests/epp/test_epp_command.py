@@ -84,7 +84,7 @@ def test_ext_proc_tls_follows_upstream_flags() -> None:
 def test_unhonoured_flags_are_named() -> None:
     defaults = epp_cli.unhonoured(parse_epp_args(["--pool-name=p"]))
     assert not any(n.startswith("--secure-serving:") for n in defaults)  # TLS is served
-    assert any(n.startswith("--metrics-endpoint-auth:") for n in defaults)
+    assert not any(n.startswith("--metrics-endpoint-auth:") for n in defaults)  # honoured
     quiet = epp_cli.unhonoured(
         parse_epp_args(
             ["--pool-name=p", "--secure-serving=false", "--metrics-endpoint-auth=false",

@@ -46,7 +46,6 @@ log = logging.getLogger("poolkeeper.epp")
 # Flags accepted but not (yet) honoured, with what happens instead. Those whose upstream
 # default asks for something poolkeeper lacks are named even when not given.
 UNHONOURED: dict[str, str] = {
-    "metrics-endpoint-auth": "/metrics is served without authentication",
     "metrics-cert-dir": "/metrics is served over plain HTTP",
     "metrics-client-ca-file": "/metrics is served over plain HTTP",
     "tracing": "no OpenTelemetry tracing",
@@ -65,7 +64,7 @@ UNHONOURED: dict[str, str] = {
     "zap-stacktrace-level": "log format follows --zap-encoder",
     "zap-time-encoding": "log format follows --zap-encoder",
 }
-_DEFAULT_ON = ("metrics-endpoint-auth", "tracing", "enable-pprof")
+_DEFAULT_ON = ("tracing", "enable-pprof")
 
 
 def unhonoured(options: EppOptions) -> list[str]:
@@ -205,19 +204,38 @@ def _run(options: EppOptions, run_gateway: Any) -> int:
     missing = unhonoured(options)
     if missing:
         log.warning("accepted but not honoured by poolkeeper: %s", "; ".join(missing))
+    serve = epp_serve_options(options, source)
+    code: int = run_gateway(serve, "uvloop", json_logs=_json_logs(options))
+    return code
+
+
+def epp_serve_options(options: EppOptions, source: Any) -> Any:
+    """The runtime's options (a ServeOptions) for the EPP's flags."""
     from poolkeeper.server.runtime import ServeOptions
 
     # Readiness and drain as upstream's EPP: ready once synced; on SIGTERM NOT_SERVING, the
     # Lease released, ext_proc serving for --drain-timeout, then the usual drain.
-    serve = ServeOptions(
+    return ServeOptions(
         source=source,
         run_envoy=False,
         ready_once_synced=True,
         drain_timeout_s=options.seconds("drain-timeout"),
         tls=_tls(options),
+        metrics_middlewares=_metrics_auth(options),
     )
-    code: int = run_gateway(serve, "uvloop", json_logs=_json_logs(options))
-    return code
+
+
+def _metrics_auth(options: EppOptions) -> tuple[Any, ...]:
+    """`--metrics-endpoint-auth` (default true, as upstream): TokenReview + SubjectAccessReview
+    for `GET /metrics`, asked of the API server with the EPP's own credentials."""
+    if not options.flag("metrics-endpoint-auth"):
+        return ()
+    from poolkeeper.controller.kubernetes import KubeApi, load_config
+    from poolkeeper.controller.kubernetes.metricsauth import MetricsAuth
+
+    config = load_config(kubeconfig=None, context=None)
+    namespace = options.pool_namespace
+    return (MetricsAuth(lambda: KubeApi(config, namespace)).middleware,)
 
 
 def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
@@ -234,6 +252,7 @@ def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
         pool_names=(name,),
         write_status=False,  # upstream never writes status; the chart grants read only
         lease_name=f"epp-{namespace}-{name}.llm-d.ai",
+        pool_group=options.text("pool-group"),  # as upstream: only what the chart grants
     )
     return kubernetes_source(settings, config, load_config(kubeconfig=None, context=None))
 

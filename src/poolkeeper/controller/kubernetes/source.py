@@ -79,6 +79,7 @@ class KubeSettings:
     start_timeout_s: float = 30.0
     resync_s: float = 300.0  # status reconcile from the cache, as controller-runtime's resync
     field_manager: str = "poolkeeper-epp"  # stable across pods: one managedFields entry
+    pool_group: str = ""  # only this group's InferencePools (upstream --pool-group); "": all
 
 
 class KubernetesResourceSource:
@@ -105,7 +106,11 @@ class KubernetesResourceSource:
         self._rng = rng or random.Random()
         self._now = now
         self._clock = clock
-        self.state = ClusterState(settings.pool_names, self.gateway_config.spec.scraping.engine_for)
+        self.state = ClusterState(
+            settings.pool_names,
+            self.gateway_config.spec.scraping.engine_for,
+            settings.pool_group,
+        )
         self._degraded: dict[str, float] = {}  # follower -> when it lost the watch (clock)
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
         self._models_by_key: dict[str, InferenceModel] = {}

@@ -272,6 +272,9 @@ async def test_the_rendered_chart_serves_under_its_rbac(
                 status, text = await _scrape(epp.metrics, READER_TOKEN)
                 assert status == 200
                 assert "llm_d_epp_request_total{" in text
+                assert 'llm_d_epp_average_running_requests{name="qwen"}' in text
+                assert 'llm_d_epp_scheduler_attempts_total{endpoint_name="vllm-0' in text
+                assert "llm_d_epp_datalayer_poll_errors_total{" in text
         assert fake.refused == []  # never a 403 under the chart's RBAC
         assert [w for w in fake.writes if w.plural != "leases"] == []  # read-only otherwise
         assert sum(s.engine.counters.requests_submitted for s in cluster.servers) == 1

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import random
 import signal
+import statistics
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -97,6 +98,15 @@ class ServeOptions:
     tls: TlsSettings = field(default_factory=TlsSettings)
     # aiohttp middlewares of the metrics server (upstream's --metrics-endpoint-auth).
     metrics_middlewares: tuple[Any, ...] = ()
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def _pstdev(values: list[float]) -> float:
+    """Population standard deviation, as upstream's metrics logger computes it."""
+    return statistics.pstdev(values) if values else 0.0
 
 
 def fail_open_split_targets(snapshot: DatastoreSnapshot) -> dict[str, str]:
@@ -231,7 +241,9 @@ class GatewayRuntime:
             pool_stats=self.pool_stats,
             scheduling=stats if isinstance(stats, SchedulingStats) else None,
             flow_stats=self.flow_stats,
+            endpoint_of=self.endpoint_of,
         )
+        self.metrics.follow_scrapes(self._scrapers.failure_totals)
         self.metrics.follow_source(self._source.stale_s)
         self.director.observer = self.metrics  # time to first token, rewrite decisions
         if self.director.flow is not None:
@@ -423,12 +435,27 @@ class GatewayRuntime:
         snapshot = self.datastore.snapshot()
         for key in snapshot.pool_keys():
             states = snapshot.states(key)
-            n = len(states)
-            kv = sum(s.metrics.kv_cache_usage for s in states) / n if n else 0.0
-            queue = sum(s.metrics.waiting for s in states) / n if n else 0.0
+            kv = [s.metrics.kv_cache_usage for s in states]
+            queue = [float(s.metrics.waiting) for s in states]
+            running = [float(s.metrics.running) for s in states]
             ready = sum(1 for s in states if s.metrics.reachable)
             per_pod = tuple((s.endpoint.name, float(s.metrics.waiting)) for s in states)
-            yield PoolStats(key.rpartition("/")[2], kv, queue, ready, per_pod)
+            yield PoolStats(
+                key.rpartition("/")[2],
+                _mean(kv),
+                _mean(queue),
+                ready,
+                per_pod,
+                average_running_requests=_mean(running),
+                std_dev_kv_cache_utilization=_pstdev(kv),
+                std_dev_queue_size=_pstdev(queue),
+                std_dev_running_requests=_pstdev(running),
+            )
+
+    def endpoint_of(self, hostport: str) -> tuple[str, str, str] | None:
+        """(name, namespace, hostport) of the endpoint at `hostport` (metrics labels)."""
+        endpoint = self.datastore.snapshot().endpoint(hostport)
+        return None if endpoint is None else (endpoint.name, endpoint.namespace, hostport)
 
     def flow_stats(self) -> Iterator[QueueStats]:
         gate = self.director.flow if self.director is not None else None

@@ -368,7 +368,9 @@ class GatewayRuntime:
             learns_from_first_tokens=self.director is not None
             and self.director.learns_from_first_tokens,
         )
-        params = dataclasses.replace(params, epp_token=self._epp_token)
+        params = dataclasses.replace(
+            params, epp_token=self._epp_token, epp_tls=self.options.tls.secure_serving
+        )
         # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
         # idle connections are refused by the cap, never by descriptors running out.
         descriptors = raise_descriptor_limit()

@@ -39,7 +39,7 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
-from poolkeeper.telemetry.health import SERVING, check_health
+from poolkeeper.telemetry.health import SERVICE_UNKNOWN, SERVING, check_health
 from tests.epp.test_epp_original_dst import original_dst_envoy
 from tests.kube.conftest import fake
 from tests.kube.fakeapi import FakeApiServer
@@ -266,6 +266,11 @@ async def test_the_rendered_chart_serves_under_its_rbac(
                 assert raw.parse().choices[0].message.content
             finally:
                 await client.close()
+            # The probes' service names answer as upstream's (leader-aware with replicas 2).
+            liveness = render.container["livenessProbe"]["grpc"]["service"]
+            assert await check_health(f"127.0.0.1:{epp.health}", liveness) == SERVING
+            other = await check_health(f"127.0.0.1:{epp.health}", "no-such-service")
+            assert other == (SERVICE_UNKNOWN if name == "gateway-ha" else SERVING)
             # /metrics behind TokenReview + SubjectAccessReview (the chart leaves auth on)
             assert (await _scrape(epp.metrics, None))[0] == 401
             if name == "gateway-ha":  # monitoring on: the chart's ClusterRole allows the scrape
@@ -276,7 +281,10 @@ async def test_the_rendered_chart_serves_under_its_rbac(
                 assert 'llm_d_epp_scheduler_attempts_total{endpoint_name="vllm-0' in text
                 assert "llm_d_epp_datalayer_poll_errors_total{" in text
         assert fake.refused == []  # never a 403 under the chart's RBAC
-        assert [w for w in fake.writes if w.plural != "leases"] == []  # read-only otherwise
+        # Read-only, but for the Lease when the chart asks for leader election (replicas 2).
+        leases = {w.name for w in fake.writes if w.plural == "leases"}
+        assert [w for w in fake.writes if w.plural != "leases"] == []
+        assert leases == ({"epp-llm-qwen.llm-d.ai"} if name == "gateway-ha" else set())
         assert sum(s.engine.counters.requests_submitted for s in cluster.servers) == 1
     finally:
         await cluster.stop()

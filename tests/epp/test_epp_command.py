@@ -92,8 +92,11 @@ def test_unhonoured_flags_are_named() -> None:
         )
     )  # fmt: skip
     assert quiet == []
-    asked = epp_cli.unhonoured(parse_epp_args(["--pool-name=p", "--ha-enable-leader-election"]))
-    assert any("active-active" in n for n in asked)
+    asked = epp_cli.unhonoured(parse_epp_args(["--pool-name=p", "--emit-endpoint-scores"]))
+    assert any(n.startswith("--emit-endpoint-scores:") for n in asked)
+    # honoured now: leader election (leader-aware readiness) and /metrics authentication
+    honoured = parse_epp_args(["--pool-name=p", "--ha-enable-leader-election"])
+    assert not any("leader" in n for n in epp_cli.unhonoured(honoured))
 
 
 def test_bad_flags_exit_2_through_both_entry_points(capsys: pytest.CaptureFixture[str]) -> None:

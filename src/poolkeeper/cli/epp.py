@@ -50,7 +50,6 @@ UNHONOURED: dict[str, str] = {
     "metrics-client-ca-file": "/metrics is served over plain HTTP",
     "tracing": "no OpenTelemetry tracing",
     "enable-pprof": "no pprof (a Python process)",
-    "ha-enable-leader-election": "every replica serves and reports ready (active-active)",
     "health-checking": "gRPC health is served on the health port only",
     "emit-endpoint-scores": "scores are not written to envoy.lb metadata",
     "enable-grpc-stream-metrics": "no extproc_* stream metrics",
@@ -222,6 +221,7 @@ def epp_serve_options(options: EppOptions, source: Any) -> Any:
         drain_timeout_s=options.seconds("drain-timeout"),
         tls=_tls(options),
         metrics_middlewares=_metrics_auth(options),
+        upstream_health=True,
     )
 
 
@@ -253,6 +253,7 @@ def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
         write_status=False,  # upstream never writes status; the chart grants read only
         lease_name=f"epp-{namespace}-{name}.llm-d.ai",
         pool_group=options.text("pool-group"),  # as upstream: only what the chart grants
+        leader_election=options.flag("ha-enable-leader-election"),
     )
     return kubernetes_source(settings, config, load_config(kubeconfig=None, context=None))
 

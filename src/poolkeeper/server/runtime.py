@@ -98,6 +98,8 @@ class ServeOptions:
     tls: TlsSettings = field(default_factory=TlsSettings)
     # aiohttp middlewares of the metrics server (upstream's --metrics-endpoint-auth).
     metrics_middlewares: tuple[Any, ...] = ()
+    # gRPC health as llm-d-router's EPP answers it (leader-aware; `poolkeeper-epp`).
+    upstream_health: bool = False
 
 
 def _mean(values: list[float]) -> float:
@@ -249,9 +251,13 @@ class GatewayRuntime:
         if self.director.flow is not None:
             self.director.flow.observer = self.metrics  # queue outcomes and durations
         listeners = spec.listeners
-        health = HealthService.for_gateway(
-            live=lambda: True, ready=self.ready, answering=lambda: self.director is not None
-        )
+        if self.options.upstream_health:
+            leading = getattr(self._source, "leading", None) or (lambda: None)
+            health = HealthService.for_upstream_epp(ready=self.ready, leading=leading)
+        else:
+            health = HealthService.for_gateway(
+                live=lambda: True, ready=self.ready, answering=lambda: self.director is not None
+            )
         settings = ExtProcSettings(
             max_request_body_bytes=spec.request_handling.max_body_bytes + 1024,
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),

@@ -80,6 +80,9 @@ class KubeSettings:
     resync_s: float = 300.0  # status reconcile from the cache, as controller-runtime's resync
     field_manager: str = "poolkeeper-epp"  # stable across pods: one managedFields entry
     pool_group: str = ""  # only this group's InferencePools (upstream --pool-group); "": all
+    # Take part in the Lease even without status writes (upstream --ha-enable-leader-election:
+    # readiness follows leadership, see `leading`).
+    leader_election: bool = False
 
 
 class KubernetesResourceSource:
@@ -143,6 +146,13 @@ class KubernetesResourceSource:
         the data plane down; the last known state is served, see `stale_s`)."""
         return self.synced()
 
+    def leading(self) -> bool | None:
+        """Whether this replica holds the Lease; None when it takes no part in one (status
+        writes off and no leader election asked for)."""
+        if not (self.settings.write_status or self.settings.leader_election):
+            return None
+        return self.elector.is_leader()
+
     def in_step(self) -> bool:
         """Every watch is running (none re-listing after a failure)."""
         return self.synced() and not self._degraded
@@ -196,8 +206,9 @@ class KubernetesResourceSource:
         tasks = [
             asyncio.create_task(self._follow(c), name=f"watch {c.kind}") for c in self._caches()
         ]
-        if self.settings.write_status:
+        if self.settings.write_status or self.settings.leader_election:
             tasks.append(asyncio.create_task(self.elector.run(self._sleep), name="lease"))
+        if self.settings.write_status:
             tasks.append(asyncio.create_task(self._write_statuses(), name="status"))
             tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
         try:

@@ -171,11 +171,16 @@ class RunningEpp:
     ext_proc: int
     health: int
     metrics: int
+    runtime: GatewayRuntime
 
 
 @asynccontextmanager
 async def rendered_epp(
-    render: Render, fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    render: Render,
+    fake: FakeApiServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sim_port: int,
 ) -> AsyncIterator[RunningEpp]:
     """`poolkeeper-epp` with the render's container arguments and env, against the double
     (the API server from a kubeconfig, as in-cluster config would give it); ready on the
@@ -199,6 +204,8 @@ async def rendered_epp(
     for file, content in render.config_files().items():
         (config_dir / file).write_text(content)
     args = [a.replace("/config/", f"{config_dir}/") for a in render.container["args"]]
+    if "--endpoint-target-ports" in args:  # standalone: the chart's 8000 is the simulator's
+        args[args.index("--endpoint-target-ports") + 1] = str(sim_port)
     ext_proc, health, metrics = _ports(3)
     argv = [*args, f"--grpc-port={ext_proc}", f"--grpc-health-port={health}",
             f"--metrics-port={metrics}"]  # fmt: skip
@@ -218,7 +225,7 @@ async def rendered_epp(
             return await check_health(f"127.0.0.1:{health}", service) == SERVING
 
         await eventually(ready, f"readiness ({service})")
-        yield RunningEpp(ext_proc, health, metrics)
+        yield RunningEpp(ext_proc, health, metrics, runtime)
     finally:
         await runtime.stop(grace_s=0)
 
@@ -233,7 +240,7 @@ async def _scrape(port: int, token: str | None) -> tuple[int, str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", GATEWAY_RENDERS)
+@pytest.mark.parametrize("name", [*GATEWAY_RENDERS, "standalone"])
 async def test_the_rendered_chart_serves_under_its_rbac(
     name: str, fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -246,15 +253,22 @@ async def test_the_rendered_chart_serves_under_its_rbac(
         fake.may_get.add((user, "/metrics"))
     cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL)))
     sim_port = (await cluster.start())[0].port
-    (pool,) = render.of_kind("InferencePool")
-    pool["spec"]["targetPorts"] = [{"number": sim_port}]  # the chart's 8000 is the simulator's
-    fake.put(pool, "inferencepools")
-    fake.put(_pod(render.namespace, pool["spec"]["selector"]["matchLabels"]), "pods")
+    for pool in render.of_kind("InferencePool"):  # none in standalone (--endpoint-selector)
+        pool["spec"]["targetPorts"] = [{"number": sim_port}]  # the chart's 8000: the simulator
+        fake.put(pool, "inferencepools")
+    fake.put(_pod(render.namespace, {"app": "vllm"}), "pods")  # router.modelServers.matchLabels
+    other = _pod(render.namespace, {"app": "other"})  # not a model server of this chart
+    other["metadata"]["name"], other["status"]["podIP"] = "other-0", "127.0.0.9"
+    fake.put(other, "pods")
     try:
         async with (
-            rendered_epp(render, fake, tmp_path, monkeypatch) as epp,
+            rendered_epp(render, fake, tmp_path, monkeypatch, sim_port) as epp,
             original_dst_envoy(tmp_path, epp.ext_proc, tls=True) as url,
         ):
+            snapshot = epp.runtime.datastore.snapshot()
+            pools = {"gateway": "llm/qwen", "gateway-ha": "llm/qwen", "standalone": "llm/qwen-epp"}
+            assert snapshot.pool_keys() == (pools[name],)  # standalone: named after the Deployment
+            assert [e.name for e in snapshot.all_endpoints()] == ["vllm-0"]
             client = openai.AsyncOpenAI(
                 base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30
             )
@@ -269,8 +283,8 @@ async def test_the_rendered_chart_serves_under_its_rbac(
             # The probes' service names answer as upstream's (leader-aware with replicas 2).
             liveness = render.container["livenessProbe"]["grpc"]["service"]
             assert await check_health(f"127.0.0.1:{epp.health}", liveness) == SERVING
-            other = await check_health(f"127.0.0.1:{epp.health}", "no-such-service")
-            assert other == (SERVICE_UNKNOWN if name == "gateway-ha" else SERVING)
+            unknown = await check_health(f"127.0.0.1:{epp.health}", "no-such-service")
+            assert unknown == (SERVICE_UNKNOWN if name == "gateway-ha" else SERVING)
             # /metrics behind TokenReview + SubjectAccessReview (the chart leaves auth on)
             assert (await _scrape(epp.metrics, None))[0] == 401
             if name == "gateway-ha":  # monitoring on: the chart's ClusterRole allows the scrape

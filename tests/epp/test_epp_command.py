@@ -106,18 +106,6 @@ def test_bad_flags_exit_2_through_both_entry_points(capsys: pytest.CaptureFixtur
     assert "is deprecated and cannot be used" in capsys.readouterr().err
 
 
-def test_standalone_mode_is_refused_plainly(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("POD_NAME", "tiny-epp-7c9d8b6f4d-abcde")
-    code = epp_cli._run(
-        parse_epp_args(["--endpoint-selector=app=x", "--endpoint-target-ports=8000"]),
-        lambda *a: 0,
-    )
-    assert code == 1
-    assert "standalone mode" in capsys.readouterr().err
-
-
 def test_the_chart_arguments_reach_the_runtime(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -31,12 +31,14 @@ from poolkeeper.cli.epp_flags import (
     FlagError,
     effective_refresh_interval,
     parse_epp_args,
+    standalone_pool_name,
 )
 from poolkeeper.config.endpointpicker import (
     DEFAULT_CONFIG_TEXT,
     load_endpoint_picker_config,
     translate,
 )
+from poolkeeper.config.endpointpicker.values import parse_label_selector
 from poolkeeper.config.gateway import GatewayConfig, TrustedHeader
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.tls import TlsSettings
@@ -185,13 +187,6 @@ def _run(options: EppOptions, run_gateway: Any) -> int:
         log.warning("%s", warning)
     if options.ignored_args:
         log.warning("arguments ignored (not flags): %s", " ".join(options.ignored_args))
-    if options.standalone:
-        print(
-            "error: --endpoint-selector (standalone mode, no InferencePool) is not implemented "
-            "by poolkeeper's EPP yet; create an InferencePool and pass --pool-name",
-            file=sys.stderr,
-        )
-        return 1
     try:
         config, notices = epp_gateway_config(options)
         source = _kubernetes_source(options, config)
@@ -244,8 +239,18 @@ def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
         kubernetes_source,
         load_config,
     )
+    from poolkeeper.controller.kubernetes.standalone import EndpointSelector
 
     namespace, name = options.pool_namespace, options.text("pool-name")
+    standalone = None
+    if options.standalone:  # validated already: POD_NAME is set, the selector parses
+        name = standalone_pool_name(os.environ["POD_NAME"])
+        standalone = EndpointSelector(
+            pool_name=name,
+            namespace=namespace,
+            terms=tuple(parse_label_selector(options.text("endpoint-selector"))),
+            target_ports=tuple(dict.fromkeys(options.ints("endpoint-target-ports"))),
+        )
     settings = KubeSettings(
         namespace=namespace,
         identity=os.environ.get("POD_NAME") or socket.gethostname(),
@@ -254,6 +259,7 @@ def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
         lease_name=f"epp-{namespace}-{name}.llm-d.ai",
         pool_group=options.text("pool-group"),  # as upstream: only what the chart grants
         leader_election=options.flag("ha-enable-leader-election"),
+        standalone=standalone,
     )
     return kubernetes_source(settings, config, load_config(kubeconfig=None, context=None))
 

@@ -53,6 +53,7 @@ from poolkeeper.controller.kubernetes.client import (
 )
 from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming
 from poolkeeper.controller.kubernetes.objects import ObjectCache
+from poolkeeper.controller.kubernetes.standalone import EndpointSelector
 from poolkeeper.controller.kubernetes.state import ClusterState
 from poolkeeper.controller.kubernetes.status import StatusWriter
 from poolkeeper.datastore.store import Datastore
@@ -83,6 +84,8 @@ class KubeSettings:
     # Take part in the Lease even without status writes (upstream --ha-enable-leader-election:
     # readiness follows leadership, see `leading`).
     leader_election: bool = False
+    # Upstream's --endpoint-selector mode: no InferencePool, Pods only (standalone.py).
+    standalone: EndpointSelector | None = None
 
 
 class KubernetesResourceSource:
@@ -113,6 +116,7 @@ class KubernetesResourceSource:
             settings.pool_names,
             self.gateway_config.spec.scraping.engine_for,
             settings.pool_group,
+            settings.standalone,
         )
         self._degraded: dict[str, float] = {}  # follower -> when it lost the watch (clock)
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})

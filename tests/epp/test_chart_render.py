@@ -36,6 +36,7 @@ import yaml
 from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -300,5 +301,82 @@ async def test_the_rendered_chart_serves_under_its_rbac(
         assert [w for w in fake.writes if w.plural != "leases"] == []
         assert leases == ({"epp-llm-qwen.llm-d.ai"} if name == "gateway-ha" else set())
         assert sum(s.engine.counters.requests_submitted for s in cluster.servers) == 1
+    finally:
+        await cluster.stop()
+
+
+def _moved(node: Any, ports: dict[int, int]) -> Any:
+    """The chart's Envoy config with its ports moved (`ports`), every listener on 127.0.0.1
+    and no IPv6 twin listeners: the only changes made to upstream's `envoy.yaml`."""
+    if isinstance(node, list):
+        return [_moved(item, ports) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _moved(v, ports) for k, v in node.items() if k != "additional_addresses"}
+    if "port_value" in out:
+        out["port_value"] = ports[out["port_value"]]
+        out["address"] = "127.0.0.1"
+    return out
+
+
+@pytest.mark.integration
+async def test_the_standalone_charts_own_envoy_routes_through_poolkeeper(
+    fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llm-d-router-standalone's Envoy sidecar, from its own rendered ConfigMap (TLS to the
+    EPP with ALPN h2, gRPC health checks of the ext_proc service on the ext_proc port,
+    ORIGINAL_DST by the destination header), in front of poolkeeper's EPP run with the same
+    render's arguments."""
+    render = load_render("standalone")
+    fake.rbac = render.rules
+    (config_map,) = [c for c in render.of_kind("ConfigMap") if "envoy.yaml" in c["data"]]
+    envoy_config = yaml.safe_load(config_map["data"]["envoy.yaml"])
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL)))
+    sim_port = (await cluster.start())[0].port
+    fake.put(_pod(render.namespace, {"app": "vllm"}), "pods")
+    try:
+        async with rendered_epp(render, fake, tmp_path, monkeypatch, sim_port) as epp:
+            admin, ready, listen = _ports(3)
+            moved = _moved(envoy_config, {19000: admin, 19001: ready, 8081: listen,
+                                          9002: epp.ext_proc})  # fmt: skip
+            path = tmp_path / "chart-envoy.yaml"
+            path.write_text(yaml.safe_dump(moved))
+            envoy = EnvoySupervisor(
+                EnvoyOptions(
+                    binary=find_envoy(),
+                    config_path=path,
+                    log_path=tmp_path / "chart-envoy.log",
+                    admin_url=f"http://127.0.0.1:{admin}",
+                )
+            )
+            await envoy.start()
+            try:
+                await envoy.wait_ready()
+                client = openai.AsyncOpenAI(
+                    base_url=f"http://127.0.0.1:{listen}/v1",
+                    api_key="unused",
+                    max_retries=0,
+                    timeout=30,
+                )
+                try:
+                    for _ in range(3):
+                        raw = await client.chat.completions.with_raw_response.create(
+                            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                        )
+                        assert raw.http_response.status_code == 200
+                finally:
+                    await client.close()
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.get(f"http://127.0.0.1:{admin}/stats?filter=^cluster.ext_proc") as resp,
+                ):
+                    stats = dict(line.split(": ", 1) for line in (await resp.text()).splitlines())
+            finally:
+                await envoy.stop()
+        assert int(stats["cluster.ext_proc.ssl.handshake"]) >= 1  # TLS to the EPP
+        assert int(stats["cluster.ext_proc.health_check.success"]) >= 1  # its gRPC health check
+        assert fake.refused == []
+        # Routed by poolkeeper (FailOpen would pass them through with no destination: 503).
+        assert sum(s.engine.counters.requests_submitted for s in cluster.servers) == 3
     finally:
         await cluster.stop()

@@ -60,3 +60,12 @@ async def test_with_leader_election_readiness_follows_the_lease() -> None:
         state["leader"] = True
         leader = await _statuses(address)
         assert leader == {**standby, "": SERVING, "readiness": SERVING, EXT_PROC_SERVICE: SERVING}
+
+
+def test_both_transports_answer_unknown_names_alike() -> None:
+    """The lean ext_proc transport's Check asks `check_status` too (server/transport.py)."""
+    electing = HealthService.for_upstream_epp(ready=lambda: True, leading=lambda: True)
+    assert electing.check_status("inference-extension") == SERVICE_UNKNOWN
+    assert electing.check_status("liveness") == SERVING
+    plain = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
+    assert plain.check_status("inference-extension") == SERVING  # its default: ext_proc's answer

@@ -52,7 +52,6 @@ UNHONOURED: dict[str, str] = {
     "metrics-client-ca-file": "/metrics is served over plain HTTP",
     "tracing": "no OpenTelemetry tracing",
     "enable-pprof": "no pprof (a Python process)",
-    "health-checking": "gRPC health is served on the health port only",
     "emit-endpoint-scores": "scores are not written to envoy.lb metadata",
     "enable-grpc-stream-metrics": "no extproc_* stream metrics",
     "grpc-max-recv-msg-size": "gRPC message sizes keep poolkeeper's limits",

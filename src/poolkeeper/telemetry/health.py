@@ -120,10 +120,15 @@ class HealthService:
         except Exception:
             return NOT_SERVING
 
-    async def check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        status = self.status(request.service)
+    def check_status(self, service: str) -> int | None:
+        """What Check answers for `service`; None: a NOT_FOUND error (both transports)."""
+        status = self.status(service)
         if status is None and self.unknown_status:
-            return HealthCheckResponse(status=SERVICE_UNKNOWN)
+            return SERVICE_UNKNOWN
+        return status
+
+    async def check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        status = self.check_status(request.service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return HealthCheckResponse(status=status)

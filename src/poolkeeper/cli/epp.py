@@ -8,8 +8,12 @@ The arguments are upstream's (cli/epp_flags.py); they map onto Kubernetes mode (
 read-only), the EndpointPickerConfig (or upstream's default one) onto the scheduling,
 scraping, admission and flow-control settings (config/endpointpicker/), and upstream's
 request-handling defaults apply: one endpoint in the destination header, any model name passed
-through at priority 0, the objective / rewrite / fairness headers read. Flags poolkeeper cannot
-honour yet are accepted and named in one startup notice (docs/kubernetes.md lists them).
+through at priority 0, the objective / rewrite / fairness headers read. As upstream's EPP, it
+reads only `--pool-group`'s InferencePools (or, with `--endpoint-selector`, only Pods: the
+standalone mode), serves ext_proc over TLS, guards `/metrics` with TokenReview and
+SubjectAccessReview, and answers gRPC health leader-aware under `--ha-enable-leader-election`.
+Flags poolkeeper cannot honour yet are accepted and named in one startup notice
+(docs/kubernetes.md lists them).
 """
 
 from __future__ import annotations

@@ -295,6 +295,7 @@ async def test_the_rendered_chart_serves_under_its_rbac(
                 assert 'llm_d_epp_average_running_requests{name="qwen"}' in text
                 assert 'llm_d_epp_scheduler_attempts_total{endpoint_name="vllm-0' in text
                 assert "llm_d_epp_datalayer_poll_errors_total{" in text
+                assert 'llm_d_epp_flow_control_pool_saturation{inference_pool="qwen"' in text
         assert fake.refused == []  # never a 403 under the chart's RBAC
         # Read-only, but for the Lease when the chart asks for leader election (replicas 2).
         leases = {w.name for w in fake.writes if w.plural == "leases"}

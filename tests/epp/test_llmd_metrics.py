@@ -132,8 +132,6 @@ NO_SAMPLES: frozenset[str] = frozenset(
         "response_processing_duration_seconds",  # unlabelled: zero buckets
         "flow_control_dispatch_cycle_duration_seconds",  # unlabelled: zero buckets
         "flow_control_request_enqueue_duration_seconds",
-        "flow_control_pool_saturation",
-        "flow_control_stale_endpoints",
         "flow_control_capacity_utilization_requests",
         "flow_control_capacity_utilization_bytes",
         "flow_control_global_capacity_utilization_requests",
@@ -162,6 +160,8 @@ def _metrics() -> GatewayMetrics:
                 std_dev_kv_cache_utilization=0.1,
                 std_dev_queue_size=1.5,
                 std_dev_running_requests=0.5,
+                saturation=0.75,
+                stale_endpoints=1,
             )
         ],
         scheduling=stats,
@@ -345,6 +345,14 @@ def test_the_families_filled_from_poolkeepers_own_data() -> None:
         ("llm_d_epp_std_dev_running_requests", 0.5),
     ]:
         assert _values(m, family) == [({"name": "pool"}, value)]
+    assert _values(m, "llm_d_epp_flow_control_pool_saturation") == [
+        ({"inference_pool": "pool", "stage": "decode"}, 0.75),
+        ({"inference_pool": "pool", "stage": "effective"}, 0.75),
+    ]
+    assert _values(m, "inference_extension_flow_control_pool_saturation")  # the older twin
+    assert _values(m, "llm_d_epp_flow_control_stale_endpoints") == [
+        ({"detector": "utilization-detector"}, 1.0)
+    ]
     assert _values(m, "llm_d_epp_datalayer_poll_errors") == [
         ({"source_type": "metrics-data-source"}, 3.0)
     ]

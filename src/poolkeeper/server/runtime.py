@@ -23,6 +23,7 @@ import random
 import signal
 import statistics
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.tls import TlsSettings, server_credentials
+from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import (
     learns_from_first_tokens as scheduler_learns_from_first_tokens,
@@ -441,6 +443,12 @@ class GatewayRuntime:
 
     def pool_stats(self) -> Iterator[PoolStats]:
         snapshot = self.datastore.snapshot()
+        # The admission section's detector, as the gate judges saturation (read-only here).
+        detector = None
+        if self.config is not None:
+            spec = self.config.spec
+            detector = SaturationDetector(spec.admission, staleness_s=spec.scraping.staleness_s)
+        now = time.monotonic()
         for key in snapshot.pool_keys():
             states = snapshot.states(key)
             kv = [s.metrics.kv_cache_usage for s in states]
@@ -448,6 +456,7 @@ class GatewayRuntime:
             running = [float(s.metrics.running) for s in states]
             ready = sum(1 for s in states if s.metrics.reachable)
             per_pod = tuple((s.endpoint.name, float(s.metrics.waiting)) for s in states)
+            report = detector.assess(states, now) if detector is not None else None
             yield PoolStats(
                 key.rpartition("/")[2],
                 _mean(kv),
@@ -458,6 +467,8 @@ class GatewayRuntime:
                 std_dev_kv_cache_utilization=_pstdev(kv),
                 std_dev_queue_size=_pstdev(queue),
                 std_dev_running_requests=_pstdev(running),
+                saturation=report.saturation if report is not None else None,
+                stale_endpoints=report.stale if report is not None else 0,
             )
 
     def endpoint_of(self, hostport: str) -> tuple[str, str, str] | None:

@@ -110,6 +110,10 @@ class PoolStats:
     std_dev_kv_cache_utilization: float = 0.0
     std_dev_queue_size: float = 0.0
     std_dev_running_requests: float = 0.0
+    # The admission detector's view (upstream's flow_control_pool_saturation and
+    # flow_control_stale_endpoints): mean saturation, stale endpoints counting 1.0.
+    saturation: float | None = None
+    stale_endpoints: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +246,23 @@ class _PoolCollector(Collector):
                 ("std_dev_running_requests", "running requests"),
             )
         }
+        saturation = GaugeMetricFamily(
+            "inference_extension_flow_control_pool_saturation",
+            "Pool saturation gating dispatch (1.0: the set point), by pool and stage.",
+            labels=["inference_pool", "stage"],
+        )
+        stale = GaugeMetricFamily(
+            "llm_d_epp_flow_control_stale_endpoints",
+            "Endpoints whose metrics are missing or stale, by saturation detector.",
+            labels=["detector"],
+        )
+        stale_total = 0
         for stats in self.source():
+            if stats.saturation is not None:
+                # One stage: poolkeeper pools are monolithic (upstream: all endpoints decode).
+                for stage in ("decode", "effective"):
+                    saturation.add_metric([stats.name, stage], stats.saturation)
+            stale_total += stats.stale_endpoints
             kv.add_metric([stats.name], stats.average_kv_cache_utilization)
             queue.add_metric([stats.name], stats.average_queue_size)
             ready.add_metric([stats.name], stats.ready_pods)
@@ -257,6 +277,9 @@ class _PoolCollector(Collector):
         yield per_pod
         yield running
         yield from spreads.values()
+        stale.add_metric(["utilization-detector"], stale_total)
+        yield saturation
+        yield stale
 
 
 def _histogram(family: HistogramMetricFamily, labels: list[str], *parts: HistogramData) -> None:

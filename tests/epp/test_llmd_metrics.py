@@ -132,8 +132,6 @@ NO_SAMPLES: frozenset[str] = frozenset(
         "response_processing_duration_seconds",  # unlabelled: zero buckets
         "flow_control_dispatch_cycle_duration_seconds",  # unlabelled: zero buckets
         "flow_control_request_enqueue_duration_seconds",
-        "flow_control_capacity_utilization_requests",
-        "flow_control_capacity_utilization_bytes",
         "flow_control_global_capacity_utilization_requests",
         "flow_control_global_capacity_utilization_bytes",
         "flow_control_revocations_issued_total",
@@ -165,7 +163,7 @@ def _metrics() -> GatewayMetrics:
             )
         ],
         scheduling=stats,
-        flow_stats=lambda: [QueueStats("pool", "Standard", 1, 10)],
+        flow_stats=lambda: [QueueStats("pool", "Standard", 1, 10, max_requests=4, max_bytes=40)],
         endpoint_of=lambda hostport: ("sim-0", "llm", hostport),
     )
     m.follow_scrapes(lambda: (3, 1))
@@ -353,6 +351,10 @@ def test_the_families_filled_from_poolkeepers_own_data() -> None:
     assert _values(m, "llm_d_epp_flow_control_stale_endpoints") == [
         ({"detector": "utilization-detector"}, 1.0)
     ]
+    for unit in ("requests", "bytes"):
+        assert _values(m, f"llm_d_epp_flow_control_capacity_utilization_{unit}") == [
+            ({"priority": "Standard", "inference_pool": "pool"}, 0.25)
+        ]
     assert _values(m, "llm_d_epp_datalayer_poll_errors") == [
         ({"source_type": "metrics-data-source"}, 3.0)
     ]

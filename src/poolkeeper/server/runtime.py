@@ -480,8 +480,17 @@ class GatewayRuntime:
         gate = self.director.flow if self.director is not None else None
         if gate is None:
             return
+        bands = self.config.spec.flow_control.bands if self.config is not None else None
         for pool, band, requests, size in gate.queue_stats():
-            yield QueueStats(pool.rpartition("/")[2], str(band), requests, size)
+            bound = bands.of(band) if bands is not None else None
+            yield QueueStats(
+                pool.rpartition("/")[2],
+                str(band),
+                requests,
+                size,
+                max_requests=bound.max_requests if bound is not None else 0,
+                max_bytes=bound.max_bytes if bound is not None else 0,
+            )
 
     @property
     def epp_address(self) -> str:

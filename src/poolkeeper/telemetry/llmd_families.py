@@ -15,14 +15,15 @@ Filled from what poolkeeper knows:
   {source_type, extractor_type}: failed scrapes of the model servers (fetch, and a page that
   does not parse or lacks the engine's metrics), with the `llm_d_inference_scheduler_*` twins;
 - `flow_control_requests_total` {outcome, priority, inference_pool}: each flow-control outcome
-  (the pool's saturation and stale endpoints come with the pool gauges, `metrics.py`).
+  (the pool's saturation and stale endpoints come with the pool gauges, the bands' capacity
+  ratios with the queue gauges, `metrics.py`).
 
 Registered with no samples, as upstream's are until their event happens (so dashboards find the
 family and `absent()` alerts do not fire): the streaming TPOT and inter-token-latency
 histograms (poolkeeper sees body chunks, not tokens), `plugin_data_scope_violations_total`
 (poolkeeper plugins have no data scopes to violate), `response_processing_duration_seconds`,
 and the flow-control families poolkeeper's flow control does not measure (dispatch cycle,
-enqueue time, capacity ratios, eviction and reclaim).
+enqueue time, the global capacity ratios (no global bound here), eviction and reclaim).
 """
 
 from __future__ import annotations
@@ -87,8 +88,6 @@ _EMPTY: Final = (
     ("flow_control_dispatch_cycle_duration_seconds", "histogram", ()),
     ("flow_control_request_enqueue_duration_seconds", "histogram",
      ("fairness_id", "priority", "outcome")),
-    ("flow_control_capacity_utilization_requests", "gauge", ("priority", "inference_pool")),
-    ("flow_control_capacity_utilization_bytes", "gauge", ("priority", "inference_pool")),
     ("flow_control_global_capacity_utilization_requests", "gauge", ("inference_pool",)),
     ("flow_control_global_capacity_utilization_bytes", "gauge", ("inference_pool",)),
     ("flow_control_revocations_issued_total", "counter", ("priority", "inference_pool")),

@@ -124,6 +124,9 @@ class QueueStats:
     priority: str  # the band: Critical | Standard | Sheddable
     requests: int
     bytes: int
+    # The band's bounds per pool (maxRequests, maxBytes); 0: unknown, no utilization ratio.
+    max_requests: int = 0
+    max_bytes: int = 0
 
 
 class _QueueCollector(Collector):
@@ -141,11 +144,28 @@ class _QueueCollector(Collector):
             "Request bytes waiting in the flow-control queue, per pool and priority band.",
             labels=["inference_pool", "priority"],
         )
+        # llm-d-router's names only (no older twins): the fraction of the band's bounds used.
+        used = {
+            unit: GaugeMetricFamily(
+                f"llm_d_epp_flow_control_capacity_utilization_{unit}",
+                f"Fraction of a priority band's {unit} capacity in use (0-1), per pool.",
+                labels=["priority", "inference_pool"],
+            )
+            for unit in ("requests", "bytes")
+        }
         for stats in self.source():
             size.add_metric([stats.pool, stats.priority], stats.requests)
             size_bytes.add_metric([stats.pool, stats.priority], stats.bytes)
+            if stats.max_requests:
+                ratio = stats.requests / stats.max_requests
+                used["requests"].add_metric([stats.priority, stats.pool], ratio)
+            if stats.max_bytes:
+                used["bytes"].add_metric(
+                    [stats.priority, stats.pool], stats.bytes / stats.max_bytes
+                )
         yield size
         yield size_bytes
+        yield from used.values()
 
 
 @dataclass(frozen=True, slots=True)

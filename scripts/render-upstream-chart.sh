@@ -14,8 +14,9 @@
 # The only poolkeeper-specific value is router.epp.image; router.modelServers.matchLabels is
 # required by the chart for any install. Three renders, release "qwen" in namespace "llm":
 #   gateway      llm-d-router-gateway, chart defaults
-#   gateway-ha   the same with router.epp.replicas=2 (leader election and its RBAC) and
-#                router.monitoring.prometheus.enabled=true (the metrics-auth ClusterRole)
+#   gateway-ha   the same with router.epp.replicas=2 (leader election and its RBAC),
+#                router.monitoring.prometheus.enabled=true (the metrics-auth ClusterRole) and
+#                one InferenceObjective (router.inferenceObjectives: premium, priority 10)
 #   standalone   llm-d-router-standalone with router.inferencePool.create=false
 #                (--endpoint-selector mode, Envoy sidecar)
 set -euo pipefail
@@ -39,11 +40,13 @@ render() {  # NAME CHART EXTRA-ARGS...
     shift 2
     helm dependency build "$work/charts/$chart" >/dev/null
     local args=(helm template qwen "charts/$chart" "${common[@]}" "$@")
+    local command
+    command=$(printf '%q ' "${args[@]}")
     {
         echo "# llm-d-router's $chart chart rendered by Helm; do not edit (regenerate instead)."
         echo "# llm-d-router commit: $commit"
         echo "# helm: $helm_version"
-        echo "# command (in a copy of the checkout's config/): ${args[*]}"
+        echo "# command (in a copy of the checkout's config/): ${command% }"
         echo "# made by: scripts/render-upstream-chart.sh"
         (cd "$work" && "${args[@]}")
     } >"$out/chart-rendered-$name.yaml"
@@ -52,5 +55,7 @@ render() {  # NAME CHART EXTRA-ARGS...
 
 render gateway llm-d-router-gateway
 render gateway-ha llm-d-router-gateway \
-    --set router.epp.replicas=2 --set router.monitoring.prometheus.enabled=true
+    --set router.epp.replicas=2 --set router.monitoring.prometheus.enabled=true \
+    --set 'router.inferenceObjectives[0].name=premium' \
+    --set 'router.inferenceObjectives[0].priority=10'
 render standalone llm-d-router-standalone --set router.inferencePool.create=false

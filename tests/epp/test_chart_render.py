@@ -254,6 +254,8 @@ async def test_the_rendered_chart_serves_under_its_rbac(
         fake.may_get.add((user, "/metrics"))
     cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL)))
     sim_port = (await cluster.start())[0].port
+    for objective in render.of_kind("InferenceObjective"):  # router.inferenceObjectives
+        fake.put(objective, "inferenceobjectives")
     for pool in render.of_kind("InferencePool"):  # none in standalone (--endpoint-selector)
         pool["spec"]["targetPorts"] = [{"number": sim_port}]  # the chart's 8000: the simulator
         fake.put(pool, "inferencepools")
@@ -275,7 +277,10 @@ async def test_the_rendered_chart_serves_under_its_rbac(
             )
             try:
                 raw = await client.chat.completions.with_raw_response.create(
-                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=4,
+                    extra_headers={"x-llm-d-inference-objective": "premium"},
                 )
                 assert raw.http_response.status_code == 200
                 assert raw.parse().choices[0].message.content
@@ -291,7 +296,13 @@ async def test_the_rendered_chart_serves_under_its_rbac(
             if name == "gateway-ha":  # monitoring on: the chart's ClusterRole allows the scrape
                 status, text = await _scrape(epp.metrics, READER_TOKEN)
                 assert status == 200
-                assert "llm_d_epp_request_total{" in text
+                # the chart's InferenceObjective (llm-d.ai/v1alpha2) set the priority
+                (request_total,) = [
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("llm_d_epp_request_total{")
+                ]
+                assert 'priority="10"' in request_total
                 assert 'llm_d_epp_average_running_requests{name="qwen"}' in text
                 assert 'llm_d_epp_scheduler_attempts_total{endpoint_name="vllm-0' in text
                 assert "llm_d_epp_datalayer_poll_errors_total{" in text

@@ -334,3 +334,28 @@ async def test_manager_follows_writes_from_other_threads(session: aiohttp.Client
                 break
             await asyncio.sleep(0.01)
         assert set(manager.scrapers) == {f"127.0.0.1:{port}"}
+
+
+async def test_failure_totals_split_fetch_and_read_failures_and_outlive_their_loops(
+    server: FakeServer, session: aiohttp.ClientSession
+) -> None:
+    """Upstream's data-layer error counters: a fetch that failed (poll) and a page fetched but
+    unreadable (extract); a counter, so a stopped loop's failures are kept."""
+    scraper = make_scraper(server.port, session, [])
+    server.status = 500
+    await scraper.scrape_once()  # poll failure
+    server.status, server.page = 200, b"not a metrics page {{{"
+    await scraper.scrape_once()  # extract failure
+    assert (scraper.failed_total, scraper.extract_failed_total) == (2, 1)
+    manager = ScraperManager(
+        ScrapingConfig(interval_ms=60_000), lambda _k, _m: None, session=session
+    )
+    try:
+        manager.sync([endpoint(server.port)])
+        (running,) = manager.scrapers.values()
+        running.failed_total, running.extract_failed_total = 5, 2
+        assert manager.failure_totals() == (3, 2)
+        manager.sync([])  # the endpoint left: its loop stops, its failures stay counted
+        assert manager.failure_totals() == (3, 2)
+    finally:
+        await manager.close()

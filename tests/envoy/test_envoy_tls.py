@@ -1,42 +1,53 @@
 """Real Envoy speaks ext_proc to the EPP over TLS, as a Gateway does to upstream's EPP: an
-`UpstreamTlsContext` with ALPN h2 and no validation on the EPP cluster, the EPP serving a
+`UpstreamTlsContext` with ALPN h2 and no validation on the EPP cluster (the bootstrap's own
+`epp_tls`, what `serve --secure-serving` gives the managed Envoy), the EPP serving a
 self-signed certificate (`extproc.tls`)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from pathlib import Path
-from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 
+from poolkeeper.controller.files import file_source
 from poolkeeper.envoy.bootstrap import EPP_CLUSTER, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.extproc.tls import TlsSettings, server_credentials
 from poolkeeper.netutil import free_port
-from poolkeeper.telemetry.health import HealthService
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.sim.config import ServerSettings, build_fleet
+from poolkeeper.sim.server import SimCluster
+from poolkeeper.telemetry.health import (
+    SERVICE_NAME,
+    HealthCheckRequest,
+    HealthCheckResponse,
+    HealthService,
+)
 from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params
+from tests.reliability.test_rel_epp_port import MODEL, _config
 
 pytestmark = pytest.mark.integration
 
 TLS_CONTEXT = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 
 
-def with_tls_to_the_epp(bootstrap: dict[str, Any]) -> dict[str, Any]:
+def test_the_bootstrap_dials_a_tls_epp_as_upstreams_preset() -> None:
     """The EPP cluster as upstream's gateway presets dial it: TLS, ALPN h2, no validation."""
-    for cluster in bootstrap["static_resources"]["clusters"]:
-        if cluster["name"] == EPP_CLUSTER:
-            cluster["transport_socket"] = {
-                "name": "envoy.transport_sockets.tls",
-                "typed_config": {
-                    "@type": TLS_CONTEXT,
-                    "common_tls_context": {"alpn_protocols": ["h2"]},
-                },
-            }
-            return bootstrap
-    raise AssertionError("no EPP cluster in the bootstrap")
+    params = rig_params([], 9002, Path("/e.json"), fail_open=False)
+    plain = build_bootstrap(params)["static_resources"]["clusters"]
+    assert not [c for c in plain if "transport_socket" in c]
+    tls = build_bootstrap(dataclasses.replace(params, epp_tls=True))["static_resources"]
+    (epp,) = [c for c in tls["clusters"] if c["name"] == EPP_CLUSTER]
+    assert epp["transport_socket"]["typed_config"] == {
+        "@type": TLS_CONTEXT,
+        "common_tls_context": {"alpn_protocols": ["h2"]},
+    }
 
 
 async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path) -> None:
@@ -54,8 +65,9 @@ async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path) -> None:
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([b.hostport for b in backends])
     params = rig_params(backends, epp_port, endpoints.path, fail_open=False)
+    params = dataclasses.replace(params, epp_tls=True)
     config = tmp_path / "envoy.json"
-    config.write_text(render(with_tls_to_the_epp(build_bootstrap(params))))
+    config.write_text(render(build_bootstrap(params)))
     envoy = EnvoySupervisor(
         EnvoyOptions(
             binary=find_envoy(),
@@ -89,3 +101,57 @@ async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path) -> None:
         await server.stop(None)
         for b in backends:
             await b.stop()
+
+
+async def test_serve_with_secure_serving_runs_its_envoy_over_tls(tmp_path: Path) -> None:
+    """`serve --secure-serving` with the managed Envoy: the EPP serves ext_proc over TLS and
+    the Envoy `serve` runs dials it so (ext_proc, health checks and the response observer's
+    access log), and requests succeed."""
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
+    (sim,) = await cluster.start()
+    runtime = GatewayRuntime(
+        ServeOptions(
+            source=file_source([_config(tmp_path, sim.port)]),
+            ready_wait_s=5,
+            tls=TlsSettings(secure_serving=True),
+        )
+    )
+    await runtime.start()
+    try:
+        assert runtime.config is not None
+        assert runtime.detached is not None
+        listeners = runtime.config.spec.listeners
+        url = f"http://127.0.0.1:{listeners.http}/v1/chat/completions"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(url, json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    await resp.read()
+            async with session.get(
+                f"http://127.0.0.1:{listeners.admin}/stats?filter=ssl.handshake"
+            ) as resp:
+                stats = await resp.text()
+        assert f"cluster.{EPP_CLUSTER}.ssl.handshake: 0" not in stats
+        assert f"cluster.{EPP_CLUSTER}.ssl.handshake" in stats
+        for _ in range(100):  # the observer's access log reaches the EPP over TLS too
+            if runtime.detached.settled >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert runtime.detached.settled == 2
+        # And the EPP's port really refuses plaintext.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{listeners.ext_proc}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await check(channel)
+    finally:
+        await runtime.stop(grace_s=0)
+        await cluster.stop()
+
+
+async def check(channel: grpc.aio.Channel) -> None:
+    call = channel.unary_unary(
+        f"/{SERVICE_NAME}/Check",
+        request_serializer=HealthCheckRequest.SerializeToString,
+        response_deserializer=HealthCheckResponse.FromString,
+    )
+    await call(HealthCheckRequest(service=""), timeout=2)

@@ -84,7 +84,7 @@ def test_ext_proc_tls_follows_upstream_flags() -> None:
 def test_unhonoured_flags_are_named() -> None:
     defaults = epp_cli.unhonoured(parse_epp_args(["--pool-name=p"]))
     assert not any(n.startswith("--secure-serving:") for n in defaults)  # TLS is served
-    assert any(n.startswith("--metrics-endpoint-auth:") for n in defaults)
+    assert not any(n.startswith("--metrics-endpoint-auth:") for n in defaults)  # honoured
     quiet = epp_cli.unhonoured(
         parse_epp_args(
             ["--pool-name=p", "--secure-serving=false", "--metrics-endpoint-auth=false",
@@ -92,8 +92,11 @@ def test_unhonoured_flags_are_named() -> None:
         )
     )  # fmt: skip
     assert quiet == []
-    asked = epp_cli.unhonoured(parse_epp_args(["--pool-name=p", "--ha-enable-leader-election"]))
-    assert any("active-active" in n for n in asked)
+    asked = epp_cli.unhonoured(parse_epp_args(["--pool-name=p", "--emit-endpoint-scores"]))
+    assert any(n.startswith("--emit-endpoint-scores:") for n in asked)
+    # honoured now: leader election (leader-aware readiness) and /metrics authentication
+    honoured = parse_epp_args(["--pool-name=p", "--ha-enable-leader-election"])
+    assert not any("leader" in n for n in epp_cli.unhonoured(honoured))
 
 
 def test_bad_flags_exit_2_through_both_entry_points(capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,18 +104,6 @@ def test_bad_flags_exit_2_through_both_entry_points(capsys: pytest.CaptureFixtur
     assert "unknown flag: --bogus" in capsys.readouterr().err
     assert poolkeeper_main(["epp", "--pool-name=p", "--total-queued-requests-metric=x"]) == 2
     assert "is deprecated and cannot be used" in capsys.readouterr().err
-
-
-def test_standalone_mode_is_refused_plainly(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("POD_NAME", "tiny-epp-7c9d8b6f4d-abcde")
-    code = epp_cli._run(
-        parse_epp_args(["--endpoint-selector=app=x", "--endpoint-target-ports=8000"]),
-        lambda *a: 0,
-    )
-    assert code == 1
-    assert "standalone mode" in capsys.readouterr().err
 
 
 def test_the_chart_arguments_reach_the_runtime(

@@ -40,10 +40,13 @@ EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.Extern
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
-def original_dst_bootstrap(listen: int, admin: int, ext_proc: int) -> dict[str, Any]:
+def original_dst_bootstrap(
+    listen: int, admin: int, ext_proc: int, *, tls: bool = False
+) -> dict[str, Any]:
     """Upstream's e2e gateway, reduced to loopback: ext_proc (FULL_DUPLEX_STREAMED both ways)
     to the EPP, then every path to an ORIGINAL_DST cluster that takes its address from the
-    header the EPP sets. Plaintext h2 to the EPP (upstream's uses TLS; `--secure-serving`)."""
+    header the EPP sets. h2 to the EPP, over TLS with `tls` as upstream's standalone Envoy
+    preset dials a `--secure-serving` EPP (no certificate validation, ALPN h2)."""
     ext_proc_filter = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -109,6 +112,15 @@ def original_dst_bootstrap(listen: int, admin: int, ext_proc: int) -> dict[str, 
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(ext_proc)}}]}],
         },
     }
+    if tls:
+        epp["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/"
+                "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"alpn_protocols": ["h2"]},
+            },
+        }
     return {
         "admin": {"address": _address(admin)},
         "static_resources": {
@@ -138,11 +150,13 @@ def _address(port: int) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def original_dst_envoy(workdir: Path, ext_proc: int) -> AsyncIterator[str]:
+async def original_dst_envoy(
+    workdir: Path, ext_proc: int, *, tls: bool = False
+) -> AsyncIterator[str]:
     """The Envoy above, ready; yields its URL."""
     listen, admin = free_port(), free_port()
     config = workdir / "envoy-original-dst.json"
-    config.write_text(json.dumps(original_dst_bootstrap(listen, admin, ext_proc)))
+    config.write_text(json.dumps(original_dst_bootstrap(listen, admin, ext_proc, tls=tls)))
     supervisor = EnvoySupervisor(
         EnvoyOptions(
             binary=find_envoy(),

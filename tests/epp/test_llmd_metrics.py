@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.errors import QueueTimeout
+from poolkeeper.errors import FilteredOut, QueueTimeout
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, PoolStats, QueueStats
@@ -72,30 +72,68 @@ UPSTREAM: frozenset[str] = frozenset(
     ]
 )
 
-# Not exported yet (docs/kubernetes.md, "Replacing upstream's EPP"). Keep in step with the code.
-NOT_YET: frozenset[str] = frozenset(
+# The deprecated twins upstream still writes beside them (its metrics.go: `inference_objective_`,
+# `inference_pool_`, `inference_extension_`, `llm_d_inference_scheduler_` subsystems).
+DEPRECATED: frozenset[str] = frozenset(
+    [
+        *(
+            "inference_objective_" + name
+            for name in [
+                "request_total",
+                "request_error_total",
+                "request_duration_seconds",
+                "request_sizes",
+                "response_sizes",
+                "input_tokens",
+                "output_tokens",
+                "prompt_cached_tokens",
+                "running_requests",
+                "normalized_time_per_output_token_seconds",
+            ]
+        ),
+        *(
+            "inference_pool_" + name
+            for name in [
+                "average_kv_cache_utilization",
+                "average_queue_size",
+                "average_running_requests",
+                "ready_pods",
+                "per_pod_queue_size",
+            ]
+        ),
+        *(
+            "inference_extension_" + name
+            for name in [
+                "scheduler_e2e_duration_seconds",
+                "scheduler_attempts_total",
+                "plugin_duration_seconds",
+                "info",
+                "model_rewrite_decisions_total",
+                "flow_control_request_queue_duration_seconds",
+                "flow_control_dispatch_cycle_duration_seconds",
+                "flow_control_request_enqueue_duration_seconds",
+                "flow_control_queue_size",
+                "flow_control_queue_bytes",
+                "flow_control_pool_saturation",
+            ]
+        ),
+        "llm_d_inference_scheduler_datalayer_poll_errors_total",
+        "llm_d_inference_scheduler_datalayer_extract_errors_total",
+    ]
+)
+
+# Registered without samples (telemetry/llmd_families.py says why; docs/kubernetes.md).
+NO_SAMPLES: frozenset[str] = frozenset(
     "llm_d_epp_" + name
     for name in [
         "request_streaming_tpot_seconds",
         "request_streaming_itl_seconds",
-        "average_running_requests",
-        "std_dev_kv_cache_utilization",
-        "std_dev_queue_size",
-        "std_dev_running_requests",
-        "scheduler_attempts_total",
         "plugin_data_scope_violations_total",
-        "response_processing_duration_seconds",
-        "datalayer_poll_errors_total",
-        "datalayer_extract_errors_total",
-        "flow_control_dispatch_cycle_duration_seconds",
+        "response_processing_duration_seconds",  # unlabelled: zero buckets
+        "flow_control_dispatch_cycle_duration_seconds",  # unlabelled: zero buckets
         "flow_control_request_enqueue_duration_seconds",
-        "flow_control_pool_saturation",
-        "flow_control_stale_endpoints",
-        "flow_control_capacity_utilization_requests",
-        "flow_control_capacity_utilization_bytes",
         "flow_control_global_capacity_utilization_requests",
         "flow_control_global_capacity_utilization_bytes",
-        "flow_control_requests_total",
         "flow_control_revocations_issued_total",
         "flow_control_revocations_total",
         "flow_control_reclaim_target",
@@ -106,11 +144,30 @@ NOT_YET: frozenset[str] = frozenset(
 
 
 def _metrics() -> GatewayMetrics:
-    return GatewayMetrics(
-        pool_stats=lambda: [PoolStats("pool", 0.5, 2.0, 1, (("sim-0", 2.0),))],
-        scheduling=SchedulingStats(),
-        flow_stats=lambda: [QueueStats("pool", "Standard", 1, 10)],
+    stats = SchedulingStats()
+    stats.plugin("Scorer", "queue-scorer", "queue-scorer").observe(0.0002)
+    m = GatewayMetrics(
+        pool_stats=lambda: [
+            PoolStats(
+                "pool",
+                0.5,
+                2.0,
+                1,
+                (("sim-0", 2.0),),
+                average_running_requests=3.0,
+                std_dev_kv_cache_utilization=0.1,
+                std_dev_queue_size=1.5,
+                std_dev_running_requests=0.5,
+                saturation=0.75,
+                stale_endpoints=1,
+            )
+        ],
+        scheduling=stats,
+        flow_stats=lambda: [QueueStats("pool", "Standard", 1, 10, max_requests=4, max_bytes=40)],
+        endpoint_of=lambda hostport: ("sim-0", "llm", hostport),
     )
+    m.follow_scrapes(lambda: (3, 1))
+    return m
 
 
 def _decision(model: str = "chat", priority: int | None = 5) -> RoutingDecision:
@@ -143,18 +200,26 @@ def test_metrics_families_against_upstreams_list() -> None:
     m.rejected("chat", QueueTimeout("late"), 10)
     m.flow_outcome(pool="default/pool", band=Criticality.STANDARD, model="chat",
                    outcome="Dispatched", waited_s=0.01)  # fmt: skip
-    exported = {name for name in _families(m.render().decode()) if name.startswith("llm_d_epp_")}
-    assert UPSTREAM - exported == NOT_YET
+    m.first_token(decision, 0.2)
+    m.model_rewritten("default/canary", "chat", "chat-v1")
+    m.rejected("chat", FilteredOut("none passed"), 10)
+    m.routed(_decision("still-running"), 10, 0.001)
+    text = m.render().decode()
+    families = _families(text)
+    exported = {name for name in families if name.startswith("llm_d_epp_")}
+    assert UPSTREAM - exported == set()
     assert exported - UPSTREAM <= {
         "llm_d_epp_prefix_indexer_size",
         "llm_d_epp_prefix_indexer_hit_ratio",
         "llm_d_epp_prefix_indexer_hit_bytes",
     }
-    # The older names stay beside them.
-    older = _families(m.render().decode())
-    for name in ("inference_objective_request_total", "inference_pool_ready_pods",
-                 "inference_extension_scheduler_e2e_duration_seconds"):  # fmt: skip
-        assert name in older
+    assert DEPRECATED - set(families) == set()  # the older names stay beside them
+    # Every family but the documented few has a non-zero sample after one request's events.
+    sampled = {
+        f.name for f in text_string_to_metric_families(text) if any(s.value for s in f.samples)
+    }
+    sampled |= {name + "_total" for name in sampled}
+    assert {n for n in UPSTREAM if n not in sampled} == NO_SAMPLES
 
 
 def _samples(m: GatewayMetrics, family: str) -> list[dict[str, str]]:
@@ -232,3 +297,70 @@ async def test_time_to_first_token_and_rewrite_decisions_come_from_the_director(
     }
     assert sums == pytest.approx({("food-review", "true"): 0.3, ("chat", "false"): 0.5})
     assert counts == {("food-review", "true"): 1.0, ("chat", "false"): 1.0}
+
+
+def _values(m: GatewayMetrics, family: str) -> list[tuple[dict[str, str], float]]:
+    for parsed in text_string_to_metric_families(m.render().decode()):
+        if parsed.name == family:
+            return [
+                (dict(s.labels), s.value)
+                for s in parsed.samples
+                if s.name.endswith(("_total", "_sum")) or s.name == family
+            ]
+    return []
+
+
+def test_the_families_filled_from_poolkeepers_own_data() -> None:
+    m = _metrics()
+    decision = _decision(priority=7)
+    m.routed(decision, 100, 0.001)
+    m.finished(decision, status=200, usage=Usage(10, 5, 4), seconds=0.5, response_bytes=50)
+    m.rejected("chat", FilteredOut("none passed"), 10)
+    m.flow_outcome(pool="default/pool", band=Criticality.SHEDDABLE, model="chat",
+                   outcome="RejectedCapacity", waited_s=0.0)  # fmt: skip
+    attempts = sorted(_values(m, "llm_d_epp_scheduler_attempts"), key=lambda s: s[0]["status"])
+    assert attempts == [
+        ({"status": "failure", "target_model_name": "", "endpoint_name": "", "namespace": "",
+          "port": ""}, 1.0),
+        ({"status": "success", "target_model_name": "chat-v1", "endpoint_name": "sim-0",
+          "namespace": "llm", "port": "8000"}, 1.0),
+    ]  # fmt: skip
+    (older,) = [s for s in _values(m, "inference_extension_scheduler_attempts")
+                if s[0]["status"] == "success"]  # fmt: skip
+    assert older[0]["pod_name"] == "sim-0"
+    assert _values(m, "inference_objective_request") == [
+        ({"model_name": "chat", "target_model_name": "chat-v1", "priority": "7"}, 1.0)
+    ]
+    assert "priority" not in _values(m, "inference_model_request")[0][0]  # v0.5's labels
+    assert _values(m, "inference_objective_prompt_cached_tokens") == [
+        ({"model_name": "chat", "target_model_name": "chat-v1"}, 4.0)
+    ]
+    for family, value in [
+        ("llm_d_epp_average_running_requests", 3.0),
+        ("inference_pool_average_running_requests", 3.0),
+        ("llm_d_epp_std_dev_kv_cache_utilization", 0.1),
+        ("llm_d_epp_std_dev_queue_size", 1.5),
+        ("llm_d_epp_std_dev_running_requests", 0.5),
+    ]:
+        assert _values(m, family) == [({"name": "pool"}, value)]
+    assert _values(m, "llm_d_epp_flow_control_pool_saturation") == [
+        ({"inference_pool": "pool", "stage": "decode"}, 0.75),
+        ({"inference_pool": "pool", "stage": "effective"}, 0.75),
+    ]
+    assert _values(m, "inference_extension_flow_control_pool_saturation")  # the older twin
+    assert _values(m, "llm_d_epp_flow_control_stale_endpoints") == [
+        ({"detector": "utilization-detector"}, 1.0)
+    ]
+    for unit in ("requests", "bytes"):
+        assert _values(m, f"llm_d_epp_flow_control_capacity_utilization_{unit}") == [
+            ({"priority": "Standard", "inference_pool": "pool"}, 0.25)
+        ]
+    assert _values(m, "llm_d_epp_datalayer_poll_errors") == [
+        ({"source_type": "metrics-data-source"}, 3.0)
+    ]
+    assert _values(m, "llm_d_inference_scheduler_datalayer_extract_errors") == [
+        ({"source_type": "metrics-data-source", "extractor_type": "core-metrics-extractor"}, 1.0)
+    ]
+    assert _values(m, "llm_d_epp_flow_control_requests") == [
+        ({"outcome": "RejectedCapacity", "priority": "Sheddable", "inference_pool": "pool"}, 1.0)
+    ]

@@ -31,7 +31,9 @@ mid-chunk), `lose_next_delete()`, `conflicts` (the next N status writes get 409)
 `start()` (the server is down: connections refused), `unserved` (versions answering 404),
 `throttle(n, retry_after_s)` (API priority and fairness: the next N requests get 429
 TooManyRequests with a `Retry-After` header), `forbid(verb, resource)` (RBAC: 403 Forbidden
-with the API server's "cannot VERB resource ..." message), `list_delay_s` (slow lists).
+with the API server's "cannot VERB resource ..." message), `rbac` (an allow-list of RBAC rules,
+`rbac.py`: every request they do not cover gets that 403, recorded in `refused`),
+`list_delay_s` (slow lists).
 
 Not modelled (docs/kubernetes.md lists these too): pagination (`limit`/`continue`), server-side
 apply and strategic merge patch, managedFields, schema validation and admission, graceful
@@ -53,6 +55,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.kube.rbac import Rule, allows
 from tests.kube.selectors import SelectorError, field_selector, label_selector
 
 SERVED: dict[tuple[str, str, str], str] = {
@@ -155,6 +158,8 @@ class FakeApiServer:
         self.retry_after_s = 1
         self.throttle_verbs: frozenset[str] | None = None  # None: every verb
         self.forbidden: set[tuple[str, str]] = set()  # (verb, resource[/subresource])
+        self.rbac: list[Rule] | None = None  # None: everything allowed (but `forbidden`)
+        self.refused: list[str] = []  # "verb group/resource ns" of every 403 answered
         self.user = "system:serviceaccount:default:poolkeeper-epp"
         # TokenReview / SubjectAccessReview (cluster-scoped, never stored): who a bearer token
         # is, and which (user, non-resource path) may be read with GET.
@@ -324,7 +329,10 @@ class FakeApiServer:
                           details={"retryAfterSeconds": self.retry_after_s},
                           headers={"Retry-After": str(self.retry_after_s)})  # fmt: skip
         resource = gvp[2] + (f"/{sub}" if sub else "")
-        if (verb, resource) in self.forbidden:
+        if (verb, resource) in self.forbidden or (
+            self.rbac is not None and not allows(self.rbac, gvp[0], resource, verb, namespace)
+        ):
+            self.refused.append(f"{verb} {gvp[0]}/{resource} {namespace}")
             message = (
                 f'{resource} is forbidden: User "{self.user}" cannot {verb} resource '
                 f'"{resource}" in API group "{gvp[0]}" in the namespace "{namespace}"'
@@ -335,7 +343,11 @@ class FakeApiServer:
 
     async def _review(self, request: web.Request, resource: str) -> web.Response:
         """A TokenReview or SubjectAccessReview: the request's spec and the verdict as status."""
-        if ("create", resource) in self.forbidden:
+        group = request.path.split("/")[2]
+        if ("create", resource) in self.forbidden or (
+            self.rbac is not None and not allows(self.rbac, group, resource, "create", None)
+        ):
+            self.refused.append(f"create {group}/{resource}")
             message = (
                 f'{resource}.{request.path.split("/")[2]} is forbidden: User "{self.user}" '
                 f'cannot create resource "{resource}" in API group "{request.path.split("/")[2]}"'

@@ -152,6 +152,7 @@ def _alpn(port: int) -> str | None:
         (("--kubernetes", "--no-secure-serving"), False),
         (("-f", "x.yaml"), False),  # one machine: loopback plaintext to the managed Envoy
         (("-f", "x.yaml", "--no-envoy", "--secure-serving"), True),
+        (("-f", "x.yaml", "--secure-serving"), True),  # the managed Envoy dials it over TLS
     ],
 )
 def test_tls_is_on_by_default_in_kubernetes_mode_only(argv: tuple[str, ...], secure: bool) -> None:
@@ -161,7 +162,6 @@ def test_tls_is_on_by_default_in_kubernetes_mode_only(argv: tuple[str, ...], sec
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("-f", "x.yaml", "--secure-serving"), "--secure-serving is for an Envoy or Gateway"),
         (("--kubernetes", "--enable-cert-reload"), "--enable-cert-reload needs --cert-path"),
         (("--kubernetes", "--tls-min-version", "VersionTLS13"), "grpcio cannot refuse TLS 1.2"),
         (("--kubernetes", "--tls-cipher-suites", "A,B"), "grpcio offers no cipher setting"),

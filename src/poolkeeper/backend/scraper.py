@@ -73,6 +73,7 @@ class MetricsScraper:
         self.failures = 0  # consecutive failed scrapes
         self.attempts = 0  # scrapes tried, ever
         self.failed_total = 0  # scrapes failed, ever (for the gateway's own metrics)
+        self.extract_failed_total = 0  # of those, pages fetched but not readable
         # A fixed per-endpoint offset (from the key, so reproducible) added once before the
         # second scrape: loops started together spread over the interval instead of parsing
         # every page in the same tick of the event loop the ext_proc server also runs on.
@@ -116,9 +117,9 @@ class MetricsScraper:
         except aiohttp.ClientError as exc:
             return self._failed(f"{type(exc).__name__}: {exc}")
         except PromParseError as exc:
-            return self._failed(f"bad metrics page: {exc}")
+            return self._failed(f"bad metrics page: {exc}", extract=True)
         except MissingMetrics as exc:
-            return self._failed(str(exc))
+            return self._failed(str(exc), extract=True)
         except Exception as exc:  # a bug or an odd OS error must not end the loop
             if self.failures == 0:
                 log.exception("unexpected error scraping %s", self.url)
@@ -162,9 +163,10 @@ class MetricsScraper:
                 chunks.append(chunk)
         return b"".join(chunks)
 
-    def _failed(self, reason: str) -> EndpointMetrics:
+    def _failed(self, reason: str, *, extract: bool = False) -> EndpointMetrics:
         self.failures += 1
         self.failed_total += 1
+        self.extract_failed_total += extract
         if self.failures == 1:
             log.warning("scraping %s failed: %s", self.url, reason)
         if self.metrics.error == reason:
@@ -209,6 +211,16 @@ class ScraperManager:
         self._stopping: set[asyncio.Task[None]] = set()
         self._unsubscribe: Callable[[], None] | None = None
         self._closed = False
+        self._retired = (0, 0)  # failure totals of the loops stopped so far
+
+    def failure_totals(self) -> tuple[int, int]:
+        """(poll, extract) failures of every loop this manager ran, ever: a fetch that
+        failed, and a page fetched but unreadable (upstream's data-layer error counters)."""
+        polls, extracts = self._retired
+        for scraper, _ in self._loops.values():
+            polls += scraper.failed_total - scraper.extract_failed_total
+            extracts += scraper.extract_failed_total
+        return polls, extracts
 
     @property
     def scrapers(self) -> dict[str, MetricsScraper]:
@@ -226,6 +238,11 @@ class ScraperManager:
         wanted = {endpoint.hostport: endpoint for endpoint in endpoints}
         for key, (scraper, task) in list(self._loops.items()):
             if wanted.get(key) != scraper.endpoint:
+                polls, extracts = self._retired
+                self._retired = (
+                    polls + scraper.failed_total - scraper.extract_failed_total,
+                    extracts + scraper.extract_failed_total,
+                )
                 del self._loops[key]
                 self._stop(task)
         for key, endpoint in wanted.items():

@@ -8,8 +8,12 @@ The arguments are upstream's (cli/epp_flags.py); they map onto Kubernetes mode (
 read-only), the EndpointPickerConfig (or upstream's default one) onto the scheduling,
 scraping, admission and flow-control settings (config/endpointpicker/), and upstream's
 request-handling defaults apply: one endpoint in the destination header, any model name passed
-through at priority 0, the objective / rewrite / fairness headers read. Flags poolkeeper cannot
-honour yet are accepted and named in one startup notice (docs/kubernetes.md lists them).
+through at priority 0, the objective / rewrite / fairness headers read. As upstream's EPP, it
+reads only `--pool-group`'s InferencePools (or, with `--endpoint-selector`, only Pods: the
+standalone mode), serves ext_proc over TLS, guards `/metrics` with TokenReview and
+SubjectAccessReview, and answers gRPC health leader-aware under `--ha-enable-leader-election`.
+Flags poolkeeper cannot honour yet are accepted and named in one startup notice
+(docs/kubernetes.md lists them).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from poolkeeper.cli.epp_flags import (
     FlagError,
     effective_refresh_interval,
     parse_epp_args,
+    standalone_pool_name,
 )
 from poolkeeper.config.endpointpicker import (
     DEFAULT_CONFIG_TEXT,
     load_endpoint_picker_config,
     translate,
 )
+from poolkeeper.config.endpointpicker.values import parse_label_selector
 from poolkeeper.config.gateway import GatewayConfig, TrustedHeader
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.tls import TlsSettings
@@ -46,13 +52,10 @@ log = logging.getLogger("poolkeeper.epp")
 # Flags accepted but not (yet) honoured, with what happens instead. Those whose upstream
 # default asks for something poolkeeper lacks are named even when not given.
 UNHONOURED: dict[str, str] = {
-    "metrics-endpoint-auth": "/metrics is served without authentication",
     "metrics-cert-dir": "/metrics is served over plain HTTP",
     "metrics-client-ca-file": "/metrics is served over plain HTTP",
     "tracing": "no OpenTelemetry tracing",
     "enable-pprof": "no pprof (a Python process)",
-    "ha-enable-leader-election": "every replica serves and reports ready (active-active)",
-    "health-checking": "gRPC health is served on the health port only",
     "emit-endpoint-scores": "scores are not written to envoy.lb metadata",
     "enable-grpc-stream-metrics": "no extproc_* stream metrics",
     "grpc-max-recv-msg-size": "gRPC message sizes keep poolkeeper's limits",
@@ -65,7 +68,7 @@ UNHONOURED: dict[str, str] = {
     "zap-stacktrace-level": "log format follows --zap-encoder",
     "zap-time-encoding": "log format follows --zap-encoder",
 }
-_DEFAULT_ON = ("metrics-endpoint-auth", "tracing", "enable-pprof")
+_DEFAULT_ON = ("tracing", "enable-pprof")
 
 
 def unhonoured(options: EppOptions) -> list[str]:
@@ -187,13 +190,6 @@ def _run(options: EppOptions, run_gateway: Any) -> int:
         log.warning("%s", warning)
     if options.ignored_args:
         log.warning("arguments ignored (not flags): %s", " ".join(options.ignored_args))
-    if options.standalone:
-        print(
-            "error: --endpoint-selector (standalone mode, no InferencePool) is not implemented "
-            "by poolkeeper's EPP yet; create an InferencePool and pass --pool-name",
-            file=sys.stderr,
-        )
-        return 1
     try:
         config, notices = epp_gateway_config(options)
         source = _kubernetes_source(options, config)
@@ -205,19 +201,39 @@ def _run(options: EppOptions, run_gateway: Any) -> int:
     missing = unhonoured(options)
     if missing:
         log.warning("accepted but not honoured by poolkeeper: %s", "; ".join(missing))
+    serve = epp_serve_options(options, source)
+    code: int = run_gateway(serve, "uvloop", json_logs=_json_logs(options))
+    return code
+
+
+def epp_serve_options(options: EppOptions, source: Any) -> Any:
+    """The runtime's options (a ServeOptions) for the EPP's flags."""
     from poolkeeper.server.runtime import ServeOptions
 
     # Readiness and drain as upstream's EPP: ready once synced; on SIGTERM NOT_SERVING, the
     # Lease released, ext_proc serving for --drain-timeout, then the usual drain.
-    serve = ServeOptions(
+    return ServeOptions(
         source=source,
         run_envoy=False,
         ready_once_synced=True,
         drain_timeout_s=options.seconds("drain-timeout"),
         tls=_tls(options),
+        metrics_middlewares=_metrics_auth(options),
+        upstream_health=True,
     )
-    code: int = run_gateway(serve, "uvloop", json_logs=_json_logs(options))
-    return code
+
+
+def _metrics_auth(options: EppOptions) -> tuple[Any, ...]:
+    """`--metrics-endpoint-auth` (default true, as upstream): TokenReview + SubjectAccessReview
+    for `GET /metrics`, asked of the API server with the EPP's own credentials."""
+    if not options.flag("metrics-endpoint-auth"):
+        return ()
+    from poolkeeper.controller.kubernetes import KubeApi, load_config
+    from poolkeeper.controller.kubernetes.metricsauth import MetricsAuth
+
+    config = load_config(kubeconfig=None, context=None)
+    namespace = options.pool_namespace
+    return (MetricsAuth(lambda: KubeApi(config, namespace)).middleware,)
 
 
 def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
@@ -226,14 +242,27 @@ def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
         kubernetes_source,
         load_config,
     )
+    from poolkeeper.controller.kubernetes.standalone import EndpointSelector
 
     namespace, name = options.pool_namespace, options.text("pool-name")
+    standalone = None
+    if options.standalone:  # validated already: POD_NAME is set, the selector parses
+        name = standalone_pool_name(os.environ["POD_NAME"])
+        standalone = EndpointSelector(
+            pool_name=name,
+            namespace=namespace,
+            terms=tuple(parse_label_selector(options.text("endpoint-selector"))),
+            target_ports=tuple(dict.fromkeys(options.ints("endpoint-target-ports"))),
+        )
     settings = KubeSettings(
         namespace=namespace,
         identity=os.environ.get("POD_NAME") or socket.gethostname(),
         pool_names=(name,),
         write_status=False,  # upstream never writes status; the chart grants read only
         lease_name=f"epp-{namespace}-{name}.llm-d.ai",
+        pool_group=options.text("pool-group"),  # as upstream: only what the chart grants
+        leader_election=options.flag("ha-enable-leader-election"),
+        standalone=standalone,
     )
     return kubernetes_source(settings, config, load_config(kubeconfig=None, context=None))
 

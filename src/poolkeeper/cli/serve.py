@@ -141,11 +141,6 @@ def tls_settings(args: argparse.Namespace) -> TlsSettings:
         settings.check()
     except TlsError as exc:
         raise ConfigError(str(exc)) from None
-    if secure and not (args.no_envoy or args.kubernetes):
-        raise ConfigError(
-            "--secure-serving is for an Envoy or Gateway of your own (with --no-envoy or "
-            "--kubernetes); the managed Envoy dials the EPP in plaintext on loopback"
-        )
     return settings
 
 

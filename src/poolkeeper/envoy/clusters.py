@@ -63,6 +63,18 @@ def _epp_health_check(p: BootstrapParams) -> dict[str, Any]:
     }
 
 
+def epp_tls_socket() -> dict[str, Any]:
+    """TLS to a `--secure-serving` EPP, as upstream's standalone Envoy preset: ALPN h2, no
+    validation (health checks and the observer's gRPC calls use it too)."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            T: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": {"alpn_protocols": ["h2"]},
+        },
+    }
+
+
 def _policy(name: str, config: dict[str, Any]) -> dict[str, Any]:
     return {"policies": [{"typed_extension_config": {"name": name, "typed_config": config}}]}
 
@@ -147,6 +159,8 @@ def clusters(p: BootstrapParams) -> list[dict[str, Any]]:
     ]
     if p.epp_health_interval_s > 0:
         clusters[0]["health_checks"] = [_epp_health_check(p)]
+    if p.epp_tls:
+        clusters[0]["transport_socket"] = epp_tls_socket()
     if p.fail_open and p.fallback_endpoints:
         clusters.append(
             {

@@ -139,6 +139,10 @@ class BootstrapParams:
     # Sent as gRPC metadata (`extproc.auth.TOKEN_HEADER`) on every call to the EPP: `serve`
     # makes one per run and its EPP refuses calls without it. None: no token (envoy-config).
     epp_token: str | None = None
+    # The EPP serves ext_proc over TLS (`--secure-serving`): Envoy dials it as upstream's
+    # standalone Envoy preset does, TLS with ALPN h2 and no certificate validation (the EPP's
+    # certificate is self-signed unless `--cert-path`; the EPP is on loopback).
+    epp_tls: bool = False
 
 
 # Descriptors kept back from the cap for Envoy itself: admin, EPP, logs, EDS file, upstream pools.

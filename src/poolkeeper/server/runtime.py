@@ -21,7 +21,9 @@ import dataclasses
 import logging
 import random
 import signal
+import statistics
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,7 @@ from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.tls import TlsSettings, server_credentials
+from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import (
     learns_from_first_tokens as scheduler_learns_from_first_tokens,
@@ -97,6 +100,17 @@ class ServeOptions:
     tls: TlsSettings = field(default_factory=TlsSettings)
     # aiohttp middlewares of the metrics server (upstream's --metrics-endpoint-auth).
     metrics_middlewares: tuple[Any, ...] = ()
+    # gRPC health as llm-d-router's EPP answers it (leader-aware; `poolkeeper-epp`).
+    upstream_health: bool = False
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def _pstdev(values: list[float]) -> float:
+    """Population standard deviation, as upstream's metrics logger computes it."""
+    return statistics.pstdev(values) if values else 0.0
 
 
 def fail_open_split_targets(snapshot: DatastoreSnapshot) -> dict[str, str]:
@@ -231,15 +245,21 @@ class GatewayRuntime:
             pool_stats=self.pool_stats,
             scheduling=stats if isinstance(stats, SchedulingStats) else None,
             flow_stats=self.flow_stats,
+            endpoint_of=self.endpoint_of,
         )
+        self.metrics.follow_scrapes(self._scrapers.failure_totals)
         self.metrics.follow_source(self._source.stale_s)
         self.director.observer = self.metrics  # time to first token, rewrite decisions
         if self.director.flow is not None:
             self.director.flow.observer = self.metrics  # queue outcomes and durations
         listeners = spec.listeners
-        health = HealthService.for_gateway(
-            live=lambda: True, ready=self.ready, answering=lambda: self.director is not None
-        )
+        if self.options.upstream_health:
+            leading = getattr(self._source, "leading", None) or (lambda: None)
+            health = HealthService.for_upstream_epp(ready=self.ready, leading=leading)
+        else:
+            health = HealthService.for_gateway(
+                live=lambda: True, ready=self.ready, answering=lambda: self.director is not None
+            )
         settings = ExtProcSettings(
             max_request_body_bytes=spec.request_handling.max_body_bytes + 1024,
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
@@ -356,7 +376,9 @@ class GatewayRuntime:
             learns_from_first_tokens=self.director is not None
             and self.director.learns_from_first_tokens,
         )
-        params = dataclasses.replace(params, epp_token=self._epp_token)
+        params = dataclasses.replace(
+            params, epp_token=self._epp_token, epp_tls=self.options.tls.secure_serving
+        )
         # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
         # idle connections are refused by the cap, never by descriptors running out.
         descriptors = raise_descriptor_limit()
@@ -421,21 +443,54 @@ class GatewayRuntime:
 
     def pool_stats(self) -> Iterator[PoolStats]:
         snapshot = self.datastore.snapshot()
+        # The admission section's detector, as the gate judges saturation (read-only here).
+        detector = None
+        if self.config is not None:
+            spec = self.config.spec
+            detector = SaturationDetector(spec.admission, staleness_s=spec.scraping.staleness_s)
+        now = time.monotonic()
         for key in snapshot.pool_keys():
             states = snapshot.states(key)
-            n = len(states)
-            kv = sum(s.metrics.kv_cache_usage for s in states) / n if n else 0.0
-            queue = sum(s.metrics.waiting for s in states) / n if n else 0.0
+            kv = [s.metrics.kv_cache_usage for s in states]
+            queue = [float(s.metrics.waiting) for s in states]
+            running = [float(s.metrics.running) for s in states]
             ready = sum(1 for s in states if s.metrics.reachable)
             per_pod = tuple((s.endpoint.name, float(s.metrics.waiting)) for s in states)
-            yield PoolStats(key.rpartition("/")[2], kv, queue, ready, per_pod)
+            report = detector.assess(states, now) if detector is not None else None
+            yield PoolStats(
+                key.rpartition("/")[2],
+                _mean(kv),
+                _mean(queue),
+                ready,
+                per_pod,
+                average_running_requests=_mean(running),
+                std_dev_kv_cache_utilization=_pstdev(kv),
+                std_dev_queue_size=_pstdev(queue),
+                std_dev_running_requests=_pstdev(running),
+                saturation=report.saturation if report is not None else None,
+                stale_endpoints=report.stale if report is not None else 0,
+            )
+
+    def endpoint_of(self, hostport: str) -> tuple[str, str, str] | None:
+        """(name, namespace, hostport) of the endpoint at `hostport` (metrics labels)."""
+        endpoint = self.datastore.snapshot().endpoint(hostport)
+        return None if endpoint is None else (endpoint.name, endpoint.namespace, hostport)
 
     def flow_stats(self) -> Iterator[QueueStats]:
         gate = self.director.flow if self.director is not None else None
         if gate is None:
             return
+        bands = self.config.spec.flow_control.bands if self.config is not None else None
         for pool, band, requests, size in gate.queue_stats():
-            yield QueueStats(pool.rpartition("/")[2], str(band), requests, size)
+            bound = bands.of(band) if bands is not None else None
+            yield QueueStats(
+                pool.rpartition("/")[2],
+                str(band),
+                requests,
+                size,
+                max_requests=bound.max_requests if bound is not None else 0,
+                max_bytes=bound.max_bytes if bound is not None else 0,
+            )
 
     @property
     def epp_address(self) -> str:

@@ -43,7 +43,7 @@ def health_methods(health: HealthService) -> dict[str, Method]:
     """gRPC health's Check for the lean transport (Watch stays on the health port)."""
 
     async def check(request: Any) -> Any:
-        status = health.status(request.service)
+        status = health.check_status(request.service)
         if status is None:
             raise RpcError(_NOT_FOUND, f"unknown service {request.service!r}")
         return HealthCheckResponse(status=status)

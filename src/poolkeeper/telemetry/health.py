@@ -70,10 +70,15 @@ class HealthService:
         probes: Mapping[str, Callable[[], bool]],
         watch_interval_s: float = 1.0,
         default: Callable[[], bool] | None = None,
+        *,
+        unknown_status: bool = False,
     ):
         self.probes = dict(probes)
         self.watch_interval_s = watch_interval_s
         self.default = default
+        # An unknown service name: SERVICE_UNKNOWN as a status (upstream's EPP) rather than a
+        # NOT_FOUND error (grpc-health-checking's own server).
+        self.unknown_status = unknown_status
 
     @classmethod
     def for_gateway(
@@ -89,6 +94,23 @@ class HealthService:
             default=serving,
         )
 
+    @classmethod
+    def for_upstream_epp(
+        cls, *, ready: Callable[[], bool], leading: Callable[[], bool | None]
+    ) -> HealthService:
+        """Health as llm-d-router's EPP answers it (`cmd/epp/runner/health.go`). Without
+        leader election (`leading()` None) every service name gets the one readiness answer.
+        With it, `liveness` is always SERVING; `readiness`, `""` and the ext_proc service are
+        SERVING only on the leader; any other name is SERVICE_UNKNOWN."""
+
+        def leader_ready() -> bool:
+            return bool(leading()) and ready()
+
+        if leading() is None:
+            return cls({}, default=ready)
+        gated = {name: leader_ready for name in ("", "readiness", EXT_PROC_SERVICE)}
+        return cls({"liveness": lambda: True, **gated}, unknown_status=True)
+
     def status(self, service: str) -> int | None:
         probe = self.probes.get(service, self.default)
         if probe is None:
@@ -98,8 +120,15 @@ class HealthService:
         except Exception:
             return NOT_SERVING
 
+    def check_status(self, service: str) -> int | None:
+        """What Check answers for `service`; None: a NOT_FOUND error (both transports)."""
+        status = self.status(service)
+        if status is None and self.unknown_status:
+            return SERVICE_UNKNOWN
+        return status
+
     async def check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        status = self.status(request.service)
+        status = self.check_status(request.service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return HealthCheckResponse(status=status)

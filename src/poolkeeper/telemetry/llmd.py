@@ -33,6 +33,7 @@ ALSO_AS: Final[Mapping[str, tuple[str, Mapping[str, str]]]] = MappingProxyType(
         "inference_pool_average_kv_cache_utilization": (
             "llm_d_epp_average_kv_cache_utilization", {}),
         "inference_pool_average_queue_size": ("llm_d_epp_average_queue_size", {}),
+        "inference_pool_average_running_requests": ("llm_d_epp_average_running_requests", {}),
         "inference_pool_ready_pods": ("llm_d_epp_ready_endpoints", {}),
         "inference_pool_per_pod_queue_size": (
             "llm_d_epp_per_endpoint_queue_size", {"model_server_pod": "model_server_endpoint"}),

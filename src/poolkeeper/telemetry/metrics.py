@@ -34,10 +34,15 @@ from prometheus_client.samples import Sample
 
 from poolkeeper import __version__
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.errors import GatewayError
+from poolkeeper.errors import FilteredOut, GatewayError
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import HistogramData, SchedulingStats
 from poolkeeper.telemetry.llmd import ALSO_AS, LlmdRequestMetrics
+from poolkeeper.telemetry.llmd_families import (
+    ALSO_AS as FAMILIES_ALSO_AS,
+    LlmdFamilies,
+    ScrapeErrors,
+)
 
 OTHER = "other"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -100,6 +105,15 @@ class PoolStats:
     ready_pods: int
     # (endpoint name, waiting requests) for `inference_pool_per_pod_queue_size`
     per_pod_queue_size: tuple[tuple[str, float], ...] = ()
+    average_running_requests: float = 0.0
+    # Population standard deviations over the pool's endpoints (llm-d-router's std_dev_*).
+    std_dev_kv_cache_utilization: float = 0.0
+    std_dev_queue_size: float = 0.0
+    std_dev_running_requests: float = 0.0
+    # The admission detector's view (upstream's flow_control_pool_saturation and
+    # flow_control_stale_endpoints): mean saturation, stale endpoints counting 1.0.
+    saturation: float | None = None
+    stale_endpoints: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +124,9 @@ class QueueStats:
     priority: str  # the band: Critical | Standard | Sheddable
     requests: int
     bytes: int
+    # The band's bounds per pool (maxRequests, maxBytes); 0: unknown, no utilization ratio.
+    max_requests: int = 0
+    max_bytes: int = 0
 
 
 class _QueueCollector(Collector):
@@ -127,11 +144,28 @@ class _QueueCollector(Collector):
             "Request bytes waiting in the flow-control queue, per pool and priority band.",
             labels=["inference_pool", "priority"],
         )
+        # llm-d-router's names only (no older twins): the fraction of the band's bounds used.
+        used = {
+            unit: GaugeMetricFamily(
+                f"llm_d_epp_flow_control_capacity_utilization_{unit}",
+                f"Fraction of a priority band's {unit} capacity in use (0-1), per pool.",
+                labels=["priority", "inference_pool"],
+            )
+            for unit in ("requests", "bytes")
+        }
         for stats in self.source():
             size.add_metric([stats.pool, stats.priority], stats.requests)
             size_bytes.add_metric([stats.pool, stats.priority], stats.bytes)
+            if stats.max_requests:
+                ratio = stats.requests / stats.max_requests
+                used["requests"].add_metric([stats.priority, stats.pool], ratio)
+            if stats.max_bytes:
+                used["bytes"].add_metric(
+                    [stats.priority, stats.pool], stats.bytes / stats.max_bytes
+                )
         yield size
         yield size_bytes
+        yield from used.values()
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,16 +251,55 @@ class _PoolCollector(Collector):
             "underlying pod.",
             labels=["name", "model_server_pod"],
         )
+        running = GaugeMetricFamily(
+            "inference_pool_average_running_requests",
+            "The average number of requests running on the model servers of the pool.",
+            labels=["name"],
+        )
+        spreads = {
+            field: GaugeMetricFamily(
+                f"llm_d_epp_{field}", f"The pool's {what} standard deviation.", labels=["name"]
+            )
+            for field, what in (
+                ("std_dev_kv_cache_utilization", "kv cache utilization"),
+                ("std_dev_queue_size", "queue size"),
+                ("std_dev_running_requests", "running requests"),
+            )
+        }
+        saturation = GaugeMetricFamily(
+            "inference_extension_flow_control_pool_saturation",
+            "Pool saturation gating dispatch (1.0: the set point), by pool and stage.",
+            labels=["inference_pool", "stage"],
+        )
+        stale = GaugeMetricFamily(
+            "llm_d_epp_flow_control_stale_endpoints",
+            "Endpoints whose metrics are missing or stale, by saturation detector.",
+            labels=["detector"],
+        )
+        stale_total = 0
         for stats in self.source():
+            if stats.saturation is not None:
+                # One stage: poolkeeper pools are monolithic (upstream: all endpoints decode).
+                for stage in ("decode", "effective"):
+                    saturation.add_metric([stats.name, stage], stats.saturation)
+            stale_total += stats.stale_endpoints
             kv.add_metric([stats.name], stats.average_kv_cache_utilization)
             queue.add_metric([stats.name], stats.average_queue_size)
             ready.add_metric([stats.name], stats.ready_pods)
+            running.add_metric([stats.name], stats.average_running_requests)
+            for field, family in spreads.items():
+                family.add_metric([stats.name], getattr(stats, field))
             for pod, size in stats.per_pod_queue_size:
                 per_pod.add_metric([stats.name, pod], size)
         yield kv
         yield queue
         yield ready
         yield per_pod
+        yield running
+        yield from spreads.values()
+        stale.add_metric(["utilization-detector"], stale_total)
+        yield saturation
+        yield stale
 
 
 def _histogram(family: HistogramMetricFamily, labels: list[str], *parts: HistogramData) -> None:
@@ -300,9 +373,16 @@ class _Exposition:
         for family in self.registry.collect():
             samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield _copy(family, family.name, samples)
-            if family.name in ALSO_AS:
-                yield _renamed(family, samples, *ALSO_AS[family.name])
-            if self.objective_names and family.name.startswith(MODEL_PREFIX):
+            also = ALSO_AS.get(family.name) or _ALSO_AS_MORE.get(family.name)
+            if also is None and family.type == "counter":
+                also = _ALSO_AS_MORE.get(family.name + "_total")
+            if also is not None:
+                yield _renamed(family, samples, *also)
+            if (
+                self.objective_names
+                and family.name.startswith(MODEL_PREFIX)
+                and family.name not in _OBJECTIVE_OWN
+            ):
                 renamed = OBJECTIVE_PREFIX + family.name.removeprefix(MODEL_PREFIX)
                 yield _copy(
                     family,
@@ -314,11 +394,18 @@ class _Exposition:
                 )
 
 
+# More families under a second name (counters by their `_total` name).
+_ALSO_AS_MORE: Mapping[str, tuple[str, Mapping[str, str]]] = FAMILIES_ALSO_AS
+# v0.5 families whose v1.x twin is an instrument of its own (labels differ: `priority`).
+_OBJECTIVE_OWN = frozenset({"inference_model_request"})
+
+
 def _renamed(family: Metric, samples: list[Sample], name: str, labels: Mapping[str, str]) -> Metric:
     """`family` under llm-d-router's name (and label names)."""
+    base = name.removesuffix("_total") if family.type == "counter" else name
     renamed = [
         s._replace(
-            name=name + s.name.removeprefix(family.name),
+            name=base + s.name.removeprefix(family.name),
             labels={labels.get(k, k): v for k, v in s.labels.items()},
         )
         for s in samples
@@ -327,6 +414,8 @@ def _renamed(family: Metric, samples: list[Sample], name: str, labels: Mapping[s
 
 
 def _copy(family: Metric, name: str, samples: list[Sample]) -> Metric:
+    if family.type == "counter":
+        name = name.removesuffix("_total")
     out = Metric(name, family.documentation, family.type, family.unit)
     out.samples = samples
     return out
@@ -343,8 +432,12 @@ class GatewayMetrics:
         flow_stats: Callable[[], Iterable[QueueStats]] | None = None,
         max_label_values: int = 1000,
         objective_names: bool = True,
+        endpoint_of: Callable[[str], tuple[str, str, str] | None] | None = None,
     ) -> None:
+        """`endpoint_of`: (name, namespace, hostport) of the endpoint at a `host:port`, for
+        the scheduler-attempt labels (None: the labels stay empty)."""
         self.registry = CollectorRegistry()
+        self._endpoint_of = endpoint_of
         self._exposition = _Exposition(self.registry, objective_names=objective_names)
         self._model = LabelCap(max_label_values)
         self._target = LabelCap(max_label_values)
@@ -365,6 +458,9 @@ class GatewayMetrics:
                 "output_tokens": OUTPUT_TOKEN_BUCKETS,
                 "ntpot": NTPOT_BUCKETS,
             },
+        )
+        self.families = LlmdFamilies(
+            r, objective_names=objective_names, token_buckets=INPUT_TOKEN_BUCKETS
         )
         model_labels = ["model_name", "target_model_name"]
         self.request_total = Counter(
@@ -467,6 +563,11 @@ class GatewayMetrics:
         """Export the count of gRPC calls refused for want of Envoy's token (extproc/auth)."""
         self.registry.register(_RefusedCollector(source))
 
+    def follow_scrapes(self, source: ScrapeErrors) -> None:
+        """Export the model-server scrape failures (poll, extract) as upstream's data-layer
+        error counters."""
+        self.families.follow_scrapes(source)
+
     def follow_observer(self, source: Callable[[], ObserverStats]) -> None:
         """Export the response observer's waiting room (when the runtime has one)."""
         self.registry.register(_ObserverCollector(source))
@@ -482,14 +583,22 @@ class GatewayMetrics:
             return  # header-only requests carry no model: not an inference request
         model, target = self._labels(decision)
         self.request_total.labels(model, target).inc()
+        if self.families.objective_requests is not None:
+            priority = str(decision.priority or 0)
+            self.families.objective_requests.labels(model, target, priority).inc()
         self.request_sizes.labels(model, target).observe(request_bytes)
         self.running_requests.labels(model).inc()
+        if decision.endpoints:
+            lookup = self._endpoint_of
+            self.families.scheduled(target, lookup(decision.endpoints[0]) if lookup else None)
 
     def rejected(self, model_name: str, error: GatewayError, request_bytes: int) -> None:
         # Like upstream, errors after model resolution (shed, no endpoint) carry the target.
         target = self._target(error.target_model) if error.target_model else ""
         self.request_error_total.labels(self._model(model_name), target, error.code).inc()
         self.llmd.rejected(model_name, error.target_model, error.code)
+        if isinstance(error, FilteredOut):  # the scheduler ran and found no endpoint
+            self.families.not_scheduled(target)
 
     def finished(
         self,
@@ -518,6 +627,8 @@ class GatewayMetrics:
             # Upstream records token counts only when positive, and only the server's own.
             if usage.prompt_tokens > 0:
                 self.input_tokens.labels(model, target).observe(usage.prompt_tokens)
+            if usage.cached_tokens and self.families.objective_cached is not None:
+                self.families.objective_cached.labels(model, target).observe(usage.cached_tokens)
             if usage.completion_tokens > 0:
                 self.output_tokens.labels(model, target).observe(usage.completion_tokens)
                 if seconds > 0:
@@ -534,9 +645,11 @@ class GatewayMetrics:
     def flow_outcome(
         self, *, pool: str, band: Criticality, model: str, outcome: str, waited_s: float
     ) -> None:
-        self.flow_queue_duration.labels(
-            pool.rpartition("/")[2], str(band), outcome, self._model(model)
-        ).observe(waited_s)
+        pool_name = pool.rpartition("/")[2]
+        self.flow_queue_duration.labels(pool_name, str(band), outcome, self._model(model)).observe(
+            waited_s
+        )
+        self.families.flow_requests.labels(outcome, str(band), pool_name).inc()
 
     # -- exposition -------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -53,6 +53,7 @@ from poolkeeper.controller.kubernetes.client import (
 )
 from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming
 from poolkeeper.controller.kubernetes.objects import ObjectCache
+from poolkeeper.controller.kubernetes.standalone import EndpointSelector
 from poolkeeper.controller.kubernetes.state import ClusterState
 from poolkeeper.controller.kubernetes.status import StatusWriter
 from poolkeeper.datastore.store import Datastore
@@ -79,6 +80,12 @@ class KubeSettings:
     start_timeout_s: float = 30.0
     resync_s: float = 300.0  # status reconcile from the cache, as controller-runtime's resync
     field_manager: str = "poolkeeper-epp"  # stable across pods: one managedFields entry
+    pool_group: str = ""  # only this group's InferencePools (upstream --pool-group); "": all
+    # Take part in the Lease even without status writes (upstream --ha-enable-leader-election:
+    # readiness follows leadership, see `leading`).
+    leader_election: bool = False
+    # Upstream's --endpoint-selector mode: no InferencePool, Pods only (standalone.py).
+    standalone: EndpointSelector | None = None
 
 
 class KubernetesResourceSource:
@@ -105,7 +112,12 @@ class KubernetesResourceSource:
         self._rng = rng or random.Random()
         self._now = now
         self._clock = clock
-        self.state = ClusterState(settings.pool_names, self.gateway_config.spec.scraping.engine_for)
+        self.state = ClusterState(
+            settings.pool_names,
+            self.gateway_config.spec.scraping.engine_for,
+            settings.pool_group,
+            settings.standalone,
+        )
         self._degraded: dict[str, float] = {}  # follower -> when it lost the watch (clock)
         self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
         self._models_by_key: dict[str, InferenceModel] = {}
@@ -137,6 +149,13 @@ class KubernetesResourceSource:
         """The first full sync is done (readiness, as upstream: API trouble later never takes
         the data plane down; the last known state is served, see `stale_s`)."""
         return self.synced()
+
+    def leading(self) -> bool | None:
+        """Whether this replica holds the Lease; None when it takes no part in one (status
+        writes off and no leader election asked for)."""
+        if not (self.settings.write_status or self.settings.leader_election):
+            return None
+        return self.elector.is_leader()
 
     def in_step(self) -> bool:
         """Every watch is running (none re-listing after a failure)."""
@@ -191,8 +210,9 @@ class KubernetesResourceSource:
         tasks = [
             asyncio.create_task(self._follow(c), name=f"watch {c.kind}") for c in self._caches()
         ]
-        if self.settings.write_status:
+        if self.settings.write_status or self.settings.leader_election:
             tasks.append(asyncio.create_task(self.elector.run(self._sleep), name="lease"))
+        if self.settings.write_status:
             tasks.append(asyncio.create_task(self._write_statuses(), name="status"))
             tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
         try:

@@ -30,6 +30,7 @@ from poolkeeper.controller.kubernetes.objects import (
     parse_pool,
     pod_endpoint,
 )
+from poolkeeper.controller.kubernetes.standalone import EndpointSelector
 from poolkeeper.datastore.models import ModelResource
 from poolkeeper.datastore.store import EndpointSpec
 
@@ -42,19 +43,37 @@ class ClusterState:
     """The caches of one namespace and their datastore view."""
 
     def __init__(
-        self, pool_names: Sequence[str], engine_for: Callable[[Mapping[str, str]], str]
+        self,
+        pool_names: Sequence[str],
+        engine_for: Callable[[Mapping[str, str]], str],
+        pool_group: str = "",
+        standalone: EndpointSelector | None = None,
     ) -> None:
+        """`pool_group`: read only that group's InferencePools (upstream's `--pool-group`),
+        and InferenceModels only with the x-k8s group (the k8s.io generation has none):
+        the chart of an upstream EPP grants exactly these, so nothing else is listed (a
+        list it does not grant is a 403). Empty: every generation. `standalone`: upstream's
+        `--endpoint-selector` mode, Pods only (controller/kubernetes/standalone.py)."""
         self.wanted = frozenset(pool_names)  # empty: every pool
         self.engine_for = engine_for
-        self.pool_caches = [ObjectCache(kinds[0], kinds) for kinds in POOL_KINDS]
+        self.pool_caches = [
+            ObjectCache(kinds[0], kinds)
+            for kinds in POOL_KINDS
+            if not pool_group or kinds[0].group == pool_group
+        ]
         self.models_cache = ObjectCache(MODEL_KINDS[0], MODEL_KINDS)
+        self.reads_models = not pool_group or pool_group == MODEL_KINDS[0].group
         self.policy_caches = [ObjectCache(kinds[0], kinds) for kinds in POLICY_KINDS]
+        self.standalone = standalone
+        if standalone is not None:
+            self.pool_caches, self.policy_caches, self.reads_models = [], [], False
         self.pods_cache = ObjectCache(POD, (POD,))
         self._problems: dict[str, tuple[str, ...]] = {}  # object -> problems logged
         self._legacy_logged: dict[str, str] = {}  # fallback-group object -> verdict logged
 
     def caches(self) -> list[ObjectCache]:
-        return [*self.pool_caches, self.models_cache, *self.policy_caches, self.pods_cache]
+        models = [self.models_cache] if self.reads_models else []
+        return [*self.pool_caches, *models, *self.policy_caches, self.pods_cache]
 
     def _ours(self, pool_name: str) -> bool:
         return not self.wanted or pool_name in self.wanted
@@ -70,6 +89,10 @@ class ClusterState:
 
     def pools(self) -> list[AnyInferencePool]:
         out: list[AnyInferencePool] = []
+        if self.standalone is not None:
+            pool, problems = parse_pool(self.standalone.pool_object())
+            self._report("--endpoint-selector", problems)
+            out.extend([pool] if pool is not None else [])
         for cache in self.pool_caches:
             for key, obj in sorted(cache.objects.items()):
                 pool, problems = parse_pool(obj)
@@ -131,4 +154,6 @@ class ClusterState:
         specs = (
             pod_endpoint(pod, self.engine_for) for _, pod in sorted(self.pods_cache.objects.items())
         )
+        if self.standalone is not None:
+            specs = (self.standalone.select(s) for s in specs if s is not None)
         return [s for s in specs if s is not None]

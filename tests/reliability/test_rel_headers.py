@@ -58,3 +58,19 @@ async def test_too_many_or_too_large_headers_get_431_never_503(
         # Within the limits: served.
         answer = await raw_http(g.port, _request([(f"x-h{i}", "v") for i in range(97)]))
         assert status_of(answer) == 200
+
+
+async def test_a_long_url_gets_431_never_503(tmp_path: Path) -> None:
+    """The request line is the client's too: a 61-65 KB URL passed the header guard (it
+    counted headers only) and, with the EPP's mutation on top, could cross the codec's limit
+    (503 naming the EPP) or reach a server. Now 431 before the EPP is asked."""
+    async with gate(tmp_path) as g:
+        for size in (61 * 1024, 63 * 1024, 65_000):
+            turns = g.router.turn
+            request = (
+                f"POST /v1/chat/completions?q={'a' * size} HTTP/1.1\r\nhost: x\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(CHAT)}\r\n\r\n"
+            ).encode() + CHAT
+            answer = await raw_http(g.port, request)
+            assert status_of(answer) == 431, (size, answer[:300])
+            assert g.router.turn == turns, size

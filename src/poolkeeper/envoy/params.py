@@ -62,6 +62,8 @@ HTTP_OPTS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpPro
 FILE_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 # Since Envoy 1.38; not in the xds-protos stubs, so written here by name.
 SHRINK_HEAP_TYPE = "type.googleapis.com/envoy.config.overload.v3.ShrinkHeapConfig"
+SCALE_TIMERS_TYPE = "type.googleapis.com/envoy.config.overload.v3.ScaleTimersOverloadActionConfig"
+DOWNSTREAM_CONNECTIONS_MONITOR = "envoy.resource_monitors.global_downstream_max_connections"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,16 +93,28 @@ class BootstrapParams:
     # a model server's admin paths (/v1/load_lora_adapter, /metrics, ...) are never reachable.
     inference_paths: tuple[str, ...] = DEFAULT_INFERENCE_PATHS
     max_body_bytes: int = 16 << 20  # a larger declared Content-Length: 413 before any body
-    # Connection limits (reliability round 2, finding 1). From accept, a connection has
-    # `accept_timeout_s` to send its first bytes (the listener's inspector closes it otherwise:
-    # Envoy's header timer starts only at the first byte), then `request_headers_timeout_s` for
-    # the rest of its headers. A request has `request_timeout_s` in all to be received (a body
-    # trickling a byte at a time resets the idle timers, never this one). A connection with no
-    # request in progress is closed after `connection_idle_timeout_s`.
-    accept_timeout_s: float = 10.0
+    # Connection limits (reliability round 2, finding 1). A connection with no request in
+    # progress, from accept (Envoy's connection idle timer starts there: a connection that
+    # never sends a byte is idle) or between keep-alive requests, is closed after
+    # `connection_idle_timeout_s`; once bytes came, headers have `request_headers_timeout_s`.
+    # A request has `request_timeout_s` in all to be received (a body trickling a byte at a
+    # time resets the idle timers, never this one).
     request_headers_timeout_s: float = 10.0
     request_timeout_s: float = 120.0
-    connection_idle_timeout_s: float = 60.0
+    connection_idle_timeout_s: float = 10.0
+    # Under descriptor pressure the idle timeout shrinks (the overload manager's
+    # reduce_timeouts, scaled by client connections over `max_downstream_connections`): from
+    # `pressure_from` of the cap it falls linearly, to `pressure_min_idle_s` at
+    # `pressure_saturated_at`. Idle connections then cost an attacker a reconnect a second
+    # each, and a full cap empties itself within about a second (connection timers of Envoy
+    # are rescaled as they run).
+    pressure_from: float = 0.5
+    pressure_saturated_at: float = 0.9
+    pressure_min_idle_s: float = 0.5
+    overload_refresh_s: float = 0.25
+    # Connections the kernel completes before Envoy accepts them (a burst of connects must not
+    # drop a legitimate SYN: its retry comes a second later). Capped by net.core.somaxconn.
+    tcp_backlog: int = 4096
     connect_timeout_s: float = 5.0
     # Request body Envoy keeps for a retry on a fallback endpoint (per request, routed routes).
     buffer_limit_bytes: int = 1 << 20

@@ -37,8 +37,10 @@ STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
 STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-", "x-sim-")
 # Envoy applies the client header-count limit to the EPP's header mutation too: the headers
 # Envoy itself adds (x-forwarded-*, x-request-id, ...) plus the EPP's would push a request with
-# 94-100 client headers over it. The listener's limit is the client limit plus this headroom.
-HEADER_HEADROOM = 20
+# 94-100 client headers over it. The listener's limit is the client limit plus this headroom,
+# wide enough that 101-120 client headers get the guard's 431, over HTTP/2 too (its codec counts
+# the four pseudo headers: 117-120 were reset by the codec with a headroom of 20).
+HEADER_HEADROOM = 30
 # The same for size: the codec allows the client's `max_request_headers_kb` plus this, and the
 # header guard (envoy/guard.py) holds clients to their own limits before the EPP is asked.
 HEADER_KB_HEADROOM = 4

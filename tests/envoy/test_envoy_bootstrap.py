@@ -185,6 +185,11 @@ def test_processing_mode_and_timeouts_fit_long_streams() -> None:
     assert route["route"]["timeout"] == "0s"
     assert route["route"]["retry_policy"]["per_try_timeout"] == "300s"
     assert b["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    # Loopback is not private: no config dump (the EPP's token), no stop, no runtime edits.
+    allowed = b["admin"]["allow_paths"]
+    assert {"exact": "/ready"} in allowed
+    assert {"prefix": "/stats"} in allowed
+    assert not any("config_dump" in str(m) or "quit" in str(m) for m in allowed)
     stripped = json.dumps(hcm["early_header_mutation_extensions"])
     assert "x-gateway-destination-endpoint" in stripped
 

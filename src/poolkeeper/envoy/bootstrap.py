@@ -348,7 +348,13 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
     return {
         # File-based EDS (the routed cluster's endpoints) needs a node id and cluster.
         "node": {"id": "poolkeeper", "cluster": "poolkeeper"},
-        "admin": {"address": socket_address(p.admin_address, p.admin_port)},
+        "admin": {
+            "address": socket_address(p.admin_address, p.admin_port),
+            "allow_paths": [
+                {"prefix": path[:-1]} if path.endswith("*") else {"exact": path}
+                for path in p.admin_allow_paths
+            ],
+        },
         "static_resources": {
             "listeners": [
                 {

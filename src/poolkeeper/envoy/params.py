@@ -44,6 +44,7 @@ HEADER_HEADROOM = 30
 # The same for size: the codec allows the client's `max_request_headers_kb` plus this, and the
 # header guard (envoy/guard.py) holds clients to their own limits before the EPP is asked.
 HEADER_KB_HEADROOM = 4
+ADMIN_ALLOW_PATHS = ("/ready", "/stats*", "/drain_listeners", "/memory")
 EXT_PROC_PER_ROUTE_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 )
@@ -78,6 +79,10 @@ class BootstrapParams:
     extproc_port: int = 9002
     admin_address: str = "127.0.0.1"
     admin_port: int = 9901
+    # What Envoy's admin answers (exact paths, or prefixes ending in `*`): what `serve` and its
+    # tests read and the drain. Anything on the host can reach a loopback port, and the rest
+    # would give it the EPP's token (/config_dump), a stop (/quitquitquit) or runtime edits.
+    admin_allow_paths: tuple[str, ...] = ADMIN_ALLOW_PATHS
     fail_open: bool = False
     fallback_endpoints: tuple[str, ...] = ()  # "ip:port" of the pool's endpoints (FailOpen)
     # FailOpen with the EPP down: client-facing split names -> the split's first target,

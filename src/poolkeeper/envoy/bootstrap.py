@@ -366,6 +366,7 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                     # filter's timeout would hold it in a stage the overload manager cannot
                     # shorten.
                     "tcp_backlog_size": p.tcp_backlog,
+                    "max_connections_to_accept_per_socket_event": p.accept_batch,
                     "filter_chains": [
                         {
                             "filters": [

@@ -122,6 +122,10 @@ class BootstrapParams:
     # Connections the kernel completes before Envoy accepts them (a burst of connects must not
     # drop a legitimate SYN: its retry comes a second later). Capped by net.core.somaxconn.
     tcp_backlog: int = 4096
+    # Connections accepted per wake-up of the listener: under a connection flood Envoy would
+    # otherwise accept (and, over the cap, close) until the queue is empty before it runs a
+    # timer or serves an accepted connection, so idle timeouts fire late and clients wait.
+    accept_batch: int = 64
     connect_timeout_s: float = 5.0
     # Request body Envoy keeps for a retry on a fallback endpoint (per request, routed routes).
     buffer_limit_bytes: int = 1 << 20

@@ -297,3 +297,25 @@ async def test_25000_idle_and_500_slow_body_connections_do_not_lock_out_a_client
     assert 2 * cap + FD_RESERVE <= max(descriptors, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     times = await _attack_and_serve(tmp_path, idle=25_000, slow=500, sources=100, cap=cap)
     assert all(t <= 2.0 for t in times), times
+
+
+async def test_requests_are_refused_when_envoys_heap_is_full(tmp_path: Path) -> None:
+    """Held requests cost memory in Envoy and the EPP, and nothing bounded Envoy's heap: now
+    above 95 % of its heap limit new requests get 503 before any filter runs (here the limit
+    is set below what Envoy already uses)."""
+    async with gate(tmp_path, heap_limit_bytes=2 << 20) as g:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0
+        while True:  # the overload manager samples the heap every 0.25 s
+            turns = g.router.turn
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(g.url + "/v1/chat/completions", data=CHAT) as resp,
+            ):
+                text = await resp.text()
+                if resp.status == 503 or loop.time() > deadline:
+                    break
+            await asyncio.sleep(0.1)
+        assert resp.status == 503, text
+        assert "overloaded" in text
+        assert g.router.turn == turns  # the EPP was not asked

@@ -429,6 +429,15 @@ def _overload_manager(p: BootstrapParams) -> dict[str, Any]:
                 ],
             },
             _idle_timeout_under_pressure(p),
+            {
+                "name": "envoy.overload_actions.stop_accepting_requests",
+                "triggers": [
+                    {
+                        "name": "envoy.resource_monitors.fixed_heap",
+                        "threshold": {"value": p.stop_requests_at},
+                    }
+                ],
+            },
         ],
     }
 

@@ -142,6 +142,11 @@ class BootstrapParams:
     # run out (each proxied request also holds an upstream descriptor).
     max_downstream_connections: int = 50_000
     heap_limit_bytes: int = 1 << 30  # the overload manager's heap scale (not a hard limit)
+    # Above this fraction of it Envoy answers new requests 503 ("envoy overloaded": Envoy 1.40
+    # sends that reply past the local reply mappers, so it is not OpenAI JSON) instead of
+    # growing: held requests cost memory (about 50 KB each in Envoy and 25 KB in the EPP for a
+    # body trickled a byte at a time), and HTTP/2 carries 100 of them per connection.
+    stop_requests_at: float = 0.95
     # Heap in use above this fraction of heap_limit_bytes (1 MiB: always, in practice) makes
     # Envoy give its free heap back (shrink_heap) every `shrink_heap_every_s`, down to
     # `shrink_heap_keep_bytes` of free pages. Envoy's own default keeps 100 MB, which made the

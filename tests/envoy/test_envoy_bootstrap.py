@@ -172,9 +172,11 @@ def test_processing_mode_and_timeouts_fit_long_streams() -> None:
     assert ext["message_timeout"] == "60s"  # bounded: a hung EPP costs at most this
     hcm = _hcm(b)
     assert hcm["request_timeout"] == "120s"  # a trickled body cannot reset it
-    assert hcm["common_http_protocol_options"]["idle_timeout"] == "60s"
+    # From accept (a silent connection is idle), not from the first byte: no listener filter
+    # holds a connection before the HTTP connection manager has it.
+    assert hcm["common_http_protocol_options"]["idle_timeout"] == "10s"
     listener = b["static_resources"]["listeners"][0]
-    assert listener["listener_filters_timeout"] == "10s"  # from accept, not the first byte
+    assert "listener_filters" not in listener
     assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == (
         "REJECT_REQUEST"
     )
@@ -183,6 +185,11 @@ def test_processing_mode_and_timeouts_fit_long_streams() -> None:
     assert route["route"]["timeout"] == "0s"
     assert route["route"]["retry_policy"]["per_try_timeout"] == "300s"
     assert b["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    # Loopback is not private: no config dump (the EPP's token), no stop, no runtime edits.
+    allowed = b["admin"]["allow_paths"]
+    assert {"exact": "/ready"} in allowed
+    assert {"prefix": "/stats"} in allowed
+    assert not any("config_dump" in str(m) or "quit" in str(m) for m in allowed)
     stripped = json.dumps(hcm["early_header_mutation_extensions"])
     assert "x-gateway-destination-endpoint" in stripped
 

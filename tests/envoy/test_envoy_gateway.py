@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from poolkeeper.envoy.endpoints_file import EndpointsFile
+from poolkeeper.envoy.params import ADMIN_ALLOW_PATHS
 from poolkeeper.envoy.process import EnvoySupervisor
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.netutil import free_port
@@ -72,7 +73,13 @@ async def rig(
         server = await start_epp(transport, ExtProcServicer(router), epp_port)
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([*(b.hostport for b in backends), *extra])
-    params = rig_params(backends, epp_port, endpoints.path, fail_open=fail_open)
+    params = rig_params(
+        backends,
+        epp_port,
+        endpoints.path,
+        fail_open=fail_open,
+        admin_allow_paths=(*ADMIN_ALLOW_PATHS, "/clusters"),  # the EDS hosts, read below
+    )
     try:
         async with running_envoy(params, tmp_path) as envoy:
             yield Rig(

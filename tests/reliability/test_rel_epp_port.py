@@ -251,3 +251,44 @@ async def test_a_dead_envoys_routed_requests_are_settled_at_once(tmp_path: Path)
     assert [o.status for o in outcomes] == [0, 0, 0]
     assert len(room) == 0
     assert room.expired == 3
+
+
+async def test_the_managed_envoys_admin_gives_nothing_away(tmp_path: Path) -> None:
+    """Envoy's admin listens on loopback, which any process on the host reaches: its config
+    dump handed out the EPP's token (the key to everything above), and /quitquitquit stopped
+    the gateway. Only what `serve` reads and the drain are answered; the bootstrap file that
+    holds the token is readable by its owner only."""
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
+    (sim,) = await cluster.start()
+    workdir = tmp_path / "work"
+    runtime = GatewayRuntime(
+        ServeOptions(
+            source=file_source([_config(tmp_path, sim.port)]), ready_wait_s=5, workdir=workdir
+        )
+    )
+    await runtime.start()
+    try:
+        assert runtime.config is not None
+        listeners = runtime.config.spec.listeners
+        admin = f"http://127.0.0.1:{listeners.admin}"
+        token = runtime._epp_token
+        assert token
+        async with aiohttp.ClientSession() as session:
+            for method, path in (("GET", "/config_dump"), ("POST", "/quitquitquit"),
+                                 ("POST", "/runtime_modify?a=b"), ("POST", "/healthcheck/fail"),
+                                 ("GET", "/clusters")):  # fmt: skip
+                async with session.request(method, admin + path) as resp:
+                    text = await resp.text()
+                    assert resp.status == 403, (path, resp.status)
+                    assert token not in text
+            async with session.get(admin + "/stats/prometheus") as resp:
+                assert resp.status == 200
+                assert token not in await resp.text()
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            url = f"http://127.0.0.1:{listeners.http}/v1/completions"
+            async with session.post(url, json=body) as resp:
+                assert resp.status == 200  # still serving
+        assert (workdir / "envoy.json").stat().st_mode & 0o077 == 0
+    finally:
+        await runtime.stop(grace_s=0)
+        await cluster.stop()

@@ -84,3 +84,27 @@ async def test_a_compressed_body_gets_415_in_openai_shape(tmp_path: Path) -> Non
             f"\r\ncontent-encoding: identity\r\ncontent-length: {len(CHAT)}\r\n\r\n"
         ).encode() + CHAT
         assert status_of(await raw_http(g.port, request)) == 200
+
+
+async def test_connect_and_upgrades_are_refused_at_once(tmp_path: Path) -> None:
+    """CONNECT has no path, so no route matched it: the EPP was asked and waited for a body
+    that never came (the stream held 60 s, then 504). Now CONNECT and a WebSocket upgrade get
+    403 in OpenAI's shape at once, and an h2c upgrade is not taken (served over HTTP/1.1)."""
+    async with gate(tmp_path) as g:
+        for request in (
+            b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n",
+            b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n",
+        ):
+            answer = await raw_http(g.port, request, read_timeout_s=10.0)
+            assert status_of(answer) == 403, answer[:300]
+            assert _error(answer)["code"] == "upgrade_not_supported"
+        turns = g.router.turn
+        h2c = (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings"
+            "\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAAP__\r\ncontent-type: application/json"
+            f"\r\ncontent-length: {len(CHAT)}\r\n\r\n"
+        ).encode() + CHAT
+        answer = await raw_http(g.port, h2c)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert g.router.turn == turns + 1

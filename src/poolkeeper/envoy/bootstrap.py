@@ -15,10 +15,10 @@ manager's *early header mutation* removes every `x-gateway-destination-endpoint*
 header exists is the EPP setting it. Response headers name the pod that served
 (`x-gateway-destination-endpoint-served`, from the upstream address).
 
-Connection limits (reliability round 2): a silent connection is closed from accept (the HTTP
-inspector and the listener filters' timeout), a request has a total timeout no trickle resets,
-idle keep-alive connections close in seconds, and the overload manager's connection cap sits
-below the descriptor limit `serve` gives Envoy.
+Connection limits (reliability round 2): a connection with no request in progress (a silent
+one from accept, a keep-alive one between requests) closes in seconds, and in about one second
+as client connections near the overload manager's cap, which sits below the descriptor limit
+`serve` gives Envoy; a request has a total timeout no trickle resets.
 
 Everything is a plain dict (JSON is valid YAML, so `envoy -c` takes either).
 """
@@ -41,6 +41,7 @@ from poolkeeper.envoy.observer import (
 )
 from poolkeeper.envoy.params import (
     DESTINATION_HEADER,
+    DOWNSTREAM_CONNECTIONS_MONITOR,
     EARLY_TYPE,
     EPP_CLUSTER,
     EXT_PROC_ERROR_STATUS,
@@ -54,6 +55,7 @@ from poolkeeper.envoy.params import (
     HEADER_KB_HEADROOM,
     ROUTED_CLUSTER,
     ROUTER_TYPE,
+    SCALE_TIMERS_TYPE,
     SERVED_HEADER,
     SHRINK_HEAP_TYPE,
     STRIPPED_PREFIXES,
@@ -213,8 +215,59 @@ def _local_reply_config() -> dict[str, Any]:
                     "endpoint_picker_unavailable",
                 ),
             },
+            {
+                # A request target no route can match (`OPTIONS *`).
+                "filter": {"response_flag_filter": {"flags": ["NR"]}},
+                "body_format_override": reply(
+                    "no such inference API path on this gateway",
+                    "invalid_request_error",
+                    "not_found",
+                ),
+            },
+            {
+                # Envoy refuses upgrades it is not configured for (WebSocket, CONNECT) with an
+                # empty 403 before any filter runs; recognised by the request asking for one.
+                "filter": {
+                    "and_filter": {
+                        "filters": [
+                            {"status_code_filter": _status_is(403)},
+                            {
+                                "or_filter": {
+                                    "filters": [
+                                        _header_filter("upgrade", present=True),
+                                        _header_filter(":method", exact="CONNECT"),
+                                    ]
+                                }
+                            },
+                        ]
+                    }
+                },
+                "body_format_override": reply(
+                    "protocol upgrades and CONNECT are not supported on this gateway",
+                    "invalid_request_error",
+                    "upgrade_not_supported",
+                ),
+            },
         ]
     }
+
+
+def _status_is(status: int) -> dict[str, Any]:
+    return {
+        "comparison": {
+            "op": "EQ",
+            "value": {"default_value": status, "runtime_key": f"poolkeeper.status_{status}"},
+        }
+    }
+
+
+def _header_filter(name: str, *, present: bool = False, exact: str = "") -> dict[str, Any]:
+    matcher: dict[str, Any] = {"name": name}
+    if present:
+        matcher["present_match"] = True
+    else:
+        matcher["string_match"] = {"exact": exact}
+    return {"header_filter": {"header": matcher}}
 
 
 def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
@@ -295,20 +348,25 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
     return {
         # File-based EDS (the routed cluster's endpoints) needs a node id and cluster.
         "node": {"id": "poolkeeper", "cluster": "poolkeeper"},
-        "admin": {"address": socket_address(p.admin_address, p.admin_port)},
+        "admin": {
+            "address": socket_address(p.admin_address, p.admin_port),
+            "allow_paths": [
+                {"prefix": path[:-1]} if path.endswith("*") else {"exact": path}
+                for path in p.admin_allow_paths
+            ],
+        },
         "static_resources": {
             "listeners": [
                 {
                     "name": "gateway",
                     "address": socket_address(p.listen_address, p.listen_port),
                     "per_connection_buffer_limit_bytes": p.connection_buffer_bytes,
-                    # A connection that sends nothing is closed `accept_timeout_s` after
-                    # accept: the HTTP inspector waits for the first bytes, and the listener
-                    # filters' timeout closes the socket when none came (Envoy's own header
-                    # timer starts only at the first byte).
-                    "listener_filters": [_http_inspector()],
-                    "listener_filters_timeout": duration(p.accept_timeout_s),
-                    "continue_on_listener_filters_timeout": False,
+                    # No listener filter: a connection that sends nothing is an HTTP
+                    # connection at once, closed by the (scaled) idle timeout. A listener
+                    # filter's timeout would hold it in a stage the overload manager cannot
+                    # shorten.
+                    "tcp_backlog_size": p.tcp_backlog,
+                    "max_connections_to_accept_per_socket_event": p.accept_batch,
                     "filter_chains": [
                         {
                             "filters": [
@@ -327,16 +385,6 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
     }
 
 
-def _http_inspector() -> dict[str, Any]:
-    return {
-        "name": "envoy.filters.listener.http_inspector",
-        "typed_config": {
-            T: "type.googleapis.com/envoy.extensions.filters.listener.http_inspector.v3."
-            "HttpInspector"
-        },
-    }
-
-
 def _overload_manager(p: BootstrapParams) -> dict[str, Any]:
     """Edge defaults: bounded downstream connections (Envoy's edge guide), and heap given back
     to the OS after a burst of big bodies (reliability finding 3): while the heap in use is
@@ -346,10 +394,10 @@ def _overload_manager(p: BootstrapParams) -> dict[str, Any]:
     tcmalloc would otherwise keep them for ever. Free pages inside huge pages that still hold
     live objects stay: what a burst leaves behind depends on its peak (docs/reliability.md)."""
     return {
-        "refresh_interval": "1s",
+        "refresh_interval": duration(p.overload_refresh_s),
         "resource_monitors": [
             {
-                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "name": DOWNSTREAM_CONNECTIONS_MONITOR,
                 "typed_config": {
                     T: "type.googleapis.com/envoy.extensions.resource_monitors."
                     "downstream_connections.v3.DownstreamConnectionsConfig",
@@ -379,6 +427,43 @@ def _overload_manager(p: BootstrapParams) -> dict[str, Any]:
                         "threshold": {"value": p.shrink_heap_at},
                     }
                 ],
+            },
+            _idle_timeout_under_pressure(p),
+            {
+                "name": "envoy.overload_actions.stop_accepting_requests",
+                "triggers": [
+                    {
+                        "name": "envoy.resource_monitors.fixed_heap",
+                        "threshold": {"value": p.stop_requests_at},
+                    }
+                ],
+            },
+        ],
+    }
+
+
+def _idle_timeout_under_pressure(p: BootstrapParams) -> dict[str, Any]:
+    """Idle client connections (a silent one from accept, keep-alive ones between requests)
+    get less time as client connections near the cap: what lets a client in while idle
+    connections hold the cap (round 2, finding 1). Envoy rescales running timers."""
+    return {
+        "name": "envoy.overload_actions.reduce_timeouts",
+        "typed_config": {
+            T: SCALE_TIMERS_TYPE,
+            "timer_scale_factors": [
+                {
+                    "timer": "HTTP_DOWNSTREAM_CONNECTION_IDLE",
+                    "min_timeout": duration(p.pressure_min_idle_s),
+                }
+            ],
+        },
+        "triggers": [
+            {
+                "name": DOWNSTREAM_CONNECTIONS_MONITOR,
+                "scaled": {
+                    "scaling_threshold": p.pressure_from,
+                    "saturation_threshold": p.pressure_saturated_at,
+                },
             }
         ],
     }

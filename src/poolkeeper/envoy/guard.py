@@ -6,8 +6,10 @@ failure: 503 "endpoint picker unavailable", the client's mistake blamed on the E
 codec's limits are the client's plus `HEADER_HEADROOM` headers and `HEADER_KB_HEADROOM` KiB, and
 this Lua filter, first in the chain, answers a request over the client's own limits with 431 in
 OpenAI's error shape before ext_proc runs. It counts what the client sent: the headers Envoy
-adds before any filter (`x-forwarded-for`, `x-forwarded-proto`, `x-request-id`) and pseudo
-headers are not counted.
+adds before any filter (`x-forwarded-for`, `x-forwarded-proto`, `x-request-id`,
+`x-envoy-external-address` or `x-envoy-internal`) are not counted; the request line is (its
+pseudo headers in bytes, not in the count), so a 63 KB URL gets 431 too instead of crossing the
+codec's limit with the EPP's mutation.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ TOO_LARGE_HEADERS = json.dumps(
 
 _LUA = Template("""
 local ADDED = { ["x-forwarded-for"] = true, ["x-forwarded-proto"] = true,
-  ["x-request-id"] = true }
+  ["x-request-id"] = true, ["x-envoy-external-address"] = true, ["x-envoy-internal"] = true }
 
 function envoy_on_request(handle)
   local count, bytes = 0, 0
   for name, value in pairs(handle:headers()) do
-    if string.sub(name, 1, 1) ~= ":" and not ADDED[name] then
+    if string.sub(name, 1, 1) == ":" then
+      bytes = bytes + #name + #value
+    elseif not ADDED[name] then
       count = count + 1
       bytes = bytes + #name + #value
     end

@@ -37,11 +37,14 @@ STRIPPED_HEADERS = ("x-envoy-original-dst-host",)
 STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-", "x-sim-")
 # Envoy applies the client header-count limit to the EPP's header mutation too: the headers
 # Envoy itself adds (x-forwarded-*, x-request-id, ...) plus the EPP's would push a request with
-# 94-100 client headers over it. The listener's limit is the client limit plus this headroom.
-HEADER_HEADROOM = 20
+# 94-100 client headers over it. The listener's limit is the client limit plus this headroom,
+# wide enough that 101-120 client headers get the guard's 431, over HTTP/2 too (its codec counts
+# the four pseudo headers: 117-120 were reset by the codec with a headroom of 20).
+HEADER_HEADROOM = 30
 # The same for size: the codec allows the client's `max_request_headers_kb` plus this, and the
 # header guard (envoy/guard.py) holds clients to their own limits before the EPP is asked.
 HEADER_KB_HEADROOM = 4
+ADMIN_ALLOW_PATHS = ("/ready", "/stats*", "/drain_listeners", "/memory")
 EXT_PROC_PER_ROUTE_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 )
@@ -62,6 +65,8 @@ HTTP_OPTS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpPro
 FILE_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 # Since Envoy 1.38; not in the xds-protos stubs, so written here by name.
 SHRINK_HEAP_TYPE = "type.googleapis.com/envoy.config.overload.v3.ShrinkHeapConfig"
+SCALE_TIMERS_TYPE = "type.googleapis.com/envoy.config.overload.v3.ScaleTimersOverloadActionConfig"
+DOWNSTREAM_CONNECTIONS_MONITOR = "envoy.resource_monitors.global_downstream_max_connections"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,10 @@ class BootstrapParams:
     extproc_port: int = 9002
     admin_address: str = "127.0.0.1"
     admin_port: int = 9901
+    # What Envoy's admin answers (exact paths, or prefixes ending in `*`): what `serve` and its
+    # tests read and the drain. Anything on the host can reach a loopback port, and the rest
+    # would give it the EPP's token (/config_dump), a stop (/quitquitquit) or runtime edits.
+    admin_allow_paths: tuple[str, ...] = ADMIN_ALLOW_PATHS
     fail_open: bool = False
     fallback_endpoints: tuple[str, ...] = ()  # "ip:port" of the pool's endpoints (FailOpen)
     # FailOpen with the EPP down: client-facing split names -> the split's first target,
@@ -91,16 +100,32 @@ class BootstrapParams:
     # a model server's admin paths (/v1/load_lora_adapter, /metrics, ...) are never reachable.
     inference_paths: tuple[str, ...] = DEFAULT_INFERENCE_PATHS
     max_body_bytes: int = 16 << 20  # a larger declared Content-Length: 413 before any body
-    # Connection limits (reliability round 2, finding 1). From accept, a connection has
-    # `accept_timeout_s` to send its first bytes (the listener's inspector closes it otherwise:
-    # Envoy's header timer starts only at the first byte), then `request_headers_timeout_s` for
-    # the rest of its headers. A request has `request_timeout_s` in all to be received (a body
-    # trickling a byte at a time resets the idle timers, never this one). A connection with no
-    # request in progress is closed after `connection_idle_timeout_s`.
-    accept_timeout_s: float = 10.0
+    # Connection limits (reliability round 2, finding 1). A connection with no request in
+    # progress, from accept (Envoy's connection idle timer starts there: a connection that
+    # never sends a byte is idle) or between keep-alive requests, is closed after
+    # `connection_idle_timeout_s`; once bytes came, headers have `request_headers_timeout_s`.
+    # A request has `request_timeout_s` in all to be received (a body trickling a byte at a
+    # time resets the idle timers, never this one).
     request_headers_timeout_s: float = 10.0
     request_timeout_s: float = 120.0
-    connection_idle_timeout_s: float = 60.0
+    connection_idle_timeout_s: float = 10.0
+    # Under descriptor pressure the idle timeout shrinks (the overload manager's
+    # reduce_timeouts, scaled by client connections over `max_downstream_connections`): from
+    # `pressure_from` of the cap it falls linearly, to `pressure_min_idle_s` at
+    # `pressure_saturated_at`. Idle connections then cost an attacker a reconnect a second
+    # each, and a full cap empties itself within about a second (connection timers of Envoy
+    # are rescaled as they run).
+    pressure_from: float = 0.5
+    pressure_saturated_at: float = 0.9
+    pressure_min_idle_s: float = 0.5
+    overload_refresh_s: float = 0.25
+    # Connections the kernel completes before Envoy accepts them (a burst of connects must not
+    # drop a legitimate SYN: its retry comes a second later). Capped by net.core.somaxconn.
+    tcp_backlog: int = 4096
+    # Connections accepted per wake-up of the listener: under a connection flood Envoy would
+    # otherwise accept (and, over the cap, close) until the queue is empty before it runs a
+    # timer or serves an accepted connection, so idle timeouts fire late and clients wait.
+    accept_batch: int = 64
     connect_timeout_s: float = 5.0
     # Request body Envoy keeps for a retry on a fallback endpoint (per request, routed routes).
     buffer_limit_bytes: int = 1 << 20
@@ -117,6 +142,11 @@ class BootstrapParams:
     # run out (each proxied request also holds an upstream descriptor).
     max_downstream_connections: int = 50_000
     heap_limit_bytes: int = 1 << 30  # the overload manager's heap scale (not a hard limit)
+    # Above this fraction of it Envoy answers new requests 503 ("envoy overloaded": Envoy 1.40
+    # sends that reply past the local reply mappers, so it is not OpenAI JSON) instead of
+    # growing: held requests cost memory (about 50 KB each in Envoy and 25 KB in the EPP for a
+    # body trickled a byte at a time), and HTTP/2 carries 100 of them per connection.
+    stop_requests_at: float = 0.95
     # Heap in use above this fraction of heap_limit_bytes (1 MiB: always, in practice) makes
     # Envoy give its free heap back (shrink_heap) every `shrink_heap_every_s`, down to
     # `shrink_heap_keep_bytes` of free pages. Envoy's own default keeps 100 MB, which made the

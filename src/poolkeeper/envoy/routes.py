@@ -1,11 +1,12 @@
 """The gateway listener's routes: what Envoy answers itself and where everything else goes.
 
-In order: 413 for a declared body over the limit, 415 for a `Content-Encoding` other than
-identity (the gateway does not decode bodies, so it and the server never read different ones),
-then for each method group of the inference paths (the model list is GET, everything else POST)
-the EPP-routed routes (the destination header present) and either the FailOpen route or the
-EPP's 503; then 405 for an inference path with another method, and 404 for everything else.
-Envoy's direct answers carry OpenAI error bodies and never consult the EPP.
+In order: 405 for CONNECT, 413 for a declared body over the limit, 415 for a `Content-Encoding`
+other than identity (the gateway does not decode bodies, so it and the server never read
+different ones), then for each method group of the inference paths (the model list is GET,
+everything else POST) the EPP-routed routes (the destination header present) and either the
+FailOpen route or the EPP's 503; then 405 for an inference path with another method, and 404 for
+everything else (so no request reaches the EPP without a route that expects it). Envoy's direct
+answers carry OpenAI error bodies and never consult the EPP.
 """
 
 from __future__ import annotations
@@ -119,6 +120,13 @@ def method_groups(paths: tuple[str, ...]) -> list[tuple[str, str, tuple[str, ...
 def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = [
         {
+            # CONNECT has no path, so no other route matches it: without this the EPP was
+            # asked and waited for a body that never comes, holding the stream 60 s.
+            "name": "connect",
+            "match": {"connect_matcher": {}},
+            **_json_direct(405, NOT_ALLOWED),
+        },
+        {
             # A declared Content-Length over the limit: 413 before any body is read or buffered
             # (and, with proxy_100_continue, before any `100 Continue`).
             "name": "too_large",
@@ -158,8 +166,15 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
     routes.append(
         {"name": "method_not_allowed", "match": every_path, **_json_direct(405, NOT_ALLOWED)}
     )
-    # Everything outside the inference API: the model servers' admin paths included.
-    routes.append({"name": "not_found", "match": {"prefix": "/"}, **_json_direct(404, NOT_FOUND)})
+    # Everything outside the inference API: the model servers' admin paths included, and
+    # request targets that are not paths (`OPTIONS *`), which a prefix never matches.
+    routes.append(
+        {
+            "name": "not_found",
+            "match": {"safe_regex": {"regex": ".*"}},
+            **_json_direct(404, NOT_FOUND),
+        }
+    )
     if _rewrites_split_names(p):  # on the FailOpen route only
         for route in routes:
             if not route["name"].startswith("fail_open"):

@@ -385,6 +385,9 @@ class GatewayRuntime:
         cap = min(params.max_downstream_connections, downstream_connection_cap(descriptors))
         params = dataclasses.replace(params, max_downstream_connections=cap)
         config_path = workdir / "envoy.json"
+        # The bootstrap holds the EPP's token: readable by this user only.
+        config_path.unlink(missing_ok=True)
+        config_path.touch(mode=0o600)
         config_path.write_text(render(build_bootstrap(params)))
         self.envoy = EnvoySupervisor(
             EnvoyOptions(

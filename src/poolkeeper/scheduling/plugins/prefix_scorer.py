@@ -18,6 +18,17 @@ approximate guess (`_with_exact` says why); for the others, the approximate gues
 Matches are in prompt characters, so the two block sizes mix. Live, the index is fed by a
 `KVEventSubscriber` that follows each decision's candidates (`kvsubscriber.py`).
 
+Cold affinity (`coldAffinity` > 0): a prompt of at least `coldAffinityBlocks` blocks that no
+endpoint is known to cache (not even those first blocks) gives that score to one candidate,
+the first by rendezvous hashing of the hash of those blocks with each endpoint's ip:port. Why:
+several EPP replicas each know only the prefixes they routed (and with KV events, those the
+engines already scheduled); a new shared prefix arriving at all of them at once is a miss
+everywhere, and a random pick prefills it once per replica. Every replica ranks the endpoints
+for one prefix the same way, so while the load scorers see them about equal, the replicas
+agree without talking. A prompt that never recurs gets a uniformly random push instead, which
+costs load balance: hence only long prompts (where a shared prefix saves a real prefill; the
+default 32 blocks is 512 tokens) and a small score, so that load still decides.
+
 With the scheduler's stats attached it reports, like upstream, the index size and, after each
 pick, the picked endpoint's matched prefix in characters ("bytes" upstream) and as a ratio.
 """
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import xxhash
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
@@ -67,6 +79,21 @@ class PrefixCacheParams(PluginParams):
         ge=1,
         description="Blocks remembered per endpoint, LRU (default 31,250: "
         "500K tokens of KV cache / 16 tokens per block, GIE lruCapacityPerServer).",
+    )
+    cold_affinity: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Score given, for a prompt of at least coldAffinityBlocks blocks that no "
+        "endpoint is known to cache, to the candidate rendezvous hashing of those blocks "
+        "ranks first, so that EPP replicas send a new prefix to the same endpoint (default "
+        "0: off, upstream's rule).",
+    )
+    cold_affinity_blocks: int = Field(
+        default=32,
+        ge=1,
+        description="Leading blocks that key cold affinity; shorter prompts get none "
+        "(default 32: 512 tokens).",
     )
     kv_events: bool = Field(
         default=False,
@@ -204,9 +231,17 @@ class PrefixCacheScorer(NamedPlugin):
         if not hashes:
             return 0.0
         matched = self.matched(cycle, request)
+        params = self.params
+        cold = params.cold_affinity_blocks
+        if (
+            params.cold_affinity
+            and len(hashes) >= cold
+            and max(matched.values(), default=0) < cold * params.block_size
+        ):
+            return _cold_scores(candidates, hashes[cold - 1], params.cold_affinity)
         if not matched:
             return 0.0
-        total = max(len(hashes), self.params.min_scored_blocks) * self.params.block_size
+        total = max(len(hashes), params.min_scored_blocks) * params.block_size
         get = {key: min(1.0, chars / total) for key, chars in matched.items()}.get
         return [get(s.endpoint.hostport, 0.0) for s in candidates]
 
@@ -233,3 +268,15 @@ class PrefixCacheScorer(NamedPlugin):
             self.exact.forget_endpoints(keep)
         if self._subscriber is not None:
             self._subscriber.forget(keep)
+
+
+def _cold_scores(candidates: Sequence[EndpointState], key: int, score: float) -> list[float]:
+    """`score` for the candidate whose ip:port hashed with `key` is highest (rendezvous
+    hashing: the same for every replica, and only the keys a removed endpoint won move), 0
+    for the others. Partial matches shorter than the cold key are dropped: too short to matter."""
+    digest = xxhash.xxh64_intdigest
+    ranks = [digest(s.endpoint.hostport.encode(), key) for s in candidates]
+    top = ranks.index(max(ranks))
+    out = [0.0] * len(candidates)
+    out[top] = score
+    return out

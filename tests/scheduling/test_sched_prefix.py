@@ -171,15 +171,15 @@ def test_cold_affinity_sends_a_new_prefix_to_one_endpoint_from_every_replica() -
         assert sorted(got) == [0.0] * 7 + [0.2]
         picks.add(order[got.index(0.2)].key)
     assert len(picks) == 1
-    # Different prefixes spread over the endpoints (rendezvous hashing, not one favourite).
+    # Different prefixes spread over the endpoints (a hash ring, not one favourite).
     lone = replicas[0]
     winners = set()
     for n in range(40):
         got = scores_of(lone, request(prompt=f"{n:04d}" * 160), pool)
         winners.add(pool[got.index(0.2)].key)
     assert len(winners) >= 6
-    # Removing an endpoint moves only the prefixes it won.
     (winner,) = picks
+    # Removing an endpoint moves only the prefixes it won.
     rest = [s for s in pool if s.key != winner]
     other = request(prompt=system + "again")
     survivor = scores_of(lone, other, rest)

@@ -20,7 +20,8 @@ Matches are in prompt characters, so the two block sizes mix. Live, the index is
 
 Cold affinity (`coldAffinity` > 0): a prompt of at least `coldAffinityBlocks` blocks that no
 endpoint is known to cache (not even those first blocks) gives that score to one candidate,
-the first by rendezvous hashing of the hash of those blocks with each endpoint's ip:port. Why:
+the owner of the hash of those blocks on a consistent-hash ring of the endpoints
+(`scheduling/hashring.py`). Why:
 several EPP replicas each know only the prefixes they routed (and with KV events, those the
 engines already scheduled); a new shared prefix arriving at all of them at once is a miss
 everywhere, and a random pick prefills it once per replica. Every replica ranks the endpoints
@@ -37,12 +38,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import xxhash
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.hashring import HashRing
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
 from poolkeeper.scheduling.plugins.base import NamedPlugin
@@ -85,9 +86,9 @@ class PrefixCacheParams(PluginParams):
         ge=0.0,
         le=1.0,
         description="Score given, for a prompt of at least coldAffinityBlocks blocks that no "
-        "endpoint is known to cache, to the candidate rendezvous hashing of those blocks "
-        "ranks first, so that EPP replicas send a new prefix to the same endpoint (default "
-        "0: off, upstream's rule).",
+        "endpoint is known to cache, to the candidate a consistent-hash ring of the "
+        "endpoints assigns those blocks to, so that EPP replicas send a new prefix to the "
+        "same endpoint (default 0: off, upstream's rule).",
     )
     cold_affinity_blocks: int = Field(
         default=32,
@@ -143,6 +144,7 @@ class PrefixCacheScorer(NamedPlugin):
         "_stats",
         "_subscriber",
         "exact",
+        "hashring",
         "index",
         "params",
     )
@@ -152,6 +154,7 @@ class PrefixCacheScorer(NamedPlugin):
         super().__init__(typed_name)
         self.params = params
         self.index = PrefixIndex(params.lru_capacity_per_server)
+        self.hashring = HashRing()
         self._state_key = f"prefix-hashes/{typed_name.name}"
         self._match_key = f"prefix-match/{typed_name.name}"
         self._stats: SchedulingStats | None = None
@@ -238,12 +241,20 @@ class PrefixCacheScorer(NamedPlugin):
             and len(hashes) >= cold
             and max(matched.values(), default=0) < cold * params.block_size
         ):
-            return _cold_scores(candidates, hashes[cold - 1], params.cold_affinity)
+            return self._cold_scores(candidates, hashes[cold - 1])
         if not matched:
             return 0.0
         total = max(len(hashes), params.min_scored_blocks) * params.block_size
         get = {key: min(1.0, chars / total) for key, chars in matched.items()}.get
         return [get(s.endpoint.hostport, 0.0) for s in candidates]
+
+    def _cold_scores(self, candidates: Sequence[EndpointState], key: int) -> list[float]:
+        """`coldAffinity` for the candidate owning `key` on the ring, 0 for the others.
+        Partial matches shorter than the cold key are dropped: too short to matter."""
+        keys = [s.endpoint.hostport for s in candidates]
+        out = [0.0] * len(keys)
+        out[keys.index(self.hashring.owner(key, keys))] = self.params.cold_affinity
+        return out
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         if result.targets:
@@ -264,19 +275,8 @@ class PrefixCacheScorer(NamedPlugin):
 
     def forget_endpoints(self, keep: set[str]) -> None:
         self.index.forget_endpoints(keep)
+        self.hashring.forget(keep)
         if self.exact is not None:
             self.exact.forget_endpoints(keep)
         if self._subscriber is not None:
             self._subscriber.forget(keep)
-
-
-def _cold_scores(candidates: Sequence[EndpointState], key: int, score: float) -> list[float]:
-    """`score` for the candidate whose ip:port hashed with `key` is highest (rendezvous
-    hashing: the same for every replica, and only the keys a removed endpoint won move), 0
-    for the others. Partial matches shorter than the cold key are dropped: too short to matter."""
-    digest = xxhash.xxh64_intdigest
-    ranks = [digest(s.endpoint.hostport.encode(), key) for s in candidates]
-    top = ranks.index(max(ranks))
-    out = [0.0] * len(candidates)
-    out[top] = score
-    return out

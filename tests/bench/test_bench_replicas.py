@@ -51,3 +51,14 @@ def test_index_memory_is_measured_per_entry() -> None:
     # Tens to a few hundred bytes per entry in CPython; zero would mean nothing was measured.
     assert 20 < got["exact_bytes_per_entry"] < 1000
     assert 20 < got["approx_bytes_per_entry"] < 1000
+
+
+def test_cold_affinity_keeps_four_replicas_groups_together() -> None:
+    def once(cold: float) -> dict[str, Any]:
+        return run(4, servers=4, duration=5.0, seed=3, capacity_rps=100.0, cold_affinity=cold)
+
+    plain, cold = once(0.0), once(0.2)
+    assert cold["cold_affinity"] == 0.2
+    assert cold["requests"] == plain["requests"]
+    # Replicas that know nothing of a new system prompt send it to the same server.
+    assert cold["affinity"] > plain["affinity"]

@@ -157,6 +157,59 @@ def test_scheduler_sticks_to_the_endpoint_holding_the_prefix() -> None:
     assert len(cold) >= 5
 
 
+def test_cold_affinity_sends_a_new_prefix_to_one_endpoint_from_every_replica() -> None:
+    pool = [state(i) for i in range(1, 9)]
+    params = {"minScoredBlocks": 8, "coldAffinity": 0.2, "coldAffinityBlocks": 8}
+    replicas = [plugin("prefix-cache-scorer", params) for _ in range(4)]
+    system = "s" * 1024  # 16 blocks: long enough to count
+    # Four replicas that have never seen the prefix score the same endpoint, whatever the
+    # question after it and whatever order they list the endpoints in.
+    picks = set()
+    for n, scorer in enumerate(replicas):
+        order = pool[n:] + pool[:n]
+        got = scores_of(scorer, request(prompt=system + f"question {n}"), order)
+        assert sorted(got) == [0.0] * 7 + [0.2]
+        picks.add(order[got.index(0.2)].key)
+    assert len(picks) == 1
+    # Different prefixes spread over the endpoints (a hash ring, not one favourite).
+    lone = replicas[0]
+    winners = set()
+    for n in range(40):
+        got = scores_of(lone, request(prompt=f"{n:04d}" * 160), pool)
+        winners.add(pool[got.index(0.2)].key)
+    assert len(winners) >= 6
+    (winner,) = picks
+    # Removing an endpoint moves only the prefixes it won.
+    rest = [s for s in pool if s.key != winner]
+    other = request(prompt=system + "again")
+    survivor = scores_of(lone, other, rest)
+    assert sorted(survivor) == [0.0] * 6 + [0.2]
+
+
+def test_cold_affinity_gives_way_to_a_known_holder_and_ignores_short_prompts() -> None:
+    pool = [state(1), state(2), state(3)]
+    scorer = plugin(
+        "prefix-cache-scorer", {"minScoredBlocks": 8, "coldAffinity": 0.2, "coldAffinityBlocks": 8}
+    )
+    system = "s" * 1024
+    # Once a replica knows where the prefix is, the matched share is the score, as without.
+    scorer.post_cycle(cycle(), request(prompt=system), ProfileResult("p", (pool[2],)))
+    assert scores_of(scorer, request(prompt=system + "x" * 64), pool) == [0.0, 0.0, 16 / 17]
+    # A prompt shorter than coldAffinityBlocks blocks earns nothing: too short to be worth a
+    # prefill saved, and identical short prompts must not herd.
+    assert scores_of(scorer, request(prompt="t" * 448), pool) == [0.0] * 3
+    # The key is 32 blocks (512 tokens) unless set: a 16-block prompt gets none.
+    assert (
+        scores_of(
+            plugin("prefix-cache-scorer", {"coldAffinity": 0.2}), request(prompt=system), pool
+        )
+        == [0.0] * 3
+    )
+    # Off (the plugin's default): a cold prompt scores 0 everywhere.
+    off = plugin("prefix-cache-scorer", {"minScoredBlocks": 8})
+    assert scores_of(off, request(prompt=system), pool) == [0.0] * 3
+
+
 INDEX_OPS = st.lists(
     st.tuples(
         st.sampled_from(["insert", "insert", "forget"]),

@@ -22,7 +22,7 @@ same events the live simulator publishes over ZMQ, without sockets), stamped wit
 the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
-        [--replicas 1 2 4] [--index approx exact]
+        [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2]
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000]
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
@@ -103,19 +103,25 @@ class _ExactFeed:
             index.removed(self.endpoint, hashes, self.clock[0])
 
 
-def _exact_indexes(routers: Sequence[_Replica], block_size: int) -> list[ExactPrefixIndex]:
-    """Give each replica's prefix scorer(s) an exact index; returns them all."""
-    out: list[ExactPrefixIndex] = []
+def _prefix_scorers(routers: Sequence[_Replica], why: str) -> list[PrefixCacheScorer]:
+    """Every replica's prefix-cache scorer(s); `why` names the option that needs them."""
+    out: list[PrefixCacheScorer] = []
     for router in routers:
         scheduler = getattr(router.policy, "scheduler", None)
         plugins = getattr(scheduler, "plugins", {})
-        for plugin in plugins.values():
-            if isinstance(plugin, PrefixCacheScorer):
-                index = ExactPrefixIndex(block_size=block_size)
-                plugin.enable_exact(index)
-                out.append(index)
+        out.extend(p for p in plugins.values() if isinstance(p, PrefixCacheScorer))
     if len(out) < len(routers):
-        raise ValueError("exact=True needs a policy with a prefix-cache-scorer")
+        raise ValueError(f"{why} needs a policy with a prefix-cache-scorer")
+    return out
+
+
+def _exact_indexes(routers: Sequence[_Replica], block_size: int) -> list[ExactPrefixIndex]:
+    """Give each replica's prefix scorer(s) an exact index; returns them all."""
+    out: list[ExactPrefixIndex] = []
+    for plugin in _prefix_scorers(routers, "exact=True"):
+        index = ExactPrefixIndex(block_size=block_size)
+        plugin.enable_exact(index)
+        out.append(index)
     return out
 
 
@@ -129,10 +135,12 @@ def run(
     capacity_rps: float | None = None,
     exact: bool = False,
     policy: str = "poolkeeper-shed",
+    cold_affinity: float = 0.0,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
-    `exact`: the replicas' prefix scorers also read the engines' KV events."""
+    `exact`: the replicas' prefix scorers also read the engines' KV events;
+    `cold_affinity`: their `coldAffinity` (the policy's own when 0)."""
     scenario = build_scenario("shared-prefix", servers)
     if capacity_rps is None:
         capacity_rps = float(fleet_capacity(scenario, seed=seed)["capacity_rps"])
@@ -144,6 +152,9 @@ def run(
         _Replica(make_policy(policy, random.Random(f"{seed}:replica{k}"), scenario))
         for k in range(replicas)
     ]
+    if cold_affinity:
+        for plugin in _prefix_scorers(routers, "cold_affinity"):
+            plugin.params = plugin.params.model_copy(update={"cold_affinity": cold_affinity})
     clock = [0.0]
     if exact:
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
@@ -195,6 +206,7 @@ def run(
     return {
         "replicas": replicas,
         "index": "exact" if exact else "approx",
+        "cold_affinity": cold_affinity,
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -244,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--index", nargs="+", choices=["approx", "exact"], default=["approx"])
+    parser.add_argument(
+        "--cold-affinity", type=float, default=0.0, help="the prefix scorers' coldAffinity"
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument("--endpoints", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=1000)
@@ -265,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             capacity_rps=capacity,
             exact=kind == "exact",
+            cold_affinity=args.cold_affinity,
         )
         for kind in args.index
         for n in args.replicas

@@ -18,6 +18,18 @@ approximate guess (`_with_exact` says why); for the others, the approximate gues
 Matches are in prompt characters, so the two block sizes mix. Live, the index is fed by a
 `KVEventSubscriber` that follows each decision's candidates (`kvsubscriber.py`).
 
+Cold affinity (`coldAffinity` > 0): a prompt of at least `coldAffinityBlocks` blocks that no
+endpoint is known to cache (not even those first blocks) gives that score to one candidate,
+the owner of the hash of those blocks on a consistent-hash ring of the endpoints
+(`scheduling/hashring.py`). Why:
+several EPP replicas each know only the prefixes they routed (and with KV events, those the
+engines already scheduled); a new shared prefix arriving at all of them at once is a miss
+everywhere, and a random pick prefills it once per replica. Every replica ranks the endpoints
+for one prefix the same way, so while the load scorers see them about equal, the replicas
+agree without talking. A prompt that never recurs gets a uniformly random push instead, which
+costs load balance: hence only long prompts (where a shared prefix saves a real prefill; the
+default 32 blocks is 512 tokens) and a small score, so that load still decides.
+
 With the scheduler's stats attached it reports, like upstream, the index size and, after each
 pick, the picked endpoint's matched prefix in characters ("bytes" upstream) and as a ratio.
 """
@@ -31,6 +43,7 @@ from pydantic import Field
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.hashring import HashRing
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
 from poolkeeper.scheduling.plugins.base import NamedPlugin
@@ -67,6 +80,21 @@ class PrefixCacheParams(PluginParams):
         ge=1,
         description="Blocks remembered per endpoint, LRU (default 31,250: "
         "500K tokens of KV cache / 16 tokens per block, GIE lruCapacityPerServer).",
+    )
+    cold_affinity: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Score given, for a prompt of at least coldAffinityBlocks blocks that no "
+        "endpoint is known to cache, to the candidate a consistent-hash ring of the "
+        "endpoints assigns those blocks to, so that EPP replicas send a new prefix to the "
+        "same endpoint (default 0: off, upstream's rule).",
+    )
+    cold_affinity_blocks: int = Field(
+        default=32,
+        ge=1,
+        description="Leading blocks that key cold affinity; shorter prompts get none "
+        "(default 32: 512 tokens).",
     )
     kv_events: bool = Field(
         default=False,
@@ -116,6 +144,7 @@ class PrefixCacheScorer(NamedPlugin):
         "_stats",
         "_subscriber",
         "exact",
+        "hashring",
         "index",
         "params",
     )
@@ -125,6 +154,7 @@ class PrefixCacheScorer(NamedPlugin):
         super().__init__(typed_name)
         self.params = params
         self.index = PrefixIndex(params.lru_capacity_per_server)
+        self.hashring = HashRing()
         self._state_key = f"prefix-hashes/{typed_name.name}"
         self._match_key = f"prefix-match/{typed_name.name}"
         self._stats: SchedulingStats | None = None
@@ -204,11 +234,27 @@ class PrefixCacheScorer(NamedPlugin):
         if not hashes:
             return 0.0
         matched = self.matched(cycle, request)
+        params = self.params
+        cold = params.cold_affinity_blocks
+        if (
+            params.cold_affinity
+            and len(hashes) >= cold
+            and max(matched.values(), default=0) < cold * params.block_size
+        ):
+            return self._cold_scores(candidates, hashes[cold - 1])
         if not matched:
             return 0.0
-        total = max(len(hashes), self.params.min_scored_blocks) * self.params.block_size
+        total = max(len(hashes), params.min_scored_blocks) * params.block_size
         get = {key: min(1.0, chars / total) for key, chars in matched.items()}.get
         return [get(s.endpoint.hostport, 0.0) for s in candidates]
+
+    def _cold_scores(self, candidates: Sequence[EndpointState], key: int) -> list[float]:
+        """`coldAffinity` for the candidate owning `key` on the ring, 0 for the others.
+        Partial matches shorter than the cold key are dropped: too short to matter."""
+        keys = [s.endpoint.hostport for s in candidates]
+        out = [0.0] * len(keys)
+        out[keys.index(self.hashring.owner(key, keys))] = self.params.cold_affinity
+        return out
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         if result.targets:
@@ -229,6 +275,7 @@ class PrefixCacheScorer(NamedPlugin):
 
     def forget_endpoints(self, keep: set[str]) -> None:
         self.index.forget_endpoints(keep)
+        self.hashring.forget(keep)
         if self.exact is not None:
             self.exact.forget_endpoints(keep)
         if self._subscriber is not None:

@@ -84,6 +84,8 @@ class LabelCap:
         self._seen: set[str] = set()
 
     def __call__(self, value: str) -> str:
+        if value in self._seen:  # admitted before, so already clean (sanitising is idempotent)
+            return value
         value = sanitize_label(value)
         if value in self._seen:
             return value

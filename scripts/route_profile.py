@@ -128,14 +128,20 @@ def access_log_entry(key: str, upstream_port: int) -> accesslog_pb2.HTTPAccessLo
 
 
 class Driver:
-    def __init__(self, runtime: GatewayRuntime, sim_port: int, batch: int) -> None:
+    def __init__(
+        self, runtime: GatewayRuntime, sim_port: int, batch: int, prompt_bytes: int = 0
+    ) -> None:
         assert runtime.servicer is not None
         assert runtime.detached is not None
         self.servicer = runtime.servicer
         self.receiver = AccessLogReceiver(runtime.detached)
         self.sim_port = sim_port
         self.batch = batch
-        self.body = json.dumps(BODY).encode()
+        body = BODY
+        if prompt_bytes:
+            text = "the quick brown fox jumps over the lazy dog " * (prompt_bytes // 44 + 1)
+            body = {**BODY, "messages": [{"role": "user", "content": text[:prompt_bytes]}]}
+        self.body = json.dumps(body).encode()
         self.n = 0
         self.keys: list[str] = []
         self.times: dict[str, list[int]] = {"headers": [], "body": [], "stream": [], "log": []}
@@ -220,7 +226,9 @@ def simulator(work: Path) -> Iterator[int]:
             proc.kill()
 
 
-async def measure(requests: int, batch: int, profile: bool, top: int) -> dict[str, Any]:
+async def measure(
+    requests: int, batch: int, profile: bool, top: int, prompt_bytes: int = 0
+) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="route-profile-") as tmp,
         simulator(Path(tmp)) as sim_port,
@@ -234,8 +242,8 @@ async def measure(requests: int, batch: int, profile: bool, top: int) -> dict[st
         try:
             if not runtime.ready():
                 raise RuntimeError("the simulator's metrics never arrived: not ready")
-            driver = Driver(runtime, sim_port, batch)
-            await driver.run(min(500, requests))  # warm-up: caches, prefix index, JIT-free
+            driver = Driver(runtime, sim_port, batch, prompt_bytes)
+            await driver.run(min(500, requests, max(20, requests // 5)))  # warm-up: caches, prefix index, JIT-free
             driver.times = {k: [] for k in driver.times}
             await driver.run(requests)
             result: dict[str, Any] = {"cpu": _summary(driver.times)}
@@ -261,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also a cProfile pass")
     parser.add_argument("--top", type=int, default=40, help="functions listed per profile")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--prompt-bytes", type=int, default=0, help="a user message of this many bytes"
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.requests <= 1_000_000 or not 1 <= args.batch <= 1000:
         parser.error("--requests must be in [1, 1000000] and --batch in [1, 1000]")
@@ -271,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    result = runner(measure(args.requests, args.batch, args.profile, args.top))
+    if not 0 <= args.prompt_bytes <= 8 << 20:
+        parser.error("--prompt-bytes must be in [0, 8 MiB]")
+    result = runner(measure(args.requests, args.batch, args.profile, args.top, args.prompt_bytes))
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

@@ -243,7 +243,8 @@ async def measure(
             if not runtime.ready():
                 raise RuntimeError("the simulator's metrics never arrived: not ready")
             driver = Driver(runtime, sim_port, batch, prompt_bytes)
-            await driver.run(min(500, requests, max(20, requests // 5)))  # warm-up: caches, prefix index, JIT-free
+            # Warm-up: caches, the prefix index, first-use imports.
+            await driver.run(min(500, max(20, requests // 5)))
             driver.times = {k: [] for k in driver.times}
             await driver.run(requests)
             result: dict[str, Any] = {"cpu": _summary(driver.times)}

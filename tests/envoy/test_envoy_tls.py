@@ -1,7 +1,7 @@
 """Real Envoy speaks ext_proc to the EPP over TLS, as a Gateway does to upstream's EPP: an
 `UpstreamTlsContext` with ALPN h2 and no validation on the EPP cluster (the bootstrap's own
 `epp_tls`, what `serve --secure-serving` gives the managed Envoy), the EPP serving a
-self-signed certificate (`extproc.tls`)."""
+self-signed certificate (`extproc.tls`), on either transport."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from poolkeeper.controller.files import file_source
 from poolkeeper.envoy.bootstrap import EPP_CLUSTER, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.extproc.tls import TlsSettings, server_credentials
+from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
 from poolkeeper.netutil import free_port
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.transport import Stoppable, health_methods
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import (
@@ -50,18 +52,28 @@ def test_the_bootstrap_dials_a_tls_epp_as_upstreams_preset() -> None:
     }
 
 
-async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path) -> None:
+async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path, transport: str) -> None:
     backends = [Backend("a"), Backend("b")]
     for b in backends:
         await b.start()
     health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
-    server, epp_port = build_server(
-        ExtProcServicer(RoundRobinRouter(backends)),
-        f"127.0.0.1:{free_port()}",
-        extra=health.register,
-        credentials=server_credentials(TlsSettings(secure_serving=True)),
-    )
-    await server.start()
+    servicer = ExtProcServicer(RoundRobinRouter(backends))
+    settings = TlsSettings(secure_serving=True)
+    server: Stoppable
+    if transport == "lean":
+        server = lean = await start_lean(
+            servicer, "127.0.0.1", free_port(), tls=ssl_context(settings),
+            more=health_methods(health),
+        )  # fmt: skip
+        epp_port = lean.port
+    else:
+        server, epp_port = build_server(
+            servicer,
+            f"127.0.0.1:{free_port()}",
+            extra=health.register,
+            credentials=server_credentials(settings),
+        )
+        await server.start()
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([b.hostport for b in backends])
     params = rig_params(backends, epp_port, endpoints.path, fail_open=False)

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 
 from poolkeeper.extproc.h2 import frames as f
+from poolkeeper.extproc.h2.headers import HeaderDecoder, only_indexed
 from poolkeeper.extproc.h2.limits import Limits
 from poolkeeper.extproc.h2.rpc import RpcError
 from poolkeeper.extproc.h2.server import tls_context
@@ -345,3 +347,26 @@ def test_the_transport_serves_on_uvloop_as_serve_runs_it() -> None:
             return messages
 
     assert uvloop.run(exchange()) == [b"uv"]
+
+
+def test_only_indexed_header_blocks_are_remembered_and_literals_forget_them() -> None:
+    encoder = hpack.Encoder()
+    decoder, reference = HeaderDecoder(16_384), hpack.Decoder()
+    request = [(":method", "POST"), (":path", PATH), ("x-token", "secret")]
+    first = encoder.encode(request)  # literals: they add to the dynamic table
+    assert not only_indexed(first)
+    assert decoder.decode(first) == reference.decode(first, raw=True)
+    again = encoder.encode(request)  # now all indexed, from the dynamic table
+    assert only_indexed(again)
+    assert decoder.decode(again) is decoder.decode(again)  # remembered
+    assert decoder.decode(again) == [(k.encode(), v.encode()) for k, v in request]
+    # A literal with incremental indexing shifts the table: the same bytes now name other
+    # entries, so the remembered answer must not be given.
+    other = encoder.encode([("x-other", "1")])
+    decoder.decode(other)
+    reference.decode(other, raw=True)
+    assert decoder.decode(again) == reference.decode(again, raw=True)
+    assert decoder.decode(again) != [(k.encode(), v.encode()) for k, v in request]
+    assert only_indexed(bytes([0xFF, 0x80, 0x01]))  # index 255: a continued integer
+    assert not only_indexed(bytes([0xFF, 0x80]))  # cut inside the integer
+    assert not only_indexed(b"\x82\x40")  # an indexed field, then a literal

@@ -5,7 +5,9 @@ flags, stream ids and payloads (some with valid header blocks and gRPC messages,
 deeper states), cut into random chunks. The connection must never raise, never leave a
 handler error unobserved, and either keep serving or end with GOAWAY.
 
-Examples: POOLKEEPER_FUZZ_EXAMPLES (default 150; the issue's acceptance run is 100,000).
+Examples: POOLKEEPER_FUZZ_EXAMPLES (default 150). The issue's acceptance run, 100,000
+sequences, is the `soak`-marked twin (opt-in: `pytest -m soak` on this file; about 40
+minutes of one core).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.extproc.h2_peer import PATH, echo_method, grpc_message
 
 EXAMPLES = int(os.environ.get("POOLKEEPER_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ACCEPTANCE = settings(FUZZ, max_examples=100_000)
 
 
 class _Transport(asyncio.Transport):
@@ -129,11 +132,31 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     runner.close()
 
 
+_sequences = given(
+    frames=st.lists(_frames, max_size=24), cuts=st.lists(st.integers(1, 64), max_size=8)
+)
+
+
 @FUZZ
-@given(frames=st.lists(_frames, max_size=24), cuts=st.lists(st.integers(1, 64), max_size=8))
+@_sequences
 def test_any_frame_sequence_is_served_or_refused_never_crashes(
     loop: asyncio.AbstractEventLoop, frames: list[bytes], cuts: list[int]
 ) -> None:
+    _serve_cut(loop, frames, cuts)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(7200)
+@ACCEPTANCE
+@_sequences
+def test_the_acceptance_run_of_100000_sequences(
+    loop: asyncio.AbstractEventLoop, frames: list[bytes], cuts: list[int]
+) -> None:
+    _serve_cut(loop, frames, cuts)
+
+
+def _serve_cut(loop: asyncio.AbstractEventLoop, frames: list[bytes], cuts: list[int]) -> None:
+    """The preface and `frames`, cut after each of `cuts` bytes, fed to one connection."""
     data = f.PREFACE + b"".join(frames)
     chunks, at = [], 0
     for cut in cuts:

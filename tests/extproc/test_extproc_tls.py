@@ -1,5 +1,6 @@
 """ext_proc over TLS (`extproc.tls`): a grpcio client, ALPN h2, certificates from a directory,
-reload on change, and the settings that cannot be served."""
+reload on change, and the settings that cannot be served; on both transports (grpcio's
+credentials, the lean transport's stdlib `ssl` context)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.extproc.tls import (
     CERT_FILE,
@@ -23,6 +25,7 @@ from poolkeeper.extproc.tls import (
     TlsSettings,
     self_signed_pair,
     server_credentials,
+    ssl_context,
 )
 from tests.extproc.extproc_fakes import PODS, FakeEnvoy, FakeRouter, headers_msg
 
@@ -30,7 +33,16 @@ DEST = "x-gateway-destination-endpoint"
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: TlsSettings) -> AsyncIterator[int]:
+async def serving(settings: TlsSettings, transport: str = "grpcio") -> AsyncIterator[int]:
+    if transport == "lean":
+        lean = await start_lean(
+            ExtProcServicer(FakeRouter()), "127.0.0.1", 0, tls=ssl_context(settings)
+        )
+        try:
+            yield lean.port
+        finally:
+            await lean.stop(None)
+        return
     server, port = build_server(
         ExtProcServicer(FakeRouter()), "127.0.0.1:0", credentials=server_credentials(settings)
     )
@@ -80,8 +92,8 @@ def write_pair(directory: Path, cert: bytes, key: bytes) -> None:
         os.replace(tmp, directory / name)
 
 
-async def test_ext_proc_over_tls_with_a_self_signed_certificate() -> None:
-    async with serving(TlsSettings(secure_serving=True)) as port:
+async def test_ext_proc_over_tls_with_a_self_signed_certificate(transport: str) -> None:
+    async with serving(TlsSettings(secure_serving=True), transport) as port:
         der, alpn = await asyncio.to_thread(served_certificate, port)
         assert alpn == "h2"
         # A client that pins the served certificate routes through it.
@@ -95,20 +107,21 @@ async def test_ext_proc_over_tls_with_a_self_signed_certificate() -> None:
                 await asyncio.wait_for(route_once(channel), timeout=10)
 
 
-async def test_plaintext_is_the_default() -> None:
+async def test_plaintext_is_the_default(transport: str) -> None:
     assert TlsSettings().secure_serving is False
     assert server_credentials(TlsSettings()) is None
+    assert ssl_context(TlsSettings()) is None
     async with (
-        serving(TlsSettings()) as port,
+        serving(TlsSettings(), transport) as port,
         grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
     ):
         assert await route_once(channel) == PODS[0]
 
 
-async def test_a_certificate_directory_is_served(tmp_path: Path) -> None:
+async def test_a_certificate_directory_is_served(tmp_path: Path, transport: str) -> None:
     cert, key = self_signed_pair()
     write_pair(tmp_path, cert, key)
-    async with serving(TlsSettings(secure_serving=True, cert_path=tmp_path)) as port:
+    async with serving(TlsSettings(secure_serving=True, cert_path=tmp_path), transport) as port:
         der, _ = await asyncio.to_thread(served_certificate, port)
         assert der == pem_to_der(cert)
         creds = grpc.ssl_channel_credentials(root_certificates=cert)
@@ -116,12 +129,14 @@ async def test_a_certificate_directory_is_served(tmp_path: Path) -> None:
             assert await route_once(channel) == PODS[0]
 
 
-async def test_a_changed_certificate_is_served_on_the_next_connection(tmp_path: Path) -> None:
+async def test_a_changed_certificate_is_served_on_the_next_connection(
+    tmp_path: Path, transport: str
+) -> None:
     old_cert, old_key = self_signed_pair()
     new_cert, new_key = self_signed_pair()
     write_pair(tmp_path, old_cert, old_key)
     settings = TlsSettings(secure_serving=True, cert_path=tmp_path, enable_cert_reload=True)
-    async with serving(settings) as port:
+    async with serving(settings, transport) as port:
         der, _ = await asyncio.to_thread(served_certificate, port)
         assert der == pem_to_der(old_cert)
         write_pair(tmp_path, new_cert, new_key)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -109,19 +108,20 @@ def destination_value(endpoints: Sequence[str]) -> str:
 def destination_metadata(endpoints: Sequence[str]) -> struct_pb2.Struct:
     """`{"envoy.lb": {"x-gateway-destination-endpoint": "primary,fb1,fb2"}}`, the same value as
     the header (the protocol says they must not differ)."""
-    inner: dict[str, Any] = {DESTINATION_HEADER: destination_value(endpoints)}
     md = struct_pb2.Struct()
-    md.update({LB_NAMESPACE: inner})
+    # Field by field: Struct.update's dict walk costs ~10x as much, on every request.
+    lb = md.fields[LB_NAMESPACE].struct_value
+    lb.fields[DESTINATION_HEADER].string_value = destination_value(endpoints)
     return md
 
 
 def add_exchange_key(metadata: struct_pb2.Struct, key: str, *, via_epp: bool) -> None:
     """Name the request for the response observer (`poolkeeper.exchange`); `via_epp`: its
     response comes back to the EPP, through the response processor (envoy/observer.py)."""
-    names: dict[str, str] = {observation.EXCHANGE: key}
+    names = metadata.fields[observation.NAMESPACE].struct_value.fields
+    names[observation.EXCHANGE].string_value = key
     if via_epp:
-        names[observation.RESPONSE_PATH] = observation.VIA_EPP
-    metadata.update({observation.NAMESPACE: names})
+        names[observation.RESPONSE_PATH].string_value = observation.VIA_EPP
 
 
 def exchange_key(request: pb.ProcessingRequest) -> str | None:

@@ -1,8 +1,9 @@
 """TLS for the ext_proc gRPC server, as upstream's EPP serves it (`--secure-serving`).
 
-`server_credentials(TlsSettings)` is the one function a server calls: None means plaintext
-(`add_insecure_port`), else grpc server credentials for `add_secure_port`. gRPC negotiates
-ALPN `h2` itself.
+`server_credentials(TlsSettings)` is the one function a grpcio server calls: None means
+plaintext (`add_insecure_port`), else grpc server credentials for `add_secure_port`. gRPC
+negotiates ALPN `h2` itself. `ssl_context(TlsSettings)` is the same for the lean transport
+(stdlib `ssl`, ALPN h2), with the same certificate choices and floor.
 
 - No `cert_path`: a self-signed certificate made at start (upstream does the same: RSA-4096, ten
   years, O="Inference Ext", no SANs). Here ECDSA P-256 (generated in milliseconds, not seconds)
@@ -25,6 +26,8 @@ import datetime
 import ipaddress
 import logging
 import os
+import ssl
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -34,6 +37,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from poolkeeper.extproc.h2.server import tls_context
 
 __all__ = [
     "CERT_FILE",
@@ -45,6 +50,7 @@ __all__ = [
     "read_pair",
     "self_signed_pair",
     "server_credentials",
+    "ssl_context",
 ]
 
 log = logging.getLogger(__name__)
@@ -214,3 +220,42 @@ def server_credentials(settings: TlsSettings) -> grpc.ServerCredentials | None:
     cert, key = read_pair(settings.cert_path)
     log.info("ext_proc serves TLS from %s", settings.cert_path)
     return grpc.ssl_server_credentials([(key, cert)])
+
+
+def _h2_context(pair: tuple[bytes, bytes]) -> ssl.SSLContext:
+    """The lean transport's server context (`h2.server.tls_context`) serving the PEM `pair`."""
+    # The ssl module loads a chain from files only: a private directory, gone at once.
+    with tempfile.TemporaryDirectory(prefix="poolkeeper-tls-") as tmp:
+        cert_file, key_file = Path(tmp) / CERT_FILE, Path(tmp) / KEY_FILE
+        cert_file.write_bytes(pair[0])
+        key_file.touch(mode=0o600)
+        key_file.write_bytes(pair[1])
+        return tls_context(str(cert_file), str(key_file))
+
+
+def ssl_context(settings: TlsSettings) -> ssl.SSLContext | None:
+    """`server_credentials` for the lean transport (stdlib `ssl`): the same certificate
+    choices, the same floor (TLS 1.2), ALPN h2; None for plaintext. With cert reload, each new
+    handshake looks at the files (as grpcio's dynamic credentials do) and serves the new pair
+    once the files hold a valid one."""
+    settings.check()
+    if not settings.secure_serving:
+        return None
+    if settings.cert_path is None:
+        log.info("ext_proc serves TLS with a self-signed certificate made at start")
+        return _h2_context(self_signed_pair())
+    if not settings.enable_cert_reload:
+        log.info("ext_proc serves TLS from %s", settings.cert_path)
+        return _h2_context(read_pair(settings.cert_path))
+    reloader = CertReloader(settings.cert_path)
+    log.info("ext_proc serves TLS from %s, reloaded on change", settings.cert_path)
+    current = [_h2_context(reloader.pair)]
+
+    def on_hello(connection: ssl.SSLObject, _name: str | None, _front: ssl.SSLContext) -> None:
+        if reloader.fetch() is not None:
+            current[0] = _h2_context(reloader.pair)
+        connection.context = current[0]
+
+    front = _h2_context(reloader.pair)
+    front.sni_callback = on_hello
+    return front

@@ -173,6 +173,13 @@ class Director:
         self._inflight = inflight
         self._gate = gate
         self._config = config
+        # Each control header's spellings the operator trusts, llm-d's first: looked up on
+        # every request, so worked out once.
+        trusted = set(config.trusted_headers)
+        self._trusted_names = {
+            header: tuple(name.value for name in header.spellings() if name in trusted)
+            for header in TrustedHeader
+        }
         self._rng = rng
         self._clock = clock
         self._sequence = itertools.count()
@@ -289,11 +296,10 @@ class Director:
     def _trusted(self, request: IncomingRequest, header: TrustedHeader) -> str | None:
         """A control header's value in either spelling (the llm-d one first), only where the
         operator trusts that spelling (else None)."""
-        for name in header.spellings():
-            if name in self._config.trusted_headers:
-                value = request.headers.get(name.value, "").strip()
-                if value:
-                    return value
+        for name in self._trusted_names[header]:
+            value = request.headers.get(name, "").strip()
+            if value:
+                return value
         return None
 
     def _target(

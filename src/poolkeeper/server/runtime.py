@@ -46,12 +46,11 @@ from poolkeeper.envoy.process import (
     find_envoy,
     raise_descriptor_limit,
 )
-from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
-from poolkeeper.extproc.tls import TlsSettings, server_credentials
+from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import (
@@ -294,11 +293,7 @@ class GatewayRuntime:
         # Without it (--no-envoy, Kubernetes) another host's Envoy must reach them. Both
         # transports hold to it: grpcio by the interceptor, the lean one by its own check.
         local = self.epp_address
-        if self.options.tls.secure_serving and listeners.ext_proc_transport == "lean":
-            raise ConfigError(
-                "TLS on the ext_proc port (--secure-serving) is served by the grpcio transport "
-                "only for now: set spec.listeners.extProcTransport: grpcio"
-            )
+        lean = listeners.ext_proc_transport == "lean"
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.options.run_envoy:
             self._epp_token = new_token()
@@ -314,7 +309,9 @@ class GatewayRuntime:
             register=register,
             interceptors=interceptors,
             token=self._epp_token,
-            credentials=server_credentials(self.options.tls),
+            # TLS (--secure-serving) as the transport serves it: stdlib ssl or grpcio's.
+            tls=ssl_context(self.options.tls) if lean else None,
+            credentials=None if lean else server_credentials(self.options.tls),
         )
         self._grpc_servers.append(extproc)
         export_transport(self.metrics.registry, extproc)

@@ -21,9 +21,10 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
+from poolkeeper.telemetry.children import Counter, Gauge, Histogram
 
 PREFIX: Final = "llm_d_epp_"
 

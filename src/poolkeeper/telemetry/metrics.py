@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -37,6 +37,7 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import FilteredOut, GatewayError
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import HistogramData, SchedulingStats
+from poolkeeper.telemetry.children import Counter, Gauge, Histogram
 from poolkeeper.telemetry.llmd import ALSO_AS, LlmdRequestMetrics
 from poolkeeper.telemetry.llmd_families import (
     ALSO_AS as FAMILIES_ALSO_AS,
@@ -88,6 +89,8 @@ class LabelCap:
         self._seen: set[str] = set()
 
     def __call__(self, value: str) -> str:
+        if value in self._seen:  # admitted before, so already clean (sanitising is idempotent)
+            return value
         value = sanitize_label(value)
         if value in self._seen:
             return value

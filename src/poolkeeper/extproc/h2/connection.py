@@ -16,10 +16,9 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import hpack
-
 from poolkeeper.extproc.auth import TOKEN_HEADER
 from poolkeeper.extproc.h2 import frames as f
+from poolkeeper.extproc.h2.headers import HeaderDecoder
 from poolkeeper.extproc.h2.limits import Bucket, Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import (
     INTERNAL,
@@ -99,7 +98,7 @@ class Connection(asyncio.Protocol):
         self._flush_pending = False
         self._paused = False
         self._writers: list[asyncio.Future[None]] = []
-        self._decoder = hpack.Decoder(max_header_list_size=limits.max_header_list_bytes)
+        self._decoder = HeaderDecoder(limits.max_header_list_bytes)
         self._streams: dict[int, Stream] = {}
         self._last_id = 0  # highest stream id the peer opened
         self._cont: tuple[int, bool, list[bytes], int, int] | None = None  # HEADERS in parts
@@ -340,7 +339,7 @@ class Connection(asyncio.Protocol):
 
     def _headers(self, stream_id: int, end_stream: bool, block: bytes) -> None:
         try:
-            headers = self._decoder.decode(block, raw=True)
+            headers = self._decoder.decode(block)
         except Exception as error:  # hpack's errors, or a malformed block it chokes on
             raise f.ProtocolViolation(f.COMPRESSION_ERROR, f"header block: {error}") from None
         stream = self._streams.get(stream_id)

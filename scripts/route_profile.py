@@ -1,0 +1,303 @@
+"""The EPP's own work per request, without Envoy or a transport (a profiling script).
+
+A `poolkeeper serve --no-envoy` runtime runs in this process (the response observer on, as
+with the Envoy `serve` runs), in front of one `poolkeeper sim` process it scrapes. This
+driver then plays Envoy's part directly on the servicer, one request at a time (light load):
+each request is the messages Envoy sends for a chat completion (request headers, then the
+body with end_of_stream), decoded from their wire bytes as a transport would, through
+`ExtProcServicer.Process`, its replies encoded back; then the access-log entry that settles
+the request (in batches of `--batch`, as Envoy flushes them), through the access-log
+receiver.
+
+Reported, in thread CPU time (`time.thread_time_ns`: what the code costs, not what the shared
+machine's scheduler adds): the request headers' handling, the body's (the routing decision:
+`Exchange._route`), the whole stream, and the access-log entry, median and p90 per request;
+with `--profile`, cProfile's top functions for the same loop (a second pass: the profiler's
+own cost inflates absolute times, the shares are what it is for).
+
+Not a test: run it by hand.
+
+    .venv/bin/python scripts/route_profile.py --requests 3000 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from poolkeeper import observation as wire
+from poolkeeper.controller.files import file_source
+from poolkeeper.extproc.accesslog import AccessLogReceiver
+from poolkeeper.netutil import free_ports
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+
+MODEL = "bench-model"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def write_config(directory: Path, sim_port: int, ports: list[int]) -> None:
+    http, ext_proc, metrics, health, admin = ports
+    (directory / "gateway.yaml").write_text(f"""\
+apiVersion: poolkeeper.dev/v1alpha1
+kind: GatewayConfig
+metadata: {{name: bench}}
+spec:
+  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
+    admin: {admin}}}
+  edge: {{observeResponses: true}}
+  scraping: {{intervalMs: 50}}
+  endpoints:
+    - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: bench}}}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: bench, namespace: default}}
+spec:
+  selector: {{app: bench}}
+  targetPortNumber: 8000
+  extensionRef: {{name: bench-epp}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: bench, namespace: default}}
+spec: {{modelName: {MODEL}, criticality: Critical, poolRef: {{name: bench}}}}
+""")
+
+
+def envoy_messages(body: bytes, request_id: str) -> list[bytes]:
+    """What Envoy sends on the ext_proc stream for one POST (wire bytes): headers as the HTTP
+    connection manager has them by then, the body in one chunk with end_of_stream."""
+    values = {
+        ":authority": "127.0.0.1:8080",
+        ":path": "/v1/chat/completions",
+        ":method": "POST",
+        ":scheme": "http",
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+        "user-agent": "Python/3.11 aiohttp/3.12",
+        "accept": "*/*",
+        "accept-encoding": "gzip, deflate",
+        "x-forwarded-proto": "http",
+        "x-request-id": request_id,
+    }
+    headers = pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+        )
+    )
+    first = pb.ProcessingRequest(request_headers=headers)
+    first.protocol_config.request_body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+    first.protocol_config.response_body_mode = pm.ProcessingMode.NONE
+    second = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+    return [first.SerializeToString(), second.SerializeToString()]
+
+
+def access_log_entry(key: str, upstream_port: int) -> accesslog_pb2.HTTPAccessLogEntry:
+    """The entry Envoy logs for a routed request (the observer's Lua stamps and counts)."""
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    common = entry.common_properties
+    common.metadata.filter_metadata[wire.NAMESPACE].update(
+        {wire.EXCHANGE: key, wire.SENT_AT: 1000.0, wire.FIRST_BYTE_AT: 1002.5,
+         wire.PROMPT_TOKENS: 9, wire.COMPLETION_TOKENS: 1, wire.EVENTS: 0, wire.DONE_EVENTS: 0}
+    )  # fmt: skip
+    address = common.upstream_remote_address.socket_address
+    address.address, address.port_value = "127.0.0.1", upstream_port
+    common.time_to_last_downstream_tx_byte.FromMilliseconds(3)
+    entry.response.response_code.value = 200
+    entry.response.response_body_bytes = 300
+    return entry
+
+
+class Driver:
+    def __init__(
+        self, runtime: GatewayRuntime, sim_port: int, batch: int, prompt_bytes: int = 0
+    ) -> None:
+        assert runtime.servicer is not None
+        assert runtime.detached is not None
+        self.servicer = runtime.servicer
+        self.receiver = AccessLogReceiver(runtime.detached)
+        self.sim_port = sim_port
+        self.batch = batch
+        body = BODY
+        if prompt_bytes:
+            text = "the quick brown fox jumps over the lazy dog " * (prompt_bytes // 44 + 1)
+            body = {**BODY, "messages": [{"role": "user", "content": text[:prompt_bytes]}]}
+        self.body = json.dumps(body).encode()
+        self.n = 0
+        self.keys: list[str] = []
+        self.times: dict[str, list[int]] = {"headers": [], "body": [], "stream": [], "log": []}
+
+    async def one(self) -> None:
+        self.n += 1
+        wires = envoy_messages(self.body, f"req-{self.n}")
+        clock = time.thread_time_ns
+        marks: list[int] = []
+
+        async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+            for raw in wires:
+                marks.append(clock())
+                yield pb.ProcessingRequest.FromString(raw)
+
+        began = clock()
+        replies = [r async for r in self.servicer.Process(requests())]
+        routed = clock()  # the stream ends once routed (handed off to the access log)
+        encoded = [r.SerializeToString() for r in replies]
+        ended = clock()
+        assert encoded, "no reply"
+        assert replies[0].HasField("request_headers"), replies
+        self.times["headers"].append(marks[1] - marks[0])
+        self.times["body"].append(routed - marks[1])
+        self.times["stream"].append(ended - began)
+        names = replies[0].dynamic_metadata.fields[wire.NAMESPACE]
+        self.keys.append(names.struct_value.fields[wire.EXCHANGE].string_value)
+        if len(self.keys) >= self.batch:
+            await self.flush()
+
+    async def flush(self) -> None:
+        clock = time.thread_time_ns
+        began = clock()
+        message = als_pb2.StreamAccessLogsMessage()
+        message.http_logs.log_entry.extend(access_log_entry(k, self.sim_port) for k in self.keys)
+        raw = message.SerializeToString()
+
+        async def entries() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+            yield als_pb2.StreamAccessLogsMessage.FromString(raw)
+
+        await self.receiver.StreamAccessLogs(entries())
+        self.times["log"].append((clock() - began) // len(self.keys))
+        self.keys.clear()
+
+    async def run(self, n: int) -> None:
+        for _ in range(n):
+            await self.one()
+            await asyncio.sleep(0)  # the scrapers' turn, as between real requests
+        if self.keys:
+            await self.flush()
+
+
+def _summary(times: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, values in times.items():
+        ordered = sorted(values)
+        out[name] = {
+            "n": float(len(ordered)),
+            "median_us": statistics.median(ordered) / 1000,
+            "p90_us": ordered[int(0.9 * (len(ordered) - 1))] / 1000,
+            "mean_us": statistics.fmean(ordered) / 1000,
+        }
+    return out
+
+
+@contextlib.contextmanager
+def simulator(work: Path) -> Iterator[int]:
+    (port,) = free_ports(1)
+    (work / "sim.yaml").write_text("defaults: {max_model_len: 100000}\n")
+    cmd = [sys.executable, "-m", "poolkeeper", "sim", "--count", "1", "--port", str(port),
+           "--model", MODEL, "--time-scale", "0.001",
+           "--config", str(work / "sim.yaml")]  # fmt: skip
+    with (work / "sim.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def measure(
+    requests: int, batch: int, profile: bool, top: int, prompt_bytes: int = 0
+) -> dict[str, Any]:
+    with (
+        tempfile.TemporaryDirectory(prefix="route-profile-") as tmp,
+        simulator(Path(tmp)) as sim_port,
+    ):
+        (config := Path(tmp) / "config").mkdir()
+        write_config(config, sim_port, free_ports(5))
+        runtime = GatewayRuntime(
+            ServeOptions(source=file_source([config]), run_envoy=False, ready_wait_s=30)
+        )
+        await runtime.start()
+        try:
+            if not runtime.ready():
+                raise RuntimeError("the simulator's metrics never arrived: not ready")
+            driver = Driver(runtime, sim_port, batch, prompt_bytes)
+            # Warm-up: caches, the prefix index, first-use imports.
+            await driver.run(min(500, max(20, requests // 5)))
+            driver.times = {k: [] for k in driver.times}
+            await driver.run(requests)
+            result: dict[str, Any] = {"cpu": _summary(driver.times)}
+            if profile:
+                profiler = cProfile.Profile(time.thread_time)
+                profiler.enable()
+                await driver.run(requests)
+                profiler.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(profiler, stream=text)
+                stats.sort_stats("tottime").print_stats(top)
+                stats.sort_stats("cumulative").print_stats(top)
+                result["profile"] = text.getvalue()
+            return result
+        finally:
+            await runtime.stop(grace_s=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=3000, help="measured requests")
+    parser.add_argument("--batch", type=int, default=16, help="access-log entries per flush")
+    parser.add_argument("--profile", action="store_true", help="also a cProfile pass")
+    parser.add_argument("--top", type=int, default=40, help="functions listed per profile")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--prompt-bytes", type=int, default=0, help="a user message of this many bytes"
+    )
+    args = parser.parse_args(argv)
+    if not 1 <= args.requests <= 1_000_000 or not 1 <= args.batch <= 1000:
+        parser.error("--requests must be in [1, 1000000] and --batch in [1, 1000]")
+    runner: Callable[[Any], Any]
+    try:
+        import uvloop  # as `serve`
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    if not 0 <= args.prompt_bytes <= 8 << 20:
+        parser.error("--prompt-bytes must be in [0, 8 MiB]")
+    result = runner(measure(args.requests, args.batch, args.profile, args.top, args.prompt_bytes))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print("| part | requests | CPU median µs | p90 µs | mean µs |")
+    print("|---|---|---|---|---|")
+    for name, row in result["cpu"].items():
+        print(f"| {name} | {row['n']:.0f} | {row['median_us']:.0f} | {row['p90_us']:.0f} "
+              f"| {row['mean_us']:.0f} |")  # fmt: skip
+    if "profile" in result:
+        print(result["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

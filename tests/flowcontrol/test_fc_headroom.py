@@ -82,3 +82,29 @@ def test_an_endpoint_running_the_adapter_has_room_past_other_adapters_deferred_r
     assert not h.fits([sent], STANDARD, NOW, "lora-a")
     full = state(4, waiting=10, active=("lora-a",), kv=0.99)
     assert not h.fits([full], STANDARD, NOW, "lora-a")
+
+
+def test_slot_dispatch_sends_only_while_a_server_can_start_the_request() -> None:
+    """Issue 35: a server that has shown a full batch (2 running, some waiting) has room for
+    Standard only while the EPP's in-flight count there is below the 2 slots it learned, or
+    while it has nothing waiting (a probe); `dispatch: saturation` keeps the old rule."""
+    h = _headroom()
+    assert h.fits([state(1, running=2, waiting=0, inflight=5)], STANDARD, NOW)  # unknown yet
+    h.fits([state(1, running=2, waiting=3, inflight=5)], STANDARD, NOW)  # full batch seen
+    assert h.slots.slots(state(1)) == 2
+    assert not h.fits([state(1, running=2, waiting=3, inflight=5)], STANDARD, NOW)
+    assert not h.fits([state(1, running=2, waiting=1, inflight=2)], STANDARD, NOW)
+    # A response ended since the scrape: the in-flight count is current, the gauges lag.
+    assert h.fits([state(1, running=2, waiting=1, inflight=1)], STANDARD, NOW)
+    # Nothing waiting and nothing sent since the scrape: the batch may be larger (probe).
+    assert h.fits([state(1, running=2, waiting=0, inflight=2)], STANDARD, NOW)
+    assert not h.fits([state(1, running=2, waiting=0, inflight=3, unseen=1)], STANDARD, NOW)
+    # The learned slots grow with what is seen running; another server is learned apart.
+    h.fits([state(1, running=3, waiting=0, inflight=3)], STANDARD, NOW)
+    assert h.slots.slots(state(1)) == 3
+    assert h.fits([state(2, running=2, waiting=0, inflight=5)], STANDARD, NOW)  # never full
+    old = BandConfig.model_validate({"saturationLimit": 1.2, "dispatch": "saturation"})
+    assert h.fits([state(1, running=3, waiting=3, inflight=6)], old, NOW)  # 3/5 < 1.2
+    # Placement among endpoints: only those that can start it count as having room.
+    full, free = state(1, running=3, waiting=2, inflight=5), state(2, running=0, inflight=0)
+    assert h.room([full, free], SHEDDABLE, NOW) == [free]

@@ -7,16 +7,16 @@
       modelWeights: {chat-a: 2}      # fair-share weight per client-facing modelName (default 1)
       bands:
         critical:  {mode: send}                                   # never held, never shed
-        standard:  {mode: queue, saturationLimit: 1.2, ttlMs: 30000, maxRequests: 2000,
-                    lifoAfterMs: 200, overloadTtlMs: 300, overloadAfterMs: 3000}
+        standard:  {mode: queue, saturationLimit: 1.2, ttlMs: 30000, maxRequests: 2000}
         sheddable: {mode: queue, queueDepthThreshold: 1, ttlMs: 1500, maxRequests: 1000,
                     lifoAfterMs: 200, placement: headroom}
 
 One band per criticality, served in strict priority. A band's head is dispatched while some
 candidate endpoint's saturation (`datastore.load.saturations`, thresholds from
-`spec.admission` unless the band sets its own) is below the band's `saturationLimit`;
-otherwise it waits (mode `queue`), is refused with 429 (mode `shed`), or goes anyway (mode
-`send`, today's Critical behaviour).
+`spec.admission` unless the band sets its own) is below the band's `saturationLimit` and,
+with `dispatch: slot` (the default), that endpoint can start it now (a free batch slot:
+`flowcontrol/slots.py`); otherwise it waits (mode `queue`), is refused with 429 (mode
+`shed`), or goes anyway (mode `send`, today's Critical behaviour).
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ class BandMode(StrEnum):
     SEND = "send"  # never held: dispatched at once whatever the load (today's Critical)
     QUEUE = "queue"  # wait in the EPP for headroom, bounded by the limits and the TTL
     SHED = "shed"  # no queue: 429 at once when no endpoint has headroom
+
+
+class Dispatch(StrEnum):
+    SLOT = "slot"  # only while the server can start it: a free batch slot (flowcontrol/slots.py)
+    SATURATION = "saturation"  # while below the saturation limit: servers may queue it
 
 
 class Placement(StrEnum):
@@ -71,7 +76,8 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     flow's newest goes first, and a full band pushes out the oldest (null: first come first
     served always). In sustained overload a FIFO queue makes every request wait the whole
     queue, so every answer is late; newest-first serves those that can still be on time and
-    lets the oldest run out at their TTL. Standard and Sheddable: 200 (docs/flowcontrol.md)."""
+    lets the oldest run out at their TTL. Sheddable: 200 (docs/flowcontrol.md); Standard: null
+    (its early refusal, `expected_wait`, turns away what cannot be served in time instead)."""
     overload_ttl_ms: int | None = Field(default=None, ge=1, le=3_600_000)
     """Longest wait in sustained overload (null: `ttlMs` always). Once a flow (a model) has had
     requests waiting in this band without a break for `overloadAfterMs`, its requests queued
@@ -79,10 +85,18 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     FQ-CoDel; Facebook's servers pair it with adaptive LIFO). A light flow that drains between
     its requests keeps `ttlMs`. A queue that never empties adds waiting to every answer and no
     throughput: the servers are busy either way, so it only decides who is late. A burst still
-    waits up to `overloadAfterMs`. Standard: 300 (docs/flowcontrol.md)."""
+    waits up to `overloadAfterMs`. Default null (issue 35: in a closed population it refused
+    requests the fleet would have served within `ttlMs`; docs/flowcontrol.md)."""
     overload_after_ms: int = Field(default=3000, ge=1, le=3_600_000)
     """How long a flow must have had requests waiting in this band, without a moment empty, to
     count as in sustained overload (only read with `overloadTtlMs`)."""
+    dispatch: Dispatch = Dispatch.SLOT
+    """`slot`: send a request to a server only while it can start it (a free batch slot,
+    learned per server from the gauges and the EPP's in-flight count: `flowcontrol/slots.py`),
+    so the contended queue stays in the EPP, where the fair order applies, whatever the
+    servers' batch size; the saturation limit still applies on top. `saturation`: while some
+    endpoint is below `saturationLimit`, so with few batch slots most of the waiting happens in
+    the servers' own first-come-first-served queues (poolkeeper before issue 35)."""
     placement: Placement = Placement.SCHEDULER
     """Where a dispatched request may go: `scheduler` (any candidate; the scheduler's prefix
     and adapter affinity decide) or `headroom` (only the endpoints below `saturationLimit`,
@@ -114,13 +128,7 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
     {
         "critical": MappingProxyType({"mode": "send", "saturationLimit": 2.0, "ttlMs": 60_000}),
         "standard": MappingProxyType(
-            {
-                "saturationLimit": 1.2,
-                "maxRequests": 2000,
-                "ttlMs": 30_000,
-                "lifoAfterMs": 200,
-                "overloadTtlMs": 300,
-            }
+            {"saturationLimit": 1.2, "maxRequests": 2000, "ttlMs": 30_000}
         ),
         "sheddable": MappingProxyType(
             {
@@ -146,8 +154,11 @@ class Bands(CamelModel, use_attribute_docstrings=True):
     """Default `send`: Critical requests are never held nor shed, as before flow control.
     With `queue` they wait ahead of every other band (and share fairly among themselves)."""
     standard: BandConfig = Field(default_factory=lambda: _band("standard"))
-    """Default: queue while no endpoint is below 1.2 (6 waiting requests); 30 s TTL, 300 ms for a
-    flow that has been waiting for 3 s without a break (a standing queue: sustained overload)."""
+    """Default: queue while no endpoint can start the request (`dispatch: slot`) or is below
+    1.2 (6 waiting requests); 30 s TTL, first come first served within a flow; refused early
+    only when the queue ahead cannot drain within the TTL (issue 35: the standing-queue rule,
+    `overloadTtlMs: 300`, and adaptive LIFO refused and starved a closed population of clients
+    that the fleet would have served well within the TTL; both stay available)."""
     sheddable: BandConfig = Field(default_factory=lambda: _band("sheddable"))
     """Default: queue while every endpoint has a request waiting (or sent since its last
     scrape) or KV at 80%: servers keep no queue of Sheddable work, so Critical requests sent

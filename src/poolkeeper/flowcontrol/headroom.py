@@ -12,6 +12,11 @@ scheduler answers 503 at once instead of the request waiting for its TTL. For a 
 the endpoints with headroom; other bands leave placement to the scheduler. `adapter` (the
 request's target model) lets an endpoint that already runs that LoRA adapter count only what
 can hold the request up there (`saturations`).
+
+With the band's `dispatch: slot` (the default), an endpoint below the limit has room only
+while it can also start the request now (`slots.BatchSlots`: a free batch slot, learned from
+the gauges and the in-flight count), so contended requests wait in the EPP's fair order, not
+in a server's FCFS queue. That is why a Headroom has state: the slots it has learned.
 """
 
 from __future__ import annotations
@@ -20,15 +25,17 @@ from collections.abc import Sequence
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import STALE, saturations
-from poolkeeper.flowcontrol.config import BandConfig, Placement
+from poolkeeper.flowcontrol.config import BandConfig, Dispatch, Placement
 from poolkeeper.flowcontrol.saturation import SaturationDetector
+from poolkeeper.flowcontrol.slots import BatchSlots
 
 
 class Headroom:
-    __slots__ = ("detector",)
+    __slots__ = ("detector", "slots")
 
     def __init__(self, detector: SaturationDetector) -> None:
         self.detector = detector
+        self.slots = BatchSlots()
 
     def fits(
         self,
@@ -40,8 +47,7 @@ class Headroom:
         if not states:
             return True
         values = self._values(states, band, now, adapter)
-        limit = band.saturation_limit
-        if any(v < limit for v in values):
+        if any(self._open(s, v, band) for s, v in zip(states, values, strict=True)):
             return True
         return all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit"
 
@@ -56,8 +62,7 @@ class Headroom:
         if not states:
             return list(states)
         values = self._values(states, band, now, adapter)
-        limit = band.saturation_limit
-        below = [s for s, v in zip(states, values, strict=True) if v < limit]
+        below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band)]
         if below:
             if band.placement is Placement.SCHEDULER or len(below) == len(states):
                 return list(states)
@@ -76,8 +81,14 @@ class Headroom:
         if band.placement is Placement.SCHEDULER:
             return states
         values = self._values(states, band, now)
-        below = [s for s, v in zip(states, values, strict=True) if v < band.saturation_limit]
+        below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band)]
         return below if below and len(below) < len(states) else states
+
+    def _open(self, state: EndpointState, value: float, band: BandConfig) -> bool:
+        """Room on one endpoint: below the band's limit and, for `dispatch: slot`, a free slot."""
+        if not value < band.saturation_limit:
+            return False
+        return band.dispatch is Dispatch.SATURATION or self.slots.can_start(state)
 
     def _values(
         self,
@@ -86,6 +97,7 @@ class Headroom:
         now: float,
         adapter: str | None = None,
     ) -> list[float]:
+        self.slots.observe(states)
         c = self.detector.config
         queue = band.queue_depth_threshold
         kv = band.kv_cache_util_threshold

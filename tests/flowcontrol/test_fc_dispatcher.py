@@ -317,8 +317,8 @@ def test_removal_from_the_middle_of_a_flow_removes_that_request_only() -> None:
     assert d.cancel(items[1])
     assert not d.cancel(items[1])  # not waiting any more
     assert [i.payload for i in d.items(S)] == ["a", "c", "d"]
-    # a's: Standard's defaults give a burst overloadAfterMs (3 s) from when the band filled.
-    assert d.next_deadline() == pytest.approx(3.0)
+    # a's: Standard's default TTL (30 s; no overload TTL by default since issue 35).
+    assert d.next_deadline() == pytest.approx(30.0)
 
 
 def test_token_weights_and_completions_charge_the_flow() -> None:
@@ -363,3 +363,29 @@ def test_a_standing_queue_gives_newcomers_the_short_overload_ttl() -> None:
         plain.submit(_item(f"p{t}"), float(t), never)
     assert plain.next_deadline() == pytest.approx(5.0)
     assert [i.deadline for i in plain.items(S)][-1] == pytest.approx(14.0)  # no overload rule
+
+
+def test_a_request_is_refused_early_only_when_the_queue_ahead_cannot_drain_in_its_ttl() -> None:
+    """Issue 35: the queue drains at 2 requests/s (measured while something waits); with a
+    5 s TTL, a flow's 11th waiting request cannot be served in time and is refused at once,
+    while another flow's newcomer, which fair sharing serves after at most one of the busy
+    flow's requests, still queues. Before the rate is measured nothing is refused early."""
+    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"ttlMs": 5000}))
+    assert d.drain.rate() is None
+    for n in range(40):
+        assert d.submit(_item(f"h{n}", flow="heavy"), 0.0, never) is Submitted.QUEUED
+    for step in range(1, 11):  # 10 s of backlog, one dispatch every 0.5 s
+        fits, go, _sent = _budget(1)
+        assert d.pump(step * 0.5, fits, go) == 1
+    assert d.drain.rate() == pytest.approx(2.0)
+    assert d.submit(_item("late", flow="heavy"), 5.0, never) is Submitted.SATURATED
+    light = _item("light", flow="light")
+    assert d.expected_wait(light) == pytest.approx(1.0)  # heavy's head, then light's own
+    assert d.submit(light, 5.0, never) is Submitted.QUEUED
+    # Idle time does not count: the rate is the fleet's, not the arrivals'.
+    for item in d.items(S):
+        d.cancel(item)
+    assert d.submit(_item("again", flow="heavy"), 100.0, never) is Submitted.QUEUED
+    fits, go, _sent = _budget(1)
+    d.pump(100.5, fits, go)
+    assert d.drain.rate() == pytest.approx(2.0, rel=0.1)

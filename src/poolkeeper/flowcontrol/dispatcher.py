@@ -1,8 +1,10 @@
 """`FlowDispatcher`: the queue of one pool and the decision of what to dispatch next.
 
-    submit(item, fits)   -> DISPATCH | QUEUED | SHED | FULL   (the fast path dispatches at once;
-                            a full band pushes out the newest request of its longest flow
-                            when the newcomer's flow is shorter: `take_pushed_out`)
+    submit(item, fits)   -> DISPATCH | QUEUED | SHED | FULL | SATURATED   (the fast path
+                            dispatches at once; a full band pushes out the newest request of
+                            its longest flow when the newcomer's flow is shorter:
+                            `take_pushed_out`; SATURATED: the queue ahead of it cannot drain
+                            within its TTL at the measured rate, `expected_wait`)
     pump(now, fits, go)  -> dispatches heads while they fit; `go(item)` runs before the next check
     expire(now)          -> items past their deadline (TTL, or the overload TTL), removed
     cancel(item)         -> the client went away: removed at once
@@ -18,6 +20,13 @@ requests waiting without a break for its band's `overloadAfterMs`, the TTL of it
 queued from then on is the band's `overloadTtlMs` (CoDel's short limit for a standing queue,
 per flow as in FQ-CoDel; `BandConfig.deadline`): the old ones run out quickly instead of
 waiting out the long TTL, and a light flow that drains between its requests keeps the long one.
+A request is refused before its TTL only when it cannot be served within it: the requests
+ahead of it in fair order (every higher band; of each flow of its band at most as many as its
+own flow will have waiting) do not drain within its band's TTL at the rate the queue has been
+draining (`DrainRate`, measured only while something waits: the fleet's service rate). A flow
+using more than its share has its own long queue ahead of its newcomers, so it is refused
+first; a light flow's newcomer is not (issue 35: a closed population of clients, whose queue
+is bounded by the clients, is served, not refused).
 When the best head of a band does not fit, dispatching stops for every lower band too: a lower
 band never overtakes a waiting higher one (no priority inversion; band limits are ordered, so a
 lower head would not fit either unless the two requests have different candidates).
@@ -56,6 +65,45 @@ class Submitted(StrEnum):
     QUEUED = "queued"
     SHED = "shed"  # band mode `shed` and no headroom: 429
     FULL = "full"  # the band's request or byte limit: 429 queue_full
+    SATURATED = "saturated"  # the queue ahead cannot drain within its TTL: 429
+
+
+DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seconds of backlog)
+DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
+DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
+
+
+class DrainRate:
+    """How fast this pool's queue drains: requests dispatched from the queue per second of
+    backlog (time with something waiting), exponentially weighted. While something waits,
+    no endpoint has room, so this is the rate at which the fleet frees room: its measured
+    service rate. Unknown (None) until `DRAIN_MIN_S` of backlog and `DRAIN_MIN_SENT`
+    dispatches were seen; time with nothing waiting does not count (nor lower the rate)."""
+
+    __slots__ = ("_busy_s", "_last", "_sent")
+
+    def __init__(self) -> None:
+        self._busy_s = 0.0
+        self._sent = 0.0
+        self._last: float | None = None  # when the current backlog was last accounted
+
+    def account(self, now: float, sent: int, still_waiting: bool) -> None:
+        last = self._last
+        if last is not None and now > last:
+            dt = now - last
+            decay = math.exp(-dt / DRAIN_TAU_S)
+            self._busy_s = self._busy_s * decay + dt
+            self._sent *= decay
+        self._sent += sent
+        self._last = now if still_waiting else None
+
+    def start(self, now: float) -> None:
+        self._last = now
+
+    def rate(self) -> float | None:
+        if self._busy_s < DRAIN_MIN_S or self._sent < DRAIN_MIN_SENT:
+            return None
+        return self._sent / self._busy_s
 
 
 @dataclass(eq=False, slots=True)
@@ -146,6 +194,7 @@ class FlowDispatcher(Generic[T]):
         }
         self._seq = itertools.count()
         self.pushed_out: list[FlowItem[T]] = []
+        self.drain = DrainRate()
 
     # -- arrivals -----------------------------------------------------------------------------
 
@@ -166,6 +215,10 @@ class FlowDispatcher(Generic[T]):
         queue = self._bands[item.band]
         if not self._make_room(queue, item, band, now):
             return Submitted.FULL
+        if not self._drains_in_time(queue, item, band):
+            return Submitted.SATURATED
+        if not self.waiting():
+            self.drain.start(now)  # a backlog starts (the idle time before it does not count)
         item.queued = True
         queue.push(item)
         item.deadline = band.deadline(now, queue.busy_since[item.flow])
@@ -199,6 +252,31 @@ class FlowDispatcher(Generic[T]):
             self.pushed_out.append(victim)
         return True
 
+    def expected_wait(self, item: FlowItem[T]) -> float | None:
+        """Seconds until `item`, arriving now, would be dispatched at the measured drain rate
+        (None: not measured yet). Ahead of it: every request of the bands above, and in its
+        own band what fair sharing serves first: of each flow at most as many as `item`'s
+        flow will have waiting with it (a flow using more than its share waits behind its
+        own queue; a light flow is not held behind a heavy one)."""
+        rate = self.drain.rate()
+        if rate is None:
+            return None
+        ahead = sum(self._bands[b].count for b in BANDS if b.rank > item.band.rank)
+        queue = self._bands[item.band]
+        mine = len(queue.flows.get(item.flow, ())) + 1
+        ahead += sum(min(len(q), mine) for q in queue.flows.values())
+        if item.flow not in queue.flows:
+            ahead += 1
+        return ahead / rate
+
+    def _drains_in_time(self, queue: _Band[T], item: FlowItem[T], band: BandConfig) -> bool:
+        """Refuse before the TTL only what cannot be served within it: the queue ahead of
+        `item` (in fair order, `expected_wait`) does not drain in its TTL at the measured rate.
+        Because a flow's own queue is counted in full, the flow using more than its share is
+        the one refused first."""
+        wait = self.expected_wait(item)
+        return wait is None or wait <= band.ttl_ms / 1000.0
+
     def take_pushed_out(self) -> list[FlowItem[T]]:
         """Requests pushed out of a full band by `submit` since the last call (429 them)."""
         out, self.pushed_out = self.pushed_out, []
@@ -217,6 +295,13 @@ class FlowDispatcher(Generic[T]):
         self, now: float, fits: Callable[[FlowItem[T]], bool], go: Callable[[FlowItem[T]], None]
     ) -> int:
         """Dispatch heads in priority and fairness order while they fit; the number sent."""
+        sent = self._pump(now, fits, go)
+        self.drain.account(now, sent, self.waiting() > 0)
+        return sent
+
+    def _pump(
+        self, now: float, fits: Callable[[FlowItem[T]], bool], go: Callable[[FlowItem[T]], None]
+    ) -> int:
         sent = 0
         for criticality in BANDS:
             queue = self._bands[criticality]

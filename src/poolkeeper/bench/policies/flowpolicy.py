@@ -9,7 +9,7 @@ every scrape tick: expired requests are rejected (503), and heads are scheduled 
 the fleet's live states, each counted before the next headroom check (late binding).
 
 Per-request facts for the reports: `waited` (router queue time of dispatched requests) and
-`ends` (request id -> outcome: dispatched / queue_full / shed / expired).
+`ends` (request id -> outcome: dispatched / queue_full / saturated / shed / expired).
 """
 
 from __future__ import annotations
@@ -82,9 +82,12 @@ class FlowPolicy:
             self.outcomes[(band, "queued")] += 1
             self.max_waiting = max(self.max_waiting, self.dispatcher.waiting())
             return None
-        self._end(request.request_id, band, "queue_full" if verdict is Submitted.FULL else "shed")
+        end = {Submitted.FULL: "queue_full", Submitted.SATURATED: "saturated"}.get(verdict, "shed")
+        self._end(request.request_id, band, end)
         if verdict is Submitted.FULL:
             raise QueueFull(f"{band} queue full")
+        if verdict is Submitted.SATURATED:
+            raise RequestShed(f"{band}: the queue ahead cannot drain within the TTL")
         raise RequestShed(f"{band}: no endpoint has headroom")
 
     def release(self, endpoints: Sequence[EndpointState], now: float, send: SendFn) -> None:

@@ -389,3 +389,26 @@ def test_a_request_is_refused_early_only_when_the_queue_ahead_cannot_drain_in_it
     fits, go, _sent = _budget(1)
     d.pump(100.5, fits, go)
     assert d.drain.rate() == pytest.approx(2.0, rel=0.1)
+
+
+def test_a_slot_freed_by_an_under_served_flow_is_kept_for_it_a_moment() -> None:
+    """A closed-loop client of a light flow sends its next request on its answer; the slot its
+    answer freed is kept for it (`kept` tells `fits` to leave it) for HOLD_S, not taken by the
+    heavy flow's waiting head. A flow that is not the next in fair order keeps nothing."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d.submit(_item("h1", flow="heavy", tokens=1000), 0.0, never)
+    d.dispatched(_item("h0", flow="heavy", tokens=1000))  # heavy has been served more
+    d.completed("light", S, 10, now=1.0)
+    heavy_head = d.head(S)
+    assert heavy_head is not None
+    assert d.kept(heavy_head, 1.0) == 1  # heavy's head must leave one slot
+    one_slot = lambda item: d.kept(item, 1.0) < 1  # noqa: E731 (a fleet with one free slot)
+    sent: list[str] = []
+    assert d.pump(1.0, one_slot, lambda i: sent.append(i.payload)) == 0
+    assert d.submit(_item("l1", flow="light"), 1.0, one_slot) is Submitted.DISPATCH
+    assert d.kept(heavy_head, 1.0) == 0
+    d.completed("light", S, 10, now=2.0)
+    assert d.kept(heavy_head, 2.0 + 0.01) == 1
+    assert d.kept(heavy_head, 2.0 + 1.0) == 0  # expired: the slot goes to the queue
+    d.completed("heavy", S, 10, now=3.0)  # heavy has a request waiting: nothing kept
+    assert d.kept(heavy_head, 3.0) == 0

@@ -68,6 +68,7 @@ class Submitted(StrEnum):
     SATURATED = "saturated"  # the queue ahead cannot drain within its TTL: 429
 
 
+HOLD_S = 0.05  # how long a freed slot is kept for the under-served flow whose request ended
 DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seconds of backlog)
 DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
 DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
@@ -131,7 +132,7 @@ class FlowPolicies:
 
 
 class _Band(Generic[T]):
-    __slots__ = ("busy_since", "bytes", "count", "fairness", "flows", "ordering")
+    __slots__ = ("busy_since", "bytes", "count", "fairness", "flows", "ordering", "reserved")
 
     def __init__(self, fairness: FairnessPolicy, ordering: OrderingPolicy) -> None:
         self.fairness = fairness
@@ -143,6 +144,8 @@ class _Band(Generic[T]):
         # flow, as FQ-CoDel: a flow that keeps a standing queue gets the short overload TTL, a
         # light flow that drains between its requests does not).
         self.busy_since: dict[str, float] = {}
+        # Slots kept for an under-served flow whose request just ended: flow -> (count, until).
+        self.reserved: dict[str, tuple[int, float]] = {}
 
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
@@ -207,6 +210,8 @@ class FlowDispatcher(Generic[T]):
         item.arrived = now
         item.seq = next(self._seq)
         if band.mode is BandMode.SEND:
+            return Submitted.DISPATCH
+        if self._take_reserved(item, now, fits):
             return Submitted.DISPATCH
         if not self._waiting_at_or_above(item.band) and fits(item):
             return Submitted.DISPATCH
@@ -286,8 +291,56 @@ class FlowDispatcher(Generic[T]):
         """Charge the prompt to the flow (fast path and pump alike)."""
         self._bands[item.band].fairness.charge_input(item.flow, item.tokens)
 
-    def completed(self, flow: str, band: Criticality, output_tokens: int) -> None:
-        self._bands[band].fairness.charge_output(flow, output_tokens)
+    def completed(
+        self, flow: str, band: Criticality, output_tokens: int, now: float | None = None
+    ) -> None:
+        """Charge the answer; with `now`, keep the freed slot for `flow` a moment (`HOLD_S`)
+        if it is the flow fair sharing would serve next but has nothing waiting: a client
+        that sends its next request on an answer (a closed loop) gets its share instead of
+        finding the slot taken by a busier flow's waiting request each time."""
+        queue = self._bands[band]
+        queue.fairness.charge_output(flow, output_tokens)
+        if now is None or not queue.count or flow in queue.flows:
+            return
+        counter = queue.fairness.counter(flow)
+        if all(counter <= queue.fairness.counter(f) for f in queue.flows):
+            held, _until = queue.reserved.get(flow, (0, now))
+            queue.reserved[flow] = (held + 1, now + HOLD_S)
+
+    def kept(self, item: FlowItem[T], now: float) -> int:
+        """Slots kept for flows other than `item`'s, in `item`'s band and the bands above:
+        `fits` must leave that many free when it answers for `item`."""
+        total = 0
+        for b in BANDS:
+            if b.rank < item.band.rank:
+                break
+            queue = self._bands[b]
+            for flow, (held, until) in list(queue.reserved.items()):
+                if until < now:
+                    del queue.reserved[flow]
+                elif flow != item.flow or b is not item.band:
+                    total += held
+        return total
+
+    def _take_reserved(
+        self, item: FlowItem[T], now: float, fits: Callable[[FlowItem[T]], bool]
+    ) -> bool:
+        """A newcomer of a flow a slot is kept for takes it (if the slot is still there)."""
+        queue = self._bands[item.band]
+        found = queue.reserved.get(item.flow)
+        if found is None:
+            return False
+        held, until = found
+        if until < now:
+            del queue.reserved[item.flow]
+            return False
+        if not fits(item):
+            return False
+        if held > 1:
+            queue.reserved[item.flow] = (held - 1, until)
+        else:
+            del queue.reserved[item.flow]
+        return True
 
     # -- the pump -----------------------------------------------------------------------------
 
@@ -311,10 +364,17 @@ class FlowDispatcher(Generic[T]):
                     return sent  # a waiting head blocks its band and every lower band
                 queue.remove(item)
                 item.queued = False
+                self._release_reserved(queue, item.flow)
                 self.dispatched(item)
                 go(item)
                 sent += 1
         return sent
+
+    @staticmethod
+    def _release_reserved(queue: _Band[T], flow: str) -> None:
+        found = queue.reserved.pop(flow, None)
+        if found is not None and found[0] > 1:
+            queue.reserved[flow] = (found[0] - 1, found[1])
 
     def expire(self, now: float) -> list[FlowItem[T]]:
         """Remove and return the items whose TTL has passed (their flows keep FCFS order)."""

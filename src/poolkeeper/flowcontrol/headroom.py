@@ -57,12 +57,17 @@ class Headroom:
         band: BandConfig,
         now: float,
         adapter: str | None = None,
+        keep: int = 0,
     ) -> list[EndpointState] | None:
-        """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room)."""
+        """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room).
+        `keep`: free batch slots to leave for others (the dispatcher's `kept`): room only
+        when more than that many are free (a server whose slots are unknown counts as many)."""
         if not states:
             return list(states)
         values = self._values(states, band, now, adapter)
         below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band)]
+        if below and keep > 0 and self._free(below) <= keep:
+            return None
         if below:
             if band.placement is Placement.SCHEDULER or len(below) == len(states):
                 return list(states)
@@ -83,6 +88,13 @@ class Headroom:
         values = self._values(states, band, now)
         below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band)]
         return below if below and len(below) < len(states) else states
+
+    def _free(self, states: Sequence[EndpointState]) -> float:
+        free = 0.0
+        for s in states:
+            slots = self.slots.slots(s)
+            free += float("inf") if slots is None else max(0, slots - s.inflight_requests)
+        return free
 
     def _open(self, state: EndpointState, value: float, band: BandConfig) -> bool:
         """Room on one endpoint: below the band's limit and, for `dispatch: slot`, a free slot."""

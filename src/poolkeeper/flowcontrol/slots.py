@@ -10,15 +10,18 @@ gauges. `running` never exceeds the batch (vLLM's `max_num_seqs`, or fewer when 
 is the limit), so the most ever seen running is a number of slots the server really has; a
 scrape with requests waiting *and* running says the batch was full then. Until a server has
 shown a full batch, nothing is known and the band's saturation limit alone decides (batches
-fill as before). Once it has, the server has a free slot while the EPP's own in-flight count
-there (exact, and current between scrapes: it drops the moment a response ends) is below the
-learned slots; or, as a probe, while it has nothing waiting and nothing unseen (it runs
-everything sent to it, so its batch may be larger than seen: one more request finds out).
-The saturation limit (queue and KV thresholds) still applies on top: this only ever removes
-room, never adds it.
+fill as before, and the first full batch seen is the server's real one). Once it has, the
+server has a free slot while the EPP's own in-flight count there (exact, and current between
+scrapes: it drops the moment a response ends) is below the learned slots. The saturation
+limit (queue and KV thresholds) still applies on top: this only ever removes room.
 
-Known limit: the learned slots never shrink (a server restarted at the same address with a
-smaller batch queues up to the old count until the saturation limit holds it).
+No probing past the learned slots: a request sent as a probe waits in the server's queue
+and takes the next slot that frees there, ahead of the EPP's fair order (measured on the
+issue 35 case: beta/alpha 0.62 with a probe, see docs/flowcontrol.md).
+
+Known limits: the learned slots never shrink (a server restarted at the same address with a
+smaller batch queues up to the old count until the saturation limit holds it), and a server
+first seen full while its KV cache limited the batch keeps that smaller count.
 """
 
 from __future__ import annotations
@@ -67,10 +70,7 @@ class BatchSlots:
         entry = self._seen.get(state.key)
         if entry is None or not entry.full:
             return True
-        if state.inflight_requests < entry.slots:
-            return True
-        waiting = state.metrics.waiting + state.unseen_requests - state.unseen_answered
-        return waiting <= 0
+        return state.inflight_requests < entry.slots
 
     def slots(self, state: EndpointState) -> int | None:
         """The learned slots of a server that has shown a full batch (None: not yet)."""

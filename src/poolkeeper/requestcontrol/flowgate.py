@@ -149,7 +149,7 @@ class FlowGate:
     def completed(self, pool: str, flow: str, band: Criticality, output_tokens: int) -> None:
         dispatcher = self._pools.get(pool)
         if dispatcher is not None:
-            dispatcher.completed(flow, band, output_tokens)
+            dispatcher.completed(flow, band, output_tokens, self._clock())
         self.wake()
 
     # -- the pump -----------------------------------------------------------------------------
@@ -202,7 +202,9 @@ class FlowGate:
         except NoReadyEndpoint:
             return True  # the pool went away: dispatch, so the scheduler answers 503 now
         band = self.config.bands.of(item.band)
-        room = self.headroom.room(states, band, self._clock(), job.target)
+        now = self._clock()
+        keep = self._pools[job.pool].kept(item, now)
+        room = self.headroom.room(states, band, now, job.target, keep)
         if room is None:
             return False
         job.ready = room

@@ -56,7 +56,11 @@ class FlowPolicy:
 
     def _fits(self, item: FlowItem[_Held]) -> bool:
         band = self.config.bands.of(item.band)
-        return self.headroom.fits(self._states, band, self._now, item.payload.request.target_model)
+        keep = self.dispatcher.kept(item, self._now)
+        room = self.headroom.room(
+            self._states, band, self._now, item.payload.request.target_model, keep
+        )
+        return room is not None
 
     def offer(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
@@ -142,7 +146,7 @@ class FlowPolicy:
         if found is not None:
             flow, item = found
             output = item.payload.request.max_tokens or 0  # the simulator serves max_tokens
-            self.dispatcher.completed(flow, item.band, output)
+            self.dispatcher.completed(flow, item.band, output, now)
 
     def summary(self) -> dict[str, object]:
         by_band: dict[str, dict[str, int]] = {}

@@ -24,9 +24,13 @@ def test_one_endpoint_below_the_limit_is_enough_and_placement_decides_where() ->
     h = _headroom()
     assert h.fits([busy, idle], STANDARD, NOW)
     assert not h.fits([busy], STANDARD, NOW)
-    # Standard: the scheduler chooses among all (it may pick the busy prefix holder).
-    assert h.room([busy, idle], STANDARD, NOW) == [busy, idle]
-    assert h.within([busy, idle], STANDARD, NOW) == [busy, idle]
+    # Standard (`dispatch: slot`): only where it can start; with `dispatch: saturation` the
+    # scheduler chooses among all (it may pick the busy prefix holder).
+    assert h.room([busy, idle], STANDARD, NOW) == [idle]
+    assert h.within([busy, idle], STANDARD, NOW) == [idle]
+    old = BandConfig.model_validate({"saturationLimit": 1.2, "dispatch": "saturation"})
+    assert h.room([busy, idle], old, NOW) == [busy, idle]
+    assert h.within([busy, idle], old, NOW) == [busy, idle]
     # Sheddable: only where its own limit leaves room.
     assert h.room([busy, idle], SHEDDABLE, NOW) == [idle]
     assert list(h.within([busy, idle], SHEDDABLE, NOW)) == [idle]
@@ -90,8 +94,10 @@ def test_slot_dispatch_sends_only_while_a_server_can_start_the_request() -> None
     while it has nothing waiting (a probe); `dispatch: saturation` keeps the old rule."""
     h = _headroom()
     assert h.fits([state(1, running=2, waiting=0, inflight=5)], STANDARD, NOW)  # unknown yet
-    h.fits([state(1, running=2, waiting=3, inflight=5)], STANDARD, NOW)  # full batch seen
-    assert h.slots.slots(state(1)) == 2
+    h.fits([state(1, running=2, waiting=3, inflight=5, updated_at=NOW - 0.2)], STANDARD, NOW)
+    assert h.slots.slots(state(1)) is None  # one queued scrape: maybe just arrived
+    h.fits([state(1, running=2, waiting=3, inflight=5, updated_at=NOW - 0.1)], STANDARD, NOW)
+    assert h.slots.slots(state(1)) == 2  # queued again and no more running: a full batch
     assert not h.fits([state(1, running=2, waiting=3, inflight=5)], STANDARD, NOW)
     assert not h.fits([state(1, running=2, waiting=1, inflight=2)], STANDARD, NOW)
     # A response ended since the scrape: the in-flight count is current, the gauges lag.
@@ -99,11 +105,18 @@ def test_slot_dispatch_sends_only_while_a_server_can_start_the_request() -> None
     # No probe past the learned slots: a probe would wait in the server's own queue.
     assert not h.fits([state(1, running=2, waiting=0, inflight=2)], STANDARD, NOW)
     # The learned slots grow with what is seen running; another server is learned apart.
-    h.fits([state(1, running=3, waiting=0, inflight=3)], STANDARD, NOW)
+    h.fits([state(1, running=3, waiting=0, inflight=3, updated_at=NOW - 0.05)], STANDARD, NOW)
     assert h.slots.slots(state(1)) == 3
     assert h.fits([state(2, running=2, waiting=0, inflight=5)], STANDARD, NOW)  # never full
     old = BandConfig.model_validate({"saturationLimit": 1.2, "dispatch": "saturation"})
     assert h.fits([state(1, running=3, waiting=3, inflight=6)], old, NOW)  # 3/5 < 1.2
     # Placement among endpoints: only those that can start it count as having room.
     full, free = state(1, running=3, waiting=2, inflight=5), state(2, running=0, inflight=0)
-    assert h.room([full, free], SHEDDABLE, NOW) == [free]
+    placed = BandConfig.model_validate({"saturationLimit": 1.2, "placement": "headroom"})
+    assert h.room([full, free], placed, NOW) == [free]  # pod1 is known full: 3 slots, 5 sent
+    # Before a full batch is seen: up to 6 (5 x 1.2) beyond the most seen running, exactly
+    # counted (not 6 per scrape), and fewer than 6 waiting as scraped (other senders).
+    fresh = _headroom()
+    assert fresh.fits([state(3, running=24, inflight=29, unseen=29)], STANDARD, NOW)
+    assert not fresh.fits([state(3, running=24, inflight=30)], STANDARD, NOW)
+    assert not fresh.fits([state(4, running=1, waiting=6, inflight=0)], STANDARD, NOW)

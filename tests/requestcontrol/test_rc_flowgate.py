@@ -245,16 +245,21 @@ async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> No
     ) in text
 
 
-@pytest.mark.parametrize(("model", "to_holder"), [("split", True), ("cheap", False)])
+@pytest.mark.parametrize(
+    ("model", "dispatch", "to_holder"),
+    [("split", "saturation", True), ("split", "slot", False), ("cheap", "slot", False)],
+)
 async def test_standard_keeps_its_prefix_server_sheddable_goes_where_the_headroom_is(
-    model: str, to_holder: bool
+    model: str, dispatch: str, to_holder: bool
 ) -> None:
-    # Standard (`placement: scheduler`): a busy server holding the prompt's prefix still gets
-    # it (narrowing to servers with headroom cost shared-prefix chat 19x its p90 TTFT).
-    # Sheddable (`placement: headroom`): only servers below its limit.
+    # Standard with `dispatch: saturation` (`placement: scheduler`): a busy server holding
+    # the prompt's prefix still gets it (narrowing to servers below the saturation limit cost
+    # shared-prefix chat 19x its p90 TTFT). With `dispatch: slot` (the default since issue 35)
+    # a request goes only where it can start, so it waits in the EPP's fair order and never
+    # in a server's queue. Sheddable (`placement: headroom`): only servers below its limit.
     store = _store()
     clock = [NOW]
-    director, _ = _director(store, clock)
+    director, _ = _director(store, clock, bands={"standard": {"dispatch": dispatch}})
     text = "the same long system prompt " * 40  # past the default profile's 8-block floor
     first = await director.route(_chat(model, rid="warm", text=text))
     holder = first.endpoints[0]

@@ -137,6 +137,9 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
                 "maxRequests": 1000,
                 "ttlMs": 1_500,
                 "placement": "headroom",
+                # Its rule already sends only to a server with nothing waiting or sent since
+                # the last scrape: no queue at the servers, so Critical requests start fast.
+                "dispatch": "saturation",
             }
         ),
     }

@@ -21,6 +21,7 @@ in a server's FCFS queue. That is why a Headroom has state: the slots it has lea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from poolkeeper.datastore.endpoint import EndpointState
@@ -47,7 +48,7 @@ class Headroom:
         if not states:
             return True
         values = self._values(states, band, now, adapter)
-        if any(self._open(s, v, band) for s, v in zip(states, values, strict=True)):
+        if any(self._open(s, v, band, adapter) for s, v in zip(states, values, strict=True)):
             return True
         return all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit"
 
@@ -65,11 +66,13 @@ class Headroom:
         if not states:
             return list(states)
         values = self._values(states, band, now, adapter)
-        below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band)]
+        below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band, adapter)]
         if below and keep > 0 and self._free(below) <= keep:
             return None
         if below:
-            if band.placement is Placement.SCHEDULER or len(below) == len(states):
+            if len(below) == len(states) or (
+                band.placement is Placement.SCHEDULER and band.dispatch is Dispatch.SATURATION
+            ):
                 return list(states)
             return below
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
@@ -83,24 +86,26 @@ class Headroom:
         placement; for `headroom` placement the endpoints below the limit, or all of them when
         none is (fail open: the caller decided to dispatch), so the scheduler's prefix
         affinity cannot pile the band's work onto an endpoint past its limit."""
-        if band.placement is Placement.SCHEDULER:
+        if band.placement is Placement.SCHEDULER and band.dispatch is Dispatch.SATURATION:
             return states
         values = self._values(states, band, now)
         below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band)]
         return below if below and len(below) < len(states) else states
 
     def _free(self, states: Sequence[EndpointState]) -> float:
-        free = 0.0
-        for s in states:
-            slots = self.slots.slots(s)
-            free += float("inf") if slots is None else max(0, slots - s.inflight_requests)
-        return free
+        return sum(self.slots.free(s) for s in states)
 
-    def _open(self, state: EndpointState, value: float, band: BandConfig) -> bool:
-        """Room on one endpoint: below the band's limit and, for `dispatch: slot`, a free slot."""
+    def _open(
+        self, state: EndpointState, value: float, band: BandConfig, adapter: str | None = None
+    ) -> bool:
+        """Room on one endpoint: below the band's limit (for `dispatch: slot`, the KV part
+        only) and, for `dispatch: slot`, a free slot (`BatchSlots.can_start`)."""
         if not value < band.saturation_limit:
             return False
-        return band.dispatch is Dispatch.SATURATION or self.slots.can_start(state)
+        if band.dispatch is Dispatch.SATURATION:
+            return True
+        queue = band.queue_depth_threshold or self.detector.config.queue_depth_threshold
+        return self.slots.can_start(state, queue * band.saturation_limit, adapter)
 
     def _values(
         self,
@@ -113,6 +118,8 @@ class Headroom:
         c = self.detector.config
         queue = band.queue_depth_threshold
         kv = band.kv_cache_util_threshold
+        if band.dispatch is Dispatch.SLOT:
+            queue = math.inf  # the queue is judged by the slots (`_open`), KV and age here
         return saturations(
             states,
             now=now,

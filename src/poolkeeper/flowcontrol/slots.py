@@ -7,21 +7,28 @@ default), and the contended queue stays in the EPP whatever the servers' batch s
 
 What a server can run at once is not configured: it is learned per endpoint from the scraped
 gauges. `running` never exceeds the batch (vLLM's `max_num_seqs`, or fewer when the KV cache
-is the limit), so the most ever seen running is a number of slots the server really has; a
-scrape with requests waiting *and* running says the batch was full then. Until a server has
-shown a full batch, nothing is known and the band's saturation limit alone decides (batches
-fill as before, and the first full batch seen is the server's real one). Once it has, the
-server has a free slot while the EPP's own in-flight count there (exact, and current between
-scrapes: it drops the moment a response ends) is below the learned slots. The saturation
-limit (queue and KV thresholds) still applies on top: this only ever removes room.
+is the limit), so the most ever seen running is a number of slots the server really has; two
+scrapes in a row with requests waiting and no more running say the batch is full (one is not
+enough: a request that just arrived waits for the engine's next step, and a batch filling up
+shows a queue while its running count still grows; learning the batch then froze it half
+full: 2 x 64 slots served half the tokens). Once it has, the server has a free slot while
+the EPP's own in-flight count there (exact, and current between scrapes: it drops the moment
+a response ends) is below the learned slots plus a short server queue (`_cap`). Until then,
+while the EPP's requests there exceed the most seen running by less than the band's queue
+allowance (`queueDepthThreshold` x `saturationLimit`, 6 for Standard) and fewer than that
+wait as scraped (other senders): the in-flight count being exact, a batch fills at once
+instead of 6 requests per scrape (what counting the requests sent since the last scrape as
+waiting allowed: 24 of 64 slots busy with 30-token answers). The band's KV threshold still
+applies on top (`headroom.py`), and a band with `dispatch: slot` places a request only on
+an endpoint that can start it (a busy server's queue would take it out of the fair order).
 
-No probing past the learned slots: a request sent as a probe waits in the server's queue
-and takes the next slot that frees there, ahead of the EPP's fair order (measured on the
-issue 35 case: beta/alpha 0.62 with a probe, see docs/flowcontrol.md).
+No probing past that: a request sent as a probe waits in the server's queue and takes the
+next slot that frees there, ahead of a flow the EPP keeps that slot for (measured on the issue
+35 case: beta/alpha 0.62 with a probe and the scheduler choosing among all endpoints).
 
 Known limits: the learned slots never shrink (a server restarted at the same address with a
-smaller batch queues up to the old count until the saturation limit holds it), and a server
-first seen full while its KV cache limited the batch keeps that smaller count.
+smaller batch queues up to the old count), and a server first seen full while its KV cache
+limited the batch keeps that smaller count.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ _MAX_TRACKED = 4096  # endpoints remembered at most (pruned to the current ones 
 @dataclass(slots=True)
 class _Seen:
     slots: int = 0  # the most requests seen running at once
-    full: bool = False  # a scrape showed requests waiting while some ran
+    full: bool = False  # two scrapes in a row showed requests waiting and no more running
+    last_at: float = 0.0  # the scrape last looked at (its `updated_at`)
+    queued_at: int = -1  # running at that scrape if requests were waiting then, else -1
 
 
 class BatchSlots:
@@ -60,19 +69,60 @@ class BatchSlots:
             entry = seen.get(s.key)
             if entry is None:
                 entry = seen[s.key] = _Seen()
+            if m.updated_at == entry.last_at:
+                continue  # the same scrape as last time
+            entry.last_at = m.updated_at
             if m.running > entry.slots:
                 entry.slots = m.running
-            if m.waiting > 0 and not entry.full:
-                entry.full = True
+            # Requests that just arrived wait until the engine's next step: one scrape with a
+            # queue says nothing. A queue on two scrapes in a row while the running count did
+            # not grow is a full batch.
+            if m.waiting > 0 and not _only_deferred(s):
+                if entry.queued_at >= 0 and m.running <= entry.queued_at:
+                    entry.full = True
+                entry.queued_at = m.running
+            else:
+                entry.queued_at = -1
 
-    def can_start(self, state: EndpointState) -> bool:
-        """Whether `state`'s server would start one more request now (True while unknown)."""
+    def can_start(self, state: EndpointState, queue: float, adapter: str | None = None) -> bool:
+        """Whether `state`'s server would start one more request now. Before it has shown a
+        full batch: while fewer than `queue` (the band's queue allowance) of the EPP's
+        requests there would wait beyond the most it has been seen running, and fewer than
+        that wait as scraped (other senders)."""
         entry = self._seen.get(state.key)
-        if entry is None or not entry.full:
-            return True
-        return state.inflight_requests < entry.slots
+        if entry is not None and entry.full:
+            return state.inflight_requests < entry.slots + entry.slots // 8
+        slots = 0 if entry is None else entry.slots
+        if state.inflight_requests - slots >= queue:
+            return False
+        m = state.metrics
+        if adapter in m.active_adapters and adapter not in m.waiting_adapters:
+            return True  # the queue is other adapters' deferred requests (load.py)
+        return m.waiting < queue
 
     def slots(self, state: EndpointState) -> int | None:
         """The learned slots of a server that has shown a full batch (None: not yet)."""
         entry = self._seen.get(state.key)
         return entry.slots if entry is not None and entry.full else None
+
+    def free(self, state: EndpointState) -> float:
+        """Free batch slots of `state`'s server (unknown: infinite)."""
+        entry = self._seen.get(state.key)
+        if entry is None or not entry.full:
+            return float("inf")
+        return max(0, entry.slots - state.inflight_requests)
+
+
+def _cap(slots: int) -> int:
+    """In flight at most: the batch plus a short queue at the server, one request per 8 slots
+    (at least one), so a freed slot starts its next request in the engine's next step instead
+    of after the EPP's round trip (each request lost a step: 3% of the tokens with 30-token
+    answers on 2 x 64 slots). It was picked in fair order all the same."""
+    return slots + max(1, slots // 8)
+
+
+def _only_deferred(state: EndpointState) -> bool:
+    """The scraped queue holds only requests for adapters without a GPU slot there: vLLM
+    defers them for the adapter, not for want of batch slots (`datastore/load.py`)."""
+    m = state.metrics
+    return bool(m.waiting_adapters) and not (m.waiting_adapters & m.active_adapters)

@@ -40,6 +40,6 @@ def test_token_weighted_sharing_counts_tokens_not_requests() -> None:
 
 def test_an_open_loop_twin_offers_both_models_more_than_their_half() -> None:
     twin = open_case(FairCase(), requests_per_s=5.0)
-    assert (twin.loop, twin.alpha_rate, twin.beta_rate) == ("open", 20.0, 4.0)
+    assert (twin.loop, twin.alpha_rate, twin.beta_rate) == ("open", 10.0, 4.0)
     assert jain([1.0, 1.0]) == pytest.approx(1.0)
     assert jain([1.0, 0.0]) == pytest.approx(0.5)

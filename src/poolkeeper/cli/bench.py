@@ -152,6 +152,11 @@ def register(subparsers: Any) -> None:
                       help="length of the 10x burst in virtual seconds (default 60)")  # fmt: skip
     flow.add_argument("--seed", type=int, default=1)
     flow.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    flow.add_argument("--grid", action="store_true",
+                      help="instead: fair sharing on fleets of 2 and 8 servers x 2, 8, 64 and "
+                      "256 batch slots, closed and open loops, equal and weighted tokens, and "
+                      "the issue 35 case (writes <out>/flow-grid.json; --duration per case, "
+                      "default 30: try 6)")  # fmt: skip
     flow.set_defaults(handler=_flow)
 
     rep = sub.add_parser("report", help="markdown tables and plots from result files")
@@ -244,6 +249,17 @@ def _flow(args: argparse.Namespace) -> int:
     if args.servers < 1 or args.duration <= 0 or args.burst <= 0:
         print("poolkeeper bench flow: --servers >= 1, --duration and --burst > 0", file=sys.stderr)
         return 2
+    if args.grid:
+        from poolkeeper.bench.fleet.fairshare import GRID_HEADER, format_grid, run_grid
+        from poolkeeper.bench.results.report import command_line, write_json
+
+        print(GRID_HEADER)
+        grid = run_grid(duration_s=args.duration, seed=args.seed, progress=print)
+        grid["command"] = command_line()
+        write_json(args.out / "flow-grid.json", grid)
+        print(GRID_HEADER)
+        print(format_grid(grid))
+        return 0
     data = run_flow_bench(servers=args.servers, duration=args.duration, burst_s=args.burst,
                           seed=args.seed, out_dir=args.out, progress=_progress)  # fmt: skip
     print(format_flow(data))

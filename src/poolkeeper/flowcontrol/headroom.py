@@ -44,13 +44,9 @@ class Headroom:
         band: BandConfig,
         now: float,
         adapter: str | None = None,
+        contended: bool = True,
     ) -> bool:
-        if not states:
-            return True
-        values = self._values(states, band, now, adapter)
-        if any(self._open(s, v, band, adapter) for s, v in zip(states, values, strict=True)):
-            return True
-        return all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit"
+        return self.room(states, band, now, adapter, 0, contended) is not None
 
     def room(
         self,
@@ -59,20 +55,25 @@ class Headroom:
         now: float,
         adapter: str | None = None,
         keep: int = 0,
+        contended: bool = True,
     ) -> list[EndpointState] | None:
         """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room).
         `keep`: free batch slots to leave for others (the dispatcher's `kept`): room only
-        when more than that many are free (a server whose slots are unknown counts as many)."""
+        when more than that many are free (a server whose slots are unknown counts as many).
+        `contended` (the dispatcher's): flows compete in the band, so `dispatch: slot` holds
+        the queue in the EPP; uncontended, the saturation limit alone decides, as for
+        `dispatch: saturation` (batches stay full and the scheduler's prefix affinity free)."""
         if not states:
             return list(states)
-        values = self._values(states, band, now, adapter)
-        below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band, adapter)]
-        if below and keep > 0 and self._free(below) <= keep:
+        slot = band.dispatch is Dispatch.SLOT and contended
+        values = self._values(states, band, now, adapter, slot)
+        below = [
+            s for s, v in zip(states, values, strict=True) if self._open(s, v, band, slot, adapter)
+        ]
+        if below and keep > 0 and slot and self._free(below) <= keep:
             return None
         if below:
-            if len(below) == len(states) or (
-                band.placement is Placement.SCHEDULER and band.dispatch is Dispatch.SATURATION
-            ):
+            if len(below) == len(states) or (band.placement is Placement.SCHEDULER and not slot):
                 return list(states)
             return below
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
@@ -80,29 +81,40 @@ class Headroom:
         return None
 
     def within(
-        self, states: Sequence[EndpointState], band: BandConfig, now: float
+        self,
+        states: Sequence[EndpointState],
+        band: BandConfig,
+        now: float,
+        contended: bool = True,
     ) -> Sequence[EndpointState]:
         """Where a dispatched request of `band` may go: every candidate for `scheduler`
-        placement; for `headroom` placement the endpoints below the limit, or all of them when
-        none is (fail open: the caller decided to dispatch), so the scheduler's prefix
-        affinity cannot pile the band's work onto an endpoint past its limit."""
-        if band.placement is Placement.SCHEDULER and band.dispatch is Dispatch.SATURATION:
+        placement; for `headroom` placement (or a contended `dispatch: slot` band) the
+        endpoints with room, or all of them when none has (fail open: the caller decided to
+        dispatch), so the scheduler's prefix affinity cannot pile the band's work onto an
+        endpoint past its limit (or into a server's own queue, out of the fair order)."""
+        slot = band.dispatch is Dispatch.SLOT and contended
+        if band.placement is Placement.SCHEDULER and not slot:
             return states
-        values = self._values(states, band, now)
-        below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band)]
+        values = self._values(states, band, now, None, slot)
+        below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band, slot)]
         return below if below and len(below) < len(states) else states
 
     def _free(self, states: Sequence[EndpointState]) -> float:
         return sum(self.slots.free(s) for s in states)
 
     def _open(
-        self, state: EndpointState, value: float, band: BandConfig, adapter: str | None = None
+        self,
+        state: EndpointState,
+        value: float,
+        band: BandConfig,
+        slot: bool,
+        adapter: str | None = None,
     ) -> bool:
-        """Room on one endpoint: below the band's limit (for `dispatch: slot`, the KV part
-        only) and, for `dispatch: slot`, a free slot (`BatchSlots.can_start`)."""
+        """Room on one endpoint: below the band's limit (for `slot`, the KV part only) and,
+        for `slot`, a free batch slot (`BatchSlots.can_start`)."""
         if not value < band.saturation_limit:
             return False
-        if band.dispatch is Dispatch.SATURATION:
+        if not slot:
             return True
         queue = band.queue_depth_threshold or self.detector.config.queue_depth_threshold
         return self.slots.can_start(state, queue * band.saturation_limit, adapter)
@@ -112,13 +124,14 @@ class Headroom:
         states: Sequence[EndpointState],
         band: BandConfig,
         now: float,
-        adapter: str | None = None,
+        adapter: str | None,
+        slot: bool,
     ) -> list[float]:
         self.slots.observe(states)
         c = self.detector.config
         queue = band.queue_depth_threshold
         kv = band.kv_cache_util_threshold
-        if band.dispatch is Dispatch.SLOT:
+        if slot:
             queue = math.inf  # the queue is judged by the slots (`_open`), KV and age here
         return saturations(
             states,

@@ -26,6 +26,12 @@ No probing past that: a request sent as a probe waits in the server's queue and 
 next slot that frees there, ahead of a flow the EPP keeps that slot for (measured on the issue
 35 case: beta/alpha 0.62 with a probe and the scheduler choosing among all endpoints).
 
+A full batch is believed only while its server keeps showing a queue (the short server queue
+of `_cap` keeps showing one while the EPP holds work back), and for `FULL_FOR_S` after: a
+queue can also come from a long prefill step (a 2,000-token prompt holds the next requests
+for a step of a third of a second over several scrapes), and a batch believed full at 4 of
+256 slots held shared-prefix chat at 0.5x capacity to p90 TTFT 28 s until it was forgotten.
+
 Known limits: the learned slots never shrink (a server restarted at the same address with a
 smaller batch queues up to the old count), and a server first seen full while its KV cache
 limited the batch keeps that smaller count.
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 
 from poolkeeper.datastore.endpoint import EndpointState
 
+FULL_FOR_S = 1.0  # a full batch is believed this long after its server last showed a queue
 _MAX_TRACKED = 4096  # endpoints remembered at most (pruned to the current ones beyond it)
 
 
@@ -47,6 +54,7 @@ class _Seen:
     full: bool = False  # two scrapes in a row showed requests waiting and no more running
     last_at: float = 0.0  # the scrape last looked at (its `updated_at`)
     queued_at: int = -1  # running at that scrape if requests were waiting then, else -1
+    full_at: float = 0.0  # the last scrape that showed the full batch's queue
 
 
 class BatchSlots:
@@ -78,11 +86,13 @@ class BatchSlots:
             # queue says nothing. A queue on two scrapes in a row while the running count did
             # not grow is a full batch.
             if m.waiting > 0 and not _only_deferred(s):
-                if entry.queued_at >= 0 and m.running <= entry.queued_at:
-                    entry.full = True
+                if entry.full or (entry.queued_at >= 0 and m.running <= entry.queued_at):
+                    entry.full, entry.full_at = True, m.updated_at
                 entry.queued_at = m.running
             else:
                 entry.queued_at = -1
+                if entry.full and m.updated_at - entry.full_at > FULL_FOR_S:
+                    entry.full = False  # no queue for a while: the batch may be larger
 
     def can_start(self, state: EndpointState, queue: float, adapter: str | None = None) -> bool:
         """Whether `state`'s server would start one more request now. Before it has shown a

@@ -203,8 +203,10 @@ class FlowGate:
             return True  # the pool went away: dispatch, so the scheduler answers 503 now
         band = self.config.bands.of(item.band)
         now = self._clock()
-        keep = self._pools[job.pool].kept(item, now)
-        room = self.headroom.room(states, band, now, job.target, keep)
+        dispatcher = self._pools[job.pool]
+        keep = dispatcher.kept(item, now)
+        contended = dispatcher.contended(item.band)
+        room = self.headroom.room(states, band, now, job.target, keep, contended)
         if room is None:
             return False
         job.ready = room

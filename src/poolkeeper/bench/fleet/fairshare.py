@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from poolkeeper.api.criticality import Criticality
@@ -230,26 +230,77 @@ GRID_SERVERS: tuple[int, ...] = (2, 8)
 
 
 def grid_cases(duration_s: float) -> list[FairCase]:
-    """Batch slots x servers x closed/open loop x equal/weighted tokens. Closed loop: beta has
-    0.75 clients per slot of the fleet (more than its half: backlogged), alpha ten times as
-    many; open loop: rates from the closed loop's measured request rate (`open_case`)."""
+    """Batch slots x servers x equal/weighted tokens, closed loop: beta has 0.6 clients per
+    slot of the fleet plus one (more than its half: backlogged), alpha twice as many (so the
+    Standard band's 2000 waiting requests hold the queue of 8 x 256 slots); each is also run
+    as its open-loop twin (`open_case`)."""
     cases = []
     for servers in GRID_SERVERS:
         for slots in GRID_SLOTS:
             for tokens in ("equal", "weighted"):
-                beta = max(2, math.ceil(0.75 * servers * slots))
+                beta = math.ceil(0.6 * servers * slots) + 1
                 cases.append(FairCase(servers=servers, slots=slots, tokens=tokens,
-                                      alpha_clients=10 * beta, beta_clients=beta,
+                                      alpha_clients=2 * beta, beta_clients=beta,
                                       duration_s=duration_s, time_scale=1.0))  # fmt: skip
     return cases
 
 
 def open_case(closed: FairCase, requests_per_s: float) -> FairCase:
-    """The open-loop twin of a closed-loop case: alpha offers 4x, beta 0.8x the rate the fleet
-    served in the closed loop (both above their half: backlogged)."""
+    """The open-loop twin of a closed-loop case: alpha offers 2x, beta 0.8x the request rate
+    the fleet served in the closed loop (both above their half: backlogged)."""
     return FairCase(
         servers=closed.servers, slots=closed.slots, loop="open", tokens=closed.tokens,
-        alpha_rate=4.0 * requests_per_s, beta_rate=0.8 * requests_per_s,
+        alpha_rate=2.0 * requests_per_s, beta_rate=0.8 * requests_per_s,
         output_tokens=closed.output_tokens, duration_s=closed.duration_s,
         time_scale=closed.time_scale,
     )  # fmt: skip
+
+
+def run_grid(
+    *, duration_s: float, seed: int, progress: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """The issue 35 case and the grid, every policy on each (the measurements of the module
+    docstring); rows in the order of `format_grid`."""
+    rows = []
+    cases: list[FairCase] = [issue35_case()]
+    for closed in grid_cases(duration_s):
+        cases.append(closed)
+    for case in cases:
+        row: dict[str, Any] = {"case": case.label(), "spec": asdict(case)}
+        for name in POLICIES:
+            row[name] = run_case(case, name, seed)
+        rows.append(row)
+        progress(format_grid({"rows": [row]}))
+        if case.loop == "closed" and case != issue35_case():
+            done = sum(row["poolkeeper"]["completed"].values())
+            twin = open_case(case, done / case.duration_s)
+            orow: dict[str, Any] = {"case": twin.label(), "spec": asdict(twin)}
+            for name in POLICIES:
+                orow[name] = run_case(twin, name, seed)
+            rows.append(orow)
+            progress(format_grid({"rows": [orow]}))
+    return {"kind": "bench-flow-grid", "seed": seed, "duration_s": duration_s, "rows": rows}
+
+
+def format_grid(data: dict[str, Any]) -> str:
+    """One line per case: poolkeeper's beta/alpha, Jain's index and goodput against the best
+    non-fair policy, Standard refusals and the Critical probe; Jain's index of the others."""
+    lines = []
+    for row in data["rows"]:
+        p = row["poolkeeper"]
+        best = max(row[n]["goodput_tok_s"] for n in POLICIES if n != "poolkeeper")
+        probe = p["probe"]
+        ttft = probe.get("ttft_s")
+        lines.append(
+            f"| {row['case']} | {p['beta_to_alpha']:.2f} | {p['jain']:.3f} | "
+            f"{p['goodput_tok_s'] / best:.3f} | {p['standard_refused']} | "
+            f"{probe['status']} {'' if ttft is None else f'{ttft * 1000:.0f} ms'} | "
+            f"{row['poolkeeper-pre35']['jain']:.3f} | {row['poolkeeper-shed']['jain']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+GRID_HEADER = (
+    "| fleet, loop, tokens | beta/alpha | Jain | goodput / best non-fair | Standard refused "
+    "| Critical probe | Jain pre-35 | Jain shed |\n|---|---|---|---|---|---|---|---|"
+)

@@ -57,8 +57,9 @@ class FlowPolicy:
     def _fits(self, item: FlowItem[_Held]) -> bool:
         band = self.config.bands.of(item.band)
         keep = self.dispatcher.kept(item, self._now)
+        contended = self.dispatcher.contended(item.band)
         room = self.headroom.room(
-            self._states, band, self._now, item.payload.request.target_model, keep
+            self._states, band, self._now, item.payload.request.target_model, keep, contended
         )
         return room is not None
 
@@ -118,7 +119,8 @@ class FlowPolicy:
         self._flows[request.request_id] = (request.model, item)
         band = self.config.bands.of(item.band)
         if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
-            endpoints = self.headroom.within(endpoints, band, now)
+            contended = self.dispatcher.contended(item.band)
+            endpoints = self.headroom.within(endpoints, band, now, contended)
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

@@ -90,24 +90,27 @@ def test_an_endpoint_running_the_adapter_has_room_past_other_adapters_deferred_r
 
 def test_slot_dispatch_sends_only_while_a_server_can_start_the_request() -> None:
     """Issue 35: a server that has shown a full batch (2 running, some waiting) has room for
-    Standard only while the EPP's in-flight count there is below the 2 slots it learned, or
-    while it has nothing waiting (a probe); `dispatch: saturation` keeps the old rule."""
+    Standard only while the EPP's in-flight count there is below the 2 slots it learned plus
+    a short server queue of one; `dispatch: saturation` keeps the old rule."""
     h = _headroom()
-    assert h.fits([state(1, running=2, waiting=0, inflight=5)], STANDARD, NOW)  # unknown yet
+    # Not known full yet: at most as many again as the most seen running may wait there.
+    assert h.fits([state(1, running=2, waiting=0, inflight=3)], STANDARD, NOW)
+    assert not h.fits([state(1, running=2, waiting=0, inflight=4)], STANDARD, NOW)
     h.fits([state(1, running=2, waiting=3, inflight=5, updated_at=NOW - 0.2)], STANDARD, NOW)
     assert h.slots.slots(state(1)) is None  # one queued scrape: maybe just arrived
     h.fits([state(1, running=2, waiting=3, inflight=5, updated_at=NOW - 0.1)], STANDARD, NOW)
     assert h.slots.slots(state(1)) == 2  # queued again and no more running: a full batch
     assert not h.fits([state(1, running=2, waiting=3, inflight=5)], STANDARD, NOW)
-    assert not h.fits([state(1, running=2, waiting=1, inflight=2)], STANDARD, NOW)
-    # A response ended since the scrape: the in-flight count is current, the gauges lag.
-    assert h.fits([state(1, running=2, waiting=1, inflight=1)], STANDARD, NOW)
-    # No probe past the learned slots: a probe would wait in the server's own queue.
-    assert not h.fits([state(1, running=2, waiting=0, inflight=2)], STANDARD, NOW)
+    assert not h.fits([state(1, running=2, waiting=1, inflight=3)], STANDARD, NOW)
+    # One request may wait at the server (the next freed slot starts it at once, and the
+    # queue it shows keeps the full batch believed); a response that ended since the scrape
+    # counts at once: the in-flight count is current, the gauges lag.
+    assert h.fits([state(1, running=2, waiting=1, inflight=2)], STANDARD, NOW)
+    assert not h.fits([state(1, running=2, waiting=0, inflight=3)], STANDARD, NOW)
     # The learned slots grow with what is seen running; another server is learned apart.
     h.fits([state(1, running=3, waiting=0, inflight=3, updated_at=NOW - 0.05)], STANDARD, NOW)
     assert h.slots.slots(state(1)) == 3
-    assert h.fits([state(2, running=2, waiting=0, inflight=5)], STANDARD, NOW)  # never full
+    assert h.fits([state(2, running=2, waiting=0, inflight=3)], STANDARD, NOW)  # never full
     old = BandConfig.model_validate({"saturationLimit": 1.2, "dispatch": "saturation"})
     assert h.fits([state(1, running=3, waiting=3, inflight=6)], old, NOW)  # 3/5 < 1.2
     # Placement among endpoints: only those that can start it count as having room.
@@ -120,3 +123,23 @@ def test_slot_dispatch_sends_only_while_a_server_can_start_the_request() -> None
     assert fresh.fits([state(3, running=24, inflight=29, unseen=29)], STANDARD, NOW)
     assert not fresh.fits([state(3, running=24, inflight=30)], STANDARD, NOW)
     assert not fresh.fits([state(4, running=1, waiting=6, inflight=0)], STANDARD, NOW)
+
+
+def test_slot_dispatch_with_every_gauge_stale_trusts_the_learned_batches() -> None:
+    """Issue 35, live: a scraper 200 ms late on a loaded machine made every endpoint stale,
+    the band failed open and flooded the servers' own queues. A learned full batch and the
+    EPP's exact in-flight count still judge; with nothing learned, `allStalePolicy` does."""
+    h = _headroom()
+    for age in (0.2, 0.1):  # two queued scrapes: pod1 holds 2
+        h.fits([state(1, running=2, waiting=2, inflight=4, updated_at=NOW - age)], STANDARD, NOW)
+    stale = NOW - 10.0
+    busy = state(1, running=2, waiting=1, inflight=3, updated_at=stale)
+    unknown = state(2, running=0, waiting=0, inflight=0, updated_at=stale)
+    assert h.room([busy, unknown], STANDARD, NOW) is None
+    freed = state(1, running=2, waiting=1, inflight=2, updated_at=stale)
+    assert h.room([freed, unknown], STANDARD, NOW) == [freed]
+    assert list(h.within([freed, unknown], STANDARD, NOW)) == [freed]
+    # Nothing learned anywhere: fail open as before (admit), or hold (reject policy).
+    assert _headroom().room([unknown], STANDARD, NOW) == [unknown]
+    # Uncontended (`dispatch: slot` applies only while flows contend): as before.
+    assert h.room([busy, unknown], STANDARD, NOW, contended=False) == [busy, unknown]

@@ -15,6 +15,7 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.endpoint import EndpointMetrics
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import QueueFull, QueueTimeout, RequestShed
+from poolkeeper.flowcontrol.dispatcher import DrainRate
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.requestcontrol.flowgate import FlowGate
 from poolkeeper.requestcontrol.types import Usage
@@ -302,3 +303,31 @@ async def test_a_server_running_the_target_adapter_has_room_past_deferred_reques
     assert decision.target_model == "lora-a"
     assert decision.endpoints[0] == "10.0.0.2:8000"
     assert gate.totals[(Criticality.STANDARD, "queued")] == 0
+
+
+async def test_a_queue_that_cannot_drain_in_time_refuses_with_429_rejected_saturated(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 35: refused before its TTL only when the queue ahead cannot drain within it at the
+    measured rate: upstream's 429 `rejected-saturated`, and the log names the rule."""
+    monkeypatch.setattr(DrainRate, "rate", lambda _self: 0.05)  # one request per 20 s
+    store = _store(waiting=50)
+    clock = [NOW]
+    director, gate = _director(store, clock)
+    queued = []
+    for n, rid in enumerate(("a", "b"), start=1):  # 1 ahead, 20 s: within the 30 s TTL
+        queued.append(asyncio.create_task(director.route(_chat("split", rid=rid))))
+        await _until(lambda n=n: gate.waiting() == n)
+    with (
+        caplog.at_level("INFO", logger="poolkeeper.requestcontrol.flowgate"),
+        pytest.raises(QueueFull) as refused,
+    ):
+        await asyncio.wait_for(director.route(_chat("split", rid="c")), 5)  # 2 ahead: 40 s
+    assert refused.value.http_status == 429
+    assert refused.value.dropped_reason == "rejected-saturated"
+    assert "rule=cannot_drain" in caplog.text
+    assert gate.waiting() == 2
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+    assert gate.waiting() == 0

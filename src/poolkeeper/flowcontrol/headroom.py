@@ -67,8 +67,11 @@ class Headroom:
             return list(states)
         slot = band.dispatch is Dispatch.SLOT and contended
         values = self._values(states, band, now, adapter, slot)
+        blind = slot and self._blind(states, values)
         below = [
-            s for s, v in zip(states, values, strict=True) if self._open(s, v, band, slot, adapter)
+            s
+            for s, v in zip(states, values, strict=True)
+            if self._open(s, v, band, slot, adapter, blind)
         ]
         if below and keep > 0 and slot and self._free(below) <= keep:
             return None
@@ -76,6 +79,8 @@ class Headroom:
             if len(below) == len(states) or (band.placement is Placement.SCHEDULER and not slot):
                 return list(states)
             return below
+        if blind:
+            return None  # every learned batch is busy: the EPP's exact in-flight count says so
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
             return list(states)
         return None
@@ -96,8 +101,24 @@ class Headroom:
         if band.placement is Placement.SCHEDULER and not slot:
             return states
         values = self._values(states, band, now, None, slot)
-        below = [s for s, v in zip(states, values, strict=True) if self._open(s, v, band, slot)]
+        blind = slot and self._blind(states, values)
+        below = [
+            s
+            for s, v in zip(states, values, strict=True)
+            if self._open(s, v, band, slot, None, blind)
+        ]
         return below if below and len(below) < len(states) else states
+
+    def _blind(self, states: Sequence[EndpointState], values: Sequence[float]) -> bool:
+        """Every endpoint's metrics are stale but some server's batch is learned: the learned
+        slots and the EPP's own in-flight count (exact, and current without a scrape) judge
+        those servers instead of `allStalePolicy`'s fail-open. Issue 35, live: on a loaded
+        machine the scraper fell 200 ms behind for a moment, every endpoint went stale, the
+        band failed open, and 23 requests of the busier model went at once into the servers'
+        own first-come-first-served queues (beta/alpha 0.18 in that run instead of 1.0)."""
+        return all(v == STALE for v in values) and any(
+            self.slots.slots(s) is not None for s in states
+        )
 
     def _free(self, states: Sequence[EndpointState]) -> float:
         return sum(self.slots.free(s) for s in states)
@@ -109,9 +130,13 @@ class Headroom:
         band: BandConfig,
         slot: bool,
         adapter: str | None = None,
+        blind: bool = False,
     ) -> bool:
         """Room on one endpoint: below the band's limit (for `slot`, the KV part only) and,
-        for `slot`, a free batch slot (`BatchSlots.can_start`)."""
+        for `slot`, a free batch slot (`BatchSlots.can_start`). `blind` (`_blind`): only a
+        learned batch with a free slot by the EPP's in-flight count."""
+        if blind:
+            return self.slots.can_start_blind(state)
         if not value < band.saturation_limit:
             return False
         if not slot:

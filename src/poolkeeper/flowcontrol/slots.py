@@ -22,15 +22,20 @@ waiting allowed: 24 of 64 slots busy with 30-token answers). The band's KV thres
 applies on top (`headroom.py`), and a band with `dispatch: slot` places a request only on
 an endpoint that can start it (a busy server's queue would take it out of the fair order).
 
-No probing past that: a request sent as a probe waits in the server's queue and takes the
-next slot that frees there, ahead of a flow the EPP keeps that slot for (measured on the issue
-35 case: beta/alpha 0.62 with a probe and the scheduler choosing among all endpoints).
-
-A full batch is believed only while its server keeps showing a queue (the short server queue
-of `_cap` keeps showing one while the EPP holds work back), and for `FULL_FOR_S` after: a
-queue can also come from a long prefill step (a 2,000-token prompt holds the next requests
-for a step of a third of a second over several scrapes), and a batch believed full at 4 of
-256 slots held shared-prefix chat at 0.5x capacity to p90 TTFT 28 s until it was forgotten.
+A full batch is believed only while its server keeps showing a queue, and for `FULL_FOR_S`
+after: a queue can also come from a long prefill step (a 2,000-token prompt holds the next
+requests for a step of a third of a second over several scrapes), and a batch believed full at
+4 of 256 slots held shared-prefix chat at 0.5x capacity to p90 TTFT 28 s until it was
+forgotten. The short server queue of `_cap` (at least one request, even on a 2-slot server)
+is what keeps a full batch showing its queue while the EPP holds work back, and what finds a
+larger batch (the extra request starts: the most seen running grows). With no queue at all
+(`slots // 8`, zero below 8 slots), a 2-slot server showed none, its batch was forgotten
+every second, and the band's whole allowance of 7 went into its own FCFS queue each time:
+live, beta/alpha 0.39-0.61 on the issue 35 case (virtual time hid it: there a request waits
+for the engine's next step, so scrapes kept catching a queue). Forgotten or not yet full, a
+server seen running N gets at most N more than that (`can_start`), not the whole allowance.
+When every endpoint's gauges are stale (a scraper late on a loaded machine), a learned batch
+and the in-flight count still judge (`can_start_blind`, used by `headroom.py`).
 
 Known limits: the learned slots never shrink (a server restarted at the same address with a
 smaller batch queues up to the old count), and a server first seen full while its KV cache
@@ -95,20 +100,30 @@ class BatchSlots:
                     entry.full = False  # no queue for a while: the batch may be larger
 
     def can_start(self, state: EndpointState, queue: float, adapter: str | None = None) -> bool:
-        """Whether `state`'s server would start one more request now. Before it has shown a
-        full batch: while fewer than `queue` (the band's queue allowance) of the EPP's
-        requests there would wait beyond the most it has been seen running, and fewer than
-        that wait as scraped (other senders)."""
+        """Whether `state`'s server would start one more request now. Once it has shown a
+        full batch: while the EPP's in-flight count there is below `_cap`. Before: while
+        fewer than `queue` (the band's queue allowance; at most the most seen running) of the
+        EPP's requests there would wait beyond the most it has been seen running, and fewer
+        than `queue` wait as scraped (other senders)."""
         entry = self._seen.get(state.key)
         if entry is not None and entry.full:
-            return state.inflight_requests < entry.slots + entry.slots // 8
+            return state.inflight_requests < _cap(entry.slots)
         slots = 0 if entry is None else entry.slots
-        if state.inflight_requests - slots >= queue:
+        # Waiting beyond the most seen running: at most as many again (a batch at least
+        # doubles per scrape while it grows), never the band's whole allowance on a server
+        # seen running 2 (that put 7 requests into its own queue, out of the fair order).
+        if state.inflight_requests - slots >= (queue if slots == 0 else min(queue, slots)):
             return False
         m = state.metrics
         if adapter in m.active_adapters and adapter not in m.waiting_adapters:
             return True  # the queue is other adapters' deferred requests (load.py)
         return m.waiting < queue
+
+    def can_start_blind(self, state: EndpointState) -> bool:
+        """Without fresh gauges: whether `state`'s server has a free slot by its learned full
+        batch and the EPP's own in-flight count (False while no full batch is learned)."""
+        entry = self._seen.get(state.key)
+        return entry is not None and entry.full and state.inflight_requests < _cap(entry.slots)
 
     def slots(self, state: EndpointState) -> int | None:
         """The learned slots of a server that has shown a full batch (None: not yet)."""
@@ -125,9 +140,10 @@ class BatchSlots:
 
 def _cap(slots: int) -> int:
     """In flight at most: the batch plus a short queue at the server, one request per 8 slots
-    (at least one), so a freed slot starts its next request in the engine's next step instead
-    of after the EPP's round trip (each request lost a step: 3% of the tokens with 30-token
-    answers on 2 x 64 slots). It was picked in fair order all the same."""
+    and at least one, so a freed slot starts its next request in the engine's next step
+    instead of after the EPP's round trip (each request lost a step: 3% of the tokens with
+    30-token answers on 2 x 64 slots), and the server keeps showing the queue that keeps its
+    full batch believed (module docstring). It was picked in fair order all the same."""
     return slots + max(1, slots // 8)
 
 

@@ -5,9 +5,10 @@ One `FlowDispatcher` per pool (capacity is per pool). A request the dispatcher q
 a future while its ext_proc stream stays open; the pump dispatches it later:
 
 - `submit(job)`: the fast path dispatches at once (`job.run` schedules it); a queued
-  request gets a FlowItem; `shed`-mode bands, full bands and requests whose queue ahead
-  cannot drain within their TTL raise 429 (RequestShed, QueueFull). Every refusal logs the
-  rule that made it (`rule=shed_mode|band_full|pushed_out|cannot_drain|ttl_expired`).
+  request gets a FlowItem; `shed`-mode bands raise 429 (RequestShed), full bands and
+  requests whose queue ahead cannot drain within their TTL 429 `rejected-saturated`
+  (QueueFull). Every refusal logs the rule that made it
+  (`rule=shed_mode|band_full|pushed_out|cannot_drain|ttl_expired`).
 - `wait(item)`: awaits the decision. Cancelled (client gone): the item leaves the queue at
   once; a decision that raced the cancellation is handed back (`abandon`) so its in-flight
   accounting ends. Nothing is left behind either way.
@@ -116,7 +117,7 @@ class FlowGate:
         if verdict is Submitted.SATURATED:
             self._outcome(item, REJECTED_CAPACITY, 0.0)
             wait = dispatcher.expected_wait(item) or 0.0
-            raise _refused(item, "cannot_drain", RequestShed(
+            raise _refused(item, "cannot_drain", QueueFull(
                 f"pool {job.pool} is saturated: the {band} requests ahead of this one would "
                 f"take {wait:.1f} s to drain at the measured rate, longer than the "
                 f"{self.config.bands.of(band).ttl_ms} ms it may wait"))  # fmt: skip

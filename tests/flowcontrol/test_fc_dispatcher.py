@@ -175,6 +175,7 @@ def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
         "lifoAfterMs": 500 if lifo else None,
         "overloadTtlMs": 200 if overload else None,
         "overloadAfterMs": 700,
+        "onlyWhileGrowing": False,
     }
     config = _config(
         critical={**limits, "mode": "queue" if queue_critical else "send"},
@@ -254,7 +255,9 @@ def test_a_full_band_pushes_out_the_longest_flow_not_the_light_one() -> None:
 
 
 def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
-    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"lifoAfterMs": 1000}))
+    d: FlowDispatcher[str] = FlowDispatcher(
+        _config(standard={"lifoAfterMs": 1000, "onlyWhileGrowing": False})
+    )
     for t, name in enumerate("abcd"):
         d.submit(_item(name), 10.0 + t * 0.2, never)  # a at 10.0 ... d at 10.6
     head, late = d.head(S, now=10.9), d.head(S, now=11.1)
@@ -278,7 +281,7 @@ def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
 
 def test_a_full_late_band_pushes_out_its_oldest_for_a_newcomer() -> None:
     d: FlowDispatcher[str] = FlowDispatcher(
-        _config(standard={"maxRequests": 2, "lifoAfterMs": 1000})
+        _config(standard={"maxRequests": 2, "lifoAfterMs": 1000, "onlyWhileGrowing": False})
     )
     d.submit(_item("a"), 10.0, never)
     d.submit(_item("b"), 10.1, never)
@@ -317,7 +320,7 @@ def test_removal_from_the_middle_of_a_flow_removes_that_request_only() -> None:
     assert d.cancel(items[1])
     assert not d.cancel(items[1])  # not waiting any more
     assert [i.payload for i in d.items(S)] == ["a", "c", "d"]
-    # a's: Standard's default TTL (30 s; no overload TTL by default since issue 35).
+    # a's: Standard's TTL (30 s; its overload TTL only for a flow that keeps growing).
     assert d.next_deadline() == pytest.approx(30.0)
 
 
@@ -338,7 +341,14 @@ def test_a_standing_queue_gives_newcomers_the_short_overload_ttl() -> None:
     waiting without a break that long, each of its requests queued waits at most
     `overloadTtlMs`. Another flow that just started waiting keeps the long allowance."""
     d: FlowDispatcher[str] = FlowDispatcher(
-        _config(standard={"ttlMs": 30_000, "overloadTtlMs": 300, "overloadAfterMs": 3000})
+        _config(
+            standard={
+                "ttlMs": 30_000,
+                "overloadTtlMs": 300,
+                "overloadAfterMs": 3000,
+                "onlyWhileGrowing": False,
+            }
+        )
     )
     a, b, c = _item("a"), _item("b"), _item("c")
     light = _item("light", flow="light")
@@ -412,3 +422,50 @@ def test_a_slot_freed_by_an_under_served_flow_is_kept_for_it_a_moment() -> None:
     assert d.kept(heavy_head, 2.0 + 1.0) == 0  # expired: the slot goes to the queue
     d.completed("heavy", S, 10, now=3.0)  # heavy has a request waiting: nothing kept
     assert d.kept(heavy_head, 3.0) == 0
+
+
+def _growth_case(only_while_growing: bool, clients: int | None) -> tuple[int, int]:
+    """One Standard flow on a pool that dispatches 10 requests/s for 12 s: a closed population
+    of `clients` (each sends again when its request is answered 2 s after dispatch) or, with
+    `clients` None, an open loop of 15 arrivals/s. Returns (expired, dispatched)."""
+    d: FlowDispatcher[str] = FlowDispatcher(
+        _config(standard={"onlyWhileGrowing": only_while_growing})
+    )
+    expired = sent = 0
+    answers: list[float] = []  # when dispatched requests are answered (closed loop)
+    n = 0
+    t = 0.0
+    if clients is not None:
+        for _ in range(clients):
+            d.submit(_item(f"c{n}"), 0.0, never)
+            n += 1
+    while t < 12.0:
+        t = round(t + 0.1, 1)
+        if clients is None:
+            for _ in range(3 if int(t * 10) % 2 else 1):  # 2 per 0.1 s on average: 20/s
+                d.submit(_item(f"o{n}"), t, never)
+                n += 1
+        for at in [a for a in answers if a <= t]:  # an answer: the client sends again
+            answers.remove(at)
+            d.completed("m", S, 10)
+            d.submit(_item(f"c{n}"), t, never)
+            n += 1
+        expired += len(d.expire(t))
+        fits, go, got = _budget(1)
+        d.pump(t, fits, go)
+        for _name in got:
+            sent += 1
+            answers.append(t + 2.0)
+            if clients is None:
+                d.completed("m", S, 10)
+    return expired, sent
+
+
+def test_the_overload_rules_spare_a_closed_population_and_hold_an_open_loop() -> None:
+    """Issue 35: a closed population's queue stands (40 clients, 10 served per second) but
+    cannot grow, so its requests wait their 30 s TTL and none times out; an open loop past
+    capacity keeps growing and gets Standard's 300 ms overload TTL, as before."""
+    assert _growth_case(True, clients=40)[0] == 0
+    assert _growth_case(False, clients=40)[0] > 0  # the rules as before issue 35
+    expired, _sent = _growth_case(True, clients=None)
+    assert expired > 50

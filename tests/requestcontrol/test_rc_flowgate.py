@@ -106,12 +106,14 @@ async def test_ttl_answers_429_ttl_expired_with_the_model() -> None:
 
 
 async def test_a_standing_standard_queue_times_out_at_the_overload_ttl() -> None:
-    """Standard with `overloadTtlMs: 300` (the default before issue 35, now opt-in): a burst
-    may wait up to 3 s from when its model started waiting; once the queue has stood that
-    long, each newcomer waits at most 300 ms, then 429."""
+    """Standard's `overloadTtlMs: 300` applied whenever the queue stands (`onlyWhileGrowing`
+    off): a burst may wait up to 3 s from when its model started waiting; once the queue has
+    stood that long, each newcomer waits at most 300 ms, then 429."""
     store = _store(waiting=50)
     clock = [NOW]
-    director, gate = _director(store, clock, bands={"standard": {"overloadTtlMs": 300}})
+    director, gate = _director(
+        store, clock, bands={"standard": {"overloadTtlMs": 300, "onlyWhileGrowing": False}}
+    )
     tasks: list[asyncio.Task[Any]] = []
 
     async def arrive(rid: str) -> None:

@@ -7,7 +7,8 @@
       modelWeights: {chat-a: 2}      # fair-share weight per client-facing modelName (default 1)
       bands:
         critical:  {mode: send}                                   # never held, never shed
-        standard:  {mode: queue, saturationLimit: 1.2, ttlMs: 30000, maxRequests: 2000}
+        standard:  {mode: queue, saturationLimit: 1.2, ttlMs: 30000, maxRequests: 2000,
+                    lifoAfterMs: 200, overloadTtlMs: 300, overloadAfterMs: 3000}
         sheddable: {mode: queue, queueDepthThreshold: 1, ttlMs: 1500, maxRequests: 1000,
                     lifoAfterMs: 200, placement: headroom}
 
@@ -76,8 +77,8 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     flow's newest goes first, and a full band pushes out the oldest (null: first come first
     served always). In sustained overload a FIFO queue makes every request wait the whole
     queue, so every answer is late; newest-first serves those that can still be on time and
-    lets the oldest run out at their TTL. Sheddable: 200 (docs/flowcontrol.md); Standard: null
-    (its early refusal, `expected_wait`, turns away what cannot be served in time instead)."""
+    lets the oldest run out at their TTL. Standard and Sheddable: 200 (docs/flowcontrol.md);
+    with `onlyWhileGrowing`, only for a flow whose requests keep growing in number."""
     overload_ttl_ms: int | None = Field(default=None, ge=1, le=3_600_000)
     """Longest wait in sustained overload (null: `ttlMs` always). Once a flow (a model) has had
     requests waiting in this band without a break for `overloadAfterMs`, its requests queued
@@ -85,11 +86,20 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     FQ-CoDel; Facebook's servers pair it with adaptive LIFO). A light flow that drains between
     its requests keeps `ttlMs`. A queue that never empties adds waiting to every answer and no
     throughput: the servers are busy either way, so it only decides who is late. A burst still
-    waits up to `overloadAfterMs`. Default null (issue 35: in a closed population it refused
-    requests the fleet would have served within `ttlMs`; docs/flowcontrol.md)."""
+    waits up to `overloadAfterMs`. Standard: 300 (docs/flowcontrol.md); with
+    `onlyWhileGrowing`, only for a flow whose requests keep growing in number."""
     overload_after_ms: int = Field(default=3000, ge=1, le=3_600_000)
     """How long a flow must have had requests waiting in this band, without a moment empty, to
     count as in sustained overload (only read with `overloadTtlMs`)."""
+    only_while_growing: bool = True
+    """The overload rules (`lifoAfterMs`, `overloadTtlMs`) apply to a flow only while its
+    requests in the system (waiting here and dispatched, not yet answered) grow in number,
+    and the overload TTL from then until the flow's queue empties. A closed population of
+    clients (each sends its next request on an answer: batch jobs, agent fleets) cannot grow:
+    its queue is bounded by the clients and every request is served within `ttlMs`, so it is
+    exempt (issue 35: the rules refused 58 % of such a model's requests and starved the
+    oldest). Open-loop overload keeps growing and keeps them (docs/flowcontrol.md). False:
+    the rules apply whenever their thresholds are passed."""
     dispatch: Dispatch = Dispatch.SLOT
     """`slot`: send a request to a server only while it can start it (a free batch slot,
     learned per server from the gauges and the EPP's in-flight count: `flowcontrol/slots.py`),
@@ -128,7 +138,13 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
     {
         "critical": MappingProxyType({"mode": "send", "saturationLimit": 2.0, "ttlMs": 60_000}),
         "standard": MappingProxyType(
-            {"saturationLimit": 1.2, "maxRequests": 2000, "ttlMs": 30_000}
+            {
+                "saturationLimit": 1.2,
+                "maxRequests": 2000,
+                "ttlMs": 30_000,
+                "lifoAfterMs": 200,
+                "overloadTtlMs": 300,
+            }
         ),
         "sheddable": MappingProxyType(
             {
@@ -158,10 +174,9 @@ class Bands(CamelModel, use_attribute_docstrings=True):
     With `queue` they wait ahead of every other band (and share fairly among themselves)."""
     standard: BandConfig = Field(default_factory=lambda: _band("standard"))
     """Default: queue while no endpoint can start the request (`dispatch: slot`) or is below
-    1.2 (6 waiting requests); 30 s TTL, first come first served within a flow; refused early
-    only when the queue ahead cannot drain within the TTL (issue 35: the standing-queue rule,
-    `overloadTtlMs: 300`, and adaptive LIFO refused and starved a closed population of clients
-    that the fleet would have served well within the TTL; both stay available)."""
+    1.2 (6 waiting requests); 30 s TTL; refused early when the queue ahead cannot drain within
+    the TTL; for a flow whose requests keep growing (open-loop overload, `onlyWhileGrowing`),
+    newest first after 200 ms and 300 ms once it has waited 3 s without a break."""
     sheddable: BandConfig = Field(default_factory=lambda: _band("sheddable"))
     """Default: queue while every endpoint has a request waiting (or sent since its last
     scrape) or KV at 80%: servers keep no queue of Sheddable work, so Critical requests sent

@@ -72,6 +72,8 @@ HOLD_S = 0.05  # how long a freed slot is kept for the under-served flow whose r
 DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seconds of backlog)
 DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
 DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
+GROWTH_WINDOW_S = 1.0  # a flow's requests in the system are compared across windows this long
+GROWTH_MIN = 4  # growth per window that counts (and a tenth of the flow's waiting requests)
 
 
 class DrainRate:
@@ -133,12 +135,16 @@ class FlowPolicies:
 
 class _Band(Generic[T]):
     __slots__ = (
-        "busy_since", "bytes", "count", "fairness", "flows", "ordering", "reserved", "running",
+        "busy_since", "bytes", "config", "count", "fairness", "flows", "marks", "ordering",
+        "overload_at", "reserved", "running",
     )  # fmt: skip
 
-    def __init__(self, fairness: FairnessPolicy, ordering: OrderingPolicy) -> None:
+    def __init__(
+        self, fairness: FairnessPolicy, ordering: OrderingPolicy, config: BandConfig
+    ) -> None:
         self.fairness = fairness
         self.ordering = ordering
+        self.config = config
         self.flows: dict[str, deque[FlowItem[T]]] = {}  # only flows with something waiting
         self.count = 0
         self.bytes = 0
@@ -150,6 +156,12 @@ class _Band(Generic[T]):
         self.reserved: dict[str, tuple[int, float]] = {}
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
+        # Per flow, its requests in the system (waiting + running) as sampled at arrivals:
+        # [window start, count then, growth over the window before, growth over the last].
+        self.marks: dict[str, list[float]] = {}
+        # `onlyWhileGrowing`: when a flow entered sustained overload (kept until its queue
+        # empties); the overload TTL applies to its requests from then on.
+        self.overload_at: dict[str, float] = {}
 
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
@@ -167,7 +179,57 @@ class _Band(Generic[T]):
         flow = self.fairness.pick(flows, lambda f: flows[f][0].seq)
         if flow is None:
             return None
+        if not self.overloaded(flow) and isinstance(self.ordering, FcfsAdaptiveLifo):
+            return flows[flow][0]  # a bounded flow: no adaptive LIFO (an overload rule)
         return self.ordering.head(flows[flow], now)
+
+    def overloaded(self, flow: str) -> bool:
+        """Whether the overload rules apply to `flow`: always without `onlyWhileGrowing`;
+        with it, once the flow entered sustained overload or while it grows."""
+        return not self.config.only_while_growing or flow in self.overload_at or self.growing(flow)
+
+    def growing(self, flow: str) -> bool:
+        """The flow's requests in the system grew over the last two windows, each time by more
+        than `GROWTH_MIN` and a tenth of its waiting requests: open-loop overload. A closed
+        population cannot (its requests are bounded by its clients; between two arrivals the
+        count differs by the clients whose answers are still on their way)."""
+        mark = self.marks.get(flow)
+        if mark is None:
+            return False
+        margin = max(GROWTH_MIN, len(self.flows.get(flow, ())) / 10)
+        return mark[2] > margin and mark[3] > margin
+
+    def observe(self, flow: str, now: float) -> None:
+        """Sample the flow's requests in the system at an arrival (the arriving one counted)."""
+        n = len(self.flows.get(flow, ())) + self.running.get(flow, 0) + 1
+        mark = self.marks.get(flow)
+        if mark is None:
+            self.marks[flow] = [now, n, 0.0, 0.0]
+        elif now - mark[0] >= GROWTH_WINDOW_S:
+            mark[2], mark[3] = mark[3], n - mark[1]
+            mark[0], mark[1] = now, n
+        busy = self.busy_since.get(flow)
+        band = self.config
+        if (
+            band.only_while_growing
+            and band.overload_ttl_ms is not None
+            and busy is not None
+            and flow not in self.overload_at
+            and now - busy >= band.overload_after_ms / 1000.0
+            and self.growing(flow)
+        ):
+            self.overload_at[flow] = now
+
+    def deadline_of(self, item: FlowItem[T]) -> float:
+        """When `item` times out: its TTL, or with `onlyWhileGrowing` the overload TTL once
+        its flow entered sustained overload (no later than that moment for a request that has
+        already waited that long, as CoDel's rule treats a standing queue: deadlines stay in
+        arrival order along the flow)."""
+        at = self.overload_at.get(item.flow)
+        ttl = self.config.overload_ttl_ms
+        if at is None or ttl is None:
+            return item.deadline
+        return min(item.deadline, max(item.arrived + ttl / 1000.0, at))
 
     def remove(self, item: FlowItem[T]) -> None:
         queue = self.flows[item.flow]
@@ -182,6 +244,7 @@ class _Band(Generic[T]):
         if not queue:
             del self.flows[item.flow]
             del self.busy_since[item.flow]
+            self.overload_at.pop(item.flow, None)
             self.fairness.deactivate(item.flow, self.flows)
 
     def items(self) -> Iterator[FlowItem[T]]:
@@ -196,7 +259,11 @@ class FlowDispatcher(Generic[T]):
         self.config = config
         policies = policies if policies is not None else FlowPolicies()
         self._bands: dict[Criticality, _Band[T]] = {
-            b: _Band(policies.fairness(config, b), policies.ordering(config.bands.of(b)))
+            b: _Band(
+                policies.fairness(config, b),
+                policies.ordering(config.bands.of(b)),
+                config.bands.of(b),
+            )
             for b in BANDS
         }
         self._seq = itertools.count()
@@ -215,6 +282,7 @@ class FlowDispatcher(Generic[T]):
         item.seq = next(self._seq)
         if band.mode is BandMode.SEND:
             return Submitted.DISPATCH
+        self._bands[item.band].observe(item.flow, now)
         if self._take_reserved(item, now, fits):
             return Submitted.DISPATCH
         if not self._waiting_at_or_above(item.band) and fits(item):
@@ -230,7 +298,10 @@ class FlowDispatcher(Generic[T]):
             self.drain.start(now)  # a backlog starts (the idle time before it does not count)
         item.queued = True
         queue.push(item)
-        item.deadline = band.deadline(now, queue.busy_since[item.flow])
+        if band.only_while_growing:
+            item.deadline = now + band.ttl_ms / 1000.0  # the overload TTL: `deadline_of`
+        else:
+            item.deadline = band.deadline(now, queue.busy_since[item.flow])
         return Submitted.QUEUED
 
     def _make_room(self, queue: _Band[T], item: FlowItem[T], band: BandConfig, now: float) -> bool:
@@ -249,7 +320,11 @@ class FlowDispatcher(Generic[T]):
                 return False
             waiting = queue.flows[longest]
             mine = len(queue.flows.get(item.flow, ()))
-            overdue = queue.ordering.overdue(waiting, now)
+            overdue = (
+                queue.ordering.overdue(waiting, now)
+                if queue.overloaded(longest) or not isinstance(queue.ordering, FcfsAdaptiveLifo)
+                else None
+            )
             if overdue is not None:
                 victim = overdue
             elif longest == item.flow or len(waiting) <= mine + 1:
@@ -409,8 +484,9 @@ class FlowDispatcher(Generic[T]):
                 waiting = queue.flows[flow]
                 # Deadlines grow along each flow's queue: one rule per band, applied in
                 # arrival order, with the flow's `busy_since` fixed while it has anything waiting.
-                while flow in queue.flows and waiting[0].deadline <= now:
+                while flow in queue.flows and queue.deadline_of(waiting[0]) <= now:
                     item = waiting[0]
+                    item.deadline = queue.deadline_of(item)
                     queue.remove(item)
                     item.queued = False
                     out.append(item)
@@ -450,6 +526,6 @@ class FlowDispatcher(Generic[T]):
 
     def next_deadline(self) -> float:
         return min(
-            (q[0].deadline for b in self._bands.values() for q in b.flows.values()),
+            (b.deadline_of(q[0]) for b in self._bands.values() for q in b.flows.values()),
             default=math.inf,
         )

@@ -13,7 +13,8 @@ Per policy, over the last two thirds of the run (requests finishing there): serv
 (prompt + output) per model per second, beta/alpha, Jain's index over the two models' tokens,
 goodput (all tokens per second), Standard refusals by rule, the probe's outcome and TTFT.
 Policies: `poolkeeper` (the default `spec.flowControl`), `poolkeeper-pre35` (the defaults
-before issue 35: `dispatch: saturation`, Standard `lifoAfterMs` 200 and `overloadTtlMs` 300),
+before issue 35: `dispatch: saturation`, Standard's `lifoAfterMs` 200 and `overloadTtlMs` 300
+applied whenever a queue stands, `onlyWhileGrowing: false`),
 and `poolkeeper-shed` (no queue: admission's shedding, the non-fair baseline).
 
 Deterministic for a seed (virtual time, seeded engines and arrivals).
@@ -45,7 +46,12 @@ RETRY_S = 0.2  # a refused closed-loop client sends again after this long
 
 PRE35: dict[str, Any] = {
     "bands": {
-        "standard": {"dispatch": "saturation", "lifoAfterMs": 200, "overloadTtlMs": 300},
+        "standard": {
+            "dispatch": "saturation",
+            "lifoAfterMs": 200,
+            "overloadTtlMs": 300,
+            "onlyWhileGrowing": False,
+        },
         "sheddable": {"dispatch": "saturation"},
     }
 }

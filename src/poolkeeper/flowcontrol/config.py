@@ -10,7 +10,7 @@
         standard:  {mode: queue, saturationLimit: 1.2, ttlMs: 30000, maxRequests: 2000,
                     lifoAfterMs: 200, overloadTtlMs: 300, overloadAfterMs: 3000}
         sheddable: {mode: queue, queueDepthThreshold: 1, ttlMs: 1500, maxRequests: 1000,
-                    lifoAfterMs: 200, placement: headroom}
+                    lifoAfterMs: 200, placement: headroom, onlyWhileGrowing: false}
 
 One band per criticality, served in strict priority. A band's head is dispatched while some
 candidate endpoint's saturation (`datastore.load.saturations`, thresholds from
@@ -156,6 +156,9 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
                 # Its rule already sends only to a server with nothing waiting or sent since
                 # the last scrape: no queue at the servers, so Critical requests start fast.
                 "dispatch": "saturation",
+                # Work meant to fill spare capacity: newest first whenever it is late (a
+                # Sheddable population is not promised its share of a saturated pool).
+                "onlyWhileGrowing": False,
             }
         ),
     }

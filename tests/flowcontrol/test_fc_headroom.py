@@ -117,11 +117,14 @@ def test_slot_dispatch_sends_only_while_a_server_can_start_the_request() -> None
     full, free = state(1, running=3, waiting=2, inflight=5), state(2, running=0, inflight=0)
     placed = BandConfig.model_validate({"saturationLimit": 1.2, "placement": "headroom"})
     assert h.room([full, free], placed, NOW) == [free]  # pod1 is known full: 3 slots, 5 sent
-    # Before a full batch is seen: up to 6 (5 x 1.2) beyond the most seen running, exactly
-    # counted (not 6 per scrape), and fewer than 6 waiting as scraped (other senders).
+    # Before a full batch is seen: beyond the most seen running, half as many again or the
+    # band's 6 (5 x 1.2), whichever is more (a large batch fills geometrically), exactly
+    # counted (not per scrape), and fewer than 6 waiting as scraped (other senders).
     fresh = _headroom()
-    assert fresh.fits([state(3, running=24, inflight=29, unseen=29)], STANDARD, NOW)
-    assert not fresh.fits([state(3, running=24, inflight=30)], STANDARD, NOW)
+    assert fresh.fits([state(3, running=24, inflight=35, unseen=35)], STANDARD, NOW)
+    assert not fresh.fits([state(3, running=24, inflight=36)], STANDARD, NOW)
+    assert fresh.fits([state(5, running=6, inflight=11)], STANDARD, NOW)
+    assert not fresh.fits([state(5, running=6, inflight=12)], STANDARD, NOW)
     assert not fresh.fits([state(4, running=1, waiting=6, inflight=0)], STANDARD, NOW)
 
 

@@ -184,20 +184,26 @@ class _Band(Generic[T]):
         return self.ordering.head(flows[flow], now)
 
     def overloaded(self, flow: str) -> bool:
-        """Whether the overload rules apply to `flow`: always without `onlyWhileGrowing`;
-        with it, once the flow entered sustained overload or while it grows."""
-        return not self.config.only_while_growing or flow in self.overload_at or self.growing(flow)
+        """Whether adaptive LIFO applies to `flow`: always without `onlyWhileGrowing`; with
+        it, once the flow entered sustained overload or while it grew over the last window
+        (a false alarm only reorders a closed population's requests for a moment)."""
+        return (
+            not self.config.only_while_growing
+            or flow in self.overload_at
+            or self.growing(flow, windows=1)
+        )
 
-    def growing(self, flow: str) -> bool:
-        """The flow's requests in the system grew over the last two windows, each time by more
-        than `GROWTH_MIN` and a tenth of its waiting requests: open-loop overload. A closed
-        population cannot (its requests are bounded by its clients; between two arrivals the
-        count differs by the clients whose answers are still on their way)."""
+    def growing(self, flow: str, windows: int = 2) -> bool:
+        """The flow's requests in the system grew over the last `windows` windows (1 or 2),
+        each time by more than `GROWTH_MIN` and a tenth of its waiting requests: open-loop
+        overload. A closed population cannot (its requests are bounded by its clients;
+        between two arrivals the count differs by the clients whose answers are on their
+        way), so the sticky overload TTL waits for two windows in a row."""
         mark = self.marks.get(flow)
         if mark is None:
             return False
         margin = max(GROWTH_MIN, len(self.flows.get(flow, ())) / 10)
-        return mark[2] > margin and mark[3] > margin
+        return mark[3] > margin and (windows < 2 or mark[2] > margin)
 
     def observe(self, flow: str, now: float) -> None:
         """Sample the flow's requests in the system at an arrival (the arriving one counted)."""

@@ -33,7 +33,7 @@ larger batch (the extra request starts: the most seen running grows). With no qu
 every second, and the band's whole allowance of 7 went into its own FCFS queue each time:
 live, beta/alpha 0.39-0.61 on the issue 35 case (virtual time hid it: there a request waits
 for the engine's next step, so scrapes kept catching a queue). Forgotten or not yet full, a
-server seen running N gets at most N more than that (`can_start`), not the whole allowance.
+server seen running N gets at most max(min(allowance, N), N / 2) more (`can_start`).
 When every endpoint's gauges are stale (a scraper late on a loaded machine), a learned batch
 and the in-flight count still judge (`can_start_blind`, used by `headroom.py`).
 
@@ -109,10 +109,14 @@ class BatchSlots:
         if entry is not None and entry.full:
             return state.inflight_requests < _cap(entry.slots)
         slots = 0 if entry is None else entry.slots
-        # Waiting beyond the most seen running: at most as many again (a batch at least
-        # doubles per scrape while it grows), never the band's whole allowance on a server
-        # seen running 2 (that put 7 requests into its own queue, out of the fair order).
-        if state.inflight_requests - slots >= (queue if slots == 0 else min(queue, slots)):
+        # Beyond the most seen running: half as many again, at least the band's allowance
+        # or as many again, whichever is fewer: a large batch fills geometrically (+6 per
+        # scrape took 5 s to fill 2 x 256 slots: 0.88 of the goodput without flow control),
+        # and a server seen running 2 gets 2 more, not the whole allowance of 7 (that put 7
+        # requests into its own queue, out of the fair order).
+        if state.inflight_requests - slots >= (
+            queue if slots == 0 else max(min(queue, slots), slots / 2)
+        ):
             return False
         m = state.metrics
         if adapter in m.active_adapters and adapter not in m.waiting_adapters:

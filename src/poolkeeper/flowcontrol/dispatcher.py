@@ -157,7 +157,8 @@ class _Band(Generic[T]):
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
         # Per flow, its requests in the system (waiting + running) as sampled at arrivals:
-        # [window start, count then, growth over the window before, growth over the last].
+        # [window start, count then, growth over the window before, growth over the last,
+        # when the last window started].
         self.marks: dict[str, list[float]] = {}
         # `onlyWhileGrowing`: when a flow entered sustained overload (kept until its queue
         # empties); the overload TTL applies to its requests from then on.
@@ -185,34 +186,41 @@ class _Band(Generic[T]):
 
     def overloaded(self, flow: str) -> bool:
         """Whether adaptive LIFO applies to `flow`: always without `onlyWhileGrowing`; with
-        it, once the flow entered sustained overload or while it grew over the last window
-        (a false alarm only reorders a closed population's requests for a moment)."""
-        return (
-            not self.config.only_while_growing
-            or flow in self.overload_at
-            or self.growing(flow, windows=1)
-        )
+        it, unless the flow is a bounded population (`bounded`). A burst is newest-first as
+        before; a closed population, once its queue has stood a window without growing, is
+        served first come first served (newest-first would starve its oldest requests until
+        their TTL: the clients' next requests keep arriving ahead of them)."""
+        return not self.config.only_while_growing or not self.bounded(flow)
 
-    def growing(self, flow: str, windows: int = 2) -> bool:
-        """The flow's requests in the system grew over the last `windows` windows (1 or 2),
-        each time by more than `GROWTH_MIN` and a tenth of its waiting requests: open-loop
-        overload. A closed population cannot (its requests are bounded by its clients;
-        between two arrivals the count differs by the clients whose answers are on their
-        way), so the sticky overload TTL waits for two windows in a row."""
+    def bounded(self, flow: str) -> bool:
+        """The flow's queue has stood for a whole window and its requests in the system did
+        not grow over it (by more than the margin of `growing`), and it has not entered
+        sustained overload."""
+        mark = self.marks.get(flow)
+        busy = self.busy_since.get(flow)
+        if mark is None or busy is None or flow in self.overload_at or mark[4] < busy:
+            return False
+        return mark[3] <= max(GROWTH_MIN, len(self.flows.get(flow, ())) / 10)
+
+    def growing(self, flow: str) -> bool:
+        """The flow's requests in the system grew over the last two windows, each time by more
+        than `GROWTH_MIN` and a tenth of its waiting requests: open-loop overload. A closed
+        population cannot (its requests are bounded by its clients; between two arrivals the
+        count differs by the clients whose answers are on their way)."""
         mark = self.marks.get(flow)
         if mark is None:
             return False
         margin = max(GROWTH_MIN, len(self.flows.get(flow, ())) / 10)
-        return mark[3] > margin and (windows < 2 or mark[2] > margin)
+        return mark[3] > margin and mark[2] > margin
 
     def observe(self, flow: str, now: float) -> None:
         """Sample the flow's requests in the system at an arrival (the arriving one counted)."""
         n = len(self.flows.get(flow, ())) + self.running.get(flow, 0) + 1
         mark = self.marks.get(flow)
         if mark is None:
-            self.marks[flow] = [now, n, 0.0, 0.0]
+            self.marks[flow] = [now, n, 0.0, 0.0, -math.inf]
         elif now - mark[0] >= GROWTH_WINDOW_S:
-            mark[2], mark[3] = mark[3], n - mark[1]
+            mark[2], mark[3], mark[4] = mark[3], n - mark[1], mark[0]
             mark[0], mark[1] = now, n
         busy = self.busy_since.get(flow)
         band = self.config

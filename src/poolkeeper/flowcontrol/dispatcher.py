@@ -135,8 +135,8 @@ class FlowPolicies:
 
 class _Band(Generic[T]):
     __slots__ = (
-        "busy_since", "bytes", "config", "count", "fairness", "flows", "marks", "ordering",
-        "overload_at", "reserved", "running",
+        "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows", "marks",
+        "ordering", "overload_at", "reserved", "running",
     )  # fmt: skip
 
     def __init__(
@@ -160,6 +160,9 @@ class _Band(Generic[T]):
         # [window start, count then, growth over the window before, growth over the last,
         # when the last window started].
         self.marks: dict[str, list[float]] = {}
+        # The same for the whole band: many small flows past capacity together (multi-LoRA
+        # adapters) grow too little each to be seen one by one.
+        self.band_mark: list[float] = []
         # `onlyWhileGrowing`: when a flow entered sustained overload (kept until its queue
         # empties); the overload TTL applies to its requests from then on.
         self.overload_at: dict[str, float] = {}
@@ -190,7 +193,7 @@ class _Band(Generic[T]):
         before; a closed population, once its queue has stood a window without growing, is
         served first come first served (newest-first would starve its oldest requests until
         their TTL: the clients' next requests keep arriving ahead of them)."""
-        return not self.config.only_while_growing or not self.bounded(flow)
+        return not self.config.only_while_growing or self.band_growing() or not self.bounded(flow)
 
     def bounded(self, flow: str) -> bool:
         """The flow's queue has stood for a whole window and its requests in the system did
@@ -213,15 +216,25 @@ class _Band(Generic[T]):
         margin = max(GROWTH_MIN, len(self.flows.get(flow, ())) / 10)
         return mark[3] > margin and mark[2] > margin
 
+    def band_growing(self) -> bool:
+        """`growing` for the band's requests in the system as a whole."""
+        mark = self.band_mark
+        if not mark:
+            return False
+        margin = max(GROWTH_MIN, self.count / 10)
+        return mark[3] > margin and mark[2] > margin
+
     def observe(self, flow: str, now: float) -> None:
         """Sample the flow's requests in the system at an arrival (the arriving one counted)."""
         n = len(self.flows.get(flow, ())) + self.running.get(flow, 0) + 1
         mark = self.marks.get(flow)
         if mark is None:
-            self.marks[flow] = [now, n, 0.0, 0.0, -math.inf]
-        elif now - mark[0] >= GROWTH_WINDOW_S:
-            mark[2], mark[3], mark[4] = mark[3], n - mark[1], mark[0]
-            mark[0], mark[1] = now, n
+            mark = self.marks[flow] = [now, n, 0.0, 0.0, -math.inf]
+        _roll(mark, now, n)
+        total = self.count + sum(self.running.values()) + 1
+        if not self.band_mark:
+            self.band_mark = [now, total, 0.0, 0.0, -math.inf]
+        _roll(self.band_mark, now, total)
         busy = self.busy_since.get(flow)
         band = self.config
         if (
@@ -230,7 +243,7 @@ class _Band(Generic[T]):
             and busy is not None
             and flow not in self.overload_at
             and now - busy >= band.overload_after_ms / 1000.0
-            and self.growing(flow)
+            and (self.growing(flow) or self.band_growing())
         ):
             self.overload_at[flow] = now
 
@@ -264,6 +277,13 @@ class _Band(Generic[T]):
     def items(self) -> Iterator[FlowItem[T]]:
         for queue in self.flows.values():
             yield from queue
+
+
+def _roll(mark: list[float], now: float, n: int) -> None:
+    """Close the growth window of `mark` once it is `GROWTH_WINDOW_S` long (see `_Band`)."""
+    if now - mark[0] >= GROWTH_WINDOW_S:
+        mark[2], mark[3], mark[4] = mark[3], n - mark[1], mark[0]
+        mark[0], mark[1] = now, n
 
 
 class FlowDispatcher(Generic[T]):

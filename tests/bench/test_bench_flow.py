@@ -18,10 +18,12 @@ def test_fair_share_between_two_backlogged_models() -> None:
     before = result["poolkeeper-shed"]["ratio_heavy_to_light"]
     assert before > 8  # without flow control the heavy model takes what it offers
     assert fair < before / 4, format_flow({"fairness": [result]})
-    # Both flows keep a standing queue at 10x, so what each offers beyond its share times out
-    # at the overload TTL instead of being served late; the light model loses far less.
+    # The light model gets nearly all it asks; the heavy one much less. (Before issue 35 the
+    # overload TTL timed the heavy model's excess out: below half completed. Now it is refused
+    # only when its queue cannot drain within the 30 s TTL, so in this 6 s run more of it
+    # is served late, after the arrival window.)
     shares = result["poolkeeper"]["completed_share"]
-    assert shares["tenant-light"] > 0.85 > 0.5 > shares["tenant-heavy"]
+    assert shares["tenant-light"] > 0.85 > 0.7 > shares["tenant-heavy"]
     assert "fairness" in format_flow({"fairness": [result]})
 
 

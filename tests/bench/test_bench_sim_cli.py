@@ -126,7 +126,7 @@ def test_bench_sim_flow_control_reaches_the_poolkeeper_policy_and_is_recorded(
     )
     assert "flow_control" not in default
     assert shed["flow_control"]["bands"]["standard"]["mode"] == "shed"
-    assert shed["flow_control"]["bands"]["standard"]["overloadTtlMs"] == 300  # defaults kept
+    assert shed["flow_control"]["bands"]["standard"]["ttlMs"] == 30_000  # defaults kept
     queued = default["runs"][0]["flow_control"]["outcomes"]["Standard"]
     refused = shed["runs"][0]["flow_control"]["outcomes"]["Standard"]
     assert queued.get("queued", 0) > 0

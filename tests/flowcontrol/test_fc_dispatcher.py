@@ -175,6 +175,7 @@ def test_dispatch_never_inverts_priority_and_never_exceeds_bounds(
         "lifoAfterMs": 500 if lifo else None,
         "overloadTtlMs": 200 if overload else None,
         "overloadAfterMs": 700,
+        "onlyWhileGrowing": False,
     }
     config = _config(
         critical={**limits, "mode": "queue" if queue_critical else "send"},
@@ -254,7 +255,9 @@ def test_a_full_band_pushes_out_the_longest_flow_not_the_light_one() -> None:
 
 
 def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
-    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"lifoAfterMs": 1000}))
+    d: FlowDispatcher[str] = FlowDispatcher(
+        _config(standard={"lifoAfterMs": 1000, "onlyWhileGrowing": False})
+    )
     for t, name in enumerate("abcd"):
         d.submit(_item(name), 10.0 + t * 0.2, never)  # a at 10.0 ... d at 10.6
     head, late = d.head(S, now=10.9), d.head(S, now=11.1)
@@ -278,7 +281,7 @@ def test_adaptive_lifo_serves_the_newest_once_the_oldest_is_late() -> None:
 
 def test_a_full_late_band_pushes_out_its_oldest_for_a_newcomer() -> None:
     d: FlowDispatcher[str] = FlowDispatcher(
-        _config(standard={"maxRequests": 2, "lifoAfterMs": 1000})
+        _config(standard={"maxRequests": 2, "lifoAfterMs": 1000, "onlyWhileGrowing": False})
     )
     d.submit(_item("a"), 10.0, never)
     d.submit(_item("b"), 10.1, never)
@@ -317,8 +320,8 @@ def test_removal_from_the_middle_of_a_flow_removes_that_request_only() -> None:
     assert d.cancel(items[1])
     assert not d.cancel(items[1])  # not waiting any more
     assert [i.payload for i in d.items(S)] == ["a", "c", "d"]
-    # a's: Standard's defaults give a burst overloadAfterMs (3 s) from when the band filled.
-    assert d.next_deadline() == pytest.approx(3.0)
+    # a's: Standard's TTL (30 s; its overload TTL only for a flow that keeps growing).
+    assert d.next_deadline() == pytest.approx(30.0)
 
 
 def test_token_weights_and_completions_charge_the_flow() -> None:
@@ -338,7 +341,14 @@ def test_a_standing_queue_gives_newcomers_the_short_overload_ttl() -> None:
     waiting without a break that long, each of its requests queued waits at most
     `overloadTtlMs`. Another flow that just started waiting keeps the long allowance."""
     d: FlowDispatcher[str] = FlowDispatcher(
-        _config(standard={"ttlMs": 30_000, "overloadTtlMs": 300, "overloadAfterMs": 3000})
+        _config(
+            standard={
+                "ttlMs": 30_000,
+                "overloadTtlMs": 300,
+                "overloadAfterMs": 3000,
+                "onlyWhileGrowing": False,
+            }
+        )
     )
     a, b, c = _item("a"), _item("b"), _item("c")
     light = _item("light", flow="light")
@@ -363,3 +373,99 @@ def test_a_standing_queue_gives_newcomers_the_short_overload_ttl() -> None:
         plain.submit(_item(f"p{t}"), float(t), never)
     assert plain.next_deadline() == pytest.approx(5.0)
     assert [i.deadline for i in plain.items(S)][-1] == pytest.approx(14.0)  # no overload rule
+
+
+def test_a_request_is_refused_early_only_when_the_queue_ahead_cannot_drain_in_its_ttl() -> None:
+    """Issue 35: the queue drains at 2 requests/s (measured while something waits); with a
+    5 s TTL, a flow's 11th waiting request cannot be served in time and is refused at once,
+    while another flow's newcomer, which fair sharing serves after at most one of the busy
+    flow's requests, still queues. Before the rate is measured nothing is refused early."""
+    d: FlowDispatcher[str] = FlowDispatcher(_config(standard={"ttlMs": 5000}))
+    assert d.drain.rate() is None
+    for n in range(40):
+        assert d.submit(_item(f"h{n}", flow="heavy"), 0.0, never) is Submitted.QUEUED
+    for step in range(1, 11):  # 10 s of backlog, one dispatch every 0.5 s
+        fits, go, _sent = _budget(1)
+        assert d.pump(step * 0.5, fits, go) == 1
+    assert d.drain.rate() == pytest.approx(2.0)
+    assert d.submit(_item("late", flow="heavy"), 5.0, never) is Submitted.SATURATED
+    light = _item("light", flow="light")
+    assert d.expected_wait(light) == pytest.approx(1.0)  # heavy's head, then light's own
+    assert d.submit(light, 5.0, never) is Submitted.QUEUED
+    # Idle time does not count: the rate is the fleet's, not the arrivals'.
+    for item in d.items(S):
+        d.cancel(item)
+    assert d.submit(_item("again", flow="heavy"), 100.0, never) is Submitted.QUEUED
+    fits, go, _sent = _budget(1)
+    d.pump(100.5, fits, go)
+    assert d.drain.rate() == pytest.approx(2.0, rel=0.1)
+
+
+def test_a_slot_freed_by_an_under_served_flow_is_kept_for_it_a_moment() -> None:
+    """A closed-loop client of a light flow sends its next request on its answer; the slot its
+    answer freed is kept for it (`kept` tells `fits` to leave it) for HOLD_S, not taken by the
+    heavy flow's waiting head. A flow that is not the next in fair order keeps nothing."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d.submit(_item("h1", flow="heavy", tokens=1000), 0.0, never)
+    d.dispatched(_item("h0", flow="heavy", tokens=1000))  # heavy has been served more
+    d.completed("light", S, 10, now=1.0)
+    heavy_head = d.head(S)
+    assert heavy_head is not None
+    assert d.kept(heavy_head, 1.0) == 1  # heavy's head must leave one slot
+    one_slot = lambda item: d.kept(item, 1.0) < 1  # noqa: E731 (a fleet with one free slot)
+    sent: list[str] = []
+    assert d.pump(1.0, one_slot, lambda i: sent.append(i.payload)) == 0
+    assert d.submit(_item("l1", flow="light"), 1.0, one_slot) is Submitted.DISPATCH
+    assert d.kept(heavy_head, 1.0) == 0
+    d.completed("light", S, 10, now=2.0)
+    assert d.kept(heavy_head, 2.0 + 0.01) == 1
+    assert d.kept(heavy_head, 2.0 + 1.0) == 0  # expired: the slot goes to the queue
+    d.completed("heavy", S, 10, now=3.0)  # heavy has a request waiting: nothing kept
+    assert d.kept(heavy_head, 3.0) == 0
+
+
+def _growth_case(only_while_growing: bool, clients: int | None) -> tuple[int, int]:
+    """One Standard flow on a pool that dispatches 10 requests/s for 12 s: a closed population
+    of `clients` (each sends again when its request is answered 2 s after dispatch) or, with
+    `clients` None, an open loop of 15 arrivals/s. Returns (expired, dispatched)."""
+    d: FlowDispatcher[str] = FlowDispatcher(
+        _config(standard={"onlyWhileGrowing": only_while_growing})
+    )
+    expired = sent = 0
+    answers: list[float] = []  # when dispatched requests are answered (closed loop)
+    n = 0
+    t = 0.0
+    if clients is not None:
+        for _ in range(clients):
+            d.submit(_item(f"c{n}"), 0.0, never)
+            n += 1
+    while t < 12.0:
+        t = round(t + 0.1, 1)
+        if clients is None:
+            for _ in range(3 if int(t * 10) % 2 else 1):  # 2 per 0.1 s on average: 20/s
+                d.submit(_item(f"o{n}"), t, never)
+                n += 1
+        for at in [a for a in answers if a <= t]:  # an answer: the client sends again
+            answers.remove(at)
+            d.completed("m", S, 10)
+            d.submit(_item(f"c{n}"), t, never)
+            n += 1
+        expired += len(d.expire(t))
+        fits, go, got = _budget(1)
+        d.pump(t, fits, go)
+        for _name in got:
+            sent += 1
+            answers.append(t + 2.0)
+            if clients is None:
+                d.completed("m", S, 10)
+    return expired, sent
+
+
+def test_the_overload_rules_spare_a_closed_population_and_hold_an_open_loop() -> None:
+    """Issue 35: a closed population's queue stands (40 clients, 10 served per second) but
+    cannot grow, so its requests wait their 30 s TTL and none times out; an open loop past
+    capacity keeps growing and gets Standard's 300 ms overload TTL, as before."""
+    assert _growth_case(True, clients=40)[0] == 0
+    assert _growth_case(False, clients=40)[0] > 0  # the rules as before issue 35
+    expired, _sent = _growth_case(True, clients=None)
+    assert expired > 50

@@ -24,9 +24,13 @@ def test_one_endpoint_below_the_limit_is_enough_and_placement_decides_where() ->
     h = _headroom()
     assert h.fits([busy, idle], STANDARD, NOW)
     assert not h.fits([busy], STANDARD, NOW)
-    # Standard: the scheduler chooses among all (it may pick the busy prefix holder).
-    assert h.room([busy, idle], STANDARD, NOW) == [busy, idle]
-    assert h.within([busy, idle], STANDARD, NOW) == [busy, idle]
+    # Standard (`dispatch: slot`): only where it can start; with `dispatch: saturation` the
+    # scheduler chooses among all (it may pick the busy prefix holder).
+    assert h.room([busy, idle], STANDARD, NOW) == [idle]
+    assert h.within([busy, idle], STANDARD, NOW) == [idle]
+    old = BandConfig.model_validate({"saturationLimit": 1.2, "dispatch": "saturation"})
+    assert h.room([busy, idle], old, NOW) == [busy, idle]
+    assert h.within([busy, idle], old, NOW) == [busy, idle]
     # Sheddable: only where its own limit leaves room.
     assert h.room([busy, idle], SHEDDABLE, NOW) == [idle]
     assert list(h.within([busy, idle], SHEDDABLE, NOW)) == [idle]
@@ -82,3 +86,63 @@ def test_an_endpoint_running_the_adapter_has_room_past_other_adapters_deferred_r
     assert not h.fits([sent], STANDARD, NOW, "lora-a")
     full = state(4, waiting=10, active=("lora-a",), kv=0.99)
     assert not h.fits([full], STANDARD, NOW, "lora-a")
+
+
+def test_slot_dispatch_sends_only_while_a_server_can_start_the_request() -> None:
+    """Issue 35: a server that has shown a full batch (2 running, some waiting) has room for
+    Standard only while the EPP's in-flight count there is below the 2 slots it learned plus
+    a short server queue of one; `dispatch: saturation` keeps the old rule."""
+    h = _headroom()
+    # Not known full yet: at most as many again as the most seen running may wait there.
+    assert h.fits([state(1, running=2, waiting=0, inflight=3)], STANDARD, NOW)
+    assert not h.fits([state(1, running=2, waiting=0, inflight=4)], STANDARD, NOW)
+    h.fits([state(1, running=2, waiting=3, inflight=5, updated_at=NOW - 0.2)], STANDARD, NOW)
+    assert h.slots.slots(state(1)) is None  # one queued scrape: maybe just arrived
+    h.fits([state(1, running=2, waiting=3, inflight=5, updated_at=NOW - 0.1)], STANDARD, NOW)
+    assert h.slots.slots(state(1)) == 2  # queued again and no more running: a full batch
+    assert not h.fits([state(1, running=2, waiting=3, inflight=5)], STANDARD, NOW)
+    assert not h.fits([state(1, running=2, waiting=1, inflight=3)], STANDARD, NOW)
+    # One request may wait at the server (the next freed slot starts it at once, and the
+    # queue it shows keeps the full batch believed); a response that ended since the scrape
+    # counts at once: the in-flight count is current, the gauges lag.
+    assert h.fits([state(1, running=2, waiting=1, inflight=2)], STANDARD, NOW)
+    assert not h.fits([state(1, running=2, waiting=0, inflight=3)], STANDARD, NOW)
+    # The learned slots grow with what is seen running; another server is learned apart.
+    h.fits([state(1, running=3, waiting=0, inflight=3, updated_at=NOW - 0.05)], STANDARD, NOW)
+    assert h.slots.slots(state(1)) == 3
+    assert h.fits([state(2, running=2, waiting=0, inflight=3)], STANDARD, NOW)  # never full
+    old = BandConfig.model_validate({"saturationLimit": 1.2, "dispatch": "saturation"})
+    assert h.fits([state(1, running=3, waiting=3, inflight=6)], old, NOW)  # 3/5 < 1.2
+    # Placement among endpoints: only those that can start it count as having room.
+    full, free = state(1, running=3, waiting=2, inflight=5), state(2, running=0, inflight=0)
+    placed = BandConfig.model_validate({"saturationLimit": 1.2, "placement": "headroom"})
+    assert h.room([full, free], placed, NOW) == [free]  # pod1 is known full: 3 slots, 5 sent
+    # Before a full batch is seen: beyond the most seen running, half as many again or the
+    # band's 6 (5 x 1.2), whichever is more (a large batch fills geometrically), exactly
+    # counted (not per scrape), and fewer than 6 waiting as scraped (other senders).
+    fresh = _headroom()
+    assert fresh.fits([state(3, running=24, inflight=35, unseen=35)], STANDARD, NOW)
+    assert not fresh.fits([state(3, running=24, inflight=36)], STANDARD, NOW)
+    assert fresh.fits([state(5, running=6, inflight=11)], STANDARD, NOW)
+    assert not fresh.fits([state(5, running=6, inflight=12)], STANDARD, NOW)
+    assert not fresh.fits([state(4, running=1, waiting=6, inflight=0)], STANDARD, NOW)
+
+
+def test_slot_dispatch_with_every_gauge_stale_trusts_the_learned_batches() -> None:
+    """Issue 35, live: a scraper 200 ms late on a loaded machine made every endpoint stale,
+    the band failed open and flooded the servers' own queues. A learned full batch and the
+    EPP's exact in-flight count still judge; with nothing learned, `allStalePolicy` does."""
+    h = _headroom()
+    for age in (0.2, 0.1):  # two queued scrapes: pod1 holds 2
+        h.fits([state(1, running=2, waiting=2, inflight=4, updated_at=NOW - age)], STANDARD, NOW)
+    stale = NOW - 10.0
+    busy = state(1, running=2, waiting=1, inflight=3, updated_at=stale)
+    unknown = state(2, running=0, waiting=0, inflight=0, updated_at=stale)
+    assert h.room([busy, unknown], STANDARD, NOW) is None
+    freed = state(1, running=2, waiting=1, inflight=2, updated_at=stale)
+    assert h.room([freed, unknown], STANDARD, NOW) == [freed]
+    assert list(h.within([freed, unknown], STANDARD, NOW)) == [freed]
+    # Nothing learned anywhere: fail open as before (admit), or hold (reject policy).
+    assert _headroom().room([unknown], STANDARD, NOW) == [unknown]
+    # Uncontended (`dispatch: slot` applies only while flows contend): as before.
+    assert h.room([busy, unknown], STANDARD, NOW, contended=False) == [busy, unknown]

@@ -15,6 +15,7 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.endpoint import EndpointMetrics
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import QueueFull, QueueTimeout, RequestShed
+from poolkeeper.flowcontrol.dispatcher import DrainRate
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.requestcontrol.flowgate import FlowGate
 from poolkeeper.requestcontrol.types import Usage
@@ -105,11 +106,14 @@ async def test_ttl_answers_429_ttl_expired_with_the_model() -> None:
 
 
 async def test_a_standing_standard_queue_times_out_at_the_overload_ttl() -> None:
-    """Standard's defaults: a burst may wait up to 3 s from when its model started waiting;
-    once the queue has stood that long, each newcomer waits at most 300 ms, then 429."""
+    """Standard's `overloadTtlMs: 300` applied whenever the queue stands (`onlyWhileGrowing`
+    off): a burst may wait up to 3 s from when its model started waiting; once the queue has
+    stood that long, each newcomer waits at most 300 ms, then 429."""
     store = _store(waiting=50)
     clock = [NOW]
-    director, gate = _director(store, clock)
+    director, gate = _director(
+        store, clock, bands={"standard": {"overloadTtlMs": 300, "onlyWhileGrowing": False}}
+    )
     tasks: list[asyncio.Task[Any]] = []
 
     async def arrive(rid: str) -> None:
@@ -244,16 +248,22 @@ async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> No
     ) in text
 
 
-@pytest.mark.parametrize(("model", "to_holder"), [("split", True), ("cheap", False)])
+@pytest.mark.parametrize(
+    ("model", "dispatch", "to_holder"),
+    [("split", "saturation", True), ("split", "slot", True), ("cheap", "slot", False)],
+)
 async def test_standard_keeps_its_prefix_server_sheddable_goes_where_the_headroom_is(
-    model: str, to_holder: bool
+    model: str, dispatch: str, to_holder: bool
 ) -> None:
-    # Standard (`placement: scheduler`): a busy server holding the prompt's prefix still gets
-    # it (narrowing to servers with headroom cost shared-prefix chat 19x its p90 TTFT).
+    # Standard with `dispatch: saturation` (`placement: scheduler`): a busy server holding
+    # the prompt's prefix still gets it (narrowing to servers below the saturation limit cost
+    # shared-prefix chat 19x its p90 TTFT). With `dispatch: slot` (the default since issue 35)
+    # too while no other flow competes (uncontended: `FlowDispatcher.contended`); contended,
+    # a request goes only where it can start (tests/bench/test_bench_fairshare.py).
     # Sheddable (`placement: headroom`): only servers below its limit.
     store = _store()
     clock = [NOW]
-    director, _ = _director(store, clock)
+    director, _ = _director(store, clock, bands={"standard": {"dispatch": dispatch}})
     text = "the same long system prompt " * 40  # past the default profile's 8-block floor
     first = await director.route(_chat(model, rid="warm", text=text))
     holder = first.endpoints[0]
@@ -295,3 +305,31 @@ async def test_a_server_running_the_target_adapter_has_room_past_deferred_reques
     assert decision.target_model == "lora-a"
     assert decision.endpoints[0] == "10.0.0.2:8000"
     assert gate.totals[(Criticality.STANDARD, "queued")] == 0
+
+
+async def test_a_queue_that_cannot_drain_in_time_refuses_with_429_rejected_saturated(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 35: refused before its TTL only when the queue ahead cannot drain within it at the
+    measured rate: upstream's 429 `rejected-saturated`, and the log names the rule."""
+    monkeypatch.setattr(DrainRate, "rate", lambda _self: 0.05)  # one request per 20 s
+    store = _store(waiting=50)
+    clock = [NOW]
+    director, gate = _director(store, clock)
+    queued = []
+    for n, rid in enumerate(("a", "b"), start=1):  # 1 ahead, 20 s: within the 30 s TTL
+        queued.append(asyncio.create_task(director.route(_chat("split", rid=rid))))
+        await _until(lambda n=n: gate.waiting() == n)
+    with (
+        caplog.at_level("INFO", logger="poolkeeper.requestcontrol.flowgate"),
+        pytest.raises(QueueFull) as refused,
+    ):
+        await asyncio.wait_for(director.route(_chat("split", rid="c")), 5)  # 2 ahead: 40 s
+    assert refused.value.http_status == 429
+    assert refused.value.dropped_reason == "rejected-saturated"
+    assert "rule=cannot_drain" in caplog.text
+    assert gate.waiting() == 2
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+    assert gate.waiting() == 0

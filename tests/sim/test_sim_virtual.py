@@ -274,3 +274,32 @@ def test_a_router_can_hold_arrivals_and_release_them_later() -> None:
 def test_holding_without_release_is_an_error() -> None:
     with pytest.raises(ValueError, match="release"):
         VirtualFleet([BASE], seed=1).run([Arrival(0.0, "r0", MODEL, "hi")], lambda a, s, n: HOLD)
+
+
+def test_follow_adds_arrivals_a_closed_loop_of_clients() -> None:
+    """`follow` returns each client's next request when its answer (or refusal) comes back;
+    the run ends when the clients stop."""
+    fleet = VirtualFleet([EngineConfig(max_num_seqs=1)], seed=1)
+    sent: list[float] = []
+
+    def follow(result: RequestResult, now: float) -> list[Arrival]:
+        sent.append(now)
+        if len(sent) >= 5:
+            return []
+        return [Arrival(now, f"r{len(sent)}", EngineConfig().model, "hi", max_tokens=4)]
+
+    def route(a: Arrival, states: Sequence[EndpointState], now: float) -> int | None:
+        return None if a.request_id == "r2" else 0  # one refusal: its client sends again
+
+    result = fleet.run([Arrival(0.0, "r0", EngineConfig().model, "hi", max_tokens=4)], route,
+                       follow=follow)  # fmt: skip
+    assert [r.request_id for r in result.requests] == ["r0", "r1", "r2", "r3", "r4"]
+    assert [r.status for r in result.requests] == ["ok", "ok", "rejected", "ok", "ok"]
+    assert sent == sorted(sent)
+    assert sent[2] == sent[1]  # the refusal came back at once
+    with pytest.raises(ValueError, match="follow returned"):
+        VirtualFleet([EngineConfig()], seed=1).run(
+            [Arrival(1.0, "a", EngineConfig().model, "hi", max_tokens=2)],
+            lambda a, s, n: 0,
+            follow=lambda r, now: [Arrival(0.0, "b", EngineConfig().model, "hi")],
+        )

@@ -152,6 +152,16 @@ def register(subparsers: Any) -> None:
                       help="length of the 10x burst in virtual seconds (default 60)")  # fmt: skip
     flow.add_argument("--seed", type=int, default=1)
     flow.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    flow.add_argument("--grid", action="store_true",
+                      help="instead: fair sharing on fleets of 2 and 8 servers x 2, 8, 64 and "
+                      "256 batch slots, closed and open loops, equal and weighted tokens, and "
+                      "the issue 35 case (writes <out>/flow-grid.json; --duration per case, "
+                      "default 30: try 6)")  # fmt: skip
+    flow.add_argument("--live", type=int, default=0, metavar="N",
+                      help="instead: the issue 35 case (2 servers x 2 batch slots, alpha 30 "
+                      "closed-loop clients, beta 3) N times live through poolkeeper serve "
+                      "and real Envoy, then once in virtual time (writes "
+                      "<out>/flow-live.json)")  # fmt: skip
     flow.set_defaults(handler=_flow)
 
     rep = sub.add_parser("report", help="markdown tables and plots from result files")
@@ -244,9 +254,43 @@ def _flow(args: argparse.Namespace) -> int:
     if args.servers < 1 or args.duration <= 0 or args.burst <= 0:
         print("poolkeeper bench flow: --servers >= 1, --duration and --burst > 0", file=sys.stderr)
         return 2
+    if args.live > 0:
+        return _flow_live(args)
+    if args.grid:
+        from poolkeeper.bench.fleet.fairshare import GRID_HEADER, format_grid, run_grid
+        from poolkeeper.bench.results.report import command_line, write_json
+
+        print(GRID_HEADER)
+        grid = run_grid(duration_s=args.duration, seed=args.seed, progress=print)
+        grid["command"] = command_line()
+        write_json(args.out / "flow-grid.json", grid)
+        print(GRID_HEADER)
+        print(format_grid(grid))
+        return 0
     data = run_flow_bench(servers=args.servers, duration=args.duration, burst_s=args.burst,
                           seed=args.seed, out_dir=args.out, progress=_progress)  # fmt: skip
     print(format_flow(data))
+    return 0
+
+
+def _flow_live(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.fleet.fairshare import issue35_case, run_case
+    from poolkeeper.bench.live.fairlive import run_fair_live
+    from poolkeeper.bench.results.report import command_line, machine_info, write_json
+
+    case = issue35_case()
+    try:
+        live = [run_fair_live(case, seed=args.seed, progress=print) for _ in range(args.live)]
+    except ConfigError as exc:
+        print(f"poolkeeper bench flow: {exc}", file=sys.stderr)
+        return 2
+    virtual = run_case(case, "poolkeeper", args.seed)
+    ratios = ", ".join(f"{r['beta_to_alpha']:.2f}" for r in live)
+    print(f"beta/alpha live: {ratios}; virtual: {virtual['beta_to_alpha']:.2f}")
+    write_json(args.out / "flow-live.json", {
+        "kind": "bench-flow-live", "command": command_line(), "machine": machine_info(),
+        "live": live, "virtual": virtual,
+    })  # fmt: skip
     return 0
 
 

@@ -10,13 +10,14 @@
         standard:  {mode: queue, saturationLimit: 1.2, ttlMs: 30000, maxRequests: 2000,
                     lifoAfterMs: 200, overloadTtlMs: 300, overloadAfterMs: 3000}
         sheddable: {mode: queue, queueDepthThreshold: 1, ttlMs: 1500, maxRequests: 1000,
-                    lifoAfterMs: 200, placement: headroom}
+                    lifoAfterMs: 200, placement: headroom, onlyWhileGrowing: false}
 
 One band per criticality, served in strict priority. A band's head is dispatched while some
 candidate endpoint's saturation (`datastore.load.saturations`, thresholds from
-`spec.admission` unless the band sets its own) is below the band's `saturationLimit`;
-otherwise it waits (mode `queue`), is refused with 429 (mode `shed`), or goes anyway (mode
-`send`, today's Critical behaviour).
+`spec.admission` unless the band sets its own) is below the band's `saturationLimit` and,
+with `dispatch: slot` (the default), that endpoint can start it now (a free batch slot:
+`flowcontrol/slots.py`); otherwise it waits (mode `queue`), is refused with 429 (mode
+`shed`), or goes anyway (mode `send`, today's Critical behaviour).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class BandMode(StrEnum):
     SEND = "send"  # never held: dispatched at once whatever the load (today's Critical)
     QUEUE = "queue"  # wait in the EPP for headroom, bounded by the limits and the TTL
     SHED = "shed"  # no queue: 429 at once when no endpoint has headroom
+
+
+class Dispatch(StrEnum):
+    SLOT = "slot"  # only while the server can start it: a free batch slot (flowcontrol/slots.py)
+    SATURATION = "saturation"  # while below the saturation limit: servers may queue it
 
 
 class Placement(StrEnum):
@@ -71,7 +77,8 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     flow's newest goes first, and a full band pushes out the oldest (null: first come first
     served always). In sustained overload a FIFO queue makes every request wait the whole
     queue, so every answer is late; newest-first serves those that can still be on time and
-    lets the oldest run out at their TTL. Standard and Sheddable: 200 (docs/flowcontrol.md)."""
+    lets the oldest run out at their TTL. Standard and Sheddable: 200 (docs/flowcontrol.md);
+    with `onlyWhileGrowing`, only for a flow whose requests keep growing in number."""
     overload_ttl_ms: int | None = Field(default=None, ge=1, le=3_600_000)
     """Longest wait in sustained overload (null: `ttlMs` always). Once a flow (a model) has had
     requests waiting in this band without a break for `overloadAfterMs`, its requests queued
@@ -79,10 +86,27 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     FQ-CoDel; Facebook's servers pair it with adaptive LIFO). A light flow that drains between
     its requests keeps `ttlMs`. A queue that never empties adds waiting to every answer and no
     throughput: the servers are busy either way, so it only decides who is late. A burst still
-    waits up to `overloadAfterMs`. Standard: 300 (docs/flowcontrol.md)."""
+    waits up to `overloadAfterMs`. Standard: 300 (docs/flowcontrol.md); with
+    `onlyWhileGrowing`, only for a flow whose requests keep growing in number."""
     overload_after_ms: int = Field(default=3000, ge=1, le=3_600_000)
     """How long a flow must have had requests waiting in this band, without a moment empty, to
     count as in sustained overload (only read with `overloadTtlMs`)."""
+    only_while_growing: bool = True
+    """The overload rules (`lifoAfterMs`, `overloadTtlMs`) apply to a flow only while its
+    requests in the system (waiting here and dispatched, not yet answered) grow in number,
+    and the overload TTL from then until the flow's queue empties. A closed population of
+    clients (each sends its next request on an answer: batch jobs, agent fleets) cannot grow:
+    its queue is bounded by the clients and every request is served within `ttlMs`, so it is
+    exempt (issue 35: the rules refused 58 % of such a model's requests and starved the
+    oldest). Open-loop overload keeps growing and keeps them (docs/flowcontrol.md). False:
+    the rules apply whenever their thresholds are passed."""
+    dispatch: Dispatch = Dispatch.SLOT
+    """`slot`: send a request to a server only while it can start it (a free batch slot,
+    learned per server from the gauges and the EPP's in-flight count: `flowcontrol/slots.py`),
+    so the contended queue stays in the EPP, where the fair order applies, whatever the
+    servers' batch size; the saturation limit still applies on top. `saturation`: while some
+    endpoint is below `saturationLimit`, so with few batch slots most of the waiting happens in
+    the servers' own first-come-first-served queues (poolkeeper before issue 35)."""
     placement: Placement = Placement.SCHEDULER
     """Where a dispatched request may go: `scheduler` (any candidate; the scheduler's prefix
     and adapter affinity decide) or `headroom` (only the endpoints below `saturationLimit`,
@@ -129,6 +153,12 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
                 "maxRequests": 1000,
                 "ttlMs": 1_500,
                 "placement": "headroom",
+                # Its rule already sends only to a server with nothing waiting or sent since
+                # the last scrape: no queue at the servers, so Critical requests start fast.
+                "dispatch": "saturation",
+                # Work meant to fill spare capacity: newest first whenever it is late (a
+                # Sheddable population is not promised its share of a saturated pool).
+                "onlyWhileGrowing": False,
             }
         ),
     }
@@ -146,8 +176,10 @@ class Bands(CamelModel, use_attribute_docstrings=True):
     """Default `send`: Critical requests are never held nor shed, as before flow control.
     With `queue` they wait ahead of every other band (and share fairly among themselves)."""
     standard: BandConfig = Field(default_factory=lambda: _band("standard"))
-    """Default: queue while no endpoint is below 1.2 (6 waiting requests); 30 s TTL, 300 ms for a
-    flow that has been waiting for 3 s without a break (a standing queue: sustained overload)."""
+    """Default: queue while no endpoint can start the request (`dispatch: slot`) or is below
+    1.2 (6 waiting requests); 30 s TTL; refused early when the queue ahead cannot drain within
+    the TTL; for a flow whose requests keep growing (open-loop overload, `onlyWhileGrowing`),
+    newest first after 200 ms and 300 ms once it has waited 3 s without a break."""
     sheddable: BandConfig = Field(default_factory=lambda: _band("sheddable"))
     """Default: queue while every endpoint has a request waiting (or sent since its last
     scrape) or KV at 80%: servers keep no queue of Sheddable work, so Critical requests sent

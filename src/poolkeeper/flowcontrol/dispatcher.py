@@ -1,8 +1,10 @@
 """`FlowDispatcher`: the queue of one pool and the decision of what to dispatch next.
 
-    submit(item, fits)   -> DISPATCH | QUEUED | SHED | FULL   (the fast path dispatches at once;
-                            a full band pushes out the newest request of its longest flow
-                            when the newcomer's flow is shorter: `take_pushed_out`)
+    submit(item, fits)   -> DISPATCH | QUEUED | SHED | FULL | SATURATED   (the fast path
+                            dispatches at once; a full band pushes out the newest request of
+                            its longest flow when the newcomer's flow is shorter:
+                            `take_pushed_out`; SATURATED: the queue ahead of it cannot drain
+                            within its TTL at the measured rate, `expected_wait`)
     pump(now, fits, go)  -> dispatches heads while they fit; `go(item)` runs before the next check
     expire(now)          -> items past their deadline (TTL, or the overload TTL), removed
     cancel(item)         -> the client went away: removed at once
@@ -18,6 +20,13 @@ requests waiting without a break for its band's `overloadAfterMs`, the TTL of it
 queued from then on is the band's `overloadTtlMs` (CoDel's short limit for a standing queue,
 per flow as in FQ-CoDel; `BandConfig.deadline`): the old ones run out quickly instead of
 waiting out the long TTL, and a light flow that drains between its requests keeps the long one.
+A request is refused before its TTL only when it cannot be served within it: the requests
+ahead of it in fair order (every higher band; of each flow of its band at most as many as its
+own flow will have waiting) do not drain within its band's TTL at the rate the queue has been
+draining (`DrainRate`, measured only while something waits: the fleet's service rate). A flow
+using more than its share has its own long queue ahead of its newcomers, so it is refused
+first; a light flow's newcomer is not (issue 35: a closed population of clients, whose queue
+is bounded by the clients, is served, not refused).
 When the best head of a band does not fit, dispatching stops for every lower band too: a lower
 band never overtakes a waiting higher one (no priority inversion; band limits are ordered, so a
 lower head would not fit either unless the two requests have different candidates).
@@ -56,6 +65,48 @@ class Submitted(StrEnum):
     QUEUED = "queued"
     SHED = "shed"  # band mode `shed` and no headroom: 429
     FULL = "full"  # the band's request or byte limit: 429 queue_full
+    SATURATED = "saturated"  # the queue ahead cannot drain within its TTL: 429
+
+
+HOLD_S = 0.05  # how long a freed slot is kept for the under-served flow whose request ended
+DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seconds of backlog)
+DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
+DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
+GROWTH_WINDOW_S = 1.0  # a flow's requests in the system are compared across windows this long
+GROWTH_MIN = 4  # growth per window that counts (and a tenth of the flow's waiting requests)
+
+
+class DrainRate:
+    """How fast this pool's queue drains: requests dispatched from the queue per second of
+    backlog (time with something waiting), exponentially weighted. While something waits,
+    no endpoint has room, so this is the rate at which the fleet frees room: its measured
+    service rate. Unknown (None) until `DRAIN_MIN_S` of backlog and `DRAIN_MIN_SENT`
+    dispatches were seen; time with nothing waiting does not count (nor lower the rate)."""
+
+    __slots__ = ("_busy_s", "_last", "_sent")
+
+    def __init__(self) -> None:
+        self._busy_s = 0.0
+        self._sent = 0.0
+        self._last: float | None = None  # when the current backlog was last accounted
+
+    def account(self, now: float, sent: int, still_waiting: bool) -> None:
+        last = self._last
+        if last is not None and now > last:
+            dt = now - last
+            decay = math.exp(-dt / DRAIN_TAU_S)
+            self._busy_s = self._busy_s * decay + dt
+            self._sent *= decay
+        self._sent += sent
+        self._last = now if still_waiting else None
+
+    def start(self, now: float) -> None:
+        self._last = now
+
+    def rate(self) -> float | None:
+        if self._busy_s < DRAIN_MIN_S or self._sent < DRAIN_MIN_SENT:
+            return None
+        return self._sent / self._busy_s
 
 
 @dataclass(eq=False, slots=True)
@@ -83,11 +134,17 @@ class FlowPolicies:
 
 
 class _Band(Generic[T]):
-    __slots__ = ("busy_since", "bytes", "count", "fairness", "flows", "ordering")
+    __slots__ = (
+        "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows", "marks",
+        "ordering", "overload_at", "reserved", "running",
+    )  # fmt: skip
 
-    def __init__(self, fairness: FairnessPolicy, ordering: OrderingPolicy) -> None:
+    def __init__(
+        self, fairness: FairnessPolicy, ordering: OrderingPolicy, config: BandConfig
+    ) -> None:
         self.fairness = fairness
         self.ordering = ordering
+        self.config = config
         self.flows: dict[str, deque[FlowItem[T]]] = {}  # only flows with something waiting
         self.count = 0
         self.bytes = 0
@@ -95,6 +152,20 @@ class _Band(Generic[T]):
         # flow, as FQ-CoDel: a flow that keeps a standing queue gets the short overload TTL, a
         # light flow that drains between its requests does not).
         self.busy_since: dict[str, float] = {}
+        # Slots kept for an under-served flow whose request just ended: flow -> (count, until).
+        self.reserved: dict[str, tuple[int, float]] = {}
+        # Requests dispatched and not completed, per flow (flows with none are dropped).
+        self.running: dict[str, int] = {}
+        # Per flow, its requests in the system (waiting + running) as sampled at arrivals:
+        # [window start, count then, growth over the window before, growth over the last,
+        # when the last window started].
+        self.marks: dict[str, list[float]] = {}
+        # The same for the whole band: many small flows past capacity together (multi-LoRA
+        # adapters) grow too little each to be seen one by one.
+        self.band_mark: list[float] = []
+        # `onlyWhileGrowing`: when a flow entered sustained overload (kept until its queue
+        # empties); the overload TTL applies to its requests from then on.
+        self.overload_at: dict[str, float] = {}
 
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
@@ -112,7 +183,80 @@ class _Band(Generic[T]):
         flow = self.fairness.pick(flows, lambda f: flows[f][0].seq)
         if flow is None:
             return None
+        if not self.overloaded(flow) and isinstance(self.ordering, FcfsAdaptiveLifo):
+            return flows[flow][0]  # a bounded flow: no adaptive LIFO (an overload rule)
         return self.ordering.head(flows[flow], now)
+
+    def overloaded(self, flow: str) -> bool:
+        """Whether adaptive LIFO applies to `flow`: always without `onlyWhileGrowing`; with
+        it, unless the flow is a bounded population (`bounded`). A burst is newest-first as
+        before; a closed population, once its queue has stood a window without growing, is
+        served first come first served (newest-first would starve its oldest requests until
+        their TTL: the clients' next requests keep arriving ahead of them)."""
+        return not self.config.only_while_growing or self.band_growing() or not self.bounded(flow)
+
+    def bounded(self, flow: str) -> bool:
+        """The flow's queue has stood for a whole window and its requests in the system did
+        not grow over it (by more than the margin of `growing`), and it has not entered
+        sustained overload."""
+        mark = self.marks.get(flow)
+        busy = self.busy_since.get(flow)
+        if mark is None or busy is None or flow in self.overload_at or mark[4] < busy:
+            return False
+        return mark[3] <= max(GROWTH_MIN, len(self.flows.get(flow, ())) / 10)
+
+    def growing(self, flow: str) -> bool:
+        """The flow's requests in the system grew over the last two windows, each time by more
+        than `GROWTH_MIN` and a tenth of its waiting requests: open-loop overload. A closed
+        population cannot (its requests are bounded by its clients; between two arrivals the
+        count differs by the clients whose answers are on their way)."""
+        mark = self.marks.get(flow)
+        if mark is None:
+            return False
+        margin = max(GROWTH_MIN, len(self.flows.get(flow, ())) / 10)
+        return mark[3] > margin and mark[2] > margin
+
+    def band_growing(self) -> bool:
+        """`growing` for the band's requests in the system as a whole."""
+        mark = self.band_mark
+        if not mark:
+            return False
+        margin = max(GROWTH_MIN, self.count / 10)
+        return mark[3] > margin and mark[2] > margin
+
+    def observe(self, flow: str, now: float) -> None:
+        """Sample the flow's requests in the system at an arrival (the arriving one counted)."""
+        n = len(self.flows.get(flow, ())) + self.running.get(flow, 0) + 1
+        mark = self.marks.get(flow)
+        if mark is None:
+            mark = self.marks[flow] = [now, n, 0.0, 0.0, -math.inf]
+        _roll(mark, now, n)
+        total = self.count + sum(self.running.values()) + 1
+        if not self.band_mark:
+            self.band_mark = [now, total, 0.0, 0.0, -math.inf]
+        _roll(self.band_mark, now, total)
+        busy = self.busy_since.get(flow)
+        band = self.config
+        if (
+            band.only_while_growing
+            and band.overload_ttl_ms is not None
+            and busy is not None
+            and flow not in self.overload_at
+            and now - busy >= band.overload_after_ms / 1000.0
+            and (self.growing(flow) or self.band_growing())
+        ):
+            self.overload_at[flow] = now
+
+    def deadline_of(self, item: FlowItem[T]) -> float:
+        """When `item` times out: its TTL, or with `onlyWhileGrowing` the overload TTL once
+        its flow entered sustained overload (no later than that moment for a request that has
+        already waited that long, as CoDel's rule treats a standing queue: deadlines stay in
+        arrival order along the flow)."""
+        at = self.overload_at.get(item.flow)
+        ttl = self.config.overload_ttl_ms
+        if at is None or ttl is None:
+            return item.deadline
+        return min(item.deadline, max(item.arrived + ttl / 1000.0, at))
 
     def remove(self, item: FlowItem[T]) -> None:
         queue = self.flows[item.flow]
@@ -127,11 +271,19 @@ class _Band(Generic[T]):
         if not queue:
             del self.flows[item.flow]
             del self.busy_since[item.flow]
+            self.overload_at.pop(item.flow, None)
             self.fairness.deactivate(item.flow, self.flows)
 
     def items(self) -> Iterator[FlowItem[T]]:
         for queue in self.flows.values():
             yield from queue
+
+
+def _roll(mark: list[float], now: float, n: int) -> None:
+    """Close the growth window of `mark` once it is `GROWTH_WINDOW_S` long (see `_Band`)."""
+    if now - mark[0] >= GROWTH_WINDOW_S:
+        mark[2], mark[3], mark[4] = mark[3], n - mark[1], mark[0]
+        mark[0], mark[1] = now, n
 
 
 class FlowDispatcher(Generic[T]):
@@ -141,11 +293,16 @@ class FlowDispatcher(Generic[T]):
         self.config = config
         policies = policies if policies is not None else FlowPolicies()
         self._bands: dict[Criticality, _Band[T]] = {
-            b: _Band(policies.fairness(config, b), policies.ordering(config.bands.of(b)))
+            b: _Band(
+                policies.fairness(config, b),
+                policies.ordering(config.bands.of(b)),
+                config.bands.of(b),
+            )
             for b in BANDS
         }
         self._seq = itertools.count()
         self.pushed_out: list[FlowItem[T]] = []
+        self.drain = DrainRate()
 
     # -- arrivals -----------------------------------------------------------------------------
 
@@ -159,6 +316,9 @@ class FlowDispatcher(Generic[T]):
         item.seq = next(self._seq)
         if band.mode is BandMode.SEND:
             return Submitted.DISPATCH
+        self._bands[item.band].observe(item.flow, now)
+        if self._take_reserved(item, now, fits):
+            return Submitted.DISPATCH
         if not self._waiting_at_or_above(item.band) and fits(item):
             return Submitted.DISPATCH
         if band.mode is BandMode.SHED:
@@ -166,9 +326,16 @@ class FlowDispatcher(Generic[T]):
         queue = self._bands[item.band]
         if not self._make_room(queue, item, band, now):
             return Submitted.FULL
+        if not self._drains_in_time(queue, item, band):
+            return Submitted.SATURATED
+        if not self.waiting():
+            self.drain.start(now)  # a backlog starts (the idle time before it does not count)
         item.queued = True
         queue.push(item)
-        item.deadline = band.deadline(now, queue.busy_since[item.flow])
+        if band.only_while_growing:
+            item.deadline = now + band.ttl_ms / 1000.0  # the overload TTL: `deadline_of`
+        else:
+            item.deadline = band.deadline(now, queue.busy_since[item.flow])
         return Submitted.QUEUED
 
     def _make_room(self, queue: _Band[T], item: FlowItem[T], band: BandConfig, now: float) -> bool:
@@ -187,7 +354,11 @@ class FlowDispatcher(Generic[T]):
                 return False
             waiting = queue.flows[longest]
             mine = len(queue.flows.get(item.flow, ()))
-            overdue = queue.ordering.overdue(waiting, now)
+            overdue = (
+                queue.ordering.overdue(waiting, now)
+                if queue.overloaded(longest) or not isinstance(queue.ordering, FcfsAdaptiveLifo)
+                else None
+            )
             if overdue is not None:
                 victim = overdue
             elif longest == item.flow or len(waiting) <= mine + 1:
@@ -199,6 +370,31 @@ class FlowDispatcher(Generic[T]):
             self.pushed_out.append(victim)
         return True
 
+    def expected_wait(self, item: FlowItem[T]) -> float | None:
+        """Seconds until `item`, arriving now, would be dispatched at the measured drain rate
+        (None: not measured yet). Ahead of it: every request of the bands above, and in its
+        own band what fair sharing serves first: of each flow at most as many as `item`'s
+        flow will have waiting with it (a flow using more than its share waits behind its
+        own queue; a light flow is not held behind a heavy one)."""
+        rate = self.drain.rate()
+        if rate is None:
+            return None
+        ahead = sum(self._bands[b].count for b in BANDS if b.rank > item.band.rank)
+        queue = self._bands[item.band]
+        mine = len(queue.flows.get(item.flow, ())) + 1
+        ahead += sum(min(len(q), mine) for q in queue.flows.values())
+        if item.flow not in queue.flows:
+            ahead += 1
+        return ahead / rate
+
+    def _drains_in_time(self, queue: _Band[T], item: FlowItem[T], band: BandConfig) -> bool:
+        """Refuse before the TTL only what cannot be served within it: the queue ahead of
+        `item` (in fair order, `expected_wait`) does not drain in its TTL at the measured rate.
+        Because a flow's own queue is counted in full, the flow using more than its share is
+        the one refused first."""
+        wait = self.expected_wait(item)
+        return wait is None or wait <= band.ttl_ms / 1000.0
+
     def take_pushed_out(self) -> list[FlowItem[T]]:
         """Requests pushed out of a full band by `submit` since the last call (429 them)."""
         out, self.pushed_out = self.pushed_out, []
@@ -206,10 +402,77 @@ class FlowDispatcher(Generic[T]):
 
     def dispatched(self, item: FlowItem[T]) -> None:
         """Charge the prompt to the flow (fast path and pump alike)."""
-        self._bands[item.band].fairness.charge_input(item.flow, item.tokens)
+        queue = self._bands[item.band]
+        queue.fairness.charge_input(item.flow, item.tokens)
+        queue.running[item.flow] = queue.running.get(item.flow, 0) + 1
 
-    def completed(self, flow: str, band: Criticality, output_tokens: int) -> None:
-        self._bands[band].fairness.charge_output(flow, output_tokens)
+    def completed(
+        self, flow: str, band: Criticality, output_tokens: int, now: float | None = None
+    ) -> None:
+        """Charge the answer; with `now`, keep the freed slot for `flow` a moment (`HOLD_S`)
+        if it is the flow fair sharing would serve next but has nothing waiting: a client
+        that sends its next request on an answer (a closed loop) gets its share instead of
+        finding the slot taken by a busier flow's waiting request each time."""
+        queue = self._bands[band]
+        queue.fairness.charge_output(flow, output_tokens)
+        left = queue.running.pop(flow, 0) - 1
+        if left > 0:
+            queue.running[flow] = left
+        if now is None or not queue.count or flow in queue.flows:
+            return
+        counter = queue.fairness.counter(flow)
+        if all(counter <= queue.fairness.counter(f) for f in queue.flows):
+            held, _until = queue.reserved.get(flow, (0, now))
+            queue.reserved[flow] = (held + 1, now + HOLD_S)
+
+    def contended(self, band: Criticality) -> bool:
+        """Whether flows compete in `band` now: something waits, and two or more flows have
+        requests waiting or dispatched and not completed. Uncontended, fair order decides
+        nothing, so the headroom may let servers queue (`Headroom.room`: batches stay full
+        and the scheduler's prefix affinity free; one model's shared-prefix chat at 0.5x
+        capacity had p90 TTFT 3.1 s instead of 0.76 s with the queue held in the EPP)."""
+        queue = self._bands[band]
+        if not queue.count:
+            return False
+        flows = len(queue.flows)
+        if flows >= 2:
+            return True
+        return flows + sum(1 for f in queue.running if f not in queue.flows) >= 2
+
+    def kept(self, item: FlowItem[T], now: float) -> int:
+        """Slots kept for flows other than `item`'s, in `item`'s band and the bands above:
+        `fits` must leave that many free when it answers for `item`."""
+        total = 0
+        for b in BANDS:
+            if b.rank < item.band.rank:
+                break
+            queue = self._bands[b]
+            for flow, (held, until) in list(queue.reserved.items()):
+                if until < now:
+                    del queue.reserved[flow]
+                elif flow != item.flow or b is not item.band:
+                    total += held
+        return total
+
+    def _take_reserved(
+        self, item: FlowItem[T], now: float, fits: Callable[[FlowItem[T]], bool]
+    ) -> bool:
+        """A newcomer of a flow a slot is kept for takes it (if the slot is still there)."""
+        queue = self._bands[item.band]
+        found = queue.reserved.get(item.flow)
+        if found is None:
+            return False
+        held, until = found
+        if until < now:
+            del queue.reserved[item.flow]
+            return False
+        if not fits(item):
+            return False
+        if held > 1:
+            queue.reserved[item.flow] = (held - 1, until)
+        else:
+            del queue.reserved[item.flow]
+        return True
 
     # -- the pump -----------------------------------------------------------------------------
 
@@ -217,6 +480,13 @@ class FlowDispatcher(Generic[T]):
         self, now: float, fits: Callable[[FlowItem[T]], bool], go: Callable[[FlowItem[T]], None]
     ) -> int:
         """Dispatch heads in priority and fairness order while they fit; the number sent."""
+        sent = self._pump(now, fits, go)
+        self.drain.account(now, sent, self.waiting() > 0)
+        return sent
+
+    def _pump(
+        self, now: float, fits: Callable[[FlowItem[T]], bool], go: Callable[[FlowItem[T]], None]
+    ) -> int:
         sent = 0
         for criticality in BANDS:
             queue = self._bands[criticality]
@@ -226,10 +496,17 @@ class FlowDispatcher(Generic[T]):
                     return sent  # a waiting head blocks its band and every lower band
                 queue.remove(item)
                 item.queued = False
+                self._release_reserved(queue, item.flow)
                 self.dispatched(item)
                 go(item)
                 sent += 1
         return sent
+
+    @staticmethod
+    def _release_reserved(queue: _Band[T], flow: str) -> None:
+        found = queue.reserved.pop(flow, None)
+        if found is not None and found[0] > 1:
+            queue.reserved[flow] = (found[0] - 1, found[1])
 
     def expire(self, now: float) -> list[FlowItem[T]]:
         """Remove and return the items whose TTL has passed (their flows keep FCFS order)."""
@@ -241,8 +518,9 @@ class FlowDispatcher(Generic[T]):
                 waiting = queue.flows[flow]
                 # Deadlines grow along each flow's queue: one rule per band, applied in
                 # arrival order, with the flow's `busy_since` fixed while it has anything waiting.
-                while flow in queue.flows and waiting[0].deadline <= now:
+                while flow in queue.flows and queue.deadline_of(waiting[0]) <= now:
                     item = waiting[0]
+                    item.deadline = queue.deadline_of(item)
                     queue.remove(item)
                     item.queued = False
                     out.append(item)
@@ -282,6 +560,6 @@ class FlowDispatcher(Generic[T]):
 
     def next_deadline(self) -> float:
         return min(
-            (q[0].deadline for b in self._bands.values() for q in b.flows.values()),
+            (b.deadline_of(q[0]) for b in self._bands.values() for q in b.flows.values()),
             default=math.inf,
         )

@@ -12,23 +12,31 @@ scheduler answers 503 at once instead of the request waiting for its TTL. For a 
 the endpoints with headroom; other bands leave placement to the scheduler. `adapter` (the
 request's target model) lets an endpoint that already runs that LoRA adapter count only what
 can hold the request up there (`saturations`).
+
+With the band's `dispatch: slot` (the default), an endpoint below the limit has room only
+while it can also start the request now (`slots.BatchSlots`: a free batch slot, learned from
+the gauges and the in-flight count), so contended requests wait in the EPP's fair order, not
+in a server's FCFS queue. That is why a Headroom has state: the slots it has learned.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import STALE, saturations
-from poolkeeper.flowcontrol.config import BandConfig, Placement
+from poolkeeper.flowcontrol.config import BandConfig, Dispatch, Placement
 from poolkeeper.flowcontrol.saturation import SaturationDetector
+from poolkeeper.flowcontrol.slots import BatchSlots
 
 
 class Headroom:
-    __slots__ = ("detector",)
+    __slots__ = ("detector", "slots")
 
     def __init__(self, detector: SaturationDetector) -> None:
         self.detector = detector
+        self.slots = BatchSlots()
 
     def fits(
         self,
@@ -36,14 +44,9 @@ class Headroom:
         band: BandConfig,
         now: float,
         adapter: str | None = None,
+        contended: bool = True,
     ) -> bool:
-        if not states:
-            return True
-        values = self._values(states, band, now, adapter)
-        limit = band.saturation_limit
-        if any(v < limit for v in values):
-            return True
-        return all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit"
+        return self.room(states, band, now, adapter, 0, contended) is not None
 
     def room(
         self,
@@ -51,44 +54,110 @@ class Headroom:
         band: BandConfig,
         now: float,
         adapter: str | None = None,
+        keep: int = 0,
+        contended: bool = True,
     ) -> list[EndpointState] | None:
-        """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room)."""
+        """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room).
+        `keep`: free batch slots to leave for others (the dispatcher's `kept`): room only
+        when more than that many are free (a server whose slots are unknown counts as many).
+        `contended` (the dispatcher's): flows compete in the band, so `dispatch: slot` holds
+        the queue in the EPP; uncontended, the saturation limit alone decides, as for
+        `dispatch: saturation` (batches stay full and the scheduler's prefix affinity free)."""
         if not states:
             return list(states)
-        values = self._values(states, band, now, adapter)
-        limit = band.saturation_limit
-        below = [s for s, v in zip(states, values, strict=True) if v < limit]
+        slot = band.dispatch is Dispatch.SLOT and contended
+        values = self._values(states, band, now, adapter, slot)
+        blind = slot and self._blind(states, values)
+        below = [
+            s
+            for s, v in zip(states, values, strict=True)
+            if self._open(s, v, band, slot, adapter, blind)
+        ]
+        if below and keep > 0 and slot and self._free(below) <= keep:
+            return None
         if below:
-            if band.placement is Placement.SCHEDULER or len(below) == len(states):
+            if len(below) == len(states) or (band.placement is Placement.SCHEDULER and not slot):
                 return list(states)
             return below
+        if blind:
+            return None  # every learned batch is busy: the EPP's exact in-flight count says so
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
             return list(states)
         return None
 
     def within(
-        self, states: Sequence[EndpointState], band: BandConfig, now: float
+        self,
+        states: Sequence[EndpointState],
+        band: BandConfig,
+        now: float,
+        contended: bool = True,
     ) -> Sequence[EndpointState]:
         """Where a dispatched request of `band` may go: every candidate for `scheduler`
-        placement; for `headroom` placement the endpoints below the limit, or all of them when
-        none is (fail open: the caller decided to dispatch), so the scheduler's prefix
-        affinity cannot pile the band's work onto an endpoint past its limit."""
-        if band.placement is Placement.SCHEDULER:
+        placement; for `headroom` placement (or a contended `dispatch: slot` band) the
+        endpoints with room, or all of them when none has (fail open: the caller decided to
+        dispatch), so the scheduler's prefix affinity cannot pile the band's work onto an
+        endpoint past its limit (or into a server's own queue, out of the fair order)."""
+        slot = band.dispatch is Dispatch.SLOT and contended
+        if band.placement is Placement.SCHEDULER and not slot:
             return states
-        values = self._values(states, band, now)
-        below = [s for s, v in zip(states, values, strict=True) if v < band.saturation_limit]
+        values = self._values(states, band, now, None, slot)
+        blind = slot and self._blind(states, values)
+        below = [
+            s
+            for s, v in zip(states, values, strict=True)
+            if self._open(s, v, band, slot, None, blind)
+        ]
         return below if below and len(below) < len(states) else states
+
+    def _blind(self, states: Sequence[EndpointState], values: Sequence[float]) -> bool:
+        """Every endpoint's metrics are stale but some server's batch is learned: the learned
+        slots and the EPP's own in-flight count (exact, and current without a scrape) judge
+        those servers instead of `allStalePolicy`'s fail-open. Issue 35, live: on a loaded
+        machine the scraper fell 200 ms behind for a moment, every endpoint went stale, the
+        band failed open, and 23 requests of the busier model went at once into the servers'
+        own first-come-first-served queues (beta/alpha 0.18 in that run instead of 1.0)."""
+        return all(v == STALE for v in values) and any(
+            self.slots.slots(s) is not None for s in states
+        )
+
+    def _free(self, states: Sequence[EndpointState]) -> float:
+        return sum(self.slots.free(s) for s in states)
+
+    def _open(
+        self,
+        state: EndpointState,
+        value: float,
+        band: BandConfig,
+        slot: bool,
+        adapter: str | None = None,
+        blind: bool = False,
+    ) -> bool:
+        """Room on one endpoint: below the band's limit (for `slot`, the KV part only) and,
+        for `slot`, a free batch slot (`BatchSlots.can_start`). `blind` (`_blind`): only a
+        learned batch with a free slot by the EPP's in-flight count."""
+        if blind:
+            return self.slots.can_start_blind(state)
+        if not value < band.saturation_limit:
+            return False
+        if not slot:
+            return True
+        queue = band.queue_depth_threshold or self.detector.config.queue_depth_threshold
+        return self.slots.can_start(state, queue * band.saturation_limit, adapter)
 
     def _values(
         self,
         states: Sequence[EndpointState],
         band: BandConfig,
         now: float,
-        adapter: str | None = None,
+        adapter: str | None,
+        slot: bool,
     ) -> list[float]:
+        self.slots.observe(states)
         c = self.detector.config
         queue = band.queue_depth_threshold
         kv = band.kv_cache_util_threshold
+        if slot:
+            queue = math.inf  # the queue is judged by the slots (`_open`), KV and age here
         return saturations(
             states,
             now=now,

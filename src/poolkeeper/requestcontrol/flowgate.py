@@ -5,7 +5,10 @@ One `FlowDispatcher` per pool (capacity is per pool). A request the dispatcher q
 a future while its ext_proc stream stays open; the pump dispatches it later:
 
 - `submit(job)`: the fast path dispatches at once (`job.run` schedules it); a queued
-  request gets a FlowItem; `shed`-mode bands and full bands raise 429 (RequestShed, QueueFull).
+  request gets a FlowItem; `shed`-mode bands raise 429 (RequestShed), full bands and
+  requests whose queue ahead cannot drain within their TTL 429 `rejected-saturated`
+  (QueueFull). Every refusal logs the rule that made it
+  (`rule=shed_mode|band_full|pushed_out|cannot_drain|ttl_expired`).
 - `wait(item)`: awaits the decision. Cancelled (client gone): the item leaves the queue at
   once; a decision that raced the cancellation is handed back (`abandon`) so its in-flight
   accounting ends. Nothing is left behind either way.
@@ -94,7 +97,11 @@ class FlowGate:
         verdict = dispatcher.submit(item, self._clock(), self._fits)
         for victim in dispatcher.take_pushed_out():
             self._outcome(victim, REJECTED_CAPACITY, self._clock() - victim.arrived)
-            self._fail(victim, QueueFull(f"pushed out of the full {band} queue by a fairer flow"))
+            self._refuse(
+                victim, "pushed_out",
+                QueueFull(f"pushed out of the full {band} queue of pool {job.pool} by a flow "
+                          "with fewer requests waiting"),
+            )  # fmt: skip
         if verdict is Submitted.DISPATCH:
             decision = _run(job)
             dispatcher.dispatched(item)
@@ -105,12 +112,20 @@ class FlowGate:
             return item
         if verdict is Submitted.FULL:
             self._outcome(item, REJECTED_CAPACITY, 0.0)
-            raise QueueFull(f"the {band} queue of pool {job.pool} is full")
+            raise _refused(item, "band_full", QueueFull(
+                f"the {band} queue of pool {job.pool} is full"))  # fmt: skip
+        if verdict is Submitted.SATURATED:
+            self._outcome(item, REJECTED_CAPACITY, 0.0)
+            wait = dispatcher.expected_wait(item) or 0.0
+            raise _refused(item, "cannot_drain", QueueFull(
+                f"pool {job.pool} is saturated: the {band} requests ahead of this one would "
+                f"take {wait:.1f} s to drain at the measured rate, longer than the "
+                f"{self.config.bands.of(band).ttl_ms} ms it may wait"))  # fmt: skip
         self._outcome(item, REJECTED_OTHER, 0.0)
-        raise RequestShed(
+        raise _refused(item, "shed_mode", RequestShed(
             f"pool {job.pool} has no endpoint below the {band} saturation limit "
-            f"({self.config.bands.of(band).saturation_limit:g}) and {band} requests do not queue"
-        )
+            f"({self.config.bands.of(band).saturation_limit:g}) and {band} requests do not "
+            "queue"))  # fmt: skip
 
     async def wait(self, item: FlowItem[Job]) -> RoutingDecision:
         loop = asyncio.get_running_loop()
@@ -135,7 +150,7 @@ class FlowGate:
     def completed(self, pool: str, flow: str, band: Criticality, output_tokens: int) -> None:
         dispatcher = self._pools.get(pool)
         if dispatcher is not None:
-            dispatcher.completed(flow, band, output_tokens)
+            dispatcher.completed(flow, band, output_tokens, self._clock())
         self.wake()
 
     # -- the pump -----------------------------------------------------------------------------
@@ -157,8 +172,9 @@ class FlowGate:
         for dispatcher in self._pools.values():
             for item in dispatcher.expire(now):
                 self._outcome(item, EVICTED_TTL, now - item.arrived)
-                self._fail(
+                self._refuse(
                     item,
+                    "ttl_expired",
                     QueueTimeout(
                         f"request waited {now - item.arrived:.1f} s in the {item.band} queue "
                         f"(its limit: {(item.deadline - item.arrived) * 1000:.0f} ms)"
@@ -187,7 +203,11 @@ class FlowGate:
         except NoReadyEndpoint:
             return True  # the pool went away: dispatch, so the scheduler answers 503 now
         band = self.config.bands.of(item.band)
-        room = self.headroom.room(states, band, self._clock(), job.target)
+        now = self._clock()
+        dispatcher = self._pools[job.pool]
+        keep = dispatcher.kept(item, now)
+        contended = dispatcher.contended(item.band)
+        room = self.headroom.room(states, band, now, job.target, keep, contended)
         if room is None:
             return False
         job.ready = room
@@ -211,6 +231,10 @@ class FlowGate:
             job.abandon(decision)  # nobody waits for it any more
         else:
             future.set_result(decision)
+
+    def _refuse(self, item: FlowItem[Job], rule: str, exc: GatewayError) -> None:
+        """Fail a queued request that flow control refuses, logging the rule that did."""
+        self._fail(item, _refused(item, rule, exc))
 
     def _fail(self, item: FlowItem[Job], exc: GatewayError) -> None:
         future = item.payload.future
@@ -241,6 +265,17 @@ class FlowGate:
 
     def next_deadline(self) -> float:
         return min((d.next_deadline() for d in self._pools.values()), default=math.inf)
+
+
+def _refused(item: FlowItem[Job], rule: str, exc: GatewayError) -> GatewayError:
+    """Log which flow-control rule refused a request (one line each; the reason travels in the
+    error's message to the client)."""
+    job = item.payload
+    log.info(
+        "flow control refused request_id=%s pool=%s band=%s flow=%s rule=%s status=%d: %s",
+        job.request_id, job.pool, item.band, item.flow, rule, exc.http_status, exc.message,
+    )  # fmt: skip
+    return exc
 
 
 def _run(job: Job) -> RoutingDecision:

@@ -33,6 +33,9 @@ API (times in virtual seconds; the run starts wherever the first arrival's time 
   counts the unseen requests whose first token is out. Treat the list as read-only and valid
   only during the call.
 - `on_finish(result)`: optional, called when a request completes (e.g. router bookkeeping).
+- `follow(result, now) -> Iterable[Arrival]`: optional, called when a request completes or is
+  rejected (at once or after being held); the arrivals it returns (at `now` or later) join
+  the run: a closed population of clients, each sending its next request after an answer.
 - `on_first_token(result)`: optional, called when a request's first token is out (`first_token`
   set): what a router sees as the first response byte, for latency-learning policies.
 - `release(states, now, send)`: needed when `route` may return `HOLD` (the router keeps the
@@ -323,6 +326,7 @@ class VirtualFleet:
         on_first_token: Callable[[RequestResult], None] | None = None,
         record_token_times: bool = False,
         release: Releaser | None = None,
+        follow: Callable[[RequestResult, float], Iterable[Arrival]] | None = None,
     ) -> FleetResult:
         if self._ran:
             raise RuntimeError("a VirtualFleet runs once; build a new one")
@@ -341,6 +345,25 @@ class VirtualFleet:
         poll_due = math.inf  # time of the pending poll event (only while something is held)
         poll_every = self.scrape_interval if self.scrape_interval > 0 else 0.05
         last_send = -math.inf
+        # Arrivals `follow` added (closed-loop clients), merged with `arrivals` by time.
+        extra: list[tuple[float, int, Arrival]] = []
+
+        def followed(result: RequestResult) -> None:
+            nonlocal seq
+            if follow is None:
+                return
+            for a in follow(result, now):
+                if a.time < now:
+                    raise ValueError(f"follow returned {a.request_id} at {a.time} < now {now}")
+                seq += 1
+                heapq.heappush(extra, (a.time, seq, a))
+
+        def finish_then_follow(result: RequestResult) -> None:
+            if on_finish is not None:
+                on_finish(result)
+            followed(result)
+
+        done_cb = finish_then_follow if follow is not None else on_finish
 
         def reschedule(i: int) -> None:
             nonlocal seq
@@ -356,10 +379,13 @@ class VirtualFleet:
             arrival, result = held.pop(request_id)
             if server is None:
                 result.status, result.error = "rejected", error
+                followed(result)
                 return
             self._submit(arrival, result, server, now, record_token_times)
             if result.server >= 0:
                 reschedule(result.server)
+            else:
+                followed(result)
 
         def arm() -> None:
             # Poll the router at the next scrape tick while it holds something: fresh metrics
@@ -380,10 +406,16 @@ class VirtualFleet:
                 release(self._views(now), now, send)
             arm()
 
-        while pending is not None or heap:
-            if pending is not None and (not heap or pending.time < heap[0][0]):
-                arrival = pending
-                pending = next(it, None)
+        while pending is not None or heap or extra:
+            first = pending
+            if extra and (first is None or extra[0][0] < first.time):
+                first = extra[0][2]
+            if first is not None and (not heap or first.time < heap[0][0]):
+                if first is pending:
+                    arrival = pending
+                    pending = next(it, None)
+                else:
+                    arrival = heapq.heappop(extra)[2]
                 if arrival.time < last_arrival:
                     raise ValueError(
                         f"arrivals must be in time order: {arrival.request_id} at "
@@ -400,6 +432,8 @@ class VirtualFleet:
                     arm()
                 elif result.server >= 0:
                     reschedule(result.server)
+                else:
+                    followed(result)
                 continue
             t, _, i = heapq.heappop(heap)
             now = t
@@ -415,7 +449,7 @@ class VirtualFleet:
             finished = False
             for outcome in engines[i].advance(t):
                 finished = finished or bool(outcome.finished)
-                self._deliver(i, outcome, on_finish, on_first_token)
+                self._deliver(i, outcome, done_cb, on_first_token)
             reschedule(i)
             if finished and held:
                 poll()

@@ -9,7 +9,7 @@ every scrape tick: expired requests are rejected (503), and heads are scheduled 
 the fleet's live states, each counted before the next headroom check (late binding).
 
 Per-request facts for the reports: `waited` (router queue time of dispatched requests) and
-`ends` (request id -> outcome: dispatched / queue_full / shed / expired).
+`ends` (request id -> outcome: dispatched / queue_full / saturated / shed / expired).
 """
 
 from __future__ import annotations
@@ -56,7 +56,12 @@ class FlowPolicy:
 
     def _fits(self, item: FlowItem[_Held]) -> bool:
         band = self.config.bands.of(item.band)
-        return self.headroom.fits(self._states, band, self._now, item.payload.request.target_model)
+        keep = self.dispatcher.kept(item, self._now)
+        contended = self.dispatcher.contended(item.band)
+        room = self.headroom.room(
+            self._states, band, self._now, item.payload.request.target_model, keep, contended
+        )
+        return room is not None
 
     def offer(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
@@ -82,9 +87,12 @@ class FlowPolicy:
             self.outcomes[(band, "queued")] += 1
             self.max_waiting = max(self.max_waiting, self.dispatcher.waiting())
             return None
-        self._end(request.request_id, band, "queue_full" if verdict is Submitted.FULL else "shed")
+        end = {Submitted.FULL: "queue_full", Submitted.SATURATED: "saturated"}.get(verdict, "shed")
+        self._end(request.request_id, band, end)
         if verdict is Submitted.FULL:
             raise QueueFull(f"{band} queue full")
+        if verdict is Submitted.SATURATED:
+            raise RequestShed(f"{band}: the queue ahead cannot drain within the TTL")
         raise RequestShed(f"{band}: no endpoint has headroom")
 
     def release(self, endpoints: Sequence[EndpointState], now: float, send: SendFn) -> None:
@@ -111,7 +119,8 @@ class FlowPolicy:
         self._flows[request.request_id] = (request.model, item)
         band = self.config.bands.of(item.band)
         if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
-            endpoints = self.headroom.within(endpoints, band, now)
+            contended = self.dispatcher.contended(item.band)
+            endpoints = self.headroom.within(endpoints, band, now, contended)
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:
@@ -139,7 +148,7 @@ class FlowPolicy:
         if found is not None:
             flow, item = found
             output = item.payload.request.max_tokens or 0  # the simulator serves max_tokens
-            self.dispatcher.completed(flow, item.band, output)
+            self.dispatcher.completed(flow, item.band, output, now)
 
     def summary(self) -> dict[str, object]:
         by_band: dict[str, dict[str, int]] = {}

@@ -1,0 +1,312 @@
+"""`bench flow --grid`: fair sharing between equal-criticality models on fleets of any shape.
+
+Two Standard models share a virtual fleet (`servers` x `slots`, vLLM's max_num_seqs): `alpha`
+offers ten times what `beta` offers, in a closed loop (a fixed population of clients, each
+sending its next request when its answer, or its refusal, comes back; the issue 35 case is 2
+servers x 2 slots, alpha 30 clients, beta 3, 30 output tokens, time scale 5, 25 s) or an open
+loop (Poisson arrivals, alpha at 4x and beta at 0.8x the fleet's closed-loop rate, so both are
+backlogged). `tokens: weighted` gives beta answers ten times longer than alpha's, so fair
+sharing must count tokens, not requests. One Critical request is sent into the run at a third
+of its length ("the probe"): it must be served.
+
+Per policy, over the last two thirds of the run (requests finishing there): served tokens
+(prompt + output) per model per second, beta/alpha, Jain's index over the two models' tokens,
+goodput (all tokens per second), Standard refusals by rule, the probe's outcome and TTFT.
+Policies: `poolkeeper` (the default `spec.flowControl`), `poolkeeper-pre35` (the defaults
+before issue 35: `dispatch: saturation`, Standard's `lifoAfterMs` 200 and `overloadTtlMs` 300
+applied whenever a queue stands, `onlyWhileGrowing: false`),
+and `poolkeeper-shed` (no queue: admission's shedding, the non-fair baseline).
+
+Deterministic for a seed (virtual time, seeded engines and arrivals).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.bench.policies.flowpolicy import FlowPolicy, flow_policy
+from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.errors import NoReadyEndpoint, RequestShed
+from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.sim.params import EngineConfig
+from poolkeeper.sim.virtual import HOLD, Arrival, RequestResult, Send, VirtualFleet
+
+ALPHA, BETA, PROBE = "alpha", "beta", "probe"
+PROMPT_TOKENS = 32
+SCRAPE_S = 0.05
+RETRY_S = 0.2  # a refused closed-loop client sends again after this long
+
+PRE35: dict[str, Any] = {
+    "bands": {
+        "standard": {
+            "dispatch": "saturation",
+            "lifoAfterMs": 200,
+            "overloadTtlMs": 300,
+            "onlyWhileGrowing": False,
+        },
+        "sheddable": {"dispatch": "saturation"},
+    }
+}
+POLICIES: dict[str, dict[str, Any] | None] = {
+    "poolkeeper": {},
+    "poolkeeper-pre35": PRE35,
+    "poolkeeper-shed": None,  # flow control off
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FairCase:
+    servers: int = 2
+    slots: int = 2
+    loop: str = "closed"  # closed | open
+    tokens: str = "equal"  # equal | weighted (beta's answers 10x alpha's)
+    alpha_clients: int = 30  # closed loop
+    beta_clients: int = 3
+    alpha_rate: float = 0.0  # open loop, requests/s
+    beta_rate: float = 0.0
+    output_tokens: int = 30
+    duration_s: float = 25.0
+    time_scale: float = 5.0
+
+    def outputs(self, model: str) -> int:
+        if model == BETA and self.tokens == "weighted":
+            return self.output_tokens * 10
+        return self.output_tokens
+
+    def label(self) -> str:
+        return f"{self.servers}x{self.slots} {self.loop} {self.tokens}"
+
+
+def issue35_case() -> FairCase:
+    """The case of issue 35 (its live run: `poolkeeper sim --max-num-seqs 2 --time-scale 5`)."""
+    return FairCase()
+
+
+class _Clients:
+    """The arrivals: closed-loop clients (each sends again on an answer) or an open loop."""
+
+    def __init__(self, case: FairCase, seed: int) -> None:
+        self.case = case
+        self.rng = random.Random(f"{seed}:clients")
+        self.seq = 0
+        self.client_of: dict[str, str] = {}
+
+    def _make(self, model: str, client: str, at: float, criticality: Criticality) -> Arrival:
+        self.seq += 1
+        rid = f"{client}-{self.seq}"
+        self.client_of[rid] = client
+        prompt = f"{client} request {self.seq} " + "tok " * PROMPT_TOKENS
+        request = LLMRequest(
+            request_id=rid, model=model, target_model=EngineConfig().model,
+            criticality=criticality, prompt=prompt, prompt_tokens=PROMPT_TOKENS,
+            max_tokens=self.case.outputs(model), stream=True,
+        )  # fmt: skip
+        return Arrival(at, rid, EngineConfig().model, prompt=prompt,
+                       max_tokens=self.case.outputs(model), prompt_tokens=PROMPT_TOKENS,
+                       payload=request)  # fmt: skip
+
+    def initial(self) -> list[Arrival]:
+        case, out = self.case, []
+        if case.loop == "closed":
+            for model, n in ((ALPHA, case.alpha_clients), (BETA, case.beta_clients)):
+                for c in range(n):
+                    at = self.rng.uniform(0.0, 0.5)
+                    out.append(self._make(model, f"{model}{c}", at, Criticality.STANDARD))
+        else:
+            for model, rate in ((ALPHA, case.alpha_rate), (BETA, case.beta_rate)):
+                t = 0.0
+                while rate > 0:
+                    t += self.rng.expovariate(rate)
+                    if t >= case.duration_s:
+                        break
+                    out.append(self._make(model, model, t, Criticality.STANDARD))
+        out.append(self._make(PROBE, PROBE, case.duration_s / 3, Criticality.CRITICAL))
+        out.sort(key=lambda a: a.time)
+        return out
+
+    def follow(self, result: RequestResult, now: float) -> Iterable[Arrival]:
+        if self.case.loop != "closed" or now >= self.case.duration_s:
+            return ()
+        request: LLMRequest = result.payload  # type: ignore[assignment]
+        if request.model == PROBE:
+            return ()
+        at = now if result.status == "ok" else now + RETRY_S
+        return (self._make(request.model, self.client_of[result.request_id], at,
+                           Criticality.STANDARD),)  # fmt: skip
+
+
+def _policy(name: str, seed: int) -> FlowPolicy | SchedulerPolicy:
+    spec = POLICIES[name]
+    config = (
+        FlowControlConfig(enabled=False) if spec is None else FlowControlConfig.model_validate(spec)
+    )
+    return flow_policy("poolkeeper", random.Random(f"{seed}:policy"), config)
+
+
+def run_case(case: FairCase, policy_name: str, seed: int = 1) -> dict[str, Any]:
+    """One policy on one case: the measurements of the module docstring."""
+    engine = EngineConfig(max_num_seqs=case.slots, time_scale=case.time_scale)
+    fleet = VirtualFleet([engine] * case.servers, seed=seed, scrape_interval=SCRAPE_S)
+    index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
+    policy = _policy(policy_name, seed)
+    queueing = policy if isinstance(policy, FlowPolicy) else None
+    clients = _Clients(case, seed)
+
+    def route(a: Arrival, states: Sequence[EndpointState], now: float) -> int | None:
+        request: LLMRequest = a.payload  # type: ignore[assignment]
+        try:
+            if queueing is None:
+                chosen = policy.pick(request, states, now)
+            else:
+                held = queueing.offer(request, states, now)
+                if held is None:
+                    return HOLD
+                chosen = held
+        except (RequestShed, NoReadyEndpoint):
+            return None
+        return index_of[chosen.key]
+
+    def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
+        assert queueing is not None
+
+        def to_fleet(rid: str, chosen: EndpointState | None, error: str | None) -> None:
+            send(rid, None if chosen is None else index_of[chosen.key], error)
+
+        queueing.release(states, now, to_fleet)
+
+    def finished(result: RequestResult) -> None:
+        policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
+
+    result = fleet.run(
+        _sorted(clients.initial()), route, on_finish=finished,
+        release=release if queueing is not None else None, follow=clients.follow,
+    )  # fmt: skip
+    lo, hi = case.duration_s / 3, case.duration_s
+    served = dict.fromkeys((ALPHA, BETA), 0.0)
+    probe: dict[str, Any] = {"status": "missing"}
+    refused: Counter[str] = Counter()
+    ok: Counter[str] = Counter()
+    for r in result.requests:
+        request: LLMRequest = r.payload  # type: ignore[assignment]
+        if request.model == PROBE:
+            probe = {"status": r.status, "ttft_s": r.ttft}
+            continue
+        if r.status == "ok":
+            ok[request.model] += 1
+        else:  # the rule: what flow control recorded, else admission's shedding
+            ends = queueing.ends if queueing is not None else {}
+            refused[ends.get(r.request_id, r.error or "shed")] += 1
+        if r.status == "ok" and r.finish is not None and lo <= r.finish < hi:
+            served[request.model] += r.prompt_tokens + r.completion_tokens
+    rates = {m: v / (hi - lo) for m, v in served.items()}
+    return {
+        "policy": policy_name,
+        "served_tok_s": rates,
+        "beta_to_alpha": rates[BETA] / max(rates[ALPHA], 1e-9),
+        "jain": jain(list(rates.values())),
+        "goodput_tok_s": sum(rates.values()),
+        "completed": dict(ok),
+        "standard_refused": sum(refused.values()),
+        "refused": dict(refused),
+        "probe": probe,
+        "requests": len(result.requests),
+    }
+
+
+def _sorted(arrivals: list[Arrival]) -> Iterator[Arrival]:
+    yield from sorted(arrivals, key=lambda a: a.time)
+
+
+def jain(values: Sequence[float]) -> float:
+    """Jain's fairness index: 1 when all are equal, 1/n when one takes everything."""
+    total, squares = sum(values), sum(v * v for v in values)
+    return 1.0 if squares == 0 else total * total / (len(values) * squares)
+
+
+GRID_SLOTS: tuple[int, ...] = (2, 8, 64, 256)
+GRID_SERVERS: tuple[int, ...] = (2, 8)
+
+
+def grid_cases(duration_s: float) -> list[FairCase]:
+    """Batch slots x servers x equal/weighted tokens, closed loop: beta has 0.6 clients per
+    slot of the fleet plus one (more than its half: backlogged), alpha twice as many (so the
+    Standard band's 2000 waiting requests hold the queue of 8 x 256 slots); each is also run
+    as its open-loop twin (`open_case`)."""
+    cases = []
+    for servers in GRID_SERVERS:
+        for slots in GRID_SLOTS:
+            for tokens in ("equal", "weighted"):
+                beta = math.ceil(0.6 * servers * slots) + 1
+                cases.append(FairCase(servers=servers, slots=slots, tokens=tokens,
+                                      alpha_clients=2 * beta, beta_clients=beta,
+                                      duration_s=duration_s, time_scale=1.0))  # fmt: skip
+    return cases
+
+
+def open_case(closed: FairCase, requests_per_s: float) -> FairCase:
+    """The open-loop twin of a closed-loop case: alpha offers 2x, beta 0.8x the request rate
+    the fleet served in the closed loop (both above their half: backlogged)."""
+    return FairCase(
+        servers=closed.servers, slots=closed.slots, loop="open", tokens=closed.tokens,
+        alpha_rate=2.0 * requests_per_s, beta_rate=0.8 * requests_per_s,
+        output_tokens=closed.output_tokens, duration_s=closed.duration_s,
+        time_scale=closed.time_scale,
+    )  # fmt: skip
+
+
+def run_grid(
+    *, duration_s: float, seed: int, progress: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """The issue 35 case and the grid, every policy on each (the measurements of the module
+    docstring); rows in the order of `format_grid`."""
+    rows = []
+    cases: list[FairCase] = [issue35_case()]
+    for closed in grid_cases(duration_s):
+        cases.append(closed)
+    for case in cases:
+        row: dict[str, Any] = {"case": case.label(), "spec": asdict(case)}
+        for name in POLICIES:
+            row[name] = run_case(case, name, seed)
+        rows.append(row)
+        progress(format_grid({"rows": [row]}))
+        if case.loop == "closed" and case != issue35_case():
+            done = sum(row["poolkeeper"]["completed"].values())
+            twin = open_case(case, done / case.duration_s)
+            orow: dict[str, Any] = {"case": twin.label(), "spec": asdict(twin)}
+            for name in POLICIES:
+                orow[name] = run_case(twin, name, seed)
+            rows.append(orow)
+            progress(format_grid({"rows": [orow]}))
+    return {"kind": "bench-flow-grid", "seed": seed, "duration_s": duration_s, "rows": rows}
+
+
+def format_grid(data: dict[str, Any]) -> str:
+    """One line per case: poolkeeper's beta/alpha, Jain's index and goodput against the best
+    non-fair policy, Standard refusals and the Critical probe; Jain's index of the others."""
+    lines = []
+    for row in data["rows"]:
+        p = row["poolkeeper"]
+        best = max(row[n]["goodput_tok_s"] for n in POLICIES if n != "poolkeeper")
+        probe = p["probe"]
+        ttft = probe.get("ttft_s")
+        lines.append(
+            f"| {row['case']} | {p['beta_to_alpha']:.2f} | {p['jain']:.3f} | "
+            f"{p['goodput_tok_s'] / best:.3f} | {p['standard_refused']} | "
+            f"{probe['status']} {'' if ttft is None else f'{ttft * 1000:.0f} ms'} | "
+            f"{row['poolkeeper-pre35']['jain']:.3f} | {row['poolkeeper-shed']['jain']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+GRID_HEADER = (
+    "| fleet, loop, tokens | beta/alpha | Jain | goodput / best non-fair | Standard refused "
+    "| Critical probe | Jain pre-35 | Jain shed |\n|---|---|---|---|---|---|---|---|"
+)

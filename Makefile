@@ -27,8 +27,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Two pytest-xdist workers, each taking whole test files (module fixtures such as the e2e
+# fleet are built once, tests of a file run in order in one process): most of the suite's wall
+# time is waiting on subprocesses, sockets and Envoy, which the second worker fills.
+# `make pytest PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 2
+
 pytest: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint typecheck pytest
 

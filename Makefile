@@ -24,8 +24,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
+# Two mypy workers: a fresh clone has no .mypy_cache and checks all ~400 files (~31 s of CPU,
+# in half the wall time so); with a warm cache either way takes a few seconds.
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --num-workers 2
 
 # Two pytest-xdist workers, each taking whole test files (module fixtures such as the e2e
 # fleet are built once, tests of a file run in order in one process): most of the suite's wall

@@ -91,21 +91,24 @@ class Headroom:
         band: BandConfig,
         now: float,
         contended: bool = True,
+        adapter: str | None = None,
     ) -> Sequence[EndpointState]:
         """Where a dispatched request of `band` may go: every candidate for `scheduler`
         placement; for `headroom` placement (or a contended `dispatch: slot` band) the
         endpoints with room, or all of them when none has (fail open: the caller decided to
         dispatch), so the scheduler's prefix affinity cannot pile the band's work onto an
-        endpoint past its limit (or into a server's own queue, out of the fair order)."""
+        endpoint past its limit (or into a server's own queue, out of the fair order).
+        `adapter`: as for `room` (a server running it has room past other adapters' deferred
+        requests), so the narrowing keeps the servers that already run the request's adapter."""
         slot = band.dispatch is Dispatch.SLOT and contended
         if band.placement is Placement.SCHEDULER and not slot:
             return states
-        values = self._values(states, band, now, None, slot)
+        values = self._values(states, band, now, adapter, slot)
         blind = slot and self._blind(states, values)
         below = [
             s
             for s, v in zip(states, values, strict=True)
-            if self._open(s, v, band, slot, None, blind)
+            if self._open(s, v, band, slot, adapter, blind)
         ]
         return below if below and len(below) < len(states) else states
 

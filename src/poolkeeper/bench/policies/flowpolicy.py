@@ -120,7 +120,7 @@ class FlowPolicy:
         band = self.config.bands.of(item.band)
         if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
             contended = self.dispatcher.contended(item.band)
-            endpoints = self.headroom.within(endpoints, band, now, contended)
+            endpoints = self.headroom.within(endpoints, band, now, contended, request.target_model)
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

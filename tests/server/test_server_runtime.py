@@ -84,6 +84,18 @@ async def test_no_pool_is_an_error(tmp_path: Path) -> None:
         await _start([tmp_path])
 
 
+async def test_the_ext_proc_port_is_served_by_grpcio_unless_the_config_says_lean(
+    tmp_path: Path,
+) -> None:
+    directory, _ = _write(tmp_path)
+    config, _ = await _start([directory])
+    assert config.spec.listeners.ext_proc_transport == "grpcio"
+    text = (directory / "gw.yaml").read_text().replace("admin: ", "extProcTransport: lean, admin: ")
+    (directory / "gw.yaml").write_text(text)
+    config, _ = await _start([directory])
+    assert config.spec.listeners.ext_proc_transport == "lean"
+
+
 @pytest.mark.parametrize("mode", ["FailOpen", "FailClose"])
 async def test_bootstrap_follows_pool_failure_mode(tmp_path: Path, mode: str) -> None:
     directory, ports = _write(tmp_path, mode)

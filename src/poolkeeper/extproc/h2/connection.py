@@ -3,7 +3,10 @@
 Only what a gRPC server needs from HTTP/2 is here: no server push, no priorities, requests are
 POSTs. What it does keep exactly is flow control in both directions, the HPACK decoder's state
 (every header block is decoded in order, even a refused stream's) and the limits of `Limits`.
-Replies are coalesced: frames queue in `_out` and go out in one write per loop pass.
+Frames queue in `_out` and go out in one write when a handler's step ends (it finished, or
+waits for input or for the socket), or else at the end of the loop pass. Not only once per pass:
+when a burst of streams arrives in one read, one pass runs every handler's routing, and a reply
+held back for the pass would wait for the routing of all the others in the burst.
 """
 
 from __future__ import annotations
@@ -385,7 +388,7 @@ class Connection(asyncio.Protocol):
             stream_id, self._peer_stream_window, self.limits.stream_window,
             self.limits.max_message_bytes,
         )  # fmt: skip
-        stream.inbox = Inbox(method.decode, lambda n: self._read(stream, n))
+        stream.inbox = Inbox(method.decode, lambda n: self._read(stream, n), self.flush_now)
         if end_stream:
             stream.remote_closed = True
             stream.inbox.end()
@@ -485,11 +488,13 @@ class Connection(asyncio.Protocol):
             self.shared.stats.handler_errors += 1
             self._finish(stream, INTERNAL, "handler error")
         finally:
+            self.flush_now()
             aclose = getattr(replies, "aclose", None)
             if aclose is not None:
                 await aclose()
 
     async def _writable(self, stream: Stream) -> None:
+        self.flush_now()
         while (self._paused or stream.pending_bytes > _HIGH_WATER) and not self._closed:
             waiter = self.loop.create_future()
             self._writers.append(waiter)
@@ -513,6 +518,13 @@ class Connection(asyncio.Protocol):
         if self._out and not self._closed and self.transport is not None:
             self.transport.write(b"".join(self._out))
         self._out.clear()
+
+    def flush_now(self) -> None:
+        """Write what is queued now (a handler's step ended); the pass's flush stays scheduled
+        for whatever comes later in the pass."""
+        if self._out and not self._closed and self.transport is not None:
+            self.transport.write(b"".join(self._out))
+            self._out.clear()
 
     def _control_reply(self, data: bytes) -> None:
         assert self.transport is not None

@@ -134,11 +134,19 @@ class Inbox:
     in (`put`, `end`, `fail`); decoding happens as the handler reads them, so a bad message is
     the handler's error (grpc-status INTERNAL), as with grpcio."""
 
-    __slots__ = ("_decode", "_done", "_error", "_on_read", "_queue", "_waiter", "queued")
+    __slots__ = (
+        "_decode", "_done", "_error", "_on_read", "_on_wait", "_queue", "_waiter", "queued",
+    )  # fmt: skip
 
-    def __init__(self, decode: Callable[[bytes], Any], on_read: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        decode: Callable[[bytes], Any],
+        on_read: Callable[[int], None],
+        on_wait: Callable[[], None] | None = None,
+    ) -> None:
         self._decode = decode
         self._on_read = on_read  # bytes read: the connection credits the window
+        self._on_wait = on_wait  # the handler is about to wait for input: its replies go now
         self._queue: deque[bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
@@ -177,6 +185,8 @@ class Inbox:
                 return self._decode(message)
             if self._done:
                 raise StopAsyncIteration
+            if self._on_wait is not None:
+                self._on_wait()
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter

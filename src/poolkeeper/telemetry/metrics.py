@@ -89,7 +89,8 @@ class LabelCap:
         self._seen: set[str] = set()
 
     def __call__(self, value: str) -> str:
-        if value in self._seen:  # admitted before, so already clean (sanitising is idempotent)
+        # Empty stays empty (as upstream's bound); one admitted before is clean already.
+        if not value or value in self._seen:
             return value
         value = sanitize_label(value)
         if value in self._seen:
@@ -119,33 +120,64 @@ class PoolStats:
     stale_endpoints: int = 0
 
 
+# A band's `priority` label (its band-level gauges): poolkeeper's three bands each serve a
+# range of InferenceObjective priorities (> 0, 0, < 0: api/criticality.py), labelled by the
+# priority that stands for the range. Per-request families carry the request's own priority.
+BAND_PRIORITY: Mapping[Criticality, str] = {
+    Criticality.CRITICAL: "1",
+    Criticality.STANDARD: "0",
+    Criticality.SHEDDABLE: "-1",
+}
+QUEUE_LABELS = ["fairness_id", "priority", "inference_pool", "model_name", "target_model_name"]
+
+
+@dataclass(frozen=True, slots=True)
+class FlowQueue:
+    """One flow's requests waiting in one band (upstream's per-flow queue gauges)."""
+
+    fairness_id: str
+    priority: int  # the requests' InferenceObjective priority (0 when none applies)
+    model: str
+    target: str
+    requests: int
+    bytes: int
+
+
 @dataclass(frozen=True, slots=True)
 class QueueStats:
     """One band of one pool's flow-control queue, at scrape time."""
 
     pool: str  # the pool's name (upstream label `inference_pool`)
-    priority: str  # the band: Critical | Standard | Sheddable
+    band: Criticality
     requests: int
     bytes: int
     # The band's bounds per pool (maxRequests, maxBytes); 0: unknown, no utilization ratio.
     max_requests: int = 0
     max_bytes: int = 0
+    flows: tuple[FlowQueue, ...] = ()  # what waits, by flow
 
 
 class _QueueCollector(Collector):
-    def __init__(self, source: Callable[[], Iterable[QueueStats]]) -> None:
+    """The queue gauges by flow, as upstream's (a series seen once stays, at 0 when its flow
+    has nothing waiting: upstream's gauges go back to 0 the same way); label values capped."""
+
+    def __init__(
+        self, source: Callable[[], Iterable[QueueStats]], cap: Callable[[str, str], str]
+    ) -> None:
         self.source = source
+        self.cap = cap
+        self._seen: dict[tuple[str, ...], None] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         size = GaugeMetricFamily(
             "inference_extension_flow_control_queue_size",
-            "Requests waiting in the flow-control queue, per pool and priority band.",
-            labels=["inference_pool", "priority"],
+            "Requests waiting in the flow-control queue, by flow, priority, pool and model.",
+            labels=QUEUE_LABELS,
         )
         size_bytes = GaugeMetricFamily(
             "inference_extension_flow_control_queue_bytes",
-            "Request bytes waiting in the flow-control queue, per pool and priority band.",
-            labels=["inference_pool", "priority"],
+            "Request bytes waiting in the flow-control queue, by flow, priority, pool and model.",
+            labels=QUEUE_LABELS,
         )
         # llm-d-router's names only (no older twins): the fraction of the band's bounds used.
         used = {
@@ -156,16 +188,30 @@ class _QueueCollector(Collector):
             )
             for unit in ("requests", "bytes")
         }
+        now: dict[tuple[str, ...], tuple[int, int]] = {}
+        key: tuple[str, ...]
         for stats in self.source():
-            size.add_metric([stats.pool, stats.priority], stats.requests)
-            size_bytes.add_metric([stats.pool, stats.priority], stats.bytes)
+            for flow in stats.flows:
+                key = (
+                    self.cap("fairness_id", flow.fairness_id),
+                    str(flow.priority),
+                    stats.pool,
+                    self.cap("model_name", flow.model),
+                    self.cap("target_model_name", flow.target),
+                )
+                requests, size_ = now.get(key, (0, 0))
+                now[key] = (requests + flow.requests, size_ + flow.bytes)
+            priority = BAND_PRIORITY[stats.band]
             if stats.max_requests:
                 ratio = stats.requests / stats.max_requests
-                used["requests"].add_metric([stats.priority, stats.pool], ratio)
+                used["requests"].add_metric([priority, stats.pool], ratio)
             if stats.max_bytes:
-                used["bytes"].add_metric(
-                    [stats.priority, stats.pool], stats.bytes / stats.max_bytes
-                )
+                used["bytes"].add_metric([priority, stats.pool], stats.bytes / stats.max_bytes)
+        self._seen.update(dict.fromkeys(now))
+        for key in self._seen:
+            requests, size_ = now.get(key, (0, 0))
+            size.add_metric(list(key), requests)
+            size_bytes.add_metric(list(key), size_)
         yield size
         yield size_bytes
         yield from used.values()
@@ -434,11 +480,14 @@ class GatewayMetrics:
         scheduling: SchedulingStats | None = None,
         flow_stats: Callable[[], Iterable[QueueStats]] | None = None,
         max_label_values: int = 1000,
+        fairness_id_label_limit: int = 1000,
         objective_names: bool = True,
         endpoint_of: Callable[[str], tuple[str, str, str] | None] | None = None,
     ) -> None:
         """`endpoint_of`: (name, namespace, hostport) of the endpoint at a `host:port`, for
-        the scheduler-attempt labels (None: the labels stay empty)."""
+        the scheduler-attempt labels (None: the labels stay empty). `fairness_id_label_limit`:
+        distinct `fairness_id` values kept, then `other` (upstream's
+        --fairness-id-metric-label-limit; 0: every value is `other`)."""
         self.registry = CollectorRegistry()
         self._endpoint_of = endpoint_of
         self._exposition = _Exposition(self.registry, objective_names=objective_names)
@@ -447,12 +496,13 @@ class GatewayMetrics:
         caps = {
             "model_name": self._model,
             "target_model_name": self._target,
-            "fairness_id": LabelCap(max_label_values),
+            "fairness_id": LabelCap(fairness_id_label_limit),
         }
+        self._cap: Callable[[str, str], str] = lambda label, value: caps[label](value)
         r = self.registry
         self.llmd = LlmdRequestMetrics(
             r,
-            lambda label, value: caps[label](value),
+            self._cap,
             {
                 "duration": DURATION_BUCKETS,
                 "request_size": REQUEST_SIZE_BUCKETS,
@@ -550,12 +600,19 @@ class GatewayMetrics:
             "inference_extension_flow_control_request_queue_duration_seconds",
             "Time requests spent in the flow-control queue, by outcome (Dispatched, "
             "RejectedCapacity, RejectedOther, EvictedTTL, EvictedContextCancelled).",
-            ["inference_pool", "priority", "outcome", "model_name"],
+            [
+                "fairness_id",
+                "priority",
+                "outcome",
+                "inference_pool",
+                "model_name",
+                "target_model_name",
+            ],
             buckets=DURATION_BUCKETS,
             registry=r,
         )
         if flow_stats is not None:
-            r.register(_QueueCollector(flow_stats))
+            r.register(_QueueCollector(flow_stats, self._cap))
 
     def follow_source(self, stale_s: Callable[[], float]) -> None:
         """Export how long the resource source has not been in step (Kubernetes: watches
@@ -646,13 +703,26 @@ class GatewayMetrics:
 
     # -- FlowObserver (requestcontrol.flowgate) ----------------------------------------------
     def flow_outcome(
-        self, *, pool: str, band: Criticality, model: str, outcome: str, waited_s: float
+        self,
+        *,
+        pool: str,
+        band: Criticality,
+        model: str,
+        target: str,
+        fairness_id: str,
+        priority: int,
+        outcome: str,
+        waited_s: float,
     ) -> None:
+        """One request's flow-control outcome, labelled as upstream: its fairness id and
+        priority (the number), pool, model and target (`band` is poolkeeper's own)."""
+        del band  # upstream labels by the priority; the band follows from it
         pool_name = pool.rpartition("/")[2]
-        self.flow_queue_duration.labels(pool_name, str(band), outcome, self._model(model)).observe(
-            waited_s
-        )
-        self.families.flow_requests.labels(outcome, str(band), pool_name).inc()
+        fairness = self._cap("fairness_id", fairness_id)
+        self.flow_queue_duration.labels(
+            fairness, str(priority), outcome, pool_name, self._model(model), self._target(target)
+        ).observe(waited_s)
+        self.families.flow_requests.labels(outcome, str(priority), pool_name).inc()
 
     # -- exposition -------------------------------------------------------------------------
     def render(self) -> bytes:

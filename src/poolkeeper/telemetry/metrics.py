@@ -5,15 +5,18 @@ Each `GatewayMetrics` owns its own `CollectorRegistry` (never the global one), s
 gateways, tests and the quickstart can live in one process. It implements the ext_proc
 `ExchangeObserver` hooks. Pool gauges and the scheduler's plugin/prefix-index measurements are
 read at scrape time from callables, so no loop has to keep them fresh. Label values that come
-from clients (model names) are capped: after `max_label_values` distinct values per label, new
-ones are reported as "other", and each value is sanitised first (control characters replaced,
-at most `MAX_LABEL_CHARS` characters), so neither many names nor long ones can bloat /metrics.
+from clients are capped as upstream caps them: model names (`model_name` and
+`target_model_name` share `max_label_values` values) and fairness ids
+(`fairness_id_label_limit`); past the cap, new ones are reported as "other". Each value is
+sanitised first (control characters replaced, at most `MAX_LABEL_CHARS` characters), so neither
+many names nor long ones can bloat /metrics.
 
 Exposition differs from prometheus_client's default in two ways, both to look like upstream's
 Go client: no `_created` series, and (unless `objective_names=False`) every `inference_model_*`
 family is also exposed as `inference_objective_*`, the v1.1+ name, with the same samples.
-llm-d-router's `llm_d_epp_*` families come beside them (`telemetry/llmd.py`). Label values are
-capped at 1,000 distinct values per label by default, as upstream.
+llm-d-router's `llm_d_epp_*` families come beside them (`telemetry/llmd.py`), the flow-control
+ones labelled as upstream's: the flow's fairness id, the request's priority (a number), the
+pool, model and target.
 """
 
 from __future__ import annotations
@@ -363,6 +366,10 @@ def _histogram(family: HistogramMetricFamily, labels: list[str], *parts: Histogr
     family.add_metric(labels, list(zip(bounds, counts, strict=True)), total)
 
 
+# (plugin_name, plugin_type) of llm-d's prefix-indexer families.
+PREFIX_PRODUCER = ["approx-prefix-cache-producer", "approx-prefix-cache-producer"]
+
+
 class _SchedulingCollector(Collector):
     """Plugin durations (v0.5 and v1.0+ names) and the prefix indexer, read at scrape time."""
 
@@ -391,23 +398,29 @@ class _SchedulingCollector(Collector):
             _histogram(v05, [point, type_], *hists)
         yield v05
         yield v10
-        size = GaugeMetricFamily(
-            "inference_extension_prefix_indexer_size", "Size of the prefix indexer."
-        )
-        size.add_metric([], self.stats.prefix_index_size())
-        yield size
-        ratio = HistogramMetricFamily(
-            "inference_extension_prefix_indexer_hit_ratio",
-            "Ratio of prefix length matched to total prefix length in the cache lookup.",
-        )
-        _histogram(ratio, [], self.stats.prefix_hit_ratio)
-        yield ratio
-        hit_bytes = HistogramMetricFamily(
-            "inference_extension_prefix_indexer_hit_bytes",
-            "Length of the prefix match in number of bytes in the cache lookup.",
-        )
-        _histogram(hit_bytes, [], self.stats.prefix_hit_bytes)
-        yield hit_bytes
+        # GIE's unlabelled names, and llm-d's labelled by the producer plugin upstream records
+        # them in (poolkeeper's prefix index stands in for it, under its default name).
+        for prefix, labels in (("inference_extension_", []), ("llm_d_epp_", PREFIX_PRODUCER)):
+            names = ["plugin_name", "plugin_type"] if labels else []
+            size = GaugeMetricFamily(
+                prefix + "prefix_indexer_size", "Size of the prefix indexer.", labels=names
+            )
+            size.add_metric(labels, self.stats.prefix_index_size())
+            yield size
+            ratio = HistogramMetricFamily(
+                prefix + "prefix_indexer_hit_ratio",
+                "Ratio of prefix length matched to total prefix length in the cache lookup.",
+                labels=names,
+            )
+            _histogram(ratio, labels, self.stats.prefix_hit_ratio)
+            yield ratio
+            hit_bytes = HistogramMetricFamily(
+                prefix + "prefix_indexer_hit_bytes",
+                "Length of the prefix match in number of bytes in the cache lookup.",
+                labels=names,
+            )
+            _histogram(hit_bytes, labels, self.stats.prefix_hit_bytes)
+            yield hit_bytes
 
 
 class _Exposition:
@@ -491,8 +504,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self._endpoint_of = endpoint_of
         self._exposition = _Exposition(self.registry, objective_names=objective_names)
-        self._model = LabelCap(max_label_values)
-        self._target = LabelCap(max_label_values)
+        # One cap for both model labels, as upstream's (they share their 1,000 values).
+        self._model = self._target = LabelCap(max_label_values)
         caps = {
             "model_name": self._model,
             "target_model_name": self._target,

@@ -13,8 +13,9 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import FilteredOut, QueueTimeout
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import SchedulingStats
+from poolkeeper.telemetry.flowqueue import FlowQueue, QueueStats
 from poolkeeper.telemetry.llmd_families import UNSAMPLED
-from poolkeeper.telemetry.metrics import OTHER, FlowQueue, GatewayMetrics, PoolStats, QueueStats
+from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, PoolStats
 from tests.requestcontrol.test_rc_director import _chat
 from tests.requestcontrol.test_rc_director_objectives import rig
 

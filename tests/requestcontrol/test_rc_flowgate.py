@@ -215,7 +215,8 @@ async def test_disabled_flow_control_sheds_as_before() -> None:
 
 
 async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> None:
-    from poolkeeper.telemetry.metrics import FlowQueue, GatewayMetrics, QueueStats
+    from poolkeeper.telemetry.flowqueue import FlowQueue, QueueStats
+    from poolkeeper.telemetry.metrics import GatewayMetrics
 
     gate_ref: list[FlowGate] = []
 

@@ -65,14 +65,9 @@ from poolkeeper.server.transport import (
     start_extproc,
 )
 from poolkeeper.server.wiring import build_director
+from poolkeeper.telemetry.flowqueue import FlowQueue, QueueStats
 from poolkeeper.telemetry.health import HealthService
-from poolkeeper.telemetry.metrics import (
-    FlowQueue,
-    GatewayMetrics,
-    ObserverStats,
-    PoolStats,
-    QueueStats,
-)
+from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats
 
 log = logging.getLogger("poolkeeper.server")
 

@@ -13,114 +13,145 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import FilteredOut, QueueTimeout
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import SchedulingStats
-from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, PoolStats, QueueStats
+from poolkeeper.telemetry.flowqueue import FlowQueue, QueueStats
+from poolkeeper.telemetry.llmd_families import UNSAMPLED
+from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, PoolStats
 from tests.requestcontrol.test_rc_director import _chat
 from tests.requestcontrol.test_rc_director_objectives import rig
 
-# llm-d-router v0.10's core families (§4 table), counters with their _total.
-UPSTREAM: frozenset[str] = frozenset(
-    "llm_d_epp_" + name
-    for name in [
-        "request_total",
-        "request_error_total",
-        "request_duration_seconds",
-        "request_size_bytes",
-        "response_size_bytes",
-        "request_input_tokens",
-        "request_output_tokens",
-        "request_cached_tokens",
-        "request_running",
-        "request_ntpot_seconds",
-        "request_ttft_seconds",
-        "request_streaming_tpot_seconds",
-        "request_streaming_itl_seconds",
-        "average_kv_cache_utilization",
-        "average_queue_size",
-        "average_running_requests",
-        "std_dev_kv_cache_utilization",
-        "std_dev_queue_size",
-        "std_dev_running_requests",
-        "ready_endpoints",
-        "per_endpoint_queue_size",
-        "scheduler_e2e_duration_seconds",
-        "scheduler_attempts_total",
-        "plugin_duration_seconds",
-        "plugin_data_scope_violations_total",
-        "request_processing_duration_seconds",
-        "response_processing_duration_seconds",
-        "info",
-        "model_rewrite_decisions_total",
-        "datalayer_poll_errors_total",
-        "datalayer_extract_errors_total",
-        "flow_control_request_queue_duration_seconds",
-        "flow_control_dispatch_cycle_duration_seconds",
-        "flow_control_request_enqueue_duration_seconds",
-        "flow_control_queue_size",
-        "flow_control_queue_bytes",
-        "flow_control_pool_saturation",
-        "flow_control_stale_endpoints",
-        "flow_control_capacity_utilization_requests",
-        "flow_control_capacity_utilization_bytes",
-        "flow_control_global_capacity_utilization_requests",
-        "flow_control_global_capacity_utilization_bytes",
-        "flow_control_requests_total",
-        "flow_control_revocations_issued_total",
-        "flow_control_revocations_total",
-        "flow_control_reclaim_target",
-        "flow_control_pending_reclaim",
-        "flow_control_revocation_confirmation_seconds",
+R = ("model_name", "target_model_name", "fairness_id", "priority")
+POOL = ("inference_pool",)
+# llm-d-router's core families and their label names, as its docs/metrics.md lists them
+# (reference/llm-d-router.md §4); counters with their _total.
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "llm_d_epp_" + name: labels
+    for name, labels in [
+        ("request_total", R),
+        ("request_error_total", (*R, "error_code")),
+        ("request_duration_seconds", R),
+        ("request_size_bytes", R),
+        ("response_size_bytes", R),
+        ("request_input_tokens", R),
+        ("request_output_tokens", R),
+        ("request_cached_tokens", R),
+        ("request_running", R),
+        ("request_ntpot_seconds", R),
+        ("request_ttft_seconds", (*R, "streaming")),
+        ("request_streaming_tpot_seconds", R),
+        ("request_streaming_itl_seconds", R),
+        ("average_kv_cache_utilization", ("name",)),
+        ("average_queue_size", ("name",)),
+        ("average_running_requests", ("name",)),
+        ("std_dev_kv_cache_utilization", ("name",)),
+        ("std_dev_queue_size", ("name",)),
+        ("std_dev_running_requests", ("name",)),
+        ("ready_endpoints", ("name",)),
+        ("per_endpoint_queue_size", ("name", "model_server_endpoint")),
+        ("scheduler_e2e_duration_seconds", ()),
+        ("scheduler_attempts_total",
+         ("status", "target_model_name", "endpoint_name", "namespace", "port")),
+        ("plugin_duration_seconds", ("extension_point", "plugin_type", "plugin_name")),
+        ("plugin_data_scope_violations_total",
+         ("extension_point", "plugin_type", "plugin_name", "access")),
+        ("request_processing_duration_seconds", ()),
+        ("response_processing_duration_seconds", ()),
+        ("info", ("commit", "build_ref")),
+        ("model_rewrite_decisions_total", ("model_rewrite_name", "model_name", "target_model")),
+        ("datalayer_poll_errors_total", ("source_type",)),
+        ("datalayer_extract_errors_total", ("source_type", "extractor_type")),
+        ("flow_control_request_queue_duration_seconds",
+         ("fairness_id", "priority", "outcome", "inference_pool", "model_name",
+          "target_model_name")),
+        ("flow_control_dispatch_cycle_duration_seconds", ()),
+        ("flow_control_request_enqueue_duration_seconds", ("fairness_id", "priority", "outcome")),
+        ("flow_control_queue_size",
+         ("fairness_id", "priority", "inference_pool", "model_name", "target_model_name")),
+        ("flow_control_queue_bytes",
+         ("fairness_id", "priority", "inference_pool", "model_name", "target_model_name")),
+        ("flow_control_pool_saturation", ("inference_pool", "stage")),
+        ("flow_control_stale_endpoints", ("detector",)),
+        ("flow_control_capacity_utilization_requests", ("priority", "inference_pool")),
+        ("flow_control_capacity_utilization_bytes", ("priority", "inference_pool")),
+        ("flow_control_global_capacity_utilization_requests", POOL),
+        ("flow_control_global_capacity_utilization_bytes", POOL),
+        ("flow_control_requests_total", ("outcome", "priority", "inference_pool")),
+        ("flow_control_revocations_issued_total", ("priority", "inference_pool")),
+        ("flow_control_revocations_total", ("outcome", "inference_pool")),
+        ("flow_control_reclaim_target", POOL),
+        ("flow_control_pending_reclaim", POOL),
+        ("flow_control_revocation_confirmation_seconds", POOL),
     ]
-)
+}  # fmt: skip
 
-# The deprecated twins upstream still writes beside them (its metrics.go: `inference_objective_`,
-# `inference_pool_`, `inference_extension_`, `llm_d_inference_scheduler_` subsystems).
-DEPRECATED: frozenset[str] = frozenset(
-    [
-        *(
-            "inference_objective_" + name
-            for name in [
-                "request_total",
-                "request_error_total",
-                "request_duration_seconds",
-                "request_sizes",
-                "response_sizes",
-                "input_tokens",
-                "output_tokens",
-                "prompt_cached_tokens",
-                "running_requests",
-                "normalized_time_per_output_token_seconds",
-            ]
-        ),
-        *(
-            "inference_pool_" + name
-            for name in [
-                "average_kv_cache_utilization",
-                "average_queue_size",
-                "average_running_requests",
-                "ready_pods",
-                "per_pod_queue_size",
-            ]
-        ),
-        *(
-            "inference_extension_" + name
-            for name in [
-                "scheduler_e2e_duration_seconds",
-                "scheduler_attempts_total",
-                "plugin_duration_seconds",
-                "info",
-                "model_rewrite_decisions_total",
-                "flow_control_request_queue_duration_seconds",
-                "flow_control_dispatch_cycle_duration_seconds",
-                "flow_control_request_enqueue_duration_seconds",
-                "flow_control_queue_size",
-                "flow_control_queue_bytes",
-                "flow_control_pool_saturation",
-            ]
-        ),
-        "llm_d_inference_scheduler_datalayer_poll_errors_total",
-        "llm_d_inference_scheduler_datalayer_extract_errors_total",
-    ]
-)
+MODEL = ("model_name", "target_model_name")
+# The deprecated twins upstream still writes beside them, with their label names (its
+# metrics.go: `inference_objective_`, `inference_pool_`, `inference_extension_`,
+# `llm_d_inference_scheduler_` subsystems; collectors/inference_pool.go).
+DEPRECATED: dict[str, tuple[str, ...]] = {
+    **{
+        "inference_objective_" + name: labels
+        for name, labels in [
+            ("request_total", (*MODEL, "priority")),
+            ("request_error_total", (*MODEL, "error_code")),
+            ("request_duration_seconds", MODEL),
+            ("request_sizes", MODEL),
+            ("response_sizes", MODEL),
+            ("input_tokens", MODEL),
+            ("output_tokens", MODEL),
+            ("prompt_cached_tokens", MODEL),
+            ("running_requests", ("model_name",)),
+            ("normalized_time_per_output_token_seconds", MODEL),
+        ]
+    },
+    **{
+        "inference_pool_" + name: labels
+        for name, labels in [
+            ("average_kv_cache_utilization", ("name",)),
+            ("average_queue_size", ("name",)),
+            ("average_running_requests", ("name",)),
+            ("ready_pods", ("name",)),
+            ("per_pod_queue_size", ("name", "model_server_pod")),
+        ]
+    },
+    **{
+        "inference_extension_" + name: labels
+        for name, labels in [
+            ("scheduler_e2e_duration_seconds", ()),
+            ("scheduler_attempts_total",
+             ("status", "target_model_name", "pod_name", "namespace", "port")),
+            ("plugin_duration_seconds", ("extension_point", "plugin_type", "plugin_name")),
+            ("info", ("commit", "build_ref")),
+            ("model_rewrite_decisions_total",
+             ("model_rewrite_name", "model_name", "target_model")),
+            *(
+                (name, UPSTREAM["llm_d_epp_" + name])
+                for name in [
+                    "flow_control_request_queue_duration_seconds",
+                    "flow_control_dispatch_cycle_duration_seconds",
+                    "flow_control_request_enqueue_duration_seconds",
+                    "flow_control_queue_size",
+                    "flow_control_queue_bytes",
+                    "flow_control_pool_saturation",
+                ]
+            ),
+        ]
+    },
+    "llm_d_inference_scheduler_datalayer_poll_errors_total": ("source_type",),
+    "llm_d_inference_scheduler_datalayer_extract_errors_total": ("source_type", "extractor_type"),
+}  # fmt: skip
+
+# Plugin-owned families poolkeeper exports too (the approximate prefix producer's), with the
+# older unlabelled twins.
+PLUGIN_OWNED: dict[str, tuple[str, ...]] = {
+    **{
+        "llm_d_epp_" + name: ("plugin_name", "plugin_type")
+        for name in ["prefix_indexer_size", "prefix_indexer_hit_ratio", "prefix_indexer_hit_bytes"]
+    },
+    **{
+        "inference_extension_" + name: ()
+        for name in ["prefix_indexer_size", "prefix_indexer_hit_ratio", "prefix_indexer_hit_bytes"]
+    },
+}
 
 # Registered without samples (telemetry/llmd_families.py says why; docs/kubernetes.md).
 NO_SAMPLES: frozenset[str] = frozenset(
@@ -163,7 +194,17 @@ def _metrics() -> GatewayMetrics:
             )
         ],
         scheduling=stats,
-        flow_stats=lambda: [QueueStats("pool", "Standard", 1, 10, max_requests=4, max_bytes=40)],
+        flow_stats=lambda: [
+            QueueStats(
+                "pool",
+                Criticality.STANDARD,
+                1,
+                10,
+                max_requests=4,
+                max_bytes=40,
+                flows=(FlowQueue("team-a", 0, "chat", "chat-v1", 1, 10),),
+            )
+        ],
         endpoint_of=lambda hostport: ("sim-0", "llm", hostport),
     )
     m.follow_scrapes(lambda: (3, 1))
@@ -192,34 +233,62 @@ def _families(text: str) -> dict[str, str]:
     return out
 
 
-def test_metrics_families_against_upstreams_list() -> None:
+def _filled() -> GatewayMetrics:
+    """`_metrics()` after one request's events (and a few others'), every hook called."""
     m = _metrics()
     decision = _decision()
     m.routed(decision, 100, 0.001)
     m.finished(decision, status=200, usage=Usage(10, 5, 4), seconds=0.5, response_bytes=50)
     m.rejected("chat", QueueTimeout("late"), 10)
     m.flow_outcome(pool="default/pool", band=Criticality.STANDARD, model="chat",
-                   outcome="Dispatched", waited_s=0.01)  # fmt: skip
+                   target="chat-v1", fairness_id="team-a", priority=0, outcome="Dispatched",
+                   waited_s=0.01)  # fmt: skip
     m.first_token(decision, 0.2)
     m.model_rewritten("default/canary", "chat", "chat-v1")
     m.rejected("chat", FilteredOut("none passed"), 10)
     m.routed(_decision("still-running"), 10, 0.001)
-    text = m.render().decode()
+    return m
+
+
+def test_metrics_families_against_upstreams_list() -> None:
+    text = _filled().render().decode()
     families = _families(text)
     exported = {name for name in families if name.startswith("llm_d_epp_")}
-    assert UPSTREAM - exported == set()
-    assert exported - UPSTREAM <= {
-        "llm_d_epp_prefix_indexer_size",
-        "llm_d_epp_prefix_indexer_hit_ratio",
-        "llm_d_epp_prefix_indexer_hit_bytes",
-    }
-    assert DEPRECATED - set(families) == set()  # the older names stay beside them
+    assert set(UPSTREAM) - exported == set()
+    assert exported - set(UPSTREAM) == {n for n in PLUGIN_OWNED if n.startswith("llm_d_epp_")}
+    assert set(DEPRECATED) - set(families) == set()  # the older names stay beside them
     # Every family but the documented few has a non-zero sample after one request's events.
     sampled = {
         f.name for f in text_string_to_metric_families(text) if any(s.value for s in f.samples)
     }
     sampled |= {name + "_total" for name in sampled}
     assert {n for n in UPSTREAM if n not in sampled} == NO_SAMPLES
+
+
+def _declared(name: str) -> tuple[str, ...]:
+    """The label names a family registered without samples was declared with."""
+    bare = name.removeprefix("llm_d_epp_").removeprefix("inference_extension_")
+    (labels,) = [labels for n, _, labels in UNSAMPLED if n == bare]
+    return labels
+
+
+def test_every_family_has_upstreams_label_names() -> None:
+    """The label names of every family in upstream's list and of every deprecated twin, as
+    exported (families without samples: as declared), diffed against upstream's."""
+    exported: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(_filled().render().decode()):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        names = {k for sample in family.samples for k in sample.labels if k != "le"}
+        exported[name] = names if family.samples else set(_declared(name))
+    expected = {
+        name: set(labels) for name, labels in {**UPSTREAM, **DEPRECATED, **PLUGIN_OWNED}.items()
+    }
+    wrong = {
+        name: (sorted(exported.get(name, ())), sorted(labels))
+        for name, labels in expected.items()
+        if exported.get(name) != labels
+    }
+    assert wrong == {}
 
 
 def _samples(m: GatewayMetrics, family: str) -> list[dict[str, str]]:
@@ -250,7 +319,8 @@ def test_labels_are_capped_at_1000_values_then_other() -> None:
     for i in range(1005):
         m.routed(_decision(f"model-{i}", None), 1, 0.001)
     names = {s["model_name"] for s in _samples(m, "llm_d_epp_request")}
-    assert len(names) == 1001
+    # model_name and target_model_name share the 1,000 values (the target, chat-v1, holds one).
+    assert len(names) == 1000
     assert OTHER in names
     assert {s["priority"] for s in _samples(m, "llm_d_epp_request")} == {"0"}
 
@@ -317,6 +387,7 @@ def test_the_families_filled_from_poolkeepers_own_data() -> None:
     m.finished(decision, status=200, usage=Usage(10, 5, 4), seconds=0.5, response_bytes=50)
     m.rejected("chat", FilteredOut("none passed"), 10)
     m.flow_outcome(pool="default/pool", band=Criticality.SHEDDABLE, model="chat",
+                   target="chat-v1", fairness_id="team-a", priority=-3,
                    outcome="RejectedCapacity", waited_s=0.0)  # fmt: skip
     attempts = sorted(_values(m, "llm_d_epp_scheduler_attempts"), key=lambda s: s[0]["status"])
     assert attempts == [
@@ -353,7 +424,7 @@ def test_the_families_filled_from_poolkeepers_own_data() -> None:
     ]
     for unit in ("requests", "bytes"):
         assert _values(m, f"llm_d_epp_flow_control_capacity_utilization_{unit}") == [
-            ({"priority": "Standard", "inference_pool": "pool"}, 0.25)
+            ({"priority": "0", "inference_pool": "pool"}, 0.25)
         ]
     assert _values(m, "llm_d_epp_datalayer_poll_errors") == [
         ({"source_type": "metrics-data-source"}, 3.0)
@@ -362,5 +433,5 @@ def test_the_families_filled_from_poolkeepers_own_data() -> None:
         ({"source_type": "metrics-data-source", "extractor_type": "core-metrics-extractor"}, 1.0)
     ]
     assert _values(m, "llm_d_epp_flow_control_requests") == [
-        ({"outcome": "RejectedCapacity", "priority": "Sheddable", "inference_pool": "pool"}, 1.0)
+        ({"outcome": "RejectedCapacity", "priority": "-3", "inference_pool": "pool"}, 1.0)
     ]

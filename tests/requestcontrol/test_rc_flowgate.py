@@ -215,14 +215,24 @@ async def test_disabled_flow_control_sheds_as_before() -> None:
 
 
 async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> None:
-    from poolkeeper.telemetry.metrics import GatewayMetrics, QueueStats
+    from poolkeeper.telemetry.flowqueue import FlowQueue, QueueStats
+    from poolkeeper.telemetry.metrics import GatewayMetrics
 
     gate_ref: list[FlowGate] = []
 
     def stats() -> list[QueueStats]:
+        gate = gate_ref[0]
         return [
-            QueueStats(pool.rpartition("/")[2], str(band), n, size)
-            for pool, band, n, size in gate_ref[0].queue_stats()
+            QueueStats(
+                pool.rpartition("/")[2],
+                band,
+                n,
+                size,
+                flows=tuple(
+                    FlowQueue(*key, *value) for key, value in gate.queued_flows(pool, band).items()
+                ),
+            )
+            for pool, band, n, size in gate.queue_stats()
         ]
 
     metrics = GatewayMetrics(flow_stats=stats)
@@ -235,7 +245,10 @@ async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> No
     task = asyncio.create_task(director.route(_chat("cheap")))
     await _until(lambda: director.flow is not None and director.flow.waiting() == 1)
     text = metrics.render().decode()
-    size = 'inference_extension_flow_control_queue_size{inference_pool="pool",priority="Sheddable"}'
+    size = (
+        'inference_extension_flow_control_queue_size{fairness_id="cheap",inference_pool="pool",'
+        'model_name="cheap",priority="0",target_model_name="cheap"}'
+    )
     assert f"{size} 1.0" in text
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -243,8 +256,8 @@ async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> No
     assert f"{size} 0.0" in text
     assert (
         "inference_extension_flow_control_request_queue_duration_seconds_count{"
-        'inference_pool="pool",model_name="cheap",outcome="EvictedContextCancelled",'
-        'priority="Sheddable"} 1.0'
+        'fairness_id="cheap",inference_pool="pool",model_name="cheap",'
+        'outcome="EvictedContextCancelled",priority="0",target_model_name="cheap"} 1.0'
     ) in text
 
 

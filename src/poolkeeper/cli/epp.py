@@ -63,7 +63,6 @@ UNHONOURED: dict[str, str] = {
     "refresh-prometheus-metrics-interval": "pool gauges are computed at each scrape of /metrics",
     "metrics-staleness-threshold": "staleness is the detector's metricsStalenessThreshold",
     "plugin-state-staleness-threshold": "in-flight state ends with each request",
-    "fairness-id-metric-label-limit": "label values are capped at 1,000",
     "zap-devel": "log format follows --zap-encoder",
     "zap-stacktrace-level": "log format follows --zap-encoder",
     "zap-time-encoding": "log format follows --zap-encoder",
@@ -220,6 +219,7 @@ def epp_serve_options(options: EppOptions, source: Any) -> Any:
         tls=_tls(options),
         metrics_middlewares=_metrics_auth(options),
         upstream_health=True,
+        fairness_id_label_limit=options.number("fairness-id-metric-label-limit"),
     )
 
 

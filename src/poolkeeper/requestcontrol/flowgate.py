@@ -59,7 +59,16 @@ class FlowObserver(Protocol):
     """Metrics hook (telemetry implements it)."""
 
     def flow_outcome(
-        self, *, pool: str, band: Criticality, model: str, outcome: str, waited_s: float
+        self,
+        *,
+        pool: str,
+        band: Criticality,
+        model: str,
+        target: str,
+        fairness_id: str,
+        priority: int,
+        outcome: str,
+        waited_s: float,
     ) -> None: ...
 
 
@@ -244,9 +253,10 @@ class FlowGate:
     def _outcome(self, item: FlowItem[Job], outcome: str, waited: float) -> None:
         self.totals[(item.band, outcome)] += 1
         if self.observer is not None:
+            job = item.payload
             self.observer.flow_outcome(
-                pool=item.payload.pool, band=item.band, model=item.payload.model,
-                outcome=outcome, waited_s=waited,
+                pool=job.pool, band=item.band, model=job.model, target=job.target,
+                fairness_id=item.flow, priority=job.priority, outcome=outcome, waited_s=waited,
             )  # fmt: skip
 
     # -- introspection ------------------------------------------------------------------------
@@ -262,6 +272,20 @@ class FlowGate:
             for pool, d in self._pools.items()
             for band in BANDS
         ]
+
+    def queued_flows(
+        self, pool: str, band: Criticality
+    ) -> dict[tuple[str, int, str, str], tuple[int, int]]:
+        """(fairness id, priority, model, target) -> (requests, bytes) waiting in one band of
+        one pool (the per-flow queue gauges)."""
+        dispatcher = self._pools.get(pool)
+        out: dict[tuple[str, int, str, str], tuple[int, int]] = {}
+        for item in dispatcher.items(band) if dispatcher is not None else ():
+            job = item.payload
+            key = (item.flow, job.priority, job.model, job.target)
+            requests, size = out.get(key, (0, 0))
+            out[key] = (requests + 1, size + item.size)
+        return out
 
     def next_deadline(self) -> float:
         return min((d.next_deadline() for d in self._pools.values()), default=math.inf)

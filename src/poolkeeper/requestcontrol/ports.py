@@ -104,6 +104,8 @@ class Job:
     # FlowGate's: the endpoints with room its last headroom check found, and the waiter.
     ready: list[EndpointState] | None = None
     future: asyncio.Future[RoutingDecision] | None = None
+    # The InferenceObjective priority (0 when none applies): the flow-control metrics' label.
+    priority: int = 0
 
 
 class Gate(Protocol):

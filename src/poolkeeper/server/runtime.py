@@ -65,8 +65,9 @@ from poolkeeper.server.transport import (
     start_extproc,
 )
 from poolkeeper.server.wiring import build_director
+from poolkeeper.telemetry.flowqueue import FlowQueue, QueueStats
 from poolkeeper.telemetry.health import HealthService
-from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats, QueueStats
+from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats, PoolStats
 
 log = logging.getLogger("poolkeeper.server")
 
@@ -101,6 +102,8 @@ class ServeOptions:
     metrics_middlewares: tuple[Any, ...] = ()
     # gRPC health as llm-d-router's EPP answers it (leader-aware; `poolkeeper-epp`).
     upstream_health: bool = False
+    # Distinct `fairness_id` metric label values, then `other` (--fairness-id-metric-label-limit).
+    fairness_id_label_limit: int = 1000
 
 
 def _mean(values: list[float]) -> float:
@@ -245,6 +248,7 @@ class GatewayRuntime:
             scheduling=stats if isinstance(stats, SchedulingStats) else None,
             flow_stats=self.flow_stats,
             endpoint_of=self.endpoint_of,
+            fairness_id_label_limit=self.options.fairness_id_label_limit,
         )
         self.metrics.follow_scrapes(self._scrapers.failure_totals)
         self.metrics.follow_source(self._source.stale_s)
@@ -483,13 +487,20 @@ class GatewayRuntime:
         bands = self.config.spec.flow_control.bands if self.config is not None else None
         for pool, band, requests, size in gate.queue_stats():
             bound = bands.of(band) if bands is not None else None
+            flows = tuple(
+                FlowQueue(flow, priority, model, target, n, nbytes)
+                for (flow, priority, model, target), (n, nbytes) in gate.queued_flows(
+                    pool, band
+                ).items()
+            )
             yield QueueStats(
                 pool.rpartition("/")[2],
-                str(band),
+                band,
                 requests,
                 size,
                 max_requests=bound.max_requests if bound is not None else 0,
                 max_bytes=bound.max_bytes if bound is not None else 0,
+                flows=flows,
             )
 
     @property

@@ -48,11 +48,6 @@ ALSO_AS: Final[Mapping[str, tuple[str, Mapping[str, str]]]] = MappingProxyType(
         "inference_extension_flow_control_queue_size": ("llm_d_epp_flow_control_queue_size", {}),
         "inference_extension_flow_control_queue_bytes": (
             "llm_d_epp_flow_control_queue_bytes", {}),
-        "inference_extension_prefix_indexer_size": ("llm_d_epp_prefix_indexer_size", {}),
-        "inference_extension_prefix_indexer_hit_ratio": (
-            "llm_d_epp_prefix_indexer_hit_ratio", {}),
-        "inference_extension_prefix_indexer_hit_bytes": (
-            "llm_d_epp_prefix_indexer_hit_bytes", {}),
     }
 )  # fmt: skip
 

@@ -71,7 +71,7 @@ ALSO_AS: Final = {
 }
 # Families without samples that upstream also writes under an older `inference_extension_`
 # name (registered under that one; ALSO_AS gives the llm-d name).
-_TWINNED: Final = frozenset(
+TWINNED: Final = frozenset(
     {
         "flow_control_dispatch_cycle_duration_seconds",
         "flow_control_request_enqueue_duration_seconds",
@@ -79,7 +79,7 @@ _TWINNED: Final = frozenset(
 )
 
 # (name without prefix, type, labels) of the families registered without samples.
-_EMPTY: Final = (
+UNSAMPLED: Final = (
     ("request_streaming_tpot_seconds", "histogram", R),
     ("request_streaming_itl_seconds", "histogram", R),
     ("plugin_data_scope_violations_total", "counter",
@@ -163,9 +163,9 @@ class LlmdFamilies:
                 buckets=token_buckets,
                 registry=r,
             )
-        for name, kind, labels in _EMPTY:
+        for name, kind, labels in UNSAMPLED:
             help_ = f"{name.replace('_', ' ')} (registered; poolkeeper records none)"
-            full = ("inference_extension_" if name in _TWINNED else PREFIX) + name
+            full = ("inference_extension_" if name in TWINNED else PREFIX) + name
             if kind == "counter":
                 Counter(full.removesuffix("_total"), help_, labels, registry=r)
             elif kind == "gauge":

@@ -5,15 +5,18 @@ Each `GatewayMetrics` owns its own `CollectorRegistry` (never the global one), s
 gateways, tests and the quickstart can live in one process. It implements the ext_proc
 `ExchangeObserver` hooks. Pool gauges and the scheduler's plugin/prefix-index measurements are
 read at scrape time from callables, so no loop has to keep them fresh. Label values that come
-from clients (model names) are capped: after `max_label_values` distinct values per label, new
-ones are reported as "other", and each value is sanitised first (control characters replaced,
-at most `MAX_LABEL_CHARS` characters), so neither many names nor long ones can bloat /metrics.
+from clients are capped as upstream caps them: model names (`model_name` and
+`target_model_name` share `max_label_values` values) and fairness ids
+(`fairness_id_label_limit`); past the cap, new ones are reported as "other". Each value is
+sanitised first (control characters replaced, at most `MAX_LABEL_CHARS` characters), so neither
+many names nor long ones can bloat /metrics.
 
 Exposition differs from prometheus_client's default in two ways, both to look like upstream's
 Go client: no `_created` series, and (unless `objective_names=False`) every `inference_model_*`
 family is also exposed as `inference_objective_*`, the v1.1+ name, with the same samples.
-llm-d-router's `llm_d_epp_*` families come beside them (`telemetry/llmd.py`). Label values are
-capped at 1,000 distinct values per label by default, as upstream.
+llm-d-router's `llm_d_epp_*` families come beside them (`telemetry/llmd.py`), the flow-control
+ones labelled as upstream's: the flow's fairness id, the request's priority (a number), the
+pool, model and target.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from poolkeeper.errors import FilteredOut, GatewayError
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import HistogramData, SchedulingStats
 from poolkeeper.telemetry.children import Counter, Gauge, Histogram
+from poolkeeper.telemetry.flowqueue import QueueCollector, QueueStats
 from poolkeeper.telemetry.llmd import ALSO_AS, LlmdRequestMetrics
 from poolkeeper.telemetry.llmd_families import (
     ALSO_AS as FAMILIES_ALSO_AS,
@@ -89,7 +93,8 @@ class LabelCap:
         self._seen: set[str] = set()
 
     def __call__(self, value: str) -> str:
-        if value in self._seen:  # admitted before, so already clean (sanitising is idempotent)
+        # Empty stays empty (as upstream's bound); one admitted before is clean already.
+        if not value or value in self._seen:
             return value
         value = sanitize_label(value)
         if value in self._seen:
@@ -117,58 +122,6 @@ class PoolStats:
     # flow_control_stale_endpoints): mean saturation, stale endpoints counting 1.0.
     saturation: float | None = None
     stale_endpoints: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class QueueStats:
-    """One band of one pool's flow-control queue, at scrape time."""
-
-    pool: str  # the pool's name (upstream label `inference_pool`)
-    priority: str  # the band: Critical | Standard | Sheddable
-    requests: int
-    bytes: int
-    # The band's bounds per pool (maxRequests, maxBytes); 0: unknown, no utilization ratio.
-    max_requests: int = 0
-    max_bytes: int = 0
-
-
-class _QueueCollector(Collector):
-    def __init__(self, source: Callable[[], Iterable[QueueStats]]) -> None:
-        self.source = source
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        size = GaugeMetricFamily(
-            "inference_extension_flow_control_queue_size",
-            "Requests waiting in the flow-control queue, per pool and priority band.",
-            labels=["inference_pool", "priority"],
-        )
-        size_bytes = GaugeMetricFamily(
-            "inference_extension_flow_control_queue_bytes",
-            "Request bytes waiting in the flow-control queue, per pool and priority band.",
-            labels=["inference_pool", "priority"],
-        )
-        # llm-d-router's names only (no older twins): the fraction of the band's bounds used.
-        used = {
-            unit: GaugeMetricFamily(
-                f"llm_d_epp_flow_control_capacity_utilization_{unit}",
-                f"Fraction of a priority band's {unit} capacity in use (0-1), per pool.",
-                labels=["priority", "inference_pool"],
-            )
-            for unit in ("requests", "bytes")
-        }
-        for stats in self.source():
-            size.add_metric([stats.pool, stats.priority], stats.requests)
-            size_bytes.add_metric([stats.pool, stats.priority], stats.bytes)
-            if stats.max_requests:
-                ratio = stats.requests / stats.max_requests
-                used["requests"].add_metric([stats.priority, stats.pool], ratio)
-            if stats.max_bytes:
-                used["bytes"].add_metric(
-                    [stats.priority, stats.pool], stats.bytes / stats.max_bytes
-                )
-        yield size
-        yield size_bytes
-        yield from used.values()
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +270,10 @@ def _histogram(family: HistogramMetricFamily, labels: list[str], *parts: Histogr
     family.add_metric(labels, list(zip(bounds, counts, strict=True)), total)
 
 
+# (plugin_name, plugin_type) of llm-d's prefix-indexer families.
+PREFIX_PRODUCER = ["approx-prefix-cache-producer", "approx-prefix-cache-producer"]
+
+
 class _SchedulingCollector(Collector):
     """Plugin durations (v0.5 and v1.0+ names) and the prefix indexer, read at scrape time."""
 
@@ -345,23 +302,29 @@ class _SchedulingCollector(Collector):
             _histogram(v05, [point, type_], *hists)
         yield v05
         yield v10
-        size = GaugeMetricFamily(
-            "inference_extension_prefix_indexer_size", "Size of the prefix indexer."
-        )
-        size.add_metric([], self.stats.prefix_index_size())
-        yield size
-        ratio = HistogramMetricFamily(
-            "inference_extension_prefix_indexer_hit_ratio",
-            "Ratio of prefix length matched to total prefix length in the cache lookup.",
-        )
-        _histogram(ratio, [], self.stats.prefix_hit_ratio)
-        yield ratio
-        hit_bytes = HistogramMetricFamily(
-            "inference_extension_prefix_indexer_hit_bytes",
-            "Length of the prefix match in number of bytes in the cache lookup.",
-        )
-        _histogram(hit_bytes, [], self.stats.prefix_hit_bytes)
-        yield hit_bytes
+        # GIE's unlabelled names, and llm-d's labelled by the producer plugin upstream records
+        # them in (poolkeeper's prefix index stands in for it, under its default name).
+        for prefix, labels in (("inference_extension_", []), ("llm_d_epp_", PREFIX_PRODUCER)):
+            names = ["plugin_name", "plugin_type"] if labels else []
+            size = GaugeMetricFamily(
+                prefix + "prefix_indexer_size", "Size of the prefix indexer.", labels=names
+            )
+            size.add_metric(labels, self.stats.prefix_index_size())
+            yield size
+            ratio = HistogramMetricFamily(
+                prefix + "prefix_indexer_hit_ratio",
+                "Ratio of prefix length matched to total prefix length in the cache lookup.",
+                labels=names,
+            )
+            _histogram(ratio, labels, self.stats.prefix_hit_ratio)
+            yield ratio
+            hit_bytes = HistogramMetricFamily(
+                prefix + "prefix_indexer_hit_bytes",
+                "Length of the prefix match in number of bytes in the cache lookup.",
+                labels=names,
+            )
+            _histogram(hit_bytes, labels, self.stats.prefix_hit_bytes)
+            yield hit_bytes
 
 
 class _Exposition:
@@ -434,25 +397,29 @@ class GatewayMetrics:
         scheduling: SchedulingStats | None = None,
         flow_stats: Callable[[], Iterable[QueueStats]] | None = None,
         max_label_values: int = 1000,
+        fairness_id_label_limit: int = 1000,
         objective_names: bool = True,
         endpoint_of: Callable[[str], tuple[str, str, str] | None] | None = None,
     ) -> None:
         """`endpoint_of`: (name, namespace, hostport) of the endpoint at a `host:port`, for
-        the scheduler-attempt labels (None: the labels stay empty)."""
+        the scheduler-attempt labels (None: the labels stay empty). `fairness_id_label_limit`:
+        distinct `fairness_id` values kept, then `other` (upstream's
+        --fairness-id-metric-label-limit; 0: every value is `other`)."""
         self.registry = CollectorRegistry()
         self._endpoint_of = endpoint_of
         self._exposition = _Exposition(self.registry, objective_names=objective_names)
-        self._model = LabelCap(max_label_values)
-        self._target = LabelCap(max_label_values)
+        # One cap for both model labels, as upstream's (they share their 1,000 values).
+        self._model = self._target = LabelCap(max_label_values)
         caps = {
             "model_name": self._model,
             "target_model_name": self._target,
-            "fairness_id": LabelCap(max_label_values),
+            "fairness_id": LabelCap(fairness_id_label_limit),
         }
+        self._cap: Callable[[str, str], str] = lambda label, value: caps[label](value)
         r = self.registry
         self.llmd = LlmdRequestMetrics(
             r,
-            lambda label, value: caps[label](value),
+            self._cap,
             {
                 "duration": DURATION_BUCKETS,
                 "request_size": REQUEST_SIZE_BUCKETS,
@@ -550,12 +517,19 @@ class GatewayMetrics:
             "inference_extension_flow_control_request_queue_duration_seconds",
             "Time requests spent in the flow-control queue, by outcome (Dispatched, "
             "RejectedCapacity, RejectedOther, EvictedTTL, EvictedContextCancelled).",
-            ["inference_pool", "priority", "outcome", "model_name"],
+            [
+                "fairness_id",
+                "priority",
+                "outcome",
+                "inference_pool",
+                "model_name",
+                "target_model_name",
+            ],
             buckets=DURATION_BUCKETS,
             registry=r,
         )
         if flow_stats is not None:
-            r.register(_QueueCollector(flow_stats))
+            r.register(QueueCollector(flow_stats, self._cap))
 
     def follow_source(self, stale_s: Callable[[], float]) -> None:
         """Export how long the resource source has not been in step (Kubernetes: watches
@@ -646,13 +620,26 @@ class GatewayMetrics:
 
     # -- FlowObserver (requestcontrol.flowgate) ----------------------------------------------
     def flow_outcome(
-        self, *, pool: str, band: Criticality, model: str, outcome: str, waited_s: float
+        self,
+        *,
+        pool: str,
+        band: Criticality,
+        model: str,
+        target: str,
+        fairness_id: str,
+        priority: int,
+        outcome: str,
+        waited_s: float,
     ) -> None:
+        """One request's flow-control outcome, labelled as upstream: its fairness id and
+        priority (the number), pool, model and target (`band` is poolkeeper's own)."""
+        del band  # upstream labels by the priority; the band follows from it
         pool_name = pool.rpartition("/")[2]
-        self.flow_queue_duration.labels(pool_name, str(band), outcome, self._model(model)).observe(
-            waited_s
-        )
-        self.families.flow_requests.labels(outcome, str(band), pool_name).inc()
+        fairness = self._cap("fairness_id", fairness_id)
+        self.flow_queue_duration.labels(
+            fairness, str(priority), outcome, pool_name, self._model(model), self._target(target)
+        ).observe(waited_s)
+        self.families.flow_requests.labels(outcome, str(priority), pool_name).inc()
 
     # -- exposition -------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -323,8 +323,14 @@ async def test_sheddable_is_held_then_refused_when_saturated_critical_is_not(
         assert refused.body["code"] == "queue_timeout"
         assert 1.0 < waited < 10.0
         # Critical is not held: it reaches a server, where it waits for a slot (deferred).
+        # max_tokens=1: without it llama-server generates to its context limit, and a cancelled
+        # non-streaming request it has not noticed kept a slot busy past the final idle wait.
         deferred = sum(s.metrics()["llamacpp:requests_deferred"] for s in gateway.servers)
-        holders.append(asyncio.create_task(client.completions.create(model=BASE_MODEL, prompt="x")))
+        holders.append(
+            asyncio.create_task(
+                client.completions.create(model=BASE_MODEL, prompt="x", max_tokens=1)
+            )
+        )
         assert await _until(
             lambda: (
                 sum(s.metrics()["llamacpp:requests_deferred"] for s in gateway.servers) > deferred

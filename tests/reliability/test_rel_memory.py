@@ -183,7 +183,13 @@ def _assert_bounded(
     report = _report(n, f)
     assert f["second_epp"] - f["idle_epp"] < 50, report
     assert f["second_envoy_live"] - f["idle_envoy_live"] < 16, report  # no body kept
-    assert f["second_envoy"] - f["first_envoy"] < second_over_first, report  # pages reused
+    # Pages reused: a second burst that peaks no higher than the first keeps Envoy's RSS where
+    # the first left it. One that peaks higher (the EPP fell further behind, e.g. while a test
+    # in the other xdist worker loads the CPU) may keep up to the difference in free pages
+    # (tcmalloc), which is retention, not a leak: the live heap check above proves no body kept.
+    # Seen at load 1.5 in a fresh-clone `make test`: peaks 16 / 50 MB, RSS +32 MB.
+    extra_peak = max(0.0, f["second_envoy_peak_heap"] - f["first_envoy_peak_heap"])
+    assert f["second_envoy"] - f["first_envoy"] < second_over_first + extra_peak, report
     assert f["second_envoy"] - f["idle_envoy"] < envoy_rss_bound, report
 
 

@@ -50,7 +50,10 @@ SERVED = "x-gateway-destination-endpoint-served"
 # The "adapters" pool: one adapter slot per server (--max-loras 1), real speed, a small KV cache.
 LORA_ONLY = ("lora-a", "lora-b", "lora-c")
 HOLDER_PROMPT_TOKENS = 8000  # 500 of the 2000 KV blocks while its request runs
-HOLDER_MAX_TOKENS = 1500  # about 10 s of decoding; adds at most 94 blocks
+HOLDER_MAX_TOKENS = 1500  # adds at most 94 blocks; about 90 s of decoding at LORA_STEP_S
+# A step of the "adapters" servers (the default is 6 ms): a holder must outlive the test's steps,
+# which take well over 10 s on a loaded machine; the test closes the holders when it is done.
+LORA_STEP_S = 0.06
 
 
 @dataclass
@@ -98,8 +101,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
          "--max-num-seqs", "1"],
         logs / "tiny.log",
     )  # fmt: skip
+    lora_config = logs / "lora.yaml"
+    lora_config.write_text(f"defaults:\n  step_overhead_s: {LORA_STEP_S}\n")
     lora = poolkeeper(
-        ["sim", "--count", "3", "--port", str(lora_ports[0]),
+        ["sim", "--count", "3", "--port", str(lora_ports[0]), "--config", str(lora_config),
          "--lora-adapters", ",".join(LORA_ONLY), "--max-loras", "1", "--num-gpu-blocks", "2000",
          "--seed", "2"],
         logs / "lora.log",

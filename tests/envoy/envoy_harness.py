@@ -14,6 +14,7 @@ import grpc
 from aiohttp import web
 
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
+from poolkeeper.envoy.params import EPP_CLUSTER
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.errors import BadRequest, NoReadyEndpoint
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
@@ -206,7 +207,12 @@ def rig_params(
 
 
 @asynccontextmanager
-async def running_envoy(params: BootstrapParams, workdir: Path) -> AsyncIterator[EnvoySupervisor]:
+async def running_envoy(
+    params: BootstrapParams, workdir: Path, *, epp_up: bool = True
+) -> AsyncIterator[EnvoySupervisor]:
+    """Envoy for `params`, ready; with `epp_up` (an EPP answers health checks) also until it
+    counts the EPP healthy: `/ready` can come before the first health check passed on a loaded
+    machine, and a FailClose pool answers 503 until then (`serve` waits the same way)."""
     config = workdir / f"envoy-{params.listen_port}.json"
     config.write_text(render(build_bootstrap(params)))
     supervisor = EnvoySupervisor(
@@ -221,6 +227,8 @@ async def running_envoy(params: BootstrapParams, workdir: Path) -> AsyncIterator
     await supervisor.start()
     try:
         await supervisor.wait_ready()
+        if epp_up and params.epp_health_interval_s > 0:
+            assert await supervisor.wait_healthy(EPP_CLUSTER), supervisor.log_tail()
         yield supervisor
     finally:
         await supervisor.stop()

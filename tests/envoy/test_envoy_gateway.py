@@ -81,7 +81,7 @@ async def rig(
         admin_allow_paths=(*ADMIN_ALLOW_PATHS, "/clusters"),  # the EDS hosts, read below
     )
     try:
-        async with running_envoy(params, tmp_path) as envoy:
+        async with running_envoy(params, tmp_path, epp_up=epp_up) as envoy:
             yield Rig(
                 f"http://127.0.0.1:{params.listen_port}",
                 backends,

@@ -34,7 +34,10 @@ async def test_split_names_are_rewritten_to_their_first_target_with_the_epp_down
     )
     url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
     try:
-        async with running_envoy(params, tmp_path), aiohttp.ClientSession() as session:
+        async with (
+            running_envoy(params, tmp_path, epp_up=False),
+            aiohttp.ClientSession() as session,
+        ):
             cases: list[tuple[dict[str, object], str]] = [
                 ({"model": "food-review", "messages": []}, "food-review-v1"),
                 (

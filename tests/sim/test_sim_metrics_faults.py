@@ -33,6 +33,14 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> Samples:
     return values
 
 
+async def until(condition: Callable[[], bool], what: str, within_s: float = 30) -> None:
+    """Poll until `condition` holds; the deadline only bounds a hang."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
+        await asyncio.sleep(0.01)
+
+
 async def complete(http: aiohttp.ClientSession, url: str, model: str, prompt: str, n: int) -> int:
     body = {"model": model, "prompt": prompt, "max_tokens": n}
     async with http.post(f"{url}/v1/completions", json=body) as response:
@@ -41,7 +49,7 @@ async def complete(http: aiohttp.ClientSession, url: str, model: str, prompt: st
 
 
 async def test_metrics_move_with_load(sim_cluster: StartCluster) -> None:
-    _, (where,) = await sim_cluster(1, max_num_seqs=2, lora_adapters=["a"], max_loras=1)
+    cluster, (where,) = await sim_cluster(1, max_num_seqs=2, lora_adapters=["a"], max_loras=1)
     async with aiohttp.ClientSession() as http:
         idle = await scrape(http, where.url)
         assert idle[("vllm:num_requests_running", ())] == 0
@@ -50,20 +58,24 @@ async def test_metrics_move_with_load(sim_cluster: StartCluster) -> None:
         assert dict(config[1])["num_gpu_blocks"] == "28000"
         assert dict(config[1])["block_size"] == "16"
         shared = "The same long system prompt for every request. " * 20
-        jobs = [
-            asyncio.create_task(complete(http, where.url, "a" if i == 0 else DEFAULT_MODEL,
-                                         shared + f"q{i}", 150))
-            for i in range(6)
-        ]  # fmt: skip
-        # Poll until all six have arrived (two run, four wait; each runs about a second).
-        for _ in range(200):  # 10 s at most: only a failing test gets near it
+        # The engine's clock is the wall clock: on a loaded machine the first request could end
+        # before the sixth arrives. Hold arrivals, hand all six over at one instant, and freeze
+        # the steps while /metrics is read, so what the test sees does not depend on speed.
+        cluster.driver.hold()
+        driver = cluster.driver
+        jobs = []
+        for i in range(6):  # the adapter's request first: the engine admits in arrival order
+            model = "a" if i == 0 else DEFAULT_MODEL
+            jobs.append(
+                asyncio.create_task(complete(http, where.url, model, shared + f"q{i}", 150))
+            )
+            await until(lambda: driver.held_count() >= 1, "the adapter's request arrives")
+        await until(lambda: driver.held_count() == 6, "all six requests arrive")
+        driver.release()
+        try:
             busy = await scrape(http, where.url)
-            if (
-                busy[("vllm:num_requests_running", ())] + busy[("vllm:num_requests_waiting", ())]
-                == 6
-            ):
-                break
-            await asyncio.sleep(0.05)
+        finally:
+            driver.resume()
         assert busy[("vllm:num_requests_running", ())] == 2
         assert busy[("vllm:num_requests_waiting", ())] == 4
         assert busy[("vllm:gpu_cache_usage_perc", ())] > 0

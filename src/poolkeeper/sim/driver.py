@@ -8,6 +8,11 @@ step at once and wakes the loop if that step ends sooner than the loop's current
 The engine clock is `loop.time()`. If the loop runs late, the engine still steps on its own
 schedule (a step's tokens carry the step's end time); late delivery is the only distortion, and
 the capacity benchmark measures it.
+
+`hold()` / `release()` / `resume()` are a seam for tests that must observe a state (say, two
+requests running and four waiting) without racing the wall clock: while held, arriving requests
+queue in the driver; `release()` hands them all to the engines at one instant (their arrival is
+that instant), and no step is delivered until `resume()`.
 """
 
 from __future__ import annotations
@@ -68,11 +73,16 @@ class RealtimeDriver:
         self.lag_max = 0.0  # worst lateness of step delivery seen (seconds)
         self.lag_sum = 0.0
         self.steps_delivered = 0
+        self._held: list[tuple[int, SimRequest, TokenWaiter]] | None = None
+        self._frozen = False
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()
 
     def submit(self, index: int, request: SimRequest, waiter: TokenWaiter) -> None:
+        if self._held is not None:
+            self._held.append((index, request, waiter))
+            return
         request.sink = waiter
         self.engines[index].submit(request, request.arrival)
         self._reschedule(index)
@@ -80,6 +90,31 @@ class RealtimeDriver:
     def cancel(self, index: int, request_id: str) -> None:
         self.engines[index].cancel(request_id, self.now())
         self._reschedule(index)
+
+    def held_count(self) -> int:
+        """How many requests wait in `hold()` (0 when not holding)."""
+        return 0 if self._held is None else len(self._held)
+
+    def hold(self) -> None:
+        """Queue new requests here and deliver no step until `release()` and `resume()`."""
+        self._held = []
+        self._frozen = True
+
+    def release(self) -> None:
+        """Submit every held request at this instant; steps stay frozen until `resume()`."""
+        held, self._held = self._held or [], None
+        now = self.now()
+        for index, request, waiter in held:
+            request.arrival = now
+            request.sink = waiter
+            self.engines[index].submit(request, now)
+        for index in sorted({index for index, _, _ in held}):
+            self._reschedule(index)
+
+    def resume(self) -> None:
+        """Deliver steps again (those that ended meanwhile are delivered late, at once)."""
+        self._frozen = False
+        self._kick()
 
     def close(self) -> None:
         self._closed = True
@@ -104,7 +139,7 @@ class RealtimeDriver:
         heap = self._heap
         while not self._closed:
             now = loop.time()
-            while heap and heap[0][0] <= now:
+            while heap and heap[0][0] <= now and not self._frozen:
                 t, _, index = heapq.heappop(heap)
                 if self._due[index] != t:
                     continue
@@ -114,7 +149,7 @@ class RealtimeDriver:
             self._sleep_until = heap[0][0] if heap else math.inf
             self._wake = loop.create_future()
             handle = None
-            if heap:
+            if heap and not self._frozen:
                 handle = loop.call_at(self._sleep_until, _resolve, self._wake)
             try:
                 await self._wake

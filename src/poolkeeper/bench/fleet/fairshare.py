@@ -206,9 +206,23 @@ def run_case(case: FairCase, policy_name: str, seed: int = 1) -> dict[str, Any]:
             refused[ends.get(r.request_id, r.error or "shed")] += 1
         if r.status == "ok" and r.finish is not None and lo <= r.finish < hi:
             served[request.model] += r.prompt_tokens + r.completion_tokens
-    rates = {m: v / (hi - lo) for m, v in served.items()}
+    return {"policy": policy_name} | case_summary(
+        served, hi - lo, ok, refused, probe, len(result.requests)
+    )
+
+
+def case_summary(
+    served: dict[str, float],
+    window_s: float,
+    ok: Counter[str],
+    refused: Counter[str],
+    probe: dict[str, Any],
+    requests: int,
+) -> dict[str, Any]:
+    """One case's measurements from the tokens each model was served in the measured window:
+    the one shape the virtual run here and the live run (`bench.live.fairlive`) both report."""
+    rates = {m: v / window_s for m, v in served.items()}
     return {
-        "policy": policy_name,
         "served_tok_s": rates,
         "beta_to_alpha": rates[BETA] / max(rates[ALPHA], 1e-9),
         "jain": jain(list(rates.values())),
@@ -217,7 +231,7 @@ def run_case(case: FairCase, policy_name: str, seed: int = 1) -> dict[str, Any]:
         "standard_refused": sum(refused.values()),
         "refused": dict(refused),
         "probe": probe,
-        "requests": len(result.requests),
+        "requests": requests,
     }
 
 

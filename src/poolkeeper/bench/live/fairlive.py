@@ -34,7 +34,7 @@ from poolkeeper.bench.fleet.fairshare import (
     PROMPT_TOKENS,
     RETRY_S,
     FairCase,
-    jain,
+    case_summary,
 )
 from poolkeeper.bench.live.live import (
     POOLKEEPER,
@@ -179,18 +179,7 @@ def measure(run: _Run) -> dict[str, Any]:
                 served[d.model] += d.prompt_tokens + d.output_tokens
         else:
             refused[f"{d.status} {d.reason}".strip()] += 1
-    rates = {m: v / (hi - lo) for m, v in served.items()}
-    return {
-        "served_tok_s": rates,
-        "beta_to_alpha": rates[BETA] / max(rates[ALPHA], 1e-9),
-        "jain": jain(list(rates.values())),
-        "goodput_tok_s": sum(rates.values()),
-        "completed": dict(ok),
-        "standard_refused": sum(refused.values()),
-        "refused": dict(refused),
-        "probe": probe,
-        "requests": len(run.done),
-    }
+    return case_summary(served, hi - lo, ok, refused, probe, len(run.done))
 
 
 def run_fair_live(

@@ -19,7 +19,13 @@ import pytest
 from poolkeeper.extproc.h2 import frames as f
 from poolkeeper.extproc.h2.headers import HeaderDecoder, table_neutral
 from poolkeeper.extproc.h2.limits import Limits
-from poolkeeper.extproc.h2.rpc import RpcError
+from poolkeeper.extproc.h2.rpc import (
+    RESOURCE_EXHAUSTED,
+    UNIMPLEMENTED,
+    MessageReader,
+    RpcError,
+    envelope,
+)
 from poolkeeper.extproc.h2.server import tls_context
 from tests.extproc.h2_peer import PATH, Peer, echo_method, goaway_code, lean
 
@@ -394,3 +400,30 @@ def test_literals_without_indexing_are_remembered_as_envoy_sends_them() -> None:
     long_value = b"\x04\x7f\x01" + b"v" * 128  # length 127 + 1 as a continued integer
     assert table_neutral(long_value)
     assert not table_neutral(long_value[:-1])
+
+
+def test_the_message_reader_joins_messages_cut_anywhere() -> None:
+    """Messages split at every byte, the prefix included, several per feed or one across
+    many: each comes out whole, once, in order."""
+    messages = [b"", b"a", b"hello world" * 30, b"z" * 70_000]
+    stream = b"".join(envelope(m) for m in messages)
+    for cut in (1, 2, 3, 4, 5, 6, 7, 64, 16_384):
+        reader = MessageReader(1 << 20)
+        out = [m for at in range(0, len(stream), cut) for m in reader.feed(stream[at : at + cut])]
+        assert out == messages, cut
+    reader = MessageReader(1 << 20)
+    assert reader.feed(stream) == messages  # all at once
+
+
+def test_the_message_reader_refuses_at_the_prefix() -> None:
+    """A message over the limit, or compressed, is refused once its prefix is read, before its
+    bytes arrive."""
+    reader = MessageReader(100)
+    with pytest.raises(RpcError) as over:
+        reader.feed(b"\x00\x00\x00\x00\x65" + b"x" * 10)
+    assert over.value.code == RESOURCE_EXHAUSTED
+    reader = MessageReader(100)
+    assert reader.feed(b"\x01\x00") == []
+    with pytest.raises(RpcError) as compressed:
+        reader.feed(b"\x00\x00\x02ab")
+    assert compressed.value.code == UNIMPLEMENTED

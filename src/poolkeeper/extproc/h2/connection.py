@@ -191,6 +191,7 @@ class Connection(asyncio.Protocol):
             if self._preface_timer is not None:
                 self._preface_timer.cancel()
         pos, size = 0, len(buf)
+        view = memoryview(buf)  # each payload copied once (a bytearray slice is a copy too)
         try:
             while size - pos >= f.HEADER_LEN:
                 length, kind, flags, stream_id = f.parse_head(buf, pos)
@@ -199,7 +200,7 @@ class Connection(asyncio.Protocol):
                 end = pos + f.HEADER_LEN + length
                 if end > size:
                     break
-                payload = bytes(buf[pos + f.HEADER_LEN : end])
+                payload = bytes(view[pos + f.HEADER_LEN : end])
                 pos = end
                 self._frame(kind, flags, stream_id, payload)
                 if self.closed:
@@ -207,6 +208,8 @@ class Connection(asyncio.Protocol):
         except f.ProtocolViolation as error:
             self._fail(error.code, str(error))
             return
+        finally:
+            view.release()
         del buf[:pos]
 
     # -- frames in ------------------------------------------------------------------------

@@ -427,3 +427,18 @@ def test_the_message_reader_refuses_at_the_prefix() -> None:
     with pytest.raises(RpcError) as compressed:
         reader.feed(b"\x00\x00\x02ab")
     assert compressed.value.code == UNIMPLEMENTED
+
+
+def test_a_block_that_fails_halfway_forgets_the_remembered_ones() -> None:
+    """A malformed block may add to the table before it fails: what was remembered is not
+    given again unless the table still says so."""
+    encoder = hpack.Encoder()
+    decoder, reference = HeaderDecoder(16_384), hpack.Decoder()
+    for block in (encoder.encode([("x-token", "secret")]), encoder.encode([("x-token", "secret")])):
+        assert decoder.decode(block) == reference.decode(block, raw=True)
+    again = encoder.encode([("x-token", "secret")])  # remembered: one indexed field
+    broken = encoder.encode([("x-new", "1")]) + b"\x40\x85"  # a literal added, then cut short
+    for each in (decoder.decode, lambda b: reference.decode(b, raw=True)):
+        with pytest.raises(hpack.HPACKError):
+            each(broken)
+    assert decoder.decode(again) == reference.decode(again, raw=True)

@@ -105,7 +105,11 @@ class HeaderDecoder:
         remembered = self._remembered.get(block)
         if remembered is not None:
             return remembered
-        headers = list(self._decoder.decode(block, raw=True))
+        try:
+            headers = list(self._decoder.decode(block, raw=True))
+        except Exception:
+            self._remembered.clear()  # a block cut short may have changed the table already
+            raise
         if not table_neutral(block):
             self._remembered.clear()  # the dynamic table may have changed
         elif len(self._remembered) < _REMEMBERED:

@@ -17,9 +17,15 @@ import hpack
 import pytest
 
 from poolkeeper.extproc.h2 import frames as f
-from poolkeeper.extproc.h2.headers import HeaderDecoder, only_indexed
+from poolkeeper.extproc.h2.headers import HeaderDecoder, table_neutral
 from poolkeeper.extproc.h2.limits import Limits
-from poolkeeper.extproc.h2.rpc import RpcError
+from poolkeeper.extproc.h2.rpc import (
+    RESOURCE_EXHAUSTED,
+    UNIMPLEMENTED,
+    MessageReader,
+    RpcError,
+    envelope,
+)
 from poolkeeper.extproc.h2.server import tls_context
 from tests.extproc.h2_peer import PATH, Peer, echo_method, goaway_code, lean
 
@@ -349,15 +355,15 @@ def test_the_transport_serves_on_uvloop_as_serve_runs_it() -> None:
     assert uvloop.run(exchange()) == [b"uv"]
 
 
-def test_only_indexed_header_blocks_are_remembered_and_literals_forget_them() -> None:
+def test_table_neutral_header_blocks_are_remembered_and_indexing_literals_forget_them() -> None:
     encoder = hpack.Encoder()
     decoder, reference = HeaderDecoder(16_384), hpack.Decoder()
     request = [(":method", "POST"), (":path", PATH), ("x-token", "secret")]
     first = encoder.encode(request)  # literals: they add to the dynamic table
-    assert not only_indexed(first)
+    assert not table_neutral(first)
     assert decoder.decode(first) == reference.decode(first, raw=True)
     again = encoder.encode(request)  # now all indexed, from the dynamic table
-    assert only_indexed(again)
+    assert table_neutral(again)
     assert decoder.decode(again) is decoder.decode(again)  # remembered
     assert decoder.decode(again) == [(k.encode(), v.encode()) for k, v in request]
     # A literal with incremental indexing shifts the table: the same bytes now name other
@@ -367,6 +373,72 @@ def test_only_indexed_header_blocks_are_remembered_and_literals_forget_them() ->
     reference.decode(other, raw=True)
     assert decoder.decode(again) == reference.decode(again, raw=True)
     assert decoder.decode(again) != [(k.encode(), v.encode()) for k, v in request]
-    assert only_indexed(bytes([0xFF, 0x80, 0x01]))  # index 255: a continued integer
-    assert not only_indexed(bytes([0xFF, 0x80]))  # cut inside the integer
-    assert not only_indexed(b"\x82\x40")  # an indexed field, then a literal
+    assert table_neutral(bytes([0xFF, 0x80, 0x01]))  # index 255: a continued integer
+    assert not table_neutral(bytes([0xFF, 0x80]))  # cut inside the integer
+    assert not table_neutral(b"\x82\x40")  # an indexed field, then a literal
+    assert not table_neutral(b"\x82\x3f\xe1\x1f")  # a table size update
+
+
+def test_literals_without_indexing_are_remembered_as_envoy_sends_them() -> None:
+    """Envoy sends `:path` (and values it will not index) as literals without indexing: the
+    same bytes on every stream, decoded once."""
+    encoder = hpack.Encoder()
+    decoder, reference = HeaderDecoder(16_384), hpack.Decoder()
+    indexed = encoder.encode([(":method", "POST"), ("x-token", "secret")])
+    decoder.decode(indexed)
+    reference.decode(indexed, raw=True)
+    path = hpack.NeverIndexedHeaderTuple(":path", PATH)
+    for huffman in (True, False):
+        block = encoder.encode([(":method", "POST"), path, ("x-token", "secret")], huffman)
+        block += b"\x00\x03x-a\x01b"  # a literal without indexing, with a new name
+        assert table_neutral(block)
+        assert decoder.decode(block) is decoder.decode(block)
+        assert decoder.decode(block) == reference.decode(block, raw=True)
+        assert decoder.decode(block)[1] == (b":path", PATH.encode())
+    assert not table_neutral(b"\x04\x85ab")  # cut inside the value
+    assert not table_neutral(b"\x00\x7f")  # cut inside a long name's length
+    long_value = b"\x04\x7f\x01" + b"v" * 128  # length 127 + 1 as a continued integer
+    assert table_neutral(long_value)
+    assert not table_neutral(long_value[:-1])
+
+
+def test_the_message_reader_joins_messages_cut_anywhere() -> None:
+    """Messages split at every byte, the prefix included, several per feed or one across
+    many: each comes out whole, once, in order."""
+    messages = [b"", b"a", b"hello world" * 30, b"z" * 70_000]
+    stream = b"".join(envelope(m) for m in messages)
+    for cut in (1, 2, 3, 4, 5, 6, 7, 64, 16_384):
+        reader = MessageReader(1 << 20)
+        out = [m for at in range(0, len(stream), cut) for m in reader.feed(stream[at : at + cut])]
+        assert out == messages, cut
+    reader = MessageReader(1 << 20)
+    assert reader.feed(stream) == messages  # all at once
+
+
+def test_the_message_reader_refuses_at_the_prefix() -> None:
+    """A message over the limit, or compressed, is refused once its prefix is read, before its
+    bytes arrive."""
+    reader = MessageReader(100)
+    with pytest.raises(RpcError) as over:
+        reader.feed(b"\x00\x00\x00\x00\x65" + b"x" * 10)
+    assert over.value.code == RESOURCE_EXHAUSTED
+    reader = MessageReader(100)
+    assert reader.feed(b"\x01\x00") == []
+    with pytest.raises(RpcError) as compressed:
+        reader.feed(b"\x00\x00\x02ab")
+    assert compressed.value.code == UNIMPLEMENTED
+
+
+def test_a_block_that_fails_halfway_forgets_the_remembered_ones() -> None:
+    """A malformed block may add to the table before it fails: what was remembered is not
+    given again unless the table still says so."""
+    encoder = hpack.Encoder()
+    decoder, reference = HeaderDecoder(16_384), hpack.Decoder()
+    for block in (encoder.encode([("x-token", "secret")]), encoder.encode([("x-token", "secret")])):
+        assert decoder.decode(block) == reference.decode(block, raw=True)
+    again = encoder.encode([("x-token", "secret")])  # remembered: one indexed field
+    broken = encoder.encode([("x-new", "1")]) + b"\x40\x85"  # a literal added, then cut short
+    for each in (decoder.decode, lambda b: reference.decode(b, raw=True)):
+        with pytest.raises(hpack.HPACKError):
+            each(broken)
+    assert decoder.decode(again) == reference.decode(again, raw=True)

@@ -12,9 +12,11 @@ from hypothesis import given, settings, strategies as st
 
 from poolkeeper.errors import BadRequest
 from poolkeeper.requestcontrol.body import (
+    _HOP_FROM,
     MAX_INT_DIGITS,
     ApiKind,
     ParsedRequest,
+    _occurrences,
     api_kind,
     decode_json_object,
     parse_body,
@@ -359,3 +361,37 @@ def test_int_limit_holds_even_when_the_interpreter_limit_is_off() -> None:
         assert decode_json_object(b'{"model": "m", "seed": 12}')["seed"] == 12
     finally:
         sys.set_int_max_str_digits(previous)
+
+
+_LARGE = "a long prompt " * 2000  # over the size where the checks hop between characters
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"model": "a", "x": "' + _LARGE.encode() + b'", "model": "b"}', "more than one 'model'"),
+        (b'{"model": "a", "x": "' + _LARGE.encode() + b'", "\\u006dodel": "b"}', "one 'model'"),
+        (b'{"model": "a", "x": "' + _LARGE.encode() + b'\\ud800"}', "lone UTF-16 surrogate"),
+        (
+            b'{"model": "a", "x": "' + b'\\"' * 400 + _LARGE.encode() + b'", "model": "b"}',
+            "more than one 'model'",
+        ),
+    ],
+    ids=["duplicate", "escaped duplicate", "surrogate", "many quotes first"],
+)
+def test_large_bodies_are_checked_as_small_ones(body: bytes, message: str) -> None:
+    """The duplicate-model and surrogate checks find what they look for in a large body too,
+    however many quotes and backslashes come before it."""
+    with pytest.raises(BadRequest, match=message):
+        parse_body("/v1/chat/completions", body)
+
+
+@given(
+    st.text(alphabet='"\\umodel x', max_size=40),
+    st.sampled_from(['"model"', "\\u"]),
+    st.integers(min_value=1, max_value=3),
+)
+def test_occurrences_counts_as_str_count_does(piece: str, needle: str, enough: int) -> None:
+    text = piece * (_HOP_FROM // max(1, len(piece)) + 1) if piece else "x" * _HOP_FROM
+    counted = _occurrences(text, needle, enough=enough)
+    assert min(counted, enough) == min(text.count(needle), enough)

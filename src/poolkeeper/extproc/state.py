@@ -95,7 +95,10 @@ class Exchange:
         self.stripped: list[str] = []
         self.hint: tuple[str, ...] | None = None
         self.request_id = ""
-        self.body = bytearray()
+        # The request body's chunks, joined once when routing: appending each to one
+        # bytearray copied it again whenever it grew (1 MiB in 64 KiB chunks: ~1 ms).
+        self.body: list[bytes] = []
+        self.body_bytes = 0
         self.decision: RoutingDecision | None = None
         self.status = 0
         self.served: str | None = None
@@ -173,7 +176,7 @@ class Exchange:
             return []
         # Read once: each read of a protobuf bytes field is a fresh copy (1 MiB = ~1 ms).
         data = body.body
-        if len(self.body) + len(data) > self.settings.max_request_body_bytes:
+        if self.body_bytes + len(data) > self.settings.max_request_body_bytes:
             limit = self.settings.max_request_body_bytes
             return self._reject(PayloadTooLarge(f"request body exceeds {limit} bytes"))
         if self.budget is not None:
@@ -182,7 +185,9 @@ class Exchange:
                     ServerBusy("too many request bytes in flight at the gateway; retry later")
                 )
             self.budgeted += len(data)
-        self.body += data
+        if data:
+            self.body.append(data)
+            self.body_bytes += len(data)
         if body.end_of_stream:
             return await self._route(trailers=False)
         if self.request_mode == BUFFERED:  # BUFFERED_PARTIAL-like pieces: let them continue
@@ -195,7 +200,7 @@ class Exchange:
         return [msg.trailers_reply(response=False)]
 
     async def _route(self, *, trailers: bool) -> Replies:
-        body = bytes(self.body)  # one copy, for the router and the replies alike
+        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         incoming = IncomingRequest(
             request_id=self.request_id,
             method=self.headers.get(":method", ""),
@@ -216,7 +221,7 @@ class Exchange:
             return self._reject(GatewayError("the router returned no endpoint"))
         self.decision = decision
         self.phase = Phase.ROUTED
-        self.observer.routed(decision, len(self.body), self.clock() - began)
+        self.observer.routed(decision, self.body_bytes, self.clock() - began)
         log.debug(
             "routed request_id=%s model=%s target=%s endpoint=%s",
             self.request_id,
@@ -261,13 +266,14 @@ class Exchange:
 
     def _release_body(self) -> None:
         """The body is no longer needed (routed, refused, or the stream ended)."""
-        self.body = bytearray()
+        self.body = []
+        self.body_bytes = 0
         if self.budget is not None and self.budgeted:
             self.budget.give(self.budgeted)
         self.budgeted = 0
 
     def _reject(self, error: GatewayError) -> Replies:
-        size = len(self.body)
+        size = self.body_bytes
         self._release_body()
         self.phase = Phase.DONE
         self.observer.rejected(error.model, error, size)

@@ -312,11 +312,16 @@ def protocol_only(n: int = 3000, concurrency: int = 16) -> float:
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`poolkeeper ARGS` in a session of its own, as the peers and the floor's processors run
+    (`live.process`): with the kernel's autogroup scheduling each session gets an equal share
+    of a busy machine, so in its caller's session a `serve` would share one with this
+    driver, its clients and the simulator while each peer had one to itself."""
     return subprocess.Popen(
         [sys.executable, "-m", "poolkeeper", *args],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
 
 

@@ -81,7 +81,7 @@ class Stream:
         self.reader = MessageReader(max_msg)
         self.inbox: Inbox | None = None
         self.task: asyncio.Task[None] | None = None
-        self.pending: deque[bytes] = deque()  # reply bytes waiting for send window
+        self.pending: deque[bytes | memoryview] = deque()  # reply bytes waiting for window
         self.pending_bytes = 0
         self.trailer: bytes | None = None  # to send once `pending` is out
         self.headers_sent = False
@@ -97,7 +97,7 @@ class Connection(asyncio.Protocol):
         self._buf = bytearray()
         self._preface = False
         self._closed = False
-        self._out: list[bytes] = []
+        self._out: list[bytes | memoryview] = []
         self._flush_pending = False
         self._paused = False
         self._writers: list[asyncio.Future[None]] = []
@@ -191,6 +191,7 @@ class Connection(asyncio.Protocol):
             if self._preface_timer is not None:
                 self._preface_timer.cancel()
         pos, size = 0, len(buf)
+        view = memoryview(buf)  # each payload copied once (a bytearray slice is a copy too)
         try:
             while size - pos >= f.HEADER_LEN:
                 length, kind, flags, stream_id = f.parse_head(buf, pos)
@@ -199,7 +200,7 @@ class Connection(asyncio.Protocol):
                 end = pos + f.HEADER_LEN + length
                 if end > size:
                     break
-                payload = bytes(buf[pos + f.HEADER_LEN : end])
+                payload = bytes(view[pos + f.HEADER_LEN : end])
                 pos = end
                 self._frame(kind, flags, stream_id, payload)
                 if self.closed:
@@ -207,6 +208,8 @@ class Connection(asyncio.Protocol):
         except f.ProtocolViolation as error:
             self._fail(error.code, str(error))
             return
+        finally:
+            view.release()
         del buf[:pos]
 
     # -- frames in ------------------------------------------------------------------------
@@ -507,7 +510,7 @@ class Connection(asyncio.Protocol):
                 waiter.set_result(None)
 
     # -- frames out -----------------------------------------------------------------------
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
         self._out.append(data)
         if not self._flush_pending:
             self._flush_pending = True
@@ -564,15 +567,19 @@ class Connection(asyncio.Protocol):
                 return
             chunk = pending[0]
             if len(chunk) > allowed:
-                pending[0] = chunk[allowed:]
-                chunk = chunk[:allowed]
+                # Views, not copies: a 62 KB reply is four frames, and slicing bytes copied
+                # the rest of it at each cut. The payload is copied once, when written out.
+                view = memoryview(chunk)
+                pending[0] = view[allowed:]
+                chunk = view[:allowed]
             else:
                 pending.popleft()
             n = len(chunk)
             stream.pending_bytes -= n
             stream.send_window -= n
             self._send_window -= n
-            self._write(f.frame(f.DATA, 0, stream.id, chunk))
+            self._write(f.frame_head(f.DATA, 0, stream.id, n))
+            self._write(chunk)
         self._blocked.discard(stream)
         if stream.trailer is not None:
             self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream.id, stream.trailer))

@@ -60,6 +60,11 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return _HEAD.pack(n >> 8, n & 0xFF, kind, flags, stream_id) + payload
 
 
+def frame_head(kind: int, flags: int, stream_id: int, length: int) -> bytes:
+    """A frame header alone, for a payload written after it."""
+    return _HEAD.pack(length >> 8, length & 0xFF, kind, flags, stream_id)
+
+
 def parse_head(buf: bytes | bytearray, at: int) -> tuple[int, int, int, int]:
     """(length, type, flags, stream id) of the frame header at `at`."""
     high, low, kind, flags, stream_id = _HEAD.unpack_from(buf, at)

@@ -94,39 +94,59 @@ def trailers(code: int, message: str | None = None) -> bytes:
 
 
 class MessageReader:
-    """Cuts a stream's DATA into gRPC messages; bytes of an unfinished message stay here."""
+    """Cuts a stream's DATA into gRPC messages; bytes of an unfinished message stay here.
 
-    __slots__ = ("_buf", "max_bytes")
+    A large message arrives in many DATA frames (1 MiB is 64 of 16 KiB). They are kept as a
+    list and joined once the message is whole: appending each to one growing buffer copied
+    the buffer again whenever it grew (about 2 ms for 1 MiB, a fifth of what the EPP spends
+    on such a request)."""
+
+    __slots__ = ("_have", "_need", "_parts", "max_bytes")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._buf = bytearray()
+        self._parts: list[bytes] = []
+        self._have = 0  # bytes in _parts
+        self._need = -1  # the current message's size once its prefix is read, else -1
 
     def feed(self, data: bytes) -> list[bytes]:
-        if not self._buf and len(data) >= 5:  # the common case: one DATA frame, one message
+        if not self._have and self._need < 0 and len(data) >= 5:
+            # The common case: one DATA frame, one message.
             flag, size = _PREFIX.unpack_from(data)
             if size == len(data) - 5 and not flag:
                 if size > self.max_bytes:
                     raise RpcError(RESOURCE_EXHAUSTED, f"message over {self.max_bytes} bytes")
                 return [data[5:]]
-        buf = self._buf
-        buf += data
+        self._parts.append(data)
+        self._have += len(data)
         out: list[bytes] = []
-        while len(buf) >= 5:
-            flag, size = _PREFIX.unpack_from(buf)
-            if flag:
-                raise RpcError(UNIMPLEMENTED, "compressed messages are not accepted")
-            if size > self.max_bytes:
-                raise RpcError(RESOURCE_EXHAUSTED, f"message over {self.max_bytes} bytes")
-            if len(buf) < 5 + size:
+        while True:
+            if self._need < 0:
+                if self._have < 5:
+                    break
+                first = self._parts[0]
+                if len(first) < 5:  # a prefix cut between frames
+                    first = b"".join(self._parts)
+                    self._parts = [first]
+                flag, size = _PREFIX.unpack_from(first)
+                if flag:
+                    raise RpcError(UNIMPLEMENTED, "compressed messages are not accepted")
+                if size > self.max_bytes:
+                    raise RpcError(RESOURCE_EXHAUSTED, f"message over {self.max_bytes} bytes")
+                self._parts[0] = first[5:]
+                self._have -= 5
+                self._need = size
+            if self._have < self._need:
                 break
-            out.append(bytes(buf[5 : 5 + size]))
-            del buf[: 5 + size]
+            parts = self._parts
+            whole = parts[0] if len(parts) == 1 else b"".join(parts)
+            need = self._need
+            out.append(whole if len(whole) == need else whole[:need])
+            rest = whole[need:]
+            self._parts = [rest] if rest else []
+            self._have = len(rest)
+            self._need = -1
         return out
-
-    @property
-    def pending(self) -> int:
-        return len(self._buf)
 
 
 class Inbox:

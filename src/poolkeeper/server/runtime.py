@@ -268,6 +268,7 @@ class GatewayRuntime:
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
             conformance_served_header=spec.request_handling.conformance_served_endpoint_header,
             answer_models=spec.request_handling.answer_models_list,
+            max_streams=spec.request_handling.max_streams,
         )
         budget = BodyBudget(spec.request_handling.max_inflight_body_bytes)
         self.detached = detached = DetachedExchanges() if observing else None
@@ -282,6 +283,8 @@ class GatewayRuntime:
             budget=budget,
             detached=self.detached,
         )
+        servicer = self.servicer
+        self.metrics.follow_streams(lambda: (servicer.active, servicer.over_limit))
         self._tasks.append(asyncio.create_task(_trim_after_bursts(budget), name="trim"))
         if detached is not None:
             self._tasks.append(asyncio.create_task(_expire_detached(detached), name="expire"))

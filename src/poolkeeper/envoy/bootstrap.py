@@ -30,6 +30,7 @@ from typing import Any
 
 from poolkeeper import observation
 from poolkeeper.envoy.clusters import clusters
+from poolkeeper.envoy.conncap import conncap_access_log, conncap_cluster, conncap_filter, conncap_on
 from poolkeeper.envoy.failopen import (
     fail_open_rewrite,
 )
@@ -392,16 +393,18 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                     "filter_chains": [
                         {
                             "filters": [
+                                *([conncap_filter(p)] if conncap_on(p) else []),
                                 {
                                     "name": "envoy.filters.network.http_connection_manager",
                                     "typed_config": _http_connection_manager(p),
-                                }
+                                },
                             ]
                         }
                     ],
+                    **({"access_log": [conncap_access_log(p)]} if conncap_on(p) else {}),
                 }
             ],
-            "clusters": clusters(p),
+            "clusters": [*clusters(p), *([conncap_cluster(p)] if conncap_on(p) else [])],
         },
         "overload_manager": _overload_manager(p),
     }

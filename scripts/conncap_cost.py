@@ -127,10 +127,8 @@ async def main() -> None:
                      "--time-scale", "0.001"], tmp / "sim.log")]  # fmt: skip
     for name, (cap, vports) in variants.items():
         _config(tmp / name, sim_port, vports, cap)
-        procs.append(
-            _start(["serve", "-f", str(tmp / name), "--workdir", str(tmp / f"{name}-envoy"),
-                    "--log-level", "warning"], tmp / f"{name}.log")  # fmt: skip
-        )
+        serve = ["serve", "-f", str(tmp / name), "--workdir", str(tmp / f"{name}-envoy")]
+        procs.append(_start([*serve, "--log-level", "warning"], tmp / f"{name}.log"))
     try:
         for _cap, vports in variants.values():
             await _ready(vports[0])

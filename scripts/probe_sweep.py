@@ -566,10 +566,16 @@ async def s_hung_epp(g: Gateway) -> Result:
         took = time.monotonic() - start
     finally:
         os.kill(g.serve.pid, signal.SIGCONT)
-    ok = status(answer) in (503, 504) and error_code(answer) is not None
-    return (
-        ok,
-        f"{status(answer)} {error_code(answer)} after {took:.1f} s (eppTimeoutS {EPP_TIMEOUT_S:g})",
+    resumed = time.monotonic()
+    back = 0
+    while time.monotonic() - resumed < 15 and back != 200:  # served again (health checks)
+        back = status(await raw(g.http, post(CHAT)))
+        await asyncio.sleep(0.1)
+    again = time.monotonic() - resumed
+    ok = status(answer) in (503, 504) and error_code(answer) is not None and back == 200
+    return ok, (
+        f"{status(answer)} {error_code(answer)} after {took:.1f} s (eppTimeoutS "
+        f"{EPP_TIMEOUT_S:g}); served again {again:.1f} s after the EPP resumed"
     )
 
 
@@ -583,6 +589,7 @@ async def s_drain(g: Gateway) -> Result:
         "refused at connect": 0,
         "other status": 0,
     }
+    other: dict[str, int] = {}  # the statuses counted in "other status"
     stop = asyncio.Event()
 
     async def one(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> bool:
@@ -594,8 +601,11 @@ async def s_drain(g: Gateway) -> Result:
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             seen["closed unanswered"] += 1
             return False
-        if b" 200 " not in head.split(b"\r\n", 1)[0]:
+        line = head.split(b"\r\n", 1)[0]
+        if b" 200 " not in line:
             seen["other status"] += 1
+            code = line.split(b" ")[1].decode() if len(line.split(b" ")) > 1 else "?"
+            other[code] = other.get(code, 0) + 1
             return False
         try:
             body = await asyncio.wait_for(r.readuntil(b"\r\n0\r\n\r\n"), 20)
@@ -627,7 +637,7 @@ async def s_drain(g: Gateway) -> Result:
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     ok = seen["truncated"] == 0 and seen["whole"] > 0 and g.serve.poll() is not None
-    return ok, f"{seen}, serve exited {g.serve.poll()}"
+    return ok, f"{seen} {other or ''}, serve exited {g.serve.poll()}"
 
 
 SCENARIOS: list[tuple[str, Callable[[Gateway], Awaitable[Result]]]] = [

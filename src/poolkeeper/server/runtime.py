@@ -401,9 +401,9 @@ class GatewayRuntime:
         params = dataclasses.replace(
             params, epp_token=self._epp_token, epp_tls=self.options.tls.secure_serving
         )
+        params = await self._start_conncap(config, params)
         # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
         # idle connections are refused by the cap, never by descriptors running out.
-        params = await self._start_conncap(config, params)
         descriptors = raise_descriptor_limit()
         cap = min(params.max_downstream_connections, downstream_connection_cap(descriptors))
         params = dataclasses.replace(params, max_downstream_connections=cap)

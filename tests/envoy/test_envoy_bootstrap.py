@@ -308,3 +308,31 @@ def test_endpoints_file_is_eds_and_rewritten_only_on_change(tmp_path: Path) -> N
     assert cluster["type"] == "EDS"
     source = cluster["eds_cluster_config"]["eds_config"]["path_config_source"]
     assert source == {"path": str(f.path), "watched_directory": {"path": str(tmp_path)}}
+
+
+def test_the_per_client_cap_is_the_first_filter_and_the_listeners_log(tmp_path: Path) -> None:
+    """With the counter's port (envoy/conncap.py), the public listener checks each connection
+    first (failing open) and logs each close to it; Envoy accepts the whole bootstrap."""
+    params = BootstrapParams(conncap_port=9999, epp_token="t")
+    bootstrap = build_bootstrap(params)
+    listener = bootstrap["static_resources"]["listeners"][0]
+    first, manager = listener["filter_chains"][0]["filters"]
+    assert first["name"] == "envoy.filters.network.ext_authz"
+    assert first["typed_config"]["failure_mode_allow"] is True
+    assert first["typed_config"]["grpc_service"]["initial_metadata"][0]["value"] == "t"
+    assert manager["name"] == "envoy.filters.network.http_connection_manager"
+    (log,) = listener["access_log"]
+    assert log["name"] == "envoy.access_loggers.tcp_grpc"
+    names = [c["name"] for c in bootstrap["static_resources"]["clusters"]]
+    assert "poolkeeper_conncap" in names
+    assert "ext_authz" not in render(build_bootstrap(BootstrapParams()))  # 0: no cap
+    path = tmp_path / "envoy.json"
+    path.write_text(render(bootstrap))
+    result = subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

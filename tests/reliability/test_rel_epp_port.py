@@ -188,6 +188,9 @@ async def test_a_direct_client_of_the_epp_port_changes_nothing(
         assert runtime.detached.settled == 1
         page = runtime.metrics.render().decode()
         assert "inference_extension_epp_refused_calls_total 3.0" in page
+        # The stream cap's figures are exported (a refused direct call never held a stream).
+        assert "poolkeeper_extproc_streams 0.0" in page
+        assert "poolkeeper_extproc_streams_refused_total 0.0" in page
         # And the gateway still serves: Envoy's own calls carry the token.
         async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
             assert resp.status == 200

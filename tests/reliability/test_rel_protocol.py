@@ -108,3 +108,14 @@ async def test_connect_and_upgrades_are_refused_at_once(tmp_path: Path) -> None:
         answer = await raw_http(g.port, h2c)
         assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
         assert g.router.turn == turns + 1
+
+
+async def test_options_asterisk_gets_a_well_formed_error(tmp_path: Path) -> None:
+    """`OPTIONS *` (RFC 9110's server-wide form) has no path a route can match: Envoy answered
+    an empty 404. It gets an OpenAI error at once now, the EPP not asked."""
+    async with gate(tmp_path) as g:
+        turns = g.router.turn
+        answer = await raw_http(g.port, b"OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert status_of(answer) in (404, 405), answer[:300]
+        assert _error(answer)["type"] == "invalid_request_error", answer[:300]
+        assert g.router.turn == turns

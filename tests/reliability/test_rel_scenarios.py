@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +69,7 @@ async def test_d5_client_disconnect_mid_stream_reaches_the_server(tmp_path: Path
 
     async def endless(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        _small_buffer(request.transport, socket.SO_SNDBUF)
         await resp.prepare(request)
         try:
             for _ in range(600):
@@ -137,6 +139,12 @@ async def test_d8_hop_by_hop_headers_from_the_server_are_dropped(tmp_path: Path)
         await runner.cleanup()
 
 
+def _small_buffer(transport: asyncio.BaseTransport | None, option: int) -> None:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, option, 1 << 16)
+
+
 async def test_d6_a_client_that_stops_reading_is_bounded(tmp_path: Path) -> None:
     """A client that never reads a fast stream: Envoy stops reading from the server once its
     per-connection buffer is full (backpressure), and the stream idle timeout ends it."""
@@ -163,7 +171,16 @@ async def test_d6_a_client_that_stops_reading_is_bounded(tmp_path: Path) -> None
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         async with gate(tmp_path, fixed=(f"127.0.0.1:{port}",), stream_idle_timeout_s=2.0) as g:
-            _reader, writer = await asyncio.open_connection("127.0.0.1", g.port)  # never read
+            # The kernel's buffers at either end are not Envoy's: fixed small here, so `sent`
+            # is at most Envoy's 1 MiB buffers plus its own sockets' kernel buffers (upstream
+            # receive autotuned up to tcp_rmem's max, 32 MB on this machine; downstream send
+            # up to 4 MB): about 38 MB. With the client's receive buffer autotuned too, the
+            # bound was past 64 MB (65.2 MB once under load); seen here: 31-37 MB.
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # before connect
+            client.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", g.port))
+            _reader, writer = await asyncio.open_connection(sock=client)  # never read
             body = b'{"model": "m", "stream": true}'
             writer.write(
                 b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"

@@ -128,6 +128,13 @@ async def _soak(
         gw = await asyncio.to_thread(_serve, directory, ports, tmp_path / "gw")
         url = f"http://127.0.0.1:{ports['http']}"
         pid = gw.process.pid
+        # The baseline is taken once one request has gone through: the connections Envoy
+        # opens to the EPP and to the connection counter on first use stay for the run.
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "prompt": "a " * 8, "max_tokens": 1}
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                await resp.read()
+        await asyncio.sleep(0.5)
         fds0 = _fds(pid)
         began = time.monotonic()
         counts: dict[str, int] = {}

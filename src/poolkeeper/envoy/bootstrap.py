@@ -30,6 +30,7 @@ from typing import Any
 
 from poolkeeper import observation
 from poolkeeper.envoy.clusters import clusters
+from poolkeeper.envoy.conncap import conncap_access_log, conncap_cluster, conncap_filter, conncap_on
 from poolkeeper.envoy.failopen import (
     fail_open_rewrite,
 )
@@ -216,8 +217,24 @@ def _local_reply_config() -> dict[str, Any]:
                 ),
             },
             {
-                # A request target no route can match (`OPTIONS *`).
-                "filter": {"response_flag_filter": {"flags": ["NR"]}},
+                # A request target no route can match; `OPTIONS *` (and any target that is
+                # not a path) never reaches the routes: the connection manager answers it an
+                # empty 404 itself (details `absolute_path`, no response flag).
+                "filter": {
+                    "or_filter": {
+                        "filters": [
+                            {"response_flag_filter": {"flags": ["NR"]}},
+                            {
+                                "and_filter": {
+                                    "filters": [
+                                        {"status_code_filter": _status_is(404)},
+                                        _not_a_path_filter(),
+                                    ]
+                                }
+                            },
+                        ]
+                    }
+                },
                 "body_format_override": reply(
                     "no such inference API path on this gateway",
                     "invalid_request_error",
@@ -267,6 +284,12 @@ def _header_filter(name: str, *, present: bool = False, exact: str = "") -> dict
         matcher["present_match"] = True
     else:
         matcher["string_match"] = {"exact": exact}
+    return {"header_filter": {"header": matcher}}
+
+
+def _not_a_path_filter() -> dict[str, Any]:
+    """The request's target is not a path (`*`, or an absolute form Envoy did not rewrite)."""
+    matcher = {"name": ":path", "string_match": {"prefix": "/"}, "invert_match": True}
     return {"header_filter": {"header": matcher}}
 
 
@@ -370,16 +393,18 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                     "filter_chains": [
                         {
                             "filters": [
+                                *([conncap_filter(p)] if conncap_on(p) else []),
                                 {
                                     "name": "envoy.filters.network.http_connection_manager",
                                     "typed_config": _http_connection_manager(p),
-                                }
+                                },
                             ]
                         }
                     ],
+                    **({"access_log": [conncap_access_log(p)]} if conncap_on(p) else {}),
                 }
             ],
-            "clusters": clusters(p),
+            "clusters": [*clusters(p), *([conncap_cluster(p)] if conncap_on(p) else [])],
         },
         "overload_manager": _overload_manager(p),
     }

@@ -173,6 +173,11 @@ class BootstrapParams:
     # standalone Envoy preset does, TLS with ALPN h2 and no certificate validation (the EPP's
     # certificate is self-signed unless `--cert-path`; the EPP is on loopback).
     epp_tls: bool = False
+    # The per-client-address connection cap (envoy/conncap.py): the counter's loopback port
+    # in the `serve` process (0: no cap), and how long a connection's first bytes wait for it
+    # before the connection is let in uncounted.
+    conncap_port: int = 0
+    conncap_timeout_s: float = 0.25
 
 
 # Descriptors kept back from the cap for Envoy itself: admin, EPP, logs, EDS file, upstream pools.

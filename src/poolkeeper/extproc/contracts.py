@@ -102,6 +102,8 @@ class ExtProcSettings:
     # Conformance: answer every response with `x-conformance-test-served-endpoint` (upstream's
     # destination-endpoint-served-verifier); off unless configured.
     conformance_served_header: bool = False
+    # ext_proc streams held at once (requestHandling.maxStreams); more get RESOURCE_EXHAUSTED.
+    max_streams: int = 16_384
 
 
 class BodyBudget:

@@ -26,6 +26,7 @@ from poolkeeper.extproc.contracts import (
     ExtProcSettings,
     RequestRouter,
 )
+from poolkeeper.extproc.h2.rpc import RESOURCE_EXHAUSTED, RpcError
 from poolkeeper.extproc.state import Exchange
 
 log = logging.getLogger("poolkeeper.extproc")
@@ -53,13 +54,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.budget = budget  # request-body bytes held by all streams together
         # The response observer's waiting room (None: the EPP processes every response).
         self.detached = detached
-        self.active = 0
+        self.active = 0  # Process streams open now
+        self.over_limit = 0  # streams refused at `settings.max_streams` since start
 
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[pb.ProcessingResponse]:
+        if self.active >= self.settings.max_streams:
+            # A direct or runaway client could otherwise hold any number of streams (about
+            # 26 KB each). Refused before anything is read or held; Envoy's failure mode
+            # decides what its client gets (docs/reliability.md, "Streams the EPP holds").
+            self.over_limit += 1
+            await _exhausted(context, self.settings.max_streams)
+            return
         exchange = Exchange(
             self.router,
             settings=self.settings,
@@ -108,6 +117,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 exchange.close(generation)
             if self.on_stream_end is not None:
                 self.on_stream_end(exchange)
+
+
+async def _exhausted(context: grpc.aio.ServicerContext | None, limit: int) -> None:
+    """Ends the call with RESOURCE_EXHAUSTED: grpcio's way (abort), or the lean transport's
+    (which passes no context and turns `RpcError` into the status)."""
+    message = f"the endpoint picker holds its limit of {limit} ext_proc streams"
+    if context is None:
+        raise RpcError(RESOURCE_EXHAUSTED, message)
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 def build_server(

@@ -67,6 +67,12 @@ class RequestHandling(CamelModel, use_attribute_docstrings=True):
     )
     """Request-body bytes the endpoint picker holds at once, over all requests; a body that
     would pass it gets 503 server_busy at once, so hostile bodies cannot grow memory."""
+    max_streams: int = Field(default=16_384, ge=1, le=1_000_000)
+    """ext_proc streams the endpoint picker holds at once (each about 26 KB; a request holds one
+    while it is queued or routed, and while its response passes the endpoint picker); more get
+    gRPC RESOURCE_EXHAUSTED at once, counted in `poolkeeper_extproc_streams_refused_total`, so
+    a runaway or direct client cannot grow memory without bound. The default sits under the
+    managed Envoy's limit on streams to the endpoint picker (40,960)."""
     inject_stream_usage: bool = True
     """Add `stream_options.include_usage: true` to streaming chat/completions requests that
     did not ask for it, so the gateway learns token usage; the extra usage chunk is removed

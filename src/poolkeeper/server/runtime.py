@@ -48,6 +48,7 @@ from poolkeeper.envoy.process import (
 )
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
+from poolkeeper.extproc.conncap import ConnectionCounter, build_conncap_server
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
@@ -198,6 +199,7 @@ class GatewayRuntime:
     servicer: ExtProcServicer | None = None
     detached: DetachedExchanges | None = None  # the response observer's waiting room
     envoy: EnvoySupervisor | None = None
+    conncap: ConnectionCounter | None = None  # the per-client-address connection cap
     draining: bool = False
     _scrapers: ScraperManager | None = None
     _grpc_servers: list[Stoppable] = field(default_factory=list)  # grpc.aio or lean
@@ -268,6 +270,7 @@ class GatewayRuntime:
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
             conformance_served_header=spec.request_handling.conformance_served_endpoint_header,
             answer_models=spec.request_handling.answer_models_list,
+            max_streams=spec.request_handling.max_streams,
         )
         budget = BodyBudget(spec.request_handling.max_inflight_body_bytes)
         self.detached = detached = DetachedExchanges() if observing else None
@@ -282,6 +285,8 @@ class GatewayRuntime:
             budget=budget,
             detached=self.detached,
         )
+        servicer = self.servicer
+        self.metrics.follow_streams(lambda: (servicer.active, servicer.over_limit))
         self._tasks.append(asyncio.create_task(_trim_after_bursts(budget), name="trim"))
         if detached is not None:
             self._tasks.append(asyncio.create_task(_expire_detached(detached), name="expire"))
@@ -355,6 +360,22 @@ class GatewayRuntime:
         if self.options.run_envoy:
             await self._start_envoy(config, binary)
 
+    async def _start_conncap(
+        self, config: GatewayConfig, params: BootstrapParams
+    ) -> BootstrapParams:
+        """The per-client-address connection counter for the Envoy about to start (loopback,
+        the run's token), and the bootstrap parameters that make Envoy ask it."""
+        limit = config.spec.edge.max_connections_per_client
+        if limit <= 0:
+            return params
+        self.conncap = counter = ConnectionCounter(limit)
+        server, port = build_conncap_server(counter, "127.0.0.1", self._epp_token)
+        await server.start()
+        self._grpc_servers.append(server)
+        if self.metrics is not None:
+            self.metrics.follow_client_connections(counter.exported)
+        return dataclasses.replace(params, conncap_port=port)
+
     async def _start_envoy(self, config: GatewayConfig, binary: str) -> None:
         workdir = self.options.workdir
         if workdir is None:
@@ -380,6 +401,7 @@ class GatewayRuntime:
         params = dataclasses.replace(
             params, epp_token=self._epp_token, epp_tls=self.options.tls.secure_serving
         )
+        params = await self._start_conncap(config, params)
         # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
         # idle connections are refused by the cap, never by descriptors running out.
         descriptors = raise_descriptor_limit()
@@ -399,12 +421,16 @@ class GatewayRuntime:
                 admin_url=f"http://127.0.0.1:{params.admin_port}",
             )
         )
-        detached = self.detached
-        if detached is not None:  # a dead Envoy's access-log entries never come
-            self.envoy.on_death = lambda: log.warning(
-                "envoy died: %d routed request(s) settled as unknown",
-                detached.give_up_all("envoy died"),
-            )
+        detached, conncap = self.detached, self.conncap
+
+        def died() -> None:  # a dead Envoy's access-log entries never come
+            if detached is not None:
+                settled = detached.give_up_all("envoy died")
+                log.warning("envoy died: %d routed request(s) settled as unknown", settled)
+            if conncap is not None:
+                conncap.clear()
+
+        self.envoy.on_death = died
         await self.envoy.start()
         await self.envoy.wait_ready()
         if params.epp_health_interval_s > 0 and not await self.envoy.wait_healthy(EPP_CLUSTER):

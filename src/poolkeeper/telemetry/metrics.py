@@ -145,6 +145,44 @@ class _RefusedCollector(Collector):
         )
 
 
+class _StreamsCollector(Collector):
+    def __init__(self, source: Callable[[], tuple[int, int]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        held, refused = self.source()
+        yield GaugeMetricFamily(
+            "poolkeeper_extproc_streams", "ext_proc streams the EPP holds now.", value=held
+        )
+        yield CounterMetricFamily(
+            "poolkeeper_extproc_streams_refused",
+            "ext_proc streams refused with RESOURCE_EXHAUSTED at requestHandling.maxStreams.",
+            value=refused,
+        )
+
+
+class _ClientConnectionsCollector(Collector):
+    def __init__(self, source: Callable[[], tuple[int, int, int, int]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        held, addresses, refused, untracked = self.source()
+        prefix = "poolkeeper_client_connections"
+        yield GaugeMetricFamily(prefix, "Client connections counted by address now.", value=held)
+        yield GaugeMetricFamily(
+            f"{prefix}_addresses", "Client addresses holding counted connections.", value=addresses
+        )
+        yield CounterMetricFamily(
+            f"{prefix}_refused",
+            "Connections closed at edge.maxConnectionsPerClient.",
+            value=refused,
+        )
+        yield CounterMetricFamily(
+            f"{prefix}_untracked", "Connections let in uncounted: the table was full.",
+            value=untracked,
+        )  # fmt: skip
+
+
 class _ObserverCollector(Collector):
     def __init__(self, source: Callable[[], ObserverStats]) -> None:
         self.source = source
@@ -539,6 +577,15 @@ class GatewayMetrics:
     def follow_refused(self, source: Callable[[], int]) -> None:
         """Export the count of gRPC calls refused for want of Envoy's token (extproc/auth)."""
         self.registry.register(_RefusedCollector(source))
+
+    def follow_streams(self, source: Callable[[], tuple[int, int]]) -> None:
+        """Export the ext_proc streams held and those refused at the cap (held, refused)."""
+        self.registry.register(_StreamsCollector(source))
+
+    def follow_client_connections(self, source: Callable[[], tuple[int, int, int, int]]) -> None:
+        """Export the per-client-address connection cap's counts (held, addresses, refused,
+        untracked)."""
+        self.registry.register(_ClientConnectionsCollector(source))
 
     def follow_scrapes(self, source: ScrapeErrors) -> None:
         """Export the model-server scrape failures (poll, extract) as upstream's data-layer

@@ -84,7 +84,9 @@ def test_ratios_pair_by_round() -> None:
     [
         (["--warmup", "30", "--duration", "30"], "--warmup must be in"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--stream-interval", "0"], "--stream-interval must be >= 1"),
         (["--scheduling", "[1]"], "expected a JSON object"),
+        (["--flow-control", '{"enabled": 3}'], "--flow-control: spec.flowControl.enabled"),
         (["--scheduling", "{x"], "not JSON"),
         (["--scheduling", '{"plugins": [{"type": "nope"}]}'], "spec.scheduling"),
     ],

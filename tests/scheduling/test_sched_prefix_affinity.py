@@ -9,7 +9,7 @@ import pytest
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.interfaces import ProfileResult
-from tests.scheduling.sched_factories import cycle, key, request, scheduler, state
+from tests.scheduling.sched_factories import NOW, cycle, key, request, scheduler, state
 
 SYSTEM = "s" * 4096  # 64 blocks of 64 characters: a shared system prompt
 
@@ -90,6 +90,39 @@ def test_short_partial_and_unknown_prompts_are_not_narrowed() -> None:
     _holder(sched, SYSTEM, pool, 0)
     _holder(sched, SYSTEM, pool, 1)
     assert _kept(sched, SYSTEM + "q", pool) == everyone
+
+
+def test_only_when_stale_narrows_only_while_a_holder_is_stale() -> None:
+    sched = scheduler(_doc(onlyWhenStale=True))
+    fresh = [state(i) for i in range(1, 4)]
+    _holder(sched, SYSTEM + "q0", fresh, 1)
+    prompt = SYSTEM + "q1"
+    # Every holder fresh: affinity is left to the scorers.
+    assert _kept(sched, prompt, fresh) == [key(1), key(2), key(3)]
+    # The holder's scrape is late (older than the 200 ms staleness): it is kept alone, so
+    # the stale-metrics filter after it cannot send the prompt to the endpoint scraped last.
+    late = [state(1), state(2, updated_at=NOW - 0.5), state(3)]
+    assert _kept(sched, prompt, late) == [key(2)]
+    # Out of balance, even a stale holder gives way.
+    busy = [state(1), state(2, updated_at=NOW - 0.5, running=40), state(3)]
+    assert _kept(sched, prompt, busy) == [key(1), key(2), key(3)]
+
+
+def test_listed_first_it_keeps_a_stale_holder_through_the_stale_metrics_filter() -> None:
+    doc = _doc(onlyWhenStale=True)
+    doc["plugins"].append({"type": "stale-metrics-filter"})
+    doc["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "stale-metrics-filter"})
+    pool = [state(1), state(2, updated_at=NOW - 0.5), state(3)]
+    for expected, d in ((key(2), doc), (None, _doc())):
+        if expected is None:  # without the filter: the stale holder is dropped
+            d = {**doc, "plugins": doc["plugins"][1:]}
+            d["schedulingProfiles"] = [
+                {"name": "p", "plugins": doc["schedulingProfiles"][0]["plugins"][1:]}
+            ]
+        sched = scheduler(d)
+        _holder(sched, SYSTEM + "q0", pool, 1)
+        got = sched.schedule(request(prompt=SYSTEM + "q1", request_id="r2"), pool, now=NOW)
+        assert (got.primary.key == key(2)) is (expected is not None)
 
 
 def test_a_missing_or_wrong_prefix_scorer_is_a_config_error() -> None:

@@ -118,12 +118,18 @@ def register(subparsers: Any) -> None:
     live.add_argument("--scheduling", default=None, metavar="JSON",
                       help="poolkeeper's spec.scheduling as JSON, e.g. '{\"preset\": "
                            "\"prefill-backlog\"}' (default: the default profile)")  # fmt: skip
+    live.add_argument("--flow-control", default=None, metavar="JSON",
+                      help="poolkeeper's spec.flowControl as JSON (default: the shipped "
+                           "defaults)")  # fmt: skip
     live.add_argument(
         "--max-num-seqs",
         type=int,
         default=None,
         help="the simulators' batch slots (default: the simulator's 256)",
     )
+    live.add_argument("--stream-interval", type=int, default=1,
+                      help="the simulators' tokens per streamed event after the first "
+                           "(default 1; more: less CPU, same TTFT)")  # fmt: skip
     live.add_argument("--out", type=Path, default=DEFAULT_OUT)
     live.set_defaults(handler=_live)
 
@@ -260,6 +266,19 @@ def _flow_control(text: str | None) -> FlowControlConfig | None:
         raise ConfigError(f"--flow-control: {problems}") from None
 
 
+def _flow_control_section(text: str | None) -> dict[str, Any] | None:
+    """`--flow-control` checked as a spec.flowControl section; the dict poolkeeper serve gets."""
+    if text is None:
+        return None
+    import json
+
+    _flow_control(text)  # ConfigError naming the field
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        raise ConfigError("--flow-control: expected a JSON object")
+    return doc
+
+
 def _scheduling(text: str | None) -> dict[str, Any] | None:
     """`--scheduling` checked as a spec.scheduling section; the dict poolkeeper serve gets."""
     if text is None:
@@ -354,12 +373,15 @@ def _live(args: argparse.Namespace) -> int:
             raise ConfigError("--warmup must be in [0, --duration)")
         if args.max_num_seqs is not None and args.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be >= 1")
+        if args.stream_interval < 1:
+            raise ConfigError("--stream-interval must be >= 1")
         spec = LiveSpec(
             workload=args.workload, servers=args.servers, rate=args.rate,
             duration=args.duration, rounds=args.rounds, peers=tuple(args.peers),
             time_scale=args.time_scale, seed=args.seed, full_streams=args.full_streams,
             groups=args.groups, warmup=args.warmup, scheduling=_scheduling(args.scheduling),
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs, stream_interval=args.stream_interval,
+            flow_control=_flow_control_section(args.flow_control),
         )  # fmt: skip
         run_live(spec, out_dir=args.out, progress=_progress)
     except ConfigError as exc:

@@ -76,7 +76,11 @@ class LiveSpec:
     # (the cold start: every shared prefix prefilled once, whatever the router).
     warmup: float = 0.0
     scheduling: dict[str, Any] | None = None  # poolkeeper's spec.scheduling (None: default)
+    flow_control: dict[str, Any] | None = None  # poolkeeper's spec.flowControl (None: default)
     max_num_seqs: int | None = None  # the simulators' batch slots (None: the simulator's 256)
+    # Tokens per streamed event after the first (the simulators' --stream-interval): fewer
+    # events for the shared cores to carry; the first token is sent as before.
+    stream_interval: int = 1
 
 
 def repo_root() -> Path:
@@ -167,6 +171,7 @@ def poolkeeper_config(
     ports: dict[str, int],
     models: list[tuple[str, str, str]],
     scheduling: dict[str, Any] | None = None,
+    flow_control: dict[str, Any] | None = None,
 ) -> Path:
     cfg = work / "poolkeeper"
     cfg.mkdir(parents=True, exist_ok=True)
@@ -182,6 +187,7 @@ def poolkeeper_config(
         f"  endpoints:\n{endpoints}\n"
         "  scraping: {intervalMs: 50}\n"
         + (f"  scheduling: {json.dumps(scheduling)}\n" if scheduling is not None else "")
+        + (f"  flowControl: {json.dumps(flow_control)}\n" if flow_control is not None else "")
     )
     docs = [
         "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\n"
@@ -260,13 +266,14 @@ def router_command(
     sim_ports: Sequence[int],
     models: list[tuple[str, str, str]],
     scheduling: dict[str, Any] | None = None,
+    flow_control: dict[str, Any] | None = None,
 ) -> tuple[list[str], int, str]:
     """(command, HTTP port, readiness URL) of one target."""
     workers = [f"http://127.0.0.1:{p}" for p in sim_ports]
     if target == POOLKEEPER:
         names = ("http", "extproc", "metrics", "health", "admin")
         ports = dict(zip(names, free_ports(len(names)), strict=True))
-        cfg = poolkeeper_config(work, sim_ports, ports, models, scheduling)
+        cfg = poolkeeper_config(work, sim_ports, ports, models, scheduling, flow_control)
         cmd = [sys.executable, "-m", "poolkeeper", "serve", "-f", str(cfg),
                "--workdir", str(work / "serve"), "--log-level", "warning"]  # fmt: skip
         return cmd, ports["http"], f"http://127.0.0.1:{ports['http']}/v1/models"
@@ -312,12 +319,16 @@ def run_target(
                     "--max-loras", str(LORA_SLOTS)]  # fmt: skip
     if spec.max_num_seqs is not None:
         sim_cmd += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.stream_interval != 1:
+        sim_cmd += ["--stream-interval", str(spec.stream_interval)]
     models = _models(kind, adapter_names(scenario_spec))
     work.mkdir(parents=True, exist_ok=True)
     with process(sim_cmd, work / "sim.log"):
         for p in sim_ports:
             wait_http(f"http://127.0.0.1:{p}/health", lambda s: s == 200, READY_TIMEOUT_S, "sim")
-        cmd, port, ready = router_command(target, root, work, sim_ports, models, spec.scheduling)
+        cmd, port, ready = router_command(
+            target, root, work, sim_ports, models, spec.scheduling, spec.flow_control
+        )
         with process(cmd, work / f"{target}.log", env={"HF_HUB_OFFLINE": "1"}):
             wait_http(ready, lambda s: s < 500, READY_TIMEOUT_S, target)
             time.sleep(1.0)  # let scrapers / health checks see every worker once
@@ -415,7 +426,9 @@ def run_live(
         "rounds": spec.rounds,
         "warmup_s": spec.warmup,
         "max_num_seqs": spec.max_num_seqs,
+        "stream_interval": spec.stream_interval,
         "scheduling": spec.scheduling,
+        "flow_control": spec.flow_control,
         "skipped_peers": missing,
         "runs": runs,
         "ratios": ratios(runs, available),

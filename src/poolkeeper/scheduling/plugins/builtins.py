@@ -145,7 +145,8 @@ def _prefill_backlog(tn: TypedName, params: PluginParams, ctx: BuildContext) -> 
 
 def _prefix_affinity(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
     assert isinstance(params, PrefixAffinityParams)
-    return PrefixAffinityFilter(tn, params, _prefix_scorer(tn, params.prefix_scorer, ctx))
+    prefix = _prefix_scorer(tn, params.prefix_scorer, ctx)
+    return PrefixAffinityFilter(tn, params, prefix, ctx.staleness_s)
 
 
 def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:

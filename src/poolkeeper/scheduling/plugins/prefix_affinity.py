@@ -8,7 +8,8 @@ only those, unless the least loaded of them is out of balance with the least loa
     held_min - all_min > balanceAbsThreshold  and  held_min > balanceRelThreshold * all_min
 
 (load = running + waiting + requests sent since the scrape). Then, and for a prompt nobody holds,
-every candidate stays and the scorers weigh affinity against load as before.
+every candidate stays and the scorers weigh affinity against load as before. List it before
+the `stale-metrics-filter`: after it, a holder whose scrape is late is already gone.
 
 Why: the weighted sum lets load outvote affinity whenever the holder is busier by a few requests,
 and during a cold start every holder is busy prefilling. A request sent elsewhere prefills the
@@ -19,6 +20,12 @@ max - min > 64 and max > 1.5 x min in-flight requests; reference/peers.md sectio
 the switch compares the holders with the least loaded endpoint, not max with min, so a busy
 server that does not hold the prompt does not turn affinity off, and the thresholds are sized
 to an engine's in-flight count (tens), not a router's (hundreds).
+
+`onlyWhenStale`: narrow only when some holder's metrics are stale, else leave affinity to the
+scorers. Listed before the `stale-metrics-filter`, that keeps the holders through a late
+scrape. Why: on a loaded machine (live, load average 15), the re-prefills of the default came in
+bursts, up to four groups moving onto one server within 0.1 s: the pattern of the stale filter
+leaving only the endpoint scraped last while the holders' scrapes were late.
 
 Trade-off: a held request's fallbacks (the picker's extra endpoints) are other holders only.
 """
@@ -68,22 +75,31 @@ class PrefixAffinityParams(PluginParams):
         ge=1.0,
         description="... and more than this many times as many (default 1.5).",
     )
+    only_when_stale: bool = Field(
+        default=False,
+        description="Narrow only when some holder's metrics are older than "
+        "spec.scraping.stalenessMs (default false). Listed before stale-metrics-filter, this "
+        "keeps a prefix's holders through a late scrape and otherwise leaves affinity to the "
+        "scorers.",
+    )
 
 
 class PrefixAffinityFilter(NamedPlugin):
     """Filter narrowing the candidates to the prompt's holders while the load is balanced."""
 
-    __slots__ = ("params", "prefix")
+    __slots__ = ("params", "prefix", "staleness_s")
 
     def __init__(
         self,
         typed_name: TypedName,
         params: PrefixAffinityParams,
         prefix: PrefixCacheScorer | None,
+        staleness_s: float,
     ) -> None:
         super().__init__(typed_name)
         self.params = params
         self.prefix = prefix
+        self.staleness_s = staleness_s
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -101,6 +117,10 @@ class PrefixAffinityFilter(NamedPlugin):
         held = [s for s in candidates if matched.get(s.endpoint.hostport, 0) >= need]
         if not held or len(held) == len(candidates):
             return candidates
+        if p.only_when_stale:
+            fresh_since = cycle.now - self.staleness_s
+            if all(s.metrics.updated_at >= fresh_since for s in held):
+                return candidates
         held_min = min(_load(s) for s in held)
         all_min = min(_load(s) for s in candidates)
         if (

@@ -16,6 +16,7 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.bench.live.live import envoy_rr_bootstrap, poolkeeper_config, ratios
 from poolkeeper.bench.live.loadgen import check_loopback, run_open_loop
 from poolkeeper.bench.workload.workloads import Arrival
+from poolkeeper.cli import main as cli
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 
@@ -38,7 +39,15 @@ def test_poolkeeper_config_validates(tmp_path: Path) -> None:
         ("chat-critical", "Critical", "base-model"),
         ("adapter-000", "Standard", "adapter-000"),
     ]
-    cfg = poolkeeper_config(tmp_path, [18001, 18002], ports, models)
+    scheduling = {
+        "plugins": [
+            {"type": "prefix-affinity-filter"},
+            {"type": "prefix-cache-scorer"},
+            {"type": "max-score-picker"},
+        ]
+    }
+    cfg = poolkeeper_config(tmp_path, [18001, 18002], ports, models, scheduling)
+    assert yaml.safe_load((cfg / "gateway.yaml").read_text())["spec"]["scheduling"] == scheduling
     proc = subprocess.run(
         [sys.executable, "-m", "poolkeeper", "validate", str(cfg)],
         capture_output=True, text=True, timeout=60, check=False,
@@ -61,12 +70,32 @@ def test_envoy_rr_bootstrap_lists_every_server(tmp_path: Path) -> None:
 def test_ratios_pair_by_round() -> None:
     def run(target: str, rnd: int, p90: float) -> dict[str, object]:
         return {"target": target, "round": rnd, "pair_peer": "x",
-                "summary": {"ttft_s": {"p90": p90}}}  # fmt: skip
+                "summary": {"ttft_s": {"p90": p90, "p99": 2 * p90}}}  # fmt: skip
 
     out = ratios([run("poolkeeper", 0, 1.0), run("x", 0, 2.0), run("x", 1, 4.0),
                   run("poolkeeper", 1, 1.0)], ["x"])  # fmt: skip
     assert out["x"]["pair_ratios"] == [0.5, 0.25]
     assert out["x"]["pooled_ratio"] == pytest.approx(1.0 / 3.0)
+    assert out["x"]["pair_ratios_p99"] == [0.5, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--warmup", "30", "--duration", "30"], "--warmup must be in"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--stream-interval", "0"], "--stream-interval must be >= 1"),
+        (["--scheduling", "[1]"], "expected a JSON object"),
+        (["--flow-control", '{"enabled": 3}'], "--flow-control: spec.flowControl.enabled"),
+        (["--scheduling", "{x"], "not JSON"),
+        (["--scheduling", '{"plugins": [{"type": "nope"}]}'], "spec.scheduling"),
+    ],
+)
+def test_live_options_are_checked_before_anything_starts(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", "live", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
 async def test_load_generator_measures_first_text_chunk() -> None:

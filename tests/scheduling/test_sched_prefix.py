@@ -210,6 +210,28 @@ def test_cold_affinity_gives_way_to_a_known_holder_and_ignores_short_prompts() -
     assert scores_of(off, request(prompt=system), pool) == [0.0] * 3
 
 
+def test_cold_spread_sends_a_new_prefix_where_the_index_holds_least() -> None:
+    pool = [state(1), state(2), state(3)]
+    params = {"coldSpread": 0.5, "coldAffinityBlocks": 8}
+    scorer = plugin("prefix-cache-scorer", params)
+    fresh = request(prompt="n" * 1024)  # 16 blocks, held nowhere
+    # Nothing indexed anywhere yet: no signal.
+    assert scores_of(scorer, fresh, pool) == [0.0] * 3
+    scorer.post_cycle(cycle(), request(prompt="a" * 1024), ProfileResult("p", (pool[0],)))
+    scorer.post_cycle(cycle(), request(prompt="b" * 512), ProfileResult("p", (pool[1],)))
+    # 16 and 8 blocks indexed on the first two, none on the third.
+    assert scores_of(scorer, fresh, pool) == [0.0, 0.25, 0.5]
+    # A prompt some endpoint holds is scored by its match, as without.
+    assert scores_of(scorer, request(prompt="a" * 1024 + "x" * 64), pool) == [16 / 17, 0.0, 0.0]
+    # Short prompts (under coldAffinityBlocks) get nothing.
+    assert scores_of(scorer, request(prompt="t" * 448), pool) == [0.0] * 3
+    # With cold affinity too, the ring's owner gets both (capped at 1).
+    both = plugin("prefix-cache-scorer", {**params, "coldAffinity": 0.6})
+    both.post_cycle(cycle(), request(prompt="a" * 1024), ProfileResult("p", (pool[0],)))
+    got = scores_of(both, fresh, pool)
+    assert sorted(got) in ([0.5, 0.5, 0.6], [0.0, 0.5, 1.0])  # the owner holds the prefix or not
+
+
 INDEX_OPS = st.lists(
     st.tuples(
         st.sampled_from(["insert", "insert", "forget"]),

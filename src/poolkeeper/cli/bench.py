@@ -112,6 +112,24 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="wait for every answer to finish (default: stop at the last first token)",
     )
+    live.add_argument("--warmup", type=float, default=0.0, metavar="S",
+                      help="leave requests arriving in the first S seconds out of the "
+                           "statistics (the cold start; default 0)")  # fmt: skip
+    live.add_argument("--scheduling", default=None, metavar="JSON",
+                      help="poolkeeper's spec.scheduling as JSON, e.g. '{\"preset\": "
+                           "\"prefill-backlog\"}' (default: the default profile)")  # fmt: skip
+    live.add_argument("--flow-control", default=None, metavar="JSON",
+                      help="poolkeeper's spec.flowControl as JSON (default: the shipped "
+                           "defaults)")  # fmt: skip
+    live.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="the simulators' batch slots (default: the simulator's 256)",
+    )
+    live.add_argument("--stream-interval", type=int, default=1,
+                      help="the simulators' tokens per streamed event after the first "
+                           "(default 1; more: less CPU, same TTFT)")  # fmt: skip
     live.add_argument("--out", type=Path, default=DEFAULT_OUT)
     live.set_defaults(handler=_live)
 
@@ -248,6 +266,43 @@ def _flow_control(text: str | None) -> FlowControlConfig | None:
         raise ConfigError(f"--flow-control: {problems}") from None
 
 
+def _flow_control_section(text: str | None) -> dict[str, Any] | None:
+    """`--flow-control` checked as a spec.flowControl section; the dict poolkeeper serve gets."""
+    if text is None:
+        return None
+    import json
+
+    _flow_control(text)  # ConfigError naming the field
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        raise ConfigError("--flow-control: expected a JSON object")
+    return doc
+
+
+def _scheduling(text: str | None) -> dict[str, Any] | None:
+    """`--scheduling` checked as a spec.scheduling section; the dict poolkeeper serve gets."""
+    if text is None:
+        return None
+    import json
+
+    from pydantic import ValidationError
+
+    from poolkeeper.api.fielderrors import from_pydantic
+    from poolkeeper.scheduling.config import SchedulingConfig
+
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ConfigError("--scheduling: expected a JSON object")
+        SchedulingConfig.model_validate(doc)
+    except ValueError as exc:
+        if isinstance(exc, ValidationError):
+            problems = "; ".join(str(e) for e in from_pydantic(exc, prefix=("spec", "scheduling")))
+            raise ConfigError(f"--scheduling: {problems}") from None
+        raise ConfigError(f"--scheduling: not JSON ({exc})") from None
+    return doc
+
+
 def _flow(args: argparse.Namespace) -> int:
     from poolkeeper.bench.fleet.flowbench import format_flow, run_flow_bench
 
@@ -313,12 +368,21 @@ def _workload(args: argparse.Namespace) -> int:
 def _live(args: argparse.Namespace) -> int:
     from poolkeeper.bench.live.live import LiveSpec, run_live
 
-    spec = LiveSpec(
-        workload=args.workload, servers=args.servers, rate=args.rate, duration=args.duration,
-        rounds=args.rounds, peers=tuple(args.peers), time_scale=args.time_scale, seed=args.seed,
-        full_streams=args.full_streams, groups=args.groups,
-    )  # fmt: skip
     try:
+        if not 0 <= args.warmup < args.duration:
+            raise ConfigError("--warmup must be in [0, --duration)")
+        if args.max_num_seqs is not None and args.max_num_seqs < 1:
+            raise ConfigError("--max-num-seqs must be >= 1")
+        if args.stream_interval < 1:
+            raise ConfigError("--stream-interval must be >= 1")
+        spec = LiveSpec(
+            workload=args.workload, servers=args.servers, rate=args.rate,
+            duration=args.duration, rounds=args.rounds, peers=tuple(args.peers),
+            time_scale=args.time_scale, seed=args.seed, full_streams=args.full_streams,
+            groups=args.groups, warmup=args.warmup, scheduling=_scheduling(args.scheduling),
+            max_num_seqs=args.max_num_seqs, stream_interval=args.stream_interval,
+            flow_control=_flow_control_section(args.flow_control),
+        )  # fmt: skip
         run_live(spec, out_dir=args.out, progress=_progress)
     except ConfigError as exc:
         print(f"poolkeeper bench live: {exc}", file=sys.stderr)

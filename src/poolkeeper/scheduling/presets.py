@@ -69,6 +69,15 @@ def _default_plus(scorer: str, weight: float) -> dict[str, Any]:
     return doc
 
 
+def _default_first(plugin: dict[str, Any]) -> dict[str, Any]:
+    """The default profile with the filter `plugin` listed before every other plugin (the
+    `prefix-affinity` preset: docs/notes/2026-12-06-live-prefix-affinity.md)."""
+    doc = copy.deepcopy(_DEFAULT)
+    doc["plugins"].insert(0, plugin)
+    doc["schedulingProfiles"][0]["plugins"].insert(0, {"pluginRef": plugin["type"]})
+    return doc
+
+
 def _gie_v1(queue: float, kv: float, prefix: float) -> dict[str, Any]:
     return {
         "plugins": [
@@ -164,6 +173,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": _DEFAULT,
     "predicted-ttft": _default_plus("predicted-ttft-scorer", 2),
     "prefill-backlog": _default_plus("prefill-backlog-scorer", 2),
+    "prefix-affinity": _default_first(
+        {"type": "prefix-affinity-filter", "parameters": {"onlyWhenStale": True}}
+    ),
     "gie-v1-default": _gie_v1(2, 2, 3),  # GIE v1.2+ / v1.5 built-in default
     "gie-v1.0-default": _gie_v1(1, 1, 1),  # GIE v1.0 chart / v0.5 plugins-v2.yaml
     "gie-v0.3-decision-tree": _V03,

@@ -9,7 +9,8 @@ replayed open-loop by `bench.live.loadgen`, then both are stopped. Targets:
   profile, 50 ms scraping;
 - `vllm-router` / `sglang-router`: the peers installed by `scripts/install-peers.sh`, in
   `cache_aware` mode with their CLI defaults (cache threshold 0.3, balance thresholds 64 / 1.5),
-  command lines from reference/peers.md section 6;
+  command lines from reference/peers.md section 6; `vllm-router-rr`: vllm-router in
+  `round_robin` mode (the best peer where prefixes do not matter);
 - `envoy-rr`: the same Envoy binary with a static ROUND_ROBIN cluster (a Kubernetes Service
   stand-in).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -54,7 +56,7 @@ from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 
 POOLKEEPER = "poolkeeper"
-KNOWN_PEERS = ("vllm-router", "sglang-router", "envoy-rr")
+KNOWN_PEERS = ("vllm-router", "sglang-router", "envoy-rr", "vllm-router-rr")
 READY_TIMEOUT_S = 40.0
 
 
@@ -70,6 +72,15 @@ class LiveSpec:
     seed: int = 1
     full_streams: bool = False  # False: end each run once every request has its first token
     groups: int | None = None  # shared-prefix / heterogeneous: override the number of groups
+    # Requests arriving in the first `warmup` seconds are sent but left out of the statistics
+    # (the cold start: every shared prefix prefilled once, whatever the router).
+    warmup: float = 0.0
+    scheduling: dict[str, Any] | None = None  # poolkeeper's spec.scheduling (None: default)
+    flow_control: dict[str, Any] | None = None  # poolkeeper's spec.flowControl (None: default)
+    max_num_seqs: int | None = None  # the simulators' batch slots (None: the simulator's 256)
+    # Tokens per streamed event after the first (the simulators' --stream-interval): fewer
+    # events for the shared cores to carry; the first token is sent as before.
+    stream_interval: int = 1
 
 
 def repo_root() -> Path:
@@ -82,7 +93,7 @@ def repo_root() -> Path:
 
 def peer_binary(peer: str, root: Path) -> list[str] | None:
     """The command prefix that starts a peer, or None if it is not installed."""
-    if peer == "vllm-router":
+    if peer in ("vllm-router", "vllm-router-rr"):
         exe = root / ".peers" / "venv-vllm-router" / "bin" / "vllm-router"
         return [str(exe)] if exe.is_file() else None
     if peer == "sglang-router":
@@ -155,7 +166,12 @@ def _models(kind: WorkloadKind, spec_adapters: tuple[str, ...]) -> list[tuple[st
 
 
 def poolkeeper_config(
-    work: Path, sim_ports: Sequence[int], ports: dict[str, int], models: list[tuple[str, str, str]]
+    work: Path,
+    sim_ports: Sequence[int],
+    ports: dict[str, int],
+    models: list[tuple[str, str, str]],
+    scheduling: dict[str, Any] | None = None,
+    flow_control: dict[str, Any] | None = None,
 ) -> Path:
     cfg = work / "poolkeeper"
     cfg.mkdir(parents=True, exist_ok=True)
@@ -170,6 +186,8 @@ def poolkeeper_config(
         f"metrics: {ports['metrics']}, health: {ports['health']}, admin: {ports['admin']}}}\n"
         f"  endpoints:\n{endpoints}\n"
         "  scraping: {intervalMs: 50}\n"
+        + (f"  scheduling: {json.dumps(scheduling)}\n" if scheduling is not None else "")
+        + (f"  flowControl: {json.dumps(flow_control)}\n" if flow_control is not None else "")
     )
     docs = [
         "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\n"
@@ -247,13 +265,15 @@ def router_command(
     work: Path,
     sim_ports: Sequence[int],
     models: list[tuple[str, str, str]],
+    scheduling: dict[str, Any] | None = None,
+    flow_control: dict[str, Any] | None = None,
 ) -> tuple[list[str], int, str]:
     """(command, HTTP port, readiness URL) of one target."""
     workers = [f"http://127.0.0.1:{p}" for p in sim_ports]
     if target == POOLKEEPER:
         names = ("http", "extproc", "metrics", "health", "admin")
         ports = dict(zip(names, free_ports(len(names)), strict=True))
-        cfg = poolkeeper_config(work, sim_ports, ports, models)
+        cfg = poolkeeper_config(work, sim_ports, ports, models, scheduling, flow_control)
         cmd = [sys.executable, "-m", "poolkeeper", "serve", "-f", str(cfg),
                "--workdir", str(work / "serve"), "--log-level", "warning"]  # fmt: skip
         return cmd, ports["http"], f"http://127.0.0.1:{ports['http']}/v1/models"
@@ -261,9 +281,10 @@ def router_command(
     if prefix is None:
         raise ConfigError(f"{target} is not installed (run scripts/install-peers.sh)")
     port, prom = free_ports(2)
-    if target == "vllm-router":
+    if target in ("vllm-router", "vllm-router-rr"):
+        policy = "round_robin" if target == "vllm-router-rr" else "cache_aware"
         cmd = [*prefix, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-               "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+               "--policy", policy, "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(prom)]  # fmt: skip
         return cmd, port, f"http://127.0.0.1:{port}/health"
     if target == "sglang-router":
@@ -296,12 +317,18 @@ def run_target(
     if kind is WorkloadKind.MULTI_LORA:
         sim_cmd += ["--lora-adapters", ",".join(adapter_names(scenario_spec)),
                     "--max-loras", str(LORA_SLOTS)]  # fmt: skip
+    if spec.max_num_seqs is not None:
+        sim_cmd += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.stream_interval != 1:
+        sim_cmd += ["--stream-interval", str(spec.stream_interval)]
     models = _models(kind, adapter_names(scenario_spec))
     work.mkdir(parents=True, exist_ok=True)
     with process(sim_cmd, work / "sim.log"):
         for p in sim_ports:
             wait_http(f"http://127.0.0.1:{p}/health", lambda s: s == 200, READY_TIMEOUT_S, "sim")
-        cmd, port, ready = router_command(target, root, work, sim_ports, models)
+        cmd, port, ready = router_command(
+            target, root, work, sim_ports, models, spec.scheduling, spec.flow_control
+        )
         with process(cmd, work / f"{target}.log", env={"HF_HUB_OFFLINE": "1"}):
             wait_http(ready, lambda s: s < 500, READY_TIMEOUT_S, target)
             time.sleep(1.0)  # let scrapers / health checks see every worker once
@@ -316,7 +343,8 @@ def run_target(
                 )
             )
             wall = time.perf_counter() - started
-    outcomes: list[RequestOutcome] = [r.outcome for r in results]
+    everything: list[RequestOutcome] = [r.outcome for r in results]
+    outcomes = [o for o in everything if o.arrival >= spec.warmup]
     errors: dict[str, int] = {}
     for r in results:
         if r.status != 200 or r.error:
@@ -325,7 +353,7 @@ def run_target(
     servers: dict[str, int] = {}
     for o in outcomes:
         servers[o.server or "?"] = servers.get(o.server or "?", 0) + 1
-    summary = summarize(outcomes, duration=spec.duration, slo=SLO())
+    summary = summarize(outcomes, duration=spec.duration - spec.warmup, slo=SLO())
     progress(
         f"  {target:>14}: {summary['completed']}/{summary['requests']} ok, TTFT p90 "
         f"{summary['ttft_s']['p90']:.3f} s, errors {errors or 0} ({wall:.0f} s)"
@@ -337,6 +365,12 @@ def run_target(
         "errors": errors,
         "requests_per_server": servers,
         "wall_s": wall,
+        "load_average": list(os.getloadavg()),
+        # Every request, warm-up included: [arrival s, group, server, TTFT s or None].
+        "requests": [
+            [round(o.arrival, 4), o.group, o.server, None if o.ttft is None else round(o.ttft, 4)]
+            for o in sorted(everything, key=lambda o: o.arrival)
+        ],
     }
 
 
@@ -390,37 +424,51 @@ def run_live(
         "rate_rps": rate,
         "duration_s": spec.duration,
         "rounds": spec.rounds,
+        "warmup_s": spec.warmup,
+        "max_num_seqs": spec.max_num_seqs,
+        "stream_interval": spec.stream_interval,
+        "scheduling": spec.scheduling,
+        "flow_control": spec.flow_control,
         "skipped_peers": missing,
         "runs": runs,
         "ratios": ratios(runs, available),
     }
     write_json(out_dir / f"live-{spec.workload}.json", result)
     for peer, r in result["ratios"].items():
-        pairs, pooled = r["pair_ratios"], r["pooled_ratio"]
-        progress(f"p90 TTFT poolkeeper / {peer}: pairs {pairs}, pooled {pooled:.2f}")
+        progress(
+            f"TTFT poolkeeper / {peer}: p90 pairs {r['pair_ratios']}, medians "
+            f"{r['pooled_ratio']:.2f}; p99 pairs {r['pair_ratios_p99']}, medians "
+            f"{r['pooled_ratio_p99']:.2f}"
+        )
     return result
 
 
 def ratios(runs: Sequence[dict[str, Any]], peers: Sequence[str]) -> dict[str, Any]:
+    """Per peer: poolkeeper's p90 (and p99) TTFT over the peer's in each round's pair, and the
+    ratio of the medians over rounds."""
     out: dict[str, Any] = {}
     for peer in peers:
         mine = [r for r in runs if r["pair_peer"] == peer]
-        pair_ratios: list[float] = []
-        for rnd in sorted({r["round"] for r in mine}):
-            ours = [r for r in mine if r["round"] == rnd and r["target"] == POOLKEEPER]
-            theirs = [r for r in mine if r["round"] == rnd and r["target"] == peer]
-            if ours and theirs:
-                a = ours[0]["summary"]["ttft_s"]["p90"]
-                b = theirs[0]["summary"]["ttft_s"]["p90"]
-                pair_ratios.append(round(a / b, 3) if b else float("nan"))
-        pooled_ours = [r["summary"]["ttft_s"]["p90"] for r in mine if r["target"] == POOLKEEPER]
-        pooled_theirs = [r["summary"]["ttft_s"]["p90"] for r in mine if r["target"] == peer]
-        a = percentile(pooled_ours, 50)
-        b = percentile(pooled_theirs, 50)
-        out[peer] = {
-            "pair_ratios": pair_ratios,
-            "median_p90_poolkeeper_s": a,
-            "median_p90_peer_s": b,
-            "pooled_ratio": a / b if b else float("nan"),
-        }
+        entry: dict[str, Any] = {}
+        for q in ("p90", "p99"):
+            suffix = "" if q == "p90" else "_p99"
+            pair_ratios: list[float] = []
+            for rnd in sorted({r["round"] for r in mine}):
+                ours = [r for r in mine if r["round"] == rnd and r["target"] == POOLKEEPER]
+                theirs = [r for r in mine if r["round"] == rnd and r["target"] == peer]
+                if ours and theirs:
+                    a = ours[0]["summary"]["ttft_s"][q]
+                    b = theirs[0]["summary"]["ttft_s"][q]
+                    pair_ratios.append(round(a / b, 3) if b else float("nan"))
+            a = percentile(
+                [r["summary"]["ttft_s"][q] for r in mine if r["target"] == POOLKEEPER], 50
+            )
+            b = percentile([r["summary"]["ttft_s"][q] for r in mine if r["target"] == peer], 50)
+            entry.update({
+                f"pair_ratios{suffix}": pair_ratios,
+                f"median_{q}_poolkeeper_s": a,
+                f"median_{q}_peer_s": b,
+                f"pooled_ratio{suffix}": a / b if b else float("nan"),
+            })  # fmt: skip
+        out[peer] = entry
     return out

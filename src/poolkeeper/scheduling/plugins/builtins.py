@@ -42,6 +42,10 @@ from poolkeeper.scheduling.plugins.pickers import (
     RandomPicker,
     WeightedRandomPicker,
 )
+from poolkeeper.scheduling.plugins.prefix_affinity import (
+    PrefixAffinityFilter,
+    PrefixAffinityParams,
+)
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheParams, PrefixCacheScorer
 from poolkeeper.scheduling.plugins.profile_handlers import SingleProfileHandler
 from poolkeeper.scheduling.plugins.role_filters import (
@@ -139,6 +143,12 @@ def _prefill_backlog(tn: TypedName, params: PluginParams, ctx: BuildContext) -> 
     return PrefillBacklogScorer(tn, params, _prefix_scorer(tn, params.prefix_scorer, ctx))
 
 
+def _prefix_affinity(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    assert isinstance(params, PrefixAffinityParams)
+    prefix = _prefix_scorer(tn, params.prefix_scorer, ctx)
+    return PrefixAffinityFilter(tn, params, prefix, ctx.staleness_s)
+
+
 def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
     """Register every built-in plugin type on `registry` (once) and return it."""
     specs = [
@@ -169,6 +179,8 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
                    "Drops endpoints with stale metrics; fails open."),
         PluginSpec("decision-tree-filter", F, DecisionTreeParams, _tree,
                    "GIE v0.1-v0.5 filter tree.", filter_references=tree_references),
+        PluginSpec("prefix-affinity-filter", F, PrefixAffinityParams, _prefix_affinity,
+                   "The prompt's prefix holders only, while the load is balanced."),
         PluginSpec("decode-filter", F, NoParams, _plain(DecodeFilter),
                    "llm-d.ai/role can decode (unlabelled endpoints kept)."),
         PluginSpec("prefill-filter", F, NoParams, _plain(PrefillFilter),

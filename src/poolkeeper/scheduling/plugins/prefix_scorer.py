@@ -30,6 +30,15 @@ agree without talking. A prompt that never recurs gets a uniformly random push i
 costs load balance: hence only long prompts (where a shared prefix saves a real prefill; the
 default 32 blocks is 512 tokens) and a small score, so that load still decides.
 
+Cold spread (`coldSpread` > 0): the same cold prompt also gives every candidate `coldSpread` x
+(1 - its index blocks / the most any candidate has), so a new shared prefix goes to the endpoint
+the index credits with the least cached content, as sglang-router's cache_aware sends a miss to
+its smallest tree. Why: in a cold start every server is busy prefilling, so the load scorers see
+them about equal and a random tie-break can stack several new system prompts on one server
+(whose next steps then serve all of them); the index size counts prefixes already placed there,
+and, since each request adds its own blocks, the traffic it got. With the index full on every
+endpoint (its LRU capacity) the scores are equal and change nothing.
+
 With the scheduler's stats attached it reports, like upstream, the index size and, after each
 pick, the picked endpoint's matched prefix in characters ("bytes" upstream) and as a ratio.
 """
@@ -95,6 +104,14 @@ class PrefixCacheParams(PluginParams):
         ge=1,
         description="Leading blocks that key cold affinity; shorter prompts get none "
         "(default 32: 512 tokens).",
+    )
+    cold_spread: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="For a prompt of at least coldAffinityBlocks blocks that no endpoint is "
+        "known to cache, each candidate scores this x (1 - its index blocks / the most any "
+        "candidate has), so a new prefix goes where the least is cached (default 0: off).",
     )
     kv_events: bool = Field(
         default=False,
@@ -237,7 +254,7 @@ class PrefixCacheScorer(NamedPlugin):
         params = self.params
         cold = params.cold_affinity_blocks
         if (
-            params.cold_affinity
+            (params.cold_affinity or params.cold_spread)
             and len(hashes) >= cold
             and max(matched.values(), default=0) < cold * params.block_size
         ):
@@ -249,11 +266,20 @@ class PrefixCacheScorer(NamedPlugin):
         return [get(s.endpoint.hostport, 0.0) for s in candidates]
 
     def _cold_scores(self, candidates: Sequence[EndpointState], key: int) -> list[float]:
-        """`coldAffinity` for the candidate owning `key` on the ring, 0 for the others.
-        Partial matches shorter than the cold key are dropped: too short to matter."""
+        """`coldAffinity` for the candidate owning `key` on the ring, plus `coldSpread` scaled
+        by how little the index holds on each candidate (capped at 1). Partial matches shorter
+        than the cold key are dropped: too short to matter."""
         keys = [s.endpoint.hostport for s in candidates]
         out = [0.0] * len(keys)
-        out[keys.index(self.hashring.owner(key, keys))] = self.params.cold_affinity
+        spread = self.params.cold_spread
+        if spread:
+            sizes = [self.index.blocks(k) for k in keys]
+            most = max(sizes)
+            if most:
+                out = [spread * (1.0 - b / most) for b in sizes]
+        if self.params.cold_affinity:
+            i = keys.index(self.hashring.owner(key, keys))
+            out[i] = min(1.0, out[i] + self.params.cold_affinity)
         return out
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:

@@ -1,0 +1,137 @@
+"""The `prefix-affinity-filter`: while the load is balanced, only the endpoints holding the prompt.
+
+Reads the match of a `prefix-cache-scorer` (named by `prefixScorer`, so one index serves both).
+An endpoint *holds* a prompt when it probably caches at least `minMatchRatio` of it and at least
+`minMatchBlocks` of the scorer's blocks. When some candidates hold the prompt, the filter keeps
+only those, unless the least loaded of them is out of balance with the least loaded candidate:
+
+    held_min - all_min > balanceAbsThreshold  and  held_min > balanceRelThreshold * all_min
+
+(load = running + waiting + requests sent since the scrape). Then, and for a prompt nobody holds,
+every candidate stays and the scorers weigh affinity against load as before. List it before
+the `stale-metrics-filter`: after it, a holder whose scrape is late is already gone.
+
+Why: the weighted sum lets load outvote affinity whenever the holder is busier by a few requests,
+and during a cold start every holder is busy prefilling. A request sent elsewhere prefills the
+whole shared prefix again (a 2,000-token system prompt is one long step that every request on
+that server waits behind) and makes a second holder, so one busy moment costs two servers a
+prefill. sglang-router's `cache_aware` makes the same choice with a hard switch (affinity unless
+max - min > 64 and max > 1.5 x min in-flight requests; reference/peers.md section 3.2); here
+the switch compares the holders with the least loaded endpoint, not max with min, so a busy
+server that does not hold the prompt does not turn affinity off, and the thresholds are sized
+to an engine's in-flight count (tens), not a router's (hundreds).
+
+`onlyWhenStale`: narrow only when some holder's metrics are stale, else leave affinity to the
+scorers. Listed before the `stale-metrics-filter`, that keeps the holders through a late
+scrape. Why: on a loaded machine (live, load average 15), the re-prefills of the default came in
+bursts, up to four groups moving onto one server within 0.1 s: the pattern of the stale filter
+leaving only the endpoint scraped last while the holders' scrapes were late.
+
+Trade-off: a held request's fallbacks (the picker's extra endpoints) are other holders only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.interfaces import CycleState, TypedName
+from poolkeeper.scheduling.plugins.base import NamedPlugin
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.registry import PluginParams
+from poolkeeper.scheduling.types import LLMRequest
+
+
+class PrefixAffinityParams(PluginParams):
+    prefix_scorer: str = Field(
+        default="prefix-cache-scorer",
+        description="Name of the prefix-cache-scorer instance whose index says who holds "
+        "the prompt (default prefix-cache-scorer).",
+    )
+    min_match_ratio: float = Field(
+        default=0.3,
+        ge=0.0,
+        le=1.0,
+        description="Share of the prompt an endpoint must probably cache to hold it "
+        "(default 0.3, sglang-router's cache threshold).",
+    )
+    min_match_blocks: int = Field(
+        default=32,
+        ge=1,
+        description="Blocks of the prefix scorer an endpoint must probably cache to hold the "
+        "prompt (default 32: 512 tokens at 64-character blocks), so that short prompts never "
+        "narrow the choice.",
+    )
+    balance_abs_threshold: float = Field(
+        default=16,
+        ge=0,
+        description="Affinity yields only when the least loaded holder has more than this many "
+        "requests more than the least loaded candidate (default 16) ...",
+    )
+    balance_rel_threshold: float = Field(
+        default=1.5,
+        ge=1.0,
+        description="... and more than this many times as many (default 1.5).",
+    )
+    only_when_stale: bool = Field(
+        default=False,
+        description="Narrow only when some holder's metrics are older than "
+        "spec.scraping.stalenessMs (default false). Listed before stale-metrics-filter, this "
+        "keeps a prefix's holders through a late scrape and otherwise leaves affinity to the "
+        "scorers.",
+    )
+
+
+class PrefixAffinityFilter(NamedPlugin):
+    """Filter narrowing the candidates to the prompt's holders while the load is balanced."""
+
+    __slots__ = ("params", "prefix", "staleness_s")
+
+    def __init__(
+        self,
+        typed_name: TypedName,
+        params: PrefixAffinityParams,
+        prefix: PrefixCacheScorer | None,
+        staleness_s: float,
+    ) -> None:
+        super().__init__(typed_name)
+        self.params = params
+        self.prefix = prefix
+        self.staleness_s = staleness_s
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Sequence[EndpointState]:
+        prefix = self.prefix
+        if prefix is None or len(candidates) < 2:
+            return candidates
+        matched = prefix.matched(cycle, request)
+        if not matched:
+            return candidates
+        p = self.params
+        need = max(
+            p.min_match_ratio * len(request.prompt), p.min_match_blocks * prefix.params.block_size
+        )
+        held = [s for s in candidates if matched.get(s.endpoint.hostport, 0) >= need]
+        if not held or len(held) == len(candidates):
+            return candidates
+        if p.only_when_stale:
+            fresh_since = cycle.now - self.staleness_s
+            if all(s.metrics.updated_at >= fresh_since for s in held):
+                return candidates
+        held_min = min(_load(s) for s in held)
+        all_min = min(_load(s) for s in candidates)
+        if (
+            held_min - all_min > p.balance_abs_threshold
+            and held_min > p.balance_rel_threshold * all_min
+        ):
+            return candidates
+        return held
+
+
+def _load(s: EndpointState) -> int:
+    """Requests at the endpoint: scraped running + waiting, plus those sent since the scrape."""
+    m = s.metrics
+    return m.running + m.waiting + s.unseen_requests

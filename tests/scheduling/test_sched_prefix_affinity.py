@@ -1,0 +1,134 @@
+"""The prefix-affinity filter: holders only while balanced, everyone once the holders are out of
+balance, and nothing narrowed for short prompts, partial matches or unknown prefixes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from poolkeeper.errors import ConfigError
+from poolkeeper.scheduling.interfaces import ProfileResult
+from tests.scheduling.sched_factories import NOW, cycle, key, request, scheduler, state
+
+SYSTEM = "s" * 4096  # 64 blocks of 64 characters: a shared system prompt
+
+
+def _doc(**params: Any) -> dict[str, Any]:
+    """The prefix scorer, the filter reading it, and a queue scorer that would outvote it."""
+    return {
+        "plugins": [
+            {"type": "prefix-affinity-filter", "parameters": params},
+            {"type": "prefix-cache-scorer"},
+            {"type": "queue-scorer"},
+            {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 1}},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "p",
+                "plugins": [
+                    {"pluginRef": "prefix-affinity-filter"},
+                    {"pluginRef": "prefix-cache-scorer", "weight": 1},
+                    {"pluginRef": "queue-scorer", "weight": 10},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+def _kept(sched: Any, prompt: str, pool: list[Any]) -> list[str]:
+    filt = sched.plugins["prefix-affinity-filter"]
+    return [s.key for s in filt.filter(cycle(), request(prompt=prompt), pool)]
+
+
+def _holder(sched: Any, prompt: str, pool: list[Any], i: int) -> None:
+    """Record endpoint `i` of `pool` as holding `prompt` (as after a decision for it)."""
+    scorer = sched.plugins["prefix-cache-scorer"]
+    scorer.post_cycle(cycle(), request(prompt=prompt), ProfileResult("p", (pool[i],)))
+
+
+def test_holders_only_while_balanced_everyone_when_not() -> None:
+    sched = scheduler(_doc())
+    idle = [state(i) for i in range(1, 5)]
+    _holder(sched, SYSTEM + "first question", idle, 1)
+    prompt = SYSTEM + "another question"
+    assert _kept(sched, prompt, idle) == [key(2)]
+    # The holder is busier by 16 requests (not more): still balanced.
+    busy = [state(1, running=20), state(2, running=36), state(3, running=30), state(4, running=25)]
+    assert _kept(sched, prompt, busy) == [key(2)]
+    # 17 more and 1.85x: affinity yields, every candidate stays for the scorers.
+    skewed = [state(1, running=20), state(2, running=30, unseen=7), state(3, running=40)]
+    assert _kept(sched, prompt, skewed) == [key(i) for i in range(1, 4)]
+    # Far more in absolute terms but under 1.5x: still balanced (a busy fleet).
+    heavy = [state(1, running=100), state(2, running=140), state(3, running=120)]
+    assert _kept(sched, prompt, heavy) == [key(2)]
+
+
+def test_the_scheduler_keeps_a_busy_holder_the_queue_scorer_would_leave() -> None:
+    pool = [state(1, waiting=0), state(2, waiting=6), state(3, waiting=1)]
+    for doc, expected in ((_doc(), key(2)), (_doc(balanceAbsThreshold=3), key(1))):
+        sched = scheduler(doc)
+        _holder(sched, SYSTEM + "q0", pool, 1)
+        got = sched.schedule(request(prompt=SYSTEM + "q1", request_id="r2"), pool, now=100.0)
+        assert got.primary.key == expected
+
+
+def test_short_partial_and_unknown_prompts_are_not_narrowed() -> None:
+    sched = scheduler(_doc())
+    pool = [state(i) for i in range(1, 4)]
+    everyone = [key(i) for i in range(1, 4)]
+    short = "x" * 1024  # 16 blocks: under minMatchBlocks
+    _holder(sched, short, pool, 0)
+    assert _kept(sched, short + "more", pool) == everyone
+    _holder(sched, SYSTEM, pool, 2)
+    # Holds 4,096 of 16,000 characters: under minMatchRatio 0.3.
+    assert _kept(sched, SYSTEM + "u" * 11_904, pool) == everyone
+    assert _kept(sched, SYSTEM + "u" * 11_904, pool[:1]) == [key(1)]
+    assert _kept(sched, "never seen " * 600, pool) == everyone
+    # Every candidate holds it: nothing to narrow.
+    _holder(sched, SYSTEM, pool, 0)
+    _holder(sched, SYSTEM, pool, 1)
+    assert _kept(sched, SYSTEM + "q", pool) == everyone
+
+
+def test_only_when_stale_narrows_only_while_a_holder_is_stale() -> None:
+    sched = scheduler(_doc(onlyWhenStale=True))
+    fresh = [state(i) for i in range(1, 4)]
+    _holder(sched, SYSTEM + "q0", fresh, 1)
+    prompt = SYSTEM + "q1"
+    # Every holder fresh: affinity is left to the scorers.
+    assert _kept(sched, prompt, fresh) == [key(1), key(2), key(3)]
+    # The holder's scrape is late (older than the 200 ms staleness): it is kept alone, so
+    # the stale-metrics filter after it cannot send the prompt to the endpoint scraped last.
+    late = [state(1), state(2, updated_at=NOW - 0.5), state(3)]
+    assert _kept(sched, prompt, late) == [key(2)]
+    # Out of balance, even a stale holder gives way.
+    busy = [state(1), state(2, updated_at=NOW - 0.5, running=40), state(3)]
+    assert _kept(sched, prompt, busy) == [key(1), key(2), key(3)]
+
+
+def test_listed_first_it_keeps_a_stale_holder_through_the_stale_metrics_filter() -> None:
+    doc = _doc(onlyWhenStale=True)
+    doc["plugins"].append({"type": "stale-metrics-filter"})
+    doc["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "stale-metrics-filter"})
+    pool = [state(1), state(2, updated_at=NOW - 0.5), state(3)]
+    for expected, d in ((key(2), doc), (None, _doc())):
+        if expected is None:  # without the filter: the stale holder is dropped
+            d = {**doc, "plugins": doc["plugins"][1:]}
+            d["schedulingProfiles"] = [
+                {"name": "p", "plugins": doc["schedulingProfiles"][0]["plugins"][1:]}
+            ]
+        sched = scheduler(d)
+        _holder(sched, SYSTEM + "q0", pool, 1)
+        got = sched.schedule(request(prompt=SYSTEM + "q1", request_id="r2"), pool, now=NOW)
+        assert (got.primary.key == key(2)) is (expected is not None)
+
+
+def test_a_missing_or_wrong_prefix_scorer_is_a_config_error() -> None:
+    doc = _doc(prefixScorer="queue-scorer")
+    with pytest.raises(ConfigError, match="not a prefix-cache-scorer"):
+        scheduler(doc)
+    doc = _doc(prefixScorer="nope")
+    with pytest.raises(ConfigError, match="nope"):
+        scheduler(doc)

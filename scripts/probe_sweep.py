@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -247,11 +248,8 @@ async def s_metrics_cardinality(g: Gateway) -> Result:
     await raw(g.http, post(chat("x" * 100_000 + "\nforged 1")))
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{g.metrics}/metrics") as r:
         page = await r.text()
-    names = {
-        line.split('model_name="', 1)[1].split('"', 1)[0]
-        for line in page.splitlines()
-        if 'model_name="' in line
-    }
+    # Both model labels share the cap; an empty target (a rejected request) is no value.
+    names = set(re.findall(r'(?:^|[{,])(?:target_)?model_name="([^"]+)"', page, re.MULTILINE))
     longest = max((len(n) for n in names), default=0)
     forged = any(line.startswith("forged") for line in page.splitlines())
     ok = len(names) <= 1001 and longest <= 128 and not forged

@@ -26,19 +26,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.netutil import free_ports
 from poolkeeper.tokens import count_tokens
-from tests.e2e.e2e_harness import (
-    POOL,
+from tests.support.gateway_files import POOL, gateway_doc, gateway_ports, model_doc, write_config
+from tests.support.processes import (
     STARTUP_S,
     Proc,
-    gateway_doc,
-    gateway_ports,
     killing_orphans,
-    model_doc,
     poolkeeper,
     wait_for_port,
     wait_for_text,
     wait_ready,
-    write_config,
 )
 
 pytestmark = pytest.mark.e2e

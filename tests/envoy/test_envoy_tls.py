@@ -21,10 +21,8 @@ from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
 from poolkeeper.netutil import free_port
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.runtime import ServeOptions
 from poolkeeper.server.transport import Stoppable, health_methods
-from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import (
     SERVICE_NAME,
     HealthCheckRequest,
@@ -32,7 +30,8 @@ from poolkeeper.telemetry.health import (
     HealthService,
 )
 from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params
-from tests.reliability.test_rel_epp_port import MODEL, _config
+from tests.support.gateway_files import one_pool
+from tests.support.sim_gateway import MODEL, running_gateway, sim_server
 
 pytestmark = pytest.mark.integration
 
@@ -119,17 +118,16 @@ async def test_serve_with_secure_serving_runs_its_envoy_over_tls(tmp_path: Path)
     """`serve --secure-serving` with the managed Envoy: the EPP serves ext_proc over TLS and
     the Envoy `serve` runs dials it so (ext_proc, health checks and the response observer's
     access log), and requests succeed."""
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
-    (sim,) = await cluster.start()
-    runtime = GatewayRuntime(
-        ServeOptions(
-            source=file_source([_config(tmp_path, sim.port)]),
-            ready_wait_s=5,
-            tls=TlsSettings(secure_serving=True),
-        )
-    )
-    await runtime.start()
-    try:
+    async with (
+        sim_server() as sim_port,
+        running_gateway(
+            ServeOptions(
+                source=file_source([one_pool(tmp_path, sim_port, address="0.0.0.0")]),
+                ready_wait_s=5,
+                tls=TlsSettings(secure_serving=True),
+            )
+        ) as runtime,
+    ):
         assert runtime.config is not None
         assert runtime.detached is not None
         listeners = runtime.config.spec.listeners
@@ -155,9 +153,6 @@ async def test_serve_with_secure_serving_runs_its_envoy_over_tls(tmp_path: Path)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{listeners.ext_proc}") as channel:
             with pytest.raises(grpc.aio.AioRpcError):
                 await check(channel)
-    finally:
-        await runtime.stop(grace_s=0)
-        await cluster.stop()
 
 
 async def check(channel: grpc.aio.Channel) -> None:

@@ -24,17 +24,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.netutil import free_ports
-from tests.e2e.e2e_harness import (
-    POOL,
-    Proc,
-    gateway_ports,
-    model_doc,
-    poolkeeper,
-    wait_for_text,
-    wait_ready,
-    write_config,
-)
 from tests.realengine.llama import BASE_MODEL, LlamaServer, start_server, wait_healthy
+from tests.support.gateway_files import POOL, gateway_ports, model_doc, write_config
+from tests.support.processes import Proc, poolkeeper, wait_for_text, wait_ready
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.usefixtures("real_engine")]
 

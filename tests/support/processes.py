@@ -1,4 +1,6 @@
-"""Processes for the end-to-end tests: simulators and `poolkeeper serve`, on free ports."""
+"""`poolkeeper serve` and `poolkeeper sim` as subprocesses of a test: started with their output
+in a log file, waited on (a port, a log line, gRPC readiness) and stopped; Envoy children
+of a killed `serve` reaped."""
 
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ from pathlib import Path
 from typing import IO
 
 import grpc
-
-from poolkeeper.netutil import free_ports
 
 SERVING = 1
 
@@ -138,84 +138,3 @@ def killing_orphans(proc: Proc) -> Iterator[None]:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-POOL = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: {name}, namespace: default}}
-spec:
-  selector: {{app: {app}}}
-  targetPortNumber: 8000
-  extensionRef: {{name: {name}-epp, failureMode: {failure_mode}}}
-"""
-
-MODEL = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: {object_name}, namespace: default}}
-spec:
-  modelName: {model}
-  criticality: {criticality}
-  poolRef: {{name: {pool}}}
-{targets}"""
-
-
-def model_doc(
-    model: str, pool: str, criticality: str, targets: dict[str, int] | list[str] | None = None
-) -> str:
-    lines = ""
-    if isinstance(targets, dict):
-        lines = "  targetModels:\n" + "".join(
-            f"    - {{name: {t}, weight: {w}}}\n" for t, w in targets.items()
-        )
-    elif targets:
-        lines = "  targetModels:\n" + "".join(f"    - {{name: {t}}}\n" for t in targets)
-    object_name = model.lower().replace("/", "-").replace(".", "-").replace("_", "-")
-    return MODEL.format(
-        object_name=object_name, model=model, criticality=criticality, pool=pool, targets=lines
-    )
-
-
-def gateway_doc(
-    ports: dict[str, int], endpoints: list[tuple[str, int, str]], transport: str = "grpcio"
-) -> str:
-    eps = "".join(
-        f"    - {{name: {name}, address: 127.0.0.1, port: {port}, labels: {{app: {app}}}}}\n"
-        for name, port, app in endpoints
-    )
-    return f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: default}}
-spec:
-  listeners: {{http: {ports["http"]}, extProc: {ports["ext_proc"]}, metrics: {ports["metrics"]},
-    health: {ports["health"]}, admin: {ports["admin"]}, extProcTransport: {transport}}}
-  scraping: {{intervalMs: 50, timeoutMs: 1000}}
-  endpoints:
-{eps}"""
-
-
-def write_config(directory: Path, docs: list[str]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "gateway.yaml").write_text("---\n".join(docs))
-    return directory
-
-
-def one_server_config(
-    directory: Path, ports: dict[str, int], sim_port: int, model: str = "tiny-base"
-) -> Path:
-    """A gateway over one simulator at `sim_port`: pool "tiny" (FailClose) serving `model`
-    (Critical); the documents written to `directory`."""
-    docs = [
-        gateway_doc(ports, [("tiny-0", sim_port, "tiny")]),
-        POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
-        model_doc(model, "tiny", "Critical"),
-    ]
-    return write_config(directory, docs)
-
-
-def gateway_ports() -> dict[str, int]:
-    http, ext_proc, metrics, health, admin = free_ports(5)
-    return {"http": http, "ext_proc": ext_proc, "metrics": metrics, "health": health,
-            "admin": admin}  # fmt: skip

@@ -37,6 +37,7 @@ from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -45,7 +46,7 @@ from tests.epp.test_epp_original_dst import original_dst_envoy
 from tests.kube.conftest import fake
 from tests.kube.fakeapi import FakeApiServer
 from tests.kube.rbac import Rule, allows, allows_url, granted
-from tests.kube.test_kube_serve import _ports, eventually
+from tests.kube.test_kube_serve import eventually
 
 __all__ = ["fake"]  # the API-server double fixture
 
@@ -207,7 +208,7 @@ async def rendered_epp(
     args = [a.replace("/config/", f"{config_dir}/") for a in render.container["args"]]
     if "--endpoint-target-ports" in args:  # standalone: the chart's 8000 is the simulator's
         args[args.index("--endpoint-target-ports") + 1] = str(sim_port)
-    ext_proc, health, metrics = _ports(3)
+    ext_proc, health, metrics = free_ports(3)
     argv = [*args, f"--grpc-port={ext_proc}", f"--grpc-health-port={health}",
             f"--metrics-port={metrics}"]  # fmt: skip
     options = parse_epp_args(argv)
@@ -348,7 +349,7 @@ async def test_the_standalone_charts_own_envoy_routes_through_poolkeeper(
     fake.put(_pod(render.namespace, {"app": "vllm"}), "pods")
     try:
         async with rendered_epp(render, fake, tmp_path, monkeypatch, sim_port) as epp:
-            admin, ready, listen = _ports(3)
+            admin, ready, listen = free_ports(3)
             moved = _moved(envoy_config, {19000: admin, 19001: ready, 8081: listen,
                                           9002: epp.ext_proc})  # fmt: skip
             path = tmp_path / "chart-envoy.yaml"

@@ -20,6 +20,7 @@ from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.config.endpointpicker import DEFAULT_CONFIG_TEXT
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -29,7 +30,7 @@ from tests.extproc.extproc_fakes import FakeEnvoy
 from tests.extproc.test_extproc_protocol import _set_headers, _streamed_request
 from tests.kube.conftest import NS, fake, pod_obj
 from tests.kube.fakeapi import FakeApiServer
-from tests.kube.test_kube_serve import _ports, eventually
+from tests.kube.test_kube_serve import eventually
 
 __all__ = ["fake"]  # the API-server double fixture
 
@@ -78,7 +79,7 @@ async def chart_epp(
     )
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.setenv("POD_NAME", "qwen-epp-6d4b9c7f5-x2x9k")
-    ext_proc, health, metrics = _ports(3)
+    ext_proc, health, metrics = free_ports(3)
     args = [a if a != "llm" else NS for a in _chart_args(tmp_path)]  # the pool's namespace
     # The chart's default-plugins.yaml for modelServers.type vllm (the simulator's engine).
     (tmp_path / "default-plugins.yaml").write_text(DEFAULT_CONFIG_TEXT)

@@ -18,10 +18,10 @@ import grpc
 import pytest
 import yaml
 
+from poolkeeper.netutil import free_ports
 from poolkeeper.telemetry.health import NOT_SERVING, SERVING, check_health
 from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
-from tests.kube.test_kube_serve import _ports
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ def _holder(fake: FakeApiServer) -> str | None:
 async def _serve(
     tmp_path: Path, fake: FakeApiServer, identity: str
 ) -> tuple[asyncio.subprocess.Process, int, int]:
-    ext_proc, metrics, health = _ports(3)
+    ext_proc, metrics, health = free_ports(3)
     gw = tmp_path / f"{identity}.yaml"
     gw.write_text(
         "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\n"

@@ -28,6 +28,7 @@ from poolkeeper.controller.kubernetes import (
 )
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -36,16 +37,6 @@ from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
 
 pytestmark = pytest.mark.integration
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str, limit: int = 400) -> None:
@@ -75,7 +66,7 @@ async def test_serve_kubernetes_stays_ready_through_an_api_outage(fake: FakeApiS
     fake.put(pool_obj(port=sim_port), "inferencepools")
     fake.put(model_obj("m", "m"), "inferencemodels")
     fake.put(pod_obj("sim-0", "127.0.0.1"), "pods")
-    ext_proc, metrics, health = _ports(3)
+    ext_proc, metrics, health = free_ports(3)
     gateway = GatewayConfig.model_validate(
         {"spec": {"listeners": {"extProc": ext_proc, "metrics": metrics, "health": health}}}
     )
@@ -246,7 +237,7 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
     """README's Kubernetes steps against the double: step 3's `rollout status` needs the EPP
     Ready with nothing else in the namespace (no pool, model or model server: step 4 makes
     them); step 4's objects are then routed to. The options are the CLI's own."""
-    ext_proc, metrics, health = _ports(3)
+    ext_proc, metrics, health = free_ports(3)
     gw = tmp_path / "gw.yaml"
     gw.write_text(
         "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\n"

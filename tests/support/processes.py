@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -102,6 +103,30 @@ def wait_for_text(proc: Proc, text: str, timeout: float = STARTUP_S) -> None:
             raise RuntimeError(f"process exited early:\n{proc.log_text()[-3000:]}")
         time.sleep(0.05)
     raise TimeoutError(f"{text!r} not seen after {timeout}s:\n{proc.log_text()[-3000:]}")
+
+
+_LISTENING = re.compile(r"^\S+ listening on http://\S+:(\d+) ", re.MULTILINE)
+
+
+def listening_ports(proc: Proc, count: int, timeout: float = STARTUP_S) -> list[int]:
+    """The ports of a `poolkeeper sim --port 0` process's `count` servers, in server order,
+    once all listen (it prints `<name> listening on <url> ...` for each after binding).
+
+    With `--port 0` every server binds a port the kernel picks as it binds. A port chosen
+    beforehand (`free_ports`) must stay free for the seconds such a process spends importing
+    on a loaded machine, which every other program's choice from the same range may break:
+    the e2e fleet failed so ("cannot listen: [Errno 98] Address already in use")."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ports = [int(port) for port in _LISTENING.findall(proc.log_text())]
+        if len(ports) >= count:
+            return ports[:count]
+        if proc.process.poll() is not None:
+            raise RuntimeError(f"process exited early:\n{proc.log_text()[-3000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(
+        f"{count} servers not listening after {timeout}s:\n{proc.log_text()[-3000:]}"
+    )
 
 
 def health_status(port: int, service: str) -> int:

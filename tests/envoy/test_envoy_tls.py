@@ -14,9 +14,8 @@ import grpc
 import pytest
 
 from poolkeeper.controller.files import file_source
-from poolkeeper.envoy.bootstrap import EPP_CLUSTER, build_bootstrap, render
+from poolkeeper.envoy.bootstrap import EPP_CLUSTER, build_bootstrap
 from poolkeeper.envoy.endpoints_file import EndpointsFile
-from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
@@ -29,7 +28,7 @@ from poolkeeper.telemetry.health import (
     HealthCheckResponse,
     HealthService,
 )
-from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params
+from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params, running_envoy
 from tests.support.gateway_files import one_pool
 from tests.support.sim_gateway import MODEL, running_gateway, sim_server
 
@@ -77,38 +76,27 @@ async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path, transport
     endpoints.write([b.hostport for b in backends])
     params = rig_params(backends, epp_port, endpoints.path, fail_open=False)
     params = dataclasses.replace(params, epp_tls=True)
-    config = tmp_path / "envoy.json"
-    config.write_text(render(build_bootstrap(params)))
-    envoy = EnvoySupervisor(
-        EnvoyOptions(
-            binary=find_envoy(),
-            config_path=config,
-            log_path=tmp_path / "envoy.log",
-            admin_url=f"http://127.0.0.1:{params.admin_port}",
-        )
-    )
-    await envoy.start()
     try:
-        await envoy.wait_ready()
-        url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
-        served = set()
-        async with aiohttp.ClientSession() as session:
-            for _ in range(4):
-                async with session.post(url, json={"model": "m", "messages": []}) as resp:
-                    assert resp.status == 200, await resp.text()
-                    served.add((await resp.json())["served_by"])
-        assert len(served) == 2  # the EPP's picks, both backends
-        # The EPP cluster's connections really are TLS.
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(f"http://127.0.0.1:{params.admin_port}/stats?filter=epp.ssl") as resp,
-        ):
-            stats = dict(
-                line.split(": ", 1) for line in (await resp.text()).splitlines() if ": " in line
-            )
-        assert int(stats[f"cluster.{EPP_CLUSTER}.ssl.handshake"]) >= 1
+        # Until Envoy counts the EPP healthy, too: this pool is FailClose (running_envoy).
+        async with running_envoy(params, tmp_path):
+            url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
+            served = set()
+            async with aiohttp.ClientSession() as session:
+                for _ in range(4):
+                    async with session.post(url, json={"model": "m", "messages": []}) as resp:
+                        assert resp.status == 200, await resp.text()
+                        served.add((await resp.json())["served_by"])
+            assert len(served) == 2  # the EPP's picks, both backends
+            # The EPP cluster's connections really are TLS.
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{params.admin_port}/stats?filter=epp.ssl") as resp,
+            ):
+                stats = dict(
+                    line.split(": ", 1) for line in (await resp.text()).splitlines() if ": " in line
+                )
+            assert int(stats[f"cluster.{EPP_CLUSTER}.ssl.handshake"]) >= 1
     finally:
-        await envoy.stop()
         await server.stop(None)
         for b in backends:
             await b.stop()

@@ -36,17 +36,18 @@ import yaml
 from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVICE_UNKNOWN, SERVING, check_health
+from tests.envoy.envoy_harness import supervised_envoy
 from tests.epp.test_epp_original_dst import original_dst_envoy
 from tests.kube.conftest import fake
 from tests.kube.fakeapi import FakeApiServer
 from tests.kube.rbac import Rule, allows, allows_url, granted
-from tests.kube.test_kube_serve import eventually
+from tests.support.kubeconfig import write_kubeconfig
+from tests.support.waiting import eventually
 
 __all__ = ["fake"]  # the API-server double fixture
 
@@ -187,17 +188,7 @@ async def rendered_epp(
     """`poolkeeper-epp` with the render's container arguments and env, against the double
     (the API server from a kubeconfig, as in-cluster config would give it); ready on the
     readiness probe's own service name when entered."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [{"name": "f", "cluster": {"server": fake.url}}],
-                "users": [{"name": "u", "user": {"token": "sa-token"}}],
-                "contexts": [{"name": "f", "context": {"cluster": "f", "user": "u"}}],
-                "current-context": "f",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url, token="sa-token")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     for key, value in render.env().items():
         monkeypatch.setenv(key, value)
@@ -354,17 +345,7 @@ async def test_the_standalone_charts_own_envoy_routes_through_poolkeeper(
                                           9002: epp.ext_proc})  # fmt: skip
             path = tmp_path / "chart-envoy.yaml"
             path.write_text(yaml.safe_dump(moved))
-            envoy = EnvoySupervisor(
-                EnvoyOptions(
-                    binary=find_envoy(),
-                    config_path=path,
-                    log_path=tmp_path / "chart-envoy.log",
-                    admin_url=f"http://127.0.0.1:{admin}",
-                )
-            )
-            await envoy.start()
-            try:
-                await envoy.wait_ready()
+            async with supervised_envoy(path, admin):
                 client = openai.AsyncOpenAI(
                     base_url=f"http://127.0.0.1:{listen}/v1",
                     api_key="unused",
@@ -384,8 +365,6 @@ async def test_the_standalone_charts_own_envoy_routes_through_poolkeeper(
                     session.get(f"http://127.0.0.1:{admin}/stats?filter=^cluster.ext_proc") as resp,
                 ):
                     stats = dict(line.split(": ", 1) for line in (await resp.text()).splitlines())
-            finally:
-                await envoy.stop()
         assert int(stats["cluster.ext_proc.ssl.handshake"]) >= 1  # TLS to the EPP
         assert int(stats["cluster.ext_proc.health_check.success"]) >= 1  # its gRPC health check
         assert fake.refused == []

@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 
 from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
@@ -30,7 +29,8 @@ from tests.extproc.extproc_fakes import FakeEnvoy
 from tests.extproc.test_extproc_protocol import _set_headers, _streamed_request
 from tests.kube.conftest import NS, fake, pod_obj
 from tests.kube.fakeapi import FakeApiServer
-from tests.kube.test_kube_serve import eventually
+from tests.support.kubeconfig import write_kubeconfig
+from tests.support.waiting import eventually
 
 __all__ = ["fake"]  # the API-server double fixture
 
@@ -66,17 +66,7 @@ async def chart_epp(
     """The chart's rendered arguments (its default-plugins.yaml for vllm), the API server from
     a kubeconfig; ready (readiness SERVING) when entered. Only the bind address differs:
     tests bind loopback."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [{"name": "f", "cluster": {"server": fake.url}}],
-                "users": [{"name": "u", "user": {"token": "sa-token"}}],
-                "contexts": [{"name": "f", "context": {"cluster": "f", "user": "u"}}],
-                "current-context": "f",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url, token="sa-token")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.setenv("POD_NAME", "qwen-epp-6d4b9c7f5-x2x9k")
     ext_proc, health, metrics = free_ports(3)

@@ -110,15 +110,6 @@ async def make_source(fake: FakeApiServer) -> AsyncIterator[Factory]:
         await source.api.close()
 
 
-async def until(condition: Callable[[], bool], what: str, *, limit: int = 2000) -> None:
-    """Poll `condition` (bounded: `limit` turns of 5 ms); fail naming `what`."""
-    for _ in range(limit):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 class ManualClock:
     """A monotonic clock and sleep that only move when the test says so (`advance`): several
     replicas' backoffs run against one virtual timeline, so "the API server is down for 60 s"

@@ -11,12 +11,10 @@ import argparse
 import asyncio
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 
 from poolkeeper.cli import serve as serve_cli
 from poolkeeper.config.gateway import GatewayConfig
@@ -35,16 +33,10 @@ from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVING, check_health
 from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
+from tests.support.kubeconfig import write_kubeconfig
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, limit: int = 400) -> None:
-    for _ in range(limit):
-        if await check():
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def _stale_s(metrics_port: int) -> float:
@@ -192,20 +184,8 @@ async def test_serve_flags_build_the_source_from_a_kubeconfig(
     fake.put(pool_obj(), "inferencepools")
     fake.put(pool_obj("other", app="other"), "inferencepools")
     fake.put(pod_obj("p0", "10.0.0.1"), "pods")
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
-                "users": [{"name": "me", "user": {"token": "not-checked"}}],
-                "contexts": [
-                    {"name": "fake", "context": {"cluster": "fake", "user": "me", "namespace": NS}}
-                ],
-                "current-context": "fake",
-            }
-        )
+    kubeconfig = write_kubeconfig(
+        tmp_path / "kubeconfig", fake.url, token="not-checked", namespace=NS
     )
     gw = tmp_path / "gw.yaml"
     gw.write_text(
@@ -243,17 +223,7 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
         "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\n"
         f"spec: {{listeners: {{extProc: {ext_proc}, metrics: {metrics}, health: {health}}}}}\n"
     )
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [{"name": "f", "cluster": {"server": fake.url}}],
-                "users": [{"name": "u", "user": {}}],
-                "contexts": [{"name": "f", "context": {"cluster": "f", "user": "u"}}],
-                "current-context": "f",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url)
     args = _parse("--kubernetes", "--kubeconfig", str(kubeconfig), "-f", str(gw))
     options = serve_cli.serve_options(args, serve_cli._source(args))
     assert (options.run_envoy, options.ready_once_synced, options.drain_timeout_s) == (

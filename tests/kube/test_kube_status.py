@@ -15,8 +15,9 @@ from poolkeeper.controller.kubernetes.client import KubeApi, load_config
 from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming, decide
 from poolkeeper.controller.kubernetes.objects import parse_model
 from poolkeeper.controller.kubernetes.status import needs_write
-from tests.kube.conftest import NS, Factory, model_obj, pod_obj, pool_obj, until
+from tests.kube.conftest import NS, Factory, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
+from tests.support.waiting import until
 
 X = "inference.networking.x-k8s.io/v1alpha2"
 

@@ -30,10 +30,10 @@ from tests.kube.conftest import (
     X,
     model_obj,
     pod_obj,
-    until,
 )
 from tests.kube.fakeapi import FakeApiServer
 from tests.kube.test_kube_faults import api_endpoints, hostports, running, seed
+from tests.support.waiting import until
 
 ACCEPTED = Verdict("True", "Accepted", "serving", "default/pool")
 

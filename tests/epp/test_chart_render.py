@@ -35,13 +35,13 @@ import yaml
 
 from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
-from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVICE_UNKNOWN, SERVING, check_health
 from tests.envoy.envoy_harness import supervised_envoy
+from tests.epp.test_epp_kube import loopback_kubernetes_source
 from tests.epp.test_epp_original_dst import original_dst_envoy
 from tests.kube.conftest import fake
 from tests.kube.fakeapi import FakeApiServer
@@ -203,11 +203,7 @@ async def rendered_epp(
     argv = [*args, f"--grpc-port={ext_proc}", f"--grpc-health-port={health}",
             f"--metrics-port={metrics}"]  # fmt: skip
     options = parse_epp_args(argv)
-    config, _ = epp_cli.epp_gateway_config(options)
-    document = config.model_dump(by_alias=True, exclude_unset=True)
-    document["spec"]["listeners"]["address"] = "127.0.0.1"
-    config = GatewayConfig.model_validate(document)
-    source = epp_cli._kubernetes_source(options, config)
+    source = loopback_kubernetes_source(options)
     serve = dataclasses.replace(epp_cli.epp_serve_options(options, source), ready_wait_s=5)
     runtime = GatewayRuntime(serve)
     await runtime.start()

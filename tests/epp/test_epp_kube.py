@@ -16,9 +16,10 @@ import grpc
 import pytest
 
 from poolkeeper.cli import epp as epp_cli
-from poolkeeper.cli.epp_flags import parse_epp_args
+from poolkeeper.cli.epp_flags import EppOptions, parse_epp_args
 from poolkeeper.config.endpointpicker import DEFAULT_CONFIG_TEXT
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.source import SourceFactory
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
@@ -59,6 +60,18 @@ class ChartEpp:
     metrics: int
 
 
+def loopback_kubernetes_source(options: EppOptions) -> SourceFactory:
+    """`poolkeeper epp`'s Kubernetes source for `options`, its listeners bound to loopback
+    (tests bind nothing else)."""
+    config, _ = epp_cli.epp_gateway_config(options)
+    document = config.model_dump(by_alias=True, exclude_unset=True)
+    document["spec"]["listeners"]["address"] = "127.0.0.1"
+    source: SourceFactory = epp_cli._kubernetes_source(
+        options, GatewayConfig.model_validate(document)
+    )
+    return source
+
+
 @asynccontextmanager
 async def chart_epp(
     fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -76,11 +89,7 @@ async def chart_epp(
     argv = [*args, f"--grpc-port={ext_proc}", f"--grpc-health-port={health}",
             f"--metrics-port={metrics}"]  # fmt: skip
     options = parse_epp_args(argv)
-    config, _ = epp_cli.epp_gateway_config(options)
-    document = config.model_dump(by_alias=True, exclude_unset=True)
-    document["spec"]["listeners"]["address"] = "127.0.0.1"
-    config = GatewayConfig.model_validate(document)
-    source = epp_cli._kubernetes_source(options, config)
+    source = loopback_kubernetes_source(options)
     runtime = GatewayRuntime(ServeOptions(source=source, run_envoy=False, ready_wait_s=5))
     await runtime.start()
     try:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
-import ssl
 from pathlib import Path
 
 import aiohttp
@@ -31,6 +29,7 @@ from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVING, check_health
+from tests.extproc.test_extproc_tls import served_certificate
 from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
 from tests.support.kubeconfig import write_kubeconfig
@@ -113,19 +112,6 @@ async def test_serve_kubernetes_stays_ready_through_an_api_outage(fake: FakeApiS
     finally:
         await runtime.stop(grace_s=0)
         await cluster.stop()
-
-
-def _alpn(port: int) -> str | None:
-    """The ALPN protocol a TLS handshake with 127.0.0.1:port selects (no verification)."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
-    with (
-        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
-        context.wrap_socket(raw) as tls,
-    ):
-        return tls.selected_alpn_protocol()
 
 
 @pytest.mark.parametrize(
@@ -238,7 +224,8 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
         # Step 3: `kubectl rollout status` waits for readiness, with an empty namespace.
         assert await check_health(f"127.0.0.1:{health}", "readiness") == SERVING
         # ext_proc speaks TLS with ALPN h2 (a self-signed cert), the health port plaintext.
-        assert await asyncio.to_thread(_alpn, ext_proc) == "h2"
+        _, alpn = await asyncio.to_thread(served_certificate, ext_proc)
+        assert alpn == "h2"
         # Step 4: the pool, its model and a model server appear; they are routed to.
         sim_port = (await cluster.start())[0].port
         fake.put(pool_obj(port=sim_port), "inferencepools")

@@ -60,16 +60,20 @@ def gateway_doc(
     *,
     address: str | None = None,
     host: str = "127.0.0.1",
+    engine: str | None = None,
+    scraping: str = "{intervalMs: 50, timeoutMs: 1000}",
 ) -> str:
     """A GatewayConfig listening on `ports` (`gateway_ports()`) over `endpoints` (name, port,
-    app label) on `host`; `transport` (the ext_proc port's) and `address` (the listeners'
-    bind address) are the gateway's defaults where None. Its last key is `endpoints`: more
-    spec keys may follow, indented two spaces."""
+    app label) on `host`, of `engine` (the default, vllm, where None), scraped as `scraping`
+    says; `transport` (the ext_proc port's) and `address` (the listeners' bind address) are
+    the gateway's defaults where None. Its last key is `endpoints`: more spec keys may follow,
+    indented two spaces."""
     bind = f"address: {address}, " if address else ""
     served_by = f", extProcTransport: {transport}" if transport else ""
+    of = f", engine: {engine}" if engine else ""
     eps = "".join(
         f"    - {{name: {name}, address: {json.dumps(host)}, port: {port}, "
-        f"labels: {{app: {app}}}}}\n"
+        f"labels: {{app: {app}}}{of}}}\n"
         for name, port, app in endpoints
     )
     return f"""\
@@ -79,7 +83,7 @@ metadata: {{name: default}}
 spec:
   listeners: {{{bind}http: {ports["http"]}, extProc: {ports["ext_proc"]},
     metrics: {ports["metrics"]}, health: {ports["health"]}, admin: {ports["admin"]}{served_by}}}
-  scraping: {{intervalMs: 50, timeoutMs: 1000}}
+  scraping: {scraping}
   endpoints:
 {eps}"""
 

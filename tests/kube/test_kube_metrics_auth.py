@@ -34,7 +34,9 @@ async def metrics_url(fake: FakeApiServer) -> AsyncIterator[str]:
     fake.tokens["prom-token"] = {"username": PROMETHEUS, "groups": ["system:serviceaccounts"]}
     fake.tokens["other-token"] = {"username": OTHER}
     fake.may_get.add((PROMETHEUS, "/metrics"))
-    api = KubeApi(load_config(server=fake.url), NS, timeout_s=2.0)
+    # The timeout only bounds a hang: 2 s failed a scrape with ConnectTimeout (500, not 401)
+    # at load 16-20 on 2 cores; no test here waits for it to fire.
+    api = KubeApi(load_config(server=fake.url), NS, timeout_s=30.0)
     app = web.Application(middlewares=[MetricsAuth(lambda: api).middleware])
     app.router.add_get("/metrics", _text("up 1\n"))
     app.router.add_get("/healthz", _text("ok\n"))

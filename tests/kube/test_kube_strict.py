@@ -24,6 +24,7 @@ from poolkeeper.controller.kubernetes.source import KubernetesResourceSource, Ku
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
 from tests.kube.conftest import (
+    API_TIMEOUT_S,
     NS,
     Factory,
     ManualClock,
@@ -248,7 +249,7 @@ async def test_60s_outage_every_replica_ready_and_routing_then_converged_within_
     for i in range(3):
         store = Datastore()
         source = KubernetesResourceSource(
-            KubeApi(load_config(server=fake.url), NS, timeout_s=2.0),
+            KubeApi(load_config(server=fake.url), NS, timeout_s=API_TIMEOUT_S),
             store,
             KubeSettings(namespace=NS, identity=f"epp-{i}", write_status=False),
             sleep=clock.sleep,

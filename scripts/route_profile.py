@@ -45,42 +45,11 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper import observation as wire
+from poolkeeper.bench.overhead.gateway_overhead import BODY, MODEL, write_config
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.accesslog import AccessLogReceiver
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
-
-MODEL = "bench-model"
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-
-
-def write_config(directory: Path, sim_port: int, ports: list[int]) -> None:
-    http, ext_proc, metrics, health, admin = ports
-    (directory / "gateway.yaml").write_text(f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: bench}}
-spec:
-  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
-    admin: {admin}}}
-  edge: {{observeResponses: true}}
-  scraping: {{intervalMs: 50}}
-  endpoints:
-    - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: bench}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: bench, namespace: default}}
-spec:
-  selector: {{app: bench}}
-  targetPortNumber: 8000
-  extensionRef: {{name: bench-epp}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: bench, namespace: default}}
-spec: {{modelName: {MODEL}, criticality: Critical, poolRef: {{name: bench}}}}
-""")
 
 
 def envoy_messages(body: bytes, request_id: str) -> list[bytes]:
@@ -234,7 +203,7 @@ async def measure(
         simulator(Path(tmp)) as sim_port,
     ):
         (config := Path(tmp) / "config").mkdir()
-        write_config(config, sim_port, free_ports(5))
+        write_config(config, sim_port, free_ports(5), observe_responses=True)
         runtime = GatewayRuntime(
             ServeOptions(source=file_source([config]), run_envoy=False, ready_wait_s=30)
         )

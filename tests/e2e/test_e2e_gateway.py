@@ -24,21 +24,16 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from poolkeeper.netutil import free_ports
 from poolkeeper.tokens import count_tokens
-from tests.e2e.e2e_harness import (
-    POOL,
+from tests.support.gateway_files import POOL, gateway_doc, gateway_ports, model_doc, write_config
+from tests.support.processes import (
     STARTUP_S,
     Proc,
-    gateway_doc,
-    gateway_ports,
     killing_orphans,
-    model_doc,
+    listening_ports,
     poolkeeper,
-    wait_for_port,
     wait_for_text,
     wait_ready,
-    write_config,
 )
 
 pytestmark = pytest.mark.e2e
@@ -88,34 +83,29 @@ class Gateway:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("sims")
-    ports = free_ports(3, consecutive=True)
-    (tiny_port,) = free_ports(1)
-    lora_ports = free_ports(3, consecutive=True)
+    # --port 0: each server binds a port of the kernel's choosing (listening_ports says why).
     main = poolkeeper(
-        ["sim", "--count", "3", "--port", str(ports[0]), "--lora-adapters", ",".join(ADAPTERS),
+        ["sim", "--count", "3", "--port", "0", "--lora-adapters", ",".join(ADAPTERS),
          "--max-loras", "2", "--time-scale", "0.02", "--seed", "1"],
         logs / "fleet.log",
     )  # fmt: skip
     tiny = poolkeeper(
-        ["sim", "--count", "1", "--port", str(tiny_port), "--model", "tiny-base",
-         "--max-num-seqs", "1"],
+        ["sim", "--count", "1", "--port", "0", "--model", "tiny-base", "--max-num-seqs", "1"],
         logs / "tiny.log",
     )  # fmt: skip
     lora_config = logs / "lora.yaml"
     lora_config.write_text(f"defaults:\n  step_overhead_s: {LORA_STEP_S}\n")
     lora = poolkeeper(
-        ["sim", "--count", "3", "--port", str(lora_ports[0]), "--config", str(lora_config),
+        ["sim", "--count", "3", "--port", "0", "--config", str(lora_config),
          "--lora-adapters", ",".join(LORA_ONLY), "--max-loras", "1", "--num-gpu-blocks", "2000",
          "--seed", "2"],
         logs / "lora.log",
     )  # fmt: skip
     procs = [main, tiny, lora]
     try:
-        for port in ports:
-            wait_for_port(port, main)
-        wait_for_port(tiny_port, tiny)
-        for port in lora_ports:
-            wait_for_port(port, lora)
+        ports = listening_ports(main, 3)
+        (tiny_port,) = listening_ports(tiny, 1)
+        lora_ports = listening_ports(lora, 3)
         yield Fleet(ports, tiny_port, lora_ports, procs)
     finally:
         for p in procs:

@@ -207,6 +207,29 @@ def rig_params(
 
 
 @asynccontextmanager
+async def supervised_envoy(
+    config: Path, admin_port: int, *, restart_initial_s: float = 0.5
+) -> AsyncIterator[EnvoySupervisor]:
+    """The Envoy binary `serve` finds, supervised, on the bootstrap file `config` (its log
+    beside it, `.log`); ready (admin `/ready` LIVE) when entered, stopped on the way out."""
+    supervisor = EnvoySupervisor(
+        EnvoyOptions(
+            binary=find_envoy(),
+            config_path=config,
+            log_path=config.with_suffix(".log"),
+            admin_url=f"http://127.0.0.1:{admin_port}",
+            restart_initial_s=restart_initial_s,
+        )
+    )
+    await supervisor.start()
+    try:
+        await supervisor.wait_ready()
+        yield supervisor
+    finally:
+        await supervisor.stop()
+
+
+@asynccontextmanager
 async def running_envoy(
     params: BootstrapParams, workdir: Path, *, epp_up: bool = True
 ) -> AsyncIterator[EnvoySupervisor]:
@@ -215,23 +238,10 @@ async def running_envoy(
     machine, and a FailClose pool answers 503 until then (`serve` waits the same way)."""
     config = workdir / f"envoy-{params.listen_port}.json"
     config.write_text(render(build_bootstrap(params)))
-    supervisor = EnvoySupervisor(
-        EnvoyOptions(
-            binary=find_envoy(),
-            config_path=config,
-            log_path=workdir / f"envoy-{params.listen_port}.log",
-            admin_url=f"http://127.0.0.1:{params.admin_port}",
-            restart_initial_s=0.2,
-        )
-    )
-    await supervisor.start()
-    try:
-        await supervisor.wait_ready()
+    async with supervised_envoy(config, params.admin_port, restart_initial_s=0.2) as supervisor:
         if epp_up and params.epp_health_interval_s > 0:
             assert await supervisor.wait_healthy(EPP_CLUSTER), supervisor.log_tail()
         yield supervisor
-    finally:
-        await supervisor.stop()
 
 
 @dataclass

@@ -24,12 +24,12 @@ from poolkeeper.cli import main as cli
 from poolkeeper.envoy.bbr import BbrParams, PoolRoute, build_bbr_bootstrap, epp_cluster, render
 from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.envoy.params import EXT_PROC_SERVICE
-from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc.bbr import BbrServicer
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.telemetry.health import SERVING, check_health
-from tests.envoy.envoy_harness import Backend, RoundRobinRouter
+from tests.envoy.envoy_harness import Backend, RoundRobinRouter, supervised_envoy
 
 pytestmark = pytest.mark.integration
 POOL = "default/vllm-llama3-8b-instruct"
@@ -69,20 +69,8 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
         config.write_text(
             render(build_bbr_bootstrap(BbrParams(base, f"127.0.0.1:{bbr_port}", tuple(pools))))
         )
-        envoy = EnvoySupervisor(
-            EnvoyOptions(
-                binary=find_envoy(),
-                config_path=config,
-                log_path=tmp_path / "envoy-bbr.log",
-                admin_url=f"http://127.0.0.1:{base.admin_port}",
-            )
-        )
-        await envoy.start()
-        try:
-            await envoy.wait_ready()
+        async with supervised_envoy(config, base.admin_port):
             yield Rig(f"http://127.0.0.1:{base.listen_port}", backends, routers, bbr)
-        finally:
-            await envoy.stop()
     finally:
         for server in servers:
             await server.stop(None)

@@ -17,6 +17,7 @@ from poolkeeper.envoy.bootstrap import (
 )
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.process import EnvoyNotFound, find_envoy
+from poolkeeper.netutil import free_port
 
 
 def _ext_proc(b: dict) -> dict:  # type: ignore[type-arg]
@@ -213,10 +214,7 @@ async def test_envoy_that_cannot_bind_fails_fast_with_its_log(tmp_path: Path) ->
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        admin = socket.socket()
-        admin.bind(("127.0.0.1", 0))
-        admin_port = admin.getsockname()[1]
-        admin.close()
+        admin_port = free_port()
         config = tmp_path / "envoy.json"
         config.write_text(
             render(build_bootstrap(BootstrapParams(listen_port=port, admin_port=admin_port)))

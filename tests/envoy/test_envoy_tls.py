@@ -14,25 +14,23 @@ import grpc
 import pytest
 
 from poolkeeper.controller.files import file_source
-from poolkeeper.envoy.bootstrap import EPP_CLUSTER, build_bootstrap, render
+from poolkeeper.envoy.bootstrap import EPP_CLUSTER, build_bootstrap
 from poolkeeper.envoy.endpoints_file import EndpointsFile
-from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
 from poolkeeper.netutil import free_port
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.runtime import ServeOptions
 from poolkeeper.server.transport import Stoppable, health_methods
-from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import (
     SERVICE_NAME,
     HealthCheckRequest,
     HealthCheckResponse,
     HealthService,
 )
-from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params
-from tests.reliability.test_rel_epp_port import MODEL, _config
+from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params, running_envoy
+from tests.support.gateway_files import one_pool
+from tests.support.sim_gateway import MODEL, running_gateway, sim_server
 
 pytestmark = pytest.mark.integration
 
@@ -78,38 +76,27 @@ async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path, transport
     endpoints.write([b.hostport for b in backends])
     params = rig_params(backends, epp_port, endpoints.path, fail_open=False)
     params = dataclasses.replace(params, epp_tls=True)
-    config = tmp_path / "envoy.json"
-    config.write_text(render(build_bootstrap(params)))
-    envoy = EnvoySupervisor(
-        EnvoyOptions(
-            binary=find_envoy(),
-            config_path=config,
-            log_path=tmp_path / "envoy.log",
-            admin_url=f"http://127.0.0.1:{params.admin_port}",
-        )
-    )
-    await envoy.start()
     try:
-        await envoy.wait_ready()
-        url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
-        served = set()
-        async with aiohttp.ClientSession() as session:
-            for _ in range(4):
-                async with session.post(url, json={"model": "m", "messages": []}) as resp:
-                    assert resp.status == 200, await resp.text()
-                    served.add((await resp.json())["served_by"])
-        assert len(served) == 2  # the EPP's picks, both backends
-        # The EPP cluster's connections really are TLS.
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(f"http://127.0.0.1:{params.admin_port}/stats?filter=epp.ssl") as resp,
-        ):
-            stats = dict(
-                line.split(": ", 1) for line in (await resp.text()).splitlines() if ": " in line
-            )
-        assert int(stats[f"cluster.{EPP_CLUSTER}.ssl.handshake"]) >= 1
+        # Until Envoy counts the EPP healthy, too: this pool is FailClose (running_envoy).
+        async with running_envoy(params, tmp_path):
+            url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
+            served = set()
+            async with aiohttp.ClientSession() as session:
+                for _ in range(4):
+                    async with session.post(url, json={"model": "m", "messages": []}) as resp:
+                        assert resp.status == 200, await resp.text()
+                        served.add((await resp.json())["served_by"])
+            assert len(served) == 2  # the EPP's picks, both backends
+            # The EPP cluster's connections really are TLS.
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{params.admin_port}/stats?filter=epp.ssl") as resp,
+            ):
+                stats = dict(
+                    line.split(": ", 1) for line in (await resp.text()).splitlines() if ": " in line
+                )
+            assert int(stats[f"cluster.{EPP_CLUSTER}.ssl.handshake"]) >= 1
     finally:
-        await envoy.stop()
         await server.stop(None)
         for b in backends:
             await b.stop()
@@ -119,17 +106,16 @@ async def test_serve_with_secure_serving_runs_its_envoy_over_tls(tmp_path: Path)
     """`serve --secure-serving` with the managed Envoy: the EPP serves ext_proc over TLS and
     the Envoy `serve` runs dials it so (ext_proc, health checks and the response observer's
     access log), and requests succeed."""
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
-    (sim,) = await cluster.start()
-    runtime = GatewayRuntime(
-        ServeOptions(
-            source=file_source([_config(tmp_path, sim.port)]),
-            ready_wait_s=5,
-            tls=TlsSettings(secure_serving=True),
-        )
-    )
-    await runtime.start()
-    try:
+    async with (
+        sim_server() as sim_port,
+        running_gateway(
+            ServeOptions(
+                source=file_source([one_pool(tmp_path, sim_port, address="0.0.0.0")]),
+                ready_wait_s=5,
+                tls=TlsSettings(secure_serving=True),
+            )
+        ) as runtime,
+    ):
         assert runtime.config is not None
         assert runtime.detached is not None
         listeners = runtime.config.spec.listeners
@@ -155,9 +141,6 @@ async def test_serve_with_secure_serving_runs_its_envoy_over_tls(tmp_path: Path)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{listeners.ext_proc}") as channel:
             with pytest.raises(grpc.aio.AioRpcError):
                 await check(channel)
-    finally:
-        await runtime.stop(grace_s=0)
-        await cluster.stop()
 
 
 async def check(channel: grpc.aio.Channel) -> None:

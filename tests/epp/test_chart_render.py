@@ -35,17 +35,19 @@ import yaml
 
 from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
-from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
+from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVICE_UNKNOWN, SERVING, check_health
+from tests.envoy.envoy_harness import supervised_envoy
+from tests.epp.test_epp_kube import loopback_kubernetes_source
 from tests.epp.test_epp_original_dst import original_dst_envoy
 from tests.kube.conftest import fake
 from tests.kube.fakeapi import FakeApiServer
 from tests.kube.rbac import Rule, allows, allows_url, granted
-from tests.kube.test_kube_serve import _ports, eventually
+from tests.support.kubeconfig import write_kubeconfig
+from tests.support.waiting import eventually
 
 __all__ = ["fake"]  # the API-server double fixture
 
@@ -186,17 +188,7 @@ async def rendered_epp(
     """`poolkeeper-epp` with the render's container arguments and env, against the double
     (the API server from a kubeconfig, as in-cluster config would give it); ready on the
     readiness probe's own service name when entered."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [{"name": "f", "cluster": {"server": fake.url}}],
-                "users": [{"name": "u", "user": {"token": "sa-token"}}],
-                "contexts": [{"name": "f", "context": {"cluster": "f", "user": "u"}}],
-                "current-context": "f",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url, token="sa-token")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     for key, value in render.env().items():
         monkeypatch.setenv(key, value)
@@ -207,15 +199,11 @@ async def rendered_epp(
     args = [a.replace("/config/", f"{config_dir}/") for a in render.container["args"]]
     if "--endpoint-target-ports" in args:  # standalone: the chart's 8000 is the simulator's
         args[args.index("--endpoint-target-ports") + 1] = str(sim_port)
-    ext_proc, health, metrics = _ports(3)
+    ext_proc, health, metrics = free_ports(3)
     argv = [*args, f"--grpc-port={ext_proc}", f"--grpc-health-port={health}",
             f"--metrics-port={metrics}"]  # fmt: skip
     options = parse_epp_args(argv)
-    config, _ = epp_cli.epp_gateway_config(options)
-    document = config.model_dump(by_alias=True, exclude_unset=True)
-    document["spec"]["listeners"]["address"] = "127.0.0.1"
-    config = GatewayConfig.model_validate(document)
-    source = epp_cli._kubernetes_source(options, config)
+    source = loopback_kubernetes_source(options)
     serve = dataclasses.replace(epp_cli.epp_serve_options(options, source), ready_wait_s=5)
     runtime = GatewayRuntime(serve)
     await runtime.start()
@@ -348,22 +336,12 @@ async def test_the_standalone_charts_own_envoy_routes_through_poolkeeper(
     fake.put(_pod(render.namespace, {"app": "vllm"}), "pods")
     try:
         async with rendered_epp(render, fake, tmp_path, monkeypatch, sim_port) as epp:
-            admin, ready, listen = _ports(3)
+            admin, ready, listen = free_ports(3)
             moved = _moved(envoy_config, {19000: admin, 19001: ready, 8081: listen,
                                           9002: epp.ext_proc})  # fmt: skip
             path = tmp_path / "chart-envoy.yaml"
             path.write_text(yaml.safe_dump(moved))
-            envoy = EnvoySupervisor(
-                EnvoyOptions(
-                    binary=find_envoy(),
-                    config_path=path,
-                    log_path=tmp_path / "chart-envoy.log",
-                    admin_url=f"http://127.0.0.1:{admin}",
-                )
-            )
-            await envoy.start()
-            try:
-                await envoy.wait_ready()
+            async with supervised_envoy(path, admin):
                 client = openai.AsyncOpenAI(
                     base_url=f"http://127.0.0.1:{listen}/v1",
                     api_key="unused",
@@ -383,8 +361,6 @@ async def test_the_standalone_charts_own_envoy_routes_through_poolkeeper(
                     session.get(f"http://127.0.0.1:{admin}/stats?filter=^cluster.ext_proc") as resp,
                 ):
                     stats = dict(line.split(": ", 1) for line in (await resp.text()).splitlines())
-            finally:
-                await envoy.stop()
         assert int(stats["cluster.ext_proc.ssl.handshake"]) >= 1  # TLS to the EPP
         assert int(stats["cluster.ext_proc.health_check.success"]) >= 1  # its gRPC health check
         assert fake.refused == []

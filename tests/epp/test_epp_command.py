@@ -15,6 +15,7 @@ from poolkeeper.cli.main import main as poolkeeper_main
 from poolkeeper.config.gateway import UnknownModelPolicy
 from poolkeeper.errors import ConfigError
 from poolkeeper.server.runtime import ServeOptions
+from tests.support.kubeconfig import write_kubeconfig
 
 DATA = Path(__file__).parent / "data"
 
@@ -109,17 +110,7 @@ def test_bad_flags_exit_2_through_both_entry_points(capsys: pytest.CaptureFixtur
 def test_the_chart_arguments_reach_the_runtime(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:1"}}],
-                "users": [{"name": "u", "user": {}}],
-                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "c",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:1")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     seen: list[Any] = []
 

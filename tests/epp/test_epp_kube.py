@@ -14,12 +14,13 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 
 from poolkeeper.cli import epp as epp_cli
-from poolkeeper.cli.epp_flags import parse_epp_args
+from poolkeeper.cli.epp_flags import EppOptions, parse_epp_args
 from poolkeeper.config.endpointpicker import DEFAULT_CONFIG_TEXT
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.source import SourceFactory
+from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -29,7 +30,8 @@ from tests.extproc.extproc_fakes import FakeEnvoy
 from tests.extproc.test_extproc_protocol import _set_headers, _streamed_request
 from tests.kube.conftest import NS, fake, pod_obj
 from tests.kube.fakeapi import FakeApiServer
-from tests.kube.test_kube_serve import _ports, eventually
+from tests.support.kubeconfig import write_kubeconfig
+from tests.support.waiting import eventually
 
 __all__ = ["fake"]  # the API-server double fixture
 
@@ -58,6 +60,18 @@ class ChartEpp:
     metrics: int
 
 
+def loopback_kubernetes_source(options: EppOptions) -> SourceFactory:
+    """`poolkeeper epp`'s Kubernetes source for `options`, its listeners bound to loopback
+    (tests bind nothing else)."""
+    config, _ = epp_cli.epp_gateway_config(options)
+    document = config.model_dump(by_alias=True, exclude_unset=True)
+    document["spec"]["listeners"]["address"] = "127.0.0.1"
+    source: SourceFactory = epp_cli._kubernetes_source(
+        options, GatewayConfig.model_validate(document)
+    )
+    return source
+
+
 @asynccontextmanager
 async def chart_epp(
     fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -65,31 +79,17 @@ async def chart_epp(
     """The chart's rendered arguments (its default-plugins.yaml for vllm), the API server from
     a kubeconfig; ready (readiness SERVING) when entered. Only the bind address differs:
     tests bind loopback."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [{"name": "f", "cluster": {"server": fake.url}}],
-                "users": [{"name": "u", "user": {"token": "sa-token"}}],
-                "contexts": [{"name": "f", "context": {"cluster": "f", "user": "u"}}],
-                "current-context": "f",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url, token="sa-token")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.setenv("POD_NAME", "qwen-epp-6d4b9c7f5-x2x9k")
-    ext_proc, health, metrics = _ports(3)
+    ext_proc, health, metrics = free_ports(3)
     args = [a if a != "llm" else NS for a in _chart_args(tmp_path)]  # the pool's namespace
     # The chart's default-plugins.yaml for modelServers.type vllm (the simulator's engine).
     (tmp_path / "default-plugins.yaml").write_text(DEFAULT_CONFIG_TEXT)
     argv = [*args, f"--grpc-port={ext_proc}", f"--grpc-health-port={health}",
             f"--metrics-port={metrics}"]  # fmt: skip
     options = parse_epp_args(argv)
-    config, _ = epp_cli.epp_gateway_config(options)
-    document = config.model_dump(by_alias=True, exclude_unset=True)
-    document["spec"]["listeners"]["address"] = "127.0.0.1"
-    config = GatewayConfig.model_validate(document)
-    source = epp_cli._kubernetes_source(options, config)
+    source = loopback_kubernetes_source(options)
     runtime = GatewayRuntime(ServeOptions(source=source, run_envoy=False, ready_wait_s=5))
     await runtime.start()
     try:

@@ -21,10 +21,10 @@ from typing import Any
 import openai
 import pytest
 
-from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor, find_envoy
 from poolkeeper.netutil import free_port
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
+from tests.envoy.envoy_harness import supervised_envoy
 from tests.epp.test_epp_kube import _v1_pool, chart_epp
 from tests.kube.conftest import fake, pod_obj
 from tests.kube.fakeapi import FakeApiServer
@@ -157,20 +157,8 @@ async def original_dst_envoy(
     listen, admin = free_port(), free_port()
     config = workdir / "envoy-original-dst.json"
     config.write_text(json.dumps(original_dst_bootstrap(listen, admin, ext_proc, tls=tls)))
-    supervisor = EnvoySupervisor(
-        EnvoyOptions(
-            binary=find_envoy(),
-            config_path=config,
-            log_path=workdir / "envoy-original-dst.log",
-            admin_url=f"http://127.0.0.1:{admin}",
-        )
-    )
-    await supervisor.start()
-    try:
-        await supervisor.wait_ready()
+    async with supervised_envoy(config, admin):
         yield f"http://127.0.0.1:{listen}"
-    finally:
-        await supervisor.stop()
 
 
 async def test_requests_succeed_behind_original_dst_with_use_http_header(

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
 from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
@@ -17,6 +16,7 @@ from poolkeeper.controller.kubernetes.standalone import MARKER, EndpointSelector
 from poolkeeper.controller.kubernetes.state import ClusterState
 from poolkeeper.datastore.store import Datastore
 from tests.kube.conftest import pod_obj
+from tests.support.kubeconfig import write_kubeconfig
 
 
 def _selector(text: str) -> EndpointSelector:
@@ -64,17 +64,7 @@ def test_only_pods_are_read_and_the_pool_is_made_in_memory() -> None:
 async def test_the_flags_give_the_standalone_source(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:1"}}],
-                "users": [{"name": "u", "user": {}}],
-                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "c",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:1")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.setenv("POD_NAME", "tiny-epp-7c9d8b6f4d-abcde")
     monkeypatch.setenv("NAMESPACE", "llm")

@@ -83,6 +83,10 @@ async def fake() -> AsyncIterator[FakeApiServer]:
 
 Factory = Callable[..., Awaitable[tuple[KubernetesResourceSource, Datastore]]]
 
+# The API clients' timeout against the double bounds a hang only: 2 s failed a TokenReview with
+# ConnectTimeout at load 16-20 on 2 cores, and no test waits for it to fire.
+API_TIMEOUT_S = 30.0
+
 
 @pytest.fixture
 async def make_source(fake: FakeApiServer) -> AsyncIterator[Factory]:
@@ -91,7 +95,7 @@ async def make_source(fake: FakeApiServer) -> AsyncIterator[Factory]:
     async def make(
         identity: str = "epp-0", *, sleep: Any = None, elector: Any = None, **settings: Any
     ) -> tuple[KubernetesResourceSource, Datastore]:
-        api = KubeApi(load_config(server=fake.url), NS, timeout_s=2.0)
+        api = KubeApi(load_config(server=fake.url), NS, timeout_s=API_TIMEOUT_S)
         store = Datastore()
         options: dict[str, Any] = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05} | settings
         source = KubernetesResourceSource(
@@ -108,15 +112,6 @@ async def make_source(fake: FakeApiServer) -> AsyncIterator[Factory]:
     yield make
     for source in made:
         await source.api.close()
-
-
-async def until(condition: Callable[[], bool], what: str, *, limit: int = 2000) -> None:
-    """Poll `condition` (bounded: `limit` turns of 5 ms); fail naming `what`."""
-    for _ in range(limit):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class ManualClock:

@@ -16,34 +16,16 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 
+from poolkeeper.netutil import free_ports
 from poolkeeper.telemetry.health import NOT_SERVING, SERVING, check_health
 from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
-from tests.kube.test_kube_serve import _ports
+from tests.support.kubeconfig import write_kubeconfig
 
 pytestmark = pytest.mark.integration
 
 LEASE = ("coordination.k8s.io/v1", "leases", NS, "poolkeeper-epp")
-
-
-def _kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "fake", "cluster": {"server": server}}],
-                "users": [{"name": "me", "user": {"token": "t"}}],
-                "contexts": [
-                    {"name": "fake", "context": {"cluster": "fake", "user": "me", "namespace": NS}}
-                ],
-                "current-context": "fake",
-            }
-        )
-    )
-    return path
 
 
 def _holder(fake: FakeApiServer) -> str | None:
@@ -57,14 +39,14 @@ def _holder(fake: FakeApiServer) -> str | None:
 async def _serve(
     tmp_path: Path, fake: FakeApiServer, identity: str
 ) -> tuple[asyncio.subprocess.Process, int, int]:
-    ext_proc, metrics, health = _ports(3)
+    ext_proc, metrics, health = free_ports(3)
     gw = tmp_path / f"{identity}.yaml"
     gw.write_text(
         "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\n"
         f"spec: {{listeners: {{address: 127.0.0.1, extProc: {ext_proc}, metrics: {metrics}, "
         f"health: {health}}}}}\n"
     )
-    kubeconfig = _kubeconfig(tmp_path / "kubeconfig", fake.url)
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url, token="t", namespace=NS)
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "poolkeeper", "serve", "--kubernetes",
         "--kubeconfig", str(kubeconfig), "-f", str(gw), "--identity", identity,

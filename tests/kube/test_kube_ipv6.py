@@ -4,6 +4,7 @@ Envoy's endpoints, and through a real Envoy to a model server listening on ::1."
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -14,13 +15,12 @@ from poolkeeper.datastore.endpoint import Endpoint
 from poolkeeper.envoy.endpoints_file import load_assignment
 from poolkeeper.envoy.params import lb_endpoints
 from poolkeeper.hostport import host_of, join_hostport, split_hostport
-from poolkeeper.netutil import free_ports
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
-from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
+from poolkeeper.server.runtime import ServeOptions
 from tests.kube.conftest import Factory, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
 from tests.kube.test_kube_faults import hostports, running
+from tests.support.gateway_files import one_pool
+from tests.support.sim_gateway import running_gateway, sim_server
 
 
 def test_hostport_brackets_ipv6_and_reads_it_back() -> None:
@@ -67,42 +67,18 @@ async def test_ipv6_pod_ips_from_the_api_server(fake: FakeApiServer, make_source
 
 @pytest.mark.integration
 async def test_ipv6_endpoint_routes_through_envoy(tmp_path: Path) -> None:
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model="m")), host="::1")
-    try:
-        listening = await cluster.start()
-    except OSError as exc:  # pragma: no cover - a host without IPv6 loopback
-        pytest.skip(f"cannot listen on ::1: {exc}")
-    http, ext_proc, metrics, health, admin = free_ports(5)
-    (tmp_path / "gw.yaml").write_text(
-        f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: default}}
-spec:
-  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
-    admin: {admin}}}
-  endpoints:
-    - {{name: sim-0, address: "::1", port: {listening[0].port}, labels: {{app: sim}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: pool, namespace: default}}
-spec:
-  selector: {{app: sim}}
-  targetPortNumber: 8000
-  extensionRef: {{name: epp}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: m, namespace: default}}
-spec: {{modelName: m, poolRef: {{name: pool}}}}
-"""
-    )
-    runtime = GatewayRuntime(
-        ServeOptions(source=file_source([tmp_path]), workdir=tmp_path / "work", ready_wait_s=10)
-    )
-    await runtime.start()
-    try:
+    if not _ipv6_loopback():  # pragma: no cover - a host without IPv6 loopback
+        pytest.skip("cannot listen on ::1")
+    async with (
+        sim_server(host="::1") as sim_port,
+        running_gateway(
+            ServeOptions(
+                source=file_source([one_pool(tmp_path / "config", sim_port, host="::1")]),
+                workdir=tmp_path / "work",
+                ready_wait_s=10,
+            )
+        ) as runtime,
+    ):
         body = {"model": "m", "prompt": "hello", "max_tokens": 4}
         async with (
             aiohttp.ClientSession() as session,
@@ -111,10 +87,14 @@ spec: {{modelName: m, poolRef: {{name: pool}}}}
             text = await resp.text()
             assert resp.status == 200, text
             served = resp.headers.get("x-gateway-destination-endpoint-served")
-        assert served in (None, f"[::1]:{listening[0].port}")
-        assert runtime.datastore.snapshot().all_endpoints()[0].hostport == (
-            f"[::1]:{listening[0].port}"
-        )
-    finally:
-        await runtime.stop(grace_s=0)
-        await cluster.stop()
+        assert served in (None, f"[::1]:{sim_port}")
+        assert runtime.datastore.snapshot().all_endpoints()[0].hostport == f"[::1]:{sim_port}"
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True

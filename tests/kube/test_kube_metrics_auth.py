@@ -14,7 +14,7 @@ from poolkeeper.cli import serve as serve_cli
 from poolkeeper.controller.kubernetes.client import KubeApi, load_config
 from poolkeeper.controller.kubernetes.metricsauth import MetricsAuth
 from poolkeeper.errors import ConfigError
-from tests.kube.conftest import NS
+from tests.kube.conftest import API_TIMEOUT_S, NS
 from tests.kube.fakeapi import FakeApiServer
 
 PROMETHEUS = "system:serviceaccount:monitoring:prometheus"
@@ -34,7 +34,7 @@ async def metrics_url(fake: FakeApiServer) -> AsyncIterator[str]:
     fake.tokens["prom-token"] = {"username": PROMETHEUS, "groups": ["system:serviceaccounts"]}
     fake.tokens["other-token"] = {"username": OTHER}
     fake.may_get.add((PROMETHEUS, "/metrics"))
-    api = KubeApi(load_config(server=fake.url), NS, timeout_s=2.0)
+    api = KubeApi(load_config(server=fake.url), NS, timeout_s=API_TIMEOUT_S)
     app = web.Application(middlewares=[MetricsAuth(lambda: api).middleware])
     app.router.add_get("/metrics", _text("up 1\n"))
     app.router.add_get("/healthz", _text("ok\n"))

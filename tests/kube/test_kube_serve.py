@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
-import ssl
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 
 from poolkeeper.cli import serve as serve_cli
 from poolkeeper.config.gateway import GatewayConfig
@@ -28,32 +24,18 @@ from poolkeeper.controller.kubernetes import (
 )
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVING, check_health
+from tests.extproc.test_extproc_tls import served_certificate
 from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
+from tests.support.kubeconfig import write_kubeconfig
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, limit: int = 400) -> None:
-    for _ in range(limit):
-        if await check():
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def _stale_s(metrics_port: int) -> float:
@@ -75,7 +57,7 @@ async def test_serve_kubernetes_stays_ready_through_an_api_outage(fake: FakeApiS
     fake.put(pool_obj(port=sim_port), "inferencepools")
     fake.put(model_obj("m", "m"), "inferencemodels")
     fake.put(pod_obj("sim-0", "127.0.0.1"), "pods")
-    ext_proc, metrics, health = _ports(3)
+    ext_proc, metrics, health = free_ports(3)
     gateway = GatewayConfig.model_validate(
         {"spec": {"listeners": {"extProc": ext_proc, "metrics": metrics, "health": health}}}
     )
@@ -130,19 +112,6 @@ async def test_serve_kubernetes_stays_ready_through_an_api_outage(fake: FakeApiS
     finally:
         await runtime.stop(grace_s=0)
         await cluster.stop()
-
-
-def _alpn(port: int) -> str | None:
-    """The ALPN protocol a TLS handshake with 127.0.0.1:port selects (no verification)."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
-    with (
-        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
-        context.wrap_socket(raw) as tls,
-    ):
-        return tls.selected_alpn_protocol()
 
 
 @pytest.mark.parametrize(
@@ -201,20 +170,8 @@ async def test_serve_flags_build_the_source_from_a_kubeconfig(
     fake.put(pool_obj(), "inferencepools")
     fake.put(pool_obj("other", app="other"), "inferencepools")
     fake.put(pod_obj("p0", "10.0.0.1"), "pods")
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
-                "users": [{"name": "me", "user": {"token": "not-checked"}}],
-                "contexts": [
-                    {"name": "fake", "context": {"cluster": "fake", "user": "me", "namespace": NS}}
-                ],
-                "current-context": "fake",
-            }
-        )
+    kubeconfig = write_kubeconfig(
+        tmp_path / "kubeconfig", fake.url, token="not-checked", namespace=NS
     )
     gw = tmp_path / "gw.yaml"
     gw.write_text(
@@ -246,23 +203,13 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
     """README's Kubernetes steps against the double: step 3's `rollout status` needs the EPP
     Ready with nothing else in the namespace (no pool, model or model server: step 4 makes
     them); step 4's objects are then routed to. The options are the CLI's own."""
-    ext_proc, metrics, health = _ports(3)
+    ext_proc, metrics, health = free_ports(3)
     gw = tmp_path / "gw.yaml"
     gw.write_text(
         "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: gw}\n"
         f"spec: {{listeners: {{extProc: {ext_proc}, metrics: {metrics}, health: {health}}}}}\n"
     )
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [{"name": "f", "cluster": {"server": fake.url}}],
-                "users": [{"name": "u", "user": {}}],
-                "contexts": [{"name": "f", "context": {"cluster": "f", "user": "u"}}],
-                "current-context": "f",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url)
     args = _parse("--kubernetes", "--kubeconfig", str(kubeconfig), "-f", str(gw))
     options = serve_cli.serve_options(args, serve_cli._source(args))
     assert (options.run_envoy, options.ready_once_synced, options.drain_timeout_s) == (
@@ -277,7 +224,8 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
         # Step 3: `kubectl rollout status` waits for readiness, with an empty namespace.
         assert await check_health(f"127.0.0.1:{health}", "readiness") == SERVING
         # ext_proc speaks TLS with ALPN h2 (a self-signed cert), the health port plaintext.
-        assert await asyncio.to_thread(_alpn, ext_proc) == "h2"
+        _, alpn = await asyncio.to_thread(served_certificate, ext_proc)
+        assert alpn == "h2"
         # Step 4: the pool, its model and a model server appear; they are routed to.
         sim_port = (await cluster.start())[0].port
         fake.put(pool_obj(port=sim_port), "inferencepools")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.kube.conftest import Factory, model_obj, pod_obj, pool_obj, until
+from tests.kube.conftest import Factory, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
+from tests.support.waiting import until
 
 
 async def test_start_lists_and_watch_follows(fake: FakeApiServer, make_source: Factory) -> None:

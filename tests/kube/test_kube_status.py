@@ -15,8 +15,9 @@ from poolkeeper.controller.kubernetes.client import KubeApi, load_config
 from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming, decide
 from poolkeeper.controller.kubernetes.objects import parse_model
 from poolkeeper.controller.kubernetes.status import needs_write
-from tests.kube.conftest import NS, Factory, model_obj, pod_obj, pool_obj, until
+from tests.kube.conftest import API_TIMEOUT_S, NS, Factory, model_obj, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
+from tests.support.waiting import until
 
 X = "inference.networking.x-k8s.io/v1alpha2"
 
@@ -53,7 +54,7 @@ def seed(fake: FakeApiServer) -> None:
 
 
 async def elector_for(fake: FakeApiServer, identity: str, clock: Clock) -> LeaderElector:
-    api = KubeApi(load_config(server=fake.url), NS, timeout_s=2.0)
+    api = KubeApi(load_config(server=fake.url), NS, timeout_s=API_TIMEOUT_S)
     return LeaderElector(api, "epp-lease", identity, clock=clock)
 
 

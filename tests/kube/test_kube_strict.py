@@ -24,16 +24,17 @@ from poolkeeper.controller.kubernetes.source import KubernetesResourceSource, Ku
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
 from tests.kube.conftest import (
+    API_TIMEOUT_S,
     NS,
     Factory,
     ManualClock,
     X,
     model_obj,
     pod_obj,
-    until,
 )
 from tests.kube.fakeapi import FakeApiServer
 from tests.kube.test_kube_faults import api_endpoints, hostports, running, seed
+from tests.support.waiting import until
 
 ACCEPTED = Verdict("True", "Accepted", "serving", "default/pool")
 
@@ -248,7 +249,7 @@ async def test_60s_outage_every_replica_ready_and_routing_then_converged_within_
     for i in range(3):
         store = Datastore()
         source = KubernetesResourceSource(
-            KubeApi(load_config(server=fake.url), NS, timeout_s=2.0),
+            KubeApi(load_config(server=fake.url), NS, timeout_s=API_TIMEOUT_S),
             store,
             KubeSettings(namespace=NS, identity=f"epp-{i}", write_status=False),
             sleep=clock.sleep,

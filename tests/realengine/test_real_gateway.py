@@ -24,17 +24,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.netutil import free_ports
-from tests.e2e.e2e_harness import (
-    POOL,
-    Proc,
-    gateway_ports,
-    model_doc,
-    poolkeeper,
-    wait_for_text,
-    wait_ready,
-    write_config,
-)
 from tests.realengine.llama import BASE_MODEL, LlamaServer, start_server, wait_healthy
+from tests.support.gateway_files import POOL, gateway_doc, gateway_ports, model_doc, write_config
+from tests.support.processes import Proc, poolkeeper, wait_for_text, wait_ready
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.usefixtures("real_engine")]
 
@@ -49,24 +41,7 @@ LONG = {"ignore_eos": True}
 # most one 64-token batch (tests/realengine/llama.py): on a loaded 2-core machine that can take
 # longer than the 50 ms defaults assume, so scrapes get a longer timeout and metrics stay
 # fresh for 2 s (docs/engines.md, "llama.cpp").
-SCRAPING = "  scraping: {intervalMs: 100, timeoutMs: 3000, stalenessMs: 2000}\n"
-
-
-def _gateway_doc(ports: dict[str, int], endpoints: list[tuple[str, int, str]]) -> str:
-    eps = "".join(
-        f"    - {{name: {name}, address: 127.0.0.1, port: {port}, labels: {{app: {app}}},"
-        " engine: llamacpp}\n"
-        for name, port, app in endpoints
-    )
-    return f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: default}}
-spec:
-  listeners: {{http: {ports["http"]}, extProc: {ports["ext_proc"]}, metrics: {ports["metrics"]},
-    health: {ports["health"]}, admin: {ports["admin"]}}}
-{SCRAPING}  endpoints:
-{eps}"""
+SCRAPING = "{intervalMs: 100, timeoutMs: 3000, stalenessMs: 2000}"
 
 
 @dataclass
@@ -108,7 +83,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         endpoints = [(f"llama-{i}", p, "llama") for i, p in enumerate(ports)]
         endpoints.append(("victim-0", victim_port, "victim"))
         docs = [
-            _gateway_doc(gw_ports, endpoints),
+            gateway_doc(gw_ports, endpoints, engine="llamacpp", scraping=SCRAPING),
             POOL.format(name="llama", app="llama", failure_mode="FailClose"),
             POOL.format(name="victim", app="victim", failure_mode="FailClose"),
             model_doc(BASE_MODEL, "llama", "Critical"),

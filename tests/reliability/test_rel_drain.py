@@ -22,10 +22,9 @@ import aiohttp
 import pytest
 
 from poolkeeper.controller.files import file_source
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
-from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
-from tests.reliability.test_rel_epp_port import MODEL, _config
+from poolkeeper.server.runtime import ServeOptions
+from tests.support.gateway_files import one_pool
+from tests.support.sim_gateway import MODEL, running_gateway, sim_server
 
 pytestmark = pytest.mark.integration
 
@@ -69,32 +68,33 @@ async def _client(url: str, tally: Tally, stop: asyncio.Event, stopping: asyncio
 
 
 async def _drain_under_keep_alive(tmp_path: Path, clients: int, before_s: float) -> Tally:
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
-    (sim,) = await cluster.start()
-    runtime = GatewayRuntime(
-        ServeOptions(source=file_source([_config(tmp_path, sim.port)]), ready_wait_s=5)
-    )
     tally, stop, stopping = Tally(), asyncio.Event(), asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
-    try:
-        await runtime.start()
+    async with (
+        sim_server() as sim_port,
+        running_gateway(
+            ServeOptions(
+                source=file_source([one_pool(tmp_path, sim_port, address="0.0.0.0")]),
+                ready_wait_s=5,
+            )
+        ) as runtime,
+    ):
         assert runtime.config is not None
         url = f"http://127.0.0.1:{runtime.config.spec.listeners.http}"
         tasks = [asyncio.create_task(_client(url, tally, stop, stopping)) for _ in range(clients)]
-        await asyncio.sleep(before_s)  # the traffic's length before the stop, not a sync point
-        for _ in range(600):
-            if tally.ok >= 2 * clients:
-                break
-            await asyncio.sleep(0.05)
-        stopping.set()
-        drained = time.monotonic()
-        await runtime.stop(grace_s=30)
-        tally.statuses[-1] = round(time.monotonic() - drained)  # the drain's length, seconds
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await runtime.stop(grace_s=0)
-        await cluster.stop()
+        try:
+            await asyncio.sleep(before_s)  # the traffic's length before the stop, not a sync point
+            for _ in range(600):
+                if tally.ok >= 2 * clients:
+                    break
+                await asyncio.sleep(0.05)
+            stopping.set()
+            drained = time.monotonic()
+            await runtime.stop(grace_s=30)
+            tally.statuses[-1] = round(time.monotonic() - drained)  # the drain's length, seconds
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
     print("drain under keep-alive:", json.dumps({**tally.__dict__, "failures": None}))
     return tally
 

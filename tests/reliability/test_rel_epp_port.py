@@ -29,44 +29,14 @@ from poolkeeper.controller.files import FileResourceSource, file_source
 from poolkeeper.datastore import Datastore
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor
 from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
-from poolkeeper.netutil import free_ports
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
-from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
+from poolkeeper.server.runtime import ServeOptions, bootstrap_params
+from tests.support.gateway_files import one_pool
+from tests.support.sim_gateway import running_gateway, sim_server
 
 pytestmark = pytest.mark.integration
 
 MODEL = "m"
-
-
-def _config(tmp_path: Path, sim_port: int, transport: str = "grpcio") -> Path:
-    http, ext_proc, metrics, health, admin = free_ports(5)
-    (tmp_path / "gw.yaml").write_text(
-        f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: default}}
-spec:
-  listeners: {{address: 0.0.0.0, http: {http}, extProc: {ext_proc}, metrics: {metrics},
-    health: {health}, admin: {admin}, extProcTransport: {transport}}}
-  endpoints:
-    - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: sim}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: pool, namespace: default}}
-spec:
-  selector: {{app: sim}}
-  targetPortNumber: 8000
-  extensionRef: {{name: epp}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: m, namespace: default}}
-spec: {{modelName: {MODEL}, poolRef: {{name: pool}}}}
-"""
-    )
-    return tmp_path
+ANY = "0.0.0.0"  # the listeners' address: the EPP's own ports must still bind loopback only
 
 
 def _headers() -> pb.ProcessingRequest:
@@ -126,13 +96,17 @@ def test_waiting_room_keys_are_random_per_request() -> None:
 async def test_a_direct_client_of_the_epp_port_changes_nothing(
     tmp_path: Path, transport: str
 ) -> None:
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
-    (sim,) = await cluster.start()
-    runtime = GatewayRuntime(
-        ServeOptions(source=file_source([_config(tmp_path, sim.port, transport)]), ready_wait_s=5)
-    )
-    await runtime.start()
-    try:
+    async with (
+        sim_server(MODEL) as sim_port,
+        running_gateway(
+            ServeOptions(
+                source=file_source(
+                    [one_pool(tmp_path, sim_port, transport=transport, address=ANY)]
+                ),
+                ready_wait_s=5,
+            )
+        ) as runtime,
+    ):
         assert runtime.config is not None
         assert runtime.director is not None
         assert runtime.detached is not None
@@ -194,9 +168,6 @@ async def test_a_direct_client_of_the_epp_port_changes_nothing(
         # And the gateway still serves: Envoy's own calls carry the token.
         async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
             assert resp.status == 200
-    finally:
-        await runtime.stop(grace_s=0)
-        await cluster.stop()
 
 
 @pytest.mark.parametrize(("managed", "expected"), [(True, "127.0.0.1"), (False, "10.1.2.3")])
@@ -205,9 +176,7 @@ async def test_the_managed_envoy_reaches_the_epp_on_loopback(
 ) -> None:
     """With a specific public address the EPP still listens on loopback for its own Envoy,
     so that Envoy must look for it there; another host's Envoy uses the public address."""
-    directory = _config(tmp_path, 8000)
-    text = (directory / "gw.yaml").read_text().replace("address: 0.0.0.0", "address: 10.1.2.3")
-    (directory / "gw.yaml").write_text(text)
+    directory = one_pool(tmp_path, 8000, address="10.1.2.3")
     store = Datastore()
     source = FileResourceSource([directory], store)
     config = await source.start()
@@ -261,16 +230,17 @@ async def test_the_managed_envoys_admin_gives_nothing_away(tmp_path: Path) -> No
     dump handed out the EPP's token (the key to everything above), and /quitquitquit stopped
     the gateway. Only what `serve` reads and the drain are answered; the bootstrap file that
     holds the token is readable by its owner only."""
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
-    (sim,) = await cluster.start()
     workdir = tmp_path / "work"
-    runtime = GatewayRuntime(
-        ServeOptions(
-            source=file_source([_config(tmp_path, sim.port)]), ready_wait_s=5, workdir=workdir
-        )
-    )
-    await runtime.start()
-    try:
+    async with (
+        sim_server(MODEL) as sim_port,
+        running_gateway(
+            ServeOptions(
+                source=file_source([one_pool(tmp_path, sim_port, address=ANY)]),
+                ready_wait_s=5,
+                workdir=workdir,
+            )
+        ) as runtime,
+    ):
         assert runtime.config is not None
         listeners = runtime.config.spec.listeners
         admin = f"http://127.0.0.1:{listeners.admin}"
@@ -292,6 +262,3 @@ async def test_the_managed_envoys_admin_gives_nothing_away(tmp_path: Path) -> No
             async with session.post(url, json=body) as resp:
                 assert resp.status == 200  # still serving
         assert (workdir / "envoy.json").stat().st_mode & 0o077 == 0
-    finally:
-        await runtime.stop(grace_s=0)
-        await cluster.stop()

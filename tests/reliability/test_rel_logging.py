@@ -22,13 +22,12 @@ import pytest
 
 from poolkeeper.netutil import free_ports
 from poolkeeper.telemetry.logs import JsonFormatter, LogQueue
-from tests.e2e.e2e_harness import (
+from tests.support.gateway_files import gateway_ports, one_server_config
+from tests.support.processes import (
     _RUNNER,
     SERVING,
     Proc,
-    gateway_ports,
     health_status,
-    one_server_config,
     poolkeeper,
     wait_for_port,
     wait_ready,

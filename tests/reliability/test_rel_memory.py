@@ -24,14 +24,10 @@ import pytest
 
 from poolkeeper.envoy.params import BootstrapParams
 from poolkeeper.netutil import free_ports
-from tests.e2e.e2e_harness import (
-    gateway_ports,
-    one_server_config,
-    poolkeeper,
-    wait_for_port,
-)
 from tests.reliability.memprobe import children, rss_mb
 from tests.reliability.test_rel_restart import _serve
+from tests.support.gateway_files import gateway_ports, one_server_config
+from tests.support.processes import poolkeeper, wait_for_port
 
 BODY_MB = 17
 CHUNK = b"x" * (1 << 20)

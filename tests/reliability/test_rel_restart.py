@@ -22,15 +22,8 @@ import aiohttp
 import pytest
 
 from poolkeeper.netutil import free_ports
-from tests.e2e.e2e_harness import (
-    Proc,
-    gateway_ports,
-    one_server_config,
-    poolkeeper,
-    wait_for_port,
-    wait_for_text,
-    wait_ready,
-)
+from tests.support.gateway_files import gateway_ports, one_server_config
+from tests.support.processes import Proc, poolkeeper, wait_for_port, wait_for_text, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

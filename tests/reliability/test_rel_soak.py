@@ -26,17 +26,10 @@ import aiohttp
 import pytest
 
 from poolkeeper.netutil import free_ports
-from tests.e2e.e2e_harness import (
-    POOL,
-    gateway_doc,
-    gateway_ports,
-    model_doc,
-    poolkeeper,
-    wait_for_port,
-    write_config,
-)
 from tests.reliability.memprobe import main_arena_mb, rss_mb
 from tests.reliability.test_rel_restart import _serve
+from tests.support.gateway_files import POOL, gateway_doc, gateway_ports, model_doc, write_config
+from tests.support.processes import poolkeeper, wait_for_port
 
 MODEL = "tiny-base"
 WORKERS = 8

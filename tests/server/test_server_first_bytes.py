@@ -19,47 +19,15 @@ import pytest
 
 from poolkeeper.controller.files import file_source
 from poolkeeper.datastore.inflight import InflightTracker
-from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.scheduler import Scheduler
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
-from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
+from poolkeeper.server.runtime import ServeOptions
+from tests.support.gateway_files import one_pool
+from tests.support.sim_gateway import MODEL, running_gateway, sim_server
 
 pytestmark = pytest.mark.integration
 
-MODEL = "m"
-
-
-def _config(tmp_path: Path, sim_port: int) -> Path:
-    http, ext_proc, metrics, health, admin = free_ports(5)
-    (tmp_path / "gw.yaml").write_text(
-        f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: default}}
-spec:
-  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
-    admin: {admin}}}
-  scheduling: {{preset: prefill-backlog}}
-  endpoints:
-    - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: sim}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: pool, namespace: default}}
-spec:
-  selector: {{app: sim}}
-  targetPortNumber: 8000
-  extensionRef: {{name: epp}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: m, namespace: default}}
-spec: {{modelName: {MODEL}, poolRef: {{name: pool}}}}
-"""
-    )
-    return tmp_path
+PREFILL_BACKLOG = "  scheduling: {preset: prefill-backlog}\n"
 
 
 async def _until(condition: Callable[[], object], seconds: float = 30.0) -> bool:
@@ -91,13 +59,15 @@ async def test_the_backlog_forgets_a_prompt_at_its_first_byte_not_at_the_end(
     # One server serving `m`, about 5 ms per generated token: 8,000 tokens take ~40 s after
     # the first one, longer than the report may take even on a loaded machine (the test
     # closes the stream once it has seen enough).
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
-    (sim,) = await cluster.start()
-    runtime = GatewayRuntime(
-        ServeOptions(source=file_source([_config(tmp_path, sim.port)]), ready_wait_s=5)
-    )
-    await runtime.start()
-    try:
+    async with (
+        sim_server() as sim_port,
+        running_gateway(
+            ServeOptions(
+                source=file_source([one_pool(tmp_path, sim_port, spec=PREFILL_BACKLOG)]),
+                ready_wait_s=5,
+            )
+        ) as runtime,
+    ):
         assert runtime.director is not None
         assert runtime.config is not None
         scheduler, inflight = runtime.director.scheduler, runtime.director.inflight
@@ -135,6 +105,3 @@ async def test_the_backlog_forgets_a_prompt_at_its_first_byte_not_at_the_end(
         assert chunks > 100
         assert forgotten_while_open
         await client.close()
-    finally:
-        await runtime.stop(grace_s=0)
-        await cluster.stop()

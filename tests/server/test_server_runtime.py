@@ -15,49 +15,21 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource, file_source
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.config import preset_config
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
 from poolkeeper.telemetry.health import EXT_PROC_SERVICE, NOT_SERVING, SERVING, check_health
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from tests.support.gateway_files import gateway_ports, one_pool
 
 
 def _write(tmp_path: Path, failure_mode: str = "FailClose") -> tuple[Path, list[int]]:
-    http, ext_proc, metrics, health, admin, sim = _ports(6)
-    (tmp_path / "gw.yaml").write_text(
-        f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: default}}
-spec:
-  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
-    admin: {admin}}}
-  endpoints:
-    - {{name: sim-0, address: 127.0.0.1, port: {sim}, labels: {{app: sim}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: pool, namespace: default}}
-spec:
-  selector: {{app: sim}}
-  targetPortNumber: 8000
-  extensionRef: {{name: epp, failureMode: {failure_mode}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: m, namespace: default}}
-spec: {{modelName: m, poolRef: {{name: pool}}}}
-"""
-    )
-    return tmp_path, [http, ext_proc, metrics, health, admin, sim]
+    """One pool over one server nobody runs; the ports: http, ext_proc, metrics, health,
+    admin and the server's."""
+    ports = gateway_ports()
+    (sim,) = free_ports(1)
+    directory = one_pool(tmp_path, sim, ports=ports, failure_mode=failure_mode)
+    names = ("http", "ext_proc", "metrics", "health", "admin")
+    return directory, [*(ports[name] for name in names), sim]
 
 
 async def _start(paths: list[Path]) -> tuple[GatewayConfig, Datastore]:
@@ -90,8 +62,10 @@ async def test_the_ext_proc_port_is_served_by_grpcio_unless_the_config_says_lean
     directory, _ = _write(tmp_path)
     config, _ = await _start([directory])
     assert config.spec.listeners.ext_proc_transport == "grpcio"
-    text = (directory / "gw.yaml").read_text().replace("admin: ", "extProcTransport: lean, admin: ")
-    (directory / "gw.yaml").write_text(text)
+    text = (directory / "gateway.yaml").read_text()
+    (directory / "gateway.yaml").write_text(
+        text.replace("admin: ", "extProcTransport: lean, admin: ")
+    )
     config, _ = await _start([directory])
     assert config.spec.listeners.ext_proc_transport == "lean"
 

@@ -4,13 +4,13 @@ subscriber turns them into an exact prefix index (real sockets on 127.0.0.1)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import aiohttp
 import pytest
 
 from poolkeeper.kvevents import engine_block_hashes
+from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
 from poolkeeper.sim.config import ServerSettings, build_fleet
@@ -20,12 +20,6 @@ from poolkeeper.sim.server import SimCluster
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_events_address() -> None:
     assert events_address("10.0.0.1:8000", port=5557, port_offset=None) == "tcp://10.0.0.1:5557"
     assert events_address("10.0.0.1:8000", port=5557, port_offset=100) == "tcp://10.0.0.1:8100"
@@ -33,7 +27,7 @@ def test_events_address() -> None:
 
 
 async def test_served_prompts_reach_the_exact_index_through_zmq() -> None:
-    http_port, events_port = _free_port(), _free_port()
+    http_port, events_port = free_ports(2)
     specs = build_fleet(count=1, cli=ServerSettings.model_validate({}))
     cluster = SimCluster(specs, base_port=http_port, kv_events_port_offset=events_port - http_port)
     await cluster.start()

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from poolkeeper.sim.params import DEFAULT_MODEL
 from poolkeeper.sim.server import Listening, SimCluster
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -31,14 +32,6 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> Samples:
             labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
             values[(sample.name, labels)] = sample.value
     return values
-
-
-async def until(condition: Callable[[], bool], what: str, within_s: float = 30) -> None:
-    """Poll until `condition` holds; the deadline only bounds a hang."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
-        await asyncio.sleep(0.01)
 
 
 async def complete(http: aiohttp.ClientSession, url: str, model: str, prompt: str, n: int) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -18,19 +17,11 @@ from poolkeeper.sim.params import DEFAULT_MODEL
 from poolkeeper.sim.request import RequestStatus, SimRequest
 from poolkeeper.sim.server import Listening, SimCluster
 from poolkeeper.tokens import count_tokens
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
 
 StartCluster = Callable[..., Awaitable[tuple[SimCluster, list[Listening]]]]
-
-
-async def until(condition: Callable[[], bool], what: str, within_s: float = 30) -> None:
-    """Poll until `condition` holds; the deadline only bounds a hang (a loaded machine may be
-    slow, which is no failure)."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
-        await asyncio.sleep(0.02)
 
 
 def _event_sizes(raw: str) -> tuple[list[int], str | None]:

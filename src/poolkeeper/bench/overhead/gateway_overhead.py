@@ -81,8 +81,13 @@ def write_config(
     ports: list[int],
     preset: str = "default",
     transport: str = "grpcio",
+    *,
+    observe_responses: bool = False,
 ) -> None:
+    """The benchmark gateway over one simulator (also scripts/route_profile.py's, which turns
+    the response observer on as the Envoy `serve` runs have it, without running Envoy)."""
     http, ext_proc, metrics, health, admin = ports
+    edge = "  edge: {observeResponses: true}\n" if observe_responses else ""
     (directory / "gateway.yaml").write_text(f"""\
 apiVersion: poolkeeper.dev/v1alpha1
 kind: GatewayConfig
@@ -90,7 +95,7 @@ metadata: {{name: bench}}
 spec:
   listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
     admin: {admin}, extProcTransport: {transport}}}
-  scraping: {{intervalMs: 50}}
+{edge}  scraping: {{intervalMs: 50}}
   scheduling: {{preset: {preset}}}
   endpoints:
     - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: bench}}}}

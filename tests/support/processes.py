@@ -1,9 +1,12 @@
-"""Processes for the end-to-end tests: simulators and `poolkeeper serve`, on free ports."""
+"""`poolkeeper serve` and `poolkeeper sim` as subprocesses of a test: started with their output
+in a log file, waited on (a port, a log line, gRPC readiness) and stopped; Envoy children
+of a killed `serve` reaped."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,8 +18,6 @@ from pathlib import Path
 from typing import IO
 
 import grpc
-
-from poolkeeper.netutil import free_ports
 
 SERVING = 1
 
@@ -104,6 +105,30 @@ def wait_for_text(proc: Proc, text: str, timeout: float = STARTUP_S) -> None:
     raise TimeoutError(f"{text!r} not seen after {timeout}s:\n{proc.log_text()[-3000:]}")
 
 
+_LISTENING = re.compile(r"^\S+ listening on http://\S+:(\d+) ", re.MULTILINE)
+
+
+def listening_ports(proc: Proc, count: int, timeout: float = STARTUP_S) -> list[int]:
+    """The ports of a `poolkeeper sim --port 0` process's `count` servers, in server order,
+    once all listen (it prints `<name> listening on <url> ...` for each after binding).
+
+    With `--port 0` every server binds a port the kernel picks as it binds. A port chosen
+    beforehand (`free_ports`) must stay free for the seconds such a process spends importing
+    on a loaded machine, which every other program's choice from the same range may break:
+    the e2e fleet failed so ("cannot listen: [Errno 98] Address already in use")."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ports = [int(port) for port in _LISTENING.findall(proc.log_text())]
+        if len(ports) >= count:
+            return ports[:count]
+        if proc.process.poll() is not None:
+            raise RuntimeError(f"process exited early:\n{proc.log_text()[-3000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(
+        f"{count} servers not listening after {timeout}s:\n{proc.log_text()[-3000:]}"
+    )
+
+
 def health_status(port: int, service: str) -> int:
     from poolkeeper.telemetry.health import HealthCheckRequest, HealthCheckResponse
 
@@ -138,84 +163,3 @@ def killing_orphans(proc: Proc) -> Iterator[None]:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-POOL = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: {name}, namespace: default}}
-spec:
-  selector: {{app: {app}}}
-  targetPortNumber: 8000
-  extensionRef: {{name: {name}-epp, failureMode: {failure_mode}}}
-"""
-
-MODEL = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: {object_name}, namespace: default}}
-spec:
-  modelName: {model}
-  criticality: {criticality}
-  poolRef: {{name: {pool}}}
-{targets}"""
-
-
-def model_doc(
-    model: str, pool: str, criticality: str, targets: dict[str, int] | list[str] | None = None
-) -> str:
-    lines = ""
-    if isinstance(targets, dict):
-        lines = "  targetModels:\n" + "".join(
-            f"    - {{name: {t}, weight: {w}}}\n" for t, w in targets.items()
-        )
-    elif targets:
-        lines = "  targetModels:\n" + "".join(f"    - {{name: {t}}}\n" for t in targets)
-    object_name = model.lower().replace("/", "-").replace(".", "-").replace("_", "-")
-    return MODEL.format(
-        object_name=object_name, model=model, criticality=criticality, pool=pool, targets=lines
-    )
-
-
-def gateway_doc(
-    ports: dict[str, int], endpoints: list[tuple[str, int, str]], transport: str = "grpcio"
-) -> str:
-    eps = "".join(
-        f"    - {{name: {name}, address: 127.0.0.1, port: {port}, labels: {{app: {app}}}}}\n"
-        for name, port, app in endpoints
-    )
-    return f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: default}}
-spec:
-  listeners: {{http: {ports["http"]}, extProc: {ports["ext_proc"]}, metrics: {ports["metrics"]},
-    health: {ports["health"]}, admin: {ports["admin"]}, extProcTransport: {transport}}}
-  scraping: {{intervalMs: 50, timeoutMs: 1000}}
-  endpoints:
-{eps}"""
-
-
-def write_config(directory: Path, docs: list[str]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "gateway.yaml").write_text("---\n".join(docs))
-    return directory
-
-
-def one_server_config(
-    directory: Path, ports: dict[str, int], sim_port: int, model: str = "tiny-base"
-) -> Path:
-    """A gateway over one simulator at `sim_port`: pool "tiny" (FailClose) serving `model`
-    (Critical); the documents written to `directory`."""
-    docs = [
-        gateway_doc(ports, [("tiny-0", sim_port, "tiny")]),
-        POOL.format(name="tiny", app="tiny", failure_mode="FailClose"),
-        model_doc(model, "tiny", "Critical"),
-    ]
-    return write_config(directory, docs)
-
-
-def gateway_ports() -> dict[str, int]:
-    http, ext_proc, metrics, health, admin = free_ports(5)
-    return {"http": http, "ext_proc": ext_proc, "metrics": metrics, "health": health,
-            "admin": admin}  # fmt: skip

@@ -50,10 +50,12 @@ def _epp_health_check(p: BootstrapParams) -> dict[str, Any]:
     """Why: with FULL_DUPLEX_STREAMED bodies Envoy can fail open only before the first body
     chunk went to the processor. Opening a stream to a dead EPP fails only after the chunk was
     queued, so FailOpen would still answer 503. A host that health checks have marked down
-    makes the stream fail at once, before any body, and the request fails open."""
+    makes the stream fail at once, before any body, and the request fails open. One failure
+    marks it down (a refused connection is seen within an interval); the timeout is long
+    enough that an EPP answering late under CPU starvation is not taken for a dead one."""
     interval = duration(p.epp_health_interval_s)
     return {
-        "timeout": "1s",
+        "timeout": duration(p.epp_health_timeout_s),
         "interval": interval,
         "no_traffic_interval": interval,
         "unhealthy_interval": interval,

@@ -157,6 +157,11 @@ class BootstrapParams:
     upstream_h2c: bool = False  # model servers speak HTTP/2 cleartext (appProtocol h2c)
     access_log_path: str | None = None
     epp_health_interval_s: float = 1.0  # 0 disables Envoy's gRPC health check of the EPP
+    # A check that times out marks the EPP down at once (Envoy counts a timeout as one network
+    # failure, threshold 1), and a FailClose pool then answers 503 to everyone. A starved but
+    # live EPP (a CPU-bound host, a GC pause) answers late, so the timeout is generous; a dead
+    # EPP refuses or resets the check's connection and is still marked down within an interval.
+    epp_health_timeout_s: float = 5.0
     stripped_headers: tuple[str, ...] = field(default=STRIPPED_HEADERS)
     # The response observer (envoy/observer.py): a Lua filter and gRPC access log tell the EPP
     # how a response ended, so the EPP need not process response bodies.

@@ -20,7 +20,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from poolkeeper.netutil import free_ports
 from poolkeeper.telemetry.logs import JsonFormatter, LogQueue
 from tests.support.gateway_files import gateway_ports, one_server_config
 from tests.support.processes import (
@@ -28,6 +27,7 @@ from tests.support.processes import (
     SERVING,
     Proc,
     health_status,
+    listening_ports,
     poolkeeper,
     wait_for_port,
     wait_ready,
@@ -166,13 +166,16 @@ async def test_debug_logs_to_a_pipe_nobody_reads_do_not_stall_the_gateway(
     """`serve --log-level debug` (three records per request) with stdout and stderr on a pipe
     that is never read: the pipe fills after a few hundred records. Before the queue, the
     EPP's event loop blocked in the write and every request after that hung."""
-    (sim_port,) = free_ports(1)
-    sim = poolkeeper(["sim", "--port", str(sim_port), "--model", MODEL], tmp_path / "s.log")
+    sim = poolkeeper(["sim", "--port", "0", "--model", MODEL], tmp_path / "s.log")
     ports = gateway_ports()
+    try:
+        (sim_port,) = await asyncio.to_thread(listening_ports, sim, 1)
+    except BaseException:
+        sim.stop()
+        raise
     directory = one_server_config(tmp_path / "config", ports, sim_port, MODEL)
     read_end, gw = _serve_into_a_pipe(directory, tmp_path)
     try:
-        wait_for_port(sim_port, sim)
         await asyncio.to_thread(wait_ready, ports["health"], gw, 60)
         await asyncio.to_thread(wait_for_port, ports["http"], gw, 60)
         url = f"http://127.0.0.1:{ports['http']}"

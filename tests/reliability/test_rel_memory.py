@@ -23,11 +23,10 @@ import aiohttp
 import pytest
 
 from poolkeeper.envoy.params import BootstrapParams
-from poolkeeper.netutil import free_ports
 from tests.reliability.memprobe import children, rss_mb
 from tests.reliability.test_rel_restart import _serve
 from tests.support.gateway_files import gateway_ports, one_server_config
-from tests.support.processes import poolkeeper, wait_for_port
+from tests.support.processes import listening_ports, poolkeeper
 
 BODY_MB = 17
 CHUNK = b"x" * (1 << 20)
@@ -109,13 +108,12 @@ async def _until_envoy_rss_settles(envoy: int, deadline: float) -> None:
 
 
 async def _measure(tmp_path: Path, n: int) -> dict[str, float]:
-    (sim_port,) = free_ports(1)
-    sim = poolkeeper(["sim", "--port", str(sim_port), "--model", "tiny-base"], tmp_path / "s.log")
+    sim = poolkeeper(["sim", "--port", "0", "--model", "tiny-base"], tmp_path / "s.log")
     ports = gateway_ports()
-    directory = one_server_config(tmp_path / "config", ports, sim_port)
     gw = None
     try:
-        wait_for_port(sim_port, sim)
+        (sim_port,) = await asyncio.to_thread(listening_ports, sim, 1)
+        directory = one_server_config(tmp_path / "config", ports, sim_port)
         gw = await asyncio.to_thread(_serve, directory, ports, tmp_path / "gw")
         url = f"http://127.0.0.1:{ports['http']}"
         (envoy,) = children(gw.process.pid)

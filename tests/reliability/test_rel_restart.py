@@ -21,9 +21,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from poolkeeper.netutil import free_ports
 from tests.support.gateway_files import gateway_ports, one_server_config
-from tests.support.processes import Proc, poolkeeper, wait_for_port, wait_for_text, wait_ready
+from tests.support.processes import Proc, listening_ports, poolkeeper, wait_for_text, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -82,18 +81,17 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
 
 
 async def test_restart_under_50_streaming_clients_fails_nothing(tmp_path: Path) -> None:
-    (sim_port,) = free_ports(1)
     sim = poolkeeper(
-        ["sim", "--port", str(sim_port), "--model", MODEL, "--max-num-seqs", "128"],
+        ["sim", "--port", "0", "--model", MODEL, "--max-num-seqs", "128"],
         tmp_path / "sim.log",
     )
     ports = gateway_ports()
-    directory = one_server_config(tmp_path / "config", ports, sim_port, MODEL)
     tally, failures, stop = Tally(), list[str](), asyncio.Event()
     first = second = None
     tasks: list[asyncio.Task[None]] = []
     try:
-        wait_for_port(sim_port, sim)
+        (sim_port,) = await asyncio.to_thread(listening_ports, sim, 1)
+        directory = one_server_config(tmp_path / "config", ports, sim_port, MODEL)
         first = await asyncio.to_thread(_serve, directory, ports, tmp_path / "gw1")
         url = f"http://127.0.0.1:{ports['http']}"
         tasks = [asyncio.create_task(_client(url, tally, stop, failures)) for _ in range(CLIENTS)]

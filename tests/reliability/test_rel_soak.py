@@ -25,11 +25,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from poolkeeper.netutil import free_ports
 from tests.reliability.memprobe import main_arena_mb, rss_mb
 from tests.reliability.test_rel_restart import _serve
 from tests.support.gateway_files import POOL, gateway_doc, gateway_ports, model_doc, write_config
-from tests.support.processes import poolkeeper, wait_for_port
+from tests.support.processes import listening_ports, poolkeeper
 
 MODEL = "tiny-base"
 WORKERS = 8
@@ -99,25 +98,23 @@ async def _soak(
     keep going until they have sent `at_least` requests together."""
     warm = seconds / 3 if warm_up_s is None else warm_up_s
     total = seconds if warm_up_s is None else warm_up_s + seconds
-    sim_ports = free_ports(2, consecutive=True)
     faults = tmp_path / "faults.yaml"
     faults.write_text(FAULTS if only is None else "defaults: {}\n")
     sim = poolkeeper(
-        ["sim", "--count", "2", "--port", str(sim_ports[0]), "--model", MODEL,
+        ["sim", "--count", "2", "--port", "0", "--model", MODEL,
          "--time-scale", "0.05", "--config", str(faults)],
         tmp_path / "sim.log",
     )  # fmt: skip
     ports = gateway_ports()
-    docs = [
-        gateway_doc(ports, [(f"s-{i}", p, "s") for i, p in enumerate(sim_ports)]),
-        POOL.format(name="s", app="s", failure_mode="FailClose"),
-        model_doc(MODEL, "s", "Critical"),
-    ]
-    directory = write_config(tmp_path / "config", docs)
     gw = None
     try:
-        for port in sim_ports:
-            wait_for_port(port, sim)
+        sim_ports = await asyncio.to_thread(listening_ports, sim, 2)
+        docs = [
+            gateway_doc(ports, [(f"s-{i}", p, "s") for i, p in enumerate(sim_ports)]),
+            POOL.format(name="s", app="s", failure_mode="FailClose"),
+            model_doc(MODEL, "s", "Critical"),
+        ]
+        directory = write_config(tmp_path / "config", docs)
         gw = await asyncio.to_thread(_serve, directory, ports, tmp_path / "gw")
         url = f"http://127.0.0.1:{ports['http']}"
         pid = gw.process.pid

@@ -7,8 +7,18 @@ prefix hit, read from a `prefix-cache-scorer` named by `prefixScorer`, so one in
 both), plus `baseTokens` for the step every first token waits for anyway, plus `adapterTokens`
 where the request's LoRA adapter is not resident; on an endpoint the router measured as
 slower per output token than `1 + speedTolerance` times the fastest, scaled by how much
-slower. Score = the lowest cost / this endpoint's: 1 for the best, 0.5 for twice the prefill
-ahead.
+slower. With `drainRate`, each cost is divided instead by the endpoint's measured drain rate
+(tokens/s: `PrefillBacklog.rates`, what its first bytes cleared per second of backlog), so it
+is a wait in seconds on a fleet of unequal servers. Score = the lowest cost / this endpoint's:
+1 for the best, 0.5 for twice the prefill ahead. With `marginal`, the cost also counts what
+the request does to the others: its own uncached tokens once more for each request already in
+that endpoint's backlog (an engine prefills waiting requests together, up to its token budget
+per step, so each of their first tokens waits for this prompt too); the wait of the request
+alone, the selfish rule, sends work to the fastest server until its waits are as long as a slow
+one's. With `spanTokens`, span / (span + cost -
+lowest): 0.5 for that many tokens more ahead, whatever the prompt's own length (the ratio
+rule keeps a 50-token prompt off a server with 300 tokens ahead as hard as a 500-token prompt
+off one with 3,000).
 
 Why: a continuous-batching engine gives a request its first token at the end of the step that
 finishes its prefill, and prefills queued or running there come first or share the step. The
@@ -64,12 +74,32 @@ class PrefillBacklogParams(PluginParams):
         "(1 + this) x the fastest are scaled by how much slower (a backlog takes longer to "
         "prefill there); null: every endpoint counts as equally fast.",
     )
+    marginal: bool = Field(
+        default=False,
+        description="Add the request's own uncached tokens once per request already in the "
+        "endpoint's backlog: the delay it adds to their first tokens (they share steps).",
+    )
+    span_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Score by span / (span + cost - lowest cost), span in tokens (at the "
+        "fastest measured drain rate where `drainRate`); null: lowest cost / cost.",
+    )
+    drain_rate: bool = Field(
+        default=False,
+        description="Divide each cost by the endpoint's measured drain rate (prompt tokens "
+        "its first bytes cleared per second while it had a backlog; an endpoint not measured "
+        "yet counts as the fastest measured), making it a wait in seconds.",
+    )
 
 
 class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
-    __slots__ = ("_cycle_key", "adapter_tokens", "backlog", "base_tokens", "prefix", "slack")
+    __slots__ = (
+        "_cycle_key", "adapter_tokens", "backlog", "base_tokens", "drain_rate", "marginal",
+        "prefix", "slack", "span_tokens",
+    )  # fmt: skip
     bounded = True
 
     def __init__(
@@ -79,8 +109,11 @@ class PrefillBacklogScorer(NamedPlugin):
         prefix: PrefixCacheScorer | None = None,
     ) -> None:
         super().__init__(typed_name)
-        self.backlog = PrefillBacklog()
+        self.backlog = PrefillBacklog(work_tokens=params.base_tokens)
         self.base_tokens = params.base_tokens
+        self.drain_rate = params.drain_rate
+        self.span_tokens = params.span_tokens
+        self.marginal = params.marginal
         self.adapter_tokens = params.adapter_tokens
         tolerance = params.speed_tolerance
         self.slack = None if tolerance is None else 1.0 + tolerance
@@ -134,9 +167,28 @@ class PrefillBacklogScorer(NamedPlugin):
                 costs = [c - hit(k, 0) for c, k in zip(costs, keys, strict=True)]
             else:
                 costs = [c + ahead(k, 0) for c, k in zip(costs, keys, strict=True)]
+            if self.marginal and backlog:
+                waiting, tokens = self.backlog.counts().get, request.prompt_tokens
+                costs = [
+                    c + waiting(k, 0) * max(0, tokens - hit(k, 0))
+                    for c, k in zip(costs, keys, strict=True)
+                ]
+        if self.drain_rate:
+            costs = self._drained(costs, candidates)
         if self.slack is not None:
             return self._slowed(costs, candidates, self.slack)
         return costs
+
+    def _drained(self, costs: list[float], candidates: Sequence[EndpointState]) -> list[float]:
+        """Costs over each endpoint's measured drain rate (unmeasured: the fastest's)."""
+        rates = self.backlog.rates()
+        if not rates:
+            return costs
+        fastest = max(rates.values())
+        rate = rates.get
+        return [
+            c / rate(s.endpoint.hostport, fastest) for c, s in zip(costs, candidates, strict=True)
+        ]
 
     @staticmethod
     def _slowed(
@@ -157,7 +209,14 @@ class PrefillBacklogScorer(NamedPlugin):
         best = min(costs)
         if best == max(costs):
             return 1.0
-        return [best / c for c in costs]
+        if self.span_tokens is None:
+            return [best / c for c in costs]
+        span = float(self.span_tokens)
+        if self.drain_rate:
+            rates = self.backlog.rates()
+            if rates:
+                span /= max(rates.values())
+        return [span / (span + c - best) for c in costs]
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         if not result.targets:
@@ -170,7 +229,7 @@ class PrefillBacklogScorer(NamedPlugin):
         self.backlog.sent(request.request_id, key, tokens, cycle.now)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
-        self.backlog.first_token(request_id)
+        self.backlog.first_token(request_id, now)
 
     def request_ended(self, request_id: str) -> None:
         self.backlog.ended(request_id)

@@ -240,3 +240,17 @@ def test_a_fixed_span_scores_tokens_ahead_whatever_the_prompts_length() -> None:
     # The ratio rule: 178 / 478; the span: 300 tokens more ahead of 1,000.
     assert ratio.score(CycleState(NOW), short, pool) == pytest.approx([178 / 478, 1.0])
     assert span.score(CycleState(NOW), short, pool) == pytest.approx([1000 / 1300, 1.0])
+
+
+def test_a_mean_span_weighs_differences_by_how_busy_the_pool_is() -> None:
+    scorer = plugin("prefill-backlog-scorer", {"meanSpan": True})
+    assert isinstance(scorer, PrefillBacklogScorer)
+    pool = _pool()
+    short = request(prompt="x" * 200, request_id="short")  # 178 with the base
+    scorer.backlog.sent("a", A, 300, NOW)
+    # Mean backlog 150: span 178 + 150; A costs 300 more.
+    assert scorer.score(CycleState(NOW), short, pool) == pytest.approx([328 / 628, 1.0])
+    scorer.backlog.sent("b", B, 3000, NOW)
+    scorer.backlog.sent("c", A, 3000, NOW)
+    # Both busy (3,300 and 3,000 ahead): span 3,178 + 3,150, the same 300 tokens weigh less.
+    assert scorer.score(CycleState(NOW), short, pool) == pytest.approx([6328 / 6628, 1.0])

@@ -185,6 +185,8 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "prefill-backlog-drain-span": _default_plus(
         "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None, spanTokens=2048
     ),
+    # ... scored relative to the pool's mean backlog (span = lowest cost + mean backlog).
+    "prefill-backlog-mean-span": _default_plus("prefill-backlog-scorer", 2, meanSpan=True),
     # ... as the marginal cost: the request's wait plus the wait it adds to the backlog's.
     "prefill-backlog-marginal": _default_plus("prefill-backlog-scorer", 2, marginal=True),
     "prefill-backlog-drain-marginal": _default_plus(

@@ -54,6 +54,7 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-span": "prefill-backlog-span",
     "poolkeeper-drain-span": "prefill-backlog-drain-span",
     "poolkeeper-marginal": "prefill-backlog-marginal",
+    "poolkeeper-mean-span": "prefill-backlog-mean-span",
     "poolkeeper-drain-marginal": "prefill-backlog-drain-marginal",
 }
 _PRESET = {

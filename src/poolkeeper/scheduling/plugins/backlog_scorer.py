@@ -85,6 +85,12 @@ class PrefillBacklogParams(PluginParams):
         description="Score by span / (span + cost - lowest cost), span in tokens (at the "
         "fastest measured drain rate where `drainRate`); null: lowest cost / cost.",
     )
+    mean_span: bool = Field(
+        default=False,
+        description="Score by span / (span + cost - lowest cost) with span = the lowest cost "
+        "plus the candidates' mean backlog: differences count relative to how busy the pool "
+        "is (the plain ratio rule is span = the lowest cost).",
+    )
     drain_rate: bool = Field(
         default=False,
         description="Divide each cost by the endpoint's measured drain rate (prompt tokens "
@@ -98,7 +104,7 @@ class PrefillBacklogScorer(NamedPlugin):
 
     __slots__ = (
         "_cycle_key", "adapter_tokens", "backlog", "base_tokens", "drain_rate", "marginal",
-        "prefix", "slack", "span_tokens",
+        "mean_span", "prefix", "slack", "span_tokens",
     )  # fmt: skip
     bounded = True
 
@@ -113,6 +119,7 @@ class PrefillBacklogScorer(NamedPlugin):
         self.base_tokens = params.base_tokens
         self.drain_rate = params.drain_rate
         self.span_tokens = params.span_tokens
+        self.mean_span = params.mean_span
         self.marginal = params.marginal
         self.adapter_tokens = params.adapter_tokens
         tolerance = params.speed_tolerance
@@ -209,6 +216,14 @@ class PrefillBacklogScorer(NamedPlugin):
         best = min(costs)
         if best == max(costs):
             return 1.0
+        if self.mean_span:
+            backlog = self.backlog.snapshot()
+            ahead = backlog.get
+            mean = sum(ahead(s.endpoint.hostport, 0) for s in candidates) / len(candidates)
+            if self.drain_rate and (rates := self.backlog.rates()):
+                mean /= max(rates.values())
+            span = best + mean
+            return [span / (span + c - best) for c in costs]
         if self.span_tokens is None:
             return [best / c for c in costs]
         span = float(self.span_tokens)

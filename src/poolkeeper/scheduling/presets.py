@@ -182,6 +182,12 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     ),
     # ... scored by a fixed span (2,048 tokens ahead halve the score) instead of the ratio.
     "prefill-backlog-span": _default_plus("prefill-backlog-scorer", 2, spanTokens=2048),
+    "prefill-backlog-span4k": _default_plus("prefill-backlog-scorer", 2, spanTokens=4096),
+    # ... at weight 1 (half the backlog's say against the load and affinity scorers).
+    "prefill-backlog-w1": _default_plus("prefill-backlog-scorer", 1),
+    # ... at weight 0: the default's choices, but the router learns each first byte (which
+    # unseen requests already answered), as every backlog candidate does.
+    "prefill-backlog-w0": _default_plus("prefill-backlog-scorer", 0),
     "prefill-backlog-drain-span": _default_plus(
         "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None, spanTokens=2048
     ),

@@ -52,6 +52,9 @@ FLOW_PRESETS: dict[str, str] = {
 CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-drain": "prefill-backlog-drain",
     "poolkeeper-span": "prefill-backlog-span",
+    "poolkeeper-span4k": "prefill-backlog-span4k",
+    "poolkeeper-w1": "prefill-backlog-w1",
+    "poolkeeper-w0": "prefill-backlog-w0",
     "poolkeeper-drain-span": "prefill-backlog-drain-span",
     "poolkeeper-marginal": "prefill-backlog-marginal",
     "poolkeeper-mean-span": "prefill-backlog-mean-span",

@@ -4,6 +4,7 @@ still prefilling a long one, unless that server holds the prompt's prefix."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -254,3 +255,17 @@ def test_a_mean_span_weighs_differences_by_how_busy_the_pool_is() -> None:
     scorer.backlog.sent("c", A, 3000, NOW)
     # Both busy (3,300 and 3,000 ahead): span 3,178 + 3,150, the same 300 tokens weigh less.
     assert scorer.score(CycleState(NOW), short, pool) == pytest.approx([6328 / 6628, 1.0])
+
+
+def test_a_busy_endpoints_cost_is_raised_by_its_utilisation() -> None:
+    scorer = plugin("prefill-backlog-scorer", {"busyPenalty": True})
+    assert isinstance(scorer, PrefillBacklogScorer)
+    backlog = scorer.backlog
+    assert backlog.utilisation(A, NOW) == 0.0  # never sent to
+    backlog.sent("a", A, 100, NOW)
+    backlog.first_token("a", NOW + 10.0)  # busy for 10 s: utilisation ~1
+    assert backlog.utilisation(A, NOW + 10.0) == pytest.approx(1.0, abs=1e-4)
+    assert backlog.utilisation(A, NOW + 11.0) == pytest.approx(math.exp(-1.0), abs=1e-4)
+    req = request(prompt="x" * 400)  # 100 tokens: 228 with the base
+    costs = scorer.costs(CycleState(NOW + 11.0), req, _pool())
+    assert costs == pytest.approx([228 / (1 - math.exp(-1.0)), 228], rel=1e-3)

@@ -28,8 +28,11 @@ not count forever), so nothing a client does can grow it without bound.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+BUSY_WINDOW_S = 1.0  # time constant of the utilisation estimate
 
 
 @dataclass(slots=True)
@@ -47,6 +50,8 @@ class _Drain:
     seconds: float = 0.0
     samples: int = 0
     mark: float | None = None  # last first byte (or start of the busy period), while busy
+    busy: float = 0.0  # time-decayed share of time with a backlog (utilisation)
+    at: float | None = None  # when `busy` was last brought up to date
 
 
 class PrefillBacklog:
@@ -94,8 +99,10 @@ class PrefillBacklog:
                 break
             self._remove(oldest_id)
         tokens = max(0, tokens)
+        drain = self._drain_of(endpoint)
+        self._age(drain, now, endpoint in self._counts)
         if endpoint not in self._counts:  # a busy period starts: the drain clock with it
-            self._drain_of(endpoint).mark = now
+            drain.mark = now
         entries[request_id] = _Entry(endpoint, tokens, now)
         self._by_endpoint[endpoint] = self._by_endpoint.get(endpoint, 0) + tokens
         self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
@@ -108,6 +115,7 @@ class PrefillBacklog:
         entry = self._entries.get(request_id)
         if entry is not None and now is not None:
             drain = self._drain_of(entry.endpoint)
+            self._age(drain, now, True)
             if drain.mark is not None and now >= drain.mark:
                 decay = self.rate_decay
                 drain.work = drain.work * decay + entry.tokens + self.work_tokens
@@ -125,6 +133,23 @@ class PrefillBacklog:
             for k, d in self._drain.items()
             if d.samples >= need and d.seconds > 0.0
         }
+
+    def utilisation(self, endpoint: str, now: float) -> float:
+        """Share of the last ~`BUSY_WINDOW_S` seconds `endpoint` had a backlog (0 if unknown)."""
+        drain = self._drain.get(endpoint)
+        if drain is None:
+            return 0.0
+        self._age(drain, now, endpoint in self._counts)
+        return drain.busy
+
+    @staticmethod
+    def _age(drain: _Drain, now: float, busy: bool) -> None:
+        """Bring `drain.busy` up to `now`, the endpoint busy (or not) since the last update."""
+        if drain.at is not None and now > drain.at:
+            keep = math.exp(-(now - drain.at) / BUSY_WINDOW_S)
+            drain.busy = drain.busy * keep + (1.0 - keep if busy else 0.0)
+        if drain.at is None or now > drain.at:
+            drain.at = now
 
     def _drain_of(self, endpoint: str) -> _Drain:
         drain = self._drain.get(endpoint)

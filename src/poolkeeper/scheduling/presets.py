@@ -193,6 +193,11 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     ),
     # ... scored relative to the pool's mean backlog (span = lowest cost + mean backlog).
     "prefill-backlog-mean-span": _default_plus("prefill-backlog-scorer", 2, meanSpan=True),
+    # ... each cost over 1 - the endpoint's utilisation (the M/M/1 marginal cost's factor).
+    "prefill-backlog-busy": _default_plus("prefill-backlog-scorer", 2, busyPenalty=True),
+    "prefill-backlog-drain-busy": _default_plus(
+        "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None, busyPenalty=True
+    ),
     # ... as the marginal cost: the request's wait plus the wait it adds to the backlog's.
     "prefill-backlog-marginal": _default_plus("prefill-backlog-scorer", 2, marginal=True),
     "prefill-backlog-drain-marginal": _default_plus(

@@ -58,6 +58,8 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-drain-span": "prefill-backlog-drain-span",
     "poolkeeper-marginal": "prefill-backlog-marginal",
     "poolkeeper-mean-span": "prefill-backlog-mean-span",
+    "poolkeeper-busy": "prefill-backlog-busy",
+    "poolkeeper-drain-busy": "prefill-backlog-drain-busy",
     "poolkeeper-drain-marginal": "prefill-backlog-drain-marginal",
 }
 _PRESET = {

@@ -85,6 +85,12 @@ class PrefillBacklogParams(PluginParams):
         description="Score by span / (span + cost - lowest cost), span in tokens (at the "
         "fastest measured drain rate where `drainRate`); null: lowest cost / cost.",
     )
+    busy_penalty: bool = Field(
+        default=False,
+        description="Divide each cost by 1 - the endpoint's utilisation (the share of the "
+        "last second it had a backlog, at most 0.9): the queueing marginal cost, so a busy "
+        "fast server is not filled until its waits equal a slow one's.",
+    )
     mean_span: bool = Field(
         default=False,
         description="Score by span / (span + cost - lowest cost) with span = the lowest cost "
@@ -103,7 +109,8 @@ class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
     __slots__ = (
-        "_cycle_key", "adapter_tokens", "backlog", "base_tokens", "drain_rate", "marginal",
+        "_cycle_key", "adapter_tokens", "backlog", "base_tokens", "busy_penalty", "drain_rate",
+        "marginal",
         "mean_span", "prefix", "slack", "span_tokens",
     )  # fmt: skip
     bounded = True
@@ -120,6 +127,7 @@ class PrefillBacklogScorer(NamedPlugin):
         self.drain_rate = params.drain_rate
         self.span_tokens = params.span_tokens
         self.mean_span = params.mean_span
+        self.busy_penalty = params.busy_penalty
         self.marginal = params.marginal
         self.adapter_tokens = params.adapter_tokens
         tolerance = params.speed_tolerance
@@ -182,6 +190,12 @@ class PrefillBacklogScorer(NamedPlugin):
                 ]
         if self.drain_rate:
             costs = self._drained(costs, candidates)
+        if self.busy_penalty:
+            busy, now = self.backlog.utilisation, cycle.now
+            costs = [
+                c / (1.0 - min(0.9, busy(s.endpoint.hostport, now)))
+                for c, s in zip(costs, candidates, strict=True)
+            ]
         if self.slack is not None:
             return self._slowed(costs, candidates, self.slack)
         return costs

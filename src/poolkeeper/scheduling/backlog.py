@@ -12,6 +12,7 @@ uncached prompt tokens of the requests sent there whose first byte has not come 
     backlog.ended(request_id)                         # the request ended (any outcome)
     backlog.tokens(endpoint)                          # what a new request there waits behind
     backlog.rates()                                   # endpoint -> measured drain, tokens/s
+    backlog.utilisation(endpoint, now)                # share of the last ~1 s with a backlog
 
 The drain rate is what makes token counts comparable across a fleet of unequal servers: while
 an endpoint's backlog is not empty, each first byte clears its entry's tokens (plus

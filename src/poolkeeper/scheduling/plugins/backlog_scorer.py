@@ -7,18 +7,19 @@ prefix hit, read from a `prefix-cache-scorer` named by `prefixScorer`, so one in
 both), plus `baseTokens` for the step every first token waits for anyway, plus `adapterTokens`
 where the request's LoRA adapter is not resident; on an endpoint the router measured as
 slower per output token than `1 + speedTolerance` times the fastest, scaled by how much
-slower. With `drainRate`, each cost is divided instead by the endpoint's measured drain rate
-(tokens/s: `PrefillBacklog.rates`, what its first bytes cleared per second of backlog), so it
-is a wait in seconds on a fleet of unequal servers. Score = the lowest cost / this endpoint's:
-1 for the best, 0.5 for twice the prefill ahead. With `marginal`, the cost also counts what
-the request does to the others: its own uncached tokens once more for each request already in
-that endpoint's backlog (an engine prefills waiting requests together, up to its token budget
-per step, so each of their first tokens waits for this prompt too); the wait of the request
-alone, the selfish rule, sends work to the fastest server until its waits are as long as a slow
-one's. With `spanTokens`, span / (span + cost -
-lowest): 0.5 for that many tokens more ahead, whatever the prompt's own length (the ratio
-rule keeps a 50-token prompt off a server with 300 tokens ahead as hard as a 500-token prompt
-off one with 3,000).
+slower. Score = the lowest cost / this endpoint's: 1 for the best, 0.5 for twice the prefill
+ahead.
+
+Options measured as candidates for the default (issue 38; none adopted: each sends work where
+the request's own first token comes soonest, selfish routing that piles work onto the fast
+servers of a mixed fleet past their capacity; docs/notes/2026-12-06-routing-quality-third-round.md):
+`drainRate` divides each cost by the endpoint's measured drain rate (`PrefillBacklog.rates`), a
+wait in seconds; `marginal` adds the request's own uncached tokens once per request already in
+that backlog (an engine prefills waiting requests together, so each of their first tokens waits
+for this prompt too); `busyPenalty` divides each cost by 1 - the endpoint's utilisation (the
+queueing marginal cost); `spanTokens` scores span / (span + cost - lowest), 0.5 for that many
+tokens more ahead whatever the prompt's length; `meanSpan` takes span = the lowest cost plus
+the candidates' mean backlog.
 
 Why: a continuous-batching engine gives a request its first token at the end of the step that
 finishes its prefill, and prefills queued or running there come first or share the step. The
@@ -110,8 +111,7 @@ class PrefillBacklogScorer(NamedPlugin):
 
     __slots__ = (
         "_cycle_key", "adapter_tokens", "backlog", "base_tokens", "busy_penalty", "drain_rate",
-        "marginal",
-        "mean_span", "prefix", "slack", "span_tokens",
+        "marginal", "mean_span", "prefix", "slack", "span_tokens",
     )  # fmt: skip
     bounded = True
 

@@ -53,3 +53,20 @@ def test_first_tokens_and_ends_reach_the_backlog_and_steer_the_next_picks() -> N
     assert scorer.backlog.tokens(busy) == 0
     flow.on_finish("long", busy, now=3.0)
     assert len(scorer.backlog) == 0
+
+
+def test_every_candidate_runs_by_name_behind_flow_control_or_shedding() -> None:
+    from poolkeeper.bench.policies.routers import CANDIDATE_POLICIES, KNOWN_POLICIES
+    from poolkeeper.bench.policies.schedpolicy import CANDIDATE_PRESETS
+    from poolkeeper.scheduling.presets import CANDIDATES
+
+    assert set(CANDIDATE_PRESETS.values()) <= set(CANDIDATES)
+    assert not set(CANDIDATE_POLICIES) & set(ALL_POLICIES)  # only when asked for by name
+    for name in CANDIDATE_PRESETS:
+        assert name in KNOWN_POLICIES
+        flow = make_policy(name, random.Random(1))
+        shed = make_policy(f"{name}-shed", random.Random(1))
+        assert isinstance(flow, FlowPolicy)
+        assert isinstance(shed, SchedulerPolicy)
+        assert shed.admission is not None
+        assert flow.pick(_request("r", 10), _pool(), now=2.0).key

@@ -4,6 +4,7 @@ still prefilling a long one, unless that server holds the prompt's prefix."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -192,3 +193,79 @@ def test_prefix_scorer_reference_must_name_a_prefix_cache_scorer() -> None:
     )
     with pytest.raises(ConfigError, match="is not a prefix-cache-scorer"):
         build_scheduler(config, rng=random.Random(1))
+
+
+def test_the_drain_rate_is_cleared_work_over_busy_time() -> None:
+    backlog = PrefillBacklog(work_tokens=100, rate_decay=0.5, min_samples=2)
+    backlog.sent("r1", A, 900, NOW)  # A's busy period starts
+    backlog.sent("r2", A, 1900, NOW + 0.5)
+    assert backlog.first_token("r1", NOW + 0.1)  # 1,000 work tokens in 0.1 s
+    assert backlog.rates() == {}  # one sample: not measured yet
+    assert backlog.first_token("r2", NOW + 0.3)  # 2,000 more in 0.2 s since the last
+    # decayed sums: (1000 x 0.5 + 2000) / (0.1 x 0.5 + 0.2)
+    assert backlog.rates() == pytest.approx({A: 2500 / 0.25})
+    backlog.sent("r3", A, 0, NOW + 5.0)  # idle from 0.3 s to 5 s: not drain time
+    assert backlog.first_token("r3", NOW + 5.1)
+    assert backlog.rates()[A] == pytest.approx((2500 * 0.5 + 100) / (0.25 * 0.5 + 0.1))
+    backlog.sent("r4", B, 50, NOW)
+    assert backlog.ended("r4")  # an end without a first byte is no sample
+    assert B not in backlog.rates()
+    backlog.forget_endpoints({B})
+    assert backlog.rates() == {}
+
+
+def test_with_drain_rates_the_cost_is_a_wait_in_seconds() -> None:
+    scorer = plugin("prefill-backlog-scorer", {"drainRate": True, "speedTolerance": None})
+    assert isinstance(scorer, PrefillBacklogScorer)
+    fast, slow, new = (state(i, served_model="base") for i in range(1, 4))
+    req = request(prompt="x" * 400)  # 100 tokens: 228 with the base
+    assert scorer.costs(CycleState(NOW), req, [fast, slow, new]) == [228, 228, 228]
+    for i in range(8):  # A clears 1,128 tokens per 0.05 s, B per 0.2 s
+        for k, dt in ((A, 0.05), (B, 0.2)):
+            scorer.backlog.sent(f"{k}{i}", k, 1000, NOW + i)
+            scorer.backlog.first_token(f"{k}{i}", NOW + i + dt)
+    costs = scorer.costs(CycleState(NOW), req, [fast, slow, new])
+    # unmeasured: as fast as the fastest
+    assert costs == pytest.approx([228 / 22560, 228 / 5640, 228 / 22560])
+
+
+def test_a_fixed_span_scores_tokens_ahead_whatever_the_prompts_length() -> None:
+    ratio = plugin("prefill-backlog-scorer")
+    span = plugin("prefill-backlog-scorer", {"spanTokens": 1000})
+    assert isinstance(ratio, PrefillBacklogScorer)
+    assert isinstance(span, PrefillBacklogScorer)
+    for scorer in (ratio, span):
+        scorer.backlog.sent("ahead", A, 300, NOW)
+    pool = _pool()
+    short = request(prompt="x" * 200, request_id="short")  # 50 tokens: 178 with the base
+    # The ratio rule: 178 / 478; the span: 300 tokens more ahead of 1,000.
+    assert ratio.score(CycleState(NOW), short, pool) == pytest.approx([178 / 478, 1.0])
+    assert span.score(CycleState(NOW), short, pool) == pytest.approx([1000 / 1300, 1.0])
+
+
+def test_a_mean_span_weighs_differences_by_how_busy_the_pool_is() -> None:
+    scorer = plugin("prefill-backlog-scorer", {"meanSpan": True})
+    assert isinstance(scorer, PrefillBacklogScorer)
+    pool = _pool()
+    short = request(prompt="x" * 200, request_id="short")  # 178 with the base
+    scorer.backlog.sent("a", A, 300, NOW)
+    # Mean backlog 150: span 178 + 150; A costs 300 more.
+    assert scorer.score(CycleState(NOW), short, pool) == pytest.approx([328 / 628, 1.0])
+    scorer.backlog.sent("b", B, 3000, NOW)
+    scorer.backlog.sent("c", A, 3000, NOW)
+    # Both busy (3,300 and 3,000 ahead): span 3,178 + 3,150, the same 300 tokens weigh less.
+    assert scorer.score(CycleState(NOW), short, pool) == pytest.approx([6328 / 6628, 1.0])
+
+
+def test_a_busy_endpoints_cost_is_raised_by_its_utilisation() -> None:
+    scorer = plugin("prefill-backlog-scorer", {"busyPenalty": True})
+    assert isinstance(scorer, PrefillBacklogScorer)
+    backlog = scorer.backlog
+    assert backlog.utilisation(A, NOW) == 0.0  # never sent to
+    backlog.sent("a", A, 100, NOW)
+    backlog.first_token("a", NOW + 10.0)  # busy for 10 s: utilisation ~1
+    assert backlog.utilisation(A, NOW + 10.0) == pytest.approx(1.0, abs=1e-4)
+    assert backlog.utilisation(A, NOW + 11.0) == pytest.approx(math.exp(-1.0), abs=1e-4)
+    req = request(prompt="x" * 400)  # 100 tokens: 228 with the base
+    costs = scorer.costs(CycleState(NOW + 11.0), req, _pool())
+    assert costs == pytest.approx([228 / (1 - math.exp(-1.0)), 228], rel=1e-3)

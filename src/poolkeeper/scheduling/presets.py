@@ -58,12 +58,13 @@ _DEFAULT: dict[str, Any] = {
 }
 
 
-def _default_plus(scorer: str, weight: float) -> dict[str, Any]:
+def _default_plus(scorer: str, weight: float, **params: Any) -> dict[str, Any]:
     """The default profile plus `scorer` (a type taking `prefixScorer`) reading the default's
-    prefix index, at `weight`: the `predicted-ttft` and `prefill-backlog` presets."""
+    prefix index, at `weight`, with `params`: the `predicted-ttft` and `prefill-backlog`
+    presets and the candidates for the default measured beside them."""
     doc = copy.deepcopy(_DEFAULT)
     doc["plugins"].insert(
-        -1, {"type": scorer, "parameters": {"prefixScorer": "prefix-cache-scorer"}}
+        -1, {"type": scorer, "parameters": {"prefixScorer": "prefix-cache-scorer", **params}}
     )
     doc["schedulingProfiles"][0]["plugins"].insert(-1, {"pluginRef": scorer, "weight": weight})
     return doc
@@ -181,6 +182,45 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gie-v0.3-decision-tree": _V03,
     "random": _RANDOM,
 }
+
+
+# Candidates for the default profile (issue 38; measured in
+# docs/notes/2026-12-06-routing-quality-third-round.md), kept by name so that each can be
+# compared in the benchmarks (`bench.policies.schedpolicy.CANDIDATE_PRESETS`); not user presets.
+CANDIDATES: dict[str, dict[str, Any]] = {
+    # the backlog as a wait in seconds, each endpoint's tokens over its measured drain rate.
+    "prefill-backlog-drain": _default_plus(
+        "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None
+    ),
+    # ... scored by a fixed span (2,048 tokens ahead halve the score) instead of the ratio.
+    "prefill-backlog-span": _default_plus("prefill-backlog-scorer", 2, spanTokens=2048),
+    "prefill-backlog-span4k": _default_plus("prefill-backlog-scorer", 2, spanTokens=4096),
+    # ... at weight 1 (half the backlog's say against the load and affinity scorers).
+    "prefill-backlog-w1": _default_plus("prefill-backlog-scorer", 1),
+    # ... at weight 0: the default's choices, but the router learns each first byte (which
+    # unseen requests already answered), as every backlog candidate does.
+    "prefill-backlog-w0": _default_plus("prefill-backlog-scorer", 0),
+    "prefill-backlog-drain-span": _default_plus(
+        "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None, spanTokens=2048
+    ),
+    # ... scored relative to the pool's mean backlog (span = lowest cost + mean backlog).
+    "prefill-backlog-mean-span": _default_plus("prefill-backlog-scorer", 2, meanSpan=True),
+    # ... each cost over 1 - the endpoint's utilisation (the M/M/1 marginal cost's factor).
+    "prefill-backlog-busy": _default_plus("prefill-backlog-scorer", 2, busyPenalty=True),
+    "prefill-backlog-drain-busy": _default_plus(
+        "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None, busyPenalty=True
+    ),
+    # ... as the marginal cost: the request's wait plus the wait it adds to the backlog's.
+    "prefill-backlog-marginal": _default_plus("prefill-backlog-scorer", 2, marginal=True),
+    "prefill-backlog-drain-marginal": _default_plus(
+        "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None, marginal=True
+    ),
+}
+
+
+def candidate_document(name: str) -> dict[str, Any]:
+    """The YAML-equivalent dict of a candidate (a copy); KeyError for an unknown name."""
+    return copy.deepcopy(CANDIDATES[name])
 
 
 def preset_document(name: str) -> dict[str, Any]:

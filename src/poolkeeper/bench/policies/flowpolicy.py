@@ -161,8 +161,9 @@ class FlowPolicy:
 def flow_policy(
     name: str, rng: random.Random, config: FlowControlConfig | None = None
 ) -> FlowPolicy | SchedulerPolicy:
-    """`poolkeeper` (the default scheduling preset), `poolkeeper-ttft` (`predicted-ttft`) or
-    `poolkeeper-backlog` (`prefill-backlog`) behind flow control with the given (default)
+    """`poolkeeper` (the default scheduling preset), `poolkeeper-ttft` (`predicted-ttft`),
+    `poolkeeper-backlog` (`prefill-backlog`) or a candidate (`schedpolicy.CANDIDATE_PRESETS`)
+    behind flow control with the given (default)
     `spec.flowControl`: admission's shedding is replaced by the bands, as in the EPP. With
     `enabled: false` the EPP has no bands and admission sheds instead; so does this policy
     (under the same name)."""

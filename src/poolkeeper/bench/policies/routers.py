@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from poolkeeper.bench.policies.baselines import BASELINES
 from poolkeeper.bench.policies.reference_policies import REFERENCE_POLICIES
+from poolkeeper.bench.policies.schedpolicy import CANDIDATE_PRESETS, FLOW_PRESETS
 from poolkeeper.bench.workload.scenarios import Scenario
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import ConfigError
@@ -69,8 +70,11 @@ SCHEDULER_POLICIES: tuple[str, ...] = (
     "poolkeeper-ttft", "poolkeeper-ttft-shed", "poolkeeper-backlog", "poolkeeper-backlog-shed",
 )  # fmt: skip
 ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
+# Candidates for the default profile (`schedpolicy.CANDIDATE_PRESETS`), with and without flow
+# control; like the reference policies, run only when asked for by name.
+CANDIDATE_POLICIES: tuple[str, ...] = tuple(n for c in CANDIDATE_PRESETS for n in (c, f"{c}-shed"))
 # Run only when asked for by name (never by default: `ref-oracle` takes minutes per point).
-KNOWN_POLICIES: tuple[str, ...] = (*ALL_POLICIES, *REFERENCE_POLICIES)
+KNOWN_POLICIES: tuple[str, ...] = (*ALL_POLICIES, *CANDIDATE_POLICIES, *REFERENCE_POLICIES)
 
 
 def make_policy(
@@ -85,14 +89,14 @@ def make_policy(
     baseline = BASELINES.get(name)
     if baseline is not None:
         return baseline(rng)
-    if name in ("poolkeeper", "poolkeeper-ttft", "poolkeeper-backlog"):
+    if name in FLOW_PRESETS or name in CANDIDATE_PRESETS:
         from poolkeeper.bench.policies.flowpolicy import flow_policy
 
         return flow_policy(name, rng, flow_control)
     reference = REFERENCE_POLICIES.get(name)
     if reference is not None:
         return reference(rng)
-    if name in SCHEDULER_POLICIES:
+    if name in SCHEDULER_POLICIES or name in CANDIDATE_POLICIES:
         from poolkeeper.bench.policies.schedpolicy import scheduler_policy
 
         return scheduler_policy(name, rng)

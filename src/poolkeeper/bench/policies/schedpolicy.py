@@ -35,13 +35,35 @@ from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig, preset_config
+from poolkeeper.scheduling.presets import CANDIDATES, candidate_document
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
 
+# Flow-controlled policy (`flowpolicy`) -> its scheduling preset; `<name>-shed` is the same
+# preset with admission's shedding instead of flow control.
+FLOW_PRESETS: dict[str, str] = {
+    "poolkeeper": "default",
+    "poolkeeper-ttft": "predicted-ttft",
+    "poolkeeper-backlog": "prefill-backlog",
+}
+# Candidates for the default profile (issue 38, `scheduling.presets.CANDIDATES`), each named so
+# that it can be compared: run only when named (`bench sim --policies`), like the reference
+# policies.
+CANDIDATE_PRESETS: dict[str, str] = {
+    "poolkeeper-drain": "prefill-backlog-drain",
+    "poolkeeper-span": "prefill-backlog-span",
+    "poolkeeper-span4k": "prefill-backlog-span4k",
+    "poolkeeper-w1": "prefill-backlog-w1",
+    "poolkeeper-w0": "prefill-backlog-w0",
+    "poolkeeper-drain-span": "prefill-backlog-drain-span",
+    "poolkeeper-marginal": "prefill-backlog-marginal",
+    "poolkeeper-mean-span": "prefill-backlog-mean-span",
+    "poolkeeper-busy": "prefill-backlog-busy",
+    "poolkeeper-drain-busy": "prefill-backlog-drain-busy",
+    "poolkeeper-drain-marginal": "prefill-backlog-drain-marginal",
+}
 _PRESET = {
-    "poolkeeper-shed": "default",
-    "poolkeeper-ttft-shed": "predicted-ttft",
-    "poolkeeper-backlog-shed": "prefill-backlog",
+    **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},
     "gie-v1": "gie-v1-default",
     "gie-v0.3": "gie-v0.3-decision-tree",
 }
@@ -116,15 +138,16 @@ class SchedulerPolicy:
 
 
 def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
-    config = (
-        SchedulingConfig.model_validate(PROPOSED_PROFILE)
-        if name == "poolkeeper-proposed"
-        else preset_config(_PRESET[name])
-    )
+    preset = _PRESET.get(name, "")
+    if name == "poolkeeper-proposed":
+        config = SchedulingConfig.model_validate(PROPOSED_PROFILE)
+    elif preset in CANDIDATES:
+        config = SchedulingConfig.model_validate(candidate_document(preset))
+    else:
+        config = preset_config(preset)
     scheduler = build_scheduler(config, rng=rng)
     admission: AdmissionController | None
-    if name in ("poolkeeper-shed", "poolkeeper-ttft-shed", "poolkeeper-backlog-shed",
-                "poolkeeper-proposed"):  # fmt: skip
+    if name.startswith("poolkeeper-") and (name.endswith("-shed") or name == "poolkeeper-proposed"):
         admission = AdmissionController(AdmissionConfig())
     elif name == "gie-v1":
         admission = AdmissionController(

@@ -10,6 +10,17 @@ slower per output token than `1 + speedTolerance` times the fastest, scaled by h
 slower. Score = the lowest cost / this endpoint's: 1 for the best, 0.5 for twice the prefill
 ahead.
 
+Options measured as candidates for the default (issue 38; none adopted: each sends work where
+the request's own first token comes soonest, selfish routing that piles work onto the fast
+servers of a mixed fleet past their capacity; docs/notes/2026-12-06-routing-quality-third-round.md):
+`drainRate` divides each cost by the endpoint's measured drain rate (`PrefillBacklog.rates`), a
+wait in seconds; `marginal` adds the request's own uncached tokens once per request already in
+that backlog (an engine prefills waiting requests together, so each of their first tokens waits
+for this prompt too); `busyPenalty` divides each cost by 1 - the endpoint's utilisation (the
+queueing marginal cost); `spanTokens` scores span / (span + cost - lowest), 0.5 for that many
+tokens more ahead whatever the prompt's length; `meanSpan` takes span = the lowest cost plus
+the candidates' mean backlog.
+
 Why: a continuous-batching engine gives a request its first token at the end of the step that
 finishes its prefill, and prefills queued or running there come first or share the step. The
 waiting count the queue scorer reads lags by a scrape and weighs a 4,000-token prompt like a
@@ -64,12 +75,44 @@ class PrefillBacklogParams(PluginParams):
         "(1 + this) x the fastest are scaled by how much slower (a backlog takes longer to "
         "prefill there); null: every endpoint counts as equally fast.",
     )
+    marginal: bool = Field(
+        default=False,
+        description="Add the request's own uncached tokens once per request already in the "
+        "endpoint's backlog: the delay it adds to their first tokens (they share steps).",
+    )
+    span_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Score by span / (span + cost - lowest cost), span in tokens (at the "
+        "fastest measured drain rate where `drainRate`); null: lowest cost / cost.",
+    )
+    busy_penalty: bool = Field(
+        default=False,
+        description="Divide each cost by 1 - the endpoint's utilisation (the share of the "
+        "last second it had a backlog, at most 0.9): the queueing marginal cost, so a busy "
+        "fast server is not filled until its waits equal a slow one's.",
+    )
+    mean_span: bool = Field(
+        default=False,
+        description="Score by span / (span + cost - lowest cost) with span = the lowest cost "
+        "plus the candidates' mean backlog: differences count relative to how busy the pool "
+        "is (the plain ratio rule is span = the lowest cost).",
+    )
+    drain_rate: bool = Field(
+        default=False,
+        description="Divide each cost by the endpoint's measured drain rate (prompt tokens "
+        "its first bytes cleared per second while it had a backlog; an endpoint not measured "
+        "yet counts as the fastest measured), making it a wait in seconds.",
+    )
 
 
 class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
-    __slots__ = ("_cycle_key", "adapter_tokens", "backlog", "base_tokens", "prefix", "slack")
+    __slots__ = (
+        "_cycle_key", "adapter_tokens", "backlog", "base_tokens", "busy_penalty", "drain_rate",
+        "marginal", "mean_span", "prefix", "slack", "span_tokens",
+    )  # fmt: skip
     bounded = True
 
     def __init__(
@@ -79,8 +122,13 @@ class PrefillBacklogScorer(NamedPlugin):
         prefix: PrefixCacheScorer | None = None,
     ) -> None:
         super().__init__(typed_name)
-        self.backlog = PrefillBacklog()
+        self.backlog = PrefillBacklog(work_tokens=params.base_tokens)
         self.base_tokens = params.base_tokens
+        self.drain_rate = params.drain_rate
+        self.span_tokens = params.span_tokens
+        self.mean_span = params.mean_span
+        self.busy_penalty = params.busy_penalty
+        self.marginal = params.marginal
         self.adapter_tokens = params.adapter_tokens
         tolerance = params.speed_tolerance
         self.slack = None if tolerance is None else 1.0 + tolerance
@@ -134,9 +182,34 @@ class PrefillBacklogScorer(NamedPlugin):
                 costs = [c - hit(k, 0) for c, k in zip(costs, keys, strict=True)]
             else:
                 costs = [c + ahead(k, 0) for c, k in zip(costs, keys, strict=True)]
+            if self.marginal and backlog:
+                waiting, tokens = self.backlog.counts().get, request.prompt_tokens
+                costs = [
+                    c + waiting(k, 0) * max(0, tokens - hit(k, 0))
+                    for c, k in zip(costs, keys, strict=True)
+                ]
+        if self.drain_rate:
+            costs = self._drained(costs, candidates)
+        if self.busy_penalty:
+            busy, now = self.backlog.utilisation, cycle.now
+            costs = [
+                c / (1.0 - min(0.9, busy(s.endpoint.hostport, now)))
+                for c, s in zip(costs, candidates, strict=True)
+            ]
         if self.slack is not None:
             return self._slowed(costs, candidates, self.slack)
         return costs
+
+    def _drained(self, costs: list[float], candidates: Sequence[EndpointState]) -> list[float]:
+        """Costs over each endpoint's measured drain rate (unmeasured: the fastest's)."""
+        rates = self.backlog.rates()
+        if not rates:
+            return costs
+        fastest = max(rates.values())
+        rate = rates.get
+        return [
+            c / rate(s.endpoint.hostport, fastest) for c, s in zip(costs, candidates, strict=True)
+        ]
 
     @staticmethod
     def _slowed(
@@ -157,7 +230,22 @@ class PrefillBacklogScorer(NamedPlugin):
         best = min(costs)
         if best == max(costs):
             return 1.0
-        return [best / c for c in costs]
+        if self.mean_span:
+            backlog = self.backlog.snapshot()
+            ahead = backlog.get
+            mean = sum(ahead(s.endpoint.hostport, 0) for s in candidates) / len(candidates)
+            if self.drain_rate and (rates := self.backlog.rates()):
+                mean /= max(rates.values())
+            span = best + mean
+            return [span / (span + c - best) for c in costs]
+        if self.span_tokens is None:
+            return [best / c for c in costs]
+        span = float(self.span_tokens)
+        if self.drain_rate:
+            rates = self.backlog.rates()
+            if rates:
+                span /= max(rates.values())
+        return [span / (span + c - best) for c in costs]
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         if not result.targets:
@@ -170,7 +258,7 @@ class PrefillBacklogScorer(NamedPlugin):
         self.backlog.sent(request.request_id, key, tokens, cycle.now)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
-        self.backlog.first_token(request_id)
+        self.backlog.first_token(request_id, now)
 
     def request_ended(self, request_id: str) -> None:
         self.backlog.ended(request_id)

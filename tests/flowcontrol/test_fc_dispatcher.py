@@ -424,6 +424,26 @@ def test_a_slot_freed_by_an_under_served_flow_is_kept_for_it_a_moment() -> None:
     assert d.kept(heavy_head, 3.0) == 0
 
 
+def test_a_closed_loop_that_returns_late_keeps_its_slot_until_it_returns() -> None:
+    """Issue 35, live: on a loaded machine a closed-loop client's round trip is milliseconds
+    at the median but sometimes past HOLD_S; a flow whose returns are a closed loop's keeps
+    the freed slot until it returns (`returns.ReturnTimes`), at most HOLD_MAX_S."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d.submit(_item("h1", flow="heavy", tokens=1000), 0.0, never)
+    d.dispatched(_item("h0", flow="heavy", tokens=10_000))
+    heavy_head = d.head(S)
+    assert heavy_head is not None
+    t = 1.0
+    for n in range(8):  # the light client returns 5 ms after each answer
+        d.completed("light", S, 10, now=t)
+        assert d.submit(_item(f"l{n}", flow="light"), t + 0.005, always) is Submitted.DISPATCH
+        t += 1.0
+    d.completed("light", S, 10, now=t)
+    assert d.kept(heavy_head, t + 0.2) == 1  # still kept after 0.2 s (HOLD_S is 0.05)
+    assert d.submit(_item("late", flow="light"), t + 0.2, always) is Submitted.DISPATCH
+    assert d.kept(heavy_head, t + 0.2) == 0
+
+
 def _growth_case(only_while_growing: bool, clients: int | None) -> tuple[int, int]:
     """One Standard flow on a pool that dispatches 10 requests/s for 12 s: a closed population
     of `clients` (each sends again when its request is answered 2 s after dispatch) or, with

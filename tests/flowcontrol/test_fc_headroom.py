@@ -160,3 +160,43 @@ def test_slot_dispatch_with_every_gauge_stale_trusts_the_learned_batches() -> No
     assert _headroom().room([unknown], STANDARD, NOW) == [unknown]
     # Uncontended (`dispatch: slot` applies only while flows contend): as before.
     assert h.room([busy, unknown], STANDARD, NOW, contended=False) == [busy, unknown]
+
+
+def test_a_server_deferring_adapters_is_judged_by_saturation_not_by_slots() -> None:
+    """Issue 35's multi-LoRA regression: a queue that holds requests deferred for an adapter
+    says nothing about batch slots (vLLM reports which adapters wait, not how many), so slot
+    dispatch never learns a full batch from it, and judges such a server by the band's
+    saturation limit: the EPP's in-flight count there includes the deferred requests."""
+    h = _headroom()
+    for age in (0.2, 0.1):  # two scrapes with a mixed queue and no more running
+        mixed = state(
+            1, running=94, waiting=40, active=("lora-a",), queued_adapters=("lora-a", "lora-b"),
+            inflight=134, updated_at=NOW - age,
+        )  # fmt: skip
+        h.room([mixed], STANDARD, NOW, "lora-a")
+    assert h.slots.slots(state(1)) is None  # not a full batch at 94
+    running_a = state(1, running=94, waiting=40, active=("lora-a",), queued_adapters=("lora-b",),
+                      inflight=134)  # fmt: skip
+    assert h.slots.deferring(running_a)
+    # lora-a runs there and none of its requests waits: it joins the batch, as for
+    # `dispatch: saturation`; slot counting (134 in flight, 94 seen running) would hold it.
+    assert h.room([running_a], STANDARD, NOW, "lora-a") == [running_a]
+    assert h.room([running_a], STANDARD, NOW, "lora-b") is None  # it would wait for a slot
+    idle = state(2)
+    assert list(h.within([running_a, idle], STANDARD, NOW, adapter="lora-a")) == [running_a, idle]
+
+
+def test_flows_sharing_a_band_contend_where_the_servers_queue() -> None:
+    """Issue 35: flows that share a band while nothing waits in the EPP (a closed population
+    that fits the servers' own queues) contend there once a server shows a queue: slot
+    dispatch applies. With no server queue, or one flow, the saturation limit decides."""
+    h = _headroom()
+    for age in (0.2, 0.1):
+        h.fits([state(1, running=2, waiting=2, inflight=4, updated_at=NOW - age)], STANDARD, NOW)
+    queued = state(1, running=2, waiting=2, inflight=4)
+    assert h.queueing([queued])
+    assert h.room([queued], STANDARD, NOW, contended=False) == [queued]  # one flow
+    assert h.room([queued], STANDARD, NOW, contended=False, sharing=True) is None
+    calm = state(2, running=1, waiting=0, inflight=1)
+    assert not h.queueing([calm])
+    assert h.room([calm], STANDARD, NOW, contended=False, sharing=True) == [calm]

@@ -54,6 +54,7 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.fairness import FairnessFactory, FairnessPolicy, vtc_fairness
 from poolkeeper.flowcontrol.ordering import FcfsAdaptiveLifo, OrderingFactory, OrderingPolicy
+from poolkeeper.flowcontrol.returns import ReturnTimes
 
 T = TypeVar("T")
 
@@ -68,7 +69,6 @@ class Submitted(StrEnum):
     SATURATED = "saturated"  # the queue ahead cannot drain within its TTL: 429
 
 
-HOLD_S = 0.05  # how long a freed slot is kept for the under-served flow whose request ended
 DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seconds of backlog)
 DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
 DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
@@ -136,7 +136,7 @@ class FlowPolicies:
 class _Band(Generic[T]):
     __slots__ = (
         "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows", "marks",
-        "ordering", "overload_at", "reserved", "running",
+        "ordering", "overload_at", "reserved", "returns", "running",
     )  # fmt: skip
 
     def __init__(
@@ -154,6 +154,8 @@ class _Band(Generic[T]):
         self.busy_since: dict[str, float] = {}
         # Slots kept for an under-served flow whose request just ended: flow -> (count, until).
         self.reserved: dict[str, tuple[int, float]] = {}
+        # How long each flow's clients take to send again after an answer (the hold's length).
+        self.returns = ReturnTimes()
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
         # Per flow, its requests in the system (waiting + running) as sampled at arrivals:
@@ -317,6 +319,7 @@ class FlowDispatcher(Generic[T]):
         if band.mode is BandMode.SEND:
             return Submitted.DISPATCH
         self._bands[item.band].observe(item.flow, now)
+        self._bands[item.band].returns.arrived(item.flow, now)
         if self._take_reserved(item, now, fits):
             return Submitted.DISPATCH
         if not self._waiting_at_or_above(item.band) and fits(item):
@@ -409,35 +412,50 @@ class FlowDispatcher(Generic[T]):
     def completed(
         self, flow: str, band: Criticality, output_tokens: int, now: float | None = None
     ) -> None:
-        """Charge the answer; with `now`, keep the freed slot for `flow` a moment (`HOLD_S`)
-        if it is the flow fair sharing would serve next but has nothing waiting: a client
-        that sends its next request on an answer (a closed loop) gets its share instead of
-        finding the slot taken by a busier flow's waiting request each time."""
+        """Charge the answer; with `now`, keep the freed slot for `flow` a moment if it is the
+        flow fair sharing would serve next but has nothing waiting: a client that sends its
+        next request on an answer (a closed loop) gets its share instead of finding the slot
+        taken by a busier flow's waiting request each time. The moment is `HOLD_S`, or the
+        flow's measured return time when its clients return like a closed loop's
+        (`returns.ReturnTimes`: on a loaded machine the round trip outlasts `HOLD_S`)."""
         queue = self._bands[band]
         queue.fairness.charge_output(flow, output_tokens)
         left = queue.running.pop(flow, 0) - 1
         if left > 0:
             queue.running[flow] = left
-        if now is None or not queue.count or flow in queue.flows:
+        if now is None or flow in queue.flows:
+            return
+        queue.returns.answered(flow, now)
+        queue.returns.prune(lambda: queue.running.keys() | queue.flows.keys())
+        if not queue.count:
             return
         counter = queue.fairness.counter(flow)
         if all(counter <= queue.fairness.counter(f) for f in queue.flows):
             held, _until = queue.reserved.get(flow, (0, now))
-            queue.reserved[flow] = (held + 1, now + HOLD_S)
+            queue.reserved[flow] = (held + 1, now + queue.returns.hold(flow))
 
     def contended(self, band: Criticality) -> bool:
-        """Whether flows compete in `band` now: something waits, and two or more flows have
-        requests waiting or dispatched and not completed. Uncontended, fair order decides
-        nothing, so the headroom may let servers queue (`Headroom.room`: batches stay full
-        and the scheduler's prefix affinity free; one model's shared-prefix chat at 0.5x
-        capacity had p90 TTFT 3.1 s instead of 0.76 s with the queue held in the EPP)."""
+        """Whether flows compete in `band` in the EPP's queue: something waits, and two or
+        more flows have requests waiting or dispatched and not completed (`sharing`).
+        Uncontended, fair order decides nothing, so the headroom may let servers queue
+        (`Headroom.room`: batches stay full and the scheduler's prefix affinity free; one
+        model's shared-prefix chat at 0.5x capacity had p90 TTFT 3.1 s instead of 0.76 s with
+        the queue held in the EPP). The caller also counts as contended a band that is
+        `sharing` while the servers show a queue (the contention sits in their own queues)."""
+        return bool(self._bands[band].count) and self.sharing(band)
+
+    def sharing(self, band: Criticality) -> bool:
+        """Two or more flows have requests in `band`, waiting or dispatched and not completed."""
         queue = self._bands[band]
-        if not queue.count:
-            return False
-        flows = len(queue.flows)
-        if flows >= 2:
+        if len(queue.flows) >= 2:
             return True
-        return flows + sum(1 for f in queue.running if f not in queue.flows) >= 2
+        seen = len(queue.flows)
+        for flow in queue.running:
+            if flow not in queue.flows:
+                seen += 1
+                if seen >= 2:
+                    return True
+        return False
 
     def kept(self, item: FlowItem[T], now: float) -> int:
         """Slots kept for flows other than `item`'s, in `item`'s band and the bands above:

@@ -216,7 +216,8 @@ class FlowGate:
         dispatcher = self._pools[job.pool]
         keep = dispatcher.kept(item, now)
         contended = dispatcher.contended(item.band)
-        room = self.headroom.room(states, band, now, job.target, keep, contended)
+        sharing = not contended and dispatcher.sharing(item.band)
+        room = self.headroom.room(states, band, now, job.target, keep, contended, sharing)
         if room is None:
             return False
         job.ready = room

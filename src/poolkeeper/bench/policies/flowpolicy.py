@@ -58,9 +58,11 @@ class FlowPolicy:
         band = self.config.bands.of(item.band)
         keep = self.dispatcher.kept(item, self._now)
         contended = self.dispatcher.contended(item.band)
+        sharing = not contended and self.dispatcher.sharing(item.band)
         room = self.headroom.room(
-            self._states, band, self._now, item.payload.request.target_model, keep, contended
-        )
+            self._states, band, self._now, item.payload.request.target_model, keep, contended,
+            sharing,
+        )  # fmt: skip
         return room is not None
 
     def offer(
@@ -120,7 +122,10 @@ class FlowPolicy:
         band = self.config.bands.of(item.band)
         if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
             contended = self.dispatcher.contended(item.band)
-            endpoints = self.headroom.within(endpoints, band, now, contended, request.target_model)
+            sharing = not contended and self.dispatcher.sharing(item.band)
+            endpoints = self.headroom.within(
+                endpoints, band, now, contended, request.target_model, sharing
+            )
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

@@ -444,6 +444,20 @@ def test_a_closed_loop_that_returns_late_keeps_its_slot_until_it_returns() -> No
     assert d.kept(heavy_head, t + 0.2) == 0
 
 
+def test_a_flow_whose_last_request_just_ended_still_shares_the_band() -> None:
+    """Issue 35, live: the light model's clients were all between an answer and their next
+    request for a moment; the band must not look uncontended then (the saturation limit
+    would send the busier model's whole queue into the servers' own queues at once)."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d.submit(_item("h1", flow="heavy"), 0.0, never)
+    d.dispatched(_item("l0", flow="light"))
+    assert d.contended(S, 1.0)
+    d.completed("light", S, 10, now=1.0)
+    assert d.contended(S, 1.2) and d.sharing(S, 1.2)
+    assert not d.contended(S, 1.6)  # gone for longer than a closed loop's round trip
+    assert not d.contended(S)  # without a time: only what waits or runs counts
+
+
 def _growth_case(only_while_growing: bool, clients: int | None) -> tuple[int, int]:
     """One Standard flow on a pool that dispatches 10 requests/s for 12 s: a closed population
     of `clients` (each sends again when its request is answered 2 s after dispatch) or, with

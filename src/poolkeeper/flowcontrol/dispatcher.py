@@ -54,7 +54,7 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.fairness import FairnessFactory, FairnessPolicy, vtc_fairness
 from poolkeeper.flowcontrol.ordering import FcfsAdaptiveLifo, OrderingFactory, OrderingPolicy
-from poolkeeper.flowcontrol.returns import ReturnTimes
+from poolkeeper.flowcontrol.returns import HOLD_MAX_S, ReturnTimes
 
 T = TypeVar("T")
 
@@ -73,6 +73,7 @@ DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seco
 DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
 DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
 GROWTH_WINDOW_S = 1.0  # a flow's requests in the system are compared across windows this long
+_MAX_RECENT = 1024  # flows whose last request just ended, remembered before pruning
 GROWTH_MIN = 4  # growth per window that counts (and a tenth of the flow's waiting requests)
 
 
@@ -136,7 +137,7 @@ class FlowPolicies:
 class _Band(Generic[T]):
     __slots__ = (
         "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows", "marks",
-        "ordering", "overload_at", "reserved", "returns", "running",
+        "ordering", "overload_at", "recent", "reserved", "returns", "running",
     )  # fmt: skip
 
     def __init__(
@@ -156,6 +157,9 @@ class _Band(Generic[T]):
         self.reserved: dict[str, tuple[int, float]] = {}
         # How long each flow's clients take to send again after an answer (the hold's length).
         self.returns = ReturnTimes()
+        # Per flow with nothing left in the band: when its last request ended. It still shares
+        # the band for `HOLD_MAX_S` (`FlowDispatcher.sharing`).
+        self.recent: dict[str, float] = {}
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
         # Per flow, its requests in the system (waiting + running) as sampled at arrivals:
@@ -425,6 +429,10 @@ class FlowDispatcher(Generic[T]):
             queue.running[flow] = left
         if now is None or flow in queue.flows:
             return
+        if left <= 0:
+            queue.recent[flow] = now
+            if len(queue.recent) > _MAX_RECENT:  # many small flows: keep only the recent ones
+                queue.recent = {f: t for f, t in queue.recent.items() if now - t <= HOLD_MAX_S}
         queue.returns.answered(flow, now)
         queue.returns.prune(lambda: queue.running.keys() | queue.flows.keys())
         if not queue.count:
@@ -434,24 +442,38 @@ class FlowDispatcher(Generic[T]):
             held, _until = queue.reserved.get(flow, (0, now))
             queue.reserved[flow] = (held + 1, now + queue.returns.hold(flow))
 
-    def contended(self, band: Criticality) -> bool:
+    def contended(self, band: Criticality, now: float | None = None) -> bool:
         """Whether flows compete in `band` in the EPP's queue: something waits, and two or
-        more flows have requests waiting or dispatched and not completed (`sharing`).
-        Uncontended, fair order decides nothing, so the headroom may let servers queue
-        (`Headroom.room`: batches stay full and the scheduler's prefix affinity free; one
-        model's shared-prefix chat at 0.5x capacity had p90 TTFT 3.1 s instead of 0.76 s with
-        the queue held in the EPP). The caller also counts as contended a band that is
-        `sharing` while the servers show a queue (the contention sits in their own queues)."""
-        return bool(self._bands[band].count) and self.sharing(band)
+        more flows share the band (`sharing`). Uncontended, fair order decides nothing, so
+        the headroom may let servers queue (`Headroom.room`: batches stay full and the
+        scheduler's prefix affinity free; one model's shared-prefix chat at 0.5x capacity had
+        p90 TTFT 3.1 s instead of 0.76 s with the queue held in the EPP). The caller also
+        counts as contended a band that is `sharing` while the servers show a queue (the
+        contention then sits in their own queues)."""
+        return bool(self._bands[band].count) and self.sharing(band, now)
 
-    def sharing(self, band: Criticality) -> bool:
-        """Two or more flows have requests in `band`, waiting or dispatched and not completed."""
+    def sharing(self, band: Criticality, now: float | None = None) -> bool:
+        """Two or more flows have requests in `band` (waiting, or dispatched and not
+        completed), counting with `now` a flow whose last request ended less than
+        `HOLD_MAX_S` ago: a closed loop's clients are then on their way back. Issue 35, live:
+        the 3 clients of the light model were all between an answer and their next request
+        for a moment, the band looked uncontended, and the saturation limit sent the busier
+        model's 27 waiting requests into the servers' queues at once (beta/alpha 0.43)."""
         queue = self._bands[band]
         if len(queue.flows) >= 2:
             return True
         seen = len(queue.flows)
         for flow in queue.running:
             if flow not in queue.flows:
+                seen += 1
+                if seen >= 2:
+                    return True
+        if now is None or not queue.recent:
+            return False
+        for flow, ended in list(queue.recent.items()):
+            if now - ended > HOLD_MAX_S or flow in queue.running or flow in queue.flows:
+                del queue.recent[flow]  # gone, or counted above
+            else:
                 seen += 1
                 if seen >= 2:
                     return True

@@ -215,8 +215,8 @@ class FlowGate:
         now = self._clock()
         dispatcher = self._pools[job.pool]
         keep = dispatcher.kept(item, now)
-        contended = dispatcher.contended(item.band)
-        sharing = not contended and dispatcher.sharing(item.band)
+        contended = dispatcher.contended(item.band, now)
+        sharing = not contended and dispatcher.sharing(item.band, now)
         room = self.headroom.room(states, band, now, job.target, keep, contended, sharing)
         if room is None:
             return False

@@ -453,7 +453,8 @@ def test_a_flow_whose_last_request_just_ended_still_shares_the_band() -> None:
     d.dispatched(_item("l0", flow="light"))
     assert d.contended(S, 1.0)
     d.completed("light", S, 10, now=1.0)
-    assert d.contended(S, 1.2) and d.sharing(S, 1.2)
+    assert d.contended(S, 1.2)
+    assert d.sharing(S, 1.2)
     assert not d.contended(S, 1.6)  # gone for longer than a closed loop's round trip
     assert not d.contended(S)  # without a time: only what waits or runs counts
 

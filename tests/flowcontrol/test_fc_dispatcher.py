@@ -459,6 +459,24 @@ def test_a_flow_whose_last_request_just_ended_still_shares_the_band() -> None:
     assert not d.contended(S)  # without a time: only what waits or runs counts
 
 
+def test_a_flow_with_requests_in_service_keeps_its_counter_when_it_queues_again() -> None:
+    """VTC lifts a flow that becomes backlogged again after being idle (no banked credit); a
+    flow whose requests still run is not idle: lifted each time its queue emptied for a
+    moment, a closed loop of few clients lost a request's worth of service each time."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d.submit(_item("h1", flow="heavy"), 0.0, never)
+    d.dispatched(_item("h0", flow="heavy", tokens=500))  # heavy: 500 served
+    d.dispatched(_item("l0", flow="light", tokens=100))  # light: 100 served, still running
+    d.submit(_item("l1", flow="light"), 1.0, never)
+    assert d.counter(S, "light") == pytest.approx(100)  # not lifted to heavy's 500
+    d.completed("light", S, 0)
+    for item in d.items(S):
+        if item.flow == "light":
+            d.cancel(item)  # light idle now: nothing waiting, nothing running
+    d.submit(_item("l2", flow="light"), 2.0, never)
+    assert d.counter(S, "light") == pytest.approx(500)  # lifted: no banked credit
+
+
 def _growth_case(only_while_growing: bool, clients: int | None) -> tuple[int, int]:
     """One Standard flow on a pool that dispatches 10 requests/s for 12 s: a closed population
     of `clients` (each sends again when its request is answered 2 s after dispatch) or, with

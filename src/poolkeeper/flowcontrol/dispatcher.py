@@ -176,7 +176,12 @@ class _Band(Generic[T]):
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
         if queue is None:
-            self.fairness.activate(item.flow, self.flows)
+            # A flow with requests still in service is not idle: it keeps its counter. Lifted
+            # each time its queue went empty for a moment, a closed loop of 3 clients (every
+            # request dispatched at once, so often nothing waiting) lost a request's worth of
+            # service each time, live beta/alpha 0.91 (issue 35).
+            if not self.running.get(item.flow):
+                self.fairness.activate(item.flow, self.flows)
             queue = self.flows[item.flow] = deque()
             self.busy_since[item.flow] = item.arrived
         queue.append(item)

@@ -200,3 +200,16 @@ def test_flows_sharing_a_band_contend_where_the_servers_queue() -> None:
     calm = state(2, running=1, waiting=0, inflight=1)
     assert not h.queueing([calm])
     assert h.room([calm], STANDARD, NOW, contended=False, sharing=True) == [calm]
+
+
+def test_a_held_place_is_one_in_a_server_queue_never_an_idle_batch_slot() -> None:
+    """The dispatcher's `kept` places (a freed place held for a returning closed-loop flow)
+    block others only from the servers' short queues: a free batch slot is always used."""
+    h = _headroom()
+    for age in (0.2, 0.1):  # pod1 learned full at 2 slots (in flight at most 3)
+        h.fits([state(1, running=2, waiting=1, inflight=3, updated_at=NOW - age)], STANDARD, NOW)
+    queue_place = state(1, running=2, waiting=0, inflight=2)  # the queued one started
+    assert h.room([queue_place], STANDARD, NOW, keep=1) is None  # the place is held
+    assert h.room([queue_place], STANDARD, NOW, keep=0) == [queue_place]
+    batch_slot = state(1, running=2, waiting=0, inflight=1)  # a batch slot is free
+    assert h.room([batch_slot], STANDARD, NOW, keep=1) == [batch_slot]

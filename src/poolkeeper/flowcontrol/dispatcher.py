@@ -54,7 +54,6 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.fairness import FairnessFactory, FairnessPolicy, vtc_fairness
 from poolkeeper.flowcontrol.ordering import FcfsAdaptiveLifo, OrderingFactory, OrderingPolicy
-from poolkeeper.flowcontrol.returns import HOLD_MAX_S, ReturnTimes
 
 T = TypeVar("T")
 
@@ -69,6 +68,12 @@ class Submitted(StrEnum):
     SATURATED = "saturated"  # the queue ahead cannot drain within its TTL: 429
 
 
+# How long a place freed by the answer of an under-served flow with nothing waiting is kept for
+# it: a closed-loop client's round trip (the answer through Envoy to the client, its next
+# request back), 3-8 ms at the median on an idle machine but 80 ms at the median and up to
+# 0.9 s on this project's 2-core VM at load 15-18. The place is one in a server's short queue,
+# never an idle batch slot (`Headroom.room`), so a long hold costs the servers nothing.
+HOLD_S = 0.5
 DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seconds of backlog)
 DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
 DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
@@ -137,7 +142,7 @@ class FlowPolicies:
 class _Band(Generic[T]):
     __slots__ = (
         "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows", "marks",
-        "ordering", "overload_at", "recent", "reserved", "returns", "running",
+        "ordering", "overload_at", "recent", "reserved", "running",
     )  # fmt: skip
 
     def __init__(
@@ -155,10 +160,8 @@ class _Band(Generic[T]):
         self.busy_since: dict[str, float] = {}
         # Slots kept for an under-served flow whose request just ended: flow -> (count, until).
         self.reserved: dict[str, tuple[int, float]] = {}
-        # How long each flow's clients take to send again after an answer (the hold's length).
-        self.returns = ReturnTimes()
         # Per flow with nothing left in the band: when its last request ended. It still shares
-        # the band for `HOLD_MAX_S` (`FlowDispatcher.sharing`).
+        # the band for `HOLD_S` (`FlowDispatcher.sharing`).
         self.recent: dict[str, float] = {}
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
@@ -328,7 +331,6 @@ class FlowDispatcher(Generic[T]):
         if band.mode is BandMode.SEND:
             return Submitted.DISPATCH
         self._bands[item.band].observe(item.flow, now)
-        self._bands[item.band].returns.arrived(item.flow, now)
         if self._take_reserved(item, now, fits):
             return Submitted.DISPATCH
         if not self._waiting_at_or_above(item.band) and fits(item):
@@ -421,12 +423,10 @@ class FlowDispatcher(Generic[T]):
     def completed(
         self, flow: str, band: Criticality, output_tokens: int, now: float | None = None
     ) -> None:
-        """Charge the answer; with `now`, keep the freed slot for `flow` a moment if it is the
-        flow fair sharing would serve next but has nothing waiting: a client that sends its
-        next request on an answer (a closed loop) gets its share instead of finding the slot
-        taken by a busier flow's waiting request each time. The moment is `HOLD_S`, or the
-        flow's measured return time when its clients return like a closed loop's
-        (`returns.ReturnTimes`: on a loaded machine the round trip outlasts `HOLD_S`)."""
+        """Charge the answer; with `now`, keep the freed place for `flow` a moment (`HOLD_S`)
+        if it is the flow fair sharing would serve next but has nothing waiting: a client
+        that sends its next request on an answer (a closed loop) gets its share instead of
+        finding the place taken by a busier flow's waiting request each time."""
         queue = self._bands[band]
         queue.fairness.charge_output(flow, output_tokens)
         left = queue.running.pop(flow, 0) - 1
@@ -437,15 +437,13 @@ class FlowDispatcher(Generic[T]):
         if left <= 0:
             queue.recent[flow] = now
             if len(queue.recent) > _MAX_RECENT:  # many small flows: keep only the recent ones
-                queue.recent = {f: t for f, t in queue.recent.items() if now - t <= HOLD_MAX_S}
-        queue.returns.answered(flow, now)
-        queue.returns.prune(lambda: queue.running.keys() | queue.flows.keys())
+                queue.recent = {f: t for f, t in queue.recent.items() if now - t <= HOLD_S}
         if not queue.count:
             return
         counter = queue.fairness.counter(flow)
         if all(counter <= queue.fairness.counter(f) for f in queue.flows):
             held, _until = queue.reserved.get(flow, (0, now))
-            queue.reserved[flow] = (held + 1, now + queue.returns.hold(flow))
+            queue.reserved[flow] = (held + 1, now + HOLD_S)
 
     def contended(self, band: Criticality, now: float | None = None) -> bool:
         """Whether flows compete in `band` in the EPP's queue: something waits, and two or
@@ -460,7 +458,7 @@ class FlowDispatcher(Generic[T]):
     def sharing(self, band: Criticality, now: float | None = None) -> bool:
         """Two or more flows have requests in `band` (waiting, or dispatched and not
         completed), counting with `now` a flow whose last request ended less than
-        `HOLD_MAX_S` ago: a closed loop's clients are then on their way back. Issue 35, live:
+        `HOLD_S` ago: a closed loop's clients are then on their way back. Issue 35, live:
         the 3 clients of the light model were all between an answer and their next request
         for a moment, the band looked uncontended, and the saturation limit sent the busier
         model's 27 waiting requests into the servers' queues at once (beta/alpha 0.43)."""
@@ -476,7 +474,7 @@ class FlowDispatcher(Generic[T]):
         if now is None or not queue.recent:
             return False
         for flow, ended in list(queue.recent.items()):
-            if now - ended > HOLD_MAX_S or flow in queue.running or flow in queue.flows:
+            if now - ended > HOLD_S or flow in queue.running or flow in queue.flows:
                 del queue.recent[flow]  # gone, or counted above
             else:
                 seen += 1

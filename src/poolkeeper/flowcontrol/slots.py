@@ -140,12 +140,16 @@ class BatchSlots:
         entry = self._seen.get(state.key)
         return entry.slots if entry is not None and entry.full else None
 
-    def free(self, state: EndpointState) -> float:
-        """Free batch slots of `state`'s server (unknown: infinite)."""
+    def free(self, state: EndpointState) -> tuple[float, float]:
+        """Free batch slots and free places in the short server queue (`_cap`) of `state`'s
+        server (unknown: infinite)."""
         entry = self._seen.get(state.key)
         if entry is None or not entry.full:
-            return float("inf")
-        return max(0, entry.slots - state.inflight_requests)
+            return float("inf"), float("inf")
+        inflight = state.inflight_requests
+        return max(0, entry.slots - inflight), max(
+            0, _cap(entry.slots) - max(inflight, entry.slots)
+        )
 
 
 def _cap(slots: int) -> int:

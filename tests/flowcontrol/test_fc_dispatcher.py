@@ -11,7 +11,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import BANDS, FlowDispatcher, FlowItem, Submitted
+from poolkeeper.flowcontrol.dispatcher import BANDS, PRESENT_S, FlowDispatcher, FlowItem, Submitted
 
 C, S, X = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
 
@@ -455,7 +455,8 @@ def test_a_flow_whose_last_request_just_ended_still_shares_the_band() -> None:
     d.completed("light", S, 10, now=1.0)
     assert d.contended(S, 1.2)
     assert d.sharing(S, 1.2)
-    assert not d.contended(S, 1.6)  # gone for longer than a closed loop's round trip
+    assert d.contended(S, 1.0 + PRESENT_S)
+    assert not d.contended(S, 1.1 + PRESENT_S)  # gone longer than a closed loop's round trip
     assert not d.contended(S)  # without a time: only what waits or runs counts
 
 
@@ -475,6 +476,13 @@ def test_a_flow_with_requests_in_service_keeps_its_counter_when_it_queues_again(
             d.cancel(item)  # light idle now: nothing waiting, nothing running
     d.submit(_item("l2", flow="light"), 2.0, never)
     assert d.counter(S, "light") == pytest.approx(500)  # lifted: no banked credit
+    # A flow whose last request ended a moment ago is on its way back: not lifted either.
+    d.dispatched(_item("r0", flow="returning", tokens=100))
+    d.completed("returning", S, 0, now=3.0)
+    before = d.counter(S, "returning")
+    assert before < d.counter(S, "heavy")
+    d.submit(_item("r1", flow="returning"), 3.0 + PRESENT_S / 2, never)
+    assert d.counter(S, "returning") == before
 
 
 def _growth_case(only_while_growing: bool, clients: int | None) -> tuple[int, int]:

@@ -74,6 +74,12 @@ class Submitted(StrEnum):
 # 0.9 s on this project's 2-core VM at load 15-18. The place is one in a server's short queue,
 # never an idle batch slot (`Headroom.room`), so a long hold costs the servers nothing.
 HOLD_S = 0.5
+# How long a flow whose last request ended still counts as present in its band (sharing it, and
+# not idle for the fairness policy's lift): a closed loop's clients are on their way back. Live
+# at load 15-20 on 2 cores, all 3 clients of the light model were between an answer and their
+# next request for up to 1.4 s; counted absent after 0.5 s, the band looked uncontended and the
+# busier model's 27 waiting requests went into the servers' queues at once (beta/alpha 0.49).
+PRESENT_S = 5.0
 DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seconds of backlog)
 DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
 DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
@@ -161,7 +167,7 @@ class _Band(Generic[T]):
         # Slots kept for an under-served flow whose request just ended: flow -> (count, until).
         self.reserved: dict[str, tuple[int, float]] = {}
         # Per flow with nothing left in the band: when its last request ended. It still shares
-        # the band for `HOLD_S` (`FlowDispatcher.sharing`).
+        # the band for `PRESENT_S` (`FlowDispatcher.sharing`, `present`).
         self.recent: dict[str, float] = {}
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
@@ -183,13 +189,18 @@ class _Band(Generic[T]):
             # each time its queue went empty for a moment, a closed loop of 3 clients (every
             # request dispatched at once, so often nothing waiting) lost a request's worth of
             # service each time, live beta/alpha 0.91 (issue 35).
-            if not self.running.get(item.flow):
+            if not self.running.get(item.flow) and not self.present(item.flow, item.arrived):
                 self.fairness.activate(item.flow, self.flows)
             queue = self.flows[item.flow] = deque()
             self.busy_since[item.flow] = item.arrived
         queue.append(item)
         self.count += 1
         self.bytes += item.size
+
+    def present(self, flow: str, now: float) -> bool:
+        """`flow`'s last request ended less than `PRESENT_S` ago (`recent`)."""
+        ended = self.recent.get(flow)
+        return ended is not None and now - ended <= PRESENT_S
 
     def head(self, now: float) -> FlowItem[T] | None:
         """The next item: the fairness policy's flow, the ordering policy's item of it."""
@@ -437,7 +448,7 @@ class FlowDispatcher(Generic[T]):
         if left <= 0:
             queue.recent[flow] = now
             if len(queue.recent) > _MAX_RECENT:  # many small flows: keep only the recent ones
-                queue.recent = {f: t for f, t in queue.recent.items() if now - t <= HOLD_S}
+                queue.recent = {f: t for f, t in queue.recent.items() if now - t <= PRESENT_S}
         if not queue.count:
             return
         counter = queue.fairness.counter(flow)
@@ -457,11 +468,8 @@ class FlowDispatcher(Generic[T]):
 
     def sharing(self, band: Criticality, now: float | None = None) -> bool:
         """Two or more flows have requests in `band` (waiting, or dispatched and not
-        completed), counting with `now` a flow whose last request ended less than
-        `HOLD_S` ago: a closed loop's clients are then on their way back. Issue 35, live:
-        the 3 clients of the light model were all between an answer and their next request
-        for a moment, the band looked uncontended, and the saturation limit sent the busier
-        model's 27 waiting requests into the servers' queues at once (beta/alpha 0.43)."""
+        completed), counting with `now` a flow whose last request ended less than `PRESENT_S`
+        ago: a closed loop's clients are then on their way back (see `PRESENT_S`)."""
         queue = self._bands[band]
         if len(queue.flows) >= 2:
             return True
@@ -474,9 +482,9 @@ class FlowDispatcher(Generic[T]):
         if now is None or not queue.recent:
             return False
         for flow, ended in list(queue.recent.items()):
-            if now - ended > HOLD_S or flow in queue.running or flow in queue.flows:
-                del queue.recent[flow]  # gone, or counted above
-            else:
+            if now - ended > PRESENT_S:
+                del queue.recent[flow]
+            elif flow not in queue.running and flow not in queue.flows:  # not counted above
                 seen += 1
                 if seen >= 2:
                     return True

@@ -109,10 +109,17 @@ class Headroom:
         self, states: Sequence[EndpointState], band: BandConfig, contended: bool, sharing: bool
     ) -> bool:
         """Whether the band's `dispatch: slot` applies: flows contend in the EPP's queue, or
-        share the band while some server shows a queue of its own (`queueing`)."""
-        if band.dispatch is not Dispatch.SLOT:
+        share the band while some server shows a queue of its own (`queueing`); and no
+        server's queue may hold requests deferred for a LoRA adapter (`BatchSlots.deferring`):
+        there the EPP's in-flight count includes requests that wait for an adapter slot, not
+        a batch slot, and placing by free slots overrode the scheduler's adapter affinity
+        (issue 35's regression: multi-LoRA at 1.1x, seed 2, p90 TTFT 1.29 s by slots, 0.088 s
+        by the saturation limit as before; seed 1 43.2 req/s against 48.3)."""
+        if band.dispatch is not Dispatch.SLOT or not (contended or sharing):
             return False
-        return contended or (sharing and self.queueing(states))
+        if any(self.slots.deferring(s) for s in states):
+            return False
+        return contended or self.queueing(states)
 
     def queueing(self, states: Sequence[EndpointState]) -> bool:
         """Some server shows requests waiting for a batch slot (not for an adapter). Flows
@@ -121,7 +128,7 @@ class Headroom:
         clients) was served in their first-come-first-served order, beta/alpha 0.48; and
         live, the first arrivals of the busier model filled the servers' queues before the
         other model's first request waited (11 per 2-slot server), which then waited 4 s."""
-        return any(s.metrics.waiting > 0 and not self.slots.deferring(s) for s in states)
+        return any(s.metrics.waiting > 0 for s in states)
 
     def _below(
         self,
@@ -132,22 +139,14 @@ class Headroom:
         slot: bool,
     ) -> tuple[list[EndpointState], list[float], bool]:
         """The endpoints with room (`_open`), the saturation values, and whether the check
-        was blind (`_blind`). With `slot`, a server whose queue may hold requests deferred for
-        an adapter (`BatchSlots.deferring`) is judged by the band's saturation limit instead,
-        as `dispatch: saturation` does: the EPP's in-flight count there includes requests that
-        wait for an adapter slot, not for a batch slot, so it says nothing about free slots
-        (multi-LoRA at 1.1x, seed 2: p90 TTFT 1.29 s judged by slots, 0.09 s by saturation)."""
+        was blind (`_blind`)."""
         values = self._values(states, band, now, adapter, slot)
         blind = slot and self._blind(states, values)
-        plain: Sequence[float | None] = [None] * len(states)
-        if slot and not blind and any(self.slots.deferring(s) for s in states):
-            plain = self._values(states, band, now, adapter, False)
         below = [
             s
-            for s, v, p in zip(states, values, plain, strict=True)
-            if (p < band.saturation_limit if p is not None and self.slots.deferring(s)
-                else self._open(s, v, band, slot, adapter, blind))
-        ]  # fmt: skip
+            for s, v in zip(states, values, strict=True)
+            if self._open(s, v, band, slot, adapter, blind)
+        ]
         return below, values, blind
 
     def _blind(self, states: Sequence[EndpointState], values: Sequence[float]) -> bool:

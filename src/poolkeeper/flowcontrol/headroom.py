@@ -16,7 +16,10 @@ can hold the request up there (`saturations`).
 With the band's `dispatch: slot` (the default), an endpoint below the limit has room only
 while it can also start the request now (`slots.BatchSlots`: a free batch slot, learned from
 the gauges and the in-flight count), so contended requests wait in the EPP's fair order, not
-in a server's FCFS queue. That is why a Headroom has state: the slots it has learned.
+in a server's FCFS queue: while flows contend in the EPP's queue, or share the band while a
+server shows a queue of its own, and no server defers LoRA adapter requests (`_slot`). A place
+the dispatcher keeps for a returning flow (`keep`) is one in a server's short queue, never an
+idle batch slot (`_room_besides`). That is why a Headroom has state: the slots it has learned.
 """
 
 from __future__ import annotations
@@ -122,10 +125,11 @@ class Headroom:
         return contended or self.queueing(states)
 
     def queueing(self, states: Sequence[EndpointState]) -> bool:
-        """Some server shows requests waiting for a batch slot (not for an adapter). Flows
-        that share a band are contended there even while nothing waits in the EPP: a closed
-        population small enough to sit in the servers' own queues (2 x 2 slots, 4 + 8
-        clients) was served in their first-come-first-served order, beta/alpha 0.48; and
+        """Some server shows requests waiting (`_slot` has ruled out queues of requests
+        deferred for an adapter). Flows that share a band are contended there even while
+        nothing waits in the EPP: a closed population small enough to sit in the servers' own
+        queues (2 x 2 slots, 4 + 8 clients) was served in their first-come-first-served
+        order, beta/alpha 0.48; and
         live, the first arrivals of the busier model filled the servers' queues before the
         other model's first request waited (11 per 2-slot server), which then waited 4 s."""
         return any(s.metrics.waiting > 0 for s in states)

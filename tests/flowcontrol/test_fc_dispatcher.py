@@ -11,7 +11,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import BANDS, FlowDispatcher, FlowItem, Submitted
+from poolkeeper.flowcontrol.dispatcher import BANDS, PRESENT_S, FlowDispatcher, FlowItem, Submitted
 
 C, S, X = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
 
@@ -422,6 +422,67 @@ def test_a_slot_freed_by_an_under_served_flow_is_kept_for_it_a_moment() -> None:
     assert d.kept(heavy_head, 2.0 + 1.0) == 0  # expired: the slot goes to the queue
     d.completed("heavy", S, 10, now=3.0)  # heavy has a request waiting: nothing kept
     assert d.kept(heavy_head, 3.0) == 0
+
+
+def test_a_closed_loop_that_returns_late_keeps_its_slot_until_it_returns() -> None:
+    """Issue 35, live: on a loaded machine a closed-loop client's round trip was 80 ms at the
+    median and up to 0.9 s; the freed place is kept for the flow until it returns, at most
+    HOLD_S (a place in a server's queue, never an idle batch slot: `Headroom.room`)."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d.submit(_item("h1", flow="heavy", tokens=1000), 0.0, never)
+    d.dispatched(_item("h0", flow="heavy", tokens=10_000))
+    heavy_head = d.head(S)
+    assert heavy_head is not None
+    t = 1.0
+    for n in range(8):  # the light client returns 5 ms after each answer
+        d.completed("light", S, 10, now=t)
+        assert d.submit(_item(f"l{n}", flow="light"), t + 0.005, always) is Submitted.DISPATCH
+        t += 1.0
+    d.completed("light", S, 10, now=t)
+    assert d.kept(heavy_head, t + 0.2) == 1  # still kept after 0.2 s (HOLD_S is 0.05)
+    assert d.submit(_item("late", flow="light"), t + 0.2, always) is Submitted.DISPATCH
+    assert d.kept(heavy_head, t + 0.2) == 0
+
+
+def test_a_flow_whose_last_request_just_ended_still_shares_the_band() -> None:
+    """Issue 35, live: the light model's clients were all between an answer and their next
+    request for a moment; the band must not look uncontended then (the saturation limit
+    would send the busier model's whole queue into the servers' own queues at once)."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d.submit(_item("h1", flow="heavy"), 0.0, never)
+    d.dispatched(_item("l0", flow="light"))
+    assert d.contended(S, 1.0)
+    d.completed("light", S, 10, now=1.0)
+    assert d.contended(S, 1.2)
+    assert d.sharing(S, 1.2)
+    assert d.contended(S, 1.0 + PRESENT_S)
+    assert not d.contended(S, 1.1 + PRESENT_S)  # gone longer than a closed loop's round trip
+    assert not d.contended(S)  # without a time: only what waits or runs counts
+
+
+def test_a_flow_with_requests_in_service_keeps_its_counter_when_it_queues_again() -> None:
+    """VTC lifts a flow that becomes backlogged again after being idle (no banked credit); a
+    flow whose requests still run is not idle: lifted each time its queue emptied for a
+    moment, a closed loop of few clients lost a request's worth of service each time."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d.submit(_item("h1", flow="heavy"), 0.0, never)
+    d.dispatched(_item("h0", flow="heavy", tokens=500))  # heavy: 500 served
+    d.dispatched(_item("l0", flow="light", tokens=100))  # light: 100 served, still running
+    d.submit(_item("l1", flow="light"), 1.0, never)
+    assert d.counter(S, "light") == pytest.approx(100)  # not lifted to heavy's 500
+    d.completed("light", S, 0)
+    for item in d.items(S):
+        if item.flow == "light":
+            d.cancel(item)  # light idle now: nothing waiting, nothing running
+    d.submit(_item("l2", flow="light"), 2.0, never)
+    assert d.counter(S, "light") == pytest.approx(500)  # lifted: no banked credit
+    # A flow whose last request ended a moment ago is on its way back: not lifted either.
+    d.dispatched(_item("r0", flow="returning", tokens=100))
+    d.completed("returning", S, 0, now=3.0)
+    before = d.counter(S, "returning")
+    assert before < d.counter(S, "heavy")
+    d.submit(_item("r1", flow="returning"), 3.0 + PRESENT_S / 2, never)
+    assert d.counter(S, "returning") == before
 
 
 def _growth_case(only_while_growing: bool, clients: int | None) -> tuple[int, int]:

@@ -88,18 +88,18 @@ def test_an_endpoint_running_the_adapter_has_room_past_other_adapters_deferred_r
     assert not h.fits([full], STANDARD, NOW, "lora-a")
 
 
-def test_slot_placement_keeps_the_server_running_the_adapter_past_deferred_requests() -> None:
-    # Contended `dispatch: slot` narrows placement to the servers that can start the request.
-    # The server running lora-a has ten other adapters' requests deferred: for a lora-a
-    # request it is one of them (the EPP's `room` says so; the bench's `within` must agree,
-    # or multi-LoRA placement lost its adapter affinity: p90 TTFT 12.0 s at 1.1x, seed 1).
+def test_slot_dispatch_steps_aside_while_a_server_defers_adapter_requests() -> None:
+    # A pool where some server's queue holds other adapters' deferred requests is judged as
+    # with `dispatch: saturation` (issue 35's multi-LoRA regression: placing by free slots
+    # overrode the scheduler's adapter affinity): a lora-a request has room on the server
+    # running lora-a, and the scheduler places among every candidate.
     deferred = state(1, waiting=10, active=("lora-a",), queued_adapters=("lora-b", "lora-c"))
     idle = state(2)
     h = _headroom()
-    assert list(h.within([deferred, idle], STANDARD, NOW)) == [idle]
     assert list(h.within([deferred, idle], STANDARD, NOW, adapter="lora-a")) == [deferred, idle]
     assert h.room([deferred, idle], STANDARD, NOW, "lora-a") == [deferred, idle]
-    assert list(h.within([deferred, idle], STANDARD, NOW, adapter="lora-b")) == [idle]
+    assert h.room([deferred], STANDARD, NOW, "lora-b") is None  # it would wait for a slot
+    assert list(h.within([deferred, idle], STANDARD, NOW)) == [deferred, idle]
 
 
 def test_slot_dispatch_sends_only_while_a_server_can_start_the_request() -> None:
@@ -160,3 +160,47 @@ def test_slot_dispatch_with_every_gauge_stale_trusts_the_learned_batches() -> No
     assert _headroom().room([unknown], STANDARD, NOW) == [unknown]
     # Uncontended (`dispatch: slot` applies only while flows contend): as before.
     assert h.room([busy, unknown], STANDARD, NOW, contended=False) == [busy, unknown]
+
+
+def test_a_queue_of_deferred_adapter_requests_never_teaches_a_full_batch() -> None:
+    """vLLM reports which adapters wait, not how many requests each: a queue that holds any
+    adapter without a slot says nothing about the batch (a multi-LoRA server running 94 of
+    256 looked full, and the EPP held its work)."""
+    h = _headroom()
+    for age in (0.2, 0.1):  # two scrapes with a mixed queue and no more running
+        mixed = state(
+            1, running=94, waiting=40, active=("lora-a",), queued_adapters=("lora-a", "lora-b"),
+            inflight=134, updated_at=NOW - age,
+        )  # fmt: skip
+        h.room([mixed], STANDARD, NOW, "lora-a")
+    assert h.slots.slots(state(1)) is None  # not a full batch at 94
+    assert h.slots.deferring(mixed)
+
+
+def test_flows_sharing_a_band_contend_where_the_servers_queue() -> None:
+    """Issue 35: flows that share a band while nothing waits in the EPP (a closed population
+    that fits the servers' own queues) contend there once a server shows a queue: slot
+    dispatch applies. With no server queue, or one flow, the saturation limit decides."""
+    h = _headroom()
+    for age in (0.2, 0.1):
+        h.fits([state(1, running=2, waiting=2, inflight=4, updated_at=NOW - age)], STANDARD, NOW)
+    queued = state(1, running=2, waiting=2, inflight=4)
+    assert h.queueing([queued])
+    assert h.room([queued], STANDARD, NOW, contended=False) == [queued]  # one flow
+    assert h.room([queued], STANDARD, NOW, contended=False, sharing=True) is None
+    calm = state(2, running=1, waiting=0, inflight=1)
+    assert not h.queueing([calm])
+    assert h.room([calm], STANDARD, NOW, contended=False, sharing=True) == [calm]
+
+
+def test_a_held_place_is_one_in_a_server_queue_never_an_idle_batch_slot() -> None:
+    """The dispatcher's `kept` places (a freed place held for a returning closed-loop flow)
+    block others only from the servers' short queues: a free batch slot is always used."""
+    h = _headroom()
+    for age in (0.2, 0.1):  # pod1 learned full at 2 slots (in flight at most 3)
+        h.fits([state(1, running=2, waiting=1, inflight=3, updated_at=NOW - age)], STANDARD, NOW)
+    queue_place = state(1, running=2, waiting=0, inflight=2)  # the queued one started
+    assert h.room([queue_place], STANDARD, NOW, keep=1) is None  # the place is held
+    assert h.room([queue_place], STANDARD, NOW, keep=0) == [queue_place]
+    batch_slot = state(1, running=2, waiting=0, inflight=1)  # a batch slot is free
+    assert h.room([batch_slot], STANDARD, NOW, keep=1) == [batch_slot]

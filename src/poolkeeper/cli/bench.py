@@ -174,7 +174,7 @@ def register(subparsers: Any) -> None:
                       help="instead: fair sharing on fleets of 2 and 8 servers x 2, 8, 64 and "
                       "256 batch slots, closed and open loops, equal and weighted tokens, and "
                       "the issue 35 case (writes <out>/flow-grid.json; --duration per case, "
-                      "default 30: try 6)")  # fmt: skip
+                      "default 30: try 6; token-weighted cases run 5 times as long)")  # fmt: skip
     flow.add_argument("--live", type=int, default=0, metavar="N",
                       help="instead: the issue 35 case (2 servers x 2 batch slots, alpha 30 "
                       "closed-loop clients, beta 3) N times live through poolkeeper serve "

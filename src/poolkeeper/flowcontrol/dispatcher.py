@@ -68,11 +68,23 @@ class Submitted(StrEnum):
     SATURATED = "saturated"  # the queue ahead cannot drain within its TTL: 429
 
 
-HOLD_S = 0.05  # how long a freed slot is kept for the under-served flow whose request ended
+# How long a place freed by the answer of an under-served flow with nothing waiting is kept for
+# it: a closed-loop client's round trip (the answer through Envoy to the client, its next
+# request back), 3-8 ms at the median on an idle machine but 80 ms at the median and up to
+# 0.9 s on this project's 2-core VM at load 15-18. The place is one in a server's short queue,
+# never an idle batch slot (`Headroom.room`), so a long hold costs the servers nothing.
+HOLD_S = 0.5
+# How long a flow whose last request ended still counts as present in its band (sharing it, and
+# not idle for the fairness policy's lift): a closed loop's clients are on their way back. Live
+# at load 15-20 on 2 cores, all 3 clients of the light model were between an answer and their
+# next request for up to 1.4 s; counted absent after 0.5 s, the band looked uncontended and the
+# busier model's 27 waiting requests went into the servers' queues at once (beta/alpha 0.49).
+PRESENT_S = 5.0
 DRAIN_TAU_S = 10.0  # memory of the measured drain rate (exponential decay, seconds of backlog)
 DRAIN_MIN_S = 1.0  # backlogged seconds measured before the rate is trusted to refuse anything
 DRAIN_MIN_SENT = 4.0  # and dispatches seen over them
 GROWTH_WINDOW_S = 1.0  # a flow's requests in the system are compared across windows this long
+_MAX_RECENT = 1024  # flows whose last request just ended, remembered before pruning
 GROWTH_MIN = 4  # growth per window that counts (and a tenth of the flow's waiting requests)
 
 
@@ -136,7 +148,7 @@ class FlowPolicies:
 class _Band(Generic[T]):
     __slots__ = (
         "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows", "marks",
-        "ordering", "overload_at", "reserved", "running",
+        "ordering", "overload_at", "recent", "reserved", "running",
     )  # fmt: skip
 
     def __init__(
@@ -154,6 +166,9 @@ class _Band(Generic[T]):
         self.busy_since: dict[str, float] = {}
         # Slots kept for an under-served flow whose request just ended: flow -> (count, until).
         self.reserved: dict[str, tuple[int, float]] = {}
+        # Per flow with nothing left in the band: when its last request ended. It still shares
+        # the band for `PRESENT_S` (`FlowDispatcher.sharing`, `present`).
+        self.recent: dict[str, float] = {}
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
         # Per flow, its requests in the system (waiting + running) as sampled at arrivals:
@@ -170,12 +185,22 @@ class _Band(Generic[T]):
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
         if queue is None:
-            self.fairness.activate(item.flow, self.flows)
+            # A flow with requests still in service is not idle: it keeps its counter. Lifted
+            # each time its queue went empty for a moment, a closed loop of 3 clients (every
+            # request dispatched at once, so often nothing waiting) lost a request's worth of
+            # service each time, live beta/alpha 0.91 (issue 35).
+            if not self.running.get(item.flow) and not self.present(item.flow, item.arrived):
+                self.fairness.activate(item.flow, self.flows)
             queue = self.flows[item.flow] = deque()
             self.busy_since[item.flow] = item.arrived
         queue.append(item)
         self.count += 1
         self.bytes += item.size
+
+    def present(self, flow: str, now: float) -> bool:
+        """`flow`'s last request ended less than `PRESENT_S` ago (`recent`)."""
+        ended = self.recent.get(flow)
+        return ended is not None and now - ended <= PRESENT_S
 
     def head(self, now: float) -> FlowItem[T] | None:
         """The next item: the fairness policy's flow, the ordering policy's item of it."""
@@ -409,35 +434,61 @@ class FlowDispatcher(Generic[T]):
     def completed(
         self, flow: str, band: Criticality, output_tokens: int, now: float | None = None
     ) -> None:
-        """Charge the answer; with `now`, keep the freed slot for `flow` a moment (`HOLD_S`)
+        """Charge the answer; with `now`, keep the freed place for `flow` a moment (`HOLD_S`)
         if it is the flow fair sharing would serve next but has nothing waiting: a client
         that sends its next request on an answer (a closed loop) gets its share instead of
-        finding the slot taken by a busier flow's waiting request each time."""
+        finding the place taken by a busier flow's waiting request each time."""
         queue = self._bands[band]
         queue.fairness.charge_output(flow, output_tokens)
         left = queue.running.pop(flow, 0) - 1
         if left > 0:
             queue.running[flow] = left
-        if now is None or not queue.count or flow in queue.flows:
+        if now is None or flow in queue.flows:
+            return
+        if left <= 0:
+            queue.recent[flow] = now
+            if len(queue.recent) > _MAX_RECENT:  # many small flows: keep only the recent ones
+                queue.recent = {f: t for f, t in queue.recent.items() if now - t <= PRESENT_S}
+        if not queue.count:
             return
         counter = queue.fairness.counter(flow)
         if all(counter <= queue.fairness.counter(f) for f in queue.flows):
             held, _until = queue.reserved.get(flow, (0, now))
             queue.reserved[flow] = (held + 1, now + HOLD_S)
 
-    def contended(self, band: Criticality) -> bool:
-        """Whether flows compete in `band` now: something waits, and two or more flows have
-        requests waiting or dispatched and not completed. Uncontended, fair order decides
-        nothing, so the headroom may let servers queue (`Headroom.room`: batches stay full
-        and the scheduler's prefix affinity free; one model's shared-prefix chat at 0.5x
-        capacity had p90 TTFT 3.1 s instead of 0.76 s with the queue held in the EPP)."""
+    def contended(self, band: Criticality, now: float | None = None) -> bool:
+        """Whether flows compete in `band` in the EPP's queue: something waits, and two or
+        more flows share the band (`sharing`). Uncontended, fair order decides nothing, so
+        the headroom may let servers queue (`Headroom.room`: batches stay full and the
+        scheduler's prefix affinity free; one model's shared-prefix chat at 0.5x capacity had
+        p90 TTFT 3.1 s instead of 0.76 s with the queue held in the EPP). The caller also
+        counts as contended a band that is `sharing` while the servers show a queue (the
+        contention then sits in their own queues)."""
+        return bool(self._bands[band].count) and self.sharing(band, now)
+
+    def sharing(self, band: Criticality, now: float | None = None) -> bool:
+        """Two or more flows have requests in `band` (waiting, or dispatched and not
+        completed), counting with `now` a flow whose last request ended less than `PRESENT_S`
+        ago: a closed loop's clients are then on their way back (see `PRESENT_S`)."""
         queue = self._bands[band]
-        if not queue.count:
-            return False
-        flows = len(queue.flows)
-        if flows >= 2:
+        if len(queue.flows) >= 2:
             return True
-        return flows + sum(1 for f in queue.running if f not in queue.flows) >= 2
+        seen = len(queue.flows)
+        for flow in queue.running:
+            if flow not in queue.flows:
+                seen += 1
+                if seen >= 2:
+                    return True
+        if now is None or not queue.recent:
+            return False
+        for flow, ended in list(queue.recent.items()):
+            if now - ended > PRESENT_S:
+                del queue.recent[flow]
+            elif flow not in queue.running and flow not in queue.flows:  # not counted above
+                seen += 1
+                if seen >= 2:
+                    return True
+        return False
 
     def kept(self, item: FlowItem[T], now: float) -> int:
         """Slots kept for flows other than `item`'s, in `item`'s band and the bands above:

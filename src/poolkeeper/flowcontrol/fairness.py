@@ -2,7 +2,8 @@
 
 A flow is a modelName, or the operator-trusted `x-gateway-inference-fairness-id`. The
 dispatcher keeps one `FairnessPolicy` per band of a pool and tells it what happens to the
-band's flows: a flow starts or stops having requests waiting (`activate`, `deactivate`), a
+band's flows: a flow starts having requests waiting after being idle, or stops having requests
+waiting (`activate`, `deactivate`), a
 request of a flow is dispatched with its prompt tokens (`charge_input`) and ends with its
 output tokens (`charge_output`); it asks which waiting flow goes next (`pick`). A new policy is
 a class with these methods and a factory (`FairnessFactory`: the flow-control section and the
@@ -28,8 +29,9 @@ class FairnessPolicy(Protocol):
     """Fair sharing between the flows of one band (see the module docstring)."""
 
     def activate(self, flow: str, waiting: Iterable[str]) -> None:
-        """`flow` has a request waiting and had none before (`waiting`: the flows that
-        already had; `flow` may be among them)."""
+        """`flow` has a request waiting and had none before, waiting or in service (a flow
+        whose queue empties while its requests still run is not idle; `waiting`: the flows
+        that already had requests waiting; `flow` may be among them)."""
         ...
 
     def deactivate(self, flow: str, waiting: Iterable[str]) -> None:

@@ -16,7 +16,10 @@ can hold the request up there (`saturations`).
 With the band's `dispatch: slot` (the default), an endpoint below the limit has room only
 while it can also start the request now (`slots.BatchSlots`: a free batch slot, learned from
 the gauges and the in-flight count), so contended requests wait in the EPP's fair order, not
-in a server's FCFS queue. That is why a Headroom has state: the slots it has learned.
+in a server's FCFS queue: while flows contend in the EPP's queue, or share the band while a
+server shows a queue of its own, and no server defers LoRA adapter requests (`_slot`). A place
+the dispatcher keeps for a returning flow (`keep`) is one in a server's short queue, never an
+idle batch slot (`_room_besides`). That is why a Headroom has state: the slots it has learned.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class Headroom:
         now: float,
         adapter: str | None = None,
         contended: bool = True,
+        sharing: bool = False,
     ) -> bool:
-        return self.room(states, band, now, adapter, 0, contended) is not None
+        return self.room(states, band, now, adapter, 0, contended, sharing) is not None
 
     def room(
         self,
@@ -56,24 +60,21 @@ class Headroom:
         adapter: str | None = None,
         keep: int = 0,
         contended: bool = True,
+        sharing: bool = False,
     ) -> list[EndpointState] | None:
         """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room).
         `keep`: free batch slots to leave for others (the dispatcher's `kept`): room only
         when more than that many are free (a server whose slots are unknown counts as many).
         `contended` (the dispatcher's): flows compete in the band, so `dispatch: slot` holds
         the queue in the EPP; uncontended, the saturation limit alone decides, as for
-        `dispatch: saturation` (batches stay full and the scheduler's prefix affinity free)."""
+        `dispatch: saturation` (batches stay full and the scheduler's prefix affinity free).
+        `sharing` (the dispatcher's): two or more flows have requests in the band; with a
+        queue at some server (`queueing`), the band is contended there."""
         if not states:
             return list(states)
-        slot = band.dispatch is Dispatch.SLOT and contended
-        values = self._values(states, band, now, adapter, slot)
-        blind = slot and self._blind(states, values)
-        below = [
-            s
-            for s, v in zip(states, values, strict=True)
-            if self._open(s, v, band, slot, adapter, blind)
-        ]
-        if below and keep > 0 and slot and self._free(below) <= keep:
+        slot = self._slot(states, band, contended, sharing)
+        below, values, blind = self._below(states, band, now, adapter, slot)
+        if below and keep > 0 and slot and not self._room_besides(below, keep):
             return None
         if below:
             if len(below) == len(states) or (band.placement is Placement.SCHEDULER and not slot):
@@ -92,6 +93,7 @@ class Headroom:
         now: float,
         contended: bool = True,
         adapter: str | None = None,
+        sharing: bool = False,
     ) -> Sequence[EndpointState]:
         """Where a dispatched request of `band` may go: every candidate for `scheduler`
         placement; for `headroom` placement (or a contended `dispatch: slot` band) the
@@ -100,9 +102,48 @@ class Headroom:
         endpoint past its limit (or into a server's own queue, out of the fair order).
         `adapter`: as for `room` (a server running it has room past other adapters' deferred
         requests), so the narrowing keeps the servers that already run the request's adapter."""
-        slot = band.dispatch is Dispatch.SLOT and contended
+        slot = self._slot(states, band, contended, sharing)
         if band.placement is Placement.SCHEDULER and not slot:
             return states
+        below, _values, _blind = self._below(states, band, now, adapter, slot)
+        return below if below and len(below) < len(states) else states
+
+    def _slot(
+        self, states: Sequence[EndpointState], band: BandConfig, contended: bool, sharing: bool
+    ) -> bool:
+        """Whether the band's `dispatch: slot` applies: flows contend in the EPP's queue, or
+        share the band while some server shows a queue of its own (`queueing`); and no
+        server's queue may hold requests deferred for a LoRA adapter (`BatchSlots.deferring`):
+        there the EPP's in-flight count includes requests that wait for an adapter slot, not
+        a batch slot, and placing by free slots overrode the scheduler's adapter affinity
+        (issue 35's regression: multi-LoRA at 1.1x, seed 2, p90 TTFT 1.29 s by slots, 0.088 s
+        by the saturation limit as before; seed 1 43.2 req/s against 48.3)."""
+        if band.dispatch is not Dispatch.SLOT or not (contended or sharing):
+            return False
+        if any(self.slots.deferring(s) for s in states):
+            return False
+        return contended or self.queueing(states)
+
+    def queueing(self, states: Sequence[EndpointState]) -> bool:
+        """Some server shows requests waiting (`_slot` has ruled out queues of requests
+        deferred for an adapter). Flows that share a band are contended there even while
+        nothing waits in the EPP: a closed population small enough to sit in the servers' own
+        queues (2 x 2 slots, 4 + 8 clients) was served in their first-come-first-served
+        order, beta/alpha 0.48; and
+        live, the first arrivals of the busier model filled the servers' queues before the
+        other model's first request waited (11 per 2-slot server), which then waited 4 s."""
+        return any(s.metrics.waiting > 0 for s in states)
+
+    def _below(
+        self,
+        states: Sequence[EndpointState],
+        band: BandConfig,
+        now: float,
+        adapter: str | None,
+        slot: bool,
+    ) -> tuple[list[EndpointState], list[float], bool]:
+        """The endpoints with room (`_open`), the saturation values, and whether the check
+        was blind (`_blind`)."""
         values = self._values(states, band, now, adapter, slot)
         blind = slot and self._blind(states, values)
         below = [
@@ -110,7 +151,7 @@ class Headroom:
             for s, v in zip(states, values, strict=True)
             if self._open(s, v, band, slot, adapter, blind)
         ]
-        return below if below and len(below) < len(states) else states
+        return below, values, blind
 
     def _blind(self, states: Sequence[EndpointState], values: Sequence[float]) -> bool:
         """Every endpoint's metrics are stale but some server's batch is learned: the learned
@@ -123,8 +164,19 @@ class Headroom:
             self.slots.slots(s) is not None for s in states
         )
 
-    def _free(self, states: Sequence[EndpointState]) -> float:
-        return sum(self.slots.free(s) for s in states)
+    def _room_besides(self, states: Sequence[EndpointState], keep: int) -> bool:
+        """Room for a request beside the `keep` places held for other flows (the dispatcher's
+        `kept`): a free batch slot, or more free places in the servers' short queues than are
+        held. A hold keeps a place in a server's queue, never a batch slot idle: a returning
+        closed-loop client finds its place however long its round trip took (live on a
+        loaded machine 80 ms at the median, up to 0.9 s; a 50 ms hold that kept batch slots
+        idle missed most returns, beta/alpha 0.69-0.75), and the servers stay busy."""
+        slots = places = 0.0
+        for s in states:
+            free, queue = self.slots.free(s)
+            slots += free
+            places += queue
+        return slots > 0 or places > keep
 
     def _open(
         self,

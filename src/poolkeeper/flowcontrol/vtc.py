@@ -4,7 +4,8 @@ Models", OSDI 2024): fair sharing of token throughput between flows.
 Each flow (a modelName, or a fairness id) has a counter of the service it received: weighted
 prompt tokens when a request is dispatched, weighted output tokens when it completes, divided
 by the flow's weight. The next request comes from the backlogged flow with the smallest
-counter. A flow that becomes backlogged again is lifted to the smallest counter of the flows
+counter. A flow that becomes backlogged again after being idle (nothing waiting and nothing in
+service: the dispatcher calls `activate` only then) is lifted to the smallest counter of the flows
 already waiting (or, when none waits, to the counter of the last flow that stopped waiting),
 so an idle flow cannot bank credit and then starve the others.
 

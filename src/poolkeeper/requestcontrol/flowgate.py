@@ -215,8 +215,9 @@ class FlowGate:
         now = self._clock()
         dispatcher = self._pools[job.pool]
         keep = dispatcher.kept(item, now)
-        contended = dispatcher.contended(item.band)
-        room = self.headroom.room(states, band, now, job.target, keep, contended)
+        contended = dispatcher.contended(item.band, now)
+        sharing = not contended and dispatcher.sharing(item.band, now)
+        room = self.headroom.room(states, band, now, job.target, keep, contended, sharing)
         if room is None:
             return False
         job.ready = room

@@ -6,8 +6,8 @@ routes two Standard models, `alpha` and `beta`, and a Critical `probe`; closed-l
 over loopback each send a streaming chat completion, read it to the end, and send the next
 (after `RETRY_S` when refused) until the case's duration; one Critical request is sent at a
 third of it. Measured as the virtual run measures it (`fairshare.run_case`): tokens (prompt +
-output, from the stream's usage) of the requests finishing in the last two thirds, per model
-per second; beta/alpha; Standard refusals by status and `x-llm-d-request-dropped-reason`; the
+output, from the stream's usage) served in the last two thirds (`fairshare.served_in`), per
+model per second; beta/alpha; Standard refusals by status and `x-llm-d-request-dropped-reason`; the
 probe's status and TTFT. The virtual fleet must agree with this on beta/alpha (issue 35).
 """
 
@@ -35,6 +35,7 @@ from poolkeeper.bench.fleet.fairshare import (
     RETRY_S,
     FairCase,
     case_summary,
+    served_in,
 )
 from poolkeeper.bench.live.live import (
     POOLKEEPER,
@@ -175,8 +176,8 @@ def measure(run: _Run) -> dict[str, Any]:
             continue
         if d.status == 200:
             ok[d.model] += 1
-            if lo <= d.finish < hi:
-                served[d.model] += d.prompt_tokens + d.output_tokens
+            first = d.finish if d.first is None else d.start + d.first
+            served[d.model] += served_in(lo, hi, first, d.finish, d.prompt_tokens, d.output_tokens)
         else:
             refused[f"{d.status} {d.reason}".strip()] += 1
     return case_summary(served, hi - lo, ok, refused, probe, len(run.done))

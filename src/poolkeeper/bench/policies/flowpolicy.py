@@ -57,10 +57,12 @@ class FlowPolicy:
     def _fits(self, item: FlowItem[_Held]) -> bool:
         band = self.config.bands.of(item.band)
         keep = self.dispatcher.kept(item, self._now)
-        contended = self.dispatcher.contended(item.band)
+        contended = self.dispatcher.contended(item.band, self._now)
+        sharing = not contended and self.dispatcher.sharing(item.band, self._now)
         room = self.headroom.room(
-            self._states, band, self._now, item.payload.request.target_model, keep, contended
-        )
+            self._states, band, self._now, item.payload.request.target_model, keep, contended,
+            sharing,
+        )  # fmt: skip
         return room is not None
 
     def offer(
@@ -119,8 +121,11 @@ class FlowPolicy:
         self._flows[request.request_id] = (request.model, item)
         band = self.config.bands.of(item.band)
         if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
-            contended = self.dispatcher.contended(item.band)
-            endpoints = self.headroom.within(endpoints, band, now, contended, request.target_model)
+            contended = self.dispatcher.contended(item.band, now)
+            sharing = not contended and self.dispatcher.sharing(item.band, now)
+            endpoints = self.headroom.within(
+                endpoints, band, now, contended, request.target_model, sharing
+            )
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

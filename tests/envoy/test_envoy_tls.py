@@ -1,7 +1,8 @@
 """Real Envoy speaks ext_proc to the EPP over TLS, as a Gateway does to upstream's EPP: an
 `UpstreamTlsContext` with ALPN h2 and no validation on the EPP cluster (the bootstrap's own
 `epp_tls`, what `serve --secure-serving` gives the managed Envoy), the EPP serving a
-self-signed certificate (`extproc.tls`), on either transport."""
+self-signed certificate (`extproc.tls`), on either transport; and an Envoy presenting a client
+certificate to an EPP that requires one (`--client-ca-file`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from poolkeeper.telemetry.health import (
     HealthService,
 )
 from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params
+from tests.extproc.test_extproc_mtls import issue_client, make_ca
 from tests.reliability.test_rel_epp_port import MODEL, _config
 
 pytestmark = pytest.mark.integration
@@ -167,3 +169,64 @@ async def check(channel: grpc.aio.Channel) -> None:
         response_deserializer=HealthCheckResponse.FromString,
     )
     await call(HealthCheckRequest(service=""), timeout=2)
+
+
+@pytest.mark.parametrize("presents", [True, False], ids=["client-cert", "no-client-cert"])
+async def test_envoy_with_a_client_certificate_passes_an_epp_requiring_one(
+    tmp_path: Path, presents: bool
+) -> None:
+    """`--client-ca-file`: the Envoy given a certificate of the CA routes; one without fails
+    closed (no ext_proc stream can open), the EPP never answering it."""
+    backends = [Backend("a")]
+    await backends[0].start()
+    ca, ca_key = make_ca("envoy-client-ca")
+    client = issue_client(ca, ca_key, "envoy")
+    (tmp_path / "ca.crt").write_bytes(ca.cert)
+    health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
+    settings = TlsSettings(secure_serving=True, client_ca_file=tmp_path / "ca.crt")
+    server, epp_port = build_server(
+        ExtProcServicer(RoundRobinRouter(backends)),
+        f"127.0.0.1:{free_port()}",
+        extra=health.register,
+        credentials=server_credentials(settings),
+    )
+    await server.start()
+    endpoints = EndpointsFile(tmp_path / "endpoints.json")
+    endpoints.write([b.hostport for b in backends])
+    params = rig_params(backends, epp_port, endpoints.path, fail_open=False)
+    bootstrap = build_bootstrap(dataclasses.replace(params, epp_tls=True))
+    if presents:
+        (epp,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == EPP_CLUSTER]
+        epp["transport_socket"]["typed_config"]["common_tls_context"]["tls_certificates"] = [
+            {
+                "certificate_chain": {"inline_string": client.cert.decode()},
+                "private_key": {"inline_string": client.key.decode()},
+            }
+        ]
+    config = tmp_path / "envoy.json"
+    config.write_text(render(bootstrap))
+    envoy = EnvoySupervisor(
+        EnvoyOptions(
+            binary=find_envoy(),
+            config_path=config,
+            log_path=tmp_path / "envoy.log",
+            admin_url=f"http://127.0.0.1:{params.admin_port}",
+        )
+    )
+    await envoy.start()
+    try:
+        await envoy.wait_ready()
+        url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(url, json={"model": "m", "messages": []}) as resp:
+                    if presents:
+                        assert resp.status == 200, await resp.text()
+                        assert (await resp.json())["served_by"] == "a"
+                    else:
+                        assert resp.status >= 500, await resp.text()
+        assert len(backends[0].seen) == (2 if presents else 0)
+    finally:
+        await envoy.stop()
+        await server.stop(None)
+        await backends[0].stop()

@@ -1,7 +1,8 @@
 """Real Envoy speaks ext_proc to the EPP over TLS, as a Gateway does to upstream's EPP: an
 `UpstreamTlsContext` with ALPN h2 and no validation on the EPP cluster (the bootstrap's own
 `epp_tls`, what `serve --secure-serving` gives the managed Envoy), the EPP serving a
-self-signed certificate (`extproc.tls`), on either transport."""
+self-signed certificate (`extproc.tls`), on either transport; and an Envoy presenting a client
+certificate to an EPP that requires one (`--client-ca-file`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import grpc
 import pytest
 
 from poolkeeper.controller.files import file_source
-from poolkeeper.envoy.bootstrap import EPP_CLUSTER, build_bootstrap
+from poolkeeper.envoy.bootstrap import EPP_CLUSTER, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer, build_server
@@ -28,7 +29,14 @@ from poolkeeper.telemetry.health import (
     HealthCheckResponse,
     HealthService,
 )
-from tests.envoy.envoy_harness import Backend, RoundRobinRouter, rig_params, running_envoy
+from tests.envoy.envoy_harness import (
+    Backend,
+    RoundRobinRouter,
+    rig_params,
+    running_envoy,
+    supervised_envoy,
+)
+from tests.extproc.test_extproc_mtls import issue_client, make_ca
 from tests.support.gateway_files import one_pool
 from tests.support.sim_gateway import MODEL, running_gateway, sim_server
 
@@ -150,3 +158,56 @@ async def check(channel: grpc.aio.Channel) -> None:
         response_deserializer=HealthCheckResponse.FromString,
     )
     await call(HealthCheckRequest(service=""), timeout=2)
+
+
+@pytest.mark.parametrize("presents", [True, False], ids=["client-cert", "no-client-cert"])
+async def test_envoy_with_a_client_certificate_passes_an_epp_requiring_one(
+    tmp_path: Path, presents: bool
+) -> None:
+    """`--client-ca-file`: the Envoy given a certificate of the CA routes; one without fails
+    closed (no ext_proc stream can open), the EPP never answering it."""
+    backends = [Backend("a")]
+    await backends[0].start()
+    ca, ca_key = make_ca("envoy-client-ca")
+    client = issue_client(ca, ca_key, "envoy")
+    (tmp_path / "ca.crt").write_bytes(ca.cert)
+    health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
+    settings = TlsSettings(secure_serving=True, client_ca_file=tmp_path / "ca.crt")
+    server, epp_port = build_server(
+        ExtProcServicer(RoundRobinRouter(backends)),
+        f"127.0.0.1:{free_port()}",
+        extra=health.register,
+        credentials=server_credentials(settings),
+    )
+    await server.start()
+    endpoints = EndpointsFile(tmp_path / "endpoints.json")
+    endpoints.write([b.hostport for b in backends])
+    params = rig_params(backends, epp_port, endpoints.path, fail_open=False)
+    bootstrap = build_bootstrap(dataclasses.replace(params, epp_tls=True))
+    if presents:
+        (epp,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == EPP_CLUSTER]
+        epp["transport_socket"]["typed_config"]["common_tls_context"]["tls_certificates"] = [
+            {
+                "certificate_chain": {"inline_string": client.cert.decode()},
+                "private_key": {"inline_string": client.key.decode()},
+            }
+        ]
+    config = tmp_path / "envoy.json"
+    config.write_text(render(bootstrap))
+    try:
+        async with supervised_envoy(config, params.admin_port) as envoy:
+            if presents:  # FailClose: 503 until Envoy's first health check of the EPP passed
+                assert await envoy.wait_healthy(EPP_CLUSTER), envoy.log_tail()
+            url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
+            async with aiohttp.ClientSession() as session:
+                for _ in range(2):
+                    async with session.post(url, json={"model": "m", "messages": []}) as resp:
+                        if presents:
+                            assert resp.status == 200, await resp.text()
+                            assert (await resp.json())["served_by"] == "a"
+                        else:
+                            assert resp.status >= 500, await resp.text()
+            assert len(backends[0].seen) == (2 if presents else 0)
+    finally:
+        await server.stop(None)
+        await backends[0].stop()

@@ -14,6 +14,7 @@ from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.cli.main import main as poolkeeper_main
 from poolkeeper.config.gateway import UnknownModelPolicy
 from poolkeeper.errors import ConfigError
+from poolkeeper.extproc.tls import self_signed_pair
 from poolkeeper.server.runtime import ServeOptions
 from tests.support.kubeconfig import write_kubeconfig
 
@@ -80,6 +81,22 @@ def test_ext_proc_tls_follows_upstream_flags() -> None:
         parse_epp_args(["--pool-name=p", "--cert-path=/certs", "--enable-cert-reload"])
     )
     assert (str(files.cert_path), files.enable_cert_reload) == ("/certs", True)
+
+
+def test_client_ca_file_asks_for_mutual_tls(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_bytes(self_signed_pair()[0])
+    mtls = epp_cli._tls(parse_epp_args(["--pool-name=p", f"--client-ca-file={ca}"]))
+    assert mtls.client_ca_file == ca
+    assert epp_cli._tls(parse_epp_args(["--pool-name=p"])).client_ca_file is None
+    with pytest.raises(ConfigError, match="--client-ca-file needs --secure-serving"):
+        epp_cli._tls(
+            parse_epp_args(["--pool-name=p", "--secure-serving=false", f"--client-ca-file={ca}"])
+        )
+    bad = tmp_path / "bad.crt"
+    bad.write_text("not a certificate")
+    with pytest.raises(ConfigError, match=r"--client-ca-file .*bad\.crt: holds no PEM CA"):
+        epp_cli._tls(parse_epp_args(["--pool-name=p", f"--client-ca-file={bad}"]))
 
 
 def test_unhonoured_flags_are_named() -> None:

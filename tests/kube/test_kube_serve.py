@@ -24,6 +24,7 @@ from poolkeeper.controller.kubernetes import (
 )
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
+from poolkeeper.extproc.tls import self_signed_pair
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
@@ -139,6 +140,28 @@ def test_tls_is_on_by_default_in_kubernetes_mode_only(argv: tuple[str, ...], sec
 def test_tls_flags_that_cannot_be_served_are_refused(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         serve_cli.tls_settings(_parse(*argv))
+
+
+def test_client_ca_file_is_for_an_epp_behind_another_envoy(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_bytes(self_signed_pair()[0])
+    settings = serve_cli.tls_settings(_parse("--kubernetes", "--client-ca-file", str(ca)))
+    assert settings.client_ca_file == ca
+    no_envoy = ("-f", "x.yaml", "--no-envoy", "--secure-serving", "--client-ca-file", str(ca))
+    assert serve_cli.tls_settings(_parse(*no_envoy)).client_ca_file == ca
+    # The Envoy serve runs has no client certificate to present: refused, not 503s.
+    with pytest.raises(ConfigError, match="the Envoy serve runs presents no client cert"):
+        serve_cli.tls_settings(
+            _parse("-f", "x.yaml", "--secure-serving", "--client-ca-file", str(ca))
+        )
+    with pytest.raises(ConfigError, match="--client-ca-file needs --secure-serving"):
+        serve_cli.tls_settings(
+            _parse("--kubernetes", "--no-secure-serving", "--client-ca-file", str(ca))
+        )
+    with pytest.raises(ConfigError, match=r"--client-ca-file .*nope\.crt: cannot read it"):
+        serve_cli.tls_settings(
+            _parse("--kubernetes", "--client-ca-file", str(tmp_path / "nope.crt"))
+        )
 
 
 def _parse(*argv: str) -> argparse.Namespace:

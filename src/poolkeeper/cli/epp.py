@@ -45,7 +45,7 @@ from poolkeeper.config.endpointpicker import (
 from poolkeeper.config.endpointpicker.values import parse_label_selector
 from poolkeeper.config.gateway import GatewayConfig, TrustedHeader
 from poolkeeper.errors import ConfigError
-from poolkeeper.extproc.tls import TlsSettings
+from poolkeeper.extproc.tls import TlsError, TlsSettings
 
 log = logging.getLogger("poolkeeper.epp")
 
@@ -133,15 +133,22 @@ def epp_gateway_config(options: EppOptions) -> tuple[GatewayConfig, list[str]]:
 
 
 def _tls(options: EppOptions) -> TlsSettings:
-    """ext_proc's TLS as upstream's flags say (on by default: self-signed, ALPN h2)."""
-    cert_path = options.text("cert-path")
-    return TlsSettings(
+    """ext_proc's TLS as upstream's flags say (on by default: self-signed, ALPN h2), plus
+    poolkeeper's `--client-ca-file` (mutual TLS); ConfigError for what cannot be served."""
+    cert_path, client_ca = options.text("cert-path"), options.text("client-ca-file")
+    settings = TlsSettings(
         secure_serving=options.flag("secure-serving"),
         cert_path=Path(cert_path) if cert_path else None,
         enable_cert_reload=options.flag("enable-cert-reload"),
         tls_min_version=options.text("tls-min-version"),
         tls_cipher_suites=options.texts("tls-cipher-suites"),
+        client_ca_file=Path(client_ca) if client_ca else None,
     )
+    try:
+        settings.check()
+    except TlsError as exc:
+        raise ConfigError(str(exc)) from None
+    return settings
 
 
 def _json_logs(options: EppOptions) -> bool:
@@ -191,6 +198,7 @@ def _run(options: EppOptions, run_gateway: Any) -> int:
         log.warning("arguments ignored (not flags): %s", " ".join(options.ignored_args))
     try:
         config, notices = epp_gateway_config(options)
+        _tls(options)  # a TLS flag that cannot be served: refused before anything starts
         source = _kubernetes_source(options, config)
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

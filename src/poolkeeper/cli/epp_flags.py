@@ -99,6 +99,7 @@ FLAGS: Final[tuple[Flag, ...]] = (
     _F("secure-serving", B, True, "ext_proc over TLS (self-signed without --cert-path)"),
     _F("cert-path", S, "", "directory holding tls.crt and tls.key"),
     _F("enable-cert-reload", B, False, "reload --cert-path when its files change"),
+    _F("client-ca-file", S, "", "poolkeeper: require ext_proc client certs from this CA"),
     _F("tls-min-version", S, "", "VersionTLS10 ... VersionTLS13",
        ("", "VersionTLS10", "VersionTLS11", "VersionTLS12", "VersionTLS13")),
     _F("tls-cipher-suites", Kind.STRINGS, (), "TLS <= 1.2 cipher suites (Go names)"),

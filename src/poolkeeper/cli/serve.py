@@ -116,6 +116,14 @@ def _add_tls(parser: argparse.ArgumentParser) -> None:
         help="serve a changed tls.crt/tls.key from the next connection on (needs --cert-path)",
     )
     group.add_argument(
+        "--client-ca-file",
+        type=Path,
+        default=None,
+        help="mutual TLS: require a client certificate chained to a CA in this PEM file "
+        "(poolkeeper's own flag; the EPP behind another host's Envoy: --kubernetes or "
+        "--no-envoy)",
+    )
+    group.add_argument(
         "--tls-min-version",
         default="",
         help="VersionTLS10..VersionTLS12 (gRPC serves TLS 1.2 and up in any case)",
@@ -136,11 +144,19 @@ def tls_settings(args: argparse.Namespace) -> TlsSettings:
         enable_cert_reload=args.enable_cert_reload,
         tls_min_version=args.tls_min_version,
         tls_cipher_suites=tuple(c.strip() for c in args.tls_cipher_suites.split(",") if c.strip()),
+        client_ca_file=args.client_ca_file,
     )
     try:
         settings.check()
     except TlsError as exc:
         raise ConfigError(str(exc)) from None
+    if settings.client_ca_file is not None and not (args.kubernetes or args.no_envoy):
+        # The Envoy serve runs reaches the EPP on loopback with a per-run token and has no
+        # client certificate of the CA to present: refuse rather than fail every request.
+        raise ConfigError(
+            "--client-ca-file is for an EPP behind another host's Envoy (--kubernetes or "
+            "--no-envoy); the Envoy serve runs presents no client certificate"
+        )
     return settings
 
 

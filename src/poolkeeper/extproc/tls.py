@@ -15,6 +15,12 @@ negotiates ALPN `h2` itself. `ssl_context(TlsSettings)` is the same for the lean
   connection; it re-reads the pair when either file changed (a Secret update swaps the files
   behind a symlink), so a new handshake serves the new certificate at once. A half-written or
   mismatched pair is logged and the previous one kept until the files agree again.
+- `client_ca_file` (`--client-ca-file`, poolkeeper's own: upstream's EPP has no such flag):
+  mutual TLS. The port then requires a client certificate that chains to a CA in that PEM file
+  and refuses the handshake otherwise (no certificate, another CA's, an expired one), so only
+  the Envoy given such a certificate can reach the EPP. The file is read once at start (cert
+  reload covers tls.crt and tls.key, not the CA); a missing, unreadable or certificate-less
+  file is refused with the flag and file named.
 - `tls_min_version`: upstream's Go names. grpcio's floor is TLS 1.2 and it offers no setting,
   so `VersionTLS10`-`12` are served as 1.2+ (stricter); `VersionTLS13` and cipher suites
   cannot be enforced through grpcio and are refused with a precise error rather than ignored.
@@ -47,6 +53,7 @@ __all__ = [
     "CertReloader",
     "TlsError",
     "TlsSettings",
+    "read_client_ca",
     "read_pair",
     "self_signed_pair",
     "server_credentials",
@@ -75,6 +82,7 @@ class TlsSettings:
     enable_cert_reload: bool = False  # needs cert_path
     tls_min_version: str = ""  # "" or one of TLS_VERSIONS
     tls_cipher_suites: tuple[str, ...] = ()
+    client_ca_file: Path | None = None  # require client certificates chained to this CA
 
     def check(self) -> None:
         """Raise TlsError for a combination that cannot be served."""
@@ -99,6 +107,14 @@ class TlsSettings:
             )
         if self.cert_path is not None and not self.secure_serving:
             raise TlsError("--cert-path needs --secure-serving")
+        if self.client_ca_file is not None:
+            if not self.secure_serving:
+                raise TlsError("--client-ca-file needs --secure-serving (mutual TLS is TLS)")
+            read_client_ca(self.client_ca_file)
+
+    def client_ca(self) -> bytes | None:
+        """The client CA bundle (PEM) to verify client certificates against, or None."""
+        return None if self.client_ca_file is None else read_client_ca(self.client_ca_file)
 
 
 def self_signed_pair(hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> tuple[bytes, bytes]:
@@ -160,6 +176,21 @@ def read_pair(directory: Path) -> tuple[bytes, bytes]:
     return cert_pem, key_pem
 
 
+def read_client_ca(path: Path) -> bytes:
+    """The PEM CA bundle `--client-ca-file` names; TlsError unless it holds a certificate."""
+    try:
+        pem = path.read_bytes()
+    except OSError as exc:
+        raise TlsError(f"--client-ca-file {path}: cannot read it ({exc.strerror})") from None
+    try:
+        certificates = x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        certificates = []
+    if not certificates:
+        raise TlsError(f"--client-ca-file {path}: holds no PEM CA certificate")
+    return pem
+
+
 def _stamp(directory: Path) -> tuple[tuple[int, int, int], ...]:
     """What changes when either file is rewritten or swapped (mtime, size, inode)."""
     out = []
@@ -176,8 +207,9 @@ def _stamp(directory: Path) -> tuple[tuple[int, int, int], ...]:
 class CertReloader:
     """The certificate fetcher of gRPC's dynamic server credentials (called per connection)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, client_ca: bytes | None = None) -> None:
         self.directory = directory
+        self.client_ca = client_ca  # root certificates client certificates must chain to
         self._stamp = _stamp(directory)
         self.pair = read_pair(directory)
         self.reloads = 0
@@ -185,7 +217,7 @@ class CertReloader:
 
     def configuration(self) -> grpc.ServerCertificateConfiguration:
         cert, key = self.pair
-        return grpc.ssl_server_certificate_configuration([(key, cert)])
+        return grpc.ssl_server_certificate_configuration([(key, cert)], self.client_ca)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """The new configuration when the files changed into a valid pair, else None (keep)."""
@@ -209,21 +241,41 @@ def server_credentials(settings: TlsSettings) -> grpc.ServerCredentials | None:
     settings.check()
     if not settings.secure_serving:
         return None
+    ca = settings.client_ca()
+    _log_client_auth(settings)
     if settings.cert_path is None:
         cert, key = self_signed_pair()
         log.info("ext_proc serves TLS with a self-signed certificate made at start")
-        return grpc.ssl_server_credentials([(key, cert)])
+        return grpc.ssl_server_credentials([(key, cert)], ca, require_client_auth=ca is not None)
     if settings.enable_cert_reload:
-        reloader = CertReloader(settings.cert_path)
+        reloader = CertReloader(settings.cert_path, ca)
         log.info("ext_proc serves TLS from %s, reloaded on change", settings.cert_path)
-        return grpc.dynamic_ssl_server_credentials(reloader.configuration(), reloader.fetch)
+        return grpc.dynamic_ssl_server_credentials(
+            reloader.configuration(),
+            reloader.fetch,
+            require_client_authentication=ca is not None,
+        )
     cert, key = read_pair(settings.cert_path)
     log.info("ext_proc serves TLS from %s", settings.cert_path)
-    return grpc.ssl_server_credentials([(key, cert)])
+    return grpc.ssl_server_credentials([(key, cert)], ca, require_client_auth=ca is not None)
 
 
-def _h2_context(pair: tuple[bytes, bytes]) -> ssl.SSLContext:
-    """The lean transport's server context (`h2.server.tls_context`) serving the PEM `pair`."""
+def _log_client_auth(settings: TlsSettings) -> None:
+    if settings.client_ca_file is not None:
+        log.info("ext_proc requires client certificates from the CA in %s", settings.client_ca_file)
+
+
+def _h2_context(pair: tuple[bytes, bytes], client_ca: bytes | None = None) -> ssl.SSLContext:
+    """The lean transport's server context (`h2.server.tls_context`) serving the PEM `pair`;
+    with `client_ca`, a handshake without a client certificate chained to it fails."""
+    context = _serving_context(pair)
+    if client_ca is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=client_ca.decode("ascii", "replace"))
+    return context
+
+
+def _serving_context(pair: tuple[bytes, bytes]) -> ssl.SSLContext:
     # The ssl module loads a chain from files only: a private directory, gone at once.
     with tempfile.TemporaryDirectory(prefix="poolkeeper-tls-") as tmp:
         cert_file, key_file = Path(tmp) / CERT_FILE, Path(tmp) / KEY_FILE
@@ -241,21 +293,25 @@ def ssl_context(settings: TlsSettings) -> ssl.SSLContext | None:
     settings.check()
     if not settings.secure_serving:
         return None
+    ca = settings.client_ca()
+    _log_client_auth(settings)
     if settings.cert_path is None:
         log.info("ext_proc serves TLS with a self-signed certificate made at start")
-        return _h2_context(self_signed_pair())
+        return _h2_context(self_signed_pair(), ca)
     if not settings.enable_cert_reload:
         log.info("ext_proc serves TLS from %s", settings.cert_path)
-        return _h2_context(read_pair(settings.cert_path))
-    reloader = CertReloader(settings.cert_path)
+        return _h2_context(read_pair(settings.cert_path), ca)
+    reloader = CertReloader(settings.cert_path, ca)
     log.info("ext_proc serves TLS from %s, reloaded on change", settings.cert_path)
-    current = [_h2_context(reloader.pair)]
+    current = [_h2_context(reloader.pair, ca)]
 
     def on_hello(connection: ssl.SSLObject, _name: str | None, _front: ssl.SSLContext) -> None:
         if reloader.fetch() is not None:
-            current[0] = _h2_context(reloader.pair)
+            current[0] = _h2_context(reloader.pair, ca)
         connection.context = current[0]
 
-    front = _h2_context(reloader.pair)
+    # The front context decides client verification (OpenSSL keeps the handshake's verify
+    # mode when the callback swaps the context), so it carries the CA as each swap does.
+    front = _h2_context(reloader.pair, ca)
     front.sni_callback = on_hello
     return front

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -20,39 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from poolkeeper.bench.overhead.gateway_overhead import MODEL, write_config
 from poolkeeper.netutil import free_ports
 
-BODY = b'{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
+BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+).encode()
 REQUEST = (
     b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
     b"content-length: %d\r\n%b\r\n%b"
 )
-
-
-def _config(directory: Path, sim_port: int, ports: list[int], per_client: int) -> None:
-    http, ext_proc, metrics, health, admin = ports
-    directory.mkdir(parents=True)
-    (directory / "gateway.yaml").write_text(f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: bench}}
-spec:
-  listeners: {{http: {http}, extProc: {ext_proc}, metrics: {metrics}, health: {health},
-    admin: {admin}}}
-  edge: {{maxConnectionsPerClient: {per_client}}}
-  endpoints:
-    - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: bench}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: bench, namespace: default}}
-spec: {{selector: {{app: bench}}, targetPortNumber: 8000, extensionRef: {{name: epp}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: bench, namespace: default}}
-spec: {{modelName: bench, poolRef: {{name: bench}}}}
-""")
 
 
 async def _one(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], close: bool) -> int:
@@ -123,10 +101,11 @@ async def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="conncap-cost-"))
     sim_port, *ports = free_ports(11)
     variants = {"off": (0, ports[:5]), "on": (args.cap, ports[5:])}
-    procs = [_start(["sim", "--count", "1", "--port", str(sim_port), "--model", "bench",
+    procs = [_start(["sim", "--count", "1", "--port", str(sim_port), "--model", MODEL,
                      "--time-scale", "0.001"], tmp / "sim.log")]  # fmt: skip
     for name, (cap, vports) in variants.items():
-        _config(tmp / name, sim_port, vports, cap)
+        (tmp / name).mkdir(parents=True)
+        write_config(tmp / name, sim_port, vports, max_connections_per_client=cap)
         serve = ["serve", "-f", str(tmp / name), "--workdir", str(tmp / f"{name}-envoy")]
         procs.append(_start([*serve, "--log-level", "warning"], tmp / f"{name}.log"))
     try:

@@ -83,11 +83,16 @@ def write_config(
     transport: str = "grpcio",
     *,
     observe_responses: bool = False,
+    max_connections_per_client: int | None = None,
 ) -> None:
     """The benchmark gateway over one simulator (also scripts/route_profile.py's, which turns
-    the response observer on as the Envoy `serve` runs have it, without running Envoy)."""
+    the response observer on as the Envoy `serve` runs have it, without running Envoy, and
+    scripts/conncap_cost.py's, which sets the per-client connection cap)."""
     http, ext_proc, metrics, health, admin = ports
-    edge = "  edge: {observeResponses: true}\n" if observe_responses else ""
+    edge_keys = ["observeResponses: true"] if observe_responses else []
+    if max_connections_per_client is not None:
+        edge_keys.append(f"maxConnectionsPerClient: {max_connections_per_client}")
+    edge = f"  edge: {{{', '.join(edge_keys)}}}\n" if edge_keys else ""
     (directory / "gateway.yaml").write_text(f"""\
 apiVersion: poolkeeper.dev/v1alpha1
 kind: GatewayConfig

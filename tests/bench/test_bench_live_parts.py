@@ -13,7 +13,7 @@ import yaml
 from aiohttp import web
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.live.live import envoy_rr_bootstrap, poolkeeper_config, ratios
+from poolkeeper.bench.live.live import envoy_rr_bootstrap, poolkeeper_config, process, ratios
 from poolkeeper.bench.live.loadgen import check_loopback, run_open_loop
 from poolkeeper.bench.workload.workloads import Arrival
 from poolkeeper.cli import main as cli
@@ -139,3 +139,16 @@ async def test_load_generator_measures_first_text_chunk() -> None:
     assert a.completed
     assert by_id["b"].outcome.shed
     assert by_id["b"].status == 429
+
+
+def test_a_peer_whose_interpreter_moved_is_a_clear_error(tmp_path: Path) -> None:
+    """A venv moved after install: the script is there, the python its `#!` names is not, and
+    exec reports the script as missing. A ConfigError naming it, not a traceback."""
+    script = tmp_path / "vllm-router"
+    script.write_text("#!/nonexistent/venv/bin/python\nprint('hi')\n")
+    script.chmod(0o755)
+    with (
+        pytest.raises(ConfigError, match=r"cannot start .*vllm-router: .*install-peers\.sh"),
+        process([str(script)], tmp_path / "peer.log"),
+    ):
+        pass

@@ -136,10 +136,18 @@ def process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run `cmd` (own process group, output to `log`) for the duration of the block."""
     with log.open("w") as fh:
-        proc = subprocess.Popen(
-            list(cmd), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )  # fmt: skip
+        try:
+            proc = subprocess.Popen(
+                list(cmd), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )  # fmt: skip
+        except OSError as exc:
+            # E.g. a peer's venv moved after install: its script's `#!` names a python that
+            # is gone, and exec reports the script itself as missing.
+            raise ConfigError(
+                f"cannot start {cmd[0]}: {exc.strerror} (a moved or broken install? "
+                "reinstall the peers with scripts/install-peers.sh)"
+            ) from exc
         try:
             yield proc
         finally:

@@ -47,6 +47,7 @@ import aiohttp
 from poolkeeper.bench.live import live
 from poolkeeper.bench.overhead import overhead_peers as peer
 from poolkeeper.bench.overhead.overhead_floor import floor_gateways
+from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.presets import PRESETS
 
@@ -581,4 +582,8 @@ if __name__ == "__main__":
     if {"-h", "--help"} & set(sys.argv[1:]):  # the usage needs no 20 s protocol measurement
         sys.exit(asyncio.run(main(0.0)))
     rate = protocol_only()  # before the event loop: it runs its own in a child process
-    sys.exit(asyncio.run(main(rate)))
+    try:
+        sys.exit(asyncio.run(main(rate)))
+    except ConfigError as exc:  # e.g. a peer router that cannot start: one line, no traceback
+        print(f"gateway_overhead: {exc}", file=sys.stderr)
+        sys.exit(2)

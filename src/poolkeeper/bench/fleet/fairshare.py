@@ -31,14 +31,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.bench.fleet.simrun import route_step
 from poolkeeper.bench.policies.flowpolicy import FlowPolicy, flow_policy
 from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.params import EngineConfig
-from poolkeeper.sim.virtual import HOLD, Arrival, RequestResult, Send, VirtualFleet
+from poolkeeper.sim.virtual import Arrival, RequestResult, Send, VirtualFleet
 
 ALPHA, BETA, PROBE = "alpha", "beta", "probe"
 PROMPT_TOKENS = 32
@@ -163,17 +163,7 @@ def run_case(case: FairCase, policy_name: str, seed: int = 1) -> dict[str, Any]:
 
     def route(a: Arrival, states: Sequence[EndpointState], now: float) -> int | None:
         request: LLMRequest = a.payload  # type: ignore[assignment]
-        try:
-            if queueing is None:
-                chosen = policy.pick(request, states, now)
-            else:
-                held = queueing.offer(request, states, now)
-                if held is None:
-                    return HOLD
-                chosen = held
-        except (RequestShed, NoReadyEndpoint):
-            return None
-        return index_of[chosen.key]
+        return route_step(policy, request, states, now, index_of)
 
     def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
         assert queueing is not None

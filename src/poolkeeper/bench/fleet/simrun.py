@@ -81,6 +81,29 @@ def _outcome(r: RequestResult, a: Arrival, waited: float = 0.0) -> RequestOutcom
     )
 
 
+def route_step(
+    policy: RoutingPolicy,
+    request: LLMRequest,
+    states: Sequence[EndpointState],
+    now: float,
+    index_of: dict[str, int],
+) -> int | None:
+    """One arrival's routing in a virtual fleet: the chosen server's index, HOLD when a
+    queueing policy (flow control) keeps the request for later, None when it is shed or no
+    endpoint is ready."""
+    try:
+        if isinstance(policy, QueueingPolicy):
+            held = policy.offer(request, states, now)
+            if held is None:
+                return HOLD
+            chosen = held
+        else:
+            chosen = policy.pick(request, states, now)
+    except (RequestShed, NoReadyEndpoint):
+        return None
+    return index_of[chosen.key]
+
+
 def replay(
     configs: Sequence[EngineConfig],
     arrivals: Sequence[Arrival],
@@ -99,7 +122,6 @@ def replay(
     if bind is not None:  # a reference policy that reads the engines (reference_policies.py)
         bind(fleet)
     index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
-
     queueing = policy if isinstance(policy, QueueingPolicy) else None
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
@@ -114,17 +136,7 @@ def replay(
             max_tokens=a.output_tokens,
             stream=True,
         )
-        try:
-            if queueing is None:
-                chosen = policy.pick(request, states, now)
-            else:
-                held = queueing.offer(request, states, now)
-                if held is None:
-                    return HOLD
-                chosen = held
-        except (RequestShed, NoReadyEndpoint):
-            return None
-        return index_of[chosen.key]
+        return route_step(policy, request, states, now, index_of)
 
     def finished(result: RequestResult) -> None:
         policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)

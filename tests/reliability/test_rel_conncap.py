@@ -14,10 +14,10 @@ import pytest
 
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.conncap import ConnectionCounter
-from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
+from tests.support.gateway_files import one_pool
 
 MODEL = "m"
 LIMIT = 3
@@ -51,34 +51,10 @@ def test_the_table_is_bounded_and_a_lost_log_stream_fails_open() -> None:
 
 
 def _config(tmp_path: Path, sim_port: int) -> Path:
-    http, ext_proc, metrics, health, admin = free_ports(5)
-    (tmp_path / "gw.yaml").write_text(
-        f"""\
-apiVersion: poolkeeper.dev/v1alpha1
-kind: GatewayConfig
-metadata: {{name: default}}
-spec:
-  listeners: {{address: 0.0.0.0, http: {http}, extProc: {ext_proc}, metrics: {metrics},
-    health: {health}, admin: {admin}}}
-  edge: {{maxConnectionsPerClient: {LIMIT}}}
-  endpoints:
-    - {{name: sim-0, address: 127.0.0.1, port: {sim_port}, labels: {{app: sim}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: pool, namespace: default}}
-spec:
-  selector: {{app: sim}}
-  targetPortNumber: 8000
-  extensionRef: {{name: epp}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: m, namespace: default}}
-spec: {{modelName: {MODEL}, poolRef: {{name: pool}}}}
-"""
-    )
-    return tmp_path
+    """One pool over the simulator, every listener on 0.0.0.0 (clients come from 127.0.0.x),
+    the per-client cap at LIMIT."""
+    edge = f"  edge: {{maxConnectionsPerClient: {LIMIT}}}\n"
+    return one_pool(tmp_path / "cfg", sim_port, model=MODEL, spec=edge, address="0.0.0.0")
 
 
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]

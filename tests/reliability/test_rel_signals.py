@@ -68,12 +68,14 @@ def _refused(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-async def _start_serve(tmp_path: Path, sim_port: int) -> tuple[Proc, dict[str, int]]:
+async def _start_serve(
+    tmp_path: Path, sim_port: int, event_loop: str = "uvloop"
+) -> tuple[Proc, dict[str, int]]:
     ports = gateway_ports()
     config = one_pool(tmp_path / "cfg", sim_port, ports=ports)
     args = ["serve", "-f", str(config), "--workdir", str(tmp_path / "env")]
     gateway = poolkeeper(
-        [*args, "--drain-grace", "60", "--log-format", "text"],
+        [*args, "--drain-grace", "60", "--log-format", "text", "--event-loop", event_loop],
         tmp_path / "serve.log",
         own_group=True,
     )
@@ -122,9 +124,10 @@ async def test_a_terminals_signal_to_the_group_drains_and_leaves_no_envoy(
                 os.kill(envoy, signal.SIGKILL)
 
 
-async def test_a_killed_serve_takes_its_envoy_with_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])  # each spawns Envoy its own way
+async def test_a_killed_serve_takes_its_envoy_with_it(tmp_path: Path, event_loop: str) -> None:
     async with sim_server() as sim_port:
-        gateway, ports = await _start_serve(tmp_path, sim_port)
+        gateway, ports = await _start_serve(tmp_path, sim_port, event_loop)
         envoy = _envoy_of(gateway)
         try:
             gateway.process.kill()  # no handler runs: nothing of serve's stops Envoy

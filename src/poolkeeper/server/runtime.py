@@ -371,7 +371,9 @@ class GatewayRuntime:
         if limit <= 0:
             return params
         self.conncap = counter = ConnectionCounter(limit)
-        server, port = build_conncap_server(counter, "127.0.0.1", self._epp_token)
+        server, port = build_conncap_server(
+            counter, "127.0.0.1", self._epp_token, params.conncap_timeout_s
+        )
         await server.start()
         self._grpc_servers.append(server)
         if self.metrics is not None:

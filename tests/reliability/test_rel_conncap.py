@@ -95,7 +95,7 @@ def test_reusing_a_closed_connections_port_does_not_pass_the_cap() -> None:
 
 def test_remembered_closes_are_bounded_in_number_and_time() -> None:
     clock = _Clock()
-    counter = ConnectionCounter(5, max_tracked=2, clock=clock)
+    counter = ConnectionCounter(5, max_gone=2, clock=clock)
     for port in (1, 2, 3):
         counter.closed("10.0.0.1", port, at=clock.now)
     assert counter.closed_unknown("10.0.0.1", 1) is None  # the oldest, past the bound

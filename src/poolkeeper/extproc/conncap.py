@@ -16,7 +16,7 @@ A check and its connection's close come on two gRPC streams, so a check can be h
 the close (a client that resets right after its first bytes): counted then, the connection
 would stay in the table for good, a phantom that, repeated, locks its address out. So a check
 past its deadline is not counted (Envoy has let the connection in uncounted), and the close of
-a connection not in the table is remembered a while (`GONE_TTL_S`, at most `max_tracked`),
+a connection not in the table is remembered a while (`GONE_TTL_S`, at most `max_gone`),
 with when it closed: a check for that address and port that *arrived* before that moment is
 the closed connection's own and is not counted. A new connection from the same port sends its
 first bytes after the close, so its check arrives after it and counts: reusing a port does not
@@ -71,10 +71,12 @@ class ConnectionCounter:
         limit: int,
         *,
         max_tracked: int = 65_536,
+        max_gone: int = 16_384,  # a check is late by at most its deadline: 16,384 in 250 ms
         clock: Callable[[], float] = time.time,  # wall clock: Envoy's timestamps are
     ) -> None:
         self.limit = limit
         self.max_tracked = max_tracked  # connections held in the table, all addresses
+        self.max_gone = max_gone
         self._clock = clock
         self._ports: dict[str, set[int]] = {}
         self._open = 0
@@ -141,7 +143,7 @@ class ConnectionCounter:
         gone[(ip, port)] = at
         gone.move_to_end((ip, port))
         expired = self._clock() - GONE_TTL_S
-        while gone and (len(gone) > self.max_tracked or next(iter(gone.values())) < expired):
+        while gone and (len(gone) > self.max_gone or next(iter(gone.values())) < expired):
             gone.popitem(last=False)
 
     def clear(self) -> None:

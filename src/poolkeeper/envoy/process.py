@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from poolkeeper.envoy.tether import child_setup
+from poolkeeper.envoy.tether import tethered
 from poolkeeper.errors import ConfigError
 
 log = logging.getLogger("poolkeeper.envoy")
@@ -142,14 +142,13 @@ class EnvoySupervisor:
                 self.options.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
             )
         process = await asyncio.create_subprocess_exec(
-            *self.command(),
+            *tethered(self.command()),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=self._log_file,
             # A terminal's Ctrl-C and hang-up reach `serve` only, which drains Envoy first;
             # and on Linux Envoy dies with `serve` (tether.py).
             start_new_session=True,
-            preexec_fn=child_setup(),
         )
         log.info("envoy started pid=%d log=%s", process.pid, self.options.log_path)
         return process

@@ -8,45 +8,37 @@ Envoy's listeners and then stops it (server/runtime.py).
 
 Outside the group, nothing would stop an Envoy whose `serve` died without stopping it (SIGKILL,
 a crash): it would keep the gateway's ports and serve without its endpoint picker. On Linux
-Envoy therefore gets the parent-death signal, SIGKILL, armed between fork and exec. Elsewhere
-(macOS) there is no such hook and `child_setup` returns None: Envoy then outlives a `serve`
-that dies hard, as it did before.
+Envoy therefore gets the parent-death signal, SIGKILL (`prctl(PR_SET_PDEATHSIG)`, which an
+exec keeps). It is armed by a few lines of Python that then exec Envoy in the same process:
+not by a `preexec_fn`, which would run Python between fork and exec in a process whose gRPC
+threads do not survive the fork (gRPC's fork handlers aborted the child: seen under load).
+Elsewhere (macOS) there is no such signal: Envoy outlives a `serve` that dies hard, as before.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
-from collections.abc import Callable
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# argv: the parent's pid, then Envoy's command. Arms the signal, makes sure the parent did not
+# die before it was armed, and becomes Envoy (same pid). Without prctl it execs all the same.
+_ARM_AND_EXEC = """\
+import ctypes, os, signal, sys
+parent, command = int(sys.argv[1]), sys.argv[2:]
+try:
+    armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0
+except (OSError, AttributeError):
+    armed = False
+if armed and os.getppid() != parent:
+    sys.exit(1)
+os.execv(command[0], command)
+"""
 
 
-def child_setup() -> Callable[[], None] | None:
-    """For Envoy's `Popen(preexec_fn=...)`: arms SIGKILL on the death of this process (Linux);
-    None where that is not available. The caller must also ask for a new session.
-
-    Linux sends the signal when the *thread* that forked the child ends, so the caller forks
-    from the thread that runs as long as Envoy should (serve's event loop thread)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    # Everything is looked up here, before the fork: the child may only call, never import.
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid()
-    kill = int(signal.SIGKILL)
-    getppid, exit_now = os.getppid, os._exit
-
-    def arm() -> None:
-        if prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0) != 0:
-            return  # not armed: Envoy runs as it did before this module
-        if getppid() != parent:  # the parent died before the signal was armed
-            exit_now(1)
-
-    return arm
+def tethered(command: list[str]) -> list[str]:
+    """`command` (Envoy's) wrapped so that it dies with this process (Linux); unchanged
+    elsewhere. Linux sends the signal when the *thread* that started the child ends, so the
+    caller starts it from the thread that lives as long as Envoy should (the event loop's)."""
+    if not sys.platform.startswith("linux") or not sys.executable:
+        return command
+    return [sys.executable, "-S", "-c", _ARM_AND_EXEC, str(os.getpid()), *command]

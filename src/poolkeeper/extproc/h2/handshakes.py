@@ -75,16 +75,19 @@ class _Accepted(asyncio.Protocol):
 
     def __init__(self, owner: TlsHandshakes) -> None:
         self.owner = owner
+        self.raw: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's is not an asyncio.Transport subclass, only its shape).
-        raw = cast(asyncio.Transport, transport)
+        self.raw = raw = cast(asyncio.Transport, transport)
         raw.pause_reading()
-        task = asyncio.get_running_loop().create_task(self.owner._upgrade(raw))
-        self.owner._pending[raw] = task
+        self.owner._pending[raw] = asyncio.get_running_loop().create_task(self.owner._upgrade(raw))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """Lost before `start_tls` took over: its task sees the closed transport and ends."""
+        """Lost before `start_tls` took over (which then hears of nothing): forget it."""
+        task = self.owner._pending.pop(self.raw, None) if self.raw is not None else None
+        if task is not None:
+            task.cancel()
 
 
 class _Relay(asyncio.Protocol):

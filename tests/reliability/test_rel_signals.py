@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -138,3 +139,37 @@ async def test_a_killed_serve_takes_its_envoy_with_it(tmp_path: Path, event_loop
             gateway.stop(signal.SIGKILL)
             if _alive(envoy):
                 os.kill(envoy, signal.SIGKILL)
+
+
+def _demo(log_path: Path) -> Proc:
+    """`poolkeeper quickstart`, a short one, in a process group of its own (a shell's job)."""
+    log = log_path.open("wb")
+    command = [sys.executable, "-m", "poolkeeper", "quickstart", "--requests", "20"]
+    process = subprocess.Popen(
+        [*command, "--concurrency", "4"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        process_group=0,
+    )
+    return Proc(process, log_path, log)
+
+
+async def test_ctrl_c_stops_the_demo_and_its_envoy(tmp_path: Path) -> None:
+    """`make demo` (`poolkeeper quickstart`), as the README has newcomers run and stop it: its
+    simulators run in its own process, so Envoy is its one child, tied the same way."""
+    demo = _demo(tmp_path / "demo.log")
+    envoy = 0
+    try:
+        await asyncio.to_thread(wait_for_text, demo, "Serving until Ctrl-C")
+        envoy = _envoy_of(demo)
+        os.killpg(demo.process.pid, signal.SIGINT)
+        code = await asyncio.to_thread(demo.process.wait, STARTUP_S)
+        assert code == 0, demo.log_text()[-3000:]
+        assert "restarting" not in demo.log_text()
+        await until(lambda: not _alive(envoy), "envoy gone after the demo exited")
+    finally:
+        demo.stop(signal.SIGKILL)
+        if envoy and _alive(envoy):
+            os.kill(envoy, signal.SIGKILL)

@@ -8,12 +8,17 @@ managed Envoy and a simulated model server, clients on 127.0.0.1 and 127.0.0.2."
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
+import time
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
+from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2
 
 from poolkeeper.controller.files import file_source
-from poolkeeper.extproc.conncap import ConnectionCounter
+from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCapService, ConnectionCounter
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -48,6 +53,97 @@ def test_the_table_is_bounded_and_a_lost_log_stream_fails_open() -> None:
     assert counter.exported() == (4, 4, 0, 4)
     counter.clear()  # Envoy's log stream ended: closes may be lost, nobody stays locked out
     assert counter.exported() == (0, 0, 0, 4)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_check_that_arrived_before_its_connections_close_is_not_counted() -> None:
+    """The check of a connection that reset at once can be handled after the close was
+    reported (two gRPC streams): counted then, it stayed in the table for good."""
+    clock = _Clock()
+    counter = ConnectionCounter(1, clock=clock)
+    counter.closed("10.0.0.1", 5000, at=999.9)  # reported first: not in the table yet
+    assert counter.closed_unknown("10.0.0.1", 5000) == 999.9
+    assert counter.opened("10.0.0.1", 5000, arrived=999.8)  # its own check, handled late
+    assert counter.counts().open == 0
+    assert counter.counts().late == 1
+    assert counter.opened("10.0.0.1", 5001, arrived=1_000.0)  # the address is not locked out
+    assert counter.counts().open == 1
+
+
+def test_reusing_a_closed_connections_port_does_not_pass_the_cap() -> None:
+    clock = _Clock()
+    counter = ConnectionCounter(1, clock=clock)
+    assert counter.opened("10.0.0.1", 5000, arrived=999.0)
+    assert not counter.opened("10.0.0.1", 6000, arrived=999.1)  # over the cap
+    counter.closed("10.0.0.1", 6000, at=999.2)  # the refused one's close
+    counter.closed("10.0.0.1", 7000, at=999.3)  # a silent one's close (never checked)
+    # New connections from those ports send their first bytes after the close: counted.
+    assert not counter.opened("10.0.0.1", 6000, arrived=999.25)
+    assert not counter.opened("10.0.0.1", 7000, arrived=999.35)
+    assert counter.counts().late == 0
+    # And without a known arrival time a check always counts (as before).
+    counter.closed("10.0.0.1", 8000, at=999.9)
+    assert not counter.opened("10.0.0.1", 8000)
+
+
+def test_remembered_closes_are_bounded_in_number_and_time() -> None:
+    clock = _Clock()
+    counter = ConnectionCounter(5, max_gone=2, clock=clock)
+    for port in (1, 2, 3):
+        counter.closed("10.0.0.1", port, at=clock.now)
+    assert counter.closed_unknown("10.0.0.1", 1) is None  # the oldest, past the bound
+    assert counter.closed_unknown("10.0.0.1", 3) == clock.now
+    clock.now += GONE_TTL_S + 1
+    counter.closed("10.0.0.2", 1, at=clock.now)
+    assert counter.closed_unknown("10.0.0.1", 2) is None  # expired
+    assert counter.closed_unknown("10.0.0.1", 3) is None
+
+
+class _Context:
+    def __init__(self, remaining: float | None, cancelled: bool = False) -> None:
+        self.remaining, self.was_cancelled = remaining, cancelled
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+    def cancelled(self) -> bool:
+        return self.was_cancelled
+
+
+def _check(ip: str, port: int) -> auth_pb2.CheckRequest:
+    request = auth_pb2.CheckRequest()
+    request.attributes.source.address.socket_address.address = ip
+    request.attributes.source.address.socket_address.port_value = port
+    return request
+
+
+async def test_a_check_past_its_deadline_or_cancelled_is_not_counted() -> None:
+    clock = _Clock()
+    counter = ConnectionCounter(1, clock=clock)
+    service = ConnectionCapService(counter, check_timeout_s=0.25)
+
+    async def check(port: int, context: _Context) -> bool:
+        reply = await service.Check(_check("10.0.0.1", port), cast(Any, context))
+        return bool(reply.status.code == 0)
+
+    assert await check(1, _Context(remaining=0.0))  # Envoy let it in uncounted
+    assert await check(2, _Context(remaining=0.2, cancelled=True))  # Envoy closed it
+    assert counter.counts().open == 0
+    assert counter.counts().late == 2
+    counter.closed("10.0.0.1", 3, at=clock.now - 0.01)
+    assert await check(3, _Context(remaining=0.2))  # arrived 50 ms ago: before the close
+    assert counter.counts().open == 0
+    counter.closed("10.0.0.1", 4, at=clock.now - 0.1)
+    assert await check(4, _Context(remaining=0.2))  # arrived after that close: counted
+    assert counter.counts().open == 1
+    assert not await check(5, _Context(remaining=0.2))  # and the cap holds
 
 
 def _config(tmp_path: Path, sim_port: int) -> Path:
@@ -139,5 +235,80 @@ async def test_the_connection_over_the_cap_is_refused_and_others_are_served(
     finally:
         for _reader, writer in held:
             writer.close()
+        await runtime.stop(grace_s=0)
+        await cluster.stop()
+
+
+@pytest.mark.integration
+async def test_a_reset_during_its_check_leaves_no_phantom_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real Envoy: a client from 127.0.0.3 resets right after its first bytes, and its check is
+    held until Envoy's report of the close has been handled (the order the race can take).
+    Before, that check was counted and the connection stayed in the table for good; now the
+    address is left with nothing counted and gets its LIMIT connections. A silent connection's
+    reported close time includes how long it was open (Envoy's start time plus duration)."""
+    held_checks: list[tuple[str, int]] = []
+    check = ConnectionCapService.Check
+
+    async def check_after_its_close(
+        self: ConnectionCapService, request: auth_pb2.CheckRequest, context: Any = None
+    ) -> auth_pb2.CheckResponse:
+        source = request.attributes.source.address.socket_address
+        if source.address != "127.0.0.3" or held_checks:
+            return await check(self, request, context)
+        held_checks.append((source.address, source.port_value))
+
+        async def after_the_close() -> auth_pb2.CheckResponse:
+            await _until(
+                lambda: self.counter.closed_unknown(source.address, source.port_value),
+                "the reset connection's close reported",
+            )
+            return await check(self, request, context)
+
+        # Shielded: Envoy cancels the check when the connection resets, and the handler must
+        # still run, late, as it does when it had started before the cancel came.
+        return await asyncio.shield(asyncio.ensure_future(after_the_close()))
+
+    monkeypatch.setattr(ConnectionCapService, "Check", check_after_its_close)
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
+    (sim,) = await cluster.start()
+    runtime = GatewayRuntime(ServeOptions(source=file_source([_config(tmp_path, sim.port)])))
+    await runtime.start()
+    held: list[Conn] = []
+    try:
+        assert runtime.config is not None
+        counter = runtime.conncap
+        assert counter is not None
+        port = runtime.config.spec.listeners.http
+        _, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.3", 0))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        await writer.drain()
+        await _until(lambda: held_checks, "its check under way")
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()  # a reset
+        await _until(lambda: counter.counts().late == 1, "the late check handled")
+        assert counter.counts().open == 0
+        for _ in range(LIMIT):
+            status, conn = await _request(port, "127.0.0.3")
+            assert status == b"HTTP/1.1 200 OK", status
+            held.append(conn)
+
+        # A silent connection (never checked) open for a while: its close time is its end.
+        opened_at = time.time()
+        _, silent = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.4", 0))
+        silent_port = silent.get_extra_info("sockname")[1]
+        await asyncio.sleep(0.5)
+        silent.close()
+        await _until(
+            lambda: counter.closed_unknown("127.0.0.4", silent_port), "the silent close reported"
+        )
+        closed_at = counter.closed_unknown("127.0.0.4", silent_port)
+        assert closed_at is not None
+        assert opened_at + 0.4 <= closed_at <= time.time()
+    finally:
+        for _reader, conn_writer in held:
+            conn_writer.close()
         await runtime.stop(grace_s=0)
         await cluster.stop()

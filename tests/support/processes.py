@@ -63,7 +63,9 @@ sys.exit(args.handler(args))
 """
 
 
-def poolkeeper(args: list[str], log_path: Path) -> Proc:
+def poolkeeper(args: list[str], log_path: Path, *, own_group: bool = False) -> Proc:
+    """`own_group`: in a process group of its own, as a shell starts a job (a terminal's
+    Ctrl-C goes to that whole group: `os.killpg(proc.process.pid, SIGINT)` does the same)."""
     log = log_path.open("wb")
     process = subprocess.Popen(
         [sys.executable, "-c", _RUNNER, *args],
@@ -71,6 +73,7 @@ def poolkeeper(args: list[str], log_path: Path) -> Proc:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        process_group=0 if own_group else None,
     )
     return Proc(process, log_path, log)
 

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from poolkeeper.envoy.process import EnvoyNotFound
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 
@@ -366,12 +366,7 @@ async def quickstart(
 
 async def _wait_for_stop(duration: float | None) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
+    remove_handlers = on_stop_signals(asyncio.get_running_loop(), stop.set)
     try:
         if duration is None:
             await stop.wait()
@@ -379,8 +374,7 @@ async def _wait_for_stop(duration: float | None) -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), duration)
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
+        remove_handlers()
 
 
 def run_quickstart(args: argparse.Namespace) -> int:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 import sys
 from typing import Any
 
 from poolkeeper.errors import ConfigError
+from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.sim.config import ServerSettings, build_fleet, load_fleet_file
 from poolkeeper.sim.params import DEFAULT_MODEL
 from poolkeeper.sim.server import SimCluster
@@ -124,10 +123,7 @@ def run_sim(args: argparse.Namespace) -> int:
 
 async def _serve(cluster: SimCluster) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    on_stop_signals(asyncio.get_running_loop(), stop.set)  # the loop ends with this function
     listening = await cluster.start()
     try:
         for where in listening:

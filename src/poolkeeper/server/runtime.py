@@ -10,7 +10,9 @@ load balancers go to a peer instead of being accepted and cut later; idle keep-a
 connections are closed), every request already accepted gets up to the grace period (default
 130 s, like upstream's chart) to finish, counted by Envoy itself and by the EPP's streams, then
 Envoy, the gRPC servers and the scrapers stop. grpc.aio does not
-stop on signals by itself, so `serve_until_signalled` installs its own SIGINT/SIGTERM handlers.
+stop on signals by itself, so `serve_until_signalled` installs its own handlers (SIGINT, SIGTERM,
+SIGHUP: `signals.py`). Envoy runs in a session of its own (`envoy/tether.py`), so a terminal's
+Ctrl-C reaches this process only, and this order is the one that runs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import contextlib
 import dataclasses
 import logging
 import random
-import signal
 import statistics
 import tempfile
 import time
@@ -59,6 +60,7 @@ from poolkeeper.scheduling.build import (
 )
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
+from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.server.transport import (
     Stoppable,
     export_transport,
@@ -369,7 +371,9 @@ class GatewayRuntime:
         if limit <= 0:
             return params
         self.conncap = counter = ConnectionCounter(limit)
-        server, port = build_conncap_server(counter, "127.0.0.1", self._epp_token)
+        server, port = build_conncap_server(
+            counter, "127.0.0.1", self._epp_token, params.conncap_timeout_s
+        )
         await server.start()
         self._grpc_servers.append(server)
         if self.metrics is not None:
@@ -555,6 +559,8 @@ class GatewayRuntime:
         self._stopped = True
         grace = self.options.drain_grace_s if grace_s is None else grace_s
         self.draining = True
+        if self.envoy is not None:
+            self.envoy.expect_exit()  # from here an exit of Envoy's is no crash to restart
         await self._stop_source()
         if grace > 0 and self.options.drain_timeout_s > 0:
             log.info("draining: ext_proc serves for %.0fs more", self.options.drain_timeout_s)
@@ -658,14 +664,9 @@ async def _envoy_active_requests(session: aiohttp.ClientSession, admin: str) -> 
 async def serve_until_signalled(
     runtime: GatewayRuntime, started: asyncio.Event | None = None
 ) -> None:
-    """Start, run until SIGINT/SIGTERM, then drain and stop."""
-    loop = asyncio.get_running_loop()
+    """Start, run until SIGINT, SIGTERM or SIGHUP, then drain and stop."""
     stop = asyncio.Event()
-    installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
+    remove_handlers = on_stop_signals(asyncio.get_running_loop(), stop.set)
     try:
         await runtime.start()
         if started is not None:
@@ -675,5 +676,4 @@ async def serve_until_signalled(
         # Handlers stay installed while draining: a second Ctrl-C must not interrupt the drain
         # with a KeyboardInterrupt halfway through stopping the servers.
         await runtime.stop()
-        for sig in installed:
-            loop.remove_signal_handler(sig)
+        remove_handlers()

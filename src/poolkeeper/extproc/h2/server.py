@@ -2,7 +2,8 @@
 
 `LeanServer` has grpc.aio.Server's lifecycle (`start`, `stop(grace)`), so the runtime stops
 both kinds alike. Stopping drains: the listener closes, every connection gets GOAWAY(NO_ERROR)
-naming the last stream it will finish, and after `grace` seconds whatever still runs is cut.
+naming the last stream it will finish, and after `grace` seconds whatever still runs is cut;
+connections still in their TLS handshake are closed at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ssl
 from collections.abc import Mapping
 
 from poolkeeper.extproc.h2.connection import Connection, Shared
+from poolkeeper.extproc.h2.handshakes import TlsHandshakes
 from poolkeeper.extproc.h2.limits import Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import Method
 
@@ -42,7 +44,11 @@ class LeanServer:
             stats=self.stats,
             token=token.encode() if token is not None else None,
         )
-        self._tls = tls
+        # With TLS, connections are accepted as plain TCP and upgraded, so that `stop` can
+        # close the ones still in their handshake (handshakes.py).
+        self._handshakes = (
+            TlsHandshakes(tls, lambda: Connection(self._shared)) if tls is not None else None
+        )
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -51,7 +57,10 @@ class LeanServer:
         loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(
-                lambda: Connection(self._shared), host, port, ssl=self._tls, reuse_address=True
+                self._handshakes or (lambda: Connection(self._shared)),
+                host,
+                port,
+                reuse_address=True,
             )
         except OSError as error:
             raise OSError(f"cannot bind the ext_proc server to {host}:{port}: {error}") from None
@@ -62,6 +71,10 @@ class LeanServer:
         """Nothing left to do: `listen` already serves (grpc.aio.Server's shape)."""
 
     @property
+    def handshakes_in_progress(self) -> int:
+        return self._handshakes.in_progress if self._handshakes is not None else 0
+
+    @property
     def active_streams(self) -> int:
         return sum(c.active for c in self._shared.connections)
 
@@ -70,6 +83,8 @@ class LeanServer:
         shared.draining = True
         if self._server is not None:
             self._server.close()
+        if self._handshakes is not None:
+            self._handshakes.abort_all()  # no stream to drain on them
         for connection in list(shared.connections):
             connection.goaway()
         if grace and shared.connections:

@@ -1,0 +1,34 @@
+"""The signals that stop the long-running commands (`serve`, `epp`, `sim`, `quickstart`).
+
+SIGINT (Ctrl-C), SIGTERM (a process manager, Kubernetes) and SIGHUP (the terminal closed) all
+mean "drain and stop", so a closed terminal drains as Ctrl-C does instead of killing the
+process halfway. Handlers run in the event loop (`loop.add_signal_handler`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+def on_stop_signals(
+    loop: asyncio.AbstractEventLoop, callback: Callable[[], object]
+) -> Callable[[], None]:
+    """Calls `callback` on each stop signal, where the loop can handle signals (not on Windows,
+    nor outside the main thread); returns the function that removes these handlers again."""
+    installed = []
+    for sig in STOP_SIGNALS:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, callback)
+            installed.append(sig)
+
+    def remove() -> None:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+    return remove

@@ -188,6 +188,9 @@ def test_an_uncontended_band_with_every_gauge_stale_fails_open_only_within_its_a
     # Sheddable's saturation dispatch fails open as before; `shed` holds as before.
     assert h.room([full], SHEDDABLE, NOW) == [full]
     assert _headroom(allStalePolicy="shed").room([at(2, 0)], STANDARD, NOW) is None
+    # Before the first scrape anywhere (a new pool), admission's fail-open as before.
+    never = state(4, inflight=50, updated_at=0.0)
+    assert h.room([never], STANDARD, NOW, contended=False) == [never]
     # A fresh gauge anywhere: the saturation limit judges, the in-flight bound does not.
     fresh = state(3, running=2, waiting=0, inflight=9)
     assert h.room([full, fresh], STANDARD, NOW, contended=False) == [full, fresh]

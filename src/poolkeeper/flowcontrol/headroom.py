@@ -106,7 +106,7 @@ class Headroom:
         `adapter`: as for `room` (a server running it has room past other adapters' deferred
         requests), so the narrowing keeps the servers that already run the request's adapter."""
         slot = self._slot(states, band, contended, sharing)
-        blind = self._maybe_blind(band) and self._all_stale(states, now)
+        blind = self._maybe_blind(band, states) and self._all_stale(states, now)
         if band.placement is Placement.SCHEDULER and not slot and not blind:
             return states
         below, _values, _blind = self._below(states, band, now, adapter, slot)
@@ -167,19 +167,19 @@ class Headroom:
         """Every endpoint's metrics are stale, and the EPP's own in-flight count (exact, and
         current without a scrape) judges instead of `allStalePolicy`'s fail-open: for `slot`
         dispatch once some server's batch is learned (`BatchSlots.can_start_blind`); for an
-        uncontended band with `dispatch: slot` under the `admit` policy, always, as the
-        saturation limit's allowance beyond the batch (`_maybe_blind`). Issue 35, live: on a
-        loaded machine the scraper fell 200 ms behind for a moment, every endpoint went
-        stale, the band failed open, and 23 requests of the busier model went at once into
-        the servers' own first-come-first-served queues (beta/alpha 0.18 in that run instead
-        of 1.0); and before the light model's first request (uncontended), the busier
-        model's first arrivals filled them up to 14 per 2-slot server, which took 7 s to
-        clear (live beta/alpha 0.90 at load 16-21)."""
+        uncontended band with `dispatch: slot` under the `admit` policy, once gauges have
+        come and gone stale, as the saturation limit's allowance beyond the batch
+        (`_maybe_blind`). Issue 35, live: on a loaded machine the scraper fell 200 ms behind
+        for a moment, every endpoint went stale, the band failed open, and 23 requests of the
+        busier model went at once into the servers' own first-come-first-served queues
+        (beta/alpha 0.18 in that run instead of 1.0); and before the light model's first
+        request (uncontended), the busier model's first arrivals filled them up to 14 per
+        2-slot server, which took 7 s to clear (live beta/alpha 0.90 at load 16-21)."""
         if not all(v == STALE for v in values):
             return False
         if slot:
             return any(self.slots.slots(s) is not None for s in states)
-        return self._maybe_blind(band)
+        return self._maybe_blind(band, states)
 
     def _all_stale(self, states: Sequence[EndpointState], now: float) -> bool:
         """Every endpoint's gauges are older than the staleness limit (`saturations`' STALE)."""
@@ -188,11 +188,17 @@ class Headroom:
             s.metrics.updated_at <= 0.0 or s.metrics.updated_at < fresh_since for s in states
         )
 
-    def _maybe_blind(self, band: BandConfig) -> bool:
+    def _maybe_blind(self, band: BandConfig, states: Sequence[EndpointState]) -> bool:
         """An uncontended band bounded by the in-flight count when every gauge is stale: a
         `dispatch: slot` band (not Sheddable's `saturation`) under `allStalePolicy: admit`
-        (with `shed` nothing is sent then anyway)."""
-        return band.dispatch is Dispatch.SLOT and self.detector.config.all_stale_policy == "admit"
+        (with `shed` nothing is sent then anyway), once some endpoint has been scraped: gauges
+        that went stale (a scraper late on a loaded machine), not the moment before the first
+        scrape, which stays as admission has it (and leaves virtual-time runs as they were)."""
+        return (
+            band.dispatch is Dispatch.SLOT
+            and self.detector.config.all_stale_policy == "admit"
+            and any(s.metrics.updated_at > 0.0 for s in states)
+        )
 
     def _allowance(self, band: BandConfig) -> float:
         """Requests the saturation limit lets wait at a server (`queueDepthThreshold` x

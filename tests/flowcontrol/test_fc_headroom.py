@@ -188,6 +188,13 @@ def test_an_uncontended_band_with_every_gauge_stale_fails_open_only_within_its_a
     # Sheddable's saturation dispatch fails open as before; `shed` holds as before.
     assert h.room([full], SHEDDABLE, NOW) == [full]
     assert _headroom(allStalePolicy="shed").room([at(2, 0)], STANDARD, NOW) is None
+    # A server whose queue holds adapter-deferred requests: its in-flight count says nothing
+    # about its batch (as for slot dispatch, `deferring`), so it fails open as before.
+    lora = state(
+        5, running=2, waiting=9, active=("a",), queued_adapters=("a", "b"), inflight=30,
+        updated_at=stale,
+    )  # fmt: skip
+    assert h.room([full, lora], STANDARD, NOW, contended=False) == [lora]
     # Before the first scrape anywhere (a new pool), admission's fail-open as before.
     never = state(4, inflight=50, updated_at=0.0)
     assert h.room([never], STANDARD, NOW, contended=False) == [never]

@@ -232,6 +232,8 @@ class Headroom:
         """Room on one endpoint: below the band's limit (for `slot`, the KV part only) and,
         for `slot`, a free batch slot (`BatchSlots.can_start`). `blind` (`_blind`): by the
         EPP's in-flight count only (`BatchSlots.can_start_blind`)."""
+        if blind and not slot and self.slots.deferring(state):
+            return True  # its in-flight count includes adapter-deferred requests: fail open
         if blind:
             return self.slots.can_start_blind(state, None if slot else self._allowance(band))
         if not value < band.saturation_limit:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
 from poolkeeper.flowcontrol.headroom import Headroom
@@ -158,8 +159,48 @@ def test_slot_dispatch_with_every_gauge_stale_trusts_the_learned_batches() -> No
     assert list(h.within([freed, unknown], STANDARD, NOW)) == [freed]
     # Nothing learned anywhere: fail open as before (admit), or hold (reject policy).
     assert _headroom().room([unknown], STANDARD, NOW) == [unknown]
-    # Uncontended (`dispatch: slot` applies only while flows contend): as before.
+    # Uncontended (`dispatch: slot` applies only while flows contend): the saturation
+    # limit's allowance (6 waiting) beyond the batch, by the in-flight count (below).
     assert h.room([busy, unknown], STANDARD, NOW, contended=False) == [busy, unknown]
+
+
+def test_an_uncontended_band_with_every_gauge_stale_fails_open_only_within_its_allowance() -> None:
+    """Issue 35, live: before the light model's first request the band is uncontended and the
+    saturation limit decides; with every gauge stale it failed open, and the busier model's
+    first arrivals filled the servers' own queues up to 14 per 2-slot server (7 s to clear).
+    Now the EPP's in-flight count bounds it: the batch (learned, or the most seen running)
+    plus the allowance of 6 waiting requests; Sheddable (`dispatch: saturation`) and the
+    `shed` policy are as before."""
+    h = _headroom()
+    for age in (0.2, 0.1):  # pod1 learned full at 2 slots
+        h.fits([state(1, running=2, waiting=2, inflight=4, updated_at=NOW - age)], STANDARD, NOW)
+    stale = NOW - 10.0
+
+    def at(i: int, inflight: int) -> EndpointState:
+        running = 2 if i == 1 else 0  # pod2 never seen running
+        return state(i, running=running, waiting=1, inflight=inflight, updated_at=stale)
+
+    full, roomy = at(1, 8), at(2, 5)  # pod1: 2 + 6 in flight; pod2: 0 + 5 < 6
+    assert h.room([full, roomy], STANDARD, NOW, contended=False) == [roomy]
+    assert list(h.within([full, roomy], STANDARD, NOW, contended=False)) == [roomy]
+    assert h.room([full, at(2, 6)], STANDARD, NOW, contended=False) is None
+    assert h.room([at(1, 7), at(2, 6)], STANDARD, NOW, contended=False) == [at(1, 7)]
+    # Sheddable's saturation dispatch fails open as before; `shed` holds as before.
+    assert h.room([full], SHEDDABLE, NOW) == [full]
+    assert _headroom(allStalePolicy="shed").room([at(2, 0)], STANDARD, NOW) is None
+    # A server whose queue holds adapter-deferred requests: its in-flight count says nothing
+    # about its batch (as for slot dispatch, `deferring`), so it fails open as before.
+    lora = state(
+        5, running=2, waiting=9, active=("a",), queued_adapters=("a", "b"), inflight=30,
+        updated_at=stale,
+    )  # fmt: skip
+    assert h.room([full, lora], STANDARD, NOW, contended=False) == [lora]
+    # Before the first scrape anywhere (a new pool), admission's fail-open as before.
+    never = state(4, inflight=50, updated_at=0.0)
+    assert h.room([never], STANDARD, NOW, contended=False) == [never]
+    # A fresh gauge anywhere: the saturation limit judges, the in-flight bound does not.
+    fresh = state(3, running=2, waiting=0, inflight=9)
+    assert h.room([full, fresh], STANDARD, NOW, contended=False) == [full, fresh]
 
 
 def test_a_queue_of_deferred_adapter_requests_never_teaches_a_full_batch() -> None:

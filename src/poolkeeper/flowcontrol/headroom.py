@@ -6,7 +6,8 @@ definition, with the thresholds, in-flight counting and freshness of admission's
 `saturationLimit`. Per endpoint, not the pool
 average: a request is never held while one eligible endpoint has room. Stale endpoints have no
 headroom; when every endpoint is stale the detector knows nothing and `allStalePolicy`
-decides (`admit`, the default: fail open, as admission does). No endpoints: yes, so the
+decides (`admit`, the default: fail open, as admission does; a `dispatch: slot` band only as
+far as the EPP's own in-flight count allows, `_blind`). No endpoints: yes, so the
 scheduler answers 503 at once instead of the request waiting for its TTL. For a band with
 `placement: headroom` (Sheddable), `within` narrows the candidates of a dispatched request to
 the endpoints with headroom; other bands leave placement to the scheduler. `adapter` (the
@@ -77,11 +78,13 @@ class Headroom:
         if below and keep > 0 and slot and not self._room_besides(below, keep):
             return None
         if below:
-            if len(below) == len(states) or (band.placement is Placement.SCHEDULER and not slot):
+            if len(below) == len(states) or (
+                band.placement is Placement.SCHEDULER and not slot and not blind
+            ):
                 return list(states)
             return below
         if blind:
-            return None  # every learned batch is busy: the EPP's exact in-flight count says so
+            return None  # every server is busy by the EPP's exact in-flight count
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
             return list(states)
         return None
@@ -103,7 +106,8 @@ class Headroom:
         `adapter`: as for `room` (a server running it has room past other adapters' deferred
         requests), so the narrowing keeps the servers that already run the request's adapter."""
         slot = self._slot(states, band, contended, sharing)
-        if band.placement is Placement.SCHEDULER and not slot:
+        blind = self._maybe_blind(band, states) and self._all_stale(states, now)
+        if band.placement is Placement.SCHEDULER and not slot and not blind:
             return states
         below, _values, _blind = self._below(states, band, now, adapter, slot)
         return below if below and len(below) < len(states) else states
@@ -145,7 +149,7 @@ class Headroom:
         """The endpoints with room (`_open`), the saturation values, and whether the check
         was blind (`_blind`)."""
         values = self._values(states, band, now, adapter, slot)
-        blind = slot and self._blind(states, values)
+        blind = self._blind(states, values, band, slot)
         below = [
             s
             for s, v in zip(states, values, strict=True)
@@ -153,16 +157,54 @@ class Headroom:
         ]
         return below, values, blind
 
-    def _blind(self, states: Sequence[EndpointState], values: Sequence[float]) -> bool:
-        """Every endpoint's metrics are stale but some server's batch is learned: the learned
-        slots and the EPP's own in-flight count (exact, and current without a scrape) judge
-        those servers instead of `allStalePolicy`'s fail-open. Issue 35, live: on a loaded
-        machine the scraper fell 200 ms behind for a moment, every endpoint went stale, the
-        band failed open, and 23 requests of the busier model went at once into the servers'
-        own first-come-first-served queues (beta/alpha 0.18 in that run instead of 1.0)."""
-        return all(v == STALE for v in values) and any(
-            self.slots.slots(s) is not None for s in states
+    def _blind(
+        self,
+        states: Sequence[EndpointState],
+        values: Sequence[float],
+        band: BandConfig,
+        slot: bool,
+    ) -> bool:
+        """Every endpoint's metrics are stale, and the EPP's own in-flight count (exact, and
+        current without a scrape) judges instead of `allStalePolicy`'s fail-open: for `slot`
+        dispatch once some server's batch is learned (`BatchSlots.can_start_blind`); for an
+        uncontended band with `dispatch: slot` under the `admit` policy, once gauges have
+        come and gone stale, as the saturation limit's allowance beyond the batch
+        (`_maybe_blind`). Issue 35, live: on a loaded machine the scraper fell 200 ms behind
+        for a moment, every endpoint went stale, the band failed open, and 23 requests of the
+        busier model went at once into the servers' own first-come-first-served queues
+        (beta/alpha 0.18 in that run instead of 1.0); and before the light model's first
+        request (uncontended), the busier model's first arrivals filled them up to 14 per
+        2-slot server, which took 7 s to clear (live beta/alpha 0.90 at load 16-21)."""
+        if not all(v == STALE for v in values):
+            return False
+        if slot:
+            return any(self.slots.slots(s) is not None for s in states)
+        return self._maybe_blind(band, states)
+
+    def _all_stale(self, states: Sequence[EndpointState], now: float) -> bool:
+        """Every endpoint's gauges are older than the staleness limit (`saturations`' STALE)."""
+        fresh_since = now - self.detector.staleness_s
+        return all(
+            s.metrics.updated_at <= 0.0 or s.metrics.updated_at < fresh_since for s in states
         )
+
+    def _maybe_blind(self, band: BandConfig, states: Sequence[EndpointState]) -> bool:
+        """An uncontended band bounded by the in-flight count when every gauge is stale: a
+        `dispatch: slot` band (not Sheddable's `saturation`) under `allStalePolicy: admit`
+        (with `shed` nothing is sent then anyway), once some endpoint has been scraped: gauges
+        that went stale (a scraper late on a loaded machine), not the moment before the first
+        scrape, which stays as admission has it (and leaves virtual-time runs as they were)."""
+        return (
+            band.dispatch is Dispatch.SLOT
+            and self.detector.config.all_stale_policy == "admit"
+            and any(s.metrics.updated_at > 0.0 for s in states)
+        )
+
+    def _allowance(self, band: BandConfig) -> float:
+        """Requests the saturation limit lets wait at a server (`queueDepthThreshold` x
+        `saturationLimit`: 6 for Standard)."""
+        queue = band.queue_depth_threshold or self.detector.config.queue_depth_threshold
+        return queue * band.saturation_limit
 
     def _room_besides(self, states: Sequence[EndpointState], keep: int) -> bool:
         """Room for a request beside the `keep` places held for other flows (the dispatcher's
@@ -188,16 +230,17 @@ class Headroom:
         blind: bool = False,
     ) -> bool:
         """Room on one endpoint: below the band's limit (for `slot`, the KV part only) and,
-        for `slot`, a free batch slot (`BatchSlots.can_start`). `blind` (`_blind`): only a
-        learned batch with a free slot by the EPP's in-flight count."""
+        for `slot`, a free batch slot (`BatchSlots.can_start`). `blind` (`_blind`): by the
+        EPP's in-flight count only (`BatchSlots.can_start_blind`)."""
+        if blind and not slot and self.slots.deferring(state):
+            return True  # its in-flight count includes adapter-deferred requests: fail open
         if blind:
-            return self.slots.can_start_blind(state)
+            return self.slots.can_start_blind(state, None if slot else self._allowance(band))
         if not value < band.saturation_limit:
             return False
         if not slot:
             return True
-        queue = band.queue_depth_threshold or self.detector.config.queue_depth_threshold
-        return self.slots.can_start(state, queue * band.saturation_limit, adapter)
+        return self.slots.can_start(state, self._allowance(band), adapter)
 
     def _values(
         self,

@@ -123,10 +123,15 @@ class BatchSlots:
             return True  # the queue is other adapters' deferred requests (load.py)
         return m.waiting < queue
 
-    def can_start_blind(self, state: EndpointState) -> bool:
-        """Without fresh gauges: whether `state`'s server has a free slot by its learned full
-        batch and the EPP's own in-flight count (False while no full batch is learned)."""
+    def can_start_blind(self, state: EndpointState, queue: float | None = None) -> bool:
+        """Without fresh gauges, by the EPP's own in-flight count at `state`'s server. `queue`
+        None (slot dispatch): whether it has a free slot by its learned full batch (False
+        while none is learned). With `queue` (an uncontended band: the saturation limit's
+        allowance of waiting requests): whether fewer than the batch (learned, or the most
+        seen running) plus `queue` are in flight there."""
         entry = self._seen.get(state.key)
+        if queue is not None:
+            return state.inflight_requests < (0 if entry is None else entry.slots) + queue
         return entry is not None and entry.full and state.inflight_requests < _cap(entry.slots)
 
     def deferring(self, state: EndpointState) -> bool:

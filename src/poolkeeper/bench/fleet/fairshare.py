@@ -12,7 +12,11 @@ of its length ("the probe"): it must be served.
 Per policy, over the last two thirds of the run: served tokens per model per second (a
 request's prompt when its first token comes, its output spread over its decoding:
 `served_in`), beta/alpha, Jain's index over the two models' tokens,
-goodput (all tokens per second), Standard refusals by rule, the probe's outcome and TTFT.
+goodput (all tokens per second) and output tokens per second alone, Standard refusals by
+rule, the probe's outcome and TTFT. Output tokens are the fleet's work: a 32-token prompt
+costs the engine about a quarter of one decode step, while each output token holds a batch
+slot for a whole step, so a policy that serves the short-answer model more counts more
+tokens with the same work (token-weighted cells: `format_grid` shows both ratios).
 Policies: `poolkeeper` (the default `spec.flowControl`), `poolkeeper-pre35` (the defaults
 before issue 35: `dispatch: saturation`, Standard's `lifoAfterMs` 200 and `overloadTtlMs` 300
 applied whenever a queue stands, `onlyWhileGrowing: false`),
@@ -182,6 +186,7 @@ def run_case(case: FairCase, policy_name: str, seed: int = 1) -> dict[str, Any]:
     )  # fmt: skip
     lo, hi = case.duration_s / 3, case.duration_s
     served = dict.fromkeys((ALPHA, BETA), 0.0)
+    output = 0.0
     probe: dict[str, Any] = {"status": "missing"}
     refused: Counter[str] = Counter()
     ok: Counter[str] = Counter()
@@ -200,9 +205,9 @@ def run_case(case: FairCase, policy_name: str, seed: int = 1) -> dict[str, Any]:
             served[request.model] += served_in(
                 lo, hi, first, r.finish, r.prompt_tokens, r.completion_tokens
             )
-    return {"policy": policy_name} | case_summary(
-        served, hi - lo, ok, refused, probe, len(result.requests)
-    )
+            output += served_in(lo, hi, first, r.finish, 0, r.completion_tokens)
+    summary = case_summary(served, hi - lo, ok, refused, probe, len(result.requests))
+    return {"policy": policy_name} | summary | {"output_tok_s": output / (hi - lo)}
 
 
 def served_in(lo: float, hi: float, first: float, finish: float, prompt: int, output: int) -> float:
@@ -317,17 +322,21 @@ def run_grid(
 
 
 def format_grid(data: dict[str, Any]) -> str:
-    """One line per case: poolkeeper's beta/alpha, Jain's index and goodput against the best
-    non-fair policy, Standard refusals and the Critical probe; Jain's index of the others."""
+    """One line per case: poolkeeper's beta/alpha, Jain's index, goodput and output tokens per
+    second against the best non-fair policy's, Standard refusals and the Critical probe;
+    Jain's index of the others."""
     lines = []
+    others = [n for n in POLICIES if n != "poolkeeper"]
     for row in data["rows"]:
         p = row["poolkeeper"]
-        best = max(row[n]["goodput_tok_s"] for n in POLICIES if n != "poolkeeper")
+        best = max(row[n]["goodput_tok_s"] for n in others)
+        best_out = max(row[n].get("output_tok_s", 0.0) for n in others)
+        out = p.get("output_tok_s", 0.0) / best_out if best_out else math.nan
         probe = p["probe"]
         ttft = probe.get("ttft_s")
         lines.append(
             f"| {row['case']} | {p['beta_to_alpha']:.2f} | {p['jain']:.3f} | "
-            f"{p['goodput_tok_s'] / best:.3f} | {p['standard_refused']} | "
+            f"{p['goodput_tok_s'] / best:.3f} | {out:.3f} | {p['standard_refused']} | "
             f"{probe['status']} {'' if ttft is None else f'{ttft * 1000:.0f} ms'} | "
             f"{row['poolkeeper-pre35']['jain']:.3f} | {row['poolkeeper-shed']['jain']:.3f} |"
         )
@@ -335,6 +344,7 @@ def format_grid(data: dict[str, Any]) -> str:
 
 
 GRID_HEADER = (
-    "| fleet, loop, tokens | beta/alpha | Jain | goodput / best non-fair | Standard refused "
-    "| Critical probe | Jain pre-35 | Jain shed |\n|---|---|---|---|---|---|---|---|"
+    "| fleet, loop, tokens | beta/alpha | Jain | goodput / best non-fair | output tokens / best "
+    "| Standard refused | Critical probe | Jain pre-35 | Jain shed |\n"
+    "|---|---|---|---|---|---|---|---|---|"
 )

@@ -530,3 +530,25 @@ def test_the_overload_rules_spare_a_closed_population_and_hold_an_open_loop() ->
     assert _growth_case(False, clients=40)[0] > 0  # the rules as before issue 35
     expired, _sent = _growth_case(True, clients=None)
     assert expired > 50
+
+
+def test_growth_marks_of_one_off_flows_are_bounded() -> None:
+    """Each request under a new fairness id (client-chosen names) must not leave a growth
+    mark behind for good: the table keeps live flows and those of the last two windows."""
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    for i in range(5000):
+        now = i * 0.01  # 100 new flows per second
+        item = _item(f"r{i}", flow=f"tenant-{i}")
+        assert d.submit(item, now, always) is Submitted.DISPATCH
+        d.dispatched(item)
+        d.completed(item.flow, S, 5, now)
+    marks = d._bands[S].marks  # the table under test
+    assert len(marks) <= 1024
+    # A flow still running keeps its mark whatever its age.
+    live = _item("live", flow="live")
+    d.submit(live, 50.0, always)
+    d.dispatched(live)
+    for i in range(5000, 7000):
+        d.submit(_item(f"r{i}", flow=f"tenant-{i}"), 100.0 + i * 0.01, always)
+    assert "live" in d._bands[S].marks
+    assert len(d._bands[S].marks) <= 1024 + 1

@@ -254,6 +254,8 @@ class _Band(Generic[T]):
         n = len(self.flows.get(flow, ())) + self.running.get(flow, 0) + 1
         mark = self.marks.get(flow)
         if mark is None:
+            if len(self.marks) >= _MAX_RECENT:
+                self._forget_idle_marks(now)
             mark = self.marks[flow] = [now, n, 0.0, 0.0, -math.inf]
         _roll(mark, now, n)
         total = self.count + sum(self.running.values()) + 1
@@ -271,6 +273,20 @@ class _Band(Generic[T]):
             and (self.growing(flow) or self.band_growing())
         ):
             self.overload_at[flow] = now
+
+    def _forget_idle_marks(self, now: float) -> None:
+        """Drop the growth marks of flows with nothing waiting or running whose last window
+        began two windows ago: flows are whatever clients name (a fairness id, a model name),
+        so without this a stream of one-off names grows the table without bound. Such a mark
+        says nothing current (its flow's next arrival would compare against a count from
+        before its idle spell); the table then holds the live flows plus those seen in the
+        last two windows."""
+        stale = now - 2 * GROWTH_WINDOW_S
+        self.marks = {
+            f: m
+            for f, m in self.marks.items()
+            if f in self.flows or f in self.running or m[0] > stale
+        }
 
     def deadline_of(self, item: FlowItem[T]) -> float:
         """When `item` times out: its TTL, or with `onlyWhileGrowing` the overload TTL once

@@ -96,7 +96,8 @@ def _sent_at_ms(common: Any) -> float | None:
     Envoy's own timing: no Lua on the request path has to stamp it."""
     if not (common.HasField("start_time") and common.HasField("time_to_first_upstream_tx_byte")):
         return None
-    sent = common.start_time.ToNanoseconds() + common.time_to_first_upstream_tx_byte.ToNanoseconds()
+    sent: int = common.start_time.ToNanoseconds()
+    sent += common.time_to_first_upstream_tx_byte.ToNanoseconds()
     return sent / 1e6
 
 

@@ -100,10 +100,17 @@ def test_an_entry_becomes_its_outcome() -> None:
 def test_the_first_byte_is_timed_from_envoys_first_upstream_byte() -> None:
     """No Lua stamp on the request path: the request left when Envoy sent its first byte
     upstream; an entry without that timing (nothing was sent) has no first-byte time."""
-    fields = {wire.FIRST_BYTE_AT: 2_000.5}
+    fields = {wire.FIRST_BYTE_AT: 2_000.0}
     parsed = outcome_of(_entry(fields=fields, sent_at_ms=1_990))
     assert parsed is not None
-    assert parsed[1].first_byte_after_s == pytest.approx(0.0105)
+    assert parsed[1].first_byte_after_s == pytest.approx(0.010)
+    # Sent 0.7 ms into a millisecond whose stamp the first byte shares: 0 s, not -0.7 ms.
+    entry = _entry(fields=fields)
+    entry.common_properties.start_time.FromNanoseconds(1_999_000_000)
+    entry.common_properties.time_to_first_upstream_tx_byte.FromNanoseconds(1_700_000)
+    parsed = outcome_of(entry)
+    assert parsed is not None
+    assert parsed[1].first_byte_after_s == 0.0
     parsed = outcome_of(_entry(fields=fields))
     assert parsed is not None
     assert parsed[1].first_byte_after_s is None

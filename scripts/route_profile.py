@@ -85,9 +85,11 @@ def access_log_entry(key: str, upstream_port: int) -> accesslog_pb2.HTTPAccessLo
     entry = accesslog_pb2.HTTPAccessLogEntry()
     common = entry.common_properties
     common.metadata.filter_metadata[wire.NAMESPACE].update(
-        {wire.EXCHANGE: key, wire.SENT_AT: 1000.0, wire.FIRST_BYTE_AT: 1002.5,
+        {wire.EXCHANGE: key, wire.FIRST_BYTE_AT: 1002.5,
          wire.PROMPT_TOKENS: 9, wire.COMPLETION_TOKENS: 1, wire.EVENTS: 0, wire.DONE_EVENTS: 0}
     )  # fmt: skip
+    common.start_time.FromMilliseconds(990)
+    common.time_to_first_upstream_tx_byte.FromMilliseconds(10)
     address = common.upstream_remote_address.socket_address
     address.address, address.port_value = "127.0.0.1", upstream_port
     common.time_to_last_downstream_tx_byte.FromMilliseconds(3)

@@ -15,8 +15,9 @@ NAMESPACE = "poolkeeper"
 EXCHANGE = "exchange"  # the EPP's key for the detached exchange (string)
 RESPONSE_PATH = "response"  # VIA_EPP: the EPP processes this response (it rewrites it)
 VIA_EPP = "epp"
-SENT_AT = "t0"  # ms (Envoy's clock) when the routed request went on towards the model server
-FIRST_BYTE_AT = "first"  # ms when the first response body byte passed
+# When the request went on to the model server comes from the access-log entry's own timing
+# (start_time + time_to_first_upstream_tx_byte): no key for it.
+FIRST_BYTE_AT = "first"  # ms (Envoy's clock) when the first response body byte passed
 PROMPT_TOKENS = "prompt"  # the last OpenAI `usage` object's counts, when the response had one
 COMPLETION_TOKENS = "completion"
 CACHED_TOKENS = "cached"

@@ -58,6 +58,26 @@ def test_the_bootstrap_dials_a_tls_epp_as_upstreams_preset() -> None:
     }
 
 
+async def tls_epp(
+    transport: str, servicer: ExtProcServicer, health: HealthService, settings: TlsSettings
+) -> tuple[Stoppable, int]:
+    """The EPP's ext_proc port serving TLS on `transport`, started; (server, port)."""
+    if transport == "lean":
+        lean = await start_lean(
+            servicer, "127.0.0.1", free_port(), tls=ssl_context(settings),
+            more=health_methods(health),
+        )  # fmt: skip
+        return lean, lean.port
+    server, port = build_server(
+        servicer,
+        f"127.0.0.1:{free_port()}",
+        extra=health.register,
+        credentials=server_credentials(settings),
+    )
+    await server.start()
+    return server, port
+
+
 async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path, transport: str) -> None:
     backends = [Backend("a"), Backend("b")]
     for b in backends:
@@ -65,21 +85,7 @@ async def test_envoy_routes_through_an_epp_serving_tls(tmp_path: Path, transport
     health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
     servicer = ExtProcServicer(RoundRobinRouter(backends))
     settings = TlsSettings(secure_serving=True)
-    server: Stoppable
-    if transport == "lean":
-        server = lean = await start_lean(
-            servicer, "127.0.0.1", free_port(), tls=ssl_context(settings),
-            more=health_methods(health),
-        )  # fmt: skip
-        epp_port = lean.port
-    else:
-        server, epp_port = build_server(
-            servicer,
-            f"127.0.0.1:{free_port()}",
-            extra=health.register,
-            credentials=server_credentials(settings),
-        )
-        await server.start()
+    server, epp_port = await tls_epp(transport, servicer, health, settings)
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([b.hostport for b in backends])
     params = rig_params(backends, epp_port, endpoints.path, fail_open=False)
@@ -162,10 +168,10 @@ async def check(channel: grpc.aio.Channel) -> None:
 
 @pytest.mark.parametrize("presents", [True, False], ids=["client-cert", "no-client-cert"])
 async def test_envoy_with_a_client_certificate_passes_an_epp_requiring_one(
-    tmp_path: Path, presents: bool
+    tmp_path: Path, presents: bool, transport: str
 ) -> None:
     """`--client-ca-file`: the Envoy given a certificate of the CA routes; one without fails
-    closed (no ext_proc stream can open), the EPP never answering it."""
+    closed (no ext_proc stream can open), the EPP never answering it; on both transports."""
     backends = [Backend("a")]
     await backends[0].start()
     ca, ca_key = make_ca("envoy-client-ca")
@@ -173,13 +179,8 @@ async def test_envoy_with_a_client_certificate_passes_an_epp_requiring_one(
     (tmp_path / "ca.crt").write_bytes(ca.cert)
     health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
     settings = TlsSettings(secure_serving=True, client_ca_file=tmp_path / "ca.crt")
-    server, epp_port = build_server(
-        ExtProcServicer(RoundRobinRouter(backends)),
-        f"127.0.0.1:{free_port()}",
-        extra=health.register,
-        credentials=server_credentials(settings),
-    )
-    await server.start()
+    servicer = ExtProcServicer(RoundRobinRouter(backends))
+    server, epp_port = await tls_epp(transport, servicer, health, settings)
     endpoints = EndpointsFile(tmp_path / "endpoints.json")
     endpoints.write([b.hostport for b in backends])
     params = rig_params(backends, epp_port, endpoints.path, fail_open=False)

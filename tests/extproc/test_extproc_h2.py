@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import hpack
 import pytest
+from prometheus_client import CollectorRegistry
 
 from poolkeeper.extproc.h2 import frames as f
 from poolkeeper.extproc.h2.headers import HeaderDecoder, table_neutral
@@ -27,6 +28,7 @@ from poolkeeper.extproc.h2.rpc import (
     envelope,
 )
 from poolkeeper.extproc.h2.server import tls_context
+from poolkeeper.server.transport import export_transport
 from tests.extproc.h2_peer import PATH, Peer, echo_method, goaway_code, lean
 
 pytestmark = pytest.mark.integration
@@ -109,6 +111,28 @@ async def test_control_frame_floods_close_the_connection(flood: bytes) -> None:
         assert goaway_code(await peer.until(f.GOAWAY)) == f.ENHANCE_YOUR_CALM
         assert server.stats.goaways == {"enhance_your_calm": 1}
         await peer.close()
+
+
+async def test_the_counters_are_exported_as_prometheus_metrics() -> None:
+    """What `serve` exports for the lean transport (server/transport.py): streams, refused
+    ones, and GOAWAYs by reason, read from the server's counters at scrape time."""
+    limits = Limits(control_burst=100, control_per_s=0.0)
+    async with lean(limits=limits) as server:
+        registry = CollectorRegistry()
+        export_transport(registry, server)
+        peer = await Peer.connect(server.port)
+        sid = peer.open()
+        peer.message(sid, b"x", end_stream=True)
+        assert (await peer.response(sid))[1]["grpc-status"] == "0"
+        peer.send(f.frame(f.PING, 0, 0, b"12345678") * 150)
+        assert goaway_code(await peer.until(f.GOAWAY)) == f.ENHANCE_YOUR_CALM
+        await peer.close()
+        value = registry.get_sample_value
+        assert value("poolkeeper_extproc_transport_streams_total") == 1
+        assert value("poolkeeper_extproc_transport_connections_total") == 1
+        labels = {"reason": "enhance_your_calm"}
+        assert value("poolkeeper_extproc_transport_goaways_total", labels) == 1
+        assert value("poolkeeper_extproc_transport_handler_errors_total") == 0
 
 
 async def test_pings_within_the_allowance_are_answered() -> None:

@@ -102,3 +102,37 @@ async def test_a_reply_is_written_when_its_handler_waits_for_more_input() -> Non
     ended, replied = await _burst(wait_for_more=True)
     assert replied
     assert not ended  # the handler still runs: no trailers yet
+
+
+async def test_a_large_reply_is_written_before_the_handler_makes_the_next() -> None:
+    """A body sent back in 62 KB pieces goes on to Envoy piece by piece, not all at the end."""
+    transport = _Transport()
+    written: list[int] = []
+
+    async def handler(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for _ in requests:
+            yield b"x" * 62_000
+            written.append(len(transport.out))
+            yield b"small"
+            written.append(len(transport.out))
+            return
+
+    shared = Shared({PATH.encode(): echo_method(handler)}, Limits(), TransportStats())
+    connection = Connection(shared)
+    connection.connection_made(transport)
+    block = hpack.Encoder().encode(
+        [(":method", "POST"), (":path", PATH), ("content-type", "application/grpc")]
+    )
+    connection.data_received(
+        f.PREFACE
+        + f.settings({})
+        + f.frame(f.HEADERS, f.END_HEADERS, 1, block)
+        + f.frame(f.DATA, f.END_STREAM, 1, grpc_message(b"go"))
+    )
+    for _ in range(3):
+        await asyncio.sleep(0)
+    connection.connection_lost(None)
+    await asyncio.sleep(0)
+    assert written[0] > 62_000  # the large reply left before the next was made
+    assert written[1] == written[0]  # a small one waits for the end of the step
+    assert _ended(bytes(transport.out), 1)

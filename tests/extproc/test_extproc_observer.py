@@ -47,7 +47,10 @@ def _entry(
     status: int = 200,
     fields: Mapping[str, object] | None = None,
     flags: tuple[str, ...] = (),
+    sent_at_ms: int | None = None,
 ) -> accesslog_pb2.HTTPAccessLogEntry:
+    """An entry as Envoy logs it; `sent_at_ms`: the request went upstream then (Envoy's
+    timing: the stream's start, 7 ms before, plus its time to the first upstream byte)."""
     entry = accesslog_pb2.HTTPAccessLogEntry()
     entry.response.response_code.value = status
     entry.response.response_body_bytes = 321
@@ -59,6 +62,9 @@ def _entry(
     common.upstream_remote_address.socket_address.address = "10.0.0.2"
     common.upstream_remote_address.socket_address.port_value = 8000
     common.time_to_last_downstream_tx_byte.FromMilliseconds(250)
+    if sent_at_ms is not None:
+        common.start_time.FromMilliseconds(sent_at_ms - 7)
+        common.time_to_first_upstream_tx_byte.FromMilliseconds(7)
     for flag in flags:
         setattr(common.response_flags, flag, True)
     return entry
@@ -66,7 +72,6 @@ def _entry(
 
 def test_an_entry_becomes_its_outcome() -> None:
     fields = {
-        wire.SENT_AT: 1_000.0,
         wire.FIRST_BYTE_AT: 1_040.0,
         wire.PROMPT_TOKENS: 12,
         wire.COMPLETION_TOKENS: 30,
@@ -74,14 +79,14 @@ def test_an_entry_becomes_its_outcome() -> None:
         wire.EVENTS: 32,
         wire.DONE_EVENTS: 1,
     }
-    parsed = outcome_of(_entry(fields=fields))
+    parsed = outcome_of(_entry(fields=fields, sent_at_ms=1_000))
     assert parsed is not None
     key, outcome = parsed
     assert key == "k-1"
     assert outcome == Outcome(
         status=200,
         served="10.0.0.2:8000",
-        first_byte_after_s=0.04,  # (1040 - 1000) ms
+        first_byte_after_s=0.04,  # (1040 - 1000) ms: the first byte after the request went
         prompt_tokens=12,
         completion_tokens=30,
         cached_tokens=8,
@@ -90,6 +95,29 @@ def test_an_entry_becomes_its_outcome() -> None:
         response_bytes=321,
         duration_s=0.25,
     )
+
+
+def test_the_first_byte_is_timed_from_envoys_first_upstream_byte() -> None:
+    """No Lua stamp on the request path: the request left when Envoy sent its first byte
+    upstream; an entry without that timing (nothing was sent) has no first-byte time."""
+    fields = {wire.FIRST_BYTE_AT: 2_000.0}
+    parsed = outcome_of(_entry(fields=fields, sent_at_ms=1_990))
+    assert parsed is not None
+    assert parsed[1].first_byte_after_s == pytest.approx(0.010)
+    # Sent 0.7 ms into a millisecond whose stamp the first byte shares: 0 s, not -0.7 ms.
+    entry = _entry(fields=fields)
+    entry.common_properties.start_time.FromNanoseconds(1_999_000_000)
+    entry.common_properties.time_to_first_upstream_tx_byte.FromNanoseconds(1_700_000)
+    parsed = outcome_of(entry)
+    assert parsed is not None
+    assert parsed[1].first_byte_after_s == 0.0
+    parsed = outcome_of(_entry(fields=fields))
+    assert parsed is not None
+    assert parsed[1].first_byte_after_s is None
+    # A clock that went backwards (a first byte before the request left) is no time at all.
+    parsed = outcome_of(_entry(fields=fields, sent_at_ms=2_100))
+    assert parsed is not None
+    assert parsed[1].first_byte_after_s is None
 
 
 @pytest.mark.parametrize(
@@ -248,9 +276,10 @@ async def test_a_routed_request_leaves_the_stream_and_its_log_entry_completes_it
 
         # Envoy's access log: one message carrying this request's entry and a stranger's.
         stub = als_pb2_grpc.AccessLogServiceStub(channel)
-        fields = {wire.SENT_AT: 10.0, wire.FIRST_BYTE_AT: 35.0, wire.COMPLETION_TOKENS: 9}
+        fields = {wire.FIRST_BYTE_AT: 35.0, wire.COMPLETION_TOKENS: 9}
         message = als_pb2.StreamAccessLogsMessage()
-        message.http_logs.log_entry.extend([_entry(key, fields=fields), _entry("other")])
+        entry = _entry(key, fields=fields, sent_at_ms=10)
+        message.http_logs.log_entry.extend([entry, _entry("other")])
 
         async def entries() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
             yield message
@@ -288,9 +317,9 @@ async def test_a_first_byte_report_tells_the_router_before_the_log_entry_and_onl
         await asyncio.wait_for(report(wrappers_pb2.StringValue(value=key)), 5)
         assert router.first_bytes == ["req-1"]
         stub = als_pb2_grpc.AccessLogServiceStub(channel)
-        fields = {wire.SENT_AT: 10.0, wire.FIRST_BYTE_AT: 35.0}
+        fields = {wire.FIRST_BYTE_AT: 35.0}
         message = als_pb2.StreamAccessLogsMessage()
-        message.http_logs.log_entry.extend([_entry(key, fields=fields)])
+        message.http_logs.log_entry.extend([_entry(key, fields=fields, sent_at_ms=10)])
 
         async def entries() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
             yield message

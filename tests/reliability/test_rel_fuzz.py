@@ -181,7 +181,7 @@ async def test_extproc_message_sequences_never_crash_or_leak(messages: list[Any]
 
 
 _WIRE_KEYS = [
-    wire.EXCHANGE, wire.SENT_AT, wire.FIRST_BYTE_AT, wire.PROMPT_TOKENS,
+    wire.EXCHANGE, "t0", wire.FIRST_BYTE_AT, wire.PROMPT_TOKENS,
     wire.COMPLETION_TOKENS, wire.CACHED_TOKENS, wire.EVENTS, wire.DONE_EVENTS, "other",
 ]  # fmt: skip
 

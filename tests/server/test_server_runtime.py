@@ -56,18 +56,18 @@ async def test_no_pool_is_an_error(tmp_path: Path) -> None:
         await _start([tmp_path])
 
 
-async def test_the_ext_proc_port_is_served_by_grpcio_unless_the_config_says_lean(
+async def test_the_ext_proc_port_is_served_by_lean_unless_the_config_says_grpcio(
     tmp_path: Path,
 ) -> None:
     directory, _ = _write(tmp_path)
     config, _ = await _start([directory])
-    assert config.spec.listeners.ext_proc_transport == "grpcio"
+    assert config.spec.listeners.ext_proc_transport == "lean"
     text = (directory / "gateway.yaml").read_text()
     (directory / "gateway.yaml").write_text(
-        text.replace("admin: ", "extProcTransport: lean, admin: ")
+        text.replace("admin: ", "extProcTransport: grpcio, admin: ")
     )
     config, _ = await _start([directory])
-    assert config.spec.listeners.ext_proc_transport == "lean"
+    assert config.spec.listeners.ext_proc_transport == "grpcio"
 
 
 @pytest.mark.parametrize("mode", ["FailOpen", "FailClose"])

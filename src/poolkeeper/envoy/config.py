@@ -37,11 +37,11 @@ class Listeners(CamelModel, use_attribute_docstrings=True):
     """gRPC health service (upstream default 9003)."""
     admin: Port = 9901
     """Envoy admin interface (bound to 127.0.0.1 regardless of `address`)."""
-    ext_proc_transport: Literal["grpcio", "lean"] = "grpcio"
-    """What serves the ext_proc port: `grpcio` (grpc.aio, the default), or `lean`, poolkeeper's
-    own HTTP/2 + gRPC framing for the EPP's methods (about 1 ms less per request than
-    grpc.aio, half its CPU; not the default while a closed-loop result on a loaded host is
-    unexplained); docs/gateway.md, The ext_proc transport."""
+    ext_proc_transport: Literal["grpcio", "lean"] = "lean"
+    """What serves the ext_proc port: `lean` (the default), poolkeeper's own HTTP/2 + gRPC
+    framing for the EPP's methods (about 1 ms less per request than grpc.aio, half its CPU
+    per request), or `grpcio` (grpc.aio, with grpc-core's hardening); docs/gateway.md, The
+    ext_proc transport."""
 
     @field_validator("address")
     @classmethod

@@ -6,10 +6,12 @@ FULL_DUPLEX body has been sent). So the EPP's ext_proc filter sees requests only
 request is routed the EPP ends its ext_proc stream (`extproc/state.py`) and learns the
 outcome from Envoy:
 
-- a small Lua filter (after ext_proc) notes, in the stream's `poolkeeper` dynamic metadata
-  (keys in `poolkeeper.observation`), the time the request left for the model server, the time
-  of the first response body byte, the last OpenAI `usage` object's token counts and the number
-  of SSE `data:` events; it reads the bytes as they pass and holds none back;
+- a small Lua filter (after ext_proc, on responses only: nothing of it runs on the request
+  path) notes, in the stream's `poolkeeper` dynamic metadata (keys in
+  `poolkeeper.observation`), the time of the first response body byte, the last OpenAI
+  `usage` object's token counts and the number of SSE `data:` events; it reads the bytes as
+  they pass and holds none back (when the request left for the model server is Envoy's own
+  timing, in the access-log entry);
 - Envoy's gRPC access-log service sends one entry per request that the EPP routed (a
   metadata filter on `poolkeeper.exchange`, the key the EPP set when routing) to the EPP's own
   gRPC port, on completion, client reset and upstream failure alike, with the status, the
@@ -78,10 +80,6 @@ local function report_first_byte(handle)
     [":method"] = "POST", [":path"] = "${PATH}", [":authority"] = "${CLUSTER}",
     ["content-type"] = "application/grpc", ["te"] = "trailers",${TOKEN}
   }, frame, ${TIMEOUT_MS}, true)
-end
-
-function envoy_on_request(handle)
-  handle:streamInfo():dynamicMetadata():set(NS, "${SENT}", handle:timestamp())
 end
 
 local function number(text, key)
@@ -157,7 +155,6 @@ def lua_source(*, report_first_bytes: bool, token: str | None = None) -> str:
         CLUSTER=EPP_CLUSTER,
         PATH=wire.FIRST_BYTE_PATH,
         TIMEOUT_MS=REPORT_TIMEOUT_MS,
-        SENT=wire.SENT_AT,
         FIRST=wire.FIRST_BYTE_AT,
         PROMPT=wire.PROMPT_TOKENS,
         COMPLETION=wire.COMPLETION_TOKENS,

@@ -90,9 +90,23 @@ def _count(fields: Any, key: str) -> int | None:
     return int(value) if value is not None and 0 <= value < 1 << 53 else None
 
 
+def _sent_at_ms(common: Any) -> float | None:
+    """When the request went on to the model server, in whole ms on Envoy's clock: the entry's
+    start plus its time to the first byte sent upstream (of the last try; None before any).
+    Envoy's own timing: no Lua on the request path has to stamp it. Truncated to the ms as
+    the Lua filter's stamps are (`handle:timestamp()`), so a first byte within the same
+    millisecond is 0 s after it, never a negative time."""
+    if not (common.HasField("start_time") and common.HasField("time_to_first_upstream_tx_byte")):
+        return None
+    sent: int = common.start_time.ToNanoseconds()
+    sent += common.time_to_first_upstream_tx_byte.ToNanoseconds()
+    return float(sent // 1_000_000)
+
+
 def _elapsed_s(start_ms: float | None, end_ms: float | None) -> float | None:
-    """Seconds between two of the Lua filter's millisecond stamps; None unless both are there
-    and the difference is a real, non-negative time."""
+    """Seconds between two millisecond stamps (the request's departure, the Lua filter's
+    first byte); None unless both are there and the difference is a real, non-negative
+    time."""
     if start_ms is None or end_ms is None:
         return None
     seconds = (end_ms - start_ms) / 1000
@@ -119,7 +133,7 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, Outcome] |
     )
     if status == 0 or (status < 400 and cut):
         status = CUT_STATUS
-    t0, first = _number(fields, wire.SENT_AT), _number(fields, wire.FIRST_BYTE_AT)
+    t0, first = _sent_at_ms(common), _number(fields, wire.FIRST_BYTE_AT)
     address = common.upstream_remote_address.socket_address
     served = join_hostport(address.address, address.port_value) if address.address else None
     outcome = Outcome(

@@ -254,6 +254,8 @@ class GatewayRuntime:
             endpoint_of=self.endpoint_of,
             fairness_id_label_limit=self.options.fairness_id_label_limit,
         )
+        # Samples of the request path taken after its replies have left (telemetry/metrics).
+        self.metrics.defer_request_path(asyncio.get_running_loop().call_soon)
         self.metrics.follow_scrapes(self._scrapers.failure_totals)
         self.metrics.follow_source(self._source.stale_s)
         self.director.observer = self.metrics  # time to first token, rewrite decisions

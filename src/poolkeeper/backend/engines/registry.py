@@ -93,11 +93,20 @@ def resolve_engine(name: str) -> Engine:
     return engine
 
 
+_NAMING_ITSELF: Final[frozenset[str]] = frozenset(
+    name
+    for engine in Engine
+    if engine.definition.names_responses_itself
+    for name in (engine.value, *engine.definition.aliases)
+)
+"""Every spelling (lower case) of the engines that name responses after themselves."""
+
+
 def names_responses_itself(engine: str) -> bool:
     """Whether servers of this engine (a canonical name, as endpoints carry it) answer under
-    their own model name whatever the request asked for; False for an unknown name."""
-    member = Engine._missing_(engine)
-    return member is not None and member.definition.names_responses_itself
+    their own model name whatever the request asked for; False for an unknown name. A set
+    lookup: the Director asks for every routed request (`Engine._missing_` scanned them all)."""
+    return engine in _NAMING_ITSELF or engine.strip().lower() in _NAMING_ITSELF
 
 
 def mapping_for(engine: str) -> EngineMapping:

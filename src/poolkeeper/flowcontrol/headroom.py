@@ -32,15 +32,19 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.flowcontrol.config import BandConfig, Dispatch, Placement
 from poolkeeper.flowcontrol.saturation import SaturationDetector
-from poolkeeper.flowcontrol.slots import BatchSlots
+from poolkeeper.flowcontrol.slots import BatchSlots, queued
 
 
 class Headroom:
-    __slots__ = ("detector", "slots")
+    __slots__ = ("adapter_slots", "detector", "slots")
 
-    def __init__(self, detector: SaturationDetector) -> None:
+    def __init__(self, detector: SaturationDetector, *, adapter_slots: bool = False) -> None:
+        """`adapter_slots`: slot dispatch stays on where servers defer LoRA adapter requests,
+        counting the EPP's in-flight requests per server and adapter (`slots.holding`);
+        off, it steps aside there (`_slot`)."""
         self.detector = detector
         self.slots = BatchSlots()
+        self.adapter_slots = adapter_slots
 
     def fits(
         self,
@@ -124,7 +128,7 @@ class Headroom:
         by the saturation limit as before; seed 1 43.2 req/s against 48.3)."""
         if band.dispatch is not Dispatch.SLOT or not (contended or sharing):
             return False
-        if any(self.slots.deferring(s) for s in states):
+        if not self.adapter_slots and any(self.slots.deferring(s) for s in states):
             return False
         return contended or self.queueing(states)
 
@@ -136,6 +140,8 @@ class Headroom:
         order, beta/alpha 0.48; and
         live, the first arrivals of the busier model filled the servers' queues before the
         other model's first request waited (11 per 2-slot server), which then waited 4 s."""
+        if self.adapter_slots:
+            return any(queued(s) > 0 for s in states)
         return any(s.metrics.waiting > 0 for s in states)
 
     def _below(
@@ -232,7 +238,7 @@ class Headroom:
         """Room on one endpoint: below the band's limit (for `slot`, the KV part only) and,
         for `slot`, a free batch slot (`BatchSlots.can_start`). `blind` (`_blind`): by the
         EPP's in-flight count only (`BatchSlots.can_start_blind`)."""
-        if blind and not slot and self.slots.deferring(state):
+        if blind and not slot and not self.adapter_slots and self.slots.deferring(state):
             return True  # its in-flight count includes adapter-deferred requests: fail open
         if blind:
             return self.slots.can_start_blind(state, None if slot else self._allowance(band))

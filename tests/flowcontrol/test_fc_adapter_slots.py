@@ -44,20 +44,22 @@ def test_only_requests_for_adapters_without_a_slot_are_deferred() -> None:
     assert deferred(plain) == 0
 
 
-def test_slot_dispatch_stays_on_and_counts_only_requests_that_hold_batch_slots() -> None:
+def test_slot_dispatch_decides_when_by_the_requests_that_hold_batch_slots() -> None:
     """Seen running 8, a server may take 6 more (the band's allowance): 8 lora-a requests
     in flight and 7 deferred lora-b ones leave room (counted as before, 15 did not); 14
-    lora-a ones do not, however few are deferred."""
+    lora-a ones do not, however few are deferred. Where a request goes stays the
+    scheduler's choice among all (adapter affinity)."""
     h = _headroom(adapter_slots=True)
     roomy = _lora(1, {"lora-a": 8, "lora-b": 7}, running=8, waiting=7)
     busy = _lora(2, {"lora-a": 14, "lora-b": 1}, running=8, waiting=1)
-    assert h.room([roomy, busy], STANDARD, NOW, "lora-a") == [roomy]
-    assert list(h.within([roomy, busy], STANDARD, NOW, adapter="lora-a")) == [roomy]
-    assert h.room([busy], STANDARD, NOW, "lora-a") is None
-    # Stepping aside (the default), the saturation limit decides: both have room for lora-a
+    assert h.room([roomy, busy], STANDARD, NOW, "lora-a") == [roomy, busy]
+    assert list(h.within([roomy, busy], STANDARD, NOW, adapter="lora-a")) == [roomy, busy]
+    assert h.room([roomy], STANDARD, NOW, "lora-a") == [roomy]
+    assert h.room([busy], STANDARD, NOW, "lora-a") is None  # held in the EPP's fair order
+    # Stepping aside (the default), the saturation limit decides: room on both for lora-a
     # (a running adapter joins the batch past other adapters' deferred requests).
     old = _headroom(adapter_slots=False)
-    assert old.room([roomy, busy], STANDARD, NOW, "lora-a") == [roomy, busy]
+    assert old.room([busy], STANDARD, NOW, "lora-a") == [busy]
 
 
 def test_a_queue_of_only_deferred_requests_is_not_a_queue_for_slot_dispatch() -> None:

@@ -38,7 +38,7 @@ from poolkeeper.flowcontrol.slots import BatchSlots, queued
 class Headroom:
     __slots__ = ("adapter_slots", "detector", "slots")
 
-    def __init__(self, detector: SaturationDetector, *, adapter_slots: bool = False) -> None:
+    def __init__(self, detector: SaturationDetector, *, adapter_slots: bool = True) -> None:
         """`adapter_slots`: slot dispatch stays on where servers defer LoRA adapter requests,
         counting the EPP's in-flight requests per server and adapter (`slots.holding`);
         off, it steps aside there (`_slot`)."""
@@ -82,6 +82,8 @@ class Headroom:
         if below and keep > 0 and slot and not self._room_besides(below, keep):
             return None
         if below:
+            if slot and self._lora(states):
+                return list(states)  # the scheduler places (adapter affinity)
             if len(below) == len(states) or (
                 band.placement is Placement.SCHEDULER and not slot and not blind
             ):
@@ -113,6 +115,8 @@ class Headroom:
         blind = self._maybe_blind(band, states) and self._all_stale(states, now)
         if band.placement is Placement.SCHEDULER and not slot and not blind:
             return states
+        if slot and self._lora(states):
+            return states
         below, _values, _blind = self._below(states, band, now, adapter, slot)
         return below if below and len(below) < len(states) else states
 
@@ -131,6 +135,14 @@ class Headroom:
         if not self.adapter_slots and any(self.slots.deferring(s) for s in states):
             return False
         return contended or self.queueing(states)
+
+    def _lora(self, states: Sequence[EndpointState]) -> bool:
+        """With `adapter_slots`, some server defers adapter requests: slot dispatch decides
+        when a request goes (by the batch slots the EPP's requests hold, `slots.holding`),
+        the scheduler where (its adapter affinity; narrowed to the servers with a free slot,
+        requests for adapters those did not run were deferred there and piled up unbounded:
+        multi-LoRA 1.1x seed 2 p90 TTFT 10.5 s against 0.088 s)."""
+        return self.adapter_slots and any(self.slots.deferring(s) for s in states)
 
     def queueing(self, states: Sequence[EndpointState]) -> bool:
         """Some server shows requests waiting (`_slot` has ruled out queues of requests

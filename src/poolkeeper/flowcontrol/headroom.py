@@ -18,7 +18,10 @@ With the band's `dispatch: slot` (the default), an endpoint below the limit has 
 while it can also start the request now (`slots.BatchSlots`: a free batch slot, learned from
 the gauges and the in-flight count), so contended requests wait in the EPP's fair order, not
 in a server's FCFS queue: while flows contend in the EPP's queue, or share the band while a
-server shows a queue of its own, and no server defers LoRA adapter requests (`_slot`). A place
+server shows a queue of its own (`_slot`). Where a server defers LoRA adapter requests (an
+adapter waits there without a slot), the EPP's requests for such adapters hold no batch slot
+(`slots.holding`, by its in-flight count per target model) and the scheduler places among all
+candidates (`_lora`: its adapter affinity); `adapter_slots=False` steps aside there. A place
 the dispatcher keeps for a returning flow (`keep`) is one in a server's short queue, never an
 idle batch slot (`_room_besides`). That is why a Headroom has state: the slots it has learned.
 """
@@ -124,12 +127,14 @@ class Headroom:
         self, states: Sequence[EndpointState], band: BandConfig, contended: bool, sharing: bool
     ) -> bool:
         """Whether the band's `dispatch: slot` applies: flows contend in the EPP's queue, or
-        share the band while some server shows a queue of its own (`queueing`); and no
-        server's queue may hold requests deferred for a LoRA adapter (`BatchSlots.deferring`):
-        there the EPP's in-flight count includes requests that wait for an adapter slot, not
-        a batch slot, and placing by free slots overrode the scheduler's adapter affinity
-        (issue 35's regression: multi-LoRA at 1.1x, seed 2, p90 TTFT 1.29 s by slots, 0.088 s
-        by the saturation limit as before; seed 1 43.2 req/s against 48.3)."""
+        share the band while some server shows a queue of its own (`queueing`). Without
+        `adapter_slots`, also only while no server's queue may hold requests deferred for a
+        LoRA adapter (`BatchSlots.deferring`): there the in-flight total includes requests
+        that wait for an adapter slot, not a batch slot, and placing by free slots overrode
+        the scheduler's adapter affinity (multi-LoRA at 1.1x, seed 2, p90 TTFT 1.29 s). But
+        stepping aside flipped the whole pool between the two rules whenever some server
+        deferred (multi-LoRA 1.3x, seed 3: 5.27 s, 67.7 req/s; 0.084 s, 85.4 with
+        `adapter_slots`, `_lora`)."""
         if band.dispatch is not Dispatch.SLOT or not (contended or sharing):
             return False
         if not self.adapter_slots and any(self.slots.deferring(s) for s in states):

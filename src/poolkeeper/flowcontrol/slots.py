@@ -35,7 +35,10 @@ live, beta/alpha 0.39-0.61 on the issue 35 case (virtual time hid it: there a re
 for the engine's next step, so scrapes kept catching a queue). Forgotten or not yet full, a
 server seen running N gets at most max(min(allowance, N), N / 2) more (`can_start`).
 When every endpoint's gauges are stale (a scraper late on a loaded machine), a learned batch
-and the in-flight count still judge (`can_start_blind`, used by `headroom.py`).
+and the in-flight count still judge (`can_start_blind`, used by `headroom.py`). On a LoRA
+server that defers adapter requests, the in-flight count used is `holding`: the EPP's requests
+there for adapters without a slot wait for an adapter slot, not a batch slot (`deferred`, by
+the in-flight count per target model), and the scraped queue less them is `queued`.
 
 Known limits: the learned slots never shrink (a server restarted at the same address with a
 smaller batch queues up to the old count), and a server first seen full while its KV cache
@@ -135,8 +138,8 @@ class BatchSlots:
 
     def deferring(self, state: EndpointState) -> bool:
         """Whether `state`'s queue may hold requests deferred for an adapter (`_maybe_deferred`):
-        then neither its queue nor the EPP's in-flight count there says how many batch slots
-        are free (`headroom.py` judges such a server by the band's saturation limit)."""
+        then neither its queue nor the EPP's in-flight total there says how many batch slots
+        are free (`holding` does, by the count per target model; `headroom.py`)."""
         return _maybe_deferred(state)
 
     def slots(self, state: EndpointState) -> int | None:

@@ -3,6 +3,8 @@ and where a dispatched request may go (the band's placement)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from poolkeeper.datastore.endpoint import EndpointState
@@ -89,11 +91,11 @@ def test_an_endpoint_running_the_adapter_has_room_past_other_adapters_deferred_r
     assert not h.fits([full], STANDARD, NOW, "lora-a")
 
 
-def test_slot_dispatch_steps_aside_while_a_server_defers_adapter_requests() -> None:
-    # A pool where some server's queue holds other adapters' deferred requests is judged as
-    # with `dispatch: saturation` (issue 35's multi-LoRA regression: placing by free slots
-    # overrode the scheduler's adapter affinity): a lora-a request has room on the server
-    # running lora-a, and the scheduler places among every candidate.
+def test_slot_dispatch_leaves_placement_to_the_scheduler_while_a_server_defers() -> None:
+    # A pool where some server's queue holds other adapters' deferred requests: slot dispatch
+    # decides when, the scheduler places among every candidate (issue 35's multi-LoRA
+    # regression: placing by free slots overrode its adapter affinity): a lora-a request has
+    # room on the server running lora-a.
     deferred = state(1, waiting=10, active=("lora-a",), queued_adapters=("lora-b", "lora-c"))
     idle = state(2)
     h = _headroom()
@@ -188,13 +190,21 @@ def test_an_uncontended_band_with_every_gauge_stale_fails_open_only_within_its_a
     # Sheddable's saturation dispatch fails open as before; `shed` holds as before.
     assert h.room([full], SHEDDABLE, NOW) == [full]
     assert _headroom(allStalePolicy="shed").room([at(2, 0)], STANDARD, NOW) is None
-    # A server whose queue holds adapter-deferred requests: its in-flight count says nothing
-    # about its batch (as for slot dispatch, `deferring`), so it fails open as before.
+    # A server whose queue holds adapter-deferred requests: the EPP's requests there for
+    # adapters without a slot hold no batch slot (`slots.holding`): 25 for b leave room,
+    # 30 for a do not (2 seen running plus the allowance of 6). Without adapter counting
+    # (`adapter_slots=False`) such a server fails open, its count saying nothing.
     lora = state(
         5, running=2, waiting=9, active=("a",), queued_adapters=("a", "b"), inflight=30,
         updated_at=stale,
     )  # fmt: skip
-    assert h.room([full, lora], STANDARD, NOW, contended=False) == [lora]
+    deferring = replace(lora, inflight_models={"b": 25, "a": 5})
+    assert h.room([full, deferring], STANDARD, NOW, contended=False) == [deferring]
+    busy = replace(lora, inflight_models={"a": 30})
+    assert h.room([full, busy], STANDARD, NOW, contended=False) is None
+    old = _headroom()
+    old.adapter_slots = False
+    assert old.room([full, busy], STANDARD, NOW, contended=False) == [busy]
     # Before the first scrape anywhere (a new pool), admission's fail-open as before.
     never = state(4, inflight=50, updated_at=0.0)
     assert h.room([never], STANDARD, NOW, contended=False) == [never]

@@ -595,6 +595,17 @@ async def test_served_fallback_moves_in_flight_accounting() -> None:
     assert len(rig.inflight) == 0
 
 
+async def test_in_flight_is_counted_by_target_model_and_moves_with_a_fallback() -> None:
+    rig = _rig()
+    decision = await rig.director.route(_chat("split"))
+    primary, fallback = decision.endpoints[:2]
+    assert rig.inflight.models(primary) == {"lora-a": 1}  # the target, not the split's name
+    rig.director.served(decision, fallback)
+    assert (rig.inflight.models(primary), rig.inflight.models(fallback)) == ({}, {"lora-a": 1})
+    rig.director.complete(decision, status=200, usage=None, served_endpoint=fallback)
+    assert rig.inflight.models(fallback) == {}
+
+
 async def test_complete_with_served_fallback_and_foreign_tickets() -> None:
     rig = _rig()
     decision = await rig.director.route(_chat())

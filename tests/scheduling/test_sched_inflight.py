@@ -36,6 +36,26 @@ def test_restart_moves_the_request() -> None:
     assert t.counts(key(2)) == (1, 10)
 
 
+def test_in_flight_requests_are_counted_by_target_model() -> None:
+    """Flow control tells a server's adapter-deferred requests by their model (slots.py)."""
+    t = InflightTracker()
+    t.start("a", key(1), 10, now=1.0, model="lora-a")
+    t.start("b", key(1), 10, now=1.1, model="lora-a")
+    t.start("c", key(1), 10, now=1.2, model="lora-b")
+    t.start("d", key(1), 10, now=1.3)  # no model given: counted in the total only
+    assert t.models(key(1)) == {"lora-a": 2, "lora-b": 1}
+    (applied,) = t.apply([state(1, updated_at=5.0)])
+    assert (applied.inflight_requests, dict(applied.inflight_models)) == (4, t.models(key(1)))
+    t.start("c", key(2), 10, now=2.0, model="lora-b")  # re-routed: moves with its model
+    t.finish("a")
+    assert (t.models(key(1)), t.models(key(2))) == ({"lora-a": 1}, {"lora-b": 1})
+    t.finish("b")
+    t.finish("d")
+    assert t.models(key(1)) == {}
+    (cleared,) = t.apply([applied])
+    assert dict(cleared.inflight_models) == {}
+
+
 def test_apply_fills_inflight_and_unseen_after_the_scrape() -> None:
     t = InflightTracker()
     t.start("old", key(1), 100, now=9.0)  # before the scrape at 10.0: already in the gauges

@@ -167,6 +167,24 @@ def test_rejections_errors_and_on_finish() -> None:
     assert [r.request_id for r in finished] == ["ok"]
 
 
+def test_the_router_sees_its_in_flight_requests_by_target_model() -> None:
+    """As the EPP's tracker counts them (flow control tells adapter-deferred requests apart)."""
+    seen: list[dict[str, int]] = []
+
+    def route(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int:
+        seen.append(dict(states[0].inflight_models))
+        return 0
+
+    arrivals = [
+        Arrival(0.0, "a1", "a", "hello", max_tokens=400),
+        Arrival(0.001, "a2", "a", "hello", max_tokens=400),
+        Arrival(0.002, "b1", MODEL, "hello", max_tokens=2),
+        Arrival(5.0, "late", MODEL, "hello", max_tokens=2),
+    ]
+    VirtualFleet([replace(BASE, lora_adapters=("a",))]).run(arrivals, route)
+    assert seen == [{}, {"a": 1}, {"a": 2}, {}]
+
+
 def test_token_times_recorded_on_request() -> None:
     arrivals = [Arrival(0.0, "r", MODEL, "hello", max_tokens=4)]
     result = VirtualFleet([BASE]).run(arrivals, lambda a, s, n: 0, record_token_times=True)

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from poolkeeper.hostport import join_hostport
 
 _EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
+_EMPTY_COUNTS: Mapping[str, int] = MappingProxyType({})
 
 # Metrics older than this are stale: admission counts the endpoint saturated and the filters
 # skip it. The default of the one freshness setting, `spec.scraping.stalenessMs` (upstream's
@@ -29,6 +30,11 @@ DEFAULT_STALENESS_S = 0.2
 def empty_labels() -> Mapping[str, str]:
     """The shared, read-only empty label mapping."""
     return _EMPTY_LABELS
+
+
+def empty_counts() -> Mapping[str, int]:
+    """The shared, read-only empty count mapping."""
+    return _EMPTY_COUNTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +95,11 @@ class EndpointState:
     until a request there finished. `unseen_answered` is the part of the unseen requests whose
     first response byte already came back: running there, no longer queued, so the queue
     estimates (`datastore/load.py`) leave them out (0 where the router does not learn first
-    bytes as they happen).
+    bytes as they happen). `inflight_models` splits `inflight_requests` by the target model
+    the request was sent for (base model or LoRA adapter; empty where the router does not
+    say): a server that defers an adapter's requests (no adapter slot free) holds them in its
+    queue without batch slots, and only this count says how many of the router's are such
+    (`flowcontrol/slots.py`).
     """
 
     endpoint: Endpoint
@@ -100,6 +110,9 @@ class EndpointState:
     unseen_tokens: int = 0
     seconds_per_output_token: float | None = None
     unseen_answered: int = 0
+    inflight_models: Mapping[str, int] = field(
+        default_factory=empty_counts, compare=False, hash=False
+    )
 
     @property
     def key(self) -> str:

@@ -9,6 +9,8 @@ the endpoint snapshots the scheduler reads:
 - `inflight_requests` / `inflight_tokens`: everything this router has outstanding there;
 - `unseen_requests` / `unseen_tokens`: the part started after the endpoint's metrics were
   scraped (`metrics.updated_at`), which the scraped queue cannot contain yet;
+- `inflight_models`: `inflight_requests` by the target model given to `start` (base model or
+  LoRA adapter), so flow control can tell requests a server defers for an adapter slot;
 - `unseen_answered`: of those, the ones whose first response byte came back (`first_token`,
   the Director at the first byte): running, not queued, so the queue estimates leave them out;
 - `seconds_per_output_token`: the endpoint's observed speed (`speed.ObservedSpeed`), fed by
@@ -28,8 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.endpoint import (
+    Endpoint,
+    EndpointMetrics,
+    EndpointState,
+    empty_counts,
+)
 from poolkeeper.datastore.speed import DEFAULT_SPEED_ALPHA, ObservedSpeed
 
 
@@ -39,10 +47,11 @@ class InflightEntry:
     endpoint_key: str
     tokens: int
     started_at: float
+    model: str | None = None  # the target model (base or adapter), when the caller says
 
 
 class _EndpointLoad:
-    __slots__ = ("answered", "entries", "tokens", "version")
+    __slots__ = ("answered", "entries", "models", "tokens", "version")
 
     def __init__(self) -> None:
         self.version = 0  # the tracker's change counter at this endpoint's last change
@@ -51,6 +60,7 @@ class _EndpointLoad:
         self.entries: dict[str, InflightEntry] = {}
         self.tokens = 0
         self.answered: set[str] = set()  # request ids whose first byte came back
+        self.models: dict[str, int] = {}  # target model -> requests in flight (those named)
 
 
 class InflightTracker:
@@ -86,17 +96,27 @@ class InflightTracker:
         # key -> (namespace, name) of the endpoint `apply` last saw there (IP reuse detection)
         self._owners: dict[str, tuple[str, str]] = {}
 
-    def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> None:
-        """Count `request_id` as sent to `endpoint_key` at `now` (a restart re-routes it)."""
+    def start(
+        self,
+        request_id: str,
+        endpoint_key: str,
+        tokens: int,
+        now: float,
+        model: str | None = None,
+    ) -> None:
+        """Count `request_id` as sent to `endpoint_key` at `now` (a restart re-routes it);
+        `model`: its target model (base or adapter), counted in `inflight_models`."""
         if request_id in self._by_request:
             self.finish(request_id)
-        entry = InflightEntry(request_id, endpoint_key, max(0, tokens), now)
+        entry = InflightEntry(request_id, endpoint_key, max(0, tokens), now, model)
         self._by_request[request_id] = entry
         load = self._by_endpoint.get(endpoint_key)
         if load is None:
             load = self._by_endpoint[endpoint_key] = _EndpointLoad()
         load.entries[request_id] = entry
         load.tokens += entry.tokens
+        if model is not None:
+            load.models[model] = load.models.get(model, 0) + 1
         self._changes += 1
         load.version = self._changes
 
@@ -116,6 +136,11 @@ class InflightTracker:
         del load.entries[request_id]
         load.answered.discard(request_id)
         load.tokens -= entry.tokens
+        if entry.model is not None:
+            if load.models[entry.model] <= 1:
+                del load.models[entry.model]
+            else:
+                load.models[entry.model] -= 1
         self._changes += 1
         load.version = self._changes
         if now is not None and output_tokens is not None:
@@ -169,6 +194,11 @@ class InflightTracker:
         """(requests, tokens) in flight to `endpoint_key`."""
         load = self._by_endpoint.get(endpoint_key)
         return (0, 0) if load is None else (len(load.entries), load.tokens)
+
+    def models(self, endpoint_key: str) -> dict[str, int]:
+        """Requests in flight to `endpoint_key` by the target model `start` was given."""
+        load = self._by_endpoint.get(endpoint_key)
+        return {} if load is None else dict(load.models)
 
     def unseen(self, endpoint_key: str, scraped_at: float) -> tuple[int, int, int]:
         """(requests, tokens, requests answered) in flight to `endpoint_key` started after
@@ -236,9 +266,11 @@ class InflightTracker:
                 new = EndpointState(ep, m, seconds_per_output_token=spt)
             else:
                 n_unseen, t_unseen, n_answered = self.unseen(key, m.updated_at)
+                models = MappingProxyType(dict(load.models)) if load.models else empty_counts()
                 new = EndpointState(
-                    ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt, n_answered
-                )
+                    ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt, n_answered,
+                    models,
+                )  # fmt: skip
             applied[key] = (m, ep, version, new)
             append(new)
         return out

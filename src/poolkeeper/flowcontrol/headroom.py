@@ -18,7 +18,10 @@ With the band's `dispatch: slot` (the default), an endpoint below the limit has 
 while it can also start the request now (`slots.BatchSlots`: a free batch slot, learned from
 the gauges and the in-flight count), so contended requests wait in the EPP's fair order, not
 in a server's FCFS queue: while flows contend in the EPP's queue, or share the band while a
-server shows a queue of its own, and no server defers LoRA adapter requests (`_slot`). A place
+server shows a queue of its own (`_slot`). Where a server defers LoRA adapter requests (an
+adapter waits there without a slot), the EPP's requests for such adapters hold no batch slot
+(`slots.holding`, by its in-flight count per target model) and the scheduler places among all
+candidates (`_lora`: its adapter affinity); `adapter_slots=False` steps aside there. A place
 the dispatcher keeps for a returning flow (`keep`) is one in a server's short queue, never an
 idle batch slot (`_room_besides`). That is why a Headroom has state: the slots it has learned.
 """
@@ -32,15 +35,19 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.flowcontrol.config import BandConfig, Dispatch, Placement
 from poolkeeper.flowcontrol.saturation import SaturationDetector
-from poolkeeper.flowcontrol.slots import BatchSlots
+from poolkeeper.flowcontrol.slots import BatchSlots, queued
 
 
 class Headroom:
-    __slots__ = ("detector", "slots")
+    __slots__ = ("adapter_slots", "detector", "slots")
 
-    def __init__(self, detector: SaturationDetector) -> None:
+    def __init__(self, detector: SaturationDetector, *, adapter_slots: bool = True) -> None:
+        """`adapter_slots`: slot dispatch stays on where servers defer LoRA adapter requests,
+        counting the EPP's in-flight requests per server and adapter (`slots.holding`);
+        off, it steps aside there (`_slot`)."""
         self.detector = detector
         self.slots = BatchSlots()
+        self.adapter_slots = adapter_slots
 
     def fits(
         self,
@@ -78,6 +85,8 @@ class Headroom:
         if below and keep > 0 and slot and not self._room_besides(below, keep):
             return None
         if below:
+            if slot and self._lora(states):
+                return list(states)  # the scheduler places (adapter affinity)
             if len(below) == len(states) or (
                 band.placement is Placement.SCHEDULER and not slot and not blind
             ):
@@ -109,6 +118,8 @@ class Headroom:
         blind = self._maybe_blind(band, states) and self._all_stale(states, now)
         if band.placement is Placement.SCHEDULER and not slot and not blind:
             return states
+        if slot and self._lora(states):
+            return states
         below, _values, _blind = self._below(states, band, now, adapter, slot)
         return below if below and len(below) < len(states) else states
 
@@ -116,17 +127,27 @@ class Headroom:
         self, states: Sequence[EndpointState], band: BandConfig, contended: bool, sharing: bool
     ) -> bool:
         """Whether the band's `dispatch: slot` applies: flows contend in the EPP's queue, or
-        share the band while some server shows a queue of its own (`queueing`); and no
-        server's queue may hold requests deferred for a LoRA adapter (`BatchSlots.deferring`):
-        there the EPP's in-flight count includes requests that wait for an adapter slot, not
-        a batch slot, and placing by free slots overrode the scheduler's adapter affinity
-        (issue 35's regression: multi-LoRA at 1.1x, seed 2, p90 TTFT 1.29 s by slots, 0.088 s
-        by the saturation limit as before; seed 1 43.2 req/s against 48.3)."""
+        share the band while some server shows a queue of its own (`queueing`). Without
+        `adapter_slots`, also only while no server's queue may hold requests deferred for a
+        LoRA adapter (`BatchSlots.deferring`): there the in-flight total includes requests
+        that wait for an adapter slot, not a batch slot, and placing by free slots overrode
+        the scheduler's adapter affinity (multi-LoRA at 1.1x, seed 2, p90 TTFT 1.29 s). But
+        stepping aside flipped the whole pool between the two rules whenever some server
+        deferred (multi-LoRA 1.3x, seed 3: 5.27 s, 67.7 req/s; 0.084 s, 85.4 with
+        `adapter_slots`, `_lora`)."""
         if band.dispatch is not Dispatch.SLOT or not (contended or sharing):
             return False
-        if any(self.slots.deferring(s) for s in states):
+        if not self.adapter_slots and any(self.slots.deferring(s) for s in states):
             return False
         return contended or self.queueing(states)
+
+    def _lora(self, states: Sequence[EndpointState]) -> bool:
+        """With `adapter_slots`, some server defers adapter requests: slot dispatch decides
+        when a request goes (by the batch slots the EPP's requests hold, `slots.holding`),
+        the scheduler where (its adapter affinity; narrowed to the servers with a free slot,
+        requests for adapters those did not run were deferred there and piled up unbounded:
+        multi-LoRA 1.1x seed 2 p90 TTFT 10.5 s against 0.088 s)."""
+        return self.adapter_slots and any(self.slots.deferring(s) for s in states)
 
     def queueing(self, states: Sequence[EndpointState]) -> bool:
         """Some server shows requests waiting (`_slot` has ruled out queues of requests
@@ -136,6 +157,8 @@ class Headroom:
         order, beta/alpha 0.48; and
         live, the first arrivals of the busier model filled the servers' queues before the
         other model's first request waited (11 per 2-slot server), which then waited 4 s."""
+        if self.adapter_slots:
+            return any(queued(s) > 0 for s in states)
         return any(s.metrics.waiting > 0 for s in states)
 
     def _below(
@@ -232,7 +255,7 @@ class Headroom:
         """Room on one endpoint: below the band's limit (for `slot`, the KV part only) and,
         for `slot`, a free batch slot (`BatchSlots.can_start`). `blind` (`_blind`): by the
         EPP's in-flight count only (`BatchSlots.can_start_blind`)."""
-        if blind and not slot and self.slots.deferring(state):
+        if blind and not slot and not self.adapter_slots and self.slots.deferring(state):
             return True  # its in-flight count includes adapter-deferred requests: fail open
         if blind:
             return self.slots.can_start_blind(state, None if slot else self._allowance(band))

@@ -35,7 +35,10 @@ live, beta/alpha 0.39-0.61 on the issue 35 case (virtual time hid it: there a re
 for the engine's next step, so scrapes kept catching a queue). Forgotten or not yet full, a
 server seen running N gets at most max(min(allowance, N), N / 2) more (`can_start`).
 When every endpoint's gauges are stale (a scraper late on a loaded machine), a learned batch
-and the in-flight count still judge (`can_start_blind`, used by `headroom.py`).
+and the in-flight count still judge (`can_start_blind`, used by `headroom.py`). On a LoRA
+server that defers adapter requests, the in-flight count used is `holding`: the EPP's requests
+there for adapters without a slot wait for an adapter slot, not a batch slot (`deferred`, by
+the in-flight count per target model), and the scraped queue less them is `queued`.
 
 Known limits: the learned slots never shrink (a server restarted at the same address with a
 smaller batch queues up to the old count), and a server first seen full while its KV cache
@@ -106,22 +109,21 @@ class BatchSlots:
         EPP's requests there would wait beyond the most it has been seen running, and fewer
         than `queue` wait as scraped (other senders)."""
         entry = self._seen.get(state.key)
+        held = holding(state)
         if entry is not None and entry.full:
-            return state.inflight_requests < _cap(entry.slots)
+            return held < _cap(entry.slots)
         slots = 0 if entry is None else entry.slots
         # Beyond the most seen running: half as many again, at least the band's allowance
         # or as many again, whichever is fewer: a large batch fills geometrically (+6 per
         # scrape took 5 s to fill 2 x 256 slots: 0.88 of the goodput without flow control),
         # and a server seen running 2 gets 2 more, not the whole allowance of 7 (that put 7
         # requests into its own queue, out of the fair order).
-        if state.inflight_requests - slots >= (
-            queue if slots == 0 else max(min(queue, slots), slots / 2)
-        ):
+        if held - slots >= (queue if slots == 0 else max(min(queue, slots), slots / 2)):
             return False
         m = state.metrics
         if adapter in m.active_adapters and adapter not in m.waiting_adapters:
             return True  # the queue is other adapters' deferred requests (load.py)
-        return m.waiting < queue
+        return queued(state) < queue
 
     def can_start_blind(self, state: EndpointState, queue: float | None = None) -> bool:
         """Without fresh gauges, by the EPP's own in-flight count at `state`'s server. `queue`
@@ -131,13 +133,13 @@ class BatchSlots:
         seen running) plus `queue` are in flight there."""
         entry = self._seen.get(state.key)
         if queue is not None:
-            return state.inflight_requests < (0 if entry is None else entry.slots) + queue
-        return entry is not None and entry.full and state.inflight_requests < _cap(entry.slots)
+            return holding(state) < (0 if entry is None else entry.slots) + queue
+        return entry is not None and entry.full and holding(state) < _cap(entry.slots)
 
     def deferring(self, state: EndpointState) -> bool:
         """Whether `state`'s queue may hold requests deferred for an adapter (`_maybe_deferred`):
-        then neither its queue nor the EPP's in-flight count there says how many batch slots
-        are free (`headroom.py` judges such a server by the band's saturation limit)."""
+        then neither its queue nor the EPP's in-flight total there says how many batch slots
+        are free (`holding` does, by the count per target model; `headroom.py`)."""
         return _maybe_deferred(state)
 
     def slots(self, state: EndpointState) -> int | None:
@@ -151,7 +153,7 @@ class BatchSlots:
         entry = self._seen.get(state.key)
         if entry is None or not entry.full:
             return float("inf"), float("inf")
-        inflight = state.inflight_requests
+        inflight = holding(state)
         return max(0, entry.slots - inflight), max(
             0, _cap(entry.slots) - max(inflight, entry.slots)
         )
@@ -176,3 +178,29 @@ def _maybe_deferred(state: EndpointState) -> bool:
     1.29 s against 0.09 s)."""
     m = state.metrics
     return bool(m.waiting_adapters - m.active_adapters)
+
+
+def deferred(state: EndpointState) -> int:
+    """The EPP's in-flight requests at `state`'s server for adapters that wait there without
+    a GPU slot (`waiting_lora_adapters - running_lora_adapters`): every one of them waits for
+    an adapter slot, none holds a batch slot (none of that adapter runs). 0 where the router
+    does not count per model (`EndpointState.inflight_models` empty)."""
+    m = state.metrics
+    without = m.waiting_adapters - m.active_adapters
+    if not without or not state.inflight_models:
+        return 0
+    models = state.inflight_models
+    return sum(models.get(a, 0) for a in without)
+
+
+def holding(state: EndpointState) -> int:
+    """The EPP's in-flight requests at `state`'s server that hold (or wait for) a batch slot:
+    all of them less the adapter-deferred ones (`deferred`)."""
+    return state.inflight_requests - deferred(state)
+
+
+def queued(state: EndpointState) -> int:
+    """The scraped queue less the EPP's adapter-deferred requests there (`deferred`): what
+    waits for a batch slot, as far as the EPP's own count tells (other senders' deferred
+    requests still count)."""
+    return max(0, state.metrics.waiting - deferred(state))

@@ -129,6 +129,7 @@ class Ticket:
     flow: str = ""  # the gate's flow to charge the answer to ("" = none: bodyless)
     band: Criticality = Criticality.STANDARD
     done: bool = False
+    model: str | None = None  # the target model it was counted for (in-flight per model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,7 +427,7 @@ class Director:
                 include_usage=inject,
             )
         key = f"{request.request_id}#{next(self._sequence)}"
-        self._inflight.start(key, endpoints[0], parsed.prompt_tokens, now)
+        self._inflight.start(key, endpoints[0], parsed.prompt_tokens, now, target)
         return RoutingDecision(
             request_id=request.request_id,
             endpoints=endpoints,
@@ -440,7 +441,9 @@ class Director:
             body=body,
             include_usage_injected=inject,
             server_names_model=server_names_model,
-            ticket=Ticket(key, endpoints[0], parsed.prompt_tokens, now, flow, criticality),
+            ticket=Ticket(
+                key, endpoints[0], parsed.prompt_tokens, now, flow, criticality, model=target
+            ),
         )
 
     def _route_bodyless(self, request: IncomingRequest, snapshot: SnapshotView) -> RoutingDecision:
@@ -518,7 +521,7 @@ class Director:
         if endpoint == ticket.endpoint or endpoint not in decision.endpoints:
             return
         self._inflight.finish(ticket.key)
-        self._inflight.start(ticket.key, endpoint, ticket.tokens, self._clock())
+        self._inflight.start(ticket.key, endpoint, ticket.tokens, self._clock(), ticket.model)
         ticket.endpoint = endpoint
 
     def first_byte(self, decision: RoutingDecision, *, after_s: float | None = None) -> None:

@@ -70,7 +70,14 @@ class LearningSchedulerLike(SchedulerLike, Protocol):
 
 
 class InflightLike(Protocol):
-    def start(self, request_id: str, endpoint_key: str, tokens: int, now: float) -> object: ...
+    def start(
+        self,
+        request_id: str,
+        endpoint_key: str,
+        tokens: int,
+        now: float,
+        model: str | None = None,
+    ) -> object: ...
 
     def finish(
         self, request_id: str, *, now: float | None = None, output_tokens: int | None = None

@@ -59,6 +59,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Final
 
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
@@ -232,6 +233,7 @@ class VirtualFleet:
         self._dirty = [True] * n
         self._inflight = [0] * n
         self._inflight_tokens = [0] * n
+        self._inflight_models: list[dict[str, int]] = [{} for _ in range(n)]
         self._unseen = [0] * n
         self._unseen_tokens = [0] * n
         self._answered = [0] * n  # of the unseen, those whose first token is out
@@ -285,6 +287,7 @@ class VirtualFleet:
             unseen_requests=self._unseen[i],
             unseen_tokens=self._unseen_tokens[i],
             unseen_answered=self._answered[i],
+            inflight_models=MappingProxyType(dict(self._inflight_models[i])),
         )
 
     def _before_change(self, i: int, now: float) -> None:
@@ -499,6 +502,8 @@ class VirtualFleet:
         self._routed[choice] += 1
         self._inflight[choice] += 1
         self._inflight_tokens[choice] += request.prompt_tokens
+        models = self._inflight_models[choice]
+        models[request.model] = models.get(request.model, 0) + 1
         self._unseen[choice] += 1
         self._unseen_tokens[choice] += request.prompt_tokens
         if self.answers_seen:
@@ -542,6 +547,11 @@ class VirtualFleet:
             result.finish_reason = request.finish_reason
             self._inflight[i] -= 1
             self._inflight_tokens[i] -= request.prompt_tokens
+            models = self._inflight_models[i]
+            if models[request.model] <= 1:
+                del models[request.model]
+            else:
+                models[request.model] -= 1
             if on_finish is not None:
                 on_finish(result)
         if outcome.finished:

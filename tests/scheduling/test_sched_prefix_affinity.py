@@ -132,3 +132,84 @@ def test_a_missing_or_wrong_prefix_scorer_is_a_config_error() -> None:
     doc = _doc(prefixScorer="nope")
     with pytest.raises(ConfigError, match="nope"):
         scheduler(doc)
+
+
+def _stale_doc(**params: Any) -> dict[str, Any]:
+    """A stale-metrics-filter reading the prefix index, and a queue scorer."""
+    return {
+        "plugins": [
+            {"type": "stale-metrics-filter", "parameters": params},
+            {"type": "prefix-cache-scorer"},
+            {"type": "queue-scorer"},
+            {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 1}},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "p",
+                "plugins": [
+                    {"pluginRef": "stale-metrics-filter"},
+                    {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                    {"pluginRef": "queue-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+def _stale_kept(sched: Any, prompt: str, pool: list[Any]) -> list[str]:
+    filt = sched.plugins["stale-metrics-filter"]
+    return [s.key for s in filt.filter(cycle(), request(prompt=prompt), pool)]
+
+
+def test_stale_filter_keeps_a_late_holder_within_the_grace() -> None:
+    sched = scheduler(_stale_doc(prefixScorer="prefix-cache-scorer"))
+    pool = [state(1), state(2, updated_at=NOW - 0.204), state(3, updated_at=NOW - 0.5)]
+    _holder(sched, SYSTEM + "q0", pool, 1)
+    prompt = SYSTEM + "q1"
+    # pod2 holds the prompt and its scrape is 4 ms late: kept; pod3 (late, holds nothing) not.
+    assert _stale_kept(sched, prompt, pool) == [key(1), key(2)]
+    # A prompt nobody holds: the plain rule, every late endpoint dropped.
+    assert _stale_kept(sched, "never seen " * 600, pool) == [key(1)]
+    # Older than the grace (1 s): the holder is dropped too, it may be gone.
+    gone = [state(1), state(2, updated_at=NOW - 1.5), state(3)]
+    assert _stale_kept(sched, prompt, gone) == [key(1), key(3)]
+    # Never scraped is never "late": dropped whatever it holds.
+    never = [state(1), state(2, updated_at=0.0)]
+    assert _stale_kept(sched, prompt, never) == [key(1)]
+
+
+def test_stale_filter_without_prefix_scorer_drops_every_late_endpoint() -> None:
+    sched = scheduler(_stale_doc())
+    pool = [state(1), state(2, updated_at=NOW - 0.204), state(3)]
+    _holder(sched, SYSTEM + "q0", pool, 1)
+    assert _stale_kept(sched, SYSTEM + "q1", pool) == [key(1), key(3)]
+
+
+def test_a_short_or_partial_match_earns_no_grace() -> None:
+    sched = scheduler(_stale_doc(prefixScorer="prefix-cache-scorer", holderGraceMs=2000))
+    pool = [state(1), state(2, updated_at=NOW - 0.3)]
+    short = "x" * 1024  # 16 blocks: under minMatchBlocks
+    _holder(sched, short, pool, 1)
+    assert _stale_kept(sched, short + "more", pool) == [key(1)]
+    _holder(sched, SYSTEM, pool, 1)
+    # Holds 4,096 of 16,000 characters: under minMatchRatio 0.3.
+    assert _stale_kept(sched, SYSTEM + "u" * 11_904, pool) == [key(1)]
+    assert _stale_kept(sched, SYSTEM + "u" * 100, pool) == [key(1), key(2)]
+
+
+def test_the_scheduler_sends_the_prompt_to_its_late_holder() -> None:
+    pool = [state(1, waiting=0), state(2, waiting=1, updated_at=NOW - 0.25), state(3, waiting=0)]
+    for params, expected in (({"prefixScorer": "prefix-cache-scorer"}, key(2)), ({}, None)):
+        sched = scheduler(_stale_doc(**params))
+        _holder(sched, SYSTEM + "q0", pool, 1)
+        got = sched.schedule(request(prompt=SYSTEM + "q1", request_id="r2"), pool, now=NOW)
+        if expected is None:
+            assert got.primary.key != key(2)
+        else:
+            assert got.primary.key == expected
+
+
+def test_the_stale_filter_rejects_a_wrong_prefix_scorer() -> None:
+    with pytest.raises(ConfigError, match="not a prefix-cache-scorer"):
+        scheduler(_stale_doc(prefixScorer="queue-scorer"))

@@ -32,7 +32,8 @@ Trade-off: a held request's fallbacks (the picker's extra endpoints) are other h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from pydantic import Field
 
@@ -84,10 +85,33 @@ class PrefixAffinityParams(PluginParams):
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixHolders:
+    """Who *holds* a prompt: the endpoints a prefix index credits with at least `min_ratio` of
+    it and at least `min_blocks` of the index's blocks (the one rule of this filter and of the
+    `stale-metrics-filter`'s holder grace)."""
+
+    prefix: PrefixCacheScorer
+    min_ratio: float = 0.3
+    min_blocks: int = 32
+
+    def of(
+        self, cycle: CycleState, request: LLMRequest, candidates: Iterable[EndpointState]
+    ) -> set[str]:
+        """The ip:port of every candidate holding the prompt (empty when none does)."""
+        matched = self.prefix.matched(cycle, request)
+        if not matched:
+            return set()
+        need = max(
+            self.min_ratio * len(request.prompt), self.min_blocks * self.prefix.params.block_size
+        )
+        return {key for s in candidates if matched.get(key := s.endpoint.hostport, 0) >= need}
+
+
 class PrefixAffinityFilter(NamedPlugin):
     """Filter narrowing the candidates to the prompt's holders while the load is balanced."""
 
-    __slots__ = ("params", "prefix", "staleness_s")
+    __slots__ = ("holders", "params", "staleness_s")
 
     def __init__(
         self,
@@ -98,25 +122,24 @@ class PrefixAffinityFilter(NamedPlugin):
     ) -> None:
         super().__init__(typed_name)
         self.params = params
-        self.prefix = prefix
+        self.holders = (
+            None
+            if prefix is None
+            else PrefixHolders(prefix, params.min_match_ratio, params.min_match_blocks)
+        )
         self.staleness_s = staleness_s
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Sequence[EndpointState]:
-        prefix = self.prefix
-        if prefix is None or len(candidates) < 2:
+        holders = self.holders
+        if holders is None or len(candidates) < 2:
             return candidates
-        matched = prefix.matched(cycle, request)
-        if not matched:
-            return candidates
-        p = self.params
-        need = max(
-            p.min_match_ratio * len(request.prompt), p.min_match_blocks * prefix.params.block_size
-        )
-        held = [s for s in candidates if matched.get(s.endpoint.hostport, 0) >= need]
+        keys = holders.of(cycle, request, candidates)
+        held = [s for s in candidates if s.endpoint.hostport in keys]
         if not held or len(held) == len(candidates):
             return candidates
+        p = self.params
         if p.only_when_stale:
             fresh_since = cycle.now - self.staleness_s
             if all(s.metrics.updated_at >= fresh_since for s in held):

@@ -374,6 +374,8 @@ def run_target(
         "requests_per_server": servers,
         "wall_s": wall,
         "load_average": list(os.getloadavg()),
+        # Distinct (group, server) pairs: shared prefixes prefilled (the group count at least).
+        "prefills": len({(o.group, o.server) for o in everything if o.group and o.server}),
         # Every request, warm-up included: [arrival s, group, server, TTFT s or None].
         "requests": [
             [round(o.arrival, 4), o.group, o.server, None if o.ttft is None else round(o.ttft, 4)]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from poolkeeper.errors import ConfigError
-from poolkeeper.scheduling.interfaces import ProfileResult
+from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
 from tests.scheduling.sched_factories import NOW, cycle, key, request, scheduler, state
 
 SYSTEM = "s" * 4096  # 64 blocks of 64 characters: a shared system prompt
@@ -213,3 +213,59 @@ def test_the_scheduler_sends_the_prompt_to_its_late_holder() -> None:
 def test_the_stale_filter_rejects_a_wrong_prefix_scorer() -> None:
     with pytest.raises(ConfigError, match="not a prefix-cache-scorer"):
         scheduler(_stale_doc(prefixScorer="queue-scorer"))
+
+
+def _system(i: int) -> str:
+    """A distinct 4,096-character system prompt (64 blocks): group `i`'s shared prefix."""
+    return f"group {i:03d} " * 410
+
+
+def test_cold_balance_places_new_prefixes_evenly() -> None:
+    doc = _doc(coldBalance=True)
+    doc["plugins"][3]["parameters"]["maxNumOfEndpoints"] = 1
+    sched = scheduler(doc)
+    pool = [state(i) for i in range(1, 5)]
+    placed: dict[str, list[int]] = {}
+    for g in range(12):
+        got = sched.schedule(request(prompt=_system(g) + "q", request_id=f"g{g}"), pool, now=NOW)
+        placed.setdefault(got.primary.key, []).append(g)
+    # 12 new prefixes on 4 idle servers: exactly 3 each (a random tie-break stacks them).
+    assert sorted(len(v) for v in placed.values()) == [3, 3, 3, 3]
+    # A group's later requests follow its holder (affinity), not the placement count.
+    holder = next(k for k, v in placed.items() if 0 in v)
+    again = sched.schedule(request(prompt=_system(0) + "q2", request_id="again"), pool, now=NOW)
+    assert again.primary.key == holder
+
+
+def test_cold_balance_yields_to_load_and_ignores_short_or_known_prompts() -> None:
+    sched = scheduler(_doc(coldBalance=True))
+    filt = sched.plugins["prefix-affinity-filter"]
+    pool = [state(1), state(2), state(3)]
+    everyone = [key(1), key(2), key(3)]
+    for i in (1, 2):  # pod1 and pod2 have each got one new prefix
+        c = cycle()
+        req = request(prompt=_system(i) + "q")
+        assert key(3) in [s.key for s in filt.filter(c, req, pool)]
+        filt.post_cycle(c, req, ProfileResult("p", (pool[i - 1],)))
+    assert _kept(sched, _system(9) + "q", pool) == [key(3)]
+    # The least placed is 17 requests and 1.5x busier than the least loaded: load decides.
+    busy = [state(1, running=10), state(2, running=10), state(3, running=27)]
+    assert _kept(sched, _system(9) + "q", busy) == everyone
+    # Short prompts and prompts someone holds are not cold.
+    assert _kept(sched, "x" * 1024, pool) == everyone
+    _holder(sched, _system(1) + "q", pool, 0)
+    assert _kept(sched, _system(1) + "other", pool) == [key(1)]
+
+
+def test_cold_balance_counts_decay() -> None:
+    sched = scheduler(_doc(coldBalance=True, coldHalfLifeS=10))
+    filt = sched.plugins["prefix-affinity-filter"]
+    pool = [state(1), state(2)]
+    c = cycle()
+    req = request(prompt=_system(1) + "q")
+    filt.filter(c, req, pool)
+    filt.post_cycle(c, req, ProfileResult("p", (pool[0],)))
+    assert _kept(sched, _system(2) + "q", pool) == [key(2)]
+    # Ten half-lives later pod1's one placement counts 0.001: both are "least placed" again.
+    later = filt.filter(CycleState(NOW + 100), request(prompt=_system(2) + "q"), pool)
+    assert [s.key for s in later] == [key(1), key(2)]

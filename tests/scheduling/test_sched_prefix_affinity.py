@@ -269,3 +269,16 @@ def test_cold_balance_counts_decay() -> None:
     # Ten half-lives later pod1's one placement counts 0.001: both are "least placed" again.
     later = filt.filter(CycleState(NOW + 100), request(prompt=_system(2) + "q"), pool)
     assert [s.key for s in later] == [key(1), key(2)]
+
+
+def test_cold_slack_lets_the_load_scorers_choose_among_nearly_least_placed() -> None:
+    for slack, expected in ((0.5, [key(3)]), (1.0, [key(1), key(2), key(3)])):
+        sched = scheduler(_doc(coldBalance=True, coldSlack=slack))
+        filt = sched.plugins["prefix-affinity-filter"]
+        pool = [state(1), state(2), state(3)]
+        for i in (1, 2):
+            c = cycle()
+            req = request(prompt=_system(i) + "q")
+            filt.filter(c, req, pool)
+            filt.post_cycle(c, req, ProfileResult("p", (pool[i - 1],)))
+        assert _kept(sched, _system(9) + "q", pool) == expected

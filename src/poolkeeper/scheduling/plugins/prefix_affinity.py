@@ -92,6 +92,13 @@ class PrefixAffinityParams(PluginParams):
         "minMatchBlocks of (a new shared prefix) goes to the candidates this filter has placed "
         "the fewest new prefixes on, unless they are out of balance (default false).",
     )
+    cold_slack: float = Field(
+        default=0.5,
+        ge=0,
+        description="With coldBalance, keep the candidates with at most this many placements "
+        "more than the least placed (default 0.5: only the least placed; 1.0 lets the load "
+        "scorers choose between the least and the least + 1).",
+    )
     cold_half_life_s: float = Field(
         default=60.0,
         gt=0,
@@ -195,10 +202,10 @@ class PrefixAffinityFilter(NamedPlugin):
         return count * math.exp(-_LN2 * max(0.0, now - at) / self.params.cold_half_life_s)
 
     def _least_placed(self, now: float, candidates: Sequence[EndpointState]) -> list[EndpointState]:
-        """The candidates within half a placement of the fewest new prefixes placed."""
+        """The candidates within `coldSlack` placements of the fewest new prefixes placed."""
         counts = [self._count(s.endpoint.hostport, now) for s in candidates]
-        least = min(counts)
-        return [s for s, c in zip(candidates, counts, strict=True) if c <= least + 0.5]
+        limit = min(counts) + self.params.cold_slack
+        return [s for s, c in zip(candidates, counts, strict=True) if c <= limit]
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         """Count a new prefix's placement on the endpoint picked for it."""

@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("--spec", default="{}", help="LiveSpec fields as JSON")
     ap.add_argument("targets", nargs="+")
     args = ap.parse_args()
+    # A plain `kill` must still stop the fleet and routers (their `finally` blocks).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = LiveSpec(**{"peers": (), **json.loads(args.spec)})
     scenario = build_scenario(spec.workload, spec.servers)
     if spec.groups is not None:

@@ -9,7 +9,8 @@ only those, unless the least loaded of them is out of balance with the least loa
 
 (load = running + waiting + requests sent since the scrape). Then, and for a prompt nobody holds,
 every candidate stays and the scorers weigh affinity against load as before. List it before
-the `stale-metrics-filter`: after it, a holder whose scrape is late is already gone.
+the `stale-metrics-filter`, or after one whose `prefixScorer` is set (it keeps a late holder):
+after a plain one, a holder whose scrape is late is already gone.
 
 Why: the weighted sum lets load outvote affinity whenever the holder is busier by a few requests,
 and during a cold start every holder is busy prefilling. A request sent elsewhere prefills the

@@ -55,12 +55,19 @@ NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 
 def scheduling(index: str) -> dict[str, Any] | None:
+    """`approx`: the default; `exact`: + KV events; `exact-cold`: + cold affinity 0.2 (a new
+    long prefix scored toward its owner on a hash ring of the endpoints, the same for every
+    replica; docs/scheduling.md)."""
     if index == "approx":
         return None
+    if index not in ("exact", "exact-cold"):
+        raise SystemExit(f"unknown index {index!r} (approx, exact, exact-cold)")
     doc = preset_document("default")
     for plugin in doc["plugins"]:
         if plugin["type"] == "prefix-cache-scorer":
             plugin["parameters"].update({"kvEvents": True, "kvEventsPortOffset": KV_OFFSET})
+            if index == "exact-cold":
+                plugin["parameters"]["coldAffinity"] = 0.2
     return doc
 
 
@@ -149,7 +156,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec", default='{"groups": 16, "time_scale": 10, "duration": 30, '
                     '"stream_interval": 8}', help="LiveSpec fields as JSON")  # fmt: skip
-    ap.add_argument("variants", nargs="+", help="REPLICAS:approx|exact, e.g. 2:exact")
+    ap.add_argument("variants", nargs="+", help="REPLICAS:approx|exact|exact-cold, e.g. 2:exact")
     args = ap.parse_args()
     # A plain `kill` must still stop the fleet and routers (their `finally` blocks).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

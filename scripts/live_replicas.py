@@ -40,6 +40,7 @@ from poolkeeper.bench.live.live import (
     _models,
     envoy_binary,
     poolkeeper_config,
+    prefill_count,
     process,
     wait_http,
 )
@@ -140,7 +141,7 @@ def run_variant(
         "index": index,
         "summary": summarize(outcomes, duration=spec.duration, slo=SLO()),
         "errors": errors,
-        "prefills": len({(o.group, o.server) for o in outcomes if o.group and o.server}),
+        "prefills": prefill_count(outcomes),
         "load_before": before,
         "load_average": list(os.getloadavg()),
         "requests": [

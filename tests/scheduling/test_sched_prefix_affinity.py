@@ -9,6 +9,7 @@ import pytest
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
+from poolkeeper.scheduling.plugins.prefix_affinity import PrefixAffinityFilter
 from tests.scheduling.sched_factories import NOW, cycle, key, request, scheduler, state
 
 SYSTEM = "s" * 4096  # 64 blocks of 64 characters: a shared system prompt
@@ -215,6 +216,12 @@ def test_the_stale_filter_rejects_a_wrong_prefix_scorer() -> None:
         scheduler(_stale_doc(prefixScorer="queue-scorer"))
 
 
+def _affinity(sched: Any) -> PrefixAffinityFilter:
+    filt = sched.plugins["prefix-affinity-filter"]
+    assert isinstance(filt, PrefixAffinityFilter)
+    return filt
+
+
 def _system(i: int) -> str:
     """A distinct 4,096-character system prompt (64 blocks): group `i`'s shared prefix."""
     return f"group {i:03d} " * 410
@@ -239,7 +246,7 @@ def test_cold_balance_places_new_prefixes_evenly() -> None:
 
 def test_cold_balance_yields_to_load_and_ignores_short_or_known_prompts() -> None:
     sched = scheduler(_doc(coldBalance=True))
-    filt = sched.plugins["prefix-affinity-filter"]
+    filt = _affinity(sched)
     pool = [state(1), state(2), state(3)]
     everyone = [key(1), key(2), key(3)]
     for i in (1, 2):  # pod1 and pod2 have each got one new prefix
@@ -259,7 +266,7 @@ def test_cold_balance_yields_to_load_and_ignores_short_or_known_prompts() -> Non
 
 def test_cold_balance_counts_decay() -> None:
     sched = scheduler(_doc(coldBalance=True, coldHalfLifeS=10))
-    filt = sched.plugins["prefix-affinity-filter"]
+    filt = _affinity(sched)
     pool = [state(1), state(2)]
     c = cycle()
     req = request(prompt=_system(1) + "q")
@@ -274,7 +281,7 @@ def test_cold_balance_counts_decay() -> None:
 def test_cold_slack_lets_the_load_scorers_choose_among_nearly_least_placed() -> None:
     for slack, expected in ((0.5, [key(3)]), (1.0, [key(1), key(2), key(3)])):
         sched = scheduler(_doc(coldBalance=True, coldSlack=slack))
-        filt = sched.plugins["prefix-affinity-filter"]
+        filt = _affinity(sched)
         pool = [state(1), state(2), state(3)]
         for i in (1, 2):
             c = cycle()

@@ -13,8 +13,15 @@ import yaml
 from aiohttp import web
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.live.live import envoy_rr_bootstrap, poolkeeper_config, process, ratios
+from poolkeeper.bench.live.live import (
+    envoy_rr_bootstrap,
+    poolkeeper_config,
+    prefill_count,
+    process,
+    ratios,
+)
 from poolkeeper.bench.live.loadgen import check_loopback, run_open_loop
+from poolkeeper.bench.results.metrics import RequestOutcome
 from poolkeeper.bench.workload.workloads import Arrival
 from poolkeeper.cli import main as cli
 from poolkeeper.errors import ConfigError
@@ -152,3 +159,14 @@ def test_a_peer_whose_interpreter_moved_is_a_clear_error(tmp_path: Path) -> None
         process([str(script)], tmp_path / "peer.log"),
     ):
         pass
+
+
+def test_prefill_count_is_distinct_group_server_pairs() -> None:
+    def outcome(group: str, server: str | None) -> RequestOutcome:
+        return RequestOutcome("r", Criticality.STANDARD, 0.0, 10, 1, server=server, group=group)
+
+    routed = [outcome("g0", "sim-0"), outcome("g0", "sim-0"), outcome("g1", "sim-0"),
+              outcome("g0", "sim-1"), outcome("g1", None), outcome("", "sim-2")]  # fmt: skip
+    # g0 on sim-0 and sim-1 (one re-prefill), g1 on sim-0; unrouted and group-less ignored.
+    assert prefill_count(routed) == 3
+    assert prefill_count([]) == 0

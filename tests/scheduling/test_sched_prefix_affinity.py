@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from poolkeeper.errors import ConfigError
-from poolkeeper.scheduling.interfaces import ProfileResult
+from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
+from poolkeeper.scheduling.plugins.prefix_affinity import PrefixAffinityFilter
 from tests.scheduling.sched_factories import NOW, cycle, key, request, scheduler, state
 
 SYSTEM = "s" * 4096  # 64 blocks of 64 characters: a shared system prompt
@@ -132,3 +133,159 @@ def test_a_missing_or_wrong_prefix_scorer_is_a_config_error() -> None:
     doc = _doc(prefixScorer="nope")
     with pytest.raises(ConfigError, match="nope"):
         scheduler(doc)
+
+
+def _stale_doc(**params: Any) -> dict[str, Any]:
+    """A stale-metrics-filter reading the prefix index, and a queue scorer."""
+    return {
+        "plugins": [
+            {"type": "stale-metrics-filter", "parameters": params},
+            {"type": "prefix-cache-scorer"},
+            {"type": "queue-scorer"},
+            {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 1}},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "p",
+                "plugins": [
+                    {"pluginRef": "stale-metrics-filter"},
+                    {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                    {"pluginRef": "queue-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+def _stale_kept(sched: Any, prompt: str, pool: list[Any]) -> list[str]:
+    filt = sched.plugins["stale-metrics-filter"]
+    return [s.key for s in filt.filter(cycle(), request(prompt=prompt), pool)]
+
+
+def test_stale_filter_keeps_a_late_holder_within_the_grace() -> None:
+    sched = scheduler(_stale_doc(prefixScorer="prefix-cache-scorer"))
+    pool = [state(1), state(2, updated_at=NOW - 0.204), state(3, updated_at=NOW - 0.5)]
+    _holder(sched, SYSTEM + "q0", pool, 1)
+    prompt = SYSTEM + "q1"
+    # pod2 holds the prompt and its scrape is 4 ms late: kept; pod3 (late, holds nothing) not.
+    assert _stale_kept(sched, prompt, pool) == [key(1), key(2)]
+    # A prompt nobody holds: the plain rule, every late endpoint dropped.
+    assert _stale_kept(sched, "never seen " * 600, pool) == [key(1)]
+    # Older than the grace (1 s): the holder is dropped too, it may be gone.
+    gone = [state(1), state(2, updated_at=NOW - 1.5), state(3)]
+    assert _stale_kept(sched, prompt, gone) == [key(1), key(3)]
+    # Never scraped is never "late": dropped whatever it holds.
+    never = [state(1), state(2, updated_at=0.0)]
+    assert _stale_kept(sched, prompt, never) == [key(1)]
+
+
+def test_stale_filter_without_prefix_scorer_drops_every_late_endpoint() -> None:
+    sched = scheduler(_stale_doc())
+    pool = [state(1), state(2, updated_at=NOW - 0.204), state(3)]
+    _holder(sched, SYSTEM + "q0", pool, 1)
+    assert _stale_kept(sched, SYSTEM + "q1", pool) == [key(1), key(3)]
+
+
+def test_a_short_or_partial_match_earns_no_grace() -> None:
+    sched = scheduler(_stale_doc(prefixScorer="prefix-cache-scorer", holderGraceMs=2000))
+    pool = [state(1), state(2, updated_at=NOW - 0.3)]
+    short = "x" * 1024  # 16 blocks: under minMatchBlocks
+    _holder(sched, short, pool, 1)
+    assert _stale_kept(sched, short + "more", pool) == [key(1)]
+    _holder(sched, SYSTEM, pool, 1)
+    # Holds 4,096 of 16,000 characters: under minMatchRatio 0.3.
+    assert _stale_kept(sched, SYSTEM + "u" * 11_904, pool) == [key(1)]
+    assert _stale_kept(sched, SYSTEM + "u" * 100, pool) == [key(1), key(2)]
+
+
+def test_the_scheduler_sends_the_prompt_to_its_late_holder() -> None:
+    pool = [state(1, waiting=0), state(2, waiting=1, updated_at=NOW - 0.25), state(3, waiting=0)]
+    for params, expected in (({"prefixScorer": "prefix-cache-scorer"}, key(2)), ({}, None)):
+        sched = scheduler(_stale_doc(**params))
+        _holder(sched, SYSTEM + "q0", pool, 1)
+        got = sched.schedule(request(prompt=SYSTEM + "q1", request_id="r2"), pool, now=NOW)
+        if expected is None:
+            assert got.primary.key != key(2)
+        else:
+            assert got.primary.key == expected
+
+
+def test_the_stale_filter_rejects_a_wrong_prefix_scorer() -> None:
+    with pytest.raises(ConfigError, match="not a prefix-cache-scorer"):
+        scheduler(_stale_doc(prefixScorer="queue-scorer"))
+
+
+def _affinity(sched: Any) -> PrefixAffinityFilter:
+    filt = sched.plugins["prefix-affinity-filter"]
+    assert isinstance(filt, PrefixAffinityFilter)
+    return filt
+
+
+def _system(i: int) -> str:
+    """A distinct 4,096-character system prompt (64 blocks): group `i`'s shared prefix."""
+    return f"group {i:03d} " * 410
+
+
+def test_cold_balance_places_new_prefixes_evenly() -> None:
+    doc = _doc(coldBalance=True)
+    doc["plugins"][3]["parameters"]["maxNumOfEndpoints"] = 1
+    sched = scheduler(doc)
+    pool = [state(i) for i in range(1, 5)]
+    placed: dict[str, list[int]] = {}
+    for g in range(12):
+        got = sched.schedule(request(prompt=_system(g) + "q", request_id=f"g{g}"), pool, now=NOW)
+        placed.setdefault(got.primary.key, []).append(g)
+    # 12 new prefixes on 4 idle servers: exactly 3 each (a random tie-break stacks them).
+    assert sorted(len(v) for v in placed.values()) == [3, 3, 3, 3]
+    # A group's later requests follow its holder (affinity), not the placement count.
+    holder = next(k for k, v in placed.items() if 0 in v)
+    again = sched.schedule(request(prompt=_system(0) + "q2", request_id="again"), pool, now=NOW)
+    assert again.primary.key == holder
+
+
+def test_cold_balance_yields_to_load_and_ignores_short_or_known_prompts() -> None:
+    sched = scheduler(_doc(coldBalance=True))
+    filt = _affinity(sched)
+    pool = [state(1), state(2), state(3)]
+    everyone = [key(1), key(2), key(3)]
+    for i in (1, 2):  # pod1 and pod2 have each got one new prefix
+        c = cycle()
+        req = request(prompt=_system(i) + "q")
+        assert key(3) in [s.key for s in filt.filter(c, req, pool)]
+        filt.post_cycle(c, req, ProfileResult("p", (pool[i - 1],)))
+    assert _kept(sched, _system(9) + "q", pool) == [key(3)]
+    # The least placed is 17 requests and 1.5x busier than the least loaded: load decides.
+    busy = [state(1, running=10), state(2, running=10), state(3, running=27)]
+    assert _kept(sched, _system(9) + "q", busy) == everyone
+    # Short prompts and prompts someone holds are not cold.
+    assert _kept(sched, "x" * 1024, pool) == everyone
+    _holder(sched, _system(1) + "q", pool, 0)
+    assert _kept(sched, _system(1) + "other", pool) == [key(1)]
+
+
+def test_cold_balance_counts_decay() -> None:
+    sched = scheduler(_doc(coldBalance=True, coldHalfLifeS=10))
+    filt = _affinity(sched)
+    pool = [state(1), state(2)]
+    c = cycle()
+    req = request(prompt=_system(1) + "q")
+    filt.filter(c, req, pool)
+    filt.post_cycle(c, req, ProfileResult("p", (pool[0],)))
+    assert _kept(sched, _system(2) + "q", pool) == [key(2)]
+    # Ten half-lives later pod1's one placement counts 0.001: both are "least placed" again.
+    later = filt.filter(CycleState(NOW + 100), request(prompt=_system(2) + "q"), pool)
+    assert [s.key for s in later] == [key(1), key(2)]
+
+
+def test_cold_slack_lets_the_load_scorers_choose_among_nearly_least_placed() -> None:
+    for slack, expected in ((0.5, [key(3)]), (1.0, [key(1), key(2), key(3)])):
+        sched = scheduler(_doc(coldBalance=True, coldSlack=slack))
+        filt = _affinity(sched)
+        pool = [state(1), state(2), state(3)]
+        for i in (1, 2):
+            c = cycle()
+            req = request(prompt=_system(i) + "q")
+            filt.filter(c, req, pool)
+            filt.post_cycle(c, req, ProfileResult("p", (pool[i - 1],)))
+        assert _kept(sched, _system(9) + "q", pool) == expected

@@ -70,12 +70,18 @@ def _default_plus(scorer: str, weight: float, **params: Any) -> dict[str, Any]:
     return doc
 
 
-def _default_first(plugin: dict[str, Any]) -> dict[str, Any]:
-    """The default profile with the filter `plugin` listed before every other plugin (the
-    `prefix-affinity` preset: docs/notes/2026-12-06-live-prefix-affinity.md)."""
+def _prefix_affinity() -> dict[str, Any]:
+    """The default profile, its stale filter keeping a prefix's late holders, then the
+    `prefix-affinity-filter` (always on, with cold balance): the `prefix-affinity` preset
+    (docs/notes/2026-12-06-live-routing-fourth-round.md)."""
     doc = copy.deepcopy(_DEFAULT)
-    doc["plugins"].insert(0, plugin)
-    doc["schedulingProfiles"][0]["plugins"].insert(0, {"pluginRef": plugin["type"]})
+    stale = doc["plugins"][0]
+    assert stale["type"] == "stale-metrics-filter"
+    stale["parameters"] = {"prefixScorer": "prefix-cache-scorer"}
+    doc["plugins"].insert(
+        1, {"type": "prefix-affinity-filter", "parameters": {"coldBalance": True}}
+    )
+    doc["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "prefix-affinity-filter"})
     return doc
 
 
@@ -174,9 +180,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": _DEFAULT,
     "predicted-ttft": _default_plus("predicted-ttft-scorer", 2),
     "prefill-backlog": _default_plus("prefill-backlog-scorer", 2),
-    "prefix-affinity": _default_first(
-        {"type": "prefix-affinity-filter", "parameters": {"onlyWhenStale": True}}
-    ),
+    "prefix-affinity": _prefix_affinity(),
     "gie-v1-default": _gie_v1(2, 2, 3),  # GIE v1.2+ / v1.5 built-in default
     "gie-v1.0-default": _gie_v1(1, 1, 1),  # GIE v1.0 chart / v0.5 plugins-v2.yaml
     "gie-v0.3-decision-tree": _V03,

@@ -35,7 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -307,6 +307,13 @@ def router_command(
     return cmd, port, f"http://127.0.0.1:{port}/health"
 
 
+def prefill_count(outcomes: Iterable[RequestOutcome]) -> int:
+    """Distinct (group, server) pairs among the routed requests of a shared-prefix run: how many
+    times a group's system prompt was prefilled (at least the number of groups; each pair more
+    is a server prefilling a prefix another server already held). 0 without groups."""
+    return len({(o.group, o.server) for o in outcomes if o.group and o.server})
+
+
 def run_target(
     target: str,
     spec: LiveSpec,
@@ -374,6 +381,7 @@ def run_target(
         "requests_per_server": servers,
         "wall_s": wall,
         "load_average": list(os.getloadavg()),
+        "prefills": prefill_count(everything),
         # Every request, warm-up included: [arrival s, group, server, TTFT s or None].
         "requests": [
             [round(o.arrival, 4), o.group, o.server, None if o.ttft is None else round(o.ttft, 4)]

@@ -35,6 +35,7 @@ from poolkeeper.scheduling.plugins.filters import (
     SaturationFilter,
     SaturationFilterParams,
     StaleMetricsFilter,
+    StaleMetricsParams,
 )
 from poolkeeper.scheduling.plugins.pickers import (
     MaxScorePicker,
@@ -45,6 +46,7 @@ from poolkeeper.scheduling.plugins.pickers import (
 from poolkeeper.scheduling.plugins.prefix_affinity import (
     PrefixAffinityFilter,
     PrefixAffinityParams,
+    PrefixHolders,
 )
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheParams, PrefixCacheScorer
 from poolkeeper.scheduling.plugins.profile_handlers import SingleProfileHandler
@@ -108,7 +110,14 @@ def _with_staleness(cls: Callable[[TypedName, T, float], Plugin], model: type[T]
 
 
 def _stale_metrics(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
-    return StaleMetricsFilter(tn, ctx.staleness_s)
+    assert isinstance(params, StaleMetricsParams)
+    prefix = _prefix_scorer(tn, params.prefix_scorer, ctx)
+    holders = (
+        None
+        if prefix is None
+        else PrefixHolders(prefix, params.min_match_ratio, params.min_match_blocks)
+    )
+    return StaleMetricsFilter(tn, ctx.staleness_s, holders, params.holder_grace_ms / 1000.0)
 
 
 def _plain(cls: Callable[[TypedName], Plugin]) -> PluginFactory:
@@ -175,7 +184,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
         PluginSpec("saturation-filter", F, SaturationFilterParams,
                    _with_staleness(SaturationFilter, SaturationFilterParams),
                    "Drops stale or overloaded endpoints; fails open."),
-        PluginSpec("stale-metrics-filter", F, NoParams, _stale_metrics,
+        PluginSpec("stale-metrics-filter", F, StaleMetricsParams, _stale_metrics,
                    "Drops endpoints with stale metrics; fails open."),
         PluginSpec("decision-tree-filter", F, DecisionTreeParams, _tree,
                    "GIE v0.1-v0.5 filter tree.", filter_references=tree_references),

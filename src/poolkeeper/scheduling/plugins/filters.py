@@ -17,6 +17,7 @@ from poolkeeper.datastore.load import effective_kv, effective_waiting, saturatio
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
+from poolkeeper.scheduling.plugins.prefix_affinity import PrefixHolders
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -270,6 +271,34 @@ class SaturationFilter(NamedPlugin):
         return kept
 
 
+class StaleMetricsParams(PluginParams):
+    prefix_scorer: str = Field(
+        default="",
+        description="Name of a prefix-cache-scorer: an endpoint holding the request's prompt "
+        'by its index is kept while its metrics are at most holderGraceMs old (default "": '
+        "off, every stale endpoint is dropped).",
+    )
+    holder_grace_ms: float = Field(
+        default=1000,
+        ge=0,
+        description="How old a holder's metrics may be and the holder still kept (default "
+        "1000 ms; only with prefixScorer).",
+    )
+    min_match_ratio: float = Field(
+        default=0.3,
+        ge=0.0,
+        le=1.0,
+        description="Share of the prompt an endpoint must probably cache to hold it "
+        "(default 0.3, as prefix-affinity-filter).",
+    )
+    min_match_blocks: int = Field(
+        default=32,
+        ge=1,
+        description="Blocks of the prefix scorer an endpoint must probably cache to hold it "
+        "(default 32, as prefix-affinity-filter).",
+    )
+
+
 class StaleMetricsFilter(NamedPlugin):
     """Drops endpoints whose metrics are stale or were never scraped; fails open.
 
@@ -277,13 +306,28 @@ class StaleMetricsFilter(NamedPlugin):
     endpoint may look idle (GIE #1497) or be gone; it is skipped while any endpoint has fresh
     metrics. If none has, all are kept: a lagging scraper must not fail the pool (llm-d #2408).
     Cheaper than `saturation-filter` (no load test).
+
+    With `holders` (the `prefixScorer` parameter), an endpoint that holds the request's prompt
+    and whose scrape is merely late (no older than `grace_s`) stays. Why: on a loaded machine
+    scrapes run late together, and dropping a prefix's holder for a scrape 4 ms past the limit
+    sends its request to a server that must prefill the whole shared prefix again (measured
+    live: docs/notes/2026-12-06-live-routing-fourth-round.md). Its load is not blind meanwhile:
+    the requests sent since its scrape are counted.
     """
 
-    __slots__ = ("staleness_s",)
+    __slots__ = ("grace_s", "holders", "staleness_s")
 
-    def __init__(self, typed_name: TypedName, staleness_s: float) -> None:
+    def __init__(
+        self,
+        typed_name: TypedName,
+        staleness_s: float,
+        holders: PrefixHolders | None = None,
+        grace_s: float = 0.0,
+    ) -> None:
         super().__init__(typed_name)
         self.staleness_s = staleness_s
+        self.holders = holders
+        self.grace_s = grace_s
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -294,4 +338,15 @@ class StaleMetricsFilter(NamedPlugin):
         kept = [s for s in candidates if (u := s.metrics.updated_at) >= fresh_since and u > 0.0]
         if not kept or len(kept) == len(candidates):
             return candidates
+        if self.holders is not None and self.grace_s > self.staleness_s:
+            late_since = cycle.now - self.grace_s
+            late = [
+                s
+                for s in candidates
+                if late_since <= (u := s.metrics.updated_at) < fresh_since and u > 0.0
+            ]
+            held = self.holders.of(cycle, request, late) if late else set()
+            if held:
+                fresh = {id(s) for s in kept}
+                return [s for s in candidates if id(s) in fresh or s.endpoint.hostport in held]
         return kept

@@ -1,0 +1,198 @@
+"""Live EPP replicas: N `poolkeeper serve --no-envoy` behind one Envoy, approximate vs exact.
+
+The shipped Kubernetes shape (docs/kubernetes.md): one gateway (Envoy) whose ext_proc cluster
+holds every EPP replica; Envoy opens one ext_proc stream per request and balances the streams
+round-robin over the replicas, so each replica routes about 1/N of the requests and its
+approximate prefix index knows only those. Here: a simulated fleet publishing vLLM-format
+KV-cache events (`poolkeeper sim --kv-events-port-offset`), N EPPs with the same config (own
+ports), and one Envoy from `poolkeeper envoy-config` with the other replicas' ext_proc ports
+added to its `epp` cluster. Index `approx`: the default profile; `exact`: the default with the
+prefix scorer's `kvEvents` on (each replica subscribes to every server's events). Variants run
+interleaved (listed order in even rounds, reversed in odd), the same requests each time; every
+run goes to OUT/runs.json with its requests, prefills and load average. Example
+(docs/notes/2026-12-06-live-routing-fourth-round.md):
+
+    .venv/bin/python scripts/live_replicas.py --out bench-results/q4/replicas --rounds 2 \\
+        1:approx 2:approx 2:exact
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from poolkeeper.bench.fleet.simrun import fleet_capacity
+from poolkeeper.bench.live.live import (
+    READY_TIMEOUT_S,
+    LiveSpec,
+    _models,
+    envoy_binary,
+    poolkeeper_config,
+    prefill_count,
+    process,
+    wait_http,
+)
+from poolkeeper.bench.live.loadgen import run_open_loop
+from poolkeeper.bench.results.metrics import SLO, summarize
+from poolkeeper.bench.workload.scenarios import adapter_names, build_scenario
+from poolkeeper.bench.workload.workloads import default_spec, generate
+from poolkeeper.netutil import free_ports
+from poolkeeper.scheduling.presets import preset_document
+
+KV_OFFSET = 1000
+NAMES = ("http", "extproc", "metrics", "health", "admin")
+
+
+def scheduling(index: str) -> dict[str, Any] | None:
+    """`approx`: the default; `exact`: + KV events; `exact-cold`: + cold affinity 0.2 (a new
+    long prefix scored toward its owner on a hash ring of the endpoints, the same for every
+    replica; docs/scheduling.md)."""
+    if index == "approx":
+        return None
+    if index not in ("exact", "exact-cold"):
+        raise SystemExit(f"unknown index {index!r} (approx, exact, exact-cold)")
+    doc = preset_document("default")
+    for plugin in doc["plugins"]:
+        if plugin["type"] == "prefix-cache-scorer":
+            plugin["parameters"].update({"kvEvents": True, "kvEventsPortOffset": KV_OFFSET})
+            if index == "exact-cold":
+                plugin["parameters"]["coldAffinity"] = 0.2
+    return doc
+
+
+def bootstrap(cfg: Path, extra_extproc: list[int], out: Path) -> None:
+    text = subprocess.run(
+        [sys.executable, "-m", "poolkeeper", "envoy-config", "-f", str(cfg)],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    doc = json.loads(text)
+    (epp,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "epp"]
+    lb = epp["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    for port in extra_extproc:
+        lb.append(
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                         "port_value": port}}}}
+        )  # fmt: skip
+    out.write_text(json.dumps(doc))
+
+
+def run_variant(
+    spec: LiveSpec, arrivals: list[Any], replicas: int, index: str, work: Path
+) -> dict[str, Any]:
+    kind = default_spec(spec.workload, spec.servers).kind
+    models = _models(kind, adapter_names(default_spec(spec.workload, spec.servers)))
+    sim_ports = free_ports(spec.servers, consecutive=True)
+    sim_cmd = [sys.executable, "-m", "poolkeeper", "sim", "--count", str(spec.servers),
+               "--port", str(sim_ports[0]), "--model", "base-model",
+               "--time-scale", str(spec.time_scale), "--seed", str(spec.seed),
+               "--kv-events-port-offset", str(KV_OFFSET),
+               "--stream-interval", str(spec.stream_interval)]  # fmt: skip
+    work.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        stack.enter_context(process(sim_cmd, work / "sim.log"))
+        for p in sim_ports:
+            wait_http(f"http://127.0.0.1:{p}/health", lambda s: s == 200, READY_TIMEOUT_S, "sim")
+        ports = [dict(zip(NAMES, free_ports(len(NAMES)), strict=True)) for _ in range(replicas)]
+        cfgs = []
+        for i, pp in enumerate(ports):
+            cfg = poolkeeper_config(work / f"epp{i}", sim_ports, pp, models, scheduling(index))
+            cfgs.append(cfg)
+            cmd = [sys.executable, "-m", "poolkeeper", "serve", "--no-envoy", "-f", str(cfg),
+                   "--workdir", str(work / f"serve{i}"), "--log-level", "warning"]  # fmt: skip
+            stack.enter_context(process(cmd, work / f"epp{i}.log"))
+        for pp in ports:
+            wait_http(f"http://127.0.0.1:{pp['metrics']}/readyz", lambda s: s == 200,
+                      READY_TIMEOUT_S, "epp")  # fmt: skip
+        boot = work / "envoy.json"
+        bootstrap(cfgs[0], [pp["extproc"] for pp in ports[1:]], boot)
+        envoy = envoy_binary()
+        assert envoy is not None
+        cmd = [envoy, "-c", str(boot), "--concurrency", "1", "--log-level", "warn",
+               "--disable-hot-restart"]  # fmt: skip
+        stack.enter_context(process(cmd, work / "envoy.log"))
+        http = ports[0]["http"]
+        wait_http(f"http://127.0.0.1:{http}/v1/models", lambda s: s < 500, READY_TIMEOUT_S, "envoy")
+        time.sleep(1.0)
+        before = list(os.getloadavg())
+        results = asyncio.run(
+            run_open_loop(f"http://127.0.0.1:{http}", arrivals, time_limit=spec.duration + 5,
+                          stop_after_first_tokens=True, request_timeout=120.0)
+        )  # fmt: skip
+    outcomes = [r.outcome for r in results]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.status != 200 or r.error:
+            key = r.error or f"HTTP {r.status}"
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "replicas": replicas,
+        "index": index,
+        "summary": summarize(outcomes, duration=spec.duration, slo=SLO()),
+        "errors": errors,
+        "prefills": prefill_count(outcomes),
+        "load_before": before,
+        "load_average": list(os.getloadavg()),
+        "requests": [
+            [round(o.arrival, 4), o.group, o.server, None if o.ttft is None else round(o.ttft, 4)]
+            for o in sorted(outcomes, key=lambda o: o.arrival)
+        ],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--spec", default='{"groups": 16, "time_scale": 10, "duration": 30, '
+                    '"stream_interval": 8}', help="LiveSpec fields as JSON")  # fmt: skip
+    ap.add_argument("variants", nargs="+", help="REPLICAS:approx|exact|exact-cold, e.g. 2:exact")
+    args = ap.parse_args()
+    # A plain `kill` must still stop the fleet and routers (their `finally` blocks).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    spec = LiveSpec(**{"peers": (), **json.loads(args.spec)})
+    scenario = build_scenario(spec.workload, spec.servers)
+    if spec.groups is not None:
+        scenario = replace(scenario, spec=replace(scenario.spec, num_groups=spec.groups))
+    capacity = float(fleet_capacity(scenario, seed=spec.seed)["capacity_rps"]) / spec.time_scale
+    rate = spec.rate if spec.rate is not None else 0.9 * capacity
+    arrivals = generate(scenario.spec, rate=rate, duration=spec.duration, seed=spec.seed)
+    print(f"{len(arrivals)} requests at {rate:.2f} req/s", flush=True)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="live-replicas-") as tmp:
+        for rnd in range(args.rounds):
+            for variant in args.variants if rnd % 2 == 0 else args.variants[::-1]:
+                n, _, index = variant.partition(":")
+                run = run_variant(spec, arrivals, int(n), index, Path(tmp) / f"r{rnd}-{n}-{index}")
+                run.update({"round": rnd, "label": variant})
+                t = run["summary"]["ttft_s"]
+                load = f"{run['load_before'][0]:.1f} -> {run['load_average'][0]:.1f}"
+                print(f"  {variant}: p90 {t['p90']:.3f} s, p99 {t['p99']:.3f} s, prefills "
+                      f"{run['prefills']}, errors {run['errors'] or 0}, load {load}",
+                      flush=True)  # fmt: skip
+                runs.append(run)
+                (out / "runs.json").write_text(json.dumps({"rate": rate, "runs": runs}))
+    for variant in args.variants:
+        mine = [r for r in runs if r["label"] == variant]
+        p90 = [r["summary"]["ttft_s"]["p90"] for r in mine]
+        p99 = [r["summary"]["ttft_s"]["p99"] for r in mine]
+        prefills = [r["prefills"] for r in mine]
+        print(f"{variant:>10}: median p90 {statistics.median(p90):.2f} s, p99 "
+              f"{statistics.median(p99):.2f} s, prefills {prefills}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -32,15 +32,11 @@ def test_first_tokens_and_ends_reach_the_backlog_and_steer_the_next_picks() -> N
     flow = make_policy("poolkeeper-backlog", random.Random(2))
     assert isinstance(flow, FlowPolicy)
     # It learns from first tokens, so the fleet shows it which unseen requests answered (as
-    # Envoy's first-byte report shows the EPP), as the default now does (its backlog fades
-    # near saturation); the previous default learns nothing and sees none.
+    # Envoy's first-byte report shows the EPP); the default learns nothing and sees none.
     assert flow.observes_first_tokens
     default = make_policy("poolkeeper", random.Random(2))
     assert isinstance(default, FlowPolicy)
-    assert default.observes_first_tokens
-    previous = make_policy("poolkeeper-previous", random.Random(2))
-    assert isinstance(previous, FlowPolicy)
-    assert not previous.observes_first_tokens
+    assert not default.observes_first_tokens
     inner = flow.inner
     assert isinstance(inner, SchedulerPolicy)
     scorer = inner.scheduler.plugins["prefill-backlog-scorer"]

@@ -15,9 +15,7 @@ from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling import config as scheduling_config, resolve
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig, preset_config
-from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
-from poolkeeper.scheduling.plugins.scorers import QueueScorer
 from poolkeeper.scheduling.presets import PRESETS, preset_document
 from poolkeeper.scheduling.registry import NoParams, PluginKind, PluginSpec
 from tests.scheduling.sched_factories import request, scheduler, state
@@ -262,20 +260,10 @@ def test_empty_config_is_the_default_preset() -> None:
         "prefix-cache-scorer": 3,
         "lora-affinity-scorer": 2,
         "observed-speed-scorer": 2,
-        "prefill-backlog-scorer": 2,
     }
     assert [f.typed_name.type for f in sched.profiles["default"].filters] == [
         "stale-metrics-filter"
     ]
-    # It learns from first bytes (the backlog), fading it near saturation, and its queue
-    # scorer counts the unseen requests that answered as waiting (docs/scheduling.md §3).
-    assert sched.observes_first_tokens
-    backlog = sched.plugins["prefill-backlog-scorer"]
-    assert isinstance(backlog, PrefillBacklogScorer)
-    assert (backlog.fade_from, backlog.fade_to) == (0.6, 0.9)
-    queue = sched.plugins["queue-scorer"]
-    assert isinstance(queue, QueueScorer)
-    assert not queue.answered_run
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -16,8 +16,7 @@ def _no_inflight(**extra: Any) -> dict[str, Any]:
     return {**extra, "countUnseen": False}
 
 
-# The load-and-affinity profile (poolkeeper's default until issue 38's fourth round, and the
-# base of the default and of the learning presets):
+# poolkeeper's default: prefix affinity, effective load, LoRA affinity (docs/scheduling.md §3).
 # - stale-metrics-filter: endpoints whose metrics are older than 200 ms are skipped while any
 #   other endpoint is fresh (fails open).
 # - queue-scorer / running-requests-size-scorer with a minimum span, so a difference of one or
@@ -30,7 +29,7 @@ def _no_inflight(**extra: Any) -> dict[str, Any]:
 #   fast servers; in a uniform fleet the noise stays inside the tolerance.
 # - max-score-picker: random tie-break spreads cache misses; 3 fallbacks for the proxy.
 # Weights chosen with the virtual-time fleet simulator (docs/scheduling.md §3).
-_LOAD_AFFINITY: dict[str, Any] = {
+_DEFAULT: dict[str, Any] = {
     "plugins": [
         {"type": "stale-metrics-filter"},
         {"type": "queue-scorer", "parameters": {"minSpan": 8}},
@@ -60,10 +59,10 @@ _LOAD_AFFINITY: dict[str, Any] = {
 
 
 def _default_plus(scorer: str, weight: float, **params: Any) -> dict[str, Any]:
-    """The load-and-affinity profile plus `scorer` (a type taking `prefixScorer`) reading its
-    prefix index, at `weight`, with `params`: the default, the `predicted-ttft` and
-    `prefill-backlog` presets and the candidates measured beside them."""
-    doc = copy.deepcopy(_LOAD_AFFINITY)
+    """The default profile plus `scorer` (a type taking `prefixScorer`) reading the default's
+    prefix index, at `weight`, with `params`: the `predicted-ttft` and `prefill-backlog`
+    presets and the candidates for the default measured beside them."""
+    doc = copy.deepcopy(_DEFAULT)
     doc["plugins"].insert(
         -1, {"type": scorer, "parameters": {"prefixScorer": "prefix-cache-scorer", **params}}
     )
@@ -77,17 +76,6 @@ def _answered_wait(doc: dict[str, Any]) -> dict[str, Any]:
         if plugin["type"] == "queue-scorer":
             plugin.setdefault("parameters", {})["answeredRun"] = False
     return doc
-
-
-# poolkeeper's default (docs/scheduling.md §3): the load-and-affinity profile plus the
-# prefill backlog (prompt tokens sent whose first byte has not come back) at weight 2, its say
-# fading as the pool's busy share rises from 0.6 to 0.9 (it wins below capacity and, as
-# selfish routing, loses a mixed-speed fleet near saturation), and the queue scorer counting
-# unseen requests that answered as waiting (subtracting them pulled work to the fast servers
-# the same way): docs/notes/2026-12-06-routing-quality-fourth-round.md.
-_DEFAULT: dict[str, Any] = _answered_wait(
-    _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9)
-)
 
 
 def _default_first(plugin: dict[str, Any]) -> dict[str, Any]:
@@ -235,10 +223,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "prefill-backlog-drain-marginal": _default_plus(
         "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None, marginal=True
     ),
-    # The default before issue 38's fourth round (no backlog), and the fourth round's default
-    # (docs/notes/2026-12-06-routing-quality-fourth-round.md) without the fade, and with the
-    # fade but the queue scorer as it was.
-    "load-affinity": copy.deepcopy(_LOAD_AFFINITY),
+    # issue 38, fourth round (docs/notes/2026-12-06-routing-quality-fourth-round.md): the
+    # backlog's say fading from a pool busy share of 0.6 to none at 0.9, and the queue scorer
+    # counting unseen requests that answered as waiting (as a profile without first bytes does).
+    "prefill-backlog-fade": _answered_wait(
+        _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9)
+    ),
+    # ... the same without the fade, and the fade with the queue scorer as it was.
     "prefill-backlog-answered-wait": _answered_wait(_default_plus("prefill-backlog-scorer", 2)),
     "prefill-backlog-fade-only": _default_plus(
         "prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9

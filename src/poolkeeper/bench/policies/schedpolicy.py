@@ -61,7 +61,7 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-busy": "prefill-backlog-busy",
     "poolkeeper-drain-busy": "prefill-backlog-drain-busy",
     "poolkeeper-drain-marginal": "prefill-backlog-drain-marginal",
-    "poolkeeper-previous": "load-affinity",
+    "poolkeeper-fade": "prefill-backlog-fade",
     "poolkeeper-answered-wait": "prefill-backlog-answered-wait",
     "poolkeeper-fade-only": "prefill-backlog-fade-only",
 }

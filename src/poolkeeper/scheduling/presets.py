@@ -234,6 +234,10 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "prefill-backlog-fade-only": _default_plus(
         "prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9
     ),
+    # ... fading from 0.5 to 0.8: screened on four points only (fourth round's note).
+    "prefill-backlog-fade-early": _answered_wait(
+        _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)
+    ),
 }
 
 

@@ -269,3 +269,27 @@ def test_a_busy_endpoints_cost_is_raised_by_its_utilisation() -> None:
     req = request(prompt="x" * 400)  # 100 tokens: 228 with the base
     costs = scorer.costs(CycleState(NOW + 11.0), req, _pool())
     assert costs == pytest.approx([228 / (1 - math.exp(-1.0)), 228], rel=1e-3)
+
+
+def test_the_backlogs_say_fades_as_the_pool_fills() -> None:
+    scorer = plugin("prefill-backlog-scorer", {"fadeFrom": 0.6, "fadeTo": 0.9})
+    assert isinstance(scorer, PrefillBacklogScorer)
+    pool = _pool()
+    short = request(prompt="x" * 400, request_id="short")  # 100 tokens: 228 with the base
+    scorer.backlog.sent("a", A, 2000, NOW)
+    # Half the pool has a backlog: below `fadeFrom`, the full say.
+    assert scorer.score(CycleState(NOW), short, pool) == pytest.approx([228 / 2228, 1.0])
+    scorer.backlog.sent("b", B, 1000, NOW)
+    # Both busy for ln 2 time constants: the busy share is 0.75, half way to `fadeTo`, so the
+    # scores are pulled half way to 1 (half the say).
+    later = NOW + math.log(2.0)
+    assert scorer.score(CycleState(later), short, pool) == pytest.approx(
+        [0.5 + 0.5 * 1228 / 2228, 1.0]
+    )
+    # Busy long enough to pass `fadeTo`: no say at all.
+    assert scorer.score(CycleState(NOW + 30.0), short, pool) == 1.0
+    scorer.backlog.first_token("a", NOW + 30.0)
+    scorer.backlog.first_token("b", NOW + 30.0)
+    # Idle again: the busy share decays and the say comes back.
+    scorer.backlog.sent("c", A, 2000, NOW + 60.0)
+    assert scorer.score(CycleState(NOW + 60.0), short, pool) == pytest.approx([228 / 2228, 1.0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -33,6 +34,16 @@ def test_queue_scorer(
         state(i, waiting=w, unseen=u) for i, (w, u) in enumerate(zip(waiting, unseen, strict=True))
     ]
     assert scores_of(plugin("queue-scorer", params), request(), pool) == approx(want)
+
+
+def test_queue_scorer_counts_answered_unseen_requests_only_if_told() -> None:
+    # Endpoint 0: 3 unseen requests, 2 of which already answered; endpoint 1: 2 waiting.
+    pool = [replace(state(0, unseen=3), unseen_answered=2), state(1, waiting=2)]
+    # By default the answered ones run: 1 queued against 2.
+    assert scores_of(plugin("queue-scorer"), request(), pool) == approx([1.0, 0.0])
+    # `answeredRun: false`: every unseen request queues, 3 against 2.
+    blind = plugin("queue-scorer", {"answeredRun": False})
+    assert scores_of(blind, request(), pool) == approx([0.0, 1.0])
 
 
 @pytest.mark.parametrize(

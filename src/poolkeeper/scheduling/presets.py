@@ -70,6 +70,14 @@ def _default_plus(scorer: str, weight: float, **params: Any) -> dict[str, Any]:
     return doc
 
 
+def _answered_wait(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with its queue-scorer counting unseen requests that answered as waiting."""
+    for plugin in doc["plugins"]:
+        if plugin["type"] == "queue-scorer":
+            plugin.setdefault("parameters", {})["answeredRun"] = False
+    return doc
+
+
 def _prefix_affinity() -> dict[str, Any]:
     """The default profile, its stale filter keeping a prefix's late holders, then the
     `prefix-affinity-filter` (always on, with cold balance): the `prefix-affinity` preset
@@ -218,6 +226,21 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "prefill-backlog-marginal": _default_plus("prefill-backlog-scorer", 2, marginal=True),
     "prefill-backlog-drain-marginal": _default_plus(
         "prefill-backlog-scorer", 2, drainRate=True, speedTolerance=None, marginal=True
+    ),
+    # issue 38, fourth round (docs/notes/2026-12-06-routing-quality-fourth-round.md): the
+    # backlog's say fading from a pool busy share of 0.6 to none at 0.9, and the queue scorer
+    # counting unseen requests that answered as waiting (as a profile without first bytes does).
+    "prefill-backlog-fade": _answered_wait(
+        _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9)
+    ),
+    # ... the same without the fade, and the fade with the queue scorer as it was.
+    "prefill-backlog-answered-wait": _answered_wait(_default_plus("prefill-backlog-scorer", 2)),
+    "prefill-backlog-fade-only": _default_plus(
+        "prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9
+    ),
+    # ... fading from 0.5 to 0.8: screened on four points only (fourth round's note).
+    "prefill-backlog-fade-early": _answered_wait(
+        _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)
     ),
 }
 

@@ -61,6 +61,10 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-busy": "prefill-backlog-busy",
     "poolkeeper-drain-busy": "prefill-backlog-drain-busy",
     "poolkeeper-drain-marginal": "prefill-backlog-drain-marginal",
+    "poolkeeper-fade": "prefill-backlog-fade",
+    "poolkeeper-answered-wait": "prefill-backlog-answered-wait",
+    "poolkeeper-fade-only": "prefill-backlog-fade-only",
+    "poolkeeper-fade-early": "prefill-backlog-fade-early",
 }
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},

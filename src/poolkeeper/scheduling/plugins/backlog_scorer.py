@@ -19,7 +19,10 @@ that backlog (an engine prefills waiting requests together, so each of their fir
 for this prompt too); `busyPenalty` divides each cost by 1 - the endpoint's utilisation (the
 queueing marginal cost); `spanTokens` scores span / (span + cost - lowest), 0.5 for that many
 tokens more ahead whatever the prompt's length; `meanSpan` takes span = the lowest cost plus
-the candidates' mean backlog.
+the candidates' mean backlog. `fadeFrom` / `fadeTo` (fourth round) fade the scores towards 1 as
+the pool's busy share (time-averaged share of candidates with a backlog) rises from one to the
+other: the rule has its say below capacity, where it wins, and none as the pool saturates,
+where the selfish effect sets in.
 
 Why: a continuous-batching engine gives a request its first token at the end of the step that
 finishes its prefill, and prefills queued or running there come first or share the step. The
@@ -36,12 +39,13 @@ first byte is never reported (a non-streamed response) counts until it ends.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.scheduling.backlog import PrefillBacklog
+from poolkeeper.scheduling.backlog import BUSY_WINDOW_S, PrefillBacklog
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
@@ -104,14 +108,28 @@ class PrefillBacklogParams(PluginParams):
         "its first bytes cleared per second while it had a backlog; an endpoint not measured "
         "yet counts as the fastest measured), making it a wait in seconds.",
     )
+    fade_from: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Pool busy share (the time-averaged share of candidates with a backlog) "
+        "from which the scores fade towards 1 (no say), gone at `fadeTo`; null: no fade.",
+    )
+    fade_to: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Pool busy share at which a fading scorer has no say left (default 1).",
+    )
 
 
 class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
     __slots__ = (
-        "_cycle_key", "adapter_tokens", "backlog", "base_tokens", "busy_penalty", "drain_rate",
-        "marginal", "mean_span", "prefix", "slack", "span_tokens",
+        "_busy_at", "_busy_share", "_cycle_key", "adapter_tokens", "backlog", "base_tokens",
+        "busy_penalty", "drain_rate", "fade_from", "fade_to", "marginal", "mean_span", "prefix",
+        "slack", "span_tokens",
     )  # fmt: skip
     bounded = True
 
@@ -133,6 +151,10 @@ class PrefillBacklogScorer(NamedPlugin):
         tolerance = params.speed_tolerance
         self.slack = None if tolerance is None else 1.0 + tolerance
         self.prefix = prefix
+        self.fade_from = params.fade_from
+        self.fade_to = max(params.fade_to, (params.fade_from or 0.0) + 1e-6)
+        self._busy_share = 0.0
+        self._busy_at: float | None = None
         self._cycle_key = f"prefill-cached/{typed_name.name}"
 
     def _cached_tokens(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
@@ -223,9 +245,38 @@ class PrefillBacklogScorer(NamedPlugin):
         speeds, bar = found
         return [c if v <= bar else c * v / bar for c, v in zip(costs, speeds, strict=True)]
 
+    def busy_share(self, now: float, candidates: int) -> float:
+        """Time-averaged share of the pool's endpoints with a backlog (time constant
+        `BUSY_WINDOW_S`), sampled at each decision: how close the pool is to saturation."""
+        now_share = min(1.0, len(self.backlog.counts()) / max(1, candidates))
+        at = self._busy_at
+        if at is None:
+            self._busy_share = now_share
+        elif now > at:
+            keep = math.exp(-(now - at) / BUSY_WINDOW_S)
+            self._busy_share = self._busy_share * keep + now_share * (1.0 - keep)
+        if at is None or now > at:
+            self._busy_at = now
+        return self._busy_share
+
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
+        if self.fade_from is None:
+            return self._score(cycle, request, candidates)
+        share = self.busy_share(cycle.now, len(candidates))
+        say = (self.fade_to - share) / (self.fade_to - self.fade_from)
+        if say <= 0.0:
+            return 1.0
+        scores = self._score(cycle, request, candidates)
+        if say >= 1.0 or isinstance(scores, float):
+            return scores
+        keep = 1.0 - say
+        return [keep + say * v for v in scores]
+
+    def _score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> list[float] | float:
         costs = self.costs(cycle, request, candidates)
         best = min(costs)
         if best == max(costs):

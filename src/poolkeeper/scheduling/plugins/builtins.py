@@ -65,6 +65,7 @@ from poolkeeper.scheduling.plugins.scorers import (
     MinMaxLoadParams,
     ObservedSpeedParams,
     ObservedSpeedScorer,
+    QueueParams,
     QueueScorer,
     RunningRequestsScorer,
 )
@@ -199,8 +200,8 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
         PluginSpec("header-based-testing-filter", F, NoParams, _plain(HeaderBasedTestingFilter),
                    "Conformance: the endpoints test-epp-endpoint-selection lists."),
         # Scorers
-        PluginSpec("queue-scorer", S, MinMaxLoadParams,
-                   _with_params(QueueScorer, MinMaxLoadParams),
+        PluginSpec("queue-scorer", S, QueueParams,
+                   _with_params(QueueScorer, QueueParams),
                    "Inverse min-max of the waiting queue."),
         PluginSpec("kv-cache-utilization-scorer", S, LoadParams,
                    _with_params(KvCacheScorer, LoadParams),

@@ -74,10 +74,31 @@ class _MinMaxLoadScorer(NamedPlugin):
 # as much.
 
 
-class QueueScorer(_MinMaxLoadScorer):
-    """Inverse min-max of the waiting queue (+ unseen in-flight requests)."""
+class QueueParams(MinMaxLoadParams):
+    answered_run: bool = Field(
+        default=True,
+        description="Count unseen requests whose first byte came back as running, not "
+        "waiting (default true; only a profile that learns first bytes knows them).",
+    )
 
-    __slots__ = ()
+
+class QueueScorer(_MinMaxLoadScorer):
+    """Inverse min-max of the waiting queue (+ unseen in-flight requests, less those that
+    already answered unless `answeredRun` is false)."""
+
+    __slots__ = ("answered_run",)
+
+    def __init__(self, typed_name: TypedName, params: MinMaxLoadParams) -> None:
+        super().__init__(typed_name, params)
+        self.answered_run = params.answered_run if isinstance(params, QueueParams) else True
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        if self.count_unseen and not self.answered_run:
+            loads = [s.metrics.waiting + s.unseen_requests for s in candidates]
+            return inverse_min_max(loads, self.min_span)
+        return inverse_min_max(self.loads(candidates, self.count_unseen), self.min_span)
 
     @staticmethod
     def loads(candidates: Sequence[EndpointState], count_unseen: bool) -> list[int]:

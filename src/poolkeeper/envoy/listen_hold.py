@@ -40,11 +40,14 @@ _DROP_NEW_SYNS = (
 )
 
 
-def _tcp_table() -> list[list[str]]:
+def _tcp_table(port: int) -> list[list[str]]:
+    """The rows of the kernel's TCP tables that mention `port` (local or remote)."""
     rows: list[list[str]] = []
+    mark = f":{port:04X} "
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
-            rows.extend(line.split() for line in Path(name).read_text().splitlines()[1:])
+            lines = Path(name).read_text().splitlines()[1:]
+            rows.extend(line.split() for line in lines if mark in line)
     return rows
 
 
@@ -55,7 +58,7 @@ def _local_port(row: list[str]) -> int:
 def waiting(port: int, inodes: set[int]) -> int:
     """Connections the held sockets still owe Envoy: queued for accept, or shaking hands."""
     count = 0
-    for row in _tcp_table():
+    for row in _tcp_table(port):
         if len(row) < 10 or _local_port(row) != port:
             continue
         if row[3] == _SYN_RECV:
@@ -70,7 +73,7 @@ def hold_new_connections(pid: int, port: int) -> set[int]:
     those held (empty when none could be: not Linux, no right to, no such socket)."""
     listening = {
         int(r[9])
-        for r in _tcp_table()
+        for r in _tcp_table(port)
         if len(r) >= 10 and r[3] == _LISTEN and _local_port(r) == port
     }
     if not listening or not hasattr(os, "pidfd_open"):

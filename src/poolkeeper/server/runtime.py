@@ -607,16 +607,18 @@ class GatewayRuntime:
         process, port = self.envoy.process, self.config.spec.listeners.http
         if process is None or process.returncode is not None:
             return
-        held = await asyncio.to_thread(hold_new_connections, process.pid, port)
+        # In the loop, not a thread: a few reads of /proc, and every moment spent here serves
+        # keep-alive clients one more request (a thread hop under CPU load took longer).
+        held = hold_new_connections(process.pid, port)
         if held:
             log.info("listener held: %d socket(s) drop new connections", len(held))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
-        while held and await asyncio.to_thread(waiting, port, held) > 0:
+        while held and waiting(port, held) > 0:
             if loop.time() >= deadline:
                 log.warning("connections still queued on the listener; closing it anyway")
                 return
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.005)
 
     async def _drain_envoy(self, grace_s: float) -> None:
         """Stop accepting new connections now; wait for the accepted requests, up to `grace_s`.

@@ -40,6 +40,7 @@ from poolkeeper.controller.source import ResourceSource, SourceFactory
 from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
+from poolkeeper.envoy.listen_hold import hold_new_connections, waiting
 from poolkeeper.envoy.params import EPP_CLUSTER, downstream_connection_cap
 from poolkeeper.envoy.process import (
     EnvoyOptions,
@@ -79,6 +80,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0  # upstream EPP's --drain-timeout (Kubernetes mod
 _ACTIVE_STAT = "http.gateway.downstream_rq_active"
 # Between closing the listeners and telling open connections to close (see _drain_envoy).
 DRAIN_SETTLE_S = 0.5
+# At most this long for Envoy to accept what is queued on its held listeners (_hold_listeners).
+HOLD_MAX_S = 2.0
 
 
 @dataclass(slots=True)
@@ -596,6 +599,27 @@ class GatewayRuntime:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
+    async def _hold_listeners(self, within_s: float) -> None:
+        """New connections dropped, then wait (up to `within_s`) until Envoy has accepted
+        every connection queued on its listening sockets: closing them would reset those."""
+        assert self.envoy is not None
+        assert self.config is not None
+        process, port = self.envoy.process, self.config.spec.listeners.http
+        if process is None or process.returncode is not None:
+            return
+        # In the loop, not a thread: a few reads of /proc, and every moment spent here serves
+        # keep-alive clients one more request (a thread hop under CPU load took longer).
+        held = hold_new_connections(process.pid, port)
+        if held:
+            log.info("listener held: %d socket(s) drop new connections", len(held))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while held and waiting(port, held) > 0:
+            if loop.time() >= deadline:
+                log.warning("connections still queued on the listener; closing it anyway")
+                return
+            await asyncio.sleep(0.005)
+
     async def _drain_envoy(self, grace_s: float) -> None:
         """Stop accepting new connections now; wait for the accepted requests, up to `grace_s`.
 
@@ -607,12 +631,15 @@ class GatewayRuntime:
         (round 2, finding 4: keep-alive clients were served for the whole drain, and whatever
         they sent last was cut when it ended). The moment between the two lets a connection
         accepted just before the stop get its request parsed: until then Envoy counts it as
-        idle, and would close it under a request the client already sent."""
+        idle, and would close it under a request the client already sent. Before all that, the
+        listening sockets are held (envoy/listen_hold.py): closing a socket resets the
+        connections still queued on it, so new ones are dropped first and the queue accepted."""
         assert self.envoy is not None
         admin = self.envoy.options.admin_url or ""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            await self._hold_listeners(min(HOLD_MAX_S, grace_s))
             for query in ("", "?graceful"):
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with session.post(f"{admin}/drain_listeners{query}") as resp:

@@ -145,13 +145,20 @@ def _small_buffer(transport: asyncio.BaseTransport | None, option: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, option, 1 << 16)
 
 
+def _tcp_max(name: str) -> int:
+    """The kernel's autotuning ceiling for a TCP socket's buffer (tcp_rmem or tcp_wmem)."""
+    return int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2])
+
+
 async def test_d6_a_client_that_stops_reading_is_bounded(tmp_path: Path) -> None:
     """A client that never reads a fast stream: Envoy stops reading from the server once its
     per-connection buffer is full (backpressure), and the stream idle timeout ends it."""
     sent = [0]
+    done = asyncio.Event()
 
     async def firehose(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        _small_buffer(request.transport, socket.SO_SNDBUF)  # not Envoy's: pinned (below)
         await resp.prepare(request)
         chunk = b"data: " + b"x" * 16_000 + b"\n\n"
         try:
@@ -160,6 +167,7 @@ async def test_d6_a_client_that_stops_reading_is_bounded(tmp_path: Path) -> None
                 sent[0] += len(chunk)
         except (ConnectionError, asyncio.CancelledError):
             pass
+        done.set()
         return resp
 
     app = web.Application()
@@ -169,29 +177,50 @@ async def test_d6_a_client_that_stops_reading_is_bounded(tmp_path: Path) -> None
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    writer: asyncio.StreamWriter | None = None
+    # Responses past the EPP (observe_responses, serve's default with its own Envoy): with
+    # the response body streamed through the in-process EPP instead, the bytes in flight on
+    # that gRPC side stream (HTTP/2 windows and the EPP's socket buffers, none of them Envoy's
+    # limits) grow as the loaded EPP answers slower: 29-78 MB, over any bound derived here.
     try:
-        async with gate(tmp_path, fixed=(f"127.0.0.1:{port}",), stream_idle_timeout_s=2.0) as g:
-            # The kernel's buffers at either end are not Envoy's: fixed small here, so `sent`
-            # is at most Envoy's 1 MiB buffers plus its own sockets' kernel buffers (upstream
-            # receive autotuned up to tcp_rmem's max, 32 MB on this machine; downstream send
-            # up to 4 MB): about 38 MB. With the client's receive buffer autotuned too, the
-            # bound was past 64 MB (65.2 MB once under load); seen here: 31-37 MB.
-            client = socket.socket()
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # before connect
-            client.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", g.port))
-            _reader, writer = await asyncio.open_connection(sock=client)  # never read
-            body = b'{"model": "m", "stream": true}'
-            writer.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                % (len(body), body)
-            )
-            await writer.drain()
-            await _until(lambda: sent[0] > 1_000_000)
-            await _until(lambda: len(g.router.completed) == 1, 30)  # idle timeout ended it
-            assert sent[0] < 64_000_000, sent[0]  # pushed back, not 320 MB buffered
-            writer.close()
+        async with gate(
+            tmp_path,
+            fixed=(f"127.0.0.1:{port}",),
+            stream_idle_timeout_s=2.0,
+            observe_responses=True,
+        ) as g:
+            try:
+                # The kernel buffers that are not Envoy's are pinned small (the server's send
+                # buffer above, the client's receive buffer here), so `sent` is Envoy's buffers
+                # (the upstream's and the client connection's limits) plus its own sockets'
+                # kernel buffers (downstream send autotuned up to tcp_wmem's max, 4 MB here;
+                # upstream receive up to tcp_rmem's, 32 MB): 41 MB with the defaults. Seen:
+                # 5-11 MB at load 4-10 (the upstream receive buffer grows as a loaded Envoy
+                # reads in bursts); with 64 MiB limits in Envoy, 78-103 MB against this bound.
+                client = socket.socket()
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # before connect
+                client.setblocking(False)
+                await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", g.port))
+                _reader, writer = await asyncio.open_connection(sock=client)  # never read
+                body = b'{"model": "m", "stream": true}'
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                    % (len(body), body)
+                )
+                await writer.drain()
+                await _until(lambda: sent[0] > 1_000_000)
+                await _until(done.is_set, 30)  # the idle timeout ended it, the server saw so
+                # Envoy's limits: the upstream connection's and the request's buffer, the client
+                # connection's; each high watermark may be passed by a read, so twice that.
+                p = g.params
+                envoy = 2 * (2 * p.buffer_limit_bytes + p.connection_buffer_bytes)
+                kernel = _tcp_max("tcp_wmem") + _tcp_max("tcp_rmem")  # Envoy's down/upstream
+                assert sent[0] < envoy + kernel, (sent[0], envoy, kernel)
+                await _until(lambda: len(g.router.completed) == 1)
+            finally:
+                if writer is not None:
+                    writer.close()
     finally:
         await runner.cleanup()
 

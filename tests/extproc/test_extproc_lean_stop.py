@@ -9,6 +9,7 @@ once. On asyncio's loop and on uvloop, which `serve` may run (`--event-loop`).""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,41 @@ def test_stop_closes_stalled_handshakes_on_uvloop_too(tmp_path: Path) -> None:
     uvloop = pytest.importorskip("uvloop")
     run: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
     run(_stalled_handshakes_are_closed_by_stop(tmp_path))
+
+
+async def _handshakes_keep_the_first_bytes(tmp_path: Path, count: int = 30) -> None:
+    """Clients that send their ClientHello at once, as every TLS client does: each handshake
+    completes. An upgrade with `loop.start_tls` lost that first flight on uvloop (it reads
+    before the upgrade could pause it) in about one connection in four, and the handshake
+    stalled until the client gave up."""
+    cert, key = self_signed_pair()
+    (tmp_path / "tls.crt").write_bytes(cert)
+    (tmp_path / "tls.key").write_bytes(key)
+    server_context = tls_context(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"))
+    server = await start_lean(ExtProcServicer(FakeRouter()), "127.0.0.1", 0, tls=server_context)
+    client_context = ssl.create_default_context(cadata=cert.decode())
+    client_context.set_alpn_protocols(["h2"])
+    try:
+        for _ in range(count):
+            _reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    "localhost", server.port, ssl=client_context, ssl_handshake_timeout=10
+                ),
+                10,
+            )
+            try:
+                assert writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2"
+            finally:
+                writer.close()
+    finally:
+        await server.stop(None)
+
+
+def test_handshakes_keep_the_client_hello_on_uvloop(tmp_path: Path) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    run: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
+    run(_handshakes_keep_the_first_bytes(tmp_path))
+
+
+async def test_handshakes_keep_the_client_hello(tmp_path: Path) -> None:
+    await _handshakes_keep_the_first_bytes(tmp_path)

@@ -4,14 +4,22 @@ With `loop.create_server(ssl=...)` asyncio keeps a connection to itself until it
 done (the protocol hears of it only then), so the server's stop could not close a client that
 connected and never finished the handshake: it kept its socket until asyncio's handshake
 timeout (60 s), past any drain grace, and on Python 3.12+ `Server.wait_closed` waited for it.
-Here the server accepts plain TCP and upgrades each connection with `loop.start_tls`, holding
-the raw transport until the handshake ends: `abort_all` closes those still in it.
+
+Here the server accepts plain TCP and hands each accepted socket, before anything is read from
+it, to `loop.connect_accepted_socket(ssl=...)`: the loop's own TLS layer then sees the
+connection from its first byte, and the handshake is a task that `abort_all` can cancel (which
+closes its socket). The socket is handed over as a duplicate and the accepting transport
+aborted inside `connection_made`: an upgrade with `loop.start_tls` instead lost the client's
+first bytes on uvloop, which starts reading right after `connection_made` (pausing there has
+no effect), so a ClientHello that came before the upgrade was read by the plain protocol and
+the handshake stalled until the client gave up (about one connection in four).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import os
+import socket
 import ssl
 from collections.abc import Callable
 from typing import cast
@@ -32,7 +40,7 @@ class TlsHandshakes:
         self.context = context
         self.make = make
         self.timeout_s = timeout_s
-        self._pending: dict[asyncio.Transport, asyncio.Task[None]] = {}
+        self._pending: set[asyncio.Task[None]] = set()
 
     def __call__(self) -> asyncio.Protocol:
         return _Accepted(self)
@@ -43,86 +51,45 @@ class TlsHandshakes:
         return len(self._pending)
 
     def abort_all(self) -> None:
-        """Close every connection still in its handshake (they hold no stream to drain)."""
-        for transport, task in list(self._pending.items()):
+        """Close every connection still in its handshake (they hold no stream to drain):
+        a cancelled `connect_accepted_socket` closes its transport."""
+        for task in list(self._pending):
             task.cancel()
-            transport.abort()
         self._pending.clear()
 
-    async def _upgrade(self, transport: asyncio.Transport) -> None:
-        relay = _Relay(self.make())
+    def hand_over(self, sock: socket.socket) -> None:
+        task = asyncio.get_running_loop().create_task(self._handshake(sock))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _handshake(self, sock: socket.socket) -> None:
         try:
-            tls = await asyncio.get_running_loop().start_tls(
-                transport,
-                relay,
-                self.context,
-                server_side=True,
-                ssl_handshake_timeout=self.timeout_s,
+            await asyncio.get_running_loop().connect_accepted_socket(
+                self.make, sock, ssl=self.context, ssl_handshake_timeout=self.timeout_s
             )
-        except (OSError, ssl.SSLError, TimeoutError, asyncio.CancelledError):
+        except (OSError, ssl.SSLError, TimeoutError):
             # A failed or abandoned handshake ends the connection; the error is the peer's.
-            transport.abort()
-            return
-        finally:
-            self._pending.pop(transport, None)
-        if tls is not None:
-            relay.attach(tls)
+            sock.close()
 
 
 class _Accepted(asyncio.Protocol):
-    """A connection until `start_tls` takes it over (its reading paused meanwhile, so the
-    client's first bytes are left for the TLS layer)."""
+    """The accepting side: takes the socket away from the plain transport at once."""
 
     def __init__(self, owner: TlsHandshakes) -> None:
         self.owner = owner
-        self.raw: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's is not an asyncio.Transport subclass, only its shape).
-        self.raw = raw = cast(asyncio.Transport, transport)
-        raw.pause_reading()
-        self.owner._pending[raw] = asyncio.get_running_loop().create_task(self.owner._upgrade(raw))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        """Lost before `start_tls` took over (which then hears of nothing): forget it."""
-        task = self.owner._pending.pop(self.raw, None) if self.raw is not None else None
-        if task is not None:
-            task.cancel()
-
-
-class _Relay(asyncio.Protocol):
-    """The application protocol during the handshake: what arrives between its end and
-    `attach` (the client's first bytes may come with its last handshake message) is kept and
-    handed over in order."""
-
-    def __init__(self, app: asyncio.Protocol) -> None:
-        self.app = app
-        self._data: list[bytes] = []
-        self._eof = False
-        self._lost = False
-
-    def data_received(self, data: bytes) -> None:
-        self._data.append(data)
-
-    def eof_received(self) -> bool | None:
-        self._eof = True
-        return True  # keep the transport open until the application has heard of it
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
-
-    def attach(self, tls: asyncio.Transport) -> None:
-        if self._lost:  # gone before the application ever saw it: nothing to tell
+        stream = cast(asyncio.Transport, transport)
+        raw = stream.get_extra_info("socket")
+        try:
+            sock = socket.socket(fileno=os.dup(raw.fileno()))
+        except OSError:
+            stream.abort()
             return
-        app = self.app
-        tls.set_protocol(app)
-        app.connection_made(tls)
-        for data in self._data:
-            if tls.is_closing():
-                break
-            app.data_received(data)
-        self._data.clear()
-        if self._eof and not tls.is_closing():
-            with contextlib.suppress(Exception):
-                if not app.eof_received():
-                    tls.close()
+        # Aborted inside connection_made, the transport never starts reading (asyncio and
+        # uvloop both check for it), so every byte the client sent is left for the TLS layer;
+        # closing its descriptor leaves the connection open on the duplicate.
+        stream.abort()
+        sock.setblocking(False)
+        self.owner.hand_over(sock)

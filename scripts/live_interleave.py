@@ -25,10 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.bench.fleet.simrun import fleet_capacity
-from poolkeeper.bench.live.live import LiveSpec, repo_root, run_target
-from poolkeeper.bench.workload.scenarios import build_scenario
-from poolkeeper.bench.workload.workloads import generate
+from poolkeeper.bench.live.live import LiveSpec, live_arrivals, live_scenario, repo_root, run_target
 
 
 def main() -> None:
@@ -41,12 +38,7 @@ def main() -> None:
     # A plain `kill` must still stop the fleet and routers (their `finally` blocks).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = LiveSpec(**{"peers": (), **json.loads(args.spec)})
-    scenario = build_scenario(spec.workload, spec.servers)
-    if spec.groups is not None:
-        scenario = replace(scenario, spec=replace(scenario.spec, num_groups=spec.groups))
-    capacity = float(fleet_capacity(scenario, seed=spec.seed)["capacity_rps"]) / spec.time_scale
-    rate = spec.rate if spec.rate is not None else 0.9 * capacity
-    arrivals = generate(scenario.spec, rate=rate, duration=spec.duration, seed=spec.seed)
+    arrivals, rate, _capacity = live_arrivals(spec, live_scenario(spec))
     print(f"{len(arrivals)} requests at {rate:.2f} req/s", flush=True)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -44,10 +44,11 @@ from poolkeeper.bench.fleet.simrun import fleet_capacity
 from poolkeeper.bench.live.loadgen import run_open_loop
 from poolkeeper.bench.results.metrics import SLO, RequestOutcome, percentile, summarize, ttft_values
 from poolkeeper.bench.results.report import command_line, machine_info, quantiles, write_json
-from poolkeeper.bench.workload.scenarios import LORA_SLOTS, adapter_names, build_scenario
+from poolkeeper.bench.workload.scenarios import LORA_SLOTS, Scenario, adapter_names, build_scenario
 from poolkeeper.bench.workload.workloads import (
     CRITICALITY_MODELS,
     FAIRNESS_MODELS,
+    Arrival,
     WorkloadKind,
     default_spec,
     generate,
@@ -390,6 +391,27 @@ def run_target(
     }
 
 
+def live_scenario(spec: LiveSpec) -> Scenario:
+    """The virtual-time scenario a live run replays (`spec.groups`: fewer prefix groups)."""
+    scenario = build_scenario(spec.workload, spec.servers)
+    if spec.groups is not None:
+        # Fewer groups keep the cold start (first prefill of every system prompt) short next
+        # to a live run of tens of seconds at a slowed-down time scale.
+        scenario = replace(scenario, spec=replace(scenario.spec, num_groups=spec.groups))
+    return scenario
+
+
+def live_arrivals(spec: LiveSpec, scenario: Scenario) -> tuple[list[Arrival], float, float]:
+    """The requests of a live run (its workload at `spec.rate`, or 0.9x the fleet's capacity
+    at the live time scale), the rate, and that capacity in requests/s: `run_live` and the
+    scripts that drive other targets on the same requests (live_interleave, live_replicas)."""
+    capacity = fleet_capacity(scenario, seed=spec.seed)
+    live_capacity = float(capacity["capacity_rps"]) / spec.time_scale
+    rate = spec.rate if spec.rate is not None else 0.9 * live_capacity
+    arrivals = generate(scenario.spec, rate=rate, duration=spec.duration, seed=spec.seed)
+    return arrivals, rate, live_capacity
+
+
 def run_live(
     spec: LiveSpec, *, out_dir: Path, progress: Callable[[str], None] = lambda _m: None
 ) -> dict[str, Any]:
@@ -403,15 +425,8 @@ def run_live(
         progress(f"not installed, skipped: {', '.join(missing)} (scripts/install-peers.sh)")
     if envoy_binary() is None:
         raise ConfigError("Envoy is not installed next to this Python (.venv/bin/envoy)")
-    scenario = build_scenario(spec.workload, spec.servers)
-    if spec.groups is not None:
-        # Fewer groups keep the cold start (first prefill of every system prompt) short next
-        # to a live run of tens of seconds at a slowed-down time scale.
-        scenario = replace(scenario, spec=replace(scenario.spec, num_groups=spec.groups))
-    capacity = fleet_capacity(scenario, seed=spec.seed)
-    live_capacity = float(capacity["capacity_rps"]) / spec.time_scale
-    rate = spec.rate if spec.rate is not None else 0.9 * live_capacity
-    arrivals = generate(scenario.spec, rate=rate, duration=spec.duration, seed=spec.seed)
+    scenario = live_scenario(spec)
+    arrivals, rate, live_capacity = live_arrivals(spec, scenario)
     progress(
         f"live {spec.workload}: {spec.servers} servers (time scale {spec.time_scale:g}), "
         f"{rate:.1f} req/s x {spec.duration:g} s = {len(arrivals)} requests "

@@ -15,11 +15,13 @@ from tests.scheduling.sched_factories import NOW, cycle, key, request, scheduler
 SYSTEM = "s" * 4096  # 64 blocks of 64 characters: a shared system prompt
 
 
-def _doc(**params: Any) -> dict[str, Any]:
-    """The prefix scorer, the filter reading it, and a queue scorer that would outvote it."""
+def _filtered_doc(
+    filter_type: str, params: dict[str, Any], prefix_weight: int, queue_weight: int
+) -> dict[str, Any]:
+    """`filter_type` (with `params`) before the prefix scorer and a queue scorer."""
     return {
         "plugins": [
-            {"type": "prefix-affinity-filter", "parameters": params},
+            {"type": filter_type, "parameters": params},
             {"type": "prefix-cache-scorer"},
             {"type": "queue-scorer"},
             {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 1}},
@@ -28,14 +30,19 @@ def _doc(**params: Any) -> dict[str, Any]:
             {
                 "name": "p",
                 "plugins": [
-                    {"pluginRef": "prefix-affinity-filter"},
-                    {"pluginRef": "prefix-cache-scorer", "weight": 1},
-                    {"pluginRef": "queue-scorer", "weight": 10},
+                    {"pluginRef": filter_type},
+                    {"pluginRef": "prefix-cache-scorer", "weight": prefix_weight},
+                    {"pluginRef": "queue-scorer", "weight": queue_weight},
                     {"pluginRef": "max-score-picker"},
                 ],
             }
         ],
     }
+
+
+def _doc(**params: Any) -> dict[str, Any]:
+    """The prefix scorer, the filter reading it, and a queue scorer that would outvote it."""
+    return _filtered_doc("prefix-affinity-filter", params, prefix_weight=1, queue_weight=10)
 
 
 def _kept(sched: Any, prompt: str, pool: list[Any]) -> list[str]:
@@ -137,25 +144,7 @@ def test_a_missing_or_wrong_prefix_scorer_is_a_config_error() -> None:
 
 def _stale_doc(**params: Any) -> dict[str, Any]:
     """A stale-metrics-filter reading the prefix index, and a queue scorer."""
-    return {
-        "plugins": [
-            {"type": "stale-metrics-filter", "parameters": params},
-            {"type": "prefix-cache-scorer"},
-            {"type": "queue-scorer"},
-            {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 1}},
-        ],
-        "schedulingProfiles": [
-            {
-                "name": "p",
-                "plugins": [
-                    {"pluginRef": "stale-metrics-filter"},
-                    {"pluginRef": "prefix-cache-scorer", "weight": 3},
-                    {"pluginRef": "queue-scorer", "weight": 1},
-                    {"pluginRef": "max-score-picker"},
-                ],
-            }
-        ],
-    }
+    return _filtered_doc("stale-metrics-filter", params, prefix_weight=3, queue_weight=1)
 
 
 def _stale_kept(sched: Any, prompt: str, pool: list[Any]) -> list[str]:

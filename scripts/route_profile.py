@@ -48,6 +48,7 @@ from poolkeeper import observation as wire
 from poolkeeper.bench.overhead.gateway_overhead import BODY, MODEL, write_config
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.accesslog import AccessLogReceiver
+from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 
@@ -244,7 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prompt-bytes", type=int, default=0, help="a user message of this many bytes"
     )
+    parser.add_argument(
+        "--glibc-heap-default",
+        action="store_true",
+        help="leave glibc's allocator as it is (serve tunes it: extproc/heap.py)",
+    )
     args = parser.parse_args(argv)
+    if not args.glibc_heap_default:
+        keep_freed_pages()
     if not 1 <= args.requests <= 1_000_000 or not 1 <= args.batch <= 1000:
         parser.error("--requests must be in [1, 1000000] and --batch in [1, 1000]")
     runner: Callable[[Any], Any]

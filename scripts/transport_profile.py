@@ -41,6 +41,7 @@ from poolkeeper.extproc.h2 import frames as f
 from poolkeeper.extproc.h2.connection import Connection, Shared
 from poolkeeper.extproc.h2.limits import Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import bidi, envelope
+from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.lean import PROCESS_PATH
 
 FRAME = 16_384  # Envoy's DATA frames towards the EPP
@@ -174,7 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         "--streams", type=int, default=0, help="streams per size (default: by size)"
     )
     parser.add_argument("--profile", action="store_true", help="cProfile the measured streams")
+    parser.add_argument(
+        "--glibc-heap-default",
+        action="store_true",
+        help="leave glibc's allocator as it is (serve tunes it: extproc/heap.py)",
+    )
     args = parser.parse_args(argv)
+    if not args.glibc_heap_default:
+        keep_freed_pages()
     sizes = [int(b) for b in args.body_bytes.split(",") if b]
     if any(not 100 <= b <= 8 << 20 for b in sizes) or not 0 <= args.streams <= 1_000_000:
         parser.error("--body-bytes must be in [100, 8 MiB], --streams in [0, 1000000]")

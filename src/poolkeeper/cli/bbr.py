@@ -24,6 +24,7 @@ from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bbr import BbrParams, PoolRoute, build_bbr_bootstrap, render
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.bbr import BbrServicer
+from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import build_server
 from poolkeeper.server.runtime import bootstrap_params
 from poolkeeper.telemetry.health import HealthService
@@ -126,6 +127,7 @@ def run_bbr_envoy_config(args: argparse.Namespace) -> int:
 
 def run_bbr(args: argparse.Namespace) -> int:
     logs = configure_logging(args.log_level, json_lines=True, queued=True)
+    keep_freed_pages()  # large bodies without a page fault per 4 KiB (extproc/heap.py)
 
     async def main() -> None:
         health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)

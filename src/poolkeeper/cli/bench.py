@@ -155,10 +155,12 @@ def register(subparsers: Any) -> None:
         "(on grpc.aio and on the lean transport): the floor under poolkeeper's added latency",
     )
     ov.add_argument(
-        "--lean",
+        "--grpcio",
+        "--lean",  # the old spelling, from when the plain poolkeeper ran grpcio
+        dest="grpcio",
         action="store_true",
-        help="also through a second poolkeeper whose ext_proc port runs the lean transport "
-        "(listeners.extProcTransport: lean), interleaved with the first",
+        help="also through a second poolkeeper whose ext_proc port runs grpcio "
+        "(listeners.extProcTransport: grpcio), interleaved with the first (lean, the default)",
     )
     ov.set_defaults(handler=_overhead)
 
@@ -400,7 +402,7 @@ def _overhead(args: argparse.Namespace) -> int:
         return 2
     run_overhead(sizes=sizes, decisions=args.decisions, out_dir=args.out, quick=args.quick,
                  peers=tuple(args.peers), prompt_bytes=args.prompt_bytes, floor=args.floor,
-                 lean=args.lean,
+                 grpcio=args.grpcio,
                  progress=_progress)  # fmt: skip
     return 0
 

@@ -19,7 +19,8 @@ process (EPP + supervised Envoy) in front of it, all on 127.0.0.1. Then:
 4. With `--peers` and/or `--floor`: the same light load interleaved through vllm-router and
    sglang-router, and through Envoy alone and Envoy + a do-nothing Python ext_proc on grpc.aio
    and on the lean transport (`overhead_floor.py`), then a closed loop through each. With
-   `--lean`, a second poolkeeper on the lean ext_proc transport joins the same rounds.
+   `--grpcio`, a second poolkeeper on the grpcio ext_proc transport joins the same rounds
+   (the plain `poolkeeper` runs the default transport, lean).
 
 Bounded (rates x duration, then a fixed closed-loop window) and local only. Not a test: run it
 by hand and copy the printed Markdown into docs/benchmarks.md (## Gateway overhead).
@@ -53,7 +54,7 @@ from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.presets import PRESETS
 
 PEERS = ("vllm-router", "sglang-router")
-LEAN = "poolkeeper (lean)"  # --lean: the second serve, on the lean ext_proc transport
+GRPCIO = "poolkeeper (grpcio)"  # --grpcio: the second serve, on the grpcio ext_proc transport
 
 MODEL = "bench-model"
 BODY: dict[str, Any] = {
@@ -82,7 +83,7 @@ def write_config(
     sim_port: int,
     ports: list[int],
     preset: str = "default",
-    transport: str = "grpcio",
+    transport: str = "lean",
     *,
     observe_responses: bool = False,
     max_connections_per_client: int | None = None,
@@ -369,10 +370,12 @@ async def main(protocol_rate: float) -> int:
         "(bench/overhead/overhead_floor.py), side by side with --peers",
     )
     parser.add_argument(
-        "--lean",
+        "--grpcio",
+        "--lean",  # the old spelling, from when grpcio was the plain row and lean the extra
+        dest="grpcio",
         action="store_true",
-        help="also a second poolkeeper with listeners.extProcTransport: lean, interleaved "
-        "beside the first (grpcio) in the comparison with --peers/--floor",
+        help="also a second poolkeeper with listeners.extProcTransport: grpcio, interleaved "
+        "beside the first (the default, lean) in the comparison with --peers/--floor",
     )
     parser.add_argument(
         "--stream-tokens",
@@ -443,17 +446,20 @@ async def main(protocol_rate: float) -> int:
     )
     direct = f"http://127.0.0.1:{sim_port}/v1/chat/completions"
     gateway = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
-    lean: subprocess.Popen[bytes] | None = None
-    if args.lean:
-        (lean_config := tmp / "config-lean").mkdir()
-        lean_ports = free_ports(5)
-        write_config(lean_config, sim_port, lean_ports, args.preset, transport="lean")
-        lean = start(
-            ["serve", "-f", str(lean_config), "--workdir", str(tmp / "envoy-lean"),
+    second: subprocess.Popen[bytes] | None = None
+    if args.grpcio:
+        (second_config := tmp / "config-grpcio").mkdir()
+        second_ports = free_ports(5)
+        write_config(second_config, sim_port, second_ports, args.preset, transport="grpcio")
+        second = start(
+            ["serve", "-f", str(second_config), "--workdir", str(tmp / "envoy-grpcio"),
              "--log-level", args.log_level, "--envoy-concurrency", str(args.envoy_concurrency)],
-            tmp / "serve-lean.log",
+            tmp / "serve-grpcio.log",
         )  # fmt: skip
-        args.lean_gateway = (f"http://127.0.0.1:{lean_ports[0]}/v1/chat/completions", lean.pid)
+        args.second_gateway = (
+            f"http://127.0.0.1:{second_ports[0]}/v1/chat/completions",
+            second.pid,
+        )
     try:
         await wait_http(direct)
         await wait_http(gateway)
@@ -468,10 +474,10 @@ async def main(protocol_rate: float) -> int:
         streamed = [
             (n, await stream_cpu(gateway, serve.pid, n, args.loop_seconds, idle)) for n in tokens
         ]
-        if peers or args.floor or args.lean:
+        if peers or args.floor or args.grpcio:
             compared = await against_peers(peers, tmp, sim_port, direct, gateway, serve.pid, args)
     finally:
-        for p in (serve, sim, *([lean] if lean is not None else [])):
+        for p in (serve, sim, *([second] if second is not None else [])):
             p.terminate()
             try:
                 p.wait(15)
@@ -512,8 +518,8 @@ async def main(protocol_rate: float) -> int:
         f"**{loop['per_core']:.0f} requests/s per EPP core**."
     )
     print(
-        f"The ext_proc layer alone (trivial router, 16 streams): {protocol_rate:.0f} requests "
-        "per server CPU-second."
+        f"The ext_proc layer alone (grpcio, trivial router, 16 streams): {protocol_rate:.0f} "
+        "requests per server CPU-second."
     )
     if streamed:
         print(
@@ -530,7 +536,7 @@ async def main(protocol_rate: float) -> int:
                 f"| {n} | {r['requests']:.0f} | {r['events']:.0f} | {r['cpu_ms']:.2f} "
                 f"| {r['net_cpu_ms']:.2f} |"
             )
-    if peers or args.floor or args.lean:
+    if peers or args.floor or args.grpcio:
         print("\n## Against the peer routers\n")
         print(compared)
     return 0
@@ -552,11 +558,11 @@ async def against_peers(
         targets = {"direct": direct, "poolkeeper": gateway}
         cpu = {"poolkeeper": {"epp": lambda: cpu_seconds(serve_pid),
                               "epp+envoy": lambda: peer.tree_cpu_seconds(serve_pid)}}  # fmt: skip
-        if args.lean:
-            url, pid = args.lean_gateway
+        if args.grpcio:
+            url, pid = args.second_gateway
             await wait_http(url)
-            targets[LEAN] = url
-            cpu[LEAN] = {"epp": functools.partial(cpu_seconds, pid),
+            targets[GRPCIO] = url
+            cpu[GRPCIO] = {"epp": functools.partial(cpu_seconds, pid),
                          "epp+envoy": functools.partial(peer.tree_cpu_seconds, pid)}  # fmt: skip
         if args.floor:
             for name, (url, clocks) in stack.enter_context(

@@ -8,8 +8,9 @@ Two measurements, each owned by the benchmark module of the part it measures:
   versus going direct, and EPP requests/s per core; with `--peers`, the same light load
   interleaved through vllm-router and sglang-router too (`bench.overhead.overhead_peers`), with
   `--floor` through Envoy alone and Envoy + a do-nothing Python ext_proc on grpc.aio and on
-  the lean transport (`bench.overhead.overhead_floor`), with `--lean` through a second
-  poolkeeper on the lean ext_proc transport, with `--prompt-bytes` per prompt size.
+  the lean transport (`bench.overhead.overhead_floor`), with `--grpcio` through a second
+  poolkeeper on the grpcio ext_proc transport (the first runs the default, lean), with
+  `--prompt-bytes` per prompt size.
 
 Both ship in the package, so the installed command works anywhere (no checkout needed). Each
 runs in a child process of the current interpreter (`python -m ...`), bounded in time, and its
@@ -66,7 +67,7 @@ def run_overhead(
     peers: Sequence[str] = (),
     prompt_bytes: str = "",
     floor: bool = False,
-    lean: bool = False,
+    grpcio: bool = False,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     result: dict[str, Any] = {
@@ -91,13 +92,13 @@ def run_overhead(
         args += ["--peers", ",".join(peers)]
     if floor:
         args.append("--floor")
-    if lean:
-        args.append("--lean")
+    if grpcio:
+        args.append("--grpcio")
     if prompt_bytes:
         args += ["--prompt-bytes", prompt_bytes]
     # Peers, the floor and prompt sizes add their own timed sections (each bounded by
     # --duration).
-    limit = SCRIPT_TIMEOUT_S * (2 if peers or floor or lean or prompt_bytes else 1)
+    limit = SCRIPT_TIMEOUT_S * (2 if peers or floor or grpcio or prompt_bytes else 1)
     result["gateway_overhead"] = _run_module(GATEWAY_MODULE, args, limit)
     progress(result["gateway_overhead"]["stdout"])
     write_json(out_dir / "overhead.json", result)

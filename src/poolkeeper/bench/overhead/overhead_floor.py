@@ -53,6 +53,7 @@ from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc import messages as msg
 from poolkeeper.extproc.h2.rpc import bidi
 from poolkeeper.extproc.h2.server import LeanServer
+from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.lean import PROCESS_PATH
 from poolkeeper.netutil import free_ports
 
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error("--port must be in 1..65535")
+    keep_freed_pages()  # as `serve` does (extproc/heap.py): the same allocator as the EPP's
     try:
         import uvloop  # as `serve` (cli/serve.py: loop_factory); asyncio where it is missing
 

@@ -23,11 +23,13 @@ from poolkeeper.envoy.params import (
     OVERRIDE_HOST_TYPE,
     ROUND_ROBIN_TYPE,
     ROUTED_CLUSTER,
+    SO_RCVBUF,
     SUBSET_TYPE,
     BootstrapParams,
     T,
     duration,
     lb_endpoints,
+    socket_buffer,
     thresholds,
 )
 
@@ -104,6 +106,12 @@ def override_host_policy() -> dict[str, Any]:
     )
 
 
+def _server_sockets(p: BootstrapParams) -> dict[str, Any]:
+    """Model-server connections' receive buffer, pinned (`server_receive_buffer_bytes`)."""
+    options = socket_buffer(SO_RCVBUF, p.server_receive_buffer_bytes)
+    return {"upstream_bind_config": {"socket_options": options}} if options else {}
+
+
 def _routed_cluster(p: BootstrapParams) -> dict[str, Any]:
     cluster: dict[str, Any] = {
         "name": ROUTED_CLUSTER,
@@ -112,6 +120,7 @@ def _routed_cluster(p: BootstrapParams) -> dict[str, Any]:
         "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
         # Retries go to other hosts: allow as many at once as requests.
         "circuit_breakers": thresholds(p, max_retries=p.max_connections),
+        **_server_sockets(p),
         **_upstream_protocol(p),
     }
     if p.endpoints_file:
@@ -172,6 +181,7 @@ def clusters(p: BootstrapParams) -> list[dict[str, Any]]:
                 "connect_timeout": duration(p.connect_timeout_s),
                 "per_connection_buffer_limit_bytes": p.buffer_limit_bytes,
                 "circuit_breakers": thresholds(p),
+                **_server_sockets(p),
                 **_upstream_protocol(p),
                 "load_assignment": {
                     "cluster_name": FALLBACK_CLUSTER,

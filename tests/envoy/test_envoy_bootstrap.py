@@ -258,7 +258,12 @@ def test_h2c_pools_get_http2_upstreams(tmp_path: Path) -> None:
     b = build_bootstrap(params)
     for cluster in b["static_resources"]["clusters"][1:]:
         opts = cluster["typed_extension_protocol_options"]
-        assert "http2_protocol_options" in json.dumps(opts)
+        h2 = next(iter(opts.values()))["explicit_http_config"]["http2_protocol_options"]
+        # Not Envoy's 256 MiB: a stalled stream holds at most 64 KiB, and the connection's
+        # window covers all its streams (a stalled one never blocks the others).
+        assert h2["initial_stream_window_size"] == 64 << 10
+        assert h2["initial_connection_window_size"] == 100 * (64 << 10)
+        assert h2["max_concurrent_streams"] == 100
     plain = build_bootstrap(BootstrapParams())
     assert "typed_extension_protocol_options" not in plain["static_resources"]["clusters"][1]
     path = tmp_path / "envoy.json"

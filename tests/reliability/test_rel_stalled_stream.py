@@ -3,7 +3,11 @@ server streams a long response (responses observed from the access log, past the
 client that stops reading. What Envoy takes from the model server is bounded by the limits
 the bootstrap configures: its connection buffers, and its client socket's pinned kernel send
 buffer (`client_send_buffer_bytes`). Autotuned, that kernel buffer alone grew to tcp_wmem's
-maximum (4 MB here) for one such client: Envoy read 4.4-4.6 MB before it pushed back."""
+maximum (4 MB here) for one such client: Envoy read 4.4-4.6 MB before it pushed back.
+
+The same over HTTP/2 to the model server (`appProtocol: kubernetes.io/h2c`): Envoy's default
+stream window let such a server push 16.8 MB of a stalled stream into Envoy; the bootstrap's
+upstream windows bound it (envoy/clusters.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +17,15 @@ import socket
 from pathlib import Path
 
 import aiohttp
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 
+from poolkeeper.envoy.clusters import UPSTREAM_H2_STREAM_WINDOW
 from poolkeeper.envoy.params import ROUTED_CLUSTER, BootstrapParams
 from tests.reliability.memprobe import children, rss_mb
+from tests.reliability.rel_harness import gate
 from tests.reliability.test_rel_restart import _serve
 from tests.support.gateway_files import gateway_ports, one_server_config
 from tests.support.processes import listening_ports, poolkeeper
@@ -125,3 +134,98 @@ async def test_a_stalled_client_of_a_long_stream_is_bounded(tmp_path: Path) -> N
         if gw is not None:
             gw.stop()
         sim.stop()
+
+
+class _H2Stream(asyncio.Protocol):
+    """An h2c model server answering each request with `total` bytes of SSE, as fast as the
+    peer's flow-control windows let it; `sent` counts what it handed to the connection."""
+
+    def __init__(self, total: int, sent: list[int]) -> None:
+        self.total, self.sent = total, sent
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        self.streams: dict[int, int] = {}  # stream -> bytes still to send
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.conn.initiate_connection()
+        transport.write(self.conn.data_to_send())
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.conn.receive_data(data):
+            if isinstance(event, h2.events.RequestReceived):
+                headers = [(":status", "200"), ("content-type", "text/event-stream")]
+                self.conn.send_headers(event.stream_id, headers)
+                self.streams[event.stream_id] = self.total
+            elif isinstance(event, h2.events.DataReceived):
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamReset):
+                self.streams.pop(event.stream_id, None)
+        for stream, left in list(self.streams.items()):
+            while left > 0:
+                window = self.conn.local_flow_control_window(stream)
+                size = min(window, self.conn.max_outbound_frame_size, left)
+                if size <= 0:
+                    break
+                self.conn.send_data(stream, b"x" * size)
+                left -= size
+                self.sent[0] += size
+            self.streams[stream] = left
+            if left == 0:
+                self.conn.end_stream(stream)
+                del self.streams[stream]
+        self.transport.write(self.conn.data_to_send())
+
+
+async def test_an_h2c_model_server_cannot_push_a_stalled_stream_into_envoy(
+    tmp_path: Path,
+) -> None:
+    sent = [0]
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _H2Stream(64 << 20, sent), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with gate(
+            tmp_path, fixed=(f"127.0.0.1:{port}",), upstream_h2c=True, observe_responses=True
+        ) as g:
+            # A reading client gets a whole response through the windows (4 MB here).
+            got = 0
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    g.url + "/v1/chat/completions", json={"model": "m", "stream": True}
+                ) as resp,
+            ):
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    got += len(chunk)
+                    if got >= 4 << 20:
+                        break
+            assert got >= 4 << 20, got
+            sent[0] = 0
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)
+            client.setblocking(False)
+            await loop.sock_connect(client, ("127.0.0.1", g.port))
+            _reader, writer = await asyncio.open_connection(sock=client)  # never read
+            body = b'{"model": "m", "stream": true}'
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                % (len(body), body)
+            )
+            await writer.drain()
+            # The server sends as far as Envoy's windows let it: wait until that stops.
+            last = -1
+            deadline = loop.time() + 60
+            while last != sent[0] or last == 0:
+                assert loop.time() < deadline, "the stream never started or never stopped"
+                last = sent[0]
+                await asyncio.sleep(1.0)
+            bound = UPSTREAM_H2_STREAM_WINDOW + _bound(g.params)
+            print(f"stalled h2c stream: {sent[0] / 1e6:.2f} MB sent (bound {bound / 1e6:.2f})")
+            assert sent[0] < bound, (sent[0], bound)
+    finally:
+        if writer is not None:
+            writer.close()
+        server.close()

@@ -33,7 +33,6 @@ from poolkeeper.envoy.params import (
     thresholds,
 )
 
-
 # HTTP/2 to model servers: Envoy's default windows (256 MiB) let a server push that much of a
 # stream Envoy cannot pass on (a client that stopped reading) into Envoy's memory: 16.8 MB
 # and +30 MB of RSS for one such client, measured. A stream may hold at most its window; the

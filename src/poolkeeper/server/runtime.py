@@ -80,13 +80,12 @@ DEFAULT_DRAIN_GRACE_S = 130.0  # upstream chart's terminationGracePeriodSeconds 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # upstream EPP's --drain-timeout (Kubernetes mode)
 _ACTIVE_STAT = "http.gateway.downstream_rq_active"
 # Between closing the listeners and telling open connections to close (see _drain_envoy):
-# until no connection waits on its connection-cap check and no new one has started for
+# until no connection waits on its connection-cap check and no new check has started for
 # SETTLE_QUIET_S, at most a check's timeout (each ends by then) plus SETTLE_SLACK_S.
 SETTLE_QUIET_S = 0.05
 SETTLE_SLACK_S = 0.25
 _CHECKS_ACTIVE = "ext_authz.client_cap.active"  # envoy/conncap.py's stat_prefix
 _CHECKS_TOTAL = "ext_authz.client_cap.total"
-_REQUESTS_TOTAL = "http.gateway.downstream_rq_total"
 # At most this long for Envoy to accept what is queued on its held listeners (_hold_listeners).
 HOLD_MAX_S = 2.0
 
@@ -707,22 +706,24 @@ async def _envoy_stats(session: aiohttp.ClientSession, admin: str, *names: str) 
 
 async def _settle(session: aiohttp.ClientSession, admin: str, within_s: float) -> None:
     """With the listeners closed, wait (up to `within_s`) until the connections Envoy accepted
-    last have had their first bytes checked and their requests parsed: until then Envoy counts
-    such a connection as idle, and the drain would close it under a request the client has
-    already sent. Done when no connection-cap check is in flight and no check or request has
-    started for `SETTLE_QUIET_S` (a client's request may follow its connect by a moment)."""
+    last have had their first bytes checked, and so their requests parsed (Envoy parses as the
+    check lets the bytes through): until then Envoy counts such a connection as idle, and the
+    drain would close it under a request the client has already sent. Done when no
+    connection-cap check is in flight and none has started for `SETTLE_QUIET_S` (a client's
+    request may follow its connect by a moment); without the cap, after that moment."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    last: tuple[int, int] | None = None
-    quiet_since = loop.time()
-    while loop.time() < deadline:
-        stats = await _envoy_stats(session, admin, _CHECKS_ACTIVE, _CHECKS_TOTAL, _REQUESTS_TOTAL)
-        started = (stats[_CHECKS_TOTAL], stats[_REQUESTS_TOTAL])
+    begun = loop.time()
+    last: int | None = None
+    quiet_since = begun
+    while loop.time() < begun + within_s:
+        stats = await _envoy_stats(session, admin, _CHECKS_ACTIVE, _CHECKS_TOTAL)
+        started = stats[_CHECKS_TOTAL]
         if started != last:
             last, quiet_since = started, loop.time()
         elif stats[_CHECKS_ACTIVE] == 0 and loop.time() - quiet_since >= SETTLE_QUIET_S:
-            return
+            break
         await asyncio.sleep(0.01)
+    log.info("listeners closed; connections accepted last settled in %.2fs", loop.time() - begun)
 
 
 async def serve_until_signalled(

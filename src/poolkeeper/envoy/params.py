@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,8 +217,9 @@ SOL_SOCKET, SO_SNDBUF, SO_RCVBUF = 1, 7, 8  # Linux's values (Envoy's socket_opt
 
 
 def socket_buffer(name: int, size: int) -> list[dict[str, Any]]:
-    """Envoy `socket_options` pinning one kernel buffer of a socket (none where `size` is 0)."""
-    if size <= 0:
+    """Envoy `socket_options` pinning one kernel buffer of a socket (none where `size` is 0,
+    or off Linux: the raw numbers are Linux's, and elsewhere Envoy could not bind with them)."""
+    if size <= 0 or not sys.platform.startswith("linux"):
         return []
     return [{"level": SOL_SOCKET, "name": name, "int_value": size, "state": "STATE_PREBIND"}]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,25 @@ def test_client_connections_buffer_little_but_a_retry_keeps_a_larger_body() -> N
     assert all(r["per_request_buffer_limit_bytes"] == 1 << 20 for r in routed)
 
 
+def test_the_response_path_kernel_buffers_are_pinned() -> None:
+    """A client that stops reading: the kernel buffers of Envoy's client socket (send) and
+    model-server socket (receive) are pinned, not autotuned to tcp_wmem / tcp_rmem's maxima;
+    0 leaves them to the kernel."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the options are Linux's numbers; elsewhere none are set")
+    b = build_bootstrap(BootstrapParams(fail_open=True, fallback_endpoints=("10.0.0.1:8000",)))
+    (option,) = b["static_resources"]["listeners"][0]["socket_options"]
+    assert (option["level"], option["name"], option["int_value"]) == (1, 7, 256 << 10)
+    servers = [c for c in b["static_resources"]["clusters"] if c["name"] != "epp"]
+    assert len(servers) == 2  # routed and fallback
+    for cluster in servers:
+        (option,) = cluster["upstream_bind_config"]["socket_options"]
+        assert (option["level"], option["name"], option["int_value"]) == (1, 8, 256 << 10)
+    b = build_bootstrap(BootstrapParams(client_send_buffer_bytes=0, server_receive_buffer_bytes=0))
+    assert b["static_resources"]["listeners"][0]["socket_options"] == []
+    assert all("upstream_bind_config" not in c for c in b["static_resources"]["clusters"])
+
+
 def test_shrink_heap_gives_back_all_but_a_little_free_heap() -> None:
     """Finding 3: Envoy's shrink_heap keeps 100 MB of free pages by default, so it released
     nothing after a burst of big bodies; the bootstrap keeps only `shrink_heap_keep_bytes`."""
@@ -241,7 +261,12 @@ def test_h2c_pools_get_http2_upstreams(tmp_path: Path) -> None:
     b = build_bootstrap(params)
     for cluster in b["static_resources"]["clusters"][1:]:
         opts = cluster["typed_extension_protocol_options"]
-        assert "http2_protocol_options" in json.dumps(opts)
+        h2 = next(iter(opts.values()))["explicit_http_config"]["http2_protocol_options"]
+        # Not Envoy's 256 MiB: a stalled stream holds at most 64 KiB, and the connection's
+        # window covers all its streams (a stalled one never blocks the others).
+        assert h2["initial_stream_window_size"] == 64 << 10
+        assert h2["initial_connection_window_size"] == 100 * (64 << 10)
+        assert h2["max_concurrent_streams"] == 100
     plain = build_bootstrap(BootstrapParams())
     assert "typed_extension_protocol_options" not in plain["static_resources"]["clusters"][1]
     path = tmp_path / "envoy.json"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -19,6 +20,7 @@ from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2
 
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCapService, ConnectionCounter
+from poolkeeper.extproc.tcpdiag import connection_open
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -144,6 +146,72 @@ async def test_a_check_past_its_deadline_or_cancelled_is_not_counted() -> None:
     assert await check(4, _Context(remaining=0.2))  # arrived after that close: counted
     assert counter.counts().open == 1
     assert not await check(5, _Context(remaining=0.2))  # and the cap holds
+
+
+async def test_a_check_delayed_past_its_connections_close_asks_the_kernel() -> None:
+    """Round 4: a check that arrived after a close from its address and port is the closed
+    connection's own (delayed on its way: counted, it was a phantom for good) or a new
+    connection's from the reused port: the kernel tells which."""
+    clock = _Clock()
+    counter = ConnectionCounter(1, clock=clock)
+    open_now: dict[tuple[str, int], bool | None] = {}
+    asked: list[tuple[tuple[str, int], tuple[str, int]]] = []
+
+    def lookup(local: tuple[str, int], remote: tuple[str, int]) -> bool | None:
+        asked.append((local, remote))
+        return open_now.get(remote)
+
+    service = ConnectionCapService(counter, check_timeout_s=0.25, lookup=lookup)
+
+    async def check(port: int) -> bool:
+        request = _check("10.0.0.1", port)
+        request.attributes.destination.address.socket_address.address = "10.9.9.9"
+        request.attributes.destination.address.socket_address.port_value = 8080
+        reply = await service.Check(request, cast(Any, _Context(remaining=0.2)))
+        return bool(reply.status.code == 0)
+
+    assert await check(1)  # no close remembered: counted, the kernel not asked
+    assert (counter.counts().open, asked) == (1, [])
+    counter.closed("10.0.0.1", 1)
+    counter.closed("10.0.0.1", 2, at=clock.now - 0.1)  # closed after its check was sent ...
+    open_now[("10.0.0.1", 2)] = False
+    assert await check(2)  # ... which arrived 50 ms after the close: not counted
+    assert asked == [(("10.9.9.9", 8080), ("10.0.0.1", 2))]
+    assert (counter.counts().open, counter.counts().late) == (0, 1)
+    counter.closed("10.0.0.1", 3, at=clock.now - 0.1)
+    open_now[("10.0.0.1", 3)] = True  # a new connection from the reused port
+    assert await check(3)
+    assert counter.counts().open == 1
+    assert not await check(4)  # the cap holds
+    counter.closed("10.0.0.1", 3)
+    counter.closed("10.0.0.1", 5, at=clock.now - 0.1)
+    open_now[("10.0.0.1", 5)] = None  # the kernel cannot tell: counted, as before
+    assert await check(5)
+    assert counter.counts().open == 1
+
+
+def test_the_kernel_knows_which_connections_are_open() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("sock_diag is Linux's")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        here = listener.getsockname()
+        client = socket.create_connection(here)
+        there = client.getsockname()
+        accepted, _ = listener.accept()
+        assert connection_open(here, there) is True
+        assert connection_open(here, ("127.0.0.1", 1)) is False  # no such connection
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()  # a reset
+        for _ in range(100):
+            if connection_open(here, there) is False:
+                break
+            time.sleep(0.01)
+        assert connection_open(here, there) is False  # reset: gone, its fd still open here
+        accepted.close()
+        assert connection_open(here, there) is False
+        assert connection_open(("not an address", 1), there) is None
 
 
 def _config(tmp_path: Path, sim_port: int) -> Path:

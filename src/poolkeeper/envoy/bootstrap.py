@@ -59,6 +59,7 @@ from poolkeeper.envoy.params import (
     SCALE_TIMERS_TYPE,
     SERVED_HEADER,
     SHRINK_HEAP_TYPE,
+    SO_SNDBUF,
     STRIPPED_PREFIXES,
     UPSTREAM_FAILURE_FLAGS,
     BootstrapParams,
@@ -66,6 +67,7 @@ from poolkeeper.envoy.params import (
     duration,
     epp_grpc_service,
     socket_address,
+    socket_buffer,
 )
 from poolkeeper.envoy.routes import _openai_error, _rewrites_split_names, _routes
 
@@ -384,6 +386,8 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
                     "name": "gateway",
                     "address": socket_address(p.listen_address, p.listen_port),
                     "per_connection_buffer_limit_bytes": p.connection_buffer_bytes,
+                    # Accepted sockets inherit the listening socket's pinned send buffer.
+                    "socket_options": socket_buffer(SO_SNDBUF, p.client_send_buffer_bytes),
                     # No listener filter: a connection that sends nothing is an HTTP
                     # connection at once, closed by the (scaled) idle timeout. A listener
                     # filter's timeout would hold it in a stage the overload manager cannot

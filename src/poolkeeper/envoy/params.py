@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,15 @@ class BootstrapParams:
     # bursts of 50 x 17 MB bodies Envoy sat +59-118 MB over idle with 1 MiB here, +19-54 MB
     # with 256 KiB; 128 KiB measured no better, +15-68 MB).
     connection_buffer_bytes: int = 256 << 10
+    # The kernel's buffers of Envoy's own sockets on the response path, pinned (SO_SNDBUF on
+    # client connections, SO_RCVBUF on model-server connections; 0: the kernel autotunes):
+    # for a client that stops reading a fast stream they hold what Envoy's limits above do
+    # not, and autotuned they grow to tcp_wmem's / tcp_rmem's maximum (4 MB and 32 MB on
+    # common hosts) per connection. The kernel doubles the value for its bookkeeping. A
+    # response still goes out at this much per round trip (2.5 MB/s at 100 ms): far above
+    # a token stream, and request bodies (the other direction) are not limited by it.
+    client_send_buffer_bytes: int = 256 << 10
+    server_receive_buffer_bytes: int = 256 << 10
     max_request_headers_kb: int = 60
     max_headers_count: int = 100
     max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
@@ -201,6 +211,17 @@ def epp_grpc_service(p: BootstrapParams) -> dict[str, Any]:
     if p.epp_token is not None:
         service["initial_metadata"] = [{"key": EPP_TOKEN_HEADER, "value": p.epp_token}]
     return service
+
+
+SOL_SOCKET, SO_SNDBUF, SO_RCVBUF = 1, 7, 8  # Linux's values (Envoy's socket_options are raw)
+
+
+def socket_buffer(name: int, size: int) -> list[dict[str, Any]]:
+    """Envoy `socket_options` pinning one kernel buffer of a socket (none where `size` is 0,
+    or off Linux: the raw numbers are Linux's, and elsewhere Envoy could not bind with them)."""
+    if size <= 0 or not sys.platform.startswith("linux"):
+        return []
+    return [{"level": SOL_SOCKET, "name": name, "int_value": size, "state": "STATE_PREBIND"}]
 
 
 def duration(seconds: float) -> str:

@@ -40,11 +40,15 @@ from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2, external_auth_p
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from poolkeeper.extproc.auth import EnvoyOnly
+from poolkeeper.extproc.tcpdiag import connection_open
 
 log = logging.getLogger("poolkeeper.extproc")
 
 _ALLOW = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.OK))
 _DENY = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED))
+
+# Whether a connection is open: its end on this host (address, port), its peer's; None: unknown.
+Lookup = Callable[[tuple[str, int], tuple[str, int]], bool | None]
 
 # How long the close of a connection not in the table is remembered: far beyond the check's
 # deadline (`BootstrapParams.conncap_timeout_s`, 250 ms), after which a check is not counted.
@@ -87,12 +91,24 @@ class ConnectionCounter:
         self.cleared = 0
         self.late = 0
 
-    def opened(self, ip: str, port: int, arrived: float | None = None) -> bool:
+    def opened(
+        self,
+        ip: str,
+        port: int,
+        arrived: float | None = None,
+        still_open: Callable[[], bool | None] | None = None,
+    ) -> bool:
         """A connection sent its first bytes: False if `ip` already holds `limit`.
-        `arrived`: when its check arrived (this clock), if known."""
+        `arrived`: when its check arrived (this clock), if known. `still_open`: asks the
+        kernel whether this connection is open (None: cannot tell), for a check that came
+        after a close from the same address and port: the closed connection's own check,
+        delayed on its way, or a new connection's from a reused port."""
         if self._gone:
             closed_at = self._gone.pop((ip, port), None)
-            if closed_at is not None and arrived is not None and arrived <= closed_at:
+            if closed_at is not None and (
+                (arrived is not None and arrived <= closed_at)
+                or (still_open is not None and still_open() is False)
+            ):
                 self.late += 1  # the check of a connection already closed: nothing to count
                 return True
         ports = self._ports.get(ip)
@@ -170,10 +186,16 @@ class ConnectionCapService(
 ):
     """Envoy's ext_authz `Check` (one per connection) and its listener's TCP access log."""
 
-    def __init__(self, counter: ConnectionCounter, check_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        counter: ConnectionCounter,
+        check_timeout_s: float | None = None,
+        lookup: Lookup = connection_open,
+    ) -> None:
         self.counter = counter
         # Envoy's timeout for a check: with the deadline it gives when the check arrived.
         self.check_timeout_s = check_timeout_s
+        self.lookup = lookup  # is a connection still open (the kernel's word, tcpdiag)
 
     async def Check(
         self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext | None = None
@@ -190,7 +212,14 @@ class ConnectionCapService(
                 return _ALLOW
             if remaining is not None and self.check_timeout_s is not None:
                 arrived = self.counter.now() - (self.check_timeout_s - remaining)
-        allowed = self.counter.opened(source.address, source.port_value, arrived)
+        local = request.attributes.destination.address.socket_address
+        here, there = (local.address, local.port_value), (source.address, source.port_value)
+        allowed = self.counter.opened(
+            source.address,
+            source.port_value,
+            arrived,
+            still_open=(lambda: self.lookup(here, there)) if local.address else None,
+        )
         return _ALLOW if allowed else _DENY
 
     async def StreamAccessLogs(

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -78,8 +79,13 @@ log = logging.getLogger("poolkeeper.server")
 DEFAULT_DRAIN_GRACE_S = 130.0  # upstream chart's terminationGracePeriodSeconds (vLLM's)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # upstream EPP's --drain-timeout (Kubernetes mode)
 _ACTIVE_STAT = "http.gateway.downstream_rq_active"
-# Between closing the listeners and telling open connections to close (see _drain_envoy).
-DRAIN_SETTLE_S = 0.5
+# Between closing the listeners and telling open connections to close (see _drain_envoy):
+# until no connection waits on its connection-cap check and no new check has started for
+# SETTLE_QUIET_S, at most a check's timeout (each ends by then) plus SETTLE_SLACK_S.
+SETTLE_QUIET_S = 0.05
+SETTLE_SLACK_S = 0.25
+_CHECKS_ACTIVE = "ext_authz.client_cap.active"  # envoy/conncap.py's stat_prefix
+_CHECKS_TOTAL = "ext_authz.client_cap.total"
 # At most this long for Envoy to accept what is queued on its held listeners (_hold_listeners).
 HOLD_MAX_S = 2.0
 
@@ -217,6 +223,8 @@ class GatewayRuntime:
     # With the Envoy we run: its token for the EPP's gRPC port (extproc/auth.py).
     _epp_token: str | None = None
     _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
+    # The drain's settle: how long a connection may wait on its connection-cap check.
+    _settle_max_s: float = SETTLE_SLACK_S
 
     # -- start ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -411,6 +419,8 @@ class GatewayRuntime:
             params, epp_token=self._epp_token, epp_tls=self.options.tls.secure_serving
         )
         params = await self._start_conncap(config, params)
+        if params.conncap_port:
+            self._settle_max_s = params.conncap_timeout_s + SETTLE_SLACK_S
         # Envoy inherits the raised descriptor limit; its connection cap stays below it, so
         # idle connections are refused by the cap, never by descriptors running out.
         descriptors = raise_descriptor_limit()
@@ -629,9 +639,10 @@ class GatewayRuntime:
         strategy tells every open connection to close: idle keep-alive connections are closed,
         a request on its way on one is answered with `connection: close`, HTTP/2 gets GOAWAY
         (round 2, finding 4: keep-alive clients were served for the whole drain, and whatever
-        they sent last was cut when it ended). The moment between the two lets a connection
-        accepted just before the stop get its request parsed: until then Envoy counts it as
-        idle, and would close it under a request the client already sent. Before all that, the
+        they sent last was cut when it ended). Between the two, `_settle` lets the connections
+        accepted just before the stop get their requests parsed (past the connection-cap
+        check): until then Envoy counts them as idle, and would close them under a request the
+        client already sent. Before all that, the
         listening sockets are held (envoy/listen_hold.py): closing a socket resets the
         connections still queued on it, so new ones are dropped first and the queue accepted."""
         assert self.envoy is not None
@@ -645,9 +656,9 @@ class GatewayRuntime:
                     async with session.post(f"{admin}/drain_listeners{query}") as resp:
                         await resp.read()
                 if not query:
-                    await asyncio.sleep(min(DRAIN_SETTLE_S, grace_s))
+                    await _settle(session, admin, min(self._settle_max_s, grace_s))
             while loop.time() < deadline:
-                envoy_active = await _envoy_active_requests(session, admin)
+                envoy_active = (await _envoy_stats(session, admin, _ACTIVE_STAT))[_ACTIVE_STAT]
                 epp_active = self.servicer.active if self.servicer is not None else 0
                 if epp_active == 0 and envoy_active == 0:
                     return
@@ -676,18 +687,43 @@ async def _expire_detached(detached: DetachedExchanges, every_s: float = 30.0) -
         detached.expire()
 
 
-async def _envoy_active_requests(session: aiohttp.ClientSession, admin: str) -> int:
-    """Envoy's own count of requests in progress on the gateway listener (0 if unknown)."""
+async def _envoy_stats(session: aiohttp.ClientSession, admin: str, *names: str) -> dict[str, int]:
+    """Envoy's counters and gauges of these names (0 for each one unknown: Envoy gone, or a
+    stat it does not have, such as the cap's when there is no cap)."""
+    found = dict.fromkeys(names, 0)
+    pattern = "^(" + "|".join(re.escape(name) for name in names) + ")$"
     try:
-        async with session.get(f"{admin}/stats", params={"filter": f"^{_ACTIVE_STAT}$"}) as resp:
+        async with session.get(f"{admin}/stats", params={"filter": pattern}) as resp:
             text = await resp.text()
     except (aiohttp.ClientError, TimeoutError):
-        return 0  # Envoy is gone: nothing of its own left to wait for
+        return found  # Envoy is gone: nothing of its own left to wait for
     for line in text.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() == _ACTIVE_STAT and value.strip().isdigit():
-            return int(value.strip())
-    return 0
+        if name.strip() in found and value.strip().isdigit():
+            found[name.strip()] = int(value.strip())
+    return found
+
+
+async def _settle(session: aiohttp.ClientSession, admin: str, within_s: float) -> None:
+    """With the listeners closed, wait (up to `within_s`) until the connections Envoy accepted
+    last have had their first bytes checked, and so their requests parsed (Envoy parses as the
+    check lets the bytes through): until then Envoy counts such a connection as idle, and the
+    drain would close it under a request the client has already sent. Done when no
+    connection-cap check is in flight and none has started for `SETTLE_QUIET_S` (a client's
+    request may follow its connect by a moment); without the cap, after that moment."""
+    loop = asyncio.get_running_loop()
+    begun = loop.time()
+    last: int | None = None
+    quiet_since = begun
+    while loop.time() < begun + within_s:
+        stats = await _envoy_stats(session, admin, _CHECKS_ACTIVE, _CHECKS_TOTAL)
+        started = stats[_CHECKS_TOTAL]
+        if started != last:
+            last, quiet_since = started, loop.time()
+        elif stats[_CHECKS_ACTIVE] == 0 and loop.time() - quiet_since >= SETTLE_QUIET_S:
+            break
+        await asyncio.sleep(0.01)
+    log.info("listeners closed; connections accepted last settled in %.2fs", loop.time() - begun)
 
 
 async def serve_until_signalled(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from poolkeeper.bench.fleet.replicas import replica_of, run
 
 
@@ -62,3 +64,20 @@ def test_cold_affinity_keeps_four_replicas_groups_together() -> None:
     assert cold["requests"] == plain["requests"]
     # Replicas that know nothing of a new system prompt send it to the same server.
     assert cold["affinity"] > plain["affinity"]
+
+
+def test_cold_affinity_with_peers_only_is_off_for_one_replica_and_on_for_four() -> None:
+    def once(replicas: int, **kw: Any) -> dict[str, Any]:
+        return run(replicas, servers=4, duration=5.0, seed=3, capacity_rps=100.0, exact=True, **kw)
+
+    def routing(row: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in row.items() if k not in ("cold_affinity", "cold_peers")}
+
+    # One replica never sees another's blocks: exactly the run without cold affinity.
+    assert routing(once(1, cold_affinity=0.2, cold_peers=True)) == routing(once(1))
+    # Four see each other at once, and cold affinity keeps their groups together.
+    peers = once(4, cold_affinity=0.2, cold_peers=True)
+    assert peers["cold_peers"] is True
+    assert peers["affinity"] > once(4)["affinity"]
+    with pytest.raises(ValueError, match="cold_peers needs exact"):
+        run(4, servers=4, duration=1.0, capacity_rps=100.0, cold_affinity=0.2, cold_peers=True)

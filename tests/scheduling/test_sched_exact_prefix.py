@@ -177,6 +177,44 @@ def test_scorer_adds_fresh_engine_reports_to_its_guesses_per_endpoint() -> None:
     assert scores(NOW + 6) == [1.0, 0.0, 0.75]
 
 
+def test_cold_affinity_peers_only_waits_for_another_routers_blocks() -> None:
+    params = {
+        "kvEvents": True,
+        "kvEventsSubscribe": False,
+        "coldAffinity": 0.2,
+        "coldAffinityBlocks": 8,
+        "coldAffinityPeersOnly": True,
+        "coldAffinityPeerWindowS": 30,
+    }
+    scorer = plugin("prefix-cache-scorer", params)
+    exact = scorer.exact
+    assert exact is not None
+    pool = [state(1), state(2), state(3)]
+    mine, theirs, new = "m" * 1024, "t" * 1024, "n" * 1024  # 16 blocks each
+
+    def scores(prompt: str, now: float = NOW) -> list[float]:
+        out = scorer.score(CycleState(now), request(prompt=prompt), pool)
+        return [float(out)] * 3 if isinstance(out, float) else list(out)
+
+    # One router so far: the engine reports only what this replica sent; no cold push.
+    scorer.post_cycle(CycleState(NOW), request(prompt=mine), ProfileResult("p", (pool[0],)))
+    exact.stored(key(1), engine_block_hashes("base", mine, 16), NOW)
+    assert scores(mine)[0] == 1.0
+    assert scores(new) == [0.0] * 3
+    # An engine holds a prompt this replica never sent there: another router exists.
+    exact.stored(key(2), engine_block_hashes("base", theirs, 16), NOW + 1)
+    assert scores(theirs, NOW + 1) == [0.0, 1.0, 0.0]
+    assert sorted(scores(new, NOW + 2)) == [0.0, 0.0, 0.2]
+    # The sighting keeps the rule on for coldAffinityPeerWindowS, then it lapses.
+    assert sorted(scores(new, NOW + 30.9)) == [0.0, 0.0, 0.2]
+    assert scores(new, NOW + 31) == [0.0] * 3
+
+
+def test_cold_affinity_peers_only_needs_kv_events() -> None:
+    with pytest.raises(ValueError, match="coldAffinityPeersOnly needs kvEvents"):
+        plugin("prefix-cache-scorer", {"coldAffinity": 0.2, "coldAffinityPeersOnly": True})
+
+
 def test_predicted_ttft_scorer_reads_characters_from_the_shared_match() -> None:
     scorer = plugin("prefix-cache-scorer")
     req = request(prompt=A + B + "z" * 10)

@@ -22,7 +22,7 @@ same events the live simulator publishes over ZMQ, without sockets), stamped wit
 the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
-        [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2]
+        [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2 [--cold-peers]]
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000]
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
@@ -136,11 +136,13 @@ def run(
     exact: bool = False,
     policy: str = "poolkeeper-shed",
     cold_affinity: float = 0.0,
+    cold_peers: bool = False,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
     `exact`: the replicas' prefix scorers also read the engines' KV events;
-    `cold_affinity`: their `coldAffinity` (the policy's own when 0)."""
+    `cold_affinity`: their `coldAffinity` (the policy's own when 0); `cold_peers`: with
+    `coldAffinityPeersOnly` (only once the KV events show another replica's traffic)."""
     scenario = build_scenario("shared-prefix", servers)
     if capacity_rps is None:
         capacity_rps = float(fleet_capacity(scenario, seed=seed)["capacity_rps"])
@@ -152,9 +154,14 @@ def run(
         _Replica(make_policy(policy, random.Random(f"{seed}:replica{k}"), scenario))
         for k in range(replicas)
     ]
+    if cold_peers and not (exact and cold_affinity):
+        raise ValueError("cold_peers needs exact=True and cold_affinity > 0")
     if cold_affinity:
+        update: dict[str, Any] = {"cold_affinity": cold_affinity}
+        if cold_peers:
+            update.update(kv_events=True, kv_events_subscribe=False, cold_affinity_peers_only=True)
         for plugin in _prefix_scorers(routers, "cold_affinity"):
-            plugin.params = plugin.params.model_copy(update={"cold_affinity": cold_affinity})
+            plugin.params = plugin.params.model_copy(update=update)
     clock = [0.0]
     if exact:
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
@@ -207,6 +214,7 @@ def run(
         "replicas": replicas,
         "index": "exact" if exact else "approx",
         "cold_affinity": cold_affinity,
+        "cold_peers": cold_peers,
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -259,6 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cold-affinity", type=float, default=0.0, help="the prefix scorers' coldAffinity"
     )
+    parser.add_argument(
+        "--cold-peers",
+        action="store_true",
+        help="coldAffinityPeersOnly: cold affinity once the events show another replica",
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument("--endpoints", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=1000)
@@ -281,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             capacity_rps=capacity,
             exact=kind == "exact",
             cold_affinity=args.cold_affinity,
+            cold_peers=args.cold_peers and kind == "exact",
         )
         for kind in args.index
         for n in args.replicas

@@ -55,6 +55,15 @@ def test_index_memory_is_measured_per_entry() -> None:
     assert 20 < got["approx_bytes_per_entry"] < 1000
 
 
+def test_subscriber_memory_follows_every_publisher() -> None:
+    from poolkeeper.bench.fleet.replicas import subscriber_memory
+
+    got = subscriber_memory(20)
+    # Every subscription got its publisher's batch: the sockets measured were connected.
+    assert got["batches_received"] == 20
+    assert got["subscriber_kib_per_endpoint"] > 0
+
+
 def test_cold_affinity_keeps_four_replicas_groups_together() -> None:
     def once(cold: float) -> dict[str, Any]:
         return run(4, servers=4, duration=5.0, seed=3, capacity_rps=100.0, cold_affinity=cold)

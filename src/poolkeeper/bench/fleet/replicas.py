@@ -24,11 +24,15 @@ the latest routing decision.
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
         [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2 [--cold-peers]]
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000]
+    python -m poolkeeper.bench.fleet.replicas --memory --subscribers [--endpoints 1000]
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
 each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
 approximate index with the same entries: bytes per (endpoint, block) entry and per 1,000
-endpoints at that many blocks each.
+endpoints at that many blocks each. `--subscribers` measures what the index's feed costs live:
+the resident memory (VmRSS) a `KVEventSubscriber` adds by following `--endpoints` engines (one
+ZMQ SUB socket and task each), against publishers in a child process that each send one batch
+(checked: every subscription receives it).
 """
 
 from __future__ import annotations
@@ -256,6 +260,76 @@ def memory(endpoints: int, blocks: int) -> dict[str, Any]:
     return out
 
 
+_PUBLISHERS = """
+import sys, zmq
+from poolkeeper.kvevents import BlockStored, KVEventBatch, encode
+ctx = zmq.Context()
+socks = [ctx.socket(zmq.PUB) for _ in range(int(sys.argv[1]))]
+print(" ".join(str(s.bind_to_random_port("tcp://127.0.0.1")) for s in socks), flush=True)
+sys.stdin.readline()
+payload = encode(KVEventBatch(0.0, [BlockStored([1, 2, 3], None, [], 16, None, "GPU")], 0))
+for s in socks:
+    s.send_multipart([b"kv", bytes(8), payload])
+print("sent", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise OSError("no VmRSS in /proc/self/status")
+
+
+def subscriber_memory(endpoints: int, settle_s: float = 2.0) -> dict[str, Any]:
+    """Resident KiB a KV-event subscriber adds by following `endpoints` live publishers."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber
+
+    async def measure(ports: list[str], child: subprocess.Popen[str]) -> dict[str, Any]:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        addresses = {
+            f"10.0.{i // 250}.{i % 250 + 1}:8000": f"tcp://127.0.0.1:{p}"
+            for i, p in enumerate(ports)
+        }
+        subscriber = KVEventSubscriber(ExactPrefixIndex(), addresses.__getitem__)
+        await asyncio.sleep(0.2)
+        before = _rss_kib()
+        subscriber.follow(addresses)
+        await asyncio.sleep(settle_s)  # connected (ZMQ drops what a PUB sends before that)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.stdout.readline()
+        await asyncio.sleep(settle_s)
+        used = _rss_kib() - before
+        received = subscriber.received
+        await subscriber.close()
+        return {
+            "endpoints": endpoints,
+            "batches_received": received,
+            "subscriber_kib_per_endpoint": round(used / endpoints, 1),
+            "subscriber_mib_per_1000_endpoints": round(used / endpoints * 1000 / 1024, 1),
+        }
+
+    with subprocess.Popen(
+        [sys.executable, "-c", _PUBLISHERS, str(endpoints)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as child:  # fmt: skip
+        assert child.stdout is not None
+        assert child.stdin is not None
+        try:
+            return asyncio.run(measure(child.stdout.readline().split(), child))
+        finally:
+            child.stdin.close()
+            child.wait(timeout=10)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m poolkeeper.bench.fleet.replicas")
     parser.add_argument("--servers", type=int, default=8)
@@ -273,9 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="coldAffinityPeersOnly: cold affinity once the events show another replica",
     )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
+    parser.add_argument(
+        "--subscribers", action="store_true", help="with --memory: the live feed's memory"
+    )
     parser.add_argument("--endpoints", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.memory and args.subscribers:
+        print(json.dumps(subscriber_memory(args.endpoints), indent=2))
+        return 0
     if args.memory:
         print(json.dumps(memory(args.endpoints, args.blocks), indent=2))
         return 0

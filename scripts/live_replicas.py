@@ -7,13 +7,17 @@ approximate prefix index knows only those. Here: a simulated fleet publishing vL
 KV-cache events (`poolkeeper sim --kv-events-port-offset`), N EPPs with the same config (own
 ports), and one Envoy from `poolkeeper envoy-config` with the other replicas' ext_proc ports
 added to its `epp` cluster. Index `approx`: the default profile; `exact`: the default with the
-prefix scorer's `kvEvents` on (each replica subscribes to every server's events). Variants run
+prefix scorer's `kvEvents` on (each replica subscribes to every server's events);
+`exact-cold` / `exact-peers`: + cold affinity, always / once another replica is seen
+(`scheduling()`). `N/M:index` runs M EPPs with only N behind Envoy: the idle ones scrape and
+take CPU as extra replicas do, a control on a machine with few cores. Variants run
 interleaved (listed order in even rounds, reversed in odd), the same requests each time; every
-run goes to OUT/runs.json with its requests, prefills and load average. Example
-(docs/notes/2026-12-06-live-routing-fourth-round.md):
+run goes to OUT/runs.json with its requests, prefills, load average and the CPU seconds of the
+fleet and of each EPP during the load. Example
+(docs/notes/2026-12-06-exact-prefix-replicas-second-round.md):
 
-    .venv/bin/python scripts/live_replicas.py --out bench-results/q4/replicas --rounds 2 \\
-        1:approx 2:approx 2:exact
+    .venv/bin/python scripts/live_replicas.py --out bench-results/replicas --rounds 2 \\
+        1:approx 1/4:approx 2:exact-peers 4:exact-peers
 """
 
 from __future__ import annotations
@@ -103,9 +107,21 @@ def bootstrap(cfg: Path, extra_extproc: list[int], out: Path) -> None:
     out.write_text(json.dumps(doc))
 
 
-def run_variant(
-    spec: LiveSpec, arrivals: list[Any], replicas: int, index: str, work: Path
-) -> dict[str, Any]:
+def parse_variant(variant: str) -> tuple[int, int, str]:
+    """`N:index` (N replicas behind Envoy) or `N/M:index` (M EPPs running, only the first N
+    behind Envoy: the others idle, scraping, as a control for the CPU extra replicas take)."""
+    counts, _, index = variant.partition(":")
+    active, _, running = counts.partition("/")
+    running = running or active
+    if not (active.isdigit() and running.isdigit()) or not 1 <= int(active) <= int(running):
+        raise SystemExit(f"bad variant {variant!r}: N[/M]:{'|'.join(INDEXES)}, 1 <= N <= M")
+    if index not in INDEXES:
+        raise SystemExit(f"bad variant {variant!r}: index one of {', '.join(INDEXES)}")
+    return int(active), int(running), index
+
+
+def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -> dict[str, Any]:
+    replicas, running, index = parse_variant(variant)
     kind = default_spec(spec.workload, spec.servers).kind
     models = _models(kind, adapter_names(default_spec(spec.workload, spec.servers)))
     sim_ports = free_ports(spec.servers, consecutive=True)
@@ -119,7 +135,7 @@ def run_variant(
         sim = stack.enter_context(process(sim_cmd, work / "sim.log"))
         for p in sim_ports:
             wait_http(f"http://127.0.0.1:{p}/health", lambda s: s == 200, READY_TIMEOUT_S, "sim")
-        ports = [dict(zip(NAMES, free_ports(len(NAMES)), strict=True)) for _ in range(replicas)]
+        ports = [dict(zip(NAMES, free_ports(len(NAMES)), strict=True)) for _ in range(running)]
         cfgs = []
         epps = []
         for i, pp in enumerate(ports):
@@ -132,7 +148,7 @@ def run_variant(
             wait_http(f"http://127.0.0.1:{pp['metrics']}/readyz", lambda s: s == 200,
                       READY_TIMEOUT_S, "epp")  # fmt: skip
         boot = work / "envoy.json"
-        bootstrap(cfgs[0], [pp["extproc"] for pp in ports[1:]], boot)
+        bootstrap(cfgs[0], [pp["extproc"] for pp in ports[1:replicas]], boot)
         envoy = envoy_binary()
         assert envoy is not None
         cmd = [envoy, "-c", str(boot), "--concurrency", "1", "--log-level", "warn",
@@ -156,6 +172,7 @@ def run_variant(
             errors[key] = errors.get(key, 0) + 1
     return {
         "replicas": replicas,
+        "epps_running": running,
         "index": index,
         "summary": summarize(outcomes, duration=spec.duration, slo=SLO()),
         "errors": errors,
@@ -177,14 +194,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec", default='{"groups": 16, "time_scale": 10, "duration": 30, '
                     '"stream_interval": 8}', help="LiveSpec fields as JSON")  # fmt: skip
-    ap.add_argument("variants", nargs="+", help=f"REPLICAS:{'|'.join(INDEXES)}, e.g. 2:exact")
+    ap.add_argument(
+        "variants", nargs="+", help=f"N[/M]:{'|'.join(INDEXES)}, e.g. 2:exact, 1/4:approx"
+    )
     args = ap.parse_args()
     # A plain `kill` must still stop the fleet and routers (their `finally` blocks).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for variant in args.variants:
-        n, _, index = variant.partition(":")
-        if not n.isdigit() or int(n) < 1 or index not in INDEXES:
-            raise SystemExit(f"bad variant {variant!r}: REPLICAS:{'|'.join(INDEXES)}")
+        parse_variant(variant)
     spec = LiveSpec(**{"peers": (), **json.loads(args.spec)})
     arrivals, rate, _capacity = live_arrivals(spec, live_scenario(spec))
     print(f"{len(arrivals)} requests at {rate:.2f} req/s", flush=True)
@@ -194,8 +211,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="live-replicas-") as tmp:
         for rnd in range(args.rounds):
             for variant in args.variants if rnd % 2 == 0 else args.variants[::-1]:
-                n, _, index = variant.partition(":")
-                run = run_variant(spec, arrivals, int(n), index, Path(tmp) / f"r{rnd}-{n}-{index}")
+                name = variant.replace("/", "of").replace(":", "-")
+                run = run_variant(spec, arrivals, variant, Path(tmp) / f"r{rnd}-{name}")
                 run.update({"round": rnd, "label": variant})
                 t = run["summary"]["ttft_s"]
                 load = f"{run['load_before'][0]:.1f} -> {run['load_average'][0]:.1f}"

@@ -141,12 +141,14 @@ def run(
     policy: str = "poolkeeper-shed",
     cold_affinity: float = 0.0,
     cold_peers: bool = False,
+    prefix_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
     `exact`: the replicas' prefix scorers also read the engines' KV events;
     `cold_affinity`: their `coldAffinity` (the policy's own when 0); `cold_peers`: with
-    `coldAffinityPeersOnly` (only once the KV events show another replica's traffic)."""
+    `coldAffinityPeersOnly` (only once the KV events show another replica's traffic);
+    `prefix_params`: more of their parameters (camelCase, as in a config)."""
     scenario = build_scenario("shared-prefix", servers)
     if capacity_rps is None:
         capacity_rps = float(fleet_capacity(scenario, seed=seed)["capacity_rps"])
@@ -166,6 +168,10 @@ def run(
             update.update(kv_events=True, kv_events_subscribe=False, cold_affinity_peers_only=True)
         for plugin in _prefix_scorers(routers, "cold_affinity"):
             plugin.params = plugin.params.model_copy(update=update)
+    if prefix_params:
+        for plugin in _prefix_scorers(routers, "prefix_params"):
+            doc = {**plugin.params.model_dump(by_alias=True), **prefix_params}
+            plugin.params = type(plugin.params).model_validate(doc)
     clock = [0.0]
     if exact:
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
@@ -219,6 +225,7 @@ def run(
         "index": "exact" if exact else "approx",
         "cold_affinity": cold_affinity,
         "cold_peers": cold_peers,
+        **({"prefix_params": prefix_params} if prefix_params else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -346,6 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="coldAffinityPeersOnly: cold affinity once the events show another replica",
     )
+    parser.add_argument(
+        "--prefix-params",
+        type=json.loads,
+        default=None,
+        help="more prefix-cache-scorer parameters as JSON, e.g. '{\"coldAffinityLoadSlack\": 2}'",
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -375,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             exact=kind == "exact",
             cold_affinity=args.cold_affinity,
             cold_peers=args.cold_peers and kind == "exact",
+            prefix_params=args.prefix_params,
         )
         for kind in args.index
         for n in args.replicas

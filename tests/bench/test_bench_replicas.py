@@ -84,9 +84,10 @@ def test_cold_affinity_with_peers_only_is_off_for_one_replica_and_on_for_four() 
 
     # One replica never sees another's blocks: exactly the run without cold affinity.
     assert routing(once(1, cold_affinity=0.2, cold_peers=True)) == routing(once(1))
-    # Four see each other at once, and cold affinity keeps their groups together.
+    # Four see each other's blocks from the first engine step, and the rule moves placements
+    # (whether that pays is the benchmark's question, not this small run's).
     peers = once(4, cold_affinity=0.2, cold_peers=True)
     assert peers["cold_peers"] is True
-    assert peers["affinity"] > once(4)["affinity"]
+    assert routing(peers) != routing(once(4))
     with pytest.raises(ValueError, match="cold_peers needs exact"):
         run(4, servers=4, duration=1.0, capacity_rps=100.0, cold_affinity=0.2, cold_peers=True)

@@ -98,9 +98,9 @@ class _ExactFeed:
         self.clock = clock
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
-        del parent  # the index keys blocks by their own (chained) hash
+        # The index keys blocks by their own (chained) hash; no parent = a chain's first block.
         for index in self.indexes:
-            index.stored(self.endpoint, hashes, self.clock[0])
+            index.stored(self.endpoint, hashes, self.clock[0], head=parent is None)
 
     def removed(self, hashes: list[int]) -> None:
         for index in self.indexes:

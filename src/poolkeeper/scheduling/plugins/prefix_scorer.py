@@ -32,14 +32,12 @@ default 32 blocks is 512 tokens) and a small score, so that load still decides.
 
 Cold affinity with peers only (`coldAffinityPeersOnly`, needs `kvEvents`): the rule applies only
 while the KV events show that other routers send traffic to the same engines, i.e. within the
-last `coldAffinityPeerWindowS` an engine reported holding a prompt's leading block that this
-replica's own index does not place there (someone else sent it). Why: with one replica the
-approximate index already knows every prefix it placed, and placing new prefixes by hash
-instead of by load costs balance (shared-prefix chat: +13 % p90 at 0.9x); with several, that
-agreement is what keeps a new prefix on one server. A single replica sees such blocks only
-after a restart (the engines remember what the old process routed) or when its own index has
-evicted what an engine still holds: the rule then runs for a window, which costs a little
-balance and nothing else.
+last `coldAffinityPeerWindowS` an engine stored the first block of a prompt this EPP did not
+send it (`ExactPrefixIndex.foreign_at`). Why: with one replica the approximate index already
+knows every prefix it placed, and placing new prefixes by hash instead of by load costs
+balance (shared-prefix chat: +13 % p90 at 0.9x); with several, that agreement is what keeps a
+new prefix on one server. Several replicas see each other within one engine step of the first
+request another sent; one replica never does.
 
 Cold spread (`coldSpread` > 0): the same cold prompt also gives every candidate `coldSpread` x
 (1 - its index blocks / the most any candidate has), so a new shared prefix goes to the endpoint
@@ -127,9 +125,9 @@ class PrefixCacheParams(PluginParams):
     cold_affinity_peers_only: bool = Field(
         default=False,
         description="Apply coldAffinity only while the KV events show other routers: within "
-        "the last coldAffinityPeerWindowS an engine reported a prompt's leading block that "
-        "this replica's index does not place there (needs kvEvents). With one replica the "
-        "rule stays off and costs nothing.",
+        "the last coldAffinityPeerWindowS an engine stored the first block of a prompt this "
+        "EPP did not send it (needs kvEvents). With one replica the rule stays off and costs "
+        "nothing.",
     )
     cold_affinity_peer_window_s: float = Field(
         default=60.0,
@@ -190,7 +188,6 @@ class PrefixCacheScorer(NamedPlugin):
 
     __slots__ = (
         "_match_key",
-        "_peers_seen_at",
         "_state_key",
         "_stats",
         "_subscriber",
@@ -209,7 +206,6 @@ class PrefixCacheScorer(NamedPlugin):
         self._state_key = f"prefix-hashes/{typed_name.name}"
         self._match_key = f"prefix-match/{typed_name.name}"
         self._stats: SchedulingStats | None = None
-        self._peers_seen_at = float("-inf")  # last sighting of another router's blocks
         self.exact: ExactPrefixIndex | None = None
         self._subscriber: KVEventSubscriber | None = None
         if params.kv_events:
@@ -264,8 +260,7 @@ class PrefixCacheScorer(NamedPlugin):
         when it schedules the request, so a burst routed to it and still queued there is
         invisible to its events; the approximate index has it from this replica's decisions.
         What the engine reports that this replica never routed (other replicas' requests)
-        is what exact mode adds; an endpoint that holds the prompt's head with none of it in
-        this replica's index is the sighting `coldAffinityPeersOnly` waits for."""
+        is what exact mode adds."""
         exact = self.exact
         assert exact is not None
         chunk = exact.block_size * CHARS_PER_TOKEN
@@ -274,8 +269,6 @@ class PrefixCacheScorer(NamedPlugin):
         )
         out = dict(approx)
         for key, blocks in found.items():
-            if key not in approx:
-                self._peers_seen_at = now
             chars = blocks * chunk
             if chars > out.get(key, 0) and exact.fresh(key, now):
                 out[key] = chars
@@ -306,7 +299,8 @@ class PrefixCacheScorer(NamedPlugin):
 
     def peers_seen(self, now: float) -> bool:
         """Whether another router's traffic was sighted within coldAffinityPeerWindowS."""
-        return now - self._peers_seen_at < self.params.cold_affinity_peer_window_s
+        seen = self.exact.foreign_at if self.exact is not None else float("-inf")
+        return now - seen < self.params.cold_affinity_peer_window_s
 
     def _cold_scores(
         self, candidates: Sequence[EndpointState], key: int, now: float
@@ -338,8 +332,15 @@ class PrefixCacheScorer(NamedPlugin):
                 self._stats.prefix_match(chars, len(hashes) * self.params.block_size)
             if hashes:
                 self.index.insert(picked, hashes)
-            if self.exact is not None:
-                self.exact.routed(picked, cycle.now)
+            exact = self.exact
+            if exact is not None:
+                exact.routed(picked, cycle.now)
+                chunk = exact.block_size * CHARS_PER_TOKEN
+                head = engine_block_hashes(
+                    request.target_model, request.prompt[:chunk], exact.block_size
+                )
+                if head:
+                    exact.sent(picked, head[0])
 
     def enable_exact(self, exact: ExactPrefixIndex) -> None:
         """Use `exact` (fed by the caller) from now on; the virtual-time fleet's hook."""

@@ -45,7 +45,7 @@ from poolkeeper.scheduling.prefix import PrefixIndex
 _UNBOUNDED = 1 << 62
 # Chain heads this EPP sent, most recent first out: enough for 65 s of routing at 1,000 req/s,
 # far longer than a request waits at an engine before it is scheduled (when its blocks are
-# stored). About 10 MB when full.
+# stored). About 11 MiB when full (tracemalloc, 1,000 endpoints).
 SENT_HEADS = 65_536
 
 

@@ -130,10 +130,11 @@ class PrefixCacheParams(PluginParams):
         "nothing.",
     )
     cold_affinity_peer_window_s: float = Field(
-        default=60.0,
+        default=600.0,
         gt=0,
         description="How long one sighting of another router's traffic keeps "
-        "coldAffinityPeersOnly's rule on.",
+        "coldAffinityPeersOnly's rule on (sightings come only from new prefixes, which may "
+        "be rare once the common ones are cached everywhere).",
     )
     kv_events: bool = Field(
         default=False,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from poolkeeper.bench.fleet.replicas import replica_of, run
 
 
@@ -53,6 +55,15 @@ def test_index_memory_is_measured_per_entry() -> None:
     assert 20 < got["approx_bytes_per_entry"] < 1000
 
 
+def test_subscriber_memory_follows_every_publisher() -> None:
+    from poolkeeper.bench.fleet.replicas import subscriber_memory
+
+    got = subscriber_memory(20)
+    # Every subscription got its publisher's batch: the sockets measured were connected.
+    assert got["batches_received"] == 20
+    assert got["subscriber_kib_per_endpoint"] > 0
+
+
 def test_cold_affinity_keeps_four_replicas_groups_together() -> None:
     def once(cold: float) -> dict[str, Any]:
         return run(4, servers=4, duration=5.0, seed=3, capacity_rps=100.0, cold_affinity=cold)
@@ -62,3 +73,21 @@ def test_cold_affinity_keeps_four_replicas_groups_together() -> None:
     assert cold["requests"] == plain["requests"]
     # Replicas that know nothing of a new system prompt send it to the same server.
     assert cold["affinity"] > plain["affinity"]
+
+
+def test_cold_affinity_with_peers_only_is_off_for_one_replica_and_on_for_four() -> None:
+    def once(replicas: int, **kw: Any) -> dict[str, Any]:
+        return run(replicas, servers=4, duration=5.0, seed=3, capacity_rps=100.0, exact=True, **kw)
+
+    def routing(row: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in row.items() if k not in ("cold_affinity", "cold_peers")}
+
+    # One replica never sees another's blocks: exactly the run without cold affinity.
+    assert routing(once(1, cold_affinity=0.2, cold_peers=True)) == routing(once(1))
+    # Four see each other's blocks from the first engine step, and the rule moves placements
+    # (whether that pays is the benchmark's question, not this small run's).
+    peers = once(4, cold_affinity=0.2, cold_peers=True)
+    assert peers["cold_peers"] is True
+    assert routing(peers) != routing(once(4))
+    with pytest.raises(ValueError, match="cold_peers needs exact"):
+        run(4, servers=4, duration=1.0, capacity_rps=100.0, cold_affinity=0.2, cold_peers=True)

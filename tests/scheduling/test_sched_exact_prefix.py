@@ -177,8 +177,74 @@ def test_scorer_adds_fresh_engine_reports_to_its_guesses_per_endpoint() -> None:
     assert scores(NOW + 6) == [1.0, 0.0, 0.75]
 
 
+def test_cold_affinity_peers_only_waits_for_another_routers_blocks() -> None:
+    params = {
+        "kvEvents": True,
+        "kvEventsSubscribe": False,
+        "coldAffinity": 0.2,
+        "coldAffinityBlocks": 8,
+        "coldAffinityPeersOnly": True,
+        "coldAffinityPeerWindowS": 30,
+    }
+    scorer = plugin("prefix-cache-scorer", params)
+    exact = scorer.exact
+    assert exact is not None
+    pool = [state(1), state(2), state(3)]
+    mine, theirs, new = "m" * 1024, "t" * 1024, "n" * 1024  # 16 blocks each
+
+    def scores(prompt: str, now: float = NOW) -> list[float]:
+        out = scorer.score(CycleState(now), request(prompt=prompt), pool)
+        return [float(out)] * 3 if isinstance(out, float) else list(out)
+
+    def engine_stores(endpoint: int, prompt: str, now: float) -> None:
+        hashes = engine_block_hashes("base", prompt, 16)
+        # As vLLM sends a request's run: a chain of 10 (parent None), then the rest.
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared] = [
+            BlockStored(hashes[:10], None),
+            BlockStored(hashes[10:], hashes[9]),
+        ]
+        exact.apply(key(endpoint), KVEventBatch(now, events, 0), now)
+
+    # One router so far: the engine stores what this replica sent it; no cold push.
+    scorer.post_cycle(CycleState(NOW), request(prompt=mine), ProfileResult("p", (pool[0],)))
+    engine_stores(1, mine, NOW)
+    assert scores(mine)[0] == 1.0
+    assert scores(new) == [0.0] * 3
+    # An engine stores the head of a prompt this replica never sent it: another router exists.
+    engine_stores(2, theirs, NOW + 1)
+    assert sorted(scores(new, NOW + 1)) == [0.0, 0.0, 0.2]
+    # The sighting keeps the rule on for coldAffinityPeerWindowS, then it lapses.
+    assert sorted(scores(new, NOW + 30.9)) == [0.0, 0.0, 0.2]
+    assert scores(new, NOW + 31) == [0.0] * 3
+    # The head this replica sent, stored again on the same engine (evicted, then re-sent):
+    # still its own.
+    engine_stores(1, mine, NOW + 40)
+    assert scores(new, NOW + 40) == [0.0] * 3
+
+
+def test_cold_affinity_peers_only_needs_kv_events() -> None:
+    with pytest.raises(ValueError, match="coldAffinityPeersOnly needs kvEvents"):
+        plugin("prefix-cache-scorer", {"coldAffinity": 0.2, "coldAffinityPeersOnly": True})
+
+
 def test_predicted_ttft_scorer_reads_characters_from_the_shared_match() -> None:
     scorer = plugin("prefix-cache-scorer")
     req = request(prompt=A + B + "z" * 10)
     scorer.post_cycle(CycleState(NOW), req, ProfileResult("p", (state(1),)))
     assert scorer.matched(CycleState(NOW), req) == {key(1): 128}
+
+
+def test_sent_heads_are_bounded_and_a_forgotten_one_reads_as_foreign() -> None:
+    from poolkeeper.scheduling.exact_prefix import SENT_HEADS
+
+    index = ExactPrefixIndex()
+    for h in range(SENT_HEADS + 1):
+        index.sent("e", h)
+    index.stored("e", [SENT_HEADS], NOW, head=True)  # the newest: sent by this EPP
+    assert index.foreign_at == float("-inf")
+    index.stored("e", [5], NOW, head=False)  # not a chain's head: says nothing
+    assert index.foreign_at == float("-inf")
+    index.stored("e", [0], NOW + 1, head=True)  # the oldest, forgotten
+    assert index.foreign_at == NOW + 1
+    index.stored("other", [SENT_HEADS], NOW + 2, head=True)  # sent elsewhere, not there
+    assert index.foreign_at == NOW + 2

@@ -22,13 +22,17 @@ same events the live simulator publishes over ZMQ, without sockets), stamped wit
 the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
-        [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2]
+        [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2 [--cold-peers]]
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000]
+    python -m poolkeeper.bench.fleet.replicas --memory --subscribers [--endpoints 1000]
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
 each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
 approximate index with the same entries: bytes per (endpoint, block) entry and per 1,000
-endpoints at that many blocks each.
+endpoints at that many blocks each. `--subscribers` measures what the index's feed costs live:
+the resident memory (VmRSS) a `KVEventSubscriber` adds by following `--endpoints` engines (one
+ZMQ SUB socket and task each), against publishers in a child process that each send one batch
+(checked: every subscription receives it).
 """
 
 from __future__ import annotations
@@ -94,9 +98,9 @@ class _ExactFeed:
         self.clock = clock
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
-        del parent  # the index keys blocks by their own (chained) hash
+        # The index keys blocks by their own (chained) hash; no parent = a chain's first block.
         for index in self.indexes:
-            index.stored(self.endpoint, hashes, self.clock[0])
+            index.stored(self.endpoint, hashes, self.clock[0], head=parent is None)
 
     def removed(self, hashes: list[int]) -> None:
         for index in self.indexes:
@@ -136,11 +140,15 @@ def run(
     exact: bool = False,
     policy: str = "poolkeeper-shed",
     cold_affinity: float = 0.0,
+    cold_peers: bool = False,
+    prefix_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
     `exact`: the replicas' prefix scorers also read the engines' KV events;
-    `cold_affinity`: their `coldAffinity` (the policy's own when 0)."""
+    `cold_affinity`: their `coldAffinity` (the policy's own when 0); `cold_peers`: with
+    `coldAffinityPeersOnly` (only once the KV events show another replica's traffic);
+    `prefix_params`: more of their parameters (camelCase, as in a config)."""
     scenario = build_scenario("shared-prefix", servers)
     if capacity_rps is None:
         capacity_rps = float(fleet_capacity(scenario, seed=seed)["capacity_rps"])
@@ -152,9 +160,18 @@ def run(
         _Replica(make_policy(policy, random.Random(f"{seed}:replica{k}"), scenario))
         for k in range(replicas)
     ]
+    if cold_peers and not (exact and cold_affinity):
+        raise ValueError("cold_peers needs exact=True and cold_affinity > 0")
     if cold_affinity:
+        update: dict[str, Any] = {"cold_affinity": cold_affinity}
+        if cold_peers:
+            update.update(kv_events=True, kv_events_subscribe=False, cold_affinity_peers_only=True)
         for plugin in _prefix_scorers(routers, "cold_affinity"):
-            plugin.params = plugin.params.model_copy(update={"cold_affinity": cold_affinity})
+            plugin.params = plugin.params.model_copy(update=update)
+    if prefix_params:
+        for plugin in _prefix_scorers(routers, "prefix_params"):
+            doc = {**plugin.params.model_dump(by_alias=True), **prefix_params}
+            plugin.params = type(plugin.params).model_validate(doc)
     clock = [0.0]
     if exact:
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
@@ -207,6 +224,8 @@ def run(
         "replicas": replicas,
         "index": "exact" if exact else "approx",
         "cold_affinity": cold_affinity,
+        "cold_peers": cold_peers,
+        **({"prefix_params": prefix_params} if prefix_params else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -248,6 +267,76 @@ def memory(endpoints: int, blocks: int) -> dict[str, Any]:
     return out
 
 
+_PUBLISHERS = """
+import sys, zmq
+from poolkeeper.kvevents import BlockStored, KVEventBatch, encode
+ctx = zmq.Context()
+socks = [ctx.socket(zmq.PUB) for _ in range(int(sys.argv[1]))]
+print(" ".join(str(s.bind_to_random_port("tcp://127.0.0.1")) for s in socks), flush=True)
+sys.stdin.readline()
+payload = encode(KVEventBatch(0.0, [BlockStored([1, 2, 3], None, [], 16, None, "GPU")], 0))
+for s in socks:
+    s.send_multipart([b"kv", bytes(8), payload])
+print("sent", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise OSError("no VmRSS in /proc/self/status")
+
+
+def subscriber_memory(endpoints: int, settle_s: float = 2.0) -> dict[str, Any]:
+    """Resident KiB a KV-event subscriber adds by following `endpoints` live publishers."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber
+
+    async def measure(ports: list[str], child: subprocess.Popen[str]) -> dict[str, Any]:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        addresses = {
+            f"10.0.{i // 250}.{i % 250 + 1}:8000": f"tcp://127.0.0.1:{p}"
+            for i, p in enumerate(ports)
+        }
+        subscriber = KVEventSubscriber(ExactPrefixIndex(), addresses.__getitem__)
+        await asyncio.sleep(0.2)
+        before = _rss_kib()
+        subscriber.follow(addresses)
+        await asyncio.sleep(settle_s)  # connected (ZMQ drops what a PUB sends before that)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.stdout.readline()
+        await asyncio.sleep(settle_s)
+        used = _rss_kib() - before
+        received = subscriber.received
+        await subscriber.close()
+        return {
+            "endpoints": endpoints,
+            "batches_received": received,
+            "subscriber_kib_per_endpoint": round(used / endpoints, 1),
+            "subscriber_mib_per_1000_endpoints": round(used / endpoints * 1000 / 1024, 1),
+        }
+
+    with subprocess.Popen(
+        [sys.executable, "-c", _PUBLISHERS, str(endpoints)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as child:  # fmt: skip
+        assert child.stdout is not None
+        assert child.stdin is not None
+        try:
+            return asyncio.run(measure(child.stdout.readline().split(), child))
+        finally:
+            child.stdin.close()
+            child.wait(timeout=10)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m poolkeeper.bench.fleet.replicas")
     parser.add_argument("--servers", type=int, default=8)
@@ -259,10 +348,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cold-affinity", type=float, default=0.0, help="the prefix scorers' coldAffinity"
     )
+    parser.add_argument(
+        "--cold-peers",
+        action="store_true",
+        help="coldAffinityPeersOnly: cold affinity once the events show another replica",
+    )
+    parser.add_argument(
+        "--prefix-params",
+        type=json.loads,
+        default=None,
+        help="more prefix-cache-scorer parameters as JSON, e.g. '{\"coldAffinityLoadSlack\": 2}'",
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
+    parser.add_argument(
+        "--subscribers", action="store_true", help="with --memory: the live feed's memory"
+    )
     parser.add_argument("--endpoints", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.memory and args.subscribers:
+        print(json.dumps(subscriber_memory(args.endpoints), indent=2))
+        return 0
     if args.memory:
         print(json.dumps(memory(args.endpoints, args.blocks), indent=2))
         return 0
@@ -281,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             capacity_rps=capacity,
             exact=kind == "exact",
             cold_affinity=args.cold_affinity,
+            cold_peers=args.cold_peers and kind == "exact",
+            prefix_params=args.prefix_params,
         )
         for kind in args.index
         for n in args.replicas

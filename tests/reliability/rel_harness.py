@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -92,6 +93,25 @@ async def gate(
         await server.stop(None)
         for b in backends:
             await b.stop()
+
+
+async def stalled_reader(
+    port: int, path: str, body: bytes, *, receive_buffer: int
+) -> asyncio.StreamWriter:
+    """A client that POSTs `body` to `path` and never reads the response. Its receive buffer
+    is pinned to `receive_buffer` before connecting, so what the gateway sends beyond that
+    stays in the gateway. The caller closes the returned writer."""
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)  # before connect
+    client.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", port))
+    _reader, writer = await asyncio.open_connection(sock=client)
+    writer.write(
+        b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (path.encode(), len(body), body)
+    )
+    await writer.drain()
+    return writer
 
 
 async def raw_http(port: int, data: bytes, *, read_timeout_s: float = 10.0) -> bytes:

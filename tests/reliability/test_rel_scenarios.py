@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from poolkeeper.requestcontrol.types import IncomingRequest
-from tests.reliability.rel_harness import gate, status_of
+from tests.reliability.rel_harness import gate, stalled_reader, status_of
 from tests.requestcontrol.test_rc_director import ALL, _rig
 
 pytestmark = pytest.mark.integration
@@ -191,18 +191,12 @@ async def test_d6_a_client_that_stops_reading_is_bounded(tmp_path: Path) -> None
                 # kernel buffers, pinned by the bootstrap too (client send, server receive).
                 # Before they were pinned they autotuned up to tcp_wmem's and tcp_rmem's
                 # maxima (4 and 32 MB here): 5-11 MB seen at load 4-10; pinned, 2.0 MB.
-                client = socket.socket()
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # before connect
-                client.setblocking(False)
-                await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", g.port))
-                _reader, writer = await asyncio.open_connection(sock=client)  # never read
-                body = b'{"model": "m", "stream": true}'
-                writer.write(
-                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                    % (len(body), body)
+                writer = await stalled_reader(
+                    g.port,
+                    "/v1/chat/completions",
+                    b'{"model": "m", "stream": true}',
+                    receive_buffer=1 << 16,
                 )
-                await writer.drain()
                 await _until(lambda: sent[0] > 1_000_000)
                 await _until(done.is_set, 30)  # the idle timeout ended it, the server saw so
                 # Envoy's limits: the upstream connection's and the request's buffer, the client

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 
 import aiohttp
@@ -25,7 +24,7 @@ import pytest
 from poolkeeper.envoy.clusters import UPSTREAM_H2_STREAM_WINDOW
 from poolkeeper.envoy.params import ROUTED_CLUSTER, BootstrapParams
 from tests.reliability.memprobe import children, rss_mb
-from tests.reliability.rel_harness import gate
+from tests.reliability.rel_harness import gate, stalled_reader
 from tests.reliability.test_rel_restart import _serve
 from tests.support.gateway_files import gateway_ports, one_server_config
 from tests.support.processes import listening_ports, poolkeeper
@@ -80,19 +79,12 @@ async def test_a_stalled_client_of_a_long_stream_is_bounded(tmp_path: Path) -> N
         (envoy,) = children(gw.process.pid)
         idle_rss = rss_mb(envoy)
         idle_heap = (await _admin(ports["admin"], "/memory"))["allocated"]
-        client = socket.socket()
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)  # before connect
-        client.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", ports["http"]))
-        _reader, writer = await asyncio.open_connection(sock=client)  # never read
         body = json.dumps(
             {"model": "tiny-base", "prompt": "hi", "max_tokens": 1_000_000, "stream": True}
         ).encode()
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (len(body), body)
+        writer = await stalled_reader(
+            ports["http"], "/v1/completions", body, receive_buffer=CLIENT_RCVBUF
         )
-        await writer.drain()
         # Envoy pushes back (stops reading the model server) once its client connection's
         # buffer is full; from then on what it has read stays put. Wait for both.
         loop = asyncio.get_running_loop()
@@ -203,18 +195,12 @@ async def test_an_h2c_model_server_cannot_push_a_stalled_stream_into_envoy(
                         break
             assert got >= 4 << 20, got
             sent[0] = 0
-            client = socket.socket()
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)
-            client.setblocking(False)
-            await loop.sock_connect(client, ("127.0.0.1", g.port))
-            _reader, writer = await asyncio.open_connection(sock=client)  # never read
-            body = b'{"model": "m", "stream": true}'
-            writer.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                % (len(body), body)
+            writer = await stalled_reader(
+                g.port,
+                "/v1/chat/completions",
+                b'{"model": "m", "stream": true}',
+                receive_buffer=CLIENT_RCVBUF,
             )
-            await writer.drain()
             # The server sends as far as Envoy's windows let it: wait until that stops.
             last = -1
             deadline = loop.time() + 60

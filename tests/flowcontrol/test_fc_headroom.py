@@ -255,3 +255,23 @@ def test_a_held_place_is_one_in_a_server_queue_never_an_idle_batch_slot() -> Non
     assert h.room([queue_place], STANDARD, NOW, keep=0) == [queue_place]
     batch_slot = state(1, running=2, waiting=0, inflight=1)  # a batch slot is free
     assert h.room([batch_slot], STANDARD, NOW, keep=1) == [batch_slot]
+
+
+def test_a_band_with_avoid_prefill_tokens_is_placed_away_from_a_long_prompt_just_sent() -> None:
+    # Critical (`avoidPrefillTokens: 256`): a server sent 2,000 prompt tokens since its last
+    # scrape is likely still prefilling them; a request sent there waits for that step.
+    prefilling, quiet, short = state(1, unseen_tokens=2000), state(2), state(3, unseen_tokens=90)
+    critical = BANDS.critical
+    assert critical.avoid_prefill_tokens == 256
+    h = _headroom()
+    assert h.spread([prefilling, quiet, short], critical) == [quiet, short]
+    assert h.spread([prefilling], critical) == [prefilling]  # never none
+    assert h.spread([prefilling, state(4, unseen_tokens=300)], critical) == [
+        prefilling, state(4, unseen_tokens=300)]  # fmt: skip
+    # The other bands leave it to the scheduler (null), and a queueing band set with it
+    # gets it in `room` and `within` too.
+    assert STANDARD.avoid_prefill_tokens is None
+    assert h.room([prefilling, quiet], STANDARD, NOW) == [prefilling, quiet]
+    avoiding = BandConfig.model_validate({"dispatch": "saturation", "avoidPrefillTokens": 256})
+    assert h.room([prefilling, quiet], avoiding, NOW) == [quiet]
+    assert h.within([prefilling, quiet], avoiding, NOW) == [quiet]

@@ -192,8 +192,7 @@ def test_an_uncontended_band_with_every_gauge_stale_fails_open_only_within_its_a
     assert _headroom(allStalePolicy="shed").room([at(2, 0)], STANDARD, NOW) is None
     # A server whose queue holds adapter-deferred requests: the EPP's requests there for
     # adapters without a slot hold no batch slot (`slots.holding`): 25 for b leave room,
-    # 30 for a do not (2 seen running plus the allowance of 6). Without adapter counting
-    # (`adapter_slots=False`) such a server fails open, its count saying nothing.
+    # 30 for a do not (2 seen running plus the allowance of 6).
     lora = state(
         5, running=2, waiting=9, active=("a",), queued_adapters=("a", "b"), inflight=30,
         updated_at=stale,
@@ -202,9 +201,6 @@ def test_an_uncontended_band_with_every_gauge_stale_fails_open_only_within_its_a
     assert h.room([full, deferring], STANDARD, NOW, contended=False) == [deferring]
     busy = replace(lora, inflight_models={"a": 30})
     assert h.room([full, busy], STANDARD, NOW, contended=False) is None
-    old = _headroom()
-    old.adapter_slots = False
-    assert old.room([full, busy], STANDARD, NOW, contended=False) == [busy]
     # Before the first scrape anywhere (a new pool), admission's fail-open as before.
     never = state(4, inflight=50, updated_at=0.0)
     assert h.room([never], STANDARD, NOW, contended=False) == [never]

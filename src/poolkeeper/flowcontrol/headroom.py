@@ -82,19 +82,19 @@ class Headroom:
             return None
         if below:
             if slot and self._lora(states):
-                return self.spread(states, band)  # the scheduler places (adapter affinity)
+                return list(self.spread(states, band))  # the scheduler places (adapter affinity)
             if len(below) == len(states) or (
                 band.placement is Placement.SCHEDULER and not slot and not blind
             ):
-                return self.spread(states, band)
-            return self.spread(below, band)
+                return list(self.spread(states, band))
+            return list(self.spread(below, band))
         if blind:
             return None  # every server is busy by the EPP's exact in-flight count
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
-            return self.spread(states, band)
+            return list(self.spread(states, band))
         return None
 
-    def spread(self, states: Sequence[EndpointState], band: BandConfig) -> list[EndpointState]:
+    def spread(self, states: Sequence[EndpointState], band: BandConfig) -> Sequence[EndpointState]:
         """`states` less the endpoints sent `avoidPrefillTokens` or more prompt tokens since
         their last scrape (the router's exact `unseen_tokens`), unless that leaves none: a
         long prompt just sent there is likely still in its prefill step, which a request
@@ -107,9 +107,9 @@ class Headroom:
         equally busy with Sheddable decodes)."""
         limit = band.avoid_prefill_tokens
         if limit is None or len(states) < 2:
-            return list(states)
+            return states
         clear = [s for s in states if s.unseen_tokens < limit]
-        return clear if clear else list(states)
+        return clear if clear else states
 
     def within(
         self,

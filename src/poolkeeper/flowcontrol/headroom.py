@@ -21,9 +21,10 @@ in a server's FCFS queue: while flows contend in the EPP's queue, or share the b
 server shows a queue of its own (`_slot`). Where a server defers LoRA adapter requests (an
 adapter waits there without a slot), the EPP's requests for such adapters hold no batch slot
 (`slots.holding`, by its in-flight count per target model) and the scheduler places among all
-candidates (`_lora`: its adapter affinity). A place
-the dispatcher keeps for a returning flow (`keep`) is one in a server's short queue, never an
-idle batch slot (`_room_besides`). That is why a Headroom has state: the slots it has learned.
+candidates (`_lora`: its adapter affinity). A place the dispatcher keeps for a returning flow
+(`keep`) is one in a server's short queue, never an idle batch slot (`_room_besides`). That is
+why a Headroom has state: the slots it has learned. A band's `avoidPrefillTokens` (Critical's)
+narrows the candidates to the servers not just sent a long prompt (`spread`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Headroom:
         arriving there waits for and then shares. The band's `send` requests (Critical's) get
         it from the gate directly; the others through `room` and `within`. Under a 3x
         Sheddable flood (8 servers, 30 s, seeds 1-3) Critical's p99 TTFT went from 1.47 /
-        1.34 / 1.50x of idle to 1.24 / 1.19 / 1.25x with 256: most of its tail above the
+        1.34 / 1.50x of idle to 1.20 / 1.15 / 1.22x with 256: most of its tail above the
         idle p99 was waits behind another request's prefill of 1,000-4,000 tokens (a
         Sheddable one, or a Critical one the scheduler could not tell apart among servers
         equally busy with Sheddable decodes)."""
@@ -150,11 +151,11 @@ class Headroom:
         return contended or self.queueing(states)
 
     def _lora(self, states: Sequence[EndpointState]) -> bool:
-        """Some server defers adapter requests: slot dispatch decides
-        when a request goes (by the batch slots the EPP's requests hold, `slots.holding`),
-        the scheduler where (its adapter affinity; narrowed to the servers with a free slot,
-        requests for adapters those did not run were deferred there and piled up unbounded:
-        multi-LoRA 1.1x seed 2 p90 TTFT 10.5 s against 0.088 s)."""
+        """Some server defers adapter requests: slot dispatch decides when a request goes (by
+        the batch slots the EPP's requests hold, `slots.holding`), the scheduler where (its
+        adapter affinity; narrowed to the servers with a free slot, requests for adapters
+        those did not run were deferred there and piled up unbounded: multi-LoRA 1.1x seed 2
+        p90 TTFT 10.5 s against 0.088 s)."""
         return any(self.slots.deferring(s) for s in states)
 
     def queueing(self, states: Sequence[EndpointState]) -> bool:

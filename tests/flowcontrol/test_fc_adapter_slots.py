@@ -1,4 +1,4 @@
-"""Slot dispatch on a LoRA fleet (`Headroom(adapter_slots=True)`): the EPP's in-flight
+"""Slot dispatch on a LoRA fleet: the EPP's in-flight
 requests for adapters a server defers (waiting there with no adapter slot) hold no batch slot;
 the others do."""
 
@@ -17,8 +17,8 @@ from tests.scheduling.sched_factories import NOW, state
 STANDARD = FlowControlConfig().bands.standard
 
 
-def _headroom(adapter_slots: bool) -> Headroom:
-    return Headroom(SaturationDetector(AdmissionConfig()), adapter_slots=adapter_slots)
+def _headroom() -> Headroom:
+    return Headroom(SaturationDetector(AdmissionConfig()))
 
 
 def _lora(
@@ -49,25 +49,20 @@ def test_slot_dispatch_decides_when_by_the_requests_that_hold_batch_slots() -> N
     in flight and 7 deferred lora-b ones leave room (counted as before, 15 did not); 14
     lora-a ones do not, however few are deferred. Where a request goes stays the
     scheduler's choice among all (adapter affinity)."""
-    h = _headroom(adapter_slots=True)
+    h = _headroom()
     roomy = _lora(1, {"lora-a": 8, "lora-b": 7}, running=8, waiting=7)
     busy = _lora(2, {"lora-a": 14, "lora-b": 1}, running=8, waiting=1)
     assert h.room([roomy, busy], STANDARD, NOW, "lora-a") == [roomy, busy]
     assert list(h.within([roomy, busy], STANDARD, NOW, adapter="lora-a")) == [roomy, busy]
     assert h.room([roomy], STANDARD, NOW, "lora-a") == [roomy]
     assert h.room([busy], STANDARD, NOW, "lora-a") is None  # held in the EPP's fair order
-    # Stepping aside (the default), the saturation limit decides: room on both for lora-a
-    # (a running adapter joins the batch past other adapters' deferred requests).
-    old = _headroom(adapter_slots=False)
-    assert old.room([busy], STANDARD, NOW, "lora-a") == [busy]
 
 
 def test_a_queue_of_only_deferred_requests_is_not_a_queue_for_slot_dispatch() -> None:
     """Sharing flows contend where a server queues (`queueing`): the EPP's own deferred
     requests waiting for an adapter slot do not make a queue; a request waiting beyond them
     does."""
-    h = _headroom(adapter_slots=True)
+    h = _headroom()
     only_deferred = _lora(1, {"lora-a": 2, "lora-b": 3}, running=2, waiting=3)
     assert not h.queueing([only_deferred])
     assert h.queueing([replace(only_deferred, metrics=replace(only_deferred.metrics, waiting=4))])
-    assert _headroom(adapter_slots=False).queueing([only_deferred])

@@ -192,8 +192,7 @@ def test_an_uncontended_band_with_every_gauge_stale_fails_open_only_within_its_a
     assert _headroom(allStalePolicy="shed").room([at(2, 0)], STANDARD, NOW) is None
     # A server whose queue holds adapter-deferred requests: the EPP's requests there for
     # adapters without a slot hold no batch slot (`slots.holding`): 25 for b leave room,
-    # 30 for a do not (2 seen running plus the allowance of 6). Without adapter counting
-    # (`adapter_slots=False`) such a server fails open, its count saying nothing.
+    # 30 for a do not (2 seen running plus the allowance of 6).
     lora = state(
         5, running=2, waiting=9, active=("a",), queued_adapters=("a", "b"), inflight=30,
         updated_at=stale,
@@ -202,9 +201,6 @@ def test_an_uncontended_band_with_every_gauge_stale_fails_open_only_within_its_a
     assert h.room([full, deferring], STANDARD, NOW, contended=False) == [deferring]
     busy = replace(lora, inflight_models={"a": 30})
     assert h.room([full, busy], STANDARD, NOW, contended=False) is None
-    old = _headroom()
-    old.adapter_slots = False
-    assert old.room([full, busy], STANDARD, NOW, contended=False) == [busy]
     # Before the first scrape anywhere (a new pool), admission's fail-open as before.
     never = state(4, inflight=50, updated_at=0.0)
     assert h.room([never], STANDARD, NOW, contended=False) == [never]
@@ -255,3 +251,23 @@ def test_a_held_place_is_one_in_a_server_queue_never_an_idle_batch_slot() -> Non
     assert h.room([queue_place], STANDARD, NOW, keep=0) == [queue_place]
     batch_slot = state(1, running=2, waiting=0, inflight=1)  # a batch slot is free
     assert h.room([batch_slot], STANDARD, NOW, keep=1) == [batch_slot]
+
+
+def test_a_band_with_avoid_prefill_tokens_is_placed_away_from_a_long_prompt_just_sent() -> None:
+    # Critical (`avoidPrefillTokens: 256`): a server sent 2,000 prompt tokens since its last
+    # scrape is likely still prefilling them; a request sent there waits for that step.
+    prefilling, quiet, short = state(1, unseen_tokens=2000), state(2), state(3, unseen_tokens=90)
+    critical = BANDS.critical
+    assert critical.avoid_prefill_tokens == 256
+    h = _headroom()
+    assert h.spread([prefilling, quiet, short], critical) == [quiet, short]
+    assert h.spread([prefilling], critical) == [prefilling]  # never none
+    assert h.spread([prefilling, state(4, unseen_tokens=300)], critical) == [
+        prefilling, state(4, unseen_tokens=300)]  # fmt: skip
+    # The other bands leave it to the scheduler (null), and a queueing band set with it
+    # gets it in `room` and `within` too.
+    assert STANDARD.avoid_prefill_tokens is None
+    assert h.room([prefilling, quiet], STANDARD, NOW) == [prefilling, quiet]
+    avoiding = BandConfig.model_validate({"dispatch": "saturation", "avoidPrefillTokens": 256})
+    assert h.room([prefilling, quiet], avoiding, NOW) == [quiet]
+    assert h.within([prefilling, quiet], avoiding, NOW) == [quiet]

@@ -346,3 +346,21 @@ async def test_a_queue_that_cannot_drain_in_time_refuses_with_429_rejected_satur
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
     assert gate.waiting() == 0
+
+
+@pytest.mark.parametrize(("avoid", "to_holder"), [(256, False), (None, True)])
+async def test_critical_is_sent_away_from_a_long_prompt_just_sent(
+    avoid: int | None, to_holder: bool
+) -> None:
+    # Critical (`send`, `avoidPrefillTokens: 256` by default): the server that was just sent
+    # a long prompt (its prefill step likely still running) is left out while another has
+    # none; without the setting the scheduler's prefix affinity takes it back there.
+    store = _store()
+    clock = [NOW]
+    director, _ = _director(store, clock, bands={"critical": {"avoidPrefillTokens": avoid}})
+    text = "the same long system prompt " * 80  # about 480 tokens
+    first = await director.route(_chat("chat", rid="long", text=text))
+    second = await director.route(_chat("chat", rid="again", text=text))
+    assert (second.endpoints[0] == first.endpoints[0]) is to_holder
+    director.complete(first, status=200, usage=None)
+    director.complete(second, status=200, usage=None)

@@ -116,6 +116,15 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     0.12 s; docs/flowcontrol.md): it sends a request away from the server holding its prefix
     exactly when that server is busy, and the cold prefill elsewhere makes everyone busier."""
 
+    avoid_prefill_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    """Place the band's requests on the candidate endpoints that were sent fewer than this
+    many prompt tokens since their last scrape (the router's own `unseen_tokens`), while
+    some are and some are not (null: no narrowing). A long prompt just sent to a server is
+    likely still in its prefill step (about 45 us per token on an H100 with Llama-3.1-8B),
+    and a request that arrives there waits for that step and shares the next: under a 3x
+    Sheddable flood most of Critical's tail above its idle p99 was such waits behind long
+    prompts (docs/flowcontrol.md). Critical: 256."""
+
     @property
     def lifo_after_s(self) -> float | None:
         return None if self.lifo_after_ms is None else self.lifo_after_ms / 1000.0
@@ -136,7 +145,9 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
 # `queueDepthThreshold: 1` instead of silently falling back to the generic band defaults.
 BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
     {
-        "critical": MappingProxyType({"mode": "send", "saturationLimit": 2.0, "ttlMs": 60_000}),
+        "critical": MappingProxyType(
+            {"mode": "send", "saturationLimit": 2.0, "ttlMs": 60_000, "avoidPrefillTokens": 256}
+        ),
         "standard": MappingProxyType(
             {
                 "saturationLimit": 1.2,
@@ -173,8 +184,10 @@ class Bands(CamelModel, use_attribute_docstrings=True):
     """The three bands, by criticality. Keys set for a band override that band's defaults."""
 
     critical: BandConfig = Field(default_factory=lambda: _band("critical"))
-    """Default `send`: Critical requests are never held nor shed, as before flow control.
-    With `queue` they wait ahead of every other band (and share fairly among themselves)."""
+    """Default `send`: Critical requests are never held nor shed, as before flow control,
+    and go, where there is a choice, to a server not just sent a long prompt
+    (`avoidPrefillTokens: 256`). With `queue` they wait ahead of every other band (and share
+    fairly among themselves)."""
     standard: BandConfig = Field(default_factory=lambda: _band("standard"))
     """Default: queue while no endpoint can start the request (`dispatch: slot`) or is below
     1.2 (6 waiting requests); 30 s TTL; refused early when the queue ahead cannot drain within

@@ -21,9 +21,10 @@ in a server's FCFS queue: while flows contend in the EPP's queue, or share the b
 server shows a queue of its own (`_slot`). Where a server defers LoRA adapter requests (an
 adapter waits there without a slot), the EPP's requests for such adapters hold no batch slot
 (`slots.holding`, by its in-flight count per target model) and the scheduler places among all
-candidates (`_lora`: its adapter affinity); `adapter_slots=False` steps aside there. A place
-the dispatcher keeps for a returning flow (`keep`) is one in a server's short queue, never an
-idle batch slot (`_room_besides`). That is why a Headroom has state: the slots it has learned.
+candidates (`_lora`: its adapter affinity). A place the dispatcher keeps for a returning flow
+(`keep`) is one in a server's short queue, never an idle batch slot (`_room_besides`). That is
+why a Headroom has state: the slots it has learned. A band's `avoidPrefillTokens` (Critical's)
+narrows the candidates to the servers not just sent a long prompt (`spread`).
 """
 
 from __future__ import annotations
@@ -39,15 +40,11 @@ from poolkeeper.flowcontrol.slots import BatchSlots, queued
 
 
 class Headroom:
-    __slots__ = ("adapter_slots", "detector", "slots")
+    __slots__ = ("detector", "slots")
 
-    def __init__(self, detector: SaturationDetector, *, adapter_slots: bool = True) -> None:
-        """`adapter_slots`: slot dispatch stays on where servers defer LoRA adapter requests,
-        counting the EPP's in-flight requests per server and adapter (`slots.holding`);
-        off, it steps aside there (`_slot`)."""
+    def __init__(self, detector: SaturationDetector) -> None:
         self.detector = detector
         self.slots = BatchSlots()
-        self.adapter_slots = adapter_slots
 
     def fits(
         self,
@@ -86,17 +83,34 @@ class Headroom:
             return None
         if below:
             if slot and self._lora(states):
-                return list(states)  # the scheduler places (adapter affinity)
+                return list(self.spread(states, band))  # the scheduler places (adapter affinity)
             if len(below) == len(states) or (
                 band.placement is Placement.SCHEDULER and not slot and not blind
             ):
-                return list(states)
-            return below
+                return list(self.spread(states, band))
+            return list(self.spread(below, band))
         if blind:
             return None  # every server is busy by the EPP's exact in-flight count
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
-            return list(states)
+            return list(self.spread(states, band))
         return None
+
+    def spread(self, states: Sequence[EndpointState], band: BandConfig) -> Sequence[EndpointState]:
+        """`states` less the endpoints sent `avoidPrefillTokens` or more prompt tokens since
+        their last scrape (the router's exact `unseen_tokens`), unless that leaves none: a
+        long prompt just sent there is likely still in its prefill step, which a request
+        arriving there waits for and then shares. The band's `send` requests (Critical's) get
+        it from the gate directly; the others through `room` and `within`. Under a 3x
+        Sheddable flood (8 servers, 30 s, seeds 1-3) Critical's p99 TTFT went from 1.47 /
+        1.34 / 1.50x of idle to 1.20 / 1.15 / 1.22x with 256: most of its tail above the
+        idle p99 was waits behind another request's prefill of 1,000-4,000 tokens (a
+        Sheddable one, or a Critical one the scheduler could not tell apart among servers
+        equally busy with Sheddable decodes)."""
+        limit = band.avoid_prefill_tokens
+        if limit is None or len(states) < 2:
+            return states
+        clear = [s for s in states if s.unseen_tokens < limit]
+        return clear if clear else states
 
     def within(
         self,
@@ -117,49 +131,42 @@ class Headroom:
         slot = self._slot(states, band, contended, sharing)
         blind = self._maybe_blind(band, states) and self._all_stale(states, now)
         if band.placement is Placement.SCHEDULER and not slot and not blind:
-            return states
+            return self.spread(states, band)
         if slot and self._lora(states):
-            return states
+            return self.spread(states, band)
         below, _values, _blind = self._below(states, band, now, adapter, slot)
-        return below if below and len(below) < len(states) else states
+        return self.spread(below if below and len(below) < len(states) else states, band)
 
     def _slot(
         self, states: Sequence[EndpointState], band: BandConfig, contended: bool, sharing: bool
     ) -> bool:
         """Whether the band's `dispatch: slot` applies: flows contend in the EPP's queue, or
-        share the band while some server shows a queue of its own (`queueing`). Without
-        `adapter_slots`, also only while no server's queue may hold requests deferred for a
-        LoRA adapter (`BatchSlots.deferring`): there the in-flight total includes requests
-        that wait for an adapter slot, not a batch slot, and placing by free slots overrode
-        the scheduler's adapter affinity (multi-LoRA at 1.1x, seed 2, p90 TTFT 1.29 s). But
-        stepping aside flipped the whole pool between the two rules whenever some server
-        deferred (multi-LoRA 1.3x, seed 3: 5.27 s, 67.7 req/s; 0.084 s, 85.4 with
-        `adapter_slots`, `_lora`)."""
+        share the band while some server shows a queue of its own (`queueing`). It stays on
+        where a server's queue may hold requests deferred for a LoRA adapter (`_lora`): the
+        rule it had until round 6, stepping aside there, flipped the whole pool between two
+        rules whenever some server deferred (multi-LoRA 1.3x, seed 3: 5.27 s, 67.7 req/s;
+        0.084 s, 85.4 since, and no seed worse: docs/flowcontrol.md)."""
         if band.dispatch is not Dispatch.SLOT or not (contended or sharing):
-            return False
-        if not self.adapter_slots and any(self.slots.deferring(s) for s in states):
             return False
         return contended or self.queueing(states)
 
     def _lora(self, states: Sequence[EndpointState]) -> bool:
-        """With `adapter_slots`, some server defers adapter requests: slot dispatch decides
-        when a request goes (by the batch slots the EPP's requests hold, `slots.holding`),
-        the scheduler where (its adapter affinity; narrowed to the servers with a free slot,
-        requests for adapters those did not run were deferred there and piled up unbounded:
-        multi-LoRA 1.1x seed 2 p90 TTFT 10.5 s against 0.088 s)."""
-        return self.adapter_slots and any(self.slots.deferring(s) for s in states)
+        """Some server defers adapter requests: slot dispatch decides when a request goes (by
+        the batch slots the EPP's requests hold, `slots.holding`), the scheduler where (its
+        adapter affinity; narrowed to the servers with a free slot, requests for adapters
+        those did not run were deferred there and piled up unbounded: multi-LoRA 1.1x seed 2
+        p90 TTFT 10.5 s against 0.088 s)."""
+        return any(self.slots.deferring(s) for s in states)
 
     def queueing(self, states: Sequence[EndpointState]) -> bool:
-        """Some server shows requests waiting (`_slot` has ruled out queues of requests
-        deferred for an adapter). Flows that share a band are contended there even while
-        nothing waits in the EPP: a closed population small enough to sit in the servers' own
-        queues (2 x 2 slots, 4 + 8 clients) was served in their first-come-first-served
-        order, beta/alpha 0.48; and
-        live, the first arrivals of the busier model filled the servers' queues before the
-        other model's first request waited (11 per 2-slot server), which then waited 4 s."""
-        if self.adapter_slots:
-            return any(queued(s) > 0 for s in states)
-        return any(s.metrics.waiting > 0 for s in states)
+        """Some server shows requests waiting for a batch slot (`slots.queued`: the EPP's own
+        requests deferred there for an adapter slot do not count). Flows that share a band
+        are contended there even while nothing waits in the EPP: a closed population small
+        enough to sit in the servers' own queues (2 x 2 slots, 4 + 8 clients) was served in
+        their first-come-first-served order, beta/alpha 0.48; and live, the first arrivals
+        of the busier model filled the servers' queues before the other model's first
+        request waited (11 per 2-slot server), which then waited 4 s."""
+        return any(queued(s) > 0 for s in states)
 
     def _below(
         self,
@@ -255,8 +262,6 @@ class Headroom:
         """Room on one endpoint: below the band's limit (for `slot`, the KV part only) and,
         for `slot`, a free batch slot (`BatchSlots.can_start`). `blind` (`_blind`): by the
         EPP's in-flight count only (`BatchSlots.can_start_blind`)."""
-        if blind and not slot and not self.adapter_slots and self.slots.deferring(state):
-            return True  # its in-flight count includes adapter-deferred requests: fail open
         if blind:
             return self.slots.can_start_blind(state, None if slot else self._allowance(band))
         if not value < band.saturation_limit:

@@ -112,6 +112,8 @@ class FlowGate:
                           "with fewer requests waiting"),
             )  # fmt: skip
         if verdict is Submitted.DISPATCH:
+            if job.ready is None and self.config.bands.of(band).avoid_prefill_tokens is not None:
+                self._spread(job)  # a `send` band: placed away from a prefill just sent
             decision = _run(job)
             dispatcher.dispatched(item)
             self._outcome(item, DISPATCHED, 0.0)
@@ -222,6 +224,15 @@ class FlowGate:
             return False
         job.ready = room
         return True
+
+    def _spread(self, job: Job) -> None:
+        """The candidates of a request sent at once, narrowed by its band's
+        `avoidPrefillTokens` (`Headroom.spread`); read once, as the scheduler would."""
+        try:
+            states = job.states()
+        except NoReadyEndpoint:
+            return  # the scheduler answers 503
+        job.ready = list(self.headroom.spread(states, self.config.bands.of(job.criticality)))
 
     def _go(self, item: FlowItem[Job]) -> None:
         job = item.payload

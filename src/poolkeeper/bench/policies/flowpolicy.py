@@ -126,6 +126,8 @@ class FlowPolicy:
             endpoints = self.headroom.within(
                 endpoints, band, now, contended, request.target_model, sharing
             )
+        else:  # sent at once: only away from a prefill just sent (`avoidPrefillTokens`)
+            endpoints = self.headroom.spread(endpoints, band)
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

@@ -230,6 +230,35 @@ def test_saturation_filter_headroom_and_kv_threshold() -> None:
     assert keys(list(f.filter(cycle(), request(), pool))) == [key(1), key(3)]
 
 
+# queueDepthThreshold 1, headroom 1: a queue of 2 is overloaded; batches of 8 slots.
+SLOTS8 = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1, "maxNumSeqs": 8}
+
+
+def test_saturation_filter_max_num_seqs_counts_the_queue_of_a_full_batch_only() -> None:
+    f = plugin("saturation-filter", SLOTS8)
+    pool = [
+        state(1, running=8, waiting=3),  # full batch with a queue: its requests wait for slots
+        state(2, running=5, waiting=3),  # free slots: the queue starts at the next step
+        state(3, running=8, waiting=1),  # full, a queue of one: below the limit
+        state(4, running=7, waiting=2, unseen=1),  # 7 + 1 unseen: full once it answers
+    ]
+    assert keys(list(f.filter(cycle(), request(), pool))) == [key(2), key(3), key(4)]
+    without = plugin("saturation-filter", {k: v for k, v in SLOTS8.items() if k != "maxNumSeqs"})
+    assert keys(list(without.filter(cycle(), request(), pool))) == [key(3)]
+
+
+def test_saturation_filter_max_num_seqs_keeps_kv_stale_and_fail_open() -> None:
+    f = plugin("saturation-filter", {**SLOTS8, "kvCacheUtilThreshold": 0.4})  # KV limit 0.8
+    pool = [
+        state(1, running=2, waiting=5, kv=0.9),  # batch not full, but KV past its limit
+        state(2, running=2, waiting=5, updated_at=NOW - 5.0),  # stale
+        state(3, running=2, waiting=5, kv=0.1),
+    ]
+    assert keys(list(f.filter(cycle(), request(), pool))) == [key(3)]
+    full = [state(1, running=8, waiting=4), state(2, running=9, waiting=2)]
+    assert keys(list(f.filter(cycle(), request(), full))) == [key(1), key(2)]  # fails open
+
+
 @pytest.mark.parametrize(
     ("metrics", "want"),
     [

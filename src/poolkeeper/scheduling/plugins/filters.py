@@ -13,7 +13,7 @@ from pydantic import Field
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.load import effective_kv, effective_waiting, saturations
+from poolkeeper.datastore.load import STALE, effective_kv, effective_waiting, saturations
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
@@ -230,6 +230,12 @@ class SaturationFilterParams(LoadParams):
         ge=0,
         description="Keep endpoints with saturation < 1 + headroom (default 0.5).",
     )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="The engines' batch slots (vLLM --max-num-seqs): an endpoint's queue "
+        "counts only while it runs that many requests (default none: always counts).",
+    )
 
 
 class SaturationFilter(NamedPlugin):
@@ -237,6 +243,10 @@ class SaturationFilter(NamedPlugin):
 
     Overloaded = `max(queue / queueDepthThreshold, kv / kvCacheUtilThreshold) >= 1 + headroom`
     (a pod exactly at the limit is dropped, as upstream's utilization-detector filter does);
+    with `maxNumSeqs`, the queue term counts only on an endpoint whose batch is full (running,
+    plus its unseen requests that answered, at least that many): on an engine with a free slot
+    a waiting request starts at the next step, so its queue is a long step's (a 2,000-token
+    prefill), not a full batch's, and dropping it there re-prefills the prompt elsewhere;
     stale = metrics older than `staleness_s`, the gateway's `spec.scraping.stalenessMs` (GIE
     #1497: stale idle-looking pods attract traffic). Failing open matters for single-pod pools
     whose scrapes lag (llm-d #2408).
@@ -265,6 +275,15 @@ class SaturationFilter(NamedPlugin):
             count_unseen=p.count_unseen,
         )
         limit = self.limit  # STALE (infinity) is above any limit
+        slots = p.max_num_seqs
+        if slots is not None:
+            kv_limit = limit * p.kv_cache_util_threshold
+            values = [
+                v
+                if v == STALE or s.metrics.running + s.unseen_answered >= slots
+                else (v if effective_kv(s, p.count_unseen) >= kv_limit else 0.0)
+                for s, v in zip(candidates, values, strict=True)
+            ]
         kept = [s for s, v in zip(candidates, values, strict=True) if v < limit]
         if not kept or len(kept) == len(candidates):
             return candidates

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import sys
@@ -38,7 +39,8 @@ def main() -> None:
     # A plain `kill` must still stop the fleet and routers (their `finally` blocks).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = LiveSpec(**{"peers": (), **json.loads(args.spec)})
-    arrivals, rate, _capacity = live_arrivals(spec, live_scenario(spec))
+    scenario = live_scenario(spec)
+    arrivals, rate, _capacity = live_arrivals(spec, scenario)
     print(f"{len(arrivals)} requests at {rate:.2f} req/s", flush=True)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +61,16 @@ def main() -> None:
                 print(f"    {label}: prefills {run['prefills']}, load {before[0]:.1f} -> "
                       f"{run['load_average'][0]:.1f}", flush=True)  # fmt: skip
                 runs.append(run)
-                doc_out = {"spec": repr(spec), "rate": rate, "targets": args.targets, "runs": runs}
+                doc_out = {
+                    "command": shlex.join(["python", *sys.argv]),
+                    "spec": repr(spec),
+                    # what makes the regime reproducible: prompt and answer lengths, groups
+                    "workload": scenario.spec.describe(),
+                    "rate": rate,
+                    "requests": len(arrivals),
+                    "targets": args.targets,
+                    "runs": runs,
+                }
                 (out / "runs.json").write_text(json.dumps(doc_out))
     for target in args.targets:
         label = target.partition("=")[0]

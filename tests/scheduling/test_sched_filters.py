@@ -230,6 +230,79 @@ def test_saturation_filter_headroom_and_kv_threshold() -> None:
     assert keys(list(f.filter(cycle(), request(), pool))) == [key(1), key(3)]
 
 
+# queueDepthThreshold 1, headroom 1: a queue of 2 is overloaded; batches of 8 slots.
+SLOTS8 = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1, "maxNumSeqs": 8}
+
+
+def test_saturation_filter_max_num_seqs_counts_the_queue_of_a_full_batch_only() -> None:
+    f = plugin("saturation-filter", SLOTS8)
+    pool = [
+        state(1, running=8, waiting=3),  # full batch with a queue: its requests wait for slots
+        state(2, running=5, waiting=3),  # free slots: the queue starts at the next step
+        state(3, running=8, waiting=1),  # full, a queue of one: below the limit
+        state(4, running=7, waiting=2, unseen=1),  # 7 + 1 unseen: full once it answers
+    ]
+    assert keys(list(f.filter(cycle(), request(), pool))) == [key(2), key(3), key(4)]
+    without = plugin("saturation-filter", {k: v for k, v in SLOTS8.items() if k != "maxNumSeqs"})
+    assert keys(list(without.filter(cycle(), request(), pool))) == [key(3)]
+
+
+def test_saturation_filter_max_num_seqs_keeps_kv_stale_and_fail_open() -> None:
+    f = plugin("saturation-filter", {**SLOTS8, "kvCacheUtilThreshold": 0.4})  # KV limit 0.8
+    pool = [
+        state(1, running=2, waiting=5, kv=0.9),  # batch not full, but KV past its limit
+        state(2, running=2, waiting=5, updated_at=NOW - 5.0),  # stale
+        state(3, running=2, waiting=5, kv=0.1),
+    ]
+    assert keys(list(f.filter(cycle(), request(), pool))) == [key(3)]
+    full = [state(1, running=8, waiting=4), state(2, running=9, waiting=2)]
+    assert keys(list(f.filter(cycle(), request(), full))) == [key(1), key(2)]  # fails open
+
+
+LEARN = {k: v for k, v in SLOTS8.items() if k != "maxNumSeqs"} | {"learnMaxNumSeqs": True}
+
+
+def _scrapes(f: SaturationFilter, gauges: list[tuple[int, int]], first: int = 0) -> list[str]:
+    """Feed pod1's scrapes (running, waiting), numbered from `first`, one per call, beside an
+    idle pod2; the kept keys of the last call."""
+    kept: list[str] = []
+    for i, (running, waiting) in enumerate(gauges, start=first):
+        pool = [
+            state(1, running=running, waiting=waiting, updated_at=NOW - 0.15 + 0.001 * i),
+            state(2, running=1),
+        ]
+        kept = keys(list(f.filter(cycle(), request(), pool)))
+    return kept
+
+
+def test_learn_max_num_seqs_confirms_a_full_batch_when_its_queue_turns_over() -> None:
+    f = plugin("saturation-filter", LEARN)
+    assert isinstance(f, SaturationFilter)
+    # Grows to 8, then stays at 8 while its queue shrinks 4 -> 3: slots turned over, still full.
+    assert _scrapes(f, [(4, 0), (8, 2), (8, 4)]) == [key(1), key(2)]  # not confirmed yet
+    assert _scrapes(f, [(8, 3)], first=3) == [key(2)]
+    assert _scrapes(f, [(7, 3)], first=4) == [
+        key(1),
+        key(2),
+    ]  # a free slot: the queue starts next step
+
+
+def test_learn_max_num_seqs_never_takes_a_long_prefill_step_for_a_full_batch() -> None:
+    """During a long step nothing is admitted: the queue grows, then running grows past the
+    old most when the step ends (256-slot engines prefilling new 2,000-token prompts)."""
+    f = plugin("saturation-filter", LEARN)
+    assert isinstance(f, SaturationFilter)
+    steps = [(3, 0), (3, 2), (3, 5), (3, 7), (10, 0), (10, 3), (10, 6), (16, 1), (16, 4)]
+    for n in range(1, len(steps) + 1):
+        g = plugin("saturation-filter", LEARN)
+        assert isinstance(g, SaturationFilter)
+        assert _scrapes(g, steps[:n]) == [key(1), key(2)]
+    # The same scrapes without the learning drop pod1 whenever 2 or more wait there.
+    plain = plugin("saturation-filter", {k: v for k, v in LEARN.items() if k != "learnMaxNumSeqs"})
+    assert isinstance(plain, SaturationFilter)
+    assert _scrapes(plain, steps) == [key(2)]
+
+
 @pytest.mark.parametrize(
     ("metrics", "want"),
     [

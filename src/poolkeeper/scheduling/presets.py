@@ -79,17 +79,25 @@ def _answered_wait(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prefix_affinity() -> dict[str, Any]:
-    """The default profile, its stale filter keeping a prefix's late holders, then the
-    `prefix-affinity-filter` (always on, with cold balance): the `prefix-affinity` preset
-    (docs/notes/2026-12-06-live-routing-fourth-round.md)."""
-    doc = copy.deepcopy(_DEFAULT)
+    """The `prefix-affinity` preset: the default profile plus the `prefill-backlog-scorer`
+    (weight 2); its stale filter keeps a prefix's late holders; then a `saturation-filter`
+    that drops an endpoint whose full batch (learned) has 2 or more waiting while another
+    has fewer (slot-bound engines); then the `prefix-affinity-filter` (always on; a new long
+    prefix to the least placed endpoints or those with one more, where the backlog picks one
+    not busy prefilling). Live: docs/notes/2026-12-06-live-routing-fifth-round.md."""
+    doc = _default_plus("prefill-backlog-scorer", 2)
     stale = doc["plugins"][0]
     assert stale["type"] == "stale-metrics-filter"
     stale["parameters"] = {"prefixScorer": "prefix-cache-scorer"}
-    doc["plugins"].insert(
-        1, {"type": "prefix-affinity-filter", "parameters": {"coldBalance": True}}
-    )
-    doc["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "prefix-affinity-filter"})
+    full_batch = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1}
+    doc["plugins"][1:1] = [
+        {"type": "saturation-filter", "parameters": {**full_batch, "learnMaxNumSeqs": True}},
+        {"type": "prefix-affinity-filter", "parameters": {"coldBalance": True, "coldSlack": 1.0}},
+    ]
+    doc["schedulingProfiles"][0]["plugins"][1:1] = [
+        {"pluginRef": "saturation-filter"},
+        {"pluginRef": "prefix-affinity-filter"},
+    ]
     return doc
 
 

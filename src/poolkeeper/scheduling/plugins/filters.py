@@ -13,10 +13,11 @@ from pydantic import Field
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.load import effective_kv, effective_waiting, saturations
+from poolkeeper.datastore.load import STALE, effective_kv, effective_waiting, saturations
 from poolkeeper.errors import RequestShed
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
+from poolkeeper.scheduling.plugins.fullbatch import FullBatches
 from poolkeeper.scheduling.plugins.prefix_affinity import PrefixHolders
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
@@ -230,6 +231,17 @@ class SaturationFilterParams(LoadParams):
         ge=0,
         description="Keep endpoints with saturation < 1 + headroom (default 0.5).",
     )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="The engines' batch slots (vLLM --max-num-seqs): an endpoint's queue "
+        "counts only while it runs that many requests (default none: always counts).",
+    )
+    learn_max_num_seqs: bool = Field(
+        default=False,
+        description="Without maxNumSeqs, learn each endpoint's batch from its gauges and count "
+        "its queue only while that batch is full (default false).",
+    )
 
 
 class SaturationFilter(NamedPlugin):
@@ -237,12 +249,17 @@ class SaturationFilter(NamedPlugin):
 
     Overloaded = `max(queue / queueDepthThreshold, kv / kvCacheUtilThreshold) >= 1 + headroom`
     (a pod exactly at the limit is dropped, as upstream's utilization-detector filter does);
+    with `maxNumSeqs`, the queue term counts only on an endpoint whose batch is full (running,
+    plus its unseen requests that answered, at least that many): on an engine with a free slot
+    a waiting request starts at the next step, so its queue is a long step's (a 2,000-token
+    prefill), not a full batch's, and dropping it there re-prefills the prompt elsewhere
+    (`learnMaxNumSeqs`: the batch learned per endpoint, `fullbatch.py`);
     stale = metrics older than `staleness_s`, the gateway's `spec.scraping.stalenessMs` (GIE
     #1497: stale idle-looking pods attract traffic). Failing open matters for single-pod pools
     whose scrapes lag (llm-d #2408).
     """
 
-    __slots__ = ("limit", "params", "staleness_s")
+    __slots__ = ("batches", "limit", "params", "staleness_s")
 
     def __init__(
         self, typed_name: TypedName, params: SaturationFilterParams, staleness_s: float
@@ -251,6 +268,8 @@ class SaturationFilter(NamedPlugin):
         self.params = params
         self.limit = 1.0 + params.headroom
         self.staleness_s = staleness_s
+        learn = params.learn_max_num_seqs and params.max_num_seqs is None
+        self.batches = FullBatches() if learn else None
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -265,10 +284,26 @@ class SaturationFilter(NamedPlugin):
             count_unseen=p.count_unseen,
         )
         limit = self.limit  # STALE (infinity) is above any limit
+        if p.max_num_seqs is not None or self.batches is not None:
+            kv_limit = limit * p.kv_cache_util_threshold
+            values = [
+                v
+                if v == STALE or self._full(s)
+                else (v if effective_kv(s, p.count_unseen) >= kv_limit else 0.0)
+                for s, v in zip(candidates, values, strict=True)
+            ]
         kept = [s for s, v in zip(candidates, values, strict=True) if v < limit]
         if not kept or len(kept) == len(candidates):
             return candidates
         return kept
+
+    def _full(self, state: EndpointState) -> bool:
+        """Whether `state`'s batch is full (running, plus its unseen requests that answered,
+        at least `maxNumSeqs` or the learned batch; False until one is learned)."""
+        slots = self.params.max_num_seqs
+        if slots is None and self.batches is not None:
+            slots = self.batches.slots(state)
+        return slots is not None and state.metrics.running + state.unseen_answered >= slots
 
 
 class StaleMetricsParams(PluginParams):

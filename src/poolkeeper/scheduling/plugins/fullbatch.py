@@ -1,0 +1,68 @@
+"""`FullBatches`: which endpoints run a full batch, learned from the scraped gauges.
+
+The saturation filter's `learnMaxNumSeqs` (filters.py): a queue at an engine means two
+different things. With every batch slot taken (vLLM's `--max-num-seqs`), a waiting request
+waits for a running one to finish, about a slot's share of an answer per place in the queue;
+with a free slot it starts at the engine's next step, and the queue is only the current step's
+arrivals (a step that prefills a new 2,000-token prompt holds them for its whole length). Only
+the first is worth a prompt's prefill to avoid, so the filter counts a queue only on a full
+batch, and this learns where that is without being told the engines' batch size:
+
+- the batch is the most requests ever seen running there (running never exceeds it);
+- it is *confirmed* full when two scrapes in a row show it running that many and the second
+  shows a shorter queue that is not empty: requests left the queue (slots turned over) and the
+  batch stayed full. A long prefill step cannot do that: nothing is admitted during it, so its
+  queue only grows, and when it ends the queued requests join the batch and running grows past
+  the old most (which starts the learning over).
+
+Flow control learns slots on its own (`flowcontrol/slots.py`, per band, with the EPP's exact
+in-flight count); this is the scheduler's view, from the gauges alone. One per filter instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poolkeeper.datastore.endpoint import EndpointState
+
+_MAX_TRACKED = 4096  # endpoints remembered at most (forgotten all at once beyond it)
+
+
+@dataclass(slots=True)
+class _Batch:
+    slots: int = 0  # the most requests seen running
+    full: bool = False  # confirmed: still `slots` running after its queue shrank
+    at: float = -1.0  # `updated_at` of the scrape last looked at
+    running: int = 0  # ... and what it showed
+    waiting: int = 0
+
+
+class FullBatches:
+    """Per-endpoint learned batch (see the module docstring). Not thread-safe (the scheduler's
+    loop calls it)."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[str, _Batch] = {}
+
+    def slots(self, state: EndpointState) -> int | None:
+        """`state`'s learned batch size once confirmed full, else None; reads a new scrape."""
+        m = state.metrics
+        seen = self._seen
+        batch = seen.get(state.key)
+        if batch is None:
+            if len(seen) >= _MAX_TRACKED:
+                seen.clear()
+            batch = seen[state.key] = _Batch()
+        if m.updated_at != batch.at:
+            if m.running > batch.slots:
+                batch.slots, batch.full = m.running, False
+            elif (
+                m.running == batch.slots
+                and batch.running == batch.slots
+                and 0 < m.waiting < batch.waiting
+            ):
+                batch.full = True
+            batch.at, batch.running, batch.waiting = m.updated_at, m.running, m.waiting
+        return batch.slots if batch.full else None

@@ -78,6 +78,18 @@ def _answered_wait(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def _with_full_batch(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with a `saturation-filter` right after its first plugin (the stale filter) that
+    drops an endpoint whose full batch (learned from its gauges) has 2 or more waiting while
+    another has fewer (slot-bound engines; docs/notes/2026-12-06-live-routing-fifth-round.md)."""
+    full_batch = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1}
+    doc["plugins"].insert(
+        1, {"type": "saturation-filter", "parameters": {**full_batch, "learnMaxNumSeqs": True}}
+    )
+    doc["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "saturation-filter"})
+    return doc
+
+
 def _prefix_affinity() -> dict[str, Any]:
     """The `prefix-affinity` preset: the default profile plus the `prefill-backlog-scorer`
     (weight 2); its stale filter keeps a prefix's late holders; then a `saturation-filter`
@@ -89,15 +101,12 @@ def _prefix_affinity() -> dict[str, Any]:
     stale = doc["plugins"][0]
     assert stale["type"] == "stale-metrics-filter"
     stale["parameters"] = {"prefixScorer": "prefix-cache-scorer"}
-    full_batch = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1}
-    doc["plugins"][1:1] = [
-        {"type": "saturation-filter", "parameters": {**full_batch, "learnMaxNumSeqs": True}},
+    _with_full_batch(doc)
+    doc["plugins"].insert(
+        2,
         {"type": "prefix-affinity-filter", "parameters": {"coldBalance": True, "coldSlack": 1.0}},
-    ]
-    doc["schedulingProfiles"][0]["plugins"][1:1] = [
-        {"pluginRef": "saturation-filter"},
-        {"pluginRef": "prefix-affinity-filter"},
-    ]
+    )
+    doc["schedulingProfiles"][0]["plugins"].insert(2, {"pluginRef": "prefix-affinity-filter"})
     return doc
 
 
@@ -250,6 +259,9 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "prefill-backlog-fade-early": _answered_wait(
         _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)
     ),
+    # issue 38, fifth round: the default with the prefix-affinity preset's learned full-batch
+    # filter (live 8 slots: docs/notes/2026-12-06-live-routing-fifth-round.md).
+    "default-full-batch": _with_full_batch(copy.deepcopy(_DEFAULT)),
 }
 
 

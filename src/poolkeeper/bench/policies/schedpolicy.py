@@ -65,6 +65,7 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-answered-wait": "prefill-backlog-answered-wait",
     "poolkeeper-fade-only": "prefill-backlog-fade-only",
     "poolkeeper-fade-early": "prefill-backlog-fade-early",
+    "poolkeeper-fade-rise": "prefill-backlog-fade-rise",
 }
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},

@@ -243,10 +243,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
         _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)
     ),
     # fifth round (docs/notes/2026-12-06-routing-quality-fifth-round.md): `prefill-backlog-fade`
-    # with the busy share rising with a 0.1 s time constant (falling with 1 s), so a burst that
-    # fills the pool at once is placed without the backlog.
+    # with the busy share rising with a 0.1 s (0.3 s) time constant and falling with 1 s, so a
+    # burst that fills the pool at once is placed without the backlog.
     "prefill-backlog-fade-rise": _answered_wait(
         _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9, fadeRiseS=0.1)
+    ),
+    "prefill-backlog-fade-rise3": _answered_wait(
+        _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9, fadeRiseS=0.3)
     ),
 }
 

@@ -66,6 +66,7 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-fade-only": "prefill-backlog-fade-only",
     "poolkeeper-fade-early": "prefill-backlog-fade-early",
     "poolkeeper-fade-rise": "prefill-backlog-fade-rise",
+    "poolkeeper-fade-rise3": "prefill-backlog-fade-rise3",
 }
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},

@@ -293,3 +293,27 @@ def test_the_backlogs_say_fades_as_the_pool_fills() -> None:
     # Idle again: the busy share decays and the say comes back.
     scorer.backlog.sent("c", A, 2000, NOW + 60.0)
     assert scorer.score(CycleState(NOW + 60.0), short, pool) == pytest.approx([228 / 2228, 1.0])
+
+
+def test_a_fast_rise_fades_the_backlog_out_at_the_start_of_a_burst() -> None:
+    slow = plugin("prefill-backlog-scorer", {"fadeFrom": 0.6, "fadeTo": 0.9})
+    fast = plugin("prefill-backlog-scorer", {"fadeFrom": 0.6, "fadeTo": 0.9, "fadeRiseS": 0.1})
+    assert isinstance(slow, PrefillBacklogScorer)
+    assert isinstance(fast, PrefillBacklogScorer)
+    pool = _pool()
+    short = request(prompt="x" * 400, request_id="short")
+    for scorer in (slow, fast):
+        assert scorer.busy_share(NOW, 2) == 0.0  # idle at the first decision
+        scorer.backlog.sent("a", A, 2000, NOW)
+        scorer.backlog.sent("b", B, 1000, NOW)
+    # 0.3 s into a burst that filled the pool: 3 time constants of the fast rise (share 0.95,
+    # past `fadeTo`: no say), 0.3 of the 1 s average (0.26: the full say).
+    later = NOW + 0.3
+    assert fast.busy_share(later, 2) == pytest.approx(1.0 - math.exp(-3.0))
+    assert fast.score(CycleState(later), short, pool) == 1.0
+    assert slow.score(CycleState(later), short, pool) == pytest.approx([1228 / 2228, 1.0])
+    # The pool empties: the share falls with the 1 s time constant in both.
+    fast.backlog.first_token("a", later)
+    fast.backlog.first_token("b", later)
+    share = fast.busy_share(later, 2)
+    assert fast.busy_share(later + 1.0, 2) == pytest.approx(share * math.exp(-1.0))

@@ -259,6 +259,15 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "prefill-backlog-fade-early": _answered_wait(
         _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)
     ),
+    # fifth round (docs/notes/2026-12-06-routing-quality-fifth-round.md): `prefill-backlog-fade`
+    # with the busy share rising with a 0.1 s (0.3 s) time constant and falling with 1 s, so a
+    # burst that fills the pool at once is placed without the backlog.
+    "prefill-backlog-fade-rise": _answered_wait(
+        _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9, fadeRiseS=0.1)
+    ),
+    "prefill-backlog-fade-rise3": _answered_wait(
+        _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9, fadeRiseS=0.3)
+    ),
     # issue 38, fifth round: the default with the prefix-affinity preset's learned full-batch
     # filter (live 8 slots: docs/notes/2026-12-06-live-routing-fifth-round.md).
     "default-full-batch": _with_full_batch(copy.deepcopy(_DEFAULT)),

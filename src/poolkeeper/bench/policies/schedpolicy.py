@@ -65,6 +65,8 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-answered-wait": "prefill-backlog-answered-wait",
     "poolkeeper-fade-only": "prefill-backlog-fade-only",
     "poolkeeper-fade-early": "prefill-backlog-fade-early",
+    "poolkeeper-fade-rise": "prefill-backlog-fade-rise",
+    "poolkeeper-fade-rise3": "prefill-backlog-fade-rise3",
     "poolkeeper-full-batch": "default-full-batch",
 }
 _PRESET = {

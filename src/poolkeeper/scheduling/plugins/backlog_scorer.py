@@ -22,7 +22,9 @@ tokens more ahead whatever the prompt's length; `meanSpan` takes span = the lowe
 the candidates' mean backlog. `fadeFrom` / `fadeTo` (fourth round) fade the scores towards 1 as
 the pool's busy share (time-averaged share of candidates with a backlog) rises from one to the
 other: the rule has its say below capacity, where it wins, and none as the pool saturates,
-where the selfish effect sets in.
+where the selfish effect sets in. `fadeRiseS` (fifth round) averages a rising share faster
+than a falling one, so a burst that fills the pool at once (a cold start) is placed without
+the backlog; the 1 s average alone reached 0.8 only 1.5 s into such a burst.
 
 Why: a continuous-batching engine gives a request its first token at the end of the step that
 finishes its prefill, and prefills queued or running there come first or share the step. The
@@ -121,6 +123,12 @@ class PrefillBacklogParams(PluginParams):
         le=1,
         description="Pool busy share at which a fading scorer has no say left (default 1).",
     )
+    fade_rise_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Time constant (s) of the busy share while it rises (null: the same "
+        "1 s as while it falls): a short one fades the scorer out at the start of a burst.",
+    )
 
 
 class PrefillBacklogScorer(NamedPlugin):
@@ -128,8 +136,8 @@ class PrefillBacklogScorer(NamedPlugin):
 
     __slots__ = (
         "_busy_at", "_busy_share", "_cycle_key", "adapter_tokens", "backlog", "base_tokens",
-        "busy_penalty", "drain_rate", "fade_from", "fade_to", "marginal", "mean_span", "prefix",
-        "slack", "span_tokens",
+        "busy_penalty", "drain_rate", "fade_from", "fade_rise_s", "fade_to", "marginal",
+        "mean_span", "prefix", "slack", "span_tokens",
     )  # fmt: skip
     bounded = True
 
@@ -153,6 +161,7 @@ class PrefillBacklogScorer(NamedPlugin):
         self.prefix = prefix
         self.fade_from = params.fade_from
         self.fade_to = max(params.fade_to, (params.fade_from or 0.0) + 1e-6)
+        self.fade_rise_s = params.fade_rise_s or BUSY_WINDOW_S
         self._busy_share = 0.0
         self._busy_at: float | None = None
         self._cycle_key = f"prefill-cached/{typed_name.name}"
@@ -247,13 +256,15 @@ class PrefillBacklogScorer(NamedPlugin):
 
     def busy_share(self, now: float, candidates: int) -> float:
         """Time-averaged share of the pool's endpoints with a backlog (time constant
-        `BUSY_WINDOW_S`), sampled at each decision: how close the pool is to saturation."""
+        `BUSY_WINDOW_S`; `fadeRiseS` while it rises), sampled at each decision: how close the
+        pool is to saturation."""
         now_share = min(1.0, len(self.backlog.counts()) / max(1, candidates))
         at = self._busy_at
         if at is None:
             self._busy_share = now_share
         elif now > at:
-            keep = math.exp(-(now - at) / BUSY_WINDOW_S)
+            window = self.fade_rise_s if now_share > self._busy_share else BUSY_WINDOW_S
+            keep = math.exp(-(now - at) / window)
             self._busy_share = self._busy_share * keep + now_share * (1.0 - keep)
         if at is None or now > at:
             self._busy_at = now

@@ -271,3 +271,25 @@ def test_a_band_with_avoid_prefill_tokens_is_placed_away_from_a_long_prompt_just
     avoiding = BandConfig.model_validate({"dispatch": "saturation", "avoidPrefillTokens": 256})
     assert h.room([prefilling, quiet], avoiding, NOW) == [quiet]
     assert h.within([prefilling, quiet], avoiding, NOW) == [quiet]
+
+
+def test_avoid_prefill_tokens_never_moves_a_lora_request_off_every_server_running_its_adapter() -> (
+    None
+):
+    # One adapter slot per server, each running another adapter: a Critical request for
+    # lora-c belongs on the one server running it even just after a long prompt went there;
+    # elsewhere it would wait for an adapter slot behind that server's whole batch.
+    holder = state(1, active=("lora-c",), max_adapters=1, unseen_tokens=2000)
+    others = [
+        state(2, active=("lora-a",), max_adapters=1),
+        state(3, active=("lora-b",), max_adapters=1),
+    ]
+    critical = BANDS.critical
+    h = _headroom()
+    assert h.spread([holder, *others], critical, "lora-c") == [holder, *others]
+    # With another holder clear of a prefill, the narrowing keeps that one.
+    clear_holder = state(4, active=("lora-c",), max_adapters=1)
+    assert h.spread([holder, clear_holder, *others], critical, "lora-c") == [clear_holder, *others]
+    # A base-model request (no server runs it as an adapter) is narrowed as before.
+    assert h.spread([holder, *others], critical, "base") == others
+    assert h.within([holder, *others], critical, NOW, adapter="lora-c") == [holder, *others]

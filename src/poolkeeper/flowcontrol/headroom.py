@@ -83,19 +83,23 @@ class Headroom:
             return None
         if below:
             if slot and self._lora(states):
-                return list(self.spread(states, band))  # the scheduler places (adapter affinity)
+                return list(
+                    self.spread(states, band, adapter)
+                )  # the scheduler places (adapter affinity)
             if len(below) == len(states) or (
                 band.placement is Placement.SCHEDULER and not slot and not blind
             ):
-                return list(self.spread(states, band))
-            return list(self.spread(below, band))
+                return list(self.spread(states, band, adapter))
+            return list(self.spread(below, band, adapter))
         if blind:
             return None  # every server is busy by the EPP's exact in-flight count
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
-            return list(self.spread(states, band))
+            return list(self.spread(states, band, adapter))
         return None
 
-    def spread(self, states: Sequence[EndpointState], band: BandConfig) -> Sequence[EndpointState]:
+    def spread(
+        self, states: Sequence[EndpointState], band: BandConfig, adapter: str | None = None
+    ) -> Sequence[EndpointState]:
         """`states` less the endpoints sent `avoidPrefillTokens` or more prompt tokens since
         their last scrape (the router's exact `unseen_tokens`), unless that leaves none: a
         long prompt just sent there is likely still in its prefill step, which a request
@@ -110,7 +114,16 @@ class Headroom:
         if limit is None or len(states) < 2:
             return states
         clear = [s for s in states if s.unseen_tokens < limit]
-        return clear if clear else states
+        if not clear:
+            return states
+        if adapter is not None:
+            running = [adapter in s.metrics.active_adapters for s in states]
+            if any(running) and not any(adapter in s.metrics.active_adapters for s in clear):
+                # Only servers running the request's LoRA adapter were just sent a long
+                # prompt: a prefill step is shorter than loading the adapter elsewhere, or
+                # than waiting there for an adapter slot behind the batch (a slot-bound fleet).
+                return states
+        return clear
 
     def within(
         self,
@@ -131,11 +144,11 @@ class Headroom:
         slot = self._slot(states, band, contended, sharing)
         blind = self._maybe_blind(band, states) and self._all_stale(states, now)
         if band.placement is Placement.SCHEDULER and not slot and not blind:
-            return self.spread(states, band)
+            return self.spread(states, band, adapter)
         if slot and self._lora(states):
-            return self.spread(states, band)
+            return self.spread(states, band, adapter)
         below, _values, _blind = self._below(states, band, now, adapter, slot)
-        return self.spread(below if below and len(below) < len(states) else states, band)
+        return self.spread(below if below and len(below) < len(states) else states, band, adapter)
 
     def _slot(
         self, states: Sequence[EndpointState], band: BandConfig, contended: bool, sharing: bool

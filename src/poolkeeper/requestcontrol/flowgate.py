@@ -232,7 +232,8 @@ class FlowGate:
             states = job.states()
         except NoReadyEndpoint:
             return  # the scheduler answers 503
-        job.ready = list(self.headroom.spread(states, self.config.bands.of(job.criticality)))
+        band = self.config.bands.of(job.criticality)
+        job.ready = list(self.headroom.spread(states, band, job.target))
 
     def _go(self, item: FlowItem[Job]) -> None:
         job = item.payload

@@ -15,7 +15,11 @@ from poolkeeper.errors import RequestShed
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.plugins.filters import SaturationFilter, StaleMetricsFilter
+from poolkeeper.scheduling.plugins.filters import (
+    ADAPTER_GRACE_S,
+    SaturationFilter,
+    StaleMetricsFilter,
+)
 from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 
 
@@ -343,6 +347,22 @@ def test_stale_metrics_filter_threshold() -> None:
     f = plugin("stale-metrics-filter", staleness_s=1.0)
     pool = [state(1, updated_at=NOW - 0.9), state(2, updated_at=NOW - 1.1)]
     assert keys(list(f.filter(cycle(), request(), pool))) == [key(1)]
+
+
+def test_stale_metrics_filter_keeps_late_servers_running_the_requests_adapter() -> None:
+    # One adapter slot per server: lora-c runs only on pod1, whose scrape is 0.5 s late. Sent
+    # to pod2, the request would wait there for an adapter slot behind pod2's whole batch.
+    f = plugin("stale-metrics-filter")
+    late = state(1, active=("lora-c",), max_adapters=1, updated_at=NOW - 0.5)
+    other = state(2, active=("lora-a",), max_adapters=1)
+    assert keys(list(f.filter(cycle(), request("lora-c"), [late, other]))) == [key(1), key(2)]
+    assert keys(list(f.filter(cycle(), request("lora-a"), [late, other]))) == [key(2)]
+    # A fresh server running it is enough; a scrape past the grace is dropped as before.
+    fresh = state(3, active=("lora-c",), max_adapters=1)
+    assert keys(list(f.filter(cycle(), request("lora-c"), [late, other, fresh]))) == [
+        key(2), key(3)]  # fmt: skip
+    gone = state(1, active=("lora-c",), max_adapters=1, updated_at=NOW - ADAPTER_GRACE_S - 0.1)
+    assert keys(list(f.filter(cycle(), request("lora-c"), [gone, other]))) == [key(2)]
 
 
 def test_staleness_comes_from_the_build_not_from_parameters() -> None:

@@ -334,6 +334,11 @@ class StaleMetricsParams(PluginParams):
     )
 
 
+# How late a scrape may be and a server running the request's LoRA adapter still kept, when
+# no fresh server runs it (adapters load and unload in seconds, not scrape intervals).
+ADAPTER_GRACE_S = 1.0
+
+
 class StaleMetricsFilter(NamedPlugin):
     """Drops endpoints whose metrics are stale or were never scraped; fails open.
 
@@ -347,7 +352,8 @@ class StaleMetricsFilter(NamedPlugin):
     scrapes run late together, and dropping a prefix's holder for a scrape 4 ms past the limit
     sends its request to a server that must prefill the whole shared prefix again (measured
     live: docs/notes/2026-12-06-live-routing-fourth-round.md). Its load is not blind meanwhile:
-    the requests sent since its scrape are counted.
+    the requests sent since its scrape are counted. Likewise, always: the servers running the
+    request's LoRA adapter stay when they are all late (at most `ADAPTER_GRACE_S`).
     """
 
     __slots__ = ("grace_s", "holders", "staleness_s")
@@ -373,6 +379,21 @@ class StaleMetricsFilter(NamedPlugin):
         kept = [s for s in candidates if (u := s.metrics.updated_at) >= fresh_since and u > 0.0]
         if not kept or len(kept) == len(candidates):
             return candidates
+        adapter = request.target_model
+        if adapter and not any(adapter in s.metrics.active_adapters for s in kept):
+            # Every server running the request's LoRA adapter is late: keep those late by at
+            # most ADAPTER_GRACE_S. Elsewhere the request waits for an adapter slot, behind a
+            # whole batch where the fleet has one slot per server (an e2e timeout under load).
+            late_since = cycle.now - max(self.grace_s, ADAPTER_GRACE_S)
+            runners = {
+                id(s)
+                for s in candidates
+                if adapter in s.metrics.active_adapters
+                and late_since <= s.metrics.updated_at < fresh_since
+            }
+            if runners:
+                fresh = {id(s) for s in kept}
+                kept = [s for s in candidates if id(s) in fresh or id(s) in runners]
         if self.holders is not None and self.grace_s > self.staleness_s:
             late_since = cycle.now - self.grace_s
             late = [

@@ -83,9 +83,8 @@ class Headroom:
             return None
         if below:
             if slot and self._lora(states):
-                return list(
-                    self.spread(states, band, adapter)
-                )  # the scheduler places (adapter affinity)
+                # the scheduler places (adapter affinity)
+                return list(self.spread(states, band, adapter))
             if len(below) == len(states) or (
                 band.placement is Placement.SCHEDULER and not slot and not blind
             ):
@@ -117,8 +116,8 @@ class Headroom:
         if not clear:
             return states
         if adapter is not None:
-            running = [adapter in s.metrics.active_adapters for s in states]
-            if any(running) and not any(adapter in s.metrics.active_adapters for s in clear):
+            runs = [adapter in s.metrics.active_adapters for s in states]
+            if any(runs) and not any(adapter in s.metrics.active_adapters for s in clear):
                 # Only servers running the request's LoRA adapter were just sent a long
                 # prompt: a prefill step is shorter than loading the adapter elsewhere, or
                 # than waiting there for an adapter slot behind the batch (a slot-bound fleet).

@@ -12,6 +12,8 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -256,16 +258,29 @@ async def _until(predicate: object, what: str, timeout_s: float = 5.0) -> None:
     raise AssertionError(f"never: {what}")
 
 
+@asynccontextmanager
+async def _gateway(tmp_path: Path, held: list[Conn]) -> AsyncIterator[GatewayRuntime]:
+    """`serve`'s runtime (real Envoy, the connection cap on) in front of one simulated server;
+    on the way out the test's `held` connections are closed and everything stops at once."""
+    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
+    (sim,) = await cluster.start()
+    runtime = GatewayRuntime(ServeOptions(source=file_source([_config(tmp_path, sim.port)])))
+    try:
+        await runtime.start()
+        yield runtime
+    finally:
+        for _reader, writer in held:
+            writer.close()
+        await runtime.stop(grace_s=0)
+        await cluster.stop()
+
+
 @pytest.mark.integration
 async def test_the_connection_over_the_cap_is_refused_and_others_are_served(
     tmp_path: Path,
 ) -> None:
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
-    (sim,) = await cluster.start()
-    runtime = GatewayRuntime(ServeOptions(source=file_source([_config(tmp_path, sim.port)])))
-    await runtime.start()
     held: list[Conn] = []
-    try:
+    async with _gateway(tmp_path, held) as runtime:
         assert runtime.config is not None
         assert runtime.conncap is not None
         assert runtime.metrics is not None
@@ -300,11 +315,6 @@ async def test_the_connection_over_the_cap_is_refused_and_others_are_served(
         status, conn = await _request(port, "127.0.0.2")
         assert status == b"HTTP/1.1 200 OK", status
         held.append(conn)
-    finally:
-        for _reader, writer in held:
-            writer.close()
-        await runtime.stop(grace_s=0)
-        await cluster.stop()
 
 
 @pytest.mark.integration
@@ -339,12 +349,8 @@ async def test_a_reset_during_its_check_leaves_no_phantom_connection(
         return await asyncio.shield(asyncio.ensure_future(after_the_close()))
 
     monkeypatch.setattr(ConnectionCapService, "Check", check_after_its_close)
-    cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL, step_jitter=0.0)))
-    (sim,) = await cluster.start()
-    runtime = GatewayRuntime(ServeOptions(source=file_source([_config(tmp_path, sim.port)])))
-    await runtime.start()
     held: list[Conn] = []
-    try:
+    async with _gateway(tmp_path, held) as runtime:
         assert runtime.config is not None
         counter = runtime.conncap
         assert counter is not None
@@ -375,8 +381,3 @@ async def test_a_reset_during_its_check_leaves_no_phantom_connection(
         closed_at = counter.closed_unknown("127.0.0.4", silent_port)
         assert closed_at is not None
         assert opened_at + 0.4 <= closed_at <= time.time()
-    finally:
-        for _reader, conn_writer in held:
-            conn_writer.close()
-        await runtime.stop(grace_s=0)
-        await cluster.stop()

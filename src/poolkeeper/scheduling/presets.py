@@ -78,6 +78,15 @@ def _answered_wait(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def _cold_spread(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with its prefix-cache-scorer's `coldSpread` 0.5: a new long prefix scored towards
+    the endpoint the index credits with the least content (sglang's smallest tree)."""
+    for plugin in doc["plugins"]:
+        if plugin["type"] == "prefix-cache-scorer":
+            plugin.setdefault("parameters", {})["coldSpread"] = 0.5
+    return doc
+
+
 def _with_full_batch(doc: dict[str, Any]) -> dict[str, Any]:
     """`doc` with a `saturation-filter` right after its first plugin (the stale filter) that
     drops an endpoint whose full batch (learned from its gauges) has 2 or more waiting while
@@ -267,6 +276,16 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     ),
     "prefill-backlog-fade-rise3": _answered_wait(
         _default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9, fadeRiseS=0.3)
+    ),
+    # sixth round (docs/notes/2026-12-06-routing-quality-sixth-round.md): new shared prefixes
+    # spread by index content (`coldSpread` 0.5) on the default and on the two fades, for the
+    # cold start of shared-prefix below capacity.
+    "default-cold-spread": _cold_spread(copy.deepcopy(_DEFAULT)),
+    "prefill-backlog-fade-early-cold-spread": _cold_spread(
+        _answered_wait(_default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8))
+    ),
+    "prefill-backlog-fade-cold-spread": _cold_spread(
+        _answered_wait(_default_plus("prefill-backlog-scorer", 2, fadeFrom=0.6, fadeTo=0.9))
     ),
     # issue 38, fifth round: the default with the prefix-affinity preset's learned full-batch
     # filter (live 8 slots: docs/notes/2026-12-06-live-routing-fifth-round.md).

@@ -68,6 +68,9 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-fade-rise": "prefill-backlog-fade-rise",
     "poolkeeper-fade-rise3": "prefill-backlog-fade-rise3",
     "poolkeeper-full-batch": "default-full-batch",
+    "poolkeeper-cold-spread": "default-cold-spread",
+    "poolkeeper-fade-early-cold-spread": "prefill-backlog-fade-early-cold-spread",
+    "poolkeeper-fade-cold-spread": "prefill-backlog-fade-cold-spread",
 }
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},

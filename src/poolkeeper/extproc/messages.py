@@ -55,6 +55,32 @@ def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
+# What Envoy's connection manager adds to a request before any filter runs: not the client's.
+ENVOY_ADDED_HEADERS = frozenset(
+    {
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-request-id",
+        "x-envoy-external-address",
+        "x-envoy-internal",
+    }
+)
+
+
+def client_header_load(headers: pb.HttpHeaders) -> tuple[int, int]:
+    """(count, bytes) of the headers the client sent: the request line's pseudo headers count
+    in bytes only (a 63 KB URL is the client's too), the headers Envoy added not at all."""
+    count = size = 0
+    for hv in headers.headers.headers:
+        key = hv.key
+        if key.startswith(":"):
+            size += len(key) + len(hv.raw_value or hv.value)
+        elif key not in ENVOY_ADDED_HEADERS:
+            count += 1
+            size += len(key) + len(hv.raw_value or hv.value)
+    return count, size
+
+
 def subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
     """The endpoints listed in `envoy.lb.subset_hint`, or None when no hint was sent."""
     if not request.HasField("metadata_context"):

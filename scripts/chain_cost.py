@@ -208,6 +208,21 @@ async def measure(
     envoy = {
         k: (peer.tree_cpu_seconds(p) - tree0[k]) / n * 1000 - epp[k] for k, p in serves.items()
     }
+    loops: dict[str, list[tuple[float, float]]] = {k: [] for k in serves}
+    for i in range(args.loops):  # closed loops, serve by serve, the order reversed each time
+        for name in list(serves) if i % 2 == 0 else list(reversed(serves)):
+            pid = serves[name]
+            clocks = {"epp": lambda p=pid: go.cpu_seconds(p),
+                      "all": lambda p=pid: peer.tree_cpu_seconds(p)}  # fmt: skip
+            row = await peer.closed_loop(targets[name], clocks, args.loop_seconds, 16, body)
+            done = row["requests"]
+            loops[name].append((row["epp_cpu_s"] / done * 1000, row["all_cpu_s"] / done * 1000))
+    for name, values in loops.items():
+        if values:
+            eppm = statistics.median(v[0] for v in values)
+            allm = statistics.median(v[1] for v in values)
+            print(f"closed loop, 16 clients, {name}: EPP {eppm:.3f} ms, Envoy "
+                  f"{allm - eppm:.3f} ms CPU per request (median of {len(values)})")  # fmt: skip
     return rounds, epp, envoy
 
 
@@ -248,6 +263,8 @@ def main() -> int:
     parser.add_argument("--prompt-bytes", type=int, default=0, help="0: the chat 'hi' body")
     parser.add_argument("--floor", action="store_true", help="also the floor gateways")
     parser.add_argument("--peers", default="", help="e.g. sglang-router")
+    parser.add_argument("--loops", type=int, default=0, help="closed loops per serve, after")
+    parser.add_argument("--loop-seconds", type=float, default=6.0)
     parser.add_argument("--json", default="", help="also write the rounds here")
     args = parser.parse_args()
     for spec in args.variant:

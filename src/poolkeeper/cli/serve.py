@@ -268,6 +268,8 @@ def serve_options(args: argparse.Namespace, source: SourceFactory) -> ServeOptio
         envoy_concurrency=args.envoy_concurrency,
         drain_grace_s=args.drain_grace,
         ready_once_synced=args.kubernetes,
+        # Kubernetes mode runs behind the cluster's Gateway, not poolkeeper's bootstrap.
+        own_bootstrap=not args.kubernetes,
         drain_timeout_s=_drain_timeout(args),
         tls=tls_settings(args),
         metrics_middlewares=_metrics_auth(args),

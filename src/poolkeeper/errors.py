@@ -69,6 +69,15 @@ class PayloadTooLarge(BadRequest):
     openai_code = "request_too_large"
 
 
+class HeadersTooLarge(BadRequest):
+    """More request headers, or larger ones, than the gateway takes from a client: refused
+    before routing, so that the routing headers the EPP adds cannot push the request over
+    Envoy's own limits, which Envoy would blame on the EPP (reliability round 2, finding 3)."""
+
+    http_status = 431
+    openai_code = "request_header_fields_too_large"
+
+
 class UnsupportedEncoding(BadRequest):
     """A body with a Content-Encoding other than identity: the gateway does not decode bodies,
     so it would read a different body from the server's (reliability round 2, finding 6)."""

@@ -63,14 +63,13 @@ def test_envoy_accepts_the_bootstrap(
 def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp() -> None:
     plain = build_bootstrap(BootstrapParams())
     observed = build_bootstrap(BootstrapParams(observe_responses=True, observer_flush_s=0.01))
+    # No Lua on the request path: the client's header limits are the EPP's (431 before routing).
     assert [f["name"] for f in _hcm(plain)["http_filters"]] == [
-        "poolkeeper.header_guard",  # the client's header limits, before the EPP is asked
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.router",
     ]
     filters = _hcm(observed)["http_filters"]
     assert [f["name"] for f in filters] == [
-        "poolkeeper.header_guard",
         "envoy.filters.http.ext_proc",
         "poolkeeper.response_processor",
         "envoy.filters.http.lua",  # last before the router: it sees the server's response
@@ -80,7 +79,7 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
     modes = _ext_proc(observed)["processing_mode"]
     assert (modes["response_header_mode"], modes["response_body_mode"]) == ("SKIP", "NONE")
     assert _ext_proc(plain)["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
-    processor = filters[2]["typed_config"]
+    processor = filters[1]["typed_config"]
     assert processor["processing_mode"]["request_header_mode"] == "SKIP"
     assert processor["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert processor["grpc_service"] == _ext_proc(observed)["grpc_service"]
@@ -90,10 +89,10 @@ def test_the_response_observer_is_a_lua_filter_and_a_grpc_access_log_to_the_epp(
     assert namespaces == ["poolkeeper"]
     assert processor["metadata_options"]["forwarding_namespaces"]["untyped"] == ["poolkeeper"]
     # The first-byte report is in the Lua script only when asked for.
-    lua = filters[3]["typed_config"]["default_source_code"]["inline_string"]
+    lua = filters[2]["typed_config"]["default_source_code"]["inline_string"]
     assert "local REPORT = false" in lua
     reporting = build_bootstrap(BootstrapParams(observe_responses=True, report_first_bytes=True))
-    lua = _hcm(reporting)["http_filters"][3]["typed_config"]["default_source_code"]
+    lua = _hcm(reporting)["http_filters"][2]["typed_config"]["default_source_code"]
     assert "local REPORT = true" in lua["inline_string"]
     assert '"/poolkeeper.observer.v1.ResponseObserver/FirstByte"' in lua["inline_string"]
     (als,) = _hcm(observed)["access_log"]

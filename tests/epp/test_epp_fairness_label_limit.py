@@ -47,6 +47,7 @@ async def test_fairness_ids_past_the_limit_are_reported_as_other(tmp_path: Path)
         directory = one_pool(tmp_path, sim_port, address="127.0.0.1", spec=FAIRNESS, ports=ports)
         serve = epp_serve_options(options, file_source([directory]))
         assert serve.fairness_id_label_limit == 2
+        assert not serve.own_bootstrap  # behind any Gateway: the EPP sets no header limits
         async with (
             running_gateway(dataclasses.replace(serve, ready_once_synced=False, ready_wait_s=5)),
             grpc.aio.insecure_channel(f"127.0.0.1:{ext_proc}") as channel,

@@ -292,6 +292,41 @@ async def test_models_listing_answered_by_the_epp_when_asked(
         call.cancel()
 
 
+async def test_client_header_limits_are_checked_before_routing(
+    router: FakeRouter, ended: list[Exchange], transport: str
+) -> None:
+    """More client headers (or bytes) than allowed: 431 in OpenAI's shape before routing.
+    Envoy's own additions do not count; the request line counts in bytes only."""
+    settings = ExtProcSettings(client_header_limits=(8, 1))
+    envoy_added = {"x-forwarded-for": "1.2.3.4", "x-forwarded-proto": "http",
+                   "x-envoy-external-address": "1.2.3.4"}  # fmt: skip
+    mine = {f"x-h{i}": "v" for i in range(4)}  # 4 + content-type + x-request-id (Envoy's)
+    async with _serving(router, ended, settings, transport) as envoy:
+        for extra, refused in (
+            ({**mine, **envoy_added}, False),  # 5 client headers: within 8
+            ({**mine, "x-h4": "v", "x-h5": "v", "x-h6": "v", "x-h7": "v"}, True),  # 9
+            ({"x-big": "v" * 1000}, True),  # 1,000 bytes of value + the request line > 1 KiB
+        ):
+            call = envoy.open()
+            await call.write(headers_msg(post_headers(**extra), eos=True))
+            (reply,) = await _read(call, 1)
+            if refused:
+                assert reply.immediate_response.status.code == 431, extra.keys()
+                error = json.loads(reply.immediate_response.body)["error"]
+                assert error["code"] == "request_header_fields_too_large"
+                assert "at most 8 headers and 1 KiB" in error["message"]
+            else:
+                assert reply.WhichOneof("response") == "request_headers", extra.keys()
+            call.cancel()
+        long_url = headers_msg({**post_headers(), ":path": "/v1/chat/completions?q=" + "a" * 1000})
+        call = envoy.open()
+        await call.write(long_url)
+        (reply,) = await _read(call, 1)
+        assert reply.immediate_response.status.code == 431
+        call.cancel()
+    assert len(router.routed) == 1  # only the request within the limits
+
+
 async def test_client_routing_headers_are_stripped(envoy: FakeEnvoy, router: FakeRouter) -> None:
     spoof = {
         DEST: "169.254.169.254:80",

@@ -239,6 +239,7 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
         False, True, 30.0,
     )  # fmt: skip
     assert options.tls.secure_serving  # upstream's --secure-serving default in a cluster
+    assert not options.own_bootstrap  # behind the cluster's Gateway: no header limits of ours
     options.ready_wait_s = 0
     runtime = GatewayRuntime(options)
     cluster = SimCluster(build_fleet(count=1, cli=ServerSettings(model="m")))

@@ -17,7 +17,9 @@ import grpc
 
 from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.envoy.endpoints_file import EndpointsFile
+from poolkeeper.envoy.params import CLIENT_MAX_HEADER_KB, CLIENT_MAX_HEADERS
 from poolkeeper.envoy.process import EnvoySupervisor
+from poolkeeper.extproc.contracts import ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.telemetry.health import HealthService
@@ -62,7 +64,11 @@ async def gate(
         await b.start()
     router = RoundRobinRouter(backends, fixed=fixed)
     health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
-    servicer: ExtProcServicer = (HungServicer if hung_epp else ExtProcServicer)(router)
+    # The client's header limits are the EPP's to check, as `serve` sets them (runtime.py).
+    settings = ExtProcSettings(client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB))
+    servicer: ExtProcServicer = (HungServicer if hung_epp else ExtProcServicer)(
+        router, settings=settings
+    )
     server: grpc.aio.Server
     server, epp_port = build_server(servicer, "127.0.0.1:0", extra=health.register)
     await server.start()

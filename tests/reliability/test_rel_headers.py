@@ -2,7 +2,9 @@
 listener, which leaves room for the EPP's mutation) and a single ~61 KB header got 503 "the
 endpoint picker is unavailable": the EPP's header mutation pushed the request over Envoy's
 limit, and the failure was reported as the EPP's. Now the client's limits are checked before
-the EPP is asked: 431 in OpenAI's error shape (or 200 within the limits), never a 503."""
+the EPP routes: 431 in OpenAI's error shape (or 200 within the limits), never a 503. (First a
+Lua filter in Envoy counted them; now the EPP does, from the request headers it is sent,
+before its header mutation exists: `ExtProcSettings.client_header_limits`.)"""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ async def test_too_many_or_too_large_headers_get_431_never_503(
                 error = _body(answer)["error"]
                 assert isinstance(error, dict)
                 assert error["code"] == "request_header_fields_too_large"
-                assert g.router.turn == turns, total  # refused before the EPP was asked
+                assert g.router.turn == turns, total  # refused before routing
         for size in (60 * 1024 - 200, 61 * 1024, 62 * 1024):
             answer = await raw_http(g.port, _request([("x-big", "v" * size)]))
             status = status_of(answer)
@@ -63,7 +65,7 @@ async def test_too_many_or_too_large_headers_get_431_never_503(
 
 
 async def test_a_long_url_gets_431_never_503(tmp_path: Path) -> None:
-    """The request line is the client's too: a 61-65 KB URL passed the header guard (it
+    """The request line is the client's too: a 61-65 KB URL passed the first header check (it
     counted headers only) and, with the EPP's mutation on top, could cross the codec's limit
     (503 naming the EPP) or reach a server. Now 431 before the EPP is asked."""
     async with gate(tmp_path) as g:
@@ -122,7 +124,7 @@ async def _h2_status(port: int, headers: list[tuple[str, str]]) -> str:
 async def test_http2_header_limits_are_the_same(tmp_path: Path) -> None:
     """Over HTTP/2 (the public listener speaks it in cleartext too) 100 client headers are
     served (before: 431, a header Envoy adds itself was counted as the client's), 101-120 get
-    431 from the guard (before: reset by the codec from 117), and above the codec's limit the
+    431 from the EPP's check (before: reset by the codec from 117), and above the codec's limit the
     stream is reset: never a 503."""
     async with gate(tmp_path) as g:
         assert await _h2_status(g.port, [(f"x-h{i}", "v") for i in range(99)]) == "200"

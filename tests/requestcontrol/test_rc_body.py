@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from poolkeeper.errors import BadRequest
+from poolkeeper.requestcontrol import body as body_module
 from poolkeeper.requestcontrol.body import (
     _HOP_FROM,
     MAX_INT_DIGITS,
@@ -395,3 +396,65 @@ def test_occurrences_counts_as_str_count_does(piece: str, needle: str, enough: i
     text = piece * (_HOP_FROM // max(1, len(piece)) + 1) if piece else "x" * _HOP_FROM
     counted = _occurrences(text, needle, enough=enough)
     assert min(counted, enough) == min(text.count(needle), enough)
+
+
+# --- the orjson path gives the standard library's answer -------------------------------------
+
+
+def _decoded(raw: bytes) -> str:
+    """What decode_json_object makes of `raw`, spelled exactly (types included: 1 vs 1.0)."""
+    try:
+        return repr(decode_json_object(raw))
+    except BadRequest as exc:
+        return f"BadRequest: {exc.message}"
+
+
+def _both_ways(raw: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    fast = _decoded(raw)
+    with monkeypatch.context() as patch:
+        patch.setattr(body_module, "_fast_loads", None)
+        return fast, _decoded(raw)
+
+
+_TRICKY = [
+    b'{"model":"m","n":123456789012345678901234567890}',  # beyond 64 bits: exact only in stdlib
+    b'{"model":"m","n":-9223372036854775809,"u":18446744073709551615}',
+    b'{"model":"m","f":1e400}', b'{"model":"m","f":-1e309}', b'{"model":"m","f":NaN}',
+    b'{"model":"m","f":Infinity}', b'{"model":"m","f":1E5,"g":-0.0,"h":-0,"i":1e20}',
+    b'{"model":"a","model":"b"}', b'{"model":"a","\\u006dodel":"b"}', b'{"model":"\\ud800"}',
+    b'{"model":"m","x":"\\ud83d\\ude00"}', b'\xef\xbb\xbf{"model":"m"}', b'{"model":"\xff"}',
+    b'{"model":"m","x":' + b"[" * 300 + b"]" * 300 + b"}",
+    b'{"model":"m","x":' + b"[" * 1100 + b"]" * 1100 + b"}",
+    b'{"model":"m","x":"a\x01b"}', b'{"model":"m",}', b'{"model":"m"} x', b" \n{\"model\":\"m\"}\t",
+    b'{"model":"m","prompt":[' + b",".join(b"%d" % i for i in range(5000)) + b"]}",
+    b'{"model":"m","prompt":[1,2,99999999999999999999999]}', b"[1]", b"12345678901234567890123",
+    b'{"model":"m","x":{"y":{"model":"z"}}}', b'{"model":"m","x":01}', b'{"model":"m","x":.5}',
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", _TRICKY, ids=range(len(_TRICKY)))
+def test_the_fast_decoder_answers_as_the_standard_library(
+    raw: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, stdlib = _both_ways(raw, monkeypatch)
+    assert fast == stdlib
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON_VALUES)
+def test_the_fast_decoder_answers_as_the_standard_library_on_any_document(value: Any) -> None:
+    raw = json.dumps({"model": "m", "v": value}).encode()
+    with pytest.MonkeyPatch.context() as patch:
+        fast = _decoded(raw)
+        patch.setattr(body_module, "_fast_loads", None)
+        assert fast == _decoded(raw)
+
+
+def test_plain_bodies_take_the_fast_decoder() -> None:
+    """The guard conditions leave ordinary requests (a long prompt, token ids) to orjson."""
+    if body_module._fast_loads is None:
+        pytest.skip("orjson is not installed")
+    prompt = {"model": "m", "messages": [{"role": "user", "content": "hello, world " * 5000}]}
+    assert body_module._fast_decode(_body(prompt)) == prompt
+    ids = {"model": "m", "prompt": list(range(3000)), "max_tokens": 5}
+    assert body_module._fast_decode(_body(ids)) == ids

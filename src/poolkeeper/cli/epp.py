@@ -227,6 +227,7 @@ def epp_serve_options(options: EppOptions, source: Any) -> Any:
         tls=_tls(options),
         metrics_middlewares=_metrics_auth(options),
         upstream_health=True,
+        own_bootstrap=False,  # behind the cluster's Gateway: no client header limits of ours
         fairness_id_label_limit=options.number("fairness-id-metric-label-limit"),
     )
 

@@ -28,7 +28,7 @@ from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
-from poolkeeper.extproc.heap import keep_freed_pages
+from poolkeeper.extproc.heap import freeze_startup_objects, keep_freed_pages
 from poolkeeper.extproc.tls import TlsError, TlsSettings
 from poolkeeper.server.runtime import (
     DEFAULT_DRAIN_GRACE_S,
@@ -268,6 +268,8 @@ def serve_options(args: argparse.Namespace, source: SourceFactory) -> ServeOptio
         envoy_concurrency=args.envoy_concurrency,
         drain_grace_s=args.drain_grace,
         ready_once_synced=args.kubernetes,
+        # Kubernetes mode runs behind the cluster's Gateway, not poolkeeper's bootstrap.
+        own_bootstrap=not args.kubernetes,
         drain_timeout_s=_drain_timeout(args),
         tls=tls_settings(args),
         metrics_middlewares=_metrics_auth(args),
@@ -355,6 +357,7 @@ def run_gateway(options: ServeOptions, event_loop: str, *, json_logs: bool = Fal
         waiter = asyncio.create_task(started.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if started.is_set():
+            freeze_startup_objects()  # no full GC pass walks start-up's objects (heap.py)
             what = (
                 f"poolkeeper gateway ready on {runtime.http_url}"
                 if options.run_envoy

@@ -1,13 +1,14 @@
 """The Envoy bootstrap `poolkeeper serve` runs (and `poolkeeper envoy-config` prints).
 
-One HTTP listener whose filter chain is the header guard (`guard.py`), ext_proc (to the EPP)
-then the router; its routes are built in `routes.py`. The EPP names the
-pod and its fallbacks in `x-gateway-destination-endpoint` (`ip:port,ip:port,...`, protocol
-v0.4+) and the same value in `envoy.lb` metadata; a route matching that header sends the request
-to the EPP-routed cluster (`override_host` policy, see `clusters.py`), whose retry policy moves on
-to the next listed endpoint when one cannot be reached. Requests the EPP did not route (it is
-down and the pool is FailOpen) match the next route: a round-robin cluster over the pool's
-endpoints, or, for FailClose, a 503 with an OpenAI error body.
+One HTTP listener whose filter chain is ext_proc (to the EPP) then the router (with the
+response observer, `observer.py`, its filters between them); its routes are built in
+`routes.py`. The EPP names the pod and its fallbacks in `x-gateway-destination-endpoint`
+(`ip:port,ip:port,...`, protocol v0.4+) and the same value in `envoy.lb` metadata; a route
+matching that header sends the request to the EPP-routed cluster (`override_host` policy, see
+`clusters.py`), whose retry policy moves on to the next listed endpoint when one cannot be
+reached. Requests the EPP did not route (it is down and the pool is FailOpen) match the next
+route: a round-robin cluster over the pool's endpoints, or, for FailClose, a 503 with an
+OpenAI error body.
 
 Why client copies of the destination header can never steer traffic: the HTTP connection
 manager's *early header mutation* removes every `x-gateway-destination-endpoint*` header (and
@@ -34,7 +35,6 @@ from poolkeeper.envoy.conncap import conncap_access_log, conncap_cluster, connca
 from poolkeeper.envoy.failopen import (
     fail_open_rewrite,
 )
-from poolkeeper.envoy.guard import header_guard
 from poolkeeper.envoy.observer import (
     RESPONSE_PROCESSOR,
     access_log,
@@ -307,8 +307,9 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         # a Host header the request gets this authority.
         "http_protocol_options": {"accept_http_10": True, "default_host_for_http_10": "gateway"},
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
-        # The codec's limits leave room for the EPP's header mutation; the header guard holds
-        # clients to `max_request_headers_kb` / `max_headers_count` (envoy/guard.py).
+        # The codec's limits leave room for the EPP's header mutation; the EPP holds clients
+        # to `max_request_headers_kb` / `max_headers_count` (431 before routing: a Lua filter
+        # doing the same in Envoy cost every request a Lua coroutine on the request path).
         "max_request_headers_kb": p.max_request_headers_kb + HEADER_KB_HEADROOM,
         # Until the EPP has routed a request, its stream may idle only this long: a hung EPP
         # (alive, never answering) costs a request at most this. Envoy's ext_proc message
@@ -338,7 +339,6 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(p)}],
         },
         "http_filters": [
-            header_guard(max_headers=p.max_headers_count, max_kb=p.max_request_headers_kb),
             ext_proc_filter(p),
             *([fail_open_rewrite(p.fail_open_targets)] if _rewrites_split_names(p) else []),
             # Encoding runs backwards: Lua sees the model server's response as it came.

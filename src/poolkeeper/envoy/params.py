@@ -39,12 +39,15 @@ STRIPPED_PREFIXES = (DESTINATION_HEADER, "x-poolkeeper-", "x-sim-")
 # Envoy applies the client header-count limit to the EPP's header mutation too: the headers
 # Envoy itself adds (x-forwarded-*, x-request-id, ...) plus the EPP's would push a request with
 # 94-100 client headers over it. The listener's limit is the client limit plus this headroom,
-# wide enough that 101-120 client headers get the guard's 431, over HTTP/2 too (its codec counts
+# wide enough that 101-120 client headers get the EPP's 431, over HTTP/2 too (its codec counts
 # the four pseudo headers: 117-120 were reset by the codec with a headroom of 20).
 HEADER_HEADROOM = 30
 # The same for size: the codec allows the client's `max_request_headers_kb` plus this, and the
-# header guard (envoy/guard.py) holds clients to their own limits before the EPP is asked.
+# EPP holds clients to their own limits before it routes (`ExtProcSettings.client_header_limits`,
+# given these two by `serve`).
 HEADER_KB_HEADROOM = 4
+CLIENT_MAX_HEADERS = 100
+CLIENT_MAX_HEADER_KB = 60
 ADMIN_ALLOW_PATHS = ("/ready", "/stats*", "/drain_listeners", "/memory")
 EXT_PROC_PER_ROUTE_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
@@ -144,8 +147,8 @@ class BootstrapParams:
     # a token stream, and request bodies (the other direction) are not limited by it.
     client_send_buffer_bytes: int = 256 << 10
     server_receive_buffer_bytes: int = 256 << 10
-    max_request_headers_kb: int = 60
-    max_headers_count: int = 100
+    max_request_headers_kb: int = CLIENT_MAX_HEADER_KB
+    max_headers_count: int = CLIENT_MAX_HEADERS
     max_connections: int = 1024 * 40  # circuit-breaker limits, as in GIE's test config
     # The overload manager's cap on client connections: `serve` derives it from the descriptor
     # limit it gives Envoy (`downstream_connection_cap`), so the cap acts before descriptors

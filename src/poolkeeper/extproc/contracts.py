@@ -99,6 +99,10 @@ class ExtProcSettings:
     # Paths the EPP routes (None: any); others get 404 not_found. Envoy's listener enforces
     # the same allowlist first; this guards EPPs behind another proxy (`serve --no-envoy`).
     inference_paths: frozenset[str] | None = None
+    # (headers, KiB) a client may send, counted as `messages.request_header_map` does; more
+    # get 431 before routing (None: unchecked). `serve` sets Envoy's listener limits above
+    # these (envoy/params.py HEADER_HEADROOM) so the EPP's own header mutation always fits.
+    client_header_limits: tuple[int, int] | None = None
     # Conformance: answer every response with `x-conformance-test-served-endpoint` (upstream's
     # destination-endpoint-served-verifier); off unless configured.
     conformance_served_header: bool = False

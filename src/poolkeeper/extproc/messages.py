@@ -55,6 +55,37 @@ def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
+# What Envoy's connection manager adds to a request before any filter runs: not the client's.
+ENVOY_ADDED_HEADERS = frozenset(
+    {
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-request-id",
+        "x-envoy-external-address",
+        "x-envoy-internal",
+    }
+)
+
+
+def request_header_map(headers: pb.HttpHeaders) -> tuple[dict[str, str], int, int]:
+    """`header_map`, and in the same pass (count, bytes) of the headers the client sent: the
+    request line's pseudo headers count in bytes only (a 63 KB URL is the client's too), the
+    headers Envoy added not at all."""
+    out: dict[str, str] = {}
+    count = size = 0
+    for hv in headers.headers.headers:
+        raw = hv.raw_value
+        value = raw.decode("utf-8", "replace") if raw else hv.value
+        key = hv.key.lower()
+        out[key] = f"{out[key]},{value}" if key in out else value
+        if key[:1] == ":":
+            size += len(key) + len(raw or value)
+        elif key not in ENVOY_ADDED_HEADERS:
+            count += 1
+            size += len(key) + len(raw or value)
+    return out, count, size
+
+
 def subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
     """The endpoints listed in `envoy.lb.subset_hint`, or None when no hint was sent."""
     if not request.HasField("metadata_context"):

@@ -42,7 +42,12 @@ from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.listen_hold import hold_new_connections, waiting
-from poolkeeper.envoy.params import EPP_CLUSTER, downstream_connection_cap
+from poolkeeper.envoy.params import (
+    CLIENT_MAX_HEADER_KB,
+    CLIENT_MAX_HEADERS,
+    EPP_CLUSTER,
+    downstream_connection_cap,
+)
 from poolkeeper.envoy.process import (
     EnvoyOptions,
     EnvoySupervisor,
@@ -114,6 +119,10 @@ class ServeOptions:
     metrics_middlewares: tuple[Any, ...] = ()
     # gRPC health as llm-d-router's EPP answers it (leader-aware; `poolkeeper-epp`).
     upstream_health: bool = False
+    # The EPP sits behind poolkeeper's own Envoy bootstrap (`serve`, `envoy-config`), whose
+    # listener leaves room above the client's header limits for the EPP to enforce them (431);
+    # False for `poolkeeper-epp` behind any Gateway, whose own headers would count.
+    own_bootstrap: bool = True
     # Distinct `fairness_id` metric label values, then `other` (--fairness-id-metric-label-limit).
     fairness_id_label_limit: int = 1000
 
@@ -283,6 +292,11 @@ class GatewayRuntime:
         settings = ExtProcSettings(
             max_request_body_bytes=spec.request_handling.max_body_bytes + 1024,
             inference_paths=frozenset(p.rstrip("/") or "/" for p in spec.edge.inference_paths),
+            # The client's header limits, under the listener's (envoy/params.py): 431 here,
+            # before the routing headers could cross Envoy's limits and fail as the EPP's fault.
+            client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB)
+            if self.options.own_bootstrap
+            else None,
             conformance_served_header=spec.request_handling.conformance_served_endpoint_header,
             answer_models=spec.request_handling.answer_models_list,
             max_streams=spec.request_handling.max_streams,

@@ -308,14 +308,15 @@ def _running_adapters(hostport: str) -> tuple[set[str], set[str], float]:
     return _adapters(newest), ever, kv
 
 
-def _pool_kv(gateway: Gateway, pool: str) -> float:
+def _pool_gauge(gateway: Gateway, pool: str, family: str) -> float:
+    """One of the gateway's own pool gauges (what its scrapes of the servers have seen)."""
     samples = _scrape(f"127.0.0.1:{gateway.ports['metrics']}")
-    (kv,) = [
-        value
-        for labels, value in samples["inference_pool_average_kv_cache_utilization"]
-        if labels["name"] == pool
-    ]
-    return kv
+    (value,) = [v for labels, v in samples[family] if labels["name"] == pool]
+    return value
+
+
+def _pool_kv(gateway: Gateway, pool: str) -> float:
+    return _pool_gauge(gateway, pool, "inference_pool_average_kv_cache_utilization")
 
 
 async def test_lora_requests_land_on_the_pod_running_the_adapter(gateway: Gateway) -> None:
@@ -420,6 +421,17 @@ async def test_sheddable_waits_then_429_when_pool_saturated_critical_does_not(
             )
         )
     try:
+        # Probe only once the gateway's scrapes show the waiting streams: a Sheddable request
+        # sent before that is dispatched, and waits behind 4,000-token streams past the
+        # client's timeout (seen on a loaded machine).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            queued = await asyncio.to_thread(
+                _pool_gauge, gateway, "tiny", "inference_pool_average_queue_size"
+            )
+            if queued >= len(streams) - 1:
+                break
+            await asyncio.sleep(0.05)
         expired = None
         deadline = time.monotonic() + 60  # until the gateway has seen the saturation
         while time.monotonic() < deadline:

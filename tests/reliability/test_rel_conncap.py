@@ -11,7 +11,9 @@ import asyncio
 import socket
 import struct
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -381,3 +383,94 @@ async def test_a_reset_during_its_check_leaves_no_phantom_connection(
         closed_at = counter.closed_unknown("127.0.0.4", silent_port)
         assert closed_at is not None
         assert opened_at + 0.4 <= closed_at <= time.time()
+
+
+def _envoy_checks(admin_port: int) -> dict[str, int]:
+    """Envoy's counts of the cap's checks (`ext_authz.client_cap.*`), read without the loop."""
+    url = f"http://127.0.0.1:{admin_port}/stats?filter=^ext_authz\\.client_cap\\."
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    stats: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if value.strip().isdigit():
+            stats[name.strip().removeprefix("ext_authz.client_cap.")] = int(value)
+    return stats
+
+
+def _status(sock: socket.socket) -> bytes:
+    """The status line of the answer on `sock`, b"" if it was closed unanswered."""
+    sock.settimeout(30)
+    data = b""
+    try:
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except ConnectionError:
+        return b""
+    return data.split(b"\r\n", 1)[0] if b"\r\n" in data else b""
+
+
+@pytest.mark.integration
+async def test_the_cap_holds_while_the_main_event_loop_is_busy(tmp_path: Path) -> None:
+    """Bounds round 6: Envoy gives each check 250 ms and lets the connection in when the
+    answer is late. The counter answered on `serve`'s main event loop, behind the EPP's work,
+    so on a loaded gateway over-cap connections got in. Here the main loop is held busy (a
+    Python loop holding the interpreter lock, as the EPP's work does) from before LIMIT + 2
+    connections from one address send a request until Envoy has finished every one of their
+    checks, answered or timed out. Before: all LIMIT + 2 were let in (each check timed out)
+    and served once the loop was free; now the counter answers on its own thread: LIMIT are
+    served, 2 closed unanswered."""
+    held: list[Conn] = []
+    async with _gateway(tmp_path, held) as runtime:
+        assert runtime.config is not None
+        counter = runtime.conncap
+        assert counter is not None
+        port, admin = runtime.config.spec.listeners.http, runtime.config.spec.listeners.admin
+        status, conn = await _request(port, "127.0.0.1")  # the path is warm
+        assert status == b"HTTP/1.1 200 OK", status
+        conn[1].close()
+        before = await asyncio.to_thread(_envoy_checks, admin)
+        busy, checked = threading.Event(), threading.Event()
+        socks: list[socket.socket] = []
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n%b" % (len(CHAT), CHAT)
+        )
+
+        def connect_while_busy() -> None:
+            try:
+                busy.wait(30)
+                for _ in range(LIMIT + 2):
+                    sock = socket.socket()
+                    socks.append(sock)
+                    sock.bind(("127.0.0.5", 0))
+                    sock.connect(("127.0.0.1", port))
+                    sock.sendall(request)
+                for _ in range(1000):  # until Envoy has every check's outcome
+                    stats = _envoy_checks(admin)
+                    if stats["total"] - before["total"] >= LIMIT + 2 and stats["active"] == 0:
+                        return
+                    time.sleep(0.01)
+            finally:
+                checked.set()
+
+        client = threading.Thread(target=connect_while_busy)
+        client.start()
+        busy.set()
+        spin_until = time.monotonic() + 30
+        while not checked.is_set() and time.monotonic() < spin_until:
+            sum(range(1000))  # the main loop busy, the interpreter lock held but for switches
+        await asyncio.to_thread(client.join)
+        try:
+            statuses = await asyncio.gather(*(asyncio.to_thread(_status, s) for s in socks))
+        finally:
+            for sock in socks:
+                sock.close()
+        served = [s for s in statuses if s == b"HTTP/1.1 200 OK"]
+        assert (len(served), len(statuses)) == (LIMIT, LIMIT + 2), statuses
+        assert counter.counts().refused == 2
+        after = await asyncio.to_thread(_envoy_checks, admin)
+        assert after["denied"] - before["denied"] == 2

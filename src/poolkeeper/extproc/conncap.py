@@ -28,6 +28,7 @@ Served on loopback with the run's Envoy token, like the EPP's other services (ex
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -68,7 +69,10 @@ class ConnectionCounts:
 
 
 class ConnectionCounter:
-    """Open connections by client address (`ip` -> its connections' source ports)."""
+    """Open connections by client address (`ip` -> its connections' source ports).
+
+    Thread-safe: its service runs on a thread of its own (server/own_loop.py), while the main
+    thread reads the figures and empties the table when Envoy dies."""
 
     def __init__(
         self,
@@ -90,6 +94,7 @@ class ConnectionCounter:
         self.untracked = 0
         self.cleared = 0
         self.late = 0
+        self._lock = threading.Lock()
 
     def opened(
         self,
@@ -103,6 +108,16 @@ class ConnectionCounter:
         kernel whether this connection is open (None: cannot tell), for a check that came
         after a close from the same address and port: the closed connection's own check,
         delayed on its way, or a new connection's from a reused port."""
+        with self._lock:
+            return self._opened(ip, port, arrived, still_open)
+
+    def _opened(
+        self,
+        ip: str,
+        port: int,
+        arrived: float | None,
+        still_open: Callable[[], bool | None] | None,
+    ) -> bool:
         if self._gone:
             closed_at = self._gone.pop((ip, port), None)
             if closed_at is not None and (
@@ -134,25 +149,28 @@ class ConnectionCounter:
         """A connection closed, `at` that moment (this clock; now if not given). One not in
         the table (silent, refused, untracked, or its check not handled yet) is remembered a
         while, in case its check is still to come."""
-        ports = self._ports.get(ip)
-        if ports is None or port not in ports:
-            self._remember_gone(ip, port, self._clock() if at is None else at)
-            return
-        ports.discard(port)
-        self._open -= 1
-        if not ports:
-            del self._ports[ip]
+        with self._lock:
+            ports = self._ports.get(ip)
+            if ports is None or port not in ports:
+                self._remember_gone(ip, port, self._clock() if at is None else at)
+                return
+            ports.discard(port)
+            self._open -= 1
+            if not ports:
+                del self._ports[ip]
 
     def now(self) -> float:
         return self._clock()
 
     def closed_unknown(self, ip: str, port: int) -> float | None:
         """When a connection not in the table closed, while that is remembered."""
-        return self._gone.get((ip, port))
+        with self._lock:
+            return self._gone.get((ip, port))
 
     def check_too_late(self) -> None:
         """A check handled past its deadline: Envoy let the connection in uncounted."""
-        self.late += 1
+        with self._lock:
+            self.late += 1
 
     def _remember_gone(self, ip: str, port: int, at: float) -> None:
         gone = self._gone
@@ -164,20 +182,23 @@ class ConnectionCounter:
 
     def clear(self) -> None:
         """Forget every connection: their closes may never be reported (fail open)."""
-        if self._open:
-            log.warning("connection counts reset: %d connection(s) forgotten", self._open)
-        self._ports.clear()
-        self._open = 0
-        self.cleared += 1
+        with self._lock:
+            if self._open:
+                log.warning("connection counts reset: %d connection(s) forgotten", self._open)
+            self._ports.clear()
+            self._open = 0
+            self.cleared += 1
 
     def exported(self) -> tuple[int, int, int, int]:
         """(open, addresses, refused, untracked), as telemetry exports them."""
-        return self._open, len(self._ports), self.refused, self.untracked
+        with self._lock:
+            return self._open, len(self._ports), self.refused, self.untracked
 
     def counts(self) -> ConnectionCounts:
-        return ConnectionCounts(
-            self._open, len(self._ports), self.refused, self.untracked, self.cleared, self.late
-        )
+        with self._lock:
+            return ConnectionCounts(
+                self._open, len(self._ports), self.refused, self.untracked, self.cleared, self.late
+            )
 
 
 class ConnectionCapService(

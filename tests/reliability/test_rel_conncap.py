@@ -194,6 +194,41 @@ async def test_a_check_delayed_past_its_connections_close_asks_the_kernel() -> N
     assert counter.counts().open == 1
 
 
+async def test_a_late_check_of_an_open_connection_is_counted_over_the_limit() -> None:
+    """A check Envoy gave up on (timeout: it let the connection in) is counted while the
+    kernel says the connection is open, over the limit too, so connections let in by late
+    checks do not pile up uncounted: the address's next connection is refused until one
+    closes. Closed, or the kernel unable to tell: not counted (no phantom)."""
+    clock = _Clock()
+    counter = ConnectionCounter(1, clock=clock)
+    open_now: dict[int, bool | None] = {}
+    service = ConnectionCapService(
+        counter, check_timeout_s=0.25, lookup=lambda _here, there: open_now.get(there[1])
+    )
+
+    async def check(port: int, context: _Context) -> bool:
+        request = _check("10.0.0.1", port)
+        request.attributes.destination.address.socket_address.address = "10.9.9.9"
+        request.attributes.destination.address.socket_address.port_value = 8080
+        reply = await service.Check(request, cast(Any, context))
+        return bool(reply.status.code == 0)
+
+    assert await check(1, _Context(remaining=0.2))  # on time: counted, the address is full
+    open_now[2] = True
+    assert await check(2, _Context(remaining=0.0))  # late, Envoy let it in: over the limit
+    open_now[3] = False
+    assert await check(3, _Context(remaining=0.1, cancelled=True))  # late and closed
+    open_now[4] = None
+    assert await check(4, _Context(remaining=0.0))  # late, the kernel cannot tell
+    counts = counter.counts()
+    assert (counts.open, counts.late, counts.late_counted) == (2, 3, 1)
+    counter.closed("10.0.0.1", 1)
+    assert not await check(5, _Context(remaining=0.2))  # still at the limit: refused
+    counter.closed("10.0.0.1", 2)  # the late one's close frees its place
+    assert await check(6, _Context(remaining=0.2))
+    assert counter.counts().open == 1
+
+
 def test_the_kernel_knows_which_connections_are_open() -> None:
     if not sys.platform.startswith("linux"):
         pytest.skip("sock_diag is Linux's")

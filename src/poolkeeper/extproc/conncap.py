@@ -65,7 +65,8 @@ class ConnectionCounts:
     refused: int  # connections refused at the per-address limit, since start
     untracked: int  # allowed without counting: the table was full, since start
     cleared: int  # times the table was emptied because a log stream ended
-    late: int  # checks not counted: past their deadline or after their connection's close
+    late: int  # checks handled past their deadline, or after their connection's close
+    late_counted: int  # of those, connections counted anyway: Envoy had let them in, still open
 
 
 class ConnectionCounter:
@@ -94,6 +95,7 @@ class ConnectionCounter:
         self.untracked = 0
         self.cleared = 0
         self.late = 0
+        self.late_counted = 0
         self._lock = threading.Lock()
 
     def opened(
@@ -167,10 +169,28 @@ class ConnectionCounter:
         with self._lock:
             return self._gone.get((ip, port))
 
-    def check_too_late(self) -> None:
-        """A check handled past its deadline: Envoy let the connection in uncounted."""
+    def let_in_late(
+        self, ip: str, port: int, still_open: Callable[[], bool | None] | None = None
+    ) -> None:
+        """A check handled past its deadline or cancelled: Envoy let the connection in (its
+        check timed out: fails open) or closed it. Counted, over the limit too, while the
+        kernel says it is open (`still_open`): its close will be reported and remove it, and
+        until then its address's next connections are refused, so connections let in by late
+        checks do not pile up past the cap. Not counted when it is closed or the kernel cannot
+        tell (a connection counted after its close would lock its address out for good)."""
         with self._lock:
             self.late += 1
+            self._gone.pop((ip, port), None)  # its own close, or a check to come will count
+            if still_open is None or still_open() is not True:
+                return
+            if self._open >= self.max_tracked:
+                self.untracked += 1
+                return
+            ports = self._ports.setdefault(ip, set())
+            if port not in ports:
+                ports.add(port)
+                self._open += 1
+                self.late_counted += 1
 
     def _remember_gone(self, ip: str, port: int, at: float) -> None:
         gone = self._gone
@@ -197,7 +217,13 @@ class ConnectionCounter:
     def counts(self) -> ConnectionCounts:
         with self._lock:
             return ConnectionCounts(
-                self._open, len(self._ports), self.refused, self.untracked, self.cleared, self.late
+                self._open,
+                len(self._ports),
+                self.refused,
+                self.untracked,
+                self.cleared,
+                self.late,
+                self.late_counted,
             )
 
 
@@ -224,23 +250,19 @@ class ConnectionCapService(
         source = request.attributes.source.address.socket_address
         if not source.address:
             return _ALLOW  # a Unix socket or an unknown peer: nothing to count by
+        local = request.attributes.destination.address.socket_address
+        here, there = (local.address, local.port_value), (source.address, source.port_value)
+        still_open = (lambda: self.lookup(here, there)) if local.address else None
         arrived = None
         if context is not None:
             remaining = context.time_remaining()
             if context.cancelled() or (remaining is not None and remaining <= 0):
-                # Envoy has let the connection in uncounted (timeout) or closed it: no count.
-                self.counter.check_too_late()
+                # Envoy has let the connection in (timeout) or closed it: the answer is moot.
+                self.counter.let_in_late(source.address, source.port_value, still_open)
                 return _ALLOW
             if remaining is not None and self.check_timeout_s is not None:
                 arrived = self.counter.now() - (self.check_timeout_s - remaining)
-        local = request.attributes.destination.address.socket_address
-        here, there = (local.address, local.port_value), (source.address, source.port_value)
-        allowed = self.counter.opened(
-            source.address,
-            source.port_value,
-            arrived,
-            still_open=(lambda: self.lookup(here, there)) if local.address else None,
-        )
+        allowed = self.counter.opened(source.address, source.port_value, arrived, still_open)
         return _ALLOW if allowed else _DENY
 
     async def StreamAccessLogs(

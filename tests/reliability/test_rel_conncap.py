@@ -450,10 +450,11 @@ def _status(sock: socket.socket) -> bytes:
 
 @pytest.mark.integration
 async def test_the_cap_holds_while_the_main_event_loop_is_busy(tmp_path: Path) -> None:
-    """Bounds round 6: Envoy gives each check 250 ms and lets the connection in when the
-    answer is late. The counter answered on `serve`'s main event loop, behind the EPP's work,
-    so on a loaded gateway over-cap connections got in. Here the main loop is held busy (a
-    Python loop holding the interpreter lock, as the EPP's work does) from before LIMIT + 2
+    """Bounds round 6: Envoy gives each check a deadline (`conncap_timeout_s`) and lets the
+    connection in when the answer is late. The counter answered on `serve`'s main event
+    loop, behind the EPP's work, so on a loaded gateway over-cap connections got in. Here
+    the main loop is held busy (a Python loop holding the interpreter lock, as the EPP's
+    work does) from before LIMIT + 2
     connections from one address send a request until Envoy has finished every one of their
     checks, answered or timed out. Before: all LIMIT + 2 were let in (each check timed out)
     and served once the loop was free; now the counter answers on its own thread: LIMIT are

@@ -11,11 +11,15 @@ Fails open everywhere it cannot be sure: Envoy's filter allows a connection when
 is unreachable or slow (`failure_mode_allow`); a connection the full table cannot hold is
 allowed untracked; and when a log stream ends (Envoy stopped or crashed, its closes lost) the
 table is emptied rather than keep addresses locked out by connections that no longer exist.
+So that "slow" is rare, `serve` runs this service on a thread and loop of its own
+(server/own_loop.py), not behind the EPP's work; a check still handled past its deadline
+(Envoy let its connection in) is counted while the kernel says the connection is open, so
+such connections do not pile up past the cap (`let_in_late`).
 
 A check and its connection's close come on two gRPC streams, so a check can be handled after
 the close (a client that resets right after its first bytes): counted then, the connection
 would stay in the table for good, a phantom that, repeated, locks its address out. So a check
-past its deadline is not counted (Envoy has let the connection in uncounted), and the close of
+past its deadline counts only if the kernel says its connection is open, and the close of
 a connection not in the table is remembered a while (`GONE_TTL_S`, at most `max_gone`),
 with when it closed: a check for that address and port that *arrived* before that moment is
 the closed connection's own and is not counted. A new connection from the same port sends its
@@ -52,7 +56,7 @@ _DENY = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.PERMISSION
 Lookup = Callable[[tuple[str, int], tuple[str, int]], bool | None]
 
 # How long the close of a connection not in the table is remembered: far beyond the check's
-# deadline (`BootstrapParams.conncap_timeout_s`, 250 ms), after which a check is not counted.
+# deadline (`BootstrapParams.conncap_timeout_s`, 1 s), after which a check is not counted.
 GONE_TTL_S = 10.0
 
 
@@ -80,7 +84,7 @@ class ConnectionCounter:
         limit: int,
         *,
         max_tracked: int = 65_536,
-        max_gone: int = 16_384,  # a check is late by at most its deadline: 16,384 in 250 ms
+        max_gone: int = 16_384,  # a check is late by at most its deadline: 16,384 in 1 s
         clock: Callable[[], float] = time.time,  # wall clock: Envoy's timestamps are
     ) -> None:
         self.limit = limit
@@ -137,14 +141,19 @@ class ConnectionCounter:
                     self.refused, self.limit, ip,
                 )  # fmt: skip
             return False
+        self._count(ip, port)
+        return True
+
+    def _count(self, ip: str, port: int) -> bool:
+        """Hold a connection in the table (True if it was not), unless the table is full."""
         if self._open >= self.max_tracked:
             self.untracked += 1  # bounded memory first: allowed, not counted
-            return True
-        if ports is None:
-            ports = self._ports[ip] = set()
-        if port not in ports:
-            ports.add(port)
-            self._open += 1
+            return False
+        ports = self._ports.setdefault(ip, set())
+        if port in ports:
+            return False
+        ports.add(port)
+        self._open += 1
         return True
 
     def closed(self, ip: str, port: int, at: float | None = None) -> None:
@@ -172,24 +181,15 @@ class ConnectionCounter:
     def let_in_late(
         self, ip: str, port: int, still_open: Callable[[], bool | None] | None = None
     ) -> None:
-        """A check handled past its deadline or cancelled: Envoy let the connection in (its
-        check timed out: fails open) or closed it. Counted, over the limit too, while the
-        kernel says it is open (`still_open`): its close will be reported and remove it, and
-        until then its address's next connections are refused, so connections let in by late
-        checks do not pile up past the cap. Not counted when it is closed or the kernel cannot
-        tell (a connection counted after its close would lock its address out for good)."""
+        """A check handled past its deadline or cancelled: Envoy let the connection in (fails
+        open) or closed it. Counted, over the limit too, while the kernel says it is open: its
+        close will remove it, and until then its address's next connections are refused, so
+        connections let in by late checks do not pile up past the cap. Closed or unknown: not
+        counted (counted after its close, it would lock its address out for good)."""
         with self._lock:
             self.late += 1
             self._gone.pop((ip, port), None)  # its own close, or a check to come will count
-            if still_open is None or still_open() is not True:
-                return
-            if self._open >= self.max_tracked:
-                self.untracked += 1
-                return
-            ports = self._ports.setdefault(ip, set())
-            if port not in ports:
-                ports.add(port)
-                self._open += 1
+            if still_open is not None and still_open() is True and self._count(ip, port):
                 self.late_counted += 1
 
     def _remember_gone(self, ip: str, port: int, at: float) -> None:

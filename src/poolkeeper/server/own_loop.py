@@ -1,11 +1,12 @@
 """A grpc.aio server on a thread and event loop of its own (`OwnLoopServer`).
 
 For a service whose answer must not wait on `serve`'s main event loop: the per-client-address
-connection counter (extproc/conncap.py). Envoy gives each of its checks 250 ms and lets the
-connection in when the answer is late; answered on the main loop, a check queued behind the
-EPP's work, and on a loaded gateway (load average 13, 50 streaming clients) took 204 ms at the
-median and 315 ms at p95, so the cap was not enforced. On its own loop a check waits only for
-the interpreter lock, which a busy main thread hands over every switch interval (5 ms).
+connection counter (extproc/conncap.py). Envoy gives each of its checks a deadline and lets
+the connection in when the answer is late; answered on the main loop, a check queued behind
+the EPP's work, and on a loaded gateway (load average 13, 50 streaming clients) took 204 ms at
+the median and 315 ms at p95, so the cap (then 250 ms) was not enforced. On its own loop a
+check waits only for the interpreter lock, which a busy main thread hands over every switch
+interval (5 ms), and for the CPU.
 
 The server is built, started, run and stopped on the thread (grpc.aio binds a server to the
 loop it was made in); the caller's loop only waits on futures. The thread is a daemon: a

@@ -24,7 +24,8 @@ from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2
 
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCapService, ConnectionCounter
-from poolkeeper.extproc.tcpdiag import connection_open
+from poolkeeper.extproc.tcpdiag import connection_open, peers_that_sent
+from poolkeeper.server.own_loop import OwnLoopServer
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -227,6 +228,57 @@ async def test_a_late_check_of_an_open_connection_is_counted_over_the_limit() ->
     counter.closed("10.0.0.1", 2)  # the late one's close frees its place
     assert await check(6, _Context(remaining=0.2))
     assert counter.counts().open == 1
+
+
+def test_the_kernels_list_counts_connections_let_in_uncounted_and_drops_phantoms() -> None:
+    """Round 7: a connection whose check timed out was let in by Envoy and, with grpc dropping
+    the cancelled call, never counted. The kernel's list of open connections that have sent
+    bytes, taken every check deadline plus 0.5 s, names it: missing from the table in two lists
+    in a row, it is counted. A table entry in neither of two lists is a phantom: forgotten."""
+    clock = _Clock()
+    counter = ConnectionCounter(2, clock=clock)
+    assert counter.opened("10.0.0.1", 1)
+    assert counter.opened("10.0.0.1", 9)  # a phantom: its close never reported
+    sent = {("10.0.0.1", 1), ("10.0.0.1", 2), ("10.0.0.1", 3), ("10.0.0.1", 4)}
+    counter.reconcile(sent)  # 2, 3, 4 may still have their checks on the way: not yet
+    assert counter.counts().open == 2
+    counter.closed("10.0.0.1", 4)  # 4's close reported (not in the table): remembered
+    counter.reconcile(sent - {("10.0.0.1", 3)})  # 3 closed meanwhile
+    counts = counter.counts()
+    assert (counts.open, counts.reconciled, counts.phantoms) == (2, 1, 1)  # 1 and 2, over 9
+    assert not counter.opened("10.0.0.1", 5)  # the address holds its 2
+    counter.closed("10.0.0.1", 2)
+    assert counter.opened("10.0.0.1", 5)
+    counter.clear()
+    counter.reconcile({("10.0.0.2", 1)})
+    counter.reconcile({("10.0.0.2", 1)})  # two lists since the reset
+    assert counter.counts().open == 1
+
+
+def test_the_kernel_lists_the_connections_that_have_sent_bytes() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("sock_diag is Linux's")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        silent = socket.create_connection(("127.0.0.1", port))
+        talker = socket.socket()
+        talker.bind(("127.0.0.3", 0))
+        talker.connect(("127.0.0.1", port))
+        ours = [listener.accept()[0], listener.accept()[0]]
+        talker.sendall(b"hello")
+        peer = talker.getsockname()
+        for _ in range(100):
+            if peers_that_sent(port) == {peer}:
+                break
+            time.sleep(0.01)
+        assert peers_that_sent(port) == {peer}  # the silent one is not listed
+        talker.close()
+        ours[0].close()
+        ours[1].close()  # closed here: not open any more
+        assert peers_that_sent(port) == set()
+        silent.close()
 
 
 def test_the_kernel_knows_which_connections_are_open() -> None:
@@ -510,3 +562,33 @@ async def test_the_cap_holds_while_the_main_event_loop_is_busy(tmp_path: Path) -
         assert counter.counts().refused == 2
         after = await asyncio.to_thread(_envoy_checks, admin)
         assert after["denied"] - before["denied"] == 2
+
+
+@pytest.mark.integration
+async def test_connections_let_in_by_timed_out_checks_are_counted(tmp_path: Path) -> None:
+    """Round 7, real Envoy: the counter's own loop held for longer than a check's deadline
+    while two connections from 127.0.0.7 send a request. Envoy lets both in (fails open) and
+    grpc drops the cancelled checks, so they were never counted: the address then got LIMIT
+    more. Now the kernel's list counts them within two lists, and the address gets LIMIT - 2."""
+    held: list[Conn] = []
+    async with _gateway(tmp_path, held) as runtime:
+        assert runtime.config is not None
+        counter = runtime.conncap
+        assert counter is not None
+        port = runtime.config.spec.listeners.http
+        own = runtime._grpc_servers[-1]
+        assert isinstance(own, OwnLoopServer)
+        assert own.loop is not None
+        own.loop.call_soon_threadsafe(time.sleep, 2.0)  # the counter's loop held 2 s
+        for status, conn in await asyncio.gather(
+            _request(port, "127.0.0.7"), _request(port, "127.0.0.7")
+        ):
+            assert status == b"HTTP/1.1 200 OK", status  # let in: their checks timed out
+            held.append(conn)
+        await _until(lambda: counter.counts().reconciled == 2, "both counted", timeout_s=10)
+        statuses = []
+        for _ in range(LIMIT - 1):
+            status, conn = await _request(port, "127.0.0.7")
+            statuses.append(status)
+            held.append(conn)
+        assert statuses == [b"HTTP/1.1 200 OK"] * (LIMIT - 2) + [b""]

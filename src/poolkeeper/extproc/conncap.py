@@ -31,6 +31,7 @@ Served on loopback with the run's Envoy token, like the EPP's other services (ex
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -45,7 +46,7 @@ from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2, external_auth_p
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from poolkeeper.extproc.auth import EnvoyOnly
-from poolkeeper.extproc.tcpdiag import connection_open
+from poolkeeper.extproc.tcpdiag import connection_open, peers_that_sent
 
 log = logging.getLogger("poolkeeper.extproc")
 
@@ -54,6 +55,10 @@ _DENY = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.PERMISSION
 
 # Whether a connection is open: its end on this host (address, port), its peer's; None: unknown.
 Lookup = Callable[[tuple[str, int], tuple[str, int]], bool | None]
+# The peers of the open connections on a local port that have sent bytes; None: unknown.
+Peers = Callable[[int], set[tuple[str, int]] | None]
+# The kernel's list is taken every check deadline plus this.
+RECONCILE_EXTRA_S = 0.5
 
 # How long the close of a connection not in the table is remembered: far beyond the check's
 # deadline (`BootstrapParams.conncap_timeout_s`, 1 s), after which a check is not counted.
@@ -71,6 +76,8 @@ class ConnectionCounts:
     cleared: int  # times the table was emptied because a log stream ended
     late: int  # checks handled past their deadline, or after their connection's close
     late_counted: int  # of those, connections counted anyway: Envoy had let them in, still open
+    reconciled: int  # connections let in uncounted, counted later from the kernel's list
+    phantoms: int  # table entries the kernel had no open connection for, forgotten
 
 
 class ConnectionCounter:
@@ -100,6 +107,12 @@ class ConnectionCounter:
         self.cleared = 0
         self.late = 0
         self.late_counted = 0
+        self.reconciled = 0
+        self.phantoms = 0
+        # From the kernel's previous list (`reconcile`): its connections the table lacked, and
+        # the table's connections it lacked.
+        self._untabled: set[tuple[str, int]] = set()
+        self._unlisted: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
 
     def opened(
@@ -208,6 +221,30 @@ class ConnectionCounter:
             self._ports.clear()
             self._open = 0
             self.cleared += 1
+            self._untabled.clear()
+            self._unlisted.clear()
+
+    def reconcile(self, sent: set[tuple[str, int]]) -> None:
+        """The kernel's list of open connections that have sent bytes (tcpdiag.peers_that_sent),
+        taken every `RECONCILE_EXTRA_S` past a check's deadline. Missing from the table in two
+        lists in a row, a connection was let in uncounted (its check timed out and grpc dropped
+        the call, or it was handled too late to tell): counted now, over the limit too, unless
+        its close was already reported. In the table but in neither list (closed, its close
+        lost): a phantom, forgotten."""
+        with self._lock:
+            table = {(ip, port) for ip, ports in self._ports.items() for port in ports}
+            untabled, unlisted = sent - table, table - sent
+            for ip, port in untabled & self._untabled:
+                if (ip, port) not in self._gone and self._open < self.max_tracked:
+                    self.reconciled += self._count(ip, port)
+            for ip, port in unlisted & self._unlisted:
+                ports = self._ports[ip]
+                ports.discard(port)
+                self._open -= 1
+                self.phantoms += 1
+                if not ports:
+                    del self._ports[ip]
+            self._untabled, self._unlisted = untabled, unlisted
 
     def exported(self) -> tuple[int, int, int, int]:
         """(open, addresses, refused, untracked), as telemetry exports them."""
@@ -224,6 +261,8 @@ class ConnectionCounter:
                 self.cleared,
                 self.late,
                 self.late_counted,
+                self.reconciled,
+                self.phantoms,
             )
 
 
@@ -238,11 +277,34 @@ class ConnectionCapService(
         counter: ConnectionCounter,
         check_timeout_s: float | None = None,
         lookup: Lookup = connection_open,
+        listen_port: int = 0,
+        peers: Peers = peers_that_sent,
     ) -> None:
         self.counter = counter
         # Envoy's timeout for a check: with the deadline it gives when the check arrived.
         self.check_timeout_s = check_timeout_s
         self.lookup = lookup  # is a connection still open (the kernel's word, tcpdiag)
+        # Envoy's public listener (0: not reconciled) and the kernel's list of its connections.
+        self.listen_port = listen_port
+        self.peers = peers
+        self._reconciler: asyncio.Task[None] | None = None
+
+    def start_reconciling(self) -> None:
+        """Take the kernel's list from now on, on the running loop (the server's, which
+        cancels it when it ends); nothing without a `listen_port`."""
+        if self.listen_port and self._reconciler is None:
+            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile())
+
+    async def _reconcile(self) -> None:
+        """The kernel's list, every check deadline plus `RECONCILE_EXTRA_S` (a check
+        outstanding at one list is settled by the next). Taken on this loop: a few ms of
+        netlink, less than a thread hop costs under load."""
+        every_s = (self.check_timeout_s or 1.0) + RECONCILE_EXTRA_S
+        while True:
+            await asyncio.sleep(every_s)
+            sent = self.peers(self.listen_port)
+            if sent is not None:
+                self.counter.reconcile(sent)
 
     async def Check(
         self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext | None = None
@@ -295,13 +357,17 @@ def build_conncap_server(
     host: str,
     token: str | None,
     check_timeout_s: float | None = None,
+    listen_port: int = 0,
 ) -> tuple[grpc.aio.Server, int]:
     """The service on `host` (loopback), any free port; calls without `token` are refused.
-    `check_timeout_s`: the timeout Envoy gives each check (`conncap_timeout_s`)."""
+    `check_timeout_s`: the timeout Envoy gives each check (`conncap_timeout_s`);
+    `listen_port`: Envoy's public listener, whose connections are reconciled with the kernel
+    (from now on: call this on the loop that will run the server, as grpc.aio wants anyway)."""
     server = grpc.aio.server(interceptors=[EnvoyOnly(token)] if token is not None else [])
-    service = ConnectionCapService(counter, check_timeout_s)
+    service = ConnectionCapService(counter, check_timeout_s, listen_port=listen_port)
     external_auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(service, server)
+    service.start_reconciling()
     port = server.add_insecure_port(f"{host}:0")
     if port == 0:
         raise OSError(f"cannot bind the connection counter to {host}")

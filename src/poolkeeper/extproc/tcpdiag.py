@@ -82,3 +82,81 @@ def connection_open(local: tuple[str, int], remote: tuple[str, int]) -> bool | N
         if found is None:
             answer = None
     return answer
+
+
+_NLM_F_DUMP = 0x300
+_NLMSG_DONE = 3
+_INET_DIAG_INFO = 2  # the attribute that carries struct tcp_info
+_BYTES_RECEIVED_AT = 128  # tcp_info.tcpi_bytes_received (u64), Linux 4.1 and later
+_DUMP_STATES = (1 << 1) | (1 << 8)  # ESTABLISHED, CLOSE_WAIT: open as far as Envoy is concerned
+
+
+def _dump(family: int) -> bytes:
+    body = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 1 << (_INET_DIAG_INFO - 1), 0)
+    body = body[:4] + struct.pack("=I", _DUMP_STATES) + b"\0" * 48  # an empty socket id
+    flags = _NLM_F_REQUEST | _NLM_F_DUMP
+    return struct.pack("=IHHII", 16 + len(body), _SOCK_DIAG_BY_FAMILY, flags, 1, 0) + body
+
+
+def _peer(family: int, raw: bytes) -> str:
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[:4])
+    address = ipaddress.IPv6Address(raw[:16])
+    mapped = address.ipv4_mapped  # a dual-stack listener's IPv4 client, as Envoy names it
+    return str(mapped) if mapped is not None else str(address)
+
+
+def _received(message: bytes, start: int, end: int) -> int | None:
+    """tcpi_bytes_received from the attributes of one inet_diag_msg (None: not there)."""
+    at = start + 72  # past struct inet_diag_msg
+    while at + 4 <= end:
+        length, kind = struct.unpack_from("=HH", message, at)
+        if length < 4:
+            return None
+        if kind == _INET_DIAG_INFO and length - 4 >= _BYTES_RECEIVED_AT + 8:
+            received: int = struct.unpack_from("=Q", message, at + 4 + _BYTES_RECEIVED_AT)[0]
+            return received
+        at += (length + 3) & ~3
+    return None
+
+
+def peers_that_sent(local_port: int) -> set[tuple[str, int]] | None:
+    """The peers (address, port) of this host's open TCP connections whose end here is on
+    `local_port` (Envoy's listener) and that have received bytes; None when the kernel cannot
+    be asked or answered in part (not Linux, not allowed, a reply cut short)."""
+    if not hasattr(socket, "AF_NETLINK"):
+        return None
+    peers: set[tuple[str, int]] = set()
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as sock:
+                sock.settimeout(1.0)
+                sock.send(_dump(family))
+                if not _read_dump(sock, local_port, peers):
+                    return None
+        except OSError:
+            return None
+    return peers
+
+
+def _read_dump(sock: socket.socket, local_port: int, peers: set[tuple[str, int]]) -> bool:
+    """Read one dump to its end into `peers`; False if it ended in an error."""
+    while True:
+        reply = sock.recv(1 << 16)
+        at = 0
+        while at + 16 <= len(reply):
+            length, kind = struct.unpack_from("=IH", reply, at)
+            if length < 16:
+                return False
+            if kind == _NLMSG_DONE:
+                return True
+            if kind == _NLMSG_ERROR:
+                return False
+            message = at + 16
+            if kind == _SOCK_DIAG_BY_FAMILY and length >= 16 + 72:
+                family = reply[message]
+                here, there = struct.unpack_from("!HH", reply, message + 4)
+                received = _received(reply, message, at + length)
+                if here == local_port and received:
+                    peers.add((_peer(family, reply[message + 24 : message + 40]), there))
+            at += (length + 3) & ~3

@@ -47,6 +47,11 @@ class OwnLoopServer:
         self._thread.start()
         self.port = await asyncio.wrap_future(started)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The thread's event loop, while it runs."""
+        return self._loop
+
     async def stop(self, grace: float | None) -> None:
         """Stop the server (`grace` as grpc.aio's `stop`) and end its thread; idempotent."""
         loop, server, thread = self._loop, self._server, self._thread
@@ -64,10 +69,17 @@ class OwnLoopServer:
 
     def _run(self, started: concurrent.futures.Future[int]) -> None:
         loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)  # this thread's current loop: grpc.aio asks for it
         self._loop = loop
         try:
             loop.run_until_complete(self._serve(started))
+            # What the server's handlers left running ends with it, as asyncio.run does.
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         finally:
+            asyncio.set_event_loop(None)
             loop.close()
 
     async def _serve(self, started: concurrent.futures.Future[int]) -> None:

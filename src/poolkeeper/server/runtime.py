@@ -385,11 +385,12 @@ class GatewayRuntime:
         if limit <= 0:
             return params
         self.conncap = counter = ConnectionCounter(limit)
-        token, timeout_s = self._epp_token, params.conncap_timeout_s
+        token, timeout_s, listen = self._epp_token, params.conncap_timeout_s, params.listen_port
         # On a thread and loop of its own: Envoy lets a connection in uncounted when the
         # answer takes over `timeout_s`, and on this loop it waited behind the EPP's work.
         server = OwnLoopServer(
-            lambda: build_conncap_server(counter, "127.0.0.1", token, timeout_s), "conncap"
+            lambda: build_conncap_server(counter, "127.0.0.1", token, timeout_s, listen),
+            "conncap",
         )
         await server.start()
         self._grpc_servers.append(server)

@@ -23,7 +23,8 @@ import pytest
 from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2
 
 from poolkeeper.controller.files import file_source
-from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCapService, ConnectionCounter
+from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCounter
+from poolkeeper.extproc.conncap_service import ConnectionCapService
 from poolkeeper.extproc.tcpdiag import connection_open, peers_that_sent
 from poolkeeper.server.own_loop import OwnLoopServer
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions

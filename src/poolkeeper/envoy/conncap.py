@@ -8,7 +8,8 @@ loopback: `conncap_port` is 0 (no cap) unless `serve` started it.
 
 Fails open: an unreachable or slow counter (over `conncap_timeout_s`) lets the connection in
 (`failure_mode_allow`), so a dead or starved EPP process never locks clients out by this
-filter (the counter counts such a connection when its late check comes: extproc/conncap.py).
+filter (the counter counts such a connection later, from the kernel's list of connections:
+extproc/conncap_service.py).
 """
 
 from __future__ import annotations

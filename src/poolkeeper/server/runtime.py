@@ -51,7 +51,8 @@ from poolkeeper.envoy.process import (
 )
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
-from poolkeeper.extproc.conncap import ConnectionCounter, build_conncap_server
+from poolkeeper.extproc.conncap import ConnectionCounter
+from poolkeeper.extproc.conncap_service import build_conncap_server
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context

@@ -245,8 +245,6 @@ async def main() -> None:
             p50 = statistics.median(refused) * 1e3 if refused else float("nan")
             p95 = refused[int(0.95 * (len(refused) - 1))] * 1e3 if refused else float("nan")
             text = _stats(variants[name][4])
-            if os.environ.get("CONNCAP_DUMP"):
-                print(text)
             failed = _counter(text, "ext_authz.client_cap.failure_mode_allowed")
             total = _counter(text, "ext_authz.client_cap.total")
             print(f"{name:<7} {probes:>6} {let_in:>6} {p50:>10.1f} / {p95:<9.1f} "

@@ -1,10 +1,13 @@
-"""Whether one TCP connection on this host is still open, asked of the kernel (Linux sock_diag).
+"""Which TCP connections on this host are open, asked of the kernel (Linux sock_diag).
 
 The connection counter (extproc/conncap.py) learns of a connection's first bytes and of its
 close on two gRPC streams, so in one case it cannot tell from their order alone whether a
 check belongs to a connection that already closed or to a new one from the same address and
 port. The kernel can: Envoy's end of the connection is on this host (Envoy is `serve`'s child,
 in its network namespace), and one netlink request looks it up by its four-tuple, as `ss` does.
+It also lists the open connections on Envoy's listener port that have sent bytes
+(`peers_that_sent`): the counter's reconciliation, for connections Envoy let in when their
+check timed out (extproc/conncap_service.py).
 """
 
 from __future__ import annotations

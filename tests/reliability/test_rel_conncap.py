@@ -25,7 +25,7 @@ from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCounter
 from poolkeeper.extproc.conncap_service import ConnectionCapService
-from poolkeeper.extproc.tcpdiag import connection_open, peers_that_sent
+from poolkeeper.extproc.tcpdiag import _read_dump, connection_open, peers_that_sent
 from poolkeeper.server.own_loop import OwnLoopServer
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
@@ -280,6 +280,27 @@ def test_the_kernel_lists_the_connections_that_have_sent_bytes() -> None:
         ours[1].close()  # closed here: not open any more
         assert peers_that_sent(port) == set()
         silent.close()
+
+
+def test_a_kernel_list_without_bytes_received_is_no_list() -> None:
+    """A kernel before 4.1 gives no tcpi_bytes_received: such a list would name no connection,
+    and the counter would forget every one it holds as a phantom. It is taken as no list."""
+
+    class _Reply:
+        def __init__(self, port: int) -> None:
+            diag = bytearray(72)
+            diag[0] = socket.AF_INET
+            struct.pack_into("!HH", diag, 4, port, 40000)
+            message = struct.pack("=IHHII", 16 + 72, 20, 2, 1, 0) + bytes(diag)
+            self.data = message + struct.pack("=IHHII", 20, 3, 2, 1, 0) + b"\0" * 4
+
+        def recv(self, _size: int) -> bytes:
+            return self.data
+
+    peers: set[tuple[str, int]] = set()
+    assert _read_dump(cast(Any, _Reply(8080)), 8080, peers) is False
+    assert _read_dump(cast(Any, _Reply(8081)), 8080, peers) is True  # another port: skipped
+    assert peers == set()
 
 
 def test_the_kernel_knows_which_connections_are_open() -> None:

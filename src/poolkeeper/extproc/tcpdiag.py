@@ -151,7 +151,9 @@ def peers_that_sent(local_port: int) -> set[tuple[str, int]] | None:
 
 
 def _read_dump(sock: socket.socket, local_port: int, peers: set[tuple[str, int]]) -> bool:
-    """Read one dump to its end into `peers`; False if it ended in an error."""
+    """Read one dump to its end into `peers`; False if it ended in an error or a connection's
+    bytes received were not given (a kernel before 4.1): a list without them would make the
+    counter forget every connection it holds."""
     while True:
         reply = sock.recv(1 << 16)
         at = 0
@@ -166,7 +168,11 @@ def _read_dump(sock: socket.socket, local_port: int, peers: set[tuple[str, int]]
             message = at + 16
             if kind == _SOCK_DIAG_BY_FAMILY and length >= 16 + 72:
                 here, there = struct.unpack_from("!HH", reply, message + 4)
-                if here == local_port and _received(reply, message, at + length):
-                    family = reply[message]
-                    peers.add((_peer(family, reply[message + 24 : message + 40]), there))
+                if here == local_port:
+                    received = _received(reply, message, at + length)
+                    if received is None:
+                        return False
+                    if received:
+                        family = reply[message]
+                        peers.add((_peer(family, reply[message + 24 : message + 40]), there))
             at += (length + 3) & ~3

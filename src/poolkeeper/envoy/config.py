@@ -103,9 +103,8 @@ class Edge(CamelModel, use_attribute_docstrings=True):
     the `serve` process for its Envoy, on a thread of its own (a silent connection is left to
     the idle timeout); if the counter cannot answer within 1 s, the connection is let in (fail
     open) and counted within a few seconds from the kernel's list of connections. 0: no cap.
-    Behind a load
-    balancer or proxy that hides client addresses every client shares its address: raise it
-    or set 0 there."""
+    Behind a load balancer or proxy that hides client addresses every client shares its
+    address: raise it or set 0 there."""
     observe_responses: bool | None = None
     """The response observer. On, once a request is routed the endpoint picker ends its
     ext_proc stream and learns how the response ended (status, first byte, token usage) from

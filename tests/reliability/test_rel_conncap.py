@@ -11,7 +11,9 @@ import asyncio
 import socket
 import struct
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,8 +23,10 @@ import pytest
 from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2
 
 from poolkeeper.controller.files import file_source
-from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCapService, ConnectionCounter
-from poolkeeper.extproc.tcpdiag import connection_open
+from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCounter
+from poolkeeper.extproc.conncap_service import ConnectionCapService
+from poolkeeper.extproc.tcpdiag import _read_dump, connection_open, peers_that_sent
+from poolkeeper.server.own_loop import OwnLoopServer
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
@@ -190,6 +194,113 @@ async def test_a_check_delayed_past_its_connections_close_asks_the_kernel() -> N
     open_now[("10.0.0.1", 5)] = None  # the kernel cannot tell: counted, as before
     assert await check(5)
     assert counter.counts().open == 1
+
+
+async def test_a_late_check_of_an_open_connection_is_counted_over_the_limit() -> None:
+    """A check Envoy gave up on (timeout: it let the connection in) is counted while the
+    kernel says the connection is open, over the limit too, so connections let in by late
+    checks do not pile up uncounted: the address's next connection is refused until one
+    closes. Closed, or the kernel unable to tell: not counted (no phantom)."""
+    clock = _Clock()
+    counter = ConnectionCounter(1, clock=clock)
+    open_now: dict[int, bool | None] = {}
+    service = ConnectionCapService(
+        counter, check_timeout_s=0.25, lookup=lambda _here, there: open_now.get(there[1])
+    )
+
+    async def check(port: int, context: _Context) -> bool:
+        request = _check("10.0.0.1", port)
+        request.attributes.destination.address.socket_address.address = "10.9.9.9"
+        request.attributes.destination.address.socket_address.port_value = 8080
+        reply = await service.Check(request, cast(Any, context))
+        return bool(reply.status.code == 0)
+
+    assert await check(1, _Context(remaining=0.2))  # on time: counted, the address is full
+    open_now[2] = True
+    assert await check(2, _Context(remaining=0.0))  # late, Envoy let it in: over the limit
+    open_now[3] = False
+    assert await check(3, _Context(remaining=0.1, cancelled=True))  # late and closed
+    open_now[4] = None
+    assert await check(4, _Context(remaining=0.0))  # late, the kernel cannot tell
+    counts = counter.counts()
+    assert (counts.open, counts.late, counts.late_counted) == (2, 3, 1)
+    counter.closed("10.0.0.1", 1)
+    assert not await check(5, _Context(remaining=0.2))  # still at the limit: refused
+    counter.closed("10.0.0.1", 2)  # the late one's close frees its place
+    assert await check(6, _Context(remaining=0.2))
+    assert counter.counts().open == 1
+
+
+def test_the_kernels_list_counts_connections_let_in_uncounted_and_drops_phantoms() -> None:
+    """Round 7: a connection whose check timed out was let in by Envoy and, with grpc dropping
+    the cancelled call, never counted. The kernel's list of open connections that have sent
+    bytes, taken every check deadline plus 0.5 s, names it: missing from the table in two lists
+    in a row, it is counted. A table entry in neither of two lists is a phantom: forgotten."""
+    clock = _Clock()
+    counter = ConnectionCounter(2, clock=clock)
+    assert counter.opened("10.0.0.1", 1)
+    assert counter.opened("10.0.0.1", 9)  # a phantom: its close never reported
+    sent = {("10.0.0.1", 1), ("10.0.0.1", 2), ("10.0.0.1", 3), ("10.0.0.1", 4)}
+    counter.reconcile(sent)  # 2, 3, 4 may still have their checks on the way: not yet
+    assert counter.counts().open == 2
+    counter.closed("10.0.0.1", 4)  # 4's close reported (not in the table): remembered
+    counter.reconcile(sent - {("10.0.0.1", 3)})  # 3 closed meanwhile
+    counts = counter.counts()
+    assert (counts.open, counts.reconciled, counts.phantoms) == (2, 1, 1)  # 1 and 2, over 9
+    assert not counter.opened("10.0.0.1", 5)  # the address holds its 2
+    counter.closed("10.0.0.1", 2)
+    assert counter.opened("10.0.0.1", 5)
+    counter.clear()
+    counter.reconcile({("10.0.0.2", 1)})
+    counter.reconcile({("10.0.0.2", 1)})  # two lists since the reset
+    assert counter.counts().open == 1
+
+
+def test_the_kernel_lists_the_connections_that_have_sent_bytes() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("sock_diag is Linux's")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        silent = socket.create_connection(("127.0.0.1", port))
+        talker = socket.socket()
+        talker.bind(("127.0.0.3", 0))
+        talker.connect(("127.0.0.1", port))
+        ours = [listener.accept()[0], listener.accept()[0]]
+        talker.sendall(b"hello")
+        peer = talker.getsockname()
+        for _ in range(100):
+            if peers_that_sent(port) == {peer}:
+                break
+            time.sleep(0.01)
+        assert peers_that_sent(port) == {peer}  # the silent one is not listed
+        talker.close()
+        ours[0].close()
+        ours[1].close()  # closed here: not open any more
+        assert peers_that_sent(port) == set()
+        silent.close()
+
+
+def test_a_kernel_list_without_bytes_received_is_no_list() -> None:
+    """A kernel before 4.1 gives no tcpi_bytes_received: such a list would name no connection,
+    and the counter would forget every one it holds as a phantom. It is taken as no list."""
+
+    class _Reply:
+        def __init__(self, port: int) -> None:
+            diag = bytearray(72)
+            diag[0] = socket.AF_INET
+            struct.pack_into("!HH", diag, 4, port, 40000)
+            message = struct.pack("=IHHII", 16 + 72, 20, 2, 1, 0) + bytes(diag)
+            self.data = message + struct.pack("=IHHII", 20, 3, 2, 1, 0) + b"\0" * 4
+
+        def recv(self, _size: int) -> bytes:
+            return self.data
+
+    peers: set[tuple[str, int]] = set()
+    assert _read_dump(cast(Any, _Reply(8080)), 8080, peers) is False
+    assert _read_dump(cast(Any, _Reply(8081)), 8080, peers) is True  # another port: skipped
+    assert peers == set()
 
 
 def test_the_kernel_knows_which_connections_are_open() -> None:
@@ -381,3 +492,125 @@ async def test_a_reset_during_its_check_leaves_no_phantom_connection(
         closed_at = counter.closed_unknown("127.0.0.4", silent_port)
         assert closed_at is not None
         assert opened_at + 0.4 <= closed_at <= time.time()
+
+
+def _envoy_checks(admin_port: int) -> dict[str, int]:
+    """Envoy's counts of the cap's checks (`ext_authz.client_cap.*`), read without the loop."""
+    url = f"http://127.0.0.1:{admin_port}/stats?filter=^ext_authz\\.client_cap\\."
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    stats: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if value.strip().isdigit():
+            stats[name.strip().removeprefix("ext_authz.client_cap.")] = int(value)
+    return stats
+
+
+def _status(sock: socket.socket) -> bytes:
+    """The status line of the answer on `sock`, b"" if it was closed unanswered."""
+    sock.settimeout(30)
+    data = b""
+    try:
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except ConnectionError:
+        return b""
+    return data.split(b"\r\n", 1)[0] if b"\r\n" in data else b""
+
+
+@pytest.mark.integration
+async def test_the_cap_holds_while_the_main_event_loop_is_busy(tmp_path: Path) -> None:
+    """Bounds round 6: Envoy gives each check a deadline (`conncap_timeout_s`) and lets the
+    connection in when the answer is late. The counter answered on `serve`'s main event
+    loop, behind the EPP's work, so on a loaded gateway over-cap connections got in. Here
+    the main loop is held busy (a Python loop holding the interpreter lock, as the EPP's
+    work does) from before LIMIT + 2
+    connections from one address send a request until Envoy has finished every one of their
+    checks, answered or timed out. Before: all LIMIT + 2 were let in (each check timed out)
+    and served once the loop was free; now the counter answers on its own thread: LIMIT are
+    served, 2 closed unanswered."""
+    held: list[Conn] = []
+    async with _gateway(tmp_path, held) as runtime:
+        assert runtime.config is not None
+        counter = runtime.conncap
+        assert counter is not None
+        port, admin = runtime.config.spec.listeners.http, runtime.config.spec.listeners.admin
+        status, conn = await _request(port, "127.0.0.1")  # the path is warm
+        assert status == b"HTTP/1.1 200 OK", status
+        conn[1].close()
+        before = await asyncio.to_thread(_envoy_checks, admin)
+        busy, checked = threading.Event(), threading.Event()
+        socks: list[socket.socket] = []
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n%b" % (len(CHAT), CHAT)
+        )
+
+        def connect_while_busy() -> None:
+            try:
+                busy.wait(30)
+                for _ in range(LIMIT + 2):
+                    sock = socket.socket()
+                    socks.append(sock)
+                    sock.bind(("127.0.0.5", 0))
+                    sock.connect(("127.0.0.1", port))
+                    sock.sendall(request)
+                for _ in range(1000):  # until Envoy has every check's outcome
+                    stats = _envoy_checks(admin)
+                    if stats["total"] - before["total"] >= LIMIT + 2 and stats["active"] == 0:
+                        return
+                    time.sleep(0.01)
+            finally:
+                checked.set()
+
+        client = threading.Thread(target=connect_while_busy)
+        client.start()
+        busy.set()
+        spin_until = time.monotonic() + 30
+        while not checked.is_set() and time.monotonic() < spin_until:
+            sum(range(1000))  # the main loop busy, the interpreter lock held but for switches
+        await asyncio.to_thread(client.join)
+        try:
+            statuses = await asyncio.gather(*(asyncio.to_thread(_status, s) for s in socks))
+        finally:
+            for sock in socks:
+                sock.close()
+        served = [s for s in statuses if s == b"HTTP/1.1 200 OK"]
+        assert (len(served), len(statuses)) == (LIMIT, LIMIT + 2), statuses
+        assert counter.counts().refused == 2
+        after = await asyncio.to_thread(_envoy_checks, admin)
+        assert after["denied"] - before["denied"] == 2
+
+
+@pytest.mark.integration
+async def test_connections_let_in_by_timed_out_checks_are_counted(tmp_path: Path) -> None:
+    """Round 7, real Envoy: the counter's own loop held for longer than a check's deadline
+    while two connections from 127.0.0.7 send a request. Envoy lets both in (fails open) and
+    grpc drops the cancelled checks, so they were never counted: the address then got LIMIT
+    more. Now the kernel's list counts them within two lists, and the address gets LIMIT - 2."""
+    held: list[Conn] = []
+    async with _gateway(tmp_path, held) as runtime:
+        assert runtime.config is not None
+        counter = runtime.conncap
+        assert counter is not None
+        port = runtime.config.spec.listeners.http
+        own = runtime._grpc_servers[-1]
+        assert isinstance(own, OwnLoopServer)
+        assert own.loop is not None
+        own.loop.call_soon_threadsafe(time.sleep, 2.0)  # the counter's loop held 2 s
+        for status, conn in await asyncio.gather(
+            _request(port, "127.0.0.7"), _request(port, "127.0.0.7")
+        ):
+            assert status == b"HTTP/1.1 200 OK", status  # let in: their checks timed out
+            held.append(conn)
+        await _until(lambda: counter.counts().reconciled == 2, "both counted", timeout_s=10)
+        statuses = []
+        for _ in range(LIMIT - 1):
+            status, conn = await _request(port, "127.0.0.7")
+            statuses.append(status)
+            held.append(conn)
+        assert statuses == [b"HTTP/1.1 200 OK"] * (LIMIT - 2) + [b""]

@@ -100,10 +100,11 @@ class Edge(CamelModel, use_attribute_docstrings=True):
     max_connections_per_client: int = Field(default=1024, ge=0, le=1_000_000)
     """Connections one client address may hold open on the public listener (the Envoy `serve`
     runs only); more are closed on their first bytes, before any request is read. Counted by
-    the `serve` process for its Envoy (a silent connection is left to the idle timeout); if
-    the counter cannot answer, connections are let in (fail open). 0: no cap. Behind a load
-    balancer or proxy that hides client addresses every client shares its address: raise it
-    or set 0 there."""
+    the `serve` process for its Envoy, on a thread of its own (a silent connection is left to
+    the idle timeout); if the counter cannot answer within 1 s, the connection is let in (fail
+    open) and counted within a few seconds from the kernel's list of connections. 0: no cap.
+    Behind a load balancer or proxy that hides client addresses every client shares its
+    address: raise it or set 0 there."""
     observe_responses: bool | None = None
     """The response observer. On, once a request is routed the endpoint picker ends its
     ext_proc stream and learns how the response ended (status, first byte, token usage) from

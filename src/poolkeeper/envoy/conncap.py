@@ -7,7 +7,9 @@ listener's TCP access log tells it of every close. The counter runs in the `serv
 loopback: `conncap_port` is 0 (no cap) unless `serve` started it.
 
 Fails open: an unreachable or slow counter (over `conncap_timeout_s`) lets the connection in
-(`failure_mode_allow`), so a dead EPP process never locks clients out by this filter.
+(`failure_mode_allow`), so a dead or starved EPP process never locks clients out by this
+filter (the counter counts such a connection later, from the kernel's list of connections:
+extproc/conncap_service.py).
 """
 
 from __future__ import annotations

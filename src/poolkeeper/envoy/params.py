@@ -193,9 +193,12 @@ class BootstrapParams:
     epp_tls: bool = False
     # The per-client-address connection cap (envoy/conncap.py): the counter's loopback port
     # in the `serve` process (0: no cap), and how long a connection's first bytes wait for it
-    # before the connection is let in uncounted.
+    # before the connection is let in uncounted. 1 s, not 250 ms: at load average 20 the
+    # counter's own thread answered at p95 in 339 ms, and 50 of 228 checks failed open at 250 ms
+    # (0 of 304 at 1 s); a check that slow means `serve` is starved, and the request would wait
+    # as long for its routing by the same process (docs/reliability.md, "Connection limits").
     conncap_port: int = 0
-    conncap_timeout_s: float = 0.25
+    conncap_timeout_s: float = 1.0
 
 
 # Descriptors kept back from the cap for Envoy itself: admin, EPP, logs, EDS file, upstream pools.

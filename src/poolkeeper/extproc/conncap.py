@@ -11,47 +11,39 @@ Fails open everywhere it cannot be sure: Envoy's filter allows a connection when
 is unreachable or slow (`failure_mode_allow`); a connection the full table cannot hold is
 allowed untracked; and when a log stream ends (Envoy stopped or crashed, its closes lost) the
 table is emptied rather than keep addresses locked out by connections that no longer exist.
+So that "slow" is rare, `serve` runs the service on a thread and loop of its own
+(server/own_loop.py), not behind the EPP's work. A connection Envoy let in anyway (its check
+timed out) is counted once found, over the limit too, so such connections do not pile up past
+the cap: by its late check if grpc still runs it (`let_in_late`), else from the kernel's list
+of open connections (`reconcile`), which also forgets phantoms.
 
 A check and its connection's close come on two gRPC streams, so a check can be handled after
 the close (a client that resets right after its first bytes): counted then, the connection
 would stay in the table for good, a phantom that, repeated, locks its address out. So a check
-past its deadline is not counted (Envoy has let the connection in uncounted), and the close of
+past its deadline counts only if the kernel says its connection is open, and the close of
 a connection not in the table is remembered a while (`GONE_TTL_S`, at most `max_gone`),
 with when it closed: a check for that address and port that *arrived* before that moment is
 the closed connection's own and is not counted. A new connection from the same port sends its
 first bytes after the close, so its check arrives after it and counts: reusing a port does not
 get a client past the cap. When a check arrived is known from its deadline (Envoy sends its
-timeout, `check_timeout_s`); without one, every check counts, as before.
-Served on loopback with the run's Envoy token, like the EPP's other services (extproc/auth).
+timeout, `check_timeout_s`); without one, every check counts, as before. Envoy's calls
+arrive through extproc/conncap_service.py.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import grpc
-from envoy.data.accesslog.v3 import accesslog_pb2
-from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from envoy.service.auth.v3 import external_auth_pb2 as auth_pb2, external_auth_pb2_grpc
-from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
-
-from poolkeeper.extproc.auth import EnvoyOnly
-from poolkeeper.extproc.tcpdiag import connection_open
 
 log = logging.getLogger("poolkeeper.extproc")
 
-_ALLOW = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.OK))
-_DENY = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED))
-
-# Whether a connection is open: its end on this host (address, port), its peer's; None: unknown.
-Lookup = Callable[[tuple[str, int], tuple[str, int]], bool | None]
 
 # How long the close of a connection not in the table is remembered: far beyond the check's
-# deadline (`BootstrapParams.conncap_timeout_s`, 250 ms), after which a check is not counted.
+# deadline (`BootstrapParams.conncap_timeout_s`, 1 s), after which a check is not counted.
 GONE_TTL_S = 10.0
 
 
@@ -64,18 +56,24 @@ class ConnectionCounts:
     refused: int  # connections refused at the per-address limit, since start
     untracked: int  # allowed without counting: the table was full, since start
     cleared: int  # times the table was emptied because a log stream ended
-    late: int  # checks not counted: past their deadline or after their connection's close
+    late: int  # checks handled past their deadline, or after their connection's close
+    late_counted: int  # of those, connections counted anyway: Envoy had let them in, still open
+    reconciled: int  # connections let in uncounted, counted later from the kernel's list
+    phantoms: int  # table entries the kernel had no open connection for, forgotten
 
 
 class ConnectionCounter:
-    """Open connections by client address (`ip` -> its connections' source ports)."""
+    """Open connections by client address (`ip` -> its connections' source ports).
+
+    Thread-safe: its service runs on a thread of its own (server/own_loop.py), while the main
+    thread reads the figures and empties the table when Envoy dies."""
 
     def __init__(
         self,
         limit: int,
         *,
         max_tracked: int = 65_536,
-        max_gone: int = 16_384,  # a check is late by at most its deadline: 16,384 in 250 ms
+        max_gone: int = 16_384,  # a check is late by at most its deadline: 16,384 in 1 s
         clock: Callable[[], float] = time.time,  # wall clock: Envoy's timestamps are
     ) -> None:
         self.limit = limit
@@ -90,6 +88,14 @@ class ConnectionCounter:
         self.untracked = 0
         self.cleared = 0
         self.late = 0
+        self.late_counted = 0
+        self.reconciled = 0
+        self.phantoms = 0
+        # From the kernel's previous list (`reconcile`): its connections the table lacked, and
+        # the table's connections it lacked.
+        self._untabled: set[tuple[str, int]] = set()
+        self._unlisted: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
 
     def opened(
         self,
@@ -103,6 +109,16 @@ class ConnectionCounter:
         kernel whether this connection is open (None: cannot tell), for a check that came
         after a close from the same address and port: the closed connection's own check,
         delayed on its way, or a new connection's from a reused port."""
+        with self._lock:
+            return self._opened(ip, port, arrived, still_open)
+
+    def _opened(
+        self,
+        ip: str,
+        port: int,
+        arrived: float | None,
+        still_open: Callable[[], bool | None] | None,
+    ) -> bool:
         if self._gone:
             closed_at = self._gone.pop((ip, port), None)
             if closed_at is not None and (
@@ -120,39 +136,56 @@ class ConnectionCounter:
                     self.refused, self.limit, ip,
                 )  # fmt: skip
             return False
+        self._count(ip, port)
+        return True
+
+    def _count(self, ip: str, port: int) -> bool:
+        """Hold a connection in the table (True if it was not), unless the table is full."""
         if self._open >= self.max_tracked:
             self.untracked += 1  # bounded memory first: allowed, not counted
-            return True
-        if ports is None:
-            ports = self._ports[ip] = set()
-        if port not in ports:
-            ports.add(port)
-            self._open += 1
+            return False
+        ports = self._ports.setdefault(ip, set())
+        if port in ports:
+            return False
+        ports.add(port)
+        self._open += 1
         return True
 
     def closed(self, ip: str, port: int, at: float | None = None) -> None:
         """A connection closed, `at` that moment (this clock; now if not given). One not in
         the table (silent, refused, untracked, or its check not handled yet) is remembered a
         while, in case its check is still to come."""
-        ports = self._ports.get(ip)
-        if ports is None or port not in ports:
-            self._remember_gone(ip, port, self._clock() if at is None else at)
-            return
-        ports.discard(port)
-        self._open -= 1
-        if not ports:
-            del self._ports[ip]
+        with self._lock:
+            ports = self._ports.get(ip)
+            if ports is None or port not in ports:
+                self._remember_gone(ip, port, self._clock() if at is None else at)
+                return
+            ports.discard(port)
+            self._open -= 1
+            if not ports:
+                del self._ports[ip]
 
     def now(self) -> float:
         return self._clock()
 
     def closed_unknown(self, ip: str, port: int) -> float | None:
         """When a connection not in the table closed, while that is remembered."""
-        return self._gone.get((ip, port))
+        with self._lock:
+            return self._gone.get((ip, port))
 
-    def check_too_late(self) -> None:
-        """A check handled past its deadline: Envoy let the connection in uncounted."""
-        self.late += 1
+    def let_in_late(
+        self, ip: str, port: int, still_open: Callable[[], bool | None] | None = None
+    ) -> None:
+        """A check handled past its deadline or cancelled: Envoy let the connection in (fails
+        open) or closed it. Counted, over the limit too, while the kernel says it is open: its
+        close will remove it, and until then its address's next connections are refused, so
+        connections let in by late checks do not pile up past the cap. Closed or unknown: not
+        counted (counted after its close, it would lock its address out for good)."""
+        with self._lock:
+            self.late += 1
+            self._gone.pop((ip, port), None)  # its own close, or a check to come will count
+            if still_open is not None and still_open() is True and self._count(ip, port):
+                self.late_counted += 1
 
     def _remember_gone(self, ip: str, port: int, at: float) -> None:
         gone = self._gone
@@ -164,102 +197,52 @@ class ConnectionCounter:
 
     def clear(self) -> None:
         """Forget every connection: their closes may never be reported (fail open)."""
-        if self._open:
-            log.warning("connection counts reset: %d connection(s) forgotten", self._open)
-        self._ports.clear()
-        self._open = 0
-        self.cleared += 1
+        with self._lock:
+            if self._open:
+                log.warning("connection counts reset: %d connection(s) forgotten", self._open)
+            self._ports.clear()
+            self._open = 0
+            self.cleared += 1
+            self._untabled.clear()
+            self._unlisted.clear()
+
+    def reconcile(self, sent: set[tuple[str, int]]) -> None:
+        """The kernel's list of open connections that have sent bytes (tcpdiag.peers_that_sent),
+        taken every `RECONCILE_EXTRA_S` past a check's deadline. Missing from the table in two
+        lists in a row, a connection was let in uncounted (its check timed out and grpc dropped
+        the call, or it was handled too late to tell): counted now, over the limit too, unless
+        its close was already reported. In the table but in neither list (closed, its close
+        lost): a phantom, forgotten."""
+        with self._lock:
+            table = {(ip, port) for ip, ports in self._ports.items() for port in ports}
+            untabled, unlisted = sent - table, table - sent
+            for ip, port in untabled & self._untabled:
+                if (ip, port) not in self._gone and self._open < self.max_tracked:
+                    self.reconciled += self._count(ip, port)
+            for ip, port in unlisted & self._unlisted:
+                ports = self._ports[ip]
+                ports.discard(port)
+                self._open -= 1
+                self.phantoms += 1
+                if not ports:
+                    del self._ports[ip]
+            self._untabled, self._unlisted = untabled, unlisted
 
     def exported(self) -> tuple[int, int, int, int]:
         """(open, addresses, refused, untracked), as telemetry exports them."""
-        return self._open, len(self._ports), self.refused, self.untracked
+        with self._lock:
+            return self._open, len(self._ports), self.refused, self.untracked
 
     def counts(self) -> ConnectionCounts:
-        return ConnectionCounts(
-            self._open, len(self._ports), self.refused, self.untracked, self.cleared, self.late
-        )
-
-
-class ConnectionCapService(
-    external_auth_pb2_grpc.AuthorizationServicer,  # type: ignore[misc]
-    als_pb2_grpc.AccessLogServiceServicer,  # type: ignore[misc]
-):
-    """Envoy's ext_authz `Check` (one per connection) and its listener's TCP access log."""
-
-    def __init__(
-        self,
-        counter: ConnectionCounter,
-        check_timeout_s: float | None = None,
-        lookup: Lookup = connection_open,
-    ) -> None:
-        self.counter = counter
-        # Envoy's timeout for a check: with the deadline it gives when the check arrived.
-        self.check_timeout_s = check_timeout_s
-        self.lookup = lookup  # is a connection still open (the kernel's word, tcpdiag)
-
-    async def Check(
-        self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext | None = None
-    ) -> auth_pb2.CheckResponse:
-        source = request.attributes.source.address.socket_address
-        if not source.address:
-            return _ALLOW  # a Unix socket or an unknown peer: nothing to count by
-        arrived = None
-        if context is not None:
-            remaining = context.time_remaining()
-            if context.cancelled() or (remaining is not None and remaining <= 0):
-                # Envoy has let the connection in uncounted (timeout) or closed it: no count.
-                self.counter.check_too_late()
-                return _ALLOW
-            if remaining is not None and self.check_timeout_s is not None:
-                arrived = self.counter.now() - (self.check_timeout_s - remaining)
-        local = request.attributes.destination.address.socket_address
-        here, there = (local.address, local.port_value), (source.address, source.port_value)
-        allowed = self.counter.opened(
-            source.address,
-            source.port_value,
-            arrived,
-            still_open=(lambda: self.lookup(here, there)) if local.address else None,
-        )
-        return _ALLOW if allowed else _DENY
-
-    async def StreamAccessLogs(
-        self,
-        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
-        context: grpc.aio.ServicerContext | None = None,
-    ) -> als_pb2.StreamAccessLogsResponse:
-        try:
-            async for message in request_iterator:
-                for entry in message.tcp_logs.log_entry:
-                    common = entry.common_properties
-                    peer = common.downstream_remote_address.socket_address
-                    self.counter.closed(peer.address, peer.port_value, _closed_at(common))
-        finally:
-            # Envoy keeps this stream for its lifetime: its end may have lost closes.
-            self.counter.clear()
-        return als_pb2.StreamAccessLogsResponse()
-
-
-def _closed_at(common: accesslog_pb2.AccessLogCommon) -> float | None:
-    """When the connection closed (wall clock, from Envoy's start time and duration)."""
-    if not common.HasField("start_time"):
-        return None
-    nanoseconds: int = common.start_time.ToNanoseconds() + common.duration.ToNanoseconds()
-    return nanoseconds / 1e9
-
-
-def build_conncap_server(
-    counter: ConnectionCounter,
-    host: str,
-    token: str | None,
-    check_timeout_s: float | None = None,
-) -> tuple[grpc.aio.Server, int]:
-    """The service on `host` (loopback), any free port; calls without `token` are refused.
-    `check_timeout_s`: the timeout Envoy gives each check (`conncap_timeout_s`)."""
-    server = grpc.aio.server(interceptors=[EnvoyOnly(token)] if token is not None else [])
-    service = ConnectionCapService(counter, check_timeout_s)
-    external_auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(service, server)
-    port = server.add_insecure_port(f"{host}:0")
-    if port == 0:
-        raise OSError(f"cannot bind the connection counter to {host}")
-    return server, port
+        with self._lock:
+            return ConnectionCounts(
+                self._open,
+                len(self._ports),
+                self.refused,
+                self.untracked,
+                self.cleared,
+                self.late,
+                self.late_counted,
+                self.reconciled,
+                self.phantoms,
+            )

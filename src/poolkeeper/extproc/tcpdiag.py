@@ -1,10 +1,13 @@
-"""Whether one TCP connection on this host is still open, asked of the kernel (Linux sock_diag).
+"""Which TCP connections on this host are open, asked of the kernel (Linux sock_diag).
 
 The connection counter (extproc/conncap.py) learns of a connection's first bytes and of its
 close on two gRPC streams, so in one case it cannot tell from their order alone whether a
 check belongs to a connection that already closed or to a new one from the same address and
 port. The kernel can: Envoy's end of the connection is on this host (Envoy is `serve`'s child,
 in its network namespace), and one netlink request looks it up by its four-tuple, as `ss` does.
+It also lists the open connections on Envoy's listener port that have sent bytes
+(`peers_that_sent`): the counter's reconciliation, for connections Envoy let in when their
+check timed out (extproc/conncap_service.py).
 """
 
 from __future__ import annotations
@@ -82,3 +85,94 @@ def connection_open(local: tuple[str, int], remote: tuple[str, int]) -> bool | N
         if found is None:
             answer = None
     return answer
+
+
+_NLM_F_DUMP = 0x300
+_NLMSG_DONE = 3
+_INET_DIAG_INFO = 2  # the attribute that carries struct tcp_info
+_BYTES_RECEIVED_AT = 128  # tcp_info.tcpi_bytes_received (u64), Linux 4.1 and later
+_DUMP_STATES = (1 << 1) | (1 << 8)  # ESTABLISHED, CLOSE_WAIT: open as far as Envoy is concerned
+_INET_DIAG_REQ_BYTECODE = 1
+_BC_S_GE, _BC_S_LE = 2, 3  # the filter's "local port at least" and "at most"
+
+
+def _dump(family: int, local_port: int) -> bytes:
+    body = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 1 << (_INET_DIAG_INFO - 1), 0)
+    body = body[:4] + struct.pack("=I", _DUMP_STATES) + b"\0" * 48  # an empty socket id
+    # The kernel keeps only sockets whose port here is `local_port` (local port >= it and
+    # <= it; a failed test jumps 4 bytes past the end: rejected), so a host with thousands
+    # of other connections costs no parsing here.
+    code = struct.pack("=BBH", _BC_S_GE, 8, 20) + struct.pack("=BBH", 0, 0, local_port)
+    code += struct.pack("=BBH", _BC_S_LE, 8, 12) + struct.pack("=BBH", 0, 0, local_port)
+    body += struct.pack("=HH", 4 + len(code), _INET_DIAG_REQ_BYTECODE) + code
+    flags = _NLM_F_REQUEST | _NLM_F_DUMP
+    return struct.pack("=IHHII", 16 + len(body), _SOCK_DIAG_BY_FAMILY, flags, 1, 0) + body
+
+
+def _peer(family: int, raw: bytes) -> str:
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[:4])
+    address = ipaddress.IPv6Address(raw[:16])
+    mapped = address.ipv4_mapped  # a dual-stack listener's IPv4 client, as Envoy names it
+    return str(mapped) if mapped is not None else str(address)
+
+
+def _received(message: bytes, start: int, end: int) -> int | None:
+    """tcpi_bytes_received from the attributes of one inet_diag_msg (None: not there)."""
+    at = start + 72  # past struct inet_diag_msg
+    while at + 4 <= end:
+        length, kind = struct.unpack_from("=HH", message, at)
+        if length < 4:
+            return None
+        if kind == _INET_DIAG_INFO and length - 4 >= _BYTES_RECEIVED_AT + 8:
+            received: int = struct.unpack_from("=Q", message, at + 4 + _BYTES_RECEIVED_AT)[0]
+            return received
+        at += (length + 3) & ~3
+    return None
+
+
+def peers_that_sent(local_port: int) -> set[tuple[str, int]] | None:
+    """The peers (address, port) of this host's open TCP connections whose end here is on
+    `local_port` (Envoy's listener) and that have received bytes; None when the kernel cannot
+    be asked or answered in part (not Linux, not allowed, a reply cut short)."""
+    if not hasattr(socket, "AF_NETLINK"):
+        return None
+    peers: set[tuple[str, int]] = set()
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as sock:
+                sock.settimeout(1.0)
+                sock.send(_dump(family, local_port))
+                if not _read_dump(sock, local_port, peers):
+                    return None
+        except OSError:
+            return None
+    return peers
+
+
+def _read_dump(sock: socket.socket, local_port: int, peers: set[tuple[str, int]]) -> bool:
+    """Read one dump to its end into `peers`; False if it ended in an error or a connection's
+    bytes received were not given (a kernel before 4.1): a list without them would make the
+    counter forget every connection it holds."""
+    while True:
+        reply = sock.recv(1 << 16)
+        at = 0
+        while at + 16 <= len(reply):
+            length, kind = struct.unpack_from("=IH", reply, at)
+            if length < 16:
+                return False
+            if kind == _NLMSG_DONE:
+                return True
+            if kind == _NLMSG_ERROR:
+                return False
+            message = at + 16
+            if kind == _SOCK_DIAG_BY_FAMILY and length >= 16 + 72:
+                here, there = struct.unpack_from("!HH", reply, message + 4)
+                if here == local_port:
+                    received = _received(reply, message, at + length)
+                    if received is None:
+                        return False
+                    if received:
+                        family = reply[message]
+                        peers.add((_peer(family, reply[message + 24 : message + 40]), there))
+            at += (length + 3) & ~3

@@ -56,7 +56,8 @@ from poolkeeper.envoy.process import (
 )
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
-from poolkeeper.extproc.conncap import ConnectionCounter, build_conncap_server
+from poolkeeper.extproc.conncap import ConnectionCounter
+from poolkeeper.extproc.conncap_service import build_conncap_server
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
@@ -67,6 +68,7 @@ from poolkeeper.scheduling.build import (
 )
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import pin_mmap_threshold, trim
+from poolkeeper.server.own_loop import OwnLoopServer
 from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.server.transport import (
     Stoppable,
@@ -398,14 +400,18 @@ class GatewayRuntime:
         if limit <= 0:
             return params
         self.conncap = counter = ConnectionCounter(limit)
-        server, port = build_conncap_server(
-            counter, "127.0.0.1", self._epp_token, params.conncap_timeout_s
+        token, timeout_s, listen = self._epp_token, params.conncap_timeout_s, params.listen_port
+        # On a thread and loop of its own: Envoy lets a connection in uncounted when the
+        # answer takes over `timeout_s`, and on this loop it waited behind the EPP's work.
+        server = OwnLoopServer(
+            lambda: build_conncap_server(counter, "127.0.0.1", token, timeout_s, listen),
+            "conncap",
         )
         await server.start()
         self._grpc_servers.append(server)
         if self.metrics is not None:
             self.metrics.follow_client_connections(counter.exported)
-        return dataclasses.replace(params, conncap_port=port)
+        return dataclasses.replace(params, conncap_port=server.port)
 
     async def _start_envoy(self, config: GatewayConfig, binary: str) -> None:
         workdir = self.options.workdir

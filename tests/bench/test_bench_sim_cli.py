@@ -45,6 +45,9 @@ def shared_capacity(
     monkeypatch.setattr("poolkeeper.bench.fleet.sweep.fleet_capacity", once)
 
 
+# About 15 s of CPU (two real capacity probes and two sweeps), 50 s of wall time at load 13:
+# under `make test -n 2` beside other work it passed the 120 s default, which is a hang guard.
+@pytest.mark.timeout(360)
 def test_bench_sim_writes_results_and_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

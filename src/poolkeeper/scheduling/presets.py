@@ -78,14 +78,19 @@ def _answered_wait(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def _with_full_batch(doc: dict[str, Any]) -> dict[str, Any]:
+def _with_full_batch(doc: dict[str, Any], miss_gate: bool = False) -> dict[str, Any]:
     """`doc` with a `saturation-filter` right after its first plugin (the stale filter) that
     drops an endpoint whose full batch (learned from its gauges) has 2 or more waiting while
-    another has fewer (slot-bound engines; docs/notes/2026-12-06-live-routing-fifth-round.md)."""
-    full_batch = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1}
-    doc["plugins"].insert(
-        1, {"type": "saturation-filter", "parameters": {**full_batch, "learnMaxNumSeqs": True}}
-    )
+    another has fewer (slot-bound engines; docs/notes/2026-12-06-live-routing-fifth-round.md);
+    `miss_gate`: unless it holds the prompt and its queue costs less than a miss elsewhere
+    (docs/notes/2026-12-06-live-routing-sixth-round.md)."""
+    full_batch: dict[str, Any] = {
+        "queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1,
+        "learnMaxNumSeqs": True,
+    }  # fmt: skip
+    if miss_gate:
+        full_batch |= {"missGate": True, "prefixScorer": "prefix-cache-scorer"}
+    doc["plugins"].insert(1, {"type": "saturation-filter", "parameters": full_batch})
     doc["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "saturation-filter"})
     return doc
 
@@ -271,6 +276,10 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # issue 38, fifth round: the default with the prefix-affinity preset's learned full-batch
     # filter (live 8 slots: docs/notes/2026-12-06-live-routing-fifth-round.md).
     "default-full-batch": _with_full_batch(copy.deepcopy(_DEFAULT)),
+    # issue 38, sixth round: the same filter with the cost-of-a-miss gate (a prefix holder
+    # stays unless its queue costs more than a miss elsewhere; live and three seeds:
+    # docs/notes/2026-12-06-live-routing-sixth-round.md).
+    "default-miss-gate": _with_full_batch(copy.deepcopy(_DEFAULT), miss_gate=True),
 }
 
 

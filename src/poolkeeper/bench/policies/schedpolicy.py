@@ -68,6 +68,7 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-fade-rise": "prefill-backlog-fade-rise",
     "poolkeeper-fade-rise3": "prefill-backlog-fade-rise3",
     "poolkeeper-full-batch": "default-full-batch",
+    "poolkeeper-miss-gate": "default-miss-gate",
 }
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},

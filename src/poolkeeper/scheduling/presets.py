@@ -95,7 +95,7 @@ def _with_full_batch(doc: dict[str, Any], miss_gate: bool = False) -> dict[str, 
     return doc
 
 
-def _prefix_affinity() -> dict[str, Any]:
+def _prefix_affinity(miss_gate: bool = False) -> dict[str, Any]:
     """The `prefix-affinity` preset: the default profile plus the `prefill-backlog-scorer`
     (weight 2); its stale filter keeps a prefix's late holders; then a `saturation-filter`
     that drops an endpoint whose full batch (learned) has 2 or more waiting while another
@@ -106,7 +106,7 @@ def _prefix_affinity() -> dict[str, Any]:
     stale = doc["plugins"][0]
     assert stale["type"] == "stale-metrics-filter"
     stale["parameters"] = {"prefixScorer": "prefix-cache-scorer"}
-    _with_full_batch(doc)
+    _with_full_batch(doc, miss_gate)
     doc["plugins"].insert(
         2,
         {"type": "prefix-affinity-filter", "parameters": {"coldBalance": True, "coldSlack": 1.0}},
@@ -280,6 +280,12 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # stays unless its queue costs more than a miss elsewhere; live and three seeds:
     # docs/notes/2026-12-06-live-routing-sixth-round.md).
     "default-miss-gate": _with_full_batch(copy.deepcopy(_DEFAULT), miss_gate=True),
+    # ... with the queue scorer counting unseen requests that answered as waiting, as the
+    # default does without first bytes: the gate learns from first bytes, and that alone
+    # moved the default's choices live (prefix regime: the sixth round's note).
+    "default-miss-gate-aw": _answered_wait(_with_full_batch(copy.deepcopy(_DEFAULT), True)),
+    # ... and the `prefix-affinity` preset with its filter gated the same way.
+    "prefix-affinity-miss-gate": _prefix_affinity(miss_gate=True),
 }
 
 

@@ -69,6 +69,8 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-fade-rise3": "prefill-backlog-fade-rise3",
     "poolkeeper-full-batch": "default-full-batch",
     "poolkeeper-miss-gate": "default-miss-gate",
+    "poolkeeper-miss-gate-aw": "default-miss-gate-aw",
+    "poolkeeper-pa-miss-gate": "prefix-affinity-miss-gate",
 }
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},

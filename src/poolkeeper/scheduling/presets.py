@@ -87,19 +87,24 @@ def _cold_spread(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def _with_full_batch(doc: dict[str, Any]) -> dict[str, Any]:
+def _with_full_batch(doc: dict[str, Any], miss_gate: bool = False) -> dict[str, Any]:
     """`doc` with a `saturation-filter` right after its first plugin (the stale filter) that
     drops an endpoint whose full batch (learned from its gauges) has 2 or more waiting while
-    another has fewer (slot-bound engines; docs/notes/2026-12-06-live-routing-fifth-round.md)."""
-    full_batch = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1}
-    doc["plugins"].insert(
-        1, {"type": "saturation-filter", "parameters": {**full_batch, "learnMaxNumSeqs": True}}
-    )
+    another has fewer (slot-bound engines; docs/notes/2026-12-06-live-routing-fifth-round.md);
+    `miss_gate`: unless it holds the prompt and its queue costs less than a miss elsewhere
+    (docs/notes/2026-12-06-live-routing-sixth-round.md)."""
+    full_batch: dict[str, Any] = {
+        "queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1,
+        "learnMaxNumSeqs": True,
+    }  # fmt: skip
+    if miss_gate:
+        full_batch |= {"missGate": True, "prefixScorer": "prefix-cache-scorer"}
+    doc["plugins"].insert(1, {"type": "saturation-filter", "parameters": full_batch})
     doc["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "saturation-filter"})
     return doc
 
 
-def _prefix_affinity() -> dict[str, Any]:
+def _prefix_affinity(miss_gate: bool = False) -> dict[str, Any]:
     """The `prefix-affinity` preset: the default profile plus the `prefill-backlog-scorer`
     (weight 2); its stale filter keeps a prefix's late holders; then a `saturation-filter`
     that drops an endpoint whose full batch (learned) has 2 or more waiting while another
@@ -110,7 +115,7 @@ def _prefix_affinity() -> dict[str, Any]:
     stale = doc["plugins"][0]
     assert stale["type"] == "stale-metrics-filter"
     stale["parameters"] = {"prefixScorer": "prefix-cache-scorer"}
-    _with_full_batch(doc)
+    _with_full_batch(doc, miss_gate)
     doc["plugins"].insert(
         2,
         {"type": "prefix-affinity-filter", "parameters": {"coldBalance": True, "coldSlack": 1.0}},
@@ -290,6 +295,16 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # issue 38, fifth round: the default with the prefix-affinity preset's learned full-batch
     # filter (live 8 slots: docs/notes/2026-12-06-live-routing-fifth-round.md).
     "default-full-batch": _with_full_batch(copy.deepcopy(_DEFAULT)),
+    # issue 38, sixth round: the same filter with the cost-of-a-miss gate (a prefix holder
+    # stays unless its queue costs more than a miss elsewhere; live and three seeds:
+    # docs/notes/2026-12-06-live-routing-sixth-round.md).
+    "default-miss-gate": _with_full_batch(copy.deepcopy(_DEFAULT), miss_gate=True),
+    # ... with the queue scorer counting unseen requests that answered as waiting, as the
+    # default does without first bytes: the gate learns from first bytes, and that alone
+    # moved the default's choices live (prefix regime: the sixth round's note).
+    "default-miss-gate-aw": _answered_wait(_with_full_batch(copy.deepcopy(_DEFAULT), True)),
+    # ... and the `prefix-affinity` preset with its filter gated the same way.
+    "prefix-affinity-miss-gate": _prefix_affinity(miss_gate=True),
 }
 
 

@@ -71,6 +71,9 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-cold-spread": "default-cold-spread",
     "poolkeeper-fade-early-cold-spread": "prefill-backlog-fade-early-cold-spread",
     "poolkeeper-fade-cold-spread": "prefill-backlog-fade-cold-spread",
+    "poolkeeper-miss-gate": "default-miss-gate",
+    "poolkeeper-miss-gate-aw": "default-miss-gate-aw",
+    "poolkeeper-pa-miss-gate": "prefix-affinity-miss-gate",
 }
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},

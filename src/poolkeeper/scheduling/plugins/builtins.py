@@ -37,6 +37,7 @@ from poolkeeper.scheduling.plugins.filters import (
     StaleMetricsFilter,
     StaleMetricsParams,
 )
+from poolkeeper.scheduling.plugins.missgate import GatedSaturationFilter
 from poolkeeper.scheduling.plugins.pickers import (
     MaxScorePicker,
     PickerParams,
@@ -102,14 +103,6 @@ def _with_rng(
     return factory
 
 
-def _with_staleness(cls: Callable[[TypedName, T, float], Plugin], model: type[T]) -> PluginFactory:
-    def factory(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
-        assert isinstance(params, model)
-        return cls(tn, params, ctx.staleness_s)
-
-    return factory
-
-
 def _stale_metrics(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
     assert isinstance(params, StaleMetricsParams)
     prefix = _prefix_scorer(tn, params.prefix_scorer, ctx)
@@ -119,6 +112,18 @@ def _stale_metrics(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Pl
         else PrefixHolders(prefix, params.min_match_ratio, params.min_match_blocks)
     )
     return StaleMetricsFilter(tn, ctx.staleness_s, holders, params.holder_grace_ms / 1000.0)
+
+
+def _saturation(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    assert isinstance(params, SaturationFilterParams)
+    if not params.miss_gate:
+        return SaturationFilter(tn, params, ctx.staleness_s)
+    if params.max_num_seqs is None and not params.learn_max_num_seqs:
+        raise ConfigError(f"plugin {tn.name!r}: missGate needs maxNumSeqs or learnMaxNumSeqs")
+    prefix = _prefix_scorer(tn, params.prefix_scorer, ctx)
+    if prefix is None:
+        raise ConfigError(f"plugin {tn.name!r}: missGate needs prefixScorer")
+    return GatedSaturationFilter(tn, params, ctx.staleness_s, PrefixHolders(prefix))
 
 
 def _plain(cls: Callable[[TypedName], Plugin]) -> PluginFactory:
@@ -183,7 +188,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
         PluginSpec("drop-request-filter", F, NoParams, _plain(DropRequestFilter),
                    "Sheds the request with 429 (v0.3 tree leaf)."),
         PluginSpec("saturation-filter", F, SaturationFilterParams,
-                   _with_staleness(SaturationFilter, SaturationFilterParams),
+                   _saturation,
                    "Drops stale or overloaded endpoints; fails open."),
         PluginSpec("stale-metrics-filter", F, StaleMetricsParams, _stale_metrics,
                    "Drops endpoints with stale metrics; fails open."),

@@ -242,6 +242,18 @@ class SaturationFilterParams(LoadParams):
         description="Without maxNumSeqs, learn each endpoint's batch from its gauges and count "
         "its queue only while that batch is full (default false).",
     )
+    miss_gate: bool = Field(
+        default=False,
+        description="With maxNumSeqs or learnMaxNumSeqs: keep a dropped endpoint that holds "
+        "the request's prefix (by prefixScorer's index) while its expected queue wait is at "
+        "most what a miss costs on the best kept endpoint (the uncached prompt's prefill at "
+        "the measured speed plus that endpoint's wait; missgate.py). Default false.",
+    )
+    prefix_scorer: str = Field(
+        default="",
+        description="With missGate: the prefix-cache-scorer whose index says who holds the "
+        "prompt (required there).",
+    )
 
 
 class SaturationFilter(NamedPlugin):
@@ -295,6 +307,17 @@ class SaturationFilter(NamedPlugin):
         kept = [s for s, v in zip(candidates, values, strict=True) if v < limit]
         if not kept or len(kept) == len(candidates):
             return candidates
+        return self._kept(cycle, request, candidates, kept)
+
+    def _kept(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        candidates: Sequence[EndpointState],
+        kept: list[EndpointState],
+    ) -> Sequence[EndpointState]:
+        """What passes when some but not all candidates are overloaded (`missGate` keeps
+        some of the others: missgate.py)."""
         return kept
 
     def _full(self, state: EndpointState) -> bool:

@@ -66,3 +66,9 @@ class FullBatches:
                 batch.full = True
             batch.at, batch.running, batch.waiting = m.updated_at, m.running, m.waiting
         return batch.slots if batch.full else None
+
+    def most(self, key: str) -> int | None:
+        """The most requests seen running at `key` (its batch, confirmed full or not; None
+        before any scrape showed one running)."""
+        batch = self._seen.get(key)
+        return batch.slots if batch is not None and batch.slots > 0 else None

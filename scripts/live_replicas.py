@@ -8,9 +8,10 @@ KV-cache events (`poolkeeper sim --kv-events-port-offset`), N EPPs with the same
 ports), and one Envoy from `poolkeeper envoy-config` with the other replicas' ext_proc ports
 added to its `epp` cluster. Index `approx`: the default profile; `exact`: the default with the
 prefix scorer's `kvEvents` on (each replica subscribes to every server's events);
-`exact-cold` / `exact-peers`: + cold affinity, always / once another replica is seen
-(`scheduling()`). `N/M:index` runs M EPPs with only N behind Envoy: the idle ones scrape and
-take CPU as extra replicas do, a control on a machine with few cores. Variants run
+`exact-cold` / `exact-peers`: + cold affinity, always / once another replica is seen;
+`exact-bal`: + bounded-load cold affinity (`scheduling()`). `N/M:index` runs M EPPs with only
+N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a machine
+with few cores. Variants run
 interleaved (listed order in even rounds, reversed in odd), the same requests each time; every
 run goes to OUT/runs.json with its requests, prefills, load average and the CPU seconds of the
 fleet and of each EPP during the load. Example
@@ -59,14 +60,16 @@ KV_OFFSET = 1000
 NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 
-INDEXES = ("approx", "exact", "exact-cold", "exact-peers")
+INDEXES = ("approx", "exact", "exact-cold", "exact-peers", "exact-bal")
 
 
 def scheduling(index: str) -> dict[str, Any] | None:
     """`approx`: the default; `exact`: + KV events; `exact-cold`: + cold affinity 0.2 (a new
     long prefix scored toward its owner on a hash ring of the endpoints, the same for every
     replica; docs/scheduling.md); `exact-peers`: cold affinity only once the events show
-    another replica's traffic (`coldAffinityPeersOnly`)."""
+    another replica's traffic (`coldAffinityPeersOnly`); `exact-bal`: `exact-cold` with
+    `coldAffinityBalance: 1` (the first endpoint on the ring holding fewer than its share of
+    the prefixes)."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -75,8 +78,10 @@ def scheduling(index: str) -> dict[str, Any] | None:
     for plugin in doc["plugins"]:
         if plugin["type"] == "prefix-cache-scorer":
             plugin["parameters"].update({"kvEvents": True, "kvEventsPortOffset": KV_OFFSET})
-            if index in ("exact-cold", "exact-peers"):
+            if index in ("exact-cold", "exact-peers", "exact-bal"):
                 plugin["parameters"]["coldAffinity"] = 0.2
+            if index == "exact-bal":
+                plugin["parameters"]["coldAffinityBalance"] = 1.0
             if index == "exact-peers":
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
     return doc

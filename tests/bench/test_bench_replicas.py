@@ -91,3 +91,18 @@ def test_cold_affinity_with_peers_only_is_off_for_one_replica_and_on_for_four() 
     assert routing(peers) != routing(once(4))
     with pytest.raises(ValueError, match="cold_peers needs exact"):
         run(4, servers=4, duration=1.0, capacity_rps=100.0, cold_affinity=0.2, cold_peers=True)
+
+
+def test_balanced_cold_affinity_keeps_more_of_each_group_on_one_server() -> None:
+    def once(**kw: Any) -> dict[str, Any]:
+        return run(4, servers=4, groups=16, duration=3.3, load=0.9, seed=4, capacity_rps=140.0,
+                   exact=True, cold_affinity=0.2, **kw)  # fmt: skip
+
+    plain = once()
+    balanced = once(prefix_params={"kvEvents": True, "kvEventsSubscribe": False,
+                                   "coldAffinityBalance": 1.0})  # fmt: skip
+    assert balanced["groups"] == 16
+    assert sum(balanced["groups_per_server"]) == 16
+    # Each replica counts the prefixes the engines reported and those it sent: a group's
+    # requests from every replica meet the same, less loaded, server more often.
+    assert balanced["affinity"] > plain["affinity"]

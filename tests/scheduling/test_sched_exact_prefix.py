@@ -239,7 +239,7 @@ def test_sent_heads_are_bounded_and_a_forgotten_one_reads_as_foreign() -> None:
 
     index = ExactPrefixIndex()
     for h in range(SENT_HEADS + 1):
-        index.sent("e", h)
+        index.sent("e", h, NOW)
     index.stored("e", [SENT_HEADS], NOW, head=True)  # the newest: sent by this EPP
     assert index.foreign_at == float("-inf")
     index.stored("e", [5], NOW, head=False)  # not a chain's head: says nothing
@@ -248,3 +248,72 @@ def test_sent_heads_are_bounded_and_a_forgotten_one_reads_as_foreign() -> None:
     assert index.foreign_at == NOW + 1
     index.stored("other", [SENT_HEADS], NOW + 2, head=True)  # sent elsewhere, not there
     assert index.foreign_at == NOW + 2
+
+
+def test_heads_count_reported_chain_heads_and_this_epps_unreported_ones() -> None:
+    index = ExactPrefixIndex(stale_after_s=5.0)
+    index.stored("e", [1, 2], NOW, head=True)
+    index.stored("e", [3], NOW, head=False)  # a chain's continuation: no new head
+    index.stored("e", [7], NOW, head=True)
+    assert index.heads("e", NOW) == 2
+    # Sent here but not yet scheduled (no event): counted, for stale_after_s at most.
+    index.sent("e", 9, NOW)
+    index.sent("e", 1, NOW)  # already reported: not counted twice
+    assert index.heads("e", NOW + 1) == 3
+    assert index.heads("e", NOW + 5.5) == 2
+    index.sent("e", 11, NOW + 6)
+    index.stored("e", [11], NOW + 6.1, head=True)  # reported now: once, not twice
+    assert index.heads("e", NOW + 6.2) == 3
+    index.removed("e", [7], NOW + 7)
+    assert index.heads("e", NOW + 7) == 2
+    index.cleared("e", NOW + 8)
+    assert index.heads("e", NOW + 8) == 0
+    index.stored("f", [1], NOW, head=True)
+    index.forget_endpoints({"e"})
+    assert index.heads("f", NOW) == 0
+
+
+def test_balanced_cold_affinity_skips_an_endpoint_holding_more_than_its_share() -> None:
+    params = {
+        "kvEvents": True,
+        "kvEventsSubscribe": False,
+        "coldAffinity": 0.2,
+        "coldAffinityBlocks": 8,
+    }
+    pool = [state(1), state(2), state(3)]
+    new = "n" * 1024
+
+    def pushed(extra: dict[str, object], heads: dict[int, int]) -> int:
+        scorer = plugin("prefix-cache-scorer", {**params, **extra})
+        exact = scorer.exact
+        assert exact is not None
+        for endpoint, n in heads.items():
+            for h in range(n):
+                exact.stored(key(endpoint), [endpoint * 1000 + h], NOW, head=True)
+        out = scorer.score(CycleState(NOW), request(prompt=new), pool)
+        assert not isinstance(out, float)
+        (i,) = [i for i, s in enumerate(out) if s == 0.2]
+        return i
+
+    owner = pushed({}, {})
+    # The plain ring's owner, whatever it already holds.
+    assert pushed({}, {owner + 1: 3}) == owner
+    # Bounded: 3 heads of 4 in all is at the bound ceil((3 + 1) / 3) = 2: the next one.
+    assert pushed({"coldAffinityBalance": 1.0}, {owner + 1: 3}) != owner
+    # Within its share (1 of 3, bound 2) it stays the owner; a looser bound keeps it too.
+    assert pushed({"coldAffinityBalance": 1.0}, {1: 1, 2: 1, 3: 1}) == owner
+    assert pushed({"coldAffinityBalance": 3.0}, {owner + 1: 3}) == owner
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"coldAffinity": 0.2, "coldAffinityBalance": 1.0}, "coldAffinityBalance needs kvEvents"),
+        ({"kvEvents": True, "coldAffinityBalance": 0.5}, "must be 0 \\(off\\) or >= 1"),
+    ],
+)
+def test_cold_affinity_balance_needs_events_and_a_bound_of_at_least_one(
+    params: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        plugin("prefix-cache-scorer", params)

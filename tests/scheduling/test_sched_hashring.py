@@ -49,3 +49,16 @@ def test_a_new_endpoint_joins_the_ring_when_first_a_candidate() -> None:
     assert {k: HashRing().owner(k, ENDPOINTS) for k in KEYS} == wider
     with pytest.raises(ValueError, match="points"):
         HashRing(points=0)
+
+
+def test_a_bounded_owner_is_the_first_clockwise_that_fits_else_the_plain_owner() -> None:
+    ring, other = HashRing(), HashRing()
+    for k in KEYS[:200]:
+        plain = ring.owner(k, ENDPOINTS)
+        # Every ring with the same test agrees, and skips exactly the endpoints that fail it.
+        not_plain = plain.__ne__
+        bounded = ring.owner(k, ENDPOINTS, not_plain)
+        assert bounded != plain
+        assert other.owner(k, ENDPOINTS[::-1], not_plain) == bounded
+        assert ring.owner(k, ENDPOINTS, lambda e: True) == plain
+        assert ring.owner(k, ENDPOINTS, lambda e: False) == plain

@@ -4,6 +4,7 @@ subscriber turns them into an exact prefix index (real sockets on 127.0.0.1)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import aiohttp
@@ -58,4 +59,62 @@ async def test_served_prompts_reach_the_exact_index_through_zmq() -> None:
             assert index.fresh(endpoint, time.monotonic())
     finally:
         await subscriber.close()
+        await cluster.stop()
+
+
+async def test_the_epp_subscribes_when_it_learns_the_endpoints_not_at_a_first_decision() -> None:
+    """An engine reports a block once; a subscription made at the first decision would miss
+    every block stored before it. Wired from a config, the scorer follows the pool's endpoints
+    from the first metrics write: what the engine stores before any decision is indexed."""
+    from poolkeeper.api.pool import InferencePool
+    from poolkeeper.config.gateway import GatewayConfig
+    from poolkeeper.datastore.endpoint import EndpointMetrics
+    from poolkeeper.datastore.store import Datastore, EndpointSpec
+    from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+    from poolkeeper.scheduling.presets import preset_document
+    from poolkeeper.scheduling.scheduler import Scheduler
+    from poolkeeper.server.wiring import build_director
+
+    http_port, events_port = free_ports(2)
+    specs = build_fleet(count=1, cli=ServerSettings.model_validate({}))
+    cluster = SimCluster(specs, base_port=http_port, kv_events_port_offset=events_port - http_port)
+    await cluster.start()
+    endpoint = f"127.0.0.1:{http_port}"
+    doc = preset_document("default")
+    for p in doc["plugins"]:
+        if p["type"] == "prefix-cache-scorer":
+            p["parameters"].update(kvEvents=True, kvEventsPortOffset=events_port - http_port)
+    config = GatewayConfig.model_validate({"spec": {"scheduling": doc}})
+    store = Datastore()
+    pool = {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferencePool",
+            "metadata": {"name": "pool"}, "spec": {"selector": {"app": "sim"},
+            "targetPortNumber": http_port, "extensionRef": {"name": "epp"}}}  # fmt: skip
+    store.set_resources([InferencePool.model_validate(pool)], [])
+    store.set_endpoints([EndpointSpec("sim-0", "127.0.0.1", labels={"app": "sim"})])
+    scheduler = build_director(config, store, rng=random.Random(1)).scheduler
+    assert isinstance(scheduler, Scheduler)
+    (scorer,) = [p for p in scheduler.plugins.values() if isinstance(p, PrefixCacheScorer)]
+    exact = scorer.exact
+    assert exact is not None
+    # Written before the loop ran anything: nothing followed yet; the first scrape on the loop.
+    store.update_metrics(endpoint, EndpointMetrics(updated_at=time.monotonic()))
+    try:
+        async with aiohttp.ClientSession() as http:
+            for attempt in range(200):  # until the SUB socket is connected (slow joiner)
+                prompt = f"{attempt:04d}" * 64
+                body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 1}
+                async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                hashes = engine_block_hashes(DEFAULT_MODEL, prompt, 16)
+                for _ in range(20):
+                    if exact.match(hashes):
+                        break
+                    await asyncio.sleep(0.01)
+                if exact.match(hashes):
+                    break
+            assert exact.match(hashes) == {endpoint: 4}
+    finally:
+        subscriber = scorer._subscriber
+        if subscriber is not None:
+            await subscriber.close()
         await cluster.stop()

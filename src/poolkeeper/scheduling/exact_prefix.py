@@ -24,6 +24,10 @@ only when a request it was sent starts one, and that request came from this EPP;
 only needs to span the time from routing to scheduling), nor does a restart (blocks cached
 before are not reported again). The prefix scorer's `coldAffinityPeersOnly` reads it.
 
+Chain heads (`heads`): per endpoint, the first blocks of the chains its engine reported (for
+shared-prefix traffic, the prefix groups it holds) plus those this EPP sent it in the last
+`stale_after_s` that are not reported yet; the prefix scorer's `coldAffinityBalance` bounds them.
+
 Memory: the same structure as the approximate index (one entry per (endpoint, block)), bounded
 by the engines' caches instead of an LRU capacity.
 """
@@ -54,8 +58,10 @@ class ExactPrefixIndex:
 
     __slots__ = (
         "_distrust_until",
+        "_heads",
         "_index",
         "_last_event",
+        "_pending",
         "_routed_since",
         "_sent",
         "block_size",
@@ -75,6 +81,10 @@ class ExactPrefixIndex:
         self._routed_since: dict[str, float] = {}  # first routing after the last event
         self._distrust_until: dict[str, float] = {}
         self._sent: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._heads: dict[str, set[int]] = {}  # endpoint -> chain heads it holds
+        # endpoint -> chain heads this EPP sent there that its engine has not reported yet
+        # (the request still queued) -> when first sent.
+        self._pending: dict[str, dict[int, float]] = {}
         self.foreign_at = float("-inf")  # last chain head stored that this EPP did not send
 
     # -- feeding ------------------------------------------------------------------------
@@ -108,17 +118,26 @@ class ExactPrefixIndex:
         """`head`: the first of `hashes` starts a chain (the event's parent is None)."""
         if block_size is not None and block_size >= 1:
             self.block_size = block_size
-        if head and hashes and (endpoint, hashes[0]) not in self._sent:
-            self.foreign_at = now
+        if head and hashes:
+            self._heads.setdefault(endpoint, set()).add(hashes[0])
+            pending = self._pending.get(endpoint)
+            if pending:
+                pending.pop(hashes[0], None)
+            if (endpoint, hashes[0]) not in self._sent:
+                self.foreign_at = now
         self._index.insert(endpoint, hashes)
         self.heard(endpoint, now)
 
     def removed(self, endpoint: str, hashes: Sequence[int], now: float) -> None:
         self._index.remove(endpoint, hashes)
+        heads = self._heads.get(endpoint)
+        if heads:
+            heads.difference_update(hashes)
         self.heard(endpoint, now)
 
     def cleared(self, endpoint: str, now: float) -> None:
         self._index.clear(endpoint)
+        self._heads.pop(endpoint, None)
         self.heard(endpoint, now)
 
     def heard(self, endpoint: str, now: float) -> None:
@@ -130,16 +149,19 @@ class ExactPrefixIndex:
         """Events from `endpoint` were lost (sequence gap, reconnect): drop what it reported
         and distrust it for `stale_after_s`, while new events rebuild its view."""
         self._index.clear(endpoint)
+        self._heads.pop(endpoint, None)
         self._distrust_until[endpoint] = now + self.stale_after_s
 
-    def sent(self, endpoint: str, head: int) -> None:
-        """This EPP sent a prompt whose first engine block is `head` to `endpoint`."""
+    def sent(self, endpoint: str, head: int, now: float) -> None:
+        """This EPP sent a prompt whose first engine block is `head` to `endpoint` at `now`."""
         key = (endpoint, head)
         sent = self._sent
         sent[key] = None
         sent.move_to_end(key)
         if len(sent) > SENT_HEADS:
             sent.popitem(last=False)
+        if head not in self._heads.get(endpoint, ()):
+            self._pending.setdefault(endpoint, {}).setdefault(head, now)
 
     def routed(self, endpoint: str, now: float) -> None:
         """The EPP sent a request to `endpoint` at `now` (the staleness rule's evidence)."""
@@ -163,6 +185,22 @@ class ExactPrefixIndex:
     def blocks(self, endpoint: str) -> int:
         return self._index.blocks(endpoint)
 
+    def heads(self, endpoint: str, now: float) -> int:
+        """Chain heads `endpoint` holds: the distinct prompt beginnings its engine reported
+        (for shared-prefix traffic, about the prefix groups placed there), plus those this
+        EPP sent it in the last `stale_after_s` that it has not reported yet (still queued:
+        engines report blocks when they schedule a request)."""
+        heads = self._heads.get(endpoint)
+        count = 0 if heads is None else len(heads)
+        pending = self._pending.get(endpoint)
+        if pending:
+            horizon = now - self.stale_after_s
+            live = {h: t for h, t in pending.items() if t > horizon}
+            if len(live) < len(pending):
+                self._pending[endpoint] = live
+            count += len(live)
+        return count
+
     @property
     def size(self) -> int:
         """Total (endpoint, block) entries."""
@@ -170,6 +208,13 @@ class ExactPrefixIndex:
 
     def forget_endpoints(self, keep: set[str]) -> None:
         self._index.forget_endpoints(keep)
-        for table in (self._last_event, self._routed_since, self._distrust_until):
+        tables = (
+            self._last_event,
+            self._routed_since,
+            self._distrust_until,
+            self._heads,
+            self._pending,
+        )
+        for table in tables:
             for endpoint in [e for e in table if e not in keep]:
                 del table[endpoint]

@@ -15,7 +15,7 @@ comparison and a bisection.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
@@ -50,8 +50,11 @@ class HashRing:
         self._positions = [p for p, _ in ring]
         self._owners = [k for _, k in ring]
 
-    def owner(self, key: int, candidates: Sequence[str]) -> str:
-        """The first of `candidates` (ip:port, at least one) clockwise from `key`."""
+    def owner(
+        self, key: int, candidates: Sequence[str], fits: Callable[[str], bool] | None = None
+    ) -> str:
+        """The first of `candidates` (ip:port, at least one) clockwise from `key`; with `fits`,
+        the first for which it holds (bounded-load consistent hashing), else the first."""
         if candidates != self._last:
             present = set(candidates)
             if not self._points.keys() >= present:
@@ -60,11 +63,17 @@ class HashRing:
         present = self._present
         owners, n = self._owners, len(self._owners)
         start = bisect_left(self._positions, key)
+        first: str | None = None
         for step in range(n):
             owner = owners[(start + step) % n]
             if owner in present:
-                return owner
-        raise ValueError("no candidates")
+                if fits is None or fits(owner):
+                    return owner
+                if first is None:
+                    first = owner
+        if first is None:
+            raise ValueError("no candidates")
+        return first
 
     def forget(self, keep: set[str]) -> None:
         """Drop the endpoints not in `keep`."""

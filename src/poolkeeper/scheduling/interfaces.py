@@ -13,7 +13,7 @@ than the scoring itself. A scorer may return one float when every candidate gets
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -132,6 +132,14 @@ class PostCycle(Plugin, Protocol):
 class EndpointForgetter(Plugin, Protocol):
     def forget_endpoints(self, keep: set[str]) -> None:
         """Drop per-endpoint state of endpoints (ip:port) no longer in `keep`."""
+        ...
+
+
+@runtime_checkable
+class EndpointFollower(Plugin, Protocol):
+    def follow_endpoints(self, endpoints: Iterable[str]) -> None:
+        """The pool's endpoints (ip:port), whenever they change, on the running loop: for
+        plugins that connect to endpoints before any decision needs them."""
         ...
 
 

@@ -9,8 +9,11 @@ a reconnect misses whatever was sent meanwhile) or an undecodable batch tells th
 view of that endpoint was lost (`ExactPrefixIndex.lost`, which distrusts it for a while; the
 scorer falls back meanwhile).
 
-Endpoints are followed lazily: the prefix scorer calls `follow` with the candidates of each
-decision (no wiring into the datastore), `forget` drops the ones that left the pool. Needs
+Endpoints are followed as soon as the EPP knows them: the runtime's wiring tells the prefix
+scorer the pool's endpoints on every change (`server/wiring.py`), and the scorer also calls
+`follow` with each decision's candidates; `forget` drops the ones that left the pool. Why
+early: an engine reports a block once, and a SUB socket gets only what is published after it
+connects, so a subscription made at the first decision loses the cold start's first prefixes. Needs
 `pyzmq` (the `kv-events` extra); without it `follow` raises ConfigError once at startup.
 """
 

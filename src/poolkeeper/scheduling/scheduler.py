@@ -8,13 +8,14 @@ Its `stats` collect per-plugin durations and prefix-index lookups for the metric
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import FilteredOut, GatewayError, NoReadyEndpoint
 from poolkeeper.scheduling.interfaces import (
     CycleState,
+    EndpointFollower,
     EndpointForgetter,
     FirstTokenObserver,
     Plugin,
@@ -29,7 +30,16 @@ from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 class Scheduler:
     """Profiles + a profile handler, built from a SchedulingConfig by `build_scheduler`."""
 
-    __slots__ = ("_forgetters", "_observers", "handler", "plugins", "profiles", "source", "stats")
+    __slots__ = (
+        "_followers",
+        "_forgetters",
+        "_observers",
+        "handler",
+        "plugins",
+        "profiles",
+        "source",
+        "stats",
+    )
 
     def __init__(
         self,
@@ -48,6 +58,7 @@ class Scheduler:
         self.source = source  # "config" or "preset <name>", for logs and `poolkeeper status`
         self._forgetters = tuple(p for p in plugins.values() if isinstance(p, EndpointForgetter))
         self._observers = tuple(p for p in plugins.values() if isinstance(p, FirstTokenObserver))
+        self._followers = tuple(p for p in plugins.values() if isinstance(p, EndpointFollower))
         self.stats = SchedulingStats()
         for profile in profiles:
             profile.attach_stats(self.stats)
@@ -110,6 +121,19 @@ class Scheduler:
         """Report the end of a request this scheduler decided (any outcome)."""
         for plugin in self._observers:
             plugin.request_ended(request_id)
+
+    @property
+    def follows_endpoints(self) -> bool:
+        """Whether a plugin wants the pool's endpoints ahead of decisions (callers may skip
+        `follow_endpoints` when none does)."""
+        return bool(self._followers)
+
+    def follow_endpoints(self, endpoints: Iterable[str]) -> None:
+        """Tell the plugins that connect to endpoints (KV-event subscriptions) the pool's
+        endpoints (ip:port); called on the running loop whenever they change."""
+        keys = tuple(endpoints)
+        for plugin in self._followers:
+            plugin.follow_endpoints(keys)
 
     def forget_endpoints(self, keep: set[str]) -> None:
         """Drop plugin state (prefix index) of endpoints (ip:port) that left the pool."""

@@ -4,19 +4,21 @@
 gets `requestHandling`, the scheduler `scheduling` (and the freshness of `scraping`), the gate
 `admission` and `flowControl`. It wires the real collaborators into the Director's ports
 (`requestcontrol/ports.py`): the scheduler, the in-flight tracker (`datastore/inflight.py`), the
-gate (`build_gate`), and the datastore subscription that wakes waiting requests when fresh
-metrics may mean headroom.
+gate (`build_gate`), the datastore subscription that wakes waiting requests when fresh
+metrics may mean headroom, and the one that tells the scheduler's endpoint followers (KV-event
+subscriptions) the pool's endpoints.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Callable
 
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.inflight import InflightTracker
-from poolkeeper.datastore.store import Datastore
+from poolkeeper.datastore.store import ChangeKind, Datastore, DatastoreSnapshot, Listener
 from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowPolicies
@@ -27,6 +29,7 @@ from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver
 from poolkeeper.requestcontrol.ports import Gate, SnapshotSource
 from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.scheduler import Scheduler
 
 
 def build_director(
@@ -53,9 +56,10 @@ def build_director(
         clock=clock,
         flow_observer=flow_observer,
     )
+    scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s)
     director = Director(
         datastore=datastore,
-        scheduler=build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s),
+        scheduler=scheduler,
         inflight=InflightTracker(),
         gate=gate,
         config=spec.request_handling,
@@ -66,7 +70,32 @@ def build_director(
     if isinstance(gate, FlowGate) and isinstance(datastore, Datastore):
         # Fresh metrics may mean headroom: let waiting requests re-check (free when none wait).
         datastore.subscribe(lambda _snapshot, _kind: gate.wake(), metrics=True)
+    if scheduler.follows_endpoints and isinstance(datastore, Datastore):
+        # KV-event subscriptions connect when the endpoints are known, not at a first decision.
+        datastore.subscribe(_endpoint_follower(scheduler), metrics=True)
     return director
+
+
+def _endpoint_follower(scheduler: Scheduler) -> Listener:
+    """A datastore listener telling `scheduler` the endpoints after each change of them, on
+    the running loop (the first metrics write after a change where none ran: files and
+    watches may write before the loop starts; scrapes run on it)."""
+    pending = True
+
+    def listener(snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
+        nonlocal pending
+        if kind is not ChangeKind.METRICS:
+            pending = True
+        if not pending:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        pending = False
+        scheduler.follow_endpoints(e.hostport for e in snapshot.all_endpoints())
+
+    return listener
 
 
 def build_gate(

@@ -142,6 +142,7 @@ def run(
     cold_affinity: float = 0.0,
     cold_peers: bool = False,
     prefix_params: dict[str, Any] | None = None,
+    groups: int | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -150,6 +151,8 @@ def run(
     `coldAffinityPeersOnly` (only once the KV events show another replica's traffic);
     `prefix_params`: more of their parameters (camelCase, as in a config)."""
     scenario = build_scenario("shared-prefix", servers)
+    if groups is not None:
+        scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
     if capacity_rps is None:
         capacity_rps = float(fleet_capacity(scenario, seed=seed)["capacity_rps"])
     arrivals = generate(scenario.spec, rate=load * capacity_rps, duration=duration, seed=seed)
@@ -220,17 +223,21 @@ def run(
             per_group.setdefault(group_of[r.request_id], Counter())[r.server_name] += 1
     served = sum(sum(c.values()) for c in per_group.values())
     top = sum(c.most_common(1)[0][1] for c in per_group.values())
+    # Placement balance: how many groups have each server as their most used one.
+    homes = Counter(c.most_common(1)[0][0] for c in per_group.values())
     return {
         "replicas": replicas,
         "index": "exact" if exact else "approx",
         "cold_affinity": cold_affinity,
         "cold_peers": cold_peers,
         **({"prefix_params": prefix_params} if prefix_params else {}),
+        **({"groups": groups} if groups is not None else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
         "prefix_hit_rate": round(summary["prefix_hit_rate"], 4),
         "affinity": round(top / served, 4) if served else 0.0,
+        "groups_per_server": sorted((homes.get(e.name, 0) for e in fleet.endpoints), reverse=True),
         "ttft_p50_s": round(summary["ttft_s"]["p50"], 4),
         "ttft_p90_s": round(summary["ttft_s"]["p90"], 4),
         "ttft_p99_s": round(summary["ttft_s"]["p99"], 4),
@@ -343,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.7)
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--groups", type=int, default=None, help="prefix groups (default: the workload's)"
+    )
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--index", nargs="+", choices=["approx", "exact"], default=["approx"])
     parser.add_argument(
@@ -372,11 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory:
         print(json.dumps(memory(args.endpoints, args.blocks), indent=2))
         return 0
-    capacity = float(
-        fleet_capacity(build_scenario("shared-prefix", args.servers), seed=args.seed)[
-            "capacity_rps"
-        ]
-    )
+    scenario = build_scenario("shared-prefix", args.servers)
+    if args.groups is not None:
+        scenario = replace(scenario, spec=replace(scenario.spec, num_groups=args.groups))
+    capacity = float(fleet_capacity(scenario, seed=args.seed)["capacity_rps"])
     rows = [
         run(
             n,
@@ -389,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cold_affinity=args.cold_affinity,
             cold_peers=args.cold_peers and kind == "exact",
             prefix_params=args.prefix_params,
+            groups=args.groups,
         )
         for kind in args.index
         for n in args.replicas

@@ -30,6 +30,15 @@ agree without talking. A prompt that never recurs gets a uniformly random push i
 costs load balance: hence only long prompts (where a shared prefix saves a real prefill; the
 default 32 blocks is 512 tokens) and a small score, so that load still decides.
 
+Balanced cold affinity (`coldAffinityBalance` = c >= 1, needs `kvEvents`): the owner is the
+first candidate clockwise on the ring whose chain heads (distinct prompt beginnings: those its
+engine reported, plus those this EPP sent it that are not reported yet) number fewer than
+c x (all candidates' heads + 1) / candidates (bounded-load consistent hashing). Why: with few
+new prefixes the plain ring is a multinomial draw (16 prefixes on 4 servers: 4 +- 1.7 each,
+one replica places them 4 each by load); the engines' reports are the same in every replica,
+so the replicas still agree, and this EPP's own unreported sends keep it from stacking a burst
+of new prefixes on one server before its engine has scheduled any of them.
+
 Cold affinity with peers only (`coldAffinityPeersOnly`, needs `kvEvents`): the rule applies only
 while the KV events show that other routers send traffic to the same engines, i.e. within the
 last `coldAffinityPeerWindowS` an engine stored the first block of a prompt this EPP did not
@@ -54,7 +63,8 @@ pick, the picked endpoint's matched prefix in characters ("bytes" upstream) and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 
 from pydantic import Field, model_validator
 
@@ -122,6 +132,14 @@ class PrefixCacheParams(PluginParams):
         "known to cache, each candidate scores this x (1 - its index blocks / the most any "
         "candidate has), so a new prefix goes where the least is cached (default 0: off).",
     )
+    cold_affinity_balance: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Bounded-load cold affinity (needs kvEvents): the owner is the first "
+        "candidate clockwise on the ring whose engine-reported chain heads are below this x "
+        "(all candidates' heads + 1) / candidates, so that no endpoint gets far more than its "
+        "share of the new prefixes (default 0: off, the plain ring). Must be 0 or >= 1.",
+    )
     cold_affinity_peers_only: bool = Field(
         default=False,
         description="Apply coldAffinity only while the KV events show other routers: within "
@@ -176,6 +194,13 @@ class PrefixCacheParams(PluginParams):
 
     @model_validator(mode="after")
     def _peers_need_events(self) -> PrefixCacheParams:
+        if self.cold_affinity_balance and not self.kv_events:
+            raise ValueError(
+                "coldAffinityBalance needs kvEvents: true (it counts the prefixes each engine "
+                "reported)"
+            )
+        if 0 < self.cold_affinity_balance < 1:
+            raise ValueError("coldAffinityBalance must be 0 (off) or >= 1")
         if self.cold_affinity_peers_only and not self.kv_events:
             raise ValueError(
                 "coldAffinityPeersOnly needs kvEvents: true (other routers' traffic is seen "
@@ -319,9 +344,19 @@ class PrefixCacheScorer(NamedPlugin):
                 out = [spread * (1.0 - b / most) for b in sizes]
         params = self.params
         if params.cold_affinity and (not params.cold_affinity_peers_only or self.peers_seen(now)):
-            i = keys.index(self.hashring.owner(key, keys))
+            i = keys.index(self.hashring.owner(key, keys, self._fits(keys, now)))
             out[i] = min(1.0, out[i] + self.params.cold_affinity)
         return out
+
+    def _fits(self, keys: list[str], now: float) -> Callable[[str], bool] | None:
+        """coldAffinityBalance's test: the endpoint's reported chain heads are under the bound
+        (None: the plain ring)."""
+        balance, exact = self.params.cold_affinity_balance, self.exact
+        if not balance or exact is None:
+            return None
+        heads = {k: exact.heads(k, now) for k in keys}
+        bound = math.ceil(balance * (sum(heads.values()) + 1) / len(keys))
+        return lambda k: heads[k] < bound
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         if result.targets:
@@ -341,7 +376,15 @@ class PrefixCacheScorer(NamedPlugin):
                     request.target_model, request.prompt[:chunk], exact.block_size
                 )
                 if head:
-                    exact.sent(picked, head[0])
+                    exact.sent(picked, head[0], cycle.now)
+
+    def follow_endpoints(self, endpoints: Iterable[str]) -> None:
+        """Subscribe to the pool's endpoints' KV events as soon as they are known. Why not
+        only at decisions: an engine reports a block once, when it stores it, and a ZMQ SUB
+        socket receives only what is published after it connects; subscribing at the first
+        decision loses the cold start's first prefixes for good."""
+        if self._subscriber is not None:
+            self._subscriber.follow(endpoints)
 
     def enable_exact(self, exact: ExactPrefixIndex) -> None:
         """Use `exact` (fed by the caller) from now on; the virtual-time fleet's hook."""

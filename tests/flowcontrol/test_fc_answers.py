@@ -72,3 +72,16 @@ def test_a_flow_of_long_answers_is_charged_for_them_while_they_run() -> None:
     # (the swing of `answers.py`: the shares then move only as answers end).
     assert sent.count("long") == 2
     assert sent.count("short") == 18
+
+
+def test_charge_answers_ahead_false_charges_them_only_at_the_end() -> None:
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig(charge_answers_ahead=False))
+    for _ in range(2):
+        item = FlowItem("r", S, "m", 10, 100)
+        d.submit(item, 0.0, lambda _i: True)
+        d.dispatched(item)
+        d.completed("m", S, 300)
+    item = FlowItem("r", S, "m", 10, 100)
+    d.submit(item, 0.0, lambda _i: True)
+    d.dispatched(item)
+    assert d._bands[S].fairness.counter("m") == 3 * 10 + 2 * 2 * 300

@@ -29,9 +29,10 @@ _MAX_FLOWS = 1024  # expected answers remembered before pruning to the flows in 
 class AnswerAdvance:
     """Expected answers and the advances charged for the requests in service, per flow."""
 
-    __slots__ = ("_advance", "_expected")
+    __slots__ = ("_advance", "_expected", "ahead")
 
-    def __init__(self) -> None:
+    def __init__(self, *, ahead: bool = True) -> None:
+        self.ahead = ahead  # False: answers charged only at the end (`chargeAnswersAhead`)
         self._expected: dict[str, float] = {}
         self._advance: dict[str, int] = {}  # flow -> tokens charged ahead for its running ones
 
@@ -41,7 +42,7 @@ class AnswerAdvance:
 
     def dispatched(self, flow: str) -> int:
         """A request of `flow` goes: the tokens to charge it ahead (0 before any answer)."""
-        tokens = self.expected(flow)
+        tokens = self.expected(flow) if self.ahead else 0
         if tokens:
             self._advance[flow] = self._advance.get(flow, 0) + tokens
         return tokens

@@ -344,6 +344,8 @@ class FlowDispatcher(Generic[T]):
             )
             for b in BANDS
         }
+        for queue in self._bands.values():
+            queue.answers.ahead = config.charge_answers_ahead
         self._seq = itertools.count()
         self.pushed_out: list[FlowItem[T]] = []
         self.drain = DrainRate()

@@ -21,7 +21,8 @@ more counts more tokens with the same work (token-weighted cells: `format_grid` 
 ratios, and the slots busy under each: fair sharing idles none).
 Policies: `poolkeeper` (the default `spec.flowControl`), `poolkeeper-pre35` (the defaults
 before issue 35: `dispatch: saturation`, Standard's `lifoAfterMs` 200 and `overloadTtlMs` 300
-applied whenever a queue stands, `onlyWhileGrowing: false`),
+applied whenever a queue stands, `onlyWhileGrowing: false`, answers charged at their end
+with `outputTokenWeight` 2),
 and `poolkeeper-shed` (no queue: admission's shedding, the non-fair baseline).
 
 Deterministic for a seed (virtual time, seeded engines and arrivals).
@@ -52,6 +53,8 @@ SCRAPE_S = 0.05
 RETRY_S = 0.2  # a refused closed-loop client sends again after this long
 
 PRE35: dict[str, Any] = {
+    "chargeAnswersAhead": False,
+    "outputTokenWeight": 2,
     "bands": {
         "standard": {
             "dispatch": "saturation",
@@ -60,7 +63,7 @@ PRE35: dict[str, Any] = {
             "onlyWhileGrowing": False,
         },
         "sheddable": {"dispatch": "saturation"},
-    }
+    },
 }
 POLICIES: dict[str, dict[str, Any] | None] = {
     "poolkeeper": {},

@@ -55,7 +55,7 @@ def test_pooled_advances_are_paid_back_exactly_over_a_busy_period() -> None:
 def test_a_flow_of_long_answers_is_charged_for_them_while_they_run() -> None:
     """Two flows backlogged; `long` answers 10x longer. Charged at dispatch for their answers,
     the picks follow the charge ratio at once."""
-    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig())
+    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig(output_token_weight=2))
     for flow, answer in (("short", 30), ("long", 300)):  # one answer each: the expectation
         item = FlowItem(flow, S, flow, 10, 100)
         d.submit(item, 0.0, lambda _i: True)
@@ -75,7 +75,9 @@ def test_a_flow_of_long_answers_is_charged_for_them_while_they_run() -> None:
 
 
 def test_charge_answers_ahead_false_charges_them_only_at_the_end() -> None:
-    d: FlowDispatcher[str] = FlowDispatcher(FlowControlConfig(charge_answers_ahead=False))
+    d: FlowDispatcher[str] = FlowDispatcher(
+        FlowControlConfig(charge_answers_ahead=False, output_token_weight=2)
+    )
     for _ in range(2):
         item = FlowItem("r", S, "m", 10, 100)
         d.submit(item, 0.0, lambda _i: True)

@@ -4,6 +4,8 @@ as the EPP (`FlowPolicy` drives `FlowDispatcher` and `Headroom`)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
 from poolkeeper.bench.fleet.fairshare import (
@@ -72,11 +74,13 @@ def _grid_row(case: str, fair_jain: float, fair_good: float) -> dict[str, object
 
 
 def test_the_grid_over_seeds_shows_the_least_per_cell_and_where() -> None:
+    issue = _grid_row("2x2 closed equal", 1.0, 100.0) | {"spec": asdict(issue35_case())}
     grids = [
-        {"seed": 1, "rows": [_grid_row("2x2 closed equal", 0.99, 99.0)]},
-        {"seed": 2, "rows": [_grid_row("2x2 closed equal", 0.97, 101.0)]},
+        {"seed": 1, "rows": [issue, _grid_row("2x2 closed equal", 0.99, 99.0)]},
+        {"seed": 2, "rows": [issue, _grid_row("2x2 closed equal", 0.97, 101.0)]},
     ]
     text = format_grid_seeds(grids)
+    assert "| 2x2 closed equal (issue 35 case) | 1.00-1.00 | 1.000 | 1.000 |" in text
     assert (
         "| 2x2 closed equal | 1.00-1.00 | 0.970 | 0.990 | 1.000 | 0.980 (0.980) | 0 | 2 of 2 |"
         in text

@@ -380,10 +380,12 @@ def format_grid_seeds(grids: Sequence[dict[str, Any]]) -> str:
     cell the range of beta/alpha, the least Jain's index, goodput and output tokens against
     the best non-fair policy of the same seed, and batch slots busy (poolkeeper's, and the
     least of the non-fair policies' best); the most Standard refusals; the probes served."""
+    issue = asdict(issue35_case())
     cells: dict[str, list[dict[str, Any]]] = {}
-    for grid in grids:
-        for row in grid["rows"]:
-            cells.setdefault(row["case"], []).append(row)
+    for grid in grids:  # keyed by position: the issue 35 case has a grid cell's label
+        for i, row in enumerate(grid["rows"]):
+            label = row["case"] + (" (issue 35 case)" if row.get("spec") == issue else "")
+            cells.setdefault(f"{i}:{label}", []).append(row)
     others = [n for n in POLICIES if n != "poolkeeper"]
     lines = [
         f"Seeds {', '.join(str(g.get('seed', '?')) for g in grids)}; per cell the least over "
@@ -392,7 +394,8 @@ def format_grid_seeds(grids: Sequence[dict[str, Any]]) -> str:
         "| slots busy (non-fair) | Standard refused | Critical probe served |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for case, rows in cells.items():
+    for key, rows in cells.items():
+        case = key.split(":", 1)[1]
         fair = [row["poolkeeper"] for row in rows]
         ratio = [p["beta_to_alpha"] for p in fair]
         busy = min(p.get("slots_busy", math.nan) for p in fair)

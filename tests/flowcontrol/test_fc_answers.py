@@ -87,3 +87,11 @@ def test_charge_answers_ahead_false_charges_them_only_at_the_end() -> None:
     d.submit(item, 0.0, lambda _i: True)
     d.dispatched(item)
     assert d._bands[S].fairness.counter("m") == 3 * 10 + 2 * 2 * 300
+
+
+def test_a_request_bound_is_charged_before_the_first_answer_and_caps_the_expectation() -> None:
+    answers = AnswerAdvance()
+    assert answers.dispatched("m", bound=300) == 300  # max_tokens, before any answer
+    assert answers.completed("m", 280, running=1) == -20
+    assert answers.dispatched("m", bound=16) == 16  # a short bound caps the expectation
+    assert answers.dispatched("m") == 280

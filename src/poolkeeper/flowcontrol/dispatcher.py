@@ -135,6 +135,7 @@ class FlowItem(Generic[T]):
     deadline: float = math.inf
     seq: int = field(default=0)
     queued: bool = False
+    bound: int = 0  # the request's bound on its answer (max_tokens; 0: none), `answers.py`
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,7 +452,7 @@ class FlowDispatcher(Generic[T]):
         path and pump alike)."""
         queue = self._bands[item.band]
         queue.fairness.charge_input(item.flow, item.tokens)
-        ahead = queue.answers.dispatched(item.flow)
+        ahead = queue.answers.dispatched(item.flow, item.bound)
         if ahead:
             queue.fairness.charge_output(item.flow, ahead)
         queue.running[item.flow] = queue.running.get(item.flow, 0) + 1

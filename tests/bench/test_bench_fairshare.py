@@ -4,10 +4,13 @@ as the EPP (`FlowPolicy` drives `FlowDispatcher` and `Headroom`)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
 from poolkeeper.bench.fleet.fairshare import (
     FairCase,
+    format_grid_seeds,
     issue35_case,
     jain,
     open_case,
@@ -58,3 +61,29 @@ def test_fair_sharing_of_long_answers_costs_counted_tokens_not_work() -> None:
     assert fair["goodput_tok_s"] < 0.95 * unfair["goodput_tok_s"]
     assert fair["output_tok_s"] >= 0.99 * unfair["output_tok_s"]
     assert fair["output_tok_s"] < fair["goodput_tok_s"]
+
+
+def _grid_row(case: str, fair_jain: float, fair_good: float) -> dict[str, object]:
+    def policy(jain_: float, good: float) -> dict[str, object]:
+        return {"beta_to_alpha": 1.0, "jain": jain_, "goodput_tok_s": good, "output_tok_s": 50.0,
+                "slots_busy": 0.98, "standard_refused": 0, "probe": {"status": "ok"}}  # fmt: skip
+
+    fair = policy(fair_jain, fair_good)
+    return {"case": case, "poolkeeper": fair, "poolkeeper-pre35": policy(0.9, 100.0),
+            "poolkeeper-shed": policy(0.8, 90.0)}  # fmt: skip
+
+
+def test_the_grid_over_seeds_shows_the_least_per_cell_and_where() -> None:
+    issue = _grid_row("2x2 closed equal", 1.0, 100.0) | {"spec": asdict(issue35_case())}
+    grids = [
+        {"seed": 1, "rows": [issue, _grid_row("2x2 closed equal", 0.99, 99.0)]},
+        {"seed": 2, "rows": [issue, _grid_row("2x2 closed equal", 0.97, 101.0)]},
+    ]
+    text = format_grid_seeds(grids)
+    assert "| 2x2 closed equal (issue 35 case) | 1.00-1.00 | 1.000 | 1.000 |" in text
+    assert (
+        "| 2x2 closed equal | 1.00-1.00 | 0.970 | 0.990 | 1.000 | 0.980 (0.980) | 0 | 2 of 2 |"
+        in text
+    )
+    assert "Least Jain 0.970 (2x2 closed equal, seed 2)" in text
+    assert "least goodput / best 0.990 (2x2 closed equal, seed 1)" in text

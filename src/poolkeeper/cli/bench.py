@@ -192,7 +192,9 @@ def register(subparsers: Any) -> None:
     seeds = sub.add_parser(
         "seeds", help="mean-of-seeds tables: each poolkeeper policy against the best baseline"
     )
-    seeds.add_argument("dirs", type=Path, nargs="+", help="one sweep directory per seed")
+    seeds.add_argument("dirs", type=Path, nargs="+",
+                       help="one sweep directory per seed (or one `bench flow --grid` --out "
+                       "per seed: the least over seeds per cell)")  # fmt: skip
     seeds.set_defaults(handler=_seeds)
 
     allp = sub.add_parser("all", help="every benchmark (reduced with --quick)")
@@ -431,6 +433,16 @@ def _seeds(args: argparse.Namespace) -> int:
     from poolkeeper.bench.results.report import read_json
     from poolkeeper.bench.results.seedmeans import check_sweep, seed_tables
 
+    grids = [d / "flow-grid.json" for d in args.dirs if (d / "flow-grid.json").is_file()]
+    if grids:  # `bench flow --grid` once per seed: the least over seeds per cell
+        from poolkeeper.bench.fleet.fairshare import format_grid_seeds
+
+        try:
+            print(format_grid_seeds([read_json(g) for g in grids]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"poolkeeper bench seeds: not a flow grid: {exc}", file=sys.stderr)
+            return 2
+        return 0
     files = [f for d in args.dirs for f in sorted(d.glob("sim-*.json"))]
     if not files:
         where = ", ".join(str(d) for d in args.dirs)

@@ -3,7 +3,8 @@
     flowControl:
       enabled: true
       inputTokenWeight: 1            # VTC cost of one prompt token
-      outputTokenWeight: 2           # VTC cost of one output token (the VTC paper's default)
+      outputTokenWeight: 2.5         # VTC cost of one output token (the VTC paper's: 2)
+      chargeAnswersAhead: true       # expected answer charged at dispatch, settled at the end
       modelWeights: {chat-a: 2}      # fair-share weight per client-facing modelName (default 1)
       bands:
         critical:  {mode: send}                                   # never held, never shed
@@ -225,9 +226,15 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
     """Off: no queue; `spec.admission` sheds by pool saturation as before flow control."""
     input_token_weight: float = Field(default=1.0, ge=0)
     """Virtual-token cost of a prompt token (charged when the request is dispatched)."""
-    output_token_weight: float = Field(default=2.0, ge=0)
-    """Virtual-token cost of an output token (charged when the request completes); 2 as in
-    the VTC paper (Sheng et al., OSDI 2024): decoding costs more than prefill."""
+    output_token_weight: float = Field(default=2.5, ge=0)
+    """Virtual-token cost of an output token (charged when the request completes, or ahead:
+    `chargeAnswersAhead`): decoding costs more than prefill (the VTC paper, Sheng et al.,
+    OSDI 2024, uses 2). The exchange rate between flows of short and of long answers:
+    docs/flowcontrol.md, "Fair sharing on any fleet"."""
+    charge_answers_ahead: bool = True
+    """Charge a request's expected answer (its flow's recent answers) when it is dispatched
+    and settle the difference when it ends (`flowcontrol/answers.py`); false: only at the
+    end, which lets a flow of long answers look cheap while they run."""
     model_weights: dict[str, float] = Field(default_factory=dict)
     """Fair-share weight per flow (the modelName, or the `x-gateway-inference-fairness-id`
     value when `requestHandling.trustedHeaders` lists it); unlisted flows weigh 1. A flow

@@ -51,6 +51,7 @@ from enum import StrEnum
 from typing import Generic, TypeVar
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.flowcontrol.answers import AnswerAdvance
 from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.fairness import FairnessFactory, FairnessPolicy, vtc_fairness
 from poolkeeper.flowcontrol.ordering import FcfsAdaptiveLifo, OrderingFactory, OrderingPolicy
@@ -134,6 +135,7 @@ class FlowItem(Generic[T]):
     deadline: float = math.inf
     seq: int = field(default=0)
     queued: bool = False
+    bound: int = 0  # the request's bound on its answer (max_tokens; 0: none), `answers.py`
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +149,8 @@ class FlowPolicies:
 
 class _Band(Generic[T]):
     __slots__ = (
-        "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows", "marks",
-        "ordering", "overload_at", "recent", "reserved", "running",
+        "answers", "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows",
+        "marks", "ordering", "overload_at", "recent", "reserved", "running",
     )  # fmt: skip
 
     def __init__(
@@ -171,6 +173,8 @@ class _Band(Generic[T]):
         self.recent: dict[str, float] = {}
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
+        # Answers charged ahead, at dispatch (`answers.py`).
+        self.answers = AnswerAdvance()
         # Per flow, its requests in the system (waiting + running) as sampled at arrivals:
         # [window start, count then, growth over the window before, growth over the last,
         # when the last window started].
@@ -341,6 +345,8 @@ class FlowDispatcher(Generic[T]):
             )
             for b in BANDS
         }
+        for queue in self._bands.values():
+            queue.answers.ahead = config.charge_answers_ahead
         self._seq = itertools.count()
         self.pushed_out: list[FlowItem[T]] = []
         self.drain = DrainRate()
@@ -442,21 +448,29 @@ class FlowDispatcher(Generic[T]):
         return out
 
     def dispatched(self, item: FlowItem[T]) -> None:
-        """Charge the prompt to the flow (fast path and pump alike)."""
+        """Charge the prompt and the flow's expected answer (`answers.py`) to the flow (fast
+        path and pump alike)."""
         queue = self._bands[item.band]
         queue.fairness.charge_input(item.flow, item.tokens)
+        ahead = queue.answers.dispatched(item.flow, item.bound)
+        if ahead:
+            queue.fairness.charge_output(item.flow, ahead)
         queue.running[item.flow] = queue.running.get(item.flow, 0) + 1
 
     def completed(
         self, flow: str, band: Criticality, output_tokens: int, now: float | None = None
     ) -> None:
-        """Charge the answer; with `now`, keep the freed place for `flow` a moment (`HOLD_S`)
+        """Charge the answer, less what was charged ahead for it (`answers.py`); with
+        `now`, keep the freed place for `flow` a moment (`HOLD_S`)
         if it is the flow fair sharing would serve next but has nothing waiting: a client
         that sends its next request on an answer (a closed loop) gets its share instead of
         finding the place taken by a busier flow's waiting request each time."""
         queue = self._bands[band]
-        queue.fairness.charge_output(flow, output_tokens)
-        left = queue.running.pop(flow, 0) - 1
+        running = queue.running.pop(flow, 0)
+        settle = queue.answers.completed(flow, output_tokens, running)
+        if settle:
+            queue.fairness.charge_output(flow, settle)
+        left = running - 1
         if left > 0:
             queue.running[flow] = left
         if now is None or flow in queue.flows:

@@ -3,10 +3,10 @@
 A flow is a modelName, or the operator-trusted `x-gateway-inference-fairness-id`. The
 dispatcher keeps one `FairnessPolicy` per band of a pool and tells it what happens to the
 band's flows: a flow starts having requests waiting after being idle, or stops having requests
-waiting (`activate`, `deactivate`), a
-request of a flow is dispatched with its prompt tokens (`charge_input`) and ends with its
-output tokens (`charge_output`); it asks which waiting flow goes next (`pick`). A new policy is
-a class with these methods and a factory (`FairnessFactory`: the flow-control section and the
+waiting (`activate`, `deactivate`), a request of a flow is dispatched with its prompt tokens
+(`charge_input`) and its expected answer, and ends with its output tokens less that advance
+(`charge_output`); it asks which waiting flow goes next (`pick`). A new policy is a class
+with these methods and a factory (`FairnessFactory`: the flow-control section and the
 band), handed to the dispatcher in `FlowPolicies` (`dispatcher.py`); `dispatcher.py` itself
 does not change. Policies are pure and synchronous, with no clock: the dispatcher calls them
 in its own order, so the same policy runs in the EPP and in the virtual-time fleet.
@@ -43,7 +43,9 @@ class FairnessPolicy(Protocol):
         ...
 
     def charge_output(self, flow: str, tokens: int) -> None:
-        """A dispatched request of `flow` ended having generated `tokens` tokens."""
+        """Output tokens of `flow`: its expected answer when a request is dispatched, and at
+        the request's end what it generated less what was charged ahead for it (negative: a
+        refund; `answers.py`)."""
         ...
 
     def pick(self, flows: Iterable[str], tie: Callable[[str], int]) -> str | None:

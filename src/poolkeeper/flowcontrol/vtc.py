@@ -2,11 +2,12 @@
 Models", OSDI 2024): fair sharing of token throughput between flows.
 
 Each flow (a modelName, or a fairness id) has a counter of the service it received: weighted
-prompt tokens when a request is dispatched, weighted output tokens when it completes, divided
-by the flow's weight. The next request comes from the backlogged flow with the smallest
-counter. A flow that becomes backlogged again after being idle (nothing waiting and nothing in
-service: the dispatcher calls `activate` only then) is lifted to the smallest counter of the flows
-already waiting (or, when none waits, to the counter of the last flow that stopped waiting),
+prompt tokens when a request is dispatched, weighted output tokens (the flow's expected answer
+at dispatch, settled at the end: `answers.py`), divided by the flow's weight. The next request
+comes from the backlogged flow with the smallest counter. A flow that becomes backlogged again
+after being idle (nothing waiting and nothing in service: the dispatcher calls `activate` only
+then) is lifted to the smallest counter of the flows already waiting (or, when none waits, to
+the counter of the last flow that stopped waiting),
 so an idle flow cannot bank credit and then starve the others.
 
 Pure and synchronous; no clock. Memory is bounded by the flows that have requests waiting or
@@ -69,7 +70,7 @@ class VirtualTokenCounter:
         return best
 
     def _charge(self, flow: str, cost: float) -> None:
-        if cost > 0:
+        if cost:  # negative: a refund of an answer charged ahead (`answers.py`)
             self._counters[flow] = self.counter(flow) + cost / self._weight(flow)
 
     def __len__(self) -> int:

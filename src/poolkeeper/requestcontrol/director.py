@@ -372,7 +372,7 @@ class Director:
         job = Job(
             request.request_id, pool_key, parsed.model, prepared.target, prepared.criticality,
             flow, parsed.prompt_tokens, len(request.body), states, run, self._abandon,
-            priority=prepared.priority or 0,
+            priority=prepared.priority or 0, max_tokens=parsed.max_tokens,
         )  # fmt: skip
         try:
             return self._gate.submit(job)

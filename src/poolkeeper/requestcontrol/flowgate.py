@@ -102,7 +102,7 @@ class FlowGate:
         if dispatcher is None:
             dispatcher = self._pools[job.pool] = FlowDispatcher(self.config, self.policies)
         band = job.criticality
-        item = FlowItem(job, band, job.flow, job.tokens, job.size)
+        item = FlowItem(job, band, job.flow, job.tokens, job.size, bound=job.max_tokens or 0)
         verdict = dispatcher.submit(item, self._clock(), self._fits)
         for victim in dispatcher.take_pushed_out():
             self._outcome(victim, REJECTED_CAPACITY, self._clock() - victim.arrived)

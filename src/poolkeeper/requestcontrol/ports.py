@@ -113,6 +113,9 @@ class Job:
     future: asyncio.Future[RoutingDecision] | None = None
     # The InferenceObjective priority (0 when none applies): the flow-control metrics' label.
     priority: int = 0
+    # The request's bound on its answer (max_tokens; None: unbounded): fair sharing charges
+    # it ahead while the flow has no answers yet (flowcontrol/answers.py).
+    max_tokens: int | None = None
 
 
 class Gate(Protocol):

@@ -12,14 +12,17 @@ of its length ("the probe"): it must be served.
 Per policy, over the last two thirds of the run: served tokens per model per second (a
 request's prompt when its first token comes, its output spread over its decoding:
 `served_in`), beta/alpha, Jain's index over the two models' tokens,
-goodput (all tokens per second) and output tokens per second alone, Standard refusals by
-rule, the probe's outcome and TTFT. Output tokens are the fleet's work: a 32-token prompt
-costs the engine about a quarter of one decode step, while each output token holds a batch
-slot for a whole step, so a policy that serves the short-answer model more counts more
-tokens with the same work (token-weighted cells: `format_grid` shows both ratios).
+goodput (all tokens per second) and output tokens per second alone, the share of the fleet's
+batch-slot time held by requests (`slots_busy`: from a request's first token to its end),
+Standard refusals by rule, the probe's outcome and TTFT. Output tokens are the fleet's work:
+a 32-token prompt costs the engine about a quarter of one decode step, while each output
+token holds a batch slot for a whole step, so a policy that serves the short-answer model
+more counts more tokens with the same work (token-weighted cells: `format_grid` shows both
+ratios, and the slots busy under each: fair sharing idles none).
 Policies: `poolkeeper` (the default `spec.flowControl`), `poolkeeper-pre35` (the defaults
 before issue 35: `dispatch: saturation`, Standard's `lifoAfterMs` 200 and `overloadTtlMs` 300
-applied whenever a queue stands, `onlyWhileGrowing: false`),
+applied whenever a queue stands, `onlyWhileGrowing: false`, answers charged at their end
+with `outputTokenWeight` 2),
 and `poolkeeper-shed` (no queue: admission's shedding, the non-fair baseline).
 
 Deterministic for a seed (virtual time, seeded engines and arrivals).
@@ -50,6 +53,8 @@ SCRAPE_S = 0.05
 RETRY_S = 0.2  # a refused closed-loop client sends again after this long
 
 PRE35: dict[str, Any] = {
+    "chargeAnswersAhead": False,
+    "outputTokenWeight": 2,
     "bands": {
         "standard": {
             "dispatch": "saturation",
@@ -58,7 +63,7 @@ PRE35: dict[str, Any] = {
             "onlyWhileGrowing": False,
         },
         "sheddable": {"dispatch": "saturation"},
-    }
+    },
 }
 POLICIES: dict[str, dict[str, Any] | None] = {
     "poolkeeper": {},
@@ -186,7 +191,7 @@ def run_case(case: FairCase, policy_name: str, seed: int = 1) -> dict[str, Any]:
     )  # fmt: skip
     lo, hi = case.duration_s / 3, case.duration_s
     served = dict.fromkeys((ALPHA, BETA), 0.0)
-    output = 0.0
+    output = busy = 0.0
     probe: dict[str, Any] = {"status": "missing"}
     refused: Counter[str] = Counter()
     ok: Counter[str] = Counter()
@@ -206,8 +211,17 @@ def run_case(case: FairCase, policy_name: str, seed: int = 1) -> dict[str, Any]:
                 lo, hi, first, r.finish, r.prompt_tokens, r.completion_tokens
             )
             output += served_in(lo, hi, first, r.finish, 0, r.completion_tokens)
+            busy += max(0.0, min(hi, r.finish) - max(lo, first))
     summary = case_summary(served, hi - lo, ok, refused, probe, len(result.requests))
-    return {"policy": policy_name} | summary | {"output_tok_s": output / (hi - lo)}
+    slot_s = case.servers * case.slots * (hi - lo)
+    return (
+        {"policy": policy_name}
+        | summary
+        | {
+            "output_tok_s": output / (hi - lo),
+            "slots_busy": busy / slot_s,
+        }
+    )
 
 
 def served_in(lo: float, hi: float, first: float, finish: float, prompt: int, output: int) -> float:
@@ -286,7 +300,10 @@ def grid_cases(duration_s: float) -> list[FairCase]:
 
 def open_case(closed: FairCase, requests_per_s: float) -> FairCase:
     """The open-loop twin of a closed-loop case: alpha offers 2x, beta 0.8x the request rate
-    the fleet served in the closed loop (both above their half: backlogged)."""
+    the fleet served in the closed loop (both above their half: backlogged). `run_grid` takes
+    that rate from the run without flow control, so the twin is the same case whatever the
+    fair policy's settings (taken from the fair policy's own run, a change of its VTC charge
+    changed the open case it was then compared on)."""
     return FairCase(
         servers=closed.servers, slots=closed.slots, loop="open", tokens=closed.tokens,
         alpha_rate=2.0 * requests_per_s, beta_rate=0.8 * requests_per_s,
@@ -311,7 +328,7 @@ def run_grid(
         rows.append(row)
         progress(format_grid({"rows": [row]}))
         if case.loop == "closed" and case != issue35_case():
-            done = sum(row["poolkeeper"]["completed"].values())
+            done = sum(row["poolkeeper-shed"]["completed"].values())
             twin = open_case(case, done / case.duration_s)
             orow: dict[str, Any] = {"case": twin.label(), "spec": asdict(twin)}
             for name in POLICIES:
@@ -323,8 +340,8 @@ def run_grid(
 
 def format_grid(data: dict[str, Any]) -> str:
     """One line per case: poolkeeper's beta/alpha, Jain's index, goodput and output tokens per
-    second against the best non-fair policy's, Standard refusals and the Critical probe;
-    Jain's index of the others."""
+    second against the best non-fair policy's, batch slots busy (poolkeeper's, and the most
+    of the others'), Standard refusals and the Critical probe; Jain's index of the others."""
     lines = []
     others = [n for n in POLICIES if n != "poolkeeper"]
     for row in data["rows"]:
@@ -332,11 +349,13 @@ def format_grid(data: dict[str, Any]) -> str:
         best = max(row[n]["goodput_tok_s"] for n in others)
         best_out = max(row[n].get("output_tok_s", 0.0) for n in others)
         out = p.get("output_tok_s", 0.0) / best_out if best_out else math.nan
+        busy = max(row[n].get("slots_busy", 0.0) for n in others)
         probe = p["probe"]
         ttft = probe.get("ttft_s")
         lines.append(
             f"| {row['case']} | {p['beta_to_alpha']:.2f} | {p['jain']:.3f} | "
-            f"{p['goodput_tok_s'] / best:.3f} | {out:.3f} | {p['standard_refused']} | "
+            f"{p['goodput_tok_s'] / best:.3f} | {out:.3f} | "
+            f"{p.get('slots_busy', math.nan):.3f} ({busy:.3f}) | {p['standard_refused']} | "
             f"{probe['status']} {'' if ttft is None else f'{ttft * 1000:.0f} ms'} | "
             f"{row['poolkeeper-pre35']['jain']:.3f} | {row['poolkeeper-shed']['jain']:.3f} |"
         )
@@ -345,6 +364,55 @@ def format_grid(data: dict[str, Any]) -> str:
 
 GRID_HEADER = (
     "| fleet, loop, tokens | beta/alpha | Jain | goodput / best non-fair | output tokens / best "
-    "| Standard refused | Critical probe | Jain pre-35 | Jain shed |\n"
-    "|---|---|---|---|---|---|---|---|---|"
+    "| slots busy (non-fair) | Standard refused | Critical probe | Jain pre-35 | Jain shed |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def _against_best(row: dict[str, Any], key: str) -> float:
+    """poolkeeper's `key` against the most any non-fair policy got in the same run."""
+    best = max(row[n].get(key, 0.0) for n in POLICIES if n != "poolkeeper")
+    return float(row["poolkeeper"].get(key, 0.0)) / best if best else math.nan
+
+
+def format_grid_seeds(grids: Sequence[dict[str, Any]]) -> str:
+    """The grid over several seeds (`bench seeds DIR...`, one `flow-grid.json` per seed): per
+    cell the range of beta/alpha, the least Jain's index, goodput and output tokens against
+    the best non-fair policy of the same seed, and batch slots busy (poolkeeper's, and the
+    least of the non-fair policies' best); the most Standard refusals; the probes served."""
+    issue = asdict(issue35_case())
+    cells: dict[str, list[dict[str, Any]]] = {}
+    for grid in grids:  # keyed by position: the issue 35 case has a grid cell's label
+        for i, row in enumerate(grid["rows"]):
+            label = row["case"] + (" (issue 35 case)" if row.get("spec") == issue else "")
+            cells.setdefault(f"{i}:{label}", []).append(row)
+    others = [n for n in POLICIES if n != "poolkeeper"]
+    lines = [
+        f"Seeds {', '.join(str(g.get('seed', '?')) for g in grids)}; per cell the least over "
+        "seeds (beta/alpha: least-most; Standard refused: the most)",
+        "| fleet, loop, tokens | beta/alpha | Jain | goodput / best non-fair | output / best "
+        "| slots busy (non-fair) | Standard refused | Critical probe served |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, rows in cells.items():
+        case = key.split(":", 1)[1]
+        fair = [row["poolkeeper"] for row in rows]
+        ratio = [p["beta_to_alpha"] for p in fair]
+        busy = min(p.get("slots_busy", math.nan) for p in fair)
+        base = min(max(r[n].get("slots_busy", math.nan) for n in others) for r in rows)
+        lines.append(
+            f"| {case} | {min(ratio):.2f}-{max(ratio):.2f} | {min(p['jain'] for p in fair):.3f} "
+            f"| {min(_against_best(r, 'goodput_tok_s') for r in rows):.3f} "
+            f"| {min(_against_best(r, 'output_tok_s') for r in rows):.3f} "
+            f"| {busy:.3f} ({base:.3f}) | {max(p['standard_refused'] for p in fair)} "
+            f"| {sum(p['probe']['status'] == 'ok' for p in fair)} of {len(rows)} |"
+        )
+    every = [(grid.get("seed", "?"), row) for grid in grids for row in grid["rows"]]
+    seed_j, row_j = min(every, key=lambda sr: float(sr[1]["poolkeeper"]["jain"]))
+    seed_g, row_g = min(every, key=lambda sr: _against_best(sr[1], "goodput_tok_s"))
+    lines.append(
+        f"Least Jain {row_j['poolkeeper']['jain']:.3f} ({row_j['case']}, seed {seed_j}); least "
+        f"goodput / best {_against_best(row_g, 'goodput_tok_s'):.3f} ({row_g['case']}, "
+        f"seed {seed_g})"
+    )
+    return "\n".join(lines)

@@ -72,7 +72,7 @@ class FlowPolicy:
         self._states, self._now = endpoints, now
         item = FlowItem(
             _Held(request), request.criticality, request.model, request.prompt_tokens,
-            len(request.prompt),
+            len(request.prompt), bound=request.max_tokens or 0,
         )  # fmt: skip
         verdict = self.dispatcher.submit(item, now, self._fits)
         band = str(request.criticality)

@@ -250,6 +250,16 @@ def test_sent_heads_are_bounded_and_a_forgotten_one_reads_as_foreign() -> None:
     assert index.foreign_at == NOW + 2
 
 
+def test_unreported_sent_heads_age_out_without_being_read() -> None:
+    """An endpoint whose engine never reports (events off there, requests aborted) must not
+    grow the EPP's memory with every prompt it is sent."""
+    index = ExactPrefixIndex(stale_after_s=5.0)
+    for i in range(2_000):
+        index.sent("e", i, NOW + i * 0.1)  # 10 new prompts a second, never reported
+    assert len(index._pending["e"]) <= 51  # the last 5 s of them
+    assert index.heads("e", NOW + 199.95) == 50
+
+
 def test_heads_count_reported_chain_heads_and_this_epps_unreported_ones() -> None:
     index = ExactPrefixIndex(stale_after_s=5.0)
     index.stored("e", [1, 2], NOW, head=True)

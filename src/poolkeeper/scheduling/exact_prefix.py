@@ -161,7 +161,13 @@ class ExactPrefixIndex:
         if len(sent) > SENT_HEADS:
             sent.popitem(last=False)
         if head not in self._heads.get(endpoint, ()):
-            self._pending.setdefault(endpoint, {}).setdefault(head, now)
+            pending = self._pending.setdefault(endpoint, {})
+            pending.setdefault(head, now)  # a new head goes last: the dict is in time order
+            # Heads an engine never reports (an aborted request, a lost event) age out here,
+            # not only when `heads` reads them (the same horizon): oldest first.
+            horizon = now - self.stale_after_s
+            while pending and (oldest := next(iter(pending.items())))[1] <= horizon:
+                del pending[oldest[0]]
 
     def routed(self, endpoint: str, now: float) -> None:
         """The EPP sent a request to `endpoint` at `now` (the staleness rule's evidence)."""

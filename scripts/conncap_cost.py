@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from poolkeeper.bench.live import live
 from poolkeeper.bench.overhead.gateway_overhead import MODEL, write_config
 from poolkeeper.netutil import free_ports
 
@@ -82,13 +83,9 @@ async def _ready(port: int, deadline_s: float = 60.0) -> None:
     raise SystemExit(f"gateway on {port} never answered 200")
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "poolkeeper", *args],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
+def _start(stack: contextlib.ExitStack, args: list[str], log: Path) -> None:
+    """`poolkeeper ARGS` for as long as `stack` (`live.process`: its own session, stopped)."""
+    stack.enter_context(live.process([sys.executable, "-m", "poolkeeper", *args], log))
 
 
 async def main() -> None:
@@ -101,14 +98,15 @@ async def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="conncap-cost-"))
     sim_port, *ports = free_ports(11)
     variants = {"off": (0, ports[:5]), "on": (args.cap, ports[5:])}
-    procs = [_start(["sim", "--count", "1", "--port", str(sim_port), "--model", MODEL,
-                     "--time-scale", "0.001"], tmp / "sim.log")]  # fmt: skip
-    for name, (cap, vports) in variants.items():
-        (tmp / name).mkdir(parents=True)
-        write_config(tmp / name, sim_port, vports, max_connections_per_client=cap)
-        serve = ["serve", "-f", str(tmp / name), "--workdir", str(tmp / f"{name}-envoy")]
-        procs.append(_start([*serve, "--log-level", "warning"], tmp / f"{name}.log"))
-    try:
+    with contextlib.ExitStack() as stack:
+        sim = ["sim", "--count", "1", "--port", str(sim_port), "--model", MODEL,
+               "--time-scale", "0.001"]  # fmt: skip
+        _start(stack, sim, tmp / "sim.log")
+        for name, (cap, vports) in variants.items():
+            (tmp / name).mkdir(parents=True)
+            write_config(tmp / name, sim_port, vports, max_connections_per_client=cap)
+            serve = ["serve", "-f", str(tmp / name), "--workdir", str(tmp / f"{name}-envoy")]
+            _start(stack, [*serve, "--log-level", "warning"], tmp / f"{name}.log")
         for _cap, vports in variants.values():
             await _ready(vports[0])
         results: dict[tuple[str, str], list[float]] = {}
@@ -129,14 +127,6 @@ async def main() -> None:
                 f"{name:<8} {kind:<15} {len(values):>6} "
                 f"{statistics.median(values) * 1e3:>10.3f} {p90 * 1e3:>8.3f}"
             )
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 if __name__ == "__main__":

@@ -25,13 +25,13 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from poolkeeper.bench.live import live
 from poolkeeper.bench.overhead.gateway_overhead import MODEL, write_config
 from poolkeeper.netutil import free_ports
 
@@ -172,17 +172,10 @@ async def _round(
     return prober
 
 
-def _start(args: list[str], log: Path, pythonpath: str | None) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    return subprocess.Popen(
-        [sys.executable, "-m", "poolkeeper", *args],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-    )
+def _start(stack: contextlib.ExitStack, args: list[str], log: Path, pythonpath: str | None) -> None:
+    """`poolkeeper ARGS` for as long as `stack` (`live.process`: its own session, stopped)."""
+    env = {"PYTHONPATH": pythonpath} if pythonpath else None
+    stack.enter_context(live.process([sys.executable, "-m", "poolkeeper", *args], log, env))
 
 
 async def _ready(port: int, deadline_s: float = 90.0) -> None:
@@ -214,16 +207,16 @@ async def main() -> None:
     sim_port, *ports = free_ports(1 + 5 * len(names))
     sim = ["sim", "--count", "1", "--port", str(sim_port), "--model", MODEL,
            "--time-scale", str(args.time_scale)]  # fmt: skip
-    procs = [_start(sim, tmp / "sim.log", None)]
-    variants: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        vports = variants[name] = ports[5 * i : 5 * i + 5]
-        (tmp / name).mkdir(parents=True)
-        write_config(tmp / name, sim_port, vports, max_connections_per_client=args.cap)
-        serve = ["serve", "-f", str(tmp / name), "--workdir", str(tmp / f"{name}-envoy")]
-        path = args.before_src if name == "before" else None
-        procs.append(_start([*serve, "--log-level", "warning"], tmp / f"{name}.log", path))
-    try:
+    with contextlib.ExitStack() as stack:
+        _start(stack, sim, tmp / "sim.log", None)
+        variants: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            vports = variants[name] = ports[5 * i : 5 * i + 5]
+            (tmp / name).mkdir(parents=True)
+            write_config(tmp / name, sim_port, vports, max_connections_per_client=args.cap)
+            serve = ["serve", "-f", str(tmp / name), "--workdir", str(tmp / f"{name}-envoy")]
+            path = args.before_src if name == "before" else None
+            _start(stack, [*serve, "--log-level", "warning"], tmp / f"{name}.log", path)
         for vports in variants.values():
             await _ready(vports[0])
         results: dict[str, list[Prober]] = {name: [] for name in names}
@@ -249,14 +242,6 @@ async def main() -> None:
             total = _counter(text, "ext_authz.client_cap.total")
             print(f"{name:<7} {probes:>6} {let_in:>6} {p50:>10.1f} / {p95:<9.1f} "
                   f"{_quantiles(text):>17} {failed:>9} / {total:<8}")  # fmt: skip
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 if __name__ == "__main__":

@@ -156,14 +156,19 @@ class ConnectionCounter:
         the table (silent, refused, untracked, or its check not handled yet) is remembered a
         while, in case its check is still to come."""
         with self._lock:
-            ports = self._ports.get(ip)
-            if ports is None or port not in ports:
+            if not self._forget(ip, port):
                 self._remember_gone(ip, port, self._clock() if at is None else at)
-                return
-            ports.discard(port)
-            self._open -= 1
-            if not ports:
-                del self._ports[ip]
+
+    def _forget(self, ip: str, port: int) -> bool:
+        """Take a connection out of the table (False if it was not there); under the lock."""
+        ports = self._ports.get(ip)
+        if ports is None or port not in ports:
+            return False
+        ports.discard(port)
+        self._open -= 1
+        if not ports:
+            del self._ports[ip]
+        return True
 
     def now(self) -> float:
         return self._clock()
@@ -181,10 +186,11 @@ class ConnectionCounter:
         close will remove it, and until then its address's next connections are refused, so
         connections let in by late checks do not pile up past the cap. Closed or unknown: not
         counted (counted after its close, it would lock its address out for good)."""
+        is_open = still_open is not None and still_open() is True  # the kernel: not locked
         with self._lock:
             self.late += 1
             self._gone.pop((ip, port), None)  # its own close, or a check to come will count
-            if still_open is not None and still_open() is True and self._count(ip, port):
+            if is_open and self._count(ip, port):
                 self.late_counted += 1
 
     def _remember_gone(self, ip: str, port: int, at: float) -> None:
@@ -220,12 +226,7 @@ class ConnectionCounter:
                 if (ip, port) not in self._gone and self._open < self.max_tracked:
                     self.reconciled += self._count(ip, port)
             for ip, port in unlisted & self._unlisted:
-                ports = self._ports[ip]
-                ports.discard(port)
-                self._open -= 1
-                self.phantoms += 1
-                if not ports:
-                    del self._ports[ip]
+                self.phantoms += self._forget(ip, port)
             self._untabled, self._unlisted = untabled, unlisted
 
     def exported(self) -> tuple[int, int, int, int]:

@@ -68,21 +68,12 @@ class OwnLoopServer:
         await asyncio.to_thread(thread.join, 5.0)
 
     def _run(self, started: concurrent.futures.Future[int]) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)  # this thread's current loop: grpc.aio asks for it
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._serve(started))
-            # What the server's handlers left running ends with it, as asyncio.run does.
-            left = asyncio.all_tasks(loop)
-            for task in left:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
+        # asyncio.run sets the thread's current loop (grpc.aio asks for it) and, at the end,
+        # cancels what the server's handlers left running and closes the loop.
+        asyncio.run(self._serve(started))
 
     async def _serve(self, started: concurrent.futures.Future[int]) -> None:
+        self._loop = asyncio.get_running_loop()
         self._finish = asyncio.Event()
         try:
             server, port = self._build()

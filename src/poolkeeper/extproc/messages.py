@@ -46,13 +46,7 @@ _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_O
 
 def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
     """Lower-cased header names to values; Envoy fills `raw_value`, older ones `value`."""
-    out: dict[str, str] = {}
-    for hv in headers.headers.headers:
-        value = hv.raw_value.decode("utf-8", "replace") if hv.raw_value else hv.value
-        key = hv.key.lower()
-        # Repeated headers are joined the way HTTP allows for list-valued fields.
-        out[key] = f"{out[key]},{value}" if key in out else value
-    return out
+    return request_header_map(headers)[0]
 
 
 # What Envoy's connection manager adds to a request before any filter runs: not the client's.
@@ -77,6 +71,7 @@ def request_header_map(headers: pb.HttpHeaders) -> tuple[dict[str, str], int, in
         raw = hv.raw_value
         value = raw.decode("utf-8", "replace") if raw else hv.value
         key = hv.key.lower()
+        # Repeated headers are joined the way HTTP allows for list-valued fields.
         out[key] = f"{out[key]},{value}" if key in out else value
         if key[:1] == ":":
             size += len(key) + len(raw or value)

@@ -116,8 +116,8 @@ class Headroom:
         if not clear:
             return states
         if adapter is not None:
-            runs = [adapter in s.metrics.active_adapters for s in states]
-            if any(runs) and not any(adapter in s.metrics.active_adapters for s in clear):
+            runs = any(adapter in s.metrics.active_adapters for s in states)
+            if runs and not any(adapter in s.metrics.active_adapters for s in clear):
                 # Only servers running the request's LoRA adapter were just sent a long
                 # prompt: a prefill step is shorter than loading the adapter elsewhere, or
                 # than waiting there for an adapter slot behind the batch (a slot-bound fleet).

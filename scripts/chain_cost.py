@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -142,7 +141,7 @@ def start(
     (tmp / "sim.yaml").write_text(go.SIM_CONFIG)
     sim = ["sim", "--count", "1", "--port", str(sim_port), "--model", go.MODEL, "--time-scale",
            "0.001", "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")]  # fmt: skip
-    stack.callback(_stop, go.start(sim, tmp / "sim.log"))
+    stack.enter_context(live.process([sys.executable, "-m", "poolkeeper", *sim], tmp / "sim.log"))
     targets = {"direct": f"http://127.0.0.1:{sim_port}/v1/chat/completions"}
     serves: dict[str, int] = {}
     for spec in args.variant:
@@ -151,15 +150,12 @@ def start(
         (config := tmp / f"config-{name}").mkdir()
         ports = free_ports(5)
         go.write_config(config, sim_port, ports)
-        env = dict(os.environ, CHAIN_COST_GC_LOG=str(tmp / f"gc-{name}.txt"))
+        env = {"CHAIN_COST_GC_LOG": str(tmp / f"gc-{name}.txt")}
         if pythonpath:
             env["PYTHONPATH"] = pythonpath
         cmd = [sys.executable, __file__, "--serve-variant", drop, "serve", "-f", str(config),
                "--workdir", str(tmp / f"envoy-{name}"), "--log-level", "warning"]  # fmt: skip
-        with (tmp / f"serve-{name}.log").open("wb") as log:
-            serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-        stack.callback(_stop, serve)
+        serve = stack.enter_context(live.process(cmd, tmp / f"serve-{name}.log", env))
         serves[name] = serve.pid
         targets[name] = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
     if args.floor:
@@ -171,14 +167,6 @@ def start(
         live.wait_http(ready, lambda s: s == 200, 60, name)
         targets[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
     return targets, serves
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(15)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 async def measure(

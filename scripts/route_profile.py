@@ -30,7 +30,6 @@ import io
 import json
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper import observation as wire
+from poolkeeper.bench.live import live
 from poolkeeper.bench.overhead.gateway_overhead import BODY, MODEL, write_config
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.accesslog import AccessLogReceiver
@@ -186,16 +186,8 @@ def simulator(work: Path) -> Iterator[int]:
     cmd = [sys.executable, "-m", "poolkeeper", "sim", "--count", "1", "--port", str(port),
            "--model", MODEL, "--time-scale", "0.001",
            "--config", str(work / "sim.yaml")]  # fmt: skip
-    with (work / "sim.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with live.process(cmd, work / "sim.log"):
         yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 async def measure(

@@ -101,6 +101,25 @@ def test_reusing_a_closed_connections_port_does_not_pass_the_cap() -> None:
     assert not counter.opened("10.0.0.1", 8000)
 
 
+def test_the_kernel_is_asked_without_holding_the_table() -> None:
+    """The kernel query (a sock_diag round trip) must not hold the counter's lock: closes and
+    other checks, from Envoy's log stream and the check service's thread, go on meanwhile."""
+    counter = ConnectionCounter(1, clock=_Clock())
+    counter.closed("10.0.0.1", 6000, at=999.0)  # a close whose check is still to come
+    other_finished: list[bool] = []
+
+    def still_open() -> bool:
+        other = threading.Thread(target=counter.counts)  # takes the lock
+        other.start()
+        other.join(timeout=5)  # never finishes while the caller holds the lock
+        other_finished.append(not other.is_alive())
+        return False  # the kernel says: closed
+
+    assert counter.opened("10.0.0.1", 6000, still_open=still_open)
+    assert other_finished == [True]  # the other reader got the lock while the kernel was asked
+    assert counter.counts().late == 1  # and the late check was not counted
+
+
 def test_remembered_closes_are_bounded_in_number_and_time() -> None:
     clock = _Clock()
     counter = ConnectionCounter(5, max_gone=2, clock=clock)

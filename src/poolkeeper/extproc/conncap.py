@@ -110,23 +110,22 @@ class ConnectionCounter:
         after a close from the same address and port: the closed connection's own check,
         delayed on its way, or a new connection's from a reused port."""
         with self._lock:
-            return self._opened(ip, port, arrived, still_open)
-
-    def _opened(
-        self,
-        ip: str,
-        port: int,
-        arrived: float | None,
-        still_open: Callable[[], bool | None] | None,
-    ) -> bool:
-        if self._gone:
-            closed_at = self._gone.pop((ip, port), None)
-            if closed_at is not None and (
-                (arrived is not None and arrived <= closed_at)
-                or (still_open is not None and still_open() is False)
-            ):
+            closed_at = self._gone.pop((ip, port), None) if self._gone else None
+            if closed_at is None:
+                return self._admit(ip, port)  # the common case: one pass under the lock
+            if arrived is not None and arrived <= closed_at:
                 self.late += 1  # the check of a connection already closed: nothing to count
                 return True
+        # A close from this address and port came before the check: ask the kernel outside
+        # the lock (a sock_diag query), so other checks and closes do not wait on it.
+        gone = still_open is not None and still_open() is False
+        with self._lock:
+            if gone:
+                self.late += 1
+                return True
+            return self._admit(ip, port)
+
+    def _admit(self, ip: str, port: int) -> bool:
         ports = self._ports.get(ip)
         if ports is not None and len(ports) >= self.limit:
             self.refused += 1

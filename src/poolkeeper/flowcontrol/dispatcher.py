@@ -154,7 +154,12 @@ class _Band(Generic[T]):
     )  # fmt: skip
 
     def __init__(
-        self, fairness: FairnessPolicy, ordering: OrderingPolicy, config: BandConfig
+        self,
+        fairness: FairnessPolicy,
+        ordering: OrderingPolicy,
+        config: BandConfig,
+        *,
+        answers_ahead: bool = True,
     ) -> None:
         self.fairness = fairness
         self.ordering = ordering
@@ -174,7 +179,7 @@ class _Band(Generic[T]):
         # Requests dispatched and not completed, per flow (flows with none are dropped).
         self.running: dict[str, int] = {}
         # Answers charged ahead, at dispatch (`answers.py`).
-        self.answers = AnswerAdvance()
+        self.answers = AnswerAdvance(ahead=answers_ahead)
         # Per flow, its requests in the system (waiting + running) as sampled at arrivals:
         # [window start, count then, growth over the window before, growth over the last,
         # when the last window started].
@@ -342,11 +347,10 @@ class FlowDispatcher(Generic[T]):
                 policies.fairness(config, b),
                 policies.ordering(config.bands.of(b)),
                 config.bands.of(b),
+                answers_ahead=config.charge_answers_ahead,
             )
             for b in BANDS
         }
-        for queue in self._bands.values():
-            queue.answers.ahead = config.charge_answers_ahead
         self._seq = itertools.count()
         self.pushed_out: list[FlowItem[T]] = []
         self.drain = DrainRate()

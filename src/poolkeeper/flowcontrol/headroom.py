@@ -82,14 +82,12 @@ class Headroom:
         if below and keep > 0 and slot and not self._room_besides(below, keep):
             return None
         if below:
-            if slot and self._lora(states):
-                # the scheduler places (adapter affinity)
-                return list(self.spread(states, band, adapter))
-            if len(below) == len(states) or (
-                band.placement is Placement.SCHEDULER and not slot and not blind
-            ):
-                return list(self.spread(states, band, adapter))
-            return list(self.spread(below, band, adapter))
+            every = (
+                (slot and self._lora(states))  # the scheduler places (adapter affinity)
+                or len(below) == len(states)
+                or (band.placement is Placement.SCHEDULER and not slot and not blind)
+            )
+            return list(self.spread(states if every else below, band, adapter))
         if blind:
             return None  # every server is busy by the EPP's exact in-flight count
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":

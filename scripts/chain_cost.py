@@ -49,7 +49,7 @@ DROPS = {
     "resp": "poolkeeper.response_processor",
 }
 # What a variant may take out of the EPP rather than the bootstrap (`_patch_epp`).
-EPP_DROPS = {"director", "canned", "nometa", "nokey", "nocl", "noclear"}
+EPP_DROPS = {"director", "canned", "nometa", "nokey", "nocl", "noclear", "late"}
 PARTS = {"lua", "resp", "als", "early", *EPP_DROPS}
 # Envoy's own clock per request (a file access log each gateway writes when asked, --timing):
 # request start to the first byte sent upstream (the request path: ext_proc and routing), the
@@ -237,7 +237,8 @@ class _Replay:
 
 
 def _patch_epp(drop: set[str]) -> None:
-    """`director`: the scheduler replaced by a replayed decision (`_Replay`). `canned`: the
+    """`late`: the request path's metric samples 20 ms after the reply rather than right after
+    it. `director`: the scheduler replaced by a replayed decision (`_Replay`). `canned`: the
     servicer replaced by one that answers each stream with `serve`'s replies for it (the
     destination and content-length headers, the route-cache clear, `envoy.lb` and the exchange
     key in metadata, the body streamed back) and decides nothing; with `nometa` (no dynamic
@@ -247,6 +248,16 @@ def _patch_epp(drop: set[str]) -> None:
     from poolkeeper.extproc import messages as msg
     from poolkeeper.extproc.server import ExtProcServicer
 
+    if "late" in drop:
+        from poolkeeper.telemetry.metrics import GatewayMetrics
+
+        defer = GatewayMetrics.defer_request_path
+
+        def later(self: Any, schedule: Any) -> None:
+            loop = asyncio.get_running_loop()
+            defer(self, lambda callback: loop.call_later(0.02, callback))
+
+        GatewayMetrics.defer_request_path = later  # type: ignore[method-assign]
     init = ExtProcServicer.__init__
 
     def __init__(self: Any, router: Any, **kwargs: Any) -> None:

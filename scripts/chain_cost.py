@@ -4,6 +4,7 @@ Starts one simulator (`gateway_overhead.SIM_CONFIG`) and one `poolkeeper serve` 
 `--variant NAME=DROP[@PYTHONPATH]`, each with its own EPP and Envoy, where DROP names the parts
 taken out of that serve's bootstrap (comma-separated: `lua` the response observer's Lua filter,
 `resp` the response processor, `als` the gRPC access log, `early` the early header mutation;
+features, for measurement only: `retry`, `routes`, `hcmopts`, `overload` (see FEATURES);
 empty: the bootstrap as shipped), or parts of the EPP (`director`: the scheduler replaced by a
 replayed decision; `canned`: a servicer that answers every stream with `serve`'s replies and
 decides nothing, and with it `nometa`, `nokey`, `nocl`: those replies without their dynamic
@@ -50,7 +51,12 @@ DROPS = {
 }
 # What a variant may take out of the EPP rather than the bootstrap (`_patch_epp`).
 EPP_DROPS = {"director", "canned", "nometa", "nokey", "nocl", "noclear", "late"}
-PARTS = {"lua", "resp", "als", "early", *EPP_DROPS}
+# Bootstrap parts that are features, not optional filters (measurements only): `retry` the
+# routed routes' retry policy and retry buffer, `routes` every route but the inference ones
+# (CONNECT, 413, 415, 405, 404), `hcmopts` the connection manager's path normalisation and
+# request timeouts, `overload` the overload manager.
+FEATURES = {"retry", "routes", "hcmopts", "overload"}
+PARTS = {"lua", "resp", "als", "early", *FEATURES, *EPP_DROPS}
 # Envoy's own clock per request (a file access log each gateway writes when asked, --timing):
 # request start to the first byte sent upstream (the request path: ext_proc and routing), the
 # upstream's answer, the response path, and ext_proc's own latency of the headers message (in
@@ -333,6 +339,22 @@ def serve_variant(drop: set[str], argv: list[str]) -> int:
                 hcm["access_log"] = kept
         if "early" in drop:
             hcm.pop("early_header_mutation_extensions", None)
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        if "retry" in drop:
+            for route in routes:
+                route.get("route", {}).pop("retry_policy", None)
+                if "route" in route:
+                    route.pop("per_request_buffer_limit_bytes", None)
+        if "routes" in drop:
+            hcm["route_config"]["virtual_hosts"][0]["routes"] = [
+                r for r in routes if "route" in r or r["name"].startswith("not_routed")
+            ]
+        if "hcmopts" in drop:
+            for key in ("normalize_path", "merge_slashes", "path_with_escaped_slashes_action",
+                        "request_timeout", "request_headers_timeout"):  # fmt: skip
+                hcm.pop(key, None)
+        if "overload" in drop:
+            config.pop("overload_manager", None)
         if os.environ.get("CHAIN_COST_TIMING_LOG"):
             hcm.setdefault("access_log", []).append(timing_log(os.environ["CHAIN_COST_TIMING_LOG"]))
         return config

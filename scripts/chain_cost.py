@@ -4,12 +4,20 @@ Starts one simulator (`gateway_overhead.SIM_CONFIG`) and one `poolkeeper serve` 
 `--variant NAME=DROP[@PYTHONPATH]`, each with its own EPP and Envoy, where DROP names the parts
 taken out of that serve's bootstrap (comma-separated: `lua` the response observer's Lua filter,
 `resp` the response processor, `als` the gRPC access log, `early` the early header mutation;
-empty: the bootstrap as shipped) and PYTHONPATH, when given, runs that serve from another tree
+features, for measurement only: `retry`, `routes`, `hcmopts`, `overload` (see FEATURES);
+empty: the bootstrap as shipped), or parts of the EPP (`director`: the scheduler replaced by a
+replayed decision; `canned`: a servicer that answers every stream with `serve`'s replies and
+decides nothing, and with it `nometa`, `nokey`, `nocl`: those replies without their dynamic
+metadata, exchange key, content-length; see `_patch_epp`) and PYTHONPATH, when given, runs
+that serve from another tree
 (e.g. a `git archive` of main's `src/`: an A/B of two commits). Optionally the `--floor`
 gateways and `--peers` join. Then rounds of interleaved light load (every target once per tick,
 the order rotated, `overhead_peers.interleaved`) and, per serve, the EPP's and its Envoy's CPU
 per request over all rounds, and the EPP's garbage-collector passes after start-up (count and
-total ms per generation).
+total ms per generation). `--timing` adds, per gateway (serves and floors), Envoy's own clock
+per request (an access log: request start to the first byte upstream, ext_proc's latency of
+the headers message, the response path) and, per serve, the EPP's wall and loop-thread CPU
+from a stream's HEADERS to its trailers; `--profile` a cProfile of each serve's EPP.
 
 Taking a part out breaks what it provides (no access log: requests never complete in the EPP's
 accounting), so a variant is a measurement, never a configuration. Not a test: run it by hand,
@@ -17,6 +25,8 @@ and record `uptime`: on a shared host only differences inside one run mean much.
 
     .venv/bin/python scripts/chain_cost.py --variant shipped= --variant no-lua=lua \\
         --variant none=lua,resp,als --floor --peers sglang-router --rounds 8 --seconds 15
+    .venv/bin/python scripts/chain_cost.py --variant serve= --variant director=director \
+        --variant canned=canned --variant canned-nometa=canned,nometa --floor --timing
 """
 
 from __future__ import annotations
@@ -39,6 +49,41 @@ DROPS = {
     "lua": "envoy.filters.http.lua",
     "resp": "poolkeeper.response_processor",
 }
+# What a variant may take out of the EPP rather than the bootstrap (`_patch_epp`).
+EPP_DROPS = {"director", "canned", "nometa", "nokey", "nocl", "noclear", "late"}
+# Bootstrap parts that are features, not optional filters (measurements only): `retry` the
+# routed routes' retry policy and retry buffer, `routes` every route but the inference ones
+# (CONNECT, 413, 415, 405, 404), `hcmopts` the connection manager's path normalisation and
+# request timeouts, `overload` the overload manager.
+FEATURES = {"retry", "routes", "hcmopts", "overload"}
+PARTS = {"lua", "resp", "als", "early", *FEATURES, *EPP_DROPS}
+# Envoy's own clock per request (a file access log each gateway writes when asked, --timing):
+# request start to the first byte sent upstream (the request path: ext_proc and routing), the
+# upstream's answer, the response path, and ext_proc's own latency of the headers message (in
+# FULL_DUPLEX_STREAMED mode: headers sent to their reply, which waits for the body's routing).
+TIMING_FORMAT = (
+    "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% "
+    "%COMMON_DURATION(DS_RX_END:US_TX_BEG:us)% "
+    "%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)% "
+    "%COMMON_DURATION(US_RX_END:DS_TX_END:us)% "
+    "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)% "
+    "%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_header_latency_us)% "
+    "%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_body_total_latency_us)% "
+    "%RESPONSE_CODE%\n"
+)
+TIMING_FIELDS = ("to_upstream", "body_to_upstream", "upstream", "response_path", "total",
+                 "ext_proc_headers", "ext_proc_body")  # fmt: skip
+
+
+def timing_log(path: str) -> dict[str, Any]:
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": path,
+            "log_format": {"text_format_source": {"inline_string": TIMING_FORMAT}},
+        },
+    }
 
 
 # -- inside each serve variant ------------------------------------------------------------------
@@ -94,10 +139,188 @@ def _gc_log(path: str) -> None:
     atexit.register(write)
 
 
+def _epp_times(path: str) -> None:
+    """Per stream, from the last request DATA frame read to the stream's trailers (its replies
+    written with them): wall and the loop thread's CPU, in us. Wall minus CPU is time the EPP
+    held the request without running (other tasks, the GIL, the host's scheduler)."""
+    import atexit
+
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from poolkeeper.extproc.h2.connection import Connection
+
+    process_stream = pb.ProcessingRequest.FromString
+    marks: dict[tuple[int, int], list[int]] = {}
+    out: list[tuple[int, int, int, int]] = []
+    on_data, open_, finish = Connection._on_data, Connection._open, Connection._finish
+
+    def _open(self: Any, stream_id: int, end_stream: bool, headers: Any) -> None:
+        now = [time.perf_counter_ns(), time.thread_time_ns()]
+        marks[(id(self), stream_id)] = now + now
+        open_(self, stream_id, end_stream, headers)
+
+    def _on_data(self: Any, flags: int, stream_id: int, payload: bytes) -> None:
+        mark = marks.get((id(self), stream_id))
+        if mark is not None:
+            mark[2:] = time.perf_counter_ns(), time.thread_time_ns()
+        on_data(self, flags, stream_id, payload)
+
+    def _finish(self: Any, stream: Any, code: int, message: str | None) -> None:
+        mark = marks.pop((id(self), stream.id), None)
+        finish(self, stream, code, message)
+        ours = stream.inbox is not None and stream.inbox._decode == process_stream
+        if mark is not None and ours and len(out) < 200_000:
+            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            out.append(((wall - mark[2]) // 1000, (cpu - mark[3]) // 1000,
+                        (wall - mark[0]) // 1000, (cpu - mark[1]) // 1000))  # fmt: skip
+
+    Connection._on_data, Connection._finish = _on_data, _finish  # type: ignore[method-assign]
+    Connection._open = _open  # type: ignore[method-assign]
+
+    def write() -> None:
+        Path(path).write_text(json.dumps(out))
+
+    atexit.register(write)
+
+
+def _profile(path: str) -> None:
+    """cProfile of the EPP's loop thread from its first ext_proc stream to exit (the profiler
+    inflates every call: read the shares), its top functions written at exit."""
+    import atexit
+    import cProfile
+    import io
+    import pstats
+
+    from poolkeeper.extproc.h2.connection import Connection
+
+    profiler = cProfile.Profile()
+    open_ = Connection._open
+    started = [False]
+
+    def _open(self: Any, stream_id: int, end_stream: bool, headers: Any) -> None:
+        if not started[0]:
+            started[0] = True
+            profiler.enable()
+        open_(self, stream_id, end_stream, headers)
+
+    Connection._open = _open  # type: ignore[method-assign]
+
+    def write() -> None:
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(60)
+        Path(path).write_text(text.getvalue())
+
+    atexit.register(write)
+
+
+class _Replay:
+    """The Director's first decision given again to every later request: the EPP's path (the
+    Exchange, its replies, the transport) without the Director and the scheduler."""
+
+    def __init__(self, router: Any) -> None:
+        self._router = router
+        self._decision: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._router, name)
+
+    async def route(self, request: Any) -> Any:
+        if self._decision is None:
+            self._decision = await self._router.route(request)
+        return self._decision
+
+    def complete(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def first_byte(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def served(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _patch_epp(drop: set[str]) -> None:
+    """`late`: the request path's metric samples 20 ms after the reply rather than right after
+    it. `director`: the scheduler replaced by a replayed decision (`_Replay`). `canned`: the
+    servicer replaced by one that answers each stream with `serve`'s replies for it (the
+    destination and content-length headers, the route-cache clear, `envoy.lb` and the exchange
+    key in metadata, the body streamed back) and decides nothing; with `nometa` (no dynamic
+    metadata: override_host reads the header), `nokey` (no exchange key), `nocl` (no
+    content-length), `noclear` (no route-cache clear: only meaningful where the route does
+    not need it) taken out of those replies."""
+    from poolkeeper.extproc import messages as msg
+    from poolkeeper.extproc.server import ExtProcServicer
+
+    if "late" in drop:
+        from poolkeeper.telemetry.metrics import GatewayMetrics
+
+        defer = GatewayMetrics.defer_request_path
+
+        def later(self: Any, schedule: Any) -> None:
+            loop = asyncio.get_running_loop()
+            defer(self, lambda callback: loop.call_later(0.02, callback))
+
+        GatewayMetrics.defer_request_path = later  # type: ignore[method-assign]
+    init = ExtProcServicer.__init__
+
+    def __init__(self: Any, router: Any, **kwargs: Any) -> None:
+        init(self, _Replay(router) if "director" in drop or "canned" in drop else router,
+             **kwargs)  # fmt: skip
+
+    ExtProcServicer.__init__ = __init__  # type: ignore[method-assign]
+    if "canned" not in drop:
+        return
+    import uuid
+
+    process = ExtProcServicer.Process
+
+    async def canned(self: Any, requests: Any, context: Any = None) -> Any:
+        replay = self.router
+        if replay._decision is None:  # the first request decides, for real
+            async for reply in process(self, requests, context):
+                yield reply
+            return
+        endpoints = replay._decision.endpoints
+        body: list[bytes] = []
+        async for request in requests:
+            kind = request.WhichOneof("request")
+            if kind == "request_body":
+                body.append(request.request_body.body)
+                if not request.request_body.end_of_stream:
+                    continue
+            elif kind != "request_headers" or not request.request_headers.end_of_stream:
+                continue
+            data = b"".join(body)
+            metadata = None
+            if "nometa" not in drop:
+                metadata = msg.destination_metadata(endpoints)
+                if "nokey" not in drop:
+                    msg.add_exchange_key(metadata, uuid.uuid4().hex, via_epp=False)
+            length = None if "nocl" in drop else len(data)
+            mutation = msg.routing_headers(endpoints, length, [])
+            yield msg.request_headers_reply(
+                mutation, clear_route_cache="noclear" not in drop, metadata=metadata
+            )
+            for reply in msg.streamed_body_replies(data, end_of_stream=True):
+                yield reply
+            return
+
+    ExtProcServicer.Process = canned  # type: ignore[method-assign,assignment]
+
+
 def serve_variant(drop: set[str], argv: list[str]) -> int:
     """`poolkeeper serve ARGV` with the parts in `drop` taken out of its bootstrap."""
     if os.environ.get("CHAIN_COST_GC_LOG"):
         _gc_log(os.environ["CHAIN_COST_GC_LOG"])
+    if os.environ.get("CHAIN_COST_EPP_TIMES"):
+        _epp_times(os.environ["CHAIN_COST_EPP_TIMES"])
+    if drop & EPP_DROPS:
+        _patch_epp(drop & EPP_DROPS)
+    if os.environ.get("CHAIN_COST_PROFILE"):
+        _profile(os.environ["CHAIN_COST_PROFILE"])
     import poolkeeper.envoy.bootstrap as bootstrap  # before the CLI imports it by name
 
     shipped = bootstrap.build_bootstrap
@@ -116,9 +339,27 @@ def serve_variant(drop: set[str], argv: list[str]) -> int:
                 hcm["access_log"] = kept
         if "early" in drop:
             hcm.pop("early_header_mutation_extensions", None)
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        if "retry" in drop:
+            for route in routes:
+                route.get("route", {}).pop("retry_policy", None)
+                if "route" in route:
+                    route.pop("per_request_buffer_limit_bytes", None)
+        if "routes" in drop:
+            hcm["route_config"]["virtual_hosts"][0]["routes"] = [
+                r for r in routes if "route" in r or r["name"].startswith("not_routed")
+            ]
+        if "hcmopts" in drop:
+            for key in ("normalize_path", "merge_slashes", "path_with_escaped_slashes_action",
+                        "request_timeout", "request_headers_timeout"):  # fmt: skip
+                hcm.pop(key, None)
+        if "overload" in drop:
+            config.pop("overload_manager", None)
+        if os.environ.get("CHAIN_COST_TIMING_LOG"):
+            hcm.setdefault("access_log", []).append(timing_log(os.environ["CHAIN_COST_TIMING_LOG"]))
         return config
 
-    bootstrap.build_bootstrap = build
+    bootstrap.build_bootstrap = build  # type: ignore[assignment]
     from poolkeeper.cli.main import main
 
     return main(argv)
@@ -151,6 +392,11 @@ def start(
         ports = free_ports(5)
         go.write_config(config, sim_port, ports)
         env = {"CHAIN_COST_GC_LOG": str(tmp / f"gc-{name}.txt")}
+        if args.timing:
+            env["CHAIN_COST_TIMING_LOG"] = str(tmp / f"timing-{name}.log")
+            env["CHAIN_COST_EPP_TIMES"] = str(tmp / f"epp-{name}.json")
+        if args.profile:
+            env["CHAIN_COST_PROFILE"] = str(tmp / f"profile-{name}.txt")
         if pythonpath:
             env["PYTHONPATH"] = pythonpath
         cmd = [sys.executable, __file__, "--serve-variant", drop, "serve", "-f", str(config),
@@ -159,7 +405,8 @@ def start(
         serves[name] = serve.pid
         targets[name] = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
     if args.floor:
-        floors = stack.enter_context(floor_gateways(tmp, sim_port, go.cpu_seconds))
+        logger = (lambda slug: timing_log(str(tmp / f"timing-{slug}.log"))) if args.timing else None
+        floors = stack.enter_context(floor_gateways(tmp, sim_port, go.cpu_seconds, logger))
         targets |= {name: url for name, (url, _) in floors.items()}
     for name in [p for p in args.peers.split(",") if p]:
         cmd, port, ready = live.router_command(name, live.repo_root(), tmp, [sim_port], [])
@@ -239,12 +486,39 @@ def report(
     print(f"\nLoad average at each round's start: {[round(r['load'], 1) for r in rounds]}")
 
 
+def report_timing(tmp: Path) -> None:
+    """Medians of each gateway's Envoy clock (all requests, warm-up and closed loops included:
+    compare gateways, not rounds) and of its EPP's wall and CPU per stream."""
+    print("\n| gateway (Envoy's clock, us, median) | " + " | ".join(TIMING_FIELDS) + " | n |")
+    print("|---|" + "---|" * (len(TIMING_FIELDS) + 1))
+    for path in sorted(tmp.glob("timing-*.log")):
+        columns: list[list[int]] = [[] for _ in TIMING_FIELDS]
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) != len(TIMING_FIELDS) + 1 or parts[-1] != "200":
+                continue
+            for column, value in zip(columns, parts, strict=False):
+                if value.isdigit():
+                    column.append(int(value))
+        cells = [f"{statistics.median(c):.0f}" if c else "-" for c in columns]
+        print(f"| {path.stem[7:]} | " + " | ".join(cells) + f" | {len(columns[0])} |")
+    for path in sorted(tmp.glob("epp-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            pairs = json.loads(path.read_text())
+            if pairs:
+                m = [statistics.median(p[i] for p in pairs) for i in range(4)]
+                print(f"- EPP {path.stem[4:]}, medians of {len(pairs)} streams: last request "
+                      f"frame read -> trailers written: wall {m[0]:.0f} us, loop-thread CPU "
+                      f"{m[1]:.0f} us; stream opened -> trailers: wall {m[2]:.0f}, CPU "
+                      f"{m[3]:.0f} us")  # fmt: skip
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--serve-variant":
         return serve_variant({d for d in sys.argv[2].split(",") if d}, sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", action="append", required=True,
-                        help="NAME=DROP[@PYTHONPATH]; DROP from lua,resp,als,early")  # fmt: skip
+                        help=f"NAME=DROP[@PYTHONPATH]; DROP from {sorted(PARTS)}")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=15.0, help="per round")
     parser.add_argument("--rate", type=float, default=10.0, help="ticks per second")
@@ -254,19 +528,27 @@ def main() -> int:
     parser.add_argument("--loops", type=int, default=0, help="closed loops per serve, after")
     parser.add_argument("--loop-seconds", type=float, default=6.0)
     parser.add_argument("--json", default="", help="also write the rounds here")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile each serve's EPP (profile-NAME.txt in the run's folder)",
+    )
+    parser.add_argument("--timing", action="store_true",
+                        help="Envoy's per-request clock (an access log) and the EPP's wall/CPU "
+                             "per stream, medians per gateway")  # fmt: skip
     args = parser.parse_args()
     for spec in args.variant:
         name, _, rest = spec.partition("=")
-        unknown = set(rest.partition("@")[0].split(",")) - {"", "lua", "resp", "als", "early"}
+        unknown = set(rest.partition("@")[0].split(",")) - PARTS - {""}
         if not name or unknown:
-            parser.error(
-                f"--variant {spec!r}: NAME=DROP[@PYTHONPATH], DROP from lua,resp,als,early"
-            )
+            parser.error(f"--variant {spec!r}: NAME=DROP[@PYTHONPATH], DROP from {sorted(PARTS)}")
     tmp = Path(tempfile.mkdtemp(prefix="chain-cost-"))
     with contextlib.ExitStack() as stack:
         targets, serves = start(args, stack, tmp)
         rounds, epp, envoy = asyncio.run(measure(args, targets, serves))
     report(rounds, epp, envoy, tmp)  # after the serves stopped: their GC logs are written
+    if args.timing:
+        report_timing(tmp)
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": rounds, "epp": epp, "envoy": envoy}))
     return 0

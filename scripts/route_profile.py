@@ -17,7 +17,10 @@ own cost inflates absolute times, the shares are what it is for).
 
 Not a test: run it by hand.
 
-    .venv/bin/python scripts/route_profile.py --requests 3000 [--profile]
+    .venv/bin/python scripts/route_profile.py --requests 3000 [--profile] [--gap-ms 100]
+
+`--gap-ms 100` idles between requests as the light-load benchmark does (10 per second): the
+same code then runs with the caches other work left behind.
 """
 
 from __future__ import annotations
@@ -158,10 +161,12 @@ class Driver:
         self.times["log"].append((clock() - began) // len(self.keys))
         self.keys.clear()
 
-    async def run(self, n: int) -> None:
+    async def run(self, n: int, gap_s: float = 0.0) -> None:
         for _ in range(n):
             await self.one()
-            await asyncio.sleep(0)  # the scrapers' turn, as between real requests
+            # The scrapers' turn, as between real requests; with a gap, as at light load
+            # (10 requests/s: the caches go cold between requests).
+            await asyncio.sleep(gap_s)
         if self.keys:
             await self.flush()
 
@@ -191,7 +196,12 @@ def simulator(work: Path) -> Iterator[int]:
 
 
 async def measure(
-    requests: int, batch: int, profile: bool, top: int, prompt_bytes: int = 0
+    requests: int,
+    batch: int,
+    profile: bool,
+    top: int,
+    prompt_bytes: int = 0,
+    gap_s: float = 0.0,
 ) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="route-profile-") as tmp,
@@ -210,12 +220,12 @@ async def measure(
             # Warm-up: caches, the prefix index, first-use imports.
             await driver.run(min(500, max(20, requests // 5)))
             driver.times = {k: [] for k in driver.times}
-            await driver.run(requests)
+            await driver.run(requests, gap_s)
             result: dict[str, Any] = {"cpu": _summary(driver.times)}
             if profile:
                 profiler = cProfile.Profile(time.thread_time)
                 profiler.enable()
-                await driver.run(requests)
+                await driver.run(requests, gap_s)
                 profiler.disable()
                 text = io.StringIO()
                 stats = pstats.Stats(profiler, stream=text)
@@ -234,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also a cProfile pass")
     parser.add_argument("--top", type=int, default=40, help="functions listed per profile")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--gap-ms", type=float, default=0.0, help="idle ms between requests (100: 10/s)"
+    )
     parser.add_argument(
         "--prompt-bytes", type=int, default=0, help="a user message of this many bytes"
     )
@@ -256,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
     if not 0 <= args.prompt_bytes <= 8 << 20:
         parser.error("--prompt-bytes must be in [0, 8 MiB]")
-    result = runner(measure(args.requests, args.batch, args.profile, args.top, args.prompt_bytes))
+    if not 0 <= args.gap_ms <= 10_000:
+        parser.error("--gap-ms must be in [0, 10000]")
+    result = runner(
+        measure(args.requests, args.batch, args.profile, args.top, args.prompt_bytes,
+                args.gap_ms / 1000)
+    )  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

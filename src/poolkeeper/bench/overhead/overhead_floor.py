@@ -84,9 +84,16 @@ def _cluster(name: str, port: int, *, h2: bool = False) -> dict[str, Any]:
     return cluster
 
 
-def bootstrap(listen: int, admin: int, upstream: int, ext_proc: int | None) -> dict[str, Any]:
+def bootstrap(
+    listen: int,
+    admin: int,
+    upstream: int,
+    ext_proc: int | None,
+    access_log: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A one-listener Envoy in front of `upstream`; with `ext_proc`, the processor on that port
-    must route each request (see the module docstring)."""
+    must route each request (see the module docstring). `access_log`: one access logger's
+    config (a measuring script's timing log), else none."""
     filters: list[dict[str, Any]] = []
     route: dict[str, Any] = {"prefix": "/"}
     routes: list[dict[str, Any]] = [{"match": route, "route": {"cluster": "upstream",
@@ -117,6 +124,8 @@ def bootstrap(listen: int, admin: int, upstream: int, ext_proc: int | None) -> d
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": filters,
     }
+    if access_log is not None:
+        manager["access_log"] = [access_log]
     return {
         "admin": {"address": socket_address("127.0.0.1", admin)},
         "static_resources": {
@@ -194,10 +203,14 @@ async def serve_processor(port: int, transport: str = "grpcio") -> None:
 
 @contextlib.contextmanager
 def floor_gateways(
-    work: Path, upstream: int, cpu_seconds: Callable[[int], float]
+    work: Path,
+    upstream: int,
+    cpu_seconds: Callable[[int], float],
+    access_log: Callable[[str], dict[str, Any]] | None = None,
 ) -> Iterator[dict[str, tuple[str, dict[str, Callable[[], float]]]]]:
     """Start both floor gateways in front of 127.0.0.1:`upstream`; yields name -> (chat
-    completions URL, CPU clocks to read in a closed loop) and stops them on exit."""
+    completions URL, CPU clocks to read in a closed loop) and stops them on exit.
+    `access_log(slug)`: an access logger for the gateway named `slug`, else none."""
     listen, admin, listen2, admin2, processor, listen3, admin3, lean = free_ports(8)
     envoy = find_envoy()
     out: dict[str, tuple[str, dict[str, Callable[[], float]]]] = {}
@@ -216,7 +229,8 @@ def floor_gateways(
         ):
             slug = name.replace("+", "-").replace(" (", "-").rstrip(")")
             config = work / f"floor-{slug}.json"
-            config.write_text(json.dumps(bootstrap(port, admin_port, upstream, ext)))
+            logger = access_log(slug) if access_log is not None else None
+            config.write_text(json.dumps(bootstrap(port, admin_port, upstream, ext, logger)))
             cmd = [envoy, "-c", str(config), "--concurrency", "1", "--log-level", "warning",
                    "--disable-hot-restart"]  # fmt: skip
             envoy_proc = stack.enter_context(live.process(cmd, config.with_suffix(".log")))

@@ -82,8 +82,8 @@ async def main():
         try:
             body = bytes(range(256)) * 4096
             def request():
-                step = 262144
-                parts = [bytes(memoryview(body)[at : at + step]) for at in range(0, len(body), step)]
+                view, step = memoryview(body), 262144
+                parts = [bytes(view[at : at + step]) for at in range(0, len(body), step)]
                 return len(b"".join(parts).decode("latin-1"))
             request()
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -6,7 +6,8 @@ the floor gateways (`overhead_floor`: Envoy alone and Envoy + the lean do-nothin
 Then, `--rounds` times, in turn:
 
 - one *size-pairs* phase per variant: direct and that serve only, alternated tick by tick (what
-  `gateway_overhead`'s "Prompt sizes" table measures, `paired`);
+  `gateway_overhead`'s "Prompt sizes" table measures, `paired`), its added p50 also split by
+  which of the two went first in the tick;
 - one *interleaved* phase: every target in each tick, the order rotated (what its "Against the
   peer routers" tables measure, `overhead_peers.interleaved`).
 
@@ -56,6 +57,53 @@ from poolkeeper.bench.overhead.overhead_floor import ENVOY, EXT_PROC_LEAN, floor
 from poolkeeper.netutil import free_ports
 
 FLOOR = "floor lean"
+
+
+async def pairs(
+    direct: str, gateway: str, rate: float, seconds: float, data: bytes
+) -> dict[str, float]:
+    """`overhead_peers.interleaved` for two targets (the same schedule: a tick every 1/rate s,
+    direct first in even ticks, the gateway first in odd ones), with the per-tick difference's
+    p50 also split by which went first: after a tick's idle gap the first request of a tick
+    may find the CPUs asleep, and only the pairs' shape puts each target first in every other
+    tick."""
+    n = max(1, int(rate * seconds))
+    diffs: list[tuple[bool, float]] = []
+
+    async def timed(session: aiohttp.ClientSession, url: str) -> float:
+        began = time.perf_counter()
+        headers = {"content-type": "application/json"}
+        async with session.post(url, data=data, headers=headers) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{url}: HTTP {resp.status}")
+        return (time.perf_counter() - began) * 1000
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def tick(i: int) -> None:
+            if i % 2:
+                g = await timed(session, gateway)
+                d = await timed(session, direct)
+            else:
+                d = await timed(session, direct)
+                g = await timed(session, gateway)
+            diffs.append((bool(i % 2), g - d))
+
+        start_at, tasks = time.perf_counter(), []
+        for i in range(n):
+            delay = start_at + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(tick(i)))
+        await asyncio.gather(*tasks)
+    first = [d for g_first, d in diffs if g_first]
+    second = [d for g_first, d in diffs if not g_first]
+    return {
+        "added": statistics.median(d for _, d in diffs),
+        "gateway_first": statistics.median(first) if first else float("nan"),
+        "direct_first": statistics.median(second) if second else float("nan"),
+    }
 
 
 def faults(pid: int) -> int:
@@ -157,15 +205,20 @@ async def run(args: argparse.Namespace) -> None:
                 await wait_http(url)
             await peer.interleaved(targets, args.rate, 2.0, body)  # warm-up
             for r in range(args.rounds):
-                phases = [(f"pairs {s}", {"direct": direct, s: targets[s]}) for s in serves]
-                phases.append(("interleaved", targets))
-                for phase, ts in phases:
+                for s in serves:
                     load = os.getloadavg()[0]
-                    rows = await peer.interleaved(ts, args.rate, args.seconds, body)
-                    added = {k: v["added_p50"] for k, v in rows.items() if k != "direct"}
-                    rounds.append({"round": r, "phase": phase, "load": load, "added": added})
-                    shown = "  ".join(f"{k} {v:.2f}" for k, v in added.items())
-                    print(f"round {r} {phase:14s} (load {load:.1f}): {shown}", flush=True)
+                    row = await pairs(direct, targets[s], args.rate, args.seconds, data)
+                    rounds.append({"round": r, "phase": f"pairs {s}", "load": load,
+                                   "added": {s: row["added"]}, "order": row})  # fmt: skip
+                    print(f"round {r} pairs {s} (load {load:.1f}): {row['added']:.2f} "
+                          f"(gateway first {row['gateway_first']:.2f}, direct first "
+                          f"{row['direct_first']:.2f})", flush=True)  # fmt: skip
+                load = os.getloadavg()[0]
+                rows = await peer.interleaved(targets, args.rate, args.seconds, body)
+                added = {k: v["added_p50"] for k, v in rows.items() if k != "direct"}
+                rounds.append({"round": r, "phase": "interleaved", "load": load, "added": added})
+                shown = "  ".join(f"{k} {v:.2f}" for k, v in added.items())
+                print(f"round {r} interleaved (load {load:.1f}): {shown}", flush=True)
             cpu = {}
             if args.cpu_requests:
                 cpu = await cpu_per_request(targets, clocks, data, args.cpu_requests)
@@ -176,15 +229,19 @@ async def run(args: argparse.Namespace) -> None:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
-    print("\n| target | size pairs: added p50 ms, median [min-max] | interleaved |")
-    print("|---|---|---|")
+    print("\n| target | size pairs: added p50 ms, median [min-max] | gateway first "
+          "| direct first | interleaved |")  # fmt: skip
+    print("|---|---|---|---|---|")
     for s in serves:
-        pairs = [x["added"][s] for x in rounds if x["phase"] == f"pairs {s}"]
+        mine = [x for x in rounds if x["phase"] == f"pairs {s}"]
+        both = _spread([x["added"][s] for x in mine])
+        gw = _spread([x["order"]["gateway_first"] for x in mine])
+        dr = _spread([x["order"]["direct_first"] for x in mine])
         mixed = [x["added"][s] for x in rounds if x["phase"] == "interleaved"]
-        print(f"| {s} | {_spread(pairs)} | {_spread(mixed)} |")
+        print(f"| {s} | {both} | {gw} | {dr} | {_spread(mixed)} |")
     for other in ("envoy", FLOOR):
         mixed = [x["added"][other] for x in rounds if x["phase"] == "interleaved"]
-        print(f"| {other} | - | {_spread(mixed)} |")
+        print(f"| {other} | - | - | - | {_spread(mixed)} |")
     print("\n| target | processor CPU ms/request | Envoy CPU ms/request | EPP faults/request "
           "| Envoy faults/request |")  # fmt: skip
     print("|---|---|---|---|---|")

@@ -58,3 +58,48 @@ def test_large_bodies_stop_faulting_in_fresh_pages() -> None:
 def test_an_operators_own_thresholds_are_left_alone() -> None:
     took, _ = _faults("tuned", MALLOC_TRIM_THRESHOLD_="131072")
     assert took == "False"
+
+
+# The same copies after the EPP's runtime started in the process (no Envoy, no endpoint up):
+# what `serve` runs with. The runtime used to pin the mmap threshold back to 128 KiB at start,
+# undoing the settings above, so every large copy in `serve` faulted in fresh pages.
+_IN_RUNTIME = """
+import asyncio, resource, sys, tempfile
+from pathlib import Path
+from poolkeeper.controller.files import file_source
+from poolkeeper.netutil import free_ports
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from tests.support.gateway_files import gateway_ports, one_server_config
+
+async def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        (nobody,) = free_ports(1)
+        config = one_server_config(Path(tmp) / "config", gateway_ports(), nobody)
+        runtime = GatewayRuntime(
+            ServeOptions(source=file_source([config]), run_envoy=False, ready_wait_s=0)
+        )
+        await runtime.start()
+        try:
+            body = bytes(range(256)) * 4096
+            def request():
+                view, step = memoryview(body), 262144
+                parts = [bytes(view[at : at + step]) for at in range(0, len(body), step)]
+                return len(b"".join(parts).decode("latin-1"))
+            request()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(30):
+                request()
+            print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        finally:
+            await runtime.stop(grace_s=0)
+
+asyncio.run(main())
+"""
+
+
+def test_the_runtime_keeps_the_settings() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _IN_RUNTIME], capture_output=True, text=True, check=True, env=env
+    )
+    assert int(out.stdout.split()[-1]) < 1_000, out.stderr[-2000:]

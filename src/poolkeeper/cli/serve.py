@@ -28,7 +28,7 @@ from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
-from poolkeeper.extproc.heap import freeze_startup_objects, keep_freed_pages
+from poolkeeper.extproc.heap import freeze_startup_objects
 from poolkeeper.extproc.tls import TlsError, TlsSettings
 from poolkeeper.server.runtime import (
     DEFAULT_DRAIN_GRACE_S,
@@ -348,7 +348,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 def run_gateway(options: ServeOptions, event_loop: str, *, json_logs: bool = False) -> int:
     """Run the gateway until a signal stops it (`serve`, `epp`): exit code 0, 1 or 2."""
-    keep_freed_pages()  # large request bodies without a page fault per 4 KiB (extproc/heap.py)
     runtime = GatewayRuntime(options)
 
     async def main() -> None:

@@ -13,12 +13,13 @@ after each free, did not hold here: freed pages at the heap's top went back to t
 (the trim threshold) and the next body faulted them in again.
 
 `keep_freed_pages` fixes both thresholds: blocks up to `LARGE` come from the heap, and up to
-`LARGE` of freed memory at its top stays mapped for the next request. The cost is memory: freed
-bodies stay mapped for reuse instead of going back at once, so after a burst of large bodies
-the process may stay nearer that burst's peak (only a free top beyond `LARGE` is returned). In
-the measurements behind this (the note above, `tests/reliability/test_rel_memory.py`) the RSS
-after 1-4 MiB streams and after bursts of rejected 17 MB bodies did not change. An operator's
-own `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` wins (nothing is set then).
+`LARGE` of freed memory at its top stays mapped for the next request. The EPP's runtime applies
+it at start (`server/runtime.py`; until issue 36's big-bodies round the runtime then pinned the
+mmap threshold back to 128 KiB, so `serve` faulted ~2,300 pages per 1 MiB prompt). The cost is
+memory: freed bodies stay mapped for reuse instead of going back at once; once a burst of big
+bodies is over the runtime trims the heap (`server/memory.py`), so RSS returns near idle
+(`tests/reliability/test_rel_memory.py`: bursts of rejected 17 MB bodies). An operator's own
+`MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` wins (nothing is set then).
 
 `freeze_startup_objects` is the same kind of setting for Python's cycle collector: once the
 gateway is ready, what start-up built (modules, configuration, the scheduler; ~96,000 objects)

@@ -1,23 +1,18 @@
-"""Give big freed buffers back to the OS (reliability finding 3).
+"""Give a burst's freed heap back to the OS (reliability finding 3).
 
-glibc serves allocations above its mmap threshold with mmap, which `free` returns at once, but
-it raises that threshold (up to 32 MiB) each time such a block is freed, so after one burst of
-large request bodies later ones come from the heap and their memory is never given back: RSS
-stays at the attack's peak. Fixing the threshold at its default (128 KiB) keeps every large
-body buffer an mmap of its own. Without glibc (musl, macOS) this does nothing.
+The EPP keeps large request bodies on glibc's heap and its freed pages mapped for the next
+body (`extproc/heap.py`: a 1 MiB prompt otherwise faults in ~2,300 fresh pages). After a burst
+of big bodies (`server/runtime.py`'s `_trim_after_bursts`) `trim` returns every free page of
+the heap, not only its top, so RSS goes back near idle. (Pinning the mmap threshold at 128 KiB
+instead, as this module once did, made every large buffer an mmap of its own, faulted in page
+by page on each request.) Without glibc this does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import sys
-
-log = logging.getLogger("poolkeeper.server")
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -40,23 +35,3 @@ def trim() -> bool:
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
     libc.malloc_trim.restype = ctypes.c_int
     return bool(libc.malloc_trim(0))
-
-
-def pin_mmap_threshold() -> bool:
-    """Fix glibc's mmap threshold (disables its dynamic growth); True when applied."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    if not applied:
-        log.debug("mallopt(M_MMAP_THRESHOLD) refused; large buffers may stay resident")
-    return applied

@@ -59,6 +59,7 @@ from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.conncap import ConnectionCounter
 from poolkeeper.extproc.conncap_service import build_conncap_server
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
+from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
 from poolkeeper.flowcontrol.saturation import SaturationDetector
@@ -67,7 +68,7 @@ from poolkeeper.scheduling.build import (
     learns_from_first_tokens as scheduler_learns_from_first_tokens,
 )
 from poolkeeper.scheduling.stats import SchedulingStats
-from poolkeeper.server.memory import pin_mmap_threshold, trim
+from poolkeeper.server.memory import trim
 from poolkeeper.server.own_loop import OwnLoopServer
 from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.server.transport import (
@@ -249,7 +250,9 @@ class GatewayRuntime:
     async def _start(self) -> None:
         # Fail before loading or binding anything when Envoy is wanted but missing.
         binary = find_envoy(self.options.envoy_path) if self.options.run_envoy else ""
-        pin_mmap_threshold()  # big request bodies must not leave RSS at their peak
+        # Large request bodies from the heap, its freed pages kept for the next one
+        # (extproc/heap.py); after a burst `_trim_after_bursts` gives them back.
+        keep_freed_pages()
         # The source applies pools, models and endpoints and keeps them in step later; the
         # GatewayConfig it yields (listeners, scheduling, the Envoy bootstrap) is read once.
         self._source = self.options.source(self.datastore)

@@ -31,7 +31,12 @@ from poolkeeper.envoy.bbr import (
     render,
 )
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap
-from poolkeeper.envoy.params import EXT_PROC_FILTER, EXT_PROC_SERVICE
+from poolkeeper.envoy.params import (
+    CLIENT_MAX_HEADER_KB,
+    CLIENT_MAX_HEADERS,
+    EXT_PROC_FILTER,
+    EXT_PROC_SERVICE,
+)
 from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc.bbr import BbrServicer
 from poolkeeper.extproc.server import ExtProcServicer, build_server
@@ -74,7 +79,7 @@ async def rig(tmp_path: Path, **base_params: Any) -> AsyncIterator[Rig]:
             pools.append(
                 PoolRoute(f"default/{name}-pool", (name,), f"127.0.0.1:{port}", (backend.hostport,))
             )
-        bbr = BbrServicer()
+        bbr = BbrServicer(client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB))
         bbr_server, bbr_port = build_server(bbr, "127.0.0.1:0")
         await bbr_server.start()
         servers.append(bbr_server)
@@ -252,6 +257,40 @@ async def test_guard_routes_answer_before_bbr_or_an_epp(tmp_path: Path) -> None:
         assert b'"served_by": "llama-server"' in answer
 
 
+async def test_header_limits_answer_431_and_leave_room_for_the_routing_headers(
+    tmp_path: Path,
+) -> None:
+    """Serve's finding 5 behind BBR: with the codec at the client's exact limits, the headers
+    BBR and the EPP add pushed a request with 94-100 client headers, or 60 KB of them, over it
+    (an empty 500). Within the limits: served; over them: 431 from BBR, before any EPP."""
+    async with rig(tmp_path) as r, aiohttp.ClientSession() as session:
+        for count in (94, 97, 100):
+            # aiohttp adds host, accept, accept-encoding, user-agent, content-length, content-type
+            headers = {f"x-h{i}": "v" for i in range(count - 6)}
+            headers["content-type"] = "application/json"
+            async with session.post(
+                r.url + "/v1/chat/completions", data=CHAT, headers=headers
+            ) as resp:
+                assert resp.status == 200, (count, await resp.text())
+        big = "x" * (60 * 1024 - 600)
+        async with session.post(
+            r.url + "/v1/chat/completions", data=CHAT, headers={"x-big": big}
+        ) as resp:  # routed: it reached the model server (whose parser refuses 8 KB lines)
+            assert resp.headers.get("x-gateway-destination-endpoint-served"), await resp.text()
+        turns = [router.turn for router in r.routers.values()]
+        for total in (102, 110, 120):  # host is `:authority` (counted in bytes only)
+            request = (
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                f"\r\ncontent-length: {len(CHAT)}\r\n"
+                + "".join(f"x-h{i}: v\r\n" for i in range(total - 3))
+                + "\r\n"
+            ).encode() + CHAT
+            answer = await raw_http(r.port, request, read_timeout_s=5.0)
+            assert status_of(answer) == 431, (total, answer[:300])
+            assert _error(answer)["code"] == "request_header_fields_too_large"
+        assert [router.turn for router in r.routers.values()] == turns
+
+
 async def test_a_silent_connection_is_closed(tmp_path: Path) -> None:
     """The connection idle timeout (armed at accept) closes a connection that sends nothing:
     it was an hour (Envoy's default)."""
@@ -290,20 +329,12 @@ def _hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
 
 def test_bbr_listener_has_serves_edge_settings() -> None:
     """Every client-facing setting of serve's connection manager and listener, and its overload
-    manager, with the documented differences only."""
+    manager, with the documented difference only."""
     serve, bbr = build_bootstrap(BootstrapParams()), _bbr_bootstrap()
     own = {"stat_prefix", "route_config", "http_filters", "access_log"}
     shared = {k: v for k, v in _hcm(serve).items() if k not in own}
-    expected = {
-        **shared,
-        # No EPP checks client header limits behind this listener: its codec holds them.
-        "max_request_headers_kb": BootstrapParams().max_request_headers_kb,
-        "common_http_protocol_options": {
-            **shared["common_http_protocol_options"],
-            "max_headers_count": BootstrapParams().max_headers_count,
-        },
-        "stream_idle_timeout": "300s",
-    }
+    # Every request's first route is a pool's, whose idle timeout rules from the start.
+    expected = {**shared, "stream_idle_timeout": "300s"}
     hcm = _hcm(bbr)
     assert {k: hcm.get(k) for k in expected if k != "early_header_mutation_extensions"} == {
         k: v for k, v in expected.items() if k != "early_header_mutation_extensions"

@@ -14,8 +14,8 @@ A model no route names gets 404 (OpenAI body) without asking any EPP; a request 
 (e.g. GET /v1/models) goes to the first pool's EPP. The public side is serve's (`bootstrap.py`,
 `routes.py`, from the same `BootstrapParams`): its listener, the connection manager's limits,
 timeouts and local replies, the guard and outside-the-API routes, the overload manager. What
-differs is said where it differs: the codec holds clients to the exact header limits, and the
-stream idle timeout.
+differs is said where it differs (the stream idle timeout). The client's header limits are held
+by `poolkeeper bbr` (431), as serve's EPP holds them behind serve's listener.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from poolkeeper.envoy.clusters import override_host_policy
 from poolkeeper.envoy.params import (
     DESTINATION_HEADER,
     HCM,
+    HEADER_HEADROOM,
+    HEADER_KB_HEADROOM,
     HTTP_OPTS_TYPE,
     ROUTER_TYPE,
     SERVED_HEADER,
@@ -255,11 +257,11 @@ def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
         "stat_prefix": "bbr_gateway",
         **client_facing_hcm(
             base,
-            # Exact: serve's codec leaves headroom because its EPP checks the client's limits
-            # itself (`ExtProcSettings.client_header_limits`); an EPP behind this listener may
-            # not, so the codec holds clients to them.
-            max_request_headers_kb=base.max_request_headers_kb,
-            max_headers_count=base.max_headers_count,
+            # As serve's: room above the client's limits for the headers BBR and the EPP add
+            # (at the exact limits, 94-100 client headers got an empty 500). `poolkeeper bbr`,
+            # the first filter, holds clients to the limits themselves (431), as serve's EPP does.
+            max_request_headers_kb=base.max_request_headers_kb + HEADER_KB_HEADROOM,
+            max_headers_count=base.max_headers_count + HEADER_HEADROOM,
             # Every request's first route is a pool's (an entry route), whose idle timeout
             # applies from the start: this one bounds only Envoy's own answers.
             stream_idle_timeout_s=base.stream_idle_timeout_s,

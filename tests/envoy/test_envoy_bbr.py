@@ -179,6 +179,7 @@ def _error(answer: bytes) -> dict[str, Any]:
 
 
 def _nothing_reached_a_pool(r: Rig) -> None:
+    assert r.bbr.streams == 0  # Envoy answered from the headers: BBR was not consulted either
     assert not any(b.seen for b in r.backends.values())
     assert all(router.turn == 0 for router in r.routers.values())
 

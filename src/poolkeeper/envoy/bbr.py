@@ -14,8 +14,9 @@ A model no route names gets 404 (OpenAI body) without asking any EPP; a request 
 (e.g. GET /v1/models) goes to the first pool's EPP. The public side is serve's (`bootstrap.py`,
 `routes.py`, from the same `BootstrapParams`): its listener, the connection manager's limits,
 timeouts and local replies, the guard and outside-the-API routes, the overload manager. What
-differs is said where it differs (the stream idle timeout). The client's header limits are held
-by `poolkeeper bbr` (431), as serve's EPP holds them behind serve's listener.
+differs is said where it differs (the stream idle timeout, and the admin interface, which is not
+restricted to serve's paths). The client's header limits are held by `poolkeeper bbr` (431), as
+serve's EPP holds them behind serve's listener.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from poolkeeper.envoy.bootstrap import (
 from poolkeeper.envoy.clusters import override_host_policy
 from poolkeeper.envoy.params import (
     DESTINATION_HEADER,
+    EXT_PROC_PER_ROUTE_TYPE,
     HCM,
     HEADER_HEADROOM,
     HEADER_KB_HEADROOM,
@@ -49,6 +51,7 @@ from poolkeeper.envoy.params import (
     thresholds,
 )
 from poolkeeper.envoy.routes import (
+    _json_direct,
     _openai_error,
     _retry_policy,
     guard_routes,
@@ -59,7 +62,6 @@ from poolkeeper.envoy.routes import (
 
 MODEL_HEADER = "x-gateway-model-name"
 BBR_CLUSTER = "bbr"
-EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 # Envoy's own answers (guard routes, paths outside the API) consult neither ext_proc filter.
 BOTH_FILTERS = ("bbr", "epp")
 
@@ -179,7 +181,7 @@ def _routes(p: BbrParams) -> list[dict[str, Any]]:
             "response_headers_to_add": served,
             "typed_per_filter_config": {
                 "epp": {
-                    T: EXT_PROC_PER_ROUTE,
+                    T: EXT_PROC_PER_ROUTE_TYPE,
                     "overrides": {
                         "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster(route.pool)}}
                     },
@@ -226,14 +228,7 @@ def _routes(p: BbrParams) -> list[dict[str, Any]]:
                 "safe_regex": {"regex": every_path},
                 "headers": [{"name": MODEL_HEADER, "present_match": True}],
             },
-            "direct_response": {"status": 404, "body": {"inline_string": unknown}},
-            "response_headers_to_add": [
-                {
-                    "header": {"key": "content-type", "value": "application/json"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                }
-            ],
-            "typed_per_filter_config": {"epp": {T: EXT_PROC_PER_ROUTE, "disabled": True}},
+            **_json_direct(404, unknown, skip=("epp",)),  # BBR has run: it set the header
         }
     )
     return routes + outside_api_routes(base, skip=BOTH_FILTERS)
@@ -263,7 +258,9 @@ def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
             max_request_headers_kb=base.max_request_headers_kb + HEADER_KB_HEADROOM,
             max_headers_count=base.max_headers_count + HEADER_HEADROOM,
             # Every request's first route is a pool's (an entry route), whose idle timeout
-            # applies from the start: this one bounds only Envoy's own answers.
+            # applies from the start: this one bounds only Envoy's own answers. So a hung BBR
+            # or EPP holds a request up to stream_idle_timeout_s here (serve's listener: the
+            # message timeout, its routes to model servers being chosen after the EPP answers).
             stream_idle_timeout_s=base.stream_idle_timeout_s,
         ),
         "route_config": {

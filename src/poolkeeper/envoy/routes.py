@@ -6,7 +6,8 @@ different ones), then for each method group of the inference paths (the model li
 everything else POST) the EPP-routed routes (the destination header present) and either the
 FailOpen route or the EPP's 503; then 405 for an inference path with another method, and 404 for
 everything else (so no request reaches the EPP without a route that expects it). Envoy's direct
-answers carry OpenAI error bodies and never consult the EPP.
+answers carry OpenAI error bodies and never consult the EPP. The first three and the last two
+(`guard_routes`, `outside_api_routes`) are the BBR bootstrap's too (`bbr.py`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -21,15 +22,28 @@ import openai
 import pytest
 
 from poolkeeper.cli import main as cli
-from poolkeeper.envoy.bbr import BbrParams, PoolRoute, build_bbr_bootstrap, epp_cluster, render
-from poolkeeper.envoy.bootstrap import BootstrapParams
-from poolkeeper.envoy.params import EXT_PROC_SERVICE
+from poolkeeper.envoy.bbr import (
+    MODEL_HEADER,
+    BbrParams,
+    PoolRoute,
+    build_bbr_bootstrap,
+    epp_cluster,
+    render,
+)
+from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap
+from poolkeeper.envoy.params import (
+    CLIENT_MAX_HEADER_KB,
+    CLIENT_MAX_HEADERS,
+    EXT_PROC_FILTER,
+    EXT_PROC_SERVICE,
+)
 from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc.bbr import BbrServicer
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.telemetry.health import SERVING, check_health
 from tests.envoy.envoy_harness import Backend, RoundRobinRouter, supervised_envoy
+from tests.reliability.rel_harness import raw_http, status_of
 
 pytestmark = pytest.mark.integration
 POOL = "default/vllm-llama3-8b-instruct"
@@ -42,10 +56,15 @@ class Rig:
     routers: dict[str, RoundRobinRouter]
     bbr: BbrServicer
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rpartition(":")[2])
+
 
 @asynccontextmanager
-async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
-    """Two pools, each with its own EPP (fake router) and one model server; BBR in front."""
+async def rig(tmp_path: Path, **base_params: Any) -> AsyncIterator[Rig]:
+    """Two pools, each with its own EPP (fake router) and one model server; BBR in front
+    (`base_params`: BootstrapParams fields)."""
     backends = {"llama": Backend("llama-server"), "phi": Backend("phi-server")}
     servers: list[grpc.aio.Server] = []
     routers: dict[str, RoundRobinRouter] = {}
@@ -60,11 +79,11 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
             pools.append(
                 PoolRoute(f"default/{name}-pool", (name,), f"127.0.0.1:{port}", (backend.hostport,))
             )
-        bbr = BbrServicer()
+        bbr = BbrServicer(client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB))
         bbr_server, bbr_port = build_server(bbr, "127.0.0.1:0")
         await bbr_server.start()
         servers.append(bbr_server)
-        base = BootstrapParams(listen_port=free_port(), admin_port=free_port())
+        base = BootstrapParams(listen_port=free_port(), admin_port=free_port(), **base_params)
         config = tmp_path / "envoy-bbr.json"
         config.write_text(
             render(build_bbr_bootstrap(BbrParams(base, f"127.0.0.1:{bbr_port}", tuple(pools))))
@@ -147,6 +166,214 @@ async def test_body_without_model_is_not_routed_by_a_client_header(tmp_path: Pat
             await resp.read()
         assert r.backends["phi"].seen == []
         assert r.routers["llama"].turn == 1
+
+
+CHAT = b'{"model":"llama","messages":[]}'
+
+
+def _error(answer: bytes) -> dict[str, Any]:
+    body = answer.partition(b"\r\n\r\n")[2]
+    error = json.loads(body[body.find(b"{") : body.rfind(b"}") + 1])["error"]
+    assert isinstance(error, dict)
+    return error
+
+
+def _nothing_reached_a_pool(r: Rig) -> None:
+    assert r.bbr.streams == 0  # Envoy answered from the headers: BBR was not consulted either
+    assert not any(b.seen for b in r.backends.values())
+    assert all(router.turn == 0 for router in r.routers.values())
+
+
+async def test_only_inference_paths_and_methods_reach_a_pool(tmp_path: Path) -> None:
+    """The same answers as serve's listener (tests/reliability/test_rel_edge.py and
+    test_rel_protocol.py): a model server's admin paths were proxied to the first pool (its
+    routes matched any path), and so was any method."""
+    async with rig(tmp_path) as r, aiohttp.ClientSession() as session:
+        for method, path in (
+            ("POST", "/v1/unload_lora_adapter"),
+            ("POST", "/v1/load_lora_adapter"),
+            ("GET", "/metrics"),
+            ("GET", "/health"),
+            ("POST", "/v1/chat/completions/../../v1/unload_lora_adapter"),
+            ("POST", "/v1/chat/completionsX"),
+            ("GET", "/"),
+        ):
+            async with session.request(method, r.url + path, data=CHAT) as resp:
+                body = await resp.json(content_type=None)
+                assert resp.status == 404, (path, resp.status, body)
+                assert body["error"]["code"] == "not_found"
+        for method, path in (
+            ("GET", "/v1/chat/completions"),
+            ("PUT", "/v1/chat/completions"),
+            ("DELETE", "/v1/completions"),
+            ("POST", "/v1/models"),
+        ):
+            async with session.request(method, r.url + path, data=CHAT) as resp:
+                body = await resp.json(content_type=None)
+                assert resp.status == 405, (method, path, resp.status, body)
+                assert body["error"]["code"] == "method_not_allowed"
+        _nothing_reached_a_pool(r)
+        async with session.get(r.url + "/v1/models") as resp:  # bodyless: the first pool
+            assert resp.status == 200
+        async with session.post(r.url + "/v1/embeddings?x=1", data=CHAT) as resp:
+            assert (await resp.json())["served_by"] == "llama-server"
+
+
+async def test_guard_routes_answer_before_bbr_or_an_epp(tmp_path: Path) -> None:
+    """413 for a declared length over the limit before any body is read (the request was
+    forwarded and waited for its body), 415 for a compressed body, CONNECT refused, a header
+    with an underscore refused, HTTP/1.0 served: as serve's listener answers them."""
+    async with rig(tmp_path, max_body_bytes=1000) as r:
+        oversize = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            b"\r\ncontent-length: 1001\r\nexpect: 100-continue\r\n\r\n"
+        )
+        answer = await raw_http(r.port, oversize, read_timeout_s=5.0)
+        assert status_of(answer) == 413, answer[:300]  # the body was never sent
+        assert _error(answer)["code"] == "request_too_large"
+        for encoding in ("gzip", "br", "identity, gzip"):
+            compressed = (
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                f"\r\ncontent-encoding: {encoding}\r\ncontent-length: {len(CHAT)}\r\n\r\n"
+            ).encode() + CHAT
+            answer = await raw_http(r.port, compressed, read_timeout_s=5.0)
+            assert status_of(answer) == 415, (encoding, answer[:300])
+            assert _error(answer)["code"] == "unsupported_media_type"
+        connect = b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n"
+        answer = await raw_http(r.port, connect, read_timeout_s=5.0)
+        assert status_of(answer) == 403, answer[:300]
+        assert _error(answer)["code"] == "upgrade_not_supported"
+        underscore = (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            f"\r\nx_gateway_model_name: phi\r\ncontent-length: {len(CHAT)}\r\n\r\n"
+        ).encode() + CHAT
+        assert status_of(await raw_http(r.port, underscore, read_timeout_s=5.0)) in (0, 400)
+        _nothing_reached_a_pool(r)
+        http10 = (
+            "POST /v1/chat/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(CHAT)}\r\n\r\n"
+        ).encode() + CHAT
+        answer = await raw_http(r.port, http10, read_timeout_s=5.0)
+        assert status_of(answer) == 200, answer[:300]
+        assert b'"served_by": "llama-server"' in answer
+
+
+async def test_header_limits_answer_431_and_leave_room_for_the_routing_headers(
+    tmp_path: Path,
+) -> None:
+    """Serve's finding 5 behind BBR: with the codec at the client's exact limits, the headers
+    BBR and the EPP add pushed a request with 94-100 client headers, or 60 KB of them, over it
+    (an empty 500). Within the limits: served; over them: 431 from BBR, before any EPP."""
+    async with rig(tmp_path) as r, aiohttp.ClientSession() as session:
+        for count in (94, 97, 100):
+            # aiohttp adds host, accept, accept-encoding, user-agent, content-length, content-type
+            headers = {f"x-h{i}": "v" for i in range(count - 6)}
+            headers["content-type"] = "application/json"
+            async with session.post(
+                r.url + "/v1/chat/completions", data=CHAT, headers=headers
+            ) as resp:
+                assert resp.status == 200, (count, await resp.text())
+        big = "x" * (60 * 1024 - 600)
+        async with session.post(
+            r.url + "/v1/chat/completions", data=CHAT, headers={"x-big": big}
+        ) as resp:  # routed: it reached the model server (whose parser refuses 8 KB lines)
+            assert resp.headers.get("x-gateway-destination-endpoint-served"), await resp.text()
+        turns = [router.turn for router in r.routers.values()]
+        for total in (102, 110, 120):  # host is `:authority` (counted in bytes only)
+            request = (
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                f"\r\ncontent-length: {len(CHAT)}\r\n"
+                + "".join(f"x-h{i}: v\r\n" for i in range(total - 3))
+                + "\r\n"
+            ).encode() + CHAT
+            answer = await raw_http(r.port, request, read_timeout_s=5.0)
+            assert status_of(answer) == 431, (total, answer[:300])
+            assert _error(answer)["code"] == "request_header_fields_too_large"
+        assert [router.turn for router in r.routers.values()] == turns
+
+
+async def test_a_silent_connection_is_closed(tmp_path: Path) -> None:
+    """The connection idle timeout (armed at accept) closes a connection that sends nothing:
+    it was an hour (Envoy's default)."""
+    async with rig(tmp_path, connection_idle_timeout_s=1.0) as r:
+        reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+        try:
+            assert await asyncio.wait_for(reader.read(1024), 10.0) == b""
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+def _bbr_bootstrap(**base_params: Any) -> dict[str, Any]:
+    pools = (
+        PoolRoute("default/a", ("a",), "127.0.0.1:9002", ("10.0.0.1:8000",)),
+        PoolRoute("default/b", ("b", "b2"), "127.0.0.1:9003", ("10.0.0.2:8000",)),
+    )
+    base = BootstrapParams(**base_params)
+    return build_bbr_bootstrap(BbrParams(base, "127.0.0.1:9004", pools))
+
+
+def _listener(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    listener = bootstrap["static_resources"]["listeners"][0]
+    assert isinstance(listener, dict)
+    return listener
+
+
+def _hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    filters = _listener(bootstrap)["filter_chains"][0]["filters"]
+    (hcm,) = [f for f in filters if f["name"] == "envoy.filters.network.http_connection_manager"]
+    config = hcm["typed_config"]
+    assert isinstance(config, dict)
+    return config
+
+
+def test_bbr_listener_has_serves_edge_settings() -> None:
+    """Every client-facing setting of serve's connection manager and listener, and its overload
+    manager, with the documented difference only."""
+    serve, bbr = build_bootstrap(BootstrapParams()), _bbr_bootstrap()
+    own = {"stat_prefix", "route_config", "http_filters", "access_log"}
+    shared = {k: v for k, v in _hcm(serve).items() if k not in own}
+    # Every request's first route is a pool's, whose idle timeout rules from the start.
+    expected = {**shared, "stream_idle_timeout": "300s"}
+    hcm = _hcm(bbr)
+    assert {k: hcm.get(k) for k in expected if k != "early_header_mutation_extensions"} == {
+        k: v for k, v in expected.items() if k != "early_header_mutation_extensions"
+    }
+    removed = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert {"remove": MODEL_HEADER} in removed
+    assert all(m in removed for m in shared["early_header_mutation_extensions"][0]
+               ["typed_config"]["mutations"])  # fmt: skip
+    edge = {k: v for k, v in _listener(serve).items() if k not in ("name", "filter_chains")}
+    assert {k: _listener(bbr).get(k) for k in edge} == edge
+    assert bbr["overload_manager"] == serve["overload_manager"]
+
+
+def test_bbr_routes_reach_pools_on_inference_paths_only() -> None:
+    p = BootstrapParams()
+    routes = _hcm(_bbr_bootstrap())["route_config"]["virtual_hosts"][0]["routes"]
+    serve_routes = _hcm(build_bootstrap(p))["route_config"]["virtual_hosts"][0]["routes"]
+    guards = ("connect", "too_large", "unsupported_encoding")
+    assert [r["name"] for r in routes[:3]] == list(guards)
+    for route, serves in zip(routes[:3], serve_routes[:3], strict=True):
+        assert route["match"] == serves["match"]
+        assert route["direct_response"] == serves["direct_response"]
+    proxied = [r for r in routes if "route" in r]
+    assert proxied
+    for route in proxied:
+        assert "prefix" not in route["match"], route["name"]
+        pattern = re.compile(route["match"]["safe_regex"]["regex"])
+        assert any(pattern.match(path) for path in p.inference_paths), route["name"]
+        for path in ("/metrics", "/v1/load_lora_adapter", "/", "/v1/chat/completionsX"):
+            assert not pattern.match(path), (route["name"], path)
+        # The body kept for a retry on a fallback: larger than the connection's buffer.
+        assert route["per_request_buffer_limit_bytes"] == p.buffer_limit_bytes
+    for route in routes:  # Envoy answers these itself: neither BBR nor an EPP is asked
+        if "direct_response" in route and route["name"] != "no_pool":
+            per_filter = route["typed_per_filter_config"]
+            assert per_filter["bbr"]["disabled"], route["name"]
+            assert per_filter["epp"]["disabled"], route["name"]
+            assert EXT_PROC_FILTER not in per_filter
 
 
 def test_bbr_envoy_config_from_the_examples(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper.extproc.bbr import BUFFERED, MODEL_HEADER, STREAMED, BbrExchange, model_of
+from poolkeeper.extproc.messages import request_header_map
 from tests.extproc.extproc_fakes import body_msg, headers_msg, post_headers
 
 
@@ -110,6 +111,34 @@ def test_oversized_body_is_413() -> None:
     (reply,) = exchange.handle(body_msg(b'{"model": "far too long"}', eos=False))
     assert reply.immediate_response.status.code == 413
     assert exchange.handle(body_msg(b"", eos=True)) == []
+
+
+def test_client_header_limits_are_held_before_the_body() -> None:
+    """Behind the BBR bootstrap's codec (room for the routing headers, as serve's) BBR holds
+    clients to their own limits: 431 in OpenAI's shape before any body is read. Envoy's own
+    headers (x-request-id here) and the request line's pseudo headers count in size only."""
+    exchange = BbrExchange(client_header_limits=(3, 1))
+    many = post_headers(**{"x-a": "1", "x-b": "2", "x-c": "3"})  # 4 headers of the client's
+    (reply,) = exchange.handle(headers_msg(many, mode=STREAMED))
+    assert reply.immediate_response.status.code == 431
+    error = json.loads(reply.immediate_response.body)["error"]
+    assert error["code"] == "request_header_fields_too_large"
+    assert exchange.handle(body_msg(b'{"model": "foo"}', eos=True)) == []
+    large = post_headers(**{"x-big": "v" * 1024})
+    (reply,) = BbrExchange(client_header_limits=(3, 1)).handle(headers_msg(large, mode=STREAMED))
+    assert reply.immediate_response.status.code == 431
+    within = BbrExchange(client_header_limits=(3, 1))
+    assert within.handle(headers_msg(post_headers(**{"x-a": "1", "x-b": "2"}), mode=STREAMED)) == []
+    (head, _) = within.handle(body_msg(b'{"model": "foo"}', eos=True))
+    assert _set(head) == {MODEL_HEADER: "foo"}
+
+
+def test_the_header_bbr_set_is_not_counted_as_the_clients_at_the_epp() -> None:
+    """The EPP behind BBR counts the client's headers as BBR did (a client's own copy of the
+    header is removed before either runs): a request BBR let in is not the EPP's 431."""
+    with_model = headers_msg(post_headers(**{MODEL_HEADER: "foo"})).request_headers
+    _, count, _ = request_header_map(with_model)
+    assert count == request_header_map(headers_msg(post_headers()).request_headers)[1]
 
 
 def test_model_of_uses_the_epp_body_rules() -> None:

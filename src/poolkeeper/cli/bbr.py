@@ -22,6 +22,7 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource
 from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bbr import BbrParams, PoolRoute, build_bbr_bootstrap, render
+from poolkeeper.envoy.params import CLIENT_MAX_HEADER_KB, CLIENT_MAX_HEADERS
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.bbr import BbrServicer
 from poolkeeper.extproc.heap import keep_freed_pages
@@ -132,7 +133,11 @@ def run_bbr(args: argparse.Namespace) -> int:
     async def main() -> None:
         health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
         server, port = build_server(
-            BbrServicer(max_body_bytes=args.max_body_bytes),
+            BbrServicer(
+                max_body_bytes=args.max_body_bytes,
+                # The limits `bbr-envoy-config`'s listener leaves room above (envoy/params.py).
+                client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB),
+            ),
             f"{args.address}:{args.port}",
             extra=health.register,
         )

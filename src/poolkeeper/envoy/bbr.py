@@ -3,14 +3,20 @@ Picker, behind one listener (what a Gateway builds from HTTPRoutes that match
 `X-Gateway-Model-Name`, upstream `config/manifests/bbr-example/httproute_bbr.yaml`).
 
     client -> Envoy: early header mutation drops client copies of routing headers
+           -> guard routes: CONNECT, a declared body over the limit, a compressed body, a path
+              outside the inference API or a method it does not take get Envoy's own answer
            -> ext_proc "bbr" (poolkeeper bbr): body `model` -> x-gateway-model-name, route again
            -> route by x-gateway-model-name (one route per model name)
            -> ext_proc "epp", overridden per route to that pool's EPP cluster: destination header
            -> the pool's cluster (override_host over its endpoints, retries on the fallbacks)
 
 A model no route names gets 404 (OpenAI body) without asking any EPP; a request without a body
-(e.g. GET /v1/models) goes to the first pool's EPP. Everything else (timeouts, local replies,
-limits) is the single-pool bootstrap's (`bootstrap.py`), from the same `BootstrapParams`.
+(e.g. GET /v1/models) goes to the first pool's EPP. The public side is serve's (`bootstrap.py`,
+`routes.py`, from the same `BootstrapParams`): its listener, the connection manager's limits,
+timeouts and local replies, the guard and outside-the-API routes, the overload manager. What
+differs is said where it differs (the stream idle timeout, and the admin interface, which is not
+restricted to serve's paths). The client's header limits are held by `poolkeeper bbr` (431), as
+serve's EPP holds them behind serve's listener.
 """
 
 from __future__ import annotations
@@ -21,14 +27,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from poolkeeper.envoy.bootstrap import (
-    _early_header_mutation,
-    _local_reply_config,
+    client_facing_hcm,
+    edge_listener,
     ext_proc_filter,
+    hcm_filter,
+    overload_manager,
 )
 from poolkeeper.envoy.clusters import override_host_policy
 from poolkeeper.envoy.params import (
     DESTINATION_HEADER,
+    EXT_PROC_PER_ROUTE_TYPE,
     HCM,
+    HEADER_HEADROOM,
+    HEADER_KB_HEADROOM,
     HTTP_OPTS_TYPE,
     ROUTER_TYPE,
     SERVED_HEADER,
@@ -39,11 +50,20 @@ from poolkeeper.envoy.params import (
     socket_address,
     thresholds,
 )
-from poolkeeper.envoy.routes import _openai_error, _retry_policy
+from poolkeeper.envoy.routes import (
+    _json_direct,
+    _openai_error,
+    _retry_policy,
+    guard_routes,
+    inference_path_regex,
+    method_groups,
+    outside_api_routes,
+)
 
 MODEL_HEADER = "x-gateway-model-name"
 BBR_CLUSTER = "bbr"
-EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+# Envoy's own answers (guard routes, paths outside the API) consult neither ext_proc filter.
+BOTH_FILTERS = ("bbr", "epp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +155,8 @@ def bbr_filter(p: BbrParams) -> dict[str, Any]:
 
 
 def _routes(p: BbrParams) -> list[dict[str, Any]]:
+    """Guard routes, then the models' routes, the entry routes (no model header yet: every
+    request's first route), the unknown model's 404, and the outside-the-API answers."""
     base = p.base
     served = [
         {
@@ -143,11 +165,14 @@ def _routes(p: BbrParams) -> list[dict[str, Any]]:
         }
     ]
     options = {"timeout": "0s", "idle_timeout": duration(base.stream_idle_timeout_s)}
+    every_path = inference_path_regex(base.inference_paths)
 
-    def to_pool(name: str, route: PoolRoute, headers: list[dict[str, Any]]) -> dict[str, Any]:
+    def to_pool(name: str, route: PoolRoute, match: dict[str, Any]) -> dict[str, Any]:
         return {
             "name": name,
-            "match": {"prefix": "/", "headers": headers},
+            "match": match,
+            # The body kept for a retry: larger than the client connection's buffer.
+            "per_request_buffer_limit_bytes": base.buffer_limit_bytes,
             "route": {
                 "cluster": pool_cluster(route.pool),
                 **options,
@@ -156,7 +181,7 @@ def _routes(p: BbrParams) -> list[dict[str, Any]]:
             "response_headers_to_add": served,
             "typed_per_filter_config": {
                 "epp": {
-                    T: EXT_PROC_PER_ROUTE,
+                    T: EXT_PROC_PER_ROUTE_TYPE,
                     "overrides": {
                         "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster(route.pool)}}
                     },
@@ -164,41 +189,49 @@ def _routes(p: BbrParams) -> list[dict[str, Any]]:
             },
         }
 
-    routes = [
+    routes = guard_routes(base, skip=BOTH_FILTERS)
+    # The model header exists only once BBR set it, and BBR runs only on an entry route (the
+    # others skip it), which checks the path and the method: so these check the path only.
+    routes += [
         to_pool(
             f"{_slug(route.pool)}_{i}",
             route,
-            [{"name": MODEL_HEADER, "string_match": {"exact": model}}],
+            {
+                "safe_regex": {"regex": every_path},
+                "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}],
+            },
         )
         for route in p.pools
         for i, model in enumerate(route.models)
     ]
-    if p.pools:  # bodyless requests (no model header at all): the first pool's EPP decides
-        routes.append(
-            to_pool(
-                "bodyless",
-                p.pools[0],
-                [{"name": MODEL_HEADER, "present_match": True, "invert_match": True}],
-            )
+    # Entry routes, and the answer for bodyless requests (no model header at all): the first
+    # pool's EPP decides.
+    no_model = {"name": MODEL_HEADER, "present_match": True, "invert_match": True}
+    routes += [
+        to_pool(
+            f"bodyless{suffix}",
+            p.pools[0],
+            {
+                "safe_regex": {"regex": inference_path_regex(paths)},
+                "headers": [no_model, {"name": ":method", "string_match": {"exact": method}}],
+            },
         )
+        for suffix, method, paths in method_groups(base.inference_paths)
+    ]
     unknown = _openai_error(
         "no InferencePool serves the requested model", "invalid_request_error", "model_not_found"
     )
     routes.append(
         {
             "name": "no_pool",
-            "match": {"prefix": "/"},
-            "direct_response": {"status": 404, "body": {"inline_string": unknown}},
-            "response_headers_to_add": [
-                {
-                    "header": {"key": "content-type", "value": "application/json"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                }
-            ],
-            "typed_per_filter_config": {"epp": {T: EXT_PROC_PER_ROUTE, "disabled": True}},
+            "match": {
+                "safe_regex": {"regex": every_path},
+                "headers": [{"name": MODEL_HEADER, "present_match": True}],
+            },
+            **_json_direct(404, unknown, skip=("epp",)),  # BBR has run: it set the header
         }
     )
-    return routes
+    return routes + outside_api_routes(base, skip=BOTH_FILTERS)
 
 
 def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
@@ -217,14 +250,19 @@ def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
     hcm = {
         T: HCM,
         "stat_prefix": "bbr_gateway",
-        "codec_type": "AUTO",
-        "use_remote_address": True,
-        "normalize_path": True,
-        "request_timeout": "0s",
-        "stream_idle_timeout": duration(base.stream_idle_timeout_s),
-        "max_request_headers_kb": base.max_request_headers_kb,
-        "early_header_mutation_extensions": [_early_header_mutation(base)],
-        "local_reply_config": _local_reply_config(),
+        **client_facing_hcm(
+            base,
+            # As serve's: room above the client's limits for the headers BBR and the EPP add
+            # (at the exact limits, 94-100 client headers got an empty 500). `poolkeeper bbr`,
+            # the first filter, holds clients to the limits themselves (431), as serve's EPP does.
+            max_request_headers_kb=base.max_request_headers_kb + HEADER_KB_HEADROOM,
+            max_headers_count=base.max_headers_count + HEADER_HEADROOM,
+            # Every request's first route is a pool's (an entry route), whose idle timeout
+            # applies from the start: this one bounds only Envoy's own answers. So a hung BBR
+            # or EPP holds a request up to stream_idle_timeout_s here (serve's listener: the
+            # message timeout, its routes to model servers being chosen after the EPP answers).
+            stream_idle_timeout_s=base.stream_idle_timeout_s,
+        ),
         "route_config": {
             "name": "bbr",
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(p)}],
@@ -243,25 +281,10 @@ def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
         "node": {"id": "poolkeeper-bbr", "cluster": "poolkeeper"},
         "admin": {"address": socket_address(base.admin_address, base.admin_port)},
         "static_resources": {
-            "listeners": [
-                {
-                    "name": "bbr_gateway",
-                    "address": socket_address(base.listen_address, base.listen_port),
-                    "per_connection_buffer_limit_bytes": base.buffer_limit_bytes,
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": hcm,
-                                }
-                            ]
-                        }
-                    ],
-                }
-            ],
+            "listeners": [edge_listener(base, "bbr_gateway", [hcm_filter(hcm)], access_log=[])],
             "clusters": clusters,
         },
+        "overload_manager": overload_manager(base),
     }
 
 

@@ -295,10 +295,18 @@ def _not_a_path_filter() -> dict[str, Any]:
     return {"header_filter": {"header": matcher}}
 
 
-def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
-    hcm: dict[str, Any] = {
-        T: HCM,
-        "stat_prefix": "gateway",
+def client_facing_hcm(
+    p: BootstrapParams,
+    *,
+    max_request_headers_kb: int,
+    max_headers_count: int,
+    stream_idle_timeout_s: float,
+) -> dict[str, Any]:
+    """The HTTP connection manager's settings towards clients, in serve's and the BBR
+    bootstrap alike: path normalisation, HTTP/1.0, timeouts, header and HTTP/2 limits, the
+    early header mutation and the OpenAI-shaped local replies. The codec's header limits and
+    the stream idle timeout before routing differ between the two (their callers say why)."""
+    return {
         "codec_type": "AUTO",
         "use_remote_address": True,
         "normalize_path": True,
@@ -307,15 +315,8 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         # a Host header the request gets this authority.
         "http_protocol_options": {"accept_http_10": True, "default_host_for_http_10": "gateway"},
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
-        # The codec's limits leave room for the EPP's header mutation; the EPP holds clients
-        # to `max_request_headers_kb` / `max_headers_count` (431 before routing: a Lua filter
-        # doing the same in Envoy cost every request a Lua coroutine on the request path).
-        "max_request_headers_kb": p.max_request_headers_kb + HEADER_KB_HEADROOM,
-        # Until the EPP has routed a request, its stream may idle only this long: a hung EPP
-        # (alive, never answering) costs a request at most this. Envoy's ext_proc message
-        # timer does not run for FULL_DUPLEX_STREAMED bodies, so this is the bound that holds.
-        # Routed requests get the route's idle timeout (stream_idle_timeout_s) instead.
-        "stream_idle_timeout": duration(p.message_timeout_s),
+        "max_request_headers_kb": max_request_headers_kb,
+        "stream_idle_timeout": duration(stream_idle_timeout_s),
         # The whole request (headers and body) within this, counted from its start: a body
         # trickling one byte at a time resets the idle timers but not this one. Disarmed once
         # the last byte went upstream, so a long generation is not cut.
@@ -323,7 +324,7 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         "request_headers_timeout": duration(p.request_headers_timeout_s),
         "common_http_protocol_options": {
             "headers_with_underscores_action": "REJECT_REQUEST",
-            "max_headers_count": p.max_headers_count + HEADER_HEADROOM,
+            "max_headers_count": max_headers_count,
             # A connection with no request in progress (keep-alive between requests).
             "idle_timeout": duration(p.connection_idle_timeout_s),
         },
@@ -334,6 +335,27 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
         },
         "early_header_mutation_extensions": [_early_header_mutation(p)],
         "local_reply_config": _local_reply_config(),
+    }
+
+
+def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
+    hcm: dict[str, Any] = {
+        T: HCM,
+        "stat_prefix": "gateway",
+        **client_facing_hcm(
+            p,
+            # The codec's limits leave room for the EPP's header mutation; the EPP holds
+            # clients to `max_request_headers_kb` / `max_headers_count` (431 before routing: a
+            # Lua filter doing the same in Envoy cost every request a Lua coroutine on the
+            # request path).
+            max_request_headers_kb=p.max_request_headers_kb + HEADER_KB_HEADROOM,
+            max_headers_count=p.max_headers_count + HEADER_HEADROOM,
+            # Until the EPP has routed a request, its stream may idle only this long: a hung
+            # EPP (alive, never answering) costs a request at most this. Envoy's ext_proc
+            # message timer does not run for FULL_DUPLEX_STREAMED bodies, so this is the bound
+            # that holds. Routed requests get the route's idle timeout (stream_idle_timeout_s).
+            stream_idle_timeout_s=p.message_timeout_s,
+        ),
         "route_config": {
             "name": "gateway",
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(p)}],
@@ -382,39 +404,53 @@ def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
         },
         "static_resources": {
             "listeners": [
-                {
-                    "name": "gateway",
-                    "address": socket_address(p.listen_address, p.listen_port),
-                    "per_connection_buffer_limit_bytes": p.connection_buffer_bytes,
-                    # Accepted sockets inherit the listening socket's pinned send buffer.
-                    "socket_options": socket_buffer(SO_SNDBUF, p.client_send_buffer_bytes),
-                    # No listener filter: a connection that sends nothing is an HTTP
-                    # connection at once, closed by the (scaled) idle timeout. A listener
-                    # filter's timeout would hold it in a stage the overload manager cannot
-                    # shorten.
-                    "tcp_backlog_size": p.tcp_backlog,
-                    "max_connections_to_accept_per_socket_event": p.accept_batch,
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                *([conncap_filter(p)] if conncap_on(p) else []),
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": _http_connection_manager(p),
-                                },
-                            ]
-                        }
+                edge_listener(
+                    p,
+                    "gateway",
+                    [
+                        *([conncap_filter(p)] if conncap_on(p) else []),
+                        hcm_filter(_http_connection_manager(p)),
                     ],
-                    **({"access_log": [conncap_access_log(p)]} if conncap_on(p) else {}),
-                }
+                    access_log=[conncap_access_log(p)] if conncap_on(p) else [],
+                )
             ],
             "clusters": [*clusters(p), *([conncap_cluster(p)] if conncap_on(p) else [])],
         },
-        "overload_manager": _overload_manager(p),
+        "overload_manager": overload_manager(p),
     }
 
 
-def _overload_manager(p: BootstrapParams) -> dict[str, Any]:
+def hcm_filter(hcm: dict[str, Any]) -> dict[str, Any]:
+    return {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+
+
+def edge_listener(
+    p: BootstrapParams,
+    name: str,
+    filters: list[dict[str, Any]],
+    *,
+    access_log: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The public listener (serve's and the BBR bootstrap's): one filter chain of `filters`,
+    a small per-connection buffer, a pinned send buffer, a deep accept queue, bounded accepts
+    per wake-up."""
+    return {
+        "name": name,
+        "address": socket_address(p.listen_address, p.listen_port),
+        "per_connection_buffer_limit_bytes": p.connection_buffer_bytes,
+        # Accepted sockets inherit the listening socket's pinned send buffer.
+        "socket_options": socket_buffer(SO_SNDBUF, p.client_send_buffer_bytes),
+        # No listener filter: a connection that sends nothing is an HTTP connection at once,
+        # closed by the (scaled) idle timeout. A listener filter's timeout would hold it in a
+        # stage the overload manager cannot shorten.
+        "tcp_backlog_size": p.tcp_backlog,
+        "max_connections_to_accept_per_socket_event": p.accept_batch,
+        "filter_chains": [{"filters": filters}],
+        **({"access_log": access_log} if access_log else {}),
+    }
+
+
+def overload_manager(p: BootstrapParams) -> dict[str, Any]:
     """Edge defaults: bounded downstream connections (Envoy's edge guide), and heap given back
     to the OS after a burst of big bodies (reliability finding 3): while the heap in use is
     above `shrink_heap_at` of `heap_limit_bytes` (the fixed_heap monitor measures memory in

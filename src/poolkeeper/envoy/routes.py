@@ -6,7 +6,8 @@ different ones), then for each method group of the inference paths (the model li
 everything else POST) the EPP-routed routes (the destination header present) and either the
 FailOpen route or the EPP's 503; then 405 for an inference path with another method, and 404 for
 everything else (so no request reaches the EPP without a route that expects it). Envoy's direct
-answers carry OpenAI error bodies and never consult the EPP.
+answers carry OpenAI error bodies and never consult the EPP. The first three and the last two
+(`guard_routes`, `outside_api_routes`) are the BBR bootstrap's too (`bbr.py`).
 """
 
 from __future__ import annotations
@@ -77,9 +78,12 @@ def _retry_policy(p: BootstrapParams) -> dict[str, Any]:
     }
 
 
-def _json_direct(status: int, body: str, *, skip_epp: bool = True) -> dict[str, Any]:
-    """A route answered by Envoy itself with an OpenAI error body; with `skip_epp` the EPP is
-    never consulted (the route is chosen before ext_proc runs, from the client's request)."""
+def _json_direct(
+    status: int, body: str, *, skip: tuple[str, ...] = (EXT_PROC_FILTER,)
+) -> dict[str, Any]:
+    """A route answered by Envoy itself with an OpenAI error body; the ext_proc filters named
+    in `skip` (the EPP's by default) are never consulted (the route is chosen before they run,
+    from the client's request)."""
     route: dict[str, Any] = {
         "direct_response": {"status": status, "body": {"inline_string": body}},
         "response_headers_to_add": [
@@ -89,9 +93,9 @@ def _json_direct(status: int, body: str, *, skip_epp: bool = True) -> dict[str, 
             }
         ],
     }
-    if skip_epp:
+    if skip:
         route["typed_per_filter_config"] = {
-            EXT_PROC_FILTER: {T: EXT_PROC_PER_ROUTE_TYPE, "disabled": True}
+            name: {T: EXT_PROC_PER_ROUTE_TYPE, "disabled": True} for name in skip
         }
     return route
 
@@ -117,14 +121,18 @@ def method_groups(paths: tuple[str, ...]) -> list[tuple[str, str, tuple[str, ...
             (("", "POST", posts), ("_get", "GET", reads)) if group]  # fmt: skip
 
 
-def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
-    routes: list[dict[str, Any]] = [
+def guard_routes(
+    p: BootstrapParams, *, skip: tuple[str, ...] = (EXT_PROC_FILTER,)
+) -> list[dict[str, Any]]:
+    """The first routes of a public listener (serve's and the BBR bootstrap's): what Envoy
+    refuses from the client's headers alone, no ext_proc filter in `skip` consulted."""
+    return [
         {
             # CONNECT has no path, so no other route matches it: without this the EPP was
             # asked and waited for a body that never comes, holding the stream 60 s.
             "name": "connect",
             "match": {"connect_matcher": {}},
-            **_json_direct(405, NOT_ALLOWED),
+            **_json_direct(405, NOT_ALLOWED, skip=skip),
         },
         {
             # A declared Content-Length over the limit: 413 before any body is read or buffered
@@ -139,7 +147,9 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
                     }
                 ],
             },
-            **_json_direct(413, TOO_LARGE_BODY.replace("{limit}", str(p.max_body_bytes))),
+            **_json_direct(
+                413, TOO_LARGE_BODY.replace("{limit}", str(p.max_body_bytes)), skip=skip
+            ),
         },
         {
             # A body the gateway and the server could read differently (round 2, finding 6):
@@ -156,25 +166,39 @@ def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
                     },
                 ],
             },
-            **_json_direct(415, UNSUPPORTED_ENCODING),
+            **_json_direct(415, UNSUPPORTED_ENCODING, skip=skip),
         },
     ]
-    for suffix, method, paths in method_groups(p.inference_paths):
-        routes += _inference_routes(p, suffix, method, paths)
-    # An inference path with another method: 405, the EPP not consulted.
+
+
+def outside_api_routes(
+    p: BootstrapParams, *, skip: tuple[str, ...] = (EXT_PROC_FILTER,)
+) -> list[dict[str, Any]]:
+    """The last routes of a public listener: what no inference route took, answered by Envoy
+    with no ext_proc filter in `skip` consulted."""
     every_path = {"safe_regex": {"regex": inference_path_regex(p.inference_paths)}}
-    routes.append(
-        {"name": "method_not_allowed", "match": every_path, **_json_direct(405, NOT_ALLOWED)}
-    )
-    # Everything outside the inference API: the model servers' admin paths included, and
-    # request targets that are not paths (`OPTIONS *`), which a prefix never matches.
-    routes.append(
+    return [
+        # An inference path with another method: 405.
+        {
+            "name": "method_not_allowed",
+            "match": every_path,
+            **_json_direct(405, NOT_ALLOWED, skip=skip),
+        },
+        # Everything outside the inference API: the model servers' admin paths included, and
+        # request targets that are not paths (`OPTIONS *`), which a prefix never matches.
         {
             "name": "not_found",
             "match": {"safe_regex": {"regex": ".*"}},
-            **_json_direct(404, NOT_FOUND),
-        }
-    )
+            **_json_direct(404, NOT_FOUND, skip=skip),
+        },
+    ]
+
+
+def _routes(p: BootstrapParams) -> list[dict[str, Any]]:
+    routes = guard_routes(p)
+    for suffix, method, paths in method_groups(p.inference_paths):
+        routes += _inference_routes(p, suffix, method, paths)
+    routes += outside_api_routes(p)
     if _rewrites_split_names(p):  # on the FailOpen route only
         for route in routes:
             if not route["name"].startswith("fail_open"):
@@ -260,7 +284,7 @@ def _inference_routes(
             {
                 "name": f"not_routed{suffix}",
                 "match": allowed,
-                **_json_direct(503, NO_EPP_BODY, skip_epp=False),
+                **_json_direct(503, NO_EPP_BODY, skip=()),
             }
         )
     return routes

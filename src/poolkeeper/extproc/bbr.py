@@ -6,8 +6,11 @@ It runs in front of the Endpoint Picker: Envoy's filter chain is BBR, then the E
 route picked (`poolkeeper.envoy.bbr` builds that bootstrap; `poolkeeper bbr` runs this server).
 
 Per stream (`BbrExchange`, pure and synchronous; `BbrServicer` is the async edge):
-- request headers: a header-only request is answered at once; otherwise, in FULL_DUPLEX_STREAMED
-  mode, the headers reply waits for the body (as upstream's streaming server does);
+- request headers: over the client's header limits (`client_header_limits`), 431 at once (the
+  BBR bootstrap's codec leaves room above them for the routing headers BBR and the EPP add, as
+  serve's does for its EPP, which holds clients to them there); a header-only request is
+  answered at once; otherwise, in FULL_DUPLEX_STREAMED mode, the headers reply waits for the
+  body (as upstream's streaming server does);
 - body: buffered to its end (at most `max_body_bytes`; more is 413), the model read with the
   EPP's own body rules (`requestcontrol.body.parse_model`), then the headers reply sets the header
   and `clear_route_cache` so Envoy picks the route again, and the body goes back unchanged;
@@ -32,7 +35,7 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.errors import BadRequest, PayloadTooLarge
+from poolkeeper.errors import BadRequest, HeadersTooLarge, PayloadTooLarge
 from poolkeeper.extproc import messages as msg
 from poolkeeper.requestcontrol.body import parse_model
 
@@ -63,9 +66,16 @@ def model_of(body: bytes) -> str | None:
 class BbrExchange:
     """One ext_proc stream of the BBR service (see the module docstring)."""
 
-    def __init__(self, *, max_body_bytes: int = 16 << 20, chunk_bytes: int = msg.MAX_BODY_CHUNK):
+    def __init__(
+        self,
+        *,
+        max_body_bytes: int = 16 << 20,
+        chunk_bytes: int = msg.MAX_BODY_CHUNK,
+        client_header_limits: tuple[int, int] | None = None,  # (headers, KiB); None: unchecked
+    ):
         self.max_body_bytes = max_body_bytes
         self.chunk_bytes = chunk_bytes
+        self.client_header_limits = client_header_limits
         self.mode = STREAMED
         self.body = bytearray()
         self.model: str | None = None
@@ -79,6 +89,18 @@ class BbrExchange:
             return []
         kind = request.WhichOneof("request")
         if kind == "request_headers":
+            if self._over_header_limits(request.request_headers):
+                self.done = True
+                limits = self.client_header_limits
+                assert limits is not None
+                return [
+                    msg.error_reply(
+                        HeadersTooLarge(
+                            f"too many request headers or too large: at most {limits[0]} "
+                            f"headers and {limits[1]} KiB"
+                        )
+                    )
+                ]
             if request.request_headers.end_of_stream:
                 return [msg.request_headers_reply(self._mutation())]
             if self.mode == BUFFERED:
@@ -102,6 +124,13 @@ class BbrExchange:
         if kind == "response_trailers":
             return [msg.trailers_reply(response=True)]
         return []
+
+    def _over_header_limits(self, headers: pb.HttpHeaders) -> bool:
+        if self.client_header_limits is None:
+            return False
+        _, count, size = msg.request_header_map(headers)
+        most, kib = self.client_header_limits
+        return count > most or size > kib * 1024
 
     def _mutation(self) -> pb.HeaderMutation:
         if self.model is None:
@@ -138,8 +167,11 @@ class BbrExchange:
 class BbrServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """The gRPC edge: one BbrExchange per stream, replies written in order."""
 
-    def __init__(self, *, max_body_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self, *, max_body_bytes: int = 16 << 20, client_header_limits: tuple[int, int] | None = None
+    ) -> None:
         self.max_body_bytes = max_body_bytes
+        self.client_header_limits = client_header_limits
         self.streams = 0
 
     async def Process(
@@ -147,7 +179,9 @@ class BbrServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        exchange = BbrExchange(max_body_bytes=self.max_body_bytes)
+        exchange = BbrExchange(
+            max_body_bytes=self.max_body_bytes, client_header_limits=self.client_header_limits
+        )
         self.streams += 1
         async for request in request_iterator:
             for reply in exchange.handle(request):

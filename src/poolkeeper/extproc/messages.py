@@ -50,6 +50,8 @@ def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
 
 
 # What Envoy's connection manager adds to a request before any filter runs: not the client's.
+# And `x-gateway-model-name`: in the BBR bootstrap BBR's filter sets it before the EPP's (a
+# client's copy is removed there first), so a request BBR let in is not the EPP's 431.
 ENVOY_ADDED_HEADERS = frozenset(
     {
         "x-forwarded-for",
@@ -57,6 +59,7 @@ ENVOY_ADDED_HEADERS = frozenset(
         "x-request-id",
         "x-envoy-external-address",
         "x-envoy-internal",
+        "x-gateway-model-name",
     }
 )
 

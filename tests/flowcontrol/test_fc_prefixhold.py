@@ -40,6 +40,7 @@ def test_release_in_arrival_order_each_answer_seeing_the_ones_before() -> None:
     assert sent == ["a1", "b1", "a2"]  # a2 released because a1 placed "a" before it was asked
     assert hold.waiting() == 1
     assert hold.total == 4
+    assert hold.capped == 0
 
 
 def test_released_at_the_cap_whatever_the_backlog() -> None:
@@ -51,6 +52,7 @@ def test_released_at_the_cap_whatever_the_backlog() -> None:
     assert hold.next_release() == pytest.approx(2.5)
     assert hold.release(2.5, lambda _r: True, lambda e: sent.append(e.payload)) == 1
     assert sent == ["x"]
+    assert hold.capped == 1
     assert hold.remove("y")
     assert not hold.remove("y")
     assert hold.next_release() == float("inf")

@@ -39,12 +39,13 @@ class Held(Generic[T]):
 class PrefixHold(Generic[T]):
     """Held requests of one pool, in arrival order (see the module docstring)."""
 
-    __slots__ = ("config", "held", "total")
+    __slots__ = ("capped", "config", "held", "total")
 
     def __init__(self, config: HoldNewPrefixes) -> None:
         self.config = config
         self.held: list[Held[T]] = []
         self.total = 0  # requests held so far (reports)
+        self.capped = 0  # of those, released by `maxHoldMs` while the rule still held them
 
     def holds(self, uncached_tokens: int, backlogs: Sequence[int]) -> bool:
         """Whether a request with `uncached_tokens` (its prompt less the longest cached prefix
@@ -69,11 +70,13 @@ class PrefixHold(Generic[T]):
         pending, self.held = self.held, []
         sent = 0
         for entry in pending:
-            if now - entry.since >= cap or not still(entry.payload):
-                go(entry)
-                sent += 1
-            else:
-                self.held.append(entry)
+            if still(entry.payload):
+                if now - entry.since < cap:
+                    self.held.append(entry)
+                    continue
+                self.capped += 1
+            go(entry)
+            sent += 1
         return sent
 
     def remove(self, payload: T) -> bool:

@@ -225,6 +225,7 @@ class FlowPolicy:
                                   "left_waiting": self.dispatcher.waiting()}  # fmt: skip
         if self.hold is not None:
             out["held"] = self.hold.total
+            out["held_capped"] = self.hold.capped
             out["left_held"] = self.hold.waiting()
         return out
 

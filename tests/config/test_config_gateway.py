@@ -207,6 +207,11 @@ def test_default_pool_gets_the_default_namespace() -> None:
             "must exceed the longest flow-control queue TTL (flowControl.bands.standard.ttlMs",
         ),
         ({"endpoint": []}, "spec.endpoint", "unknown field"),
+        (
+            {"flowControl": {"holdNewPrefixes": {}}},
+            "spec.flowControl.holdNewPrefixes",
+            "not implemented in the EPP yet",
+        ),
     ],
 )
 def test_invalid_fields_report_their_path(spec: dict[str, Any], path: str, message: str) -> None:

@@ -27,7 +27,7 @@ from poolkeeper.backend.engines import Engine
 from poolkeeper.config.endpoints import StaticEndpoint
 from poolkeeper.config.gateway import GatewayConfigSpec
 from poolkeeper.envoy.config import Edge, Listeners
-from poolkeeper.flowcontrol.config import BandConfig, Bands
+from poolkeeper.flowcontrol.config import BandConfig, Bands, HoldNewPrefixes
 from poolkeeper.requestcontrol.config import RequestHandling
 
 BEGIN_MARKER = "<!-- BEGIN GENERATED FIELD TABLES (python -m poolkeeper.config.docs) -->"
@@ -140,6 +140,7 @@ OWN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("spec.flowControl", _section_model("flow_control")),
     ("spec.flowControl.bands", Bands),
     ("spec.flowControl.bands.<critical|standard|sheddable>", BandConfig),
+    ("spec.flowControl.holdNewPrefixes", HoldNewPrefixes),
 )
 
 

@@ -219,6 +219,20 @@ class Bands(CamelModel, use_attribute_docstrings=True):
         return self.sheddable
 
 
+class HoldNewPrefixes(CamelModel, use_attribute_docstrings=True):
+    """`holdNewPrefixes`: hold a request that would open a new long prefill while every
+    endpoint is prefill-backlogged (`flowcontrol/prefixhold.py`, docs/flowcontrol.md)."""
+
+    backlog_tokens: int = Field(default=2048, ge=1, le=10_000_000)
+    """Held only while every candidate endpoint has at least this many prompt tokens sent
+    without a first byte back (the prefill backlog)."""
+    min_prompt_tokens: int = Field(default=1024, ge=1, le=10_000_000)
+    """Held only if the request's prompt tokens no endpoint caches (its prefill on the
+    endpoint holding most of its prefix) are at least this many."""
+    max_hold_ms: int = Field(default=2000, ge=1, le=600_000)
+    """Released to the queue after this long whatever the backlog (never starved)."""
+
+
 class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
     """Queueing, strict criticality bands and fair sharing (docs/flowcontrol.md)."""
 
@@ -241,6 +255,10 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
     of weight 2 gets twice the token throughput of a weight-1 flow while both wait."""
     bands: Bands = Field(default_factory=Bands)
     """Per-criticality settings."""
+    hold_new_prefixes: HoldNewPrefixes | None = None
+    """Off by default. Set: a request of a `queue` band that would open a new long prefill
+    waits in front of the queue while every endpoint has a prefill backlog, so requests whose
+    prefix is placed go first (`flowcontrol/prefixhold.py`)."""
 
     @model_validator(mode="after")
     def _weights(self) -> Self:

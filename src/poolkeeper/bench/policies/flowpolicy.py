@@ -8,6 +8,10 @@ or, for a `send` band, sent anyway. The fleet then calls `release` after complet
 every scrape tick: expired requests are rejected (503), and heads are scheduled one by one on
 the fleet's live states, each counted before the next headroom check (late binding).
 
+With `holdNewPrefixes` set (`flowcontrol.prefixhold`), an arrival that would open a new long
+prefill while every endpoint is prefill-backlogged is held in front of the dispatcher (facts from
+the scheduler: `scheduling.prefillfacts`) and offered to it at a later release, as the EPP would.
+
 Per-request facts for the reports: `waited` (router queue time of dispatched requests) and
 `ends` (request id -> outcome: dispatched / queue_full / saturated / shed / expired).
 """
@@ -22,13 +26,21 @@ from dataclasses import dataclass
 from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy, scheduler_policy
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import QueueFull, RequestShed
-from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
+from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig, HoldNewPrefixes
 from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem, Submitted
 from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.flowcontrol.prefixhold import Held, PrefixHold
 from poolkeeper.flowcontrol.saturation import SaturationDetector
+from poolkeeper.scheduling.prefillfacts import PrefillFacts
 from poolkeeper.scheduling.types import LLMRequest
 
 SendFn = Callable[[str, EndpointState | None, str | None], None]
+
+# Candidates that are another candidate's preset with flow control's `holdNewPrefixes` on
+# (issue 38, seventh round's screen: 2,048 / 1,024 tokens).
+HOLD_POLICIES: dict[str, HoldNewPrefixes] = {
+    "poolkeeper-fade-early-hold": HoldNewPrefixes(),
+}
 
 
 @dataclass(slots=True)
@@ -53,6 +65,10 @@ class FlowPolicy:
         self._states: Sequence[EndpointState] = ()
         self._now = 0.0
         self._pushed: list[str] = []  # pushed out of a full band, to reject at the next release
+        hold = config.hold_new_prefixes
+        self.hold: PrefixHold[LLMRequest] | None = None if hold is None else PrefixHold(hold)
+        self.facts = PrefillFacts(inner.scheduler) if hold is not None else None
+        self._held_for: dict[str, float] = {}  # request id -> seconds held before the queue
 
     def _fits(self, item: FlowItem[_Held]) -> bool:
         band = self.config.bands.of(item.band)
@@ -70,6 +86,24 @@ class FlowPolicy:
     ) -> EndpointState | None:
         """The endpoint, or None when the request is held; raises RequestShed to refuse it."""
         self._states, self._now = endpoints, now
+        if self._holds(request, endpoints, now):
+            assert self.hold is not None
+            self.hold.hold(request, now)
+            return None
+        return self._submit(request, endpoints, now)
+
+    def _holds(self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float) -> bool:
+        """`holdNewPrefixes` holds `request` now (never a `send` band's)."""
+        if self.hold is None or self.facts is None:
+            return False
+        if self.config.bands.of(request.criticality).mode is BandMode.SEND:
+            return False
+        uncached = self.facts.uncached_tokens(request, now)
+        return self.hold.holds(uncached, self.facts.backlogs(endpoints))
+
+    def _submit(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState | None:
         item = FlowItem(
             _Held(request), request.criticality, request.model, request.prompt_tokens,
             len(request.prompt), bound=request.max_tokens or 0,
@@ -83,7 +117,7 @@ class FlowPolicy:
         if verdict is Submitted.DISPATCH:
             self.dispatcher.dispatched(item)
             self._end(request.request_id, band, "dispatched")
-            self.waited[request.request_id] = 0.0
+            self.waited[request.request_id] = self._held_for.pop(request.request_id, 0.0)
             return self._pick(item, endpoints, now)
         if verdict is Submitted.QUEUED:
             self.outcomes[(band, "queued")] += 1
@@ -109,10 +143,36 @@ class FlowPolicy:
         def go(item: FlowItem[_Held]) -> None:
             rid = item.payload.request.request_id
             self._end(rid, str(item.band), "dispatched")
-            self.waited[rid] = now - item.arrived
+            self.waited[rid] = now - item.arrived + self._held_for.pop(rid, 0.0)
             send(rid, self._pick(item, endpoints, now), None)  # updates `endpoints` in place
 
         self.dispatcher.pump(now, self._fits, go)
+        if self.hold is not None and self.hold.waiting():
+            self._release_held(endpoints, now, send)
+
+    def _release_held(self, endpoints: Sequence[EndpointState], now: float, send: SendFn) -> None:
+        """Offer the held requests the rule no longer holds (or held past the cap) to the
+        dispatcher, in arrival order, each placed before the next is asked."""
+        assert self.hold is not None
+
+        def go(entry: Held[LLMRequest]) -> None:
+            request = entry.payload
+            rid = request.request_id
+            self._held_for[rid] = now - entry.since
+            self._states, self._now = endpoints, now
+            try:
+                chosen = self._submit(request, endpoints, now)
+            except (QueueFull, RequestShed):
+                self._held_for.pop(rid, None)
+                send(rid, None, self.ends[rid])
+                return
+            for pushed in self._pushed:
+                send(pushed, None, "queue_full")
+            self._pushed.clear()
+            if chosen is not None:
+                send(rid, chosen, None)
+
+        self.hold.release(now, lambda r: self._holds(r, endpoints, now), go)
 
     def _pick(
         self, item: FlowItem[_Held], endpoints: Sequence[EndpointState], now: float
@@ -161,8 +221,13 @@ class FlowPolicy:
         by_band: dict[str, dict[str, int]] = {}
         for (band, outcome), n in sorted(self.outcomes.items()):
             by_band.setdefault(band, {})[outcome] = n
-        return {"outcomes": by_band, "max_waiting": self.max_waiting,
-                "left_waiting": self.dispatcher.waiting()}  # fmt: skip
+        out: dict[str, object] = {"outcomes": by_band, "max_waiting": self.max_waiting,
+                                  "left_waiting": self.dispatcher.waiting()}  # fmt: skip
+        if self.hold is not None:
+            out["held"] = self.hold.total
+            out["held_capped"] = self.hold.capped
+            out["left_held"] = self.hold.waiting()
+        return out
 
 
 def flow_policy(
@@ -176,6 +241,9 @@ def flow_policy(
     (under the same name)."""
     inner = scheduler_policy(f"{name}-shed", rng)
     config = config if config is not None else FlowControlConfig()
+    hold = HOLD_POLICIES.get(name)
+    if hold is not None and config.hold_new_prefixes is None:
+        config = config.model_copy(update={"hold_new_prefixes": hold})
     if not config.enabled:
         inner.name = name
         return inner

@@ -65,6 +65,8 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-answered-wait": "prefill-backlog-answered-wait",
     "poolkeeper-fade-only": "prefill-backlog-fade-only",
     "poolkeeper-fade-early": "prefill-backlog-fade-early",
+    # the same preset with flow control's `holdNewPrefixes` (`flowpolicy.HOLD_POLICIES`)
+    "poolkeeper-fade-early-hold": "prefill-backlog-fade-early",
     "poolkeeper-fade-rise": "prefill-backlog-fade-rise",
     "poolkeeper-fade-rise3": "prefill-backlog-fade-rise3",
     "poolkeeper-full-batch": "default-full-batch",

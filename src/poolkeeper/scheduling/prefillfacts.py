@@ -1,0 +1,53 @@
+"""`PrefillFacts`: what flow control's `holdNewPrefixes` asks the scheduler before dispatch.
+
+Two facts, each read from its one home in the scheduler's plugins (nothing recomputed here):
+
+- `uncached_tokens(request, now)`: the request's prompt tokens less the longest prefix some
+  endpoint (probably) caches, from the prefix-cache scorer's index (`PrefixCacheScorer.matched`,
+  the match the scorers use; none configured: nothing is cached);
+- `backlogs(endpoints)`: per candidate endpoint, the prompt tokens sent there without a first
+  byte back, from the prefill-backlog scorer (`PrefillBacklog`). That is not the endpoint's
+  `unseen_tokens` (tokens sent since its last scrape, which a scrape clears while the prefill
+  may still wait), so a profile without the backlog scorer falls back to it as the nearest
+  fact the router has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.interfaces import CycleState
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.scheduling.types import LLMRequest
+
+
+class PrefillFacts:
+    """The two facts for one scheduler (see the module docstring)."""
+
+    __slots__ = ("backlog", "prefix")
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        plugins = list(scheduler.plugins.values())
+        self.backlog = next((p for p in plugins if isinstance(p, PrefillBacklogScorer)), None)
+        prefix = self.backlog.prefix if self.backlog is not None else None
+        if prefix is None:
+            prefix = next((p for p in plugins if isinstance(p, PrefixCacheScorer)), None)
+        self.prefix = prefix
+
+    def uncached_tokens(self, request: LLMRequest, now: float) -> int:
+        tokens = request.prompt_tokens
+        chars = len(request.prompt)
+        if self.prefix is None or not chars:
+            return tokens
+        matched = self.prefix.matched(CycleState(now), request)
+        best = max(matched.values(), default=0)
+        return max(0, tokens - int(best * tokens / chars))
+
+    def backlogs(self, endpoints: Sequence[EndpointState]) -> list[int]:
+        if self.backlog is None:
+            return [s.unseen_tokens for s in endpoints]
+        snap = self.backlog.backlog.snapshot()
+        return [snap.get(s.endpoint.hostport, 0) for s in endpoints]

@@ -1,0 +1,72 @@
+"""`holdNewPrefixes` (`flowcontrol/prefixhold.py`): the rule, the release order and the cap,
+and the setting's validation (off by default)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from poolkeeper.flowcontrol.config import FlowControlConfig, HoldNewPrefixes
+from poolkeeper.flowcontrol.prefixhold import Held, PrefixHold
+
+
+def _hold(**kw: int) -> PrefixHold[str]:
+    return PrefixHold(HoldNewPrefixes(**kw))
+
+
+def test_held_only_while_every_endpoint_is_backlogged_and_the_prefill_is_long() -> None:
+    hold = _hold(backlog_tokens=2048, min_prompt_tokens=1024)
+    assert hold.holds(2100, [2048, 5000, 3000])
+    assert not hold.holds(2100, [2048, 2047, 3000])  # one endpoint under the backlog
+    assert not hold.holds(1023, [9000, 9000])  # its prefix is placed: 1,023 uncached tokens
+    assert not hold.holds(5000, [])  # no endpoints: the scheduler answers at once
+
+
+def test_release_in_arrival_order_each_answer_seeing_the_ones_before() -> None:
+    hold = _hold(max_hold_ms=1000)
+    for rid in ("a1", "b1", "a2", "c1"):
+        hold.hold(rid, 0.0)
+    placed: set[str] = {"b"}  # b's prefix was placed meanwhile
+    sent: list[str] = []
+
+    def go(entry: Held[str]) -> None:
+        sent.append(entry.payload)
+        placed.add(entry.payload[0])
+
+    def still(rid: str) -> bool:
+        return rid[0] not in placed and rid != "a1"  # a1: some backlog fell for it
+
+    assert hold.release(0.5, still, go) == 3
+    assert sent == ["a1", "b1", "a2"]  # a2 released because a1 placed "a" before it was asked
+    assert hold.waiting() == 1
+    assert hold.total == 4
+    assert hold.capped == 0
+
+
+def test_released_at_the_cap_whatever_the_backlog() -> None:
+    hold = _hold(max_hold_ms=1500)
+    hold.hold("x", 1.0)
+    hold.hold("y", 2.0)
+    sent: list[str] = []
+    assert hold.release(2.4, lambda _r: True, lambda e: sent.append(e.payload)) == 0
+    assert hold.next_release() == pytest.approx(2.5)
+    assert hold.release(2.5, lambda _r: True, lambda e: sent.append(e.payload)) == 1
+    assert sent == ["x"]
+    assert hold.capped == 1
+    assert hold.remove("y")
+    assert not hold.remove("y")
+    assert hold.next_release() == float("inf")
+
+
+def test_off_by_default_and_validated_like_its_neighbours() -> None:
+    assert FlowControlConfig().hold_new_prefixes is None
+    on = FlowControlConfig.model_validate(
+        {"holdNewPrefixes": {"backlogTokens": 4096, "maxHoldMs": 800}}
+    )
+    assert on.hold_new_prefixes == HoldNewPrefixes(
+        backlog_tokens=4096, min_prompt_tokens=1024, max_hold_ms=800
+    )
+    assert FlowControlConfig.model_validate({"holdNewPrefixes": {}}).hold_new_prefixes
+    for bad in ({"maxHoldMs": 0}, {"backlogTokens": -1}, {"minPromptTokens": "x"}, {"cap": 1}):
+        with pytest.raises(ValidationError):
+            FlowControlConfig.model_validate({"holdNewPrefixes": bad})

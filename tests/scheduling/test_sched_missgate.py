@@ -143,6 +143,15 @@ def test_a_queued_endpoint_stays_where_the_others_cost_more() -> None:
     assert (gate.rescued, gate.moved) == (1, 0)
 
 
+def test_a_queued_endpoint_goes_only_where_it_costs_more_than_every_kept_one() -> None:
+    """Slots held 1 s: pod1 (the holder) costs 0.5 s, pod2's miss 0.21 s; pod3 is full with
+    one waiting (kept: below the limit) and holds nothing: 2 x 1.0 / 8 + 0.112 x (1 + 1 +
+    0.9) = 0.58 s. The scorers may pick pod3, dearer than pod1: pod1 stays."""
+    gate = _gate(prefill_s_per_token=100e-6, hold_s=1.0)
+    assert _kept(gate, [*POOL, state(3, running=8, waiting=1)]) == [key(1), key(2), key(3)]
+    assert _kept(gate) == [key(2)]  # without pod3 it goes (first test)
+
+
 def test_with_the_learned_batch_the_gate_prices_the_confirmed_full_batch() -> None:
     """`learnMaxNumSeqs` instead of `maxNumSeqs`: pod1's queue counts once two scrapes show 8
     running and a shorter queue, and the gate prices it at the learned 8 slots; pod2's miss

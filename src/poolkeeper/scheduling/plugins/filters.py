@@ -247,7 +247,7 @@ class SaturationFilterParams(LoadParams):
         description="With maxNumSeqs or learnMaxNumSeqs: keep an endpoint dropped for the "
         "queue on its full batch while the request's expected cost there (its wait for a slot "
         "plus its uncached prompt's prefill, by prefixScorer's index, at the measured speed) "
-        "is at most the best kept endpoint's; before the costs are measured only prefix "
+        "is at most the dearest kept endpoint's; before the costs are measured only prefix "
         "holders stay (missgate.py). Default false.",
     )
     prefix_scorer: str = Field(

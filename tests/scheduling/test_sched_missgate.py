@@ -123,23 +123,25 @@ def test_before_either_cost_is_measured_the_holder_stays() -> None:
     assert _kept(_gate(prefill_s_per_token=100e-6, hold_s=None)) == [key(1), key(2)]
 
 
-def test_an_endpoint_that_does_not_hold_the_prompt_goes_where_it_costs_more() -> None:
-    """A 1,024-token prompt cached nowhere, slots held 0.2 s: pod1's queue of 3 costs 0.1 s
-    plus the miss there (0.10 s x (1 + 3 + 4.1)), pod2's the miss alone (0.10 s x 5.1)."""
-    gate = _gate(prefill_s_per_token=100e-6, hold_s=0.2)
-    other = [s.key for s in gate.filter(CycleState(NOW), request(prompt="x" * 4096), POOL)]
-    assert other == [key(2)]
-
-
-def test_a_queued_endpoint_stays_where_the_others_cost_more() -> None:
-    """Not only holders: pod2 has free slots but 6 waiting (0.75 s at 8 slots held 1 s, and
-    its queue waits for the miss too), pod1's full batch with 2 waiting 0.375 s: pod1 stays.
-    On a fleet whose batches all run nearly full (256 slots in overload) the filter otherwise
-    dropped whichever one was confirmed full, often the one with the shorter queue."""
+def test_an_endpoint_that_does_not_hold_the_prompt_stays() -> None:
+    """The gate drops prefix holders only (the pull it counters is the prefix scorer's):
+    pod1 does not hold this prompt, and the load scorers weigh its queue like any other."""
     gate = _gate(prefill_s_per_token=100e-6, hold_s=1.0)
-    pool = [state(1, running=8, waiting=2), state(2, running=5, waiting=6)]
-    other = [s.key for s in gate.filter(CycleState(NOW), request(prompt="x" * 4096), pool)]
+    other = [s.key for s in gate.filter(CycleState(NOW), request(prompt="x" * 4096), POOL)]
     assert other == [key(1), key(2)]
+    assert (gate.rescued, gate.moved) == (1, 0)
+
+
+def test_a_holder_stays_where_the_others_cost_more() -> None:
+    """pod2 has free slots but 6 waiting (0.75 s at 8 slots held 1 s, and its queue waits for
+    the miss too: 0.112 x (1 + 6 + 0.9)), pod1's full batch with 2 waiting 0.375 s: pod1
+    stays. On a fleet whose batches all run nearly full (256 slots in overload) the filter
+    otherwise dropped whichever one was confirmed full, often the one with the shorter queue."""
+    gate = _gate(prefill_s_per_token=100e-6, hold_s=1.0)
+    assert _kept(gate, [state(1, running=8, waiting=2), state(2, running=5, waiting=6)]) == [
+        key(1),
+        key(2),
+    ]
     assert (gate.rescued, gate.moved) == (1, 0)
 
 

@@ -181,26 +181,21 @@ class GatedSaturationFilter(SaturationFilter):
     ) -> Sequence[EndpointState]:
         if not queued:
             return kept
-        cost = self._cost_of(cycle, request)
-        alternatives = [cost(s) for s in kept]
         held = self.holders.of(cycle, request, queued)
-        if any(c is None for c in alternatives):
-            rescued = held  # a miss cannot be priced yet: keep the prefix, drop the rest
-        else:
-            # The scorers may pick any kept endpoint, so one dropped goes only where it costs
+        gone: set[int] = set()  # id() of the holders that go
+        cost = self._cost_of(cycle, request)
+        alternatives = [cost(s) for s in kept] if held else []
+        if held and all(c is not None for c in alternatives):
+            # The scorers may pick any kept endpoint, so a holder goes only where it costs
             # more than every kept one: the filter never forces a pick it rates dearer.
             dearest = max(c for c in alternatives if c is not None)
-            rescued = {
-                s.key
-                for s in queued
-                if ((c := cost(s)) is None and s.key in held) or (c is not None and c <= dearest)
-            }
-        if not rescued:
+            gone = {id(s) for s in queued if s.key in held and (cost(s) or 0.0) > dearest}
+        if gone:
             self.moved += 1
-            return kept
-        self.rescued += 1
-        kept_ids = {id(s) for s in kept}
-        return [s for s in candidates if id(s) in kept_ids or s.key in rescued]
+        else:
+            self.rescued += 1
+        passing = {id(s) for s in kept} | {id(s) for s in queued if id(s) not in gone}
+        return [s for s in candidates if id(s) in passing]
 
     def _cost_of(
         self, cycle: CycleState, request: LLMRequest

@@ -244,11 +244,11 @@ class SaturationFilterParams(LoadParams):
     )
     miss_gate: bool = Field(
         default=False,
-        description="With maxNumSeqs or learnMaxNumSeqs: keep an endpoint dropped for the "
-        "queue on its full batch while the request's expected cost there (its wait for a slot "
-        "plus its uncached prompt's prefill, by prefixScorer's index, at the measured speed) "
-        "is at most the dearest kept endpoint's; before the costs are measured only prefix "
-        "holders stay (missgate.py). Default false.",
+        description="With maxNumSeqs or learnMaxNumSeqs: of the endpoints dropped for the "
+        "queue on their full batch, drop only those holding the request's prefix (by "
+        "prefixScorer's index) whose expected cost (the wait for a slot plus the uncached "
+        "prompt's prefill at the measured speed) is above every kept endpoint's; none before "
+        "the costs are measured (missgate.py). Default false.",
     )
     prefix_scorer: str = Field(
         default="",

@@ -1,18 +1,20 @@
-"""The saturation filter's cost gate (`missGate`): an endpoint dropped for the queue on its
-full batch stays unless a request costs more there than at every endpoint kept.
+"""The saturation filter's cost gate (`missGate`): a prefix holder dropped for the queue on
+its full batch goes only where a request costs more there than at every endpoint kept; other
+endpoints dropped for their queue stay (the load scorers weigh them).
 
 The learned full-batch filter (`learnMaxNumSeqs`, filters.py) drops an endpoint whose full batch
-has a queue. On 8-slot engines that is worth a miss (a 2,000-token miss 0.09 s, a place in the
-queue 1/8 of a 1-s answer, five places 0.65 s), but dropping a prefix holder on 256-slot engines
-in overload re-prefills the prefix where no capacity is spare (virtual time: p90 1.07 -> 2.09 s,
-goodput -19 to -26 %; docs/notes/2026-12-06-live-routing-sixth-round.md), and on fleets whose
-256-slot batches all run nearly full the knife edge of "confirmed full" dropped endpoints with
-shorter queues than some kept ones (seventh round). So the gate prices a request at every
-endpoint, in seconds, from what this router measured, and keeps a dropped endpoint whose price
-is at most the dearest kept one's: the scorers then choose among all but the endpoints dearer
-than every other, so the filter never forces a pick it rates worse than one it removed
-(keeping only those at most the cheapest one's price moved requests to slow servers of a mixed
-fleet: heterogeneous 1.1x, seed 1, p90 0.120 s against 0.111-0.112 s):
+has a queue. It is there for the prefix scorer's pull: on 8-slot engines a holder's queue
+costs more than a miss (a 2,000-token miss 0.09 s, a place in the queue 1/8 of a 1-s answer,
+five places 0.65 s). But dropping a holder on 256-slot engines in overload re-prefills the
+prefix where no capacity is spare (virtual time: p90 1.07 -> 2.09 s, goodput -19 to -26 %;
+docs/notes/2026-12-06-live-routing-sixth-round.md), and on fleets whose 256-slot batches all
+run nearly full the knife edge of "confirmed full" dropped endpoints with shorter queues than
+kept ones (docs/notes/2026-12-06-live-routing-seventh-round.md). So the gate prices the
+request at every endpoint, in seconds, from what this router measured, and a holder goes only
+where its price is above the dearest kept one's: the scorers may pick any kept endpoint, and
+the filter never forces a pick it rates worse than one it removed (dropping what is dearer
+than the cheapest, heterogeneous 1.1x seed 1: p90 0.120 s against 0.111 s; dropping
+non-holders too, heavy-tail 1.1x seed 1: 0.239 s against 0.209 s):
 
     cost(e)  = wait(e) + miss(e)
     wait(e)  = (queue at e, + 1 on a full batch) x hold(e) / batch(e)
@@ -38,11 +40,11 @@ moves. On 256 slots held 5 s the same miss costs 0.6 s or more, the price of 30 
   prefill faster), the pool's until e has a sample. It includes the router's and the step's
   own time, so a miss is priced a little high, which errs towards staying.
 
-Until the costs are measured a dropped prefix holder stays and any other dropped endpoint goes
-(the filter's own rule). One per gated filter instance; bounded like `PrefillBacklog` (oldest
-pending request dropped first). The gate learns first response bytes, and with them the
-datastore counts unseen requests that answered as running: a profile that uses it and should
-otherwise choose as one without it sets the queue scorer's `answeredRun: false` (presets.py).
+Until the costs are measured every holder stays. One per gated filter instance; bounded like
+`PrefillBacklog` (oldest pending request dropped first). The gate learns first response bytes,
+and with them the datastore counts unseen requests that answered as running: a profile that
+should otherwise choose as one without the gate sets the queue scorer's `answeredRun: false`
+(that alone moved heterogeneous 1.1x seed 1 from 0.111 to 0.134 s; presets.py).
 """
 
 from __future__ import annotations

@@ -148,8 +148,8 @@ def _average(old: float | None, sample: float) -> float:
 
 
 class GatedSaturationFilter(SaturationFilter):
-    """`saturation-filter` with `missGate`: an endpoint dropped for its queue stays where a
-    request costs no more than at the dearest kept one (module docstring). Also a PostCycle and
+    """`saturation-filter` with `missGate`: of the endpoints dropped for their queue only the
+    prefix holders dearer than every kept endpoint go (module docstring). Also a PostCycle and
     first-token observer."""
 
     __slots__ = ("costs", "holders", "moved", "rescued")
@@ -164,8 +164,8 @@ class GatedSaturationFilter(SaturationFilter):
         super().__init__(typed_name, params, staleness_s)
         self.holders = holders
         self.costs = MissCosts()
-        self.rescued = 0  # decisions where the gate kept a queued endpoint (diagnostics, tests)
-        self.moved = 0  # ... and where it let every queued endpoint go
+        self.rescued = 0  # decisions where every queued endpoint stayed (diagnostics, tests)
+        self.moved = 0  # ... and where a holder went
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]

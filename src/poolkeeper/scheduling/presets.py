@@ -301,7 +301,9 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "default-miss-gate": _with_full_batch(copy.deepcopy(_DEFAULT), miss_gate=True),
     # ... with the queue scorer counting unseen requests that answered as waiting, as the
     # default does without first bytes: the gate learns from first bytes, and that alone
-    # moved the default's choices live (prefix regime: the sixth round's note).
+    # moved the default's choices (heterogeneous 1.1x seed 1: 0.111 -> 0.134 s). With the
+    # seventh round's gate (holders only, where dearer than every kept endpoint) this is the
+    # candidate for the default: docs/notes/2026-12-06-live-routing-seventh-round.md.
     "default-miss-gate-aw": _answered_wait(_with_full_batch(copy.deepcopy(_DEFAULT), True)),
     # ... and the `prefix-affinity` preset with its filter gated the same way.
     "prefix-affinity-miss-gate": _prefix_affinity(miss_gate=True),

@@ -135,7 +135,7 @@ class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
     __slots__ = (
-        "_busy_at", "_busy_share", "_cycle_key", "adapter_tokens", "backlog", "base_tokens",
+        "_busy_at", "_busy_share", "adapter_tokens", "backlog", "base_tokens",
         "busy_penalty", "drain_rate", "fade_from", "fade_rise_s", "fade_to", "marginal",
         "mean_span", "prefix", "slack", "span_tokens",
     )  # fmt: skip
@@ -164,25 +164,12 @@ class PrefillBacklogScorer(NamedPlugin):
         self.fade_rise_s = params.fade_rise_s or BUSY_WINDOW_S
         self._busy_share = 0.0
         self._busy_at: float | None = None
-        self._cycle_key = f"prefill-cached/{typed_name.name}"
 
     def _cached_tokens(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
-        """ip:port -> prompt tokens the endpoint probably caches (whole prompt at most), once
-        per decision (scoring and PostCycle read the same)."""
+        """ip:port -> prompt tokens the endpoint probably caches (the prefix scorer's match,
+        once per decision: scoring and PostCycle read the same)."""
         prefix = self.prefix
-        chars = len(request.prompt)
-        if prefix is None or not chars:
-            return {}
-        done = cycle.get(self._cycle_key)
-        if isinstance(done, dict):
-            return done
-        per_char = request.prompt_tokens / chars
-        tokens = request.prompt_tokens
-        cached = {
-            k: min(tokens, int(c * per_char)) for k, c in prefix.matched(cycle, request).items()
-        }
-        cycle.put(self._cycle_key, cached)
-        return cached
+        return {} if prefix is None else prefix.cached_tokens(cycle, request)
 
     def costs(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]

@@ -244,10 +244,11 @@ class SaturationFilterParams(LoadParams):
     )
     miss_gate: bool = Field(
         default=False,
-        description="With maxNumSeqs or learnMaxNumSeqs: keep a dropped endpoint that holds "
-        "the request's prefix (by prefixScorer's index) while its expected queue wait is at "
-        "most what a miss costs on the best kept endpoint (the uncached prompt's prefill at "
-        "the measured speed plus that endpoint's wait; missgate.py). Default false.",
+        description="With maxNumSeqs or learnMaxNumSeqs: of the endpoints dropped for the "
+        "queue on their full batch, drop only those holding the request's prefix (by "
+        "prefixScorer's index) whose expected cost (the wait for a slot plus the uncached "
+        "prompt's prefill at the measured speed) is above every kept endpoint's; none before "
+        "the costs are measured (missgate.py). Default false.",
     )
     prefix_scorer: str = Field(
         default="",
@@ -296,18 +297,24 @@ class SaturationFilter(NamedPlugin):
             count_unseen=p.count_unseen,
         )
         limit = self.limit  # STALE (infinity) is above any limit
-        if p.max_num_seqs is not None or self.batches is not None:
-            kv_limit = limit * p.kv_cache_util_threshold
-            values = [
-                v
-                if v == STALE or self._full(s)
-                else (v if effective_kv(s, p.count_unseen) >= kv_limit else 0.0)
-                for s, v in zip(candidates, values, strict=True)
-            ]
-        kept = [s for s, v in zip(candidates, values, strict=True) if v < limit]
+        if p.max_num_seqs is None and self.batches is None:
+            under = [s for s, v in zip(candidates, values, strict=True) if v < limit]
+            return under if under and len(under) < len(candidates) else candidates
+        # With a batch size the queue counts only on a full batch: an endpoint is dropped
+        # when stale, for its KV, or (`queued`) for its queue on a full batch.
+        kv_limit = limit * p.kv_cache_util_threshold
+        kept: list[EndpointState] = []
+        queued: list[EndpointState] = []
+        for s, v in zip(candidates, values, strict=True):
+            if v == STALE:
+                continue
+            full = self._full(s)  # read every fresh scrape: it teaches the learned batch
+            if effective_kv(s, p.count_unseen) >= kv_limit:
+                continue
+            (queued if full and v >= limit else kept).append(s)
         if not kept or len(kept) == len(candidates):
             return candidates
-        return self._kept(cycle, request, candidates, kept)
+        return self._kept(cycle, request, candidates, kept, queued)
 
     def _kept(
         self,
@@ -315,9 +322,11 @@ class SaturationFilter(NamedPlugin):
         request: LLMRequest,
         candidates: Sequence[EndpointState],
         kept: list[EndpointState],
+        queued: list[EndpointState],
     ) -> Sequence[EndpointState]:
-        """What passes when some but not all candidates are overloaded (`missGate` keeps
-        some of the others: missgate.py)."""
+        """What passes when some but not all candidates are overloaded; `queued`: those
+        dropped only for the queue on their full batch (`missGate` keeps some of them:
+        missgate.py)."""
         return kept
 
     def _full(self, state: EndpointState) -> bool:

@@ -1,29 +1,31 @@
-"""The saturation filter's cost-of-a-miss gate (`missGate`): leave a prefix holder only when
-waiting there costs more than a miss elsewhere.
+"""The saturation filter's cost gate (`missGate`): a prefix holder dropped for the queue on
+its full batch goes only where a request costs more there than at every endpoint kept; other
+endpoints dropped for their queue stay (the load scorers weigh them).
 
 The learned full-batch filter (`learnMaxNumSeqs`, filters.py) drops an endpoint whose full batch
-has a queue. Where that endpoint holds the request's long shared prefix, the request then
-prefills the prefix again somewhere else. On 8-slot engines that is cheap against the holder's
-queue (a 2,000-token miss 0.09 s, a place in the queue 1/8 of a 1-s answer, five places 0.65 s),
-but on 256-slot engines in overload a place costs 1/256 of an answer and every miss takes
-prefill time from a server that has none to spare (virtual time: p90 1.07 -> 2.09 s, goodput
--19 to -26 %; docs/notes/2026-12-06-live-routing-sixth-round.md). So the gate prices both, in
-seconds, from what this router measured:
+has a queue. It is there for the prefix scorer's pull: on 8-slot engines a holder's queue
+costs more than a miss (a 2,000-token miss 0.09 s, a place in the queue 1/8 of a 1-s answer,
+five places 0.65 s). But dropping a holder on 256-slot engines in overload re-prefills the
+prefix where no capacity is spare (virtual time: p90 1.07 -> 2.09 s, goodput -19 to -26 %;
+docs/notes/2026-12-06-live-routing-sixth-round.md), and on fleets whose 256-slot batches all
+run nearly full the knife edge of "confirmed full" dropped endpoints with shorter queues than
+kept ones (docs/notes/2026-12-06-live-routing-seventh-round.md). So the gate prices the
+request at every endpoint, in seconds, from what this router measured, and a holder goes only
+where its price is above the dearest kept one's: the scorers may pick any kept endpoint, and
+the filter never forces a pick it rates worse than one it removed (dropping what is dearer
+than the cheapest, heterogeneous 1.1x seed 1: p90 0.120 s against 0.111 s; dropping
+non-holders too, heavy-tail 1.1x seed 1: 0.239 s against 0.209 s):
 
+    cost(e)  = wait(e) + miss(e)
     wait(e)  = (queue at e, + 1 on a full batch) x hold(e) / batch(e)
-    miss(e)  = prefill(e) x (1 + queue at e + batch(e) x prefill(e) / hold(e)) + wait(e)
-    prefill(e) = prompt tokens e does not hold x prefill seconds per token
-    keep a holder h the filter would drop  iff  wait(h) <= min over kept e of miss(e)
+    miss(e)  = prefill(e) x (1 + queue at e + batch(e) x prefill(e) / hold(e))
+    prefill(e) = prompt tokens e does not hold x prefill seconds per token at e
 
 A miss's prefill stalls e's batch: the request's own first token waits for it, so does every
 request queued at e, and the stall takes batch x prefill / hold requests' worth of service from
 e, which in a busy pool as many requests more wait for. On 8 slots held 1 s a 2,000-token miss
-(0.1 s) takes 0.8 of a request's service and costs about 0.2 s, less than two places in the
-holder's queue (0.13 s each): the request moves. On 256 slots held 5 s the same miss takes five
-requests' service and costs 0.6 s or more, the price of 30 places (0.02 s each): the holder
-keeps its work unless its queue is very long (virtual time, 1.1x, seed 2: p90 1.04 s, goodput
-318.3 req/s against the default's 1.07 s / 318.7; the prefill alone as the price, 0.89 s /
-298.3, 350 requests expired in flow control's queue).
+(0.1 s) costs about 0.2 s, less than two places in a holder's queue (0.13 s each): the request
+moves. On 256 slots held 5 s the same miss costs 0.6 s or more, the price of 30 places.
 
 - `hold(e)`: the seconds a request holds its batch slot at e (first response byte to end),
   a moving average per endpoint (the pool's mean until e has one). An end carries no time
@@ -31,25 +33,27 @@ keeps its work unless its queue is very long (virtual time, 1.1x, seed 2: p90 1.
   and dropped when the two decisions are more than `MAX_END_GAP_S` apart.
 - `batch(e)`: the filter's `maxNumSeqs`, or the batch it learned (`fullbatch.py`, the most seen
   running). A queue counts at an endpoint with free slots too: in overload a 256-slot engine
-  one slot short of full held 35-154 waiting (its per-step prefill budget), and counting that
-  as no wait sent holders' requests there (the first version of this gate: seed 2 goodput
-  298.3 against the default's 318.7 req/s).
-- prefill seconds per token: sent-to-first-byte over the uncached prompt tokens of requests
-  that missed at least `MIN_MISS_TOKENS` on an endpoint with a free slot and no queue (so the
-  time is their own prefill step), a moving average over the pool. It includes the router's
-  and the step's own time, so a miss is priced a little high, which errs towards the holder.
+  one slot short of full held 35-154 waiting (its per-step prefill budget).
+- prefill seconds per token at e: sent-to-first-byte over the uncached prompt tokens of
+  requests that missed at least `MIN_MISS_TOKENS` on e with a free slot and no queue (so the
+  time is their own prefill step), a moving average per endpoint (a mixed fleet's fast servers
+  prefill faster), the pool's until e has a sample. It includes the router's and the step's
+  own time, so a miss is priced a little high, which errs towards staying.
 
-Until both are measured a holder is never dropped (the gate errs towards the prefix). One per
-gated filter instance; bounded like `PrefillBacklog` (oldest pending request dropped first).
+Until the costs are measured every holder stays. One per gated filter instance; bounded like
+`PrefillBacklog` (oldest pending request dropped first). The gate learns first response bytes,
+and with them the datastore counts unseen requests that answered as running: a profile that
+should otherwise choose as one without the gate sets the queue scorer's `answeredRun: false`
+(that alone moved heterogeneous 1.1x seed 1 from 0.111 to 0.134 s; presets.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.load import effective_kv, effective_waiting
+from poolkeeper.datastore.load import effective_waiting
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, TypedName
 from poolkeeper.scheduling.plugins.filters import SaturationFilter, SaturationFilterParams
 from poolkeeper.scheduling.plugins.prefix_affinity import PrefixHolders
@@ -73,14 +77,15 @@ class _Sent:
 class MissCosts:
     """The gate's measurements (see the module docstring). Pure: times come from the caller."""
 
-    __slots__ = ("_ended", "_hold", "_last", "_pending", "prefill_s_per_token")
+    __slots__ = ("_ended", "_hold", "_last", "_pending", "_prefill", "pool_prefill_s")
 
     def __init__(self) -> None:
         self._pending: dict[str, _Sent] = {}
         self._ended: list[tuple[str, float]] = []  # (endpoint, first byte) since the last tick
         self._hold: dict[str, float] = {}  # endpoint -> average slot hold, seconds
         self._last: float | None = None  # the previous decision's time
-        self.prefill_s_per_token: float | None = None
+        self._prefill: dict[str, float] = {}  # endpoint -> prefill seconds per token
+        self.pool_prefill_s: float | None = None  # ... over the pool (any endpoint's sample)
 
     def sent(self, request_id: str, endpoint: str, now: float, uncached: int, clear: bool) -> None:
         pending = self._pending
@@ -96,8 +101,8 @@ class MissCosts:
         entry.first = now
         if entry.clear and entry.uncached >= MIN_MISS_TOKENS and now > entry.at:
             sample = (now - entry.at) / entry.uncached
-            old = self.prefill_s_per_token
-            self.prefill_s_per_token = sample if old is None else old + ALPHA * (sample - old)
+            self.pool_prefill_s = _average(self.pool_prefill_s, sample)
+            self._prefill[entry.endpoint] = _average(self._prefill.get(entry.endpoint), sample)
 
     def ended(self, request_id: str) -> None:
         entry = self._pending.pop(request_id, None)
@@ -111,9 +116,7 @@ class MissCosts:
             end, hold = 0.5 * (last + now), self._hold
             for endpoint, first in ended:
                 if end > first:
-                    old = hold.get(endpoint)
-                    sample = end - first
-                    hold[endpoint] = sample if old is None else old + ALPHA * (sample - old)
+                    hold[endpoint] = _average(hold.get(endpoint), end - first)
         ended.clear()
         if last is None or now > last:
             self._last = now
@@ -127,16 +130,29 @@ class MissCosts:
             return own
         return sum(hold.values()) / len(hold)
 
+    def prefill_s(self, endpoint: str) -> float | None:
+        """Prefill seconds per uncached prompt token at `endpoint` (the pool's until it has
+        its own sample: a mixed fleet's fast servers prefill faster; None before any)."""
+        own = self._prefill.get(endpoint)
+        return self.pool_prefill_s if own is None else own
+
     def forget_endpoints(self, keep: set[str]) -> None:
-        for gone in [k for k in self._hold if k not in keep]:
-            del self._hold[gone]
+        for table in (self._hold, self._prefill):
+            for gone in [k for k in table if k not in keep]:
+                del table[gone]
+
+
+def _average(old: float | None, sample: float) -> float:
+    """The moving average after `sample` (the sample itself for the first)."""
+    return sample if old is None else old + ALPHA * (sample - old)
 
 
 class GatedSaturationFilter(SaturationFilter):
-    """`saturation-filter` with `missGate`: a dropped prefix holder whose queue costs less than
-    a miss elsewhere stays (module docstring). Also a PostCycle and first-token observer."""
+    """`saturation-filter` with `missGate`: of the endpoints dropped for their queue only the
+    prefix holders dearer than every kept endpoint go (module docstring). Also a PostCycle and
+    first-token observer."""
 
-    __slots__ = ("costs", "holders", "kept_holders", "moved_holders")
+    __slots__ = ("costs", "holders", "moved", "rescued")
 
     def __init__(
         self,
@@ -148,8 +164,8 @@ class GatedSaturationFilter(SaturationFilter):
         super().__init__(typed_name, params, staleness_s)
         self.holders = holders
         self.costs = MissCosts()
-        self.kept_holders = 0  # decisions where the gate kept a holder (diagnostics, tests)
-        self.moved_holders = 0  # ... and where it let every dropped holder go
+        self.rescued = 0  # decisions where every queued endpoint stayed (diagnostics, tests)
+        self.moved = 0  # ... and where a holder went
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -163,39 +179,41 @@ class GatedSaturationFilter(SaturationFilter):
         request: LLMRequest,
         candidates: Sequence[EndpointState],
         kept: list[EndpointState],
+        queued: list[EndpointState],
     ) -> Sequence[EndpointState]:
-        kept_ids, now = {id(s) for s in kept}, cycle.now
-        dropped = [s for s in candidates if id(s) not in kept_ids and self._queued_out(s, now)]
-        held = self.holders.of(cycle, request, dropped) if dropped else set()
-        if not held:
+        if not queued:
             return kept
-        spt = self.costs.prefill_s_per_token
-        uncached = self._uncached(cycle, request)
-        alternatives = [self._wait(s) for s in kept]
-        if spt is None or any(w is None for w in alternatives):
-            rescued = set(held)  # a miss cannot be priced yet: keep the prefix
+        held = self.holders.of(cycle, request, queued)
+        gone: set[int] = set()  # id() of the holders that go
+        cost = self._cost_of(cycle, request)
+        alternatives = [cost(s) for s in kept] if held else []
+        if held and all(c is not None for c in alternatives):
+            # The scorers may pick any kept endpoint, so a holder goes only where it costs
+            # more than every kept one: the filter never forces a pick it rates dearer.
+            dearest = max(c for c in alternatives if c is not None)
+            gone = {id(s) for s in queued if s.key in held and (cost(s) or 0.0) > dearest}
+        if gone:
+            self.moved += 1
         else:
-            best = min(
-                self._miss(s, uncached(s.key) * spt) + (w or 0.0)
-                for s, w in zip(kept, alternatives, strict=True)
-            )
-            rescued = {
-                s.key
-                for s in dropped
-                if s.key in held and ((w := self._wait(s)) is None or w <= best)
-            }
-        if not rescued:
-            self.moved_holders += 1
-            return kept
-        self.kept_holders += 1
-        return [s for s in candidates if id(s) in kept_ids or s.key in rescued]
+            self.rescued += 1
+        passing = {id(s) for s in kept} | {id(s) for s in queued if id(s) not in gone}
+        return [s for s in candidates if id(s) in passing]
 
-    def _queued_out(self, state: EndpointState, now: float) -> bool:
-        """Dropped for its queue on a full batch (fresh metrics, KV below its limit)."""
-        if state.age(now) > self.staleness_s:
-            return False
-        kv = effective_kv(state, self.params.count_unseen)
-        return kv < self.limit * self.params.kv_cache_util_threshold and self._full(state)
+    def _cost_of(
+        self, cycle: CycleState, request: LLMRequest
+    ) -> Callable[[EndpointState], float | None]:
+        """The request's expected first-token cost at an endpoint, in seconds: its wait for a
+        slot plus its miss there (None before both are measured)."""
+        cached = self.holders.prefix.cached_tokens(cycle, request)
+        tokens, costs = request.prompt_tokens, self.costs
+
+        def cost(state: EndpointState) -> float | None:
+            wait, spt = self._wait(state), costs.prefill_s(state.key)
+            if wait is None or spt is None:
+                return None
+            return wait + self._miss(state, (tokens - cached.get(state.key, 0)) * spt)
+
+        return cost
 
     def _slots(self, state: EndpointState) -> int | None:
         """`maxNumSeqs`, else the batch learned at `state` (confirmed full or not)."""
@@ -229,19 +247,14 @@ class GatedSaturationFilter(SaturationFilter):
         taken = slots * prefill_s / hold if slots is not None and hold else 0.0
         return prefill_s * (1.0 + queued + taken)
 
-    def _uncached(self, cycle: CycleState, request: LLMRequest) -> _Uncached:
-        prefix = self.holders.prefix
-        chars = len(request.prompt)
-        per_char = request.prompt_tokens / chars if chars else 0.0
-        return _Uncached(request.prompt_tokens, prefix.matched(cycle, request), per_char)
-
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
         # Runs before the prefix scorer's (listed first), so the match is the decision's.
         if not result.targets:
             return
         picked = result.targets[0]
         clear = not self._full(picked) and effective_waiting(picked, self.params.count_unseen) <= 0
-        uncached = self._uncached(cycle, request)(picked.key)
+        cached = self.holders.prefix.cached_tokens(cycle, request).get(picked.key, 0)
+        uncached = request.prompt_tokens - cached
         self.costs.sent(request.request_id, picked.key, cycle.now, uncached, clear)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
@@ -252,15 +265,3 @@ class GatedSaturationFilter(SaturationFilter):
 
     def forget_endpoints(self, keep: set[str]) -> None:
         self.costs.forget_endpoints(keep)
-
-
-@dataclass(frozen=True, slots=True)
-class _Uncached:
-    """Prompt tokens an endpoint does not hold, from one decision's prefix match."""
-
-    tokens: int
-    matched: dict[str, int]  # ip:port -> prompt characters it probably caches
-    per_char: float
-
-    def __call__(self, key: str) -> int:
-        return max(0, self.tokens - int(self.matched.get(key, 0) * self.per_char))

@@ -217,6 +217,7 @@ class PrefixCacheScorer(NamedPlugin):
         "_state_key",
         "_stats",
         "_subscriber",
+        "_tokens_key",
         "exact",
         "hashring",
         "index",
@@ -231,6 +232,7 @@ class PrefixCacheScorer(NamedPlugin):
         self.hashring = HashRing()
         self._state_key = f"prefix-hashes/{typed_name.name}"
         self._match_key = f"prefix-match/{typed_name.name}"
+        self._tokens_key = f"prefix-tokens/{typed_name.name}"
         self._stats: SchedulingStats | None = None
         self.exact: ExactPrefixIndex | None = None
         self._subscriber: KVEventSubscriber | None = None
@@ -277,6 +279,19 @@ class PrefixCacheScorer(NamedPlugin):
             matched = self._with_exact(matched, request, len(hashes) * size, cycle.now)
         cycle.put(self._match_key, matched)
         return matched
+
+    def cached_tokens(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
+        """ip:port -> prompt tokens it probably caches (the whole prompt at most): `matched`
+        in tokens, at the request's own characters per token, once per decision."""
+        done = cycle.get(self._tokens_key)
+        if isinstance(done, dict):
+            return done
+        chars, tokens = len(request.prompt), request.prompt_tokens
+        per_char = tokens / chars if chars else 0.0
+        matched = self.matched(cycle, request) if chars else {}
+        cached = {k: min(tokens, int(c * per_char)) for k, c in matched.items()}
+        cycle.put(self._tokens_key, cached)
+        return cached
 
     def _with_exact(
         self, approx: dict[str, int], request: LLMRequest, upto: int, now: float

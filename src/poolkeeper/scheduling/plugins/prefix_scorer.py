@@ -378,6 +378,12 @@ class PrefixCacheScorer(NamedPlugin):
                 if head:
                     exact.sent(picked, head[0], cycle.now)
 
+    @property
+    def follows(self) -> bool:
+        """Whether it subscribes to the endpoints' KV events (`kvEvents` and
+        `kvEventsSubscribe`): only then does the runtime tell it the pool's endpoints."""
+        return self._subscriber is not None
+
     def follow_endpoints(self, endpoints: Iterable[str]) -> None:
         """Subscribe to the pool's endpoints' KV events as soon as they are known. Why not
         only at decisions: an engine reports a block once, when it stores it, and a ZMQ SUB

@@ -9,7 +9,8 @@ ports), and one Envoy from `poolkeeper envoy-config` with the other replicas' ex
 added to its `epp` cluster. Index `approx`: the default profile; `exact`: the default with the
 prefix scorer's `kvEvents` on (each replica subscribes to every server's events);
 `exact-cold` / `exact-peers`: + cold affinity, always / once another replica is seen;
-`exact-bal`: + bounded-load cold affinity (`scheduling()`). `N/M:index` runs M EPPs with only
+`exact-bal`: + bounded-load cold affinity, `exact-strong`: the same pushed harder
+(`scheduling()`). `N/M:index` runs M EPPs with only
 N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a machine
 with few cores. Variants run
 interleaved (listed order in even rounds, reversed in odd), the same requests each time; every
@@ -53,6 +54,7 @@ from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.results.paired import compare, quantile
 from poolkeeper.bench.workload.scenarios import adapter_names
 from poolkeeper.bench.workload.workloads import default_spec
+from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.presets import preset_document
 
@@ -60,7 +62,7 @@ KV_OFFSET = 1000
 NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 
-INDEXES = ("approx", "exact", "exact-cold", "exact-peers", "exact-bal")
+INDEXES = ("approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong")
 
 
 def scheduling(index: str) -> dict[str, Any] | None:
@@ -69,7 +71,8 @@ def scheduling(index: str) -> dict[str, Any] | None:
     replica; docs/scheduling.md); `exact-peers`: cold affinity only once the events show
     another replica's traffic (`coldAffinityPeersOnly`); `exact-bal`: `exact-cold` with
     `coldAffinityBalance: 1` (the first endpoint on the ring holding fewer than its share of
-    the prefixes)."""
+    the prefixes); `exact-strong`: `exact-bal` with `coldAffinity: 1` (the owner's push, 3
+    with the default's weight, is not overruled by the replicas' differing load views)."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -80,7 +83,9 @@ def scheduling(index: str) -> dict[str, Any] | None:
             plugin["parameters"].update({"kvEvents": True, "kvEventsPortOffset": KV_OFFSET})
             if index in ("exact-cold", "exact-peers", "exact-bal"):
                 plugin["parameters"]["coldAffinity"] = 0.2
-            if index == "exact-bal":
+            if index == "exact-strong":
+                plugin["parameters"]["coldAffinity"] = 1.0
+            if index in ("exact-bal", "exact-strong"):
                 plugin["parameters"]["coldAffinityBalance"] = 1.0
             if index == "exact-peers":
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
@@ -327,7 +332,12 @@ def main() -> None:
         for rnd in range(args.rounds):
             for variant in args.variants if rnd % 2 == 0 else args.variants[::-1]:
                 name = variant.replace("/", "of").replace(":", "-")
-                run = run_variant(spec, arrivals, variant, Path(tmp) / f"r{rnd}-{name}")
+                try:
+                    run = run_variant(spec, arrivals, variant, Path(tmp) / f"r{rnd}-{name}")
+                except ConfigError as exc:  # a start-up timeout on an overloaded machine
+                    print(f"  {variant}: {exc}; once more in 10 s", flush=True)
+                    time.sleep(10.0)
+                    run = run_variant(spec, arrivals, variant, Path(tmp) / f"r{rnd}-{name}b")
                 run.update({"round": rnd, "label": variant, "spec": json.loads(args.spec)})
                 t = run["summary"]["ttft_s"]
                 load = f"{run['load_before'][0]:.1f} -> {run['load_average'][0]:.1f}"

@@ -15,11 +15,14 @@ N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a contro
 with few cores. Variants run
 interleaved (listed order in even rounds, reversed in odd), the same requests each time; every
 run goes to OUT/runs.json with its requests, prefills, load average and the CPU seconds of the
-fleet and of each EPP during the load. Example
-(docs/notes/2026-12-06-exact-prefix-replicas-second-round.md):
+fleet and of each EPP during the load, and each process's run-queue wait. At the end (or with
+`--analyze RUNS_JSON...` on earlier batches) every variant is compared with `--base` (default
+the first variant): the pooled and the paired p90 ratio with 95 % bootstrap intervals over
+rounds (`bench/results/paired.py`). Example
+(docs/notes/2026-12-06-exact-prefix-replicas-fourth-round.md):
 
-    .venv/bin/python scripts/live_replicas.py --out bench-results/replicas --rounds 2 \\
-        1:approx 1/4:approx 2:exact-peers 4:exact-peers
+    .venv/bin/python scripts/live_replicas.py --out bench-results/replicas --rounds 8 \\
+        1/4:approx 4:exact-strong 1:approx
 """
 
 from __future__ import annotations

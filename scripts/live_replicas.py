@@ -9,16 +9,20 @@ ports), and one Envoy from `poolkeeper envoy-config` with the other replicas' ex
 added to its `epp` cluster. Index `approx`: the default profile; `exact`: the default with the
 prefix scorer's `kvEvents` on (each replica subscribes to every server's events);
 `exact-cold` / `exact-peers`: + cold affinity, always / once another replica is seen;
-`exact-bal`: + bounded-load cold affinity (`scheduling()`). `N/M:index` runs M EPPs with only
+`exact-bal`: + bounded-load cold affinity, `exact-strong`: the same pushed harder
+(`scheduling()`). `N/M:index` runs M EPPs with only
 N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a machine
 with few cores. Variants run
 interleaved (listed order in even rounds, reversed in odd), the same requests each time; every
 run goes to OUT/runs.json with its requests, prefills, load average and the CPU seconds of the
-fleet and of each EPP during the load. Example
-(docs/notes/2026-12-06-exact-prefix-replicas-second-round.md):
+fleet and of each EPP during the load, and each process's run-queue wait. At the end (or with
+`--analyze RUNS_JSON...` on earlier batches) every variant is compared with `--base` (default
+the first variant): the pooled and the paired p90 ratio with 95 % bootstrap intervals over
+rounds (`bench/results/paired.py`). Example
+(docs/notes/2026-12-06-exact-prefix-replicas-fourth-round.md):
 
-    .venv/bin/python scripts/live_replicas.py --out bench-results/replicas --rounds 2 \\
-        1:approx 1/4:approx 2:exact-peers 4:exact-peers
+    .venv/bin/python scripts/live_replicas.py --out bench-results/replicas --rounds 8 \\
+        1/4:approx 4:exact-strong 1:approx
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import asyncio
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,8 +54,10 @@ from poolkeeper.bench.live.live import (
 )
 from poolkeeper.bench.live.loadgen import run_open_loop
 from poolkeeper.bench.results.metrics import SLO, summarize
+from poolkeeper.bench.results.paired import compare, quantile
 from poolkeeper.bench.workload.scenarios import adapter_names
 from poolkeeper.bench.workload.workloads import default_spec
+from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.presets import preset_document
 
@@ -60,7 +65,7 @@ KV_OFFSET = 1000
 NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 
-INDEXES = ("approx", "exact", "exact-cold", "exact-peers", "exact-bal")
+INDEXES = ("approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong")
 
 
 def scheduling(index: str) -> dict[str, Any] | None:
@@ -69,7 +74,8 @@ def scheduling(index: str) -> dict[str, Any] | None:
     replica; docs/scheduling.md); `exact-peers`: cold affinity only once the events show
     another replica's traffic (`coldAffinityPeersOnly`); `exact-bal`: `exact-cold` with
     `coldAffinityBalance: 1` (the first endpoint on the ring holding fewer than its share of
-    the prefixes)."""
+    the prefixes); `exact-strong`: `exact-bal` with `coldAffinity: 1` (the owner's push, 3
+    with the default's weight, is not overruled by the replicas' differing load views)."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -80,7 +86,9 @@ def scheduling(index: str) -> dict[str, Any] | None:
             plugin["parameters"].update({"kvEvents": True, "kvEventsPortOffset": KV_OFFSET})
             if index in ("exact-cold", "exact-peers", "exact-bal"):
                 plugin["parameters"]["coldAffinity"] = 0.2
-            if index == "exact-bal":
+            if index == "exact-strong":
+                plugin["parameters"]["coldAffinity"] = 1.0
+            if index in ("exact-bal", "exact-strong"):
                 plugin["parameters"]["coldAffinityBalance"] = 1.0
             if index == "exact-peers":
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
@@ -94,6 +102,20 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def runqueue_wait_s(pid: int) -> float:
+    """Seconds the threads of `pid` have spent runnable but waiting for a CPU (Linux
+    /proc/PID/task/*/schedstat, second field; 0 where unreadable). Why: on a shared machine a
+    process that waits for a core delays every request it handles, whatever the router chose;
+    this says how starved each run was, independently of its TTFTs."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
 
 
 def bootstrap(cfg: Path, extra_extproc: list[int], out: Path) -> None:
@@ -158,17 +180,25 @@ def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -
         assert envoy is not None
         cmd = [envoy, "-c", str(boot), "--concurrency", "1", "--log-level", "warn",
                "--disable-hot-restart"]  # fmt: skip
-        stack.enter_context(process(cmd, work / "envoy.log"))
+        proxy = stack.enter_context(process(cmd, work / "envoy.log"))
         http = ports[0]["http"]
         wait_http(f"http://127.0.0.1:{http}/v1/models", lambda s: s < 500, READY_TIMEOUT_S, "envoy")
         time.sleep(1.0)
         before = list(os.getloadavg())
-        cpu0 = [cpu_seconds(p.pid) for p in (sim, *epps)]
+        procs = (sim, proxy, *epps)
+        cpu0 = [cpu_seconds(p.pid) for p in procs]
+        wait0 = [runqueue_wait_s(p.pid) for p in procs]
+        t0 = time.monotonic()
         results = asyncio.run(
             run_open_loop(f"http://127.0.0.1:{http}", arrivals, time_limit=spec.duration + 5,
                           stop_after_first_tokens=True, request_timeout=120.0)
         )  # fmt: skip
-        cpu = [round(cpu_seconds(p.pid) - c, 2) for p, c in zip((sim, *epps), cpu0, strict=True)]
+        wall = time.monotonic() - t0
+        cpu = [round(cpu_seconds(p.pid) - c, 2) for p, c in zip(procs, cpu0, strict=True)]
+        # Share of the run each process spent waiting for a core (its threads summed).
+        wait = [
+            round((runqueue_wait_s(p.pid) - w) / wall, 3) for p, w in zip(procs, wait0, strict=True)
+        ]
     outcomes = [r.outcome for r in results]
     errors: dict[str, int] = {}
     for r in results:
@@ -185,7 +215,9 @@ def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -
         "load_before": before,
         "load_average": list(os.getloadavg()),
         # CPU seconds during the load: the simulated fleet, then each EPP replica.
-        "cpu_s": {"sim": cpu[0], "epps": cpu[1:]},
+        "cpu_s": {"sim": cpu[0], "envoy": cpu[1], "epps": cpu[2:]},
+        # Seconds waiting for a core per second of the run, per process (starvation).
+        "runqueue_wait": {"sim": wait[0], "envoy": wait[1], "epps": wait[2:]},
         "requests": [
             [round(o.arrival, 4), o.group, o.server, None if o.ttft is None else round(o.ttft, 4)]
             for o in sorted(outcomes, key=lambda o: o.arrival)
@@ -193,46 +225,132 @@ def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -
     }
 
 
+COLD_S = 5.0  # requests arriving before this are the cold start (every prefix's first prefill)
+
+
+def run_stats(run: dict[str, Any]) -> dict[str, Any]:
+    """One run's diagnostics from its requests: p90 TTFT of the cold start and after it, the
+    groups whose requests went to more than one server (each extra server prefilled the
+    prefix again), and the most any process waited for a core (share of the run)."""
+    reqs = [r for r in run["requests"] if r[3] is not None]
+    cold = [r[3] for r in reqs if r[0] < COLD_S]
+    steady = [r[3] for r in reqs if r[0] >= COLD_S]
+    servers: dict[Any, set[Any]] = {}
+    for _arrival, group, server, _ttft in reqs:
+        if group and server:
+            servers.setdefault(group, set()).add(server)
+    wait = run.get("runqueue_wait")
+    starved = max([wait["sim"], wait["envoy"], *wait["epps"]]) if wait else None
+    return {
+        "cold_p90": quantile(cold, 0.9) if cold else None,
+        "steady_p90": quantile(steady, 0.9) if steady else None,
+        "split_groups": sum(1 for s in servers.values() if len(s) > 1),
+        "max_wait": starved,
+    }
+
+
+def fmt(values: list[float | None]) -> str:
+    return " ".join("-" if x is None else f"{x:.2f}" for x in values)
+
+
+def analyze(runs: list[dict[str, Any]], base: str, *, starved: float) -> None:
+    """Each variant against `base`, round by round (`paired.compare`: the pooled and the
+    paired p90 ratio with 95 % bootstrap intervals over rounds), over all rounds and over the
+    rounds where no process of either run waited for a core more than `starved` of the time."""
+    by_round: dict[Any, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_round.setdefault(run["round"], {})[run["label"]] = run
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    for label in labels:
+        mine = [r for r in runs if r["label"] == label]
+        stats = [run_stats(r) for r in mine]
+        print(f"{label:>12}: p90 {fmt([r['summary']['ttft_s']['p90'] for r in mine])} | "
+              f"cold p90 {fmt([s['cold_p90'] for s in stats])} | steady p90 "
+              f"{fmt([s['steady_p90'] for s in stats])} | prefills {[r['prefills'] for r in mine]}"
+              f" split {[s['split_groups'] for s in stats]} | max core wait "
+              f"{fmt([s['max_wait'] for s in stats])}")  # fmt: skip
+    for label in labels:
+        if label == base:
+            continue
+        pairs = [(rs[base], rs[label]) for rs in by_round.values() if base in rs and label in rs]
+        calm = [
+            (b, v) for b, v in pairs
+            if all((w := run_stats(x)["max_wait"]) is None or w <= starved for x in (b, v))
+        ]  # fmt: skip
+        for name, chosen in (("all rounds", pairs), (f"core wait <= {starved:g}", calm)):
+            if len(chosen) < 2:
+                print(f"{label} / {base}, {name}: {len(chosen)} round(s), no interval")
+                continue
+            ttfts = [[[r[3] for r in x["requests"] if r[3] is not None] for x in pair]
+                     for pair in chosen]  # fmt: skip
+            c = compare([t[0] for t in ttfts], [t[1] for t in ttfts])
+            print(f"{label} / {base}, {name} ({c.rounds} rounds): p90 pooled {c.pooled}, "
+                  f"paired {c.paired}; per round "
+                  f"{' '.join(f'{x:.2f}' for x in c.per_round)}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="directory for runs.json (required to run)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec", default='{"groups": 16, "time_scale": 10, "duration": 30, '
                     '"stream_interval": 8}', help="LiveSpec fields as JSON")  # fmt: skip
+    ap.add_argument("--analyze", type=Path, nargs="+", metavar="RUNS_JSON",
+                    help="only compare the runs of these runs.json files (rounds of several "
+                    "files are kept apart) against --base")  # fmt: skip
     ap.add_argument(
-        "variants", nargs="+", help=f"N[/M]:{'|'.join(INDEXES)}, e.g. 2:exact, 1/4:approx"
+        "--base",
+        help="the variant the others are compared with (default: the "
+        "first variant listed, or with --analyze the first run's)",
+    )
+    ap.add_argument("--starved", type=float, default=0.25,
+                    help="a round counts as CPU-starved when a process of it waited for a core "
+                    "more than this share of the run (default 0.25)")  # fmt: skip
+    ap.add_argument(
+        "variants", nargs="*", help=f"N[/M]:{'|'.join(INDEXES)}, e.g. 2:exact, 1/4:approx"
     )
     args = ap.parse_args()
-    # A plain `kill` must still stop the fleet and routers (their `finally` blocks).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for variant in args.variants:
         parse_variant(variant)
+    if args.analyze:
+        runs = []
+        for i, path in enumerate(args.analyze):
+            for run in json.loads(path.read_text())["runs"]:
+                runs.append({**run, "round": (i, run["round"])})
+        if not runs:
+            raise SystemExit("no runs in " + ", ".join(map(str, args.analyze)))
+        analyze(runs, args.base or runs[0]["label"], starved=args.starved)  # fmt: skip
+        return
+    if args.out is None or not args.variants:
+        raise SystemExit("give --out and at least one variant (or --analyze RUNS_JSON)")
+    # A plain `kill` must still stop the fleet and routers (their `finally` blocks).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = LiveSpec(**{"peers": (), **json.loads(args.spec)})
     arrivals, rate, _capacity = live_arrivals(spec, live_scenario(spec))
     print(f"{len(arrivals)} requests at {rate:.2f} req/s", flush=True)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runs: list[dict[str, Any]] = []
+    runs = []
     with tempfile.TemporaryDirectory(prefix="live-replicas-") as tmp:
         for rnd in range(args.rounds):
             for variant in args.variants if rnd % 2 == 0 else args.variants[::-1]:
                 name = variant.replace("/", "of").replace(":", "-")
-                run = run_variant(spec, arrivals, variant, Path(tmp) / f"r{rnd}-{name}")
-                run.update({"round": rnd, "label": variant})
+                try:
+                    run = run_variant(spec, arrivals, variant, Path(tmp) / f"r{rnd}-{name}")
+                except ConfigError as exc:  # a start-up timeout on an overloaded machine
+                    print(f"  {variant}: {exc}; once more in 10 s", flush=True)
+                    time.sleep(10.0)
+                    run = run_variant(spec, arrivals, variant, Path(tmp) / f"r{rnd}-{name}b")
+                run.update({"round": rnd, "label": variant, "spec": json.loads(args.spec)})
                 t = run["summary"]["ttft_s"]
                 load = f"{run['load_before'][0]:.1f} -> {run['load_average'][0]:.1f}"
                 print(f"  {variant}: p90 {t['p90']:.3f} s, p99 {t['p99']:.3f} s, prefills "
                       f"{run['prefills']}, errors {run['errors'] or 0}, load {load}, "
-                      f"cpu {run['cpu_s']}", flush=True)  # fmt: skip
+                      f"cpu {run['cpu_s']}, core wait {run['runqueue_wait']}",
+                      flush=True)  # fmt: skip
                 runs.append(run)
                 (out / "runs.json").write_text(json.dumps({"rate": rate, "runs": runs}))
-    for variant in args.variants:
-        mine = [r for r in runs if r["label"] == variant]
-        p90 = [r["summary"]["ttft_s"]["p90"] for r in mine]
-        p99 = [r["summary"]["ttft_s"]["p99"] for r in mine]
-        prefills = [r["prefills"] for r in mine]
-        print(f"{variant:>10}: median p90 {statistics.median(p90):.2f} s, p99 "
-              f"{statistics.median(p99):.2f} s, prefills {prefills}")  # fmt: skip
+    analyze(runs, args.base or args.variants[0], starved=args.starved)
 
 
 if __name__ == "__main__":

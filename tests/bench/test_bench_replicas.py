@@ -53,6 +53,11 @@ def test_index_memory_is_measured_per_entry() -> None:
     # Tens to a few hundred bytes per entry in CPython; zero would mean nothing was measured.
     assert 20 < got["exact_bytes_per_entry"] < 1000
     assert 20 < got["approx_bytes_per_entry"] < 1000
+    # A head per block (the worst case for coldAffinityBalance's count) costs more per entry.
+    worst = memory(20, 50, chain=1)
+    assert worst["exact_bytes_per_entry"] > got["exact_bytes_per_entry"]
+    with pytest.raises(ValueError, match="chain must be >= 1"):
+        memory(1, 1, chain=0)
 
 
 def test_subscriber_memory_follows_every_publisher() -> None:

@@ -3,6 +3,8 @@ prefix scorer's exact mode preferring engine-reported blocks over its own guesse
 
 from __future__ import annotations
 
+import random
+
 import msgpack
 import pytest
 
@@ -327,3 +329,34 @@ def test_cold_affinity_balance_needs_events_and_a_bound_of_at_least_one(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         plugin("prefix-cache-scorer", params)
+
+
+@pytest.mark.parametrize(
+    ("params", "follows"),
+    [
+        ({}, False),  # the default: no KV events, nothing to connect to
+        ({"kvEvents": True, "kvEventsSubscribe": False}, False),  # fed in-process
+        ({"kvEvents": True}, True),
+    ],
+)
+async def test_the_scheduler_follows_endpoints_only_when_its_prefix_scorer_subscribes(
+    params: dict[str, object], follows: bool
+) -> None:
+    """Without a subscription the runtime registers no endpoint listener (one call per
+    datastore write otherwise, for nothing)."""
+    from poolkeeper.scheduling.build import build_scheduler
+    from poolkeeper.scheduling.config import SchedulingConfig
+    from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+    from poolkeeper.scheduling.presets import preset_document
+
+    doc = preset_document("default")
+    for p in doc["plugins"]:
+        if p["type"] == "prefix-cache-scorer":
+            p["parameters"].update(params)
+    scheduler = build_scheduler(SchedulingConfig.model_validate(doc), rng=random.Random(1))
+    assert scheduler.follows_endpoints is follows
+    (scorer,) = [p for p in scheduler.plugins.values() if isinstance(p, PrefixCacheScorer)]
+    assert scorer.follows is follows
+    if scorer._subscriber is not None:
+        scheduler.follow_endpoints(["127.0.0.1:1"])  # connects (and retries) in the background
+        await scorer._subscriber.close()

@@ -137,6 +137,12 @@ class EndpointForgetter(Plugin, Protocol):
 
 @runtime_checkable
 class EndpointFollower(Plugin, Protocol):
+    @property
+    def follows(self) -> bool:
+        """Whether this instance connects to endpoints at all (a plugin type that can, as the
+        prefix scorer with `kvEvents`, may be configured not to)."""
+        ...
+
     def follow_endpoints(self, endpoints: Iterable[str]) -> None:
         """The pool's endpoints (ip:port), whenever they change, on the running loop: for
         plugins that connect to endpoints before any decision needs them."""

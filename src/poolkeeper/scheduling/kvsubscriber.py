@@ -30,6 +30,9 @@ from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 
 log = logging.getLogger(__name__)
 
+# Longest wait between connection attempts to a silent endpoint (doubling from ZMQ's 100 ms).
+RECONNECT_IVL_MAX_MS = 5_000
+
 
 def events_address(hostport: str, *, port: int, port_offset: int | None) -> str:
     """The ZMQ address of an endpoint's KV events: its IP and `port`, or its HTTP port plus
@@ -91,6 +94,10 @@ class KVEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # Back off reconnecting to an endpoint that publishes nothing (ZMQ retries every
+        # RECONNECT_IVL, 100 ms, forever by default: 1,000 silent endpoints cost about a
+        # third of a core); a publisher that comes up later is joined within the cap.
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         sock.connect(self._address(endpoint))
         index = self.index
         expected: int | None = None

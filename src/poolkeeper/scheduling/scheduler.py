@@ -58,7 +58,10 @@ class Scheduler:
         self.source = source  # "config" or "preset <name>", for logs and `poolkeeper status`
         self._forgetters = tuple(p for p in plugins.values() if isinstance(p, EndpointForgetter))
         self._observers = tuple(p for p in plugins.values() if isinstance(p, FirstTokenObserver))
-        self._followers = tuple(p for p in plugins.values() if isinstance(p, EndpointFollower))
+        # Only plugins that connect: a listener per datastore write for nothing otherwise.
+        self._followers = tuple(
+            p for p in plugins.values() if isinstance(p, EndpointFollower) and p.follows
+        )
         self.stats = SchedulingStats()
         for profile in profiles:
             profile.attach_stats(self.stats)

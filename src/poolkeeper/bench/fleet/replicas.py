@@ -23,7 +23,8 @@ the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
         [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2 [--cold-peers]]
-    python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000]
+    python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000] \
+        [--chain 128]
     python -m poolkeeper.bench.fleet.replicas --memory --subscribers [--endpoints 1000]
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
@@ -245,14 +246,18 @@ def run(
     }
 
 
-def memory(endpoints: int, blocks: int) -> dict[str, Any]:
-    """Traced bytes of the exact and the approximate index at `blocks` per endpoint."""
+def memory(endpoints: int, blocks: int, chain: int = 128) -> dict[str, Any]:
+    """Traced bytes of the exact and the approximate index at `blocks` per endpoint, the
+    exact one reported as chains of `chain` blocks (each chain's first block a head, which
+    `coldAffinityBalance` counts: 128 blocks = a 2,048-token prompt; 1 = the worst case)."""
     import tracemalloc
 
     from poolkeeper.scheduling.prefix import PrefixIndex
 
     rng = random.Random(1)
-    out: dict[str, Any] = {"endpoints": endpoints, "blocks_per_endpoint": blocks}
+    if chain < 1:
+        raise ValueError("chain must be >= 1")
+    out: dict[str, Any] = {"endpoints": endpoints, "blocks_per_endpoint": blocks, "chain": chain}
     for kind in ("exact", "approx"):
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
@@ -262,7 +267,8 @@ def memory(endpoints: int, blocks: int) -> dict[str, Any]:
             key = f"10.0.{i // 250}.{i % 250 + 1}:8000"
             hashes = [rng.getrandbits(64) for _ in range(blocks)]
             if kind == "exact":
-                exact.stored(key, hashes, 0.0)
+                for start in range(0, blocks, chain):
+                    exact.stored(key, hashes[start : start + chain], 0.0, head=True)
             else:
                 approx.insert(key, hashes)
         used = tracemalloc.get_traced_memory()[0] - before
@@ -375,12 +381,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--endpoints", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=1000)
+    parser.add_argument(
+        "--chain", type=int, default=128, help="with --memory: blocks per reported chain"
+    )
     args = parser.parse_args(argv)
     if args.memory and args.subscribers:
         print(json.dumps(subscriber_memory(args.endpoints), indent=2))
         return 0
     if args.memory:
-        print(json.dumps(memory(args.endpoints, args.blocks), indent=2))
+        print(json.dumps(memory(args.endpoints, args.blocks, args.chain), indent=2))
         return 0
     scenario = build_scenario("shared-prefix", args.servers)
     if args.groups is not None:

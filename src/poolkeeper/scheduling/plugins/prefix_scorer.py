@@ -37,7 +37,11 @@ c x (all candidates' heads + 1) / candidates (bounded-load consistent hashing). 
 new prefixes the plain ring is a multinomial draw (16 prefixes on 4 servers: 4 +- 1.7 each,
 one replica places them 4 each by load); the engines' reports are the same in every replica,
 so the replicas still agree, and this EPP's own unreported sends keep it from stacking a burst
-of new prefixes on one server before its engine has scheduled any of them.
+of new prefixes on one server before its engine has scheduled any of them. With several
+replicas, give it a large `coldAffinity` (1): the load scorers' inputs differ per replica
+(own in-flight requests, observed speeds), and a small push that they overrule in some
+replicas and not others splits a new group at its second request (live, 4 replicas: 2.1
+groups per cold start at 0.2, 0.7 at 1).
 
 Cold affinity with peers only (`coldAffinityPeersOnly`, needs `kvEvents`): the rule applies only
 while the KV events show that other routers send traffic to the same engines, i.e. within the
@@ -392,6 +396,12 @@ class PrefixCacheScorer(NamedPlugin):
                 )
                 if head:
                     exact.sent(picked, head[0], cycle.now)
+
+    @property
+    def follows(self) -> bool:
+        """Whether it subscribes to the endpoints' KV events (`kvEvents` and
+        `kvEventsSubscribe`): only then does the runtime tell it the pool's endpoints."""
+        return self._subscriber is not None
 
     def follow_endpoints(self, endpoints: Iterable[str]) -> None:
         """Subscribe to the pool's endpoints' KV events as soon as they are known. Why not

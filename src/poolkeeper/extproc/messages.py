@@ -115,15 +115,17 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
 def header_mutation(
     set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
 ) -> pb.HeaderMutation:
-    return pb.HeaderMutation(
-        set_headers=[
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
-            )
-            for k, v in (set_headers or {}).items()
-        ],
-        remove_headers=list(remove),
-    )
+    # Built in place (`add`, then field by field): a message handed to a constructor is
+    # copied, and nested constructors copied each header twice, on every routed request.
+    mutation = pb.HeaderMutation()
+    if set_headers:
+        add = mutation.set_headers.add
+        for k, v in set_headers.items():
+            header = add(append_action=_OVERWRITE).header
+            header.key = k
+            header.raw_value = v.encode()
+    mutation.remove_headers.extend(remove)
+    return mutation
 
 
 def destination_value(endpoints: Sequence[str]) -> str:
@@ -175,10 +177,14 @@ def request_headers_reply(
     clear_route_cache: bool = False,
     metadata: struct_pb2.Struct | None = None,
 ) -> pb.ProcessingResponse:
-    common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+    # Outside in, so the mutation is copied once (nested constructors copied it three times).
+    reply = pb.ProcessingResponse()
+    common = reply.request_headers.response
+    common.SetInParent()
+    if clear_route_cache:
+        common.clear_route_cache = True
     if mutation is not None:
         common.header_mutation.CopyFrom(mutation)
-    reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
     if metadata is not None:
         reply.dynamic_metadata.CopyFrom(metadata)
     return reply

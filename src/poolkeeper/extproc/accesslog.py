@@ -12,9 +12,10 @@ the runtime's timer calling `expire()` (off the request path).
 
 from __future__ import annotations
 
+import binascii
 import logging
 import math
-import secrets
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ log = logging.getLogger("poolkeeper.extproc")
 
 CUT_STATUS = 499  # the stream ended before its response did (as a cancelled ext_proc stream)
 UNKNOWN_STATUS = 0
+_KEY_BYTES = 12  # an exchange key's random bytes (96 bits: 16 base64 characters, no padding)
+_URLSAFE = bytes.maketrans(b"+/", b"-_")  # base64's alphabet to the URL-safe one
 # Response flags meaning a response that had begun was cut short: reported like an ext_proc
 # stream that ended early. A failure before any response began has its own status.
 _UPSTREAM_CUT = (  # the model server's side: its response cannot have been whole
@@ -169,6 +172,8 @@ class DetachedExchanges:
         self.ttl_s = ttl_s
         self.clock = clock
         self._waiting: dict[str, tuple[float, Detached]] = {}
+        self._entropy = b""  # random bytes of the next keys (`_random_key`)
+        self._entropy_at = 0
         self.settled = 0
         self.expired = 0  # settled as unknown: over the limit or the TTL
 
@@ -182,11 +187,22 @@ class DetachedExchanges:
             self._give_up(oldest, "over the limit of waiting exchanges")
         # Random per request (round 2, finding 2): a key seen once tells nothing of the next,
         # and keys of an earlier EPP process never match.
-        key = secrets.token_urlsafe(12)
+        key = self._random_key()
         while key in self._waiting:  # pragma: no cover  (96 random bits)
-            key = secrets.token_urlsafe(12)
+            key = self._random_key()
         self._waiting[key] = (self.clock(), exchange)
         return key
+
+    def _random_key(self) -> str:
+        """`secrets.token_urlsafe(12)`'s key (96 bits from `os.urandom`, 16 URL-safe base64
+        characters), its bytes read from the OS 256 keys at a time: one system call and four
+        Python frames fewer per routed request. Each key is still its own unpredictable bytes."""
+        at = self._entropy_at
+        if at >= len(self._entropy):
+            self._entropy, at = os.urandom(_KEY_BYTES * 256), 0
+        self._entropy_at = at + _KEY_BYTES
+        raw = binascii.b2a_base64(self._entropy[at : at + _KEY_BYTES], newline=False)
+        return raw.translate(_URLSAFE).decode("ascii")
 
     def resume(self, key: str | None) -> Detached | None:
         """The response processor's stream for `key` began: it takes the exchange over (its

@@ -118,15 +118,23 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
 def header_mutation(
     set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
 ) -> pb.HeaderMutation:
-    return pb.HeaderMutation(
-        set_headers=[
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
-            )
-            for k, v in (set_headers or {}).items()
-        ],
-        remove_headers=list(remove),
-    )
+    mutation = pb.HeaderMutation()
+    _fill_mutation(mutation, set_headers, remove)
+    return mutation
+
+
+def _fill_mutation(
+    mutation: pb.HeaderMutation, set_headers: Mapping[str, str] | None, remove: Iterable[str]
+) -> None:
+    # Built in place (`add`, then field by field): a message handed to a constructor is
+    # copied, and nested constructors copied each header twice, on every routed request.
+    if set_headers:
+        add = mutation.set_headers.add
+        for k, v in set_headers.items():
+            header = add(append_action=_OVERWRITE).header
+            header.key = k
+            header.raw_value = v.encode()
+    mutation.remove_headers.extend(remove)
 
 
 def destination_value(endpoints: Sequence[str]) -> str:
@@ -138,10 +146,14 @@ def destination_metadata(endpoints: Sequence[str]) -> struct_pb2.Struct:
     """`{"envoy.lb": {"x-gateway-destination-endpoint": "primary,fb1,fb2"}}`, the same value as
     the header (the protocol says they must not differ)."""
     md = struct_pb2.Struct()
+    _fill_destination(md, endpoints)
+    return md
+
+
+def _fill_destination(md: struct_pb2.Struct, endpoints: Sequence[str]) -> None:
     # Field by field: Struct.update's dict walk costs ~10x as much, on every request.
     lb = md.fields[LB_NAMESPACE].struct_value
     lb.fields[DESTINATION_HEADER].string_value = destination_value(endpoints)
-    return md
 
 
 def add_exchange_key(metadata: struct_pb2.Struct, key: str, *, via_epp: bool) -> None:
@@ -166,10 +178,45 @@ def routing_headers(
     endpoints: Sequence[str], body_length: int | None, spoofed: Iterable[str]
 ) -> pb.HeaderMutation:
     """Destination header (+ Content-Length of the body sent upstream); client copies removed."""
+    mutation = pb.HeaderMutation()
+    _fill_routing_headers(mutation, endpoints, body_length, spoofed)
+    return mutation
+
+
+def _fill_routing_headers(
+    mutation: pb.HeaderMutation,
+    endpoints: Sequence[str],
+    body_length: int | None,
+    spoofed: Iterable[str],
+) -> None:
     values = {DESTINATION_HEADER: destination_value(endpoints)}
     if body_length is not None:
         values["content-length"] = str(body_length)
-    return header_mutation(values, remove=[h for h in spoofed if h not in values])
+    _fill_mutation(mutation, values, [h for h in spoofed if h not in values])
+
+
+def routing_reply(
+    endpoints: Sequence[str],
+    body_length: int | None,
+    spoofed: Iterable[str],
+    exchange: str | None = None,
+    *,
+    via_epp: bool = False,
+) -> pb.ProcessingResponse:
+    """The request-headers reply that routes a request: `routing_headers`, the route cache
+    cleared, `destination_metadata` and (when given) the exchange key, written into one
+    message in place. The same message as `request_headers_reply(routing_headers(...),
+    clear_route_cache=True, metadata=...)`, without building the parts apart and copying
+    them in (about half the CPU of the reply, on every routed request)."""
+    reply = pb.ProcessingResponse()
+    common = reply.request_headers.response
+    common.clear_route_cache = True
+    _fill_routing_headers(common.header_mutation, endpoints, body_length, spoofed)
+    metadata = reply.dynamic_metadata
+    _fill_destination(metadata, endpoints)
+    if exchange is not None:
+        add_exchange_key(metadata, exchange, via_epp=via_epp)
+    return reply
 
 
 def request_headers_reply(
@@ -178,10 +225,14 @@ def request_headers_reply(
     clear_route_cache: bool = False,
     metadata: struct_pb2.Struct | None = None,
 ) -> pb.ProcessingResponse:
-    common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+    # Outside in, so the mutation is copied once (nested constructors copied it three times).
+    reply = pb.ProcessingResponse()
+    common = reply.request_headers.response
+    common.SetInParent()
+    if clear_route_cache:
+        common.clear_route_cache = True
     if mutation is not None:
         common.header_mutation.CopyFrom(mutation)
-    reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
     if metadata is not None:
         reply.dynamic_metadata.CopyFrom(metadata)
     return reply

@@ -243,15 +243,20 @@ class Exchange:
     def _routing_replies(
         self, decision: RoutingDecision, body: bytes, *, trailers: bool
     ) -> Replies:
-        metadata = msg.destination_metadata(decision.endpoints)
+        key: str | None = None
+        via_epp = False
         if self.detached is not None:
-            self.detach_key = self.detached.hold(self)
-            msg.add_exchange_key(metadata, self.detach_key, via_epp=_rewrites_response(decision))
+            self.detach_key = key = self.detached.hold(self)
+            via_epp = _rewrites_response(decision)
         out_body = body if decision.body is None else decision.body
         if self.header_only:  # nothing but the headers message to answer
-            mutation = msg.routing_headers(decision.endpoints, None, self.stripped)
-            return [msg.request_headers_reply(mutation, clear_route_cache=True, metadata=metadata)]
+            return [
+                msg.routing_reply(decision.endpoints, None, self.stripped, key, via_epp=via_epp)
+            ]
         if self.request_mode == BUFFERED:
+            metadata = msg.destination_metadata(decision.endpoints)
+            if key is not None:
+                msg.add_exchange_key(metadata, key, via_epp=via_epp)
             length = len(out_body) if decision.body is not None else None
             mutation = msg.routing_headers(decision.endpoints, length, self.stripped)
             self._release_body()
@@ -263,8 +268,11 @@ class Exchange:
                     metadata=metadata,
                 )
             ]
-        mutation = msg.routing_headers(decision.endpoints, len(out_body), self.stripped)
-        replies = [msg.request_headers_reply(mutation, clear_route_cache=True, metadata=metadata)]
+        replies = [
+            msg.routing_reply(
+                decision.endpoints, len(out_body), self.stripped, key, via_epp=via_epp
+            )
+        ]
         replies += msg.streamed_body_replies(
             out_body, end_of_stream=not trailers, size=self.settings.body_chunk_bytes
         )

@@ -75,9 +75,10 @@ class ApiKind(StrEnum):
     OTHER = "other"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ParsedRequest:
-    """What routing needs to know about one request body."""
+    """What routing needs to know about one request body. Read-only by convention: not
+    `frozen`, whose `__init__` costs 2-3x (an `object.__setattr__` per field), per request."""
 
     api: ApiKind
     model: str

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from poolkeeper.api.criticality import Criticality
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class IncomingRequest:
-    """A request as the proxy saw it. Header names are lower-case."""
+    """A request as the proxy saw it. Header names are lower-case. Read-only by convention:
+    not `frozen`, whose `__init__` costs 2-3x (an `object.__setattr__` per field), per request."""
 
     request_id: str
     method: str

@@ -40,6 +40,10 @@ from poolkeeper.scheduling.stats import (
 )
 from poolkeeper.scheduling.types import LLMRequest
 
+# What a scorer returns for "the same for every candidate". A tuple, not `float | int`,
+# which builds a new union object at every evaluation (each scorer of each request).
+_CONSTANT = (float, int)
+
 
 def clamp_unit(v: float) -> float:
     """v clamped into [0, 1]; NaN -> 0."""
@@ -135,7 +139,7 @@ class SchedulerProfile:
             scores = ws.scorer.score(cycle, request, cands)
             timer.observe(clock() - began)
             w = ws.weight
-            if isinstance(scores, float | int):
+            if isinstance(scores, _CONSTANT):
                 offset += w * clamp_unit(float(scores))
                 continue
             if len(scores) != n:

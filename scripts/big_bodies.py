@@ -71,13 +71,7 @@ async def pairs(
     diffs: list[tuple[bool, float]] = []
 
     async def timed(session: aiohttp.ClientSession, url: str) -> float:
-        began = time.perf_counter()
-        headers = {"content-type": "application/json"}
-        async with session.post(url, data=data, headers=headers) as resp:
-            await resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"{url}: HTTP {resp.status}")
-        return (time.perf_counter() - began) * 1000
+        return await peer.timed(session, url, data) * 1000
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
@@ -90,13 +84,7 @@ async def pairs(
                 g = await timed(session, gateway)
             diffs.append((bool(i % 2), g - d))
 
-        start_at, tasks = time.perf_counter(), []
-        for i in range(n):
-            delay = start_at + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(tick(i)))
-        await asyncio.gather(*tasks)
+        await peer.paced(n, rate, tick)
     first = [d for g_first, d in diffs if g_first]
     second = [d for g_first, d in diffs if not g_first]
     return {

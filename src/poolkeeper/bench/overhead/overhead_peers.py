@@ -21,7 +21,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import aiohttp
@@ -65,13 +65,26 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _timed(session: aiohttp.ClientSession, url: str, data: bytes) -> float:
+async def timed(session: aiohttp.ClientSession, url: str, data: bytes) -> float:
     began = time.perf_counter()
     async with session.post(url, data=data, headers={"content-type": "application/json"}) as r:
         await r.read()
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}")
     return time.perf_counter() - began
+
+
+async def paced(n: int, rate: float, tick: Callable[[int], Coroutine[Any, Any, None]]) -> None:
+    """Start `tick(0..n-1)` one every 1/rate s (open loop: a slow tick does not delay the
+    next), and wait for all of them."""
+    start = time.perf_counter()
+    tasks = []
+    for i in range(n):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(tick(i)))
+    await asyncio.gather(*tasks)
 
 
 async def interleaved(
@@ -87,16 +100,9 @@ async def interleaved(
         async def tick(i: int) -> None:
             order = names[i % len(names) :] + names[: i % len(names)]
             for name in order:
-                ticks[i][name] = await _timed(session, targets[name], data) * 1000
+                ticks[i][name] = await timed(session, targets[name], data) * 1000
 
-        start = time.perf_counter()
-        tasks = []
-        for i in range(n):
-            delay = start + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(tick(i)))
-        await asyncio.gather(*tasks)
+        await paced(n, rate, tick)
     out: dict[str, dict[str, float]] = {}
     for name in names:
         seen = [t[name] for t in ticks]
@@ -124,7 +130,7 @@ async def closed_loop(
         async def worker() -> None:
             nonlocal done
             while time.perf_counter() < stop_at:
-                await _timed(session, url, data)
+                await timed(session, url, data)
                 done += 1
 
         cpu0 = {name: clock() for name, clock in cpu.items()}

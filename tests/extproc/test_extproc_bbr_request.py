@@ -10,7 +10,6 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper.extproc.bbr import BUFFERED, MODEL_HEADER, STREAMED, BbrExchange, model_of
-from poolkeeper.extproc.messages import request_header_map
 from tests.extproc.extproc_fakes import body_msg, headers_msg, post_headers
 
 
@@ -131,14 +130,6 @@ def test_client_header_limits_are_held_before_the_body() -> None:
     assert within.handle(headers_msg(post_headers(**{"x-a": "1", "x-b": "2"}), mode=STREAMED)) == []
     (head, _) = within.handle(body_msg(b'{"model": "foo"}', eos=True))
     assert _set(head) == {MODEL_HEADER: "foo"}
-
-
-def test_the_header_bbr_set_is_not_counted_as_the_clients_at_the_epp() -> None:
-    """The EPP behind BBR counts the client's headers as BBR did (a client's own copy of the
-    header is removed before either runs): a request BBR let in is not the EPP's 431."""
-    with_model = headers_msg(post_headers(**{MODEL_HEADER: "foo"})).request_headers
-    _, count, _ = request_header_map(with_model)
-    assert count == request_header_map(headers_msg(post_headers()).request_headers)[1]
 
 
 def test_model_of_uses_the_epp_body_rules() -> None:

@@ -306,6 +306,8 @@ async def test_client_header_limits_are_checked_before_routing(
             ({**mine, **envoy_added}, False),  # 5 client headers: within 8
             ({**mine, "x-h4": "v", "x-h5": "v", "x-h6": "v", "x-h7": "v"}, True),  # 9
             ({"x-big": "v" * 1000}, True),  # 1,000 bytes of value + the request line > 1 KiB
+            # 8 + a client's own x-gateway-model-name (serve's Envoy does not strip it): 9
+            ({**mine, "x-h4": "v", "x-h5": "v", "x-h6": "v", "x-gateway-model-name": "m"}, True),
         ):
             call = envoy.open()
             await call.write(headers_msg(post_headers(**extra), eos=True))

@@ -50,8 +50,8 @@ def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
 
 
 # What Envoy's connection manager adds to a request before any filter runs: not the client's.
-# And `x-gateway-model-name`: in the BBR bootstrap BBR's filter sets it before the EPP's (a
-# client's copy is removed there first), so a request BBR let in is not the EPP's 431.
+# (Not `x-gateway-model-name`: serve's bootstrap does not strip a client's copies, so they count;
+# the EPPs behind the BBR bootstrap hold no header limits, `poolkeeper bbr` holds them.)
 ENVOY_ADDED_HEADERS = frozenset(
     {
         "x-forwarded-for",
@@ -59,7 +59,6 @@ ENVOY_ADDED_HEADERS = frozenset(
         "x-request-id",
         "x-envoy-external-address",
         "x-envoy-internal",
-        "x-gateway-model-name",
     }
 )
 

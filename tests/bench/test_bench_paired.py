@@ -57,3 +57,5 @@ def test_bad_input_gets_a_precise_error() -> None:
         compare([[]], [[1.0]])
     with pytest.raises(ValueError, match="not positive"):
         compare([[0.0]], [[1.0]])
+    with pytest.raises(ValueError, match=r"round 0: quantile 0\.0 is not positive"):
+        compare([[1.0]], [[0.0]])  # the variant's too (was a math domain error from log)

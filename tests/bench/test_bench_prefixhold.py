@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
+import pytest
+
+from poolkeeper.api.criticality import Criticality
 from poolkeeper.bench.policies.flowpolicy import FlowPolicy, SendFn, flow_policy
 from poolkeeper.bench.policies.routers import make_policy
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
@@ -142,3 +146,26 @@ def test_off_by_default_the_same_decisions() -> None:
             p.on_first_token(req.request_id, now=1.0 + i / 10)
     assert b.hold is not None
     assert b.hold.total == 0
+
+
+def test_a_shed_band_is_never_held_and_a_hold_needs_flow_control() -> None:
+    """A `shed` band's request is decided at once (sent, or its 429), never held; a hold
+    without flow control would silently not run, so it is refused."""
+    config = FlowControlConfig.model_validate(
+        {"bands": {"sheddable": {"mode": "shed"}}, "holdNewPrefixes": {}}
+    )
+    policy, pool = flow_policy("poolkeeper-fade-early", random.Random(1), config), _pool()
+    assert isinstance(policy, FlowPolicy)
+    assert policy.hold is not None
+    _backlogged(policy, pool)
+    shed = replace(_request("c0", "c"), criticality=Criticality.SHEDDABLE)
+    # Decided now (here dispatched: the endpoints have slots), where a queue band's is held.
+    assert policy.offer(shed, pool, now=1.1) is not None
+    assert policy.hold.waiting() == 0
+    assert policy.offer(_request("d0", "d"), pool, now=1.2) is None  # Standard: held
+    with pytest.raises(ValueError, match="holdNewPrefixes needs flow control"):
+        FlowControlConfig.model_validate({"enabled": False, "holdNewPrefixes": {}})
+    with pytest.raises(ValueError, match="needs enabled: true"):
+        flow_policy(
+            "poolkeeper-fade-early-hold", random.Random(1), FlowControlConfig(enabled=False)
+        )

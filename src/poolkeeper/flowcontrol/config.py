@@ -229,8 +229,9 @@ class HoldNewPrefixes(CamelModel, use_attribute_docstrings=True):
     min_prompt_tokens: int = Field(default=1024, ge=1, le=10_000_000)
     """Held only if the request's prompt tokens no endpoint caches (its prefill on the
     endpoint holding most of its prefix) are at least this many."""
-    max_hold_ms: int = Field(default=2000, ge=1, le=600_000)
-    """Released to the queue after this long whatever the backlog (never starved)."""
+    max_hold_ms: int = Field(default=2000, ge=1, le=10_000)
+    """Released to the queue after this long whatever the backlog (never starved; at most
+    10 s, so what is held stays a few seconds of arrivals)."""
 
 
 class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
@@ -265,6 +266,10 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
         bad = sorted(name for name, w in self.model_weights.items() if not w > 0)
         if bad:
             raise ValueError(f"modelWeights must be > 0 (got {', '.join(bad)})")
+        if self.hold_new_prefixes is not None and not self.enabled:
+            raise ValueError(
+                "holdNewPrefixes needs flow control (enabled: true): it holds in the queue"
+            )
         return self
 
     def weight(self, flow: str) -> float:

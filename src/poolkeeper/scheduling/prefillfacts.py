@@ -38,13 +38,10 @@ class PrefillFacts:
         self.prefix = prefix
 
     def uncached_tokens(self, request: LLMRequest, now: float) -> int:
-        tokens = request.prompt_tokens
-        chars = len(request.prompt)
-        if self.prefix is None or not chars:
-            return tokens
-        matched = self.prefix.matched(CycleState(now), request)
-        best = max(matched.values(), default=0)
-        return max(0, tokens - int(best * tokens / chars))
+        if self.prefix is None:
+            return request.prompt_tokens
+        cached = self.prefix.cached_tokens(CycleState(now), request)  # the one conversion
+        return request.prompt_tokens - max(cached.values(), default=0)
 
     def backlogs(self, endpoints: Sequence[EndpointState]) -> list[int]:
         if self.backlog is None:

@@ -93,10 +93,11 @@ class FlowPolicy:
         return self._submit(request, endpoints, now)
 
     def _holds(self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float) -> bool:
-        """`holdNewPrefixes` holds `request` now (never a `send` band's)."""
+        """`holdNewPrefixes` holds `request` now: only a `queue` band's (a `send` band's goes at
+        once, a `shed` band's gets its 429 at once, not after a hold)."""
         if self.hold is None or self.facts is None:
             return False
-        if self.config.bands.of(request.criticality).mode is BandMode.SEND:
+        if self.config.bands.of(request.criticality).mode is not BandMode.QUEUE:
             return False
         uncached = self.facts.uncached_tokens(request, now)
         return self.hold.holds(uncached, self.facts.backlogs(endpoints))
@@ -112,6 +113,7 @@ class FlowPolicy:
         band = str(request.criticality)
         for victim in self.dispatcher.take_pushed_out():
             rid = victim.payload.request.request_id
+            self._held_for.pop(rid, None)
             self._end(rid, band, "queue_full")
             self._pushed.append(rid)
         if verdict is Submitted.DISPATCH:
@@ -137,6 +139,7 @@ class FlowPolicy:
             send(rid, None, "queue_full")
         self._pushed.clear()
         for item in self.dispatcher.expire(now):
+            self._held_for.pop(item.payload.request.request_id, None)
             self._end(item.payload.request.request_id, str(item.band), "expired")
             send(item.payload.request.request_id, None, "expired")
 
@@ -243,6 +246,8 @@ def flow_policy(
     config = config if config is not None else FlowControlConfig()
     hold = HOLD_POLICIES.get(name)
     if hold is not None and config.hold_new_prefixes is None:
+        if not config.enabled:  # the policy's name promises a hold that would not run
+            raise ValueError(f"{name} holds in flow control's queue: it needs enabled: true")
         config = config.model_copy(update={"hold_new_prefixes": hold})
     if not config.enabled:
         inner.name = name

@@ -89,10 +89,10 @@ def compare(
     for i, (b, v) in enumerate(zip(base, variant, strict=True)):
         if not b or not v:
             raise ValueError(f"round {i} has a run without TTFTs")
-        qb = quantile(b, q)
-        if qb <= 0:
-            raise ValueError(f"round {i}: baseline quantile {qb} is not positive")
-        per_round.append(quantile(v, q) / qb)
+        qb, qv = quantile(b, q), quantile(v, q)
+        if qb <= 0 or qv <= 0:
+            raise ValueError(f"round {i}: quantile {qb if qb <= 0 else qv} is not positive")
+        per_round.append(qv / qb)
     rng = random.Random(seed)
     n = len(base)
     pooled_bs, paired_bs = [], []

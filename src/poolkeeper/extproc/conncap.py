@@ -116,11 +116,13 @@ class ConnectionCounter:
             if arrived is not None and arrived <= closed_at:
                 self.late += 1  # the check of a connection already closed: nothing to count
                 return True
+            cleared = self.cleared
         # A close from this address and port came before the check: ask the kernel outside
-        # the lock (a sock_diag query), so other checks and closes do not wait on it.
+        # the lock (a sock_diag query). The check service's own loop waits for it either way;
+        # the main thread's readers (`counts`, `exported`, `clear` when Envoy dies) do not.
         gone = still_open is not None and still_open() is False
         with self._lock:
-            if gone:
+            if gone or self.cleared != cleared:  # closed, or the table was emptied meanwhile
                 self.late += 1
                 return True
             return self._admit(ip, port)

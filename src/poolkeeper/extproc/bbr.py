@@ -35,7 +35,7 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.errors import BadRequest, HeadersTooLarge, PayloadTooLarge
+from poolkeeper.errors import BadRequest, PayloadTooLarge
 from poolkeeper.extproc import messages as msg
 from poolkeeper.requestcontrol.body import parse_model
 
@@ -89,18 +89,12 @@ class BbrExchange:
             return []
         kind = request.WhichOneof("request")
         if kind == "request_headers":
-            if self._over_header_limits(request.request_headers):
-                self.done = True
-                limits = self.client_header_limits
-                assert limits is not None
-                return [
-                    msg.error_reply(
-                        HeadersTooLarge(
-                            f"too many request headers or too large: at most {limits[0]} "
-                            f"headers and {limits[1]} KiB"
-                        )
-                    )
-                ]
+            if self.client_header_limits is not None:
+                _, count, size = msg.request_header_map(request.request_headers)
+                too_large = msg.header_limit_error(count, size, self.client_header_limits)
+                if too_large is not None:
+                    self.done = True
+                    return [msg.error_reply(too_large)]
             if request.request_headers.end_of_stream:
                 return [msg.request_headers_reply(self._mutation())]
             if self.mode == BUFFERED:
@@ -124,13 +118,6 @@ class BbrExchange:
         if kind == "response_trailers":
             return [msg.trailers_reply(response=True)]
         return []
-
-    def _over_header_limits(self, headers: pb.HttpHeaders) -> bool:
-        if self.client_header_limits is None:
-            return False
-        _, count, size = msg.request_header_map(headers)
-        most, kib = self.client_header_limits
-        return count > most or size > kib * 1024
 
     def _mutation(self) -> pb.HeaderMutation:
         if self.model is None:

@@ -18,7 +18,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from poolkeeper import observation
-from poolkeeper.errors import GatewayError
+from poolkeeper.errors import GatewayError, HeadersTooLarge
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
@@ -81,6 +81,18 @@ def request_header_map(headers: pb.HttpHeaders) -> tuple[dict[str, str], int, in
             count += 1
             size += len(key) + len(raw or value)
     return out, count, size
+
+
+def header_limit_error(
+    count: int, size: int, limits: tuple[int, int] | None
+) -> HeadersTooLarge | None:
+    """The 431 for a client's headers (`request_header_map`'s count and size) over `limits`
+    (most headers, KiB), or None: one rule for the EPP and for BBR."""
+    if limits is None or (count <= limits[0] and size <= limits[1] * 1024):
+        return None
+    return HeadersTooLarge(
+        f"too many request headers or too large: at most {limits[0]} headers and {limits[1]} KiB"
+    )
 
 
 def subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:

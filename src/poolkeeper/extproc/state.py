@@ -27,7 +27,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper.errors import (
     GatewayError,
-    HeadersTooLarge,
     PathNotFound,
     PayloadTooLarge,
     ServerBusy,
@@ -149,14 +148,9 @@ class Exchange:
         # Removed on the way upstream; routing headers are also hidden from the Director.
         self.stripped = self.spoofed + [h for h in self.headers if h in msg.CONTROL_HEADERS]
         self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
-        limits = self.settings.client_header_limits
-        if limits is not None and (count > limits[0] or size > limits[1] * 1024):
-            return self._reject(
-                HeadersTooLarge(
-                    f"too many request headers or too large: at most {limits[0]} headers "
-                    f"and {limits[1]} KiB"
-                )
-            )
+        too_large = msg.header_limit_error(count, size, self.settings.client_header_limits)
+        if too_large is not None:
+            return self._reject(too_large)
         method = self.headers.get(":method", "")
         path = self.headers.get(":path", "").split("?", 1)[0].rstrip("/")
         allowed = self.settings.inference_paths

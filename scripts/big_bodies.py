@@ -33,7 +33,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,13 +42,13 @@ from typing import Any
 
 import aiohttp
 
+from poolkeeper.bench.live import live
 from poolkeeper.bench.overhead import overhead_peers as peer
 from poolkeeper.bench.overhead.gateway_overhead import (
     MODEL,
     SIM_CONFIG,
     body_of,
     cpu_seconds,
-    start,
     wait_http,
     write_config,
 )
@@ -153,28 +152,28 @@ async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="big-bodies-"))
     (sim_port,) = free_ports(1)
     (tmp / "sim.yaml").write_text(SIM_CONFIG)
-    procs = [start(["sim", "--count", "1", "--port", str(sim_port), "--model", MODEL,
-                    "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")],
-                   tmp / "sim.log")]  # fmt: skip
+    # Every process runs through `live.process` (own session, stopped at the end).
+    stack = contextlib.ExitStack()
+    poolkeeper = [sys.executable, "-m", "poolkeeper"]
+    stack.enter_context(
+        live.process([*poolkeeper, "sim", "--count", "1", "--port", str(sim_port), "--model",
+                      MODEL, "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")],
+                     tmp / "sim.log")
+    )  # fmt: skip
     direct = f"http://127.0.0.1:{sim_port}/v1/chat/completions"
     targets: dict[str, str] = {"direct": direct}
     clocks: dict[str, dict[str, Callable[[], float]]] = {}
     serves: list[str] = []
-    env = dict(os.environ)
     for spec in args.variant:
         name, _, path = spec.partition("=")
         (config := tmp / f"config-{name}").mkdir()
         ports = free_ports(5)
         write_config(config, sim_port, ports)
-        if path:
-            os.environ["PYTHONPATH"] = path
-        try:
-            proc = start(["serve", "-f", str(config), "--workdir", str(tmp / f"envoy-{name}"),
-                          "--log-level", "warning"], tmp / f"serve-{name}.log")  # fmt: skip
-        finally:
-            os.environ.clear()
-            os.environ.update(env)
-        procs.append(proc)
+        proc = stack.enter_context(
+            live.process([*poolkeeper, "serve", "-f", str(config), "--workdir",
+                          str(tmp / f"envoy-{name}"), "--log-level", "warning"],
+                         tmp / f"serve-{name}.log", {"PYTHONPATH": path} if path else None)
+        )  # fmt: skip
         targets[name] = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
         clocks[name] = serve_clocks(proc.pid)
         serves.append(name)
@@ -211,12 +210,7 @@ async def run(args: argparse.Namespace) -> None:
             if args.cpu_requests:
                 cpu = await cpu_per_request(targets, clocks, data, args.cpu_requests)
     finally:
-        for p in procs:
-            p.terminate()
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stack.close()
     print("\n| target | size pairs: added p50 ms, median [min-max] | gateway first "
           "| direct first | interleaved |")  # fmt: skip
     print("|---|---|---|---|---|")

@@ -20,6 +20,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from poolkeeper.cli import main as cli
 from poolkeeper.envoy.bbr import (
@@ -34,8 +35,10 @@ from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap
 from poolkeeper.envoy.params import (
     CLIENT_MAX_HEADER_KB,
     CLIENT_MAX_HEADERS,
+    DESTINATION_HEADER,
     EXT_PROC_FILTER,
     EXT_PROC_SERVICE,
+    duration,
 )
 from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc.bbr import BbrServicer
@@ -61,10 +64,22 @@ class Rig:
         return int(self.url.rpartition(":")[2])
 
 
+class _Silent(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """A processor that accepts every stream, reads it, and never answers (alive, but stuck):
+    stands in for a hung BBR service or EPP."""
+
+    async def Process(self, request_iterator: Any, context: Any = None) -> Any:
+        async for _ in request_iterator:
+            pass
+        await asyncio.Event().wait()
+        yield  # pragma: no cover  (makes this an async generator like the real one)
+
+
 @asynccontextmanager
-async def rig(tmp_path: Path, **base_params: Any) -> AsyncIterator[Rig]:
+async def rig(tmp_path: Path, *, hung: str = "", **base_params: Any) -> AsyncIterator[Rig]:
     """Two pools, each with its own EPP (fake router) and one model server; BBR in front
-    (`base_params`: BootstrapParams fields)."""
+    (`base_params`: BootstrapParams fields). `hung`: "bbr", or a pool's name ("llama"), whose
+    processor then never answers."""
     backends = {"llama": Backend("llama-server"), "phi": Backend("phi-server")}
     servers: list[grpc.aio.Server] = []
     routers: dict[str, RoundRobinRouter] = {}
@@ -73,14 +88,15 @@ async def rig(tmp_path: Path, **base_params: Any) -> AsyncIterator[Rig]:
         for name, backend in backends.items():
             await backend.start()
             routers[name] = RoundRobinRouter([backend])
-            server, port = build_server(ExtProcServicer(routers[name]), "127.0.0.1:0")
+            epp = _Silent() if hung == name else ExtProcServicer(routers[name])
+            server, port = build_server(epp, "127.0.0.1:0")
             await server.start()
             servers.append(server)
             pools.append(
                 PoolRoute(f"default/{name}-pool", (name,), f"127.0.0.1:{port}", (backend.hostport,))
             )
         bbr = BbrServicer(client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB))
-        bbr_server, bbr_port = build_server(bbr, "127.0.0.1:0")
+        bbr_server, bbr_port = build_server(_Silent() if hung == "bbr" else bbr, "127.0.0.1:0")
         await bbr_server.start()
         servers.append(bbr_server)
         base = BootstrapParams(listen_port=free_port(), admin_port=free_port(), **base_params)
@@ -305,6 +321,27 @@ async def test_a_silent_connection_is_closed(tmp_path: Path) -> None:
             writer.close()
 
 
+@pytest.mark.parametrize("hung", ["bbr", "llama"])
+async def test_a_hung_processor_is_bounded_by_the_message_timeout(
+    tmp_path: Path, hung: str
+) -> None:
+    """BBR or a pool's EPP that accepts the stream and never answers costs a request at most
+    the message timeout (as behind serve's listener), not the 300 s idle timeout of routed
+    requests: Envoy answers 504 in OpenAI's shape, and nothing reached a model server."""
+    async with (
+        rig(tmp_path, hung=hung, message_timeout_s=1.0) as r,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+        session.post(
+            r.url + "/v1/chat/completions",
+            json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+        ) as resp,
+    ):
+        body = json.loads(await resp.read())
+        assert resp.status == 504, body
+        assert body["error"]["type"] == "timeout_error"
+    assert not any(b.seen for b in r.backends.values())
+
+
 def _bbr_bootstrap(**base_params: Any) -> dict[str, Any]:
     pools = (
         PoolRoute("default/a", ("a",), "127.0.0.1:9002", ("10.0.0.1:8000",)),
@@ -330,12 +367,10 @@ def _hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
 
 def test_bbr_listener_has_serves_edge_settings() -> None:
     """Every client-facing setting of serve's connection manager and listener, and its overload
-    manager, with the documented difference only."""
+    manager (the stream idle timeout included: the message timeout's)."""
     serve, bbr = build_bootstrap(BootstrapParams()), _bbr_bootstrap()
     own = {"stat_prefix", "route_config", "http_filters", "access_log"}
-    shared = {k: v for k, v in _hcm(serve).items() if k not in own}
-    # Every request's first route is a pool's, whose idle timeout rules from the start.
-    expected = {**shared, "stream_idle_timeout": "300s"}
+    expected = shared = {k: v for k, v in _hcm(serve).items() if k not in own}
     hcm = _hcm(bbr)
     assert {k: hcm.get(k) for k in expected if k != "early_header_mutation_extensions"} == {
         k: v for k, v in expected.items() if k != "early_header_mutation_extensions"
@@ -368,6 +403,13 @@ def test_bbr_routes_reach_pools_on_inference_paths_only() -> None:
             assert not pattern.match(path), (route["name"], path)
         # The body kept for a retry on a fallback: larger than the connection's buffer.
         assert route["per_request_buffer_limit_bytes"] == p.buffer_limit_bytes
+        # Routed (the EPP named a destination): long generations idle up to the stream idle
+        # timeout; still deciding (BBR or the EPP): at most the message timeout.
+        (state,) = [h for h in route["match"]["headers"] if h["name"] == DESTINATION_HEADER]
+        deciding = state.get("invert_match", False)
+        assert route["name"].endswith("_deciding") == deciding, route["name"]
+        idle = p.message_timeout_s if deciding else p.stream_idle_timeout_s
+        assert route["route"]["idle_timeout"] == duration(idle), route["name"]
     for route in routes:  # Envoy answers these itself: neither BBR nor an EPP is asked
         if "direct_response" in route and route["name"] != "no_pool":
             per_filter = route["typed_per_filter_config"]
@@ -396,10 +438,11 @@ def test_bbr_envoy_config_from_the_examples(tmp_path: Path) -> None:
         "envoy.filters.http.router",
     ]
     routes = config["route_config"]["virtual_hosts"][0]["routes"]
-    matched = [
+    matched = [  # each model's route once routed, once while its pool's EPP decides
         r["match"]["headers"][0]["string_match"]["exact"]
         for r in routes
         if "string_match" in r["match"].get("headers", [{}])[0]
+        and not r["name"].endswith("_deciding")
     ]
     assert matched == [
         "food-review",

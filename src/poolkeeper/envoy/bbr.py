@@ -14,7 +14,7 @@ A model no route names gets 404 (OpenAI body) without asking any EPP; a request 
 (e.g. GET /v1/models) goes to the first pool's EPP. The public side is serve's (`bootstrap.py`,
 `routes.py`, from the same `BootstrapParams`): its listener, the connection manager's limits,
 timeouts and local replies, the guard and outside-the-API routes, the overload manager. What
-differs is said where it differs (the stream idle timeout, and the admin interface, which is not
+differs is said where it differs (the admin interface, which is not
 restricted to serve's paths). The client's header limits are held by `poolkeeper bbr` (431), as
 serve's EPP holds them behind serve's listener.
 """
@@ -164,10 +164,20 @@ def _routes(p: BbrParams) -> list[dict[str, Any]]:
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
         }
     ]
-    options = {"timeout": "0s", "idle_timeout": duration(base.stream_idle_timeout_s)}
     every_path = inference_path_regex(base.inference_paths)
+    routed = {"name": DESTINATION_HEADER, "present_match": True}
+    # Each pool route twice: once the EPP has named a destination, and while it decides.
+    states = (("", routed, True), ("_deciding", {**routed, "invert_match": True}, False))
 
-    def to_pool(name: str, route: PoolRoute, match: dict[str, Any]) -> dict[str, Any]:
+    def to_pool(
+        name: str, route: PoolRoute, match: dict[str, Any], decided: bool
+    ) -> dict[str, Any]:
+        # No total timeout (a generation can run for minutes); idle timeouts bound dead
+        # streams. Until the EPP has named a destination (it clears the route cache, so the
+        # route is chosen again), BBR or the EPP may be deciding: a hung one costs a request
+        # at most the message timeout, as behind serve's listener (Envoy's ext_proc message
+        # timer does not run for FULL_DUPLEX_STREAMED bodies).
+        idle_s = base.stream_idle_timeout_s if decided else base.message_timeout_s
         return {
             "name": name,
             "match": match,
@@ -175,7 +185,8 @@ def _routes(p: BbrParams) -> list[dict[str, Any]]:
             "per_request_buffer_limit_bytes": base.buffer_limit_bytes,
             "route": {
                 "cluster": pool_cluster(route.pool),
-                **options,
+                "timeout": "0s",
+                "idle_timeout": duration(idle_s),
                 "retry_policy": _retry_policy(base),
             },
             "response_headers_to_add": served,
@@ -194,29 +205,37 @@ def _routes(p: BbrParams) -> list[dict[str, Any]]:
     # others skip it), which checks the path and the method: so these check the path only.
     routes += [
         to_pool(
-            f"{_slug(route.pool)}_{i}",
+            f"{_slug(route.pool)}_{i}{suffix}",
             route,
             {
                 "safe_regex": {"regex": every_path},
-                "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}],
+                "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}, state],
             },
+            decided,
         )
         for route in p.pools
         for i, model in enumerate(route.models)
+        for suffix, state, decided in states
     ]
     # Entry routes, and the answer for bodyless requests (no model header at all): the first
     # pool's EPP decides.
     no_model = {"name": MODEL_HEADER, "present_match": True, "invert_match": True}
     routes += [
         to_pool(
-            f"bodyless{suffix}",
+            f"bodyless{suffix}{state_suffix}",
             p.pools[0],
             {
                 "safe_regex": {"regex": inference_path_regex(paths)},
-                "headers": [no_model, {"name": ":method", "string_match": {"exact": method}}],
+                "headers": [
+                    no_model,
+                    {"name": ":method", "string_match": {"exact": method}},
+                    state,
+                ],
             },
+            decided,
         )
         for suffix, method, paths in method_groups(base.inference_paths)
+        for state_suffix, state, decided in states
     ]
     unknown = _openai_error(
         "no InferencePool serves the requested model", "invalid_request_error", "model_not_found"
@@ -257,11 +276,9 @@ def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
             # the first filter, holds clients to the limits themselves (431), as serve's EPP does.
             max_request_headers_kb=base.max_request_headers_kb + HEADER_KB_HEADROOM,
             max_headers_count=base.max_headers_count + HEADER_HEADROOM,
-            # Every request's first route is a pool's (an entry route), whose idle timeout
-            # applies from the start: this one bounds only Envoy's own answers. So a hung BBR
-            # or EPP holds a request up to stream_idle_timeout_s here (serve's listener: the
-            # message timeout, its routes to model servers being chosen after the EPP answers).
-            stream_idle_timeout_s=base.stream_idle_timeout_s,
+            # As serve's: until a route is chosen (Envoy's own answers), and on the routes a
+            # request has while BBR and the EPP decide, a stream may idle only this long.
+            stream_idle_timeout_s=base.message_timeout_s,
         ),
         "route_config": {
             "name": "bbr",

@@ -8,7 +8,7 @@ any script that runs a variant from another tree measures it:
 
     .venv/bin/python scripts/mypyc_tree.py --out /tmp/pk-mypyc
     PYTHONPATH=/tmp/pk-mypyc/src .venv/bin/python scripts/route_profile.py --gap-ms 10
-    PYTHONPATH=/tmp/pk-mypyc/src .venv/bin/python scripts/transport_profile.py --body-bytes 1024
+    PYTHONPATH=/tmp/pk-mypyc/src .venv/bin/python scripts/transport_profile.py --gap-ms 10
     .venv/bin/python scripts/chain_cost.py --variant pure= --variant comp=@/tmp/pk-mypyc/src \\
         --floor --peers sglang-router --rounds 6 --seconds 10
 

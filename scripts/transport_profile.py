@@ -16,6 +16,10 @@ prompt of the acceptance benchmark). With `--profile`, cProfile's top functions.
 Not a test: run it by hand.
 
     .venv/bin/python scripts/transport_profile.py [--body-bytes 1024,1048576] [--profile]
+        [--gap-ms 100]
+
+`--gap-ms 100` idles between streams as the light-load benchmark does (10 per second): the
+same code then runs on the caches other processes left behind.
 """
 
 from __future__ import annotations
@@ -112,7 +116,9 @@ def stream_bytes(encoder: hpack.Encoder, stream_id: int, body: bytes) -> bytes:
     return b"".join(out)
 
 
-async def measure(body_bytes: int, streams: int, profile: bool) -> dict[str, Any]:
+async def measure(
+    body_bytes: int, streams: int, profile: bool, gap_s: float = 0.0
+) -> dict[str, Any]:
     processor = MinimalProcessor()
     method = bidi(
         processor.Process, pb.ProcessingRequest.FromString, pb.ProcessingResponse.SerializeToString
@@ -145,6 +151,8 @@ async def measure(body_bytes: int, streams: int, profile: bool) -> dict[str, Any
             await asyncio.sleep(0)
         if record:
             times.append(time.thread_time_ns() - began)
+            if gap_s:  # idle as light load does: the next stream runs on colder caches
+                await asyncio.sleep(gap_s)
 
     for _ in range(min(200, streams)):
         await one(False)
@@ -176,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", action="store_true", help="cProfile the measured streams")
     parser.add_argument(
+        "--gap-ms", type=float, default=0.0, help="idle ms between streams (100: 10/s)"
+    )
+    parser.add_argument(
         "--glibc-heap-default",
         action="store_true",
         help="leave glibc's allocator as it is (serve tunes it: extproc/heap.py)",
@@ -186,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(b) for b in args.body_bytes.split(",") if b]
     if any(not 100 <= b <= 8 << 20 for b in sizes) or not 0 <= args.streams <= 1_000_000:
         parser.error("--body-bytes must be in [100, 8 MiB], --streams in [0, 1000000]")
+    if not 0 <= args.gap_ms <= 10_000:
+        parser.error("--gap-ms must be in [0, 10000]")
     try:
         import uvloop  # as `serve`
 
@@ -197,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     profiles = []
     for size in sizes:
         streams = args.streams or max(20, min(3000, (3 << 20) // size))
-        row = run(measure(size, streams, args.profile))
+        row = run(measure(size, streams, args.profile, args.gap_ms / 1000))
         print(f"| {row['body_bytes']:,} | {streams} | {row['median_us']:.0f} "
               f"| {row['mean_us']:.0f} |")  # fmt: skip
         if "profile" in row:

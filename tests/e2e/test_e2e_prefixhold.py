@@ -1,13 +1,13 @@
 """End to end: `holdNewPrefixes` through real Envoy and `poolkeeper serve` over one simulated
 server with slow prefill steps (2,048 tokens a step, about a second each).
 
-A long new prompt (a) fills the server's prefill backlog; a second new long prompt (b) is then
-held in the EPP, visible in `poolkeeper_flow_control_held_requests`; a request sharing a's
-prefix (c), sent after b, goes at once; a's first byte releases b. So c's first byte comes
-before b's. Without the hold, b is ahead of c in the server's first-come-first-served queue and
-c's first byte comes with b's (measured once with `flowControl: {}`: both 1.4 s after a's; with
-the hold c's came with a's and b's 1.55 s later). Asserts the order of events and the EPP's
-counts, not durations.
+A long new prompt (a, 9,000 tokens) fills the server's prefill backlog; a second new long
+prompt (b) is then held in the EPP, visible in `poolkeeper_flow_control_held_requests`; a
+request sharing a's prefix (c), sent after b, goes at once; a's first byte releases b. So c's
+first byte comes before b's. Without the hold, b is ahead of c in the server's
+first-come-first-served queue and c's first byte comes with b's (measured once with
+`flowControl: {}` and a of 6,000 tokens: both 1.4 s after a's; with the hold, c's came with
+a's and b's 1.55 s later). Asserts the order of events and the EPP's counts, not durations.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ async def test_a_new_prefix_waits_for_the_first_byte_and_a_placed_one_passes_it(
         held = "poolkeeper_flow_control_held_requests{inference_pool=pool}"
         timeout = aiohttp.ClientTimeout(total=120)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            # a: 6,000 new prompt tokens, three prefill steps (about 3 s).
-            a = asyncio.create_task(_stream(session, url, _prompt("alpha", 4000)))
+            # a: 9,000 new prompt tokens, five prefill steps (about 4.5 s): time to see b held.
+            a = asyncio.create_task(_stream(session, url, _prompt("alpha", 6000)))
 
             async def sim_busy() -> bool:
                 sim_metrics = await _metrics(session, sim_port)
@@ -90,7 +90,7 @@ async def test_a_new_prefix_waits_for_the_first_byte_and_a_placed_one_passes_it(
                 )
 
             await _until_async(sim_busy, "a reached the server")
-            # b: a new long prefix while the one server's backlog is 6,000 tokens: held.
+            # b: a new long prefix while the one server's backlog is 9,000 tokens: held.
             b = asyncio.create_task(_stream(session, url, _prompt("bravo", 2000)))
             seen: dict[str, float] = {}
 
@@ -101,7 +101,7 @@ async def test_a_new_prefix_waits_for_the_first_byte_and_a_placed_one_passes_it(
             await _until_async(b_held, "b held in the EPP")
             assert not a.done()
             # c: a's prefix and a short question: placed, it goes at once, past b.
-            c = asyncio.create_task(_stream(session, url, _prompt("alpha", 4000) + "and then?"))
+            c = asyncio.create_task(_stream(session, url, _prompt("alpha", 6000) + "and then?"))
             (a_status, a_first), (b_status, b_first), (c_status, c_first) = await asyncio.gather(
                 a, b, c
             )

@@ -5,7 +5,9 @@
 on a fresh fleet and router, and writes every run (with its requests, prefills and the load
 average before and after) to OUT/runs.json. A target is a peer name (`sglang-router`,
 `vllm-router-rr`, ...) or `LABEL=JSON`, poolkeeper with that `spec.scheduling` (`LABEL=` for
-the default). Example (docs/notes/2026-12-06-live-routing-fourth-round.md):
+the default), or with `{"scheduling": ..., "flowControl": ...}` (either key may be left out)
+for a `spec.flowControl` too (`holdNewPrefixes`). Example
+(docs/notes/2026-12-06-live-routing-fourth-round.md):
 
     .venv/bin/python scripts/live_interleave.py --out bench-results/q4/prefix --rounds 3 \\
         --spec '{"groups": 16, "time_scale": 10, "duration": 30, "stream_interval": 8}' \\
@@ -27,6 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from poolkeeper.bench.live.live import LiveSpec, live_arrivals, live_scenario, repo_root, run_target
+
+
+def _poolkeeper_spec(spec: LiveSpec, doc: dict[str, Any] | None) -> LiveSpec:
+    """`spec` with a target's settings: a `spec.scheduling` document, or one naming
+    `scheduling` and / or `flowControl`."""
+    if doc is not None and doc and set(doc) <= {"scheduling", "flowControl"}:
+        return replace(spec, scheduling=doc.get("scheduling"), flow_control=doc.get("flowControl"))
+    return replace(spec, scheduling=doc)
 
 
 def main() -> None:
@@ -53,7 +63,7 @@ def main() -> None:
                 name, run_spec = label, spec
                 if sep:
                     name = "poolkeeper"
-                    run_spec = replace(spec, scheduling=json.loads(doc) if doc else None)
+                    run_spec = _poolkeeper_spec(spec, json.loads(doc) if doc else None)
                 before = list(os.getloadavg())
                 run = run_target(name, run_spec, arrivals, root=repo_root(),
                                  work=Path(tmp) / f"r{rnd}-{label}", progress=print)  # fmt: skip

@@ -208,9 +208,9 @@ def test_default_pool_gets_the_default_namespace() -> None:
         ),
         ({"endpoint": []}, "spec.endpoint", "unknown field"),
         (
-            {"flowControl": {"holdNewPrefixes": {}}},
-            "spec.flowControl.holdNewPrefixes",
-            "not implemented in the EPP yet",
+            {"flowControl": {"enabled": False, "holdNewPrefixes": {}}},
+            "spec.flowControl",
+            "holdNewPrefixes needs flow control (enabled: true)",
         ),
     ],
 )

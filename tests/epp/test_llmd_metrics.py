@@ -243,6 +243,7 @@ def _filled() -> GatewayMetrics:
     m.flow_outcome(pool="default/pool", band=Criticality.STANDARD, model="chat",
                    target="chat-v1", fairness_id="team-a", priority=0, outcome="Dispatched",
                    waited_s=0.01)  # fmt: skip
+    m.flow_held(pool="default/pool", band=Criticality.STANDARD, outcome="released", held_s=0.05)
     m.first_token(decision, 0.2)
     m.model_rewritten("default/canary", "chat", "chat-v1")
     m.rejected("chat", FilteredOut("none passed"), 10)

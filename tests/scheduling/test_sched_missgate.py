@@ -216,3 +216,20 @@ def test_costs_learn_only_from_clear_long_misses_and_close_ends() -> None:
 def test_the_gate_needs_a_batch_and_a_prefix_index(params: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         scheduler(_doc(**params))
+
+
+def test_forgetting_an_endpoint_drops_its_measured_prefill_speed() -> None:
+    """An endpoint that left the pool takes its own prefill speed along (a new endpoint at its
+    address starts from the pool's), and its slot hold too; the kept endpoint keeps its own."""
+    gate = _gate(prefill_s_per_token=100e-6, hold_s=1.0)  # pod2's miss; pod1's hold
+    at = CycleState(NOW - 1.0)
+    slow = request(prompt="s" * 4000, request_id="slow")  # 1,000 tokens on idle pod3
+    gate.post_cycle(at, slow, ProfileResult("p", (state(3),)))
+    gate.observe_first_token("slow", None, at.now + 1000 * 300e-6)
+    pool = 0.9 * 100e-6 + 0.1 * 300e-6
+    assert gate.costs.prefill_s(key(3)) == pytest.approx(300e-6)
+    assert gate.costs.hold_s(key(1)) == pytest.approx(1.0)
+    gate.forget_endpoints({key(2)})  # pod1 and pod3 left
+    assert gate.costs.prefill_s(key(3)) == pytest.approx(pool)  # the pool's, no longer its own
+    assert gate.costs.prefill_s(key(2)) == pytest.approx(100e-6)
+    assert gate.costs.hold_s(key(1)) is None  # no hold measured anywhere now

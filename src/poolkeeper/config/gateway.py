@@ -109,21 +109,6 @@ class GatewayConfigSpec(_Section):
         return self
 
     @model_validator(mode="after")
-    def _hold_new_prefixes_is_bench_only(self) -> Self:
-        # The hold runs on the virtual fleet (`bench.policies.flowpolicy`) only so far; the
-        # EPP's FlowGate does not ask the scheduler before dispatch yet. Refused rather than
-        # silently ignored.
-        if self.flow_control.hold_new_prefixes is not None:
-            raise rule_error(
-                (
-                    ".flowControl.holdNewPrefixes",
-                    "Forbidden: not implemented in the EPP yet (virtual-time benchmarks only: "
-                    "`poolkeeper bench sim --flow-control`, docs/flowcontrol.md)",
-                )
-            )
-        return self
-
-    @model_validator(mode="after")
     def _unique_endpoints(self) -> Self:
         names: dict[str, int] = {}
         hostports: dict[str, int] = {}

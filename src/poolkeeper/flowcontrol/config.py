@@ -228,7 +228,8 @@ class HoldNewPrefixes(CamelModel, use_attribute_docstrings=True):
     without a first byte back (the prefill backlog)."""
     min_prompt_tokens: int = Field(default=1024, ge=1, le=10_000_000)
     """Held only if the request's prompt tokens no endpoint caches (its prefill on the
-    endpoint holding most of its prefix) are at least this many."""
+    endpoint holding most of its prefix) are at least this many; a prompt whose whole prefix
+    index window (16 KiB by default) some endpoint holds counts as cached."""
     max_hold_ms: int = Field(default=2000, ge=1, le=10_000)
     """Released to the queue after this long whatever the backlog (never starved; at most
     10 s, so what is held stays a few seconds of arrivals)."""
@@ -259,7 +260,10 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
     hold_new_prefixes: HoldNewPrefixes | None = None
     """Off by default. Set: a request of a `queue` band that would open a new long prefill
     waits in front of the queue while every endpoint has a prefill backlog, so requests whose
-    prefix is placed go first (`flowcontrol/prefixhold.py`)."""
+    prefix is placed go first (`flowcontrol/prefixhold.py`). The backlog is the
+    `prefill-backlog-scorer`'s where the profile has one, else the prompt tokens sent since
+    the last scrape. Held requests: `poolkeeper_flow_control_held_requests`,
+    `poolkeeper_flow_control_hold_duration_seconds`. Needs `enabled: true`."""
 
     @model_validator(mode="after")
     def _weights(self) -> Self:

@@ -34,6 +34,7 @@ T = TypeVar("T")
 class Held(Generic[T]):
     payload: T
     since: float
+    capped: bool = False  # released by `maxHoldMs` while the rule still held it (`release`)
 
 
 class PrefixHold(Generic[T]):
@@ -75,17 +76,18 @@ class PrefixHold(Generic[T]):
                     self.held.append(entry)
                     continue
                 self.capped += 1
+                entry.capped = True
             go(entry)
             sent += 1
         return sent
 
-    def remove(self, payload: T) -> bool:
-        """Drop a held request (client gone). False if it is not held."""
+    def remove(self, payload: T) -> Held[T] | None:
+        """Drop a held request (client gone): its entry, or None if it is not held."""
         for i, entry in enumerate(self.held):
             if entry.payload is payload:
                 del self.held[i]
-                return True
-        return False
+                return entry
+        return None
 
     def waiting(self) -> int:
         return len(self.held)

@@ -70,6 +70,7 @@ from poolkeeper.requestcontrol.ports import (
     InflightLike,
     Job,
     LearningSchedulerLike,
+    PrefillFactsLike,
     SchedulerLike,
     SnapshotSource,
     SnapshotView,
@@ -160,6 +161,7 @@ class Director:
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
         responses_observed: bool = False,
+        prefill_facts: PrefillFactsLike | None = None,
     ) -> None:
         self._datastore = datastore
         # With the response observer, a response whose model name needs no rewrite never
@@ -174,6 +176,10 @@ class Director:
         )
         self._inflight = inflight
         self._gate = gate
+        # `holdNewPrefixes` (flow control): the facts a held request is asked about, and the
+        # gate's wake-up on a first byte (a prefill backlog fell: held requests ask again).
+        self._facts = prefill_facts if isinstance(gate, FlowGate) else None
+        self._wake = gate.wake if self._facts is not None and isinstance(gate, FlowGate) else None
         self._config = config
         # Each control header's spellings the operator trusts, llm-d's first: looked up on
         # every request, so worked out once.
@@ -375,10 +381,43 @@ class Director:
             flow, parsed.prompt_tokens, len(request.body), states, run, self._abandon,
             priority=prepared.priority or 0, max_tokens=parsed.max_tokens,
         )  # fmt: skip
+        if self._facts is not None:
+            job.prefill = self._prefill_question(prepared)
         try:
             return self._gate.submit(job)
         finally:
             first.clear()  # a request that waits re-reads the pool when the pump asks
+
+    def _prefill_question(
+        self, prepared: Prepared
+    ) -> Callable[[list[EndpointState]], tuple[int, list[int]]]:
+        """`Job.prefill`: the scheduler's two facts for `holdNewPrefixes`, asked afresh each
+        time (the prefix index and the backlogs move while the request is held)."""
+        facts = self._facts
+        assert facts is not None
+        llm_request = self._llm_request(prepared)
+
+        def ask(candidates: list[EndpointState]) -> tuple[int, list[int]]:
+            return facts.uncached_tokens(llm_request, self._clock()), facts.backlogs(candidates)
+
+        return ask
+
+    def _llm_request(self, prepared: Prepared) -> LLMRequest:
+        """The request as the scheduler sees it."""
+        request, parsed = prepared.request, prepared.parsed
+        return LLMRequest(
+            request_id=request.request_id,
+            model=parsed.model,
+            target_model=prepared.target,
+            criticality=prepared.criticality,
+            priority=prepared.priority,
+            prompt=parsed.prompt,
+            prompt_tokens=parsed.prompt_tokens,
+            max_tokens=parsed.max_tokens,
+            stream=parsed.stream,
+            headers=_scheduler_headers(request.headers),
+            subset=self._subset(request),
+        )
 
     def _schedule(
         self,
@@ -390,20 +429,7 @@ class Director:
     ) -> RoutingDecision:
         request, parsed, pool_key = prepared.request, prepared.parsed, prepared.pool_key
         target, criticality = prepared.target, prepared.criticality
-        subset = self._subset(request)
-        llm_request = LLMRequest(
-            request_id=request.request_id,
-            model=parsed.model,
-            target_model=target,
-            criticality=criticality,
-            priority=prepared.priority,
-            prompt=parsed.prompt,
-            prompt_tokens=parsed.prompt_tokens,
-            max_tokens=parsed.max_tokens,
-            stream=parsed.stream,
-            headers=_scheduler_headers(request.headers),
-            subset=subset,
-        )
+        llm_request = self._llm_request(prepared)
         if now is None:
             now = self._clock()
         result = self._scheduler.schedule(llm_request, candidates, now=now)
@@ -543,6 +569,8 @@ class Director:
         learner = self._learner
         if learner is not None:
             learner.observe_first_token(decision.request_id, ticket.endpoint, at)
+        if self._wake is not None:
+            self._wake()  # a prefill ended: requests `holdNewPrefixes` holds ask again
 
     def complete(
         self,

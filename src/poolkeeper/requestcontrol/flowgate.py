@@ -16,8 +16,16 @@ a future while its ext_proc stream stays open; the pump dispatches it later:
   and fairness order. Each head is scheduled synchronously (`job.run()`: fresh snapshot,
   scheduler, in-flight start) before the next headroom check, so a burst of wake-ups cannot
   over-dispatch on one stale view (late binding). It runs on `wake()` (enqueue, completion,
-  datastore metrics writes; thread-safe) and on a short timer while anything waits (TTL
-  expiry, recovery from stale metrics).
+  datastore metrics writes; thread-safe) and on a short timer while anything waits in the
+  queue (TTL expiry, recovery from stale metrics).
+- `holdNewPrefixes` (`flowcontrol/prefixhold.py`, one `PrefixHold` per pool): before a `queue`
+  band's request enters the dispatcher, the gate asks the Director's `job.prefill` (the
+  scheduler's prefix index and prefill backlogs) whether it would open a new long prefill
+  while every candidate is backlogged; if so it is held, outside the queue (it blocks
+  nothing behind it). Held requests ask again at each pump (a first byte or an end, a
+  metrics write), in arrival order, each released one entering the dispatcher before the
+  next is asked; a timer at the oldest's `maxHoldMs` releases it whatever the backlog. No
+  polling: with only held requests, the short queue timer does not run.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from typing import Protocol
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import GatewayError, NoReadyEndpoint, QueueFull, QueueTimeout, RequestShed
-from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import (
     BANDS,
     FlowDispatcher,
@@ -40,6 +48,7 @@ from poolkeeper.flowcontrol.dispatcher import (
     Submitted,
 )
 from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.flowcontrol.prefixhold import Held, PrefixHold
 from poolkeeper.requestcontrol.ports import Job
 from poolkeeper.requestcontrol.types import RoutingDecision
 
@@ -53,6 +62,11 @@ REJECTED_CAPACITY = "RejectedCapacity"
 REJECTED_OTHER = "RejectedOther"
 EVICTED_TTL = "EvictedTTL"
 EVICTED_CANCELLED = "EvictedContextCancelled"
+
+# How a `holdNewPrefixes` hold ended (poolkeeper_flow_control_hold_duration_seconds).
+HOLD_RELEASED = "released"  # the rule let it go (a prefix placed, a backlog fell)
+HOLD_CAPPED = "capped"  # `maxHoldMs` reached while the rule still held it
+HOLD_CANCELLED = "cancelled"  # the client went away (or the caller could not wait)
 
 
 class FlowObserver(Protocol):
@@ -70,6 +84,10 @@ class FlowObserver(Protocol):
         outcome: str,
         waited_s: float,
     ) -> None: ...
+
+    def flow_held(self, *, pool: str, band: Criticality, outcome: str, held_s: float) -> None:
+        """A `holdNewPrefixes` hold ended (`HOLD_*`) after `held_s` seconds."""
+        ...
 
 
 class FlowGate:
@@ -94,15 +112,29 @@ class FlowGate:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._soon = False
         self._timer: asyncio.TimerHandle | None = None
+        self._held: dict[str, PrefixHold[FlowItem[Job]]] = {}  # per pool (`holdNewPrefixes`)
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     # -- the request path ---------------------------------------------------------------------
 
     def submit(self, job: Job) -> RoutingDecision | FlowItem[Job]:
+        item = FlowItem(
+            job, job.criticality, job.flow, job.tokens, job.size, bound=job.max_tokens or 0
+        )
+        if job.prefill is not None and self._holds(item):
+            self._held[job.pool].hold(item, self._clock())
+            self.totals[(job.criticality, "held")] += 1
+            return item
+        return self._enter(item)
+
+    def _enter(self, item: FlowItem[Job]) -> RoutingDecision | FlowItem[Job]:
+        """Offer the item to its pool's dispatcher: the decision (dispatched now), the item
+        (queued) or a GatewayError raised (refused)."""
+        job = item.payload
         dispatcher = self._pools.get(job.pool)
         if dispatcher is None:
             dispatcher = self._pools[job.pool] = FlowDispatcher(self.config, self.policies)
         band = job.criticality
-        item = FlowItem(job, band, job.flow, job.tokens, job.size, bound=job.max_tokens or 0)
         verdict = dispatcher.submit(item, self._clock(), self._fits)
         for victim in dispatcher.take_pushed_out():
             self._outcome(victim, REJECTED_CAPACITY, self._clock() - victim.arrived)
@@ -147,7 +179,9 @@ class FlowGate:
         try:
             return await future
         except asyncio.CancelledError:
-            if self._pools[item.payload.pool].cancel(item):
+            if self._unhold(item):
+                self._outcome(item, EVICTED_CANCELLED, 0.0)
+            elif self._pools[item.payload.pool].cancel(item):
                 self._outcome(item, EVICTED_CANCELLED, self._clock() - item.arrived)
             elif future.done() and not future.cancelled() and future.exception() is None:
                 item.payload.abandon(future.result())  # dispatched just as the client left
@@ -155,7 +189,7 @@ class FlowGate:
 
     def withdraw(self, item: FlowItem[Job]) -> None:
         """Take a queued item back (its caller cannot wait)."""
-        if self._pools[item.payload.pool].cancel(item):
+        if self._unhold(item) or self._pools[item.payload.pool].cancel(item):
             self._outcome(item, REJECTED_CAPACITY, 0.0)
 
     def completed(self, pool: str, flow: str, band: Criticality, output_tokens: int) -> None:
@@ -169,7 +203,7 @@ class FlowGate:
     def wake(self) -> None:
         """Run the pump soon (from any thread); free when nothing waits."""
         loop = self._loop
-        if loop is None or self._soon or not self.waiting():
+        if loop is None or self._soon or not (self.waiting() or self.held()):
             return
         self._soon = True
         try:
@@ -193,15 +227,93 @@ class FlowGate:
                 )
             if dispatcher.waiting():
                 dispatcher.pump(now, self._fits, self._go)
+        for hold in self._held.values():
+            if hold.waiting():
+                hold.release(now, self._holds, self._release)
         self._arm()
 
     def _tick(self) -> None:
         self._timer = None
         self.pump()
 
+    def _hold_tick(self) -> None:
+        self._hold_timer = None
+        self.pump()
+
     def _arm(self) -> None:
-        if self._timer is None and self._loop is not None and self.waiting():
-            self._timer = self._loop.call_later(TICK_S, self._tick)
+        loop = self._loop
+        if loop is None:
+            return
+        if self._timer is None and self.waiting():
+            self._timer = loop.call_later(TICK_S, self._tick)
+        if self._hold_timer is None and self.held():
+            # The oldest held request's cap: the one release no event would bring.
+            at = min(hold.next_release() for hold in self._held.values())
+            self._hold_timer = loop.call_later(max(0.0, at - self._clock()), self._hold_tick)
+
+    # -- holdNewPrefixes ----------------------------------------------------------------------
+
+    def _holds(self, item: FlowItem[Job]) -> bool:
+        """Whether `holdNewPrefixes` holds the item now: a `queue` band's request (a `send`
+        band's goes at once, a `shed` band's gets its answer at once) that the Director asks
+        about, on the pool's candidates of this moment."""
+        job = item.payload
+        config = self.config.hold_new_prefixes
+        if config is None or job.prefill is None:
+            return False
+        if self.config.bands.of(item.band).mode is not BandMode.QUEUE:
+            return False
+        try:
+            uncached, backlogs = job.prefill(job.states())
+        except NoReadyEndpoint:
+            return False  # the scheduler answers 503 now
+        except Exception:  # a bug in a plugin must not hold (or kill the pump): let it go
+            log.exception("internal error asking whether to hold request %s", job.request_id)
+            return False
+        hold = self._held.get(job.pool)
+        if hold is None:
+            hold = self._held[job.pool] = PrefixHold(config)
+        return hold.holds(uncached, backlogs)
+
+    def _release(self, entry: Held[FlowItem[Job]]) -> None:
+        """A held item goes to its pool's dispatcher: dispatched, queued or refused, as an
+        arriving request would be; its time held counts as queue time."""
+        item = entry.payload
+        job = item.payload
+        job.held_s = self._clock() - entry.since
+        self._held_outcome(item, HOLD_CAPPED if entry.capped else HOLD_RELEASED, job.held_s)
+        try:
+            decision = self._enter(item)
+        except GatewayError as exc:
+            self._fail(item, exc)
+            return
+        except Exception:  # a bug below must not kill the pump; the request gets a 500
+            log.exception("internal error dispatching a held request")
+            self._fail(item, GatewayError("internal error while routing the request"))
+            return
+        if isinstance(decision, RoutingDecision):
+            future = job.future
+            if future is None or future.done():
+                job.abandon(decision)  # nobody waits for it any more
+            else:
+                future.set_result(decision)
+
+    def _unhold(self, item: FlowItem[Job]) -> bool:
+        """Take a held item out of its hold (client gone); False if it is not held."""
+        hold = self._held.get(item.payload.pool)
+        entry = hold.remove(item) if hold is not None else None
+        if entry is None:
+            return False
+        item.payload.held_s = self._clock() - entry.since
+        self._held_outcome(item, HOLD_CANCELLED, item.payload.held_s)
+        return True
+
+    def _held_outcome(self, item: FlowItem[Job], outcome: str, held_s: float) -> None:
+        self.totals[(item.band, f"held_{outcome}")] += 1
+        if self.observer is not None:
+            self.observer.flow_held(
+                pool=item.payload.pool, band=item.band, outcome=outcome, held_s=held_s
+            )
 
     def _fits(self, item: FlowItem[Job]) -> bool:
         """Does some candidate endpoint have headroom for the item's band now? The endpoints
@@ -267,6 +379,7 @@ class FlowGate:
         self.totals[(item.band, outcome)] += 1
         if self.observer is not None:
             job = item.payload
+            waited += job.held_s  # a held request's wait began before the queue
             self.observer.flow_outcome(
                 pool=job.pool, band=item.band, model=job.model, target=job.target,
                 fairness_id=item.flow, priority=job.priority, outcome=outcome, waited_s=waited,
@@ -277,6 +390,14 @@ class FlowGate:
     def waiting(self, pool: str | None = None, band: Criticality | None = None) -> int:
         pools = self._pools.values() if pool is None else [self._pools.get(pool)]
         return sum(d.waiting(band) for d in pools if d is not None)
+
+    def held(self, pool: str | None = None, band: Criticality | None = None) -> int:
+        """Requests `holdNewPrefixes` holds in front of the queue (of one pool or all, of
+        one band or all)."""
+        holds = self._held.values() if pool is None else [self._held.get(pool)]
+        if band is None:
+            return sum(h.waiting() for h in holds if h is not None)
+        return sum(e.payload.band is band for h in holds if h is not None for e in h.held)
 
     def queue_stats(self) -> list[tuple[str, Criticality, int, int]]:
         """(pool, band, requests waiting, bytes waiting) for every pool and band (gauges)."""

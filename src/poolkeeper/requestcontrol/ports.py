@@ -1,7 +1,8 @@
 """What the Director needs from its collaborators: the ports it is written against.
 
 The datastore snapshot, the scheduler (and, when a plugin learns from first tokens, its
-learning side), the in-flight tracker and the gate. The Director depends on these protocols
+learning side; with `holdNewPrefixes`, the two prefill facts flow control asks of it), the
+in-flight tracker and the gate. The Director depends on these protocols
 only; `server/wiring.py` plugs the real objects in, tests plug fakes.
 
 The gate answers "may this request go now?" for every request that has a body, with or without
@@ -69,6 +70,16 @@ class LearningSchedulerLike(SchedulerLike, Protocol):
     def request_ended(self, request_id: str) -> None: ...
 
 
+class PrefillFactsLike(Protocol):
+    """What `holdNewPrefixes` asks the scheduler before dispatch (`scheduling/prefillfacts.py`
+    answers from its plugins): a request's prompt tokens no endpoint caches, and each
+    candidate's prefill backlog (prompt tokens sent there without a first byte back)."""
+
+    def uncached_tokens(self, request: LLMRequest, now: float) -> int: ...
+
+    def backlogs(self, endpoints: Sequence[EndpointState]) -> list[int]: ...
+
+
 class InflightLike(Protocol):
     def start(
         self,
@@ -116,6 +127,12 @@ class Job:
     # The request's bound on its answer (max_tokens; None: unbounded): fair sharing charges
     # it ahead while the flow has no answers yet (flowcontrol/answers.py).
     max_tokens: int | None = None
+    # `holdNewPrefixes`' question on these candidates: (the prompt tokens no endpoint caches,
+    # each candidate's prefill backlog), the scheduler's facts (`PrefillFactsLike`). None: the
+    # Director has no facts (the hold is off), and the gate never holds the request.
+    prefill: Callable[[list[EndpointState]], tuple[int, list[int]]] | None = None
+    # FlowGate's: seconds the request was held in front of the queue (counted as queue time).
+    held_s: float = 0.0
 
 
 class Gate(Protocol):

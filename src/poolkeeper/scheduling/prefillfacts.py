@@ -4,7 +4,12 @@ Two facts, each read from its one home in the scheduler's plugins (nothing recom
 
 - `uncached_tokens(request, now)`: the request's prompt tokens less the longest prefix some
   endpoint (probably) caches, from the prefix-cache scorer's index (`PrefixCacheScorer.matched`,
-  the match the scorers use; none configured: nothing is cached);
+  the match the scorers use; none configured: nothing is cached). A prompt longer than the
+  index's window (`maxPrefixBlocks` x `blockSize` characters, 16 KiB by default) whose whole
+  window some endpoint holds counts as placed (0): the index cannot see past the window, and
+  such a request shares at least 4,096 tokens with a placed one, so it opens no new prefix (a
+  6,000-token prompt with a placed 4,096-token window otherwise counted 1,900 uncached, and
+  was held behind the new prefixes it should pass);
 - `backlogs(endpoints)`: per candidate endpoint, the prompt tokens sent there without a first
   byte back, from the prefill-backlog scorer (`PrefillBacklog`). That is not the endpoint's
   `unseen_tokens` (tokens sent since its last scrape, which a scrape clears while the prefill
@@ -40,7 +45,13 @@ class PrefillFacts:
     def uncached_tokens(self, request: LLMRequest, now: float) -> int:
         if self.prefix is None:
             return request.prompt_tokens
-        cached = self.prefix.cached_tokens(CycleState(now), request)  # the one conversion
+        prefix, cycle = self.prefix, CycleState(now)
+        cached = prefix.cached_tokens(cycle, request)  # the one conversion
+        hashes = prefix.hashes(cycle, request)  # computed once per cycle: read again, not redone
+        if len(hashes) >= prefix.params.max_prefix_blocks:
+            window = len(hashes) * prefix.params.block_size
+            if max(prefix.matched(cycle, request).values(), default=0) >= window:
+                return 0  # the whole window is placed: not a new prefix (module docstring)
         return request.prompt_tokens - max(cached.values(), default=0)
 
     def backlogs(self, endpoints: Sequence[EndpointState]) -> list[int]:

@@ -569,6 +569,7 @@ class GatewayRuntime:
                 max_requests=bound.max_requests if bound is not None else 0,
                 max_bytes=bound.max_bytes if bound is not None else 0,
                 flows=flows,
+                held=gate.held(pool, band),
             )
 
     @property

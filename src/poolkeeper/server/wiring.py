@@ -29,6 +29,7 @@ from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver
 from poolkeeper.requestcontrol.ports import Gate, SnapshotSource
 from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.prefillfacts import PrefillFacts
 from poolkeeper.scheduling.scheduler import Scheduler
 
 
@@ -57,6 +58,9 @@ def build_director(
         flow_observer=flow_observer,
     )
     scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s)
+    # `holdNewPrefixes` asks the scheduler's plugins (prefix index, prefill backlog) before
+    # dispatch; without it the Director asks nothing.
+    hold = spec.flow_control.hold_new_prefixes is not None and isinstance(gate, FlowGate)
     director = Director(
         datastore=datastore,
         scheduler=scheduler,
@@ -66,6 +70,7 @@ def build_director(
         rng=rng,
         clock=clock,
         responses_observed=responses_observed,
+        prefill_facts=PrefillFacts(scheduler) if hold else None,
     )
     if isinstance(gate, FlowGate) and isinstance(datastore, Datastore):
         # Fresh metrics may mean headroom: let waiting requests re-check (free when none wait).

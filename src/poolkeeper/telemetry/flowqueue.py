@@ -48,6 +48,7 @@ class QueueStats:
     max_requests: int = 0
     max_bytes: int = 0
     flows: tuple[FlowQueue, ...] = ()  # what waits, by flow
+    held: int = 0  # held in front of the queue by `holdNewPrefixes` (not in `requests`)
 
 
 class QueueCollector(Collector):
@@ -81,9 +82,17 @@ class QueueCollector(Collector):
             )
             for unit in ("requests", "bytes")
         }
+        held = GaugeMetricFamily(
+            "poolkeeper_flow_control_held_requests",
+            "Requests holdNewPrefixes holds in front of the flow-control queue, per pool "
+            "(not counted in the queue size).",
+            labels=["inference_pool"],
+        )
+        held_by_pool: dict[str, int] = {}
         now: dict[tuple[str, ...], tuple[int, int]] = {}
         key: tuple[str, ...]
         for stats in self.source():
+            held_by_pool[stats.pool] = held_by_pool.get(stats.pool, 0) + stats.held
             for flow in stats.flows:
                 key = (
                     self.cap("fairness_id", flow.fairness_id),
@@ -105,6 +114,9 @@ class QueueCollector(Collector):
             requests, size_ = now.get(key, (0, 0))
             size.add_metric(list(key), requests)
             size_bytes.add_metric(list(key), size_)
+        for pool, n in held_by_pool.items():
+            held.add_metric([pool], n)
         yield size
         yield size_bytes
         yield from used.values()
+        yield held

@@ -568,6 +568,15 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.flow_hold_duration = Histogram(
+            "poolkeeper_flow_control_hold_duration_seconds",
+            "Time requests were held in front of the flow-control queue by holdNewPrefixes, "
+            "by how the hold ended (released, capped at maxHoldMs, cancelled); the count is "
+            "the requests held.",
+            ["inference_pool", "outcome"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         if flow_stats is not None:
             r.register(QueueCollector(flow_stats, self._cap))
 
@@ -721,6 +730,15 @@ class GatewayMetrics:
             fairness, str(priority), outcome, pool_name, self._model(model), self._target(target)
         ).observe(waited_s)
         self.families.flow_requests.labels(outcome, str(priority), pool_name).inc()
+
+    def flow_held(self, *, pool: str, band: Criticality, outcome: str, held_s: float) -> None:
+        """A `holdNewPrefixes` hold ended (poolkeeper's own family; upstream has no hold)."""
+        del band  # held requests are of `queue` bands; the pool and outcome say enough
+        series = self.flow_hold_duration.labels(pool.rpartition("/")[2], outcome)
+        if self._defer is not None:
+            self._defer(functools.partial(series.observe, held_s))
+        else:
+            series.observe(held_s)
 
     # -- exposition -------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -1,0 +1,247 @@
+"""`holdNewPrefixes` in the EPP: the Director asks the scheduler's facts through `Job.prefill`
+and `FlowGate` holds a request that would open a new long prefill while every endpoint is
+prefill-backlogged; a first byte, an end or the cap releases it; a placed prefix goes at once;
+only `queue` bands are held; a client gone while held leaves nothing behind. The real
+Datastore, scheduler (the `prefill-backlog` preset: prefix index and backlog), in-flight
+tracker and gate; the clock is the test's."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from poolkeeper.api.criticality import Criticality
+from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.errors import QueueFull
+from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.flowcontrol.saturation import SaturationDetector
+from poolkeeper.requestcontrol.director import Director
+from poolkeeper.requestcontrol.flowgate import FlowGate
+from poolkeeper.requestcontrol.ports import Job
+from poolkeeper.requestcontrol.types import RoutingDecision, Usage
+from poolkeeper.server.wiring import build_director
+from tests.requestcontrol.test_rc_director import NOW, _chat, _model, _store
+
+STANDARD = Criticality.STANDARD
+MODELS = (_model("std"), _model("chat", criticality="Critical"))
+LONG = 2000  # words: 12,000 characters, 3,000 prompt tokens
+
+
+def _text(word: str) -> str:
+    return f"{word} " * LONG
+
+
+class Observed:
+    """The gate's metrics hook, recorded."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[tuple[str, float]] = []
+        self.holds: list[tuple[str, float]] = []
+
+    def flow_outcome(self, *, outcome: str, waited_s: float, **_: Any) -> None:
+        self.outcomes.append((outcome, waited_s))
+
+    def flow_held(self, *, pool: str, band: Criticality, outcome: str, held_s: float) -> None:
+        assert band is STANDARD
+        assert pool
+        self.holds.append((outcome, held_s))
+
+
+def _director(
+    clock: list[float], hold: dict[str, Any] | None = None, **flow: Any
+) -> tuple[Director, FlowGate, Observed]:
+    store = _store(endpoints=[(1, "sim"), (2, "sim")], models=MODELS)
+    spec = {
+        "flowControl": {"holdNewPrefixes": hold or {}, **flow},
+        "scheduling": {"preset": "prefill-backlog"},
+        "scraping": {"stalenessMs": 60_000},  # moving the clock tests the hold, not staleness
+    }
+    observed = Observed()
+    director = build_director(
+        GatewayConfig.model_validate({"spec": spec}),
+        store,
+        rng=random.Random(1),
+        clock=lambda: clock[0],
+        flow_observer=observed,
+    )
+    assert director.flow is not None
+    return director, director.flow, observed
+
+
+def _one(events: list[tuple[str, float]]) -> tuple[str, float]:
+    """The one event, its seconds rounded (the clock is the test's: sums of floats)."""
+    ((what, seconds),) = events
+    return what, round(seconds, 6)
+
+
+async def _until(condition: Any) -> None:
+    """Let other tasks run until `condition()` holds (bounded: no sleeping on wall time)."""
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+async def _backlog_both(director: Director) -> tuple[RoutingDecision, RoutingDecision]:
+    """Two new long prompts, one per endpoint: every endpoint has a 3,000-token backlog."""
+    a = await director.route(_chat("std", rid="a", stream=True, text=_text("alpha")))
+    b = await director.route(_chat("std", rid="b", stream=True, text=_text("bravo")))
+    assert {a.endpoints[0], b.endpoints[0]} == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    return a, b
+
+
+async def test_a_new_prefix_waits_a_placed_one_goes_and_a_first_byte_releases_it() -> None:
+    clock = [NOW]
+    director, gate, observed = _director(clock)
+    a, _b = await _backlog_both(director)
+    held = asyncio.create_task(
+        director.route(_chat("std", rid="c", stream=True, text=_text("charlie")))
+    )
+    await _until(lambda: gate.held() == 1)
+    assert not held.done()
+    assert gate.waiting() == 0  # held in front of the queue, not in it
+    assert gate._timer is None  # no polling while only held requests wait
+    assert gate._hold_timer is not None  # only the cap's timer
+
+    # A request whose long prefix is placed (a's) is not held: it goes at once, past c.
+    placed = await director.route(
+        _chat("std", rid="d", stream=True, text=_text("alpha") + "and one more question")
+    )
+    assert placed.endpoints[0] == a.endpoints[0]
+    assert not held.done()
+
+    # a's first byte: its endpoint's backlog falls below 2,048 tokens, c asks again and goes.
+    clock[0] += 0.3
+    director.first_byte(a)
+    decision = await asyncio.wait_for(held, timeout=5)
+    assert decision.endpoints
+    assert gate.held() == 0
+    assert gate.totals[(STANDARD, "held")] == 1
+    assert gate.totals[(STANDARD, "held_released")] == 1
+    assert _one(observed.holds) == ("released", 0.3)
+    # Its time held counts as its wait in flow control.
+    assert _one(observed.outcomes[-1:]) == ("Dispatched", 0.3)
+
+
+async def test_an_end_releases_it_too() -> None:
+    """A request that ends without a first byte reported (not streamed) ends its backlog."""
+    clock = [NOW]
+    director, gate, _observed = _director(clock)
+    _a, b = await _backlog_both(director)
+    held = asyncio.create_task(director.route(_chat("std", rid="c", text=_text("charlie"))))
+    await _until(lambda: gate.held() == 1)
+    director.complete(b, status=200, usage=Usage(prompt_tokens=3000, completion_tokens=5))
+    decision = await asyncio.wait_for(held, timeout=5)
+    assert decision.endpoints[0] == b.endpoints[0]  # where the backlog fell
+    assert gate.totals[(STANDARD, "held_released")] == 1
+
+
+async def test_the_cap_releases_a_request_the_rule_still_holds() -> None:
+    clock = [NOW]
+    director, gate, observed = _director(clock, {"maxHoldMs": 1500})
+    await _backlog_both(director)
+    held = asyncio.create_task(director.route(_chat("std", rid="c", text=_text("charlie"))))
+    await _until(lambda: gate.held() == 1)
+    clock[0] += 1.4
+    gate.pump()
+    assert gate.held() == 1  # the rule still holds it, the cap is not reached
+    clock[0] += 0.1
+    gate.pump()  # what the cap's timer runs
+    decision = await asyncio.wait_for(held, timeout=5)
+    assert decision.endpoints
+    assert gate.totals[(STANDARD, "held_capped")] == 1
+    assert _one(observed.holds) == ("capped", 1.5)
+
+
+async def test_a_client_gone_while_held_leaves_nothing_behind() -> None:
+    clock = [NOW]
+    director, gate, observed = _director(clock)
+    await _backlog_both(director)
+    held = asyncio.create_task(director.route(_chat("std", rid="c", text=_text("charlie"))))
+    await _until(lambda: gate.held() == 1)
+    clock[0] += 0.2
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert gate.held() == 0
+    assert gate.waiting() == 0
+    assert gate.totals[(STANDARD, "EvictedContextCancelled")] == 1
+    assert _one(observed.holds) == ("cancelled", 0.2)
+    gate.pump()  # nothing left to release
+    assert gate.totals[(STANDARD, "Dispatched")] == 2  # a and b only
+    # A synchronous caller cannot wait: a request that would be held is refused, not kept.
+    with pytest.raises(QueueFull):
+        director.route_now(_chat("std", rid="f", text=_text("foxtrot")))
+    assert gate.held() == 0
+
+
+async def test_only_queue_bands_are_held() -> None:
+    clock = [NOW]
+    director, gate, _observed = _director(clock)
+    await _backlog_both(director)
+    # Critical's band mode is `send`: it goes at once, new prefix or not.
+    critical = await director.route(_chat("chat", rid="c", text=_text("charlie")))
+    assert critical.endpoints
+    assert gate.held() == 0
+    assert gate.totals[(Criticality.CRITICAL, "held")] == 0
+
+
+async def test_without_the_option_the_director_asks_nothing() -> None:
+    store = _store(endpoints=[(1, "sim"), (2, "sim")], models=MODELS)
+    spec = {"scheduling": {"preset": "prefill-backlog"}}
+    director = build_director(GatewayConfig.model_validate({"spec": spec}), store,
+                              rng=random.Random(1), clock=lambda: NOW)  # fmt: skip
+    gate = director.flow
+    assert gate is not None
+    jobs: list[Job] = []
+    submit = gate.submit
+
+    def spy(job: Job) -> RoutingDecision | FlowItem[Job]:
+        jobs.append(job)
+        return submit(job)
+
+    gate.submit = spy  # type: ignore[method-assign]
+    for rid, word in (("a", "alpha"), ("b", "bravo"), ("c", "charlie")):
+        await director.route(_chat("std", rid=rid, text=_text(word)))
+    assert [job.prefill for job in jobs] == [None, None, None]
+    assert gate.held() == 0
+
+
+# -- the seam alone: FlowGate with dataclass jobs, no Director ----------------------------------
+
+
+def _job(rid: str, facts: list[tuple[int, list[int]]], sent: list[str]) -> Job:
+    def run(_candidates: list[EndpointState] | None, _now: float | None) -> RoutingDecision:
+        sent.append(rid)
+        return RoutingDecision(request_id=rid, endpoints=("10.0.0.1:8000",), pool="p")
+
+    return Job(
+        rid, "p", "m", "m", STANDARD, "m", 3000, 100,
+        states=list, run=run, abandon=lambda _d: None,
+        prefill=lambda _states: facts[-1],
+    )  # fmt: skip
+
+
+def test_the_gate_holds_on_the_jobs_answer_and_releases_when_it_changes() -> None:
+    config = FlowControlConfig.model_validate({"holdNewPrefixes": {"backlogTokens": 100}})
+    clock = [0.0]
+    gate = FlowGate(config, Headroom(SaturationDetector()), clock=lambda: clock[0])
+    facts = [(3000, [500, 800])]  # every (here: no) candidate backlogged, a long new prefill
+    sent: list[str] = []
+    held = gate.submit(_job("x", facts, sent))
+    assert isinstance(held, FlowItem)
+    assert gate.held("p") == 1
+    assert sent == []
+    facts.append((3000, [0, 800]))  # one backlog drained
+    gate.pump()
+    assert sent == ["x"]  # dispatched (no endpoints: the empty pool fails open)
+    assert gate.held() == 0
+    facts.append((200, [500, 800]))  # a placed prefix: only 200 tokens uncached
+    assert isinstance(gate.submit(_job("y", facts, sent)), RoutingDecision)

@@ -1,0 +1,51 @@
+"""`PrefillFacts` (what `holdNewPrefixes` asks the scheduler): a request's uncached prompt tokens
+from the prefix index, and each candidate's prefill backlog, read from the plugins."""
+
+from __future__ import annotations
+
+import random
+
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.config import preset_config
+from poolkeeper.scheduling.prefillfacts import PrefillFacts
+from tests.scheduling.sched_factories import NOW, request, state
+
+WINDOW = 256 * 64  # the default index window: maxPrefixBlocks x blockSize characters
+
+
+def _facts() -> tuple[PrefillFacts, list[EndpointState]]:
+    scheduler = build_scheduler(preset_config("prefill-backlog"), rng=random.Random(1))
+    facts = PrefillFacts(scheduler)
+    assert facts.prefix is not None
+    assert facts.backlog is not None
+    pool = [state(i, served_model="base") for i in (1, 2)]
+    placed = request(prompt="s" * 24_000, request_id="placed")  # past the window
+    short = request(prompt="t" * 8_000, request_id="short")  # inside it
+    for req in (placed, short):
+        scheduler.schedule(req, pool, now=NOW)
+    return facts, pool
+
+
+def test_uncached_tokens_are_the_prompt_less_the_longest_placed_prefix() -> None:
+    facts, _pool = _facts()
+    new = request(prompt="n" * 8_000)
+    assert facts.uncached_tokens(new, NOW) == 2_000  # nothing placed: all of it
+    within = request(prompt="t" * 8_000 + "u" * 400)  # the short prompt's 125 blocks placed
+    assert facts.uncached_tokens(within, NOW) == 2_100 - 2_000
+    # Past the window the index sees only its 16 KiB: a prompt whose whole window is placed
+    # opens no new prefix (it was 6,002 - 4,096 = 1,906 uncached, over minPromptTokens).
+    longer = request(prompt="s" * 24_000 + "and then?")
+    assert facts.uncached_tokens(longer, NOW) == 0
+    # Its window only partly placed: the prompt less what is.
+    partly = request(prompt="s" * 8_000 + "v" * 16_000)
+    assert facts.uncached_tokens(partly, NOW) == 6_000 - 2_000
+    assert WINDOW < 24_000
+
+
+def test_backlogs_are_the_tokens_sent_without_a_first_byte() -> None:
+    facts, pool = _facts()
+    assert facts.backlog is not None
+    assert sum(facts.backlogs(pool)) == 6_000 + 2_000  # both prompts new, wherever they went
+    facts.backlog.observe_first_token("placed", None, NOW + 1)
+    assert sum(facts.backlogs(pool)) == 2_000

@@ -245,3 +245,34 @@ def test_the_gate_holds_on_the_jobs_answer_and_releases_when_it_changes() -> Non
     assert gate.held() == 0
     facts.append((200, [500, 800]))  # a placed prefix: only 200 tokens uncached
     assert isinstance(gate.submit(_job("y", facts, sent)), RoutingDecision)
+
+
+def test_held_requests_count_against_the_bands_bounds() -> None:
+    """Held requests wait too: with `maxRequests` 2, a third new prefix is not held but goes to
+    the dispatcher (here it dispatches it: an empty pool fails open), and a body over what
+    `maxBytes` leaves is not held either. So a flood of new prefixes holds at most what the
+    queue itself may hold."""
+    config = FlowControlConfig.model_validate(
+        {
+            "holdNewPrefixes": {"backlogTokens": 100},
+            "bands": {"standard": {"maxRequests": 2, "maxBytes": 8192}},
+        }
+    )
+    gate = FlowGate(config, Headroom(SaturationDetector()), clock=lambda: 0.0)
+    facts = [(3000, [500, 800])]
+    sent: list[str] = []
+    for rid in ("a", "b"):
+        assert isinstance(gate.submit(_job(rid, facts, sent)), FlowItem)
+    assert gate.held("p") == 2
+    third = gate.submit(_job("c", facts, sent))  # no room to hold: the dispatcher decides
+    assert isinstance(third, RoutingDecision)
+    assert (gate.held("p"), sent) == (2, ["c"])
+    gate = FlowGate(config, Headroom(SaturationDetector()), clock=lambda: 0.0)
+    big = _job("d", facts, sent)
+    big.size = 8192  # with nothing held, exactly the band's bytes: holdable
+    assert isinstance(gate.submit(big), FlowItem)
+    assert gate.held("p") == 1
+    bigger = _job("e", facts, sent)
+    bigger.size = 1  # the held 8,192 bytes leave no room for one more byte
+    assert isinstance(gate.submit(bigger), RoutingDecision)
+    assert (gate.held("p"), sent) == (1, ["c", "e"])

@@ -261,8 +261,11 @@ class FlowGate:
         config = self.config.hold_new_prefixes
         if config is None or job.prefill is None:
             return False
-        if self.config.bands.of(item.band).mode is not BandMode.QUEUE:
+        band = self.config.bands.of(item.band)
+        if band.mode is not BandMode.QUEUE:
             return False
+        if not self._room_to_hold(item, band.max_requests, band.max_bytes):
+            return False  # the dispatcher's bounds decide (queue, push out or 429)
         try:
             uncached, backlogs = job.prefill(job.states())
         except NoReadyEndpoint:
@@ -274,6 +277,18 @@ class FlowGate:
         if hold is None:
             hold = self._held[job.pool] = PrefixHold(config)
         return hold.holds(uncached, backlogs)
+
+    def _room_to_hold(self, item: FlowItem[Job], max_requests: int, max_bytes: int) -> bool:
+        """Whether the item fits its band's bounds (`maxRequests`, `maxBytes` per pool) with
+        the requests held and queued in that band: held requests wait too, and a flood of new
+        prefixes must not grow the router's memory past what the queue itself may hold."""
+        pool, band = item.payload.pool, item.band
+        hold = self._held.get(pool)
+        held = [e.payload for e in hold.held if e.payload.band is band] if hold else []
+        dispatcher = self._pools.get(pool)
+        count = len(held) + (dispatcher.waiting(band) if dispatcher else 0)
+        size = sum(h.size for h in held) + (dispatcher.waiting_bytes(band) if dispatcher else 0)
+        return count + 1 <= max_requests and size + item.size <= max_bytes
 
     def _release(self, entry: Held[FlowItem[Job]]) -> None:
         """A held item goes to its pool's dispatcher: dispatched, queued or refused, as an

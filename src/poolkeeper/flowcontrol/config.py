@@ -92,6 +92,23 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     overload_after_ms: int = Field(default=3000, ge=1, le=3_600_000)
     """How long a flow must have had requests waiting in this band, without a moment empty, to
     count as in sustained overload (only read with `overloadTtlMs`)."""
+    drain_within_ms: int | None = Field(default=None, ge=1, le=3_600_000)
+    """Off by default (null). Set: while the pool's whole queue drains within this long at the
+    measured drain rate (the fleet's service rate, `dispatcher.DrainRate`), the overload rules
+    give nothing away: adaptive LIFO serves a request aged `rescueAfterMs` to
+    `rescueBeforeMs` before the newest (an aging bound), and the overload TTL refuses nothing
+    (the plain `ttlMs` still does) until it has had to refuse once in the flow's busy period
+    (the queue outgrew the bound); from then until the flow's queue empties it applies as
+    without the option. Such a queue is a passing one the servers clear in time; refused or
+    passed over, its requests are answered late or not at all (issue 38: goodput at 1.1x).
+    Unknown rate (under a second of backlog measured): as without it. Measured, not a
+    default: docs/notes/2026-12-07-flow-control-drain-bound.md."""
+    rescue_after_ms: int = Field(default=1200, ge=0, le=3_600_000)
+    """With `drainWithinMs`, while the queue drains within it: the age from which adaptive
+    LIFO serves a passed-over request first (the oldest one younger than `rescueBeforeMs`)."""
+    rescue_before_ms: int = Field(default=1800, ge=1, le=3_600_000)
+    """With `drainWithinMs`: a request older than this is past rescuing (it would be late
+    anyway), so it stays behind the newer ones and ends at its TTL or when the queue empties."""
     only_while_growing: bool = True
     """The overload rules (`lifoAfterMs`, `overloadTtlMs`) apply to a flow only while its
     requests in the system (waiting here and dispatched, not yet answered) grow in number,
@@ -129,6 +146,15 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     @property
     def lifo_after_s(self) -> float | None:
         return None if self.lifo_after_ms is None else self.lifo_after_ms / 1000.0
+
+    @model_validator(mode="after")
+    def _rescue_window(self) -> Self:
+        if self.rescue_after_ms >= self.rescue_before_ms:
+            raise ValueError(
+                f"rescueAfterMs ({self.rescue_after_ms}) must be below rescueBeforeMs "
+                f"({self.rescue_before_ms})"
+            )
+        return self
 
     def deadline(self, now: float, busy_since: float) -> float:
         """When a request queued at `now` in this band times out, its flow having had requests

@@ -54,7 +54,12 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.answers import AnswerAdvance
 from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.fairness import FairnessFactory, FairnessPolicy, vtc_fairness
-from poolkeeper.flowcontrol.ordering import FcfsAdaptiveLifo, OrderingFactory, OrderingPolicy
+from poolkeeper.flowcontrol.ordering import (
+    FcfsAdaptiveLifo,
+    OrderingFactory,
+    OrderingPolicy,
+    rescued,
+)
 
 T = TypeVar("T")
 
@@ -149,8 +154,9 @@ class FlowPolicies:
 
 class _Band(Generic[T]):
     __slots__ = (
-        "answers", "band_mark", "busy_since", "bytes", "config", "count", "fairness", "flows",
-        "marks", "ordering", "overload_at", "recent", "reserved", "running",
+        "answers", "band_mark", "busy_since", "bytes", "config", "count", "drainable",
+        "fairness", "flows", "marks", "ordering", "overload_at", "recent", "refused", "reserved",
+        "running",
     )  # fmt: skip
 
     def __init__(
@@ -160,8 +166,12 @@ class _Band(Generic[T]):
         config: BandConfig,
         *,
         answers_ahead: bool = True,
+        drainable: Callable[[float], bool] = lambda _within_s: False,
     ) -> None:
         self.fairness = fairness
+        # Whether the pool's whole queue drains within the given seconds at the measured rate
+        # (`FlowDispatcher.drains_within`): the band's `drainWithinMs` reads it.
+        self.drainable = drainable
         self.ordering = ordering
         self.config = config
         self.flows: dict[str, deque[FlowItem[T]]] = {}  # only flows with something waiting
@@ -190,6 +200,9 @@ class _Band(Generic[T]):
         # `onlyWhileGrowing`: when a flow entered sustained overload (kept until its queue
         # empties); the overload TTL applies to its requests from then on.
         self.overload_at: dict[str, float] = {}
+        # Flows whose overload TTL refused a request in their current busy period: the
+        # `drainWithinMs` exemption is over for them until their queue empties.
+        self.refused: set[str] = set()
 
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
@@ -217,9 +230,21 @@ class _Band(Generic[T]):
         flow = self.fairness.pick(flows, lambda f: flows[f][0].seq)
         if flow is None:
             return None
+        waiting = flows[flow]
         if not self.overloaded(flow) and isinstance(self.ordering, FcfsAdaptiveLifo):
-            return flows[flow][0]  # a bounded flow: no adaptive LIFO (an overload rule)
-        return self.ordering.head(flows[flow], now)
+            return waiting[0]  # a bounded flow: no adaptive LIFO (an overload rule)
+        item = self.ordering.head(waiting, now)
+        if item is not waiting[0] and self.draining():
+            band = self.config
+            saved = rescued(waiting, now, band.rescue_after_ms / 1000, band.rescue_before_ms / 1000)
+            if saved is not None:
+                return saved  # the aging bound: served before it is late (`drainWithinMs`)
+        return item
+
+    def draining(self) -> bool:
+        """The band's `drainWithinMs` holds now: the pool's queue drains within it."""
+        within = self.config.drain_within_ms
+        return within is not None and self.drainable(within / 1000)
 
     def overloaded(self, flow: str) -> bool:
         """Whether adaptive LIFO applies to `flow`: always without `onlyWhileGrowing`; with
@@ -301,11 +326,14 @@ class _Band(Generic[T]):
         """When `item` times out: its TTL, or with `onlyWhileGrowing` the overload TTL once
         its flow entered sustained overload (no later than that moment for a request that has
         already waited that long, as CoDel's rule treats a standing queue: deadlines stay in
-        arrival order along the flow)."""
+        arrival order along the flow). Not while the band's `drainWithinMs` holds (`draining`):
+        the deadline then moves with the queue, which the pump's `expire` follows at each call."""
         at = self.overload_at.get(item.flow)
         ttl = self.config.overload_ttl_ms
         if at is None or ttl is None:
             return item.deadline
+        if item.flow not in self.refused and self.draining():
+            return item.deadline  # `drainWithinMs`: a queue served in time refuses nothing early
         return min(item.deadline, max(item.arrived + ttl / 1000.0, at))
 
     def remove(self, item: FlowItem[T]) -> None:
@@ -322,6 +350,7 @@ class _Band(Generic[T]):
             del self.flows[item.flow]
             del self.busy_since[item.flow]
             self.overload_at.pop(item.flow, None)
+            self.refused.discard(item.flow)
             self.fairness.deactivate(item.flow, self.flows)
 
     def items(self) -> Iterator[FlowItem[T]]:
@@ -342,18 +371,19 @@ class FlowDispatcher(Generic[T]):
     def __init__(self, config: FlowControlConfig, policies: FlowPolicies | None = None) -> None:
         self.config = config
         policies = policies if policies is not None else FlowPolicies()
+        self.drain = DrainRate()
         self._bands: dict[Criticality, _Band[T]] = {
             b: _Band(
                 policies.fairness(config, b),
                 policies.ordering(config.bands.of(b)),
                 config.bands.of(b),
                 answers_ahead=config.charge_answers_ahead,
+                drainable=self.drains_within,
             )
             for b in BANDS
         }
         self._seq = itertools.count()
         self.pushed_out: list[FlowItem[T]] = []
-        self.drain = DrainRate()
 
     # -- arrivals -----------------------------------------------------------------------------
 
@@ -437,6 +467,12 @@ class FlowDispatcher(Generic[T]):
         if item.flow not in queue.flows:
             ahead += 1
         return ahead / rate
+
+    def drains_within(self, seconds: float) -> bool:
+        """Everything waiting in this pool drains within `seconds` at the measured rate
+        (False while the rate is unknown: under `DRAIN_MIN_S` of backlog measured)."""
+        rate = self.drain.rate()
+        return rate is not None and self.waiting() <= seconds * rate
 
     def _drains_in_time(self, queue: _Band[T], item: FlowItem[T], band: BandConfig) -> bool:
         """Refuse before the TTL only what cannot be served within it: the queue ahead of
@@ -605,6 +641,8 @@ class FlowDispatcher(Generic[T]):
                 # arrival order, with the flow's `busy_since` fixed while it has anything waiting.
                 while flow in queue.flows and queue.deadline_of(waiting[0]) <= now:
                     item = waiting[0]
+                    if queue.deadline_of(item) < item.deadline:
+                        queue.refused.add(flow)  # the overload TTL refused: `drainWithinMs` ends
                     item.deadline = queue.deadline_of(item)
                     queue.remove(item)
                     item.queued = False

@@ -13,6 +13,10 @@ flow's oldest request has waited longer than the band's `lifoAfterMs`, its newes
 A FIFO queue in sustained overload makes every request wait the whole queue, so every answer
 is late; newest-first serves the requests that can still be on time, and the old ones run out
 at their TTL or are pushed out of a full band first. Pure; `now` is passed in.
+
+`rescued` is the aging bound the dispatcher lays over adaptive LIFO while the pool's queue
+drains in time (a band's `drainWithinMs`): the oldest request aged within the rescue window
+goes before the newest, so newest-first does not pass a request over until it is late.
 """
 
 from __future__ import annotations
@@ -71,3 +75,17 @@ class FcfsAdaptiveLifo:
         if self.lifo_after_s is not None and now - waiting[0].arrived > self.lifo_after_s:
             return waiting[0]
         return None
+
+
+def rescued(waiting: deque[A], now: float, after_s: float, before_s: float) -> A | None:
+    """The oldest request of `waiting` (oldest first) that has waited at least `after_s` and
+    less than `before_s`, or None. Ages fall along the deque, so the scan stops at the first
+    request younger than `after_s`; the ones past `before_s` it skips are few, since the
+    caller rescues only while the whole queue drains within about a second."""
+    for item in waiting:
+        age = now - item.arrived
+        if age < after_s:
+            return None
+        if age < before_s:
+            return item
+    return None

@@ -9,6 +9,7 @@ Decoding the peer's blocks is `hpack.Decoder`'s job (connection.py).
 from __future__ import annotations
 
 import struct
+from typing import TypeVar
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HEADER_LEN = 9
@@ -43,6 +44,7 @@ ERROR_NAMES = {
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
 INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
+Payload = TypeVar("Payload", bytes, memoryview)  # a frame's content: DATA's is a view
 _HEAD = struct.Struct(">HBBBL")  # length as 16 + 8 bits, type, flags, stream id
 _U32 = struct.Struct(">L")
 
@@ -65,7 +67,7 @@ def frame_head(kind: int, flags: int, stream_id: int, length: int) -> bytes:
     return _HEAD.pack(length >> 8, length & 0xFF, kind, flags, stream_id)
 
 
-def parse_head(buf: bytes | bytearray, at: int) -> tuple[int, int, int, int]:
+def parse_head(buf: bytes | bytearray | memoryview, at: int) -> tuple[int, int, int, int]:
     """(length, type, flags, stream id) of the frame header at `at`."""
     high, low, kind, flags, stream_id = _HEAD.unpack_from(buf, at)
     return (high << 8) | low, kind, flags, stream_id & 0x7FFFFFFF
@@ -101,7 +103,7 @@ def u32(payload: bytes) -> int:
     return value
 
 
-def strip_padding(flags: int, payload: bytes) -> bytes:
+def strip_padding(flags: int, payload: Payload) -> Payload:
     """The frame's content without its padding (PADDED flag)."""
     if not flags & PADDED:
         return payload

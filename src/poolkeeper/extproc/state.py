@@ -248,18 +248,10 @@ class Exchange:
                 msg.routing_reply(decision.endpoints, None, self.stripped, key, via_epp=via_epp)
             ]
         if self.request_mode == BUFFERED:
-            metadata = msg.destination_metadata(decision.endpoints)
-            if key is not None:
-                msg.add_exchange_key(metadata, key, via_epp=via_epp)
-            length = len(out_body) if decision.body is not None else None
-            mutation = msg.routing_headers(decision.endpoints, length, self.stripped)
             self._release_body()
             return [
-                msg.buffered_body_reply(
-                    body=decision.body,
-                    mutation=mutation,
-                    clear_route_cache=True,
-                    metadata=metadata,
+                msg.buffered_routing_reply(
+                    decision.endpoints, decision.body, self.stripped, key, via_epp=via_epp
                 )
             ]
         replies = [

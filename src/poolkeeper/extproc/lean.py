@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import empty_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
+from poolkeeper.extproc import messages as msg
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.h2.limits import Limits
 from poolkeeper.extproc.h2.rpc import Method, bidi, client_stream, unary
@@ -33,7 +34,7 @@ def extproc_methods(
         PROCESS_PATH: bidi(
             servicer.Process,
             pb.ProcessingRequest.FromString,
-            pb.ProcessingResponse.SerializeToString,
+            msg.serialize_reply,
         )
     }
     if detached is not None:

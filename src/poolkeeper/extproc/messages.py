@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -318,6 +319,89 @@ def streamed_body_replies(
         streamed.body = bytes(view[start : start + size])
         streamed.end_of_stream = end_of_stream and start == last
         replies.append(reply)
+    return replies
+
+
+class WireReply:
+    """A ProcessingResponse already in its wire form: `pieces`, written in order. A large
+    body's bytes go out as views of it and never through a protobuf message, which copied each
+    piece three times (sliced out, set, serialized: ~0.2 ms for a 1 MiB body, after routing).
+    `serialize_reply` turns it, or a protobuf reply, into bytes for either transport."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: tuple[bytes | memoryview, ...]) -> None:
+        self.pieces = pieces
+
+    def message(self) -> pb.ProcessingResponse:
+        """The same reply as a protobuf message (for reading it, as tests do)."""
+        return pb.ProcessingResponse.FromString(b"".join(self.pieces))
+
+
+Reply: TypeAlias = pb.ProcessingResponse | WireReply
+
+
+def serialize_reply(reply: Reply) -> bytes:
+    """The reply's bytes: the one serializer of the Process method, on both transports."""
+    if isinstance(reply, WireReply):
+        return b"".join(reply.pieces)
+    data: bytes = reply.SerializeToString()
+    return data
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(message: type[Any], field: str, wire_type: int) -> bytes:
+    """A field's key in the wire format (the field number from the message's descriptor)."""
+    number: int = message.DESCRIPTOR.fields_by_name[field].number
+    return _varint(number << 3 | wire_type)
+
+
+_LEN, _VARINT = 2, 0
+_REQUEST_BODY = _tag(pb.ProcessingResponse, "request_body", _LEN)
+_RESPONSE_BODY = _tag(pb.ProcessingResponse, "response_body", _LEN)
+_COMMON = _tag(pb.BodyResponse, "response", _LEN)
+_BODY_MUTATION = _tag(pb.CommonResponse, "body_mutation", _LEN)
+_STREAMED = _tag(pb.BodyMutation, "streamed_response", _LEN)
+_STREAMED_BODY = _tag(pb.StreamedBodyResponse, "body", _LEN)
+_END_OF_STREAM = _tag(pb.StreamedBodyResponse, "end_of_stream", _VARINT) + b"\x01"
+
+
+def streamed_body_wire(
+    body: bytes, *, end_of_stream: bool, response: bool = False, size: int = MAX_BODY_CHUNK
+) -> list[WireReply]:
+    """`streamed_body_replies`, byte for byte, in wire form: each piece is a view of `body`
+    behind its few bytes of message keys and lengths."""
+    view = memoryview(body)
+    total = len(body)
+    starts = range(0, total, size) if total else range(1)
+    last = starts[-1]
+    outer = _RESPONSE_BODY if response else _REQUEST_BODY
+    replies = []
+    for start in starts:
+        piece = view[start : start + size]
+        n = len(piece)
+        eos = end_of_stream and start == last
+        # Innermost first: each message's length is what it holds (proto3 leaves out an
+        # empty body and a false end_of_stream, as the protobuf serializer does).
+        key = _STREAMED_BODY + _varint(n) if n else b""
+        streamed = len(key) + n + (len(_END_OF_STREAM) if eos else 0)
+        mutation = len(_STREAMED) + len(_varint(streamed)) + streamed
+        common = len(_BODY_MUTATION) + len(_varint(mutation)) + mutation
+        body_response = len(_COMMON) + len(_varint(common)) + common
+        head = b"".join((
+            outer, _varint(body_response), _COMMON, _varint(common), _BODY_MUTATION,
+            _varint(mutation), _STREAMED, _varint(streamed), key,
+        ))  # fmt: skip
+        pieces: tuple[bytes | memoryview, ...] = (head, piece) if n else (head,)
+        replies.append(WireReply((*pieces, _END_OF_STREAM) if eos else pieces))
     return replies
 
 

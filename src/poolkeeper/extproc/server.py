@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import (
@@ -61,7 +62,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext | None = None,
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> AsyncIterator[msg.Reply]:
         if self.active >= self.settings.max_streams:
             # A direct or runaway client could otherwise hold any number of streams (about
             # 26 KB each). Refused before anything is read or held; Envoy's failure mode
@@ -104,7 +105,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     return
                 for reply in replies:
                     yield reply
-                if replies and replies[-1].HasField("immediate_response"):
+                last = replies[-1] if replies else None
+                if isinstance(last, pb.ProcessingResponse) and last.HasField("immediate_response"):
                     # Envoy answers the client and drops the stream; end it now rather than
                     # wait for that. A read still pending when Envoy resets the stream, or a
                     # status sent after the reset, leaks ~80 bytes of native memory per
@@ -117,6 +119,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 exchange.close(generation)
             if self.on_stream_end is not None:
                 self.on_stream_end(exchange)
+
+
+def add_process(server: grpc.aio.Server, process: Callable[..., Any]) -> None:
+    """ext_proc's Process method on `server`, as the generated `add_...Servicer_to_server`
+    adds it, with replies serialized by `messages.serialize_reply` (it takes the body
+    mutations the Exchange sends in wire form as well as protobuf messages)."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        process,
+        request_deserializer=pb.ProcessingRequest.FromString,
+        response_serializer=msg.serialize_reply,
+    )
+    service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {"Process": handler}),)
+    )
 
 
 async def _exhausted(context: grpc.aio.ServicerContext | None, limit: int) -> None:
@@ -147,7 +164,7 @@ def build_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    add_process(server, servicer.Process)
     if extra is not None:
         extra(server)
     if credentials is None:

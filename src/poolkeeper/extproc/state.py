@@ -58,7 +58,7 @@ class Phase(enum.Enum):
     DONE = "done"  # finished or answered with an ImmediateResponse
 
 
-Replies = list[pb.ProcessingResponse]
+Replies = list[msg.Reply]  # body mutations in wire form (msg.WireReply), the rest protobuf
 
 
 class Exchange:
@@ -259,7 +259,7 @@ class Exchange:
                 decision.endpoints, len(out_body), self.stripped, key, via_epp=via_epp
             )
         ]
-        replies += msg.streamed_body_replies(
+        replies += msg.streamed_body_wire(
             out_body, end_of_stream=not trailers, size=self.settings.body_chunk_bytes
         )
         if trailers:
@@ -360,7 +360,7 @@ class Exchange:
         if self.response_mode == BUFFERED:
             changed = out != data
             return [msg.buffered_body_reply(body=out if changed else None, response=True)]
-        return msg.streamed_body_replies(
+        return msg.streamed_body_wire(
             out,
             end_of_stream=body.end_of_stream,
             response=True,
@@ -393,7 +393,7 @@ class Exchange:
             self.held.clear()
         if not out or self.phase is not Phase.RESPONSE or self.response_mode == BUFFERED:
             return []
-        return msg.streamed_body_replies(
+        return msg.streamed_body_wire(
             out, end_of_stream=False, response=True, size=self.settings.body_chunk_bytes
         )
 

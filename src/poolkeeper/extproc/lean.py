@@ -11,7 +11,6 @@ import ssl
 from collections.abc import Mapping
 
 from envoy.service.accesslog.v3 import als_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import empty_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
@@ -33,7 +32,7 @@ def extproc_methods(
     methods = {
         PROCESS_PATH: bidi(
             servicer.Process,
-            pb.ProcessingRequest.FromString,
+            msg.read_request,
             msg.serialize_reply,
         )
     }

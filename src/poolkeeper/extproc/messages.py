@@ -127,6 +127,66 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
     return value or None
 
 
+class BodyChunk:
+    """A request-body message that carries nothing but the body and `end_of_stream` (what
+    Envoy sends for every body chunk), read off the wire without the protobuf parser: `body`
+    is a view of the message's bytes, where a parse copied it twice (into the message, then
+    out of it on each read of the field)."""
+
+    __slots__ = ("body", "end_of_stream")
+
+    def __init__(self, body: memoryview, end_of_stream: bool) -> None:
+        self.body = body
+        self.end_of_stream = end_of_stream
+
+
+Request: TypeAlias = pb.ProcessingRequest | BodyChunk
+
+
+def read_request(raw: bytes) -> Request:
+    """The Process method's deserializer on the lean transport: a body chunk alone as a
+    `BodyChunk`, any other message (or any other shape of one) parsed as protobuf."""
+    return body_chunk(raw) or pb.ProcessingRequest.FromString(raw)
+
+
+def body_chunk(raw: bytes) -> BodyChunk | None:
+    """`raw` as a BodyChunk when it is exactly `request_body {body, end_of_stream}` in the
+    serializer's canonical form (each field once, in order, end_of_stream 0 or 1); None for
+    anything else, which the protobuf parser then reads (and refuses if it is malformed)."""
+    if not raw.startswith(_REQUEST_BODY_KEY):
+        return None
+    size, at = _read_varint(raw, len(_REQUEST_BODY_KEY))
+    if size < 0 or at + size != len(raw):
+        return None  # other fields follow, or a broken length
+    view = memoryview(raw)
+    body = view[at:at]
+    if raw.startswith(_BODY_KEY, at):
+        n, start = _read_varint(raw, at + len(_BODY_KEY))
+        if n < 0 or start + n > len(raw):
+            return None
+        body, at = view[start : start + n], start + n
+    end_of_stream = False
+    if raw.startswith(_EOS_KEY, at) and len(raw) == at + len(_EOS_KEY) + 1:
+        flag = raw[-1]
+        if flag > 1:
+            return None
+        end_of_stream, at = flag == 1, len(raw)
+    return BodyChunk(body, end_of_stream) if at == len(raw) else None
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    """(value, where the next field starts) of the varint at `at`; (-1, at) if it is cut off
+    or longer than a length can be."""
+    value = shift = 0
+    for i in range(at, min(len(data), at + 5)):
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i + 1
+        shift += 7
+    return -1, at
+
+
 def header_mutation(
     set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
 ) -> pb.HeaderMutation:
@@ -372,6 +432,10 @@ _BODY_MUTATION = _tag(pb.CommonResponse, "body_mutation", _LEN)
 _STREAMED = _tag(pb.BodyMutation, "streamed_response", _LEN)
 _STREAMED_BODY = _tag(pb.StreamedBodyResponse, "body", _LEN)
 _END_OF_STREAM = _tag(pb.StreamedBodyResponse, "end_of_stream", _VARINT) + b"\x01"
+# What a request-body message starts with, and its HttpBody's two fields (`body_chunk`).
+_REQUEST_BODY_KEY = _tag(pb.ProcessingRequest, "request_body", _LEN)
+_BODY_KEY = _tag(pb.HttpBody, "body", _LEN)
+_EOS_KEY = _tag(pb.HttpBody, "end_of_stream", _VARINT)
 
 
 def streamed_body_wire(

@@ -60,7 +60,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(
         self,
-        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        request_iterator: AsyncIterator[msg.Request],
         context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[msg.Reply]:
         if self.active >= self.settings.max_streams:
@@ -82,7 +82,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         handed_off = False
         try:
             async for request in request_iterator:
-                if self.detached is not None and request.HasField("response_headers"):
+                if (
+                    self.detached is not None
+                    and isinstance(request, pb.ProcessingRequest)
+                    and request.HasField("response_headers")
+                ):
                     # The response processor's stream (envoy/observer.py): the request was
                     # routed on an earlier stream. An unknown key (routed by an earlier EPP
                     # process) keeps the fresh Exchange, which passes the response on as is.

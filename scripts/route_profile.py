@@ -51,9 +51,9 @@ from poolkeeper import observation as wire
 from poolkeeper.bench.live import live
 from poolkeeper.bench.overhead.gateway_overhead import BODY, MODEL, write_config
 from poolkeeper.controller.files import file_source
-from poolkeeper.extproc import messages as msg
 from poolkeeper.extproc.accesslog import AccessLogReceiver
 from poolkeeper.extproc.heap import keep_freed_pages
+from poolkeeper.extproc.wire import serialize_reply
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 
@@ -137,7 +137,7 @@ class Driver:
         began = clock()
         replies = [r async for r in self.servicer.Process(requests())]
         routed = clock()  # the stream ends once routed (handed off to the access log)
-        encoded = [msg.serialize_reply(r) for r in replies]
+        encoded = [serialize_reply(r) for r in replies]
         ended = clock()
         assert encoded, "no reply"
         first = replies[0]

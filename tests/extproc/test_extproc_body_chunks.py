@@ -1,4 +1,4 @@
-"""Body chunks read off the wire (`messages.body_chunk`) are exactly what the protobuf parser
+"""Body chunks read off the wire (`wire.body_chunk`) are exactly what the protobuf parser
 reads, or are left to it: the lean transport's Exchange sees the same body either way."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings, strategies as st
 
-from poolkeeper.extproc import messages as msg
 from poolkeeper.extproc.contracts import STREAMED, ExtProcSettings
 from poolkeeper.extproc.state import Exchange
+from poolkeeper.extproc.wire import BodyChunk, body_chunk, read_request, serialize_reply
 from tests.extproc.extproc_fakes import FakeRouter, headers_msg, post_headers
 
 
@@ -25,7 +25,7 @@ def _chunk(body: bytes, eos: bool) -> pb.ProcessingRequest:
     return request
 
 
-def _as_parsed(chunk: msg.BodyChunk) -> pb.ProcessingRequest:
+def _as_parsed(chunk: BodyChunk) -> pb.ProcessingRequest:
     return _chunk(bytes(chunk.body), chunk.end_of_stream)
 
 
@@ -34,10 +34,10 @@ def test_envoys_body_chunks_are_read_as_views_of_the_message() -> None:
         for eos in (False, True):
             raw = _chunk(bytes(range(256)) * (size // 256) + b"x" * (size % 256), eos)
             wire = raw.SerializeToString()
-            chunk = msg.body_chunk(wire)
+            chunk = body_chunk(wire)
             assert chunk is not None, (size, eos)
             assert _as_parsed(chunk) == pb.ProcessingRequest.FromString(wire)
-            assert isinstance(msg.read_request(wire), msg.BodyChunk)
+            assert isinstance(read_request(wire), BodyChunk)
             assert chunk.body.obj is wire  # no copy
 
 
@@ -52,8 +52,8 @@ def test_any_other_message_is_left_to_the_parser() -> None:
     response_body.response_body.body = b"abc"
     for message in (with_metadata, with_config, headers, response_body, pb.ProcessingRequest()):
         wire = message.SerializeToString()
-        assert msg.body_chunk(wire) is None
-        assert msg.read_request(wire) == message
+        assert body_chunk(wire) is None
+        assert read_request(wire) == message
     body = _chunk(b"abc", True).SerializeToString()
     odd = [
         body + body,  # the field twice: the parser merges
@@ -62,14 +62,14 @@ def test_any_other_message_is_left_to_the_parser() -> None:
         body[:1] + bytes([body[1] + 2]) + body[2:] + b"\x18\x01",  # an unknown field inside
     ]
     for wire in odd:
-        assert msg.body_chunk(wire) is None
+        assert body_chunk(wire) is None
 
 
 @settings(max_examples=1_000, deadline=None)
 @given(st.binary(max_size=40) | st.builds(lambda b, e: _chunk(b, e).SerializeToString(),
                                            st.binary(max_size=300), st.booleans()))  # fmt: skip
 def test_a_chunk_is_read_only_where_the_parser_reads_the_same(wire: bytes) -> None:
-    chunk = msg.body_chunk(wire)
+    chunk = body_chunk(wire)
     if chunk is None:
         return
     try:
@@ -90,12 +90,12 @@ async def test_the_exchange_routes_the_same_from_chunks_read_either_way() -> Non
         _chunk(data[a:b], b == len(data)).SerializeToString() for a, b in itertools.pairwise(cuts)
     ]
     seen = []
-    for read in (pb.ProcessingRequest.FromString, msg.read_request):
+    for read in (pb.ProcessingRequest.FromString, read_request):
         router = FakeRouter()
         exchange = Exchange(router, settings=ExtProcSettings(default_body_mode=STREAMED))
         assert await exchange.handle(headers_msg(post_headers())) == []
         replies = [r for w in wires for r in await exchange.handle(read(w))]
         (routed,) = router.routed
-        seen.append((routed.body, [msg.serialize_reply(r) for r in replies]))
+        seen.append((routed.body, [serialize_reply(r) for r in replies]))
     assert seen[0] == seen[1]
     assert seen[0][0] == data

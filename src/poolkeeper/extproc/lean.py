@@ -14,12 +14,12 @@ from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import empty_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
-from poolkeeper.extproc import messages as msg
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.h2.limits import Limits
 from poolkeeper.extproc.h2.rpc import Method, bidi, client_stream, unary
 from poolkeeper.extproc.h2.server import LeanServer
 from poolkeeper.extproc.server import ExtProcServicer
+from poolkeeper.extproc.wire import read_request, serialize_reply
 
 PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 ACCESS_LOG_PATH = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
@@ -32,8 +32,8 @@ def extproc_methods(
     methods = {
         PROCESS_PATH: bidi(
             servicer.Process,
-            msg.read_request,
-            msg.serialize_reply,
+            read_request,
+            serialize_reply,
         )
     }
     if detached is not None:

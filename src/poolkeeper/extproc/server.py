@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc import messages as msg, wire
 from poolkeeper.extproc.accesslog import DetachedExchanges
 from poolkeeper.extproc.contracts import (
     BodyBudget,
@@ -60,9 +60,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(
         self,
-        request_iterator: AsyncIterator[msg.Request],
+        request_iterator: AsyncIterator[wire.Request],
         context: grpc.aio.ServicerContext | None = None,
-    ) -> AsyncIterator[msg.Reply]:
+    ) -> AsyncIterator[wire.Reply]:
         if self.active >= self.settings.max_streams:
             # A direct or runaway client could otherwise hold any number of streams (about
             # 26 KB each). Refused before anything is read or held; Envoy's failure mode
@@ -127,12 +127,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 def add_process(server: grpc.aio.Server, process: Callable[..., Any]) -> None:
     """ext_proc's Process method on `server`, as the generated `add_...Servicer_to_server`
-    adds it, with replies serialized by `messages.serialize_reply` (it takes the body
+    adds it, with replies serialized by `wire.serialize_reply` (it takes the body
     mutations the Exchange sends in wire form as well as protobuf messages)."""
     handler = grpc.stream_stream_rpc_method_handler(
         process,
         request_deserializer=pb.ProcessingRequest.FromString,
-        response_serializer=msg.serialize_reply,
+        response_serializer=wire.serialize_reply,
     )
     service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
     server.add_generic_rpc_handlers(

@@ -32,7 +32,7 @@ from poolkeeper.errors import (
     ServerBusy,
     UnsupportedEncoding,
 )
-from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc import messages as msg, wire
 from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
 from poolkeeper.extproc.contracts import (
     BUFFERED,
@@ -58,7 +58,7 @@ class Phase(enum.Enum):
     DONE = "done"  # finished or answered with an ImmediateResponse
 
 
-Replies = list[msg.Reply]  # body mutations in wire form (msg.WireReply), the rest protobuf
+Replies = list[wire.Reply]  # body mutations in wire form (wire.WireReply), the rest protobuf
 
 
 class Exchange:
@@ -113,8 +113,8 @@ class Exchange:
         self.header_only = False  # the request headers carried end_of_stream
 
     # -- dispatch ---------------------------------------------------------------------------
-    async def handle(self, request: msg.Request) -> Replies:
-        if isinstance(request, msg.BodyChunk):  # a body chunk alone (the lean transport's)
+    async def handle(self, request: wire.Request) -> Replies:
+        if isinstance(request, wire.BodyChunk):  # a body chunk alone (the lean transport's)
             if self.phase is Phase.DONE:
                 return []
             return await self._request_body(request.body, end_of_stream=request.end_of_stream)
@@ -263,7 +263,7 @@ class Exchange:
                 decision.endpoints, len(out_body), self.stripped, key, via_epp=via_epp
             )
         ]
-        replies += msg.streamed_body_wire(
+        replies += wire.streamed_body_wire(
             out_body, end_of_stream=not trailers, size=self.settings.body_chunk_bytes
         )
         if trailers:
@@ -364,7 +364,7 @@ class Exchange:
         if self.response_mode == BUFFERED:
             changed = out != data
             return [msg.buffered_body_reply(body=out if changed else None, response=True)]
-        return msg.streamed_body_wire(
+        return wire.streamed_body_wire(
             out,
             end_of_stream=body.end_of_stream,
             response=True,
@@ -397,7 +397,7 @@ class Exchange:
             self.held.clear()
         if not out or self.phase is not Phase.RESPONSE or self.response_mode == BUFFERED:
             return []
-        return msg.streamed_body_wire(
+        return wire.streamed_body_wire(
             out, end_of_stream=False, response=True, size=self.settings.body_chunk_bytes
         )
 

@@ -19,7 +19,7 @@ from poolkeeper.extproc.h2.limits import Limits
 from poolkeeper.extproc.h2.rpc import Method, bidi, client_stream, unary
 from poolkeeper.extproc.h2.server import LeanServer
 from poolkeeper.extproc.server import ExtProcServicer
-from poolkeeper.extproc.wire import read_request, serialize_reply
+from poolkeeper.extproc.wire import grpc_message, read_request
 
 PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 ACCESS_LOG_PATH = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
@@ -33,7 +33,8 @@ def extproc_methods(
         PROCESS_PATH: bidi(
             servicer.Process,
             read_request,
-            serialize_reply,
+            grpc_message,
+            enveloped=True,
         )
     }
     if detached is not None:

@@ -15,6 +15,7 @@ from typing import Any, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from poolkeeper.extproc.h2.rpc import envelope, prefix
 from poolkeeper.extproc.messages import MAX_BODY_CHUNK
 
 
@@ -132,6 +133,17 @@ def serialize_reply(reply: Reply) -> bytes:
         return b"".join(reply.pieces)
     data: bytes = reply.SerializeToString()
     return data
+
+
+def grpc_message(reply: Reply) -> bytes:
+    """The reply as one gRPC message (the 5-byte prefix, then `serialize_reply`'s bytes): the
+    lean transport's encoder, which so writes a body mutation's pieces with one copy."""
+    if isinstance(reply, WireReply):
+        pieces = reply.pieces
+        size = sum(map(len, pieces))
+        return b"".join((prefix(size), *pieces))
+    data: bytes = reply.SerializeToString()
+    return envelope(data)
 
 
 def streamed_body_wire(

@@ -526,10 +526,12 @@ class Connection(asyncio.Protocol):
         replies: AsyncIterator[Any] = method.handler(stream.inbox)
         try:
             async for reply in replies:
-                data = envelope(method.encode(reply))
+                data = method.encode(reply)
+                if not method.enveloped:
+                    data = envelope(data)
                 self._send(stream, data)
                 if len(data) >= _EAGER_BYTES:
-                    self.flush_now()
+                    self._flush_large()
                 if self._paused or stream.pending_bytes > _HIGH_WATER:
                     await self._writable(stream)
             self._finish(stream, OK, None)
@@ -578,6 +580,13 @@ class Connection(asyncio.Protocol):
         for whatever comes later in the pass."""
         if self._out and not self._closed and self.transport is not None:
             self.transport.write(b"".join(self._out))
+            self._out.clear()
+
+    def _flush_large(self) -> None:
+        """`flush_now` for a large reply: its frames' payloads are views of it, handed to the
+        transport as they are (uvloop writes them with one writev), not joined into a copy."""
+        if self._out and not self._closed and self.transport is not None:
+            self.transport.writelines(self._out)
             self._out.clear()
 
     def _control_reply(self, data: bytes) -> None:

@@ -31,12 +31,17 @@ class Method:
     encode: Callable[[Any], bytes]
     handler: Handler
     open: bool = False  # callable without the gateway Envoy's token (health)
+    enveloped: bool = False  # `encode` writes the gRPC message prefix itself (`envelope`)
 
 
 def bidi(
-    handler: Handler, decode: Callable[[bytes], Any], encode: Callable[[Any], bytes]
+    handler: Handler,
+    decode: Callable[[bytes], Any],
+    encode: Callable[[Any], bytes],
+    *,
+    enveloped: bool = False,
 ) -> Method:
-    return Method(decode, encode, handler)
+    return Method(decode, encode, handler, enveloped=enveloped)
 
 
 def client_stream(
@@ -82,6 +87,11 @@ class RpcError(Exception):
 def envelope(payload: bytes) -> bytes:
     """One uncompressed gRPC message: flag, 4-byte length, bytes."""
     return _PREFIX.pack(0, len(payload)) + payload
+
+
+def prefix(size: int) -> bytes:
+    """The 5 bytes in front of an uncompressed gRPC message of `size` bytes."""
+    return _PREFIX.pack(0, size)
 
 
 def trailers(code: int, message: str | None = None) -> bytes:

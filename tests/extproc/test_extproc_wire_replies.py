@@ -34,7 +34,8 @@ def test_wire_replies_are_the_serializers_bytes() -> None:
         written = wire.streamed_body_wire(body, end_of_stream=eos, response=response, size=chunk)
         expected = [r.SerializeToString() for r in made]
         assert [wire.serialize_reply(r) for r in written] == expected, (n, eos, response, chunk)
-        assert [r.message() for r in written] == made
+        assert [r.message() if isinstance(r, wire.WireReply) else r for r in written] == made
+        assert all(isinstance(r, wire.WireReply) for r in written) == (n >= wire.WIRE_FROM_BYTES)
 
 
 def test_the_body_goes_out_as_views_of_itself() -> None:

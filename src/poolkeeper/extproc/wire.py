@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper.extproc.h2.rpc import envelope, prefix
-from poolkeeper.extproc.messages import MAX_BODY_CHUNK
+from poolkeeper.extproc.messages import MAX_BODY_CHUNK, streamed_body_replies
 
 
 def _varint(value: int) -> bytes:
@@ -34,6 +34,9 @@ def _tag(message: type[Any], field: str, wire_type: int) -> bytes:
     return _varint(number << 3 | wire_type)
 
 
+# Below this many bytes a message's copies cost less than building it here in Python: small
+# bodies go through protobuf as before (a chat "hi" request must not pay for 1 MiB ones).
+WIRE_FROM_BYTES = 16 << 10
 _LEN, _VARINT = 2, 0
 _REQUEST_BODY = _tag(pb.ProcessingResponse, "request_body", _LEN)
 _RESPONSE_BODY = _tag(pb.ProcessingResponse, "response_body", _LEN)
@@ -65,9 +68,10 @@ Request: TypeAlias = pb.ProcessingRequest | BodyChunk
 
 
 def read_request(raw: bytes) -> Request:
-    """The Process method's deserializer on the lean transport: a body chunk alone as a
+    """The Process method's deserializer on the lean transport: a large body chunk alone as a
     `BodyChunk`, any other message (or any other shape of one) parsed as protobuf."""
-    return body_chunk(raw) or pb.ProcessingRequest.FromString(raw)
+    chunk = body_chunk(raw) if len(raw) >= WIRE_FROM_BYTES else None
+    return chunk or pb.ProcessingRequest.FromString(raw)
 
 
 def body_chunk(raw: bytes) -> BodyChunk | None:
@@ -148,9 +152,12 @@ def grpc_message(reply: Reply) -> bytes:
 
 def streamed_body_wire(
     body: bytes, *, end_of_stream: bool, response: bool = False, size: int = MAX_BODY_CHUNK
-) -> list[WireReply]:
-    """`streamed_body_replies`, byte for byte, in wire form: each piece is a view of `body`
-    behind its few bytes of message keys and lengths."""
+) -> list[Reply]:
+    """`streamed_body_replies`, byte for byte: in wire form for a large body (each piece a view
+    of `body` behind its few bytes of message keys and lengths), else the protobuf replies."""
+    if len(body) < WIRE_FROM_BYTES:
+        return [*streamed_body_replies(body, end_of_stream=end_of_stream, response=response,
+                                       size=size)]  # fmt: skip
     view = memoryview(body)
     total = len(body)
     starts = range(0, total, size) if total else range(1)

@@ -10,9 +10,12 @@ socket, as `test_extproc_h2_flush.py` does.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import grpc
 import hpack
 import pytest
 
@@ -20,7 +23,9 @@ from poolkeeper.extproc.h2 import frames as f
 from poolkeeper.extproc.h2.connection import Connection, Shared
 from poolkeeper.extproc.h2.limits import Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import MessageReader, bidi, envelope
-from tests.extproc.h2_peer import PATH
+from poolkeeper.extproc.h2.server import tls_context
+from tests.extproc.h2_peer import PATH, lean
+from tests.extproc.test_extproc_h2 import _self_signed
 from tests.extproc.test_extproc_h2_flush import _Transport
 
 # Envoy's shape for a large body: messages of ~256 KiB in 16 KiB DATA frames, so message
@@ -87,3 +92,20 @@ def test_the_message_reader_takes_views_and_gives_bytes() -> None:
         out = [m for at in range(0, len(stream), cut) for m in reader.feed(view[at : at + cut])]
         assert out == MESSAGES, cut
         assert all(type(m) is bytes for m in out)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_large_replies_arrive_whole_over_tls_on_uvloop(tmp_path: Path) -> None:
+    """A large reply's frames go to the transport as views (`writelines`): over TLS, on
+    uvloop as `serve` runs, grpcio's client still reads every byte."""
+    uvloop = pytest.importorskip("uvloop")
+    cert, key = _self_signed(tmp_path)
+    sent = [b"a", bytes(range(256)) * 1_200, b"z" * 1_000_000]
+
+    async def exchange() -> list[bytes]:
+        async with lean(tls=tls_context(str(cert), str(key))) as server:
+            credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+            async with grpc.aio.secure_channel(f"localhost:{server.port}", credentials) as ch:
+                return [r async for r in ch.stream_stream(PATH)(iter(sent))]
+
+    assert uvloop.run(exchange()) == sent

@@ -9,7 +9,7 @@ Decoding the peer's blocks is `hpack.Decoder`'s job (connection.py).
 from __future__ import annotations
 
 import struct
-from typing import TypeVar
+from typing import overload
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HEADER_LEN = 9
@@ -44,7 +44,6 @@ ERROR_NAMES = {
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
 INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
-Payload = TypeVar("Payload", bytes, memoryview)  # a frame's content: DATA's is a view
 _HEAD = struct.Struct(">HBBBL")  # length as 16 + 8 bits, type, flags, stream id
 _U32 = struct.Struct(">L")
 
@@ -103,7 +102,11 @@ def u32(payload: bytes) -> int:
     return value
 
 
-def strip_padding(flags: int, payload: Payload) -> Payload:
+@overload
+def strip_padding(flags: int, payload: bytes) -> bytes: ...
+@overload
+def strip_padding(flags: int, payload: memoryview) -> memoryview: ...
+def strip_padding(flags: int, payload: bytes | memoryview) -> bytes | memoryview:
     """The frame's content without its padding (PADDED flag)."""
     if not flags & PADDED:
         return payload

@@ -152,8 +152,10 @@ def _epp_times(path: str) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     from poolkeeper.extproc.h2.connection import Connection
+    from poolkeeper.extproc.wire import read_request
 
-    process_stream = pb.ProcessingRequest.FromString
+    # The Process method's decoders: serve's (wire.read_request) and the floor processor's.
+    process_streams = (pb.ProcessingRequest.FromString, read_request)
     marks: dict[tuple[int, int], list[int]] = {}
     out: list[tuple[int, int, int, int]] = []
     on_data, open_, finish = Connection._on_data, Connection._open, Connection._finish
@@ -163,7 +165,7 @@ def _epp_times(path: str) -> None:
         marks[(id(self), stream_id)] = now + now
         open_(self, stream_id, end_stream, headers)
 
-    def _on_data(self: Any, flags: int, stream_id: int, payload: bytes) -> None:
+    def _on_data(self: Any, flags: int, stream_id: int, payload: memoryview) -> None:
         mark = marks.get((id(self), stream_id))
         if mark is not None:
             mark[2:] = time.perf_counter_ns(), time.thread_time_ns()
@@ -172,7 +174,7 @@ def _epp_times(path: str) -> None:
     def _finish(self: Any, stream: Any, code: int, message: str | None) -> None:
         mark = marks.pop((id(self), stream.id), None)
         finish(self, stream, code, message)
-        ours = stream.inbox is not None and stream.inbox._decode == process_stream
+        ours = stream.inbox is not None and stream.inbox._decode in process_streams
         if mark is not None and ours and len(out) < 200_000:
             wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
             out.append(((wall - mark[2]) // 1000, (cpu - mark[3]) // 1000,

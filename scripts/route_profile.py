@@ -53,6 +53,7 @@ from poolkeeper.bench.overhead.gateway_overhead import BODY, MODEL, write_config
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.accesslog import AccessLogReceiver
 from poolkeeper.extproc.heap import keep_freed_pages
+from poolkeeper.extproc.wire import serialize_reply
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 
@@ -136,14 +137,16 @@ class Driver:
         began = clock()
         replies = [r async for r in self.servicer.Process(requests())]
         routed = clock()  # the stream ends once routed (handed off to the access log)
-        encoded = [r.SerializeToString() for r in replies]
+        encoded = [serialize_reply(r) for r in replies]
         ended = clock()
         assert encoded, "no reply"
-        assert replies[0].HasField("request_headers"), replies
+        first = replies[0]
+        assert isinstance(first, pb.ProcessingResponse), replies
+        assert first.HasField("request_headers"), replies
         self.times["headers"].append(marks[1] - marks[0])
         self.times["body"].append(routed - marks[1])
         self.times["stream"].append(ended - began)
-        names = replies[0].dynamic_metadata.fields[wire.NAMESPACE]
+        names = first.dynamic_metadata.fields[wire.NAMESPACE]
         self.keys.append(names.struct_value.fields[wire.EXCHANGE].string_value)
         if len(self.keys) >= self.batch:
             await self.flush()

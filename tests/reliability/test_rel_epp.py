@@ -27,6 +27,11 @@ def _status(replies: list[Any]) -> int:
     return int(reply.immediate_response.status.code)
 
 
+def _first(replies: list[Any]) -> Any:
+    """The first reply (a protobuf message: only body mutations come in wire form)."""
+    return replies[0]
+
+
 async def test_epp_refuses_paths_outside_the_allowlist() -> None:
     settings = ExtProcSettings(inference_paths=frozenset({"/v1/chat/completions", "/v1/models"}))
     router = FakeRouter()
@@ -34,14 +39,14 @@ async def test_epp_refuses_paths_outside_the_allowlist() -> None:
         ex = Exchange(router, settings=settings)
         replies = await ex.handle(headers_msg(post_headers(**{":path": path})))
         assert _status(replies) == 404
-        body = json.loads(replies[0].immediate_response.body)
+        body = json.loads(_first(replies).immediate_response.body)
         assert body["error"]["code"] == "not_found"
     ok = Exchange(router, settings=settings)
     # Allowed (trailing slash and query ignored): FULL_DUPLEX holds the reply for the body.
     assert (
         await ok.handle(headers_msg(post_headers(**{":path": "/v1/chat/completions/?a=1"}))) == []
     )
-    assert (await ok.handle(body_msg(CHAT, eos=True)))[0].HasField("request_headers")
+    assert _first(await ok.handle(body_msg(CHAT, eos=True))).HasField("request_headers")
 
 
 async def test_epp_refuses_an_encoded_body_with_415() -> None:
@@ -52,11 +57,11 @@ async def test_epp_refuses_an_encoded_body_with_415() -> None:
         ex = Exchange(router)
         replies = await ex.handle(headers_msg(post_headers(**{"content-encoding": encoding})))
         assert _status(replies) == 415
-        body = json.loads(replies[0].immediate_response.body)
+        body = json.loads(_first(replies).immediate_response.body)
         assert body["error"]["code"] == "unsupported_media_type"
     ok = Exchange(router)
     assert await ok.handle(headers_msg(post_headers(**{"content-encoding": "identity"}))) == []
-    assert (await ok.handle(body_msg(CHAT, eos=True)))[0].HasField("request_headers")
+    assert _first(await ok.handle(body_msg(CHAT, eos=True))).HasField("request_headers")
 
 
 async def test_global_body_budget_refuses_and_is_given_back() -> None:
@@ -70,14 +75,14 @@ async def test_global_body_budget_refuses_and_is_given_back() -> None:
     await second.handle(headers_msg(post_headers()))
     replies = await second.handle(body_msg(b"y" * 20_000, eos=False))
     assert _status(replies) == 503
-    assert b"server_busy" in replies[0].immediate_response.body
+    assert b"server_busy" in _first(replies).immediate_response.body
     assert budget.used == 90_000  # the refused one took nothing
     held.close()  # the client went away: its bytes come back
     assert budget.used == 0
     third = Exchange(router, budget=budget)
     await third.handle(headers_msg(post_headers()))
     replies = await third.handle(body_msg(CHAT, eos=True))
-    assert replies[0].HasField("request_headers")
+    assert _first(replies).HasField("request_headers")
     assert budget.used == 0  # routed: the body is released at once
 
 

@@ -11,7 +11,6 @@ import ssl
 from collections.abc import Mapping
 
 from envoy.service.accesslog.v3 import als_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import empty_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
@@ -20,6 +19,7 @@ from poolkeeper.extproc.h2.limits import Limits
 from poolkeeper.extproc.h2.rpc import Method, bidi, client_stream, unary
 from poolkeeper.extproc.h2.server import LeanServer
 from poolkeeper.extproc.server import ExtProcServicer
+from poolkeeper.extproc.wire import grpc_message, read_request
 
 PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 ACCESS_LOG_PATH = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
@@ -32,8 +32,9 @@ def extproc_methods(
     methods = {
         PROCESS_PATH: bidi(
             servicer.Process,
-            pb.ProcessingRequest.FromString,
-            pb.ProcessingResponse.SerializeToString,
+            read_request,
+            grpc_message,
+            enveloped=True,
         )
     }
     if detached is not None:

@@ -221,13 +221,46 @@ def routing_reply(
     them in (about half the CPU of the reply, on every routed request)."""
     reply = pb.ProcessingResponse()
     common = reply.request_headers.response
+    _fill_routing(reply, common, endpoints, body_length, spoofed, exchange, via_epp)
+    return reply
+
+
+def buffered_routing_reply(
+    endpoints: Sequence[str],
+    body: bytes | None,
+    spoofed: Iterable[str],
+    exchange: str | None = None,
+    *,
+    via_epp: bool = False,
+) -> pb.ProcessingResponse:
+    """BUFFERED mode's routing: the same routing as `routing_reply`, on the request-body reply,
+    and the body replaced when `body` is given (its Content-Length set)."""
+    reply = pb.ProcessingResponse()
+    common = reply.request_body.response
+    length = len(body) if body is not None else None
+    _fill_routing(reply, common, endpoints, length, spoofed, exchange, via_epp)
+    if body is not None:
+        common.body_mutation.body = body
+    return reply
+
+
+def _fill_routing(
+    reply: pb.ProcessingResponse,
+    common: pb.CommonResponse,
+    endpoints: Sequence[str],
+    body_length: int | None,
+    spoofed: Iterable[str],
+    exchange: str | None,
+    via_epp: bool,
+) -> None:
+    """What routes a request, whichever reply carries it: the destination header (and
+    Content-Length), the route cache cleared, the `envoy.lb` metadata, the exchange key."""
     common.clear_route_cache = True
     _fill_routing_headers(common.header_mutation, endpoints, body_length, spoofed)
     metadata = reply.dynamic_metadata
     _fill_destination(metadata, endpoints)
     if exchange is not None:
         add_exchange_key(metadata, exchange, via_epp=via_epp)
-    return reply
 
 
 def request_headers_reply(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import (
@@ -18,7 +19,7 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc import messages as msg, wire
 from poolkeeper.extproc.accesslog import DetachedExchanges
 from poolkeeper.extproc.contracts import (
     BodyBudget,
@@ -59,9 +60,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(
         self,
-        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        request_iterator: AsyncIterator[wire.Request],
         context: grpc.aio.ServicerContext | None = None,
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> AsyncIterator[wire.Reply]:
         if self.active >= self.settings.max_streams:
             # A direct or runaway client could otherwise hold any number of streams (about
             # 26 KB each). Refused before anything is read or held; Envoy's failure mode
@@ -81,7 +82,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         handed_off = False
         try:
             async for request in request_iterator:
-                if self.detached is not None and request.HasField("response_headers"):
+                if (
+                    self.detached is not None
+                    and isinstance(request, pb.ProcessingRequest)
+                    and request.HasField("response_headers")
+                ):
                     # The response processor's stream (envoy/observer.py): the request was
                     # routed on an earlier stream. An unknown key (routed by an earlier EPP
                     # process) keeps the fresh Exchange, which passes the response on as is.
@@ -104,7 +109,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     return
                 for reply in replies:
                     yield reply
-                if replies and replies[-1].HasField("immediate_response"):
+                last = replies[-1] if replies else None
+                if isinstance(last, pb.ProcessingResponse) and last.HasField("immediate_response"):
                     # Envoy answers the client and drops the stream; end it now rather than
                     # wait for that. A read still pending when Envoy resets the stream, or a
                     # status sent after the reset, leaks ~80 bytes of native memory per
@@ -117,6 +123,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 exchange.close(generation)
             if self.on_stream_end is not None:
                 self.on_stream_end(exchange)
+
+
+def add_process(server: grpc.aio.Server, process: Callable[..., Any]) -> None:
+    """ext_proc's Process method on `server`, as the generated `add_...Servicer_to_server`
+    adds it, with replies serialized by `wire.serialize_reply` (it takes the body
+    mutations the Exchange sends in wire form as well as protobuf messages)."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        process,
+        request_deserializer=pb.ProcessingRequest.FromString,
+        response_serializer=wire.serialize_reply,
+    )
+    service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {"Process": handler}),)
+    )
 
 
 async def _exhausted(context: grpc.aio.ServicerContext | None, limit: int) -> None:
@@ -147,7 +168,7 @@ def build_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    add_process(server, servicer.Process)
     if extra is not None:
         extra(server)
     if credentials is None:

@@ -32,7 +32,7 @@ from poolkeeper.errors import (
     ServerBusy,
     UnsupportedEncoding,
 )
-from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc import messages as msg, wire
 from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
 from poolkeeper.extproc.contracts import (
     BUFFERED,
@@ -58,7 +58,7 @@ class Phase(enum.Enum):
     DONE = "done"  # finished or answered with an ImmediateResponse
 
 
-Replies = list[pb.ProcessingResponse]
+Replies = list[wire.Reply]  # body mutations in wire form (wire.WireReply), the rest protobuf
 
 
 class Exchange:
@@ -97,7 +97,7 @@ class Exchange:
         self.request_id = ""
         # The request body's chunks, joined once when routing: appending each to one
         # bytearray copied it again whenever it grew (1 MiB in 64 KiB chunks: ~1 ms).
-        self.body: list[bytes] = []
+        self.body: list[bytes | memoryview] = []
         self.body_bytes = 0
         self.decision: RoutingDecision | None = None
         self.status = 0
@@ -113,7 +113,11 @@ class Exchange:
         self.header_only = False  # the request headers carried end_of_stream
 
     # -- dispatch ---------------------------------------------------------------------------
-    async def handle(self, request: pb.ProcessingRequest) -> Replies:
+    async def handle(self, request: wire.Request) -> Replies:
+        if isinstance(request, wire.BodyChunk):  # a body chunk alone (the lean transport's)
+            if self.phase is Phase.DONE:
+                return []
+            return await self._request_body(request.body, end_of_stream=request.end_of_stream)
         if request.HasField("protocol_config"):
             self.request_mode = request.protocol_config.request_body_mode
             self.response_mode = request.protocol_config.response_body_mode
@@ -126,7 +130,9 @@ class Exchange:
         if kind == "request_headers":
             return await self._request_headers(request.request_headers)
         if kind == "request_body":
-            return await self._request_body(request.request_body)
+            body = request.request_body
+            # Read once: each read of a protobuf bytes field is a fresh copy.
+            return await self._request_body(body.body, end_of_stream=body.end_of_stream)
         if kind == "request_trailers":
             return await self._request_trailers()
         if kind == "response_headers":
@@ -174,11 +180,9 @@ class Exchange:
             return [msg.request_headers_reply(msg.header_mutation(remove=self.stripped))]
         return []  # FULL_DUPLEX: the headers reply waits for the routing decision
 
-    async def _request_body(self, body: pb.HttpBody) -> Replies:
+    async def _request_body(self, data: bytes | memoryview, *, end_of_stream: bool) -> Replies:
         if self.phase is not Phase.REQUEST_BODY:
             return []
-        # Read once: each read of a protobuf bytes field is a fresh copy (1 MiB = ~1 ms).
-        data = body.body
         if self.body_bytes + len(data) > self.settings.max_request_body_bytes:
             limit = self.settings.max_request_body_bytes
             return self._reject(PayloadTooLarge(f"request body exceeds {limit} bytes"))
@@ -191,7 +195,7 @@ class Exchange:
         if data:
             self.body.append(data)
             self.body_bytes += len(data)
-        if body.end_of_stream:
+        if end_of_stream:
             return await self._route(trailers=False)
         if self.request_mode == BUFFERED:  # BUFFERED_PARTIAL-like pieces: let them continue
             return [msg.buffered_body_reply()]
@@ -203,7 +207,7 @@ class Exchange:
         return [msg.trailers_reply(response=False)]
 
     async def _route(self, *, trailers: bool) -> Replies:
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        body = _joined(self.body)
         incoming = IncomingRequest(
             request_id=self.request_id,
             method=self.headers.get(":method", ""),
@@ -248,18 +252,10 @@ class Exchange:
                 msg.routing_reply(decision.endpoints, None, self.stripped, key, via_epp=via_epp)
             ]
         if self.request_mode == BUFFERED:
-            metadata = msg.destination_metadata(decision.endpoints)
-            if key is not None:
-                msg.add_exchange_key(metadata, key, via_epp=via_epp)
-            length = len(out_body) if decision.body is not None else None
-            mutation = msg.routing_headers(decision.endpoints, length, self.stripped)
             self._release_body()
             return [
-                msg.buffered_body_reply(
-                    body=decision.body,
-                    mutation=mutation,
-                    clear_route_cache=True,
-                    metadata=metadata,
+                msg.buffered_routing_reply(
+                    decision.endpoints, decision.body, self.stripped, key, via_epp=via_epp
                 )
             ]
         replies = [
@@ -267,7 +263,7 @@ class Exchange:
                 decision.endpoints, len(out_body), self.stripped, key, via_epp=via_epp
             )
         ]
-        replies += msg.streamed_body_replies(
+        replies += wire.streamed_body_wire(
             out_body, end_of_stream=not trailers, size=self.settings.body_chunk_bytes
         )
         if trailers:
@@ -368,7 +364,7 @@ class Exchange:
         if self.response_mode == BUFFERED:
             changed = out != data
             return [msg.buffered_body_reply(body=out if changed else None, response=True)]
-        return msg.streamed_body_replies(
+        return wire.streamed_body_wire(
             out,
             end_of_stream=body.end_of_stream,
             response=True,
@@ -401,7 +397,7 @@ class Exchange:
             self.held.clear()
         if not out or self.phase is not Phase.RESPONSE or self.response_mode == BUFFERED:
             return []
-        return msg.streamed_body_replies(
+        return wire.streamed_body_wire(
             out, end_of_stream=False, response=True, size=self.settings.body_chunk_bytes
         )
 
@@ -507,6 +503,16 @@ class Exchange:
             self.served or decision.endpoints[0],
             seconds,
         )
+
+
+def _joined(chunks: list[bytes | memoryview]) -> bytes:
+    """A request body's chunks as one `bytes`: joined once (the only copy of a body that came
+    as views of its messages), a lone `bytes` chunk as it is."""
+    if len(chunks) == 1:
+        only = chunks[0]
+        if isinstance(only, bytes):
+            return only
+    return b"".join(chunks)
 
 
 def _rewrites_response(decision: RoutingDecision) -> bool:

@@ -181,48 +181,91 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        if type(data) is not bytes:  # frames below keep views of it: it must never change
+            data = bytes(data)
+        try:
+            pos = self._held(data) if self._buf or not self._preface else 0
+            if pos >= 0:
+                pos = self._frames(data, pos)
+        except f.ProtocolViolation as error:
+            self._fail(error.code, str(error))
+            return
+        if 0 <= pos < len(data) and not self._closed:
+            self._buf += memoryview(data)[pos:]  # a frame cut off: held for the next read
+
+    def _held(self, data: bytes) -> int:
+        """Finish what an earlier read left unfinished (the preface, or a frame it cut off)
+        with the start of `data`, and handle that frame alone: the rest of `data` is read
+        where it lies, not copied behind the held bytes (a 1 MiB body comes in ~5 reads, each
+        cutting a frame). Returns where in `data` the next frame starts, -1 if all of it is
+        held (or the connection ended)."""
         buf = self._buf
-        buf += data
         if not self._preface:
+            buf += data
             if len(buf) < len(f.PREFACE):
                 if not f.PREFACE.startswith(bytes(buf)):
                     self._abort()
-                return
+                return -1
             if buf[: len(f.PREFACE)] != f.PREFACE:
                 self._abort()
-                return
+                return -1
             del buf[: len(f.PREFACE)]
             self._preface = True
             if self._preface_timer is not None:
                 self._preface_timer.cancel()
-        pos, size = 0, len(buf)
-        view = memoryview(buf)  # each payload copied once (a bytearray slice is a copy too)
-        try:
-            while size - pos >= f.HEADER_LEN:
-                length, kind, flags, stream_id = f.parse_head(buf, pos)
-                if length > f.DEFAULT_MAX_FRAME:  # we never advertise a larger one
-                    raise f.ProtocolViolation(f.FRAME_SIZE_ERROR, "frame over the maximum size")
-                end = pos + f.HEADER_LEN + length
-                if end > size:
-                    break
-                payload = bytes(view[pos + f.HEADER_LEN : end])
-                pos = end
-                self._frame(kind, flags, stream_id, payload)
-                if self.closed:
-                    return
-        except f.ProtocolViolation as error:
-            self._fail(error.code, str(error))
-            return
-        finally:
-            view.release()
-        del buf[:pos]
+            rest = bytes(buf)  # the connection's first read: copied once
+            buf.clear()
+            pos = self._frames(rest, 0)
+            if pos < len(rest) and not self._closed:
+                buf += memoryview(rest)[pos:]
+            return -1
+        at = 0
+        if len(buf) < f.HEADER_LEN:
+            at = min(f.HEADER_LEN - len(buf), len(data))
+            buf += memoryview(data)[:at]
+            if len(buf) < f.HEADER_LEN:
+                return -1
+        length = (buf[0] << 16) | (buf[1] << 8) | buf[2]
+        if length <= f.DEFAULT_MAX_FRAME:  # a larger one is refused by `_frames` at once
+            more = min(f.HEADER_LEN + length - len(buf), len(data) - at)
+            buf += memoryview(data)[at : at + more]
+            at += more
+            if len(buf) < f.HEADER_LEN + length:
+                return -1
+        frame = bytes(buf)
+        buf.clear()
+        self._frames(frame, 0)
+        return -1 if self._closed else at
+
+    def _frames(self, data: bytes, pos: int) -> int:
+        """Handle every whole frame of `data` from `pos` on; where the first unfinished one
+        starts. DATA payloads go on as views of `data` (the message reader copies each
+        message once), the other frames' as bytes (small, and parsed at once)."""
+        size = len(data)
+        view = memoryview(data)
+        while size - pos >= f.HEADER_LEN:
+            length, kind, flags, stream_id = f.parse_head(data, pos)
+            if length > f.DEFAULT_MAX_FRAME:  # we never advertise a larger one
+                raise f.ProtocolViolation(f.FRAME_SIZE_ERROR, "frame over the maximum size")
+            start = pos + f.HEADER_LEN
+            end = start + length
+            if end > size:
+                break
+            pos = end
+            if kind == f.DATA and self._cont is None:
+                self._on_data(flags, stream_id, view[start:end])
+            else:
+                self._frame(kind, flags, stream_id, data[start:end])
+            if self._closed:
+                return size
+        return pos
 
     # -- frames in ------------------------------------------------------------------------
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._cont is not None and kind != f.CONTINUATION:
             raise f.ProtocolViolation(f.PROTOCOL_ERROR, "expected CONTINUATION")
-        if kind == f.DATA:
-            self._on_data(flags, stream_id, payload)
+        if kind == f.DATA:  # (`_frames` hands DATA to `_on_data` itself)
+            self._on_data(flags, stream_id, memoryview(payload))
         elif kind == f.HEADERS:
             self._on_headers(flags, stream_id, payload)
         elif kind == f.CONTINUATION:
@@ -255,7 +298,7 @@ class Connection(asyncio.Protocol):
                 raise f.ProtocolViolation(f.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
             # Unknown frame types are ignored (RFC 9113 section 5.5), at a control frame's cost.
 
-    def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
+    def _on_data(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if not stream_id:
             raise f.ProtocolViolation(f.PROTOCOL_ERROR, "DATA on stream 0")
         n = len(payload)  # padding counts against the windows too
@@ -483,10 +526,12 @@ class Connection(asyncio.Protocol):
         replies: AsyncIterator[Any] = method.handler(stream.inbox)
         try:
             async for reply in replies:
-                data = envelope(method.encode(reply))
+                data = method.encode(reply)
+                if not method.enveloped:
+                    data = envelope(data)
                 self._send(stream, data)
                 if len(data) >= _EAGER_BYTES:
-                    self.flush_now()
+                    self._flush_large()
                 if self._paused or stream.pending_bytes > _HIGH_WATER:
                     await self._writable(stream)
             self._finish(stream, OK, None)
@@ -535,6 +580,13 @@ class Connection(asyncio.Protocol):
         for whatever comes later in the pass."""
         if self._out and not self._closed and self.transport is not None:
             self.transport.write(b"".join(self._out))
+            self._out.clear()
+
+    def _flush_large(self) -> None:
+        """`flush_now` for a large reply: its frames' payloads are views of it, handed to the
+        transport as they are (uvloop writes them with one writev), not joined into a copy."""
+        if self._out and not self._closed and self.transport is not None:
+            self.transport.writelines(self._out)
             self._out.clear()
 
     def _control_reply(self, data: bytes) -> None:

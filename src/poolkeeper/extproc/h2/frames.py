@@ -9,6 +9,7 @@ Decoding the peer's blocks is `hpack.Decoder`'s job (connection.py).
 from __future__ import annotations
 
 import struct
+from typing import overload
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HEADER_LEN = 9
@@ -65,7 +66,7 @@ def frame_head(kind: int, flags: int, stream_id: int, length: int) -> bytes:
     return _HEAD.pack(length >> 8, length & 0xFF, kind, flags, stream_id)
 
 
-def parse_head(buf: bytes | bytearray, at: int) -> tuple[int, int, int, int]:
+def parse_head(buf: bytes | bytearray | memoryview, at: int) -> tuple[int, int, int, int]:
     """(length, type, flags, stream id) of the frame header at `at`."""
     high, low, kind, flags, stream_id = _HEAD.unpack_from(buf, at)
     return (high << 8) | low, kind, flags, stream_id & 0x7FFFFFFF
@@ -101,7 +102,11 @@ def u32(payload: bytes) -> int:
     return value
 
 
-def strip_padding(flags: int, payload: bytes) -> bytes:
+@overload
+def strip_padding(flags: int, payload: bytes) -> bytes: ...
+@overload
+def strip_padding(flags: int, payload: memoryview) -> memoryview: ...
+def strip_padding(flags: int, payload: bytes | memoryview) -> bytes | memoryview:
     """The frame's content without its padding (PADDED flag)."""
     if not flags & PADDED:
         return payload

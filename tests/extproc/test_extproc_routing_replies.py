@@ -1,0 +1,60 @@
+"""The routing a reply carries has one home (`messages._fill_routing`): FULL_DUPLEX_STREAMED
+puts it on the request-headers reply (`routing_reply`), BUFFERED on the request-body reply
+(`buffered_routing_reply`). Both must stay the exact bytes the separate builders made
+(map entries in sorted order: the default serialization orders them by hash)."""
+
+from __future__ import annotations
+
+import itertools
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from poolkeeper.extproc import messages as msg
+
+ENDPOINTS = [("10.0.0.1:8000",), ("10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000")]
+BODIES = [None, b"", b'{"model":"adapter-1","messages":[]}', bytes(range(256)) * 300]
+SPOOFED = [[], [msg.DESTINATION_HEADER, "x-gateway-model-name-rewrite"], ["content-length"]]
+KEYS = [(None, False), ("k1", False), ("k2", True)]
+
+
+def _buffered_by_parts(
+    endpoints: tuple[str, ...], body: bytes | None, spoofed: list[str], key: str | None, via: bool
+) -> pb.ProcessingResponse:
+    """The BUFFERED routing reply as `Exchange` built it before: each part apart, copied in."""
+    metadata = msg.destination_metadata(endpoints)
+    if key is not None:
+        msg.add_exchange_key(metadata, key, via_epp=via)
+    length = len(body) if body is not None else None
+    mutation = msg.routing_headers(endpoints, length, spoofed)
+    return msg.buffered_body_reply(
+        body=body, mutation=mutation, clear_route_cache=True, metadata=metadata
+    )
+
+
+def test_the_buffered_routing_reply_is_the_bytes_the_parts_made() -> None:
+    cases = itertools.product(ENDPOINTS, BODIES, SPOOFED, KEYS)
+    for endpoints, body, spoofed, (key, via) in cases:
+        built = msg.buffered_routing_reply(endpoints, body, spoofed, key, via_epp=via)
+        reference = _buffered_by_parts(endpoints, body, spoofed, key, via)
+        # Deterministic: map entries (the metadata's namespaces) are sorted, where the default
+        # serialization follows the hash table's order, which varies between runs.
+        assert built.SerializeToString(deterministic=True) == reference.SerializeToString(
+            deterministic=True
+        ), (endpoints, body, key)
+        assert built == reference
+
+
+def test_both_modes_route_with_the_same_parts() -> None:
+    """Header mutation, route-cache clear and metadata are the same on either reply."""
+    cases = itertools.product(ENDPOINTS, BODIES, SPOOFED, KEYS)
+    for endpoints, body, spoofed, (key, via) in cases:
+        length = len(body) if body is not None else None
+        streamed = msg.routing_reply(endpoints, length, spoofed, key, via_epp=via)
+        buffered = msg.buffered_routing_reply(endpoints, body, spoofed, key, via_epp=via)
+        on_headers, on_body = streamed.request_headers.response, buffered.request_body.response
+        assert on_headers.header_mutation == on_body.header_mutation
+        assert on_headers.clear_route_cache
+        assert on_body.clear_route_cache
+        assert streamed.dynamic_metadata == buffered.dynamic_metadata
+        assert on_body.HasField("body_mutation") == (body is not None)
+        assert not on_headers.HasField("body_mutation")

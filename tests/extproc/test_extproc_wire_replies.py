@@ -1,0 +1,117 @@
+"""Body mutations in wire form (`wire.streamed_body_wire`): the protobuf serializer's exact
+bytes, with the body's pieces as views of the body (no copy before the socket's)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import hpack
+
+from poolkeeper.extproc import messages as msg, wire
+from poolkeeper.extproc.h2 import frames as f
+from poolkeeper.extproc.h2.connection import Connection, Shared
+from poolkeeper.extproc.h2.limits import Limits, TransportStats
+from poolkeeper.extproc.h2.rpc import bidi, envelope
+from tests.extproc.h2_peer import PATH
+
+SIZES = [0, 1, 127, 128, 129, 16_383, 16_384, 61_999, 62_000, 62_001, 124_000, 300_000]
+SIZES += [1 << 20, (1 << 20) + 88]
+
+
+def _body(n: int) -> bytes:
+    return (bytes(range(256)) * (n // 256 + 1))[:n]
+
+
+def test_wire_replies_are_the_serializers_bytes() -> None:
+    for n, eos, response, chunk in itertools.product(
+        SIZES, (False, True), (False, True), (msg.MAX_BODY_CHUNK, 1_000, 4 << 20)
+    ):
+        body = _body(n)
+        made = msg.streamed_body_replies(body, end_of_stream=eos, response=response, size=chunk)
+        written = wire.streamed_body_wire(body, end_of_stream=eos, response=response, size=chunk)
+        expected = [r.SerializeToString() for r in made]
+        assert [wire.serialize_reply(r) for r in written] == expected, (n, eos, response, chunk)
+        assert [r.message() if isinstance(r, wire.WireReply) else r for r in written] == made
+        assert all(isinstance(r, wire.WireReply) for r in written) == (n >= wire.WIRE_FROM_BYTES)
+
+
+def test_the_body_goes_out_as_views_of_itself() -> None:
+    body = _body(1 << 20)
+    written = wire.streamed_body_wire(body, end_of_stream=True)
+    views = [p for r in written for p in r.pieces if isinstance(p, memoryview)]
+    assert len(views) == len(written) == -(-len(body) // msg.MAX_BODY_CHUNK)
+    assert all(v.obj is body for v in views)
+    assert sum(map(len, views)) == len(body)
+    # Everything else is message keys and lengths: a few bytes per reply.
+    assert all(len(p) <= 24 for r in written for p in r.pieces if not isinstance(p, memoryview))
+
+
+def test_protobuf_replies_serialize_as_before() -> None:
+    reply = msg.trailers_reply(response=False)
+    assert wire.serialize_reply(reply) == reply.SerializeToString()
+
+
+def test_a_grpc_message_is_the_prefix_and_the_serialized_reply() -> None:
+    body = _body(200_000)
+    replies: list[wire.Reply] = [*wire.streamed_body_wire(body, end_of_stream=True)]
+    replies.append(msg.trailers_reply(response=False))
+    for reply in replies:
+        assert wire.grpc_message(reply) == envelope(wire.serialize_reply(reply))
+
+
+class _Recorder(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[Any]] = []
+
+    def write(self, data: Any) -> None:
+        self.calls.append([data])
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.calls.append(list(list_of_data))
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None: ...
+
+
+async def test_a_large_reply_reaches_the_transport_as_views_of_it() -> None:
+    """The lean transport hands a large reply's frames over as they are (no joined copy):
+    every byte of the message goes out as a view of the message the encoder made."""
+    sent: list[bytes] = []
+
+    async def handler(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for _ in requests:
+            yield _body(300_000)
+
+    def encode(data: bytes) -> bytes:
+        sent.append(envelope(data))
+        return sent[-1]
+
+    method = bidi(handler, lambda data: data, encode, enveloped=True)
+    connection = Connection(Shared({PATH.encode(): method}, Limits(), TransportStats()))
+    transport = _Recorder()
+    connection.connection_made(transport)
+    block = hpack.Encoder().encode([(":method", "POST"), (":path", PATH)])
+    connection.data_received(
+        f.PREFACE + f.settings({f.INITIAL_WINDOW_SIZE: 1 << 20})
+        + f.window_update(0, 1 << 20) + f.frame(f.HEADERS, f.END_HEADERS, 1, block)
+        + f.frame(f.DATA, f.END_STREAM, 1, envelope(b"go"))
+    )  # fmt: skip
+    for _ in range(5):
+        await asyncio.sleep(0)
+    views = [p for call in transport.calls for p in call if isinstance(p, memoryview)]
+    assert sent
+    assert all(v.obj is sent[0] for v in views)
+    assert sum(map(len, views)) == len(sent[0])
+    connection.connection_lost(None)

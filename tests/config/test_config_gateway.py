@@ -253,7 +253,12 @@ def test_epp_timeout_must_outlast_the_longest_queue_ttl() -> None:
         GatewayConfig.model_validate(
             {"spec": {"flowControl": {"bands": {"standard": {"ttlMs": 90000}}}}}
         )
+    # A held request's TTL starts when its hold ends: the hold counts too.
+    held = {"holdNewPrefixes": {"maxHoldMs": 10000}, "bands": {"standard": {"ttlMs": 55000}}}
+    with pytest.raises(ValidationError, match=r"ttlMs 55000\) plus holdNewPrefixes\.maxHoldMs"):
+        GatewayConfig.model_validate({"spec": {"flowControl": held}})
     for spec in (
+        {"flowControl": held, "edge": {"eppTimeoutS": 66}},
         {"flowControl": {"bands": {"standard": {"ttlMs": 90000}}}, "edge": {"eppTimeoutS": 120}},
         {"flowControl": {"bands": {"standard": {"ttlMs": 90000, "mode": "shed"}}}},
         {"flowControl": {"enabled": False, "bands": {"standard": {"ttlMs": 90000}}}},

@@ -70,3 +70,26 @@ def test_off_by_default_and_validated_like_its_neighbours() -> None:
     for bad in ({"maxHoldMs": 0}, {"backlogTokens": -1}, {"minPromptTokens": "x"}, {"cap": 1}):
         with pytest.raises(ValidationError):
             FlowControlConfig.model_validate({"holdNewPrefixes": bad})
+
+
+def test_a_release_asks_at_most_its_budget_and_never_asks_the_capped() -> None:
+    """`asks` bounds the questions one release asks (the oldest first; the rest stay held,
+    unasked); a request past `maxHoldMs` goes without being asked."""
+    hold: PrefixHold[str] = PrefixHold(HoldNewPrefixes(max_hold_ms=1000))
+    for i, name in enumerate("abcdef"):
+        hold.hold(name, i * 0.1)
+    asked: list[str] = []
+    sent: list[str] = []
+
+    def still(r: str) -> bool:
+        asked.append(r)
+        return r != "e"  # the rule would release e, but e is not asked this time
+
+    assert hold.release(0.6, still, lambda e: sent.append(e.payload), asks=2) == 0
+    assert (asked, sent) == (["a", "b"], [])
+    asked.clear()
+    # At 1.15 a and b are past the cap: they go unasked; the budget goes to c and d.
+    assert hold.release(1.15, still, lambda e: sent.append(e.payload), asks=2) == 2
+    assert (asked, sent) == (["c", "d"], ["a", "b"])
+    assert [e.payload for e in hold.held] == ["c", "d", "e", "f"]
+    assert hold.capped == 2

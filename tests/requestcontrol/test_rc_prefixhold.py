@@ -22,7 +22,7 @@ from poolkeeper.flowcontrol.dispatcher import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.requestcontrol.director import Director
-from poolkeeper.requestcontrol.flowgate import FlowGate
+from poolkeeper.requestcontrol.flowgate import HOLD_ASKS_PER_PUMP, FlowGate
 from poolkeeper.requestcontrol.ports import Job
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.server.wiring import build_director
@@ -276,3 +276,33 @@ def test_held_requests_count_against_the_bands_bounds() -> None:
     bigger.size = 1  # the held 8,192 bytes leave no room for one more byte
     assert isinstance(gate.submit(bigger), RoutingDecision)
     assert (gate.held("p"), sent) == (1, ["c", "e"])
+
+
+def test_a_pump_asks_a_bounded_number_of_held_requests() -> None:
+    """With many held and the backlog unchanged, one pump asks the scheduler at most
+    `HOLD_ASKS_PER_PUMP` questions (asking all 200 at every first byte, end and metrics write
+    blocked the event loop); those asked stay held, the rest wait unasked."""
+    config = FlowControlConfig.model_validate({"holdNewPrefixes": {"backlogTokens": 100}})
+    gate = FlowGate(config, Headroom(SaturationDetector()), clock=lambda: 0.0)
+    asks: list[str] = []
+    sent: list[str] = []
+
+    def job(rid: str) -> Job:
+        j = _job(rid, [(3000, [500, 800])], sent)
+        facts = j.prefill
+        assert facts is not None
+
+        def counted(states: list[EndpointState]) -> tuple[int, list[int]]:
+            asks.append(rid)
+            return facts(states)
+
+        j.prefill = counted
+        return j
+
+    for i in range(200):
+        assert isinstance(gate.submit(job(f"r{i}")), FlowItem)
+    asks.clear()
+    gate.pump()
+    assert asks == [f"r{i}" for i in range(HOLD_ASKS_PER_PUMP)]
+    assert gate.held("p") == 200
+    assert sent == []

@@ -97,13 +97,18 @@ class GatewayConfigSpec(_Section):
         }
         if waits:
             name, longest = max(waits.items(), key=lambda item: item[1])
-            if longest >= self.edge.epp_timeout_s:
+            # A held request's queue TTL starts when its hold ends.
+            hold = self.flow_control.hold_new_prefixes
+            held_ms = hold.max_hold_ms if hold is not None else 0
+            if longest + held_ms / 1000.0 >= self.edge.epp_timeout_s:
+                plus = f" plus holdNewPrefixes.maxHoldMs {held_ms}" if held_ms else ""
                 raise rule_error(
                     (
                         ".edge.eppTimeoutS",
                         f"Invalid value: {go_value(self.edge.epp_timeout_s)}: must exceed the "
                         f"longest flow-control queue TTL (flowControl.bands.{name}.ttlMs "
-                        f"{longest * 1000:g}), or a request still queued gets Envoy's 504",
+                        f"{longest * 1000:g}){plus}, or a request still queued gets "
+                        "Envoy's 504",
                     )
                 )
         return self

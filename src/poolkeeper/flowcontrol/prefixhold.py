@@ -62,21 +62,35 @@ class PrefixHold(Generic[T]):
         self.held.append(Held(payload, now))
         self.total += 1
 
-    def release(self, now: float, still: Callable[[T], bool], go: Callable[[Held[T]], None]) -> int:
-        """Send to the queue (`go`), in arrival order, the held requests that `still` no longer
-        holds and those held `maxHoldMs` or longer; the number sent. `go` runs before the next
-        one is asked, so each answer sees the requests released before it (a prefix just
-        placed releases the requests that share it)."""
+    def release(
+        self,
+        now: float,
+        still: Callable[[T], bool],
+        go: Callable[[Held[T]], None],
+        asks: int | None = None,
+    ) -> int:
+        """Send to the queue (`go`), in arrival order, those held `maxHoldMs` or longer (not
+        asked again) and the held requests that `still` no longer holds; the number sent. `go`
+        runs before the next one is asked, so each answer sees the requests released before it
+        (a prefix just placed releases the requests that share it). `asks`: ask at most this
+        many (the oldest first); the others stay held until a later release or their cap, so
+        one release costs a bounded number of scheduler questions however many are held."""
         cap = self.config.max_hold_ms / 1000.0
         pending, self.held = self.held, []
         sent = 0
+        left = len(pending) if asks is None else asks
         for entry in pending:
-            if still(entry.payload):
-                if now - entry.since < cap:
-                    self.held.append(entry)
-                    continue
+            if now - entry.since >= cap:
                 self.capped += 1
                 entry.capped = True
+            elif left <= 0:
+                self.held.append(entry)
+                continue
+            else:
+                left -= 1
+                if still(entry.payload):
+                    self.held.append(entry)
+                    continue
             go(entry)
             sent += 1
         return sent

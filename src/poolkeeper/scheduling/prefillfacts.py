@@ -7,9 +7,10 @@ Two facts, each read from its one home in the scheduler's plugins (nothing recom
   the match the scorers use; none configured: nothing is cached). A prompt longer than the
   index's window (`maxPrefixBlocks` x `blockSize` characters, 16 KiB by default) whose whole
   window some endpoint holds counts as placed (0): the index cannot see past the window, and
-  such a request shares at least 4,096 tokens with a placed one, so it opens no new prefix (a
-  6,000-token prompt with a placed 4,096-token window otherwise counted 1,900 uncached, and
-  was held behind the new prefixes it should pass);
+  such a request shares at least 4,096 tokens with a placed one (a 6,000-token prompt with a
+  placed 4,096-token window otherwise counted 1,900 uncached, and was held behind the new
+  prefixes it should pass). The limit this leaves: a much longer prompt sharing only a placed
+  16 KiB window (a common system prompt) may still open a long prefill, and is not held;
 - `backlogs(endpoints)`: per candidate endpoint, the prompt tokens sent there without a first
   byte back, from the prefill-backlog scorer (`PrefillBacklog`). That is not the endpoint's
   `unseen_tokens` (tokens sent since its last scrape, which a scrape clears while the prefill

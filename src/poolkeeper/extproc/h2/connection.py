@@ -122,6 +122,7 @@ class Connection(asyncio.Protocol):
         self._control = Bucket(limits.control_burst, limits.control_per_s, now)
         self._resets = Bucket(limits.reset_burst, limits.reset_per_s, now)
         self._preface_timer: asyncio.TimerHandle | None = None
+        self._writev = False  # the transport writes views itself (`_flush_large`)
 
     # -- transport callbacks --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -132,6 +133,10 @@ class Connection(asyncio.Protocol):
             self._closed = True
             transport.abort()
             return
+        # uvloop's `writelines` is one writev that pauses the protocol as `write` does. The
+        # standard loop's is `write(b"".join(...))` on 3.11, and on some 3.12 releases it
+        # skipped the pause (backpressure): there, large replies are joined here instead.
+        self._writev = type(transport).__module__.startswith("uvloop")
         tls = transport.get_extra_info("ssl_object")
         if tls is not None and tls.selected_alpn_protocol() != "h2":
             self._closed = True  # HTTP/2 over TLS needs ALPN h2 (RFC 9113 section 3.2)
@@ -584,9 +589,13 @@ class Connection(asyncio.Protocol):
 
     def _flush_large(self) -> None:
         """`flush_now` for a large reply: its frames' payloads are views of it, handed to the
-        transport as they are (uvloop writes them with one writev), not joined into a copy."""
+        transport as they are (uvloop writes them with one writev), not joined into a copy;
+        on other loops, joined (`connection_made`)."""
         if self._out and not self._closed and self.transport is not None:
-            self.transport.writelines(self._out)
+            if self._writev:
+                self.transport.writelines(self._out)
+            else:
+                self.transport.write(b"".join(self._out))
             self._out.clear()
 
     def _control_reply(self, data: bytes) -> None:

@@ -103,6 +103,10 @@ def trailers(code: int, message: str | None = None) -> bytes:
     return block
 
 
+# Bytes of reads a stream's unfinished message may keep alive beyond twice its own bytes.
+PIN_SLACK = 1 << 20
+
+
 class MessageReader:
     """Cuts a stream's DATA into gRPC messages; bytes of an unfinished message stay here.
 
@@ -110,15 +114,22 @@ class MessageReader:
     of the connection's reads. They are held as they come and each message is joined once,
     exactly its own bytes: that join is the transport's one copy of a message. (Copying each
     frame out of the read, joining whole frames, then cutting off the next message's start
-    copied a large message three times: about 0.2 ms per 1 MiB body.)"""
+    copied a large message three times: about 0.2 ms per 1 MiB body.)
 
-    __slots__ = ("_have", "_need", "_parts", "max_bytes")
+    A view keeps its whole read alive, so a peer trickling one byte of a message per read
+    (filling each read with DATA for another stream) would pin ~256 KiB per byte counted by
+    flow control: when the reads held pin more than `2 x held + PIN_SLACK` bytes, the held
+    bytes are copied out and the reads let go (a legitimate large message pins little more
+    than itself, its reads being mostly its own frames)."""
+
+    __slots__ = ("_have", "_need", "_parts", "_pinned", "max_bytes")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._parts: list[bytes | memoryview] = []
         self._have = 0  # bytes in _parts
         self._need = -1  # the current message's size once its prefix is read, else -1
+        self._pinned: dict[int, int] = {}  # id -> size of each read the held parts view
 
     def feed(self, data: bytes | memoryview) -> list[bytes]:
         """The messages `data` completes. `data` must not change afterwards (a view of a
@@ -142,7 +153,22 @@ class MessageReader:
                 break
             out.append(self._take(self._need))
             self._need = -1
+        if out:
+            self._pinned = {}
+            for part in self._parts:
+                self._pin(part)
+        else:
+            self._pin(data)
+        if sum(self._pinned.values()) > 2 * self._have + PIN_SLACK:
+            held = b"".join(self._parts)  # copy the held bytes out; the reads are let go
+            self._parts = [held]
+            self._pinned = {id(held): len(held)}
         return out
+
+    def _pin(self, part: bytes | memoryview) -> None:
+        read = part.obj if isinstance(part, memoryview) else part
+        if isinstance(read, (bytes, bytearray, memoryview)):
+            self._pinned[id(read)] = len(read)  # alive while a held part views it
 
     def _prefix(self) -> int:
         """Read the next message's 5-byte prefix off the held bytes; its size."""

@@ -6,7 +6,8 @@ A child process serves a realistic vLLM V1 page (`--page`, default
 tests/backend/fixtures/vllm_v1.prom) on `--endpoints` ports of 127.0.0.1 (aiohttp server, so
 its CPU is not ours). This process then measures, per round and per client (`scraping.client`
 lean and aiohttp, alternated, the order flipped every round), the whole `MetricsScraper`
-(fetch, parse, map, publish) on uvloop, as the EPP runs, in three shapes, as process CPU time:
+(fetch, parse, map, publish) on uvloop, as the EPP runs, in three shapes, as process CPU time,
+after the GET alone (the two clients' own cost, no parse):
 
 - back to back: `--scrapes` calls of `scrape_once` on one endpoint, CPU us per scrape;
 - with gaps: the same with `--gap-ms` of sleep between scrapes (idle between scrapes, as in a
@@ -31,9 +32,11 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import uvloop
 
 from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.backend.httpget import KeepAliveGetter
 from poolkeeper.backend.scraper import MetricsScraper, ScraperManager
 from poolkeeper.datastore.endpoint import Endpoint
 
@@ -75,8 +78,6 @@ async def _scrapes(client: str, port: int, count: int, gap_s: float) -> float:
     config = ScrapingConfig(client=client)  # type: ignore[arg-type]
     session = None
     if client == "aiohttp":
-        import aiohttp
-
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     scraper = MetricsScraper(
         Endpoint("sim", "127.0.0.1", port), session, config, lambda _k, _m: None
@@ -96,6 +97,39 @@ async def _scrapes(client: str, port: int, count: int, gap_s: float) -> float:
     finally:
         scraper.close()
         if session is not None:
+            await session.close()
+
+
+async def _fetches(client: str, port: int, count: int) -> float:
+    """CPU us per GET of the page alone (no parse), back to back, after 20 warm-up GETs."""
+    limit_s = ScrapingConfig().timeout_s
+    if client == "lean":
+        lean = KeepAliveGetter("127.0.0.1", port, "/metrics", max_body=1 << 22)
+
+        async def fetch() -> bytes:
+            return (await lean.get(limit_s)).body
+    else:
+        session = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=limit_s)
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        async def fetch() -> bytes:
+            async with session.get(
+                url, allow_redirects=False, timeout=timeout, headers={"Accept-Encoding": "identity"}
+            ) as response:
+                return await response.read()
+
+    try:
+        for _ in range(20):
+            await fetch()
+        started = time.process_time()
+        for _ in range(count):
+            await fetch()
+        return (time.process_time() - started) / count * 1e6
+    finally:
+        if client == "lean":
+            lean.close()
+        else:
             await session.close()
 
 
@@ -121,6 +155,7 @@ async def _idle(client: str, ports: list[int], seconds: float) -> float:
 async def _run(args: argparse.Namespace, ports: list[int]) -> None:
     rows: dict[tuple[str, str], list[float]] = {}
     shapes: tuple[tuple[str, Callable[[str], Awaitable[float]]], ...] = (
+        ("GET alone, back to back, us", lambda c: _fetches(c, ports[0], args.scrapes)),
         ("back to back, us/scrape", lambda c: _scrapes(c, ports[0], args.scrapes, 0.0)),
         (
             f"{args.gap_ms:g} ms gaps, us/scrape",

@@ -1,14 +1,14 @@
 """A lean keep-alive HTTP/1.1 GET for one metrics endpoint, on an asyncio Protocol.
 
 Why not aiohttp: a scrape is one small GET every 50 ms per endpoint, and aiohttp's per-request
-machinery (session, connector, response and stream objects, timer context) cost about as much
-CPU as everything else in the scrape together (docs/notes/2026-12-07-lean-scrape-client.md).
-This client keeps one connection per endpoint, reused while the server keeps it open, and
-parses responses with `backend/httpparse.py`. Same guarantees as the aiohttp path: no
-redirects, one overall timeout (connect, head and body), `Accept-Encoding: identity`, the size
-cap enforced while the body streams in, header size and count caps, TLS through stdlib `ssl`
-for https. Errors are `HttpResponseError` with the message `EndpointMetrics.error` shows, or
-TimeoutError.
+machinery (session, connector, response and stream objects, timer context) costs ~300 us of CPU
+per GET of an 18 KB page on uvloop, this client ~120 us, the syscalls and loop wake-ups
+included (docs/notes/2026-12-07-lean-scrape-client.md). It keeps one connection per endpoint,
+reused while the server keeps it open, and parses responses with `backend/httpparse.py`. Same
+guarantees as the aiohttp path: no redirects, one overall timeout (connect, head and body),
+`Accept-Encoding: identity`, the size cap enforced while the body streams in, header size and
+count caps, TLS through stdlib `ssl` for https. Errors are `HttpResponseError` with the message
+`EndpointMetrics.error` shows, or TimeoutError.
 """
 
 from __future__ import annotations

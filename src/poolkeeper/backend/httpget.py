@@ -84,6 +84,10 @@ class _Connection(asyncio.Protocol):
         else:
             waiter.set_result(parser)
 
+    def is_closed(self) -> bool:
+        # A call, not the attribute: it changes under every await (mypy would narrow it).
+        return self.closed
+
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -142,6 +146,9 @@ class KeepAliveGetter:
         assert conn.transport is not None
         parser = ResponseParser(self._max_body, self._max_header_bytes, self._max_headers)
         waiter: asyncio.Future[ResponseParser] = asyncio.get_running_loop().create_future()
+        if conn.is_closed():  # lost between the handshake and now: no callback would answer
+            self._conn = None
+            raise HttpResponseError("connection closed before any response")
         conn.parser, conn.waiter = parser, waiter
         conn.transport.write(self._request)
         try:
@@ -152,7 +159,7 @@ class KeepAliveGetter:
             raise
         finally:
             conn.waiter = None
-        if conn.closed:
+        if conn.is_closed():
             self._conn = None
         return response
 

@@ -1,12 +1,16 @@
-"""MetricsScraper and ScraperManager against a local aiohttp server on 127.0.0.1."""
+"""MetricsScraper and ScraperManager against a local aiohttp server on 127.0.0.1.
+
+Every test taking `session` runs on both clients: an aiohttp session, and None (the lean
+keep-alive client of backend/httpget.py, the default)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -14,6 +18,7 @@ from aiohttp import web
 
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.backend.config import ScrapingConfig
+from poolkeeper.backend.engines import EngineMapping
 from poolkeeper.backend.scraper import MetricsScraper, ScraperManager, metrics_url
 from poolkeeper.datastore import Datastore, EndpointSpec
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
@@ -97,8 +102,11 @@ async def server() -> AsyncIterator[FakeServer]:
     await runner.cleanup()
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
+@pytest.fixture(params=["aiohttp", "lean"])
+async def session(request: pytest.FixtureRequest) -> AsyncIterator[aiohttp.ClientSession | None]:
+    if request.param == "lean":
+        yield None
+        return
     async with aiohttp.ClientSession() as client:
         yield client
 
@@ -109,7 +117,7 @@ def endpoint(port: int, engine: str = "vllm") -> Endpoint:
 
 def make_scraper(
     port: int,
-    session: aiohttp.ClientSession,
+    session: aiohttp.ClientSession | None,
     sink: list[tuple[str, EndpointMetrics]],
     clock: Clock | None = None,
     engine: str = "vllm",
@@ -125,7 +133,7 @@ def make_scraper(
 
 
 async def test_successful_scrape_publishes_metrics(
-    server: FakeServer, session: aiohttp.ClientSession
+    server: FakeServer, session: aiohttp.ClientSession | None
 ) -> None:
     sink: list[tuple[str, EndpointMetrics]] = []
     scraper = make_scraper(server.port, session, sink, Clock(42.0))
@@ -138,7 +146,7 @@ async def test_successful_scrape_publishes_metrics(
 
 
 async def test_http_error_keeps_old_values_and_timestamp_then_recovers(
-    server: FakeServer, session: aiohttp.ClientSession
+    server: FakeServer, session: aiohttp.ClientSession | None
 ) -> None:
     sink: list[tuple[str, EndpointMetrics]] = []
     clock = Clock(10.0)
@@ -163,7 +171,7 @@ async def test_http_error_keeps_old_values_and_timestamp_then_recovers(
     assert (scraper.attempts, scraper.failed_total) == (4, 2)
 
 
-async def test_timeout_is_marked(server: FakeServer, session: aiohttp.ClientSession) -> None:
+async def test_timeout_is_marked(server: FakeServer, session: aiohttp.ClientSession | None) -> None:
     sink: list[tuple[str, EndpointMetrics]] = []
     scraper = make_scraper(server.port, session, sink, path="/slow", timeoutMs=100)
     loop = asyncio.get_running_loop()
@@ -175,7 +183,7 @@ async def test_timeout_is_marked(server: FakeServer, session: aiohttp.ClientSess
 
 
 async def test_redirects_are_not_followed(
-    server: FakeServer, session: aiohttp.ClientSession
+    server: FakeServer, session: aiohttp.ClientSession | None
 ) -> None:
     sink: list[tuple[str, EndpointMetrics]] = []
     scraper = make_scraper(server.port, session, sink, path="/redirect")
@@ -185,7 +193,7 @@ async def test_redirects_are_not_followed(
 
 
 async def test_50_mb_page_is_cut_off_at_the_cap(
-    server: FakeServer, session: aiohttp.ClientSession
+    server: FakeServer, session: aiohttp.ClientSession | None
 ) -> None:
     sink: list[tuple[str, EndpointMetrics]] = []
     scraper = make_scraper(server.port, session, sink, path="/huge")
@@ -196,7 +204,7 @@ async def test_50_mb_page_is_cut_off_at_the_cap(
 
 
 async def test_declared_length_over_the_cap_is_refused_before_reading(
-    server: FakeServer, session: aiohttp.ClientSession
+    server: FakeServer, session: aiohttp.ClientSession | None
 ) -> None:
     sink: list[tuple[str, EndpointMetrics]] = []
     scraper = make_scraper(server.port, session, sink, path="/declared", maxResponseBytes=1024)
@@ -215,7 +223,7 @@ async def test_declared_length_over_the_cap_is_refused_before_reading(
     ids=["html", "garbage", "nan", "truncated"],
 )
 async def test_bad_pages_are_marked(
-    server: FakeServer, session: aiohttp.ClientSession, page: bytes, expected: str
+    server: FakeServer, session: aiohttp.ClientSession | None, page: bytes, expected: str
 ) -> None:
     server.page = page
     sink: list[tuple[str, EndpointMetrics]] = []
@@ -225,7 +233,7 @@ async def test_bad_pages_are_marked(
     assert metrics.updated_at == 0.0
 
 
-async def test_refused_connection_is_marked(session: aiohttp.ClientSession) -> None:
+async def test_refused_connection_is_marked(session: aiohttp.ClientSession | None) -> None:
     sink: list[tuple[str, EndpointMetrics]] = []
     metrics = await make_scraper(free_port(), session, sink).scrape_once()
     assert metrics.error is not None
@@ -233,7 +241,7 @@ async def test_refused_connection_is_marked(session: aiohttp.ClientSession) -> N
 
 
 async def test_unknown_engine_is_marked_without_fetching(
-    server: FakeServer, session: aiohttp.ClientSession
+    server: FakeServer, session: aiohttp.ClientSession | None
 ) -> None:
     sink: list[tuple[str, EndpointMetrics]] = []
     metrics = await make_scraper(server.port, session, sink, engine="tgi").scrape_once()
@@ -242,7 +250,7 @@ async def test_unknown_engine_is_marked_without_fetching(
     assert server.hits == {}
 
 
-async def test_backoff_doubles_and_is_capped(session: aiohttp.ClientSession) -> None:
+async def test_backoff_doubles_and_is_capped(session: aiohttp.ClientSession | None) -> None:
     sleeps: list[float] = []
 
     async def fake_sleep(delay: float) -> None:
@@ -307,7 +315,7 @@ async def test_manager_follows_datastore_endpoints(server: FakeServer) -> None:
     assert manager.scrapers == {}
 
 
-async def test_manager_close_cancels_loops(session: aiohttp.ClientSession) -> None:
+async def test_manager_close_cancels_loops(session: aiohttp.ClientSession | None) -> None:
     manager = ScraperManager(ScrapingConfig(), lambda _k, _m: None, session=session)
     manager.sync([endpoint(free_port()), Endpoint("b", "127.0.0.1", free_port())])
     assert len(manager.scrapers) == 2
@@ -315,12 +323,14 @@ async def test_manager_close_cancels_loops(session: aiohttp.ClientSession) -> No
     assert len(tasks) == 2
     await manager.close()
     assert all(t.done() for t in tasks)
-    assert not session.closed  # a session passed in belongs to the caller
+    assert session is None or not session.closed  # a session passed in is the caller's
     manager.sync([endpoint(free_port())])  # after close: ignored
     assert manager.scrapers == {}
 
 
-async def test_manager_follows_writes_from_other_threads(session: aiohttp.ClientSession) -> None:
+async def test_manager_follows_writes_from_other_threads(
+    session: aiohttp.ClientSession | None,
+) -> None:
     store = Datastore()
     store.set_resources([simple_pool(1)], [])
     port = free_port()
@@ -337,7 +347,7 @@ async def test_manager_follows_writes_from_other_threads(session: aiohttp.Client
 
 
 async def test_failure_totals_split_fetch_and_read_failures_and_outlive_their_loops(
-    server: FakeServer, session: aiohttp.ClientSession
+    server: FakeServer, session: aiohttp.ClientSession | None
 ) -> None:
     """Upstream's data-layer error counters: a fetch that failed (poll) and a page fetched but
     unreadable (extract); a counter, so a stopped loop's failures are kept."""
@@ -359,3 +369,44 @@ async def test_failure_totals_split_fetch_and_read_failures_and_outlive_their_lo
         assert manager.failure_totals() == (3, 2)
     finally:
         await manager.close()
+
+
+async def test_an_identical_page_is_not_parsed_again(
+    server: FakeServer, session: aiohttp.ClientSession | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[int] = []
+    original = EngineMapping.read
+
+    def counted(self: EngineMapping, *args: Any) -> EndpointMetrics:
+        reads.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(EngineMapping, "read", counted)
+    clock = Clock(10.0)
+    scraper = make_scraper(server.port, session, [], clock)
+    first = await scraper.scrape_once()
+    clock.now = 11.0
+    same = await scraper.scrape_once()
+    assert len(reads) == 1
+    assert same == replace(first, updated_at=11.0)
+    server.page = VLLM_PAGE.replace(
+        b'Llama-3.1-8B-Instruct"} 3.0\n', b'Llama-3.1-8B-Instruct"} 9\n'
+    )
+    changed = await scraper.scrape_once()
+    assert (len(reads), changed.waiting) == (2, 9)
+    server.status = 500
+    await scraper.scrape_once()
+    server.status = 200
+    clock.now = 12.0
+    back = await scraper.scrape_once()  # the same bytes again, but after a failure: read
+    assert (len(reads), back.waiting, back.updated_at, back.error) == (3, 9, 12.0, None)
+    scraper.close()
+
+
+async def test_client_setting_picks_the_transport() -> None:
+    for client, shared in (("lean", False), ("aiohttp", True)):
+        config = ScrapingConfig.model_validate({"client": client, "intervalMs": 60_000})
+        async with ScraperManager(config, lambda _k, _m: None) as manager:
+            manager.sync([endpoint(free_port())])
+            (scraper,) = manager.scrapers.values()
+            assert (scraper._session is not None) is shared

@@ -1,6 +1,7 @@
 """Per-endpoint metrics scrapers and the manager that keeps one loop per endpoint.
 
-`MetricsScraper` fetches `scheme://address:port/path` with a shared aiohttp session: no
+`MetricsScraper` fetches `scheme://address:port/path`, by default over its own keep-alive
+connection (backend/httpget.py; `client: aiohttp` selects a shared aiohttp session instead): no
 redirects, an overall timeout, `Accept-Encoding: identity` (no decompression bombs) and a size
 cap enforced while the body streams in. The page goes through the endpoint's engine mapping and
 the result goes to a sink (normally `Datastore.update_metrics`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
@@ -25,6 +27,7 @@ import aiohttp
 
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.engines import EngineMapping, MissingMetrics, mapping_for
+from poolkeeper.backend.httpget import HttpResponseError, KeepAliveGetter, client_ssl_context
 from poolkeeper.backend.promtext import PromParseError
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
 from poolkeeper.hostport import join_hostport
@@ -54,17 +57,18 @@ def metrics_url(endpoint: Endpoint, config: ScrapingConfig) -> str:
 
 
 class MetricsScraper:
-    """The scrape loop of one endpoint."""
+    """The scrape loop of one endpoint: over `session` when given, else its own connection."""
 
     def __init__(
         self,
         endpoint: Endpoint,
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None,
         config: ScrapingConfig,
         sink: MetricsSink,
         *,
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.key = endpoint.hostport
@@ -84,6 +88,18 @@ class MetricsScraper:
         self._clock = clock
         self._sleep = sleep
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._getter: KeepAliveGetter | None = None
+        self._last_page: bytes | None = None  # the last page read successfully
+        if session is None:
+            if config.scheme == "https" and ssl_context is None:
+                ssl_context = client_ssl_context(verify=not config.insecure_skip_verify)
+            self._getter = KeepAliveGetter(
+                endpoint.address,
+                endpoint.port,
+                config.path,
+                max_body=config.max_response_bytes,
+                ssl_context=ssl_context if config.scheme == "https" else None,
+            )
         self._mapping: EngineMapping | None
         self._mapping_error: str | None
         try:
@@ -106,8 +122,16 @@ class MetricsScraper:
             if self._mapping is None:
                 raise ScrapeFailed(self._mapping_error or "unknown engine")
             body = await self._fetch()
-            fresh = self._mapping.read(body, self.metrics, self._clock())
-        except ScrapeFailed as exc:
+            if body == self._last_page and self.failures == 0:
+                # The same bytes as the last good page: reading them again would give the same
+                # values (a read is idempotent), so only the time moves. One memcmp instead of
+                # a parse at idle; any change (a gauge, a counter) takes the full read.
+                fresh = replace(self.metrics, updated_at=self._clock())
+            else:
+                self._last_page = None
+                fresh = self._mapping.read(body, self.metrics, self._clock())
+                self._last_page = body
+        except (ScrapeFailed, HttpResponseError) as exc:
             return self._failed(str(exc))
         except TimeoutError:
             return self._failed(f"timeout after {self._config.timeout_ms} ms")
@@ -132,14 +156,37 @@ class MetricsScraper:
     async def run(self) -> None:
         """Scrape until cancelled, at a fixed rate while healthy, backing off while failing."""
         extra = self.phase_s
-        while True:
-            started = self._clock()
-            await self.scrape_once()
-            elapsed = self._clock() - started
-            await self._sleep(max(0.0, self.next_delay() + extra - elapsed))
-            extra = 0.0
+        try:
+            while True:
+                started = self._clock()
+                await self.scrape_once()
+                elapsed = self._clock() - started
+                await self._sleep(max(0.0, self.next_delay() + extra - elapsed))
+                extra = 0.0
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close this scraper's own connection, if it has one (`run` does so when it ends)."""
+        if self._getter is not None:
+            self._getter.close()
 
     async def _fetch(self) -> bytes:
+        if self._getter is not None:
+            return await self._fetch_lean(self._getter)
+        return await self._fetch_aiohttp()
+
+    async def _fetch_lean(self, getter: KeepAliveGetter) -> bytes:
+        response = await getter.get(self._config.timeout_s)
+        status = response.status
+        if status != 200:
+            if response.location is not None and 300 <= status < 400:
+                raise ScrapeFailed(f"HTTP {status} redirect to {response.location} not followed")
+            raise ScrapeFailed(f"HTTP {status} {response.reason}".rstrip())
+        return response.body
+
+    async def _fetch_aiohttp(self) -> bytes:
+        assert self._session is not None
         cap = self._config.max_response_bytes
         async with self._session.get(
             self.url, allow_redirects=False, timeout=self._timeout, headers=_HEADERS
@@ -205,6 +252,7 @@ class ScraperManager:
         self._sink = sink
         self._session = session
         self._owns_session = session is None
+        self._ssl: ssl.SSLContext | None = None
         self._clock = clock
         self._sleep = sleep
         self._loops: dict[str, tuple[MetricsScraper, asyncio.Task[None]]] = {}
@@ -254,6 +302,7 @@ class ScraperManager:
                     self._sink,
                     clock=self._clock,
                     sleep=self._sleep,
+                    ssl_context=self._ensure_ssl(),
                 )
                 task = asyncio.create_task(scraper.run(), name=f"scrape {key}")
                 task.add_done_callback(self._loop_ended)
@@ -303,7 +352,15 @@ class ScraperManager:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _ensure_session(self) -> aiohttp.ClientSession:
+    def _ensure_ssl(self) -> ssl.SSLContext | None:
+        # One context for every lean connection (building one loads the trust store).
+        if self._ssl is None and self._config.scheme == "https":
+            self._ssl = client_ssl_context(verify=not self._config.insecure_skip_verify)
+        return self._ssl
+
+    def _ensure_session(self) -> aiohttp.ClientSession | None:
+        if self._session is None and self._owns_session and self._config.client == "lean":
+            return None  # each scraper opens its own keep-alive connection
         if self._session is None:
             verify = not self._config.insecure_skip_verify  # ssl=False skips verification
             connector = aiohttp.TCPConnector(limit=0, ssl=verify)

@@ -1,0 +1,274 @@
+"""An incremental HTTP/1.1 response parser for metrics pages: bytes in, one response out.
+
+Pure and synchronous (no I/O), so it can be fuzzed on its own; `backend/httpget.py` drives it
+from an asyncio Protocol. It reads exactly what a scrape needs and refuses the rest with a
+precise `HttpResponseError` message (which ends up in `EndpointMetrics.error`):
+
+- a status line `HTTP/1.x NNN reason`; anything else is a garbage status line;
+- at most `max_header_bytes` of head and `max_headers` header lines (no obsolete line folding);
+- a non-200 status ends the response at its head (redirects are reported, never followed);
+- a body delimited by Content-Length, by chunked coding (extensions and trailers skipped), or
+  by the connection's close; no other Transfer-Encoding and no Content-Encoding but identity
+  (the request asks for identity: a compressed page is refused, never inflated);
+- the body cap: a declared length over it is refused before reading, a streamed body as soon
+  as it passes it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["HttpResponseError", "ResponseParser"]
+
+_MAX_CHUNK_LINE: Final = 1024  # a chunk-size line with extensions; longer is an attack
+_HEAD_END: Final = b"\r\n\r\n"
+
+
+class HttpResponseError(Exception):
+    """A response that cannot be read; the message says why, precisely."""
+
+
+class ResponseParser:
+    """Feed bytes with `feed` until it returns True; then read `status`, `reason`, `body`."""
+
+    __slots__ = (
+        "_buf",
+        "_chunk_left",
+        "_chunks",
+        "_length",
+        "_max_body",
+        "_max_header_bytes",
+        "_max_headers",
+        "_mode",
+        "_size",
+        "body",
+        "headers",
+        "keep_alive",
+        "location",
+        "reason",
+        "received",
+        "status",
+    )
+
+    def __init__(self, max_body: int, max_header_bytes: int = 64 * 1024, max_headers: int = 100):
+        self._max_body = max_body
+        self._max_header_bytes = max_header_bytes
+        self._max_headers = max_headers
+        self._buf = b""
+        # head, length, eof, chunk-size, chunk-data, chunk-crlf, trailer, then done
+        self._mode = "head"
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._length = 0
+        self._chunk_left = 0
+        self.received = 0  # bytes fed so far (0 means the server sent nothing at all)
+        self.status = 0
+        self.reason = ""
+        self.headers: dict[str, str] = {}
+        self.location: str | None = None
+        self.keep_alive = False
+        self.body = b""
+
+    @property
+    def done(self) -> bool:
+        """Whether the response is complete."""
+        return self._mode == "done"
+
+    def feed(self, data: bytes) -> bool:
+        """Take the next bytes; True once the response is complete (later bytes are ignored,
+        and the connection is then not reusable). Raises HttpResponseError."""
+        if self.done:
+            self.keep_alive = False  # bytes after a complete response: out of sync
+            return True
+        self.received += len(data)
+        buf = self._buf + data if self._buf else data
+        self._buf = b""
+        while buf:
+            mode = self._mode
+            if mode == "done":  # bytes after the complete response: the connection is out of sync
+                self.keep_alive = False
+                break
+            rest: bytes | None
+            if mode == "head":
+                rest = self._head(buf)
+            elif mode == "length" or mode == "eof":
+                rest = self._body_bytes(buf)
+            elif mode == "chunk-data":
+                rest = self._chunk_data(buf)
+            else:
+                rest = self._chunk_line(buf)
+            if rest is None:
+                return False  # waiting for more bytes (kept in _buf)
+            buf = rest
+        return self.done
+
+    def feed_eof(self) -> None:
+        """The connection closed; completes a close-delimited body, else raises."""
+        if self.done:
+            return
+        if self._mode == "eof":
+            self._finish()
+            return
+        if self.received == 0:
+            raise HttpResponseError("connection closed before any response")
+        if self._mode == "head":
+            raise HttpResponseError(
+                f"connection closed in the response head after {self.received} bytes"
+            )
+        raise HttpResponseError(
+            f"connection closed after {self._size} bytes of the body"
+            + (f" of {self._length}" if self._mode == "length" else "")
+        )
+
+    # -- the head --------------------------------------------------------------------------
+
+    def _head(self, buf: bytes) -> bytes | None:
+        end = buf.find(_HEAD_END)
+        if end < 0:
+            if len(buf) > self._max_header_bytes:
+                raise HttpResponseError(f"response head exceeds {self._max_header_bytes} bytes")
+            if len(buf) >= 5 and not buf.startswith(b"HTTP/"):
+                raise HttpResponseError(f"garbage status line {_show(buf)}")
+            self._buf = buf
+            return None
+        if end > self._max_header_bytes:
+            raise HttpResponseError(f"response head exceeds {self._max_header_bytes} bytes")
+        lines = buf[:end].split(b"\r\n")
+        self._status_line(lines[0])
+        if len(lines) - 1 > self._max_headers:
+            raise HttpResponseError(f"more than {self._max_headers} response headers")
+        headers = self.headers
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep or not name or name != name.strip() or line[:1] in b" \t":
+                raise HttpResponseError(f"malformed header line {_show(line)}")
+            key = name.decode("latin-1").lower()
+            text = value.strip(b" \t").decode("latin-1")
+            if key in ("content-length", "transfer-encoding") and headers.get(key, text) != text:
+                raise HttpResponseError(f"conflicting {key} headers")
+            headers[key] = text
+        self._begin_body()
+        return buf[end + 4 :]
+
+    def _status_line(self, line: bytes) -> None:
+        parts = line.split(b" ", 2)
+        if (
+            len(parts) < 2
+            or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0")
+            or len(parts[1]) != 3
+            or not parts[1].isdigit()
+        ):
+            raise HttpResponseError(f"garbage status line {_show(line)}")
+        self.status = int(parts[1])
+        self.reason = parts[2].decode("latin-1").strip() if len(parts) == 3 else ""
+        self.keep_alive = parts[0] == b"HTTP/1.1"
+
+    def _begin_body(self) -> None:
+        headers = self.headers
+        connection = headers.get("connection", "").lower()
+        if "close" in connection:
+            self.keep_alive = False
+        elif "keep-alive" in connection:
+            self.keep_alive = True
+        if self.status != 200:
+            # Only a 200 page is read; the rest of this response is not, so the connection
+            # cannot carry another request.
+            if 100 <= self.status < 200:
+                raise HttpResponseError(f"unexpected informational response HTTP {self.status}")
+            self.location = headers.get("location")
+            self.keep_alive = False
+            self._finish()
+            return
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise HttpResponseError(f"unsupported Content-Encoding {encoding!r}")
+        transfer = headers.get("transfer-encoding")
+        declared = headers.get("content-length")
+        if transfer is not None:
+            if transfer.strip().lower() != "chunked":
+                raise HttpResponseError(f"unsupported Transfer-Encoding {transfer!r}")
+            if declared is not None:
+                raise HttpResponseError("both Content-Length and Transfer-Encoding")
+            self._mode = "chunk-size"
+        elif declared is not None:
+            if not declared.isdigit() or len(declared) > 18:
+                raise HttpResponseError(f"bad Content-Length {declared!r}")
+            length = int(declared)
+            if length > self._max_body:
+                raise HttpResponseError(
+                    f"response of {length} bytes exceeds the {self._max_body}-byte limit"
+                )
+            self._length = length
+            self._mode = "length"
+            if length == 0:
+                self._finish()
+        else:
+            self._mode = "eof"  # delimited by the server closing the connection
+            self.keep_alive = False
+
+    # -- the body --------------------------------------------------------------------------
+
+    def _take(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._max_body:
+            raise HttpResponseError(f"response exceeds the {self._max_body}-byte limit")
+        self._chunks.append(data)
+
+    def _body_bytes(self, buf: bytes) -> bytes:
+        if self._mode == "eof":
+            self._take(buf)
+            return b""
+        want = self._length - self._size
+        self._take(buf[:want])
+        if self._size == self._length:
+            self._finish()
+        return buf[want:]
+
+    def _chunk_line(self, buf: bytes) -> bytes | None:
+        end = buf.find(b"\r\n")
+        if end < 0:
+            if len(buf) > _MAX_CHUNK_LINE:
+                raise HttpResponseError("chunk line too long")
+            self._buf = buf
+            return None
+        if end > _MAX_CHUNK_LINE:
+            raise HttpResponseError("chunk line too long")
+        line, rest = buf[:end], buf[end + 2 :]
+        mode = self._mode
+        if mode == "chunk-crlf":
+            if line:
+                raise HttpResponseError("chunk not followed by CRLF")
+            self._mode = "chunk-size"
+        elif mode == "trailer":
+            if not line:
+                self._finish()
+        else:
+            size = line.split(b";", 1)[0].strip(b" \t")
+            if not size or len(size) > 15 or size.strip(b"0123456789abcdefABCDEF"):
+                raise HttpResponseError(f"bad chunk size {_show(line)}")
+            self._chunk_left = int(size, 16)
+            if self._size + self._chunk_left > self._max_body:
+                raise HttpResponseError(f"response exceeds the {self._max_body}-byte limit")
+            self._mode = "chunk-data" if self._chunk_left else "trailer"
+        return rest
+
+    def _chunk_data(self, buf: bytes) -> bytes:
+        want = self._chunk_left
+        piece = buf[:want]
+        self._take(piece)
+        self._chunk_left -= len(piece)
+        if not self._chunk_left:
+            self._mode = "chunk-crlf"
+        return buf[want:]
+
+    def _finish(self) -> None:
+        chunks = self._chunks
+        self.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._mode = "done"
+
+
+def _show(raw: bytes, limit: int = 40) -> str:
+    """A short, printable rendering of bad input for an error message."""
+    text = repr(raw[:limit])
+    return text + ("..." if len(raw) > limit else "")

@@ -152,6 +152,27 @@ async def test_chunked_body_with_extensions_and_trailers() -> None:
     assert server.connections == 1
 
 
+async def test_interim_responses_are_skipped_and_leading_zeros_read() -> None:
+    """A 103 Early Hints (its head trickled byte by byte) before the page is skipped, as RFC
+    9110 asks of a client; a Content-Length and a chunk size with leading zeros are read."""
+    early = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>\r\n\r\n"
+    page = b"HTTP/1.1 200 OK\r\nContent-Length: 00000000000000000005\r\n\r\nhello"
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0003\r\nabc\r\n0\r\n\r\n"
+
+    def answer(n: int) -> Answer:
+        if n == 1:
+            return [*(early[i : i + 1] for i in range(len(early))), page], False
+        return [chunked], False
+
+    async with scripted(answer) as server:
+        client = getter(server.port)
+        first = await client.get(1.0)
+        assert (first.status, first.body) == (200, b"hello")
+        assert (await client.get(1.0)).body == b"abc"  # in sync after the interim response
+        client.close()
+    assert server.connections == 1
+
+
 async def test_a_streamed_body_over_the_cap_is_cut_off() -> None:
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
     chunk = b"4000\r\n" + b"#" * 0x4000 + b"\r\n"
@@ -216,7 +237,14 @@ async def test_a_redirect_is_reported_not_followed() -> None:
         (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\n\r\n", "Content-Encoding 'gzip'"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "Transfer-Encoding 'gzip'"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
-        (b"HTTP/1.1 100 Continue\r\n\r\n", "unexpected informational response HTTP 100"),
+        # An interim response is skipped; the real one never came.
+        (b"HTTP/1.1 100 Continue\r\n\r\n", "connection closed in the response head"),
+        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "unexpected protocol switch"),
+        # Unicode digits (here a superscript two) are not a length: a precise error, not int()'s.
+        (
+            "HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"),
+            "bad Content-Length",
+        ),
         (
             b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc",
             "closed after 3 bytes of the body of 10",

@@ -40,6 +40,7 @@ class ResponseParser:
         "_max_header_bytes",
         "_max_headers",
         "_mode",
+        "_scanned",
         "_size",
         "body",
         "headers",
@@ -55,6 +56,7 @@ class ResponseParser:
         self._max_header_bytes = max_header_bytes
         self._max_headers = max_headers
         self._buf = b""
+        self._scanned = 0  # bytes of _buf searched for the head's end (not searched again)
         # head, length, eof, chunk-size, chunk-data, chunk-crlf, trailer, then done
         self._mode = "head"
         self._chunks: list[bytes] = []
@@ -123,14 +125,17 @@ class ResponseParser:
     # -- the head --------------------------------------------------------------------------
 
     def _head(self, buf: bytes) -> bytes | None:
-        end = buf.find(_HEAD_END)
+        # A head trickled in small reads is searched once, not again from its start per read.
+        end = buf.find(_HEAD_END, max(0, self._scanned - len(_HEAD_END) + 1))
         if end < 0:
+            self._scanned = len(buf)
             if len(buf) > self._max_header_bytes:
                 raise HttpResponseError(f"response head exceeds {self._max_header_bytes} bytes")
             if len(buf) >= 5 and not buf.startswith(b"HTTP/"):
                 raise HttpResponseError(f"garbage status line {_show(buf)}")
             self._buf = buf
             return None
+        self._scanned = 0
         if end > self._max_header_bytes:
             raise HttpResponseError(f"response head exceeds {self._max_header_bytes} bytes")
         lines = buf[:end].split(b"\r\n")
@@ -173,8 +178,14 @@ class ResponseParser:
         if self.status != 200:
             # Only a 200 page is read; the rest of this response is not, so the connection
             # cannot carry another request.
-            if 100 <= self.status < 200:
-                raise HttpResponseError(f"unexpected informational response HTTP {self.status}")
+            if 100 <= self.status < 200 and self.status != 101:
+                # An interim response (100 Continue, 103 Early Hints): the real one follows
+                # (RFC 9110 section 15.2: a client must parse and skip it).
+                self.headers = {}
+                self.status, self.reason = 0, ""
+                return
+            if self.status == 101:
+                raise HttpResponseError("unexpected protocol switch (HTTP 101)")
             self.location = headers.get("location")
             self.keep_alive = False
             self._finish()
@@ -191,9 +202,11 @@ class ResponseParser:
                 raise HttpResponseError("both Content-Length and Transfer-Encoding")
             self._mode = "chunk-size"
         elif declared is not None:
-            if not declared.isdigit() or len(declared) > 18:
+            digits = declared.lstrip("0") or "0"  # leading zeros are valid (aiohttp's too)
+            # ASCII only: str.isdigit() also takes superscripts, which int() then refuses.
+            if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
                 raise HttpResponseError(f"bad Content-Length {declared!r}")
-            length = int(declared)
+            length = int(digits)
             if length > self._max_body:
                 raise HttpResponseError(
                     f"response of {length} bytes exceeds the {self._max_body}-byte limit"
@@ -244,6 +257,7 @@ class ResponseParser:
                 self._finish()
         else:
             size = line.split(b";", 1)[0].strip(b" \t")
+            size = size.lstrip(b"0") or (b"0" if size else b"")
             if not size or len(size) > 15 or size.strip(b"0123456789abcdefABCDEF"):
                 raise HttpResponseError(f"bad chunk size {_show(line)}")
             self._chunk_left = int(size, 16)

@@ -9,7 +9,9 @@ ports), and one Envoy from `poolkeeper envoy-config` with the other replicas' ex
 added to its `epp` cluster. Index `approx`: the default profile; `exact`: the default with the
 prefix scorer's `kvEvents` on (each replica subscribes to every server's events);
 `exact-cold` / `exact-peers`: + cold affinity, always / once another replica is seen;
-`exact-bal`: + bounded-load cold affinity, `exact-strong`: the same pushed harder
+`exact-bal`: + bounded-load cold affinity, `exact-strong`: the same pushed harder;
+`exact-hash`: a `cold-placement-filter` instead (a new prefix to its ring owner within a load
+band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports
 (`scheduling()`). `N/M:index` runs M EPPs with only
 N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a machine
 with few cores. Variants run
@@ -40,6 +42,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from poolkeeper.bench.fleet.replicas import with_cold_placement
 from poolkeeper.bench.live.live import (
     READY_TIMEOUT_S,
     LiveSpec,
@@ -65,7 +68,10 @@ KV_OFFSET = 1000
 NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 
-INDEXES = ("approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong")
+INDEXES = (
+    "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
+    "exact-hashbal",
+)  # fmt: skip
 
 
 def scheduling(index: str) -> dict[str, Any] | None:
@@ -75,7 +81,9 @@ def scheduling(index: str) -> dict[str, Any] | None:
     another replica's traffic (`coldAffinityPeersOnly`); `exact-bal`: `exact-cold` with
     `coldAffinityBalance: 1` (the first endpoint on the ring holding fewer than its share of
     the prefixes); `exact-strong`: `exact-bal` with `coldAffinity: 1` (the owner's push, 3
-    with the default's weight, is not overruled by the replicas' differing load views)."""
+    with the default's weight, is not overruled by the replicas' differing load views);
+    `exact-hash`: `exact` with a `cold-placement-filter` (a new long prefix goes to its ring
+    owner within a load band; no score push); `exact-hashbal`: with its `balance: 1`."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -92,6 +100,8 @@ def scheduling(index: str) -> dict[str, Any] | None:
                 plugin["parameters"]["coldAffinityBalance"] = 1.0
             if index == "exact-peers":
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
+    if index in ("exact-hash", "exact-hashbal"):
+        doc = with_cold_placement(doc, {"balance": 1.0} if index == "exact-hashbal" else {})
     return doc
 
 

@@ -23,9 +23,14 @@ the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
         [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2 [--cold-peers]]
+    python -m poolkeeper.bench.fleet.replicas ... --cold-placement '{"balance": 1}'
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000] \
         [--chain 128]
     python -m poolkeeper.bench.fleet.replicas --memory --subscribers [--endpoints 1000]
+
+`cold_placement` (`--cold-placement PARAMS`): the replicas run the default profile with a
+`cold-placement-filter` (`scheduling/plugins/cold_placement.py`, PARAMS its parameters) listed
+first (`with_cold_placement`), behind admission's shedding as `poolkeeper-shed`.
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
 each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
@@ -49,13 +54,19 @@ from typing import Any
 
 from poolkeeper.bench.fleet.simrun import SCRAPE_INTERVAL_S, _outcome, _sim_arrivals, fleet_capacity
 from poolkeeper.bench.policies.routers import RoutingPolicy, make_policy
+from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy
 from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
+from poolkeeper.flowcontrol.admission import AdmissionConfig
+from poolkeeper.flowcontrol.shedding import AdmissionController
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.virtual import Arrival as SimArrival, RequestResult, VirtualFleet
 from poolkeeper.tokens import count_tokens
@@ -84,6 +95,36 @@ class _Replica:
                 )
             )
         return out
+
+
+def with_cold_placement(doc: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """`doc` (a scheduling document with a `prefix-cache-scorer`) with a
+    `cold-placement-filter` of `params` first in its profile, before any stale filter (which
+    would drop a late-scraped owner in some replicas and not in others)."""
+    doc = {**doc, "plugins": [{"type": "cold-placement-filter", "parameters": params},
+                              *doc["plugins"]]}  # fmt: skip
+    profiles = []
+    for profile in doc["schedulingProfiles"]:
+        refs = [{"pluginRef": "cold-placement-filter"}, *profile["plugins"]]
+        profiles.append({**profile, "plugins": refs})
+    return {**doc, "schedulingProfiles": profiles}
+
+
+def cold_placement_policy(
+    params: dict[str, Any], prefix_params: dict[str, Any] | None, rng: random.Random
+) -> SchedulerPolicy:
+    """`poolkeeper-shed` (the default preset, admission's shedding) with the
+    `cold-placement-filter` of `params` and `prefix_params` on its prefix-cache-scorer."""
+    doc = preset_document("default")
+    for plugin in doc["plugins"]:
+        if plugin["type"] == "prefix-cache-scorer":
+            plugin["parameters"] = {**plugin.get("parameters", {}), **(prefix_params or {})}
+    config = SchedulingConfig.model_validate(with_cold_placement(doc, params))
+    return SchedulerPolicy(
+        "poolkeeper-shed+cold-placement",
+        build_scheduler(config, rng=rng),
+        AdmissionController(AdmissionConfig()),
+    )
 
 
 def replica_of(request_id: str, replicas: int) -> int:
@@ -144,13 +185,16 @@ def run(
     cold_peers: bool = False,
     prefix_params: dict[str, Any] | None = None,
     groups: int | None = None,
+    cold_placement: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
     `exact`: the replicas' prefix scorers also read the engines' KV events;
     `cold_affinity`: their `coldAffinity` (the policy's own when 0); `cold_peers`: with
     `coldAffinityPeersOnly` (only once the KV events show another replica's traffic);
-    `prefix_params`: more of their parameters (camelCase, as in a config)."""
+    `prefix_params`: more of their parameters (camelCase, as in a config);
+    `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
+    docstring)."""
     scenario = build_scenario("shared-prefix", servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
@@ -160,10 +204,14 @@ def run(
     group_of = {a.request_id: a.group for a in arrivals}
     fleet = VirtualFleet(list(scenario.servers), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
     index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
-    routers = [
-        _Replica(make_policy(policy, random.Random(f"{seed}:replica{k}"), scenario))
-        for k in range(replicas)
-    ]
+
+    def make(k: int) -> RoutingPolicy:
+        rng = random.Random(f"{seed}:replica{k}")
+        if cold_placement is not None:
+            return cold_placement_policy(cold_placement, prefix_params, rng)
+        return make_policy(policy, rng, scenario)
+
+    routers = [_Replica(make(k)) for k in range(replicas)]
     if cold_peers and not (exact and cold_affinity):
         raise ValueError("cold_peers needs exact=True and cold_affinity > 0")
     if cold_affinity:
@@ -233,6 +281,7 @@ def run(
         "cold_peers": cold_peers,
         **({"prefix_params": prefix_params} if prefix_params else {}),
         **({"groups": groups} if groups is not None else {}),
+        **({"cold_placement": cold_placement} if cold_placement is not None else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -375,6 +424,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="more prefix-cache-scorer parameters as JSON, e.g. '{\"coldAffinityLoadSlack\": 2}'",
     )
+    parser.add_argument(
+        "--cold-placement",
+        type=json.loads,
+        default=None,
+        help="run a cold-placement-filter with these parameters as JSON, e.g. '{\"balance\": 1}'",
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -408,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cold_peers=args.cold_peers and kind == "exact",
             prefix_params=args.prefix_params,
             groups=args.groups,
+            cold_placement=args.cold_placement,
         )
         for kind in args.index
         for n in args.replicas

@@ -11,11 +11,11 @@ prefix scorer's `kvEvents` on (each replica subscribes to every server's events)
 `exact-cold` / `exact-peers`: + cold affinity, always / once another replica is seen;
 `exact-bal`: + bounded-load cold affinity, `exact-strong`: the same pushed harder;
 `exact-hash`: a `cold-placement-filter` instead (a new prefix to its ring owner within a load
-band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports
-(`scheduling()`). `N/M:index` runs M EPPs with only
-N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a machine
-with few cores. Variants run
-interleaved (listed order in even rounds, reversed in odd), the same requests each time; every
+band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports,
+`exact-hashpend`: + the replica's own unreported sends (`scheduling()`). `N/M:index` runs M
+EPPs with only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a
+control on a machine with few cores. Variants run interleaved (listed order in even rounds,
+reversed in odd), the same requests each time; every
 run goes to OUT/runs.json with its requests, prefills, load average and the CPU seconds of the
 fleet and of each EPP during the load, and each process's run-queue wait. At the end (or with
 `--analyze RUNS_JSON...` on earlier batches) every variant is compared with `--base` (default
@@ -70,7 +70,7 @@ NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 INDEXES = (
     "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
-    "exact-hashbal",
+    "exact-hashbal", "exact-hashpend",
 )  # fmt: skip
 
 
@@ -83,7 +83,8 @@ def scheduling(index: str) -> dict[str, Any] | None:
     the prefixes); `exact-strong`: `exact-bal` with `coldAffinity: 1` (the owner's push, 3
     with the default's weight, is not overruled by the replicas' differing load views);
     `exact-hash`: `exact` with a `cold-placement-filter` (a new long prefix goes to its ring
-    owner within a load band; no score push); `exact-hashbal`: with its `balance: 1`."""
+    owner within a load band; no score push); `exact-hashbal`: with its `balance: 1`;
+    `exact-hashpend`: and `pendingHeads` (the replica's own unreported sends count)."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -100,8 +101,10 @@ def scheduling(index: str) -> dict[str, Any] | None:
                 plugin["parameters"]["coldAffinityBalance"] = 1.0
             if index == "exact-peers":
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
-    if index in ("exact-hash", "exact-hashbal"):
-        doc = with_cold_placement(doc, {"balance": 1.0} if index == "exact-hashbal" else {})
+    placement = {"exact-hash": {}, "exact-hashbal": {"balance": 1.0},
+                 "exact-hashpend": {"balance": 1.0, "pendingHeads": True}}  # fmt: skip
+    if index in placement:
+        doc = with_cold_placement(doc, placement[index])
     return doc
 
 

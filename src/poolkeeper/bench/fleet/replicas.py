@@ -32,6 +32,10 @@ the latest routing decision.
 `cold-placement-filter` (`scheduling/plugins/cold_placement.py`, PARAMS its parameters) listed
 first (`with_cold_placement`), behind admission's shedding as `poolkeeper-shed`.
 
+`event_delay_s` (`--event-delay S`): the engines' events reach the replicas S seconds after the
+engine stored the blocks (live they cross a socket and a busy event loop), so a new prefix's
+second request can reach another replica before the report.
+
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
 each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
 approximate index with the same entries: bytes per (endpoint, block) entry and per 1,000
@@ -47,8 +51,8 @@ import argparse
 import json
 import random
 import zlib
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -68,6 +72,7 @@ from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.sim.engine import EngineModel
 from poolkeeper.sim.virtual import Arrival as SimArrival, RequestResult, VirtualFleet
 from poolkeeper.tokens import count_tokens
 
@@ -131,22 +136,73 @@ def replica_of(request_id: str, replicas: int) -> int:
     return zlib.crc32(request_id.encode()) % replicas
 
 
-class _ExactFeed:
-    """One engine's KV-cache sink: its events go to every replica's exact index."""
+class _EventDelay:
+    """KV events in flight from the engines to the replicas, `delay_s` long: each is applied
+    to every replica's index at the first routing decision at least `delay_s` after the engine
+    stored or evicted the blocks. Why: live, a report reaches the other replicas after the
+    engine's publish, the network and the EPP's event loop (on a starved machine, tens to
+    hundreds of ms), and a new prefix placed in that window looks cold to the others."""
 
-    def __init__(self, endpoint: str, indexes: list[ExactPrefixIndex], clock: list[float]):
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self._queue: deque[tuple[float, Callable[[float], None]]] = deque()
+
+    def push(self, at: float, apply: Callable[[float], None]) -> None:
+        if self.delay_s <= 0:
+            apply(at)
+        else:
+            self._queue.append((at + self.delay_s, apply))  # `at` never decreases
+
+    def deliver(self, now: float) -> None:
+        queue = self._queue
+        while queue and queue[0][0] <= now:
+            due, apply = queue.popleft()
+            apply(due)
+
+
+class _ExactFeed:
+    """One engine's KV-cache sink: its events go to every replica's exact index. With a delay
+    they leave at the engine's time (the later of the last routing decision and the engine's
+    last step end: an engine stores a prompt's blocks when it plans the step that starts
+    then); without, they are applied at once, stamped with the last routing decision."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        indexes: list[ExactPrefixIndex],
+        clock: list[float],
+        engine: EngineModel,
+        delay: _EventDelay,
+    ) -> None:
         self.endpoint = endpoint
         self.indexes = indexes
         self.clock = clock
+        self.engine = engine
+        self.delay = delay
+
+    def _now(self) -> float:
+        if self.delay.delay_s <= 0:
+            return self.clock[0]  # applied at once: as the runs without a delay always were
+        return max(self.clock[0], self.engine.last_step_end)
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
         # The index keys blocks by their own (chained) hash; no parent = a chain's first block.
-        for index in self.indexes:
-            index.stored(self.endpoint, hashes, self.clock[0], head=parent is None)
+        endpoint, indexes, head = self.endpoint, self.indexes, parent is None
+
+        def apply(at: float) -> None:
+            for index in indexes:
+                index.stored(endpoint, hashes, at, head=head)
+
+        self.delay.push(self._now(), apply)
 
     def removed(self, hashes: list[int]) -> None:
-        for index in self.indexes:
-            index.removed(self.endpoint, hashes, self.clock[0])
+        endpoint, indexes = self.endpoint, self.indexes
+
+        def apply(at: float) -> None:
+            for index in indexes:
+                index.removed(endpoint, hashes, at)
+
+        self.delay.push(self._now(), apply)
 
 
 def _prefix_scorers(routers: Sequence[_Replica], why: str) -> list[PrefixCacheScorer]:
@@ -186,6 +242,7 @@ def run(
     prefix_params: dict[str, Any] | None = None,
     groups: int | None = None,
     cold_placement: dict[str, Any] | None = None,
+    event_delay_s: float = 0.0,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -194,7 +251,8 @@ def run(
     `coldAffinityPeersOnly` (only once the KV events show another replica's traffic);
     `prefix_params`: more of their parameters (camelCase, as in a config);
     `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
-    docstring)."""
+    docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
+    (0: at once, as before)."""
     scenario = build_scenario("shared-prefix", servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
@@ -225,15 +283,17 @@ def run(
             doc = {**plugin.params.model_dump(by_alias=True), **prefix_params}
             plugin.params = type(plugin.params).model_validate(doc)
     clock = [0.0]
+    delay = _EventDelay(event_delay_s)
     if exact:
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
         for engine, endpoint in zip(fleet.engines, fleet.endpoints, strict=True):
-            engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock)
+            engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock, engine, delay)
     owner: dict[str, tuple[int, str]] = {}
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
         a: Arrival = sim.payload  # type: ignore[assignment]
         clock[0] = now
+        delay.deliver(now)
         k = replica_of(a.request_id, replicas)
         router = routers[k]
         tokens = count_tokens(sim.prompt)
@@ -282,6 +342,7 @@ def run(
         **({"prefix_params": prefix_params} if prefix_params else {}),
         **({"groups": groups} if groups is not None else {}),
         **({"cold_placement": cold_placement} if cold_placement is not None else {}),
+        **({"event_delay_s": event_delay_s} if event_delay_s else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -430,6 +491,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="run a cold-placement-filter with these parameters as JSON, e.g. '{\"balance\": 1}'",
     )
+    parser.add_argument(
+        "--event-delay",
+        type=float,
+        default=0.0,
+        help="seconds the engines' KV events take to reach the replicas (default 0)",
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -464,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefix_params=args.prefix_params,
             groups=args.groups,
             cold_placement=args.cold_placement,
+            event_delay_s=args.event_delay,
         )
         for kind in args.index
         for n in args.replicas

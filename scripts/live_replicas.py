@@ -12,7 +12,8 @@ prefix scorer's `kvEvents` on (each replica subscribes to every server's events)
 `exact-bal`: + bounded-load cold affinity, `exact-strong`: the same pushed harder;
 `exact-hash`: a `cold-placement-filter` instead (a new prefix to its ring owner within a load
 band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports,
-`exact-hashpend`: + the replica's own unreported sends (`scheduling()`). `N/M:index` runs M
+`exact-hashpend`: + the replica's own unreported sends, `exact-hashbalx`: `exact-hashbal` whose
+cold test reads only the engines' reports (`scheduling()`). `N/M:index` runs M
 EPPs with only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a
 control on a machine with few cores. Variants run interleaved (listed order in even rounds,
 reversed in odd), the same requests each time; every
@@ -70,7 +71,7 @@ NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 INDEXES = (
     "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
-    "exact-hashbal", "exact-hashpend",
+    "exact-hashbal", "exact-hashpend", "exact-hashbalx",
 )  # fmt: skip
 
 
@@ -84,7 +85,9 @@ def scheduling(index: str) -> dict[str, Any] | None:
     with the default's weight, is not overruled by the replicas' differing load views);
     `exact-hash`: `exact` with a `cold-placement-filter` (a new long prefix goes to its ring
     owner within a load band; no score push); `exact-hashbal`: with its `balance: 1`;
-    `exact-hashpend`: and `pendingHeads` (the replica's own unreported sends count)."""
+    `exact-hashpend`: and `pendingHeads` (the replica's own unreported sends count);
+    `exact-hashbalx`: `exact-hashbal` with `ownPlacements: false` (a prefix is cold until its
+    engine reports it, in the replica that placed it too)."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -102,7 +105,8 @@ def scheduling(index: str) -> dict[str, Any] | None:
             if index == "exact-peers":
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
     placement = {"exact-hash": {}, "exact-hashbal": {"balance": 1.0},
-                 "exact-hashpend": {"balance": 1.0, "pendingHeads": True}}  # fmt: skip
+                 "exact-hashpend": {"balance": 1.0, "pendingHeads": True},
+                 "exact-hashbalx": {"balance": 1.0, "ownPlacements": False}}  # fmt: skip
     if index in placement:
         doc = with_cold_placement(doc, placement[index])
     return doc

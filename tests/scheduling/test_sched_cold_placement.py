@@ -146,11 +146,11 @@ def test_warm_and_short_prompts_pass_untouched() -> None:
     assert len(_kept(sched, SYSTEMS[2] + "q2", pool)) == 4
 
 
-def _report(sched: Scheduler, endpoint: str, prompt: str, now: float = NOW) -> None:
-    """`endpoint`'s engine reports storing `prompt`'s first block (a chain head)."""
+def _report(sched: Scheduler, endpoint: str, prompt: str, chars: int = 64) -> None:
+    """`endpoint`'s engine reports storing `prompt`'s first `chars` (a chain from its head)."""
     exact = _exact(sched)
-    exact.stored(endpoint, engine_block_hashes("base", prompt[:64], 16), now, head=True)
-    exact.heard(endpoint, now)
+    exact.stored(endpoint, engine_block_hashes("base", prompt[:chars], 16), NOW, head=True)
+    exact.heard(endpoint, NOW)
 
 
 def test_balance_skips_an_owner_over_its_share_of_reported_prefixes() -> None:
@@ -193,3 +193,25 @@ def test_the_cycle_state_is_shared_with_the_scorer() -> None:
     req = request(prompt=SYSTEMS[4])
     _filter(sched).filter(c, req, [state(1), state(2)])
     assert c.get("prefix-hashes/prefix-cache-scorer") is not None
+
+
+def test_without_own_placements_a_prefix_stays_cold_until_its_engine_reports_it() -> None:
+    pool = [state(i) for i in range(1, 5)]
+    mine, reports = scheduler(_doc(exact=True)), scheduler(_doc(exact=True, ownPlacements=False))
+    (owner,) = _kept(mine, SYSTEMS[5], pool)
+    other = next(s for s in pool if s.key != owner)
+    for sched in (mine, reports):  # this EPP placed the prefix elsewhere (a load override)
+        placed = ProfileResult("p", (other,))
+        _prefix(sched).post_cycle(cycle(), request(prompt=SYSTEMS[5] + "q"), placed)
+    # Its own index says `other` holds it: warm, the scorers decide.
+    assert len(_kept(mine, SYSTEMS[5] + "q2", pool)) == 4
+    # With reports only it is warm too while `other`'s feed has said nothing (not fresh) ...
+    assert len(_kept(reports, SYSTEMS[5] + "q2", pool)) == 4
+    # ... but once every engine's feed is fresh and none reported it, it is cold again: the
+    # owner, as every other replica would choose.
+    for s in pool:
+        _exact(reports).heard(s.key, NOW)
+    assert _kept(reports, SYSTEMS[5] + "q2", pool) == [owner]
+    # The engine's report makes it warm in every replica.
+    _report(reports, other.key, SYSTEMS[5], chars=32 * 64)
+    assert len(_kept(reports, SYSTEMS[5] + "q2", pool)) == 4

@@ -32,6 +32,13 @@ counts the new prefixes this EPP sent that are not reported yet (sooner, but eac
 only its own, so replicas can disagree: the trade measured in
 docs/notes/2026-12-07-cold-placement-replicas.md).
 
+`ownPlacements: false` (needs `kvEvents`): the cold test reads, for endpoints whose event feed
+is fresh, only the engines' reports, not this EPP's approximate index. Why: the replica that
+placed a new prefix otherwise sees it warm at once and lets its scorers move the group's next
+requests (its own load view), while the others still see it cold and send theirs to the ring
+owner; with reports only, every replica sends the group to the owner until the engine reports
+it, and then every replica sees the same report.
+
 Trade-off: a cold request has no fallback endpoint (the picker sees one candidate). List it
 first, before a `stale-metrics-filter`: after it, an owner whose scrape is late is gone in
 some replicas and not in others.
@@ -45,11 +52,13 @@ from collections.abc import Callable, Sequence
 from pydantic import Field, model_validator
 
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.tokens import CHARS_PER_TOKEN
 
 
 class ColdPlacementParams(PluginParams):
@@ -88,6 +97,14 @@ class ColdPlacementParams(PluginParams):
         "band candidate whose engine-reported chain heads are below this x (the band's heads "
         "+ 1) / band size (default 0: off, the plain ring). Must be 0 or >= 1.",
     )
+    own_placements: bool = Field(
+        default=True,
+        description="A prompt this EPP already placed counts as held (its approximate index) "
+        "before the engine reports it (default true). False: for endpoints whose KV-event "
+        "feed is fresh only the engine's reports count, so every replica treats a new prefix "
+        "alike (its ring owner) until its engine reports it; stale endpoints keep the "
+        "approximate index.",
+    )
     pending_heads: bool = Field(
         default=False,
         description="With balance, also count the new prefixes this EPP sent that the engine "
@@ -118,23 +135,52 @@ class ColdPlacementFilter(NamedPlugin):
     ) -> Sequence[EndpointState]:
         if len(candidates) < 2:
             return candidates
-        key = self.cold_key(cycle, request)
+        key = self.cold_key(cycle, request, candidates)
         if key is None:
             return candidates
         owner = self.owner(key, candidates, cycle.now)
         return [s for s in candidates if s.endpoint.hostport == owner]
 
-    def cold_key(self, cycle: CycleState, request: LLMRequest) -> int | None:
+    def cold_key(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> int | None:
         """The ring key of a cold prompt (the chained hash of its first `minBlocks` blocks),
         or None when the prompt is short or some endpoint is known to cache that much."""
         prefix, blocks = self.prefix, self.params.min_blocks
         hashes = prefix.hashes(cycle, request)
         if len(hashes) < blocks:
             return None
-        matched = prefix.matched(cycle, request)
-        if max(matched.values(), default=0) >= blocks * prefix.params.block_size:
-            return None
-        return hashes[blocks - 1]
+        need = blocks * prefix.params.block_size
+        if self.params.own_placements or prefix.exact is None:
+            held = max(prefix.matched(cycle, request).values(), default=0)
+        else:
+            held = self._reported(cycle.now, request, hashes[:blocks], need, candidates)
+        return None if held >= need else hashes[blocks - 1]
+
+    def _reported(
+        self,
+        now: float,
+        request: LLMRequest,
+        hashes: list[int],
+        upto: int,
+        candidates: Sequence[EndpointState],
+    ) -> int:
+        """The most of the prompt's first `upto` characters any candidate holds, by its
+        engine's reports where its feed is fresh, else by the approximate index."""
+        prefix, exact = self.prefix, self.prefix.exact
+        assert exact is not None
+        size = prefix.params.block_size
+        approx = prefix.index.match(hashes)
+        chunk = exact.block_size * CHARS_PER_TOKEN
+        reported = exact.match(
+            engine_block_hashes(request.target_model, request.prompt[:upto], exact.block_size)
+        )
+        most = 0
+        for s in candidates:
+            k = s.endpoint.hostport
+            held = reported.get(k, 0) * chunk if exact.fresh(k, now) else approx.get(k, 0) * size
+            most = max(most, held)
+        return most
 
     def owner(self, key: int, candidates: Sequence[EndpointState], now: float) -> str:
         """ip:port of the first candidate clockwise from `key` within the load band (and,

@@ -9,11 +9,14 @@ ports), and one Envoy from `poolkeeper envoy-config` with the other replicas' ex
 added to its `epp` cluster. Index `approx`: the default profile; `exact`: the default with the
 prefix scorer's `kvEvents` on (each replica subscribes to every server's events);
 `exact-cold` / `exact-peers`: + cold affinity, always / once another replica is seen;
-`exact-bal`: + bounded-load cold affinity, `exact-strong`: the same pushed harder
-(`scheduling()`). `N/M:index` runs M EPPs with only
-N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a machine
-with few cores. Variants run
-interleaved (listed order in even rounds, reversed in odd), the same requests each time; every
+`exact-bal`: + bounded-load cold affinity, `exact-strong`: the same pushed harder;
+`exact-hash`: a `cold-placement-filter` instead (a new prefix to its ring owner within a load
+band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports,
+`exact-hashpend`: + the replica's own unreported sends, `exact-hashbalx`: `exact-hashbal` whose
+cold test reads only the engines' reports (`scheduling()`). `N/M:index` runs M
+EPPs with only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a
+control on a machine with few cores. Variants run interleaved (listed order in even rounds,
+reversed in odd), the same requests each time; every
 run goes to OUT/runs.json with its requests, prefills, load average and the CPU seconds of the
 fleet and of each EPP during the load, and each process's run-queue wait. At the end (or with
 `--analyze RUNS_JSON...` on earlier batches) every variant is compared with `--base` (default
@@ -40,6 +43,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from poolkeeper.bench.fleet.replicas import with_cold_placement
 from poolkeeper.bench.live.live import (
     READY_TIMEOUT_S,
     LiveSpec,
@@ -65,7 +69,10 @@ KV_OFFSET = 1000
 NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 
-INDEXES = ("approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong")
+INDEXES = (
+    "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
+    "exact-hashbal", "exact-hashpend", "exact-hashbalx",
+)  # fmt: skip
 
 
 def scheduling(index: str) -> dict[str, Any] | None:
@@ -75,7 +82,12 @@ def scheduling(index: str) -> dict[str, Any] | None:
     another replica's traffic (`coldAffinityPeersOnly`); `exact-bal`: `exact-cold` with
     `coldAffinityBalance: 1` (the first endpoint on the ring holding fewer than its share of
     the prefixes); `exact-strong`: `exact-bal` with `coldAffinity: 1` (the owner's push, 3
-    with the default's weight, is not overruled by the replicas' differing load views)."""
+    with the default's weight, is not overruled by the replicas' differing load views);
+    `exact-hash`: `exact` with a `cold-placement-filter` (a new long prefix goes to its ring
+    owner within a load band; no score push); `exact-hashbal`: with its `balance: 1`;
+    `exact-hashpend`: and `pendingHeads` (the replica's own unreported sends count);
+    `exact-hashbalx`: `exact-hashbal` with `ownPlacements: false` (a prefix is cold until its
+    engine reports it, in the replica that placed it too)."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -92,6 +104,11 @@ def scheduling(index: str) -> dict[str, Any] | None:
                 plugin["parameters"]["coldAffinityBalance"] = 1.0
             if index == "exact-peers":
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
+    placement = {"exact-hash": {}, "exact-hashbal": {"balance": 1.0},
+                 "exact-hashpend": {"balance": 1.0, "pendingHeads": True},
+                 "exact-hashbalx": {"balance": 1.0, "ownPlacements": False}}  # fmt: skip
+    if index in placement:
+        doc = with_cold_placement(doc, placement[index])
     return doc
 
 

@@ -114,3 +114,28 @@ def test_balanced_cold_affinity_keeps_more_of_each_group_on_one_server() -> None
     # Each replica counts the prefixes the engines reported and those it sent: a group's
     # requests from every replica meet the same, less loaded, server more often.
     assert balanced["affinity"] > plain["affinity"]
+
+
+def test_cold_placement_keeps_four_replicas_groups_together() -> None:
+    def once(**kw: Any) -> dict[str, Any]:
+        return run(4, servers=4, duration=5.0, seed=3, capacity_rps=100.0, exact=True, **kw)
+
+    plain = once()
+    placed = once(cold_placement={}, prefix_params={"kvEvents": True, "kvEventsSubscribe": False})
+    assert placed["cold_placement"] == {}
+    assert placed["requests"] == plain["requests"]
+    # Every replica sends a new system prompt to its ring owner (within the load band), so a
+    # group's first requests from different replicas meet on one server.
+    assert placed["affinity"] > plain["affinity"]
+
+
+def test_events_that_never_arrive_in_time_leave_the_approximate_index_alone() -> None:
+    def once(**kw: Any) -> dict[str, Any]:
+        row = run(4, servers=4, duration=5.0, seed=3, capacity_rps=100.0, **kw)
+        return {k: v for k, v in row.items() if k not in ("index", "event_delay_s")}
+
+    approx, exact = once(), once(exact=True)
+    assert exact != approx  # the events change placements ...
+    # ... unless they reach the replicas only after the run: then the exact index is empty
+    # and every decision is the approximate index's.
+    assert once(exact=True, event_delay_s=100.0) == approx

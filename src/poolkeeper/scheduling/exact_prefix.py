@@ -191,18 +191,21 @@ class ExactPrefixIndex:
     def blocks(self, endpoint: str) -> int:
         return self._index.blocks(endpoint)
 
-    def heads(self, endpoint: str, now: float) -> int:
+    def heads(self, endpoint: str, now: float, *, pending: bool = True) -> int:
         """Chain heads `endpoint` holds: the distinct prompt beginnings its engine reported
-        (for shared-prefix traffic, about the prefix groups placed there), plus those this
-        EPP sent it in the last `stale_after_s` that it has not reported yet (still queued:
-        engines report blocks when they schedule a request)."""
+        (for shared-prefix traffic, about the prefix groups placed there), plus, with
+        `pending`, those this EPP sent it in the last `stale_after_s` that it has not reported
+        yet (still queued: engines report blocks when they schedule a request; other replicas
+        do not know them)."""
         heads = self._heads.get(endpoint)
         count = 0 if heads is None else len(heads)
-        pending = self._pending.get(endpoint)
-        if pending:
+        if not pending:
+            return count
+        pending_heads = self._pending.get(endpoint)
+        if pending_heads:
             horizon = now - self.stale_after_s
-            live = {h: t for h, t in pending.items() if t > horizon}
-            if len(live) < len(pending):
+            live = {h: t for h, t in pending_heads.items() if t > horizon}
+            if len(live) < len(pending_heads):
                 self._pending[endpoint] = live
             count += len(live)
         return count

@@ -23,9 +23,18 @@ the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
         [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2 [--cold-peers]]
+    python -m poolkeeper.bench.fleet.replicas ... --cold-placement '{"balance": 1}'
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000] \
         [--chain 128]
     python -m poolkeeper.bench.fleet.replicas --memory --subscribers [--endpoints 1000]
+
+`cold_placement` (`--cold-placement PARAMS`): the replicas run the default profile with a
+`cold-placement-filter` (`scheduling/plugins/cold_placement.py`, PARAMS its parameters) listed
+first (`with_cold_placement`), behind admission's shedding as `poolkeeper-shed`.
+
+`event_delay_s` (`--event-delay S`): the engines' events reach the replicas S seconds after the
+engine stored the blocks (live they cross a socket and a busy event loop), so a new prefix's
+second request can reach another replica before the report.
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
 each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
@@ -42,21 +51,28 @@ import argparse
 import json
 import random
 import zlib
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from poolkeeper.bench.fleet.simrun import SCRAPE_INTERVAL_S, _outcome, _sim_arrivals, fleet_capacity
 from poolkeeper.bench.policies.routers import RoutingPolicy, make_policy
+from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy
 from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
+from poolkeeper.flowcontrol.admission import AdmissionConfig
+from poolkeeper.flowcontrol.shedding import AdmissionController
+from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.sim.engine import EngineModel
 from poolkeeper.sim.virtual import Arrival as SimArrival, RequestResult, VirtualFleet
 from poolkeeper.tokens import count_tokens
 
@@ -86,26 +102,107 @@ class _Replica:
         return out
 
 
+def with_cold_placement(doc: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """`doc` (a scheduling document with a `prefix-cache-scorer`) with a
+    `cold-placement-filter` of `params` first in its profile, before any stale filter (which
+    would drop a late-scraped owner in some replicas and not in others)."""
+    doc = {**doc, "plugins": [{"type": "cold-placement-filter", "parameters": params},
+                              *doc["plugins"]]}  # fmt: skip
+    profiles = []
+    for profile in doc["schedulingProfiles"]:
+        refs = [{"pluginRef": "cold-placement-filter"}, *profile["plugins"]]
+        profiles.append({**profile, "plugins": refs})
+    return {**doc, "schedulingProfiles": profiles}
+
+
+def cold_placement_policy(
+    params: dict[str, Any], prefix_params: dict[str, Any] | None, rng: random.Random
+) -> SchedulerPolicy:
+    """`poolkeeper-shed` (the default preset, admission's shedding) with the
+    `cold-placement-filter` of `params` and `prefix_params` on its prefix-cache-scorer."""
+    doc = preset_document("default")
+    for plugin in doc["plugins"]:
+        if plugin["type"] == "prefix-cache-scorer":
+            plugin["parameters"] = {**plugin.get("parameters", {}), **(prefix_params or {})}
+    config = SchedulingConfig.model_validate(with_cold_placement(doc, params))
+    return SchedulerPolicy(
+        "poolkeeper-shed+cold-placement",
+        build_scheduler(config, rng=rng),
+        AdmissionController(AdmissionConfig()),
+    )
+
+
 def replica_of(request_id: str, replicas: int) -> int:
     return zlib.crc32(request_id.encode()) % replicas
 
 
-class _ExactFeed:
-    """One engine's KV-cache sink: its events go to every replica's exact index."""
+class _EventDelay:
+    """KV events in flight from the engines to the replicas, `delay_s` long: each is applied
+    to every replica's index at the first routing decision at least `delay_s` after the engine
+    stored or evicted the blocks. Why: live, a report reaches the other replicas after the
+    engine's publish, the network and the EPP's event loop (on a starved machine, tens to
+    hundreds of ms), and a new prefix placed in that window looks cold to the others."""
 
-    def __init__(self, endpoint: str, indexes: list[ExactPrefixIndex], clock: list[float]):
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self._queue: deque[tuple[float, Callable[[float], None]]] = deque()
+
+    def push(self, at: float, apply: Callable[[float], None]) -> None:
+        if self.delay_s <= 0:
+            apply(at)
+        else:
+            self._queue.append((at + self.delay_s, apply))  # `at` never decreases
+
+    def deliver(self, now: float) -> None:
+        queue = self._queue
+        while queue and queue[0][0] <= now:
+            due, apply = queue.popleft()
+            apply(due)
+
+
+class _ExactFeed:
+    """One engine's KV-cache sink: its events go to every replica's exact index. With a delay
+    they leave at the engine's time (the later of the last routing decision and the engine's
+    last step end: an engine stores a prompt's blocks when it plans the step that starts
+    then); without, they are applied at once, stamped with the last routing decision."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        indexes: list[ExactPrefixIndex],
+        clock: list[float],
+        engine: EngineModel,
+        delay: _EventDelay,
+    ) -> None:
         self.endpoint = endpoint
         self.indexes = indexes
         self.clock = clock
+        self.engine = engine
+        self.delay = delay
+
+    def _now(self) -> float:
+        if self.delay.delay_s <= 0:
+            return self.clock[0]  # applied at once: as the runs without a delay always were
+        return max(self.clock[0], self.engine.last_step_end)
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
         # The index keys blocks by their own (chained) hash; no parent = a chain's first block.
-        for index in self.indexes:
-            index.stored(self.endpoint, hashes, self.clock[0], head=parent is None)
+        endpoint, indexes, head = self.endpoint, self.indexes, parent is None
+
+        def apply(at: float) -> None:
+            for index in indexes:
+                index.stored(endpoint, hashes, at, head=head)
+
+        self.delay.push(self._now(), apply)
 
     def removed(self, hashes: list[int]) -> None:
-        for index in self.indexes:
-            index.removed(self.endpoint, hashes, self.clock[0])
+        endpoint, indexes = self.endpoint, self.indexes
+
+        def apply(at: float) -> None:
+            for index in indexes:
+                index.removed(endpoint, hashes, at)
+
+        self.delay.push(self._now(), apply)
 
 
 def _prefix_scorers(routers: Sequence[_Replica], why: str) -> list[PrefixCacheScorer]:
@@ -144,13 +241,18 @@ def run(
     cold_peers: bool = False,
     prefix_params: dict[str, Any] | None = None,
     groups: int | None = None,
+    cold_placement: dict[str, Any] | None = None,
+    event_delay_s: float = 0.0,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
     `exact`: the replicas' prefix scorers also read the engines' KV events;
     `cold_affinity`: their `coldAffinity` (the policy's own when 0); `cold_peers`: with
     `coldAffinityPeersOnly` (only once the KV events show another replica's traffic);
-    `prefix_params`: more of their parameters (camelCase, as in a config)."""
+    `prefix_params`: more of their parameters (camelCase, as in a config);
+    `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
+    docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
+    (0: at once, as before)."""
     scenario = build_scenario("shared-prefix", servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
@@ -160,10 +262,14 @@ def run(
     group_of = {a.request_id: a.group for a in arrivals}
     fleet = VirtualFleet(list(scenario.servers), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
     index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
-    routers = [
-        _Replica(make_policy(policy, random.Random(f"{seed}:replica{k}"), scenario))
-        for k in range(replicas)
-    ]
+
+    def make(k: int) -> RoutingPolicy:
+        rng = random.Random(f"{seed}:replica{k}")
+        if cold_placement is not None:
+            return cold_placement_policy(cold_placement, prefix_params, rng)
+        return make_policy(policy, rng, scenario)
+
+    routers = [_Replica(make(k)) for k in range(replicas)]
     if cold_peers and not (exact and cold_affinity):
         raise ValueError("cold_peers needs exact=True and cold_affinity > 0")
     if cold_affinity:
@@ -177,15 +283,17 @@ def run(
             doc = {**plugin.params.model_dump(by_alias=True), **prefix_params}
             plugin.params = type(plugin.params).model_validate(doc)
     clock = [0.0]
+    delay = _EventDelay(event_delay_s)
     if exact:
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
         for engine, endpoint in zip(fleet.engines, fleet.endpoints, strict=True):
-            engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock)
+            engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock, engine, delay)
     owner: dict[str, tuple[int, str]] = {}
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
         a: Arrival = sim.payload  # type: ignore[assignment]
         clock[0] = now
+        delay.deliver(now)
         k = replica_of(a.request_id, replicas)
         router = routers[k]
         tokens = count_tokens(sim.prompt)
@@ -233,6 +341,8 @@ def run(
         "cold_peers": cold_peers,
         **({"prefix_params": prefix_params} if prefix_params else {}),
         **({"groups": groups} if groups is not None else {}),
+        **({"cold_placement": cold_placement} if cold_placement is not None else {}),
+        **({"event_delay_s": event_delay_s} if event_delay_s else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -375,6 +485,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="more prefix-cache-scorer parameters as JSON, e.g. '{\"coldAffinityLoadSlack\": 2}'",
     )
+    parser.add_argument(
+        "--cold-placement",
+        type=json.loads,
+        default=None,
+        help="run a cold-placement-filter with these parameters as JSON, e.g. '{\"balance\": 1}'",
+    )
+    parser.add_argument(
+        "--event-delay",
+        type=float,
+        default=0.0,
+        help="seconds the engines' KV events take to reach the replicas (default 0)",
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -408,6 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cold_peers=args.cold_peers and kind == "exact",
             prefix_params=args.prefix_params,
             groups=args.groups,
+            cold_placement=args.cold_placement,
+            event_delay_s=args.event_delay,
         )
         for kind in args.index
         for n in args.replicas

@@ -15,6 +15,10 @@ from poolkeeper.scheduling.plugins.backlog_scorer import (
     PrefillBacklogParams,
     PrefillBacklogScorer,
 )
+from poolkeeper.scheduling.plugins.cold_placement import (
+    ColdPlacementFilter,
+    ColdPlacementParams,
+)
 from poolkeeper.scheduling.plugins.decision_tree import (
     DecisionTreeFilter,
     DecisionTreeParams,
@@ -164,6 +168,19 @@ def _prefix_affinity(tn: TypedName, params: PluginParams, ctx: BuildContext) -> 
     return PrefixAffinityFilter(tn, params, prefix, ctx.staleness_s)
 
 
+def _cold_placement(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    assert isinstance(params, ColdPlacementParams)
+    prefix = _prefix_scorer(tn, params.prefix_scorer, ctx)
+    if prefix is None:
+        raise ConfigError(f"plugin {tn.name!r}: cold-placement-filter needs prefixScorer")
+    if params.balance and not prefix.params.kv_events:
+        raise ConfigError(
+            f"plugin {tn.name!r}: balance needs the prefix scorer's kvEvents: true (it counts "
+            "the prefixes each engine reported)"
+        )
+    return ColdPlacementFilter(tn, params, prefix)
+
+
 def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
     """Register every built-in plugin type on `registry` (once) and return it."""
     specs = [
@@ -196,6 +213,8 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
                    "GIE v0.1-v0.5 filter tree.", filter_references=tree_references),
         PluginSpec("prefix-affinity-filter", F, PrefixAffinityParams, _prefix_affinity,
                    "The prompt's prefix holders only, while the load is balanced."),
+        PluginSpec("cold-placement-filter", F, ColdPlacementParams, _cold_placement,
+                   "A new long prefix to its hash-ring owner within a load band."),
         PluginSpec("decode-filter", F, NoParams, _plain(DecodeFilter),
                    "llm-d.ai/role can decode (unlabelled endpoints kept)."),
         PluginSpec("prefill-filter", F, NoParams, _plain(PrefillFilter),

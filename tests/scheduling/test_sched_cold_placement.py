@@ -1,0 +1,217 @@
+"""The cold-placement filter: independent schedulers send a new long prefix to the same endpoint,
+load outside the band overrides, an endpoint leaving moves only its own prefixes, and warm or
+short prompts pass untouched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from poolkeeper.errors import ConfigError
+from poolkeeper.kvevents import engine_block_hashes
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
+from poolkeeper.scheduling.plugins.cold_placement import ColdPlacementFilter
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.scheduler import Scheduler
+from tests.scheduling.sched_factories import NOW, cycle, key, request, scheduler, state
+
+SYSTEMS = [f"system prompt {g:03d} " * 200 for g in range(64)]  # ~3,800 chars: 59 blocks
+
+
+def _doc(exact: bool = False, **params: Any) -> dict[str, Any]:
+    """The filter first, then the prefix scorer and a queue scorer that would pick the least
+    loaded (weight 10) without it."""
+    prefix: dict[str, Any] = {"type": "prefix-cache-scorer"}
+    if exact:
+        prefix["parameters"] = {"kvEvents": True, "kvEventsSubscribe": False}
+    return {
+        "plugins": [
+            {"type": "cold-placement-filter", "parameters": params},
+            prefix,
+            {"type": "queue-scorer"},
+            {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 1}},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "p",
+                "plugins": [
+                    {"pluginRef": "cold-placement-filter"},
+                    {"pluginRef": "prefix-cache-scorer", "weight": 1},
+                    {"pluginRef": "queue-scorer", "weight": 10},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+def _filter(sched: Scheduler) -> ColdPlacementFilter:
+    plugin = sched.plugins["cold-placement-filter"]
+    assert isinstance(plugin, ColdPlacementFilter)
+    return plugin
+
+
+def _prefix(sched: Scheduler) -> PrefixCacheScorer:
+    plugin = sched.plugins["prefix-cache-scorer"]
+    assert isinstance(plugin, PrefixCacheScorer)
+    return plugin
+
+
+def _exact(sched: Scheduler) -> ExactPrefixIndex:
+    exact = _prefix(sched).exact
+    assert exact is not None
+    return exact
+
+
+def _pick(sched: Scheduler, prompt: str, pool: list[Any]) -> str:
+    return sched.schedule(request(prompt=prompt), pool, now=NOW).primary.key
+
+
+def _kept(sched: Scheduler, prompt: str, pool: list[Any]) -> list[str]:
+    return [s.key for s in _filter(sched).filter(cycle(), request(prompt=prompt), pool)]
+
+
+def test_two_independent_schedulers_place_every_new_prefix_on_the_same_endpoint() -> None:
+    a, b = scheduler(_doc(), seed=1), scheduler(_doc(), seed=2)
+    pool = [state(i) for i in range(1, 9)]
+    shuffled = pool[::-1]  # another replica may list the endpoints in another order
+    picks = [_pick(a, s + "question", pool) for s in SYSTEMS]
+    assert picks == [_pick(b, s + "other question", shuffled) for s in SYSTEMS]
+    # Deterministic yet spread: 64 prefixes over 8 endpoints land on every one.
+    assert set(picks) == {key(i) for i in range(1, 9)}
+
+
+def test_without_the_filter_the_load_scorer_decides() -> None:
+    """The control for the test above: the queue scorer alone sends a new prefix to the least
+    loaded endpoint; the filter keeps it on its owner while the owner is within the band."""
+    (owner,) = _kept(scheduler(_doc()), SYSTEMS[0], [state(i) for i in range(1, 9)])
+    idle = next(i for i in range(1, 9) if key(i) != owner)
+    pool = [state(i, waiting=0 if i == idle else 2) for i in range(1, 9)]
+    assert _pick(scheduler(_doc()), SYSTEMS[0], pool) == owner
+    no_filter = _doc()
+    no_filter["schedulingProfiles"][0]["plugins"].pop(0)
+    assert _pick(scheduler(no_filter), SYSTEMS[0], pool) == key(idle)
+
+
+def test_load_outside_the_band_overrides_the_owner() -> None:
+    sched = scheduler(_doc())
+    idle = [state(i, running=4) for i in range(1, 5)]
+    (owner,) = _kept(sched, SYSTEMS[1], idle)
+    i = int(owner.split(".")[3].split(":")[0])
+
+    def with_owner(running: int, waiting: int = 0, unseen: int = 0) -> list[Any]:
+        return [
+            state(j, running=running, waiting=waiting, unseen=unseen)
+            if j == i
+            else state(j, running=4)
+            for j in range(1, 5)
+        ]
+
+    # 8 more than the least (the band's edge): still the owner.
+    assert _kept(sched, SYSTEMS[1], with_owner(8, waiting=4)) == [owner]
+    # 9 more and 3.25x: out of the band, the next on the ring takes it.
+    moved = _kept(sched, SYSTEMS[1], with_owner(9, waiting=4))
+    assert len(moved) == 1
+    assert moved != [owner]
+    # Far more in absolute terms but under 1.5x the least: a busy fleet, still the owner.
+    heavy = [state(j, running=100 if j != i else 140) for j in range(1, 5)]
+    assert _kept(sched, SYSTEMS[1], heavy) == [owner]
+    # Requests this EPP sent since the scrape count only with countUnseen.
+    assert _kept(sched, SYSTEMS[1], with_owner(4, unseen=20)) == [owner]
+    counting = scheduler(_doc(countUnseen=True))
+    assert _kept(counting, SYSTEMS[1], with_owner(4, unseen=20)) != [owner]
+
+
+def test_an_endpoint_leaving_moves_only_its_own_prefixes() -> None:
+    sched = scheduler(_doc())
+    pool = [state(i) for i in range(1, 9)]
+    before = {s: _kept(sched, s, pool)[0] for s in SYSTEMS}
+    gone = before[SYSTEMS[0]]
+    rest = [s for s in pool if s.key != gone]
+    after = {s: _kept(sched, s, rest)[0] for s in SYSTEMS}
+    moved = {s for s in SYSTEMS if after[s] != before[s]}
+    assert moved == {s for s in SYSTEMS if before[s] == gone}
+    assert gone not in after.values()
+
+
+def test_warm_and_short_prompts_pass_untouched() -> None:
+    sched = scheduler(_doc())
+    pool = [state(i) for i in range(1, 5)]
+    assert len(_kept(sched, "a short question", pool)) == 4
+    # Once an endpoint holds the prefix (a decision recorded it), the scorers decide.
+    placed = ProfileResult("p", (pool[3],))
+    _prefix(sched).post_cycle(cycle(), request(prompt=SYSTEMS[2] + "q"), placed)
+    assert len(_kept(sched, SYSTEMS[2] + "q2", pool)) == 4
+
+
+def _report(sched: Scheduler, endpoint: str, prompt: str, chars: int = 64) -> None:
+    """`endpoint`'s engine reports storing `prompt`'s first `chars` (a chain from its head)."""
+    exact = _exact(sched)
+    exact.stored(endpoint, engine_block_hashes("base", prompt[:chars], 16), NOW, head=True)
+    exact.heard(endpoint, NOW)
+
+
+def test_balance_skips_an_owner_over_its_share_of_reported_prefixes() -> None:
+    plain, bal = scheduler(_doc(exact=True)), scheduler(_doc(exact=True, balance=1))
+    pool = [state(i) for i in range(1, 5)]
+    (owner,) = _kept(plain, SYSTEMS[3], pool)
+    assert _kept(bal, SYSTEMS[3], pool) == [owner]
+    for sched in (plain, bal):  # the owner's engine reports two other prefixes
+        for g in (10, 11):
+            _report(sched, owner, SYSTEMS[g])
+    assert _kept(plain, SYSTEMS[3], pool) == [owner]
+    (moved,) = _kept(bal, SYSTEMS[3], pool)
+    assert moved != owner
+    # Prefixes this EPP sent but no engine reported count only with pendingHeads.
+    pending = scheduler(_doc(exact=True, balance=1, pendingHeads=True))
+    quiet = scheduler(_doc(exact=True, balance=1))
+    for sched in (pending, quiet):
+        exact = _exact(sched)
+        for g in (10, 11):
+            exact.sent(owner, engine_block_hashes("base", SYSTEMS[g][:64], 16)[0], NOW)
+    assert _kept(quiet, SYSTEMS[3], pool) == [owner]
+    assert _kept(pending, SYSTEMS[3], pool) != [owner]
+
+
+def test_bad_configurations_are_refused_precisely() -> None:
+    with pytest.raises(ConfigError, match="balance needs the prefix scorer's kvEvents"):
+        scheduler(_doc(balance=1))
+    with pytest.raises(ValueError, match="balance must be 0"):  # the config's validation
+        scheduler(_doc(exact=True, balance=0.5))
+    bad = _doc()
+    bad["plugins"][0]["parameters"] = {"prefixScorer": "queue-scorer"}
+    with pytest.raises(ConfigError, match="is not a prefix-cache-scorer"):
+        scheduler(bad)
+
+
+def test_the_cycle_state_is_shared_with_the_scorer() -> None:
+    """The filter hashes the prompt once: the scorer reads the same cycle entry."""
+    sched = scheduler(_doc())
+    c = CycleState(NOW)
+    req = request(prompt=SYSTEMS[4])
+    _filter(sched).filter(c, req, [state(1), state(2)])
+    assert c.get("prefix-hashes/prefix-cache-scorer") is not None
+
+
+def test_without_own_placements_a_prefix_stays_cold_until_its_engine_reports_it() -> None:
+    pool = [state(i) for i in range(1, 5)]
+    mine, reports = scheduler(_doc(exact=True)), scheduler(_doc(exact=True, ownPlacements=False))
+    (owner,) = _kept(mine, SYSTEMS[5], pool)
+    other = next(s for s in pool if s.key != owner)
+    for sched in (mine, reports):  # this EPP placed the prefix elsewhere (a load override)
+        placed = ProfileResult("p", (other,))
+        _prefix(sched).post_cycle(cycle(), request(prompt=SYSTEMS[5] + "q"), placed)
+    # Its own index says `other` holds it: warm, the scorers decide.
+    assert len(_kept(mine, SYSTEMS[5] + "q2", pool)) == 4
+    # With reports only it is warm too while `other`'s feed has said nothing (not fresh) ...
+    assert len(_kept(reports, SYSTEMS[5] + "q2", pool)) == 4
+    # ... but once every engine's feed is fresh and none reported it, it is cold again: the
+    # owner, as every other replica would choose.
+    for s in pool:
+        _exact(reports).heard(s.key, NOW)
+    assert _kept(reports, SYSTEMS[5] + "q2", pool) == [owner]
+    # The engine's report makes it warm in every replica.
+    _report(reports, other.key, SYSTEMS[5], chars=32 * 64)
+    assert len(_kept(reports, SYSTEMS[5] + "q2", pool)) == 4

@@ -146,6 +146,9 @@ def test_the_overload_ttl_keeps_requests_only_while_the_queue_drains_in_time() -
 
 def test_the_rescue_window_must_be_a_window() -> None:
     with pytest.raises(ValidationError, match=r"rescueAfterMs .* must be below rescueBeforeMs"):
-        _config(rescueAfterMs=1800, rescueBeforeMs=1200)
+        _config(rescueAfterMs=1800, rescueBeforeMs=1200, drainWithinMs=1000)
+    # Without drainWithinMs the window would be ignored: said, not silently dropped.
+    with pytest.raises(ValidationError, match=r"take effect only with drainWithinMs"):
+        _config(rescueAfterMs=1000)
     band = _config(drainWithinMs=1000).bands.standard
     assert (band.rescue_after_ms, band.rescue_before_ms) == (1200, 1800)

@@ -149,6 +149,14 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
 
     @model_validator(mode="after")
     def _rescue_window(self) -> Self:
+        fields = type(self).model_fields
+        window = (self.rescue_after_ms, self.rescue_before_ms)
+        defaults = (fields["rescue_after_ms"].default, fields["rescue_before_ms"].default)
+        if window != defaults and self.drain_within_ms is None:
+            raise ValueError(
+                "rescueAfterMs and rescueBeforeMs take effect only with drainWithinMs (unset: "
+                "they would be ignored)"
+            )
         if self.rescue_after_ms >= self.rescue_before_ms:
             raise ValueError(
                 f"rescueAfterMs ({self.rescue_after_ms}) must be below rescueBeforeMs "

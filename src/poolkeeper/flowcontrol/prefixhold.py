@@ -14,9 +14,10 @@ The rule (`holds`): the request's prompt tokens no endpoint caches are at least
 first byte back) is at least `backlogTokens`. A held request is not in the dispatcher's queue,
 so it blocks nothing behind it (the dispatcher's head-of-line rule does not apply to it). At
 each release (the caller's pump: completions, scrape ticks) held requests are asked again in
-arrival order and go to the queue once the rule no longer holds them, or after `maxHoldMs`
-whatever the backlog (never starved). The facts come from the caller (the scheduler's prefix
-index and backlog); this module is pure and synchronous, with time passed in.
+arrival order (at most `asks` of them) and go to the queue once the rule no longer holds them,
+or unasked after `maxHoldMs` whatever the backlog (never starved). The facts come from the
+caller (the scheduler's prefix index and backlog); this module is pure and synchronous, with
+time passed in.
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ a future while its ext_proc stream stays open; the pump dispatches it later:
   band's request enters the dispatcher, the gate asks the Director's `job.prefill` (the
   scheduler's prefix index and prefill backlogs) whether it would open a new long prefill
   while every candidate is backlogged; if so it is held, outside the queue (it blocks
-  nothing behind it). Held requests ask again at each pump (a first byte or an end, a
-  metrics write), in arrival order, each released one entering the dispatcher before the
-  next is asked; a timer at the oldest's `maxHoldMs` releases it whatever the backlog. No
-  polling: with only held requests, the short queue timer does not run.
+  nothing behind it). At each pump (a first byte or an end, a metrics write) the oldest
+  `HOLD_ASKS_PER_PUMP` held requests are asked again, in arrival order, each released one
+  entering the dispatcher before the next is asked; a timer at the oldest's `maxHoldMs`
+  releases it whatever the backlog. No polling: with only held requests, the short queue
+  timer does not run.
 """
 
 from __future__ import annotations

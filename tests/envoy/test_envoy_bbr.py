@@ -55,6 +55,7 @@ POOL = "default/vllm-llama3-8b-instruct"
 @dataclass
 class Rig:
     url: str
+    admin_port: int
     backends: dict[str, Backend]
     routers: dict[str, RoundRobinRouter]
     bbr: BbrServicer
@@ -105,7 +106,9 @@ async def rig(tmp_path: Path, *, hung: str = "", **base_params: Any) -> AsyncIte
             render(build_bbr_bootstrap(BbrParams(base, f"127.0.0.1:{bbr_port}", tuple(pools))))
         )
         async with supervised_envoy(config, base.admin_port):
-            yield Rig(f"http://127.0.0.1:{base.listen_port}", backends, routers, bbr)
+            yield Rig(
+                f"http://127.0.0.1:{base.listen_port}", base.admin_port, backends, routers, bbr
+            )
     finally:
         for server in servers:
             await server.stop(None)
@@ -321,6 +324,31 @@ async def test_a_silent_connection_is_closed(tmp_path: Path) -> None:
             writer.close()
 
 
+async def test_the_admin_answers_only_serves_paths(tmp_path: Path) -> None:
+    """The BBR Envoy's admin (loopback, which any process on the host reaches) answered every
+    path: /quitquitquit stopped the gateway, /config_dump gave its whole configuration. Now
+    serve's rule: what an operator reads (/ready, /stats*, /memory) and the drain; 403 for
+    the rest, Envoy's own answer for a path it does not allow."""
+    async with rig(tmp_path) as r, aiohttp.ClientSession() as session:
+        admin = f"http://127.0.0.1:{r.admin_port}"
+        for method, path in (("GET", "/config_dump"), ("POST", "/quitquitquit"),
+                             ("POST", "/runtime_modify?a=b"), ("POST", "/healthcheck/fail"),
+                             ("GET", "/clusters"), ("GET", "/no-such-path")):  # fmt: skip
+            async with session.request(method, admin + path) as resp:
+                assert resp.status == 403, (method, path, resp.status, await resp.text())
+                assert (await resp.text()).endswith("not allowed")
+        async with session.get(admin + "/drain_listeners") as resp:
+            assert resp.status == 405  # allowed, but only as a POST
+        for path in ("/ready", "/stats?filter=^server.live$", "/stats/prometheus", "/memory"):
+            async with session.get(admin + path) as resp:
+                assert resp.status == 200, (path, resp.status)
+        async with session.post(
+            r.url + "/v1/chat/completions",
+            json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+        ) as resp:
+            assert resp.status == 200  # still serving
+
+
 @pytest.mark.parametrize("hung", ["bbr", "llama"])
 async def test_a_hung_processor_is_bounded_by_the_message_timeout(
     tmp_path: Path, hung: str
@@ -382,6 +410,7 @@ def test_bbr_listener_has_serves_edge_settings() -> None:
     edge = {k: v for k, v in _listener(serve).items() if k not in ("name", "filter_chains")}
     assert {k: _listener(bbr).get(k) for k in edge} == edge
     assert bbr["overload_manager"] == serve["overload_manager"]
+    assert bbr["admin"] == serve["admin"]  # serve's allowed paths only
 
 
 def test_bbr_routes_reach_pools_on_inference_paths_only() -> None:

@@ -13,10 +13,10 @@ Picker, behind one listener (what a Gateway builds from HTTPRoutes that match
 A model no route names gets 404 (OpenAI body) without asking any EPP; a request without a body
 (e.g. GET /v1/models) goes to the first pool's EPP. The public side is serve's (`bootstrap.py`,
 `routes.py`, from the same `BootstrapParams`): its listener, the connection manager's limits,
-timeouts and local replies, the guard and outside-the-API routes, the overload manager. What
-differs is said where it differs (the admin interface, which is not
-restricted to serve's paths). The client's header limits are held by `poolkeeper bbr` (431), as
-serve's EPP holds them behind serve's listener.
+timeouts and local replies, the guard and outside-the-API routes, the overload manager, the
+admin interface (serve's paths only). What differs is said where it differs. The client's
+header limits are held by `poolkeeper bbr` (431), as serve's EPP holds them behind serve's
+listener.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from poolkeeper.envoy.bootstrap import (
+    admin_interface,
     client_facing_hcm,
     edge_listener,
     ext_proc_filter,
@@ -296,7 +297,7 @@ def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
         clusters.append(_pool_cluster(base, route))
     return {
         "node": {"id": "poolkeeper-bbr", "cluster": "poolkeeper"},
-        "admin": {"address": socket_address(base.admin_address, base.admin_port)},
+        "admin": admin_interface(base),
         "static_resources": {
             "listeners": [edge_listener(base, "bbr_gateway", [hcm_filter(hcm)], access_log=[])],
             "clusters": clusters,

@@ -16,9 +16,8 @@ A model no route names gets 404 (OpenAI body) without asking any EPP; a request 
 timeouts and local replies, the guard and outside-the-API routes, the overload manager, the
 admin interface (serve's paths only), the per-client-address connection cap (whose counter runs
 in `poolkeeper bbr`, on the BBR cluster, rather than in serve). What differs is said where it
-differs. The client's
-header limits are held by `poolkeeper bbr` (431), as serve's EPP holds them behind serve's
-listener.
+differs. The client's header limits are held by `poolkeeper bbr` (431), as serve's EPP holds
+them behind serve's listener.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from envoy.service.auth.v3 import (
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.rpc import code_pb2  # type: ignore[import-untyped]
 
-from poolkeeper.cli import main as cli
+from poolkeeper.cli import bbr as bbr_cli, main as cli
 from poolkeeper.envoy.bbr import (
     MODEL_HEADER,
     BbrParams,
@@ -655,3 +655,9 @@ async def test_poolkeeper_bbr_command_serves_health_and_ext_proc() -> None:
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), timeout=30)
+
+
+def test_the_counter_warns_off_loopback() -> None:
+    """`poolkeeper bbr`'s counter takes no token: bound past loopback it says so at start."""
+    assert all(map(bbr_cli._loopback, ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost")))
+    assert not any(map(bbr_cli._loopback, ("0.0.0.0", "::", "10.0.0.1", "bbr.example")))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,8 @@ from poolkeeper.server.runtime import bootstrap_params
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.logs import configure_logging
 from poolkeeper.telemetry.metrics import client_connections_app
+
+log = logging.getLogger("poolkeeper.bbr")
 
 BBR_PORT = 9004  # upstream's BBR chart serves ext_proc on 9004
 # Connections per client address on the BBR Envoy's listener: `edge.maxConnectionsPerClient`'s.
@@ -157,6 +161,13 @@ def run_bbr_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 def run_bbr(args: argparse.Namespace) -> int:
     logs = configure_logging(args.log_level, json_lines=True, queued=True)
     keep_freed_pages()  # large bodies without a page fault per 4 KiB (extproc/heap.py)
@@ -165,6 +176,14 @@ def run_bbr(args: argparse.Namespace) -> int:
         health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
         limit = args.max_connections_per_client
         counter = ConnectionCounter(limit) if limit > 0 else None
+        if counter is not None and not _loopback(args.address):
+            # Its service takes no token (serve's has the run's): a forged check counts.
+            log.warning(
+                "the per-client connection counter on %s takes no token: anyone who reaches "
+                "this port can fill a client address's count; keep the port to Envoy alone "
+                "or run with --max-connections-per-client 0",
+                args.address,
+            )
 
         def extra(server: grpc.aio.Server) -> None:
             health.register(server)

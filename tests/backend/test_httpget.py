@@ -8,7 +8,9 @@ socket.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -139,6 +141,38 @@ async def test_a_reused_connection_closed_before_answering_is_retried_once() -> 
     assert (server.connections, len(server.requests)) == (2, 3)
 
 
+async def test_a_reset_cutting_a_close_delimited_body_is_an_error() -> None:
+    """A body without a length ends at the server's clean close; a reset after part of it
+    (here 3 bytes, the client has read them) was taken as the whole page."""
+    client: KeepAliveGetter | None = None
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\n\r\nabc")
+        await writer.drain()
+        for _ in range(1000):  # until the client has read those bytes (same loop: no sleep)
+            conn = client._conn if client is not None else None
+            if conn is not None and conn.parser is not None and conn.parser.received:
+                break
+            await asyncio.sleep(0)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # linger 0: a reset, not a FIN
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        client = getter(server.sockets[0].getsockname()[1])
+        with pytest.raises(HttpResponseError) as caught:
+            await client.get(5.0)
+        assert str(caught.value) == (
+            "connection lost after 3 bytes of a body delimited by the connection's close: "
+            "Connection reset by peer"
+        )
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_chunked_body_with_extensions_and_trailers() -> None:
     body = (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -250,6 +284,8 @@ async def test_a_redirect_is_reported_not_followed() -> None:
             "closed after 3 bytes of the body of 10",
         ),
         (b"HTTP/1.1 200 O", "connection closed in the response head after 14 bytes"),
+        # A bare LF was refused as "closed in the response head": the line is named now.
+        (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nhi", "bare LF line ending (no CR)"),
         (b"", "connection closed before any response"),
     ],
 )

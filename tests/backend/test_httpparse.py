@@ -101,6 +101,55 @@ def test_close_delimited_body_ends_at_eof_and_is_not_reusable() -> None:
     assert (parser.body, parser.keep_alive) == (b"abcdef", False)
 
 
+def test_a_close_delimited_body_cut_by_a_reset_is_an_error() -> None:
+    """Only a clean close ends a body without a length: a reset may have cut it anywhere (it
+    was accepted as the whole page)."""
+    parser = ResponseParser(max_body=100)
+    assert not feed_all(parser, [b"HTTP/1.0 200 OK\r\n\r\nabc"], eof=False)
+    with pytest.raises(HttpResponseError) as caught:
+        parser.feed_eof("Connection reset by peer")
+    assert str(caught.value) == (
+        "connection lost after 3 bytes of a body delimited by the connection's close: "
+        "Connection reset by peer"
+    )
+    assert not parser.done
+
+
+@pytest.mark.parametrize(
+    ("head", "line"),
+    [
+        (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nhi", b"HTTP/1.1 200 OK\n"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\r\nhi", b"Content-Length: 2\n"),
+        (b"HTTP/1.1 200 OK\r\nX: 1\r\nY: 2\n\n", b"Y: 2\n"),
+    ],
+)
+def test_a_bare_lf_line_ending_is_named_however_split(head: bytes, line: bytes) -> None:
+    """The head ends at CRLF CRLF: a bare-LF response was refused as "closed in the response
+    head" (or timed out on a kept-alive connection). The error now names the line."""
+    for cut in range(len(head) + 1):
+        parser = ResponseParser(max_body=100)
+        with pytest.raises(HttpResponseError) as caught:
+            feed_all(parser, [head[:cut], head[cut:]])
+        assert str(caught.value) == (
+            f"bare LF line ending (no CR) in the response head, line {line!r}"
+        ), cut
+
+
+@settings(max_examples=300)
+@given(valid_response(), st.integers(0, 10_000), st.lists(st.integers(0, 10_000), max_size=8))
+def test_any_bare_lf_in_a_valid_head_is_named(
+    response: tuple[bytes, bytes], at: int, cuts: list[int]
+) -> None:
+    raw = response[0]
+    head_end = raw.index(b"\r\n\r\n") + 2  # a CR of the head's lines, the last one's too
+    crs = [i for i in range(head_end) if raw[i : i + 2] == b"\r\n"]
+    drop = crs[at % len(crs)]
+    broken = raw[:drop] + raw[drop + 1 :]
+    parser = ResponseParser(max_body=1 << 20)
+    with pytest.raises(HttpResponseError, match=r"^bare LF line ending"):
+        feed_all(parser, split(broken, cuts))
+
+
 def test_bytes_after_the_response_make_the_connection_unusable() -> None:
     parser = ResponseParser(max_body=100)
     assert parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nabEXTRA")

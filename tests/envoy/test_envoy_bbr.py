@@ -20,9 +20,14 @@ import aiohttp
 import grpc
 import openai
 import pytest
+from envoy.service.auth.v3 import (
+    external_auth_pb2 as auth_pb2,
+    external_auth_pb2_grpc as auth_pb2_grpc,
+)
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.rpc import code_pb2  # type: ignore[import-untyped]
 
-from poolkeeper.cli import main as cli
+from poolkeeper.cli import bbr as bbr_cli, main as cli
 from poolkeeper.envoy.bbr import (
     MODEL_HEADER,
     BbrParams,
@@ -42,6 +47,8 @@ from poolkeeper.envoy.params import (
 )
 from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc.bbr import BbrServicer
+from poolkeeper.extproc.conncap import ConnectionCounter
+from poolkeeper.extproc.conncap_service import add_conncap_service
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.telemetry.health import SERVING, check_health
@@ -55,9 +62,11 @@ POOL = "default/vllm-llama3-8b-instruct"
 @dataclass
 class Rig:
     url: str
+    admin_port: int
     backends: dict[str, Backend]
     routers: dict[str, RoundRobinRouter]
     bbr: BbrServicer
+    counter: ConnectionCounter | None = None
 
     @property
     def port(self) -> int:
@@ -76,10 +85,13 @@ class _Silent(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 @asynccontextmanager
-async def rig(tmp_path: Path, *, hung: str = "", **base_params: Any) -> AsyncIterator[Rig]:
+async def rig(
+    tmp_path: Path, *, hung: str = "", cap: int = 0, **base_params: Any
+) -> AsyncIterator[Rig]:
     """Two pools, each with its own EPP (fake router) and one model server; BBR in front
     (`base_params`: BootstrapParams fields). `hung`: "bbr", or a pool's name ("llama"), whose
-    processor then never answers."""
+    processor then never answers. `cap`: connections per client address, counted by the BBR
+    server as `poolkeeper bbr` counts them (0: no cap)."""
     backends = {"llama": Backend("llama-server"), "phi": Backend("phi-server")}
     servers: list[grpc.aio.Server] = []
     routers: dict[str, RoundRobinRouter] = {}
@@ -96,16 +108,30 @@ async def rig(tmp_path: Path, *, hung: str = "", **base_params: Any) -> AsyncIte
                 PoolRoute(f"default/{name}-pool", (name,), f"127.0.0.1:{port}", (backend.hostport,))
             )
         bbr = BbrServicer(client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB))
-        bbr_server, bbr_port = build_server(_Silent() if hung == "bbr" else bbr, "127.0.0.1:0")
+        counter = ConnectionCounter(cap) if cap else None
+
+        def extra(server: grpc.aio.Server) -> None:
+            if counter is not None:  # as `poolkeeper bbr` serves it
+                add_conncap_service(server, counter, 1.0)
+
+        bbr_server, bbr_port = build_server(
+            _Silent() if hung == "bbr" else bbr, "127.0.0.1:0", extra=extra
+        )
         await bbr_server.start()
         servers.append(bbr_server)
         base = BootstrapParams(listen_port=free_port(), admin_port=free_port(), **base_params)
         config = tmp_path / "envoy-bbr.json"
-        config.write_text(
-            render(build_bbr_bootstrap(BbrParams(base, f"127.0.0.1:{bbr_port}", tuple(pools))))
-        )
+        params = BbrParams(base, f"127.0.0.1:{bbr_port}", tuple(pools), client_cap=bool(cap))
+        config.write_text(render(build_bbr_bootstrap(params)))
         async with supervised_envoy(config, base.admin_port):
-            yield Rig(f"http://127.0.0.1:{base.listen_port}", backends, routers, bbr)
+            yield Rig(
+                f"http://127.0.0.1:{base.listen_port}",
+                base.admin_port,
+                backends,
+                routers,
+                bbr,
+                counter,
+            )
     finally:
         for server in servers:
             await server.stop(None)
@@ -321,6 +347,99 @@ async def test_a_silent_connection_is_closed(tmp_path: Path) -> None:
             writer.close()
 
 
+async def test_the_admin_answers_only_serves_paths(tmp_path: Path) -> None:
+    """The BBR Envoy's admin (loopback, which any process on the host reaches) answered every
+    path: /quitquitquit stopped the gateway, /config_dump gave its whole configuration. Now
+    serve's rule: what an operator reads (/ready, /stats*, /memory) and the drain; 403 for
+    the rest, Envoy's own answer for a path it does not allow."""
+    async with rig(tmp_path) as r, aiohttp.ClientSession() as session:
+        admin = f"http://127.0.0.1:{r.admin_port}"
+        for method, path in (("GET", "/config_dump"), ("POST", "/quitquitquit"),
+                             ("POST", "/runtime_modify?a=b"), ("POST", "/healthcheck/fail"),
+                             ("GET", "/clusters"), ("GET", "/no-such-path")):  # fmt: skip
+            async with session.request(method, admin + path) as resp:
+                assert resp.status == 403, (method, path, resp.status, await resp.text())
+                assert (await resp.text()).endswith("not allowed")
+        async with session.get(admin + "/drain_listeners") as resp:
+            assert resp.status == 405  # allowed, but only as a POST
+        for path in ("/ready", "/stats?filter=^server.live$", "/stats/prometheus", "/memory"):
+            async with session.get(admin + path) as resp:
+                assert resp.status == 200, (path, resp.status)
+        async with session.post(
+            r.url + "/v1/chat/completions",
+            json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+        ) as resp:
+            assert resp.status == 200  # still serving
+
+
+Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _chat_on(port: int, source: str, conn: Conn | None = None) -> tuple[bytes, Conn]:
+    """One keep-alive chat request from `source`, on `conn` or a new connection: the status
+    line (b"" if the connection was closed unanswered) and the connection."""
+    if conn is None:
+        conn = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    reader, writer = conn
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json"
+        b"\r\ncontent-length: %d\r\n\r\n%b" % (len(CHAT), CHAT)
+    )
+    await writer.drain()
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return b"", conn
+    assert b"transfer-encoding: chunked\r\n" in head, head  # the EPP's reply sets the body
+    await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)  # a JSON body, its end
+    return head.split(b"\r\n", 1)[0], conn
+
+
+async def test_a_client_is_held_to_its_connection_cap(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The BBR listener had no per-client cap (serve's counter runs only in serve): one
+    address could hold every connection Envoy accepts. Now `poolkeeper bbr` counts them for
+    its Envoy (the same counter and Envoy filters as serve's): over the cap a connection is
+    closed on its first bytes, logged and counted; the address's open connections and other
+    addresses are served; a close frees a place."""
+    cap, extra = 3, 12
+    held: list[Conn] = []
+    async with rig(tmp_path, cap=cap) as r:
+        counter = r.counter
+        assert counter is not None
+        try:
+            for _ in range(cap):
+                status, conn = await _chat_on(r.port, "127.0.0.2")
+                assert status == b"HTTP/1.1 200 OK", status
+                held.append(conn)
+            for _ in range(extra):
+                status, refused = await _chat_on(r.port, "127.0.0.2")
+                refused[1].close()
+                assert status == b"", status  # closed on its first bytes, nothing answered
+            assert counter.exported()[2] == extra
+            assert "refused 1 connection(s) over 3 per client address (latest from 127.0.0.2)" in (
+                caplog.text
+            )
+            status, other = await _chat_on(r.port, "127.0.0.1")  # another address
+            assert status == b"HTTP/1.1 200 OK", status
+            other[1].close()
+            for conn in held:  # the open ones are unaffected
+                status, _ = await _chat_on(r.port, "127.0.0.2", conn)
+                assert status == b"HTTP/1.1 200 OK", status
+            held.pop(0)[1].close()
+            for _ in range(250):  # until Envoy's access log reported the close
+                if counter.exported()[0] == cap - 1:
+                    break
+                await asyncio.sleep(0.02)
+            status, conn = await _chat_on(r.port, "127.0.0.2")
+            assert status == b"HTTP/1.1 200 OK", status
+            held.append(conn)
+        finally:
+            for _reader, writer in held:
+                writer.close()
+
+
 @pytest.mark.parametrize("hung", ["bbr", "llama"])
 async def test_a_hung_processor_is_bounded_by_the_message_timeout(
     tmp_path: Path, hung: str
@@ -382,6 +501,7 @@ def test_bbr_listener_has_serves_edge_settings() -> None:
     edge = {k: v for k, v in _listener(serve).items() if k not in ("name", "filter_chains")}
     assert {k: _listener(bbr).get(k) for k in edge} == edge
     assert bbr["overload_manager"] == serve["overload_manager"]
+    assert bbr["admin"] == serve["admin"]  # serve's allowed paths only
 
 
 def test_bbr_routes_reach_pools_on_inference_paths_only() -> None:
@@ -430,8 +550,18 @@ def test_bbr_envoy_config_from_the_examples(tmp_path: Path) -> None:
         == 0
     )
     bootstrap = json.loads(out.read_text())
-    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    config = hcm["typed_config"]
+    config = _hcm(bootstrap)
+    # The per-client cap (edge.maxConnectionsPerClient, on by default): the listener asks
+    # `poolkeeper bbr`'s counter, on the BBR cluster, first; and reports each close to it.
+    listener = _listener(bootstrap)
+    cap = listener["filter_chains"][0]["filters"][0]
+    assert cap["name"] == "envoy.filters.network.ext_authz"
+    assert cap["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "bbr"
+    assert cap["typed_config"]["failure_mode_allow"] is True
+    (closes,) = listener["access_log"]
+    assert closes["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"] == {
+        "cluster_name": "bbr"
+    }
     assert [f["name"] for f in config["http_filters"]] == [
         "bbr",
         "epp",
@@ -477,8 +607,17 @@ def test_bbr_envoy_config_errors_are_precise(
     assert "--bbr: expected HOST:PORT, got 'no-port'" in capsys.readouterr().err
 
 
+def _check(ip: str, port: int) -> auth_pb2.CheckRequest:
+    request = auth_pb2.CheckRequest()
+    source = request.attributes.source.address.socket_address
+    source.address, source.port_value = ip, port
+    return request
+
+
 async def test_poolkeeper_bbr_command_serves_health_and_ext_proc() -> None:
-    port = free_port()
+    """`poolkeeper bbr`: ext_proc, gRPC health, and the connection counter its Envoy asks
+    (`--max-connections-per-client`), whose refusals `--metrics-port` exports."""
+    port, metrics_port = free_port(), free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -486,6 +625,10 @@ async def test_poolkeeper_bbr_command_serves_health_and_ext_proc() -> None:
         "bbr",
         "--port",
         str(port),
+        "--max-connections-per-client",
+        "2",
+        "--metrics-port",
+        str(metrics_port),
         stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -493,6 +636,28 @@ async def test_poolkeeper_bbr_command_serves_health_and_ext_proc() -> None:
         line = await asyncio.wait_for(proc.stderr.readline(), timeout=30)
         assert f"poolkeeper bbr ready on 127.0.0.1:{port}" in line.decode()
         assert await check_health(f"127.0.0.1:{port}", EXT_PROC_SERVICE) == SERVING
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = auth_pb2_grpc.AuthorizationStub(channel).Check
+            codes = [(await check(_check("10.0.0.7", p))).status.code for p in (1, 2, 3, 4)]
+            other = (await check(_check("10.0.0.8", 1))).status.code
+        assert codes == [code_pb2.OK, code_pb2.OK, code_pb2.PERMISSION_DENIED,
+                         code_pb2.PERMISSION_DENIED]  # fmt: skip
+        assert other == code_pb2.OK
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp,
+        ):
+            page = await resp.text()
+        assert "poolkeeper_client_connections_refused_total 2.0" in page
+        assert "poolkeeper_client_connections 3.0" in page
+        warning = await asyncio.wait_for(proc.stderr.readline(), timeout=30)
+        assert b"refused 1 connection(s) over 2 per client address" in warning
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), timeout=30)
+
+
+def test_the_counter_warns_off_loopback() -> None:
+    """`poolkeeper bbr`'s counter takes no token: bound past loopback it says so at start."""
+    assert all(map(bbr_cli._loopback, ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost")))
+    assert not any(map(bbr_cli._loopback, ("0.0.0.0", "::", "10.0.0.1", "bbr.example")))

@@ -14,7 +14,7 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.endpoint import EndpointMetrics
 from poolkeeper.datastore.store import Datastore
-from poolkeeper.errors import QueueFull, QueueTimeout, RequestShed
+from poolkeeper.errors import NoReadyEndpoint, QueueFull, QueueTimeout, RequestShed
 from poolkeeper.flowcontrol.dispatcher import DrainRate
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.requestcontrol.flowgate import FlowGate
@@ -60,6 +60,23 @@ async def test_a_saturated_pool_holds_sheddable_and_fresh_metrics_release_it() -
     assert gate.waiting() == 0
     assert gate.totals[(SHEDDABLE, "queued")] == 1
     assert gate.totals[(SHEDDABLE, "Dispatched")] == 1
+
+
+async def test_a_queued_request_whose_pool_lost_its_endpoints_counts_rejected_other() -> None:
+    """The pump lets it go (nothing to wait for), the scheduler answers 503: one outcome,
+    RejectedOther, as every way out of flow control has one (it had none)."""
+    store = _store(waiting=50)
+    clock = [NOW]
+    director, gate = _director(store, clock)
+    task = asyncio.create_task(director.route(_chat("cheap")))
+    await _until(lambda: gate.waiting() == 1)
+    store.set_endpoints([])
+    gate.pump()  # as its timer would
+    with pytest.raises(NoReadyEndpoint):
+        await asyncio.wait_for(task, timeout=5)
+    assert gate.waiting() == 0
+    assert gate.totals[(SHEDDABLE, "RejectedOther")] == 1
+    assert gate.totals[(SHEDDABLE, "Dispatched")] == 0
 
 
 async def test_completion_frees_exactly_one_slot() -> None:

@@ -16,7 +16,8 @@ import pytest
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.errors import QueueFull
+from poolkeeper.datastore.store import Datastore
+from poolkeeper.errors import NoReadyEndpoint, QueueFull
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
@@ -158,6 +159,28 @@ async def test_the_cap_releases_a_request_the_rule_still_holds() -> None:
     assert decision.endpoints
     assert gate.totals[(STANDARD, "held_capped")] == 1
     assert _one(observed.holds) == ("capped", 1.5)
+
+
+async def test_a_held_request_refused_at_its_release_counts_a_flow_outcome() -> None:
+    """Its pool lost every endpoint while it was held: released at its cap, it gets the
+    scheduler's 503, and flow control records RejectedOther with its time held (it recorded
+    only `held_capped`, no outcome, unlike a queued request)."""
+    clock = [NOW]
+    director, gate, observed = _director(clock, {"maxHoldMs": 1500})
+    await _backlog_both(director)
+    held = asyncio.create_task(director.route(_chat("std", rid="c", text=_text("charlie"))))
+    await _until(lambda: gate.held() == 1)
+    store = director._datastore
+    assert isinstance(store, Datastore)
+    store.set_endpoints([])
+    clock[0] += 1.5
+    gate.pump()  # what the cap's timer runs
+    with pytest.raises(NoReadyEndpoint):
+        await asyncio.wait_for(held, timeout=5)
+    assert gate.held() == 0
+    assert gate.totals[(STANDARD, "held_capped")] == 1
+    assert gate.totals[(STANDARD, "RejectedOther")] == 1
+    assert _one(observed.outcomes[2:]) == ("RejectedOther", 1.5)  # after a's and b's
 
 
 async def test_a_client_gone_while_held_leaves_nothing_behind() -> None:

@@ -75,7 +75,7 @@ class _Connection(asyncio.Protocol):
         if parser is None or waiter is None or waiter.done():
             return
         try:
-            parser.feed_eof()
+            parser.feed_eof(None if exc is None else _reason(exc))
         except HttpResponseError as error:
             if exc is not None and parser.received == 0:
                 waiter.set_exception(HttpResponseError(f"connection lost: {_reason(exc)}"))

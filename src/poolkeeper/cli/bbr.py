@@ -5,6 +5,12 @@ poolkeeper bbr --port 9004                                  # BBR ext_proc + gRP
 poolkeeper bbr-envoy-config -f examples/ > envoy-bbr.json   # every pool via poolkeeper's EPP
 poolkeeper bbr-envoy-config -f pools/ --epp default/phi-pool=10.0.0.9:9002  # a pool's own EPP
 
+`poolkeeper bbr` also counts connections per client address for that Envoy's listener
+(`--max-connections-per-client`, 1,024 by default, as `edge.maxConnectionsPerClient`): the
+listener asks it on each connection's first bytes and reports each close, on the BBR cluster
+(extproc/conncap.py); the connection over the cap is closed, a warning logged, and
+`poolkeeper_client_connections_refused_total` counts it (`--metrics-port`).
+
 Routes come from the resource files: each model name the datastore's model index serves
 (InferenceModel modelName, InferenceModelRewrite exact match) is routed to its pool; the pool's
 EPP is poolkeeper's own (`listeners.extProc`) unless `--epp` names another one.
@@ -14,24 +20,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
+import logging
 import sys
 from pathlib import Path
 from typing import Any
+
+import grpc
+from aiohttp import web
 
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource
 from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bbr import BbrParams, PoolRoute, build_bbr_bootstrap, render
-from poolkeeper.envoy.params import CLIENT_MAX_HEADER_KB, CLIENT_MAX_HEADERS
+from poolkeeper.envoy.config import Edge
+from poolkeeper.envoy.params import CLIENT_MAX_HEADER_KB, CLIENT_MAX_HEADERS, BootstrapParams
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.bbr import BbrServicer
+from poolkeeper.extproc.conncap import ConnectionCounter
+from poolkeeper.extproc.conncap_service import add_conncap_service
 from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import build_server
 from poolkeeper.server.runtime import bootstrap_params
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.logs import configure_logging
+from poolkeeper.telemetry.metrics import client_connections_app
+
+log = logging.getLogger("poolkeeper.bbr")
 
 BBR_PORT = 9004  # upstream's BBR chart serves ext_proc on 9004
+# Connections per client address on the BBR Envoy's listener: `edge.maxConnectionsPerClient`'s.
+CLIENT_CAP_DEFAULT: int = Edge.model_fields["max_connections_per_client"].default
 
 
 def register(subparsers: Any) -> None:
@@ -44,6 +63,21 @@ def register(subparsers: Any) -> None:
     bbr.add_argument("--address", default="127.0.0.1", help="bind address (127.0.0.1)")
     bbr.add_argument("--port", type=int, default=BBR_PORT, help=f"ext_proc port ({BBR_PORT})")
     bbr.add_argument("--max-body-bytes", type=int, default=16 << 20, help="413 above this")
+    bbr.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=CLIENT_CAP_DEFAULT,
+        metavar="N",
+        help="connections one client address may hold on the BBR Envoy's listener; more are "
+        "closed on their first bytes (the Envoy of `bbr-envoy-config` asks this process; "
+        f"0: no cap; {CLIENT_CAP_DEFAULT})",
+    )
+    bbr.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve /metrics (the connection cap's counts) on this port (0: none)",
+    )
     bbr.add_argument("--log-level", default="info", help="debug, info, warning, error")
     bbr.set_defaults(handler=run_bbr)
 
@@ -99,7 +133,8 @@ def bbr_params(
         routes.append(PoolRoute(pool_key, models, epps.get(pool_key, own), endpoints))
     if not routes:
         raise ConfigError("no InferencePool is loaded")
-    return BbrParams(base, bbr, tuple(routes))
+    client_cap = config.spec.edge.max_connections_per_client > 0
+    return BbrParams(base, bbr, tuple(routes), client_cap=client_cap)
 
 
 def run_bbr_envoy_config(args: argparse.Namespace) -> int:
@@ -126,12 +161,35 @@ def run_bbr_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 def run_bbr(args: argparse.Namespace) -> int:
     logs = configure_logging(args.log_level, json_lines=True, queued=True)
     keep_freed_pages()  # large bodies without a page fault per 4 KiB (extproc/heap.py)
 
     async def main() -> None:
         health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
+        limit = args.max_connections_per_client
+        counter = ConnectionCounter(limit) if limit > 0 else None
+        if counter is not None and not _loopback(args.address):
+            # Its service takes no token (serve's has the run's): a forged check counts.
+            log.warning(
+                "the per-client connection counter on %s takes no token: anyone who reaches "
+                "this port can fill a client address's count; keep the port to Envoy alone "
+                "or run with --max-connections-per-client 0",
+                args.address,
+            )
+
+        def extra(server: grpc.aio.Server) -> None:
+            health.register(server)
+            if counter is not None:  # what the BBR Envoy's listener asks (envoy/conncap.py)
+                add_conncap_service(server, counter, BootstrapParams().conncap_timeout_s)
+
         server, port = build_server(
             BbrServicer(
                 max_body_bytes=args.max_body_bytes,
@@ -139,11 +197,20 @@ def run_bbr(args: argparse.Namespace) -> int:
                 client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB),
             ),
             f"{args.address}:{args.port}",
-            extra=health.register,
+            extra=extra,
         )
         await server.start()
+        runner = None
+        if args.metrics_port and counter is not None:
+            runner = web.AppRunner(client_connections_app(counter.exported), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, args.address, args.metrics_port).start()
         print(f"poolkeeper bbr ready on {args.address}:{port}", file=sys.stderr, flush=True)
-        await server.wait_for_termination()
+        try:
+            await server.wait_for_termination()
+        finally:
+            if runner is not None:
+                await runner.cleanup()
 
     try:
         asyncio.run(main())

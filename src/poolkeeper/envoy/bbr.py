@@ -13,10 +13,11 @@ Picker, behind one listener (what a Gateway builds from HTTPRoutes that match
 A model no route names gets 404 (OpenAI body) without asking any EPP; a request without a body
 (e.g. GET /v1/models) goes to the first pool's EPP. The public side is serve's (`bootstrap.py`,
 `routes.py`, from the same `BootstrapParams`): its listener, the connection manager's limits,
-timeouts and local replies, the guard and outside-the-API routes, the overload manager. What
-differs is said where it differs (the admin interface, which is not
-restricted to serve's paths). The client's header limits are held by `poolkeeper bbr` (431), as
-serve's EPP holds them behind serve's listener.
+timeouts and local replies, the guard and outside-the-API routes, the overload manager, the
+admin interface (serve's paths only), the per-client-address connection cap (whose counter runs
+in `poolkeeper bbr`, on the BBR cluster, rather than in serve). What differs is said where it
+differs. The client's header limits are held by `poolkeeper bbr` (431), as serve's EPP holds
+them behind serve's listener.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from poolkeeper.envoy.bootstrap import (
+    admin_interface,
     client_facing_hcm,
     edge_listener,
     ext_proc_filter,
@@ -34,6 +36,7 @@ from poolkeeper.envoy.bootstrap import (
     overload_manager,
 )
 from poolkeeper.envoy.clusters import override_host_policy
+from poolkeeper.envoy.conncap import conncap_access_log, conncap_filter
 from poolkeeper.envoy.params import (
     DESTINATION_HEADER,
     EXT_PROC_PER_ROUTE_TYPE,
@@ -81,6 +84,10 @@ class BbrParams:
     base: BootstrapParams  # listener, admin, timeouts and limits (its EPP fields are unused)
     bbr: str  # host:port of the BBR ext_proc service
     pools: tuple[PoolRoute, ...]
+    # The per-client-address connection cap (envoy/conncap.py): the listener asks `poolkeeper
+    # bbr`'s connection counter (on the BBR cluster) on each connection's first bytes and
+    # reports every close to it; fails open when it does not answer.
+    client_cap: bool = False
 
 
 def _slug(pool: str) -> str:
@@ -296,9 +303,19 @@ def build_bbr_bootstrap(p: BbrParams) -> dict[str, Any]:
         clusters.append(_pool_cluster(base, route))
     return {
         "node": {"id": "poolkeeper-bbr", "cluster": "poolkeeper"},
-        "admin": {"address": socket_address(base.admin_address, base.admin_port)},
+        "admin": admin_interface(base),
         "static_resources": {
-            "listeners": [edge_listener(base, "bbr_gateway", [hcm_filter(hcm)], access_log=[])],
+            "listeners": [
+                edge_listener(
+                    base,
+                    "bbr_gateway",
+                    [
+                        *([conncap_filter(base, BBR_CLUSTER)] if p.client_cap else []),
+                        hcm_filter(hcm),
+                    ],
+                    access_log=[conncap_access_log(base, BBR_CLUSTER)] if p.client_cap else [],
+                )
+            ],
             "clusters": clusters,
         },
         "overload_manager": overload_manager(base),

@@ -390,18 +390,24 @@ def _http_connection_manager(p: BootstrapParams) -> dict[str, Any]:
     return hcm
 
 
+def admin_interface(p: BootstrapParams) -> dict[str, Any]:
+    """Envoy's admin, answering only `admin_allow_paths` (403 for the rest): serve's and
+    body-based routing's bootstraps alike."""
+    return {
+        "address": socket_address(p.admin_address, p.admin_port),
+        "allow_paths": [
+            {"prefix": path[:-1]} if path.endswith("*") else {"exact": path}
+            for path in p.admin_allow_paths
+        ],
+    }
+
+
 def build_bootstrap(p: BootstrapParams) -> dict[str, Any]:
     """The complete Envoy bootstrap as a dict."""
     return {
         # File-based EDS (the routed cluster's endpoints) needs a node id and cluster.
         "node": {"id": "poolkeeper", "cluster": "poolkeeper"},
-        "admin": {
-            "address": socket_address(p.admin_address, p.admin_port),
-            "allow_paths": [
-                {"prefix": path[:-1]} if path.endswith("*") else {"exact": path}
-                for path in p.admin_allow_paths
-            ],
-        },
+        "admin": admin_interface(p),
         "static_resources": {
             "listeners": [
                 edge_listener(

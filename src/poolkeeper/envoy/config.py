@@ -99,7 +99,9 @@ class Edge(CamelModel, use_attribute_docstrings=True):
     """A response stream silent for this long is closed (there is no total timeout)."""
     max_connections_per_client: int = Field(default=1024, ge=0, le=1_000_000)
     """Connections one client address may hold open on the public listener (the Envoy `serve`
-    runs only); more are closed on their first bytes, before any request is read. Counted by
+    runs, and the one of `bbr-envoy-config`, whose count `poolkeeper bbr` keeps with its
+    `--max-connections-per-client`); more are closed on their first bytes, before any request
+    is read. Counted by
     the `serve` process for its Envoy, on a thread of its own (a silent connection is left to
     the idle timeout); if the counter cannot answer within 1 s, the connection is let in (fail
     open) and counted within a few seconds from the kernel's list of connections. 0: no cap.

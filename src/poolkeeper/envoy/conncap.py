@@ -4,7 +4,8 @@ Envoy 1.40 counts connections per filter chain or per process, never per source 
 the public listener's network ext_authz filter asks the counter on each connection's first
 bytes (`Check`; a denial closes the connection before the HTTP codec sees a byte), and the
 listener's TCP access log tells it of every close. The counter runs in the `serve` process on
-loopback: `conncap_port` is 0 (no cap) unless `serve` started it.
+loopback: `conncap_port` is 0 (no cap) unless `serve` started it. Body-based routing's
+bootstrap (envoy/bbr.py) asks `poolkeeper bbr`, on its ext_proc cluster, instead.
 
 Fails open: an unreachable or slow counter (over `conncap_timeout_s`) lets the connection in
 (`failure_mode_allow`), so a dead or starved EPP process never locks clients out by this
@@ -35,8 +36,8 @@ def conncap_on(p: BootstrapParams) -> bool:
     return p.conncap_port > 0
 
 
-def _service(p: BootstrapParams, *, timeout_s: float | None = None) -> dict[str, Any]:
-    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": CONNCAP_CLUSTER}}
+def _service(p: BootstrapParams, cluster: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": cluster}}
     if timeout_s is not None:
         service["timeout"] = duration(timeout_s)
     if p.epp_token is not None:
@@ -44,21 +45,22 @@ def _service(p: BootstrapParams, *, timeout_s: float | None = None) -> dict[str,
     return service
 
 
-def conncap_filter(p: BootstrapParams) -> dict[str, Any]:
-    """The network filter, first in the public listener's chain."""
+def conncap_filter(p: BootstrapParams, cluster: str = CONNCAP_CLUSTER) -> dict[str, Any]:
+    """The network filter, first in the public listener's chain; `cluster` reaches the counter
+    (serve's loopback one, or `poolkeeper bbr`'s ext_proc cluster for body-based routing)."""
     return {
         "name": "envoy.filters.network.ext_authz",
         "typed_config": {
             T: EXT_AUTHZ_TYPE,
             "stat_prefix": "client_cap",
-            "grpc_service": _service(p, timeout_s=p.conncap_timeout_s),
+            "grpc_service": _service(p, cluster, timeout_s=p.conncap_timeout_s),
             "failure_mode_allow": True,
             "transport_api_version": "V3",
         },
     }
 
 
-def conncap_access_log(p: BootstrapParams) -> dict[str, Any]:
+def conncap_access_log(p: BootstrapParams, cluster: str = CONNCAP_CLUSTER) -> dict[str, Any]:
     """The listener's log: one TCP entry per closed connection (its peer address is the key)."""
     return {
         "name": "envoy.access_loggers.tcp_grpc",
@@ -67,7 +69,7 @@ def conncap_access_log(p: BootstrapParams) -> dict[str, Any]:
             "common_config": {
                 "log_name": CONNCAP_LOG_NAME,
                 "transport_api_version": "V3",
-                "grpc_service": _service(p),
+                "grpc_service": _service(p, cluster),
                 "buffer_flush_interval": duration(p.observer_flush_s),
                 "buffer_size_bytes": 16384,
             },

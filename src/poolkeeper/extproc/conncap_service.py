@@ -6,7 +6,8 @@ the listener's open connections that have sent bytes (extproc/tcpdiag.py), which
 the two streams cannot: connections Envoy let in because their check timed out (grpc.aio
 drops a call Envoy cancelled before its handler ran), and closes that were lost. `serve` runs
 it on a thread and loop of its own (server/own_loop.py), on loopback with the run's Envoy
-token, like the EPP's other services (extproc/auth).
+token, like the EPP's other services (extproc/auth); `poolkeeper bbr` adds it to its ext_proc
+server for the body-based routing Envoy (`add_conncap_service`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,22 @@ def _closed_at(common: accesslog_pb2.AccessLogCommon) -> float | None:
     return nanoseconds / 1e9
 
 
+def add_conncap_service(
+    server: grpc.aio.Server,
+    counter: ConnectionCounter,
+    check_timeout_s: float | None = None,
+    listen_port: int = 0,
+) -> ConnectionCapService:
+    """The service's two methods on `server` (serve's own server below, or `poolkeeper bbr`'s
+    ext_proc server, which its Envoy asks). Call it on the loop that will run the server:
+    with a `listen_port`, the kernel's list is taken from now on."""
+    service = ConnectionCapService(counter, check_timeout_s, listen_port=listen_port)
+    external_auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(service, server)
+    service.start_reconciling()
+    return service
+
+
 def build_conncap_server(
     counter: ConnectionCounter,
     host: str,
@@ -133,10 +150,7 @@ def build_conncap_server(
     `listen_port`: Envoy's public listener, whose connections are reconciled with the kernel
     (from now on: call this on the loop that will run the server, as grpc.aio wants anyway)."""
     server = grpc.aio.server(interceptors=[EnvoyOnly(token)] if token is not None else [])
-    service = ConnectionCapService(counter, check_timeout_s, listen_port=listen_port)
-    external_auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(service, server)
-    service.start_reconciling()
+    add_conncap_service(server, counter, check_timeout_s, listen_port)
     port = server.add_insecure_port(f"{host}:0")
     if port == 0:
         raise OSError(f"cannot bind the connection counter to {host}")

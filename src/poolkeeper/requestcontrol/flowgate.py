@@ -158,9 +158,8 @@ class FlowGate:
         if verdict is Submitted.DISPATCH:
             if job.ready is None and self.config.bands.of(band).avoid_prefill_tokens is not None:
                 self._spread(job)  # a `send` band: placed away from a prefill just sent
-            decision = _run(job)
+            decision = self._dispatch(item, 0.0)
             dispatcher.dispatched(item)
-            self._outcome(item, DISPATCHED, 0.0)
             return decision
         if verdict is Submitted.QUEUED:
             self.totals[(band, "queued")] += 1
@@ -384,7 +383,7 @@ class FlowGate:
     def _go(self, item: FlowItem[Job]) -> None:
         job = item.payload
         try:
-            decision = _run(job)
+            decision = self._dispatch(item, self._clock() - item.arrived)
         except GatewayError as exc:
             self._fail(item, exc)
             return
@@ -393,12 +392,24 @@ class FlowGate:
             self._fail(item, GatewayError("internal error while routing the request"))
             del exc
             return
-        self._outcome(item, DISPATCHED, self._clock() - item.arrived)
         future = job.future
         if future is None or future.done():
             job.abandon(decision)  # nobody waits for it any more
         else:
             future.set_result(decision)
+
+    def _dispatch(self, item: FlowItem[Job], waited: float) -> RoutingDecision:
+        """Schedule an item flow control let go (at once, from the queue, or released from a
+        hold) and record its one outcome: Dispatched, or RejectedOther when scheduling fails
+        (a 503 because its pool lost every endpoint while it waited, or an internal error).
+        Without this a request refused after a hold or a wait left flow control unrecorded."""
+        try:
+            decision = _run(item.payload)
+        except Exception:
+            self._outcome(item, REJECTED_OTHER, waited)
+            raise
+        self._outcome(item, DISPATCHED, waited)
+        return decision
 
     def _refuse(self, item: FlowItem[Job], rule: str, exc: GatewayError) -> None:
         """Fail a queued request that flow control refuses, logging the rule that did."""

@@ -184,6 +184,20 @@ class _ClientConnectionsCollector(Collector):
         )  # fmt: skip
 
 
+def client_connections_app(source: Callable[[], tuple[int, int, int, int]]) -> web.Application:
+    """A `/metrics` page of the per-client-address connection cap's counts alone (`poolkeeper
+    bbr`, which has no other metrics): the families `follow_client_connections` exports."""
+    registry = CollectorRegistry()
+    registry.register(_ClientConnectionsCollector(source))
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
 class _ObserverCollector(Collector):
     def __init__(self, source: Callable[[], ObserverStats]) -> None:
         self.source = source

@@ -48,7 +48,7 @@ from poolkeeper.envoy.params import (
 from poolkeeper.envoy.process import find_envoy
 from poolkeeper.extproc.bbr import BbrServicer
 from poolkeeper.extproc.conncap import ConnectionCounter
-from poolkeeper.extproc.conncap_service import add_conncap_service
+from poolkeeper.extproc.conncap_service import ConnectionCapService, add_conncap_service
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.netutil import free_port
 from poolkeeper.telemetry.health import SERVING, check_health
@@ -543,16 +543,20 @@ def test_bbr_envoy_config_from_the_examples(tmp_path: Path) -> None:
     InferenceModelRewrite alike), the pool's EPP overridable, and the real Envoy accepts it."""
     out = tmp_path / "bbr.json"
     examples = str(Path(__file__).parents[2] / "examples")
-    assert (
-        cli.main(
-            ["bbr-envoy-config", "-f", examples, "--epp", POOL + "=10.1.2.3:9002", "-o", str(out)]
-        )
-        == 0
-    )
+    plain = tmp_path / "plain.json"
+    assert cli.main(["bbr-envoy-config", "-f", examples, "-o", str(plain)]) == 0
+    # No cap unless asked: the first filter is the HTTP connection manager, no access log.
+    (chain,) = _listener(json.loads(plain.read_text()))["filter_chains"]
+    assert [f["name"] for f in chain["filters"]] == [
+        "envoy.filters.network.http_connection_manager"
+    ]
+    assert not _listener(json.loads(plain.read_text())).get("access_log")
+    args = ["bbr-envoy-config", "-f", examples, "--epp", POOL + "=10.1.2.3:9002"]
+    assert cli.main([*args, "--count-connections", "-o", str(out)]) == 0
     bootstrap = json.loads(out.read_text())
     config = _hcm(bootstrap)
-    # The per-client cap (edge.maxConnectionsPerClient, on by default): the listener asks
-    # `poolkeeper bbr`'s counter, on the BBR cluster, first; and reports each close to it.
+    # The per-client cap (--count-connections): the listener asks `poolkeeper bbr`'s counter,
+    # on the BBR cluster, first; and reports each close to it.
     listener = _listener(bootstrap)
     cap = listener["filter_chains"][0]["filters"][0]
     assert cap["name"] == "envoy.filters.network.ext_authz"
@@ -657,7 +661,49 @@ async def test_poolkeeper_bbr_command_serves_health_and_ext_proc() -> None:
         await asyncio.wait_for(proc.wait(), timeout=30)
 
 
-def test_the_counter_warns_off_loopback() -> None:
-    """`poolkeeper bbr`'s counter takes no token: bound past loopback it says so at start."""
+def test_the_counter_runs_on_loopback_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """`poolkeeper bbr`'s counter takes no token and reads this host's connections: the cap
+    is refused past loopback, as are a negative cap and a metrics page with nothing on it."""
     assert all(map(bbr_cli._loopback, ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost")))
     assert not any(map(bbr_cli._loopback, ("0.0.0.0", "::", "10.0.0.1", "bbr.example")))
+    cases = {
+        (
+            "--address",
+            "0.0.0.0",
+            "--max-connections-per-client",
+            "8",
+        ): "needs --address on loopback",
+        ("--max-connections-per-client", "-1"): "must be >= 0, got -1",
+        ("--metrics-port", "9090"): "--metrics-port serves the connection cap's counts",
+    }
+    for argv, message in cases.items():
+        assert cli.main(["bbr", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+async def test_a_learnt_listener_settles_lost_closes() -> None:
+    """`poolkeeper bbr` learns its Envoy's listener port from the first check and settles the
+    count from the kernel's list of that port's connections: a close the access log lost does
+    not hold the address's place for ever."""
+    listed: list[int] = []
+    twice = asyncio.Event()
+
+    def peers(port: int) -> set[tuple[str, int]]:
+        listed.append(port)
+        if len(listed) >= 2:
+            twice.set()
+        return set()  # the kernel: nothing of 10.0.0.7 is open
+
+    service = ConnectionCapService(
+        ConnectionCounter(1), 1.0, lookup=lambda here, there: None, peers=peers,
+        learn_listen_port=True,
+    )  # fmt: skip
+    first = _check("10.0.0.7", 1)
+    first.attributes.destination.address.socket_address.address = "127.0.0.1"
+    first.attributes.destination.address.socket_address.port_value = 18081
+    assert (await service.Check(first)).status.code == code_pb2.OK
+    assert service.listen_port == 18081
+    assert (await service.Check(_check("10.0.0.7", 2))).status.code == code_pb2.PERMISSION_DENIED
+    await asyncio.wait_for(twice.wait(), 30)  # a phantom goes when missing from two lists
+    assert set(listed) == {18081}
+    assert (await service.Check(_check("10.0.0.7", 3))).status.code == code_pb2.OK

@@ -5,11 +5,13 @@ poolkeeper bbr --port 9004                                  # BBR ext_proc + gRP
 poolkeeper bbr-envoy-config -f examples/ > envoy-bbr.json   # every pool via poolkeeper's EPP
 poolkeeper bbr-envoy-config -f pools/ --epp default/phi-pool=10.0.0.9:9002  # a pool's own EPP
 
-`poolkeeper bbr` also counts connections per client address for that Envoy's listener
-(`--max-connections-per-client`, 1,024 by default, as `edge.maxConnectionsPerClient`): the
-listener asks it on each connection's first bytes and reports each close, on the BBR cluster
-(extproc/conncap.py); the connection over the cap is closed, a warning logged, and
-`poolkeeper_client_connections_refused_total` counts it (`--metrics-port`).
+Opt-in, for a BBR Envoy on the same host: `poolkeeper bbr --max-connections-per-client N`
+(bound to loopback) counts connections per client address for the Envoy of
+`bbr-envoy-config --count-connections`: the listener asks it on each connection's first bytes
+and reports each close, on the BBR cluster (extproc/conncap.py), and the kernel's list of the
+listener's connections settles lost closes and late checks; the connection over the cap is
+closed, a warning logged, and `poolkeeper_client_connections_refused_total` counts it
+(`--metrics-port`). Loopback only: the counter takes no token and reads this host's kernel.
 
 Routes come from the resource files: each model name the datastore's model index serves
 (InferenceModel modelName, InferenceModelRewrite exact match) is routed to its pool; the pool's
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource
 from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bbr import BbrParams, PoolRoute, build_bbr_bootstrap, render
-from poolkeeper.envoy.config import Edge
 from poolkeeper.envoy.params import CLIENT_MAX_HEADER_KB, CLIENT_MAX_HEADERS, BootstrapParams
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.bbr import BbrServicer
@@ -46,11 +46,7 @@ from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.logs import configure_logging
 from poolkeeper.telemetry.metrics import client_connections_app
 
-log = logging.getLogger("poolkeeper.bbr")
-
 BBR_PORT = 9004  # upstream's BBR chart serves ext_proc on 9004
-# Connections per client address on the BBR Envoy's listener: `edge.maxConnectionsPerClient`'s.
-CLIENT_CAP_DEFAULT: int = Edge.model_fields["max_connections_per_client"].default
 
 
 def register(subparsers: Any) -> None:
@@ -66,17 +62,17 @@ def register(subparsers: Any) -> None:
     bbr.add_argument(
         "--max-connections-per-client",
         type=int,
-        default=CLIENT_CAP_DEFAULT,
+        default=0,
         metavar="N",
-        help="connections one client address may hold on the BBR Envoy's listener; more are "
-        "closed on their first bytes (the Envoy of `bbr-envoy-config` asks this process; "
-        f"0: no cap; {CLIENT_CAP_DEFAULT})",
+        help="connections one client address may hold on the listener of a BBR Envoy on this "
+        "host (`bbr-envoy-config --count-connections`); more are closed on their first bytes. "
+        "Needs --address on loopback (the counter takes no token). 0: no cap (0)",
     )
     bbr.add_argument(
         "--metrics-port",
         type=int,
         default=0,
-        help="serve /metrics (the connection cap's counts) on this port (0: none)",
+        help="serve /metrics (the connection cap's counts; needs the cap) on this port (0: none)",
     )
     bbr.add_argument("--log-level", default="info", help="debug, info, warning, error")
     bbr.set_defaults(handler=run_bbr)
@@ -105,6 +101,12 @@ def register(subparsers: Any) -> None:
         metavar="POOL=HOST:PORT",
         help="a pool's own endpoint picker (pool as namespace/name); default poolkeeper's",
     )
+    cfg.add_argument(
+        "--count-connections",
+        action="store_true",
+        help="cap connections per client address: the listener asks `poolkeeper bbr "
+        "--max-connections-per-client N` (on this host) on each connection (fails open)",
+    )
     cfg.add_argument("-o", "--output", type=Path, default=None, help="write to a file")
     cfg.set_defaults(handler=run_bbr_envoy_config)
 
@@ -117,7 +119,12 @@ def _hostport(value: str, what: str) -> str:
 
 
 def bbr_params(
-    config: GatewayConfig, snapshot: DatastoreSnapshot, *, bbr: str, epps: dict[str, str]
+    config: GatewayConfig,
+    snapshot: DatastoreSnapshot,
+    *,
+    bbr: str,
+    epps: dict[str, str],
+    count_connections: bool = False,
 ) -> BbrParams:
     """BBR bootstrap inputs: one route per served model name, to its pool's EPP."""
     base = bootstrap_params(config, snapshot)
@@ -133,8 +140,7 @@ def bbr_params(
         routes.append(PoolRoute(pool_key, models, epps.get(pool_key, own), endpoints))
     if not routes:
         raise ConfigError("no InferencePool is loaded")
-    client_cap = config.spec.edge.max_connections_per_client > 0
-    return BbrParams(base, bbr, tuple(routes), client_cap=client_cap)
+    return BbrParams(base, bbr, tuple(routes), client_cap=count_connections)
 
 
 def run_bbr_envoy_config(args: argparse.Namespace) -> int:
@@ -148,7 +154,11 @@ def run_bbr_envoy_config(args: argparse.Namespace) -> int:
         datastore = Datastore()
         config = asyncio.run(FileResourceSource(args.paths, datastore).start())
         params = bbr_params(
-            config, datastore.snapshot(), bbr=_hostport(args.bbr, "--bbr"), epps=epps
+            config,
+            datastore.snapshot(),
+            bbr=_hostport(args.bbr, "--bbr"),
+            epps=epps,
+            count_connections=args.count_connections,
         )
         text = render(build_bbr_bootstrap(params))
     except ConfigError as exc:
@@ -168,7 +178,28 @@ def _loopback(address: str) -> bool:
         return address == "localhost"
 
 
+def _cap_error(args: argparse.Namespace) -> str | None:
+    """Why the connection-cap options cannot run as given, or None."""
+    limit = args.max_connections_per_client
+    if limit < 0:
+        return f"--max-connections-per-client must be >= 0, got {limit}"
+    if limit and not _loopback(args.address):
+        # Its service takes no token (serve's has the run's: a forged check would count) and
+        # reads this host's kernel for closes it missed, so its Envoy must be on this host.
+        return (
+            "--max-connections-per-client needs --address on loopback (the BBR Envoy on this "
+            "host): its counter takes no token and reads this host's connections; got "
+            f"{args.address}"
+        )
+    if args.metrics_port and not limit:
+        return "--metrics-port serves the connection cap's counts: set --max-connections-per-client"
+    return None
+
+
 def run_bbr(args: argparse.Namespace) -> int:
+    if (problem := _cap_error(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     logs = configure_logging(args.log_level, json_lines=True, queued=True)
     keep_freed_pages()  # large bodies without a page fault per 4 KiB (extproc/heap.py)
 
@@ -176,19 +207,14 @@ def run_bbr(args: argparse.Namespace) -> int:
         health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
         limit = args.max_connections_per_client
         counter = ConnectionCounter(limit) if limit > 0 else None
-        if counter is not None and not _loopback(args.address):
-            # Its service takes no token (serve's has the run's): a forged check counts.
-            log.warning(
-                "the per-client connection counter on %s takes no token: anyone who reaches "
-                "this port can fill a client address's count; keep the port to Envoy alone "
-                "or run with --max-connections-per-client 0",
-                args.address,
-            )
 
         def extra(server: grpc.aio.Server) -> None:
             health.register(server)
             if counter is not None:  # what the BBR Envoy's listener asks (envoy/conncap.py)
-                add_conncap_service(server, counter, BootstrapParams().conncap_timeout_s)
+                # The listener's port is learnt from the first check (Envoy is on this host).
+                add_conncap_service(
+                    server, counter, BootstrapParams().conncap_timeout_s, learn_listen_port=True
+                )
 
         server, port = build_server(
             BbrServicer(

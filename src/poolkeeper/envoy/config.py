@@ -98,13 +98,13 @@ class Edge(CamelModel, use_attribute_docstrings=True):
     stream_idle_timeout_s: float = Field(default=300.0, ge=1.0, le=86_400.0)
     """A response stream silent for this long is closed (there is no total timeout)."""
     max_connections_per_client: int = Field(default=1024, ge=0, le=1_000_000)
-    """Connections one client address may hold open on the public listener (the Envoy `serve`
-    runs, and the one of `bbr-envoy-config`, whose count `poolkeeper bbr` keeps with its
-    `--max-connections-per-client`); more are closed on their first bytes, before any request
-    is read. Counted by
-    the `serve` process for its Envoy, on a thread of its own (a silent connection is left to
-    the idle timeout); if the counter cannot answer within 1 s, the connection is let in (fail
-    open) and counted within a few seconds from the kernel's list of connections. 0: no cap.
+    """Connections one client address may hold open on the public listener of the Envoy
+    `serve` runs (the body-based routing Envoy has its own, opt-in: `bbr-envoy-config
+    --count-connections` with `poolkeeper bbr --max-connections-per-client`); more are closed
+    on their first bytes, before any request is read. Counted by the `serve` process for its
+    Envoy, on a thread of its own (a silent connection is left to the idle timeout); if the
+    counter cannot answer within 1 s, the connection is let in (fail open) and counted within
+    a few seconds from the kernel's list of connections. 0: no cap.
     Behind a load balancer or proxy that hides client addresses every client shares its
     address: raise it or set 0 there."""
     observe_responses: bool | None = None

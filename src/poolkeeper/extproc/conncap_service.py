@@ -49,6 +49,7 @@ class ConnectionCapService(
         lookup: Lookup = connection_open,
         listen_port: int = 0,
         peers: Peers = peers_that_sent,
+        learn_listen_port: bool = False,
     ) -> None:
         self.counter = counter
         # Envoy's timeout for a check: with the deadline it gives when the check arrived.
@@ -57,6 +58,9 @@ class ConnectionCapService(
         # Envoy's public listener (0: not reconciled) and the kernel's list of its connections.
         self.listen_port = listen_port
         self.peers = peers
+        # Without a `listen_port`: take the first check's destination port as the listener's
+        # (`poolkeeper bbr`, whose Envoy on this host is configured elsewhere).
+        self.learn_listen_port = learn_listen_port
         self._reconciler: asyncio.Task[None] | None = None
 
     def start_reconciling(self) -> None:
@@ -84,6 +88,9 @@ class ConnectionCapService(
             return _ALLOW  # a Unix socket or an unknown peer: nothing to count by
         local = request.attributes.destination.address.socket_address
         here, there = (local.address, local.port_value), (source.address, source.port_value)
+        if self.learn_listen_port and not self.listen_port and local.port_value:
+            self.listen_port = local.port_value
+            self.start_reconciling()
         still_open = (lambda: self.lookup(here, there)) if local.address else None
         arrived = None
         if context is not None:
@@ -127,11 +134,15 @@ def add_conncap_service(
     counter: ConnectionCounter,
     check_timeout_s: float | None = None,
     listen_port: int = 0,
+    learn_listen_port: bool = False,
 ) -> ConnectionCapService:
     """The service's two methods on `server` (serve's own server below, or `poolkeeper bbr`'s
     ext_proc server, which its Envoy asks). Call it on the loop that will run the server:
-    with a `listen_port`, the kernel's list is taken from now on."""
-    service = ConnectionCapService(counter, check_timeout_s, listen_port=listen_port)
+    with a `listen_port` (or one learnt from the first check), the kernel's list is taken from
+    then on."""
+    service = ConnectionCapService(
+        counter, check_timeout_s, listen_port=listen_port, learn_listen_port=learn_listen_port
+    )
     external_auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(service, server)
     service.start_reconciling()

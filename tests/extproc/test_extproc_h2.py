@@ -288,6 +288,44 @@ async def test_without_the_token_calls_are_refused_and_then_the_connection() -> 
         await peer.close()
 
 
+async def _closed_on_accept(port: int) -> bool:
+    """Whether a fresh connection is closed before the server's SETTINGS arrive."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f.PREFACE + f.settings({}))
+    try:
+        first = await asyncio.wait_for(reader.read(9), 10)
+    except ConnectionResetError:
+        first = b""
+    writer.close()
+    return first == b""
+
+
+async def test_connections_over_the_limit_are_closed_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """More than `max_connections` at once: the new one is closed on accept, counted
+    (`refused_connections`, exported) and warned about once per interval, not per connection."""
+    async with lean(limits=Limits(max_connections=2)) as server:
+        first, second = await Peer.connect(server.port), await Peer.connect(server.port)
+        with caplog.at_level("WARNING", logger="poolkeeper.extproc.h2"):
+            assert await _closed_on_accept(server.port)
+            assert await _closed_on_accept(server.port)
+        assert server.stats.refused_connections == 2
+        warnings = [r.getMessage() for r in caplog.records if "on accept" in r.getMessage()]
+        assert warnings == ["closed 1 ext_proc connection(s) on accept: 2 were open (the limit)"]
+        sid = second.open()  # the open ones are unaffected
+        second.message(sid, b"still", end_stream=True)
+        assert (await second.response(sid))[0] == [b"still"]
+        await first.close()
+        await _until(lambda: server.stats.open_connections == 1)
+        assert not await _closed_on_accept(server.port)  # a place freed
+        registry = CollectorRegistry()
+        export_transport(registry, server)
+        value = registry.get_sample_value("poolkeeper_extproc_transport_refused_connections_total")
+        assert value == 2
+        await second.close()
+
+
 async def test_a_bad_preface_closes_the_connection() -> None:
     async with lean() as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)

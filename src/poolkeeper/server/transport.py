@@ -101,6 +101,11 @@ class TransportCollector(Collector):
         s, prefix = self.stats, "poolkeeper_extproc_transport"
         for name, value, help_ in (
             ("connections", s.connections, "Connections accepted on the ext_proc port."),
+            (
+                "refused_connections",
+                s.refused_connections,
+                "Connections closed on accept: the open-connection limit was reached.",
+            ),
             ("streams", s.streams, "gRPC streams opened."),
             ("refused_streams", s.refused_streams, "Streams refused: over the limit, or draining."),
             ("premature_resets", s.premature_resets, "Streams reset while their handler ran."),

@@ -44,6 +44,7 @@ _HIGH_WATER = 1 << 20  # a stream's unsent reply bytes above which its handler w
 # while the next pieces are encoded, rather than all of it after the last (a 1 MiB body held
 # back ~3 ms of encoding on the EPP's thread). Small replies still leave together.
 _EAGER_BYTES = 16 << 10
+REFUSAL_LOG_EVERY_S = 10.0  # connections closed over the limit: one warning at most this often
 
 
 @dataclass(slots=True)
@@ -58,6 +59,21 @@ class Shared:
     connections: set[Connection] = field(default_factory=set)
     draining: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set when none is open
+    refusals_logged: int = 0  # `stats.refused_connections` at the last warning
+    refusal_logged_at: float = float("-inf")  # the loop's clock at that warning
+
+    def refused_connection(self, now: float) -> None:
+        """Count a connection closed on accept over `max_connections`, and say so at most
+        every REFUSAL_LOG_EVERY_S (a flood of them must not flood the log)."""
+        self.stats.refused_connections += 1
+        if now - self.refusal_logged_at >= REFUSAL_LOG_EVERY_S:
+            log.warning(
+                "closed %d ext_proc connection(s) on accept: %d were open (the limit)",
+                self.stats.refused_connections - self.refusals_logged,
+                self.limits.max_connections,
+            )
+            self.refusals_logged = self.stats.refused_connections
+            self.refusal_logged_at = now
 
 
 class Stream:
@@ -132,6 +148,8 @@ class Connection(asyncio.Protocol):
         if shared.draining or len(shared.connections) >= self.limits.max_connections:
             self._closed = True
             transport.abort()
+            if not shared.draining:
+                shared.refused_connection(self.loop.time())
             return
         # uvloop's `writelines` is one writev that pauses the protocol as `write` does. The
         # standard loop's is `write(b"".join(...))` on 3.11, and on some 3.12 releases it

@@ -74,6 +74,7 @@ class TransportStats:
     """Counters of one server (exported as poolkeeper_extproc_transport_*)."""
 
     connections: int = 0  # accepted since start
+    refused_connections: int = 0  # closed on accept: `max_connections` were open
     open_connections: int = 0
     streams: int = 0  # opened since start
     active_streams: int = 0

@@ -49,6 +49,8 @@ _END_OF_STREAM = _tag(pb.StreamedBodyResponse, "end_of_stream", _VARINT) + b"\x0
 _REQUEST_BODY_KEY = _tag(pb.ProcessingRequest, "request_body", _LEN)
 _BODY_KEY = _tag(pb.HttpBody, "body", _LEN)
 _EOS_KEY = _tag(pb.HttpBody, "end_of_stream", _VARINT)
+# An empty `metadata_context`: Envoy 1.40 ends every message with it (field 8, length 0).
+_NO_METADATA = _tag(pb.ProcessingRequest, "metadata_context", _LEN) + b"\x00"
 
 
 class BodyChunk:
@@ -76,27 +78,32 @@ def read_request(raw: bytes) -> Request:
 
 def body_chunk(raw: bytes) -> BodyChunk | None:
     """`raw` as a BodyChunk when it is exactly `request_body {body, end_of_stream}` in the
-    serializer's canonical form (each field once, in order, end_of_stream 0 or 1); None for
-    anything else, which the protobuf parser then reads (and refuses if it is malformed)."""
+    serializer's canonical form (each field once, in order, end_of_stream 0 or 1), followed
+    by nothing or by an empty `metadata_context` (as Envoy sends every chunk: an empty one
+    tells the Exchange nothing); None for anything else, which the protobuf parser then reads
+    (and refuses if it is malformed)."""
     if not raw.startswith(_REQUEST_BODY_KEY):
         return None
     size, at = _read_varint(raw, len(_REQUEST_BODY_KEY))
-    if size < 0 or at + size != len(raw):
+    end = len(raw)
+    if size >= 0 and at + size + len(_NO_METADATA) == end and raw.endswith(_NO_METADATA):
+        end -= len(_NO_METADATA)
+    if size < 0 or at + size != end:
         return None  # other fields follow, or a broken length
     view = memoryview(raw)
     body = view[at:at]
-    if raw.startswith(_BODY_KEY, at):
+    if raw.startswith(_BODY_KEY, at, end):
         n, start = _read_varint(raw, at + len(_BODY_KEY))
-        if n < 0 or start + n > len(raw):
+        if n < 0 or start + n > end:
             return None
         body, at = view[start : start + n], start + n
     end_of_stream = False
-    if raw.startswith(_EOS_KEY, at) and len(raw) == at + len(_EOS_KEY) + 1:
-        flag = raw[-1]
+    if raw.startswith(_EOS_KEY, at, end) and end == at + len(_EOS_KEY) + 1:
+        flag = raw[end - 1]
         if flag > 1:
             return None
-        end_of_stream, at = flag == 1, len(raw)
-    return BodyChunk(body, end_of_stream) if at == len(raw) else None
+        end_of_stream, at = flag == 1, end
+    return BodyChunk(body, end_of_stream) if at == end else None
 
 
 def _read_varint(data: bytes, at: int) -> tuple[int, int]:

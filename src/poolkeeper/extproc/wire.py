@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from poolkeeper.extproc.h2.rpc import envelope, prefix
+from poolkeeper.extproc.h2.rpc import Pieces, envelope, prefix
 from poolkeeper.extproc.messages import MAX_BODY_CHUNK, streamed_body_replies
 
 
@@ -146,13 +146,14 @@ def serialize_reply(reply: Reply) -> bytes:
     return data
 
 
-def grpc_message(reply: Reply) -> bytes:
+def grpc_message(reply: Reply) -> bytes | Pieces:
     """The reply as one gRPC message (the 5-byte prefix, then `serialize_reply`'s bytes): the
-    lean transport's encoder, which so writes a body mutation's pieces with one copy."""
+    lean transport's encoder. A body mutation stays in pieces (the prefix joined to its few
+    bytes of keys, then the views of the body), which the connection frames as they are: the
+    body's bytes are copied only by the socket's write."""
     if isinstance(reply, WireReply):
-        pieces = reply.pieces
-        size = sum(map(len, pieces))
-        return b"".join((prefix(size), *pieces))
+        head, *rest = reply.pieces
+        return (prefix(sum(map(len, reply.pieces))) + head, *rest)
     data: bytes = reply.SerializeToString()
     return envelope(data)
 

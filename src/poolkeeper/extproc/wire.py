@@ -171,22 +171,30 @@ def streamed_body_wire(
     starts = range(0, total, size) if total else range(1)
     last = starts[-1]
     outer = _RESPONSE_BODY if response else _REQUEST_BODY
+    heads: dict[tuple[int, bool], bytes] = {}  # every full piece but the last has the same
     replies = []
     for start in starts:
         piece = view[start : start + size]
         n = len(piece)
         eos = end_of_stream and start == last
-        # Innermost first: each message's length is what it holds (proto3 leaves out an
-        # empty body and a false end_of_stream, as the protobuf serializer does).
-        key = _STREAMED_BODY + _varint(n) if n else b""
-        streamed = len(key) + n + (len(_END_OF_STREAM) if eos else 0)
-        mutation = len(_STREAMED) + len(_varint(streamed)) + streamed
-        common = len(_BODY_MUTATION) + len(_varint(mutation)) + mutation
-        body_response = len(_COMMON) + len(_varint(common)) + common
-        head = b"".join((
-            outer, _varint(body_response), _COMMON, _varint(common), _BODY_MUTATION,
-            _varint(mutation), _STREAMED, _varint(streamed), key,
-        ))  # fmt: skip
+        head = heads.get((n, eos))
+        if head is None:
+            head = heads[n, eos] = _body_head(outer, n, eos)
         pieces: tuple[bytes | memoryview, ...] = (head, piece) if n else (head,)
         replies.append(WireReply((*pieces, _END_OF_STREAM) if eos else pieces))
     return replies
+
+
+def _body_head(outer: bytes, n: int, eos: bool) -> bytes:
+    """The keys and lengths in front of a body piece of `n` bytes in a streamed body reply."""
+    # Innermost first: each message's length is what it holds (proto3 leaves out an empty
+    # body and a false end_of_stream, as the protobuf serializer does).
+    key = _STREAMED_BODY + _varint(n) if n else b""
+    streamed = len(key) + n + (len(_END_OF_STREAM) if eos else 0)
+    mutation = len(_STREAMED) + len(_varint(streamed)) + streamed
+    common = len(_BODY_MUTATION) + len(_varint(mutation)) + mutation
+    body_response = len(_COMMON) + len(_varint(common)) + common
+    return b"".join((
+        outer, _varint(body_response), _COMMON, _varint(common), _BODY_MUTATION,
+        _varint(mutation), _STREAMED, _varint(streamed), key,
+    ))  # fmt: skip

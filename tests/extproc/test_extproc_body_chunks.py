@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -24,10 +25,12 @@ from poolkeeper.extproc.wire import (
 from tests.extproc.extproc_fakes import FakeRouter, headers_msg, post_headers
 
 
-def _chunk(body: bytes, eos: bool) -> pb.ProcessingRequest:
+def _chunk(body: bytes, eos: bool, metadata: bool = False) -> pb.ProcessingRequest:
     request = pb.ProcessingRequest()
     request.request_body.body = body
     request.request_body.end_of_stream = eos
+    if metadata:  # an empty metadata_context, as Envoy 1.40 sends with every chunk
+        request.metadata_context.SetInParent()
     return request
 
 
@@ -35,17 +38,28 @@ def _as_parsed(chunk: BodyChunk) -> pb.ProcessingRequest:
     return _chunk(bytes(chunk.body), chunk.end_of_stream)
 
 
+def _parsed(wire: bytes) -> pb.ProcessingRequest:
+    """The parser's reading, less an empty metadata_context (it carries nothing the Exchange
+    reads: no subset hint, no served endpoint); a non-empty one stays, and fails a compare."""
+    parsed = pb.ProcessingRequest.FromString(wire)
+    if parsed.HasField("metadata_context") and not parsed.metadata_context.ByteSize():
+        parsed.ClearField("metadata_context")
+    return parsed
+
+
 def test_envoys_body_chunks_are_read_as_views_of_the_message() -> None:
-    for size in (0, 1, 127, 128, 16_384, 262_144, 1 << 20):
-        for eos in (False, True):
-            raw = _chunk(bytes(range(256)) * (size // 256) + b"x" * (size % 256), eos)
-            wire = raw.SerializeToString()
-            chunk = body_chunk(wire)
-            assert chunk is not None, (size, eos)
-            assert _as_parsed(chunk) == pb.ProcessingRequest.FromString(wire)
-            read = read_request(wire)  # small ones: protobuf (cheaper than reading them here)
-            assert isinstance(read, BodyChunk) == (len(wire) >= WIRE_FROM_BYTES)
-            assert chunk.body.obj is wire  # no copy
+    for size, eos, metadata in itertools.product(
+        (0, 1, 127, 128, 16_384, 262_144, 1 << 20), (False, True), (False, True)
+    ):
+        raw = _chunk(bytes(range(256)) * (size // 256) + b"x" * (size % 256), eos, metadata)
+        wire = raw.SerializeToString()
+        assert wire.endswith(b"\x42\x00") == metadata  # the bytes Envoy sends
+        chunk = body_chunk(wire)
+        assert chunk is not None, (size, eos)
+        assert _as_parsed(chunk) == _parsed(wire)
+        read = read_request(wire)  # small ones: protobuf (cheaper than reading them here)
+        assert isinstance(read, BodyChunk) == (len(wire) >= WIRE_FROM_BYTES)
+        assert chunk.body.obj is wire  # no copy
 
 
 def test_any_other_message_is_left_to_the_parser() -> None:
@@ -73,8 +87,12 @@ def test_any_other_message_is_left_to_the_parser() -> None:
 
 
 @settings(max_examples=1_000, deadline=None)
-@given(st.binary(max_size=40) | st.builds(lambda b, e: _chunk(b, e).SerializeToString(),
-                                           st.binary(max_size=300), st.booleans()))  # fmt: skip
+@given(
+    st.binary(max_size=40)
+    | st.builds(lambda b, e, m: _chunk(b, e, m).SerializeToString(),
+                st.binary(max_size=300), st.booleans(), st.booleans())
+    | st.builds(lambda b: b + b"\x42\x00", st.binary(max_size=40))
+)  # fmt: skip
 def test_a_chunk_is_read_only_where_the_parser_reads_the_same(wire: bytes) -> None:
     chunk = body_chunk(wire)
     if chunk is None:
@@ -83,20 +101,24 @@ def test_a_chunk_is_read_only_where_the_parser_reads_the_same(wire: bytes) -> No
         parsed = pb.ProcessingRequest.FromString(wire)
     except DecodeError:
         raise AssertionError(f"read a chunk the parser refuses: {wire!r}") from None
-    assert _as_parsed(chunk) == parsed
+    assert _as_parsed(chunk) == _parsed(wire)
     assert parsed.SerializeToString() == wire  # canonical only
 
 
-async def test_the_exchange_routes_the_same_from_chunks_read_either_way() -> None:
+@pytest.mark.parametrize("metadata", [False, True], ids=["bare", "empty-metadata"])
+async def test_the_exchange_routes_the_same_from_chunks_read_either_way(metadata: bool) -> None:
     """One body in four chunks (cut inside `"model"`), each as the protobuf parser reads it and
-    as `read_request` does: the router sees the same bytes, the replies are the same messages
+    as `read_request` does (with Envoy's empty metadata_context too, which `read_request` now
+    reads as chunks): the router sees the same bytes, the replies are the same messages
     (compared parsed from what goes on the wire: their metadata maps serialize in hash order)."""
     body = json.dumps({"model": "base", "messages": [{"role": "user", "content": "x" * 300_000}]})
     data = body.encode()
     cuts = [0, 5, 100_000, 200_000, len(data)]
     wires = [
-        _chunk(data[a:b], b == len(data)).SerializeToString() for a, b in itertools.pairwise(cuts)
+        _chunk(data[a:b], b == len(data), metadata).SerializeToString()
+        for a, b in itertools.pairwise(cuts)
     ]
+    assert all(isinstance(read_request(w), BodyChunk) for w in wires[2:])
     seen = []
     for read in (pb.ProcessingRequest.FromString, read_request):
         router = FakeRouter()

@@ -60,7 +60,11 @@ def test_a_grpc_message_is_the_prefix_and_the_serialized_reply() -> None:
     replies: list[wire.Reply] = [*wire.streamed_body_wire(body, end_of_stream=True)]
     replies.append(msg.trailers_reply(response=False))
     for reply in replies:
-        assert wire.grpc_message(reply) == envelope(wire.serialize_reply(reply))
+        message = wire.grpc_message(reply)
+        joined = b"".join(message) if isinstance(message, tuple) else message
+        assert joined == envelope(wire.serialize_reply(reply))
+        # A body mutation stays in pieces: the body's bytes are views of it, never joined.
+        assert isinstance(message, tuple) == isinstance(reply, wire.WireReply)
 
 
 class _Recorder(asyncio.Transport):
@@ -126,3 +130,68 @@ async def test_a_large_reply_reaches_the_transport_as_views_of_it(writev: bool) 
         written = b"".join(p for call in transport.calls for p in call)
         assert len(written) > len(sent[0])  # every byte went out, framed
     connection.connection_lost(None)
+
+
+def _written(body: bytes, encode: Any, settings: dict[int, int], window: int) -> list[Any]:
+    """What a lean connection writes for `body`'s replies (`streamed_body_wire`, encoded by
+    `encode`), the peer announcing `settings` and a connection window of `window`."""
+
+    async def handler(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for _ in requests:
+            for reply in wire.streamed_body_wire(body, end_of_stream=True):
+                yield reply
+
+    async def run() -> list[Any]:
+        method = bidi(handler, lambda data: data, encode, enveloped=True)
+        connection = Connection(Shared({PATH.encode(): method}, Limits(), TransportStats()))
+        transport = _Recorder()
+        connection.connection_made(transport)
+        connection._writev = True  # as on uvloop
+        block = hpack.Encoder().encode([(":method", "POST"), (":path", PATH)])
+        connection.data_received(
+            f.PREFACE + f.settings(settings) + f.window_update(0, window)
+            + f.frame(f.HEADERS, f.END_HEADERS, 1, block)
+            + f.frame(f.DATA, f.END_STREAM, 1, envelope(b"go"))
+        )  # fmt: skip
+        for _ in range(5):
+            await asyncio.sleep(0)
+        if window < len(body) * 2:  # the rest of the replies once the peer gives credit
+            connection.data_received(f.window_update(0, 4 << 20) + f.window_update(1, 4 << 20))
+            for _ in range(5):
+                await asyncio.sleep(0)
+        connection.connection_lost(None)
+        return [p for call in transport.calls for p in call]
+
+    return asyncio.run(run())
+
+
+def _joined_message(reply: wire.Reply) -> bytes:
+    message = wire.grpc_message(reply)
+    return b"".join(message) if isinstance(message, tuple) else message
+
+
+@pytest.mark.parametrize(
+    ("settings", "window"),
+    [
+        ({f.INITIAL_WINDOW_SIZE: 4 << 20}, 4 << 20),  # Envoy's: nothing waits
+        ({f.INITIAL_WINDOW_SIZE: 4 << 20, f.MAX_FRAME_SIZE: 100_000}, 4 << 20),  # larger frames
+        ({f.INITIAL_WINDOW_SIZE: 4 << 20, f.MAX_FRAME_SIZE: 16_385}, 4 << 20),
+        ({f.INITIAL_WINDOW_SIZE: 100_000}, 4 << 20),  # the stream's window holds replies back
+        ({f.INITIAL_WINDOW_SIZE: 4 << 20}, 200_000),  # the connection's does
+    ],
+)
+def test_a_reply_in_pieces_is_framed_as_its_joined_bytes(
+    settings: dict[int, int], window: int
+) -> None:
+    """The connection frames an encoder's pieces exactly as it frames the same message joined
+    (the same frames, byte for byte, under any frame size and window), and where nothing waits
+    for window, every byte of the body goes out as a view of the body itself."""
+    for n in (wire.WIRE_FROM_BYTES, 62_000, 300_001, 1 << 20):
+        body = _body(n)
+        pieces = _written(body, wire.grpc_message, settings, window)
+        joined = _written(body, _joined_message, settings, window)
+        as_bytes = [bytes(p) for p in pieces]
+        assert b"".join(as_bytes) == b"".join(bytes(p) for p in joined), (n, settings, window)
+        if min(window, settings[f.INITIAL_WINDOW_SIZE]) > 2 * n:  # nothing waits
+            views = [p for p in pieces if isinstance(p, memoryview) and p.obj is body]
+            assert sum(map(len, views)) == n, (n, settings, window)

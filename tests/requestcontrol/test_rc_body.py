@@ -461,3 +461,58 @@ def test_plain_bodies_take_the_fast_decoder() -> None:
     assert body_module._fast_decode(_body(prompt)) == prompt
     ids = {"model": "m", "prompt": list(range(3000)), "max_tokens": 5}
     assert body_module._fast_decode(_body(ids)) == ids
+
+
+# --- 1 MiB bodies: what the fast path must not change --------------------------------------
+
+_MIB_TEXT = ("the quick brown fox " * 52_429)[: 1 << 20]
+_MIB = _body({"model": "m", "messages": [{"role": "user", "content": _MIB_TEXT}]})
+
+
+@pytest.mark.parametrize("blank", [b"", b" ", b"\n", b" \t\r\n\x0b\x0c" * 200_000])
+def test_blank_bodies_of_any_size_are_empty(blank: bytes) -> None:
+    with pytest.raises(BadRequest, match="request body is empty"):
+        parse_body("/v1/chat/completions", blank)
+
+
+@pytest.mark.parametrize("pad", [(b"", b"\n"), (b"\r\n ", b""), (b"\t", b" \n")])
+def test_a_large_body_with_whitespace_around_it_parses(pad: tuple[bytes, bytes]) -> None:
+    parsed = parse_body("/v1/chat/completions", pad[0] + _MIB + pad[1])
+    assert parsed.model == "m"
+    assert parsed.prompt == chat_prompt_text([{"role": "user", "content": _MIB_TEXT}])
+    assert parsed.prompt_tokens == count_tokens(parsed.prompt)
+
+
+@pytest.mark.parametrize("at", [0, 1, 12, 40, 300_000, len(_MIB) - 3, len(_MIB) - 1])
+def test_malformed_json_anywhere_in_a_large_body_is_placed_precisely(at: int) -> None:
+    """A stray byte at any offset of a 1 MiB body: the error names the standard library's
+    position for it (what the fast path must not change)."""
+    broken = _MIB[:at] + b"\x01" + _MIB[at + 1 :]
+    with pytest.raises(BadRequest) as info:
+        parse_body("/v1/chat/completions", broken)
+    with pytest.raises(json.JSONDecodeError) as std:
+        json.loads(broken.decode())
+    assert info.value.message.startswith("invalid JSON body: ")
+    assert f"(char {std.value.pos})" in info.value.message
+
+
+@pytest.mark.parametrize("at", [100, 500_000, len(_MIB) - 10])
+def test_invalid_utf8_inside_a_large_prompt_names_its_byte(at: int) -> None:
+    broken = _MIB[:at] + b"\xc3\x28" + _MIB[at + 2 :]
+    with pytest.raises(BadRequest, match=rf"not valid UTF-8 \(byte {at}\)"):
+        parse_body("/v1/chat/completions", broken)
+
+
+def test_a_large_prompt_with_escaped_quotes_and_the_model_after_it() -> None:
+    content = ('he said "model" and \\"left\\" ' * 40_000)[: 1 << 20]
+    raw = (
+        b'{"messages": [{"role": "user", "content": '
+        + json.dumps(content).encode()
+        + b'}], "max_tokens": 3, "model": "late"}'
+    )
+    parsed = parse_body("/v1/chat/completions", raw)
+    assert parsed.model == "late"
+    assert parsed.max_tokens == 3
+    assert parsed.prompt == chat_prompt_text([{"role": "user", "content": content}])
+    with pytest.raises(BadRequest, match="more than one 'model'"):
+        parse_body("/v1/chat/completions", raw[:-1] + b', "model": "again"}')

@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from poolkeeper.extproc.h2.rpc import envelope, prefix
+from poolkeeper.extproc.h2.rpc import Pieces, envelope, prefix
 from poolkeeper.extproc.messages import MAX_BODY_CHUNK, streamed_body_replies
 
 
@@ -49,6 +49,8 @@ _END_OF_STREAM = _tag(pb.StreamedBodyResponse, "end_of_stream", _VARINT) + b"\x0
 _REQUEST_BODY_KEY = _tag(pb.ProcessingRequest, "request_body", _LEN)
 _BODY_KEY = _tag(pb.HttpBody, "body", _LEN)
 _EOS_KEY = _tag(pb.HttpBody, "end_of_stream", _VARINT)
+# An empty `metadata_context`: Envoy 1.40 ends every message with it (field 8, length 0).
+_NO_METADATA = _tag(pb.ProcessingRequest, "metadata_context", _LEN) + b"\x00"
 
 
 class BodyChunk:
@@ -76,27 +78,32 @@ def read_request(raw: bytes) -> Request:
 
 def body_chunk(raw: bytes) -> BodyChunk | None:
     """`raw` as a BodyChunk when it is exactly `request_body {body, end_of_stream}` in the
-    serializer's canonical form (each field once, in order, end_of_stream 0 or 1); None for
-    anything else, which the protobuf parser then reads (and refuses if it is malformed)."""
+    serializer's canonical form (each field once, in order, end_of_stream 0 or 1), followed
+    by nothing or by an empty `metadata_context` (as Envoy sends every chunk: an empty one
+    tells the Exchange nothing); None for anything else, which the protobuf parser then reads
+    (and refuses if it is malformed)."""
     if not raw.startswith(_REQUEST_BODY_KEY):
         return None
     size, at = _read_varint(raw, len(_REQUEST_BODY_KEY))
-    if size < 0 or at + size != len(raw):
+    end = len(raw)
+    if size >= 0 and at + size + len(_NO_METADATA) == end and raw.endswith(_NO_METADATA):
+        end -= len(_NO_METADATA)
+    if size < 0 or at + size != end:
         return None  # other fields follow, or a broken length
     view = memoryview(raw)
     body = view[at:at]
-    if raw.startswith(_BODY_KEY, at):
+    if raw.startswith(_BODY_KEY, at, end):
         n, start = _read_varint(raw, at + len(_BODY_KEY))
-        if n < 0 or start + n > len(raw):
+        if n < 0 or start + n > end:
             return None
         body, at = view[start : start + n], start + n
     end_of_stream = False
-    if raw.startswith(_EOS_KEY, at) and len(raw) == at + len(_EOS_KEY) + 1:
-        flag = raw[-1]
+    if raw.startswith(_EOS_KEY, at, end) and end == at + len(_EOS_KEY) + 1:
+        flag = raw[end - 1]
         if flag > 1:
             return None
-        end_of_stream, at = flag == 1, len(raw)
-    return BodyChunk(body, end_of_stream) if at == len(raw) else None
+        end_of_stream, at = flag == 1, end
+    return BodyChunk(body, end_of_stream) if at == end else None
 
 
 def _read_varint(data: bytes, at: int) -> tuple[int, int]:
@@ -139,13 +146,14 @@ def serialize_reply(reply: Reply) -> bytes:
     return data
 
 
-def grpc_message(reply: Reply) -> bytes:
+def grpc_message(reply: Reply) -> bytes | Pieces:
     """The reply as one gRPC message (the 5-byte prefix, then `serialize_reply`'s bytes): the
-    lean transport's encoder, which so writes a body mutation's pieces with one copy."""
+    lean transport's encoder. A body mutation stays in pieces (the prefix joined to its few
+    bytes of keys, then the views of the body), which the connection frames as they are: the
+    body's bytes are copied only by the socket's write."""
     if isinstance(reply, WireReply):
-        pieces = reply.pieces
-        size = sum(map(len, pieces))
-        return b"".join((prefix(size), *pieces))
+        head, *rest = reply.pieces
+        return (prefix(sum(map(len, reply.pieces))) + head, *rest)
     data: bytes = reply.SerializeToString()
     return envelope(data)
 
@@ -163,22 +171,30 @@ def streamed_body_wire(
     starts = range(0, total, size) if total else range(1)
     last = starts[-1]
     outer = _RESPONSE_BODY if response else _REQUEST_BODY
+    heads: dict[tuple[int, bool], bytes] = {}  # every full piece but the last has the same
     replies = []
     for start in starts:
         piece = view[start : start + size]
         n = len(piece)
         eos = end_of_stream and start == last
-        # Innermost first: each message's length is what it holds (proto3 leaves out an
-        # empty body and a false end_of_stream, as the protobuf serializer does).
-        key = _STREAMED_BODY + _varint(n) if n else b""
-        streamed = len(key) + n + (len(_END_OF_STREAM) if eos else 0)
-        mutation = len(_STREAMED) + len(_varint(streamed)) + streamed
-        common = len(_BODY_MUTATION) + len(_varint(mutation)) + mutation
-        body_response = len(_COMMON) + len(_varint(common)) + common
-        head = b"".join((
-            outer, _varint(body_response), _COMMON, _varint(common), _BODY_MUTATION,
-            _varint(mutation), _STREAMED, _varint(streamed), key,
-        ))  # fmt: skip
+        head = heads.get((n, eos))
+        if head is None:
+            head = heads[n, eos] = _body_head(outer, n, eos)
         pieces: tuple[bytes | memoryview, ...] = (head, piece) if n else (head,)
         replies.append(WireReply((*pieces, _END_OF_STREAM) if eos else pieces))
     return replies
+
+
+def _body_head(outer: bytes, n: int, eos: bool) -> bytes:
+    """The keys and lengths in front of a body piece of `n` bytes in a streamed body reply."""
+    # Innermost first: each message's length is what it holds (proto3 leaves out an empty
+    # body and a false end_of_stream, as the protobuf serializer does).
+    key = _STREAMED_BODY + _varint(n) if n else b""
+    streamed = len(key) + n + (len(_END_OF_STREAM) if eos else 0)
+    mutation = len(_STREAMED) + len(_varint(streamed)) + streamed
+    common = len(_BODY_MUTATION) + len(_varint(mutation)) + mutation
+    body_response = len(_COMMON) + len(_varint(common)) + common
+    return b"".join((
+        outer, _varint(body_response), _COMMON, _varint(common), _BODY_MUTATION,
+        _varint(mutation), _STREAMED, _varint(streamed), key,
+    ))  # fmt: skip

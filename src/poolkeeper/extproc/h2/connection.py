@@ -31,6 +31,7 @@ from poolkeeper.extproc.h2.rpc import (
     Inbox,
     MessageReader,
     Method,
+    Pieces,
     RpcError,
     envelope,
     trailers,
@@ -550,10 +551,14 @@ class Connection(asyncio.Protocol):
         try:
             async for reply in replies:
                 data = method.encode(reply)
-                if not method.enveloped:
-                    data = envelope(data)
-                self._send(stream, data)
-                if len(data) >= _EAGER_BYTES:
+                if isinstance(data, tuple):  # an enveloped message in pieces
+                    size = self._send_pieces(stream, data)
+                else:
+                    if not method.enveloped:
+                        data = envelope(data)
+                    self._send(stream, data)
+                    size = len(data)
+                if size >= _EAGER_BYTES:
                     self._flush_large()
                 if self._paused or stream.pending_bytes > _HIGH_WATER:
                     await self._writable(stream)
@@ -643,6 +648,37 @@ class Connection(asyncio.Protocol):
         stream.pending.append(data)
         stream.pending_bytes += n
         self._push(stream)
+
+    def _send_pieces(self, stream: Stream, pieces: Pieces) -> int:
+        """`_send` for a message in pieces: the same frames as for its joined bytes, each
+        payload written as views of the pieces (a 1 MiB body's replies are not copied before
+        the socket). Where the windows hold it back, joined after all (rare: Envoy's windows
+        are large). Returns the message's size."""
+        total = n = sum(map(len, pieces))
+        if stream.pending or n > stream.send_window or n > self._send_window:
+            self._send(stream, b"".join(pieces))
+            return total
+        if stream.id not in self._streams:
+            return total  # reset meanwhile
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            self._write(f.frame(f.HEADERS, f.END_HEADERS, stream.id, f.RESPONSE_HEADERS))
+        stream.send_window -= n
+        self._send_window -= n
+        write, limit, sid = self._write, self._peer_max_frame, stream.id
+        room = 0  # payload bytes the current frame still takes
+        for piece in pieces:
+            size, at = len(piece), 0
+            while at < size:
+                if not room:
+                    room = min(limit, n)
+                    n -= room
+                    write(f.frame_head(f.DATA, 0, sid, room))
+                take = min(room, size - at)
+                write(piece if take == size else memoryview(piece)[at : at + take])
+                at += take
+                room -= take
+        return total
 
     def _push(self, stream: Stream) -> None:
         """Send what the windows allow of `stream`'s waiting replies, then its trailers."""

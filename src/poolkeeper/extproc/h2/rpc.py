@@ -23,12 +23,15 @@ UNIMPLEMENTED, INTERNAL, UNAVAILABLE, UNAUTHENTICATED = 12, 13, 14, 16
 
 Handler = Callable[[AsyncIterator[Any]], AsyncIterator[Any]]
 _PREFIX = struct.Struct(">BL")
+# A whole gRPC message (prefix included) as pieces written in order: an `enveloped` encoder
+# may return one, so that a large message's bytes reach the socket as views, never joined.
+Pieces = tuple[bytes | memoryview, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class Method:
     decode: Callable[[bytes], Any]
-    encode: Callable[[Any], bytes]
+    encode: Callable[[Any], bytes | Pieces]  # Pieces only when `enveloped`
     handler: Handler
     open: bool = False  # callable without the gateway Envoy's token (health)
     enveloped: bool = False  # `encode` writes the gRPC message prefix itself (`envelope`)
@@ -37,7 +40,7 @@ class Method:
 def bidi(
     handler: Handler,
     decode: Callable[[bytes], Any],
-    encode: Callable[[Any], bytes],
+    encode: Callable[[Any], bytes | Pieces],
     *,
     enveloped: bool = False,
 ) -> Method:

@@ -189,6 +189,23 @@ def _summary(times: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _use_scheduling(gateway_yaml: Path, name: str) -> None:
+    """Replace the config's `scheduling: {preset: default}` by the preset `name`, or by the
+    document of the default candidate `name` (scheduling/presets.py's CANDIDATES), inline:
+    the same config in the tree under test and in an older one (PYTHONPATH A/B)."""
+    from poolkeeper.scheduling import presets
+
+    if name in presets.CANDIDATES:
+        document = json.dumps(presets.candidate_document(name))
+    else:
+        presets.preset_document(name)  # KeyError naming the known presets
+        document = json.dumps({"preset": name})
+    text = gateway_yaml.read_text()
+    old = "  scheduling: {preset: default}\n"
+    assert old in text, "write_config's scheduling line moved"
+    gateway_yaml.write_text(text.replace(old, f"  scheduling: {document}\n"))
+
+
 @contextlib.contextmanager
 def simulator(work: Path) -> Iterator[int]:
     (port,) = free_ports(1)
@@ -207,6 +224,8 @@ async def measure(
     top: int,
     prompt_bytes: int = 0,
     gap_s: float = 0.0,
+    scheduling: str = "default",
+    profile_out: str = "",
 ) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="route-profile-") as tmp,
@@ -214,6 +233,8 @@ async def measure(
     ):
         (config := Path(tmp) / "config").mkdir()
         write_config(config, sim_port, free_ports(5), observe_responses=True)
+        if scheduling != "default":
+            _use_scheduling(config / "gateway.yaml", scheduling)
         runtime = GatewayRuntime(
             ServeOptions(source=file_source([config]), run_envoy=False, ready_wait_s=30)
         )
@@ -234,6 +255,8 @@ async def measure(
                 profiler.disable()
                 text = io.StringIO()
                 stats = pstats.Stats(profiler, stream=text)
+                if profile_out:
+                    stats.dump_stats(profile_out)
                 stats.sort_stats("tottime").print_stats(top)
                 stats.sort_stats("cumulative").print_stats(top)
                 result["profile"] = text.getvalue()
@@ -255,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prompt-bytes", type=int, default=0, help="a user message of this many bytes"
     )
+    parser.add_argument(
+        "--scheduling",
+        default="default",
+        help="a preset or a default candidate of scheduling/presets.py (default: default)",
+    )
+    parser.add_argument("--profile-out", default="", help="with --profile: pstats dump file")
     parser.add_argument(
         "--glibc-heap-default",
         action="store_true",
@@ -278,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gap-ms must be in [0, 10000]")
     result = runner(
         measure(args.requests, args.batch, args.profile, args.top, args.prompt_bytes,
-                args.gap_ms / 1000)
+                args.gap_ms / 1000, args.scheduling, args.profile_out)
     )  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=1))

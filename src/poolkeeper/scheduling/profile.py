@@ -168,9 +168,11 @@ class SchedulerProfile:
             if isinstance(scores, _CONSTANT):
                 offset += w * clamp_unit(float(scores))
                 continue
-            if len(scores) != n:
+            # (an AffineScores' own length, without a call of its `__len__`)
+            size = len(scores.values if isinstance(scores, AffineScores) else scores)
+            if size != n:
                 raise GatewayError(
-                    f"scorer {scorer.typed_name} returned {len(scores)} scores for {n} endpoints"
+                    f"scorer {scorer.typed_name} returned {size} scores for {n} endpoints"
                 )
             if isinstance(scores, AffineScores):
                 if bounded:

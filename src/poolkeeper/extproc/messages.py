@@ -40,6 +40,9 @@ CONTROL_HEADERS = frozenset(
     }
 )
 MAX_BODY_CHUNK = 62_000
+# Every routing and control header starts with one of these (a test checks), after the
+# newline `may_name_gateway_headers` joins names with.
+_GATEWAY_START, _LLM_D_START = "\nx-gateway-", "\nx-llm-d-"
 
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -81,6 +84,13 @@ def request_header_map(headers: pb.HttpHeaders) -> tuple[dict[str, str], int, in
             count += 1
             size += len(key) + len(raw or value)
     return out, count, size
+
+
+def may_name_gateway_headers(headers: Mapping[str, str]) -> bool:
+    """Whether a header name may be a routing or control header (False: certainly none is):
+    one C-level search of the names joined, not a check per header on every request."""
+    joined = "\n" + "\n".join(headers)
+    return _GATEWAY_START in joined or _LLM_D_START in joined
 
 
 def header_limit_error(
@@ -190,20 +200,33 @@ def routing_headers(
 ) -> pb.HeaderMutation:
     """Destination header (+ Content-Length of the body sent upstream); client copies removed."""
     mutation = pb.HeaderMutation()
-    _fill_routing_headers(mutation, endpoints, body_length, spoofed)
+    _fill_routing_headers(mutation, destination_value(endpoints), body_length, spoofed)
     return mutation
 
 
 def _fill_routing_headers(
     mutation: pb.HeaderMutation,
-    endpoints: Sequence[str],
+    destination: str,
     body_length: int | None,
     spoofed: Iterable[str],
 ) -> None:
-    values = {DESTINATION_HEADER: destination_value(endpoints)}
+    # `_fill_mutation`'s message for {destination header, content-length} and the client's
+    # copies of anything else, written directly: no dict or list of them per request.
+    add = mutation.set_headers.add
+    header = add(append_action=_OVERWRITE).header
+    header.key = DESTINATION_HEADER
+    header.raw_value = destination.encode()
     if body_length is not None:
-        values["content-length"] = str(body_length)
-    _fill_mutation(mutation, values, [h for h in spoofed if h not in values])
+        header = add(append_action=_OVERWRITE).header
+        header.key = "content-length"
+        header.raw_value = str(body_length).encode()
+    if spoofed:
+        length_set = body_length is not None
+        mutation.remove_headers.extend(
+            h
+            for h in spoofed
+            if h != DESTINATION_HEADER and not (length_set and h == "content-length")
+        )
 
 
 def routing_reply(
@@ -256,9 +279,12 @@ def _fill_routing(
     """What routes a request, whichever reply carries it: the destination header (and
     Content-Length), the route cache cleared, the `envoy.lb` metadata, the exchange key."""
     common.clear_route_cache = True
-    _fill_routing_headers(common.header_mutation, endpoints, body_length, spoofed)
+    destination = destination_value(endpoints)
+    _fill_routing_headers(common.header_mutation, destination, body_length, spoofed)
     metadata = reply.dynamic_metadata
-    _fill_destination(metadata, endpoints)
+    # the same value as the header (built once), as `_fill_destination` writes it
+    lb = metadata.fields[LB_NAMESPACE].struct_value
+    lb.fields[DESTINATION_HEADER].string_value = destination
     if exchange is not None:
         add_exchange_key(metadata, exchange, via_epp=via_epp)
 

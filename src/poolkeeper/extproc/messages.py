@@ -332,8 +332,16 @@ def streamed_body_replies(
     Each reply is built from the outside in and its piece set once: a message passed to a
     parent's constructor is copied, so nesting constructors copied each piece five times
     (2.4 ms of CPU for a 1 MiB body, now 0.5 ms)."""
-    view = memoryview(body)
     total = len(body)
+    if 0 < total <= size and type(body) is bytes:
+        # One piece (every small request): the body itself, with no view, slice or copy.
+        reply = pb.ProcessingResponse()
+        part = reply.response_body if response else reply.request_body
+        streamed = part.response.body_mutation.streamed_response
+        streamed.body = body
+        streamed.end_of_stream = end_of_stream
+        return [reply]
+    view = memoryview(body)
     starts = range(0, total, size) if total else range(1)
     last = starts[-1]
     replies = []

@@ -121,9 +121,10 @@ class Exchange:
         if request.HasField("protocol_config"):
             self.request_mode = request.protocol_config.request_body_mode
             self.response_mode = request.protocol_config.response_body_mode
-        if self.hint is None:
-            self.hint = msg.subset_hint(request)
-        self.served = msg.served_endpoint(request) or self.served
+        if request.HasField("metadata_context"):  # both read nothing else (most messages)
+            if self.hint is None:
+                self.hint = msg.subset_hint(request)
+            self.served = msg.served_endpoint(request) or self.served
         if self.phase is Phase.DONE:
             return []  # after an ImmediateResponse Envoy is closing; nothing more to say
         kind = request.WhichOneof("request")

@@ -74,3 +74,13 @@ def test_shortcuts_decide_as_the_general_loop(name: str) -> None:
     assert counts == {key: hist.count for key, hist in general.stats.plugins()}
     if name == "filtering":
         assert len(kinds) == 2  # decisions and FilteredOut both happened
+
+
+def test_cycle_state_get_and_put_are_per_decision() -> None:
+    from poolkeeper.scheduling.interfaces import CycleState
+
+    one, two = CycleState(1.0), CycleState(2.0)
+    assert one.get("k") is None
+    one.put("k", [1])
+    assert one.get("k") == [1]
+    assert two.get("k") is None  # each decision its own scratch space

@@ -5,13 +5,18 @@ and pools and must return the same results (endpoints, scores, profile) and erro
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Sequence
 
 import pytest
 
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError
 from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.interfaces import CycleState, TypedName
 from poolkeeper.scheduling.presets import candidate_document
+from poolkeeper.scheduling.profile import SchedulerProfile, clamp_unit
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import SchedulingResult
 from tests.scheduling.sched_factories import request, scheduler, state
@@ -77,10 +82,39 @@ def test_shortcuts_decide_as_the_general_loop(name: str) -> None:
 
 
 def test_cycle_state_get_and_put_are_per_decision() -> None:
-    from poolkeeper.scheduling.interfaces import CycleState
-
     one, two = CycleState(1.0), CycleState(2.0)
     assert one.get("k") is None
     one.put("k", [1])
     assert one.get("k") == [1]
     assert two.get("k") is None  # each decision its own scratch space
+
+
+class _Const:
+    """A scorer that returns one value for every candidate."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.typed_name = TypedName("const", f"const-{value}")
+
+    def score(self, cycle: object, request: object, candidates: object) -> float:
+        return self.value
+
+
+class _Recorder:
+    typed_name = TypedName("recorder", "recorder")
+
+    def __init__(self) -> None:
+        self.totals: list[float] = []
+
+    def pick(self, candidates: Sequence[EndpointState], scores: Sequence[float]) -> list[int]:
+        self.totals = list(scores)
+        return [0]
+
+
+@pytest.mark.parametrize("value", [2.0, 1.0, 0.25, 0.0, -1.0, math.nan, 3, -0.0])
+def test_a_constant_score_is_clamped_into_the_unit_range(value: float) -> None:
+    picker = _Recorder()
+    weight = 1.5
+    profile = SchedulerProfile("p", [], [(_Const(value), weight)], picker)
+    profile.run(CycleState(1.0), request(), [state(1), state(2)])
+    assert picker.totals == [weight * clamp_unit(float(value))] * 2

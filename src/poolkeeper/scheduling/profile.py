@@ -166,7 +166,8 @@ class SchedulerProfile:
             scores = score(cycle, request, cands)
             record(clock() - began)
             if isinstance(scores, _CONSTANT):
-                offset += w * clamp_unit(float(scores))
+                v = float(scores)  # clamped into [0, 1] as `clamp_unit` does, inline
+                offset += w * (1.0 if v >= 1.0 else v if v >= 0.0 else 0.0)
                 continue
             # (an AffineScores' own length, without a call of its `__len__`)
             size = len(scores.values if isinstance(scores, AffineScores) else scores)

@@ -51,7 +51,8 @@ class HistogramData:
         self.record: Callable[[float], None] = self.pending.append
 
     def observe(self, value: float) -> None:
-        self.fold()
+        if self.pending:  # recorded values first: the sum adds up in order
+            self.fold()
         self._counts[bisect_left(self.bounds, value)] += 1
         self._sum += value
         self._count += 1

@@ -12,7 +12,10 @@ receiver.
 Reported, in thread CPU time (`time.thread_time_ns`: what the code costs, not what the shared
 machine's scheduler adds): the request headers' handling, the body's (the routing decision:
 `Exchange._route`), the whole stream, and the access-log entry, p10, median and p90 per
-request (p10: the least disturbed by other processes on a shared host);
+request (p10: the least disturbed by other processes on a shared host), and the loop thread's
+whole CPU per request (`loop_us`: also the metric samples deferred after a stream, the
+access log, the scrapes in the gaps, the driver); `--scheduling` picks a preset or one of
+the default's candidates (scheduling/presets.py) instead of the default;
 with `--profile`, cProfile's top functions for the same loop (a second pass: the profiler's
 own cost inflates absolute times, the shares are what it is for).
 
@@ -189,6 +192,23 @@ def _summary(times: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _use_scheduling(gateway_yaml: Path, name: str) -> None:
+    """Replace the config's `scheduling: {preset: default}` by the preset `name`, or by the
+    document of the default candidate `name` (scheduling/presets.py's CANDIDATES), inline:
+    the same config in the tree under test and in an older one (PYTHONPATH A/B)."""
+    from poolkeeper.scheduling import presets
+
+    if name in presets.CANDIDATES:
+        document = json.dumps(presets.candidate_document(name))
+    else:
+        presets.preset_document(name)  # KeyError naming the known presets
+        document = json.dumps({"preset": name})
+    text = gateway_yaml.read_text()
+    old = "  scheduling: {preset: default}\n"
+    assert old in text, "write_config's scheduling line moved"
+    gateway_yaml.write_text(text.replace(old, f"  scheduling: {document}\n"))
+
+
 @contextlib.contextmanager
 def simulator(work: Path) -> Iterator[int]:
     (port,) = free_ports(1)
@@ -207,6 +227,8 @@ async def measure(
     top: int,
     prompt_bytes: int = 0,
     gap_s: float = 0.0,
+    scheduling: str = "default",
+    profile_out: str = "",
 ) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="route-profile-") as tmp,
@@ -214,6 +236,8 @@ async def measure(
     ):
         (config := Path(tmp) / "config").mkdir()
         write_config(config, sim_port, free_ports(5), observe_responses=True)
+        if scheduling != "default":
+            _use_scheduling(config / "gateway.yaml", scheduling)
         runtime = GatewayRuntime(
             ServeOptions(source=file_source([config]), run_envoy=False, ready_wait_s=30)
         )
@@ -225,8 +249,12 @@ async def measure(
             # Warm-up: caches, the prefix index, first-use imports.
             await driver.run(min(500, max(20, requests // 5)))
             driver.times = {k: [] for k in driver.times}
+            began = time.thread_time_ns()
             await driver.run(requests, gap_s)
-            result: dict[str, Any] = {"cpu": _summary(driver.times)}
+            # Everything the loop thread ran, per request: the streams, the samples deferred
+            # after them, the access log, the scrapes in the gaps, the driver's own work.
+            whole = (time.thread_time_ns() - began) / requests / 1000
+            result: dict[str, Any] = {"cpu": _summary(driver.times), "loop_us": whole}
             if profile:
                 profiler = cProfile.Profile(time.thread_time)
                 profiler.enable()
@@ -234,6 +262,8 @@ async def measure(
                 profiler.disable()
                 text = io.StringIO()
                 stats = pstats.Stats(profiler, stream=text)
+                if profile_out:
+                    stats.dump_stats(profile_out)
                 stats.sort_stats("tottime").print_stats(top)
                 stats.sort_stats("cumulative").print_stats(top)
                 result["profile"] = text.getvalue()
@@ -255,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prompt-bytes", type=int, default=0, help="a user message of this many bytes"
     )
+    parser.add_argument(
+        "--scheduling",
+        default="default",
+        help="a preset or a default candidate of scheduling/presets.py (default: default)",
+    )
+    parser.add_argument("--profile-out", default="", help="with --profile: pstats dump file")
     parser.add_argument(
         "--glibc-heap-default",
         action="store_true",
@@ -278,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gap-ms must be in [0, 10000]")
     result = runner(
         measure(args.requests, args.batch, args.profile, args.top, args.prompt_bytes,
-                args.gap_ms / 1000)
+                args.gap_ms / 1000, args.scheduling, args.profile_out)
     )  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=1))
@@ -288,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in result["cpu"].items():
         print(f"| {name} | {row['n']:.0f} | {row['p10_us']:.0f} | {row['median_us']:.0f} "
               f"| {row['p90_us']:.0f} | {row['mean_us']:.0f} |")  # fmt: skip
+    print(f"\nthe loop thread's CPU per request, all of it: {result['loop_us']:.0f} µs")
     if "profile" in result:
         print(result["profile"])
     return 0

@@ -441,3 +441,46 @@ async def test_a_stream_broken_before_the_handoff_is_cancelled_and_forgotten() -
     exchange.close()  # the replies may never have reached Envoy: nothing will be logged
     assert len(room) == 0
     assert [status for _, status, _, _ in router.completed] == [CANCELLED_STATUS]
+
+
+def test_timestamps_and_durations_read_as_protobuf_converts_them() -> None:
+    """`_sent_at_ms` and `duration_s` without protobuf's converters give their exact values,
+    and an invalid Timestamp still raises as `ToNanoseconds` does."""
+    import random
+
+    from google.protobuf import duration_pb2, timestamp_pb2
+
+    from poolkeeper.extproc.accesslog import _duration_s, _sent_at_ms
+
+    rng = random.Random(3)
+    cases = [(0, 0), (0, 999_999_999), (1, 1), (315_576_000_000, 999_999_999), (-1, -5)]
+    cases += [(rng.randrange(10**9), rng.randrange(10**9)) for _ in range(300)]
+    for seconds, nanos in cases:
+        d = duration_pb2.Duration(seconds=seconds, nanos=nanos)
+        assert _duration_s(d) == d.ToTimedelta().total_seconds(), (seconds, nanos)
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    common = entry.common_properties
+    for _ in range(300):
+        common.start_time.seconds = rng.randrange(-62_135_596_800, 253_402_300_800)
+        common.start_time.nanos = rng.randrange(10**9)
+        common.time_to_first_upstream_tx_byte.seconds = rng.randrange(10**6)
+        common.time_to_first_upstream_tx_byte.nanos = rng.randrange(10**9)
+        sent = common.start_time.ToNanoseconds()
+        sent += common.time_to_first_upstream_tx_byte.ToNanoseconds()
+        assert _sent_at_ms(common) == float(sent // 1_000_000)
+    common.start_time.CopyFrom(timestamp_pb2.Timestamp(seconds=253_402_300_800))
+    with pytest.raises(ValueError, match="Timestamp is not valid"):
+        _sent_at_ms(common)
+
+
+def test_an_entry_without_flags_is_not_cut_and_one_with_any_is_read() -> None:
+    whole = outcome_of(_entry(fields={wire.EVENTS: 3}))
+    assert whole is not None
+    assert whole[1].status == 200
+    for flag in ("upstream_remote_reset", "local_reset"):
+        cut = outcome_of(_entry(flags=(flag,)))  # no events counted: the response had not ended
+        assert cut is not None
+        assert cut[1].status == 499, flag
+    other = outcome_of(_entry(flags=("no_healthy_upstream",)))  # a flag that is not a cut
+    assert other is not None
+    assert other[1].status == 200

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import itertools
 
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 
+from poolkeeper import observation
 from poolkeeper.extproc import messages as msg
 
 ENDPOINTS = [("10.0.0.1:8000",), ("10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000")]
@@ -58,3 +61,76 @@ def test_both_modes_route_with_the_same_parts() -> None:
         assert streamed.dynamic_metadata == buffered.dynamic_metadata
         assert on_body.HasField("body_mutation") == (body is not None)
         assert not on_headers.HasField("body_mutation")
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def test_the_routing_reply_is_the_bytes_plain_constructors_make() -> None:
+    """Against a reference built from protobuf constructors alone (no builder of messages.py):
+    the destination header, Content-Length, the client's copies of anything else removed."""
+    cases = itertools.product(ENDPOINTS, BODIES, SPOOFED, KEYS)
+    for endpoints, body, spoofed, (key, via) in cases:
+        length = len(body) if body is not None else None
+        destination = ",".join(endpoints)
+        sets = [_header(msg.DESTINATION_HEADER, destination)]
+        if length is not None:
+            sets.append(_header("content-length", str(length)))
+        names = {msg.DESTINATION_HEADER} | ({"content-length"} if length is not None else set())
+        mutation = pb.HeaderMutation(
+            set_headers=sets, remove_headers=[h for h in spoofed if h not in names]
+        )
+        lb = {msg.DESTINATION_HEADER: destination}
+        metadata = struct_pb2.Struct()
+        metadata.update({msg.LB_NAMESPACE: lb})
+        if key is not None:
+            names_ = {observation.EXCHANGE: key}
+            if via:
+                names_[observation.RESPONSE_PATH] = observation.VIA_EPP
+            metadata.update({observation.NAMESPACE: names_})
+        reference = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+            ),
+            dynamic_metadata=metadata,
+        )
+        built = msg.routing_reply(endpoints, length, spoofed, key, via_epp=via)
+        assert built.SerializeToString(deterministic=True) == reference.SerializeToString(
+            deterministic=True
+        ), (endpoints, body, spoofed, key)
+
+
+def test_every_gateway_header_is_found_by_the_quick_check() -> None:
+    for name in [*msg.CONTROL_HEADERS, msg.DESTINATION_HEADER, msg.SERVED_KEY, msg.SUBSET_KEY]:
+        assert msg.may_name_gateway_headers({"accept": "*/*", name: "x"}), name
+        assert msg.may_name_gateway_headers({name: "x"}), name
+    assert not msg.may_name_gateway_headers({"accept": "*/*", "x-gatewa": "x", "a-x-gateway-": ""})
+    assert not msg.may_name_gateway_headers({})
+
+
+def test_the_prebuilt_routing_reply_is_the_built_one() -> None:
+    """`routing_reply`'s copy of a prebuilt reply against the same reply built field by field,
+    over shapes that take the copy and shapes that do not."""
+    lengths = [None, 0, 7, 62_000, 1 << 20]
+    cases = itertools.product(ENDPOINTS, lengths, SPOOFED, KEYS)
+    for endpoints, length, spoofed, (key, via) in cases:
+        quick = msg.routing_reply(endpoints, length, spoofed, key, via_epp=via)
+        built = msg.built_routing_reply(endpoints, length, spoofed, key, via_epp=via)
+        assert quick == built, (endpoints, length, spoofed, key, via)
+        assert quick.SerializeToString(deterministic=True) == built.SerializeToString(
+            deterministic=True
+        )
+    # the template itself is never handed out: each reply is its own message
+    one = msg.routing_reply(ENDPOINTS[0], 5, [], "k1")
+    two = msg.routing_reply(ENDPOINTS[1], 6, [], "k2")
+    assert one != two
+    assert (
+        one.dynamic_metadata.fields[observation.NAMESPACE]
+        .struct_value.fields[observation.EXCHANGE]
+        .string_value
+        == "k1"
+    )

@@ -29,7 +29,7 @@ from poolkeeper.errors import (
     RequestShed,
 )
 from poolkeeper.flowcontrol.shedding import AdmissionController
-from poolkeeper.requestcontrol.director import Director, Ticket
+from poolkeeper.requestcontrol.director import Director, Ticket, _scheduler_headers
 from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
@@ -485,6 +485,27 @@ async def test_client_control_headers_never_reach_the_scheduler() -> None:
     request = rig.scheduler.seen[-1][0]
     assert dict(request.headers) == {"authorization": "Bearer t"}
     assert request.subset is None
+
+
+@pytest.mark.parametrize(
+    ("names", "kept"),
+    [
+        (["authorization", "content-type"], None),  # nothing to drop: the request's own map
+        (["x-gateway-model-name-rewrite", "accept"], ["accept"]),
+        (["accept", "x-gateway-inference-fairness-id"], ["accept"]),
+        (["a\nx-gateway-b", "accept"], ["a\nx-gateway-b", "accept"]),  # only looks like one
+        (["x-gatewayz", "X-Gateway-Upper"], None),  # lower-cased by the transport before this
+    ],
+)
+def test_scheduler_headers_drop_exactly_the_control_prefix(
+    names: list[str], kept: list[str] | None
+) -> None:
+    headers = {name: "v" for name in names}
+    out = _scheduler_headers(headers)
+    if kept is None:
+        assert out is headers
+    else:
+        assert list(out) == kept
 
 
 async def test_header_only_request_goes_to_a_random_ready_endpoint() -> None:

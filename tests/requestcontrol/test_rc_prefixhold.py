@@ -329,3 +329,38 @@ def test_a_pump_asks_a_bounded_number_of_held_requests() -> None:
     assert asks == [f"r{i}" for i in range(HOLD_ASKS_PER_PUMP)]
     assert gate.held("p") == 200
     assert sent == []
+
+
+async def test_the_held_question_and_the_scheduler_get_one_and_the_same_request() -> None:
+    """The Director builds a request's LLMRequest once: what `holdNewPrefixes` asks the
+    prefill facts about is the very object the scheduler then decides on."""
+    clock = [NOW]
+    director, _gate, _observed = _director(clock)
+    facts = director._facts
+    assert facts is not None
+    asked: list[object] = []
+    scheduled: list[object] = []
+
+    uncached, backlogs = facts.uncached_tokens, facts.backlogs
+
+    class Facts:
+        def uncached_tokens(self, request: Any, now: float) -> int:
+            asked.append(request)
+            return uncached(request, now)
+
+        def backlogs(self, endpoints: Any) -> list[int]:
+            return backlogs(endpoints)
+
+    real = director.scheduler
+
+    class Spy:
+        def schedule(self, request: Any, candidates: Any, *, now: float) -> Any:
+            scheduled.append(request)
+            return real.schedule(request, candidates, now=now)
+
+    director._facts = Facts()
+    director._scheduler = Spy()
+    await director.route(_chat("std", rid="a", stream=True, text=_text("alpha")))
+    assert asked
+    assert scheduled
+    assert all(request is scheduled[0] for request in asked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from poolkeeper.telemetry.children import Counter, Gauge, Histogram
@@ -36,3 +37,31 @@ def test_remove_and_clear_forget_the_remembered_children() -> None:
     counter.clear()
     counter.labels("a").inc()
     assert 'c_total{model="a"} 1.0' in generate_latest(registry).decode()
+
+
+def test_a_histogram_observes_into_the_buckets_prometheus_client_would() -> None:
+    """Bisection against prometheus_client's own walk: every bound, between them, beyond the
+    last, negative, +Inf and NaN (in no bucket), with and without labels, and an exemplar."""
+    import prometheus_client
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    buckets = (0.0, 0.001, 0.5, 1, 10, 2048)
+    values = [-1.0, 0.0, 1e-9, 0.001, 0.0011, 0.5, 0.75, 1, 9.99, 10, 11, 2048, 1e9]
+    values += [float("inf"), float("nan"), 3]
+    for registry, cls in ((ours, Histogram), (theirs, prometheus_client.Histogram)):
+        labelled = cls("h", "h", ["model"], buckets=buckets, registry=registry)
+        plain = cls("p", "p", buckets=buckets, registry=registry)
+        for value in values:
+            labelled.labels("m").observe(value)
+            plain.observe(value)
+        labelled.labels("m").observe(0.6, {"trace_id": "abc"})
+
+    def samples(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return [line for line in text.splitlines() if "_created" not in line]  # a timestamp
+
+    assert samples(ours) == samples(theirs)
+    assert 'h_bucket{le="1.0",model="m"} 9.0' in samples(ours)  # -1 .. 1 and the 0.6
+    unlabelled = Histogram("u", "u", ["model"], registry=CollectorRegistry())
+    with pytest.raises(ValueError, match="missing label values"):
+        unlabelled.observe(1.0)  # the parent of labelled children refuses, as prometheus_client

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from google.protobuf import empty_pb2, struct_pb2, wrappers_pb2
+from google.protobuf import duration_pb2, empty_pb2, struct_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
 from poolkeeper.hostport import join_hostport
@@ -44,6 +44,10 @@ _UPSTREAM_CUT = (  # the model server's side: its response cannot have been whol
     "upstream_request_timeout",
     "upstream_max_stream_duration_reached",
 )
+# protobuf's Timestamp and Duration validity bounds (well_known_types), and ns per second.
+_TIMESTAMP_MIN_S, _TIMESTAMP_MAX_S = -62_135_596_800, 253_402_300_799
+_DURATION_MAX_S = 315_576_000_000
+_NANOS = 1_000_000_000
 _DOWNSTREAM_CUT = (  # the client's side, or Envoy's: only if the response had not ended
     "downstream_connection_termination",
     "downstream_remote_reset",
@@ -101,9 +105,24 @@ def _sent_at_ms(common: Any) -> float | None:
     millisecond is 0 s after it, never a negative time."""
     if not (common.HasField("start_time") and common.HasField("time_to_first_upstream_tx_byte")):
         return None
-    sent: int = common.start_time.ToNanoseconds()
-    sent += common.time_to_first_upstream_tx_byte.ToNanoseconds()
+    start, upstream = common.start_time, common.time_to_first_upstream_tx_byte
+    seconds, nanos = start.seconds, start.nanos
+    if _TIMESTAMP_MIN_S <= seconds <= _TIMESTAMP_MAX_S and 0 <= nanos < _NANOS:
+        sent = seconds * _NANOS + nanos  # `ToNanoseconds`, its validity check inline
+    else:
+        sent = start.ToNanoseconds()  # raises as it always did
+    sent += upstream.seconds * _NANOS + upstream.nanos  # Duration.ToNanoseconds
     return float(sent // 1_000_000)
+
+
+def _duration_s(duration: duration_pb2.Duration) -> float:
+    """`duration.ToTimedelta().total_seconds()`, the same float (whole microseconds over a
+    million, one division), without building the timedelta for a valid non-negative one."""
+    seconds, nanos = duration.seconds, duration.nanos
+    if 0 <= seconds <= _DURATION_MAX_S and 0 <= nanos < _NANOS:
+        return (seconds * 1_000_000 + nanos // 1_000) / 1_000_000
+    total: float = duration.ToTimedelta().total_seconds()
+    return total
 
 
 def _elapsed_s(start_ms: float | None, end_ms: float | None) -> float | None:
@@ -131,8 +150,10 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, Outcome] |
     # The Lua filter writes its counts once the whole response body has passed it: a client
     # that closes its connection just after the last byte did get the whole response.
     whole = wire.EVENTS in fields
-    cut = any(getattr(flags, name) for name in _UPSTREAM_CUT) or (
-        not whole and any(getattr(flags, name) for name in _DOWNSTREAM_CUT)
+    # (most entries carry no flag at all: an empty message, nothing to look up one by one)
+    cut = bool(flags.ByteSize()) and (
+        any(getattr(flags, name) for name in _UPSTREAM_CUT)
+        or (not whole and any(getattr(flags, name) for name in _DOWNSTREAM_CUT))
     )
     if status == 0 or (status < 400 and cut):
         status = CUT_STATUS
@@ -150,7 +171,7 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, Outcome] |
         done_events=_count(fields, wire.DONE_EVENTS) or 0,
         response_bytes=entry.response.response_body_bytes,
         duration_s=(
-            common.time_to_last_downstream_tx_byte.ToTimedelta().total_seconds()
+            _duration_s(common.time_to_last_downstream_tx_byte)
             if common.HasField("time_to_last_downstream_tx_byte")
             else None
         ),

@@ -40,6 +40,9 @@ CONTROL_HEADERS = frozenset(
     }
 )
 MAX_BODY_CHUNK = 62_000
+# Every routing and control header starts with one of these (a test checks), after the
+# newline `may_name_gateway_headers` joins names with.
+_GATEWAY_START, _LLM_D_START = "\nx-gateway-", "\nx-llm-d-"
 
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -81,6 +84,13 @@ def request_header_map(headers: pb.HttpHeaders) -> tuple[dict[str, str], int, in
             count += 1
             size += len(key) + len(raw or value)
     return out, count, size
+
+
+def may_name_gateway_headers(headers: Mapping[str, str]) -> bool:
+    """Whether a header name may be a routing or control header (False: certainly none is):
+    one C-level search of the names joined, not a check per header on every request."""
+    joined = "\n" + "\n".join(headers)
+    return _GATEWAY_START in joined or _LLM_D_START in joined
 
 
 def header_limit_error(
@@ -190,20 +200,33 @@ def routing_headers(
 ) -> pb.HeaderMutation:
     """Destination header (+ Content-Length of the body sent upstream); client copies removed."""
     mutation = pb.HeaderMutation()
-    _fill_routing_headers(mutation, endpoints, body_length, spoofed)
+    _fill_routing_headers(mutation, destination_value(endpoints), body_length, spoofed)
     return mutation
 
 
 def _fill_routing_headers(
     mutation: pb.HeaderMutation,
-    endpoints: Sequence[str],
+    destination: str,
     body_length: int | None,
     spoofed: Iterable[str],
 ) -> None:
-    values = {DESTINATION_HEADER: destination_value(endpoints)}
+    # `_fill_mutation`'s message for {destination header, content-length} and the client's
+    # copies of anything else, written directly: no dict or list of them per request.
+    add = mutation.set_headers.add
+    header = add(append_action=_OVERWRITE).header
+    header.key = DESTINATION_HEADER
+    header.raw_value = destination.encode()
     if body_length is not None:
-        values["content-length"] = str(body_length)
-    _fill_mutation(mutation, values, [h for h in spoofed if h not in values])
+        header = add(append_action=_OVERWRITE).header
+        header.key = "content-length"
+        header.raw_value = str(body_length).encode()
+    if spoofed:
+        length_set = body_length is not None
+        mutation.remove_headers.extend(
+            h
+            for h in spoofed
+            if h != DESTINATION_HEADER and not (length_set and h == "content-length")
+        )
 
 
 def routing_reply(
@@ -218,7 +241,37 @@ def routing_reply(
     cleared, `destination_metadata` and (when given) the exchange key, written into one
     message in place. The same message as `request_headers_reply(routing_headers(...),
     clear_route_cache=True, metadata=...)`, without building the parts apart and copying
-    them in (about half the CPU of the reply, on every routed request)."""
+    them in (about half the CPU of the reply, on every routed request).
+
+    The common case (a body's length, an exchange key, no client copies to remove, the
+    response not via the EPP: every small routed request) copies a prebuilt reply of that
+    shape and writes its four values, about a third less CPU than building it field by
+    field; equal to the built one (tests)."""
+    if body_length is not None and exchange is not None and not via_epp and not spoofed:
+        destination = destination_value(endpoints)
+        reply = pb.ProcessingResponse()
+        reply.CopyFrom(_ROUTED)
+        sets = reply.request_headers.response.header_mutation.set_headers
+        sets[0].header.raw_value = destination.encode()
+        sets[1].header.raw_value = str(body_length).encode()
+        fields = reply.dynamic_metadata.fields
+        fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destination
+        fields[observation.NAMESPACE].struct_value.fields[
+            observation.EXCHANGE
+        ].string_value = exchange
+        return reply
+    return built_routing_reply(endpoints, body_length, spoofed, exchange, via_epp=via_epp)
+
+
+def built_routing_reply(
+    endpoints: Sequence[str],
+    body_length: int | None,
+    spoofed: Iterable[str],
+    exchange: str | None = None,
+    *,
+    via_epp: bool = False,
+) -> pb.ProcessingResponse:
+    """`routing_reply` built field by field, whatever its shape (and its prebuilt shape)."""
     reply = pb.ProcessingResponse()
     common = reply.request_headers.response
     _fill_routing(reply, common, endpoints, body_length, spoofed, exchange, via_epp)
@@ -256,9 +309,12 @@ def _fill_routing(
     """What routes a request, whichever reply carries it: the destination header (and
     Content-Length), the route cache cleared, the `envoy.lb` metadata, the exchange key."""
     common.clear_route_cache = True
-    _fill_routing_headers(common.header_mutation, endpoints, body_length, spoofed)
+    destination = destination_value(endpoints)
+    _fill_routing_headers(common.header_mutation, destination, body_length, spoofed)
     metadata = reply.dynamic_metadata
-    _fill_destination(metadata, endpoints)
+    # the same value as the header (built once), as `_fill_destination` writes it
+    lb = metadata.fields[LB_NAMESPACE].struct_value
+    lb.fields[DESTINATION_HEADER].string_value = destination
     if exchange is not None:
         add_exchange_key(metadata, exchange, via_epp=via_epp)
 
@@ -306,8 +362,16 @@ def streamed_body_replies(
     Each reply is built from the outside in and its piece set once: a message passed to a
     parent's constructor is copied, so nesting constructors copied each piece five times
     (2.4 ms of CPU for a 1 MiB body, now 0.5 ms)."""
-    view = memoryview(body)
     total = len(body)
+    if 0 < total <= size and type(body) is bytes:
+        # One piece (every small request): the body itself, with no view, slice or copy.
+        reply = pb.ProcessingResponse()
+        part = reply.response_body if response else reply.request_body
+        streamed = part.response.body_mutation.streamed_response
+        streamed.body = body
+        streamed.end_of_stream = end_of_stream
+        return [reply]
+    view = memoryview(body)
     starts = range(0, total, size) if total else range(1)
     last = starts[-1]
     replies = []
@@ -392,3 +456,7 @@ def models_reply(model_names: Iterable[str]) -> pb.ProcessingResponse:
     ]
     body = json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()
     return immediate_reply(200, body)
+
+
+# The prebuilt shape `routing_reply` copies (its values are overwritten on each copy).
+_ROUTED = built_routing_reply(("",), 0, (), "")

@@ -121,9 +121,10 @@ class Exchange:
         if request.HasField("protocol_config"):
             self.request_mode = request.protocol_config.request_body_mode
             self.response_mode = request.protocol_config.response_body_mode
-        if self.hint is None:
-            self.hint = msg.subset_hint(request)
-        self.served = msg.served_endpoint(request) or self.served
+        if request.HasField("metadata_context"):  # both read nothing else (most messages)
+            if self.hint is None:
+                self.hint = msg.subset_hint(request)
+            self.served = msg.served_endpoint(request) or self.served
         if self.phase is Phase.DONE:
             return []  # after an ImmediateResponse Envoy is closing; nothing more to say
         kind = request.WhichOneof("request")
@@ -148,11 +149,12 @@ class Exchange:
     # -- request path -----------------------------------------------------------------------
     async def _request_headers(self, headers: pb.HttpHeaders) -> Replies:
         self.headers, count, size = msg.request_header_map(headers)
-        self.spoofed = [h for h in self.headers if h.startswith(msg.ROUTING_HEADER_PREFIX)]
-        for name in self.spoofed:
-            del self.headers[name]
-        # Removed on the way upstream; routing headers are also hidden from the Director.
-        self.stripped = self.spoofed + [h for h in self.headers if h in msg.CONTROL_HEADERS]
+        if msg.may_name_gateway_headers(self.headers):
+            self.spoofed = [h for h in self.headers if h.startswith(msg.ROUTING_HEADER_PREFIX)]
+            for name in self.spoofed:
+                del self.headers[name]
+            # Removed on the way upstream; routing headers are also hidden from the Director.
+            self.stripped = self.spoofed + [h for h in self.headers if h in msg.CONTROL_HEADERS]
         self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
         too_large = msg.header_limit_error(count, size, self.settings.client_header_limits)
         if too_large is not None:

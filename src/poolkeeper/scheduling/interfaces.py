@@ -13,7 +13,7 @@ than the scoring itself. A scorer may return one float when every candidate gets
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -39,17 +39,19 @@ class CycleState:
     their own instance name so that e.g. the prefix hashes of a prompt are computed once.
     """
 
-    __slots__ = ("_data", "now")
+    __slots__ = ("_data", "get", "now", "put")
+
+    # `get(key)` (None when absent) and `put(key, value)`: the scratch dict's own methods,
+    # bound per decision, so each of a decision's many reads is a C call rather than a frame.
+    get: Callable[[str], object | None]
+    put: Callable[[str, object], None]
 
     def __init__(self, now: float) -> None:
         self.now = now
-        self._data: dict[str, object] = {}
-
-    def get(self, key: str) -> object | None:
-        return self._data.get(key)
-
-    def put(self, key: str, value: object) -> None:
-        self._data[key] = value
+        data: dict[str, object] = {}
+        self._data = data
+        self.get = data.get
+        self.put = data.__setitem__
 
 
 @dataclass(frozen=True, slots=True)

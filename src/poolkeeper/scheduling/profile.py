@@ -45,6 +45,11 @@ from poolkeeper.scheduling.types import LLMRequest
 _CONSTANT = (float, int)
 
 
+# A profile buckets its plugin timers' pending durations (`HistogramData.record`) every this
+# many runs; the metrics endpoint's reads bucket them too.
+FOLD_EVERY = 256
+
+
 def clamp_unit(v: float) -> float:
     """v clamped into [0, 1]; NaN -> 0."""
     if v >= 1.0:
@@ -69,10 +74,12 @@ class SchedulerProfile:
     """One named profile. Built by `build.build_scheduler`."""
 
     __slots__ = (
-        "_filter_timers",
-        "_picker_timer",
-        "_post_cycle_timers",
-        "_scorer_timers",
+        "_filter_calls",
+        "_picker_call",
+        "_post_cycle_calls",
+        "_runs",
+        "_scorer_calls",
+        "_timers",
         "_trusted",
         "filters",
         "name",
@@ -98,6 +105,7 @@ class SchedulerProfile:
         # indices; anything else gets its output checked, so a decision can only ever name
         # one of the request's candidates.
         self._trusted = all(_is_builtin(p) for p in members)
+        self._runs = 0
         self.attach_stats(SchedulingStats())
 
     def attach_stats(self, stats: SchedulingStats) -> None:
@@ -107,21 +115,40 @@ class SchedulerProfile:
             tn = plugin.typed_name
             return stats.plugin(point, tn.type, tn.name)
 
-        self._filter_timers = tuple(timer(FILTER, f) for f in self.filters)
-        self._scorer_timers = tuple(timer(SCORER, w.scorer) for w in self.scorers)
-        self._picker_timer = timer(PICKER, self.picker)
-        self._post_cycle_timers = tuple(timer(POST_CYCLE, p) for p in self.post_cycles)
+        for old in getattr(self, "_timers", ()):
+            old.fold()  # what the previous stats were told stays there, bucketed
+        # Per plugin, what a run calls: the bound method and its timer's `record` (an append),
+        # worked out once rather than per request (attribute lookups, zips, a frame per timing).
+        filters = [(f.filter, timer(FILTER, f)) for f in self.filters]
+        scorers = [(w.scorer.score, timer(SCORER, w.scorer)) for w in self.scorers]
+        picker = timer(PICKER, self.picker)
+        post_cycles = [(p.post_cycle, timer(POST_CYCLE, p)) for p in self.post_cycles]
+        self._filter_calls = tuple((call, t.record) for call, t in filters)
+        self._scorer_calls = tuple(
+            (call, t.record, w.weight, w.bounded, w.scorer)
+            for (call, t), w in zip(scorers, self.scorers, strict=True)
+        )
+        self._picker_call = (self.picker.pick, picker.record)
+        self._post_cycle_calls = tuple((call, t.record) for call, t in post_cycles)
+        self._timers = (
+            *(t for _, t in filters), *(t for _, t in scorers), picker,
+            *(t for _, t in post_cycles),
+        )  # fmt: skip
 
     def run(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> ProfileResult | None:
         """The profile's ranked result, or None when the filters left nothing."""
+        runs = self._runs = self._runs + 1
+        if runs % FOLD_EVERY == 0:
+            for timer in self._timers:
+                timer.fold()
         clock = perf_counter
         cands = candidates
-        for f, timer in zip(self.filters, self._filter_timers, strict=True):
+        for keep, record in self._filter_calls:
             began = clock()
-            cands = f.filter(cycle, request, cands)
-            timer.observe(clock() - began)
+            cands = keep(cycle, request, cands)
+            record(clock() - began)
             if not cands:
                 return None
         if not self._trusted:
@@ -134,26 +161,28 @@ class SchedulerProfile:
         # than a running total rebuilt per scorer. Constant scores fold into `offset`.
         parts: list[Iterable[float]] = []
         offset = 0.0
-        for ws, timer in zip(self.scorers, self._scorer_timers, strict=True):
+        for score, record, w, bounded, scorer in self._scorer_calls:
             began = clock()
-            scores = ws.scorer.score(cycle, request, cands)
-            timer.observe(clock() - began)
-            w = ws.weight
+            scores = score(cycle, request, cands)
+            record(clock() - began)
             if isinstance(scores, _CONSTANT):
-                offset += w * clamp_unit(float(scores))
+                v = float(scores)  # clamped into [0, 1] as `clamp_unit` does, inline
+                offset += w * (1.0 if v >= 1.0 else v if v >= 0.0 else 0.0)
                 continue
-            if len(scores) != n:
+            # (an AffineScores' own length, without a call of its `__len__`)
+            size = len(scores.values if isinstance(scores, AffineScores) else scores)
+            if size != n:
                 raise GatewayError(
-                    f"scorer {ws.scorer.typed_name} returned {len(scores)} scores for {n} endpoints"
+                    f"scorer {scorer.typed_name} returned {size} scores for {n} endpoints"
                 )
             if isinstance(scores, AffineScores):
-                if ws.bounded:
+                if bounded:
                     offset += w * scores.offset
                     factor = w * scores.scale
                     parts.append(map(mul, scores.values, repeat(factor)))
                     continue
                 scores = scores.materialize()
-            if not ws.bounded:
+            if not bounded:
                 scores = [clamp_unit(v) for v in scores]
             parts.append(scores if w == 1.0 else map(mul, scores, repeat(w)))
         if offset:
@@ -165,9 +194,10 @@ class SchedulerProfile:
             total = list(parts[0])
         else:
             total = list(map(sum, zip(*parts, strict=True)))
+        pick, record = self._picker_call
         began = clock()
-        picked = self.picker.pick(cands, total)
-        self._picker_timer.observe(clock() - began)
+        picked = pick(cands, total)
+        record(clock() - began)
         if not self._trusted:
             picked = [i for i in dict.fromkeys(picked) if 0 <= i < n]
         if not picked:
@@ -177,7 +207,8 @@ class SchedulerProfile:
         )
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
-        for hook, timer in zip(self.post_cycles, self._post_cycle_timers, strict=True):
-            began = perf_counter()
-            hook.post_cycle(cycle, request, result)
-            timer.observe(perf_counter() - began)
+        clock = perf_counter
+        for hook, record in self._post_cycle_calls:
+            began = clock()
+            hook(cycle, request, result)
+            record(clock() - began)

@@ -22,6 +22,7 @@ from poolkeeper.scheduling.interfaces import (
     ProfileHandler,
     ProfileResult,
 )
+from poolkeeper.scheduling.plugins.profile_handlers import SingleProfileHandler
 from poolkeeper.scheduling.profile import SchedulerProfile
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
@@ -34,6 +35,7 @@ class Scheduler:
         "_followers",
         "_forgetters",
         "_observers",
+        "_only",
         "handler",
         "plugins",
         "profiles",
@@ -54,6 +56,11 @@ class Scheduler:
             {p.name: p for p in profiles}
         )
         self.handler = handler
+        # The built-in single-profile handler's loop is known: run the one profile, its result
+        # is primary. Taken directly (two handler calls and a loop fewer per decision).
+        self._only = (
+            profiles[0] if len(profiles) == 1 and type(handler) is SingleProfileHandler else None
+        )
         self.plugins: Mapping[str, Plugin] = MappingProxyType(dict(plugins))
         self.source = source  # "config" or "preset <name>", for logs and `poolkeeper status`
         self._forgetters = tuple(p for p in plugins.values() if isinstance(p, EndpointForgetter))
@@ -77,6 +84,13 @@ class Scheduler:
         if not candidates:
             raise NoReadyEndpoint(f"no ready endpoint for model {request.model!r}")
         cycle = CycleState(now)
+        only = self._only
+        if only is not None:
+            result = only.run(cycle, request, candidates)
+            if result is None:
+                raise self._filtered_out(request, only.name, candidates)
+            only.post_cycle(cycle, request, result)
+            return _scheduling_result(result, only.name)
         results: dict[str, ProfileResult | None] = {}
         # Each profile runs at most once, so the loop ends after len(profiles) + 1 rounds.
         for _ in range(len(self.profiles) + 1):
@@ -97,17 +111,17 @@ class Scheduler:
         primary = self.handler.primary(cycle, request, results)
         result = results.get(primary)
         if result is None:
-            raise FilteredOut(
-                f"no endpoint for model {request.model!r} passed the filters of scheduling "
-                f"profile {primary!r} ({len(candidates)} candidates)"
-            )
+            raise self._filtered_out(request, primary, candidates)
         self.profiles[primary].post_cycle(cycle, request, result)
-        return SchedulingResult(
-            targets=result.targets,
-            profile=primary,
-            scores={
-                t.endpoint.hostport: s for t, s in zip(result.targets, result.scores, strict=True)
-            },
+        return _scheduling_result(result, primary)
+
+    @staticmethod
+    def _filtered_out(
+        request: LLMRequest, profile: str, candidates: Sequence[EndpointState]
+    ) -> FilteredOut:
+        return FilteredOut(
+            f"no endpoint for model {request.model!r} passed the filters of scheduling "
+            f"profile {profile!r} ({len(candidates)} candidates)"
         )
 
     @property
@@ -142,3 +156,11 @@ class Scheduler:
         """Drop plugin state (prefix index) of endpoints (ip:port) that left the pool."""
         for plugin in self._forgetters:
             plugin.forget_endpoints(keep)
+
+
+def _scheduling_result(result: ProfileResult, profile: str) -> SchedulingResult:
+    return SchedulingResult(
+        targets=result.targets,
+        profile=profile,
+        scores={t.endpoint.hostport: s for t, s in zip(result.targets, result.scores, strict=True)},
+    )

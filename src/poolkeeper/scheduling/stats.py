@@ -4,7 +4,8 @@ Plain Python (the scheduling package does not import prometheus_client): the sch
 into `SchedulingStats`, and the gateway's metrics endpoint turns it into upstream's families at
 scrape time (`inference_extension_scheduler_plugin_duration_seconds`,
 `inference_extension_plugin_duration_seconds`, `inference_extension_prefix_indexer_*`).
-Recording is a `bisect` and two additions, so it stays on for every decision.
+A plugin timer's recording is a list append (bucketed when read, `HistogramData`), so it stays
+on for every decision.
 """
 
 from __future__ import annotations
@@ -30,20 +31,62 @@ POST_CYCLE: Final = "PostCycle"
 
 
 class HistogramData:
-    """Cumulative-at-read histogram: `counts[i]` = observations in (bounds[i-1], bounds[i]]."""
+    """Cumulative-at-read histogram: `counts[i]` = observations in (bounds[i-1], bounds[i]].
 
-    __slots__ = ("bounds", "count", "counts", "sum")
+    `observe` buckets a value at once. `record` (a plugin timer's, on every decision) only
+    appends it to `pending`, a C-level call where `observe` is a Python frame, a bisect and
+    three updates per plugin per request; `fold` buckets what is pending, in order (so the sum
+    is the same float), and every reader folds first. Whoever records folds at a bound
+    (`SchedulerProfile` every `FOLD_EVERY` runs), so `pending` stays short without a scrape.
+    One thread, as the request path and the metrics endpoint share the event loop."""
+
+    __slots__ = ("_count", "_counts", "_sum", "bounds", "pending", "record")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
+        self._counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._count = 0
+        self.pending: list[float] = []
+        self.record: Callable[[float], None] = self.pending.append
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+        if self.pending:  # recorded values first: the sum adds up in order
+            self.fold()
+        self._counts[bisect_left(self.bounds, value)] += 1
+        self._sum += value
+        self._count += 1
+
+    def fold(self) -> None:
+        """Bucket the values `record` appended, oldest first."""
+        pending = self.pending
+        n = len(pending)
+        if not n:
+            return
+        values = pending[:n]
+        del pending[:n]  # not `clear`: `record` is this list's append
+        bounds, counts = self.bounds, self._counts
+        total = self._sum
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+            total += value
+        self._sum = total
+        self._count += n
+
+    @property
+    def counts(self) -> list[int]:
+        self.fold()
+        return self._counts
+
+    @property
+    def sum(self) -> float:
+        self.fold()
+        return self._sum
+
+    @property
+    def count(self) -> int:
+        self.fold()
+        return self._count
 
     def cumulative(self) -> list[tuple[str, int]]:
         """(le, cumulative count) pairs as Prometheus exposes them, `+Inf` last."""

@@ -31,11 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from poolkeeper.hostport import split_hostport
+from poolkeeper.telemetry.children import Counter, Gauge, Histogram
 
 PREFIX: Final = "llm_d_epp_"
 R: Final = ("model_name", "target_model_name", "fairness_id", "priority")

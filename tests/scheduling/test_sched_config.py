@@ -288,7 +288,7 @@ def test_gie_v1_default_weights() -> None:
 
 
 def test_preset_config_unknown_name() -> None:
-    with pytest.raises(KeyError, match="known: default"):
+    with pytest.raises(KeyError, match="known: classic, default"):
         preset_config("nope")
 
 

@@ -16,8 +16,8 @@ def _no_inflight(**extra: Any) -> dict[str, Any]:
     return {**extra, "countUnseen": False}
 
 
-# `classic`: poolkeeper's default (docs/scheduling.md §3): prefix affinity, effective load, LoRA
-# affinity; every candidate below is measured as an addition to it.
+# `classic`: poolkeeper's default until issue 38's switch (docs/scheduling.md §4): prefix
+# affinity, effective load, LoRA affinity; every candidate below is measured as an addition to it.
 # - stale-metrics-filter: endpoints whose metrics are older than 200 ms are skipped while any
 #   other endpoint is fresh (fails open).
 # - queue-scorer / running-requests-size-scorer with a minimum span, so a difference of one or
@@ -217,8 +217,21 @@ _RANDOM: dict[str, Any] = {
     "plugins": [{"type": "random-picker", "parameters": {"maxNumOfEndpoints": 1}}],
 }
 
-# poolkeeper's default (docs/scheduling.md §3).
-_DEFAULT: dict[str, Any] = _CLASSIC
+# poolkeeper's default (docs/scheduling.md §3; issue 38's switch, measured in
+# docs/notes/2026-12-07-default-switch.md): `classic` plus
+# - saturation-filter right after the stale filter, learning each endpoint's batch from its
+#   gauges: an endpoint whose full batch has 2 or more waiting is dropped while another has
+#   fewer, unless it holds the prompt and its queue costs less than a miss elsewhere (the
+#   miss gate). Slot-bound engines (live, 8 batch slots) stop queueing behind a full batch.
+# - prefill-backlog-scorer (weight 2): prompt tokens sent whose first byte has not come back,
+#   its say fading from a pool busy share of 0.5 to none at 0.8, so the load scorers place
+#   near saturation (selfish routing onto fast servers lost the heterogeneous fleet at 1.1x).
+# - queue-scorer with `answeredRun: false`: unseen requests that answered count as waiting.
+# Flow control's `holdNewPrefixes` (on by default, flowcontrol/config.py) reads the backlog.
+_DEFAULT: dict[str, Any] = _with_full_batch(
+    _answered_wait(_default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)),
+    miss_gate=True,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": _DEFAULT,
@@ -324,7 +337,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # ... and `prefill-backlog-fade-early` with only the gated full-batch filter (no prefix
     # affinity filter, whose holders-first rule lost the heterogeneous fleet at 1.1x and
     # multi-LoRA's goodput at 0.9x in the screen): the filter for live 8 slots, the fade's
-    # placement everywhere else.
+    # placement everywhere else. With `holdNewPrefixes` it won the switch: now the default.
     "prefill-backlog-fade-early-miss-gate": _with_full_batch(
         _answered_wait(_default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)),
         miss_gate=True,

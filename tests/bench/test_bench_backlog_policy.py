@@ -32,11 +32,14 @@ def test_first_tokens_and_ends_reach_the_backlog_and_steer_the_next_picks() -> N
     flow = make_policy("poolkeeper-backlog", random.Random(2))
     assert isinstance(flow, FlowPolicy)
     # It learns from first tokens, so the fleet shows it which unseen requests answered (as
-    # Envoy's first-byte report shows the EPP); the default learns nothing and sees none.
+    # Envoy's first-byte report shows the EPP); `classic` learns nothing and sees none.
     assert flow.observes_first_tokens
+    classic = make_policy("poolkeeper-classic", random.Random(2))
+    assert isinstance(classic, FlowPolicy)
+    assert not classic.observes_first_tokens
     default = make_policy("poolkeeper", random.Random(2))
     assert isinstance(default, FlowPolicy)
-    assert not default.observes_first_tokens
+    assert default.observes_first_tokens  # the default learns them (its backlog and gate)
     inner = flow.inner
     assert isinstance(inner, SchedulerPolicy)
     scorer = inner.scheduler.plugins["prefill-backlog-scorer"]
@@ -60,7 +63,7 @@ def test_every_candidate_runs_by_name_behind_flow_control_or_shedding() -> None:
     from poolkeeper.bench.policies.schedpolicy import CANDIDATE_PRESETS
     from poolkeeper.scheduling.presets import CANDIDATES
 
-    assert set(CANDIDATE_PRESETS.values()) <= set(CANDIDATES)
+    assert set(CANDIDATE_PRESETS.values()) <= set(CANDIDATES) | {"classic"}
     assert not set(CANDIDATE_POLICIES) & set(ALL_POLICIES)  # only when asked for by name
     for name in CANDIDATE_PRESETS:
         assert name in KNOWN_POLICIES

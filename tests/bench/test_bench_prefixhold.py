@@ -125,16 +125,20 @@ def _policy_with(config: FlowControlConfig) -> FlowPolicy:
     return policy
 
 
-def test_off_by_default_the_same_decisions() -> None:
-    plain, pool = _policy("poolkeeper-fade-early"), _pool()
+def test_on_by_default_off_with_null_and_the_same_decisions() -> None:
+    assert _policy("poolkeeper").hold is not None  # the default holds (flow control's default)
+    assert _policy("poolkeeper-classic").hold is None  # the default before the switch
+    off = FlowControlConfig.model_validate({"holdNewPrefixes": None})
+    plain, pool = flow_policy("poolkeeper-fade-early", random.Random(1), off), _pool()
+    assert isinstance(plain, FlowPolicy)
     assert plain.hold is None
     assert plain.config.hold_new_prefixes is None
-    assert _policy("poolkeeper").hold is None
     _backlogged(plain, pool)
     assert plain.offer(_request("c0", "c"), pool, now=1.1) is not None  # not held
     # With the hold on and no endpoint backlogged (every first byte back at once), the
     # decisions are the plain candidate's, one by one.
-    a, b = _policy("poolkeeper-fade-early"), _policy()
+    a, b = flow_policy("poolkeeper-fade-early", random.Random(1), off), _policy()
+    assert isinstance(a, FlowPolicy)
     pa, pb = _pool(), _pool()
     for i in range(30):
         req = _request(f"r{i}", f"g{i % 7}", user=f" q{i}")

@@ -58,8 +58,13 @@ def test_released_at_the_cap_whatever_the_backlog() -> None:
     assert hold.next_release() == float("inf")
 
 
-def test_off_by_default_and_validated_like_its_neighbours() -> None:
-    assert FlowControlConfig().hold_new_prefixes is None
+def test_on_by_default_off_with_null_or_no_queue_and_validated_like_its_neighbours() -> None:
+    assert FlowControlConfig().hold_new_prefixes == HoldNewPrefixes()
+    assert FlowControlConfig.model_validate({"holdNewPrefixes": None}).hold_new_prefixes is None
+    # no queue, no default hold; one set explicitly is refused (test_fc_config)
+    assert FlowControlConfig.model_validate({"enabled": False}).hold_new_prefixes is None
+    off = FlowControlConfig(enabled=False)
+    assert FlowControlConfig.model_validate(off.model_dump(by_alias=True)) == off
     on = FlowControlConfig.model_validate(
         {"holdNewPrefixes": {"backlogTokens": 4096, "maxHoldMs": 800}}
     )

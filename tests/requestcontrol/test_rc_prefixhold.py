@@ -218,7 +218,7 @@ async def test_only_queue_bands_are_held() -> None:
 
 async def test_without_the_option_the_director_asks_nothing() -> None:
     store = _store(endpoints=[(1, "sim"), (2, "sim")], models=MODELS)
-    spec = {"scheduling": {"preset": "prefill-backlog"}}
+    spec = {"scheduling": {"preset": "prefill-backlog"}, "flowControl": {"holdNewPrefixes": None}}
     director = build_director(GatewayConfig.model_validate({"spec": spec}), store,
                               rng=random.Random(1), clock=lambda: NOW)  # fmt: skip
     gate = director.flow

@@ -260,8 +260,16 @@ def test_empty_config_is_the_default_preset() -> None:
         "prefix-cache-scorer": 3,
         "lora-affinity-scorer": 2,
         "observed-speed-scorer": 2,
+        "prefill-backlog-scorer": 2,
     }
     assert [f.typed_name.type for f in sched.profiles["default"].filters] == [
+        "stale-metrics-filter",
+        "saturation-filter",
+    ]
+    # the default before issue 38's switch, kept by name
+    classic = build_scheduler(preset_config("classic"), rng=random.Random(0))
+    assert "prefill-backlog-scorer" not in classic.plugins
+    assert [f.typed_name.type for f in classic.profiles["default"].filters] == [
         "stale-metrics-filter"
     ]
 
@@ -288,7 +296,7 @@ def test_gie_v1_default_weights() -> None:
 
 
 def test_preset_config_unknown_name() -> None:
-    with pytest.raises(KeyError, match="known: default"):
+    with pytest.raises(KeyError, match="known: classic, default"):
         preset_config("nope")
 
 

@@ -215,8 +215,8 @@ def test_prefix_scorer_reference_must_name_a_prefix_cache_scorer() -> None:
 def test_the_scheduler_feeds_first_tokens_to_the_learner() -> None:
     scheduler = build_scheduler(preset_config("predicted-ttft"), rng=random.Random(1))
     assert scheduler.observes_first_tokens
-    default = build_scheduler(preset_config("default"), rng=random.Random(1))
-    assert not default.observes_first_tokens
+    classic = build_scheduler(preset_config("classic"), rng=random.Random(1))
+    assert not classic.observes_first_tokens
     scorer = scheduler.plugins["predicted-ttft-scorer"]
     assert isinstance(scorer, PredictedTtftScorer)
     pool = [state(1), state(2)]

@@ -105,12 +105,13 @@ async def test_the_response_observer_is_on_only_where_poolkeeper_configures_the_
     assert edge.responses_observed(managed_envoy=managed) is observed
     params = bootstrap_params(config, store.snapshot(), managed=managed)
     assert params.observe_responses is observed
-    assert not params.report_first_bytes  # the default profile learns nothing from them
+    # the default profile learns from first bytes: Envoy reports them wherever it observes
+    assert params.report_first_bytes is observed
 
 
 @pytest.mark.parametrize(
     ("preset", "reported"),
-    [("default", False), ("prefill-backlog", True), ("predicted-ttft", True)],
+    [("classic", False), ("default", True), ("prefill-backlog", True), ("predicted-ttft", True)],
 )
 async def test_first_bytes_are_reported_at_once_only_to_a_scheduler_that_learns_from_them(
     tmp_path: Path, preset: str, reported: bool

@@ -291,13 +291,28 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
     of weight 2 gets twice the token throughput of a weight-1 flow while both wait."""
     bands: Bands = Field(default_factory=Bands)
     """Per-criticality settings."""
-    hold_new_prefixes: HoldNewPrefixes | None = None
-    """Off by default. Set: a request of a `queue` band that would open a new long prefill
-    waits in front of the queue while every endpoint has a prefill backlog, so requests whose
-    prefix is placed go first (`flowcontrol/prefixhold.py`). The backlog is the
-    `prefill-backlog-scorer`'s where the profile has one, else the prompt tokens sent since
-    the last scrape. Held requests: `poolkeeper_flow_control_held_requests`,
-    `poolkeeper_flow_control_hold_duration_seconds`. Needs `enabled: true`."""
+    hold_new_prefixes: HoldNewPrefixes | None = Field(default_factory=HoldNewPrefixes)
+    """On by default (`{}`: the defaults below; `null` turns it off, and it is off with
+    `enabled: false`): a request of a `queue` band that would open a new long prefill waits in
+    front of the queue while every endpoint has a prefill backlog, so requests whose prefix
+    is placed go first (`flowcontrol/prefixhold.py`). The backlog is the
+    `prefill-backlog-scorer`'s where the profile has one (the default profile has), else the
+    prompt tokens sent since the last scrape. Held requests:
+    `poolkeeper_flow_control_held_requests`, `poolkeeper_flow_control_hold_duration_seconds`.
+    Setting it with `enabled: false` is an error."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_default_hold_without_queue(cls, data: Any) -> Any:
+        # The hold's default applies only where there is a queue to hold in front of; one
+        # the user set with `enabled: false` is still refused below.
+        if (
+            isinstance(data, Mapping)
+            and data.get("enabled") is False
+            and not {"holdNewPrefixes", "hold_new_prefixes"} & set(data)
+        ):
+            return {**data, "holdNewPrefixes": None}
+        return data
 
     @model_validator(mode="after")
     def _weights(self) -> Self:

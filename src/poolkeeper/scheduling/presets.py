@@ -16,7 +16,8 @@ def _no_inflight(**extra: Any) -> dict[str, Any]:
     return {**extra, "countUnseen": False}
 
 
-# poolkeeper's default: prefix affinity, effective load, LoRA affinity (docs/scheduling.md §3).
+# `classic`: poolkeeper's default until issue 38's switch (docs/scheduling.md §4): prefix
+# affinity, effective load, LoRA affinity; every candidate below is measured as an addition to it.
 # - stale-metrics-filter: endpoints whose metrics are older than 200 ms are skipped while any
 #   other endpoint is fresh (fails open).
 # - queue-scorer / running-requests-size-scorer with a minimum span, so a difference of one or
@@ -29,7 +30,7 @@ def _no_inflight(**extra: Any) -> dict[str, Any]:
 #   fast servers; in a uniform fleet the noise stays inside the tolerance.
 # - max-score-picker: random tie-break spreads cache misses; 3 fallbacks for the proxy.
 # Weights chosen with the virtual-time fleet simulator (docs/scheduling.md §3).
-_DEFAULT: dict[str, Any] = {
+_CLASSIC: dict[str, Any] = {
     "plugins": [
         {"type": "stale-metrics-filter"},
         {"type": "queue-scorer", "parameters": {"minSpan": 8}},
@@ -59,10 +60,10 @@ _DEFAULT: dict[str, Any] = {
 
 
 def _default_plus(scorer: str, weight: float, **params: Any) -> dict[str, Any]:
-    """The default profile plus `scorer` (a type taking `prefixScorer`) reading the default's
+    """The `classic` profile plus `scorer` (a type taking `prefixScorer`) reading its
     prefix index, at `weight`, with `params`: the `predicted-ttft` and `prefill-backlog`
     presets and the candidates for the default measured beside them."""
-    doc = copy.deepcopy(_DEFAULT)
+    doc = copy.deepcopy(_CLASSIC)
     doc["plugins"].insert(
         -1, {"type": scorer, "parameters": {"prefixScorer": "prefix-cache-scorer", **params}}
     )
@@ -104,14 +105,15 @@ def _with_full_batch(doc: dict[str, Any], miss_gate: bool = False) -> dict[str, 
     return doc
 
 
-def _prefix_affinity(miss_gate: bool = False) -> dict[str, Any]:
+def _prefix_affinity(miss_gate: bool = False, **backlog: Any) -> dict[str, Any]:
     """The `prefix-affinity` preset: the default profile plus the `prefill-backlog-scorer`
     (weight 2); its stale filter keeps a prefix's late holders; then a `saturation-filter`
     that drops an endpoint whose full batch (learned) has 2 or more waiting while another
     has fewer (slot-bound engines); then the `prefix-affinity-filter` (always on; a new long
     prefix to the least placed endpoints or those with one more, where the backlog picks one
-    not busy prefilling). Live: docs/notes/2026-12-06-live-routing-fifth-round.md."""
-    doc = _default_plus("prefill-backlog-scorer", 2)
+    not busy prefilling). Live: docs/notes/2026-12-06-live-routing-fifth-round.md.
+    `backlog`: more parameters of the backlog scorer (a candidate's fade)."""
+    doc = _default_plus("prefill-backlog-scorer", 2, **backlog)
     stale = doc["plugins"][0]
     assert stale["type"] == "stale-metrics-filter"
     stale["parameters"] = {"prefixScorer": "prefix-cache-scorer"}
@@ -215,8 +217,25 @@ _RANDOM: dict[str, Any] = {
     "plugins": [{"type": "random-picker", "parameters": {"maxNumOfEndpoints": 1}}],
 }
 
+# poolkeeper's default (docs/scheduling.md §3; issue 38's switch, measured in
+# docs/notes/2026-12-07-default-switch.md): `classic` plus
+# - saturation-filter right after the stale filter, learning each endpoint's batch from its
+#   gauges: an endpoint whose full batch has 2 or more waiting is dropped while another has
+#   fewer, unless it holds the prompt and its queue costs less than a miss elsewhere (the
+#   miss gate). Slot-bound engines (live, 8 batch slots) stop queueing behind a full batch.
+# - prefill-backlog-scorer (weight 2): prompt tokens sent whose first byte has not come back,
+#   its say fading from a pool busy share of 0.5 to none at 0.8, so the load scorers place
+#   near saturation (selfish routing onto fast servers lost the heterogeneous fleet at 1.1x).
+# - queue-scorer with `answeredRun: false`: unseen requests that answered count as waiting.
+# Flow control's `holdNewPrefixes` (on by default, flowcontrol/config.py) reads the backlog.
+_DEFAULT: dict[str, Any] = _with_full_batch(
+    _answered_wait(_default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)),
+    miss_gate=True,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "default": _DEFAULT,
+    "classic": _CLASSIC,
     "predicted-ttft": _default_plus("predicted-ttft-scorer", 2),
     "prefill-backlog": _default_plus("prefill-backlog-scorer", 2),
     "prefix-affinity": _prefix_affinity(),
@@ -285,7 +304,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # sixth round (docs/notes/2026-12-06-routing-quality-sixth-round.md): new shared prefixes
     # spread by index content (`coldSpread` 0.5) on the default and on the two fades, for the
     # cold start of shared-prefix below capacity.
-    "default-cold-spread": _cold_spread(copy.deepcopy(_DEFAULT)),
+    "default-cold-spread": _cold_spread(copy.deepcopy(_CLASSIC)),
     "prefill-backlog-fade-early-cold-spread": _cold_spread(
         _answered_wait(_default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8))
     ),
@@ -294,19 +313,35 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     ),
     # issue 38, fifth round: the default with the prefix-affinity preset's learned full-batch
     # filter (live 8 slots: docs/notes/2026-12-06-live-routing-fifth-round.md).
-    "default-full-batch": _with_full_batch(copy.deepcopy(_DEFAULT)),
+    "default-full-batch": _with_full_batch(copy.deepcopy(_CLASSIC)),
     # issue 38, sixth round: the same filter with the cost-of-a-miss gate (a prefix holder
     # stays unless its queue costs more than a miss elsewhere; live and three seeds:
     # docs/notes/2026-12-06-live-routing-sixth-round.md).
-    "default-miss-gate": _with_full_batch(copy.deepcopy(_DEFAULT), miss_gate=True),
+    "default-miss-gate": _with_full_batch(copy.deepcopy(_CLASSIC), miss_gate=True),
     # ... with the queue scorer counting unseen requests that answered as waiting, as the
     # default does without first bytes: the gate learns from first bytes, and that alone
     # moved the default's choices (heterogeneous 1.1x seed 1: 0.111 -> 0.134 s). With the
     # seventh round's gate (holders only, where dearer than every kept endpoint) this is the
     # candidate for the default: docs/notes/2026-12-06-live-routing-seventh-round.md.
-    "default-miss-gate-aw": _answered_wait(_with_full_batch(copy.deepcopy(_DEFAULT), True)),
+    "default-miss-gate-aw": _answered_wait(_with_full_batch(copy.deepcopy(_CLASSIC), True)),
     # ... and the `prefix-affinity` preset with its filter gated the same way.
     "prefix-affinity-miss-gate": _prefix_affinity(miss_gate=True),
+    # issue 38, the default switch (docs/notes/2026-12-07-default-switch.md): the gated preset's
+    # filters (full batch with the miss gate, prefix affinity) on `prefill-backlog-fade-early`'s
+    # profile (the backlog fading from a busy share of 0.5 to none at 0.8, the queue scorer
+    # counting answered unseen requests as waiting): the gate for the live regimes, the fade
+    # for heavy-tail and the heterogeneous fleet at 1.1x.
+    "prefix-affinity-miss-gate-fade-early": _answered_wait(
+        _prefix_affinity(miss_gate=True, fadeFrom=0.5, fadeTo=0.8)
+    ),
+    # ... and `prefill-backlog-fade-early` with only the gated full-batch filter (no prefix
+    # affinity filter, whose holders-first rule lost the heterogeneous fleet at 1.1x and
+    # multi-LoRA's goodput at 0.9x in the screen): the filter for live 8 slots, the fade's
+    # placement everywhere else. With `holdNewPrefixes` it won the switch: now the default.
+    "prefill-backlog-fade-early-miss-gate": _with_full_batch(
+        _answered_wait(_default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)),
+        miss_gate=True,
+    ),
 }
 
 

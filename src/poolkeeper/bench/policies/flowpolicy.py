@@ -41,6 +41,9 @@ SendFn = Callable[[str, EndpointState | None, str | None], None]
 HOLD_POLICIES: dict[str, HoldNewPrefixes] = {
     "poolkeeper-fade-early-hold": HoldNewPrefixes(),
 }
+# ... and those that stand for a configuration without it (the default before issue 38's
+# switch), unless `--flow-control` sets it.
+NO_HOLD_POLICIES: frozenset[str] = frozenset({"poolkeeper-classic"})
 
 
 @dataclass(slots=True)
@@ -249,6 +252,8 @@ def flow_policy(
         if not config.enabled:  # the policy's name promises a hold that would not run
             raise ValueError(f"{name} holds in flow control's queue: it needs enabled: true")
         config = config.model_copy(update={"hold_new_prefixes": hold})
+    if name in NO_HOLD_POLICIES and "hold_new_prefixes" not in config.model_fields_set:
+        config = config.model_copy(update={"hold_new_prefixes": None})
     if not config.enabled:
         inner.name = name
         return inner

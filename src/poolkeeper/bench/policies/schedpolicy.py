@@ -76,6 +76,11 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-miss-gate": "default-miss-gate",
     "poolkeeper-miss-gate-aw": "default-miss-gate-aw",
     "poolkeeper-pa-miss-gate": "prefix-affinity-miss-gate",
+    "poolkeeper-pa-miss-gate-fade": "prefix-affinity-miss-gate-fade-early",
+    "poolkeeper-fade-early-miss-gate": "prefill-backlog-fade-early-miss-gate",
+    # the default before issue 38's switch (the `classic` preset, without flow control's
+    # `holdNewPrefixes`: `flowpolicy.NO_HOLD_POLICIES`), to compare the switch against
+    "poolkeeper-classic": "classic",
 }
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},

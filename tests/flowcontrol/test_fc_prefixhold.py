@@ -22,6 +22,23 @@ def test_held_only_while_every_endpoint_is_backlogged_and_the_prefill_is_long() 
     assert not hold.holds(5000, [])  # no endpoints: the scheduler answers at once
 
 
+def test_the_prefix_match_is_asked_only_when_every_backlog_is_long() -> None:
+    """The uncached-token count (a prefix match over the prompt) is the dear part of the
+    question: an idle pool, the common case with the hold on by default, never asks it."""
+    hold: PrefixHold[str] = PrefixHold(HoldNewPrefixes())
+    asked: list[int] = []
+
+    def uncached() -> int:
+        asked.append(1)
+        return 2100
+
+    assert not hold.holds(uncached, [0, 5000])
+    assert not hold.holds(uncached, [])
+    assert asked == []
+    assert hold.holds(uncached, [2048, 5000])
+    assert asked == [1]
+
+
 def test_release_in_arrival_order_each_answer_seeing_the_ones_before() -> None:
     hold = _hold(max_hold_ms=1000)
     for rid in ("a1", "b1", "a2", "c1"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -315,7 +316,7 @@ def test_a_pump_asks_a_bounded_number_of_held_requests() -> None:
         facts = j.prefill
         assert facts is not None
 
-        def counted(states: list[EndpointState]) -> tuple[int, list[int]]:
+        def counted(states: list[EndpointState]) -> tuple[Callable[[], int] | int, list[int]]:
             asks.append(rid)
             return facts(states)
 
@@ -341,15 +342,13 @@ async def test_the_held_question_and_the_scheduler_get_one_and_the_same_request(
     asked: list[object] = []
     scheduled: list[object] = []
 
-    uncached, backlogs = facts.uncached_tokens, facts.backlogs
-
-    class Facts:
+    class Facts:  # every backlog long (so the prefix match is asked), the prompt placed
         def uncached_tokens(self, request: Any, now: float) -> int:
             asked.append(request)
-            return uncached(request, now)
+            return 0
 
         def backlogs(self, endpoints: Any) -> list[int]:
-            return backlogs(endpoints)
+            return [10**9 for _ in endpoints]
 
     real = director.scheduler
 

@@ -49,15 +49,16 @@ class PrefixHold(Generic[T]):
         self.total = 0  # requests held so far (reports)
         self.capped = 0  # of those, released by `maxHoldMs` while the rule still held them
 
-    def holds(self, uncached_tokens: int, backlogs: Sequence[int]) -> bool:
+    def holds(self, uncached_tokens: int | Callable[[], int], backlogs: Sequence[int]) -> bool:
         """Whether a request with `uncached_tokens` (its prompt less the longest cached prefix
-        any endpoint holds) waits, given each candidate endpoint's prefill backlog."""
+        any endpoint holds) waits, given each candidate endpoint's prefill backlog. A callable
+        is asked only when every backlog is long enough: the prefix match is the question's
+        dear part, and with the hold on by default most requests meet an idle pool."""
         c = self.config
-        return (
-            uncached_tokens >= c.min_prompt_tokens
-            and bool(backlogs)
-            and min(backlogs) >= c.backlog_tokens
-        )
+        if not backlogs or min(backlogs) < c.backlog_tokens:
+            return False
+        uncached = uncached_tokens() if callable(uncached_tokens) else uncached_tokens
+        return uncached >= c.min_prompt_tokens
 
     def hold(self, payload: T, now: float) -> None:
         self.held.append(Held(payload, now))

@@ -393,14 +393,18 @@ class Director:
 
     def _prefill_question(
         self, llm_request: LLMRequest
-    ) -> Callable[[list[EndpointState]], tuple[int, list[int]]]:
+    ) -> Callable[[list[EndpointState]], tuple[Callable[[], int], list[int]]]:
         """`Job.prefill`: the scheduler's two facts for `holdNewPrefixes`, asked afresh each
-        time (the prefix index and the backlogs move while the request is held)."""
+        time (the prefix index and the backlogs move while the request is held); the prefix
+        match only when the backlogs call for it (`PrefixHold.holds`)."""
         facts = self._facts
         assert facts is not None
 
-        def ask(candidates: list[EndpointState]) -> tuple[int, list[int]]:
-            return facts.uncached_tokens(llm_request, self._clock()), facts.backlogs(candidates)
+        def uncached() -> int:
+            return facts.uncached_tokens(llm_request, self._clock())
+
+        def ask(candidates: list[EndpointState]) -> tuple[Callable[[], int], list[int]]:
+            return uncached, facts.backlogs(candidates)
 
         return ask
 

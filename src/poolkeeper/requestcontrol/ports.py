@@ -128,9 +128,12 @@ class Job:
     # it ahead while the flow has no answers yet (flowcontrol/answers.py).
     max_tokens: int | None = None
     # `holdNewPrefixes`' question on these candidates: (the prompt tokens no endpoint caches,
-    # each candidate's prefill backlog), the scheduler's facts (`PrefillFactsLike`). None: the
-    # Director has no facts (the hold is off), and the gate never holds the request.
-    prefill: Callable[[list[EndpointState]], tuple[int, list[int]]] | None = None
+    # asked only if needed, each candidate's prefill backlog), the scheduler's facts
+    # (`PrefillFactsLike`). None: the Director has no facts (the hold is off), and the gate
+    # never holds the request.
+    prefill: Callable[[list[EndpointState]], tuple[Callable[[], int] | int, list[int]]] | None = (
+        None
+    )
     # FlowGate's: seconds the request was held in front of the queue (counted as queue time).
     held_s: float = 0.0
 

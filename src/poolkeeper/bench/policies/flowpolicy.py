@@ -102,8 +102,10 @@ class FlowPolicy:
             return False
         if self.config.bands.of(request.criticality).mode is not BandMode.QUEUE:
             return False
-        uncached = self.facts.uncached_tokens(request, now)
-        return self.hold.holds(uncached, self.facts.backlogs(endpoints))
+        facts = self.facts
+        return self.hold.holds(
+            lambda: facts.uncached_tokens(request, now), facts.backlogs(endpoints)
+        )
 
     def _submit(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float

@@ -257,6 +257,18 @@ def test_epp_timeout_must_outlast_the_longest_queue_ttl() -> None:
     held = {"holdNewPrefixes": {"maxHoldMs": 10000}, "bands": {"standard": {"ttlMs": 55000}}}
     with pytest.raises(ValidationError, match=r"ttlMs 55000\) plus holdNewPrefixes\.maxHoldMs"):
         GatewayConfig.model_validate({"spec": {"flowControl": held}})
+    # The hold is on by default: where it does not fit it steps aside (configs that loaded
+    # before it was on still load, and say so: a dump round-trips), set explicitly it errs.
+    defaulted: list[dict[str, Any]] = [
+        {"flowControl": {"bands": {"standard": {"ttlMs": 59000}}}},
+        {"edge": {"eppTimeoutS": 31}},
+    ]
+    for old in defaulted:
+        config = GatewayConfig.model_validate({"spec": old})
+        assert config.spec.flow_control.hold_new_prefixes is None
+        dumped = config.model_dump(by_alias=True, exclude_unset=True)
+        assert GatewayConfig.model_validate(dumped) == config
+    assert GatewayConfig.model_validate({"spec": {}}).spec.flow_control.hold_new_prefixes
     for spec in (
         {"flowControl": held, "edge": {"eppTimeoutS": 66}},
         {"flowControl": {"bands": {"standard": {"ttlMs": 90000}}}, "edge": {"eppTimeoutS": 120}},

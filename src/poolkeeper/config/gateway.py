@@ -98,8 +98,17 @@ class GatewayConfigSpec(_Section):
         if waits:
             name, longest = max(waits.items(), key=lambda item: item[1])
             # A held request's queue TTL starts when its hold ends.
-            hold = self.flow_control.hold_new_prefixes
+            flow_control = self.flow_control
+            hold = flow_control.hold_new_prefixes
             held_ms = hold.max_hold_ms if hold is not None else 0
+            late = longest + held_ms / 1000.0 >= self.edge.epp_timeout_s
+            if late and held_ms and "hold_new_prefixes" not in flow_control.model_fields_set:
+                # The hold is on by default: where it would not fit, it steps aside rather
+                # than fail a config that loaded before it was (set it to be told). The
+                # section is frozen, and this spec is the one being validated now.
+                off = flow_control.model_copy(update={"hold_new_prefixes": None})
+                object.__setattr__(self, "flow_control", off)
+                held_ms = 0
             if longest + held_ms / 1000.0 >= self.edge.epp_timeout_s:
                 plus = f" plus holdNewPrefixes.maxHoldMs {held_ms}" if held_ms else ""
                 raise rule_error(

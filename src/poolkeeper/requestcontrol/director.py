@@ -401,7 +401,11 @@ class Director:
         assert facts is not None
 
         def uncached() -> int:
-            return facts.uncached_tokens(llm_request, self._clock())
+            try:
+                return facts.uncached_tokens(llm_request, self._clock())
+            except Exception:  # a bug in a plugin must not hold (or kill the pump): let it go
+                log.exception("internal error asking whether to hold %s", llm_request.request_id)
+                return 0
 
         def ask(candidates: list[EndpointState]) -> tuple[Callable[[], int], list[int]]:
             return uncached, facts.backlogs(candidates)

@@ -11,6 +11,7 @@ uncached prompt tokens of the requests sent there whose first byte has not come 
     backlog.first_token(request_id, now)              # the first response byte arrived
     backlog.ended(request_id)                         # the request ended (any outcome)
     backlog.tokens(endpoint)                          # what a new request there waits behind
+    backlog.seen_snapshot()                           # ... counting only first bytes it will see
     backlog.rates()                                   # endpoint -> measured drain, tokens/s
     backlog.utilisation(endpoint, now)                # share of the last ~1 s with a backlog
 
@@ -41,6 +42,7 @@ class _Entry:
     endpoint: str
     tokens: int
     sent_at: float
+    seen: bool  # its first byte will be seen (streamed): not only its end
 
 
 @dataclass(slots=True)
@@ -59,8 +61,8 @@ class PrefillBacklog:
     """Per-endpoint sums of not-yet-answered prompt tokens (not thread-safe)."""
 
     __slots__ = (
-        "_by_endpoint", "_counts", "_drain", "_entries", "max_age_s", "max_entries",
-        "min_samples", "rate_decay", "work_tokens",
+        "_by_endpoint", "_counts", "_drain", "_entries", "_seen_by_endpoint", "max_age_s",
+        "max_entries", "min_samples", "rate_decay", "work_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -86,12 +88,18 @@ class PrefillBacklog:
         self._entries: dict[str, _Entry] = {}
         self._by_endpoint: dict[str, int] = {}  # endpoint -> backlog tokens
         self._counts: dict[str, int] = {}  # endpoint -> entries (tokens may sum to 0)
+        # endpoint -> backlog tokens of the entries whose first byte will be seen (non-zero
+        # sums only): a non-streamed request's entry lasts its whole answer, decode included.
+        self._seen_by_endpoint: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def sent(self, request_id: str, endpoint: str, tokens: int, now: float) -> None:
-        """`request_id` went to `endpoint` with `tokens` prompt tokens to prefill there."""
+    def sent(
+        self, request_id: str, endpoint: str, tokens: int, now: float, seen: bool = True
+    ) -> None:
+        """`request_id` went to `endpoint` with `tokens` prompt tokens to prefill there;
+        `seen`: its first byte will come back (a streamed answer), not only its end."""
         self._remove(request_id)  # a reused id (a retry re-routed): the newest decision counts
         entries = self._entries
         while entries:
@@ -104,8 +112,10 @@ class PrefillBacklog:
         self._age(drain, now, endpoint in self._counts)
         if endpoint not in self._counts:  # a busy period starts: the drain clock with it
             drain.mark = now
-        entries[request_id] = _Entry(endpoint, tokens, now)
+        entries[request_id] = _Entry(endpoint, tokens, now, seen)
         self._by_endpoint[endpoint] = self._by_endpoint.get(endpoint, 0) + tokens
+        if seen and tokens:
+            self._seen_by_endpoint[endpoint] = self._seen_by_endpoint.get(endpoint, 0) + tokens
         self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
 
     def first_token(self, request_id: str, now: float | None = None) -> bool:
@@ -171,6 +181,12 @@ class PrefillBacklog:
         by type (a mappingproxy's `get` cost a third of a 1,000-endpoint decision)."""
         return self._by_endpoint
 
+    def seen_snapshot(self) -> Mapping[str, int]:
+        """As `snapshot`, counting only the entries whose first byte will be seen: what an
+        absolute threshold may read (`holdNewPrefixes`), since a non-streamed request's entry
+        stays until its end, long after its prefill."""
+        return self._seen_by_endpoint
+
     def counts(self) -> Mapping[str, int]:
         """endpoint -> requests in its backlog (the live map, as `snapshot`)."""
         return self._counts
@@ -187,6 +203,12 @@ class PrefillBacklog:
         if entry is None:
             return False
         key = entry.endpoint
+        if entry.seen and entry.tokens:
+            left = self._seen_by_endpoint[key] - entry.tokens
+            if left:
+                self._seen_by_endpoint[key] = left
+            else:
+                del self._seen_by_endpoint[key]
         count = self._counts[key] - 1
         if count:
             self._counts[key] = count

@@ -12,9 +12,10 @@ Two facts, each read from its one home in the scheduler's plugins (nothing recom
   prefixes it should pass). The limit this leaves: a much longer prompt sharing only a placed
   16 KiB window (a common system prompt) may still open a long prefill, and is not held;
 - `backlogs(endpoints)`: per candidate endpoint, the prompt tokens sent there without a first
-  byte back, from the prefill-backlog scorer (`PrefillBacklog`). That is not the endpoint's
-  `unseen_tokens` (tokens sent since its last scrape, which a scrape clears while the prefill
-  may still wait), so a profile without the backlog scorer falls back to it as the nearest
+  byte back, in streamed requests (a non-streamed one's first byte is never seen, so its entry
+  lasts its whole answer), from the prefill-backlog scorer (`PrefillBacklog`). That is not the
+  endpoint's `unseen_tokens` (tokens sent since its last scrape, which a scrape clears while the
+  prefill may still wait), so a profile without the backlog scorer falls back to it as the nearest
   fact the router has.
 """
 
@@ -58,5 +59,6 @@ class PrefillFacts:
     def backlogs(self, endpoints: Sequence[EndpointState]) -> list[int]:
         if self.backlog is None:
             return [s.unseen_tokens for s in endpoints]
-        snap = self.backlog.backlog.snapshot()
+        # First bytes it will see only: a non-streamed request's entry outlives its prefill.
+        snap = self.backlog.backlog.seen_snapshot()
         return [snap.get(s.endpoint.hostport, 0) for s in endpoints]

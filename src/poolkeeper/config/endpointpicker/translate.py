@@ -439,7 +439,8 @@ def _flow(
         "a band by virtual token counts rather than global-strict fairness"
     )
     edge = {"eppTimeoutS": ttl / 1000.0 + 5.0}
-    return admission, {"enabled": True, "bands": bands}, edge
+    # Upstream has no new-prefix hold: a translated config does what upstream's does.
+    return admission, {"enabled": True, "bands": bands, "holdNewPrefixes": None}, edge
 
 
 def _parsers(config: EndpointPickerConfig, work: _Work) -> None:

@@ -304,7 +304,7 @@ class PrefillBacklogScorer(NamedPlugin):
         # prefix scorer's PostCycle records this prompt).
         cached = self._cached_tokens(cycle, request)
         tokens = request.prompt_tokens - cached.get(key, 0)
-        self.backlog.sent(request.request_id, key, tokens, cycle.now)
+        self.backlog.sent(request.request_id, key, tokens, cycle.now, seen=request.stream)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
         self.backlog.first_token(request_id, now)

@@ -34,9 +34,10 @@ def _request(rid: str, group: str, user: str = "", tokens: int = SYSTEM) -> LLMR
     short user part."""
     system = (f"[{group}] you are helpful. " * 400)[: 4 * SYSTEM]
     prompt = system + user
-    return LLMRequest(
-        rid, "m", "m", prompt=prompt, prompt_tokens=tokens + len(user) // 4, max_tokens=8
-    )
+    return LLMRequest(  # streamed, as the simulator's: the hold reads seen first bytes only
+        rid, "m", "m", prompt=prompt, prompt_tokens=tokens + len(user) // 4, max_tokens=8,
+        stream=True,
+    )  # fmt: skip
 
 
 def _policy(name: str = "poolkeeper-fade-early-hold") -> FlowPolicy:

@@ -675,13 +675,14 @@ def test_the_counter_runs_on_loopback_only(capsys: pytest.CaptureFixture[str]) -
         ): "needs --address on loopback",
         ("--max-connections-per-client", "-1"): "must be >= 0, got -1",
         ("--metrics-port", "9090"): "--metrics-port serves the connection cap's counts",
+        ("--envoy-port", "70000"): "--envoy-port must be a port (0-65535), got 70000",
     }
     for argv, message in cases.items():
         assert cli.main(["bbr", *argv]) == 2
         assert message in capsys.readouterr().err
 
 
-async def test_a_learnt_listener_settles_lost_closes() -> None:
+async def test_a_learnt_listener_settles_lost_closes(caplog: pytest.LogCaptureFixture) -> None:
     """`poolkeeper bbr` learns its Envoy's listener port from the first check and settles the
     count from the kernel's list of that port's connections: a close the access log lost does
     not hold the address's place for ever."""
@@ -701,8 +702,10 @@ async def test_a_learnt_listener_settles_lost_closes() -> None:
     first = _check("10.0.0.7", 1)
     first.attributes.destination.address.socket_address.address = "127.0.0.1"
     first.attributes.destination.address.socket_address.port_value = 18081
-    assert (await service.Check(first)).status.code == code_pb2.OK
+    with caplog.at_level("INFO", logger="poolkeeper.extproc.conncap_service"):
+        assert (await service.Check(first)).status.code == code_pb2.OK
     assert service.listen_port == 18081
+    assert "settling counts from port 18081's connections" in caplog.text  # said, not silent
     assert (await service.Check(_check("10.0.0.7", 2))).status.code == code_pb2.PERMISSION_DENIED
     await asyncio.wait_for(twice.wait(), 30)  # a phantom goes when missing from two lists
     assert set(listed) == {18081}

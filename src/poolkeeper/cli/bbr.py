@@ -69,6 +69,14 @@ def register(subparsers: Any) -> None:
         "Needs --address on loopback (the counter takes no token). 0: no cap (0)",
     )
     bbr.add_argument(
+        "--envoy-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="the BBR Envoy's public listener port, whose connections settle the cap's counts "
+        "(0: learnt from the first check)",
+    )
+    bbr.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -191,6 +199,8 @@ def _cap_error(args: argparse.Namespace) -> str | None:
             "host): its counter takes no token and reads this host's connections; got "
             f"{args.address}"
         )
+    if not 0 <= args.envoy_port < 65536:
+        return f"--envoy-port must be a port (0-65535), got {args.envoy_port}"
     if args.metrics_port and not limit:
         return "--metrics-port serves the connection cap's counts: set --max-connections-per-client"
     return None
@@ -211,9 +221,14 @@ def run_bbr(args: argparse.Namespace) -> int:
         def extra(server: grpc.aio.Server) -> None:
             health.register(server)
             if counter is not None:  # what the BBR Envoy's listener asks (envoy/conncap.py)
-                # The listener's port is learnt from the first check (Envoy is on this host).
+                # The listener's port: given, or learnt from the first check (Envoy is on
+                # this host).
                 add_conncap_service(
-                    server, counter, BootstrapParams().conncap_timeout_s, learn_listen_port=True
+                    server,
+                    counter,
+                    BootstrapParams().conncap_timeout_s,
+                    listen_port=args.envoy_port,
+                    learn_listen_port=not args.envoy_port,
                 )
 
         server, port = build_server(

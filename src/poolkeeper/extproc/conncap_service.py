@@ -13,6 +13,7 @@ server for the body-based routing Envoy (`add_conncap_service`).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -24,6 +25,8 @@ from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 from poolkeeper.extproc.auth import EnvoyOnly
 from poolkeeper.extproc.conncap import ConnectionCounter
 from poolkeeper.extproc.tcpdiag import connection_open, peers_that_sent
+
+log = logging.getLogger(__name__)
 
 _ALLOW = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.OK))
 _DENY = auth_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED))
@@ -89,7 +92,12 @@ class ConnectionCapService(
         local = request.attributes.destination.address.socket_address
         here, there = (local.address, local.port_value), (source.address, source.port_value)
         if self.learn_listen_port and not self.listen_port and local.port_value:
+            # Said, since a wrong port (a forged first check) would forget every count
+            # (`poolkeeper bbr --envoy-port` pins it instead).
             self.listen_port = local.port_value
+            log.info(
+                "connection counter: settling counts from port %d's connections", local.port_value
+            )
             self.start_reconciling()
         still_open = (lambda: self.lookup(here, there)) if local.address else None
         arrived = None

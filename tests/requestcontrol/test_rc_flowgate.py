@@ -21,6 +21,7 @@ from poolkeeper.requestcontrol.flowgate import FlowGate
 from poolkeeper.requestcontrol.types import Usage
 from poolkeeper.server.wiring import build_director
 from tests.requestcontrol.test_rc_director import NOW, _chat, _store
+from tests.support.waiting import settled
 
 SHEDDABLE = Criticality.SHEDDABLE
 
@@ -34,21 +35,12 @@ def _director(store: Datastore, clock: list[float], **flow: Any) -> tuple[Direct
     return director, director.flow
 
 
-async def _until(condition: Any) -> None:
-    """Let other tasks run until `condition()` holds (bounded: no sleeping on wall time)."""
-    for _ in range(100):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
-
-
 async def test_a_saturated_pool_holds_sheddable_and_fresh_metrics_release_it() -> None:
     store = _store(waiting=50)
     clock = [NOW]
     director, gate = _director(store, clock)
     task = asyncio.create_task(director.route(_chat("cheap")))
-    await _until(lambda: gate.waiting() == 1)
+    await settled(lambda: gate.waiting() == 1)
     assert not task.done()
     # Critical is never held (band mode `send`), even now.
     critical = await director.route(_chat("chat", rid="c"))
@@ -69,7 +61,7 @@ async def test_a_queued_request_whose_pool_lost_its_endpoints_counts_rejected_ot
     clock = [NOW]
     director, gate = _director(store, clock)
     task = asyncio.create_task(director.route(_chat("cheap")))
-    await _until(lambda: gate.waiting() == 1)
+    await settled(lambda: gate.waiting() == 1)
     store.set_endpoints([])
     gate.pump()  # as its timer would
     with pytest.raises(NoReadyEndpoint):
@@ -88,9 +80,9 @@ async def test_completion_frees_exactly_one_slot() -> None:
     second = await director.route(_chat("cheap", rid="b"))
     assert {first.endpoints[0], second.endpoints[0]} == {"10.0.0.1:8000", "10.0.0.2:8000"}
     waiting = [asyncio.create_task(director.route(_chat("cheap", rid=f"w{i}"))) for i in range(3)]
-    await _until(lambda: gate.waiting() == 3)
+    await settled(lambda: gate.waiting() == 3)
     director.complete(first, status=200, usage=Usage(prompt_tokens=30, completion_tokens=5))
-    await _until(lambda: waiting[0].done())
+    await settled(lambda: waiting[0].done())
     assert gate.waiting() == 2  # FCFS, and only one slot freed
     assert not waiting[1].done()
     assert waiting[0].result().endpoints[0] == first.endpoints[0]
@@ -105,7 +97,7 @@ async def test_ttl_answers_429_ttl_expired_with_the_model() -> None:
     clock = [NOW]
     director, gate = _director(store, clock, bands={"sheddable": {"ttlMs": 1000}})
     task = asyncio.create_task(director.route(_chat("cheap")))
-    await _until(lambda: gate.waiting() == 1)
+    await settled(lambda: gate.waiting() == 1)
     clock[0] += 0.5
     gate.pump()
     assert not task.done()
@@ -135,12 +127,12 @@ async def test_a_standing_standard_queue_times_out_at_the_overload_ttl() -> None
 
     async def arrive(rid: str) -> None:
         tasks.append(asyncio.create_task(director.route(_chat("split", rid=rid))))
-        await _until(lambda: gate.waiting() == sum(not t.done() for t in tasks))
+        await settled(lambda: gate.waiting() == sum(not t.done() for t in tasks))
 
     async def at(t: float, done: int) -> None:
         clock[0] = NOW + t
         gate.pump()
-        await _until(lambda: sum(task.done() for task in tasks) == done)
+        await settled(lambda: sum(task.done() for task in tasks) == done)
 
     await arrive("burst")  # t = 0: the flow starts waiting, calm until 3.0
     clock[0] = NOW + 2.9
@@ -165,7 +157,7 @@ async def test_client_gone_leaves_the_queue_at_once() -> None:
     store = _store(waiting=50)
     director, gate = _director(store, [NOW])
     task = asyncio.create_task(director.route(_chat("cheap")))
-    await _until(lambda: gate.waiting() == 1)
+    await settled(lambda: gate.waiting() == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -179,7 +171,7 @@ async def test_a_decision_that_races_the_cancellation_is_completed() -> None:
     store = _store(waiting=50)
     director, gate = _director(store, [NOW])
     task = asyncio.create_task(director.route(_chat("cheap")))
-    await _until(lambda: gate.waiting() == 1)
+    await settled(lambda: gate.waiting() == 1)
     store.update_metrics("10.0.0.1:8000", EndpointMetrics(waiting=0, updated_at=NOW))
     gate.pump()  # the decision is set on the future, the task has not resumed yet
     task.cancel()
@@ -195,7 +187,7 @@ async def test_full_band_and_shed_mode_answer_429() -> None:
         store, [NOW], bands={"sheddable": {"maxRequests": 1}, "standard": {"mode": "shed"}}
     )
     task = asyncio.create_task(director.route(_chat("cheap", rid="a")))
-    await _until(lambda: gate.waiting() == 1)
+    await settled(lambda: gate.waiting() == 1)
     with pytest.raises(QueueFull) as full:
         await director.route(_chat("cheap", rid="b"))
     assert full.value.http_status == 429
@@ -216,7 +208,7 @@ async def test_fairness_id_header_only_when_trusted() -> None:
         gate = director.flow
         assert gate is not None
         task = asyncio.create_task(director.route(_chat("cheap", headers=header)))
-        await _until(lambda gate=gate: gate.waiting() == 1)
+        await settled(lambda gate=gate: gate.waiting() == 1)
         dispatcher = gate._pools["default/pool"]
         assert [i.flow for i in dispatcher.items(SHEDDABLE)] == [flow]
         task.cancel()
@@ -260,7 +252,7 @@ async def test_queue_gauges_and_outcomes_are_exported_and_return_to_zero() -> No
     assert director.flow is not None
     gate_ref.append(director.flow)
     task = asyncio.create_task(director.route(_chat("cheap")))
-    await _until(lambda: director.flow is not None and director.flow.waiting() == 1)
+    await settled(lambda: director.flow is not None and director.flow.waiting() == 1)
     text = metrics.render().decode()
     size = (
         'inference_extension_flow_control_queue_size{fairness_id="cheap",inference_pool="pool",'
@@ -325,7 +317,7 @@ async def test_a_server_running_the_target_adapter_has_room_past_deferred_reques
     director, gate = _director(store, [NOW])
     task = asyncio.create_task(director.route(_chat("split")))
     if held:
-        await _until(lambda: gate.waiting() == 1)
+        await settled(lambda: gate.waiting() == 1)
         assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -349,7 +341,7 @@ async def test_a_queue_that_cannot_drain_in_time_refuses_with_429_rejected_satur
     queued = []
     for n, rid in enumerate(("a", "b"), start=1):  # 1 ahead, 20 s: within the 30 s TTL
         queued.append(asyncio.create_task(director.route(_chat("split", rid=rid))))
-        await _until(lambda n=n: gate.waiting() == n)
+        await settled(lambda n=n: gate.waiting() == n)
     with (
         caplog.at_level("INFO", logger="poolkeeper.requestcontrol.flowgate"),
         pytest.raises(QueueFull) as refused,

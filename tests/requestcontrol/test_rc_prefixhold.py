@@ -29,6 +29,7 @@ from poolkeeper.requestcontrol.ports import Job
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.server.wiring import build_director
 from tests.requestcontrol.test_rc_director import NOW, _chat, _model, _store
+from tests.support.waiting import settled
 
 STANDARD = Criticality.STANDARD
 MODELS = (_model("std"), _model("chat", criticality="Critical"))
@@ -82,15 +83,6 @@ def _one(events: list[tuple[str, float]]) -> tuple[str, float]:
     return what, round(seconds, 6)
 
 
-async def _until(condition: Any) -> None:
-    """Let other tasks run until `condition()` holds (bounded: no sleeping on wall time)."""
-    for _ in range(100):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
-
-
 async def _backlog_both(director: Director) -> tuple[RoutingDecision, RoutingDecision]:
     """Two new long prompts, one per endpoint: every endpoint has a 3,000-token backlog."""
     a = await director.route(_chat("std", rid="a", stream=True, text=_text("alpha")))
@@ -106,7 +98,7 @@ async def test_a_new_prefix_waits_a_placed_one_goes_and_a_first_byte_releases_it
     held = asyncio.create_task(
         director.route(_chat("std", rid="c", stream=True, text=_text("charlie")))
     )
-    await _until(lambda: gate.held() == 1)
+    await settled(lambda: gate.held() == 1)
     assert not held.done()
     assert gate.waiting() == 0  # held in front of the queue, not in it
     assert gate._timer is None  # no polling while only held requests wait
@@ -138,7 +130,7 @@ async def test_an_end_releases_it_too() -> None:
     director, gate, _observed = _director(clock)
     _a, b = await _backlog_both(director)
     held = asyncio.create_task(director.route(_chat("std", rid="c", text=_text("charlie"))))
-    await _until(lambda: gate.held() == 1)
+    await settled(lambda: gate.held() == 1)
     director.complete(b, status=200, usage=Usage(prompt_tokens=3000, completion_tokens=5))
     decision = await asyncio.wait_for(held, timeout=5)
     assert decision.endpoints[0] == b.endpoints[0]  # where the backlog fell
@@ -150,7 +142,7 @@ async def test_the_cap_releases_a_request_the_rule_still_holds() -> None:
     director, gate, observed = _director(clock, {"maxHoldMs": 1500})
     await _backlog_both(director)
     held = asyncio.create_task(director.route(_chat("std", rid="c", text=_text("charlie"))))
-    await _until(lambda: gate.held() == 1)
+    await settled(lambda: gate.held() == 1)
     clock[0] += 1.4
     gate.pump()
     assert gate.held() == 1  # the rule still holds it, the cap is not reached
@@ -170,7 +162,7 @@ async def test_a_held_request_refused_at_its_release_counts_a_flow_outcome() -> 
     director, gate, observed = _director(clock, {"maxHoldMs": 1500})
     await _backlog_both(director)
     held = asyncio.create_task(director.route(_chat("std", rid="c", text=_text("charlie"))))
-    await _until(lambda: gate.held() == 1)
+    await settled(lambda: gate.held() == 1)
     store = director._datastore
     assert isinstance(store, Datastore)
     store.set_endpoints([])
@@ -189,7 +181,7 @@ async def test_a_client_gone_while_held_leaves_nothing_behind() -> None:
     director, gate, observed = _director(clock)
     await _backlog_both(director)
     held = asyncio.create_task(director.route(_chat("std", rid="c", text=_text("charlie"))))
-    await _until(lambda: gate.held() == 1)
+    await settled(lambda: gate.held() == 1)
     clock[0] += 0.2
     held.cancel()
     with pytest.raises(asyncio.CancelledError):

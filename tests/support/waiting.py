@@ -9,6 +9,17 @@ import time
 from collections.abc import Awaitable, Callable
 
 WITHIN_S = 30.0
+SETTLE_PASSES = 100  # `settled`: loop passes, not seconds
+
+
+async def settled(condition: Callable[..., object]) -> None:
+    """Lets other tasks run (no wall-clock sleep) until `condition()` holds: for code driven
+    by a test's own clock, where what must happen needs only the loop to turn."""
+    for _ in range(SETTLE_PASSES):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
 
 
 async def until(

@@ -54,6 +54,7 @@ from poolkeeper.netutil import free_port
 from poolkeeper.telemetry.health import SERVING, check_health
 from tests.envoy.envoy_harness import Backend, RoundRobinRouter, supervised_envoy
 from tests.reliability.rel_harness import raw_http, status_of
+from tests.support.keepalive import Conn, chat_from
 
 pytestmark = pytest.mark.integration
 POOL = "default/vllm-llama3-8b-instruct"
@@ -372,29 +373,6 @@ async def test_the_admin_answers_only_serves_paths(tmp_path: Path) -> None:
             assert resp.status == 200  # still serving
 
 
-Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-async def _chat_on(port: int, source: str, conn: Conn | None = None) -> tuple[bytes, Conn]:
-    """One keep-alive chat request from `source`, on `conn` or a new connection: the status
-    line (b"" if the connection was closed unanswered) and the connection."""
-    if conn is None:
-        conn = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
-    reader, writer = conn
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json"
-        b"\r\ncontent-length: %d\r\n\r\n%b" % (len(CHAT), CHAT)
-    )
-    await writer.drain()
-    try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return b"", conn
-    assert b"transfer-encoding: chunked\r\n" in head, head  # the EPP's reply sets the body
-    await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)  # a JSON body, its end
-    return head.split(b"\r\n", 1)[0], conn
-
-
 async def test_a_client_is_held_to_its_connection_cap(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -410,29 +388,29 @@ async def test_a_client_is_held_to_its_connection_cap(
         assert counter is not None
         try:
             for _ in range(cap):
-                status, conn = await _chat_on(r.port, "127.0.0.2")
+                status, conn = await chat_from(r.port, "127.0.0.2", CHAT)
                 assert status == b"HTTP/1.1 200 OK", status
                 held.append(conn)
             for _ in range(extra):
-                status, refused = await _chat_on(r.port, "127.0.0.2")
+                status, refused = await chat_from(r.port, "127.0.0.2", CHAT)
                 refused[1].close()
                 assert status == b"", status  # closed on its first bytes, nothing answered
             assert counter.exported()[2] == extra
             assert "refused 1 connection(s) over 3 per client address (latest from 127.0.0.2)" in (
                 caplog.text
             )
-            status, other = await _chat_on(r.port, "127.0.0.1")  # another address
+            status, other = await chat_from(r.port, "127.0.0.1", CHAT)  # another address
             assert status == b"HTTP/1.1 200 OK", status
             other[1].close()
             for conn in held:  # the open ones are unaffected
-                status, _ = await _chat_on(r.port, "127.0.0.2", conn)
+                status, _ = await chat_from(r.port, "127.0.0.2", CHAT, conn)
                 assert status == b"HTTP/1.1 200 OK", status
             held.pop(0)[1].close()
             for _ in range(250):  # until Envoy's access log reported the close
                 if counter.exported()[0] == cap - 1:
                     break
                 await asyncio.sleep(0.02)
-            status, conn = await _chat_on(r.port, "127.0.0.2")
+            status, conn = await chat_from(r.port, "127.0.0.2", CHAT)
             assert status == b"HTTP/1.1 200 OK", status
             held.append(conn)
         finally:

@@ -31,6 +31,7 @@ from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from tests.support.gateway_files import one_pool
+from tests.support.keepalive import Conn, chat_from
 
 MODEL = "m"
 LIMIT = 3
@@ -353,33 +354,6 @@ def _config(tmp_path: Path, sim_port: int) -> Path:
     return one_pool(tmp_path / "cfg", sim_port, model=MODEL, spec=edge, address="0.0.0.0")
 
 
-Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-async def _request(port: int, source: str, conn: Conn | None = None) -> tuple[bytes, Conn]:
-    """One keep-alive chat request from `source`, on `conn` or a new connection; returns the
-    status line (b"" if the connection was closed without an answer) and the connection."""
-    if conn is None:
-        conn = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
-    reader, writer = conn
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%b" % (len(CHAT), CHAT)
-    )
-    await writer.drain()
-    try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return b"", conn
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    await reader.readexactly(length)
-    return head.split(b"\r\n", 1)[0], conn
-
-
 async def _until(predicate: object, what: str, timeout_s: float = 5.0) -> None:
     for _ in range(int(timeout_s / 0.02)):
         if callable(predicate) and predicate():
@@ -416,17 +390,17 @@ async def test_the_connection_over_the_cap_is_refused_and_others_are_served(
         assert runtime.metrics is not None
         port = runtime.config.spec.listeners.http
         for _ in range(LIMIT):  # LIMIT keep-alive connections from 127.0.0.2, held open
-            status, conn = await _request(port, "127.0.0.2")
+            status, conn = await chat_from(port, "127.0.0.2", CHAT)
             assert status == b"HTTP/1.1 200 OK", status
             held.append(conn)
-        status, refused = await _request(port, "127.0.0.2")
+        status, refused = await chat_from(port, "127.0.0.2", CHAT)
         assert status == b"", status  # closed on its first bytes, nothing answered
         refused[1].close()
         for _ in range(3):  # another client is served meanwhile, and the held ones still are
-            status, conn = await _request(port, "127.0.0.1")
+            status, conn = await chat_from(port, "127.0.0.1", CHAT)
             assert status == b"HTTP/1.1 200 OK", status
             conn[1].close()
-        status, _ = await _request(port, "127.0.0.2", held[0])
+        status, _ = await chat_from(port, "127.0.0.2", CHAT, held[0])
         assert status == b"HTTP/1.1 200 OK", status
         page = runtime.metrics.render().decode()
         assert "poolkeeper_client_connections_refused_total 1.0" in page
@@ -435,14 +409,14 @@ async def test_the_connection_over_the_cap_is_refused_and_others_are_served(
         held.pop(0)[1].close()
         counter = runtime.conncap
         await _until(lambda: counter.exported()[0] == LIMIT - 1, "the close reported")
-        status, conn = await _request(port, "127.0.0.2")
+        status, conn = await chat_from(port, "127.0.0.2", CHAT)
         assert status == b"HTTP/1.1 200 OK", status
         held.append(conn)
 
         # Fail open: with the counter gone, Envoy lets connections in (its check fails).
         for server in runtime._grpc_servers[-1:]:  # the counter, started with Envoy
             await server.stop(None)
-        status, conn = await _request(port, "127.0.0.2")
+        status, conn = await chat_from(port, "127.0.0.2", CHAT)
         assert status == b"HTTP/1.1 200 OK", status
         held.append(conn)
 
@@ -495,7 +469,7 @@ async def test_a_reset_during_its_check_leaves_no_phantom_connection(
         await _until(lambda: counter.counts().late == 1, "the late check handled")
         assert counter.counts().open == 0
         for _ in range(LIMIT):
-            status, conn = await _request(port, "127.0.0.3")
+            status, conn = await chat_from(port, "127.0.0.3", CHAT)
             assert status == b"HTTP/1.1 200 OK", status
             held.append(conn)
 
@@ -558,7 +532,7 @@ async def test_the_cap_holds_while_the_main_event_loop_is_busy(tmp_path: Path) -
         counter = runtime.conncap
         assert counter is not None
         port, admin = runtime.config.spec.listeners.http, runtime.config.spec.listeners.admin
-        status, conn = await _request(port, "127.0.0.1")  # the path is warm
+        status, conn = await chat_from(port, "127.0.0.1", CHAT)  # the path is warm
         assert status == b"HTTP/1.1 200 OK", status
         conn[1].close()
         before = await asyncio.to_thread(_envoy_checks, admin)
@@ -622,14 +596,14 @@ async def test_connections_let_in_by_timed_out_checks_are_counted(tmp_path: Path
         assert own.loop is not None
         own.loop.call_soon_threadsafe(time.sleep, 2.0)  # the counter's loop held 2 s
         for status, conn in await asyncio.gather(
-            _request(port, "127.0.0.7"), _request(port, "127.0.0.7")
+            chat_from(port, "127.0.0.7", CHAT), chat_from(port, "127.0.0.7", CHAT)
         ):
             assert status == b"HTTP/1.1 200 OK", status  # let in: their checks timed out
             held.append(conn)
         await _until(lambda: counter.counts().reconciled == 2, "both counted", timeout_s=10)
         statuses = []
         for _ in range(LIMIT - 1):
-            status, conn = await _request(port, "127.0.0.7")
+            status, conn = await chat_from(port, "127.0.0.7", CHAT)
             statuses.append(status)
             held.append(conn)
         assert statuses == [b"HTTP/1.1 200 OK"] * (LIMIT - 2) + [b""]

@@ -266,9 +266,20 @@ def test_epp_timeout_must_outlast_the_longest_queue_ttl() -> None:
     for old in defaulted:
         config = GatewayConfig.model_validate({"spec": old})
         assert config.spec.flow_control.hold_new_prefixes is None
+        # ... and say so: the EPP logs this at start.
+        assert "holdNewPrefixes is off" in (config.spec.hold_left_out() or "")
         dumped = config.model_dump(by_alias=True, exclude_unset=True)
         assert GatewayConfig.model_validate(dumped) == config
     assert GatewayConfig.model_validate({"spec": {}}).spec.flow_control.hold_new_prefixes
+    # Nothing to say where the hold is on, or off where it would have fitted.
+    assert GatewayConfig.model_validate({"spec": {}}).spec.hold_left_out() is None
+    off = {"flowControl": {"holdNewPrefixes": None}}
+    assert GatewayConfig.model_validate({"spec": off}).spec.hold_left_out() is None
+    late = GatewayConfig.model_validate({"spec": {**off, "edge": {"eppTimeoutS": 31}}})
+    assert late.spec.hold_left_out() == (
+        "flowControl.holdNewPrefixes is off: the longest queue TTL (flowControl.bands."
+        "standard.ttlMs 30000) plus the hold's maxHoldMs 2000 reaches edge.eppTimeoutS 31"
+    )
     for spec in (
         {"flowControl": held, "edge": {"eppTimeoutS": 66}},
         {"flowControl": {"bands": {"standard": {"ttlMs": 90000}}}, "edge": {"eppTimeoutS": 120}},

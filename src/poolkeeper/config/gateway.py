@@ -32,7 +32,7 @@ from poolkeeper.envoy.config import (
     Listeners as Listeners,
 )
 from poolkeeper.flowcontrol.admission import AdmissionConfig
-from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
+from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig, HoldNewPrefixes
 from poolkeeper.hostport import join_hostport
 from poolkeeper.requestcontrol.config import (
     RequestHandling as RequestHandling,
@@ -79,12 +79,11 @@ class GatewayConfigSpec(_Section):
     edge: Edge = Field(default_factory=Edge)
     """The public listener: inference paths, timeouts."""
 
-    @model_validator(mode="after")
-    def _epp_timeout_outlasts_queueing(self) -> Self:
-        # Envoy gives up on the EPP after eppTimeoutS; a request still waiting in a
-        # flow-control queue then would get Envoy's 504 instead of its band's outcome.
+    def longest_queue_wait(self) -> tuple[str, float] | None:
+        """The queueing band with the longest TTL and that TTL in seconds; None without flow
+        control or without a `queue` band."""
         if not self.flow_control.enabled:
-            return self
+            return None
         bands = self.flow_control.bands
         waits = {
             name: band.ttl_ms / 1000.0
@@ -95,31 +94,59 @@ class GatewayConfigSpec(_Section):
             )
             if band.mode is BandMode.QUEUE
         }
-        if waits:
-            name, longest = max(waits.items(), key=lambda item: item[1])
-            # A held request's queue TTL starts when its hold ends.
-            flow_control = self.flow_control
-            hold = flow_control.hold_new_prefixes
-            held_ms = hold.max_hold_ms if hold is not None else 0
-            late = longest + held_ms / 1000.0 >= self.edge.epp_timeout_s
-            if late and held_ms and "hold_new_prefixes" not in flow_control.model_fields_set:
-                # The hold is on by default: where it would not fit, it steps aside rather
-                # than fail a config that loaded before it was (set it to be told). The
-                # section is frozen, and this spec is the one being validated now.
-                off = flow_control.model_copy(update={"hold_new_prefixes": None})
-                object.__setattr__(self, "flow_control", off)
-                held_ms = 0
-            if longest + held_ms / 1000.0 >= self.edge.epp_timeout_s:
-                plus = f" plus holdNewPrefixes.maxHoldMs {held_ms}" if held_ms else ""
-                raise rule_error(
-                    (
-                        ".edge.eppTimeoutS",
-                        f"Invalid value: {go_value(self.edge.epp_timeout_s)}: must exceed the "
-                        f"longest flow-control queue TTL (flowControl.bands.{name}.ttlMs "
-                        f"{longest * 1000:g}){plus}, or a request still queued gets "
-                        "Envoy's 504",
-                    )
+        if not waits:
+            return None
+        return max(waits.items(), key=lambda item: item[1])
+
+    def hold_left_out(self) -> str | None:
+        """Why `holdNewPrefixes` (on by default) is off where its default would not fit before
+        Envoy gives up on the EPP (left at its default it steps aside there, see below), for
+        the EPP to say at start; None where the hold is on or would fit."""
+        queued = self.longest_queue_wait()
+        if queued is None or self.flow_control.hold_new_prefixes is not None:
+            return None
+        name, longest = queued
+        held_ms = HoldNewPrefixes().max_hold_ms
+        if longest + held_ms / 1000.0 < self.edge.epp_timeout_s:
+            return None
+        return (
+            f"flowControl.holdNewPrefixes is off: the longest queue TTL (flowControl.bands."
+            f"{name}.ttlMs {longest * 1000:g}) plus the hold's maxHoldMs {held_ms} reaches "
+            f"edge.eppTimeoutS {self.edge.epp_timeout_s:g}"
+        )
+
+    @model_validator(mode="after")
+    def _epp_timeout_outlasts_queueing(self) -> Self:
+        # Envoy gives up on the EPP after eppTimeoutS; a request still waiting in a
+        # flow-control queue then would get Envoy's 504 instead of its band's outcome.
+        queued = self.longest_queue_wait()
+        if queued is None:
+            return self
+        name, longest = queued
+        # A held request's queue TTL starts when its hold ends.
+        flow_control = self.flow_control
+        hold = flow_control.hold_new_prefixes
+        held_ms = hold.max_hold_ms if hold is not None else 0
+        late = longest + held_ms / 1000.0 >= self.edge.epp_timeout_s
+        if late and held_ms and "hold_new_prefixes" not in flow_control.model_fields_set:
+            # The hold is on by default: where it would not fit, it steps aside rather
+            # than fail a config that loaded before it was (set it to be told; the EPP
+            # says so at start: `hold_left_out`). The section is frozen, and this spec is
+            # the one being validated now.
+            off = flow_control.model_copy(update={"hold_new_prefixes": None})
+            object.__setattr__(self, "flow_control", off)
+            held_ms = 0
+        if longest + held_ms / 1000.0 >= self.edge.epp_timeout_s:
+            plus = f" plus holdNewPrefixes.maxHoldMs {held_ms}" if held_ms else ""
+            raise rule_error(
+                (
+                    ".edge.eppTimeoutS",
+                    f"Invalid value: {go_value(self.edge.epp_timeout_s)}: must exceed the "
+                    f"longest flow-control queue TTL (flowControl.bands.{name}.ttlMs "
+                    f"{longest * 1000:g}){plus}, or a request still queued gets "
+                    "Envoy's 504",
                 )
+            )
         return self
 
     @model_validator(mode="after")

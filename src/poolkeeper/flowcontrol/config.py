@@ -294,12 +294,12 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
     hold_new_prefixes: HoldNewPrefixes | None = Field(default_factory=HoldNewPrefixes)
     """On by default (`{}`: the defaults below; `null` turns it off, and it is off with
     `enabled: false`; left at its default it steps aside where the longest queue TTL plus
-    `maxHoldMs` would reach `edge.eppTimeoutS`): a request of a `queue` band that would open a
-    new long prefill waits in front of the queue while every endpoint has a prefill backlog, so
-    requests whose prefix is placed go first (`flowcontrol/prefixhold.py`). The backlog is the
-    `prefill-backlog-scorer`'s where the profile has one (the default profile has; streamed
-    requests only, whose first bytes are seen), else the prompt tokens sent since the last
-    scrape. Held requests:
+    `maxHoldMs` would reach `edge.eppTimeoutS`, and the EPP logs that at start): a request of
+    a `queue` band that would open a new long prefill waits in front of the queue while every
+    endpoint has a prefill backlog, so requests whose prefix is placed go first
+    (`flowcontrol/prefixhold.py`). The backlog is the `prefill-backlog-scorer`'s where the
+    profile has one (the default profile has; streamed requests only, whose first bytes are
+    seen), else the prompt tokens sent since the last scrape. Held requests:
     `poolkeeper_flow_control_held_requests`, `poolkeeper_flow_control_hold_duration_seconds`.
     Setting it with `enabled: false` is an error."""
 

@@ -382,6 +382,8 @@ class GatewayRuntime:
             listeners.health,
             listeners.metrics,
         )
+        if why := config.spec.hold_left_out():
+            log.info("%s", why)
         await self._wait_ready(self.options.ready_wait_s)
         unserved = fail_open_split_targets(self.datastore.snapshot())
         if unserved and not self.options.run_envoy:  # the Envoy we run holds the table

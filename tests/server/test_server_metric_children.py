@@ -27,6 +27,20 @@ def test_a_label_set_is_one_child_and_exports_as_before() -> None:
     assert 'h_bucket{le="1.0",model="m"} 0.0' in text
 
 
+def test_values_equal_in_python_but_not_as_labels_stay_apart() -> None:
+    """1, 1.0 and True are one dict key but the labels "1", "1.0" and "True", as in
+    prometheus_client (which labels by str(value)), whichever is asked for first."""
+    registry = CollectorRegistry()
+    counter = Counter("c", "c", ["n"], registry=registry)
+    for value, times in ((1, 1), (1.0, 2), (True, 3), ("1", 4)):
+        for _ in range(times):
+            counter.labels(value).inc()
+    text = generate_latest(registry).decode()
+    assert 'c_total{n="1"} 5.0' in text
+    assert 'c_total{n="1.0"} 2.0' in text
+    assert 'c_total{n="True"} 3.0' in text
+
+
 def test_remove_and_clear_forget_the_remembered_children() -> None:
     registry = CollectorRegistry()
     counter = Counter("c", "c", ["model"], registry=registry)

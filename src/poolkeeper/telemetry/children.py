@@ -34,7 +34,11 @@ class _Remembered:
         try:
             return self._children[values]
         except KeyError:
-            child = self._children[values] = super().labels(*values)  # type: ignore[misc]
+            child = super().labels(*values)  # type: ignore[misc]
+            # Only strings are remembered: prometheus_client labels by str(value), and 1, 1.0
+            # and True are one dict key but three label values ("1", "1.0", "True").
+            if all(type(value) is str for value in values):
+                self._children[values] = child
             return child
 
     def remove(self, *values: Any) -> None:

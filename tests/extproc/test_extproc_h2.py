@@ -17,7 +17,7 @@ import hpack
 import pytest
 from prometheus_client import CollectorRegistry
 
-from poolkeeper.extproc.h2 import frames as f
+from poolkeeper.extproc.h2 import connection as h2_connection, frames as f
 from poolkeeper.extproc.h2.headers import HeaderDecoder, table_neutral
 from poolkeeper.extproc.h2.limits import Limits
 from poolkeeper.extproc.h2.rpc import (
@@ -324,6 +324,27 @@ async def test_connections_over_the_limit_are_closed_counted_and_logged(
         value = registry.get_sample_value("poolkeeper_extproc_transport_refused_connections_total")
         assert value == 2
         await second.close()
+        # The second refusal, inside the interval, is told when the server stops at the latest.
+    warnings = [r.getMessage() for r in caplog.records if "on accept" in r.getMessage()]
+    assert warnings[1:] == ["closed 1 ext_proc connection(s) on accept: 2 were open (the limit)"]
+
+
+async def test_refusals_after_a_warning_are_told_when_the_interval_is_over(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of refusals: the first is told at once, the rest of the burst once, when the
+    interval is over, without waiting for a refusal after it."""
+    monkeypatch.setattr(h2_connection, "REFUSAL_LOG_EVERY_S", 0.2)
+    async with lean(limits=Limits(max_connections=1)) as server:
+        held = await Peer.connect(server.port)
+        with caplog.at_level("WARNING", logger="poolkeeper.extproc.h2"):
+            for _ in range(3):
+                assert await _closed_on_accept(server.port)
+            await _until(lambda: sum("on accept" in r.getMessage() for r in caplog.records) == 2)
+        warnings = [r.getMessage() for r in caplog.records if "on accept" in r.getMessage()]
+        assert [w.split(" ext_proc")[0] for w in warnings] == ["closed 1", "closed 2"]
+        assert server.stats.refused_connections == 3
+        await held.close()
 
 
 async def test_a_bad_preface_closes_the_connection() -> None:

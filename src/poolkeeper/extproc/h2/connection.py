@@ -62,19 +62,36 @@ class Shared:
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set when none is open
     refusals_logged: int = 0  # `stats.refused_connections` at the last warning
     refusal_logged_at: float = float("-inf")  # the loop's clock at that warning
+    refusal_tail: asyncio.TimerHandle | None = None  # the warning for those since, when due
 
-    def refused_connection(self, now: float) -> None:
+    def refused_connection(self, loop: asyncio.AbstractEventLoop) -> None:
         """Count a connection closed on accept over `max_connections`, and say so at most
-        every REFUSAL_LOG_EVERY_S (a flood of them must not flood the log)."""
+        every REFUSAL_LOG_EVERY_S (a flood of them must not flood the log); those refused
+        after a warning are told when the interval is over, not at the next refusal."""
         self.stats.refused_connections += 1
-        if now - self.refusal_logged_at >= REFUSAL_LOG_EVERY_S:
-            log.warning(
-                "closed %d ext_proc connection(s) on accept: %d were open (the limit)",
-                self.stats.refused_connections - self.refusals_logged,
-                self.limits.max_connections,
-            )
-            self.refusals_logged = self.stats.refused_connections
-            self.refusal_logged_at = now
+        due = self.refusal_logged_at + REFUSAL_LOG_EVERY_S
+        now = loop.time()
+        if now >= due:
+            self._warn_refusals(now)
+        elif self.refusal_tail is None:
+            self.refusal_tail = loop.call_at(due, lambda: self._warn_refusals(loop.time()))
+
+    def flush_refusals(self, now: float) -> None:
+        """Tell the refusals not yet told now (the server stops)."""
+        if self.refusal_tail is not None:
+            self._warn_refusals(now)
+
+    def _warn_refusals(self, now: float) -> None:
+        if self.refusal_tail is not None:
+            self.refusal_tail.cancel()
+            self.refusal_tail = None
+        log.warning(
+            "closed %d ext_proc connection(s) on accept: %d were open (the limit)",
+            self.stats.refused_connections - self.refusals_logged,
+            self.limits.max_connections,
+        )
+        self.refusals_logged = self.stats.refused_connections
+        self.refusal_logged_at = now
 
 
 class Stream:
@@ -150,7 +167,7 @@ class Connection(asyncio.Protocol):
             self._closed = True
             transport.abort()
             if not shared.draining:
-                shared.refused_connection(self.loop.time())
+                shared.refused_connection(self.loop)
             return
         # uvloop's `writelines` is one writev that pauses the protocol as `write` does. The
         # standard loop's is `write(b"".join(...))` on 3.11, and on some 3.12 releases it

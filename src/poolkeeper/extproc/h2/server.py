@@ -81,6 +81,7 @@ class LeanServer:
     async def stop(self, grace: float | None = None) -> None:
         shared = self._shared
         shared.draining = True
+        shared.flush_refusals(asyncio.get_running_loop().time())
         if self._server is not None:
             self._server.close()
         if self._handshakes is not None:

@@ -45,7 +45,7 @@ from poolkeeper.extproc.contracts import (
 )
 from poolkeeper.extproc.model_name import ModelNameRewriter, rewriter_for
 from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
-from poolkeeper.requestcontrol.splice import StringSplice
+from poolkeeper.requestcontrol.splice import SPLICE_FROM, StringSplice
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 
 log = logging.getLogger("poolkeeper.extproc")
@@ -201,10 +201,16 @@ class Exchange:
         if data:
             self.body.append(data)
             self.body_bytes += len(data)
-            if self.request_mode != BUFFERED:
-                if self.splice is None:
-                    self.splice = StringSplice()
+            if self.splice is not None:
                 self.splice.feed(data, last=end_of_stream)
+            elif (
+                not end_of_stream
+                and self.body_bytes >= SPLICE_FROM
+                and self.request_mode != BUFFERED
+            ):  # a large body still arriving (small ones never make one)
+                self.splice = StringSplice()
+                for chunk in self.body:
+                    self.splice.feed(chunk)
         if end_of_stream:
             return await self._route(trailers=False)
         if self.request_mode == BUFFERED:  # BUFFERED_PARTIAL-like pieces: let them continue

@@ -45,7 +45,6 @@ from poolkeeper.extproc.contracts import (
 )
 from poolkeeper.extproc.model_name import ModelNameRewriter, rewriter_for
 from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
-from poolkeeper.requestcontrol.splice import SPLICE_FROM, StringSplice
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 
 log = logging.getLogger("poolkeeper.extproc")
@@ -100,9 +99,6 @@ class Exchange:
         # bytearray copied it again whenever it grew (1 MiB in 64 KiB chunks: ~1 ms).
         self.body: list[bytes | memoryview] = []
         self.body_bytes = 0
-        # A large streamed body's long string, decoded as its chunks come (off the path
-        # after the last byte); BUFFERED bodies come whole, so there is nothing to overlap.
-        self.splice: StringSplice | None = None
         self.decision: RoutingDecision | None = None
         self.status = 0
         self.served: str | None = None
@@ -201,16 +197,6 @@ class Exchange:
         if data:
             self.body.append(data)
             self.body_bytes += len(data)
-            if self.splice is not None:
-                self.splice.feed(data, last=end_of_stream)
-            elif (
-                not end_of_stream
-                and self.body_bytes >= SPLICE_FROM
-                and self.request_mode != BUFFERED
-            ):  # a large body still arriving (small ones never make one)
-                self.splice = StringSplice()
-                for chunk in self.body:
-                    self.splice.feed(chunk)
         if end_of_stream:
             return await self._route(trailers=False)
         if self.request_mode == BUFFERED:  # BUFFERED_PARTIAL-like pieces: let them continue
@@ -231,7 +217,6 @@ class Exchange:
             headers=self.headers,
             body=body,
             subset_hint=self.hint,
-            decoded=None if self.splice is None else self.splice.payload(body),
         )
         began = self.clock()
         try:
@@ -292,7 +277,6 @@ class Exchange:
         """The body is no longer needed (routed, refused, or the stream ended)."""
         self.body = []
         self.body_bytes = 0
-        self.splice = None
         if self.budget is not None and self.budgeted:
             self.budget.give(self.budgeted)
         self.budgeted = 0

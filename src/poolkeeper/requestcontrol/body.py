@@ -39,7 +39,7 @@ from typing import Any, AnyStr
 from poolkeeper.errors import BadRequest
 from poolkeeper.tokens import chat_prompt_text, count_tokens, message_text
 
-_fast_loads: Callable[[bytes | bytearray | memoryview], Any] | None
+_fast_loads: Callable[[bytes | memoryview], Any] | None
 try:
     import orjson
 
@@ -104,13 +104,11 @@ def api_kind(path: str) -> ApiKind:
     return ApiKind.OTHER
 
 
-def parse_body(path: str, body: bytes, decoded: dict[str, Any] | None = None) -> ParsedRequest:
-    """Decode and interpret one request body. Raises BadRequest with a precise message.
-    `decoded`: the body already decoded, exactly as `decode_json_object(body)` would
-    (`requestcontrol/splice.py`, while the body arrived)."""
+def parse_body(path: str, body: bytes) -> ParsedRequest:
+    """Decode and interpret one request body. Raises BadRequest with a precise message."""
     if _blank(body):
         raise BadRequest('request body is empty: expected a JSON object with a "model" field')
-    payload = decode_json_object(body) if decoded is None else decoded
+    payload = decode_json_object(body)
     model = _model(payload)
     kind = api_kind(path)
     prompt, prompt_tokens = _prompt(kind, payload)
@@ -232,19 +230,6 @@ def _fast_decode(body: bytes) -> Any:
     except ValueError:  # orjson.JSONDecodeError
         return None
     return None if _differs_from_stdlib(value) else value
-
-
-def fast_string(data: bytes | bytearray) -> str | None:
-    """orjson's decoding of `data` where it is exactly one JSON string, else None (also
-    without orjson). A string's decoding is the standard library's: orjson refuses what it
-    refuses (control characters, bad escapes, invalid UTF-8) and lone surrogates too."""
-    if _fast_loads is None:
-        return None
-    try:
-        value = _fast_loads(data)
-    except ValueError:  # orjson.JSONDecodeError
-        return None
-    return value if type(value) is str else None
 
 
 def _differs_from_stdlib(value: Any) -> bool:

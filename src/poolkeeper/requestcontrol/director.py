@@ -266,7 +266,7 @@ class Director:
             # An empty POST is not bodyless: it gets the body checks (400), never a random pod.
             return self._route_bodyless(request, snapshot)
 
-        parsed = parse_body(request.path, request.body, request.decoded)
+        parsed = parse_body(request.path, request.body)
         found = snapshot.resolve(parsed.model)
         if found is not None:
             pool_key, model = found

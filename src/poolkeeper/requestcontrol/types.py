@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from poolkeeper.api.criticality import Criticality
 
@@ -20,9 +19,6 @@ class IncomingRequest:
     headers: Mapping[str, str]
     body: bytes = b""  # empty for header-only requests
     subset_hint: tuple[str, ...] | None = None  # envoy.lb.subset_hint endpoints, if sent
-    # The body already decoded while it arrived (requestcontrol/splice.py), exactly what
-    # body.decode_json_object(body) returns; None: decode it when routing.
-    decoded: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,9 @@ Not a test: run it by hand.
     .venv/bin/python scripts/route_profile.py --requests 3000 [--profile] [--gap-ms 100]
 
 `--gap-ms 100` idles between requests as the light-load benchmark does (10 per second): the
-same code then runs with the caches other work left behind.
+same code then runs with the caches other work left behind. `--chunk-bytes 262144` sends a
+large body as `serve`'s Envoy does (messages of its 256 KiB connection buffer); "after last
+chunk" is then the CPU between the last body message and the replies.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ Not a test: run it by hand.
     .venv/bin/python scripts/route_profile.py --requests 3000 [--profile] [--gap-ms 100]
 
 `--gap-ms 100` idles between requests as the light-load benchmark does (10 per second): the
-same code then runs with the caches other work left behind.
+same code then runs with the caches other work left behind. `--chunk-bytes 262144` sends a
+large body as `serve`'s Envoy does (messages of its 256 KiB connection buffer); "after last
+chunk" is then the CPU between the last body message and the replies.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import asyncio
 import contextlib
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import statistics
@@ -61,9 +64,11 @@ from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 
 
-def envoy_messages(body: bytes, request_id: str) -> list[bytes]:
+def envoy_messages(body: bytes, request_id: str, chunk_bytes: int = 0) -> list[bytes]:
     """What Envoy sends on the ext_proc stream for one POST (wire bytes): headers as the HTTP
-    connection manager has them by then, the body in one chunk with end_of_stream."""
+    connection manager has them by then, the body in one chunk with end_of_stream, or in
+    chunks of `chunk_bytes` (`serve`'s Envoy: 262,144, its connection buffer), the last
+    with end_of_stream."""
     values = {
         ":authority": "127.0.0.1:8080",
         ":path": "/v1/chat/completions",
@@ -85,8 +90,13 @@ def envoy_messages(body: bytes, request_id: str) -> list[bytes]:
     first = pb.ProcessingRequest(request_headers=headers)
     first.protocol_config.request_body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED
     first.protocol_config.response_body_mode = pm.ProcessingMode.NONE
-    second = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
-    return [first.SerializeToString(), second.SerializeToString()]
+    size = chunk_bytes or len(body)
+    edges = [*range(0, len(body), size), len(body)]
+    chunks = [
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body[a:b], end_of_stream=b == edges[-1]))
+        for a, b in itertools.pairwise(edges)
+    ]
+    return [first.SerializeToString(), *(c.SerializeToString() for c in chunks)]
 
 
 def access_log_entry(key: str, upstream_port: int) -> accesslog_pb2.HTTPAccessLogEntry:
@@ -109,7 +119,12 @@ def access_log_entry(key: str, upstream_port: int) -> accesslog_pb2.HTTPAccessLo
 
 class Driver:
     def __init__(
-        self, runtime: GatewayRuntime, sim_port: int, batch: int, prompt_bytes: int = 0
+        self,
+        runtime: GatewayRuntime,
+        sim_port: int,
+        batch: int,
+        prompt_bytes: int = 0,
+        chunk_bytes: int = 0,
     ) -> None:
         assert runtime.servicer is not None
         assert runtime.detached is not None
@@ -122,13 +137,16 @@ class Driver:
             text = "the quick brown fox jumps over the lazy dog " * (prompt_bytes // 44 + 1)
             body = {**BODY, "messages": [{"role": "user", "content": text[:prompt_bytes]}]}
         self.body = json.dumps(body).encode()
+        self.chunk_bytes = chunk_bytes
         self.n = 0
         self.keys: list[str] = []
-        self.times: dict[str, list[int]] = {"headers": [], "body": [], "stream": [], "log": []}
+        self.times: dict[str, list[int]] = {
+            "headers": [], "body": [], "after last chunk": [], "stream": [], "log": []
+        }  # fmt: skip
 
     async def one(self) -> None:
         self.n += 1
-        wires = envoy_messages(self.body, f"req-{self.n}")
+        wires = envoy_messages(self.body, f"req-{self.n}", self.chunk_bytes)
         clock = time.thread_time_ns
         marks: list[int] = []
 
@@ -148,6 +166,7 @@ class Driver:
         assert first.HasField("request_headers"), replies
         self.times["headers"].append(marks[1] - marks[0])
         self.times["body"].append(routed - marks[1])
+        self.times["after last chunk"].append(routed - marks[-1])
         self.times["stream"].append(ended - began)
         names = first.dynamic_metadata.fields[wire.NAMESPACE]
         self.keys.append(names.struct_value.fields[wire.EXCHANGE].string_value)
@@ -229,6 +248,7 @@ async def measure(
     gap_s: float = 0.0,
     scheduling: str = "default",
     profile_out: str = "",
+    chunk_bytes: int = 0,
 ) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="route-profile-") as tmp,
@@ -245,7 +265,7 @@ async def measure(
         try:
             if not runtime.ready():
                 raise RuntimeError("the simulator's metrics never arrived: not ready")
-            driver = Driver(runtime, sim_port, batch, prompt_bytes)
+            driver = Driver(runtime, sim_port, batch, prompt_bytes, chunk_bytes)
             # Warm-up: caches, the prefix index, first-use imports.
             await driver.run(min(500, max(20, requests // 5)))
             driver.times = {k: [] for k in driver.times}
@@ -286,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-bytes", type=int, default=0, help="a user message of this many bytes"
     )
     parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=0,
+        help="the body in messages of this many bytes (serve's Envoy: 262144); 0: one",
+    )
+    parser.add_argument(
         "--scheduling",
         default="default",
         help="a preset or a default candidate of scheduling/presets.py (default: default)",
@@ -310,11 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
     if not 0 <= args.prompt_bytes <= 8 << 20:
         parser.error("--prompt-bytes must be in [0, 8 MiB]")
+    if not 0 <= args.chunk_bytes <= 8 << 20:
+        parser.error("--chunk-bytes must be in [0, 8 MiB]")
     if not 0 <= args.gap_ms <= 10_000:
         parser.error("--gap-ms must be in [0, 10000]")
     result = runner(
         measure(args.requests, args.batch, args.profile, args.top, args.prompt_bytes,
-                args.gap_ms / 1000, args.scheduling, args.profile_out)
+                args.gap_ms / 1000, args.scheduling, args.profile_out, args.chunk_bytes)
     )  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=1))

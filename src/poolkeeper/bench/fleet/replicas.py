@@ -135,19 +135,23 @@ def replica_policy(
     rng: random.Random,
     cold_placement: dict[str, Any] | None = None,
     prefix_params: dict[str, Any] | None = None,
+    plugin_params: dict[str, dict[str, Any]] | None = None,
 ) -> RoutingPolicy:
     """One replica's policy: `policy` (`bench.policies.routers`; `poolkeeper` is the EPP's
     default scheduling preset behind flow control with its defaults, `holdNewPrefixes`
     included, as `poolkeeper serve` runs it), with a `cold-placement-filter` of
-    `cold_placement` first in its profile where given, and `prefix_params` on its
-    prefix-cache-scorer."""
-    if cold_placement is None:
+    `cold_placement` first in its profile where given, `prefix_params` on its
+    prefix-cache-scorer, and `plugin_params` (plugin type -> parameters) merged into those
+    plugins' parameters."""
+    if cold_placement is None and not plugin_params:
         return make_policy(policy, rng)
     doc = scheduling_document(policy)
+    extra = {"prefix-cache-scorer": prefix_params or {}, **(plugin_params or {})}
     for plugin in doc["plugins"]:
-        if plugin["type"] == "prefix-cache-scorer":
-            plugin["parameters"] = {**plugin.get("parameters", {}), **(prefix_params or {})}
-    doc = with_cold_placement(doc, cold_placement)
+        if plugin["type"] in extra:
+            plugin["parameters"] = {**plugin.get("parameters", {}), **extra[plugin["type"]]}
+    if cold_placement is not None:
+        doc = with_cold_placement(doc, cold_placement)
     if policy in FLOW_PRESETS or policy in CANDIDATE_PRESETS:
         return flow_policy(policy, rng, document=doc)
     return scheduler_policy(policy, rng, doc)
@@ -265,6 +269,7 @@ def run(
     groups: int | None = None,
     cold_placement: dict[str, Any] | None = None,
     event_delay_s: float = 0.0,
+    plugin_params: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -285,7 +290,7 @@ def run(
 
     def make(k: int) -> RoutingPolicy:
         rng = random.Random(f"{seed}:replica{k}")
-        return replica_policy(policy, rng, cold_placement, prefix_params)
+        return replica_policy(policy, rng, cold_placement, prefix_params, plugin_params)
 
     routers = [_Replica(make(k)) for k in range(replicas)]
     # Routers that learn from first tokens get them as they happen (`simrun.replay`'s rule).
@@ -402,6 +407,7 @@ def run(
         **({"groups": groups} if groups is not None else {}),
         **({"cold_placement": cold_placement} if cold_placement is not None else {}),
         **({"event_delay_s": event_delay_s} if event_delay_s else {}),
+        **({"plugin_params": plugin_params} if plugin_params else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -563,6 +569,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="seconds the engines' KV events take to reach the replicas (default 0)",
     )
+    parser.add_argument(
+        "--plugin-params",
+        type=json.loads,
+        default=None,
+        help="plugin type -> parameters merged into the replicas' profile, as JSON, e.g. "
+        '\'{"prefill-backlog-scorer": {"replicaScale": true}}\'',
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -599,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cold_placement=args.cold_placement,
             event_delay_s=args.event_delay,
             policy=args.policy,
+            plugin_params=args.plugin_params,
         )
         for kind in args.index
         for n in args.replicas

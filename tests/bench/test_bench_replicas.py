@@ -174,3 +174,19 @@ def test_one_replica_routes_as_the_single_router_replay() -> None:
     # The old default without the hold holds nothing.
     assert run(1, servers=4, duration=2.0, seed=3, capacity_rps=100.0, load=0.9,
                policy="poolkeeper-classic")["held"] == 0  # fmt: skip
+
+
+def test_plugin_params_reach_every_replicas_plugins() -> None:
+    from pydantic import ValidationError
+
+    def once(**kw: Any) -> dict[str, Any]:
+        return run(2, servers=4, duration=3.0, seed=3, capacity_rps=100.0, load=0.9, **kw)
+
+    plain = once()
+    # The backlog scorer faded out from the start (no say at any busy share): the replicas
+    # place otherwise, and the row names what they ran.
+    faded = once(plugin_params={"prefill-backlog-scorer": {"fadeFrom": 0.0, "fadeTo": 1e-6}})
+    assert faded["plugin_params"] == {"prefill-backlog-scorer": {"fadeFrom": 0.0, "fadeTo": 1e-6}}
+    assert {k: v for k, v in faded.items() if k != "plugin_params"} != plain
+    with pytest.raises(ValidationError):
+        once(plugin_params={"prefill-backlog-scorer": {"fadeFrom": 2.0}})

@@ -228,20 +228,3 @@ def test_a_new_pod_at_a_reused_address_starts_clean() -> None:
     # The same pod again (same name and namespace) keeps its counts.
     tracker.start("r3", key(1), 10, now=3.0)
     assert tracker.apply([new_pod])[0].inflight_requests == 1
-
-
-def test_routers_sharing_is_the_scraped_requests_over_this_routers_own() -> None:
-    from poolkeeper.datastore.load import routers_sharing
-
-    # Four replicas: the engines report 40 requests, this one sent 10 of them (2 since the
-    # scrape, which the report cannot count).
-    pool = [state(1, waiting=6, running=14, inflight=6, unseen=1),
-            state(2, waiting=4, running=16, inflight=6, unseen=1)]  # fmt: skip
-    assert routers_sharing(pool) == 4
-    # One router: the engines report its own requests less those finished since: still 1.
-    alone = [state(1, running=20, inflight=17), state(2, waiting=2, running=18, inflight=15)]
-    assert routers_sharing(alone) == 1
-    # Too few requests reported to tell, or none of this router's there: 1.
-    assert routers_sharing([state(1, running=12, inflight=3)]) == 1
-    assert routers_sharing([state(1, running=12, inflight=3)], min_requests=8) == 4
-    assert routers_sharing([state(1, running=40, inflight=2, unseen=2)]) == 1

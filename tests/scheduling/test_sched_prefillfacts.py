@@ -8,9 +8,8 @@ import random
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.build import build_scheduler
-from poolkeeper.scheduling.config import SchedulingConfig, preset_config
+from poolkeeper.scheduling.config import preset_config
 from poolkeeper.scheduling.interfaces import ProfileResult
-from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.prefillfacts import PrefillFacts
 from tests.scheduling.sched_factories import NOW, cycle, request, state
 
@@ -69,43 +68,3 @@ def test_a_non_streamed_request_is_not_in_the_holds_backlog() -> None:
     assert sum(backlog.snapshot().values()) == before + 10_000
     facts.backlog.request_ended("whole")
     assert sum(backlog.snapshot().values()) == before
-
-
-def test_replica_scale_multiplies_the_backlog_the_hold_and_the_scorer_read() -> None:
-    """With N EPP replicas each sees about 1/N of every endpoint's pending prefills:
-    `replicaScale` multiplies them by `routers_sharing` for the scorer and the hold alike,
-    and changes nothing for a router alone."""
-
-    def facts(scale: bool) -> tuple[PrefillFacts, PrefillBacklogScorer]:
-        doc = {
-            "plugins": [
-                {"type": "prefix-cache-scorer"},
-                {"type": "prefill-backlog-scorer", "parameters": {
-                    "prefixScorer": "prefix-cache-scorer", "replicaScale": scale}},
-                {"type": "max-score-picker"},
-            ],
-            "schedulingProfiles": [{"name": "default", "plugins": [
-                {"pluginRef": "prefix-cache-scorer"}, {"pluginRef": "prefill-backlog-scorer"},
-                {"pluginRef": "max-score-picker"}]}],
-        }  # fmt: skip
-        sched = build_scheduler(SchedulingConfig.model_validate(doc), rng=random.Random(1))
-        sent = dataclasses.replace(request(prompt="s" * 8_000, request_id="a"), stream=True)
-        sched.schedule(sent, [state(1, served_model="base")], now=NOW)
-        found = PrefillFacts(sched)
-        assert found.backlog is not None
-        return found, found.backlog
-
-    # A quarter of the traffic: 40 requests reported, 10 of them this router's.
-    four = [state(1, waiting=10, running=10, inflight=5, served_model="base"),
-            state(2, running=20, inflight=5, served_model="base")]  # fmt: skip
-    plain, plain_scorer = facts(False)
-    scaled, scaled_scorer = facts(True)
-    assert plain.backlogs(four) == [2_000, 0]
-    assert scaled.backlogs(four) == [8_000, 0]
-    new = request(prompt="n" * 4_000, request_id="b")
-    assert plain_scorer.costs(cycle(), new, four) == [1_000 + 128 + 2_000, 1_128]
-    assert scaled_scorer.costs(cycle(), new, four) == [1_000 + 128 + 8_000, 1_128]
-    # Alone (the engines report what it sent), scaled or not, the same backlogs.
-    alone = [state(1, running=12, inflight=10, served_model="base"),
-             state(2, running=9, inflight=9, served_model="base")]  # fmt: skip
-    assert scaled.backlogs(alone) == plain.backlogs(alone) == [2_000, 0]

@@ -101,22 +101,3 @@ def saturations(
         kv /= kv_threshold
         append(q if q > kv else kv)
     return out
-
-
-def routers_sharing(endpoints: Sequence[EndpointState], min_requests: int = 16) -> int:
-    """How many routers (EPP replicas) send to these endpoints, as this one can tell: the
-    requests the engines last reported (running + waiting) over this router's own requests
-    those reports could count (sent before the scrape, not yet finished), rounded. 1 while the
-    engines report fewer than `min_requests` (too few to tell) or this router has none there.
-
-    Why: a replica's own counts (its prefill backlog, its in-flight requests) cover only the
-    share of the traffic it routed; the scraped gauges cover everyone's. Rounding keeps one
-    router at exactly 1 (its own requests are the engines' less those finished since the
-    scrape), so nothing changes where there is one."""
-    scraped = own = 0
-    for s in endpoints:
-        scraped += s.metrics.running + s.metrics.waiting
-        own += max(0, s.inflight_requests - s.unseen_requests)
-    if scraped < min_requests or own <= 0:
-        return 1
-    return max(1, round(scraped / own))

@@ -61,5 +61,4 @@ class PrefillFacts:
             return [s.unseen_tokens for s in endpoints]
         # First bytes it will see only: a non-streamed request's entry outlives its prefill.
         snap = self.backlog.backlog.seen_snapshot()
-        n = self.backlog.scale(endpoints)  # EPP replicas: each sees its share (`replicaScale`)
-        return [snap.get(s.endpoint.hostport, 0) * n for s in endpoints]
+        return [snap.get(s.endpoint.hostport, 0) for s in endpoints]

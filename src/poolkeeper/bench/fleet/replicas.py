@@ -8,13 +8,18 @@ requests: its index still points at the server that holds the prefix, as long as
 requests keep arriving at it often enough.
 
 `run(replicas, ...)` replays one shared-prefix workload through the virtual fleet
-(`sim/virtual.py`) with `replicas` independent copies of the real scheduler (the
-`poolkeeper-shed` policy: poolkeeper's scheduler and admission without flow control's queue,
-which this driver does not hold; below capacity they route alike), request i going to replica
-hash(request id) mod N, and each replica's view of the in-flight counts limited to its own
-requests. Reported: prefix-cache hit rate (what the model
-servers actually reused), TTFT, and affinity: the share of each prefix group's requests that
-landed on that group's most used server.
+(`sim/virtual.py`) with `replicas` independent copies of the policy (`policy`, default
+`poolkeeper`: the default scheduling preset behind flow control with its defaults, the
+`holdNewPrefixes` hold included, as `poolkeeper serve` runs it; `bench sim`'s names, e.g.
+`poolkeeper-classic` for the old default without the hold, `poolkeeper-shed` for admission's
+shedding without flow control), request i going to replica hash(request id) mod N. Each
+replica sees only its own requests: its in-flight and unseen counts, the first tokens of its
+own requests (as Envoy reports them to the EPP that routed them), and its own held and queued
+requests, which the fleet's release ticks hand to every replica in turn. One replica routes
+exactly as `simrun.replay` with the same policy (a test checks it). Reported: prefix-cache hit
+rate (what the model servers actually reused), TTFT, goodput, requests held by the hold, and
+affinity: the share of each prefix group's requests that landed on that group's most used
+server.
 
 With `exact=True` every replica's prefix scorer also keeps the exact index of KV-cache events
 (`scheduling/exact_prefix.py`), fed here straight from each simulated engine's KV cache (the
@@ -22,15 +27,17 @@ same events the live simulator publishes over ZMQ, without sockets), stamped wit
 the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
-        [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2 [--cold-peers]]
+        [--replicas 1 2 4] [--index approx exact] [--policy poolkeeper] \
+        [--cold-affinity 0.2 [--cold-peers]] [--plugin-params JSON]
     python -m poolkeeper.bench.fleet.replicas ... --cold-placement '{"balance": 1}'
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000] \
         [--chain 128]
     python -m poolkeeper.bench.fleet.replicas --memory --subscribers [--endpoints 1000]
 
-`cold_placement` (`--cold-placement PARAMS`): the replicas run the default profile with a
+`cold_placement` (`--cold-placement PARAMS`): the replicas run the policy's profile with a
 `cold-placement-filter` (`scheduling/plugins/cold_placement.py`, PARAMS its parameters) listed
-first (`with_cold_placement`), behind admission's shedding as `poolkeeper-shed`.
+first (`with_cold_placement`). `plugin_params` (`--plugin-params '{"TYPE": {...}}'`): parameters
+merged into the profile's plugins of that type.
 
 `event_delay_s` (`--event-delay S`): the engines' events reach the replicas S seconds after the
 engine stored the blocks (live they cross a socket and a busy event loop), so a new prefix's
@@ -352,20 +359,26 @@ def run(
         clock[0] = now
         delay.deliver(now)
         for k, router in enumerate(routers):
-            if not isinstance(router.policy, QueueingPolicy):
-                continue
-            view = router.view(states)
+            if isinstance(router.policy, QueueingPolicy):
+                release_one(k, router.policy, states, now, send)
 
-            def to_fleet(rid: str, chosen: EndpointState | None, error: str | None) -> None:
-                if chosen is None:
-                    send(rid, None, error)
-                    return
-                server = index_of[chosen.key]
-                placed(k, rid, server, now)  # noqa: B023 (called before the loop moves on)
-                send(rid, server, None)  # the fleet's states update in place ...
-                view[:] = router.view(states)  # noqa: B023 (... and so does this replica's view)
+    def release_one(
+        k: int, policy: QueueingPolicy, states: Sequence[EndpointState], now: float, send: Send
+    ) -> None:
+        """Replica k's held and queued requests, placed on its own view, which is rebuilt
+        after each send (the fleet's states update in place; the view is a copy)."""
+        view = routers[k].view(states)
 
-            router.policy.release(view, now, to_fleet)
+        def to_fleet(rid: str, chosen: EndpointState | None, error: str | None) -> None:
+            if chosen is None:
+                send(rid, None, error)
+                return
+            server = index_of[chosen.key]
+            placed(k, rid, server, now)
+            send(rid, server, None)
+            view[:] = routers[k].view(states)
+
+        policy.release(view, now, to_fleet)
 
     def first_token(result: RequestResult) -> None:
         k, _ = owner.get(result.request_id, (-1, ""))
@@ -574,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=json.loads,
         default=None,
         help="plugin type -> parameters merged into the replicas' profile, as JSON, e.g. "
-        '\'{"prefill-backlog-scorer": {"replicaScale": true}}\'',
+        '\'{"prefill-backlog-scorer": {"fadeFrom": 0.6}}\'',
     )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(

@@ -47,7 +47,6 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.load import routers_sharing
 from poolkeeper.scheduling.backlog import BUSY_WINDOW_S, PrefillBacklog
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
@@ -130,13 +129,6 @@ class PrefillBacklogParams(PluginParams):
         description="Time constant (s) of the busy share while it rises (null: the same "
         "1 s as while it falls): a short one fades the scorer out at the start of a burst.",
     )
-    replica_scale: bool = Field(
-        default=False,
-        description="Scale this router's backlogs by how many routers share the pool "
-        "(`routers_sharing`: the engines' scraped requests over this router's own): with N "
-        "EPP replicas each sees about 1/N of every endpoint's pending prefills. Also what "
-        "flow control's `holdNewPrefixes` reads. One router: no change.",
-    )
 
 
 class PrefillBacklogScorer(NamedPlugin):
@@ -145,7 +137,7 @@ class PrefillBacklogScorer(NamedPlugin):
     __slots__ = (
         "_busy_at", "_busy_share", "adapter_tokens", "backlog", "base_tokens",
         "busy_penalty", "drain_rate", "fade_from", "fade_rise_s", "fade_to", "marginal",
-        "mean_span", "prefix", "replica_scale", "slack", "span_tokens",
+        "mean_span", "prefix", "slack", "span_tokens",
     )  # fmt: skip
     bounded = True
 
@@ -172,11 +164,6 @@ class PrefillBacklogScorer(NamedPlugin):
         self.fade_rise_s = params.fade_rise_s or BUSY_WINDOW_S
         self._busy_share = 0.0
         self._busy_at: float | None = None
-        self.replica_scale = params.replica_scale
-
-    def scale(self, candidates: Sequence[EndpointState]) -> int:
-        """What this router's backlogs are multiplied by (`replicaScale`; else 1)."""
-        return routers_sharing(candidates) if self.replica_scale else 1
 
     def _cached_tokens(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
         """ip:port -> prompt tokens the endpoint probably caches (the prefix scorer's match,
@@ -204,8 +191,6 @@ class PrefillBacklogScorer(NamedPlugin):
             costs = [own] * len(candidates)
         cached = self._cached_tokens(cycle, request)
         backlog = self.backlog.snapshot()
-        if backlog and (n := self.scale(candidates)) > 1:
-            backlog = {k: v * n for k, v in backlog.items()}
         if cached or backlog:
             hit, ahead = cached.get, backlog.get
             keys = [s.endpoint.hostport for s in candidates]

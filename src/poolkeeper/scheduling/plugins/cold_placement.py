@@ -37,8 +37,9 @@ more of this EPP's prompt tokens sent there without a first byte back is out of 
 some band candidate is under. Why: flow control's `holdNewPrefixes` releases a new prefix when
 some endpoint's backlog is under that, and the plain band (scraped running + waiting, wide) then
 sent it to a ring owner busy prefilling, which cost 4 replicas of the new default 0.99-1.16x of
-one replica's p90 (8 servers; with it 1.00-1.07x). The input is per replica, so replicas can
-disagree exactly while an owner is busy (docs/notes/2026-12-07-replicas-new-default.md).
+one replica's p90 (8 servers, six seeds; with it 0.93-1.07x). The input is per replica, so
+replicas can disagree exactly while an owner is busy
+(docs/notes/2026-12-07-replicas-new-default.md).
 
 `ownPlacements: false` (needs `kvEvents`): the cold test reads, for endpoints whose event feed
 is fresh, only the engines' reports, not this EPP's approximate index. Why: the replica that

@@ -71,7 +71,7 @@ NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 INDEXES = (
     "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
-    "exact-hashbal", "exact-hashpend", "exact-hashbalx",
+    "exact-hashbal", "exact-hashpend", "exact-hashbalx", "exact-hashblog",
 )  # fmt: skip
 
 
@@ -87,7 +87,8 @@ def scheduling(index: str) -> dict[str, Any] | None:
     owner within a load band; no score push); `exact-hashbal`: with its `balance: 1`;
     `exact-hashpend`: and `pendingHeads` (the replica's own unreported sends count);
     `exact-hashbalx`: `exact-hashbal` with `ownPlacements: false` (a prefix is cold until its
-    engine reports it, in the replica that placed it too)."""
+    engine reports it, in the replica that placed it too); `exact-hashblog`: `exact-hashbal`
+    with `backlogScorer` (an owner busy prefilling is out of the band)."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -106,7 +107,9 @@ def scheduling(index: str) -> dict[str, Any] | None:
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
     placement = {"exact-hash": {}, "exact-hashbal": {"balance": 1.0},
                  "exact-hashpend": {"balance": 1.0, "pendingHeads": True},
-                 "exact-hashbalx": {"balance": 1.0, "ownPlacements": False}}  # fmt: skip
+                 "exact-hashbalx": {"balance": 1.0, "ownPlacements": False},
+                 "exact-hashblog": {"balance": 1.0,
+                                    "backlogScorer": "prefill-backlog-scorer"}}  # fmt: skip
     if index in placement:
         doc = with_cold_placement(doc, placement[index])
     return doc

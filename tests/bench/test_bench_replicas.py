@@ -117,8 +117,11 @@ def test_balanced_cold_affinity_keeps_more_of_each_group_on_one_server() -> None
 
 
 def test_cold_placement_keeps_four_replicas_groups_together() -> None:
+    # On the old default's profile without flow control (what the filter was built against;
+    # the new default's hold changes the cold start: docs/notes/2026-12-07-replicas-new-default.md).
     def once(**kw: Any) -> dict[str, Any]:
-        return run(4, servers=4, duration=5.0, seed=3, capacity_rps=100.0, exact=True, **kw)
+        return run(4, servers=4, duration=5.0, seed=3, capacity_rps=100.0, exact=True,
+                   policy="poolkeeper-classic-shed", **kw)  # fmt: skip
 
     plain = once()
     placed = once(cold_placement={}, prefix_params={"kvEvents": True, "kvEventsSubscribe": False})
@@ -139,3 +142,51 @@ def test_events_that_never_arrive_in_time_leave_the_approximate_index_alone() ->
     # ... unless they reach the replicas only after the run: then the exact index is empty
     # and every decision is the approximate index's.
     assert once(exact=True, event_delay_s=100.0) == approx
+
+
+def test_one_replica_routes_as_the_single_router_replay() -> None:
+    # One replica is the EPP as `bench sim` runs it: the default preset behind flow control
+    # (its hold included), first tokens reported as they happen; so the same decisions.
+    import random
+
+    from poolkeeper.bench.fleet.simrun import _outcome, replay
+    from poolkeeper.bench.policies.flowpolicy import FlowPolicy
+    from poolkeeper.bench.policies.routers import make_policy
+    from poolkeeper.bench.results.metrics import SLO, summarize
+    from poolkeeper.bench.workload.scenarios import build_scenario
+    from poolkeeper.bench.workload.workloads import generate
+
+    scenario = build_scenario("shared-prefix", 4)
+    arrivals = generate(scenario.spec, rate=90.0, duration=5.0, seed=3)
+    policy = make_policy("poolkeeper", random.Random("3:replica0"))
+    alone = replay(list(scenario.servers), arrivals, policy, seed=3)
+    by_id = {a.request_id: a for a in arrivals}
+    outcomes = [_outcome(r, by_id[r.request_id]) for r in alone.requests]
+    summary = summarize(outcomes, duration=5.0, slo=SLO())
+    assert isinstance(policy, FlowPolicy)
+    held = policy.hold.total if policy.hold is not None else 0
+    assert held > 0  # the hold ran
+    row = run(1, servers=4, duration=5.0, seed=3, capacity_rps=100.0, load=0.9)
+    assert row["held"] == held
+    assert row["ttft_p90_s"] == round(summary["ttft_s"]["p90"], 4)
+    assert row["ttft_p99_s"] == round(summary["ttft_s"]["p99"], 4)
+    assert row["goodput_rps"] == round(summary["goodput_rps"], 3)
+    # The old default without the hold holds nothing.
+    assert run(1, servers=4, duration=2.0, seed=3, capacity_rps=100.0, load=0.9,
+               policy="poolkeeper-classic")["held"] == 0  # fmt: skip
+
+
+def test_plugin_params_reach_every_replicas_plugins() -> None:
+    from pydantic import ValidationError
+
+    def once(**kw: Any) -> dict[str, Any]:
+        return run(2, servers=4, duration=3.0, seed=3, capacity_rps=100.0, load=0.9, **kw)
+
+    plain = once()
+    # The backlog scorer faded out from the start (no say at any busy share): the replicas
+    # place otherwise, and the row names what they ran.
+    faded = once(plugin_params={"prefill-backlog-scorer": {"fadeFrom": 0.0, "fadeTo": 1e-6}})
+    assert faded["plugin_params"] == {"prefill-backlog-scorer": {"fadeFrom": 0.0, "fadeTo": 1e-6}}
+    assert {k: v for k, v in faded.items() if k != "plugin_params"} != plain
+    with pytest.raises(ValidationError):
+        once(plugin_params={"prefill-backlog-scorer": {"fadeFrom": 2.0}})

@@ -12,6 +12,7 @@ from poolkeeper.errors import ConfigError
 from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.cold_placement import ColdPlacementFilter
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.scheduler import Scheduler
@@ -215,3 +216,37 @@ def test_without_own_placements_a_prefix_stays_cold_until_its_engine_reports_it(
     # The engine's report makes it warm in every replica.
     _report(reports, other.key, SYSTEMS[5], chars=32 * 64)
     assert len(_kept(reports, SYSTEMS[5] + "q2", pool)) == 4
+
+
+def test_under_backlog_keeps_the_band_endpoints_under_the_tokens_or_all() -> None:
+    from poolkeeper.scheduling.plugins.cold_placement import under_backlog
+
+    band = {"a", "b", "c"}
+    assert under_backlog(band, {"a": 4_000, "b": 2_047}, 2_048) == {"b", "c"}
+    assert under_backlog(band, {"a": 4_000, "b": 2_048, "c": 9_000}, 2_048) == band
+    assert under_backlog(band, {}, 2_048) == band
+
+
+def test_backlog_scorer_moves_a_new_prefix_off_an_owner_busy_prefilling() -> None:
+    """With `backlogScorer`, an owner with 2,048 or more prompt tokens sent there without a
+    first byte back is out of the band while another endpoint is under (the hold's rule:
+    flow control released the new prefix because some endpoint is); with none under, the
+    ring decides as without it."""
+    doc = _doc(backlogScorer="prefill-backlog-scorer")
+    doc["plugins"].insert(2, {"type": "prefill-backlog-scorer"})
+    sched = scheduler(doc)
+    pool = [state(i) for i in range(1, 5)]
+    (owner,) = _kept(sched, SYSTEMS[2], pool)
+    backlog = _filter(sched).backlog  # the scorer it names (not in the profile here)
+    assert isinstance(backlog, PrefillBacklogScorer)
+    backlog.backlog.sent("long", owner, 3_000, NOW)
+    (moved,) = _kept(sched, SYSTEMS[2], pool)
+    assert moved != owner
+    for i in range(1, 5):  # every endpoint busy: back to the owner
+        backlog.backlog.sent(f"busy{i}", key(i), 3_000, NOW)
+    assert _kept(sched, SYSTEMS[2], pool) == [owner]
+    # Without the option the filter holds no backlog: the ring alone (tests above).
+    assert _filter(scheduler(_doc())).backlog is None
+    bad = _doc(backlogScorer="prefix-cache-scorer")
+    with pytest.raises(ConfigError, match="is not a prefill-backlog-scorer"):
+        scheduler(bad)

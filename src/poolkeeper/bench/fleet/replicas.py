@@ -8,13 +8,18 @@ requests: its index still points at the server that holds the prefix, as long as
 requests keep arriving at it often enough.
 
 `run(replicas, ...)` replays one shared-prefix workload through the virtual fleet
-(`sim/virtual.py`) with `replicas` independent copies of the real scheduler (the
-`poolkeeper-shed` policy: poolkeeper's scheduler and admission without flow control's queue,
-which this driver does not hold; below capacity they route alike), request i going to replica
-hash(request id) mod N, and each replica's view of the in-flight counts limited to its own
-requests. Reported: prefix-cache hit rate (what the model
-servers actually reused), TTFT, and affinity: the share of each prefix group's requests that
-landed on that group's most used server.
+(`sim/virtual.py`) with `replicas` independent copies of the policy (`policy`, default
+`poolkeeper`: the default scheduling preset behind flow control with its defaults, the
+`holdNewPrefixes` hold included, as `poolkeeper serve` runs it; `bench sim`'s names, e.g.
+`poolkeeper-classic` for the old default without the hold, `poolkeeper-shed` for admission's
+shedding without flow control), request i going to replica hash(request id) mod N. Each
+replica sees only its own requests: its in-flight and unseen counts, the first tokens of its
+own requests (as Envoy reports them to the EPP that routed them), and its own held and queued
+requests, which the fleet's release ticks hand to every replica in turn. One replica routes
+exactly as `simrun.replay` with the same policy (a test checks it). Reported: prefix-cache hit
+rate (what the model servers actually reused), TTFT, goodput, requests held by the hold, and
+affinity: the share of each prefix group's requests that landed on that group's most used
+server.
 
 With `exact=True` every replica's prefix scorer also keeps the exact index of KV-cache events
 (`scheduling/exact_prefix.py`), fed here straight from each simulated engine's KV cache (the
@@ -22,15 +27,17 @@ same events the live simulator publishes over ZMQ, without sockets), stamped wit
 the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
-        [--replicas 1 2 4] [--index approx exact] [--cold-affinity 0.2 [--cold-peers]]
+        [--replicas 1 2 4] [--index approx exact] [--policy poolkeeper] \
+        [--cold-affinity 0.2 [--cold-peers]] [--plugin-params JSON]
     python -m poolkeeper.bench.fleet.replicas ... --cold-placement '{"balance": 1}'
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000] \
         [--chain 128]
     python -m poolkeeper.bench.fleet.replicas --memory --subscribers [--endpoints 1000]
 
-`cold_placement` (`--cold-placement PARAMS`): the replicas run the default profile with a
+`cold_placement` (`--cold-placement PARAMS`): the replicas run the policy's profile with a
 `cold-placement-filter` (`scheduling/plugins/cold_placement.py`, PARAMS its parameters) listed
-first (`with_cold_placement`), behind admission's shedding as `poolkeeper-shed`.
+first (`with_cold_placement`). `plugin_params` (`--plugin-params '{"TYPE": {...}}'`): parameters
+merged into the profile's plugins of that type.
 
 `event_delay_s` (`--event-delay S`): the engines' events reach the replicas S seconds after the
 engine stored the blocks (live they cross a socket and a busy event loop), so a new prefix's
@@ -56,47 +63,62 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from poolkeeper.bench.fleet.simrun import SCRAPE_INTERVAL_S, _outcome, _sim_arrivals, fleet_capacity
-from poolkeeper.bench.policies.routers import RoutingPolicy, make_policy
-from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy
+from poolkeeper.bench.fleet.simrun import (
+    SCRAPE_INTERVAL_S,
+    _outcome,
+    _sim_arrivals,
+    fleet_capacity,
+    route_step,
+)
+from poolkeeper.bench.policies.flowpolicy import flow_policy
+from poolkeeper.bench.policies.routers import QueueingPolicy, RoutingPolicy, make_policy
+from poolkeeper.bench.policies.schedpolicy import (
+    CANDIDATE_PRESETS,
+    FLOW_PRESETS,
+    scheduler_policy,
+    scheduling_document,
+)
 from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.errors import NoReadyEndpoint, RequestShed
-from poolkeeper.flowcontrol.admission import AdmissionConfig
-from poolkeeper.flowcontrol.shedding import AdmissionController
-from poolkeeper.scheduling.build import build_scheduler
-from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
-from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.engine import EngineModel
-from poolkeeper.sim.virtual import Arrival as SimArrival, RequestResult, VirtualFleet
+from poolkeeper.sim.virtual import HOLD, Arrival as SimArrival, RequestResult, Send, VirtualFleet
 from poolkeeper.tokens import count_tokens
 
 
 class _Replica:
-    """One EPP replica: its own policy and its own in-flight view."""
+    """One EPP replica: its own policy and its own in-flight view (its own requests, and of
+    those the ones whose first byte it has seen)."""
 
     def __init__(self, policy: RoutingPolicy) -> None:
         self.policy = policy
         self.inflight: dict[str, dict[str, tuple[float, int]]] = {}  # server -> id -> (t, tok)
+        self.answered: set[str] = set()  # of those, the ids whose first token is out
+
+    def sent(self, server: str, request_id: str, now: float, tokens: int) -> None:
+        self.inflight.setdefault(server, {})[request_id] = (now, tokens)
 
     def view(self, states: Sequence[EndpointState]) -> list[EndpointState]:
         out = []
+        answered = self.answered
         for s in states:
             mine = self.inflight.get(s.key, {})
             scraped = s.metrics.updated_at
-            unseen = [tok for t, tok in mine.values() if t > scraped]
+            # A scrape stamped T is taken before any change at T or later (`sim/virtual.py`):
+            # a request sent at T is one it has not seen.
+            unseen = [(rid, tok) for rid, (t, tok) in mine.items() if t >= scraped]
             out.append(
                 replace(
                     s,
                     inflight_requests=len(mine),
                     inflight_tokens=sum(tok for _, tok in mine.values()),
                     unseen_requests=len(unseen),
-                    unseen_tokens=sum(unseen),
+                    unseen_tokens=sum(tok for _, tok in unseen),
+                    unseen_answered=sum(1 for rid, _ in unseen if rid in answered),
                 )
             )
         return out
@@ -115,21 +137,31 @@ def with_cold_placement(doc: dict[str, Any], params: dict[str, Any]) -> dict[str
     return {**doc, "schedulingProfiles": profiles}
 
 
-def cold_placement_policy(
-    params: dict[str, Any], prefix_params: dict[str, Any] | None, rng: random.Random
-) -> SchedulerPolicy:
-    """`poolkeeper-shed` (the default preset, admission's shedding) with the
-    `cold-placement-filter` of `params` and `prefix_params` on its prefix-cache-scorer."""
-    doc = preset_document("default")
+def replica_policy(
+    policy: str,
+    rng: random.Random,
+    cold_placement: dict[str, Any] | None = None,
+    prefix_params: dict[str, Any] | None = None,
+    plugin_params: dict[str, dict[str, Any]] | None = None,
+) -> RoutingPolicy:
+    """One replica's policy: `policy` (`bench.policies.routers`; `poolkeeper` is the EPP's
+    default scheduling preset behind flow control with its defaults, `holdNewPrefixes`
+    included, as `poolkeeper serve` runs it), with a `cold-placement-filter` of
+    `cold_placement` first in its profile where given, `prefix_params` on its
+    prefix-cache-scorer, and `plugin_params` (plugin type -> parameters) merged into those
+    plugins' parameters."""
+    if cold_placement is None and not plugin_params:
+        return make_policy(policy, rng)
+    doc = scheduling_document(policy)
+    extra = {"prefix-cache-scorer": prefix_params or {}, **(plugin_params or {})}
     for plugin in doc["plugins"]:
-        if plugin["type"] == "prefix-cache-scorer":
-            plugin["parameters"] = {**plugin.get("parameters", {}), **(prefix_params or {})}
-    config = SchedulingConfig.model_validate(with_cold_placement(doc, params))
-    return SchedulerPolicy(
-        "poolkeeper-shed+cold-placement",
-        build_scheduler(config, rng=rng),
-        AdmissionController(AdmissionConfig()),
-    )
+        if plugin["type"] in extra:
+            plugin["parameters"] = {**plugin.get("parameters", {}), **extra[plugin["type"]]}
+    if cold_placement is not None:
+        doc = with_cold_placement(doc, cold_placement)
+    if policy in FLOW_PRESETS or policy in CANDIDATE_PRESETS:
+        return flow_policy(policy, rng, document=doc)
+    return scheduler_policy(policy, rng, doc)
 
 
 def replica_of(request_id: str, replicas: int) -> int:
@@ -209,7 +241,8 @@ def _prefix_scorers(routers: Sequence[_Replica], why: str) -> list[PrefixCacheSc
     """Every replica's prefix-cache scorer(s); `why` names the option that needs them."""
     out: list[PrefixCacheScorer] = []
     for router in routers:
-        scheduler = getattr(router.policy, "scheduler", None)
+        policy = getattr(router.policy, "inner", router.policy)  # behind flow control
+        scheduler = getattr(policy, "scheduler", None)
         plugins = getattr(scheduler, "plugins", {})
         out.extend(p for p in plugins.values() if isinstance(p, PrefixCacheScorer))
     if len(out) < len(routers):
@@ -236,13 +269,14 @@ def run(
     seed: int = 1,
     capacity_rps: float | None = None,
     exact: bool = False,
-    policy: str = "poolkeeper-shed",
+    policy: str = "poolkeeper",
     cold_affinity: float = 0.0,
     cold_peers: bool = False,
     prefix_params: dict[str, Any] | None = None,
     groups: int | None = None,
     cold_placement: dict[str, Any] | None = None,
     event_delay_s: float = 0.0,
+    plugin_params: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -260,16 +294,20 @@ def run(
         capacity_rps = float(fleet_capacity(scenario, seed=seed)["capacity_rps"])
     arrivals = generate(scenario.spec, rate=load * capacity_rps, duration=duration, seed=seed)
     group_of = {a.request_id: a.group for a in arrivals}
-    fleet = VirtualFleet(list(scenario.servers), seed=seed, scrape_interval=SCRAPE_INTERVAL_S)
-    index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
 
     def make(k: int) -> RoutingPolicy:
         rng = random.Random(f"{seed}:replica{k}")
-        if cold_placement is not None:
-            return cold_placement_policy(cold_placement, prefix_params, rng)
-        return make_policy(policy, rng, scenario)
+        return replica_policy(policy, rng, cold_placement, prefix_params, plugin_params)
 
     routers = [_Replica(make(k)) for k in range(replicas)]
+    # Routers that learn from first tokens get them as they happen (`simrun.replay`'s rule).
+    answers_seen = bool(getattr(routers[0].policy, "observes_first_tokens", False))
+    fleet = VirtualFleet(
+        list(scenario.servers), seed=seed, scrape_interval=SCRAPE_INTERVAL_S,
+        answers_seen=answers_seen,
+    )  # fmt: skip
+    index_of = {e.hostport: i for i, e in enumerate(fleet.endpoints)}
+    keys = [e.hostport for e in fleet.endpoints]
     if cold_peers and not (exact and cold_affinity):
         raise ValueError("cold_peers needs exact=True and cold_affinity > 0")
     if cold_affinity:
@@ -289,6 +327,11 @@ def run(
         for engine, endpoint in zip(fleet.engines, fleet.endpoints, strict=True):
             engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock, engine, delay)
     owner: dict[str, tuple[int, str]] = {}
+    tokens_of: dict[str, int] = {}
+
+    def placed(k: int, request_id: str, server: int, now: float) -> None:
+        routers[k].sent(keys[server], request_id, now, tokens_of[request_id])
+        owner[request_id] = (k, keys[server])
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
         a: Arrival = sim.payload  # type: ignore[assignment]
@@ -296,7 +339,7 @@ def run(
         delay.deliver(now)
         k = replica_of(a.request_id, replicas)
         router = routers[k]
-        tokens = count_tokens(sim.prompt)
+        tokens = tokens_of[a.request_id] = count_tokens(sim.prompt)
         request = LLMRequest(
             request_id=a.request_id,
             model=a.model,
@@ -307,22 +350,56 @@ def run(
             max_tokens=a.output_tokens,
             stream=True,
         )
-        try:
-            chosen = router.policy.pick(request, router.view(states), now)
-        except (RequestShed, NoReadyEndpoint):
-            return None
-        router.inflight.setdefault(chosen.key, {})[a.request_id] = (now, tokens)
-        owner[a.request_id] = (k, chosen.key)
-        return index_of[chosen.key]
+        chosen = route_step(router.policy, request, router.view(states), now, index_of)
+        if chosen is not None and chosen != HOLD:
+            placed(k, a.request_id, chosen, now)
+        return chosen
+
+    def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
+        clock[0] = now
+        delay.deliver(now)
+        for k, router in enumerate(routers):
+            if isinstance(router.policy, QueueingPolicy):
+                release_one(k, router.policy, states, now, send)
+
+    def release_one(
+        k: int, policy: QueueingPolicy, states: Sequence[EndpointState], now: float, send: Send
+    ) -> None:
+        """Replica k's held and queued requests, placed on its own view, which is rebuilt
+        after each send (the fleet's states update in place; the view is a copy)."""
+        view = routers[k].view(states)
+
+        def to_fleet(rid: str, chosen: EndpointState | None, error: str | None) -> None:
+            if chosen is None:
+                send(rid, None, error)
+                return
+            server = index_of[chosen.key]
+            placed(k, rid, server, now)
+            send(rid, server, None)
+            view[:] = routers[k].view(states)
+
+        policy.release(view, now, to_fleet)
+
+    def first_token(result: RequestResult) -> None:
+        k, _ = owner.get(result.request_id, (-1, ""))
+        if k >= 0:
+            routers[k].answered.add(result.request_id)
+            routers[k].policy.on_first_token(result.request_id, result.first_token or 0.0)
 
     def finished(result: RequestResult) -> None:
         k, key = owner.pop(result.request_id, (-1, ""))
         if k < 0:
             return
         routers[k].inflight.get(key, {}).pop(result.request_id, None)
+        routers[k].answered.discard(result.request_id)
         routers[k].policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
 
-    result = fleet.run(_sim_arrivals(arrivals), route, on_finish=finished)
+    queueing = any(isinstance(r.policy, QueueingPolicy) for r in routers)
+    result = fleet.run(
+        _sim_arrivals(arrivals), route, on_finish=finished, on_first_token=first_token,
+        release=release if queueing else None,
+    )  # fmt: skip
+    held = sum(getattr(getattr(r.policy, "hold", None), "total", 0) for r in routers)
     by_id = {a.request_id: a for a in arrivals}
     outcomes = [_outcome(r, by_id[r.request_id]) for r in result.requests]
     summary = summarize(outcomes, duration=duration, slo=SLO())
@@ -343,6 +420,7 @@ def run(
         **({"groups": groups} if groups is not None else {}),
         **({"cold_placement": cold_placement} if cold_placement is not None else {}),
         **({"event_delay_s": event_delay_s} if event_delay_s else {}),
+        **({"plugin_params": plugin_params} if plugin_params else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -353,6 +431,7 @@ def run(
         "ttft_p90_s": round(summary["ttft_s"]["p90"], 4),
         "ttft_p99_s": round(summary["ttft_s"]["p99"], 4),
         "goodput_rps": round(summary["goodput_rps"], 3),
+        "held": held,
     }
 
 
@@ -470,6 +549,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--groups", type=int, default=None, help="prefix groups (default: the workload's)"
     )
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--policy",
+        default="poolkeeper",
+        help="each replica's policy (default poolkeeper: the default preset behind flow "
+        "control, as `poolkeeper serve` runs it; poolkeeper-classic: the old default)",
+    )
     parser.add_argument("--index", nargs="+", choices=["approx", "exact"], default=["approx"])
     parser.add_argument(
         "--cold-affinity", type=float, default=0.0, help="the prefix scorers' coldAffinity"
@@ -496,6 +581,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="seconds the engines' KV events take to reach the replicas (default 0)",
+    )
+    parser.add_argument(
+        "--plugin-params",
+        type=json.loads,
+        default=None,
+        help="plugin type -> parameters merged into the replicas' profile, as JSON, e.g. "
+        '\'{"prefill-backlog-scorer": {"fadeFrom": 0.6}}\'',
     )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
@@ -532,6 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             groups=args.groups,
             cold_placement=args.cold_placement,
             event_delay_s=args.event_delay,
+            policy=args.policy,
+            plugin_params=args.plugin_params,
         )
         for kind in args.index
         for n in args.replicas

@@ -22,6 +22,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy, scheduler_policy
 from poolkeeper.datastore.endpoint import EndpointState
@@ -239,15 +240,19 @@ class FlowPolicy:
 
 
 def flow_policy(
-    name: str, rng: random.Random, config: FlowControlConfig | None = None
+    name: str,
+    rng: random.Random,
+    config: FlowControlConfig | None = None,
+    document: dict[str, Any] | None = None,
 ) -> FlowPolicy | SchedulerPolicy:
     """`poolkeeper` (the default scheduling preset), `poolkeeper-ttft` (`predicted-ttft`),
     `poolkeeper-backlog` (`prefill-backlog`) or a candidate (`schedpolicy.CANDIDATE_PRESETS`)
     behind flow control with the given (default)
     `spec.flowControl`: admission's shedding is replaced by the bands, as in the EPP. With
     `enabled: false` the EPP has no bands and admission sheds instead; so does this policy
-    (under the same name)."""
-    inner = scheduler_policy(f"{name}-shed", rng)
+    (under the same name). `document`: a scheduling document to run instead of the preset's
+    (a variant of it, e.g. with a `cold-placement-filter`)."""
+    inner = scheduler_policy(f"{name}-shed", rng, document)
     config = config if config is not None else FlowControlConfig()
     hold = HOLD_POLICIES.get(name)
     if hold is not None and config.hold_new_prefixes is None:

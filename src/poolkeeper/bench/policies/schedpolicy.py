@@ -25,6 +25,7 @@ and the next decisions see `EndpointState.seconds_per_output_token`.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -34,8 +35,8 @@ from poolkeeper.datastore.speed import ObservedSpeed
 from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
-from poolkeeper.scheduling.config import SchedulingConfig, preset_config
-from poolkeeper.scheduling.presets import CANDIDATES, candidate_document
+from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.presets import CANDIDATES, candidate_document, preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -157,15 +158,24 @@ class SchedulerPolicy:
             self.scheduler.observe_first_token(request_id, None, now)
 
 
-def scheduler_policy(name: str, rng: random.Random) -> SchedulerPolicy:
-    preset = _PRESET.get(name, "")
+def scheduling_document(name: str) -> dict[str, Any]:
+    """The scheduling document (a copy) of a scheduler-backed policy `name` (`-shed` or not:
+    both run the same preset); KeyError naming the known presets for any other name."""
     if name == "poolkeeper-proposed":
-        config = SchedulingConfig.model_validate(PROPOSED_PROFILE)
-    elif preset in CANDIDATES:
-        config = SchedulingConfig.model_validate(candidate_document(preset))
-    else:
-        config = preset_config(preset)
-    scheduler = build_scheduler(config, rng=rng)
+        return copy.deepcopy(PROPOSED_PROFILE)
+    preset = _PRESET.get(name, _PRESET.get(f"{name}-shed", ""))
+    if preset in CANDIDATES:
+        return candidate_document(preset)
+    return preset_document(preset)
+
+
+def scheduler_policy(
+    name: str, rng: random.Random, document: dict[str, Any] | None = None
+) -> SchedulerPolicy:
+    """`document`: the scheduling document to run instead of the policy's own (a variant of
+    it, e.g. with one more filter); admission is still the policy's."""
+    doc = scheduling_document(name) if document is None else document
+    scheduler = build_scheduler(SchedulingConfig.model_validate(doc), rng=rng)
     admission: AdmissionController | None
     if name.startswith("poolkeeper-") and (name.endswith("-shed") or name == "poolkeeper-proposed"):
         admission = AdmissionController(AdmissionConfig())

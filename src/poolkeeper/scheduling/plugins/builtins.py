@@ -178,7 +178,16 @@ def _cold_placement(tn: TypedName, params: PluginParams, ctx: BuildContext) -> P
             f"plugin {tn.name!r}: balance needs the prefix scorer's kvEvents: true (it counts "
             "the prefixes each engine reported)"
         )
-    return ColdPlacementFilter(tn, params, prefix)
+    backlog: PrefillBacklogScorer | None = None
+    if params.backlog_scorer:
+        found = ctx.resolve_plugin(params.backlog_scorer)
+        if not isinstance(found, PrefillBacklogScorer):
+            raise ConfigError(
+                f"plugin {tn.name!r}: backlogScorer {params.backlog_scorer!r} is not a "
+                "prefill-backlog-scorer"
+            )
+        backlog = found
+    return ColdPlacementFilter(tn, params, prefix, backlog)
 
 
 def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:

@@ -32,6 +32,15 @@ counts the new prefixes this EPP sent that are not reported yet (sooner, but eac
 only its own, so replicas can disagree: the trade measured in
 docs/notes/2026-12-07-cold-placement-replicas.md).
 
+`backlogScorer` (the name of a `prefill-backlog-scorer`): an endpoint with `backlogTokens` or
+more of this EPP's prompt tokens sent there without a first byte back is out of the band while
+some band candidate is under. Why: flow control's `holdNewPrefixes` releases a new prefix when
+some endpoint's backlog is under that, and the plain band (scraped running + waiting, wide) then
+sent it to a ring owner busy prefilling, which cost 4 replicas of the new default 0.99-1.16x of
+one replica's p90 (8 servers, six seeds; with it 0.93-1.07x). The input is per replica, so
+replicas can disagree exactly while an owner is busy
+(docs/notes/2026-12-07-replicas-new-default.md).
+
 `ownPlacements: false` (needs `kvEvents`): the cold test reads, for endpoints whose event feed
 is fresh, only the engines' reports, not this EPP's approximate index. Why: the replica that
 placed a new prefix otherwise sees it warm at once and lets its scorers move the group's next
@@ -47,13 +56,14 @@ some replicas and not in others.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pydantic import Field, model_validator
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.registry import PluginParams
@@ -90,6 +100,19 @@ class ColdPlacementParams(PluginParams):
         description="Load includes this EPP's requests sent since the last scrape (default "
         "false: scraped running + waiting only, the same in every replica).",
     )
+    backlog_scorer: str = Field(
+        default="",
+        description="Name of a prefill-backlog-scorer instance: an endpoint whose prefill "
+        "backlog (as that scorer counts it) is `backlogTokens` or more is out of the band "
+        "while some band candidate's is under (default empty: off).",
+    )
+    backlog_tokens: int = Field(
+        default=2048,
+        ge=1,
+        description="With backlogScorer: the backlog (prompt tokens sent without a first byte "
+        "back) that puts an endpoint out of the band (default 2,048: flow control's "
+        "holdNewPrefixes default, which holds a new prefix while every endpoint is over it).",
+    )
     balance: float = Field(
         default=0.0,
         ge=0.0,
@@ -118,17 +141,29 @@ class ColdPlacementParams(PluginParams):
         return self
 
 
+def under_backlog(band: set[str], backlog: Mapping[str, int], tokens: int) -> set[str]:
+    """The band's endpoints whose prefill backlog is under `tokens`; the whole band if none
+    is (then the backlog cannot choose, and the ring does as without it)."""
+    under = {k for k in band if backlog.get(k, 0) < tokens}
+    return under or band
+
+
 class ColdPlacementFilter(NamedPlugin):
     """Filter keeping, for a cold long prompt, only its ring owner within the load band."""
 
-    __slots__ = ("params", "prefix")
+    __slots__ = ("backlog", "params", "prefix")
 
     def __init__(
-        self, typed_name: TypedName, params: ColdPlacementParams, prefix: PrefixCacheScorer
+        self,
+        typed_name: TypedName,
+        params: ColdPlacementParams,
+        prefix: PrefixCacheScorer,
+        backlog: PrefillBacklogScorer | None = None,
     ) -> None:
         super().__init__(typed_name)
         self.params = params
         self.prefix = prefix
+        self.backlog = backlog
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -194,6 +229,8 @@ class ColdPlacementFilter(NamedPlugin):
             for k, load in zip(keys, loads, strict=True)
             if not (load - least > p.load_band_abs and load > p.load_band_rel * least)
         }
+        if self.backlog is not None:
+            band = under_backlog(band, self.backlog.backlog.seen_snapshot(), p.backlog_tokens)
         ring = self.prefix.hashring
         fits = self._fits(band, now)
         if fits is not None:

@@ -144,9 +144,13 @@ def test_events_that_never_arrive_in_time_leave_the_approximate_index_alone() ->
     assert once(exact=True, event_delay_s=100.0) == approx
 
 
-def test_one_replica_routes_as_the_single_router_replay() -> None:
+@pytest.mark.parametrize(
+    ("policy_name", "rate"), [("poolkeeper", 90.0), ("poolkeeper-classic", 20.0)]
+)
+def test_one_replica_routes_as_the_single_router_replay(policy_name: str, rate: float) -> None:
     # One replica is the EPP as `bench sim` runs it: the default preset behind flow control
-    # (its hold included), first tokens reported as they happen; so the same decisions.
+    # (its hold included), first tokens reported as they happen where the router asks for
+    # them (not `poolkeeper-classic`); so the same decisions.
     import random
 
     from poolkeeper.bench.fleet.simrun import _outcome, replay
@@ -157,18 +161,21 @@ def test_one_replica_routes_as_the_single_router_replay() -> None:
     from poolkeeper.bench.workload.workloads import generate
 
     scenario = build_scenario("shared-prefix", 4)
-    arrivals = generate(scenario.spec, rate=90.0, duration=5.0, seed=3)
-    policy = make_policy("poolkeeper", random.Random("3:replica0"))
+    arrivals = generate(scenario.spec, rate=rate, duration=5.0, seed=3)
+    policy = make_policy(policy_name, random.Random("3:replica0"))
     alone = replay(list(scenario.servers), arrivals, policy, seed=3)
     by_id = {a.request_id: a for a in arrivals}
     outcomes = [_outcome(r, by_id[r.request_id]) for r in alone.requests]
     summary = summarize(outcomes, duration=5.0, slo=SLO())
     assert isinstance(policy, FlowPolicy)
     held = policy.hold.total if policy.hold is not None else 0
-    assert held > 0  # the hold ran
-    row = run(1, servers=4, duration=5.0, seed=3, capacity_rps=100.0, load=0.9)
+    assert (held > 0) is (policy_name == "poolkeeper")  # the hold ran where it is on
+    row = run(1, servers=4, duration=5.0, seed=3, capacity_rps=100.0, load=rate / 100.0,
+              policy=policy_name)  # fmt: skip
     assert row["held"] == held
+    assert row["ttft_p50_s"] == round(summary["ttft_s"]["p50"], 4)
     assert row["ttft_p90_s"] == round(summary["ttft_s"]["p90"], 4)
+    assert row["prefix_hit_rate"] == round(summary["prefix_hit_rate"], 4)
     assert row["ttft_p99_s"] == round(summary["ttft_s"]["p99"], 4)
     assert row["goodput_rps"] == round(summary["goodput_rps"], 3)
     # The old default without the hold holds nothing.
@@ -190,3 +197,5 @@ def test_plugin_params_reach_every_replicas_plugins() -> None:
     assert {k: v for k, v in faded.items() if k != "plugin_params"} != plain
     with pytest.raises(ValidationError):
         once(plugin_params={"prefill-backlog-scorer": {"fadeFrom": 2.0}})
+    with pytest.raises(ValueError, match=r"plugin_params for \['no-such-scorer'\]"):
+        once(plugin_params={"no-such-scorer": {}})

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.kvevents import engine_block_hashes
@@ -234,10 +235,12 @@ def test_backlog_scorer_moves_a_new_prefix_off_an_owner_busy_prefilling() -> Non
     ring decides as without it."""
     doc = _doc(backlogScorer="prefill-backlog-scorer")
     doc["plugins"].insert(2, {"type": "prefill-backlog-scorer"})
+    refs = doc["schedulingProfiles"][0]["plugins"]
+    refs.insert(2, {"pluginRef": "prefill-backlog-scorer", "weight": 0.001})
     sched = scheduler(doc)
     pool = [state(i) for i in range(1, 5)]
     (owner,) = _kept(sched, SYSTEMS[2], pool)
-    backlog = _filter(sched).backlog  # the scorer it names (not in the profile here)
+    backlog = _filter(sched).backlog  # the scorer it names
     assert isinstance(backlog, PrefillBacklogScorer)
     backlog.backlog.sent("long", owner, 3_000, NOW)
     (moved,) = _kept(sched, SYSTEMS[2], pool)
@@ -250,3 +253,22 @@ def test_backlog_scorer_moves_a_new_prefix_off_an_owner_busy_prefilling() -> Non
     bad = _doc(backlogScorer="prefix-cache-scorer")
     with pytest.raises(ConfigError, match="is not a prefill-backlog-scorer"):
         scheduler(bad)
+
+
+def test_backlog_tokens_without_a_backlog_scorer_is_refused() -> None:
+    with pytest.raises(ValidationError, match="backlogTokens needs backlogScorer"):
+        scheduler(_doc(backlogTokens=4096))
+
+
+@pytest.mark.parametrize("weight", [None, 0])
+def test_a_backlog_scorer_outside_the_profile_is_refused(weight: float | None) -> None:
+    """The backlog fills in the scorer's PostCycle, which runs only where it scores: named
+    but not in the profile, or there at weight 0, the option would do nothing."""
+    doc = _doc(backlogScorer="prefill-backlog-scorer")
+    doc["plugins"].insert(2, {"type": "prefill-backlog-scorer"})
+    if weight is not None:
+        ref = {"pluginRef": "prefill-backlog-scorer", "weight": weight}
+        doc["schedulingProfiles"][0]["plugins"].insert(2, ref)
+    with pytest.raises(ConfigError, match=r"backlogScorer 'prefill-backlog-scorer' must be a "
+                       r"scorer of profile 'p' with a non-zero weight"):  # fmt: skip
+        scheduler(doc)

@@ -15,7 +15,14 @@ import random
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.interfaces import Filter, Picker, Plugin, ProfileHandler, Scorer
+from poolkeeper.scheduling.interfaces import (
+    Filter,
+    Picker,
+    Plugin,
+    ProfileHandler,
+    ReadsPostCycles,
+    Scorer,
+)
 from poolkeeper.scheduling.profile import SchedulerProfile
 from poolkeeper.scheduling.registry import BuildContext, PluginRegistry
 from poolkeeper.scheduling.scheduler import Scheduler
@@ -80,7 +87,9 @@ def build_scheduler(
         picker = instance(prof.picker)
         if not isinstance(picker, Picker):
             raise ConfigError(f"plugin {prof.picker!r} is not a picker")
-        profiles.append(SchedulerProfile(prof.name, filters, scorers, picker))
+        profile = SchedulerProfile(prof.name, filters, scorers, picker)
+        _check_post_cycles_read(profile)
+        profiles.append(profile)
     handler = instance(plan.handler)
     if not isinstance(handler, ProfileHandler):
         raise ConfigError(f"plugin {plan.handler!r} is not a profile handler")
@@ -91,3 +100,21 @@ def learns_from_first_tokens(config: SchedulingConfig) -> bool:
     """Whether the scheduler `config` describes learns from first tokens (its built form's
     `Scheduler.observes_first_tokens`), e.g. to ask Envoy to report them as they happen."""
     return build_scheduler(config, rng=random.Random(0)).observes_first_tokens
+
+
+def _check_post_cycles_read(profile: SchedulerProfile) -> None:
+    """Refuse a profile with a plugin reading state that another plugin's PostCycle keeps
+    when that one does not run in the profile (not a member, or a scorer of weight 0): the
+    state would never fill, and the option silently do nothing."""
+    members = [*profile.filters, *(w.scorer for w in profile.scorers), profile.picker]
+    for member in members:
+        if not isinstance(member, ReadsPostCycles):
+            continue
+        for parameter, read in member.post_cycles_read():
+            if read not in profile.post_cycles:
+                raise ConfigError(
+                    f"plugin {member.typed_name.name!r}: {parameter} {read.typed_name.name!r} "
+                    "must be a scorer of "
+                    f"profile {profile.name!r} with a non-zero weight (its state is kept "
+                    "after each decision of the profiles it scores in)"
+                )

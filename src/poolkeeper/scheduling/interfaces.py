@@ -131,6 +131,15 @@ class PostCycle(Plugin, Protocol):
 
 
 @runtime_checkable
+class ReadsPostCycles(Plugin, Protocol):
+    def post_cycles_read(self) -> Sequence[tuple[str, PostCycle]]:
+        """The plugins whose PostCycle keeps state this one reads, each with the parameter
+        naming it: they must run in this plugin's profiles (scorers of non-zero weight), or
+        that state never fills (`build.py` refuses the config)."""
+        ...
+
+
+@runtime_checkable
 class EndpointForgetter(Plugin, Protocol):
     def forget_endpoints(self, keep: set[str]) -> None:
         """Drop per-endpoint state of endpoints (ip:port) no longer in `keep`."""

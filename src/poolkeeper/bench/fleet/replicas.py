@@ -154,6 +154,10 @@ def replica_policy(
         return make_policy(policy, rng)
     doc = scheduling_document(policy)
     extra = {"prefix-cache-scorer": prefix_params or {}, **(plugin_params or {})}
+    types = {plugin["type"] for plugin in doc["plugins"]}
+    if unknown := sorted(set(plugin_params or {}) - types):
+        # A typo would otherwise run (and label) a control run as the variant.
+        raise ValueError(f"plugin_params for {unknown}: {policy} has no such plugin ({types})")
     for plugin in doc["plugins"]:
         if plugin["type"] in extra:
             plugin["parameters"] = {**plugin.get("parameters", {}), **extra[plugin["type"]]}
@@ -383,7 +387,8 @@ def run(
     def first_token(result: RequestResult) -> None:
         k, _ = owner.get(result.request_id, (-1, ""))
         if k >= 0:
-            routers[k].answered.add(result.request_id)
+            if answers_seen:  # only a router that asks Envoy for first bytes knows of them
+                routers[k].answered.add(result.request_id)
             routers[k].policy.on_first_token(result.request_id, result.first_token or 0.0)
 
     def finished(result: RequestResult) -> None:

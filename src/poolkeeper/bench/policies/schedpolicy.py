@@ -164,6 +164,9 @@ def scheduling_document(name: str) -> dict[str, Any]:
     if name == "poolkeeper-proposed":
         return copy.deepcopy(PROPOSED_PROFILE)
     preset = _PRESET.get(name, _PRESET.get(f"{name}-shed", ""))
+    if not preset:
+        known = ", ".join(sorted({*_PRESET, "poolkeeper-proposed"}))
+        raise KeyError(f"{name!r} is not a scheduler-backed policy (those are: {known})")
     if preset in CANDIDATES:
         return candidate_document(preset)
     return preset_document(preset)

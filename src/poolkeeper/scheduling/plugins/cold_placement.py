@@ -62,7 +62,7 @@ from pydantic import Field, model_validator
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.kvevents import engine_block_hashes
-from poolkeeper.scheduling.interfaces import CycleState, TypedName
+from poolkeeper.scheduling.interfaces import CycleState, PostCycle, TypedName
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
@@ -109,9 +109,10 @@ class ColdPlacementParams(PluginParams):
     backlog_tokens: int = Field(
         default=2048,
         ge=1,
-        description="With backlogScorer: the backlog (prompt tokens sent without a first byte "
-        "back) that puts an endpoint out of the band (default 2,048: flow control's "
-        "holdNewPrefixes default, which holds a new prefix while every endpoint is over it).",
+        description="With backlogScorer: the backlog (the uncached prompt tokens of streamed "
+        "requests sent there without a first byte back) that puts an endpoint out of the "
+        "band (default 2,048: flow control's holdNewPrefixes default, which holds a new "
+        "prefix while every endpoint is over it).",
     )
     balance: float = Field(
         default=0.0,
@@ -138,6 +139,8 @@ class ColdPlacementParams(PluginParams):
     def _balance_range(self) -> ColdPlacementParams:
         if 0 < self.balance < 1:
             raise ValueError("balance must be 0 (off) or >= 1")
+        if "backlog_tokens" in self.model_fields_set and not self.backlog_scorer:
+            raise ValueError("backlogTokens needs backlogScorer (without it nothing reads it)")
         return self
 
 
@@ -164,6 +167,10 @@ class ColdPlacementFilter(NamedPlugin):
         self.params = params
         self.prefix = prefix
         self.backlog = backlog
+
+    def post_cycles_read(self) -> Sequence[tuple[str, PostCycle]]:
+        # The backlog fills in the scorer's PostCycle, which runs only in its profiles.
+        return [("backlogScorer", self.backlog)] if self.backlog is not None else []
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]

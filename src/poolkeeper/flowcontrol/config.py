@@ -80,6 +80,14 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     queue, so every answer is late; newest-first serves those that can still be on time and
     lets the oldest run out at their TTL. Standard and Sheddable: 200 (docs/flowcontrol.md);
     with `onlyWhileGrowing`, only for a flow whose requests keep growing in number."""
+    shortest_first: bool = False
+    """Off by default. While the overload rules apply to a flow (with `onlyWhileGrowing`: its
+    requests keep growing in number), its waiting request with the fewest prompt tokens goes
+    first (newest first among equals) instead of first come first served or, past
+    `lifoAfterMs`, newest first; the oldest is still the one pushed out of a full band. Most
+    prompts are short, so most answers come sooner, and in overload a long prompt waits
+    until its TTL while shorter ones keep arriving. Measured, not a default:
+    docs/notes/2026-12-07-size-aware-placement.md."""
     overload_ttl_ms: int | None = Field(default=None, ge=1, le=3_600_000)
     """Longest wait in sustained overload (null: `ttlMs` always). Once a flow (a model) has had
     requests waiting in this band without a break for `overloadAfterMs`, its requests queued

@@ -13,11 +13,12 @@ flow's oldest request has waited longer than the band's `lifoAfterMs`, its newes
 A FIFO queue in sustained overload makes every request wait the whole queue, so every answer
 is late; newest-first serves the requests that can still be on time, and the old ones run out
 at their TTL or are pushed out of a full band first. With a band's `shortestFirst`, while the
-overload rules apply to the flow, its request with the fewest prompt tokens goes first instead
-(newest first among equals), from the first moment of the overload rather than after
-`lifoAfterMs`: the p90 and the count of answers in time are those of the many short prompts,
-and a long prompt's prefill takes a step's worth of server time that several short ones would
-share (docs/notes/2026-12-07-size-aware-placement.md). The oldest stays overdue as before.
+overload rules apply to the flow, its request with the fewest prompt tokens goes first instead,
+from the first moment of the overload rather than after `lifoAfterMs` (among equals the order
+is the plain one: oldest first, newest once the flow is late): the p90 and the count of answers
+in time are those of the many short prompts, and a long prompt's prefill takes a step's worth
+of server time that several short ones would share
+(docs/notes/2026-12-07-size-aware-placement.md). The oldest stays overdue as before.
 Pure; `now` is passed in.
 
 `rescued` is the aging bound the dispatcher lays over adaptive LIFO while the pool's queue
@@ -80,11 +81,10 @@ class FcfsAdaptiveLifo:
         return cls(band.lifo_after_s, band.shortest_first)
 
     def head(self, waiting: deque[A], now: float) -> A:
-        if self.shortest_first:  # newest among equals: min keeps the first it meets
-            return min(reversed(waiting), key=_prompt_tokens)
-        if self.lifo_after_s is not None and now - waiting[0].arrived > self.lifo_after_s:
-            return waiting[-1]
-        return waiting[0]
+        late = self.lifo_after_s is not None and now - waiting[0].arrived > self.lifo_after_s
+        if self.shortest_first:  # among equals: oldest, or newest once late (min keeps the first)
+            return min(reversed(waiting) if late else waiting, key=_prompt_tokens)
+        return waiting[-1] if late else waiting[0]
 
     def overdue(self, waiting: deque[A], now: float) -> A | None:
         if self.lifo_after_s is not None and now - waiting[0].arrived > self.lifo_after_s:

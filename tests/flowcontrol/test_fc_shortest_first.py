@@ -6,7 +6,6 @@ overload the order is first come first served."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,20 +19,14 @@ from poolkeeper.flowcontrol.ordering import FcfsAdaptiveLifo
 S = Criticality.STANDARD
 
 
-@dataclass
-class _Waiting:
-    name: str
-    arrived: float
-    tokens: int
-
-
 def _config(**standard: Any) -> FlowControlConfig:
     return FlowControlConfig.model_validate({"bands": {"standard": standard}})
 
 
 def test_the_fewest_prompt_tokens_go_first_in_the_plain_order_among_equals() -> None:
     waiting = deque(
-        _Waiting(n, a, t) for n, a, t in [("a", 0.0, 900), ("b", 0.1, 40), ("c", 0.2, 40)]
+        FlowItem(n, S, "m", t, 100, arrived=a)
+        for n, a, t in [("a", 0.0, 900), ("b", 0.1, 40), ("c", 0.2, 40)]
     )
     order = FcfsAdaptiveLifo(0.2, shortest_first=True)
     assert order.head(waiting, 0.1) is waiting[1]  # before lifoAfterMs too: b (40, oldest)

@@ -16,6 +16,7 @@ from poolkeeper.bench.policies.reference_policies import (
     ObservedPhase,
     Oracle,
     PendingPrefill,
+    SizeLanes,
     StepPhase,
     is_baseline,
 )
@@ -118,6 +119,21 @@ def test_pending_prefill_bookkeeping_follows_first_tokens_and_completions() -> N
     assert set(policy.decoding.values()) == {0}
 
 
+def test_size_lanes_keep_long_prompts_in_the_first_quarter_and_short_ones_out_of_it() -> None:
+    policy = SizeLanes(random.Random(1))
+    states = [
+        EndpointState(Endpoint(f"s{i}", "10.0.0.1", 8000 + i), EndpointMetrics()) for i in range(8)
+    ]
+    lane = {states[0].key, states[1].key}  # a quarter of eight
+    long_prompt = "word " * (2 * SizeLanes.long_prompt_tokens)
+    longs = {policy.pick(_request(f"l{i}", long_prompt), states, 0.0).key for i in range(6)}
+    shorts = {policy.pick(_request(f"s{i}", SHORT), states, 0.0).key for i in range(12)}
+    assert longs == lane  # both lane servers used (least pending prefill), nothing else
+    assert shorts == {s.key for s in states} - lane
+    # A single endpoint is a lane for everything (nothing to split).
+    assert policy.pick(_request("one", SHORT), states[:1], 0.0).key == states[0].key
+
+
 @pytest.mark.parametrize("make", [StepPhase, ObservedPhase, LateObservedPhase20ms, FirstBytePhase])
 def test_the_step_phase_policies_step_one_by_one_once_bound(make: type[StepPhase]) -> None:
     fleet = VirtualFleet([EngineConfig()], seed=1, fuse_decode_steps=64)
@@ -170,6 +186,7 @@ def test_reference_policies_run_only_by_name_and_are_never_the_best_baseline() -
     names = (
         "ref-pending-prefill", "ref-step-phase", "ref-observed-phase", "ref-observed-phase-2ms",
         "ref-observed-phase-5ms", "ref-observed-phase-20ms", "ref-first-byte-phase", "ref-oracle",
+        "ref-size-lanes",
     )  # fmt: skip
     for name in names:
         assert name in KNOWN_POLICIES

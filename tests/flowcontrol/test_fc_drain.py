@@ -24,6 +24,7 @@ S = Criticality.STANDARD
 class _Waiting:
     name: str
     arrived: float
+    tokens: int = 0
 
 
 def _config(**standard: Any) -> FlowControlConfig:

@@ -80,6 +80,13 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     queue, so every answer is late; newest-first serves those that can still be on time and
     lets the oldest run out at their TTL. Standard and Sheddable: 200 (docs/flowcontrol.md);
     with `onlyWhileGrowing`, only for a flow whose requests keep growing in number."""
+    shortest_first: bool = False
+    """While the overload rules apply to a flow (with `onlyWhileGrowing`: its requests keep
+    growing in number), its waiting request with the fewest prompt tokens goes first instead
+    of first come first served or, past `lifoAfterMs`, newest first (among equals that order
+    still holds); the oldest is still the one pushed out of a full band. Most prompts are
+    short, so more answers come in time, and fewer requests reach the overload TTL. Standard
+    and Sheddable: on (issue 38, docs/notes/2026-12-07-size-aware-placement.md)."""
     overload_ttl_ms: int | None = Field(default=None, ge=1, le=3_600_000)
     """Longest wait in sustained overload (null: `ttlMs` always). Once a flow (a model) has had
     requests waiting in this band without a break for `overloadAfterMs`, its requests queued
@@ -190,12 +197,15 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
                 "ttlMs": 30_000,
                 "lifoAfterMs": 200,
                 "overloadTtlMs": 300,
+                # issue 38: shortest prompt first in overload (size-aware placement note)
+                "shortestFirst": True,
             }
         ),
         "sheddable": MappingProxyType(
             {
                 "queueDepthThreshold": 1,
                 "lifoAfterMs": 200,
+                "shortestFirst": True,
                 "maxRequests": 1000,
                 "ttlMs": 1_500,
                 "placement": "headroom",

@@ -8,6 +8,11 @@ knowledge. From least to most informed:
   it sent that have not had their first token yet (the prefill still ahead of a new request
   there), then the requests it sent that are decoding. Picks the least pending prefill, then
   the fewest decoding, ties at random. No scraped metric at all.
+- `ref-size-lanes`: size-interval task assignment (SITA) on `ref-pending-prefill`: prompts of
+  `long_prompt_tokens` (384) or more go only to a long lane (the first quarter of the endpoints, at
+  least one), shorter ones only to the rest, each by least pending prefill. Tests whether
+  keeping long prefills away from short requests buys p90 (it does not: the p90 is the long
+  prompts' own prefill; docs/notes/2026-12-07-size-aware-placement.md).
 - `ref-first-byte-phase`: the phase of each server's step estimated from only the step ends a
   router already sees today, the first bytes and the ends of its own requests there (the
   first-byte report and the access log), nothing per token: steps are taken to follow back
@@ -109,6 +114,22 @@ class PendingPrefill:
             self.pending[key] -= tokens
         else:
             self.decoding[key] -= 1
+
+
+class SizeLanes(PendingPrefill):
+    """`ref-size-lanes` (see the module docstring)."""
+
+    name = "ref-size-lanes"
+    long_prompt_tokens = 384  # ~the 94th percentile of heavy-tail's ShareGPT-like prompts
+
+    def pick(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState:
+        lane = max(1, len(endpoints) // 4)
+        if len(endpoints) > lane:
+            long = request.prompt_tokens >= self.long_prompt_tokens
+            endpoints = endpoints[:lane] if long else endpoints[lane:]
+        return super().pick(request, endpoints, now)
 
 
 class StepPhase(PendingPrefill):
@@ -265,6 +286,7 @@ class Oracle:
 
 REFERENCE_POLICIES: dict[str, type[PendingPrefill] | type[Oracle]] = {
     PendingPrefill.name: PendingPrefill,
+    SizeLanes.name: SizeLanes,
     StepPhase.name: StepPhase,
     ObservedPhase.name: ObservedPhase,
     LateObservedPhase2ms.name: LateObservedPhase2ms,

@@ -71,7 +71,7 @@ def test_every_table_is_preceded_in_its_section_by_the_command_that_produced_it(
             b for start, b in blocks if section_start < start < number and COMMAND.search(b)
         ]
         assert commands, f"table at line {number + 1} ({line[:60]!r}) has no command before it"
-    assert tables >= 20  # the rule is checked on the real tables, not on a parse that found none
+    assert tables >= 15  # the rule is checked on the real tables, not on a parse that found none
 
 
 def test_the_commands_it_names_exist() -> None:

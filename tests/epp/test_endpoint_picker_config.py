@@ -86,6 +86,8 @@ def test_flow_control_gate_bands_detector_and_deprecated_group() -> None:
     assert bands.standard.max_bytes == 512 * 2**20
     assert bands.critical.ttl_ms == bands.standard.ttl_ms == 30_000
     assert bands.standard.lifo_after_ms is None
+    # upstream's order, whatever poolkeeper's own band defaults become
+    assert not any(band.shortest_first for band in (bands.standard, bands.sheddable))
     assert spec.edge.epp_timeout_s > 30
     assert (spec.admission.queue_depth_threshold, spec.admission.kv_cache_util_threshold) == (
         8,

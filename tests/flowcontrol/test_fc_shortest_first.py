@@ -1,4 +1,4 @@
-"""A band's `shortestFirst` (issue 38, size-aware ordering; on for Standard and Sheddable): while
+"""A band's `shortestFirst` (issue 38, size-aware ordering; opt-in): while
 the overload rules apply to a flow, its waiting request with the fewest prompt tokens goes first
 (among equals oldest first, newest once late); the oldest stays the one pushed out, and without
 overload the order is first come first served."""
@@ -37,14 +37,13 @@ def test_the_fewest_prompt_tokens_go_first_in_the_plain_order_among_equals() -> 
     assert (plain.head(waiting, 0.1), plain.head(waiting, 0.3)) == (waiting[0], waiting[2])
 
 
-def test_the_band_option_builds_the_ordering_on_for_standard_and_sheddable_by_default() -> None:
+def test_the_band_option_builds_the_ordering_and_is_off_by_default() -> None:
     bands = FlowControlConfig().bands
-    on = [c for c in Criticality if bands.of(c).shortest_first]
-    assert on == [Criticality.STANDARD, Criticality.SHEDDABLE]  # Critical is never queued
-    order = FcfsAdaptiveLifo.of(bands.of(S))
+    assert not [c for c in Criticality if bands.of(c).shortest_first]
+    order = FcfsAdaptiveLifo.of(_config(shortestFirst=True).bands.of(S))
     assert order.shortest_first
     assert order.lifo_after_s == 0.2  # Standard's own lifoAfterMs is kept
-    assert not FcfsAdaptiveLifo.of(_config(shortestFirst=False).bands.of(S)).shortest_first
+    assert not FcfsAdaptiveLifo.of(bands.of(S)).shortest_first
 
 
 def test_a_non_boolean_is_refused_with_its_path() -> None:
@@ -64,6 +63,6 @@ def _dispatched(**standard: Any) -> list[str]:
 
 
 def test_in_overload_the_dispatcher_sends_the_shortest_prompts_first() -> None:
-    assert _dispatched() == ["short", "mid", "long"]
-    # Off: not yet late, so first come first served.
-    assert _dispatched(shortestFirst=False) == ["long", "mid", "short"]
+    assert _dispatched(shortestFirst=True) == ["short", "mid", "long"]
+    # Off (the default): not yet late, so first come first served.
+    assert _dispatched() == _dispatched(shortestFirst=False) == ["long", "mid", "short"]

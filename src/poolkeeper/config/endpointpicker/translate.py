@@ -430,6 +430,7 @@ def _flow(
             "maxRequests": min(limits["maxRequests"], 1_000_000),
             "maxBytes": limits["maxBytes"],
             "lifoAfterMs": None,
+            "shortestFirst": False,  # upstream's order: first come first served
             "overloadTtlMs": None,
             "placement": "scheduler",
             "queueDepthThreshold": None,

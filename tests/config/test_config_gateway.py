@@ -277,7 +277,8 @@ def test_epp_timeout_must_outlast_the_longest_queue_ttl() -> None:
     assert GatewayConfig.model_validate({"spec": off}).spec.hold_left_out() is None
     late = GatewayConfig.model_validate({"spec": {**off, "edge": {"eppTimeoutS": 31}}})
     assert late.spec.hold_left_out() == (
-        "flowControl.holdNewPrefixes is off: the longest queue TTL (flowControl.bands."
+        "flowControl.holdNewPrefixes is off (its default would not fit): the longest queue "
+        "TTL (flowControl.bands."
         "standard.ttlMs 30000) plus the hold's maxHoldMs 2000 reaches edge.eppTimeoutS 31"
     )
     for spec in (

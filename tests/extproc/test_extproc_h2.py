@@ -334,15 +334,25 @@ async def test_refusals_after_a_warning_are_told_when_the_interval_is_over(
 ) -> None:
     """A burst of refusals: the first is told at once, the rest of the burst once, when the
     interval is over, without waiting for a refusal after it."""
-    monkeypatch.setattr(h2_connection, "REFUSAL_LOG_EVERY_S", 0.2)
+    monkeypatch.setattr(h2_connection, "REFUSAL_LOG_EVERY_S", 1.0)
     async with lean(limits=Limits(max_connections=1)) as server:
         held = await Peer.connect(server.port)
         with caplog.at_level("WARNING", logger="poolkeeper.extproc.h2"):
             for _ in range(3):
                 assert await _closed_on_accept(server.port)
-            await _until(lambda: sum("on accept" in r.getMessage() for r in caplog.records) == 2)
-        warnings = [r.getMessage() for r in caplog.records if "on accept" in r.getMessage()]
-        assert [w.split(" ext_proc")[0] for w in warnings] == ["closed 1", "closed 2"]
+
+            def told() -> list[int]:  # the count in each warning so far
+                return [
+                    int(r.getMessage().split()[1])
+                    for r in caplog.records
+                    if "on accept" in r.getMessage()
+                ]
+
+            # All three told while the server still runs and nothing else is refused (on a
+            # quick machine "1" then "2"; a slow burst may span two intervals).
+            await _until(lambda: sum(told()) == 3)
+        assert told()[0] == 1  # the first at once
+        assert len(told()) < 3 or told() == [1, 1, 1]
         assert server.stats.refused_connections == 3
         await held.close()
 

@@ -110,7 +110,8 @@ class GatewayConfigSpec(_Section):
         if longest + held_ms / 1000.0 < self.edge.epp_timeout_s:
             return None
         return (
-            f"flowControl.holdNewPrefixes is off: the longest queue TTL (flowControl.bands."
+            f"flowControl.holdNewPrefixes is off (its default would not fit): the longest "
+            f"queue TTL (flowControl.bands."
             f"{name}.ttlMs {longest * 1000:g}) plus the hold's maxHoldMs {held_ms} reaches "
             f"edge.eppTimeoutS {self.edge.epp_timeout_s:g}"
         )

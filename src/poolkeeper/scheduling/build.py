@@ -87,9 +87,8 @@ def build_scheduler(
         picker = instance(prof.picker)
         if not isinstance(picker, Picker):
             raise ConfigError(f"plugin {prof.picker!r} is not a picker")
-        profile = SchedulerProfile(prof.name, filters, scorers, picker)
-        _check_post_cycles_read(profile)
-        profiles.append(profile)
+        profiles.append(SchedulerProfile(prof.name, filters, scorers, picker))
+    _check_post_cycles_read(profiles)
     handler = instance(plan.handler)
     if not isinstance(handler, ProfileHandler):
         raise ConfigError(f"plugin {plan.handler!r} is not a profile handler")
@@ -102,19 +101,21 @@ def learns_from_first_tokens(config: SchedulingConfig) -> bool:
     return build_scheduler(config, rng=random.Random(0)).observes_first_tokens
 
 
-def _check_post_cycles_read(profile: SchedulerProfile) -> None:
-    """Refuse a profile with a plugin reading state that another plugin's PostCycle keeps
-    when that one does not run in the profile (not a member, or a scorer of weight 0): the
-    state would never fill, and the option silently do nothing."""
-    members = [*profile.filters, *(w.scorer for w in profile.scorers), profile.picker]
-    for member in members:
-        if not isinstance(member, ReadsPostCycles):
-            continue
-        for parameter, read in member.post_cycles_read():
-            if read not in profile.post_cycles:
-                raise ConfigError(
-                    f"plugin {member.typed_name.name!r}: {parameter} {read.typed_name.name!r} "
-                    "must be a scorer of "
-                    f"profile {profile.name!r} with a non-zero weight (its state is kept "
-                    "after each decision of the profiles it scores in)"
-                )
+def _check_post_cycles_read(profiles: list[SchedulerProfile]) -> None:
+    """Refuse a plugin reading state that another plugin's PostCycle keeps when that one runs
+    in no profile (not a member, or a scorer of weight 0): the state would never fill, and the
+    option silently do nothing. (PostCycles run for the decision's primary profile, which the
+    handler picks per request; a reader and its source in different profiles pass here.)"""
+    running = {id(plugin) for profile in profiles for plugin in profile.post_cycles}
+    for profile in profiles:
+        members = [*profile.filters, *(w.scorer for w in profile.scorers), profile.picker]
+        for member in members:
+            if not isinstance(member, ReadsPostCycles):
+                continue
+            for parameter, read in member.post_cycles_read():
+                if id(read) not in running:
+                    raise ConfigError(
+                        f"plugin {member.typed_name.name!r}: {parameter} "
+                        f"{read.typed_name.name!r} must be a scorer with a non-zero weight in a "
+                        "profile (its state is kept after the decisions it scores in)"
+                    )

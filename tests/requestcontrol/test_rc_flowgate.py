@@ -357,16 +357,21 @@ async def test_a_queue_that_cannot_drain_in_time_refuses_with_429_rejected_satur
     assert gate.waiting() == 0
 
 
-@pytest.mark.parametrize(("avoid", "to_holder"), [(256, False), (None, True)])
+@pytest.mark.parametrize(
+    ("avoid", "unless_cached", "to_holder"), [(256, None, False), (None, None, True),
+                                              (256, 256, True), (256, 2000, False)],
+)  # fmt: skip
 async def test_critical_is_sent_away_from_a_long_prompt_just_sent(
-    avoid: int | None, to_holder: bool
+    avoid: int | None, unless_cached: int | None, to_holder: bool
 ) -> None:
     # Critical (`send`, `avoidPrefillTokens: 256` by default): the server that was just sent
     # a long prompt (its prefill step likely still running) is left out while another has
-    # none; without the setting the scheduler's prefix affinity takes it back there.
+    # none; without the setting the scheduler's prefix affinity takes it back there, and so
+    # it does with `avoidPrefillUnlessCached` below the 480 tokens that server caches of it.
     store = _store()
     clock = [NOW]
-    director, _ = _director(store, clock, bands={"critical": {"avoidPrefillTokens": avoid}})
+    band = {"avoidPrefillTokens": avoid, "avoidPrefillUnlessCached": unless_cached}
+    director, _ = _director(store, clock, holdNewPrefixes=None, bands={"critical": band})
     text = "the same long system prompt " * 80  # about 480 tokens
     first = await director.route(_chat("chat", rid="long", text=text))
     second = await director.route(_chat("chat", rid="again", text=text))

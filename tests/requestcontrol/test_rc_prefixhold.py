@@ -342,6 +342,9 @@ async def test_the_held_question_and_the_scheduler_get_one_and_the_same_request(
         def backlogs(self, endpoints: Any) -> list[int]:
             return [10**9 for _ in endpoints]
 
+        def cached_tokens(self, request: Any, now: float) -> dict[str, int]:
+            return {}
+
     real = director.scheduler
 
     class Spy:

@@ -68,3 +68,15 @@ def test_a_non_streamed_request_is_not_in_the_holds_backlog() -> None:
     assert sum(backlog.snapshot().values()) == before + 10_000
     facts.backlog.request_ended("whole")
     assert sum(backlog.snapshot().values()) == before
+
+
+def test_cached_tokens_are_the_prefix_scorers_match_per_endpoint() -> None:
+    # What a band's `avoidPrefillUnlessCached` reads: per endpoint, in tokens.
+    facts, pool = _facts()
+    within = request(prompt="t" * 8_000 + "u" * 400)
+    cached = facts.cached_tokens(within, NOW)
+    assert sum(cached.values()) == 2_000  # the short prompt's blocks, on one endpoint
+    assert set(cached) <= {s.endpoint.hostport for s in pool}
+    assert max(facts.cached_tokens(request(prompt="n" * 8_000), NOW).values(), default=0) == 0
+    bare = build_scheduler(preset_config("random"), rng=random.Random(1))
+    assert PrefillFacts(bare).cached_tokens(within, NOW) == {}

@@ -153,10 +153,27 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     and a request that arrives there waits for that step and shares the next: under a 3x
     Sheddable flood most of Critical's tail above its idle p99 was such waits behind long
     prompts (docs/flowcontrol.md). Critical: 256."""
+    avoid_prefill_unless_cached: int | None = Field(default=None, ge=1, le=1_000_000)
+    """Off by default (null). With `avoidPrefillTokens`: an endpoint just sent a long prompt
+    stays a candidate when it caches at least this many more of the request's prompt tokens
+    than every endpoint that was not (the scheduler's prefix index), so the narrowing never
+    sends a request away from a cached prefix worth more than the wait; a request no endpoint
+    caches is narrowed as without it. Set for Standard with `avoidPrefillTokens`, it moves
+    Standard off the servers Critical's avoidance leaves it without breaking shared-prefix
+    affinity (measured, not a default: docs/notes/2026-12-07-standard-placement.md)."""
 
     @property
     def lifo_after_s(self) -> float | None:
         return None if self.lifo_after_ms is None else self.lifo_after_ms / 1000.0
+
+    @model_validator(mode="after")
+    def _avoidance(self) -> Self:
+        if self.avoid_prefill_unless_cached is not None and self.avoid_prefill_tokens is None:
+            raise ValueError(
+                f"avoidPrefillUnlessCached ({self.avoid_prefill_unless_cached}) takes effect "
+                "only with avoidPrefillTokens (unset for this band: it would be ignored)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rescue_window(self) -> Self:
@@ -337,6 +354,15 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
                 "holdNewPrefixes needs flow control (enabled: true): it holds in the queue"
             )
         return self
+
+    @property
+    def asks_prefill_facts(self) -> bool:
+        """Whether flow control reads the scheduler's prefix facts before dispatch
+        (`scheduling/prefillfacts.py`): for `holdNewPrefixes`, or a band's
+        `avoidPrefillUnlessCached`."""
+        bands = (self.bands.critical, self.bands.standard, self.bands.sheddable)
+        prefix_aware = any(b.avoid_prefill_unless_cached is not None for b in bands)
+        return self.enabled and (self.hold_new_prefixes is not None or prefix_aware)
 
     def weight(self, flow: str) -> float:
         return self.model_weights.get(flow, 1.0)

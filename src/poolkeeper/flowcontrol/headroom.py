@@ -24,7 +24,8 @@ adapter waits there without a slot), the EPP's requests for such adapters hold n
 candidates (`_lora`: its adapter affinity). A place the dispatcher keeps for a returning flow
 (`keep`) is one in a server's short queue, never an idle batch slot (`_room_besides`). That is
 why a Headroom has state: the slots it has learned. A band's `avoidPrefillTokens` (Critical's)
-narrows the candidates to the servers not just sent a long prompt (`spread`).
+narrows the candidates to the servers not just sent a long prompt (`spread`; prefix-aware with
+`avoidPrefillUnlessCached`: `avoidance.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import STALE, saturations
+from poolkeeper.flowcontrol.avoidance import CachedTokens, avoid_prefills
 from poolkeeper.flowcontrol.config import BandConfig, Dispatch, Placement
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.flowcontrol.slots import BatchSlots, queued
@@ -66,6 +68,7 @@ class Headroom:
         keep: int = 0,
         contended: bool = True,
         sharing: bool = False,
+        cached: CachedTokens | None = None,
     ) -> list[EndpointState] | None:
         """`fits` and `within` in one pass: the endpoints to schedule on, or None (no room).
         `keep`: free batch slots to leave for others (the dispatcher's `kept`): room only
@@ -74,7 +77,8 @@ class Headroom:
         the queue in the EPP; uncontended, the saturation limit alone decides, as for
         `dispatch: saturation` (batches stay full and the scheduler's prefix affinity free).
         `sharing` (the dispatcher's): two or more flows have requests in the band; with a
-        queue at some server (`queueing`), the band is contended there."""
+        queue at some server (`queueing`), the band is contended there. `cached`: as for
+        `spread`."""
         if not states:
             return list(states)
         slot = self._slot(states, band, contended, sharing)
@@ -87,40 +91,25 @@ class Headroom:
                 or len(below) == len(states)
                 or (band.placement is Placement.SCHEDULER and not slot and not blind)
             )
-            return list(self.spread(states if every else below, band, adapter))
+            return list(self.spread(states if every else below, band, adapter, cached))
         if blind:
             return None  # every server is busy by the EPP's exact in-flight count
         if all(v == STALE for v in values) and self.detector.config.all_stale_policy == "admit":
-            return list(self.spread(states, band, adapter))
+            return list(self.spread(states, band, adapter, cached))
         return None
 
     def spread(
-        self, states: Sequence[EndpointState], band: BandConfig, adapter: str | None = None
+        self,
+        states: Sequence[EndpointState],
+        band: BandConfig,
+        adapter: str | None = None,
+        cached: CachedTokens | None = None,
     ) -> Sequence[EndpointState]:
-        """`states` less the endpoints sent `avoidPrefillTokens` or more prompt tokens since
-        their last scrape (the router's exact `unseen_tokens`), unless that leaves none: a
-        long prompt just sent there is likely still in its prefill step, which a request
-        arriving there waits for and then shares. The band's `send` requests (Critical's) get
-        it from the gate directly; the others through `room` and `within`. Under a 3x
-        Sheddable flood (8 servers, 30 s, seeds 1-3) Critical's p99 TTFT went from 1.47 /
-        1.34 / 1.50x of idle to 1.20 / 1.15 / 1.22x with 256: most of its tail above the
-        idle p99 was waits behind another request's prefill of 1,000-4,000 tokens (a
-        Sheddable one, or a Critical one the scheduler could not tell apart among servers
-        equally busy with Sheddable decodes)."""
-        limit = band.avoid_prefill_tokens
-        if limit is None or len(states) < 2:
-            return states
-        clear = [s for s in states if s.unseen_tokens < limit]
-        if not clear:
-            return states
-        if adapter is not None:
-            runs = any(adapter in s.metrics.active_adapters for s in states)
-            if runs and not any(adapter in s.metrics.active_adapters for s in clear):
-                # Only servers running the request's LoRA adapter were just sent a long
-                # prompt: a prefill step is shorter than loading the adapter elsewhere, or
-                # than waiting there for an adapter slot behind the batch (a slot-bound fleet).
-                return states
-        return clear
+        """`states` narrowed by the band's `avoidPrefillTokens` (`avoidance.avoid_prefills`;
+        `cached`: the request's prefix match per endpoint, for `avoidPrefillUnlessCached`).
+        The band's `send` requests (Critical's) get it from the gate directly; the others
+        through `room` and `within`."""
+        return avoid_prefills(states, band, adapter, cached)
 
     def within(
         self,
@@ -130,6 +119,7 @@ class Headroom:
         contended: bool = True,
         adapter: str | None = None,
         sharing: bool = False,
+        cached: CachedTokens | None = None,
     ) -> Sequence[EndpointState]:
         """Where a dispatched request of `band` may go: every candidate for `scheduler`
         placement; for `headroom` placement (or a contended `dispatch: slot` band) the
@@ -137,15 +127,17 @@ class Headroom:
         dispatch), so the scheduler's prefix affinity cannot pile the band's work onto an
         endpoint past its limit (or into a server's own queue, out of the fair order).
         `adapter`: as for `room` (a server running it has room past other adapters' deferred
-        requests), so the narrowing keeps the servers that already run the request's adapter."""
+        requests), so the narrowing keeps the servers that already run the request's adapter.
+        `cached`: as for `spread`."""
         slot = self._slot(states, band, contended, sharing)
         blind = self._maybe_blind(band, states) and self._all_stale(states, now)
         if band.placement is Placement.SCHEDULER and not slot and not blind:
-            return self.spread(states, band, adapter)
+            return self.spread(states, band, adapter, cached)
         if slot and self._lora(states):
-            return self.spread(states, band, adapter)
+            return self.spread(states, band, adapter, cached)
         below, _values, _blind = self._below(states, band, now, adapter, slot)
-        return self.spread(below if below and len(below) < len(states) else states, band, adapter)
+        narrowed = below if below and len(below) < len(states) else states
+        return self.spread(narrowed, band, adapter, cached)
 
     def _slot(
         self, states: Sequence[EndpointState], band: BandConfig, contended: bool, sharing: bool

@@ -177,8 +177,9 @@ class Director:
         )
         self._inflight = inflight
         self._gate = gate
-        # `holdNewPrefixes` (flow control): the facts a held request is asked about, and the
-        # gate's wake-up on a first byte (a prefill backlog fell: held requests ask again).
+        # `holdNewPrefixes` (flow control): the facts a held request is asked about (and a
+        # band's `avoidPrefillUnlessCached`: the prefix match), and the gate's wake-up on a
+        # first byte (a prefill backlog fell: held requests ask again).
         self._facts = prefill_facts if isinstance(gate, FlowGate) else None
         self._wake = gate.wake if self._facts is not None and isinstance(gate, FlowGate) else None
         self._config = config
@@ -386,6 +387,7 @@ class Director:
         )  # fmt: skip
         if self._facts is not None:
             job.prefill = self._prefill_question(llm_request)
+            job.cached = self._cached_question(llm_request)
         try:
             return self._gate.submit(job)
         finally:
@@ -411,6 +413,22 @@ class Director:
             return uncached, facts.backlogs(candidates)
 
         return ask
+
+    def _cached_question(self, llm_request: LLMRequest) -> Callable[[], dict[str, int]]:
+        """`Job.cached`: the request's prefix match per endpoint, asked afresh each time (a
+        band's `avoidPrefillUnlessCached`)."""
+        facts = self._facts
+        assert facts is not None
+
+        def cached() -> dict[str, int]:
+            try:
+                return facts.cached_tokens(llm_request, self._clock())
+            except Exception:  # a bug in a plugin must not kill the pump: avoid as without it
+                rid = llm_request.request_id
+                log.exception("internal error reading the prefix match of %s", rid)
+                return {}
+
+        return cached
 
     def _llm_request(self, prepared: Prepared, subset: frozenset[str] | None) -> LLMRequest:
         """The request as the scheduler sees it (`subset`: `_subset`'s for it)."""

@@ -364,7 +364,9 @@ class FlowGate:
         keep = dispatcher.kept(item, now)
         contended = dispatcher.contended(item.band, now)
         sharing = not contended and dispatcher.sharing(item.band, now)
-        room = self.headroom.room(states, band, now, job.target, keep, contended, sharing)
+        room = self.headroom.room(
+            states, band, now, job.target, keep, contended, sharing, job.cached
+        )
         if room is None:
             return False
         job.ready = room
@@ -378,7 +380,7 @@ class FlowGate:
         except NoReadyEndpoint:
             return  # the scheduler answers 503
         band = self.config.bands.of(job.criticality)
-        job.ready = list(self.headroom.spread(states, band, job.target))
+        job.ready = list(self.headroom.spread(states, band, job.target, job.cached))
 
     def _go(self, item: FlowItem[Job]) -> None:
         job = item.payload

@@ -16,7 +16,7 @@ are `flowcontrol/`'s.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -73,11 +73,14 @@ class LearningSchedulerLike(SchedulerLike, Protocol):
 class PrefillFactsLike(Protocol):
     """What `holdNewPrefixes` asks the scheduler before dispatch (`scheduling/prefillfacts.py`
     answers from its plugins): a request's prompt tokens no endpoint caches, and each
-    candidate's prefill backlog (prompt tokens sent there without a first byte back)."""
+    candidate's prefill backlog (prompt tokens sent there without a first byte back); and
+    what a band's `avoidPrefillUnlessCached` asks: the request's prefix match per endpoint."""
 
     def uncached_tokens(self, request: LLMRequest, now: float) -> int: ...
 
     def backlogs(self, endpoints: Sequence[EndpointState]) -> list[int]: ...
+
+    def cached_tokens(self, request: LLMRequest, now: float) -> dict[str, int]: ...
 
 
 class InflightLike(Protocol):
@@ -134,6 +137,9 @@ class Job:
     prefill: Callable[[list[EndpointState]], tuple[Callable[[], int] | int, list[int]]] | None = (
         None
     )
+    # A band's `avoidPrefillUnlessCached`: the request's prompt tokens each endpoint (ip:port)
+    # probably caches, asked only when needed (`flowcontrol/avoidance.py`). None: no facts.
+    cached: Callable[[], Mapping[str, int]] | None = None
     # FlowGate's: seconds the request was held in front of the queue (counted as queue time).
     held_s: float = 0.0
 

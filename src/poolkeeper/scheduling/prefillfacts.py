@@ -1,6 +1,9 @@
-"""`PrefillFacts`: what flow control's `holdNewPrefixes` asks the scheduler before dispatch.
+"""`PrefillFacts`: what flow control's `holdNewPrefixes` (and a band's
+`avoidPrefillUnlessCached`: `cached_tokens`, the prefix scorer's match per endpoint) asks the
+scheduler before dispatch.
 
-Two facts, each read from its one home in the scheduler's plugins (nothing recomputed here):
+Two facts for the hold, each read from its one home in the scheduler's plugins (nothing
+recomputed here):
 
 - `uncached_tokens(request, now)`: the request's prompt tokens less the longest prefix some
   endpoint (probably) caches, from the prefix-cache scorer's index (`PrefixCacheScorer.matched`,
@@ -32,7 +35,7 @@ from poolkeeper.scheduling.types import LLMRequest
 
 
 class PrefillFacts:
-    """The two facts for one scheduler (see the module docstring)."""
+    """The facts for one scheduler (see the module docstring)."""
 
     __slots__ = ("backlog", "prefix")
 
@@ -55,6 +58,14 @@ class PrefillFacts:
             if max(prefix.matched(cycle, request).values(), default=0) >= window:
                 return 0  # the whole window is placed: not a new prefix (module docstring)
         return request.prompt_tokens - max(cached.values(), default=0)
+
+    def cached_tokens(self, request: LLMRequest, now: float) -> dict[str, int]:
+        """ip:port -> the request's prompt tokens that endpoint probably caches (the prefix
+        scorer's `cached_tokens`; none configured: nothing cached), for a band's
+        `avoidPrefillUnlessCached` (`flowcontrol/avoidance.py`)."""
+        if self.prefix is None:
+            return {}
+        return self.prefix.cached_tokens(CycleState(now), request)
 
     def backlogs(self, endpoints: Sequence[EndpointState]) -> list[int]:
         if self.backlog is None:

@@ -58,9 +58,9 @@ def build_director(
         flow_observer=flow_observer,
     )
     scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s)
-    # `holdNewPrefixes` asks the scheduler's plugins (prefix index, prefill backlog) before
-    # dispatch; without it the Director asks nothing.
-    hold = spec.flow_control.hold_new_prefixes is not None and isinstance(gate, FlowGate)
+    # `holdNewPrefixes` and `avoidPrefillUnlessCached` ask the scheduler's plugins (prefix
+    # index, prefill backlog) before dispatch; without them the Director asks nothing.
+    hold = spec.flow_control.asks_prefill_facts and isinstance(gate, FlowGate)
     director = Director(
         datastore=datastore,
         scheduler=scheduler,

@@ -71,7 +71,7 @@ class FlowPolicy:
         self._pushed: list[str] = []  # pushed out of a full band, to reject at the next release
         hold = config.hold_new_prefixes
         self.hold: PrefixHold[LLMRequest] | None = None if hold is None else PrefixHold(hold)
-        self.facts = PrefillFacts(inner.scheduler) if hold is not None else None
+        self.facts = PrefillFacts(inner.scheduler) if config.asks_prefill_facts else None
         self._held_for: dict[str, float] = {}  # request id -> seconds held before the queue
 
     def _fits(self, item: FlowItem[_Held]) -> bool:
@@ -189,14 +189,16 @@ class FlowPolicy:
         request = item.payload.request
         self._flows[request.request_id] = (request.model, item)
         band = self.config.bands.of(item.band)
+        facts = self.facts
+        cached = None if facts is None else (lambda: facts.cached_tokens(request, now))
         if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
             contended = self.dispatcher.contended(item.band, now)
             sharing = not contended and self.dispatcher.sharing(item.band, now)
             endpoints = self.headroom.within(
-                endpoints, band, now, contended, request.target_model, sharing
+                endpoints, band, now, contended, request.target_model, sharing, cached
             )
         else:  # sent at once: only away from a prefill just sent (`avoidPrefillTokens`)
-            endpoints = self.headroom.spread(endpoints, band)
+            endpoints = self.headroom.spread(endpoints, band, cached=cached)
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

@@ -1,0 +1,81 @@
+"""`avoid_prefills`: a band's `avoidPrefillTokens` narrowing, and its prefix-aware form
+`avoidPrefillUnlessCached` (a cached prefix worth more than the wait keeps its holder)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from pydantic import ValidationError
+
+from poolkeeper.flowcontrol.avoidance import avoid_prefills
+from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
+from tests.scheduling.sched_factories import state
+
+PLAIN = BandConfig.model_validate({"avoidPrefillTokens": 256})
+AWARE = BandConfig.model_validate({"avoidPrefillTokens": 256, "avoidPrefillUnlessCached": 300})
+
+
+def _asked(found: dict[str, int]) -> tuple[list[int], Callable[[], dict[str, int]]]:
+    calls: list[int] = []
+
+    def cached() -> dict[str, int]:
+        calls.append(1)
+        return found
+
+    return calls, cached
+
+
+def test_a_holder_just_sent_a_prompt_stays_while_its_prefix_is_worth_the_wait() -> None:
+    # Shared-prefix chat: pod1 holds the request's 2,000-token system prompt and was just sent
+    # a prompt; pod2 and pod3 are clear and cache nothing of it.
+    holder, clear, other = state(1, unseen_tokens=2100), state(2), state(3)
+    found = {holder.endpoint.hostport: 2000}
+    _calls, cached = _asked(found)
+    assert avoid_prefills([holder, clear, other], PLAIN, cached=cached) == [clear, other]
+    assert avoid_prefills([holder, clear, other], AWARE, cached=cached) == [holder, clear, other]
+    # Another holder that is clear: the busy one has no advantage over it and is left out.
+    clear_holder = state(4)
+    found[clear_holder.endpoint.hostport] = 2000
+    assert avoid_prefills([holder, clear, clear_holder], AWARE, cached=cached) == [
+        clear, clear_holder]  # fmt: skip
+
+
+def test_an_advantage_below_the_margin_or_no_facts_avoids_as_before() -> None:
+    busy, clear = state(1, unseen_tokens=900), state(2)
+    # Cached 400 there, 120 on the clear one: 280 more, under the 300 tokens asked for.
+    _calls, cached = _asked({busy.endpoint.hostport: 400, clear.endpoint.hostport: 120})
+    assert avoid_prefills([busy, clear], AWARE, cached=cached) == [clear]
+    _calls, cached = _asked({busy.endpoint.hostport: 420, clear.endpoint.hostport: 120})
+    assert avoid_prefills([busy, clear], AWARE, cached=cached) == [busy, clear]  # exactly 300
+    # A unique prompt (nothing cached anywhere) and a caller without facts: narrowed.
+    _calls, cached = _asked({})
+    assert avoid_prefills([busy, clear], AWARE, cached=cached) == [clear]
+    assert avoid_prefills([busy, clear], AWARE) == [clear]
+
+
+def test_the_prefix_match_is_asked_only_when_the_narrowing_has_a_choice() -> None:
+    busy, clear = state(1, unseen_tokens=900), state(2)
+    calls, cached = _asked({})
+    assert avoid_prefills([clear, state(3)], AWARE, cached=cached) == [clear, state(3)]
+    assert avoid_prefills([busy, state(3, unseen_tokens=500)], AWARE, cached=cached) == [
+        busy, state(3, unseen_tokens=500)]  # fmt: skip
+    assert avoid_prefills([busy], AWARE, cached=cached) == [busy]
+    assert avoid_prefills([busy, clear], PLAIN, cached=cached) == [clear]
+    assert calls == []
+    avoid_prefills([busy, clear], AWARE, cached=cached)
+    assert calls == [1]
+
+
+def test_unless_cached_without_avoid_prefill_tokens_is_a_precise_error() -> None:
+    with pytest.raises(ValidationError, match=r"avoidPrefillUnlessCached \(256\) takes effect"):
+        FlowControlConfig.model_validate({"bands": {"standard": {"avoidPrefillUnlessCached": 256}}})
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        BandConfig.model_validate({"avoidPrefillTokens": 256, "avoidPrefillUnlessCached": 0})
+    # Critical has avoidPrefillTokens by default: the margin alone is enough there.
+    config = FlowControlConfig.model_validate(
+        {"holdNewPrefixes": None, "bands": {"critical": {"avoidPrefillUnlessCached": 256}}}
+    )
+    assert config.bands.critical.avoid_prefill_unless_cached == 256
+    assert config.asks_prefill_facts  # the Director reads the prefix facts for it
+    assert not FlowControlConfig.model_validate({"holdNewPrefixes": None}).asks_prefill_facts

@@ -360,9 +360,13 @@ class FlowControlConfig(CamelModel, use_attribute_docstrings=True):
         """Whether flow control reads the scheduler's prefix facts before dispatch
         (`scheduling/prefillfacts.py`): for `holdNewPrefixes`, or a band's
         `avoidPrefillUnlessCached`."""
+        return self.enabled and (self.hold_new_prefixes is not None or self.prefix_aware)
+
+    @property
+    def prefix_aware(self) -> bool:
+        """Some band sets `avoidPrefillUnlessCached` (it reads the request's prefix match)."""
         bands = (self.bands.critical, self.bands.standard, self.bands.sheddable)
-        prefix_aware = any(b.avoid_prefill_unless_cached is not None for b in bands)
-        return self.enabled and (self.hold_new_prefixes is not None or prefix_aware)
+        return any(b.avoid_prefill_unless_cached is not None for b in bands)
 
     def weight(self, flow: str) -> float:
         return self.model_weights.get(flow, 1.0)

@@ -177,11 +177,16 @@ class Director:
         )
         self._inflight = inflight
         self._gate = gate
-        # `holdNewPrefixes` (flow control): the facts a held request is asked about (and a
-        # band's `avoidPrefillUnlessCached`: the prefix match), and the gate's wake-up on a
-        # first byte (a prefill backlog fell: held requests ask again).
+        # The scheduler's facts flow control asks before dispatch, and only what its config
+        # reads: `holdNewPrefixes` the held request's prefill question (and the gate's
+        # wake-up on a first byte: a prefill backlog fell, held requests ask again), a band's
+        # `avoidPrefillUnlessCached` the prefix match. Nothing else is built per request.
         self._facts = prefill_facts if isinstance(gate, FlowGate) else None
-        self._wake = gate.wake if self._facts is not None and isinstance(gate, FlowGate) else None
+        flow = gate.config if isinstance(gate, FlowGate) else None
+        holds = self._facts is not None and flow is not None and flow.hold_new_prefixes is not None
+        self._asks_prefill = holds
+        self._asks_cached = self._facts is not None and flow is not None and flow.prefix_aware
+        self._wake = gate.wake if holds and isinstance(gate, FlowGate) else None
         self._config = config
         # Each control header's spellings the operator trusts, llm-d's first: looked up on
         # every request, so worked out once.
@@ -385,8 +390,9 @@ class Director:
             flow, parsed.prompt_tokens, len(request.body), states, run, self._abandon,
             priority=prepared.priority or 0, max_tokens=parsed.max_tokens,
         )  # fmt: skip
-        if self._facts is not None:
+        if self._asks_prefill:
             job.prefill = self._prefill_question(llm_request)
+        if self._asks_cached:
             job.cached = self._cached_question(llm_request)
         try:
             return self._gate.submit(job)

@@ -1,7 +1,10 @@
 """SIGTERM on the leader, through the real shutdown path: two `poolkeeper serve --kubernetes`
 processes against the fake API server; the leader is sent SIGTERM and the follower must hold
-the Lease within 3 s (default timings: 15 s lease, 2 s retry), while the leader, draining,
-answers readiness NOT_SERVING and keeps ext_proc up for its `--drain-timeout`, then exits 0.
+the Lease because the leader released it, not because it expired (default timings: 15 s lease,
+2 s renew and retry: an expiry takes 13 s or more, a release is taken at the follower's next
+retry, within about 2 s; the bound below leaves room for a loaded machine). Meanwhile the
+leader, draining, answers readiness NOT_SERVING and keeps ext_proc up for its
+`--drain-timeout`, then exits 0.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ async def _poll(check: Any, what: str, *, limit: int = 1200) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def test_sigterm_on_the_leader_hands_the_lease_over_within_3s(
+async def test_sigterm_on_the_leader_hands_the_lease_over_before_the_lease_expires(
     fake: FakeApiServer, tmp_path: Path
 ) -> None:
     fake.put(pool_obj(), "inferencepools")
@@ -89,9 +92,10 @@ async def test_sigterm_on_the_leader_hands_the_lease_over_within_3s(
         leader.send_signal(signal.SIGTERM)
         loop = asyncio.get_running_loop()
         sent = loop.time()
-        await _poll(lambda: _holder(fake) == "epp-b", "epp-b to hold the Lease", limit=400)
+        await _poll(lambda: _holder(fake) == "epp-b", "epp-b to hold the Lease", limit=480)
         handover = loop.time() - sent
-        assert handover < 3.0, f"handover took {handover:.1f}s"
+        # Not a timing check: anything under the 13 s an expiry needs shows the release path.
+        assert handover < 10.0, f"handover took {handover:.1f}s (an expiry, not a release?)"
         # Still draining (--drain-timeout 3): health answers, NOT_SERVING.
         if leader.returncode is None:
             status = await check_health(f"127.0.0.1:{leader_health}", "readiness")

@@ -161,6 +161,16 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     caches is narrowed as without it. Set for Standard with `avoidPrefillTokens`, it moves
     Standard off the servers Critical's avoidance leaves it without breaking shared-prefix
     affinity (measured, not a default: docs/notes/2026-12-07-standard-placement.md)."""
+    avoid_prefill_slowdown: float | None = Field(default=None, ge=1.0, le=100.0)
+    """Off by default (null). With `avoidPrefillTokens`: an endpoint just sent a long prompt
+    is avoided only while some endpoint that was not is about as fast: its observed seconds
+    per output token (the router's own, `EndpointState.seconds_per_output_token`) at most
+    this many times the busy one's. Where none is, the busy endpoint stays a candidate: on a
+    fleet of mixed speeds the fast servers are sent the most prompts, so they are the ones
+    just sent one, and the plain narrowing moved requests to servers twice as slow
+    (docs/notes/2026-12-07-standard-placement-speed.md). Nothing is narrowed while some
+    endpoint has no observation yet, or on servers running LoRA adapters (a request there
+    waits for an adapter slot, which the speeds do not show)."""
 
     @property
     def lifo_after_s(self) -> float | None:
@@ -171,6 +181,11 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
         if self.avoid_prefill_unless_cached is not None and self.avoid_prefill_tokens is None:
             raise ValueError(
                 f"avoidPrefillUnlessCached ({self.avoid_prefill_unless_cached}) takes effect "
+                "only with avoidPrefillTokens (unset for this band: it would be ignored)"
+            )
+        if self.avoid_prefill_slowdown is not None and self.avoid_prefill_tokens is None:
+            raise ValueError(
+                f"avoidPrefillSlowdown ({self.avoid_prefill_slowdown:g}) takes effect "
                 "only with avoidPrefillTokens (unset for this band: it would be ignored)"
             )
         return self

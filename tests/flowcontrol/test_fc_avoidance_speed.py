@@ -89,3 +89,12 @@ def test_every_placement_path_of_the_headroom_applies_it() -> None:
     assert headroom.within([fast, slow, other], band, NOW) == [slow, other]
     assert list(headroom.spread([fast, slow], band)) == [fast, slow]
     assert headroom.spread([fast, slow, other], band) == [slow, other]
+
+
+def test_too_few_clear_candidates_are_not_narrowed_to() -> None:
+    band = BandConfig.model_validate({"avoidPrefillTokens": 256, "avoidPrefillMinClear": 2})
+    busy, clear, other = fleet(1, 0.01, 900), fleet(2, 0.01), fleet(3, 0.01)
+    assert avoid_prefills([busy, clear], band) == [busy, clear]  # one clear: left as it is
+    assert avoid_prefills([busy, clear, other], band) == [clear, other]
+    with pytest.raises(ValidationError, match=r"avoidPrefillMinClear \(8\) takes effect"):
+        FlowControlConfig.model_validate({"bands": {"standard": {"avoidPrefillMinClear": 8}}})

@@ -29,7 +29,10 @@ they are the ones just sent one: the plain narrowing moved Standard onto servers
 On identical servers some clear server is nearly always as fast, so it narrows there as the
 plain rule does. Where speeds cannot be compared (an endpoint not observed yet, servers
 running LoRA adapters: a request there waits for an adapter slot, which speeds do not show)
-nothing is narrowed. Measured: docs/notes/2026-12-07-standard-placement-speed.md.
+nothing is narrowed. With `avoidPrefillMinClear`, nothing is narrowed while fewer candidates
+than that are clear: narrowing to a few piles the band onto them (8 servers: at most 7 clear;
+64 servers at 1.1x: 16-64, mostly over 40). Measured:
+docs/notes/2026-12-07-standard-placement-speed.md.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def avoid_prefills(
     clear = [s for s in states if s.unseen_tokens < limit]
     if not clear or len(clear) == len(states):
         return states
+    if len(clear) < (band.avoid_prefill_min_clear or 0):
+        return states  # too few to spread the band over (`avoidPrefillMinClear`)
     if adapter is not None:
         runs = any(adapter in s.metrics.active_adapters for s in states)
         if runs and not any(adapter in s.metrics.active_adapters for s in clear):

@@ -172,6 +172,14 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     endpoint has no observation yet, or on servers running LoRA adapters (a request there
     waits for an adapter slot, which the speeds do not show)."""
 
+    avoid_prefill_min_clear: int | None = Field(default=None, ge=1, le=100_000)
+    """Off by default (null). With `avoidPrefillTokens`: narrow only while at least this many
+    candidates were not just sent a long prompt. Narrowing a band to a few endpoints piles
+    its requests onto them: on 8 servers, where at most 7 are clear, Standard's narrowing
+    cost up to 7 % p90 TTFT on mixed speeds and 0.3-0.6 % goodput at 1.1x, while on 64 servers,
+    where 16-64 are clear, it is what puts Standard under round-robin on mixed criticality
+    (docs/notes/2026-12-07-standard-placement-speed.md)."""
+
     @property
     def lifo_after_s(self) -> float | None:
         return None if self.lifo_after_ms is None else self.lifo_after_ms / 1000.0
@@ -186,6 +194,11 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
         if self.avoid_prefill_slowdown is not None and self.avoid_prefill_tokens is None:
             raise ValueError(
                 f"avoidPrefillSlowdown ({self.avoid_prefill_slowdown:g}) takes effect "
+                "only with avoidPrefillTokens (unset for this band: it would be ignored)"
+            )
+        if self.avoid_prefill_min_clear is not None and self.avoid_prefill_tokens is None:
+            raise ValueError(
+                f"avoidPrefillMinClear ({self.avoid_prefill_min_clear}) takes effect "
                 "only with avoidPrefillTokens (unset for this band: it would be ignored)"
             )
         return self

@@ -70,7 +70,7 @@ def test_a_cached_holder_stays_beside_the_speed_rule() -> None:
 
 def test_slowdown_without_avoid_prefill_tokens_is_a_precise_error() -> None:
     with pytest.raises(ValidationError, match=r"avoidPrefillSlowdown \(1.5\) takes effect"):
-        FlowControlConfig.model_validate({"bands": {"standard": {"avoidPrefillSlowdown": 1.5}}})
+        FlowControlConfig.model_validate({"bands": {"sheddable": {"avoidPrefillSlowdown": 1.5}}})
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         BandConfig.model_validate({"avoidPrefillTokens": 256, "avoidPrefillSlowdown": 0.9})
 
@@ -79,9 +79,7 @@ def test_every_placement_path_of_the_headroom_applies_it() -> None:
     # The EPP's gate reads `room` (queued bands) and `spread` (sent at once); the virtual
     # fleet's policy reads `within`.
     headroom = Headroom(SaturationDetector())
-    band = FlowControlConfig.model_validate(
-        {"bands": {"standard": {"avoidPrefillTokens": 256, "avoidPrefillSlowdown": 1}}}
-    ).bands.standard
+    band = BandConfig.model_validate({"avoidPrefillTokens": 256, "avoidPrefillSlowdown": 1})
     fast, slow, other = fleet(1, 0.005, unseen_tokens=900), fleet(2, 0.01), fleet(3, 0.005)
     assert headroom.room([fast, slow], band, NOW) == [fast, slow]
     assert headroom.room([fast, slow, other], band, NOW) == [slow, other]
@@ -97,4 +95,27 @@ def test_too_few_clear_candidates_are_not_narrowed_to() -> None:
     assert avoid_prefills([busy, clear], band) == [busy, clear]  # one clear: left as it is
     assert avoid_prefills([busy, clear, other], band) == [clear, other]
     with pytest.raises(ValidationError, match=r"avoidPrefillMinClear \(8\) takes effect"):
-        FlowControlConfig.model_validate({"bands": {"standard": {"avoidPrefillMinClear": 8}}})
+        FlowControlConfig.model_validate({"bands": {"sheddable": {"avoidPrefillMinClear": 8}}})
+
+
+def test_standard_avoids_a_prompt_just_sent_where_eight_servers_are_clear_by_default() -> None:
+    standard = FlowControlConfig().bands.standard
+    assert (
+        standard.avoid_prefill_tokens,
+        standard.avoid_prefill_unless_cached,
+        standard.avoid_prefill_slowdown,
+        standard.avoid_prefill_min_clear,
+    ) == (256, 256, 1.0, 8)
+    busy = fleet(1, 0.01, 900)
+    clear = [fleet(i, 0.01) for i in range(2, 10)]
+    assert avoid_prefills([busy, *clear], standard) == clear
+    assert avoid_prefills([busy, *clear[:7]], standard) == [busy, *clear[:7]]  # 7 clear
+    # Turning the avoidance off takes its default refinements along (no error about them);
+    # a refinement set beside it still says it would be ignored.
+    off = FlowControlConfig.model_validate({"bands": {"standard": {"avoidPrefillTokens": None}}})
+    assert off.bands.standard.avoid_prefill_tokens is None
+    assert off.bands.standard.avoid_prefill_min_clear is None
+    with pytest.raises(ValidationError, match=r"avoidPrefillSlowdown \(2\) takes effect"):
+        FlowControlConfig.model_validate(
+            {"bands": {"standard": {"avoidPrefillTokens": None, "avoidPrefillSlowdown": 2}}}
+        )

@@ -66,6 +66,16 @@ def test_a_cached_holder_stays_beside_the_speed_rule() -> None:
 
     assert avoid_prefills([holder, clear], both, cached=cached) == [holder, clear]
     assert avoid_prefills([holder, clear], SPEED, cached=cached) == [clear]
+    # Where speeds cannot be compared nothing is narrowed, and the match is not asked.
+    asked: list[int] = []
+
+    def counted() -> dict[str, int]:
+        asked.append(1)
+        return {}
+
+    unobserved = fleet(3, None)
+    assert avoid_prefills([holder, unobserved], both, cached=counted) == [holder, unobserved]
+    assert asked == []
 
 
 def test_slowdown_without_avoid_prefill_tokens_is_a_precise_error() -> None:

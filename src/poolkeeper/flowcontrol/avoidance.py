@@ -73,17 +73,17 @@ def avoid_prefills(
             # there for an adapter slot behind the batch (a slot-bound fleet).
             return states
     keep: set[str] = set()
+    slowdown = band.avoid_prefill_slowdown
+    if slowdown is not None:  # first: where it narrows nothing, the prefix match is not asked
+        as_fast = as_fast_as_clear(states, limit, slowdown)
+        if as_fast is None:
+            return states
+        keep.update(as_fast)
     margin = band.avoid_prefill_unless_cached
     if margin is not None and cached is not None:
         found = cached()
         best = max((found.get(s.endpoint.hostport, 0) for s in clear), default=0)
         keep.update(k for k, n in found.items() if n >= best + margin)
-    slowdown = band.avoid_prefill_slowdown
-    if slowdown is not None:
-        as_fast = as_fast_as_clear(states, limit, slowdown)
-        if as_fast is None:
-            return states
-        keep.update(as_fast)
     if not keep:
         return clear
     return [s for s in states if s.unseen_tokens < limit or s.endpoint.hostport in keep]

@@ -23,7 +23,13 @@ def _request(rid: str, group: str) -> LLMRequest:
 def test_standard_avoidance_keeps_a_busy_prefix_holder_only_when_prefix_aware(
     unless_cached: int | None, to_holder: bool
 ) -> None:
-    band = {"avoidPrefillTokens": 256, "avoidPrefillUnlessCached": unless_cached}
+    # Standard's default speed and count refinements off: the two forms alone.
+    band = {
+        "avoidPrefillTokens": 256,
+        "avoidPrefillUnlessCached": unless_cached,
+        "avoidPrefillSlowdown": None,
+        "avoidPrefillMinClear": None,
+    }
     config = FlowControlConfig.model_validate(
         {"holdNewPrefixes": None, "bands": {"standard": band}}
     )

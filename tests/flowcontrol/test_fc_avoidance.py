@@ -69,7 +69,9 @@ def test_the_prefix_match_is_asked_only_when_the_narrowing_has_a_choice() -> Non
 
 def test_unless_cached_without_avoid_prefill_tokens_is_a_precise_error() -> None:
     with pytest.raises(ValidationError, match=r"avoidPrefillUnlessCached \(256\) takes effect"):
-        FlowControlConfig.model_validate({"bands": {"standard": {"avoidPrefillUnlessCached": 256}}})
+        FlowControlConfig.model_validate(
+            {"bands": {"sheddable": {"avoidPrefillUnlessCached": 256}}}
+        )
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         BandConfig.model_validate({"avoidPrefillTokens": 256, "avoidPrefillUnlessCached": 0})
     # Critical has avoidPrefillTokens by default: the margin alone is enough there.
@@ -78,4 +80,7 @@ def test_unless_cached_without_avoid_prefill_tokens_is_a_precise_error() -> None
     )
     assert config.bands.critical.avoid_prefill_unless_cached == 256
     assert config.asks_prefill_facts  # the Director reads the prefix facts for it
-    assert not FlowControlConfig.model_validate({"holdNewPrefixes": None}).asks_prefill_facts
+    # Standard's default sets it too; off with the hold and Standard's avoidance, no facts.
+    assert FlowControlConfig.model_validate({"holdNewPrefixes": None}).asks_prefill_facts
+    plain = {"holdNewPrefixes": None, "bands": {"standard": {"avoidPrefillTokens": None}}}
+    assert not FlowControlConfig.model_validate(plain).asks_prefill_facts

@@ -264,9 +264,9 @@ def test_a_band_with_avoid_prefill_tokens_is_placed_away_from_a_long_prompt_just
     assert h.spread([prefilling], critical) == [prefilling]  # never none
     assert h.spread([prefilling, state(4, unseen_tokens=300)], critical) == [
         prefilling, state(4, unseen_tokens=300)]  # fmt: skip
-    # The other bands leave it to the scheduler (null), and a queueing band set with it
-    # gets it in `room` and `within` too.
-    assert STANDARD.avoid_prefill_tokens is None
+    # Standard has it only where 8 or more endpoints are clear (`avoidPrefillMinClear`),
+    # Sheddable not at all; a queueing band set with it gets it in `room` and `within` too.
+    assert (STANDARD.avoid_prefill_tokens, STANDARD.avoid_prefill_min_clear) == (256, 8)
     assert h.room([prefilling, quiet], STANDARD, NOW) == [prefilling, quiet]
     avoiding = BandConfig.model_validate({"dispatch": "saturation", "avoidPrefillTokens": 256})
     assert h.room([prefilling, quiet], avoiding, NOW) == [quiet]

@@ -161,6 +161,24 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     caches is narrowed as without it. Set for Standard with `avoidPrefillTokens`, it moves
     Standard off the servers Critical's avoidance leaves it without breaking shared-prefix
     affinity (measured, not a default: docs/notes/2026-12-07-standard-placement.md)."""
+    avoid_prefill_slowdown: float | None = Field(default=None, ge=1.0, le=100.0)
+    """Off by default (null). With `avoidPrefillTokens`: an endpoint just sent a long prompt
+    is avoided only while some endpoint that was not is about as fast: its observed seconds
+    per output token (the router's own, `EndpointState.seconds_per_output_token`) at most
+    this many times the busy one's. Where none is, the busy endpoint stays a candidate: on a
+    fleet of mixed speeds the fast servers are sent the most prompts, so they are the ones
+    just sent one, and the plain narrowing moved requests to servers twice as slow
+    (docs/notes/2026-12-07-standard-placement-speed.md). Nothing is narrowed while some
+    endpoint has no observation yet, or on servers running LoRA adapters (a request there
+    waits for an adapter slot, which the speeds do not show)."""
+
+    avoid_prefill_min_clear: int | None = Field(default=None, ge=1, le=100_000)
+    """Off by default (null). With `avoidPrefillTokens`: narrow only while at least this many
+    candidates were not just sent a long prompt. Narrowing a band to a few endpoints piles
+    its requests onto them: on 8 servers, where at most 7 are clear, Standard's narrowing
+    cost up to 7 % p90 TTFT on mixed speeds and 0.3-0.6 % goodput at 1.1x, while on 64 servers,
+    where 16-64 are clear, it is what puts Standard under round-robin on mixed criticality
+    (docs/notes/2026-12-07-standard-placement-speed.md)."""
 
     @property
     def lifo_after_s(self) -> float | None:
@@ -171,6 +189,16 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
         if self.avoid_prefill_unless_cached is not None and self.avoid_prefill_tokens is None:
             raise ValueError(
                 f"avoidPrefillUnlessCached ({self.avoid_prefill_unless_cached}) takes effect "
+                "only with avoidPrefillTokens (unset for this band: it would be ignored)"
+            )
+        if self.avoid_prefill_slowdown is not None and self.avoid_prefill_tokens is None:
+            raise ValueError(
+                f"avoidPrefillSlowdown ({self.avoid_prefill_slowdown:g}) takes effect "
+                "only with avoidPrefillTokens (unset for this band: it would be ignored)"
+            )
+        if self.avoid_prefill_min_clear is not None and self.avoid_prefill_tokens is None:
+            raise ValueError(
+                f"avoidPrefillMinClear ({self.avoid_prefill_min_clear}) takes effect "
                 "only with avoidPrefillTokens (unset for this band: it would be ignored)"
             )
         return self
@@ -218,6 +246,14 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
                 "ttlMs": 30_000,
                 "lifoAfterMs": 200,
                 "overloadTtlMs": 300,
+                # Away from a prompt just sent, as Critical, where 8 or more servers are
+                # clear, not away from a cached prefix or to a slower server: on 64 servers
+                # Critical's avoidance otherwise leaves Standard the busy ones (mixed
+                # criticality: 1.02x / 1.06x round-robin's p90 at 0.9x / 1.1x).
+                "avoidPrefillTokens": 256,
+                "avoidPrefillUnlessCached": 256,
+                "avoidPrefillSlowdown": 1.0,
+                "avoidPrefillMinClear": 8,
             }
         ),
         "sheddable": MappingProxyType(
@@ -239,6 +275,14 @@ BAND_DEFAULTS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
 )
 
 
+# Keys that refine `avoidPrefillTokens` (each an error without it).
+_AVOIDANCE_REFINEMENTS: Final = (
+    "avoidPrefillUnlessCached",
+    "avoidPrefillSlowdown",
+    "avoidPrefillMinClear",
+)
+
+
 def _band(name: str) -> BandConfig:
     return BandConfig.model_validate(dict(BAND_DEFAULTS[name]))
 
@@ -255,7 +299,10 @@ class Bands(CamelModel, use_attribute_docstrings=True):
     """Default: queue while no endpoint can start the request (`dispatch: slot`) or is below
     1.2 (6 waiting requests); 30 s TTL; refused early when the queue ahead cannot drain within
     the TTL; for a flow whose requests keep growing (open-loop overload, `onlyWhileGrowing`),
-    newest first after 200 ms and 300 ms once it has waited 3 s without a break."""
+    newest first after 200 ms and 300 ms once it has waited 3 s without a break; placed
+    away from a server just sent a long prompt (`avoidPrefillTokens: 256`) while 8 or more
+    are clear (`avoidPrefillMinClear`), unless that server caches 256 more of the prompt
+    (`avoidPrefillUnlessCached`) or no clear one is as fast (`avoidPrefillSlowdown: 1`)."""
     sheddable: BandConfig = Field(default_factory=lambda: _band("sheddable"))
     """Default: queue while every endpoint has a request waiting (or sent since its last
     scrape) or KV at 80%: servers keep no queue of Sheddable work, so Critical requests sent
@@ -270,7 +317,15 @@ class Bands(CamelModel, use_attribute_docstrings=True):
         for name, defaults in BAND_DEFAULTS.items():
             given = data.get(name)
             if isinstance(given, dict):
-                merged[name] = {**defaults, **given}
+                band = {**defaults, **given}
+                off = ("avoidPrefillTokens", "avoid_prefill_tokens")
+                if any(k in given and given[k] is None for k in off):
+                    # The avoidance off takes the refinements it defaults with along; one the
+                    # user sets stays, and its error says it would be ignored.
+                    for key in _AVOIDANCE_REFINEMENTS:
+                        if key not in given:
+                            band.pop(key, None)
+                merged[name] = band
         return merged
 
     def of(self, criticality: Criticality) -> BandConfig:

@@ -191,6 +191,10 @@ class FlowPolicy:
         band = self.config.bands.of(item.band)
         facts = self.facts
         cached = None if facts is None else (lambda: facts.cached_tokens(request, now))
+        if band.avoid_prefill_slowdown is not None and len(self.inner.speed):
+            # The EPP's states carry the observed speed (the in-flight tracker's); here the
+            # inner policy applies it at `pick`, after this narrowing: apply it first.
+            endpoints = self.inner.speed.apply(endpoints)
         if band.mode is not BandMode.SEND:  # where the headroom is, as the Director does
             contended = self.dispatcher.contended(item.band, now)
             sharing = not contended and self.dispatcher.sharing(item.band, now)

@@ -225,3 +225,18 @@ def test_backlog_scores_are_the_per_term_passes_bit_for_bit(params: dict[str, An
             scorer.observe_first_token(f"r{rng.randrange(i + 1)}", None, now + 0.005)
     if scorer.fade_from == 0.5:
         assert faded > 0  # the fade's blend was compared, not only its ends
+
+
+def test_speed_bar_is_worked_out_once_per_decision_and_candidates() -> None:
+    pool = _pool(random.Random(1), 6)  # three of six observed
+    cycle = CycleState(NOW)
+    first = speed_bar(pool, 1.3, cycle)
+    assert first is not None
+    assert first == speed_bar(pool, 1.3)  # the rule itself, uncached
+    assert speed_bar(pool, 1.3, cycle) is first  # the second scorer reads the first's
+    other = list(pool)  # another profile's candidates (same endpoints): worked out again
+    assert speed_bar(other, 1.3, cycle) == first
+    assert speed_bar(other, 1.3, cycle) is not first
+    assert speed_bar(pool, 2.0, cycle) == speed_bar(pool, 2.0)  # another slack: its own
+    unobserved = [EndpointState(s.endpoint, s.metrics) for s in pool]
+    assert speed_bar(unobserved, 1.3) is None

@@ -176,15 +176,18 @@ class PrefillBacklogScorer(NamedPlugin):
     ) -> list[float]:
         """The prefill (tokens, at the fastest endpoint's speed) a request would wait for on
         each candidate, in order."""
-        own = float(request.prompt_tokens + self.base_tokens)
+        own = request.prompt_tokens + self.base_tokens
         target, miss = request.target_model, self.adapter_tokens
         cached = self._cached_tokens(cycle, request)
         backlog = self.backlog.snapshot()
         ahead = backlog.get
         # One comprehension over the candidates for the whole sum (residency, prefix hit,
-        # backlog), the same float operations in the same order as one pass per term: at
-        # 1,000 candidates each pass cost 30-60 us. A prompt nothing caches (most misses)
-        # skips the hit's lookup.
+        # backlog) rather than one pass per term: at 1,000 candidates each pass cost 30-60 us.
+        # A prompt nothing caches (most misses) skips the hit's lookup. In integers: every
+        # term is a token count, so the sums are exact either way (far below 2**53) and the
+        # floats made of them later are the same, but int and float mixed in one operation
+        # take the interpreter's slow path (10 % of this pass).
+        costs: list[float]  # (of ints, until a rate or a speed divides them)
         if cached:
             hit = cached.get
             if miss:
@@ -220,7 +223,7 @@ class PrefillBacklogScorer(NamedPlugin):
                 for c, s in zip(costs, candidates, strict=True)
             ]
         if self.slack is not None:
-            return self._slowed(costs, candidates, self.slack)
+            return self._slowed(costs, candidates, self.slack, cycle)
         return costs
 
     def _drained(self, costs: list[float], candidates: Sequence[EndpointState]) -> list[float]:
@@ -236,11 +239,12 @@ class PrefillBacklogScorer(NamedPlugin):
 
     @staticmethod
     def _slowed(
-        costs: list[float], candidates: Sequence[EndpointState], slack: float
+        costs: list[float], candidates: Sequence[EndpointState], slack: float, cycle: CycleState
     ) -> list[float]:
         """Costs scaled by each endpoint's observed seconds per output token over `slack` x
-        the fastest's (`speed_bar`, `observed-speed-scorer`'s rule); unobserved ones are fast."""
-        found = speed_bar(candidates, slack)
+        the fastest's (`speed_bar`, `observed-speed-scorer`'s rule, shared with it through the
+        cycle); unobserved ones are fast."""
+        found = speed_bar(candidates, slack, cycle)
         if found is None:
             return costs
         speeds, bar = found

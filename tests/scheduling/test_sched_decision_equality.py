@@ -17,13 +17,15 @@ import pytest
 from hypothesis import given, strategies as st
 
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.load import STALE, effective_kv, saturations
 from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+from poolkeeper.scheduling.plugins.filters import SaturationFilter
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.plugins.scorers import speed_bar
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.scheduling.wsum import MAX_INLINE, weighted_sum
-from tests.scheduling.sched_factories import NOW, request, scheduler, state
+from tests.scheduling.sched_factories import NOW, plugin, request, scheduler, state
 
 FLOATS = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
 
@@ -240,3 +242,74 @@ def test_speed_bar_is_worked_out_once_per_decision_and_candidates() -> None:
     assert speed_bar(pool, 2.0, cycle) == speed_bar(pool, 2.0)  # another slack: its own
     unobserved = [EndpointState(s.endpoint, s.metrics) for s in pool]
     assert speed_bar(unobserved, 1.3) is None
+
+
+# --- the saturation filter's batch path: the former loop, `_full` and the KV test per endpoint
+
+
+def _reference_saturation(
+    f: SaturationFilter, cycle: CycleState, cands: Sequence[EndpointState]
+) -> Sequence[EndpointState]:
+    p = f.params
+    values = saturations(
+        cands,
+        now=cycle.now,
+        staleness_s=f.staleness_s,
+        queue_threshold=p.queue_depth_threshold,
+        kv_threshold=p.kv_cache_util_threshold,
+        count_unseen=p.count_unseen,
+    )
+    kv_limit = f.limit * p.kv_cache_util_threshold
+    kept: list[EndpointState] = []
+    for s, v in zip(cands, values, strict=True):
+        if v == STALE:
+            continue
+        full = f._full(s)
+        if effective_kv(s, p.count_unseen) >= kv_limit:
+            continue
+        if not (full and v >= f.limit):
+            kept.append(s)
+    return cands if not kept or len(kept) == len(cands) else kept
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0, "headroom": 1,
+         "learnMaxNumSeqs": True},
+        {"queueDepthThreshold": 2, "kvCacheUtilThreshold": 0.8, "headroom": 0.2,
+         "learnMaxNumSeqs": True},
+        {"maxNumSeqs": 8, "kvCacheUtilThreshold": 0.5, "headroom": 0.5},
+        {"maxNumSeqs": 8, "kvCacheUtilThreshold": 0.5, "headroom": 1},  # KV limit exactly 1
+    ],
+)  # fmt: skip
+def test_saturation_filter_batch_path_is_the_former_loop(params: dict[str, Any]) -> None:
+    new, reference = plugin("saturation-filter", params), plugin("saturation-filter", params)
+    rng = random.Random(23)
+    n = 6
+    running = [rng.randrange(4, 9) for _ in range(n)]
+    differing = 0
+    for step in range(300):
+        now = NOW + 0.05 * step
+        pool = []
+        for i in range(n):  # each scrape moves a little: batches fill, queues shrink
+            running[i] = max(0, min(8, running[i] + rng.choice([-1, 0, 0, 1])))
+            pool.append(
+                state(
+                    i + 1,
+                    waiting=rng.randrange(4) if running[i] >= 7 else 0,
+                    running=running[i],
+                    kv=rng.choice([rng.random(), 0.99, float("nan")]),
+                    unseen=rng.randrange(3),
+                    unseen_tokens=rng.choice([0, 5000]),
+                    num_gpu_blocks=1000,
+                    block_size=16,
+                    updated_at=now - rng.choice([0.01, 0.01, 0.3]),
+                )
+            )
+        got = new.filter(CycleState(now), request(), pool)
+        assert [s.key for s in got] == [
+            s.key for s in _reference_saturation(reference, CycleState(now), pool)
+        ]
+        differing += len(got) != len(pool)
+    assert differing > 10  # the filter dropped endpoints, not only passed all

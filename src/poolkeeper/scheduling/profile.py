@@ -11,10 +11,8 @@ metrics); the scheduler attaches its own, shared by all its profiles.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import mul
 from time import perf_counter
 
 from poolkeeper.datastore.endpoint import EndpointState
@@ -39,6 +37,7 @@ from poolkeeper.scheduling.stats import (
     SchedulingStats,
 )
 from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.scheduling.wsum import weighted_sum
 
 # What a scorer returns for "the same for every candidate". A tuple, not `float | int`,
 # which builds a new union object at every evaluation (each scorer of each request).
@@ -157,9 +156,11 @@ class SchedulerProfile:
             if not cands:
                 return None
         n = len(cands)
-        # Weighted score columns, summed in one C-level pass at the end (zip + sum): cheaper
-        # than a running total rebuilt per scorer. Constant scores fold into `offset`.
-        parts: list[Iterable[float]] = []
+        # Weighted score columns (raw values and their factors), summed in one pass at the
+        # end (`wsum.py`): cheaper than a running total rebuilt per scorer. Constant scores
+        # fold into `offset`.
+        columns: list[Sequence[float]] = []
+        factors: list[float] = []
         offset = 0.0
         for score, record, w, bounded, scorer in self._scorer_calls:
             began = clock()
@@ -178,22 +179,16 @@ class SchedulerProfile:
             if isinstance(scores, AffineScores):
                 if bounded:
                     offset += w * scores.offset
-                    factor = w * scores.scale
-                    parts.append(map(mul, scores.values, repeat(factor)))
+                    columns.append(scores.values)
+                    factors.append(w * scores.scale)
                     continue
                 scores = scores.materialize()
             if not bounded:
                 scores = [clamp_unit(v) for v in scores]
-            parts.append(scores if w == 1.0 else map(mul, scores, repeat(w)))
-        if offset:
-            parts.append(repeat(offset, n))
+            columns.append(scores)
+            factors.append(w)
         # (an affine scorer's offset alone is not a constant ranking: its scaled values follow)
-        if not parts:
-            total = [0.0] * n
-        elif len(parts) == 1:
-            total = list(parts[0])
-        else:
-            total = list(map(sum, zip(*parts, strict=True)))
+        total = weighted_sum(columns, factors, offset, n)
         pick, record = self._picker_call
         began = clock()
         picked = pick(cands, total)

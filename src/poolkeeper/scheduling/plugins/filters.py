@@ -303,13 +303,21 @@ class SaturationFilter(NamedPlugin):
         # With a batch size the queue counts only on a full batch: an endpoint is dropped
         # when stale, for its KV, or (`queued`) for its queue on a full batch.
         kv_limit = limit * p.kv_cache_util_threshold
+        # `effective_kv` is at most 1: above that no endpoint goes for its KV (the default's
+        # limit is 2), and the test is skipped, a call per candidate.
+        kv_test, count_unseen = kv_limit <= 1.0, p.count_unseen
+        # `_full` inline (a method call fewer per candidate): the batch size once.
+        slots = p.max_num_seqs
+        learned = self.batches.slots if slots is None and self.batches is not None else None
         kept: list[EndpointState] = []
         queued: list[EndpointState] = []
         for s, v in zip(candidates, values, strict=True):
             if v == STALE:
                 continue
-            full = self._full(s)  # read every fresh scrape: it teaches the learned batch
-            if effective_kv(s, p.count_unseen) >= kv_limit:
+            # read every fresh scrape: it teaches the learned batch
+            n = slots if learned is None else learned(s)
+            full = n is not None and s.metrics.running + s.unseen_answered >= n
+            if kv_test and effective_kv(s, count_unseen) >= kv_limit:
                 continue
             (queued if full and v >= limit else kept).append(s)
         if not kept or len(kept) == len(candidates):

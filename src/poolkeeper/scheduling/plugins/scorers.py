@@ -224,7 +224,8 @@ class LoraAffinityScorer(NamedPlugin):
             else waiting
             if model in m.waiting_adapters
             else 0.0
-            for m in [s.metrics for s in candidates]
+            for s in candidates
+            for m in [s.metrics]  # (an assignment, not a loop: no list is built)
         ]
         # Often uniform (a base-model request, or no LoRA in the pool): one value then saves
         # the profile a pass over the candidates.
@@ -232,16 +233,35 @@ class LoraAffinityScorer(NamedPlugin):
 
 
 def speed_bar(
-    candidates: Sequence[EndpointState], slack: float
+    candidates: Sequence[EndpointState], slack: float, cycle: CycleState | None = None
 ) -> tuple[list[float], float] | None:
     """Each candidate's observed seconds per output token (0.0 where not observed yet) and the
     bar `slack` x the fastest observed one: slower than the bar is slow. None when no candidate
     was observed. The one rule of "slower than the fastest" (`observed-speed-scorer`, the
-    prefill-backlog scorer's speed term)."""
+    prefill-backlog scorer's speed term). With `cycle`, worked out once per decision for the
+    same candidates and slack (both scorers of the default profile ask; read-only result)."""
+    if cycle is not None:
+        done = cycle.get(_SPEED_BAR)
+        if isinstance(done, tuple) and done[0] is candidates and done[1] == slack:
+            return done[2]  # type: ignore[no-any-return]
+    found = _speed_bar(candidates, slack)
+    if cycle is not None:
+        cycle.put(_SPEED_BAR, (candidates, slack, found))
+    return found
+
+
+_SPEED_BAR = "speed-bar"  # the cycle state's key of `speed_bar`'s (candidates, slack, result)
+
+
+def _speed_bar(
+    candidates: Sequence[EndpointState], slack: float
+) -> tuple[list[float], float] | None:
     values = [s.seconds_per_output_token for s in candidates]
     try:
         fastest = min(values)  # type: ignore[type-var]  # the common case: all observed
     except TypeError:  # some endpoint not observed yet (None)
+        if values.count(None) == len(values):
+            return None  # none observed (a new pool): no pass over the values
         fastest = None
     if fastest is None or fastest <= 0.0:
         known = [v for v in values if v is not None and v > 0.0]
@@ -279,7 +299,7 @@ class ObservedSpeedScorer(NamedPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
-        found = speed_bar(candidates, self.slack)
+        found = speed_bar(candidates, self.slack, cycle)
         if found is None:
             return 1.0
         values, bar = found

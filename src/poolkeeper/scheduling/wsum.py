@@ -1,0 +1,66 @@
+"""`weighted_sum`: a profile's total per candidate, `sum_j columns[j][i] x factors[j] + offset`.
+
+The profile sums one column per scorer that did not return a constant (its raw values, with
+the scorer's weight folded into a factor). The obvious C-level form, `map(sum, zip(*map(mul,
+column, repeat(factor)) ...))`, makes a float object per column per candidate before it adds
+anything: at 1,000 candidates and five columns it cost about 225 us, a sixth of a default
+decision. One comprehension that multiplies and adds inline (`x0 * w0 + x1 * w1 + ... + off`)
+cost 140 us: the interpreter's float-specialised arithmetic, and one tuple unpack per candidate.
+A comprehension cannot take a variable number of columns, so one is compiled per column count
+up to `MAX_INLINE` (with and without the offset), once at import; more columns take the
+general form.
+
+Same floats: each term is the same product, added left to right as `sum` adds them (`0 + x`
+is `x`), then the offset last, so the totals are bit-identical to the general form's (pickers
+compare them exactly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from operator import mul
+from typing import Final, cast
+
+MAX_INLINE: Final = 8
+
+_Summer = Callable[..., list[float]]
+
+
+def _compile(k: int, offset: bool) -> _Summer:
+    """`lambda c0..ck-1, w0..wk-1[, off]: [x0 * w0 + ... (+ off) for x0.. in zip(c0..)]`."""
+    cols = ", ".join(f"c{j}" for j in range(k))
+    weights = ", ".join(f"w{j}" for j in range(k))
+    names = ", ".join(f"x{j}" for j in range(k))
+    expr = " + ".join(f"x{j} * w{j}" for j in range(k)) + (" + off" if offset else "")
+    args = f"{cols}, {weights}" + (", off" if offset else "")
+    # Generated from the column count only (no outside input reaches the source).
+    source = (
+        f"lambda {args}: [{expr} for {names}{',' if k == 1 else ''} in zip({cols}, strict=True)]"
+    )
+    return cast(_Summer, eval(source, {"zip": zip}))
+
+
+# (k - 1) -> the summer of k columns, without and with an offset.
+_PLAIN: Final = tuple(_compile(k, False) for k in range(1, MAX_INLINE + 1))
+_OFFSET: Final = tuple(_compile(k, True) for k in range(1, MAX_INLINE + 1))
+
+
+def weighted_sum(
+    columns: Sequence[Sequence[float]], factors: Sequence[float], offset: float, n: int
+) -> list[float]:
+    """Per candidate `i < n`: `columns[0][i] * factors[0] + ... + offset` (each column `n`
+    long; no column: `offset` for every candidate)."""
+    k = len(columns)
+    if not k:
+        return [offset] * n if offset else [0.0] * n
+    if k <= MAX_INLINE:
+        if offset:
+            return _OFFSET[k - 1](*columns, *factors, offset)
+        return _PLAIN[k - 1](*columns, *factors)
+    parts: list[Iterable[float]] = [
+        map(mul, c, repeat(f)) for c, f in zip(columns, factors, strict=True)
+    ]
+    if offset:
+        parts.append(repeat(offset, n))
+    return list(map(sum, zip(*parts, strict=True)))

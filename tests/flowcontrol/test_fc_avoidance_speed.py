@@ -129,3 +129,28 @@ def test_standard_avoids_a_prompt_just_sent_where_eight_servers_are_clear_by_def
         FlowControlConfig.model_validate(
             {"bands": {"standard": {"avoidPrefillTokens": None, "avoidPrefillSlowdown": 2}}}
         )
+
+
+def test_field_names_replace_the_band_defaults_as_the_aliases_do() -> None:
+    # `avoid_prefill_tokens` is the field's name (accepted as the alias is): it replaces the
+    # default `avoidPrefillTokens` instead of standing beside it as a second key.
+    bands = FlowControlConfig.model_validate(
+        {"bands": {"standard": {"avoid_prefill_tokens": 512, "ttl_ms": 1000}}}
+    ).bands
+    assert (bands.standard.avoid_prefill_tokens, bands.standard.ttl_ms) == (512, 1000)
+    assert bands.standard.avoid_prefill_min_clear == 8  # the other defaults stay
+    off = FlowControlConfig.model_validate({"bands": {"standard": {"avoid_prefill_tokens": None}}})
+    assert off.bands.standard.avoid_prefill_tokens is None
+    assert off.bands.standard.avoid_prefill_unless_cached is None
+    with pytest.raises(ValidationError, match=r"avoidPrefillMinClear \(2\) takes effect"):
+        FlowControlConfig.model_validate(
+            {"bands": {"standard": {"avoid_prefill_tokens": None, "avoid_prefill_min_clear": 2}}}
+        )
+
+
+def test_a_busy_server_not_yet_observed_leaves_the_candidates_as_they_are() -> None:
+    # Its speed cannot be compared, so it is not moved from (a new pod keeps the narrowing
+    # off until its first answers: the old placement, not a worse one).
+    busy, clear = fleet(1, None, 900), fleet(2, 0.01)
+    assert avoid_prefills([busy, clear], SPEED) == [busy, clear]
+    assert avoid_prefills([busy, clear], PLAIN) == [clear]

@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, Final, Self
 
 from pydantic import Field, model_validator
+from pydantic.alias_generators import to_camel
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.schema import CamelModel
@@ -152,7 +153,7 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     likely still in its prefill step (about 45 us per token on an H100 with Llama-3.1-8B),
     and a request that arrives there waits for that step and shares the next: under a 3x
     Sheddable flood most of Critical's tail above its idle p99 was such waits behind long
-    prompts (docs/flowcontrol.md). Critical: 256."""
+    prompts (docs/flowcontrol.md). Critical and Standard: 256."""
     avoid_prefill_unless_cached: int | None = Field(default=None, ge=1, le=1_000_000)
     """Off by default (null). With `avoidPrefillTokens`: an endpoint just sent a long prompt
     stays a candidate when it caches at least this many more of the request's prompt tokens
@@ -160,21 +161,24 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     sends a request away from a cached prefix worth more than the wait; a request no endpoint
     caches is narrowed as without it. Set for Standard with `avoidPrefillTokens`, it moves
     Standard off the servers Critical's avoidance leaves it without breaking shared-prefix
-    affinity (measured, not a default: docs/notes/2026-12-07-standard-placement.md)."""
+    affinity (docs/notes/2026-12-07-standard-placement.md). Standard: 256."""
     avoid_prefill_slowdown: float | None = Field(default=None, ge=1.0, le=100.0)
-    """Off by default (null). With `avoidPrefillTokens`: an endpoint just sent a long prompt
-    is avoided only while some endpoint that was not is about as fast: its observed seconds
+    """Null: no speed check. With `avoidPrefillTokens`: an endpoint just sent a long prompt
+    is avoided only while some endpoint that was not is at least as fast: its observed seconds
     per output token (the router's own, `EndpointState.seconds_per_output_token`) at most
     this many times the busy one's. Where none is, the busy endpoint stays a candidate: on a
     fleet of mixed speeds the fast servers are sent the most prompts, so they are the ones
     just sent one, and the plain narrowing moved requests to servers twice as slow
     (docs/notes/2026-12-07-standard-placement-speed.md). Nothing is narrowed while some
     endpoint has no observation yet, or on servers running LoRA adapters (a request there
-    waits for an adapter slot, which the speeds do not show)."""
+    waits for an adapter slot, which the speeds do not show). The speed is send-to-finish
+    time per output token, so it carries each endpoint's queueing and prompt mix too.
+    Standard: 1."""
 
     avoid_prefill_min_clear: int | None = Field(default=None, ge=1, le=100_000)
-    """Off by default (null). With `avoidPrefillTokens`: narrow only while at least this many
-    candidates were not just sent a long prompt. Narrowing a band to a few endpoints piles
+    """Null: no minimum. With `avoidPrefillTokens`: narrow only while at least this many
+    candidates were not just sent a long prompt (Standard: 8, so a band of 8 or fewer
+    candidates is never narrowed). Narrowing a band to a few endpoints piles
     its requests onto them: on 8 servers, where at most 7 are clear, Standard's narrowing
     cost up to 7 % p90 TTFT on mixed speeds and 0.3-0.6 % goodput at 1.1x, while on 64 servers,
     where 16-64 are clear, it is what puts Standard under round-robin on mixed criticality
@@ -317,9 +321,12 @@ class Bands(CamelModel, use_attribute_docstrings=True):
         for name, defaults in BAND_DEFAULTS.items():
             given = data.get(name)
             if isinstance(given, dict):
+                # Field names are accepted as well as aliases: name them as the defaults
+                # do, so a user's `ttl_ms` replaces the default `ttlMs` instead of
+                # standing beside it (and failing as a duplicate). Other keys pass as given.
+                given = {to_camel(k) if isinstance(k, str) else k: v for k, v in given.items()}
                 band = {**defaults, **given}
-                off = ("avoidPrefillTokens", "avoid_prefill_tokens")
-                if any(k in given and given[k] is None for k in off):
+                if "avoidPrefillTokens" in given and given["avoidPrefillTokens"] is None:
                     # The avoidance off takes the refinements it defaults with along; one the
                     # user sets stays, and its error says it would be ignored.
                     for key in _AVOIDANCE_REFINEMENTS:

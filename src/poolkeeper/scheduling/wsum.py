@@ -10,16 +10,18 @@ A comprehension cannot take a variable number of columns, so one is compiled per
 up to `MAX_INLINE` (with and without the offset), once at import; more columns take the
 general form.
 
-Same floats: each term is the same product, added left to right as `sum` adds them (`0 + x`
-is `x`), then the offset last, so the totals are bit-identical to the general form's (pickers
-compare them exactly).
+Same floats: each term is the same product, added left to right (`0 + x` is `x`), then the
+offset last, so the totals are bit-identical to the general form's (pickers compare them
+exactly). The general form adds with `operator.add`, not `sum`: from Python 3.12 `sum`
+compensates float rounding, which would make the two forms differ by a last bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import reduce
 from itertools import repeat
-from operator import mul
+from operator import add, mul
 from typing import Final, cast
 
 MAX_INLINE: Final = 8
@@ -63,4 +65,4 @@ def weighted_sum(
     ]
     if offset:
         parts.append(repeat(offset, n))
-    return list(map(sum, zip(*parts, strict=True)))
+    return [reduce(add, row, 0.0) for row in zip(*parts, strict=True)]

@@ -13,7 +13,8 @@ prefix scorer's `kvEvents` on (each replica subscribes to every server's events)
 `exact-hash`: a `cold-placement-filter` instead (a new prefix to its ring owner within a load
 band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports,
 `exact-hashpend`: + the replica's own unreported sends, `exact-hashbalx`: `exact-hashbal` whose
-cold test reads only the engines' reports (`scheduling()`). `N/M:index` runs M
+cold test reads only the engines' reports, `exact-hashblog` / `exact-hashwait`: with the
+backlog scorer / and the scraped queues (`scheduling()`). `N/M:index` runs M
 EPPs with only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a
 control on a machine with few cores. Variants run interleaved (listed order in even rounds,
 reversed in odd), the same requests each time; every
@@ -71,7 +72,7 @@ NAMES = ("http", "extproc", "metrics", "health", "admin")
 
 INDEXES = (
     "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
-    "exact-hashbal", "exact-hashpend", "exact-hashbalx", "exact-hashblog",
+    "exact-hashbal", "exact-hashpend", "exact-hashbalx", "exact-hashblog", "exact-hashwait",
 )  # fmt: skip
 
 
@@ -88,7 +89,9 @@ def scheduling(index: str) -> dict[str, Any] | None:
     `exact-hashpend`: and `pendingHeads` (the replica's own unreported sends count);
     `exact-hashbalx`: `exact-hashbal` with `ownPlacements: false` (a prefix is cold until its
     engine reports it, in the replica that placed it too); `exact-hashblog`: `exact-hashbal`
-    with `backlogScorer` (an owner busy prefilling is out of the band)."""
+    with `backlogScorer` (an owner busy prefilling is out of the band); `exact-hashwait`:
+    `exact-hashblog` with `scrapedWaiting` (an endpoint whose scrape shows a queue counts as
+    busy prefilling, in the band and the hold)."""
     if index == "approx":
         return None
     if index not in INDEXES:
@@ -109,6 +112,8 @@ def scheduling(index: str) -> dict[str, Any] | None:
                  "exact-hashpend": {"balance": 1.0, "pendingHeads": True},
                  "exact-hashbalx": {"balance": 1.0, "ownPlacements": False},
                  "exact-hashblog": {"balance": 1.0,
+                                    "backlogScorer": "prefill-backlog-scorer"},
+                 "exact-hashwait": {"balance": 1.0, "scrapedWaiting": True,
                                     "backlogScorer": "prefill-backlog-scorer"}}  # fmt: skip
     if index in placement:
         doc = with_cold_placement(doc, placement[index])

@@ -272,3 +272,44 @@ def test_a_backlog_scorer_outside_the_profile_is_refused(weight: float | None) -
     with pytest.raises(ConfigError, match=r"backlogScorer 'prefill-backlog-scorer' must be a "
                        r"scorer with a non-zero weight in a profile"):  # fmt: skip
         scheduler(doc)
+
+
+def _backlog_doc(**params: Any) -> dict[str, Any]:
+    doc = _doc(backlogScorer="prefill-backlog-scorer", **params)
+    doc["plugins"].insert(2, {"type": "prefill-backlog-scorer"})
+    refs = doc["schedulingProfiles"][0]["plugins"]
+    refs.insert(2, {"pluginRef": "prefill-backlog-scorer", "weight": 0.001})
+    return doc
+
+
+def test_scraped_waiting_moves_a_new_prefix_off_an_owner_with_a_queue_it_did_not_send() -> None:
+    """With `scrapedWaiting`, an owner whose scrape shows a waiting request counts as busy
+    prefilling although this EPP sent it nothing (another replica did); with every endpoint
+    queued, the ring decides; without the option the queue is not read."""
+    pool = [state(i) for i in range(1, 5)]
+    plain, widened = scheduler(_backlog_doc()), scheduler(_backlog_doc(scrapedWaiting=True))
+    (owner,) = _kept(widened, SYSTEMS[2], pool)
+    queued = [state(i, waiting=1) if key(i) == owner else state(i) for i in range(1, 5)]
+    assert _kept(plain, SYSTEMS[2], queued) == [owner]
+    (moved,) = _kept(widened, SYSTEMS[2], queued)
+    assert moved != owner
+    assert _kept(widened, SYSTEMS[2], [state(i, waiting=1) for i in range(1, 5)]) == [owner]
+
+
+def test_scraped_waiting_raises_the_hold_backlog_where_the_scrape_shows_a_queue() -> None:
+    """Flow control's hold reads the same widened backlog (`PrefillFacts.backlogs`): an
+    endpoint with a queue counts `backlogTokens`, a larger own backlog stays as it is."""
+    from poolkeeper.scheduling.prefillfacts import PrefillFacts
+
+    sched = scheduler(_backlog_doc(scrapedWaiting=True, backlogTokens=1_000))
+    backlog = _filter(sched).backlog
+    assert backlog is not None
+    backlog.backlog.sent("mine", key(2), 3_000, NOW)
+    pool = [state(1, waiting=2), state(2, waiting=1), state(3), state(4)]
+    assert PrefillFacts(sched).backlogs(pool) == [1_000, 3_000, 0, 0]
+    assert PrefillFacts(scheduler(_backlog_doc())).backlogs(pool) == [0, 0, 0, 0]
+
+
+def test_scraped_waiting_without_a_backlog_scorer_is_refused() -> None:
+    with pytest.raises(ValidationError, match="scrapedWaiting needs backlogScorer"):
+        scheduler(_doc(scrapedWaiting=True))

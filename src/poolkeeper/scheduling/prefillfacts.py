@@ -19,7 +19,9 @@ recomputed here):
   lasts its whole answer), from the prefill-backlog scorer (`PrefillBacklog`). That is not the
   endpoint's `unseen_tokens` (tokens sent since its last scrape, which a scrape clears while the
   prefill may still wait), so a profile without the backlog scorer falls back to it as the nearest
-  fact the router has.
+  fact the router has. Where a `cold-placement-filter` with `scrapedWaiting` reads the same
+  backlog scorer, its view (each endpoint whose scrape shows a queue at least `backlogTokens`):
+  the hold then counts the other EPP replicas' queued requests as the filter's band does.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+from poolkeeper.scheduling.plugins.cold_placement import ColdPlacementFilter
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
@@ -37,7 +40,7 @@ from poolkeeper.scheduling.types import LLMRequest
 class PrefillFacts:
     """The facts for one scheduler (see the module docstring)."""
 
-    __slots__ = ("backlog", "prefix")
+    __slots__ = ("backlog", "cold", "prefix")
 
     def __init__(self, scheduler: Scheduler) -> None:
         plugins = list(scheduler.plugins.values())
@@ -46,6 +49,17 @@ class PrefillFacts:
         if prefix is None:
             prefix = next((p for p in plugins if isinstance(p, PrefixCacheScorer)), None)
         self.prefix = prefix
+        # A filter that widens this backlog with the scraped queues (`scrapedWaiting`).
+        self.cold = next(
+            (
+                p
+                for p in plugins
+                if isinstance(p, ColdPlacementFilter)
+                and p.params.scraped_waiting
+                and p.backlog is self.backlog
+            ),
+            None,
+        )
 
     def uncached_tokens(self, request: LLMRequest, now: float) -> int:
         if self.prefix is None:
@@ -71,5 +85,9 @@ class PrefillFacts:
         if self.backlog is None:
             return [s.unseen_tokens for s in endpoints]
         # First bytes it will see only: a non-streamed request's entry outlives its prefill.
-        snap = self.backlog.backlog.seen_snapshot()
+        snap = (
+            self.backlog.backlog.seen_snapshot()
+            if self.cold is None
+            else self.cold.backlogs(endpoints)
+        )
         return [snap.get(s.endpoint.hostport, 0) for s in endpoints]

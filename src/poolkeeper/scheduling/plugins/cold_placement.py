@@ -41,6 +41,16 @@ one replica's p90 (8 servers, six seeds; with it 0.93-1.07x). The input is per r
 replicas can disagree exactly while an owner is busy
 (docs/notes/2026-12-07-replicas-new-default.md).
 
+`scrapedWaiting` (needs `backlogScorer`): an endpoint whose last scrape shows a waiting request
+counts as having at least `backlogTokens` of backlog, in the band and in flow control's
+`holdNewPrefixes` (which reads it through `scheduling/prefillfacts.py`). Why: with N replicas
+each backlog holds only this EPP's sends, so in a cold start each replica releases and places
+new prefixes as if the others sent nothing, and N of them start on one engine at once; the
+engine's waiting queue holds every replica's requests. Measured: replicas sharing one true
+backlog (an oracle) would take 4 replicas from 1.55x of one replica's p90 to 0.92x in the
+live-like cold start; the scraped waiting count, one scrape late, recovers part of it
+(docs/notes/2026-12-07-replicas-agreement.md).
+
 `ownPlacements: false` (needs `kvEvents`): the cold test reads, for endpoints whose event feed
 is fresh, only the engines' reports, not this EPP's approximate index. Why: the replica that
 placed a new prefix otherwise sees it warm at once and lets its scorers move the group's next
@@ -114,6 +124,13 @@ class ColdPlacementParams(PluginParams):
         "band (default 2,048: flow control's holdNewPrefixes default, which holds a new "
         "prefix while every endpoint is over it).",
     )
+    scraped_waiting: bool = Field(
+        default=False,
+        description="With backlogScorer: an endpoint whose last scrape shows a waiting request "
+        "counts as having at least backlogTokens of backlog, in the band and in flow control's "
+        "holdNewPrefixes (default false: this EPP's own sends only). For several replicas: the "
+        "engine's queue holds every replica's requests.",
+    )
     balance: float = Field(
         default=0.0,
         ge=0.0,
@@ -141,7 +158,23 @@ class ColdPlacementParams(PluginParams):
             raise ValueError("balance must be 0 (off) or >= 1")
         if "backlog_tokens" in self.model_fields_set and not self.backlog_scorer:
             raise ValueError("backlogTokens needs backlogScorer (without it nothing reads it)")
+        if self.scraped_waiting and not self.backlog_scorer:
+            raise ValueError("scrapedWaiting needs backlogScorer (it raises that backlog)")
         return self
+
+
+def with_waiting(
+    backlog: Mapping[str, int], candidates: Sequence[EndpointState], floor: int
+) -> dict[str, int]:
+    """`backlog` (endpoint -> this EPP's prefill backlog in tokens) for `candidates`, each
+    endpoint whose last scrape shows a waiting request raised to at least `floor`: the
+    engine's queue counts every replica's requests, this EPP's backlog only its own."""
+    out = {}
+    for s in candidates:
+        k = s.endpoint.hostport
+        own = backlog.get(k, 0)
+        out[k] = max(own, floor) if s.metrics.waiting > 0 else own
+    return out
 
 
 def under_backlog(band: set[str], backlog: Mapping[str, int], tokens: int) -> set[str]:
@@ -237,7 +270,7 @@ class ColdPlacementFilter(NamedPlugin):
             if not (load - least > p.load_band_abs and load > p.load_band_rel * least)
         }
         if self.backlog is not None:
-            band = under_backlog(band, self.backlog.backlog.seen_snapshot(), p.backlog_tokens)
+            band = under_backlog(band, self.backlogs(candidates), p.backlog_tokens)
         ring = self.prefix.hashring
         fits = self._fits(band, now)
         if fits is not None:
@@ -245,6 +278,15 @@ class ColdPlacementFilter(NamedPlugin):
             if owner in band and fits(owner):
                 return owner
         return ring.owner(key, keys, band.__contains__)
+
+    def backlogs(self, candidates: Sequence[EndpointState]) -> Mapping[str, int]:
+        """The backlog scorer's prefill backlog per endpoint (streamed requests only), with
+        `scrapedWaiting` raised where the scrape shows a queue (`with_waiting`)."""
+        assert self.backlog is not None
+        snap = self.backlog.backlog.seen_snapshot()
+        if not self.params.scraped_waiting:
+            return snap
+        return with_waiting(snap, candidates, self.params.backlog_tokens)
 
     def _fits(self, band: set[str], now: float) -> Callable[[str], bool] | None:
         """`balance`'s test over the band (None: off or no exact index)."""

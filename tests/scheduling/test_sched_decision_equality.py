@@ -49,7 +49,7 @@ def _general_sum(columns: list[list[float]], factors: list[float], offset: float
     ),
     st.one_of(st.just(0.0), FLOATS),
 )
-def test_weighted_sum_is_the_zip_and_sum_bit_for_bit(
+def test_weighted_sum_is_the_zipped_left_to_right_sum_bit_for_bit(
     data: tuple[list[list[float]], list[float]], offset: float
 ) -> None:
     columns, weights = data

@@ -13,7 +13,9 @@ general form.
 Same floats: each term is the same product, added left to right (`0 + x` is `x`), then the
 offset last, so the totals are bit-identical to the general form's (pickers compare them
 exactly). The general form adds with `operator.add`, not `sum`: from Python 3.12 `sum`
-compensates float rounding, which would make the two forms differ by a last bit.
+compensates float rounding, which would make the two forms differ by a last bit. So the
+totals equal the former `sum` form's on Python 3.11; on 3.12+ they can differ from what that
+form gave there by a last bit (a near-tie may break the other way).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class PrefillBacklogScorer(NamedPlugin):
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> list[float]:
         """The prefill (tokens, at the fastest endpoint's speed) a request would wait for on
-        each candidate, in order."""
+        each candidate, in order (ints where no speed term applies: exact token sums)."""
         own = request.prompt_tokens + self.base_tokens
         target, miss = request.target_model, self.adapter_tokens
         cached = self._cached_tokens(cycle, request)

@@ -8,7 +8,7 @@ effective ones (scraped + unseen in-flight, see `load.py`) unless `countUnseen` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field
 
@@ -242,15 +242,24 @@ def speed_bar(
     same candidates and slack (both scorers of the default profile ask; read-only result)."""
     if cycle is not None:
         done = cycle.get(_SPEED_BAR)
-        if isinstance(done, tuple) and done[0] is candidates and done[1] == slack:
-            return done[2]  # type: ignore[no-any-return]
+        # The same list object and length: a filter that reorders or trims a list in place
+        # between two profiles would otherwise be handed the other's columns.
+        if (
+            isinstance(done, tuple)
+            and done[0] is candidates
+            and done[1] == len(candidates)
+            and done[2] == slack
+        ):
+            return done[3]  # type: ignore[no-any-return]
     found = _speed_bar(candidates, slack)
     if cycle is not None:
-        cycle.put(_SPEED_BAR, (candidates, slack, found))
+        cycle.put(_SPEED_BAR, (candidates, len(candidates), slack, found))
     return found
 
 
-_SPEED_BAR = "speed-bar"  # the cycle state's key of `speed_bar`'s (candidates, slack, result)
+# The cycle state's key of `speed_bar`'s (candidates, count, slack, result): a module path,
+# which no plugin instance's name (the keys plugins use) can be.
+_SPEED_BAR: Final = f"{__name__}.speed_bar"
 
 
 def _speed_bar(

@@ -4,6 +4,7 @@ short prompts pass untouched."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -308,6 +309,10 @@ def test_scraped_waiting_raises_the_hold_backlog_where_the_scrape_shows_a_queue(
     pool = [state(1, waiting=2), state(2, waiting=1), state(3), state(4)]
     assert PrefillFacts(sched).backlogs(pool) == [1_000, 3_000, 0, 0]
     assert PrefillFacts(scheduler(_backlog_doc())).backlogs(pool) == [0, 0, 0, 0]
+    # A failed scrape keeps its last values: its queue is not read (a dead endpoint whose
+    # last good scrape showed one would otherwise count as busy until it came back).
+    failed = replace(pool[0], metrics=replace(pool[0].metrics, error="connection refused"))
+    assert PrefillFacts(sched).backlogs([failed, *pool[1:]]) == [0, 3_000, 0, 0]
 
 
 def test_scraped_waiting_without_a_backlog_scorer_is_refused() -> None:

@@ -168,12 +168,16 @@ def with_waiting(
 ) -> dict[str, int]:
     """`backlog` (endpoint -> this EPP's prefill backlog in tokens) for `candidates`, each
     endpoint whose last scrape shows a waiting request raised to at least `floor`: the
-    engine's queue counts every replica's requests, this EPP's backlog only its own."""
+    engine's queue counts every replica's requests, this EPP's backlog only its own. Only a
+    scrape that succeeded counts: a failed one keeps its last values (`reachable` is false),
+    and an endpoint gone dead would otherwise stay busy while its sends fail. The queue is the
+    whole server's, deferred LoRA requests included (a limit of the signal)."""
     out = {}
     for s in candidates:
         k = s.endpoint.hostport
         own = backlog.get(k, 0)
-        out[k] = max(own, floor) if s.metrics.waiting > 0 else own
+        m = s.metrics
+        out[k] = max(own, floor) if m.waiting > 0 and m.reachable else own
     return out
 
 

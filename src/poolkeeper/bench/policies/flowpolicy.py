@@ -209,6 +209,13 @@ class FlowPolicy:
     def observes_first_tokens(self) -> bool:
         return self.inner.observes_first_tokens
 
+    @property
+    def wakes_on_first_token(self) -> bool:
+        """Whether the fleet releases after a first token too, as the EPP's Director wakes the
+        pump on each first byte while `holdNewPrefixes` is on (a prefill ended: a held request
+        may go); without it, held requests wait for a completion or the next scrape tick."""
+        return self.hold is not None
+
     def pick(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
     ) -> EndpointState:

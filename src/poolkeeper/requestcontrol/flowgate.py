@@ -286,6 +286,30 @@ class FlowGate:
             hold = self._held[job.pool] = PrefixHold(config)
         return hold.holds(uncached, backlogs)
 
+    def _place(self, item: FlowItem[Job]) -> None:
+        """`holdNewPrefixes.placeUnderBacklog`: a `queue` band's new long prefix goes only to
+        the candidates under the backlog (`PrefixHold.room`), when some are and some are not."""
+        job = item.payload
+        config = self.config.hold_new_prefixes
+        if config is None or not config.place_under_backlog or job.prefill is None:
+            return
+        if self.config.bands.of(item.band).mode is not BandMode.QUEUE:
+            return
+        try:
+            candidates = job.ready if job.ready is not None else job.states()
+            uncached, backlogs = job.prefill(candidates)
+        except NoReadyEndpoint:
+            return  # the scheduler answers 503
+        except Exception:  # a bug in a plugin must not stop the dispatch: placed as without it
+            log.exception("internal error placing request %s", job.request_id)
+            return
+        hold = self._held.get(job.pool)
+        if hold is None:
+            hold = self._held[job.pool] = PrefixHold(config)
+        room = hold.room(uncached, backlogs)
+        if room is not None:
+            job.ready = [candidates[i] for i in room]
+
     def _room_to_hold(self, item: FlowItem[Job]) -> bool:
         """Whether an arriving item fits its band's bounds (`maxRequests`, `maxBytes` per
         pool) with the requests held and queued in that band now: held requests wait too, and
@@ -405,6 +429,7 @@ class FlowGate:
         hold) and record its one outcome: Dispatched, or RejectedOther when scheduling fails
         (a 503 because its pool lost every endpoint while it waited, or an internal error).
         Without this a request refused after a hold or a wait left flow control unrecorded."""
+        self._place(item)
         try:
             decision = _run(item.payload)
         except Exception:

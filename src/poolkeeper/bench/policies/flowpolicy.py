@@ -199,6 +199,13 @@ class FlowPolicy:
             )
         else:  # sent at once: only away from a prefill just sent (`avoidPrefillTokens`)
             endpoints = self.headroom.spread(endpoints, band, cached=cached)
+        hold = self.hold
+        queues = band.mode is BandMode.QUEUE  # the bands the hold holds
+        if hold is not None and hold.config.place_under_backlog and facts is not None and queues:
+            # `placeUnderBacklog`: a new long prefix goes where its release found room.
+            room = hold.room(lambda: facts.uncached_tokens(request, now), facts.backlogs(endpoints))
+            if room is not None:
+                endpoints = [endpoints[i] for i in room]
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:

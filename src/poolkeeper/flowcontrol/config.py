@@ -296,11 +296,11 @@ class HoldNewPrefixes(CamelModel, use_attribute_docstrings=True):
     """Released to the queue after this long whatever the backlog (never starved; at most
     10 s, so what is held stays a few seconds of arrivals)."""
     place_under_backlog: bool = False
-    """A request the hold would hold by its uncached prompt (a new long prefix), sent while
-    some candidate endpoints are under `backlogTokens` and some are not (released from the
-    hold, or not held at all), goes only to those under: the room its release waited for.
-    Without it the scheduler may place it on an endpoint far over (64 servers, cold start:
-    one server took 40 new prefixes in 2 s, each released because another was under)."""
+    """A request released from the hold that is still a new long prefix goes only to the
+    candidate endpoints under `backlogTokens` (when some are and some are not): the room its
+    release waited for. Without it the scheduler may place it on an endpoint far over (64
+    servers, cold start: one server took 42 new prefixes in 2.4 s, each released because
+    another was under). Requests never held are placed as without it."""
 
 
 class FlowControlConfig(CamelModel, use_attribute_docstrings=True):

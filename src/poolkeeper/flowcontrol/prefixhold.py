@@ -16,10 +16,9 @@ so it blocks nothing behind it (the dispatcher's head-of-line rule does not appl
 each release (the caller's pump: completions, scrape ticks) held requests are asked again in
 arrival order (at most `asks` of them) and go to the queue once the rule no longer holds them,
 or unasked after `maxHoldMs` whatever the backlog (never starved). With `placeUnderBacklog`,
-a new long prefix sent while some endpoints are under the backlog goes to one of those
-(`room`). The facts come from the
-caller (the scheduler's prefix index and backlog); this module is pure and synchronous, with
-time passed in.
+a released new long prefix goes to one of the endpoints under the backlog (`room`). The facts
+come from the caller (the scheduler's prefix index and backlog); this module is pure and
+synchronous, with time passed in.
 """
 
 from __future__ import annotations
@@ -65,12 +64,13 @@ class PrefixHold(Generic[T]):
     def room(
         self, uncached_tokens: int | Callable[[], int], backlogs: Sequence[int]
     ) -> list[int] | None:
-        """With `placeUnderBacklog`: the indices of the candidates a request may go to, those
-        whose backlog is under `backlogTokens`, when it is a new long prefix (as `holds` reads
-        it) and some candidates are under and some are not; None: not narrowed (the option is
-        off, it is not a new long prefix, or every candidate is under, or none is: a capped
-        release goes where the scheduler puts it). Why: the hold lets a new prefix go because
-        some endpoint has room; placed elsewhere, it lands behind a long backlog."""
+        """With `placeUnderBacklog`, for a request released from the hold (the caller asks
+        only for those): the indices of the candidates it may go to, those whose backlog is
+        under `backlogTokens`, when it is still a new long prefix (as `holds` reads it) and
+        some candidates are under and some are not; None: not narrowed (the option is off, its
+        prefix is placed by now, or every candidate is under, or none is: a capped release
+        goes where the scheduler puts it). Why: the hold lets a new prefix go because some
+        endpoint has room; placed elsewhere, it lands behind a long backlog."""
         c = self.config
         if not c.place_under_backlog or len(backlogs) < 2:
             return None

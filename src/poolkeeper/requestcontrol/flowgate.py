@@ -287,11 +287,14 @@ class FlowGate:
         return hold.holds(uncached, backlogs)
 
     def _place(self, item: FlowItem[Job]) -> None:
-        """`holdNewPrefixes.placeUnderBacklog`: a `queue` band's new long prefix goes only to
-        the candidates under the backlog (`PrefixHold.room`), when some are and some are not."""
+        """`holdNewPrefixes.placeUnderBacklog`: a new long prefix released from the hold goes
+        only to the candidates under the backlog (`PrefixHold.room`), when some are and some
+        are not."""
         job = item.payload
         config = self.config.hold_new_prefixes
-        if config is None or not config.place_under_backlog or job.prefill is None:
+        if config is None or not config.place_under_backlog or not job.released:
+            return
+        if job.prefill is None:
             return
         if self.config.bands.of(item.band).mode is not BandMode.QUEUE:
             return
@@ -336,6 +339,7 @@ class FlowGate:
         item = entry.payload
         job = item.payload
         job.held_s = self._clock() - entry.since
+        job.released = True
         self._unload(item)
         self._held_outcome(item, HOLD_CAPPED if entry.capped else HOLD_RELEASED, job.held_s)
         try:

@@ -306,6 +306,8 @@ class FlowGate:
         except Exception:  # a bug in a plugin must not stop the dispatch: placed as without it
             log.exception("internal error placing request %s", job.request_id)
             return
+        if len(backlogs) != len(candidates):
+            return  # facts not per candidate (a stub or an empty pool): placed as without it
         hold = self._held.get(job.pool)
         if hold is None:
             hold = self._held[job.pool] = PrefixHold(config)

@@ -174,3 +174,18 @@ def test_a_shed_band_is_never_held_and_a_hold_needs_flow_control() -> None:
         flow_policy(
             "poolkeeper-fade-early-hold", random.Random(1), FlowControlConfig(enabled=False)
         )
+
+
+def test_the_fleet_releases_on_first_tokens_only_while_the_hold_is_on() -> None:
+    """The EPP's Director wakes the pump on each first byte while `holdNewPrefixes` is on (a
+    prefill ended: a held request may go); the virtual fleet does the same for such a policy
+    only, so a queue without the hold still waits for completions and scrape ticks."""
+    held = flow_policy("poolkeeper-fade-early", random.Random(1), FlowControlConfig())
+    unheld = flow_policy(
+        "poolkeeper-fade-early", random.Random(1),
+        FlowControlConfig.model_validate({"holdNewPrefixes": None}),
+    )  # fmt: skip
+    assert isinstance(held, FlowPolicy)
+    assert isinstance(unheld, FlowPolicy)
+    assert held.wakes_on_first_token
+    assert not unheld.wakes_on_first_token

@@ -11,7 +11,7 @@ from poolkeeper.flowcontrol.prefixhold import Held, PrefixHold
 
 
 def _hold(**kw: int) -> PrefixHold[str]:
-    return PrefixHold(HoldNewPrefixes(**kw))
+    return PrefixHold(HoldNewPrefixes.model_validate(kw))
 
 
 def test_held_only_while_every_endpoint_is_backlogged_and_the_prefill_is_long() -> None:
@@ -20,6 +20,28 @@ def test_held_only_while_every_endpoint_is_backlogged_and_the_prefill_is_long() 
     assert not hold.holds(2100, [2048, 2047, 3000])  # one endpoint under the backlog
     assert not hold.holds(1023, [9000, 9000])  # its prefix is placed: 1,023 uncached tokens
     assert not hold.holds(5000, [])  # no endpoints: the scheduler answers at once
+
+
+def test_place_under_backlog_narrows_a_new_prefix_to_the_endpoints_with_room() -> None:
+    """`room`: a new long prefix goes where the backlog is under `backlogTokens` (the room its
+    release waited for); a placed prefix, a pool all under or all over, or the option off: not
+    narrowed, and the prefix match is not asked where nothing would be narrowed."""
+    asked: list[int] = []
+
+    def uncached() -> int:
+        asked.append(1)
+        return 2100
+
+    on = PrefixHold[str](HoldNewPrefixes(place_under_backlog=True))
+    assert on.room(2100, [30_000, 2047, 4096, 0]) == [1, 3]
+    assert on.room(1023, [30_000, 0]) is None  # its prefix is placed: the scheduler decides
+    assert on.room(uncached, [0, 100]) is None  # every endpoint has room
+    assert on.room(uncached, [2048, 9000]) is None  # none has: a capped release
+    assert on.room(uncached, [5000]) is None
+    assert asked == []
+    assert on.room(uncached, [5000, 10]) == [1]
+    assert asked == [1]
+    assert _hold().room(2100, [30_000, 0]) is None  # off by default
 
 
 def test_the_prefix_match_is_asked_only_when_every_backlog_is_long() -> None:

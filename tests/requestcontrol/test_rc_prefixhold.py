@@ -358,3 +358,32 @@ async def test_the_held_question_and_the_scheduler_get_one_and_the_same_request(
     assert asked
     assert scheduled
     assert all(request is scheduled[0] for request in asked)
+
+
+async def test_place_under_backlog_sends_a_released_prefix_only_where_the_backlog_is_under() -> (
+    None
+):
+    """`placeUnderBacklog`: c, held while both endpoints were backlogged, is released by a's
+    first byte and scheduled on a's endpoint alone (no other candidate); without the option
+    the scheduler sees both endpoints. A new prefix that was never held (d, arriving while
+    a's endpoint is under) is placed as without the option."""
+    seen: dict[bool, list[str]] = {}
+    unheld: dict[bool, list[str]] = {}
+    under: dict[bool, str] = {}
+    for on in (True, False):
+        clock = [NOW]
+        director, gate, _observed = _director(clock, {"placeUnderBacklog": on})
+        a, _b = await _backlog_both(director)
+        held = asyncio.create_task(
+            director.route(_chat("std", rid="c", stream=True, text=_text("charlie")))
+        )
+        await settled(lambda gate=gate: gate.held() == 1)
+        clock[0] += 0.3
+        director.first_byte(a)
+        c = await asyncio.wait_for(held, timeout=5)
+        director.first_byte(c)
+        d = await director.route(_chat("std", rid="d", stream=True, text=_text("delta")))
+        seen[on], unheld[on], under[on] = list(c.endpoints), list(d.endpoints), a.endpoints[0]
+    assert seen[True] == [under[True]]
+    assert len(seen[False]) == 2
+    assert len(unheld[True]) == len(unheld[False]) == 2

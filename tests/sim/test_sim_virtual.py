@@ -289,6 +289,49 @@ def test_a_router_can_hold_arrivals_and_release_them_later() -> None:
     assert first["r0"].ttft < min(r.ttft for r in late if r.ttft is not None)
 
 
+def test_release_on_first_token_releases_when_a_prefill_ends() -> None:
+    """With `release_on_first_token` the fleet asks the router again when a request's first
+    token is out (the EPP wakes its pump on each first byte), not only after completions and at
+    scrape ticks: a request held until the first one's prefill ends goes at that moment."""
+
+    def run(on_first: bool) -> dict[str, RequestResult]:
+        firsts: list[float] = []
+        held: list[str] = []
+
+        def route(arrival: Arrival, states: Sequence[EndpointState], now: float) -> int | None:
+            if arrival.request_id == "r0":
+                return 0
+            held.append(arrival.request_id)
+            return HOLD
+
+        def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
+            if firsts and held:
+                send(held.pop(0), 0, None)
+
+        def first_token(result: RequestResult) -> None:
+            firsts.append(result.first_token or 0.0)
+
+        arrivals = [  # a long answer: r0 finishes long after its first token
+            Arrival(0.0, "r0", MODEL, "hello " * 400, max_tokens=400),
+            Arrival(0.001, "r1", MODEL, "hello " * 20, max_tokens=4),
+        ]
+        result = VirtualFleet([BASE], seed=1, scrape_interval=1.0).run(
+            arrivals, route, release=release, on_first_token=first_token,
+            release_on_first_token=on_first,
+        )  # fmt: skip
+        return {r.request_id: r for r in result.requests}
+
+    woken, polled = run(True), run(False)
+    first = woken["r0"].first_token
+    assert first is not None
+    assert first < 0.5
+    assert woken["r1"].first_token is not None
+    assert woken["r1"].first_token < first + 0.1
+    # Without it, r1 waits for the next scrape tick (1 s).
+    assert polled["r1"].first_token is not None
+    assert polled["r1"].first_token >= 1.0
+
+
 def test_holding_without_release_is_an_error() -> None:
     with pytest.raises(ValueError, match="release"):
         VirtualFleet([BASE], seed=1).run([Arrival(0.0, "r0", MODEL, "hi")], lambda a, s, n: HOLD)

@@ -15,9 +15,10 @@ first byte back) is at least `backlogTokens`. A held request is not in the dispa
 so it blocks nothing behind it (the dispatcher's head-of-line rule does not apply to it). At
 each release (the caller's pump: completions, scrape ticks) held requests are asked again in
 arrival order (at most `asks` of them) and go to the queue once the rule no longer holds them,
-or unasked after `maxHoldMs` whatever the backlog (never starved). The facts come from the
-caller (the scheduler's prefix index and backlog); this module is pure and synchronous, with
-time passed in.
+or unasked after `maxHoldMs` whatever the backlog (never starved). With `placeUnderBacklog`,
+a released new long prefix goes to one of the endpoints under the backlog (`room`). The facts
+come from the caller (the scheduler's prefix index and backlog); this module is pure and
+synchronous, with time passed in.
 """
 
 from __future__ import annotations
@@ -59,6 +60,25 @@ class PrefixHold(Generic[T]):
             return False
         uncached = uncached_tokens() if callable(uncached_tokens) else uncached_tokens
         return uncached >= c.min_prompt_tokens
+
+    def room(
+        self, uncached_tokens: int | Callable[[], int], backlogs: Sequence[int]
+    ) -> list[int] | None:
+        """With `placeUnderBacklog`, for a request released from the hold (the caller asks
+        only for those): the indices of the candidates it may go to, those whose backlog is
+        under `backlogTokens`, when it is still a new long prefix (as `holds` reads it) and
+        some candidates are under and some are not; None: not narrowed (the option is off, its
+        prefix is placed by now, or every candidate is under, or none is: a capped release
+        goes where the scheduler puts it). Why: the hold lets a new prefix go because some
+        endpoint has room; placed elsewhere, it lands behind a long backlog."""
+        c = self.config
+        if not c.place_under_backlog or len(backlogs) < 2:
+            return None
+        under = [i for i, b in enumerate(backlogs) if b < c.backlog_tokens]
+        if not under or len(under) == len(backlogs):
+            return None
+        uncached = uncached_tokens() if callable(uncached_tokens) else uncached_tokens
+        return under if uncached >= c.min_prompt_tokens else None
 
     def hold(self, payload: T, now: float) -> None:
         self.held.append(Held(payload, now))

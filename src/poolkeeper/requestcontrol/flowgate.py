@@ -286,6 +286,35 @@ class FlowGate:
             hold = self._held[job.pool] = PrefixHold(config)
         return hold.holds(uncached, backlogs)
 
+    def _place(self, item: FlowItem[Job]) -> None:
+        """`holdNewPrefixes.placeUnderBacklog`: a new long prefix released from the hold goes
+        only to the candidates under the backlog (`PrefixHold.room`), when some are and some
+        are not."""
+        job = item.payload
+        config = self.config.hold_new_prefixes
+        if config is None or not config.place_under_backlog or not job.released:
+            return
+        if job.prefill is None:
+            return
+        if self.config.bands.of(item.band).mode is not BandMode.QUEUE:
+            return
+        try:
+            candidates = job.ready if job.ready is not None else job.states()
+            uncached, backlogs = job.prefill(candidates)
+        except NoReadyEndpoint:
+            return  # the scheduler answers 503
+        except Exception:  # a bug in a plugin must not stop the dispatch: placed as without it
+            log.exception("internal error placing request %s", job.request_id)
+            return
+        if len(backlogs) != len(candidates):
+            return  # facts not per candidate (a stub or an empty pool): placed as without it
+        hold = self._held.get(job.pool)
+        if hold is None:
+            hold = self._held[job.pool] = PrefixHold(config)
+        room = hold.room(uncached, backlogs)
+        if room is not None:
+            job.ready = [candidates[i] for i in room]
+
     def _room_to_hold(self, item: FlowItem[Job]) -> bool:
         """Whether an arriving item fits its band's bounds (`maxRequests`, `maxBytes` per
         pool) with the requests held and queued in that band now: held requests wait too, and
@@ -312,6 +341,7 @@ class FlowGate:
         item = entry.payload
         job = item.payload
         job.held_s = self._clock() - entry.since
+        job.released = True
         self._unload(item)
         self._held_outcome(item, HOLD_CAPPED if entry.capped else HOLD_RELEASED, job.held_s)
         try:
@@ -405,6 +435,7 @@ class FlowGate:
         hold) and record its one outcome: Dispatched, or RejectedOther when scheduling fails
         (a 503 because its pool lost every endpoint while it waited, or an internal error).
         Without this a request refused after a hold or a wait left flow control unrecorded."""
+        self._place(item)
         try:
             decision = _run(item.payload)
         except Exception:

@@ -142,6 +142,7 @@ class Job:
     cached: Callable[[], Mapping[str, int]] | None = None
     # FlowGate's: seconds the request was held in front of the queue (counted as queue time).
     held_s: float = 0.0
+    released: bool = False  # released from a `holdNewPrefixes` hold (`placeUnderBacklog`)
 
 
 class Gate(Protocol):

@@ -40,7 +40,9 @@ API (times in virtual seconds; the run starts wherever the first arrival's time 
   set): what a router sees as the first response byte, for latency-learning policies.
 - `release(states, now, send)`: needed when `route` may return `HOLD` (the router keeps the
   arrival, e.g. in a flow-control queue). The fleet calls it only while something is held:
-  after every engine event that finished requests and at every scrape tick. The router calls
+  after every engine event that finished requests (with `release_on_first_token`, also after
+  one that gave a request its first token: the EPP's pump wakes on each first byte while
+  `holdNewPrefixes` is on) and at every scrape tick. The router calls
   `send(request_id, server)` to submit a held request now (states update before it returns)
   or `send(request_id, None, reason)` to reject it. Held requests' TTFT counts from arrival.
 - Returns `FleetResult(requests=[RequestResult...] in arrival order, servers=[ServerResult...],
@@ -330,6 +332,7 @@ class VirtualFleet:
         record_token_times: bool = False,
         release: Releaser | None = None,
         follow: Callable[[RequestResult, float], Iterable[Arrival]] | None = None,
+        release_on_first_token: bool = False,
     ) -> FleetResult:
         if self._ran:
             raise RuntimeError("a VirtualFleet runs once; build a new one")
@@ -452,7 +455,8 @@ class VirtualFleet:
             finished = False
             for outcome in engines[i].advance(t):
                 finished = finished or bool(outcome.finished)
-                self._deliver(i, outcome, done_cb, on_first_token)
+                firsts = self._deliver(i, outcome, done_cb, on_first_token)
+                finished = finished or (release_on_first_token and firsts)
             reschedule(i)
             if finished and held:
                 poll()
@@ -516,14 +520,18 @@ class VirtualFleet:
         outcome: StepOutcome,
         on_finish: Callable[[RequestResult], None] | None,
         on_first_token: Callable[[RequestResult], None] | None = None,
-    ) -> None:
+    ) -> bool:
+        """Hand the step's tokens to their results; whether any request's first token was
+        among them."""
         first_time, t = outcome.first_time, outcome.time
+        firsts = False
         longest = outcome.longest_step
         ends: list[float] | None = None
         for request in outcome.tokens:
             result: RequestResult = request.sink  # type: ignore[assignment]
             if result.first_token is None:
                 result.first_token = first_time
+                firsts = True
                 # Still unseen by a scrape (routed since the last one): it answered.
                 if self._unseen_by.pop(result.request_id, -1) == self._scrapes[i]:
                     self._answered[i] += 1
@@ -556,3 +564,4 @@ class VirtualFleet:
                 on_finish(result)
         if outcome.finished:
             self._rebuild(i)
+        return firsts

@@ -400,9 +400,11 @@ def run(
         routers[k].policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
 
     queueing = any(isinstance(r.policy, QueueingPolicy) for r in routers)
+    wakes = any(getattr(r.policy, "wakes_on_first_token", False) for r in routers)
     result = fleet.run(
         _sim_arrivals(arrivals), route, on_finish=finished, on_first_token=first_token,
         release=release if queueing else None,
+        release_on_first_token=wakes,  # as simrun.replay: the EPP wakes on first bytes
     )  # fmt: skip
     held = sum(getattr(getattr(r.policy, "hold", None), "total", 0) for r in routers)
     by_id = {a.request_id: a for a in arrivals}

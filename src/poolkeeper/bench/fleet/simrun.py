@@ -155,6 +155,7 @@ def replay(
     return fleet.run(
         _sim_arrivals(arrivals), route, on_finish=finished, on_first_token=first_token,
         release=release if queueing is not None else None,
+        release_on_first_token=bool(getattr(policy, "wakes_on_first_token", False)),
     )  # fmt: skip
 
 

@@ -125,8 +125,9 @@ class FlowPolicy:
         if verdict is Submitted.DISPATCH:
             self.dispatcher.dispatched(item)
             self._end(request.request_id, band, "dispatched")
+            released = request.request_id in self._held_for
             self.waited[request.request_id] = self._held_for.pop(request.request_id, 0.0)
-            return self._pick(item, endpoints, now)
+            return self._pick(item, endpoints, now, released)
         if verdict is Submitted.QUEUED:
             self.outcomes[(band, "queued")] += 1
             self.max_waiting = max(self.max_waiting, self.dispatcher.waiting())
@@ -152,8 +153,9 @@ class FlowPolicy:
         def go(item: FlowItem[_Held]) -> None:
             rid = item.payload.request.request_id
             self._end(rid, str(item.band), "dispatched")
+            released = rid in self._held_for
             self.waited[rid] = now - item.arrived + self._held_for.pop(rid, 0.0)
-            send(rid, self._pick(item, endpoints, now), None)  # updates `endpoints` in place
+            send(rid, self._pick(item, endpoints, now, released), None)  # updates `endpoints`
 
         self.dispatcher.pump(now, self._fits, go)
         if self.hold is not None and self.hold.waiting():
@@ -184,8 +186,14 @@ class FlowPolicy:
         self.hold.release(now, lambda r: self._holds(r, endpoints, now), go)
 
     def _pick(
-        self, item: FlowItem[_Held], endpoints: Sequence[EndpointState], now: float
+        self,
+        item: FlowItem[_Held],
+        endpoints: Sequence[EndpointState],
+        now: float,
+        released: bool = False,
     ) -> EndpointState:
+        """The scheduler's pick among the endpoints flow control allows; `released`: the
+        request comes from a `holdNewPrefixes` hold (`placeUnderBacklog` narrows only those)."""
         request = item.payload.request
         self._flows[request.request_id] = (request.model, item)
         band = self.config.bands.of(item.band)
@@ -203,6 +211,12 @@ class FlowPolicy:
             )
         else:  # sent at once: only away from a prefill just sent (`avoidPrefillTokens`)
             endpoints = self.headroom.spread(endpoints, band, cached=cached)
+        hold = self.hold
+        if hold is not None and hold.config.place_under_backlog and facts is not None and released:
+            # `placeUnderBacklog`: a held new long prefix goes where its release found room.
+            room = hold.room(lambda: facts.uncached_tokens(request, now), facts.backlogs(endpoints))
+            if room is not None:
+                endpoints = [endpoints[i] for i in room]
         return self.inner.pick(request, endpoints, now)
 
     def _end(self, request_id: str, band: str, outcome: str) -> None:
@@ -212,6 +226,13 @@ class FlowPolicy:
     @property
     def observes_first_tokens(self) -> bool:
         return self.inner.observes_first_tokens
+
+    @property
+    def wakes_on_first_token(self) -> bool:
+        """Whether the fleet releases after a first token too, as the EPP's Director wakes the
+        pump on each first byte while `holdNewPrefixes` is on (a prefill ended: a held request
+        may go); without it, held requests wait for a completion or the next scrape tick."""
+        return self.hold is not None
 
     def pick(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float

@@ -118,11 +118,28 @@ async def test_first_bytes_are_reported_at_once_only_to_a_scheduler_that_learns_
 ) -> None:
     directory, _ = _write(tmp_path, "FailClose")
     config, store = await _start([directory])
-    spec = config.spec.model_copy(update={"scheduling": preset_config(preset)})
+    # The hold off: it wants first tokens as they happen too (below).
+    flow = config.spec.flow_control.model_copy(update={"hold_new_prefixes": None})
+    spec = config.spec.model_copy(
+        update={"scheduling": preset_config(preset), "flow_control": flow}
+    )
     config = config.model_copy(update={"spec": spec})
     assert bootstrap_params(config, store.snapshot(), managed=True).report_first_bytes is reported
     # No observer (a proxy poolkeeper does not configure): the EPP sees responses itself.
     assert not bootstrap_params(config, store.snapshot(), managed=False).report_first_bytes
+
+
+async def test_first_bytes_are_reported_at_once_where_the_new_prefix_hold_waits_on_them(
+    tmp_path: Path,
+) -> None:
+    # `classic` learns nothing from first tokens, but the hold asks its held requests again
+    # on each: reported only at a request's end, they would wait for completions.
+    directory, _ = _write(tmp_path, "FailClose")
+    config, store = await _start([directory])
+    assert config.spec.flow_control.hold_new_prefixes is not None  # the default's hold
+    spec = config.spec.model_copy(update={"scheduling": preset_config("classic")})
+    config = config.model_copy(update={"spec": spec})
+    assert bootstrap_params(config, store.snapshot(), managed=True).report_first_bytes
 
 
 def test_envoy_config_command_prints_bootstrap(

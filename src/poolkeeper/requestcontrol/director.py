@@ -210,10 +210,12 @@ class Director:
         return self._gate if isinstance(self._gate, FlowGate) else None
 
     @property
-    def learns_from_first_tokens(self) -> bool:
-        """Whether the scheduler learns from first tokens (so they should be reported as
-        they happen, `server/runtime.py`'s bootstrap)."""
-        return self._learner is not None
+    def wants_first_tokens_at_once(self) -> bool:
+        """Whether first tokens should be reported as they happen (`server/runtime.py`'s
+        bootstrap): the scheduler learns from them, or flow control's `holdNewPrefixes`
+        asks its held requests again on each (a prefill ended). Reported only at the
+        request's end, a held request would wait for completions instead."""
+        return self._learner is not None or self._wake is not None
 
     def _abandon(self, decision: RoutingDecision) -> None:
         self.complete(decision, status=None, usage=None)

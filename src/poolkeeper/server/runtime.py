@@ -162,19 +162,21 @@ def bootstrap_params(
     *,
     endpoints_file: Path | None = None,
     managed: bool = False,
-    learns_from_first_tokens: bool | None = None,
+    first_tokens_at_once: bool | None = None,
 ) -> BootstrapParams:
     """The Envoy bootstrap for this configuration (also what `envoy-config` prints, with the
     routed endpoints inline; `serve` passes `endpoints_file`, kept current on hot reload, and
-    `managed`: it runs this Envoy itself). `learns_from_first_tokens`: what the running
-    Director's scheduler says (`Director.learns_from_first_tokens`); without a Director (the
-    `envoy-config` commands) it is read from the scheduling section."""
+    `managed`: it runs this Envoy itself). `first_tokens_at_once`: what the running Director
+    says (`Director.wants_first_tokens_at_once`); without a Director (the `envoy-config`
+    commands) it is read from the scheduling and flow-control sections."""
     listeners = config.spec.listeners
     edge = config.spec.edge
     observe = edge.responses_observed(managed_envoy=managed)
-    learns = learns_from_first_tokens
+    learns = first_tokens_at_once
     if observe and learns is None:
-        learns = scheduler_learns_from_first_tokens(config.spec.scheduling)
+        flow = config.spec.flow_control
+        holds = flow.enabled and flow.hold_new_prefixes is not None
+        learns = holds or scheduler_learns_from_first_tokens(config.spec.scheduling)
     pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
     fail_open = bool(pools) and all(p.failure_mode() == "FailOpen" for p in pools)
     fallback: list[str] = []
@@ -437,8 +439,8 @@ class GatewayRuntime:
             self.datastore.snapshot(),
             endpoints_file=endpoints.path,
             managed=True,
-            learns_from_first_tokens=self.director is not None
-            and self.director.learns_from_first_tokens,
+            first_tokens_at_once=self.director is not None
+            and self.director.wants_first_tokens_at_once,
         )
         params = dataclasses.replace(
             params, epp_token=self._epp_token, epp_tls=self.options.tls.secure_serving

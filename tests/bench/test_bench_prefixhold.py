@@ -189,3 +189,33 @@ def test_the_fleet_releases_on_first_tokens_only_while_the_hold_is_on() -> None:
     assert isinstance(unheld, FlowPolicy)
     assert held.wakes_on_first_token
     assert not unheld.wakes_on_first_token
+
+
+class _Stopped(Exception):
+    """Raised by the stand-in `VirtualFleet.run` once it has seen its arguments."""
+
+
+def test_both_drivers_ask_the_fleet_for_first_token_releases_only_with_the_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The property alone (above) is not enough: each driver must pass it to the fleet.
+    from poolkeeper.bench.fleet import replicas, simrun
+    from poolkeeper.sim.params import EngineConfig
+    from poolkeeper.sim.virtual import VirtualFleet
+
+    asked: list[object] = []
+
+    def run(self: VirtualFleet, *args: object, **kwargs: object) -> None:
+        asked.append(kwargs.get("release_on_first_token"))
+        raise _Stopped
+
+    monkeypatch.setattr(VirtualFleet, "run", run)
+    holds: list[dict[str, object] | None] = [{}, None]
+    for hold in holds:
+        config = FlowControlConfig.model_validate({"holdNewPrefixes": hold})
+        policy = flow_policy("poolkeeper", random.Random(1), config)
+        with pytest.raises(_Stopped):
+            simrun.replay([EngineConfig()], [], policy, seed=1)
+    with pytest.raises(_Stopped):  # the replica driver runs the default (the hold on)
+        replicas.run(1, servers=2, duration=1.0, capacity_rps=10.0)
+    assert asked == [True, False, True]

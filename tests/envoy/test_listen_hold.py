@@ -4,6 +4,7 @@ closes), the ones already queued stay queued until the child accepts them."""
 from __future__ import annotations
 
 import errno
+import os
 import select
 import socket
 import subprocess
@@ -83,3 +84,25 @@ def test_nothing_is_held_without_a_listening_socket_of_the_process() -> None:
                 assert hold_new_connections(proc.pid, port) == set()
             finally:
                 proc.kill()
+
+
+def test_an_fd_closed_while_the_table_is_read_does_not_stop_the_others(
+    child: tuple[subprocess.Popen[str], int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process starting up opens and closes fds while /proc/PID/fd is listed: an entry gone
+    # by its readlink is skipped, the listing goes on (and its iterator is closed: an
+    # unclosed one is a ResourceWarning, an error under this suite's warning filter).
+    proc, port = child
+    real = os.readlink
+    failed: list[str] = []
+
+    def readlink(path: str) -> str:
+        if not failed:
+            failed.append(path)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        return real(path)
+
+    monkeypatch.setattr(os, "readlink", readlink)
+    held = hold_new_connections(proc.pid, port)
+    assert failed  # the first entry failed ...
+    assert len(held) == 1  # ... and the listening socket was still found

@@ -79,9 +79,12 @@ def hold_new_connections(pid: int, port: int) -> set[int]:
     if not listening or not hasattr(os, "pidfd_open"):
         return set()
     targets: dict[int, int] = {}  # Envoy's fd -> inode
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(f"/proc/{pid}/fd"):
-            link = os.readlink(entry.path)
+    with contextlib.suppress(OSError), os.scandir(f"/proc/{pid}/fd") as entries:
+        for entry in entries:
+            try:
+                link = os.readlink(entry.path)
+            except OSError:  # closed since the listing: the others are still read
+                continue
             if link.startswith("socket:[") and int(link[8:-1]) in listening:
                 targets[int(entry.name)] = int(link[8:-1])
     held: set[int] = set()

@@ -174,8 +174,8 @@ def bootstrap_params(
     observe = edge.responses_observed(managed_envoy=managed)
     learns = first_tokens_at_once
     if observe and learns is None:
-        flow = config.spec.flow_control
-        holds = flow.enabled and flow.hold_new_prefixes is not None
+        # (a hold needs flow control on: the config refuses one without)
+        holds = config.spec.flow_control.hold_new_prefixes is not None
         learns = holds or scheduler_learns_from_first_tokens(config.spec.scheduling)
     pools = [snapshot.pools[key] for key in snapshot.pool_keys()]
     fail_open = bool(pools) and all(p.failure_mode() == "FailOpen" for p in pools)

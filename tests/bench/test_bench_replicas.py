@@ -199,3 +199,48 @@ def test_plugin_params_reach_every_replicas_plugins() -> None:
         once(plugin_params={"prefill-backlog-scorer": {"fadeFrom": 2.0}})
     with pytest.raises(ValueError, match=r"plugin_params for \['no-such-scorer'\]"):
         once(plugin_params={"no-such-scorer": {}})
+
+
+def test_a_replica_pump_runs_on_scrape_ticks_and_its_own_requests_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Live, each EPP's flow-control pump wakes on its scrape ticks and on its own requests'
+    # ends (and first bytes while its hold is on), never on another replica's: record every
+    # release of every replica and each replica's own request events, and check that a
+    # release off a tick follows one of that replica's own events at that instant.
+    from poolkeeper.bench.fleet import replicas as module
+
+    releases: list[tuple[int, float]] = []
+    own: set[tuple[int, float]] = set()
+    made_policies: list[Any] = []
+    made = module.replica_policy
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        policy = made(*args, **kwargs)
+        k = len(made_policies)
+        made_policies.append(policy)
+        release, on_finish, on_first = policy.release, policy.on_finish, policy.on_first_token
+
+        def rec_release(view: Any, now: float, send: Any) -> None:
+            releases.append((k, now))
+            release(view, now, send)
+
+        def rec_finish(request_id: str, server: str, now: float) -> None:
+            own.add((k, now))
+            on_finish(request_id, server, now)
+
+        def rec_first(request_id: str, now: float) -> None:
+            own.add((k, now))
+            on_first(request_id, now)
+
+        policy.release, policy.on_finish, policy.on_first_token = rec_release, rec_finish, rec_first
+        return policy
+
+    monkeypatch.setattr(module, "replica_policy", recorded)
+    run(4, servers=4, duration=3.0, seed=3, capacity_rps=100.0, load=0.9)
+    every = module.SCRAPE_INTERVAL_S
+    off_tick = [(k, t) for k, t in releases if round(t / every) * every != t]
+    assert off_tick  # the run released on engine events, not only on ticks ...
+    assert all((k, t) in own for k, t in off_tick)  # ... and only the replicas they concern
+    assert {k for k, _ in off_tick} == {0, 1, 2, 3}
+    assert any(round(t / every) * every == t for _, t in releases)

@@ -15,7 +15,9 @@ requests keep arriving at it often enough.
 shedding without flow control), request i going to replica hash(request id) mod N. Each
 replica sees only its own requests: its in-flight and unseen counts, the first tokens of its
 own requests (as Envoy reports them to the EPP that routed them), and its own held and queued
-requests, which the fleet's release ticks hand to every replica in turn. One replica routes
+requests. A replica's pump runs as a live EPP's does: at every scrape tick, and when one of its
+own requests ends (or, while its hold is on, has its first byte); another replica's requests
+do not wake it. One replica routes
 exactly as `simrun.replay` with the same policy (a test checks it). Reported: prefix-cache hit
 rate (what the model servers actually reused), TTFT, goodput, requests held by the hold, and
 affinity: the share of each prefix group's requests that landed on that group's most used
@@ -168,6 +170,12 @@ def replica_policy(
     return scheduler_policy(policy, rng, doc)
 
 
+def is_scrape_tick(now: float, every: float) -> bool:
+    """Whether the fleet's release at `now` is a scrape tick (the fleet polls at whole
+    multiples of the scrape interval, computed as `tick * every`) rather than an engine event."""
+    return round(now / every) * every == now
+
+
 def replica_of(request_id: str, replicas: int) -> int:
     return zlib.crc32(request_id.encode()) % replicas
 
@@ -304,6 +312,8 @@ def run(
         return replica_policy(policy, rng, cold_placement, prefix_params, plugin_params)
 
     routers = [_Replica(make(k)) for k in range(replicas)]
+    queueing = any(isinstance(r.policy, QueueingPolicy) for r in routers)
+    wakes = any(getattr(r.policy, "wakes_on_first_token", False) for r in routers)
     # Routers that learn from first tokens get them as they happen (`simrun.replay`'s rule).
     answers_seen = bool(getattr(routers[0].policy, "observes_first_tokens", False))
     fleet = VirtualFleet(
@@ -332,6 +342,7 @@ def run(
             engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock, engine, delay)
     owner: dict[str, tuple[int, str]] = {}
     tokens_of: dict[str, int] = {}
+    woken: set[int] = set()  # replicas whose own requests ended (or answered) since a release
 
     def placed(k: int, request_id: str, server: int, now: float) -> None:
         routers[k].sent(keys[server], request_id, now, tokens_of[request_id])
@@ -362,9 +373,11 @@ def run(
     def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
         clock[0] = now
         delay.deliver(now)
+        tick = is_scrape_tick(now, SCRAPE_INTERVAL_S)
         for k, router in enumerate(routers):
-            if isinstance(router.policy, QueueingPolicy):
+            if isinstance(router.policy, QueueingPolicy) and (tick or k in woken):
                 release_one(k, router.policy, states, now, send)
+        woken.clear()
 
     def release_one(
         k: int, policy: QueueingPolicy, states: Sequence[EndpointState], now: float, send: Send
@@ -390,6 +403,8 @@ def run(
             if answers_seen:  # only a router that asks Envoy for first bytes knows of them
                 routers[k].answered.add(result.request_id)
             routers[k].policy.on_first_token(result.request_id, result.first_token or 0.0)
+            if wakes:
+                woken.add(k)
 
     def finished(result: RequestResult) -> None:
         k, key = owner.pop(result.request_id, (-1, ""))
@@ -398,9 +413,8 @@ def run(
         routers[k].inflight.get(key, {}).pop(result.request_id, None)
         routers[k].answered.discard(result.request_id)
         routers[k].policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
+        woken.add(k)
 
-    queueing = any(isinstance(r.policy, QueueingPolicy) for r in routers)
-    wakes = any(getattr(r.policy, "wakes_on_first_token", False) for r in routers)
     result = fleet.run(
         _sim_arrivals(arrivals), route, on_finish=finished, on_first_token=first_token,
         release=release if queueing else None,

@@ -209,6 +209,7 @@ def test_a_replica_pump_runs_on_scrape_ticks_and_its_own_requests_only(
     # release of every replica and each replica's own request events, and check that a
     # release off a tick follows one of that replica's own events at that instant.
     from poolkeeper.bench.fleet import replicas as module
+    from poolkeeper.bench.fleet.simrun import SCRAPE_INTERVAL_S
 
     releases: list[tuple[int, float]] = []
     own: set[tuple[int, float]] = set()
@@ -216,7 +217,7 @@ def test_a_replica_pump_runs_on_scrape_ticks_and_its_own_requests_only(
     made = module.replica_policy
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        policy = made(*args, **kwargs)
+        policy: Any = made(*args, **kwargs)
         k = len(made_policies)
         made_policies.append(policy)
         release, on_finish, on_first = policy.release, policy.on_finish, policy.on_first_token
@@ -238,7 +239,7 @@ def test_a_replica_pump_runs_on_scrape_ticks_and_its_own_requests_only(
 
     monkeypatch.setattr(module, "replica_policy", recorded)
     run(4, servers=4, duration=3.0, seed=3, capacity_rps=100.0, load=0.9)
-    every = module.SCRAPE_INTERVAL_S
+    every = SCRAPE_INTERVAL_S
     off_tick = [(k, t) for k, t in releases if round(t / every) * every != t]
     assert off_tick  # the run released on engine events, not only on ticks ...
     assert all((k, t) in own for k, t in off_tick)  # ... and only the replicas they concern

@@ -21,6 +21,7 @@ in-flight count); this is the scheduler's view, from the gauges alone. One per f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolkeeper.datastore.endpoint import EndpointState
@@ -48,6 +49,29 @@ class FullBatches:
 
     def slots(self, state: EndpointState) -> int | None:
         """`state`'s learned batch size once confirmed full, else None; reads a new scrape."""
+        batch = self._seen.get(state.key)
+        if batch is None or batch.at != state.metrics.updated_at:
+            batch = self._read(state)
+        return batch.slots if batch.full else None
+
+    def full(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+        """The states whose batch is confirmed full and runs at least that many (running,
+        plus the unseen requests that answered), in order; reads every state's new scrape,
+        in order (as `slots` per state). The saturation filter's pass: one lookup per state,
+        and the scrape read only where it changed (once per scrape, not per decision)."""
+        get, read = self._seen.get, self._read
+        out: list[EndpointState] = []
+        for s in states:
+            m = s.metrics
+            batch = get(s.endpoint.hostport)
+            if batch is None or batch.at != m.updated_at:
+                batch = read(s)
+            if batch.full and m.running + s.unseen_answered >= batch.slots:
+                out.append(s)
+        return out
+
+    def _read(self, state: EndpointState) -> _Batch:
+        """`state`'s batch after reading its scrape (made on its first sight)."""
         m = state.metrics
         seen = self._seen
         batch = seen.get(state.key)
@@ -65,7 +89,7 @@ class FullBatches:
             ):
                 batch.full = True
             batch.at, batch.running, batch.waiting = m.updated_at, m.running, m.waiting
-        return batch.slots if batch.full else None
+        return batch
 
     def most(self, key: str) -> int | None:
         """The most requests seen running at `key` (its batch, confirmed full or not; None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import reduce
 from itertools import repeat
 from operator import add, mul
@@ -23,7 +24,12 @@ from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.filters import SaturationFilter
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
-from poolkeeper.scheduling.plugins.scorers import speed_bar
+from poolkeeper.scheduling.plugins.scorers import (
+    KvCacheScorer,
+    inverse_min_max,
+    inverse_min_max_ints,
+    speed_bar,
+)
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.scheduling.wsum import MAX_INLINE, weighted_sum
 from tests.scheduling.sched_factories import NOW, plugin, request, scheduler, state
@@ -285,8 +291,14 @@ def _reference_saturation(
         {"maxNumSeqs": 8, "kvCacheUtilThreshold": 0.5, "headroom": 1},  # KV limit exactly 1
     ],
 )  # fmt: skip
-def test_saturation_filter_batch_path_is_the_former_loop(params: dict[str, Any]) -> None:
+@pytest.mark.parametrize("after_stale", [False, True])
+def test_saturation_filter_batch_path_is_the_former_loop(
+    params: dict[str, Any], after_stale: bool
+) -> None:
+    """Alone, and after a stale-metrics filter in the same cycle (which tells it when every
+    candidate is fresh: the default's order)."""
     new, reference = plugin("saturation-filter", params), plugin("saturation-filter", params)
+    stale = plugin("stale-metrics-filter")
     rng = random.Random(23)
     n = 6
     running = [rng.randrange(4, 9) for _ in range(n)]
@@ -309,9 +321,68 @@ def test_saturation_filter_batch_path_is_the_former_loop(params: dict[str, Any])
                     updated_at=now - rng.choice([0.01, 0.01, 0.3]),
                 )
             )
-        got = new.filter(CycleState(now), request(), pool)
+        # every scrape fresh in a third of the steps, so the stale filter passes them all
+        if after_stale and step % 3 == 0:
+            pool = [replace(s, metrics=replace(s.metrics, updated_at=now - 0.01)) for s in pool]
+        cycle = CycleState(now)
+        if after_stale:
+            pool = stale.filter(cycle, request(), pool)  # (the same list when all are fresh)
+        got = new.filter(cycle, request(), pool)
         assert [s.key for s in got] == [
             s.key for s in _reference_saturation(reference, CycleState(now), pool)
         ]
         differing += len(got) != len(pool)
     assert differing > 10  # the filter dropped endpoints, not only passed all
+
+
+# --- the load scorers' shortcuts ----------------------------------------------------------------
+
+
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=60), st.sampled_from([0.0, 8.0]))
+def test_int_min_max_is_the_plain_min_max(values: list[int], min_span: float) -> None:
+    assert inverse_min_max_ints(values, min_span) == inverse_min_max(values, min_span)
+
+
+def _reference_kv(scorer: KvCacheScorer, cands: Sequence[EndpointState]) -> list[float]:
+    """The former KV values: plain, then all clamped when a sum, min or max says one is bad."""
+    if scorer.count_unseen:
+        values = [
+            s.metrics.kv_cache_usage if not s.unseen_tokens else effective_kv(s) for s in cands
+        ]
+    else:
+        values = [s.metrics.kv_cache_usage for s in cands]
+    total = sum(values)
+    if total != total or min(values) < 0.0 or max(values) > 1.0:
+        values = [0.0 if v <= 0.0 else v if v < 1.0 else 1.0 for v in values]
+    return values
+
+
+@pytest.mark.parametrize("count_unseen", [True, False])
+def test_kv_scorer_marks_bad_values_in_its_pass_as_the_former_checks_found_them(
+    count_unseen: bool,
+) -> None:
+    scorer = plugin("kv-cache-utilization-scorer", {"countUnseen": count_unseen})
+    rng = random.Random(31)
+    bad = 0
+    for _ in range(300):
+        n = rng.randrange(1, 9)
+        odd = rng.random() < 0.3  # a broken exporter somewhere
+        pool = [
+            state(
+                i + 1,
+                kv=rng.choice([-0.0, 0.0, 1.0, rng.random()])
+                if not odd or rng.random() < 0.6
+                else rng.choice([float("nan"), -0.2, 1.5, float("inf"), -float("inf")]),
+                unseen=1,
+                unseen_tokens=rng.choice([0, 0, 3000]),
+                num_gpu_blocks=rng.choice([None, 1000]),
+                block_size=16,
+            )
+            for i in range(n)
+        ]
+        got = scorer.score(CycleState(NOW), request(), pool)
+        expected = _reference_kv(scorer, pool)
+        bad += expected != [s.metrics.kv_cache_usage for s in pool]
+        assert [v.hex() for v in got.values] == [float(v).hex() for v in expected]
+        assert (got.scale, got.offset) == (-1.0, 1.0)
+    assert bad > 20  # clamped decisions were among them

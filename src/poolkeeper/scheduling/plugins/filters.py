@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Final
 
 from pydantic import Field
 
@@ -312,9 +313,21 @@ class SaturationFilter(NamedPlugin):
         p = self.params
         limit = self.limit
         fresh_since = cycle.now - self.staleness_s
-        fresh = [
-            s for s in candidates if not ((u := s.metrics.updated_at) <= 0.0 or u < fresh_since)
-        ]
+        fresh: Sequence[EndpointState]
+        done = cycle.get(_ALL_FRESH)
+        # The same list, all scraped since a time no earlier than this filter's limit: a
+        # stale-metrics filter before this one found them all fresh (the default's order).
+        if (
+            isinstance(done, tuple)
+            and done[0] is candidates
+            and done[1] == len(candidates)
+            and done[2] >= fresh_since
+        ):
+            fresh = candidates
+        else:
+            fresh = [
+                s for s in candidates if not ((u := s.metrics.updated_at) <= 0.0 or u < fresh_since)
+            ]
         # Every fresh scrape is read, KV-dropped or not: it teaches the learned batch.
         slots = p.max_num_seqs
         if slots is not None:
@@ -353,7 +366,7 @@ class SaturationFilter(NamedPlugin):
         cycle: CycleState,
         request: LLMRequest,
         candidates: Sequence[EndpointState],
-        kept: list[EndpointState],
+        kept: Sequence[EndpointState],
         queued: list[EndpointState],
     ) -> Sequence[EndpointState]:
         """What passes when some but not all candidates are overloaded; `queued`: those
@@ -396,6 +409,12 @@ class StaleMetricsParams(PluginParams):
         description="Blocks of the prefix scorer an endpoint must probably cache to hold it "
         "(default 32, as prefix-affinity-filter).",
     )
+
+
+# The cycle state's key of (candidates, their count, fresh_since) where the stale-metrics filter
+# found every candidate scraped since `fresh_since`: a module path, which no plugin instance's
+# name (the keys plugins use) can be.
+_ALL_FRESH: Final = f"{__name__}.all-fresh"
 
 
 # How late a scrape may be and a server running the request's LoRA adapter still kept, when
@@ -441,7 +460,11 @@ class StaleMetricsFilter(NamedPlugin):
         # `updated_at` 0.0 (never scraped) is below any `fresh_since` of a running clock;
         # the explicit test keeps that true for clocks that start near zero.
         kept = [s for s in candidates if (u := s.metrics.updated_at) >= fresh_since and u > 0.0]
-        if not kept or len(kept) == len(candidates):
+        if len(kept) == len(candidates):
+            # (the saturation filter after this one need not test them again)
+            cycle.put(_ALL_FRESH, (candidates, len(candidates), fresh_since))
+            return candidates
+        if not kept:
             return candidates
         adapter = request.target_model
         if adapter and not any(adapter in s.metrics.active_adapters for s in kept):

@@ -30,7 +30,7 @@ _MAX_TRACKED = 4096  # endpoints remembered at most (forgotten all at once beyon
 
 
 @dataclass(slots=True)
-class _Batch:
+class _Batch:  # (always true: no `__len__` or `__bool__`, which `FullBatches.full` relies on)
     slots: int = 0  # the most requests seen running
     full: bool = False  # confirmed: still `slots` running after its queue shrank
     at: float = -1.0  # `updated_at` of the scrape last looked at
@@ -60,15 +60,17 @@ class FullBatches:
         in order (as `slots` per state). The saturation filter's pass: one lookup per state,
         and the scrape read only where it changed (once per scrape, not per decision)."""
         get, read = self._seen.get, self._read
-        out: list[EndpointState] = []
-        for s in states:
-            m = s.metrics
-            batch = get(s.endpoint.hostport)
-            if batch is None or batch.at != m.updated_at:
-                batch = read(s)
-            if batch.full and m.running + s.unseen_answered >= batch.slots:
-                out.append(s)
-        return out
+        # One comprehension (no appends): a batch is read where it is new or its scrape is.
+        return [
+            s
+            for s in states
+            if (
+                ((b := get(s.endpoint.hostport)) is not None and b.at == s.metrics.updated_at)
+                or (b := read(s))
+            )
+            and b.full
+            and s.metrics.running + s.unseen_answered >= b.slots
+        ]
 
     def _read(self, state: EndpointState) -> _Batch:
         """`state`'s batch after reading its scrape (made on its first sight)."""

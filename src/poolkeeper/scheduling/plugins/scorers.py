@@ -7,6 +7,7 @@ effective ones (scraped + unseen in-flight, see `load.py`) unless `countUnseen` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Final, Literal
 
@@ -30,6 +31,17 @@ def inverse_min_max(values: list[int] | list[float], min_span: float = 0.0) -> S
     is really skewed. Returned in affine form (no pass of its own over the values).
     """
     lo, hi = min(values), max(values)
+    return _inverse_span(values, lo, hi, min_span)
+
+
+def inverse_min_max_ints(values: list[int], min_span: float = 0.0) -> Scores:
+    """`inverse_min_max` of request counts: their bounds read off the distinct values (a few
+    dozen at most; a set of them costs less than `min` and `max` of the list each)."""
+    distinct = set(values)
+    return _inverse_span(values, min(distinct), max(distinct), min_span)
+
+
+def _inverse_span(values: list[int] | list[float], lo: float, hi: float, min_span: float) -> Scores:
     if hi == lo:
         return 1.0
     span = hi - lo
@@ -66,7 +78,7 @@ class _MinMaxLoadScorer(NamedPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
-        return inverse_min_max(self.loads(candidates, self.count_unseen), self.min_span)
+        return inverse_min_max_ints(self.loads(candidates, self.count_unseen), self.min_span)
 
 
 # The subclasses' `loads` are list comprehensions reading the field inline: at 1,000 endpoints
@@ -97,8 +109,8 @@ class QueueScorer(_MinMaxLoadScorer):
     ) -> Scores:
         if self.count_unseen and not self.answered_run:
             loads = [s.metrics.waiting + s.unseen_requests for s in candidates]
-            return inverse_min_max(loads, self.min_span)
-        return inverse_min_max(self.loads(candidates, self.count_unseen), self.min_span)
+            return inverse_min_max_ints(loads, self.min_span)
+        return inverse_min_max_ints(self.loads(candidates, self.count_unseen), self.min_span)
 
     @staticmethod
     def loads(candidates: Sequence[EndpointState], count_unseen: bool) -> list[int]:
@@ -132,19 +144,39 @@ class KvCacheScorer(NamedPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
+        # A scraped value outside 0..1 or NaN (a broken exporter) is marked NaN in the same
+        # pass (`effective_kv` is within 0..1 already), so the sum (NaN if any value is) finds
+        # them without a `min` and `max` pass; the rare such decision clamps them all.
+        nan = _NAN
         if self.count_unseen:
             values = [
-                s.metrics.kv_cache_usage if not s.unseen_tokens else effective_kv(s)
+                kv
+                if 0.0 <= (kv := s.metrics.kv_cache_usage) <= 1.0 and not s.unseen_tokens
+                else effective_kv(s)
+                if s.unseen_tokens
+                else nan
                 for s in candidates
             ]
         else:
-            values = [s.metrics.kv_cache_usage for s in candidates]
-        # Scraped values outside 0..1 or NaN (a broken exporter) are clamped, not trusted;
-        # the sum is NaN if any value is, so one C-level pass detects all three cases.
+            values = [
+                kv if 0.0 <= (kv := s.metrics.kv_cache_usage) <= 1.0 else nan for s in candidates
+            ]
         total = sum(values)
-        if total != total or min(values) < 0.0 or max(values) > 1.0:
-            values = [_unit(v) for v in values]
+        if total != total:
+            values = [_unit(v) for v in self._raw(candidates)]
         return AffineScores(values, -1.0, 1.0)
+
+    def _raw(self, candidates: Sequence[EndpointState]) -> list[float]:
+        """Each candidate's utilisation, unclamped where scraped (unseen tokens added)."""
+        if self.count_unseen:
+            return [
+                s.metrics.kv_cache_usage if not s.unseen_tokens else effective_kv(s)
+                for s in candidates
+            ]
+        return [s.metrics.kv_cache_usage for s in candidates]
+
+
+_NAN: Final = math.nan
 
 
 def _unit(x: float) -> float:
@@ -174,8 +206,8 @@ class InflightLoadScorer(NamedPlugin):
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
         if self.tokens:
-            return inverse_min_max([s.inflight_tokens for s in candidates])
-        return inverse_min_max([s.inflight_requests for s in candidates])
+            return inverse_min_max([s.inflight_tokens for s in candidates])  # (mostly distinct)
+        return inverse_min_max_ints([s.inflight_requests for s in candidates])
 
 
 class LoraAffinityScorerParams(PluginParams):

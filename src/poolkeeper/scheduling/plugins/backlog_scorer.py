@@ -281,7 +281,8 @@ class PrefillBacklogScorer(NamedPlugin):
         """The scores faded to `say` (1: in full): `1 - say + say x score`."""
         costs = self.costs(cycle, request, candidates)
         best = min(costs)
-        if best == max(costs):
+        # All equal only if the first is the lowest: mostly decided without a `max` pass.
+        if costs[0] == best and best == max(costs):
             return 1.0
         keep = 1.0 - say
         if self.mean_span:

@@ -31,7 +31,7 @@ from poolkeeper.scheduling.plugins.scorers import (
     speed_bar,
 )
 from poolkeeper.scheduling.types import LLMRequest
-from poolkeeper.scheduling.wsum import MAX_INLINE, weighted_sum
+from poolkeeper.scheduling.wsum import MAX_INLINE, Summers, weighted_sum
 from tests.scheduling.sched_factories import NOW, plugin, request, scheduler, state
 
 FLOATS = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
@@ -77,6 +77,45 @@ def test_weighted_sum_covers_every_inline_width_and_none() -> None:
             )
     assert weighted_sum([], [], 0.0, 3) == [0.0, 0.0, 0.0]
     assert weighted_sum([], [], 2.5, 2) == [2.5, 2.5]
+
+
+@given(
+    st.integers(1, 12).flatmap(
+        lambda n: st.tuples(
+            st.lists(
+                st.one_of(
+                    st.lists(FLOATS, min_size=n, max_size=n),
+                    st.lists(st.integers(0, 40), min_size=n, max_size=n),
+                ),
+                min_size=1,
+                max_size=11,
+            ),
+            st.lists(FLOATS, min_size=11, max_size=11),
+            st.lists(st.booleans(), min_size=11, max_size=11),
+        )
+    ),
+    st.one_of(st.just(0.0), FLOATS),
+)
+def test_summers_read_table_columns_bit_for_bit(
+    data: tuple[list[list[Any]], list[float], list[bool]], offset: float
+) -> None:
+    """Integer columns given as tables of their products sum to the plain form's floats."""
+    columns, weights, use_table = data
+    factors = weights[: len(columns)]
+    given_factors: list[Any] = []
+    tables = 0
+    for j, (column, f) in enumerate(zip(columns, factors, strict=True)):
+        if use_table[j] and all(isinstance(x, int) for x in column):
+            tables |= 1 << j
+            given_factors.append([i * f for i in range(max(column) + 1)])
+        else:
+            given_factors.append(f)
+    summers = Summers()
+    got = summers.sum(columns, given_factors, offset, len(columns[0]), tables)
+    expected = _general_sum(columns, factors, offset)
+    assert [(x + 0.0).hex() for x in got] == [(x + 0.0).hex() for x in expected]
+    # the compiled form, kept: the same again
+    assert summers.sum(columns, given_factors, offset, len(columns[0]), tables) == got
 
 
 # --- the prefill-backlog scorer: the former per-term passes ----------------------------------

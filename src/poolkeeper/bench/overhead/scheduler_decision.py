@@ -14,10 +14,10 @@ unseen in-flight requests, and GC stays on (as in production). Two timings per s
   endpoint picking.
 
 Every endpoint is scraped again every `SCRAPE_EVERY` decisions (its loads unchanged, a new
-`updated_at`), as the EPP scrapes every 50 ms, so the stale and saturation filters see fresh
-metrics. (Until 2026-12-07 the metrics were never re-stamped and went stale 200 decisions in:
-both filters then failed open on their cheap path, leaving ~250 us of the default's decision
-at 1,000 endpoints out.)
+`updated_at`), staggered as the EPP's per-endpoint scrape loops are (a 50th of the pool per
+decision), so the stale and saturation filters see fresh metrics. (Until 2026-12-07 the
+metrics were never re-stamped and went stale 200 decisions in: both filters then failed open
+on their cheap paths, leaving ~250 us of the default's decision at 1,000 endpoints out.)
 
 A scheduler that learns from first tokens (`predicted-ttft`, `prefill-backlog`) is told of one
 after each decision, outside the timed part: that of the decision n/2 earlier, so a learning
@@ -82,20 +82,18 @@ def make_pool(rng: random.Random, n: int, now: float) -> list[EndpointState]:
     return pool
 
 
-# Decisions between two scrapes of every endpoint: 50 ms at the benchmark's 1 ms per decision,
+# Decisions between two scrapes of an endpoint: 50 ms at the benchmark's 1 ms per decision,
 # the EPP's default scrape interval.
 SCRAPE_EVERY = 50
 
 
-def rescrape(pool: list[EndpointState], now: float, rng: random.Random) -> list[EndpointState]:
-    """The pool as a new scrape of every endpoint shows it: the same loads, taken up to 50 ms
-    before `now`."""
-    return [
-        dataclasses.replace(
-            s, metrics=dataclasses.replace(s.metrics, updated_at=now - rng.uniform(0.0, 0.05))
-        )
-        for s in pool
-    ]
+def rescrape(pool: list[EndpointState], now: float, rng: random.Random, part: int) -> None:
+    """A new scrape (the same loads, taken just before `now`) of every `SCRAPE_EVERY`-th
+    endpoint of `pool`, from the `part`-th on, in place."""
+    for i in range(part % SCRAPE_EVERY, len(pool), SCRAPE_EVERY):
+        s = pool[i]
+        stamp = now - rng.uniform(0.0, 0.005)
+        pool[i] = dataclasses.replace(s, metrics=dataclasses.replace(s.metrics, updated_at=stamp))
 
 
 def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str, float]:
@@ -122,8 +120,7 @@ def run(preset: str, n: int, decisions: int, warmup: int, seed: int) -> dict[str
     for k in range(warmup + decisions):
         req = request(k)
         now += 0.001
-        if k % SCRAPE_EVERY == 0:
-            pool = rescrape(pool, now, scrapes)
+        rescrape(pool, now, scrapes, k)
         t0 = time.perf_counter_ns()
         states = tracker.apply(pool)
         admission.decide(req, states, now=now)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.load import STALE, effective_kv, saturations
+from poolkeeper.datastore.load import STALE, effective_kv
 from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.filters import SaturationFilter
@@ -298,14 +298,7 @@ def _reference_saturation(
     f: SaturationFilter, cycle: CycleState, cands: Sequence[EndpointState]
 ) -> Sequence[EndpointState]:
     p = f.params
-    values = saturations(
-        cands,
-        now=cycle.now,
-        staleness_s=f.staleness_s,
-        queue_threshold=p.queue_depth_threshold,
-        kv_threshold=p.kv_cache_util_threshold,
-        count_unseen=p.count_unseen,
-    )
+    values = f.saturations(cycle, cands)  # (`saturations` by the filter's thresholds)
     kv_limit = f.limit * p.kv_cache_util_threshold
     kept: list[EndpointState] = []
     for s, v in zip(cands, values, strict=True):

@@ -291,17 +291,22 @@ class SaturationFilter(NamedPlugin):
         p = self.params
         limit = self.limit  # `saturations` marks stale endpoints infinite: above any limit
         if p.max_num_seqs is None and self.batches is None:
-            values = saturations(
-                candidates,
-                now=cycle.now,
-                staleness_s=self.staleness_s,
-                queue_threshold=p.queue_depth_threshold,
-                kv_threshold=p.kv_cache_util_threshold,
-                count_unseen=p.count_unseen,
-            )
+            values = self.saturations(cycle, candidates)
             under = [s for s, v in zip(candidates, values, strict=True) if v < limit]
             return under if under and len(under) < len(candidates) else candidates
         return self._batch_filter(cycle, request, candidates)
+
+    def saturations(self, cycle: CycleState, states: Sequence[EndpointState]) -> list[float]:
+        """`states`' saturations by this filter's thresholds (`STALE` where stale)."""
+        p = self.params
+        return saturations(
+            states,
+            now=cycle.now,
+            staleness_s=self.staleness_s,
+            queue_threshold=p.queue_depth_threshold,
+            kv_threshold=p.kv_cache_util_threshold,
+            count_unseen=p.count_unseen,
+        )
 
     def _batch_filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -345,14 +350,7 @@ class SaturationFilter(NamedPlugin):
             full = [s for s in full if effective_kv(s, cu) < kv_limit]
         queued: list[EndpointState] = []
         if full:
-            values = saturations(
-                full,
-                now=cycle.now,
-                staleness_s=self.staleness_s,
-                queue_threshold=p.queue_depth_threshold,
-                kv_threshold=p.kv_cache_util_threshold,
-                count_unseen=p.count_unseen,
-            )
+            values = self.saturations(cycle, full)
             queued = [s for s, v in zip(full, values, strict=True) if v >= limit]
         if queued:
             gone = {id(s) for s in queued}

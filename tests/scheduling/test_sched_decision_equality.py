@@ -28,6 +28,7 @@ from poolkeeper.scheduling.plugins.scorers import (
     KvCacheScorer,
     inverse_min_max,
     inverse_min_max_ints,
+    residency,
     speed_bar,
 )
 from poolkeeper.scheduling.types import LLMRequest
@@ -418,3 +419,45 @@ def test_kv_scorer_marks_bad_values_in_its_pass_as_the_former_checks_found_them(
         assert [v.hex() for v in got.values] == [float(v).hex() for v in expected]
         assert (got.scale, got.offset) == (-1.0, 1.0)
     assert bad > 20  # clamped decisions were among them
+
+
+def _reference_lora(p: Any, model: str, cands: Sequence[EndpointState]) -> list[float] | float:
+    """The LoRA scorer's former single pass."""
+    out = [
+        p.active_score
+        if model == m.served_model or model in m.active_adapters
+        else p.free_slot_score
+        if m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
+        else p.waiting_score
+        if model in m.waiting_adapters
+        else 0.0
+        for s in cands
+        for m in [s.metrics]
+    ]
+    return out[0] if out and out.count(out[0]) == len(out) else out
+
+
+def test_lora_scorer_on_the_shared_residency_is_its_former_pass() -> None:
+    scorer = plugin("lora-affinity-scorer", {"freeSlotScore": 0.7})
+    rng = random.Random(41)
+    kinds = set()
+    for _ in range(400):
+        pool = [
+            state(
+                i + 1,
+                active=tuple(rng.sample(["a", "b"], rng.randrange(3))),
+                queued_adapters=tuple(rng.sample(["c"], rng.randrange(2))),
+                max_adapters=rng.choice([0, 1, 2, 4]),
+                served_model=rng.choice([None, "base", "base", "other"]),
+            )
+            for i in range(rng.randrange(1, 7))
+        ]
+        model = rng.choice(["base", "a", "c", "zz"])
+        cycle = CycleState(NOW)
+        if rng.random() < 0.5:  # read first by another scorer (the backlog's order is after)
+            residency(pool, model, cycle)
+        got = scorer.score(cycle, request(model), pool)
+        found = residency(pool, model, cycle)
+        kinds.add(found if isinstance(found, bool) else "mixed")
+        assert got == _reference_lora(scorer.params, model, pool)
+    assert kinds == {True, False, "mixed"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import reduce
 from itertools import repeat
 from operator import add, mul
@@ -18,14 +19,20 @@ import pytest
 from hypothesis import given, strategies as st
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.load import STALE, effective_kv, saturations
+from poolkeeper.datastore.load import STALE, effective_kv
 from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.filters import SaturationFilter
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
-from poolkeeper.scheduling.plugins.scorers import speed_bar
+from poolkeeper.scheduling.plugins.scorers import (
+    KvCacheScorer,
+    inverse_min_max,
+    inverse_min_max_ints,
+    residency,
+    speed_bar,
+)
 from poolkeeper.scheduling.types import LLMRequest
-from poolkeeper.scheduling.wsum import MAX_INLINE, weighted_sum
+from poolkeeper.scheduling.wsum import MAX_INLINE, Summers, weighted_sum
 from tests.scheduling.sched_factories import NOW, plugin, request, scheduler, state
 
 FLOATS = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
@@ -71,6 +78,45 @@ def test_weighted_sum_covers_every_inline_width_and_none() -> None:
             )
     assert weighted_sum([], [], 0.0, 3) == [0.0, 0.0, 0.0]
     assert weighted_sum([], [], 2.5, 2) == [2.5, 2.5]
+
+
+@given(
+    st.integers(1, 12).flatmap(
+        lambda n: st.tuples(
+            st.lists(
+                st.one_of(
+                    st.lists(FLOATS, min_size=n, max_size=n),
+                    st.lists(st.integers(0, 40), min_size=n, max_size=n),
+                ),
+                min_size=1,
+                max_size=11,
+            ),
+            st.lists(FLOATS, min_size=11, max_size=11),
+            st.lists(st.booleans(), min_size=11, max_size=11),
+        )
+    ),
+    st.one_of(st.just(0.0), FLOATS),
+)
+def test_summers_read_table_columns_bit_for_bit(
+    data: tuple[list[list[Any]], list[float], list[bool]], offset: float
+) -> None:
+    """Integer columns given as tables of their products sum to the plain form's floats."""
+    columns, weights, use_table = data
+    factors = weights[: len(columns)]
+    given_factors: list[Any] = []
+    tables = 0
+    for j, (column, f) in enumerate(zip(columns, factors, strict=True)):
+        if use_table[j] and all(isinstance(x, int) for x in column):
+            tables |= 1 << j
+            given_factors.append([i * f for i in range(max(column) + 1)])
+        else:
+            given_factors.append(f)
+    summers = Summers()
+    got = summers.sum(columns, given_factors, offset, len(columns[0]), tables)
+    expected = _general_sum(columns, factors, offset)
+    assert [(x + 0.0).hex() for x in got] == [(x + 0.0).hex() for x in expected]
+    # the compiled form, kept: the same again
+    assert summers.sum(columns, given_factors, offset, len(columns[0]), tables) == got
 
 
 # --- the prefill-backlog scorer: the former per-term passes ----------------------------------
@@ -253,14 +299,7 @@ def _reference_saturation(
     f: SaturationFilter, cycle: CycleState, cands: Sequence[EndpointState]
 ) -> Sequence[EndpointState]:
     p = f.params
-    values = saturations(
-        cands,
-        now=cycle.now,
-        staleness_s=f.staleness_s,
-        queue_threshold=p.queue_depth_threshold,
-        kv_threshold=p.kv_cache_util_threshold,
-        count_unseen=p.count_unseen,
-    )
+    values = f.saturations(cycle, cands)  # (`saturations` by the filter's thresholds)
     kv_limit = f.limit * p.kv_cache_util_threshold
     kept: list[EndpointState] = []
     for s, v in zip(cands, values, strict=True):
@@ -285,8 +324,14 @@ def _reference_saturation(
         {"maxNumSeqs": 8, "kvCacheUtilThreshold": 0.5, "headroom": 1},  # KV limit exactly 1
     ],
 )  # fmt: skip
-def test_saturation_filter_batch_path_is_the_former_loop(params: dict[str, Any]) -> None:
+@pytest.mark.parametrize("after_stale", [False, True])
+def test_saturation_filter_batch_path_is_the_former_loop(
+    params: dict[str, Any], after_stale: bool
+) -> None:
+    """Alone, and after a stale-metrics filter in the same cycle (which tells it when every
+    candidate is fresh: the default's order)."""
     new, reference = plugin("saturation-filter", params), plugin("saturation-filter", params)
+    stale = plugin("stale-metrics-filter")
     rng = random.Random(23)
     n = 6
     running = [rng.randrange(4, 9) for _ in range(n)]
@@ -309,9 +354,110 @@ def test_saturation_filter_batch_path_is_the_former_loop(params: dict[str, Any])
                     updated_at=now - rng.choice([0.01, 0.01, 0.3]),
                 )
             )
-        got = new.filter(CycleState(now), request(), pool)
+        # every scrape fresh in a third of the steps, so the stale filter passes them all
+        if after_stale and step % 3 == 0:
+            pool = [replace(s, metrics=replace(s.metrics, updated_at=now - 0.01)) for s in pool]
+        cycle = CycleState(now)
+        if after_stale:
+            pool = stale.filter(cycle, request(), pool)  # (the same list when all are fresh)
+        got = new.filter(cycle, request(), pool)
         assert [s.key for s in got] == [
             s.key for s in _reference_saturation(reference, CycleState(now), pool)
         ]
         differing += len(got) != len(pool)
     assert differing > 10  # the filter dropped endpoints, not only passed all
+
+
+# --- the load scorers' shortcuts ----------------------------------------------------------------
+
+
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=60), st.sampled_from([0.0, 8.0]))
+def test_int_min_max_is_the_plain_min_max(values: list[int], min_span: float) -> None:
+    assert inverse_min_max_ints(values, min_span) == inverse_min_max(values, min_span)
+
+
+def _reference_kv(scorer: KvCacheScorer, cands: Sequence[EndpointState]) -> list[float]:
+    """The former KV values: plain, then all clamped when a sum, min or max says one is bad."""
+    if scorer.count_unseen:
+        values = [
+            s.metrics.kv_cache_usage if not s.unseen_tokens else effective_kv(s) for s in cands
+        ]
+    else:
+        values = [s.metrics.kv_cache_usage for s in cands]
+    total = sum(values)
+    if total != total or min(values) < 0.0 or max(values) > 1.0:
+        values = [0.0 if v <= 0.0 else v if v < 1.0 else 1.0 for v in values]
+    return values
+
+
+@pytest.mark.parametrize("count_unseen", [True, False])
+def test_kv_scorer_marks_bad_values_in_its_pass_as_the_former_checks_found_them(
+    count_unseen: bool,
+) -> None:
+    scorer = plugin("kv-cache-utilization-scorer", {"countUnseen": count_unseen})
+    rng = random.Random(31)
+    bad = 0
+    for _ in range(300):
+        n = rng.randrange(1, 9)
+        odd = rng.random() < 0.3  # a broken exporter somewhere
+        pool = [
+            state(
+                i + 1,
+                kv=rng.choice([-0.0, 0.0, 1.0, rng.random()])
+                if not odd or rng.random() < 0.6
+                else rng.choice([float("nan"), -0.2, 1.5, float("inf"), -float("inf")]),
+                unseen=1,
+                unseen_tokens=rng.choice([0, 0, 3000]),
+                num_gpu_blocks=rng.choice([None, 1000]),
+                block_size=16,
+            )
+            for i in range(n)
+        ]
+        got = scorer.score(CycleState(NOW), request(), pool)
+        expected = _reference_kv(scorer, pool)
+        bad += expected != [s.metrics.kv_cache_usage for s in pool]
+        assert [v.hex() for v in got.values] == [float(v).hex() for v in expected]
+        assert (got.scale, got.offset) == (-1.0, 1.0)
+    assert bad > 20  # clamped decisions were among them
+
+
+def _reference_lora(p: Any, model: str, cands: Sequence[EndpointState]) -> list[float] | float:
+    """The LoRA scorer's former single pass."""
+    out = [
+        p.active_score
+        if model == m.served_model or model in m.active_adapters
+        else p.free_slot_score
+        if m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
+        else p.waiting_score
+        if model in m.waiting_adapters
+        else 0.0
+        for s in cands
+        for m in [s.metrics]
+    ]
+    return out[0] if out and out.count(out[0]) == len(out) else out
+
+
+def test_lora_scorer_on_the_shared_residency_is_its_former_pass() -> None:
+    scorer = plugin("lora-affinity-scorer", {"freeSlotScore": 0.7})
+    rng = random.Random(41)
+    kinds = set()
+    for _ in range(400):
+        pool = [
+            state(
+                i + 1,
+                active=tuple(rng.sample(["a", "b"], rng.randrange(3))),
+                queued_adapters=tuple(rng.sample(["c"], rng.randrange(2))),
+                max_adapters=rng.choice([0, 1, 2, 4]),
+                served_model=rng.choice([None, "base", "base", "other"]),
+            )
+            for i in range(rng.randrange(1, 7))
+        ]
+        model = rng.choice(["base", "a", "c", "zz"])
+        cycle = CycleState(NOW)
+        if rng.random() < 0.5:  # read first by another scorer (the backlog's order is after)
+            residency(pool, model, cycle)
+        got = scorer.score(cycle, request(model), pool)
+        found = residency(pool, model, cycle)
+        kinds.add(found if isinstance(found, bool) else "mixed")
+        assert got == _reference_lora(scorer.params, model, pool)
+    assert kinds == {True, False, "mixed"}

@@ -75,6 +75,9 @@ class AffineScores:
     values: Sequence[float]
     scale: float
     offset: float
+    # >= 0: every value is an int in 0..top (request counts), so the profile may read each
+    # weighted product from a table of top + 1 (`wsum.Summers`); -1: not known to be.
+    top: int = -1
 
     def __len__(self) -> int:
         return len(self.values)

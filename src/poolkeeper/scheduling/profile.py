@@ -37,7 +37,7 @@ from poolkeeper.scheduling.stats import (
     SchedulingStats,
 )
 from poolkeeper.scheduling.types import LLMRequest
-from poolkeeper.scheduling.wsum import weighted_sum
+from poolkeeper.scheduling.wsum import Factor, Summers
 
 # What a scorer returns for "the same for every candidate". A tuple, not `float | int`,
 # which builds a new union object at every evaluation (each scorer of each request).
@@ -78,6 +78,7 @@ class SchedulerProfile:
         "_post_cycle_calls",
         "_runs",
         "_scorer_calls",
+        "_summers",
         "_timers",
         "_trusted",
         "filters",
@@ -105,6 +106,7 @@ class SchedulerProfile:
         # one of the request's candidates.
         self._trusted = all(_is_builtin(p) for p in members)
         self._runs = 0
+        self._summers = Summers()
         self.attach_stats(SchedulingStats())
 
     def attach_stats(self, stats: SchedulingStats) -> None:
@@ -160,7 +162,8 @@ class SchedulerProfile:
         # end (`wsum.py`): cheaper than a running total rebuilt per scorer. Constant scores
         # fold into `offset`.
         columns: list[Sequence[float]] = []
-        factors: list[float] = []
+        factors: list[Factor] = []
+        tables = 0  # bit j: factors[j] is column j's table of products (small request counts)
         offset = 0.0
         for score, record, w, bounded, scorer in self._scorer_calls:
             began = clock()
@@ -179,8 +182,14 @@ class SchedulerProfile:
             if isinstance(scores, AffineScores):
                 if bounded:
                     offset += w * scores.offset
+                    factor = w * scores.scale
+                    top = scores.top
+                    if 0 <= top <= n:  # (a table no longer than a pass over the candidates)
+                        tables |= 1 << len(columns)
+                        factors.append([i * factor for i in range(top + 1)])
+                    else:
+                        factors.append(factor)
                     columns.append(scores.values)
-                    factors.append(w * scores.scale)
                     continue
                 scores = scores.materialize()
             if not bounded:
@@ -188,7 +197,7 @@ class SchedulerProfile:
             columns.append(scores)
             factors.append(w)
         # (an affine scorer's offset alone is not a constant ranking: its scaled values follow)
-        total = weighted_sum(columns, factors, offset, n)
+        total = self._summers.sum(columns, factors, offset, n, tables)
         pick, record = self._picker_call
         began = clock()
         picked = pick(cands, total)

@@ -51,7 +51,7 @@ from poolkeeper.scheduling.backlog import BUSY_WINDOW_S, PrefillBacklog
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
-from poolkeeper.scheduling.plugins.scorers import speed_bar
+from poolkeeper.scheduling.plugins.scorers import residency, speed_bar
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -193,15 +193,18 @@ class PrefillBacklogScorer(NamedPlugin):
                 extra[k] = extra.get(k, 0) - h
         more = extra.get
         costs: list[float]  # (of ints, until a rate or a speed divides them)
-        if miss:
+        # Residency read once per decision (the LoRA scorer reads the same): often the same
+        # for every candidate, and then one base cost for all.
+        resident = residency(candidates, target, cycle) if miss else True
+        if isinstance(resident, bool):
+            base = own if resident else own + miss
+            costs = [base + more(s.endpoint.hostport, 0) for s in candidates]
+        else:
             dear = own + miss
             costs = [
-                (own if target == (m := s.metrics).served_model or target in m.active_adapters
-                 else dear) + more(s.endpoint.hostport, 0)
-                for s in candidates
-            ]  # fmt: skip
-        else:
-            costs = [own + more(s.endpoint.hostport, 0) for s in candidates]
+                (own if r else dear) + more(s.endpoint.hostport, 0)
+                for r, s in zip(resident, candidates, strict=True)
+            ]
         if self.marginal and backlog:
             waiting, tokens, hit = self.backlog.counts().get, request.prompt_tokens, cached.get
             costs = [
@@ -281,7 +284,8 @@ class PrefillBacklogScorer(NamedPlugin):
         """The scores faded to `say` (1: in full): `1 - say + say x score`."""
         costs = self.costs(cycle, request, candidates)
         best = min(costs)
-        if best == max(costs):
+        # All equal only if the first is the lowest: mostly decided without a `max` pass.
+        if costs[0] == best and best == max(costs):
             return 1.0
         keep = 1.0 - say
         if self.mean_span:

@@ -21,6 +21,7 @@ in-flight count); this is the scheduler's view, from the gauges alone. One per f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolkeeper.datastore.endpoint import EndpointState
@@ -29,7 +30,7 @@ _MAX_TRACKED = 4096  # endpoints remembered at most (forgotten all at once beyon
 
 
 @dataclass(slots=True)
-class _Batch:
+class _Batch:  # (always true: no `__len__` or `__bool__`, which `FullBatches.full` relies on)
     slots: int = 0  # the most requests seen running
     full: bool = False  # confirmed: still `slots` running after its queue shrank
     at: float = -1.0  # `updated_at` of the scrape last looked at
@@ -48,6 +49,31 @@ class FullBatches:
 
     def slots(self, state: EndpointState) -> int | None:
         """`state`'s learned batch size once confirmed full, else None; reads a new scrape."""
+        batch = self._seen.get(state.key)
+        if batch is None or batch.at != state.metrics.updated_at:
+            batch = self._read(state)
+        return batch.slots if batch.full else None
+
+    def full(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+        """The states whose batch is confirmed full and runs at least that many (running,
+        plus the unseen requests that answered), in order; reads every state's new scrape,
+        in order (as `slots` per state). The saturation filter's pass: one lookup per state,
+        and the scrape read only where it changed (once per scrape, not per decision)."""
+        get, read = self._seen.get, self._read
+        # One comprehension (no appends): a batch is read where it is new or its scrape is.
+        return [
+            s
+            for s in states
+            if (
+                ((b := get(s.endpoint.hostport)) is not None and b.at == s.metrics.updated_at)
+                or (b := read(s))
+            )
+            and b.full
+            and s.metrics.running + s.unseen_answered >= b.slots
+        ]
+
+    def _read(self, state: EndpointState) -> _Batch:
+        """`state`'s batch after reading its scrape (made on its first sight)."""
         m = state.metrics
         seen = self._seen
         batch = seen.get(state.key)
@@ -65,7 +91,7 @@ class FullBatches:
             ):
                 batch.full = True
             batch.at, batch.running, batch.waiting = m.updated_at, m.running, m.waiting
-        return batch.slots if batch.full else None
+        return batch
 
     def most(self, key: str) -> int | None:
         """The most requests seen running at `key` (its batch, confirmed full or not; None

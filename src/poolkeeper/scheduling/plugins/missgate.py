@@ -178,7 +178,7 @@ class GatedSaturationFilter(SaturationFilter):
         cycle: CycleState,
         request: LLMRequest,
         candidates: Sequence[EndpointState],
-        kept: list[EndpointState],
+        kept: Sequence[EndpointState],
         queued: list[EndpointState],
     ) -> Sequence[EndpointState]:
         if not queued:

@@ -7,8 +7,9 @@ effective ones (scraped + unseen in-flight, see `load.py`) unless `countUnseen` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Final, Literal
+import math
+from collections.abc import Callable, Sequence
+from typing import Final, Literal, TypeVar
 
 from pydantic import Field
 
@@ -30,6 +31,17 @@ def inverse_min_max(values: list[int] | list[float], min_span: float = 0.0) -> S
     is really skewed. Returned in affine form (no pass of its own over the values).
     """
     lo, hi = min(values), max(values)
+    return _inverse_span(values, lo, hi, min_span)
+
+
+def inverse_min_max_ints(values: list[int], min_span: float = 0.0) -> Scores:
+    """`inverse_min_max` of request counts: their bounds read off the distinct values (a few
+    dozen at most; a set of them costs less than `min` and `max` of the list each)."""
+    distinct = set(values)
+    return _inverse_span(values, min(distinct), max(distinct), min_span)
+
+
+def _inverse_span(values: list[int] | list[float], lo: float, hi: float, min_span: float) -> Scores:
     if hi == lo:
         return 1.0
     span = hi - lo
@@ -66,7 +78,7 @@ class _MinMaxLoadScorer(NamedPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
-        return inverse_min_max(self.loads(candidates, self.count_unseen), self.min_span)
+        return inverse_min_max_ints(self.loads(candidates, self.count_unseen), self.min_span)
 
 
 # The subclasses' `loads` are list comprehensions reading the field inline: at 1,000 endpoints
@@ -97,8 +109,8 @@ class QueueScorer(_MinMaxLoadScorer):
     ) -> Scores:
         if self.count_unseen and not self.answered_run:
             loads = [s.metrics.waiting + s.unseen_requests for s in candidates]
-            return inverse_min_max(loads, self.min_span)
-        return inverse_min_max(self.loads(candidates, self.count_unseen), self.min_span)
+            return inverse_min_max_ints(loads, self.min_span)
+        return inverse_min_max_ints(self.loads(candidates, self.count_unseen), self.min_span)
 
     @staticmethod
     def loads(candidates: Sequence[EndpointState], count_unseen: bool) -> list[int]:
@@ -132,19 +144,39 @@ class KvCacheScorer(NamedPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
+        # A scraped value outside 0..1 or NaN (a broken exporter) is marked NaN in the same
+        # pass (`effective_kv` is within 0..1 already), so the sum (NaN if any value is) finds
+        # them without a `min` and `max` pass; the rare such decision clamps them all.
+        nan = _NAN
         if self.count_unseen:
             values = [
-                s.metrics.kv_cache_usage if not s.unseen_tokens else effective_kv(s)
+                kv
+                if 0.0 <= (kv := s.metrics.kv_cache_usage) <= 1.0 and not s.unseen_tokens
+                else effective_kv(s)
+                if s.unseen_tokens
+                else nan
                 for s in candidates
             ]
         else:
-            values = [s.metrics.kv_cache_usage for s in candidates]
-        # Scraped values outside 0..1 or NaN (a broken exporter) are clamped, not trusted;
-        # the sum is NaN if any value is, so one C-level pass detects all three cases.
+            values = [
+                kv if 0.0 <= (kv := s.metrics.kv_cache_usage) <= 1.0 else nan for s in candidates
+            ]
         total = sum(values)
-        if total != total or min(values) < 0.0 or max(values) > 1.0:
-            values = [_unit(v) for v in values]
+        if total != total:
+            values = [_unit(v) for v in self._raw(candidates)]
         return AffineScores(values, -1.0, 1.0)
+
+    def _raw(self, candidates: Sequence[EndpointState]) -> list[float]:
+        """Each candidate's utilisation, unclamped where scraped (unseen tokens added)."""
+        if self.count_unseen:
+            return [
+                s.metrics.kv_cache_usage if not s.unseen_tokens else effective_kv(s)
+                for s in candidates
+            ]
+        return [s.metrics.kv_cache_usage for s in candidates]
+
+
+_NAN: Final = math.nan
 
 
 def _unit(x: float) -> float:
@@ -174,8 +206,8 @@ class InflightLoadScorer(NamedPlugin):
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
         if self.tokens:
-            return inverse_min_max([s.inflight_tokens for s in candidates])
-        return inverse_min_max([s.inflight_requests for s in candidates])
+            return inverse_min_max([s.inflight_tokens for s in candidates])  # (mostly distinct)
+        return inverse_min_max_ints([s.inflight_requests for s in candidates])
 
 
 class LoraAffinityScorerParams(PluginParams):
@@ -215,21 +247,55 @@ class LoraAffinityScorer(NamedPlugin):
         p = self.params
         model = request.target_model
         active, free, waiting = p.active_score, p.free_slot_score, p.waiting_score
+        resident = residency(candidates, model, cycle)
+        if resident is True:
+            return active
         # One conditional expression per endpoint (no appends): this runs for every candidate.
-        out = [
-            active
-            if model == m.served_model or model in m.active_adapters
-            else free
-            if m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
-            else waiting
-            if model in m.waiting_adapters
-            else 0.0
-            for s in candidates
-            for m in [s.metrics]  # (an assignment, not a loop: no list is built)
-        ]
+        if resident is False:
+            out = [
+                free
+                if m.max_adapters
+                and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
+                else waiting
+                if model in m.waiting_adapters
+                else 0.0
+                for s in candidates
+                for m in [s.metrics]  # (an assignment, not a loop: no list is built)
+            ]
+        else:
+            out = [
+                active
+                if r
+                else free
+                if m.max_adapters
+                and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
+                else waiting
+                if model in m.waiting_adapters
+                else 0.0
+                for r, s in zip(resident, candidates, strict=True)
+                for m in [s.metrics]
+            ]
         # Often uniform (a base-model request, or no LoRA in the pool): one value then saves
         # the profile a pass over the candidates.
         return out[0] if out and out.count(out[0]) == len(out) else out
+
+
+def residency(
+    candidates: Sequence[EndpointState], target: str, cycle: CycleState | None = None
+) -> list[bool] | bool:
+    """Whether `target` (a request's model) is resident on each candidate: the candidate's
+    served base model or one of its active LoRA adapters; one bool when the same for all (a
+    pool without LoRA, or one that runs the adapter nowhere). The one rule of "resident"
+    (`lora-affinity-scorer`'s active score, the prefill-backlog scorer's adapter term). With
+    `cycle`, worked out once per decision for the same candidates and target (read-only)."""
+    return _per_decision(cycle, _RESIDENCY, candidates, target, _residency)
+
+
+def _residency(candidates: Sequence[EndpointState], target: str) -> list[bool] | bool:
+    flags = [
+        target == (m := s.metrics).served_model or target in m.active_adapters for s in candidates
+    ]
+    return flags[0] if flags and flags.count(flags[0]) == len(flags) else flags
 
 
 def speed_bar(
@@ -240,26 +306,41 @@ def speed_bar(
     was observed. The one rule of "slower than the fastest" (`observed-speed-scorer`, the
     prefill-backlog scorer's speed term). With `cycle`, worked out once per decision for the
     same candidates and slack (both scorers of the default profile ask; read-only result)."""
-    if cycle is not None:
-        done = cycle.get(_SPEED_BAR)
-        # The same list object and length: a filter that reorders or trims a list in place
-        # between two profiles would otherwise be handed the other's columns.
-        if (
-            isinstance(done, tuple)
-            and done[0] is candidates
-            and done[1] == len(candidates)
-            and done[2] == slack
-        ):
-            return done[3]  # type: ignore[no-any-return]
-    found = _speed_bar(candidates, slack)
-    if cycle is not None:
-        cycle.put(_SPEED_BAR, (candidates, len(candidates), slack, found))
-    return found
+    return _per_decision(cycle, _SPEED_BAR, candidates, slack, _speed_bar)
 
 
-# The cycle state's key of `speed_bar`'s (candidates, count, slack, result): a module path,
-# which no plugin instance's name (the keys plugins use) can be.
+# The cycle state's keys of `speed_bar`'s and `residency`'s (candidates, count, argument,
+# result): module paths, which no plugin instance's name (the keys plugins use) can be.
 _SPEED_BAR: Final = f"{__name__}.speed_bar"
+_RESIDENCY: Final = f"{__name__}.residency"
+
+_A = TypeVar("_A")
+_R = TypeVar("_R")
+
+
+def _per_decision(
+    cycle: CycleState | None,
+    key: str,
+    candidates: Sequence[EndpointState],
+    arg: _A,
+    work: Callable[[Sequence[EndpointState], _A], _R],
+) -> _R:
+    """`work(candidates, arg)`, kept in `cycle` under `key` for the rest of the decision."""
+    if cycle is None:
+        return work(candidates, arg)
+    done = cycle.get(key)
+    # The same list object and length: a filter that reorders or trims a list in place
+    # between two profiles would otherwise be handed the other's result.
+    if (
+        isinstance(done, tuple)
+        and done[0] is candidates
+        and done[1] == len(candidates)
+        and done[2] == arg
+    ):
+        return done[3]  # type: ignore[no-any-return]
+    found = work(candidates, arg)
+    cycle.put(key, (candidates, len(candidates), arg, found))
+    return found
 
 
 def _speed_bar(

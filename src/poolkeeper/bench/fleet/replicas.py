@@ -30,7 +30,7 @@ the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
         [--replicas 1 2 4] [--index approx exact] [--policy poolkeeper] \
-        [--cold-affinity 0.2 [--cold-peers]] [--plugin-params JSON]
+        [--cold-affinity 0.2 [--cold-peers]] [--plugin-params JSON] [--sync-delay-ms 1]
     python -m poolkeeper.bench.fleet.replicas ... --cold-placement '{"balance": 1}'
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000] \
         [--chain 128]
@@ -44,6 +44,14 @@ merged into the profile's plugins of that type.
 `event_delay_s` (`--event-delay S`): the engines' events reach the replicas S seconds after the
 engine stored the blocks (live they cross a socket and a busy event loop), so a new prefix's
 second request can reach another replica before the report.
+
+`sync_delay_s` (`--sync-delay-ms D`; absent: no sync): cross-replica sync
+(`scheduling/replicasync/`): every replica's scheduler is bound to a `ReplicaSync` hub
+(`bind_scheduler`), and the batch each one's `take()` returns after each of its decisions,
+first bytes and ends reaches every other replica D ms later (virtual time; applied at the first
+routing decision or release at or after that, stamped with the due time; 0: at once, before
+the next decision). `sync_folds` (`--sync-without index drain heads`) turns parts of the fold
+off, to measure what each adds.
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
 each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
@@ -86,6 +94,10 @@ from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.replicasync.events import Batch
+from poolkeeper.scheduling.replicasync.fold import bind_scheduler
+from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.engine import EngineModel
 from poolkeeper.sim.virtual import HOLD, Arrival as SimArrival, RequestResult, Send, VirtualFleet
@@ -249,13 +261,57 @@ class _ExactFeed:
         self.delay.push(self._now(), apply)
 
 
+def _scheduler_of(router: _Replica) -> Scheduler | None:
+    policy = getattr(router.policy, "inner", router.policy)  # behind flow control
+    scheduler = getattr(policy, "scheduler", None)
+    return scheduler if isinstance(scheduler, Scheduler) else None
+
+
+class _SyncLink:
+    """Cross-replica sync between the replicas, `delay_s` long (the module docstring)."""
+
+    def __init__(self, routers: Sequence[_Replica], delay_s: float, folds: dict[str, bool]) -> None:
+        self.delay_s = delay_s
+        self.hubs: list[ReplicaSync] = []
+        for k, router in enumerate(routers):
+            scheduler = _scheduler_of(router)
+            if scheduler is None:
+                raise ValueError("sync needs a policy with a scheduler")
+            hub = ReplicaSync(f"replica{k}")
+            bind_scheduler(hub, scheduler, **folds)
+            self.hubs.append(hub)
+        self._queue: deque[tuple[float, Batch]] = deque()
+        self.batches = 0
+
+    def flush(self, now: float) -> None:
+        """Send what each replica published since the last flush."""
+        for hub in self.hubs:
+            batch = hub.take()
+            if batch is None:
+                continue
+            self.batches += 1
+            if self.delay_s <= 0:
+                self._to_peers(batch, now)
+            else:
+                self._queue.append((now + self.delay_s, batch))  # `now` never decreases
+
+    def deliver(self, now: float) -> None:
+        queue = self._queue
+        while queue and queue[0][0] <= now:
+            due, batch = queue.popleft()
+            self._to_peers(batch, due)
+
+    def _to_peers(self, batch: Batch, at: float) -> None:
+        for hub in self.hubs:
+            if hub.origin != batch.origin:
+                hub.deliver(batch, at)
+
+
 def _prefix_scorers(routers: Sequence[_Replica], why: str) -> list[PrefixCacheScorer]:
     """Every replica's prefix-cache scorer(s); `why` names the option that needs them."""
     out: list[PrefixCacheScorer] = []
     for router in routers:
-        policy = getattr(router.policy, "inner", router.policy)  # behind flow control
-        scheduler = getattr(policy, "scheduler", None)
-        plugins = getattr(scheduler, "plugins", {})
+        plugins = getattr(_scheduler_of(router), "plugins", {})
         out.extend(p for p in plugins.values() if isinstance(p, PrefixCacheScorer))
     if len(out) < len(routers):
         raise ValueError(f"{why} needs a policy with a prefix-cache-scorer")
@@ -289,6 +345,8 @@ def run(
     cold_placement: dict[str, Any] | None = None,
     event_delay_s: float = 0.0,
     plugin_params: dict[str, dict[str, Any]] | None = None,
+    sync_delay_s: float | None = None,
+    sync_folds: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -298,7 +356,8 @@ def run(
     `prefix_params`: more of their parameters (camelCase, as in a config);
     `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
     docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
-    (0: at once, as before)."""
+    (0: at once, as before); `sync_delay_s`: cross-replica sync with that delay (None: none);
+    `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`)."""
     scenario = build_scenario("shared-prefix", servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
@@ -340,6 +399,7 @@ def run(
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
         for engine, endpoint in zip(fleet.engines, fleet.endpoints, strict=True):
             engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock, engine, delay)
+    link = None if sync_delay_s is None else _SyncLink(routers, sync_delay_s, sync_folds or {})
     owner: dict[str, tuple[int, str]] = {}
     tokens_of: dict[str, int] = {}
     woken: set[int] = set()  # replicas whose own requests ended (or answered) since a release
@@ -347,11 +407,15 @@ def run(
     def placed(k: int, request_id: str, server: int, now: float) -> None:
         routers[k].sent(keys[server], request_id, now, tokens_of[request_id])
         owner[request_id] = (k, keys[server])
+        if link is not None:
+            link.flush(now)
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
         a: Arrival = sim.payload  # type: ignore[assignment]
         clock[0] = now
         delay.deliver(now)
+        if link is not None:
+            link.deliver(now)
         k = replica_of(a.request_id, replicas)
         router = routers[k]
         tokens = tokens_of[a.request_id] = count_tokens(sim.prompt)
@@ -373,6 +437,8 @@ def run(
     def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
         clock[0] = now
         delay.deliver(now)
+        if link is not None:
+            link.deliver(now)
         tick = is_scrape_tick(now, SCRAPE_INTERVAL_S)
         for k, router in enumerate(routers):
             if isinstance(router.policy, QueueingPolicy) and (tick or k in woken):
@@ -403,6 +469,8 @@ def run(
             if answers_seen:  # only a router that asks Envoy for first bytes knows of them
                 routers[k].answered.add(result.request_id)
             routers[k].policy.on_first_token(result.request_id, result.first_token or 0.0)
+            if link is not None:
+                link.flush(result.first_token or 0.0)
             if wakes:
                 woken.add(k)
 
@@ -413,6 +481,8 @@ def run(
         routers[k].inflight.get(key, {}).pop(result.request_id, None)
         routers[k].answered.discard(result.request_id)
         routers[k].policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
+        if link is not None:
+            link.flush(result.finish or 0.0)
         woken.add(k)
 
     result = fleet.run(
@@ -442,6 +512,8 @@ def run(
         **({"cold_placement": cold_placement} if cold_placement is not None else {}),
         **({"event_delay_s": event_delay_s} if event_delay_s else {}),
         **({"plugin_params": plugin_params} if plugin_params else {}),
+        **({"sync_delay_ms": round(sync_delay_s * 1000, 3)} if sync_delay_s is not None else {}),
+        **({"sync_folds": sync_folds} if sync_folds else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -610,6 +682,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="plugin type -> parameters merged into the replicas' profile, as JSON, e.g. "
         '\'{"prefill-backlog-scorer": {"fadeFrom": 0.6}}\'',
     )
+    parser.add_argument(
+        "--sync-delay-ms",
+        type=float,
+        default=None,
+        help="cross-replica sync, each replica's batches reaching the others this many ms "
+        "later (default: no sync)",
+    )
+    parser.add_argument(
+        "--sync-without",
+        nargs="+",
+        choices=["index", "drain", "heads"],
+        default=[],
+        help="with --sync-delay-ms: parts of the fold left out (peers' blocks in the "
+        "approximate index, their first bytes as drain samples, their pending heads)",
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -647,6 +734,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             event_delay_s=args.event_delay,
             policy=args.policy,
             plugin_params=args.plugin_params,
+            sync_delay_s=None if args.sync_delay_ms is None else args.sync_delay_ms / 1000,
+            sync_folds={part: False for part in args.sync_without} or None,
         )
         for kind in args.index
         for n in args.replicas

@@ -50,8 +50,9 @@ second request can reach another replica before the report.
 (`bind_scheduler`), and the batch each one's `take()` returns after each of its decisions,
 first bytes and ends reaches every other replica D ms later (virtual time; applied at the first
 routing decision or release at or after that, stamped with the due time; 0: at once, before
-the next decision). `sync_folds` (`--sync-without index drain heads`) turns parts of the fold
-off, to measure what each adds.
+the next decision). A batch with a peer's first byte or end wakes the receiving replica's pump
+at the next release (its hold reads a backlog that just shrank). `sync_folds` (`--sync-without
+index drain heads wake`) turns parts of the fold (and the wake) off, to measure what each adds.
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
 each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
@@ -94,7 +95,7 @@ from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
-from poolkeeper.scheduling.replicasync.events import Batch
+from poolkeeper.scheduling.replicasync.events import Batch, Sent
 from poolkeeper.scheduling.replicasync.fold import bind_scheduler
 from poolkeeper.scheduling.replicasync.hub import ReplicaSync
 from poolkeeper.scheduling.scheduler import Scheduler
@@ -282,6 +283,10 @@ class _SyncLink:
             self.hubs.append(hub)
         self._queue: deque[tuple[float, Batch]] = deque()
         self.batches = 0
+        # Replicas that got a peer's first byte or end since the last release: their held
+        # requests may fit now, so their pump runs at the next release, as on their own.
+        self.woken: set[int] = set()
+        self.wakes = True
 
     def flush(self, now: float) -> None:
         """Send what each replica published since the last flush."""
@@ -302,9 +307,10 @@ class _SyncLink:
             self._to_peers(batch, due)
 
     def _to_peers(self, batch: Batch, at: float) -> None:
-        for hub in self.hubs:
-            if hub.origin != batch.origin:
-                hub.deliver(batch, at)
+        clears = self.wakes and any(not isinstance(e, Sent) for e in batch.events)
+        for k, hub in enumerate(self.hubs):
+            if hub.origin != batch.origin and hub.deliver(batch, at) and clears:
+                self.woken.add(k)
 
 
 def _prefix_scorers(routers: Sequence[_Replica], why: str) -> list[PrefixCacheScorer]:
@@ -357,7 +363,7 @@ def run(
     `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
     docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
     (0: at once, as before); `sync_delay_s`: cross-replica sync with that delay (None: none);
-    `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`)."""
+    `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`) and `wake`."""
     scenario = build_scenario("shared-prefix", servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
@@ -399,7 +405,12 @@ def run(
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
         for engine, endpoint in zip(fleet.engines, fleet.endpoints, strict=True):
             engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock, engine, delay)
-    link = None if sync_delay_s is None else _SyncLink(routers, sync_delay_s, sync_folds or {})
+    link = None
+    if sync_delay_s is not None:
+        folds = dict(sync_folds or {})
+        wakes = folds.pop("wake", True)
+        link = _SyncLink(routers, sync_delay_s, folds)
+        link.wakes = wakes
     owner: dict[str, tuple[int, str]] = {}
     tokens_of: dict[str, int] = {}
     woken: set[int] = set()  # replicas whose own requests ended (or answered) since a release
@@ -440,6 +451,9 @@ def run(
         if link is not None:
             link.deliver(now)
         tick = is_scrape_tick(now, SCRAPE_INTERVAL_S)
+        if link is not None:
+            woken.update(link.woken)
+            link.woken.clear()
         for k, router in enumerate(routers):
             if isinstance(router.policy, QueueingPolicy) and (tick or k in woken):
                 release_one(k, router.policy, states, now, send)
@@ -692,10 +706,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sync-without",
         nargs="+",
-        choices=["index", "drain", "heads"],
+        choices=["index", "drain", "heads", "wake"],
         default=[],
         help="with --sync-delay-ms: parts of the fold left out (peers' blocks in the "
-        "approximate index, their first bytes as drain samples, their pending heads)",
+        "approximate index, their first bytes as drain samples, their pending heads, a "
+        "peer's first byte or end waking the replica's pump)",
     )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(

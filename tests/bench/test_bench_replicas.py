@@ -272,6 +272,11 @@ def test_sync_keeps_four_replicas_groups_together_in_a_cold_start() -> None:
     # requests at another replica follow its first, and new prefixes are spread by load.
     assert synced["affinity"] > plain["affinity"]
     assert synced["ttft_p90_s"] < plain["ttft_p90_s"]
+    # A peer's first byte wakes a replica's pump (its hold may release now): without that
+    # wake-up the held requests wait for the replica's own events, and the run differs.
+    unwoken = _cold_start(4, sync_delay_s=0.001, sync_folds={"wake": False})
+    assert unwoken["sync_folds"] == {"wake": False}
+    assert unwoken["held"] != synced["held"] or unwoken["ttft_p90_s"] != synced["ttft_p90_s"]
 
 
 def test_with_sync_at_once_every_replica_counts_every_replicas_unanswered_sends() -> None:

@@ -11,7 +11,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Sent
 from poolkeeper.scheduling.replicasync.fold import SchedulerFold, bind_scheduler
-from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.replicasync.hub import ReplicaSync, clears
 from poolkeeper.scheduling.scheduler import Scheduler
 from tests.scheduling.sched_factories import NOW, key, request, scheduler, state
 
@@ -104,6 +104,12 @@ def test_quiet_peers_expire_and_the_origin_table_is_bounded() -> None:
     assert hub.deliver(Batch("b", 1, ()), NOW + 12) is False  # table full (c, d)
     hub.expire(NOW + 15)  # c goes
     assert hub.deliver(Batch("b", 1, ()), NOW + 15)
+
+
+def test_a_batch_clears_a_backlog_when_it_ends_a_prefill() -> None:
+    assert not clears(Batch("b", 1, (Sent("r", A, 10, True),)))
+    assert clears(Batch("b", 1, (Sent("r", A, 10, True), Answered("q"))))
+    assert clears(Batch("b", 1, (Ended("q"),)))
 
 
 def test_bad_hub_settings_are_refused() -> None:

@@ -95,9 +95,9 @@ from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
-from poolkeeper.scheduling.replicasync.events import Batch, Sent
+from poolkeeper.scheduling.replicasync.events import Batch
 from poolkeeper.scheduling.replicasync.fold import bind_scheduler
-from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.replicasync.hub import ReplicaSync, clears
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.engine import EngineModel
@@ -307,9 +307,9 @@ class _SyncLink:
             self._to_peers(batch, due)
 
     def _to_peers(self, batch: Batch, at: float) -> None:
-        clears = self.wakes and any(not isinstance(e, Sent) for e in batch.events)
+        wake = self.wakes and clears(batch)
         for k, hub in enumerate(self.hubs):
-            if hub.origin != batch.origin and hub.deliver(batch, at) and clears:
+            if hub.origin != batch.origin and hub.deliver(batch, at) and wake:
                 self.woken.add(k)
 
 

@@ -29,7 +29,9 @@ Wiring (the composition root; `fold.bind_scheduler` has the rest):
     sync = ReplicaSync(origin)                  # origin: unique per replica process
     fold = bind_scheduler(sync, scheduler)      # own events -> publish, peers -> the state
     ... every `interval` (or at once per decision): batch = sync.take(); if batch: send it
-    ... on a datagram from a peer: sync.deliver(decode(data), now)
+    ... on a datagram from a peer: if sync.deliver(batch, now) and clears(batch): wake flow
+        control's pump (a peer's prefill ended: the hold reads a backlog that just shrank;
+        measured in docs/notes/2026-12-07-replica-sync.md)
     ... on pool changes, beside scheduler.forget_endpoints(keep): fold.forget_endpoints(keep)
 """
 
@@ -38,11 +40,17 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
+from poolkeeper.scheduling.replicasync.events import Batch, Sent, SyncEvent
 
 MAX_OUTBOX = 4096  # own events waiting for `take` (a few seconds of a busy replica)
 MAX_PEERS = 64  # origins heard at once
 PEER_TTL_S = 30.0  # an origin silent this long is gone (its entries stop counting)
+
+
+def clears(batch: Batch) -> bool:
+    """Whether `batch` ends some request's prefill (an `Answered` or `Ended`): delivered, it
+    shrinks the backlog flow control's hold reads, so the pump should run."""
+    return any(not isinstance(event, Sent) for event in batch.events)
 
 
 class PeerSink(Protocol):

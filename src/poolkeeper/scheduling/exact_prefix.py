@@ -200,7 +200,7 @@ class ExactPrefixIndex:
         (for shared-prefix traffic, about the prefix groups placed there), plus, with
         `pending`, those this EPP sent it in the last `stale_after_s` that it has not reported
         yet (still queued: engines report blocks when they schedule a request; other replicas
-        do not know them)."""
+        know them only through cross-replica sync, `sent(own=False)`)."""
         heads = self._heads.get(endpoint)
         count = 0 if heads is None else len(heads)
         if not pending:

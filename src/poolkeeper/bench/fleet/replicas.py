@@ -72,6 +72,7 @@ import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from poolkeeper.bench.fleet.simrun import (
@@ -198,7 +199,8 @@ class _EventDelay:
     to every replica's index at the first routing decision at least `delay_s` after the engine
     stored or evicted the blocks. Why: live, a report reaches the other replicas after the
     engine's publish, the network and the EPP's event loop (on a starved machine, tens to
-    hundreds of ms), and a new prefix placed in that window looks cold to the others."""
+    hundreds of ms), and a new prefix placed in that window looks cold to the others. (The
+    sync link's batches travel the same way: `_SyncLink`.)"""
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
@@ -272,7 +274,6 @@ class _SyncLink:
     """Cross-replica sync between the replicas, `delay_s` long (the module docstring)."""
 
     def __init__(self, routers: Sequence[_Replica], delay_s: float, folds: dict[str, bool]) -> None:
-        self.delay_s = delay_s
         self.hubs: list[ReplicaSync] = []
         for k, router in enumerate(routers):
             scheduler = _scheduler_of(router)
@@ -281,8 +282,7 @@ class _SyncLink:
             hub = ReplicaSync(f"replica{k}")
             bind_scheduler(hub, scheduler, **folds)
             self.hubs.append(hub)
-        self._queue: deque[tuple[float, Batch]] = deque()
-        self.batches = 0
+        self._delay = _EventDelay(delay_s)  # batches in flight
         # Replicas that got a peer's first byte or end since the last release: their held
         # requests may fit now, so their pump runs at the next release, as on their own.
         self.woken: set[int] = set()
@@ -292,19 +292,11 @@ class _SyncLink:
         """Send what each replica published since the last flush."""
         for hub in self.hubs:
             batch = hub.take()
-            if batch is None:
-                continue
-            self.batches += 1
-            if self.delay_s <= 0:
-                self._to_peers(batch, now)
-            else:
-                self._queue.append((now + self.delay_s, batch))  # `now` never decreases
+            if batch is not None:
+                self._delay.push(now, partial(self._to_peers, batch))
 
     def deliver(self, now: float) -> None:
-        queue = self._queue
-        while queue and queue[0][0] <= now:
-            due, batch = queue.popleft()
-            self._to_peers(batch, due)
+        self._delay.deliver(now)
 
     def _to_peers(self, batch: Batch, at: float) -> None:
         wake = self.wakes and clears(batch)

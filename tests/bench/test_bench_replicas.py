@@ -245,3 +245,90 @@ def test_a_replica_pump_runs_on_scrape_ticks_and_its_own_requests_only(
     assert all((k, t) in own for k, t in off_tick)  # ... and only the replicas they concern
     assert {k for k, _ in off_tick} == {0, 1, 2, 3}
     assert any(round(t / every) * every == t for _, t in releases)
+
+
+_KV = {"kvEvents": True, "kvEventsSubscribe": False}
+
+
+def _cold_start(replicas: int, **kw: Any) -> dict[str, Any]:
+    """The live-like cold start, short: 4 servers, 16 groups starting together, 0.9x."""
+    return run(replicas, servers=4, groups=16, load=0.9, duration=2.0, seed=1,
+               capacity_rps=150.0, exact=True, prefix_params=_KV, **kw)  # fmt: skip
+
+
+def test_sync_without_peers_changes_nothing_and_is_deterministic() -> None:
+    alone = _cold_start(1)
+    synced = _cold_start(1, sync_delay_s=0.0)
+    assert synced["sync_delay_ms"] == 0.0
+    assert {k: v for k, v in synced.items() if k != "sync_delay_ms"} == alone
+    four = _cold_start(4, sync_delay_s=0.005)
+    assert four == _cold_start(4, sync_delay_s=0.005)
+
+
+def test_sync_keeps_four_replicas_groups_together_in_a_cold_start() -> None:
+    plain, synced = _cold_start(4), _cold_start(4, sync_delay_s=0.001)
+    assert synced["requests"] == plain["requests"]
+    # Each replica counts the others' sends (backlog, index, pending heads): a group's later
+    # requests at another replica follow its first, and new prefixes are spread by load.
+    assert synced["affinity"] > plain["affinity"]
+    assert synced["ttft_p90_s"] < plain["ttft_p90_s"]
+    # A peer's first byte wakes a replica's pump (its hold may release now): without that
+    # wake-up the held requests wait for the replica's own events, and the run differs.
+    unwoken = _cold_start(4, sync_delay_s=0.001, sync_folds={"wake": False})
+    assert unwoken["sync_folds"] == {"wake": False}
+    assert unwoken["held"] != synced["held"] or unwoken["ttft_p90_s"] != synced["ttft_p90_s"]
+
+
+def test_with_sync_at_once_every_replica_counts_every_replicas_unanswered_sends() -> None:
+    import random
+
+    from poolkeeper.bench.fleet.replicas import _Replica, _scheduler_of, _SyncLink, replica_policy
+    from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+    from poolkeeper.scheduling.types import LLMRequest
+    from tests.scheduling.sched_factories import state
+
+    routers = [_Replica(replica_policy("poolkeeper", random.Random(k))) for k in range(4)]
+    link = _SyncLink(routers, 0.0, {})
+    schedulers = [_scheduler_of(r) for r in routers]
+    backlogs = []
+    for s in schedulers:
+        assert s is not None
+        scorer = s.plugins["prefill-backlog-scorer"]
+        assert isinstance(scorer, PrefillBacklogScorer)
+        backlogs.append(scorer.backlog)
+    pool = [state(i) for i in range(1, 5)]
+    rng = random.Random(7)
+    live: list[tuple[int, str]] = []  # (replica, request id) not answered or ended
+    now = 100.0
+    for i in range(200):
+        now += 0.001
+        k, rid = rng.randrange(4), f"r{i}"
+        prompt = f"group {rng.randrange(12)} " * rng.randrange(10, 400) + rid
+        request = LLMRequest(rid, "m", "base", prompt=prompt, prompt_tokens=len(prompt) // 4,
+                             stream=True)  # fmt: skip
+        scheduler = schedulers[k]
+        assert scheduler is not None
+        scheduler.schedule(request, pool, now=now)
+        live.append((k, rid))
+        link.flush(now)
+        if live and rng.random() < 0.4:
+            j, done = live.pop(rng.randrange(len(live)))
+            other = schedulers[j]
+            assert other is not None
+            if rng.random() < 0.7:
+                other.observe_first_token(done, None, now)
+            else:
+                other.request_ended(done)
+            link.flush(now)
+    # The property: each replica's backlog (own entries + folded ones) is the sum, per
+    # endpoint, of every replica's own unanswered sends.
+    total: dict[str, int] = {}
+    for backlog in backlogs:
+        for entry_key, entry in backlog._entries.items():
+            if isinstance(entry_key, str):
+                total[entry.endpoint] = total.get(entry.endpoint, 0) + entry.tokens
+    assert sum(total.values()) > 0
+    assert len(live) > 50
+    for backlog in backlogs:
+        assert len(backlog) == len(live)
+        assert dict(backlog.snapshot()) == total

@@ -30,7 +30,7 @@ the latest routing decision.
 
     python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
         [--replicas 1 2 4] [--index approx exact] [--policy poolkeeper] \
-        [--cold-affinity 0.2 [--cold-peers]] [--plugin-params JSON]
+        [--cold-affinity 0.2 [--cold-peers]] [--plugin-params JSON] [--sync-delay-ms 1]
     python -m poolkeeper.bench.fleet.replicas ... --cold-placement '{"balance": 1}'
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000] \
         [--chain 128]
@@ -44,6 +44,15 @@ merged into the profile's plugins of that type.
 `event_delay_s` (`--event-delay S`): the engines' events reach the replicas S seconds after the
 engine stored the blocks (live they cross a socket and a busy event loop), so a new prefix's
 second request can reach another replica before the report.
+
+`sync_delay_s` (`--sync-delay-ms D`; absent: no sync): cross-replica sync
+(`scheduling/replicasync/`): every replica's scheduler is bound to a `ReplicaSync` hub
+(`bind_scheduler`), and the batch each one's `take()` returns after each of its decisions,
+first bytes and ends reaches every other replica D ms later (virtual time; applied at the first
+routing decision or release at or after that, stamped with the due time; 0: at once, before
+the next decision). A batch with a peer's first byte or end wakes the receiving replica's pump
+at the next release (its hold reads a backlog that just shrank). `sync_folds` (`--sync-without
+index drain heads wake`) turns parts of the fold (and the wake) off, to measure what each adds.
 
 `--memory` measures (tracemalloc) the exact index holding `--blocks` engine-reported blocks on
 each of `--endpoints` endpoints (each block on one endpoint, the common case), and the
@@ -63,6 +72,7 @@ import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from poolkeeper.bench.fleet.simrun import (
@@ -86,6 +96,10 @@ from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.replicasync.events import Batch
+from poolkeeper.scheduling.replicasync.fold import bind_scheduler
+from poolkeeper.scheduling.replicasync.hub import ReplicaSync, clears
+from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.engine import EngineModel
 from poolkeeper.sim.virtual import HOLD, Arrival as SimArrival, RequestResult, Send, VirtualFleet
@@ -185,7 +199,8 @@ class _EventDelay:
     to every replica's index at the first routing decision at least `delay_s` after the engine
     stored or evicted the blocks. Why: live, a report reaches the other replicas after the
     engine's publish, the network and the EPP's event loop (on a starved machine, tens to
-    hundreds of ms), and a new prefix placed in that window looks cold to the others."""
+    hundreds of ms), and a new prefix placed in that window looks cold to the others. (The
+    sync link's batches travel the same way: `_SyncLink`.)"""
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
@@ -249,13 +264,52 @@ class _ExactFeed:
         self.delay.push(self._now(), apply)
 
 
+def _scheduler_of(router: _Replica) -> Scheduler | None:
+    policy = getattr(router.policy, "inner", router.policy)  # behind flow control
+    scheduler = getattr(policy, "scheduler", None)
+    return scheduler if isinstance(scheduler, Scheduler) else None
+
+
+class _SyncLink:
+    """Cross-replica sync between the replicas, `delay_s` long (the module docstring)."""
+
+    def __init__(self, routers: Sequence[_Replica], delay_s: float, folds: dict[str, bool]) -> None:
+        self.hubs: list[ReplicaSync] = []
+        for k, router in enumerate(routers):
+            scheduler = _scheduler_of(router)
+            if scheduler is None:
+                raise ValueError("sync needs a policy with a scheduler")
+            hub = ReplicaSync(f"replica{k}")
+            bind_scheduler(hub, scheduler, **folds)
+            self.hubs.append(hub)
+        self._delay = _EventDelay(delay_s)  # batches in flight
+        # Replicas that got a peer's first byte or end since the last release: their held
+        # requests may fit now, so their pump runs at the next release, as on their own.
+        self.woken: set[int] = set()
+        self.wakes = True
+
+    def flush(self, now: float) -> None:
+        """Send what each replica published since the last flush."""
+        for hub in self.hubs:
+            batch = hub.take()
+            if batch is not None:
+                self._delay.push(now, partial(self._to_peers, batch))
+
+    def deliver(self, now: float) -> None:
+        self._delay.deliver(now)
+
+    def _to_peers(self, batch: Batch, at: float) -> None:
+        wake = self.wakes and clears(batch)
+        for k, hub in enumerate(self.hubs):
+            if hub.origin != batch.origin and hub.deliver(batch, at) and wake:
+                self.woken.add(k)
+
+
 def _prefix_scorers(routers: Sequence[_Replica], why: str) -> list[PrefixCacheScorer]:
     """Every replica's prefix-cache scorer(s); `why` names the option that needs them."""
     out: list[PrefixCacheScorer] = []
     for router in routers:
-        policy = getattr(router.policy, "inner", router.policy)  # behind flow control
-        scheduler = getattr(policy, "scheduler", None)
-        plugins = getattr(scheduler, "plugins", {})
+        plugins = getattr(_scheduler_of(router), "plugins", {})
         out.extend(p for p in plugins.values() if isinstance(p, PrefixCacheScorer))
     if len(out) < len(routers):
         raise ValueError(f"{why} needs a policy with a prefix-cache-scorer")
@@ -289,6 +343,8 @@ def run(
     cold_placement: dict[str, Any] | None = None,
     event_delay_s: float = 0.0,
     plugin_params: dict[str, dict[str, Any]] | None = None,
+    sync_delay_s: float | None = None,
+    sync_folds: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -298,7 +354,8 @@ def run(
     `prefix_params`: more of their parameters (camelCase, as in a config);
     `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
     docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
-    (0: at once, as before)."""
+    (0: at once, as before); `sync_delay_s`: cross-replica sync with that delay (None: none);
+    `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`) and `wake`."""
     scenario = build_scenario("shared-prefix", servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
@@ -340,6 +397,12 @@ def run(
         indexes = _exact_indexes(routers, fleet.engines[0].config.block_size)
         for engine, endpoint in zip(fleet.engines, fleet.endpoints, strict=True):
             engine.kv.sink = _ExactFeed(endpoint.hostport, indexes, clock, engine, delay)
+    link = None
+    if sync_delay_s is not None:
+        folds = dict(sync_folds or {})
+        wakes = folds.pop("wake", True)
+        link = _SyncLink(routers, sync_delay_s, folds)
+        link.wakes = wakes
     owner: dict[str, tuple[int, str]] = {}
     tokens_of: dict[str, int] = {}
     woken: set[int] = set()  # replicas whose own requests ended (or answered) since a release
@@ -347,11 +410,15 @@ def run(
     def placed(k: int, request_id: str, server: int, now: float) -> None:
         routers[k].sent(keys[server], request_id, now, tokens_of[request_id])
         owner[request_id] = (k, keys[server])
+        if link is not None:
+            link.flush(now)
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
         a: Arrival = sim.payload  # type: ignore[assignment]
         clock[0] = now
         delay.deliver(now)
+        if link is not None:
+            link.deliver(now)
         k = replica_of(a.request_id, replicas)
         router = routers[k]
         tokens = tokens_of[a.request_id] = count_tokens(sim.prompt)
@@ -373,7 +440,12 @@ def run(
     def release(states: Sequence[EndpointState], now: float, send: Send) -> None:
         clock[0] = now
         delay.deliver(now)
+        if link is not None:
+            link.deliver(now)
         tick = is_scrape_tick(now, SCRAPE_INTERVAL_S)
+        if link is not None:
+            woken.update(link.woken)
+            link.woken.clear()
         for k, router in enumerate(routers):
             if isinstance(router.policy, QueueingPolicy) and (tick or k in woken):
                 release_one(k, router.policy, states, now, send)
@@ -403,6 +475,8 @@ def run(
             if answers_seen:  # only a router that asks Envoy for first bytes knows of them
                 routers[k].answered.add(result.request_id)
             routers[k].policy.on_first_token(result.request_id, result.first_token or 0.0)
+            if link is not None:
+                link.flush(result.first_token or 0.0)
             if wakes:
                 woken.add(k)
 
@@ -413,6 +487,8 @@ def run(
         routers[k].inflight.get(key, {}).pop(result.request_id, None)
         routers[k].answered.discard(result.request_id)
         routers[k].policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
+        if link is not None:
+            link.flush(result.finish or 0.0)
         woken.add(k)
 
     result = fleet.run(
@@ -442,6 +518,8 @@ def run(
         **({"cold_placement": cold_placement} if cold_placement is not None else {}),
         **({"event_delay_s": event_delay_s} if event_delay_s else {}),
         **({"plugin_params": plugin_params} if plugin_params else {}),
+        **({"sync_delay_ms": round(sync_delay_s * 1000, 3)} if sync_delay_s is not None else {}),
+        **({"sync_folds": sync_folds} if sync_folds else {}),
         "servers": servers,
         "load": load,
         "requests": len(arrivals),
@@ -610,6 +688,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="plugin type -> parameters merged into the replicas' profile, as JSON, e.g. "
         '\'{"prefill-backlog-scorer": {"fadeFrom": 0.6}}\'',
     )
+    parser.add_argument(
+        "--sync-delay-ms",
+        type=float,
+        default=None,
+        help="cross-replica sync, each replica's batches reaching the others this many ms "
+        "later (default: no sync)",
+    )
+    parser.add_argument(
+        "--sync-without",
+        nargs="+",
+        choices=["index", "drain", "heads", "wake"],
+        default=[],
+        help="with --sync-delay-ms: parts of the fold left out (peers' blocks in the "
+        "approximate index, their first bytes as drain samples, their pending heads, a "
+        "peer's first byte or end waking the replica's pump)",
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -647,6 +741,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             event_delay_s=args.event_delay,
             policy=args.policy,
             plugin_params=args.plugin_params,
+            sync_delay_s=None if args.sync_delay_ms is None else args.sync_delay_ms / 1000,
+            sync_folds={part: False for part in args.sync_without} or None,
         )
         for kind in args.index
         for n in args.replicas

@@ -30,7 +30,10 @@ balance x (all band candidates' heads + 1) / band size (bounded-load consistent 
 burst of new prefixes does not stack on one server once its reports arrive; `pendingHeads` also
 counts the new prefixes this EPP sent that are not reported yet (sooner, but each replica counts
 only its own, so replicas can disagree: the trade measured in
-docs/notes/2026-12-07-cold-placement-replicas.md).
+docs/notes/2026-12-07-cold-placement-replicas.md). With cross-replica sync
+(`scheduling/replicasync/`) every replica counts every replica's sends, and `pendingHeads` is
+what keeps a burst of new prefixes off a server whose engine has not reported yet
+(docs/notes/2026-12-07-replica-sync.md).
 
 `backlogScorer` (the name of a `prefill-backlog-scorer`): an endpoint with `backlogTokens` or
 more of this EPP's prompt tokens sent there without a first byte back is out of the band while
@@ -49,7 +52,9 @@ new prefixes as if the others sent nothing, and N of them start on one engine at
 engine's waiting queue holds every replica's requests. Measured: replicas sharing one true
 backlog (an oracle) would take 4 replicas from 1.55x of one replica's p90 to 0.92x in the
 live-like cold start; the scraped waiting count, one scrape late, recovers part of it
-(docs/notes/2026-12-07-replicas-agreement.md).
+(docs/notes/2026-12-07-replicas-agreement.md). With cross-replica sync leave it off: the backlog
+then holds the others' sends already, and the scrape would count them twice and make every
+replica change its verdict at the same instant (docs/notes/2026-12-07-replica-sync.md).
 
 `ownPlacements: false` (needs `kvEvents`): the cold test reads, for endpoints whose event feed
 is fresh, only the engines' reports, not this EPP's approximate index. Why: the replica that

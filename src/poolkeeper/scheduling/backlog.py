@@ -23,6 +23,10 @@ byte there (or since the backlog became non-empty). Their ratio, decayed per fir
 decode load it carries: 2,000 tokens ahead on a server that drains 40,000 tokens/s is a shorter
 wait than 1,000 on one that drains 10,000.
 
+Other EPP replicas' sends (cross-replica sync, `scheduling/replicasync/`) are kept under the key
+`(origin, request_id)`, a tuple, so they never meet this EPP's own string ids; they count in
+every sum, and `drop_origin` removes a replica that went quiet.
+
 Pure: no clock, no I/O. Bounded: at most `max_entries` requests are held (the oldest is dropped
 first), and `sent` forgets entries older than `max_age_s` (a lost first byte and a lost end must
 not count forever), so nothing a client does can grow it without bound.
@@ -35,6 +39,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 BUSY_WINDOW_S = 1.0  # time constant of the utilisation estimate
+
+# A request's key: this EPP's own request id, or (origin replica, its request id) for a peer's.
+RequestKey = str | tuple[str, str]
 
 
 @dataclass(slots=True)
@@ -85,7 +92,7 @@ class PrefillBacklog:
         self.min_samples = min_samples
         self._drain: dict[str, _Drain] = {}  # endpoint -> drain-rate sums
         # request id -> entry, in send order (the clock is monotonic), so the oldest come first
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[RequestKey, _Entry] = {}
         self._by_endpoint: dict[str, int] = {}  # endpoint -> backlog tokens
         self._counts: dict[str, int] = {}  # endpoint -> entries (tokens may sum to 0)
         # endpoint -> backlog tokens of the entries whose first byte will be seen (non-zero
@@ -96,7 +103,7 @@ class PrefillBacklog:
         return len(self._entries)
 
     def sent(
-        self, request_id: str, endpoint: str, tokens: int, now: float, seen: bool = True
+        self, request_id: RequestKey, endpoint: str, tokens: int, now: float, seen: bool = True
     ) -> None:
         """`request_id` went to `endpoint` with `tokens` prompt tokens to prefill there;
         `seen`: its first byte will come back (a streamed answer), not only its end."""
@@ -118,7 +125,7 @@ class PrefillBacklog:
             self._seen_by_endpoint[endpoint] = self._seen_by_endpoint.get(endpoint, 0) + tokens
         self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
 
-    def first_token(self, request_id: str, now: float | None = None) -> bool:
+    def first_token(self, request_id: RequestKey, now: float | None = None) -> bool:
         """The prefill of `request_id` is over; False if it was not counted. (From whichever
         endpoint: if a fallback served it, the decided one never got that prefill either.)
         With `now`, the cleared tokens and the time since the previous first byte there are a
@@ -168,7 +175,7 @@ class PrefillBacklog:
             drain = self._drain[endpoint] = _Drain()
         return drain
 
-    def ended(self, request_id: str) -> bool:
+    def ended(self, request_id: RequestKey) -> bool:
         """The request ended (completed, failed, cancelled) before or after its first byte."""
         return self._remove(request_id)
 
@@ -198,7 +205,14 @@ class PrefillBacklog:
         for gone in [k for k in self._drain if k not in keep]:
             del self._drain[gone]
 
-    def _remove(self, request_id: str) -> bool:
+    def drop_origin(self, origin: str) -> int:
+        """Drop every entry another replica `origin` sent (it went quiet); how many."""
+        gone = [k for k in self._entries if isinstance(k, tuple) and k[0] == origin]
+        for key in gone:
+            self._remove(key)
+        return len(gone)
+
+    def _remove(self, request_id: RequestKey) -> bool:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return False

@@ -25,8 +25,9 @@ only needs to span the time from routing to scheduling), nor does a restart (blo
 before are not reported again). The prefix scorer's `coldAffinityPeersOnly` reads it.
 
 Chain heads (`heads`): per endpoint, the first blocks of the chains its engine reported (for
-shared-prefix traffic, the prefix groups it holds) plus those this EPP sent it in the last
-`stale_after_s` that are not reported yet; the prefix scorer's `coldAffinityBalance` bounds them.
+shared-prefix traffic, the prefix groups it holds) plus those this EPP (with cross-replica sync,
+any replica) sent it in the last `stale_after_s` that are not reported yet; the prefix scorer's
+`coldAffinityBalance` bounds them.
 
 Memory: the same structure as the approximate index (one entry per (endpoint, block)), bounded
 by the engines' caches instead of an LRU capacity.
@@ -152,14 +153,17 @@ class ExactPrefixIndex:
         self._heads.pop(endpoint, None)
         self._distrust_until[endpoint] = now + self.stale_after_s
 
-    def sent(self, endpoint: str, head: int, now: float) -> None:
-        """This EPP sent a prompt whose first engine block is `head` to `endpoint` at `now`."""
-        key = (endpoint, head)
-        sent = self._sent
-        sent[key] = None
-        sent.move_to_end(key)
-        if len(sent) > SENT_HEADS:
-            sent.popitem(last=False)
+    def sent(self, endpoint: str, head: int, now: float, *, own: bool = True) -> None:
+        """This EPP sent a prompt whose first engine block is `head` to `endpoint` at `now`;
+        `own` False: another replica did (cross-replica sync), which counts as a pending head
+        but not as this EPP's send (its report still shows another router, `foreign_at`)."""
+        if own:
+            key = (endpoint, head)
+            sent = self._sent
+            sent[key] = None
+            sent.move_to_end(key)
+            if len(sent) > SENT_HEADS:
+                sent.popitem(last=False)
         if head not in self._heads.get(endpoint, ()):
             pending = self._pending.setdefault(endpoint, {})
             pending.setdefault(head, now)  # a new head goes last: the dict is in time order

@@ -37,12 +37,17 @@ Learning nothing, it needs the first-byte events: the scheduler's `observe_first
 Director at the first response byte; the virtual-time benchmark at the simulated first token)
 ends an entry, and `request_ended` ends it for a request that produced none. A request whose
 first byte is never reported (a non-streamed response) counts until it ends.
+
+`sync` (a `SendTap`, None unless cross-replica sync is bound: `scheduling/replicasync/fold.py`)
+is told of each of this EPP's own sends, first bytes and ends as the backlog records them, so
+the other replicas can count them too.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 from pydantic import Field
 
@@ -131,13 +136,26 @@ class PrefillBacklogParams(PluginParams):
     )
 
 
+class SendTap(Protocol):
+    """What cross-replica sync hears of this EPP's own backlog (`scheduling/replicasync`)."""
+
+    def sent(self, cycle: CycleState, request: LLMRequest, endpoint: str, tokens: int) -> None:
+        """`request` went to `endpoint` with `tokens` uncached prompt tokens (PostCycle)."""
+
+    def answered(self, request_id: str) -> None:
+        """The first byte of a request in the backlog came back."""
+
+    def ended(self, request_id: str) -> None:
+        """A request still in the backlog ended (no first byte seen)."""
+
+
 class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
     __slots__ = (
         "_busy_at", "_busy_share", "adapter_tokens", "backlog", "base_tokens",
         "busy_penalty", "drain_rate", "fade_from", "fade_rise_s", "fade_to", "marginal",
-        "mean_span", "prefix", "slack", "span_tokens",
+        "mean_span", "prefix", "slack", "span_tokens", "sync",
     )  # fmt: skip
     bounded = True
 
@@ -164,6 +182,7 @@ class PrefillBacklogScorer(NamedPlugin):
         self.fade_rise_s = params.fade_rise_s or BUSY_WINDOW_S
         self._busy_share = 0.0
         self._busy_at: float | None = None
+        self.sync: SendTap | None = None
 
     def _cached_tokens(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
         """ip:port -> prompt tokens the endpoint probably caches (the prefix scorer's match,
@@ -315,12 +334,16 @@ class PrefillBacklogScorer(NamedPlugin):
         cached = self._cached_tokens(cycle, request)
         tokens = request.prompt_tokens - cached.get(key, 0)
         self.backlog.sent(request.request_id, key, tokens, cycle.now, seen=request.stream)
+        if self.sync is not None:
+            self.sync.sent(cycle, request, key, tokens)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
-        self.backlog.first_token(request_id, now)
+        if self.backlog.first_token(request_id, now) and self.sync is not None:
+            self.sync.answered(request_id)
 
     def request_ended(self, request_id: str) -> None:
-        self.backlog.ended(request_id)
+        if self.backlog.ended(request_id) and self.sync is not None:
+            self.sync.ended(request_id)
 
     def forget_endpoints(self, keep: set[str]) -> None:
         self.backlog.forget_endpoints(keep)

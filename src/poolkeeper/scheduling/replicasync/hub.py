@@ -1,0 +1,148 @@
+"""`ReplicaSync`: one EPP replica's end of cross-replica sync, pure and synchronous.
+
+Owns the bookkeeping between this replica's scheduler state and the transport (the edge:
+codec, UDP, discovery, in this package's other modules), and nothing else:
+
+- `publish(event)`: this replica's own `Sent` / `Answered` / `Ended` (events.py), in a bounded
+  outbox (`max_outbox`; when full the oldest is dropped and counted in `dropped`: a stalled
+  transport must not grow memory);
+- `take()`: the events published since the last take as the next `Batch` (`seq` + 1), or
+  None when there are none (nothing to send, no heartbeat);
+- `deliver(batch, now)`: a peer's batch. Refused (False) when its origin is this replica's, or
+  its `seq` is not newer than the last one seen from that origin (a replay or a reordered
+  datagram; a gap is fine: UDP loses datagrams, and a lost `Answered` only keeps a peer's entry
+  until the backlog's own age limit), or it is a new origin while `max_peers` origins are live.
+  Otherwise each event goes to every bound `PeerSink` (the fold into the scheduler's state,
+  `fold.py`), in order;
+- `expire(now)`: an origin heard from last `peer_ttl_s` ago or earlier is forgotten, and the
+  sinks drop what it sent (`PeerSink.peer_gone`): a replica that died with requests in flight
+  must not hold their backlog for ever. Forgetting its last `seq` also lets a restarted replica
+  that reuses its name be heard again (after the TTL; an origin name with a boot nonce is heard
+  at once). `deliver` expires first.
+
+Memory: the outbox holds at most `max_outbox` events, the origin table `max_peers` entries;
+what a peer's events add to the scheduler's state is bounded by that state's own caps
+(`fold.py`). Time is passed in; nothing here reads a clock or does I/O.
+
+Wiring (the composition root; `fold.bind_scheduler` has the rest):
+
+    sync = ReplicaSync(origin)                  # origin: unique per replica process
+    fold = bind_scheduler(sync, scheduler)      # own events -> publish, peers -> the state
+    ... every `interval` (or at once per decision): batch = sync.take(); if batch: send it
+    ... on a datagram from a peer: sync.deliver(decode(data), now)
+    ... on pool changes, beside scheduler.forget_endpoints(keep): fold.forget_endpoints(keep)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
+
+MAX_OUTBOX = 4096  # own events waiting for `take` (a few seconds of a busy replica)
+MAX_PEERS = 64  # origins heard at once
+PEER_TTL_S = 30.0  # an origin silent this long is gone (its entries stop counting)
+
+
+class PeerSink(Protocol):
+    """Where a peer's events go: the fold into one scheduler's state (`fold.py`)."""
+
+    def fold(self, origin: str, event: SyncEvent, now: float) -> None: ...
+
+    def peer_gone(self, origin: str) -> None: ...
+
+
+class ReplicaSync:
+    """One replica's outbox, sequence numbers and peer table (the module docstring)."""
+
+    __slots__ = (
+        "_heard", "_last_seq", "_outbox", "_seq", "_sinks", "dropped", "max_outbox",
+        "max_peers", "origin", "peer_ttl_s", "refused",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        origin: str,
+        *,
+        max_outbox: int = MAX_OUTBOX,
+        max_peers: int = MAX_PEERS,
+        peer_ttl_s: float = PEER_TTL_S,
+    ) -> None:
+        if not origin:
+            raise ValueError("origin must be a non-empty name")
+        if max_outbox < 1 or max_peers < 1 or not peer_ttl_s > 0.0:
+            raise ValueError("max_outbox, max_peers and peer_ttl_s must be positive")
+        self.origin = origin
+        self.max_outbox = max_outbox
+        self.max_peers = max_peers
+        self.peer_ttl_s = peer_ttl_s
+        self._outbox: deque[SyncEvent] = deque(maxlen=max_outbox)
+        self._seq = 0
+        self._last_seq: dict[str, int] = {}  # origin -> last seq delivered
+        self._heard: dict[str, float] = {}  # origin -> when, in time order (oldest first)
+        self._sinks: list[PeerSink] = []
+        self.dropped = 0  # own events dropped from a full outbox
+        self.refused = 0  # peer batches refused (replayed, stale, own, or too many origins)
+
+    def bind(self, sink: PeerSink) -> None:
+        """Fold peers' events into `sink` from now on (`fold.bind_scheduler` calls it)."""
+        self._sinks.append(sink)
+
+    def publish(self, event: SyncEvent) -> None:
+        """One of this replica's own events, to go out with the next `take`."""
+        if len(self._outbox) == self.max_outbox:
+            self.dropped += 1  # the deque drops the oldest
+        self._outbox.append(event)
+
+    def take(self) -> Batch | None:
+        """The events published since the last take, as the next batch; None if none."""
+        if not self._outbox:
+            return None
+        self._seq += 1
+        events = tuple(self._outbox)
+        self._outbox.clear()
+        return Batch(self.origin, self._seq, events)
+
+    @property
+    def pending(self) -> int:
+        """Own events waiting for `take`."""
+        return len(self._outbox)
+
+    def peers(self) -> list[str]:
+        """Origins heard within `peer_ttl_s` (as of the last `deliver` or `expire`)."""
+        return list(self._heard)
+
+    def deliver(self, batch: Batch, now: float) -> bool:
+        """Fold a peer's batch into the bound sinks; False if it was refused (docstring)."""
+        self.expire(now)
+        origin = batch.origin
+        last = self._last_seq.get(origin)
+        if (
+            origin == self.origin
+            or (last is not None and batch.seq <= last)
+            or (last is None and len(self._last_seq) >= self.max_peers)
+        ):
+            self.refused += 1
+            return False
+        self._last_seq[origin] = batch.seq
+        self._heard.pop(origin, None)
+        self._heard[origin] = now  # last: the table stays in time order
+        for event in batch.events:
+            for sink in self._sinks:
+                sink.fold(origin, event, now)
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Forget the origins silent for `peer_ttl_s` or longer; returns them."""
+        gone: list[str] = []
+        horizon = now - self.peer_ttl_s
+        heard = self._heard
+        while heard and (oldest := next(iter(heard.items())))[1] <= horizon:
+            origin = oldest[0]
+            del heard[origin]
+            del self._last_seq[origin]
+            gone.append(origin)
+            for sink in self._sinks:
+                sink.peer_gone(origin)
+        return gone

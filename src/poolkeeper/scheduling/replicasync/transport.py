@@ -84,12 +84,13 @@ class SyncTransport(asyncio.DatagramProtocol):
         self._last: OrderedDict[str, int] = OrderedDict()  # origin -> last seq delivered
         self._socket: asyncio.DatagramTransport | None = None
         self._armed: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._warned: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, host: str, port: int) -> Address:
         """Bind `host:port` (port 0: any free one); the bound address."""
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         await loop.create_datagram_endpoint(lambda: self, local_addr=(host, port))
         return self.address
 
@@ -122,10 +123,10 @@ class SyncTransport(asyncio.DatagramProtocol):
 
     def notify(self) -> None:
         """The hub has something to send: one flush `flush_interval_s` from now collects it
-        and whatever follows meanwhile (a no-op while one is armed)."""
-        if self._armed is not None or self._socket is None:
+        and whatever follows meanwhile (a no-op while one is armed). Called on the loop."""
+        loop = self._loop
+        if self._armed is not None or self._socket is None or loop is None:
             return
-        loop = asyncio.get_running_loop()
         if self.flush_interval_s <= 0:
             self._armed = loop.call_soon(self._armed_flush)
         else:

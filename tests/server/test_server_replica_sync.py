@@ -1,0 +1,141 @@
+"""Cross-replica sync in the composition root: two replicas on 127.0.0.1 see each other's sends
+in their backlogs; a bad key or a profile without a backlog scorer stops the start; the runtime
+starts and stops the syncer and exports its metrics."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from poolkeeper.controller.files import file_source
+from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.server.replica_sync import (
+    SyncCollector,
+    origin_name,
+    read_key,
+    start_replica_sync,
+)
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from tests.scheduling.sched_factories import NOW, request, scheduler, state
+from tests.support.gateway_files import one_pool
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.integration
+PROMPT = "a long shared system prompt " * 100
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "sync.key"
+    path.write_text("0123456789abcdef0123456789abcdef\n")
+    return path
+
+
+def _section(key: Path, port: int, peers: list[int]) -> ReplicaSyncConfig:
+    return ReplicaSyncConfig(
+        enabled=True,
+        address="127.0.0.1",
+        port=port,
+        peers=[f"127.0.0.1:{p}" for p in peers],
+        key_file=str(key),
+    )
+
+
+def _backlog(s: Scheduler) -> PrefillBacklogScorer:
+    scorer = s.plugins["prefill-backlog-scorer"]
+    assert isinstance(scorer, PrefillBacklogScorer)
+    return scorer
+
+
+async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
+    ports = free_ports(2)
+    a, b = scheduler("default"), scheduler("default")
+    woken: list[int] = []
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
+    sync_b = await start_replica_sync(
+        _section(key_file, ports[1], ports), b, wake=lambda: woken.append(1)
+    )
+    try:
+        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+        assert sync_a.transport.peers == (("127.0.0.1", ports[1]),)  # itself left out
+        pool = [state(i) for i in range(1, 5)]
+        req = replace(request(prompt=PROMPT, request_id="q1"), stream=True)
+        picked = a.schedule(req, pool, now=NOW).primary.key
+        backlog = _backlog(b).backlog
+        await until(lambda: backlog.tokens(picked) == req.prompt_tokens, "a's send at b")
+        assert woken  # flow control's pump was told
+        a.observe_first_token("q1", picked, NOW + 0.2)
+        await until(lambda: backlog.tokens(picked) == 0, "a's first byte at b")
+        registry = CollectorRegistry()
+        registry.register(SyncCollector(sync_b))
+        text = generate_latest(registry).decode()
+        assert "poolkeeper_replica_sync_batches_received_total 2.0" in text
+        assert "poolkeeper_replica_sync_peers 1.0" in text
+        assert "poolkeeper_replica_sync_origins 1.0" in text
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+    assert _backlog(a).sync is None  # unbound: nothing published any more
+
+
+def test_the_key_must_exist_and_be_long_enough(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_key(str(tmp_path / "missing"))
+    (tmp_path / "short").write_text("  too short \n")
+    with pytest.raises(ConfigError, match="holds 9 bytes; the shared key needs at least 16"):
+        read_key(str(tmp_path / "short"))
+    with pytest.raises(ConfigError, match="required"):
+        read_key(None)
+
+
+async def test_a_profile_without_a_backlog_scorer_cannot_sync(key_file: Path) -> None:
+    (port,) = free_ports(1)
+    with pytest.raises(ConfigError, match="needs a prefill-backlog-scorer"):
+        await start_replica_sync(_section(key_file, port, []), scheduler("classic"))
+
+
+def test_each_process_life_is_a_new_origin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "epp-7f9c")
+    first, second = origin_name(None), origin_name(None)
+    assert first.startswith("epp-7f9c-")
+    assert first != second
+    assert origin_name("x" * 500).startswith("x" * 200 + "-")
+    assert len(origin_name("x" * 500).encode()) <= 255
+
+
+async def test_the_runtime_runs_the_syncer_it_is_configured_with(
+    tmp_path: Path, key_file: Path
+) -> None:
+    sync_port, sim = free_ports(2)
+    spec = (
+        f"  replicaSync: {{enabled: true, address: 127.0.0.1, port: {sync_port}, "
+        f"keyFile: {key_file}}}\n"
+    )
+    directory = one_pool(tmp_path / "cfg", sim, spec=spec)
+    runtime = GatewayRuntime(
+        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0)
+    )
+    await runtime.start()
+    try:
+        assert runtime.config is not None
+        metrics = runtime.config.spec.listeners.metrics
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{metrics}/metrics") as resp,
+        ):
+            text = await resp.text()
+        assert "poolkeeper_replica_sync_peers 0.0" in text
+    finally:
+        await runtime.stop(grace_s=0)
+    # The UDP port is free again: the syncer closed its socket.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", sync_port))

@@ -183,3 +183,23 @@ async def test_close_sends_what_the_hub_still_holds() -> None:
     finally:
         b.transport.close()
     await asyncio.sleep(0)
+
+
+async def test_peers_of_the_other_address_family_are_mapped_or_left_out() -> None:
+    a = await node("a")
+    try:
+        a.transport.set_peers([("::1", 9), ("127.0.0.1", 9), a.transport.address])
+        assert a.transport.peers == (("127.0.0.1", 9),)  # an IPv4 socket cannot reach IPv6
+    finally:
+        a.transport.close()
+    hub = FakeHub("v6")
+    six = SyncTransport(Codec(KEY), "v6", hub.take, hub.deliver)
+    try:
+        await six.start("::1", 0)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    try:
+        six.set_peers([("127.0.0.1", 9), ("::1", 9)])
+        assert six.peers == (("::1", 9), ("::ffff:127.0.0.1", 9))
+    finally:
+        six.close()

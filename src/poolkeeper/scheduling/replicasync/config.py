@@ -31,7 +31,8 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     enabled: bool = False
     """Run the syncer. Needs `keyFile`."""
     address: str = "0.0.0.0"
-    """Address the UDP socket binds (the pod's; `127.0.0.1` for replicas on one host)."""
+    """Address the UDP socket binds (`127.0.0.1` for replicas on one host; `::` where peers
+    have IPv6 addresses: IPv4 peers are then reached through mapped addresses)."""
     port: Port = DEFAULT_PORT
     """UDP port of the syncer, the same on every replica behind a Service."""
     peers: list[str] = Field(default_factory=list)

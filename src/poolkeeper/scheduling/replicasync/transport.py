@@ -117,9 +117,20 @@ class SyncTransport(asyncio.DatagramProtocol):
 
     # -- outgoing --------------------------------------------------------------------------
     def set_peers(self, peers: Iterable[Address]) -> None:
-        """The addresses to send to from now on (our own excluded)."""
+        """The addresses to send to from now on: our own left out, and those of the other
+        address family (a name may resolve to both; an IPv6 socket reaches IPv4 peers through
+        their mapped addresses, an IPv4 socket cannot reach IPv6 ones)."""
         own = self.address if self._socket is not None else None
-        self.peers = tuple(sorted({p for p in peers if p != own}))
+        v6 = own is not None and ":" in own[0]
+        kept = set()
+        for host, port in peers:
+            if ":" not in host and v6:
+                host = f"::ffff:{host}"
+            elif ":" in host and not v6:
+                continue
+            if (host, port) != own:
+                kept.add((host, port))
+        self.peers = tuple(sorted(kept))
 
     def notify(self) -> None:
         """The hub has something to send: one flush `flush_interval_s` from now collects it
@@ -164,7 +175,11 @@ class SyncTransport(asyncio.DatagramProtocol):
                 if buffered >= self.max_buffered:
                     self.stats.count(self.stats.dropped, "buffer")
                     continue
-                self._socket.sendto(datagram, peer)
+                try:
+                    self._socket.sendto(datagram, peer)
+                except OSError:  # (uvloop raises where asyncio reports to error_received)
+                    self.stats.count(self.stats.dropped, "unreachable")
+                    continue
                 self.stats.datagrams_sent += 1
         return takes == MAX_TAKES
 

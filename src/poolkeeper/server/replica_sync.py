@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from poolkeeper.datastore.store import ChangeKind, DatastoreSnapshot
@@ -37,6 +37,7 @@ from poolkeeper.scheduling.replicasync.fold import SchedulerFold, bind_scheduler
 from poolkeeper.scheduling.replicasync.hub import ReplicaSync
 from poolkeeper.scheduling.replicasync.transport import SyncTransport
 from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.server.transport import by_reason, counters
 
 log = logging.getLogger("poolkeeper.replicasync")
 
@@ -172,22 +173,16 @@ class SyncCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         prefix = "poolkeeper_replica_sync"
         stats, hub = self.running.transport.stats, self.running.hub
-        for name, value, help_ in (
+        yield from counters(
+            prefix,
             ("batches_sent", stats.batches_sent, "Own batches sent to the peers."),
             ("datagrams_sent", stats.datagrams_sent, "Datagrams sent, every peer counted."),
             ("batches_received", stats.received, "Peers' batches verified and folded in."),
             ("batches_refused", stats.refused, "Verified batches the hub refused."),
             ("outbox_dropped", hub.dropped, "Own events dropped from a full outbox."),
-        ):
-            yield CounterMetricFamily(f"{prefix}_{name}", help_, value=value)
-        for name, table, help_ in (
-            ("rejected", stats.rejected, "Datagrams rejected, by reason."),
-            ("send_dropped", stats.dropped, "Datagrams not sent, by reason."),
-        ):
-            family = CounterMetricFamily(f"{prefix}_{name}", help_, labels=["reason"])
-            for reason, count in sorted(table.items()):
-                family.add_metric([reason], count)
-            yield family
+        )
+        yield by_reason(f"{prefix}_rejected", "Datagrams rejected, by reason.", stats.rejected)
+        yield by_reason(f"{prefix}_send_dropped", "Datagrams not sent, by reason.", stats.dropped)
         peers = len(self.running.transport.peers)
         yield GaugeMetricFamily(f"{prefix}_peers", "Peer addresses sent to.", value=peers)
         yield GaugeMetricFamily(

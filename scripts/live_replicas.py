@@ -16,14 +16,14 @@ band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports,
 cold test reads only the engines' reports, `exact-hashblog` / `exact-hashwait`: with the
 backlog scorer / and the scraped queues (`scheduling()`); any index + `-sync`: with
 cross-replica sync (`spec.replicaSync`: every EPP a peer of the others on 127.0.0.1, one key
-file). `N/M:index` runs M EPPs with only N behind Envoy: the idle ones scrape and take CPU as
-extra replicas do, a control on a machine with few cores. Variants run interleaved (listed
-order in even rounds, reversed in odd), the same requests each time; every run goes to
-OUT/runs.json with its requests, prefills, load average and the CPU seconds of the fleet and of
-each EPP during the load, and each process's run-queue wait. At the end (or with `--analyze
-RUNS_JSON...` on earlier batches) every variant is compared with `--base` (default the first
-variant): the pooled and the paired p90 ratio with 95 % bootstrap intervals over rounds
-(`bench/results/paired.py`). Example
+file), `-syncnow` with peers' batches waking flow control at once. `N/M:index` runs M EPPs with
+only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a
+machine with few cores. Variants run interleaved (listed order in even rounds, reversed in
+odd), the same requests each time; every run goes to OUT/runs.json with its requests, prefills,
+load average and the CPU seconds of the fleet and of each EPP during the load, and each
+process's run-queue wait. At the end (or with `--analyze RUNS_JSON...` on earlier batches)
+every variant is compared with `--base` (default the first variant): the pooled and the paired
+p90 ratio with 95 % bootstrap intervals over rounds (`bench/results/paired.py`). Example
 (docs/notes/2026-12-06-exact-prefix-replicas-fourth-round.md):
 
     .venv/bin/python scripts/live_replicas.py --out bench-results/replicas --rounds 8 \\
@@ -95,12 +95,13 @@ def scheduling(index: str) -> dict[str, Any] | None:
     with `backlogScorer` (an owner busy prefilling is out of the band); `exact-hashwait`:
     `exact-hashblog` with `scrapedWaiting` (an endpoint whose scrape shows a queue counts as
     busy prefilling, in the band and the hold). Any index + `-sync` (e.g. `exact-hashwait-sync`):
-    the same with cross-replica sync on (`sync_section`)."""
-    index = index.removesuffix(SYNC)
+    the same with cross-replica sync on, `-syncnow`: and peers' batches waking flow control at
+    once (`SYNCS`)."""
+    index = split_sync(index)[0]
     if index == "approx":
         return None
     if index not in INDEXES:
-        raise SystemExit(f"unknown index {index!r} ({', '.join(INDEXES)}, each + {SYNC})")
+        raise SystemExit(f"unknown index {index!r} ({', '.join(INDEXES)}, each + a sync suffix)")
     doc = preset_document("default")
     for plugin in doc["plugins"]:
         if plugin["type"] == "prefix-cache-scorer":
@@ -126,17 +127,28 @@ def scheduling(index: str) -> dict[str, Any] | None:
 
 
 SYNC = "-sync"
+# Index suffix -> replicaSync settings beyond `sync_section`'s: `-sync` the defaults,
+# `-syncnow` a peer's batch wakes flow control's held requests at once (no spread).
+SYNCS: dict[str, dict[str, Any]] = {"-syncnow": {"peerWakeSpreadMs": 0}, SYNC: {}}
+
+
+def split_sync(index: str) -> tuple[str, dict[str, Any] | None]:
+    """The index without its sync suffix, and that suffix's settings (None: no sync)."""
+    for suffix, settings in SYNCS.items():
+        if index.endswith(suffix):
+            return index.removesuffix(suffix), settings
+    return index, None
 
 
 def valid_index(index: str) -> bool:
-    return index.removesuffix(SYNC) in INDEXES
+    return split_sync(index)[0] in INDEXES
 
 
-def sync_section(port: int, ports: list[int], key: Path) -> dict[str, Any]:
+def sync_section(port: int, ports: list[int], key: Path, **extra: Any) -> dict[str, Any]:
     """`spec.replicaSync` of one EPP: on 127.0.0.1 at `port`, every EPP's port a peer (its own
-    is left out), the shared key in `key`."""
+    is left out), the shared key in `key`, and `extra`."""
     return {"enabled": True, "address": "127.0.0.1", "port": port, "keyFile": str(key),
-            "peers": [f"127.0.0.1:{p}" for p in ports]}  # fmt: skip
+            "peers": [f"127.0.0.1:{p}" for p in ports], **extra}  # fmt: skip
 
 
 def sync_counters(metrics_port: int) -> dict[str, float]:
@@ -202,7 +214,8 @@ def parse_variant(variant: str) -> tuple[int, int, str]:
         raise SystemExit(f"bad variant {variant!r}: N[/M]:{'|'.join(INDEXES)}, 1 <= N <= M")
     if not valid_index(index):
         raise SystemExit(
-            f"bad variant {variant!r}: index one of {', '.join(INDEXES)}, each optionally {SYNC}"
+            f"bad variant {variant!r}: index one of {', '.join(INDEXES)}, each optionally "
+            f"+ {' or '.join(SYNCS)}"
         )
     return int(active), int(running), index
 
@@ -223,7 +236,8 @@ def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -
         for p in sim_ports:
             wait_http(f"http://127.0.0.1:{p}/health", lambda s: s == 200, READY_TIMEOUT_S, "sim")
         ports = [dict(zip(NAMES, free_ports(len(NAMES)), strict=True)) for _ in range(running)]
-        sync_ports = free_ports(running) if index.endswith(SYNC) else []
+        synced = split_sync(index)[1]
+        sync_ports = free_ports(running) if synced is not None else []
         key_file = work / "sync.key"
         key_file.write_text(secrets.token_hex(32))
         key_file.chmod(0o600)
@@ -232,7 +246,7 @@ def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -
         for i, pp in enumerate(ports):
             cfg = poolkeeper_config(work / f"epp{i}", sim_ports, pp, models, scheduling(index))
             if sync_ports:
-                section = sync_section(sync_ports[i], sync_ports, key_file)
+                section = sync_section(sync_ports[i], sync_ports, key_file, **(synced or {}))
                 with (cfg / "gateway.yaml").open("a") as gateway:
                     gateway.write(f"  replicaSync: {json.dumps(section)}\n")
             cfgs.append(cfg)

@@ -66,6 +66,7 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
     assert section["peerService"] == "epp-peers.ns.svc"
     assert section["resolveIntervalMs"] == 2000
     assert section["flushIntervalMs"] == 5.0  # the interval: how long decisions gather
+    assert section["peerWakeSpreadMs"] == 20
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ starts and stops the syncer and exports its metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +21,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.replica_sync import (
+    SpreadWake,
     SyncCollector,
     origin_name,
     read_key,
@@ -139,3 +142,23 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
     # The UDP port is free again: the syncer closed its socket.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", sync_port))
+
+
+async def test_peer_wakes_are_spread_and_coalesced() -> None:
+    calls: list[float] = []
+    loop = asyncio.get_running_loop()
+    at_once = SpreadWake(lambda: calls.append(loop.time()), 0.0)
+    at_once()
+    assert len(calls) == 1  # no spread: called before returning
+    spread = SpreadWake(lambda: calls.append(loop.time()), 0.05, random.Random(3))
+    asked = loop.time()
+    spread()
+    spread()
+    spread()  # armed once: one wake for the three
+    assert len(calls) == 1
+    await until(lambda: len(calls) == 2, "the spread wake")
+    assert calls[1] >= asked  # later, never sooner
+    spread()
+    spread.cancel()  # a stopped syncer wakes nothing
+    await asyncio.sleep(0.1)
+    assert len(calls) == 2

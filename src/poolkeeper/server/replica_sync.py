@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import secrets
 import socket
 import time
@@ -57,6 +58,37 @@ class _SignallingSync(ReplicaSync):
         self.on_publish()
 
 
+class SpreadWake:
+    """`wake` once, a random delay of up to `spread_s` after it is first asked for (0: at
+    once). Why: a peer's first byte reaches every replica at the same moment; woken at once,
+    each would release its held new prefixes onto the one server whose backlog just fell, none
+    seeing the others' sends yet (a herd). Spread, each replica's placement reaches the others
+    (a flush and a datagram away) before most of them decide."""
+
+    def __init__(
+        self, wake: Callable[[], None], spread_s: float, rng: random.Random | None = None
+    ) -> None:
+        self._wake, self.spread_s = wake, spread_s
+        self._rng = rng or random.Random()
+        self._armed: asyncio.TimerHandle | None = None
+
+    def __call__(self) -> None:
+        if self.spread_s <= 0:
+            self._wake()
+        elif self._armed is None:
+            loop = asyncio.get_running_loop()
+            self._armed = loop.call_later(self._rng.uniform(0, self.spread_s), self._fire)
+
+    def _fire(self) -> None:
+        self._armed = None
+        self._wake()
+
+    def cancel(self) -> None:
+        if self._armed is not None:
+            self._armed.cancel()
+            self._armed = None
+
+
 def origin_name(configured: str | None) -> str:
     """This process's unique name in the exchange (the module docstring)."""
     base = configured or os.environ.get("POD_NAME") or socket.gethostname() or "epp"
@@ -87,6 +119,7 @@ class RunningSync:
     fold: SchedulerFold
     transport: SyncTransport
     discovery: PeerDiscovery
+    wake: SpreadWake | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def pool_changed(self, snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
@@ -100,6 +133,8 @@ class RunningSync:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.transport.close()
         self.fold.unbind()
+        if self.wake is not None:
+            self.wake.cancel()
 
 
 async def _expire(hub: ReplicaSync, clock: Callable[[], float]) -> None:
@@ -118,8 +153,8 @@ async def start_replica_sync(
 ) -> RunningSync:
     """Bind a hub to `scheduler`, bind the socket, follow the peers (ConfigError for a bad key
     or a profile without a prefill-backlog-scorer; OSError when the port is taken). `wake`:
-    called after each peer batch folded in (flow control's pump: a peer's first byte may
-    release a request held for its prefill backlog)."""
+    called after peer batches are folded in (flow control's pump: a peer's first byte may
+    release a request held for its prefill backlog), spread by `peerWakeSpreadMs`."""
     key = read_key(config.key_file)
     origin = origin_name(config.origin)
     hub = _SignallingSync(origin)
@@ -128,10 +163,12 @@ async def start_replica_sync(
     except ValueError as exc:
         raise ConfigError(f"spec.replicaSync: {exc}") from None
 
+    spread = SpreadWake(wake, config.peer_wake_spread_ms / 1000.0) if wake else None
+
     def deliver(batch: Batch, now: float) -> bool:
         taken = hub.deliver(batch, now)
-        if taken and wake is not None:
-            wake()
+        if taken and spread is not None:
+            spread()
         return taken
 
     transport = SyncTransport(
@@ -155,7 +192,7 @@ async def start_replica_sync(
         own=await own_addresses(config.address, port),
         resolve_interval_s=config.resolve_interval_ms / 1000.0,
     )
-    running = RunningSync(hub, fold, transport, discovery)
+    running = RunningSync(hub, fold, transport, discovery, spread)
     running._tasks = [
         asyncio.create_task(discovery.follow(transport.set_peers), name="replica-sync-peers"),
         asyncio.create_task(_expire(hub, clock), name="replica-sync-expire"),

@@ -131,6 +131,7 @@ class SyncerParams(Params):
     key_file: str = Field(default="", alias="keyFile")
     resolve_interval: str = Field(default="5s", alias="resolveInterval")
     max_age: str = Field(default="10s", alias="maxAge")
+    peer_wake_spread: str = Field(default="20ms", alias="peerWakeSpread")
     origin: str | None = None
 
 

@@ -75,7 +75,11 @@ def replica_sync_section(
             "(a file with a shared key of at least 16 bytes, e.g. a mounted Secret)"
         )
     section["keyFile"] = syncer.key_file or None
-    for key, text in (("resolveIntervalMs", syncer.resolve_interval), ("maxAgeMs", syncer.max_age)):
+    for key, text in (
+        ("resolveIntervalMs", syncer.resolve_interval),
+        ("maxAgeMs", syncer.max_age),
+        ("peerWakeSpreadMs", syncer.peer_wake_spread),
+    ):
         value = _ms(text, f"{ref}.parameters.{key.removesuffix('Ms')}", problems)
         if value is not None:
             section[key] = round(value)

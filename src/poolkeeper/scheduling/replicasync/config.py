@@ -50,6 +50,10 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     flush_interval_ms: float = Field(default=1.0, ge=0, le=1000)
     """How long a replica gathers its decisions before sending them in one datagram (0: at
     the end of the loop iteration that made them)."""
+    peer_wake_spread_ms: float = Field(default=20.0, ge=0, le=1000)
+    """After a peer's batch, flow control's held requests are asked again after a random delay
+    of up to this (0: at once): woken together by the same peer's first byte, the replicas
+    would all send their held new prefixes to the one server whose backlog just fell."""
     max_age_ms: int = Field(default=10_000, ge=100, le=600_000)
     """A batch whose origin's clock is further than this from ours is rejected (replays;
     replicas' clocks must agree within it)."""

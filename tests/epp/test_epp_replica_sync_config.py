@@ -28,7 +28,9 @@ def _spec(section: dict[str, object]) -> GatewayConfig:
 def test_sync_is_off_by_default_and_never_on_without_a_key() -> None:
     assert GatewayConfig.default().spec.replica_sync.enabled is False
     with pytest.raises(ValidationError, match="needs a shared key file"):
-        _spec({"enabled": True})
+        _spec({"enabled": True, "peers": ["10.0.0.1:9010"]})
+    with pytest.raises(ValidationError, match="needs peers or peerService"):
+        _spec({"enabled": True, "keyFile": "/k"})
     config = _spec({"enabled": True, "keyFile": "/k", "peerService": "epp-peers:9999"})
     assert config.spec.replica_sync.service_address() == ("epp-peers", 9999)
     assert _spec({"peerService": "epp-peers"}).spec.replica_sync.service_address() == (

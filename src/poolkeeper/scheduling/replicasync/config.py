@@ -75,15 +75,26 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
         return value
 
     @model_validator(mode="after")
-    def _key_when_enabled(self) -> Self:
+    def _key_and_peers_when_enabled(self) -> Self:
+        issues = []
         if self.enabled and not self.key_file:
-            raise rule_error(
+            issues.append(
                 (
                     ".keyFile",
                     f"Required value: replicaSync.enabled {go_value(True)} needs a shared key "
                     "file: the syncer never runs unauthenticated",
                 )
             )
+        if self.enabled and not self.peers and self.peer_service is None:
+            issues.append(
+                (
+                    ".peers",
+                    f"Required value: replicaSync.enabled {go_value(True)} needs peers or "
+                    "peerService: with neither, nothing would be sent or heard",
+                )
+            )
+        if issues:
+            raise rule_error(*issues)
         return self
 
     def service_address(self) -> tuple[str, int] | None:

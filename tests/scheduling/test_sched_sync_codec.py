@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from poolkeeper.scheduling.replicasync.codec import (
+    DEFAULT_DATAGRAM,
     MAX_DATAGRAM,
     MAX_ID_BYTES,
     REASONS,
@@ -41,7 +42,7 @@ EVENTS = st.lists(
 def test_a_batch_comes_back_exactly(
     events: tuple[Sent | Answered | Ended, ...], seq: int, origin: str, at: int
 ) -> None:
-    codec = Codec(KEY)
+    codec = Codec(KEY, max_bytes=MAX_DATAGRAM)
     (datagram,) = codec.encode(origin, seq, events, at)
     decoded = codec.decode(datagram)
     assert decoded.batch == Batch(origin, seq, events)
@@ -49,15 +50,56 @@ def test_a_batch_comes_back_exactly(
 
 
 def test_a_big_batch_splits_into_datagrams_with_consecutive_seqs() -> None:
-    codec = Codec(KEY)
+    codec = Codec(KEY, max_bytes=MAX_DATAGRAM)
     blocks = tuple(range(MAX_BLOCKS))
     events = tuple(Sent(f"r{i}", "10.0.0.1:8000", 100, True, blocks, 7) for i in range(100))
     datagrams = codec.encode("pod-a", 41, events, 5)
-    assert len(datagrams) >= 4  # ~2 KiB per event, 60,000 bytes per datagram
+    assert len(datagrams) >= 4  # ~2 KiB per event, 65,000 bytes per datagram
     assert all(len(d) <= MAX_DATAGRAM for d in datagrams)
     batches = [codec.decode(d).batch for d in datagrams]
     assert [b.seq for b in batches] == list(range(41, 41 + len(datagrams)))
     assert tuple(e for b in batches for e in b.events) == events
+    assert codec.trimmed == 0
+
+
+def test_by_default_datagrams_stay_unfragmented_and_long_prefixes_keep_their_first_blocks() -> None:
+    codec = Codec(KEY)
+    blocks = tuple(range(MAX_BLOCKS))
+    sends = [Sent(f"r{i}", "10.0.0.1:8000", 9, True, blocks) for i in range(3)]
+    events: tuple[Sent | Ended, ...] = (Ended("e0"), *sends)
+    datagrams = codec.encode("pod-a", 1, events, 5)
+    assert all(len(d) <= DEFAULT_DATAGRAM for d in datagrams)
+    got = [e for d in datagrams for e in codec.decode(d).batch.events]
+    assert got[0] == Ended("e0")
+    assert [e.request_id for e in got] == ["e0", "r0", "r1", "r2"]
+    for sent in got[1:]:
+        assert isinstance(sent, Sent)
+        assert 100 < len(sent.blocks) < MAX_BLOCKS  # ~130 fit in 1,232 bytes
+        assert sent.blocks == blocks[: len(sent.blocks)]  # the prefix, the tail cut
+    assert codec.trimmed == 3
+    short = Sent("s", "10.0.0.1:8000", 9, True, blocks[:10])
+    assert codec.decode(codec.encode("pod-a", 9, (short,), 5)[0]).batch.events == (short,)
+    assert codec.trimmed == 3
+    assert _reason(b"PKRS" + b"x" * DEFAULT_DATAGRAM) == "oversized"  # before the tag
+
+
+@pytest.mark.parametrize("size", [1023, 65_001])
+def test_the_datagram_size_is_bounded(size: int) -> None:
+    with pytest.raises(ValueError, match="max_bytes must be 1024-65000"):
+        Codec(KEY, max_bytes=size)
+
+
+def test_one_bad_event_costs_only_itself_when_asked() -> None:
+    codec = Codec(KEY)
+    bad_type = Sent("t", "h:1", 1, False, ("not a hash",))  # type: ignore[arg-type]
+    events = (Ended("ok1"), Sent("n", "h:1", -1, False), bad_type, "junk", Ended("ok2"))
+    skipped: list[str] = []
+    (datagram,) = codec.encode("a", 1, events, 0, skipped=skipped)  # type: ignore[arg-type]
+    assert codec.decode(datagram).batch.events == (Ended("ok1"), Ended("ok2"))
+    assert len(skipped) == 3
+    with pytest.raises(ValueError, match="TypeError"):
+        codec.encode("a", 1, (bad_type,), 0)
+    assert codec.encode("a", 1, (bad_type,), 0, skipped=[]) == []  # nothing left to send
 
 
 def test_a_long_request_id_travels_as_the_same_digest_for_each_of_its_events() -> None:
@@ -139,7 +181,7 @@ def test_more_blocks_than_the_cap_are_rejected_even_when_authenticated() -> None
     body = small.encode("a", 1, (Sent("r", "h:1", 5, True, (1,)),), 0)[0][:-TAG_BYTES]
     count_at = len(body) - 8 - 2
     forged = body[:count_at] + struct.pack(">H", MAX_BLOCKS + 1) + b"\0" * 8 * (MAX_BLOCKS + 1)
-    assert _reason(_signed(forged)) == "malformed"
+    assert _reason(_signed(forged), small) == "malformed"
 
 
 @given(st.binary(max_size=400))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from poolkeeper.scheduling.replicasync.codec import Codec
+from poolkeeper.scheduling.replicasync.codec import Codec, Decoded
 from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Sent, SyncEvent
 from poolkeeper.scheduling.replicasync.transport import SyncTransport, wall_ms
 from tests.support.waiting import until
@@ -68,9 +68,20 @@ async def trio() -> AsyncIterator[list[Node]]:
         n.transport.close()
 
 
-def raw_send(data: bytes, to: tuple[str, int]) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.sendto(data, to)
+def link(*nodes: Node) -> None:
+    """Every node a peer of every other (a datagram from a non-peer address is dropped)."""
+    addresses = [n.transport.address for n in nodes]
+    for n in nodes:
+        n.transport.set_peers(addresses)
+
+
+def forger(to: Node, *, peer: bool = True) -> socket.socket:
+    """A raw socket on 127.0.0.1 that `to` counts as a peer (or not)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    if peer:
+        to.transport.set_peers([*to.transport.peers, sock.getsockname()])
+    return sock
 
 
 async def test_published_events_reach_every_peer_coalesced_into_one_datagram(
@@ -103,6 +114,8 @@ async def test_published_events_reach_every_peer_coalesced_into_one_datagram(
 async def test_forged_tampered_and_replayed_datagrams_are_rejected(trio: list[Node]) -> None:
     _a, b, _c = trio
     to = b.transport.address
+    sock = forger(b)
+    raw_send = sock.sendto
     good = Codec(KEY).encode("x", 5, (Ended("r"),), wall_ms())[0]
     raw_send(good, to)
     await until(lambda: len(b.hub.delivered) == 1, "the genuine datagram")
@@ -118,6 +131,46 @@ async def test_forged_tampered_and_replayed_datagrams_are_rejected(trio: list[No
     expected = {"replayed": 1, "auth": 2, "short": 1, "stale": 1, "own": 1}
     await until(lambda: b.transport.stats.rejected == expected, "every bad datagram counted")
     assert len(b.hub.delivered) == 1
+    sock.close()
+
+
+async def test_a_stranger_costs_no_tag_and_is_dropped(trio: list[Node]) -> None:
+    _a, b, _c = trio
+    decoded: list[bytes] = []
+    real = b.transport.codec.decode
+
+    def spy(data: bytes) -> Decoded:
+        decoded.append(data)
+        return real(data)
+
+    b.transport.codec.decode = spy  # type: ignore[method-assign]
+    with forger(b, peer=False) as stranger:
+        stranger.sendto(Codec(KEY).encode("x", 5, (Ended("r"),), wall_ms())[0], b.transport.address)
+        await until(lambda: b.transport.stats.rejected == {"stranger": 1}, "the stranger dropped")
+    assert not decoded
+    assert not b.hub.delivered
+
+
+async def test_a_restarted_replica_takes_no_replay_from_before_its_start() -> None:
+    b = await node("b", max_origins=1, new_origin_skew_s=1.0)
+    try:
+        with forger(b) as sock:
+            to, codec, now = b.transport.address, Codec(KEY), wall_ms()
+            sock.sendto(codec.encode("x", 5, (Ended("old"),), now - 3_000)[0], to)  # fresh, but
+            early = {"before_start": 1}  # sent before b started, to an empty seq table
+            await until(lambda: b.transport.stats.rejected == early, "the replay refused")
+            old_x = codec.encode("x", 6, (Ended("x6"),), wall_ms())[0]
+            sock.sendto(old_x, to)
+            await until(lambda: len(b.hub.delivered) == 1, "x's batch after the start")
+            await asyncio.sleep(0.01)  # (the wall clock moves on before y pushes x out)
+            b.transport.new_origin_skew_ms = 0.0
+            sock.sendto(codec.encode("y", 1, (Ended("y1"),), wall_ms())[0], to)
+            await until(lambda: len(b.hub.delivered) == 2, "y's batch, x forgotten")
+            sock.sendto(old_x, to)  # x is a new origin again: its old datagram must not pass
+            await until(lambda: b.transport.stats.rejected == {"before_start": 2}, "x replayed")
+    finally:
+        b.transport.close()
+    assert b.transport.receive_buffer > 0
 
 
 async def test_a_peer_that_disappears_costs_the_others_nothing(trio: list[Node]) -> None:
@@ -134,7 +187,7 @@ async def test_a_peer_that_disappears_costs_the_others_nothing(trio: list[Node])
 async def test_a_batch_the_hub_refuses_or_fails_on_is_counted() -> None:
     a, b = await node("a"), await node("b")
     try:
-        a.transport.set_peers([b.transport.address])
+        link(a, b)
         b.hub.accept = False
         a.hub.publish(Ended("r"))
         a.transport.flush()
@@ -155,7 +208,7 @@ async def test_a_batch_the_hub_refuses_or_fails_on_is_counted() -> None:
 async def test_sends_stop_at_the_buffer_bound_and_a_big_batch_goes_as_several() -> None:
     a, b = await node("a", max_buffered=0), await node("b")
     try:
-        a.transport.set_peers([b.transport.address])
+        link(a, b)
         a.hub.publish(Ended("r"))
         a.transport.flush()
         assert a.transport.stats.dropped == {"buffer": 1}
@@ -165,7 +218,8 @@ async def test_sends_stop_at_the_buffer_bound_and_a_big_batch_goes_as_several() 
         a.transport.flush()
         await until(lambda: len(b.hub.events()) == 60, "every event of the big batch")
         seqs = [batch.seq for batch, _ in b.hub.delivered]
-        assert len(seqs) >= 2
+        assert len(seqs) == 60  # one Sent of ~130 blocks fills a 1,232-byte datagram
+        assert a.transport.codec.trimmed == 60
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     finally:
         a.transport.close()
@@ -175,7 +229,7 @@ async def test_sends_stop_at_the_buffer_bound_and_a_big_batch_goes_as_several() 
 async def test_close_sends_what_the_hub_still_holds() -> None:
     a, b = await node("a", flush_interval_s=60.0), await node("b")
     try:
-        a.transport.set_peers([b.transport.address])
+        link(a, b)
         a.hub.publish(Ended("last"))
         a.transport.notify()  # armed for a minute from now
         a.transport.close()
@@ -183,6 +237,26 @@ async def test_close_sends_what_the_hub_still_holds() -> None:
     finally:
         b.transport.close()
     await asyncio.sleep(0)
+
+
+async def test_a_bad_event_costs_only_itself_and_close_always_closes() -> None:
+    a, b = await node("a"), await node("b")
+    try:
+        link(a, b)
+        a.hub.publish(Ended("ok1"), Sent("bad", "h:1", -1, False), Ended("ok2"))
+        a.transport.flush()
+        await until(lambda: len(b.hub.events()) == 2, "the good events")
+        assert b.hub.events() == [Ended("ok1"), Ended("ok2")]
+        assert a.transport.stats.dropped == {"unencodable_event": 1}
+    finally:
+        a.transport.close()
+        b.transport.close()
+    broken = await node("c", wall=lambda: -1)  # a time the header cannot carry (struct.error)
+    broken.hub.publish(Ended("r"))
+    broken.transport.notify()
+    broken.transport.close()  # flushes: the batch is dropped, the socket closed regardless
+    assert broken.transport._socket is None
+    assert broken.transport.stats.dropped == {"unencodable": 1}
 
 
 async def test_peers_of_the_other_address_family_are_mapped_or_left_out() -> None:

@@ -15,6 +15,14 @@ peers only match them). Nothing is parsed before the tag is verified (constant-t
 every bound is checked; any problem is a `Rejected` with one of `REASONS`, never another
 exception. A batch too big for one datagram is split into several with consecutive sequence
 numbers (`encode`).
+
+Why datagrams are small (`max_bytes`, default `DEFAULT_DATAGRAM`): a datagram over the path's
+MTU leaves as IP fragments, and losing any fragment loses it (some overlays drop fragmented
+UDP outright); 1,232 bytes fits any IPv6 path (1,280-byte minimum MTU) and every common pod
+overlay. A `Sent` whose blocks do not all fit one datagram keeps its first blocks (the prefix
+a peer can match on) and loses the tail, like `MAX_BLOCKS` (counted in `Codec.trimmed`). The
+receiver rejects anything over its `max_bytes` before computing the tag, so every replica of a
+pool must use the same value.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ from poolkeeper.scheduling.replicasync.events import (
 
 MAGIC: Final = b"PKRS"
 VERSION: Final = 1
-MAX_DATAGRAM: Final = 60_000  # bytes: one UDP datagram, under the 65,507-byte IPv4 payload
+DEFAULT_DATAGRAM: Final = 1_232  # bytes: unfragmented on any IPv6 path (module docstring)
+MIN_DATAGRAM: Final = 1_024  # a Sent with the longest names and a few blocks still fits
+MAX_DATAGRAM: Final = 65_000  # under the 65,507-byte IPv4 UDP payload
 MIN_KEY_BYTES: Final = 16
 TAG_BYTES: Final = 32
 MAX_ID_BYTES: Final = 255
@@ -46,6 +56,11 @@ _U8, _U16, _U32 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I")
 _KIND = {Sent: 1, Answered: 2, Ended: 3}
 _SEEN, _HAS_HEAD, _HEAD_SIGNED, _BLOCKS_SIGNED = 1, 2, 4, 8
 _FLAGS = _SEEN | _HAS_HEAD | _HEAD_SIGNED | _BLOCKS_SIGNED
+# What encoding something the format cannot carry raises (a bad field or a non-event: our bug,
+# never a peer's); the transport catches these, so it costs that event or batch only.
+ENCODE_ERRORS: Final = (
+    ValueError, TypeError, KeyError, AttributeError, OverflowError, struct.error
+)  # fmt: skip
 _MIN = _HEAD.size + 1 + 1 + _U16.size + TAG_BYTES  # an origin of one byte, no events
 
 Reason = Literal["short", "oversized", "magic", "version", "auth", "malformed"]
@@ -91,13 +106,14 @@ def _hashes(values: Sequence[int]) -> tuple[bytes, bool]:
     raise ValueError("block hashes must all be unsigned or all signed 64-bit integers")
 
 
-def _event(event: SyncEvent) -> bytes:
+def _event(event: SyncEvent, room: int) -> tuple[bytes, bool]:
+    """`event` as bytes, and whether its blocks were cut to fit `room` bytes."""
     rid = wire_id(event.request_id)
     if not rid:
         raise ValueError("empty request id")
     head = _U8.pack(_KIND[type(event)]) + _U8.pack(len(rid)) + rid
     if not isinstance(event, Sent):
-        return head
+        return head, False
     if len(event.blocks) > MAX_BLOCKS:
         raise ValueError(f"{len(event.blocks)} blocks, at most {MAX_BLOCKS}")
     if not 0 <= event.tokens < 1 << 32:
@@ -110,17 +126,25 @@ def _event(event: SyncEvent) -> bytes:
         first, head_signed = _hashes((event.head,))
         flags |= _HAS_HEAD | (_HEAD_SIGNED if head_signed else 0)
     parts = (_U8.pack(len(endpoint)), endpoint, _U32.pack(event.tokens), _U8.pack(flags), first)
-    return head + b"".join(parts) + _U16.pack(len(event.blocks)) + blocks
+    raw = head + b"".join(parts)
+    fits = (room - len(raw) - _U16.size) // 8
+    if fits < 0:
+        raise ValueError(f"a Sent of {len(raw)} bytes without blocks exceeds {room}")
+    count = min(len(event.blocks), fits)
+    return raw + _U16.pack(count) + blocks[: 8 * count], count < len(event.blocks)
 
 
 class Codec:
     """Batches to datagrams and back under one shared key (at least `MIN_KEY_BYTES`)."""
 
-    def __init__(self, key: bytes, *, max_bytes: int = MAX_DATAGRAM) -> None:
+    def __init__(self, key: bytes, *, max_bytes: int = DEFAULT_DATAGRAM) -> None:
         if len(key) < MIN_KEY_BYTES:
             raise ValueError(f"the sync key must be at least {MIN_KEY_BYTES} bytes")
+        if not MIN_DATAGRAM <= max_bytes <= MAX_DATAGRAM:
+            raise ValueError(f"max_bytes must be {MIN_DATAGRAM}-{MAX_DATAGRAM}, not {max_bytes}")
         self._mac = hmac.new(key, digestmod=hashlib.sha256)
         self.max_bytes = max_bytes
+        self.trimmed = 0  # Sents sent without their blocks' tail (monotonic)
 
     def _tag(self, body: bytes) -> bytes:
         mac = self._mac.copy()
@@ -128,25 +152,45 @@ class Codec:
         return mac.digest()
 
     def encode(
-        self, origin: str, seq: int, events: Sequence[SyncEvent], sent_at_ms: int
+        self,
+        origin: str,
+        seq: int,
+        events: Sequence[SyncEvent],
+        sent_at_ms: int,
+        *,
+        skipped: list[str] | None = None,
     ) -> list[bytes]:
         """`events` from `origin` as datagrams numbered `seq`, `seq + 1`, ... (one unless they
-        do not fit `max_bytes`). Raises ValueError for what the format cannot carry (an empty
-        or over-long origin or endpoint, too many blocks, an out-of-range number): our bug,
-        not a peer's."""
+        do not fit `max_bytes`). What the format cannot carry (an empty or over-long origin or
+        endpoint, too many blocks, an out-of-range number or a wrong type: our bug, not a
+        peer's) raises ValueError; given `skipped`, such an event is left out instead and its
+        problem appended there (one bad event costs only itself)."""
         name = _text(origin, "origin")
         fixed = _HEAD.size + 1 + len(name) + _U16.size + TAG_BYTES
         chunks: list[list[bytes]] = [[]]
         size = fixed
         for event in events:
-            raw = _event(event)
+            try:
+                raw, cut = _event(event, self.max_bytes - fixed)
+            except ENCODE_ERRORS as exc:
+                if skipped is None:
+                    raise ValueError(f"{type(exc).__name__}: {exc}") from exc
+                skipped.append(f"{type(event).__name__}: {type(exc).__name__}: {exc}")
+                continue
+            self.trimmed += cut
             if fixed + len(raw) > self.max_bytes:
-                raise ValueError(f"one event of {len(raw)} bytes exceeds {self.max_bytes}")
+                # (only a request id or origin near 255 bytes with no room left at all)
+                if skipped is None:
+                    raise ValueError(f"one event of {len(raw)} bytes exceeds {self.max_bytes}")
+                skipped.append(f"one event of {len(raw)} bytes exceeds {self.max_bytes}")
+                continue
             if size + len(raw) > self.max_bytes or len(chunks[-1]) == 0xFFFF:
                 chunks.append([])
                 size = fixed
             chunks[-1].append(raw)
             size += len(raw)
+        if events and not chunks[0]:
+            return []  # every event was skipped
         out = []
         for i, chunk in enumerate(chunks):
             body = b"".join(

@@ -9,8 +9,15 @@ What it owns: the socket, the wire sequence numbers of this origin (a batch spli
 codec takes several, so they are the transport's, not the hub's), the coalescing of what the
 hub has into as few datagrams as possible (`notify` arms one flush `flush_interval_s` later:
 everything published meanwhile leaves together), and the checks before the core sees a batch:
-authenticated (`codec.py`), not our own, fresh (its origin's wall clock within `max_age_s` of
-ours), and newer than the last one from that origin (replays and reordered datagrams dropped).
+from a current peer's address (checked before the codec computes anything: a stranger's
+datagrams cost a set lookup; source addresses can be spoofed, so this only saves CPU, the tag
+is the check), authenticated (`codec.py`, which also drops anything over its `max_bytes`
+before the tag), not our own, fresh (its origin's wall clock within `max_age_s` of ours), and
+newer than the last one from that origin (replays and reordered datagrams dropped). An origin
+not heard before has no last sequence number (this replica just started, or forgot it among
+`max_origins`), so its batches must also be sent after this replica started (or forgot one)
+less `new_origin_skew_s`: a datagram captured before that cannot be replayed into a restarted
+replica; one captured within that allowance still can, once.
 Bounded: no queue of its own (the hub's is bounded), at most `max_origins` origins remembered,
 datagrams dropped once the socket's send buffer holds `max_buffered` bytes; every drop and
 rejection is counted by reason (`SyncStats`) and exported by the server.
@@ -20,13 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
-from poolkeeper.scheduling.replicasync.codec import Codec, Rejected
+from poolkeeper.scheduling.replicasync.codec import ENCODE_ERRORS, Codec, Rejected
 from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
 
 log = logging.getLogger("poolkeeper.replicasync")
@@ -35,6 +43,7 @@ Address = tuple[str, int]
 Take = Callable[[], Batch | None]
 Deliver = Callable[[Batch, float], bool]
 MAX_TAKES = 64  # hub batches per flush; more are flushed on the next loop iteration
+RECEIVE_BUFFER = 4 << 20  # SO_RCVBUF asked for: peers' bursts queue here (the kernel caps it)
 
 
 def wall_ms() -> int:
@@ -73,13 +82,18 @@ class SyncTransport(asyncio.DatagramProtocol):
         max_age_s: float = 10.0,
         max_origins: int = 256,
         max_buffered: int = 1 << 20,
+        new_origin_skew_s: float = 1.0,
     ) -> None:
         self.codec, self.origin, self._take, self._deliver = codec, origin, take, deliver
         self._clock, self._wall = clock, wall
         self.flush_interval_s, self.max_age_ms = flush_interval_s, max_age_s * 1000.0
         self.max_origins, self.max_buffered = max_origins, max_buffered
+        self.new_origin_skew_ms = new_origin_skew_s * 1000.0
+        self._floor_ms = float("-inf")  # a new origin's batches sent before this are refused
+        self.receive_buffer = 0  # SO_RCVBUF the kernel granted (0: unknown)
         self.stats = SyncStats()
         self.peers: tuple[Address, ...] = ()
+        self._peer_set: frozenset[Address] = frozenset()
         self._seq = 0
         self._last: OrderedDict[str, int] = OrderedDict()  # origin -> last seq delivered
         self._socket: asyncio.DatagramTransport | None = None
@@ -92,7 +106,25 @@ class SyncTransport(asyncio.DatagramProtocol):
         """Bind `host:port` (port 0: any free one); the bound address."""
         self._loop = loop = asyncio.get_running_loop()
         await loop.create_datagram_endpoint(lambda: self, local_addr=(host, port))
+        self._floor_ms = self._wall() - self.new_origin_skew_ms
+        self.receive_buffer = self._raise_receive_buffer()
         return self.address
+
+    def _raise_receive_buffer(self) -> int:
+        """Ask for `RECEIVE_BUFFER` bytes of receive buffer (several peers' split batches may
+        arrive in one burst; the default ~208 KiB holds ~100 datagrams); what was granted (Linux
+        caps it at net.core.rmem_max)."""
+        sock = self._socket.get_extra_info("socket") if self._socket is not None else None
+        if sock is None:
+            return 0
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+        except OSError as exc:
+            log.info("replica sync: receive buffer left as it is: %s", exc)
+        try:
+            return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+        except OSError:
+            return 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's UDP transport is not a subclass of asyncio's, only alike)
@@ -108,12 +140,14 @@ class SyncTransport(asyncio.DatagramProtocol):
         """Send what the hub still holds, then close the socket."""
         if self._socket is None:
             return
-        self.flush()
-        if self._armed is not None:
-            self._armed.cancel()
-            self._armed = None
-        self._socket.close()
-        self._socket = None
+        try:
+            self.flush()
+        finally:  # (flush catches what encoding raises; the socket is closed regardless)
+            if self._armed is not None:
+                self._armed.cancel()
+                self._armed = None
+            self._socket.close()
+            self._socket = None
 
     # -- outgoing --------------------------------------------------------------------------
     def set_peers(self, peers: Iterable[Address]) -> None:
@@ -131,6 +165,7 @@ class SyncTransport(asyncio.DatagramProtocol):
             if (host, port) != own:
                 kept.add((host, port))
         self.peers = tuple(sorted(kept))
+        self._peer_set = frozenset(kept)
 
     def notify(self) -> None:
         """The hub has something to send: one flush `flush_interval_s` from now collects it
@@ -161,12 +196,16 @@ class SyncTransport(asyncio.DatagramProtocol):
         if not events or self._socket is None:
             return False
         self.stats.batches_sent += takes
+        skipped: list[str] = []
         try:
-            datagrams = self.codec.encode(origin, self._seq, events, self._wall())
-        except ValueError as exc:  # our bug: what the format cannot carry
+            datagrams = self.codec.encode(origin, self._seq, events, self._wall(), skipped=skipped)
+        except ENCODE_ERRORS as exc:  # our bug, in the batch itself (its origin, a number)
             self.stats.count(self.stats.dropped, "unencodable")
             self._warn_once("unencodable", "replica sync: a batch was not sent: %s", exc)
             return takes == MAX_TAKES
+        for problem in skipped:  # our bug, in one event: the others still go
+            self.stats.count(self.stats.dropped, "unencodable_event")
+            self._warn_once("unencodable_event", "replica sync: an event was not sent: %s", problem)
         self._seq += len(datagrams)
         for datagram in datagrams:
             for peer in self.peers:
@@ -186,6 +225,9 @@ class SyncTransport(asyncio.DatagramProtocol):
     # -- incoming --------------------------------------------------------------------------
     def datagram_received(self, data: bytes, addr: Address) -> None:
         stats = self.stats
+        if (addr[0], addr[1]) not in self._peer_set:
+            self._reject("stranger", "replica sync: datagram from %s, not a peer", addr)
+            return
         try:
             decoded = self.codec.decode(data)
         except Rejected as exc:
@@ -204,10 +246,17 @@ class SyncTransport(asyncio.DatagramProtocol):
             self._reject("replayed", "replica sync: batch %d of %s again or out of order",
                          batch.seq, batch.origin)  # fmt: skip
             return
+        if last is None and decoded.sent_at_ms < self._floor_ms:
+            self._reject("before_start", "replica sync: batch %d of new origin %s predates "
+                         "this replica's start (a replay, or its clock is behind)",
+                         batch.seq, batch.origin)  # fmt: skip
+            return
         self._last[batch.origin] = batch.seq
         self._last.move_to_end(batch.origin)
         while len(self._last) > self.max_origins:
             self._last.popitem(last=False)
+            # (the forgotten origin's old datagrams must not pass as a new origin's)
+            self._floor_ms = max(self._floor_ms, self._wall() - self.new_origin_skew_ms)
         try:
             taken = self._deliver(batch, self._clock())
         except Exception:  # a fold bug must not end the endpoint

@@ -11,8 +11,9 @@ from poolkeeper.scheduling.replicasync.discovery import (
     PeerDiscovery,
     own_addresses,
     parse_peers,
+    resolve,
 )
-from tests.support.waiting import settled
+from tests.support.waiting import settled, until
 
 
 def test_peer_lists_parse_with_ipv6_and_names() -> None:
@@ -22,6 +23,8 @@ def test_peer_lists_parse_with_ipv6_and_names() -> None:
     assert parse_peers(["127.0.0.1:1"]) == (("127.0.0.1", 1),)
     with pytest.raises(ValueError, match="expected ip:port"):
         parse_peers("10.0.0.1")
+    with pytest.raises(ValueError, match="not a valid DNS name"):
+        parse_peers(["a" * 64 + ".svc:9010"])  # a label over 63 characters (IDNA refuses)
 
 
 class FakeDns:
@@ -57,6 +60,27 @@ async def test_a_name_that_stops_resolving_keeps_its_last_answer() -> None:
     assert await discovery.peers() == (("10.0.0.1", 9010),)
     dns.answers["epp-peers"] = ["10.0.0.4", "10.0.0.5"]
     assert await discovery.peers() == (("10.0.0.4", 9010), ("10.0.0.5", 9010))
+
+
+async def test_a_name_the_resolver_cannot_encode_is_a_failed_lookup_not_a_dead_task() -> None:
+    dns = FakeDns({"epp-peers": ["10.0.0.1"]})
+    long_label = "a" * 64 + ".svc"
+    discovery = PeerDiscovery(
+        static=[(long_label, 9010)], service=("epp-peers", 9010), resolve_interval_s=0.01
+    )
+    seen: list[tuple[tuple[str, int], ...]] = []
+
+    async def real_then_fake(host: str, port: int) -> list[str]:
+        if host == long_label:
+            return await resolve(host, port)  # the loop's getaddrinfo: UnicodeError
+        return await dns(host, port)
+
+    discovery.resolver = real_then_fake
+    task = asyncio.create_task(discovery.follow(seen.append))
+    await until(lambda: len(dns.asked) >= 2, "resolving again after the failure")
+    assert not task.done()
+    task.cancel()
+    assert seen == [(("10.0.0.1", 9010),)]
 
 
 async def test_peers_are_capped() -> None:

@@ -38,11 +38,26 @@ async def resolve(host: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
+def check_name(host: str) -> str:
+    """`host` if the resolver can take it (an IP, or a name whose labels IDNA encodes: 1-63
+    characters each); ValueError otherwise (the resolver would raise UnicodeError)."""
+    if _is_ip(host):
+        return host
+    try:
+        host.encode("idna")
+    except UnicodeError as exc:
+        raise ValueError(f"{host!r} is not a valid DNS name ({exc})") from None
+    return host
+
+
 def parse_peers(text: str | Iterable[str]) -> tuple[Address, ...]:
     """`host:port,host:port` (or a list of them) as (host, port) pairs; ValueError naming the
     bad entry."""
     items = text.split(",") if isinstance(text, str) else list(text)
-    return tuple(split_hostport(item.strip()) for item in items if item.strip())
+    pairs = tuple(split_hostport(item.strip()) for item in items if item.strip())
+    for host, _ in pairs:
+        check_name(host)
+    return pairs
 
 
 @dataclass(slots=True)
@@ -65,7 +80,7 @@ class PeerDiscovery:
         for host, port in names:
             try:
                 addresses = tuple((ip, port) for ip in await self.resolver(host, port))
-            except OSError as exc:
+            except (OSError, UnicodeError) as exc:  # (UnicodeError: a label IDNA refuses)
                 log.warning("replica sync: cannot resolve %s: %s", host, exc)
                 addresses = self._last.get((host, port), ())
             self._last[(host, port)] = addresses
@@ -100,7 +115,7 @@ async def own_addresses(
     if bind_host in ("0.0.0.0", "::", ""):
         hosts = {"127.0.0.1", "::1"}
     # (a host name that does not resolve: the transport's origin check is the backstop)
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, UnicodeError):
         hosts.update(await resolver(socket.gethostname(), port))
     return frozenset((h, port) for h in hosts if h)
 

@@ -29,6 +29,8 @@ def test_sync_is_off_by_default_and_never_on_without_a_key() -> None:
     assert GatewayConfig.default().spec.replica_sync.enabled is False
     with pytest.raises(ValidationError, match="needs a shared key file"):
         _spec({"enabled": True, "peers": ["10.0.0.1:9010"]})
+    with pytest.raises(ValidationError, match="needs a shared key file"):
+        _spec({"enabled": True, "keyFile": "  ", "peers": ["10.0.0.1:9010"]})
     with pytest.raises(ValidationError, match="needs peers or peerService"):
         _spec({"enabled": True, "keyFile": "/k"})
     config = _spec({"enabled": True, "keyFile": "/k", "peerService": "epp-peers:9999"})
@@ -45,6 +47,9 @@ def test_sync_is_off_by_default_and_never_on_without_a_key() -> None:
         ({"peerService": ""}, "not empty"),
         ({"port": 0}, "greater than or equal to 1"),
         ({"flushIntervalMs": 5000}, "less than or equal to 1000"),
+        ({"peerService": "a" * 64 + ".svc:9010"}, "not a valid DNS name"),
+        ({"peers": ["a" * 64 + ".svc:9010"]}, "not a valid DNS name"),
+        ({"maxDatagramBytes": 512}, "greater than or equal to 1024"),
     ],
 )
 def test_bad_sections_are_refused(section: dict[str, object], expected: str) -> None:
@@ -69,6 +74,9 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
     assert section["resolveIntervalMs"] == 2000
     assert section["flushIntervalMs"] == 5.0  # the interval: how long decisions gather
     assert section["peerWakeSpreadMs"] == 20
+    assert section["maxDatagramBytes"] == 1232
+    more = text.replace("resolveInterval: 2s", "resolveInterval: 2s, maxDatagramBytes: 1400")
+    assert _translate(more)["maxDatagramBytes"] == 1400
 
 
 @pytest.mark.parametrize(
@@ -88,6 +96,32 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
             PLUGINS.replace("- {type: prefill-backlog-scorer}\n", "")
             + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
             "needs a prefill-backlog-scorer",
+        ),
+        (
+            PLUGINS
+            + "schedulingProfiles:\n- name: default\n  plugins: [{pluginRef: queue-scorer}]\n"
+            + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
+            "needs a prefill-backlog-scorer in plugins and the profile",
+        ),
+        (
+            PLUGINS.replace("keyFile: /etc/sync/key", 'keyFile: "  "')
+            + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
+            "sync.parameters.keyFile: required",
+        ),
+        (
+            PLUGINS.replace('peerService: "epp-peers.ns.svc", ', "")
+            + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
+            "sync.parameters.peers/peerService: Required value",
+        ),
+        (
+            PLUGINS.replace("epp-peers.ns.svc", "a" * 64 + ".svc")
+            + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
+            "sync.parameters.peerService: Value error",
+        ),
+        (
+            PLUGINS.replace("resolveInterval: 2s", "resolveInterval: 1ms")
+            + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
+            "sync.parameters.resolveInterval: Input should be greater than or equal to 100",
         ),
         (
             PLUGINS + "dataLayer: {crossReplicaSyncerPluginRef: sync, "

@@ -479,7 +479,8 @@ def translate(
         scraping["stalenessMs"] = staleness
     _parsers(config, work)
     types = {name: spec.type for name, spec in work.raw.items()}
-    replica_sync = replica_sync_section(config.data_layer, work.params, types, work.problems)
+    used = [r["pluginRef"] for p in scheduling["schedulingProfiles"] for r in p["plugins"]]
+    replica_sync = replica_sync_section(config.data_layer, work.params, types, work.problems, used)
     if work.problems:  # a bad detector reference is met twice: each problem said once
         raise InvalidEndpointPickerConfig(list(dict.fromkeys(work.problems)))
     sections: dict[str, Any] = {

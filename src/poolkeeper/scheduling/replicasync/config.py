@@ -15,7 +15,8 @@ from pydantic import Field, field_validator, model_validator
 
 from poolkeeper.api.fielderrors import go_value, rule_error
 from poolkeeper.hostport import split_hostport
-from poolkeeper.scheduling.replicasync.discovery import parse_peers
+from poolkeeper.scheduling.replicasync.codec import DEFAULT_DATAGRAM, MAX_DATAGRAM, MIN_DATAGRAM
+from poolkeeper.scheduling.replicasync.discovery import check_name, parse_peers
 from poolkeeper.schema import CamelModel, Port
 
 DEFAULT_PORT = 9010
@@ -54,6 +55,11 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     """After a peer's batch, flow control's held requests are asked again after a random delay
     of up to this (0: at once): woken together by the same peer's first byte, the replicas
     would all send their held new prefixes to the one server whose backlog just fell."""
+    max_datagram_bytes: int = Field(default=DEFAULT_DATAGRAM, ge=MIN_DATAGRAM, le=MAX_DATAGRAM)
+    """Largest datagram sent or accepted, the same on every replica (larger ones are rejected
+    before their tag is computed). The default is never fragmented on an IPv6 path or a pod
+    overlay; a decision whose prefix blocks do not fit sends its first blocks only. Raise it
+    only where the path MTU allows (fragments are lost together)."""
     max_age_ms: int = Field(default=10_000, ge=100, le=600_000)
     """A batch whose origin's clock is further than this from ours is rejected (replays;
     replicas' clocks must agree within it)."""
@@ -77,7 +83,7 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     @model_validator(mode="after")
     def _key_and_peers_when_enabled(self) -> Self:
         issues = []
-        if self.enabled and not self.key_file:
+        if self.enabled and not (self.key_file or "").strip():
             issues.append(
                 (
                     ".keyFile",
@@ -107,5 +113,6 @@ def split_service(value: str, port: int) -> tuple[str, int]:
     if ":" not in value:
         if not value:
             raise ValueError("peerService: expected a DNS name or name:port, not empty")
-        return value, port
-    return split_hostport(value)
+        return check_name(value), port
+    host, named_port = split_hostport(value)
+    return check_name(host), named_port

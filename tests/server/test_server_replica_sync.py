@@ -19,6 +19,7 @@ from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.replica_sync import (
     SpreadWake,
@@ -88,6 +89,44 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
         await sync_a.stop()
         await sync_b.stop()
     assert _backlog(a).sync is None  # unbound: nothing published any more
+
+
+async def test_a_batch_folded_in_whose_wake_failed_is_received_not_rejected(
+    key_file: Path,
+) -> None:
+    ports = free_ports(2)
+    a, b = scheduler("default"), scheduler("default")
+
+    def broken_wake() -> None:
+        raise RuntimeError("flow control bug")
+
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
+    section = _section(key_file, ports[1], ports).model_copy(update={"peer_wake_spread_ms": 0})
+    sync_b = await start_replica_sync(section, b, wake=broken_wake)
+    try:
+        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+        a.schedule(request(prompt=PROMPT, request_id="q1"), [state(1)], now=NOW)
+        await until(lambda: sync_b.transport.stats.received == 1, "a's send folded in at b")
+        assert sync_b.transport.stats.rejected == {}
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+
+
+async def test_a_background_task_that_dies_says_so(
+    key_file: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def broken(self: PeerDiscovery) -> tuple[tuple[str, int], ...]:
+        raise RuntimeError("discovery bug")
+
+    monkeypatch.setattr(PeerDiscovery, "peers", broken)
+    (port,) = free_ports(1)
+    running = await start_replica_sync(_section(key_file, port, [port]), scheduler("default"))
+    try:
+        await until(lambda: "replica-sync-peers stopped" in caplog.text, "the death logged")
+        assert "discovery bug" in caplog.text
+    finally:
+        await running.stop()
 
 
 def test_the_key_must_exist_and_be_long_enough(tmp_path: Path) -> None:

@@ -168,11 +168,14 @@ async def start_replica_sync(
     def deliver(batch: Batch, now: float) -> bool:
         taken = hub.deliver(batch, now)
         if taken and spread is not None:
-            spread()
+            try:
+                spread()
+            except Exception:  # the batch is folded in: a failed wake must not count it as lost
+                log.exception("replica sync: waking flow control after a peer's batch")
         return taken
 
     transport = SyncTransport(
-        Codec(key),
+        Codec(key, max_bytes=config.max_datagram_bytes),
         origin,
         hub.take,
         deliver,
@@ -197,8 +200,20 @@ async def start_replica_sync(
         asyncio.create_task(discovery.follow(transport.set_peers), name="replica-sync-peers"),
         asyncio.create_task(_expire(hub, clock), name="replica-sync-expire"),
     ]
-    log.info("replica sync on udp %s:%d as %s", host, port, origin)
+    for task in running._tasks:
+        task.add_done_callback(_log_death)
+    log.info(
+        "replica sync on udp %s:%d as %s (receive buffer %d bytes)",
+        host, port, origin, transport.receive_buffer,
+    )  # fmt: skip
     return running
+
+
+def _log_death(task: asyncio.Task[None]) -> None:
+    """A background task of the syncer that ended with an exception says so (else the peers
+    would silently stop being followed, or silent peers stop expiring)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("replica sync: %s stopped", task.get_name(), exc_info=exc)
 
 
 class SyncCollector(Collector):
@@ -217,6 +232,11 @@ class SyncCollector(Collector):
             ("batches_received", stats.received, "Peers' batches verified and folded in."),
             ("batches_refused", stats.refused, "Verified batches the hub refused."),
             ("outbox_dropped", hub.dropped, "Own events dropped from a full outbox."),
+            (
+                "blocks_trimmed",
+                self.running.transport.codec.trimmed,
+                "Own sends whose prefix blocks did not all fit a datagram (tail not sent).",
+            ),
         )
         yield by_reason(f"{prefix}_rejected", "Datagrams rejected, by reason.", stats.rejected)
         yield by_reason(f"{prefix}_send_dropped", "Datagrams not sent, by reason.", stats.dropped)

@@ -198,6 +198,22 @@ def test_epp_deployment_shape() -> None:
     assert sync.key_file == f"{mount['mountPath']}/key"
 
 
+def test_only_the_epps_pods_reach_its_sync_port() -> None:
+    objs = {d["kind"]: d for d in docs("epp.yaml") if d["metadata"]["name"] == "llm-pool-epp"}
+    labels = objs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    container = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    (sync_port,) = [p for p in container["ports"] if p["name"] == "sync"]
+    (policy,) = [d for d in docs("epp.yaml") if d["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": labels}
+    assert spec["policyTypes"] == ["Ingress"]
+    open_to_all, sync_only = spec["ingress"]
+    assert open_to_all == {"ports": [{"protocol": "TCP"}]}  # every TCP port as before
+    assert all(p["protocol"] == "TCP" for p in container["ports"] if p["name"] != "sync")
+    assert sync_only["from"] == [{"podSelector": {"matchLabels": labels}}]
+    assert sync_only["ports"] == [{"protocol": "UDP", "port": sync_port["containerPort"]}]
+
+
 def test_dashboard_queries_name_exported_metrics() -> None:
     board = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
     assert len(board["panels"]) == len(PANELS)

@@ -308,4 +308,29 @@ def epp(p: DeployParams) -> list[dict[str, Any]]:
                 ],
             },
         },
+        sync_policy(p),
     ]
+
+
+def sync_policy(p: DeployParams) -> dict[str, Any]:
+    """Only the EPP's own Pods may reach its sync port: anyone else's datagrams would cost a
+    lookup each (the transport drops non-peers before their tag), but need not arrive at all.
+    Every TCP port stays open to all, as without the policy (ext-proc, health, metrics). Takes
+    effect where the cluster's network plugin enforces NetworkPolicies."""
+    labels = _labels(p)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta(f"{p.epp}-sync-ingress", p, labels=labels),
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP"}]},
+                {
+                    "from": [{"podSelector": {"matchLabels": labels}}],
+                    "ports": [{"protocol": "UDP", "port": SYNC_PORT}],
+                },
+            ],
+        },
+    }

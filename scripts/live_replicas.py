@@ -14,15 +14,16 @@ prefix scorer's `kvEvents` on (each replica subscribes to every server's events)
 band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports,
 `exact-hashpend`: + the replica's own unreported sends, `exact-hashbalx`: `exact-hashbal` whose
 cold test reads only the engines' reports, `exact-hashblog` / `exact-hashwait`: with the
-backlog scorer / and the scraped queues (`scheduling()`). `N/M:index` runs M
-EPPs with only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a
-control on a machine with few cores. Variants run interleaved (listed order in even rounds,
-reversed in odd), the same requests each time; every
-run goes to OUT/runs.json with its requests, prefills, load average and the CPU seconds of the
-fleet and of each EPP during the load, and each process's run-queue wait. At the end (or with
-`--analyze RUNS_JSON...` on earlier batches) every variant is compared with `--base` (default
-the first variant): the pooled and the paired p90 ratio with 95 % bootstrap intervals over
-rounds (`bench/results/paired.py`). Example
+backlog scorer / and the scraped queues (`scheduling()`); any index + `-sync`: with
+cross-replica sync (`spec.replicaSync`: every EPP a peer of the others on 127.0.0.1, one key
+file), `-syncnow` with peers' batches waking flow control at once. `N/M:index` runs M EPPs with
+only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a
+machine with few cores. Variants run interleaved (listed order in even rounds, reversed in
+odd), the same requests each time; every run goes to OUT/runs.json with its requests, prefills,
+load average and the CPU seconds of the fleet and of each EPP during the load, and each
+process's run-queue wait. At the end (or with `--analyze RUNS_JSON...` on earlier batches)
+every variant is compared with `--base` (default the first variant): the pooled and the paired
+p90 ratio with 95 % bootstrap intervals over rounds (`bench/results/paired.py`). Example
 (docs/notes/2026-12-06-exact-prefix-replicas-fourth-round.md):
 
     .venv/bin/python scripts/live_replicas.py --out bench-results/replicas --rounds 8 \\
@@ -35,11 +36,13 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -91,11 +94,14 @@ def scheduling(index: str) -> dict[str, Any] | None:
     engine reports it, in the replica that placed it too); `exact-hashblog`: `exact-hashbal`
     with `backlogScorer` (an owner busy prefilling is out of the band); `exact-hashwait`:
     `exact-hashblog` with `scrapedWaiting` (an endpoint whose scrape shows a queue counts as
-    busy prefilling, in the band and the hold)."""
+    busy prefilling, in the band and the hold). Any index + `-sync` (e.g. `exact-hashwait-sync`):
+    the same with cross-replica sync on, `-syncnow`: and peers' batches waking flow control at
+    once (`SYNCS`)."""
+    index = split_sync(index)[0]
     if index == "approx":
         return None
     if index not in INDEXES:
-        raise SystemExit(f"unknown index {index!r} ({', '.join(INDEXES)})")
+        raise SystemExit(f"unknown index {index!r} ({', '.join(INDEXES)}, each + a sync suffix)")
     doc = preset_document("default")
     for plugin in doc["plugins"]:
         if plugin["type"] == "prefix-cache-scorer":
@@ -108,7 +114,7 @@ def scheduling(index: str) -> dict[str, Any] | None:
                 plugin["parameters"]["coldAffinityBalance"] = 1.0
             if index == "exact-peers":
                 plugin["parameters"]["coldAffinityPeersOnly"] = True
-    placement = {"exact-hash": {}, "exact-hashbal": {"balance": 1.0},
+    placement: dict[str, dict[str, Any]] = {"exact-hash": {}, "exact-hashbal": {"balance": 1.0},
                  "exact-hashpend": {"balance": 1.0, "pendingHeads": True},
                  "exact-hashbalx": {"balance": 1.0, "ownPlacements": False},
                  "exact-hashblog": {"balance": 1.0,
@@ -118,6 +124,45 @@ def scheduling(index: str) -> dict[str, Any] | None:
     if index in placement:
         doc = with_cold_placement(doc, placement[index])
     return doc
+
+
+SYNC = "-sync"
+# Index suffix -> replicaSync settings beyond `sync_section`'s: `-sync` the defaults,
+# `-syncnow` a peer's batch wakes flow control's held requests at once (no spread).
+SYNCS: dict[str, dict[str, Any]] = {"-syncnow": {"peerWakeSpreadMs": 0}, SYNC: {}}
+
+
+def split_sync(index: str) -> tuple[str, dict[str, Any] | None]:
+    """The index without its sync suffix, and that suffix's settings (None: no sync)."""
+    for suffix, settings in SYNCS.items():
+        if index.endswith(suffix):
+            return index.removesuffix(suffix), settings
+    return index, None
+
+
+def valid_index(index: str) -> bool:
+    return split_sync(index)[0] in INDEXES
+
+
+def sync_section(port: int, ports: list[int], key: Path, **extra: Any) -> dict[str, Any]:
+    """`spec.replicaSync` of one EPP: on 127.0.0.1 at `port`, every EPP's port a peer (its own
+    is left out), the shared key in `key`, and `extra`."""
+    return {"enabled": True, "address": "127.0.0.1", "port": port, "keyFile": str(key),
+            "peers": [f"127.0.0.1:{p}" for p in ports], **extra}  # fmt: skip
+
+
+def sync_counters(metrics_port: int) -> dict[str, float]:
+    """An EPP's `poolkeeper_replica_sync_*` samples (name without the prefix, labels kept)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    prefix = "poolkeeper_replica_sync_"
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, _, value = line.rpartition(" ")
+            out[name.removeprefix(prefix)] = float(value)
+    return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -167,8 +212,11 @@ def parse_variant(variant: str) -> tuple[int, int, str]:
     running = running or active
     if not (active.isdigit() and running.isdigit()) or not 1 <= int(active) <= int(running):
         raise SystemExit(f"bad variant {variant!r}: N[/M]:{'|'.join(INDEXES)}, 1 <= N <= M")
-    if index not in INDEXES:
-        raise SystemExit(f"bad variant {variant!r}: index one of {', '.join(INDEXES)}")
+    if not valid_index(index):
+        raise SystemExit(
+            f"bad variant {variant!r}: index one of {', '.join(INDEXES)}, each optionally "
+            f"+ {' or '.join(SYNCS)}"
+        )
     return int(active), int(running), index
 
 
@@ -188,10 +236,19 @@ def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -
         for p in sim_ports:
             wait_http(f"http://127.0.0.1:{p}/health", lambda s: s == 200, READY_TIMEOUT_S, "sim")
         ports = [dict(zip(NAMES, free_ports(len(NAMES)), strict=True)) for _ in range(running)]
+        synced = split_sync(index)[1]
+        sync_ports = free_ports(running) if synced is not None else []
+        key_file = work / "sync.key"
+        key_file.write_text(secrets.token_hex(32))
+        key_file.chmod(0o600)
         cfgs = []
         epps = []
         for i, pp in enumerate(ports):
             cfg = poolkeeper_config(work / f"epp{i}", sim_ports, pp, models, scheduling(index))
+            if sync_ports:
+                section = sync_section(sync_ports[i], sync_ports, key_file, **(synced or {}))
+                with (cfg / "gateway.yaml").open("a") as gateway:
+                    gateway.write(f"  replicaSync: {json.dumps(section)}\n")
             cfgs.append(cfg)
             cmd = [sys.executable, "-m", "poolkeeper", "serve", "--no-envoy", "-f", str(cfg),
                    "--workdir", str(work / f"serve{i}"), "--log-level", "warning"]  # fmt: skip
@@ -224,6 +281,7 @@ def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -
         wait = [
             round((runqueue_wait_s(p.pid) - w) / wall, 3) for p, w in zip(procs, wait0, strict=True)
         ]
+        sync = [sync_counters(pp["metrics"]) for pp in ports] if sync_ports else []
     outcomes = [r.outcome for r in results]
     errors: dict[str, int] = {}
     for r in results:
@@ -243,6 +301,8 @@ def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -
         "cpu_s": {"sim": cpu[0], "envoy": cpu[1], "epps": cpu[2:]},
         # Seconds waiting for a core per second of the run, per process (starvation).
         "runqueue_wait": {"sim": wait[0], "envoy": wait[1], "epps": wait[2:]},
+        # Per EPP with sync on: its poolkeeper_replica_sync_* counters at the end of the load.
+        "sync": sync,
         "requests": [
             [round(o.arrival, 4), o.group, o.server, None if o.ttft is None else round(o.ttft, 4)]
             for o in sorted(outcomes, key=lambda o: o.arrival)
@@ -332,7 +392,9 @@ def main() -> None:
                     help="a round counts as CPU-starved when a process of it waited for a core "
                     "more than this share of the run (default 0.25)")  # fmt: skip
     ap.add_argument(
-        "variants", nargs="*", help=f"N[/M]:{'|'.join(INDEXES)}, e.g. 2:exact, 1/4:approx"
+        "variants",
+        nargs="*",
+        help=f"N[/M]:{'|'.join(INDEXES)}[{SYNC}], e.g. 2:exact, 1/4:approx, 4:exact-hashwait-sync",
     )
     args = ap.parse_args()
     for variant in args.variants:
@@ -373,6 +435,9 @@ def main() -> None:
                       f"{run['prefills']}, errors {run['errors'] or 0}, load {load}, "
                       f"cpu {run['cpu_s']}, core wait {run['runqueue_wait']}",
                       flush=True)  # fmt: skip
+                for i, counters in enumerate(run["sync"]):
+                    got = {k: v for k, v in counters.items() if v and "_created" not in k}
+                    print(f"    sync epp{i}: {got}", flush=True)
                 runs.append(run)
                 (out / "runs.json").write_text(json.dumps({"rate": rate, "runs": runs}))
     analyze(runs, args.base or args.variants[0], starved=args.starved)

@@ -165,7 +165,7 @@ def test_rbac_verb_table_is_exactly_what_the_controller_uses() -> None:
 
 
 def test_epp_deployment_shape() -> None:
-    objs = {d["kind"]: d for d in docs("epp.yaml")}
+    objs = {d["kind"]: d for d in docs("epp.yaml") if d["metadata"]["name"] == "llm-pool-epp"}
     spec = objs["Deployment"]["spec"]
     pod = spec["template"]["spec"]
     container = pod["containers"][0]
@@ -183,6 +183,35 @@ def test_epp_deployment_shape() -> None:
     assert config.spec.listeners.address == "0.0.0.0"
     ports = {p["name"]: p["port"] for p in objs["Service"]["spec"]["ports"]}
     assert ports == {"grpc-ext-proc": config.spec.listeners.ext_proc, "http-metrics": 9090}
+    # Cross-replica sync: prepared, off until the Secret exists and it is turned on.
+    sync = config.spec.replica_sync
+    assert sync.enabled is False
+    (peers,) = [d for d in docs("epp.yaml") if d["metadata"]["name"] == "llm-pool-epp-peers"]
+    assert peers["spec"]["clusterIP"] == "None"
+    assert sync.service_address() == ("llm-pool-epp-peers.default.svc", sync.port)
+    assert peers["spec"]["ports"] == [
+        {"name": "sync", "port": sync.port, "targetPort": "sync", "protocol": "UDP"}
+    ]
+    (volume,) = [v for v in pod["volumes"] if "secret" in v]
+    assert volume["secret"] == {"secretName": "llm-pool-epp-sync", "optional": True}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert sync.key_file == f"{mount['mountPath']}/key"
+
+
+def test_only_the_epps_pods_reach_its_sync_port() -> None:
+    objs = {d["kind"]: d for d in docs("epp.yaml") if d["metadata"]["name"] == "llm-pool-epp"}
+    labels = objs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    container = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    (sync_port,) = [p for p in container["ports"] if p["name"] == "sync"]
+    (policy,) = [d for d in docs("epp.yaml") if d["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": labels}
+    assert spec["policyTypes"] == ["Ingress"]
+    open_to_all, sync_only = spec["ingress"]
+    assert open_to_all == {"ports": [{"protocol": "TCP"}]}  # every TCP port as before
+    assert all(p["protocol"] == "TCP" for p in container["ports"] if p["name"] != "sync")
+    assert sync_only["from"] == [{"podSelector": {"matchLabels": labels}}]
+    assert sync_only["ports"] == [{"protocol": "UDP", "port": sync_port["containerPort"]}]
 
 
 def test_dashboard_queries_name_exported_metrics() -> None:

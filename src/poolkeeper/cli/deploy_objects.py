@@ -10,6 +10,10 @@ namespace, pool and image. The example pool and Gateways are in `deploy_examples
   termination grace period longer than the drain timeout plus the drain grace (after SIGTERM
   readiness turns NOT_SERVING and the Lease is released at once, ext_proc keeps taking streams
   for 30 s while the Gateway notices, then streams get 120 s to finish before SIGKILL).
+- Cross-replica sync is prepared but off: a UDP port, a headless Service naming every replica
+  (`<pool>-epp-peers`), an optional Secret `<pool>-epp-sync` mounted for its key, and
+  `replicaSync` in the GatewayConfig with `enabled: false` (on, a missing key would stop the
+  start: the syncer never runs unauthenticated).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from poolkeeper import __version__
 from poolkeeper.api import model as im
 from poolkeeper.api.names import dns1123_label_errors
 from poolkeeper.controller.kubernetes.objects import watched_resources
+from poolkeeper.scheduling.replicasync.config import DEFAULT_PORT as DEFAULT_SYNC_PORT
 
 EXT_PROC_PORT = 9002
 HEALTH_PORT = 9003
@@ -29,6 +34,8 @@ MODEL_PORT = 8000
 DRAIN_TIMEOUT_S = 30  # after SIGTERM ext_proc keeps taking streams this long (upstream's)
 DRAIN_GRACE_S = 120  # then the longest stream we wait for on shutdown
 TERMINATION_GRACE_S = DRAIN_TIMEOUT_S + DRAIN_GRACE_S + 15
+SYNC_PORT = DEFAULT_SYNC_PORT  # UDP, cross-replica sync (spec.replicaSync)
+SYNC_KEY_DIR = "/etc/poolkeeper-sync"
 DEFAULT_IMAGE = f"poolkeeper:{__version__}"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -48,6 +55,14 @@ class DeployParams:
     @property
     def lease(self) -> str:
         return f"{self.pool}-epp"
+
+    @property
+    def peers_service(self) -> str:
+        return f"{self.pool}-epp-peers"
+
+    @property
+    def sync_secret(self) -> str:
+        return f"{self.pool}-epp-sync"
 
 
 def param_problems(p: DeployParams) -> list[str]:
@@ -110,7 +125,9 @@ def rbac(p: DeployParams) -> list[dict[str, Any]]:
     ]
 
 
-GATEWAY_CONFIG = """\
+def gateway_config(p: DeployParams) -> str:
+    """The EPP's GatewayConfig: its listeners, and cross-replica sync ready to turn on."""
+    return f"""\
 apiVersion: poolkeeper.dev/v1alpha1
 kind: GatewayConfig
 metadata:
@@ -118,9 +135,16 @@ metadata:
 spec:
   listeners:
     address: 0.0.0.0
-    extProc: 9002
-    health: 9003
-    metrics: 9090
+    extProc: {EXT_PROC_PORT}
+    health: {HEALTH_PORT}
+    metrics: {METRICS_PORT}
+  # Cross-replica sync (docs/kubernetes.md, "Active-active replicas with sync"): create the
+  # Secret {p.sync_secret} with a shared key, then set enabled: true.
+  replicaSync:
+    enabled: false
+    port: {SYNC_PORT}
+    peerService: {p.peers_service}.{p.namespace}.svc
+    keyFile: {SYNC_KEY_DIR}/key
 """
 
 
@@ -156,6 +180,7 @@ def epp(p: DeployParams) -> list[dict[str, Any]]:
             {"name": "ext-proc", "containerPort": EXT_PROC_PORT, "protocol": "TCP"},
             {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+            {"name": "sync", "containerPort": SYNC_PORT, "protocol": "UDP"},
         ],
         "livenessProbe": {
             "grpc": {"port": HEALTH_PORT, "service": "liveness"},
@@ -185,6 +210,7 @@ def epp(p: DeployParams) -> list[dict[str, Any]]:
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/poolkeeper", "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "sync-key", "mountPath": SYNC_KEY_DIR, "readOnly": True},
         ],
     }
     deployment = {
@@ -220,6 +246,11 @@ def epp(p: DeployParams) -> list[dict[str, Any]]:
                     "volumes": [
                         {"name": "config", "configMap": {"name": p.epp}},
                         {"name": "tmp", "emptyDir": {}},
+                        # Optional: without the Secret the pod starts, and sync stays off.
+                        {
+                            "name": "sync-key",
+                            "secret": {"secretName": p.sync_secret, "optional": True},
+                        },
                     ],
                 },
             },
@@ -230,7 +261,7 @@ def epp(p: DeployParams) -> list[dict[str, Any]]:
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": meta(p.epp, p, labels=labels),
-            "data": {"gatewayconfig.yaml": GATEWAY_CONFIG},
+            "data": {"gatewayconfig.yaml": gateway_config(p)},
         },
         deployment,
         {
@@ -262,4 +293,44 @@ def epp(p: DeployParams) -> list[dict[str, Any]]:
                 ],
             },
         },
+        {
+            # Headless: its name resolves to every replica's Pod IP (replicaSync.peerService);
+            # starting replicas too, so they hear the others' sends before taking traffic.
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta(p.peers_service, p, labels=labels),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": labels,
+                "ports": [
+                    {"name": "sync", "port": SYNC_PORT, "targetPort": "sync", "protocol": "UDP"}
+                ],
+            },
+        },
+        sync_policy(p),
     ]
+
+
+def sync_policy(p: DeployParams) -> dict[str, Any]:
+    """Only the EPP's own Pods may reach its sync port: anyone else's datagrams would cost a
+    lookup each (the transport drops non-peers before their tag), but need not arrive at all.
+    Every TCP port stays open to all, as without the policy (ext-proc, health, metrics). Takes
+    effect where the cluster's network plugin enforces NetworkPolicies."""
+    labels = _labels(p)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta(f"{p.epp}-sync-ingress", p, labels=labels),
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP"}]},
+                {
+                    "from": [{"podSelector": {"matchLabels": labels}}],
+                    "ports": [{"protocol": "UDP", "port": SYNC_PORT}],
+                },
+            ],
+        },
+    }

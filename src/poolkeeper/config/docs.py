@@ -141,6 +141,7 @@ OWN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("spec.flowControl.bands", Bands),
     ("spec.flowControl.bands.<critical|standard|sheddable>", BandConfig),
     ("spec.flowControl.holdNewPrefixes", HoldNewPrefixes),
+    ("spec.replicaSync", _section_model("replica_sync")),
 )
 
 

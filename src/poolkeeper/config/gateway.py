@@ -8,7 +8,7 @@ lives in docs/configuration.md, generated from this schema by `poolkeeper.config
 
 This module only gathers: each section is declared by the package that reads it (listeners and
 edge: `envoy/config.py`; request handling: `requestcontrol/config.py`; scraping:
-`backend/config.py`; scheduling, admission, flow control: their packages), except
+`backend/config.py`; scheduling, admission, flow control, replica sync: their packages), except
 `spec.endpoints[]`, the document's own (`config/endpoints.py`). Rules that span sections live
 here.
 """
@@ -40,6 +40,7 @@ from poolkeeper.requestcontrol.config import (
     UnknownModelPolicy as UnknownModelPolicy,
 )
 from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.schema import CamelModel
 
 API_VERSION: Final = "poolkeeper.dev/v1alpha1"
@@ -78,6 +79,9 @@ class GatewayConfigSpec(_Section):
     throughput between models, per-band bounds and time-to-live (docs/flowcontrol.md)."""
     edge: Edge = Field(default_factory=Edge)
     """The public listener: inference paths, timeouts."""
+    replica_sync: ReplicaSyncConfig = Field(default_factory=ReplicaSyncConfig)
+    """Cross-replica sync: active-active EPP replicas tell each other their routing
+    decisions (off by default)."""
 
     def longest_queue_wait(self) -> tuple[str, float] | None:
         """The queueing band with the longest TTL and that TTL in seconds; None without flow

@@ -54,6 +54,7 @@ from poolkeeper.envoy.process import (
     find_envoy,
     raise_descriptor_limit,
 )
+from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.conncap import ConnectionCounter
@@ -67,9 +68,12 @@ from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.build import (
     learns_from_first_tokens as scheduler_learns_from_first_tokens,
 )
+from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import trim
 from poolkeeper.server.own_loop import OwnLoopServer
+from poolkeeper.server.replica_sync import RunningSync, SyncCollector, start_replica_sync
 from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.server.transport import (
     Stoppable,
@@ -239,6 +243,7 @@ class GatewayRuntime:
     _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
     # The drain's settle: how long a connection may wait on its connection-cap check.
     _settle_max_s: float = SETTLE_SLACK_S
+    _sync: RunningSync | None = None  # cross-replica sync (spec.replicaSync)
 
     # -- start ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -288,6 +293,8 @@ class GatewayRuntime:
         self.director.observer = self.metrics  # time to first token, rewrite decisions
         if self.director.flow is not None:
             self.director.flow.observer = self.metrics  # queue outcomes and durations
+        if spec.replica_sync.enabled:  # peers' decisions into this scheduler, ours to them
+            await self._start_replica_sync(spec.replica_sync)
         listeners = spec.listeners
         if self.options.upstream_health:
             leading = getattr(self._source, "leading", None) or (lambda: None)
@@ -397,6 +404,19 @@ class GatewayRuntime:
             )
         if self.options.run_envoy:
             await self._start_envoy(config, binary)
+
+    async def _start_replica_sync(self, config: ReplicaSyncConfig) -> None:
+        assert self.director is not None
+        assert self.metrics is not None
+        scheduler = self.director.scheduler
+        if not isinstance(scheduler, Scheduler):
+            raise ConfigError("spec.replicaSync: needs poolkeeper's scheduler")
+        flow = self.director.flow
+        self._sync = sync = await start_replica_sync(
+            config, scheduler, wake=flow.wake if flow is not None else None
+        )
+        self.metrics.registry.register(SyncCollector(sync))
+        self._unsubscribe.append(self.datastore.subscribe(sync.pool_changed))
 
     async def _start_conncap(
         self, config: GatewayConfig, params: BootstrapParams
@@ -616,6 +636,8 @@ class GatewayRuntime:
             unsubscribe()
         for server in self._grpc_servers:
             await server.stop(grace if grace > 0 else None)
+        if self._sync is not None:  # after the last request: its end is told to the peers
+            await self._sync.stop()
         if self._web is not None:
             await self._web.cleanup()
         for task in self._tasks:

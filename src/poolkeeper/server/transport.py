@@ -91,6 +91,20 @@ async def start_extproc(
     return server
 
 
+def counters(prefix: str, *rows: tuple[str, int, str]) -> Iterator[CounterMetricFamily]:
+    """One counter family per (name, value, help) row, named `prefix_name`."""
+    for name, value, help_ in rows:
+        yield CounterMetricFamily(f"{prefix}_{name}", help_, value=value)
+
+
+def by_reason(name: str, help_: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter family with one sample per `reason` label value, sorted."""
+    family = CounterMetricFamily(name, help_, labels=["reason"])
+    for reason, count in sorted(counts.items()):
+        family.add_metric([reason], count)
+    return family
+
+
 class TransportCollector(Collector):
     """The lean transport's counters at scrape time."""
 
@@ -99,7 +113,8 @@ class TransportCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, prefix = self.stats, "poolkeeper_extproc_transport"
-        for name, value, help_ in (
+        yield from counters(
+            prefix,
             ("connections", s.connections, "Connections accepted on the ext_proc port."),
             (
                 "refused_connections",
@@ -111,14 +126,8 @@ class TransportCollector(Collector):
             ("premature_resets", s.premature_resets, "Streams reset while their handler ran."),
             ("unauthenticated", s.unauthenticated, "Streams without the gateway Envoy's token."),
             ("handler_errors", s.handler_errors, "Streams answered with grpc-status INTERNAL."),
-        ):
-            yield CounterMetricFamily(f"{prefix}_{name}", help_, value=value)
-        goaways = CounterMetricFamily(
-            f"{prefix}_goaways", "Connections ended by GOAWAY, by reason.", labels=["reason"]
         )
-        for reason, count in sorted(s.goaways.items()):
-            goaways.add_metric([reason], count)
-        yield goaways
+        yield by_reason(f"{prefix}_goaways", "Connections ended by GOAWAY, by reason.", s.goaways)
         yield GaugeMetricFamily(
             f"{prefix}_open_connections", "Open connections.", value=s.open_connections
         )

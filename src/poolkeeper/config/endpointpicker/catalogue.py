@@ -1,4 +1,5 @@
-"""Every plugin type llm-d-router v0.10 registers, and what poolkeeper does with each.
+"""Every plugin type llm-d-router v0.10 registers, and what poolkeeper does with each (and
+poolkeeper's own `udp-cross-replica-syncer`, which upstream's config shape can name).
 
     SCHEDULING   a poolkeeper scheduling plugin of the same name (filters, scorers, pickers,
                  profile handlers); parameters checked against upstream's names
@@ -45,6 +46,7 @@ class Role(StrEnum):
     ORDERING = "ordering policy"
     USAGE_LIMIT = "usage-limit policy"
     DECIDER = "disaggregation decider"
+    SYNCER = "cross-replica syncer"
     OTHER = "request control"
 
 
@@ -117,6 +119,21 @@ class UtilizationDetectorParams(Params):
 
 class StaticUsageLimitParams(Params):
     threshold: float = Field(default=1.0, gt=0)
+
+
+class SyncerParams(Params):
+    """poolkeeper's `udp-cross-replica-syncer` (spec.replicaSync, docs/kubernetes.md)."""
+
+    port: int = Field(default=9010, ge=1, le=65535)
+    address: str = "0.0.0.0"
+    peers: list[str] = Field(default_factory=list)
+    peer_service: str | None = Field(default=None, alias="peerService")
+    key_file: str = Field(default="", alias="keyFile")
+    resolve_interval: str = Field(default="5s", alias="resolveInterval")
+    max_age: str = Field(default="10s", alias="maxAge")
+    peer_wake_spread: str = Field(default="20ms", alias="peerWakeSpread")
+    max_datagram_bytes: int = Field(default=1232, ge=1024, le=65_000, alias="maxDatagramBytes")
+    origin: str | None = None
 
 
 class AnyParams(Params):
@@ -221,6 +238,8 @@ _PLUGINS: Final[tuple[UpstreamPlugin, ...]] = (
     _U("soft-reflective-ceiling-policy", Role.USAGE_LIMIT, M, alpha=True),
     _U("sheddable-eviction-filter", OT, M, alpha=True),
     _U("priority-then-time-eviction-order-policy", OT, M, alpha=True),
+    # poolkeeper's own, for dataLayer.crossReplicaSyncerPluginRef (upstream's are not mirrored)
+    _U("udp-cross-replica-syncer", Role.SYNCER, T, SyncerParams),
 )  # fmt: skip
 
 UPSTREAM_PLUGINS: Final[Mapping[str, UpstreamPlugin]] = MappingProxyType(

@@ -12,7 +12,9 @@ gets `max-score-picker` (one endpoint); one profile gets `single-profile-handler
 - feature gate `flowControl` (default off, as upstream) -> `flowControl.enabled`; with it on,
   `flowControl.priorityBands` fold into poolkeeper's three bands (> 0, 0, < 0), first come first
   served with upstream's TTL and bounds; with it off, admission sheds only negative priorities
-  at saturation (upstream's legacy admission).
+  at saturation (upstream's legacy admission);
+- `dataLayer.crossReplicaSyncerPluginRef` naming a `udp-cross-replica-syncer` -> `replicaSync`
+  (`replicasync.py`).
 
 Every problem is collected and reported at once as a ConfigError; what is accepted but only
 approximated comes back as notices for the startup log.
@@ -49,6 +51,7 @@ from poolkeeper.config.endpointpicker.document import (
     FlowControl,
     PluginSpec,
 )
+from poolkeeper.config.endpointpicker.replicasync import replica_sync_section
 from poolkeeper.config.endpointpicker.values import parse_duration, parse_size
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
@@ -320,8 +323,6 @@ def _scraping(config: EndpointPickerConfig, work: _Work) -> dict[str, Any]:
                 "dataLayer.discovery: file discovery is not implemented here; run "
                 "`poolkeeper serve -f` with GatewayConfig spec.endpoints instead"
             )
-        if layer.cross_replica_syncer_plugin_ref is not None:
-            work.problems.append("dataLayer.crossReplicaSyncerPluginRef: not implemented")
     for name, params in work.params.items():
         if isinstance(params, MetricsSourceParams):
             section.update(
@@ -477,6 +478,9 @@ def translate(
     if staleness:
         scraping["stalenessMs"] = staleness
     _parsers(config, work)
+    types = {name: spec.type for name, spec in work.raw.items()}
+    used = [r["pluginRef"] for p in scheduling["schedulingProfiles"] for r in p["plugins"]]
+    replica_sync = replica_sync_section(config.data_layer, work.params, types, work.problems, used)
     if work.problems:  # a bad detector reference is met twice: each problem said once
         raise InvalidEndpointPickerConfig(list(dict.fromkeys(work.problems)))
     sections: dict[str, Any] = {
@@ -487,6 +491,8 @@ def translate(
     }
     if edge:
         sections["edge"] = edge
+    if replica_sync is not None:
+        sections["replicaSync"] = replica_sync
     served = any(
         s is not None and s.type_name == "destination-endpoint-served-verifier"
         for s in work.specs.values()

@@ -1,0 +1,118 @@
+"""The `spec.replicaSync` section: cross-replica sync between active-active EPP replicas.
+
+Declared here, beside the transport it configures (`config/gateway.py` gathers the sections);
+an EndpointPickerConfig's `dataLayer.crossReplicaSyncerPluginRef` is translated into it
+(`config/endpointpicker/replicasync.py`). Off by default: one replica has no one to tell.
+Security by default: on means authenticated; a section that turns it on without a key file is
+refused at load, and a key file that cannot be read or is too short at start.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import Field, field_validator, model_validator
+
+from poolkeeper.api.fielderrors import go_value, rule_error
+from poolkeeper.hostport import split_hostport
+from poolkeeper.scheduling.replicasync.codec import DEFAULT_DATAGRAM, MAX_DATAGRAM, MIN_DATAGRAM
+from poolkeeper.scheduling.replicasync.discovery import check_name, parse_peers
+from poolkeeper.schema import CamelModel, Port
+
+DEFAULT_PORT = 9010
+
+
+class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
+    """Each replica tells the others its own routing decisions (a request sent to an endpoint
+    with its prompt tokens and prefix blocks, its first byte, its end) over UDP, so every
+    replica's prefill backlog, approximate prefix index and pending heads count all replicas'
+    sends, not only its own (docs/kubernetes.md, "Active-active replicas with sync"). Needs a
+    `prefill-backlog-scorer` in the scheduling profile (the default has one)."""
+
+    enabled: bool = False
+    """Run the syncer. Needs `keyFile`."""
+    address: str = "0.0.0.0"
+    """Address the UDP socket binds (`127.0.0.1` for replicas on one host; `::` where peers
+    have IPv6 addresses: IPv4 peers are then reached through mapped addresses)."""
+    port: Port = DEFAULT_PORT
+    """UDP port of the syncer, the same on every replica behind a Service."""
+    peers: list[str] = Field(default_factory=list)
+    """Peers as `host:port` (names are resolved, and re-resolved every `resolveIntervalMs`)."""
+    peer_service: str | None = None
+    """A DNS name whose addresses are the replicas, usually the EPP's headless Service
+    (`epp-peers.<namespace>.svc`): `name` (at `port`) or `name:port`. Re-resolved every
+    `resolveIntervalMs`; this replica's own address is left out."""
+    resolve_interval_ms: int = Field(default=5000, ge=100, le=600_000)
+    """How often peer names are resolved again (a scaled or rolled Deployment)."""
+    key_file: str | None = None
+    """File holding the shared key (at least 16 bytes; surrounding whitespace ignored), the
+    same on every replica, e.g. a mounted Secret. Datagrams are authenticated with
+    HMAC-SHA256 under it; anything else is rejected."""
+    flush_interval_ms: float = Field(default=1.0, ge=0, le=1000)
+    """How long a replica gathers its decisions before sending them in one datagram (0: at
+    the end of the loop iteration that made them)."""
+    peer_wake_spread_ms: float = Field(default=20.0, ge=0, le=1000)
+    """After a peer's batch, flow control's held requests are asked again after a random delay
+    of up to this (0: at once): woken together by the same peer's first byte, the replicas
+    would all send their held new prefixes to the one server whose backlog just fell."""
+    max_datagram_bytes: int = Field(default=DEFAULT_DATAGRAM, ge=MIN_DATAGRAM, le=MAX_DATAGRAM)
+    """Largest datagram sent or accepted, the same on every replica (larger ones are rejected
+    before their tag is computed). The default is never fragmented on an IPv6 path or a pod
+    overlay; a decision whose prefix blocks do not fit sends its first blocks only. Raise it
+    only where the path MTU allows (fragments are lost together)."""
+    max_age_ms: int = Field(default=10_000, ge=100, le=600_000)
+    """A batch whose origin's clock is further than this from ours is rejected (replays;
+    replicas' clocks must agree within it)."""
+    origin: str | None = None
+    """This replica's name in the exchange (default `$POD_NAME`, else the host name); a random
+    boot id is appended, so a restarted replica is a new origin."""
+
+    @field_validator("peers")
+    @classmethod
+    def _peers_parse(cls, value: list[str]) -> list[str]:
+        parse_peers(value)  # ValueError naming the bad entry
+        return value
+
+    @field_validator("peer_service")
+    @classmethod
+    def _service_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_service(value, DEFAULT_PORT)
+        return value
+
+    @model_validator(mode="after")
+    def _key_and_peers_when_enabled(self) -> Self:
+        issues = []
+        if self.enabled and not (self.key_file or "").strip():
+            issues.append(
+                (
+                    ".keyFile",
+                    f"Required value: replicaSync.enabled {go_value(True)} needs a shared key "
+                    "file: the syncer never runs unauthenticated",
+                )
+            )
+        if self.enabled and not self.peers and self.peer_service is None:
+            issues.append(
+                (
+                    ".peers",
+                    f"Required value: replicaSync.enabled {go_value(True)} needs peers or "
+                    "peerService: with neither, nothing would be sent or heard",
+                )
+            )
+        if issues:
+            raise rule_error(*issues)
+        return self
+
+    def service_address(self) -> tuple[str, int] | None:
+        """`peerService` as (name, port), the section's port when it names none."""
+        return None if self.peer_service is None else split_service(self.peer_service, self.port)
+
+
+def split_service(value: str, port: int) -> tuple[str, int]:
+    """`name` (at `port`) or `name:port` as (name, port); ValueError otherwise."""
+    if ":" not in value:
+        if not value:
+            raise ValueError("peerService: expected a DNS name or name:port, not empty")
+        return check_name(value), port
+    host, named_port = split_hostport(value)
+    return check_name(host), named_port

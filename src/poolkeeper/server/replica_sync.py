@@ -1,0 +1,247 @@
+"""Cross-replica sync in a running EPP: `spec.replicaSync` made into a bound hub, a UDP
+transport, peer discovery and metrics, started after the Director and stopped with it.
+
+Why here: the composition root is the one place that holds both the built scheduler (the hub
+binds to it, `scheduling/replicasync/fold.py`) and the section; the parts themselves know
+nothing of each other beyond the hub's `take` / `deliver` (`scheduling/replicasync/`).
+
+The origin is this replica's name (`origin`, else `$POD_NAME`, else the host name) plus a random
+boot id: a restarted replica is a new origin, so its peers neither refuse its first batches as
+replays nor keep counting the requests its old life sent (those expire with the hub's TTL).
+The key file is read once at start; a missing, unreadable or short key is a ConfigError: the
+syncer never runs unauthenticated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from poolkeeper.datastore.store import ChangeKind, DatastoreSnapshot
+from poolkeeper.errors import ConfigError
+from poolkeeper.scheduling.replicasync.codec import MIN_KEY_BYTES, Codec
+from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery, own_addresses, parse_peers
+from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
+from poolkeeper.scheduling.replicasync.fold import SchedulerFold, bind_scheduler
+from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.replicasync.transport import SyncTransport
+from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.server.transport import by_reason, counters
+
+log = logging.getLogger("poolkeeper.replicasync")
+
+EXPIRE_EVERY_S = 1.0  # silent peers are forgotten this often even when no batch arrives
+_NAME_BYTES = 200  # of the origin's base name (the codec carries 255 bytes)
+
+
+class _SignallingSync(ReplicaSync):
+    """The hub, telling the transport when it has something to send (`on_publish`)."""
+
+    def __init__(self, origin: str) -> None:
+        super().__init__(origin)
+        self.on_publish: Callable[[], None] = lambda: None
+
+    def publish(self, event: SyncEvent) -> None:
+        super().publish(event)
+        self.on_publish()
+
+
+class SpreadWake:
+    """`wake` once, a random delay of up to `spread_s` after it is first asked for (0: at
+    once). Why: a peer's first byte reaches every replica at the same moment; woken at once,
+    each would release its held new prefixes onto the one server whose backlog just fell, none
+    seeing the others' sends yet (a herd). Spread, each replica's placement reaches the others
+    (a flush and a datagram away) before most of them decide."""
+
+    def __init__(
+        self, wake: Callable[[], None], spread_s: float, rng: random.Random | None = None
+    ) -> None:
+        self._wake, self.spread_s = wake, spread_s
+        self._rng = rng or random.Random()
+        self._armed: asyncio.TimerHandle | None = None
+
+    def __call__(self) -> None:
+        if self.spread_s <= 0:
+            self._wake()
+        elif self._armed is None:
+            loop = asyncio.get_running_loop()
+            self._armed = loop.call_later(self._rng.uniform(0, self.spread_s), self._fire)
+
+    def _fire(self) -> None:
+        self._armed = None
+        self._wake()
+
+    def cancel(self) -> None:
+        if self._armed is not None:
+            self._armed.cancel()
+            self._armed = None
+
+
+def origin_name(configured: str | None) -> str:
+    """This process's unique name in the exchange (the module docstring)."""
+    base = configured or os.environ.get("POD_NAME") or socket.gethostname() or "epp"
+    return f"{base.encode()[:_NAME_BYTES].decode(errors='ignore')}-{secrets.token_hex(4)}"
+
+
+def read_key(path: str | None) -> bytes:
+    """The shared key in `path`, surrounding whitespace stripped; ConfigError otherwise."""
+    if not path:
+        raise ConfigError("spec.replicaSync.keyFile: required: the syncer never runs without a key")
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"spec.replicaSync.keyFile: cannot read {path}: {exc.strerror}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(
+            f"spec.replicaSync.keyFile: {path} holds {len(key)} bytes; the shared key needs "
+            f"at least {MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64`)"
+        )
+    return key
+
+
+@dataclass
+class RunningSync:
+    """The started syncer: stop it with `stop` (sends what is left, closes the socket)."""
+
+    hub: ReplicaSync
+    fold: SchedulerFold
+    transport: SyncTransport
+    discovery: PeerDiscovery
+    wake: SpreadWake | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def pool_changed(self, snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
+        """A datastore listener: peers' events for endpoints gone from the pool stop counting."""
+        if kind is not ChangeKind.METRICS:
+            self.fold.forget_endpoints({e.hostport for e in snapshot.all_endpoints()})
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.transport.close()
+        self.fold.unbind()
+        if self.wake is not None:
+            self.wake.cancel()
+
+
+async def _expire(hub: ReplicaSync, clock: Callable[[], float]) -> None:
+    while True:
+        await asyncio.sleep(EXPIRE_EVERY_S)
+        for origin in hub.expire(clock()):
+            log.info("replica sync: %s went silent; its requests no longer count", origin)
+
+
+async def start_replica_sync(
+    config: ReplicaSyncConfig,
+    scheduler: Scheduler,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    wake: Callable[[], None] | None = None,
+) -> RunningSync:
+    """Bind a hub to `scheduler`, bind the socket, follow the peers (ConfigError for a bad key
+    or a profile without a prefill-backlog-scorer; OSError when the port is taken). `wake`:
+    called after peer batches are folded in (flow control's pump: a peer's first byte may
+    release a request held for its prefill backlog), spread by `peerWakeSpreadMs`."""
+    key = read_key(config.key_file)
+    origin = origin_name(config.origin)
+    hub = _SignallingSync(origin)
+    try:
+        fold = bind_scheduler(hub, scheduler)
+    except ValueError as exc:
+        raise ConfigError(f"spec.replicaSync: {exc}") from None
+
+    spread = SpreadWake(wake, config.peer_wake_spread_ms / 1000.0) if wake else None
+
+    def deliver(batch: Batch, now: float) -> bool:
+        taken = hub.deliver(batch, now)
+        if taken and spread is not None:
+            try:
+                spread()
+            except Exception:  # the batch is folded in: a failed wake must not count it as lost
+                log.exception("replica sync: waking flow control after a peer's batch")
+        return taken
+
+    transport = SyncTransport(
+        Codec(key, max_bytes=config.max_datagram_bytes),
+        origin,
+        hub.take,
+        deliver,
+        clock=clock,
+        flush_interval_s=config.flush_interval_ms / 1000.0,
+        max_age_s=config.max_age_ms / 1000.0,
+    )
+    try:
+        host, port = await transport.start(config.address, config.port)
+    except OSError:
+        fold.unbind()
+        raise
+    hub.on_publish = transport.notify
+    discovery = PeerDiscovery(
+        static=parse_peers(config.peers),
+        service=config.service_address(),
+        own=await own_addresses(config.address, port),
+        resolve_interval_s=config.resolve_interval_ms / 1000.0,
+    )
+    running = RunningSync(hub, fold, transport, discovery, spread)
+    running._tasks = [
+        asyncio.create_task(discovery.follow(transport.set_peers), name="replica-sync-peers"),
+        asyncio.create_task(_expire(hub, clock), name="replica-sync-expire"),
+    ]
+    for task in running._tasks:
+        task.add_done_callback(_log_death)
+    log.info(
+        "replica sync on udp %s:%d as %s (receive buffer %d bytes)",
+        host, port, origin, transport.receive_buffer,
+    )  # fmt: skip
+    return running
+
+
+def _log_death(task: asyncio.Task[None]) -> None:
+    """A background task of the syncer that ended with an exception says so (else the peers
+    would silently stop being followed, or silent peers stop expiring)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("replica sync: %s stopped", task.get_name(), exc_info=exc)
+
+
+class SyncCollector(Collector):
+    """`poolkeeper_replica_sync_*` at scrape time (docs/kubernetes.md lists them)."""
+
+    def __init__(self, running: RunningSync) -> None:
+        self.running = running
+
+    def collect(self) -> Iterator[Metric]:
+        prefix = "poolkeeper_replica_sync"
+        stats, hub = self.running.transport.stats, self.running.hub
+        yield from counters(
+            prefix,
+            ("batches_sent", stats.batches_sent, "Own batches sent to the peers."),
+            ("datagrams_sent", stats.datagrams_sent, "Datagrams sent, every peer counted."),
+            ("batches_received", stats.received, "Peers' batches verified and folded in."),
+            ("batches_refused", stats.refused, "Verified batches the hub refused."),
+            ("outbox_dropped", hub.dropped, "Own events dropped from a full outbox."),
+            (
+                "blocks_trimmed",
+                self.running.transport.codec.trimmed,
+                "Own sends whose prefix blocks did not all fit a datagram (tail not sent).",
+            ),
+        )
+        yield by_reason(f"{prefix}_rejected", "Datagrams rejected, by reason.", stats.rejected)
+        yield by_reason(f"{prefix}_send_dropped", "Datagrams not sent, by reason.", stats.dropped)
+        peers = len(self.running.transport.peers)
+        yield GaugeMetricFamily(f"{prefix}_peers", "Peer addresses sent to.", value=peers)
+        yield GaugeMetricFamily(
+            f"{prefix}_origins", "Peers heard from within the TTL.", value=len(hub.peers())
+        )

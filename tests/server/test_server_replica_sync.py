@@ -1,0 +1,203 @@
+"""Cross-replica sync in the composition root: two replicas on 127.0.0.1 see each other's sends
+in their backlogs; a bad key or a profile without a backlog scorer stops the start; the runtime
+starts and stops the syncer and exports its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from poolkeeper.controller.files import file_source
+from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery
+from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.server.replica_sync import (
+    SpreadWake,
+    SyncCollector,
+    origin_name,
+    read_key,
+    start_replica_sync,
+)
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from tests.scheduling.sched_factories import NOW, request, scheduler, state
+from tests.support.gateway_files import one_pool
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.integration
+PROMPT = "a long shared system prompt " * 100
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "sync.key"
+    path.write_text("0123456789abcdef0123456789abcdef\n")
+    return path
+
+
+def _section(key: Path, port: int, peers: list[int]) -> ReplicaSyncConfig:
+    return ReplicaSyncConfig(
+        enabled=True,
+        address="127.0.0.1",
+        port=port,
+        peers=[f"127.0.0.1:{p}" for p in peers],
+        key_file=str(key),
+    )
+
+
+def _backlog(s: Scheduler) -> PrefillBacklogScorer:
+    scorer = s.plugins["prefill-backlog-scorer"]
+    assert isinstance(scorer, PrefillBacklogScorer)
+    return scorer
+
+
+async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
+    ports = free_ports(2)
+    a, b = scheduler("default"), scheduler("default")
+    woken: list[int] = []
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
+    sync_b = await start_replica_sync(
+        _section(key_file, ports[1], ports), b, wake=lambda: woken.append(1)
+    )
+    try:
+        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+        assert sync_a.transport.peers == (("127.0.0.1", ports[1]),)  # itself left out
+        pool = [state(i) for i in range(1, 5)]
+        req = replace(request(prompt=PROMPT, request_id="q1"), stream=True)
+        picked = a.schedule(req, pool, now=NOW).primary.key
+        backlog = _backlog(b).backlog
+        await until(lambda: backlog.tokens(picked) == req.prompt_tokens, "a's send at b")
+        await until(lambda: woken, "flow control's pump told (within the spread)")
+        a.observe_first_token("q1", picked, NOW + 0.2)
+        await until(lambda: backlog.tokens(picked) == 0, "a's first byte at b")
+        registry = CollectorRegistry()
+        registry.register(SyncCollector(sync_b))
+        text = generate_latest(registry).decode()
+        assert "poolkeeper_replica_sync_batches_received_total 2.0" in text
+        assert "poolkeeper_replica_sync_peers 1.0" in text
+        assert "poolkeeper_replica_sync_origins 1.0" in text
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+    assert _backlog(a).sync is None  # unbound: nothing published any more
+
+
+async def test_a_batch_folded_in_whose_wake_failed_is_received_not_rejected(
+    key_file: Path,
+) -> None:
+    ports = free_ports(2)
+    a, b = scheduler("default"), scheduler("default")
+
+    def broken_wake() -> None:
+        raise RuntimeError("flow control bug")
+
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
+    section = _section(key_file, ports[1], ports).model_copy(update={"peer_wake_spread_ms": 0})
+    sync_b = await start_replica_sync(section, b, wake=broken_wake)
+    try:
+        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+        a.schedule(request(prompt=PROMPT, request_id="q1"), [state(1)], now=NOW)
+        await until(lambda: sync_b.transport.stats.received == 1, "a's send folded in at b")
+        assert sync_b.transport.stats.rejected == {}
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+
+
+async def test_a_background_task_that_dies_says_so(
+    key_file: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def broken(self: PeerDiscovery) -> tuple[tuple[str, int], ...]:
+        raise RuntimeError("discovery bug")
+
+    monkeypatch.setattr(PeerDiscovery, "peers", broken)
+    (port,) = free_ports(1)
+    running = await start_replica_sync(_section(key_file, port, [port]), scheduler("default"))
+    try:
+        await until(lambda: "replica-sync-peers stopped" in caplog.text, "the death logged")
+        assert "discovery bug" in caplog.text
+    finally:
+        await running.stop()
+
+
+def test_the_key_must_exist_and_be_long_enough(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_key(str(tmp_path / "missing"))
+    (tmp_path / "short").write_text("  too short \n")
+    with pytest.raises(ConfigError, match="holds 9 bytes; the shared key needs at least 16"):
+        read_key(str(tmp_path / "short"))
+    with pytest.raises(ConfigError, match="required"):
+        read_key(None)
+
+
+async def test_a_profile_without_a_backlog_scorer_cannot_sync(key_file: Path) -> None:
+    (port,) = free_ports(1)
+    with pytest.raises(ConfigError, match="needs a prefill-backlog-scorer"):
+        await start_replica_sync(_section(key_file, port, [port]), scheduler("classic"))
+
+
+def test_each_process_life_is_a_new_origin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "epp-7f9c")
+    first, second = origin_name(None), origin_name(None)
+    assert first.startswith("epp-7f9c-")
+    assert first != second
+    assert origin_name("x" * 500).startswith("x" * 200 + "-")
+    assert len(origin_name("x" * 500).encode()) <= 255
+
+
+async def test_the_runtime_runs_the_syncer_it_is_configured_with(
+    tmp_path: Path, key_file: Path
+) -> None:
+    sync_port, sim = free_ports(2)
+    spec = (
+        f"  replicaSync: {{enabled: true, address: 127.0.0.1, port: {sync_port}, "
+        f"keyFile: {key_file}, peers: ['127.0.0.1:{sync_port}']}}\n"
+    )
+    directory = one_pool(tmp_path / "cfg", sim, spec=spec)
+    runtime = GatewayRuntime(
+        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0)
+    )
+    await runtime.start()
+    try:
+        assert runtime.config is not None
+        metrics = runtime.config.spec.listeners.metrics
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{metrics}/metrics") as resp,
+        ):
+            text = await resp.text()
+        assert "poolkeeper_replica_sync_peers 0.0" in text  # its own address left out
+    finally:
+        await runtime.stop(grace_s=0)
+    # The UDP port is free again: the syncer closed its socket.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", sync_port))
+
+
+async def test_peer_wakes_are_spread_and_coalesced() -> None:
+    calls: list[float] = []
+    loop = asyncio.get_running_loop()
+    at_once = SpreadWake(lambda: calls.append(loop.time()), 0.0)
+    at_once()
+    assert len(calls) == 1  # no spread: called before returning
+    spread = SpreadWake(lambda: calls.append(loop.time()), 0.05, random.Random(3))
+    asked = loop.time()
+    spread()
+    spread()
+    spread()  # armed once: one wake for the three
+    assert len(calls) == 1
+    await until(lambda: len(calls) == 2, "the spread wake")
+    assert calls[1] >= asked  # later, never sooner
+    spread()
+    spread.cancel()  # a stopped syncer wakes nothing
+    await asyncio.sleep(0.1)
+    assert len(calls) == 2

@@ -65,9 +65,9 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
     a, b = scheduler("default"), scheduler("default")
     woken: list[int] = []
     sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
-    sync_b = await start_replica_sync(
-        _section(key_file, ports[1], ports), b, wake=lambda: woken.append(1)
-    )
+    # No spread: the wake runs inside the delivery, so its absence is seen at once.
+    section_b = _section(key_file, ports[1], ports).model_copy(update={"peer_wake_spread_ms": 0})
+    sync_b = await start_replica_sync(section_b, b, wake=lambda: woken.append(1))
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
         assert sync_a.transport.peers == (("127.0.0.1", ports[1]),)  # itself left out
@@ -76,9 +76,10 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
         picked = a.schedule(req, pool, now=NOW).primary.key
         backlog = _backlog(b).backlog
         await until(lambda: backlog.tokens(picked) == req.prompt_tokens, "a's send at b")
-        await until(lambda: woken, "flow control's pump told (within the spread)")
+        assert woken == []  # a send alone shrinks no backlog: the pump is not run for it
         a.observe_first_token("q1", picked, NOW + 0.2)
         await until(lambda: backlog.tokens(picked) == 0, "a's first byte at b")
+        assert woken == [1]
         registry = CollectorRegistry()
         registry.register(SyncCollector(sync_b))
         text = generate_latest(registry).decode()
@@ -105,8 +106,12 @@ async def test_a_batch_folded_in_whose_wake_failed_is_received_not_rejected(
     sync_b = await start_replica_sync(section, b, wake=broken_wake)
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
-        a.schedule(request(prompt=PROMPT, request_id="q1"), [state(1)], now=NOW)
+        picked = a.schedule(
+            replace(request(prompt=PROMPT, request_id="q1"), stream=True), [state(1)], now=NOW
+        ).primary.key
         await until(lambda: sync_b.transport.stats.received == 1, "a's send folded in at b")
+        a.observe_first_token("q1", picked, NOW + 0.2)  # a first byte: b's pump is woken
+        await until(lambda: sync_b.transport.stats.received == 2, "a's first byte at b")
         assert sync_b.transport.stats.rejected == {}
     finally:
         await sync_a.stop()

@@ -35,7 +35,7 @@ from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery, own_addresses, parse_peers
 from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
 from poolkeeper.scheduling.replicasync.fold import SchedulerFold, bind_scheduler
-from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.replicasync.hub import ReplicaSync, clears
 from poolkeeper.scheduling.replicasync.transport import SyncTransport
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.transport import by_reason, counters
@@ -167,7 +167,9 @@ async def start_replica_sync(
 
     def deliver(batch: Batch, now: float) -> bool:
         taken = hub.deliver(batch, now)
-        if taken and spread is not None:
+        # Only a peer's first byte or end shrinks the backlog the hold reads; its sends
+        # alone can release nothing, so they do not run the pump.
+        if taken and spread is not None and clears(batch):
             try:
                 spread()
             except Exception:  # the batch is folded in: a failed wake must not count it as lost

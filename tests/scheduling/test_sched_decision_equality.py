@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.datastore.load import STALE, effective_kv
-from poolkeeper.scheduling.interfaces import CycleState
+from poolkeeper.datastore.load import STALE, effective_kv, saturations
+from poolkeeper.scheduling.interfaces import AffineScores, CycleState
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.filters import SaturationFilter
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
@@ -299,7 +299,15 @@ def _reference_saturation(
     f: SaturationFilter, cycle: CycleState, cands: Sequence[EndpointState]
 ) -> Sequence[EndpointState]:
     p = f.params
-    values = f.saturations(cycle, cands)  # (`saturations` by the filter's thresholds)
+    p = f.params
+    values = saturations(  # the load module's function, not the filter's method under test
+        cands,
+        now=cycle.now,
+        staleness_s=f.staleness_s,
+        queue_threshold=p.queue_depth_threshold,
+        kv_threshold=p.kv_cache_util_threshold,
+        count_unseen=p.count_unseen,
+    )
     kv_limit = f.limit * p.kv_cache_util_threshold
     kept: list[EndpointState] = []
     for s, v in zip(cands, values, strict=True):
@@ -373,7 +381,39 @@ def test_saturation_filter_batch_path_is_the_former_loop(
 
 @given(st.lists(st.integers(0, 300), min_size=1, max_size=60), st.sampled_from([0.0, 8.0]))
 def test_int_min_max_is_the_plain_min_max(values: list[int], min_span: float) -> None:
-    assert inverse_min_max_ints(values, min_span) == inverse_min_max(values, min_span)
+    ints, plain = inverse_min_max_ints(values, min_span), inverse_min_max(values, min_span)
+    if isinstance(ints, AffineScores):
+        # The same affine map, told that its values are ints in 0..max (a products table).
+        assert ints.top == max(values)
+        ints = replace(ints, top=-1)
+    assert ints == plain
+
+
+PODS = [state(i) for i in range(1, 9)]
+
+
+def test_the_default_profile_sums_request_counts_through_product_tables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The queue and running scorers' columns are small ints: the profile reads their weighted
+    # products from tables (bit-identical: test_summers_read_table_columns_bit_for_bit). A
+    # decision that never took that path would leave the speedup dead code.
+    used: list[int] = []
+    plain = Summers.sum
+
+    def counted(
+        self: Summers, columns: Any, factors: Any, offset: float, n: int, tables: int
+    ) -> Any:
+        used.append(tables)
+        return plain(self, columns, factors, offset, n, tables)
+
+    monkeypatch.setattr(Summers, "sum", counted)
+    pool = [
+        replace(state(i), metrics=replace(state(i).metrics, waiting=i % 3)) for i in range(1, 9)
+    ]
+    scheduler("default").schedule(request(prompt="p" * 4000), pool, now=NOW)
+    assert used
+    assert any(used)
 
 
 def _reference_kv(scorer: KvCacheScorer, cands: Sequence[EndpointState]) -> list[float]:

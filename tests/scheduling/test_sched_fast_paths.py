@@ -14,7 +14,7 @@ import pytest
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.interfaces import CycleState, TypedName
+from poolkeeper.scheduling.interfaces import AffineScores, CycleState, TypedName
 from poolkeeper.scheduling.presets import candidate_document
 from poolkeeper.scheduling.profile import SchedulerProfile, clamp_unit
 from poolkeeper.scheduling.scheduler import Scheduler
@@ -118,3 +118,22 @@ def test_a_constant_score_is_clamped_into_the_unit_range(value: float) -> None:
     profile = SchedulerProfile("p", [], [(_Const(value), weight)], picker)
     profile.run(CycleState(1.0), request(), [state(1), state(2)])
     assert picker.totals == [weight * clamp_unit(float(value))] * 2
+
+
+class _LyingBound:
+    """A third-party scorer, bounded, whose `top` its own values break (-1 is below 0)."""
+
+    typed_name = TypedName("liar", "liar")
+    bounded = True
+
+    def score(self, cycle: object, request: object, candidates: object) -> AffineScores:
+        return AffineScores([-1, 0, 1], 0.25, 0.5, top=1)
+
+
+def test_only_built_in_scorers_table_bounds_are_read() -> None:
+    # A table of products indexed by a value below 0 reads from its end (-1 -> 1 x factor)
+    # and one above `top` raises: a third-party scorer's bound is not trusted.
+    picker = _Recorder()
+    profile = SchedulerProfile("p", [], [(_LyingBound(), 2.0)], picker)
+    profile.run(CycleState(1.0), request(), [state(1), state(2), state(3)])
+    assert picker.totals == [2.0 * 0.25, 2.0 * 0.5, 2.0 * 0.75]

@@ -184,7 +184,9 @@ class SchedulerProfile:
                     offset += w * scores.offset
                     factor = w * scores.scale
                     top = scores.top
-                    if 0 <= top <= n:  # (a table no longer than a pass over the candidates)
+                    # (a table no longer than a pass over the candidates; only built-in
+                    # scorers' `top` is trusted: a wrong one would index out of the table)
+                    if 0 <= top <= n and self._trusted:
                         tables |= 1 << len(columns)
                         factors.append([i * factor for i in range(top + 1)])
                     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Final, Literal, TypeVar
 
 from pydantic import Field
@@ -38,7 +39,13 @@ def inverse_min_max_ints(values: list[int], min_span: float = 0.0) -> Scores:
     """`inverse_min_max` of request counts: their bounds read off the distinct values (a few
     dozen at most; a set of them costs less than `min` and `max` of the list each)."""
     distinct = set(values)
-    return _inverse_span(values, min(distinct), max(distinct), min_span)
+    lo, hi = min(distinct), max(distinct)
+    scores = _inverse_span(values, lo, hi, min_span)
+    if isinstance(scores, AffineScores) and lo >= 0:
+        # Every value is an int in 0..hi: the profile may read its weighted products from a
+        # table of hi + 1 (`wsum.Summers`; bit-identical: the same int x float products).
+        return replace(scores, top=hi)
+    return scores
 
 
 def _inverse_span(values: list[int] | list[float], lo: float, hi: float, min_span: float) -> Scores:

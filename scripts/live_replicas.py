@@ -14,7 +14,8 @@ prefix scorer's `kvEvents` on (each replica subscribes to every server's events)
 band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports,
 `exact-hashpend`: + the replica's own unreported sends, `exact-hashbalx`: `exact-hashbal` whose
 cold test reads only the engines' reports, `exact-hashblog` / `exact-hashwait`: with the
-backlog scorer / and the scraped queues (`scheduling()`); any index + `-sync`: with
+backlog scorer / and the scraped queues, `exact-hashblogpend` with the backlog scorer and
+`pendingHeads` (`scheduling()`); any index + `-sync`: with
 cross-replica sync (`spec.replicaSync`: every EPP a peer of the others on 127.0.0.1, one key
 file), `-syncnow` with peers' batches waking flow control at once. `N/M:index` runs M EPPs with
 only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a
@@ -76,6 +77,7 @@ NAMES = ("http", "extproc", "metrics", "health", "admin")
 INDEXES = (
     "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
     "exact-hashbal", "exact-hashpend", "exact-hashbalx", "exact-hashblog", "exact-hashwait",
+    "exact-hashblogpend",
 )  # fmt: skip
 
 
@@ -94,7 +96,9 @@ def scheduling(index: str) -> dict[str, Any] | None:
     engine reports it, in the replica that placed it too); `exact-hashblog`: `exact-hashbal`
     with `backlogScorer` (an owner busy prefilling is out of the band); `exact-hashwait`:
     `exact-hashblog` with `scrapedWaiting` (an endpoint whose scrape shows a queue counts as
-    busy prefilling, in the band and the hold). Any index + `-sync` (e.g. `exact-hashwait-sync`):
+    busy prefilling, in the band and the hold); `exact-hashblogpend`: `exact-hashblog` with
+    `pendingHeads` (what cross-replica sync measured best with in virtual time: peers' sends
+    count as pending heads too). Any index + `-sync` (e.g. `exact-hashwait-sync`):
     the same with cross-replica sync on, `-syncnow`: and peers' batches waking flow control at
     once (`SYNCS`)."""
     index = split_sync(index)[0]
@@ -120,7 +124,9 @@ def scheduling(index: str) -> dict[str, Any] | None:
                  "exact-hashblog": {"balance": 1.0,
                                     "backlogScorer": "prefill-backlog-scorer"},
                  "exact-hashwait": {"balance": 1.0, "scrapedWaiting": True,
-                                    "backlogScorer": "prefill-backlog-scorer"}}  # fmt: skip
+                                    "backlogScorer": "prefill-backlog-scorer"},
+                 "exact-hashblogpend": {"balance": 1.0, "pendingHeads": True,
+                                        "backlogScorer": "prefill-backlog-scorer"}}  # fmt: skip
     if index in placement:
         doc = with_cold_placement(doc, placement[index])
     return doc

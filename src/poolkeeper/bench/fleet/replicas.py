@@ -405,7 +405,10 @@ def run(
         link.wakes = wakes
     owner: dict[str, tuple[int, str]] = {}
     tokens_of: dict[str, int] = {}
-    woken: set[int] = set()  # replicas whose own requests ended (or answered) since a release
+    # When each replica's own request last ended (or answered, while its hold is on): its pump
+    # runs at the fleet's release at that instant. (The fleet releases only while something
+    # is held, so an older mark must not wake it later.)
+    own_event_at: dict[int, float] = {}
 
     def placed(k: int, request_id: str, server: int, now: float) -> None:
         routers[k].sent(keys[server], request_id, now, tokens_of[request_id])
@@ -443,13 +446,13 @@ def run(
         if link is not None:
             link.deliver(now)
         tick = is_scrape_tick(now, SCRAPE_INTERVAL_S)
+        woken = {k for k, at in own_event_at.items() if at == now}
         if link is not None:
             woken.update(link.woken)
             link.woken.clear()
         for k, router in enumerate(routers):
             if isinstance(router.policy, QueueingPolicy) and (tick or k in woken):
                 release_one(k, router.policy, states, now, send)
-        woken.clear()
 
     def release_one(
         k: int, policy: QueueingPolicy, states: Sequence[EndpointState], now: float, send: Send
@@ -478,7 +481,7 @@ def run(
             if link is not None:
                 link.flush(result.first_token or 0.0)
             if wakes:
-                woken.add(k)
+                own_event_at[k] = result.first_token or 0.0
 
     def finished(result: RequestResult) -> None:
         k, key = owner.pop(result.request_id, (-1, ""))
@@ -489,7 +492,7 @@ def run(
         routers[k].policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)
         if link is not None:
             link.flush(result.finish or 0.0)
-        woken.add(k)
+        own_event_at[k] = result.finish or 0.0
 
     result = fleet.run(
         _sim_arrivals(arrivals), route, on_finish=finished, on_first_token=first_token,

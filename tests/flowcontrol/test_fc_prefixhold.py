@@ -3,6 +3,8 @@ and the setting's validation (off by default)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from pydantic import ValidationError
 
@@ -137,3 +139,37 @@ def test_a_release_asks_at_most_its_budget_and_never_asks_the_capped() -> None:
     assert (asked, sent) == (["c", "d"], ["a", "b"])
     assert [e.payload for e in hold.held] == ["c", "d", "e", "f"]
     assert hold.capped == 2
+
+
+def test_place_under_backlog_counts_a_released_requests_placement_in_the_budget() -> None:
+    """`placeUnderBacklog`: a released request's dispatch asks once more (its placement), so
+    a budget of 4 asks two requests that the rule releases, not four; one that stays held
+    costs one; a capped one goes unasked but its placement uses up one of the budget."""
+    hold: PrefixHold[str] = PrefixHold(HoldNewPrefixes(max_hold_ms=1000, place_under_backlog=True))
+    for i, name in enumerate("abcdef"):
+        hold.hold(name, i * 0.1)
+    asked: list[str] = []
+    sent: list[str] = []
+
+    def answer(holds: bool) -> Callable[[str], bool]:
+        def still(r: str) -> bool:
+            asked.append(r)
+            return holds
+
+        return still
+
+    def go(entry: Held[str]) -> None:
+        sent.append(entry.payload)
+
+    assert hold.release(0.6, answer(False), go, asks=4) == 2
+    assert (sent, asked) == (["a", "b"], ["a", "b"])  # two x (the rule's ask + the placement)
+    asked.clear()
+    assert hold.release(0.6, answer(True), go, asks=3) == 0
+    assert asked == ["c", "d"]  # held: one question each; the one left is too few to ask
+    asked.clear()
+    # At 1.25 c is past the cap: it goes unasked, and its placement takes one of the four.
+    assert hold.release(1.25, answer(False), go, asks=4) == 2
+    assert (sent[2:], asked) == (["c", "d"], ["d"])
+    assert [e.payload for e in hold.held] == ["e", "f"]
+    with pytest.raises(ValueError, match="at least 2"):
+        hold.release(1.25, answer(False), go, asks=1)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from poolkeeper.bench.fleet.replicas import replica_of, run
+from poolkeeper.flowcontrol.config import FlowControlConfig
 
 
 def test_replica_split_is_even_and_stable() -> None:
@@ -245,3 +246,15 @@ def test_a_replica_pump_runs_on_scrape_ticks_and_its_own_requests_only(
     assert all((k, t) in own for k, t in off_tick)  # ... and only the replicas they concern
     assert {k for k, _ in off_tick} == {0, 1, 2, 3}
     assert any(round(t / every) * every == t for _, t in releases)
+
+
+def test_the_replicas_flow_control_reaches_every_replica() -> None:
+    """`flow_control` (`--flow-control`) is the replicas' `spec.flowControl`: without the
+    hold nothing is held, where the defaults hold new prefixes on this small cold start."""
+
+    def held(flow_control: FlowControlConfig | None) -> int:
+        row = run(2, servers=4, duration=2.0, seed=3, capacity_rps=100.0, flow_control=flow_control)
+        return int(row["held"])
+
+    assert held(None) > 0
+    assert held(FlowControlConfig.model_validate({"holdNewPrefixes": None})) == 0

@@ -84,6 +84,7 @@ from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.types import LLMRequest
@@ -145,15 +146,17 @@ def replica_policy(
     cold_placement: dict[str, Any] | None = None,
     prefix_params: dict[str, Any] | None = None,
     plugin_params: dict[str, dict[str, Any]] | None = None,
+    flow_control: FlowControlConfig | None = None,
 ) -> RoutingPolicy:
     """One replica's policy: `policy` (`bench.policies.routers`; `poolkeeper` is the EPP's
     default scheduling preset behind flow control with its defaults, `holdNewPrefixes`
     included, as `poolkeeper serve` runs it), with a `cold-placement-filter` of
     `cold_placement` first in its profile where given, `prefix_params` on its
     prefix-cache-scorer, and `plugin_params` (plugin type -> parameters) merged into those
-    plugins' parameters."""
+    plugins' parameters; `flow_control`: the flow-controlled policies' `spec.flowControl`
+    (None: the defaults)."""
     if cold_placement is None and not plugin_params:
-        return make_policy(policy, rng)
+        return make_policy(policy, rng, flow_control=flow_control)
     doc = scheduling_document(policy)
     extra = {"prefix-cache-scorer": prefix_params or {}, **(plugin_params or {})}
     types = {plugin["type"] for plugin in doc["plugins"]}
@@ -166,7 +169,7 @@ def replica_policy(
     if cold_placement is not None:
         doc = with_cold_placement(doc, cold_placement)
     if policy in FLOW_PRESETS or policy in CANDIDATE_PRESETS:
-        return flow_policy(policy, rng, document=doc)
+        return flow_policy(policy, rng, flow_control, document=doc)
     return scheduler_policy(policy, rng, doc)
 
 
@@ -289,6 +292,7 @@ def run(
     cold_placement: dict[str, Any] | None = None,
     event_delay_s: float = 0.0,
     plugin_params: dict[str, dict[str, Any]] | None = None,
+    flow_control: FlowControlConfig | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -298,7 +302,8 @@ def run(
     `prefix_params`: more of their parameters (camelCase, as in a config);
     `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
     docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
-    (0: at once, as before)."""
+    (0: at once, as before); `flow_control`: the replicas' `spec.flowControl` (None: the
+    defaults)."""
     scenario = build_scenario("shared-prefix", servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
@@ -309,7 +314,9 @@ def run(
 
     def make(k: int) -> RoutingPolicy:
         rng = random.Random(f"{seed}:replica{k}")
-        return replica_policy(policy, rng, cold_placement, prefix_params, plugin_params)
+        return replica_policy(
+            policy, rng, cold_placement, prefix_params, plugin_params, flow_control
+        )
 
     routers = [_Replica(make(k)) for k in range(replicas)]
     queueing = any(isinstance(r.policy, QueueingPolicy) for r in routers)
@@ -610,6 +617,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="plugin type -> parameters merged into the replicas' profile, as JSON, e.g. "
         '\'{"prefill-backlog-scorer": {"fadeFrom": 0.6}}\'',
     )
+    parser.add_argument(
+        "--flow-control",
+        type=FlowControlConfig.model_validate_json,
+        default=None,
+        help="the replicas' spec.flowControl as JSON, e.g. "
+        '\'{"holdNewPrefixes": {"placeUnderBacklog": false}}\' (default: the defaults)',
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -647,6 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             event_delay_s=args.event_delay,
             policy=args.policy,
             plugin_params=args.plugin_params,
+            flow_control=args.flow_control,
         )
         for kind in args.index
         for n in args.replicas

@@ -43,7 +43,9 @@ def test_place_under_backlog_narrows_a_new_prefix_to_the_endpoints_with_room() -
     assert asked == []
     assert on.room(uncached, [5000, 10]) == [1]
     assert asked == [1]
-    assert _hold().room(2100, [30_000, 0]) is None  # off by default
+    assert HoldNewPrefixes().place_under_backlog  # on by default
+    off = PrefixHold[str](HoldNewPrefixes(place_under_backlog=False))
+    assert off.room(2100, [30_000, 0]) is None
 
 
 def test_the_prefix_match_is_asked_only_when_every_backlog_is_long() -> None:
@@ -121,7 +123,8 @@ def test_on_by_default_off_with_null_or_no_queue_and_validated_like_its_neighbou
 def test_a_release_asks_at_most_its_budget_and_never_asks_the_capped() -> None:
     """`asks` bounds the questions one release asks (the oldest first; the rest stay held,
     unasked); a request past `maxHoldMs` goes without being asked."""
-    hold: PrefixHold[str] = PrefixHold(HoldNewPrefixes(max_hold_ms=1000))
+    config = HoldNewPrefixes(max_hold_ms=1000, place_under_backlog=False)  # no placement asks
+    hold: PrefixHold[str] = PrefixHold(config)
     for i, name in enumerate("abcdef"):
         hold.hold(name, i * 0.1)
     asked: list[str] = []

@@ -297,8 +297,11 @@ def test_held_requests_count_against_the_bands_bounds() -> None:
 def test_a_pump_asks_a_bounded_number_of_held_requests() -> None:
     """With many held and the backlog unchanged, one pump asks the scheduler at most
     `HOLD_ASKS_PER_PUMP` questions (asking all 200 at every first byte, end and metrics write
-    blocked the event loop); those asked stay held, the rest wait unasked."""
-    config = FlowControlConfig.model_validate({"holdNewPrefixes": {"backlogTokens": 100}})
+    blocked the event loop); those asked stay held, the rest wait unasked (without
+    `placeUnderBacklog`, whose placements count too: the next test)."""
+    config = FlowControlConfig.model_validate(
+        {"holdNewPrefixes": {"backlogTokens": 100, "placeUnderBacklog": False}}
+    )
     gate = FlowGate(config, Headroom(SaturationDetector()), clock=lambda: 0.0)
     asks: list[str] = []
     sent: list[str] = []

@@ -3,6 +3,8 @@ and the setting's validation (off by default)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from pydantic import ValidationError
 
@@ -41,7 +43,9 @@ def test_place_under_backlog_narrows_a_new_prefix_to_the_endpoints_with_room() -
     assert asked == []
     assert on.room(uncached, [5000, 10]) == [1]
     assert asked == [1]
-    assert _hold().room(2100, [30_000, 0]) is None  # off by default
+    assert HoldNewPrefixes().place_under_backlog  # on by default
+    off = PrefixHold[str](HoldNewPrefixes(place_under_backlog=False))
+    assert off.room(2100, [30_000, 0]) is None
 
 
 def test_the_prefix_match_is_asked_only_when_every_backlog_is_long() -> None:
@@ -119,7 +123,8 @@ def test_on_by_default_off_with_null_or_no_queue_and_validated_like_its_neighbou
 def test_a_release_asks_at_most_its_budget_and_never_asks_the_capped() -> None:
     """`asks` bounds the questions one release asks (the oldest first; the rest stay held,
     unasked); a request past `maxHoldMs` goes without being asked."""
-    hold: PrefixHold[str] = PrefixHold(HoldNewPrefixes(max_hold_ms=1000))
+    config = HoldNewPrefixes(max_hold_ms=1000, place_under_backlog=False)  # no placement asks
+    hold: PrefixHold[str] = PrefixHold(config)
     for i, name in enumerate("abcdef"):
         hold.hold(name, i * 0.1)
     asked: list[str] = []
@@ -137,3 +142,37 @@ def test_a_release_asks_at_most_its_budget_and_never_asks_the_capped() -> None:
     assert (asked, sent) == (["c", "d"], ["a", "b"])
     assert [e.payload for e in hold.held] == ["c", "d", "e", "f"]
     assert hold.capped == 2
+
+
+def test_place_under_backlog_counts_a_released_requests_placement_in_the_budget() -> None:
+    """`placeUnderBacklog`: a released request's dispatch asks once more (its placement), so
+    a budget of 4 asks two requests that the rule releases, not four; one that stays held
+    costs one; a capped one goes unasked but its placement uses up one of the budget."""
+    hold: PrefixHold[str] = PrefixHold(HoldNewPrefixes(max_hold_ms=1000, place_under_backlog=True))
+    for i, name in enumerate("abcdef"):
+        hold.hold(name, i * 0.1)
+    asked: list[str] = []
+    sent: list[str] = []
+
+    def answer(holds: bool) -> Callable[[str], bool]:
+        def still(r: str) -> bool:
+            asked.append(r)
+            return holds
+
+        return still
+
+    def go(entry: Held[str]) -> None:
+        sent.append(entry.payload)
+
+    assert hold.release(0.6, answer(False), go, asks=4) == 2
+    assert (sent, asked) == (["a", "b"], ["a", "b"])  # two x (the rule's ask + the placement)
+    asked.clear()
+    assert hold.release(0.6, answer(True), go, asks=3) == 0
+    assert asked == ["c", "d"]  # held: one question each; the one left is too few to ask
+    asked.clear()
+    # At 1.25 c is past the cap: it goes unasked, and its placement takes one of the four.
+    assert hold.release(1.25, answer(False), go, asks=4) == 2
+    assert (sent[2:], asked) == (["c", "d"], ["d"])
+    assert [e.payload for e in hold.held] == ["e", "f"]
+    with pytest.raises(ValueError, match="at least 2"):
+        hold.release(1.25, answer(False), go, asks=1)

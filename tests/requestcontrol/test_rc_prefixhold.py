@@ -297,8 +297,11 @@ def test_held_requests_count_against_the_bands_bounds() -> None:
 def test_a_pump_asks_a_bounded_number_of_held_requests() -> None:
     """With many held and the backlog unchanged, one pump asks the scheduler at most
     `HOLD_ASKS_PER_PUMP` questions (asking all 200 at every first byte, end and metrics write
-    blocked the event loop); those asked stay held, the rest wait unasked."""
-    config = FlowControlConfig.model_validate({"holdNewPrefixes": {"backlogTokens": 100}})
+    blocked the event loop); those asked stay held, the rest wait unasked (without
+    `placeUnderBacklog`, whose placements count too: the next test)."""
+    config = FlowControlConfig.model_validate(
+        {"holdNewPrefixes": {"backlogTokens": 100, "placeUnderBacklog": False}}
+    )
     gate = FlowGate(config, Headroom(SaturationDetector()), clock=lambda: 0.0)
     asks: list[str] = []
     sent: list[str] = []
@@ -322,6 +325,39 @@ def test_a_pump_asks_a_bounded_number_of_held_requests() -> None:
     assert asks == [f"r{i}" for i in range(HOLD_ASKS_PER_PUMP)]
     assert gate.held("p") == 200
     assert sent == []
+
+
+def test_with_place_under_backlog_a_pumps_placements_count_against_its_asks() -> None:
+    """`placeUnderBacklog`: each request a pump releases asks the facts once more when it is
+    dispatched (its placement); those questions count, so one pump asks at most
+    `HOLD_ASKS_PER_PUMP` in all (it asked twice that: the rule's and the placements')."""
+    config = FlowControlConfig.model_validate(
+        {"holdNewPrefixes": {"backlogTokens": 100, "placeUnderBacklog": True}}
+    )
+    gate = FlowGate(config, Headroom(SaturationDetector()), clock=lambda: 0.0)
+    facts = [(3000, [500, 800])]  # every backlog over: held
+    asks: list[str] = []
+    sent: list[str] = []
+
+    def job(rid: str) -> Job:
+        j = _job(rid, facts, sent)
+
+        def counted(_states: list[EndpointState]) -> tuple[Callable[[], int] | int, list[int]]:
+            asks.append(rid)
+            return facts[-1]
+
+        j.prefill = counted
+        return j
+
+    for i in range(200):
+        assert isinstance(gate.submit(job(f"r{i}")), FlowItem)
+    asks.clear()
+    facts.append((3000, [0, 800]))  # one endpoint under: the rule releases whoever it asks
+    gate.pump()
+    half = HOLD_ASKS_PER_PUMP // 2
+    assert sent == [f"r{i}" for i in range(half)]
+    assert asks == [f"r{i}" for i in range(half) for _ in range(2)]  # the rule's, the placement's
+    assert gate.held("p") == 200 - half
 
 
 async def test_the_held_question_and_the_scheduler_get_one_and_the_same_request() -> None:

@@ -357,14 +357,15 @@ class HoldNewPrefixes(CamelModel, use_attribute_docstrings=True):
     max_hold_ms: int = Field(default=2000, ge=1, le=10_000)
     """Released to the queue after this long whatever the backlog (never starved; at most
     10 s, so what is held stays a few seconds of arrivals)."""
-    place_under_backlog: bool = False
+    place_under_backlog: bool = True
     """A request released from the hold that is still a new long prefix goes only to the
     candidate endpoints under `backlogTokens` (when some are and some are not): the room its
     release waited for. Without it the scheduler may place it on an endpoint far over (64
     servers, cold start: one server took 42 new prefixes in 2.4 s, each released because
-    another was under). Requests never held are placed as without it. Opt-in: it passed the
-    8-server switch screen, but is unscreened with EPP replicas, where a small 4-replica run
-    kept fewer groups on one server (docs/notes/2026-12-07-cold-start-64.md)."""
+    another was under). Requests never held are placed as without it. On by default since the
+    64-server screen (docs/notes/2026-12-07-place-under-backlog.md). It overrides the prefix
+    scorers' `coldAffinity` for those requests: EPP replicas that rely on `coldAffinity`
+    rather than a `cold-placement-filter` lose its gain with it on (set false there)."""
 
 
 class FlowControlConfig(CamelModel, use_attribute_docstrings=True):

@@ -16,7 +16,8 @@ so it blocks nothing behind it (the dispatcher's head-of-line rule does not appl
 each release (the caller's pump: completions, scrape ticks) held requests are asked again in
 arrival order (at most `asks` of them) and go to the queue once the rule no longer holds them,
 or unasked after `maxHoldMs` whatever the backlog (never starved). With `placeUnderBacklog`,
-a released new long prefix goes to one of the endpoints under the backlog (`room`). The facts
+a released new long prefix goes to one of the endpoints under the backlog (`room`: one more
+question per released request, counted against `asks`). The facts
 come from the caller (the scheduler's prefix index and backlog); this module is pure and
 synchronous, with time passed in.
 """
@@ -96,16 +97,23 @@ class PrefixHold(Generic[T]):
         runs before the next one is asked, so each answer sees the requests released before it
         (a prefix just placed releases the requests that share it). `asks`: ask at most this
         many (the oldest first); the others stay held until a later release or their cap, so
-        one release costs a bounded number of scheduler questions however many are held."""
+        one release costs a bounded number of scheduler questions however many are held.
+        With `placeUnderBacklog` a released request's dispatch asks once more (its placement,
+        `room`); that question counts against `asks` too, so a request is asked only while two
+        questions are left, and a capped one's placement uses up one (capped requests go
+        whatever is left: never starved)."""
         cap = self.config.max_hold_ms / 1000.0
+        placing = 1 if self.config.place_under_backlog else 0
+        if asks is not None and asks < 1 + placing:
+            raise ValueError(f"asks={asks}: a release with placeUnderBacklog needs at least 2")
         pending, self.held = self.held, []
         sent = 0
-        left = len(pending) if asks is None else asks
+        left = len(pending) * (1 + placing) if asks is None else asks
         for entry in pending:
             if now - entry.since >= cap:
                 self.capped += 1
                 entry.capped = True
-            elif left <= 0:
+            elif left < 1 + placing:
                 self.held.append(entry)
                 continue
             else:
@@ -113,6 +121,7 @@ class PrefixHold(Generic[T]):
                 if still(entry.payload):
                     self.held.append(entry)
                     continue
+            left -= placing
             go(entry)
             sent += 1
         return sent

@@ -67,7 +67,8 @@ EVICTED_CANCELLED = "EvictedContextCancelled"
 # At each pump, at most this many held requests are asked again (the oldest first; each ask is
 # a snapshot and a prefix match, ~0.2-0.3 ms): with hundreds held, asking them all at every
 # first byte, end and metrics write blocked the event loop for 80-300 ms. Those not asked wait
-# for a later pump or their `maxHoldMs`.
+# for a later pump or their `maxHoldMs`. With `placeUnderBacklog` a released request's placement
+# (`_place`, another snapshot and prefix match) counts too (`PrefixHold.release`).
 HOLD_ASKS_PER_PUMP = 16
 
 # How a `holdNewPrefixes` hold ended (poolkeeper_flow_control_hold_duration_seconds).

@@ -94,6 +94,7 @@ from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.replicasync.events import Batch
@@ -159,15 +160,17 @@ def replica_policy(
     cold_placement: dict[str, Any] | None = None,
     prefix_params: dict[str, Any] | None = None,
     plugin_params: dict[str, dict[str, Any]] | None = None,
+    flow_control: FlowControlConfig | None = None,
 ) -> RoutingPolicy:
     """One replica's policy: `policy` (`bench.policies.routers`; `poolkeeper` is the EPP's
     default scheduling preset behind flow control with its defaults, `holdNewPrefixes`
     included, as `poolkeeper serve` runs it), with a `cold-placement-filter` of
     `cold_placement` first in its profile where given, `prefix_params` on its
     prefix-cache-scorer, and `plugin_params` (plugin type -> parameters) merged into those
-    plugins' parameters."""
+    plugins' parameters; `flow_control`: the flow-controlled policies' `spec.flowControl`
+    (None: the defaults)."""
     if cold_placement is None and not plugin_params:
-        return make_policy(policy, rng)
+        return make_policy(policy, rng, flow_control=flow_control)
     doc = scheduling_document(policy)
     extra = {"prefix-cache-scorer": prefix_params or {}, **(plugin_params or {})}
     types = {plugin["type"] for plugin in doc["plugins"]}
@@ -180,7 +183,7 @@ def replica_policy(
     if cold_placement is not None:
         doc = with_cold_placement(doc, cold_placement)
     if policy in FLOW_PRESETS or policy in CANDIDATE_PRESETS:
-        return flow_policy(policy, rng, document=doc)
+        return flow_policy(policy, rng, flow_control, document=doc)
     return scheduler_policy(policy, rng, doc)
 
 
@@ -345,6 +348,7 @@ def run(
     plugin_params: dict[str, dict[str, Any]] | None = None,
     sync_delay_s: float | None = None,
     sync_folds: dict[str, bool] | None = None,
+    flow_control: FlowControlConfig | None = None,
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -355,7 +359,8 @@ def run(
     `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
     docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
     (0: at once, as before); `sync_delay_s`: cross-replica sync with that delay (None: none);
-    `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`) and `wake`."""
+    `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`) and `wake`;
+    `flow_control`: the replicas' `spec.flowControl` (None: the defaults)."""
     scenario = build_scenario("shared-prefix", servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
@@ -366,7 +371,9 @@ def run(
 
     def make(k: int) -> RoutingPolicy:
         rng = random.Random(f"{seed}:replica{k}")
-        return replica_policy(policy, rng, cold_placement, prefix_params, plugin_params)
+        return replica_policy(
+            policy, rng, cold_placement, prefix_params, plugin_params, flow_control
+        )
 
     routers = [_Replica(make(k)) for k in range(replicas)]
     queueing = any(isinstance(r.policy, QueueingPolicy) for r in routers)
@@ -707,6 +714,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "approximate index, their first bytes as drain samples, their pending heads, a "
         "peer's first byte or end waking the replica's pump)",
     )
+    parser.add_argument(
+        "--flow-control",
+        type=FlowControlConfig.model_validate_json,
+        default=None,
+        help="the replicas' spec.flowControl as JSON, e.g. "
+        '\'{"holdNewPrefixes": {"placeUnderBacklog": false}}\' (default: the defaults)',
+    )
     parser.add_argument("--memory", action="store_true", help="measure index memory only")
     parser.add_argument(
         "--subscribers", action="store_true", help="with --memory: the live feed's memory"
@@ -746,6 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plugin_params=args.plugin_params,
             sync_delay_s=None if args.sync_delay_ms is None else args.sync_delay_ms / 1000,
             sync_folds={part: False for part in args.sync_without} or None,
+            flow_control=args.flow_control,
         )
         for kind in args.index
         for n in args.replicas

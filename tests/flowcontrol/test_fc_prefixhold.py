@@ -1,5 +1,5 @@
 """`holdNewPrefixes` (`flowcontrol/prefixhold.py`): the rule, the release order and the cap,
-and the setting's validation (off by default)."""
+and the setting's validation (on by default, `placeUnderBacklog` too)."""
 
 from __future__ import annotations
 

@@ -105,7 +105,9 @@ class PrefixHold(Generic[T]):
         cap = self.config.max_hold_ms / 1000.0
         placing = 1 if self.config.place_under_backlog else 0
         if asks is not None and asks < 1 + placing:
-            raise ValueError(f"asks={asks}: a release with placeUnderBacklog needs at least 2")
+            need = 1 + placing
+            why = " with placeUnderBacklog (each release asks twice)" if placing else ""
+            raise ValueError(f"asks={asks}: a release{why} needs at least {need}")
         pending, self.held = self.held, []
         sent = 0
         left = len(pending) * (1 + placing) if asks is None else asks

@@ -198,9 +198,9 @@ def test_peers_may_name_at_most_max_endpoints() -> None:
     hub.deliver(Batch("b", 1, events), NOW)
     assert fold.ignored == 1
     assert set(_backlog(mine).backlog.snapshot()) == {key(1), key(2)}
-    fold.forget_endpoints({key(1)})
+    fold.forget_endpoints({key(1), key(3)})  # the pool is known now: key(2) left it
     hub.deliver(Batch("b", 2, (Sent("r9", key(3), 10, True),)), NOW)
-    assert key(3) in _backlog(mine).backlog.snapshot()
+    assert set(_backlog(mine).backlog.snapshot()) == {key(1), key(3)}
 
 
 def test_a_bound_hub_without_peers_changes_no_decision() -> None:
@@ -234,3 +234,81 @@ def test_unbind_stops_publishing() -> None:
     fold.unbind()
     s.schedule(request(prompt=SHARED, request_id="q"), _pool(), now=NOW)
     assert hub.take() is None
+
+
+def test_every_decision_is_published_even_when_a_request_id_repeats() -> None:
+    # Client x-request-ids can repeat; a dedup by the cycle's id() skipped some (ids reused).
+    s = _exact_default()
+    hub = ReplicaSync("a", max_outbox=1000)
+    bind_scheduler(hub, s)
+    pool = _pool()
+    for i in range(200):
+        s.schedule(request(prompt=f"prompt {i} " * 20, request_id="same"), pool, now=NOW + i)
+    batch = hub.take()
+    assert batch is not None
+    assert sum(isinstance(e, Sent) for e in batch.events) == 200
+
+
+def test_peers_sends_outside_the_pool_are_ignored_and_a_shrinking_pool_forgets_theirs() -> None:
+    mine = _exact_default()
+    hub = ReplicaSync("a")
+    fold = bind_scheduler(hub, mine, pool={A, B})
+    head = 12345
+    events = (
+        Sent("r1", A, 100, True, (1, 2, 3), head),
+        Sent("r2", B, 200, True, (4, 5, 6), head),
+        Sent("r3", key(9), 300, True, (7, 8, 9), head),  # not in this replica's pool
+    )
+    assert hub.deliver(Batch("b", 1, events), NOW)
+    backlog = _backlog(mine).backlog
+    prefix = _backlog(mine).prefix
+    assert prefix is not None
+    assert prefix.exact is not None
+    assert fold.ignored == 1
+    assert dict(backlog.snapshot()) == {A: 100, B: 200}
+    assert prefix.exact.heads(key(9), NOW) == 0
+    assert prefix.index.match((7, 8, 9)).get(key(9), 0) == 0
+    fold.forget_endpoints({A})  # B left the pool: what peers put there goes
+    assert dict(backlog.snapshot()) == {A: 100}
+    assert prefix.exact.heads(B, NOW) == 0
+    assert prefix.exact.heads(A, NOW) == 1
+    assert B not in prefix.index.match((4, 5, 6))
+    hub.deliver(Batch("b", 2, (Sent("r4", B, 50, True),)), NOW)
+    assert B not in backlog.snapshot()  # and stays out
+
+
+def test_a_batch_gives_at_most_one_drain_sample_per_endpoint() -> None:
+    mine = _exact_default()
+    hub = ReplicaSync("a")
+    bind_scheduler(hub, mine)
+    backlog = _backlog(mine).backlog
+    sends = tuple(Sent(f"r{i}", A, 1000, True) for i in range(4))
+    hub.deliver(Batch("b", 1, sends), NOW)
+    hub.deliver(Batch("b", 2, tuple(Answered(f"r{i}") for i in range(4))), NOW + 1.0)
+    drain = backlog._drain[A]
+    assert drain.samples == 1  # not 4: the other three would add 3,000 tokens over 0 s
+    assert len(backlog) == 0  # all four cleared
+
+
+def test_two_backlog_scorers_in_one_profile_tell_each_event_once() -> None:
+    from poolkeeper.scheduling.presets import preset_document
+
+    doc = preset_document("default")
+    doc["plugins"].append(
+        {"type": "prefill-backlog-scorer", "name": "second-backlog", "parameters": {}}
+    )
+    doc["schedulingProfiles"][0]["plugins"].append({"pluginRef": "second-backlog", "weight": 1})
+    s = scheduler(doc)
+    hub = ReplicaSync("a")
+    fold = bind_scheduler(hub, s)
+    second = s.plugins["second-backlog"]
+    assert isinstance(second, PrefillBacklogScorer)
+    assert fold.backlogs == (_backlog(s), second)  # both record own sends: both fold peers'
+    assert _backlog(s).sync is fold
+    assert second.sync is None
+    s.schedule(replace(request(prompt=SHARED, request_id="q"), stream=True), _pool(), now=NOW)
+    s.observe_first_token("q", None, NOW + 0.1)
+    s.request_ended("q")
+    batch = hub.take()
+    assert batch is not None
+    assert [type(e) for e in batch.events] == [Sent, Answered]  # once each; no Ended after it

@@ -123,7 +123,8 @@ class RunningSync:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def pool_changed(self, snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
-        """A datastore listener: peers' events for endpoints gone from the pool stop counting."""
+        """A datastore listener: the fold accepts peers' sends only to the pool's endpoints,
+        and forgets what they sent to the ones that left."""
         if kind is not ChangeKind.METRICS:
             self.fold.forget_endpoints({e.hostport for e in snapshot.all_endpoints()})
 
@@ -150,16 +151,19 @@ async def start_replica_sync(
     *,
     clock: Callable[[], float] = time.monotonic,
     wake: Callable[[], None] | None = None,
+    pool: set[str] | None = None,
 ) -> RunningSync:
     """Bind a hub to `scheduler`, bind the socket, follow the peers (ConfigError for a bad key
     or a profile without a prefill-backlog-scorer; OSError when the port is taken). `wake`:
     called after peer batches are folded in (flow control's pump: a peer's first byte may
-    release a request held for its prefill backlog), spread by `peerWakeSpreadMs`."""
+    release a request held for its prefill backlog), spread by `peerWakeSpreadMs`. `pool`: the
+    endpoints (ip:port) peers' sends may name, the datastore's at start (`pool_changed` keeps
+    it current); None accepts any (tests)."""
     key = read_key(config.key_file)
     origin = origin_name(config.origin)
     hub = _SignallingSync(origin)
     try:
-        fold = bind_scheduler(hub, scheduler)
+        fold = bind_scheduler(hub, scheduler, pool=pool)
     except ValueError as exc:
         raise ConfigError(f"spec.replicaSync: {exc}") from None
 

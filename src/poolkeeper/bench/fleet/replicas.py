@@ -280,7 +280,8 @@ class _SyncLink:
             if scheduler is None:
                 raise ValueError("sync needs a policy with a scheduler")
             hub = ReplicaSync(f"replica{k}")
-            bind_scheduler(hub, scheduler, **folds)
+            on = {part: folds.get(part, True) for part in ("index", "drain", "heads")}
+            bind_scheduler(hub, scheduler, index=on["index"], drain=on["drain"], heads=on["heads"])
             self.hubs.append(hub)
         self._delay = _EventDelay(delay_s)  # batches in flight
         # Replicas that got a peer's first byte or end since the last release: their held

@@ -11,7 +11,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Sent
 from poolkeeper.scheduling.replicasync.fold import SchedulerFold, bind_scheduler
-from poolkeeper.scheduling.replicasync.hub import ReplicaSync, clears
+from poolkeeper.scheduling.replicasync.hub import SEQ_WINDOW, ReplicaSync, clears
 from poolkeeper.scheduling.scheduler import Scheduler
 from tests.scheduling.sched_factories import NOW, key, request, scheduler, state
 
@@ -78,16 +78,21 @@ class _Sink:
         self.gone.append(origin)
 
 
-def test_deliver_refuses_own_replayed_and_stale_batches_and_accepts_gaps() -> None:
+def test_deliver_refuses_own_and_replayed_batches_and_accepts_gaps_and_reordering() -> None:
     hub, sink = ReplicaSync("a"), _Sink()
     hub.bind(sink)
     assert not hub.deliver(Batch("a", 1, (Ended("x"),)), NOW)  # its own, looped back
     assert hub.deliver(Batch("b", 1, (Ended("r1"),)), NOW)
     assert not hub.deliver(Batch("b", 1, (Ended("r1"),)), NOW)  # replayed
     assert hub.deliver(Batch("b", 5, (Ended("r5"),)), NOW)  # datagrams 2-4 lost: fine
-    assert not hub.deliver(Batch("b", 3, (Ended("r3"),)), NOW)  # reordered, older
-    assert hub.refused == 3
-    assert [(o, e) for o, e, _ in sink.folded] == [("b", Ended("r1")), ("b", Ended("r5"))]
+    # Reordered: 3 arrives after 5. Dropped, its Answered/Ended would leave a phantom backlog.
+    assert hub.deliver(Batch("b", 3, (Ended("r3"),)), NOW)
+    assert not hub.deliver(Batch("b", 3, (Ended("r3"),)), NOW)  # but only once
+    assert hub.deliver(Batch("b", 5 + SEQ_WINDOW, (Ended("r"),)), NOW)
+    assert not hub.deliver(Batch("b", 4, (Ended("r4"),)), NOW)  # too far behind to tell
+    assert hub.refused == 4
+    folded = [e for _, e, _ in sink.folded]
+    assert folded == [Ended("r1"), Ended("r5"), Ended("r3"), Ended("r")]
 
 
 def test_quiet_peers_expire_and_the_origin_table_is_bounded() -> None:

@@ -317,3 +317,15 @@ def test_two_backlog_scorers_in_one_profile_tell_each_event_once() -> None:
     batch = hub.take()
     assert batch is not None
     assert [type(e) for e in batch.events] == [Sent, Answered]  # once each; no Ended after it
+
+
+def test_an_empty_batch_keeps_its_origin_heard() -> None:
+    mine = _exact_default()
+    hub = ReplicaSync("a", peer_ttl_s=30.0)
+    bind_scheduler(hub, mine)
+    hub.deliver(Batch("b", 1, (Sent("long", A, 3000, True),)), NOW)
+    for k in range(1, 7):  # a heartbeat every 10 s, the request still in flight
+        assert hub.deliver(Batch("b", 1 + k, ()), NOW + 10.0 * k)
+    hub.expire(NOW + 65.0)
+    assert _backlog(mine).backlog.tokens(A) == 3000
+    assert hub.peers() == ["b"]

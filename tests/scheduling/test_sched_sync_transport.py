@@ -287,3 +287,13 @@ async def test_peers_of_the_other_address_family_are_mapped_or_left_out() -> Non
         assert six.peers == (("::1", 9), ("::ffff:127.0.0.1", 9))
     finally:
         six.close()
+
+
+async def test_a_heartbeat_is_an_empty_batch_sent_when_there_is_nothing_to_tell(
+    trio: list[Node],
+) -> None:
+    a, b, _c = trio
+    assert not a.transport.flush()  # nothing published: nothing sent
+    a.transport.flush(heartbeat=True)
+    await until(lambda: len(b.hub.delivered) == 1, "the heartbeat")
+    assert b.hub.delivered[0][0] == Batch("a", 0, ())

@@ -138,6 +138,15 @@ class RunningSync:
             self.wake.cancel()
 
 
+async def _heartbeat(transport: SyncTransport, interval_s: float) -> None:
+    """An empty batch every `interval_s` (a third of the peers' TTL): a replica whose requests
+    are all long and in flight tells nothing new for a while, yet must not be expired (its
+    peers would drop its entries while they still load the servers)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        transport.flush(heartbeat=True)
+
+
 async def _expire(hub: ReplicaSync, clock: Callable[[], float]) -> None:
     while True:
         await asyncio.sleep(EXPIRE_EVERY_S)
@@ -205,6 +214,9 @@ async def start_replica_sync(
     running._tasks = [
         asyncio.create_task(discovery.follow(transport.set_peers), name="replica-sync-peers"),
         asyncio.create_task(_expire(hub, clock), name="replica-sync-expire"),
+        asyncio.create_task(
+            _heartbeat(transport, hub.peer_ttl_s / 3.0), name="replica-sync-heartbeat"
+        ),
     ]
     for task in running._tasks:
         task.add_done_callback(_log_death)

@@ -185,9 +185,11 @@ class SyncTransport(asyncio.DatagramProtocol):
         if self.flush():
             self.notify()  # more than MAX_TAKES were waiting: the rest on the next iteration
 
-    def flush(self) -> bool:
+    def flush(self, *, heartbeat: bool = False) -> bool:
         """Send what the hub holds now (at most MAX_TAKES of its batches, as few datagrams as
-        the codec allows); True when it may hold more."""
+        the codec allows); True when it may hold more. `heartbeat`: send an empty batch when
+        the hub holds nothing (the peers' hubs count it as this origin heard, so a replica
+        with long requests in flight and nothing new to tell is not expired)."""
         events: list[SyncEvent] = []
         origin = self.origin
         takes = 0
@@ -195,7 +197,7 @@ class SyncTransport(asyncio.DatagramProtocol):
             takes += 1
             origin = batch.origin
             events.extend(batch.events)
-        if not events or self._socket is None:
+        if (not events and not heartbeat) or self._socket is None:
             return False
         self.stats.batches_sent += takes
         skipped: list[str] = []

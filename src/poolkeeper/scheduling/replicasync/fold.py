@@ -19,8 +19,8 @@ approximate index and, with `kvEvents`, the exact index's pending chain heads), 
   prefix scorer's approximate index for that endpoint, and adds its head as a pending head of
   the exact index (`ExactPrefixIndex.sent(own=False)`: not this EPP's send, so the engine's report
   still shows another router); `Answered` clears it as a first byte (a drain-rate sample of
-  that endpoint, stamped at delivery), `Ended` as an end; a peer gone (`ReplicaSync.expire`)
-  drops its entries.
+  that endpoint, stamped at delivery, one per endpoint per delivery instant), `Ended` as an
+  end; a peer gone (`ReplicaSync.expire`) drops its entries.
 
 Options (measured in docs/notes/2026-12-07-replica-sync.md): `index` (peers' blocks into the
 approximate index), `drain` (peers' first bytes as drain-rate samples), `heads` (peers' heads

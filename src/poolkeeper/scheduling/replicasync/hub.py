@@ -7,7 +7,8 @@ codec, UDP, discovery, in this package's other modules), and nothing else:
   outbox (`max_outbox`; when full the oldest is dropped and counted in `dropped`: a stalled
   transport must not grow memory);
 - `take()`: the events published since the last take as the next `Batch` (`seq` + 1), or
-  None when there are none (nothing to send, no heartbeat);
+  None when there are none (the transport then sends an empty batch every third of
+  `peer_ttl_s` as a heartbeat: `deliver` counts it as its origin heard);
 - `deliver(batch, now)`: a peer's batch. Refused (False) when its origin is this replica's, or
   its `seq` was seen from that origin already or is `SEQ_WINDOW` or more behind the newest seen
   (`seq_window`: a replay), or it is a new origin while `max_peers` origins are live. A gap is

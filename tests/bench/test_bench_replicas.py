@@ -350,3 +350,26 @@ def test_the_replicas_flow_control_reaches_every_replica() -> None:
 
     assert held(None) > 0
     assert held(FlowControlConfig.model_validate({"holdNewPrefixes": None})) == 0
+
+
+def test_a_peers_batch_is_never_applied_before_an_own_event_it_precedes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Batches applied only at route/release time, stamped with their due time, moved a drain
+    # clock back (a peer's first byte due at 10.5 applied after an own one at 10.7).
+    from poolkeeper.scheduling.backlog import PrefillBacklog
+
+    stamps: dict[tuple[int, str], list[float]] = {}
+    real = PrefillBacklog.first_token
+
+    def recording(self: PrefillBacklog, request_id: Any, now: float | None = None) -> bool:
+        endpoint = self.endpoint_of(request_id)
+        if now is not None and endpoint is not None:
+            stamps.setdefault((id(self), endpoint), []).append(now)
+        return real(self, request_id, now)
+
+    monkeypatch.setattr(PrefillBacklog, "first_token", recording)
+    _cold_start(4, sync_delay_s=0.05)
+    assert sum(map(len, stamps.values())) > 100
+    for times in stamps.values():
+        assert times == sorted(times)

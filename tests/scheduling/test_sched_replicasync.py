@@ -11,7 +11,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Sent
 from poolkeeper.scheduling.replicasync.fold import SchedulerFold, bind_scheduler
-from poolkeeper.scheduling.replicasync.hub import ReplicaSync, clears
+from poolkeeper.scheduling.replicasync.hub import SEQ_WINDOW, ReplicaSync, clears
 from poolkeeper.scheduling.scheduler import Scheduler
 from tests.scheduling.sched_factories import NOW, key, request, scheduler, state
 
@@ -78,16 +78,21 @@ class _Sink:
         self.gone.append(origin)
 
 
-def test_deliver_refuses_own_replayed_and_stale_batches_and_accepts_gaps() -> None:
+def test_deliver_refuses_own_and_replayed_batches_and_accepts_gaps_and_reordering() -> None:
     hub, sink = ReplicaSync("a"), _Sink()
     hub.bind(sink)
     assert not hub.deliver(Batch("a", 1, (Ended("x"),)), NOW)  # its own, looped back
     assert hub.deliver(Batch("b", 1, (Ended("r1"),)), NOW)
     assert not hub.deliver(Batch("b", 1, (Ended("r1"),)), NOW)  # replayed
     assert hub.deliver(Batch("b", 5, (Ended("r5"),)), NOW)  # datagrams 2-4 lost: fine
-    assert not hub.deliver(Batch("b", 3, (Ended("r3"),)), NOW)  # reordered, older
-    assert hub.refused == 3
-    assert [(o, e) for o, e, _ in sink.folded] == [("b", Ended("r1")), ("b", Ended("r5"))]
+    # Reordered: 3 arrives after 5. Dropped, its Answered/Ended would leave a phantom backlog.
+    assert hub.deliver(Batch("b", 3, (Ended("r3"),)), NOW)
+    assert not hub.deliver(Batch("b", 3, (Ended("r3"),)), NOW)  # but only once
+    assert hub.deliver(Batch("b", 5 + SEQ_WINDOW, (Ended("r"),)), NOW)
+    assert not hub.deliver(Batch("b", 4, (Ended("r4"),)), NOW)  # too far behind to tell
+    assert hub.refused == 4
+    folded = [e for _, e, _ in sink.folded]
+    assert folded == [Ended("r1"), Ended("r5"), Ended("r3"), Ended("r")]
 
 
 def test_quiet_peers_expire_and_the_origin_table_is_bounded() -> None:
@@ -198,9 +203,9 @@ def test_peers_may_name_at_most_max_endpoints() -> None:
     hub.deliver(Batch("b", 1, events), NOW)
     assert fold.ignored == 1
     assert set(_backlog(mine).backlog.snapshot()) == {key(1), key(2)}
-    fold.forget_endpoints({key(1)})
+    fold.forget_endpoints({key(1), key(3)})  # the pool is known now: key(2) left it
     hub.deliver(Batch("b", 2, (Sent("r9", key(3), 10, True),)), NOW)
-    assert key(3) in _backlog(mine).backlog.snapshot()
+    assert set(_backlog(mine).backlog.snapshot()) == {key(1), key(3)}
 
 
 def test_a_bound_hub_without_peers_changes_no_decision() -> None:
@@ -234,3 +239,93 @@ def test_unbind_stops_publishing() -> None:
     fold.unbind()
     s.schedule(request(prompt=SHARED, request_id="q"), _pool(), now=NOW)
     assert hub.take() is None
+
+
+def test_every_decision_is_published_even_when_a_request_id_repeats() -> None:
+    # Client x-request-ids can repeat; a dedup by the cycle's id() skipped some (ids reused).
+    s = _exact_default()
+    hub = ReplicaSync("a", max_outbox=1000)
+    bind_scheduler(hub, s)
+    pool = _pool()
+    for i in range(200):
+        s.schedule(request(prompt=f"prompt {i} " * 20, request_id="same"), pool, now=NOW + i)
+    batch = hub.take()
+    assert batch is not None
+    assert sum(isinstance(e, Sent) for e in batch.events) == 200
+
+
+def test_peers_sends_outside_the_pool_are_ignored_and_a_shrinking_pool_forgets_theirs() -> None:
+    mine = _exact_default()
+    hub = ReplicaSync("a")
+    fold = bind_scheduler(hub, mine, pool={A, B})
+    head = 12345
+    events = (
+        Sent("r1", A, 100, True, (1, 2, 3), head),
+        Sent("r2", B, 200, True, (4, 5, 6), head),
+        Sent("r3", key(9), 300, True, (7, 8, 9), head),  # not in this replica's pool
+    )
+    assert hub.deliver(Batch("b", 1, events), NOW)
+    backlog = _backlog(mine).backlog
+    prefix = _backlog(mine).prefix
+    assert prefix is not None
+    assert prefix.exact is not None
+    assert fold.ignored == 1
+    assert dict(backlog.snapshot()) == {A: 100, B: 200}
+    assert prefix.exact.heads(key(9), NOW) == 0
+    assert prefix.index.match((7, 8, 9)).get(key(9), 0) == 0
+    fold.forget_endpoints({A})  # B left the pool: what peers put there goes
+    assert dict(backlog.snapshot()) == {A: 100}
+    assert prefix.exact.heads(B, NOW) == 0
+    assert prefix.exact.heads(A, NOW) == 1
+    assert B not in prefix.index.match((4, 5, 6))
+    hub.deliver(Batch("b", 2, (Sent("r4", B, 50, True),)), NOW)
+    assert B not in backlog.snapshot()  # and stays out
+
+
+def test_a_batch_gives_at_most_one_drain_sample_per_endpoint() -> None:
+    mine = _exact_default()
+    hub = ReplicaSync("a")
+    bind_scheduler(hub, mine)
+    backlog = _backlog(mine).backlog
+    sends = tuple(Sent(f"r{i}", A, 1000, True) for i in range(4))
+    hub.deliver(Batch("b", 1, sends), NOW)
+    hub.deliver(Batch("b", 2, tuple(Answered(f"r{i}") for i in range(4))), NOW + 1.0)
+    drain = backlog._drain[A]
+    assert drain.samples == 1  # not 4: the other three would add 3,000 tokens over 0 s
+    assert len(backlog) == 0  # all four cleared
+
+
+def test_two_backlog_scorers_in_one_profile_tell_each_event_once() -> None:
+    from poolkeeper.scheduling.presets import preset_document
+
+    doc = preset_document("default")
+    doc["plugins"].append(
+        {"type": "prefill-backlog-scorer", "name": "second-backlog", "parameters": {}}
+    )
+    doc["schedulingProfiles"][0]["plugins"].append({"pluginRef": "second-backlog", "weight": 1})
+    s = scheduler(doc)
+    hub = ReplicaSync("a")
+    fold = bind_scheduler(hub, s)
+    second = s.plugins["second-backlog"]
+    assert isinstance(second, PrefillBacklogScorer)
+    assert fold.backlogs == (_backlog(s), second)  # both record own sends: both fold peers'
+    assert _backlog(s).sync is fold
+    assert second.sync is None
+    s.schedule(replace(request(prompt=SHARED, request_id="q"), stream=True), _pool(), now=NOW)
+    s.observe_first_token("q", None, NOW + 0.1)
+    s.request_ended("q")
+    batch = hub.take()
+    assert batch is not None
+    assert [type(e) for e in batch.events] == [Sent, Answered]  # once each; no Ended after it
+
+
+def test_an_empty_batch_keeps_its_origin_heard() -> None:
+    mine = _exact_default()
+    hub = ReplicaSync("a", peer_ttl_s=30.0)
+    bind_scheduler(hub, mine)
+    hub.deliver(Batch("b", 1, (Sent("long", A, 3000, True),)), NOW)
+    for k in range(1, 7):  # a heartbeat every 10 s, the request still in flight
+        assert hub.deliver(Batch("b", 1 + k, ()), NOW + 10.0 * k)
+    hub.expire(NOW + 65.0)
+    assert _backlog(mine).backlog.tokens(A) == 3000
+    assert hub.peers() == ["b"]

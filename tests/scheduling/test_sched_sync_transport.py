@@ -134,6 +134,16 @@ async def test_forged_tampered_and_replayed_datagrams_are_rejected(trio: list[No
     sock.close()
 
 
+async def test_a_reordered_datagram_is_taken_once_as_the_hub_takes_it(trio: list[Node]) -> None:
+    _a, b, _c = trio
+    to, sock = b.transport.address, forger(b)
+    for seq in (100, 98, 98, 30):  # 98 late (taken), again (a replay), 30 far behind (refused)
+        sock.sendto(Codec(KEY).encode("x", seq, (Ended(f"r{seq}"),), wall_ms())[0], to)
+    await until(lambda: b.transport.stats.rejected == {"replayed": 2}, "both replays counted")
+    assert [batch.seq for batch, _ in b.hub.delivered] == [100, 98]
+    sock.close()
+
+
 async def test_a_stranger_costs_no_tag_and_is_dropped(trio: list[Node]) -> None:
     _a, b, _c = trio
     decoded: list[bytes] = []
@@ -277,3 +287,13 @@ async def test_peers_of_the_other_address_family_are_mapped_or_left_out() -> Non
         assert six.peers == (("::1", 9), ("::ffff:127.0.0.1", 9))
     finally:
         six.close()
+
+
+async def test_a_heartbeat_is_an_empty_batch_sent_when_there_is_nothing_to_tell(
+    trio: list[Node],
+) -> None:
+    a, b, _c = trio
+    assert not a.transport.flush()  # nothing published: nothing sent
+    a.transport.flush(heartbeat=True)
+    await until(lambda: len(b.hub.delivered) == 1, "the heartbeat")
+    assert b.hub.delivered[0][0] == Batch("a", 0, ())

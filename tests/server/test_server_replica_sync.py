@@ -181,6 +181,9 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         ):
             text = await resp.text()
         assert "poolkeeper_replica_sync_peers 0.0" in text  # its own address left out
+        # Peers' sends are accepted only for the pool's endpoints, seeded at start.
+        assert runtime._sync is not None
+        assert runtime._sync.fold.pool == frozenset({f"127.0.0.1:{sim}"})
     finally:
         await runtime.stop(grace_s=0)
     # The UDP port is free again: the syncer closed its socket.

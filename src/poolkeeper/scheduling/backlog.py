@@ -179,6 +179,11 @@ class PrefillBacklog:
         """The request ended (completed, failed, cancelled) before or after its first byte."""
         return self._remove(request_id)
 
+    def endpoint_of(self, request_id: RequestKey) -> str | None:
+        """Where `request_id` was sent, if it is counted."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.endpoint
+
     def tokens(self, endpoint: str) -> int:
         """Prompt tokens sent to `endpoint` whose first byte has not come back."""
         return self._by_endpoint.get(endpoint, 0)

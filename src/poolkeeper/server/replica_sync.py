@@ -123,7 +123,8 @@ class RunningSync:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def pool_changed(self, snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
-        """A datastore listener: peers' events for endpoints gone from the pool stop counting."""
+        """A datastore listener: the fold accepts peers' sends only to the pool's endpoints,
+        and forgets what they sent to the ones that left."""
         if kind is not ChangeKind.METRICS:
             self.fold.forget_endpoints({e.hostport for e in snapshot.all_endpoints()})
 
@@ -135,6 +136,15 @@ class RunningSync:
         self.fold.unbind()
         if self.wake is not None:
             self.wake.cancel()
+
+
+async def _heartbeat(transport: SyncTransport, interval_s: float) -> None:
+    """An empty batch every `interval_s` (a third of the peers' TTL): a replica whose requests
+    are all long and in flight tells nothing new for a while, yet must not be expired (its
+    peers would drop its entries while they still load the servers)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        transport.flush(heartbeat=True)
 
 
 async def _expire(hub: ReplicaSync, clock: Callable[[], float]) -> None:
@@ -150,16 +160,19 @@ async def start_replica_sync(
     *,
     clock: Callable[[], float] = time.monotonic,
     wake: Callable[[], None] | None = None,
+    pool: set[str] | None = None,
 ) -> RunningSync:
     """Bind a hub to `scheduler`, bind the socket, follow the peers (ConfigError for a bad key
     or a profile without a prefill-backlog-scorer; OSError when the port is taken). `wake`:
     called after peer batches are folded in (flow control's pump: a peer's first byte may
-    release a request held for its prefill backlog), spread by `peerWakeSpreadMs`."""
+    release a request held for its prefill backlog), spread by `peerWakeSpreadMs`. `pool`: the
+    endpoints (ip:port) peers' sends may name, the datastore's at start (`pool_changed` keeps
+    it current); None accepts any (tests)."""
     key = read_key(config.key_file)
     origin = origin_name(config.origin)
     hub = _SignallingSync(origin)
     try:
-        fold = bind_scheduler(hub, scheduler)
+        fold = bind_scheduler(hub, scheduler, pool=pool)
     except ValueError as exc:
         raise ConfigError(f"spec.replicaSync: {exc}") from None
 
@@ -201,6 +214,9 @@ async def start_replica_sync(
     running._tasks = [
         asyncio.create_task(discovery.follow(transport.set_peers), name="replica-sync-peers"),
         asyncio.create_task(_expire(hub, clock), name="replica-sync-expire"),
+        asyncio.create_task(
+            _heartbeat(transport, hub.peer_ttl_s / 3.0), name="replica-sync-heartbeat"
+        ),
     ]
     for task in running._tasks:
         task.add_done_callback(_log_death)

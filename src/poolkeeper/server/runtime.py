@@ -412,8 +412,9 @@ class GatewayRuntime:
         if not isinstance(scheduler, Scheduler):
             raise ConfigError("spec.replicaSync: needs poolkeeper's scheduler")
         flow = self.director.flow
+        pool = {e.hostport for e in self.datastore.snapshot().all_endpoints()}
         self._sync = sync = await start_replica_sync(
-            config, scheduler, wake=flow.wake if flow is not None else None
+            config, scheduler, wake=flow.wake if flow is not None else None, pool=pool
         )
         self.metrics.registry.register(SyncCollector(sync))
         self._unsubscribe.append(self.datastore.subscribe(sync.pool_changed))

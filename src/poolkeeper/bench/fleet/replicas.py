@@ -283,7 +283,8 @@ class _SyncLink:
             if scheduler is None:
                 raise ValueError("sync needs a policy with a scheduler")
             hub = ReplicaSync(f"replica{k}")
-            bind_scheduler(hub, scheduler, **folds)
+            on = {part: folds.get(part, True) for part in ("index", "drain", "heads")}
+            bind_scheduler(hub, scheduler, index=on["index"], drain=on["drain"], heads=on["heads"])
             self.hubs.append(hub)
         self._delay = _EventDelay(delay_s)  # batches in flight
         # Replicas that got a peer's first byte or end since the last release: their held
@@ -482,6 +483,8 @@ def run(
     def first_token(result: RequestResult) -> None:
         k, _ = owner.get(result.request_id, (-1, ""))
         if k >= 0:
+            if link is not None:  # peers' batches due by now first: each replica's time runs on
+                link.deliver(result.first_token or 0.0)
             if answers_seen:  # only a router that asks Envoy for first bytes knows of them
                 routers[k].answered.add(result.request_id)
             routers[k].policy.on_first_token(result.request_id, result.first_token or 0.0)
@@ -494,6 +497,8 @@ def run(
         k, key = owner.pop(result.request_id, (-1, ""))
         if k < 0:
             return
+        if link is not None:
+            link.deliver(result.finish or 0.0)
         routers[k].inflight.get(key, {}).pop(result.request_id, None)
         routers[k].answered.discard(result.request_id)
         routers[k].policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)

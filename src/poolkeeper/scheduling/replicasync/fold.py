@@ -19,17 +19,26 @@ approximate index and, with `kvEvents`, the exact index's pending chain heads), 
   prefix scorer's approximate index for that endpoint, and adds its head as a pending head of
   the exact index (`ExactPrefixIndex.sent(own=False)`: not this EPP's send, so the engine's report
   still shows another router); `Answered` clears it as a first byte (a drain-rate sample of
-  that endpoint, stamped at delivery), `Ended` as an end; a peer gone (`ReplicaSync.expire`)
-  drops its entries.
+  that endpoint, stamped at delivery, one per endpoint per delivery instant), `Ended` as an
+  end; a peer gone (`ReplicaSync.expire`) drops its entries.
 
 Options (measured in docs/notes/2026-12-07-replica-sync.md): `index` (peers' blocks into the
 approximate index), `drain` (peers' first bytes as drain-rate samples), `heads` (peers' heads
 as pending heads).
 
 Bounded: a peer's entries live in the backlog under its caps (`max_entries`, `max_age_s`), its
-blocks in the index's per-endpoint LRU; the endpoints peers name are at most `max_endpoints`
-(events for a further one are ignored and counted, until `forget_endpoints` prunes the set as
-the pool changes).
+blocks in the index's per-endpoint LRU. With a `pool` (the server seeds it from the datastore
+and `forget_endpoints` replaces it), a peer's send to an endpoint outside it is ignored and
+counted (`ignored`): peers cannot grow state for addresses this replica does not route to; when
+the pool shrinks, what peers put there for the endpoints that left (backlog entries and drain,
+index blocks, pending heads) is forgotten through the plugins' own `forget_endpoints`. Without
+a pool (the benches, tests) the endpoints peers name are at most `max_endpoints`.
+
+Which scorers: peers' sends go to the backlog scorers the profiles run (the ones whose PostCycle
+records own sends); the first of each profile tells own events (a second one in the same
+profile would tell each first byte and end twice). With several profiles own sends reach only
+the primary profile's scorers while peers' reach all of them (the primary is chosen per
+request); the presets have one profile.
 
 Without a bound hub nothing here runs: the scorers' `sync` is None and they route as before.
 """
@@ -49,14 +58,15 @@ from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.tokens import CHARS_PER_TOKEN
 
 MAX_ENDPOINTS = 10_000  # distinct endpoints peers may name (a pool of thousands fits)
+_TOLD = "replicasync.told"  # the cycle state's mark: this decision's send is published
 
 
 class SchedulerFold:
     """One scheduler's end of cross-replica sync (the module docstring)."""
 
     __slots__ = (
-        "_endpoints", "_last_sent", "backlogs", "drain", "heads", "ignored", "index",
-        "max_endpoints", "prefix", "sync",
+        "_endpoints", "_pool", "_sampled", "_sampled_at", "backlogs", "drain", "heads",
+        "ignored", "index", "max_endpoints", "prefix", "sync",
     )  # fmt: skip
 
     def __init__(
@@ -69,6 +79,7 @@ class SchedulerFold:
         drain: bool = True,
         heads: bool = True,
         max_endpoints: int = MAX_ENDPOINTS,
+        pool: set[str] | None = None,
     ) -> None:
         if not backlogs:
             raise ValueError(
@@ -85,17 +96,21 @@ class SchedulerFold:
         self.heads = heads
         self.max_endpoints = max_endpoints
         self._endpoints: set[str] = set()  # endpoints peers named
-        # Two backlog scorers in one profile tell one decision twice: (cycle, request id).
-        self._last_sent: tuple[int, str] = (0, "")
-        self.ignored = 0  # peers' events for an endpoint past `max_endpoints`
+        self._pool: frozenset[str] | None = None if pool is None else frozenset(pool)
+        # A batch's first bytes all carry its delivery time: one drain sample per endpoint
+        # per delivery instant (the others, over 0 s, would overstate the rate).
+        self._sampled_at: float | None = None
+        self._sampled: set[str] = set()
+        self.ignored = 0  # peers' sends to an endpoint outside the pool or past `max_endpoints`
 
     # -- own events (SendTap) ---------------------------------------------------------------
 
     def sent(self, cycle: CycleState, request: LLMRequest, endpoint: str, tokens: int) -> None:
-        decision = (id(cycle), request.request_id)
-        if decision == self._last_sent:
+        # Marked in the decision's own state: a scorer instance shared by two profiles, or a
+        # retry of one request id, must neither tell one decision twice nor skip a new one.
+        if cycle.get(_TOLD) is not None:
             return
-        self._last_sent = decision
+        cycle.put(_TOLD, True)
         blocks: tuple[int, ...] = ()
         head: int | None = None
         prefix = self.prefix
@@ -123,16 +138,38 @@ class SchedulerFold:
         if isinstance(event, Sent):
             self._fold_sent(key, event, now)
         elif isinstance(event, Answered):
-            at = now if self.drain else None
             for scorer in self.backlogs:
-                scorer.backlog.first_token(key, at)
+                scorer.backlog.first_token(key, self._sample_at(scorer, key, now))
         else:
             for scorer in self.backlogs:
                 scorer.backlog.ended(key)
 
+    def _sample_at(
+        self, scorer: PrefillBacklogScorer, key: tuple[str, str], now: float
+    ) -> float | None:
+        """`now` if this first byte may be a drain sample (the first at `now` for its endpoint)."""
+        if not self.drain:
+            return None
+        endpoint = scorer.backlog.endpoint_of(key)
+        if endpoint is None:
+            return None
+        if now != self._sampled_at:
+            self._sampled_at = now
+            self._sampled.clear()
+        tag = f"{id(scorer)}:{endpoint}"
+        if tag in self._sampled:
+            return None
+        self._sampled.add(tag)
+        return now
+
     def _fold_sent(self, key: tuple[str, str], event: Sent, now: float) -> None:
         endpoint = event.endpoint
-        if endpoint not in self._endpoints:
+        pool = self._pool
+        if pool is not None:
+            if endpoint not in pool:
+                self.ignored += 1
+                return
+        elif endpoint not in self._endpoints:
             if len(self._endpoints) >= self.max_endpoints:
                 self.ignored += 1
                 return
@@ -151,10 +188,23 @@ class SchedulerFold:
         for scorer in self.backlogs:
             scorer.backlog.drop_origin(origin)
 
+    @property
+    def pool(self) -> frozenset[str] | None:
+        """The endpoints peers' sends may name (None: any, up to `max_endpoints`)."""
+        return self._pool
+
     def forget_endpoints(self, keep: set[str]) -> None:
-        """Forget the endpoints peers named that left the pool (the scheduler's plugins drop
-        their state in `Scheduler.forget_endpoints`)."""
+        """The pool is now `keep`: peers' sends elsewhere are ignored from now on, and what
+        they put for the endpoints that left is forgotten (the plugins' own forget paths)."""
+        before = self._pool if self._pool is not None else frozenset(self._endpoints)
+        self._pool = frozenset(keep)
         self._endpoints &= keep
+        if before <= self._pool:
+            return
+        for scorer in self.backlogs:
+            scorer.backlog.forget_endpoints(keep)
+        if self.prefix is not None:
+            self.prefix.forget_endpoints(keep)
 
     def unbind(self) -> None:
         """Stop telling own events (peers' batches still reach the hub's other sinks)."""
@@ -170,18 +220,28 @@ def bind_scheduler(
     index: bool = True,
     drain: bool = True,
     heads: bool = True,
+    pool: set[str] | None = None,
 ) -> SchedulerFold:
     """Bind `sync` to `scheduler`'s backlog and prefix scorers (the module docstring): its own
     sends are published to `sync`, the peers' batches `sync` accepts are folded in. The prefix
-    scorer is the one the (first) backlog scorer reads, else the scheduler's only one."""
+    scorer is the one the (first) backlog scorer reads, else the scheduler's only one. `pool`:
+    the endpoints peers' sends may name (None: any, up to `MAX_ENDPOINTS`)."""
     plugins = list(scheduler.plugins.values())
-    backlogs = [p for p in plugins if isinstance(p, PrefillBacklogScorer)]
+    # The backlog scorers some profile runs (their PostCycle records own sends): peers' sends
+    # go to them; the first of each profile tells own events (two in one profile would tell
+    # each request twice).
+    backlogs: list[PrefillBacklogScorer] = []
+    tellers: list[PrefillBacklogScorer] = []
+    for profile in scheduler.profiles.values():
+        members = [p for p in profile.post_cycles if isinstance(p, PrefillBacklogScorer)]
+        tellers += members[:1]
+        backlogs += [m for m in members if all(m is not b for b in backlogs)]
     prefix = next((b.prefix for b in backlogs if b.prefix is not None), None)
     if prefix is None:
         prefixes = [p for p in plugins if isinstance(p, PrefixCacheScorer)]
         prefix = prefixes[0] if len(prefixes) == 1 else None
-    fold = SchedulerFold(sync, backlogs, prefix, index=index, drain=drain, heads=heads)
-    for scorer in backlogs:
+    fold = SchedulerFold(sync, backlogs, prefix, index=index, drain=drain, heads=heads, pool=pool)
+    for scorer in tellers:
         scorer.sync = fold
     sync.bind(fold)
     return fold

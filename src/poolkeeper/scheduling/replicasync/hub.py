@@ -7,11 +7,13 @@ codec, UDP, discovery, in this package's other modules), and nothing else:
   outbox (`max_outbox`; when full the oldest is dropped and counted in `dropped`: a stalled
   transport must not grow memory);
 - `take()`: the events published since the last take as the next `Batch` (`seq` + 1), or
-  None when there are none (nothing to send, no heartbeat);
+  None when there are none (the transport then sends an empty batch every third of
+  `peer_ttl_s` as a heartbeat: `deliver` counts it as its origin heard);
 - `deliver(batch, now)`: a peer's batch. Refused (False) when its origin is this replica's, or
-  its `seq` is not newer than the last one seen from that origin (a replay or a reordered
-  datagram; a gap is fine: UDP loses datagrams, and a lost `Answered` only keeps a peer's entry
-  until the backlog's own age limit), or it is a new origin while `max_peers` origins are live.
+  its `seq` was seen from that origin already or is `SEQ_WINDOW` or more behind the newest seen
+  (`seq_window`: a replay), or it is a new origin while `max_peers` origins are live. A gap is
+  fine and a reordered datagram within the window is taken (UDP loses and reorders datagrams;
+  a dropped `Answered` would keep a peer's entry until the backlog's own age limit).
   Otherwise each event goes to every bound `PeerSink` (the fold into the scheduler's state,
   `fold.py`), in order;
 - `expire(now)`: an origin heard from last `peer_ttl_s` ago or earlier is forgotten, and the
@@ -42,6 +44,7 @@ from typing import Protocol
 
 from poolkeeper.scheduling.replicasync.events import Batch, Sent, SyncEvent
 
+SEQ_WINDOW = 64  # a reordered batch this many seqs behind the newest is still taken
 MAX_OUTBOX = 4096  # own events waiting for `take` (a few seconds of a busy replica)
 MAX_PEERS = 64  # origins heard at once
 PEER_TTL_S = 30.0  # an origin silent this long is gone (its entries stop counting)
@@ -51,6 +54,28 @@ def clears(batch: Batch) -> bool:
     """Whether `batch` ends some request's prefill (an `Answered` or `Ended`): delivered, it
     shrinks the backlog flow control's hold reads, so the pump should run."""
     return any(not isinstance(event, Sent) for event in batch.events)
+
+
+SeqState = tuple[int, int]  # (newest seq seen, bit i set: seq newest - i seen too)
+
+
+def seq_window(state: SeqState | None, seq: int) -> SeqState | None:
+    """The origin's state after taking `seq`, or None when `seq` is a replay: seen already,
+    or `SEQ_WINDOW` or more behind the newest (too old to tell). The transport and the hub
+    both use it, so they refuse the same batches."""
+    if state is None:
+        return (seq, 1)
+    newest, seen = state
+    if seq > newest:
+        shift = seq - newest
+        return (seq, ((seen << shift) | 1) & _FULL) if shift < SEQ_WINDOW else (seq, 1)
+    behind = newest - seq
+    if behind >= SEQ_WINDOW or (seen >> behind) & 1:
+        return None
+    return (newest, seen | (1 << behind))
+
+
+_FULL = (1 << SEQ_WINDOW) - 1
 
 
 class PeerSink(Protocol):
@@ -87,7 +112,7 @@ class ReplicaSync:
         self.peer_ttl_s = peer_ttl_s
         self._outbox: deque[SyncEvent] = deque(maxlen=max_outbox)
         self._seq = 0
-        self._last_seq: dict[str, int] = {}  # origin -> last seq delivered
+        self._last_seq: dict[str, SeqState] = {}  # origin -> the seqs delivered (`seq_window`)
         self._heard: dict[str, float] = {}  # origin -> when, in time order (oldest first)
         self._sinks: list[PeerSink] = []
         self.dropped = 0  # own events dropped from a full outbox
@@ -126,14 +151,15 @@ class ReplicaSync:
         self.expire(now)
         origin = batch.origin
         last = self._last_seq.get(origin)
+        seqs = seq_window(last, batch.seq)
         if (
             origin == self.origin
-            or (last is not None and batch.seq <= last)
+            or seqs is None
             or (last is None and len(self._last_seq) >= self.max_peers)
         ):
             self.refused += 1
             return False
-        self._last_seq[origin] = batch.seq
+        self._last_seq[origin] = seqs
         self._heard.pop(origin, None)
         self._heard[origin] = now  # last: the table stays in time order
         for event in batch.events:

@@ -13,7 +13,8 @@ from a current peer's address (checked before the codec computes anything: a str
 datagrams cost a set lookup; source addresses can be spoofed, so this only saves CPU, the tag
 is the check), authenticated (`codec.py`, which also drops anything over its `max_bytes`
 before the tag), not our own, fresh (its origin's wall clock within `max_age_s` of ours), and
-newer than the last one from that origin (replays and reordered datagrams dropped). An origin
+not a replay (`hub.seq_window`: a seq seen already or too far behind; a datagram reordered
+within the window is taken, as the hub takes it). An origin
 not heard before has no last sequence number (this replica just started, or forgot it among
 `max_origins`), so its batches must also be sent after this replica started (or forgot one)
 less `new_origin_skew_s`: a datagram captured before that cannot be replayed into a restarted
@@ -36,6 +37,7 @@ from typing import cast
 
 from poolkeeper.scheduling.replicasync.codec import ENCODE_ERRORS, Codec, Rejected
 from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
+from poolkeeper.scheduling.replicasync.hub import SeqState, seq_window
 
 log = logging.getLogger("poolkeeper.replicasync")
 
@@ -95,7 +97,7 @@ class SyncTransport(asyncio.DatagramProtocol):
         self.peers: tuple[Address, ...] = ()
         self._peer_set: frozenset[Address] = frozenset()
         self._seq = 0
-        self._last: OrderedDict[str, int] = OrderedDict()  # origin -> last seq delivered
+        self._last: OrderedDict[str, SeqState] = OrderedDict()  # origin -> seqs delivered
         self._socket: asyncio.DatagramTransport | None = None
         self._armed: asyncio.TimerHandle | asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -183,9 +185,11 @@ class SyncTransport(asyncio.DatagramProtocol):
         if self.flush():
             self.notify()  # more than MAX_TAKES were waiting: the rest on the next iteration
 
-    def flush(self) -> bool:
+    def flush(self, *, heartbeat: bool = False) -> bool:
         """Send what the hub holds now (at most MAX_TAKES of its batches, as few datagrams as
-        the codec allows); True when it may hold more."""
+        the codec allows); True when it may hold more. `heartbeat`: send an empty batch when
+        the hub holds nothing (the peers' hubs count it as this origin heard, so a replica
+        with long requests in flight and nothing new to tell is not expired)."""
         events: list[SyncEvent] = []
         origin = self.origin
         takes = 0
@@ -193,7 +197,7 @@ class SyncTransport(asyncio.DatagramProtocol):
             takes += 1
             origin = batch.origin
             events.extend(batch.events)
-        if not events or self._socket is None:
+        if (not events and not heartbeat) or self._socket is None:
             return False
         self.stats.batches_sent += takes
         skipped: list[str] = []
@@ -242,8 +246,9 @@ class SyncTransport(asyncio.DatagramProtocol):
                          batch.origin, self.max_age_ms)  # fmt: skip
             return
         last = self._last.get(batch.origin)
-        if last is not None and batch.seq <= last:
-            self._reject("replayed", "replica sync: batch %d of %s again or out of order",
+        seqs = seq_window(last, batch.seq)
+        if seqs is None:
+            self._reject("replayed", "replica sync: batch %d of %s again or too old",
                          batch.seq, batch.origin)  # fmt: skip
             return
         if last is None and decoded.sent_at_ms < self._floor_ms:
@@ -251,7 +256,7 @@ class SyncTransport(asyncio.DatagramProtocol):
                          "this replica's start (a replay, or its clock is behind)",
                          batch.seq, batch.origin)  # fmt: skip
             return
-        self._last[batch.origin] = batch.seq
+        self._last[batch.origin] = seqs
         self._last.move_to_end(batch.origin)
         while len(self._last) > self.max_origins:
             self._last.popitem(last=False)

@@ -38,7 +38,7 @@ from aiohttp import web
 from poolkeeper.backend.scraper import ScraperManager
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.source import ResourceSource, SourceFactory
-from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
+from poolkeeper.datastore.store import ChangeKind, Datastore, DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.listen_hold import hold_new_connections, waiting
@@ -418,6 +418,9 @@ class GatewayRuntime:
         )
         self.metrics.registry.register(SyncCollector(sync))
         self._unsubscribe.append(self.datastore.subscribe(sync.pool_changed))
+        # The pool may have changed while the syncer started (its socket and peers' lookups
+        # awaited): read it again now that the listener is in place, so none is missed.
+        sync.pool_changed(self.datastore.snapshot(), ChangeKind.ENDPOINTS)
 
     async def _start_conncap(
         self, config: GatewayConfig, params: BootstrapParams

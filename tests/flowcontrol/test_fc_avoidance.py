@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
 
+from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.avoidance import avoid_prefills
 from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
 from tests.scheduling.sched_factories import state
@@ -84,3 +86,26 @@ def test_unless_cached_without_avoid_prefill_tokens_is_a_precise_error() -> None
     assert FlowControlConfig.model_validate({"holdNewPrefixes": None}).asks_prefill_facts
     plain = {"holdNewPrefixes": None, "bands": {"standard": {"avoidPrefillTokens": None}}}
     assert not FlowControlConfig.model_validate(plain).asks_prefill_facts
+
+
+def test_a_released_new_prefix_is_placed_without_the_avoidance() -> None:
+    # `holdNewPrefixes.placeUnderBacklog`: the hold released a new long prefix because some
+    # endpoint is under its backlog limit, often the one just sent a prompt; placed by that
+    # room, not by the band's avoidance, which would take it away.
+    band = FlowControlConfig().bands.of(Criticality.STANDARD)
+    assert band.avoid_prefill_tokens is not None  # the default Standard band avoids
+    just_sent = [
+        replace(state(i, unseen_tokens=2100 if i == 1 else 0), seconds_per_output_token=0.01)
+        for i in range(1, 10)
+    ]  # (speeds observed and equal: the speed check lets the avoidance act)
+    assert len(avoid_prefills(just_sent, band)) == 8
+    released = band.without_avoidance()
+    assert avoid_prefills(just_sent, released) == just_sent
+    assert released.avoid_prefill_tokens is None
+    assert released.model_dump(exclude={"avoid_prefill_tokens", "avoid_prefill_unless_cached",
+        "avoid_prefill_slowdown", "avoid_prefill_min_clear"}) == band.model_dump(
+        exclude={"avoid_prefill_tokens", "avoid_prefill_unless_cached",
+                 "avoid_prefill_slowdown", "avoid_prefill_min_clear"})  # fmt: skip
+    assert PLAIN.without_avoidance().without_avoidance() == PLAIN.without_avoidance()
+    no_avoid = BandConfig()
+    assert no_avoid.without_avoidance() is no_avoid

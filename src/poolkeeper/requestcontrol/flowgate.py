@@ -390,6 +390,9 @@ class FlowGate:
         except NoReadyEndpoint:
             return True  # the pool went away: dispatch, so the scheduler answers 503 now
         band = self.config.bands.of(item.band)
+        hold = self.config.hold_new_prefixes
+        if job.released and hold is not None and hold.place_under_backlog:
+            band = band.without_avoidance()  # placed by the backlog's room (`_place`)
         now = self._clock()
         dispatcher = self._pools[job.pool]
         keep = dispatcher.kept(item, now)

@@ -197,6 +197,10 @@ class FlowPolicy:
         request = item.payload.request
         self._flows[request.request_id] = (request.model, item)
         band = self.config.bands.of(item.band)
+        hold = self.hold
+        placing = hold is not None and hold.config.place_under_backlog and released
+        if placing:  # placed by the backlog's room below, not by the avoidance
+            band = band.without_avoidance()
         facts = self.facts
         cached = None if facts is None else (lambda: facts.cached_tokens(request, now))
         if band.avoid_prefill_slowdown is not None and len(self.inner.speed):
@@ -211,8 +215,7 @@ class FlowPolicy:
             )
         else:  # sent at once: only away from a prefill just sent (`avoidPrefillTokens`)
             endpoints = self.headroom.spread(endpoints, band, cached=cached)
-        hold = self.hold
-        if hold is not None and hold.config.place_under_backlog and facts is not None and released:
+        if hold is not None and placing and facts is not None:
             # `placeUnderBacklog`: a held new long prefix goes where its release found room.
             room = hold.room(lambda: facts.uncached_tokens(request, now), facts.backlogs(endpoints))
             if room is not None:

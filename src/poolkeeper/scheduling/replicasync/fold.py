@@ -100,7 +100,7 @@ class SchedulerFold:
         # A batch's first bytes all carry its delivery time: one drain sample per endpoint
         # per delivery instant (the others, over 0 s, would overstate the rate).
         self._sampled_at: float | None = None
-        self._sampled: set[str] = set()
+        self._sampled: set[tuple[int, str]] = set()
         self.ignored = 0  # peers' sends to an endpoint outside the pool or past `max_endpoints`
 
     # -- own events (SendTap) ---------------------------------------------------------------
@@ -156,7 +156,7 @@ class SchedulerFold:
         if now != self._sampled_at:
             self._sampled_at = now
             self._sampled.clear()
-        tag = f"{id(scorer)}:{endpoint}"
+        tag = (id(scorer), endpoint)
         if tag in self._sampled:
             return None
         self._sampled.add(tag)

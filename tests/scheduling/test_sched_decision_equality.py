@@ -22,8 +22,8 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import STALE, effective_kv, saturations
 from poolkeeper.scheduling.interfaces import AffineScores, CycleState
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
-from poolkeeper.scheduling.plugins.filters import SaturationFilter
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.plugins.saturation_filter import SaturationFilter
 from poolkeeper.scheduling.plugins.scorers import (
     KvCacheScorer,
     inverse_min_max,

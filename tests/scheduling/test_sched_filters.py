@@ -15,11 +15,8 @@ from poolkeeper.errors import RequestShed
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.plugins.filters import (
-    ADAPTER_GRACE_S,
-    SaturationFilter,
-    StaleMetricsFilter,
-)
+from poolkeeper.scheduling.plugins.saturation_filter import SaturationFilter
+from poolkeeper.scheduling.plugins.stale_filter import ADAPTER_GRACE_S, StaleMetricsFilter
 from tests.scheduling.sched_factories import NOW, cycle, key, plugin, request, state
 
 

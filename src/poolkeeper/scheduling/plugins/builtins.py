@@ -36,10 +36,6 @@ from poolkeeper.scheduling.plugins.filters import (
     LoraAffinityParams,
     LowQueueFilter,
     LowQueueParams,
-    SaturationFilter,
-    SaturationFilterParams,
-    StaleMetricsFilter,
-    StaleMetricsParams,
 )
 from poolkeeper.scheduling.plugins.missgate import GatedSaturationFilter
 from poolkeeper.scheduling.plugins.pickers import (
@@ -61,6 +57,7 @@ from poolkeeper.scheduling.plugins.role_filters import (
     HeaderBasedTestingFilter,
     PrefillFilter,
 )
+from poolkeeper.scheduling.plugins.saturation_filter import SaturationFilter, SaturationFilterParams
 from poolkeeper.scheduling.plugins.scorers import (
     InflightLoadParams,
     InflightLoadScorer,
@@ -74,6 +71,7 @@ from poolkeeper.scheduling.plugins.scorers import (
     QueueScorer,
     RunningRequestsScorer,
 )
+from poolkeeper.scheduling.plugins.stale_filter import StaleMetricsFilter, StaleMetricsParams
 from poolkeeper.scheduling.plugins.ttft_scorer import PredictedTtftParams, PredictedTtftScorer
 from poolkeeper.scheduling.registry import (
     BuildContext,

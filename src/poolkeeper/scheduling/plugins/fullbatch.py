@@ -1,6 +1,6 @@
 """`FullBatches`: which endpoints run a full batch, learned from the scraped gauges.
 
-The saturation filter's `learnMaxNumSeqs` (filters.py): a queue at an engine means two
+The saturation filter's `learnMaxNumSeqs` (saturation_filter.py): a queue at an engine means two
 different things. With every batch slot taken (vLLM's `--max-num-seqs`), a waiting request
 waits for a running one to finish, about a slot's share of an answer per place in the queue;
 with a free slot it starts at the engine's next step, and the queue is only the current step's

@@ -2,7 +2,7 @@
 its full batch goes only where a request costs more there than at every endpoint kept; other
 endpoints dropped for their queue stay (the load scorers weigh them).
 
-The learned full-batch filter (`learnMaxNumSeqs`, filters.py) drops an endpoint whose full batch
+The full-batch filter (`learnMaxNumSeqs`, saturation_filter.py) drops an endpoint whose full batch
 has a queue. It is there for the prefix scorer's pull: on 8-slot engines a holder's queue
 costs more than a miss (a 2,000-token miss 0.09 s, a place in the queue 1/8 of a 1-s answer,
 five places 0.65 s). But dropping a holder on 256-slot engines in overload re-prefills the
@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import effective_waiting
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, TypedName
-from poolkeeper.scheduling.plugins.filters import SaturationFilter, SaturationFilterParams
 from poolkeeper.scheduling.plugins.prefix_affinity import PrefixHolders
+from poolkeeper.scheduling.plugins.saturation_filter import SaturationFilter, SaturationFilterParams
 from poolkeeper.scheduling.types import LLMRequest
 
 MIN_MISS_TOKENS = 512  # a miss this long is a prefill-speed sample (its step is mostly prefill)

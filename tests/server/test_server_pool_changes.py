@@ -5,18 +5,26 @@ started (server/runtime.py)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.files import file_source
 from poolkeeper.datastore.endpoint import EndpointMetrics
 from poolkeeper.datastore.store import Datastore, EndpointSpec
+from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.server import runtime as runtime_module
+from poolkeeper.server.replica_sync import RunningSync
+from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.server.wiring import build_director
 from tests.scheduling.sched_factories import NOW, request
+from tests.support.gateway_files import one_pool
 
 POOL = InferencePool.model_validate(
     {
@@ -89,3 +97,43 @@ def test_an_endpoint_that_leaves_the_pool_is_forgotten_by_the_scheduler(
     assert forgets == [{"10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}]
     _scrape(store)
     assert len(forgets) == 1
+
+
+@pytest.mark.integration
+async def test_a_pool_change_while_the_replica_syncer_starts_still_reaches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runtime reads the pool, awaits the syncer's start (its socket bound, its peers
+    # looked up), then subscribes to pool changes: a change in between reaches the syncer only
+    # through the runtime's read after subscribing. Inject one there: an endpoint joins.
+    key = tmp_path / "sync.key"
+    key.write_text("0123456789abcdef0123456789abcdef\n")
+    sync_port, sim = free_ports(2)
+    spec = (
+        f"  replicaSync: {{enabled: true, address: 127.0.0.1, port: {sync_port}, "
+        f"keyFile: {key}, peers: ['127.0.0.1:{sync_port}']}}\n"
+    )
+    runtime = GatewayRuntime(
+        ServeOptions(
+            source=file_source([one_pool(tmp_path / "cfg", sim, spec=spec)]),
+            run_envoy=False,
+            ready_wait_s=0,
+        )
+    )
+    start = runtime_module.start_replica_sync
+    joined = EndpointSpec("late-0", "127.0.0.2", port=8000, labels={"app": "sim"})
+
+    async def bound_then_changed(*args: Any, **kwargs: Any) -> RunningSync:
+        running = await start(*args, **kwargs)
+        assert running.fold.pool == frozenset({f"127.0.0.1:{sim}"})  # read before the change
+        runtime.datastore.set_endpoints([joined], source="late")
+        return running
+
+    monkeypatch.setattr(runtime_module, "start_replica_sync", bound_then_changed)
+    await runtime.start()
+    try:
+        assert runtime._sync is not None
+        # Peers' sends to the endpoint that joined are accepted: the syncer has its pool.
+        assert runtime._sync.fold.pool == frozenset({f"127.0.0.1:{sim}", "127.0.0.2:8000"})
+    finally:
+        await runtime.stop(grace_s=0)

@@ -20,7 +20,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server import runtime as runtime_module
-from poolkeeper.server.replica_sync import RunningSync
+from poolkeeper.server.replica_sync import RunningSync, start_replica_sync
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.server.wiring import build_director
 from tests.scheduling.sched_factories import NOW, request
@@ -120,11 +120,10 @@ async def test_a_pool_change_while_the_replica_syncer_starts_still_reaches_it(
             ready_wait_s=0,
         )
     )
-    start = runtime_module.start_replica_sync
     joined = EndpointSpec("late-0", "127.0.0.2", port=8000, labels={"app": "sim"})
 
     async def bound_then_changed(*args: Any, **kwargs: Any) -> RunningSync:
-        running = await start(*args, **kwargs)
+        running = await start_replica_sync(*args, **kwargs)
         assert running.fold.pool == frozenset({f"127.0.0.1:{sim}"})  # read before the change
         runtime.datastore.set_endpoints([joined], source="late")
         return running

@@ -81,7 +81,8 @@ def build_director(
         datastore.subscribe(_endpoint_follower(scheduler), metrics=True)
     if isinstance(datastore, Datastore):
         # Without it, an endpoint that left keeps its blocks, backlog and TTFT samples until
-        # the caps push them out, and counts as a prefix holder until then.
+        # the caps push them out (memory and index room taken, and a new server at the same
+        # ip:port would inherit them).
         datastore.subscribe(_endpoint_forgetter(scheduler, datastore.snapshot()))
     return director
 

@@ -48,7 +48,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.bench.fleet.replicas import with_cold_placement
+from poolkeeper.bench.fleet.replica_router import with_cold_placement
 from poolkeeper.bench.live.live import (
     READY_TIMEOUT_S,
     LiveSpec,

@@ -199,7 +199,7 @@ def test_both_drivers_ask_the_fleet_for_first_token_releases_only_with_the_hold(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The property alone (above) is not enough: each driver must pass it to the fleet.
-    from poolkeeper.bench.fleet import replicas, simrun
+    from poolkeeper.bench.fleet import replica_run, simrun
     from poolkeeper.sim.params import EngineConfig
     from poolkeeper.sim.virtual import VirtualFleet
 
@@ -217,5 +217,5 @@ def test_both_drivers_ask_the_fleet_for_first_token_releases_only_with_the_hold(
         with pytest.raises(_Stopped):
             simrun.replay([EngineConfig()], [], policy, seed=1)
     with pytest.raises(_Stopped):  # the replica driver runs the default (the hold on)
-        replicas.run(1, servers=2, duration=1.0, capacity_rps=10.0)
+        replica_run.run(1, servers=2, duration=1.0, capacity_rps=10.0)
     assert asked == [True, False, True]

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from poolkeeper.bench.fleet.replicas import replica_of, run
+from poolkeeper.bench.fleet.replica_router import replica_of
+from poolkeeper.bench.fleet.replica_run import run
 from poolkeeper.flowcontrol.config import FlowControlConfig
 
 
@@ -47,7 +48,7 @@ def test_exact_kv_events_give_every_replica_the_whole_picture() -> None:
 
 
 def test_index_memory_is_measured_per_entry() -> None:
-    from poolkeeper.bench.fleet.replicas import memory
+    from poolkeeper.bench.fleet.replica_memory import memory
 
     got = memory(20, 50)
     assert got["endpoints"] == 20
@@ -62,7 +63,7 @@ def test_index_memory_is_measured_per_entry() -> None:
 
 
 def test_subscriber_memory_follows_every_publisher() -> None:
-    from poolkeeper.bench.fleet.replicas import subscriber_memory
+    from poolkeeper.bench.fleet.replica_memory import subscriber_memory
 
     got = subscriber_memory(20)
     # Every subscription got its publisher's batch: the sockets measured were connected.
@@ -214,13 +215,13 @@ def test_a_replica_pump_runs_on_scrape_ticks_and_its_own_requests_only(
     # ends (and first bytes while its hold is on), never on another replica's: record every
     # release of every replica and each replica's own request events, and check that a
     # release off a tick follows one of that replica's own events at that instant.
-    from poolkeeper.bench.fleet import replicas as module
+    from poolkeeper.bench.fleet import replica_run as module
+    from poolkeeper.bench.fleet.replica_router import replica_policy as made
     from poolkeeper.bench.fleet.simrun import SCRAPE_INTERVAL_S
 
     releases: list[tuple[int, float]] = []
     own: set[tuple[int, float]] = set()
     made_policies: list[Any] = []
-    made = module.replica_policy
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         policy: Any = made(*args, **kwargs)
@@ -288,14 +289,15 @@ def test_sync_keeps_four_replicas_groups_together_in_a_cold_start() -> None:
 def test_with_sync_at_once_every_replica_counts_every_replicas_unanswered_sends() -> None:
     import random
 
-    from poolkeeper.bench.fleet.replicas import _Replica, _scheduler_of, _SyncLink, replica_policy
+    from poolkeeper.bench.fleet.replica_links import SyncLink
+    from poolkeeper.bench.fleet.replica_router import Replica, replica_policy, scheduler_of
     from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
     from poolkeeper.scheduling.types import LLMRequest
     from tests.scheduling.sched_factories import state
 
-    routers = [_Replica(replica_policy("poolkeeper", random.Random(k))) for k in range(4)]
-    link = _SyncLink(routers, 0.0, {})
-    schedulers = [_scheduler_of(r) for r in routers]
+    routers = [Replica(replica_policy("poolkeeper", random.Random(k))) for k in range(4)]
+    link = SyncLink(routers, 0.0, {})
+    schedulers = [scheduler_of(r) for r in routers]
     backlogs = []
     for s in schedulers:
         assert s is not None

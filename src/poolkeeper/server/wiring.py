@@ -5,8 +5,9 @@ gets `requestHandling`, the scheduler `scheduling` (and the freshness of `scrapi
 `admission` and `flowControl`. It wires the real collaborators into the Director's ports
 (`requestcontrol/ports.py`): the scheduler, the in-flight tracker (`datastore/inflight.py`), the
 gate (`build_gate`), the datastore subscription that wakes waiting requests when fresh
-metrics may mean headroom, and the one that tells the scheduler's endpoint followers (KV-event
-subscriptions) the pool's endpoints.
+metrics may mean headroom, the one that tells the scheduler's endpoint followers (KV-event
+subscriptions) the pool's endpoints, and the one that makes the scheduler forget what it keeps
+per endpoint (prefix index, prefill backlog, TTFT model) for the endpoints that left the pool.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def build_director(
     if scheduler.follows_endpoints and isinstance(datastore, Datastore):
         # KV-event subscriptions connect when the endpoints are known, not at a first decision.
         datastore.subscribe(_endpoint_follower(scheduler), metrics=True)
+    if isinstance(datastore, Datastore):
+        # Without it, an endpoint that left keeps its blocks, backlog and TTFT samples until
+        # the caps push them out (memory and index room taken, and a new server at the same
+        # ip:port would inherit them).
+        datastore.subscribe(_endpoint_forgetter(scheduler, datastore.snapshot()))
     return director
 
 
@@ -99,6 +105,22 @@ def _endpoint_follower(scheduler: Scheduler) -> Listener:
             return
         pending = False
         scheduler.follow_endpoints(e.hostport for e in snapshot.all_endpoints())
+
+    return listener
+
+
+def _endpoint_forgetter(scheduler: Scheduler, start: DatastoreSnapshot) -> Listener:
+    """A datastore listener (pool changes only, never metrics writes) calling
+    `scheduler.forget_endpoints` with the pool's endpoints when some of those in `start`, or
+    known since, have left it: once per such change, never per request."""
+    known = {e.hostport for e in start.all_endpoints()}
+
+    def listener(snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
+        nonlocal known
+        current = {e.hostport for e in snapshot.all_endpoints()}
+        if not known <= current:
+            scheduler.forget_endpoints(current)
+        known = current
 
     return listener
 

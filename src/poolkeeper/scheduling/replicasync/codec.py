@@ -8,13 +8,26 @@ that trust nothing they cannot verify. Every datagram is
 
 big-endian, an event being `kind u8 | request id (u8 length, UTF-8)` and, for `Sent`,
 `endpoint (u8 length) | tokens u32 | flags u8 | head (8 bytes, if flagged) | block count u16 |
-blocks (8 bytes each)`. Hashes are 64-bit: unsigned unless flagged signed (engines' hashes may
-be negative), so a peer gets back exactly the integers the origin holds. A request id longer
-than 255 bytes travels as a digest of itself (the same for its `Sent`, `Answered` and `Ended`:
-peers only match them). Nothing is parsed before the tag is verified (constant-time compare);
-every bound is checked; any problem is a `Rejected` with one of `REASONS`, never another
-exception. A batch too big for one datagram is split into several with consecutive sequence
-numbers (`encode`).
+blocks (8 bytes each)`; since version 2 the last event may be the origin's `Open` statement
+(kind 4, counted among the events): `shift u8 | residue u32 | digest count u16 | digests (8
+bytes each, unsigned)`, each digest in its slice (modulo `2**shift` equal to `residue`).
+Hashes are 64-bit: unsigned unless flagged signed (engines' hashes may be negative), so a peer
+gets back exactly the integers the origin holds. A request id longer than 255 bytes travels as a
+digest of itself (the same for its `Sent`, `Answered` and `Ended`: peers only match them).
+Nothing is parsed before the tag is verified (constant-time compare); every bound is checked;
+any problem is a `Rejected` with one of `REASONS`, never another exception. A batch too big for
+one datagram is split into several with consecutive sequence numbers (`encode`); its statement
+rides the last.
+
+Versions: this replica sends `VERSION` (2) and reads `VERSIONS` (1 and 2; version 1 had no
+`Open`), so during a rolling upgrade from version 1 the upgraded replicas hear the old ones,
+while the old ones reject the upgraded ones' datagrams as "version" (each side still routes;
+the old ones only miss the new ones' sends until they are replaced too).
+
+Keys: a `Codec` holds one or more keys (`MAX_KEYS`): the first signs, every one verifies, so a
+key is rotated without a window in which replicas reject each other (docs/kubernetes.md);
+`verified_old` counts datagrams verified by a key other than the first (0 for a while: every
+replica signs with the new key, the old one can go).
 
 Why datagrams are small (`max_bytes`, default `DEFAULT_DATAGRAM`): a datagram over the path's
 MTU leaves as IP fragments, and losing any fragment loses it (some overlays drop fragmented
@@ -39,12 +52,16 @@ from poolkeeper.scheduling.replicasync.events import (
     Answered,
     Batch,
     Ended,
+    Open,
     Sent,
     SyncEvent,
 )
 
 MAGIC: Final = b"PKRS"
-VERSION: Final = 1
+VERSION: Final = 2
+VERSIONS: Final = (1, 2)  # read (module docstring: rolling upgrades)
+MAX_KEYS: Final = 4  # keys verified at once (a rotation needs 2)
+MAX_SHIFT: Final = 32  # an `Open` slice's shift (the statement makes at most 16)
 DEFAULT_DATAGRAM: Final = 1_232  # bytes: unfragmented on any IPv6 path (module docstring)
 MIN_DATAGRAM: Final = 1_024  # a Sent with the longest names and a few blocks still fits
 MAX_DATAGRAM: Final = 65_000  # under the 65,507-byte IPv4 UDP payload
@@ -54,6 +71,8 @@ MAX_ID_BYTES: Final = 255
 _HEAD = struct.Struct(">4sBQQ")  # magic, version, sent_at_ms, seq
 _U8, _U16, _U32 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I")
 _KIND = {Sent: 1, Answered: 2, Ended: 3}
+_OPEN = 4
+_OPEN_HEAD = struct.Struct(">BBIH")  # kind, shift, residue, digest count
 _SEEN, _HAS_HEAD, _HEAD_SIGNED, _BLOCKS_SIGNED = 1, 2, 4, 8
 _FLAGS = _SEEN | _HAS_HEAD | _HEAD_SIGNED | _BLOCKS_SIGNED
 # What encoding something the format cannot carry raises (a bad field or a non-event: our bug,
@@ -134,22 +153,59 @@ def _event(event: SyncEvent, room: int) -> tuple[bytes, bool]:
     return raw + _U16.pack(count) + blocks[: 8 * count], count < len(event.blocks)
 
 
-class Codec:
-    """Batches to datagrams and back under one shared key (at least `MIN_KEY_BYTES`)."""
+def _open(statement: Open) -> bytes:
+    if not 0 <= statement.shift <= MAX_SHIFT:
+        raise ValueError(f"Open shift {statement.shift} out of 0-{MAX_SHIFT}")
+    mask = (1 << statement.shift) - 1
+    if not 0 <= statement.residue <= mask:
+        raise ValueError(f"Open residue {statement.residue} out of its {mask + 1} slices")
+    if any(v & mask != statement.residue for v in statement.digests):
+        raise ValueError("an Open digest outside its slice")
+    values = sorted(statement.digests)
+    raw, signed = _hashes(values)
+    if signed:
+        raise ValueError("Open digests must be unsigned 64-bit integers")
+    head = _OPEN_HEAD.pack(_OPEN, statement.shift, statement.residue, len(values))
+    return head + raw
 
-    def __init__(self, key: bytes, *, max_bytes: int = DEFAULT_DATAGRAM) -> None:
-        if len(key) < MIN_KEY_BYTES:
+
+class Codec:
+    """Batches to datagrams and back under shared keys (each at least `MIN_KEY_BYTES`, at
+    most `MAX_KEYS`): the first signs, all verify (the module docstring)."""
+
+    def __init__(self, keys: bytes | Sequence[bytes], *, max_bytes: int = DEFAULT_DATAGRAM) -> None:
+        keys = [keys] if isinstance(keys, bytes) else list(keys)
+        if not 1 <= len(keys) <= MAX_KEYS:
+            raise ValueError(f"1-{MAX_KEYS} sync keys, not {len(keys)}")
+        if any(len(key) < MIN_KEY_BYTES for key in keys):
             raise ValueError(f"the sync key must be at least {MIN_KEY_BYTES} bytes")
         if not MIN_DATAGRAM <= max_bytes <= MAX_DATAGRAM:
             raise ValueError(f"max_bytes must be {MIN_DATAGRAM}-{MAX_DATAGRAM}, not {max_bytes}")
-        self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        self._macs = [hmac.new(key, digestmod=hashlib.sha256) for key in keys]
         self.max_bytes = max_bytes
         self.trimmed = 0  # Sents sent without their blocks' tail (monotonic)
+        self.verified_old = 0  # datagrams verified by a key other than the first (rotation)
 
-    def _tag(self, body: bytes) -> bytes:
-        mac = self._mac.copy()
+    def _tag(self, body: bytes, key: int = 0) -> bytes:
+        """`body`'s tag under key `key` (the first signs)."""
+        mac = self._macs[key].copy()
         mac.update(body)
         return mac.digest()
+
+    def _verify(self, body: bytes, tag: bytes) -> bool:
+        # Every key is tried (no early exit): the time spent does not say which one matched.
+        matched = [hmac.compare_digest(self._tag(body, i), tag) for i in range(len(self._macs))]
+        if matched[0]:
+            return True
+        if any(matched):
+            self.verified_old += 1
+            return True
+        return False
+
+    def room(self, origin: str) -> int:
+        """How many `Open` digests fit one datagram from `origin` beside nothing else."""
+        fixed = _HEAD.size + 1 + len(_text(origin, "origin")) + _U16.size + TAG_BYTES
+        return (self.max_bytes - fixed - _OPEN_HEAD.size) // 8
 
     def encode(
         self,
@@ -159,12 +215,15 @@ class Codec:
         sent_at_ms: int,
         *,
         skipped: list[str] | None = None,
+        open_sends: Open | None = None,
     ) -> list[bytes]:
         """`events` from `origin` as datagrams numbered `seq`, `seq + 1`, ... (one unless they
-        do not fit `max_bytes`). What the format cannot carry (an empty or over-long origin or
-        endpoint, too many blocks, an out-of-range number or a wrong type: our bug, not a
-        peer's) raises ValueError; given `skipped`, such an event is left out instead and its
-        problem appended there (one bad event costs only itself)."""
+        do not fit `max_bytes`), `open_sends` in the last (a datagram of its own when it does
+        not fit beside the events; ValueError when it does not fit one at all: `room`). What
+        the format cannot carry (an empty or over-long origin or endpoint, too many blocks, an
+        out-of-range number or a wrong type: our bug, not a peer's) raises
+        ValueError; given `skipped`, such an event is left out instead and its problem appended
+        there (one bad event costs only itself)."""
         name = _text(origin, "origin")
         fixed = _HEAD.size + 1 + len(name) + _U16.size + TAG_BYTES
         chunks: list[list[bytes]] = [[]]
@@ -190,7 +249,17 @@ class Codec:
             chunks[-1].append(raw)
             size += len(raw)
         if events and not chunks[0]:
-            return []  # every event was skipped
+            if open_sends is None:
+                return []  # every event was skipped
+            chunks, size = [[]], fixed
+        if open_sends is not None:
+            raw = _open(open_sends)
+            if fixed + len(raw) > self.max_bytes:
+                raise ValueError(f"an Open of {len(open_sends.digests)} digests exceeds "
+                                 f"{self.max_bytes} bytes")  # fmt: skip
+            if size + len(raw) > self.max_bytes or len(chunks[-1]) == 0xFFFF:
+                chunks.append([])
+            chunks[-1].append(raw)
         out = []
         for i, chunk in enumerate(chunks):
             body = b"".join(
@@ -209,13 +278,16 @@ class Codec:
         magic, version, sent_at_ms, seq = _HEAD.unpack_from(data)
         if magic != MAGIC:
             raise Rejected("magic", "not a replica-sync datagram")
-        if version != VERSION:
-            raise Rejected("version", f"version {version}, this replica reads {VERSION}")
+        if version not in VERSIONS:
+            raise Rejected(
+                "version",
+                f"version {version}, this replica reads versions {VERSIONS[0]}-{VERSIONS[-1]}",
+            )
         body, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
-        if not hmac.compare_digest(self._tag(body), tag):
-            raise Rejected("auth", "the tag does not match the shared key")
+        if not self._verify(body, tag):
+            raise Rejected("auth", "the tag does not match any shared key")
         try:
-            return Decoded(_Reader(body, _HEAD.size).batch(seq), sent_at_ms)
+            return Decoded(_Reader(body, _HEAD.size, version).batch(seq), sent_at_ms)
         except (struct.error, UnicodeDecodeError, IndexError) as exc:
             raise Rejected("malformed", f"truncated or invalid field ({exc})") from None
 
@@ -223,8 +295,8 @@ class Codec:
 class _Reader:
     """Bounds-checked reads from an authenticated body (any overrun raises struct.error)."""
 
-    def __init__(self, data: bytes, at: int) -> None:
-        self.data, self.at = data, at
+    def __init__(self, data: bytes, at: int, version: int) -> None:
+        self.data, self.at, self.version = data, at, version
 
     def _take(self, n: int) -> bytes:
         if self.at + n > len(self.data):
@@ -248,13 +320,35 @@ class _Reader:
 
     def batch(self, seq: int) -> Batch:
         origin = self._text("origin")
-        events = tuple(self._event() for _ in range(self._num(_U16)))
+        count = self._num(_U16)
+        events: list[SyncEvent] = []
+        statement: Open | None = None
+        for i in range(count):
+            kind = self._num(_U8)
+            if kind != _OPEN:
+                events.append(self._event(kind))
+            elif self.version < 2:
+                raise Rejected("malformed", f"event kind {_OPEN} (Open) in version {self.version}")
+            elif i != count - 1:
+                raise Rejected("malformed", "an Open statement before the last event")
+            else:
+                statement = self._open()
         if self.at != len(self.data):
             raise Rejected("malformed", f"{len(self.data) - self.at} bytes after the events")
-        return Batch(origin, seq, events)
+        return Batch(origin, seq, tuple(events), statement)
 
-    def _event(self) -> SyncEvent:
-        kind = self._num(_U8)
+    def _open(self) -> Open:
+        shift = self._num(_U8)
+        residue = self._num(_U32)
+        if shift > MAX_SHIFT or residue >> shift:
+            raise Rejected("malformed", f"Open slice {residue} of 2**{shift}")
+        digests = self._hashes(self._num(_U16), False)
+        mask = (1 << shift) - 1
+        if any(v & mask != residue for v in digests):
+            raise Rejected("malformed", "an Open digest outside its slice")
+        return Open(shift, residue, frozenset(digests))
+
+    def _event(self, kind: int) -> SyncEvent:
         rid = self._text("request id")
         if kind == 2:
             return Answered(rid)

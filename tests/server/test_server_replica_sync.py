@@ -24,6 +24,7 @@ from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.replica_sync import (
     SpreadWake,
     SyncCollector,
+    key_missing,
     origin_name,
     read_keys,
     start_replica_sync,
@@ -240,6 +241,47 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
     # The UDP port is free again: the syncer closed its socket.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", sync_port))
+
+
+async def test_a_missing_optional_key_starts_the_runtime_without_sync(
+    tmp_path: Path, key_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sync_port, sim = free_ports(2)
+    missing = tmp_path / "secret" / "key"  # an optional Secret volume, the Secret not created
+    spec = (
+        f"  replicaSync: {{enabled: true, keyOptional: true, address: 127.0.0.1, "
+        f"port: {sync_port}, keyFile: {missing}, peers: ['127.0.0.1:{sync_port}']}}\n"
+    )
+    runtime = GatewayRuntime(
+        ServeOptions(
+            source=file_source([one_pool(tmp_path / "cfg", sim, spec=spec)]),
+            run_envoy=False,
+            ready_wait_s=0,
+        )
+    )
+    await runtime.start()
+    try:
+        assert runtime._sync is None
+        assert f"replica sync stays off: spec.replicaSync.keyFile {missing} does not exist" in (
+            caplog.text
+        )
+        assert "kubectl create secret generic" in caplog.text
+    finally:
+        await runtime.stop(grace_s=0)
+
+
+def test_only_a_missing_file_is_optional(tmp_path: Path, key_file: Path) -> None:
+    section = ReplicaSyncConfig(
+        enabled=True, peers=["127.0.0.1:1"], key_file=str(tmp_path / "nope"), key_optional=True
+    )
+    assert key_missing(section) is not None
+    assert key_missing(section.model_copy(update={"key_optional": False})) is None  # it fails
+    assert key_missing(section.model_copy(update={"key_file": str(key_file)})) is None
+    short = tmp_path / "short"
+    short.write_text("short\n")  # present but bad: the start still stops, at read_keys
+    assert key_missing(section.model_copy(update={"key_file": str(short)})) is None
+    with pytest.raises(ConfigError, match="line 1 holds 5 bytes"):
+        read_keys(str(short))
 
 
 async def test_peer_wakes_are_spread_and_coalesced() -> None:

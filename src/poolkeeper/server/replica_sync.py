@@ -97,6 +97,19 @@ def origin_name(configured: str | None) -> str:
     return f"{base.encode()[:_NAME_BYTES].decode(errors='ignore')}-{secrets.token_hex(4)}"
 
 
+def key_missing(config: ReplicaSyncConfig) -> str | None:
+    """Why sync stays off (`keyOptional` and no key file yet), or None: start it."""
+    path = config.key_file
+    if not config.key_optional or not path or Path(path).exists():
+        return None
+    return (
+        f"replica sync stays off: spec.replicaSync.keyFile {path} does not exist (keyOptional). "
+        "Create the shared key (e.g. the Secret the deployment mounts there: kubectl create "
+        'secret generic <pool>-epp-sync --from-literal=key="$(head -c 32 /dev/urandom | '
+        'base64)") and restart the replicas'
+    )
+
+
 def read_keys(path: str | None) -> list[bytes]:
     """The shared keys in `path` (`config.parse_keys`: the first signs); ConfigError naming the
     field, the file and the line otherwise."""

@@ -57,6 +57,12 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     of them (at most 4), so a key is rotated without a window in which replicas reject each
     other (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at
     start."""
+    key_optional: bool = False
+    """A `keyFile` that does not exist leaves sync off (a warning at start says how to create
+    it) instead of stopping the start: the shipped deployment has sync on and mounts its key
+    Secret as an optional volume, so it runs before the Secret exists and syncs once it does
+    (from the next start). A key file that exists but cannot be read or holds a bad key still
+    stops the start: sync never runs unauthenticated."""
     reconcile_interval_ms: int = Field(default=1000, ge=100, le=10_000)
     """How often a replica tells its peers which of its sends are still open (also its
     heartbeat): a peer drops the entries the statement no longer lists, so one whose first

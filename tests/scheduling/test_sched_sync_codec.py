@@ -278,3 +278,23 @@ def test_every_key_verifies_the_first_signs_and_old_key_use_is_counted() -> None
         Codec([KEY] * 5)
     with pytest.raises(ValueError, match="at least 16"):
         Codec([KEY, b"short"])
+
+
+@st.composite
+def _statements(draw: st.DrawFn) -> Open:
+    shift = draw(st.integers(0, 8))
+    residue = draw(st.integers(0, (1 << shift) - 1))
+    highs = draw(st.lists(st.integers(0, (1 << (64 - shift)) - 1), max_size=100))
+    return Open(shift, residue, frozenset(h << shift | residue for h in highs))
+
+
+@given(events=EVENTS, statement=_statements(), seq=st.integers(0, 2**40))
+def test_a_batch_with_its_statement_comes_back_exactly(
+    events: tuple[Sent | Answered | Ended, ...], statement: Open, seq: int
+) -> None:
+    codec = Codec(KEY, max_bytes=MAX_DATAGRAM)
+    datagrams = codec.encode("pod-a", seq, events, 0, open_sends=statement)
+    batches = [codec.decode(d).batch for d in datagrams]
+    assert [b.seq for b in batches] == list(range(seq, seq + len(datagrams)))
+    assert tuple(e for b in batches for e in b.events) == events
+    assert [b.open for b in batches] == [None] * (len(batches) - 1) + [statement]

@@ -7,16 +7,7 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
-from poolkeeper.scheduling.replicasync.codec import (
-    DEFAULT_DATAGRAM,
-    MAX_DATAGRAM,
-    MAX_ID_BYTES,
-    REASONS,
-    TAG_BYTES,
-    Codec,
-    Rejected,
-    wire_id,
-)
+from poolkeeper.scheduling.replicasync.codec import Codec
 from poolkeeper.scheduling.replicasync.events import (
     MAX_BLOCKS,
     Answered,
@@ -24,6 +15,15 @@ from poolkeeper.scheduling.replicasync.events import (
     Ended,
     Open,
     Sent,
+)
+from poolkeeper.scheduling.replicasync.wire import (
+    DEFAULT_DATAGRAM,
+    MAX_DATAGRAM,
+    MAX_ID_BYTES,
+    REASONS,
+    TAG_BYTES,
+    Rejected,
+    wire_id,
 )
 
 KEY = b"k" * 32

@@ -173,7 +173,7 @@ def test_a_quiet_peers_tracked_sends_go_with_it() -> None:
 
 
 def test_digests_match_across_the_wire_form_of_long_ids() -> None:
-    from poolkeeper.scheduling.replicasync.codec import wire_id
+    from poolkeeper.scheduling.replicasync.wire import wire_id
 
     long = "x" * 300
     assert digest(long) == digest(wire_id(long).decode())  # what the receiver holds

@@ -15,14 +15,9 @@ from pydantic import Field, field_validator, model_validator
 
 from poolkeeper.api.fielderrors import go_value, rule_error
 from poolkeeper.hostport import split_hostport
-from poolkeeper.scheduling.replicasync.codec import (
-    DEFAULT_DATAGRAM,
-    MAX_DATAGRAM,
-    MAX_KEYS,
-    MIN_DATAGRAM,
-    MIN_KEY_BYTES,
-)
+from poolkeeper.scheduling.replicasync.codec import MAX_KEYS, MIN_KEY_BYTES
 from poolkeeper.scheduling.replicasync.discovery import check_name, parse_peers
+from poolkeeper.scheduling.replicasync.wire import DEFAULT_DATAGRAM, MAX_DATAGRAM, MIN_DATAGRAM
 from poolkeeper.schema import CamelModel, Port
 
 DEFAULT_PORT = 9010

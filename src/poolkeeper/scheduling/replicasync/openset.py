@@ -34,8 +34,8 @@ from collections.abc import Iterable
 
 import xxhash
 
-from poolkeeper.scheduling.replicasync.codec import wire_id
 from poolkeeper.scheduling.replicasync.events import Open
+from poolkeeper.scheduling.replicasync.wire import wire_id
 
 MAX_SHIFT = 16  # at most 65,536 slices: far more open sends than any backlog holds
 MAX_TRACKED = 65_536  # peers' open sends a receiver tracks (the backlog's default cap)

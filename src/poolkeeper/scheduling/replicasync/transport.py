@@ -36,9 +36,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
-from poolkeeper.scheduling.replicasync.codec import ENCODE_ERRORS, Codec, Rejected
+from poolkeeper.scheduling.replicasync.codec import ENCODE_ERRORS, Codec
 from poolkeeper.scheduling.replicasync.events import Batch, Open, SyncEvent
 from poolkeeper.scheduling.replicasync.hub import SeqState, seq_window
+from poolkeeper.scheduling.replicasync.wire import Rejected
 
 log = logging.getLogger("poolkeeper.replicasync")
 

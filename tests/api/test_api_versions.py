@@ -13,7 +13,8 @@ from poolkeeper.api.kinds import default_registry
 from poolkeeper.api.meta import ApiObject
 from poolkeeper.api.status import POOL_GROUPS
 from poolkeeper.api.versions import GENERATIONS, Generation, fallback_applies, groups_of
-from poolkeeper.cli.deploy_objects import DeployParams, role_rules
+from poolkeeper.cli.deploy_objects import role_rules
+from poolkeeper.cli.deploy_params import DeployParams
 from poolkeeper.controller.kubernetes.objects import MODEL_KINDS, POLICY_KINDS, POOL_KINDS
 
 ROWS = {(row.api_version, row.kind): row for row in GENERATIONS}

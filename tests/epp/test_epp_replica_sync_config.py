@@ -75,8 +75,13 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
     assert section["flushIntervalMs"] == 5.0  # the interval: how long decisions gather
     assert section["peerWakeSpreadMs"] == 20
     assert section["maxDatagramBytes"] == 1232
-    more = text.replace("resolveInterval: 2s", "resolveInterval: 2s, maxDatagramBytes: 1400")
+    assert section["reconcileIntervalMs"] == 1000
+    more = text.replace(
+        "resolveInterval: 2s",
+        "resolveInterval: 2s, maxDatagramBytes: 1400, reconcileInterval: 250ms",
+    )
     assert _translate(more)["maxDatagramBytes"] == 1400
+    assert _translate(more)["reconcileIntervalMs"] == 250
 
 
 @pytest.mark.parametrize(
@@ -122,6 +127,11 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
             PLUGINS.replace("resolveInterval: 2s", "resolveInterval: 1ms")
             + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
             "sync.parameters.resolveInterval: Input should be greater than or equal to 100",
+        ),
+        (
+            PLUGINS.replace("resolveInterval: 2s", "reconcileInterval: 20s")
+            + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
+            "sync.parameters.reconcileInterval: Input should be less than or equal to 10000",
         ),
         (
             PLUGINS + "dataLayer: {crossReplicaSyncerPluginRef: sync, "

@@ -22,12 +22,8 @@ import yaml
 from poolkeeper.api.crds import custom_resource_definitions
 from poolkeeper.api.load import load_paths
 from poolkeeper.cli.dashboard import PANELS
-from poolkeeper.cli.deploy_objects import (
-    DRAIN_GRACE_S,
-    TERMINATION_GRACE_S,
-    DeployParams,
-    role_rules,
-)
+from poolkeeper.cli.deploy_objects import role_rules
+from poolkeeper.cli.deploy_params import DRAIN_GRACE_S, TERMINATION_GRACE_S, DeployParams
 from poolkeeper.cli.main import main
 from poolkeeper.config.gateway import GatewayConfig
 
@@ -183,9 +179,10 @@ def test_epp_deployment_shape() -> None:
     assert config.spec.listeners.address == "0.0.0.0"
     ports = {p["name"]: p["port"] for p in objs["Service"]["spec"]["ports"]}
     assert ports == {"grpc-ext-proc": config.spec.listeners.ext_proc, "http-metrics": 9090}
-    # Cross-replica sync: prepared, off until the Secret exists and it is turned on.
+    # Cross-replica sync: on, keyed by an optional Secret the operator creates (no key here).
     sync = config.spec.replica_sync
-    assert sync.enabled is False
+    assert sync.enabled is True
+    assert sync.key_optional is True  # before the Secret exists the replicas route alone
     (peers,) = [d for d in docs("epp.yaml") if d["metadata"]["name"] == "llm-pool-epp-peers"]
     assert peers["spec"]["clusterIP"] == "None"
     assert sync.service_address() == ("llm-pool-epp-peers.default.svc", sync.port)
@@ -304,3 +301,13 @@ def test_dockerfile_has_a_slim_kubernetes_target_without_envoy() -> None:
     slim = text.split("AS kubernetes")[1].split("FROM ")[0]
     assert "/install-kubernetes" in slim
     assert "rm -f /install-kubernetes/lib/python3.11/site-packages/envoy/_bin/envoy" in text
+
+
+def test_no_key_or_secret_is_shipped() -> None:
+    """Sync is on in deploy/, but its key is the operator's: a Secret in a committed (public)
+    file would be every user's key."""
+    for path in sorted(DEPLOY.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc is None or doc.get("kind") != "Secret", path
+    text = (DEPLOY / "epp.yaml").read_text()
+    assert "head -c 32 /dev/urandom" in text  # the ConfigMap says how to make one

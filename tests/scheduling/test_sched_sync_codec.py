@@ -7,17 +7,24 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
-from poolkeeper.scheduling.replicasync.codec import (
+from poolkeeper.scheduling.replicasync.codec import Codec
+from poolkeeper.scheduling.replicasync.events import (
+    MAX_BLOCKS,
+    Answered,
+    Batch,
+    Ended,
+    Open,
+    Sent,
+)
+from poolkeeper.scheduling.replicasync.wire import (
     DEFAULT_DATAGRAM,
     MAX_DATAGRAM,
     MAX_ID_BYTES,
     REASONS,
     TAG_BYTES,
-    Codec,
     Rejected,
     wire_id,
 )
-from poolkeeper.scheduling.replicasync.events import MAX_BLOCKS, Answered, Batch, Ended, Sent
 
 KEY = b"k" * 32
 IDS = st.text(min_size=1, max_size=40).filter(lambda s: 0 < len(s.encode()) <= MAX_ID_BYTES)
@@ -152,7 +159,7 @@ def test_each_kind_of_bad_datagram_has_its_reason() -> None:
     assert _reason(good[:10]) == "short"
     assert _reason(b"x" * (MAX_DATAGRAM + 1)) == "oversized"
     assert _reason(b"XXXX" + good[4:]) == "magic"
-    assert _reason(good[:4] + bytes([2]) + good[5:]) == "version"
+    assert _reason(good[:4] + bytes([3]) + good[5:]) == "version"
     flipped = bytearray(good)
     flipped[-TAG_BYTES - 1] ^= 1  # the last event byte: the tag no longer matches
     assert _reason(bytes(flipped)) == "auth"
@@ -199,3 +206,95 @@ def test_authenticated_garbage_is_rejected_never_raised_otherwise(tail: bytes, a
     except Rejected as exc:
         reasons.append(exc.reason)
     assert set(reasons) <= {"malformed", "short", "magic", "version"}
+
+
+# -- version 2: the open statement, several keys -----------------------------------------------
+
+
+def _version_1(codec: Codec, events: tuple[Sent | Answered | Ended, ...]) -> bytes:
+    """A datagram as a version-1 replica sends it (the same body, version byte 1)."""
+    body = codec.encode("old", 9, events, 0)[0][:-TAG_BYTES]
+    body = body[:4] + bytes([1]) + body[5:]
+    return body + codec._tag(body)
+
+
+def test_an_open_statement_rides_the_last_datagram_and_comes_back_exactly() -> None:
+    codec = Codec(KEY)
+    room = codec.room("pod-a")
+    assert 130 <= room <= 150  # about 140 digests in a default datagram
+    values = frozenset(v << 3 | 5 for v in range(room))  # all in slice 5 of 8
+    statement = Open(3, 5, values)
+    (alone,) = codec.encode("pod-a", 7, (), 0, open_sends=statement)
+    assert codec.decode(alone).batch == Batch("pod-a", 7, (), statement)
+    events = tuple(Ended(f"r{i}") for i in range(5))
+    two = codec.encode("pod-a", 7, events, 0, open_sends=statement)
+    assert [codec.decode(d).batch for d in two] == [
+        Batch("pod-a", 7, events),
+        Batch("pod-a", 8, (), statement),  # no room beside the events: its own, last
+    ]
+    with pytest.raises(ValueError, match="exceeds"):
+        codec.encode("pod-a", 7, (), 0, open_sends=Open(0, 0, frozenset(range(room + 1))))
+    with pytest.raises(ValueError, match="outside its slice"):
+        codec.encode("pod-a", 7, (), 0, open_sends=Open(1, 0, frozenset({1})))
+
+
+def test_a_version_1_datagram_is_still_read_and_the_statement_needs_version_2() -> None:
+    codec = Codec(KEY)
+    events = (Sent("r", "h:1", 5, True, (1, 2), 3), Ended("q"))
+    assert codec.decode(_version_1(codec, events)).batch == Batch("old", 9, events)
+    body = codec.encode("b", 1, (), 0, open_sends=Open(0, 0, frozenset({4})))[0][:-TAG_BYTES]
+    assert _reason(_signed(body[:4] + bytes([1]) + body[5:])) == "malformed"
+
+
+def test_a_statement_out_of_its_place_or_slice_is_malformed() -> None:
+    codec = Codec(KEY)
+    ok = codec.encode("b", 1, (), 0, open_sends=Open(1, 1, frozenset({3})))[0][:-TAG_BYTES]
+    head = struct.calcsize(">4sBQQ") + 1 + 1  # to the event count
+    # the digest 3 relabelled as slice 0 of 2
+    at = head + 2 + 2  # kind, shift, then the residue u32
+    assert _reason(_signed(ok[:at] + struct.pack(">I", 0) + ok[at + 4 :])) == "malformed"
+    # a residue that is not a slice of 2**shift
+    assert _reason(_signed(ok[:at] + struct.pack(">I", 2) + ok[at + 4 :])) == "malformed"
+    # a statement followed by another event
+    end = codec.encode("b", 1, (Ended("r"),), 0)[0][:-TAG_BYTES]
+    tail = end[head + 2 :]
+    two = ok[:head] + struct.pack(">H", 2) + ok[head + 2 :] + tail
+    assert _reason(_signed(two)) == "malformed"
+
+
+def test_every_key_verifies_the_first_signs_and_old_key_use_is_counted() -> None:
+    old, new = b"o" * 32, b"n" * 32
+    on_old = Codec(old).encode("a", 1, (Ended("r"),), 0)[0]
+    rotating = Codec([new, old])
+    assert rotating.decode(on_old).batch == Batch("a", 1, (Ended("r"),))
+    assert rotating.verified_old == 1
+    signed = rotating.encode("b", 1, (Ended("r"),), 0)[0]
+    assert Codec(new).decode(signed).batch.origin == "b"  # signed with the first key
+    assert _reason(signed, Codec(old)) == "auth"
+    assert Codec([old, new]).decode(signed).batch.origin == "b"
+    with pytest.raises(ValueError, match="1-4 sync keys"):
+        Codec([])
+    with pytest.raises(ValueError, match="1-4 sync keys"):
+        Codec([KEY] * 5)
+    with pytest.raises(ValueError, match="at least 16"):
+        Codec([KEY, b"short"])
+
+
+@st.composite
+def _statements(draw: st.DrawFn) -> Open:
+    shift = draw(st.integers(0, 8))
+    residue = draw(st.integers(0, (1 << shift) - 1))
+    highs = draw(st.lists(st.integers(0, (1 << (64 - shift)) - 1), max_size=100))
+    return Open(shift, residue, frozenset(h << shift | residue for h in highs))
+
+
+@given(events=EVENTS, statement=_statements(), seq=st.integers(0, 2**40))
+def test_a_batch_with_its_statement_comes_back_exactly(
+    events: tuple[Sent | Answered | Ended, ...], statement: Open, seq: int
+) -> None:
+    codec = Codec(KEY, max_bytes=MAX_DATAGRAM)
+    datagrams = codec.encode("pod-a", seq, events, 0, open_sends=statement)
+    batches = [codec.decode(d).batch for d in datagrams]
+    assert [b.seq for b in batches] == list(range(seq, seq + len(datagrams)))
+    assert tuple(e for b in batches for e in b.events) == events
+    assert [b.open for b in batches] == [None] * (len(batches) - 1) + [statement]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from poolkeeper.scheduling.replicasync.codec import Codec, Decoded
-from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Sent, SyncEvent
+from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Open, Sent, SyncEvent
 from poolkeeper.scheduling.replicasync.transport import SyncTransport, wall_ms
 from tests.support.waiting import until
 
@@ -297,3 +297,28 @@ async def test_a_heartbeat_is_an_empty_batch_sent_when_there_is_nothing_to_tell(
     a.transport.flush(heartbeat=True)
     await until(lambda: len(b.hub.delivered) == 1, "the heartbeat")
     assert b.hub.delivered[0][0] == Batch("a", 0, ())
+
+
+async def test_a_heartbeat_ends_with_the_hubs_open_statement_sized_to_a_datagram() -> None:
+    rooms: list[int] = []
+
+    def state(room: int) -> Open:
+        rooms.append(room)
+        return Open(0, 0, frozenset({11, 12}))
+
+    a, b = await node("a", state=state), await node("b")
+    link(a, b)
+    try:
+        a.hub.publish(Ended("r1"))
+        assert not a.transport.flush()  # an ordinary flush states nothing
+        a.hub.publish(Ended("r2"))
+        a.transport.flush(heartbeat=True)
+        await until(lambda: len(b.hub.delivered) == 2, "both batches")
+        assert [batch for batch, _ in b.hub.delivered] == [
+            Batch("a", 0, (Ended("r1"),)),
+            Batch("a", 1, (Ended("r2"),), Open(0, 0, frozenset({11, 12}))),
+        ]
+        assert rooms == [a.transport.codec.room("a")]
+    finally:
+        a.transport.close()
+        b.transport.close()

@@ -24,8 +24,9 @@ from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.replica_sync import (
     SpreadWake,
     SyncCollector,
+    key_missing,
     origin_name,
-    read_key,
+    read_keys,
     start_replica_sync,
 )
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
@@ -92,6 +93,39 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
     assert _backlog(a).sync is None  # unbound: nothing published any more
 
 
+async def test_a_lost_end_stops_counting_at_the_peer_after_the_next_statement(
+    key_file: Path,
+) -> None:
+    ports = free_ports(2)
+    a, b = scheduler("default"), scheduler("default")
+    fast = {"reconcile_interval_ms": 100}
+    sync_a = await start_replica_sync(
+        _section(key_file, ports[0], ports).model_copy(update=fast), a
+    )
+    sync_b = await start_replica_sync(_section(key_file, ports[1], ports), b)
+    try:
+        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+        pool = [state(i) for i in range(1, 5)]
+        picked = a.schedule(request(prompt=PROMPT, request_id="q1"), pool, now=NOW).primary.key
+        backlog = _backlog(b).backlog
+        await until(lambda: backlog.tokens(picked) > 0, "a's send at b")
+        peers = sync_a.transport.peers
+        sync_a.transport.set_peers([])  # the datagram with q1's end is lost on the way
+        a.request_ended("q1")
+        sync_a.transport.flush()
+        assert sync_a.hub.pending == 0  # taken and sent, to no one
+        sync_a.transport.set_peers(peers)
+        assert backlog.tokens(picked) > 0  # b never heard the end
+        await until(lambda: backlog.tokens(picked) == 0, "a's next statement at b")
+        assert sync_b.hub.reconciled == 1
+        registry = CollectorRegistry()
+        registry.register(SyncCollector(sync_b))
+        assert "poolkeeper_replica_sync_reconciled_total 1.0" in generate_latest(registry).decode()
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+
+
 async def test_a_batch_folded_in_whose_wake_failed_is_received_not_rejected(
     key_file: Path,
 ) -> None:
@@ -135,13 +169,31 @@ async def test_a_background_task_that_dies_says_so(
 
 
 def test_the_key_must_exist_and_be_long_enough(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read"):
-        read_key(str(tmp_path / "missing"))
-    (tmp_path / "short").write_text("  too short \n")
-    with pytest.raises(ConfigError, match="holds 9 bytes; the shared key needs at least 16"):
-        read_key(str(tmp_path / "short"))
+    with pytest.raises(ConfigError, match="keyFile: cannot read"):
+        read_keys(str(tmp_path / "missing"))
+    short = tmp_path / "short"
+    short.write_text("  too short \n")
+    with pytest.raises(
+        ConfigError, match=f"keyFile: {short} line 1 holds 9 bytes; each key needs at least 16"
+    ):
+        read_keys(str(short))
     with pytest.raises(ConfigError, match="required"):
-        read_key(None)
+        read_keys(None)
+
+
+def test_a_key_file_holds_one_key_a_line_the_first_signing(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# rotation: new key first\n\n  " + "n" * 32 + "  \n" + "o" * 32 + "\n")
+    assert read_keys(str(path)) == [b"n" * 32, b"o" * 32]
+    for text, problem in (
+        ("# nothing\n\n", "holds no key"),
+        ("k" * 20 + "\n" + "x" * 20 + "\n" + "k" * 20 + "\n", "line 3 repeats the key of line 1"),
+        ("".join(f"{i}" * 20 + "\n" for i in range(5)), "holds 5 keys, at most 4"),
+        ("k" * 20 + "\n# old:\nshort\n", "line 3 holds 5 bytes"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=f"spec.replicaSync.keyFile: {path} {problem}"):
+            read_keys(str(path))
 
 
 async def test_a_profile_without_a_backlog_scorer_cannot_sync(key_file: Path) -> None:
@@ -189,6 +241,47 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
     # The UDP port is free again: the syncer closed its socket.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", sync_port))
+
+
+async def test_a_missing_optional_key_starts_the_runtime_without_sync(
+    tmp_path: Path, key_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sync_port, sim = free_ports(2)
+    missing = tmp_path / "secret" / "key"  # an optional Secret volume, the Secret not created
+    spec = (
+        f"  replicaSync: {{enabled: true, keyOptional: true, address: 127.0.0.1, "
+        f"port: {sync_port}, keyFile: {missing}, peers: ['127.0.0.1:{sync_port}']}}\n"
+    )
+    runtime = GatewayRuntime(
+        ServeOptions(
+            source=file_source([one_pool(tmp_path / "cfg", sim, spec=spec)]),
+            run_envoy=False,
+            ready_wait_s=0,
+        )
+    )
+    await runtime.start()
+    try:
+        assert runtime._sync is None
+        assert f"replica sync stays off: spec.replicaSync.keyFile {missing} does not exist" in (
+            caplog.text
+        )
+        assert "kubectl create secret generic" in caplog.text
+    finally:
+        await runtime.stop(grace_s=0)
+
+
+def test_only_a_missing_file_is_optional(tmp_path: Path, key_file: Path) -> None:
+    section = ReplicaSyncConfig(
+        enabled=True, peers=["127.0.0.1:1"], key_file=str(tmp_path / "nope"), key_optional=True
+    )
+    assert key_missing(section) is not None
+    assert key_missing(section.model_copy(update={"key_optional": False})) is None  # it fails
+    assert key_missing(section.model_copy(update={"key_file": str(key_file)})) is None
+    short = tmp_path / "short"
+    short.write_text("short\n")  # present but bad: the start still stops, at read_keys
+    assert key_missing(section.model_copy(update={"key_file": str(short)})) is None
+    with pytest.raises(ConfigError, match="line 1 holds 5 bytes"):
+        read_keys(str(short))
 
 
 async def test_peer_wakes_are_spread_and_coalesced() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from poolkeeper.api import model as im, pool as ip
-from poolkeeper.cli.deploy_objects import EXT_PROC_PORT, MODEL_PORT, DeployParams, meta
+from poolkeeper.cli.deploy_params import EXT_PROC_PORT, MODEL_PORT, DeployParams, meta
 
 
 def example_pool(p: DeployParams) -> list[dict[str, Any]]:

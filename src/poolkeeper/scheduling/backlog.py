@@ -210,6 +210,11 @@ class PrefillBacklog:
         for gone in [k for k in self._drain if k not in keep]:
             del self._drain[gone]
 
+    def own_ids(self) -> list[str]:
+        """This EPP's own request ids it counts (not peers'): what cross-replica sync states as
+        its open sends (`scheduling/replicasync/openset.py`)."""
+        return [k for k in self._entries if isinstance(k, str)]
+
     def drop_origin(self, origin: str) -> int:
         """Drop every entry another replica `origin` sent (it went quiet); how many."""
         gone = [k for k in self._entries if isinstance(k, tuple) and k[0] == origin]

@@ -8,8 +8,10 @@ nothing of each other beyond the hub's `take` / `deliver` (`scheduling/replicasy
 The origin is this replica's name (`origin`, else `$POD_NAME`, else the host name) plus a random
 boot id: a restarted replica is a new origin, so its peers neither refuse its first batches as
 replays nor keep counting the requests its old life sent (those expire with the hub's TTL).
-The key file is read once at start; a missing, unreadable or short key is a ConfigError: the
-syncer never runs unauthenticated.
+The key file is read once at start (one key a line: the first signs, all verify, for rotation);
+a missing or unreadable file, or a short, repeated or missing key, is a ConfigError naming the
+file and line: the syncer never runs unauthenticated. Every `reconcileIntervalMs` the transport
+sends the hub's open statement, which is also the heartbeat (`scheduling/replicasync/openset.py`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from prometheus_client.registry import Collector
 
 from poolkeeper.datastore.store import ChangeKind, DatastoreSnapshot
 from poolkeeper.errors import ConfigError
-from poolkeeper.scheduling.replicasync.codec import MIN_KEY_BYTES, Codec
-from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+from poolkeeper.scheduling.replicasync.codec import Codec
+from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig, parse_keys
 from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery, own_addresses, parse_peers
 from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
 from poolkeeper.scheduling.replicasync.fold import SchedulerFold, bind_scheduler
@@ -95,20 +97,32 @@ def origin_name(configured: str | None) -> str:
     return f"{base.encode()[:_NAME_BYTES].decode(errors='ignore')}-{secrets.token_hex(4)}"
 
 
-def read_key(path: str | None) -> bytes:
-    """The shared key in `path`, surrounding whitespace stripped; ConfigError otherwise."""
+def key_missing(config: ReplicaSyncConfig) -> str | None:
+    """Why sync stays off (`keyOptional` and no key file yet), or None: start it."""
+    path = config.key_file
+    if not config.key_optional or not path or Path(path).exists():
+        return None
+    return (
+        f"replica sync stays off: spec.replicaSync.keyFile {path} does not exist (keyOptional). "
+        "Create the shared key (e.g. the Secret the deployment mounts there: kubectl create "
+        'secret generic <pool>-epp-sync --from-literal=key="$(head -c 32 /dev/urandom | '
+        'base64)") and restart the replicas'
+    )
+
+
+def read_keys(path: str | None) -> list[bytes]:
+    """The shared keys in `path` (`config.parse_keys`: the first signs); ConfigError naming the
+    field, the file and the line otherwise."""
     if not path:
         raise ConfigError("spec.replicaSync.keyFile: required: the syncer never runs without a key")
     try:
-        key = Path(path).read_bytes().strip()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"spec.replicaSync.keyFile: cannot read {path}: {exc.strerror}") from None
-    if len(key) < MIN_KEY_BYTES:
-        raise ConfigError(
-            f"spec.replicaSync.keyFile: {path} holds {len(key)} bytes; the shared key needs "
-            f"at least {MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64`)"
-        )
-    return key
+    try:
+        return parse_keys(data, path)
+    except ValueError as exc:
+        raise ConfigError(f"spec.replicaSync.keyFile: {exc}") from None
 
 
 @dataclass
@@ -139,9 +153,10 @@ class RunningSync:
 
 
 async def _heartbeat(transport: SyncTransport, interval_s: float) -> None:
-    """An empty batch every `interval_s` (a third of the peers' TTL): a replica whose requests
-    are all long and in flight tells nothing new for a while, yet must not be expired (its
-    peers would drop its entries while they still load the servers)."""
+    """The open statement every `interval_s` (`reconcileIntervalMs`, at most a third of the
+    peers' TTL): the peers drop what it no longer lists (a lost first byte or end), and a
+    replica whose requests are all long and in flight, telling nothing new for a while, is
+    not expired (its peers would drop its entries while they still load the servers)."""
     while True:
         await asyncio.sleep(interval_s)
         transport.flush(heartbeat=True)
@@ -168,7 +183,7 @@ async def start_replica_sync(
     release a request held for its prefill backlog), spread by `peerWakeSpreadMs`. `pool`: the
     endpoints (ip:port) peers' sends may name, the datastore's at start (`pool_changed` keeps
     it current); None accepts any (tests)."""
-    key = read_key(config.key_file)
+    keys = read_keys(config.key_file)
     origin = origin_name(config.origin)
     hub = _SignallingSync(origin)
     try:
@@ -190,13 +205,14 @@ async def start_replica_sync(
         return taken
 
     transport = SyncTransport(
-        Codec(key, max_bytes=config.max_datagram_bytes),
+        Codec(keys, max_bytes=config.max_datagram_bytes),
         origin,
         hub.take,
         deliver,
         clock=clock,
         flush_interval_s=config.flush_interval_ms / 1000.0,
         max_age_s=config.max_age_ms / 1000.0,
+        state=hub.statement,
     )
     try:
         host, port = await transport.start(config.address, config.port)
@@ -215,7 +231,8 @@ async def start_replica_sync(
         asyncio.create_task(discovery.follow(transport.set_peers), name="replica-sync-peers"),
         asyncio.create_task(_expire(hub, clock), name="replica-sync-expire"),
         asyncio.create_task(
-            _heartbeat(transport, hub.peer_ttl_s / 3.0), name="replica-sync-heartbeat"
+            _heartbeat(transport, min(config.reconcile_interval_ms / 1000.0, hub.peer_ttl_s / 3.0)),
+            name="replica-sync-heartbeat",
         ),
     ]
     for task in running._tasks:
@@ -250,6 +267,18 @@ class SyncCollector(Collector):
             ("batches_received", stats.received, "Peers' batches verified and folded in."),
             ("batches_refused", stats.refused, "Verified batches the hub refused."),
             ("outbox_dropped", hub.dropped, "Own events dropped from a full outbox."),
+            (
+                "reconciled",
+                hub.reconciled,
+                "Peers' sends dropped because their open statement no longer listed them "
+                "(their first byte or end was lost in transit).",
+            ),
+            (
+                "verified_old_key",
+                self.running.transport.codec.verified_old,
+                "Datagrams verified by a key other than the first (rotation: 0 once every "
+                "replica signs with the new key).",
+            ),
             (
                 "blocks_trimmed",
                 self.running.transport.codec.trimmed,

@@ -73,7 +73,12 @@ from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.memory import trim
 from poolkeeper.server.own_loop import OwnLoopServer
-from poolkeeper.server.replica_sync import RunningSync, SyncCollector, start_replica_sync
+from poolkeeper.server.replica_sync import (
+    RunningSync,
+    SyncCollector,
+    key_missing,
+    start_replica_sync,
+)
 from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.server.transport import (
     Stoppable,
@@ -411,6 +416,9 @@ class GatewayRuntime:
         scheduler = self.director.scheduler
         if not isinstance(scheduler, Scheduler):
             raise ConfigError("spec.replicaSync: needs poolkeeper's scheduler")
+        if (why := key_missing(config)) is not None:
+            log.warning("%s", why)
+            return
         flow = self.director.flow
         pool = {e.hostport for e in self.datastore.snapshot().all_endpoints()}
         self._sync = sync = await start_replica_sync(

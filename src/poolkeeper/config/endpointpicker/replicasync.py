@@ -32,6 +32,7 @@ _WRITTEN = {
     "resolveIntervalMs": "resolveInterval",
     "maxAgeMs": "maxAge",
     "peerWakeSpreadMs": "peerWakeSpread",
+    "reconcileIntervalMs": "reconcileInterval",
     "flushIntervalMs": "dataLayer.crossReplicaSyncInterval",
 }
 
@@ -88,13 +89,15 @@ def replica_sync_section(
     if not syncer.key_file.strip():
         problems.append(
             f"{ref}.parameters.keyFile: required: the syncer never runs unauthenticated "
-            "(a file with a shared key of at least 16 bytes, e.g. a mounted Secret)"
+            "(a file with the shared keys, one a line, at least 16 bytes each, e.g. a mounted "
+            "Secret)"
         )
     section["keyFile"] = syncer.key_file if syncer.key_file.strip() else None
     for key, text in (
         ("resolveIntervalMs", syncer.resolve_interval),
         ("maxAgeMs", syncer.max_age),
         ("peerWakeSpreadMs", syncer.peer_wake_spread),
+        ("reconcileIntervalMs", syncer.reconcile_interval),
     ):
         value = _ms(text, f"{ref}.parameters.{key.removesuffix('Ms')}", problems)
         if value is not None:

@@ -15,8 +15,9 @@ from pydantic import Field, field_validator, model_validator
 
 from poolkeeper.api.fielderrors import go_value, rule_error
 from poolkeeper.hostport import split_hostport
-from poolkeeper.scheduling.replicasync.codec import DEFAULT_DATAGRAM, MAX_DATAGRAM, MIN_DATAGRAM
+from poolkeeper.scheduling.replicasync.codec import MAX_KEYS, MIN_KEY_BYTES
 from poolkeeper.scheduling.replicasync.discovery import check_name, parse_peers
+from poolkeeper.scheduling.replicasync.wire import DEFAULT_DATAGRAM, MAX_DATAGRAM, MIN_DATAGRAM
 from poolkeeper.schema import CamelModel, Port
 
 DEFAULT_PORT = 9010
@@ -45,9 +46,24 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     resolve_interval_ms: int = Field(default=5000, ge=100, le=600_000)
     """How often peer names are resolved again (a scaled or rolled Deployment)."""
     key_file: str | None = None
-    """File holding the shared key (at least 16 bytes; surrounding whitespace ignored), the
-    same on every replica, e.g. a mounted Secret. Datagrams are authenticated with
-    HMAC-SHA256 under it; anything else is rejected."""
+    """File holding the shared keys, one per line (at least 16 bytes each, surrounding
+    whitespace ignored; blank lines and lines starting with `#` are skipped), e.g. a mounted
+    Secret. Datagrams are signed with HMAC-SHA256 under the first key and accepted under any
+    of them (at most 4), so a key is rotated without a window in which replicas reject each
+    other (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at
+    start."""
+    key_optional: bool = False
+    """A `keyFile` that does not exist leaves sync off (a warning at start says how to create
+    it) instead of stopping the start: the shipped deployment has sync on and mounts its key
+    Secret as an optional volume, so it runs before the Secret exists and syncs once it does
+    (from the next start). A key file that exists but cannot be read or holds a bad key still
+    stops the start: sync never runs unauthenticated."""
+    reconcile_interval_ms: int = Field(default=1000, ge=100, le=10_000)
+    """How often a replica tells its peers which of its sends are still open (also its
+    heartbeat): a peer drops the entries the statement no longer lists, so one whose first
+    byte or end was lost in transit (UDP) stops counting after about this long, not after the
+    backlog's 60 s age limit. A statement fills at most one datagram (about 140 open sends at
+    the default size; more are stated in rotating slices)."""
     flush_interval_ms: float = Field(default=1.0, ge=0, le=1000)
     """How long a replica gathers its decisions before sending them in one datagram (0: at
     the end of the loop iteration that made them)."""
@@ -116,3 +132,28 @@ def split_service(value: str, port: int) -> tuple[str, int]:
         return check_name(value), port
     host, named_port = split_hostport(value)
     return check_name(host), named_port
+
+
+def parse_keys(data: bytes, path: str) -> list[bytes]:
+    """The keys in a key file's `data` (`keyFile`: one a line, first signs); ValueError naming
+    `path` and the line of the first problem."""
+    keys: list[bytes] = []
+    seen: dict[bytes, int] = {}
+    for number, raw in enumerate(data.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith(b"#"):
+            continue
+        if len(line) < MIN_KEY_BYTES:
+            raise ValueError(
+                f"{path} line {number} holds {len(line)} bytes; each key needs at least "
+                f"{MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64`)"
+            )
+        if line in seen:
+            raise ValueError(f"{path} line {number} repeats the key of line {seen[line]}")
+        seen[line] = number
+        keys.append(line)
+    if not keys:
+        raise ValueError(f"{path} holds no key (only blank lines or # comments)")
+    if len(keys) > MAX_KEYS:
+        raise ValueError(f"{path} holds {len(keys)} keys, at most {MAX_KEYS} (the first signs)")
+    return keys

@@ -20,6 +20,12 @@ process's life) sends in one message: `seq` increases by one per batch from that
 receiver drops replays and sees gaps. Request ids are the origin's own, so a receiver keys
 what it keeps by `(origin, request_id)`.
 
+A batch may end with an `Open` statement: which of the origin's sends are still open (counted
+in its own backlog) as of that batch. UDP loses datagrams, and a lost `Answered` or `Ended`
+would otherwise leave its entry in every peer's backlog until the backlog's age limit (60 s);
+a receiver drops that origin's entries, sent in this batch or before, that the statement no
+longer covers (`openset.py`).
+
 Plain frozen dataclasses: no I/O, no clock. The codec and transport (the edge) and the fold into
 the scheduler's state (the core) are separate modules of this package.
 """
@@ -55,7 +61,20 @@ SyncEvent = Sent | Answered | Ended
 
 
 @dataclass(frozen=True, slots=True)
+class Open:
+    """The origin's open sends as of its batch, one slice of them: the digests
+    (`openset.digest`) of its open request ids whose digest modulo `2**shift` is `residue`
+    (shift 0: all of them). Slices rotate, so a large open set is stated over several batches,
+    each fitting one datagram."""
+
+    shift: int
+    residue: int
+    digests: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     origin: str
     seq: int
     events: tuple[SyncEvent, ...]
+    open: Open | None = None  # the origin's open sends as of this batch (after its events)

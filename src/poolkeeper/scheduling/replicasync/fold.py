@@ -20,7 +20,10 @@ approximate index and, with `kvEvents`, the exact index's pending chain heads), 
   the exact index (`ExactPrefixIndex.sent(own=False)`: not this EPP's send, so the engine's report
   still shows another router); `Answered` clears it as a first byte (a drain-rate sample of
   that endpoint, stamped at delivery, one per endpoint per delivery instant), `Ended` as an
-  end; a peer gone (`ReplicaSync.expire`) drops its entries.
+  end; a peer gone (`ReplicaSync.expire`) drops its entries;
+- own open sends (`open_ids`, bound as the hub's statement source): the own request ids the
+  backlogs count, which the hub states to peers so they drop entries whose `Answered` or
+  `Ended` was lost (`openset.py`).
 
 Options (measured in docs/notes/2026-12-07-replica-sync.md): `index` (peers' blocks into the
 approximate index), `drain` (peers' first bytes as drain-rate samples), `heads` (peers' heads
@@ -130,6 +133,13 @@ class SchedulerFold:
 
     def ended(self, request_id: str) -> None:
         self.sync.publish(Ended(request_id))
+
+    def open_ids(self) -> set[str]:
+        """The own request ids the backlogs count now (the hub's statement source)."""
+        ids: set[str] = set()
+        for scorer in self.backlogs:
+            ids.update(scorer.backlog.own_ids())
+        return ids
 
     # -- peers' events (PeerSink) -----------------------------------------------------------
 
@@ -244,4 +254,5 @@ def bind_scheduler(
     for scorer in tellers:
         scorer.sync = fold
     sync.bind(fold)
+    sync.bind_open(fold.open_ids)
     return fold

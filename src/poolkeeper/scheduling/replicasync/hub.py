@@ -7,22 +7,28 @@ codec, UDP, discovery, in this package's other modules), and nothing else:
   outbox (`max_outbox`; when full the oldest is dropped and counted in `dropped`: a stalled
   transport must not grow memory);
 - `take()`: the events published since the last take as the next `Batch` (`seq` + 1), or
-  None when there are none (the transport then sends an empty batch every third of
-  `peer_ttl_s` as a heartbeat: `deliver` counts it as its origin heard);
+  None when there are none;
+- `statement(room)`: this replica's open sends (`bind_open`: the fold reads them from its own
+  backlog) as an `Open` of at most `room` digests (`openset.py`); the transport sends one
+  every `reconcileIntervalMs`, which is also the heartbeat (`deliver` counts it as its origin
+  heard, so a replica with only long requests in flight is not expired);
 - `deliver(batch, now)`: a peer's batch. Refused (False) when its origin is this replica's, or
   its `seq` was seen from that origin already or is `SEQ_WINDOW` or more behind the newest seen
   (`seq_window`: a replay), or it is a new origin while `max_peers` origins are live. A gap is
-  fine and a reordered datagram within the window is taken (UDP loses and reorders datagrams;
-  a dropped `Answered` would keep a peer's entry until the backlog's own age limit).
+  fine and a reordered datagram within the window is taken (UDP loses and reorders datagrams).
   Otherwise each event goes to every bound `PeerSink` (the fold into the scheduler's state,
-  `fold.py`), in order;
+  `fold.py`), in order; then, with the batch's `Open` statement, the origin's sends it no
+  longer covers (their `Answered` or `Ended` was lost) go to the sinks as `Ended` and are
+  counted in `reconciled` (`openset.OpenTracker` says which, never one sent after the
+  statement);
 - `expire(now)`: an origin heard from last `peer_ttl_s` ago or earlier is forgotten, and the
   sinks drop what it sent (`PeerSink.peer_gone`): a replica that died with requests in flight
   must not hold their backlog for ever. Forgetting its last `seq` also lets a restarted replica
   that reuses its name be heard again (after the TTL; an origin name with a boot nonce is heard
   at once). `deliver` expires first.
 
-Memory: the outbox holds at most `max_outbox` events, the origin table `max_peers` entries;
+Memory: the outbox holds at most `max_outbox` events, the origin table `max_peers` entries,
+the tracker of peers' open sends `openset.MAX_TRACKED`;
 what a peer's events add to the scheduler's state is bounded by that state's own caps
 (`fold.py`). Time is passed in; nothing here reads a clock or does I/O.
 
@@ -40,9 +46,11 @@ Wiring (the composition root; `fold.bind_scheduler` has the rest):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from poolkeeper.scheduling.replicasync.events import Batch, Sent, SyncEvent
+from poolkeeper.scheduling.replicasync.events import Batch, Ended, Open, Sent, SyncEvent
+from poolkeeper.scheduling.replicasync.openset import OpenTracker, statement
 
 SEQ_WINDOW = 64  # a reordered batch this many seqs behind the newest is still taken
 MAX_OUTBOX = 4096  # own events waiting for `take` (a few seconds of a busy replica)
@@ -90,8 +98,9 @@ class ReplicaSync:
     """One replica's outbox, sequence numbers and peer table (the module docstring)."""
 
     __slots__ = (
-        "_heard", "_last_seq", "_outbox", "_seq", "_sinks", "dropped", "max_outbox",
-        "max_peers", "origin", "peer_ttl_s", "refused",
+        "_heard", "_last_seq", "_open_source", "_outbox", "_seq", "_sinks", "_tracker",
+        "_turn", "dropped", "max_outbox", "max_peers", "origin", "peer_ttl_s", "reconciled",
+        "refused",
     )  # fmt: skip
 
     def __init__(
@@ -115,12 +124,34 @@ class ReplicaSync:
         self._last_seq: dict[str, SeqState] = {}  # origin -> the seqs delivered (`seq_window`)
         self._heard: dict[str, float] = {}  # origin -> when, in time order (oldest first)
         self._sinks: list[PeerSink] = []
+        self._open_source: Callable[[], Iterable[str]] | None = None
+        self._turn = 0  # statements made (picks the slice when one datagram cannot hold all)
+        self._tracker = OpenTracker()
         self.dropped = 0  # own events dropped from a full outbox
         self.refused = 0  # peer batches refused (replayed, stale, own, or too many origins)
+        self.reconciled = 0  # peers' sends dropped because their statement no longer had them
 
     def bind(self, sink: PeerSink) -> None:
         """Fold peers' events into `sink` from now on (`fold.bind_scheduler` calls it)."""
         self._sinks.append(sink)
+
+    def bind_open(self, source: Callable[[], Iterable[str]]) -> None:
+        """`source()`: this replica's open sends (the ids its own backlog counts) for
+        `statement` (`fold.bind_scheduler` binds it; unbound, no statement is made)."""
+        self._open_source = source
+
+    def statement(self, room: int) -> Open | None:
+        """This replica's open sends now, at most `room` digests (a rotating slice when they do
+        not fit); None without a bound source (openset.py)."""
+        if self._open_source is None:
+            return None
+        self._turn += 1
+        return statement(self._open_source(), room, self._turn)
+
+    @property
+    def tracked(self) -> int:
+        """Peers' open sends tracked for their statements."""
+        return len(self._tracker)
 
     def publish(self, event: SyncEvent) -> None:
         """One of this replica's own events, to go out with the next `take`."""
@@ -162,9 +193,19 @@ class ReplicaSync:
         self._last_seq[origin] = seqs
         self._heard.pop(origin, None)
         self._heard[origin] = now  # last: the table stays in time order
+        tracker = self._tracker
         for event in batch.events:
+            if isinstance(event, Sent):
+                tracker.sent(origin, event.request_id, batch.seq)
+            else:
+                tracker.closed(origin, event.request_id)
             for sink in self._sinks:
                 sink.fold(origin, event, now)
+        if batch.open is not None:
+            for request_id in tracker.stale(origin, batch.seq, batch.open):
+                self.reconciled += 1
+                for sink in self._sinks:
+                    sink.fold(origin, Ended(request_id), now)
         return True
 
     def expire(self, now: float) -> list[str]:
@@ -176,6 +217,7 @@ class ReplicaSync:
             origin = oldest[0]
             del heard[origin]
             del self._last_seq[origin]
+            self._tracker.forget(origin)
             gone.append(origin)
             for sink in self._sinks:
                 sink.peer_gone(origin)

@@ -8,7 +8,8 @@ acknowledgement, nothing retried.
 What it owns: the socket, the wire sequence numbers of this origin (a batch split by the
 codec takes several, so they are the transport's, not the hub's), the coalescing of what the
 hub has into as few datagrams as possible (`notify` arms one flush `flush_interval_s` later:
-everything published meanwhile leaves together), and the checks before the core sees a batch:
+everything published meanwhile leaves together; `flush(heartbeat=True)` adds the hub's open
+statement, `state`, sized to fit a datagram), and the checks before the core sees a batch:
 from a current peer's address (checked before the codec computes anything: a stranger's
 datagrams cost a set lookup; source addresses can be spoofed, so this only saves CPU, the tag
 is the check), authenticated (`codec.py`, which also drops anything over its `max_bytes`
@@ -35,15 +36,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
-from poolkeeper.scheduling.replicasync.codec import ENCODE_ERRORS, Codec, Rejected
-from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
+from poolkeeper.scheduling.replicasync.codec import ENCODE_ERRORS, Codec
+from poolkeeper.scheduling.replicasync.events import Batch, Open, SyncEvent
 from poolkeeper.scheduling.replicasync.hub import SeqState, seq_window
+from poolkeeper.scheduling.replicasync.wire import Rejected
 
 log = logging.getLogger("poolkeeper.replicasync")
 
 Address = tuple[str, int]
 Take = Callable[[], Batch | None]
 Deliver = Callable[[Batch, float], bool]
+State = Callable[[int], Open | None]  # room in digests -> the open statement (hub.statement)
 MAX_TAKES = 64  # hub batches per flush; more are flushed on the next loop iteration
 RECEIVE_BUFFER = 4 << 20  # SO_RCVBUF asked for: peers' bursts queue here (the kernel caps it)
 
@@ -85,8 +88,10 @@ class SyncTransport(asyncio.DatagramProtocol):
         max_origins: int = 256,
         max_buffered: int = 1 << 20,
         new_origin_skew_s: float = 1.0,
+        state: State | None = None,
     ) -> None:
         self.codec, self.origin, self._take, self._deliver = codec, origin, take, deliver
+        self._state = state
         self._clock, self._wall = clock, wall
         self.flush_interval_s, self.max_age_ms = flush_interval_s, max_age_s * 1000.0
         self.max_origins, self.max_buffered = max_origins, max_buffered
@@ -187,9 +192,11 @@ class SyncTransport(asyncio.DatagramProtocol):
 
     def flush(self, *, heartbeat: bool = False) -> bool:
         """Send what the hub holds now (at most MAX_TAKES of its batches, as few datagrams as
-        the codec allows); True when it may hold more. `heartbeat`: send an empty batch when
-        the hub holds nothing (the peers' hubs count it as this origin heard, so a replica
-        with long requests in flight and nothing new to tell is not expired)."""
+        the codec allows); True when it may hold more. `heartbeat`: send a batch even when the
+        hub holds nothing (the peers' hubs count it as this origin heard, so a replica with
+        long requests in flight and nothing new to tell is not expired), ending with the
+        hub's open statement (`state`) when one is bound (the peers drop what it no longer
+        covers: a lost `Answered` or `Ended`)."""
         events: list[SyncEvent] = []
         origin = self.origin
         takes = 0
@@ -202,7 +209,12 @@ class SyncTransport(asyncio.DatagramProtocol):
         self.stats.batches_sent += takes
         skipped: list[str] = []
         try:
-            datagrams = self.codec.encode(origin, self._seq, events, self._wall(), skipped=skipped)
+            open_sends = None
+            if heartbeat and self._state is not None:
+                open_sends = self._state(self.codec.room(origin))
+            datagrams = self.codec.encode(
+                origin, self._seq, events, self._wall(), skipped=skipped, open_sends=open_sends
+            )
         except ENCODE_ERRORS as exc:  # our bug, in the batch itself (its origin, a number)
             self.stats.count(self.stats.dropped, "unencodable")
             self._warn_once("unencodable", "replica sync: a batch was not sent: %s", exc)

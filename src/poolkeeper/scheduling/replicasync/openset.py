@@ -1,0 +1,130 @@
+"""Open statements: a sender states its open sends, a receiver drops what they no longer cover.
+
+Why: sync rides UDP, so an `Answered` or `Ended` can be lost; its entry would then stay in every
+peer's prefill backlog (a phantom: a server looks busier than it is) until the backlog's age
+limit, 60 s. So every `reconcileIntervalMs` each replica sends an `Open` statement (events.py)
+with the digests of the request ids its own backlog still counts, and a receiver drops that
+origin's entries that the statement no longer lists: a phantom lives one statement interval,
+not 60 s.
+
+Exact, not a guess from gaps or ages, and never a false drop under reordering:
+
+- the sender builds the statement from its backlog at the moment it sends (`statement`): an id
+  missing from it was closed (first byte, end, or the backlog's own age or size limits, which
+  drop the sender's entry too) before that datagram left;
+- the receiver records the `seq` of the batch each peer `Sent` came in (`OpenTracker`) and judges
+  only entries whose `Sent` came in the statement's batch or before: a `Sent` in a later batch
+  that arrives first (reordered) is newer than the statement and is kept;
+- what the receiver never heard (a lost `Sent`) is simply not there; a statement listing more
+  than the receiver holds drops nothing.
+
+Bounded to one datagram: the digests are 64-bit (`digest`: xxhash64 of the id as it travels);
+when they do not all fit (`room`), the statement covers one slice of them, those whose digest
+modulo `2**shift` is `residue`, and the slices rotate from statement to statement, so an open
+set of n ids is covered in about `n / room` statements (rounded up to a power of two; `room` is
+about 140 at the default 1,232-byte datagram). A receiver tracks at most `max_tracked` peer
+sends (the backlog's own default cap); one it cannot track still ages out in the backlog.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import xxhash
+
+from poolkeeper.scheduling.replicasync.events import Open
+from poolkeeper.scheduling.replicasync.wire import wire_id
+
+MAX_SHIFT = 16  # at most 65,536 slices: far more open sends than any backlog holds
+MAX_TRACKED = 65_536  # peers' open sends a receiver tracks (the backlog's default cap)
+
+
+def digest(request_id: str) -> int:
+    """The id's 64-bit digest, the same on both ends: of its wire form (codec.wire_id), which
+    is what a receiver gets, and which a receiver's id already is."""
+    return int(xxhash.xxh64_intdigest(wire_id(request_id)))
+
+
+def covers(statement: Open, value: int) -> bool:
+    """Whether `value` (a digest) is in the slice `statement` speaks for."""
+    return value & ((1 << statement.shift) - 1) == statement.residue
+
+
+def statement(open_ids: Iterable[str], room: int, turn: int) -> Open | None:
+    """The statement of `open_ids` for the `turn`-th time: all of them if their digests fit
+    `room`, else the slice `turn` picks among the fewest slices that make it fit. None only
+    when even `MAX_SHIFT` slices leave one too big (never at a backlog's sizes)."""
+    if room < 1:
+        raise ValueError(f"room must be >= 1 digests, not {room}")
+    values = {digest(i) for i in open_ids}
+    shift = 0
+    while (len(values) >> shift) > room:  # the fewest slices that fit on average
+        shift += 1
+    while shift <= MAX_SHIFT:
+        mask = (1 << shift) - 1
+        residue = turn & mask
+        part = frozenset(v for v in values if v & mask == residue)
+        if len(part) <= room:
+            return Open(shift, residue, part)
+        shift += 1
+    return None
+
+
+class OpenTracker:
+    """A receiver's record of each origin's open sends: request id -> (seq of the batch its
+    `Sent` came in, digest), oldest first, at most `max_tracked` in all."""
+
+    __slots__ = ("_by_origin", "_count", "max_tracked", "untracked")
+
+    def __init__(self, max_tracked: int = MAX_TRACKED) -> None:
+        if max_tracked < 1:
+            raise ValueError("max_tracked must be >= 1")
+        self.max_tracked = max_tracked
+        self._by_origin: dict[str, dict[str, tuple[int, int]]] = {}
+        self._count = 0
+        self.untracked = 0  # peers' sends not tracked (the cap); they age out in the backlog
+
+    def __len__(self) -> int:
+        return self._count
+
+    def sent(self, origin: str, request_id: str, seq: int) -> None:
+        sends = self._by_origin.setdefault(origin, {})
+        if sends.pop(request_id, None) is not None:
+            self._count -= 1  # a reused id: the newest send counts
+        if self._count >= self.max_tracked:
+            if not sends:
+                self.untracked += 1
+                return
+            del sends[next(iter(sends))]  # this origin's oldest makes room (not another's)
+            self._count -= 1
+            self.untracked += 1
+        sends[request_id] = (seq, digest(request_id))
+        self._count += 1
+
+    def closed(self, origin: str, request_id: str) -> None:
+        sends = self._by_origin.get(origin)
+        if sends is not None and sends.pop(request_id, None) is not None:
+            self._count -= 1
+
+    def stale(self, origin: str, seq: int, open_sends: Open) -> list[str]:
+        """The ids `origin` sent in batch `seq` or before that its statement in batch `seq`
+        no longer lists (now forgotten here): the caller drops their entries."""
+        sends = self._by_origin.get(origin)
+        if not sends:
+            return []
+        listed = open_sends.digests
+        gone = [
+            rid
+            for rid, (at, value) in sends.items()
+            if at <= seq and value not in listed and covers(open_sends, value)
+        ]
+        for rid in gone:
+            del sends[rid]
+        self._count -= len(gone)
+        return gone
+
+    def forget(self, origin: str) -> None:
+        """The origin went quiet: its sends are dropped with it."""
+        self._count -= len(self._by_origin.pop(origin, {}))

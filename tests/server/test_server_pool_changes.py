@@ -1,10 +1,15 @@
 """The running EPP follows pool changes: the scheduler forgets what it keeps for an endpoint
-that left the pool (server/wiring.py), and the replica syncer misses no change made while it
-started (server/runtime.py)."""
+that left the pool for good (absent past a grace, or replaced at its ip:port:
+server/forgetting.py), and the replica syncer misses no change made while it started
+(server/runtime.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +23,10 @@ from poolkeeper.datastore.store import Datastore, EndpointSpec
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server import runtime as runtime_module
+from poolkeeper.server.forgetting import FORGET_AFTER_S, AbsentEndpoints
 from poolkeeper.server.replica_sync import RunningSync, start_replica_sync
 from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
 from poolkeeper.server.wiring import build_director
@@ -57,9 +64,36 @@ def _scrape(store: Datastore) -> None:
         store.update_metrics(e.hostport, EndpointMetrics(updated_at=NOW - 0.01))
 
 
-def test_an_endpoint_that_leaves_the_pool_is_forgotten_by_the_scheduler(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+class _Clock:
+    """The director's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Placed:
+    """A scheduler whose forget calls are counted, with two prompts placed: `left` on
+    10.0.0.1 (the endpoint the tests take away), `kept` on 10.0.0.2."""
+
+    store: Datastore
+    scheduler: Scheduler
+    prefix: PrefixCacheScorer
+    backlog: PrefillBacklogScorer
+    forgets: list[set[str]]
+    left: str = "10.0.0.1:8000"
+    kept: str = "10.0.0.2:8000"
+
+    def remembered(self) -> set[str]:
+        index, backlog = self.prefix.index.endpoints(), self.backlog.backlog.snapshot()
+        assert set(index) == set(backlog)
+        return set(index)
+
+
+def _placed(monkeypatch: pytest.MonkeyPatch, clock: Callable[[], float], **wiring: Any) -> _Placed:
     forgets: list[set[str]] = []
     forget = Scheduler.forget_endpoints
 
@@ -69,12 +103,11 @@ def test_an_endpoint_that_leaves_the_pool_is_forgotten_by_the_scheduler(
 
     monkeypatch.setattr(Scheduler, "forget_endpoints", counted)
     store = _store(1, 2, 3)
-    scheduler = build_director(GatewayConfig(), store, rng=random.Random(1)).scheduler
+    director = build_director(GatewayConfig(), store, rng=random.Random(1), clock=clock, **wiring)
+    scheduler = director.scheduler
     assert isinstance(scheduler, Scheduler)
-    prefix = [p for p in scheduler.plugins.values() if isinstance(p, PrefixCacheScorer)]
-    backlog = [p for p in scheduler.plugins.values() if isinstance(p, PrefillBacklogScorer)]
-    assert len(prefix) == 1
-    assert len(backlog) == 1
+    (prefix,) = [p for p in scheduler.plugins.values() if isinstance(p, PrefixCacheScorer)]
+    (backlog,) = [p for p in scheduler.plugins.values() if isinstance(p, PrefillBacklogScorer)]
     _scrape(store)
     (pool,) = store.snapshot().pool_keys()
     states = store.snapshot().states(pool)
@@ -82,21 +115,121 @@ def test_an_endpoint_that_leaves_the_pool_is_forgotten_by_the_scheduler(
     # backlog (their first bytes have not come).
     gone = scheduler.schedule(request(prompt=PROMPT, request_id="a"), states[:1], now=NOW)
     stays = scheduler.schedule(request(prompt="other " * 400, request_id="b"), states[1:2], now=NOW)
-    left, kept = gone.primary.key, stays.primary.key
-    assert sorted(prefix[0].index.endpoints()) == sorted([left, kept])
-    assert set(backlog[0].backlog.snapshot()) == {left, kept}
+    placed = _Placed(store, scheduler, prefix, backlog, forgets)
+    assert (gone.primary.key, stays.primary.key) == (placed.left, placed.kept)
+    assert placed.remembered() == {placed.left, placed.kept}
+    return placed
+
+
+def test_an_endpoint_back_within_the_grace_keeps_what_the_scheduler_learnt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    placed = _placed(monkeypatch, clock)
+    store = placed.store
     # Metrics writes and a pool that only grows are no reason to forget anything.
     _scrape(store)
     store.set_endpoints(_specs(1, 2, 3, 4))
-    assert forgets == []
-    # The endpoint leaves the pool: what the scheduler kept for it goes, once, at the change.
+    # A readiness flap: the pod leaves the datastore and comes back, its engine cache intact.
     store.set_endpoints(_specs(2, 3, 4))
-    assert left == "10.0.0.1:8000"
-    assert prefix[0].index.endpoints() == [kept]
-    assert set(backlog[0].backlog.snapshot()) == {kept}
-    assert forgets == [{"10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}]
+    clock.now = FORGET_AFTER_S - 1
+    store.set_endpoints(_specs(2, 3, 4, 5))  # a pool change while it is away sweeps too
+    store.set_endpoints(_specs(1, 2, 3, 4, 5))
+    # A watch re-list that briefly lists no pool at all.
+    store.set_resources([], [])
+    store.set_resources([POOL], [])
+    clock.now = 10 * FORGET_AFTER_S
+    store.set_endpoints(_specs(1, 2, 3, 4, 5, 6))
     _scrape(store)
-    assert len(forgets) == 1
+    assert placed.forgets == []
+    assert placed.remembered() == {placed.left, placed.kept}
+
+
+def test_an_endpoint_absent_past_the_grace_is_forgotten_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    placed = _placed(monkeypatch, clock)
+    store = placed.store
+    store.set_endpoints(_specs(2, 3))
+    clock.now = FORGET_AFTER_S - 0.001
+    store.set_endpoints(_specs(2, 3, 4))
+    _scrape(store)
+    assert placed.forgets == []
+    # No running loop here (no timer): the next pool change past the grace sweeps.
+    clock.now = FORGET_AFTER_S
+    store.set_endpoints(_specs(2, 3, 4, 5))
+    keep = {f"10.0.0.{i}:8000" for i in (2, 3, 4, 5)}
+    assert placed.forgets == [keep]
+    assert placed.remembered() == {placed.kept}
+    store.set_endpoints(_specs(2, 3, 4))
+    _scrape(store)
+    assert placed.forgets == [keep]
+
+
+async def test_the_loop_forgets_an_absent_endpoint_when_its_grace_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    placed = _placed(monkeypatch, time.monotonic, forget_after_s=0.002)
+    placed.store.set_endpoints(_specs(2, 3))
+    assert placed.forgets == []  # the loop has not run yet: the grace cannot have ended
+    # The timer is due before this sleep ends (an earlier deadline on the same loop clock).
+    await asyncio.sleep(0.01)
+    assert placed.forgets == [{"10.0.0.2:8000", "10.0.0.3:8000"}]
+    assert placed.remembered() == {placed.kept}
+
+
+def test_another_endpoint_at_the_same_ip_port_is_forgotten_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    placed = _placed(monkeypatch, clock)
+    store = placed.store
+    # One write: sim-1 is gone and another pod has its IP (a re-list, or a renamed endpoint).
+    store.set_endpoints([EndpointSpec("new-1", "10.0.0.1", labels={"app": "sim"}), *_specs(2, 3)])
+    assert placed.forgets == [{"10.0.0.2:8000", "10.0.0.3:8000"}]
+    assert placed.remembered() == {placed.kept}
+    # It leaves, and another pod takes its IP within the grace: forgotten at the change too.
+    _scrape(store)
+    (pool,) = store.snapshot().pool_keys()
+    again = placed.scheduler.schedule(
+        request(prompt=PROMPT, request_id="c"), store.snapshot().states(pool)[:1], now=NOW
+    )
+    assert again.primary.key == placed.left
+    assert placed.remembered() == {placed.left, placed.kept}
+    store.set_endpoints(_specs(2, 3))
+    store.set_endpoints(_specs(1, 2, 3))
+    assert placed.forgets[1:] == [{"10.0.0.2:8000", "10.0.0.3:8000"}]
+    assert placed.remembered() == {placed.kept}
+
+
+async def test_a_replaced_endpoints_kv_event_subscription_is_made_again() -> None:
+    doc = preset_document("default")
+    for p in doc["plugins"]:
+        if p["type"] == "prefix-cache-scorer":
+            p["parameters"].update(kvEvents=True)
+    config = GatewayConfig.model_validate({"spec": {"scheduling": doc}})
+    store = _store()
+    store.set_endpoints([EndpointSpec("sim-1", "127.0.0.1", port=1, labels={"app": "sim"})])
+    scheduler = build_director(config, store, rng=random.Random(1)).scheduler
+    assert isinstance(scheduler, Scheduler)
+    (prefix,) = [p for p in scheduler.plugins.values() if isinstance(p, PrefixCacheScorer)]
+    subscriber = prefix._subscriber
+    assert subscriber is not None
+    try:
+        _scrape(store)  # on the loop: the follower subscribes (connects and retries, no peer)
+        first = subscriber._tasks["127.0.0.1:1"]
+        store.set_endpoints([EndpointSpec("sim-2", "127.0.0.1", port=1, labels={"app": "sim"})])
+        # The old pod's subscription went with its state; the new pod's is made on the change.
+        assert first.cancelling()
+        assert subscriber._tasks["127.0.0.1:1"] is not first
+    finally:
+        await subscriber.close()
+
+
+def test_a_negative_grace_is_refused() -> None:
+    with pytest.raises(ValueError, match="grace_s must be >= 0, got -1"):
+        AbsentEndpoints([], grace_s=-1)
 
 
 @pytest.mark.integration

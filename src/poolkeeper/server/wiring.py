@@ -7,7 +7,8 @@ gets `requestHandling`, the scheduler `scheduling` (and the freshness of `scrapi
 gate (`build_gate`), the datastore subscription that wakes waiting requests when fresh
 metrics may mean headroom, the one that tells the scheduler's endpoint followers (KV-event
 subscriptions) the pool's endpoints, and the one that makes the scheduler forget what it keeps
-per endpoint (prefix index, prefill backlog, TTFT model) for the endpoints that left the pool.
+per endpoint (prefix index, prefill backlog, TTFT model) for the endpoints that left the pool
+for good (server/forgetting.py: absent past a grace, or replaced at the same ip:port).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.prefillfacts import PrefillFacts
 from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.server.forgetting import FORGET_AFTER_S, endpoint_forgetter
 
 
 def build_director(
@@ -42,12 +44,14 @@ def build_director(
     clock: Callable[[], float] = time.monotonic,
     flow_observer: FlowObserver | None = None,
     responses_observed: bool = False,
+    forget_after_s: float = FORGET_AFTER_S,
 ) -> Director:
     """The Director `config.spec` describes, with its scheduler, gate and in-flight tracker:
     the one way a Director is built (the runtime and tests alike). Raises ConfigError for a
     scheduling section that cannot be built. `responses_observed`: the response observer is
     on (server/runtime.py), so usage is injected only into responses that still pass the EPP
-    (those whose model name it rewrites).
+    (those whose model name it rewrites). `forget_after_s`: how long an endpoint stays absent
+    from the pool before the scheduler forgets it (server/forgetting.py).
     """
     spec = config.spec
     staleness_s = spec.scraping.staleness_s
@@ -76,14 +80,18 @@ def build_director(
     if isinstance(gate, FlowGate) and isinstance(datastore, Datastore):
         # Fresh metrics may mean headroom: let waiting requests re-check (free when none wait).
         datastore.subscribe(lambda _snapshot, _kind: gate.wake(), metrics=True)
+    if isinstance(datastore, Datastore):
+        # Without it, an endpoint gone for good keeps its blocks, backlog and TTFT samples
+        # until the caps push them out (memory and index room taken, and a new server at the
+        # same ip:port would inherit them). Before the follower: a replaced endpoint's KV-event
+        # subscription, dropped here, is made again by the follower on the same change.
+        forgetter = endpoint_forgetter(
+            scheduler, datastore.snapshot(), clock=clock, grace_s=forget_after_s
+        )
+        datastore.subscribe(forgetter)
     if scheduler.follows_endpoints and isinstance(datastore, Datastore):
         # KV-event subscriptions connect when the endpoints are known, not at a first decision.
         datastore.subscribe(_endpoint_follower(scheduler), metrics=True)
-    if isinstance(datastore, Datastore):
-        # Without it, an endpoint that left keeps its blocks, backlog and TTFT samples until
-        # the caps push them out (memory and index room taken, and a new server at the same
-        # ip:port would inherit them).
-        datastore.subscribe(_endpoint_forgetter(scheduler, datastore.snapshot()))
     return director
 
 
@@ -105,22 +113,6 @@ def _endpoint_follower(scheduler: Scheduler) -> Listener:
             return
         pending = False
         scheduler.follow_endpoints(e.hostport for e in snapshot.all_endpoints())
-
-    return listener
-
-
-def _endpoint_forgetter(scheduler: Scheduler, start: DatastoreSnapshot) -> Listener:
-    """A datastore listener (pool changes only, never metrics writes) calling
-    `scheduler.forget_endpoints` with the pool's endpoints when some of those in `start`, or
-    known since, have left it: once per such change, never per request."""
-    known = {e.hostport for e in start.all_endpoints()}
-
-    def listener(snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
-        nonlocal known
-        current = {e.hostport for e in snapshot.all_endpoints()}
-        if not known <= current:
-            scheduler.forget_endpoints(current)
-        known = current
 
     return listener
 

@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from poolkeeper.api.criticality import Criticality
-from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem
 from poolkeeper.flowcontrol.ordering import rescued
-
-S = Criticality.STANDARD
+from tests.flowcontrol.fc_factories import (
+    S,
+    never,
+    standard_config as _config,
+    standard_item as _item,
+)
 
 
 @dataclass
@@ -25,18 +27,6 @@ class _Waiting:
     name: str
     arrived: float
     tokens: int = 0
-
-
-def _config(**standard: Any) -> FlowControlConfig:
-    return FlowControlConfig.model_validate({"bands": {"standard": standard}})
-
-
-def _item(name: str) -> FlowItem[str]:
-    return FlowItem(name, S, "m", 10, 100)
-
-
-def never(_item: FlowItem[str]) -> bool:
-    return False
 
 
 def _one() -> Callable[[FlowItem[str]], bool]:
@@ -149,7 +139,7 @@ def test_the_rescue_window_must_be_a_window() -> None:
     with pytest.raises(ValidationError, match=r"rescueAfterMs .* must be below rescueBeforeMs"):
         _config(rescueAfterMs=1800, rescueBeforeMs=1200, drainWithinMs=1000)
     # Without drainWithinMs the window would be ignored: said, not silently dropped.
-    with pytest.raises(ValidationError, match=r"take effect only with drainWithinMs"):
+    with pytest.raises(ValidationError, match=r"takes effect only with drainWithinMs"):
         _config(rescueAfterMs=1000)
     band = _config(drainWithinMs=1000).bands.standard
     assert (band.rescue_after_ms, band.rescue_before_ms) == (1200, 1800)

@@ -52,6 +52,7 @@ from typing import Generic, TypeVar
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.answers import AnswerAdvance
+from poolkeeper.flowcontrol.catchup import CatchUp
 from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
 from poolkeeper.flowcontrol.fairness import FairnessFactory, FairnessPolicy, vtc_fairness
 from poolkeeper.flowcontrol.ordering import (
@@ -154,9 +155,9 @@ class FlowPolicies:
 
 class _Band(Generic[T]):
     __slots__ = (
-        "answers", "band_mark", "busy_since", "bytes", "config", "count", "drainable",
+        "answers", "band_mark", "busy_since", "bytes", "catch_up", "config", "count", "drainable",
         "fairness", "flows", "marks", "ordering", "overload_at", "recent", "refused", "reserved",
-        "running",
+        "running", "service_rate",
     )  # fmt: skip
 
     def __init__(
@@ -167,11 +168,14 @@ class _Band(Generic[T]):
         *,
         answers_ahead: bool = True,
         drainable: Callable[[float], bool] = lambda _within_s: False,
+        service_rate: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.fairness = fairness
         # Whether the pool's whole queue drains within the given seconds at the measured rate
         # (`FlowDispatcher.drains_within`): the band's `drainWithinMs` reads it.
         self.drainable = drainable
+        # The pool's measured drain rate (`DrainRate`): `catchUpWindowMs` compares arrivals to it.
+        self.service_rate = service_rate
         self.ordering = ordering
         self.config = config
         self.flows: dict[str, deque[FlowItem[T]]] = {}  # only flows with something waiting
@@ -203,6 +207,9 @@ class _Band(Generic[T]):
         # Flows whose overload TTL refused a request in their current busy period: the
         # `drainWithinMs` exemption is over for them until their queue empties.
         self.refused: set[str] = set()
+        # `catchUpWindowMs`: whether the band's queue is shrinking (`catchup.py`).
+        window = config.catch_up_window_ms
+        self.catch_up = None if window is None else CatchUp(window / 1000.0)
 
     def push(self, item: FlowItem[T]) -> None:
         queue = self.flows.get(item.flow)
@@ -218,6 +225,8 @@ class _Band(Generic[T]):
         queue.append(item)
         self.count += 1
         self.bytes += item.size
+        if self.catch_up is not None:
+            self.catch_up.joined(item.arrived)
 
     def present(self, flow: str, now: float) -> bool:
         """`flow`'s last request ended less than `PRESENT_S` ago (`recent`)."""
@@ -234,11 +243,18 @@ class _Band(Generic[T]):
         if not self.overloaded(flow) and isinstance(self.ordering, FcfsAdaptiveLifo):
             return waiting[0]  # a bounded flow: no adaptive LIFO (an overload rule)
         item = self.ordering.head(waiting, now)
-        if item is not waiting[0] and self.draining():
-            band = self.config
+        if item is waiting[0]:
+            return item
+        band = self.config
+        if self.draining():
             saved = rescued(waiting, now, band.rescue_after_ms / 1000, band.rescue_before_ms / 1000)
             if saved is not None:
                 return saved  # the aging bound: served before it is late (`drainWithinMs`)
+        elif self.catch_up is not None and self.catch_up.shrinking(now, self.service_rate()):
+            # `catchUpWindowMs`: the newest can wait; the oldest still in time goes first.
+            saved = rescued(waiting, now, 0.0, band.rescue_before_ms / 1000)
+            if saved is not None:
+                return saved
         return item
 
     def draining(self) -> bool:
@@ -379,6 +395,7 @@ class FlowDispatcher(Generic[T]):
                 config.bands.of(b),
                 answers_ahead=config.charge_answers_ahead,
                 drainable=self.drains_within,
+                service_rate=self.drain.rate,
             )
             for b in BANDS
         }
@@ -617,6 +634,8 @@ class FlowDispatcher(Generic[T]):
                     return sent  # a waiting head blocks its band and every lower band
                 queue.remove(item)
                 item.queued = False
+                if queue.catch_up is not None:
+                    queue.catch_up.left(now)
                 self._release_reserved(queue, item.flow)
                 self.dispatched(item)
                 go(item)

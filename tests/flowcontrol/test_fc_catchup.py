@@ -53,6 +53,7 @@ def test_catch_up_counts_a_window_of_joins_and_dispatches() -> None:
     assert not c.shrinking(0.22, 12.0)  # 3 joined in 250 ms: as fast as 12 a second is served
     assert c.shrinking(0.3, 12.0)  # 0.0 and 0.05 fell out of the window: 1 joined, 4 left
     assert not c.shrinking(0.6, 100.0)  # nothing in the window
+    assert c.shrinking(0.3, 12.0)  # asking about a later time forgot nothing
     with pytest.raises(ValueError, match="must be positive"):
         CatchUp(0.0)
 

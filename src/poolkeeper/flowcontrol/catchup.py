@@ -48,13 +48,24 @@ class CatchUp:
         passing for a drain while arrivals still outrun the fleet: counted without it, such
         moments made rescues a large share of the dispatches at 1.3x (heterogeneous p90 1.34 s
         against 0.49)."""
-        self._prune(now)
-        if service_rate is None or len(self._joined) >= service_rate * self.window_s:
+        start = now - self.window_s  # counted, not pruned: a query changes nothing
+        joined = _since(self._joined, start)
+        if service_rate is None or joined >= service_rate * self.window_s:
             return False
-        return len(self._left) > len(self._joined)
+        return _since(self._left, start) > joined
 
     def _prune(self, now: float) -> None:
         start = now - self.window_s
         for events in (self._joined, self._left):
             while events and events[0] < start:
                 events.popleft()
+
+
+def _since(events: deque[float], start: float) -> int:
+    """How many of `events` (in time order) are at or after `start`."""
+    stale = 0
+    for t in events:
+        if t >= start:
+            break
+        stale += 1
+    return len(events) - stale

@@ -132,7 +132,9 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     It only has requests to rescue with an `overloadTtlMs` near the SLO (1500; the default 300
     refuses them first). Off by default (null): with 250 and 1500, 30-s heavy-tail 1.1x
     goodput +0.1 / 0 / +0.5 req/s on seeds 1-3 and shared-prefix 1.1x +0.6 / +0.4 % on seeds
-    2-3, but shared-prefix p90 +4-9 % there (docs/notes/2026-12-07-goodput-window.md)."""
+    2-3, but shared-prefix p90 +4-9 % there and, with `holdNewPrefixes` (whose held arrivals
+    do not count as joining), 1.3x p90 1.68 s against 1.36
+    (docs/notes/2026-12-07-goodput-window.md)."""
     only_while_growing: bool = True
     """The overload rules (`lifoAfterMs`, `overloadTtlMs`) apply to a flow only while its
     requests in the system (waiting here and dispatched, not yet answered) grow in number,

@@ -119,16 +119,19 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     """With `drainWithinMs`, while the queue drains within it: the age from which adaptive
     LIFO serves a passed-over request first (the oldest one younger than `rescueBeforeMs`)."""
     rescue_before_ms: int = Field(default=1800, ge=1, le=3_600_000)
-    """With `drainWithinMs`: a request older than this is past rescuing (it would be late
-    anyway), so it stays behind the newer ones and ends at its TTL or when the queue empties."""
+    """With `drainWithinMs` or `catchUpWindowMs`: a request older than this is past rescuing
+    (it would be late anyway), so it stays behind the newer ones and ends at its TTL or when
+    the queue empties."""
     catch_up_window_ms: int | None = Field(default=None, ge=1, le=60_000)
     """While this band's queue shrinks (over the last this many ms, more of its requests left
-    it for an endpoint than joined it), adaptive LIFO serves the band's oldest request younger
-    than `rescueBeforeMs` first, not the newest: arrivals have fallen below the fleet's service
-    rate, the newest have time to spare, and the requests passed over while the queue grew are
-    served before they are late instead of running out at the overload TTL or being answered
-    after the SLO (issue 38: a passing overload's excess, which round-robin and least-request
-    keep in the servers' queues, was refused here). While the queue grows, nothing changes.
+    it for an endpoint than joined it, and fewer joined than the pool's measured drain rate
+    serves in that time: `flowcontrol/catchup.py`), adaptive LIFO serves the oldest request
+    younger than `rescueBeforeMs` first, not the newest: arrivals have fallen below the
+    fleet's service rate, the newest have time to spare, and the requests passed over while the
+    queue grew are served before they are late instead of running out at the overload TTL or
+    being answered after the SLO (issue 38: a passing overload's excess, which round-robin and
+    least-request keep in the servers' queues, was refused here). While the queue grows,
+    nothing changes.
     It only has requests to rescue with an `overloadTtlMs` near the SLO (1500; the default 300
     refuses them first). Off by default (null): with 250 and 1500, 30-s heavy-tail 1.1x
     goodput +0.1 / 0 / +0.5 req/s on seeds 1-3 and shared-prefix 1.1x +0.6 / +0.4 % on seeds

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.speed import ObservedSpeed
-from tests.scheduling.sched_factories import key, plugin, request, scores_of, state
+from poolkeeper.scheduling.presets import candidate_document, preset_document
+from tests.scheduling.sched_factories import NOW, key, plugin, request, scheduler, scores_of, state
 
 
 @pytest.mark.parametrize(
@@ -159,3 +160,19 @@ def test_speed_scorer_prefers_the_observed_faster_endpoint() -> None:
         t.finish(f"r{i}", now=100.0 + seconds, output_tokens=100)
     got = scores_of(plugin("observed-speed-scorer"), request(), t.apply([state(1), state(2)]))
     assert got == [pytest.approx(0.25), pytest.approx(1.0)]
+
+
+def test_speed15_candidate_weighs_observed_speed_less_than_the_default() -> None:
+    """The default's backlog scorer already scales its costs by observed speed (an idle
+    server twice as slow loses 0.7 of its 2 points there) and its speed scorer takes 0.7 of 2
+    more; `default-speed15` weighs the speed scorer 1.5 (0.525 lost). A fast server 5
+    requests deeper (1.25 of the queue scorer's 2 points) keeps the request on the default
+    (1.4 lost by the slow one) and loses it to the idle slow server on the candidate (1.225).
+    Heterogeneous fleet at 1.1x: docs/notes/2026-12-07-heterogeneous-overload.md."""
+    fast = replace(state(1, waiting=5), seconds_per_output_token=0.015)
+    slow = replace(state(2), seconds_per_output_token=0.030)
+    picked = [
+        scheduler(doc).schedule(request(), [fast, slow], now=NOW).primary.endpoint.name
+        for doc in (preset_document("default"), candidate_document("default-speed15"))
+    ]
+    assert picked == ["pod1", "pod2"]

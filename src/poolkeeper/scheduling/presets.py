@@ -105,6 +105,14 @@ def _with_full_batch(doc: dict[str, Any], miss_gate: bool = False) -> dict[str, 
     return doc
 
 
+def _speed_weight(doc: dict[str, Any], weight: float) -> dict[str, Any]:
+    """`doc` with its observed-speed-scorer at `weight`."""
+    for ref in doc["schedulingProfiles"][0]["plugins"]:
+        if ref["pluginRef"] == "observed-speed-scorer":
+            ref["weight"] = weight
+    return doc
+
+
 def _prefix_affinity(miss_gate: bool = False, **backlog: Any) -> dict[str, Any]:
     """The `prefix-affinity` preset: the default profile plus the `prefill-backlog-scorer`
     (weight 2); its stale filter keeps a prefix's late holders; then a `saturation-filter`
@@ -342,6 +350,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
         _answered_wait(_default_plus("prefill-backlog-scorer", 2, fadeFrom=0.5, fadeTo=0.8)),
         miss_gate=True,
     ),
+    # The default with its observed-speed-scorer at 1.5 instead of 2: the backlog scorer
+    # already scales its costs by observed speed, so the default counts a slow server's
+    # slowness twice. Heterogeneous 1.1x, 8 servers: 0.82x aibrix-prefix's p90 (the default
+    # 0.89x; lower on 7 of 9 seed and tie-break streams), but below capacity 2-12 % higher p90
+    # and, where the speed scorer fires on identical servers, heavy-tail 1.1x goodput -0.6 %:
+    # not the default (docs/notes/2026-12-07-heterogeneous-overload.md).
+    "default-speed15": _speed_weight(copy.deepcopy(_DEFAULT), 1.5),
 }
 
 

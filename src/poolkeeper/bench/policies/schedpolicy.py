@@ -79,6 +79,8 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-pa-miss-gate": "prefix-affinity-miss-gate",
     "poolkeeper-pa-miss-gate-fade": "prefix-affinity-miss-gate-fade-early",
     "poolkeeper-fade-early-miss-gate": "prefill-backlog-fade-early-miss-gate",
+    # the default with its speed scorer at 1.5 (heterogeneous at overload; not the default)
+    "poolkeeper-speed15": "default-speed15",
     # the default before issue 38's switch (the `classic` preset, without flow control's
     # `holdNewPrefixes`: `flowpolicy.NO_HOLD_POLICIES`), to compare the switch against
     "poolkeeper-classic": "classic",

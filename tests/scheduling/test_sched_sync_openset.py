@@ -3,6 +3,7 @@ the backlog's 60 s age; nothing a peer still has open is dropped, reordered or n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 import pytest
@@ -17,8 +18,9 @@ from poolkeeper.scheduling.replicasync.openset import (
     OpenTracker,
     covers,
     digest,
-    statement,
+    statement as stated,
 )
+from poolkeeper.scheduling.replicasync.ownopen import OwnOpen
 from poolkeeper.scheduling.scheduler import Scheduler
 from tests.scheduling.sched_factories import NOW, key, request, scheduler, state
 
@@ -39,6 +41,11 @@ def _pair() -> tuple[Scheduler, ReplicaSync, Scheduler, ReplicaSync]:
     bind_scheduler(out, peer)
     bind_scheduler(hub, mine)
     return peer, out, mine, hub
+
+
+def statement(ids: Iterable[str], room: int, turn: int) -> Open | None:
+    """The statement of these ids (the fold hands the hub their digests)."""
+    return stated([digest(i) for i in ids], room, turn)
 
 
 def _heartbeat(out: ReplicaSync, seq: int) -> Batch:
@@ -266,3 +273,49 @@ def test_statements_never_drop_an_open_send_and_converge_whatever_is_lost_or_reo
         assert last is not None
         hub.deliver(Batch("b", seq, (), last), NOW)
     assert mirror.open <= open_now  # converged: no phantom left
+
+
+def test_a_send_the_senders_backlog_dropped_unanswered_still_counts_at_the_peer() -> None:
+    # The sender's backlog drops its own entries without a first byte or an end (a forget of
+    # the endpoint; its cap filled by another replica's entries): the requests still prefill
+    # there, so the statement must keep listing them until their first byte or end is told.
+    peer, out, mine, hub = _pair()
+    pool = [state(i) for i in range(1, 5)]
+    req = replace(request(prompt="q1 " * 400, request_id="q1"), stream=True)
+    picked = peer.schedule(req, pool, now=NOW).primary.key
+    req2 = replace(request(prompt="q2 " * 400, request_id="q2"), stream=True)
+    peer.schedule(req2, pool, now=NOW)
+    assert hub.deliver(_heartbeat(out, 1), NOW)
+    received = _backlog(mine)
+    assert received.endpoint_of(("b", "q1")) == picked
+    sender = _backlog(peer)
+    sender.forget_endpoints({e.key for e in pool} - {picked})  # q1's endpoint, forgotten
+    sender.max_entries = 2  # and a third replica's entries fill the cap: q2 is evicted
+    sender.sent(("c", "x1"), key(3), 10, NOW + 0.1)
+    sender.sent(("c", "x2"), key(3), 10, NOW + 0.2)
+    assert sender.own_ids() == []
+    assert hub.deliver(_heartbeat(out, 2), NOW + 1.0)
+    assert hub.reconciled == 0  # both still prefilling: both still count at the peer
+    assert received.endpoint_of(("b", "q1")) == picked
+    assert received.endpoint_of(("b", "q2")) is not None
+    peer.observe_first_token("q1", picked, NOW + 2.0)  # told, though the backlog forgot it
+    peer.request_ended("q2")
+    assert hub.deliver(_heartbeat(out, 3), NOW + 2.0)
+    assert len(received) == 0
+    assert hub.reconciled == 0  # by their own events, not by the statement
+
+
+def test_the_own_open_set_is_bounded_and_ages_like_the_backlog() -> None:
+    own = OwnOpen(max_open=2, max_age_s=60.0)
+    own.sent("a", NOW)
+    own.sent("b", NOW + 1)
+    own.sent("c", NOW + 2)  # full: the oldest goes
+    assert ("a" in own, len(own)) == (False, 2)
+    own.sent("d", NOW + 63)  # b and c are over 60 s old
+    assert own.digests() == [digest("d")]
+    own.sent("\ud800", NOW + 62)  # not encodable: not tracked (its Sent is not sent either)
+    assert len(own) == 1
+    assert own.closed("d")
+    assert not own.closed("d")  # closed once: an end after a first byte is not told
+    with pytest.raises(ValueError, match="max_open"):
+        OwnOpen(max_open=0)

@@ -3,15 +3,16 @@
 Why: sync rides UDP, so an `Answered` or `Ended` can be lost; its entry would then stay in every
 peer's prefill backlog (a phantom: a server looks busier than it is) until the backlog's age
 limit, 60 s. So every `reconcileIntervalMs` each replica sends an `Open` statement (events.py)
-with the digests of the request ids its own backlog still counts, and a receiver drops that
+with the digests of the request ids it published and has not closed, and a receiver drops that
 origin's entries that the statement no longer lists: a phantom lives one statement interval,
 not 60 s.
 
 Exact, not a guess from gaps or ages, and never a false drop under reordering:
 
-- the sender builds the statement from its backlog at the moment it sends (`statement`): an id
-  missing from it was closed (first byte, end, or the backlog's own age or size limits, which
-  drop the sender's entry too) before that datagram left;
+- the sender builds the statement at the moment it sends (`statement`) from what it published
+  and has not closed (`ownopen.py`: not from its backlog, which may drop an own entry silently):
+  an id missing from it was closed (its `Answered` or `Ended` published, or the open set's age
+  or size limits, the backlog's) before that datagram left;
 - the receiver records the `seq` of the batch each peer `Sent` came in (`OpenTracker`) and judges
   only entries whose `Sent` came in the statement's batch or before: a `Sent` in a later batch
   that arrives first (reordered) is newer than the statement and is kept;
@@ -52,13 +53,14 @@ def covers(statement: Open, value: int) -> bool:
     return value & ((1 << statement.shift) - 1) == statement.residue
 
 
-def statement(open_ids: Iterable[str], room: int, turn: int) -> Open | None:
-    """The statement of `open_ids` for the `turn`-th time: all of them if their digests fit
-    `room`, else the slice `turn` picks among the fewest slices that make it fit. None only
-    when even `MAX_SHIFT` slices leave one too big (never at a backlog's sizes)."""
+def statement(open_digests: Iterable[int], room: int, turn: int) -> Open | None:
+    """The statement of the open sends' digests (`digest`, computed once per send at publish:
+    `ownopen.py`) for the `turn`-th time: all of them if they fit `room`, else the slice
+    `turn` picks among the fewest slices that make it fit. None only when even `MAX_SHIFT`
+    slices leave one too big (never at a backlog's sizes)."""
     if room < 1:
         raise ValueError(f"room must be >= 1 digests, not {room}")
-    values = {digest(i) for i in open_ids}
+    values = set(open_digests)
     shift = 0
     while (len(values) >> shift) > room:  # the fewest slices that fit on average
         shift += 1

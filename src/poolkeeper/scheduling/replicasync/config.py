@@ -53,11 +53,16 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     other (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at
     start."""
     key_optional: bool = False
-    """A `keyFile` that does not exist leaves sync off (a warning at start says how to create
-    it) instead of stopping the start: the shipped deployment has sync on and mounts its key
-    Secret as an optional volume, so it runs before the Secret exists and syncs once it does
-    (from the next start). A key file that exists but cannot be read or holds a bad key still
-    stops the start: sync never runs unauthenticated."""
+    """A `keyFile` that does not exist in an existing, empty directory (what an optional
+    Secret volume mounts without its Secret; the kubelet's hidden `..data` entries aside)
+    leaves sync off (a warning at start says how to create it, and
+    `poolkeeper_replica_sync_enabled` is 0) instead of stopping the start: the shipped
+    deployment has sync on and mounts its key Secret as an optional volume, so it runs before
+    the Secret exists and syncs once it does (from the next start). Anything else still stops
+    the start, naming the field: the directory missing (a wrong mountPath), other files in it
+    (the Secret's data key is not the file's name), a path that cannot be checked, a key file
+    that cannot be read or holds a bad key: sync never runs unauthenticated, nor stays off
+    for good through a typo."""
     reconcile_interval_ms: int = Field(default=1000, ge=100, le=10_000)
     """How often a replica tells its peers which of its sends are still open (also its
     heartbeat): a peer drops the entries the statement no longer lists, so one whose first

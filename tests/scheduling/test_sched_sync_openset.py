@@ -156,18 +156,53 @@ def test_the_sender_states_what_its_own_backlog_counts() -> None:
 
 def test_the_tracker_is_bounded_and_a_quiet_peer_is_forgotten() -> None:
     tracker = OpenTracker(max_tracked=3)
-    for i in range(3):
-        tracker.sent("b", f"r{i}", 1)
-    tracker.sent("c", "x", 1)  # full, and "c" has nothing to give up
+    for i in range(4):
+        tracker.sent("b", f"r{i}", 1)  # full at 3: "b" gives up its own oldest
     assert (len(tracker), tracker.untracked) == (3, 1)
-    tracker.sent("b", "r3", 2)  # "b" gives up its own oldest
-    assert (len(tracker), tracker.untracked) == (3, 2)
-    assert tracker.stale("b", 2, Open(0, 0, frozenset())) == ["r1", "r2", "r3"]
+    assert set(tracker.stale("b", 2, Open(0, 0, frozenset()))) == {"r1", "r2", "r3"}
     tracker.sent("b", "r4", 3)
     tracker.forget("b")
     assert len(tracker) == 0
     with pytest.raises(ValueError, match="max_tracked"):
         OpenTracker(0)
+
+
+def test_a_busy_origin_cannot_keep_a_new_one_untracked() -> None:
+    # "b" filled the cap before "c" was heard: "c"'s sends are tracked all the same (the
+    # largest origin gives up its oldest), and the two converge to equal shares.
+    tracker = OpenTracker(max_tracked=8)
+    for i in range(8):
+        tracker.sent("b", f"b{i}", 1)
+    for i in range(6):
+        tracker.sent("c", f"c{i}", 1)
+    assert (tracker.tracked("b"), tracker.tracked("c"), len(tracker)) == (4, 4, 8)
+    # "b"'s oldest went; its newest, and every one of "c"'s newest four, are still judged.
+    assert set(tracker.stale("b", 1, Open(0, 0, frozenset()))) == {"b4", "b5", "b6", "b7"}
+    assert set(tracker.stale("c", 1, Open(0, 0, frozenset()))) == {"c2", "c3", "c4", "c5"}
+    assert tracker.untracked == 6
+
+
+@pytest.mark.parametrize("room", [50, 1])
+def test_a_slice_judges_exactly_the_sends_it_covers(room: int) -> None:
+    # Small and large shifts (one above the tracker's bucket bits): a statement's slice drops
+    # exactly the covered ids it does not list, whichever buckets they are filed in.
+    tracker = OpenTracker()
+    ids = [f"req-{i}" for i in range(3000)]
+    for rid in ids:
+        tracker.sent("b", rid, 1)
+    still = set(ids[::2])  # every other one ended, the Ended lost
+    dropped: set[str] = set()
+    for turn in [*range(1, 33), 513]:  # (513: the first one's slice again, shift under 9)
+        s = statement(still, room, turn)
+        assert s is not None
+        assert s.shift >= (9 if room == 1 else 5)
+        judged = still | dropped
+        expected = {r for r in ids if r not in judged and covers(s, digest(r))}
+        assert set(tracker.stale("b", 1, s)) == expected
+        dropped |= expected
+        assert not tracker.stale("b", 1, s)  # judged once
+    assert len(dropped) > 16
+    assert len(tracker) == len(ids) - len(dropped)
 
 
 def test_a_quiet_peers_tracked_sends_go_with_it() -> None:

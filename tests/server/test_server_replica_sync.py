@@ -244,6 +244,24 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         s.bind(("127.0.0.1", sync_port))
 
 
+def test_a_raw_binary_key_is_refused_not_split_into_other_keys(tmp_path: Path) -> None:
+    path = tmp_path / "raw"
+    # 32 raw bytes with a newline, a carriage return and other control bytes among them: split
+    # into lines and stripped they would have been two other keys.
+    path.write_bytes(b"\x0b" + b"k" * 16 + b"\r" + b"\x01" + b"j" * 16 + b"\x0c\n")
+    with pytest.raises(ConfigError, match=r"line 1 holds control bytes \(0x0b\): a key file"):
+        read_keys(str(path))
+    path.write_bytes(b"k" * 20 + b"\n" + b"\x01" + b"j" * 20)
+    with pytest.raises(ConfigError, match=r"line 2 holds control bytes \(0x01\).*base64"):
+        read_keys(str(path))
+    path.write_bytes(b"k" * 20 + b"\tj" * 4 + b"\n")
+    with pytest.raises(ConfigError, match=r"line 1 holds control bytes \(0x09\)"):
+        read_keys(str(path))
+    # Text keys with CRLF endings, edge whitespace and comments still read as before.
+    path.write_bytes(b"# rotated\r\n\t" + b"n" * 32 + b" \r\n" + b"o" * 32 + b"\r\n")
+    assert read_keys(str(path)) == [b"n" * 32, b"o" * 32]
+
+
 async def test_a_missing_optional_key_starts_the_runtime_without_sync(
     tmp_path: Path, key_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -46,11 +46,12 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     resolve_interval_ms: int = Field(default=5000, ge=100, le=600_000)
     """How often peer names are resolved again (a scaled or rolled Deployment)."""
     key_file: str | None = None
-    """File holding the shared keys, one per line (at least 16 bytes each, surrounding
-    whitespace ignored; blank lines and lines starting with `#` are skipped), e.g. a mounted
-    Secret. Datagrams are signed with HMAC-SHA256 under the first key and accepted under any
-    of them (at most 4), so a key is rotated without a window in which replicas reject each
-    other (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at
+    """File holding the shared keys, one text or base64 key per line (at least 16 bytes each,
+    surrounding whitespace ignored; blank lines and lines starting with `#` are skipped; a
+    line with control bytes, a raw binary key, is refused), e.g. a mounted Secret. Datagrams
+    are signed with HMAC-SHA256 under the first key and accepted under any of them (at most
+    4), so a key is rotated without a window in which replicas reject each other
+    (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at
     start."""
     key_optional: bool = False
     """A `keyFile` that does not exist in an existing, empty directory (what an optional
@@ -148,6 +149,13 @@ def parse_keys(data: bytes, path: str) -> list[bytes]:
         line = raw.strip()
         if not line or line.startswith(b"#"):
             continue
+        if control := _control_bytes(raw, line):
+            listed = ", ".join(f"0x{b:02x}" for b in control)
+            raise ValueError(
+                f"{path} line {number} holds control bytes ({listed}): a key file holds one "
+                "text or base64 key per line, not raw bytes (e.g. `head -c 32 /dev/urandom | "
+                "base64`)"
+            )
         if len(line) < MIN_KEY_BYTES:
             raise ValueError(
                 f"{path} line {number} holds {len(line)} bytes; each key needs at least "
@@ -162,3 +170,13 @@ def parse_keys(data: bytes, path: str) -> list[bytes]:
     if len(keys) > MAX_KEYS:
         raise ValueError(f"{path} holds {len(keys)} keys, at most {MAX_KEYS} (the first signs)")
     return keys
+
+
+def _control_bytes(raw: bytes, line: bytes) -> list[int]:
+    """The control bytes of a key file's line `raw` (`line`: stripped): a raw binary key's,
+    which splitting at newline bytes and stripping would silently turn into another key. A
+    tab is whitespace at the edges, not inside a key."""
+    found = {b for b in raw if b < 0x20 or b == 0x7F} - {0x09}
+    if 0x09 in line:
+        found.add(0x09)
+    return sorted(found)

@@ -20,6 +20,7 @@ import random
 from poolkeeper.scheduling.backlog import PrefillBacklog
 from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Sent, SyncEvent
 from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.replicasync.openset import digest
 
 ENDPOINT = "10.0.0.1:8000"
 
@@ -62,7 +63,7 @@ def run(
     rng = random.Random(seed)
     own = PrefillBacklog()  # the sender's own backlog: the truth
     out, hub = ReplicaSync("b"), ReplicaSync("a")
-    out.bind_open(own.own_ids)
+    out.bind_open(lambda: [digest(rid) for rid in own.own_ids()])
     receiver = Receiver(own)
     hub.bind(receiver)
     timeline: list[tuple[float, int, str]] = []  # (when, 0 sent / 1 first byte / 2 end, id)

@@ -254,7 +254,9 @@ def test_every_decision_is_published_even_when_a_request_id_repeats() -> None:
     assert sum(isinstance(e, Sent) for e in batch.events) == 200
 
 
-def test_peers_sends_outside_the_pool_are_ignored_and_a_shrinking_pool_forgets_theirs() -> None:
+def test_peers_sends_outside_the_pool_are_ignored_and_a_shrinking_pool_drops_their_entries() -> (
+    None
+):
     mine = _exact_default()
     hub = ReplicaSync("a")
     fold = bind_scheduler(hub, mine, pool={A, B})
@@ -273,11 +275,12 @@ def test_peers_sends_outside_the_pool_are_ignored_and_a_shrinking_pool_forgets_t
     assert dict(backlog.snapshot()) == {A: 100, B: 200}
     assert prefix.exact.heads(key(9), NOW) == 0
     assert prefix.index.match((7, 8, 9)).get(key(9), 0) == 0
-    fold.forget_endpoints({A})  # B left the pool: what peers put there goes
+    fold.forget_endpoints({A})  # B left the pool: peers' entries there go
     assert dict(backlog.snapshot()) == {A: 100}
-    assert prefix.exact.heads(B, NOW) == 0
-    assert prefix.exact.heads(A, NOW) == 1
-    assert B not in prefix.index.match((4, 5, 6))
+    # Peers' blocks and pending heads cannot be told from own ones: they stay until the
+    # scheduler's own forgetter drops B (with its grace), not at the fold's first event.
+    assert prefix.exact.heads(B, NOW) == 1
+    assert prefix.index.match((4, 5, 6)).get(B, 0) == 3
     hub.deliver(Batch("b", 2, (Sent("r4", B, 50, True),)), NOW)
     assert B not in backlog.snapshot()  # and stays out
 
@@ -329,3 +332,29 @@ def test_an_empty_batch_keeps_its_origin_heard() -> None:
     hub.expire(NOW + 65.0)
     assert _backlog(mine).backlog.tokens(A) == 3000
     assert hub.peers() == ["b"]
+
+
+def test_a_shrinking_pool_leaves_this_replicas_own_state_to_the_scheduler() -> None:
+    # A readiness flap seen for one event must not erase own entries, measured drain rates or
+    # own prefix blocks: that is the scheduler's forgetter's call, with its grace.
+    mine = _exact_default()
+    hub = ReplicaSync("a")
+    fold = bind_scheduler(hub, mine, pool={A, B})
+    backlog = _backlog(mine).backlog
+    backlog.min_samples = 1
+    for i in range(3):  # own sends to A, answered: a drain rate measured there
+        backlog.sent(f"m{i}", A, 1000, NOW + i)
+        backlog.first_token(f"m{i}", NOW + i + 0.5)
+    backlog.sent("own", A, 500, NOW + 10)
+    hub.deliver(Batch("b", 1, (Sent("peer", A, 200, True, (4, 5, 6)),)), NOW + 10)
+    rates, own = backlog.rates(), backlog.own_ids()
+    assert A in rates
+    assert backlog.tokens(A) == 700
+    fold.forget_endpoints({B})  # A absent for one event
+    assert backlog.own_ids() == own == ["own"]
+    assert backlog.rates() == rates
+    assert backlog.tokens(A) == 500  # the peer's entry went, the own one stays
+    assert backlog.endpoint_of(("b", "peer")) is None
+    prefix = _backlog(mine).prefix
+    assert prefix is not None
+    assert prefix.index.match((4, 5, 6)).get(A, 0) == 3  # the index is left alone

@@ -3,6 +3,7 @@ the backlog's 60 s age; nothing a peer still has open is dropped, reordered or n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 import pytest
@@ -17,8 +18,9 @@ from poolkeeper.scheduling.replicasync.openset import (
     OpenTracker,
     covers,
     digest,
-    statement,
+    statement as stated,
 )
+from poolkeeper.scheduling.replicasync.ownopen import OwnOpen
 from poolkeeper.scheduling.scheduler import Scheduler
 from tests.scheduling.sched_factories import NOW, key, request, scheduler, state
 
@@ -39,6 +41,11 @@ def _pair() -> tuple[Scheduler, ReplicaSync, Scheduler, ReplicaSync]:
     bind_scheduler(out, peer)
     bind_scheduler(hub, mine)
     return peer, out, mine, hub
+
+
+def statement(ids: Iterable[str], room: int, turn: int) -> Open | None:
+    """The statement of these ids (the fold hands the hub their digests)."""
+    return stated([digest(i) for i in ids], room, turn)
 
 
 def _heartbeat(out: ReplicaSync, seq: int) -> Batch:
@@ -149,18 +156,53 @@ def test_the_sender_states_what_its_own_backlog_counts() -> None:
 
 def test_the_tracker_is_bounded_and_a_quiet_peer_is_forgotten() -> None:
     tracker = OpenTracker(max_tracked=3)
-    for i in range(3):
-        tracker.sent("b", f"r{i}", 1)
-    tracker.sent("c", "x", 1)  # full, and "c" has nothing to give up
+    for i in range(4):
+        tracker.sent("b", f"r{i}", 1)  # full at 3: "b" gives up its own oldest
     assert (len(tracker), tracker.untracked) == (3, 1)
-    tracker.sent("b", "r3", 2)  # "b" gives up its own oldest
-    assert (len(tracker), tracker.untracked) == (3, 2)
-    assert tracker.stale("b", 2, Open(0, 0, frozenset())) == ["r1", "r2", "r3"]
+    assert set(tracker.stale("b", 2, Open(0, 0, frozenset()))) == {"r1", "r2", "r3"}
     tracker.sent("b", "r4", 3)
     tracker.forget("b")
     assert len(tracker) == 0
     with pytest.raises(ValueError, match="max_tracked"):
         OpenTracker(0)
+
+
+def test_a_busy_origin_cannot_keep_a_new_one_untracked() -> None:
+    # "b" filled the cap before "c" was heard: "c"'s sends are tracked all the same (the
+    # largest origin gives up its oldest), and the two converge to equal shares.
+    tracker = OpenTracker(max_tracked=8)
+    for i in range(8):
+        tracker.sent("b", f"b{i}", 1)
+    for i in range(6):
+        tracker.sent("c", f"c{i}", 1)
+    assert (tracker.tracked("b"), tracker.tracked("c"), len(tracker)) == (4, 4, 8)
+    # "b"'s oldest went; its newest, and every one of "c"'s newest four, are still judged.
+    assert set(tracker.stale("b", 1, Open(0, 0, frozenset()))) == {"b4", "b5", "b6", "b7"}
+    assert set(tracker.stale("c", 1, Open(0, 0, frozenset()))) == {"c2", "c3", "c4", "c5"}
+    assert tracker.untracked == 6
+
+
+@pytest.mark.parametrize("room", [50, 1])
+def test_a_slice_judges_exactly_the_sends_it_covers(room: int) -> None:
+    # Small and large shifts (one above the tracker's bucket bits): a statement's slice drops
+    # exactly the covered ids it does not list, whichever buckets they are filed in.
+    tracker = OpenTracker()
+    ids = [f"req-{i}" for i in range(3000)]
+    for rid in ids:
+        tracker.sent("b", rid, 1)
+    still = set(ids[::2])  # every other one ended, the Ended lost
+    dropped: set[str] = set()
+    for turn in [*range(1, 33), 513]:  # (513: the first one's slice again, shift under 9)
+        s = statement(still, room, turn)
+        assert s is not None
+        assert s.shift >= (9 if room == 1 else 5)
+        judged = still | dropped
+        expected = {r for r in ids if r not in judged and covers(s, digest(r))}
+        assert set(tracker.stale("b", 1, s)) == expected
+        dropped |= expected
+        assert not tracker.stale("b", 1, s)  # judged once
+    assert len(dropped) > 16
+    assert len(tracker) == len(ids) - len(dropped)
 
 
 def test_a_quiet_peers_tracked_sends_go_with_it() -> None:
@@ -266,3 +308,49 @@ def test_statements_never_drop_an_open_send_and_converge_whatever_is_lost_or_reo
         assert last is not None
         hub.deliver(Batch("b", seq, (), last), NOW)
     assert mirror.open <= open_now  # converged: no phantom left
+
+
+def test_a_send_the_senders_backlog_dropped_unanswered_still_counts_at_the_peer() -> None:
+    # The sender's backlog drops its own entries without a first byte or an end (a forget of
+    # the endpoint; its cap filled by another replica's entries): the requests still prefill
+    # there, so the statement must keep listing them until their first byte or end is told.
+    peer, out, mine, hub = _pair()
+    pool = [state(i) for i in range(1, 5)]
+    req = replace(request(prompt="q1 " * 400, request_id="q1"), stream=True)
+    picked = peer.schedule(req, pool, now=NOW).primary.key
+    req2 = replace(request(prompt="q2 " * 400, request_id="q2"), stream=True)
+    peer.schedule(req2, pool, now=NOW)
+    assert hub.deliver(_heartbeat(out, 1), NOW)
+    received = _backlog(mine)
+    assert received.endpoint_of(("b", "q1")) == picked
+    sender = _backlog(peer)
+    sender.forget_endpoints({e.key for e in pool} - {picked})  # q1's endpoint, forgotten
+    sender.max_entries = 2  # and a third replica's entries fill the cap: q2 is evicted
+    sender.sent(("c", "x1"), key(3), 10, NOW + 0.1)
+    sender.sent(("c", "x2"), key(3), 10, NOW + 0.2)
+    assert sender.own_ids() == []
+    assert hub.deliver(_heartbeat(out, 2), NOW + 1.0)
+    assert hub.reconciled == 0  # both still prefilling: both still count at the peer
+    assert received.endpoint_of(("b", "q1")) == picked
+    assert received.endpoint_of(("b", "q2")) is not None
+    peer.observe_first_token("q1", picked, NOW + 2.0)  # told, though the backlog forgot it
+    peer.request_ended("q2")
+    assert hub.deliver(_heartbeat(out, 3), NOW + 2.0)
+    assert len(received) == 0
+    assert hub.reconciled == 0  # by their own events, not by the statement
+
+
+def test_the_own_open_set_is_bounded_and_ages_like_the_backlog() -> None:
+    own = OwnOpen(max_open=2, max_age_s=60.0)
+    own.sent("a", NOW)
+    own.sent("b", NOW + 1)
+    own.sent("c", NOW + 2)  # full: the oldest goes
+    assert ("a" in own, len(own)) == (False, 2)
+    own.sent("d", NOW + 63)  # b and c are over 60 s old
+    assert own.digests() == [digest("d")]
+    own.sent("\ud800", NOW + 62)  # not encodable: not tracked (its Sent is not sent either)
+    assert len(own) == 1
+    assert own.closed("d")
+    assert not own.closed("d")  # closed once: an end after a first byte is not told
+    with pytest.raises(ValueError, match="max_open"):
+        OwnOpen(max_open=0)

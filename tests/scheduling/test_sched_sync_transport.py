@@ -12,6 +12,8 @@ import pytest
 
 from poolkeeper.scheduling.replicasync.codec import Codec, Decoded
 from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Open, Sent, SyncEvent
+from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.replicasync.openset import digest
 from poolkeeper.scheduling.replicasync.transport import SyncTransport, wall_ms
 from tests.support.waiting import until
 
@@ -319,6 +321,24 @@ async def test_a_heartbeat_ends_with_the_hubs_open_statement_sized_to_a_datagram
             Batch("a", 1, (Ended("r2"),), Open(0, 0, frozenset({11, 12}))),
         ]
         assert rooms == [a.transport.codec.room("a")]
+    finally:
+        a.transport.close()
+        b.transport.close()
+
+
+async def test_a_statement_that_fails_costs_only_itself() -> None:
+    # An open id whose digest cannot be made (not encodable): the heartbeat's events still go,
+    # without the statement, and the failure is counted.
+    out = ReplicaSync("a")
+    out.bind_open(lambda: (digest(i) for i in ["\ud800"]))
+    a, b = await node("a", state=out.statement), await node("b")
+    link(a, b)
+    try:
+        a.hub.publish(Ended("r1"))
+        a.transport.flush(heartbeat=True)
+        await until(lambda: len(b.hub.delivered) == 1, "the events")
+        assert b.hub.delivered[0][0] == Batch("a", 0, (Ended("r1"),))
+        assert a.transport.stats.dropped == {"statement": 1}
     finally:
         a.transport.close()
         b.transport.close()

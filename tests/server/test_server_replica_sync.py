@@ -86,6 +86,7 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
         text = generate_latest(registry).decode()
         assert "poolkeeper_replica_sync_batches_received_total 2.0" in text
         assert "poolkeeper_replica_sync_peers 1.0" in text
+        assert "poolkeeper_replica_sync_enabled 1.0" in text
         assert "poolkeeper_replica_sync_origins 1.0" in text
     finally:
         await sync_a.stop()
@@ -243,11 +244,30 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         s.bind(("127.0.0.1", sync_port))
 
 
+def test_a_raw_binary_key_is_refused_not_split_into_other_keys(tmp_path: Path) -> None:
+    path = tmp_path / "raw"
+    # 32 raw bytes with a newline, a carriage return and other control bytes among them: split
+    # into lines and stripped they would have been two other keys.
+    path.write_bytes(b"\x0b" + b"k" * 16 + b"\r" + b"\x01" + b"j" * 16 + b"\x0c\n")
+    with pytest.raises(ConfigError, match=r"line 1 holds control bytes \(0x0b\): a key file"):
+        read_keys(str(path))
+    path.write_bytes(b"k" * 20 + b"\n" + b"\x01" + b"j" * 20)
+    with pytest.raises(ConfigError, match=r"line 2 holds control bytes \(0x01\).*base64"):
+        read_keys(str(path))
+    path.write_bytes(b"k" * 20 + b"\tj" * 4 + b"\n")
+    with pytest.raises(ConfigError, match=r"line 1 holds control bytes \(0x09\)"):
+        read_keys(str(path))
+    # Text keys with CRLF endings, edge whitespace and comments still read as before.
+    path.write_bytes(b"# rotated\r\n\t" + b"n" * 32 + b" \r\n" + b"o" * 32 + b"\r\n")
+    assert read_keys(str(path)) == [b"n" * 32, b"o" * 32]
+
+
 async def test_a_missing_optional_key_starts_the_runtime_without_sync(
     tmp_path: Path, key_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     sync_port, sim = free_ports(2)
     missing = tmp_path / "secret" / "key"  # an optional Secret volume, the Secret not created
+    missing.parent.mkdir()
     spec = (
         f"  replicaSync: {{enabled: true, keyOptional: true, address: 127.0.0.1, "
         f"port: {sync_port}, keyFile: {missing}, peers: ['127.0.0.1:{sync_port}']}}\n"
@@ -266,14 +286,24 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
             caplog.text
         )
         assert "kubectl create secret generic" in caplog.text
+        assert runtime.metrics is not None
+        scraped = generate_latest(runtime.metrics.registry).decode()
+        assert "poolkeeper_replica_sync_enabled 0.0" in scraped
     finally:
         await runtime.stop(grace_s=0)
 
 
-def test_only_a_missing_file_is_optional(tmp_path: Path, key_file: Path) -> None:
+def test_only_an_empty_key_directory_is_optional(tmp_path: Path, key_file: Path) -> None:
+    volume = tmp_path / "volume"
+    volume.mkdir()
     section = ReplicaSyncConfig(
-        enabled=True, peers=["127.0.0.1:1"], key_file=str(tmp_path / "nope"), key_optional=True
+        enabled=True, peers=["127.0.0.1:1"], key_file=str(volume / "key"), key_optional=True
     )
+    assert key_missing(section) is not None  # an optional Secret volume, no Secret: empty
+    # What the kubelet's atomic writer leaves in an optional Secret volume without the
+    # Secret: its data link and timestamped directory, both hidden ("..").
+    (volume / "..2026_12_07_14_00_00.123").mkdir()
+    (volume / "..data").symlink_to("..2026_12_07_14_00_00.123")
     assert key_missing(section) is not None
     assert key_missing(section.model_copy(update={"key_optional": False})) is None  # it fails
     assert key_missing(section.model_copy(update={"key_file": str(key_file)})) is None
@@ -282,6 +312,44 @@ def test_only_a_missing_file_is_optional(tmp_path: Path, key_file: Path) -> None
     assert key_missing(section.model_copy(update={"key_file": str(short)})) is None
     with pytest.raises(ConfigError, match="line 1 holds 5 bytes"):
         read_keys(str(short))
+
+
+def test_a_key_file_that_is_not_an_empty_optional_volume_stops_the_start(tmp_path: Path) -> None:
+    def section(path: Path) -> ReplicaSyncConfig:
+        return ReplicaSyncConfig(
+            enabled=True, peers=["127.0.0.1:1"], key_file=str(path), key_optional=True
+        )
+
+    # A wrong mountPath: the directory is not there.
+    with pytest.raises(ConfigError, match=r"spec\.replicaSync\.keyFile: .* nor does its dir"):
+        key_missing(section(tmp_path / "elsewhere" / "key"))
+    # The Secret's data key is not the file's name: the volume holds another file.
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "sync-key").write_text("x" * 32)
+    (volume / "..data").mkdir()
+    with pytest.raises(
+        ConfigError, match=r"keyFile: .*/key does not exist, but .* holds sync-key:"
+    ):
+        key_missing(section(volume / "key"))
+    # A path that cannot be checked (here a file where a directory should be) is a ConfigError,
+    # not a traceback.
+    with pytest.raises(ConfigError, match="keyFile: cannot check"):
+        key_missing(section(volume / "sync-key" / "key"))
+
+
+def test_a_key_path_that_cannot_be_checked_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def denied(self: Path, **_: object) -> object:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "stat", denied)
+    section = ReplicaSyncConfig(
+        enabled=True, peers=["127.0.0.1:1"], key_file=str(tmp_path / "k"), key_optional=True
+    )
+    with pytest.raises(ConfigError, match=r"keyFile: cannot check .*: Permission denied"):
+        key_missing(section)
 
 
 async def test_peer_wakes_are_spread_and_coalesced() -> None:

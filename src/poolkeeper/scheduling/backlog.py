@@ -210,9 +210,19 @@ class PrefillBacklog:
         for gone in [k for k in self._drain if k not in keep]:
             del self._drain[gone]
 
+    def forget_peer_endpoints(self, keep: set[str]) -> int:
+        """Drop other replicas' entries for endpoints not in `keep` (cross-replica sync: the
+        pool shrank); this EPP's own entries and the drain rates stay (`forget_endpoints`,
+        the scheduler's forgetter, decides about those). How many went."""
+        gone = [
+            k for k, e in self._entries.items() if isinstance(k, tuple) and e.endpoint not in keep
+        ]
+        for key in gone:
+            self._remove(key)
+        return len(gone)
+
     def own_ids(self) -> list[str]:
-        """This EPP's own request ids it counts (not peers'): what cross-replica sync states as
-        its open sends (`scheduling/replicasync/openset.py`)."""
+        """This EPP's own request ids it counts (not peers')."""
         return [k for k in self._entries if isinstance(k, str)]
 
     def drop_origin(self, origin: str) -> int:

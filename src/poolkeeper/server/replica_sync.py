@@ -10,8 +10,10 @@ boot id: a restarted replica is a new origin, so its peers neither refuse its fi
 replays nor keep counting the requests its old life sent (those expire with the hub's TTL).
 The key file is read once at start (one key a line: the first signs, all verify, for rotation);
 a missing or unreadable file, or a short, repeated or missing key, is a ConfigError naming the
-file and line: the syncer never runs unauthenticated. Every `reconcileIntervalMs` the transport
-sends the hub's open statement, which is also the heartbeat (`scheduling/replicasync/openset.py`).
+file and line: the syncer never runs unauthenticated. With `keyOptional`, only an empty key
+directory (an optional Secret volume without its Secret) leaves sync off (`key_missing`).
+Every `reconcileIntervalMs` the transport sends the hub's open statement, which is also the
+heartbeat (`scheduling/replicasync/openset.py`).
 """
 
 from __future__ import annotations
@@ -98,15 +100,46 @@ def origin_name(configured: str | None) -> str:
 
 
 def key_missing(config: ReplicaSyncConfig) -> str | None:
-    """Why sync stays off (`keyOptional` and no key file yet), or None: start it."""
+    """Why sync stays off (`keyOptional` and the key's optional Secret not created yet), or
+    None: start it. Optional only when the key file's directory exists and holds no files:
+    what an optional Secret volume mounts without its Secret (an empty directory, or only the
+    kubelet's `..data` link and `..<timestamp>` directory). Anything else (the directory
+    missing: a wrong mountPath; other files there: the Secret's data key is not the file's
+    name; the path unreadable) is a ConfigError naming the field: a typo must not leave sync
+    off for good behind one warning."""
     path = config.key_file
-    if not config.key_optional or not path or Path(path).exists():
+    if not config.key_optional or not path:
         return None
+    field = "spec.replicaSync.keyFile"
+    key = Path(path)
+    try:
+        key.stat()
+        return None  # there: read_keys reads (and checks) it
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot check {path}: {exc.strerror}") from None
+    folder = key.parent
+    try:
+        present = sorted(e.name for e in folder.iterdir() if not e.name.startswith(".."))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{field}: {path} does not exist, nor does its directory {folder}: keyOptional "
+            "covers only an optional Secret volume mounted there without its Secret (check "
+            "the volume's mountPath)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot list {folder}: {exc.strerror}") from None
+    if present:
+        raise ConfigError(
+            f"{field}: {path} does not exist, but {folder} holds {', '.join(present[:8])}: "
+            "keyFile must name the key's file (the Secret's data key)"
+        )
     return (
-        f"replica sync stays off: spec.replicaSync.keyFile {path} does not exist (keyOptional). "
-        "Create the shared key (e.g. the Secret the deployment mounts there: kubectl create "
-        'secret generic <pool>-epp-sync --from-literal=key="$(head -c 32 /dev/urandom | '
-        'base64)") and restart the replicas'
+        f"replica sync stays off: {field} {path} does not exist and its directory is empty "
+        "(keyOptional: the optional Secret is not created). Create the shared key (e.g. the "
+        "Secret the deployment mounts there: kubectl create secret generic <pool>-epp-sync "
+        '--from-literal=key="$(head -c 32 /dev/urandom | base64)") and restart the replicas'
     )
 
 
@@ -252,13 +285,22 @@ def _log_death(task: asyncio.Task[None]) -> None:
 
 
 class SyncCollector(Collector):
-    """`poolkeeper_replica_sync_*` at scrape time (docs/kubernetes.md lists them)."""
+    """`poolkeeper_replica_sync_*` at scrape time (docs/kubernetes.md lists them); with
+    `running` None (turned on, but its optional key is not there) only `_enabled` 0."""
 
-    def __init__(self, running: RunningSync) -> None:
+    def __init__(self, running: RunningSync | None) -> None:
         self.running = running
 
     def collect(self) -> Iterator[Metric]:
         prefix = "poolkeeper_replica_sync"
+        yield GaugeMetricFamily(
+            f"{prefix}_enabled",
+            "1 while the syncer runs; 0 when it is turned on but stays off (keyOptional, "
+            "no key yet).",
+            value=0 if self.running is None else 1,
+        )
+        if self.running is None:
+            return
         stats, hub = self.running.transport.stats, self.running.hub
         yield from counters(
             prefix,

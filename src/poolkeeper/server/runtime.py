@@ -418,6 +418,7 @@ class GatewayRuntime:
             raise ConfigError("spec.replicaSync: needs poolkeeper's scheduler")
         if (why := key_missing(config)) is not None:
             log.warning("%s", why)
+            self.metrics.registry.register(SyncCollector(None))  # _enabled 0: sync is off
             return
         flow = self.director.flow
         pool = {e.hostport for e in self.datastore.snapshot().all_endpoints()}

@@ -143,10 +143,10 @@ class SendTap(Protocol):
         """`request` went to `endpoint` with `tokens` uncached prompt tokens (PostCycle)."""
 
     def answered(self, request_id: str) -> None:
-        """The first byte of a request in the backlog came back."""
+        """The first byte of a request came back (told only if its send was)."""
 
     def ended(self, request_id: str) -> None:
-        """A request still in the backlog ended (no first byte seen)."""
+        """A request ended (told only if its send was and no first byte was told)."""
 
 
 class PrefillBacklogScorer(NamedPlugin):
@@ -342,11 +342,15 @@ class PrefillBacklogScorer(NamedPlugin):
             self.sync.sent(cycle, request, key, tokens)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
-        if self.backlog.first_token(request_id, now) and self.sync is not None:
+        self.backlog.first_token(request_id, now)
+        # Told whether or not the backlog still counted it: it may have dropped the entry (its
+        # cap, the forgetter) after the send was told; the tap knows what it told.
+        if self.sync is not None:
             self.sync.answered(request_id)
 
     def request_ended(self, request_id: str) -> None:
-        if self.backlog.ended(request_id) and self.sync is not None:
+        self.backlog.ended(request_id)
+        if self.sync is not None:
             self.sync.ended(request_id)
 
     def forget_endpoints(self, keep: set[str]) -> None:

@@ -46,18 +46,24 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     resolve_interval_ms: int = Field(default=5000, ge=100, le=600_000)
     """How often peer names are resolved again (a scaled or rolled Deployment)."""
     key_file: str | None = None
-    """File holding the shared keys, one per line (at least 16 bytes each, surrounding
-    whitespace ignored; blank lines and lines starting with `#` are skipped), e.g. a mounted
-    Secret. Datagrams are signed with HMAC-SHA256 under the first key and accepted under any
-    of them (at most 4), so a key is rotated without a window in which replicas reject each
-    other (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at
+    """File holding the shared keys, one text or base64 key per line (at least 16 bytes each,
+    surrounding whitespace ignored; blank lines and lines starting with `#` are skipped; a
+    line with control bytes, a raw binary key, is refused), e.g. a mounted Secret. Datagrams
+    are signed with HMAC-SHA256 under the first key and accepted under any of them (at most
+    4), so a key is rotated without a window in which replicas reject each other
+    (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at
     start."""
     key_optional: bool = False
-    """A `keyFile` that does not exist leaves sync off (a warning at start says how to create
-    it) instead of stopping the start: the shipped deployment has sync on and mounts its key
-    Secret as an optional volume, so it runs before the Secret exists and syncs once it does
-    (from the next start). A key file that exists but cannot be read or holds a bad key still
-    stops the start: sync never runs unauthenticated."""
+    """A `keyFile` that does not exist in an existing, empty directory (what an optional
+    Secret volume mounts without its Secret; the kubelet's hidden `..data` entries aside)
+    leaves sync off (a warning at start says how to create it, and
+    `poolkeeper_replica_sync_enabled` is 0) instead of stopping the start: the shipped
+    deployment has sync on and mounts its key Secret as an optional volume, so it runs before
+    the Secret exists and syncs once it does (from the next start). Anything else still stops
+    the start, naming the field: the directory missing (a wrong mountPath), other files in it
+    (the Secret's data key is not the file's name), a path that cannot be checked, a key file
+    that cannot be read or holds a bad key: sync never runs unauthenticated, nor stays off
+    for good through a typo."""
     reconcile_interval_ms: int = Field(default=1000, ge=100, le=10_000)
     """How often a replica tells its peers which of its sends are still open (also its
     heartbeat): a peer drops the entries the statement no longer lists, so one whose first
@@ -143,6 +149,13 @@ def parse_keys(data: bytes, path: str) -> list[bytes]:
         line = raw.strip()
         if not line or line.startswith(b"#"):
             continue
+        if control := _control_bytes(raw, line):
+            listed = ", ".join(f"0x{b:02x}" for b in control)
+            raise ValueError(
+                f"{path} line {number} holds control bytes ({listed}): a key file holds one "
+                "text or base64 key per line, not raw bytes (e.g. `head -c 32 /dev/urandom | "
+                "base64`)"
+            )
         if len(line) < MIN_KEY_BYTES:
             raise ValueError(
                 f"{path} line {number} holds {len(line)} bytes; each key needs at least "
@@ -157,3 +170,13 @@ def parse_keys(data: bytes, path: str) -> list[bytes]:
     if len(keys) > MAX_KEYS:
         raise ValueError(f"{path} holds {len(keys)} keys, at most {MAX_KEYS} (the first signs)")
     return keys
+
+
+def _control_bytes(raw: bytes, line: bytes) -> list[int]:
+    """The control bytes of a key file's line `raw` (`line`: stripped): a raw binary key's,
+    which splitting at newline bytes and stripping would silently turn into another key. A
+    tab is whitespace at the edges, not inside a key."""
+    found = {b for b in raw if b < 0x20 or b == 0x7F} - {0x09}
+    if 0x09 in line:
+        found.add(0x09)
+    return sorted(found)

@@ -10,8 +10,9 @@ approximate index and, with `kvEvents`, the exact index's pending chain heads), 
   driven by the scheduler's PostCycle and by the Director's first byte and end) publish `Sent`
   (with the prefix scorer's block hashes of the prompt, at most `MAX_BLOCKS`, and the engine
   hash of its first block when the scorer keeps an exact index), `Answered` and `Ended` to the
-  hub. Only requests the backlog counted are told (a first byte of a request it never saw is
-  not);
+  hub. A first byte or end is told only for a send told and not yet closed (`ownopen.py`: a
+  first byte of a request never sent is not, nor an end after its first byte), whatever the
+  backlog still holds;
 - peers' events (`PeerSink`, bound to the hub): `Sent` counts the request in every backlog under
   `(origin, request_id)` (so in the scorer's costs and busy share, in flow control's
   `holdNewPrefixes` and in the cold-placement filter's band, which read that backlog through
@@ -21,9 +22,10 @@ approximate index and, with `kvEvents`, the exact index's pending chain heads), 
   still shows another router); `Answered` clears it as a first byte (a drain-rate sample of
   that endpoint, stamped at delivery, one per endpoint per delivery instant), `Ended` as an
   end; a peer gone (`ReplicaSync.expire`) drops its entries;
-- own open sends (`open_ids`, bound as the hub's statement source): the own request ids the
-  backlogs count, which the hub states to peers so they drop entries whose `Answered` or
-  `Ended` was lost (`openset.py`).
+- own open sends (`open_digests`, bound as the hub's statement source): the own sends published
+  and not yet answered or ended (`ownopen.py`, kept here, not read from the backlog, which may
+  drop an own entry without telling anyone), which the hub states to peers so they drop entries
+  whose `Answered` or `Ended` was lost (`openset.py`).
 
 Options (measured in docs/notes/2026-12-07-replica-sync.md): `index` (peers' blocks into the
 approximate index), `drain` (peers' first bytes as drain-rate samples), `heads` (peers' heads
@@ -33,9 +35,13 @@ Bounded: a peer's entries live in the backlog under its caps (`max_entries`, `ma
 blocks in the index's per-endpoint LRU. With a `pool` (the server seeds it from the datastore
 and `forget_endpoints` replaces it), a peer's send to an endpoint outside it is ignored and
 counted (`ignored`): peers cannot grow state for addresses this replica does not route to; when
-the pool shrinks, what peers put there for the endpoints that left (backlog entries and drain,
-index blocks, pending heads) is forgotten through the plugins' own `forget_endpoints`. Without
-a pool (the benches, tests) the endpoints peers name are at most `max_endpoints`.
+the pool shrinks, peers' backlog entries for the endpoints that left are dropped
+(`PrefillBacklog.forget_peer_endpoints`). This replica's own state there (own entries, drain
+rates, the prefix indexes) is the scheduler's own forgetter's (the server's pool wiring, with its
+grace for a readiness flap), not the fold's: peers' blocks and pending heads cannot be told
+from own ones in the indexes, so they stay until that forgetter drops the endpoint (bounded by
+the indexes' own caps meanwhile, and no new ones come: the sends are ignored). Without a pool
+(the benches, tests) the endpoints peers name are at most `max_endpoints`.
 
 Which scorers: peers' sends go to the backlog scorers the profiles run (the ones whose PostCycle
 records own sends); the first of each profile tells own events (a second one in the same
@@ -56,6 +62,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.replicasync.events import MAX_BLOCKS, Answered, Ended, Sent, SyncEvent
 from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.replicasync.ownopen import OwnOpen
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.tokens import CHARS_PER_TOKEN
@@ -69,7 +76,7 @@ class SchedulerFold:
 
     __slots__ = (
         "_endpoints", "_pool", "_sampled", "_sampled_at", "backlogs", "drain", "heads",
-        "ignored", "index", "max_endpoints", "prefix", "sync",
+        "ignored", "index", "max_endpoints", "own", "prefix", "sync",
     )  # fmt: skip
 
     def __init__(
@@ -105,6 +112,8 @@ class SchedulerFold:
         self._sampled_at: float | None = None
         self._sampled: set[tuple[int, str]] = set()
         self.ignored = 0  # peers' sends to an endpoint outside the pool or past `max_endpoints`
+        first = self.backlogs[0].backlog  # the open set ages and caps like the backlog
+        self.own = OwnOpen(max_open=first.max_entries, max_age_s=first.max_age_s)
 
     # -- own events (SendTap) ---------------------------------------------------------------
 
@@ -126,20 +135,20 @@ class SchedulerFold:
                     request.target_model, request.prompt[:chunk], exact.block_size
                 )
                 head = first[0] if first else None
+        self.own.sent(request.request_id, cycle.now)
         self.sync.publish(Sent(request.request_id, endpoint, tokens, request.stream, blocks, head))
 
     def answered(self, request_id: str) -> None:
-        self.sync.publish(Answered(request_id))
+        if self.own.closed(request_id):
+            self.sync.publish(Answered(request_id))
 
     def ended(self, request_id: str) -> None:
-        self.sync.publish(Ended(request_id))
+        if self.own.closed(request_id):
+            self.sync.publish(Ended(request_id))
 
-    def open_ids(self) -> set[str]:
-        """The own request ids the backlogs count now (the hub's statement source)."""
-        ids: set[str] = set()
-        for scorer in self.backlogs:
-            ids.update(scorer.backlog.own_ids())
-        return ids
+    def open_digests(self) -> list[int]:
+        """The digests of the own sends published and still open (the statement source)."""
+        return self.own.digests()
 
     # -- peers' events (PeerSink) -----------------------------------------------------------
 
@@ -204,17 +213,16 @@ class SchedulerFold:
         return self._pool
 
     def forget_endpoints(self, keep: set[str]) -> None:
-        """The pool is now `keep`: peers' sends elsewhere are ignored from now on, and what
-        they put for the endpoints that left is forgotten (the plugins' own forget paths)."""
+        """The pool is now `keep`: peers' sends elsewhere are ignored from now on, and their
+        backlog entries for the endpoints that left are dropped. Nothing of this replica's
+        own (the module docstring: the scheduler's forgetter decides, with its grace)."""
         before = self._pool if self._pool is not None else frozenset(self._endpoints)
         self._pool = frozenset(keep)
         self._endpoints &= keep
         if before <= self._pool:
             return
         for scorer in self.backlogs:
-            scorer.backlog.forget_endpoints(keep)
-        if self.prefix is not None:
-            self.prefix.forget_endpoints(keep)
+            scorer.backlog.forget_peer_endpoints(keep)
 
     def unbind(self) -> None:
         """Stop telling own events (peers' batches still reach the hub's other sinks)."""
@@ -254,5 +262,5 @@ def bind_scheduler(
     for scorer in tellers:
         scorer.sync = fold
     sync.bind(fold)
-    sync.bind_open(fold.open_ids)
+    sync.bind_open(fold.open_digests)
     return fold

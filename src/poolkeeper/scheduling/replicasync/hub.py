@@ -8,10 +8,11 @@ codec, UDP, discovery, in this package's other modules), and nothing else:
   transport must not grow memory);
 - `take()`: the events published since the last take as the next `Batch` (`seq` + 1), or
   None when there are none;
-- `statement(room)`: this replica's open sends (`bind_open`: the fold reads them from its own
-  backlog) as an `Open` of at most `room` digests (`openset.py`); the transport sends one
-  every `reconcileIntervalMs`, which is also the heartbeat (`deliver` counts it as its origin
-  heard, so a replica with only long requests in flight is not expired);
+- `statement(room)`: this replica's open sends (`bind_open`: the fold's published and not yet
+  closed sends, `ownopen.py`) as an `Open` of at most `room` digests (`openset.py`); the
+  transport sends one every `reconcileIntervalMs`, which is also the heartbeat (`deliver`
+  counts it as its origin heard, so a replica with only long requests in flight is not
+  expired);
 - `deliver(batch, now)`: a peer's batch. Refused (False) when its origin is this replica's, or
   its `seq` was seen from that origin already or is `SEQ_WINDOW` or more behind the newest seen
   (`seq_window`: a replay), or it is a new origin while `max_peers` origins are live. A gap is
@@ -124,7 +125,7 @@ class ReplicaSync:
         self._last_seq: dict[str, SeqState] = {}  # origin -> the seqs delivered (`seq_window`)
         self._heard: dict[str, float] = {}  # origin -> when, in time order (oldest first)
         self._sinks: list[PeerSink] = []
-        self._open_source: Callable[[], Iterable[str]] | None = None
+        self._open_source: Callable[[], Iterable[int]] | None = None
         self._turn = 0  # statements made (picks the slice when one datagram cannot hold all)
         self._tracker = OpenTracker()
         self.dropped = 0  # own events dropped from a full outbox
@@ -135,9 +136,10 @@ class ReplicaSync:
         """Fold peers' events into `sink` from now on (`fold.bind_scheduler` calls it)."""
         self._sinks.append(sink)
 
-    def bind_open(self, source: Callable[[], Iterable[str]]) -> None:
-        """`source()`: this replica's open sends (the ids its own backlog counts) for
-        `statement` (`fold.bind_scheduler` binds it; unbound, no statement is made)."""
+    def bind_open(self, source: Callable[[], Iterable[int]]) -> None:
+        """`source()`: the digests of this replica's open sends (`openset.digest` of each id
+        published and not yet closed) for `statement` (`fold.bind_scheduler` binds it;
+        unbound, no statement is made)."""
         self._open_source = source
 
     def statement(self, room: int) -> Open | None:

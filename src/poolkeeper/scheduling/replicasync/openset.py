@@ -3,15 +3,16 @@
 Why: sync rides UDP, so an `Answered` or `Ended` can be lost; its entry would then stay in every
 peer's prefill backlog (a phantom: a server looks busier than it is) until the backlog's age
 limit, 60 s. So every `reconcileIntervalMs` each replica sends an `Open` statement (events.py)
-with the digests of the request ids its own backlog still counts, and a receiver drops that
+with the digests of the request ids it published and has not closed, and a receiver drops that
 origin's entries that the statement no longer lists: a phantom lives one statement interval,
 not 60 s.
 
 Exact, not a guess from gaps or ages, and never a false drop under reordering:
 
-- the sender builds the statement from its backlog at the moment it sends (`statement`): an id
-  missing from it was closed (first byte, end, or the backlog's own age or size limits, which
-  drop the sender's entry too) before that datagram left;
+- the sender builds the statement at the moment it sends (`statement`) from what it published
+  and has not closed (`ownopen.py`: not from its backlog, which may drop an own entry silently):
+  an id missing from it was closed (its `Answered` or `Ended` published, or the open set's age
+  or size limits, the backlog's) before that datagram left;
 - the receiver records the `seq` of the batch each peer `Sent` came in (`OpenTracker`) and judges
   only entries whose `Sent` came in the statement's batch or before: a `Sent` in a later batch
   that arrives first (reordered) is newer than the statement and is kept;
@@ -22,8 +23,11 @@ Bounded to one datagram: the digests are 64-bit (`digest`: xxhash64 of the id as
 when they do not all fit (`room`), the statement covers one slice of them, those whose digest
 modulo `2**shift` is `residue`, and the slices rotate from statement to statement, so an open
 set of n ids is covered in about `n / room` statements (rounded up to a power of two; `room` is
-about 140 at the default 1,232-byte datagram). A receiver tracks at most `max_tracked` peer
-sends (the backlog's own default cap); one it cannot track still ages out in the backlog.
+about 140 at the default 1,232-byte datagram). A receiver files each origin's sends by their
+digest's low bits (`BUCKET_BITS`), so a statement costs the slice it covers, not every send
+tracked. It tracks at most `max_tracked` peer sends (the backlog's own default cap), shared
+fairly: when full, the origin holding the most gives up its oldest; one given up still ages
+out in the backlog.
 
 Pure: no clock, no I/O.
 """
@@ -39,6 +43,8 @@ from poolkeeper.scheduling.replicasync.wire import wire_id
 
 MAX_SHIFT = 16  # at most 65,536 slices: far more open sends than any backlog holds
 MAX_TRACKED = 65_536  # peers' open sends a receiver tracks (the backlog's default cap)
+BUCKET_BITS = 8  # a receiver files each origin's sends by this many low bits of their digest
+_BUCKET_MASK = (1 << BUCKET_BITS) - 1
 
 
 def digest(request_id: str) -> int:
@@ -52,13 +58,14 @@ def covers(statement: Open, value: int) -> bool:
     return value & ((1 << statement.shift) - 1) == statement.residue
 
 
-def statement(open_ids: Iterable[str], room: int, turn: int) -> Open | None:
-    """The statement of `open_ids` for the `turn`-th time: all of them if their digests fit
-    `room`, else the slice `turn` picks among the fewest slices that make it fit. None only
-    when even `MAX_SHIFT` slices leave one too big (never at a backlog's sizes)."""
+def statement(open_digests: Iterable[int], room: int, turn: int) -> Open | None:
+    """The statement of the open sends' digests (`digest`, computed once per send at publish:
+    `ownopen.py`) for the `turn`-th time: all of them if they fit `room`, else the slice
+    `turn` picks among the fewest slices that make it fit. None only when even `MAX_SHIFT`
+    slices leave one too big (never at a backlog's sizes)."""
     if room < 1:
         raise ValueError(f"room must be >= 1 digests, not {room}")
-    values = {digest(i) for i in open_ids}
+    values = set(open_digests)
     shift = 0
     while (len(values) >> shift) > room:  # the fewest slices that fit on average
         shift += 1
@@ -72,9 +79,50 @@ def statement(open_ids: Iterable[str], room: int, turn: int) -> Open | None:
     return None
 
 
+class _Sends:
+    """One origin's tracked sends: request id -> (seq of its `Sent`'s batch, digest), oldest
+    first, and the same ids by their digest's low `BUCKET_BITS` (a statement's slice is a
+    set of these buckets, so `stale` reads only the covered ones)."""
+
+    __slots__ = ("buckets", "order")
+
+    def __init__(self) -> None:
+        self.order: dict[str, tuple[int, int]] = {}
+        self.buckets: dict[int, dict[str, None]] = {}  # (dicts: a stable order, unlike sets)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def add(self, request_id: str, seq: int, value: int) -> None:
+        self.order[request_id] = (seq, value)
+        self.buckets.setdefault(value & _BUCKET_MASK, {})[request_id] = None
+
+    def pop(self, request_id: str) -> bool:
+        found = self.order.pop(request_id, None)
+        if found is None:
+            return False
+        bucket = found[1] & _BUCKET_MASK
+        ids = self.buckets[bucket]
+        del ids[request_id]
+        if not ids:
+            del self.buckets[bucket]
+        return True
+
+    def covered(self, statement: Open) -> list[dict[str, None]]:
+        """The buckets that hold every tracked id `statement`'s slice may cover."""
+        shift, residue = statement.shift, statement.residue
+        if shift >= BUCKET_BITS:
+            found = self.buckets.get(residue & _BUCKET_MASK)
+            return [] if found is None else [found]
+        buckets = self.buckets
+        return [buckets[b] for b in range(residue, 1 << BUCKET_BITS, 1 << shift) if b in buckets]
+
+
 class OpenTracker:
-    """A receiver's record of each origin's open sends: request id -> (seq of the batch its
-    `Sent` came in, digest), oldest first, at most `max_tracked` in all."""
+    """A receiver's record of each origin's open sends (`_Sends`), at most `max_tracked` in
+    all. When full, the origin that holds the most gives up its oldest (the sender's own when
+    it is among the largest): a busy origin cannot keep a new one from being tracked, and
+    each converges to an equal share."""
 
     __slots__ = ("_by_origin", "_count", "max_tracked", "untracked")
 
@@ -82,49 +130,59 @@ class OpenTracker:
         if max_tracked < 1:
             raise ValueError("max_tracked must be >= 1")
         self.max_tracked = max_tracked
-        self._by_origin: dict[str, dict[str, tuple[int, int]]] = {}
+        self._by_origin: dict[str, _Sends] = {}
         self._count = 0
-        self.untracked = 0  # peers' sends not tracked (the cap); they age out in the backlog
+        self.untracked = 0  # peers' sends given up (the cap); they age out in the backlog
 
     def __len__(self) -> int:
         return self._count
 
+    def tracked(self, origin: str) -> int:
+        """How many of `origin`'s sends are tracked."""
+        sends = self._by_origin.get(origin)
+        return 0 if sends is None else len(sends)
+
     def sent(self, origin: str, request_id: str, seq: int) -> None:
-        sends = self._by_origin.setdefault(origin, {})
-        if sends.pop(request_id, None) is not None:
+        sends = self._by_origin.get(origin)
+        if sends is None:
+            sends = self._by_origin[origin] = _Sends()
+        if sends.pop(request_id):
             self._count -= 1  # a reused id: the newest send counts
         if self._count >= self.max_tracked:
-            if not sends:
-                self.untracked += 1
-                return
-            del sends[next(iter(sends))]  # this origin's oldest makes room (not another's)
+            largest = max(self._by_origin.values(), key=len)
+            victim = sends if len(sends) >= len(largest) else largest
+            victim.pop(next(iter(victim.order)))  # (full: the largest holds at least one)
             self._count -= 1
             self.untracked += 1
-        sends[request_id] = (seq, digest(request_id))
+        sends.add(request_id, seq, digest(request_id))
         self._count += 1
 
     def closed(self, origin: str, request_id: str) -> None:
         sends = self._by_origin.get(origin)
-        if sends is not None and sends.pop(request_id, None) is not None:
+        if sends is not None and sends.pop(request_id):
             self._count -= 1
 
     def stale(self, origin: str, seq: int, open_sends: Open) -> list[str]:
         """The ids `origin` sent in batch `seq` or before that its statement in batch `seq`
-        no longer lists (now forgotten here): the caller drops their entries."""
+        no longer lists (now forgotten here): the caller drops their entries. Reads only the
+        buckets the statement's slice covers."""
         sends = self._by_origin.get(origin)
         if not sends:
             return []
-        listed = open_sends.digests
-        gone = [
-            rid
-            for rid, (at, value) in sends.items()
-            if at <= seq and value not in listed and covers(open_sends, value)
-        ]
+        listed, order = open_sends.digests, sends.order
+        gone = []
+        for bucket in sends.covered(open_sends):
+            for rid in bucket:
+                at, value = order[rid]
+                if at <= seq and value not in listed and covers(open_sends, value):
+                    gone.append(rid)
         for rid in gone:
-            del sends[rid]
+            sends.pop(rid)
         self._count -= len(gone)
         return gone
 
     def forget(self, origin: str) -> None:
         """The origin went quiet: its sends are dropped with it."""
-        self._count -= len(self._by_origin.pop(origin, {}))
+        sends = self._by_origin.pop(origin, None)
+        if sends is not None:
+            self._count -= len(sends)

@@ -208,10 +208,14 @@ class SyncTransport(asyncio.DatagramProtocol):
             return False
         self.stats.batches_sent += takes
         skipped: list[str] = []
-        try:
-            open_sends = None
-            if heartbeat and self._state is not None:
+        open_sends = None
+        if heartbeat and self._state is not None:
+            try:
                 open_sends = self._state(self.codec.room(origin))
+            except Exception as exc:  # our bug, in the statement: the events still go
+                self.stats.count(self.stats.dropped, "statement")
+                self._warn_once("statement", "replica sync: a statement was not sent: %r", exc)
+        try:
             datagrams = self.codec.encode(
                 origin, self._seq, events, self._wall(), skipped=skipped, open_sends=open_sends
             )

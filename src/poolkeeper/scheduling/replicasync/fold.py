@@ -37,7 +37,7 @@ and `forget_endpoints` replaces it), a peer's send to an endpoint outside it is 
 counted (`ignored`): peers cannot grow state for addresses this replica does not route to; when
 the pool shrinks, peers' backlog entries for the endpoints that left are dropped
 (`PrefillBacklog.forget_peer_endpoints`). This replica's own state there (own entries, drain
-rates, the prefix indexes) is the scheduler's own forgetter's (the server's pool wiring, with its
+rates, the prefix indexes) is the scheduler's own forgetter's (`server/forgetting.py`, with its
 grace for a readiness flap), not the fold's: peers' blocks and pending heads cannot be told
 from own ones in the indexes, so they stay until that forgetter drops the endpoint (bounded by
 the indexes' own caps meanwhile, and no new ones come: the sends are ignored). Without a pool

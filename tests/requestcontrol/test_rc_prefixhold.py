@@ -20,7 +20,7 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import NoReadyEndpoint, QueueFull
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.requestcontrol.director import Director

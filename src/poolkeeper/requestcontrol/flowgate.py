@@ -41,13 +41,8 @@ from typing import Protocol
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import GatewayError, NoReadyEndpoint, QueueFull, QueueTimeout, RequestShed
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import (
-    BANDS,
-    FlowDispatcher,
-    FlowItem,
-    FlowPolicies,
-    Submitted,
-)
+from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowPolicies
+from poolkeeper.flowcontrol.flowitem import BANDS, FlowItem, Submitted
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.prefixhold import Held, PrefixHold
 from poolkeeper.requestcontrol.ports import Job

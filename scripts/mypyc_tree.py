@@ -41,6 +41,9 @@ COMPILED = (
     "poolkeeper/extproc/state.py",  # the Exchange
     "poolkeeper/requestcontrol/director.py",
     "poolkeeper/requestcontrol/flowgate.py",
+    "poolkeeper/requestcontrol/flowoutcomes.py",  # flowgate.py as split in December
+    "poolkeeper/requestcontrol/flowroom.py",
+    "poolkeeper/requestcontrol/heldrequests.py",
     "poolkeeper/scheduling/scheduler.py",
     "poolkeeper/scheduling/profile.py",
     "poolkeeper/scheduling/types.py",

@@ -7,7 +7,8 @@ from __future__ import annotations
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.answers import AnswerAdvance
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem
+from poolkeeper.flowcontrol.dispatcher import FlowDispatcher
+from poolkeeper.flowcontrol.flowitem import FlowItem
 
 S = Criticality.STANDARD
 

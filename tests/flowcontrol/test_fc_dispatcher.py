@@ -10,8 +10,10 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.flowcontrol.band import PRESENT_S
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import BANDS, PRESENT_S, FlowDispatcher, FlowItem, Submitted
+from poolkeeper.flowcontrol.dispatcher import FlowDispatcher
+from poolkeeper.flowcontrol.flowitem import BANDS, FlowItem, Submitted
 
 C, S, X = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
 

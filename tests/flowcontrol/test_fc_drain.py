@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem
+from poolkeeper.flowcontrol.dispatcher import FlowDispatcher
+from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.flowcontrol.ordering import rescued
 
 S = Criticality.STANDARD

@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterable
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem, FlowPolicies
+from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowPolicies
 from poolkeeper.flowcontrol.fairness import FairnessPolicy
+from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.flowcontrol.ordering import A, FcfsAdaptiveLifo, OrderingPolicy
 from poolkeeper.flowcontrol.vtc import VirtualTokenCounter
 

@@ -15,7 +15,7 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.endpoint import EndpointMetrics
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import NoReadyEndpoint, QueueFull, QueueTimeout, RequestShed
-from poolkeeper.flowcontrol.dispatcher import DrainRate
+from poolkeeper.flowcontrol.drainrate import DrainRate
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.requestcontrol.flowgate import FlowGate
 from poolkeeper.requestcontrol.types import Usage

@@ -20,11 +20,12 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import NoReadyEndpoint, QueueFull
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.requestcontrol.director import Director
-from poolkeeper.requestcontrol.flowgate import HOLD_ASKS_PER_PUMP, FlowGate
+from poolkeeper.requestcontrol.flowgate import FlowGate
+from poolkeeper.requestcontrol.heldrequests import HOLD_ASKS_PER_PUMP
 from poolkeeper.requestcontrol.ports import Job
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.server.wiring import build_director

@@ -106,7 +106,7 @@ class BandConfig(CamelModel, use_attribute_docstrings=True):
     count as in sustained overload (only read with `overloadTtlMs`)."""
     drain_within_ms: int | None = Field(default=None, ge=1, le=3_600_000)
     """Off by default (null). Set: while the pool's whole queue drains within this long at the
-    measured drain rate (the fleet's service rate, `dispatcher.DrainRate`), the overload rules
+    measured drain rate (the fleet's service rate, `drainrate.DrainRate`), the overload rules
     give nothing away: adaptive LIFO serves a request aged `rescueAfterMs` to
     `rescueBeforeMs` before the newest (an aging bound), and the overload TTL refuses nothing
     (the plain `ttlMs` still does) until it has had to refuse once in the flow's busy period

@@ -73,7 +73,7 @@ class FcfsAdaptiveLifo:
     def __init__(self, lifo_after_s: float | None, shortest_first: bool = False) -> None:
         self.lifo_after_s = lifo_after_s  # None: always FCFS
         # The dispatcher asks for a head only while the overload rules apply to the flow
-        # (`_Band.overloaded`); otherwise it serves the oldest without asking.
+        # (`Band.overloaded`); otherwise it serves the oldest without asking.
         self.shortest_first = shortest_first
 
     @classmethod

@@ -60,7 +60,7 @@ from poolkeeper.errors import (
     PayloadTooLarge,
     QueueFull,
 )
-from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.hostport import host_of
 from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
 from poolkeeper.requestcontrol.config import RequestHandling, TrustedHeader, UnknownModelPolicy

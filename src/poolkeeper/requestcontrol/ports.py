@@ -25,7 +25,7 @@ from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.models import ModelRoute, RewriteRule
-from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.requestcontrol.types import RoutingDecision
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.flowcontrol.dispatcher import FlowItem
+from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.ports import Job
 from poolkeeper.requestcontrol.types import RoutingDecision

@@ -27,7 +27,8 @@ from poolkeeper.flowcontrol.dispatcher import FlowPolicies
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.director import Director
-from poolkeeper.requestcontrol.flowgate import FlowGate, FlowObserver
+from poolkeeper.requestcontrol.flowgate import FlowGate
+from poolkeeper.requestcontrol.flowoutcomes import FlowObserver
 from poolkeeper.requestcontrol.ports import Gate, SnapshotSource
 from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.scheduling.build import build_scheduler

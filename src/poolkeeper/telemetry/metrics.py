@@ -704,7 +704,7 @@ class GatewayMetrics:
     def model_rewritten(self, rewrite: str, model: str, target: str) -> None:
         self.llmd.model_rewritten(rewrite, model, target)
 
-    # -- FlowObserver (requestcontrol.flowgate) ----------------------------------------------
+    # -- FlowObserver (requestcontrol.flowoutcomes) -----------------------------------------
     def flow_outcome(
         self,
         *,

@@ -28,7 +28,8 @@ from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy, scheduler_pol
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import QueueFull, RequestShed
 from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig, HoldNewPrefixes
-from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowItem, Submitted
+from poolkeeper.flowcontrol.dispatcher import FlowDispatcher
+from poolkeeper.flowcontrol.flowitem import FlowItem, Submitted
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.prefixhold import Held, PrefixHold
 from poolkeeper.flowcontrol.saturation import SaturationDetector

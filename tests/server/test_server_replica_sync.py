@@ -38,6 +38,12 @@ pytestmark = pytest.mark.integration
 PROMPT = "a long shared system prompt " * 100
 
 
+def _clock() -> float:
+    """The schedulers' clock in these tests (their decisions get `NOW`): the syncer's stamps
+    and statements share its base (`start_replica_sync`'s `clock`)."""
+    return NOW
+
+
 @pytest.fixture
 def key_file(tmp_path: Path) -> Path:
     path = tmp_path / "sync.key"
@@ -65,10 +71,10 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
     ports = free_ports(2)
     a, b = scheduler("default"), scheduler("default")
     woken: list[int] = []
-    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a, clock=_clock)
     # No spread: the wake runs inside the delivery, so its absence is seen at once.
     section_b = _section(key_file, ports[1], ports).model_copy(update={"peer_wake_spread_ms": 0})
-    sync_b = await start_replica_sync(section_b, b, wake=lambda: woken.append(1))
+    sync_b = await start_replica_sync(section_b, b, wake=lambda: woken.append(1), clock=_clock)
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
         assert sync_a.transport.peers == (("127.0.0.1", ports[1]),)  # itself left out
@@ -101,9 +107,9 @@ async def test_a_lost_end_stops_counting_at_the_peer_after_the_next_statement(
     a, b = scheduler("default"), scheduler("default")
     fast = {"reconcile_interval_ms": 100}
     sync_a = await start_replica_sync(
-        _section(key_file, ports[0], ports).model_copy(update=fast), a
+        _section(key_file, ports[0], ports).model_copy(update=fast), a, clock=_clock
     )
-    sync_b = await start_replica_sync(_section(key_file, ports[1], ports), b)
+    sync_b = await start_replica_sync(_section(key_file, ports[1], ports), b, clock=_clock)
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
         pool = [state(i) for i in range(1, 5)]
@@ -136,9 +142,9 @@ async def test_a_batch_folded_in_whose_wake_failed_is_received_not_rejected(
     def broken_wake() -> None:
         raise RuntimeError("flow control bug")
 
-    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a, clock=_clock)
     section = _section(key_file, ports[1], ports).model_copy(update={"peer_wake_spread_ms": 0})
-    sync_b = await start_replica_sync(section, b, wake=broken_wake)
+    sync_b = await start_replica_sync(section, b, wake=broken_wake, clock=_clock)
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
         picked = a.schedule(

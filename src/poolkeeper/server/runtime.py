@@ -249,6 +249,9 @@ class GatewayRuntime:
     # The drain's settle: how long a connection may wait on its connection-cap check.
     _settle_max_s: float = SETTLE_SLACK_S
     _sync: RunningSync | None = None  # cross-replica sync (spec.replicaSync)
+    # The scheduler's clock: its decisions' `now` (the Director's) and the replica sync's
+    # stamps (peers' sends and own open sends in the same backlogs) share this one base.
+    clock: Callable[[], float] = time.monotonic
 
     # -- start ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -281,6 +284,7 @@ class GatewayRuntime:
             config,
             self.datastore,
             rng=random.Random(self.options.rng_seed),
+            clock=self.clock,
             responses_observed=observing,
         )
         stats = getattr(self.director.scheduler, "stats", None)
@@ -423,7 +427,11 @@ class GatewayRuntime:
         flow = self.director.flow
         pool = {e.hostport for e in self.datastore.snapshot().all_endpoints()}
         self._sync = sync = await start_replica_sync(
-            config, scheduler, wake=flow.wake if flow is not None else None, pool=pool
+            config,
+            scheduler,
+            clock=self.clock,
+            wake=flow.wake if flow is not None else None,
+            pool=pool,
         )
         self.metrics.registry.register(SyncCollector(sync))
         self._unsubscribe.append(self.datastore.subscribe(sync.pool_changed))

@@ -21,6 +21,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery
 from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.replica_sync import (
     SpreadWake,
     SyncCollector,
@@ -29,7 +30,7 @@ from poolkeeper.server.replica_sync import (
     read_keys,
     start_replica_sync,
 )
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from tests.scheduling.sched_factories import NOW, request, scheduler, state
 from tests.support.gateway_files import one_pool
 from tests.support.waiting import until

@@ -20,6 +20,8 @@ from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery
+from poolkeeper.scheduling.replicasync.events import Open
+from poolkeeper.scheduling.replicasync.openset import digest
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.replica_sync import (
@@ -228,8 +230,10 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         f"keyFile: {key_file}, peers: ['127.0.0.1:{sync_port}']}}\n"
     )
     directory = one_pool(tmp_path / "cfg", sim, spec=spec)
+    now = [1e9]  # far from time.monotonic(): a syncer on another clock would not age at all
     runtime = GatewayRuntime(
-        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0)
+        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0),
+        clock=lambda: now[0],
     )
     await runtime.start()
     try:
@@ -244,6 +248,14 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         # Peers' sends are accepted only for the pool's endpoints, seeded at start.
         assert runtime._sync is not None
         assert runtime._sync.fold.pool == frozenset({f"127.0.0.1:{sim}"})
+        # The statement ages the own open sends on the scheduler's clock, the runtime's.
+        assert runtime.director is not None
+        scheduler = runtime.director.scheduler
+        assert isinstance(scheduler, Scheduler)
+        scheduler.schedule(request(prompt=PROMPT, request_id="q1"), [state(1)], now=now[0])
+        assert runtime._sync.hub.statement(100) == Open(0, 0, frozenset({digest("q1")}))
+        now[0] += 61.0
+        assert runtime._sync.hub.statement(100) == Open(0, 0, frozenset())
     finally:
         await runtime.stop(grace_s=0)
     # The UDP port is free again: the syncer closed its socket.

@@ -61,7 +61,8 @@ from poolkeeper.extproc.accesslog import AccessLogReceiver
 from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.wire import serialize_reply
 from poolkeeper.netutil import free_ports
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.options import ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 
 
 def envoy_messages(body: bytes, request_id: str, chunk_bytes: int = 0) -> list[bytes]:

@@ -21,7 +21,7 @@ from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer, build_server
 from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
 from poolkeeper.netutil import free_port
-from poolkeeper.server.runtime import ServeOptions
+from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.transport import Stoppable, health_methods
 from poolkeeper.telemetry.health import (
     SERVICE_NAME,

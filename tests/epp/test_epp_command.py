@@ -15,7 +15,7 @@ from poolkeeper.cli.main import main as poolkeeper_main
 from poolkeeper.config.gateway import UnknownModelPolicy
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.tls import self_signed_pair
-from poolkeeper.server.runtime import ServeOptions
+from poolkeeper.server.options import ServeOptions
 from tests.support.kubeconfig import write_kubeconfig
 
 DATA = Path(__file__).parent / "data"

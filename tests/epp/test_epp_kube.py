@@ -21,7 +21,8 @@ from poolkeeper.config.endpointpicker import DEFAULT_CONFIG_TEXT
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.source import SourceFactory
 from poolkeeper.netutil import free_ports
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.options import ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVING, check_health

@@ -68,7 +68,8 @@ import asyncio, resource, sys, tempfile
 from pathlib import Path
 from poolkeeper.controller.files import file_source
 from poolkeeper.netutil import free_ports
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.options import ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from tests.support.gateway_files import gateway_ports, one_server_config
 
 async def main():

@@ -15,7 +15,7 @@ from poolkeeper.datastore.endpoint import Endpoint
 from poolkeeper.envoy.endpoints_file import load_assignment
 from poolkeeper.envoy.params import lb_endpoints
 from poolkeeper.hostport import host_of, join_hostport, split_hostport
-from poolkeeper.server.runtime import ServeOptions
+from poolkeeper.server.options import ServeOptions
 from tests.kube.conftest import Factory, pod_obj, pool_obj
 from tests.kube.fakeapi import FakeApiServer
 from tests.kube.test_kube_faults import hostports, running

@@ -26,7 +26,8 @@ from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.tls import self_signed_pair
 from poolkeeper.netutil import free_ports
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.options import ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVING, check_health

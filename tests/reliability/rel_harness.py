@@ -64,7 +64,7 @@ async def gate(
         await b.start()
     router = RoundRobinRouter(backends, fixed=fixed)
     health = HealthService.for_gateway(live=lambda: True, ready=lambda: True)
-    # The client's header limits are the EPP's to check, as `serve` sets them (runtime.py).
+    # The client's header limits are the EPP's to check, as `serve` sets them (epp_ports.py).
     settings = ExtProcSettings(client_header_limits=(CLIENT_MAX_HEADERS, CLIENT_MAX_HEADER_KB))
     servicer: ExtProcServicer = (HungServicer if hung_epp else ExtProcServicer)(
         router, settings=settings

@@ -26,8 +26,9 @@ from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.conncap import GONE_TTL_S, ConnectionCounter
 from poolkeeper.extproc.conncap_service import ConnectionCapService
 from poolkeeper.extproc.tcpdiag import _read_dump, connection_open, peers_that_sent
+from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.own_loop import OwnLoopServer
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster
 from tests.support.gateway_files import one_pool

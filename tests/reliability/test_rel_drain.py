@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from poolkeeper.controller.files import file_source
-from poolkeeper.server.runtime import ServeOptions
+from poolkeeper.server.options import ServeOptions
 from tests.support.gateway_files import one_pool
 from tests.support.sim_gateway import MODEL, running_gateway, sim_server
 

@@ -14,7 +14,7 @@ from poolkeeper.errors import BadRequest
 from poolkeeper.extproc.contracts import BodyBudget, ExtProcSettings
 from poolkeeper.extproc.state import Exchange
 from poolkeeper.requestcontrol.types import IncomingRequest
-from poolkeeper.server.runtime import fail_open_split_targets
+from poolkeeper.server.envoy_bootstrap import fail_open_split_targets
 from tests.extproc.extproc_fakes import FakeRouter, body_msg, headers_msg, post_headers
 from tests.requestcontrol.test_rc_director import _rig
 from tests.server.test_server_runtime import _start, _write

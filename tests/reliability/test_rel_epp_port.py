@@ -29,7 +29,8 @@ from poolkeeper.controller.files import FileResourceSource, file_source
 from poolkeeper.datastore import Datastore
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor
 from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
-from poolkeeper.server.runtime import ServeOptions, bootstrap_params
+from poolkeeper.server.envoy_bootstrap import bootstrap_params
+from poolkeeper.server.options import ServeOptions
 from tests.support.gateway_files import one_pool
 from tests.support.sim_gateway import running_gateway, sim_server
 

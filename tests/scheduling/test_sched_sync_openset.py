@@ -3,7 +3,7 @@ the backlog's 60 s age; nothing a peer still has open is dropped, reordered or n
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import pytest
@@ -34,12 +34,15 @@ def _backlog(s: Scheduler) -> PrefillBacklog:
     return scorer.backlog
 
 
-def _pair() -> tuple[Scheduler, ReplicaSync, Scheduler, ReplicaSync]:
-    """A sender (its own scheduler bound to hub "b") and a receiver (hub "a")."""
+def _pair(
+    clock: Callable[[], float] = lambda: NOW,
+) -> tuple[Scheduler, ReplicaSync, Scheduler, ReplicaSync]:
+    """A sender (its own scheduler bound to hub "b", stating on `clock`, the scheduler's) and
+    a receiver (hub "a")."""
     peer, mine = scheduler("default"), scheduler("default")
     out, hub = ReplicaSync("b"), ReplicaSync("a")
-    bind_scheduler(out, peer)
-    bind_scheduler(hub, mine)
+    bind_scheduler(out, peer, clock=clock)
+    bind_scheduler(hub, mine, clock=clock)
     return peer, out, mine, hub
 
 
@@ -347,10 +350,42 @@ def test_the_own_open_set_is_bounded_and_ages_like_the_backlog() -> None:
     own.sent("c", NOW + 2)  # full: the oldest goes
     assert ("a" in own, len(own)) == (False, 2)
     own.sent("d", NOW + 63)  # b and c are over 60 s old
-    assert own.digests() == [digest("d")]
+    assert own.digests(NOW + 63) == [digest("d")]
     own.sent("\ud800", NOW + 62)  # not encodable: not tracked (its Sent is not sent either)
     assert len(own) == 1
     assert own.closed("d")
     assert not own.closed("d")  # closed once: an end after a first byte is not told
     with pytest.raises(ValueError, match="max_open"):
         OwnOpen(max_open=0)
+
+
+def test_the_statement_ages_the_own_open_set_without_a_new_send() -> None:
+    # A replica that stops sending must not state a send whose first byte and end were lost
+    # for ever: its peers would track the id toward their cap.
+    own = OwnOpen(max_age_s=60.0)
+    own.sent("a", 0.0)
+    own.sent("b", 30.0)
+    assert own.digests(60.0) == [digest("a"), digest("b")]  # within the age: kept
+    assert own.digests(61.0) == [digest("b")]
+    assert own.digests(91.0) == []
+    assert len(own) == 0  # dropped, not only left out
+
+
+def test_a_silent_replica_stops_stating_its_lost_sends_on_the_schedulers_clock() -> None:
+    now = [NOW]  # the scheduler's clock, which stamps the sends and ages the statement
+    peer, out, mine, hub = _pair(lambda: now[0])
+    pool = [state(i) for i in range(1, 5)]
+    peer.schedule(request(prompt="q1 " * 400, request_id="q1"), pool, now=NOW)
+    peer.schedule(request(prompt="q2 " * 400, request_id="q2"), pool, now=NOW + 30.0)
+    assert hub.deliver(_heartbeat(out, 1), NOW + 30.0)  # both sent, neither answered
+    assert hub.tracked == 2
+    for seq, at in enumerate((NOW + 45.0, NOW + 60.0), start=2):  # heartbeats (the peer's TTL)
+        now[0] = at
+        assert hub.deliver(_heartbeat(out, seq), at)
+    assert (hub.tracked, hub.reconciled) == (2, 0)  # within the age: both stated
+    now[0] = NOW + 61.0  # nothing sent since: the statement alone ages q1 out
+    assert out.statement(ROOM) == Open(0, 0, frozenset({digest("q2")}))
+    assert hub.deliver(_heartbeat(out, 4), NOW + 61.0)
+    assert (hub.tracked, hub.reconciled) == (1, 1)
+    assert _backlog(mine).endpoint_of(("b", "q1")) is None
+    assert _backlog(mine).endpoint_of(("b", "q2")) is not None

@@ -21,7 +21,7 @@ from poolkeeper.controller.files import file_source
 from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.scheduler import Scheduler
-from poolkeeper.server.runtime import ServeOptions
+from poolkeeper.server.options import ServeOptions
 from tests.support.gateway_files import one_pool
 from tests.support.sim_gateway import MODEL, running_gateway, sim_server
 

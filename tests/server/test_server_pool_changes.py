@@ -27,8 +27,9 @@ from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server import runtime as runtime_module
 from poolkeeper.server.forgetting import FORGET_AFTER_S, AbsentEndpoints
+from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.replica_sync import RunningSync, start_replica_sync
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.server.wiring import build_director
 from tests.scheduling.sched_factories import NOW, request
 from tests.support.gateway_files import one_pool

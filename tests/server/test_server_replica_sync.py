@@ -20,7 +20,10 @@ from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery
+from poolkeeper.scheduling.replicasync.events import Open
+from poolkeeper.scheduling.replicasync.openset import digest
 from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.replica_sync import (
     SpreadWake,
     SyncCollector,
@@ -29,13 +32,19 @@ from poolkeeper.server.replica_sync import (
     read_keys,
     start_replica_sync,
 )
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from tests.scheduling.sched_factories import NOW, request, scheduler, state
 from tests.support.gateway_files import one_pool
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
 PROMPT = "a long shared system prompt " * 100
+
+
+def _clock() -> float:
+    """The schedulers' clock in these tests (their decisions get `NOW`): the syncer's stamps
+    and statements share its base (`start_replica_sync`'s `clock`)."""
+    return NOW
 
 
 @pytest.fixture
@@ -65,10 +74,10 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
     ports = free_ports(2)
     a, b = scheduler("default"), scheduler("default")
     woken: list[int] = []
-    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a, clock=_clock)
     # No spread: the wake runs inside the delivery, so its absence is seen at once.
     section_b = _section(key_file, ports[1], ports).model_copy(update={"peer_wake_spread_ms": 0})
-    sync_b = await start_replica_sync(section_b, b, wake=lambda: woken.append(1))
+    sync_b = await start_replica_sync(section_b, b, wake=lambda: woken.append(1), clock=_clock)
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
         assert sync_a.transport.peers == (("127.0.0.1", ports[1]),)  # itself left out
@@ -101,9 +110,9 @@ async def test_a_lost_end_stops_counting_at_the_peer_after_the_next_statement(
     a, b = scheduler("default"), scheduler("default")
     fast = {"reconcile_interval_ms": 100}
     sync_a = await start_replica_sync(
-        _section(key_file, ports[0], ports).model_copy(update=fast), a
+        _section(key_file, ports[0], ports).model_copy(update=fast), a, clock=_clock
     )
-    sync_b = await start_replica_sync(_section(key_file, ports[1], ports), b)
+    sync_b = await start_replica_sync(_section(key_file, ports[1], ports), b, clock=_clock)
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
         pool = [state(i) for i in range(1, 5)]
@@ -136,9 +145,9 @@ async def test_a_batch_folded_in_whose_wake_failed_is_received_not_rejected(
     def broken_wake() -> None:
         raise RuntimeError("flow control bug")
 
-    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a)
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a, clock=_clock)
     section = _section(key_file, ports[1], ports).model_copy(update={"peer_wake_spread_ms": 0})
-    sync_b = await start_replica_sync(section, b, wake=broken_wake)
+    sync_b = await start_replica_sync(section, b, wake=broken_wake, clock=_clock)
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
         picked = a.schedule(
@@ -221,8 +230,10 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         f"keyFile: {key_file}, peers: ['127.0.0.1:{sync_port}']}}\n"
     )
     directory = one_pool(tmp_path / "cfg", sim, spec=spec)
+    now = [1e9]  # far from time.monotonic(): a syncer on another clock would not age at all
     runtime = GatewayRuntime(
-        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0)
+        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0),
+        clock=lambda: now[0],
     )
     await runtime.start()
     try:
@@ -237,6 +248,14 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         # Peers' sends are accepted only for the pool's endpoints, seeded at start.
         assert runtime._sync is not None
         assert runtime._sync.fold.pool == frozenset({f"127.0.0.1:{sim}"})
+        # The statement ages the own open sends on the scheduler's clock, the runtime's.
+        assert runtime.director is not None
+        scheduler = runtime.director.scheduler
+        assert isinstance(scheduler, Scheduler)
+        scheduler.schedule(request(prompt=PROMPT, request_id="q1"), [state(1)], now=now[0])
+        assert runtime._sync.hub.statement(100) == Open(0, 0, frozenset({digest("q1")}))
+        now[0] += 61.0
+        assert runtime._sync.hub.statement(100) == Open(0, 0, frozenset())
     finally:
         await runtime.stop(grace_s=0)
     # The UDP port is free again: the syncer closed its socket.

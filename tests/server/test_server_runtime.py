@@ -17,7 +17,9 @@ from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.config import preset_config
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions, bootstrap_params
+from poolkeeper.server.envoy_bootstrap import bootstrap_params
+from poolkeeper.server.options import ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.telemetry.health import EXT_PROC_SERVICE, NOT_SERVING, SERVING, check_health
 from tests.support.gateway_files import gateway_ports, one_pool
 
@@ -238,7 +240,7 @@ async def test_exchanges_whose_entry_never_comes_are_released_without_any_entry(
     import asyncio
 
     from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
-    from poolkeeper.server.runtime import _expire_detached
+    from poolkeeper.server.housekeeping import expire_detached
 
     now = [0.0]
     room = DetachedExchanges(ttl_s=10.0, clock=lambda: now[0])
@@ -252,7 +254,7 @@ async def test_exchanges_whose_entry_never_comes_are_released_without_any_entry(
             raise AssertionError("no first-byte report here")
 
     room.hold(Waiting())
-    task = asyncio.create_task(_expire_detached(room, every_s=0.01))
+    task = asyncio.create_task(expire_detached(room, every_s=0.01))
     try:
         await asyncio.sleep(0.05)
         assert outcomes == []  # younger than the TTL

@@ -41,7 +41,7 @@ from poolkeeper.extproc.conncap import ConnectionCounter
 from poolkeeper.extproc.conncap_service import add_conncap_service
 from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import build_server
-from poolkeeper.server.runtime import bootstrap_params
+from poolkeeper.server.envoy_bootstrap import bootstrap_params
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.logs import configure_logging
 from poolkeeper.telemetry.metrics import client_connections_app

@@ -215,7 +215,7 @@ def _run(options: EppOptions, run_gateway: Any) -> int:
 
 def epp_serve_options(options: EppOptions, source: Any) -> Any:
     """The runtime's options (a ServeOptions) for the EPP's flags."""
-    from poolkeeper.server.runtime import ServeOptions
+    from poolkeeper.server.options import ServeOptions
 
     # Readiness and drain as upstream's EPP: ready once synced; on SIGTERM NOT_SERVING, the
     # Lease released, ext_proc serving for --drain-timeout, then the usual drain.

@@ -36,7 +36,8 @@ from poolkeeper.controller.files import file_source
 from poolkeeper.envoy.process import EnvoyNotFound
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
-from poolkeeper.server.runtime import GatewayRuntime, ServeOptions
+from poolkeeper.server.options import ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.server import SimCluster

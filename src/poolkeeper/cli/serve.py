@@ -30,14 +30,10 @@ from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.heap import freeze_startup_objects
 from poolkeeper.extproc.tls import TlsError, TlsSettings
-from poolkeeper.server.runtime import (
-    DEFAULT_DRAIN_GRACE_S,
-    DEFAULT_DRAIN_TIMEOUT_S,
-    GatewayRuntime,
-    ServeOptions,
-    bootstrap_params,
-    serve_until_signalled,
-)
+from poolkeeper.server.envoy_bootstrap import bootstrap_params
+from poolkeeper.server.options import DEFAULT_DRAIN_GRACE_S, DEFAULT_DRAIN_TIMEOUT_S, ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.server.signals import serve_until_signalled
 from poolkeeper.telemetry.logs import configure_logging
 
 

@@ -92,7 +92,7 @@ class EnvoyOptions:
     restart_max_s: float = 10.0
     stable_after_s: float = 30.0  # a run this long resets the backoff
     # On a drain (POST /drain_listeners?graceful) every connection is told to close at once:
-    # HTTP/1 answers carry `connection: close`, HTTP/2 gets GOAWAY (see runtime._drain_envoy).
+    # HTTP/1 answers carry `connection: close`, HTTP/2 gets GOAWAY (see server/envoy_drain.py).
     drain_time_s: float = 1.0
 
 

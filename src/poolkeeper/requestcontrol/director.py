@@ -211,7 +211,7 @@ class Director:
 
     @property
     def wants_first_tokens_at_once(self) -> bool:
-        """Whether first tokens should be reported as they happen (`server/runtime.py`'s
+        """Whether first tokens should be reported as they happen (`server/envoy_bootstrap.py`'s
         bootstrap): the scheduler learns from them, or flow control's `holdNewPrefixes`
         asks its held requests again on each (a prefill ended). Reported only at the
         request's end, a held request would wait for completions instead."""

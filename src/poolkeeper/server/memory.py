@@ -2,7 +2,7 @@
 
 The EPP keeps large request bodies on glibc's heap and its freed pages mapped for the next
 body (`extproc/heap.py`: a 1 MiB prompt otherwise faults in ~2,300 fresh pages). After a burst
-of big bodies (`server/runtime.py`'s `_trim_after_bursts`) `trim` returns every free page of
+of big bodies (`server/housekeeping.py`'s `trim_after_bursts`) `trim` returns every free page of
 the heap, not only its top, so RSS goes back near idle. (Pinning the mmap threshold at 128 KiB
 instead, as this module once did, made every large buffer an mmap of its own, faulted in page
 by page on each request.) Without glibc this does nothing.

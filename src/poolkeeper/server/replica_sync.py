@@ -215,12 +215,14 @@ async def start_replica_sync(
     called after peer batches are folded in (flow control's pump: a peer's first byte may
     release a request held for its prefill backlog), spread by `peerWakeSpreadMs`. `pool`: the
     endpoints (ip:port) peers' sends may name, the datastore's at start (`pool_changed` keeps
-    it current); None accepts any (tests)."""
+    it current); None accepts any (tests). `clock`: the scheduler's clock, the one its
+    decisions' `now` comes from (the Director's): peers' sends are stamped with it in the same
+    backlogs as own ones, and the own open sends the statements list age on it."""
     keys = read_keys(config.key_file)
     origin = origin_name(config.origin)
     hub = _SignallingSync(origin)
     try:
-        fold = bind_scheduler(hub, scheduler, pool=pool)
+        fold = bind_scheduler(hub, scheduler, pool=pool, clock=clock)
     except ValueError as exc:
         raise ConfigError(f"spec.replicaSync: {exc}") from None
 

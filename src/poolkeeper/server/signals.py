@@ -2,7 +2,8 @@
 
 SIGINT (Ctrl-C), SIGTERM (a process manager, Kubernetes) and SIGHUP (the terminal closed) all
 mean "drain and stop", so a closed terminal drains as Ctrl-C does instead of killing the
-process halfway. Handlers run in the event loop (`loop.add_signal_handler`)."""
+process halfway. Handlers run in the event loop (`loop.add_signal_handler`).
+`serve_until_signalled` runs a started-then-stopped service (the runtime) between them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Callable
+from typing import Protocol
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
@@ -32,3 +34,27 @@ def on_stop_signals(
             loop.remove_signal_handler(sig)
 
     return remove
+
+
+class Service(Protocol):
+    """What `serve_until_signalled` runs: the runtime (`server/runtime.py`)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+async def serve_until_signalled(service: Service, started: asyncio.Event | None = None) -> None:
+    """Start, run until SIGINT, SIGTERM or SIGHUP, then drain and stop."""
+    stop = asyncio.Event()
+    remove_handlers = on_stop_signals(asyncio.get_running_loop(), stop.set)
+    try:
+        await service.start()
+        if started is not None:
+            started.set()
+        await stop.wait()
+    finally:
+        # Handlers stay installed while draining: a second Ctrl-C must not interrupt the drain
+        # with a KeyboardInterrupt halfway through stopping the servers.
+        await service.stop()
+        remove_handlers()

@@ -25,7 +25,9 @@ approximate index and, with `kvEvents`, the exact index's pending chain heads), 
 - own open sends (`open_digests`, bound as the hub's statement source): the own sends published
   and not yet answered or ended (`ownopen.py`, kept here, not read from the backlog, which may
   drop an own entry without telling anyone), which the hub states to peers so they drop entries
-  whose `Answered` or `Ended` was lost (`openset.py`).
+  whose `Answered` or `Ended` was lost (`openset.py`). Each send is stamped with its decision's
+  `now` (the scheduler's clock), so the statement ages them on that clock too: `bind_scheduler`'s
+  `clock`, the one the scheduler's decisions get (without it no statement source is bound).
 
 Options (measured in docs/notes/2026-12-07-replica-sync.md): `index` (peers' blocks into the
 approximate index), `drain` (peers' first bytes as drain-rate samples), `heads` (peers' heads
@@ -54,7 +56,7 @@ Without a bound hub nothing here runs: the scorers' `sync` is None and they rout
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.interfaces import CycleState
@@ -146,9 +148,10 @@ class SchedulerFold:
         if self.own.closed(request_id):
             self.sync.publish(Ended(request_id))
 
-    def open_digests(self) -> list[int]:
-        """The digests of the own sends published and still open (the statement source)."""
-        return self.own.digests()
+    def open_digests(self, now: float) -> list[int]:
+        """The digests of the own sends published and still open at `now`, on the scheduler's
+        clock (the statement source)."""
+        return self.own.digests(now)
 
     # -- peers' events (PeerSink) -----------------------------------------------------------
 
@@ -239,11 +242,15 @@ def bind_scheduler(
     drain: bool = True,
     heads: bool = True,
     pool: set[str] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> SchedulerFold:
     """Bind `sync` to `scheduler`'s backlog and prefix scorers (the module docstring): its own
     sends are published to `sync`, the peers' batches `sync` accepts are folded in. The prefix
     scorer is the one the (first) backlog scorer reads, else the scheduler's only one. `pool`:
-    the endpoints peers' sends may name (None: any, up to `MAX_ENDPOINTS`)."""
+    the endpoints peers' sends may name (None: any, up to `MAX_ENDPOINTS`). `clock`: the
+    scheduler's clock (the `now` its decisions get, which stamps the own open sends): with it
+    the own open sends are `sync`'s statement source, aged on that clock; without it (the
+    benches, which state nothing) `sync` makes no statement."""
     plugins = list(scheduler.plugins.values())
     # The backlog scorers some profile runs (their PostCycle records own sends): peers' sends
     # go to them; the first of each profile tells own events (two in one profile would tell
@@ -262,5 +269,7 @@ def bind_scheduler(
     for scorer in tellers:
         scorer.sync = fold
     sync.bind(fold)
-    sync.bind_open(fold.open_digests)
+    if clock is not None:
+        scheduler_clock = clock  # (narrowed for the closure)
+        sync.bind_open(lambda: fold.open_digests(scheduler_clock()))
     return fold

@@ -9,10 +9,12 @@ still holds; the fold (`fold.py`) keeps that here, beside what it publishes.
 
 Each id's digest (`openset.digest`) is computed once, at publish, not at every statement.
 Bounded like the backlog it mirrors: at most `max_open` ids (the oldest goes first), and an id
-older than `max_age_s` is dropped at the next publish (a lost first byte and a lost end must
-not be stated forever; the peers' backlogs age their entry out at the same age).
+older than `max_age_s` is dropped at the next publish or statement (a lost first byte and a
+lost end must not be stated forever, nor by a replica that stopped sending: the peers' trackers
+would hold the id toward their cap; their backlogs age their entry out at the same age).
 
-Pure: no clock, no I/O.
+Pure: no clock, no I/O. `now` is the scheduler's clock (the `now` its decisions get, which
+stamps each id): the fold's caller passes the same clock to the statement (`fold.py`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,9 @@ class OwnOpen:
         """`request_id`'s `Sent` is published (a reused id: the newest send counts)."""
         opened = self._open
         opened.pop(request_id, None)
-        while opened:
-            oldest = next(iter(opened.items()))
-            if len(opened) < self.max_open and oldest[1][0] >= now - self.max_age_s:
-                break
-            del opened[oldest[0]]
+        self._age(now)
+        while len(opened) >= self.max_open:
+            del opened[next(iter(opened))]
         try:
             value = digest(request_id)
         except UnicodeError:  # not encodable: its `Sent` is not sent either (codec.py)
@@ -57,6 +57,14 @@ class OwnOpen:
         """`request_id` had its first byte or end: True if it was open (tell the peers)."""
         return self._open.pop(request_id, None) is not None
 
-    def digests(self) -> list[int]:
-        """The digests of the open ids (the hub's statement source)."""
+    def digests(self, now: float) -> list[int]:
+        """The digests of the ids open at `now`, those older than `max_age_s` dropped first
+        (the hub's statement source)."""
+        self._age(now)
         return [value for _, value in self._open.values()]
+
+    def _age(self, now: float) -> None:
+        """Drop the ids published before `now - max_age_s` (oldest first: in publish order)."""
+        opened, horizon = self._open, now - self.max_age_s
+        while opened and next(iter(opened.values()))[0] < horizon:
+            del opened[next(iter(opened))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import time
 from pathlib import Path
 
 import aiohttp
@@ -20,8 +21,11 @@ from poolkeeper.scheduling.config import preset_config
 from poolkeeper.server.envoy_bootstrap import bootstrap_params
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.server.stats_views import pool_stats
 from poolkeeper.telemetry.health import EXT_PROC_SERVICE, NOT_SERVING, SERVING, check_health
 from tests.support.gateway_files import gateway_ports, one_pool
+from tests.support.sim_gateway import sim_server
+from tests.support.waiting import until
 
 
 def _write(tmp_path: Path, failure_mode: str = "FailClose") -> tuple[Path, list[int]]:
@@ -267,3 +271,26 @@ async def test_exchanges_whose_entry_never_comes_are_released_without_any_entry(
         task.cancel()
     assert [o.status for o in outcomes] == [0]
     assert len(room) == 0
+
+
+async def test_scrapes_and_pool_views_run_on_the_runtimes_clock(tmp_path: Path) -> None:
+    """The runtime's one clock stamps the scrapes its decisions and pool views judge: on a
+    clock far from `time.monotonic`, a fresh scrape is still fresh (stale on a second clock)."""
+    offset = 1e9
+    async with sim_server() as sim:
+        options = ServeOptions(
+            source=file_source([one_pool(tmp_path, sim)]), run_envoy=False, ready_wait_s=0
+        )
+        runtime = GatewayRuntime(options, clock=lambda: offset + time.monotonic())
+        await runtime.start()
+        try:
+            hostport = f"127.0.0.1:{sim}"
+            await until(
+                lambda: hostport in runtime.datastore.snapshot().metrics,
+                "a first scrape",
+            )
+            assert runtime.datastore.snapshot().metrics[hostport].updated_at > offset
+            (stats,) = pool_stats(runtime.datastore, runtime.config, runtime.clock())
+            assert stats.stale_endpoints == 0
+        finally:
+            await runtime.stop(grace_s=0)

@@ -108,8 +108,8 @@ class GatewayRuntime:
     # The drain's settle: how long a connection may wait on its connection-cap check.
     _settle_max_s: float = SETTLE_SLACK_S
     _sync: RunningSync | None = None  # cross-replica sync (spec.replicaSync)
-    # The scheduler's clock: its decisions' `now` (the Director's) and the replica sync's
-    # stamps (peers' sends and own open sends in the same backlogs) share this one base.
+    # The one clock of the EPP's state: decisions' `now` (the Director's), metrics' scrape
+    # stamps (staleness), the pool views and the replica sync's stamps share this base.
     clock: Callable[[], float] = time.monotonic
 
     # -- start ----------------------------------------------------------------------------
@@ -135,7 +135,9 @@ class GatewayRuntime:
         self._source_task = asyncio.create_task(self._source.run(), name="resource-source")
         self._tasks.append(self._source_task)
         log.info("resources from %s", self._source.describe())
-        self._scrapers = ScraperManager(spec.scraping, self.datastore.update_metrics)
+        self._scrapers = ScraperManager(
+            spec.scraping, self.datastore.update_metrics, clock=self.clock
+        )
         self._scrapers.follow(self.datastore)
         # The response observer: on by default only with the Envoy we run and configure.
         observing = spec.edge.responses_observed(managed_envoy=self.options.run_envoy)
@@ -148,7 +150,7 @@ class GatewayRuntime:
         )
         stats = getattr(self.director.scheduler, "stats", None)
         self.metrics = GatewayMetrics(
-            pool_stats=lambda: pool_stats(self.datastore, self.config),
+            pool_stats=lambda: pool_stats(self.datastore, self.config, self.clock()),
             scheduling=stats if isinstance(stats, SchedulingStats) else None,
             flow_stats=lambda: flow_stats(self.director, self.config),
             endpoint_of=lambda hostport: endpoint_of(self.datastore, hostport),

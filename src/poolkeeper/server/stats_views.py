@@ -7,7 +7,6 @@ through the runtime, which hands them its current state."""
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Iterator
 
 from poolkeeper.config.gateway import GatewayConfig
@@ -27,15 +26,17 @@ def _pstdev(values: list[float]) -> float:
     return statistics.pstdev(values) if values else 0.0
 
 
-def pool_stats(datastore: Datastore, config: GatewayConfig | None) -> Iterator[PoolStats]:
-    """Each pool's load now (`config`: its admission section judges saturation)."""
+def pool_stats(
+    datastore: Datastore, config: GatewayConfig | None, now: float
+) -> Iterator[PoolStats]:
+    """Each pool's load at `now` (the runtime's clock, the one metrics are stamped with;
+    `config`: its admission section judges saturation)."""
     snapshot = datastore.snapshot()
     # The admission section's detector, as the gate judges saturation (read-only here).
     detector = None
     if config is not None:
         spec = config.spec
         detector = SaturationDetector(spec.admission, staleness_s=spec.scraping.staleness_s)
-    now = time.monotonic()
     for key in snapshot.pool_keys():
         states = snapshot.states(key)
         kv = [s.metrics.kv_cache_usage for s in states]

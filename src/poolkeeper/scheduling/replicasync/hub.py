@@ -36,7 +36,8 @@ what a peer's events add to the scheduler's state is bounded by that state's own
 Wiring (the composition root; `fold.bind_scheduler` has the rest):
 
     sync = ReplicaSync(origin)                  # origin: unique per replica process
-    fold = bind_scheduler(sync, scheduler)      # own events -> publish, peers -> the state
+    fold = bind_scheduler(sync, scheduler, clock=clock)  # own -> publish, peers -> the state
+                                                # (no clock: no open statement is made)
     ... every `interval` (or at once per decision): batch = sync.take(); if batch: send it
     ... on a datagram from a peer: if sync.deliver(batch, now) and clears(batch): wake flow
         control's pump (a peer's prefill ended: the hold reads a backlog that just shrank;

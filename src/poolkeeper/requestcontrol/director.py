@@ -368,7 +368,7 @@ class Director:
         flow = self._trusted(request, TrustedHeader.FAIRNESS_ID) or parsed.model
         subset = self._subset(request)
         # Built once: the scheduler's request, and (`holdNewPrefixes`) the held request's.
-        llm_request = self._llm_request(prepared, subset)
+        llm_request = self._llm_request(prepared, subset, self._send_key(request))
         # 503 now when nothing could ever serve it; the gate's first look reuses this read.
         first = [self._candidates(snapshot, pool_key, subset)]
 
@@ -438,8 +438,17 @@ class Director:
 
         return cached
 
-    def _llm_request(self, prepared: Prepared, subset: frozenset[str] | None) -> LLMRequest:
-        """The request as the scheduler sees it (`subset`: `_subset`'s for it)."""
+    def _send_key(self, request: IncomingRequest) -> str:
+        """This send's identity: the client's id (clients choose it, so two live sends may
+        carry one) and the Director's sequence. The in-flight tracker, the learners (the
+        backlog, its cross-replica sync) and the ticket all key by it, end to end."""
+        return f"{request.request_id}#{next(self._sequence)}"
+
+    def _llm_request(
+        self, prepared: Prepared, subset: frozenset[str] | None, key: str
+    ) -> LLMRequest:
+        """The request as the scheduler sees it (`subset`: `_subset`'s for it; `key`:
+        `_send_key`'s)."""
         request, parsed = prepared.request, prepared.parsed
         return LLMRequest(
             request_id=request.request_id,
@@ -453,6 +462,7 @@ class Director:
             stream=parsed.stream,
             headers=_scheduler_headers(request.headers),
             subset=subset,
+            send_key=key,
         )
 
     def _schedule(
@@ -489,7 +499,7 @@ class Director:
                 model=target if target != parsed.model else None,
                 include_usage=inject,
             )
-        key = f"{request.request_id}#{next(self._sequence)}"
+        key = llm_request.key
         self._inflight.start(key, endpoints[0], parsed.prompt_tokens, now, target)
         return RoutingDecision(
             request_id=request.request_id,
@@ -518,7 +528,9 @@ class Director:
             request_id=request.request_id,
             endpoints=tuple(states[i].key for i in picked),
             pool=pool_key,
-            ticket=Ticket(request.request_id, "", 0, self._clock()),
+            # Keyed like any send: its end is told the learners, and a bare client id could
+            # name another send's key.
+            ticket=Ticket(self._send_key(request), "", 0, self._clock()),
         )
 
     def _destinations(
@@ -604,7 +616,7 @@ class Director:
             self._inflight.first_token(ticket.key)
         learner = self._learner
         if learner is not None:
-            learner.observe_first_token(decision.request_id, ticket.endpoint, at)
+            learner.observe_first_token(ticket.key, ticket.endpoint, at)
         if self._wake is not None:
             self._wake()  # a prefill ended: requests `holdNewPrefixes` holds ask again
 
@@ -622,7 +634,7 @@ class Director:
             return
         ticket.done = True
         if self._learner is not None:
-            self._learner.request_ended(decision.request_id)
+            self._learner.request_ended(ticket.key)
         # In-flight accounting is keyed by request id, so it ends wherever it sits (the primary,
         # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
         if ticket.flow:

@@ -167,7 +167,8 @@ class EndpointFollower(Plugin, Protocol):
 class FirstTokenObserver(Plugin, Protocol):
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
         """The first response byte of a scheduled request arrived from `endpoint` (ip:port,
-        None if unknown) at `now`, on the clock of the decision's `CycleState.now`."""
+        None if unknown) at `now`, on the clock of the decision's `CycleState.now`.
+        `request_id` is the decided `LLMRequest.key` (unique per send, unlike client ids)."""
         ...
 
     def request_ended(self, request_id: str) -> None:

@@ -37,6 +37,15 @@ class LLMRequest:
     stream: bool = False
     headers: Mapping[str, str] = field(default_factory=empty_labels, compare=False, hash=False)
     subset: frozenset[str] | None = None  # ip:port allowed by the proxy's subset hint, if any
+    # This send's own identity (the Director's `id#seq` ticket key): clients choose request
+    # ids, so two live sends may share one; "" where the caller's ids are unique (benches).
+    send_key: str = ""
+
+    @property
+    def key(self) -> str:
+        """What learners key this send's state by (the first byte and the end the Director
+        reports carry the same): `send_key`, else `request_id`."""
+        return self.send_key or self.request_id
 
 
 @dataclass(frozen=True, slots=True)

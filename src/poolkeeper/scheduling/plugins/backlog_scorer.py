@@ -36,7 +36,8 @@ identical servers from level with round-robin to 0.89-0.93x of its p90 TTFT.
 Learning nothing, it needs the first-byte events: the scheduler's `observe_first_token` (the
 Director at the first response byte; the virtual-time benchmark at the simulated first token)
 ends an entry, and `request_ended` ends it for a request that produced none. A request whose
-first byte is never reported (a non-streamed response) counts until it ends.
+first byte is never reported (a non-streamed response) counts until it ends. Entries are keyed
+by the send (`LLMRequest.key`, the Director's `id#seq`), not the client's id, which may repeat.
 
 `sync` (a `SendTap`, None unless cross-replica sync is bound: `scheduling/replicasync/fold.py`)
 is told of each of this EPP's own sends, first bytes and ends as the backlog records them, so
@@ -337,7 +338,7 @@ class PrefillBacklogScorer(NamedPlugin):
         # prefix scorer's PostCycle records this prompt).
         cached = self._cached_tokens(cycle, request)
         tokens = request.prompt_tokens - cached.get(key, 0)
-        self.backlog.sent(request.request_id, key, tokens, cycle.now, seen=request.stream)
+        self.backlog.sent(request.key, key, tokens, cycle.now, seen=request.stream)
         if self.sync is not None:
             self.sync.sent(cycle, request, key, tokens)
 

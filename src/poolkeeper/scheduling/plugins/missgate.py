@@ -255,7 +255,7 @@ class GatedSaturationFilter(SaturationFilter):
         clear = not self._full(picked) and effective_waiting(picked, self.params.count_unseen) <= 0
         cached = self.holders.prefix.cached_tokens(cycle, request).get(picked.key, 0)
         uncached = request.prompt_tokens - cached
-        self.costs.sent(request.request_id, picked.key, cycle.now, uncached, clear)
+        self.costs.sent(request.key, picked.key, cycle.now, uncached, clear)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
         self.costs.first_token(request_id, now)

@@ -142,7 +142,7 @@ class PredictedTtftScorer(NamedPlugin):
         key = picked.endpoint.hostport
         cached, chars = self._cached_chars(cycle, request)
         x = self.features(request, picked, cached.get(key, 0), chars)
-        self.model.remember(request.request_id, key, cycle.now, x)
+        self.model.remember(request.key, key, cycle.now, x)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
         self.model.observe(request_id, now, endpoint=endpoint)

@@ -12,7 +12,9 @@ approximate index and, with `kvEvents`, the exact index's pending chain heads), 
   hash of its first block when the scorer keeps an exact index), `Answered` and `Ended` to the
   hub. A first byte or end is told only for a send told and not yet closed (`ownopen.py`: a
   first byte of a request never sent is not, nor an end after its first byte), whatever the
-  backlog still holds;
+  backlog still holds. Every event names the send by `LLMRequest.key` (the Director's
+  `id#seq`: client ids repeat, and one send's first byte must not close another's, here or at
+  a peer);
 - peers' events (`PeerSink`, bound to the hub): `Sent` counts the request in every backlog under
   `(origin, request_id)` (so in the scorer's costs and busy share, in flow control's
   `holdNewPrefixes` and in the cold-placement filter's band, which read that backlog through
@@ -137,8 +139,8 @@ class SchedulerFold:
                     request.target_model, request.prompt[:chunk], exact.block_size
                 )
                 head = first[0] if first else None
-        self.own.sent(request.request_id, cycle.now)
-        self.sync.publish(Sent(request.request_id, endpoint, tokens, request.stream, blocks, head))
+        self.own.sent(request.key, cycle.now)
+        self.sync.publish(Sent(request.key, endpoint, tokens, request.stream, blocks, head))
 
     def answered(self, request_id: str) -> None:
         if self.own.closed(request_id):

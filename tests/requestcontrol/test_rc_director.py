@@ -738,6 +738,51 @@ async def test_scheduler_targets_outside_the_candidates_are_never_destinations()
     assert len(rig.inflight) == 0
 
 
+async def test_a_send_no_destination_takes_is_ended_for_the_learners() -> None:
+    """PostCycle counted the send (a learner's backlog): with every target outside the pool no
+    ticket exists to end it, so the Director ends it before refusing (else it stays counted
+    until it ages out)."""
+    foreign = EndpointState(
+        endpoint=Endpoint(name="evil", address="169.254.169.254", port=80),
+        metrics=EndpointMetrics(),
+    )
+
+    class RogueLearner:
+        observes_first_tokens = True
+
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+            self.ended: list[str] = []
+
+        def schedule(
+            self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float
+        ) -> SchedulingResult:
+            self.sent.append(request.key)
+            return SchedulingResult(targets=(foreign,))
+
+        def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
+            raise AssertionError("no first byte without a destination")
+
+        def request_ended(self, request_id: str) -> None:
+            self.ended.append(request_id)
+
+    learner = RogueLearner()
+    director = Director(
+        datastore=_store(),
+        scheduler=learner,  # unwrapped: `_rig`'s recording wrapper learns nothing
+        inflight=InflightTracker(),
+        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
+        config=RequestHandling(),
+        rng=random.Random(1),
+        clock=lambda: NOW,
+    )
+    with pytest.raises(NoReadyEndpoint):
+        await director.route(_chat(rid="gone"))
+    assert len(learner.sent) == 1
+    assert learner.sent[0].startswith("gone#")
+    assert learner.ended == learner.sent
+
+
 @pytest.mark.parametrize(
     ("status", "usage", "want"),
     [

@@ -481,6 +481,9 @@ class Director:
         result = self._scheduler.schedule(llm_request, candidates, now=now)
         endpoints = self._destinations(result, candidates)
         if not endpoints:
+            learner = self._learner
+            if learner is not None:  # PostCycle counted the send: no ticket will end it
+                learner.request_ended(llm_request.key)
             raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
 
         server_names_model = _names_responses_itself(candidates, endpoints)
@@ -635,7 +638,7 @@ class Director:
         ticket.done = True
         if self._learner is not None:
             self._learner.request_ended(ticket.key)
-        # In-flight accounting is keyed by request id, so it ends wherever it sits (the primary,
+        # In-flight accounting is keyed by the send key, so it ends wherever it sits (the primary,
         # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
         if ticket.flow:
             output = usage.completion_tokens if usage is not None else 0

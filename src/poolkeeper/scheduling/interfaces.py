@@ -172,7 +172,8 @@ class FirstTokenObserver(Plugin, Protocol):
         ...
 
     def request_ended(self, request_id: str) -> None:
-        """The request ended (any outcome); drop whatever was kept for it."""
+        """The request ended (any outcome); drop whatever was kept for it (`request_id`: the
+        decided `LLMRequest.key`, as for `observe_first_token`)."""
         ...
 
 

@@ -56,6 +56,7 @@ from poolkeeper.bench.fleet.simrun import (
     _outcome,
     _sim_arrivals,
     fleet_capacity,
+    llm_request_of,
     route_step,
 )
 from poolkeeper.bench.policies.routers import QueueingPolicy, RoutingPolicy
@@ -64,7 +65,6 @@ from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.virtual import HOLD, Arrival as SimArrival, RequestResult, Send, VirtualFleet
 from poolkeeper.tokens import count_tokens
 
@@ -172,16 +172,7 @@ def run(
         k = replica_of(a.request_id, replicas)
         router = routers[k]
         tokens = tokens_of[a.request_id] = count_tokens(sim.prompt)
-        request = LLMRequest(
-            request_id=a.request_id,
-            model=a.model,
-            target_model=a.target_model,
-            criticality=a.criticality,
-            prompt=sim.prompt,
-            prompt_tokens=tokens,
-            max_tokens=a.output_tokens,
-            stream=True,
-        )
+        request = llm_request_of(sim, tokens)
         chosen = route_step(router.policy, request, router.view(states), now, index_of)
         if chosen is not None and chosen != HOLD:
             placed(k, a.request_id, chosen, now)

@@ -81,6 +81,22 @@ def _outcome(r: RequestResult, a: Arrival, waited: float = 0.0) -> RequestOutcom
     )
 
 
+def llm_request_of(sim: SimArrival, prompt_tokens: int | None = None) -> LLMRequest:
+    """The scheduler's request for a simulated arrival (its workload `Arrival` the payload),
+    streamed; `prompt_tokens` when the caller counted them already."""
+    a: Arrival = sim.payload  # type: ignore[assignment]
+    return LLMRequest(
+        request_id=a.request_id,
+        model=a.model,
+        target_model=a.target_model,
+        criticality=a.criticality,
+        prompt=sim.prompt,
+        prompt_tokens=count_tokens(sim.prompt) if prompt_tokens is None else prompt_tokens,
+        max_tokens=a.output_tokens,
+        stream=True,
+    )
+
+
 def route_step(
     policy: RoutingPolicy,
     request: LLMRequest,
@@ -125,18 +141,7 @@ def replay(
     queueing = policy if isinstance(policy, QueueingPolicy) else None
 
     def route(sim: SimArrival, states: Sequence[EndpointState], now: float) -> int | None:
-        a: Arrival = sim.payload  # type: ignore[assignment]
-        request = LLMRequest(
-            request_id=a.request_id,
-            model=a.model,
-            target_model=a.target_model,
-            criticality=a.criticality,
-            prompt=sim.prompt,
-            prompt_tokens=count_tokens(sim.prompt),
-            max_tokens=a.output_tokens,
-            stream=True,
-        )
-        return route_step(policy, request, states, now, index_of)
+        return route_step(policy, llm_request_of(sim), states, now, index_of)
 
     def finished(result: RequestResult) -> None:
         policy.on_finish(result.request_id, result.server_name, result.finish or 0.0)

@@ -3,12 +3,22 @@ and an EndpointPickerConfig's `dataLayer.crossReplicaSyncerPluginRef` translates
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
+from poolkeeper.cli.epp import epp_gateway_config
+from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.config.endpointpicker import load_endpoint_picker_config, translate
 from poolkeeper.config.gateway import GatewayConfig
+from poolkeeper.controller.files import file_source
 from poolkeeper.errors import ConfigError
+from poolkeeper.netutil import free_ports
+from poolkeeper.server.options import ServeOptions
+from poolkeeper.server.runtime import GatewayRuntime
+from tests.support.gateway_files import one_pool
 
 HEADER = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
 PLUGINS = """plugins:
@@ -149,4 +159,77 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
 def test_what_cannot_run_is_a_startup_error(text: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         translate(load_endpoint_picker_config(HEADER + text, "t"))
+    assert expected in info.value.message
+
+
+def test_key_optional_is_a_syncer_parameter_off_by_default() -> None:
+    text = PLUGINS + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n"
+    assert _translate(text)["keyOptional"] is False  # as spec.replicaSync's default
+    section = _translate(text.replace("keyFile: /etc/sync/key", "keyFile: /k, keyOptional: true"))
+    assert section["keyOptional"] is True
+    assert _spec(section).spec.replica_sync.key_optional is True
+    bad = text.replace("keyFile: /etc/sync/key", "keyFile: /k, keyOptional: maybe")
+    with pytest.raises(ConfigError, match=r"parameters\.keyOptional"):
+        translate(load_endpoint_picker_config(HEADER + bad, "t"))
+
+
+def _epp_config(tmp_path: Path, key: Path, optional: bool = False) -> tuple[Path, GatewayConfig]:
+    """The `poolkeeper-epp` settings for an EndpointPickerConfig file whose syncer reads `key`."""
+    params = f"keyFile: {key}, keyOptional: {str(optional).lower()}"
+    path = tmp_path / "plugins.yaml"
+    path.write_text(
+        HEADER
+        + PLUGINS.replace("keyFile: /etc/sync/key", params)
+        + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n"
+    )
+    args = parse_epp_args(["--pool-name=p", f"--config-file={path}"])
+    return path, epp_gateway_config(args)[0]
+
+
+@pytest.mark.integration
+async def test_an_optional_key_not_created_yet_starts_the_epp_without_sync(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = tmp_path / "secret" / "key"  # an optional Secret volume, the Secret not created
+    missing.parent.mkdir()
+    _, config = _epp_config(tmp_path, missing, optional=True)
+    section = config.spec.replica_sync.model_dump(by_alias=True, exclude_unset=True)
+    spec = f"  replicaSync: {json.dumps(section)}\n"
+    (sim,) = free_ports(1)
+    options = ServeOptions(
+        source=file_source([one_pool(tmp_path / "cfg", sim, spec=spec)]),
+        run_envoy=False,
+        ready_wait_s=0,
+    )
+    runtime = GatewayRuntime(options)
+    await runtime.start()
+    try:
+        assert runtime._sync is None
+        assert f"replica sync stays off: spec.replicaSync.keyFile {missing}" in caplog.text
+    finally:
+        await runtime.stop(grace_s=0)
+
+
+@pytest.mark.parametrize(
+    ("content", "optional", "expected"),
+    [
+        (None, False, "cannot read"),
+        (b"short\n", False, "line 1 holds 5 bytes"),
+        (b"0123456789abcdef\x01" * 2 + b"\n", False, "control"),
+        (None, True, "does not exist, but"),  # the directory holds another file
+    ],
+)
+def test_a_bad_key_is_named_by_the_syncer_parameter(
+    tmp_path: Path, content: bytes | None, optional: bool, expected: str
+) -> None:
+    key = tmp_path / "secret" / "key"
+    key.parent.mkdir()
+    if content is None:
+        (key.parent / "other").write_text("x" * 32)
+    else:
+        key.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        _epp_config(tmp_path, key, optional)
+    path = tmp_path / "plugins.yaml"
+    assert info.value.message.startswith(f"{path}: sync.parameters.keyFile: ")
     assert expected in info.value.message

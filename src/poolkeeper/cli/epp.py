@@ -129,6 +129,12 @@ def epp_gateway_config(options: EppOptions) -> tuple[GatewayConfig, list[str]]:
     except ValidationError as exc:
         lines = [f"{e.path}: {e.message}" for e in from_pydantic(exc)]
         raise ConfigError("the EPP settings are invalid:\n  " + "\n  ".join(lines)) from None
+    if translation.key_file_at is not None:
+        # The key is read when the syncer starts, where a bad one would be named by the
+        # section's field, not by the plugin parameter the user wrote: read it now, named so.
+        from poolkeeper.server.replica_sync import check_key
+
+        check_key(config.spec.replica_sync, f"{where}: {translation.key_file_at}")
     return config, notices
 
 

@@ -48,6 +48,7 @@ log = logging.getLogger("poolkeeper.replicasync")
 
 EXPIRE_EVERY_S = 1.0  # silent peers are forgotten this often even when no batch arrives
 _NAME_BYTES = 200  # of the origin's base name (the codec carries 255 bytes)
+KEY_FIELD = "spec.replicaSync.keyFile"  # what the key's errors name unless told otherwise
 
 
 class _SignallingSync(ReplicaSync):
@@ -99,7 +100,7 @@ def origin_name(configured: str | None) -> str:
     return f"{base.encode()[:_NAME_BYTES].decode(errors='ignore')}-{secrets.token_hex(4)}"
 
 
-def key_missing(config: ReplicaSyncConfig) -> str | None:
+def key_missing(config: ReplicaSyncConfig, field: str = KEY_FIELD) -> str | None:
     """Why sync stays off (`keyOptional` and the key's optional Secret not created yet), or
     None: start it. Optional only when the key file's directory exists and holds no files:
     what an optional Secret volume mounts without its Secret (an empty directory, or only the
@@ -110,7 +111,6 @@ def key_missing(config: ReplicaSyncConfig) -> str | None:
     path = config.key_file
     if not config.key_optional or not path:
         return None
-    field = "spec.replicaSync.keyFile"
     key = Path(path)
     try:
         key.stat()
@@ -143,19 +143,31 @@ def key_missing(config: ReplicaSyncConfig) -> str | None:
     )
 
 
-def read_keys(path: str | None) -> list[bytes]:
-    """The shared keys in `path` (`config.parse_keys`: the first signs); ConfigError naming the
-    field, the file and the line otherwise."""
+def read_keys(path: str | None, field: str = KEY_FIELD) -> list[bytes]:
+    """The shared keys in `path` (`config.parse_keys`: the first signs); ConfigError naming
+    `field`, the file and the line otherwise."""
     if not path:
-        raise ConfigError("spec.replicaSync.keyFile: required: the syncer never runs without a key")
+        raise ConfigError(f"{field}: required: the syncer never runs without a key")
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"spec.replicaSync.keyFile: cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(f"{field}: cannot read {path}: {exc.strerror}") from None
     try:
         return parse_keys(data, path)
     except ValueError as exc:
-        raise ConfigError(f"spec.replicaSync.keyFile: {exc}") from None
+        raise ConfigError(f"{field}: {exc}") from None
+
+
+def check_key(config: ReplicaSyncConfig, field: str = KEY_FIELD) -> str | None:
+    """What the start will find of the key, checked before anything starts: why sync stays
+    off (`key_missing`), None when the key reads, ConfigError naming `field` otherwise. For
+    the EPP command, whose key file is a plugin parameter (cli/epp.py)."""
+    if not config.enabled:
+        return None
+    if (why := key_missing(config, field)) is not None:
+        return why
+    read_keys(config.key_file, field)
+    return None
 
 
 @dataclass

@@ -129,6 +129,7 @@ class SyncerParams(Params):
     peers: list[str] = Field(default_factory=list)
     peer_service: str | None = Field(default=None, alias="peerService")
     key_file: str = Field(default="", alias="keyFile")
+    key_optional: bool = Field(default=False, alias="keyOptional")
     resolve_interval: str = Field(default="5s", alias="resolveInterval")
     max_age: str = Field(default="10s", alias="maxAge")
     peer_wake_spread: str = Field(default="20ms", alias="peerWakeSpread")

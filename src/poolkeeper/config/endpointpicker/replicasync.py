@@ -9,7 +9,8 @@ default 1 ms), at most 1 s (older news is of little use to a peer). The syncer f
 `prefill-backlog-scorer`, which the config must name in its plugins and its profile (upstream's
 default does not). The section is checked here against `ReplicaSyncConfig`, so a bad value is
 reported at the parameter the user wrote (`<name>.parameters.peers`), not at the section's
-field it became.
+field it became; the key file, read only at start, is named the same way (`written_at`:
+`poolkeeper-epp` reads it before starting, cli/epp.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ _WRITTEN = {
     "reconcileIntervalMs": "reconcileInterval",
     "flushIntervalMs": "dataLayer.crossReplicaSyncInterval",
 }
+
+
+def written_at(name: str, ref: str) -> str:
+    """Where the user wrote the section's field `name` (syncer `ref`): the plugin parameter, or
+    the data layer's field. Also names the key file's runtime errors (cli/epp.py)."""
+    written = _WRITTEN.get(name, name)
+    return written if "." in written else f"{ref}.parameters.{written}"
 
 
 def _ms(text: str, where: str, problems: list[str]) -> float | None:
@@ -88,11 +96,12 @@ def replica_sync_section(
     }
     if not syncer.key_file.strip():
         problems.append(
-            f"{ref}.parameters.keyFile: required: the syncer never runs unauthenticated "
+            f"{written_at('keyFile', ref)}: required: the syncer never runs unauthenticated "
             "(a file with the shared keys, one a line, at least 16 bytes each, e.g. a mounted "
             "Secret)"
         )
     section["keyFile"] = syncer.key_file if syncer.key_file.strip() else None
+    section["keyOptional"] = syncer.key_optional
     for key, text in (
         ("resolveIntervalMs", syncer.resolve_interval),
         ("maxAgeMs", syncer.max_age),
@@ -130,7 +139,6 @@ def _check(section: Mapping[str, Any], ref: str, problems: list[str]) -> None:
                     continue  # said above, in the parameter's own words
                 if rule and name == "peers":
                     name = "peers/peerService"  # (the rule is about the two together)
-                written = _WRITTEN.get(name, name)
-                where = written if "." in written else f"{ref}.parameters.{written}"
+                where = written_at(name, ref)
                 unit = " (milliseconds)" if name in _WRITTEN else ""
                 problems.append(f"{where}: {message}{unit}")

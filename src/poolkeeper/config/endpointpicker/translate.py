@@ -51,7 +51,7 @@ from poolkeeper.config.endpointpicker.document import (
     FlowControl,
     PluginSpec,
 )
-from poolkeeper.config.endpointpicker.replicasync import replica_sync_section
+from poolkeeper.config.endpointpicker.replicasync import replica_sync_section, written_at
 from poolkeeper.config.endpointpicker.values import parse_duration, parse_size
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
@@ -85,6 +85,9 @@ class Translation:
     notices: tuple[str, ...]
     feature_gates: Mapping[str, bool]
     served_verifier: bool = False  # destination-endpoint-served-verifier configured
+    # Where the replicaSync section's key file was written (the syncer's parameter): the key
+    # is read at start, and its errors name this rather than spec.replicaSync.keyFile.
+    key_file_at: str | None = None
 
 
 def load_endpoint_picker_config(text: str, source: str) -> EndpointPickerConfig:
@@ -491,12 +494,15 @@ def translate(
     }
     if edge:
         sections["edge"] = edge
+    key_file_at = None
     if replica_sync is not None:
         sections["replicaSync"] = replica_sync
+        syncer = config.data_layer.cross_replica_syncer_plugin_ref if config.data_layer else None
+        key_file_at = written_at("keyFile", syncer or "")
     served = any(
         s is not None and s.type_name == "destination-endpoint-served-verifier"
         for s in work.specs.values()
     )
     if served:
         sections["requestHandling"] = {"conformanceServedEndpointHeader": True}
-    return Translation(sections, tuple(work.notices), gates, served)
+    return Translation(sections, tuple(work.notices), gates, served, key_file_at)

@@ -147,6 +147,7 @@ class GatewayRuntime:
             rng=random.Random(self.options.rng_seed),
             clock=self.clock,
             responses_observed=observing,
+            on_stop=self._unsubscribe,  # the forgetter's sweep is cancelled on stop
         )
         stats = getattr(self.director.scheduler, "stats", None)
         self.metrics = GatewayMetrics(

@@ -65,7 +65,7 @@ def build_director(
         clock=clock,
         flow_observer=flow_observer,
     )
-    scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s)
+    scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s, clock=clock)
     # `holdNewPrefixes` and `avoidPrefillUnlessCached` ask the scheduler's plugins (prefix
     # index, prefill backlog) before dispatch; without them the Director asks nothing.
     hold = spec.flow_control.asks_prefill_facts and isinstance(gate, FlowGate)

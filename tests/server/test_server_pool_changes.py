@@ -25,7 +25,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
-from poolkeeper.server import runtime as runtime_module
+from poolkeeper.server import sync_service
 from poolkeeper.server.forgetting import FORGET_AFTER_S, AbsentEndpoints
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.replica_sync import RunningSync, start_replica_sync
@@ -262,12 +262,13 @@ async def test_a_pool_change_while_the_replica_syncer_starts_still_reaches_it(
         runtime.datastore.set_endpoints([joined], source="late")
         return running
 
-    monkeypatch.setattr(runtime_module, "start_replica_sync", bound_then_changed)
+    monkeypatch.setattr(sync_service, "start_replica_sync", bound_then_changed)
     await runtime.start()
     try:
         assert runtime._sync is not None
+        assert runtime._sync.running is not None
         # Peers' sends to the endpoint that joined are accepted: the syncer has its pool.
-        assert runtime._sync.fold.pool == frozenset({f"127.0.0.1:{sim}", "127.0.0.2:8000"})
+        assert runtime._sync.running.fold.pool == frozenset({f"127.0.0.1:{sim}", "127.0.0.2:8000"})
     finally:
         await runtime.stop(grace_s=0)
 

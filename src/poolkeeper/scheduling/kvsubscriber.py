@@ -9,8 +9,7 @@ build context): the index compares a batch's stamp with the decisions' `now`, so
 would make an endpoint's distrust end at once or never. A sequence gap (ZMQ PUB drops messages
 past its high-water mark, and a reconnect misses whatever was sent meanwhile) or an
 undecodable batch tells the index its view of that endpoint was lost (`ExactPrefixIndex.lost`,
-which distrusts it for a while; the
-scorer falls back meanwhile).
+which distrusts it for a while; the scorer falls back meanwhile).
 
 Endpoints are followed as soon as the EPP knows them: the runtime's wiring tells the prefix
 scorer the pool's endpoints on every change (`server/wiring.py`), and the scorer also calls

@@ -285,7 +285,8 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
     missing.parent.mkdir()
     spec = (
         f"  replicaSync: {{enabled: true, keyOptional: true, address: 127.0.0.1, "
-        f"port: {sync_port}, keyFile: {missing}, peers: ['127.0.0.1:{sync_port}']}}\n"
+        f"port: {sync_port}, keyFile: {missing}, peers: ['127.0.0.1:{sync_port}'], "
+        "reconcileIntervalMs: 100}\n"
     )
     runtime = GatewayRuntime(
         ServeOptions(
@@ -305,8 +306,16 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
         assert runtime.metrics is not None
         scraped = generate_latest(runtime.metrics.registry).decode()
         assert "poolkeeper_replica_sync_enabled 0.0" in scraped
+        # The Secret is created: the runtime's own check of the file starts sync, no restart.
+        missing.write_text("0123456789abcdef0123456789abcdef\n")
+        sync = runtime._sync
+        await until(lambda: sync.running is not None, "sync started by the key's check")
+        scraped = generate_latest(runtime.metrics.registry).decode()
+        assert "poolkeeper_replica_sync_enabled 1.0" in scraped
     finally:
         await runtime.stop(grace_s=0)
+    assert sync.running is not None
+    assert sync.running.transport._socket is None  # stopped with the runtime
 
 
 def test_only_an_empty_key_directory_is_optional(tmp_path: Path, key_file: Path) -> None:

@@ -130,7 +130,7 @@ class KeyFile:
         self.keys: list[bytes] | None = None
         self.reloads = dict.fromkeys(RESULTS, 0)  # changed files read, by result
         self._stamp = stamp(self.path)  # before reading: a change meanwhile is seen next
-        self._due = now + every_s
+        self._due = now + 0.9 * every_s
 
     def load(self) -> list[bytes]:
         """Read the keys at start (ConfigError naming the field, file and line)."""
@@ -143,7 +143,8 @@ class KeyFile:
         runtime's clock; unchanged; the same keys; refused, logged and counted)."""
         if now < self._due:
             return None
-        self._due = now + self.every_s
+        # (less a tenth: the loop's timer firing a hair early by the clock must not skip one)
+        self._due = now + 0.9 * self.every_s
         current = stamp(self.path)
         if current == self._stamp:
             return None

@@ -204,7 +204,8 @@ async def test_an_optional_key_not_created_yet_starts_the_epp_without_sync(
     runtime = GatewayRuntime(options)
     await runtime.start()
     try:
-        assert runtime._sync is None
+        assert runtime._sync is not None
+        assert runtime._sync.running is None
         assert f"replica sync stays off: spec.replicaSync.keyFile {missing}" in caplog.text
     finally:
         await runtime.stop(grace_s=0)
@@ -233,3 +234,54 @@ def test_a_bad_key_is_named_by_the_syncer_parameter(
     path = tmp_path / "plugins.yaml"
     assert info.value.message.startswith(f"{path}: sync.parameters.keyFile: ")
     assert expected in info.value.message
+
+
+def _serve_files(tmp_path: Path, key: Path) -> Path:
+    """A directory `poolkeeper serve -f` reads: a pool, and an EndpointPickerConfig whose
+    syncer reads `key`."""
+    files = tmp_path / "cfg"
+    files.mkdir()
+    (files / "pool.yaml").write_text(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\n"
+        "metadata: {name: pool, namespace: default}\n"
+        "spec: {selector: {app: sim}, targetPortNumber: 8000, extensionRef: {name: epp}}\n"
+    )
+    (files / "epc.yaml").write_text(
+        HEADER
+        + PLUGINS.replace("keyFile: /etc/sync/key", f"keyFile: {key}")
+        + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n"
+    )
+    return files
+
+
+@pytest.mark.integration
+def test_serve_names_a_bad_key_by_the_syncer_parameter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from poolkeeper.cli.main import main
+
+    key = tmp_path / "key"
+    key.write_bytes(b"short\n")
+    files = _serve_files(tmp_path, key)
+    argv = ["serve", "-f", str(files), "--no-envoy", "--event-loop", "asyncio"]
+    assert main([*argv, "--log-format", "text"]) != 0
+    error = capsys.readouterr().err
+    assert f"error: {files / 'epc.yaml'}: sync.parameters.keyFile: {key} line 1 holds 5" in error
+    assert "spec.replicaSync.keyFile" not in error
+
+
+def test_the_kubernetes_one_endpoint_default_keeps_where_the_key_was_written(
+    tmp_path: Path,
+) -> None:
+    from poolkeeper.cli.serve import one_endpoint_unless_set
+    from poolkeeper.controller.files import load_files
+
+    key = tmp_path / "key"
+    key.write_text("k" * 32 + "\n")
+    loaded = load_files([_serve_files(tmp_path, key) / "epc.yaml"])
+    assert loaded.errors == ()
+    where = f"{tmp_path / 'cfg' / 'epc.yaml'}: sync.parameters.keyFile"
+    assert loaded.gateway_config.spec.replica_sync.key_field == where
+    config = one_endpoint_unless_set(loaded.gateway_config)
+    assert config.spec.request_handling.fallback_endpoints == 0
+    assert config.spec.replica_sync.key_field == where

@@ -25,7 +25,7 @@ from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
-from poolkeeper.server import runtime as runtime_module
+from poolkeeper.server import sync_service
 from poolkeeper.server.forgetting import FORGET_AFTER_S, AbsentEndpoints
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.replica_sync import RunningSync, start_replica_sync
@@ -262,11 +262,46 @@ async def test_a_pool_change_while_the_replica_syncer_starts_still_reaches_it(
         runtime.datastore.set_endpoints([joined], source="late")
         return running
 
-    monkeypatch.setattr(runtime_module, "start_replica_sync", bound_then_changed)
+    monkeypatch.setattr(sync_service, "start_replica_sync", bound_then_changed)
     await runtime.start()
     try:
         assert runtime._sync is not None
+        assert runtime._sync.running is not None
         # Peers' sends to the endpoint that joined are accepted: the syncer has its pool.
-        assert runtime._sync.fold.pool == frozenset({f"127.0.0.1:{sim}", "127.0.0.2:8000"})
+        assert runtime._sync.running.fold.pool == frozenset({f"127.0.0.1:{sim}", "127.0.0.2:8000"})
     finally:
         await runtime.stop(grace_s=0)
+
+
+@pytest.mark.integration
+async def test_the_runtimes_stop_cancels_a_pending_forgetting_sweep(tmp_path: Path) -> None:
+    # An endpoint leaves: the forgetter arms a sweep for when its grace ends (120 s). A runtime
+    # stopped meanwhile must not leave that timer on the loop (it would run on a loop being
+    # torn down, into a scheduler no longer serving).
+    sim = free_ports(1)[0]
+    runtime = GatewayRuntime(
+        ServeOptions(
+            source=file_source([one_pool(tmp_path / "cfg", sim)]), run_envoy=False, ready_wait_s=0
+        )
+    )
+    loop = asyncio.get_running_loop()
+    sweeps: list[asyncio.TimerHandle] = []
+    call_later = loop.call_later
+
+    def recording(delay: float, callback: Callable[..., object], *args: Any) -> Any:
+        handle = call_later(delay, callback, *args)
+        if "sweep" in getattr(callback, "__name__", ""):
+            sweeps.append(handle)
+        return handle
+
+    await runtime.start()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(loop, "call_later", recording)
+            late = EndpointSpec("late-0", "127.0.0.2", port=8000, labels={"app": "sim"})
+            runtime.datastore.set_endpoints([late], source="late")
+            runtime.datastore.set_endpoints([], source="late")
+    finally:
+        await runtime.stop(grace_s=0)
+    assert len(sweeps) == 1  # the absence's sweep was armed
+    assert sweeps[0].cancelled()

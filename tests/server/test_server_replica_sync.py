@@ -24,15 +24,10 @@ from poolkeeper.scheduling.replicasync.events import Open
 from poolkeeper.scheduling.replicasync.openset import digest
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.options import ServeOptions
-from poolkeeper.server.replica_sync import (
-    SpreadWake,
-    SyncCollector,
-    key_missing,
-    origin_name,
-    read_keys,
-    start_replica_sync,
-)
+from poolkeeper.server.replica_sync import SpreadWake, origin_name, start_replica_sync
 from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.server.sync_keys import key_missing, read_keys
+from poolkeeper.server.sync_service import SyncCollector
 from tests.scheduling.sched_factories import NOW, request, scheduler, state
 from tests.support.gateway_files import one_pool
 from tests.support.waiting import until
@@ -91,7 +86,7 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
         await until(lambda: backlog.tokens(picked) == 0, "a's first byte at b")
         assert woken == [1]
         registry = CollectorRegistry()
-        registry.register(SyncCollector(sync_b))
+        registry.register(SyncCollector(lambda: sync_b))
         text = generate_latest(registry).decode()
         assert "poolkeeper_replica_sync_batches_received_total 2.0" in text
         assert "poolkeeper_replica_sync_peers 1.0" in text
@@ -129,7 +124,7 @@ async def test_a_lost_end_stops_counting_at_the_peer_after_the_next_statement(
         await until(lambda: backlog.tokens(picked) == 0, "a's next statement at b")
         assert sync_b.hub.reconciled == 1
         registry = CollectorRegistry()
-        registry.register(SyncCollector(sync_b))
+        registry.register(SyncCollector(lambda: sync_b))
         assert "poolkeeper_replica_sync_reconciled_total 1.0" in generate_latest(registry).decode()
     finally:
         await sync_a.stop()
@@ -247,15 +242,16 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         assert "poolkeeper_replica_sync_peers 0.0" in text  # its own address left out
         # Peers' sends are accepted only for the pool's endpoints, seeded at start.
         assert runtime._sync is not None
-        assert runtime._sync.fold.pool == frozenset({f"127.0.0.1:{sim}"})
+        assert runtime._sync.running is not None
+        assert runtime._sync.running.fold.pool == frozenset({f"127.0.0.1:{sim}"})
         # The statement ages the own open sends on the scheduler's clock, the runtime's.
         assert runtime.director is not None
         scheduler = runtime.director.scheduler
         assert isinstance(scheduler, Scheduler)
         scheduler.schedule(request(prompt=PROMPT, request_id="q1"), [state(1)], now=now[0])
-        assert runtime._sync.hub.statement(100) == Open(0, 0, frozenset({digest("q1")}))
+        assert runtime._sync.running.hub.statement(100) == Open(0, 0, frozenset({digest("q1")}))
         now[0] += 61.0
-        assert runtime._sync.hub.statement(100) == Open(0, 0, frozenset())
+        assert runtime._sync.running.hub.statement(100) == Open(0, 0, frozenset())
     finally:
         await runtime.stop(grace_s=0)
     # The UDP port is free again: the syncer closed its socket.
@@ -289,7 +285,8 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
     missing.parent.mkdir()
     spec = (
         f"  replicaSync: {{enabled: true, keyOptional: true, address: 127.0.0.1, "
-        f"port: {sync_port}, keyFile: {missing}, peers: ['127.0.0.1:{sync_port}']}}\n"
+        f"port: {sync_port}, keyFile: {missing}, peers: ['127.0.0.1:{sync_port}'], "
+        "reconcileIntervalMs: 100}\n"
     )
     runtime = GatewayRuntime(
         ServeOptions(
@@ -300,7 +297,8 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
     )
     await runtime.start()
     try:
-        assert runtime._sync is None
+        assert runtime._sync is not None
+        assert runtime._sync.running is None
         assert f"replica sync stays off: spec.replicaSync.keyFile {missing} does not exist" in (
             caplog.text
         )
@@ -308,8 +306,16 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
         assert runtime.metrics is not None
         scraped = generate_latest(runtime.metrics.registry).decode()
         assert "poolkeeper_replica_sync_enabled 0.0" in scraped
+        # The Secret is created: the runtime's own check of the file starts sync, no restart.
+        missing.write_text("0123456789abcdef0123456789abcdef\n")
+        sync = runtime._sync
+        await until(lambda: sync.running is not None, "sync started by the key's check")
+        scraped = generate_latest(runtime.metrics.registry).decode()
+        assert "poolkeeper_replica_sync_enabled 1.0" in scraped
     finally:
         await runtime.stop(grace_s=0)
+    assert sync.running is not None
+    assert sync.running.transport._socket is None  # stopped with the runtime
 
 
 def test_only_an_empty_key_directory_is_optional(tmp_path: Path, key_file: Path) -> None:

@@ -8,9 +8,9 @@ public, and a key written at render time would end up in every GitOps repository
 the rendered output; and the EPP creating its own Secret would need write access to Secrets,
 which its least-privilege Role does not have. So the one step left is the operator's: create
 the Secret with a random key (before applying, and the replicas sync from their first start;
-after, and they sync from their next). Until then each replica starts and routes alone, with a
-warning that names the command (`server/replica_sync.key_missing`); sync never runs
-unauthenticated.
+after, and they start syncing once the kubelet has mounted it, without a restart). Until then
+each replica starts and routes alone, with a warning that names the command
+(`server/sync_keys.key_missing`); sync never runs unauthenticated.
 
 Also here: the headless Service naming every replica (`replicaSync.peerService`), and the
 NetworkPolicy that keeps everyone but the EPP's own Pods off the sync port.
@@ -31,7 +31,8 @@ def sync_section(p: DeployParams) -> str:
   # routes alone and says so at start:
   #   kubectl -n {p.namespace} create secret generic {p.sync_secret} \\
   #     --from-literal=key="$(head -c 32 /dev/urandom | base64)"
-  #   kubectl -n {p.namespace} rollout restart deployment/{p.epp}   # if already running
+  # Running replicas start syncing once the kubelet has mounted it (about a minute): no
+  # restart. Rotating it: docs/kubernetes.md, "Rotating the sync key".
   replicaSync:
     enabled: true
     keyOptional: true

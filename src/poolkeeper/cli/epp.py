@@ -42,6 +42,7 @@ from poolkeeper.config.endpointpicker import (
     load_endpoint_picker_config,
     translate,
 )
+from poolkeeper.config.endpointpicker.replicasync import key_context
 from poolkeeper.config.endpointpicker.values import parse_label_selector
 from poolkeeper.config.gateway import GatewayConfig, TrustedHeader
 from poolkeeper.errors import ConfigError
@@ -125,16 +126,17 @@ def epp_gateway_config(options: EppOptions) -> tuple[GatewayConfig, list[str]]:
         "honorSubsetHint": not options.flag("disable-endpoint-subset-filter"),
     }
     try:
-        config = GatewayConfig.model_validate({"spec": spec})
+        config = GatewayConfig.model_validate(
+            {"spec": spec}, context=key_context(translation.key_file_at, where)
+        )
     except ValidationError as exc:
         lines = [f"{e.path}: {e.message}" for e in from_pydantic(exc)]
         raise ConfigError("the EPP settings are invalid:\n  " + "\n  ".join(lines)) from None
     if translation.key_file_at is not None:
-        # The key is read when the syncer starts, where a bad one would be named by the
-        # section's field, not by the plugin parameter the user wrote: read it now, named so.
-        from poolkeeper.server.replica_sync import check_key
+        # Read before the EPP starts (named by the plugin parameter: `key_field`).
+        from poolkeeper.server.sync_keys import check_key
 
-        check_key(config.spec.replica_sync, f"{where}: {translation.key_file_at}")
+        check_key(config.spec.replica_sync)
     return config, notices
 
 

@@ -30,6 +30,7 @@ from poolkeeper.envoy.bootstrap import build_bootstrap, render
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.heap import freeze_startup_objects
 from poolkeeper.extproc.tls import TlsError, TlsSettings
+from poolkeeper.scheduling.replicasync.config import KEY_FIELD_CONTEXT
 from poolkeeper.server.envoy_bootstrap import bootstrap_params
 from poolkeeper.server.options import DEFAULT_DRAIN_GRACE_S, DEFAULT_DRAIN_TIMEOUT_S, ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime
@@ -302,7 +303,9 @@ def one_endpoint_unless_set(config: GatewayConfig | None) -> GatewayConfig:
         return config
     document = config.model_dump(by_alias=True, exclude_unset=True)
     document.setdefault("spec", {}).setdefault("requestHandling", {})["fallbackEndpoints"] = 0
-    return GatewayConfig.model_validate(document)
+    # (the context keeps where an EndpointPickerConfig wrote the sync key: its errors name it)
+    at = {KEY_FIELD_CONTEXT: config.spec.replica_sync.key_field}
+    return GatewayConfig.model_validate(document, context=at)
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

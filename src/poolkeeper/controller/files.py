@@ -41,6 +41,7 @@ from poolkeeper.api.model import CONDITION_ACCEPTED, InferenceModel, InferenceMo
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.status import Verdict, compute_model_statuses
 from poolkeeper.config.endpointpicker.checked import CheckedEndpointPickerConfig
+from poolkeeper.config.endpointpicker.replicasync import key_context
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.config.load import load_paths
 from poolkeeper.controller.source import SourceFactory
@@ -138,7 +139,10 @@ def _from_endpoint_picker_config(
     translation = loaded.obj.translation
     notices.extend(f"{loaded.location}: {notice}" for notice in translation.notices)
     try:
-        return GatewayConfig.model_validate({"spec": dict(translation.sections)})
+        return GatewayConfig.model_validate(
+            {"spec": dict(translation.sections)},
+            context=key_context(translation.key_file_at, loaded.location),
+        )
     except ValidationError as exc:
         errors.extend(f"{loaded.location}: {e}" for e in from_pydantic(exc))
         return None

@@ -11,6 +11,8 @@ prefix index serves every profile that scores prefixes.
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S
 from poolkeeper.errors import ConfigError
@@ -34,11 +36,13 @@ def build_scheduler(
     rng: random.Random,
     registry: PluginRegistry | None = None,
     staleness_s: float = DEFAULT_STALENESS_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
     """The scheduler `config` describes; raises ConfigError listing every problem.
 
     `staleness_s` is the gateway's freshness setting (`spec.scraping.stalenessMs`), handed to the
-    plugins that skip endpoints with stale metrics.
+    plugins that skip endpoints with stale metrics. `clock`: the runtime's (the decisions'
+    `now`), for what plugins stamp between decisions.
     """
     plan = config.plan(registry)
     instances: dict[str, Plugin] = {}
@@ -74,6 +78,7 @@ def build_scheduler(
         resolve_filter=resolve_filter,
         resolve_plugin=resolve_plugin,
         staleness_s=staleness_s,
+        clock=clock,
     )
     profiles: list[SchedulerProfile] = []
     for prof in plan.profiles:

@@ -3,11 +3,13 @@
 Each engine publishes on its own address (vLLM: `--kv-events-config` with a `tcp://*:PORT`
 PUB endpoint); the subscriber connects to `tcp://<endpoint ip>:<port>` for every endpoint it is
 asked to follow, reads three-frame messages (topic, 8-byte big-endian sequence number, msgpack
-batch: `kvevents.py`) and applies each batch to the `ExactPrefixIndex` at `time.monotonic()`
-(the director's clock). A sequence gap (ZMQ PUB drops messages past its high-water mark, and
-a reconnect misses whatever was sent meanwhile) or an undecodable batch tells the index its
-view of that endpoint was lost (`ExactPrefixIndex.lost`, which distrusts it for a while; the
-scorer falls back meanwhile).
+batch: `kvevents.py`) and applies each batch to the `ExactPrefixIndex` at `clock()`, the
+runtime's one clock (the decisions' `now`, wired by the composition root through the plugin
+build context): the index compares a batch's stamp with the decisions' `now`, so another base
+would make an endpoint's distrust end at once or never. A sequence gap (ZMQ PUB drops messages
+past its high-water mark, and a reconnect misses whatever was sent meanwhile) or an
+undecodable batch tells the index its view of that endpoint was lost (`ExactPrefixIndex.lost`,
+which distrusts it for a while; the scorer falls back meanwhile).
 
 Endpoints are followed as soon as the EPP knows them: the runtime's wiring tells the prefix
 scorer the pool's endpoints on every change (`server/wiring.py`), and the scorer also calls
@@ -48,9 +50,15 @@ def events_address(hostport: str, *, port: int, port_offset: int | None) -> str:
 class KVEventSubscriber:
     """Per-endpoint SUB tasks on the running loop; not thread-safe (one loop owns it)."""
 
-    __slots__ = ("_address", "_ctx", "_tasks", "index", "received")
+    __slots__ = ("_address", "_clock", "_ctx", "_tasks", "index", "received")
 
-    def __init__(self, index: ExactPrefixIndex, address: Callable[[str], str]) -> None:
+    def __init__(
+        self,
+        index: ExactPrefixIndex,
+        address: Callable[[str], str],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         try:
             import zmq.asyncio
         except ImportError as exc:  # pragma: no cover - depends on the install
@@ -59,6 +67,7 @@ class KVEventSubscriber:
             ) from exc
         self.index = index
         self._address = address
+        self._clock = clock
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.received = 0  # batches applied (for tests and stats)
@@ -104,7 +113,7 @@ class KVEventSubscriber:
         try:
             while True:
                 frames = await sock.recv_multipart()
-                now = time.monotonic()  # the director's decision clock
+                now = self._clock()  # the decisions' clock
                 if len(frames) != 3 or len(frames[1]) != 8:
                     log.warning("kv events from %s: not (topic, seq, payload); ignored", endpoint)
                     continue

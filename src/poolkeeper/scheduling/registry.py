@@ -8,6 +8,7 @@ their own types on their instance before building a scheduler.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -49,6 +50,9 @@ class BuildContext:
     # Another plugin instance by name (a scorer reading a prefix index it does not own);
     # raises ConfigError for a name the configuration does not define.
     resolve_plugin: Callable[[str], Plugin] = field(default=_no_plugin)
+    # The runtime's one clock (decisions' `now`): what a plugin stamps outside a decision
+    # with (the KV-event subscriber's batches).
+    clock: Callable[[], float] = time.monotonic
 
 
 PluginFactory = Callable[[TypedName, PluginParams, BuildContext], Plugin]

@@ -11,9 +11,9 @@ prefix plugins drop indexer entries of pods absent at a check every `podActiveCh
 a renamed endpoint in a files reload: what makes the datastore drop its metrics) is forgotten
 at once: the new server's cache is empty.
 
-`AbsentEndpoints` decides (pure: times are handed in); `endpoint_forgetter` is the datastore
+`AbsentEndpoints` decides (pure: times are handed in); `EndpointForgetter` is the datastore
 listener that feeds it pool changes and sweeps it on the running loop when an absence is due
-(a timer, never per request or per metrics write).
+(a timer, never per request or per metrics write), cancelled when the runtime stops.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable
 from typing import Final
 
 from poolkeeper.datastore.endpoint import Endpoint
-from poolkeeper.datastore.store import ChangeKind, DatastoreSnapshot, Listener
+from poolkeeper.datastore.store import ChangeKind, DatastoreSnapshot
 from poolkeeper.scheduling.scheduler import Scheduler
 
-__all__ = ["FORGET_AFTER_S", "AbsentEndpoints", "endpoint_forgetter"]
+__all__ = ["FORGET_AFTER_S", "AbsentEndpoints", "EndpointForgetter"]
 
 FORGET_AFTER_S: Final = 120.0  # upstream's podActiveCheckInterval
 
@@ -71,43 +71,58 @@ class AbsentEndpoints:
         return min(self._gone_at.values()) + self.grace_s if self._gone_at else None
 
 
-def endpoint_forgetter(
-    scheduler: Scheduler,
-    start: DatastoreSnapshot,
-    *,
-    clock: Callable[[], float],
-    grace_s: float = FORGET_AFTER_S,
-) -> Listener:
+class EndpointForgetter:
     """A datastore listener (pool changes only) calling `scheduler.forget_endpoints` with what
     stays when `AbsentEndpoints` says some endpoint is to go: at the change for a replaced
     endpoint, from a timer on the running loop for an absence. Without a running loop (a
-    write before the runtime's loop) no timer is armed and the next pool change sweeps."""
-    absent = AbsentEndpoints(start.all_endpoints(), grace_s=grace_s)
-    timer: asyncio.TimerHandle | None = None
+    write before the runtime's loop) no timer is armed and the next pool change sweeps.
+    `stop` cancels the pending timer and arms no other (the runtime's shutdown: a sweep due
+    after it would run on a loop being torn down, or keep a test's loop busy)."""
 
-    def forget(gone: set[str]) -> None:
-        nonlocal timer
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        start: DatastoreSnapshot,
+        *,
+        clock: Callable[[], float],
+        grace_s: float = FORGET_AFTER_S,
+    ) -> None:
+        self._scheduler, self._clock = scheduler, clock
+        self._absent = AbsentEndpoints(start.all_endpoints(), grace_s=grace_s)
+        self._timer: asyncio.TimerHandle | None = None
+        self._stopped = False
+
+    @property
+    def armed(self) -> bool:
+        """Whether a sweep is pending on the loop."""
+        return self._timer is not None
+
+    def __call__(self, snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
+        self._forget(self._absent.changed(snapshot.all_endpoints(), self._clock()))
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._disarm()
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _forget(self, gone: set[str]) -> None:
         if gone:
-            scheduler.forget_endpoints(absent.kept() - gone)
-        if timer is not None:
-            timer.cancel()
-            timer = None
-        due = absent.next_due()
-        if due is None:
+            self._scheduler.forget_endpoints(self._absent.kept() - gone)
+        self._disarm()
+        due = self._absent.next_due()
+        if due is None or self._stopped:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
         # A timer that fires early by the clock's resolution finds nothing due and re-arms.
-        timer = loop.call_later(max(0.0, due - clock()), sweep)
+        self._timer = loop.call_later(max(0.0, due - self._clock()), self._sweep)
 
-    def sweep() -> None:
-        nonlocal timer
-        timer = None
-        forget(absent.due(clock()))
-
-    def listener(snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
-        forget(absent.changed(snapshot.all_endpoints(), clock()))
-
-    return listener
+    def _sweep(self) -> None:
+        self._timer = None
+        self._forget(self._absent.due(self._clock()))

@@ -17,7 +17,7 @@ Ctrl-C reaches this process only, and this order is the one that runs.
 The parts it composes live beside it: `options.py` (`ServeOptions`), `epp_ports.py` (the EPP's
 ext_proc, health and metrics servers), `envoy_bootstrap.py`, `managed_envoy.py` and
 `envoy_drain.py` (the Envoy it runs: parameters, start, drain), `stats_views.py` (what the
-metrics read at scrape time), `housekeeping.py` (periodic tasks), `replica_sync.py`,
+metrics read at scrape time), `housekeeping.py` (periodic tasks), `sync_service.py`,
 `wiring.py` (the Director).
 """
 
@@ -39,7 +39,7 @@ from aiohttp import web
 from poolkeeper.backend.scraper import ScraperManager
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.source import ResourceSource
-from poolkeeper.datastore.store import ChangeKind, Datastore
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.envoy.process import EnvoySupervisor, find_envoy
 from poolkeeper.errors import ConfigError
@@ -68,13 +68,8 @@ from poolkeeper.server.housekeeping import expire_detached, trim_after_bursts
 from poolkeeper.server.managed_envoy import follow_endpoints, start_supervised, supervise
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.own_loop import OwnLoopServer
-from poolkeeper.server.replica_sync import (
-    RunningSync,
-    SyncCollector,
-    key_missing,
-    start_replica_sync,
-)
 from poolkeeper.server.stats_views import endpoint_of, flow_stats, pool_stats
+from poolkeeper.server.sync_service import SyncService
 from poolkeeper.server.transport import Stoppable, export_transport, refused_calls, start_extproc
 from poolkeeper.server.wiring import build_director
 from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats
@@ -107,7 +102,7 @@ class GatewayRuntime:
     _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
     # The drain's settle: how long a connection may wait on its connection-cap check.
     _settle_max_s: float = SETTLE_SLACK_S
-    _sync: RunningSync | None = None  # cross-replica sync (spec.replicaSync)
+    _sync: SyncService | None = None  # cross-replica sync (spec.replicaSync)
     # The one clock of the EPP's state: decisions' `now` (the Director's), metrics' scrape
     # stamps (staleness), the pool views and the replica sync's stamps share this base.
     clock: Callable[[], float] = time.monotonic
@@ -147,6 +142,7 @@ class GatewayRuntime:
             rng=random.Random(self.options.rng_seed),
             clock=self.clock,
             responses_observed=observing,
+            on_stop=self._unsubscribe,  # the forgetter's sweep is cancelled on stop
         )
         stats = getattr(self.director.scheduler, "stats", None)
         self.metrics = GatewayMetrics(
@@ -254,24 +250,16 @@ class GatewayRuntime:
         scheduler = self.director.scheduler
         if not isinstance(scheduler, Scheduler):
             raise ConfigError("spec.replicaSync: needs poolkeeper's scheduler")
-        if (why := key_missing(config)) is not None:
-            log.warning("%s", why)
-            self.metrics.registry.register(SyncCollector(None))  # _enabled 0: sync is off
-            return
         flow = self.director.flow
-        pool = {e.hostport for e in self.datastore.snapshot().all_endpoints()}
-        self._sync = sync = await start_replica_sync(
+        self._sync = sync = SyncService(
             config,
             scheduler,
+            self.datastore,
             clock=self.clock,
             wake=flow.wake if flow is not None else None,
-            pool=pool,
         )
-        self.metrics.registry.register(SyncCollector(sync))
-        self._unsubscribe.append(self.datastore.subscribe(sync.pool_changed))
-        # The pool may have changed while the syncer started (its socket and peers' lookups
-        # awaited): read it again now that the listener is in place, so none is missed.
-        sync.pool_changed(self.datastore.snapshot(), ChangeKind.ENDPOINTS)
+        await sync.start()
+        self.metrics.registry.register(sync.collector())
 
     async def _start_conncap(
         self, config: GatewayConfig, params: BootstrapParams

@@ -34,7 +34,7 @@ from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.prefillfacts import PrefillFacts
 from poolkeeper.scheduling.scheduler import Scheduler
-from poolkeeper.server.forgetting import FORGET_AFTER_S, endpoint_forgetter
+from poolkeeper.server.forgetting import FORGET_AFTER_S, EndpointForgetter
 
 
 def build_director(
@@ -46,13 +46,15 @@ def build_director(
     flow_observer: FlowObserver | None = None,
     responses_observed: bool = False,
     forget_after_s: float = FORGET_AFTER_S,
+    on_stop: list[Callable[[], None]] | None = None,
 ) -> Director:
     """The Director `config.spec` describes, with its scheduler, gate and in-flight tracker:
     the one way a Director is built (the runtime and tests alike). Raises ConfigError for a
     scheduling section that cannot be built. `responses_observed`: the response observer is
     on (server/runtime.py), so usage is injected only into responses that still pass the EPP
     (those whose model name it rewrites). `forget_after_s`: how long an endpoint stays absent
-    from the pool before the scheduler forgets it (server/forgetting.py).
+    from the pool before the scheduler forgets it (server/forgetting.py). `on_stop`: where
+    the runtime collects what to call when it stops (the forgetter's pending sweep).
     """
     spec = config.spec
     staleness_s = spec.scraping.staleness_s
@@ -63,7 +65,7 @@ def build_director(
         clock=clock,
         flow_observer=flow_observer,
     )
-    scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s)
+    scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s, clock=clock)
     # `holdNewPrefixes` and `avoidPrefillUnlessCached` ask the scheduler's plugins (prefix
     # index, prefill backlog) before dispatch; without them the Director asks nothing.
     hold = spec.flow_control.asks_prefill_facts and isinstance(gate, FlowGate)
@@ -86,10 +88,12 @@ def build_director(
         # until the caps push them out (memory and index room taken, and a new server at the
         # same ip:port would inherit them). Before the follower: a replaced endpoint's KV-event
         # subscription, dropped here, is made again by the follower on the same change.
-        forgetter = endpoint_forgetter(
+        forgetter = EndpointForgetter(
             scheduler, datastore.snapshot(), clock=clock, grace_s=forget_after_s
         )
-        datastore.subscribe(forgetter)
+        unsubscribe = datastore.subscribe(forgetter)
+        if on_stop is not None:
+            on_stop.extend((unsubscribe, forgetter.stop))
     if scheduler.follows_endpoints and isinstance(datastore, Datastore):
         # KV-event subscriptions connect when the endpoints are known, not at a first decision.
         datastore.subscribe(_endpoint_follower(scheduler), metrics=True)

@@ -9,8 +9,9 @@ default 1 ms), at most 1 s (older news is of little use to a peer). The syncer f
 `prefill-backlog-scorer`, which the config must name in its plugins and its profile (upstream's
 default does not). The section is checked here against `ReplicaSyncConfig`, so a bad value is
 reported at the parameter the user wrote (`<name>.parameters.peers`), not at the section's
-field it became; the key file, read only at start, is named the same way (`written_at`:
-`poolkeeper-epp` reads it before starting, cli/epp.py).
+field it became; the key file, read at start and again when it changes, is named the same
+way (`written_at`, handed to the GatewayConfig's validation as `key_context`: `poolkeeper-epp`
+and `poolkeeper serve -f` alike).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pydantic import ValidationError
 from poolkeeper.config.endpointpicker.catalogue import Params, SyncerParams
 from poolkeeper.config.endpointpicker.document import DataLayer
 from poolkeeper.config.endpointpicker.values import parse_duration
-from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+from poolkeeper.scheduling.replicasync.config import KEY_FIELD_CONTEXT, ReplicaSyncConfig
 
 SYNCER_TYPE = "udp-cross-replica-syncer"
 MAX_INTERVAL_S = 1.0
@@ -43,6 +44,13 @@ def written_at(name: str, ref: str) -> str:
     the data layer's field. Also names the key file's runtime errors (cli/epp.py)."""
     written = _WRITTEN.get(name, name)
     return written if "." in written else f"{ref}.parameters.{written}"
+
+
+def key_context(key_file_at: str | None, where: str) -> dict[str, str] | None:
+    """The GatewayConfig's validation context when an EndpointPickerConfig at `where` wrote the
+    key file (the translation's `key_file_at`): its errors, at start and on a reload of the
+    file, name `<where>: <name>.parameters.keyFile` (`ReplicaSyncConfig.key_field`)."""
+    return None if key_file_at is None else {KEY_FIELD_CONTEXT: f"{where}: {key_file_at}"}
 
 
 def _ms(text: str, where: str, problems: list[str]) -> float | None:

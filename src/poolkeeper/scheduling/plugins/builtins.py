@@ -105,6 +105,11 @@ def _with_rng(
     return factory
 
 
+def _prefix_cache(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    assert isinstance(params, PrefixCacheParams)
+    return PrefixCacheScorer(tn, params, clock=ctx.clock)
+
+
 def _stale_metrics(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
     assert isinstance(params, StaleMetricsParams)
     prefix = _prefix_scorer(tn, params.prefix_scorer, ctx)
@@ -250,7 +255,7 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
                    _with_params(LoraAffinityScorer, LoraAffinityScorerParams),
                    "1 / 0.8 / 0.6 / 0 by adapter state."),
         PluginSpec("prefix-cache-scorer", S, PrefixCacheParams,
-                   _with_params(PrefixCacheScorer, PrefixCacheParams),
+                   _prefix_cache,
                    "Share of the prompt's leading blocks the endpoint probably caches."),
         PluginSpec("predicted-ttft-scorer", S, PredictedTtftParams, _predicted_ttft,
                    "Lowest predicted time to first token / this endpoint's (learned online)."),

@@ -68,6 +68,7 @@ pick, the picked endpoint's matched prefix in characters ("bytes" upstream) and 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from pydantic import Field, model_validator
@@ -229,7 +230,13 @@ class PrefixCacheScorer(NamedPlugin):
     )
     bounded = True
 
-    def __init__(self, typed_name: TypedName, params: PrefixCacheParams) -> None:
+    def __init__(
+        self,
+        typed_name: TypedName,
+        params: PrefixCacheParams,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(typed_name)
         self.params = params
         self.index = PrefixIndex(params.lru_capacity_per_server)
@@ -248,7 +255,9 @@ class PrefixCacheScorer(NamedPlugin):
             if params.kv_events_subscribe:
                 port, offset = params.kv_events_port, params.kv_events_port_offset
                 self._subscriber = KVEventSubscriber(
-                    self.exact, lambda hp: events_address(hp, port=port, port_offset=offset)
+                    self.exact,
+                    lambda hp: events_address(hp, port=port, port_offset=offset),
+                    clock=clock,  # the decisions' clock: the index compares its stamps
                 )
 
     def attach_stats(self, stats: SchedulingStats) -> None:

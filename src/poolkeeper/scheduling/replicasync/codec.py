@@ -10,7 +10,8 @@ sequence numbers (`encode`); its statement rides the last.
 Keys: a `Codec` holds one or more keys (`MAX_KEYS`): the first signs, every one verifies, so a
 key is rotated without a window in which replicas reject each other (docs/kubernetes.md);
 `verified_old` counts datagrams verified by a key other than the first (0 for a while: every
-replica signs with the new key, the old one can go).
+replica signs with the new key, the old one can go). `set_keys` swaps them between datagrams
+(a key file changed while running).
 
 Why datagrams are small (`max_bytes`, default `DEFAULT_DATAGRAM`): a datagram over the path's
 MTU leaves as IP fragments, and losing any fragment loses it (some overlays drop fragmented
@@ -133,22 +134,32 @@ def _open(statement: Open) -> bytes:
     return head + raw
 
 
+def _macs(keys: bytes | Sequence[bytes]) -> list[hmac.HMAC]:
+    """One keyed HMAC-SHA256 per key, copied per datagram; ValueError for a bad key set."""
+    keys = [keys] if isinstance(keys, bytes) else list(keys)
+    if not 1 <= len(keys) <= MAX_KEYS:
+        raise ValueError(f"1-{MAX_KEYS} sync keys, not {len(keys)}")
+    if any(len(key) < MIN_KEY_BYTES for key in keys):
+        raise ValueError(f"the sync key must be at least {MIN_KEY_BYTES} bytes")
+    return [hmac.new(key, digestmod=hashlib.sha256) for key in keys]
+
+
 class Codec:
     """Batches to datagrams and back under shared keys (each at least `MIN_KEY_BYTES`, at
     most `MAX_KEYS`): the first signs, all verify (the module docstring)."""
 
     def __init__(self, keys: bytes | Sequence[bytes], *, max_bytes: int = DEFAULT_DATAGRAM) -> None:
-        keys = [keys] if isinstance(keys, bytes) else list(keys)
-        if not 1 <= len(keys) <= MAX_KEYS:
-            raise ValueError(f"1-{MAX_KEYS} sync keys, not {len(keys)}")
-        if any(len(key) < MIN_KEY_BYTES for key in keys):
-            raise ValueError(f"the sync key must be at least {MIN_KEY_BYTES} bytes")
         if not MIN_DATAGRAM <= max_bytes <= MAX_DATAGRAM:
             raise ValueError(f"max_bytes must be {MIN_DATAGRAM}-{MAX_DATAGRAM}, not {max_bytes}")
-        self._macs = [hmac.new(key, digestmod=hashlib.sha256) for key in keys]
+        self._macs = _macs(keys)
         self.max_bytes = max_bytes
         self.trimmed = 0  # Sents sent without their blocks' tail (monotonic)
         self.verified_old = 0  # datagrams verified by a key other than the first (rotation)
+
+    def set_keys(self, keys: bytes | Sequence[bytes]) -> None:
+        """Sign and verify under `keys` from the next datagram on (a key file changed while
+        running, `server/sync_keys.py`); ValueError, the keys in use kept, for bad ones."""
+        self._macs = _macs(keys)
 
     def _tag(self, body: bytes, key: int = 0) -> bytes:
         """`body`'s tag under key `key` (the first signs)."""

@@ -9,9 +9,10 @@ refused at load, and a key file that cannot be read or is too short at start.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from poolkeeper.api.fielderrors import go_value, rule_error
 from poolkeeper.hostport import split_hostport
@@ -21,6 +22,10 @@ from poolkeeper.scheduling.replicasync.wire import DEFAULT_DATAGRAM, MAX_DATAGRA
 from poolkeeper.schema import CamelModel, Port
 
 DEFAULT_PORT = 9010
+KEY_FIELD = "spec.replicaSync.keyFile"  # what the key's errors name unless told otherwise
+# The validation context's key naming where `keyFile` was written instead (an
+# EndpointPickerConfig's syncer parameter: `<config file>: <name>.parameters.keyFile`).
+KEY_FIELD_CONTEXT = "replicaSyncKeyField"
 
 
 class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
@@ -51,15 +56,18 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     line with control bytes, a raw binary key, is refused), e.g. a mounted Secret. Datagrams
     are signed with HMAC-SHA256 under the first key and accepted under any of them (at most
     4), so a key is rotated without a window in which replicas reject each other
-    (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at
-    start."""
+    (docs/kubernetes.md, "Rotating the sync key"); anything else is rejected. Read at start,
+    and again when it changes while running (checked every `reconcileIntervalMs`: a mounted
+    Secret's update is followed without a restart); a changed file that does not read keeps
+    the keys in use, with an error naming the file and line."""
     key_optional: bool = False
     """A `keyFile` that does not exist in an existing, empty directory (what an optional
     Secret volume mounts without its Secret; the kubelet's hidden `..data` entries aside)
     leaves sync off (a warning at start says how to create it, and
     `poolkeeper_replica_sync_enabled` is 0) instead of stopping the start: the shipped
     deployment has sync on and mounts its key Secret as an optional volume, so it runs before
-    the Secret exists and syncs once it does (from the next start). Anything else still stops
+    the Secret exists and starts syncing once the key file appears (checked every
+    `reconcileIntervalMs`, no restart needed). Anything else still stops
     the start, naming the field: the directory missing (a wrong mountPath), other files in it
     (the Secret's data key is not the file's name), a path that cannot be checked, a key file
     that cannot be read or holds a bad key: sync never runs unauthenticated, nor stays off
@@ -88,6 +96,22 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     origin: str | None = None
     """This replica's name in the exchange (default `$POD_NAME`, else the host name); a random
     boot id is appended, so a restarted replica is a new origin."""
+    _key_field: str = PrivateAttr(default=KEY_FIELD)
+
+    @model_validator(mode="after")
+    def _named_where_written(self, info: ValidationInfo) -> Self:
+        # The key file is read at start and again when it changes, long after validation:
+        # its errors name where the user wrote it (`key_field`).
+        context = info.context
+        if isinstance(context, Mapping) and isinstance(at := context.get(KEY_FIELD_CONTEXT), str):
+            self._key_field = at
+        return self
+
+    @property
+    def key_field(self) -> str:
+        """What the key file's errors name: `spec.replicaSync.keyFile`, or where an
+        EndpointPickerConfig wrote it (handed in the validation context, `KEY_FIELD_CONTEXT`)."""
+        return self._key_field
 
     @field_validator("peers")
     @classmethod

@@ -1,6 +1,6 @@
 """Large prompts through `serve` variants and the lean floor: latency in two shapes, CPU, faults.
 
-Starts one simulator (`gateway_overhead.SIM_CONFIG`), one `poolkeeper serve` per
+Starts one simulator (`overhead_gateway.SIM_CONFIG`), one `poolkeeper serve` per
 `--variant NAME=[PYTHONPATH]` (empty: this tree; else e.g. a `git archive` of main's `src/`) and
 the floor gateways (`overhead_floor`: Envoy alone and Envoy + the lean do-nothing processor).
 Then, `--rounds` times, in turn:
@@ -44,7 +44,8 @@ import aiohttp
 
 from poolkeeper.bench.live import live
 from poolkeeper.bench.overhead import overhead_peers as peer
-from poolkeeper.bench.overhead.gateway_overhead import (
+from poolkeeper.bench.overhead.overhead_floor import ENVOY, EXT_PROC_LEAN, floor_gateways
+from poolkeeper.bench.overhead.overhead_gateway import (
     MODEL,
     SIM_CONFIG,
     body_of,
@@ -52,7 +53,6 @@ from poolkeeper.bench.overhead.gateway_overhead import (
     wait_http,
     write_config,
 )
-from poolkeeper.bench.overhead.overhead_floor import ENVOY, EXT_PROC_LEAN, floor_gateways
 from poolkeeper.netutil import free_ports
 
 FLOOR = "floor lean"

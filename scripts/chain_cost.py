@@ -1,6 +1,6 @@
 """What each part of `serve`'s per-request Envoy chain costs: `serve` variants side by side.
 
-Starts one simulator (`gateway_overhead.SIM_CONFIG`) and one `poolkeeper serve` per
+Starts one simulator (`overhead_gateway.SIM_CONFIG`) and one `poolkeeper serve` per
 `--variant NAME=DROP[@PYTHONPATH]`, each with its own EPP and Envoy, where DROP names the parts
 taken out of that serve's bootstrap (comma-separated: `lua` the response observer's Lua filter,
 `resp` the response processor, `als` the gRPC access log, `early` the early header mutation;
@@ -390,7 +390,7 @@ def start(
     """The simulator, the serve variants, the floors and peers (stopped by `stack`): the
     targets' URLs and each serve's pid."""
     from poolkeeper.bench.live import live
-    from poolkeeper.bench.overhead import gateway_overhead as go
+    from poolkeeper.bench.overhead import overhead_gateway as go
     from poolkeeper.bench.overhead.overhead_floor import floor_gateways
     from poolkeeper.netutil import free_ports
 
@@ -439,7 +439,7 @@ async def measure(
 ) -> tuple[list[dict[str, float]], dict[str, float], dict[str, float]]:
     """Interleaved rounds: each round's added p50 per target, and per serve the EPP's and its
     Envoy's CPU ms per request over all rounds."""
-    from poolkeeper.bench.overhead import gateway_overhead as go, overhead_peers as peer
+    from poolkeeper.bench.overhead import overhead_gateway as go, overhead_peers as peer
 
     for url in targets.values():
         await go.wait_http(url)

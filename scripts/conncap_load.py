@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from poolkeeper.bench.live import live
-from poolkeeper.bench.overhead.gateway_overhead import MODEL, write_config
+from poolkeeper.bench.overhead.overhead_gateway import MODEL, write_config
 from poolkeeper.netutil import free_ports
 
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]

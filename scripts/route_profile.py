@@ -55,7 +55,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper import observation as wire
 from poolkeeper.bench.live import live
-from poolkeeper.bench.overhead.gateway_overhead import BODY, MODEL, write_config
+from poolkeeper.bench.overhead.overhead_gateway import BODY, MODEL, write_config
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.accesslog import AccessLogReceiver
 from poolkeeper.extproc.heap import keep_freed_pages

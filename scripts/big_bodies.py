@@ -42,7 +42,7 @@ from typing import Any
 
 import aiohttp
 
-from poolkeeper.bench.live import live
+from poolkeeper.bench.live import live_processes as procs
 from poolkeeper.bench.overhead import overhead_peers as peer
 from poolkeeper.bench.overhead.overhead_floor import ENVOY, EXT_PROC_LEAN, floor_gateways
 from poolkeeper.bench.overhead.overhead_gateway import (
@@ -152,11 +152,11 @@ async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="big-bodies-"))
     (sim_port,) = free_ports(1)
     (tmp / "sim.yaml").write_text(SIM_CONFIG)
-    # Every process runs through `live.process` (own session, stopped at the end).
+    # Every process runs through `live_processes.process` (own session, stopped at the end).
     stack = contextlib.ExitStack()
     poolkeeper = [sys.executable, "-m", "poolkeeper"]
     stack.enter_context(
-        live.process([*poolkeeper, "sim", "--count", "1", "--port", str(sim_port), "--model",
+        procs.process([*poolkeeper, "sim", "--count", "1", "--port", str(sim_port), "--model",
                       MODEL, "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")],
                      tmp / "sim.log")
     )  # fmt: skip
@@ -170,7 +170,7 @@ async def run(args: argparse.Namespace) -> None:
         ports = free_ports(5)
         write_config(config, sim_port, ports)
         proc = stack.enter_context(
-            live.process([*poolkeeper, "serve", "-f", str(config), "--workdir",
+            procs.process([*poolkeeper, "serve", "-f", str(config), "--workdir",
                           str(tmp / f"envoy-{name}"), "--log-level", "warning"],
                          tmp / f"serve-{name}.log", {"PYTHONPATH": path} if path else None)
         )  # fmt: skip

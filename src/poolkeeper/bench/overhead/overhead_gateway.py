@@ -112,9 +112,9 @@ SIM_CONFIG = (
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """`poolkeeper ARGS` in a session of its own, as the peers and the floor's processors run
-    (`live.process`): with the kernel's autogroup scheduling each session gets an equal share
-    of a busy machine, so in its caller's session a `serve` would share one with this
-    driver, its clients and the simulator while each peer had one to itself."""
+    (`live_processes.process`): with the kernel's autogroup scheduling each session gets an
+    equal share of a busy machine, so in its caller's session a `serve` would share one with
+    this driver, its clients and the simulator while each peer had one to itself."""
     return subprocess.Popen(
         [sys.executable, "-m", "poolkeeper", *args],
         stdout=log.open("wb"),

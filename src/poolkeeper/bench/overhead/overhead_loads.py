@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from poolkeeper.bench.live import live
+from poolkeeper.bench.live import live_processes as procs, live_targets
 from poolkeeper.bench.overhead import overhead_peers as peer
 from poolkeeper.bench.overhead.overhead_floor import floor_gateways
 from poolkeeper.bench.overhead.overhead_gateway import BODY, JSON, body_of, cpu_seconds, wait_http
@@ -107,7 +107,7 @@ async def against_peers(
 ) -> str:
     """Start each peer (and with --floor the floor gateways) in front of the simulator;
     interleaved light load, then closed loops."""
-    root = live.repo_root()
+    root = procs.repo_root()
     with contextlib.ExitStack() as stack:
         targets = {"direct": direct, "poolkeeper": gateway}
         cpu = {"poolkeeper": {"epp": lambda: cpu_seconds(serve_pid),
@@ -125,9 +125,9 @@ async def against_peers(
                 targets[name], cpu[name] = url, clocks
                 await wait_http(url)
         for name in peers:
-            cmd, port, ready = live.router_command(name, root, tmp, [sim_port], [])
-            pid = stack.enter_context(live.process(cmd, tmp / f"{name}.log")).pid
-            live.wait_http(ready, lambda s: s == 200, 60, name)
+            cmd, port, ready = live_targets.router_command(name, root, tmp, [sim_port], [])
+            pid = stack.enter_context(procs.process(cmd, tmp / f"{name}.log")).pid
+            procs.wait_http(ready, lambda s: s == 200, 60, name)
             targets[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
             cpu[name] = {"router": functools.partial(peer.tree_cpu_seconds, pid)}
             await wait_http(targets[name])

@@ -1,6 +1,6 @@
 """Large prompts through `serve` variants and the lean floor: latency in two shapes, CPU, faults.
 
-Starts one simulator (`gateway_overhead.SIM_CONFIG`), one `poolkeeper serve` per
+Starts one simulator (`overhead_gateway.SIM_CONFIG`), one `poolkeeper serve` per
 `--variant NAME=[PYTHONPATH]` (empty: this tree; else e.g. a `git archive` of main's `src/`) and
 the floor gateways (`overhead_floor`: Envoy alone and Envoy + the lean do-nothing processor).
 Then, `--rounds` times, in turn:
@@ -42,9 +42,10 @@ from typing import Any
 
 import aiohttp
 
-from poolkeeper.bench.live import live
+from poolkeeper.bench.live import live_processes as procs
 from poolkeeper.bench.overhead import overhead_peers as peer
-from poolkeeper.bench.overhead.gateway_overhead import (
+from poolkeeper.bench.overhead.overhead_floor import ENVOY, EXT_PROC_LEAN, floor_gateways
+from poolkeeper.bench.overhead.overhead_gateway import (
     MODEL,
     SIM_CONFIG,
     body_of,
@@ -52,7 +53,6 @@ from poolkeeper.bench.overhead.gateway_overhead import (
     wait_http,
     write_config,
 )
-from poolkeeper.bench.overhead.overhead_floor import ENVOY, EXT_PROC_LEAN, floor_gateways
 from poolkeeper.netutil import free_ports
 
 FLOOR = "floor lean"
@@ -152,11 +152,11 @@ async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="big-bodies-"))
     (sim_port,) = free_ports(1)
     (tmp / "sim.yaml").write_text(SIM_CONFIG)
-    # Every process runs through `live.process` (own session, stopped at the end).
+    # Every process runs through `live_processes.process` (own session, stopped at the end).
     stack = contextlib.ExitStack()
     poolkeeper = [sys.executable, "-m", "poolkeeper"]
     stack.enter_context(
-        live.process([*poolkeeper, "sim", "--count", "1", "--port", str(sim_port), "--model",
+        procs.process([*poolkeeper, "sim", "--count", "1", "--port", str(sim_port), "--model",
                       MODEL, "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")],
                      tmp / "sim.log")
     )  # fmt: skip
@@ -170,7 +170,7 @@ async def run(args: argparse.Namespace) -> None:
         ports = free_ports(5)
         write_config(config, sim_port, ports)
         proc = stack.enter_context(
-            live.process([*poolkeeper, "serve", "-f", str(config), "--workdir",
+            procs.process([*poolkeeper, "serve", "-f", str(config), "--workdir",
                           str(tmp / f"envoy-{name}"), "--log-level", "warning"],
                          tmp / f"serve-{name}.log", {"PYTHONPATH": path} if path else None)
         )  # fmt: skip

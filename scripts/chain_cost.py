@@ -1,6 +1,6 @@
 """What each part of `serve`'s per-request Envoy chain costs: `serve` variants side by side.
 
-Starts one simulator (`gateway_overhead.SIM_CONFIG`) and one `poolkeeper serve` per
+Starts one simulator (`overhead_gateway.SIM_CONFIG`) and one `poolkeeper serve` per
 `--variant NAME=DROP[@PYTHONPATH]`, each with its own EPP and Envoy, where DROP names the parts
 taken out of that serve's bootstrap (comma-separated: `lua` the response observer's Lua filter,
 `resp` the response processor, `als` the gRPC access log, `early` the early header mutation;
@@ -389,8 +389,8 @@ def start(
 ) -> tuple[dict[str, str], dict[str, int]]:
     """The simulator, the serve variants, the floors and peers (stopped by `stack`): the
     targets' URLs and each serve's pid."""
-    from poolkeeper.bench.live import live
-    from poolkeeper.bench.overhead import gateway_overhead as go
+    from poolkeeper.bench.live import live_processes as procs, live_targets
+    from poolkeeper.bench.overhead import overhead_gateway as go
     from poolkeeper.bench.overhead.overhead_floor import floor_gateways
     from poolkeeper.netutil import free_ports
 
@@ -398,7 +398,7 @@ def start(
     (tmp / "sim.yaml").write_text(go.SIM_CONFIG)
     sim = ["sim", "--count", "1", "--port", str(sim_port), "--model", go.MODEL, "--time-scale",
            "0.001", "--max-num-seqs", "1024", "--config", str(tmp / "sim.yaml")]  # fmt: skip
-    stack.enter_context(live.process([sys.executable, "-m", "poolkeeper", *sim], tmp / "sim.log"))
+    stack.enter_context(procs.process([sys.executable, "-m", "poolkeeper", *sim], tmp / "sim.log"))
     targets = {"direct": f"http://127.0.0.1:{sim_port}/v1/chat/completions"}
     serves: dict[str, int] = {}
     for spec in args.variant:
@@ -419,7 +419,7 @@ def start(
             env["PYTHONPATH"] = pythonpath
         cmd = [sys.executable, __file__, "--serve-variant", drop, "serve", "-f", str(config),
                "--workdir", str(tmp / f"envoy-{name}"), "--log-level", "warning"]  # fmt: skip
-        serve = stack.enter_context(live.process(cmd, tmp / f"serve-{name}.log", env))
+        serve = stack.enter_context(procs.process(cmd, tmp / f"serve-{name}.log", env))
         serves[name] = serve.pid
         targets[name] = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
     if args.floor:
@@ -427,9 +427,9 @@ def start(
         floors = stack.enter_context(floor_gateways(tmp, sim_port, go.cpu_seconds, logger))
         targets |= {name: url for name, (url, _) in floors.items()}
     for name in [p for p in args.peers.split(",") if p]:
-        cmd, port, ready = live.router_command(name, live.repo_root(), tmp, [sim_port], [])
-        stack.enter_context(live.process(cmd, tmp / f"{name}.log"))
-        live.wait_http(ready, lambda s: s == 200, 60, name)
+        cmd, port, ready = live_targets.router_command(name, procs.repo_root(), tmp, [sim_port], [])
+        stack.enter_context(procs.process(cmd, tmp / f"{name}.log"))
+        procs.wait_http(ready, lambda s: s == 200, 60, name)
         targets[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
     return targets, serves
 
@@ -439,7 +439,7 @@ async def measure(
 ) -> tuple[list[dict[str, float]], dict[str, float], dict[str, float]]:
     """Interleaved rounds: each round's added p50 per target, and per serve the EPP's and its
     Envoy's CPU ms per request over all rounds."""
-    from poolkeeper.bench.overhead import gateway_overhead as go, overhead_peers as peer
+    from poolkeeper.bench.overhead import overhead_gateway as go, overhead_peers as peer
 
     for url in targets.values():
         await go.wait_http(url)

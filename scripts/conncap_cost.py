@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from poolkeeper.bench.live import live
-from poolkeeper.bench.overhead.gateway_overhead import MODEL, write_config
+from poolkeeper.bench.live import live_processes as procs
+from poolkeeper.bench.overhead.overhead_gateway import MODEL, write_config
 from poolkeeper.netutil import free_ports
 
 BODY = json.dumps(
@@ -84,8 +84,8 @@ async def _ready(port: int, deadline_s: float = 60.0) -> None:
 
 
 def _start(stack: contextlib.ExitStack, args: list[str], log: Path) -> None:
-    """`poolkeeper ARGS` for as long as `stack` (`live.process`: its own session, stopped)."""
-    stack.enter_context(live.process([sys.executable, "-m", "poolkeeper", *args], log))
+    """`poolkeeper ARGS` for as long as `stack` (`procs.process`: its own session, stopped)."""
+    stack.enter_context(procs.process([sys.executable, "-m", "poolkeeper", *args], log))
 
 
 async def main() -> None:

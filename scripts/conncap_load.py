@@ -31,8 +31,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from poolkeeper.bench.live import live
-from poolkeeper.bench.overhead.gateway_overhead import MODEL, write_config
+from poolkeeper.bench.live import live_processes as procs
+from poolkeeper.bench.overhead.overhead_gateway import MODEL, write_config
 from poolkeeper.netutil import free_ports
 
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -173,9 +173,9 @@ async def _round(
 
 
 def _start(stack: contextlib.ExitStack, args: list[str], log: Path, pythonpath: str | None) -> None:
-    """`poolkeeper ARGS` for as long as `stack` (`live.process`: its own session, stopped)."""
+    """`poolkeeper ARGS` for as long as `stack` (`procs.process`: its own session, stopped)."""
     env = {"PYTHONPATH": pythonpath} if pythonpath else None
-    stack.enter_context(live.process([sys.executable, "-m", "poolkeeper", *args], log, env))
+    stack.enter_context(procs.process([sys.executable, "-m", "poolkeeper", *args], log, env))
 
 
 async def _ready(port: int, deadline_s: float = 90.0) -> None:

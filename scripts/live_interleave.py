@@ -28,7 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.bench.live.live import LiveSpec, live_arrivals, live_scenario, repo_root, run_target
+from poolkeeper.bench.live.live import LiveSpec, live_arrivals, live_scenario, run_target
+from poolkeeper.bench.live.live_processes import repo_root
 
 
 def _poolkeeper_spec(spec: LiveSpec, doc: dict[str, Any] | None) -> LiveSpec:

@@ -49,18 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from poolkeeper.bench.fleet.replica_router import with_cold_placement
-from poolkeeper.bench.live.live import (
-    READY_TIMEOUT_S,
-    LiveSpec,
-    _models,
-    envoy_binary,
-    live_arrivals,
-    live_scenario,
-    poolkeeper_config,
-    prefill_count,
-    process,
-    wait_http,
-)
+from poolkeeper.bench.live.live import LiveSpec, live_arrivals, live_scenario, prefill_count
+from poolkeeper.bench.live.live_processes import READY_TIMEOUT_S, process, wait_http
+from poolkeeper.bench.live.live_targets import envoy_binary, models_of, poolkeeper_config
 from poolkeeper.bench.live.loadgen import run_open_loop
 from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.results.paired import compare, quantile
@@ -229,7 +220,7 @@ def parse_variant(variant: str) -> tuple[int, int, str]:
 def run_variant(spec: LiveSpec, arrivals: list[Any], variant: str, work: Path) -> dict[str, Any]:
     replicas, running, index = parse_variant(variant)
     kind = default_spec(spec.workload, spec.servers).kind
-    models = _models(kind, adapter_names(default_spec(spec.workload, spec.servers)))
+    models = models_of(kind, adapter_names(default_spec(spec.workload, spec.servers)))
     sim_ports = free_ports(spec.servers, consecutive=True)
     sim_cmd = [sys.executable, "-m", "poolkeeper", "sim", "--count", str(spec.servers),
                "--port", str(sim_ports[0]), "--model", "base-model",

@@ -53,7 +53,7 @@ COMPILED = (
 NOT_COMPILED = {
     "poolkeeper/extproc/h2/rpc.py": "async generators are unimplemented",
     "poolkeeper/extproc/server.py": "async generators are unimplemented (Process)",
-    "poolkeeper/requestcontrol/body.py": "AnyStr methods fail mypyc's type check",
+    "poolkeeper/requestcontrol/body_json.py": "AnyStr methods fail mypyc's type check",
     "poolkeeper/scheduling/stats.py": "a Final tuple read before it is set (import cycle)",
     "poolkeeper/scheduling/plugins/filters.py": "mypyc crashes (vtable KeyError, _LeastLoadFilter)",
     "poolkeeper/scheduling/plugins/*": "pydantic parameter models: Field() defaults break"

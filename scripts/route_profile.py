@@ -54,8 +54,8 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from poolkeeper import observation as wire
-from poolkeeper.bench.live import live
-from poolkeeper.bench.overhead.gateway_overhead import BODY, MODEL, write_config
+from poolkeeper.bench.live import live_processes as procs
+from poolkeeper.bench.overhead.overhead_gateway import BODY, MODEL, write_config
 from poolkeeper.controller.files import file_source
 from poolkeeper.extproc.accesslog import AccessLogReceiver
 from poolkeeper.extproc.heap import keep_freed_pages
@@ -236,7 +236,7 @@ def simulator(work: Path) -> Iterator[int]:
     cmd = [sys.executable, "-m", "poolkeeper", "sim", "--count", "1", "--port", str(port),
            "--model", MODEL, "--time-scale", "0.001",
            "--config", str(work / "sim.yaml")]  # fmt: skip
-    with live.process(cmd, work / "sim.log"):
+    with procs.process(cmd, work / "sim.log"):
         yield port
 
 

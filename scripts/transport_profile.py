@@ -39,8 +39,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from poolkeeper.bench.overhead.gateway_overhead import body_of
 from poolkeeper.bench.overhead.overhead_floor import MinimalProcessor
+from poolkeeper.bench.overhead.overhead_gateway import body_of
 from poolkeeper.extproc.h2 import frames as f
 from poolkeeper.extproc.h2.connection import Connection, Shared
 from poolkeeper.extproc.h2.limits import Limits, TransportStats

@@ -13,13 +13,9 @@ import yaml
 from aiohttp import web
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.live.live import (
-    envoy_rr_bootstrap,
-    poolkeeper_config,
-    prefill_count,
-    process,
-    ratios,
-)
+from poolkeeper.bench.live.live import prefill_count, ratios
+from poolkeeper.bench.live.live_processes import process
+from poolkeeper.bench.live.live_targets import envoy_rr_bootstrap, poolkeeper_config
 from poolkeeper.bench.live.loadgen import check_loopback, run_open_loop
 from poolkeeper.bench.results.metrics import RequestOutcome
 from poolkeeper.bench.workload.workloads import Arrival

@@ -20,7 +20,6 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.bench.overhead.gateway_overhead import cpu_seconds
 from poolkeeper.bench.overhead.overhead_floor import (
     ENVOY,
     EXT_PROC,
@@ -30,6 +29,7 @@ from poolkeeper.bench.overhead.overhead_floor import (
     bootstrap,
     floor_gateways,
 )
+from poolkeeper.bench.overhead.overhead_gateway import cpu_seconds
 
 
 def _headers(eos: bool) -> pb.ProcessingRequest:

@@ -26,7 +26,8 @@ from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointSta
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.engine import STEP_END_HISTORY, EngineModel
 from poolkeeper.sim.params import EngineConfig
-from poolkeeper.sim.virtual import Arrival, VirtualFleet
+from poolkeeper.sim.virtual import VirtualFleet
+from poolkeeper.sim.virtual_results import Arrival
 from poolkeeper.tokens import count_tokens
 
 LONG = "word " * 6000  # one long prefill (several 8192-token chunks' worth of work)

@@ -10,14 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from poolkeeper.cli.epp_flags import (
-    DEPRECATED_METRIC_FLAGS,
-    FLAGS,
-    FlagError,
-    effective_refresh_interval,
-    parse_epp_args,
-    standalone_pool_name,
-)
+from poolkeeper.cli.epp_flag_table import DEPRECATED_METRIC_FLAGS, FLAGS
+from poolkeeper.cli.epp_flags import parse_epp_args
+from poolkeeper.cli.epp_options import FlagError, effective_refresh_interval, standalone_pool_name
 from poolkeeper.config.endpointpicker.values import parse_duration, parse_label_selector, parse_size
 
 DATA = Path(__file__).parent / "data"

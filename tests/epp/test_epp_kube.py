@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from poolkeeper.cli import epp as epp_cli
-from poolkeeper.cli.epp_flags import EppOptions, parse_epp_args
+from poolkeeper.cli.epp_flags import parse_epp_args
+from poolkeeper.cli.epp_options import EppOptions
 from poolkeeper.config.endpointpicker import DEFAULT_CONFIG_TEXT
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.source import SourceFactory

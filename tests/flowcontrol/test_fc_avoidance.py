@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol.avoidance import avoid_prefills
-from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
+from poolkeeper.flowcontrol.bandconfig import BandConfig
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from tests.scheduling.sched_factories import state
 
 PLAIN = BandConfig.model_validate({"avoidPrefillTokens": 256})

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.avoidance import avoid_prefills
-from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
+from poolkeeper.flowcontrol.bandconfig import BandConfig
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from tests.scheduling.sched_factories import NOW, state

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from poolkeeper.flowcontrol.config import BAND_DEFAULTS, BandMode, FlowControlConfig, Placement
+from poolkeeper.flowcontrol.bandconfig import BandMode, Placement
+from poolkeeper.flowcontrol.bands import BAND_DEFAULTS
+from poolkeeper.flowcontrol.config import FlowControlConfig
 
 
 def test_partial_band_settings_keep_the_bands_own_defaults() -> None:

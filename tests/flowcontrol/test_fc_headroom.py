@@ -9,7 +9,8 @@ import pytest
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.admission import AdmissionConfig
-from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
+from poolkeeper.flowcontrol.bandconfig import BandConfig
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.headroom import Headroom
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from tests.scheduling.sched_factories import NOW, state

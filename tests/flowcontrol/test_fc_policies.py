@@ -7,7 +7,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.flowcontrol.config import BandConfig, FlowControlConfig
+from poolkeeper.flowcontrol.bandconfig import BandConfig
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowPolicies
 from poolkeeper.flowcontrol.fairness import FairnessPolicy
 from poolkeeper.flowcontrol.flowitem import FlowItem

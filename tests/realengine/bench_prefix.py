@@ -40,7 +40,7 @@ from pathlib import Path
 
 import openai
 
-from poolkeeper.bench.live.live import envoy_rr_bootstrap
+from poolkeeper.bench.live.live_targets import envoy_rr_bootstrap
 from poolkeeper.netutil import free_ports
 from tests.realengine.llama import BASE_MODEL, LlamaServer, start_server, wait_healthy
 

@@ -11,17 +11,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from poolkeeper.errors import BadRequest
-from poolkeeper.requestcontrol import body as body_module
-from poolkeeper.requestcontrol.body import (
+from poolkeeper.requestcontrol import body_json as body_module
+from poolkeeper.requestcontrol.body import ApiKind, ParsedRequest, api_kind, parse_body, quote_model
+from poolkeeper.requestcontrol.body_json import (
     _HOP_FROM,
     MAX_INT_DIGITS,
-    ApiKind,
-    ParsedRequest,
     _occurrences,
-    api_kind,
     decode_json_object,
-    parse_body,
-    quote_model,
 )
 from poolkeeper.tokens import chat_prompt_text, count_tokens
 

@@ -23,7 +23,8 @@ from poolkeeper.sim.driver import TokenWaiter
 from poolkeeper.sim.engine import SimRequest
 from poolkeeper.sim.params import DEFAULT_MODEL
 from poolkeeper.sim.server import Listening, SimCluster
-from poolkeeper.sim.virtual import Arrival, RequestResult, VirtualFleet
+from poolkeeper.sim.virtual import VirtualFleet
+from poolkeeper.sim.virtual_results import Arrival, RequestResult
 
 pytestmark = pytest.mark.integration
 

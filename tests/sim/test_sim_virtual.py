@@ -11,7 +11,8 @@ import pytest
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.sim.params import EngineConfig
-from poolkeeper.sim.virtual import HOLD, Arrival, RequestResult, Send, VirtualFleet
+from poolkeeper.sim.virtual import HOLD, Send, VirtualFleet
+from poolkeeper.sim.virtual_results import Arrival, RequestResult
 
 BASE = EngineConfig()
 MODEL = BASE.model

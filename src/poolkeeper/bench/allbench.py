@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from poolkeeper.bench.fleet.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
-from poolkeeper.bench.live.live import LiveSpec, peer_binary, repo_root, run_live
+from poolkeeper.bench.live.live import LiveSpec, run_live
+from poolkeeper.bench.live.live_processes import repo_root
+from poolkeeper.bench.live.live_targets import peer_binary
 from poolkeeper.bench.overhead.overhead import run_overhead
 from poolkeeper.bench.policies.routers import ALL_POLICIES
 from poolkeeper.bench.workload.workloads import ROUTING_WORKLOADS

@@ -17,12 +17,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from poolkeeper.errors import ConfigError
-
-if TYPE_CHECKING:
-    from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.cli.bench_runs import (
+    bench_all,
+    bench_flow,
+    bench_live,
+    bench_overhead,
+    bench_sim,
+    bench_workload,
+)
+from poolkeeper.cli.bench_tables import bench_report, bench_seeds
 
 DEFAULT_OUT = Path("bench-results")
 
@@ -79,7 +84,7 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--scrape-interval", type=float, default=0.05,
                      help="seconds between metric scrapes the routers see (default 0.05, "
                      "GIE's refresh interval)")  # fmt: skip
-    sim.set_defaults(handler=_sim)
+    sim.set_defaults(handler=bench_sim)
 
     wl = sub.add_parser("workload", help="write a workload to a JSONL file")
     wl.add_argument("--workload", required=True)
@@ -88,7 +93,7 @@ def register(subparsers: Any) -> None:
     wl.add_argument("--duration", type=float, default=60.0)
     wl.add_argument("--seed", type=int, default=1)
     wl.add_argument("--out", type=Path, required=True)
-    wl.set_defaults(handler=_workload)
+    wl.set_defaults(handler=bench_workload)
 
     live = sub.add_parser("live", help="loopback runs through poolkeeper serve and peers")
     live.add_argument("--workload", default="shared-prefix")
@@ -131,7 +136,7 @@ def register(subparsers: Any) -> None:
                       help="the simulators' tokens per streamed event after the first "
                            "(default 1; more: less CPU, same TTFT)")  # fmt: skip
     live.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    live.set_defaults(handler=_live)
+    live.set_defaults(handler=bench_live)
 
     ov = sub.add_parser("overhead", help="EPP decision time vs fleet size; gateway overhead")
     ov.add_argument("--sizes", default="10,100,1000")
@@ -162,7 +167,7 @@ def register(subparsers: Any) -> None:
         help="also through a second poolkeeper whose ext_proc port runs grpcio "
         "(listeners.extProcTransport: grpcio), interleaved with the first (lean, the default)",
     )
-    ov.set_defaults(handler=_overhead)
+    ov.set_defaults(handler=bench_overhead)
 
     flow = sub.add_parser("flow", help="flow control: fairness, Critical under a flood, burst")
     flow.add_argument("--servers", type=int, default=8, help="fleet size (default 8)")
@@ -182,12 +187,12 @@ def register(subparsers: Any) -> None:
                       "closed-loop clients, beta 3) N times live through poolkeeper serve "
                       "and real Envoy, then once in virtual time (writes "
                       "<out>/flow-live.json)")  # fmt: skip
-    flow.set_defaults(handler=_flow)
+    flow.set_defaults(handler=bench_flow)
 
     rep = sub.add_parser("report", help="markdown tables and plots from result files")
     rep.add_argument("--in", dest="inp", type=Path, default=DEFAULT_OUT)
     rep.add_argument("--img", type=Path, default=None)
-    rep.set_defaults(handler=_report)
+    rep.set_defaults(handler=bench_report)
 
     seeds = sub.add_parser(
         "seeds", help="mean-of-seeds tables: each poolkeeper policy against the best baseline"
@@ -195,272 +200,11 @@ def register(subparsers: Any) -> None:
     seeds.add_argument("dirs", type=Path, nargs="+",
                        help="one sweep directory per seed (or one `bench flow --grid` --out "
                        "per seed: the least over seeds per cell)")  # fmt: skip
-    seeds.set_defaults(handler=_seeds)
+    seeds.set_defaults(handler=bench_seeds)
 
     allp = sub.add_parser("all", help="every benchmark (reduced with --quick)")
     allp.add_argument("--quick", action="store_true",
                       help="the reduced set `make bench` runs (< 10 min on 2 cores)")  # fmt: skip
     allp.add_argument("--out", type=Path, default=DEFAULT_OUT)
     allp.add_argument("--jobs", type=int, default=2)
-    allp.set_defaults(handler=_all)
-
-
-def _progress(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def _sim(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.fleet.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
-    from poolkeeper.bench.policies.routers import ALL_POLICIES, KNOWN_POLICIES
-    from poolkeeper.bench.results.metrics import SLO
-    from poolkeeper.bench.workload.workloads import ROUTING_WORKLOADS, WorkloadKind
-
-    try:
-        workloads = args.workload or tuple(str(k) for k in ROUTING_WORKLOADS)
-        for w in workloads:
-            WorkloadKind(w)
-        policies = args.policies or ALL_POLICIES
-        unknown = [p for p in policies if p not in KNOWN_POLICIES]
-        if unknown:
-            raise ConfigError(f"unknown policies {unknown}; known: {', '.join(KNOWN_POLICIES)}")
-        if args.servers < 1 or args.duration <= 0:
-            raise ConfigError("--servers must be >= 1 and --duration > 0")
-        if not 0 < args.scrape_interval <= 60:
-            raise ConfigError("--scrape-interval must be in (0, 60] seconds")
-        flow_control = _flow_control(args.flow_control)
-    except (ValueError, ConfigError) as exc:
-        print(f"poolkeeper bench sim: {exc}", file=sys.stderr)
-        return 2
-    sweeps = []
-    for w in workloads:
-        spec = SweepSpec(
-            workload=w, servers=args.servers, policies=tuple(policies),
-            loads=args.loads or DEFAULT_LOADS, duration=args.duration, seed=args.seed,
-            slo=SLO(args.slo_ttft, args.slo_itl), scrape_interval=args.scrape_interval,
-            flow_control=flow_control,
-        )  # fmt: skip
-        sweeps.append(
-            run_sweep(
-                spec,
-                out_dir=args.out,
-                img_dir=args.img or args.out / "img",
-                jobs=args.jobs,
-                progress=_progress,
-            )
-        )
-    for ours in ("poolkeeper", "poolkeeper-proposed"):
-        if ours in policies and "round-robin" in policies:
-            print(targets_table(sweeps, policy=ours))
-    return 0
-
-
-def _flow_control(text: str | None) -> FlowControlConfig | None:
-    """`--flow-control` as a FlowControlConfig; ConfigError naming the field on bad input."""
-    if text is None:
-        return None
-    from pydantic import ValidationError
-
-    from poolkeeper.api.fielderrors import from_pydantic
-    from poolkeeper.flowcontrol.config import FlowControlConfig
-
-    try:
-        return FlowControlConfig.model_validate_json(text)
-    except ValidationError as exc:  # the wording of every other config error
-        problems = "; ".join(str(e) for e in from_pydantic(exc, prefix=("spec", "flowControl")))
-        raise ConfigError(f"--flow-control: {problems}") from None
-
-
-def _flow_control_section(text: str | None) -> dict[str, Any] | None:
-    """`--flow-control` checked as a spec.flowControl section; the dict poolkeeper serve gets."""
-    if text is None:
-        return None
-    import json
-
-    _flow_control(text)  # ConfigError naming the field
-    doc = json.loads(text)
-    if not isinstance(doc, dict):
-        raise ConfigError("--flow-control: expected a JSON object")
-    return doc
-
-
-def _scheduling(text: str | None) -> dict[str, Any] | None:
-    """`--scheduling` checked as a spec.scheduling section; the dict poolkeeper serve gets."""
-    if text is None:
-        return None
-    import json
-
-    from pydantic import ValidationError
-
-    from poolkeeper.api.fielderrors import from_pydantic
-    from poolkeeper.scheduling.config import SchedulingConfig
-
-    try:
-        doc = json.loads(text)
-        if not isinstance(doc, dict):
-            raise ConfigError("--scheduling: expected a JSON object")
-        SchedulingConfig.model_validate(doc)
-    except ValueError as exc:
-        if isinstance(exc, ValidationError):
-            problems = "; ".join(str(e) for e in from_pydantic(exc, prefix=("spec", "scheduling")))
-            raise ConfigError(f"--scheduling: {problems}") from None
-        raise ConfigError(f"--scheduling: not JSON ({exc})") from None
-    return doc
-
-
-def _flow(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.fleet.flowbench import format_flow, run_flow_bench
-
-    if args.servers < 1 or args.duration <= 0 or args.burst <= 0:
-        print("poolkeeper bench flow: --servers >= 1, --duration and --burst > 0", file=sys.stderr)
-        return 2
-    if args.live > 0:
-        return _flow_live(args)
-    if args.grid:
-        from poolkeeper.bench.fleet.fairshare import GRID_HEADER, format_grid, run_grid
-        from poolkeeper.bench.results.report import command_line, write_json
-
-        print(GRID_HEADER)
-        grid = run_grid(duration_s=args.duration, seed=args.seed, progress=print)
-        grid["command"] = command_line()
-        write_json(args.out / "flow-grid.json", grid)
-        print(GRID_HEADER)
-        print(format_grid(grid))
-        return 0
-    data = run_flow_bench(servers=args.servers, duration=args.duration, burst_s=args.burst,
-                          seed=args.seed, out_dir=args.out, progress=_progress)  # fmt: skip
-    print(format_flow(data))
-    return 0
-
-
-def _flow_live(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.fleet.fairshare import issue35_case, run_case
-    from poolkeeper.bench.live.fairlive import run_fair_live
-    from poolkeeper.bench.results.report import command_line, machine_info, write_json
-
-    case = issue35_case()
-    try:
-        live = [run_fair_live(case, seed=args.seed, progress=print) for _ in range(args.live)]
-    except ConfigError as exc:
-        print(f"poolkeeper bench flow: {exc}", file=sys.stderr)
-        return 2
-    virtual = run_case(case, "poolkeeper", args.seed)
-    ratios = ", ".join(f"{r['beta_to_alpha']:.2f}" for r in live)
-    print(f"beta/alpha live: {ratios}; virtual: {virtual['beta_to_alpha']:.2f}")
-    write_json(args.out / "flow-live.json", {
-        "kind": "bench-flow-live", "command": command_line(), "machine": machine_info(),
-        "live": live, "virtual": virtual,
-    })  # fmt: skip
-    return 0
-
-
-def _workload(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.workload.workloads import default_spec, generate, save_jsonl
-
-    try:
-        spec = default_spec(args.workload, args.servers)
-        arrivals = generate(spec, rate=args.rate, duration=args.duration, seed=args.seed)
-    except (ValueError, ConfigError) as exc:
-        print(f"poolkeeper bench workload: {exc}", file=sys.stderr)
-        return 2
-    meta = {**spec.describe(), "rate_rps": args.rate, "duration_s": args.duration,
-            "seed": args.seed}  # fmt: skip
-    save_jsonl(args.out, arrivals, meta)
-    print(f"wrote {len(arrivals)} requests to {args.out}")
-    return 0
-
-
-def _live(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.live.live import LiveSpec, run_live
-
-    try:
-        if not 0 <= args.warmup < args.duration:
-            raise ConfigError("--warmup must be in [0, --duration)")
-        if args.max_num_seqs is not None and args.max_num_seqs < 1:
-            raise ConfigError("--max-num-seqs must be >= 1")
-        if args.stream_interval < 1:
-            raise ConfigError("--stream-interval must be >= 1")
-        spec = LiveSpec(
-            workload=args.workload, servers=args.servers, rate=args.rate,
-            duration=args.duration, rounds=args.rounds, peers=tuple(args.peers),
-            time_scale=args.time_scale, seed=args.seed, full_streams=args.full_streams,
-            groups=args.groups, warmup=args.warmup, scheduling=_scheduling(args.scheduling),
-            max_num_seqs=args.max_num_seqs, stream_interval=args.stream_interval,
-            flow_control=_flow_control_section(args.flow_control),
-        )  # fmt: skip
-        run_live(spec, out_dir=args.out, progress=_progress)
-    except ConfigError as exc:
-        print(f"poolkeeper bench live: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _overhead(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.overhead.overhead import run_overhead
-
-    try:
-        sizes = tuple(int(x) for x in args.sizes.split(","))
-    except ValueError:
-        print(f"poolkeeper bench overhead: bad --sizes {args.sizes!r}", file=sys.stderr)
-        return 2
-    run_overhead(sizes=sizes, decisions=args.decisions, out_dir=args.out, quick=args.quick,
-                 peers=tuple(args.peers), prompt_bytes=args.prompt_bytes, floor=args.floor,
-                 grpcio=args.grpcio,
-                 progress=_progress)  # fmt: skip
-    return 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.fleet.sweep import targets_table
-    from poolkeeper.bench.results.report import plot_sweep, read_json, sweep_table
-
-    files = sorted(args.inp.glob("sim-*.json"))
-    if not files:
-        print(f"poolkeeper bench report: no sim-*.json in {args.inp}", file=sys.stderr)
-        return 2
-    sweeps = [read_json(f) for f in files]
-    for f, sweep in zip(files, sweeps, strict=True):
-        print(f"\n### {f.stem}\n")
-        print(sweep_table(sweep))
-        if args.img is not None:
-            plot_sweep(sweep, args.img, f.stem)
-    for ours in ("poolkeeper", "poolkeeper-proposed"):
-        print(f"\n### targets: {ours}\n")
-        print(targets_table([s for s in sweeps if ours in s["policies"]], policy=ours))
-    return 0
-
-
-def _seeds(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.results.report import read_json
-    from poolkeeper.bench.results.seedmeans import check_sweep, seed_tables
-
-    grids = [d / "flow-grid.json" for d in args.dirs if (d / "flow-grid.json").is_file()]
-    if grids:  # `bench flow --grid` once per seed: the least over seeds per cell
-        from poolkeeper.bench.fleet.fairshare import format_grid_seeds
-
-        try:
-            print(format_grid_seeds([read_json(g) for g in grids]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"poolkeeper bench seeds: not a flow grid: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    files = [f for d in args.dirs for f in sorted(d.glob("sim-*.json"))]
-    if not files:
-        where = ", ".join(str(d) for d in args.dirs)
-        print(f"poolkeeper bench seeds: no sim-*.json in {where}", file=sys.stderr)
-        return 2
-    sweeps = []
-    for f in files:
-        try:
-            sweeps.append(check_sweep(read_json(f), str(f)))
-        except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-            text = str(exc) if str(f) in str(exc) else f"{f}: {exc}"
-            print(f"poolkeeper bench seeds: {text}", file=sys.stderr)
-            return 2
-    print(seed_tables(sweeps))
-    return 0
-
-
-def _all(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.allbench import run_all
-
-    return run_all(out_dir=args.out, quick=args.quick, jobs=args.jobs, progress=_progress)
+    allp.set_defaults(handler=bench_all)

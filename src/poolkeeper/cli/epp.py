@@ -29,12 +29,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from poolkeeper.api.fielderrors import from_pydantic
-from poolkeeper.cli.epp_flags import (
-    DEPRECATED_METRIC_FLAGS,
+from poolkeeper.cli.epp_flag_table import DEPRECATED_METRIC_FLAGS
+from poolkeeper.cli.epp_flags import parse_epp_args
+from poolkeeper.cli.epp_options import (
     EppOptions,
     FlagError,
     effective_refresh_interval,
-    parse_epp_args,
     standalone_pool_name,
 )
 from poolkeeper.config.endpointpicker import (
@@ -285,7 +285,7 @@ def _kubernetes_source(options: EppOptions, config: GatewayConfig) -> Any:
 
 
 def _print_help() -> None:
-    from poolkeeper.cli.epp_flags import FLAGS
+    from poolkeeper.cli.epp_flag_table import FLAGS
 
     print("Usage of poolkeeper-epp (llm-d-router v0.10 EPP flags):")
     for flag in FLAGS:

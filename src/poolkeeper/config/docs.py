@@ -27,7 +27,9 @@ from poolkeeper.backend.engines import Engine
 from poolkeeper.config.endpoints import StaticEndpoint
 from poolkeeper.config.gateway import GatewayConfigSpec
 from poolkeeper.envoy.config import Edge, Listeners
-from poolkeeper.flowcontrol.config import BandConfig, Bands, HoldNewPrefixes
+from poolkeeper.flowcontrol.bandconfig import BandConfig
+from poolkeeper.flowcontrol.bands import Bands
+from poolkeeper.flowcontrol.config import HoldNewPrefixes
 from poolkeeper.requestcontrol.config import RequestHandling
 
 BEGIN_MARKER = "<!-- BEGIN GENERATED FIELD TABLES (python -m poolkeeper.config.docs) -->"

@@ -32,7 +32,8 @@ from poolkeeper.envoy.config import (
     Listeners as Listeners,
 )
 from poolkeeper.flowcontrol.admission import AdmissionConfig
-from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig, HoldNewPrefixes
+from poolkeeper.flowcontrol.bandconfig import BandMode
+from poolkeeper.flowcontrol.config import FlowControlConfig, HoldNewPrefixes
 from poolkeeper.hostport import join_hostport
 from poolkeeper.requestcontrol.config import (
     RequestHandling as RequestHandling,

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.flowcontrol.config import BandConfig
+from poolkeeper.flowcontrol.bandconfig import BandConfig
 
 # ip:port -> the request's prompt tokens that endpoint (probably) caches; asked lazily.
 CachedTokens = Callable[[], Mapping[str, int]]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from poolkeeper.flowcontrol.answers import AnswerAdvance
-from poolkeeper.flowcontrol.config import BandConfig
+from poolkeeper.flowcontrol.bandconfig import BandConfig
 from poolkeeper.flowcontrol.fairness import FairnessPolicy
 from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.flowcontrol.ordering import FcfsAdaptiveLifo, OrderingPolicy, rescued

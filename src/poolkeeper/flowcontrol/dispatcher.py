@@ -49,7 +49,8 @@ from typing import Generic, TypeVar
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.flowcontrol import sharing
 from poolkeeper.flowcontrol.band import Band
-from poolkeeper.flowcontrol.config import BandConfig, BandMode, FlowControlConfig
+from poolkeeper.flowcontrol.bandconfig import BandConfig, BandMode
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.drainrate import DrainRate
 from poolkeeper.flowcontrol.fairness import FairnessFactory, vtc_fairness
 from poolkeeper.flowcontrol.flowitem import BANDS, FlowItem, Submitted

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.flowcontrol.avoidance import CachedTokens, avoid_prefills
-from poolkeeper.flowcontrol.config import BandConfig, Dispatch, Placement
+from poolkeeper.flowcontrol.bandconfig import BandConfig, Dispatch, Placement
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.flowcontrol.slots import BatchSlots, queued
 

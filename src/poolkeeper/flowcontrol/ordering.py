@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from poolkeeper.flowcontrol.config import BandConfig
+from poolkeeper.flowcontrol.bandconfig import BandConfig
 
 
 class Arrived(Protocol):

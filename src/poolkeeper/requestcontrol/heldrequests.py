@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 
 from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import GatewayError, NoReadyEndpoint
-from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig
+from poolkeeper.flowcontrol.bandconfig import BandMode
+from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowDispatcher
 from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.flowcontrol.prefixhold import Held, PrefixHold

@@ -53,6 +53,10 @@ API (times in virtual seconds; the run starts wherever the first arrival's time 
   routed, counters (sim.stats.EngineCounters: prefix_queries/hits, preemptions, lora_loads,
   generation_tokens, busy_time, steps, histograms...).
 `FleetResult.summary()` gives a dict of common aggregates (counts, TTFT/e2e percentiles, ITL).
+
+The arrivals and results live in `sim/virtual_results.py`, what the router sees (the scraped
+states and in-flight counts) in `sim/virtual_views.py`, a request's submission and token
+delivery in `sim/virtual_requests.py`; this module runs the clock.
 """
 
 from __future__ import annotations
@@ -60,120 +64,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from types import MappingProxyType
+from dataclasses import replace
 from typing import Final
 
-from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore.endpoint import Endpoint, EndpointState
 from poolkeeper.sim.config import ServerSpec
-from poolkeeper.sim.engine import (
-    EngineModel,
-    InvalidRequestError,
-    StepOutcome,
-    UnknownModelError,
-)
+from poolkeeper.sim.engine import EngineModel
 from poolkeeper.sim.params import EngineConfig
-from poolkeeper.sim.stats import EngineCounters
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """One request entering the fleet at virtual time `time`."""
-
-    time: float
-    request_id: str
-    model: str
-    prompt: str = ""
-    max_tokens: int | None = None
-    prompt_tokens: int | None = None
-    payload: object = field(default=None, compare=False)
-
-
-@dataclass(slots=True)
-class RequestResult:
-    request_id: str
-    model: str
-    arrival: float
-    server: int = -1
-    server_name: str = ""
-    status: str = "ok"  # ok | rejected | error
-    error: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    first_token: float | None = None
-    finish: float | None = None
-    finish_reason: str | None = None
-    preemptions: int = 0
-    adapter_loaded: bool = False
-    itl_max: float = 0.0
-    token_times: list[float] | None = None
-    payload: object = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finish is None else self.finish - self.arrival
-
-    @property
-    def itl_mean(self) -> float | None:
-        """Mean inter-token latency (time per output token after the first)."""
-        if self.finish is None or self.first_token is None or self.completion_tokens < 2:
-            return None
-        return (self.finish - self.first_token) / (self.completion_tokens - 1)
-
-
-@dataclass(slots=True)
-class ServerResult:
-    name: str
-    routed: int
-    counters: EngineCounters
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-@dataclass(slots=True)
-class FleetResult:
-    requests: list[RequestResult]
-    servers: list[ServerResult]
-    end_time: float
-
-    def summary(self) -> dict[str, float]:
-        done = [r for r in self.requests if r.finish is not None]
-        ttft = [r.ttft for r in done if r.ttft is not None]
-        e2e = [r.e2e for r in done if r.e2e is not None]
-        itl = [r.itl_mean for r in done if r.itl_mean is not None]
-        start = min((r.arrival for r in self.requests), default=0.0)
-        span = max(self.end_time - start, 1e-9)
-        out: dict[str, float] = {
-            "requests": float(len(self.requests)),
-            "completed": float(len(done)),
-            "rejected": float(sum(r.status == "rejected" for r in self.requests)),
-            "errors": float(sum(r.status == "error" for r in self.requests)),
-            "output_tokens_per_s": sum(r.completion_tokens for r in done) / span,
-            "prefix_hit_rate": sum(r.cached_tokens for r in done)
-            / max(1, sum(r.prompt_tokens for r in done)),
-            "preemptions": float(sum(r.preemptions for r in done)),
-            "adapter_loads": float(sum(r.adapter_loaded for r in done)),
-            "itl_mean": sum(itl) / len(itl) if itl else math.nan,
-        }
-        for name, values in (("ttft", ttft), ("e2e", e2e)):
-            out[f"{name}_mean"] = sum(values) / len(values) if values else math.nan
-            for q in (50, 90, 99):
-                out[f"{name}_p{q}"] = _percentile(values, q)
-        return out
-
+from poolkeeper.sim.virtual_requests import deliver, submit
+from poolkeeper.sim.virtual_results import Arrival, FleetResult, RequestResult, ServerResult
+from poolkeeper.sim.virtual_views import ScrapedViews
 
 Router = Callable[[Arrival, Sequence[EndpointState], float], int | None]
 
@@ -225,100 +125,15 @@ class VirtualFleet:
             self.endpoints.append(
                 Endpoint(name=name, address=f"10.0.{i // 250}.{i % 250 + 1}", port=8000)
             )
-        n = len(self.engines)
-        self._metrics = [EndpointMetrics() for _ in range(n)]
-        self._states = [
-            EndpointState(endpoint=e, metrics=m)
-            for e, m in zip(self.endpoints, self._metrics, strict=True)
-        ]
-        self._snap_tick = [-1] * n
-        self._dirty = [True] * n
-        self._inflight = [0] * n
-        self._inflight_tokens = [0] * n
-        self._inflight_models: list[dict[str, int]] = [{} for _ in range(n)]
-        self._unseen = [0] * n
-        self._unseen_tokens = [0] * n
-        self._answered = [0] * n  # of the unseen, those whose first token is out
-        self._scrapes = [0] * n  # scrapes per server: which scrape a request was unseen by
-        self._unseen_by: dict[str, int] = {}  # request id -> its server's scrape count at routing
-        self._routed = [0] * n
-        self._refreshed_tick = -1
-        self._ran = False
-
-    # -- scraping -------------------------------------------------------------------------
-
-    def _tick(self, now: float) -> int:
-        return int(now / self.scrape_interval) if self.scrape_interval > 0 else -1
-
-    def _scrape(self, i: int, at: float) -> None:
-        if self._dirty[i]:
-            s = self.engines[i].stats()
-            self._metrics[i] = EndpointMetrics(
-                waiting=s.waiting,
-                running=s.running,
-                kv_cache_usage=s.kv_cache_usage,
-                active_adapters=frozenset(s.running_adapters),
-                waiting_adapters=frozenset(s.waiting_adapters),
-                max_adapters=s.max_loras,
-                block_size=s.block_size,
-                num_gpu_blocks=s.num_gpu_blocks,
-                updated_at=at,
-                # What a scraper reads from the `model_name` label of the simulator's page.
-                served_model=self.engines[i].config.model,
-            )
-            self._dirty[i] = False
-        else:  # unchanged since the last scrape: only the time moves (positional: cheap)
-            m = self._metrics[i]
-            self._metrics[i] = EndpointMetrics(
-                m.waiting, m.running, m.kv_cache_usage, m.active_adapters, m.waiting_adapters,
-                m.max_adapters, m.block_size, m.num_gpu_blocks, at,
-                served_model=m.served_model,
-            )  # fmt: skip
-        self._unseen[i] = 0
-        self._unseen_tokens[i] = 0
-        self._answered[i] = 0
-        self._scrapes[i] += 1
-        self._rebuild(i)
-
-    def _rebuild(self, i: int) -> None:
-        self._states[i] = EndpointState(
-            endpoint=self.endpoints[i],
-            metrics=self._metrics[i],
-            inflight_requests=self._inflight[i],
-            inflight_tokens=self._inflight_tokens[i],
-            unseen_requests=self._unseen[i],
-            unseen_tokens=self._unseen_tokens[i],
-            unseen_answered=self._answered[i],
-            inflight_models=MappingProxyType(dict(self._inflight_models[i])),
+        self._scraped = ScrapedViews(
+            self.engines,
+            self.endpoints,
+            scrape_interval=scrape_interval,
+            timestamp_refresh=timestamp_refresh,
+            answers_seen=answers_seen,
         )
-
-    def _before_change(self, i: int, now: float) -> None:
-        """Snapshot a server as of the latest tick before its state changes at `now`."""
-        if self.scrape_interval > 0:
-            tick = self._tick(now)
-            if self._snap_tick[i] < tick:
-                self._scrape(i, tick * self.scrape_interval)
-                self._snap_tick[i] = tick
-        self._dirty[i] = True
-
-    def _views(self, now: float) -> list[EndpointState]:
-        if self.scrape_interval <= 0:
-            for i in range(len(self.engines)):
-                self._dirty[i] = True
-                self._scrape(i, now)
-            return self._states
-        tick = self._tick(now)
-        if tick > self._refreshed_tick:
-            at = tick * self.scrape_interval
-            refresh, metrics, dirty = self.timestamp_refresh, self._metrics, self._dirty
-            for i in range(len(self.engines)):
-                if self._snap_tick[i] < tick:
-                    if not dirty[i] and at - metrics[i].updated_at < refresh:
-                        continue  # nothing changed and the timestamp is recent enough
-                    self._scrape(i, at)
-                    self._snap_tick[i] = tick
-            self._refreshed_tick = tick
-        return self._states
+        self._routed = [0] * len(self.engines)
+        self._ran = False
 
     # -- the run --------------------------------------------------------------------------
 
@@ -409,7 +224,7 @@ class VirtualFleet:
 
         def poll() -> None:
             if release is not None and held:
-                release(self._views(now), now, send)
+                release(self._scraped.views(now), now, send)
             arm()
 
         while pending is not None or heap or extra:
@@ -451,11 +266,11 @@ class VirtualFleet:
             if due[i] != t:
                 continue  # superseded entry
             due[i] = None
-            self._before_change(i, t)
+            self._scraped.before_change(i, t)
             finished = False
             for outcome in engines[i].advance(t):
                 finished = finished or bool(outcome.finished)
-                firsts = self._deliver(i, outcome, done_cb, on_first_token)
+                firsts = deliver(self._scraped, i, outcome, done_cb, on_first_token)
                 finished = finished or (release_on_first_token and firsts)
             reschedule(i)
             if finished and held:
@@ -466,7 +281,7 @@ class VirtualFleet:
     def _arrive(self, arrival: Arrival, route: Router, now: float, record: bool) -> RequestResult:
         result = RequestResult(arrival.request_id, arrival.model, arrival.time)
         result.payload = arrival.payload
-        choice = route(arrival, self._views(now), now)
+        choice = route(arrival, self._scraped.views(now), now)
         if choice is None:
             result.status = "rejected"
             return result
@@ -479,89 +294,5 @@ class VirtualFleet:
     def _submit(
         self, arrival: Arrival, result: RequestResult, choice: int, now: float, record: bool
     ) -> None:
-        result.status = "ok"
-        if not 0 <= choice < len(self.engines):
-            raise IndexError(f"route returned {choice} for a fleet of {len(self.engines)}")
-        engine = self.engines[choice]
-        result.server_name = engine.name
-        try:
-            request = engine.create_request(
-                arrival.request_id,
-                arrival.model,
-                arrival.prompt,
-                arrival=arrival.time,
-                max_tokens=arrival.max_tokens,
-                prompt_tokens=arrival.prompt_tokens,
-            )
-        except (UnknownModelError, InvalidRequestError) as exc:
-            result.status, result.error = "error", str(exc)
-            return
-        result.server = choice
-        result.prompt_tokens = request.prompt_tokens
-        if record:
-            result.token_times = []
-        request.sink = result
-        self._before_change(choice, now)
-        engine.submit(request, now)
-        self._routed[choice] += 1
-        self._inflight[choice] += 1
-        self._inflight_tokens[choice] += request.prompt_tokens
-        models = self._inflight_models[choice]
-        models[request.model] = models.get(request.model, 0) + 1
-        self._unseen[choice] += 1
-        self._unseen_tokens[choice] += request.prompt_tokens
-        if self.answers_seen:
-            self._unseen_by[request.request_id] = self._scrapes[choice]
-        self._rebuild(choice)
-
-    def _deliver(
-        self,
-        i: int,
-        outcome: StepOutcome,
-        on_finish: Callable[[RequestResult], None] | None,
-        on_first_token: Callable[[RequestResult], None] | None = None,
-    ) -> bool:
-        """Hand the step's tokens to their results; whether any request's first token was
-        among them."""
-        first_time, t = outcome.first_time, outcome.time
-        firsts = False
-        longest = outcome.longest_step
-        ends: list[float] | None = None
-        for request in outcome.tokens:
-            result: RequestResult = request.sink  # type: ignore[assignment]
-            if result.first_token is None:
-                result.first_token = first_time
-                firsts = True
-                # Still unseen by a scrape (routed since the last one): it answered.
-                if self._unseen_by.pop(result.request_id, -1) == self._scrapes[i]:
-                    self._answered[i] += 1
-                    self._rebuild(i)
-                if on_first_token is not None:
-                    on_first_token(result)
-            else:
-                gap = first_time - result.finish if result.finish is not None else 0.0
-                result.itl_max = max(result.itl_max, gap, longest)
-            result.finish = t  # last token time until the request completes
-            if result.token_times is not None:
-                if ends is None:
-                    ends = outcome.step_ends()
-                result.token_times.extend(ends)
-        for request in outcome.finished:
-            result = request.sink  # type: ignore[assignment]
-            result.completion_tokens = request.output_tokens
-            result.cached_tokens = request.cached_tokens
-            result.preemptions = request.preemptions
-            result.adapter_loaded = request.adapter_loaded
-            result.finish_reason = request.finish_reason
-            self._inflight[i] -= 1
-            self._inflight_tokens[i] -= request.prompt_tokens
-            models = self._inflight_models[i]
-            if models[request.model] <= 1:
-                del models[request.model]
-            else:
-                models[request.model] -= 1
-            if on_finish is not None:
-                on_finish(result)
-        if outcome.finished:
-            self._rebuild(i)
-        return firsts
+        if submit(self.engines, self._scraped, arrival, result, choice, now, record):
+            self._routed[choice] += 1

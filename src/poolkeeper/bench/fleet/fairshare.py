@@ -45,7 +45,8 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.params import EngineConfig
-from poolkeeper.sim.virtual import Arrival, RequestResult, Send, VirtualFleet
+from poolkeeper.sim.virtual import Send, VirtualFleet
+from poolkeeper.sim.virtual_results import Arrival, RequestResult
 
 ALPHA, BETA, PROBE = "alpha", "beta", "probe"
 PROMPT_TOKENS = 32

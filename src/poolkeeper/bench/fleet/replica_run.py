@@ -65,7 +65,8 @@ from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workloads import Arrival, generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.config import FlowControlConfig
-from poolkeeper.sim.virtual import HOLD, Arrival as SimArrival, RequestResult, Send, VirtualFleet
+from poolkeeper.sim.virtual import HOLD, Send, VirtualFleet
+from poolkeeper.sim.virtual_results import Arrival as SimArrival, RequestResult
 from poolkeeper.tokens import count_tokens
 
 

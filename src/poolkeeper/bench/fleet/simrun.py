@@ -35,14 +35,8 @@ from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.params import EngineConfig
-from poolkeeper.sim.virtual import (
-    HOLD,
-    Arrival as SimArrival,
-    FleetResult,
-    RequestResult,
-    Send,
-    VirtualFleet,
-)
+from poolkeeper.sim.virtual import HOLD, Send, VirtualFleet
+from poolkeeper.sim.virtual_results import Arrival as SimArrival, FleetResult, RequestResult
 from poolkeeper.tokens import count_tokens
 
 SCRAPE_INTERVAL_S = 0.05

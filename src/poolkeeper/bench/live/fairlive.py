@@ -37,15 +37,8 @@ from poolkeeper.bench.fleet.fairshare import (
     case_summary,
     served_in,
 )
-from poolkeeper.bench.live.live import (
-    POOLKEEPER,
-    READY_TIMEOUT_S,
-    envoy_binary,
-    process,
-    repo_root,
-    router_command,
-    wait_http,
-)
+from poolkeeper.bench.live.live_processes import READY_TIMEOUT_S, process, repo_root, wait_http
+from poolkeeper.bench.live.live_targets import POOLKEEPER, envoy_binary, router_command
 from poolkeeper.bench.live.loadgen import check_loopback
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports

@@ -25,40 +25,32 @@ so live runs report TTFT only unless `full_streams` is set.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from poolkeeper.bench.fleet.simrun import fleet_capacity
+from poolkeeper.bench.live.live_processes import READY_TIMEOUT_S, process, repo_root, wait_http
+from poolkeeper.bench.live.live_targets import (
+    KNOWN_PEERS,
+    POOLKEEPER,
+    envoy_binary,
+    models_of,
+    peer_binary,
+    router_command,
+)
 from poolkeeper.bench.live.loadgen import run_open_loop
 from poolkeeper.bench.results.metrics import SLO, RequestOutcome, percentile, summarize, ttft_values
 from poolkeeper.bench.results.report import command_line, machine_info, quantiles, write_json
 from poolkeeper.bench.workload.scenarios import LORA_SLOTS, Scenario, adapter_names, build_scenario
-from poolkeeper.bench.workload.workloads import (
-    CRITICALITY_MODELS,
-    FAIRNESS_MODELS,
-    Arrival,
-    WorkloadKind,
-    default_spec,
-    generate,
-)
+from poolkeeper.bench.workload.workloads import Arrival, WorkloadKind, default_spec, generate
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
-
-POOLKEEPER = "poolkeeper"
-KNOWN_PEERS = ("vllm-router", "sglang-router", "envoy-rr", "vllm-router-rr")
-READY_TIMEOUT_S = 40.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,230 +74,6 @@ class LiveSpec:
     # Tokens per streamed event after the first (the simulators' --stream-interval): fewer
     # events for the shared cores to carry; the first token is sent as before.
     stream_interval: int = 1
-
-
-def repo_root() -> Path:
-    here = Path.cwd()
-    for candidate in (here, *here.parents):
-        if (candidate / "pyproject.toml").is_file():
-            return candidate
-    return here
-
-
-def peer_binary(peer: str, root: Path) -> list[str] | None:
-    """The command prefix that starts a peer, or None if it is not installed."""
-    if peer in ("vllm-router", "vllm-router-rr"):
-        exe = root / ".peers" / "venv-vllm-router" / "bin" / "vllm-router"
-        return [str(exe)] if exe.is_file() else None
-    if peer == "sglang-router":
-        py = root / ".peers" / "venv-sglang-router" / "bin" / "python"
-        return [str(py), "-m", "sglang_router.launch_router"] if py.is_file() else None
-    if peer == "envoy-rr":
-        envoy = envoy_binary()
-        return [envoy] if envoy else None
-    return None
-
-
-def envoy_binary() -> str | None:
-    exe = Path(sys.executable).parent / "envoy"
-    return str(exe) if exe.is_file() else None
-
-
-def _http_status(url: str, timeout: float = 1.0) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (OSError, ValueError):
-        return None
-
-
-def wait_http(url: str, ok: Callable[[int], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = _http_status(url)
-        if status is not None and ok(status):
-            return
-        time.sleep(0.25)
-    raise ConfigError(f"{what} did not become ready at {url} within {timeout:g} s")
-
-
-@contextlib.contextmanager
-def process(
-    cmd: Sequence[str], log: Path, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `cmd` (own process group, output to `log`) for the duration of the block."""
-    with log.open("w") as fh:
-        try:
-            proc = subprocess.Popen(
-                list(cmd), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **(env or {})},
-            )  # fmt: skip
-        except OSError as exc:
-            # E.g. a peer's venv moved after install: its script's `#!` names a python that
-            # is gone, and exec reports the script itself as missing.
-            raise ConfigError(
-                f"cannot start {cmd[0]}: {exc.strerror} (a moved or broken install? "
-                "reinstall the peers with scripts/install-peers.sh)"
-            ) from exc
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=5)
-
-
-def _models(kind: WorkloadKind, spec_adapters: tuple[str, ...]) -> list[tuple[str, str, str]]:
-    """(modelName, criticality, target) for every model the workload asks for."""
-    if kind is WorkloadKind.MULTI_LORA:
-        return [(a, "Standard", a) for a in spec_adapters]
-    if kind in (WorkloadKind.MIXED_CRITICALITY, WorkloadKind.CRITICALITY_FLOOD):
-        return [(m, str(c), "base-model") for c, m in CRITICALITY_MODELS.items()]
-    if kind is WorkloadKind.FAIRNESS:
-        return [(m, "Standard", "base-model") for m in FAIRNESS_MODELS]
-    return [("base-model", "Standard", "base-model")]
-
-
-def poolkeeper_config(
-    work: Path,
-    sim_ports: Sequence[int],
-    ports: dict[str, int],
-    models: list[tuple[str, str, str]],
-    scheduling: dict[str, Any] | None = None,
-    flow_control: dict[str, Any] | None = None,
-) -> Path:
-    cfg = work / "poolkeeper"
-    cfg.mkdir(parents=True, exist_ok=True)
-    endpoints = "\n".join(
-        f"    - {{name: sim-{i}, address: 127.0.0.1, port: {p}, labels: {{app: bench-sim}}}}"
-        for i, p in enumerate(sim_ports)
-    )
-    (cfg / "gateway.yaml").write_text(
-        "apiVersion: poolkeeper.dev/v1alpha1\nkind: GatewayConfig\nmetadata: {name: default}\n"
-        "spec:\n"
-        f"  listeners: {{address: 127.0.0.1, http: {ports['http']}, extProc: {ports['extproc']}, "
-        f"metrics: {ports['metrics']}, health: {ports['health']}, admin: {ports['admin']}}}\n"
-        f"  endpoints:\n{endpoints}\n"
-        "  scraping: {intervalMs: 50}\n"
-        + (f"  scheduling: {json.dumps(scheduling)}\n" if scheduling is not None else "")
-        + (f"  flowControl: {json.dumps(flow_control)}\n" if flow_control is not None else "")
-    )
-    docs = [
-        "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\n"
-        "metadata: {name: bench, namespace: default}\n"
-        "spec:\n  selector: {app: bench-sim}\n  targetPortNumber: 8000\n"
-        "  extensionRef: {name: bench-epp}\n"
-    ]
-    for i, (name, crit, target) in enumerate(models):
-        targets = "" if target == name else f"  targetModels:\n    - {{name: {target}}}\n"
-        docs.append(
-            "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\n"
-            f"metadata: {{name: model-{i}, namespace: default}}\n"
-            f"spec:\n  modelName: {name}\n  criticality: {crit}\n{targets}"
-            "  poolRef: {name: bench}\n"
-        )
-    (cfg / "models.yaml").write_text("---\n".join(docs))
-    return cfg
-
-
-_HCM = (
-    "type.googleapis.com/"
-    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-)
-
-
-def envoy_rr_bootstrap(path: Path, port: int, admin_port: int, sim_ports: Sequence[int]) -> None:
-    endpoints = "\n".join(
-        "        - endpoint: {address: {socket_address: "
-        f"{{address: 127.0.0.1, port_value: {p}}}}}}}"
-        for p in sim_ports
-    )
-    path.write_text(
-        f"""admin:
-  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
-static_resources:
-  listeners:
-  - name: rr
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": {_HCM}
-          stat_prefix: rr
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route: {{cluster: sims, timeout: 0s}}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: sims
-    type: STATIC
-    lb_policy: ROUND_ROBIN
-    connect_timeout: 1s
-    circuit_breakers:
-      thresholds: [{{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}}]
-    load_assignment:
-      cluster_name: sims
-      endpoints:
-      - lb_endpoints:
-{endpoints}
-"""
-    )
-
-
-def router_command(
-    target: str,
-    root: Path,
-    work: Path,
-    sim_ports: Sequence[int],
-    models: list[tuple[str, str, str]],
-    scheduling: dict[str, Any] | None = None,
-    flow_control: dict[str, Any] | None = None,
-) -> tuple[list[str], int, str]:
-    """(command, HTTP port, readiness URL) of one target."""
-    workers = [f"http://127.0.0.1:{p}" for p in sim_ports]
-    if target == POOLKEEPER:
-        names = ("http", "extproc", "metrics", "health", "admin")
-        ports = dict(zip(names, free_ports(len(names)), strict=True))
-        cfg = poolkeeper_config(work, sim_ports, ports, models, scheduling, flow_control)
-        cmd = [sys.executable, "-m", "poolkeeper", "serve", "-f", str(cfg),
-               "--workdir", str(work / "serve"), "--log-level", "warning"]  # fmt: skip
-        return cmd, ports["http"], f"http://127.0.0.1:{ports['http']}/v1/models"
-    prefix = peer_binary(target, root)
-    if prefix is None:
-        raise ConfigError(f"{target} is not installed (run scripts/install-peers.sh)")
-    port, prom = free_ports(2)
-    if target in ("vllm-router", "vllm-router-rr"):
-        policy = "round_robin" if target == "vllm-router-rr" else "cache_aware"
-        cmd = [*prefix, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-               "--policy", policy, "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(prom)]  # fmt: skip
-        return cmd, port, f"http://127.0.0.1:{port}/health"
-    if target == "sglang-router":
-        cmd = [*prefix, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-               "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(prom)]  # fmt: skip
-        return cmd, port, f"http://127.0.0.1:{port}/health"
-    bootstrap = work / "envoy-rr.yaml"
-    envoy_rr_bootstrap(bootstrap, port, prom, sim_ports)
-    cmd = [*prefix, "-c", str(bootstrap), "--concurrency", "1", "--log-level", "warn",
-           "--disable-hot-restart"]  # fmt: skip
-    return cmd, port, f"http://127.0.0.1:{port}/health"
 
 
 def prefill_count(outcomes: Iterable[RequestOutcome]) -> int:
@@ -337,7 +105,7 @@ def run_target(
         sim_cmd += ["--max-num-seqs", str(spec.max_num_seqs)]
     if spec.stream_interval != 1:
         sim_cmd += ["--stream-interval", str(spec.stream_interval)]
-    models = _models(kind, adapter_names(scenario_spec))
+    models = models_of(kind, adapter_names(scenario_spec))
     work.mkdir(parents=True, exist_ok=True)
     with process(sim_cmd, work / "sim.log"):
         for p in sim_ports:

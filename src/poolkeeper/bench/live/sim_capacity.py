@@ -235,7 +235,8 @@ def run_virtual(args: argparse.Namespace) -> None:
     import random
 
     from poolkeeper.sim.params import EngineConfig
-    from poolkeeper.sim.virtual import Arrival, VirtualFleet
+    from poolkeeper.sim.virtual import VirtualFleet
+    from poolkeeper.sim.virtual_results import Arrival
 
     rng = random.Random(0)
     prefixes = [f"system prompt {i} " * 40 for i in range(50)]

@@ -39,7 +39,7 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.bench.live import live
+from poolkeeper.bench.live import live_processes as procs
 from poolkeeper.envoy.params import (
     EXT_PROC_TYPE,
     HCM,
@@ -217,7 +217,7 @@ def floor_gateways(
     with contextlib.ExitStack() as stack:
         pids: dict[int, int] = {}
         for port, transport in ((processor, "grpcio"), (lean, "lean")):
-            pids[port] = stack.enter_context(live.process(
+            pids[port] = stack.enter_context(procs.process(
                 [sys.executable, "-m", PROCESSOR_MODULE, "--port", str(port),
                  "--transport", transport],
                 work / f"floor-processor-{transport}.log",
@@ -233,8 +233,8 @@ def floor_gateways(
             config.write_text(json.dumps(bootstrap(port, admin_port, upstream, ext, logger)))
             cmd = [envoy, "-c", str(config), "--concurrency", "1", "--log-level", "warning",
                    "--disable-hot-restart"]  # fmt: skip
-            envoy_proc = stack.enter_context(live.process(cmd, config.with_suffix(".log")))
-            live.wait_http(f"http://127.0.0.1:{admin_port}/ready", lambda s: s == 200, 30, name)
+            envoy_proc = stack.enter_context(procs.process(cmd, config.with_suffix(".log")))
+            procs.wait_http(f"http://127.0.0.1:{admin_port}/ready", lambda s: s == 200, 30, name)
             clocks: dict[str, Callable[[], float]] = {
                 "envoy": functools.partial(cpu_seconds, envoy_proc.pid)
             }

@@ -27,7 +27,8 @@ from typing import Any
 from poolkeeper.bench.policies.schedpolicy import SchedulerPolicy, scheduler_policy
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import QueueFull, RequestShed
-from poolkeeper.flowcontrol.config import BandMode, FlowControlConfig, HoldNewPrefixes
+from poolkeeper.flowcontrol.bandconfig import BandMode
+from poolkeeper.flowcontrol.config import FlowControlConfig, HoldNewPrefixes
 from poolkeeper.flowcontrol.dispatcher import FlowDispatcher
 from poolkeeper.flowcontrol.flowitem import FlowItem, Submitted
 from poolkeeper.flowcontrol.headroom import Headroom

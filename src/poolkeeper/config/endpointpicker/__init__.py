@@ -4,7 +4,10 @@ into poolkeeper's own settings (a GatewayConfig).
 
     document.py    the document's shape: top-level keys, profiles, flow control, data layer
     catalogue.py   every upstream plugin type: what poolkeeper does with it, its parameters
-    translate.py   EndpointPickerConfig -> GatewayConfig (+ notices), upstream's system defaults
+    translate.py   EndpointPickerConfig -> GatewayConfig (+ notices), upstream's system defaults;
+                   its steps: plugin_checks.py (feature gates, plugins), scheduling_section.py,
+                   scraping_section.py, flow_sections.py (admission, flowControl, edge),
+                   replicasync.py, over translation_work.py (problems, notices, lookups)
     defaults.py    upstream's default configuration (used when none is given)
 
 A plugin type poolkeeper does not implement is an error naming it and the implemented

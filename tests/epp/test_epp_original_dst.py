@@ -161,18 +161,35 @@ async def original_dst_envoy(
         yield f"http://127.0.0.1:{listen}"
 
 
+_PORT_TRIES = 8
+
+
+async def _two_pods_one_port() -> tuple[SimCluster, SimCluster]:
+    """A simulator on 127.0.0.1:P and one on 127.0.0.2:P, started. The kernel picks P free on
+    127.0.0.1 only; another process on this host may hold it on 127.0.0.2 (other test runs use
+    127.0.0.x too), so a taken P is given up for another, a bounded number of times."""
+    for _ in range(_PORT_TRIES):
+        first = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL), name_prefix="a"))
+        second = SimCluster(
+            build_fleet(count=1, cli=ServerSettings(model=MODEL), name_prefix="b"),
+            host="127.0.0.2",
+            base_port=(await first.start())[0].port,
+        )
+        try:
+            await second.start()
+            return first, second
+        except OSError:
+            await second.stop()
+            await first.stop()
+    raise AssertionError(f"no port free on both 127.0.0.1 and 127.0.0.2 in {_PORT_TRIES} tries")
+
+
 async def test_requests_succeed_behind_original_dst_with_use_http_header(
     fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    first = SimCluster(build_fleet(count=1, cli=ServerSettings(model=MODEL), name_prefix="a"))
-    port = (await first.start())[0].port
-    second = SimCluster(
-        build_fleet(count=1, cli=ServerSettings(model=MODEL), name_prefix="b"),
-        host="127.0.0.2",
-        base_port=port,
-    )
+    first, second = await _two_pods_one_port()
+    port = first.servers[0].port
     try:
-        await second.start()
         fake.put(_v1_pool(port), "inferencepools")
         fake.put(pod_obj("sim-0", "127.0.0.1"), "pods")
         fake.put(pod_obj("sim-1", "127.0.0.2"), "pods")

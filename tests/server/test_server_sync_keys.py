@@ -134,18 +134,26 @@ def _tail(expected: str) -> str:
     return ""
 
 
+@pytest.mark.parametrize(
+    ("running", "tail"),
+    [
+        (True, "the 1 key(s) in use stay"),
+        # (a late start failed: the keys read are only tried, not in use)
+        (False, "replica sync is not running (its start fails), tried again with the 1 key(s) "
+         "read before"),
+    ],
+)  # fmt: skip
 def test_a_removed_key_file_keeps_the_keys_in_use(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, running: bool, tail: str
 ) -> None:
     path = tmp_path / "key"
     _write(path, K1)
     keys = _loaded(path)
     path.unlink()
     with caplog.at_level(logging.ERROR, logger="poolkeeper.replicasync"):
-        assert keys.poll(EVERY) is None
+        assert keys.poll(EVERY, running=running) is None
     assert caplog.messages == [
-        f"spec.replicaSync.keyFile: cannot read {path}: No such file or directory; "
-        "the 1 key(s) in use stay"
+        f"spec.replicaSync.keyFile: cannot read {path}: No such file or directory; {tail}"
     ]
     assert keys.keys == [K1]
     _write(path, K1)  # back, the same key: read, nothing to swap
@@ -194,20 +202,6 @@ def test_a_secret_with_another_data_key_is_reported_while_sync_waits(
     assert "holds notes, sync-key:" in caplog.messages[-1]
     _kubelet_write(volume, "2026_12_07_15_01_00.2", [K1])  # fixed: the key's own name
     assert keys.poll(4 * EVERY) == [K1]
-
-
-def test_a_bad_file_while_a_late_start_fails_says_sync_is_not_running(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    path = tmp_path / "key"
-    _write(path, K1)
-    keys = _loaded(path)
-    _write(path, b"short")
-    with caplog.at_level(logging.ERROR, logger="poolkeeper.replicasync"):
-        assert keys.poll(EVERY, running=False) is None
-    assert caplog.messages[0].endswith(
-        "; replica sync is not running (its start fails), tried again with the 1 key(s) read before"
-    )
 
 
 def test_keys_named_by_an_endpoint_picker_config_are_named_so_on_reload(

@@ -17,7 +17,8 @@ A missing or bad key at start is a ConfigError naming the field (`ReplicaSyncCon
 `spec.replicaSync.keyFile`, or the EndpointPickerConfig's syncer parameter that set it): the
 syncer never runs unauthenticated. With `keyOptional`, only an empty key directory (an optional
 Secret volume without its Secret) leaves sync off (`key_missing`) until the file appears
-(`server/sync_service.py`).
+(`server/sync_service.py`); while it waits, other files appearing in the directory (the
+Secret created with another data key) are reported once per listing, counted `invalid`.
 """
 
 from __future__ import annotations

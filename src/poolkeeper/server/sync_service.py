@@ -10,7 +10,9 @@ optional Secret volume once the Secret is created: no restart needed). Why start
 safe: the syncer binds to the running scheduler as at start (peers' sends folded in from then
 on; this replica's sends made before it are simply not told, as after a restart), under a new
 origin, and a profile it could not bind to is refused at the runtime's start, not when the key
-appears. A start that fails then (the port taken) is logged and tried again at each poll.
+appears. A start that fails then (the port taken) is logged and tried again at each poll,
+each try counted (`_start_failures_total`). Checks run one at a time (a start awaits its
+socket), and the runtime's shutdown stops them first (`stop_following`).
 """
 
 from __future__ import annotations

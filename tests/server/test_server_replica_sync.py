@@ -329,7 +329,8 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
     finally:
         await runtime.stop(grace_s=0)
     assert following == [False]
-    running = runtime._sync.running if runtime._sync is not None else None  # (mypy: not None)
+    # (read through the runtime: mypy still holds `sync.running` to be None, as asserted above)
+    running = runtime._sync.running if runtime._sync is not None else None
     assert running is not None
     assert running.transport._socket is None  # stopped with the runtime
 

@@ -1,9 +1,13 @@
 """Rotating the sync key without a restart, and an optional key that appears while running:
 two syncers over real UDP on loopback, their key files rewritten on disk, each poll of the
-files driven by the test on the runtime's clock (`SyncService.check`)."""
+files driven by the test on the runtime's clock (`SyncService.check`). Nothing here runs on
+real time: the services do not follow their files on their own (`follow=False`), and their
+heartbeats are stopped (`_quiet`), so each datagram a peer sees is one the test sent."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -37,7 +41,16 @@ def _service(
     key: Path, port: int, ports: list[int], clock: _Clock, *, optional: bool = False
 ) -> SyncService:
     section = _section(key, port, ports).model_copy(update={"key_optional": optional})
-    return SyncService(section, scheduler("default"), Datastore(), clock=clock)
+    return SyncService(section, scheduler("default"), Datastore(), clock=clock, follow=False)
+
+
+def _quiet(service: SyncService) -> None:
+    """Stop the started syncer's heartbeat (sent every second of real time): a datagram it
+    sent while the test changed keys would be counted as the test's own."""
+    assert service.running is not None
+    for task in service.running._tasks:
+        if task.get_name() == "replica-sync-heartbeat":
+            task.cancel()
 
 
 def _knows_peers(service: SyncService) -> bool:
@@ -82,6 +95,7 @@ async def _pair(
     await b.start()
     try:
         for service in (a, b):
+            _quiet(service)
             await until(partial(_knows_peers, service), "peers known")
         yield files, a, b
     finally:
@@ -105,8 +119,9 @@ async def test_the_key_rotates_in_three_steps_without_a_restart(tmp_path: Path) 
         # the old order verifies the new signature by its second key, and is still heard.
         _write(files[0], K2, K1)
         await _polled(clock, a, b)
+        old = b.running.transport.codec.verified_old
         assert await _heard(a, b)
-        assert b.running.transport.codec.verified_old == 1
+        assert b.running.transport.codec.verified_old == old + 1
         assert await _heard(b, a)
         _write(files[1], K2, K1)
         await _polled(clock, a, b)
@@ -163,6 +178,8 @@ async def test_an_optional_key_created_later_starts_sync_without_a_restart(
         _kubelet_write(volume, "2026_12_07_16_00_00.1", [K1])  # the Secret was created
         await _polled(clock, a)
         assert _started(a)
+        _quiet(a)
+        _quiet(b)
         text = generate_latest(registry).decode()
         assert "poolkeeper_replica_sync_enabled 1.0" in text
         assert 'poolkeeper_replica_sync_key_reloads_total{result="ok"} 1.0' in text
@@ -175,7 +192,9 @@ async def test_an_optional_key_created_later_starts_sync_without_a_restart(
         await b.stop()
 
 
-async def test_a_late_start_that_fails_is_tried_again_at_the_next_poll(tmp_path: Path) -> None:
+async def test_a_late_start_that_fails_is_tried_again_at_the_next_poll(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ports, clock = free_ports(2), _Clock()
     volume = tmp_path / "secret"
     volume.mkdir()
@@ -184,14 +203,49 @@ async def test_a_late_start_that_fails_is_tried_again_at_the_next_poll(tmp_path:
     await taken.start()  # holds the port the optional one wants
     a = _service(volume / "key", ports[0], ports, clock, optional=True)
     await a.start()
+    registry = CollectorRegistry()
+    registry.register(a.collector())
     try:
         _kubelet_write(volume, "2026_12_07_16_00_00.1", [K1])
         await _polled(clock, a)
         assert not _started(a)  # the port is taken: not started, keys kept for a retry
+        await _polled(clock, a)
+        text = generate_latest(registry).decode()
+        assert "poolkeeper_replica_sync_enabled 0.0" in text
+        assert "poolkeeper_replica_sync_start_failures_total 2.0" in text  # each try counted
+        # The file turns bad meanwhile: the error says sync is not running, not that keys
+        # stay in use; the valid keys read before are still the ones tried.
+        _kubelet_write(volume, "2026_12_07_16_01_00.2", [b"short"])
+        with caplog.at_level(logging.ERROR, logger="poolkeeper.replicasync"):
+            await _polled(clock, a)
+        assert any(
+            m.endswith("; replica sync is not running (its start fails), tried again with "
+                       "the 1 key(s) read before")
+            for m in caplog.messages
+        ), caplog.messages  # fmt: skip
         await taken.stop()
         await until(lambda: _free(ports[0]), "the port closed")  # (closed on a later pass)
+        assert not _started(a)  # nothing but the test's own poll starts it
         await _polled(clock, a)
         assert _started(a)
+        assert a.start_failures == 3
+    finally:
+        await a.stop()
+
+
+async def test_checks_at_once_start_the_syncer_once(tmp_path: Path) -> None:
+    ports, clock = free_ports(2), _Clock()
+    volume = tmp_path / "secret"
+    volume.mkdir()
+    a = _service(volume / "key", ports[0], ports, clock, optional=True)
+    await a.start()
+    try:
+        _kubelet_write(volume, "2026_12_07_16_00_00.1", [K1])
+        clock.now += a.every_s
+        # The second check comes while the first awaits the start (the loop's and another).
+        await asyncio.gather(a.check(), a.check())
+        assert _started(a)
+        assert a.start_failures == 0  # not a second start on the same port
     finally:
         await a.stop()
 

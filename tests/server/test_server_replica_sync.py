@@ -278,7 +278,7 @@ def test_a_raw_binary_key_is_refused_not_split_into_other_keys(tmp_path: Path) -
 
 
 async def test_a_missing_optional_key_starts_the_runtime_without_sync(
-    tmp_path: Path, key_file: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sync_port, sim = free_ports(2)
     missing = tmp_path / "secret" / "key"  # an optional Secret volume, the Secret not created
@@ -296,9 +296,10 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
         )
     )
     await runtime.start()
+    sync = runtime._sync
     try:
-        assert runtime._sync is not None
-        assert runtime._sync.running is None
+        assert sync is not None
+        assert sync.running is None
         assert f"replica sync stays off: spec.replicaSync.keyFile {missing} does not exist" in (
             caplog.text
         )
@@ -306,16 +307,32 @@ async def test_a_missing_optional_key_starts_the_runtime_without_sync(
         assert runtime.metrics is not None
         scraped = generate_latest(runtime.metrics.registry).decode()
         assert "poolkeeper_replica_sync_enabled 0.0" in scraped
-        # The Secret is created: the runtime's own check of the file starts sync, no restart.
-        missing.write_text("0123456789abcdef0123456789abcdef\n")
-        sync = runtime._sync
+        # The Secret is created (written whole, then renamed: the kubelet's swap, so the
+        # runtime's check never reads it half written): its check starts sync, no restart.
+        written = missing.with_name("..written")
+        written.write_text("0123456789abcdef0123456789abcdef\n")
+        written.rename(missing)
         await until(lambda: sync.running is not None, "sync started by the key's check")
         scraped = generate_latest(runtime.metrics.registry).decode()
         assert "poolkeeper_replica_sync_enabled 1.0" in scraped
+        assert "poolkeeper_replica_sync_start_failures_total 0.0" in scraped
+        # The shutdown stops following the key before it drains (nothing starts meanwhile).
+        following: list[bool] = []
+        stop_source = runtime._stop_source
+
+        async def _drain_begins() -> None:
+            assert sync._task is not None
+            following.append(not sync._task.done())
+            await stop_source()
+
+        monkeypatch.setattr(runtime, "_stop_source", _drain_begins)
     finally:
         await runtime.stop(grace_s=0)
-    assert sync.running is not None
-    assert sync.running.transport._socket is None  # stopped with the runtime
+    assert following == [False]
+    # (read through the runtime: mypy still holds `sync.running` to be None, as asserted above)
+    running = runtime._sync.running if runtime._sync is not None else None
+    assert running is not None
+    assert running.transport._socket is None  # stopped with the runtime
 
 
 def test_only_an_empty_key_directory_is_optional(tmp_path: Path, key_file: Path) -> None:

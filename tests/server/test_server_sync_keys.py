@@ -23,7 +23,20 @@ def _section(path: Path, *, optional: bool = False) -> ReplicaSyncConfig:
 
 
 def _write(path: Path, *keys: bytes) -> None:
-    path.write_bytes(b"".join(key + b"\n" for key in keys))
+    """A new file renamed over the old (as the kubelet's swap): a new inode, so a poll sees
+    the change even where the file system's times are coarser than the test's steps, and
+    never reads it half written (`_rewrite`: in place)."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_bytes(b"".join(key + b"\n" for key in keys))
+    os.replace(tmp, path)
+
+
+def _rewrite(path: Path, content: bytes) -> None:
+    """The file rewritten in place (same inode): always another size than before here, as
+    the times alone may not change within a coarse kernel tick."""
+    before = path.stat().st_size
+    path.write_bytes(content)
+    assert path.stat().st_size != before
 
 
 def _loaded(path: Path) -> KeyFile:
@@ -37,30 +50,31 @@ def test_a_key_file_rewritten_in_place_is_read_once_due(tmp_path: Path) -> None:
     _write(path, K1)
     keys = _loaded(path)
     assert keys.poll(EVERY) is None  # unchanged: not read again
-    _write(path, K1, K2)  # step 1 of a rotation: the new key verifies too
+    _rewrite(path, K1 + b"\n" + K2 + b"\n")  # step 1 of a rotation: the new key verifies too
     assert keys.poll(EVERY + 0.5) is None  # checked at most once per `every_s`
     assert keys.poll(2 * EVERY) == [K1, K2]
     assert keys.keys == [K1, K2]
     assert keys.poll(3 * EVERY) is None  # read once per change
-    _write(path, K2, K1)  # step 2: the new key signs
+    _rewrite(path, b"# step 2\n" + K2 + b"\n" + K1 + b"\n")  # step 2: the new key signs
     assert keys.poll(4 * EVERY) == [K2, K1]
     assert keys.reloads == {"ok": 2, "invalid": 0}
 
 
-def _kubelet_write(volume: Path, stamp: str, keys: list[bytes]) -> None:
-    """What the kubelet's atomic writer does to a Secret volume: the payload in a new
-    `..<timestamp>` directory, `..data` swapped to it by a rename, the old one removed; the
-    key's own name is a link through `..data`."""
+def _kubelet_write(volume: Path, stamp: str, keys: list[bytes], name: str = "key") -> None:
+    """What the kubelet's atomic writer does to a Secret volume: the payload (data key
+    `name`) in a new `..<timestamp>` directory, `..data` swapped to it by a rename, the old
+    one removed; the key's own name is a link through `..data`."""
     payload = volume / f"..{stamp}"
     payload.mkdir()
-    _write(payload / "key", *keys)
+    _write(payload / name, *keys)
     old = os.readlink(volume / "..data") if (volume / "..data").is_symlink() else None
     (volume / "..data_tmp").symlink_to(payload.name)
     os.replace(volume / "..data_tmp", volume / "..data")
-    if not (volume / "key").is_symlink():
-        (volume / "key").symlink_to("..data/key")
+    if not (volume / name).is_symlink():
+        (volume / name).symlink_to(f"..data/{name}")
     if old is not None:
-        (volume / old / "key").unlink()
+        for entry in (volume / old).iterdir():
+            entry.unlink()
         (volume / old).rmdir()
 
 
@@ -93,7 +107,7 @@ def test_an_invalid_new_file_keeps_the_keys_in_use_and_says_so_once(
     path = tmp_path / "key"
     _write(path, K1)
     keys = _loaded(path)
-    path.write_bytes(content)
+    _rewrite(path, content)
     with caplog.at_level(logging.INFO, logger="poolkeeper.replicasync"):
         assert keys.poll(EVERY) is None
         assert keys.poll(2 * EVERY) is None  # the same bad file: not said again
@@ -120,18 +134,26 @@ def _tail(expected: str) -> str:
     return ""
 
 
+@pytest.mark.parametrize(
+    ("running", "tail"),
+    [
+        (True, "the 1 key(s) in use stay"),
+        # (a late start failed: the keys read are only tried, not in use)
+        (False, "replica sync is not running (its start fails), tried again with the 1 key(s) "
+         "read before"),
+    ],
+)  # fmt: skip
 def test_a_removed_key_file_keeps_the_keys_in_use(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, running: bool, tail: str
 ) -> None:
     path = tmp_path / "key"
     _write(path, K1)
     keys = _loaded(path)
     path.unlink()
     with caplog.at_level(logging.ERROR, logger="poolkeeper.replicasync"):
-        assert keys.poll(EVERY) is None
+        assert keys.poll(EVERY, running=running) is None
     assert caplog.messages == [
-        f"spec.replicaSync.keyFile: cannot read {path}: No such file or directory; "
-        "the 1 key(s) in use stay"
+        f"spec.replicaSync.keyFile: cannot read {path}: No such file or directory; {tail}"
     ]
     assert keys.keys == [K1]
     _write(path, K1)  # back, the same key: read, nothing to swap
@@ -155,6 +177,31 @@ def test_an_optional_key_that_appears_later_is_returned_once_valid(tmp_path: Pat
     _kubelet_write(volume, "2026_12_07_15_00_00.1", [K1])
     assert keys.poll(3 * EVERY) == [K1]
     assert keys.keys == [K1]
+
+
+def test_a_secret_with_another_data_key_is_reported_while_sync_waits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    volume = tmp_path / "secret"
+    volume.mkdir()  # an optional Secret volume, its Secret not created yet
+    keys = KeyFile(_section(volume / "key", optional=True), every_s=EVERY, now=0.0)
+    _kubelet_write(volume, "2026_12_07_15_00_00.1", [K1], name="sync-key")  # a wrong name
+    with caplog.at_level(logging.INFO, logger="poolkeeper.replicasync"):
+        assert keys.poll(EVERY) is None
+        assert keys.poll(2 * EVERY) is None  # the same listing: said once
+    assert caplog.messages == [
+        f"spec.replicaSync.keyFile: {volume / 'key'} does not exist, but {volume} holds "
+        "sync-key: keyFile must name the key's file (the Secret's data key); replica sync "
+        "stays off until the key's file is there (a restart would refuse this directory)"
+    ]
+    assert caplog.records[0].levelno == logging.ERROR
+    assert keys.reloads == {"ok": 0, "invalid": 1}
+    (volume / "notes").write_text("x")  # the listing changed: said again
+    assert keys.poll(3 * EVERY) is None
+    assert keys.reloads == {"ok": 0, "invalid": 2}
+    assert "holds notes, sync-key:" in caplog.messages[-1]
+    _kubelet_write(volume, "2026_12_07_15_01_00.2", [K1])  # fixed: the key's own name
+    assert keys.poll(4 * EVERY) == [K1]
 
 
 def test_keys_named_by_an_endpoint_picker_config_are_named_so_on_reload(

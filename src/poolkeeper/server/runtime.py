@@ -361,6 +361,8 @@ class GatewayRuntime:
         self._stopped = True
         grace = self.options.drain_grace_s if grace_s is None else grace_s
         self.draining = True
+        if self._sync is not None:  # no late start nor new key during the drain
+            await self._sync.stop_following()
         if self.envoy is not None:
             self.envoy.expect_exit()  # from here an exit of Envoy's is no crash to restart
         await self._stop_source()

@@ -17,7 +17,8 @@ A missing or bad key at start is a ConfigError naming the field (`ReplicaSyncCon
 `spec.replicaSync.keyFile`, or the EndpointPickerConfig's syncer parameter that set it): the
 syncer never runs unauthenticated. With `keyOptional`, only an empty key directory (an optional
 Secret volume without its Secret) leaves sync off (`key_missing`) until the file appears
-(`server/sync_service.py`).
+(`server/sync_service.py`); while it waits, other files appearing in the directory (the
+Secret created with another data key) are reported once per listing, counted `invalid`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def key_missing(config: ReplicaSyncConfig) -> str | None:
         raise ConfigError(f"{field}: cannot check {path}: {exc.strerror}") from None
     folder = key.parent
     try:
-        present = sorted(e.name for e in folder.iterdir() if not e.name.startswith(".."))
+        present = stray_files(folder)
     except FileNotFoundError:
         raise ConfigError(
             f"{field}: {path} does not exist, nor does its directory {folder}: keyOptional "
@@ -67,16 +68,27 @@ def key_missing(config: ReplicaSyncConfig) -> str | None:
     except OSError as exc:
         raise ConfigError(f"{field}: cannot list {folder}: {exc.strerror}") from None
     if present:
-        raise ConfigError(
-            f"{field}: {path} does not exist, but {folder} holds {', '.join(present[:8])}: "
-            "keyFile must name the key's file (the Secret's data key)"
-        )
+        raise ConfigError(misnamed(field, path, present))
     return (
         f"replica sync stays off: {field} {path} does not exist and its directory is empty "
         "(keyOptional: the optional Secret is not created). Create the shared key (e.g. the "
         "Secret the deployment mounts there: kubectl create secret generic <pool>-epp-sync "
         '--from-literal=key="$(head -c 32 /dev/urandom | base64)"): sync starts once the '
         "file appears (the kubelet mounts it within about a minute), no restart needed"
+    )
+
+
+def stray_files(folder: Path) -> list[str]:
+    """The files in the key's directory other than the kubelet's own (`..data`, and the
+    `..<timestamp>` directory it points to); OSError when it cannot be listed."""
+    return sorted(e.name for e in folder.iterdir() if not e.name.startswith(".."))
+
+
+def misnamed(field: str, path: str, present: list[str]) -> str:
+    """The key's file is not there but others are: the Secret's data key is another name."""
+    return (
+        f"{field}: {path} does not exist, but {Path(path).parent} holds "
+        f"{', '.join(present[:8])}: keyFile must name the key's file (the Secret's data key)"
     )
 
 
@@ -131,32 +143,39 @@ class KeyFile:
         self.reloads = dict.fromkeys(RESULTS, 0)  # changed files read, by result
         self._stamp = stamp(self.path)  # before reading: a change meanwhile is seen next
         self._due = now + 0.9 * every_s
+        self._seen: list[str] | str | None = None  # the key's directory while no key (`_absent`)
 
     def load(self) -> list[bytes]:
         """Read the keys at start (ConfigError naming the field, file and line)."""
         self.keys = read_keys(self.path, self.field)
         return self.keys
 
-    def poll(self, now: float) -> list[bytes] | None:
+    def poll(self, now: float, *, running: bool = True) -> list[bytes] | None:
         """The keys to use from now on when the file changed since it was last read and holds
         other valid keys; None otherwise (not due yet: at most one `stat` per `every_s` of the
-        runtime's clock; unchanged; the same keys; refused, logged and counted)."""
+        runtime's clock; unchanged; the same keys; refused, logged and counted). `running`:
+        whether sync runs (False: its late start with `keys` failed, and is tried again)."""
         if now < self._due:
             return None
         # (less a tenth: the loop's timer firing a hair early by the clock must not skip one)
         self._due = now + 0.9 * self.every_s
         current = stamp(self.path)
+        if self.keys is None and isinstance(current, str):
+            self._stamp = current
+            self._absent()  # still not there (keyOptional): but is another file?
+            return None
         if current == self._stamp:
             return None
         self._stamp = current
         try:
             keys = read_keys(self.path, self.field)
         except ConfigError as exc:
-            if self.keys is None and isinstance(current, str):
-                return None  # still not there (keyOptional): nothing new to say
             self.reloads["invalid"] += 1
             if self.keys is None:
                 log.error("%s; replica sync stays off until it holds a valid key", exc.message)
+            elif not running:
+                log.error("%s; replica sync is not running (its start fails), tried again with "
+                          "the %d key(s) read before", exc.message, len(self.keys))  # fmt: skip
             else:
                 log.error("%s; the %d key(s) in use stay", exc.message, len(self.keys))
             return None
@@ -170,3 +189,23 @@ class KeyFile:
         )  # fmt: skip
         self.keys = keys
         return keys
+
+    def _absent(self) -> None:
+        """No key file yet (`keyOptional`): when other files appear in its directory, the
+        Secret was created with another data key, and sync would stay off for good (and the
+        next start refuse the directory, `key_missing`): one error naming the field and the
+        files, counted `invalid`, until the listing changes."""
+        try:
+            files = stray_files(Path(self.path).parent)
+            seen: list[str] | str = files
+            problem = misnamed(self.field, self.path, files) if files else None
+        except OSError as exc:
+            seen = exc.strerror or type(exc).__name__
+            problem = f"{self.field}: cannot list {Path(self.path).parent}: {seen}"
+        if seen == self._seen:
+            return
+        self._seen = seen
+        if problem is not None:
+            self.reloads["invalid"] += 1
+            log.error("%s; replica sync stays off until the key's file is there (a restart "
+                      "would refuse this directory)", problem)  # fmt: skip

@@ -10,7 +10,9 @@ optional Secret volume once the Secret is created: no restart needed). Why start
 safe: the syncer binds to the running scheduler as at start (peers' sends folded in from then
 on; this replica's sends made before it are simply not told, as after a restart), under a new
 origin, and a profile it could not bind to is refused at the runtime's start, not when the key
-appears. A start that fails then (the port taken) is logged and tried again at each poll.
+appears. A start that fails then (the port taken) is logged and tried again at each poll,
+each try counted (`_start_failures_total`). Checks run one at a time (a start awaits its
+socket), and the runtime's shutdown stops them first (`stop_following`).
 """
 
 from __future__ import annotations
@@ -45,26 +47,32 @@ class SyncService:
         *,
         clock: Callable[[], float],
         wake: Callable[[], None] | None = None,
+        follow: bool = True,
     ) -> None:
         self.config, self.scheduler, self.datastore = config, scheduler, datastore
-        self.clock, self.wake = clock, wake
+        self.clock, self.wake, self.follow = clock, wake, follow
         self.every_s = config.reconcile_interval_ms / 1000.0
         self.keys = KeyFile(config, every_s=self.every_s, now=clock())
         self.running: RunningSync | None = None
         self._waiting: list[bytes] | None = None  # valid keys whose late start failed
         self._failed: str | None = None  # that start's error, logged once
+        self.start_failures = 0  # late starts that failed (each retry counted)
+        self._checking = asyncio.Lock()  # one check at a time: a start awaits its socket
         self._unsubscribe: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Start the syncer, or leave it off with a warning (`keyOptional`, no key yet);
-        ConfigError for a bad key or a profile it cannot bind to, OSError for a taken port."""
+        ConfigError for a bad key or a profile it cannot bind to, OSError for a taken port.
+        Then the key file is followed every `every_s` of real time, unless `follow` is False
+        (tests, which call `check` on their own clock and must not race a loop)."""
         if (why := key_missing(self.config)) is not None:
             bind(ReplicaSync("probe"), self.scheduler).unbind()  # refused now, not later
             log.warning("%s", why)
         else:
             await self._run(self.keys.load())
-        self._task = asyncio.create_task(self._follow(), name="replica-sync-keys")
+        if self.follow:
+            self._task = asyncio.create_task(self._follow(), name="replica-sync-keys")
 
     async def _follow(self) -> None:
         while True:
@@ -76,8 +84,13 @@ class SyncService:
 
     async def check(self) -> None:
         """One poll of the key file (the loop's step): swap changed keys into the running
-        codec, or start the syncer that waited for them."""
-        keys = self.keys.poll(self.clock())
+        codec, or start the syncer that waited for them. Serial: a check called while one
+        awaits a start waits for it (two would start two syncers on one port)."""
+        async with self._checking:
+            await self._check()
+
+    async def _check(self) -> None:
+        keys = self.keys.poll(self.clock(), running=self.running is not None)
         if keys is not None and self.running is not None:
             self.running.transport.codec.set_keys(keys)
             return
@@ -88,6 +101,7 @@ class SyncService:
         try:
             await self._run(self._waiting)
         except Exception as exc:  # (ConfigError, OSError): tried again at the next poll
+            self.start_failures += 1
             if str(exc) != self._failed:
                 log.error("replica sync: not started: %s (tried again every %.1fs)",
                           exc, self.every_s)  # fmt: skip
@@ -106,36 +120,44 @@ class SyncService:
         # awaited): read it again now that the listener is in place, so none is missed.
         running.pool_changed(self.datastore.snapshot(), ChangeKind.ENDPOINTS)
 
-    async def stop(self) -> None:
-        """Stop following the key and stop the syncer (its last ends told to the peers)."""
+    async def stop_following(self) -> None:
+        """Stop following the key file (the runtime's shutdown begins: sync must not start
+        or change keys while it drains); a start in progress is cancelled."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    async def stop(self) -> None:
+        """Stop following the key and stop the syncer (its last ends told to the peers)."""
+        await self.stop_following()
         if self._unsubscribe is not None:
             self._unsubscribe()
         if self.running is not None:
             await self.running.stop()
 
     def collector(self) -> SyncCollector:
-        return SyncCollector(lambda: self.running, self.keys)
+        return SyncCollector(lambda: self.running, self.keys, lambda: self.start_failures)
 
 
 class SyncCollector(Collector):
     """`poolkeeper_replica_sync_*` at scrape time (docs/kubernetes.md lists them); while
-    `running` gives None (turned on, but its optional key is not there) only `_enabled` 0 and
-    the key file's reloads."""
+    `running` gives None (turned on, but its optional key is not there, or its late start
+    fails) only `_enabled` 0, the key file's reloads and the failed starts."""
 
     def __init__(
-        self, running: Callable[[], RunningSync | None], keys: KeyFile | None = None
+        self,
+        running: Callable[[], RunningSync | None],
+        keys: KeyFile | None = None,
+        start_failures: Callable[[], int] | None = None,
     ) -> None:
-        self._running, self.keys = running, keys
+        self._running, self.keys, self._start_failures = running, keys, start_failures
 
     def collect(self) -> Iterator[Metric]:
         prefix, running = "poolkeeper_replica_sync", self._running()
         yield GaugeMetricFamily(
             f"{prefix}_enabled",
-            "1 while the syncer runs; 0 when it is turned on but stays off (keyOptional, "
-            "no key yet).",
+            "1 while the syncer runs; 0 when it is turned on but stays off (keyOptional: "
+            "no valid key yet, or its start fails: start_failures_total).",
             value=0 if running is None else 1,
         )
         if self.keys is not None:
@@ -148,6 +170,13 @@ class SyncCollector(Collector):
             for result, count in self.keys.reloads.items():
                 reloads.add_metric([result], count)
             yield reloads
+        if self._start_failures is not None:
+            yield CounterMetricFamily(
+                f"{prefix}_start_failures",
+                "Late starts (keyOptional, once the key is there) that failed, each retry "
+                "counted (e.g. the port taken: the log says why); sync stays off meanwhile.",
+                value=self._start_failures(),
+            )
         if running is None:
             return
         stats, hub, codec = running.transport.stats, running.hub, running.transport.codec

@@ -33,7 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The request path's own modules that mypyc 2.4 compiles and that import and run as compiled.
 COMPILED = (
-    "poolkeeper/extproc/h2/connection.py",  # the lean transport: frames in, frames out
+    "poolkeeper/extproc/h2/connection.py",  # the lean transport: reads, streams, handlers
+    "poolkeeper/extproc/h2/receiver.py",  # frames in (connection.py as split in December)
+    "poolkeeper/extproc/h2/sender.py",  # frames out
+    "poolkeeper/extproc/h2/shared.py",
+    "poolkeeper/extproc/h2/stream.py",
     "poolkeeper/extproc/h2/frames.py",
     "poolkeeper/extproc/h2/headers.py",
     "poolkeeper/extproc/h2/limits.py",

@@ -44,6 +44,9 @@ COMPILED = (
     "poolkeeper/extproc/messages.py",  # replies and header maps
     "poolkeeper/extproc/state.py",  # the Exchange
     "poolkeeper/requestcontrol/director.py",
+    "poolkeeper/requestcontrol/prepare.py",  # director.py as split in December
+    "poolkeeper/requestcontrol/candidates.py",
+    "poolkeeper/requestcontrol/sends.py",
     "poolkeeper/requestcontrol/flowgate.py",
     "poolkeeper/requestcontrol/flowoutcomes.py",  # flowgate.py as split in December
     "poolkeeper/requestcontrol/flowroom.py",

@@ -43,6 +43,8 @@ COMPILED = (
     "poolkeeper/extproc/h2/limits.py",
     "poolkeeper/extproc/messages.py",  # replies and header maps
     "poolkeeper/extproc/state.py",  # the Exchange
+    "poolkeeper/extproc/response_path.py",  # state.py as split in December
+    "poolkeeper/extproc/exchange_state.py",
     "poolkeeper/requestcontrol/director.py",
     "poolkeeper/requestcontrol/prepare.py",  # director.py as split in December
     "poolkeeper/requestcontrol/candidates.py",

@@ -41,7 +41,9 @@ COMPILED = (
     "poolkeeper/extproc/h2/frames.py",
     "poolkeeper/extproc/h2/headers.py",
     "poolkeeper/extproc/h2/limits.py",
-    "poolkeeper/extproc/messages.py",  # replies and header maps
+    "poolkeeper/extproc/messages.py",  # replies (messages.py as split in December:)
+    "poolkeeper/extproc/routing_replies.py",  # the replies that route a request
+    "poolkeeper/extproc/request_fields.py",  # header maps, the proxy's metadata
     "poolkeeper/extproc/state.py",  # the Exchange
     "poolkeeper/extproc/response_path.py",  # state.py as split in December
     "poolkeeper/extproc/exchange_state.py",

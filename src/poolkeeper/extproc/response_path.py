@@ -10,7 +10,7 @@ import logging
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from poolkeeper.extproc import messages as msg, wire
+from poolkeeper.extproc import messages as msg, request_fields, wire
 from poolkeeper.extproc.contracts import BUFFERED
 from poolkeeper.extproc.exchange_state import ExchangeState, Phase, Replies
 from poolkeeper.extproc.model_name import rewriter_for
@@ -24,12 +24,12 @@ class ResponsePath(ExchangeState):
 
     def _response_headers(self, headers: pb.HttpHeaders) -> Replies:
         self.phase = Phase.RESPONSE
-        values = msg.header_map(headers)
+        values = request_fields.header_map(headers)
         try:
             self.status = int(values.get(":status", "0"))
         except ValueError:
             self.status = 0
-        self.served = values.get(msg.SERVED_KEY) or self.served
+        self.served = values.get(request_fields.SERVED_KEY) or self.served
         if self.served and self.decision is not None and self.served != self.decision.endpoints[0]:
             # The proxy used a fallback: move the in-flight accounting to where it really is.
             try:

@@ -32,7 +32,7 @@ from poolkeeper.errors import (
     ServerBusy,
     UnsupportedEncoding,
 )
-from poolkeeper.extproc import messages as msg, wire
+from poolkeeper.extproc import messages as msg, request_fields, routing_replies, wire
 from poolkeeper.extproc.contracts import BUFFERED
 from poolkeeper.extproc.exchange_state import Phase, Replies
 from poolkeeper.extproc.response_path import ResponsePath
@@ -55,8 +55,8 @@ class Exchange(ResponsePath):
             self.response_mode = request.protocol_config.response_body_mode
         if request.HasField("metadata_context"):  # both read nothing else (most messages)
             if self.hint is None:
-                self.hint = msg.subset_hint(request)
-            self.served = msg.served_endpoint(request) or self.served
+                self.hint = request_fields.subset_hint(request)
+            self.served = request_fields.served_endpoint(request) or self.served
         if self.phase is Phase.DONE:
             return []  # after an ImmediateResponse Envoy is closing; nothing more to say
         kind = request.WhichOneof("request")
@@ -80,15 +80,21 @@ class Exchange(ResponsePath):
 
     # -- request path -----------------------------------------------------------------------
     async def _request_headers(self, headers: pb.HttpHeaders) -> Replies:
-        self.headers, count, size = msg.request_header_map(headers)
-        if msg.may_name_gateway_headers(self.headers):
-            self.spoofed = [h for h in self.headers if h.startswith(msg.ROUTING_HEADER_PREFIX)]
+        self.headers, count, size = request_fields.request_header_map(headers)
+        if request_fields.may_name_gateway_headers(self.headers):
+            self.spoofed = [
+                h for h in self.headers if h.startswith(request_fields.ROUTING_HEADER_PREFIX)
+            ]
             for name in self.spoofed:
                 del self.headers[name]
             # Removed on the way upstream; routing headers are also hidden from the Director.
-            self.stripped = self.spoofed + [h for h in self.headers if h in msg.CONTROL_HEADERS]
+            self.stripped = self.spoofed + [
+                h for h in self.headers if h in request_fields.CONTROL_HEADERS
+            ]
         self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
-        too_large = msg.header_limit_error(count, size, self.settings.client_header_limits)
+        too_large = request_fields.header_limit_error(
+            count, size, self.settings.client_header_limits
+        )
         if too_large is not None:
             return self._reject(too_large)
         method = self.headers.get(":method", "")
@@ -183,17 +189,19 @@ class Exchange(ResponsePath):
         out_body = body if decision.body is None else decision.body
         if self.header_only:  # nothing but the headers message to answer
             return [
-                msg.routing_reply(decision.endpoints, None, self.stripped, key, via_epp=via_epp)
+                routing_replies.routing_reply(
+                    decision.endpoints, None, self.stripped, key, via_epp=via_epp
+                )
             ]
         if self.request_mode == BUFFERED:
             self._release_body()
             return [
-                msg.buffered_routing_reply(
+                routing_replies.buffered_routing_reply(
                     decision.endpoints, decision.body, self.stripped, key, via_epp=via_epp
                 )
             ]
         replies = [
-            msg.routing_reply(
+            routing_replies.routing_reply(
                 decision.endpoints, len(out_body), self.stripped, key, via_epp=via_epp
             )
         ]

@@ -136,24 +136,12 @@ class Director(Sends):
         return self._gate if isinstance(self._gate, FlowGate) else None
 
     @property
-    def wants_first_tokens_at_once(self) -> bool:
-        """Whether first tokens should be reported as they happen (`server/envoy_bootstrap.py`'s
-        bootstrap): the scheduler learns from them, or flow control's `holdNewPrefixes`
-        asks its held requests again on each (a prefill ended). Reported only at the
-        request's end, a held request would wait for completions instead."""
-        return self._learner is not None or self._wake is not None
-
-    @property
     def config(self) -> RequestHandling:
         return self._config
 
     @property
     def scheduler(self) -> SchedulerLike:
         return self._scheduler
-
-    @property
-    def inflight(self) -> InflightLike:
-        return self._inflight
 
     # --- request path ---------------------------------------------------------------------
 

@@ -62,12 +62,23 @@ class Sends:
     ) -> None:
         self._inflight = inflight
         self._gate = gate
-        # Told about first bytes and ends only when some plugin learns from them.
-        self._learner = learner
+        self._learner = learner  # the scheduler, when a plugin learns from first tokens
         self._wake = wake  # flow control's `holdNewPrefixes` asks again on a first byte
         self._clock = clock
         self._sequence = itertools.count()
         self.observer: DirectorObserver | None = None  # set by the runtime (metrics)
+
+    @property
+    def inflight(self) -> InflightLike:
+        return self._inflight
+
+    @property
+    def wants_first_tokens_at_once(self) -> bool:
+        """Whether first tokens should be reported as they happen (`server/envoy_bootstrap.py`'s
+        bootstrap): the scheduler learns from them, or flow control's `holdNewPrefixes`
+        asks its held requests again on each (a prefill ended). Reported only at the
+        request's end, a held request would wait for completions instead."""
+        return self._learner is not None or self._wake is not None
 
     def _send_key(self, request: IncomingRequest) -> str:
         """This send's identity: the client's id (clients choose it, so two live sends may

@@ -257,7 +257,7 @@ def _patch_epp(drop: set[str]) -> None:
     metadata: override_host reads the header), `nokey` (no exchange key), `nocl` (no
     content-length), `noclear` (no route-cache clear: only meaningful where the route does
     not need it) taken out of those replies."""
-    from poolkeeper.extproc import messages as msg
+    from poolkeeper.extproc import messages as msg, routing_replies
     from poolkeeper.extproc.server import ExtProcServicer
 
     if "late" in drop:
@@ -302,11 +302,11 @@ def _patch_epp(drop: set[str]) -> None:
             data = b"".join(body)
             metadata = None
             if "nometa" not in drop:
-                metadata = msg.destination_metadata(endpoints)
+                metadata = routing_replies.destination_metadata(endpoints)
                 if "nokey" not in drop:
-                    msg.add_exchange_key(metadata, uuid.uuid4().hex, via_epp=False)
+                    routing_replies.add_exchange_key(metadata, uuid.uuid4().hex, via_epp=False)
             length = None if "nocl" in drop else len(data)
-            mutation = msg.routing_headers(endpoints, length, [])
+            mutation = routing_replies.routing_headers(endpoints, length, [])
             yield msg.request_headers_reply(
                 mutation, clear_route_cache="noclear" not in drop, metadata=metadata
             )

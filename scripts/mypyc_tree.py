@@ -33,13 +33,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The request path's own modules that mypyc 2.4 compiles and that import and run as compiled.
 COMPILED = (
-    "poolkeeper/extproc/h2/connection.py",  # the lean transport: frames in, frames out
+    "poolkeeper/extproc/h2/connection.py",  # the lean transport: reads, streams, handlers
+    "poolkeeper/extproc/h2/receiver.py",  # frames in (connection.py as split in December)
+    "poolkeeper/extproc/h2/sender.py",  # frames out
+    "poolkeeper/extproc/h2/shared.py",
+    "poolkeeper/extproc/h2/stream.py",
     "poolkeeper/extproc/h2/frames.py",
     "poolkeeper/extproc/h2/headers.py",
     "poolkeeper/extproc/h2/limits.py",
-    "poolkeeper/extproc/messages.py",  # replies and header maps
+    "poolkeeper/extproc/messages.py",  # replies (messages.py as split in December:)
+    "poolkeeper/extproc/routing_replies.py",  # the replies that route a request
+    "poolkeeper/extproc/request_fields.py",  # header maps, the proxy's metadata
     "poolkeeper/extproc/state.py",  # the Exchange
+    "poolkeeper/extproc/response_path.py",  # state.py as split in December
+    "poolkeeper/extproc/exchange_state.py",
     "poolkeeper/requestcontrol/director.py",
+    "poolkeeper/requestcontrol/prepare.py",  # director.py as split in December
+    "poolkeeper/requestcontrol/candidates.py",
+    "poolkeeper/requestcontrol/sends.py",
     "poolkeeper/requestcontrol/flowgate.py",
     "poolkeeper/requestcontrol/flowoutcomes.py",  # flowgate.py as split in December
     "poolkeeper/requestcontrol/flowroom.py",

@@ -42,9 +42,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from poolkeeper.bench.overhead.overhead_floor import MinimalProcessor
 from poolkeeper.bench.overhead.overhead_gateway import body_of
 from poolkeeper.extproc.h2 import frames as f
-from poolkeeper.extproc.h2.connection import Connection, Shared
+from poolkeeper.extproc.h2.connection import Connection
 from poolkeeper.extproc.h2.limits import Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import bidi, envelope
+from poolkeeper.extproc.h2.shared import Shared
 from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.lean import PROCESS_PATH
 

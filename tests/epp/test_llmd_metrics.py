@@ -14,8 +14,10 @@ from poolkeeper.errors import FilteredOut, QueueTimeout
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.telemetry.flowqueue import FlowQueue, QueueStats
+from poolkeeper.telemetry.labels import OTHER
 from poolkeeper.telemetry.llmd_families import UNSAMPLED
-from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, PoolStats
+from poolkeeper.telemetry.metrics import GatewayMetrics
+from poolkeeper.telemetry.pool_collector import PoolStats
 from tests.requestcontrol.test_rc_director import _chat
 from tests.requestcontrol.test_rc_director_objectives import rig
 

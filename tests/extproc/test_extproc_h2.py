@@ -17,7 +17,7 @@ import hpack
 import pytest
 from prometheus_client import CollectorRegistry
 
-from poolkeeper.extproc.h2 import connection as h2_connection, frames as f
+from poolkeeper.extproc.h2 import frames as f, shared as h2_shared
 from poolkeeper.extproc.h2.headers import HeaderDecoder, table_neutral
 from poolkeeper.extproc.h2.limits import Limits
 from poolkeeper.extproc.h2.rpc import (
@@ -334,7 +334,7 @@ async def test_refusals_after_a_warning_are_told_when_the_interval_is_over(
 ) -> None:
     """A burst of refusals: the first is told at once, the rest of the burst once, when the
     interval is over, without waiting for a refusal after it."""
-    monkeypatch.setattr(h2_connection, "REFUSAL_LOG_EVERY_S", 1.0)
+    monkeypatch.setattr(h2_shared, "REFUSAL_LOG_EVERY_S", 1.0)
     async with lean(limits=Limits(max_connections=1)) as server:
         held = await Peer.connect(server.port)
         with caplog.at_level("WARNING", logger="poolkeeper.extproc.h2"):

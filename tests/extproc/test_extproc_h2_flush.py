@@ -16,8 +16,9 @@ from typing import Any
 import hpack
 
 from poolkeeper.extproc.h2 import frames as f
-from poolkeeper.extproc.h2.connection import Connection, Shared
+from poolkeeper.extproc.h2.connection import Connection
 from poolkeeper.extproc.h2.limits import Limits, TransportStats
+from poolkeeper.extproc.h2.shared import Shared
 from tests.extproc.h2_peer import PATH, echo_method, grpc_message
 
 

@@ -21,10 +21,11 @@ import hpack
 import pytest
 
 from poolkeeper.extproc.h2 import frames as f
-from poolkeeper.extproc.h2.connection import Connection, Shared
+from poolkeeper.extproc.h2.connection import Connection
 from poolkeeper.extproc.h2.limits import Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import MessageReader, bidi, envelope
 from poolkeeper.extproc.h2.server import tls_context
+from poolkeeper.extproc.h2.shared import Shared
 from tests.extproc.h2_peer import PATH, lean
 from tests.extproc.test_extproc_h2 import _self_signed
 from tests.extproc.test_extproc_h2_flush import _Transport

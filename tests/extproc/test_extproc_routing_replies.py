@@ -1,7 +1,7 @@
-"""The routing a reply carries has one home (`messages._fill_routing`): FULL_DUPLEX_STREAMED
-puts it on the request-headers reply (`routing_reply`), BUFFERED on the request-body reply
-(`buffered_routing_reply`). Both must stay the exact bytes the separate builders made
-(map entries in sorted order: the default serialization orders them by hash)."""
+"""The routing a reply carries has one home (`routing_replies._fill_routing`):
+FULL_DUPLEX_STREAMED puts it on the request-headers reply (`routing_reply`), BUFFERED on the
+request-body reply (`buffered_routing_reply`). Both must stay the exact bytes the separate
+builders made (map entries in sorted order: the default serialization orders them by hash)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from poolkeeper import observation
-from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc import messages as msg, request_fields, routing_replies
 
 ENDPOINTS = [("10.0.0.1:8000",), ("10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000")]
 BODIES = [None, b"", b'{"model":"adapter-1","messages":[]}', bytes(range(256)) * 300]
-SPOOFED = [[], [msg.DESTINATION_HEADER, "x-gateway-model-name-rewrite"], ["content-length"]]
+SPOOFED = [
+    [],
+    [routing_replies.DESTINATION_HEADER, "x-gateway-model-name-rewrite"],
+    ["content-length"],
+]
 KEYS = [(None, False), ("k1", False), ("k2", True)]
 
 
@@ -24,11 +28,11 @@ def _buffered_by_parts(
     endpoints: tuple[str, ...], body: bytes | None, spoofed: list[str], key: str | None, via: bool
 ) -> pb.ProcessingResponse:
     """The BUFFERED routing reply as `Exchange` built it before: each part apart, copied in."""
-    metadata = msg.destination_metadata(endpoints)
+    metadata = routing_replies.destination_metadata(endpoints)
     if key is not None:
-        msg.add_exchange_key(metadata, key, via_epp=via)
+        routing_replies.add_exchange_key(metadata, key, via_epp=via)
     length = len(body) if body is not None else None
-    mutation = msg.routing_headers(endpoints, length, spoofed)
+    mutation = routing_replies.routing_headers(endpoints, length, spoofed)
     return msg.buffered_body_reply(
         body=body, mutation=mutation, clear_route_cache=True, metadata=metadata
     )
@@ -37,7 +41,7 @@ def _buffered_by_parts(
 def test_the_buffered_routing_reply_is_the_bytes_the_parts_made() -> None:
     cases = itertools.product(ENDPOINTS, BODIES, SPOOFED, KEYS)
     for endpoints, body, spoofed, (key, via) in cases:
-        built = msg.buffered_routing_reply(endpoints, body, spoofed, key, via_epp=via)
+        built = routing_replies.buffered_routing_reply(endpoints, body, spoofed, key, via_epp=via)
         reference = _buffered_by_parts(endpoints, body, spoofed, key, via)
         # Deterministic: map entries (the metadata's namespaces) are sorted, where the default
         # serialization follows the hash table's order, which varies between runs.
@@ -52,8 +56,10 @@ def test_both_modes_route_with_the_same_parts() -> None:
     cases = itertools.product(ENDPOINTS, BODIES, SPOOFED, KEYS)
     for endpoints, body, spoofed, (key, via) in cases:
         length = len(body) if body is not None else None
-        streamed = msg.routing_reply(endpoints, length, spoofed, key, via_epp=via)
-        buffered = msg.buffered_routing_reply(endpoints, body, spoofed, key, via_epp=via)
+        streamed = routing_replies.routing_reply(endpoints, length, spoofed, key, via_epp=via)
+        buffered = routing_replies.buffered_routing_reply(
+            endpoints, body, spoofed, key, via_epp=via
+        )
         on_headers, on_body = streamed.request_headers.response, buffered.request_body.response
         assert on_headers.header_mutation == on_body.header_mutation
         assert on_headers.clear_route_cache
@@ -77,16 +83,18 @@ def test_the_routing_reply_is_the_bytes_plain_constructors_make() -> None:
     for endpoints, body, spoofed, (key, via) in cases:
         length = len(body) if body is not None else None
         destination = ",".join(endpoints)
-        sets = [_header(msg.DESTINATION_HEADER, destination)]
+        sets = [_header(routing_replies.DESTINATION_HEADER, destination)]
         if length is not None:
             sets.append(_header("content-length", str(length)))
-        names = {msg.DESTINATION_HEADER} | ({"content-length"} if length is not None else set())
+        names = {routing_replies.DESTINATION_HEADER} | (
+            {"content-length"} if length is not None else set()
+        )
         mutation = pb.HeaderMutation(
             set_headers=sets, remove_headers=[h for h in spoofed if h not in names]
         )
-        lb = {msg.DESTINATION_HEADER: destination}
+        lb = {routing_replies.DESTINATION_HEADER: destination}
         metadata = struct_pb2.Struct()
-        metadata.update({msg.LB_NAMESPACE: lb})
+        metadata.update({routing_replies.LB_NAMESPACE: lb})
         if key is not None:
             names_ = {observation.EXCHANGE: key}
             if via:
@@ -98,18 +106,25 @@ def test_the_routing_reply_is_the_bytes_plain_constructors_make() -> None:
             ),
             dynamic_metadata=metadata,
         )
-        built = msg.routing_reply(endpoints, length, spoofed, key, via_epp=via)
+        built = routing_replies.routing_reply(endpoints, length, spoofed, key, via_epp=via)
         assert built.SerializeToString(deterministic=True) == reference.SerializeToString(
             deterministic=True
         ), (endpoints, body, spoofed, key)
 
 
 def test_every_gateway_header_is_found_by_the_quick_check() -> None:
-    for name in [*msg.CONTROL_HEADERS, msg.DESTINATION_HEADER, msg.SERVED_KEY, msg.SUBSET_KEY]:
-        assert msg.may_name_gateway_headers({"accept": "*/*", name: "x"}), name
-        assert msg.may_name_gateway_headers({name: "x"}), name
-    assert not msg.may_name_gateway_headers({"accept": "*/*", "x-gatewa": "x", "a-x-gateway-": ""})
-    assert not msg.may_name_gateway_headers({})
+    for name in [
+        *request_fields.CONTROL_HEADERS,
+        routing_replies.DESTINATION_HEADER,
+        request_fields.SERVED_KEY,
+        request_fields.SUBSET_KEY,
+    ]:
+        assert request_fields.may_name_gateway_headers({"accept": "*/*", name: "x"}), name
+        assert request_fields.may_name_gateway_headers({name: "x"}), name
+    assert not request_fields.may_name_gateway_headers(
+        {"accept": "*/*", "x-gatewa": "x", "a-x-gateway-": ""}
+    )
+    assert not request_fields.may_name_gateway_headers({})
 
 
 def test_the_prebuilt_routing_reply_is_the_built_one() -> None:
@@ -118,15 +133,15 @@ def test_the_prebuilt_routing_reply_is_the_built_one() -> None:
     lengths = [None, 0, 7, 62_000, 1 << 20]
     cases = itertools.product(ENDPOINTS, lengths, SPOOFED, KEYS)
     for endpoints, length, spoofed, (key, via) in cases:
-        quick = msg.routing_reply(endpoints, length, spoofed, key, via_epp=via)
-        built = msg.built_routing_reply(endpoints, length, spoofed, key, via_epp=via)
+        quick = routing_replies.routing_reply(endpoints, length, spoofed, key, via_epp=via)
+        built = routing_replies.built_routing_reply(endpoints, length, spoofed, key, via_epp=via)
         assert quick == built, (endpoints, length, spoofed, key, via)
         assert quick.SerializeToString(deterministic=True) == built.SerializeToString(
             deterministic=True
         )
     # the template itself is never handed out: each reply is its own message
-    one = msg.routing_reply(ENDPOINTS[0], 5, [], "k1")
-    two = msg.routing_reply(ENDPOINTS[1], 6, [], "k2")
+    one = routing_replies.routing_reply(ENDPOINTS[0], 5, [], "k1")
+    two = routing_replies.routing_reply(ENDPOINTS[1], 6, [], "k2")
     assert one != two
     assert (
         one.dynamic_metadata.fields[observation.NAMESPACE]

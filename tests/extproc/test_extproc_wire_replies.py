@@ -13,9 +13,10 @@ import pytest
 
 from poolkeeper.extproc import messages as msg, wire
 from poolkeeper.extproc.h2 import frames as f
-from poolkeeper.extproc.h2.connection import Connection, Shared
+from poolkeeper.extproc.h2.connection import Connection
 from poolkeeper.extproc.h2.limits import Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import bidi, envelope
+from poolkeeper.extproc.h2.shared import Shared
 from tests.extproc.h2_peer import PATH
 
 SIZES = [0, 1, 127, 128, 129, 16_383, 16_384, 61_999, 62_000, 62_001, 124_000, 300_000]

@@ -216,7 +216,8 @@ def test_dashboard_queries_name_exported_metrics() -> None:
     assert len(board["panels"]) == len(PANELS)
     from prometheus_client import generate_latest
 
-    from poolkeeper.telemetry.metrics import GatewayMetrics, PoolStats
+    from poolkeeper.telemetry.metrics import GatewayMetrics
+    from poolkeeper.telemetry.pool_collector import PoolStats
 
     metrics = GatewayMetrics(pool_stats=lambda: iter([PoolStats("p", 0.0, 0.0, 1)]))
     exported = generate_latest(metrics.registry).decode()

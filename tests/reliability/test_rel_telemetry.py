@@ -7,8 +7,9 @@ import json
 import logging
 
 from poolkeeper.errors import ModelNotFound
+from poolkeeper.telemetry.labels import MAX_LABEL_CHARS
 from poolkeeper.telemetry.logs import configure_logging
-from poolkeeper.telemetry.metrics import MAX_LABEL_CHARS, GatewayMetrics
+from poolkeeper.telemetry.metrics import GatewayMetrics
 
 
 def test_long_and_control_model_names_do_not_bloat_metrics() -> None:

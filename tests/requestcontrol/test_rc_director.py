@@ -29,7 +29,9 @@ from poolkeeper.errors import (
     RequestShed,
 )
 from poolkeeper.flowcontrol.shedding import AdmissionController
-from poolkeeper.requestcontrol.director import Director, Ticket, _scheduler_headers
+from poolkeeper.requestcontrol.director import Director
+from poolkeeper.requestcontrol.prepare import scheduler_headers
+from poolkeeper.requestcontrol.sends import Ticket
 from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
@@ -501,7 +503,7 @@ def test_scheduler_headers_drop_exactly_the_control_prefix(
     names: list[str], kept: list[str] | None
 ) -> None:
     headers = {name: "v" for name in names}
-    out = _scheduler_headers(headers)
+    out = scheduler_headers(headers)
     if kept is None:
         assert out is headers
     else:

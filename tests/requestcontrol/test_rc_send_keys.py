@@ -13,7 +13,8 @@ import pytest
 from poolkeeper.config.gateway import RequestHandling
 from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.flowcontrol.shedding import AdmissionController
-from poolkeeper.requestcontrol.director import Director, Ticket
+from poolkeeper.requestcontrol.director import Director
+from poolkeeper.requestcontrol.sends import Ticket
 from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.backlog import PrefillBacklog

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from poolkeeper.errors import ModelNotFound, RequestShed
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import SchedulingStats
+from poolkeeper.telemetry.epp_collectors import ObserverStats
 from poolkeeper.telemetry.health import (
     EXT_PROC_SERVICE,
     NOT_SERVING,
@@ -19,8 +20,10 @@ from poolkeeper.telemetry.health import (
     HealthService,
     check_health,
 )
+from poolkeeper.telemetry.labels import OTHER
 from poolkeeper.telemetry.logs import configure_logging
-from poolkeeper.telemetry.metrics import OTHER, GatewayMetrics, ObserverStats, PoolStats
+from poolkeeper.telemetry.metrics import GatewayMetrics
+from poolkeeper.telemetry.pool_collector import PoolStats
 
 
 def _samples(m: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

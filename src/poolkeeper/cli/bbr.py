@@ -42,9 +42,9 @@ from poolkeeper.extproc.conncap_service import add_conncap_service
 from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import build_server
 from poolkeeper.server.envoy_bootstrap import bootstrap_params
+from poolkeeper.telemetry.epp_collectors import client_connections_app
 from poolkeeper.telemetry.health import HealthService
 from poolkeeper.telemetry.logs import configure_logging
-from poolkeeper.telemetry.metrics import client_connections_app
 
 BBR_PORT = 9004  # upstream's BBR chart serves ext_proc on 9004
 

@@ -27,16 +27,11 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from poolkeeper.envoy.bootstrap import (
-    admin_interface,
-    client_facing_hcm,
-    edge_listener,
-    ext_proc_filter,
-    hcm_filter,
-    overload_manager,
-)
+from poolkeeper.envoy.client_hcm import client_facing_hcm, hcm_filter
 from poolkeeper.envoy.clusters import override_host_policy
 from poolkeeper.envoy.conncap import conncap_access_log, conncap_filter
+from poolkeeper.envoy.edge import admin_interface, edge_listener, overload_manager
+from poolkeeper.envoy.extproc_filters import ext_proc_filter
 from poolkeeper.envoy.params import (
     DESTINATION_HEADER,
     EXT_PROC_PER_ROUTE_TYPE,

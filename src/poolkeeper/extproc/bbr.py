@@ -36,7 +36,7 @@ from envoy.service.ext_proc.v3 import (
 )
 
 from poolkeeper.errors import BadRequest, PayloadTooLarge
-from poolkeeper.extproc import messages as msg
+from poolkeeper.extproc import messages as msg, request_fields
 from poolkeeper.requestcontrol.body import parse_model
 
 log = logging.getLogger("poolkeeper.bbr")
@@ -90,8 +90,10 @@ class BbrExchange:
         kind = request.WhichOneof("request")
         if kind == "request_headers":
             if self.client_header_limits is not None:
-                _, count, size = msg.request_header_map(request.request_headers)
-                too_large = msg.header_limit_error(count, size, self.client_header_limits)
+                _, count, size = request_fields.request_header_map(request.request_headers)
+                too_large = request_fields.header_limit_error(
+                    count, size, self.client_header_limits
+                )
                 if too_large is not None:
                     self.done = True
                     return [msg.error_reply(too_large)]

@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import (
     external_processor_pb2_grpc as pb_grpc,
 )
 
-from poolkeeper.extproc import messages as msg, wire
+from poolkeeper.extproc import request_fields, wire
 from poolkeeper.extproc.accesslog import DetachedExchanges
 from poolkeeper.extproc.contracts import (
     BodyBudget,
@@ -90,7 +90,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     # The response processor's stream (envoy/observer.py): the request was
                     # routed on an earlier stream. An unknown key (routed by an earlier EPP
                     # process) keeps the fresh Exchange, which passes the response on as is.
-                    resumed = self.detached.resume(msg.exchange_key(request))
+                    resumed = self.detached.resume(request_fields.exchange_key(request))
                     if isinstance(resumed, Exchange):
                         resumed.resumed()
                         exchange, generation = resumed, resumed.generation

@@ -14,44 +14,18 @@ Transport-independent: the ext_proc server calls `route` once the body is comple
 `complete` once the response has ended (or the stream was cancelled). Everything raised out of
 `route` is a GatewayError whose HTTP status is the answer to send (400, 404, 413, 429, 503, 500).
 
-Decisions (see docs/configuration.md, "Request handling"):
-- Which InferenceModel a modelName means is the datastore's answer (`DatastoreSnapshot.resolve`,
-  `datastore/models.py`): oldest wins, within a pool and across pools.
-- Target model, first that applies: the InferenceModel's targetModels split; the pool's
-  InferenceModelRewrite rule for the name (exact, else generic); the trusted
-  `x-gateway-model-name-rewrite` header; the name itself.
-- Band: the InferenceObjective named by a trusted `x-gateway-inference-objective` header (in
-  the request's pool; priority > 0 Critical, 0 Standard, < 0 Sheddable), else the
-  InferenceModel's criticality, else Standard at priority 0 (a rewrite-routed name, policy
-  Passthrough) or Sheddable (policy PassthroughSheddable). Unknown objective names are
-  ignored, as upstream does (priority 0).
-- Bodyless requests (e.g. GET /v1/models) go to a random endpoint of the default pool
-  (`requestHandling.defaultPool`, else the only pool, else the first pool by key); no model
-  lookup, no gate, no in-flight accounting.
-- The subset hint comes from proxy metadata, never from client headers; entries match endpoints
-  by IP (upstream behaviour). Client `x-gateway-*` headers are dropped before the scheduler sees
-  the request, so no plugin can be steered by them.
+What it makes of a request before the gate (target model, band, the scheduler's request) is
+`prepare.py`, where the decisions are listed; which pool and endpoints, `candidates.py`; what
+it keeps of each send until the response ends, `sends.py` (the Director's base).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
 
-from poolkeeper.api.criticality import (
-    Criticality,
-    criticality_of_priority,
-    effective_criticality,
-)
-from poolkeeper.api.model import InferenceModel
-from poolkeeper.api.objective import DEFAULT_PRIORITY
-from poolkeeper.api.pool import V1 as POOL_V1
-from poolkeeper.backend.engines import names_responses_itself
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import (
     GatewayError,
@@ -61,9 +35,15 @@ from poolkeeper.errors import (
     QueueFull,
 )
 from poolkeeper.flowcontrol.flowitem import FlowItem
-from poolkeeper.hostport import host_of
-from poolkeeper.requestcontrol.body import ParsedRequest, parse_body, quote_model
-from poolkeeper.requestcontrol.config import RequestHandling, TrustedHeader, UnknownModelPolicy
+from poolkeeper.requestcontrol.body import parse_body, quote_model
+from poolkeeper.requestcontrol.candidates import (
+    default_pool,
+    destinations,
+    names_responses_itself,
+    pool_candidates,
+    unknown_model_pool,
+)
+from poolkeeper.requestcontrol.config import RequestHandling, TrustedHeader
 from poolkeeper.requestcontrol.flowgate import FlowGate
 from poolkeeper.requestcontrol.ports import (
     Gate,
@@ -75,80 +55,25 @@ from poolkeeper.requestcontrol.ports import (
     SnapshotSource,
     SnapshotView,
 )
-from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
-from poolkeeper.requestcontrol.split import choose_rewrite_target, choose_target_model
-from poolkeeper.requestcontrol.types import (
-    IncomingRequest,
-    RoutingDecision,
-    Usage,
-    model_renamed,
+from poolkeeper.requestcontrol.prepare import (
+    Prepared,
+    band,
+    cached_question,
+    prefill_question,
+    scheduler_request,
+    target_model,
+    trusted,
 )
-from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
+from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
+from poolkeeper.requestcontrol.sends import Sends, Ticket
+from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, model_renamed
+from poolkeeper.scheduling.types import LLMRequest
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 log = logging.getLogger(__name__)
 
-_CONTROL_HEADER_PREFIX = "x-gateway-"
-_CONTROL_NAME_START = "\n" + _CONTROL_HEADER_PREFIX
 
-
-def _names_responses_itself(candidates: Sequence[EndpointState], endpoints: Sequence[str]) -> bool:
-    """Whether any server the request may go to (pick or fallback) names its responses after
-    itself, whatever the request's model (llama.cpp)."""
-    chosen = set(endpoints)
-    return any(names_responses_itself(s.endpoint.engine) for s in candidates if s.key in chosen)
-
-
-# --- bookkeeping -------------------------------------------------------------------------------
-
-
-class DirectorObserver(Protocol):
-    """Metrics hooks on the Director's own events (telemetry implements them)."""
-
-    def first_token(self, decision: RoutingDecision, seconds: float) -> None:
-        """A successful response's first body byte, `seconds` after the request was sent to
-        its endpoint."""
-        ...
-
-    def model_rewritten(self, rewrite: str, model: str, target: str) -> None:
-        """An InferenceModelRewrite rule (`namespace/name`) chose `target` for `model`."""
-        ...
-
-
-@dataclass(slots=True)
-class Ticket:
-    """The Director's handle on one routed request (RoutingDecision.ticket).
-
-    `key` identifies the request in the in-flight tracker. It is the request id plus a
-    Director-wide sequence number: request ids come from clients (`x-request-id`) and may
-    repeat, and two live requests must never share (and so end) each other's accounting.
-    """
-
-    key: str
-    endpoint: str  # where the in-flight accounting currently sits ("" = not tracked)
-    tokens: int
-    started_at: float
-    flow: str = ""  # the gate's flow to charge the answer to ("" = none: bodyless)
-    band: Criticality = Criticality.STANDARD
-    done: bool = False
-    model: str | None = None  # the target model it was counted for (in-flight per model)
-
-
-@dataclass(slots=True)
-class Prepared:
-    """A request once the Director knows what it is: parsed, resolved and split, banded. What
-    scheduling it needs, now or (after waiting in flow control) later. Read-only by
-    convention (not `frozen`: its `__init__` would cost 2-3x, per request)."""
-
-    request: IncomingRequest
-    parsed: ParsedRequest
-    pool_key: str
-    target: str  # the model sent to the server
-    criticality: Criticality
-    priority: int | None  # the objective's priority, when one decided the band
-
-
-class Director:
+class Director(Sends):
     """Turns IncomingRequests into RoutingDecisions; see the module docstring."""
 
     def __init__(
@@ -164,19 +89,12 @@ class Director:
         responses_observed: bool = False,
         prefill_facts: PrefillFactsLike | None = None,
     ) -> None:
-        self._datastore = datastore
-        # With the response observer, a response whose model name needs no rewrite never
-        # passes the EPP, so nothing could strip a usage chunk injected into it.
-        self._responses_observed = responses_observed
-        self._scheduler = scheduler
         # Told about first bytes and ends only when some plugin learns from them.
-        self._learner = (
+        learner = (
             scheduler
             if isinstance(scheduler, LearningSchedulerLike) and scheduler.observes_first_tokens
             else None
         )
-        self._inflight = inflight
-        self._gate = gate
         # The scheduler's facts flow control asks before dispatch, and only what its config
         # reads: `holdNewPrefixes` the held request's prefill question (and the gate's
         # wake-up on a first byte: a prefill backlog fell, held requests ask again), a band's
@@ -186,7 +104,18 @@ class Director:
         holds = self._facts is not None and flow is not None and flow.hold_new_prefixes is not None
         self._asks_prefill = holds
         self._asks_cached = self._facts is not None and flow is not None and flow.prefix_aware
-        self._wake = gate.wake if holds and isinstance(gate, FlowGate) else None
+        super().__init__(
+            inflight=inflight,
+            gate=gate,
+            learner=learner,
+            wake=gate.wake if holds and isinstance(gate, FlowGate) else None,
+            clock=clock,
+        )
+        self._datastore = datastore
+        # With the response observer, a response whose model name needs no rewrite never
+        # passes the EPP, so nothing could strip a usage chunk injected into it.
+        self._responses_observed = responses_observed
+        self._scheduler = scheduler
         self._config = config
         # Each control header's spellings the operator trusts, llm-d's first: looked up on
         # every request, so worked out once.
@@ -196,9 +125,6 @@ class Director:
             for header in TrustedHeader
         }
         self._rng = rng
-        self._clock = clock
-        self._sequence = itertools.count()
-        self.observer: DirectorObserver | None = None  # set by the runtime (metrics)
 
     @property
     def gate(self) -> Gate:
@@ -210,27 +136,12 @@ class Director:
         return self._gate if isinstance(self._gate, FlowGate) else None
 
     @property
-    def wants_first_tokens_at_once(self) -> bool:
-        """Whether first tokens should be reported as they happen (`server/envoy_bootstrap.py`'s
-        bootstrap): the scheduler learns from them, or flow control's `holdNewPrefixes`
-        asks its held requests again on each (a prefill ended). Reported only at the
-        request's end, a held request would wait for completions instead."""
-        return self._learner is not None or self._wake is not None
-
-    def _abandon(self, decision: RoutingDecision) -> None:
-        self.complete(decision, status=None, usage=None)
-
-    @property
     def config(self) -> RequestHandling:
         return self._config
 
     @property
     def scheduler(self) -> SchedulerLike:
         return self._scheduler
-
-    @property
-    def inflight(self) -> InflightLike:
-        return self._inflight
 
     # --- request path ---------------------------------------------------------------------
 
@@ -278,12 +189,29 @@ class Director:
         found = snapshot.resolve(parsed.model)
         if found is not None:
             pool_key, model = found
-        elif (unknown := self._unknown_model_pool(snapshot)) is None:
+        elif (unknown := unknown_model_pool(snapshot, self._config)) is None:
             raise ModelNotFound(f"model {quote_model(parsed.model)} not found", model=parsed.model)
         else:
             pool_key, model = unknown, None
-        target = self._target(request, snapshot, pool_key, parsed.model, model)
-        criticality, priority = self._band(request, snapshot, pool_key, model, found is None)
+        target = target_model(
+            request,
+            snapshot,
+            pool_key,
+            parsed.model,
+            model,
+            self._rng,
+            self.observer,
+            self._trusted_names[TrustedHeader.MODEL_NAME_REWRITE],
+        )
+        criticality, priority = band(
+            request,
+            snapshot,
+            pool_key,
+            model,
+            found is None,
+            self._trusted_names[TrustedHeader.INFERENCE_OBJECTIVE],
+            self._config.unknown_model_policy,
+        )
         prepared = Prepared(request, parsed, pool_key, target, criticality, priority)
         try:
             return self._submit(prepared, snapshot)
@@ -292,91 +220,24 @@ class Director:
             exc.model, exc.target_model = parsed.model, target
             raise
 
-    def _unknown_model_pool(self, snapshot: SnapshotView) -> str | None:
-        """The pool a model no resource names goes to, or None to refuse it (404).
-
-        `unknownModelPolicy` unset follows the default pool's API generation: an
-        `inference.networking.k8s.io/v1` pool passes any model through (upstream v1.x and
-        llm-d-router have no model list), the x-k8s generations keep their 404."""
-        policy = self._config.unknown_model_policy
-        if policy is UnknownModelPolicy.REJECT:
-            return None
-        if policy is not None:
-            return self._default_pool(snapshot)
-        try:
-            pool_key = self._default_pool(snapshot)
-        except NoReadyEndpoint:
-            return None
-        pool = snapshot.pool(pool_key)
-        return pool_key if pool is not None and pool.api_version == POOL_V1 else None
-
-    def _trusted(self, request: IncomingRequest, header: TrustedHeader) -> str | None:
-        """A control header's value in either spelling (the llm-d one first), only where the
-        operator trusts that spelling (else None)."""
-        for name in self._trusted_names[header]:
-            value = request.headers.get(name, "").strip()
-            if value:
-                return value
-        return None
-
-    def _target(
-        self,
-        request: IncomingRequest,
-        snapshot: SnapshotView,
-        pool_key: str,
-        name: str,
-        model: InferenceModel | None,
-    ) -> str:
-        """The model sent to the server (see the module docstring for the order)."""
-        if model is not None and model.spec.target_models:
-            return choose_target_model(model, self._rng)
-        rule = snapshot.rewrite_rule(pool_key, name)
-        if rule is not None:
-            target = choose_rewrite_target(rule, self._rng)
-            if self.observer is not None:
-                self.observer.model_rewritten(rule.rewrite, name, target)
-            return target
-        return self._trusted(request, TrustedHeader.MODEL_NAME_REWRITE) or name
-
-    def _band(
-        self,
-        request: IncomingRequest,
-        snapshot: SnapshotView,
-        pool_key: str,
-        model: InferenceModel | None,
-        passthrough: bool,
-    ) -> tuple[Criticality, int | None]:
-        """(criticality band, objective priority or None) of the request."""
-        wanted = self._trusted(request, TrustedHeader.INFERENCE_OBJECTIVE)
-        objective = snapshot.objective(pool_key, wanted) if wanted is not None else None
-        if objective is not None:
-            return objective.criticality, objective.priority
-        if model is not None:
-            return effective_criticality(model.spec.criticality), None
-        if passthrough and self._config.unknown_model_policy is (
-            UnknownModelPolicy.PASSTHROUGH_SHEDDABLE
-        ):
-            return Criticality.SHEDDABLE, None
-        return criticality_of_priority(DEFAULT_PRIORITY), DEFAULT_PRIORITY
-
     def _submit(
         self, prepared: Prepared, snapshot: SnapshotView
     ) -> RoutingDecision | FlowItem[Job]:
         """Hand the request to the gate: it goes now, waits, or is refused (429)."""
         request, parsed, pool_key = prepared.request, prepared.parsed, prepared.pool_key
         # The fairness key: the modelName, or the operator-trusted fairness-id header.
-        flow = self._trusted(request, TrustedHeader.FAIRNESS_ID) or parsed.model
+        flow = trusted(request, self._trusted_names[TrustedHeader.FAIRNESS_ID]) or parsed.model
         subset = self._subset(request)
         # Built once: the scheduler's request, and (`holdNewPrefixes`) the held request's.
-        llm_request = self._llm_request(prepared, subset, self._send_key(request))
+        llm_request = scheduler_request(prepared, subset, self._send_key(request))
         # 503 now when nothing could ever serve it; the gate's first look reuses this read.
-        first = [self._candidates(snapshot, pool_key, subset)]
+        first = [pool_candidates(snapshot, pool_key, subset)]
 
         def states() -> list[EndpointState]:
             raw = (
                 first.pop()
                 if first
-                else self._candidates(self._datastore.snapshot(), pool_key, subset)
+                else pool_candidates(self._datastore.snapshot(), pool_key, subset)
             )
             return self._inflight.apply(raw)
 
@@ -384,7 +245,7 @@ class Director:
             if candidates is None:
                 # Late binding: the snapshot and load of the moment of dispatch.
                 fresh = self._datastore.snapshot()
-                candidates = self._inflight.apply(self._candidates(fresh, pool_key, subset))
+                candidates = self._inflight.apply(pool_candidates(fresh, pool_key, subset))
             return self._schedule(prepared, llm_request, candidates, flow=flow, now=now)
 
         job = Job(
@@ -393,77 +254,13 @@ class Director:
             priority=prepared.priority or 0, max_tokens=parsed.max_tokens,
         )  # fmt: skip
         if self._asks_prefill:
-            job.prefill = self._prefill_question(llm_request)
+            job.prefill = prefill_question(self._facts, self._clock, llm_request)
         if self._asks_cached:
-            job.cached = self._cached_question(llm_request)
+            job.cached = cached_question(self._facts, self._clock, llm_request)
         try:
             return self._gate.submit(job)
         finally:
             first.clear()  # a request that waits re-reads the pool when the pump asks
-
-    def _prefill_question(
-        self, llm_request: LLMRequest
-    ) -> Callable[[list[EndpointState]], tuple[Callable[[], int], list[int]]]:
-        """`Job.prefill`: the scheduler's two facts for `holdNewPrefixes`, asked afresh each
-        time (the prefix index and the backlogs move while the request is held); the prefix
-        match only when the backlogs call for it (`PrefixHold.holds`)."""
-        facts = self._facts
-        assert facts is not None
-
-        def uncached() -> int:
-            try:
-                return facts.uncached_tokens(llm_request, self._clock())
-            except Exception:  # a bug in a plugin must not hold (or kill the pump): let it go
-                log.exception("internal error asking whether to hold %s", llm_request.request_id)
-                return 0
-
-        def ask(candidates: list[EndpointState]) -> tuple[Callable[[], int], list[int]]:
-            return uncached, facts.backlogs(candidates)
-
-        return ask
-
-    def _cached_question(self, llm_request: LLMRequest) -> Callable[[], dict[str, int]]:
-        """`Job.cached`: the request's prefix match per endpoint, asked afresh each time (a
-        band's `avoidPrefillUnlessCached`)."""
-        facts = self._facts
-        assert facts is not None
-
-        def cached() -> dict[str, int]:
-            try:
-                return facts.cached_tokens(llm_request, self._clock())
-            except Exception:  # a bug in a plugin must not kill the pump: avoid as without it
-                rid = llm_request.request_id
-                log.exception("internal error reading the prefix match of %s", rid)
-                return {}
-
-        return cached
-
-    def _send_key(self, request: IncomingRequest) -> str:
-        """This send's identity: the client's id (clients choose it, so two live sends may
-        carry one) and the Director's sequence. The in-flight tracker, the learners (the
-        backlog, its cross-replica sync) and the ticket all key by it, end to end."""
-        return f"{request.request_id}#{next(self._sequence)}"
-
-    def _llm_request(
-        self, prepared: Prepared, subset: frozenset[str] | None, key: str
-    ) -> LLMRequest:
-        """The request as the scheduler sees it (`subset`: `_subset`'s for it; `key`:
-        `_send_key`'s)."""
-        request, parsed = prepared.request, prepared.parsed
-        return LLMRequest(
-            request_id=request.request_id,
-            model=parsed.model,
-            target_model=prepared.target,
-            criticality=prepared.criticality,
-            priority=prepared.priority,
-            prompt=parsed.prompt,
-            prompt_tokens=parsed.prompt_tokens,
-            max_tokens=parsed.max_tokens,
-            stream=parsed.stream,
-            headers=_scheduler_headers(request.headers),
-            subset=subset,
-            send_key=key,
-        )
 
     def _schedule(
         self,
@@ -479,14 +276,14 @@ class Director:
         if now is None:
             now = self._clock()
         result = self._scheduler.schedule(llm_request, candidates, now=now)
-        endpoints = self._destinations(result, candidates)
+        endpoints = destinations(result, candidates, self._config.fallback_endpoints)
         if not endpoints:
             learner = self._learner
             if learner is not None:  # PostCycle counted the send: no ticket will end it
                 learner.request_ended(llm_request.key)
             raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
 
-        server_names_model = _names_responses_itself(candidates, endpoints)
+        server_names_model = names_responses_itself(candidates, endpoints)
         passes_epp = (
             not self._responses_observed
             or server_names_model
@@ -523,8 +320,8 @@ class Director:
         )
 
     def _route_bodyless(self, request: IncomingRequest, snapshot: SnapshotView) -> RoutingDecision:
-        pool_key = self._default_pool(snapshot)
-        states = self._candidates(snapshot, pool_key, self._subset(request))
+        pool_key = default_pool(snapshot, self._config.default_pool)
+        states = pool_candidates(snapshot, pool_key, self._subset(request))
         count = min(len(states), 1 + self._config.fallback_endpoints)
         picked = self._rng.sample(range(len(states)), count)
         return RoutingDecision(
@@ -536,122 +333,10 @@ class Director:
             ticket=Ticket(self._send_key(request), "", 0, self._clock()),
         )
 
-    def _destinations(
-        self, result: SchedulingResult, candidates: Sequence[EndpointState]
-    ) -> tuple[str, ...]:
-        """The scheduler's targets as `ip:port`, best first, capped by `fallbackEndpoints`.
-
-        Only candidates can be destinations: whatever a (buggy or custom) plugin returns, the
-        gateway never sends a request to an address outside the pool (reliability F4).
-        """
-        allowed = {s.key for s in candidates}
-        out: list[str] = []
-        for target in result.targets:
-            key = target.key
-            if key not in allowed:
-                log.error("scheduler returned %s, which is not a candidate; ignored", key)
-            elif key not in out:
-                out.append(key)
-                if len(out) > self._config.fallback_endpoints:
-                    break
-        return tuple(out)
-
-    def _default_pool(self, snapshot: SnapshotView) -> str:
-        pool_keys = snapshot.pool_keys()
-        wanted = self._config.default_pool
-        if wanted is not None:
-            if wanted not in pool_keys:
-                raise NoReadyEndpoint(f"default pool {wanted} is not loaded")
-            return wanted
-        if not pool_keys:
-            raise NoReadyEndpoint("no InferencePool is loaded")
-        return pool_keys[0]
-
     def _subset(self, request: IncomingRequest) -> frozenset[str] | None:
         if request.subset_hint is None or not self._config.honor_subset_hint:
             return None
         return frozenset(request.subset_hint)
-
-    def _candidates(
-        self, snapshot: SnapshotView, pool_key: str, subset: frozenset[str] | None
-    ) -> list[EndpointState]:
-        states = list(snapshot.states(pool_key))
-        if subset is not None:
-            ips = {host_of(entry) for entry in subset}
-            states = [s for s in states if s.endpoint.address in ips]
-            if not states:
-                raise NoReadyEndpoint(
-                    f"no endpoint of pool {pool_key} is in the proxy's endpoint subset"
-                )
-        if not states:
-            raise NoReadyEndpoint(f"pool {pool_key} has no ready endpoint")
-        return states
-
-    # --- response path --------------------------------------------------------------------
-
-    def served(self, decision: RoutingDecision, endpoint: str) -> None:
-        """The proxy reports the endpoint that actually serves (a fallback, after a retry):
-        move the in-flight accounting there. Unknown endpoints (not in the decision) are ignored.
-        """
-        ticket = decision.ticket
-        if not isinstance(ticket, Ticket) or ticket.done or not ticket.endpoint:
-            return
-        if endpoint == ticket.endpoint or endpoint not in decision.endpoints:
-            return
-        self._inflight.finish(ticket.key)
-        self._inflight.start(ticket.key, endpoint, ticket.tokens, self._clock(), ticket.model)
-        ticket.endpoint = endpoint
-
-    def first_byte(self, decision: RoutingDecision, *, after_s: float | None = None) -> None:
-        """The first response byte arrived: the observer's time to first token (sent -> now,
-        on the decision's clock; or sent -> sent + `after_s` when the response observer
-        reports it after the fact); for a stream, the in-flight tracker stops counting it as
-        queued, and a scheduler that learns from first tokens gets one observation."""
-        ticket = decision.ticket
-        if not isinstance(ticket, Ticket) or ticket.done:
-            return
-        at = self._clock() if after_s is None else ticket.started_at + max(0.0, after_s)
-        if self.observer is not None and decision.model_name:
-            self.observer.first_token(decision, max(0.0, at - ticket.started_at))
-        if not decision.stream:
-            return
-        if ticket.endpoint:
-            self._inflight.first_token(ticket.key)
-        learner = self._learner
-        if learner is not None:
-            learner.observe_first_token(ticket.key, ticket.endpoint, at)
-        if self._wake is not None:
-            self._wake()  # a prefill ended: requests `holdNewPrefixes` holds ask again
-
-    def complete(
-        self,
-        decision: RoutingDecision,
-        *,
-        status: int | None,
-        usage: Usage | None,
-        served_endpoint: str | None = None,
-    ) -> None:
-        """The request ended (any outcome, including cancellation). Idempotent."""
-        ticket = decision.ticket
-        if not isinstance(ticket, Ticket) or ticket.done:
-            return
-        ticket.done = True
-        if self._learner is not None:
-            self._learner.request_ended(ticket.key)
-        # In-flight accounting is keyed by the send key, so it ends wherever it sits (the primary,
-        # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
-        if ticket.flow:
-            output = usage.completion_tokens if usage is not None else 0
-            self._gate.completed(decision.pool, ticket.flow, ticket.band, output)
-        if ticket.endpoint:
-            if status is not None and 200 <= status < 300 and usage is not None:
-                # A success with usage is a speed observation: the tracker measures the time
-                # since `start` (or since `served` moved it to a fallback) on the same clock.
-                self._inflight.finish(
-                    ticket.key, now=self._clock(), output_tokens=usage.completion_tokens
-                )
-            else:
-                self._inflight.finish(ticket.key)
 
     # --- introspection --------------------------------------------------------------------
 
@@ -667,12 +352,3 @@ class Director:
             for pool_key in snapshot.pool_keys()
             for state in snapshot.states(pool_key)
         )
-
-
-def _scheduler_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
-    """Request headers without the gateway's control headers (never trusted from clients)."""
-    # One C-level search over the names joined, not a `startswith` per header on every
-    # request; a name that only looks like one after a newline just takes the exact path.
-    if _CONTROL_NAME_START not in "\n" + "\n".join(headers):
-        return headers
-    return {k: v for k, v in headers.items() if not k.startswith(_CONTROL_HEADER_PREFIX)}

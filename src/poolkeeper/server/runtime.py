@@ -72,7 +72,8 @@ from poolkeeper.server.stats_views import endpoint_of, flow_stats, pool_stats
 from poolkeeper.server.sync_service import SyncService
 from poolkeeper.server.transport import Stoppable, export_transport, refused_calls, start_extproc
 from poolkeeper.server.wiring import build_director
-from poolkeeper.telemetry.metrics import GatewayMetrics, ObserverStats
+from poolkeeper.telemetry.epp_collectors import ObserverStats
+from poolkeeper.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger("poolkeeper.server")
 

@@ -14,7 +14,7 @@ from poolkeeper.datastore.store import Datastore
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.telemetry.flowqueue import FlowQueue, QueueStats
-from poolkeeper.telemetry.metrics import PoolStats
+from poolkeeper.telemetry.pool_collector import PoolStats
 
 
 def _mean(values: list[float]) -> float:

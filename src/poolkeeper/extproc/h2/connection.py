@@ -7,6 +7,12 @@ Frames queue in `_out` and go out in one write when a handler's step ends (it fi
 waits for input or for the socket), or else at the end of the loop pass. Not only once per pass:
 when a burst of streams arrives in one read, one pass runs every handler's routing, and a reply
 held back for the pass would wait for the routing of all the others in the burst.
+
+The connection is three layers, one class: `sender.Sender` (frames out, windows for our
+DATA, ending), `receiver.Receiver` (frames in, our windows, header blocks), and `Connection`
+here (the transport's callbacks, cutting reads into frames, opening a stream and running its
+handler). `shared.Shared` is what all connections of a server share, `stream.Stream` one
+stream's state.
 """
 
 from __future__ import annotations
@@ -14,28 +20,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import deque
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-from poolkeeper.extproc.auth import TOKEN_HEADER
 from poolkeeper.extproc.h2 import frames as f
-from poolkeeper.extproc.h2.headers import HeaderDecoder
-from poolkeeper.extproc.h2.limits import Bucket, Limits, TransportStats
+from poolkeeper.extproc.h2.receiver import Receiver
 from poolkeeper.extproc.h2.rpc import (
     INTERNAL,
     OK,
     UNAUTHENTICATED,
     UNIMPLEMENTED,
     Inbox,
-    MessageReader,
     Method,
-    Pieces,
     RpcError,
     envelope,
-    trailers,
 )
+from poolkeeper.extproc.h2.shared import Shared
+from poolkeeper.extproc.h2.stream import Stream
 
 log = logging.getLogger("poolkeeper.extproc.h2")
 
@@ -45,118 +46,15 @@ _HIGH_WATER = 1 << 20  # a stream's unsent reply bytes above which its handler w
 # while the next pieces are encoded, rather than all of it after the last (a 1 MiB body held
 # back ~3 ms of encoding on the EPP's thread). Small replies still leave together.
 _EAGER_BYTES = 16 << 10
-REFUSAL_LOG_EVERY_S = 10.0  # connections closed over the limit: one warning at most this often
 
 
-@dataclass(slots=True)
-class Shared:
-    """What every connection of one server shares."""
-
-    methods: dict[bytes, Method]
-    limits: Limits
-    stats: TransportStats
-    token: bytes | None = None  # required in `token_header` on every call but open ones
-    token_header: bytes = TOKEN_HEADER.encode()  # the one grpcio's EnvoyOnly checks
-    connections: set[Connection] = field(default_factory=set)
-    draining: bool = False
-    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set when none is open
-    refusals_logged: int = 0  # `stats.refused_connections` at the last warning
-    refusal_logged_at: float = float("-inf")  # the loop's clock at that warning
-    refusal_tail: asyncio.TimerHandle | None = None  # the warning for those since, when due
-
-    def refused_connection(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Count a connection closed on accept over `max_connections`, and say so at most
-        every REFUSAL_LOG_EVERY_S (a flood of them must not flood the log); those refused
-        after a warning are told when the interval is over, not at the next refusal."""
-        self.stats.refused_connections += 1
-        due = self.refusal_logged_at + REFUSAL_LOG_EVERY_S
-        now = loop.time()
-        if now >= due:
-            self._warn_refusals(now)
-        elif self.refusal_tail is None:
-            self.refusal_tail = loop.call_at(due, lambda: self._warn_refusals(loop.time()))
-
-    def flush_refusals(self, now: float) -> None:
-        """Tell the refusals not yet told now (the server stops)."""
-        if self.refusal_tail is not None:
-            self._warn_refusals(now)
-
-    def _warn_refusals(self, now: float) -> None:
-        if self.refusal_tail is not None:
-            self.refusal_tail.cancel()
-            self.refusal_tail = None
-        log.warning(
-            "closed %d ext_proc connection(s) on accept: %d were open (the limit)",
-            self.stats.refused_connections - self.refusals_logged,
-            self.limits.max_connections,
-        )
-        self.refusals_logged = self.stats.refused_connections
-        self.refusal_logged_at = now
-
-
-class Stream:
-    __slots__ = (
-        "deferred",
-        "headers_sent",
-        "id",
-        "inbox",
-        "pending",
-        "pending_bytes",
-        "reader",
-        "recv_window",
-        "remote_closed",
-        "send_window",
-        "task",
-        "trailer",
-        "unacked",
-    )
-
-    def __init__(self, stream_id: int, send_window: int, recv_window: int, max_msg: int) -> None:
-        self.id = stream_id
-        self.send_window = send_window
-        self.recv_window = recv_window
-        self.unacked = 0  # received bytes not yet credited back
-        self.deferred = 0  # credit held back until the handler reads (backpressure)
-        self.reader = MessageReader(max_msg)
-        self.inbox: Inbox | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.pending: deque[bytes | memoryview] = deque()  # reply bytes waiting for window
-        self.pending_bytes = 0
-        self.trailer: bytes | None = None  # to send once `pending` is out
-        self.headers_sent = False
-        self.remote_closed = False
-
-
-class Connection(asyncio.Protocol):
+class Connection(Receiver):
     def __init__(self, shared: Shared) -> None:
-        self.shared = shared
-        self.limits = limits = shared.limits
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
+        super().__init__(shared)
         self._buf = bytearray()
         self._preface = False
-        self._closed = False
-        self._out: list[bytes | memoryview] = []
-        self._flush_pending = False
-        self._paused = False
-        self._writers: list[asyncio.Future[None]] = []
-        self._decoder = HeaderDecoder(limits.max_header_list_bytes)
-        self._streams: dict[int, Stream] = {}
-        self._last_id = 0  # highest stream id the peer opened
-        self._cont: tuple[int, bool, list[bytes], int, int] | None = None  # HEADERS in parts
-        self._send_window = f.DEFAULT_WINDOW  # the peer's connection window for our DATA
-        self._peer_stream_window = f.DEFAULT_WINDOW
-        self._peer_max_frame = f.DEFAULT_MAX_FRAME
-        self._recv_window = limits.connection_window
-        self._recv_unacked = 0
-        self._blocked: set[Stream] = set()  # streams with replies waiting for window
-        self._going_away = False  # GOAWAY sent or received: no new streams, close when idle
         self._unauthenticated = 0
-        now = self.loop.time()
-        self._control = Bucket(limits.control_burst, limits.control_per_s, now)
-        self._resets = Bucket(limits.reset_burst, limits.reset_per_s, now)
         self._preface_timer: asyncio.TimerHandle | None = None
-        self._writev = False  # the transport writes views itself (`_flush_large`)
 
     # -- transport callbacks --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -301,155 +199,6 @@ class Connection(asyncio.Protocol):
                 return size
         return pos
 
-    # -- frames in ------------------------------------------------------------------------
-    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if self._cont is not None and kind != f.CONTINUATION:
-            raise f.ProtocolViolation(f.PROTOCOL_ERROR, "expected CONTINUATION")
-        if kind == f.DATA:  # (`_frames` hands DATA to `_on_data` itself)
-            self._on_data(flags, stream_id, memoryview(payload))
-        elif kind == f.HEADERS:
-            self._on_headers(flags, stream_id, payload)
-        elif kind == f.CONTINUATION:
-            self._on_continuation(flags, stream_id, payload)
-        else:
-            if not self._control.take(self.loop.time()):
-                raise f.ProtocolViolation(f.ENHANCE_YOUR_CALM, "too many control frames")
-            if kind == f.RST_STREAM:
-                self._on_rst(stream_id, payload)
-            elif kind == f.WINDOW_UPDATE:
-                self._on_window_update(stream_id, payload)
-            elif kind == f.SETTINGS:
-                self._on_settings(flags, stream_id, payload)
-            elif kind == f.PING:
-                if len(payload) != 8:
-                    raise f.ProtocolViolation(f.FRAME_SIZE_ERROR, "PING of the wrong size")
-                if stream_id:
-                    raise f.ProtocolViolation(f.PROTOCOL_ERROR, "PING on a stream")
-                if not flags & f.ACK:
-                    self._control_reply(f.frame(f.PING, f.ACK, 0, payload))
-            elif kind == f.GOAWAY:
-                if stream_id or len(payload) < 8:
-                    raise f.ProtocolViolation(f.PROTOCOL_ERROR, "malformed GOAWAY")
-                self._going_away = True
-                self._close_if_idle()
-            elif kind == f.PRIORITY:
-                if not stream_id or len(payload) != 5:
-                    raise f.ProtocolViolation(f.PROTOCOL_ERROR, "malformed PRIORITY")
-            elif kind == f.PUSH_PROMISE:
-                raise f.ProtocolViolation(f.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-            # Unknown frame types are ignored (RFC 9113 section 5.5), at a control frame's cost.
-
-    def _on_data(self, flags: int, stream_id: int, payload: memoryview) -> None:
-        if not stream_id:
-            raise f.ProtocolViolation(f.PROTOCOL_ERROR, "DATA on stream 0")
-        n = len(payload)  # padding counts against the windows too
-        self._recv_window -= n
-        if self._recv_window < 0:
-            raise f.ProtocolViolation(f.FLOW_CONTROL_ERROR, "connection window exceeded")
-        self._recv_unacked += n
-        if self._recv_unacked >= self.limits.connection_window >> 2:
-            self._write(f.window_update(0, self._recv_unacked))
-            self._recv_window += self._recv_unacked
-            self._recv_unacked = 0
-        data = f.strip_padding(flags, payload)
-        if not data and not flags & f.END_STREAM and not self._control.take(self.loop.time()):
-            raise f.ProtocolViolation(f.ENHANCE_YOUR_CALM, "too many empty DATA frames")
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            if stream_id > self._last_id:
-                raise f.ProtocolViolation(f.PROTOCOL_ERROR, "DATA on an idle stream")
-            return  # a stream already answered or reset: its late data is dropped
-        if stream.remote_closed:
-            self._reset(stream, f.STREAM_CLOSED)
-            return
-        stream.recv_window -= n
-        if stream.recv_window < 0:
-            self._reset(stream, f.FLOW_CONTROL_ERROR)
-            return
-        assert stream.inbox is not None
-        if stream.inbox.queued > self.limits.stream_window >> 1:
-            stream.deferred += n  # the handler is behind: Envoy waits for it
-        else:
-            self._credit(stream, n)
-        if data:
-            try:
-                messages = stream.reader.feed(data)
-            except RpcError as error:
-                self._reject(stream, error)
-                return
-            for message in messages:
-                stream.inbox.put(message)
-        if flags & f.END_STREAM:
-            stream.remote_closed = True
-            stream.inbox.end()
-
-    def _credit(self, stream: Stream, n: int) -> None:
-        stream.unacked += n
-        if stream.unacked >= self.limits.stream_window >> 2:
-            self._write(f.window_update(stream.id, stream.unacked))
-            stream.recv_window += stream.unacked
-            stream.unacked = 0
-
-    def _read(self, stream: Stream, n: int) -> None:
-        """The handler read a message: held-back credit goes out once it has caught up."""
-        inbox = stream.inbox
-        if not stream.deferred or inbox is None or self._closed:
-            return
-        if inbox.queued <= self.limits.stream_window >> 1:
-            owed, stream.deferred = stream.deferred, 0
-            self._credit(stream, owed)
-
-    def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if not stream_id or not stream_id & 1:
-            raise f.ProtocolViolation(f.PROTOCOL_ERROR, "HEADERS on an even stream id")
-        block = f.strip_padding(flags, payload)
-        if flags & f.PRIORITY_FLAG:
-            if len(block) < 5:
-                raise f.ProtocolViolation(f.PROTOCOL_ERROR, "HEADERS priority too short")
-            block = block[5:]
-        if len(block) > self.limits.max_header_block_bytes:
-            raise f.ProtocolViolation(f.ENHANCE_YOUR_CALM, "header block too large")
-        end_stream = bool(flags & f.END_STREAM)
-        if flags & f.END_HEADERS:
-            self._headers(stream_id, end_stream, block)
-        else:
-            self._cont = (stream_id, end_stream, [block], len(block), 0)
-
-    def _on_continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if self._cont is None or self._cont[0] != stream_id:
-            raise f.ProtocolViolation(f.PROTOCOL_ERROR, "CONTINUATION out of place")
-        sid, end_stream, parts, size, count = self._cont
-        size += len(payload)
-        count += 1
-        if size > self.limits.max_header_block_bytes:
-            raise f.ProtocolViolation(f.ENHANCE_YOUR_CALM, "header block too large")
-        if count > self.limits.max_continuation_frames:
-            raise f.ProtocolViolation(f.ENHANCE_YOUR_CALM, "too many CONTINUATION frames")
-        parts.append(payload)
-        if flags & f.END_HEADERS:
-            self._cont = None
-            self._headers(sid, end_stream, b"".join(parts))
-        else:
-            self._cont = (sid, end_stream, parts, size, count)
-
-    def _headers(self, stream_id: int, end_stream: bool, block: bytes) -> None:
-        try:
-            headers = self._decoder.decode(block)
-        except Exception as error:  # hpack's errors, or a malformed block it chokes on
-            raise f.ProtocolViolation(f.COMPRESSION_ERROR, f"header block: {error}") from None
-        stream = self._streams.get(stream_id)
-        if stream is not None:  # trailers from the client end its side
-            if not end_stream:
-                raise f.ProtocolViolation(f.PROTOCOL_ERROR, "second HEADERS without END_STREAM")
-            if not stream.remote_closed and stream.inbox is not None:
-                stream.remote_closed = True
-                stream.inbox.end()
-            return
-        if stream_id <= self._last_id:
-            return  # a stream already answered: decoded only to keep HPACK's table in step
-        self._last_id = stream_id
-        self._open(stream_id, end_stream, headers)
-
     def _open(self, stream_id: int, end_stream: bool, headers: Iterable[Any]) -> None:
         shared, stats = self.shared, self.shared.stats
         stats.streams += 1
@@ -494,73 +243,6 @@ class Connection(asyncio.Protocol):
             return True
         return token is not None and secrets.compare_digest(token, expected)
 
-    def _on_rst(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise f.ProtocolViolation(f.FRAME_SIZE_ERROR, "RST_STREAM of the wrong size")
-        if not stream_id or stream_id > self._last_id:
-            raise f.ProtocolViolation(f.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            return  # Envoy's reset after our trailers: nothing left to do
-        running = stream.task is not None and not stream.task.done()
-        self._forget(stream)
-        if running:
-            assert stream.task is not None
-            stream.task.cancel()
-            self.shared.stats.premature_resets += 1
-            if not self._resets.take(self.loop.time()):
-                raise f.ProtocolViolation(f.ENHANCE_YOUR_CALM, "too many stream resets")
-
-    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise f.ProtocolViolation(f.FRAME_SIZE_ERROR, "WINDOW_UPDATE of the wrong size")
-        increment = f.u32(payload) & 0x7FFFFFFF
-        if not stream_id:
-            if not increment:
-                raise f.ProtocolViolation(f.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > f.MAX_WINDOW:
-                raise f.ProtocolViolation(f.FLOW_CONTROL_ERROR, "connection window overflow")
-            for blocked in list(self._blocked):
-                self._push(blocked)
-            return
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            if stream_id > self._last_id:
-                raise f.ProtocolViolation(f.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
-            return
-        if not increment or stream.send_window + increment > f.MAX_WINDOW:
-            self._reset(stream, f.PROTOCOL_ERROR if not increment else f.FLOW_CONTROL_ERROR)
-            return
-        stream.send_window += increment
-        self._push(stream)
-
-    def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if stream_id:
-            raise f.ProtocolViolation(f.PROTOCOL_ERROR, "SETTINGS on a stream")
-        if flags & f.ACK:
-            if payload:
-                raise f.ProtocolViolation(f.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
-            return
-        for key, value in f.parse_settings(payload):
-            if key == f.INITIAL_WINDOW_SIZE:
-                if value > f.MAX_WINDOW:
-                    raise f.ProtocolViolation(f.FLOW_CONTROL_ERROR, "initial window too large")
-                delta, self._peer_stream_window = value - self._peer_stream_window, value
-                for stream in self._streams.values():
-                    stream.send_window += delta
-            elif key == f.MAX_FRAME_SIZE:
-                if not f.DEFAULT_MAX_FRAME <= value <= (1 << 24) - 1:
-                    raise f.ProtocolViolation(f.PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
-                self._peer_max_frame = value
-            elif key == f.ENABLE_PUSH and value > 1:
-                raise f.ProtocolViolation(f.PROTOCOL_ERROR, "ENABLE_PUSH not 0 or 1")
-            # HEADER_TABLE_SIZE: our blocks never use the dynamic table; others are advisory.
-        self._control_reply(f.SETTINGS_ACK)
-        for stream in list(self._streams.values()):
-            if stream.pending:
-                self._push(stream)
-
     # -- the stream's handler -------------------------------------------------------------
     async def _run(self, stream: Stream, method: Method) -> None:
         assert stream.inbox is not None
@@ -601,229 +283,6 @@ class Connection(asyncio.Protocol):
             self._writers.append(waiter)
             await waiter
 
-    def _wake_writers(self) -> None:
-        writers, self._writers = self._writers, []
-        for waiter in writers:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    # -- frames out -----------------------------------------------------------------------
-    def _write(self, data: bytes | memoryview) -> None:
-        self._out.append(data)
-        if not self._flush_pending:
-            self._flush_pending = True
-            self.loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_pending = False
-        if self._out and not self._closed and self.transport is not None:
-            self.transport.write(b"".join(self._out))
-        self._out.clear()
-
-    def flush_now(self) -> None:
-        """Write what is queued now (a handler's step ended); the pass's flush stays scheduled
-        for whatever comes later in the pass."""
-        if self._out and not self._closed and self.transport is not None:
-            self.transport.write(b"".join(self._out))
-            self._out.clear()
-
-    def _flush_large(self) -> None:
-        """`flush_now` for a large reply: its frames' payloads are views of it, handed to the
-        transport as they are (uvloop writes them with one writev), not joined into a copy;
-        on other loops, joined (`connection_made`)."""
-        if self._out and not self._closed and self.transport is not None:
-            if self._writev:
-                self.transport.writelines(self._out)
-            else:
-                self.transport.write(b"".join(self._out))
-            self._out.clear()
-
-    def _control_reply(self, data: bytes) -> None:
-        assert self.transport is not None
-        backlog = self.transport.get_write_buffer_size() + sum(map(len, self._out))
-        if backlog > self.limits.max_write_backlog:
-            raise f.ProtocolViolation(f.ENHANCE_YOUR_CALM, "the peer does not read")
-        self._write(data)
-
-    def _send(self, stream: Stream, data: bytes) -> None:
-        if stream.id not in self._streams:
-            return  # reset meanwhile
-        if not stream.headers_sent:
-            stream.headers_sent = True
-            self._write(f.frame(f.HEADERS, f.END_HEADERS, stream.id, f.RESPONSE_HEADERS))
-        n = len(data)
-        if (
-            not stream.pending
-            and n <= stream.send_window
-            and n <= self._send_window
-            and n <= self._peer_max_frame
-        ):
-            stream.send_window -= n
-            self._send_window -= n
-            self._write(f.frame(f.DATA, 0, stream.id, data))
-            return
-        stream.pending.append(data)
-        stream.pending_bytes += n
-        self._push(stream)
-
-    def _send_pieces(self, stream: Stream, pieces: Pieces) -> int:
-        """`_send` for a message in pieces: the same frames as for its joined bytes, each
-        payload written as views of the pieces (a 1 MiB body's replies are not copied before
-        the socket). Where the windows hold it back, joined after all (rare: Envoy's windows
-        are large). Returns the message's size."""
-        total = n = sum(map(len, pieces))
-        if stream.pending or n > stream.send_window or n > self._send_window:
-            self._send(stream, b"".join(pieces))
-            return total
-        if stream.id not in self._streams:
-            return total  # reset meanwhile
-        if not stream.headers_sent:
-            stream.headers_sent = True
-            self._write(f.frame(f.HEADERS, f.END_HEADERS, stream.id, f.RESPONSE_HEADERS))
-        stream.send_window -= n
-        self._send_window -= n
-        write, limit, sid = self._write, self._peer_max_frame, stream.id
-        room = 0  # payload bytes the current frame still takes
-        for piece in pieces:
-            size, at = len(piece), 0
-            while at < size:
-                if not room:
-                    room = min(limit, n)
-                    n -= room
-                    write(f.frame_head(f.DATA, 0, sid, room))
-                take = min(room, size - at)
-                write(piece if take == size else memoryview(piece)[at : at + take])
-                at += take
-                room -= take
-        return total
-
-    def _push(self, stream: Stream) -> None:
-        """Send what the windows allow of `stream`'s waiting replies, then its trailers."""
-        pending = stream.pending
-        while pending:
-            allowed = min(stream.send_window, self._send_window, self._peer_max_frame)
-            if allowed <= 0:
-                self._blocked.add(stream)
-                return
-            chunk = pending[0]
-            if len(chunk) > allowed:
-                # Views, not copies: a 62 KB reply is four frames, and slicing bytes copied
-                # the rest of it at each cut. The payload is copied once, when written out.
-                view = memoryview(chunk)
-                pending[0] = view[allowed:]
-                chunk = view[:allowed]
-            else:
-                pending.popleft()
-            n = len(chunk)
-            stream.pending_bytes -= n
-            stream.send_window -= n
-            self._send_window -= n
-            self._write(f.frame_head(f.DATA, 0, stream.id, n))
-            self._write(chunk)
-        self._blocked.discard(stream)
-        if stream.trailer is not None:
-            self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream.id, stream.trailer))
-            stream.trailer = None
-            self._forget(stream)
-        if self._writers:
-            self._wake_writers()
-
-    def _finish(self, stream: Stream, code: int, message: str | None) -> None:
-        if stream.id not in self._streams:
-            return
-        block = trailers(code, message[:512] if message else None)
-        if not stream.headers_sent:
-            block = f.RESPONSE_HEADERS + block  # trailers-only response
-        stream.trailer = block
-        self._push(stream)
-
-    def _answer(self, stream_id: int, end_stream: bool, code: int, message: str) -> None:
-        """A trailers-only answer for a stream that never gets a handler."""
-        block = f.RESPONSE_HEADERS + trailers(code, message)
-        self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream_id, block))
-        if not end_stream:  # the client need not send the rest
-            self._write(f.rst_stream(stream_id, f.NO_ERROR))
-
-    def _reject(self, stream: Stream, error: RpcError) -> None:
-        """The stream's input broke a gRPC rule: answer with the status, stop the handler."""
-        if stream.task is not None:
-            stream.task.cancel()
-        stream.pending.clear()
-        stream.pending_bytes = 0
-        self._finish(stream, error.code, error.message)
-        if not stream.remote_closed:
-            self._write(f.rst_stream(stream.id, f.NO_ERROR))
-
-    def _reset(self, stream: Stream, code: int) -> None:
-        self._write(f.rst_stream(stream.id, code))
-        self._forget(stream)
-        if stream.task is not None:
-            stream.task.cancel()
-
-    def _forget(self, stream: Stream) -> None:
-        if self._streams.pop(stream.id, None) is not None:
-            self.shared.stats.active_streams -= 1
-        self._blocked.discard(stream)
-        self._close_if_idle()
-
-    # -- ending ---------------------------------------------------------------------------
-    def goaway(self) -> None:
-        """Graceful drain: streams open now finish, new ones are refused, then it closes."""
-        if self._closed or self._going_away:
-            return
-        self._going_away = True
-        self.shared.stats.goaway("drain")
-        self._write(f.goaway(self._last_id, f.NO_ERROR))
-        self._close_if_idle()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def active(self) -> int:
-        return len(self._streams)
-
-    def _close_if_idle(self) -> None:
-        if self._going_away and not self._streams and not self._closed:
-            self._flush()
-            self._closed = True
-            assert self.transport is not None
-            self.transport.close()
-
-    def _fail(self, code: int, why: str) -> None:
-        if self._closed:
-            return
-        stats = self.shared.stats
-        stats.goaway(f.ERROR_NAMES.get(code, "other"))
-        failed = sum(stats.goaways.values())
-        if failed == 1 or failed % 1000 == 0:  # never a line per hostile connection
-            log.warning("ext_proc transport: closed a connection (%d so far): %s", failed, why)
-        self._write(f.goaway(self._last_id, code, why.encode()[:128]))
-        self._flush()
-        self._closed = True
-        transport = self.transport
-        assert transport is not None
-        # Half-close and drain what the peer still sends for a moment: closing a socket with
-        # unread input resets it, and the reset can destroy the GOAWAY before it is read.
-        if transport.can_write_eof():
-            transport.write_eof()
-            self.loop.call_later(1.0, transport.abort)
-        else:
-            transport.close()
-
     def _no_preface(self) -> None:
         if not self._preface:
             self._fail(f.PROTOCOL_ERROR, "no client preface in time")
-
-    def _abort(self) -> None:
-        self._closed = True
-        if self.transport is not None:
-            self.transport.abort()
-
-    def close(self) -> None:
-        """Hard stop (after drain): the handlers still running are cancelled."""
-        if self.transport is not None and not self.transport.is_closing():
-            self._flush()
-            self._closed = True
-            self.transport.close()

@@ -13,10 +13,11 @@ import contextlib
 import ssl
 from collections.abc import Mapping
 
-from poolkeeper.extproc.h2.connection import Connection, Shared
+from poolkeeper.extproc.h2.connection import Connection
 from poolkeeper.extproc.h2.handshakes import TlsHandshakes
 from poolkeeper.extproc.h2.limits import Limits, TransportStats
 from poolkeeper.extproc.h2.rpc import Method
+from poolkeeper.extproc.h2.shared import Shared
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:

@@ -130,6 +130,14 @@ def test_fresh_scrapes_when_interval_is_zero() -> None:
     assert running_seen == [0, 1, 2]
 
 
+def test_scrape_settings_have_one_home_and_cannot_be_changed_after_construction() -> None:
+    fleet = VirtualFleet([BASE], scrape_interval=0.2, timestamp_refresh=0.5, answers_seen=True)
+    assert (fleet.scrape_interval, fleet.timestamp_refresh, fleet.answers_seen) == (0.2, 0.5, True)
+    # A later assignment would reach the fleet's copy and not the scraper that uses it.
+    with pytest.raises(AttributeError):
+        fleet.answers_seen = False  # type: ignore[misc]
+
+
 def test_scraped_metrics_name_each_servers_base_model() -> None:
     # What a scraper reads from the `model_name` label, on fresh and on unchanged scrapes.
     other = replace(BASE, model="other/base-model")

@@ -106,11 +106,6 @@ class VirtualFleet:
             raise ValueError("a fleet needs at least one server")
         if scrape_interval < 0:
             raise ValueError("scrape_interval must be >= 0")
-        self.scrape_interval = scrape_interval
-        self.timestamp_refresh = timestamp_refresh
-        # The router learns first tokens as they happen (the EPP with Envoy's first-byte
-        # report): its unseen requests that answered no longer count as queued.
-        self.answers_seen = answers_seen
         self.engines: list[EngineModel] = []
         self.endpoints: list[Endpoint] = []
         for i, server in enumerate(servers):
@@ -125,6 +120,8 @@ class VirtualFleet:
             self.endpoints.append(
                 Endpoint(name=name, address=f"10.0.{i // 250}.{i % 250 + 1}", port=8000)
             )
+        # `answers_seen`: the router learns first tokens as they happen (the EPP with Envoy's
+        # first-byte report): its unseen requests that answered no longer count as queued.
         self._scraped = ScrapedViews(
             self.engines,
             self.endpoints,
@@ -134,6 +131,19 @@ class VirtualFleet:
         )
         self._routed = [0] * len(self.engines)
         self._ran = False
+
+    # Read-only views of the one home of the scrape settings, `ScrapedViews`.
+    @property
+    def scrape_interval(self) -> float:
+        return self._scraped.scrape_interval
+
+    @property
+    def timestamp_refresh(self) -> float:
+        return self._scraped.timestamp_refresh
+
+    @property
+    def answers_seen(self) -> bool:
+        return self._scraped.answers_seen
 
     # -- the run --------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The routers a live benchmark run measures, and how each is started in front of the simulators.
 
 `POOLKEEPER` (`poolkeeper serve` with a generated GatewayConfig: `poolkeeper_config`) and the
-peers (`KNOWN_PEERS`: vllm-router and sglang-router as `scripts/install-peers.sh` installs them,
-`envoy-rr` the same Envoy with a static round-robin cluster, `envoy_rr_bootstrap`);
+peers (`KNOWN_PEERS`: vllm-router, `vllm-router-rr` its round-robin policy, and sglang-router
+as `scripts/install-peers.sh` installs them; `envoy-rr` the same Envoy with a static
+round-robin cluster, `envoy_rr_bootstrap`);
 `router_command` gives a target's command line, HTTP port and readiness URL, `models_of` the
 InferenceModels a workload asks for.
 """

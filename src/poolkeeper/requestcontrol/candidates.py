@@ -9,7 +9,7 @@ import logging
 from collections.abc import Sequence
 
 from poolkeeper.api.pool import V1 as POOL_V1
-from poolkeeper.backend.engines import names_responses_itself as engine_names_responses
+from poolkeeper.backend.engines import names_responses_itself
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint
 from poolkeeper.hostport import host_of
@@ -20,11 +20,13 @@ from poolkeeper.scheduling.types import SchedulingResult
 log = logging.getLogger("poolkeeper.requestcontrol.director")  # the Director's lines, as before
 
 
-def names_responses_itself(candidates: Sequence[EndpointState], endpoints: Sequence[str]) -> bool:
+def a_pick_names_responses_itself(
+    candidates: Sequence[EndpointState], endpoints: Sequence[str]
+) -> bool:
     """Whether any server the request may go to (pick or fallback) names its responses after
     itself, whatever the request's model (llama.cpp)."""
     chosen = set(endpoints)
-    return any(engine_names_responses(s.endpoint.engine) for s in candidates if s.key in chosen)
+    return any(names_responses_itself(s.endpoint.engine) for s in candidates if s.key in chosen)
 
 
 def default_pool(snapshot: SnapshotView, wanted: str | None) -> str:

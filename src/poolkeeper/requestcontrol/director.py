@@ -37,9 +37,9 @@ from poolkeeper.errors import (
 from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.requestcontrol.body import parse_body, quote_model
 from poolkeeper.requestcontrol.candidates import (
+    a_pick_names_responses_itself,
     default_pool,
     destinations,
-    names_responses_itself,
     pool_candidates,
     unknown_model_pool,
 )
@@ -119,9 +119,9 @@ class Director(Sends):
         self._config = config
         # Each control header's spellings the operator trusts, llm-d's first: looked up on
         # every request, so worked out once.
-        trusted = set(config.trusted_headers)
+        allowed = set(config.trusted_headers)
         self._trusted_names = {
-            header: tuple(name.value for name in header.spellings() if name in trusted)
+            header: tuple(name.value for name in header.spellings() if name in allowed)
             for header in TrustedHeader
         }
         self._rng = rng
@@ -283,7 +283,7 @@ class Director(Sends):
                 learner.request_ended(llm_request.key)
             raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
 
-        server_names_model = names_responses_itself(candidates, endpoints)
+        server_names_model = a_pick_names_responses_itself(candidates, endpoints)
         passes_epp = (
             not self._responses_observed
             or server_names_model

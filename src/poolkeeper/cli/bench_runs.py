@@ -77,7 +77,7 @@ def bench_flow(args: argparse.Namespace) -> int:
     if args.live > 0:
         return bench_flow_live(args)
     if args.grid:
-        from poolkeeper.bench.fleet.fairshare import GRID_HEADER, format_grid, run_grid
+        from poolkeeper.bench.fleet.fairshare_grid import GRID_HEADER, format_grid, run_grid
         from poolkeeper.bench.results.report import command_line, write_json
 
         print(GRID_HEADER)

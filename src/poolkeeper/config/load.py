@@ -13,7 +13,7 @@ from pathlib import Path
 
 from poolkeeper.api import load as api_load
 from poolkeeper.api.kinds import KindEntry, KindRegistry, default_registry
-from poolkeeper.api.load import LoadResult
+from poolkeeper.api.load_results import LoadResult
 from poolkeeper.config.endpointpicker import document as epp_document
 from poolkeeper.config.endpointpicker.checked import CheckedEndpointPickerConfig
 from poolkeeper.config.gateway import API_VERSION, KIND, GatewayConfig

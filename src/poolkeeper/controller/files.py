@@ -36,7 +36,8 @@ from types import MappingProxyType
 from pydantic import ValidationError
 
 from poolkeeper.api.fielderrors import from_pydantic
-from poolkeeper.api.load import SUFFIXES, LoadedResource, LoadResult
+from poolkeeper.api.load import SUFFIXES
+from poolkeeper.api.load_results import LoadedResource, LoadResult
 from poolkeeper.api.model import CONDITION_ACCEPTED, InferenceModel, InferenceModelStatus
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.status import Verdict, compute_model_statuses

@@ -13,7 +13,8 @@ import pytest
 
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.scraper import ScraperManager
-from poolkeeper.controller.files import FileResourceSource, fingerprint
+from poolkeeper.controller.files import FileResourceSource
+from poolkeeper.controller.resource_files import fingerprint
 from poolkeeper.datastore import Datastore
 from poolkeeper.sim.config import build_fleet
 from poolkeeper.sim.server import SimCluster

@@ -274,7 +274,7 @@ def test_the_kubernetes_one_endpoint_default_keeps_where_the_key_was_written(
     tmp_path: Path,
 ) -> None:
     from poolkeeper.cli.serve import one_endpoint_unless_set
-    from poolkeeper.controller.files import load_files
+    from poolkeeper.controller.resource_files import load_files
 
     key = tmp_path / "key"
     key.write_text("k" * 32 + "\n")

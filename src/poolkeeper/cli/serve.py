@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.controller.files import FileResourceSource, file_source, load_files
+from poolkeeper.controller.files import FileResourceSource, file_source
 from poolkeeper.controller.kubernetes import KubeSettings, kubernetes_source, load_config
 from poolkeeper.controller.kubernetes.client import KubeApi
 from poolkeeper.controller.kubernetes.metricsauth import MetricsAuth
+from poolkeeper.controller.resource_files import load_files
 from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import build_bootstrap, render

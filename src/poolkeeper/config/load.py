@@ -3,7 +3,8 @@ an EndpointPickerConfig), through one kind registry.
 
 `poolkeeper.api.load` knows the API kinds only; this module composes its registry with the
 GatewayConfig document, so the API package never imports the config package. Everything that
-reads the files a gateway runs from (`controller/files.py`, `poolkeeper validate`) loads here.
+reads the files a gateway runs from (`controller/resource_files.py`, `poolkeeper validate`)
+loads here.
 """
 
 from __future__ import annotations

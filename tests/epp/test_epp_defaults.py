@@ -128,7 +128,7 @@ def test_error_replies_carry_upstreams_dropped_reason() -> None:
 
 
 def test_serve_kubernetes_sends_one_endpoint_unless_configured() -> None:
-    from poolkeeper.cli.serve import one_endpoint_unless_set
+    from poolkeeper.cli.serve_setup import one_endpoint_unless_set
     from poolkeeper.config.gateway import GatewayConfig
 
     assert one_endpoint_unless_set(None).spec.request_handling.fallback_endpoints == 0

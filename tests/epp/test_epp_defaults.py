@@ -55,7 +55,8 @@ async def test_llm_d_rewrite_header_names_the_target() -> None:
 def _v1_store() -> Any:
     from poolkeeper.api.pool import InferencePoolV1
     from poolkeeper.datastore.endpoint import EndpointMetrics
-    from poolkeeper.datastore.store import Datastore, EndpointSpec
+    from poolkeeper.datastore.snapshot import EndpointSpec
+    from poolkeeper.datastore.store import Datastore
 
     pool = InferencePoolV1.model_validate(
         {

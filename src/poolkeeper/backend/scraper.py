@@ -33,7 +33,8 @@ from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
 from poolkeeper.hostport import join_hostport
 
 if TYPE_CHECKING:
-    from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
+    from poolkeeper.datastore.snapshot import DatastoreSnapshot
+    from poolkeeper.datastore.store import Datastore
 
 __all__ = ["MetricsScraper", "MetricsSink", "ScrapeFailed", "ScraperManager", "metrics_url"]
 

@@ -25,7 +25,7 @@ from poolkeeper.config.endpointpicker.replicasync import key_context
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.config.load import load_paths
 from poolkeeper.datastore.models import ModelResource
-from poolkeeper.datastore.store import EndpointSpec
+from poolkeeper.datastore.snapshot import EndpointSpec
 
 Fingerprint = tuple[tuple[str, int, int, int], ...]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from poolkeeper.backend.config import ScrapingConfig
-from poolkeeper.backend.scraper import ScraperManager
+from poolkeeper.backend.scraper_manager import ScraperManager
 from poolkeeper.controller.files import FileResourceSource
 from poolkeeper.controller.resource_files import fingerprint
 from poolkeeper.datastore import Datastore

@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
-from poolkeeper.backend.scraper import ScraperManager
+from poolkeeper.backend.scraper_manager import ScraperManager
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.source import ResourceSource
 from poolkeeper.datastore.store import Datastore

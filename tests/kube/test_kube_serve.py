@@ -28,8 +28,8 @@ from poolkeeper.extproc.tls import self_signed_pair
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVING, check_health
 from tests.extproc.test_extproc_tls import served_certificate
 from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj

@@ -14,9 +14,9 @@ from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.params import DEFAULT_MODEL
-from poolkeeper.sim.server import SimCluster
 
 pytestmark = pytest.mark.integration
 

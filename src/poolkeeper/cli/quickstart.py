@@ -34,8 +34,8 @@ from poolkeeper.errors import ConfigError
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.server.signals import on_stop_signals
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 
 
 def register(subparsers: Any) -> None:

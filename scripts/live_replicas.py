@@ -56,7 +56,7 @@ from poolkeeper.bench.live.loadgen import run_open_loop
 from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.results.paired import compare, quantile
 from poolkeeper.bench.workload.scenarios import adapter_names
-from poolkeeper.bench.workload.workloads import default_spec
+from poolkeeper.bench.workload.workload_spec import default_spec
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.presets import preset_document

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from poolkeeper.api.pool import (
-    BUILT_IN_EPP,
     AnyInferencePool,
     InferencePool,
     InferencePoolV1,
     InferencePoolV1Alpha1,
 )
+from poolkeeper.api.pool_fields import BUILT_IN_EPP
 from tests.api.apidocs import DELETE, Doc, edit, messages, pool1_doc, pool2_doc, pool_alpha1_doc
 
 KEY_MSG = (

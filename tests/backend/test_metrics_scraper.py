@@ -19,7 +19,8 @@ from aiohttp import web
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.engines import EngineMapping
-from poolkeeper.backend.scraper import MetricsScraper, ScraperManager, metrics_url
+from poolkeeper.backend.scraper import MetricsScraper, metrics_url
+from poolkeeper.backend.scraper_manager import ScraperManager
 from poolkeeper.datastore import Datastore, EndpointSpec
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
 from poolkeeper.netutil import free_port

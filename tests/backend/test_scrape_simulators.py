@@ -17,11 +17,11 @@ import pytest
 
 from poolkeeper.api.pool import InferencePool
 from poolkeeper.backend.config import ScrapingConfig
-from poolkeeper.backend.scraper import ScraperManager
+from poolkeeper.backend.scraper_manager import ScraperManager
 from poolkeeper.datastore import Datastore, EndpointSpec
 from poolkeeper.netutil import free_port
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 
 pytestmark = pytest.mark.integration
 

@@ -8,14 +8,8 @@ from dataclasses import asdict
 
 import pytest
 
-from poolkeeper.bench.fleet.fairshare import (
-    FairCase,
-    format_grid_seeds,
-    issue35_case,
-    jain,
-    open_case,
-    run_case,
-)
+from poolkeeper.bench.fleet.fairshare import FairCase, issue35_case, jain, run_case
+from poolkeeper.bench.fleet.fairshare_grid import format_grid_seeds, open_case
 
 
 def test_the_issue35_case_shares_fairly_refuses_no_standard_and_serves_critical() -> None:

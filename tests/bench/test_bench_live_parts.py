@@ -18,7 +18,7 @@ from poolkeeper.bench.live.live_processes import process
 from poolkeeper.bench.live.live_targets import envoy_rr_bootstrap, poolkeeper_config
 from poolkeeper.bench.live.loadgen import check_loopback, run_open_loop
 from poolkeeper.bench.results.metrics import RequestOutcome
-from poolkeeper.bench.workload.workloads import Arrival
+from poolkeeper.bench.workload.workload_spec import Arrival
 from poolkeeper.cli import main as cli
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports

@@ -10,15 +10,9 @@ from pathlib import Path
 import pytest
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.bench.workload.workloads import (
-    WorkloadKind,
-    WorkloadSpec,
-    default_spec,
-    generate,
-    load_jsonl,
-    mean_request_shape,
-    save_jsonl,
-)
+from poolkeeper.bench.workload.workload_files import load_jsonl, save_jsonl
+from poolkeeper.bench.workload.workload_spec import WorkloadKind, WorkloadSpec, default_spec
+from poolkeeper.bench.workload.workloads import generate, mean_request_shape
 from poolkeeper.errors import ConfigError
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from poolkeeper.backend.config import ScrapingConfig
-from poolkeeper.backend.scraper import ScraperManager
-from poolkeeper.controller.files import FileResourceSource, fingerprint
+from poolkeeper.backend.scraper_manager import ScraperManager
+from poolkeeper.controller.files import FileResourceSource
+from poolkeeper.controller.resource_files import fingerprint
 from poolkeeper.datastore import Datastore
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import build_fleet
-from poolkeeper.sim.server import SimCluster
 
 POOL = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha2

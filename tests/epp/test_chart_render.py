@@ -37,8 +37,8 @@ from poolkeeper.cli import epp as epp_cli
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVICE_UNKNOWN, SERVING, check_health
 from tests.envoy.envoy_harness import supervised_envoy
 from tests.epp.test_epp_kube import loopback_kubernetes_source

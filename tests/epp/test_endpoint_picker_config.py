@@ -165,7 +165,7 @@ def test_poolkeepers_own_plugins_may_be_named() -> None:
 
 def test_validate_and_load_files_read_endpoint_picker_configs(tmp_path: Path) -> None:
     from poolkeeper.cli.main import main as poolkeeper_main
-    from poolkeeper.controller.files import load_files
+    from poolkeeper.controller.resource_files import load_files
 
     assert poolkeeper_main(["validate", str(CONFIGS / "sim-epp-config.yaml")]) == 0
     assert poolkeeper_main(["validate", str(CONFIGS / "pd-epp-config.yaml")]) == 1

@@ -55,7 +55,8 @@ async def test_llm_d_rewrite_header_names_the_target() -> None:
 def _v1_store() -> Any:
     from poolkeeper.api.pool import InferencePoolV1
     from poolkeeper.datastore.endpoint import EndpointMetrics
-    from poolkeeper.datastore.store import Datastore, EndpointSpec
+    from poolkeeper.datastore.snapshot import EndpointSpec
+    from poolkeeper.datastore.store import Datastore
 
     pool = InferencePoolV1.model_validate(
         {
@@ -128,7 +129,7 @@ def test_error_replies_carry_upstreams_dropped_reason() -> None:
 
 
 def test_serve_kubernetes_sends_one_endpoint_unless_configured() -> None:
-    from poolkeeper.cli.serve import one_endpoint_unless_set
+    from poolkeeper.cli.serve_setup import one_endpoint_unless_set
     from poolkeeper.config.gateway import GatewayConfig
 
     assert one_endpoint_unless_set(None).spec.request_handling.fallback_endpoints == 0

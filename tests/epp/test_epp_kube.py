@@ -24,8 +24,8 @@ from poolkeeper.controller.source import SourceFactory
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVING, check_health
 from tests.epp.test_epp_command import _chart_args
 from tests.extproc.extproc_fakes import FakeEnvoy

@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from poolkeeper.netutil import free_port
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 from tests.envoy.envoy_harness import supervised_envoy
 from tests.epp.test_epp_kube import _v1_pool, chart_epp
 from tests.kube.conftest import fake, pod_obj

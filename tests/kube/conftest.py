@@ -11,7 +11,8 @@ import pytest
 
 from poolkeeper.controller.kubernetes.client import KubeApi, load_config
 from poolkeeper.controller.kubernetes.leader import LeaseTiming
-from poolkeeper.controller.kubernetes.source import KubernetesResourceSource, KubeSettings
+from poolkeeper.controller.kubernetes.source import KubernetesResourceSource
+from poolkeeper.controller.kubernetes.source_state import KubeSettings
 from poolkeeper.datastore.store import Datastore
 from tests.kube.fakeapi import FakeApiServer
 

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from poolkeeper.cli import serve as serve_cli
+from poolkeeper.cli import serve as serve_cli, serve_setup
 from poolkeeper.controller.kubernetes.client import KubeApi, load_config
 from poolkeeper.controller.kubernetes.metricsauth import MetricsAuth
 from poolkeeper.errors import ConfigError
@@ -94,6 +94,6 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_the_flag_needs_kubernetes_mode(fake: FakeApiServer) -> None:
-    assert serve_cli._metrics_auth(_parse("-f", "x.yaml")) == ()
+    assert serve_setup._metrics_auth(_parse("-f", "x.yaml")) == ()
     with pytest.raises(ConfigError, match="--metrics-endpoint-auth needs --kubernetes"):
-        serve_cli._metrics_auth(_parse("-f", "x.yaml", "--metrics-endpoint-auth"))
+        serve_setup._metrics_auth(_parse("-f", "x.yaml", "--metrics-endpoint-auth"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from poolkeeper.cli import serve as serve_cli
+from poolkeeper.cli import serve as serve_cli, serve_setup
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.kubernetes import (
     KubernetesResourceSource,
@@ -28,8 +28,8 @@ from poolkeeper.extproc.tls import self_signed_pair
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 from poolkeeper.telemetry.health import SERVING, check_health
 from tests.extproc.test_extproc_tls import served_certificate
 from tests.kube.conftest import NS, model_obj, pod_obj, pool_obj
@@ -127,7 +127,7 @@ async def test_serve_kubernetes_stays_ready_through_an_api_outage(fake: FakeApiS
     ],
 )
 def test_tls_is_on_by_default_in_kubernetes_mode_only(argv: tuple[str, ...], secure: bool) -> None:
-    assert serve_cli.tls_settings(_parse(*argv)).secure_serving is secure
+    assert serve_setup.tls_settings(_parse(*argv)).secure_serving is secure
 
 
 @pytest.mark.parametrize(
@@ -140,27 +140,27 @@ def test_tls_is_on_by_default_in_kubernetes_mode_only(argv: tuple[str, ...], sec
 )
 def test_tls_flags_that_cannot_be_served_are_refused(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        serve_cli.tls_settings(_parse(*argv))
+        serve_setup.tls_settings(_parse(*argv))
 
 
 def test_client_ca_file_is_for_an_epp_behind_another_envoy(tmp_path: Path) -> None:
     ca = tmp_path / "ca.crt"
     ca.write_bytes(self_signed_pair()[0])
-    settings = serve_cli.tls_settings(_parse("--kubernetes", "--client-ca-file", str(ca)))
+    settings = serve_setup.tls_settings(_parse("--kubernetes", "--client-ca-file", str(ca)))
     assert settings.client_ca_file == ca
     no_envoy = ("-f", "x.yaml", "--no-envoy", "--secure-serving", "--client-ca-file", str(ca))
-    assert serve_cli.tls_settings(_parse(*no_envoy)).client_ca_file == ca
+    assert serve_setup.tls_settings(_parse(*no_envoy)).client_ca_file == ca
     # The Envoy serve runs has no client certificate to present: refused, not 503s.
     with pytest.raises(ConfigError, match="the Envoy serve runs presents no client cert"):
-        serve_cli.tls_settings(
+        serve_setup.tls_settings(
             _parse("-f", "x.yaml", "--secure-serving", "--client-ca-file", str(ca))
         )
     with pytest.raises(ConfigError, match="--client-ca-file needs --secure-serving"):
-        serve_cli.tls_settings(
+        serve_setup.tls_settings(
             _parse("--kubernetes", "--no-secure-serving", "--client-ca-file", str(ca))
         )
     with pytest.raises(ConfigError, match=r"--client-ca-file .*nope\.crt: cannot read it"):
-        serve_cli.tls_settings(
+        serve_setup.tls_settings(
             _parse("--kubernetes", "--client-ca-file", str(tmp_path / "nope.crt"))
         )
 
@@ -206,7 +206,7 @@ async def test_serve_flags_build_the_source_from_a_kubeconfig(
         "--kubernetes", "--kubeconfig", str(kubeconfig), "--pool", "pool", "-f", str(gw),
         "--identity", "epp-test", "--no-status",
     )  # fmt: skip
-    factory = serve_cli._source(args)
+    factory = serve_setup.resource_source(args)
     store = Datastore()
     source = factory(store)
     assert isinstance(source, KubernetesResourceSource)
@@ -235,7 +235,7 @@ async def test_readme_steps_never_wait_on_a_later_one(fake: FakeApiServer, tmp_p
     )
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url)
     args = _parse("--kubernetes", "--kubeconfig", str(kubeconfig), "-f", str(gw))
-    options = serve_cli.serve_options(args, serve_cli._source(args))
+    options = serve_setup.serve_options(args, serve_setup.resource_source(args))
     assert (options.run_envoy, options.ready_once_synced, options.drain_timeout_s) == (
         False, True, 30.0,
     )  # fmt: skip

@@ -20,7 +20,8 @@ import pytest
 from poolkeeper.api.status import Verdict
 from poolkeeper.controller.kubernetes.client import KubeApi, load_config
 from poolkeeper.controller.kubernetes.objects import parse_model
-from poolkeeper.controller.kubernetes.source import KubernetesResourceSource, KubeSettings
+from poolkeeper.controller.kubernetes.source import KubernetesResourceSource
+from poolkeeper.controller.kubernetes.source_state import KubeSettings
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
 from tests.kube.conftest import (

@@ -29,8 +29,8 @@ from poolkeeper.extproc.tcpdiag import _read_dump, connection_open, peers_that_s
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.own_loop import OwnLoopServer
 from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 from tests.support.gateway_files import one_pool
 from tests.support.keepalive import Conn, chat_from
 

@@ -18,7 +18,8 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from poolkeeper import observation as wire
-from poolkeeper.api.load import MAX_EXPANDED_NODES, load_text
+from poolkeeper.api.load import load_text
+from poolkeeper.api.load_syntax import MAX_EXPANDED_NODES
 from poolkeeper.backend.promtext import PromParseError, parse_families
 from poolkeeper.errors import BadRequest
 from poolkeeper.extproc.accesslog import outcome_of

@@ -18,7 +18,8 @@ from poolkeeper.config.gateway import GatewayConfig, RequestHandling, UnknownMod
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.models import ModelResource, ModelRoute
-from poolkeeper.datastore.store import Datastore, EndpointSpec
+from poolkeeper.datastore.snapshot import EndpointSpec
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import (
     BadRequest,
     GatewayError,

@@ -11,7 +11,8 @@ import zmq.asyncio
 
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.endpoint import EndpointMetrics
-from poolkeeper.datastore.store import Datastore, EndpointSpec
+from poolkeeper.datastore.snapshot import EndpointSpec
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.kvevents import BlockStored, KVEventBatch, encode
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer

@@ -19,7 +19,8 @@ from poolkeeper.api.pool import InferencePool
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import file_source
 from poolkeeper.datastore.endpoint import EndpointMetrics
-from poolkeeper.datastore.store import Datastore, EndpointSpec
+from poolkeeper.datastore.snapshot import EndpointSpec
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from rich.console import Console
 
-from poolkeeper.cli import quickstart as qs
+from poolkeeper.cli import quickstart as qs, quickstart_demo
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +27,7 @@ def _args(**overrides: object) -> argparse.Namespace:
 async def test_quickstart_demo_reports_where_requests_went() -> None:
     out = io.StringIO()
     console = Console(file=out, width=140, force_terminal=False)
-    record = qs.DemoRecord()
+    record = quickstart_demo.DemoRecord()
     # Servers twice as slow as the default calibration: the 48-wide burst queues on the
     # 3 x 4 running slots on any machine, so the pool saturates and flow control holds
     # Sheddable requests back, which is what makes "Critical is never held or shed" a check
@@ -83,7 +83,7 @@ def test_bad_arguments() -> None:
 def test_plan_has_all_criticalities_in_configured_shares() -> None:
     import random
 
-    plan = qs._plan(200, random.Random(1))
+    plan = quickstart_demo.demo_plan(200, random.Random(1))
     crit = {c for _, c, _ in plan}
     assert crit == {"Critical", "Standard", "Sheddable"}
     assert sum(1 for m, _, _ in plan if m == "food-review") == 90

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from poolkeeper.sim.cluster import Listening, SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import Listening, SimCluster
 
 StartCluster = Callable[..., Awaitable[tuple[SimCluster, list[Listening]]]]
 

@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 
+from poolkeeper.sim.cluster import Listening, SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.driver import TokenWaiter
 from poolkeeper.sim.engine import SimRequest
 from poolkeeper.sim.params import DEFAULT_MODEL
-from poolkeeper.sim.server import Listening, SimCluster
 from poolkeeper.sim.virtual import VirtualFleet
 from poolkeeper.sim.virtual_results import Arrival, RequestResult
 

@@ -14,9 +14,9 @@ from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.kvsubscriber import KVEventSubscriber, events_address
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
 from poolkeeper.sim.params import DEFAULT_MODEL
-from poolkeeper.sim.server import SimCluster
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,8 @@ async def test_the_epp_subscribes_when_it_learns_the_endpoints_not_at_a_first_de
     from poolkeeper.api.pool import InferencePool
     from poolkeeper.config.gateway import GatewayConfig
     from poolkeeper.datastore.endpoint import EndpointMetrics
-    from poolkeeper.datastore.store import Datastore, EndpointSpec
+    from poolkeeper.datastore.snapshot import EndpointSpec
+    from poolkeeper.datastore.store import Datastore
     from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
     from poolkeeper.scheduling.presets import preset_document
     from poolkeeper.scheduling.scheduler import Scheduler

@@ -11,8 +11,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from poolkeeper.sim.cluster import Listening, SimCluster
 from poolkeeper.sim.params import DEFAULT_MODEL
-from poolkeeper.sim.server import Listening, SimCluster
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from poolkeeper.sim.cluster import Listening, SimCluster
 from poolkeeper.sim.params import DEFAULT_MODEL
-from poolkeeper.sim.server import Listening, SimCluster
 from poolkeeper.tokens import count_tokens
 
 pytestmark = pytest.mark.integration

@@ -10,12 +10,12 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 
+from poolkeeper.sim.cluster import Listening, SimCluster
 from poolkeeper.sim.direct_stream import DirectStream
 from poolkeeper.sim.driver import TokenWaiter
 from poolkeeper.sim.openai_format import ChunkWriter
 from poolkeeper.sim.params import DEFAULT_MODEL
 from poolkeeper.sim.request import RequestStatus, SimRequest
-from poolkeeper.sim.server import Listening, SimCluster
 from poolkeeper.tokens import count_tokens
 from tests.support.waiting import until
 

@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
-from poolkeeper.sim.server import SimCluster
 
 MODEL = "m"
 

@@ -4,120 +4,28 @@ Bad input never raises: every problem becomes a `LoadError` that prints as
 `PATH[:DOC]: Kind/namespace/name: field.path: message` (DOC is the 0-based document index, shown
 when the file holds several documents), or `PATH:LINE:COL: message` for syntax errors. Objects
 of kinds poolkeeper does not handle (Deployments, Services, ...) are skipped with a notice.
+
+This module owns the loading (files, documents, `kind: List`, validation, duplicates); what a
+load produced is `load_results`, a file's text into documents (strict YAML, JSON) `load_syntax`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from poolkeeper.api.fielderrors import FieldError, from_pydantic, go_value, supported_values
 from poolkeeper.api.kinds import KindRegistry, default_registry
-from poolkeeper.api.model import InferenceModel
-from poolkeeper.api.objective import InferenceObjective
-from poolkeeper.api.pool import AnyInferencePool
-from poolkeeper.api.rewrite import InferenceModelRewrite
+from poolkeeper.api.load_results import LoadedResource, LoadError, LoadResult, object_ref
+from poolkeeper.api.load_syntax import parse_json, parse_yaml
 
 SUFFIXES = (".yaml", ".yml", ".json")
 
 T = TypeVar("T", bound=BaseModel)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedResource:
-    """A valid object and where it came from."""
-
-    obj: BaseModel
-    source: str
-    doc: int
-    multi_doc: bool = False
-    item: int | None = None
-
-    @property
-    def location(self) -> str:
-        return f"{self.source}:{self.doc}" if self.multi_doc else self.source
-
-    @property
-    def ref(self) -> str:
-        return object_ref(self.obj)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadError:
-    """One problem, printable as one line."""
-
-    source: str
-    message: str
-    doc: int | None = None
-    multi_doc: bool = False
-    ref: str | None = None
-    path: str = ""
-    line: int | None = None
-    column: int | None = None
-
-    def __str__(self) -> str:
-        if self.line is not None:
-            return f"{self.source}:{self.line}:{self.column}: {self.message}"
-        location = self.source
-        if self.doc is not None and self.multi_doc:
-            location += f":{self.doc}"
-        parts = [location]
-        if self.ref:
-            parts.append(self.ref)
-        if self.path:
-            parts.append(self.path)
-        parts.append(self.message)
-        return ": ".join(parts)
-
-
-@dataclass(slots=True)
-class LoadResult:
-    """Everything a load produced. `ok` is true when there were no errors (notices are fine)."""
-
-    resources: list[LoadedResource] = field(default_factory=list)
-    errors: list[LoadError] = field(default_factory=list)
-    notices: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def objects_of(self, cls: type[T]) -> list[T]:
-        return [r.obj for r in self.resources if isinstance(r.obj, cls)]
-
-    def models(self) -> list[InferenceModel]:
-        return self.objects_of(InferenceModel)
-
-    def objectives(self) -> list[InferenceObjective]:
-        return self.objects_of(InferenceObjective)
-
-    def rewrites(self) -> list[InferenceModelRewrite]:
-        return self.objects_of(InferenceModelRewrite)
-
-    def pools(self) -> list[AnyInferencePool]:
-        return [r.obj for r in self.resources if isinstance(r.obj, AnyInferencePool)]
-
-
-def object_ref(obj: Any) -> str:
-    """`Kind/namespace/name` of a validated object (or of raw data, best effort)."""
-    if isinstance(obj, Mapping):
-        meta = obj.get("metadata")
-        meta = meta if isinstance(meta, Mapping) else {}
-        kind = obj.get("kind") or "<no kind>"
-        namespace = meta.get("namespace") or "default"
-        name = meta.get("name") or "<no name>"
-        return f"{kind}/{namespace}/{name}"
-    meta = getattr(obj, "metadata", None)
-    kind = getattr(obj, "kind", None) or type(obj).__name__
-    namespace = getattr(meta, "namespace", None) or "default"
-    name = getattr(meta, "name", None) or "<no name>"
-    return f"{kind}/{namespace}/{name}"
 
 
 def load_paths(paths: Iterable[str | Path], *, registry: KindRegistry | None = None) -> LoadResult:
@@ -175,7 +83,7 @@ def _load_file(file: Path, registry: KindRegistry, result: LoadResult) -> None:
 def _load_documents(
     text: str, source: str, json_format: bool, registry: KindRegistry, result: LoadResult
 ) -> None:
-    docs, syntax_error = _parse_json(text, source) if json_format else _parse_yaml(text, source)
+    docs, syntax_error = parse_json(text, source) if json_format else parse_yaml(text, source)
     multi = len(docs) > 1
     for index, data in enumerate(docs):
         if data is None:
@@ -183,38 +91,6 @@ def _load_documents(
         _load_document(data, source, index, multi, None, registry, result)
     if syntax_error is not None:
         result.errors.append(syntax_error)
-
-
-def _parse_json(text: str, source: str) -> tuple[list[Any], LoadError | None]:
-    try:
-        return [json.loads(text)], None
-    except json.JSONDecodeError as exc:
-        return [], LoadError(source, f"invalid JSON: {exc.msg}", line=exc.lineno, column=exc.colno)
-    except RecursionError:
-        return [], LoadError(source, "invalid JSON: nested too deeply")
-
-
-def _parse_yaml(text: str, source: str) -> tuple[list[Any], LoadError | None]:
-    docs: list[Any] = []
-    try:
-        for doc in yaml.load_all(text, Loader=_StrictLoader):
-            docs.append(doc)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        problem = exc.problem or exc.context or "malformed document"
-        if exc.context and exc.problem:
-            started = f" started at line {exc.context_mark.line + 1}" if exc.context_mark else ""
-            problem += f" ({exc.context}{started})"
-        if mark is None:
-            return docs, LoadError(source, f"invalid YAML: {problem}")
-        return docs, LoadError(
-            source, f"invalid YAML: {problem}", line=mark.line + 1, column=mark.column + 1
-        )
-    except yaml.YAMLError as exc:
-        return docs, LoadError(source, f"invalid YAML: {exc}")
-    except RecursionError:
-        return docs, LoadError(source, "invalid YAML: nested too deeply")
-    return docs, None
 
 
 def _load_document(
@@ -342,62 +218,3 @@ def _reject_duplicates(result: LoadResult) -> None:
             )
         )
     result.resources[:] = kept
-
-
-MAX_EXPANDED_NODES = 200_000  # a document's nodes with every alias expanded
-
-
-def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
-    """Nodes in `node` with aliases expanded (memoised: linear in the composed graph)."""
-    known = memo.get(id(node))
-    if known is not None:
-        return known
-    memo[id(node)] = 1  # a cycle counts once (the constructor refuses what it cannot build)
-    size = 1
-    if isinstance(node, yaml.SequenceNode):
-        size += sum(_expanded_size(child, memo) for child in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        size += sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    memo[id(node)] = size
-    return size
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that keeps timestamps as strings (like JSON), rejects duplicate keys, and
-    refuses documents whose aliases expand past MAX_EXPANDED_NODES (a "billion laughs" bomb
-    composes in microseconds but would take hours to validate)."""
-
-    def compose_document(self) -> yaml.Node | None:
-        node: yaml.Node | None = super().compose_document()
-        if node is not None and _expanded_size(node, {}) > MAX_EXPANDED_NODES:
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"document expands to more than {MAX_EXPANDED_NODES} nodes (aliases)",
-                node.start_mark,
-            )
-        return node
-
-    yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, yaml.Node] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-            except TypeError:
-                duplicate = False  # unhashable keys are reported by the base class
-            if duplicate:
-                first = seen[key].start_mark
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"found duplicate key {key!s} (first defined at line {first.line + 1})",
-                    key_node.start_mark,
-                )
-            seen[key] = key_node
-        return super().construct_mapping(node, deep=deep)

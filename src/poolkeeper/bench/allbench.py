@@ -19,7 +19,7 @@ from poolkeeper.bench.live.live_processes import repo_root
 from poolkeeper.bench.live.live_targets import peer_binary
 from poolkeeper.bench.overhead.overhead import run_overhead
 from poolkeeper.bench.policies.routers import ALL_POLICIES
-from poolkeeper.bench.workload.workloads import ROUTING_WORKLOADS
+from poolkeeper.bench.workload.workload_spec import ROUTING_WORKLOADS
 from poolkeeper.errors import ConfigError
 
 

@@ -32,7 +32,8 @@ from aiohttp import web
 
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import FileResourceSource
-from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
+from poolkeeper.datastore.snapshot import DatastoreSnapshot
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bbr import BbrParams, PoolRoute, build_bbr_bootstrap, render
 from poolkeeper.envoy.params import CLIENT_MAX_HEADER_KB, CLIENT_MAX_HEADERS, BootstrapParams
 from poolkeeper.errors import ConfigError

@@ -27,7 +27,7 @@ def bench_sim(args: argparse.Namespace) -> int:
     from poolkeeper.bench.fleet.sweep import DEFAULT_LOADS, SweepSpec, run_sweep, targets_table
     from poolkeeper.bench.policies.routers import ALL_POLICIES, KNOWN_POLICIES
     from poolkeeper.bench.results.metrics import SLO
-    from poolkeeper.bench.workload.workloads import ROUTING_WORKLOADS, WorkloadKind
+    from poolkeeper.bench.workload.workload_spec import ROUTING_WORKLOADS, WorkloadKind
 
     try:
         workloads = args.workload or tuple(str(k) for k in ROUTING_WORKLOADS)
@@ -77,7 +77,7 @@ def bench_flow(args: argparse.Namespace) -> int:
     if args.live > 0:
         return bench_flow_live(args)
     if args.grid:
-        from poolkeeper.bench.fleet.fairshare import GRID_HEADER, format_grid, run_grid
+        from poolkeeper.bench.fleet.fairshare_grid import GRID_HEADER, format_grid, run_grid
         from poolkeeper.bench.results.report import command_line, write_json
 
         print(GRID_HEADER)
@@ -115,7 +115,9 @@ def bench_flow_live(args: argparse.Namespace) -> int:
 
 
 def bench_workload(args: argparse.Namespace) -> int:
-    from poolkeeper.bench.workload.workloads import default_spec, generate, save_jsonl
+    from poolkeeper.bench.workload.workload_files import save_jsonl
+    from poolkeeper.bench.workload.workload_spec import default_spec
+    from poolkeeper.bench.workload.workloads import generate
 
     try:
         spec = default_spec(args.workload, args.servers)

@@ -37,7 +37,7 @@ def bench_seeds(args: argparse.Namespace) -> int:
 
     grids = [d / "flow-grid.json" for d in args.dirs if (d / "flow-grid.json").is_file()]
     if grids:  # `bench flow --grid` once per seed: the least over seeds per cell
-        from poolkeeper.bench.fleet.fairshare import format_grid_seeds
+        from poolkeeper.bench.fleet.fairshare_grid import format_grid_seeds
 
         try:
             print(format_grid_seeds([read_json(g) for g in grids]))

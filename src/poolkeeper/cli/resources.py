@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from poolkeeper.api.crds import crds_yaml
-from poolkeeper.api.load import LoadedResource, LoadResult
+from poolkeeper.api.load_results import LoadedResource, LoadResult
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.objective import InferenceObjective
 from poolkeeper.api.pool import InferencePool, InferencePoolV1, InferencePoolV1Alpha1

@@ -17,9 +17,9 @@ from typing import Any
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.server.signals import on_stop_signals
+from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet, load_fleet_file
 from poolkeeper.sim.params import DEFAULT_MODEL
-from poolkeeper.sim.server import SimCluster
 
 
 def register(subparsers: Any) -> None:

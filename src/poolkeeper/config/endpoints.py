@@ -1,8 +1,8 @@
 """`spec.endpoints[]`: the model servers of standalone mode, standing in for Pods.
 
-The document's own section: no package below reads it; the file source
-(`controller/files.py`) turns each entry into a datastore endpoint, its engine resolved by the
-engine registry (`poolkeeper.backend.engines`).
+The document's own section: no package below reads it; the file source's reader
+(`controller/resource_files.py`) turns each entry into a datastore endpoint, its engine
+resolved by the engine registry (`poolkeeper.backend.engines`).
 """
 
 from __future__ import annotations

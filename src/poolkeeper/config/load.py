@@ -3,7 +3,8 @@ an EndpointPickerConfig), through one kind registry.
 
 `poolkeeper.api.load` knows the API kinds only; this module composes its registry with the
 GatewayConfig document, so the API package never imports the config package. Everything that
-reads the files a gateway runs from (`controller/files.py`, `poolkeeper validate`) loads here.
+reads the files a gateway runs from (`controller/resource_files.py`, `poolkeeper validate`)
+loads here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from poolkeeper.api import load as api_load
 from poolkeeper.api.kinds import KindEntry, KindRegistry, default_registry
-from poolkeeper.api.load import LoadResult
+from poolkeeper.api.load_results import LoadResult
 from poolkeeper.config.endpointpicker import document as epp_document
 from poolkeeper.config.endpointpicker.checked import CheckedEndpointPickerConfig
 from poolkeeper.config.gateway import API_VERSION, KIND, GatewayConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.datastore.store import DatastoreSnapshot
+from poolkeeper.datastore.snapshot import DatastoreSnapshot
 from poolkeeper.envoy.bootstrap import BootstrapParams
 from poolkeeper.scheduling.build import (
     learns_from_first_tokens as scheduler_learns_from_first_tokens,

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable
 from typing import Final
 
 from poolkeeper.datastore.endpoint import Endpoint
-from poolkeeper.datastore.store import ChangeKind, DatastoreSnapshot
+from poolkeeper.datastore.snapshot import DatastoreSnapshot
+from poolkeeper.datastore.store import ChangeKind
 from poolkeeper.scheduling.scheduler import Scheduler
 
 __all__ = ["FORGET_AFTER_S", "AbsentEndpoints", "EndpointForgetter"]

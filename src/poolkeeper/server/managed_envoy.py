@@ -12,7 +12,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from poolkeeper.datastore.store import Datastore, DatastoreSnapshot
+from poolkeeper.datastore.snapshot import DatastoreSnapshot
+from poolkeeper.datastore.store import Datastore
 from poolkeeper.envoy.bootstrap import BootstrapParams, build_bootstrap, render
 from poolkeeper.envoy.endpoints_file import EndpointsFile
 from poolkeeper.envoy.params import EPP_CLUSTER, downstream_connection_cap

@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from poolkeeper.datastore.store import ChangeKind, DatastoreSnapshot
+from poolkeeper.datastore.snapshot import DatastoreSnapshot
+from poolkeeper.datastore.store import ChangeKind
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.replicasync.codec import Codec
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig

@@ -4,59 +4,40 @@ ext_proc + health + metrics servers → Envoy child process; and the reverse on 
 The one startup path: the `ResourceSource` the options name (files today; `controller/source.py`)
 fills the datastore and yields the GatewayConfig, and everything else is built from those two.
 
-Shutdown drains as Kubernetes expects (reliability finding 2): readiness turns NOT_SERVING
-first, Envoy's listeners stop accepting at once (new connections are refused, so clients and
-load balancers go to a peer instead of being accepted and cut later; idle keep-alive
-connections are closed), every request already accepted gets up to the grace period (default
-130 s, like upstream's chart) to finish, counted by Envoy itself and by the EPP's streams, then
-Envoy, the gRPC servers and the scrapers stop. grpc.aio does not
-stop on signals by itself, so `serve_until_signalled` installs its own handlers (SIGINT, SIGTERM,
-SIGHUP: `signals.py`). Envoy runs in a session of its own (`envoy/tether.py`), so a terminal's
-Ctrl-C reaches this process only, and this order is the one that runs.
+Shutdown drains as Kubernetes expects: readiness first, then Envoy's listeners, then what was
+accepted finishes within the grace period (`runtime_stop.py`, which says how).
 
-The parts it composes live beside it: `options.py` (`ServeOptions`), `epp_ports.py` (the EPP's
-ext_proc, health and metrics servers), `envoy_bootstrap.py`, `managed_envoy.py` and
-`envoy_drain.py` (the Envoy it runs: parameters, start, drain), `stats_views.py` (what the
-metrics read at scrape time), `housekeeping.py` (periodic tasks), `sync_service.py`,
-`wiring.py` (the Director).
+The runtime itself is four modules: `runtime_state.py` (`RuntimeState`: its fields, `ready()`,
+its addresses), `runtime_envoy.py` (the managed Envoy's start), `runtime_stop.py` (the drain
+and stop) and this one (the start). The parts it composes live beside it: `options.py`
+(`ServeOptions`), `epp_ports.py` (the EPP's ext_proc, health and metrics servers),
+`envoy_bootstrap.py`, `managed_envoy.py` and `envoy_drain.py` (the Envoy it runs:
+parameters, start, drain), `stats_views.py` (what the metrics read at scrape time),
+`housekeeping.py` (periodic tasks), `sync_service.py`, `wiring.py` (the Director).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
-import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from aiohttp import web
 
-from poolkeeper.backend.scraper import ScraperManager
-from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.controller.source import ResourceSource
-from poolkeeper.datastore.store import Datastore
-from poolkeeper.envoy.bootstrap import BootstrapParams
-from poolkeeper.envoy.process import EnvoySupervisor, find_envoy
+from poolkeeper.backend.scraper_manager import ScraperManager
+from poolkeeper.envoy.process import find_envoy
 from poolkeeper.errors import ConfigError
 from poolkeeper.extproc.accesslog import DetachedExchanges
 from poolkeeper.extproc.auth import EnvoyOnly, new_token
-from poolkeeper.extproc.conncap import ConnectionCounter
-from poolkeeper.extproc.conncap_service import build_conncap_server
 from poolkeeper.extproc.contracts import BodyBudget
 from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.tls import server_credentials, ssl_context
-from poolkeeper.requestcontrol.director import Director
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.stats import SchedulingStats
-from poolkeeper.server.envoy_bootstrap import bootstrap_params, fail_open_split_targets
-from poolkeeper.server.envoy_drain import SETTLE_SLACK_S, drain_envoy
+from poolkeeper.server.envoy_bootstrap import fail_open_split_targets
 from poolkeeper.server.epp_ports import (
     extproc_settings,
     health_server,
@@ -65,12 +46,11 @@ from poolkeeper.server.epp_ports import (
     side_services,
 )
 from poolkeeper.server.housekeeping import expire_detached, trim_after_bursts
-from poolkeeper.server.managed_envoy import follow_endpoints, start_supervised, supervise
-from poolkeeper.server.options import ServeOptions
-from poolkeeper.server.own_loop import OwnLoopServer
+from poolkeeper.server.runtime_envoy import ManagedEnvoyStart
+from poolkeeper.server.runtime_stop import RuntimeStop
 from poolkeeper.server.stats_views import endpoint_of, flow_stats, pool_stats
 from poolkeeper.server.sync_service import SyncService
-from poolkeeper.server.transport import Stoppable, export_transport, refused_calls, start_extproc
+from poolkeeper.server.transport import export_transport, refused_calls, start_extproc
 from poolkeeper.server.wiring import build_director
 from poolkeeper.telemetry.epp_collectors import ObserverStats
 from poolkeeper.telemetry.metrics import GatewayMetrics
@@ -78,35 +58,8 @@ from poolkeeper.telemetry.metrics import GatewayMetrics
 log = logging.getLogger("poolkeeper.server")
 
 
-@dataclass
-class GatewayRuntime:
-    options: ServeOptions
-    config: GatewayConfig | None = None  # what the source yielded, once started
-    datastore: Datastore = field(default_factory=Datastore)
-    director: Director | None = None
-    metrics: GatewayMetrics | None = None
-    servicer: ExtProcServicer | None = None
-    detached: DetachedExchanges | None = None  # the response observer's waiting room
-    envoy: EnvoySupervisor | None = None
-    conncap: ConnectionCounter | None = None  # the per-client-address connection cap
-    draining: bool = False
-    _scrapers: ScraperManager | None = None
-    _grpc_servers: list[Stoppable] = field(default_factory=list)  # grpc.aio or lean
-    _web: web.AppRunner | None = None
-    _tmp: tempfile.TemporaryDirectory[str] | None = None
-    _stopped: bool = False
-    _source: ResourceSource | None = None
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _source_task: asyncio.Task[None] | None = None
-    # With the Envoy we run: its token for the EPP's gRPC port (extproc/auth.py).
-    _epp_token: str | None = None
-    _unsubscribe: list[Callable[[], None]] = field(default_factory=list)
-    # The drain's settle: how long a connection may wait on its connection-cap check.
-    _settle_max_s: float = SETTLE_SLACK_S
-    _sync: SyncService | None = None  # cross-replica sync (spec.replicaSync)
-    # The one clock of the EPP's state: decisions' `now` (the Director's), metrics' scrape
-    # stamps (staleness), the pool views and the replica sync's stamps share this base.
-    clock: Callable[[], float] = time.monotonic
+class GatewayRuntime(ManagedEnvoyStart, RuntimeStop):
+    """The composition root (see the module docstring); its fields are `RuntimeState`'s."""
 
     # -- start ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -262,60 +215,6 @@ class GatewayRuntime:
         await sync.start()
         self.metrics.registry.register(sync.collector())
 
-    async def _start_conncap(
-        self, config: GatewayConfig, params: BootstrapParams
-    ) -> BootstrapParams:
-        """The per-client-address connection counter for the Envoy about to start (loopback,
-        the run's token), and the bootstrap parameters that make Envoy ask it."""
-        limit = config.spec.edge.max_connections_per_client
-        if limit <= 0:
-            return params
-        self.conncap = counter = ConnectionCounter(limit)
-        token, timeout_s, listen = self._epp_token, params.conncap_timeout_s, params.listen_port
-        # On a thread and loop of its own: Envoy lets a connection in uncounted when the
-        # answer takes over `timeout_s`, and on this loop it waited behind the EPP's work.
-        server = OwnLoopServer(
-            lambda: build_conncap_server(counter, "127.0.0.1", token, timeout_s, listen),
-            "conncap",
-        )
-        await server.start()
-        self._grpc_servers.append(server)
-        if self.metrics is not None:
-            self.metrics.follow_client_connections(counter.exported)
-        return dataclasses.replace(params, conncap_port=server.port)
-
-    async def _start_envoy(self, config: GatewayConfig, binary: str) -> None:
-        workdir = self.options.workdir
-        if workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="poolkeeper-")
-            workdir = Path(self._tmp.name)
-        workdir.mkdir(parents=True, exist_ok=True)
-        endpoints_path, unsubscribe = follow_endpoints(workdir, self.datastore)
-        self._unsubscribe.append(unsubscribe)
-        params = bootstrap_params(
-            config,
-            self.datastore.snapshot(),
-            endpoints_file=endpoints_path,
-            managed=True,
-            first_tokens_at_once=self.director is not None
-            and self.director.wants_first_tokens_at_once,
-        )
-        params = dataclasses.replace(
-            params, epp_token=self._epp_token, epp_tls=self.options.tls.secure_serving
-        )
-        params = await self._start_conncap(config, params)
-        if params.conncap_port:
-            self._settle_max_s = params.conncap_timeout_s + SETTLE_SLACK_S
-        self.envoy, params = supervise(
-            params,
-            binary=binary,
-            workdir=workdir,
-            concurrency=self.options.envoy_concurrency,
-            detached=self.detached,
-            conncap=self.conncap,
-        )
-        await start_supervised(self.envoy, params)
-
     async def _wait_ready(self, within_s: float) -> None:
         """Give the first scrapes a moment, so the first requests see fresh metrics."""
         loop = asyncio.get_running_loop()
@@ -325,86 +224,3 @@ class GatewayRuntime:
                 log.warning("no endpoint has fresh metrics yet; starting anyway")
                 return
             await asyncio.sleep(0.05)
-
-    # -- state ----------------------------------------------------------------------------
-    def ready(self) -> bool:
-        """Serving: not draining, the source has synced, and (unless `ready_once_synced`) the
-        Director has an endpoint with fresh metrics to send to."""
-        if self.draining or self._source is None or not self._source.healthy():
-            return False
-        if self.options.ready_once_synced:
-            return self.director is not None
-        return self.director is not None and self.director.ready()
-
-    @property
-    def epp_address(self) -> str:
-        """Where the EPP's own ports listen: loopback with the Envoy we run."""
-        assert self.config is not None
-        return "127.0.0.1" if self.options.run_envoy else self.config.spec.listeners.address
-
-    @property
-    def extproc_address(self) -> str:
-        assert self.config is not None
-        return f"ext_proc {self.epp_address}:{self.config.spec.listeners.ext_proc}"
-
-    @property
-    def http_url(self) -> str:
-        assert self.config is not None
-        listeners = self.config.spec.listeners
-        host = "127.0.0.1" if listeners.address == "0.0.0.0" else listeners.address
-        return f"http://{host}:{listeners.http}"
-
-    # -- stop -----------------------------------------------------------------------------
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Drain and stop everything (idempotent)."""
-        if self._stopped:
-            return
-        self._stopped = True
-        grace = self.options.drain_grace_s if grace_s is None else grace_s
-        self.draining = True
-        if self._sync is not None:  # no late start nor new key during the drain
-            await self._sync.stop_following()
-        if self.envoy is not None:
-            self.envoy.expect_exit()  # from here an exit of Envoy's is no crash to restart
-        await self._stop_source()
-        if grace > 0 and self.options.drain_timeout_s > 0:
-            log.info("draining: ext_proc serves for %.0fs more", self.options.drain_timeout_s)
-            await asyncio.sleep(self.options.drain_timeout_s)
-        if self.envoy is not None and grace > 0:
-            assert self.config is not None
-            servicer = self.servicer
-            await drain_envoy(
-                self.envoy,
-                self.config.spec.listeners.http,
-                grace,
-                settle_max_s=self._settle_max_s,
-                epp_active=lambda: servicer.active if servicer is not None else 0,
-            )
-        if self.envoy is not None:
-            await self.envoy.stop()
-        for unsubscribe in self._unsubscribe:
-            unsubscribe()
-        for server in self._grpc_servers:
-            await server.stop(grace if grace > 0 else None)
-        if self._sync is not None:  # after the last request: its end is told to the peers
-            await self._sync.stop()
-        if self._web is not None:
-            await self._web.cleanup()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._scrapers is not None:
-            await self._scrapers.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-        log.info("stopped")
-
-    async def _stop_source(self) -> None:
-        """Stop following the source first (routing goes on with the datastore as it is): a
-        Kubernetes source releases its Lease as it stops, so another replica takes over the
-        status writes within one retry period instead of a whole lease duration."""
-        task = self._source_task
-        if task is None or task.done():
-            return
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)

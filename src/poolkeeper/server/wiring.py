@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.inflight import InflightTracker
-from poolkeeper.datastore.store import ChangeKind, Datastore, DatastoreSnapshot, Listener
+from poolkeeper.datastore.snapshot import DatastoreSnapshot
+from poolkeeper.datastore.store import ChangeKind, Datastore, Listener
 from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowPolicies

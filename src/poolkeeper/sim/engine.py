@@ -27,6 +27,9 @@ When a request's computed tokens reach its length, the step samples one new toke
 
 A step only admits requests whose arrival <= the step's start, so drivers may call in late
 (real time) or exactly on time (virtual time) and get the same physics.
+
+The batch mechanics (admission, KV blocks, step costs) are `sim/batch.py` `BatchCore`; several
+identical decode steps planned as one event in virtual time are `sim/fused_steps.py`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from __future__ import annotations
 import copy
 from collections import deque
 
-from poolkeeper.sim.batch import BatchCore, Step
+from poolkeeper.sim.batch import Step
+from poolkeeper.sim.fused_steps import FusedStepCore
 from poolkeeper.sim.kvcache import prompt_block_hashes
 from poolkeeper.sim.params import EngineConfig
 from poolkeeper.sim.request import (
@@ -59,7 +63,7 @@ __all__ = [
 ]
 
 
-class EngineModel(BatchCore):
+class EngineModel(FusedStepCore):
     """One simulated engine. See the module docstring for the protocol."""
 
     def __init__(
@@ -280,92 +284,3 @@ class EngineModel(BatchCore):
                 self._step = fused
                 return
         self._step = Step(start, start + duration, scheduled)
-
-    # -- fused decode steps (virtual time) ------------------------------------------------
-
-    def _fuse(
-        self, start: float, duration: float, scheduled: list[tuple[SimRequest, int]]
-    ) -> Step | None:
-        """Plan k identical decode steps as one, if nothing can change before they end."""
-        config = self.config
-        if config.step_jitter > 0.0:
-            return None
-        k = self.max_fused_steps
-        for request, n in scheduled:
-            if n != 1 or request.output_tokens == 0:
-                return None  # a prefill in the batch: not a steady state
-            k = min(k, request.max_tokens - request.output_tokens)
-        bs = config.block_size
-        while k >= 2:
-            extra = 0
-            for request, _ in scheduled:
-                held = len(request.held_hashed) + request.held_private
-                extra += max(0, -(-(request.num_computed + k) // bs) - held)
-            # Only empty blocks: taking cached ones early would evict prefixes that step-by-step
-            # allocation might never have needed to evict.
-            if extra <= self.kv.empty:
-                break
-            k //= 2
-        if k < 2:
-            return None
-        for request, _ in scheduled:
-            self._grow(request, request.num_computed + k)
-        growth = config.kv_read_token_s * len(scheduled) * config.time_scale
-        if any(request.adapter is not None for request, _ in scheduled):
-            growth *= 1.0 + config.lora_step_overhead
-        step = Step(start, 0.0, scheduled, k, duration, growth)
-        step.end = step.end_of(k - 1)
-        return step
-
-    def _split(self, now: float) -> None:
-        """Something happens at `now` during fused steps: finish those already done, keep the
-        one in progress as an ordinary step, and give back blocks taken for the rest."""
-        step = self._step
-        if step is None or step.fused == 1 or now >= step.end:
-            return
-        done = 0
-        while done < step.fused - 1 and step.end_of(done) <= now:
-            done += 1
-        if done:
-            self._pending.append(self._complete_fused(step, done))
-            self._free_at = step.end_of(done - 1)
-            self._step_ends.append(self._free_at)
-        bs = self.config.block_size
-        for request, _ in step.scheduled:
-            keep = -(-(request.num_computed + 1) // bs) - len(request.held_hashed)
-            if request.held_private > keep:
-                self.kv.release([], request.held_private - keep)
-                request.held_private = keep
-        start = step.end_of(done - 1) if done else step.start
-        self._step = Step(start, step.end_of(done), step.scheduled)
-
-    def _complete_fused(self, step: Step, count: int) -> StepOutcome:
-        """Apply the first `count` fused steps of `step` (from its start)."""
-        counters = self.counters
-        first_end = step.start + step.first_duration
-        last_end = step.end_of(count - 1)
-        itl = counters.itl
-        tokens: list[SimRequest] = []
-        finished: list[SimRequest] = []
-        for request, _ in step.scheduled:
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            itl.observe(first_end - (request.last_token_time or step.start))
-            request.num_computed += count
-            request.output_tokens += count
-            request.last_token_time = last_end
-            tokens.append(request)
-            if request.output_tokens >= request.max_tokens:
-                self._finish(request, last_end)
-                finished.append(request)
-        if count > 1:
-            first = step.first_duration + step.growth
-            itl.observe_linear(first, step.growth, count - 1, len(tokens))
-        counters.generation_tokens += count * len(tokens)
-        counters.steps += count
-        counters.busy_time += last_end - step.start
-        if finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
-        return StepOutcome(
-            last_end, tokens, finished, count, step.start, step.first_duration, step.growth
-        )

@@ -35,7 +35,8 @@ from poolkeeper.bench.policies.routers import make_policy
 from poolkeeper.bench.results.metrics import SLO, percentile
 from poolkeeper.bench.results.report import command_line, machine_info, write_json
 from poolkeeper.bench.workload.scenarios import build_scenario
-from poolkeeper.bench.workload.workloads import FAIRNESS_MODELS, Arrival, generate
+from poolkeeper.bench.workload.workload_spec import FAIRNESS_MODELS, Arrival
+from poolkeeper.bench.workload.workloads import generate
 from poolkeeper.sim.virtual_results import FleetResult
 
 POLICIES: tuple[str, str] = ("poolkeeper", "poolkeeper-shed")

@@ -62,7 +62,8 @@ from poolkeeper.bench.fleet.simrun import (
 from poolkeeper.bench.policies.routers import QueueingPolicy, RoutingPolicy
 from poolkeeper.bench.results.metrics import SLO, summarize
 from poolkeeper.bench.workload.scenarios import build_scenario
-from poolkeeper.bench.workload.workloads import Arrival, generate
+from poolkeeper.bench.workload.workload_spec import Arrival
+from poolkeeper.bench.workload.workloads import generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.sim.virtual import HOLD, Send, VirtualFleet

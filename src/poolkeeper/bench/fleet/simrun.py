@@ -29,7 +29,8 @@ from poolkeeper.bench.policies.routers import QueueingPolicy, RoutingPolicy, mak
 from poolkeeper.bench.results.metrics import SLO, RequestOutcome, summarize, ttft_values
 from poolkeeper.bench.results.report import quantiles
 from poolkeeper.bench.workload.scenarios import Scenario, build_scenario, server_configs
-from poolkeeper.bench.workload.workloads import Arrival, WorkloadSpec, generate
+from poolkeeper.bench.workload.workload_spec import Arrival, WorkloadSpec
+from poolkeeper.bench.workload.workloads import generate
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import NoReadyEndpoint, RequestShed
 from poolkeeper.flowcontrol.config import FlowControlConfig

@@ -48,7 +48,8 @@ from poolkeeper.bench.live.loadgen import run_open_loop
 from poolkeeper.bench.results.metrics import SLO, RequestOutcome, percentile, summarize, ttft_values
 from poolkeeper.bench.results.report import command_line, machine_info, quantiles, write_json
 from poolkeeper.bench.workload.scenarios import LORA_SLOTS, Scenario, adapter_names, build_scenario
-from poolkeeper.bench.workload.workloads import Arrival, WorkloadKind, default_spec, generate
+from poolkeeper.bench.workload.workload_spec import Arrival, WorkloadKind, default_spec
+from poolkeeper.bench.workload.workloads import generate
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 

@@ -16,7 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from poolkeeper.bench.workload.workloads import CRITICALITY_MODELS, FAIRNESS_MODELS, WorkloadKind
+from poolkeeper.bench.workload.workload_spec import (
+    CRITICALITY_MODELS,
+    FAIRNESS_MODELS,
+    WorkloadKind,
+)
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 

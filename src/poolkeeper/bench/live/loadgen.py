@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from poolkeeper.bench.results.metrics import RequestOutcome
-from poolkeeper.bench.workload.workloads import Arrival
+from poolkeeper.bench.workload.workload_spec import Arrival
 from poolkeeper.errors import ConfigError
 from poolkeeper.tokens import count_tokens
 

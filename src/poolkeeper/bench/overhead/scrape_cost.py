@@ -37,7 +37,8 @@ import uvloop
 
 from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.httpget import KeepAliveGetter
-from poolkeeper.backend.scraper import MetricsScraper, ScraperManager
+from poolkeeper.backend.scraper import MetricsScraper
+from poolkeeper.backend.scraper_manager import ScraperManager
 from poolkeeper.datastore.endpoint import Endpoint
 
 PAGE = Path("tests") / "backend" / "fixtures" / "vllm_v1.prom"  # run from the repository root

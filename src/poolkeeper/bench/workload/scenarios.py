@@ -16,7 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from poolkeeper.bench.workload.workloads import BASE_MODEL, WorkloadKind, WorkloadSpec, default_spec
+from poolkeeper.bench.workload.workload_spec import (
+    BASE_MODEL,
+    WorkloadKind,
+    WorkloadSpec,
+    default_spec,
+)
 from poolkeeper.sim.params import EngineConfig
 
 HETEROGENEOUS_SPEEDS: tuple[float, ...] = (0.5, 1.0, 2.0)

@@ -18,7 +18,8 @@ from lightkube.config.kubeconfig import SingleConfig
 
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.kubernetes.client import KubeApi, load_config
-from poolkeeper.controller.kubernetes.source import KubernetesResourceSource, KubeSettings
+from poolkeeper.controller.kubernetes.source import KubernetesResourceSource
+from poolkeeper.controller.kubernetes.source_state import KubeSettings
 from poolkeeper.controller.source import SourceFactory
 from poolkeeper.datastore.store import Datastore
 

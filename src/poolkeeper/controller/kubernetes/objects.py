@@ -30,7 +30,7 @@ from poolkeeper.api.load import validate_object
 from poolkeeper.api.model import InferenceModel
 from poolkeeper.api.pool import AnyInferencePool
 from poolkeeper.api.versions import resources
-from poolkeeper.datastore.store import EndpointSpec
+from poolkeeper.datastore.snapshot import EndpointSpec
 
 __all__ = [
     "LEASE",

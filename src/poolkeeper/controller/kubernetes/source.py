@@ -24,6 +24,9 @@ healthy(): the first full sync is done. As upstream's EPP, readiness never depen
 server afterwards: through an outage the datastore keeps the last known state and routing goes
 on; `stale_s()` says for how long it has not been kept in step (a metric and the retry logs).
 run() releases the Lease when cancelled, whatever else ends with it.
+
+This module owns the start, the run and the status writes; the settings and the source's state
+are `source_state.py`, the list-and-watch followers `source_watch.py`.
 """
 
 from __future__ import annotations
@@ -31,144 +34,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from types import MappingProxyType
-from typing import Any
 
-from poolkeeper.api.model import InferenceModel, InferenceModelStatus
-from poolkeeper.api.status import compute_model_statuses
 from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.controller.kubernetes.backoff import Backoff
 from poolkeeper.controller.kubernetes.client import (
     ApiUnavailable,
     Forbidden,
-    Gone,
-    KubeApi,
-    NotFound,
-    Throttled,
 )
-from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming
-from poolkeeper.controller.kubernetes.objects import ObjectCache
-from poolkeeper.controller.kubernetes.standalone import EndpointSelector
-from poolkeeper.controller.kubernetes.state import ClusterState
-from poolkeeper.controller.kubernetes.status import StatusWriter
-from poolkeeper.datastore.store import Datastore
+from poolkeeper.controller.kubernetes.source_watch import KubeFollowers
 from poolkeeper.errors import ConfigError
 
-__all__ = ["KubeSettings", "KubernetesResourceSource"]
+__all__ = ["KubernetesResourceSource"]
 
 log = logging.getLogger(__name__)
 
-Sleep = Callable[[float], Any]
 
-
-@dataclass(frozen=True, slots=True)
-class KubeSettings:
-    namespace: str
-    identity: str  # this replica (the pod name in a cluster): the Lease holder
-    pool_names: tuple[str, ...] = ()  # empty: every pool in the namespace
-    write_status: bool = True
-    lease_name: str = "poolkeeper-epp"
-    lease: LeaseTiming = field(default_factory=LeaseTiming)
-    watch_timeout_s: int = 300  # the API server ends each watch after this; it is resumed
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 4.0  # also bounds how long after the API server's return replicas agree
-    start_timeout_s: float = 30.0
-    resync_s: float = 300.0  # status reconcile from the cache, as controller-runtime's resync
-    field_manager: str = "poolkeeper-epp"  # stable across pods: one managedFields entry
-    pool_group: str = ""  # only this group's InferencePools (upstream --pool-group); "": all
-    # Take part in the Lease even without status writes (upstream --ha-enable-leader-election:
-    # readiness follows leadership, see `leading`).
-    leader_election: bool = False
-    # Upstream's --endpoint-selector mode: no InferencePool, Pods only (standalone.py).
-    standalone: EndpointSelector | None = None
-
-
-class KubernetesResourceSource:
+class KubernetesResourceSource(KubeFollowers):
     """Feeds a datastore from the API server and keeps it in step (a `ResourceSource`)."""
-
-    def __init__(
-        self,
-        api: KubeApi,
-        datastore: Datastore,
-        settings: KubeSettings,
-        gateway_config: GatewayConfig | None = None,
-        *,
-        sleep: Sleep = asyncio.sleep,
-        rng: random.Random | None = None,
-        now: Callable[[], datetime] = lambda: datetime.now(UTC),
-        clock: Callable[[], float] = time.monotonic,
-        elector: LeaderElector | None = None,
-    ) -> None:
-        self.api = api
-        self.settings = settings
-        self.gateway_config = gateway_config or GatewayConfig.default()
-        self._datastore = datastore
-        self._sleep = sleep
-        self._rng = rng or random.Random()
-        self._now = now
-        self._clock = clock
-        self.state = ClusterState(
-            settings.pool_names,
-            self.gateway_config.spec.scraping.engine_for,
-            settings.pool_group,
-            settings.standalone,
-        )
-        self._degraded: dict[str, float] = {}  # follower -> when it lost the watch (clock)
-        self._statuses: Mapping[str, InferenceModelStatus] = MappingProxyType({})
-        self._models_by_key: dict[str, InferenceModel] = {}
-        self._status_due = asyncio.Event()
-        self.elector = elector or LeaderElector(
-            api,
-            settings.lease_name,
-            settings.identity,
-            timing=settings.lease,
-            field_manager=settings.field_manager,
-        )
-        self.elector.on_change = lambda leader: self._status_due.set() if leader else None
-        self.status_writer = StatusWriter(
-            api, field_manager=settings.field_manager, allowed=self.elector.is_leader, now=now
-        )
-        self.relists = 0  # full lists applied after the first sync (for tests and logs)
-        self.resyncs = 0  # periodic status reconciles from the cache
-
-    # --- the ResourceSource protocol ---------------------------------------------------------
-
-    def describe(self) -> str:
-        pools = ", ".join(self.settings.pool_names) or "every pool"
-        return f"kubernetes namespace {self.settings.namespace} ({pools})"
-
-    def statuses(self) -> Mapping[str, InferenceModelStatus]:
-        return self._statuses
-
-    def healthy(self) -> bool:
-        """The first full sync is done (readiness, as upstream: API trouble later never takes
-        the data plane down; the last known state is served, see `stale_s`)."""
-        return self.synced()
-
-    def leading(self) -> bool | None:
-        """Whether this replica holds the Lease; None when it takes no part in one (status
-        writes off and no leader election asked for)."""
-        if not (self.settings.write_status or self.settings.leader_election):
-            return None
-        return self.elector.is_leader()
-
-    def in_step(self) -> bool:
-        """Every watch is running (none re-listing after a failure)."""
-        return self.synced() and not self._degraded
-
-    def stale_s(self) -> float:
-        """For how long the datastore has not been kept in step (0 while every watch runs)."""
-        if not self._degraded:
-            return 0.0
-        return max(0.0, self._clock() - min(self._degraded.values()))
-
-    def synced(self) -> bool:
-        return all(c.synced for c in self._caches())
 
     async def start(self) -> GatewayConfig:
         loop = asyncio.get_running_loop()
@@ -231,119 +112,6 @@ class KubernetesResourceSource:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
             await self.api.close()
-
-    # --- listing and watching ----------------------------------------------------------------
-
-    def _caches(self) -> list[ObjectCache]:
-        return self.state.caches()
-
-    def _backoff(self) -> Backoff:
-        s = self.settings
-        return Backoff(s.backoff_initial_s, s.backoff_max_s, rng=self._rng)
-
-    def _delay(self, backoff: Backoff, exc: Exception) -> float:
-        """How long to wait after `exc`: a 429's Retry-After (plus up to 10% jitter, so the
-        replicas it turned away do not all come back in the same instant), else the backoff."""
-        if isinstance(exc, Throttled):
-            return backoff.after(exc.retry_after_s)
-        return backoff.next()
-
-    async def _list(self, cache: ObjectCache) -> list[str]:
-        """List the first served version of the cache's objects, replace and prune. None
-        served (the CRD is not installed): empty, and `version` None so it is looked for again."""
-        items: list[dict[str, Any]] = []
-        version: str | None = None
-        cache.installed = False
-        for kind in cache.candidates or (cache.kind,):
-            try:
-                items, version = await self.api.list(kind)
-            except NotFound:
-                continue
-            if kind != cache.kind:
-                log.info("watching %s (the version the API server serves)", kind)
-                cache.kind = kind
-            cache.installed = True
-            break
-        pruned = cache.replace(items, version)
-        for key in pruned:
-            log.info("%s %s vanished while the watch was down; pruned", cache.kind.kind, key)
-        return pruned
-
-    async def _follow(self, cache: ObjectCache) -> None:
-        """Watch one kind forever: apply events; on failure back off, re-list, prune, resume."""
-        backoff = self._backoff()
-        name = str(cache.kind)
-        relist = False
-        while True:
-            try:
-                if relist or cache.version is None:
-                    await self._list(cache)
-                    self.relists += 1
-                    self._apply(resources=cache is not self.state.pods_cache)
-                    relist = False
-                    backoff.reset()  # in step again: the next failure starts small
-                lost = self._degraded.pop(name, None)
-                if lost is not None:
-                    log.info("watch of %s is back; in step after %.1fs", name, self._clock() - lost)
-                if cache.version is None:  # not served: look again later
-                    await self._sleep(self.settings.backoff_max_s)
-                    relist = True
-                    continue
-                events = 0
-                async for event_type, obj in self.api.watch(
-                    cache.kind, cache.version, timeout_s=self.settings.watch_timeout_s
-                ):
-                    events += 1
-                    backoff.reset()
-                    if cache.apply_event(event_type, obj):
-                        self._apply(resources=cache is not self.state.pods_cache)
-                # The server ended the watch (timeoutSeconds): resume from the last version;
-                # after a stream with no event at all, not at once (no hot loop against a
-                # server that keeps closing streams).
-                if not events:
-                    await self._sleep(backoff.next())
-            except asyncio.CancelledError:
-                raise
-            except Gone:
-                # The first 410 re-lists at once; repeated ones (no event in between) back off.
-                self._degraded.setdefault(name, self._clock())
-                relist = True
-                delay = backoff.next() if backoff.failures else 0.0
-                backoff.failures = max(backoff.failures, 1)
-                log.info("watch of %s: resource version too old (410); re-listing in %.2fs",
-                         name, delay)  # fmt: skip
-                if delay:
-                    await self._sleep(delay)
-            except Exception as exc:  # ApiUnavailable, a dropped stream, bad JSON
-                self._degraded.setdefault(name, self._clock())
-                relist = True
-                delay = self._delay(backoff, exc)
-                message = "watch of %s failed (%s); serving the last known state (%.1fs stale); "
-                log.log(
-                    logging.ERROR if isinstance(exc, Forbidden) else logging.WARNING,
-                    message + "re-listing in %.2fs",
-                    name,
-                    exc,
-                    self.stale_s(),
-                    delay,
-                )
-                await self._sleep(delay)
-
-    # --- applying to the datastore -----------------------------------------------------------
-
-    def _apply(self, *, resources: bool) -> None:
-        state = self.state
-        if not resources:
-            self._datastore.set_endpoints(state.endpoints(), source="k8s")
-            return
-        models = state.models()
-        snapshot = self._datastore.set_all(
-            state.pools(), [*models, *state.policies()], state.endpoints(), source="k8s"
-        )
-        verdicts = snapshot.model_index.verdicts
-        self._models_by_key = {m.key: m for m in models}
-        self._statuses = MappingProxyType(compute_model_statuses(models, verdicts, now=self._now()))
-        self._status_due.set()
 
     # --- status --------------------------------------------------------------------------------
 

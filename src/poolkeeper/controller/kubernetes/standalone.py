@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
-from poolkeeper.datastore.store import EndpointSpec
+from poolkeeper.datastore.snapshot import EndpointSpec
 
 __all__ = ["MARKER", "EndpointSelector", "Term"]
 

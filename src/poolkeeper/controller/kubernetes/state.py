@@ -32,7 +32,7 @@ from poolkeeper.controller.kubernetes.objects import (
 )
 from poolkeeper.controller.kubernetes.standalone import EndpointSelector
 from poolkeeper.datastore.models import ModelResource
-from poolkeeper.datastore.store import EndpointSpec
+from poolkeeper.datastore.snapshot import EndpointSpec
 
 __all__ = ["ClusterState"]
 

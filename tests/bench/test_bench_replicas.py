@@ -375,3 +375,58 @@ def test_a_peers_batch_is_never_applied_before_an_own_event_it_precedes(
     assert sum(map(len, stamps.values())) > 100
     for times in stamps.values():
         assert times == sorted(times)
+
+
+def test_a_workload_other_than_shared_prefix_is_replayed_and_named_in_the_row() -> None:
+    def row(replicas: int, workload: str) -> dict[str, Any]:
+        return run(replicas, servers=4, duration=2.0, seed=3, capacity_rps=100.0,
+                   workload=workload)  # fmt: skip
+
+    shared = row(1, "shared-prefix")
+    assert "workload" not in shared  # the default's rows are as before
+    assert "ttft_p90_by_criticality" not in shared  # one criticality: nothing to split
+    mixed = row(1, "mixed-criticality")
+    assert mixed["workload"] == "mixed-criticality"
+    # Another workload's prompts: no shared system prompts to reuse.
+    assert mixed["prefix_hit_rate"] < 0.05 < shared["prefix_hit_rate"]
+    by_crit = mixed["ttft_p90_by_criticality"]
+    assert {"Critical", "Standard", "Sheddable"} <= set(by_crit)
+    assert all(v > 0 for v in by_crit.values())
+    # Multi-LoRA runs on servers with its adapters' slots: without them every request fails.
+    assert row(2, "multi-lora")["goodput_rps"] > 0
+
+
+def test_the_replicas_command_takes_a_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from poolkeeper.bench.fleet.replicas import main
+
+    args = ["--servers", "4", "--duration", "1", "--replicas", "1", "--workload", "heavy-tail"]
+    assert main(args) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["workload"] == "heavy-tail"
+    with pytest.raises(SystemExit):
+        main(["--workload", "no-such-workload"])
+
+
+def test_the_unseen_part_counts_a_peers_send_in_the_replicas_view() -> None:
+    import random
+
+    from poolkeeper.bench.fleet.replica_links import SyncLink
+    from poolkeeper.bench.fleet.replica_router import Replica, replica_policy
+    from poolkeeper.scheduling.replicasync.events import Sent
+    from tests.scheduling.sched_factories import state
+
+    def link(folds: dict[str, bool]) -> tuple[list[Replica], SyncLink]:
+        routers = [Replica(replica_policy("poolkeeper", random.Random(k))) for k in range(2)]
+        return routers, SyncLink(routers, 0.0, folds)
+
+    pool = [state(1), state(2)]
+    for folds, seen in (({}, 0), ({"unseen": True}, 1)):
+        routers, sync = link(folds)
+        sync.hubs[0].publish(Sent("r1", pool[0].key, 500, True))
+        sync.flush(100.0)  # after the pool's scrape (`state`: 99.99)
+        first, second = routers[1].view(pool)
+        assert (first.unseen_requests, first.unseen_tokens) == (seen, 500 * seen)
+        assert second.unseen_requests == 0
+        assert routers[0].view(pool) == pool  # its own send reaches the peers only

@@ -16,7 +16,10 @@ first bytes and ends reaches every other replica D ms later (virtual time; appli
 routing decision or release at or after that, stamped with the due time; 0: at once, before
 the next decision). A batch with a peer's first byte or end wakes the receiving replica's pump
 at the next release (its hold reads a backlog that just shrank). `sync_folds` (`--sync-without
-index drain heads wake`) turns parts of the fold (and the wake) off, to measure what each adds.
+index drain heads wake`) turns parts of the fold (and the wake) off, to measure what each adds;
+`unseen` (`--sync-with unseen`) turns one on: the peers' sends since each endpoint's last scrape
+in the replica's unseen counts (`scheduling/replicasync/peerunseen.py`), which the queue and
+running scorers and the saturation filter read.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.replicasync.events import Batch
 from poolkeeper.scheduling.replicasync.fold import bind_scheduler
 from poolkeeper.scheduling.replicasync.hub import ReplicaSync, clears
+from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
 from poolkeeper.sim.engine import EngineModel
 
 
@@ -125,6 +129,9 @@ class SyncLink:
             hub = ReplicaSync(f"replica{k}")
             on = {part: folds.get(part, True) for part in ("index", "drain", "heads")}
             bind_scheduler(hub, scheduler, index=on["index"], drain=on["drain"], heads=on["heads"])
+            if folds.get("unseen", False):  # off unless asked: `serve` does not fold it yet
+                router.peers = PeerUnseen()
+                hub.bind(router.peers)
             self.hubs.append(hub)
         self._delay = EventDelay(delay_s)  # batches in flight
         # Replicas that got a peer's first byte or end since the last release: their held

@@ -4,7 +4,8 @@ Live, every EPP replica routes with its own prefix index, in-flight counts and o
 built only from the requests it routed itself; scraped metrics (queue, KV cache) are the same
 for all. `Replica` is that: a policy (`replica_policy`: a named policy, optionally with a
 cold-placement filter and plugin parameters) and the in-flight view built from its own sends
-and first bytes. Request i goes to replica
+and first bytes (and, with sync's `unseen` part, the peers' sends since each scrape). Request i
+goes to replica
 `replica_of(i, N)`. `scheduler_of` and `prefix_scorers` reach into a replica's policy for the
 plugins the replay (`replica_run.py`) and the links (`replica_links.py`) set up.
 """
@@ -28,6 +29,7 @@ from poolkeeper.bench.policies.schedpolicy import (
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
 from poolkeeper.scheduling.scheduler import Scheduler
 
 
@@ -39,6 +41,9 @@ class Replica:
         self.policy = policy
         self.inflight: dict[str, dict[str, tuple[float, int]]] = {}  # server -> id -> (t, tok)
         self.answered: set[str] = set()  # of those, the ids whose first token is out
+        # With sync's `unseen` part (`replica_links.SyncLink`): the peers' sends since each
+        # endpoint's scrape, added to the view's unseen counts.
+        self.peers: PeerUnseen | None = None
 
     def sent(self, server: str, request_id: str, now: float, tokens: int) -> None:
         self.inflight.setdefault(server, {})[request_id] = (now, tokens)
@@ -62,7 +67,7 @@ class Replica:
                     unseen_answered=sum(1 for rid, _ in unseen if rid in answered),
                 )
             )
-        return out
+        return out if self.peers is None else self.peers.apply(out)
 
 
 def with_cold_placement(doc: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -7,21 +7,19 @@ same for all. So with N replicas, a replica has seen about 1/N of a prefix group
 requests: its index still points at the server that holds the prefix, as long as the group's
 requests keep arriving at it often enough.
 
-`run(replicas, ...)` replays one shared-prefix workload through the virtual fleet
-(`sim/virtual.py`) with `replicas` independent copies of the policy (`policy`, default
-`poolkeeper`: the default scheduling preset behind flow control with its defaults, the
-`holdNewPrefixes` hold included, as `poolkeeper serve` runs it; `bench sim`'s names, e.g.
-`poolkeeper-classic` for the old default without the hold, `poolkeeper-shed` for admission's
-shedding without flow control), request i going to replica hash(request id) mod N. Each
-replica sees only its own requests: its in-flight and unseen counts, the first tokens of its
-own requests (as Envoy reports them to the EPP that routed them), and its own held and queued
-requests. A replica's pump runs as a live EPP's does: at every scrape tick, and when one of its
-own requests ends (or, while its hold is on, has its first byte); another replica's requests
-do not wake it. One replica routes
-exactly as `simrun.replay` with the same policy (a test checks it). Reported: prefix-cache hit
-rate (what the model servers actually reused), TTFT, goodput, requests held by the hold, and
-affinity: the share of each prefix group's requests that landed on that group's most used
-server.
+`run(replicas, ...)` replays one workload (`workload`, `bench sim`'s names, default shared-prefix)
+through the virtual fleet (`sim/virtual.py`) with `replicas` independent copies of the policy
+(`policy`, default `poolkeeper`: the default scheduling preset behind flow control with its
+defaults, the `holdNewPrefixes` hold included, as `poolkeeper serve` runs it; `bench sim`'s names,
+e.g. `poolkeeper-classic` for the old default without the hold, `poolkeeper-shed` for admission's
+shedding without flow control), request i going to replica hash(request id) mod N. Each replica sees
+only its own requests: its in-flight and unseen counts, the first tokens of its own requests (as
+Envoy reports them to the EPP that routed them), and its own held and queued requests. A replica's
+pump runs as a live EPP's does: at every scrape tick, and when one of its own requests ends (or,
+while its hold is on, has its first byte); another replica's requests do not wake it. One replica
+routes exactly as `simrun.replay` with the same policy (a test checks it). Reported: prefix-cache
+hit rate (what the model servers actually reused), TTFT, goodput, requests held by the hold, and
+affinity: the share of each prefix group's requests that landed on that group's most used server.
 
 With `exact=True` every replica's prefix scorer also keeps the exact index of KV-cache events
 (`scheduling/exact_prefix.py`), fed straight from each simulated engine's KV cache (the same
@@ -91,6 +89,7 @@ def run(
     sync_delay_s: float | None = None,
     sync_folds: dict[str, bool] | None = None,
     flow_control: FlowControlConfig | None = None,
+    workload: str = "shared-prefix",
 ) -> dict[str, Any]:
     """One replay with `replicas` independent schedulers; returns the summary figures.
     `load` is a fraction of the fleet's capacity (probed unless `capacity_rps` is given);
@@ -101,9 +100,12 @@ def run(
     `cold_placement`: the parameters of a `cold-placement-filter` the replicas run (the module
     docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
     (0: at once, as before); `sync_delay_s`: cross-replica sync with that delay (None: none);
-    `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`) and `wake`;
-    `flow_control`: the replicas' `spec.flowControl` (None: the defaults)."""
-    scenario = build_scenario("shared-prefix", servers)
+    `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`), `wake`, and
+    `unseen` (off unless True: `replica_links.SyncLink`);
+    `flow_control`: the replicas' `spec.flowControl` (None: the defaults); `workload`: the
+    scenario, as `bench sim` names it (with more than one criticality in it, the row adds each
+    one's p90 TTFT)."""
+    scenario = build_scenario(workload, servers)
     if groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=groups))
     if capacity_rps is None:
@@ -255,7 +257,13 @@ def run(
     top = sum(c.most_common(1)[0][1] for c in per_group.values())
     # Placement balance: how many groups have each server as their most used one.
     homes = Counter(c.most_common(1)[0][0] for c in per_group.values())
+    # Each criticality's p90 where there is more than one (mixed-criticality: the Critical and
+    # Standard p90 are hidden in the mix).
+    by_criticality = {
+        crit: round(figures["ttft_p90_s"], 4) for crit, figures in summary["by_criticality"].items()
+    }
     return {
+        **({"workload": workload} if workload != "shared-prefix" else {}),
         "replicas": replicas,
         "index": "exact" if exact else "approx",
         "cold_affinity": cold_affinity,
@@ -277,5 +285,6 @@ def run(
         "ttft_p90_s": round(summary["ttft_s"]["p90"], 4),
         "ttft_p99_s": round(summary["ttft_s"]["p99"], 4),
         "goodput_rps": round(summary["goodput_rps"], 3),
+        **({"ttft_p90_by_criticality": by_criticality} if len(by_criticality) > 1 else {}),
         "held": held,
     }

@@ -4,7 +4,8 @@ Argument parsing only. A replay (`run`, `replica_run.py`: what it models and rep
 `--index` and `--replicas` value, printed as JSON rows; `--memory` measures the exact index's
 memory instead, `--subscribers` its live feed's (`replica_memory.py`).
 
-    python -m poolkeeper.bench.fleet.replicas [--servers 8] [--load 0.7] [--duration 120] \
+    python -m poolkeeper.bench.fleet.replicas [--workload shared-prefix] [--servers 8] \
+        [--load 0.7] [--duration 120] \
         [--replicas 1 2 4] [--index approx exact] [--policy poolkeeper] \
         [--cold-affinity 0.2 [--cold-peers]] [--plugin-params JSON] [--sync-delay-ms 1]
     python -m poolkeeper.bench.fleet.replicas ... --cold-placement '{"balance": 1}'
@@ -14,7 +15,8 @@ memory instead, `--subscribers` its live feed's (`replica_memory.py`).
 
 `--cold-placement PARAMS`, `--plugin-params JSON`: `run`'s `cold_placement` and `plugin_params`
 (`replica_run.py`); `--event-delay S`, `--sync-delay-ms D` and `--sync-without index drain
-heads wake`: its `event_delay_s`, `sync_delay_s` and `sync_folds` (`replica_links.py`).
+heads wake` and `--sync-with unseen`: its `event_delay_s`, `sync_delay_s` and `sync_folds`
+(`replica_links.py`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,18 @@ from poolkeeper.bench.fleet.replica_memory import memory, subscriber_memory
 from poolkeeper.bench.fleet.replica_run import run
 from poolkeeper.bench.fleet.simrun import fleet_capacity
 from poolkeeper.bench.workload.scenarios import build_scenario
+from poolkeeper.bench.workload.workloads import WorkloadKind
 from poolkeeper.flowcontrol.config import FlowControlConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m poolkeeper.bench.fleet.replicas")
+    parser.add_argument(
+        "--workload",
+        choices=[str(kind) for kind in WorkloadKind],
+        default=str(WorkloadKind.SHARED_PREFIX),
+        help="the scenario, as `bench sim` names it (default shared-prefix)",
+    )
     parser.add_argument("--servers", type=int, default=8)
     parser.add_argument("--load", type=float, default=0.7)
     parser.add_argument("--duration", type=float, default=120.0)
@@ -98,6 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "peer's first byte or end waking the replica's pump)",
     )
     parser.add_argument(
+        "--sync-with",
+        nargs="+",
+        choices=["unseen"],
+        default=[],
+        help="with --sync-delay-ms: parts of the fold turned on (the peers' sends since each "
+        "endpoint's last scrape in the replica's unseen counts; `serve` does not fold them yet)",
+    )
+    parser.add_argument(
         "--flow-control",
         type=FlowControlConfig.model_validate_json,
         default=None,
@@ -120,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory:
         print(json.dumps(memory(args.endpoints, args.blocks, args.chain), indent=2))
         return 0
-    scenario = build_scenario("shared-prefix", args.servers)
+    scenario = build_scenario(args.workload, args.servers)
     if args.groups is not None:
         scenario = replace(scenario, spec=replace(scenario.spec, num_groups=args.groups))
     capacity = float(fleet_capacity(scenario, seed=args.seed)["capacity_rps"])
@@ -142,8 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy=args.policy,
             plugin_params=args.plugin_params,
             sync_delay_s=None if args.sync_delay_ms is None else args.sync_delay_ms / 1000,
-            sync_folds={part: False for part in args.sync_without} or None,
+            sync_folds={
+                **{part: False for part in args.sync_without},
+                **{part: True for part in args.sync_with},
+            }
+            or None,
             flow_control=args.flow_control,
+            workload=args.workload,
         )
         for kind in args.index
         for n in args.replicas

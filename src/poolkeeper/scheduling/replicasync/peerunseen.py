@@ -1,0 +1,135 @@
+"""The peers' unseen sends: what the other replicas sent since each endpoint's last scrape.
+
+Why: between two scrapes the scheduler's load scorers and filters read the scraped queue plus
+the router's own sends since that scrape (`EndpointState.unseen_requests`, `unseen_tokens`,
+`unseen_answered`, filled by the in-flight tracker, `datastore/inflight.py`). With N replicas
+each one adds only its own, about 1/N of them: a burst between two scrapes herds onto the
+endpoint that looked idle at the last one, once per replica. Measured on heavy-tail, 8 servers,
+0.9x (docs/notes/2026-12-07-replicas-every-workload.md): p90 TTFT 1.06x one replica's with 2
+replicas and 1.13x with 4, sync on.
+
+`PeerUnseen` is a `PeerSink` of the hub (`hub.ReplicaSync.bind`, beside the fold): a peer's
+`Sent` is recorded under `(origin, request_id)` at its endpoint, stamped with its delivery time;
+`Answered` marks it answered (running there, not queued); `Ended` (also what an open statement
+that no longer covers it delivers, `openset.py`) and a peer gone drop it. `apply(states)` adds,
+per endpoint, the peers' sends stamped at or after the endpoint's `metrics.updated_at` (the
+rule the tracker applies to its own: a scrape stamped T is taken before any change at T or
+later) to `unseen_requests`, `unseen_tokens` and `unseen_answered`; older ones are in the
+scraped queue, so they are dropped there. `inflight_requests` / `inflight_tokens` stay the
+replica's own (a peer's streamed send tells no end after its first byte, `fold.py`), so with
+peers `unseen_requests` may exceed `inflight_requests`.
+
+Measured (the same note): with every replica's unseen sends at once, one replica's p90 comes
+back (heavy-tail, 4 replicas: 1.01x); folded D ms late it does so only below about 0.1 ms (at
+1 ms: 1.14x), as the sends that collide are the last millisecond's. So the bench runs it only
+when asked (`--sync-with unseen`), and `serve` does not run it.
+
+A delivery D ms after the peer's send counts a send that a scrape within those D ms already
+holds once more, until the next scrape (with the shipped 1 ms against a 50 ms scrape: rare).
+
+Bounded: at most `max_entries` sends (the oldest go first), none older than `max_age_s` (an
+endpoint no longer scraped, or named by peers but not in the pool, keeps nothing past it).
+Pure: no clock, no I/O; `now` is the hub's delivery time, on the clock that stamps the scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.replicasync.events import Answered, Sent, SyncEvent
+
+_Key = tuple[str, str]  # (origin, request_id)
+
+
+@dataclass(slots=True)
+class _Send:
+    at: float  # delivered at
+    endpoint: str
+    tokens: int
+    answered: bool = False
+
+
+class PeerUnseen:
+    """Peers' sends by endpoint, until a scrape covers them (the module docstring)."""
+
+    __slots__ = ("_by_endpoint", "_sends", "max_age_s", "max_entries")
+
+    def __init__(self, *, max_entries: int = 65_536, max_age_s: float = 60.0) -> None:
+        if max_entries < 1 or not max_age_s > 0.0:
+            raise ValueError("max_entries and max_age_s must be positive")
+        self.max_entries = max_entries
+        self.max_age_s = max_age_s
+        self._sends: dict[_Key, _Send] = {}  # in delivery order (delivery times never go back)
+        # endpoint -> its sends' keys, in delivery order: those a scrape covers are a prefix
+        self._by_endpoint: dict[str, dict[_Key, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sends)
+
+    # -- PeerSink ---------------------------------------------------------------------------
+
+    def fold(self, origin: str, event: SyncEvent, now: float) -> None:
+        key = (origin, event.request_id)
+        if isinstance(event, Sent):
+            self._drop(key)
+            self._age(now)
+            while len(self._sends) >= self.max_entries:
+                self._drop(next(iter(self._sends)))
+            self._sends[key] = _Send(now, event.endpoint, event.tokens)
+            self._by_endpoint.setdefault(event.endpoint, {})[key] = None
+        elif isinstance(event, Answered):
+            send = self._sends.get(key)
+            if send is not None:
+                send.answered = True
+        else:
+            self._drop(key)
+
+    def peer_gone(self, origin: str) -> None:
+        for key in [k for k in self._sends if k[0] == origin]:
+            self._drop(key)
+
+    # -- the scheduler's view ---------------------------------------------------------------
+
+    def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+        """`states` with the peers' sends since each endpoint's scrape added to its unseen
+        counts (the module docstring); the sends a scrape now covers are dropped."""
+        by_endpoint = self._by_endpoint
+        if not by_endpoint:
+            return list(states)
+        sends = self._sends
+        out: list[EndpointState] = []
+        for s in states:
+            keys = by_endpoint.get(s.key)
+            if keys:
+                scraped = s.metrics.updated_at
+                while keys and sends[next(iter(keys))].at < scraped:
+                    self._drop(next(iter(keys)))
+            if not keys:
+                out.append(s)
+                continue
+            mine = [sends[key] for key in keys]
+            out.append(
+                replace(
+                    s,
+                    unseen_requests=s.unseen_requests + len(mine),
+                    unseen_tokens=s.unseen_tokens + sum(m.tokens for m in mine),
+                    unseen_answered=s.unseen_answered + sum(1 for m in mine if m.answered),
+                )
+            )
+        return out
+
+    def _age(self, now: float) -> None:
+        sends, horizon = self._sends, now - self.max_age_s
+        while sends and sends[key := next(iter(sends))].at < horizon:
+            self._drop(key)
+
+    def _drop(self, key: _Key) -> None:
+        send = self._sends.pop(key, None)
+        if send is None:
+            return
+        keys = self._by_endpoint[send.endpoint]
+        del keys[key]
+        if not keys:
+            del self._by_endpoint[send.endpoint]

@@ -30,7 +30,7 @@ from poolkeeper.bench.fleet.replica_memory import memory, subscriber_memory
 from poolkeeper.bench.fleet.replica_run import run
 from poolkeeper.bench.fleet.simrun import fleet_capacity
 from poolkeeper.bench.workload.scenarios import build_scenario
-from poolkeeper.bench.workload.workloads import WorkloadKind
+from poolkeeper.bench.workload.workload_spec import WorkloadKind
 from poolkeeper.flowcontrol.config import FlowControlConfig
 
 

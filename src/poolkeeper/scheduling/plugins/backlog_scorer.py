@@ -56,8 +56,14 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.backlog import BUSY_WINDOW_S, PrefillBacklog
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
+from poolkeeper.scheduling.plugins.columns import MIN_CACHED, Column
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
-from poolkeeper.scheduling.plugins.scorers import residency, speed_bar
+from poolkeeper.scheduling.plugins.shared import (
+    residency,
+    residency_columns,
+    speed_bar,
+    speed_column,
+)
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -154,7 +160,8 @@ class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
     __slots__ = (
-        "_busy_at", "_busy_share", "adapter_tokens", "backlog", "base_tokens",
+        "_busy_at", "_busy_share", "_keys", "_resident", "_speeds", "adapter_tokens", "backlog",
+        "base_tokens",
         "busy_penalty", "drain_rate", "fade_from", "fade_rise_s", "fade_to", "marginal",
         "mean_span", "prefix", "slack", "span_tokens", "sync",
     )  # fmt: skip
@@ -177,6 +184,12 @@ class PrefillBacklogScorer(NamedPlugin):
         self.adapter_tokens = params.adapter_tokens
         tolerance = params.speed_tolerance
         self.slack = None if tolerance is None else 1.0 + tolerance
+        # Kept between decisions (`columns.py`): residency, speeds, each candidate's ip:port.
+        self._resident = residency_columns()
+        self._speeds = speed_column()
+        self._keys: Column[str] = Column(
+            lambda c: [s.endpoint.hostport for s in c], lambda s: s.endpoint.hostport
+        )
         self.prefix = prefix
         self.fade_from = params.fade_from
         self.fade_to = max(params.fade_to, (params.fade_from or 0.0) + 1e-6)
@@ -215,16 +228,19 @@ class PrefillBacklogScorer(NamedPlugin):
         costs: list[float]  # (of ints, until a rate or a speed divides them)
         # Residency read once per decision (the LoRA scorer reads the same): often the same
         # for every candidate, and then one base cost for all.
-        resident = residency(candidates, target, cycle) if miss else True
+        resident = residency(candidates, target, cycle, self._resident) if miss else True
+        # (each candidate's ip:port kept between decisions where there are many: `columns.py`)
+        keys = (
+            self._keys.values(cycle, candidates)
+            if len(candidates) >= MIN_CACHED
+            else [s.endpoint.hostport for s in candidates]
+        )
         if isinstance(resident, bool):
             base = own if resident else own + miss
-            costs = [base + more(s.endpoint.hostport, 0) for s in candidates]
+            costs = [base + more(k, 0) for k in keys]
         else:
             dear = own + miss
-            costs = [
-                (own if r else dear) + more(s.endpoint.hostport, 0)
-                for r, s in zip(resident, candidates, strict=True)
-            ]
+            costs = [(own if r else dear) + more(k, 0) for r, k in zip(resident, keys, strict=True)]
         if self.marginal and backlog:
             waiting, tokens, hit = self.backlog.counts().get, request.prompt_tokens, cached.get
             costs = [
@@ -240,7 +256,7 @@ class PrefillBacklogScorer(NamedPlugin):
                 for c, s in zip(costs, candidates, strict=True)
             ]
         if self.slack is not None:
-            return self._slowed(costs, candidates, self.slack, cycle)
+            return self._slowed(costs, candidates, self.slack, cycle, self._speeds)
         return costs
 
     def _drained(self, costs: list[float], candidates: Sequence[EndpointState]) -> list[float]:
@@ -256,12 +272,16 @@ class PrefillBacklogScorer(NamedPlugin):
 
     @staticmethod
     def _slowed(
-        costs: list[float], candidates: Sequence[EndpointState], slack: float, cycle: CycleState
+        costs: list[float],
+        candidates: Sequence[EndpointState],
+        slack: float,
+        cycle: CycleState,
+        kept: Column[float | None] | None = None,
     ) -> list[float]:
         """Costs scaled by each endpoint's observed seconds per output token over `slack` x
         the fastest's (`speed_bar`, `observed-speed-scorer`'s rule, shared with it through the
         cycle); unobserved ones are fast."""
-        found = speed_bar(candidates, slack, cycle)
+        found = speed_bar(candidates, slack, cycle, kept)
         if found is None:
             return costs
         speeds, bar = found

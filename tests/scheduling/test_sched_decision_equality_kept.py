@@ -1,4 +1,4 @@
-"""Values kept between decisions (`scheduling/plugins/columns.py`) decide as the plain passes.
+"""Values kept between decisions (`datastore/columns.py`) decide as the plain passes.
 
 The companion of `test_sched_decision_equality.py` (same pattern: the optimised code against a
 reference computation), for the per-candidate values the plugins keep from one decision to
@@ -11,7 +11,6 @@ that missed a change (a stale cache) gives another score or pick and fails here.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,12 +20,12 @@ from typing import TypeVar
 
 import pytest
 
-from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from poolkeeper.datastore import columns
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError
 from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins import (
     backlog_scorer,
-    columns,
     fullbatch,
     scorers,
     shared,
@@ -35,6 +34,7 @@ from poolkeeper.scheduling.plugins import (
 from poolkeeper.scheduling.plugins.fullbatch import FullBatches
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
+from tests.scheduling.evolving_pool import endpoint_state, evolve, metrics
 from tests.scheduling.sched_factories import scheduler
 
 _T = TypeVar("_T")
@@ -62,80 +62,6 @@ def _plainly(call: Callable[[], _T]) -> _T:
         return call()
 
 
-def _metrics(rng: random.Random, now: float) -> EndpointMetrics:
-    kv = rng.uniform(0.0, 1.0)
-    if rng.random() < 0.03:
-        kv = rng.choice([math.nan, 1.5, -0.1, math.inf])  # a broken exporter now and then
-    fresh = rng.random() < 0.97
-    return EndpointMetrics(
-        waiting=rng.choice([0, 0, 1, 2, 3, 5, 9]),
-        running=rng.choice([4, 6, 8, 8, 8]),  # full batches get confirmed (fullbatch.py)
-        kv_cache_usage=kv,
-        active_adapters=frozenset(rng.sample(["a", "b", "c"], rng.randint(0, 2))),
-        waiting_adapters=frozenset(rng.sample(["b", "c"], rng.randint(0, 1))),
-        max_adapters=rng.choice([0, 2, 4]),
-        updated_at=now - (rng.uniform(0.0, 0.05) if fresh else rng.uniform(0.3, 2.0)),
-        served_model=rng.choice([None, None, "base"]),
-        num_gpu_blocks=rng.choice([None, 2000]),  # (known: the unseen tokens count in KV)
-        block_size=16,
-    )
-
-
-def _state(rng: random.Random, ip: int, now: float) -> EndpointState:
-    unseen = rng.choice([0, 0, 0, 1, 2])
-    return EndpointState(
-        Endpoint(f"pod{ip}", f"10.1.{ip // 256}.{ip % 256}", 8000),
-        _metrics(rng, now),
-        inflight_requests=unseen + rng.randint(0, 2),
-        inflight_tokens=rng.randint(0, 4000),
-        unseen_requests=unseen,
-        unseen_tokens=rng.choice([0, 0, 500, 3000]) if unseen else 0,
-        seconds_per_output_token=rng.choice([None, None, 0.01, 0.02, 0.05]),
-        unseen_answered=rng.randint(0, unseen),
-    )
-
-
-def _evolve(
-    rng: random.Random, pool: list[EndpointState], now: float, ips: Iterator[int]
-) -> list[EndpointState]:
-    """The next decision's candidates: a new list (as `InflightTracker.apply` makes), the
-    same objects where nothing changed."""
-    pool = list(pool)
-    n = len(pool)
-    kind = rng.random()
-    if kind < 0.45:  # a few endpoints scraped again (new metrics, maybe the same loads)
-        for i in rng.sample(range(n), rng.randint(1, 4)):
-            s = pool[i]
-            metrics = _metrics(rng, now) if rng.random() < 0.7 else replace(s.metrics)
-            pool[i] = replace(s, metrics=replace(metrics, updated_at=now - 0.001))
-    elif kind < 0.6:  # an in-flight change (sent, answered, finished) at one endpoint
-        i = rng.randrange(n)
-        unseen = rng.randint(0, 3)
-        pool[i] = replace(
-            pool[i],
-            unseen_requests=unseen,
-            unseen_answered=rng.randint(0, unseen),
-            unseen_tokens=rng.choice([0, 700]) if unseen else 0,
-            seconds_per_output_token=rng.choice([None, 0.01, 0.03]),
-        )
-    elif kind < 0.67:  # an endpoint joins
-        pool.insert(rng.randrange(n + 1), _state(rng, next(ips), now))
-    elif kind < 0.74 and n > 70:  # an endpoint leaves
-        del pool[rng.randrange(n)]
-    elif kind < 0.8:  # two trade places (the same objects, other positions)
-        i, j = rng.sample(range(n), 2)
-        pool[i], pool[j] = pool[j], pool[i]
-    elif kind < 0.85:  # another endpoint at a position (the length stays)
-        pool[rng.randrange(n)] = _state(rng, next(ips), now)
-    elif kind < 0.88:  # the same endpoint again, its metrics an equal copy (a new object)
-        i = rng.randrange(n)
-        pool[i] = replace(pool[i], metrics=replace(pool[i].metrics))
-    elif kind < 0.91:  # pool-wide: every other endpoint scraped again
-        for i in range(0, n, 2):
-            pool[i] = replace(pool[i], metrics=_metrics(rng, now))
-    return pool  # (else nothing changed: a new list of the same objects)
-
-
 def _digest(sched: Scheduler, req: LLMRequest, pool: list[EndpointState], now: float) -> str:
     try:
         result = sched.schedule(req, pool, now=now)
@@ -152,13 +78,13 @@ def test_kept_values_decide_as_the_plain_passes_on_an_evolving_pool(preset: str,
     rng = random.Random(seed)
     now = 1000.0
     ips = count(1)
-    pool = [_state(rng, next(ips), now) for _ in range(90)]
+    pool = [endpoint_state(rng, next(ips), now) for _ in range(90)]
     kept, plain = scheduler(preset, seed), scheduler(preset, seed)
     prompts = ["".join(rng.choice("abcdefgh ") for _ in range(600)) for _ in range(6)]
     answered: list[tuple[str, str]] = []
     for k in range(400):
         now += 0.001
-        pool = _evolve(rng, pool, now, ips)
+        pool = evolve(rng, pool, now, ips)
         req = LLMRequest(
             f"r{k}", "base", rng.choice(["base", "base", "a", "b"]),
             prompt=rng.choice(prompts) + str(k % 7), prompt_tokens=150,
@@ -186,12 +112,12 @@ def test_a_column_patches_only_the_changed_positions_and_shares_one_diff() -> No
 
     a, b = columns.Column(all_of, one), columns.Column(all_of, one)
     rng = random.Random(3)
-    pool = [_state(rng, i, 1000.0) for i in range(100)]
+    pool = [endpoint_state(rng, i, 1000.0) for i in range(100)]
     first = a.values(CycleState(1.0), pool)
     assert seen == ["all"]
     assert first == [s.key for s in pool]
     moved = list(pool)
-    moved[7] = _state(rng, 500, 1000.0)
+    moved[7] = endpoint_state(rng, 500, 1000.0)
     cycle = CycleState(2.0)
     b.values(cycle, pool)  # (b has no `before`: all; its snapshot is the decision's)
     seen.clear()
@@ -205,18 +131,18 @@ def test_full_batches_read_by_another_caller_are_worked_out_again() -> None:
     kept answers are then all recomputed (as the plain pass reads them again)."""
     rng = random.Random(5)
     now = 1000.0
-    pool = [_state(rng, i, now) for i in range(80)]
+    pool = [endpoint_state(rng, i, now) for i in range(80)]
     kept, plain = FullBatches(), FullBatches()
     differed = 0
     for k in range(600):
         now += 0.001
-        pool = _evolve(rng, pool, now, iter(range(10_000 + k * 10, 10_000 + k * 10 + 10)))
+        pool = evolve(rng, pool, now, iter(range(10_000 + k * 10, 10_000 + k * 10 + 10)))
         if rng.random() < 0.2:  # one endpoint twice (an ip:port repeated; reads in order)
             i, j = rng.sample(range(len(pool)), 2)
-            pool[i] = replace(pool[j], metrics=_metrics(rng, now))
+            pool[i] = replace(pool[j], metrics=metrics(rng, now))
         if rng.random() < 0.3:  # a newer scrape of one endpoint, read outside `full`
             i = rng.randrange(len(pool))
-            newer = replace(pool[i], metrics=_metrics(rng, now))
+            newer = replace(pool[i], metrics=metrics(rng, now))
             assert kept.slots(newer) == plain.slots(newer)
         got = kept.full(pool, CycleState(now))
         want = plain.full(pool)
@@ -233,7 +159,7 @@ def _one_full_batch() -> tuple[FullBatches, list[EndpointState]]:
     """A pool of 80 whose last endpoint's batch of 8 is confirmed full (8 running twice, its
     queue shorter the second time), told to `full` with a kept answer."""
     rng = random.Random(9)
-    pool = [_scraped(_state(rng, i, 1000.0), 999.0, 0, 0) for i in range(80)]
+    pool = [_scraped(endpoint_state(rng, i, 1000.0), 999.0, 0, 0) for i in range(80)]
     batches = FullBatches()
     pool[-1] = _scraped(pool[-1], 999.1, 8, 5)
     batches.full(pool, CycleState(999.1))
@@ -264,11 +190,11 @@ def test_kept_full_batches_are_worked_out_again_when_the_map_is_cleared() -> Non
     kept answers of the others go with them."""
     rng = random.Random(4)
     limit = fullbatch._MAX_TRACKED
-    pool = [_scraped(_state(rng, i, 1000.0), 999.1, 8, 5) for i in range(limit)]
+    pool = [_scraped(endpoint_state(rng, i, 1000.0), 999.1, 8, 5) for i in range(limit)]
     batches = FullBatches()
     batches.full(pool, CycleState(999.1))
     pool = [_scraped(s, 999.2, 8, 3) for s in pool]
     assert len(batches.full(pool, CycleState(999.2))) == limit  # every batch confirmed full
     pool = list(pool)
-    pool[0] = _scraped(_state(rng, limit + 1, 1000.0), 999.3, 8, 3)  # a new endpoint first
+    pool[0] = _scraped(endpoint_state(rng, limit + 1, 1000.0), 999.3, 8, 3)  # a new endpoint first
     assert batches.full(pool, CycleState(999.4)) == []  # all learned again from one scrape

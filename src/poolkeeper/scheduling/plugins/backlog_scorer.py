@@ -52,11 +52,11 @@ from typing import Protocol
 
 from pydantic import Field
 
+from poolkeeper.datastore.columns import MIN_CACHED, Column
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.backlog import BUSY_WINDOW_S, PrefillBacklog
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
-from poolkeeper.scheduling.plugins.columns import MIN_CACHED, Column
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.plugins.shared import (
     residency,

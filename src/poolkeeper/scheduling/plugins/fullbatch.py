@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
 
+from poolkeeper.datastore.columns import MIN_CACHED, changed
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState
-from poolkeeper.scheduling.plugins.columns import MIN_CACHED, changed
 
 _MAX_TRACKED = 4096  # endpoints remembered at most (forgotten all at once beyond it)
 

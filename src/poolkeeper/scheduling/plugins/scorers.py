@@ -14,11 +14,11 @@ from typing import Final, Literal
 
 from pydantic import Field
 
+from poolkeeper.datastore.columns import MIN_CACHED, Column, Columns
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import effective_kv
 from poolkeeper.scheduling.interfaces import AffineScores, CycleState, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
-from poolkeeper.scheduling.plugins.columns import MIN_CACHED, Column, Columns
 from poolkeeper.scheduling.plugins.filters import LoadParams
 from poolkeeper.scheduling.plugins.shared import (
     residency,

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
 
+from poolkeeper.datastore.columns import MIN_CACHED, Column, Columns
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState
-from poolkeeper.scheduling.plugins.columns import MIN_CACHED, Column, Columns
 
 
 def residency(

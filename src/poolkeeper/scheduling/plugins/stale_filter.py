@@ -12,10 +12,10 @@ from typing import Final
 
 from pydantic import Field
 
+from poolkeeper.datastore.columns import MIN_CACHED, Column
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
-from poolkeeper.scheduling.plugins.columns import MIN_CACHED, Column
 from poolkeeper.scheduling.plugins.prefix_affinity import PrefixHolders
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest

@@ -1,4 +1,4 @@
-"""Per-candidate values kept between decisions, recomputed only where a candidate changed.
+"""Per-endpoint values kept between decisions, recomputed only where an endpoint changed.
 
 Most of what a built-in plugin reads per endpoint (loads, KV, residency, the scrape time) is a
 function of the endpoint's `EndpointState` alone, and those objects are immutable and reused:
@@ -24,10 +24,31 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from itertools import compress
 from operator import is_not
-from typing import Final, Generic, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 from poolkeeper.datastore.endpoint import EndpointState
-from poolkeeper.scheduling.interfaces import CycleState
+
+
+class Scratch(Protocol):
+    """One decision's scratch space: the scheduler's `CycleState`, or a `LocalScratch`."""
+
+    @property
+    def get(self) -> Callable[[str], object | None]: ...
+
+    @property
+    def put(self) -> Callable[[str, object], None]: ...
+
+
+class LocalScratch:
+    """A `Scratch` of one's own (a caller outside a scheduling decision: admission)."""
+
+    __slots__ = ("get", "put")
+
+    def __init__(self) -> None:
+        data: dict[str, object] = {}
+        self.get: Callable[[str], object | None] = data.get
+        self.put: Callable[[str, object], None] = data.__setitem__
+
 
 # Candidates from which a plugin reads its columns through a `Column` (fewer: a comprehension).
 MIN_CACHED: Final = 64
@@ -42,7 +63,7 @@ _T = TypeVar("_T")
 
 
 def changed(
-    cycle: CycleState, before: list[EndpointState] | None, candidates: Sequence[EndpointState]
+    cycle: Scratch, before: list[EndpointState] | None, candidates: Sequence[EndpointState]
 ) -> tuple[list[EndpointState], list[int] | None]:
     """(the snapshot of `candidates` a column keeps for next time, the positions where
     `candidates` holds another object than `before`, or None when they are not comparable:
@@ -87,7 +108,7 @@ class Column(Generic[_T]):
         self._before: list[EndpointState] | None = None
         self._values: list[_T] = []
 
-    def values(self, cycle: CycleState, candidates: Sequence[EndpointState]) -> list[_T]:
+    def values(self, cycle: Scratch, candidates: Sequence[EndpointState]) -> list[_T]:
         """The values for `candidates`, in order (a list the caller may keep, not write)."""
         snapshot, positions = changed(cycle, self._before, candidates)
         if positions is None:

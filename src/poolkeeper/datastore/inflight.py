@@ -30,8 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import is_not
 from types import MappingProxyType
 
+from poolkeeper.datastore.columns import MIN_CACHED
 from poolkeeper.datastore.endpoint import (
     Endpoint,
     EndpointMetrics,
@@ -71,6 +74,8 @@ class InflightTracker:
         "_by_endpoint",
         "_by_request",
         "_changes",
+        "_dirty",
+        "_last",
         "_owners",
         "scrape_lag_s",
         "speed",
@@ -95,6 +100,13 @@ class InflightTracker:
         self._applied: dict[str, tuple[EndpointMetrics, Endpoint, int, EndpointState]] = {}
         # key -> (namespace, name) of the endpoint `apply` last saw there (IP reuse detection)
         self._owners: dict[str, tuple[str, str]] = {}
+        # The previous `apply` at MIN_CACHED endpoints or more: (its input, its output, each
+        # ip:port's position, the scrape lag), and the ip:ports whose in-flight set or speed
+        # changed since (`_touch`). The next `apply` of a list of the same length works out
+        # only the positions that hold another state or a changed ip:port (`_patched`).
+        self._last: tuple[list[EndpointState], list[EndpointState], dict[str, int], float] | None
+        self._last = None
+        self._dirty: set[str] = set()
 
     def start(
         self,
@@ -119,6 +131,7 @@ class InflightTracker:
             load.models[model] = load.models.get(model, 0) + 1
         self._changes += 1
         load.version = self._changes
+        self._dirty.add(endpoint_key)
 
     def finish(
         self, request_id: str, *, now: float | None = None, output_tokens: int | None = None
@@ -143,6 +156,7 @@ class InflightTracker:
                 load.models[entry.model] -= 1
         self._changes += 1
         load.version = self._changes
+        self._dirty.add(key)
         if now is not None and output_tokens is not None:
             self.speed.observe(key, now - entry.started_at, output_tokens, version=self._changes)
         if not load.entries:
@@ -161,6 +175,7 @@ class InflightTracker:
             load.answered.add(request_id)
             self._changes += 1
             load.version = self._changes
+            self._dirty.add(entry.endpoint_key)
         return True
 
     def sweep(self, now: float, max_age_s: float) -> list[str]:
@@ -182,6 +197,7 @@ class InflightTracker:
         self._owners.pop(endpoint_key, None)
         self.speed.forget(endpoint_key)
         self._changes += 1
+        self._dirty.add(endpoint_key)
         return dropped
 
     def __len__(self) -> int:
@@ -220,7 +236,51 @@ class InflightTracker:
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
         """The snapshots with in-flight and unseen counts and the observed speed filled in
-        (others returned as-is)."""
+        (others returned as-is, or with their former counts cleared)."""
+        n = len(states)
+        out = self._patched(states) if n >= MIN_CACHED and self._last is not None else None
+        if out is None:
+            out = self._apply_all(states)
+            self._last = None
+            if n >= MIN_CACHED:
+                where = {s.endpoint.hostport: i for i, s in enumerate(states)}
+                if len(where) == n:  # (an ip:port twice: positions depend on each other)
+                    self._last = (list(states), out, where, self.scrape_lag_s)
+        self._dirty.clear()  # (what changed is in `out` now)
+        return out
+
+    def _patched(self, states: Sequence[EndpointState]) -> list[EndpointState] | None:
+        """`apply`'s answer from the previous one, where it can be had so: the same length
+        and ip:ports at the same positions, at most a quarter of them changed. Each position
+        holding another state, or an ip:port whose in-flight set or speed changed (`_dirty`:
+        every write of this tracker marks it), is worked out as `_apply_all` does; any other
+        keeps the previous answer, which `_apply_all` would give again (the same state and
+        versions: its `_applied` entry; neither: the state, or an equal one cleared)."""
+        assert self._last is not None
+        before, answer, where, lag = self._last
+        n = len(states)
+        if len(before) != n or lag != self.scrape_lag_s:
+            return None
+        positions = list(compress(range(n), map(is_not, before, states)))
+        if len(positions) > n // 4:
+            return None
+        for i in positions:
+            if states[i].endpoint.hostport != before[i].endpoint.hostport:
+                return None  # an endpoint joined or left: its ip:port's position moved
+        get = where.get
+        todo = set(positions)
+        todo.update(i for i in map(get, self._dirty) if i is not None)
+        if not todo:
+            self._last = (list(states), answer, where, lag)
+            return answer
+        out = answer.copy()  # (the list handed out before stays as it was)
+        one = self._apply_one
+        for i in sorted(todo):  # in order, as `_apply_all`
+            out[i] = one(states[i])
+        self._last = (list(states), out, where, lag)
+        return out
+
+    def _apply_all(self, states: Sequence[EndpointState]) -> list[EndpointState]:
         by_endpoint = self._by_endpoint
         speeds = self.speed.estimates
         owners = self._owners
@@ -229,51 +289,49 @@ class InflightTracker:
                 owners[s.endpoint.hostport] = (s.endpoint.namespace, s.endpoint.name)
             return [s if not (s.inflight_requests or s.unseen_requests) else _cleared(s)
                     for s in states]  # fmt: skip
-        applied = self._applied
-        out: list[EndpointState] = []
-        append = out.append
-        for s in states:
-            ep = s.endpoint
-            key = ep.hostport
-            owner = owners.get(key)
-            if owner is None or owner[1] != ep.name or owner[0] != ep.namespace:
-                if owner is not None:  # another endpoint took this ip:port (pod IP reuse)
-                    self.forget(key)
-                    speeds = self.speed.estimates
-                owners[key] = (ep.namespace, ep.name)
-            load = by_endpoint.get(key)
-            speed = speeds.get(key)
-            if load is None and speed is None:
-                append(s if not (s.inflight_requests or s.unseen_requests) else _cleared(s))
-                continue
-            # Every change takes a fresh number from one counter, so the larger of the two
-            # versions changes whenever either does (and `finish` drops the cache entry of an
-            # endpoint whose in-flight set empties).
-            if speed is None:
-                assert load is not None  # not both None (above)
-                version = load.version
-            elif load is None or speed.version > load.version:
-                version = speed.version
-            else:
-                version = load.version
-            m = s.metrics
-            cached = applied.get(key)
-            if cached is not None and cached[0] is m and cached[1] is ep and cached[2] == version:
-                append(cached[3])
-                continue
-            spt = None if speed is None else speed.seconds_per_token
-            if load is None:
-                new = EndpointState(ep, m, seconds_per_output_token=spt)
-            else:
-                n_unseen, t_unseen, n_answered = self.unseen(key, m.updated_at)
-                models = MappingProxyType(dict(load.models)) if load.models else empty_counts()
-                new = EndpointState(
-                    ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt, n_answered,
-                    models,
-                )  # fmt: skip
-            applied[key] = (m, ep, version, new)
-            append(new)
-        return out
+        return [self._apply_one(s) for s in states]
+
+    def _apply_one(self, s: EndpointState) -> EndpointState:
+        """One state with its counts and speed filled in (made anew only where they or the
+        state changed since the last time: `_applied`)."""
+        ep = s.endpoint
+        key = ep.hostport
+        owners = self._owners
+        owner = owners.get(key)
+        if owner is None or owner[1] != ep.name or owner[0] != ep.namespace:
+            if owner is not None:  # another endpoint took this ip:port (pod IP reuse)
+                self.forget(key)
+            owners[key] = (ep.namespace, ep.name)
+        load = self._by_endpoint.get(key)
+        speed = self.speed.estimates.get(key)
+        if load is None and speed is None:
+            return s if not (s.inflight_requests or s.unseen_requests) else _cleared(s)
+        # Every change takes a fresh number from one counter, so the larger of the two
+        # versions changes whenever either does (and `finish` drops the cache entry of an
+        # endpoint whose in-flight set empties).
+        if speed is None:
+            assert load is not None  # not both None (above)
+            version = load.version
+        elif load is None or speed.version > load.version:
+            version = speed.version
+        else:
+            version = load.version
+        m = s.metrics
+        cached = self._applied.get(key)
+        if cached is not None and cached[0] is m and cached[1] is ep and cached[2] == version:
+            return cached[3]
+        spt = None if speed is None else speed.seconds_per_token
+        if load is None:
+            new = EndpointState(ep, m, seconds_per_output_token=spt)
+        else:
+            n_unseen, t_unseen, n_answered = self.unseen(key, m.updated_at)
+            models = MappingProxyType(dict(load.models)) if load.models else empty_counts()
+            new = EndpointState(
+                ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt, n_answered,
+                models,
+            )  # fmt: skip
+        self._applied[key] = (m, ep, version, new)
+        return new
 
 
 def _cleared(state: EndpointState) -> EndpointState:

@@ -12,6 +12,7 @@ that missed a change (a stale cache) gives another score or pick and fails here.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -27,6 +28,7 @@ from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins import (
     backlog_scorer,
     fullbatch,
+    prefix_scorer,
     scorers,
     shared,
     stale_filter,
@@ -40,7 +42,7 @@ from tests.scheduling.sched_factories import scheduler
 _T = TypeVar("_T")
 
 # Every module that reads `MIN_CACHED` (by name, at call time).
-_READERS = (scorers, shared, stale_filter, fullbatch, backlog_scorer)
+_READERS = (scorers, shared, stale_filter, fullbatch, backlog_scorer, prefix_scorer)
 
 
 @contextmanager
@@ -80,14 +82,16 @@ def test_kept_values_decide_as_the_plain_passes_on_an_evolving_pool(preset: str,
     ips = count(1)
     pool = [endpoint_state(rng, next(ips), now) for _ in range(90)]
     kept, plain = scheduler(preset, seed), scheduler(preset, seed)
-    prompts = ["".join(rng.choice("abcdefgh ") for _ in range(600)) for _ in range(6)]
+    # shared heads, other tails: partial matches (scores between 0 and 1) as well as whole ones
+    heads = ["".join(rng.choice("abcdefgh ") for _ in range(400)) for _ in range(3)]
+    tails = ["".join(rng.choice("abcdefgh ") for _ in range(300)) for _ in range(5)]
     answered: list[tuple[str, str]] = []
     for k in range(400):
         now += 0.001
         pool = evolve(rng, pool, now, ips)
         req = LLMRequest(
-            f"r{k}", "base", rng.choice(["base", "base", "a", "b"]),
-            prompt=rng.choice(prompts) + str(k % 7), prompt_tokens=150,
+            f"r{k}", "base", rng.choice(["base", "base", "a", "b", "z", "z"]),
+            prompt=rng.choice(heads) + rng.choice(tails), prompt_tokens=175,
         )  # fmt: skip
         got = _digest(kept, req, pool, now)
         assert got == _plainly(lambda: _digest(plain, req, pool, now)), k  # noqa: B023
@@ -198,3 +202,15 @@ def test_kept_full_batches_are_worked_out_again_when_the_map_is_cleared() -> Non
     pool = list(pool)
     pool[0] = _scraped(endpoint_state(rng, limit + 1, 1000.0), 999.3, 8, 3)  # a new endpoint first
     assert batches.full(pool, CycleState(999.4)) == []  # all learned again from one scrape
+
+
+def test_the_reference_turns_off_every_scheduling_module_that_keeps_values() -> None:
+    """A module reading `MIN_CACHED` but missing from `_READERS` would be compared with
+    itself above (kept on both sides), and a stale value there would pass unseen."""
+    scheduler("default")  # (every built-in plugin module imported)
+    readers = {
+        name
+        for name, module in list(sys.modules.items())
+        if name.startswith("poolkeeper.scheduling.") and hasattr(module, "MIN_CACHED")
+    }
+    assert readers == {m.__name__ for m in _READERS}

@@ -147,3 +147,33 @@ class Columns(Generic[_T]):
                 self._columns.clear()
             column = self._columns[arg] = self._make(arg)
         return column
+
+
+class Positions:
+    """Each candidate's position by ip:port, kept between decisions: made again only where a
+    changed position holds another ip:port (an endpoint joined, left or moved). Lets a plugin
+    whose values are mostly one default (the prefix scorer's 0.0 where nothing is cached, the
+    backlog's base cost where none waits) write only the few others. None where an ip:port
+    repeats (a position each would be needed). Not thread-safe."""
+
+    __slots__ = ("_before", "_where")
+
+    def __init__(self) -> None:
+        self._before: list[EndpointState] | None = None
+        self._where: dict[str, int] | None = None
+
+    def of(self, cycle: Scratch, candidates: Sequence[EndpointState]) -> dict[str, int] | None:
+        """ip:port -> position in `candidates` (a dict the caller must not write)."""
+        before = self._before
+        snapshot, positions = changed(cycle, before, candidates)
+        where = self._where
+        if (
+            positions is None
+            or where is None
+            or any(snapshot[i].endpoint.hostport != before[i].endpoint.hostport for i in positions)  # type: ignore[index]
+        ):
+            where = {s.endpoint.hostport: i for i, s in enumerate(snapshot)}
+            if len(where) != len(snapshot):
+                where = None
+        self._before, self._where = snapshot, where
+        return where

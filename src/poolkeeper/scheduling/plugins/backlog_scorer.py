@@ -52,7 +52,7 @@ from typing import Protocol
 
 from pydantic import Field
 
-from poolkeeper.datastore.columns import MIN_CACHED, Column
+from poolkeeper.datastore.columns import MIN_CACHED, Column, Positions
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.backlog import BUSY_WINDOW_S, PrefillBacklog
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
@@ -160,8 +160,8 @@ class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
     __slots__ = (
-        "_busy_at", "_busy_share", "_keys", "_resident", "_speeds", "adapter_tokens", "backlog",
-        "base_tokens",
+        "_busy_at", "_busy_share", "_keys", "_positions", "_resident", "_speeds",
+        "adapter_tokens", "backlog", "base_tokens",
         "busy_penalty", "drain_rate", "fade_from", "fade_rise_s", "fade_to", "marginal",
         "mean_span", "prefix", "slack", "span_tokens", "sync",
     )  # fmt: skip
@@ -187,6 +187,7 @@ class PrefillBacklogScorer(NamedPlugin):
         # Kept between decisions (`columns.py`): residency, speeds, each candidate's ip:port.
         self._resident = residency_columns()
         self._speeds = speed_column()
+        self._positions = Positions()
         self._keys: Column[str] = Column(
             lambda c: [s.endpoint.hostport for s in c], lambda s: s.endpoint.hostport
         )
@@ -229,10 +230,20 @@ class PrefillBacklogScorer(NamedPlugin):
         # Residency read once per decision (the LoRA scorer reads the same): often the same
         # for every candidate, and then one base cost for all.
         resident = residency(candidates, target, cycle, self._resident) if miss else True
+        many = len(candidates) >= MIN_CACHED
+        if isinstance(resident, bool) and many and (at := self._positions.of(cycle, candidates)):
+            # One base cost, and the endpoints with a backlog or a hit written over it (the
+            # same sums: `base + 0` is `base`), rather than a lookup per candidate.
+            base = own if resident else own + miss
+            costs = [base] * len(candidates)
+            for k, v in extra.items():
+                if (i := at.get(k)) is not None:
+                    costs[i] = base + v
+            return self._adjusted(cycle, request, candidates, costs, cached)
         # (each candidate's ip:port kept between decisions where there are many: `columns.py`)
         keys = (
             self._keys.values(cycle, candidates)
-            if len(candidates) >= MIN_CACHED
+            if many
             else [s.endpoint.hostport for s in candidates]
         )
         if isinstance(resident, bool):
@@ -241,6 +252,18 @@ class PrefillBacklogScorer(NamedPlugin):
         else:
             dear = own + miss
             costs = [(own if r else dear) + more(k, 0) for r, k in zip(resident, keys, strict=True)]
+        return self._adjusted(cycle, request, candidates, costs, cached)
+
+    def _adjusted(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        candidates: Sequence[EndpointState],
+        costs: list[float],
+        cached: dict[str, int],
+    ) -> list[float]:
+        """`costs` with the optional terms: marginal queue, drain rates, busy, speed."""
+        backlog = self.backlog.snapshot()
         if self.marginal and backlog:
             waiting, tokens, hit = self.backlog.counts().get, request.prompt_tokens, cached.get
             costs = [

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from itertools import count
 
+import pytest
+
 from poolkeeper.datastore import inflight
 from poolkeeper.datastore.endpoint import Endpoint, EndpointState
 from poolkeeper.datastore.inflight import InflightTracker
@@ -45,17 +47,25 @@ def _plain_apply(tracker: InflightTracker, pool: list[EndpointState]) -> list[En
         setattr(inflight, name, saved)
 
 
-def test_the_kept_answer_is_the_full_pass_on_an_evolving_pool() -> None:
+@pytest.mark.parametrize("new_objects", [False, True])
+def test_the_kept_answer_is_the_full_pass_on_an_evolving_pool(new_objects: bool) -> None:
+    """`new_objects`: every decision's states are new objects (as the datastore makes them
+    per snapshot), the same endpoints and scrapes: the answers are compared by what they
+    are made of, and the bare positions (answered by the state itself) worked out again."""
     rng = random.Random(21)
     now = 1000.0
     ips = count(1)
     pool = [endpoint_state(rng, next(ips), now) for _ in range(90)]
     kept, plain = _Counting(), InflightTracker()
+    for t in (kept, plain):  # a speed observed everywhere (a pool in service): few bare
+        for s in pool:
+            t.start("warm", s.key, 100, now - 1.0)
+            t.finish("warm", now=now - 0.5, output_tokens=50)
     sent: list[str] = []
     for k in range(700):
         now += 0.001
         pool = evolve(rng, pool, now, ips)
-        if rng.random() < 0.05:  # another pod at an ip:port (IP reuse): its counts go
+        if rng.random() < 0.02:  # another pod at an ip:port (IP reuse): its counts go
             i = rng.randrange(len(pool))
             ep = pool[i].endpoint
             pool[i] = replace(pool[i], endpoint=Endpoint(f"new{k}", ep.address, ep.port))
@@ -70,15 +80,43 @@ def test_the_kept_answer_is_the_full_pass_on_an_evolving_pool() -> None:
                     t.first_token(sent[k % len(sent)])
                 elif op < 0.85 and sent:
                     t.finish(sent[0], now=now, output_tokens=k % 3)  # (0 tokens: no speed)
-                elif op < 0.9:
+                elif op < 0.87:
                     t.forget(target)
-                elif op < 0.92:
+                elif op < 0.88:
                     t.sweep(now, 0.2)
             if op < 0.4:
                 sent.append(f"r{k}")
             elif 0.6 <= op < 0.85 and sent:
                 sent.pop(0)
-        got = kept.apply(pool)
-        want = _plain_apply(plain, pool)
+        for key in [s.key for s in pool if kept.speed.get(s.key) is None][:2]:
+            for t in (kept, plain):  # a request there finishes (a new endpoint gets a speed)
+                t.start(f"w{k}", key, 100, now - 0.2)
+                t.finish(f"w{k}", now=now, output_tokens=50)
+        given = [replace(s) for s in pool] if new_objects else pool
+        got = kept.apply(given)
+        want = _plain_apply(plain, given)
         assert [repr(s) for s in got] == [repr(s) for s in want], k
     assert kept.patched > 300  # (the kept answer was used, not only the full pass)
+
+
+def test_a_bare_endpoint_is_answered_by_its_new_state() -> None:
+    """An endpoint with neither requests in flight nor a speed is answered by its input
+    state itself: with new objects per call, one that says something else (a caller's own
+    speed) at the same endpoint and scrape is answered anew, also after it became bare."""
+    rng = random.Random(3)
+    pool = [
+        replace(endpoint_state(rng, i, 1000.0), inflight_requests=0, unseen_requests=0)
+        for i in range(80)
+    ]
+    tracker = _Counting()
+    for s in pool[1:]:  # every endpoint but the first has a speed
+        tracker.start("warm", s.key, 100, 999.0)
+        tracker.finish("warm", now=999.5, output_tokens=50)
+    tracker.apply([replace(s) for s in pool])
+    tracker.forget(pool[7].key)  # bare from now on
+    tracker.apply([replace(s) for s in pool])
+    for i in (0, 7):
+        given = [replace(s) for s in pool]
+        given[i] = replace(pool[i], seconds_per_output_token=0.5)
+        assert tracker.apply(given)[i] is given[i]
+    assert tracker.patched == 3  # (each from the kept answer)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
-from operator import is_not
+from operator import attrgetter, is_not, or_
 from types import MappingProxyType
 
 from poolkeeper.datastore.columns import MIN_CACHED
@@ -100,12 +100,11 @@ class InflightTracker:
         self._applied: dict[str, tuple[EndpointMetrics, Endpoint, int, EndpointState]] = {}
         # key -> (namespace, name) of the endpoint `apply` last saw there (IP reuse detection)
         self._owners: dict[str, tuple[str, str]] = {}
-        # The previous `apply` at MIN_CACHED endpoints or more: (its input, its output, each
-        # ip:port's position, the scrape lag), and the ip:ports whose in-flight set or speed
-        # changed since (`_touch`). The next `apply` of a list of the same length works out
-        # only the positions that hold another state or a changed ip:port (`_patched`).
-        self._last: tuple[list[EndpointState], list[EndpointState], dict[str, int], float] | None
-        self._last = None
+        # The previous `apply` at MIN_CACHED endpoints or more (`_Last`), and the ip:ports
+        # whose in-flight set or speed changed since (every write marks them). The next
+        # `apply` of a list of the same length works out only the positions that changed
+        # (`_patched`).
+        self._last: _Last | None = None
         self._dirty: set[str] = set()
 
     def start(
@@ -245,39 +244,78 @@ class InflightTracker:
             if n >= MIN_CACHED:
                 where = {s.endpoint.hostport: i for i, s in enumerate(states)}
                 if len(where) == n:  # (an ip:port twice: positions depend on each other)
-                    self._last = (list(states), out, where, self.scrape_lag_s)
+                    self._last = _Last(
+                        states, list(map(_METRICS, states)), list(map(_ENDPOINT, states)), out,
+                        where, self.scrape_lag_s, self._bare(where),
+                    )  # fmt: skip
         self._dirty.clear()  # (what changed is in `out` now)
         return out
 
+    def _bare(self, where: dict[str, int]) -> set[int]:
+        """The positions of ip:ports with neither in-flight requests nor a speed: their
+        answer is their input state itself (or it cleared), not made from the tracker."""
+        loads, speeds = self._by_endpoint, self.speed.estimates
+        return {i for k, i in where.items() if k not in loads and k not in speeds}
+
     def _patched(self, states: Sequence[EndpointState]) -> list[EndpointState] | None:
         """`apply`'s answer from the previous one, where it can be had so: the same length
-        and ip:ports at the same positions, at most a quarter of them changed. Each position
-        holding another state, or an ip:port whose in-flight set or speed changed (`_dirty`:
-        every write of this tracker marks it), is worked out as `_apply_all` does; any other
-        keeps the previous answer, which `_apply_all` would give again (the same state and
-        versions: its `_applied` entry; neither: the state, or an equal one cleared)."""
-        assert self._last is not None
-        before, answer, where, lag = self._last
+        and ip:ports at the same positions, at most a quarter of them to work out again.
+        Those are the positions whose ip:port the tracker wrote since (`_dirty`: every write
+        marks it) and those holding another state; where every state is a new object (the
+        datastore makes them per snapshot), those holding another endpoint or scrape, or a
+        bare one (`_bare`: its answer is the state itself). Each is worked out as
+        `_apply_all` does; any other position keeps the previous answer, which `_apply_all`
+        would give again (the same endpoint, scrape and versions: its `_applied` entry)."""
+        last = self._last
+        assert last is not None
         n = len(states)
-        if len(before) != n or lag != self.scrape_lag_s:
+        if len(last.states) != n or last.lag != self.scrape_lag_s:
             return None
-        positions = list(compress(range(n), map(is_not, before, states)))
+        positions = list(compress(range(n), map(is_not, last.states, states)))
+        if len(positions) <= n // 4:  # mostly the same objects (their scrapes and endpoints)
+            metrics, endpoints = last.metrics, last.endpoints
+            if positions:
+                metrics, endpoints = metrics.copy(), endpoints.copy()
+                for i in positions:
+                    metrics[i], endpoints[i] = states[i].metrics, states[i].endpoint
+        else:  # new objects: compare what the answers are made of
+            metrics, endpoints = list(map(_METRICS, states)), list(map(_ENDPOINT, states))
+            positions = list(
+                compress(
+                    range(n),
+                    map(
+                        or_,
+                        map(is_not, last.metrics, metrics),
+                        map(is_not, last.endpoints, endpoints),
+                    ),
+                )
+            )
+            positions += last.bare
         if len(positions) > n // 4:
             return None
+        old = last.endpoints
         for i in positions:
-            if states[i].endpoint.hostport != before[i].endpoint.hostport:
+            if endpoints[i].hostport != old[i].hostport:
                 return None  # an endpoint joined or left: its ip:port's position moved
-        get = where.get
         todo = set(positions)
-        todo.update(i for i in map(get, self._dirty) if i is not None)
-        if not todo:
-            self._last = (list(states), answer, where, lag)
-            return answer
-        out = answer.copy()  # (the list handed out before stays as it was)
-        one = self._apply_one
-        for i in sorted(todo):  # in order, as `_apply_all`
-            out[i] = one(states[i])
-        self._last = (list(states), out, where, lag)
+        todo.update(i for i in map(last.where.get, self._dirty) if i is not None)
+        out = last.answer
+        if todo:
+            out = out.copy()  # (the list handed out before stays as it was)
+            one = self._apply_one
+            bare = set(last.bare)
+            loads, speeds = self._by_endpoint, self.speed.estimates
+            for i in sorted(todo):  # in order, as `_apply_all`
+                s = states[i]
+                out[i] = one(s)
+                k = s.endpoint.hostport
+                if k not in loads and k not in speeds:
+                    bare.add(i)
+                else:
+                    bare.discard(i)
+            self._last = _Last(states, metrics, endpoints, out, last.where, last.lag, bare)
+        else:
+            self._last = _Last(states, metrics, endpoints, out, last.where, last.lag, last.bare)
         return out
 
     def _apply_all(self, states: Sequence[EndpointState]) -> list[EndpointState]:
@@ -332,6 +370,35 @@ class InflightTracker:
             )  # fmt: skip
         self._applied[key] = (m, ep, version, new)
         return new
+
+
+_METRICS = attrgetter("metrics")
+_ENDPOINT = attrgetter("endpoint")
+
+
+class _Last:
+    """`apply`'s previous input (the states, their scrapes and endpoints), its answer, each
+    ip:port's position, the scrape lag then and the bare positions (`_bare`)."""
+
+    __slots__ = ("answer", "bare", "endpoints", "lag", "metrics", "states", "where")
+
+    def __init__(
+        self,
+        states: Sequence[EndpointState],
+        metrics: list[EndpointMetrics],
+        endpoints: list[Endpoint],
+        answer: list[EndpointState],
+        where: dict[str, int],
+        lag: float,
+        bare: set[int] | list[int],
+    ) -> None:
+        self.states = list(states)
+        self.metrics = metrics
+        self.endpoints = endpoints
+        self.answer = answer
+        self.where = where
+        self.lag = lag
+        self.bare = sorted(bare)
 
 
 def _cleared(state: EndpointState) -> EndpointState:

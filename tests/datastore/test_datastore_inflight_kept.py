@@ -104,9 +104,10 @@ def test_a_bare_endpoint_is_answered_by_its_new_state() -> None:
     state itself: with new objects per call, one that says something else (a caller's own
     speed) at the same endpoint and scrape is answered anew, also after it became bare."""
     rng = random.Random(3)
+    # plain states (as the datastore makes them): a bare one's answer is kept per scrape
     pool = [
-        replace(endpoint_state(rng, i, 1000.0), inflight_requests=0, unseen_requests=0)
-        for i in range(80)
+        EndpointState(s.endpoint, s.metrics)
+        for s in (endpoint_state(rng, i, 1000.0) for i in range(80))
     ]
     tracker = _Counting()
     for s in pool[1:]:  # every endpoint but the first has a speed
@@ -120,3 +121,7 @@ def test_a_bare_endpoint_is_answered_by_its_new_state() -> None:
         given[i] = replace(pool[i], seconds_per_output_token=0.5)
         assert tracker.apply(given)[i] is given[i]
     assert tracker.patched == 3  # (each from the kept answer)
+    # the same in a full pass (another length), where bare endpoints are answered inline
+    given = [replace(s) for s in pool[:-1]]
+    given[0] = replace(pool[0], seconds_per_output_token=0.25)
+    assert tracker.apply(given)[0] is given[0]

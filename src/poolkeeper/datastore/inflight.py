@@ -75,6 +75,8 @@ class InflightTracker:
         "_by_request",
         "_changes",
         "_dirty",
+        "_fulls",
+        "_hopeless",
         "_last",
         "_owners",
         "scrape_lag_s",
@@ -106,6 +108,8 @@ class InflightTracker:
         # (`_patched`).
         self._last: _Last | None = None
         self._dirty: set[str] = set()
+        self._fulls = 0  # full passes at MIN_CACHED or more (`apply`)
+        self._hopeless = False  # the kept answer could not help lately (`apply`)
 
     def start(
         self,
@@ -239,9 +243,15 @@ class InflightTracker:
         n = len(states)
         out = self._patched(states) if n >= MIN_CACHED and self._last is not None else None
         if out is None:
-            out = self._apply_all(states)
-            self._last = None
-            if n >= MIN_CACHED:
+            out, bare = self._apply_all(states)
+            last, self._last = self._last, None
+            self._fulls += 1
+            # Kept for the next call unless it cannot help: every state a new object and more
+            # bare ones than a patch takes (a pool whose endpoints are idle and unobserved);
+            # then tried again every 64th full pass.
+            if last is not None:
+                self._hopeless = last.new and bare > n // 4
+            if n >= MIN_CACHED and (not self._hopeless or self._fulls % 64 == 0):
                 where = {s.endpoint.hostport: i for i, s in enumerate(states)}
                 if len(where) == n:  # (an ip:port twice: positions depend on each other)
                     self._last = _Last(
@@ -272,7 +282,10 @@ class InflightTracker:
         if len(last.states) != n or last.lag != self.scrape_lag_s:
             return None
         positions = list(compress(range(n), map(is_not, last.states, states)))
-        if len(positions) <= n // 4:  # mostly the same objects (their scrapes and endpoints)
+        last.new = len(positions) > n // 4
+        if last.new and len(last.bare) > n // 4:
+            return None  # (new objects, and too many bare ones to work out again)
+        if not last.new:  # mostly the same objects (their scrapes and endpoints)
             metrics, endpoints = last.metrics, last.endpoints
             if positions:
                 metrics, endpoints = metrics.copy(), endpoints.copy()
@@ -318,7 +331,8 @@ class InflightTracker:
             self._last = _Last(states, metrics, endpoints, out, last.where, last.lag, last.bare)
         return out
 
-    def _apply_all(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+    def _apply_all(self, states: Sequence[EndpointState]) -> tuple[list[EndpointState], int]:
+        """Every state worked out, and how many were bare (neither in flight nor a speed)."""
         by_endpoint = self._by_endpoint
         speeds = self.speed.estimates
         owners = self._owners
@@ -326,8 +340,32 @@ class InflightTracker:
             for s in states:
                 owners[s.endpoint.hostport] = (s.endpoint.namespace, s.endpoint.name)
             return [s if not (s.inflight_requests or s.unseen_requests) else _cleared(s)
-                    for s in states]  # fmt: skip
-        return [self._apply_one(s) for s in states]
+                    for s in states], len(states)  # fmt: skip
+        # A bare endpoint still at its owner with the same scrape as last time (the most of
+        # an idle pool) inline: the object `_apply_one` kept for its endpoint and scrape, where
+        # that is its answer (the datastore's new plain states: the same object each time).
+        load, speed, one, kept = by_endpoint.get, speeds.get, self._apply_one, self._applied.get
+        out: list[EndpointState] = []
+        append = out.append
+        bare = 0
+        for s in states:
+            ep = s.endpoint
+            key = ep.hostport
+            owner = owners.get(key)
+            if (
+                owner is not None and owner[1] == ep.name and owner[0] == ep.namespace
+                and load(key) is None and speed(key) is None
+            ):  # fmt: skip
+                bare += 1
+                c = kept(key)
+                if (
+                    c is not None and c[2] < 0 and c[0] is s.metrics and c[1] is ep
+                    and (s.inflight_requests or s.unseen_requests or _plain(s))
+                ):  # fmt: skip
+                    append(c[3])
+                    continue
+            append(one(s))
+        return out, bare
 
     def _apply_one(self, s: EndpointState) -> EndpointState:
         """One state with its counts and speed filled in (made anew only where they or the
@@ -343,7 +381,17 @@ class InflightTracker:
         load = self._by_endpoint.get(key)
         speed = self.speed.estimates.get(key)
         if load is None and speed is None:
-            return s if not (s.inflight_requests or s.unseen_requests) else _cleared(s)
+            if not (s.inflight_requests or s.unseen_requests or _plain(s)):
+                return s  # (a caller's own figures, no count of ours to clear)
+            # Answered by `EndpointState(ep, m)` (`s` is one, or it cleared): the same object
+            # for the same endpoint and scrape, so the datastore's new objects per snapshot
+            # look unchanged to the values kept downstream (`columns.py`).
+            cached = self._applied.get(key)
+            if cached is not None and cached[0] is s.metrics and cached[1] is ep and cached[2] < 0:
+                return cached[3]
+            new = _cleared(s) if s.inflight_requests or s.unseen_requests else s
+            self._applied[key] = (s.metrics, ep, _BARE, new)
+            return new
         # Every change takes a fresh number from one counter, so the larger of the two
         # versions changes whenever either does (and `finish` drops the cache entry of an
         # endpoint whose in-flight set empties).
@@ -372,6 +420,17 @@ class InflightTracker:
         return new
 
 
+_BARE = -1  # the `_applied` version of an answer made of the endpoint and scrape alone
+
+
+def _plain(s: EndpointState) -> bool:
+    """No router figures at all (as the datastore makes states)."""
+    return (
+        not (s.inflight_tokens or s.unseen_tokens or s.unseen_answered or s.inflight_models)
+        and s.seconds_per_output_token is None
+    )
+
+
 _METRICS = attrgetter("metrics")
 _ENDPOINT = attrgetter("endpoint")
 
@@ -380,7 +439,7 @@ class _Last:
     """`apply`'s previous input (the states, their scrapes and endpoints), its answer, each
     ip:port's position, the scrape lag then and the bare positions (`_bare`)."""
 
-    __slots__ = ("answer", "bare", "endpoints", "lag", "metrics", "states", "where")
+    __slots__ = ("answer", "bare", "endpoints", "lag", "metrics", "new", "states", "where")
 
     def __init__(
         self,
@@ -399,6 +458,7 @@ class _Last:
         self.where = where
         self.lag = lag
         self.bare = sorted(bare)
+        self.new = False  # every state a new object at the last comparison (the datastore's)
 
 
 def _cleared(state: EndpointState) -> EndpointState:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
 
-from poolkeeper.datastore.columns import MIN_CACHED, changed
+from poolkeeper.datastore.columns import MIN_CACHED, changed, where_of
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState
 
@@ -82,8 +82,7 @@ class FullBatches:
             or len(self._seen) + len(positions) >= _MAX_TRACKED  # (no clear amid a patch)
         ):
             flags = self._full_flags(snapshot)
-            distinct = len({s.endpoint.hostport for s in snapshot}) == len(snapshot)
-            self._before = snapshot if distinct else None
+            self._before = snapshot if where_of(cycle, snapshot) is not None else None
         else:
             flags = self._flags
             before = self._before
@@ -100,8 +99,7 @@ class FullBatches:
                     positions = []
                 if positions:
                     flags = self._full_flags(snapshot)
-                    distinct = len({s.endpoint.hostport for s in snapshot}) == len(snapshot)
-                    self._before = snapshot if distinct else None
+                    self._before = snapshot if where_of(cycle, snapshot) is not None else None
                 else:
                     self._before = snapshot
             else:

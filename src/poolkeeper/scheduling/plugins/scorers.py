@@ -305,10 +305,24 @@ class LoraAffinityScorer(NamedPlugin):
         self.resident: Columns[bool] = residency_columns()
         # Per target model: each candidate's score (`_lora_score`), kept between decisions.
         self.kept: Columns[float] = Columns(
-            lambda model: Column(
-                lambda c: [self._one(s, model) for s in c], lambda s: self._one(s, model)
-            )
+            lambda model: Column(lambda c: self._all(c, model), lambda s: self._one(s, model))
         )
+
+    def _all(self, candidates: Sequence[EndpointState], model: str) -> list[float]:
+        """`_one` of each candidate, as one comprehension (a call per candidate costs 3-4x)."""
+        p = self.params
+        active, free, waiting = p.active_score, p.free_slot_score, p.waiting_score
+        return [
+            active
+            if model == m.served_model or model in m.active_adapters
+            else free
+            if m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
+            else waiting
+            if model in m.waiting_adapters
+            else 0.0
+            for s in candidates
+            for m in [s.metrics]
+        ]
 
     def _one(self, s: EndpointState, model: str) -> float:
         """One candidate's score for `model` (the kept columns' values; the comprehensions

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter, is_not, or_
 from types import MappingProxyType
 
 from poolkeeper.datastore.columns import MIN_CACHED
@@ -41,6 +39,7 @@ from poolkeeper.datastore.endpoint import (
     EndpointState,
     empty_counts,
 )
+from poolkeeper.datastore.inflight_kept import BARE, KeptAnswer, plain
 from poolkeeper.datastore.speed import DEFAULT_SPEED_ALPHA, ObservedSpeed
 
 
@@ -75,9 +74,7 @@ class InflightTracker:
         "_by_request",
         "_changes",
         "_dirty",
-        "_fulls",
-        "_hopeless",
-        "_last",
+        "_kept",
         "_owners",
         "scrape_lag_s",
         "speed",
@@ -106,10 +103,8 @@ class InflightTracker:
         # whose in-flight set or speed changed since (every write marks them). The next
         # `apply` of a list of the same length works out only the positions that changed
         # (`_patched`).
-        self._last: _Last | None = None
+        self._kept = KeptAnswer()
         self._dirty: set[str] = set()
-        self._fulls = 0  # full passes at MIN_CACHED or more (`apply`)
-        self._hopeless = False  # the kept answer could not help lately (`apply`)
 
     def start(
         self,
@@ -241,95 +236,21 @@ class InflightTracker:
         """The snapshots with in-flight and unseen counts and the observed speed filled in
         (others returned as-is, or with their former counts cleared)."""
         n = len(states)
-        out = self._patched(states) if n >= MIN_CACHED and self._last is not None else None
+        out = self._patched(states) if n >= MIN_CACHED else None
         if out is None:
             out, bare = self._apply_all(states)
-            last, self._last = self._last, None
-            self._fulls += 1
-            # Kept for the next call unless it cannot help: every state a new object and more
-            # bare ones than a patch takes (a pool whose endpoints are idle and unobserved);
-            # then tried again every 64th full pass.
-            if last is not None:
-                self._hopeless = last.new and bare > n // 4
-            if n >= MIN_CACHED and (not self._hopeless or self._fulls % 64 == 0):
-                where = {s.endpoint.hostport: i for i, s in enumerate(states)}
-                if len(where) == n:  # (an ip:port twice: positions depend on each other)
-                    self._last = _Last(
-                        states, list(map(_METRICS, states)), list(map(_ENDPOINT, states)), out,
-                        where, self.scrape_lag_s, self._bare(where),
-                    )  # fmt: skip
+            self._kept.remember(
+                states, out, bare, self.scrape_lag_s, self._by_endpoint, self.speed.estimates
+            )
         self._dirty.clear()  # (what changed is in `out` now)
         return out
 
-    def _bare(self, where: dict[str, int]) -> set[int]:
-        """The positions of ip:ports with neither in-flight requests nor a speed: their
-        answer is their input state itself (or it cleared), not made from the tracker."""
-        loads, speeds = self._by_endpoint, self.speed.estimates
-        return {i for k, i in where.items() if k not in loads and k not in speeds}
-
     def _patched(self, states: Sequence[EndpointState]) -> list[EndpointState] | None:
-        """`apply`'s answer from the previous one, where it can be had so: the same length
-        and ip:ports at the same positions, at most a quarter of them to work out again.
-        Those are the positions whose ip:port the tracker wrote since (`_dirty`: every write
-        marks it) and those holding another state; where every state is a new object (the
-        datastore makes them per snapshot), those holding another endpoint or scrape, or a
-        bare one (`_bare`: its answer is the state itself). Each is worked out as
-        `_apply_all` does; any other position keeps the previous answer, which `_apply_all`
-        would give again (the same endpoint, scrape and versions: its `_applied` entry)."""
-        last = self._last
-        assert last is not None
-        n = len(states)
-        if len(last.states) != n or last.lag != self.scrape_lag_s:
-            return None
-        positions = list(compress(range(n), map(is_not, last.states, states)))
-        last.new = len(positions) > n // 4
-        if last.new and len(last.bare) > n // 4:
-            return None  # (new objects, and too many bare ones to work out again)
-        if not last.new:  # mostly the same objects (their scrapes and endpoints)
-            metrics, endpoints = last.metrics, last.endpoints
-            if positions:
-                metrics, endpoints = metrics.copy(), endpoints.copy()
-                for i in positions:
-                    metrics[i], endpoints[i] = states[i].metrics, states[i].endpoint
-        else:  # new objects: compare what the answers are made of
-            metrics, endpoints = list(map(_METRICS, states)), list(map(_ENDPOINT, states))
-            positions = list(
-                compress(
-                    range(n),
-                    map(
-                        or_,
-                        map(is_not, last.metrics, metrics),
-                        map(is_not, last.endpoints, endpoints),
-                    ),
-                )
-            )
-            positions += last.bare
-        if len(positions) > n // 4:
-            return None
-        old = last.endpoints
-        for i in positions:
-            if endpoints[i].hostport != old[i].hostport:
-                return None  # an endpoint joined or left: its ip:port's position moved
-        todo = set(positions)
-        todo.update(i for i in map(last.where.get, self._dirty) if i is not None)
-        out = last.answer
-        if todo:
-            out = out.copy()  # (the list handed out before stays as it was)
-            one = self._apply_one
-            bare = set(last.bare)
-            loads, speeds = self._by_endpoint, self.speed.estimates
-            for i in sorted(todo):  # in order, as `_apply_all`
-                s = states[i]
-                out[i] = one(s)
-                k = s.endpoint.hostport
-                if k not in loads and k not in speeds:
-                    bare.add(i)
-                else:
-                    bare.discard(i)
-            self._last = _Last(states, metrics, endpoints, out, last.where, last.lag, bare)
-        else:
-            self._last = _Last(states, metrics, endpoints, out, last.where, last.lag, last.bare)
-        return out
+        """The kept answer worked out again where needed (`inflight_kept.py`), or None."""
+        return self._kept.patched(
+            states, self._dirty, self._by_endpoint, self.speed.estimates, self.scrape_lag_s,
+            self._apply_one,
+        )  # fmt: skip
 
     def _apply_all(self, states: Sequence[EndpointState]) -> tuple[list[EndpointState], int]:
         """Every state worked out, and how many were bare (neither in flight nor a speed)."""
@@ -360,7 +281,7 @@ class InflightTracker:
                 c = kept(key)
                 if (
                     c is not None and c[2] < 0 and c[0] is s.metrics and c[1] is ep
-                    and (s.inflight_requests or s.unseen_requests or _plain(s))
+                    and (s.inflight_requests or s.unseen_requests or plain(s))
                 ):  # fmt: skip
                     append(c[3])
                     continue
@@ -381,7 +302,7 @@ class InflightTracker:
         load = self._by_endpoint.get(key)
         speed = self.speed.estimates.get(key)
         if load is None and speed is None:
-            if not (s.inflight_requests or s.unseen_requests or _plain(s)):
+            if not (s.inflight_requests or s.unseen_requests or plain(s)):
                 return s  # (a caller's own figures, no count of ours to clear)
             # Answered by `EndpointState(ep, m)` (`s` is one, or it cleared): the same object
             # for the same endpoint and scrape, so the datastore's new objects per snapshot
@@ -390,7 +311,7 @@ class InflightTracker:
             if cached is not None and cached[0] is s.metrics and cached[1] is ep and cached[2] < 0:
                 return cached[3]
             new = _cleared(s) if s.inflight_requests or s.unseen_requests else s
-            self._applied[key] = (s.metrics, ep, _BARE, new)
+            self._applied[key] = (s.metrics, ep, BARE, new)
             return new
         # Every change takes a fresh number from one counter, so the larger of the two
         # versions changes whenever either does (and `finish` drops the cache entry of an
@@ -418,47 +339,6 @@ class InflightTracker:
             )  # fmt: skip
         self._applied[key] = (m, ep, version, new)
         return new
-
-
-_BARE = -1  # the `_applied` version of an answer made of the endpoint and scrape alone
-
-
-def _plain(s: EndpointState) -> bool:
-    """No router figures at all (as the datastore makes states)."""
-    return (
-        not (s.inflight_tokens or s.unseen_tokens or s.unseen_answered or s.inflight_models)
-        and s.seconds_per_output_token is None
-    )
-
-
-_METRICS = attrgetter("metrics")
-_ENDPOINT = attrgetter("endpoint")
-
-
-class _Last:
-    """`apply`'s previous input (the states, their scrapes and endpoints), its answer, each
-    ip:port's position, the scrape lag then and the bare positions (`_bare`)."""
-
-    __slots__ = ("answer", "bare", "endpoints", "lag", "metrics", "new", "states", "where")
-
-    def __init__(
-        self,
-        states: Sequence[EndpointState],
-        metrics: list[EndpointMetrics],
-        endpoints: list[Endpoint],
-        answer: list[EndpointState],
-        where: dict[str, int],
-        lag: float,
-        bare: set[int] | list[int],
-    ) -> None:
-        self.states = list(states)
-        self.metrics = metrics
-        self.endpoints = endpoints
-        self.answer = answer
-        self.where = where
-        self.lag = lag
-        self.bare = sorted(bare)
-        self.new = False  # every state a new object at the last comparison (the datastore's)
 
 
 def _cleared(state: EndpointState) -> EndpointState:

@@ -28,9 +28,8 @@ from poolkeeper.scheduling.plugins.scorers import (
     KvCacheScorer,
     inverse_min_max,
     inverse_min_max_ints,
-    residency,
-    speed_bar,
 )
+from poolkeeper.scheduling.plugins.shared import residency, speed_bar
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.scheduling.wsum import MAX_INLINE, Summers, weighted_sum
 from tests.scheduling.sched_factories import NOW, plugin, request, scheduler, state

@@ -32,12 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from poolkeeper.datastore.columns import MIN_CACHED
 from poolkeeper.datastore.endpoint import (
     Endpoint,
     EndpointMetrics,
     EndpointState,
     empty_counts,
 )
+from poolkeeper.datastore.inflight_kept import BARE, KeptAnswer, plain
 from poolkeeper.datastore.speed import DEFAULT_SPEED_ALPHA, ObservedSpeed
 
 
@@ -71,6 +73,8 @@ class InflightTracker:
         "_by_endpoint",
         "_by_request",
         "_changes",
+        "_dirty",
+        "_kept",
         "_owners",
         "scrape_lag_s",
         "speed",
@@ -95,6 +99,12 @@ class InflightTracker:
         self._applied: dict[str, tuple[EndpointMetrics, Endpoint, int, EndpointState]] = {}
         # key -> (namespace, name) of the endpoint `apply` last saw there (IP reuse detection)
         self._owners: dict[str, tuple[str, str]] = {}
+        # The previous `apply` at MIN_CACHED endpoints or more (`_Last`), and the ip:ports
+        # whose in-flight set or speed changed since (every write marks them). The next
+        # `apply` of a list of the same length works out only the positions that changed
+        # (`_patched`).
+        self._kept = KeptAnswer()
+        self._dirty: set[str] = set()
 
     def start(
         self,
@@ -119,6 +129,7 @@ class InflightTracker:
             load.models[model] = load.models.get(model, 0) + 1
         self._changes += 1
         load.version = self._changes
+        self._dirty.add(endpoint_key)
 
     def finish(
         self, request_id: str, *, now: float | None = None, output_tokens: int | None = None
@@ -143,6 +154,7 @@ class InflightTracker:
                 load.models[entry.model] -= 1
         self._changes += 1
         load.version = self._changes
+        self._dirty.add(key)
         if now is not None and output_tokens is not None:
             self.speed.observe(key, now - entry.started_at, output_tokens, version=self._changes)
         if not load.entries:
@@ -161,6 +173,7 @@ class InflightTracker:
             load.answered.add(request_id)
             self._changes += 1
             load.version = self._changes
+            self._dirty.add(entry.endpoint_key)
         return True
 
     def sweep(self, now: float, max_age_s: float) -> list[str]:
@@ -182,6 +195,7 @@ class InflightTracker:
         self._owners.pop(endpoint_key, None)
         self.speed.forget(endpoint_key)
         self._changes += 1
+        self._dirty.add(endpoint_key)
         return dropped
 
     def __len__(self) -> int:
@@ -220,7 +234,26 @@ class InflightTracker:
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
         """The snapshots with in-flight and unseen counts and the observed speed filled in
-        (others returned as-is)."""
+        (others returned as-is, or with their former counts cleared)."""
+        n = len(states)
+        out = self._patched(states) if n >= MIN_CACHED else None
+        if out is None:
+            out, bare = self._apply_all(states)
+            self._kept.remember(
+                states, out, bare, self.scrape_lag_s, self._by_endpoint, self.speed.estimates
+            )
+        self._dirty.clear()  # (what changed is in `out` now)
+        return out
+
+    def _patched(self, states: Sequence[EndpointState]) -> list[EndpointState] | None:
+        """The kept answer worked out again where needed (`inflight_kept.py`), or None."""
+        return self._kept.patched(
+            states, self._dirty, self._by_endpoint, self.speed.estimates, self.scrape_lag_s,
+            self._apply_one,
+        )  # fmt: skip
+
+    def _apply_all(self, states: Sequence[EndpointState]) -> tuple[list[EndpointState], int]:
+        """Every state worked out, and how many were bare (neither in flight nor a speed)."""
         by_endpoint = self._by_endpoint
         speeds = self.speed.estimates
         owners = self._owners
@@ -228,52 +261,84 @@ class InflightTracker:
             for s in states:
                 owners[s.endpoint.hostport] = (s.endpoint.namespace, s.endpoint.name)
             return [s if not (s.inflight_requests or s.unseen_requests) else _cleared(s)
-                    for s in states]  # fmt: skip
-        applied = self._applied
+                    for s in states], len(states)  # fmt: skip
+        # A bare endpoint still at its owner with the same scrape as last time (the most of
+        # an idle pool) inline: the object `_apply_one` kept for its endpoint and scrape, where
+        # that is its answer (the datastore's new plain states: the same object each time).
+        load, speed, one, kept = by_endpoint.get, speeds.get, self._apply_one, self._applied.get
         out: list[EndpointState] = []
         append = out.append
+        bare = 0
         for s in states:
             ep = s.endpoint
             key = ep.hostport
             owner = owners.get(key)
-            if owner is None or owner[1] != ep.name or owner[0] != ep.namespace:
-                if owner is not None:  # another endpoint took this ip:port (pod IP reuse)
-                    self.forget(key)
-                    speeds = self.speed.estimates
-                owners[key] = (ep.namespace, ep.name)
-            load = by_endpoint.get(key)
-            speed = speeds.get(key)
-            if load is None and speed is None:
-                append(s if not (s.inflight_requests or s.unseen_requests) else _cleared(s))
-                continue
-            # Every change takes a fresh number from one counter, so the larger of the two
-            # versions changes whenever either does (and `finish` drops the cache entry of an
-            # endpoint whose in-flight set empties).
-            if speed is None:
-                assert load is not None  # not both None (above)
-                version = load.version
-            elif load is None or speed.version > load.version:
-                version = speed.version
-            else:
-                version = load.version
-            m = s.metrics
-            cached = applied.get(key)
-            if cached is not None and cached[0] is m and cached[1] is ep and cached[2] == version:
-                append(cached[3])
-                continue
-            spt = None if speed is None else speed.seconds_per_token
-            if load is None:
-                new = EndpointState(ep, m, seconds_per_output_token=spt)
-            else:
-                n_unseen, t_unseen, n_answered = self.unseen(key, m.updated_at)
-                models = MappingProxyType(dict(load.models)) if load.models else empty_counts()
-                new = EndpointState(
-                    ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt, n_answered,
-                    models,
-                )  # fmt: skip
-            applied[key] = (m, ep, version, new)
-            append(new)
-        return out
+            if (
+                owner is not None and owner[1] == ep.name and owner[0] == ep.namespace
+                and load(key) is None and speed(key) is None
+            ):  # fmt: skip
+                bare += 1
+                c = kept(key)
+                if (
+                    c is not None and c[2] < 0 and c[0] is s.metrics and c[1] is ep
+                    and (s.inflight_requests or s.unseen_requests or plain(s))
+                ):  # fmt: skip
+                    append(c[3])
+                    continue
+            append(one(s))
+        return out, bare
+
+    def _apply_one(self, s: EndpointState) -> EndpointState:
+        """One state with its counts and speed filled in (made anew only where they or the
+        state changed since the last time: `_applied`)."""
+        ep = s.endpoint
+        key = ep.hostport
+        owners = self._owners
+        owner = owners.get(key)
+        if owner is None or owner[1] != ep.name or owner[0] != ep.namespace:
+            if owner is not None:  # another endpoint took this ip:port (pod IP reuse)
+                self.forget(key)
+            owners[key] = (ep.namespace, ep.name)
+        load = self._by_endpoint.get(key)
+        speed = self.speed.estimates.get(key)
+        if load is None and speed is None:
+            if not (s.inflight_requests or s.unseen_requests or plain(s)):
+                return s  # (a caller's own figures, no count of ours to clear)
+            # Answered by `EndpointState(ep, m)` (`s` is one, or it cleared): the same object
+            # for the same endpoint and scrape, so the datastore's new objects per snapshot
+            # look unchanged to the values kept downstream (`columns.py`).
+            cached = self._applied.get(key)
+            if cached is not None and cached[0] is s.metrics and cached[1] is ep and cached[2] < 0:
+                return cached[3]
+            new = _cleared(s) if s.inflight_requests or s.unseen_requests else s
+            self._applied[key] = (s.metrics, ep, BARE, new)
+            return new
+        # Every change takes a fresh number from one counter, so the larger of the two
+        # versions changes whenever either does (and `finish` drops the cache entry of an
+        # endpoint whose in-flight set empties).
+        if speed is None:
+            assert load is not None  # not both None (above)
+            version = load.version
+        elif load is None or speed.version > load.version:
+            version = speed.version
+        else:
+            version = load.version
+        m = s.metrics
+        cached = self._applied.get(key)
+        if cached is not None and cached[0] is m and cached[1] is ep and cached[2] == version:
+            return cached[3]
+        spt = None if speed is None else speed.seconds_per_token
+        if load is None:
+            new = EndpointState(ep, m, seconds_per_output_token=spt)
+        else:
+            n_unseen, t_unseen, n_answered = self.unseen(key, m.updated_at)
+            models = MappingProxyType(dict(load.models)) if load.models else empty_counts()
+            new = EndpointState(
+                ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt, n_answered,
+                models,
+            )  # fmt: skip
+        self._applied[key] = (m, ep, version, new)
+        return new
 
 
 def _cleared(state: EndpointState) -> EndpointState:

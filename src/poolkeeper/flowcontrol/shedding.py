@@ -14,13 +14,16 @@ this" (503). Queueing instead of shedding is the dispatcher's (`dispatcher.py`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
 from poolkeeper.api.criticality import Criticality
+from poolkeeper.datastore.columns import MIN_CACHED, Column, LocalScratch
 from poolkeeper.datastore.endpoint import DEFAULT_STALENESS_S, EndpointState
+from poolkeeper.datastore.load import STALE, saturations
 from poolkeeper.errors import RequestShed
 from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.saturation import SaturationDetector, SaturationReport
@@ -54,13 +57,39 @@ class AdmissionOutcome:
 class AdmissionController:
     """Applies the criticality rules above. Pure; `now` is injected."""
 
-    __slots__ = ("config", "detector")
+    __slots__ = ("_saturations", "_scraped", "config", "detector")
 
     def __init__(
         self, config: AdmissionConfig | None = None, *, staleness_s: float = DEFAULT_STALENESS_S
     ) -> None:
         self.config = config if config is not None else AdmissionConfig()
         self.detector = SaturationDetector(self.config, staleness_s=staleness_s)
+        # Kept between requests (`datastore/columns.py`): each endpoint's saturation as if
+        # fresh (STALE only where never scraped) and its scrape time (NaN as -inf: stale).
+        c = self.config
+        qt, kvt, cu = c.queue_depth_threshold, c.kv_cache_util_threshold, c.count_unseen
+
+        def fresh(states: Sequence[EndpointState]) -> list[float]:
+            return saturations(
+                states, now=0.0, staleness_s=math.inf, queue_threshold=qt, kv_threshold=kvt,
+                count_unseen=cu,
+            )  # fmt: skip
+
+        self._saturations: Column[float] = Column(fresh, lambda s: fresh([s])[0])
+        self._scraped: Column[float] = Column(_scrape_times, _scrape_time)
+
+    def _assess(self, states: Sequence[EndpointState], now: float) -> SaturationReport:
+        """`detector.assess`; from the kept values where every endpoint is fresh (the same
+        floats: the plain sum of the same values in the same order)."""
+        n = len(states)
+        if n >= MIN_CACHED:
+            scratch = LocalScratch()
+            oldest = min(self._scraped.values(scratch, states))
+            values = self._saturations.values(scratch, states)
+            fresh_since = now - self.detector.staleness_s
+            if oldest > 0.0 and oldest >= fresh_since and STALE not in values:
+                return SaturationReport(sum(values) / n, n, 0)
+        return self.detector.assess(states, now)
 
     def shed_level(self, criticality: Criticality) -> float | None:
         """Saturation at which requests of this criticality are shed (None = never)."""
@@ -80,7 +109,7 @@ class AdmissionController:
             return AdmissionOutcome(
                 AdmissionDecision.ADMIT, "no endpoints: left to the scheduler (503)"
             )
-        report = self.detector.assess(states, now)
+        report = self._assess(states, now)
         if report.all_stale:
             if self.config.all_stale_policy == "admit":
                 return AdmissionOutcome(
@@ -114,3 +143,12 @@ class AdmissionController:
                 f"request {request.request_id} for model {request.model!r} "
                 f"({request.criticality}) shed: {outcome.reason}"
             )
+
+
+def _scrape_times(states: Sequence[EndpointState]) -> list[float]:
+    return [u if (u := s.metrics.updated_at) == u else -math.inf for s in states]
+
+
+def _scrape_time(s: EndpointState) -> float:
+    u = s.metrics.updated_at
+    return u if u == u else -math.inf

@@ -44,9 +44,10 @@ from poolkeeper.scheduling.wsum import Factor, Summers
 _CONSTANT = (float, int)
 
 
-# A profile buckets its plugin timers' pending durations (`HistogramData.record`) every this
-# many runs; the metrics endpoint's reads bucket them too.
-FOLD_EVERY = 256
+# A profile buckets its plugin timers' pending durations (`HistogramData.record`), one timer
+# per run in turn, so each holds at most as many runs as the profile has timers; the metrics
+# endpoint's reads bucket them too. (All of them every 256th run cost that run ~1 ms at 1,000
+# endpoints, 14 timers x 256 values: a third of the decisions above the p99.)
 
 
 def clamp_unit(v: float) -> float:
@@ -141,9 +142,8 @@ class SchedulerProfile:
     ) -> ProfileResult | None:
         """The profile's ranked result, or None when the filters left nothing."""
         runs = self._runs = self._runs + 1
-        if runs % FOLD_EVERY == 0:
-            for timer in self._timers:
-                timer.fold()
+        timers = self._timers
+        timers[runs % len(timers)].fold()
         clock = perf_counter
         cands = candidates
         for keep, record in self._filter_calls:

@@ -52,12 +52,18 @@ from typing import Protocol
 
 from pydantic import Field
 
+from poolkeeper.datastore.columns import MIN_CACHED, Column, Positions
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.backlog import BUSY_WINDOW_S, PrefillBacklog
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
-from poolkeeper.scheduling.plugins.scorers import residency, speed_bar
+from poolkeeper.scheduling.plugins.shared import (
+    residency,
+    residency_columns,
+    speed_bar,
+    speed_column,
+)
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -154,7 +160,8 @@ class PrefillBacklogScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a PrefillBacklog."""
 
     __slots__ = (
-        "_busy_at", "_busy_share", "adapter_tokens", "backlog", "base_tokens",
+        "_busy_at", "_busy_share", "_keys", "_positions", "_resident", "_speeds",
+        "adapter_tokens", "backlog", "base_tokens",
         "busy_penalty", "drain_rate", "fade_from", "fade_rise_s", "fade_to", "marginal",
         "mean_span", "prefix", "slack", "span_tokens", "sync",
     )  # fmt: skip
@@ -177,6 +184,13 @@ class PrefillBacklogScorer(NamedPlugin):
         self.adapter_tokens = params.adapter_tokens
         tolerance = params.speed_tolerance
         self.slack = None if tolerance is None else 1.0 + tolerance
+        # Kept between decisions (`columns.py`): residency, speeds, each candidate's ip:port.
+        self._resident = residency_columns()
+        self._speeds = speed_column()
+        self._positions = Positions()
+        self._keys: Column[str] = Column(
+            lambda c: [s.endpoint.hostport for s in c], lambda s: s.endpoint.hostport
+        )
         self.prefix = prefix
         self.fade_from = params.fade_from
         self.fade_to = max(params.fade_to, (params.fade_from or 0.0) + 1e-6)
@@ -215,16 +229,41 @@ class PrefillBacklogScorer(NamedPlugin):
         costs: list[float]  # (of ints, until a rate or a speed divides them)
         # Residency read once per decision (the LoRA scorer reads the same): often the same
         # for every candidate, and then one base cost for all.
-        resident = residency(candidates, target, cycle) if miss else True
+        resident = residency(candidates, target, cycle, self._resident) if miss else True
+        many = len(candidates) >= MIN_CACHED
+        if isinstance(resident, bool) and many and (at := self._positions.of(cycle, candidates)):
+            # One base cost, and the endpoints with a backlog or a hit written over it (the
+            # same sums: `base + 0` is `base`), rather than a lookup per candidate.
+            base = own if resident else own + miss
+            costs = [base] * len(candidates)
+            for k, v in extra.items():
+                if (i := at.get(k)) is not None:
+                    costs[i] = base + v
+            return self._adjusted(cycle, request, candidates, costs, cached)
+        # (each candidate's ip:port kept between decisions where there are many: `columns.py`)
+        keys = (
+            self._keys.values(cycle, candidates)
+            if many
+            else [s.endpoint.hostport for s in candidates]
+        )
         if isinstance(resident, bool):
             base = own if resident else own + miss
-            costs = [base + more(s.endpoint.hostport, 0) for s in candidates]
+            costs = [base + more(k, 0) for k in keys]
         else:
             dear = own + miss
-            costs = [
-                (own if r else dear) + more(s.endpoint.hostport, 0)
-                for r, s in zip(resident, candidates, strict=True)
-            ]
+            costs = [(own if r else dear) + more(k, 0) for r, k in zip(resident, keys, strict=True)]
+        return self._adjusted(cycle, request, candidates, costs, cached)
+
+    def _adjusted(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        candidates: Sequence[EndpointState],
+        costs: list[float],
+        cached: dict[str, int],
+    ) -> list[float]:
+        """`costs` with the optional terms: marginal queue, drain rates, busy, speed."""
+        backlog = self.backlog.snapshot()
         if self.marginal and backlog:
             waiting, tokens, hit = self.backlog.counts().get, request.prompt_tokens, cached.get
             costs = [
@@ -240,7 +279,7 @@ class PrefillBacklogScorer(NamedPlugin):
                 for c, s in zip(costs, candidates, strict=True)
             ]
         if self.slack is not None:
-            return self._slowed(costs, candidates, self.slack, cycle)
+            return self._slowed(costs, candidates, self.slack, cycle, self._speeds)
         return costs
 
     def _drained(self, costs: list[float], candidates: Sequence[EndpointState]) -> list[float]:
@@ -256,12 +295,16 @@ class PrefillBacklogScorer(NamedPlugin):
 
     @staticmethod
     def _slowed(
-        costs: list[float], candidates: Sequence[EndpointState], slack: float, cycle: CycleState
+        costs: list[float],
+        candidates: Sequence[EndpointState],
+        slack: float,
+        cycle: CycleState,
+        kept: Column[float | None] | None = None,
     ) -> list[float]:
         """Costs scaled by each endpoint's observed seconds per output token over `slack` x
         the fastest's (`speed_bar`, `observed-speed-scorer`'s rule, shared with it through the
         cycle); unobserved ones are fast."""
-        found = speed_bar(candidates, slack, cycle)
+        found = speed_bar(candidates, slack, cycle, kept)
         if found is None:
             return costs
         speeds, bar = found

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
 
+from poolkeeper.datastore.columns import MIN_CACHED, changed, where_of
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.interfaces import CycleState
 
 _MAX_TRACKED = 4096  # endpoints remembered at most (forgotten all at once beyond it)
 
@@ -42,10 +45,16 @@ class FullBatches:
     """Per-endpoint learned batch (see the module docstring). Not thread-safe (the scheduler's
     loop calls it)."""
 
-    __slots__ = ("_seen",)
+    __slots__ = ("_before", "_flags", "_reads", "_reads_then", "_seen")
 
     def __init__(self) -> None:
         self._seen: dict[str, _Batch] = {}
+        self._reads = 0  # `_read` calls (each may change a batch)
+        # `full`'s flags of its previous states (`columns.py`), valid while no batch was read
+        # since but by `full` itself (`_reads_then`) and those states' ip:ports are distinct.
+        self._before: list[EndpointState] | None = None
+        self._flags: list[bool] = []
+        self._reads_then = 0
 
     def slots(self, state: EndpointState) -> int | None:
         """`state`'s learned batch size once confirmed full, else None; reads a new scrape."""
@@ -54,28 +63,78 @@ class FullBatches:
             batch = self._read(state)
         return batch.slots if batch.full else None
 
-    def full(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+    def full(
+        self, states: Sequence[EndpointState], cycle: CycleState | None = None
+    ) -> list[EndpointState]:
         """The states whose batch is confirmed full and runs at least that many (running,
         plus the unseen requests that answered), in order; reads every state's new scrape,
         in order (as `slots` per state). The saturation filter's pass: one lookup per state,
-        and the scrape read only where it changed (once per scrape, not per decision)."""
+        and the scrape read only where it changed (once per scrape, not per decision). With
+        `cycle`, each state's answer is kept for the next call, which works out only the
+        states that are other objects than before (`columns.changed`): an unchanged state's
+        batch was read by no one since (else all are worked out again), so its answer stands."""
+        if cycle is None or len(states) < MIN_CACHED:
+            return list(compress(states, self._full_flags(states)))
+        snapshot, positions = changed(cycle, self._before, states)
+        if (
+            positions is None
+            or self._reads != self._reads_then
+            or len(self._seen) + len(positions) >= _MAX_TRACKED  # (no clear amid a patch)
+        ):
+            flags = self._full_flags(snapshot)
+            self._before = snapshot if where_of(cycle, snapshot) is not None else None
+        else:
+            flags = self._flags
+            before = self._before
+            assert before is not None  # (`positions` are relative to it)
+            if positions:
+                flags = flags.copy()
+                one = self._full_flag
+                for i in positions:
+                    s = snapshot[i]
+                    if s.endpoint.hostport != before[i].endpoint.hostport:
+                        break  # another endpoint there: ip:ports may repeat; all again
+                    flags[i] = one(s)
+                else:
+                    positions = []
+                if positions:
+                    flags = self._full_flags(snapshot)
+                    self._before = snapshot if where_of(cycle, snapshot) is not None else None
+                else:
+                    self._before = snapshot
+            else:
+                self._before = snapshot
+        self._flags, self._reads_then = flags, self._reads
+        return list(compress(snapshot, flags))
+
+    def _full_flag(self, s: EndpointState) -> bool:
+        """`_full_flags` of one state (a kept answer's patch)."""
+        b = self._seen.get(s.endpoint.hostport)
+        if b is None or b.at != s.metrics.updated_at:
+            b = self._read(s)
+        return b.full and s.metrics.running + s.unseen_answered >= b.slots
+
+    def _full_flags(self, states: Sequence[EndpointState]) -> list[bool]:
+        """Whether each state's batch is confirmed full and runs at least that many."""
         get, read = self._seen.get, self._read
         # One comprehension (no appends): a batch is read where it is new or its scrape is.
+        # (Always a bool: `read`'s batch is true, so `b.full and ...` decides; mypy cannot
+        # see through the walrus.)
         return [
-            s
-            for s in states
-            if (
+            (  # type: ignore[misc]
                 ((b := get(s.endpoint.hostport)) is not None and b.at == s.metrics.updated_at)
                 or (b := read(s))
             )
             and b.full
             and s.metrics.running + s.unseen_answered >= b.slots
+            for s in states
         ]
 
     def _read(self, state: EndpointState) -> _Batch:
         """`state`'s batch after reading its scrape (made on its first sight)."""
         m = state.metrics
         seen = self._seen
+        self._reads += 1
         batch = seen.get(state.key)
         if batch is None:
             if len(seen) >= _MAX_TRACKED:

@@ -73,6 +73,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from pydantic import Field, model_validator
 
+from poolkeeper.datastore.columns import MIN_CACHED, Positions
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.kvevents import engine_block_hashes
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
@@ -219,6 +220,7 @@ class PrefixCacheScorer(NamedPlugin):
 
     __slots__ = (
         "_match_key",
+        "_positions",
         "_state_key",
         "_stats",
         "_subscriber",
@@ -244,6 +246,7 @@ class PrefixCacheScorer(NamedPlugin):
         self._state_key = f"prefix-hashes/{typed_name.name}"
         self._match_key = f"prefix-match/{typed_name.name}"
         self._tokens_key = f"prefix-tokens/{typed_name.name}"
+        self._positions = Positions()  # (the few holders written into a list of 0.0)
         self._stats: SchedulingStats | None = None
         self.exact: ExactPrefixIndex | None = None
         self._subscriber: KVEventSubscriber | None = None
@@ -348,6 +351,13 @@ class PrefixCacheScorer(NamedPlugin):
         if not matched:
             return 0.0
         total = max(len(hashes), params.min_scored_blocks) * params.block_size
+        where = self._positions.of(cycle, candidates) if len(candidates) >= MIN_CACHED else None
+        if where is not None:
+            out = [0.0] * len(candidates)
+            for key, chars in matched.items():
+                if (i := where.get(key)) is not None:
+                    out[i] = min(1.0, chars / total)
+            return out
         get = {key: min(1.0, chars / total) for key, chars in matched.items()}.get
         return [get(s.endpoint.hostport, 0.0) for s in candidates]
 

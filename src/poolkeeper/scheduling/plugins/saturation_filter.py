@@ -142,7 +142,7 @@ class SaturationFilter(NamedPlugin):
             full = [s for s in fresh if s.metrics.running + s.unseen_answered >= slots]
         else:
             assert self.batches is not None  # (`filter` comes here with one or the other)
-            full = self.batches.full(fresh)
+            full = self.batches.full(fresh, cycle)
         kept = fresh
         kv_limit = limit * p.kv_cache_util_threshold
         # `effective_kv` is at most 1: above that no endpoint goes for its KV (the default's

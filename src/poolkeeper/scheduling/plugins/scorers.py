@@ -8,17 +8,24 @@ effective ones (scraped + unseen in-flight, see `load.py`) unless `countUnseen` 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Final, Literal, TypeVar
+from typing import Final, Literal
 
 from pydantic import Field
 
+from poolkeeper.datastore.columns import MIN_CACHED, Column, Columns
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.load import effective_kv
 from poolkeeper.scheduling.interfaces import AffineScores, CycleState, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.filters import LoadParams
+from poolkeeper.scheduling.plugins.shared import (
+    residency,
+    residency_columns,
+    speed_bar,
+    speed_column,
+)
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -69,22 +76,31 @@ class MinMaxLoadParams(LoadParams):
 class _MinMaxLoadScorer(NamedPlugin):
     """Inverse min-max of a per-endpoint load; subclasses say which load (`loads`)."""
 
-    __slots__ = ("count_unseen", "min_span")
+    __slots__ = ("column", "count_unseen", "min_span")
     bounded = True
 
     def __init__(self, typed_name: TypedName, params: MinMaxLoadParams) -> None:
         super().__init__(typed_name)
         self.count_unseen = params.count_unseen
         self.min_span = params.min_span
+        cu = self.count_unseen
+        self.column = Column(lambda c: self.loads(c, cu), lambda s: self.load(s, cu))
 
     @staticmethod
     def loads(candidates: Sequence[EndpointState], count_unseen: bool) -> list[int]:
         """The load of each candidate, + its unseen in-flight requests when `count_unseen`."""
         raise NotImplementedError
 
+    @staticmethod
+    def load(state: EndpointState, count_unseen: bool) -> int:
+        """`loads` of one candidate (the kept column's patches: `columns.py`)."""
+        raise NotImplementedError
+
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
+        if len(candidates) >= MIN_CACHED:
+            return inverse_min_max_ints(self.column.values(cycle, candidates), self.min_span)
         return inverse_min_max_ints(self.loads(candidates, self.count_unseen), self.min_span)
 
 
@@ -110,13 +126,16 @@ class QueueScorer(_MinMaxLoadScorer):
     def __init__(self, typed_name: TypedName, params: MinMaxLoadParams) -> None:
         super().__init__(typed_name, params)
         self.answered_run = params.answered_run if isinstance(params, QueueParams) else True
+        if self.count_unseen and not self.answered_run:
+            self.column = Column(_waiting_all, _waiting)
 
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
+        if len(candidates) >= MIN_CACHED:
+            return inverse_min_max_ints(self.column.values(cycle, candidates), self.min_span)
         if self.count_unseen and not self.answered_run:
-            loads = [s.metrics.waiting + s.unseen_requests for s in candidates]
-            return inverse_min_max_ints(loads, self.min_span)
+            return inverse_min_max_ints(_waiting_all(candidates), self.min_span)
         return inverse_min_max_ints(self.loads(candidates, self.count_unseen), self.min_span)
 
     @staticmethod
@@ -124,6 +143,21 @@ class QueueScorer(_MinMaxLoadScorer):
         if count_unseen:
             return [s.metrics.waiting + s.unseen_requests - s.unseen_answered for s in candidates]
         return [s.metrics.waiting for s in candidates]
+
+    @staticmethod
+    def load(state: EndpointState, count_unseen: bool) -> int:
+        if count_unseen:
+            return state.metrics.waiting + state.unseen_requests - state.unseen_answered
+        return state.metrics.waiting
+
+
+def _waiting_all(candidates: Sequence[EndpointState]) -> list[int]:
+    """The queue with the unseen requests, answered or not (`answeredRun` false)."""
+    return [s.metrics.waiting + s.unseen_requests for s in candidates]
+
+
+def _waiting(state: EndpointState) -> int:
+    return state.metrics.waiting + state.unseen_requests
 
 
 class RunningRequestsScorer(_MinMaxLoadScorer):
@@ -137,37 +171,32 @@ class RunningRequestsScorer(_MinMaxLoadScorer):
             return [s.metrics.running + s.unseen_requests for s in candidates]
         return [s.metrics.running for s in candidates]
 
+    @staticmethod
+    def load(state: EndpointState, count_unseen: bool) -> int:
+        if count_unseen:
+            return state.metrics.running + state.unseen_requests
+        return state.metrics.running
+
 
 class KvCacheScorer(NamedPlugin):
     """1 - KV-cache utilisation (+ the unseen tokens' share when capacity is known)."""
 
-    __slots__ = ("count_unseen",)
+    __slots__ = ("column", "count_unseen")
     bounded = True
 
     def __init__(self, typed_name: TypedName, params: LoadParams) -> None:
         super().__init__(typed_name)
         self.count_unseen = params.count_unseen
+        cu = self.count_unseen
+        self.column = Column(lambda c: _kv_marked(c, cu), lambda s: _kv_marked_one(s, cu))
 
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
-        # A scraped value outside 0..1 or NaN (a broken exporter) is marked NaN in the same
-        # pass (`effective_kv` is within 0..1 already), so the sum (NaN if any value is) finds
-        # them without a `min` and `max` pass; the rare such decision clamps them all.
-        nan = _NAN
-        if self.count_unseen:
-            values = [
-                kv
-                if 0.0 <= (kv := s.metrics.kv_cache_usage) <= 1.0 and not s.unseen_tokens
-                else effective_kv(s)
-                if s.unseen_tokens
-                else nan
-                for s in candidates
-            ]
+        if len(candidates) >= MIN_CACHED:
+            values = self.column.values(cycle, candidates)
         else:
-            values = [
-                kv if 0.0 <= (kv := s.metrics.kv_cache_usage) <= 1.0 else nan for s in candidates
-            ]
+            values = _kv_marked(candidates, self.count_unseen)
         total = sum(values)
         if total != total:
             values = [_unit(v) for v in self._raw(candidates)]
@@ -184,6 +213,32 @@ class KvCacheScorer(NamedPlugin):
 
 
 _NAN: Final = math.nan
+
+
+def _kv_marked(candidates: Sequence[EndpointState], count_unseen: bool) -> list[float]:
+    """Each candidate's utilisation (unseen tokens added where `count_unseen`), NaN where the
+    scrape is broken (outside 0..1 or NaN; `effective_kv` is within 0..1 already): marked in
+    the same pass, so the scorer's `sum` (NaN if any value is) finds them without a `min` and
+    `max` pass, and the rare such decision clamps them all."""
+    nan = _NAN
+    if count_unseen:
+        return [
+            kv
+            if 0.0 <= (kv := s.metrics.kv_cache_usage) <= 1.0 and not s.unseen_tokens
+            else effective_kv(s)
+            if s.unseen_tokens
+            else nan
+            for s in candidates
+        ]
+    return [kv if 0.0 <= (kv := s.metrics.kv_cache_usage) <= 1.0 else nan for s in candidates]
+
+
+def _kv_marked_one(s: EndpointState, count_unseen: bool) -> float:
+    """`_kv_marked` of one candidate (the kept column's patches)."""
+    kv = s.metrics.kv_cache_usage
+    if count_unseen and s.unseen_tokens:
+        return effective_kv(s)
+    return kv if 0.0 <= kv <= 1.0 else _NAN
 
 
 def _unit(x: float) -> float:
@@ -241,12 +296,44 @@ class LoraAffinityScorer(NamedPlugin):
     in a pool without LoRA whose engines report no model every endpoint scores 0 (no effect).
     """
 
-    __slots__ = ("params",)
+    __slots__ = ("kept", "params", "resident")
     bounded = True
 
     def __init__(self, typed_name: TypedName, params: LoraAffinityScorerParams) -> None:
         super().__init__(typed_name)
         self.params = params
+        self.resident: Columns[bool] = residency_columns()
+        # Per target model: each candidate's score (`_lora_score`), kept between decisions.
+        self.kept: Columns[float] = Columns(
+            lambda model: Column(lambda c: self._all(c, model), lambda s: self._one(s, model))
+        )
+
+    def _all(self, candidates: Sequence[EndpointState], model: str) -> list[float]:
+        """`_one` of each candidate, as one comprehension (a call per candidate costs 3-4x)."""
+        p = self.params
+        active, free, waiting = p.active_score, p.free_slot_score, p.waiting_score
+        return [
+            active
+            if model == m.served_model or model in m.active_adapters
+            else free
+            if m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters
+            else waiting
+            if model in m.waiting_adapters
+            else 0.0
+            for s in candidates
+            for m in [s.metrics]
+        ]
+
+    def _one(self, s: EndpointState, model: str) -> float:
+        """One candidate's score for `model` (the kept columns' values; the comprehensions
+        of `score` inline the same rule)."""
+        p = self.params
+        m = s.metrics
+        if model == m.served_model or model in m.active_adapters:
+            return p.active_score
+        if m.max_adapters and len(m.active_adapters) + len(m.waiting_adapters) < m.max_adapters:
+            return p.free_slot_score
+        return p.waiting_score if model in m.waiting_adapters else 0.0
 
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
@@ -254,9 +341,12 @@ class LoraAffinityScorer(NamedPlugin):
         p = self.params
         model = request.target_model
         active, free, waiting = p.active_score, p.free_slot_score, p.waiting_score
-        resident = residency(candidates, model, cycle)
+        resident = residency(candidates, model, cycle, self.resident)
         if resident is True:
             return active
+        if len(candidates) >= MIN_CACHED:
+            out = self.kept.of(model).values(cycle, candidates)
+            return out[0] if out.count(out[0]) == len(out) else out
         # One conditional expression per endpoint (no appends): this runs for every candidate.
         if resident is False:
             out = [
@@ -287,88 +377,6 @@ class LoraAffinityScorer(NamedPlugin):
         return out[0] if out and out.count(out[0]) == len(out) else out
 
 
-def residency(
-    candidates: Sequence[EndpointState], target: str, cycle: CycleState | None = None
-) -> list[bool] | bool:
-    """Whether `target` (a request's model) is resident on each candidate: the candidate's
-    served base model or one of its active LoRA adapters; one bool when the same for all (a
-    pool without LoRA, or one that runs the adapter nowhere). The one rule of "resident"
-    (`lora-affinity-scorer`'s active score, the prefill-backlog scorer's adapter term). With
-    `cycle`, worked out once per decision for the same candidates and target (read-only)."""
-    return _per_decision(cycle, _RESIDENCY, candidates, target, _residency)
-
-
-def _residency(candidates: Sequence[EndpointState], target: str) -> list[bool] | bool:
-    flags = [
-        target == (m := s.metrics).served_model or target in m.active_adapters for s in candidates
-    ]
-    return flags[0] if flags and flags.count(flags[0]) == len(flags) else flags
-
-
-def speed_bar(
-    candidates: Sequence[EndpointState], slack: float, cycle: CycleState | None = None
-) -> tuple[list[float], float] | None:
-    """Each candidate's observed seconds per output token (0.0 where not observed yet) and the
-    bar `slack` x the fastest observed one: slower than the bar is slow. None when no candidate
-    was observed. The one rule of "slower than the fastest" (`observed-speed-scorer`, the
-    prefill-backlog scorer's speed term). With `cycle`, worked out once per decision for the
-    same candidates and slack (both scorers of the default profile ask; read-only result)."""
-    return _per_decision(cycle, _SPEED_BAR, candidates, slack, _speed_bar)
-
-
-# The cycle state's keys of `speed_bar`'s and `residency`'s (candidates, count, argument,
-# result): module paths, which no plugin instance's name (the keys plugins use) can be.
-_SPEED_BAR: Final = f"{__name__}.speed_bar"
-_RESIDENCY: Final = f"{__name__}.residency"
-
-_A = TypeVar("_A")
-_R = TypeVar("_R")
-
-
-def _per_decision(
-    cycle: CycleState | None,
-    key: str,
-    candidates: Sequence[EndpointState],
-    arg: _A,
-    work: Callable[[Sequence[EndpointState], _A], _R],
-) -> _R:
-    """`work(candidates, arg)`, kept in `cycle` under `key` for the rest of the decision."""
-    if cycle is None:
-        return work(candidates, arg)
-    done = cycle.get(key)
-    # The same list object and length: a filter that reorders or trims a list in place
-    # between two profiles would otherwise be handed the other's result.
-    if (
-        isinstance(done, tuple)
-        and done[0] is candidates
-        and done[1] == len(candidates)
-        and done[2] == arg
-    ):
-        return done[3]  # type: ignore[no-any-return]
-    found = work(candidates, arg)
-    cycle.put(key, (candidates, len(candidates), arg, found))
-    return found
-
-
-def _speed_bar(
-    candidates: Sequence[EndpointState], slack: float
-) -> tuple[list[float], float] | None:
-    values = [s.seconds_per_output_token for s in candidates]
-    try:
-        fastest = min(values)  # type: ignore[type-var]  # the common case: all observed
-    except TypeError:  # some endpoint not observed yet (None)
-        if values.count(None) == len(values):
-            return None  # none observed (a new pool): no pass over the values
-        fastest = None
-    if fastest is None or fastest <= 0.0:
-        known = [v for v in values if v is not None and v > 0.0]
-        if not known:
-            return None
-        fastest = min(known)
-        values = [0.0 if v is None else v for v in values]  # unobserved: counts as fast
-    return values, fastest * slack  # type: ignore[return-value]  # None replaced above
-
-
 class ObservedSpeedParams(PluginParams):
     tolerance: float = Field(
         default=0.0,
@@ -386,17 +394,18 @@ class ObservedSpeedScorer(NamedPlugin):
     observation at all every endpoint scores 1 (no effect).
     """
 
-    __slots__ = ("slack",)
+    __slots__ = ("kept", "slack")
     bounded = True
 
     def __init__(self, typed_name: TypedName, params: ObservedSpeedParams) -> None:
         super().__init__(typed_name)
         self.slack = 1.0 + params.tolerance
+        self.kept = speed_column()
 
     def score(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Scores:
-        found = speed_bar(candidates, self.slack, cycle)
+        found = speed_bar(candidates, self.slack, cycle, self.kept)
         if found is None:
             return 1.0
         values, bar = found

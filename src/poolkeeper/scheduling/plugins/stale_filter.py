@@ -12,6 +12,7 @@ from typing import Final
 
 from pydantic import Field
 
+from poolkeeper.datastore.columns import MIN_CACHED, Column
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
@@ -76,7 +77,7 @@ class StaleMetricsFilter(NamedPlugin):
     request's LoRA adapter stay when they are all late (at most `ADAPTER_GRACE_S`).
     """
 
-    __slots__ = ("grace_s", "holders", "staleness_s")
+    __slots__ = ("grace_s", "holders", "scraped", "staleness_s")
 
     def __init__(
         self,
@@ -89,11 +90,19 @@ class StaleMetricsFilter(NamedPlugin):
         self.staleness_s = staleness_s
         self.holders = holders
         self.grace_s = grace_s
+        # Each candidate's scrape time, kept between decisions (`columns.py`): one `min` then
+        # says whether all are fresh (NaN kept as -inf: never fresh, as `>=` says of NaN).
+        self.scraped: Column[float] = Column(_scrape_times, _scrape_time)
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Sequence[EndpointState]:
         fresh_since = cycle.now - self.staleness_s
+        if len(candidates) >= MIN_CACHED:
+            oldest = min(self.scraped.values(cycle, candidates))
+            if oldest >= fresh_since and oldest > 0.0:  # (the test below, of every candidate)
+                cycle.put(ALL_FRESH, (candidates, len(candidates), fresh_since))
+                return candidates
         # `updated_at` 0.0 (never scraped) is below any `fresh_since` of a running clock;
         # the explicit test keeps that true for clocks that start near zero.
         kept = [s for s in candidates if (u := s.metrics.updated_at) >= fresh_since and u > 0.0]
@@ -130,3 +139,15 @@ class StaleMetricsFilter(NamedPlugin):
                 fresh = {id(s) for s in kept}
                 return [s for s in candidates if id(s) in fresh or s.endpoint.hostport in held]
         return kept
+
+
+def _scrape_times(candidates: Sequence[EndpointState]) -> list[float]:
+    return [u if (u := s.metrics.updated_at) == u else _NEVER for s in candidates]
+
+
+def _scrape_time(s: EndpointState) -> float:
+    u = s.metrics.updated_at
+    return u if u == u else _NEVER
+
+
+_NEVER: Final = float("-inf")

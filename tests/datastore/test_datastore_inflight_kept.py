@@ -1,0 +1,127 @@
+"""`InflightTracker.apply` from its previous answer (`_patched`) answers as its full pass.
+
+Two trackers told the same sends, first bytes, finishes (some with a speed), forgets and
+sweeps between decisions; one applies an evolving pool of 90 endpoints through its kept
+answer, the other with the kept answer off (the reference: every position worked out). Their
+answers must be equal state for state, in-flight models included. A kept answer that missed
+a change (a write the tracker did not mark, another pod at an ip:port) fails here.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import count
+
+import pytest
+
+from poolkeeper.datastore import inflight
+from poolkeeper.datastore.endpoint import Endpoint, EndpointState
+from poolkeeper.datastore.inflight import InflightTracker
+from tests.scheduling.evolving_pool import endpoint_state, evolve
+
+
+class _Counting(InflightTracker):
+    """Counts the answers `_patched` gave (the kept path taken)."""
+
+    __slots__ = ("patched",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patched = 0
+
+    def _patched(self, states: Sequence[EndpointState]) -> list[EndpointState] | None:
+        out = super()._patched(states)
+        self.patched += out is not None
+        return out
+
+
+def _plain_apply(tracker: InflightTracker, pool: list[EndpointState]) -> list[EndpointState]:
+    name = "MIN_CACHED"
+    saved = getattr(inflight, name)
+    setattr(inflight, name, 10**9)
+    try:
+        return tracker.apply(pool)
+    finally:
+        setattr(inflight, name, saved)
+
+
+@pytest.mark.parametrize("new_objects", [False, True])
+def test_the_kept_answer_is_the_full_pass_on_an_evolving_pool(new_objects: bool) -> None:
+    """`new_objects`: every decision's states are new objects (as the datastore makes them
+    per snapshot), the same endpoints and scrapes: the answers are compared by what they
+    are made of, and the bare positions (answered by the state itself) worked out again."""
+    rng = random.Random(21)
+    now = 1000.0
+    ips = count(1)
+    pool = [endpoint_state(rng, next(ips), now) for _ in range(90)]
+    kept, plain = _Counting(), InflightTracker()
+    for t in (kept, plain):  # a speed observed everywhere (a pool in service): few bare
+        for s in pool:
+            t.start("warm", s.key, 100, now - 1.0)
+            t.finish("warm", now=now - 0.5, output_tokens=50)
+    sent: list[str] = []
+    for k in range(700):
+        now += 0.001
+        pool = evolve(rng, pool, now, ips)
+        if rng.random() < 0.02:  # another pod at an ip:port (IP reuse): its counts go
+            i = rng.randrange(len(pool))
+            ep = pool[i].endpoint
+            pool[i] = replace(pool[i], endpoint=Endpoint(f"new{k}", ep.address, ep.port))
+        for _ in range(rng.randint(0, 3)):
+            op = rng.random()
+            target = rng.choice(pool).key
+            tokens = rng.randint(0, 900)
+            for t in (kept, plain):
+                if op < 0.4:
+                    t.start(f"r{k}", target, tokens, now, "m")
+                elif op < 0.6 and sent:
+                    t.first_token(sent[k % len(sent)])
+                elif op < 0.85 and sent:
+                    t.finish(sent[0], now=now, output_tokens=k % 3)  # (0 tokens: no speed)
+                elif op < 0.87:
+                    t.forget(target)
+                elif op < 0.88:
+                    t.sweep(now, 0.2)
+            if op < 0.4:
+                sent.append(f"r{k}")
+            elif 0.6 <= op < 0.85 and sent:
+                sent.pop(0)
+        for key in [s.key for s in pool if kept.speed.get(s.key) is None][:2]:
+            for t in (kept, plain):  # a request there finishes (a new endpoint gets a speed)
+                t.start(f"w{k}", key, 100, now - 0.2)
+                t.finish(f"w{k}", now=now, output_tokens=50)
+        given = [replace(s) for s in pool] if new_objects else pool
+        got = kept.apply(given)
+        want = _plain_apply(plain, given)
+        assert [repr(s) for s in got] == [repr(s) for s in want], k
+    assert kept.patched > 300  # (the kept answer was used, not only the full pass)
+
+
+def test_a_bare_endpoint_is_answered_by_its_new_state() -> None:
+    """An endpoint with neither requests in flight nor a speed is answered by its input
+    state itself: with new objects per call, one that says something else (a caller's own
+    speed) at the same endpoint and scrape is answered anew, also after it became bare."""
+    rng = random.Random(3)
+    # plain states (as the datastore makes them): a bare one's answer is kept per scrape
+    pool = [
+        EndpointState(s.endpoint, s.metrics)
+        for s in (endpoint_state(rng, i, 1000.0) for i in range(80))
+    ]
+    tracker = _Counting()
+    for s in pool[1:]:  # every endpoint but the first has a speed
+        tracker.start("warm", s.key, 100, 999.0)
+        tracker.finish("warm", now=999.5, output_tokens=50)
+    tracker.apply([replace(s) for s in pool])
+    tracker.forget(pool[7].key)  # bare from now on
+    tracker.apply([replace(s) for s in pool])
+    for i in (0, 7):
+        given = [replace(s) for s in pool]
+        given[i] = replace(pool[i], seconds_per_output_token=0.5)
+        assert tracker.apply(given)[i] is given[i]
+    assert tracker.patched == 3  # (each from the kept answer)
+    # the same in a full pass (another length), where bare endpoints are answered inline
+    given = [replace(s) for s in pool[:-1]]
+    given[0] = replace(pool[0], seconds_per_output_token=0.25)
+    assert tracker.apply(given)[0] is given[0]

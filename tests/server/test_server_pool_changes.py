@@ -6,6 +6,7 @@ server/forgetting.py), and the replica syncer misses no change made while it sta
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Callable
@@ -306,3 +307,39 @@ async def test_the_runtimes_stop_cancels_a_pending_forgetting_sweep(tmp_path: Pa
         await runtime.stop(grace_s=0)
     assert len(sweeps) == 1  # the absence's sweep was armed
     assert sweeps[0].cancelled()
+
+
+@pytest.mark.integration
+async def test_the_runtimes_stop_closes_the_kv_event_subscriptions(tmp_path: Path) -> None:
+    # With kvEvents the prefix scorer subscribes to each endpoint's ZMQ publisher as soon as
+    # the pool is known. A stopped runtime must not leave those tasks, sockets and the ZMQ
+    # context behind (an embedding process or a test's loop would carry them on).
+    doc = preset_document("default")
+    for p in doc["plugins"]:
+        if p["type"] == "prefix-cache-scorer":
+            p["parameters"].update(kvEvents=True)
+    sim = free_ports(1)[0]
+    files = one_pool(tmp_path / "cfg", sim, spec=f"  scheduling: {json.dumps(doc)}\n")
+    runtime = GatewayRuntime(
+        ServeOptions(
+            source=file_source([files]),
+            run_envoy=False,
+            ready_wait_s=0,
+        )
+    )
+    await runtime.start()
+    try:
+        assert runtime.director is not None
+        scheduler = runtime.director.scheduler
+        assert isinstance(scheduler, Scheduler)
+        (prefix,) = [p for p in scheduler.plugins.values() if isinstance(p, PrefixCacheScorer)]
+        subscriber = prefix._subscriber
+        assert subscriber is not None
+        tasks = list(subscriber._tasks.values())
+        assert len(tasks) == 1  # the pool's one endpoint, followed before any decision
+    finally:
+        await runtime.stop(grace_s=0)
+    assert all(t.done() for t in tasks)
+    assert subscriber._ctx.closed
+    subscriber.follow([f"127.0.0.1:{sim}"])  # a late pool change subscribes nothing
+    assert not subscriber._tasks

@@ -162,6 +162,11 @@ class EndpointFollower(Plugin, Protocol):
         plugins that connect to endpoints before any decision needs them."""
         ...
 
+    async def stop_following(self) -> None:
+        """Close what `follow_endpoints` opened (sockets, tasks); the runtime's stop awaits it
+        once no decision is made any more."""
+        ...
+
 
 @runtime_checkable
 class FirstTokenObserver(Plugin, Protocol):

@@ -50,7 +50,7 @@ def events_address(hostport: str, *, port: int, port_offset: int | None) -> str:
 class KVEventSubscriber:
     """Per-endpoint SUB tasks on the running loop; not thread-safe (one loop owns it)."""
 
-    __slots__ = ("_address", "_clock", "_ctx", "_tasks", "index", "received")
+    __slots__ = ("_address", "_clock", "_closed", "_ctx", "_tasks", "index", "received")
 
     def __init__(
         self,
@@ -71,10 +71,13 @@ class KVEventSubscriber:
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.received = 0  # batches applied (for tests and stats)
+        self._closed = False
 
     def follow(self, endpoints: Iterable[str]) -> None:
         """Subscribe to every endpoint (ip:port) not yet followed (nothing without a running
         loop: a scheduler driven synchronously, as in virtual time, is fed in-process)."""
+        if self._closed:  # a pool change late in a shutdown: the context is gone
+            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -90,6 +93,10 @@ class KVEventSubscriber:
             self._tasks.pop(endpoint).cancel()
 
     async def close(self) -> None:
+        """End every subscription and the ZMQ context (idempotent; `follow` is a no-op after)."""
+        if self._closed:
+            return
+        self._closed = True
         tasks = list(self._tasks.values())
         self._tasks.clear()
         for task in tasks:

@@ -152,6 +152,11 @@ class Scheduler:
         for plugin in self._followers:
             plugin.follow_endpoints(keys)
 
+    async def stop_following(self) -> None:
+        """Close the plugins' endpoint connections (KV-event subscriptions) at shutdown."""
+        for plugin in self._followers:
+            await plugin.stop_following()
+
     def forget_endpoints(self, keep: set[str]) -> None:
         """Drop plugin state (prefix index) of endpoints (ip:port) that left the pool."""
         for plugin in self._forgetters:

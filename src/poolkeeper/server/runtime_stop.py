@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.envoy_drain import drain_envoy
 from poolkeeper.server.runtime_state import RuntimeState
 
@@ -65,6 +66,10 @@ class RuntimeStop(RuntimeState):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._scrapers is not None:
             await self._scrapers.close()
+        if self.director is not None:  # no decision from here: KV-event sockets can go
+            scheduler = self.director.scheduler
+            if isinstance(scheduler, Scheduler):
+                await scheduler.stop_following()
         if self._tmp is not None:
             self._tmp.cleanup()
         log.info("stopped")

@@ -55,7 +55,8 @@ def build_director(
     on (server/runtime.py), so usage is injected only into responses that still pass the EPP
     (those whose model name it rewrites). `forget_after_s`: how long an endpoint stays absent
     from the pool before the scheduler forgets it (server/forgetting.py). `on_stop`: where
-    the runtime collects what to call when it stops (the forgetter's pending sweep).
+    the runtime collects what to call when it stops (the forgetter's pending sweep, the
+    KV-event follower's listener).
     """
     spec = config.spec
     staleness_s = spec.scraping.staleness_s
@@ -97,7 +98,9 @@ def build_director(
             on_stop.extend((unsubscribe, forgetter.stop))
     if scheduler.follows_endpoints and isinstance(datastore, Datastore):
         # KV-event subscriptions connect when the endpoints are known, not at a first decision.
-        datastore.subscribe(_endpoint_follower(scheduler), metrics=True)
+        unfollow = datastore.subscribe(_endpoint_follower(scheduler), metrics=True)
+        if on_stop is not None:
+            on_stop.append(unfollow)
     return director
 
 

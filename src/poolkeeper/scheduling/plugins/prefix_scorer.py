@@ -430,6 +430,10 @@ class PrefixCacheScorer(NamedPlugin):
         if self._subscriber is not None:
             self._subscriber.follow(endpoints)
 
+    async def stop_following(self) -> None:
+        if self._subscriber is not None:
+            await self._subscriber.close()
+
     def enable_exact(self, exact: ExactPrefixIndex) -> None:
         """Use `exact` (fed by the caller) from now on; the virtual-time fleet's hook."""
         self.exact = exact

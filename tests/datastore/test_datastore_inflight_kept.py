@@ -17,7 +17,7 @@ from itertools import count
 import pytest
 
 from poolkeeper.datastore import inflight
-from poolkeeper.datastore.endpoint import Endpoint, EndpointState
+from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.datastore.inflight import InflightTracker
 from tests.scheduling.evolving_pool import endpoint_state, evolve
 
@@ -125,3 +125,39 @@ def test_a_bare_endpoint_is_answered_by_its_new_state() -> None:
     given = [replace(s) for s in pool[:-1]]
     given[0] = replace(pool[0], seconds_per_output_token=0.25)
     assert tracker.apply(given)[0] is given[0]
+
+
+def test_endpoints_that_left_the_pool_are_forgotten_unless_requests_are_counted() -> None:
+    # Pod IPs churn: what is kept per ip:port (the kept answer, the owner, the speed) must go
+    # with the endpoint, or it grows with every address the pool ever had.
+    tracker = InflightTracker()
+    tracker.start("w", "10.9.9.9:8000", 1, 0.0)
+    tracker.finish("w", now=1.0, output_tokens=5)  # a speed seen somewhere: idle ones are bare
+
+    def pool(generation: int) -> list[EndpointState]:
+        return [
+            EndpointState(
+                Endpoint(f"p{generation}-{i}", f"10.{generation}.0.{i}", 8000),
+                EndpointMetrics(updated_at=1.0),
+            )
+            for i in range(100)
+        ]
+
+    old, new = pool(1), pool(2)
+    tracker.apply(old)
+    busy = old[0].endpoint.hostport
+    tracker.start("r1", busy, 100, 2.0)
+    tracker.start("r2", old[1].endpoint.hostport, 100, 2.0)
+    tracker.finish("r2", now=3.0, output_tokens=50)  # a speed observed there, then idle
+    tracker.apply(new)
+    gone = {s.endpoint.hostport for s in old}
+    assert len(gone & set(tracker._applied)) > 90
+    assert len(gone & set(tracker._owners)) == 100
+    assert tracker.speed.get(old[1].endpoint.hostport) is not None
+    keep = {s.endpoint.hostport for s in new}
+    tracker.forget_endpoints(keep)
+    assert set(tracker._applied) <= keep | {busy}
+    assert set(tracker._owners) <= keep | {busy}
+    assert busy in tracker._owners  # r1 still runs there: its owner stays until it ends
+    assert tracker.speed.get(old[1].endpoint.hostport) is None
+    assert [s.inflight_requests for s in tracker.apply([old[0]])] == [1]

@@ -20,6 +20,7 @@ from poolkeeper.api.pool import InferencePool
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import file_source
 from poolkeeper.datastore.endpoint import EndpointMetrics
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.snapshot import EndpointSpec
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.netutil import free_ports
@@ -168,6 +169,24 @@ def test_an_endpoint_absent_past_the_grace_is_forgotten_once(
     store.set_endpoints(_specs(2, 3, 4))
     _scrape(store)
     assert placed.forgets == [keep]
+
+
+def test_the_in_flight_tracker_forgets_an_absent_endpoint_with_the_scheduler() -> None:
+    # What the tracker keeps per ip:port (its kept answer, the owner) goes when the scheduler
+    # forgets the endpoint, or pod-IP churn grows it without bound.
+    clock = _Clock()
+    store = _store(1, 2, 3)
+    director = build_director(GatewayConfig(), store, rng=random.Random(1), clock=clock)
+    tracker = director.inflight
+    assert isinstance(tracker, InflightTracker)
+    _scrape(store)
+    (pool,) = store.snapshot().pool_keys()
+    tracker.apply(store.snapshot().states(pool))
+    assert set(tracker._owners) == {f"10.0.0.{i}:8000" for i in (1, 2, 3)}
+    store.set_endpoints(_specs(2, 3))
+    clock.now = FORGET_AFTER_S
+    store.set_endpoints(_specs(2, 3, 4))  # past the grace: this change sweeps
+    assert set(tracker._owners) == {"10.0.0.2:8000", "10.0.0.3:8000"}
 
 
 async def test_the_loop_forgets_an_absent_endpoint_when_its_grace_ends(

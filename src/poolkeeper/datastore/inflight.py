@@ -162,6 +162,18 @@ class InflightTracker:
             self._applied.pop(key, None)
         return True
 
+    def forget_endpoints(self, keep: set[str]) -> None:
+        """Drop what is kept for endpoints (ip:port) that left the pool (all but `keep`) and
+        carry no request here: the kept answer, the owner and the observed speed. Pod IPs
+        churn; without it those grow with every address the pool ever had. An endpoint with
+        requests still counted keeps them until they end (then `finish` drops its answer)."""
+        load = self._by_endpoint
+        for key in [k for k in self._applied if k not in keep and k not in load]:
+            del self._applied[key]
+        for key in [k for k in self._owners if k not in keep and k not in load]:
+            del self._owners[key]
+            self.speed.forget(key)
+
     def first_token(self, request_id: str) -> bool:
         """The first response byte of `request_id` came back: it runs, it no longer waits in
         its endpoint's queue. False if it is not counted (any more)."""

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Final
 
 from poolkeeper.datastore.endpoint import Endpoint
+from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.snapshot import DatastoreSnapshot
 from poolkeeper.datastore.store import ChangeKind
 from poolkeeper.scheduling.scheduler import Scheduler
@@ -73,10 +74,11 @@ class AbsentEndpoints:
 
 
 class EndpointForgetter:
-    """A datastore listener (pool changes only) calling `scheduler.forget_endpoints` with what
-    stays when `AbsentEndpoints` says some endpoint is to go: at the change for a replaced
-    endpoint, from a timer on the running loop for an absence. Without a running loop (a
-    write before the runtime's loop) no timer is armed and the next pool change sweeps.
+    """A datastore listener (pool changes only) calling `scheduler.forget_endpoints` (and the
+    in-flight `tracker`'s) with what stays when `AbsentEndpoints` says some endpoint is to go:
+    at the change for a replaced endpoint, from a timer on the running loop for an absence.
+    Without a running loop (a write before the runtime's loop) no timer is armed and the next
+    pool change sweeps.
     `stop` cancels the pending timer and arms no other (the runtime's shutdown: a sweep due
     after it would run on a loop being torn down, or keep a test's loop busy)."""
 
@@ -87,8 +89,9 @@ class EndpointForgetter:
         *,
         clock: Callable[[], float],
         grace_s: float = FORGET_AFTER_S,
+        tracker: InflightTracker | None = None,
     ) -> None:
-        self._scheduler, self._clock = scheduler, clock
+        self._scheduler, self._tracker, self._clock = scheduler, tracker, clock
         self._absent = AbsentEndpoints(start.all_endpoints(), grace_s=grace_s)
         self._timer: asyncio.TimerHandle | None = None
         self._stopped = False
@@ -112,7 +115,10 @@ class EndpointForgetter:
 
     def _forget(self, gone: set[str]) -> None:
         if gone:
-            self._scheduler.forget_endpoints(self._absent.kept() - gone)
+            keep = self._absent.kept() - gone
+            self._scheduler.forget_endpoints(keep)
+            if self._tracker is not None:
+                self._tracker.forget_endpoints(keep)
         self._disarm()
         due = self._absent.next_due()
         if due is None or self._stopped:

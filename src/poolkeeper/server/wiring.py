@@ -71,10 +71,11 @@ def build_director(
     # `holdNewPrefixes` and `avoidPrefillUnlessCached` ask the scheduler's plugins (prefix
     # index, prefill backlog) before dispatch; without them the Director asks nothing.
     hold = spec.flow_control.asks_prefill_facts and isinstance(gate, FlowGate)
+    tracker = InflightTracker()
     director = Director(
         datastore=datastore,
         scheduler=scheduler,
-        inflight=InflightTracker(),
+        inflight=tracker,
         gate=gate,
         config=spec.request_handling,
         rng=rng,
@@ -91,7 +92,7 @@ def build_director(
         # same ip:port would inherit them). Before the follower: a replaced endpoint's KV-event
         # subscription, dropped here, is made again by the follower on the same change.
         forgetter = EndpointForgetter(
-            scheduler, datastore.snapshot(), clock=clock, grace_s=forget_after_s
+            scheduler, datastore.snapshot(), clock=clock, grace_s=forget_after_s, tracker=tracker
         )
         unsubscribe = datastore.subscribe(forgetter)
         if on_stop is not None:

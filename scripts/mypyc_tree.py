@@ -53,6 +53,7 @@ COMPILED = (
     "poolkeeper/requestcontrol/sends.py",
     "poolkeeper/requestcontrol/flowgate.py",
     "poolkeeper/requestcontrol/flowoutcomes.py",  # flowgate.py as split in December
+    "poolkeeper/requestcontrol/flowgate_reads.py",
     "poolkeeper/requestcontrol/flowroom.py",
     "poolkeeper/requestcontrol/heldrequests.py",
     "poolkeeper/scheduling/scheduler.py",

@@ -22,7 +22,7 @@ from poolkeeper.backend.config import ScrapingConfig
 from poolkeeper.backend.httpget import HttpResponseError, KeepAliveGetter, client_ssl_context
 from poolkeeper.backend.scraper import MetricsScraper
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics
-from poolkeeper.extproc.tls import self_signed_pair
+from poolkeeper.extproc.tls_certs import self_signed_pair
 
 VLLM_PAGE = (Path(__file__).parent / "fixtures" / "vllm_v1.prom").read_bytes()
 

@@ -14,7 +14,7 @@ from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.cli.main import main as poolkeeper_main
 from poolkeeper.config.gateway import UnknownModelPolicy
 from poolkeeper.errors import ConfigError
-from poolkeeper.extproc.tls import self_signed_pair
+from poolkeeper.extproc.tls_certs import self_signed_pair
 from poolkeeper.server.options import ServeOptions
 from tests.support.kubeconfig import write_kubeconfig
 

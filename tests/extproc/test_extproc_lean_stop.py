@@ -20,7 +20,7 @@ import pytest
 from poolkeeper.extproc.h2.server import tls_context
 from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer
-from poolkeeper.extproc.tls import self_signed_pair
+from poolkeeper.extproc.tls_certs import self_signed_pair
 from tests.extproc.extproc_fakes import FakeRouter
 from tests.extproc.test_extproc_tls import route_once
 from tests.support.waiting import until

@@ -18,7 +18,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from poolkeeper.extproc.tls import TlsError, TlsSettings, self_signed_pair, server_credentials
+from poolkeeper.extproc.tls import TlsSettings, server_credentials
+from poolkeeper.extproc.tls_certs import TlsError, self_signed_pair
 from tests.extproc.extproc_fakes import PODS
 from tests.extproc.test_extproc_tls import route_once, serving, write_pair
 

@@ -20,14 +20,9 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import empty_pb2, struct_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
-from poolkeeper.extproc.accesslog import (
-    CUT_STATUS,
-    UNKNOWN_STATUS,
-    DetachedExchanges,
-    Outcome,
-    outcome_of,
-)
+from poolkeeper.extproc.accesslog import DetachedExchanges
 from poolkeeper.extproc.contracts import CANCELLED_STATUS, ExtProcSettings
+from poolkeeper.extproc.outcome import CUT_STATUS, UNKNOWN_STATUS, Outcome, outcome_of
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.state import Exchange
 from tests.extproc.extproc_fakes import (
@@ -450,7 +445,7 @@ def test_timestamps_and_durations_read_as_protobuf_converts_them() -> None:
 
     from google.protobuf import duration_pb2, timestamp_pb2
 
-    from poolkeeper.extproc.accesslog import _duration_s, _sent_at_ms
+    from poolkeeper.extproc.outcome import _duration_s, _sent_at_ms
 
     rng = random.Random(3)
     cases = [(0, 0), (0, 999_999_999), (1, 1), (315_576_000_000, 999_999_999), (-1, -5)]

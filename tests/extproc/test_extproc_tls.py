@@ -17,15 +17,13 @@ import pytest
 
 from poolkeeper.extproc.lean import start_lean
 from poolkeeper.extproc.server import ExtProcServicer, build_server
-from poolkeeper.extproc.tls import (
+from poolkeeper.extproc.tls import TlsSettings, server_credentials, ssl_context
+from poolkeeper.extproc.tls_certs import (
     CERT_FILE,
     KEY_FILE,
     CertReloader,
     TlsError,
-    TlsSettings,
     self_signed_pair,
-    server_credentials,
-    ssl_context,
 )
 from tests.extproc.extproc_fakes import PODS, FakeEnvoy, FakeRouter, headers_msg
 

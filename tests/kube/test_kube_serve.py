@@ -24,7 +24,7 @@ from poolkeeper.controller.kubernetes import (
 )
 from poolkeeper.datastore.store import Datastore
 from poolkeeper.errors import ConfigError
-from poolkeeper.extproc.tls import self_signed_pair
+from poolkeeper.extproc.tls_certs import self_signed_pair
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime

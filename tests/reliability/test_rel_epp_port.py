@@ -28,7 +28,8 @@ from poolkeeper import observation as wire
 from poolkeeper.controller.files import FileResourceSource, file_source
 from poolkeeper.datastore import Datastore
 from poolkeeper.envoy.process import EnvoyOptions, EnvoySupervisor
-from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
+from poolkeeper.extproc.accesslog import DetachedExchanges
+from poolkeeper.extproc.outcome import Outcome
 from poolkeeper.server.envoy_bootstrap import bootstrap_params
 from poolkeeper.server.options import ServeOptions
 from tests.support.gateway_files import one_pool

@@ -22,8 +22,8 @@ from poolkeeper.api.load import load_text
 from poolkeeper.api.load_syntax import MAX_EXPANDED_NODES
 from poolkeeper.backend.promtext import PromParseError, parse_families
 from poolkeeper.errors import BadRequest
-from poolkeeper.extproc.accesslog import outcome_of
 from poolkeeper.extproc.contracts import BodyBudget
+from poolkeeper.extproc.outcome import outcome_of
 from poolkeeper.extproc.state import Exchange
 from poolkeeper.extproc.usage import SseUsageFilter
 from poolkeeper.requestcontrol.body import parse_body

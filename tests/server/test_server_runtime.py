@@ -243,7 +243,8 @@ async def test_exchanges_whose_entry_never_comes_are_released_without_any_entry(
     gone for good)."""
     import asyncio
 
-    from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
+    from poolkeeper.extproc.accesslog import DetachedExchanges
+    from poolkeeper.extproc.outcome import Outcome
     from poolkeeper.server.housekeeping import expire_detached
 
     now = [0.0]

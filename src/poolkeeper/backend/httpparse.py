@@ -20,63 +20,17 @@ from __future__ import annotations
 
 from typing import Final
 
+from poolkeeper.backend.httpbody import HttpResponseError, ResponseReader, show
+
 __all__ = ["HttpResponseError", "ResponseParser"]
 
-_MAX_CHUNK_LINE: Final = 1024  # a chunk-size line with extensions; longer is an attack
 _HEAD_END: Final = b"\r\n\r\n"
 
 
-class HttpResponseError(Exception):
-    """A response that cannot be read; the message says why, precisely."""
-
-
-class ResponseParser:
+class ResponseParser(ResponseReader):
     """Feed bytes with `feed` until it returns True; then read `status`, `reason`, `body`."""
 
-    __slots__ = (
-        "_buf",
-        "_chunk_left",
-        "_chunks",
-        "_length",
-        "_max_body",
-        "_max_header_bytes",
-        "_max_headers",
-        "_mode",
-        "_scanned",
-        "_size",
-        "body",
-        "headers",
-        "keep_alive",
-        "location",
-        "reason",
-        "received",
-        "status",
-    )
-
-    def __init__(self, max_body: int, max_header_bytes: int = 64 * 1024, max_headers: int = 100):
-        self._max_body = max_body
-        self._max_header_bytes = max_header_bytes
-        self._max_headers = max_headers
-        self._buf = b""
-        self._scanned = 0  # bytes of _buf searched for the head's end (not searched again)
-        # head, length, eof, chunk-size, chunk-data, chunk-crlf, trailer, then done
-        self._mode = "head"
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._length = 0
-        self._chunk_left = 0
-        self.received = 0  # bytes fed so far (0 means the server sent nothing at all)
-        self.status = 0
-        self.reason = ""
-        self.headers: dict[str, str] = {}
-        self.location: str | None = None
-        self.keep_alive = False
-        self.body = b""
-
-    @property
-    def done(self) -> bool:
-        """Whether the response is complete."""
-        return self._mode == "done"
+    __slots__ = ()  # the state is ResponseReader's
 
     def feed(self, data: bytes) -> bool:
         """Take the next bytes; True once the response is complete (later bytes are ignored,
@@ -142,7 +96,7 @@ class ResponseParser:
             if len(buf) > self._max_header_bytes:
                 raise HttpResponseError(f"response head exceeds {self._max_header_bytes} bytes")
             if len(buf) >= 5 and not buf.startswith(b"HTTP/"):
-                raise HttpResponseError(f"garbage status line {_show(buf)}")
+                raise HttpResponseError(f"garbage status line {show(buf)}")
             _no_bare_lf(buf, scanned, len(buf))
             self._buf = buf
             return None
@@ -158,7 +112,7 @@ class ResponseParser:
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             if not sep or not name or name != name.strip() or line[:1] in b" \t":
-                raise HttpResponseError(f"malformed header line {_show(line)}")
+                raise HttpResponseError(f"malformed header line {show(line)}")
             key = name.decode("latin-1").lower()
             text = value.strip(b" \t").decode("latin-1")
             if key in ("content-length", "transfer-encoding") and headers.get(key, text) != text:
@@ -175,7 +129,7 @@ class ResponseParser:
             or len(parts[1]) != 3
             or not parts[1].isdigit()
         ):
-            raise HttpResponseError(f"garbage status line {_show(line)}")
+            raise HttpResponseError(f"garbage status line {show(line)}")
         self.status = int(parts[1])
         self.reason = parts[2].decode("latin-1").strip() if len(parts) == 3 else ""
         self.keep_alive = parts[0] == b"HTTP/1.1"
@@ -231,68 +185,6 @@ class ResponseParser:
             self._mode = "eof"  # delimited by the server closing the connection
             self.keep_alive = False
 
-    # -- the body --------------------------------------------------------------------------
-
-    def _take(self, data: bytes) -> None:
-        self._size += len(data)
-        if self._size > self._max_body:
-            raise HttpResponseError(f"response exceeds the {self._max_body}-byte limit")
-        self._chunks.append(data)
-
-    def _body_bytes(self, buf: bytes) -> bytes:
-        if self._mode == "eof":
-            self._take(buf)
-            return b""
-        want = self._length - self._size
-        self._take(buf[:want])
-        if self._size == self._length:
-            self._finish()
-        return buf[want:]
-
-    def _chunk_line(self, buf: bytes) -> bytes | None:
-        end = buf.find(b"\r\n")
-        if end < 0:
-            if len(buf) > _MAX_CHUNK_LINE:
-                raise HttpResponseError("chunk line too long")
-            self._buf = buf
-            return None
-        if end > _MAX_CHUNK_LINE:
-            raise HttpResponseError("chunk line too long")
-        line, rest = buf[:end], buf[end + 2 :]
-        mode = self._mode
-        if mode == "chunk-crlf":
-            if line:
-                raise HttpResponseError("chunk not followed by CRLF")
-            self._mode = "chunk-size"
-        elif mode == "trailer":
-            if not line:
-                self._finish()
-        else:
-            size = line.split(b";", 1)[0].strip(b" \t")
-            size = size.lstrip(b"0") or (b"0" if size else b"")
-            if not size or len(size) > 15 or size.strip(b"0123456789abcdefABCDEF"):
-                raise HttpResponseError(f"bad chunk size {_show(line)}")
-            self._chunk_left = int(size, 16)
-            if self._size + self._chunk_left > self._max_body:
-                raise HttpResponseError(f"response exceeds the {self._max_body}-byte limit")
-            self._mode = "chunk-data" if self._chunk_left else "trailer"
-        return rest
-
-    def _chunk_data(self, buf: bytes) -> bytes:
-        want = self._chunk_left
-        piece = buf[:want]
-        self._take(piece)
-        self._chunk_left -= len(piece)
-        if not self._chunk_left:
-            self._mode = "chunk-crlf"
-        return buf[want:]
-
-    def _finish(self) -> None:
-        chunks = self._chunks
-        self.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self._chunks = []
-        self._mode = "done"
-
 
 def _no_bare_lf(head: bytes, start: int, stop: int) -> None:
     """Refuse a line ended by a bare LF in `head[start:stop]` (the bytes before `start` were
@@ -307,11 +199,5 @@ def _no_bare_lf(head: bytes, start: int, stop: int) -> None:
         at = head.find(b"\n", at + 1, stop)
     line = head.rfind(b"\n", 0, max(0, at)) + 1  # the line it ends
     raise HttpResponseError(
-        f"bare LF line ending (no CR) in the response head, line {_show(head[line : at + 1])}"
+        f"bare LF line ending (no CR) in the response head, line {show(head[line : at + 1])}"
     )
-
-
-def _show(raw: bytes, limit: int = 40) -> str:
-    """A short, printable rendering of bad input for an error message."""
-    text = repr(raw[:limit])
-    return text + ("..." if len(raw) > limit else "")

@@ -46,7 +46,8 @@ from poolkeeper.config.endpointpicker.replicasync import key_context
 from poolkeeper.config.endpointpicker.values import parse_label_selector
 from poolkeeper.config.gateway import GatewayConfig, TrustedHeader
 from poolkeeper.errors import ConfigError
-from poolkeeper.extproc.tls import TlsError, TlsSettings
+from poolkeeper.extproc.tls import TlsSettings
+from poolkeeper.extproc.tls_certs import TlsError
 
 log = logging.getLogger("poolkeeper.epp")
 

@@ -19,7 +19,8 @@ from poolkeeper.controller.kubernetes.metricsauth import MetricsAuth
 from poolkeeper.controller.resource_files import load_files
 from poolkeeper.controller.source import SourceFactory
 from poolkeeper.errors import ConfigError
-from poolkeeper.extproc.tls import TlsError, TlsSettings
+from poolkeeper.extproc.tls import TlsSettings
+from poolkeeper.extproc.tls_certs import TlsError
 from poolkeeper.scheduling.replicasync.config import KEY_FIELD_CONTEXT
 from poolkeeper.server.options import DEFAULT_DRAIN_TIMEOUT_S, ServeOptions
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from poolkeeper.extproc import wire
-from poolkeeper.extproc.accesslog import DetachedExchanges, Outcome
+from poolkeeper.extproc.accesslog import DetachedExchanges
 from poolkeeper.extproc.contracts import (
     CANCELLED_STATUS,
     BodyBudget,
@@ -27,6 +27,7 @@ from poolkeeper.extproc.contracts import (
     RequestRouter,
 )
 from poolkeeper.extproc.model_name import ModelNameRewriter
+from poolkeeper.extproc.outcome import Outcome
 from poolkeeper.extproc.usage import SseUsageFilter, usage_from_json
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 

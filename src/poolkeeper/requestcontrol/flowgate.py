@@ -23,13 +23,15 @@ a future while its ext_proc stream stays open; the pump dispatches it later:
   each pump and released to the dispatcher; a timer at the oldest's `maxHoldMs` releases it
   whatever the backlog. No polling: with only held requests, the short queue timer does not
   run.
+
+The reads (`waiting`, `held`, the queue gauges, `next_deadline`) are its base's,
+`FlowGateReads` in `flowgate_reads.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -37,8 +39,9 @@ from poolkeeper.api.criticality import Criticality
 from poolkeeper.errors import GatewayError, QueueFull, QueueTimeout
 from poolkeeper.flowcontrol.config import FlowControlConfig
 from poolkeeper.flowcontrol.dispatcher import FlowDispatcher, FlowPolicies
-from poolkeeper.flowcontrol.flowitem import BANDS, FlowItem, Submitted
+from poolkeeper.flowcontrol.flowitem import FlowItem, Submitted
 from poolkeeper.flowcontrol.headroom import Headroom
+from poolkeeper.requestcontrol.flowgate_reads import FlowGateReads
 from poolkeeper.requestcontrol.flowoutcomes import (
     DISPATCHED,
     EVICTED_CANCELLED,
@@ -60,7 +63,7 @@ log = logging.getLogger(__name__)
 TICK_S = 0.05  # pump period while something waits (TTL precision, stale-metrics recovery)
 
 
-class FlowGate:
+class FlowGate(FlowGateReads):
     """The `Gate` (requestcontrol/ports.py) that queues: see the module docstring."""
 
     def __init__(
@@ -255,42 +258,6 @@ class FlowGate:
                 pool=job.pool, band=item.band, model=job.model, target=job.target,
                 fairness_id=item.flow, priority=job.priority, outcome=outcome, waited_s=waited,
             )  # fmt: skip
-
-    # -- introspection ------------------------------------------------------------------------
-
-    def waiting(self, pool: str | None = None, band: Criticality | None = None) -> int:
-        pools = self._pools.values() if pool is None else [self._pools.get(pool)]
-        return sum(d.waiting(band) for d in pools if d is not None)
-
-    def held(self, pool: str | None = None, band: Criticality | None = None) -> int:
-        """Requests `holdNewPrefixes` holds in front of the queue (of one pool or all, of
-        one band or all)."""
-        return self._held.count(pool, band)
-
-    def queue_stats(self) -> list[tuple[str, Criticality, int, int]]:
-        """(pool, band, requests waiting, bytes waiting) for every pool and band (gauges)."""
-        return [
-            (pool, band, d.waiting(band), d.waiting_bytes(band))
-            for pool, d in self._pools.items()
-            for band in BANDS
-        ]
-
-    def queued_flows(
-        self, pool: str, band: Criticality
-    ) -> dict[tuple[str, int, str, str], tuple[int, int]]:
-        """(fairness id, priority, model, target) -> (requests, bytes) waiting in one band of
-        one pool (the per-flow queue gauges)."""
-        dispatcher = self._pools.get(pool)
-        out: dict[tuple[str, int, str, str], tuple[int, int]] = {}
-        for item in dispatcher.items(band) if dispatcher is not None else ():
-            job = item.payload
-            key = (item.flow, job.priority, job.model, job.target)
-            requests, size = out.get(key, (0, 0))
-            out[key] = (requests + 1, size + item.size)
-        return out
-
-    def next_deadline(self) -> float:
-        return min((d.next_deadline() for d in self._pools.values()), default=math.inf)
 
 
 def _refused(item: FlowItem[Job], rule: str, exc: GatewayError) -> GatewayError:

@@ -11,19 +11,21 @@ wait its `Retry-After`), `Forbidden` (403: RBAC refused; the message is the API 
 One watch request = one stream: `watch()` asks for bookmarks (`allowWatchBookmarks`, which
 lightkube's public `watch()` does not expose, hence the one use of its request builder) and
 yields every event, BOOKMARK included, so the caller always knows the version to resume from.
+
+The errors are controller/kubernetes/api_errors.py's; `__all__` keeps this module their import
+as well.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from lightkube import ApiError, AsyncClient, KubeConfig
+from lightkube import AsyncClient, KubeConfig
 from lightkube.config.kubeconfig import SingleConfig
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 from lightkube.core.generic_client import BasicRequest
@@ -31,71 +33,20 @@ from lightkube.core.resource_registry import resource_registry
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import PatchType
 
+from poolkeeper.controller.kubernetes.api_errors import (
+    ApiUnavailable,
+    Conflict,
+    Forbidden,
+    Gone,
+    NotFound,
+    Throttled,
+    narrow,
+    status_error,
+)
 from poolkeeper.controller.kubernetes.objects import ResourceKind
 from poolkeeper.errors import ConfigError
 
 __all__ = ["ApiUnavailable", "Conflict", "Forbidden", "Gone", "KubeApi", "NotFound", "Throttled"]
-
-
-class ApiUnavailable(Exception):
-    """The API server could not be reached or answered with an unexpected error."""
-
-
-class Gone(ApiUnavailable):
-    """410: the resource version is too old (compacted); list again."""
-
-
-class Conflict(ApiUnavailable):
-    """409: the object changed since it was read."""
-
-
-class NotFound(ApiUnavailable):
-    """404: no such object, or the API server does not serve this resource."""
-
-
-class Forbidden(ApiUnavailable):
-    """403: RBAC refused the request; the message is the API server's own."""
-
-
-class Throttled(ApiUnavailable):
-    """429: API priority and fairness turned the request away; retry after `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-_BY_CODE: dict[int, type[ApiUnavailable]] = {
-    410: Gone,
-    409: Conflict,
-    404: NotFound,
-    403: Forbidden,
-}
-
-
-def _error(code: int, message: str, retry_after: str | None = None) -> ApiUnavailable:
-    if code == 429:
-        try:
-            delay = max(0.0, float(retry_after or 1))
-        except ValueError:  # an HTTP date: not sent by kube-apiserver; wait the default
-            delay = 1.0
-        return Throttled(f"{code}: {message}", delay)
-    return _BY_CODE.get(code, ApiUnavailable)(f"{code}: {message}")
-
-
-def _narrow(exc: Exception) -> ApiUnavailable:
-    if isinstance(exc, httpx.HTTPStatusError):
-        response: httpx.Response | None = None
-        with contextlib.suppress(RuntimeError, AttributeError):  # an ApiError from a watch
-            response = exc.response
-        status = exc.status if isinstance(exc, ApiError) else None
-        message = (status.message if status is not None else None) or _message_of(response, exc)
-        code = (status.code if status is not None else None) or (
-            response.status_code if response is not None else 500
-        )
-        retry_after = response.headers.get("Retry-After") if response is not None else None
-        return _error(code, message, retry_after)
-    return ApiUnavailable(f"{type(exc).__name__}: {exc}")
 
 
 def load_config(
@@ -159,7 +110,7 @@ class KubeApi:
                 items = [_plain(obj, kind) async for obj in listing]
             version = getattr(listing, "_resourceVersion", None)
         except Exception as exc:
-            raise _narrow(exc) from exc
+            raise narrow(exc) from exc
         return items, version
 
     async def watch(
@@ -185,14 +136,14 @@ class KubeApi:
             async with asyncio.timeout(self.timeout_s):
                 response = await generic.send(request, stream=True)  # type: ignore[no-untyped-call]
         except Exception as exc:
-            raise _narrow(exc) from exc
+            raise narrow(exc) from exc
         # The server ends the stream after timeout_s; a silent, half-dead connection must not
         # hold the watch forever either.
         deadline = asyncio.get_running_loop().time() + timeout_s + self.timeout_s
         try:
             if response.status_code >= 400:
                 await response.aread()
-                raise _status_error(
+                raise status_error(
                     response.status_code, response.text, response.headers.get("Retry-After")
                 )
             async with asyncio.timeout_at(deadline):
@@ -203,12 +154,12 @@ class KubeApi:
                     obj = event.get("object") or {}
                     if event.get("type") == "ERROR":
                         code = int(obj.get("code") or 500)
-                        raise _status_error(code, obj.get("message") or "")
+                        raise status_error(code, obj.get("message") or "")
                     yield str(event.get("type")), obj
         except ApiUnavailable:
             raise
         except Exception as exc:
-            raise _narrow(exc) from exc
+            raise narrow(exc) from exc
         finally:
             await response.aclose()
 
@@ -216,7 +167,7 @@ class KubeApi:
         try:
             obj = await self._client.get(self._res(kind), name, namespace=self.namespace)
         except Exception as exc:
-            raise _narrow(exc) from exc
+            raise narrow(exc) from exc
         return _plain(obj, kind)
 
     async def patch_status(
@@ -234,7 +185,7 @@ class KubeApi:
                 field_manager=field_manager,
             )
         except Exception as exc:
-            raise _narrow(exc) from exc
+            raise narrow(exc) from exc
         return _plain(obj, kind)
 
     async def create(
@@ -245,7 +196,7 @@ class KubeApi:
                 self._res(kind).from_dict(self._in_ns(obj)), field_manager=field_manager
             )
         except Exception as exc:
-            raise _narrow(exc) from exc
+            raise narrow(exc) from exc
         return _plain(created, kind)
 
     async def review(self, review: Any) -> dict[str, Any]:
@@ -254,7 +205,7 @@ class KubeApi:
         try:
             created = await self._client.create(review)
         except Exception as exc:
-            raise _narrow(exc) from exc
+            raise narrow(exc) from exc
         status = getattr(created, "status", None)
         return dict(status.to_dict()) if status is not None else {}
 
@@ -267,7 +218,7 @@ class KubeApi:
                 self._res(kind).from_dict(self._in_ns(obj)), field_manager=field_manager
             )
         except Exception as exc:
-            raise _narrow(exc) from exc
+            raise narrow(exc) from exc
         return _plain(replaced, kind)
 
 
@@ -285,24 +236,6 @@ def _resource_class(kind: ResourceKind) -> Any:
             res = create_namespaced_resource(kind.group, kind.version, kind.kind, kind.plural)
         _RESOURCES[kind] = res
     return res
-
-
-def _message_of(response: httpx.Response | None, exc: Exception) -> str:
-    """The Status message in the body (lightkube only parses a body whose Content-Type is
-    exactly `application/json`; a proxy may add a charset), else the HTTP client's words."""
-    if response is not None:
-        with contextlib.suppress(Exception):
-            message = response.json().get("message")
-            if isinstance(message, str) and message:
-                return message
-    return str(exc)
-
-
-def _status_error(code: int, text: str, retry_after: str | None = None) -> ApiUnavailable:
-    message = text
-    with contextlib.suppress(ValueError, AttributeError):
-        message = json.loads(text).get("message") or text
-    return _error(code, message, retry_after)
 
 
 def _plain(obj: Any, kind: ResourceKind) -> dict[str, Any]:

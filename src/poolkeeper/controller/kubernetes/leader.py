@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from poolkeeper.controller.kubernetes.client import ApiUnavailable, Forbidden, KubeApi, NotFound
+from poolkeeper.controller.kubernetes.api_errors import ApiUnavailable, Forbidden, NotFound
+from poolkeeper.controller.kubernetes.client import KubeApi
 from poolkeeper.controller.kubernetes.objects import LEASE
 
 __all__ = ["LeaderElector", "LeaseTiming", "decide"]

@@ -24,7 +24,7 @@ from lightkube.models.authorization_v1 import NonResourceAttributes, SubjectAcce
 from lightkube.resources.authentication_v1 import TokenReview
 from lightkube.resources.authorization_v1 import SubjectAccessReview
 
-from poolkeeper.controller.kubernetes.client import ApiUnavailable
+from poolkeeper.controller.kubernetes.api_errors import ApiUnavailable
 
 __all__ = ["GUARDED_PATHS", "MetricsAuth", "ReviewApi"]
 

@@ -36,10 +36,7 @@ import contextlib
 import logging
 
 from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.controller.kubernetes.client import (
-    ApiUnavailable,
-    Forbidden,
-)
+from poolkeeper.controller.kubernetes.api_errors import ApiUnavailable, Forbidden
 from poolkeeper.controller.kubernetes.source_watch import KubeFollowers
 from poolkeeper.errors import ConfigError
 

@@ -18,9 +18,7 @@ from typing import Any
 
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
 from poolkeeper.config.gateway import GatewayConfig
-from poolkeeper.controller.kubernetes.client import (
-    KubeApi,
-)
+from poolkeeper.controller.kubernetes.client import KubeApi
 from poolkeeper.controller.kubernetes.leader import LeaderElector, LeaseTiming
 from poolkeeper.controller.kubernetes.objects import ObjectCache
 from poolkeeper.controller.kubernetes.standalone import EndpointSelector

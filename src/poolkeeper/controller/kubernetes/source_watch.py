@@ -11,13 +11,8 @@ from types import MappingProxyType
 from typing import Any
 
 from poolkeeper.api.status import compute_model_statuses
+from poolkeeper.controller.kubernetes.api_errors import Forbidden, Gone, NotFound, Throttled
 from poolkeeper.controller.kubernetes.backoff import Backoff
-from poolkeeper.controller.kubernetes.client import (
-    Forbidden,
-    Gone,
-    NotFound,
-    Throttled,
-)
 from poolkeeper.controller.kubernetes.objects import ObjectCache
 from poolkeeper.controller.kubernetes.source_state import KubeSourceState
 

@@ -23,13 +23,13 @@ from typing import Any
 
 from poolkeeper.api.model import InferenceModel, InferenceModelStatus
 from poolkeeper.api.status import Verdict, compute_model_statuses
-from poolkeeper.controller.kubernetes.client import (
+from poolkeeper.controller.kubernetes.api_errors import (
     ApiUnavailable,
     Conflict,
     Forbidden,
-    KubeApi,
     NotFound,
 )
+from poolkeeper.controller.kubernetes.client import KubeApi
 from poolkeeper.controller.kubernetes.objects import ResourceKind, parse_model
 
 __all__ = ["StatusWriter", "needs_write"]

@@ -7,6 +7,7 @@ dropped and counted, never buffered without bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -176,8 +177,11 @@ async def test_debug_logs_to_a_pipe_nobody_reads_do_not_stall_the_gateway(
     directory = one_server_config(tmp_path / "config", ports, sim_port, MODEL)
     read_end, gw = _serve_into_a_pipe(directory, tmp_path)
     try:
-        await asyncio.to_thread(wait_ready, ports["health"], gw, 60)
-        await asyncio.to_thread(wait_for_port, ports["http"], gw, 60)
+        try:
+            await asyncio.to_thread(wait_ready, ports["health"], gw, 60)
+            await asyncio.to_thread(wait_for_port, ports["http"], gw, 60)
+        except (RuntimeError, TimeoutError) as exc:  # say why: the output is in the pipe
+            raise AssertionError(f"{exc}\nits output:\n{_unread(read_end)[-3000:]}") from exc
         url = f"http://127.0.0.1:{ports['http']}"
         timeout = aiohttp.ClientTimeout(total=20)
         statuses: list[int] = []
@@ -218,6 +222,16 @@ def _serve_into_a_pipe(directory: Path, tmp_path: Path) -> tuple[int, Proc]:
     log = tmp_path / "gw.log"
     log.write_text("(the gateway's output is the unread pipe)\n")
     return read_end, Proc(process, log, log.open("rb"))
+
+
+def _unread(read_end: int) -> str:
+    """What the pipe holds now, without waiting for its writers (Envoy may still hold one)."""
+    os.set_blocking(read_end, False)
+    chunks: list[bytes] = []
+    with contextlib.suppress(BlockingIOError):
+        while data := os.read(read_end, 1 << 16):
+            chunks.append(data)
+    return b"".join(chunks).decode(errors="replace")
 
 
 def _drain_after_stop(read_end: int, gw: Proc) -> str:

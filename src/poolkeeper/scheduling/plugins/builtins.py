@@ -49,7 +49,8 @@ from poolkeeper.scheduling.plugins.prefix_affinity import (
     PrefixAffinityParams,
     PrefixHolders,
 )
-from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheParams, PrefixCacheScorer
+from poolkeeper.scheduling.plugins.prefix_params import PrefixCacheParams
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.plugins.profile_handlers import SingleProfileHandler
 from poolkeeper.scheduling.plugins.role_filters import (
     DecodeFilter,

@@ -37,6 +37,12 @@ from poolkeeper.scheduling.plugins.filters import (
     LowQueueFilter,
     LowQueueParams,
 )
+from poolkeeper.scheduling.plugins.fit_scorers import (
+    LoraAffinityScorer,
+    LoraAffinityScorerParams,
+    ObservedSpeedParams,
+    ObservedSpeedScorer,
+)
 from poolkeeper.scheduling.plugins.missgate import GatedSaturationFilter
 from poolkeeper.scheduling.plugins.pickers import (
     MaxScorePicker,
@@ -63,11 +69,7 @@ from poolkeeper.scheduling.plugins.scorers import (
     InflightLoadParams,
     InflightLoadScorer,
     KvCacheScorer,
-    LoraAffinityScorer,
-    LoraAffinityScorerParams,
     MinMaxLoadParams,
-    ObservedSpeedParams,
-    ObservedSpeedScorer,
     QueueParams,
     QueueScorer,
     RunningRequestsScorer,

@@ -11,10 +11,8 @@ from typing import TypeVar
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.interfaces import Plugin, TypedName
-from poolkeeper.scheduling.plugins.backlog_scorer import (
-    PrefillBacklogParams,
-    PrefillBacklogScorer,
-)
+from poolkeeper.scheduling.plugins.backlog_params import PrefillBacklogParams
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.plugins.cold_placement import (
     ColdPlacementFilter,
     ColdPlacementParams,

@@ -13,10 +13,8 @@ from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.interfaces import Plugin, TypedName
 from poolkeeper.scheduling.plugins.backlog_params import PrefillBacklogParams
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
-from poolkeeper.scheduling.plugins.cold_placement import (
-    ColdPlacementFilter,
-    ColdPlacementParams,
-)
+from poolkeeper.scheduling.plugins.cold_placement import ColdPlacementFilter
+from poolkeeper.scheduling.plugins.cold_placement_params import ColdPlacementParams
 from poolkeeper.scheduling.plugins.decision_tree import (
     DecisionTreeFilter,
     DecisionTreeParams,

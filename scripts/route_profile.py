@@ -15,7 +15,7 @@ machine's scheduler adds): the request headers' handling, the body's (the routin
 request (p10: the least disturbed by other processes on a shared host), and the loop thread's
 whole CPU per request (`loop_us`: also the metric samples deferred after a stream, the
 access log, the scrapes in the gaps, the driver); `--scheduling` picks a preset or one of
-the default's candidates (scheduling/presets.py) instead of the default;
+the default's candidates (scheduling/candidate_presets.py) instead of the default;
 with `--profile`, cProfile's top functions for the same loop (a second pass: the profiler's
 own cost inflates absolute times, the shares are what it is for).
 
@@ -214,12 +214,12 @@ def _summary(times: dict[str, list[int]]) -> dict[str, dict[str, float]]:
 
 def _use_scheduling(gateway_yaml: Path, name: str) -> None:
     """Replace the config's `scheduling: {preset: default}` by the preset `name`, or by the
-    document of the default candidate `name` (scheduling/presets.py's CANDIDATES), inline:
-    the same config in the tree under test and in an older one (PYTHONPATH A/B)."""
-    from poolkeeper.scheduling import presets
+    document of the default candidate `name` (scheduling/candidate_presets.py's CANDIDATES),
+    inline: the same config in the tree under test and in an older one (PYTHONPATH A/B)."""
+    from poolkeeper.scheduling import candidate_presets, presets
 
-    if name in presets.CANDIDATES:
-        document = json.dumps(presets.candidate_document(name))
+    if name in candidate_presets.CANDIDATES:
+        document = json.dumps(candidate_presets.candidate_document(name))
     else:
         presets.preset_document(name)  # KeyError naming the known presets
         document = json.dumps({"preset": name})
@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scheduling",
         default="default",
-        help="a preset or a default candidate of scheduling/presets.py (default: default)",
+        help="a preset or a default candidate of scheduling/candidate_presets.py "
+        "(default: default)",
     )
     parser.add_argument("--profile-out", default="", help="with --profile: pstats dump file")
     parser.add_argument(

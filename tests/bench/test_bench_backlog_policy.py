@@ -61,7 +61,7 @@ def test_first_tokens_and_ends_reach_the_backlog_and_steer_the_next_picks() -> N
 def test_every_candidate_runs_by_name_behind_flow_control_or_shedding() -> None:
     from poolkeeper.bench.policies.routers import CANDIDATE_POLICIES, KNOWN_POLICIES
     from poolkeeper.bench.policies.schedpolicy import CANDIDATE_PRESETS
-    from poolkeeper.scheduling.presets import CANDIDATES
+    from poolkeeper.scheduling.candidate_presets import CANDIDATES
 
     assert set(CANDIDATE_PRESETS.values()) <= set(CANDIDATES) | {"classic"}
     assert not set(CANDIDATE_POLICIES) & set(ALL_POLICIES)  # only when asked for by name

@@ -33,7 +33,7 @@ import openai
 import pytest
 import yaml
 
-from poolkeeper.cli import epp as epp_cli
+from poolkeeper.cli import epp_setup
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.netutil import free_ports
 from poolkeeper.server.runtime import GatewayRuntime
@@ -204,7 +204,7 @@ async def rendered_epp(
             f"--metrics-port={metrics}"]  # fmt: skip
     options = parse_epp_args(argv)
     source = loopback_kubernetes_source(options)
-    serve = dataclasses.replace(epp_cli.epp_serve_options(options, source), ready_wait_s=5)
+    serve = dataclasses.replace(epp_setup.epp_serve_options(options, source), ready_wait_s=5)
     runtime = GatewayRuntime(serve)
     await runtime.start()
     try:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from poolkeeper.cli import epp as epp_cli
+from poolkeeper.cli import epp as epp_cli, epp_setup
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.cli.main import main as poolkeeper_main
 from poolkeeper.config.gateway import UnknownModelPolicy
@@ -35,7 +35,7 @@ def _chart_args(tmp_path: Path) -> list[str]:
 
 
 def test_chart_arguments_give_upstreams_defaults(tmp_path: Path) -> None:
-    config, _ = epp_cli.epp_gateway_config(parse_epp_args(_chart_args(tmp_path)))
+    config, _ = epp_setup.epp_gateway_config(parse_epp_args(_chart_args(tmp_path)))
     spec = config.spec
     assert (spec.listeners.ext_proc, spec.listeners.health, spec.listeners.metrics) == (
         9002,
@@ -50,7 +50,7 @@ def test_chart_arguments_give_upstreams_defaults(tmp_path: Path) -> None:
 
 
 def test_no_config_means_upstreams_default_config() -> None:
-    config, _ = epp_cli.epp_gateway_config(parse_epp_args(["--pool-name=p"]))
+    config, _ = epp_setup.epp_gateway_config(parse_epp_args(["--pool-name=p"]))
     names = {p.instance_name for p in config.spec.scheduling.plugins}
     assert names == {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer",
                      "max-score-picker"}  # fmt: skip
@@ -61,23 +61,23 @@ def test_config_text_and_unreadable_file() -> None:
         "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
         "plugins: [{type: random-picker}]"
     )
-    config, _ = epp_cli.epp_gateway_config(
+    config, _ = epp_setup.epp_gateway_config(
         parse_epp_args(["--pool-name=p", f"--config-text={text}"])
     )
     assert [p.type for p in config.spec.scheduling.plugins] == ["random-picker"]
     with pytest.raises(ConfigError, match=r"cannot read /nonexistent/x\.yaml"):
-        epp_cli.epp_gateway_config(
+        epp_setup.epp_gateway_config(
             parse_epp_args(["--pool-name=p", "--config-file=/nonexistent/x.yaml"])
         )
 
 
 def test_ext_proc_tls_follows_upstream_flags() -> None:
-    on = epp_cli._tls(parse_epp_args(["--pool-name=p"]))
+    on = epp_setup.epp_tls(parse_epp_args(["--pool-name=p"]))
     assert on.secure_serving is True  # upstream's default: TLS on ext_proc
     assert on.cert_path is None  # self-signed
-    off = epp_cli._tls(parse_epp_args(["--pool-name=p", "--secure-serving=false"]))
+    off = epp_setup.epp_tls(parse_epp_args(["--pool-name=p", "--secure-serving=false"]))
     assert off.secure_serving is False
-    files = epp_cli._tls(
+    files = epp_setup.epp_tls(
         parse_epp_args(["--pool-name=p", "--cert-path=/certs", "--enable-cert-reload"])
     )
     assert (str(files.cert_path), files.enable_cert_reload) == ("/certs", True)
@@ -86,17 +86,17 @@ def test_ext_proc_tls_follows_upstream_flags() -> None:
 def test_client_ca_file_asks_for_mutual_tls(tmp_path: Path) -> None:
     ca = tmp_path / "ca.crt"
     ca.write_bytes(self_signed_pair()[0])
-    mtls = epp_cli._tls(parse_epp_args(["--pool-name=p", f"--client-ca-file={ca}"]))
+    mtls = epp_setup.epp_tls(parse_epp_args(["--pool-name=p", f"--client-ca-file={ca}"]))
     assert mtls.client_ca_file == ca
-    assert epp_cli._tls(parse_epp_args(["--pool-name=p"])).client_ca_file is None
+    assert epp_setup.epp_tls(parse_epp_args(["--pool-name=p"])).client_ca_file is None
     with pytest.raises(ConfigError, match="--client-ca-file needs --secure-serving"):
-        epp_cli._tls(
+        epp_setup.epp_tls(
             parse_epp_args(["--pool-name=p", "--secure-serving=false", f"--client-ca-file={ca}"])
         )
     bad = tmp_path / "bad.crt"
     bad.write_text("not a certificate")
     with pytest.raises(ConfigError, match=r"--client-ca-file .*bad\.crt: holds no PEM CA"):
-        epp_cli._tls(parse_epp_args(["--pool-name=p", f"--client-ca-file={bad}"]))
+        epp_setup.epp_tls(parse_epp_args(["--pool-name=p", f"--client-ca-file={bad}"]))
 
 
 def test_unhonoured_flags_are_named() -> None:

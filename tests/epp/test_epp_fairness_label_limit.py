@@ -15,8 +15,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from poolkeeper.cli.epp import epp_serve_options
 from poolkeeper.cli.epp_flags import parse_epp_args
+from poolkeeper.cli.epp_setup import epp_serve_options
 from poolkeeper.controller.files import file_source
 from tests.extproc.extproc_fakes import FakeEnvoy
 from tests.extproc.test_extproc_protocol import _streamed_request

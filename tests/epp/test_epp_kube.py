@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from poolkeeper.cli import epp as epp_cli
+from poolkeeper.cli import epp_setup
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.cli.epp_options import EppOptions
 from poolkeeper.config.endpointpicker import DEFAULT_CONFIG_TEXT
@@ -65,10 +65,10 @@ class ChartEpp:
 def loopback_kubernetes_source(options: EppOptions) -> SourceFactory:
     """`poolkeeper epp`'s Kubernetes source for `options`, its listeners bound to loopback
     (tests bind nothing else)."""
-    config, _ = epp_cli.epp_gateway_config(options)
+    config, _ = epp_setup.epp_gateway_config(options)
     document = config.model_dump(by_alias=True, exclude_unset=True)
     document["spec"]["listeners"]["address"] = "127.0.0.1"
-    source: SourceFactory = epp_cli._kubernetes_source(
+    source: SourceFactory = epp_setup.epp_kubernetes_source(
         options, GatewayConfig.model_validate(document)
     )
     return source

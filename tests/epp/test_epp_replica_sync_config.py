@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from poolkeeper.cli.epp import epp_gateway_config
 from poolkeeper.cli.epp_flags import parse_epp_args
+from poolkeeper.cli.epp_setup import epp_gateway_config
 from poolkeeper.config.endpointpicker import load_endpoint_picker_config, translate
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import file_source

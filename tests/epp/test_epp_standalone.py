@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from poolkeeper.cli import epp as epp_cli
+from poolkeeper.cli import epp as epp_cli, epp_setup
 from poolkeeper.cli.epp_flags import parse_epp_args
 from poolkeeper.config.endpointpicker.values import parse_label_selector
 from poolkeeper.controller.kubernetes.objects import POD
@@ -79,8 +79,8 @@ async def test_the_flags_give_the_standalone_source(
 
     assert epp_cli._run(options, fake_run) == 0  # no longer refused
     assert seen
-    config, _ = epp_cli.epp_gateway_config(options)
-    source = epp_cli._kubernetes_source(options, config)(Datastore())
+    config, _ = epp_setup.epp_gateway_config(options)
+    source = epp_setup.epp_kubernetes_source(options, config)(Datastore())
     try:
         settings = source.settings
         assert settings.pool_names == ("tiny-epp",)  # the Deployment, from POD_NAME

@@ -27,6 +27,7 @@ from poolkeeper.errors import GatewayError
 from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins import (
     backlog_scorer,
+    fit_scorers,
     fullbatch,
     prefix_scorer,
     scorers,
@@ -42,7 +43,7 @@ from tests.scheduling.sched_factories import scheduler
 _T = TypeVar("_T")
 
 # Every module that reads `MIN_CACHED` (by name, at call time).
-_READERS = (scorers, shared, stale_filter, fullbatch, backlog_scorer, prefix_scorer)
+_READERS = (scorers, fit_scorers, shared, stale_filter, fullbatch, backlog_scorer, prefix_scorer)
 
 
 @contextmanager

@@ -13,9 +13,9 @@ import pytest
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError
+from poolkeeper.scheduling.candidate_presets import candidate_document
 from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.interfaces import AffineScores, CycleState, TypedName
-from poolkeeper.scheduling.presets import candidate_document
 from poolkeeper.scheduling.profile import SchedulerProfile, clamp_unit
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import SchedulingResult

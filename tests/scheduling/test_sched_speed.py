@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.speed import ObservedSpeed
-from poolkeeper.scheduling.presets import candidate_document, preset_document
+from poolkeeper.scheduling.candidate_presets import candidate_document
+from poolkeeper.scheduling.presets import preset_document
 from tests.scheduling.sched_factories import NOW, key, plugin, request, scheduler, scores_of, state
 
 

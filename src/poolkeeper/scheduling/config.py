@@ -40,12 +40,8 @@ from pydantic import (
 from poolkeeper.scheduling.plugins.builtins import builtin_registry
 from poolkeeper.scheduling.presets import PRESETS, preset_document
 from poolkeeper.scheduling.registry import PluginRegistry
-from poolkeeper.scheduling.resolve import (
-    InvalidSchedulingConfig,
-    ResolvedScheduling,
-    problems_of,
-    resolve,
-)
+from poolkeeper.scheduling.resolve import resolve
+from poolkeeper.scheduling.resolved import InvalidSchedulingConfig, ResolvedScheduling, problems_of
 from poolkeeper.schema import CamelModel
 
 

@@ -35,8 +35,9 @@ from poolkeeper.datastore.speed import ObservedSpeed
 from poolkeeper.flowcontrol.admission import AdmissionConfig
 from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.scheduling.build import build_scheduler
+from poolkeeper.scheduling.candidate_presets import CANDIDATES, candidate_document
 from poolkeeper.scheduling.config import SchedulingConfig
-from poolkeeper.scheduling.presets import CANDIDATES, candidate_document, preset_document
+from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
 
@@ -47,9 +48,9 @@ FLOW_PRESETS: dict[str, str] = {
     "poolkeeper-ttft": "predicted-ttft",
     "poolkeeper-backlog": "prefill-backlog",
 }
-# Candidates for the default profile (issue 38, `scheduling.presets.CANDIDATES`), each named so
-# that it can be compared: run only when named (`bench sim --policies`), like the reference
-# policies.
+# Candidates for the default profile (issue 38, `scheduling.candidate_presets.CANDIDATES`), each
+# named so that it can be compared: run only when named (`bench sim --policies`), like the
+# reference policies.
 CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-drain": "prefill-backlog-drain",
     "poolkeeper-span": "prefill-backlog-span",

@@ -11,14 +11,10 @@ from typing import TypeVar
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.interfaces import Plugin, TypedName
-from poolkeeper.scheduling.plugins.backlog_scorer import (
-    PrefillBacklogParams,
-    PrefillBacklogScorer,
-)
-from poolkeeper.scheduling.plugins.cold_placement import (
-    ColdPlacementFilter,
-    ColdPlacementParams,
-)
+from poolkeeper.scheduling.plugins.backlog_params import PrefillBacklogParams
+from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
+from poolkeeper.scheduling.plugins.cold_placement import ColdPlacementFilter
+from poolkeeper.scheduling.plugins.cold_placement_params import ColdPlacementParams
 from poolkeeper.scheduling.plugins.decision_tree import (
     DecisionTreeFilter,
     DecisionTreeParams,
@@ -37,6 +33,12 @@ from poolkeeper.scheduling.plugins.filters import (
     LowQueueFilter,
     LowQueueParams,
 )
+from poolkeeper.scheduling.plugins.fit_scorers import (
+    LoraAffinityScorer,
+    LoraAffinityScorerParams,
+    ObservedSpeedParams,
+    ObservedSpeedScorer,
+)
 from poolkeeper.scheduling.plugins.missgate import GatedSaturationFilter
 from poolkeeper.scheduling.plugins.pickers import (
     MaxScorePicker,
@@ -49,7 +51,8 @@ from poolkeeper.scheduling.plugins.prefix_affinity import (
     PrefixAffinityParams,
     PrefixHolders,
 )
-from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheParams, PrefixCacheScorer
+from poolkeeper.scheduling.plugins.prefix_params import PrefixCacheParams
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.plugins.profile_handlers import SingleProfileHandler
 from poolkeeper.scheduling.plugins.role_filters import (
     DecodeFilter,
@@ -62,11 +65,7 @@ from poolkeeper.scheduling.plugins.scorers import (
     InflightLoadParams,
     InflightLoadScorer,
     KvCacheScorer,
-    LoraAffinityScorer,
-    LoraAffinityScorerParams,
     MinMaxLoadParams,
-    ObservedSpeedParams,
-    ObservedSpeedScorer,
     QueueParams,
     QueueScorer,
     RunningRequestsScorer,

@@ -20,9 +20,18 @@ replica's own (a peer's streamed send tells no end after its first byte, `fold.p
 peers `unseen_requests` may exceed `inflight_requests`.
 
 Measured (the same note): with every replica's unseen sends at once, one replica's p90 comes
-back (heavy-tail, 4 replicas: 1.01x); folded D ms late it does so only below about 0.1 ms (at
-1 ms: 1.14x), as the sends that collide are the last millisecond's. So the bench runs it only
-when asked (`--sync-with unseen`), and `serve` does not run it.
+back (heavy-tail, 4 replicas: 1.01x); folded D ms late it does so only well below 1 ms (at 1 ms:
+1.14x), as the sends that collide are the last millisecond's. So `serve` runs it
+(`spec.replicaSync.peerUnseen`, on by default) with decisions sent at once (`sendAtOnce`: a peer
+folds one in about 0.3 ms on 127.0.0.1): heavy-tail 4 replicas 1.05x of one replica's p90
+against 1.13x as shipped before (docs/notes/2026-12-07-replicas-sub-ms.md). The bench runs it
+when asked (`--sync-with unseen`).
+
+An endpoint whose scrape shows LoRA adapters (active or waiting) is left as it is (its
+covered sends are still dropped): a `Sent` names no adapter, so there a peer's send would
+count as load on the server but not toward its adapter, which decides where a LoRA request
+waits; measured, it pushed multi-LoRA seed 2 with 2 replicas off its cliff (p90 63x one
+replica's, goodput -7.5 %, against 1.65x without the fold).
 
 A delivery D ms after the peer's send counts a send that a scrape within those D ms already
 holds once more, until the next scrape (with the shipped 1 ms against a 50 ms scrape: rare).
@@ -106,8 +115,8 @@ class PeerUnseen:
                 scraped = s.metrics.updated_at
                 while keys and sends[next(iter(keys))].at < scraped:
                     self._drop(next(iter(keys)))
-            if not keys:
-                out.append(s)
+            if not keys or s.metrics.active_adapters or s.metrics.waiting_adapters:
+                out.append(s)  # (adapters: see the module docstring)
                 continue
             mine = [sends[key] for key in keys]
             out.append(

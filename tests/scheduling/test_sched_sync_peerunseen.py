@@ -28,19 +28,17 @@ def test_a_peers_send_after_the_scrape_adds_to_that_endpoints_unseen_counts_only
     assert b == state(2)
 
 
-def test_an_endpoint_serving_adapters_keeps_its_own_counts_but_drops_what_a_scrape_covers() -> None:
+def test_a_pool_serving_adapters_keeps_its_own_counts_but_drops_what_a_scrape_covers() -> None:
     peers = PeerUnseen()
     peers.fold("b", _sent("r0"), SCRAPED - 0.001)  # covered by the scrape
     peers.fold("b", _sent("r1"), NOW)
     peers.fold("b", _sent("r2", endpoint=B), NOW)
-    loaded, queued = (
-        state(1, active=("sql-lora",), max_adapters=4),
-        state(2, queued_adapters=("x",)),
-    )
-    assert peers.apply([loaded, queued]) == [loaded, queued]  # the fold leaves them alone
+    for with_adapters in (state(2, active=("sql-lora",)), state(2, queued_adapters=("x",))):
+        pool = [state(1), with_adapters]
+        assert peers.apply(pool) == pool  # not even the endpoint without adapters is folded
     assert len(peers) == 2  # the covered one dropped all the same
-    (a,) = peers.apply([state(1, max_adapters=4)])  # slots, no adapter: folded
-    assert a.unseen_requests == 1
+    a, b = peers.apply([state(1, max_adapters=4), state(2, max_adapters=4)])  # slots only
+    assert (a.unseen_requests, b.unseen_requests) == (1, 1)
 
 
 def test_an_answered_peer_send_is_running_and_an_ended_one_is_gone() -> None:

@@ -46,7 +46,7 @@ Pure: no clock, no I/O; `now` is the hub's delivery time, on the clock that stam
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.replicasync.events import Answered, Sent, SyncEvent
@@ -123,15 +123,18 @@ class PeerUnseen:
             if not keys or adapters:
                 out.append(s)
                 continue
-            mine = [sends[key] for key in keys]
-            out.append(
-                replace(
-                    s,
-                    unseen_requests=s.unseen_requests + len(mine),
-                    unseen_tokens=s.unseen_tokens + sum(m.tokens for m in mine),
-                    unseen_answered=s.unseen_answered + sum(1 for m in mine if m.answered),
-                )
-            )
+            tokens = answered = 0
+            for key in keys:
+                send = sends[key]
+                tokens += send.tokens
+                answered += send.answered
+            # (positional, as the tracker builds them: `dataclasses.replace` costs ~9 µs each)
+            folded = EndpointState(
+                s.endpoint, s.metrics, s.inflight_requests, s.inflight_tokens,
+                s.unseen_requests + len(keys), s.unseen_tokens + tokens,
+                s.seconds_per_output_token, s.unseen_answered + answered, s.inflight_models,
+            )  # fmt: skip
+            out.append(folded)
         return out
 
     def _age(self, now: float) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import MappingProxyType
+
 import pytest
 
 from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Open, Sent
@@ -21,10 +24,15 @@ def _sent(rid: str, endpoint: str = A, tokens: int = 100) -> Sent:
 def test_a_peers_send_after_the_scrape_adds_to_that_endpoints_unseen_counts_only() -> None:
     peers = PeerUnseen()
     peers.fold("b", _sent("r1", tokens=300), NOW)
-    mine = state(1, unseen=2, unseen_tokens=50)
+    mine = replace(
+        state(1, unseen=2, unseen_tokens=50, inflight=3, inflight_tokens=90),
+        seconds_per_output_token=0.02, inflight_models=MappingProxyType({"m": 3}),
+    )  # fmt: skip
     a, b = peers.apply([mine, state(2)])
     assert (a.unseen_requests, a.unseen_tokens, a.unseen_answered) == (3, 350, 0)
-    assert a.inflight_requests == mine.inflight_requests  # in flight: the replica's own
+    # In flight: the replica's own; the rest as it was.
+    assert a == replace(mine, unseen_requests=3, unseen_tokens=350)
+    assert (a.inflight_models, a.metrics) == (mine.inflight_models, mine.metrics)
     assert b == state(2)
 
 

@@ -17,7 +17,8 @@ cold test reads only the engines' reports, `exact-hashblog` / `exact-hashwait`: 
 backlog scorer / and the scraped queues, `exact-hashblogpend` with the backlog scorer and
 `pendingHeads` (`scheduling()`); any index + `-sync`: with
 cross-replica sync (`spec.replicaSync`: every EPP a peer of the others on 127.0.0.1, one key
-file), `-syncnow` with peers' batches waking flow control at once. `N/M:index` runs M EPPs with
+file), `-syncnow` with peers' batches waking flow control at once, `-syncms` as sync was
+before decisions were sent at once and peers' unseen sends counted. `N/M:index` runs M EPPs with
 only N behind Envoy: the idle ones scrape and take CPU as extra replicas do, a control on a
 machine with few cores. Variants run interleaved (listed order in even rounds, reversed in
 odd), the same requests each time; every run goes to OUT/runs.json with its requests, prefills,
@@ -125,8 +126,14 @@ def scheduling(index: str) -> dict[str, Any] | None:
 
 SYNC = "-sync"
 # Index suffix -> replicaSync settings beyond `sync_section`'s: `-sync` the defaults,
-# `-syncnow` a peer's batch wakes flow control's held requests at once (no spread).
-SYNCS: dict[str, dict[str, Any]] = {"-syncnow": {"peerWakeSpreadMs": 0}, SYNC: {}}
+# `-syncnow` a peer's batch wakes flow control's held requests at once (no spread),
+# `-syncms` decisions gathered for the flush interval and the peers' unseen sends not counted
+# (sync before docs/notes/2026-12-07-replicas-sub-ms.md).
+SYNCS: dict[str, dict[str, Any]] = {
+    "-syncnow": {"peerWakeSpreadMs": 0},
+    "-syncms": {"sendAtOnce": False, "peerUnseen": False},
+    SYNC: {},
+}
 
 
 def split_sync(index: str) -> tuple[str, dict[str, Any] | None]:

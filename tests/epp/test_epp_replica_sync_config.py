@@ -60,6 +60,9 @@ def test_sync_is_off_by_default_and_never_on_without_a_key() -> None:
         ({"peerService": "a" * 64 + ".svc:9010"}, "not a valid DNS name"),
         ({"peers": ["a" * 64 + ".svc:9010"]}, "not a valid DNS name"),
         ({"maxDatagramBytes": 512}, "greater than or equal to 1024"),
+        ({"sendAtOnce": "sometimes"}, r"replicaSync\.sendAtOnce\n.*valid boolean"),
+        ({"peerUnseen": [True]}, r"replicaSync\.peerUnseen\n.*valid boolean"),
+        ({"peerUnseeen": False}, "peerUnseeen"),
     ],
 )
 def test_bad_sections_are_refused(section: dict[str, object], expected: str) -> None:
@@ -84,6 +87,12 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
     assert section["resolveIntervalMs"] == 2000
     assert section["flushIntervalMs"] == 5.0  # the interval: how long decisions gather
     assert section["peerWakeSpreadMs"] == 20
+    # Decisions leave at once and peers' unseen sends count: the section's defaults.
+    assert "sendAtOnce" not in section
+    assert "peerUnseen" not in section
+    defaults = GatewayConfig.model_validate({"spec": {"replicaSync": section}})
+    assert defaults.spec.replica_sync.send_at_once
+    assert defaults.spec.replica_sync.peer_unseen
     assert section["maxDatagramBytes"] == 1232
     assert section["reconcileIntervalMs"] == 1000
     more = text.replace(

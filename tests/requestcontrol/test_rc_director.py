@@ -37,6 +37,8 @@ from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.config import SchedulingConfig
+from poolkeeper.scheduling.replicasync.events import Sent
+from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
 from poolkeeper.scheduling.types import LLMRequest, SchedulingResult
 from poolkeeper.server.wiring import build_director
 
@@ -219,6 +221,29 @@ async def test_in_flight_load_reaches_the_scheduler() -> None:
     assert loads[first.endpoints[0]] == (1, 1)  # sent after the scrape: unseen by the server
     assert sum(n for n, _ in loads.values()) == 1
     assert second.endpoints[0] != first.endpoints[0]  # the first request counts as load
+
+
+async def test_peers_unseen_sends_reach_the_scheduler_after_our_own() -> None:
+    rig = _rig()
+    peers = PeerUnseen()
+    peers.fold("peer", Sent("p1", "10.0.0.1:8000", 50, True), SCRAPED_AT + 0.01)
+    peers.fold("peer", Sent("p2", "10.0.0.2:8000", 50, True), SCRAPED_AT - 0.01)  # scraped
+    rig.director.peers = peers
+    first = await rig.director.route(_chat(rid="a", text="first prompt " * 30))
+    loads = {s.key: s.unseen_requests for s in rig.scheduler.seen[-1][1]}
+    assert loads == {"10.0.0.1:8000": 1, "10.0.0.2:8000": 0, "10.0.0.3:8000": 0,
+                     "10.0.0.4:8000": 0}  # fmt: skip
+    assert first.endpoints[0] != "10.0.0.1:8000"  # the peer's send counts as load
+    second = await rig.director.route(_chat(rid="b", text="another prompt " * 30))
+    loads = {s.key: s.unseen_requests for s in rig.scheduler.seen[-1][1]}
+    assert loads["10.0.0.1:8000"] == 1
+    assert loads[first.endpoints[0]] == 1  # our own, counted beside the peers'
+    rig.director.peers = None  # sync stopped: our own only
+    await rig.director.route(_chat(rid="c", text="a third prompt " * 30))
+    own = [first.endpoints[0], second.endpoints[0]]
+    assert {s.key: s.unseen_requests for s in rig.scheduler.seen[-1][1]} == {
+        key: own.count(key) for key in ALL
+    }
 
 
 @pytest.mark.parametrize(("fallbacks", "expected"), [(0, 1), (2, 3), (16, 4)])

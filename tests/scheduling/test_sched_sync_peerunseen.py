@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import MappingProxyType
+
 import pytest
 
 from poolkeeper.scheduling.replicasync.events import Answered, Batch, Ended, Open, Sent
@@ -21,11 +24,29 @@ def _sent(rid: str, endpoint: str = A, tokens: int = 100) -> Sent:
 def test_a_peers_send_after_the_scrape_adds_to_that_endpoints_unseen_counts_only() -> None:
     peers = PeerUnseen()
     peers.fold("b", _sent("r1", tokens=300), NOW)
-    mine = state(1, unseen=2, unseen_tokens=50)
+    mine = replace(
+        state(1, unseen=2, unseen_tokens=50, inflight=3, inflight_tokens=90),
+        seconds_per_output_token=0.02, inflight_models=MappingProxyType({"m": 3}),
+    )  # fmt: skip
     a, b = peers.apply([mine, state(2)])
     assert (a.unseen_requests, a.unseen_tokens, a.unseen_answered) == (3, 350, 0)
-    assert a.inflight_requests == mine.inflight_requests  # in flight: the replica's own
+    # In flight: the replica's own; the rest as it was.
+    assert a == replace(mine, unseen_requests=3, unseen_tokens=350)
+    assert (a.inflight_models, a.metrics) == (mine.inflight_models, mine.metrics)
     assert b == state(2)
+
+
+def test_a_pool_serving_adapters_keeps_its_own_counts_but_drops_what_a_scrape_covers() -> None:
+    peers = PeerUnseen()
+    peers.fold("b", _sent("r0"), SCRAPED - 0.001)  # covered by the scrape
+    peers.fold("b", _sent("r1"), NOW)
+    peers.fold("b", _sent("r2", endpoint=B), NOW)
+    for with_adapters in (state(2, active=("sql-lora",)), state(2, queued_adapters=("x",))):
+        pool = [state(1), with_adapters]
+        assert peers.apply(pool) == pool  # not even the endpoint without adapters is folded
+    assert len(peers) == 2  # the covered one dropped all the same
+    a, b = peers.apply([state(1, max_adapters=4), state(2, max_adapters=4)])  # slots only
+    assert (a.unseen_requests, b.unseen_requests) == (1, 1)
 
 
 def test_an_answered_peer_send_is_running_and_an_ended_one_is_gone() -> None:

@@ -238,6 +238,29 @@ async def test_sends_stop_at_the_buffer_bound_and_a_big_batch_goes_as_several() 
         b.transport.close()
 
 
+async def test_a_decision_at_once_brings_an_armed_flush_forward() -> None:
+    a, b = await node("a", flush_interval_s=3600.0), await node("b")
+    try:
+        link(a, b)
+        a.hub.publish(Answered("r0"))
+        a.transport.notify()  # armed an hour from now
+        a.hub.publish(Sent("r1", "10.0.0.1:8000", 120, True))
+        a.transport.notify(at_once=True)  # the decision: on the loop's next turn
+        a.transport.notify(at_once=True)  # (armed already: one flush)
+        await until(lambda: len(b.hub.events()) == 2, "both events, well before the hour")
+        assert b.hub.events() == [Answered("r0"), Sent("r1", "10.0.0.1:8000", 120, True)]
+        assert a.transport.stats.datagrams_sent == 1  # the first byte went with it
+        a.hub.publish(Ended("r1"))
+        a.transport.notify()  # the next flush is a timer again
+        a.hub.publish(Sent("r2", "10.0.0.2:8000", 80, False))
+        a.transport.notify(at_once=True)
+        await until(lambda: len(b.hub.events()) == 4, "the second decision at once")
+        assert a.transport.stats.datagrams_sent == 2
+    finally:
+        a.transport.close()
+        b.transport.close()
+
+
 async def test_close_sends_what_the_hub_still_holds() -> None:
     a, b = await node("a", flush_interval_s=60.0), await node("b")
     try:

@@ -20,11 +20,16 @@ from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery
-from poolkeeper.scheduling.replicasync.events import Open
+from poolkeeper.scheduling.replicasync.events import Answered, Ended, Open, Sent
 from poolkeeper.scheduling.replicasync.openset import digest
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.options import ServeOptions
-from poolkeeper.server.replica_sync import SpreadWake, origin_name, start_replica_sync
+from poolkeeper.server.replica_sync import (
+    SpreadWake,
+    notifier,
+    origin_name,
+    start_replica_sync,
+)
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.server.sync_keys import key_missing, read_keys
 from poolkeeper.server.sync_service import SyncCollector
@@ -96,6 +101,49 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
         await sync_a.stop()
         await sync_b.stop()
     assert _backlog(a).sync is None  # unbound: nothing published any more
+
+
+def test_only_a_decision_is_sent_at_once_and_only_with_send_at_once() -> None:
+    calls: list[bool] = []
+
+    class Transport:
+        def notify(self, *, at_once: bool = False) -> None:
+            calls.append(at_once)
+
+    on, off = notifier(Transport(), True), notifier(Transport(), False)
+    sent = Sent("r1", "10.0.0.1:8000", 10, True)
+    for event in (sent, Answered("r1"), Ended("r1")):
+        on(event)
+    off(sent)
+    assert calls == [True, False, False, False]
+
+
+async def test_a_peers_decision_is_in_its_unseen_counts_unless_turned_off(
+    key_file: Path,
+) -> None:
+    ports = free_ports(3)
+    a, b = scheduler("default"), scheduler("default")
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports[:2]), a, clock=_clock)
+    sync_b = await start_replica_sync(_section(key_file, ports[1], ports[:2]), b, clock=_clock)
+    off = await start_replica_sync(
+        _section(key_file, ports[2], ports).model_copy(update={"peer_unseen": False}),
+        scheduler("default"),
+    )
+    try:
+        assert off.unseen is None
+        unseen = sync_b.unseen
+        assert unseen is not None
+        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+        pool = [replace(state(i), metrics=replace(state(i).metrics, updated_at=NOW - 1.0))
+                for i in range(1, 5)]  # fmt: skip
+        picked = a.schedule(request(prompt=PROMPT, request_id="q1"), pool, now=NOW).primary.key
+        await until(lambda: len(unseen) == 1, "a's decision at b")
+        counts = {s.key: s.unseen_requests for s in unseen.apply(pool)}
+        assert counts == {s.key: int(s.key == picked) for s in pool}
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+        await off.stop()
 
 
 async def test_a_lost_end_stops_counting_at_the_peer_after_the_next_statement(
@@ -252,8 +300,11 @@ async def test_the_runtime_runs_the_syncer_it_is_configured_with(
         assert runtime._sync.running.hub.statement(100) == Open(0, 0, frozenset({digest("q1")}))
         now[0] += 61.0
         assert runtime._sync.running.hub.statement(100) == Open(0, 0, frozenset())
+        # The peers' unseen sends reach the Director's candidates while the syncer runs.
+        assert runtime.director.peers is runtime._sync.running.unseen is not None
     finally:
         await runtime.stop(grace_s=0)
+    assert runtime.director.peers is None
     # The UDP port is free again: the syncer closed its socket.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", sync_port))

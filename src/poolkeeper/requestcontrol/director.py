@@ -16,7 +16,8 @@ Transport-independent: the ext_proc server calls `route` once the body is comple
 
 What it makes of a request before the gate (target model, band, the scheduler's request) is
 `prepare.py`, where the decisions are listed; which pool and endpoints, `candidates.py`; what
-it keeps of each send until the response ends, `sends.py` (the Director's base).
+it keeps of each send until the response ends, `sends.py` (the Director's base); the
+decision sent back (body rewrite, ticket), `decision.py`.
 """
 
 from __future__ import annotations
@@ -36,20 +37,16 @@ from poolkeeper.errors import (
 )
 from poolkeeper.flowcontrol.flowitem import FlowItem
 from poolkeeper.requestcontrol.body import parse_body, quote_model
-from poolkeeper.requestcontrol.candidates import (
-    a_pick_names_responses_itself,
-    default_pool,
-    destinations,
-    pool_candidates,
-    unknown_model_pool,
-)
+from poolkeeper.requestcontrol.candidates import destinations, pool_candidates, unknown_model_pool
 from poolkeeper.requestcontrol.config import RequestHandling, TrustedHeader
+from poolkeeper.requestcontrol.decision import bodyless_decision, routing_decision
 from poolkeeper.requestcontrol.flowgate import FlowGate
 from poolkeeper.requestcontrol.ports import (
     Gate,
     InflightLike,
     Job,
     LearningSchedulerLike,
+    PeerLoadLike,
     PrefillFactsLike,
     SchedulerLike,
     SnapshotSource,
@@ -64,9 +61,8 @@ from poolkeeper.requestcontrol.prepare import (
     target_model,
     trusted,
 )
-from poolkeeper.requestcontrol.rewrite import rewrite_body, should_inject_usage
-from poolkeeper.requestcontrol.sends import Sends, Ticket
-from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, model_renamed
+from poolkeeper.requestcontrol.sends import Sends
+from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision
 from poolkeeper.scheduling.types import LLMRequest
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -112,8 +108,6 @@ class Director(Sends):
             clock=clock,
         )
         self._datastore = datastore
-        # With the response observer, a response whose model name needs no rewrite never
-        # passes the EPP, so nothing could strip a usage chunk injected into it.
         self._responses_observed = responses_observed
         self._scheduler = scheduler
         self._config = config
@@ -125,6 +119,9 @@ class Director(Sends):
             for header in TrustedHeader
         }
         self._rng = rng
+        # The peers' sends since each endpoint's scrape, set by the runtime while sync folds
+        # them (`peerUnseen`): added to the candidates' unseen counts after our own.
+        self.peers: PeerLoadLike | None = None
 
     @property
     def gate(self) -> Gate:
@@ -183,7 +180,10 @@ class Director(Sends):
         snapshot = self._datastore.snapshot()
         if not request.body and request.method.upper() not in _BODY_METHODS:
             # An empty POST is not bodyless: it gets the body checks (400), never a random pod.
-            return self._route_bodyless(request, snapshot)
+            return bodyless_decision(
+                request.request_id, snapshot, self._config, self._subset(request),
+                rng=self._rng, key=self._send_key(request), now=self._clock(),
+            )  # fmt: skip
 
         parsed = parse_body(request.path, request.body)
         found = snapshot.resolve(parsed.model)
@@ -193,25 +193,15 @@ class Director(Sends):
             raise ModelNotFound(f"model {quote_model(parsed.model)} not found", model=parsed.model)
         else:
             pool_key, model = unknown, None
+        names = self._trusted_names
         target = target_model(
-            request,
-            snapshot,
-            pool_key,
-            parsed.model,
-            model,
-            self._rng,
-            self.observer,
-            self._trusted_names[TrustedHeader.MODEL_NAME_REWRITE],
-        )
+            request, snapshot, pool_key, parsed.model, model, self._rng, self.observer,
+            names[TrustedHeader.MODEL_NAME_REWRITE],
+        )  # fmt: skip
         criticality, priority = band(
-            request,
-            snapshot,
-            pool_key,
-            model,
-            found is None,
-            self._trusted_names[TrustedHeader.INFERENCE_OBJECTIVE],
-            self._config.unknown_model_policy,
-        )
+            request, snapshot, pool_key, model, found is None,
+            names[TrustedHeader.INFERENCE_OBJECTIVE], self._config.unknown_model_policy,
+        )  # fmt: skip
         prepared = Prepared(request, parsed, pool_key, target, criticality, priority)
         try:
             return self._submit(prepared, snapshot)
@@ -239,13 +229,13 @@ class Director(Sends):
                 if first
                 else pool_candidates(self._datastore.snapshot(), pool_key, subset)
             )
-            return self._inflight.apply(raw)
+            return self._load(raw)
 
         def run(candidates: list[EndpointState] | None, now: float | None) -> RoutingDecision:
             if candidates is None:
                 # Late binding: the snapshot and load of the moment of dispatch.
                 fresh = self._datastore.snapshot()
-                candidates = self._inflight.apply(pool_candidates(fresh, pool_key, subset))
+                candidates = self._load(pool_candidates(fresh, pool_key, subset))
             return self._schedule(prepared, llm_request, candidates, flow=flow, now=now)
 
         job = Job(
@@ -271,8 +261,6 @@ class Director(Sends):
         flow: str,
         now: float | None,
     ) -> RoutingDecision:
-        request, parsed, pool_key = prepared.request, prepared.parsed, prepared.pool_key
-        target, criticality = prepared.target, prepared.criticality
         if now is None:
             now = self._clock()
         result = self._scheduler.schedule(llm_request, candidates, now=now)
@@ -281,64 +269,24 @@ class Director(Sends):
             learner = self._learner
             if learner is not None:  # PostCycle counted the send: no ticket will end it
                 learner.request_ended(llm_request.key)
-            raise NoReadyEndpoint(f"no endpoint of pool {pool_key} can take the request")
+            raise NoReadyEndpoint(f"no endpoint of pool {prepared.pool_key} can take the request")
+        tokens, target = prepared.parsed.prompt_tokens, prepared.target
+        self._inflight.start(llm_request.key, endpoints[0], tokens, now, target)
+        return routing_decision(
+            prepared, llm_request.key, candidates, endpoints, now=now, flow=flow,
+            config=self._config, responses_observed=self._responses_observed,
+        )  # fmt: skip
 
-        server_names_model = a_pick_names_responses_itself(candidates, endpoints)
-        passes_epp = (
-            not self._responses_observed
-            or server_names_model
-            or model_renamed(target, parsed.model)
-        )
-        inject = should_inject_usage(
-            parsed, enabled=self._config.inject_stream_usage and passes_epp
-        )
-        body = None
-        if inject or target != parsed.model:
-            body = rewrite_body(
-                parsed.payload,
-                model=target if target != parsed.model else None,
-                include_usage=inject,
-            )
-        key = llm_request.key
-        self._inflight.start(key, endpoints[0], parsed.prompt_tokens, now, target)
-        return RoutingDecision(
-            request_id=request.request_id,
-            endpoints=endpoints,
-            pool=pool_key,
-            model_name=parsed.model,
-            target_model=target,
-            criticality=criticality,
-            priority=prepared.priority,
-            stream=parsed.stream,
-            prompt_tokens=parsed.prompt_tokens,
-            body=body,
-            include_usage_injected=inject,
-            server_names_model=server_names_model,
-            ticket=Ticket(
-                key, endpoints[0], parsed.prompt_tokens, now, flow, criticality, model=target
-            ),
-        )
-
-    def _route_bodyless(self, request: IncomingRequest, snapshot: SnapshotView) -> RoutingDecision:
-        pool_key = default_pool(snapshot, self._config.default_pool)
-        states = pool_candidates(snapshot, pool_key, self._subset(request))
-        count = min(len(states), 1 + self._config.fallback_endpoints)
-        picked = self._rng.sample(range(len(states)), count)
-        return RoutingDecision(
-            request_id=request.request_id,
-            endpoints=tuple(states[i].key for i in picked),
-            pool=pool_key,
-            # Keyed like any send: its end is told the learners, and a bare client id could
-            # name another send's key.
-            ticket=Ticket(self._send_key(request), "", 0, self._clock()),
-        )
+    def _load(self, states: list[EndpointState]) -> list[EndpointState]:
+        """The candidates with this replica's in-flight load, and its peers' unseen sends when
+        sync folds them (`peers`)."""
+        loaded = self._inflight.apply(states)
+        return loaded if self.peers is None else self.peers.apply(loaded)
 
     def _subset(self, request: IncomingRequest) -> frozenset[str] | None:
         if request.subset_hint is None or not self._config.honor_subset_hint:
             return None
         return frozenset(request.subset_hint)
-
-    # --- introspection --------------------------------------------------------------------
 
     def model_names(self) -> list[str]:
         """Every client-facing modelName, sorted (for GET /v1/models)."""
@@ -347,8 +295,4 @@ class Director(Sends):
     def ready(self) -> bool:
         """Resources are loaded and the last scrape of at least one endpoint succeeded."""
         snapshot = self._datastore.snapshot()
-        return any(
-            state.metrics.reachable
-            for pool_key in snapshot.pool_keys()
-            for state in snapshot.states(pool_key)
-        )
+        return any(s.metrics.reachable for k in snapshot.pool_keys() for s in snapshot.states(k))

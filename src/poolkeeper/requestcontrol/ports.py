@@ -103,6 +103,12 @@ class InflightLike(Protocol):
     def first_token(self, request_id: str) -> object: ...
 
 
+class PeerLoadLike(Protocol):
+    """Other replicas' load the states lack (`replicasync.peerunseen.PeerUnseen`)."""
+
+    def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]: ...
+
+
 @dataclass(eq=False, slots=True)
 class Job:
     """One request, as the Director hands it to the gate: what it is, and how to read its

@@ -27,6 +27,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from poolkeeper.datastore.snapshot import DatastoreSnapshot
 from poolkeeper.datastore.store import ChangeKind
@@ -34,9 +35,10 @@ from poolkeeper.errors import ConfigError
 from poolkeeper.scheduling.replicasync.codec import Codec
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.discovery import PeerDiscovery, own_addresses, parse_peers
-from poolkeeper.scheduling.replicasync.events import Batch, SyncEvent
+from poolkeeper.scheduling.replicasync.events import Batch, Sent, SyncEvent
 from poolkeeper.scheduling.replicasync.fold import SchedulerFold, bind_scheduler
 from poolkeeper.scheduling.replicasync.hub import ReplicaSync, clears
+from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
 from poolkeeper.scheduling.replicasync.transport import SyncTransport
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.sync_keys import read_keys
@@ -48,15 +50,27 @@ _NAME_BYTES = 200  # of the origin's base name (the codec carries 255 bytes)
 
 
 class _SignallingSync(ReplicaSync):
-    """The hub, telling the transport when it has something to send (`on_publish`)."""
+    """The hub, telling the transport what it has to send (`on_publish`)."""
 
     def __init__(self, origin: str) -> None:
         super().__init__(origin)
-        self.on_publish: Callable[[], None] = lambda: None
+        self.on_publish: Callable[[SyncEvent], None] = lambda event: None
 
     def publish(self, event: SyncEvent) -> None:
         super().publish(event)
-        self.on_publish()
+        self.on_publish(event)
+
+
+class _Notified(Protocol):
+    def notify(self, *, at_once: bool = False) -> None: ...
+
+
+def notifier(transport: _Notified, at_once: bool) -> Callable[[SyncEvent], None]:
+    """The hub's `on_publish`: a decision (`Sent`) flushed on the loop's next turn when
+    `at_once` (`sendAtOnce`), everything else after the flush interval."""
+    if not at_once:
+        return lambda event: transport.notify()
+    return lambda event: transport.notify(at_once=isinstance(event, Sent))
 
 
 class SpreadWake:
@@ -105,6 +119,7 @@ class RunningSync:
     transport: SyncTransport
     discovery: PeerDiscovery
     wake: SpreadWake | None = None
+    unseen: PeerUnseen | None = None  # the peers' sends since each scrape (`peerUnseen`)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def pool_changed(self, snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
@@ -177,6 +192,9 @@ async def start_replica_sync(
     origin = origin_name(config.origin)
     hub = _SignallingSync(origin)
     fold = bind(hub, scheduler, pool=pool, clock=clock)
+    unseen = PeerUnseen() if config.peer_unseen else None
+    if unseen is not None:  # stamped on `clock`, the scrapes' clock (the runtime's)
+        hub.bind(unseen)
 
     spread = SpreadWake(wake, config.peer_wake_spread_ms / 1000.0) if wake else None
 
@@ -208,14 +226,14 @@ async def start_replica_sync(
         fold.unbind()
         transport.close()
         raise
-    hub.on_publish = transport.notify
+    hub.on_publish = notifier(transport, config.send_at_once)
     discovery = PeerDiscovery(
         static=parse_peers(config.peers),
         service=config.service_address(),
         own=own,
         resolve_interval_s=config.resolve_interval_ms / 1000.0,
     )
-    running = RunningSync(hub, fold, transport, discovery, spread)
+    running = RunningSync(hub, fold, transport, discovery, spread, unseen)
     running._tasks = [
         asyncio.create_task(discovery.follow(transport.set_peers), name="replica-sync-peers"),
         asyncio.create_task(_expire(hub, clock), name="replica-sync-expire"),

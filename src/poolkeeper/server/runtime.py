@@ -35,6 +35,7 @@ from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.tls import server_credentials, ssl_context
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.server.envoy_bootstrap import fail_open_split_targets
@@ -204,13 +205,18 @@ class GatewayRuntime(ManagedEnvoyStart, RuntimeStop):
         scheduler = self.director.scheduler
         if not isinstance(scheduler, Scheduler):
             raise ConfigError("spec.replicaSync: needs poolkeeper's scheduler")
-        flow = self.director.flow
+        director, flow = self.director, self.director.flow
+
+        def peers(unseen: PeerUnseen | None) -> None:
+            director.peers = unseen
+
         self._sync = sync = SyncService(
             config,
             scheduler,
             self.datastore,
             clock=self.clock,
             wake=flow.wake if flow is not None else None,
+            on_unseen=peers,
         )
         await sync.start()
         self.metrics.registry.register(sync.collector())

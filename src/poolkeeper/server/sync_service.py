@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from poolkeeper.datastore.store import ChangeKind, Datastore
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.hub import ReplicaSync
+from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.replica_sync import RunningSync, bind, start_replica_sync
 from poolkeeper.server.sync_keys import KeyFile, key_missing
@@ -48,9 +49,13 @@ class SyncService:
         clock: Callable[[], float],
         wake: Callable[[], None] | None = None,
         follow: bool = True,
+        on_unseen: Callable[[PeerUnseen | None], None] | None = None,
     ) -> None:
         self.config, self.scheduler, self.datastore = config, scheduler, datastore
         self.clock, self.wake, self.follow = clock, wake, follow
+        # Told the running syncer's peers' unseen sends (`peerUnseen`), and None once it
+        # stops: the Director adds them to its candidates (`Director.peers`).
+        self.on_unseen = on_unseen
         self.every_s = config.reconcile_interval_ms / 1000.0
         self.keys = KeyFile(config, every_s=self.every_s, now=clock())
         self.running: RunningSync | None = None
@@ -115,6 +120,8 @@ class SyncService:
             self.config, self.scheduler, clock=self.clock, wake=self.wake, pool=pool, keys=keys
         )
         self.running = running
+        if self.on_unseen is not None and running.unseen is not None:
+            self.on_unseen(running.unseen)
         self._unsubscribe = self.datastore.subscribe(running.pool_changed)
         # The pool may have changed while the syncer started (its socket and peers' lookups
         # awaited): read it again now that the listener is in place, so none is missed.
@@ -133,6 +140,8 @@ class SyncService:
         if self._unsubscribe is not None:
             self._unsubscribe()
         if self.running is not None:
+            if self.on_unseen is not None:
+                self.on_unseen(None)
             await self.running.stop()
 
     def collector(self) -> SyncCollector:

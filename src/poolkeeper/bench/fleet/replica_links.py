@@ -129,7 +129,7 @@ class SyncLink:
             hub = ReplicaSync(f"replica{k}")
             on = {part: folds.get(part, True) for part in ("index", "drain", "heads")}
             bind_scheduler(hub, scheduler, index=on["index"], drain=on["drain"], heads=on["heads"])
-            if folds.get("unseen", False):  # off unless asked: `serve` does not fold it yet
+            if folds.get("unseen", False):  # off unless asked (`serve`: `peerUnseen`, on)
                 router.peers = PeerUnseen()
                 hub.bind(router.peers)
             self.hubs.append(hub)

@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["unseen"],
         default=[],
         help="with --sync-delay-ms: parts of the fold turned on (the peers' sends since each "
-        "endpoint's last scrape in the replica's unseen counts; `serve` does not fold them yet)",
+        "endpoint's last scrape in the replica's unseen counts, as `serve` does by default)",
     )
     parser.add_argument(
         "--flow-control",

@@ -4,8 +4,9 @@ Upstream's EndpointPickerConfig names a cross-replica syncer plugin and a sync i
 the plugin is poolkeeper's own `udp-cross-replica-syncer` (catalogue.py: `SyncerParams`),
 which sends each replica's routing decisions to its peers as they are made
 (scheduling/replicasync/). So `crossReplicaSyncInterval` is not a polling period: it is how
-long a replica may gather decisions before sending them together (`replicaSync.flushIntervalMs`,
-default 1 ms), at most 1 s (older news is of little use to a peer). The syncer feeds poolkeeper's
+long a replica may gather first bytes and ends before sending them together
+(`replicaSync.flushIntervalMs`, default 1 ms; decisions leave at once, `sendAtOnce`), at most
+1 s (older news is of little use to a peer). The syncer feeds poolkeeper's
 `prefill-backlog-scorer`, which the config must name in its plugins and its profile (upstream's
 default does not). The section is checked here against `ReplicaSyncConfig`, so a bad value is
 reported at the parameter the user wrote (`<name>.parameters.peers`), not at the section's

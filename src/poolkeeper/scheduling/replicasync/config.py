@@ -79,8 +79,21 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     backlog's 60 s age limit. A statement fills at most one datagram (about 140 open sends at
     the default size; more are stated in rotating slices)."""
     flush_interval_ms: float = Field(default=1.0, ge=0, le=1000)
-    """How long a replica gathers its decisions before sending them in one datagram (0: at
-    the end of the loop iteration that made them)."""
+    """How long a replica gathers its first bytes and ends (and, with `sendAtOnce` off, its
+    decisions) before sending them in one datagram (0: at the end of the loop iteration that
+    made them)."""
+    send_at_once: bool = True
+    """A decision (a request sent to an endpoint) leaves at the end of the loop iteration that
+    made it, not after `flushIntervalMs`: replicas deciding within a millisecond of each other
+    read the same state and send to the same best endpoint, so a peer must learn of a send
+    well under one (docs/notes/2026-12-07-replicas-sub-ms.md). About 2.2 datagrams per request
+    and peer, against 2.0 when gathered for 1 ms."""
+    peer_unseen: bool = True
+    """Count the peers' sends since each endpoint's last scrape in this replica's view of it
+    (the queue, running-requests and KV scorers' and the saturation filter's unseen requests,
+    as its own sends are), not only in the prefill backlog and the prefix index: without it
+    each replica sees about 1/N of the sends between two scrapes. Pays off only when peers'
+    sends arrive well under a millisecond after the decision (`sendAtOnce`)."""
     peer_wake_spread_ms: float = Field(default=20.0, ge=0, le=1000)
     """After a peer's batch, flow control's held requests are asked again after a random delay
     of up to this (0: at once): woken together by the same peer's first byte, the replicas

@@ -60,6 +60,22 @@ def parse_peers(text: str | Iterable[str]) -> tuple[Address, ...]:
     return pairs
 
 
+def reachable(peers: Iterable[Address], own: Address | None) -> set[Address]:
+    """The peers a socket bound to `own` sends to: `own` left out, and those of the other
+    address family (a name may resolve to both; an IPv6 socket reaches IPv4 peers through
+    their mapped addresses, an IPv4 socket cannot reach IPv6 ones)."""
+    v6 = own is not None and ":" in own[0]
+    kept: set[Address] = set()
+    for host, port in peers:
+        if ":" not in host and v6:
+            host = f"::ffff:{host}"
+        elif ":" in host and not v6:
+            continue
+        if (host, port) != own:
+            kept.add((host, port))
+    return kept
+
+
 @dataclass(slots=True)
 class PeerDiscovery:
     """The peer addresses of `static` and `service` (each `host:port`), resolved."""

@@ -8,15 +8,16 @@ acknowledgement, nothing retried.
 What it owns: the socket, the wire sequence numbers of this origin (a batch split by the
 codec takes several, so they are the transport's, not the hub's), the coalescing of what the
 hub has into as few datagrams as possible (`notify` arms one flush `flush_interval_s` later:
-everything published meanwhile leaves together; `flush(heartbeat=True)` adds the hub's open
-statement, `state`, sized to fit a datagram), and the checks before the core sees a batch:
-from a current peer's address (checked before the codec computes anything: a stranger's
-datagrams cost a set lookup; source addresses can be spoofed, so this only saves CPU, the tag
-is the check), authenticated (`codec.py`, which also drops anything over its `max_bytes`
-before the tag), not our own, fresh (its origin's wall clock within `max_age_s` of ours), and
-not a replay (`hub.seq_window`: a seq seen already or too far behind; a datagram reordered
-within the window is taken, as the hub takes it). An origin
-not heard before has no last sequence number (this replica just started, or forgot it among
+everything published meanwhile leaves together; `notify(at_once=True)`, a decision, flushes on
+the loop's next turn instead: the races between replicas are within the last millisecond, so a
+peer must learn a `Sent` well under one, docs/notes/2026-12-07-replicas-sub-ms.md;
+`flush(heartbeat=True)` adds the hub's open statement, `state`, sized to fit a datagram), and
+the checks before the core sees a batch: from a current peer's address (before the codec
+computes anything; addresses can be spoofed, so this only saves CPU, the tag is the check),
+authenticated (`codec.py`, which drops anything over its `max_bytes` before the tag), not our
+own, fresh (its origin's wall clock within `max_age_s` of ours), and not a replay
+(`hub.seq_window`; a datagram reordered within the window is taken). An origin not heard
+before has no last sequence number (this replica just started, or forgot it among
 `max_origins`), so its batches must also be sent after this replica started (or forgot one)
 less `new_origin_skew_s`: a datagram captured before that cannot be replayed into a restarted
 replica; one captured within that allowance still can, once.
@@ -37,13 +38,13 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from poolkeeper.scheduling.replicasync.codec import ENCODE_ERRORS, Codec
+from poolkeeper.scheduling.replicasync.discovery import Address, reachable
 from poolkeeper.scheduling.replicasync.events import Batch, Open, SyncEvent
 from poolkeeper.scheduling.replicasync.hub import SeqState, seq_window
 from poolkeeper.scheduling.replicasync.wire import Rejected
 
 log = logging.getLogger("poolkeeper.replicasync")
 
-Address = tuple[str, int]
 Take = Callable[[], Batch | None]
 Deliver = Callable[[Batch, float], bool]
 State = Callable[[int], Open | None]  # room in digests -> the open statement (hub.statement)
@@ -105,6 +106,7 @@ class SyncTransport(asyncio.DatagramProtocol):
         self._last: OrderedDict[str, SeqState] = OrderedDict()  # origin -> seqs delivered
         self._socket: asyncio.DatagramTransport | None = None
         self._armed: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._soon = False  # the armed flush is the loop's next turn (not a timer)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._warned: set[str] = set()
 
@@ -158,45 +160,38 @@ class SyncTransport(asyncio.DatagramProtocol):
 
     # -- outgoing --------------------------------------------------------------------------
     def set_peers(self, peers: Iterable[Address]) -> None:
-        """The addresses to send to from now on: our own left out, and those of the other
-        address family (a name may resolve to both; an IPv6 socket reaches IPv4 peers through
-        their mapped addresses, an IPv4 socket cannot reach IPv6 ones)."""
-        own = self.address if self._socket is not None else None
-        v6 = own is not None and ":" in own[0]
-        kept = set()
-        for host, port in peers:
-            if ":" not in host and v6:
-                host = f"::ffff:{host}"
-            elif ":" in host and not v6:
-                continue
-            if (host, port) != own:
-                kept.add((host, port))
-        self.peers = tuple(sorted(kept))
-        self._peer_set = frozenset(kept)
+        """The addresses to send to from now on (`discovery.reachable`)."""
+        kept = reachable(peers, self.address if self._socket is not None else None)
+        self.peers, self._peer_set = tuple(sorted(kept)), frozenset(kept)
 
-    def notify(self) -> None:
+    def notify(self, *, at_once: bool = False) -> None:
         """The hub has something to send: one flush `flush_interval_s` from now collects it
-        and whatever follows meanwhile (a no-op while one is armed). Called on the loop."""
+        and whatever follows meanwhile (a no-op while one is armed); `at_once`: on the loop's
+        next turn (an armed timer brought forward). Called on the loop."""
         loop = self._loop
-        if self._armed is not None or self._socket is None or loop is None:
+        if self._socket is None or loop is None:
             return
-        if self.flush_interval_s <= 0:
+        if self._armed is not None:
+            if self._soon or not at_once:
+                return
+            self._armed.cancel()
+        self._soon = at_once or self.flush_interval_s <= 0
+        if self._soon:
             self._armed = loop.call_soon(self._armed_flush)
         else:
             self._armed = loop.call_later(self.flush_interval_s, self._armed_flush)
 
     def _armed_flush(self) -> None:
-        self._armed = None
+        self._armed, self._soon = None, False
         if self.flush():
             self.notify()  # more than MAX_TAKES were waiting: the rest on the next iteration
 
     def flush(self, *, heartbeat: bool = False) -> bool:
         """Send what the hub holds now (at most MAX_TAKES of its batches, as few datagrams as
         the codec allows); True when it may hold more. `heartbeat`: send a batch even when the
-        hub holds nothing (the peers' hubs count it as this origin heard, so a replica with
-        long requests in flight and nothing new to tell is not expired), ending with the
-        hub's open statement (`state`) when one is bound (the peers drop what it no longer
-        covers: a lost `Answered` or `Ended`)."""
+        hub holds nothing (peers count this origin heard: one with only long requests in
+        flight is not expired), ending with the hub's open statement (`state`) when one is
+        bound (the peers drop what it no longer covers: a lost `Answered` or `Ended`)."""
         events: list[SyncEvent] = []
         origin = self.origin
         takes = 0

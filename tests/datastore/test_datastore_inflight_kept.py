@@ -17,6 +17,7 @@ from itertools import count
 import pytest
 
 from poolkeeper.datastore import inflight
+from poolkeeper.datastore.columns import MIN_CACHED
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from poolkeeper.datastore.inflight import InflightTracker
 from tests.scheduling.evolving_pool import endpoint_state, evolve
@@ -49,8 +50,8 @@ def _plain_apply(tracker: InflightTracker, pool: list[EndpointState]) -> list[En
 
 @pytest.mark.parametrize("new_objects", [False, True])
 def test_the_kept_answer_is_the_full_pass_on_an_evolving_pool(new_objects: bool) -> None:
-    """`new_objects`: every decision's states are new objects (as the datastore makes them
-    per snapshot), the same endpoints and scrapes: the answers are compared by what they
+    """`new_objects`: every decision's states are new objects (as a caller may make them
+    per call), the same endpoints and scrapes: the answers are compared by what they
     are made of, and the bare positions (answered by the state itself) worked out again."""
     rng = random.Random(21)
     now = 1000.0
@@ -88,7 +89,7 @@ def test_the_kept_answer_is_the_full_pass_on_an_evolving_pool(new_objects: bool)
                 sent.append(f"r{k}")
             elif 0.6 <= op < 0.85 and sent:
                 sent.pop(0)
-        for key in [s.key for s in pool if kept.speed.get(s.key) is None][:2]:
+        for key in [s.key for s in pool if kept.seconds_per_token(s.key) is None][:2]:
             for t in (kept, plain):  # a request there finishes (a new endpoint gets a speed)
                 t.start(f"w{k}", key, 100, now - 0.2)
                 t.finish(f"w{k}", now=now, output_tokens=50)
@@ -99,12 +100,44 @@ def test_the_kept_answer_is_the_full_pass_on_an_evolving_pool(new_objects: bool)
     assert kept.patched > 300  # (the kept answer was used, not only the full pass)
 
 
+def test_pools_crossing_min_cached_answer_as_the_full_pass() -> None:
+    """One below, at and one above `MIN_CACHED` in turn: below, one plain pass and nothing
+    kept. A kept answer from before a small call must not be patched after it: the writes
+    that call saw (at an endpoint it did not hold) are no longer marked."""
+    rng = random.Random(9)
+    now = 1000.0
+    pool = [endpoint_state(rng, i, now) for i in range(1, MIN_CACHED + 2)]
+    kept, plain = _Counting(), InflightTracker()
+    for t in (kept, plain):
+        for s in pool:
+            t.start("warm", s.key, 100, now - 1.0)
+            t.finish("warm", now=now - 0.5, output_tokens=50)
+    last = pool[MIN_CACHED - 1].key  # held at 64 and 65 only
+    # (64, 64, 63, 64, ...: a kept answer patched, then one from before a small call offered)
+    for k in range(300):
+        now += 0.001
+        if rng.random() < 0.3:  # a scrape
+            i = rng.randrange(len(pool))
+            pool[i] = replace(pool[i], metrics=replace(pool[i].metrics, updated_at=now))
+        target = last if k % 3 else rng.choice(pool).key
+        for t in (kept, plain):
+            if k % 2:
+                t.start(f"r{k}", target, 10, now)
+            else:
+                t.finish(f"r{k - 1}", now=now, output_tokens=1 + k % 5)
+        given = pool[: MIN_CACHED + (0, 0, -1, 0, 1, 1)[k % 6]]
+        got = kept.apply(given)
+        want = _plain_apply(plain, given)
+        assert [repr(s) for s in got] == [repr(s) for s in want], k
+    assert kept.patched > 50  # (the kept answer was used at 64 and 65)
+
+
 def test_a_bare_endpoint_is_answered_by_its_new_state() -> None:
     """An endpoint with neither requests in flight nor a speed is answered by its input
     state itself: with new objects per call, one that says something else (a caller's own
     speed) at the same endpoint and scrape is answered anew, also after it became bare."""
     rng = random.Random(3)
-    # plain states (as the datastore makes them): a bare one's answer is kept per scrape
+    # plain states (as the datastore makes them)
     pool = [
         EndpointState(s.endpoint, s.metrics)
         for s in (endpoint_state(rng, i, 1000.0) for i in range(80))
@@ -121,7 +154,7 @@ def test_a_bare_endpoint_is_answered_by_its_new_state() -> None:
         given[i] = replace(pool[i], seconds_per_output_token=0.5)
         assert tracker.apply(given)[i] is given[i]
     assert tracker.patched == 3  # (each from the kept answer)
-    # the same in a full pass (another length), where bare endpoints are answered inline
+    # the same in a full pass (another length)
     given = [replace(s) for s in pool[:-1]]
     given[0] = replace(pool[0], seconds_per_output_token=0.25)
     assert tracker.apply(given)[0] is given[0]
@@ -149,15 +182,16 @@ def test_endpoints_that_left_the_pool_are_forgotten_unless_requests_are_counted(
     tracker.start("r1", busy, 100, 2.0)
     tracker.start("r2", old[1].endpoint.hostport, 100, 2.0)
     tracker.finish("r2", now=3.0, output_tokens=50)  # a speed observed there, then idle
+    tracker.apply(old)  # (answers kept for the two endpoints with a load or a speed)
     tracker.apply(new)
     gone = {s.endpoint.hostport for s in old}
-    assert len(gone & set(tracker._applied)) > 90
+    assert gone & set(tracker._applied) == {busy, old[1].endpoint.hostport}
     assert len(gone & set(tracker._owners)) == 100
-    assert tracker.speed.get(old[1].endpoint.hostport) is not None
+    assert tracker.seconds_per_token(old[1].endpoint.hostport) is not None
     keep = {s.endpoint.hostport for s in new}
     tracker.forget_endpoints(keep)
     assert set(tracker._applied) <= keep | {busy}
     assert set(tracker._owners) <= keep | {busy}
     assert busy in tracker._owners  # r1 still runs there: its owner stays until it ends
-    assert tracker.speed.get(old[1].endpoint.hostport) is None
+    assert tracker.seconds_per_token(old[1].endpoint.hostport) is None
     assert [s.inflight_requests for s in tracker.apply([old[0]])] == [1]

@@ -828,7 +828,7 @@ async def test_complete_feeds_observed_speed_on_success(
     decision = await rig.director.route(_chat(rid="s"))
     rig.clock[0] += 2.0
     rig.director.complete(decision, status=status, usage=usage)
-    assert rig.inflight.speed.seconds_per_token(decision.endpoints[0]) == (
+    assert rig.inflight.seconds_per_token(decision.endpoints[0]) == (
         None if want is None else pytest.approx(want)
     )
     await rig.director.route(_chat(rid="next"))

@@ -104,6 +104,26 @@ def test_kept_values_decide_as_the_plain_passes_on_an_evolving_pool(preset: str,
                 sched.observe_first_token(rid, endpoint, now)
 
 
+@pytest.mark.parametrize("preset", ["default", "prefill-backlog"])
+def test_pools_crossing_min_cached_decide_as_the_plain_passes(preset: str) -> None:
+    """Candidates one below, at and one above `MIN_CACHED` in turn: the plain comprehensions
+    and the kept values take over from each other (a column kept at 64 and read again after
+    a decision at 63 must not answer for positions that changed in between)."""
+    rng = random.Random(4)
+    now = 1000.0
+    ips = count(1)
+    pool = [endpoint_state(rng, next(ips), now) for _ in range(columns.MIN_CACHED + 1)]
+    kept, plain = scheduler(preset, 4), scheduler(preset, 4)
+    prompts = ["".join(rng.choice("abcd ") for _ in range(500)) for _ in range(4)]
+    for k in range(240):
+        now += 0.001
+        pool = evolve(rng, pool, now, ips)
+        given = pool[: columns.MIN_CACHED - 1 + k % 3]
+        req = LLMRequest(f"r{k}", "base", "base", prompt=rng.choice(prompts), prompt_tokens=125)
+        got = _digest(kept, req, given, now)
+        assert got == _plainly(lambda: _digest(plain, req, given, now)), k  # noqa: B023
+
+
 def test_a_column_patches_only_the_changed_positions_and_shares_one_diff() -> None:
     seen: list[str] = []
 

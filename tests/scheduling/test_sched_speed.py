@@ -120,10 +120,10 @@ def test_tracker_finish_with_usage_observes_speed() -> None:
     t.start("c", key(2), 10, now=10.0)
     assert t.finish("a", now=12.0, output_tokens=100) is True  # 0.02 s/token
     assert t.finish("c") is True  # an error or disconnect: no observation
-    assert t.speed.seconds_per_token(key(1)) == pytest.approx(0.02)
-    assert t.speed.seconds_per_token(key(2)) is None
+    assert t.seconds_per_token(key(1)) == pytest.approx(0.02)
+    assert t.seconds_per_token(key(2)) is None
     assert t.finish("a", now=20.0, output_tokens=1) is False  # already finished: no sample
-    assert t.speed.seconds_per_token(key(1)) == pytest.approx(0.02)
+    assert t.seconds_per_token(key(1)) == pytest.approx(0.02)
 
 
 def test_tracker_apply_surfaces_speed_and_refreshes_on_change() -> None:

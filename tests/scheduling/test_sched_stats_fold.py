@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from poolkeeper.scheduling.profile import FOLD_EVERY
 from poolkeeper.scheduling.stats import PLUGIN_DURATION_BUCKETS, HistogramData
 from tests.scheduling.sched_factories import request, scheduler, state
 
 
-def test_recorded_values_read_as_observed_ones_bit_for_bit() -> None:
+@pytest.mark.parametrize("top", [0.5, 1e-4])  # (1e-4: all in the first bucket, folded at once)
+def test_recorded_values_read_as_observed_ones_bit_for_bit(top: float) -> None:
     rng = random.Random(7)
-    values = [rng.choice([0.0, 1e-4, 2e-4, 0.5]) or rng.expovariate(5000) for _ in range(997)]
+    values = [
+        min(top, rng.choice([0.0, 1e-4, 2e-4, 0.5]) or rng.expovariate(50000)) for _ in range(997)
+    ]
     observed, recorded = (HistogramData(PLUGIN_DURATION_BUCKETS) for _ in range(2))
     for i, value in enumerate(values):
         observed.observe(value)
@@ -27,16 +33,21 @@ def test_recorded_values_read_as_observed_ones_bit_for_bit() -> None:
     assert not recorded.pending
 
 
-def test_a_profile_buckets_one_timer_per_run_in_turn() -> None:
+def test_a_profile_buckets_one_timer_every_fold_every_runs_in_turn() -> None:
     sched = scheduler("default")
     pool = [state(i) for i in range(1, 4)]
     timers = [hist for _, hist in sched.stats.plugins()]
-    runs = 5 * len(timers) + 3
-    for _ in range(runs):
+    bound = FOLD_EVERY * len(timers)
+    runs = 2 * bound + 3 * FOLD_EVERY + 5
+    for run in range(1, runs + 1):
+        before = [len(t.pending) for t in timers]
         sched.schedule(request(prompt="a" * 100), pool, now=100.0)
-        # each timer bucketed once per len(timers) runs: never more pending
-        assert max(len(t.pending) for t in timers) <= len(timers)
+        after = [len(t.pending) for t in timers]
+        folded = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a <= b]
+        # one timer bucketed on every FOLD_EVERY-th run, none on the others
+        assert len(folded) == (run % FOLD_EVERY == 0), run
+        assert max(after) <= bound  # never more pending
     pending = sorted(len(t.pending) for t in timers)
-    assert pending == list(range(1, len(timers) + 1))  # in turn, not all at once
+    assert pending[0] < pending[-1]  # in turn, not all at once
     # nothing lost: every run's value bucketed (`count` buckets what is pending first), once
     assert {t.count for t in timers} == {runs}

@@ -29,40 +29,14 @@ pod starts clean, as its scraped metrics do in the datastore.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
 
 from poolkeeper.datastore.columns import MIN_CACHED
-from poolkeeper.datastore.endpoint import (
-    Endpoint,
-    EndpointMetrics,
-    EndpointState,
-    empty_counts,
-)
-from poolkeeper.datastore.inflight_kept import BARE, KeptAnswer, plain
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.datastore.inflight_fill import Applied, EndpointLoad, InflightEntry, fill
+from poolkeeper.datastore.inflight_kept import KeptAnswer
 from poolkeeper.datastore.speed import DEFAULT_SPEED_ALPHA, ObservedSpeed
 
-
-@dataclass(frozen=True, slots=True)
-class InflightEntry:
-    request_id: str
-    endpoint_key: str
-    tokens: int
-    started_at: float
-    model: str | None = None  # the target model (base or adapter), when the caller says
-
-
-class _EndpointLoad:
-    __slots__ = ("answered", "entries", "models", "tokens", "version")
-
-    def __init__(self) -> None:
-        self.version = 0  # the tracker's change counter at this endpoint's last change
-        # request_id -> entry, in start order (times are monotonic), so the entries newer than
-        # a scrape are a suffix and `apply` only walks that suffix.
-        self.entries: dict[str, InflightEntry] = {}
-        self.tokens = 0
-        self.answered: set[str] = set()  # request ids whose first byte came back
-        self.models: dict[str, int] = {}  # target model -> requests in flight (those named)
+__all__ = ["InflightEntry", "InflightTracker"]
 
 
 class InflightTracker:
@@ -76,8 +50,8 @@ class InflightTracker:
         "_dirty",
         "_kept",
         "_owners",
+        "_speed",
         "scrape_lag_s",
-        "speed",
     )
 
     def __init__(
@@ -89,14 +63,14 @@ class InflightTracker:
         if scrape_lag_s < 0:
             raise ValueError("scrape_lag_s must be >= 0")
         self.scrape_lag_s = scrape_lag_s
-        self.speed = ObservedSpeed(alpha=speed_alpha)
+        self._speed = ObservedSpeed(alpha=speed_alpha)
         self._by_request: dict[str, InflightEntry] = {}
-        self._by_endpoint: dict[str, _EndpointLoad] = {}
+        self._by_endpoint: dict[str, EndpointLoad] = {}
         self._changes = 0
         # key -> (metrics, endpoint, version, the state `apply` produced for them): an
         # endpoint whose metrics and in-flight set did not change since the previous decision
         # gets the same object back instead of a new one (1,000 constructions cost ~1 ms).
-        self._applied: dict[str, tuple[EndpointMetrics, Endpoint, int, EndpointState]] = {}
+        self._applied: Applied = {}
         # key -> (namespace, name) of the endpoint `apply` last saw there (IP reuse detection)
         self._owners: dict[str, tuple[str, str]] = {}
         # The previous `apply` at MIN_CACHED endpoints or more (`_Last`), and the ip:ports
@@ -122,7 +96,7 @@ class InflightTracker:
         self._by_request[request_id] = entry
         load = self._by_endpoint.get(endpoint_key)
         if load is None:
-            load = self._by_endpoint[endpoint_key] = _EndpointLoad()
+            load = self._by_endpoint[endpoint_key] = EndpointLoad()
         load.entries[request_id] = entry
         load.tokens += entry.tokens
         if model is not None:
@@ -156,7 +130,7 @@ class InflightTracker:
         load.version = self._changes
         self._dirty.add(key)
         if now is not None and output_tokens is not None:
-            self.speed.observe(key, now - entry.started_at, output_tokens, version=self._changes)
+            self._speed.observe(key, now - entry.started_at, output_tokens, version=self._changes)
         if not load.entries:
             del self._by_endpoint[key]
             self._applied.pop(key, None)
@@ -172,7 +146,7 @@ class InflightTracker:
             del self._applied[key]
         for key in [k for k in self._owners if k not in keep and k not in load]:
             del self._owners[key]
-            self.speed.forget(key)
+            self._speed.forget(key)
 
     def first_token(self, request_id: str) -> bool:
         """The first response byte of `request_id` came back: it runs, it no longer waits in
@@ -205,7 +179,7 @@ class InflightTracker:
             del self._by_request[request_id]
         self._applied.pop(endpoint_key, None)
         self._owners.pop(endpoint_key, None)
-        self.speed.forget(endpoint_key)
+        self._speed.forget(endpoint_key)
         self._changes += 1
         self._dirty.add(endpoint_key)
         return dropped
@@ -228,130 +202,43 @@ class InflightTracker:
 
     def unseen(self, endpoint_key: str, scraped_at: float) -> tuple[int, int, int]:
         """(requests, tokens, requests answered) in flight to `endpoint_key` started after
-        `scraped_at`."""
+        `scraped_at` (less the scrape lag)."""
         load = self._by_endpoint.get(endpoint_key)
-        if load is None:
-            return (0, 0, 0)
-        since = scraped_at - self.scrape_lag_s
-        answered = load.answered
-        n = tokens = done = 0
-        for entry in reversed(load.entries.values()):
-            if entry.started_at <= since:
-                break
-            n += 1
-            tokens += entry.tokens
-            if answered and entry.request_id in answered:
-                done += 1
-        return n, tokens, done
+        return (0, 0, 0) if load is None else load.unseen(scraped_at - self.scrape_lag_s)
+
+    def seconds_per_token(self, endpoint_key: str) -> float | None:
+        """The observed speed of `endpoint_key` (None until a request there finished)."""
+        return self._speed.seconds_per_token(endpoint_key)
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
         """The snapshots with in-flight and unseen counts and the observed speed filled in
-        (others returned as-is, or with their former counts cleared)."""
-        n = len(states)
-        out = self._patched(states) if n >= MIN_CACHED else None
-        if out is None:
-            out, bare = self._apply_all(states)
-            self._kept.remember(
-                states, out, bare, self.scrape_lag_s, self._by_endpoint, self.speed.estimates
-            )
+        (others returned as-is, or with their former counts cleared). From `MIN_CACHED`
+        states on, the previous answer is kept and patched where it can be (`_patched`);
+        below, one plain pass (the kept answer's bookkeeping costs more than it saves)."""
+        kept = self._kept
+        if len(states) < MIN_CACHED:  # (`fill` called here: a call less for a small pool)
+            kept.last = None  # (the writes since are not all in `_dirty` any more)
+            out = fill(states, self._by_endpoint, self._speed.estimates, self._owners,
+                       self._applied, self.scrape_lag_s, self.forget)  # fmt: skip
+        elif (patched := self._patched(states)) is not None:
+            out = patched
+        else:
+            out = self._fill(states)
+            kept.remember(states, out, self.scrape_lag_s, self._by_endpoint,
+                          self._speed.estimates)  # fmt: skip
         self._dirty.clear()  # (what changed is in `out` now)
         return out
 
     def _patched(self, states: Sequence[EndpointState]) -> list[EndpointState] | None:
         """The kept answer worked out again where needed (`inflight_kept.py`), or None."""
         return self._kept.patched(
-            states, self._dirty, self._by_endpoint, self.speed.estimates, self.scrape_lag_s,
-            self._apply_one,
+            states, self._dirty, self._by_endpoint, self._speed.estimates, self.scrape_lag_s,
+            self._fill,
         )  # fmt: skip
 
-    def _apply_all(self, states: Sequence[EndpointState]) -> tuple[list[EndpointState], int]:
-        """Every state worked out, and how many were bare (neither in flight nor a speed)."""
-        by_endpoint = self._by_endpoint
-        speeds = self.speed.estimates
-        owners = self._owners
-        if not by_endpoint and not speeds:  # nothing to carry over: just note who is where
-            for s in states:
-                owners[s.endpoint.hostport] = (s.endpoint.namespace, s.endpoint.name)
-            return [s if not (s.inflight_requests or s.unseen_requests) else _cleared(s)
-                    for s in states], len(states)  # fmt: skip
-        # A bare endpoint still at its owner with the same scrape as last time (the most of
-        # an idle pool) inline: the object `_apply_one` kept for its endpoint and scrape, where
-        # that is its answer (the datastore's new plain states: the same object each time).
-        load, speed, one, kept = by_endpoint.get, speeds.get, self._apply_one, self._applied.get
-        out: list[EndpointState] = []
-        append = out.append
-        bare = 0
-        for s in states:
-            ep = s.endpoint
-            key = ep.hostport
-            owner = owners.get(key)
-            if (
-                owner is not None and owner[1] == ep.name and owner[0] == ep.namespace
-                and load(key) is None and speed(key) is None
-            ):  # fmt: skip
-                bare += 1
-                c = kept(key)
-                if (
-                    c is not None and c[2] < 0 and c[0] is s.metrics and c[1] is ep
-                    and (s.inflight_requests or s.unseen_requests or plain(s))
-                ):  # fmt: skip
-                    append(c[3])
-                    continue
-            append(one(s))
-        return out, bare
-
-    def _apply_one(self, s: EndpointState) -> EndpointState:
-        """One state with its counts and speed filled in (made anew only where they or the
-        state changed since the last time: `_applied`)."""
-        ep = s.endpoint
-        key = ep.hostport
-        owners = self._owners
-        owner = owners.get(key)
-        if owner is None or owner[1] != ep.name or owner[0] != ep.namespace:
-            if owner is not None:  # another endpoint took this ip:port (pod IP reuse)
-                self.forget(key)
-            owners[key] = (ep.namespace, ep.name)
-        load = self._by_endpoint.get(key)
-        speed = self.speed.estimates.get(key)
-        if load is None and speed is None:
-            if not (s.inflight_requests or s.unseen_requests or plain(s)):
-                return s  # (a caller's own figures, no count of ours to clear)
-            # Answered by `EndpointState(ep, m)` (`s` is one, or it cleared): the same object
-            # for the same endpoint and scrape, so the datastore's new objects per snapshot
-            # look unchanged to the values kept downstream (`columns.py`).
-            cached = self._applied.get(key)
-            if cached is not None and cached[0] is s.metrics and cached[1] is ep and cached[2] < 0:
-                return cached[3]
-            new = _cleared(s) if s.inflight_requests or s.unseen_requests else s
-            self._applied[key] = (s.metrics, ep, BARE, new)
-            return new
-        # Every change takes a fresh number from one counter, so the larger of the two
-        # versions changes whenever either does (and `finish` drops the cache entry of an
-        # endpoint whose in-flight set empties).
-        if speed is None:
-            assert load is not None  # not both None (above)
-            version = load.version
-        elif load is None or speed.version > load.version:
-            version = speed.version
-        else:
-            version = load.version
-        m = s.metrics
-        cached = self._applied.get(key)
-        if cached is not None and cached[0] is m and cached[1] is ep and cached[2] == version:
-            return cached[3]
-        spt = None if speed is None else speed.seconds_per_token
-        if load is None:
-            new = EndpointState(ep, m, seconds_per_output_token=spt)
-        else:
-            n_unseen, t_unseen, n_answered = self.unseen(key, m.updated_at)
-            models = MappingProxyType(dict(load.models)) if load.models else empty_counts()
-            new = EndpointState(
-                ep, m, len(load.entries), load.tokens, n_unseen, t_unseen, spt, n_answered,
-                models,
-            )  # fmt: skip
-        self._applied[key] = (m, ep, version, new)
-        return new
-
-
-def _cleared(state: EndpointState) -> EndpointState:
-    return EndpointState(state.endpoint, state.metrics)
+    def _fill(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+        """Every state worked out (`inflight_fill.fill`)."""
+        return fill(
+            states, self._by_endpoint, self._speed.estimates, self._owners, self._applied,
+            self.scrape_lag_s, self.forget,
+        )  # fmt: skip

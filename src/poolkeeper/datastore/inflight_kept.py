@@ -2,11 +2,12 @@
 
 Between two requests few endpoints change, so `apply` works out only the positions that did:
 those whose ip:port the tracker wrote since (a send, a finish, a first byte, a forget), and
-those holding another state; where every state is a new object (the datastore makes them per
-snapshot), those holding another endpoint or scrape, and the bare ones (neither in flight nor
-a speed: answered by the input state itself). Any other position keeps its previous answer,
-which the full pass would give again (the same endpoint, scrape and versions). Also what a
-bare endpoint's answer is made of (`plain`, `BARE`).
+those holding another state; where every state is a new object (a caller that makes them per
+call; the datastore reuses one per endpoint and scrape), those holding another endpoint or
+scrape, and the bare ones (neither in flight nor a speed: answered by the input state itself).
+Any other position keeps its previous answer, which the full pass would give again (the same
+endpoint, scrape and versions). Below `MIN_CACHED` states the tracker keeps nothing here (one
+plain pass is cheaper).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import compress
 from operator import attrgetter, is_not, or_
 
-from poolkeeper.datastore.columns import MIN_CACHED
 from poolkeeper.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 
 
@@ -33,27 +33,27 @@ class KeptAnswer:
         self,
         states: Sequence[EndpointState],
         answer: list[EndpointState],
-        bare: int,
         lag: float,
         loads: Mapping[str, object],
         speeds: Mapping[str, object],
     ) -> None:
-        """After a full pass (`bare`: how many positions were bare): keep it for the next
-        call unless that cannot help: every state a new object and more bare ones than a
-        patch takes (a pool whose endpoints are idle and unobserved); then tried again every
-        64th full pass."""
+        """After a full pass at `MIN_CACHED` states or more: keep it for the next call unless
+        that cannot help: every state a new object and more bare positions (neither in
+        flight nor a speed) than a patch takes (a pool whose endpoints are idle and
+        unobserved); then tried again every 64th full pass."""
         n = len(states)
         last, self.last = self.last, None
         self._fulls += 1
+        where = {s.endpoint.hostport: i for i, s in enumerate(states)}
+        bare = {i for k, i in where.items() if k not in loads and k not in speeds}
         if last is not None:
-            self._hopeless = last.new and bare > n // 4
-        if n >= MIN_CACHED and (not self._hopeless or self._fulls % 64 == 0):
-            where = {s.endpoint.hostport: i for i, s in enumerate(states)}
-            if len(where) == n:  # (an ip:port twice: positions depend on each other)
-                self.last = _Last(
-                    states, list(map(_METRICS, states)), list(map(_ENDPOINT, states)), answer,
-                    where, lag, {i for k, i in where.items() if k not in loads and k not in speeds},
-                )  # fmt: skip
+            self._hopeless = last.new and len(bare) > n // 4
+        # (an ip:port twice: positions depend on each other, nothing kept)
+        if (not self._hopeless or self._fulls % 64 == 0) and len(where) == n:
+            self.last = _Last(
+                states, list(map(_METRICS, states)), list(map(_ENDPOINT, states)), answer,
+                where, lag, bare,
+            )  # fmt: skip
 
     def patched(
         self,
@@ -62,15 +62,15 @@ class KeptAnswer:
         loads: Mapping[str, object],
         speeds: Mapping[str, object],
         lag: float,
-        one: Callable[[EndpointState], EndpointState],
+        fill: Callable[[list[EndpointState]], list[EndpointState]],
     ) -> list[EndpointState] | None:
         """`apply`'s answer from the previous one, where it can be had so: the same length
         and ip:ports at the same positions, at most a quarter of them to work out again.
         Those are the positions whose ip:port the tracker wrote since (`dirty`: every write
         marks it) and those holding another state; where every state is a new object (the
-        datastore makes them per snapshot), those holding another endpoint or scrape, or a
-        bare one (its answer is the state itself). Each is worked out as
-        the full pass does; any other position keeps the previous answer, which the full pass
+        caller made them anew), those holding another endpoint or scrape, or a
+        bare one (its answer is the state itself). They are worked out by the full pass
+        (`fill`, in order); any other position keeps the previous answer, which the full pass
         would give again (the same endpoint, scrape and versions: its `_applied` entry)."""
         last = self.last
         if last is None:
@@ -113,10 +113,10 @@ class KeptAnswer:
         if todo:
             out = out.copy()  # (the list handed out before stays as it was)
             bare = set(last.bare)
-            for i in sorted(todo):  # in order, as the full pass
-                s = states[i]
-                out[i] = one(s)
-                k = s.endpoint.hostport
+            order = sorted(todo)  # in order, as the full pass
+            for i, new in zip(order, fill([states[i] for i in order]), strict=True):
+                out[i] = new
+                k = new.endpoint.hostport
                 if k not in loads and k not in speeds:
                     bare.add(i)
                 else:
@@ -125,17 +125,6 @@ class KeptAnswer:
         else:
             self.last = _Last(states, metrics, endpoints, out, last.where, last.lag, last.bare)
         return out
-
-
-BARE = -1  # the `_applied` version of an answer made of the endpoint and scrape alone
-
-
-def plain(s: EndpointState) -> bool:
-    """No router figures at all (as the datastore makes states)."""
-    return (
-        not (s.inflight_tokens or s.unseen_tokens or s.unseen_answered or s.inflight_models)
-        and s.seconds_per_output_token is None
-    )
 
 
 _METRICS = attrgetter("metrics")
@@ -165,4 +154,4 @@ class _Last:
         self.where = where
         self.lag = lag
         self.bare = sorted(bare)
-        self.new = False  # every state a new object at the last comparison (the datastore's)
+        self.new = False  # every state a new object at the last comparison

@@ -19,6 +19,11 @@ from poolkeeper.datastore.models import EMPTY_MODEL_INDEX, ModelIndex, ModelRout
 
 _NO_METRICS: Final = EndpointMetrics()
 
+# (snapshot version, the pool's endpoints, the metrics, the states made of them)
+_StatesMemo = tuple[
+    int, tuple[Endpoint, ...], Mapping[str, EndpointMetrics], tuple[EndpointState, ...]
+]
+
 
 def _empty_labels() -> Mapping[str, str]:
     return MappingProxyType({})
@@ -86,6 +91,11 @@ class DatastoreSnapshot:
     _pool_keys: tuple[str, ...]
     _endpoints_by_pool: Mapping[str, tuple[Endpoint, ...]]
     _endpoint_at: Mapping[str, Endpoint]  # `ip:port` -> endpoint, over all pools
+    # pool key -> (version, its endpoints, the metrics, `states`' answer for them) of the
+    # newest snapshot that read it: shared by the snapshots that differ only in metrics
+    # (`replace_metrics`), so `states` makes a new `EndpointState` only where an endpoint was
+    # scraped since (a memo: never what a read sees, only whether it gets the same object).
+    _states: dict[str, _StatesMemo] = field(default_factory=dict, compare=False, repr=False)
 
     def pool_keys(self) -> tuple[str, ...]:
         """Pool keys, sorted."""
@@ -119,12 +129,35 @@ class DatastoreSnapshot:
         return self._endpoints_by_pool.get(pool_key, ())
 
     def states(self, pool_key: str) -> tuple[EndpointState, ...]:
-        """The pool's endpoints with their latest metrics (never-scraped ones have age inf)."""
+        """The pool's endpoints with their latest metrics (never-scraped ones have age inf).
+
+        One object per endpoint and scrape: an endpoint not scraped since the last call (of
+        this snapshot or one it was made from by `replace_metrics`) is the same object as
+        then, so the values kept per state downstream (`InflightTracker.apply`, `columns.py`,
+        compared by identity) see it unchanged; a scrape (a new metrics object) makes a new
+        one. Safe from any thread: each reused state is checked against this snapshot's own
+        endpoints and metrics, whichever snapshot wrote the memo last."""
+        endpoints = self._endpoints_by_pool.get(pool_key, ())
         metrics = self.metrics
-        return tuple(
-            EndpointState(endpoint, metrics.get(endpoint.hostport, _NO_METRICS))
-            for endpoint in self._endpoints_by_pool.get(pool_key, ())
-        )
+        memo = self._states
+        kept = memo.get(pool_key)
+        if kept is not None and kept[1] is endpoints:
+            if kept[2] is metrics:
+                return kept[3]
+            at = metrics.get
+            out = tuple(
+                s if s.metrics is (m := at(s.endpoint.hostport, _NO_METRICS))
+                else EndpointState(s.endpoint, m)
+                for s in kept[3]
+            )  # fmt: skip
+        else:
+            out = tuple(
+                EndpointState(endpoint, metrics.get(endpoint.hostport, _NO_METRICS))
+                for endpoint in endpoints
+            )
+        if kept is None or kept[0] <= self.version:  # (an older snapshot's read keeps it)
+            memo[pool_key] = (self.version, endpoints, metrics, out)
+        return out
 
     def all_endpoints(self) -> tuple[Endpoint, ...]:
         """Every selected endpoint once per `ip:port` (what the scrapers poll), by key."""
@@ -171,4 +204,5 @@ def replace_metrics(
         _pool_keys=snapshot._pool_keys,
         _endpoints_by_pool=snapshot._endpoints_by_pool,
         _endpoint_at=snapshot._endpoint_at,
+        _states=snapshot._states,
     )

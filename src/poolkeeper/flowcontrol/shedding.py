@@ -79,16 +79,16 @@ class AdmissionController:
         self._scraped: Column[float] = Column(_scrape_times, _scrape_time)
 
     def _assess(self, states: Sequence[EndpointState], now: float) -> SaturationReport:
-        """`detector.assess`; from the kept values where every endpoint is fresh (the same
-        floats: the plain sum of the same values in the same order)."""
+        """`detector.assess` of `MIN_CACHED` states or more; from the kept values where every
+        endpoint is fresh (the same floats: the plain sum of the same values in the same
+        order)."""
         n = len(states)
-        if n >= MIN_CACHED:
-            scratch = LocalScratch()
-            oldest = min(self._scraped.values(scratch, states))
-            values = self._saturations.values(scratch, states)
-            fresh_since = now - self.detector.staleness_s
-            if oldest > 0.0 and oldest >= fresh_since and STALE not in values:
-                return SaturationReport(sum(values) / n, n, 0)
+        scratch = LocalScratch()
+        oldest = min(self._scraped.values(scratch, states))
+        values = self._saturations.values(scratch, states)
+        fresh_since = now - self.detector.staleness_s
+        if oldest > 0.0 and oldest >= fresh_since and STALE not in values:
+            return SaturationReport(sum(values) / n, n, 0)
         return self.detector.assess(states, now)
 
     def shed_level(self, criticality: Criticality) -> float | None:
@@ -109,7 +109,11 @@ class AdmissionController:
             return AdmissionOutcome(
                 AdmissionDecision.ADMIT, "no endpoints: left to the scheduler (503)"
             )
-        report = self._assess(states, now)
+        report = (  # (below MIN_CACHED the detector's plain pass, without a call between)
+            self._assess(states, now)
+            if len(states) >= MIN_CACHED
+            else self.detector.assess(states, now)
+        )
         if report.all_stale:
             if self.config.all_stale_policy == "admit":
                 return AdmissionOutcome(

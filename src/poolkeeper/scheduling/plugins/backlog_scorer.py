@@ -34,7 +34,9 @@ as the backlog records them, so the other replicas can count them too.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from operator import attrgetter
+from typing import Final
 
 from poolkeeper.datastore.columns import MIN_CACHED, Column, Positions
 from poolkeeper.datastore.endpoint import EndpointState
@@ -50,6 +52,8 @@ from poolkeeper.scheduling.plugins.shared import (
     speed_column,
 )
 from poolkeeper.scheduling.types import LLMRequest
+
+_HOSTPORT: Final = attrgetter("endpoint.hostport")
 
 
 class PrefillBacklogScorer(NamedPlugin):
@@ -127,7 +131,7 @@ class PrefillBacklogScorer(NamedPlugin):
         # for every candidate, and then one base cost for all.
         resident = residency(candidates, target, cycle, self._resident) if miss else True
         many = len(candidates) >= MIN_CACHED
-        if isinstance(resident, bool) and many and (at := self._positions.of(cycle, candidates)):
+        if many and isinstance(resident, bool) and (at := self._positions.of(cycle, candidates)):
             # One base cost, and the endpoints with a backlog or a hit written over it (the
             # same sums: `base + 0` is `base`), rather than a lookup per candidate.
             base = own if resident else own + miss
@@ -135,31 +139,22 @@ class PrefillBacklogScorer(NamedPlugin):
             for k, v in extra.items():
                 if (i := at.get(k)) is not None:
                     costs[i] = base + v
-            return self._adjusted(cycle, request, candidates, costs, cached)
-        # (each candidate's ip:port kept between decisions where there are many: `columns.py`)
-        keys = (
-            self._keys.values(cycle, candidates)
-            if many
-            else [s.endpoint.hostport for s in candidates]
-        )
-        if isinstance(resident, bool):
-            base = own if resident else own + miss
-            costs = [base + more(k, 0) for k in keys]
         else:
-            dear = own + miss
-            costs = [(own if r else dear) + more(k, 0) for r, k in zip(resident, keys, strict=True)]
-        return self._adjusted(cycle, request, candidates, costs, cached)
-
-    def _adjusted(
-        self,
-        cycle: CycleState,
-        request: LLMRequest,
-        candidates: Sequence[EndpointState],
-        costs: list[float],
-        cached: dict[str, int],
-    ) -> list[float]:
-        """`costs` with the optional terms: marginal queue, drain rates, busy, speed."""
-        backlog = self.backlog.snapshot()
+            # (each candidate's ip:port kept between decisions where there are many; else
+            # read in C as the comprehension goes)
+            keys: Iterable[str] = (
+                self._keys.values(cycle, candidates) if many else map(_HOSTPORT, candidates)
+            )
+            if isinstance(resident, bool):
+                base = own if resident else own + miss
+                costs = [base + more(k, 0) for k in keys]
+            else:
+                dear = own + miss
+                costs = [
+                    (own if r else dear) + more(k, 0) for r, k in zip(resident, keys, strict=True)
+                ]
+        # The optional terms: marginal queue, drain rates, busy, speed (inline: a call less
+        # per decision, which a small pool notices).
         if self.marginal and backlog:
             waiting, tokens, hit = self.backlog.counts().get, request.prompt_tokens, cached.get
             costs = [

@@ -29,7 +29,7 @@ def residency(
     (`lora-affinity-scorer`'s active score, the prefill-backlog scorer's adapter term). With
     `cycle`, worked out once per decision for the same candidates and target (read-only);
     with `kept` too (`residency_columns`, the caller's), kept between decisions."""
-    if cycle is not None and kept is not None and len(candidates) >= MIN_CACHED:
+    if len(candidates) >= MIN_CACHED and cycle is not None and kept is not None:
         column = kept.of(target)
         return _per_decision(
             cycle, _RESIDENCY, candidates, target, lambda c, _: _uniform(column.values(cycle, c))
@@ -74,7 +74,7 @@ def speed_bar(
     prefill-backlog scorer's speed term). With `cycle`, worked out once per decision for the
     same candidates and slack (both scorers of the default profile ask; read-only result);
     with `kept` too (`speed_column`, the caller's), the speeds kept between decisions."""
-    if cycle is not None and kept is not None and len(candidates) >= MIN_CACHED:
+    if len(candidates) >= MIN_CACHED and cycle is not None and kept is not None:
         return _per_decision(
             cycle, _SPEED_BAR, candidates, slack,
             lambda c, sl: _speed_bar(c, sl, kept.values(cycle, c)),

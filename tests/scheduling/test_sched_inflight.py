@@ -8,9 +8,11 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from poolkeeper.datastore import Datastore
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.inflight import InflightTracker
 from poolkeeper.datastore.load import effective_waiting, saturations
+from tests.datastore.test_datastore_store import pool, spec
 from tests.scheduling.sched_factories import key, request, scheduler, state
 
 
@@ -228,3 +230,18 @@ def test_a_new_pod_at_a_reused_address_starts_clean() -> None:
     # The same pod again (same name and namespace) keeps its counts.
     tracker.start("r3", key(1), 10, now=3.0)
     assert tracker.apply([new_pod])[0].inflight_requests == 1
+
+
+def test_a_standalone_server_in_pools_of_two_namespaces_keeps_its_counts() -> None:
+    # A spec without a namespace takes each pool's: one server, two Endpoint namespaces. Read
+    # through both pools in turn it is still the one pod at its ip:port, not IP reuse.
+    store = Datastore()
+    store.set_resources([pool("p", {"app": "x"}, ns="a"), pool("q", {"app": "x"}, ns="b")], [])
+    store.set_endpoints([spec("e0", "10.0.0.1", app="x")])
+    snap = store.snapshot()
+    tracker = InflightTracker()
+    tracker.apply(snap.states("a/p"))
+    tracker.start("r1", "10.0.0.1:8000", 10, now=1.0)
+    assert [s.inflight_requests for s in tracker.apply(snap.states("a/p"))] == [1]
+    assert [s.inflight_requests for s in tracker.apply(snap.states("b/q"))] == [1]
+    assert "r1" in tracker

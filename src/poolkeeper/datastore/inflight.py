@@ -71,8 +71,8 @@ class InflightTracker:
         # endpoint whose metrics and in-flight set did not change since the previous decision
         # gets the same object back instead of a new one (1,000 constructions cost ~1 ms).
         self._applied: Applied = {}
-        # key -> (namespace, name) of the endpoint `apply` last saw there (IP reuse detection)
-        self._owners: dict[str, tuple[str, str]] = {}
+        # key -> name of the endpoint `apply` last saw there (IP reuse detection, `fill`)
+        self._owners: dict[str, str] = {}
         # The previous `apply` at MIN_CACHED endpoints or more (`_Last`), and the ip:ports
         # whose in-flight set or speed changed since (every write marks them). The next
         # `apply` of a list of the same length works out only the positions that changed

@@ -71,17 +71,19 @@ def fill(
     states: Sequence[EndpointState],
     loads: Mapping[str, EndpointLoad],
     speeds: Mapping[str, EndpointSpeed],
-    owners: dict[str, tuple[str, str]],
+    owners: dict[str, str],
     applied: Applied,
     lag: float,
     forget: Callable[[str], object],
 ) -> list[EndpointState]:
     """The states with their counts and speed filled in. `owners`:
-    key -> (namespace, name) of the endpoint last seen there; another one there (pod IP
-    reuse) is `forget`-ed first (which drops its load, speed and `applied` entry)."""
+    key -> name of the endpoint last seen there; another one there (pod IP reuse) is
+    `forget`-ed first (which drops its load, speed and `applied` entry). The name alone: a
+    standalone server without a namespace takes each pool's namespace, so the one server read
+    through pools of two namespaces must not look like two pods taking turns at its ip:port."""
     if not loads and not speeds:  # nothing to carry over: just note who is where
         for s in states:
-            owners[s.endpoint.hostport] = (s.endpoint.namespace, s.endpoint.name)
+            owners[s.endpoint.hostport] = s.endpoint.name
         return [s if not (s.inflight_requests or s.unseen_requests) else cleared(s)
                 for s in states]  # fmt: skip
     # (no `.get`s bound ahead: each is an object made per call, which costs a small pool more
@@ -91,10 +93,10 @@ def fill(
         ep = s.endpoint
         key = ep.hostport
         owner = owners.get(key)
-        if owner is None or owner[1] != ep.name or owner[0] != ep.namespace:
+        if owner != ep.name:
             if owner is not None:  # another endpoint took this ip:port (pod IP reuse)
                 forget(key)
-            owners[key] = (ep.namespace, ep.name)
+            owners[key] = ep.name
         load = loads.get(key)
         speed = speeds.get(key)
         if load is None and speed is None:

@@ -136,11 +136,14 @@ class DatastoreSnapshot:
         then, so the values kept per state downstream (`InflightTracker.apply`, `columns.py`,
         compared by identity) see it unchanged; a scrape (a new metrics object) makes a new
         one. Safe from any thread: each reused state is checked against this snapshot's own
-        endpoints and metrics, whichever snapshot wrote the memo last."""
+        endpoints and metrics, whichever snapshot wrote the memo last (two reads at once may
+        leave an older snapshot's entry: the next read then builds the scraped states again)."""
         endpoints = self._endpoints_by_pool.get(pool_key, ())
         metrics = self.metrics
         memo = self._states
         kept = memo.get(pool_key)
+        # (`kept[1] is endpoints` always holds today: only `replace_metrics` passes the memo on,
+        # with the same endpoints; a guard should another path ever share it)
         if kept is not None and kept[1] is endpoints:
             if kept[2] is metrics:
                 return kept[3]

@@ -79,7 +79,8 @@ class AdmissionController:
         self._scraped: Column[float] = Column(_scrape_times, _scrape_time)
 
     def _assess(self, states: Sequence[EndpointState], now: float) -> SaturationReport:
-        """`detector.assess` of `MIN_CACHED` states or more; from the kept values where every
+        """`detector.assess` of `MIN_CACHED` states or more (the caller checks; a smaller pool
+        would be answered right, only slower); from the kept values where every
         endpoint is fresh (the same floats: the plain sum of the same values in the same
         order)."""
         n = len(states)

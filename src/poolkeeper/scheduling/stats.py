@@ -39,8 +39,8 @@ class HistogramData:
     appends it to `pending`, a C-level call where `observe` is a Python frame, a bisect and
     three updates per plugin per request; `fold` buckets what is pending, in order (so the sum
     is the same float), and every reader folds first. Whoever records folds at a bound
-    (`SchedulerProfile` folds one of its timers every 16th run, in turn), so `pending` stays short
-    without a scrape.
+    (`SchedulerProfile` folds one of its timers every `FOLD_EVERY`-th run, in turn), so
+    `pending` stays short without a scrape.
     One thread, as the request path and the metrics endpoint share the event loop."""
 
     __slots__ = ("_count", "_counts", "_sum", "bounds", "pending", "record")

@@ -46,12 +46,7 @@ API (times in virtual seconds; the run starts wherever the first arrival's time 
   `send(request_id, server)` to submit a held request now (states update before it returns)
   or `send(request_id, None, reason)` to reject it. Held requests' TTFT counts from arrival.
 - Returns `FleetResult(requests=[RequestResult...] in arrival order, servers=[ServerResult...],
-  end_time)`. RequestResult fields: request_id, model, arrival, server (-1 if not served),
-  server_name, status ("ok" | "rejected" | "error"), error, prompt_tokens, cached_tokens,
-  completion_tokens, first_token, finish, finish_reason, preemptions, adapter_loaded, itl_max,
-  token_times (if recorded), payload; properties ttft, e2e, itl_mean. ServerResult: name,
-  routed, counters (sim.stats.EngineCounters: prefix_queries/hits, preemptions, lora_loads,
-  generation_tokens, busy_time, steps, histograms...).
+  end_time)` (their fields: `sim/virtual_results.py`).
 `FleetResult.summary()` gives a dict of common aggregates (counts, TTFT/e2e percentiles, ITL).
 
 The arrivals and results live in `sim/virtual_results.py`, what the router sees (the scraped
@@ -77,10 +72,7 @@ from poolkeeper.sim.virtual_views import ScrapedViews
 
 Router = Callable[[Arrival, Sequence[EndpointState], float], int | None]
 
-# `route` may return HOLD: the router keeps the arrival (flow control) and later hands it to
-# the `send` callback that `release` receives: `send(request_id, server)` submits it now (the
-# states passed to `release` are updated in place before `send` returns, so the router's next
-# capacity check sees it), `send(request_id, None, error)` rejects it.
+# `route` may return HOLD: the router keeps the arrival until `release` (module docstring).
 HOLD: Final = -1
 Send = Callable[[str, int | None, str | None], None]
 Releaser = Callable[[Sequence[EndpointState], float, Send], None]

@@ -108,21 +108,11 @@ def local_reply_config() -> dict[str, Any]:
                 # HTTP/1.1 request without Host, a target with a fragment or an encoded NUL
                 # (`path_normalization_failed`). Recognised by the request, so the EPP's 400s
                 # (whose messages say what was wrong with the body) keep their own bodies.
-                "filter": {
-                    "and_filter": {
-                        "filters": [
-                            {"status_code_filter": _status_is(400)},
-                            {
-                                "or_filter": {
-                                    "filters": [
-                                        _header_filter(":authority", absent=True),
-                                        _header_filter(":path", regex=_REFUSED_TARGET),
-                                    ]
-                                }
-                            },
-                        ]
-                    }
-                },
+                "filter": _status_and_any(
+                    400,
+                    _header_filter(":authority", absent=True),
+                    _header_filter(":path", regex=_REFUSED_TARGET),
+                ),
                 "body_format_override": reply(
                     "malformed request: a Host header is required, and the target may have no "
                     "fragment or encoded NUL",
@@ -144,21 +134,11 @@ def local_reply_config() -> dict[str, Any]:
             {
                 # Envoy refuses upgrades it is not configured for (WebSocket, CONNECT) with an
                 # empty 403 before any filter runs; recognised by the request asking for one.
-                "filter": {
-                    "and_filter": {
-                        "filters": [
-                            {"status_code_filter": _status_is(403)},
-                            {
-                                "or_filter": {
-                                    "filters": [
-                                        _header_filter("upgrade", present=True),
-                                        _header_filter(":method", exact="CONNECT"),
-                                    ]
-                                }
-                            },
-                        ]
-                    }
-                },
+                "filter": _status_and_any(
+                    403,
+                    _header_filter("upgrade", present=True),
+                    _header_filter(":method", exact="CONNECT"),
+                ),
                 "body_format_override": reply(
                     "protocol upgrades and CONNECT are not supported on this gateway",
                     "invalid_request_error",
@@ -176,6 +156,12 @@ def _status_is(status: int) -> dict[str, Any]:
             "value": {"default_value": status, "runtime_key": f"poolkeeper.status_{status}"},
         }
     }
+
+
+def _status_and_any(status: int, *filters: dict[str, Any]) -> dict[str, Any]:
+    """A reply of `status` to a request that matches any of `filters`."""
+    either = {"or_filter": {"filters": list(filters)}}
+    return {"and_filter": {"filters": [{"status_code_filter": _status_is(status)}, either]}}
 
 
 def _header_filter(

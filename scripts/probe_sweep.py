@@ -306,6 +306,28 @@ async def s_huge_header(g: Gateway) -> Result:
     return status(answer) == 431, f"{status(answer)} {error_code(answer)}"
 
 
+async def s_own_errors_shaped(g: Gateway) -> Result:
+    """Envoy's own 400s (no Host, a fragment, an encoded NUL) and a model server's answer to an
+    allowlisted path it does not serve (embeddings on the simulator, `/v1/models/`) are OpenAI
+    errors, not empty or text/plain bodies (outside audit)."""
+    body = b"content-length: 2\r\n\r\n{}"
+    requests = {
+        "no Host": b"POST /v1/chat/completions HTTP/1.1\r\n" + body,
+        "fragment": b"POST /v1/chat/completions#x HTTP/1.1\r\nhost: gw\r\n" + body,
+        "%00": b"POST /v1/chat/completions%00 HTTP/1.1\r\nhost: gw\r\n" + body,
+        "embeddings": post(
+            json.dumps({"model": MODEL, "input": "hi"}).encode(), path="/v1/embeddings"
+        ),
+        "models/": b"GET /v1/models/ HTTP/1.1\r\nhost: gw\r\n\r\n",
+    }
+    seen = {}
+    for name, data in requests.items():
+        answer = await raw(g.http, data)
+        seen[name] = f"{status(answer)} {error_code(answer)}"
+    ok = all(v.split()[0] in ("400", "404") and not v.endswith("None") for v in seen.values())
+    return ok, f"{seen}"
+
+
 async def s_http10(g: Gateway) -> Result:
     answer = await raw(
         g.http,
@@ -651,6 +673,7 @@ SCENARIOS: list[tuple[str, Callable[[Gateway], Awaitable[Result]]]] = [
     ("header: 100 headers served", s_100_headers),
     ("header: 114 and 120 headers get 431", s_too_many_headers),
     ("header: one 61 KiB header gets 431", s_huge_header),
+    ("protocol: Envoy's and a server's own errors in OpenAI's shape", s_own_errors_shaped),
     ("protocol: HTTP/1.0 answered", s_http10),
     ("protocol: wrong methods on the chat path", s_wrong_methods),
     ("protocol: OPTIONS * well-formed", s_options_asterisk),

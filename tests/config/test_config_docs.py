@@ -47,6 +47,17 @@ def test_table_rows_show_type_limits_and_default() -> None:
     assert "`Reject` \\| `PassthroughSheddable`" in row
 
 
+def test_list_defaults_of_enums_show_their_values() -> None:
+    """A list default of enum members read `[<TrustedHeader.INFERENCE_OBJECTIVE: '...'>, ...]`
+    (Python's repr) in the reference; it lists the values a user writes in YAML now."""
+    row = next(
+        line for line in field_table(RequestHandling).splitlines() if "`trustedHeaders`" in line
+    )
+    default = row.split(" | ")[2]
+    assert "<TrustedHeader" not in default
+    assert "`x-gateway-inference-objective`" in default
+
+
 def test_regeneration_rewrites_only_the_marked_block(tmp_path: Path) -> None:
     page = tmp_path / "c.md"
     page.write_text(

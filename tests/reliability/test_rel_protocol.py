@@ -119,3 +119,32 @@ async def test_options_asterisk_gets_a_well_formed_error(tmp_path: Path) -> None
         assert status_of(answer) in (404, 405), answer[:300]
         assert _error(answer)["type"] == "invalid_request_error", answer[:300]
         assert g.router.turn == turns
+
+
+async def test_envoys_own_400_and_408_get_openai_errors(tmp_path: Path) -> None:
+    """Outside audit: an HTTP/1.1 request without Host, a target with a fragment or an encoded
+    NUL got Envoy's empty 400, and headers that did not arrive in time its text/plain 408. Each
+    is an OpenAI error now; the EPP's own 400 (a body without `model`) keeps its message."""
+    async with gate(tmp_path, request_headers_timeout_s=1.0) as g:
+        body = b"content-length: 2\r\n\r\n{}"
+        for request in (
+            b"POST /v1/chat/completions HTTP/1.1\r\n" + body,
+            b"POST /v1/chat/completions#part HTTP/1.1\r\nhost: x\r\n" + body,
+            b"POST /v1/chat/completions%00 HTTP/1.1\r\nhost: x\r\n" + body,
+        ):
+            answer = await raw_http(g.port, request)
+            assert status_of(answer) == 400, answer[:300]
+            assert _error(answer)["code"] == "malformed_request", answer[:300]
+        answer = await raw_http(
+            g.port, b"POST /v1/chat/completions?a=#b HTTP/1.1\r\nhost: x\r\n" + body
+        )
+        assert _error(answer)["code"] == "malformed_request", answer[:300]
+        bad = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{x"
+        answer = await raw_http(g.port, bad)
+        assert status_of(answer) == 400, answer[:300]
+        assert "JSON" in str(_error(answer)["message"]), answer[:300]
+        slow = await raw_http(
+            g.port, b"POST /v1/chat/completions HTTP/1.1\r\nhost:", read_timeout_s=10.0
+        )
+        assert status_of(slow) == 408, slow[:300]
+        assert _error(slow)["code"] == "request_timeout", slow[:300]

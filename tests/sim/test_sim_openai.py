@@ -141,6 +141,36 @@ async def test_bad_bodies_get_400(sim_cluster: StartCluster) -> None:
                 assert response.headers["x-sim-server"] == "sim-0"
 
 
+async def test_unserved_paths_and_methods_get_openai_errors(sim_cluster: StartCluster) -> None:
+    """A path or method the simulator does not serve (embeddings, responses, a trailing slash
+    the gateway lets through) is answered in OpenAI's error shape, as vLLM's handler does, not
+    aiohttp's text/plain "404: Not Found" (the gateway passes it to the client as it came)."""
+    _, (where,) = await sim_cluster(1)
+    async with client(where.url) as api:
+        with pytest.raises(openai.NotFoundError) as info:
+            await api.embeddings.create(model=DEFAULT_MODEL, input="x")
+    assert info.value.body == {
+        "message": "Not Found",
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }
+    async with aiohttp.ClientSession() as http:
+        for method, path, status in (
+            ("POST", "/v1/responses", 404),
+            ("GET", "/v1/models/", 404),
+            ("GET", "/v1/chat/completions", 405),
+        ):
+            async with http.request(method, f"{where.url}{path}") as response:
+                assert response.status == status
+                assert response.content_type == "application/json"
+                payload = await response.json()
+                assert payload["error"]["code"] == status
+                assert response.headers["x-sim-server"] == "sim-0"
+        async with http.get(f"{where.url}/v1/chat/completions") as response:
+            assert response.headers["allow"] == "POST"
+
+
 async def test_models_and_runtime_lora_loading(sim_cluster: StartCluster) -> None:
     _, (where,) = await sim_cluster(1, lora_adapters=["a"])
     async with client(where.url) as api, aiohttp.ClientSession() as http:

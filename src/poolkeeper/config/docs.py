@@ -88,6 +88,8 @@ def _default(info: FieldInfo) -> str:
         value = factory()
         if isinstance(value, BaseModel):
             return "(section defaults)"
+        if isinstance(value, list) and value and all(isinstance(v, enum.Enum) for v in value):
+            return ", ".join(f"`{v.value}`" for v in value)  # what YAML takes, not their repr
         return f"`{value!r}`" if value not in ([], {}) else ("`[]`" if value == [] else "`{}`")
     if info.default is PydanticUndefined:
         return "**required**"

@@ -104,23 +104,41 @@ def local_reply_config() -> dict[str, Any]:
                 ),
             },
             {
+                # The connection manager's own 400s, sent before any filter runs and empty: an
+                # HTTP/1.1 request without Host, a target with a fragment or an encoded NUL
+                # (`path_normalization_failed`). Recognised by the request, so the EPP's 400s
+                # (whose messages say what was wrong with the body) keep their own bodies.
+                "filter": _status_and_any(
+                    400,
+                    _header_filter(":authority", absent=True),
+                    _header_filter(":path", regex=_REFUSED_TARGET),
+                ),
+                "body_format_override": reply(
+                    "malformed request: a Host header is required, and the target may have no "
+                    "fragment or encoded NUL",
+                    "invalid_request_error",
+                    "malformed_request",
+                ),
+            },
+            {
+                # The request's headers (request_headers_timeout) or the whole request
+                # (request_timeout) did not arrive in time: Envoy's own 408 was text/plain.
+                # The EPP and its ImmediateResponses never answer 408.
+                "filter": {"status_code_filter": _status_is(408)},
+                "body_format_override": reply(
+                    "the request was not received in time",
+                    "invalid_request_error",
+                    "request_timeout",
+                ),
+            },
+            {
                 # Envoy refuses upgrades it is not configured for (WebSocket, CONNECT) with an
                 # empty 403 before any filter runs; recognised by the request asking for one.
-                "filter": {
-                    "and_filter": {
-                        "filters": [
-                            {"status_code_filter": _status_is(403)},
-                            {
-                                "or_filter": {
-                                    "filters": [
-                                        _header_filter("upgrade", present=True),
-                                        _header_filter(":method", exact="CONNECT"),
-                                    ]
-                                }
-                            },
-                        ]
-                    }
-                },
+                "filter": _status_and_any(
+                    403,
+                    _header_filter("upgrade", present=True),
+                    _header_filter(":method", exact="CONNECT"),
+                ),
                 "body_format_override": reply(
                     "protocol upgrades and CONNECT are not supported on this gateway",
                     "invalid_request_error",
@@ -140,13 +158,27 @@ def _status_is(status: int) -> dict[str, Any]:
     }
 
 
-def _header_filter(name: str, *, present: bool = False, exact: str = "") -> dict[str, Any]:
+def _status_and_any(status: int, *filters: dict[str, Any]) -> dict[str, Any]:
+    """A reply of `status` to a request that matches any of `filters`."""
+    either = {"or_filter": {"filters": list(filters)}}
+    return {"and_filter": {"filters": [{"status_code_filter": _status_is(status)}, either]}}
+
+
+def _header_filter(
+    name: str, *, present: bool = False, absent: bool = False, exact: str = "", regex: str = ""
+) -> dict[str, Any]:
     matcher: dict[str, Any] = {"name": name}
-    if present:
-        matcher["present_match"] = True
+    if present or absent:
+        matcher["present_match"] = present
+    elif regex:
+        matcher["string_match"] = {"safe_regex": {"regex": regex}}
     else:
         matcher["string_match"] = {"exact": exact}
     return {"header_filter": {"header": matcher}}
+
+
+# A target Envoy refuses before routing: a fragment anywhere, an encoded NUL before the query.
+_REFUSED_TARGET = r"[^?]*%00.*|.*#.*"
 
 
 def _not_a_path_filter() -> dict[str, Any]:

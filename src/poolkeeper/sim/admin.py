@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -28,9 +29,27 @@ from poolkeeper.sim.faults import (
 from poolkeeper.sim.metrics_text import LoraInfoSeries, render_metrics
 from poolkeeper.sim.openai_format import error_body
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 
 def json_error(message: str, status: int, param: str | None = None) -> web.Response:
     return web.json_response(error_body(message, status=status, param=param), status=status)
+
+
+@web.middleware
+async def openai_http_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 4xx/5xx (no such path, a wrong method, a body over the size limit) in
+    OpenAI's error shape, as vLLM's exception handler answers them: the gateway passes a model
+    server's error to the client as it came, and a client expects JSON, not "404: Not Found"."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = json_error(exc.reason, exc.status)
+        if "Allow" in exc.headers:  # 405 says which methods the path takes
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
 
 
 class AdminEndpoints:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from poolkeeper.sim.admin import AdminEndpoints, json_error
+from poolkeeper.sim.admin import AdminEndpoints, json_error, openai_http_errors
 from poolkeeper.sim.config import ServerSpec
 from poolkeeper.sim.direct_stream import DirectStream, event_boundary, usage_of
 from poolkeeper.sim.driver import RealtimeDriver, TokenWaiter
@@ -69,7 +69,7 @@ class SimServer(AdminEndpoints):
     started: int = field(default_factory=lambda: int(time.time()))
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[openai_http_errors])
         app.on_response_prepare.append(self._stamp)
         app.add_routes(
             [

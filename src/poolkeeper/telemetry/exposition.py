@@ -5,10 +5,12 @@ names for families that have one (`telemetry/llmd.py`, `telemetry/llmd_families.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from poolkeeper.telemetry.llmd import ALSO_AS
@@ -28,7 +30,26 @@ class Exposition:
         self.objective_names = objective_names
 
     def collect(self) -> Iterator[Metric]:
-        for family in self.registry.collect():
+        return self._expose(self.registry.collect())
+
+    def snapshot(self) -> Snapshot:
+        """The page's families in two parts: the collectors that read the EPP's state (pools,
+        queues, the scheduler, connections) collected now, on the caller's thread (the event
+        loop, where that state changes); prometheus_client's own instruments left for
+        `Snapshot.collect`, which may run on a worker thread: they are thread-safe, and with many
+        label values they are nearly all of a page (1,000 fairness ids of one model: 64 MB,
+        3 s of rendering that held every request on the loop; outside audit)."""
+        # The registry's collectors in registration order, as `CollectorRegistry.collect`
+        # copies them (no public accessor exists).
+        with self.registry._lock:
+            collectors = list(self.registry._collector_to_names)
+        parts: list[Collector | list[Metric]] = [
+            c if isinstance(c, MetricWrapperBase) else list(c.collect()) for c in collectors
+        ]
+        return Snapshot(self, parts)
+
+    def _expose(self, families: Iterable[Metric]) -> Iterator[Metric]:
+        for family in families:
             samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield _copy(family, family.name, samples)
             also = ALSO_AS.get(family.name) or _ALSO_AS_MORE.get(family.name)
@@ -50,6 +71,21 @@ class Exposition:
                         for s in samples
                     ],
                 )
+
+
+class Snapshot:
+    """`Exposition.snapshot`'s page: `collect` may run on any thread."""
+
+    def __init__(self, exposition: Exposition, parts: list[Collector | list[Metric]]) -> None:
+        self._exposition = exposition
+        self._parts = parts
+
+    def collect(self) -> Iterator[Metric]:
+        return self._exposition._expose(self._families())
+
+    def _families(self) -> Iterator[Metric]:
+        for part in self._parts:
+            yield from part if isinstance(part, list) else part.collect()
 
 
 # More families under a second name (counters by their `_total` name).

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from unittest.mock import MagicMock
@@ -315,18 +317,25 @@ def test_each_process_life_is_a_new_origin(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(origin_name("x" * 500).encode()) <= 255
 
 
-async def test_the_runtime_leaves_peers_unseen_sends_out_when_turned_off(
-    tmp_path: Path, key_file: Path
-) -> None:
+def _runtime(
+    tmp_path: Path, key_file: Path, extra: str = "", clock: Callable[[], float] = time.monotonic
+) -> tuple[GatewayRuntime, int, int]:
+    """A runtime (not started) with one pool and sync on (`extra`: more of the section),
+    its sync port and its server's."""
     sync_port, sim = free_ports(2)
     spec = (
         f"  replicaSync: {{enabled: true, address: 127.0.0.1, port: {sync_port}, "
-        f"keyFile: {key_file}, peers: ['127.0.0.1:{sync_port}'], peerUnseen: false}}\n"
+        f"keyFile: {key_file}, peers: ['127.0.0.1:{sync_port}']{extra}}}\n"
     )
     directory = one_pool(tmp_path / "cfg", sim, spec=spec)
-    runtime = GatewayRuntime(
-        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0)
-    )
+    options = ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0)
+    return GatewayRuntime(options, clock=clock), sync_port, sim
+
+
+async def test_the_runtime_leaves_peers_unseen_sends_out_when_turned_off(
+    tmp_path: Path, key_file: Path
+) -> None:
+    runtime, _, _ = _runtime(tmp_path, key_file, ", peerUnseen: false")
     await runtime.start()
     try:
         assert runtime._sync is not None
@@ -341,17 +350,8 @@ async def test_the_runtime_leaves_peers_unseen_sends_out_when_turned_off(
 async def test_the_runtime_runs_the_syncer_it_is_configured_with(
     tmp_path: Path, key_file: Path
 ) -> None:
-    sync_port, sim = free_ports(2)
-    spec = (
-        f"  replicaSync: {{enabled: true, address: 127.0.0.1, port: {sync_port}, "
-        f"keyFile: {key_file}, peers: ['127.0.0.1:{sync_port}']}}\n"
-    )
-    directory = one_pool(tmp_path / "cfg", sim, spec=spec)
     now = [1e9]  # far from time.monotonic(): a syncer on another clock would not age at all
-    runtime = GatewayRuntime(
-        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0),
-        clock=lambda: now[0],
-    )
+    runtime, sync_port, sim = _runtime(tmp_path, key_file, clock=lambda: now[0])
     await runtime.start()
     try:
         assert runtime.config is not None

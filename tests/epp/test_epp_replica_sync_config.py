@@ -88,8 +88,7 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
     assert section["flushIntervalMs"] == 5.0  # the interval: how long decisions gather
     assert section["peerWakeSpreadMs"] == 20
     # Decisions leave at once and peers' unseen sends count: the section's defaults.
-    assert "sendAtOnce" not in section
-    assert "peerUnseen" not in section
+    assert (section["sendAtOnce"], section["peerUnseen"]) == (True, True)
     defaults = GatewayConfig.model_validate({"spec": {"replicaSync": section}})
     assert defaults.spec.replica_sync.send_at_once
     assert defaults.spec.replica_sync.peer_unseen
@@ -101,6 +100,12 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
     )
     assert _translate(more)["maxDatagramBytes"] == 1400
     assert _translate(more)["reconcileIntervalMs"] == 250
+    # Both can be turned off, as in the section itself.
+    off = _translate(text.replace("resolveInterval: 2s", "resolveInterval: 2s, "
+                                  "sendAtOnce: false, peerUnseen: false"))  # fmt: skip
+    assert (off["sendAtOnce"], off["peerUnseen"]) == (False, False)
+    checked = GatewayConfig.model_validate({"spec": {"replicaSync": off}}).spec.replica_sync
+    assert (checked.send_at_once, checked.peer_unseen) == (False, False)
 
 
 @pytest.mark.parametrize(

@@ -246,6 +246,26 @@ async def test_peers_unseen_sends_reach_the_scheduler_after_our_own() -> None:
     }
 
 
+async def test_a_failing_peers_view_never_fails_a_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Broken:
+        def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
+            raise RuntimeError("boom")
+
+    rig = _rig()
+    rig.director.peers = Broken()
+    first = await rig.director.route(_chat(rid="a", text="first prompt " * 30))
+    for rid in "bc":
+        await rig.director.route(_chat(rid=rid, text="another prompt " * 30))
+    loads = {s.key: s.unseen_requests for s in rig.scheduler.seen[0][1]}
+    assert loads == dict.fromkeys(ALL, 0)  # the tracker's answer: nothing sent yet
+    assert first.endpoints
+    assert rig.director.peer_errors >= 3
+    logged = [r for r in caplog.records if "peers' unseen sends left out" in r.getMessage()]
+    assert 1 <= len(logged) < rig.director.peer_errors  # rate-limited
+
+
 @pytest.mark.parametrize(("fallbacks", "expected"), [(0, 1), (2, 3), (16, 4)])
 async def test_fallback_count_follows_config(fallbacks: int, expected: int) -> None:
     rig = _rig(config=RequestHandling(fallback_endpoints=fallbacks))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from types import MappingProxyType
+from typing import Any
 
 import pytest
 
@@ -45,8 +47,23 @@ def test_a_pool_serving_adapters_keeps_its_own_counts_but_drops_what_a_scrape_co
         pool = [state(1), with_adapters]
         assert peers.apply(pool) == pool  # not even the endpoint without adapters is folded
     assert len(peers) == 2  # the covered one dropped all the same
-    a, b = peers.apply([state(1, max_adapters=4), state(2, max_adapters=4)])  # slots only
-    assert (a.unseen_requests, b.unseen_requests) == (1, 1)
+
+
+def test_an_idle_lora_pool_stays_unfolded_once_it_listed_an_adapter() -> None:
+    peers = PeerUnseen()
+    peers.fold("b", _sent("r1"), NOW)
+    # Never listed one: folded (the simulator's servers all report max_loras 1).
+    a, b = peers.apply([state(1, max_adapters=4), state(2, max_adapters=4)])
+    assert (a.unseen_requests, b.unseen_requests) == (1, 0)
+    assert peers.apply([state(1, active=("x",)), state(2)])[0].unseen_requests == 0
+    # Idle now (servers list only the adapters with requests): still the LoRA pool it was,
+    # on the endpoint that listed one and on the other alike.
+    peers.fold("b", _sent("r2", endpoint=B), NOW)
+    idle = [state(1, max_adapters=4), state(2, max_adapters=4)]
+    assert peers.apply(idle) == idle
+    assert peers.apply(idle[1:]) == idle[1:]
+    peers.forget_endpoints({B})  # A left the pool: B, marked with it, stays marked
+    assert peers.apply(idle[1:]) == idle[1:]
 
 
 def test_an_answered_peer_send_is_running_and_an_ended_one_is_gone() -> None:
@@ -111,3 +128,71 @@ def test_sends_are_bounded_in_number_and_age() -> None:
 def test_bad_bounds_are_refused(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be positive"):
         PeerUnseen(**kw)  # type: ignore[arg-type]
+
+
+def test_sends_to_an_endpoint_outside_the_pool_are_ignored_and_those_that_left_dropped() -> None:
+    peers = PeerUnseen(pool={A, B})
+    peers.fold("b", _sent("r1", endpoint="10.9.9.9:8000"), NOW)
+    assert (len(peers), peers.ignored) == (0, 1)
+    peers.fold("b", _sent("r2"), NOW)
+    peers.fold("b", _sent("r3", endpoint=B), NOW)
+    peers.forget_endpoints({B})
+    assert len(peers) == 1
+    a, b = peers.apply([state(1), state(2)])
+    assert (a.unseen_requests, b.unseen_requests) == (0, 1)
+    peers.fold("b", _sent("r4"), NOW)  # A is no longer in the pool
+    assert (len(peers), peers.ignored) == (1, 2)
+
+
+def test_old_sends_expire_at_a_read_too() -> None:
+    peers = PeerUnseen(max_age_s=10.0)
+    peers.fold("b", _sent("r1", endpoint=B), NOW)  # B: never read again
+    peers.fold("b", _sent("r2"), NOW + 0.5)
+    (a,) = peers.apply([state(1, updated_at=NOW + 10.2)])  # no new send since
+    assert a.unseen_requests == 0  # r2: in that scrape
+    assert len(peers) == 0  # r1: older than 10 s on the scrapes' clock
+
+
+def test_an_endpoints_answer_is_the_same_object_until_its_state_or_sends_change() -> None:
+    peers = PeerUnseen()
+    peers.fold("b", _sent("r1"), NOW)
+    pool = [state(1), state(2)]
+    first, second = peers.apply(pool), peers.apply(pool)
+    assert first[0] is second[0]  # (the decision cache compares states by identity)
+    assert first[1] is second[1] is pool[1]
+    for change in (_sent("r2"), Answered("r2"), Ended("r2")):
+        peers.fold("b", change, NOW)
+        again = peers.apply(pool)
+        assert again[0] is not second[0]
+        second = again
+    assert second[0] == first[0]  # r2 came and went: the counts are r1's again
+    assert peers.apply([state(1), state(2)])[0] is not second[0]  # another state object
+
+
+def _non_default(f: dataclasses.Field[Any]) -> Any:
+    """A value for field `f` of EndpointState unlike its default (a new field: add one)."""
+    values: dict[str, Any] = {
+        "endpoint": state(7).endpoint,
+        "metrics": state(7, waiting=3).metrics,
+        "seconds_per_output_token": 0.025,
+        "inflight_models": MappingProxyType({"m": 2}),
+    }
+    if f.name in values:
+        return values[f.name]
+    assert f.type == "int", f"give EndpointState.{f.name} a non-default value here"
+    return 11 + len(f.name)
+
+
+def test_every_field_of_the_state_is_carried_into_the_answer() -> None:
+    # `apply` builds the answer positionally (for speed): a field added to EndpointState and
+    # not passed on would silently be reset to its default; this fails then.
+    fields = dataclasses.fields(state(1))
+    full = type(state(1))(**{f.name: _non_default(f) for f in fields})
+    assert all(getattr(full, f.name) != f.default for f in fields)
+    peers = PeerUnseen()
+    peers.fold("b", _sent("r1", endpoint=full.key, tokens=40), NOW)
+    (got,) = peers.apply([full])
+    expected = replace(full, unseen_requests=full.unseen_requests + 1,
+                       unseen_tokens=full.unseen_tokens + 40)  # fmt: skip
+    for f in fields:
+        assert getattr(got, f.name) == getattr(expected, f.name), f.name

@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import MagicMock
 
 import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from poolkeeper.controller.files import file_source
+from poolkeeper.datastore.store import ChangeKind
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
@@ -33,7 +37,7 @@ from poolkeeper.server.replica_sync import (
 from poolkeeper.server.runtime import GatewayRuntime
 from poolkeeper.server.sync_keys import key_missing, read_keys
 from poolkeeper.server.sync_service import SyncCollector
-from tests.scheduling.sched_factories import NOW, request, scheduler, state
+from tests.scheduling.sched_factories import NOW, key, request, scheduler, state
 from tests.support.gateway_files import one_pool
 from tests.support.waiting import until
 
@@ -123,27 +127,76 @@ async def test_a_peers_decision_is_in_its_unseen_counts_unless_turned_off(
 ) -> None:
     ports = free_ports(3)
     a, b = scheduler("default"), scheduler("default")
-    sync_a = await start_replica_sync(_section(key_file, ports[0], ports[:2]), a, clock=_clock)
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a, clock=_clock)
     sync_b = await start_replica_sync(_section(key_file, ports[1], ports[:2]), b, clock=_clock)
+    c = scheduler("default")
     off = await start_replica_sync(
         _section(key_file, ports[2], ports).model_copy(update={"peer_unseen": False}),
-        scheduler("default"),
-    )
+        c, clock=_clock,
+    )  # fmt: skip
     try:
         assert off.unseen is None
         unseen = sync_b.unseen
         assert unseen is not None
-        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+        await until(lambda: len(sync_a.transport.peers) == 2 and sync_b.transport.peers,
+                    "peers known")  # fmt: skip
         pool = [replace(state(i), metrics=replace(state(i).metrics, updated_at=NOW - 1.0))
                 for i in range(1, 5)]  # fmt: skip
         picked = a.schedule(request(prompt=PROMPT, request_id="q1"), pool, now=NOW).primary.key
         await until(lambda: len(unseen) == 1, "a's decision at b")
         counts = {s.key: s.unseen_requests for s in unseen.apply(pool)}
         assert counts == {s.key: int(s.key == picked) for s in pool}
+        # Turned off: the decision reaches the fold (the backlog) and nothing else.
+        await until(lambda: _backlog(c).backlog.tokens(picked) > 0, "a's decision at off")
+        assert all(sink is off.fold for sink in off.hub._sinks)
     finally:
         await sync_a.stop()
         await sync_b.stop()
         await off.stop()
+
+
+@pytest.mark.parametrize("at_once", [True, False])
+async def test_send_at_once_reaches_the_transport(
+    key_file: Path, at_once: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    port, peer = free_ports(2)
+    section = _section(key_file, port, [peer]).model_copy(update={"send_at_once": at_once})
+    running = await start_replica_sync(section, scheduler("default"), clock=_clock)
+    # Counting peers' sends pays off only when they arrive at once: said at start.
+    assert ("peerUnseen is on with sendAtOnce off" in caplog.text) is not at_once
+    calls: list[bool] = []
+
+    def notify(*, at_once: bool = False) -> None:
+        calls.append(at_once)
+
+    running.transport.notify = notify  # type: ignore[method-assign]
+    try:
+        running.hub.publish(Sent("r1", "10.0.0.1:8000", 10, True))
+        running.hub.publish(Ended("r1"))
+        assert calls == [at_once, False]
+    finally:
+        await running.stop()
+
+
+async def test_a_pool_change_prunes_the_peers_unseen_sends(key_file: Path) -> None:
+    port, peer = free_ports(2)
+    a, b = key(1), key(2)
+    running = await start_replica_sync(
+        _section(key_file, port, [peer]), scheduler("default"), clock=_clock, pool={a, b}
+    )
+    try:
+        unseen = running.unseen
+        assert unseen is not None
+        for rid, endpoint in (("r1", a), ("r2", b), ("r3", "10.9.9.9:8000")):
+            unseen.fold("peer", Sent(rid, endpoint, 10, True), NOW)
+        assert (len(unseen), unseen.ignored) == (2, 1)  # seeded with the pool
+        snapshot = MagicMock()
+        snapshot.all_endpoints.return_value = [state(2).endpoint]
+        running.pool_changed(snapshot, ChangeKind.ENDPOINTS)
+        assert len(unseen) == 1
+        assert running.fold.pool == frozenset({b})
+    finally:
+        await running.stop()
 
 
 async def test_a_lost_end_stops_counting_at_the_peer_after_the_next_statement(
@@ -264,20 +317,41 @@ def test_each_process_life_is_a_new_origin(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(origin_name("x" * 500).encode()) <= 255
 
 
-async def test_the_runtime_runs_the_syncer_it_is_configured_with(
-    tmp_path: Path, key_file: Path
-) -> None:
+def _runtime(
+    tmp_path: Path, key_file: Path, extra: str = "", clock: Callable[[], float] = time.monotonic
+) -> tuple[GatewayRuntime, int, int]:
+    """A runtime (not started) with one pool and sync on (`extra`: more of the section),
+    its sync port and its server's."""
     sync_port, sim = free_ports(2)
     spec = (
         f"  replicaSync: {{enabled: true, address: 127.0.0.1, port: {sync_port}, "
-        f"keyFile: {key_file}, peers: ['127.0.0.1:{sync_port}']}}\n"
+        f"keyFile: {key_file}, peers: ['127.0.0.1:{sync_port}']{extra}}}\n"
     )
     directory = one_pool(tmp_path / "cfg", sim, spec=spec)
+    options = ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0)
+    return GatewayRuntime(options, clock=clock), sync_port, sim
+
+
+async def test_the_runtime_leaves_peers_unseen_sends_out_when_turned_off(
+    tmp_path: Path, key_file: Path
+) -> None:
+    runtime, _, _ = _runtime(tmp_path, key_file, ", peerUnseen: false")
+    await runtime.start()
+    try:
+        assert runtime._sync is not None
+        assert runtime._sync.running is not None  # the syncer runs, its fold bound
+        assert runtime._sync.running.unseen is None
+        assert runtime.director is not None
+        assert runtime.director.peers is None
+    finally:
+        await runtime.stop(grace_s=0)
+
+
+async def test_the_runtime_runs_the_syncer_it_is_configured_with(
+    tmp_path: Path, key_file: Path
+) -> None:
     now = [1e9]  # far from time.monotonic(): a syncer on another clock would not age at all
-    runtime = GatewayRuntime(
-        ServeOptions(source=file_source([directory]), run_envoy=False, ready_wait_s=0),
-        clock=lambda: now[0],
-    )
+    runtime, sync_port, sim = _runtime(tmp_path, key_file, clock=lambda: now[0])
     await runtime.start()
     try:
         assert runtime.config is not None

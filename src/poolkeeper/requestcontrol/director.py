@@ -122,6 +122,7 @@ class Director(Sends):
         # The peers' sends since each endpoint's scrape, set by the runtime while sync folds
         # them (`peerUnseen`): added to the candidates' unseen counts after our own.
         self.peers: PeerLoadLike | None = None
+        self.peer_errors = 0  # `peers.apply` raised: the request went on without them
 
     @property
     def gate(self) -> Gate:
@@ -281,7 +282,16 @@ class Director(Sends):
         """The candidates with this replica's in-flight load, and its peers' unseen sends when
         sync folds them (`peers`)."""
         loaded = self._inflight.apply(states)
-        return loaded if self.peers is None else self.peers.apply(loaded)
+        peers = self.peers
+        if peers is None:
+            return loaded
+        try:
+            return peers.apply(loaded)
+        except Exception:  # a hint only: never fails a request; our own load is still right
+            self.peer_errors += 1
+            if self.peer_errors & (self.peer_errors - 1) == 0:  # the 1st, 2nd, 4th, 8th...
+                log.exception("peers' unseen sends left out (%d times so far)", self.peer_errors)
+            return loaded
 
     def _subset(self, request: IncomingRequest) -> frozenset[str] | None:
         if request.subset_hint is None or not self._config.honor_subset_hint:

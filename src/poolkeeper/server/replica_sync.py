@@ -123,10 +123,13 @@ class RunningSync:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def pool_changed(self, snapshot: DatastoreSnapshot, kind: ChangeKind) -> None:
-        """A datastore listener: the fold accepts peers' sends only to the pool's endpoints,
-        and forgets what they sent to the ones that left."""
+        """A datastore listener: the fold and the peers' unseen sends accept peers' sends only
+        to the pool's endpoints, and forget what they sent to the ones that left."""
         if kind is not ChangeKind.METRICS:
-            self.fold.forget_endpoints({e.hostport for e in snapshot.all_endpoints()})
+            keep = {e.hostport for e in snapshot.all_endpoints()}
+            self.fold.forget_endpoints(keep)
+            if self.unseen is not None:
+                self.unseen.forget_endpoints(keep)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -192,7 +195,13 @@ async def start_replica_sync(
     origin = origin_name(config.origin)
     hub = _SignallingSync(origin)
     fold = bind(hub, scheduler, pool=pool, clock=clock)
-    unseen = PeerUnseen() if config.peer_unseen else None
+    if config.peer_unseen and not config.send_at_once:
+        log.warning(
+            "replica sync: peerUnseen is on with sendAtOnce off: peers' decisions arrive "
+            "about flushIntervalMs late, when counting them pays off only well under 1 ms "
+            "(docs/notes/2026-12-07-replicas-sub-ms.md)"
+        )
+    unseen = PeerUnseen(pool=pool) if config.peer_unseen else None
     if unseen is not None:  # stamped on `clock`, the scrapes' clock (the runtime's)
         hub.bind(unseen)
 

@@ -136,6 +136,8 @@ class SyncerParams(Params):
     reconcile_interval: str = Field(default="1s", alias="reconcileInterval")
     max_datagram_bytes: int = Field(default=1232, ge=1024, le=65_000, alias="maxDatagramBytes")
     origin: str | None = None
+    send_at_once: bool = Field(default=True, alias="sendAtOnce")
+    peer_unseen: bool = Field(default=True, alias="peerUnseen")
 
 
 class AnyParams(Params):

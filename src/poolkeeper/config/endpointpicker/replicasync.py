@@ -102,6 +102,8 @@ def replica_sync_section(
         "peerService": syncer.peer_service,
         "origin": syncer.origin,
         "maxDatagramBytes": syncer.max_datagram_bytes,
+        "sendAtOnce": syncer.send_at_once,
+        "peerUnseen": syncer.peer_unseen,
     }
     if not syncer.key_file.strip():
         problems.append(

@@ -27,19 +27,29 @@ folds one in about 0.3 ms on 127.0.0.1): heavy-tail 4 replicas 1.05x of one repl
 against 1.13x as shipped before (docs/notes/2026-12-07-replicas-sub-ms.md). The bench runs it
 when asked (`--sync-with unseen`).
 
-Candidates of which any shows LoRA adapters (active or waiting) are left as they are (the
-sends a scrape covers are still dropped): a `Sent` names no adapter, so in a LoRA pool a peer's
-send would count as load on its server but not toward the adapter there, which decides where a
-LoRA request waits. Measured on multi-LoRA seed 2, 0.9x, 2 replicas (a cliff one replica is
-near too, its p99 10 s): folded everywhere, p90 63x one replica's and goodput -7.5 %; left out
-only on the endpoints showing adapters, 2.94x and -4.8 %; left out for the whole pool, the
-same as sync without the fold (1.99x, -4.8 %).
+A pool serving LoRA adapters is left as it is (the sends a scrape covers are still dropped):
+a `Sent` names no adapter, so in a LoRA pool a peer's send would count as load on its server
+but not toward the adapter there, which decides where a LoRA request waits. Measured on
+multi-LoRA seed 2, 0.9x, 2 replicas (a cliff one replica is near too, its p99 10 s): folded
+everywhere, p90 63x one replica's and goodput -7.5 %; left out only on the endpoints showing
+adapters, 2.94x and -4.8 %; left out for the whole pool, the same as sync without the fold
+(1.99x, -4.8 %). The adapters a server lists are only those with requests, so an idle LoRA
+pool lists none: the pool is told by its endpoints having listed adapters at any read
+(sticky: once one of the candidates with sends kept lists one, all the candidates are
+marked). Not `max_adapters`: the simulator reports vLLM's `max_loras` 1 on every server, so
+every benchmarked pool would count as a LoRA pool. Left: a LoRA pool's very first burst,
+before any of its endpoints listed an adapter, is folded.
 
 A delivery D ms after the peer's send counts a send that a scrape within those D ms already
 holds once more, until the next scrape (with the shipped 1 ms against a 50 ms scrape: rare).
 
-Bounded: at most `max_entries` sends (the oldest go first), none older than `max_age_s` (an
-endpoint no longer scraped, or named by peers but not in the pool, keeps nothing past it).
+Bounded: at most `max_entries` sends (the oldest go first), none older than `max_age_s` (on
+a new send, or at a read, by the newest scrape stamp read); with a `pool` (the server seeds it
+from the datastore and `forget_endpoints` replaces it, as the fold's), a send to an endpoint
+outside it is ignored and counted (`ignored`), and those to endpoints that left are dropped.
+Cheap when there is nothing to add: `apply` works nothing out unless a candidate has sends
+kept, and an endpoint's answer is the same object while its input state and its sends are
+(the decision cache, `datastore/columns.py`, compares states by identity).
 Pure: no clock, no I/O; `now` is the hub's delivery time, on the clock that stamps the scrapes.
 """
 
@@ -65,16 +75,31 @@ class _Send:
 class PeerUnseen:
     """Peers' sends by endpoint, until a scrape covers them (the module docstring)."""
 
-    __slots__ = ("_by_endpoint", "_sends", "max_age_s", "max_entries")
+    __slots__ = (
+        "_by_endpoint", "_lora", "_memo", "_pool", "_sends", "ignored", "max_age_s",
+        "max_entries",
+    )  # fmt: skip
 
-    def __init__(self, *, max_entries: int = 65_536, max_age_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_entries: int = 65_536,
+        max_age_s: float = 60.0,
+        pool: set[str] | None = None,
+    ) -> None:
         if max_entries < 1 or not max_age_s > 0.0:
             raise ValueError("max_entries and max_age_s must be positive")
         self.max_entries = max_entries
         self.max_age_s = max_age_s
+        self._pool: frozenset[str] | None = None if pool is None else frozenset(pool)
+        self.ignored = 0  # peers' sends to an endpoint outside the pool
         self._sends: dict[_Key, _Send] = {}  # in delivery order (delivery times never go back)
         # endpoint -> its sends' keys, in delivery order: those a scrape covers are a prefix
         self._by_endpoint: dict[str, dict[_Key, None]] = {}
+        # endpoint -> (the state last read, the answer): kept while neither changes, so the
+        # decision cache (`datastore/columns.py`, by identity) sees the same object
+        self._memo: dict[str, tuple[EndpointState, EndpointState]] = {}
+        self._lora: set[str] = set()  # endpoints of a pool seen serving adapters (sticky)
 
     def __len__(self) -> int:
         return len(self._sends)
@@ -86,14 +111,20 @@ class PeerUnseen:
         if isinstance(event, Sent):
             self._drop(key)
             self._age(now)
+            endpoint = event.endpoint
+            if self._pool is not None and endpoint not in self._pool:
+                self.ignored += 1
+                return
             while len(self._sends) >= self.max_entries:
                 self._drop(next(iter(self._sends)))
-            self._sends[key] = _Send(now, event.endpoint, event.tokens)
-            self._by_endpoint.setdefault(event.endpoint, {})[key] = None
+            self._sends[key] = _Send(now, endpoint, event.tokens)
+            self._by_endpoint.setdefault(endpoint, {})[key] = None
+            self._memo.pop(endpoint, None)
         elif isinstance(event, Answered):
             send = self._sends.get(key)
-            if send is not None:
+            if send is not None and not send.answered:
                 send.answered = True
+                self._memo.pop(send.endpoint, None)
         else:
             self._drop(key)
 
@@ -101,41 +132,84 @@ class PeerUnseen:
         for key in [k for k in self._sends if k[0] == origin]:
             self._drop(key)
 
+    def forget_endpoints(self, keep: set[str]) -> None:
+        """The pool is now `keep`: peers' sends elsewhere are ignored from now on, and those
+        kept for the endpoints that left are dropped (as the fold's `forget_endpoints`)."""
+        self._pool = frozenset(keep)
+        for endpoint in [e for e in self._by_endpoint if e not in keep]:
+            for key in list(self._by_endpoint[endpoint]):
+                self._drop(key)
+        self._lora &= keep
+        for endpoint in [e for e in self._memo if e not in keep]:
+            del self._memo[endpoint]
+
     # -- the scheduler's view ---------------------------------------------------------------
 
     def apply(self, states: Sequence[EndpointState]) -> list[EndpointState]:
         """`states` with the peers' sends since each endpoint's scrape added to its unseen
-        counts, unless one of them shows LoRA adapters (the module docstring); the sends a
-        scrape now covers are dropped."""
+        counts, unless the pool serves LoRA adapters (the module docstring); the sends a
+        scrape now covers are dropped. Nothing is worked out unless a candidate has sends
+        kept; an endpoint's answer is the same object while its state and sends are."""
         by_endpoint = self._by_endpoint
+        out = list(states)
         if not by_endpoint:
-            return list(states)
+            return out
+        hits = [i for i, s in enumerate(out) if s.endpoint.hostport in by_endpoint]
+        if not hits:
+            return out
         sends = self._sends
-        # A pool serving LoRA adapters keeps its own counts (the module docstring).
-        adapters = any(s.metrics.active_adapters or s.metrics.waiting_adapters for s in states)
-        out: list[EndpointState] = []
-        for s in states:
-            keys = by_endpoint.get(s.key)
-            if keys:
-                scraped = s.metrics.updated_at
-                while keys and sends[next(iter(keys))].at < scraped:
-                    self._drop(next(iter(keys)))
-            if not keys or adapters:
-                out.append(s)
+        newest = 0.0
+        for i in hits:  # the sends a scrape covers are in its queue: dropped
+            s = out[i]
+            scraped = s.metrics.updated_at
+            newest = max(newest, scraped)
+            keys = by_endpoint[s.endpoint.hostport]
+            while keys and sends[next(iter(keys))].at < scraped:
+                self._drop(next(iter(keys)))
+        self._age(newest)  # (a scrape's stamp is on the delivery clock)
+        if self._serves_adapters(out, hits):
+            return out
+        memo = self._memo
+        for i in hits:
+            s = out[i]
+            endpoint = s.endpoint.hostport
+            kept = memo.get(endpoint)
+            if kept is not None and kept[0] is s:
+                out[i] = kept[1]
+                continue
+            pending = by_endpoint.get(endpoint)
+            if not pending:
                 continue
             tokens = answered = 0
-            for key in keys:
+            for key in pending:
                 send = sends[key]
                 tokens += send.tokens
                 answered += send.answered
-            # (positional, as the tracker builds them: `dataclasses.replace` costs ~9 µs each)
+            # (positional, as the tracker builds them: `dataclasses.replace` costs ~9 µs each;
+            # tests/scheduling/test_sched_sync_peerunseen.py checks every field is carried)
             folded = EndpointState(
                 s.endpoint, s.metrics, s.inflight_requests, s.inflight_tokens,
-                s.unseen_requests + len(keys), s.unseen_tokens + tokens,
+                s.unseen_requests + len(pending), s.unseen_tokens + tokens,
                 s.seconds_per_output_token, s.unseen_answered + answered, s.inflight_models,
             )  # fmt: skip
-            out.append(folded)
+            memo[endpoint] = (s, folded)
+            out[i] = folded
         return out
+
+    def _serves_adapters(self, states: list[EndpointState], hits: list[int]) -> bool:
+        """Whether the candidates are a pool serving LoRA adapters: one of those with sends
+        kept was seen with adapters (active or waiting) at this read or an earlier one. The
+        first time, every candidate is marked: the pool's idle moments (no adapter listed)
+        and its endpoints without sends yet are left as they are too."""
+        lora = self._lora
+        for i in hits:
+            s = states[i]
+            if s.endpoint.hostport in lora:
+                return True
+            if s.metrics.active_adapters or s.metrics.waiting_adapters:
+                lora.update(state.endpoint.hostport for state in states)
+                return True
+        return False
 
     def _age(self, now: float) -> None:
         sends, horizon = self._sends, now - self.max_age_s
@@ -146,7 +220,9 @@ class PeerUnseen:
         send = self._sends.pop(key, None)
         if send is None:
             return
-        keys = self._by_endpoint[send.endpoint]
+        endpoint = send.endpoint
+        keys = self._by_endpoint[endpoint]
         del keys[key]
         if not keys:
-            del self._by_endpoint[send.endpoint]
+            del self._by_endpoint[endpoint]
+        self._memo.pop(endpoint, None)

@@ -138,8 +138,10 @@ async def test_a_peers_decision_is_in_its_unseen_counts_unless_turned_off(
         assert off.unseen is None
         unseen = sync_b.unseen
         assert unseen is not None
-        await until(lambda: len(sync_a.transport.peers) == 2 and sync_b.transport.peers,
-                    "peers known")  # fmt: skip
+        # Every receiver must know a as a peer first: a datagram from an address not (yet)
+        # resolved as one is dropped as a stranger's, and a sends its decision only once.
+        await until(lambda: len(sync_a.transport.peers) == 2 and sync_b.transport.peers
+                    and len(off.transport.peers) == 2, "peers known")  # fmt: skip
         pool = [replace(state(i), metrics=replace(state(i).metrics, updated_at=NOW - 1.0))
                 for i in range(1, 5)]  # fmt: skip
         picked = a.schedule(request(prompt=PROMPT, request_id="q1"), pool, now=NOW).primary.key

@@ -311,20 +311,24 @@ async def s_own_errors_shaped(g: Gateway) -> Result:
     allowlisted path it does not serve (embeddings on the simulator, `/v1/models/`) are OpenAI
     errors, not empty or text/plain bodies (outside audit)."""
     body = b"content-length: 2\r\n\r\n{}"
-    requests = {
-        "no Host": b"POST /v1/chat/completions HTTP/1.1\r\n" + body,
-        "fragment": b"POST /v1/chat/completions#x HTTP/1.1\r\nhost: gw\r\n" + body,
-        "%00": b"POST /v1/chat/completions%00 HTTP/1.1\r\nhost: gw\r\n" + body,
-        "embeddings": post(
-            json.dumps({"model": MODEL, "input": "hi"}).encode(), path="/v1/embeddings"
+    malformed = "400 malformed_request"  # Envoy's own, with the gateway's code
+    unserved = "404 404"  # the simulator's, as vLLM's handler answers (code: the status)
+    requests = {  # name: (request, the status and error code it must get)
+        "no Host": (b"POST /v1/chat/completions HTTP/1.1\r\n" + body, malformed),
+        "fragment": (b"POST /v1/chat/completions#x HTTP/1.1\r\nhost: gw\r\n" + body, malformed),
+        "%00": (b"POST /v1/chat/completions%00 HTTP/1.1\r\nhost: gw\r\n" + body, malformed),
+        "embeddings": (
+            post(json.dumps({"model": MODEL, "input": "hi"}).encode(), path="/v1/embeddings"),
+            unserved,
         ),
-        "models/": b"GET /v1/models/ HTTP/1.1\r\nhost: gw\r\n\r\n",
+        "models/": (b"GET /v1/models/ HTTP/1.1\r\nhost: gw\r\n\r\n", unserved),
     }
     seen = {}
-    for name, data in requests.items():
+    for name, (data, _) in requests.items():
         answer = await raw(g.http, data)
         seen[name] = f"{status(answer)} {error_code(answer)}"
-    ok = all(v.split()[0] in ("400", "404") and not v.endswith("None") for v in seen.values())
+    # Each against its own answer: a 404 where Envoy's 400 was due is a failure.
+    ok = all(seen[name] == expected for name, (_, expected) in requests.items())
     return ok, f"{seen}"
 
 

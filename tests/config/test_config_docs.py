@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from poolkeeper.config.docs import (
     BEGIN_MARKER,
@@ -17,6 +17,7 @@ from poolkeeper.config.docs import (
     section_markdown,
 )
 from poolkeeper.config.gateway import Listeners, RequestHandling
+from poolkeeper.requestcontrol.config import TrustedHeader
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -55,7 +56,30 @@ def test_list_defaults_of_enums_show_their_values() -> None:
     )
     default = row.split(" | ")[2]
     assert "<TrustedHeader" not in default
-    assert "`x-gateway-inference-objective`" in default
+    assert default.startswith("`[x-gateway-inference-objective, ")
+    assert default.endswith(", x-llm-d-inference-fairness-id]`")
+
+
+def test_list_defaults_read_as_yaml_lists() -> None:
+    """Review of the audit: a one-item list of enums read like a scalar (no brackets), and a
+    list given as `default=` printed Python's repr (`['/a', 'b']`). Both are YAML lists now."""
+
+    class Lists(BaseModel):
+        one: list[TrustedHeader] = Field(
+            default_factory=lambda: [TrustedHeader.INFERENCE_OBJECTIVE]
+        )
+        plain: list[str] = ["/a", "b"]
+        numbers: tuple[int, ...] = (1, 2)
+
+    defaults = {
+        row.split(" | ")[0].strip("| `"): row.split(" | ")[2]
+        for row in field_table(Lists).splitlines()[2:]
+    }
+    assert defaults == {
+        "one": "`[x-gateway-inference-objective]`",
+        "plain": "`[/a, b]`",
+        "numbers": "`[1, 2]`",
+    }
 
 
 def test_regeneration_rewrites_only_the_marked_block(tmp_path: Path) -> None:

@@ -127,14 +127,19 @@ async def test_envoys_own_400_and_408_get_openai_errors(tmp_path: Path) -> None:
     is an OpenAI error now; the EPP's own 400 (a body without `model`) keeps its message."""
     async with gate(tmp_path, request_headers_timeout_s=1.0) as g:
         body = b"content-length: 2\r\n\r\n{}"
-        for request in (
-            b"POST /v1/chat/completions HTTP/1.1\r\n" + body,
-            b"POST /v1/chat/completions#part HTTP/1.1\r\nhost: x\r\n" + body,
-            b"POST /v1/chat/completions%00 HTTP/1.1\r\nhost: x\r\n" + body,
-        ):
+        for request, detail in (
+            (b"POST /v1/chat/completions HTTP/1.1\r\n" + body, "missing_host_header"),
+            (b"POST /v1/chat/completions#part HTTP/1.1\r\nhost: x\r\n" + body,
+             "path_normalization_failed"),
+            (b"POST /v1/chat/completions%00 HTTP/1.1\r\nhost: x\r\n" + body,
+             "path_normalization_failed"),
+        ):  # fmt: skip
             answer = await raw_http(g.port, request)
             assert status_of(answer) == 400, answer[:300]
-            assert _error(answer)["code"] == "malformed_request", answer[:300]
+            error = _error(answer)
+            assert error["code"] == "malformed_request", answer[:300]
+            # Which cause it was, in Envoy's %RESPONSE_CODE_DETAILS% (review of the audit).
+            assert f"malformed request ({detail})" in str(error["message"]), answer[:300]
         answer = await raw_http(
             g.port, b"POST /v1/chat/completions?a=#b HTTP/1.1\r\nhost: x\r\n" + body
         )

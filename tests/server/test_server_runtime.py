@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -197,6 +198,11 @@ async def test_runtime_starts_and_stops_without_envoy(tmp_path: Path) -> None:
         assert runtime.director.model_names() == ["m"]
     finally:
         await runtime.stop(grace_s=0)
+    # The scrape's render thread stopped with the runtime: none left, none to start.
+    assert not [t for t in threading.enumerate() if t.name.startswith("metrics-render")]
+    assert runtime.metrics is not None
+    with pytest.raises(RuntimeError, match="shutdown"):
+        await runtime.metrics.render_off_loop()
     with socket.socket() as s:  # the ext_proc port is free again (nothing listens on it)
         # SO_REUSEADDR as servers set it: connections the stopped server closed may linger in
         # TIME_WAIT on this port, which only a live listener, not they, should make fail.

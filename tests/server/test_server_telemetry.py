@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 import threading
 from collections.abc import Iterable
+from typing import cast
 
 import grpc
-from prometheus_client import Counter
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,6 +20,7 @@ from poolkeeper.errors import ModelNotFound, RequestShed
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.stats import SchedulingStats
 from poolkeeper.telemetry.epp_collectors import ObserverStats
+from poolkeeper.telemetry.exposition import Exposition
 from poolkeeper.telemetry.health import (
     EXT_PROC_SERVICE,
     NOT_SERVING,
@@ -333,24 +337,112 @@ async def test_a_scrape_renders_the_instruments_off_the_event_loop() -> None:
     """Outside audit: 1,000 fairness ids of one model made /metrics 64 MB, whose 3 s of
     rendering on the event loop held every request that long. The collectors of the EPP's
     state still run on the loop (that state is not thread-safe); prometheus_client's
-    instruments and the text, nearly all of a large page, run on a worker thread."""
-    seen: dict[str, int] = {}
+    instruments and the text, nearly all of a large page, run on the metrics thread. Driven
+    through the app's /metrics handler, so an on-loop render there fails it."""
+    seen: dict[str, threading.Thread] = {}
 
     def pools() -> list[PoolStats]:
-        seen["pools"] = threading.get_ident()
+        seen["pools"] = threading.current_thread()
         return []
 
     class Probe(Counter):
         def collect(self) -> Iterable[Metric]:
-            seen["instrument"] = threading.get_ident()
+            seen["instrument"] = threading.current_thread()
             return super().collect()
 
     m = GatewayMetrics(pool_stats=pools)
     Probe(
         "audit_probe", "an instrument that notes the thread collecting it", registry=m.registry
     ).inc()
-    page = await m.render_off_loop()
-    assert seen["pools"] == threading.get_ident()
-    assert seen["instrument"] != threading.get_ident()
+    try:
+        async with TestClient(TestServer(m.app())) as http:
+            response = await http.get("/metrics")
+            assert response.status == 200
+            page = await response.read()
+        assert seen["pools"] is threading.current_thread()
+        assert seen["instrument"].name.startswith("metrics-render")
+        assert page == m.render()
+        assert b"audit_probe_total 1.0" in page
+    finally:
+        await m.close()
+
+
+async def test_concurrent_scrapes_share_one_render() -> None:
+    """Review of the outside audit: 8 scrapes at once rendered the page 8 times (5 s each on a
+    large page). Scrapes that arrive while a render is in flight get its page; one that
+    arrives after it ended renders anew."""
+    renders = {"pools": 0}
+    release = threading.Event()
+
+    def pools() -> list[PoolStats]:
+        renders["pools"] += 1  # once per render: its snapshot, on the loop
+        return []
+
+    class Gate(Counter):
+        def collect(self) -> Iterable[Metric]:
+            assert release.wait(10)  # holds the render until every scrape has come
+            return super().collect()
+
+    m = GatewayMetrics(pool_stats=pools)
+    Gate("audit_gate", "holds the render", registry=m.registry).inc()
+    try:
+        scrapes = [asyncio.create_task(m.render_off_loop()) for _ in range(8)]
+        await asyncio.sleep(0)  # every scrape is waiting now: the first on its render
+        release.set()
+        pages = await asyncio.gather(*scrapes)
+        assert renders["pools"] == 1
+        assert len(set(pages)) == 1
+        assert b"audit_gate_total 1.0" in pages[0]
+        assert await m.render_off_loop() == pages[0]
+        assert renders["pools"] == 2
+    finally:
+        await m.close()
+
+
+async def test_a_scraper_gone_does_not_cancel_the_others_page() -> None:
+    release = threading.Event()
+
+    class Gate(Counter):
+        def collect(self) -> Iterable[Metric]:
+            assert release.wait(10)
+            return super().collect()
+
+    m = GatewayMetrics()
+    Gate("audit_gate", "holds the render", registry=m.registry).inc()
+    try:
+        gone, staying = (asyncio.create_task(m.render_off_loop()) for _ in range(2))
+        await asyncio.sleep(0)
+        gone.cancel()
+        release.set()
+        assert b"audit_gate_total 1.0" in await staying
+        assert gone.cancelled()
+    finally:
+        await m.close()
+
+
+async def test_a_registry_without_the_private_attributes_is_collected_at_once() -> None:
+    """The snapshot reads prometheus_client's private `_lock` and `_collector_to_names`;
+    where a release lacks them, every family is collected on the caller's thread (the page
+    as before the audit) instead of failing the scrape."""
+    seen: list[threading.Thread] = []
+
+    class Probe(Counter):
+        def collect(self) -> Iterable[Metric]:
+            seen.append(threading.current_thread())
+            return super().collect()
+
+    class PublicOnly:
+        """A registry with only the public `collect`."""
+
+        def __init__(self, registry: CollectorRegistry) -> None:
+            self.collect = registry.collect
+
+    m = GatewayMetrics()
+    Probe("audit_probe", "notes its thread", registry=m.registry).inc()
+    exposition = Exposition(cast(CollectorRegistry, PublicOnly(m.registry)), objective_names=True)
+    snapshot = exposition.snapshot()
+    assert seen == [threading.current_thread()]
+    page = await asyncio.to_thread(generate_latest, snapshot)
+    assert seen == [threading.current_thread()]  # nothing left to collect off the loop
     assert page == m.render()
     assert b"audit_probe_total 1.0" in page

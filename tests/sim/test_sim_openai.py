@@ -7,8 +7,11 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
+from poolkeeper.sim.admin import openai_http_errors
 from poolkeeper.sim.cluster import Listening, SimCluster
 from poolkeeper.sim.params import DEFAULT_MODEL
 from poolkeeper.tokens import count_tokens
@@ -169,6 +172,58 @@ async def test_unserved_paths_and_methods_get_openai_errors(sim_cluster: StartCl
                 assert response.headers["x-sim-server"] == "sim-0"
         async with http.get(f"{where.url}/v1/chat/completions") as response:
             assert response.headers["allow"] == "POST"
+
+
+async def test_handlers_own_json_errors_keep_their_message(sim_cluster: StartCluster) -> None:
+    """A handler's error already in OpenAI's shape (a body that is no JSON object) passes the
+    error middleware as it was raised, not rebuilt from its reason ("Bad Request")."""
+    _, (where,) = await sim_cluster(1)
+    async with aiohttp.ClientSession() as http:
+        for path, body, needle in (
+            ("/v1/load_lora_adapter", b"{x", "not valid JSON"),
+            ("/v1/unload_lora_adapter", b"[1]", "must be a JSON object"),
+            ("/sim/faults", b"{x", "not valid JSON"),
+        ):
+            async with http.post(f"{where.url}{path}", data=body) as response:
+                assert response.status == 400
+                payload = await response.json()
+                assert needle in payload["error"]["message"]
+                assert payload["error"]["code"] == 400
+                assert response.headers["x-sim-server"] == "sim-0"
+
+
+async def test_error_middleware_keeps_the_detail_and_headers() -> None:
+    """aiohttp's 413 says how large a body may be; a handler's plain-text error keeps its text
+    and its headers (Retry-After here); only the default "429: Too Many Requests" text becomes
+    the bare reason."""
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    async def busy(request: web.Request) -> web.Response:
+        raise web.HTTPTooManyRequests(headers={"Retry-After": "3"})
+
+    async def detailed(request: web.Request) -> web.Response:
+        raise web.HTTPServiceUnavailable(text="draining", headers={"X-Why": "drain"})
+
+    app = web.Application(client_max_size=16, middlewares=[openai_http_errors])
+    app.router.add_post("/echo", echo)
+    app.router.add_get("/busy", busy)
+    app.router.add_get("/detailed", detailed)
+    async with TestClient(TestServer(app)) as http:
+        response = await http.post("/echo", data=b"x" * 64)
+        assert response.status == 413
+        assert response.content_type == "application/json"
+        message = (await response.json())["error"]["message"]
+        assert "Maximum request body size 16 exceeded" in message
+        response = await http.get("/busy")
+        assert response.status == 429
+        assert (await response.json())["error"]["message"] == "Too Many Requests"
+        assert response.headers["Retry-After"] == "3"
+        response = await http.get("/detailed")
+        assert (await response.json())["error"]["message"] == "draining"
+        assert response.headers["X-Why"] == "drain"
+        assert response.content_type == "application/json"
 
 
 async def test_models_and_runtime_lora_loading(sim_cluster: StartCluster) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -88,19 +89,31 @@ def _default(info: FieldInfo) -> str:
         value = factory()
         if isinstance(value, BaseModel):
             return "(section defaults)"
-        if isinstance(value, list) and value and all(isinstance(v, enum.Enum) for v in value):
-            return ", ".join(f"`{v.value}`" for v in value)  # what YAML takes, not their repr
-        return f"`{value!r}`" if value not in ([], {}) else ("`[]`" if value == [] else "`{}`")
+        if isinstance(value, list | tuple):
+            return _yaml_list(value)
+        return f"`{value!r}`" if value != {} else "`{}`"
     if info.default is PydanticUndefined:
         return "**required**"
     if info.default is None:
         return "unset"
     value = info.default
+    if isinstance(value, list | tuple):
+        return _yaml_list(value)
     if isinstance(value, enum.Enum):
         value = value.value
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     return f"`{value}`"
+
+
+def _yaml_list(values: list[Any] | tuple[Any, ...]) -> str:
+    """A list default as a user writes it in YAML, `[a, b]` (enum members by their values, not
+    their repr; brackets even for one item, which otherwise reads as a scalar)."""
+    items = [v.value if isinstance(v, enum.Enum) else v for v in values]
+    if not all(isinstance(v, str | int | float | bool) for v in items):
+        return f"`{values!r}`"
+    flow = yaml.safe_dump(items, default_flow_style=True, width=sys.maxsize)
+    return f"`{flow.strip()}`"
 
 
 def _cell(text: str) -> str:

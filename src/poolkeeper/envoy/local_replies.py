@@ -114,8 +114,10 @@ def local_reply_config() -> dict[str, Any]:
                     _header_filter(":path", regex=_REFUSED_TARGET),
                 ),
                 "body_format_override": reply(
-                    "malformed request: a Host header is required, and the target may have no "
-                    "fragment or encoded NUL",
+                    # Which of the three it was, in Envoy's words (`missing_host_header`,
+                    # `http1.codec_error`, `path_normalization_failed`, ...).
+                    "malformed request (%RESPONSE_CODE_DETAILS%): a Host header is required, "
+                    "and the target may have no fragment or encoded NUL",
                     "invalid_request_error",
                     "malformed_request",
                 ),

@@ -61,6 +61,8 @@ class RuntimeStop(RuntimeState):
             await self._sync.stop()
         if self._web is not None:
             await self._web.cleanup()
+        if self.metrics is not None:  # after the last scrape: its render thread
+            await self.metrics.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

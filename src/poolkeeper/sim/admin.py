@@ -44,12 +44,26 @@ async def openai_http_errors(request: web.Request, handler: Handler) -> web.Stre
     try:
         return await handler(request)
     except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        response = json_error(exc.reason, exc.status)
-        if "Allow" in exc.headers:  # 405 says which methods the path takes
-            response.headers["Allow"] = exc.headers["Allow"]
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise  # a redirect, or a handler's own error already in OpenAI's shape
+        response = json_error(_error_message(exc), exc.status)
+        for name, value in exc.headers.items():  # Allow on a 405, and whatever else it set
+            if name.lower() not in _BODY_HEADERS:
+                response.headers.add(name, value)
         return response
+
+
+# Describe the plain-text body the error came with; the JSON body replaces it.
+_BODY_HEADERS = frozenset({"content-type", "content-length"})
+
+
+def _error_message(exc: web.HTTPException) -> str:
+    """The error's own detail ("Maximum request body size ... exceeded.") where it has one;
+    its reason where the text is aiohttp's default "404: Not Found"."""
+    text = (exc.text or "").strip()
+    if not text or text == f"{exc.status}: {exc.reason}":
+        return exc.reason
+    return text
 
 
 class AdminEndpoints:

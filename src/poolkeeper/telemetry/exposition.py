@@ -38,11 +38,21 @@ class Exposition:
         loop, where that state changes); prometheus_client's own instruments left for
         `Snapshot.collect`, which may run on a worker thread: they are thread-safe, and with many
         label values they are nearly all of a page (1,000 fairness ids of one model: 64 MB,
-        3 s of rendering that held every request on the loop; outside audit)."""
+        3 s of rendering that held every request on the loop; outside audit).
+
+        So the page is no longer one instant: the EPP-state families are as of the snapshot, the
+        instruments as of their collection a moment later (a histogram's `_sum` may count one
+        observation its `_count` does not yet, or the reverse). Where the registry lacks the
+        private attributes read here (a prometheus_client other than 0.20-0.26 may), everything
+        is collected now, on the caller's thread, and only the text is left for later."""
         # The registry's collectors in registration order, as `CollectorRegistry.collect`
-        # copies them (no public accessor exists).
-        with self.registry._lock:
-            collectors = list(self.registry._collector_to_names)
+        # copies them (no public accessor exists; present in prometheus_client 0.20 to 0.26).
+        lock = getattr(self.registry, "_lock", None)
+        names = getattr(self.registry, "_collector_to_names", None)
+        if lock is None or names is None:
+            return Snapshot(self, [list(self.registry.collect())])
+        with lock:
+            collectors: list[Collector] = list(names)
         parts: list[Collector | list[Metric]] = [
             c if isinstance(c, MetricWrapperBase) else list(c.collect()) for c in collectors
         ]

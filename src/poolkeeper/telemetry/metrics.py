@@ -20,12 +20,12 @@ pool, model and target.
 
 Where each part lives: the instruments recorded per request, `request_instruments.py`; the
 families read at scrape time, `pool_collector.py`, `scheduling_collector.py`,
-`epp_collectors.py`; the label caps, `labels.py`; the exposition, `exposition.py`.
+`epp_collectors.py`; the label caps, `labels.py`; the exposition, `exposition.py`; rendering
+off the event loop, `render.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Callable, Iterable
 
@@ -50,6 +50,7 @@ from poolkeeper.telemetry.labels import LabelCap
 from poolkeeper.telemetry.llmd import LlmdRequestMetrics
 from poolkeeper.telemetry.llmd_families import LlmdFamilies, ScrapeErrors
 from poolkeeper.telemetry.pool_collector import PoolCollector, PoolStats
+from poolkeeper.telemetry.render import OffLoopRenderer
 from poolkeeper.telemetry.request_instruments import (
     DURATION_BUCKETS,
     INPUT_TOKEN_BUCKETS,
@@ -84,6 +85,7 @@ class GatewayMetrics(RequestInstruments):
         self._endpoint_of = endpoint_of
         self._defer: Callable[[Callable[[], None]], object] | None = None
         self._exposition = Exposition(self.registry, objective_names=objective_names)
+        self._renderer = OffLoopRenderer(self._exposition)
         # One cap for both model labels, as upstream's (they share their 1,000 values).
         self._model = self._target = LabelCap(max_label_values)
         caps = {
@@ -283,8 +285,13 @@ class GatewayMetrics(RequestInstruments):
 
     async def render_off_loop(self) -> bytes:
         """`render`, with only the collectors of the EPP's state run on the event loop; the
-        instruments' samples and the text (most of a large page) on a worker thread."""
-        return await asyncio.to_thread(generate_latest, self._exposition.snapshot())
+        instruments' samples and the text (most of a large page) on the metrics thread, one
+        render for every scrape waiting (`render.py`)."""
+        return await self._renderer.render()
+
+    async def close(self) -> None:
+        """Stop the metrics thread (the runtime's stop); no scrape is served after this."""
+        await self._renderer.close()
 
     def app(self) -> web.Application:
         async def metrics(_request: web.Request) -> web.Response:

@@ -430,3 +430,28 @@ def test_the_unseen_part_counts_a_peers_send_in_the_replicas_view() -> None:
         assert (first.unseen_requests, first.unseen_tokens) == (seen, 500 * seen)
         assert second.unseen_requests == 0
         assert routers[0].view(pool) == pool  # its own send reaches the peers only
+
+
+def test_a_replicas_view_counts_its_own_requests_per_model_only() -> None:
+    # Live, an EPP's in-flight count per target model (flow control's adapter-deferred
+    # requests, `flowcontrol/slots.py`) is its own; the fleet's states carry every replica's.
+    import random
+    from dataclasses import replace
+    from types import MappingProxyType
+
+    from poolkeeper.bench.fleet.replica_router import Replica, replica_policy
+    from poolkeeper.flowcontrol.slots import deferred
+    from tests.scheduling.sched_factories import state
+
+    fleet = replace(
+        state(1), inflight_requests=3, inflight_models=MappingProxyType({"a": 2, "b": 1})
+    )
+    fleet = replace(fleet, metrics=replace(fleet.metrics, waiting_adapters=frozenset({"a"})))
+    mine = Replica(replica_policy("poolkeeper", random.Random(0)))
+    mine.sent(fleet.key, "r1", 100.0, 10, "a")
+    (view,) = mine.view([fleet])
+    assert view.inflight_requests == 1
+    assert dict(view.inflight_models) == {"a": 1}
+    assert deferred(view) == 1  # not the fleet's 2, which left it holding -1 batch slots
+    (idle,) = Replica(replica_policy("poolkeeper", random.Random(1))).view([fleet])
+    assert (idle.inflight_requests, dict(idle.inflight_models)) == (0, {})

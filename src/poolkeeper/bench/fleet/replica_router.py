@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 from poolkeeper.bench.policies.flowpolicy import flow_policy
@@ -34,19 +36,24 @@ from poolkeeper.scheduling.scheduler import Scheduler
 
 
 class Replica:
-    """One EPP replica: its own policy and its own in-flight view (its own requests, and of
-    those the ones whose first byte it has seen)."""
+    """One EPP replica: its own policy and its own in-flight view (its own requests, by
+    target model too, and of those the ones whose first byte it has seen). The count per
+    model is its own, as live (flow control's adapter-deferred requests,
+    `flowcontrol/slots.py`); the fleet's states carry every replica's, which left a replica
+    its own total less all replicas' deferred ones (found tracing multi-LoRA:
+    docs/notes/2026-12-07-lora-replicas-cliff.md)."""
 
     def __init__(self, policy: RoutingPolicy) -> None:
         self.policy = policy
-        self.inflight: dict[str, dict[str, tuple[float, int]]] = {}  # server -> id -> (t, tok)
+        # server -> id -> (sent at, prompt tokens, target model)
+        self.inflight: dict[str, dict[str, tuple[float, int, str]]] = {}
         self.answered: set[str] = set()  # of those, the ids whose first token is out
         # With sync's `unseen` part (`replica_links.SyncLink`): the peers' sends since each
         # endpoint's scrape, added to the view's unseen counts.
         self.peers: PeerUnseen | None = None
 
-    def sent(self, server: str, request_id: str, now: float, tokens: int) -> None:
-        self.inflight.setdefault(server, {})[request_id] = (now, tokens)
+    def sent(self, server: str, request_id: str, now: float, tokens: int, model: str) -> None:
+        self.inflight.setdefault(server, {})[request_id] = (now, tokens, model)
 
     def view(self, states: Sequence[EndpointState]) -> list[EndpointState]:
         out = []
@@ -56,12 +63,13 @@ class Replica:
             scraped = s.metrics.updated_at
             # A scrape stamped T is taken before any change at T or later (`sim/virtual.py`):
             # a request sent at T is one it has not seen.
-            unseen = [(rid, tok) for rid, (t, tok) in mine.items() if t >= scraped]
+            unseen = [(rid, tok) for rid, (t, tok, _) in mine.items() if t >= scraped]
             out.append(
                 replace(
                     s,
                     inflight_requests=len(mine),
-                    inflight_tokens=sum(tok for _, tok in mine.values()),
+                    inflight_tokens=sum(tok for _, tok, _ in mine.values()),
+                    inflight_models=MappingProxyType(Counter(m for _, _, m in mine.values())),
                     unseen_requests=len(unseen),
                     unseen_tokens=sum(tok for _, tok in unseen),
                     unseen_answered=sum(1 for rid, _ in unseen if rid in answered),

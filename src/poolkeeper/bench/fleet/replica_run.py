@@ -156,13 +156,14 @@ def run(
         link.wakes = wakes
     owner: dict[str, tuple[int, str]] = {}
     tokens_of: dict[str, int] = {}
+    model_of = {a.request_id: a.target_model for a in arrivals}
     # When each replica's own request last ended (or answered, while its hold is on): its pump
     # runs at the fleet's release at that instant. (The fleet releases only while something
     # is held, so an older mark must not wake it later.)
     own_event_at: dict[int, float] = {}
 
     def placed(k: int, request_id: str, server: int, now: float) -> None:
-        routers[k].sent(keys[server], request_id, now, tokens_of[request_id])
+        routers[k].sent(keys[server], request_id, now, tokens_of[request_id], model_of[request_id])
         owner[request_id] = (k, keys[server])
         if link is not None:
             link.flush(now)

@@ -317,3 +317,31 @@ def test_a_fast_rise_fades_the_backlog_out_at_the_start_of_a_burst() -> None:
     fast.backlog.first_token("b", later)
     share = fast.busy_share(later, 2)
     assert fast.busy_share(later + 1.0, 2) == pytest.approx(share * math.exp(-1.0))
+
+
+def test_a_faded_scorer_keeps_the_adapter_term() -> None:
+    # In a LoRA pool requests starved of an adapter slot keep the busy share high; faded
+    # out with the backlog, the adapter term sent requests where their adapter was not
+    # (docs/notes/2026-12-07-lora-replicas-cliff.md).
+    scorer = plugin("prefill-backlog-scorer", {"fadeFrom": 0.6, "fadeTo": 0.9})
+    assert isinstance(scorer, PrefillBacklogScorer)
+    pool = [state(1, served_model="base", active=("sql",)), state(2, served_model="base")]
+    req = request("sql", prompt="x" * 400)  # 100 tokens: 228 with the base, 2276 without
+    scorer.backlog.sent("a", A, 2000, NOW)
+    scorer.backlog.sent("b", B, 1000, NOW)
+    # Busy long enough to pass `fadeTo`: the backlog has no say, the adapter term stays.
+    assert scorer.score(CycleState(NOW + 30.0), req, pool) == pytest.approx([1.0, 228 / 2276])
+    # Half the say (as in the fade's test: a busy share of 0.75): half the backlog's ratio,
+    # half the adapter floor, not half of 1.
+    fresh = plugin("prefill-backlog-scorer", {"fadeFrom": 0.6, "fadeTo": 0.9})
+    assert isinstance(fresh, PrefillBacklogScorer)
+    fresh.backlog.sent("a", A, 2000, NOW)
+    fresh.score(CycleState(NOW), req, pool)  # the busy share starts at 0.5
+    fresh.backlog.sent("b", B, 1000, NOW)
+    half = CycleState(NOW + math.log(2.0))
+    assert fresh.costs(half, req, pool) == [2228, 3276]
+    assert fresh.score(half, req, pool) == pytest.approx(
+        [1.0, 0.5 * 228 / 2276 + 0.5 * 2228 / 3276]
+    )
+    # A request for the base model (resident everywhere): no floor, the fade as before.
+    assert scorer.score(CycleState(NOW + 30.0), request(prompt="x" * 400), pool) == 1.0

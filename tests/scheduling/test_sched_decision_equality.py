@@ -191,6 +191,20 @@ def _reference_scores(
     return [span / (span + c - best) for c in costs]
 
 
+def _reference_floor(
+    b: PrefillBacklogScorer, req: LLMRequest, cands: Sequence[EndpointState]
+) -> list[float] | float:
+    """What the fade leaves: 1 where the request's model is resident, own / (own + miss)
+    where not; 1 for all where that is the same everywhere or there is no adapter term."""
+    own, miss, target = req.prompt_tokens + b.base_tokens, b.adapter_tokens, req.target_model
+    resident = [
+        target == (m := s.metrics).served_model or target in m.active_adapters for s in cands
+    ]
+    if not miss or all(resident) or not any(resident):
+        return 1.0
+    return [1.0 if r else own / (own + miss) for r in resident]
+
+
 VARIANTS: list[dict[str, Any]] = [
     {},
     {"fadeFrom": 0.5, "fadeTo": 0.8},
@@ -259,10 +273,14 @@ def test_backlog_scores_are_the_per_term_passes_bit_for_bit(params: dict[str, An
             share = scorer.busy_share(now, len(pool))
             say = (scorer.fade_to - share) / (scorer.fade_to - scorer.fade_from)
         got = scorer.score(cycle, req, pool)
+        floor = _reference_floor(scorer, req, pool)
         if say <= 0.0:
-            assert got == 1.0
+            assert got == floor
         elif say >= 1.0 or isinstance(expected, float):
             assert got == expected
+        elif isinstance(floor, list):  # the fade blends toward the adapter term alone
+            faded += 1
+            assert got == [(1.0 - say) * f + say * v for f, v in zip(floor, expected, strict=True)]
         else:
             faded += 1
             assert got == [(1.0 - say) + say * v for v in expected]

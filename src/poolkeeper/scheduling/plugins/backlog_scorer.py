@@ -46,9 +46,10 @@ from poolkeeper.scheduling.plugins.backlog_params import PrefillBacklogParams, S
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.plugins.shared import (
+    adapter_floor,
     residency,
     residency_columns,
-    speed_bar,
+    slowed,
     speed_column,
 )
 from poolkeeper.scheduling.types import LLMRequest
@@ -170,7 +171,7 @@ class PrefillBacklogScorer(NamedPlugin):
                 for c, s in zip(costs, candidates, strict=True)
             ]
         if self.slack is not None:
-            return self._slowed(costs, candidates, self.slack, cycle, self._speeds)
+            return slowed(costs, candidates, self.slack, cycle, self._speeds)
         return costs
 
     def _drained(self, costs: list[float], candidates: Sequence[EndpointState]) -> list[float]:
@@ -183,23 +184,6 @@ class PrefillBacklogScorer(NamedPlugin):
         return [
             c / rate(s.endpoint.hostport, fastest) for c, s in zip(costs, candidates, strict=True)
         ]
-
-    @staticmethod
-    def _slowed(
-        costs: list[float],
-        candidates: Sequence[EndpointState],
-        slack: float,
-        cycle: CycleState,
-        kept: Column[float | None] | None = None,
-    ) -> list[float]:
-        """Costs scaled by each endpoint's observed seconds per output token over `slack` x
-        the fastest's (`speed_bar`, `observed-speed-scorer`'s rule, shared with it through the
-        cycle); unobserved ones are fast."""
-        found = speed_bar(candidates, slack, cycle, kept)
-        if found is None:
-            return costs
-        speeds, bar = found
-        return [c if v <= bar else c * v / bar for c, v in zip(costs, speeds, strict=True)]
 
     def busy_share(self, now: float, candidates: int) -> float:
         """Time-averaged share of the pool's endpoints with a backlog (time constant
@@ -225,8 +209,21 @@ class PrefillBacklogScorer(NamedPlugin):
         share = self.busy_share(cycle.now, len(candidates))
         say = (self.fade_to - share) / (self.fade_to - self.fade_from)
         if say <= 0.0:
-            return 1.0
+            return self._adapter_floor(cycle, request, candidates)
         return self._score(cycle, request, candidates, min(say, 1.0))
+
+    def _adapter_floor(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        """What the fade leaves: the adapter term alone (`shared.adapter_floor`). In a LoRA
+        pool requests starved of an adapter slot keep the busy share at 1; fading the adapter
+        term with the backlog sent requests where their adapter was not, starving more
+        (docs/notes/2026-12-07-lora-replicas-cliff.md)."""
+        if not self.adapter_tokens:
+            return 1.0
+        resident = residency(candidates, request.target_model, cycle, self._resident)
+        own = request.prompt_tokens + self.base_tokens
+        return adapter_floor(resident, own, self.adapter_tokens)
 
     def _score(
         self,
@@ -253,6 +250,9 @@ class PrefillBacklogScorer(NamedPlugin):
             # The ratio rule, faded in the same pass (the same operations as a second one).
             if say >= 1.0:
                 return [best / c for c in costs]
+            floor = self._adapter_floor(cycle, request, candidates)
+            if isinstance(floor, list):
+                return [keep * f + say * (best / c) for f, c in zip(floor, costs, strict=True)]
             return [keep + say * (best / c) for c in costs]
         else:
             span = float(self.span_tokens)
@@ -262,6 +262,10 @@ class PrefillBacklogScorer(NamedPlugin):
                     span /= max(rates.values())
         if say >= 1.0:
             return [span / (span + c - best) for c in costs]
+        floor = self._adapter_floor(cycle, request, candidates)
+        if isinstance(floor, list):
+            pairs = zip(floor, costs, strict=True)
+            return [keep * f + say * (span / (span + c - best)) for f, c in pairs]
         return [keep + say * (span / (span + c - best)) for c in costs]
 
     def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:

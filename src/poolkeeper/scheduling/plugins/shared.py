@@ -4,7 +4,8 @@
 score, the prefill-backlog scorer's adapter term) and `speed_bar` (`observed-speed-scorer`'s
 rule, the backlog scorer's speed term) are worked out once per decision through the cycle
 state, and with the caller's kept columns (`columns.py`) patched between decisions only where
-a candidate changed.
+a candidate changed. Also the backlog scorer's two rules built on them: `adapter_floor` (the
+adapter term alone, what its fade leaves) and `slowed` (costs scaled past the speed bar).
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def residency(
             cycle, _RESIDENCY, candidates, target, lambda c, _: _uniform(column.values(cycle, c))
         )
     return _per_decision(cycle, _RESIDENCY, candidates, target, _residency)
+
+
+def adapter_floor(resident: list[bool] | bool, own: int, miss: int) -> list[float] | float:
+    """The ratio rule over a request's own cost (`own` tokens) plus `miss` where its adapter is
+    not resident, no backlog: 1 where it is, own / (own + miss) where not; 1 for all where
+    residency is the same everywhere."""
+    if isinstance(resident, bool):
+        return 1.0
+    low = own / (own + miss)
+    return [1.0 if r else low for r in resident]
 
 
 def residency_columns() -> Columns[bool]:
@@ -80,6 +91,23 @@ def speed_bar(
             lambda c, sl: _speed_bar(c, sl, kept.values(cycle, c)),
         )  # fmt: skip
     return _per_decision(cycle, _SPEED_BAR, candidates, slack, _speed_bar)
+
+
+def slowed(
+    costs: list[float],
+    candidates: Sequence[EndpointState],
+    slack: float,
+    cycle: CycleState,
+    kept: Column[float | None] | None = None,
+) -> list[float]:
+    """Costs scaled by each endpoint's observed seconds per output token over `slack` x the
+    fastest's (`speed_bar`, `observed-speed-scorer`'s rule, shared with it through the cycle);
+    unobserved ones are fast."""
+    found = speed_bar(candidates, slack, cycle, kept)
+    if found is None:
+        return costs
+    speeds, bar = found
+    return [c if v <= bar else c * v / bar for c, v in zip(costs, speeds, strict=True)]
 
 
 def speed_column() -> Column[float | None]:

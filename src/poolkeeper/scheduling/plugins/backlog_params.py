@@ -88,7 +88,8 @@ class PrefillBacklogParams(PluginParams):
         ge=0,
         le=1,
         description="Pool busy share (the time-averaged share of candidates with a backlog) "
-        "from which the scores fade towards 1 (no say), gone at `fadeTo`; null: no fade.",
+        "from which the scores fade towards 1 (no say), gone at `fadeTo`; null: no fade. The "
+        "adapter term (`adapterTokens`) does not fade: the scores fade towards it alone.",
     )
     fade_to: float = Field(
         default=1.0,

@@ -345,3 +345,15 @@ def test_a_faded_scorer_keeps_the_adapter_term() -> None:
     )
     # A request for the base model (resident everywhere): no floor, the fade as before.
     assert scorer.score(CycleState(NOW + 30.0), request(prompt="x" * 400), pool) == 1.0
+
+
+def test_a_tie_while_fading_still_leans_to_the_adapter() -> None:
+    # Equal costs (the resident endpoint's backlog as large as the other's adapter term) at
+    # half the say: the faded floor, not 1.0 for both, as on either side of the tie.
+    scorer = plugin("prefill-backlog-scorer", {"fadeFrom": 0.2, "fadeTo": 0.8})
+    assert isinstance(scorer, PrefillBacklogScorer)
+    pool = [state(1, served_model="base", active=("sql",)), state(2, served_model="base")]
+    req = request("sql", prompt="x" * 400)  # 100 tokens: 228 with the base, 2276 without
+    scorer.backlog.sent("a", A, 2048, NOW)  # one endpoint of two busy: a share of 0.5
+    assert scorer.costs(CycleState(NOW), req, pool) == [2276, 2276]
+    assert scorer.score(CycleState(NOW), req, pool) == pytest.approx([1.0, 0.5 * 228 / 2276 + 0.5])

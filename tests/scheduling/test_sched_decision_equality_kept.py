@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from itertools import count
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
 from poolkeeper.datastore import columns
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.errors import GatewayError
+from poolkeeper.scheduling.config import preset_config
 from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins import (
     backlog_scorer,
@@ -73,8 +74,19 @@ def _digest(sched: Scheduler, req: LLMRequest, pool: list[EndpointState], now: f
     return repr(([t.key for t in result.targets], sorted(result.scores.items())))
 
 
+def _fading_soon() -> dict[str, Any]:
+    """The default with its backlog scorer fading from a busy share of 0 to none at 0.2: the
+    fade's blend and the adapter floor it leaves, at 90 endpoints (the kept residency)."""
+    doc = preset_config("default").model_dump(by_alias=True, exclude_none=True)
+    for plugin in doc["plugins"]:
+        if plugin["type"] == "prefill-backlog-scorer":
+            plugin["parameters"] = {**plugin.get("parameters", {}), "fadeFrom": 0.0, "fadeTo": 0.2}
+    return doc
+
+
 @pytest.mark.parametrize(
-    "preset", ["default", "classic", "prefill-backlog", "prefix-affinity", "gie-v1-default"]
+    "preset",
+    ["default", "classic", "prefill-backlog", "prefix-affinity", "gie-v1-default", "fading"],
 )
 @pytest.mark.parametrize("seed", [1, 2])
 def test_kept_values_decide_as_the_plain_passes_on_an_evolving_pool(preset: str, seed: int) -> None:
@@ -82,7 +94,8 @@ def test_kept_values_decide_as_the_plain_passes_on_an_evolving_pool(preset: str,
     now = 1000.0
     ips = count(1)
     pool = [endpoint_state(rng, next(ips), now) for _ in range(90)]
-    kept, plain = scheduler(preset, seed), scheduler(preset, seed)
+    doc = _fading_soon() if preset == "fading" else preset
+    kept, plain = scheduler(doc, seed), scheduler(doc, seed)
     # shared heads, other tails: partial matches (scores between 0 and 1) as well as whole ones
     heads = ["".join(rng.choice("abcdefgh ") for _ in range(400)) for _ in range(3)]
     tails = ["".join(rng.choice("abcdefgh ") for _ in range(300)) for _ in range(5)]

@@ -89,7 +89,8 @@ class PrefillBacklogParams(PluginParams):
         le=1,
         description="Pool busy share (the time-averaged share of candidates with a backlog) "
         "from which the scores fade towards 1 (no say), gone at `fadeTo`; null: no fade. The "
-        "adapter term (`adapterTokens`) does not fade: the scores fade towards it alone.",
+        "adapter term (`adapterTokens`) does not fade: the scores fade towards it alone (by the "
+        "ratio rule, whatever `spanTokens`).",
     )
     fade_to: float = Field(
         default=1.0,

@@ -214,7 +214,7 @@ class PrefillBacklogScorer(NamedPlugin):
 
     def _adapter_floor(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
-    ) -> Scores:
+    ) -> list[float] | float:
         """What the fade leaves: the adapter term alone (`shared.adapter_floor`). In a LoRA
         pool requests starved of an adapter slot keep the busy share at 1; fading the adapter
         term with the backlog sent requests where their adapter was not, starving more
@@ -235,10 +235,13 @@ class PrefillBacklogScorer(NamedPlugin):
         """The scores faded to `say` (1: in full): `1 - say + say x score`."""
         costs = self.costs(cycle, request, candidates)
         best = min(costs)
+        keep = 1.0 - say
         # All equal only if the first is the lowest: mostly decided without a `max` pass.
         if costs[0] == best and best == max(costs):
-            return 1.0
-        keep = 1.0 - say
+            if say >= 1.0:
+                return 1.0
+            floor = self._adapter_floor(cycle, request, candidates)  # (a tie, not the adapter)
+            return floor if isinstance(floor, float) else [keep * f + say for f in floor]
         if self.mean_span:
             backlog = self.backlog.snapshot()
             ahead = backlog.get

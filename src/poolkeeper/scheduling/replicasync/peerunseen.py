@@ -38,7 +38,8 @@ pool lists none: the pool is told by its endpoints having listed adapters at any
 (sticky: once one of the candidates with sends kept lists one, all the candidates are
 marked). Not `max_adapters`: the simulator reports vLLM's `max_loras` 1 on every server, so
 every benchmarked pool would count as a LoRA pool. Left: a LoRA pool's very first burst,
-before any of its endpoints listed an adapter, is folded.
+before any of its endpoints listed an adapter, is folded. `adapters_gate=False` turns the gate
+off (the bench's A/B, `--sync-with unseen-lora`; `serve` always runs it).
 
 A delivery D ms after the peer's send counts a send that a scrape within those D ms already
 holds once more, until the next scrape (with the shipped 1 ms against a 50 ms scrape: rare).
@@ -76,8 +77,8 @@ class PeerUnseen:
     """Peers' sends by endpoint, until a scrape covers them (the module docstring)."""
 
     __slots__ = (
-        "_by_endpoint", "_lora", "_memo", "_pool", "_sends", "ignored", "max_age_s",
-        "max_entries",
+        "_by_endpoint", "_lora", "_memo", "_pool", "_sends", "adapters_gate", "ignored",
+        "max_age_s", "max_entries",
     )  # fmt: skip
 
     def __init__(
@@ -86,11 +87,13 @@ class PeerUnseen:
         max_entries: int = 65_536,
         max_age_s: float = 60.0,
         pool: set[str] | None = None,
+        adapters_gate: bool = True,
     ) -> None:
         if max_entries < 1 or not max_age_s > 0.0:
             raise ValueError("max_entries and max_age_s must be positive")
         self.max_entries = max_entries
         self.max_age_s = max_age_s
+        self.adapters_gate = adapters_gate  # False: fold in LoRA pools too (bench A/B)
         self._pool: frozenset[str] | None = None if pool is None else frozenset(pool)
         self.ignored = 0  # peers' sends to an endpoint outside the pool
         self._sends: dict[_Key, _Send] = {}  # in delivery order (delivery times never go back)
@@ -167,7 +170,7 @@ class PeerUnseen:
             while keys and sends[next(iter(keys))].at < scraped:
                 self._drop(next(iter(keys)))
         self._age(newest)  # (a scrape's stamp is on the delivery clock)
-        if self._serves_adapters(out, hits):
+        if self.adapters_gate and self._serves_adapters(out, hits):
             return out
         memo = self._memo
         for i in hits:

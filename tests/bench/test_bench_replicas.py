@@ -8,6 +8,7 @@ import pytest
 
 from poolkeeper.bench.fleet.replica_router import replica_of
 from poolkeeper.bench.fleet.replica_run import run
+from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.flowcontrol.config import FlowControlConfig
 
 
@@ -421,8 +422,13 @@ def test_the_unseen_part_counts_a_peers_send_in_the_replicas_view() -> None:
         routers = [Replica(replica_policy("poolkeeper", random.Random(k))) for k in range(2)]
         return routers, SyncLink(routers, 0.0, folds)
 
-    pool = [state(1), state(2)]
-    for folds, seen in (({}, 0), ({"unseen": True}, 1)):
+    plain, lora = [state(1), state(2)], [state(1, active=("sql-lora",)), state(2)]
+    cases: list[tuple[list[EndpointState], dict[str, bool], int]] = [
+        (plain, {}, 0), (plain, {"unseen": True}, 1), (plain, {"unseen-lora": True}, 1),
+        # A pool serving adapters: left alone, as `serve` does, unless the gate is off (A/B).
+        (lora, {"unseen": True}, 0), (lora, {"unseen-lora": True}, 1),
+    ]  # fmt: skip
+    for pool, folds, seen in cases:
         routers, sync = link(folds)
         sync.hubs[0].publish(Sent("r1", pool[0].key, 500, True))
         sync.flush(100.0)  # after the pool's scrape (`state`: 99.99)

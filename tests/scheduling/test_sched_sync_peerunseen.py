@@ -66,6 +66,14 @@ def test_an_idle_lora_pool_stays_unfolded_once_it_listed_an_adapter() -> None:
     assert peers.apply(idle[1:]) == idle[1:]
 
 
+def test_without_the_adapters_gate_a_lora_pool_is_folded_too() -> None:
+    # The bench's A/B of the gate (`--sync-with unseen-lora`): the same sends, the gate off.
+    peers = PeerUnseen(adapters_gate=False)
+    peers.fold("b", _sent("r1", tokens=300), NOW)
+    a, b = peers.apply([state(1, active=("sql-lora",)), state(2, queued_adapters=("x",))])
+    assert (a.unseen_requests, a.unseen_tokens, b.unseen_requests) == (1, 300, 0)
+
+
 def test_an_answered_peer_send_is_running_and_an_ended_one_is_gone() -> None:
     peers = PeerUnseen()
     peers.fold("b", _sent("r1"), NOW)

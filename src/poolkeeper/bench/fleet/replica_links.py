@@ -19,7 +19,9 @@ at the next release (its hold reads a backlog that just shrank). `sync_folds` (`
 index drain heads wake`) turns parts of the fold (and the wake) off, to measure what each adds;
 `unseen` (`--sync-with unseen`) turns one on: the peers' sends since each endpoint's last scrape
 in the replica's unseen counts (`scheduling/replicasync/peerunseen.py`), which the queue and
-running scorers and the saturation filter read.
+running scorers and the saturation filter read, left out in a pool serving LoRA adapters as
+`serve` does; `unseen-lora` (`--sync-with unseen-lora`) folds them in such a pool too (the
+gate's A/B: docs/notes/2026-12-07-lora-unseen.md).
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ class SyncLink:
             hub = ReplicaSync(f"replica{k}")
             on = {part: folds.get(part, True) for part in ("index", "drain", "heads")}
             bind_scheduler(hub, scheduler, index=on["index"], drain=on["drain"], heads=on["heads"])
-            if folds.get("unseen", False):  # off unless asked (`serve`: `peerUnseen`, on)
-                router.peers = PeerUnseen()
+            everywhere = folds.get("unseen-lora", False)  # the LoRA-pool gate off (A/B only)
+            if folds.get("unseen", False) or everywhere:  # off unless asked (`serve`: on)
+                router.peers = PeerUnseen(adapters_gate=not everywhere)
                 hub.bind(router.peers)
             self.hubs.append(hub)
         self._delay = EventDelay(delay_s)  # batches in flight

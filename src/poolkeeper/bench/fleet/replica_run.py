@@ -101,7 +101,7 @@ def run(
     docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
     (0: at once, as before); `sync_delay_s`: cross-replica sync with that delay (None: none);
     `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`), `wake`, and
-    `unseen` (off unless True: `replica_links.SyncLink`);
+    `unseen` and `unseen-lora` (off unless True: `replica_links.SyncLink`);
     `flow_control`: the replicas' `spec.flowControl` (None: the defaults); `workload`: the
     scenario, as `bench sim` names it (with more than one criticality in it, the row adds each
     one's p90 TTFT)."""

@@ -15,8 +15,8 @@ memory instead, `--subscribers` its live feed's (`replica_memory.py`).
 
 `--cold-placement PARAMS`, `--plugin-params JSON`: `run`'s `cold_placement` and `plugin_params`
 (`replica_run.py`); `--event-delay S`, `--sync-delay-ms D` and `--sync-without index drain
-heads wake` and `--sync-with unseen`: its `event_delay_s`, `sync_delay_s` and `sync_folds`
-(`replica_links.py`).
+heads wake` and `--sync-with unseen [unseen-lora]`: its `event_delay_s`, `sync_delay_s` and
+`sync_folds` (`replica_links.py`).
 """
 
 from __future__ import annotations
@@ -109,10 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sync-with",
         nargs="+",
-        choices=["unseen"],
+        choices=["unseen", "unseen-lora"],
         default=[],
-        help="with --sync-delay-ms: parts of the fold turned on (the peers' sends since each "
-        "endpoint's last scrape in the replica's unseen counts, as `serve` does by default)",
+        help="with --sync-delay-ms: parts of the fold turned on (unseen: the peers' sends since "
+        "each endpoint's last scrape in the replica's unseen counts, as `serve` does by default, "
+        "not in a pool serving LoRA adapters; unseen-lora: in such a pool too)",
     )
     parser.add_argument(
         "--flow-control",

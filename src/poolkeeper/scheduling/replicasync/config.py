@@ -93,7 +93,9 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     (the queue, running-requests and KV scorers' and the saturation filter's unseen requests,
     as its own sends are), not only in the prefill backlog and the prefix index: without it
     each replica sees about 1/N of the sends between two scrapes. Pays off only when peers'
-    sends arrive well under a millisecond after the decision (`sendAtOnce`)."""
+    sends arrive well under a millisecond after the decision (`sendAtOnce`). Not in a pool
+    whose endpoints have listed LoRA adapters: measured there, single points lose up to 1.2x
+    p90 and 3 % of goodput against leaving it out (docs/notes/2026-12-07-lora-unseen.md)."""
     peer_wake_spread_ms: float = Field(default=20.0, ge=0, le=1000)
     """After a peer's batch, flow control's held requests are asked again after a random delay
     of up to this (0: at once): woken together by the same peer's first byte, the replicas

@@ -237,14 +237,15 @@ class FirstBytePhase(ObservedPhase):
         self._saw_step_end(request_id, now)
         super().on_finish(request_id, server, now)
 
-    def known_step_end(self, endpoint: str) -> float | None:
+    def known_step_end(self, endpoint: str, now: float) -> float | None:
+        del now
         return self.seen_step_end.get(endpoint)
 
     def score(self, endpoint: str, now: float) -> tuple[float, ...]:
         step = self.next_step_s(endpoint)
         left = 0.0
         if self.busy(endpoint):  # half a step left while no end is known there
-            known = self.known_step_end(endpoint)
+            known = self.known_step_end(endpoint, now)
             left = step / 2 if known is None else step - max(0.0, now - known) % step
         return (left + step,)
 

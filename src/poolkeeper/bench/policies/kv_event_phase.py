@@ -14,22 +14,40 @@ step (`Scheduler.update_from_output`: `kv_cache_manager.take_events()` then
   tokens cross a block boundary (`allocate_slots` -> `cache_blocks` caches every block that is
   full after the step, prompt or output: `Request.append_output_token_ids` hashes each output
   block as it fills), or that evicted a cached block (`BlockRemoved`). A decoding request
-  publishes once every `block_size` (16) steps, so with a dozen decoding requests most steps do.
+  publishes once every `block_size` (16) steps; heavy-tail at 0.7x runs 60-70 decoding
+  requests a step, so 95 % of its steps publish (the prompt rule: 8-15 %).
 
-`ref-kv-phase-<rule>-<delay>` learns the end of every publishing step `delay` late (the
-batch's transit: 0, 0.5, 1 or 2 ms), at its `ts` (the engine's clock taken as the router's),
-plus every first byte and end at once, like `ref-first-byte-phase`; between known ends, steps
-are taken to follow back to back with the step-time model's length, whose coefficients are
-still read from the engine (a real router would learn them). Same score as
-`ref-first-byte-phase`; only the last known step end differs.
-"""
+`ref-kv-phase-<rule>-<delay>[-<estimator>][-ctx][-err<p|m>3]` learns the end of every
+publishing step `delay` late (the batch's transit: 0, 0.5, 1 or 2 ms) at its `ts` (the
+engine's clock taken as the router's), plus every first byte and end at once, like
+`ref-first-byte-phase`. Rules `none` (no step publishes: first bytes and ends only) and `all`
+(every step does: `ref-observed-phase`'s signal) bound the two real ones. The step-time
+coefficients are still read from the engine (a real router would learn them). Estimators of
+the end of the step in progress, from the last known end K:
+
+- (none) `ref-first-byte-phase`'s: steps of the model's length for all the router has
+  outstanding follow back to back from K (the phase is the time since K modulo that length).
+- `sent`: the step that began at K holds the prefill of only the requests sent by K; later
+  steps, as above.
+- `late`: `sent`, and that step had not ended by the horizon (`now - delay`), since it would
+  have been reported (`ref-observed-phase-late`'s rule; wrong for a silent step).
+- `count`: `sent`, and the router knows which steps after K publish (as it could by following
+  each request's block chain: a decoding request fills a block every 16 steps): a publishing
+  one not reported by the horizon had not ended by then; silent ones take the model's length.
+- `-ctx`: the model also counts the context read (44 ns a token of the running requests,
+  which the chains tell to a block), which the other references leave out: with 60-70
+  decoding requests of a few hundred tokens it is about 2 ms of a 9 ms step.
+- `-errp3` / `-errm3`: the router's step lengths 3 % too long / too short (learnt, not given)."""
 
 from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Sequence
 
 from poolkeeper.bench.policies.reference_policies import FirstBytePhase
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.batch import Step
 from poolkeeper.sim.engine import STEP_END_HISTORY, EngineModel
 from poolkeeper.sim.kvcache import KVEventSink
@@ -38,19 +56,25 @@ from poolkeeper.sim.virtual import VirtualFleet
 
 class StepEventRecorder:
     """One engine's KV-event sink (forwarding to the one it replaces) and step observer:
-    remembers the ends of the steps that would have published a KV-event batch."""
+    remembers the ends of the steps that would have published a KV-event batch under `rule`
+    (`prompt`, `vllm`; `none`: no step publishes; `all`: every step does)."""
 
-    __slots__ = ("block_size", "inner", "publishing_ends", "removed_now", "stored_now", "vllm")
+    __slots__ = (
+        "block_size", "inner", "publishing_ends", "removed_now", "rule", "steps", "stored_now",
+    )  # fmt: skip
 
-    def __init__(self, inner: KVEventSink | None, block_size: int, *, vllm: bool) -> None:
+    def __init__(self, inner: KVEventSink | None, block_size: int, *, rule: str) -> None:
+        if rule not in RULES:
+            raise ValueError(f"unknown rule {rule!r}; known: {', '.join(RULES)}")
         self.inner = inner
         self.block_size = block_size
-        self.vllm = vllm
+        self.rule = rule
         # The cache's events happen while the next step is planned (its allocations), and
         # vLLM publishes them when that step ends: flags for the step now planned.
         self.stored_now = False
         self.removed_now = False
         self.publishing_ends: deque[float] = deque(maxlen=STEP_END_HISTORY)
+        self.steps: deque[tuple[float, bool]] = deque(maxlen=STEP_END_HISTORY)  # (end, published)
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
         self.stored_now = True
@@ -68,11 +92,29 @@ class StepEventRecorder:
         bs = self.block_size
         return any((r.num_computed + n) // bs > r.num_computed // bs for r, n in step.scheduled)
 
+    def publishes(self, step: Step) -> bool:
+        rule = self.rule
+        if rule == "all" or (rule != "none" and self.removed_now):
+            return True
+        if rule == "vllm":
+            return self.fills_a_block(step)
+        return rule == "prompt" and self.stored_now
+
     def step_ended(self, step: Step) -> None:
-        published = self.removed_now or (self.fills_a_block(step) if self.vllm else self.stored_now)
+        published = self.publishes(step)
         self.stored_now = self.removed_now = False
+        self.steps.append((step.end, published))
         if published:
             self.publishing_ends.append(step.end)
+
+    def flags_after(self, known: float, current: Step | None) -> list[bool]:
+        """Whether each step after `known` publishes, in order, up to the one in progress:
+        what a router could predict by following each request's block chain (a decoding
+        request fills a block every `block_size` steps; `-count`, an upper bound of that)."""
+        flags = [published for end, published in self.steps if end > known]
+        if current is not None:
+            flags.append(self.publishes(current))
+        return flags
 
     def published_before(self, when: float) -> float | None:
         """The end of the last publishing step that ended at or before `when` (None if none
@@ -84,15 +126,21 @@ class StepEventRecorder:
 
 
 class KVEventPhase(FirstBytePhase):
-    """`ref-kv-phase-<rule>-<delay>` (see the module docstring)."""
+    """`ref-kv-phase-<rule>-<delay>[-sent]` (see the module docstring)."""
 
     name = "ref-kv-phase"
-    vllm_rule = False
+    rule = "prompt"
     report_delay_s = 0.0
+    sent_model = False  # the step after the last known end holds only what was sent before it
+    count_model = False  # which steps publish is known (`flags_after`): a silent wait means overrun
+    late_model = False  # every step is taken to publish: one not reported yet has not ended
+    context_model = False  # the model also counts the context read (44 ns a token)
+    model_error = 0.0  # the router's step lengths are this much too long (learnt coefficients)
 
     def __init__(self, rng: random.Random) -> None:
         super().__init__(rng)
         self.recorders: dict[str, StepEventRecorder] = {}
+        self.sent: dict[str, dict[str, tuple[float, int]]] = {}  # endpoint -> id -> (t, tokens)
 
     def bind(self, fleet: VirtualFleet) -> None:
         super().bind(fleet)
@@ -100,7 +148,7 @@ class KVEventPhase(FirstBytePhase):
             self.recorders[endpoint.hostport] = self.record(engine)
 
     def record(self, engine: EngineModel) -> StepEventRecorder:
-        recorder = StepEventRecorder(engine.kv.sink, engine.config.block_size, vllm=self.vllm_rule)
+        recorder = StepEventRecorder(engine.kv.sink, engine.config.block_size, rule=self.rule)
         engine.kv.sink = recorder
         engine.step_observer = recorder.step_ended
         return recorder
@@ -112,24 +160,120 @@ class KVEventPhase(FirstBytePhase):
             return seen
         return published if seen is None else max(seen, published)
 
+    def pick(
+        self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
+    ) -> EndpointState:
+        chosen = super().pick(request, endpoints, now)
+        self.sent.setdefault(chosen.key, {})[request.request_id] = (now, request.prompt_tokens)
+        return chosen
 
-def _variant(rule: str, delay_ms: float) -> type[KVEventPhase]:
-    label = f"{delay_ms:g}ms".replace(".", "p")
+    def on_first_token(self, request_id: str, now: float) -> None:
+        self._answered(request_id)
+        super().on_first_token(request_id, now)
+
+    def on_finish(self, request_id: str, server: str, now: float) -> None:
+        self._answered(request_id)
+        super().on_finish(request_id, server, now)
+
+    def _answered(self, request_id: str) -> None:
+        where = self._where.get(request_id)
+        if where is not None:
+            self.sent.get(where[0], {}).pop(request_id, None)
+
+    def context_s(self, endpoint: str) -> float:
+        """The context-read part of a step: the running requests' tokens so far, which a
+        router can follow to a block (16 tokens) from the stored blocks' chains."""
+        if not self.context_model:
+            return 0.0
+        engine = self.engines[endpoint]
+        c = engine.config
+        return c.kv_read_token_s * sum(r.num_computed for r in engine.running) * c.time_scale
+
+    def next_step_s(self, endpoint: str) -> float:
+        return (super().next_step_s(endpoint) + self.context_s(endpoint)) * (1 + self.model_error)
+
+    def step_after_s(self, endpoint: str, known: float) -> float:
+        """The step-time model's length of the step that began at `known`: the prefill of
+        only the requests sent by then (a later one waits for the next step)."""
+        c = self.engines[endpoint].config
+        sent = sum(n for t, n in self.sent.get(endpoint, {}).values() if t <= known)
+        step = c.step_overhead_s + c.prefill_token_s * sent
+        step += c.decode_token_s * self.decoding.get(endpoint, 0)
+        return (step * c.time_scale + self.context_s(endpoint)) * (1 + self.model_error)
+
+    def score(self, endpoint: str, now: float) -> tuple[float, ...]:
+        known = self.known_step_end(endpoint, now) if self.sent_model else None
+        if known is None or not self.busy(endpoint):
+            return super().score(endpoint, now)
+        step = self.next_step_s(endpoint)
+        end = known + self.step_after_s(endpoint, known)
+        if self.count_model:
+            return (self._walk(endpoint, known, end, now, step) - now + step,)
+        if self.late_model:  # not reported by the horizon: it had not ended by then
+            end = max(end, now - self.report_delay_s)
+        if end < now:  # later steps hold every request sent, back to back
+            end += step * (1 + (now - end) // step)
+        return (end - now + step,)
+
+    def _walk(self, endpoint: str, known: float, end: float, now: float, step: float) -> float:
+        """The end of the step in progress, walking the steps after `known` with their
+        modelled lengths: a publishing step not reported by the horizon ends after it."""
+        horizon = now - self.report_delay_s
+        engine = self.engines[endpoint]
+        flags = self.recorders[endpoint].flags_after(known, engine._step)
+        for i, published in enumerate(flags):
+            if i:
+                end += step
+            if published:
+                end = max(end, horizon)
+            if end >= now:
+                return end
+        if end < now:  # past every step predicted: silent ones, back to back
+            end += step * (1 + (now - end) // step)
+        return end
+
+
+RULES = ("none", "prompt", "vllm", "all")
+
+
+def _variant(
+    rule: str, delay_ms: float, model: str = "", ctx: bool = False, error: float = 0.0
+) -> type[KVEventPhase]:
+    """`model`: "" (modulo from the last known end), "sent", "count" or "late"; `ctx`: the
+    step model counts the context read."""
+    label = f"{rule}-{delay_ms:g}ms".replace(".", "p")
+    label += (f"-{model}" if model else "") + ("-ctx" if ctx else "")
+    label += f"-err{'p' if error > 0 else 'm'}{abs(error) * 100:g}" if error else ""
     return type(
-        f"KVEventPhase_{rule}_{label}",
+        f"KVEventPhase_{label.replace('-', '_')}",
         (KVEventPhase,),
         {
-            "name": f"ref-kv-phase-{rule}-{label}",
-            "vllm_rule": rule == "vllm",
+            "name": f"ref-kv-phase-{label}",
+            "rule": rule,
             "report_delay_s": delay_ms / 1000,
-            "__doc__": f"`ref-kv-phase-{rule}-{label}` (see the module docstring).",
+            "sent_model": bool(model),
+            "count_model": model == "count",
+            "late_model": model == "late",
+            "context_model": ctx,
+            "model_error": error,
+            "__doc__": f"`ref-kv-phase-{label}` (see the module docstring).",
         },
     )
 
 
+DELAYS_MS = (0.0, 0.5, 1.0, 2.0)
 KV_EVENT_POLICIES: dict[str, type[KVEventPhase]] = {
     cls.name: cls
     for cls in (
-        _variant(rule, delay) for rule in ("prompt", "vllm") for delay in (0.0, 0.5, 1.0, 2.0)
+        *(_variant(rule, d) for rule in ("prompt", "vllm") for d in DELAYS_MS),
+        *(_variant("vllm", d, model) for d in DELAYS_MS for model in ("sent", "count", "late")),
+        *(_variant("vllm", d, model, ctx=True) for d in DELAYS_MS for model in ("count", "late")),
+        _variant("none", 0.0, "sent"),
+        _variant("none", 0.0, "sent", ctx=True),
+        _variant("all", 0.0, "sent"),
+        *(_variant("all", d, "late", ctx=True) for d in DELAYS_MS),
+        *(_variant("none", 0.0, "sent", True, e) for e in (0.03, -0.03)),
+        *(_variant("vllm", d, "late", True, e) for d in (0.5, 1.0) for e in (0.03, -0.03)),
+        *(_variant("vllm", d, "count", True, e) for d in (0.5, 1.0) for e in (0.03, -0.03)),
     )
 }

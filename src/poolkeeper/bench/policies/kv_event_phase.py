@@ -126,7 +126,7 @@ class StepEventRecorder:
 
 
 class KVEventPhase(FirstBytePhase):
-    """`ref-kv-phase-<rule>-<delay>[-sent]` (see the module docstring)."""
+    """`ref-kv-phase-*` (see the module docstring)."""
 
     name = "ref-kv-phase"
     rule = "prompt"
@@ -220,6 +220,8 @@ class KVEventPhase(FirstBytePhase):
         modelled lengths: a publishing step not reported by the horizon ends after it."""
         horizon = now - self.report_delay_s
         engine = self.engines[endpoint]
+        # The step in progress, planned but not applied: whether it will publish is known
+        # (a reference policy may read the engine; the docstring says what a router could).
         flags = self.recorders[endpoint].flags_after(known, engine._step)
         for i, published in enumerate(flags):
             if i:

@@ -17,7 +17,8 @@ knowledge. From least to most informed:
   router already sees today, the first bytes and the ends of its own requests there (the
   first-byte report and the access log), nothing per token: steps are taken to follow back
   to back since the last one seen, the phase being the time since modulo the step length
-  that `ref-observed-phase` (below) models.
+  that `ref-observed-phase` (below) models. `kv_event_phase.py` adds the ends of the steps
+  that publish KV events (`ref-kv-phase-*`).
 - `ref-observed-phase-2ms`, `-5ms`, `-20ms`: `ref-observed-phase` (below) with its signal
   reaching the router 2, 5 or 20 ms late, as an asynchronous report would: every step end up
   to that horizon is known, none after it. The step after the last known end ends at its

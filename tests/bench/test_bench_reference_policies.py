@@ -174,12 +174,12 @@ def test_first_byte_phase_knows_step_ends_only_from_first_bytes_and_ends() -> No
     policy.on_first_token("r1", 0.05)
     step = policy.next_step_s(busy)  # now one decoding request
     assert step < pending_step
-    assert policy.known_step_end(busy) == 0.05
+    assert policy.known_step_end(busy, 0.06) == 0.05
     assert policy.score(busy, 0.05 + step / 4) == pytest.approx((step * 0.75 + step,))
     # steps assumed back to back: a quarter into the third one after the known end
     assert policy.score(busy, 0.05 + 2.25 * step) == pytest.approx((step * 0.75 + step,))
     policy.on_finish("r1", busy, 0.2)
-    assert policy.known_step_end(busy) == 0.2
+    assert policy.known_step_end(busy, 0.2) == 0.2
     assert policy.score(busy, 0.3) == (c.step_overhead_s * c.time_scale,)  # idle again
 
 

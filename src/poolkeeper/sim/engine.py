@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from collections.abc import Callable
 
 from poolkeeper.sim.batch import Step
 from poolkeeper.sim.fused_steps import FusedStepCore
@@ -80,6 +81,9 @@ class EngineModel(FusedStepCore):
         # The ends of the last steps, for a reference policy that sees them late (read only by
         # `bench/policies/reference_policies.py`): bounded, so a long run holds no more.
         self._step_ends: deque[float] = deque(maxlen=STEP_END_HISTORY)
+        # Bench only: told of each step as it ends, before its tokens are applied (a reference
+        # policy that learns step ends from the KV events some steps publish). None: no cost.
+        self.step_observer: Callable[[Step], None] | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -187,6 +191,8 @@ class EngineModel(FusedStepCore):
             self._step = None
             self._free_at = step.end
             self._step_ends.append(step.end)
+            if self.step_observer is not None:
+                self.step_observer(step)
             if step.fused > 1:
                 outcomes.append(self._complete_fused(step, step.fused))
             else:

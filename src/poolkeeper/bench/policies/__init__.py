@@ -2,5 +2,6 @@
 
 - `baselines` (+ `prefixtrees`): peer routers' rules re-implemented from their descriptions;
 - `schedpolicy`, `flowpolicy`: poolkeeper's real scheduler, admission and flow control;
-- `reference_policies`: points of comparison that know more than a router can, never baselines.
+- `reference_policies`: points of comparison that know more than a router can, never baselines;
+  `kv_event_phase`: more of them, the step phase from the steps that publish KV events.
 """

@@ -17,7 +17,8 @@ knowledge. From least to most informed:
   router already sees today, the first bytes and the ends of its own requests there (the
   first-byte report and the access log), nothing per token: steps are taken to follow back
   to back since the last one seen, the phase being the time since modulo the step length
-  that `ref-observed-phase` (below) models.
+  that `ref-observed-phase` (below) models. `kv_event_phase.py` adds the ends of the steps
+  that publish KV events (`ref-kv-phase-*`).
 - `ref-observed-phase-2ms`, `-5ms`, `-20ms`: `ref-observed-phase` (below) with its signal
   reaching the router 2, 5 or 20 ms late, as an asynchronous report would: every step end up
   to that horizon is known, none after it. The step after the last known end ends at its
@@ -237,14 +238,15 @@ class FirstBytePhase(ObservedPhase):
         self._saw_step_end(request_id, now)
         super().on_finish(request_id, server, now)
 
-    def known_step_end(self, endpoint: str) -> float | None:
+    def known_step_end(self, endpoint: str, now: float) -> float | None:
+        del now
         return self.seen_step_end.get(endpoint)
 
     def score(self, endpoint: str, now: float) -> tuple[float, ...]:
         step = self.next_step_s(endpoint)
         left = 0.0
         if self.busy(endpoint):  # half a step left while no end is known there
-            known = self.known_step_end(endpoint)
+            known = self.known_step_end(endpoint, now)
             left = step / 2 if known is None else step - max(0.0, now - known) % step
         return (left + step,)
 

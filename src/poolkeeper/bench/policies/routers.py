@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from poolkeeper.bench.policies.baselines import BASELINES
+from poolkeeper.bench.policies.kv_event_phase import KV_EVENT_POLICIES
 from poolkeeper.bench.policies.reference_policies import REFERENCE_POLICIES
 from poolkeeper.bench.policies.schedpolicy import CANDIDATE_PRESETS, FLOW_PRESETS
 from poolkeeper.bench.workload.scenarios import Scenario
@@ -74,7 +75,8 @@ ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
 # control; like the reference policies, run only when asked for by name.
 CANDIDATE_POLICIES: tuple[str, ...] = tuple(n for c in CANDIDATE_PRESETS for n in (c, f"{c}-shed"))
 # Run only when asked for by name (never by default: `ref-oracle` takes minutes per point).
-KNOWN_POLICIES: tuple[str, ...] = (*ALL_POLICIES, *CANDIDATE_POLICIES, *REFERENCE_POLICIES)
+REFERENCES = {**REFERENCE_POLICIES, **KV_EVENT_POLICIES}
+KNOWN_POLICIES: tuple[str, ...] = (*ALL_POLICIES, *CANDIDATE_POLICIES, *REFERENCES)
 
 
 def make_policy(
@@ -93,7 +95,7 @@ def make_policy(
         from poolkeeper.bench.policies.flowpolicy import flow_policy
 
         return flow_policy(name, rng, flow_control)
-    reference = REFERENCE_POLICIES.get(name)
+    reference = REFERENCES.get(name)
     if reference is not None:
         return reference(rng)
     if name in SCHEDULER_POLICIES or name in CANDIDATE_POLICIES:

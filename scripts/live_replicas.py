@@ -15,7 +15,8 @@ band, a hard pick), `exact-hashbal`: + its bounded load on the engines' reports,
 `exact-hashpend`: + the replica's own unreported sends, `exact-hashbalx`: `exact-hashbal` whose
 cold test reads only the engines' reports, `exact-hashblog` / `exact-hashwait`: with the
 backlog scorer / and the scraped queues, `exact-hashblogpend` with the backlog scorer and
-`pendingHeads` (`scheduling()`); any index + `-sync`: with
+`pendingHeads`, `exact-hashblogkeep` with `keepPlaced` too, any of them + `-nospeed` without
+the observed-speed scorer (`scheduling()`); any index + `-sync`: with
 cross-replica sync (`spec.replicaSync`: every EPP a peer of the others on 127.0.0.1, one key
 file), `-syncnow` with peers' batches waking flow control at once, `-syncms` as sync was
 before decisions were sent at once and peers' unseen sends counted. `N/M:index` runs M EPPs with
@@ -69,7 +70,7 @@ NAMES = ("http", "extproc", "metrics", "health", "admin")
 INDEXES = (
     "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
     "exact-hashbal", "exact-hashpend", "exact-hashbalx", "exact-hashblog", "exact-hashwait",
-    "exact-hashblogpend",
+    "exact-hashblogpend", "exact-hashblogkeep",
 )  # fmt: skip
 
 
@@ -90,15 +91,19 @@ def scheduling(index: str) -> dict[str, Any] | None:
     `exact-hashblog` with `scrapedWaiting` (an endpoint whose scrape shows a queue counts as
     busy prefilling, in the band and the hold); `exact-hashblogpend`: `exact-hashblog` with
     `pendingHeads` (what cross-replica sync measured best with in virtual time: peers' sends
-    count as pending heads too). Any index + `-sync` (e.g. `exact-hashwait-sync`):
+    count as pending heads too); `exact-hashblogkeep`: `exact-hashblogpend` with `keepPlaced` (a
+    placed prefix goes only to the endpoints holding it). Any index + `-nospeed`: without the
+    `observed-speed-scorer`. Any index (+ `-nospeed`) + `-sync` (e.g. `exact-hashwait-sync`):
     the same with cross-replica sync on, `-syncnow`: and peers' batches waking flow control at
     once (`SYNCS`)."""
-    index = split_sync(index)[0]
-    if index == "approx":
+    index, slow = split_speed(split_sync(index)[0])
+    if index == "approx" and not slow:
         return None
     if index not in INDEXES:
         raise SystemExit(f"unknown index {index!r} ({', '.join(INDEXES)}, each + a sync suffix)")
     doc = preset_document("default")
+    if slow:
+        doc = without_speed(doc)
     for plugin in doc["plugins"]:
         if plugin["type"] == "prefix-cache-scorer":
             plugin["parameters"].update({"kvEvents": True, "kvEventsPortOffset": KV_OFFSET})
@@ -118,10 +123,34 @@ def scheduling(index: str) -> dict[str, Any] | None:
                  "exact-hashwait": {"balance": 1.0, "scrapedWaiting": True,
                                     "backlogScorer": "prefill-backlog-scorer"},
                  "exact-hashblogpend": {"balance": 1.0, "pendingHeads": True,
-                                        "backlogScorer": "prefill-backlog-scorer"}}  # fmt: skip
+                                        "backlogScorer": "prefill-backlog-scorer"},
+                 "exact-hashblogkeep": {"balance": 1.0, "pendingHeads": True,
+                                        "backlogScorer": "prefill-backlog-scorer",
+                                        "keepPlaced": True}}  # fmt: skip
     if index in placement:
         doc = with_cold_placement(doc, placement[index])
     return doc
+
+
+NOSPEED = "-nospeed"
+
+
+def split_speed(index: str) -> tuple[str, bool]:
+    """The index without `-nospeed`, and whether it had it (the profile then runs without its
+    `observed-speed-scorer`: each replica measures speeds from its own requests only, the
+    input its warm placements differ by; docs/notes/2026-12-07-cold-start-doubles.md)."""
+    return index.removesuffix(NOSPEED), index.endswith(NOSPEED)
+
+
+def without_speed(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` without its `observed-speed-scorer` (plugin and profile references)."""
+    speed = "observed-speed-scorer"
+    profiles = [
+        {**prof, "plugins": [r for r in prof["plugins"] if r["pluginRef"] != speed]}
+        for prof in doc["schedulingProfiles"]
+    ]
+    plugins = [p for p in doc["plugins"] if p["type"] != speed]
+    return {**doc, "plugins": plugins, "schedulingProfiles": profiles}
 
 
 SYNC = "-sync"
@@ -145,7 +174,7 @@ def split_sync(index: str) -> tuple[str, dict[str, Any] | None]:
 
 
 def valid_index(index: str) -> bool:
-    return split_sync(index)[0] in INDEXES
+    return split_speed(split_sync(index)[0])[0] in INDEXES
 
 
 def sync_section(port: int, ports: list[int], key: Path, **extra: Any) -> dict[str, Any]:

@@ -149,6 +149,42 @@ def test_warm_and_short_prompts_pass_untouched() -> None:
     assert len(_kept(sched, SYSTEMS[2] + "q2", pool)) == 4
 
 
+def test_keep_placed_sends_a_placed_prefix_only_to_its_holders_in_every_replica() -> None:
+    """Two replicas whose load views differ (each counts its own unseen sends): without
+    `keepPlaced` a placed prefix goes where each one's load scorer says, two servers; with it,
+    both send it to the endpoint their shared index says holds it, whatever their load."""
+    pool = [state(i) for i in range(1, 5)]
+    holder = pool[2]
+
+    def view(busy: int) -> list[Any]:  # endpoint `busy` has 6 requests this replica sent
+        return [replace(s, unseen_requests=6) if i == busy else s for i, s in enumerate(pool)]
+
+    def picks(**params: Any) -> set[str]:
+        out = set()
+        for seed, busy in ((1, 2), (2, 0)):
+            sched = scheduler(_doc(countUnseen=True, **params), seed=seed)
+            placed = ProfileResult("p", (holder,))  # a peer's send, folded into the index
+            _prefix(sched).post_cycle(cycle(), request(prompt=SYSTEMS[6] + "q"), placed)
+            out.add(_pick(sched, SYSTEMS[6] + "q2", view(busy)))
+        return out
+
+    assert len(picks()) == 2  # the control: the group is split across two servers
+    assert picks(keepPlaced=True) == {holder.key}
+    # Held by two (an earlier split): both stay candidates, the scorers choose between them.
+    sched = scheduler(_doc(keepPlaced=True))
+    for s in (pool[0], holder):
+        placed = ProfileResult("p", (s,))
+        _prefix(sched).post_cycle(cycle(), request(prompt=SYSTEMS[6] + "q"), placed)
+    assert sorted(_kept(sched, SYSTEMS[6] + "q2", pool)) == sorted([pool[0].key, holder.key])
+    # A holder gone from the candidates: placed as a cold prompt (its ring owner among them).
+    rest = [s for s in pool if s.key not in (pool[0].key, holder.key)]
+    cold = scheduler(_doc())
+    assert _kept(sched, SYSTEMS[6] + "q2", rest) == _kept(cold, SYSTEMS[6] + "q2", rest)
+    assert len(_kept(sched, SYSTEMS[6] + "q2", rest)) == 1
+    # Short prompts still pass untouched.
+    assert len(_kept(sched, "a short question", pool)) == 4
+
+
 def _report(sched: Scheduler, endpoint: str, prompt: str, chars: int = 64) -> None:
     """`endpoint`'s engine reports storing `prompt`'s first `chars` (a chain from its head)."""
     exact = _exact(sched)

@@ -23,8 +23,12 @@ endpoints), the prompt, the scraped load (the same up to the scrape instant) thr
 and optionally the engines' reports: replicas agree unless an endpoint sits at the band's edge.
 Load still overrides: an endpoint out of the band never gets the new prefix.
 
+With `keepPlaced` a long prompt some candidate is known to hold goes only to the candidates
+holding it (read as the cold test reads it), so no replica's own load view moves a placed group.
+
 The options (`countUnseen`, `balance` and `pendingHeads`, `backlogScorer` and
-`scrapedWaiting`, `ownPlacements`) and why each is there: `cold_placement_params.py`.
+`scrapedWaiting`, `ownPlacements`, `keepPlaced`) and why each is there:
+`cold_placement_params.py`.
 
 Trade-off: a cold request has no fallback endpoint (the picker sees one candidate). List it
 first, before a `stale-metrics-filter`: after it, an owner whose scrape is late is gone in
@@ -98,27 +102,37 @@ class ColdPlacementFilter(NamedPlugin):
     ) -> Sequence[EndpointState]:
         if len(candidates) < 2:
             return candidates
-        key = self.cold_key(cycle, request, candidates)
-        if key is None:
+        found = self.placement(cycle, request, candidates)
+        if found is None:
             return candidates
+        key, holders = found
+        if holders:
+            # `keepPlaced`: the candidates holding it (none of them left: placed as cold).
+            kept = [s for s in candidates if s.endpoint.hostport in holders]
+            if kept:
+                return kept
         owner = self.owner(key, candidates, cycle.now)
         return [s for s in candidates if s.endpoint.hostport == owner]
 
-    def cold_key(
+    def placement(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
-    ) -> int | None:
-        """The ring key of a cold prompt (the chained hash of its first `minBlocks` blocks),
-        or None when the prompt is short or some endpoint is known to cache that much."""
+    ) -> tuple[int, set[str]] | None:
+        """For a long prompt (`minBlocks` blocks or more): its ring key (the chained hash of
+        those blocks) and the candidates known to hold them (empty: cold). None: short, or
+        held somewhere while `keepPlaced` is off, so the filter passes it untouched."""
         prefix, blocks = self.prefix, self.params.min_blocks
         hashes = prefix.hashes(cycle, request)
         if len(hashes) < blocks:
             return None
         need = blocks * prefix.params.block_size
         if self.params.own_placements or prefix.exact is None:
-            held = max(prefix.matched(cycle, request).values(), default=0)
+            held = prefix.matched(cycle, request)
         else:
             held = self._reported(cycle.now, request, hashes[:blocks], need, candidates)
-        return None if held >= need else hashes[blocks - 1]
+        holders = {k for k, chars in held.items() if chars >= need}
+        if holders and not self.params.keep_placed:
+            return None
+        return hashes[blocks - 1], holders
 
     def _reported(
         self,
@@ -127,8 +141,8 @@ class ColdPlacementFilter(NamedPlugin):
         hashes: list[int],
         upto: int,
         candidates: Sequence[EndpointState],
-    ) -> int:
-        """The most of the prompt's first `upto` characters any candidate holds, by its
+    ) -> dict[str, int]:
+        """How much of the prompt's first `upto` characters each candidate holds, by its
         engine's reports where its feed is fresh, else by the approximate index."""
         prefix, exact = self.prefix, self.prefix.exact
         assert exact is not None
@@ -138,12 +152,11 @@ class ColdPlacementFilter(NamedPlugin):
         reported = exact.match(
             engine_block_hashes(request.target_model, request.prompt[:upto], exact.block_size)
         )
-        most = 0
+        held = {}
         for s in candidates:
             k = s.endpoint.hostport
-            held = reported.get(k, 0) * chunk if exact.fresh(k, now) else approx.get(k, 0) * size
-            most = max(most, held)
-        return most
+            held[k] = reported.get(k, 0) * chunk if exact.fresh(k, now) else approx.get(k, 0) * size
+        return held
 
     def owner(self, key: int, candidates: Sequence[EndpointState], now: float) -> str:
         """ip:port of the first candidate clockwise from `key` within the load band (and,

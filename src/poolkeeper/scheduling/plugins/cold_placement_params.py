@@ -40,6 +40,15 @@ placed a new prefix otherwise sees it warm at once and lets its scorers move the
 requests (its own load view), while the others still see it cold and send theirs to the ring
 owner; with reports only, every replica sends the group to the owner until the engine reports
 it, and then every replica sees the same report.
+
+`keepPlaced` (default false): a placed prefix stays on the endpoints known to hold it. Why:
+live, every double prefill of 2 and 4 replicas with sync was a *warm* move, a group's request
+sent to a second server seconds after the group was placed, while its server was busy and one
+replica's own load inputs (its in-flight and unseen counts, speeds observed on its own finished
+requests, its scrape instants) outweighed the prefix score; one replica never did it on the same
+requests. The holders are read from what every replica shares (the synced approximate index,
+the engines' reports), so replicas agree; the cost: load no longer moves a placed group
+(docs/notes/2026-12-07-cold-start-doubles.md).
 """
 
 from __future__ import annotations
@@ -113,6 +122,12 @@ class ColdPlacementParams(PluginParams):
         "feed is fresh only the engine's reports count, so every replica treats a new prefix "
         "alike (its ring owner) until its engine reports it; stale endpoints keep the "
         "approximate index.",
+    )
+    keep_placed: bool = Field(
+        default=False,
+        description="A long prompt some candidate is known to hold (as the cold test reads "
+        "it) goes only to the candidates holding it; none of them a candidate: placed as a "
+        "cold prompt (default false: the scorers decide among all).",
     )
     pending_heads: bool = Field(
         default=False,

@@ -45,10 +45,10 @@ it, and then every replica sees the same report.
 live, every double prefill of 2 and 4 replicas with sync was a *warm* move, a group's request
 sent to a second server seconds after the group was placed, while its server was busy and one
 replica's own load inputs (its in-flight and unseen counts, speeds observed on its own finished
-requests, its scrape instants) outweighed the prefix score; one replica never did it on the same
-requests. The holders are read from what every replica shares (the synced approximate index,
-the engines' reports), so replicas agree; the cost: load no longer moves a placed group
-(docs/notes/2026-12-07-cold-start-doubles.md).
+requests, its scrape instants) outweighed the prefix score; one EPP, drawing on one view, did it
+more rarely (3 of 9 rounds). The holders are read from what every replica shares (the synced
+approximate index, the engines' reports), so replicas agree; the cost: load no longer moves a
+placed group (docs/notes/2026-12-07-cold-start-doubles.md).
 """
 
 from __future__ import annotations

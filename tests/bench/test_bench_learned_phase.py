@@ -7,14 +7,10 @@ import random
 import pytest
 
 from poolkeeper.bench.fleet.simrun import replay, scenario_for
-from poolkeeper.bench.policies.learned_phase import (
-    LEARNED_PHASE_POLICIES,
-    LearnedPhase,
-    StepLearner,
-    default_coefficients,
-)
+from poolkeeper.bench.policies.learned_phase import LEARNED_PHASE_POLICIES, LearnedPhase
 from poolkeeper.bench.policies.reference_policies import is_baseline
 from poolkeeper.bench.policies.routers import ALL_POLICIES, KNOWN_POLICIES, make_policy
+from poolkeeper.bench.policies.step_learner import StepLearner, default_coefficients
 from poolkeeper.bench.workload.workloads import generate
 from poolkeeper.datastore.endpoint import EndpointMetrics, EndpointState
 from poolkeeper.scheduling.types import LLMRequest

@@ -141,3 +141,25 @@ def test_the_learned_phase_policies_are_references_run_by_name() -> None:
         assert name not in ALL_POLICIES
         assert not is_baseline(name)
         assert isinstance(make_policy(name, random.Random(1)), LearnedPhase)
+
+
+def test_late_reports_are_seen_later_in_order_and_one_step_stays_one_group() -> None:
+    fleet = VirtualFleet([EngineConfig()], seed=1)
+    policy = LEARNED_PHASE_POLICIES["ref-learned-phase-oracle-late1ms"](random.Random(1))
+    policy.bind(fleet)
+    state = EndpointState(fleet.endpoints[0], EndpointMetrics())
+    learner = policy.learners[state.key]
+    assert learner.merge_s == 0.001
+    policy.pick(_request("a"), [state], 0.0)
+    policy.pick(_request("b", prompt="wxyz" * 40), [state], 0.0)
+    policy.on_first_token("a", 0.010)  # both first bytes of one step, each 0-1 ms late
+    policy.on_first_token("b", 0.010)
+    policy.on_finish("a", state.key, 0.010)  # never seen before its first byte
+    assert policy.decoding.get(state.key, 0) == 0  # nothing seen yet
+    policy.pick(_request("c"), [state], 0.0111)
+    assert policy.late == []
+    assert policy.decoding[state.key] == 1  # b decoding, a ended
+    seen = policy.seen_step_end[state.key]
+    assert 0.010 <= seen <= 0.011
+    learner.advance(0.02)
+    assert learner.steps == 1  # one step: the two first bytes merged into one group

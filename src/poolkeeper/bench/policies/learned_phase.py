@@ -13,11 +13,13 @@ the router sent a server before are taken as cached there (its prefill is the re
 
 Variants: `ref-learned-phase` (fit from a prior 2x the simulator's default coefficients;
 in the heterogeneous fleet 4x, 2x and 1x per server), `-half` (prior 0.5x), `-oracle` (the
-engine's coefficients, given; the context still estimated). Scoring is
+engine's coefficients, given; the context still estimated), `-late1ms` and `-oracle-late1ms`
+(each first byte and end reaches the router 0-1 ms late, uniform: Envoy and the network). Scoring is
 `ref-kv-phase-none-0ms-sent-ctx`'s with the learnt model and context."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Sequence
@@ -38,12 +40,18 @@ class LearnedPhase(KVEventPhase):
     sent_model = True
     context_model = True
     prior_factor: float | None = 2.0  # None: the engine's own coefficients (the oracle)
+    report_late_s = 0.0  # each first byte and end reaches the router 0 to this late (uniform)
 
     def __init__(self, rng: random.Random) -> None:
         super().__init__(rng)
         self.learners: dict[str, StepLearner] = {}
         self.out: dict[str, int | None] = {}  # id -> output tokens (the usage at the end)
         self.blocks: dict[str, set[int]] = {}  # endpoint -> prompt blocks sent there
+        # Reports on their way: (time seen, order, request id, server; None for a first byte).
+        self.late: list[tuple[float, int, str, str | None]] = []
+        self.first_seen: dict[str, float] = {}
+        self.late_order = 0
+        self.late_rng = random.Random(f"{self.name}:late")
 
     def bind(self, fleet: VirtualFleet) -> None:
         super().bind(fleet)
@@ -52,14 +60,17 @@ class LearnedPhase(KVEventPhase):
                 c = engine.config
                 terms = (c.step_overhead_s, c.prefill_token_s, c.decode_token_s, c.kv_read_token_s)
                 oracle = tuple(x * c.time_scale for x in terms)
-                self.learners[endpoint.hostport] = StepLearner(oracle, learn=False)  # type: ignore[arg-type]
+                learner = StepLearner(oracle, learn=False)  # type: ignore[arg-type]
             else:
-                prior = default_coefficients(self.prior_factor)
-                self.learners[endpoint.hostport] = StepLearner(prior)
+                learner = StepLearner(default_coefficients(self.prior_factor))
+            # Reports of one step arrive spread over `report_late_s`; steps are longer.
+            learner.merge_s = self.report_late_s
+            self.learners[endpoint.hostport] = learner
 
     def pick(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
     ) -> EndpointState:
+        self._flush(now)
         for learner in self.learners.values():
             learner.advance(now)
         chosen = super().pick(request, endpoints, now)
@@ -69,17 +80,46 @@ class LearnedPhase(KVEventPhase):
         return chosen
 
     def on_first_token(self, request_id: str, now: float) -> None:
+        if self._defer(request_id, None, now):
+            return
         where = self._where.get(request_id)
         if where is not None:
             self.learners[where[0]].observed(request_id, now, first=True, out=None)
         super().on_first_token(request_id, now)
 
     def on_finish(self, request_id: str, server: str, now: float) -> None:
+        if self._defer(request_id, server, now):
+            return
         where = self._where.get(request_id)
         out = self.out.pop(request_id, None)
         if where is not None:
             self.learners[where[0]].observed(request_id, now, first=False, out=out)
         super().on_finish(request_id, server, now)
+
+    def _defer(self, request_id: str, server: str | None, now: float) -> bool:
+        """With `report_late_s`, queue the report to be seen later (a request's end never
+        before its first byte); False: handle it now."""
+        if not self.report_late_s:
+            return False
+        self._flush(now)
+        seen = now + self.late_rng.uniform(0.0, self.report_late_s)
+        if server is None:
+            self.first_seen[request_id] = seen
+        else:
+            seen = max(seen, self.first_seen.pop(request_id, seen))
+        self.late_order += 1
+        heapq.heappush(self.late, (seen, self.late_order, request_id, server))
+        return True
+
+    def _flush(self, now: float) -> None:
+        while self.late and self.late[0][0] <= now:
+            seen, _, request_id, server = heapq.heappop(self.late)
+            late, self.report_late_s = self.report_late_s, 0.0  # handle, do not re-queue
+            if server is None:
+                self.on_first_token(request_id, seen)
+            else:
+                self.on_finish(request_id, server, seen)
+            self.report_late_s = late
 
     def _cached(self, endpoint: str, request: LLMRequest) -> int:
         """Prompt tokens the server probably has cached: the leading blocks of prompts this
@@ -117,15 +157,27 @@ class LearnedPhase(KVEventPhase):
         return self._model_s(endpoint, learner.prefill_sent(known), learner.prompt_sent(known))
 
 
-def _variant(label: str, prior_factor: float | None) -> type[LearnedPhase]:
+def _variant(label: str, prior_factor: float | None, late_s: float = 0.0) -> type[LearnedPhase]:
     name = f"ref-learned-phase{label}"
     return type(
         f"LearnedPhase{label.replace('-', '_')}",
         (LearnedPhase,),
-        {"name": name, "prior_factor": prior_factor, "__doc__": f"`{name}` (module docstring)."},
+        {
+            "name": name,
+            "prior_factor": prior_factor,
+            "report_late_s": late_s,
+            "__doc__": f"`{name}` (module docstring).",
+        },
     )
 
 
 LEARNED_PHASE_POLICIES: dict[str, type[LearnedPhase]] = {
-    cls.name: cls for cls in (_variant("", 2.0), _variant("-half", 0.5), _variant("-oracle", None))
+    cls.name: cls
+    for cls in (
+        _variant("", 2.0),
+        _variant("-half", 0.5),
+        _variant("-oracle", None),
+        _variant("-late1ms", 2.0, 0.001),
+        _variant("-oracle-late1ms", None, 0.001),
+    )
 }

@@ -93,6 +93,7 @@ class StepLearner:
         self.prior = prior
         self.theta: list[float] = list(prior)
         self.learn = learn
+        self.merge_s = 0.0  # reports this close to a group's first are of the same step
         self.scale = 1.0  # r: corrects the fit's scale from the steps counted per request
         self.boot_scale = 1.0  # r when the bootstrap ended
         self.miscount = 1.0  # moving mean of |log(counted / true)| over the requests ended
@@ -137,7 +138,7 @@ class StepLearner:
 
     def advance(self, now: float) -> None:
         """Count the open group's gap once time has moved past it."""
-        if self.group_at is not None and now > self.group_at:
+        if self.group_at is not None and now > self.group_at + self.merge_s:
             self._close()
 
     def prefill_sent(self, by: float) -> int:

@@ -13,8 +13,9 @@ the router sent a server before are taken as cached there (its prefill is the re
 
 Variants: `ref-learned-phase` (fit from a prior 2x the simulator's default coefficients;
 in the heterogeneous fleet 4x, 2x and 1x per server), `-half` (prior 0.5x), `-oracle` (the
-engine's coefficients, given; the context still estimated), `-late1ms` and `-oracle-late1ms`
-(each first byte and end reaches the router 0-1 ms late, uniform: Envoy and the network). Scoring is
+engine's coefficients, given; the context still estimated), `-late1ms`, `-oracle-late1ms` and
+`-late0p25ms` (each first byte and end reaches the router 0-1 ms or 0-0.25 ms late, uniform:
+Envoy and the network; a step's reports within that of its first are one group). Scoring is
 `ref-kv-phase-none-0ms-sent-ctx`'s with the learnt model and context."""
 
 from __future__ import annotations
@@ -132,11 +133,13 @@ class LearnedPhase(KVEventPhase):
         return min(hit * size, max(0, request.prompt_tokens - 1))
 
     def known_step_end(self, endpoint: str, now: float) -> float | None:
-        seen = super().known_step_end(endpoint, now)
-        start = self.learners[endpoint].boundary  # also a step's start on an idle engine
+        # The learner's last step boundary: the earliest report of the last step seen (the
+        # closest to its end when reports come late), or a send to an idle server.
+        learner = self.learners[endpoint]
+        start = learner.boundary if learner.group_at is None else learner.group_at
         if start is None or start > now:
-            return seen
-        return start if seen is None else max(seen, start)
+            return super().known_step_end(endpoint, now)
+        return start
 
     def context_s(self, endpoint: str) -> float:
         return 0.0  # in `_model_s`
@@ -177,6 +180,7 @@ LEARNED_PHASE_POLICIES: dict[str, type[LearnedPhase]] = {
         _variant("", 2.0),
         _variant("-half", 0.5),
         _variant("-oracle", None),
+        _variant("-late0p25ms", 2.0, 0.00025),
         _variant("-late1ms", 2.0, 0.001),
         _variant("-oracle-late1ms", None, 0.001),
     )

@@ -65,14 +65,14 @@ def test_with_the_engines_coefficients_every_span_is_counted_exactly() -> None:
     # Staggered requests: gaps of one and of several silent decode steps between step ends.
     learner = StepLearner(_true(EngineConfig()), learn=False)
     _drive(learner, {"a": (0.0, 40), "b": (0.013, 7), "c": (0.05, 25), "d": (0.2, 3)})
-    assert learner.counts == [(6, 6), (24, 24), (2, 2), (39, 39)]  # by end
+    assert list(learner.counts) == [(6, 6), (24, 24), (2, 2), (39, 39)]  # by end
     assert learner.coefficients() == _true(EngineConfig())  # `learn=False`: never moved
 
 
 def test_a_prior_twice_too_long_counts_too_few_steps_and_the_counts_pull_r_down() -> None:
     learner = StepLearner(default_coefficients(2.0))
     _drive(learner, {"a": (0.0, 60), "b": (0.3, 60)})
-    (counted_a, true_a), _ = learner.counts
+    (counted_a, true_a), _ = list(learner.counts)
     assert counted_a < true_a  # two-step gaps taken for one
     assert learner.scale < 1.0
 
@@ -117,7 +117,7 @@ def test_the_context_counts_each_decoding_request_prompt_plus_its_steps() -> Non
     three = sum(learner.step_s(0, 1, 41 + i) for i in range(3))  # context 41, 42, 43
     learner.observed("a", step + three, first=False, out=4)
     learner.advance(2.0)
-    assert learner.counts == [(3, 3)]
+    assert list(learner.counts) == [(3, 3)]
 
 
 def test_prompt_blocks_sent_before_to_a_server_are_taken_as_cached_there() -> None:

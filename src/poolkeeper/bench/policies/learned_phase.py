@@ -57,15 +57,15 @@ class LearnedPhase(KVEventPhase):
     def bind(self, fleet: VirtualFleet) -> None:
         super().bind(fleet)
         for endpoint, engine in zip(fleet.endpoints, fleet.engines, strict=True):
+            # A step's reports arrive spread over `report_late_s` (steps are longer): one group.
+            merge = self.report_late_s
             if self.prior_factor is None:
-                c = engine.config
-                terms = (c.step_overhead_s, c.prefill_token_s, c.decode_token_s, c.kv_read_token_s)
-                oracle = tuple(x * c.time_scale for x in terms)
-                learner = StepLearner(oracle, learn=False)  # type: ignore[arg-type]
+                c, ts = engine.config, engine.config.time_scale
+                oracle = (c.step_overhead_s * ts, c.prefill_token_s * ts, c.decode_token_s * ts,
+                          c.kv_read_token_s * ts)  # fmt: skip
+                learner = StepLearner(oracle, learn=False, merge_s=merge)
             else:
-                learner = StepLearner(default_coefficients(self.prior_factor))
-            # Reports of one step arrive spread over `report_late_s`; steps are longer.
-            learner.merge_s = self.report_late_s
+                learner = StepLearner(default_coefficients(self.prior_factor), merge_s=merge)
             self.learners[endpoint.hostport] = learner
 
     def pick(

@@ -37,6 +37,7 @@ since its first byte."""
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from poolkeeper.sim.params import EngineConfig
 
@@ -89,11 +90,11 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
 class StepLearner:
     """One server's step model learnt from its observed step ends (see the module docstring)."""
 
-    def __init__(self, prior: Coefficients, *, learn: bool = True) -> None:
+    def __init__(self, prior: Coefficients, *, learn: bool = True, merge_s: float = 0.0) -> None:
         self.prior = prior
         self.theta: list[float] = list(prior)
         self.learn = learn
-        self.merge_s = 0.0  # reports this close to a group's first are of the same step
+        self.merge_s = merge_s  # reports this close to a group's first are of the same step
         self.scale = 1.0  # r: corrects the fit's scale from the steps counted per request
         self.boot_scale = 1.0  # r when the bootstrap ended
         self.miscount = 1.0  # moving mean of |log(counted / true)| over the requests ended
@@ -118,7 +119,8 @@ class StepLearner:
         self.group_prompt = 0  # and all of their prompt tokens (their context)
         self.group_firsts: list[tuple[str, int]] = []
         self.group_ends: list[tuple[int, float, int]] = []  # (step, log_r of first byte, out)
-        self.counts: list[tuple[int, int]] = []  # (steps counted, out - 1) per request, for tests
+        # (steps counted, out - 1) of the last requests ended: for tests and the note's script
+        self.counts: deque[tuple[int, int]] = deque(maxlen=1000)
 
     def coefficients(self) -> Coefficients:
         s = self.scale

@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from poolkeeper.bench.policies.baselines import BASELINES
 from poolkeeper.bench.policies.kv_event_phase import KV_EVENT_POLICIES
+from poolkeeper.bench.policies.learned_phase import LEARNED_PHASE_POLICIES
 from poolkeeper.bench.policies.reference_policies import REFERENCE_POLICIES
 from poolkeeper.bench.policies.schedpolicy import CANDIDATE_PRESETS, FLOW_PRESETS
 from poolkeeper.bench.workload.scenarios import Scenario
@@ -75,7 +76,7 @@ ALL_POLICIES: tuple[str, ...] = (*BASELINES, *SCHEDULER_POLICIES)
 # control; like the reference policies, run only when asked for by name.
 CANDIDATE_POLICIES: tuple[str, ...] = tuple(n for c in CANDIDATE_PRESETS for n in (c, f"{c}-shed"))
 # Run only when asked for by name (never by default: `ref-oracle` takes minutes per point).
-REFERENCES = {**REFERENCE_POLICIES, **KV_EVENT_POLICIES}
+REFERENCES = {**REFERENCE_POLICIES, **KV_EVENT_POLICIES, **LEARNED_PHASE_POLICIES}
 KNOWN_POLICIES: tuple[str, ...] = (*ALL_POLICIES, *CANDIDATE_POLICIES, *REFERENCES)
 
 

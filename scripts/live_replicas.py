@@ -70,7 +70,7 @@ NAMES = ("http", "extproc", "metrics", "health", "admin")
 INDEXES = (
     "approx", "exact", "exact-cold", "exact-peers", "exact-bal", "exact-strong", "exact-hash",
     "exact-hashbal", "exact-hashpend", "exact-hashbalx", "exact-hashblog", "exact-hashwait",
-    "exact-hashblogpend", "exact-hashblogkeep", "exact-hashblogshare",
+    "exact-hashblogpend", "exact-hashblogkeep",
 )  # fmt: skip
 
 
@@ -92,11 +92,10 @@ def scheduling(index: str) -> dict[str, Any] | None:
     busy prefilling, in the band and the hold); `exact-hashblogpend`: `exact-hashblog` with
     `pendingHeads` (what cross-replica sync measured best with in virtual time: peers' sends
     count as pending heads too); `exact-hashblogkeep`: `exact-hashblogpend` with `keepPlaced` (a
-    placed prefix goes only to the endpoints holding it), `exact-hashblogshare`: with
-    `shareBacklog` (an endpoint at its share of heads counts as backlogged). Any index +
-    `-nospeed`: without the `observed-speed-scorer`. Any index (+ `-nospeed`) + `-sync` (e.g.
-    `exact-hashwait-sync`): the same with cross-replica sync on, `-syncnow`: and peers'
-    batches waking flow control at once (`SYNCS`)."""
+    placed prefix goes only to the endpoints holding it). Any index + `-nospeed`: without the
+    `observed-speed-scorer`. Any index (+ `-nospeed`) + `-sync` (e.g. `exact-hashwait-sync`):
+    the same with cross-replica sync on, `-syncnow`: and peers' batches waking flow control at
+    once (`SYNCS`)."""
     index, slow = split_speed(split_sync(index)[0])
     if index == "approx" and not slow:
         return None
@@ -127,10 +126,7 @@ def scheduling(index: str) -> dict[str, Any] | None:
                                         "backlogScorer": "prefill-backlog-scorer"},
                  "exact-hashblogkeep": {"balance": 1.0, "pendingHeads": True,
                                         "backlogScorer": "prefill-backlog-scorer",
-                                        "keepPlaced": True},
-                 "exact-hashblogshare": {"balance": 1.0, "pendingHeads": True,
-                                         "backlogScorer": "prefill-backlog-scorer",
-                                         "shareBacklog": True}}  # fmt: skip
+                                        "keepPlaced": True}}  # fmt: skip
     if index in placement:
         doc = with_cold_placement(doc, placement[index])
     return doc

@@ -21,9 +21,7 @@ recomputed here):
   prefill may still wait), so a profile without the backlog scorer falls back to it as the nearest
   fact the router has. Where a `cold-placement-filter` with `scrapedWaiting` reads the same
   backlog scorer, its view (each endpoint whose scrape shows a queue at least `backlogTokens`):
-  the hold then counts the other EPP replicas' queued requests as the filter's band does; with
-  `shareBacklog`, an endpoint holding its share of chain heads counts as backlogged too, so a
-  held new prefix waits for an endpoint under its share to have room.
+  the hold then counts the other EPP replicas' queued requests as the filter's band does.
 """
 
 from __future__ import annotations
@@ -51,13 +49,13 @@ class PrefillFacts:
         if prefix is None:
             prefix = next((p for p in plugins if isinstance(p, PrefixCacheScorer)), None)
         self.prefix = prefix
-        # A filter that widens this backlog (`scrapedWaiting`, `shareBacklog`).
+        # A filter that widens this backlog with the scraped queues (`scrapedWaiting`).
         self.cold = next(
             (
                 p
                 for p in plugins
                 if isinstance(p, ColdPlacementFilter)
-                and (p.params.scraped_waiting or p.params.share_backlog)
+                and p.params.scraped_waiting
                 and p.backlog is self.backlog
             ),
             None,

@@ -79,7 +79,7 @@ def under_backlog(band: set[str], backlog: Mapping[str, int], tokens: int) -> se
 class ColdPlacementFilter(NamedPlugin):
     """Filter keeping, for a cold long prompt, only its ring owner within the load band."""
 
-    __slots__ = ("_now", "backlog", "params", "prefix")
+    __slots__ = ("backlog", "params", "prefix")
 
     def __init__(
         self,
@@ -92,9 +92,6 @@ class ColdPlacementFilter(NamedPlugin):
         self.params = params
         self.prefix = prefix
         self.backlog = backlog
-        # The last cycle's instant: flow control's hold asks `backlogs` without a clock, and
-        # `shareBacklog`'s pending heads expire by time (5 s; a cycle runs per request).
-        self._now = 0.0
 
     def post_cycles_read(self) -> Sequence[tuple[str, PostCycle]]:
         # The backlog fills in the scorer's PostCycle, which runs only in its profiles.
@@ -103,7 +100,6 @@ class ColdPlacementFilter(NamedPlugin):
     def filter(
         self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> Sequence[EndpointState]:
-        self._now = max(self._now, cycle.now)
         if len(candidates) < 2:
             return candidates
         found = self.placement(cycle, request, candidates)
@@ -175,7 +171,7 @@ class ColdPlacementFilter(NamedPlugin):
             if not (load - least > p.load_band_abs and load > p.load_band_rel * least)
         }
         if self.backlog is not None:
-            band = under_backlog(band, self.backlogs(candidates, now), p.backlog_tokens)
+            band = under_backlog(band, self.backlogs(candidates), p.backlog_tokens)
         ring = self.prefix.hashring
         fits = self._fits(band, now)
         if fits is not None:
@@ -184,35 +180,14 @@ class ColdPlacementFilter(NamedPlugin):
                 return owner
         return ring.owner(key, keys, band.__contains__)
 
-    def backlogs(
-        self, candidates: Sequence[EndpointState], now: float | None = None
-    ) -> Mapping[str, int]:
+    def backlogs(self, candidates: Sequence[EndpointState]) -> Mapping[str, int]:
         """The backlog scorer's prefill backlog per endpoint (streamed requests only), with
-        `scrapedWaiting` raised where the scrape shows a queue (`with_waiting`) and
-        `shareBacklog` where an endpoint holds its share of chain heads (`at_share`). `now`:
-        the pending heads' instant (None: the last cycle's)."""
+        `scrapedWaiting` raised where the scrape shows a queue (`with_waiting`)."""
         assert self.backlog is not None
-        snap: Mapping[str, int] = self.backlog.backlog.seen_snapshot()
-        floor = self.params.backlog_tokens
-        if self.params.scraped_waiting:
-            snap = with_waiting(snap, candidates, floor)
-        if self.params.share_backlog:
-            full = self.at_share(candidates, self._now if now is None else now)
-            snap = {**snap, **{k: max(snap.get(k, 0), floor) for k in full}}
-        return snap
-
-    def at_share(self, candidates: Sequence[EndpointState], now: float) -> set[str]:
-        """The candidates whose chain heads (pending ones as `pendingHeads` says) reach
-        balance x (all candidates' heads + 1) / candidates: `balance`'s bound over the whole
-        pool, not the band (`shareBacklog`; empty without an exact index)."""
-        exact = self.prefix.exact
-        if exact is None or not candidates:
-            return set()
-        pending = self.params.pending_heads
-        heads = {s.endpoint.hostport: exact.heads(s.endpoint.hostport, now, pending=pending)
-                 for s in candidates}  # fmt: skip
-        bound = math.ceil(self.params.balance * (sum(heads.values()) + 1) / len(heads))
-        return {k for k, n in heads.items() if n >= bound}
+        snap = self.backlog.backlog.seen_snapshot()
+        if not self.params.scraped_waiting:
+            return snap
+        return with_waiting(snap, candidates, self.params.backlog_tokens)
 
     def _fits(self, band: set[str], now: float) -> Callable[[str], bool] | None:
         """`balance`'s test over the band (None: off or no exact index)."""

@@ -49,14 +49,6 @@ requests, its scrape instants) outweighed the prefix score; one EPP, drawing on 
 more rarely (3 of 9 rounds). The holders are read from what every replica shares (the synced
 approximate index, the engines' reports), so replicas agree; the cost: load no longer moves a
 placed group (docs/notes/2026-12-07-cold-start-doubles.md).
-
-`shareBacklog` (needs `backlogScorer` and `balance`): an endpoint at its share of chain heads
-(balance's bound over every candidate) counts as having `backlogTokens` of backlog, in the band
-and in `holdNewPrefixes`. Why: live, replicas' cold starts ended 5 / 4 / 4 / 3 groups where one
-EPP's ended 4 / 4 / 4 / 4; the fifth group was a held new prefix released because one endpoint
-had room, and that endpoint was the only candidate left (`placeUnderBacklog`, or the band
-narrowed by the backlog), so balance's bound, computed over the band, never refused it
-(docs/notes/2026-12-07-uneven-start.md).
 """
 
 from __future__ import annotations
@@ -142,13 +134,6 @@ class ColdPlacementParams(PluginParams):
         description="With balance, also count the new prefixes this EPP sent that the engine "
         "has not reported yet (default false: only the reports, which every replica shares).",
     )
-    share_backlog: bool = Field(
-        default=False,
-        description="With balance and backlogScorer: an endpoint whose chain heads reach "
-        "balance's bound over all candidates (not the band) counts as having backlogTokens of "
-        "backlog, in the band and in flow control's holdNewPrefixes, so a held new prefix waits "
-        "for an endpoint under its share to have room (default false).",
-    )
 
     @model_validator(mode="after")
     def _balance_range(self) -> ColdPlacementParams:
@@ -158,7 +143,4 @@ class ColdPlacementParams(PluginParams):
             raise ValueError("backlogTokens needs backlogScorer (without it nothing reads it)")
         if self.scraped_waiting and not self.backlog_scorer:
             raise ValueError("scrapedWaiting needs backlogScorer (it raises that backlog)")
-        if self.share_backlog and not (self.backlog_scorer and self.balance):
-            raise ValueError("shareBacklog needs backlogScorer and balance (it raises that "
-                             "backlog where balance's share is reached)")  # fmt: skip
         return self

@@ -157,10 +157,12 @@ SYNC = "-sync"
 # Index suffix -> replicaSync settings beyond `sync_section`'s: `-sync` the defaults,
 # `-syncnow` a peer's batch wakes flow control's held requests at once (no spread),
 # `-syncms` decisions gathered for the flush interval and the peers' unseen sends not counted
-# (sync before docs/notes/2026-12-07-replicas-sub-ms.md).
+# (sync before docs/notes/2026-12-07-replicas-sub-ms.md), `-syncspread` peers' wakes spread
+# over 100 ms, not 20 (docs/notes/2026-12-07-uneven-start.md).
 SYNCS: dict[str, dict[str, Any]] = {
     "-syncnow": {"peerWakeSpreadMs": 0},
     "-syncms": {"sendAtOnce": False, "peerUnseen": False},
+    "-syncspread": {"peerWakeSpreadMs": 100},
     SYNC: {},
 }
 

@@ -120,6 +120,19 @@ def test_the_context_counts_each_decoding_request_prompt_plus_its_steps() -> Non
     assert list(learner.counts) == [(3, 3)]
 
 
+def test_a_one_token_answer_ending_at_its_first_byte_never_decodes() -> None:
+    # Its first byte and end come at one step end: it must leave no decoding entry behind
+    # (one would keep the server busy and its context growing for ever).
+    learner = StepLearner(default_coefficients())
+    learner.sent("a", 40, 0.0)
+    learner.observed("a", 0.01, first=True, out=None)
+    learner.observed("a", 0.01, first=False, out=1)
+    learner.advance(0.02)
+    assert learner.decoding == {}
+    assert not learner.busy()
+    assert learner.context() == 0
+
+
 def test_prompt_blocks_sent_before_to_a_server_are_taken_as_cached_there() -> None:
     fleet = VirtualFleet([EngineConfig(), EngineConfig()], seed=1)
     policy = LEARNED_PHASE_POLICIES["ref-learned-phase"](random.Random(1))

@@ -5,7 +5,9 @@ from first bytes and ends alone, but read two things from the engine no router h
 step-time coefficients and each running request's context (`num_computed`). These policies
 use only the router's own sends (time, prompt tokens, server, `max_tokens`), each request's
 first byte and end (both step ends on that server) and the output token count at the end
-(the usage the EPP reads from the response; in the simulator it equals `max_tokens`).
+(the usage the EPP reads from the response; in the simulator it equals `max_tokens`), and
+the engines' block size, a deployment setting (the prompt blocks it hashes). The recorder and
+step hook its base class installs (rule `none`) feed it nothing.
 
 Per server, a `StepLearner` (`step_learner.py`) counts the steps between observed step ends
 and fits the four-term step model to them, anchored by the usage counts; the prompt blocks

@@ -17,7 +17,7 @@ Chunked prefills (prompts past the token budget) and other routers' requests bre
 n is the integer the model in use fits best, and (features, g) is a sample of a
 least-squares fit with exponential forgetting (about 200 gaps) and a ridge toward the model
 in use (directions the window cannot tell apart stay put). A gap is fitted only if the model
-15 % shorter and longer counts it the same (a gap near a half-step boundary may be
+1.15 times shorter and longer counts it the same (a gap near a half-step boundary may be
 miscounted, and a wrong count teaches the fit its own error).
 
 A model far off miscounts and learns its own error (2x too long rounds a 2-step gap to one).
@@ -46,7 +46,7 @@ Coefficients = tuple[float, float, float, float]  # s: overhead, /prefill token,
 SCALES: Coefficients = (1.0, 100.0, 100.0, 10_000.0)
 FORGET = 0.995  # per gap: an effective window of ~200 gaps
 RIDGE = 5.0  # the model in use weighs as much as five gaps
-# A gap is fitted only if the model 15 % shorter or longer counts it the same: a gap near a
+# A gap is fitted only if the model 1.15 times shorter or longer counts it the same: a gap near a
 # half-step boundary may be miscounted, and a wrong count teaches the fit its own error.
 SLACK = (0.87, 1.15)
 RESET = 0.15  # counts this far off (log) after 30 requests: the fit restarts from the prior
@@ -171,7 +171,11 @@ class StepLearner:
                 self.group_firsts.append((request_id, waiting[1]))
             return
         ended = self.decoding.pop(request_id, None)
-        if ended is not None and out is not None and out >= 2:
+        if ended is None:
+            # Its first byte is in the open group (one output token: both at one step end):
+            # it never decodes, so `_close` must not start counting it.
+            self.group_firsts = [f for f in self.group_firsts if f[0] != request_id]
+        elif out is not None and out >= 2:
             self.group_ends.append((ended[1], ended[2], out))
 
     def _close(self) -> None:

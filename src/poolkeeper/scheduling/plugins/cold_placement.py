@@ -10,7 +10,7 @@ candidates *in the load band* (not out of balance with the least loaded:
     load - least > loadBandAbs  and  load > loadBandRel * least
 
 puts an endpoint out). Any other prompt passes untouched, so warm prompts are left to the
-scorers.
+scorers (with `keepPlaced`, below, to the candidates holding them).
 
 Why a hard pick and not a score (the scorer's `coldAffinity`): with several replicas, each
 places a new prefix before any engine has reported it (engines report blocks when they

@@ -69,7 +69,8 @@ class ColdPlacementParams(PluginParams):
         ge=1,
         description="Leading blocks of the prefix scorer that key the placement; shorter "
         "prompts, and prompts of which some candidate caches this many, pass untouched "
-        "(default 32: 512 tokens at 64-character blocks).",
+        "(with keepPlaced the latter go to the candidates caching them; default 32: 512 "
+        "tokens at 64-character blocks).",
     )
     load_band_abs: float = Field(
         default=8,

@@ -42,6 +42,7 @@ from poolkeeper.bench.live.step_signal import (
     delays_ms,
     join,
     learned_fraction,
+    minus,
     sim_id,
     step_end,
 )
@@ -168,6 +169,7 @@ def run_once(args: argparse.Namespace, arrivals: list[Arrival], tag: str, work: 
              for r in map(json.loads, steps_file.read_text().splitlines())]  # fmt: skip
     epp = [json.loads(line) for line in epp_file.read_text().splitlines()]
     client = {rid: sid for rid, sid, status in results if status == 200 and sid is not None}
+    (work / "client.json").write_text(json.dumps(client))  # to join the records again later
     matched = join(steps, client, epp)
     return {
         "uptime_before": before,
@@ -182,16 +184,24 @@ def run_once(args: argparse.Namespace, arrivals: list[Arrival], tag: str, work: 
         "first_delay_ms": delays_ms(m.first_delay for m in matched),
         "end_delay_ms": delays_ms(m.end_delay for m in matched),
         # The same from the driver's delivery of the step (the gateway's part alone).
-        "first_after_delivery_ms": delays_ms(
-            None if m.first_delay is None else m.first_delay - m.first_lag for m in matched
+        "first_after_delivery_ms": delays_ms(minus(m.first_delay, m.first_lag) for m in matched),
+        "end_after_delivery_ms": delays_ms(minus(m.end_delay, m.last_lag) for m in matched),
+        # Where the first byte's delay goes: the driver's delivery -> Envoy's Lua stamp
+        # (the simulator's write and Envoy's read; the stamp is whole ms, ~0.5 ms early on
+        # average) -> the EPP's receipt of the report (Envoy's call and the EPP's loop).
+        "first_lua_after_delivery_ms": delays_ms(
+            minus(m.lua_first_stamp, m.first_lag) for m in matched
         ),
-        "end_after_delivery_ms": delays_ms(
-            None if m.end_delay is None or m.last_lag is None else m.end_delay - m.last_lag
-            for m in matched
+        "first_report_after_lua_ms": delays_ms(
+            minus(m.first_delay, m.lua_first_stamp) for m in matched
         ),
-        "lua_first_stamp_ms": delays_ms(m.lua_first_stamp for m in matched),
-        "upstream_first_stamp_ms": delays_ms(m.upstream_first_stamp for m in matched),
-        "upstream_last_stamp_ms": delays_ms(m.upstream_last_stamp for m in matched),
+        # The end's: delivery -> Envoy's last upstream byte -> the EPP's receipt of the entry.
+        "end_upstream_after_delivery_ms": delays_ms(
+            minus(m.upstream_last_stamp, m.last_lag) for m in matched
+        ),
+        "end_entry_after_upstream_ms": delays_ms(
+            minus(m.end_delay, m.upstream_last_stamp) for m in matched
+        ),
         "learned_fraction": learned_fraction(steps, matched),
     }
 

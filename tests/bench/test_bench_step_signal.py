@@ -9,6 +9,7 @@ from poolkeeper.bench.live.step_signal import (
     delays_ms,
     join,
     learned_fraction,
+    minus,
     sim_id,
     step_end,
 )
@@ -91,6 +92,12 @@ def test_join_matches_each_request_and_moves_envoy_stamps_to_monotonic() -> None
 def test_join_without_epp_records_matches_steps_only() -> None:
     matched = join([StepEnd("sim-0", 1.0, 1.0, ("x",))], {"t": "x"}, [])
     assert [(m.rid, m.first_delay, m.lua_first_stamp) for m in matched] == [("t", None, None)]
+
+
+def test_minus() -> None:
+    assert minus(3.0, 1.0) == 2.0
+    assert minus(None, 1.0) is None
+    assert minus(1.0, None) is None
 
 
 def test_delays_ms() -> None:

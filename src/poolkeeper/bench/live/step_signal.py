@@ -165,6 +165,11 @@ def _stamp(
     return float(entry["start"] + entry[name] - offset - step.end)
 
 
+def minus(a: float | None, b: float | None) -> float | None:
+    """`a - b`, None if either is (a part of a delay that was not seen)."""
+    return None if a is None or b is None else a - b
+
+
 def delays_ms(values: Iterable[float | None]) -> dict[str, float]:
     """p10 / p50 / p90 / p99 (and min, max, count) of the seconds in `values`, in ms; None
     skipped."""

@@ -35,7 +35,7 @@ import aiohttp
 
 from poolkeeper.bench.fleet.simrun import fleet_capacity
 from poolkeeper.bench.live.live_processes import READY_TIMEOUT_S, process, wait_http
-from poolkeeper.bench.live.live_targets import models_of, poolkeeper_config
+from poolkeeper.bench.live.live_targets import envoy_binary, models_of, poolkeeper_config
 from poolkeeper.bench.live.loadgen import check_loopback
 from poolkeeper.bench.live.step_signal import (
     StepEnd,
@@ -140,6 +140,23 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+# The Lua filter's first-byte stamp in microseconds (a float of ms), not whole ms.
+LUA_MS = "handle:timestamp()"
+LUA_US = "(tonumber(handle:timestampString(EnvoyTimestampResolution.MICROSECOND)) / 1000)"
+
+
+def microsecond_bootstrap(cfg: Path) -> str:
+    """`poolkeeper envoy-config`'s bootstrap for `cfg` with the Lua filter stamping first bytes
+    to the microsecond (`--envoy-us`: what an exact Envoy stamp would give)."""
+    text = subprocess.run(
+        [sys.executable, "-m", "poolkeeper", "envoy-config", "-f", str(cfg)],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    if LUA_MS not in text:
+        raise SystemExit("the observer's Lua filter has no handle:timestamp() to replace")
+    return text.replace(LUA_MS, LUA_US)
+
+
 def run_once(args: argparse.Namespace, arrivals: list[Arrival], tag: str, work: Path) -> Any:
     work.mkdir(parents=True, exist_ok=True)
     steps_file, epp_file = work / "steps.jsonl", work / "epp.jsonl"
@@ -157,7 +174,21 @@ def run_once(args: argparse.Namespace, arrivals: list[Arrival], tag: str, work: 
         cfg = poolkeeper_config(work / "epp", sim_ports, ports, models)
         serve = [sys.executable, "-m", "poolkeeper", "serve", "-f", str(cfg),
                  "--workdir", str(work / "serve"), "--log-level", "warning"]  # fmt: skip
+        if args.envoy_us:
+            with (cfg / "gateway.yaml").open("a") as gateway:
+                gateway.write("  edge: {observeResponses: true}\n")
+            serve.append("--no-envoy")
         stack.enter_context(process(serve, work / "serve.log", {SIGNAL_LOG_ENV: str(epp_file)}))
+        if args.envoy_us:
+            ready = f"http://127.0.0.1:{ports['metrics']}/readyz"
+            wait_http(ready, lambda s: s == 200, READY_TIMEOUT_S, "epp")
+            envoy = envoy_binary()
+            assert envoy is not None
+            boot = work / "envoy.json"
+            boot.write_text(microsecond_bootstrap(cfg))
+            cmd = [envoy, "-c", str(boot), "--concurrency", "1", "--log-level", "warn",
+                   "--disable-hot-restart"]  # fmt: skip
+            stack.enter_context(process(cmd, work / "envoy.log"))
         base = f"http://127.0.0.1:{ports['http']}"
         wait_http(base + "/v1/models", lambda s: s < 500, READY_TIMEOUT_S, "serve")
         time.sleep(1.0)
@@ -165,29 +196,41 @@ def run_once(args: argparse.Namespace, arrivals: list[Arrival], tag: str, work: 
         results = asyncio.run(send(base, arrivals, tag, args.duration + 40.0))
         after = uptime()
         time.sleep(0.5)  # the last access-log batch (flushed every 20 ms)
-    steps = [StepEnd(r["server"], r["end"], r["delivered"], tuple(r["firsts"]), tuple(r["lasts"]))
-             for r in map(json.loads, steps_file.read_text().splitlines())]  # fmt: skip
-    epp = [json.loads(line) for line in epp_file.read_text().splitlines()]
     client = {rid: sid for rid, sid, status in results if status == 200 and sid is not None}
     (work / "client.json").write_text(json.dumps(client))  # to join the records again later
-    matched = join(steps, client, epp)
     return {
         "uptime_before": before,
         "uptime_after": after,
         "sent": len(arrivals),
-        "ok": len(client),
         "statuses": sorted({str(s) for _, _, s in results}),
+        **summarize(work),
+    }
+
+
+def summarize(work: Path) -> dict[str, Any]:
+    """One run's numbers from the records it left in `work` (also `--analyze`)."""
+    steps = [StepEnd(r["server"], r["end"], r["delivered"], tuple(r["firsts"]), tuple(r["lasts"]))
+             for r in map(json.loads, (work / "steps.jsonl").read_text().splitlines())]  # fmt: skip
+    epp = [json.loads(line) for line in (work / "epp.jsonl").read_text().splitlines()]
+    client: dict[str, str] = json.loads((work / "client.json").read_text())
+    matched = join(steps, client, epp)
+    return {
+        "ok": len(client),
         "steps": len(steps),
         "matched": len(matched),
         "epp_rids_match": sum(1 for r in epp if r.get("rid") in client),
         "delivery_lag_ms": delays_ms(s.delivered - s.end for s in steps),
         "first_delay_ms": delays_ms(m.first_delay for m in matched),
         "end_delay_ms": delays_ms(m.end_delay for m in matched),
+        # Envoy's stamps against the step end (what the EPP could back-date to).
+        "lua_first_stamp_ms": delays_ms(m.lua_first_stamp for m in matched),
+        "upstream_first_stamp_ms": delays_ms(m.upstream_first_stamp for m in matched),
+        "upstream_last_stamp_ms": delays_ms(m.upstream_last_stamp for m in matched),
         # The same from the driver's delivery of the step (the gateway's part alone).
         "first_after_delivery_ms": delays_ms(minus(m.first_delay, m.first_lag) for m in matched),
         "end_after_delivery_ms": delays_ms(minus(m.end_delay, m.last_lag) for m in matched),
         # Where the first byte's delay goes: the driver's delivery -> Envoy's Lua stamp
-        # (the simulator's write and Envoy's read; the stamp is whole ms, ~0.5 ms early on
+        # (the simulator's write and Envoy's read; a whole-ms stamp is ~0.5 ms early on
         # average) -> the EPP's receipt of the report (Envoy's call and the EPP's loop).
         "first_lua_after_delivery_ms": delays_ms(
             minus(m.lua_first_stamp, m.first_lag) for m in matched
@@ -222,7 +265,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-requests", type=int, default=4000)
+    parser.add_argument(
+        "--envoy-us",
+        action="store_true",
+        help="run Envoy here (serve --no-envoy) with the Lua first-byte stamp in microseconds",
+    )
+    parser.add_argument("--analyze", type=Path, nargs="+", help="only summarize these run dirs")
     args = parser.parse_args()
+    if args.analyze:
+        for work in args.analyze:
+            print(json.dumps({"run": str(work), **summarize(work)}, indent=1))
+        return 0
     if args.command == "sims":
         asyncio.run(serve_sims(args.count, args.port, args.seed, args.steps))
         return 0
@@ -237,6 +290,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for r in range(args.rounds):
         result = {"servers": args.servers, "workload": args.workload, "load": args.load,
+                  "envoy_us": args.envoy_us,
                   "rate": rate, "duration": args.duration,
                   **run_once(args, arrivals, str(r), args.out / f"run{r}")}  # fmt: skip
         (args.out / f"run{r}.json").write_text(json.dumps(result, indent=1))

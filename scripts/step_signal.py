@@ -40,6 +40,7 @@ from poolkeeper.bench.live.loadgen import check_loopback
 from poolkeeper.bench.live.step_signal import (
     StepEnd,
     delays_ms,
+    earliest_per_step,
     join,
     learned_fraction,
     minus,
@@ -214,6 +215,7 @@ def summarize(work: Path) -> dict[str, Any]:
     epp = [json.loads(line) for line in (work / "epp.jsonl").read_text().splitlines()]
     client: dict[str, str] = json.loads((work / "client.json").read_text())
     matched = join(steps, client, epp)
+    per_step = earliest_per_step(matched)
     return {
         "ok": len(client),
         "steps": len(steps),
@@ -245,6 +247,9 @@ def summarize(work: Path) -> dict[str, Any]:
         "end_entry_after_upstream_ms": delays_ms(
             minus(m.end_delay, m.upstream_last_stamp) for m in matched
         ),
+        # Per learnt step, the earliest report and the earliest Envoy stamp.
+        "step_report_ms": delays_ms(per_step["report"]),
+        "step_stamp_ms": delays_ms(per_step["stamp"]),
         "learned_fraction": learned_fraction(steps, matched),
     }
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from poolkeeper.bench.live.step_signal import (
+    Matched,
     StepEnd,
     delays_ms,
+    earliest_per_step,
     join,
     learned_fraction,
     minus,
@@ -87,6 +89,18 @@ def test_join_matches_each_request_and_moves_envoy_stamps_to_monotonic() -> None
     assert learned_fraction(steps, matched.values()) == {
         "all": 0.5, "sim-0": pytest.approx(2 / 3), "sim-1": 0.0,
     }  # fmt: skip
+
+
+def test_earliest_per_step() -> None:
+    def m(rid: str, first: float, delay: float | None, lua: float | None) -> Matched:
+        return Matched(rid, "sim-0", first, 2.0, 0.0, 0.0, delay, 0.05, lua, None, 0.01)
+
+    got = earliest_per_step([m("a", 1.0, 0.004, 0.002), m("b", 1.0, 0.003, 0.0025),
+                             m("c", 1.5, None, None)])  # fmt: skip
+    # step 1.0: two reports (3 and 4 ms) and stamps (2, 2.5 ms); step 2.0: the ends (50 ms,
+    # 10 ms stamps, all three); step 1.5: nothing learnt
+    assert sorted(got["report"]) == pytest.approx([0.003, 0.05])
+    assert sorted(got["stamp"]) == pytest.approx([0.002, 0.01])
 
 
 def test_join_without_epp_records_matches_steps_only() -> None:

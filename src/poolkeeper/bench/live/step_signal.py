@@ -182,6 +182,27 @@ def delays_ms(values: Iterable[float | None]) -> dict[str, float]:
             "max": max(seen)}  # fmt: skip
 
 
+def earliest_per_step(matched: Iterable[Matched]) -> dict[str, list[float]]:
+    """Per step whose end the EPP learns, the earliest of what it has for that step (seconds
+    after the step's end): "report" the first receipt (a first-byte report or an access-log
+    entry), "stamp" the earliest Envoy stamp (the Lua first byte, the last upstream byte).
+    A router groups the reports of one step and takes the earliest as the step's end."""
+    report: dict[tuple[str, float], float] = {}
+    stamp: dict[tuple[str, float], float] = {}
+    for m in matched:
+        pairs = ((m.first_step, m.first_delay, m.lua_first_stamp),
+                 (m.last_step, m.end_delay, m.upstream_last_stamp))  # fmt: skip
+        for step, delay, envoy in pairs:
+            if step is None:
+                continue
+            key = (m.server, step)
+            if delay is not None:
+                report[key] = min(delay, report.get(key, delay))
+            if envoy is not None:
+                stamp[key] = min(envoy, stamp.get(key, envoy))
+    return {"report": list(report.values()), "stamp": list(stamp.values())}
+
+
 def learned_fraction(steps: Iterable[StepEnd], matched: Iterable[Matched]) -> dict[str, float]:
     """Per server (and "all"): the share of its steps whose end the EPP learns, i.e. a step
     holding a first token of a request whose first-byte report arrived or a last token of a

@@ -36,7 +36,7 @@ import aiohttp
 from poolkeeper.bench.fleet.simrun import fleet_capacity
 from poolkeeper.bench.live.live_processes import READY_TIMEOUT_S, process, wait_http
 from poolkeeper.bench.live.live_targets import envoy_binary, models_of, poolkeeper_config
-from poolkeeper.bench.live.loadgen import check_loopback
+from poolkeeper.bench.live.loadgen import check_loopback, stream_body
 from poolkeeper.bench.live.step_signal import (
     StepEnd,
     delays_ms,
@@ -95,13 +95,7 @@ async def serve_sims(count: int, port: int, seed: int, out: Path) -> None:
 
 
 async def one(session: aiohttp.ClientSession, url: str, arrival: Arrival, rid: str) -> Any:
-    body = {
-        "model": arrival.model,
-        "messages": arrival.messages(),
-        "max_tokens": arrival.output_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_body(arrival)
     sid: str | None = None
     status = 0
     try:

@@ -26,6 +26,7 @@ from google.protobuf import empty_pb2, wrappers_pb2
 
 from poolkeeper import observation as wire
 from poolkeeper.extproc.outcome import UNKNOWN_STATUS, Outcome, outcome_of
+from poolkeeper.extproc.signal_tap import SignalTap
 
 log = logging.getLogger("poolkeeper.extproc")
 
@@ -61,6 +62,8 @@ class DetachedExchanges:
         self._entropy_at = 0
         self.settled = 0
         self.expired = 0  # settled as unknown: over the limit or the TTL
+        # Bench only (scripts/step_signal.py): None unless $POOLKEEPER_BENCH_SIGNAL_LOG is set.
+        self.tap: SignalTap | None = SignalTap.from_env()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -93,6 +96,11 @@ class DetachedExchanges:
         """The response processor's stream for `key` began: it takes the exchange over (its
         access-log entry is then ignored). None for a key this process never gave out."""
         held = self._waiting.pop(key, None) if key is not None else None
+        return held[1] if held is not None else None
+
+    def waiting(self, key: str) -> Detached | None:
+        """The exchange waiting under `key`, left waiting (None if none)."""
+        held = self._waiting.get(key)
         return held[1] if held is not None else None
 
     def discard(self, key: str) -> None:
@@ -158,6 +166,9 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                     parsed = outcome_of(entry)
                     log.debug("access-log entry %s", parsed)
                     if parsed is not None:
+                        if self.detached.tap is not None:
+                            held = self.detached.waiting(parsed[0])
+                            self.detached.tap.entry(entry, parsed[0], held)
                         self.detached.settle(*parsed)
                 except Exception:
                     log.exception("response observer: an access-log entry could not be applied")
@@ -181,6 +192,8 @@ class FirstByteReceiver:
         self, request: wrappers_pb2.StringValue, context: grpc.aio.ServicerContext | None = None
     ) -> empty_pb2.Empty:
         try:
+            if self.detached.tap is not None:
+                self.detached.tap.first_byte(request.value, self.detached.waiting(request.value))
             self.detached.first_byte(request.value)
         except Exception:
             log.exception("response observer: a first-byte report could not be applied")

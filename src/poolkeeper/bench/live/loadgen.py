@@ -62,6 +62,17 @@ class _Progress:
         self.stop = asyncio.Event()
 
 
+def stream_body(arrival: Arrival) -> dict[str, object]:
+    """The streaming chat request of `arrival` (with the usage chunk at the end)."""
+    return {
+        "model": arrival.model,
+        "messages": arrival.messages(),
+        "max_tokens": arrival.output_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def _one(
     session: aiohttp.ClientSession,
     url: str,
@@ -70,13 +81,7 @@ async def _one(
     request_timeout: float,
     progress: _Progress | None = None,
 ) -> LiveResult:
-    body = {
-        "model": arrival.model,
-        "messages": arrival.messages(),
-        "max_tokens": arrival.output_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_body(arrival)
     start = time.monotonic() - t0
     first: float | None = None
     chunks = 0

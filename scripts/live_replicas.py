@@ -158,8 +158,10 @@ SYNC = "-sync"
 # `-syncnow` a peer's batch wakes flow control's held requests at once (no spread),
 # `-syncms` decisions gathered for the flush interval and the peers' unseen sends not counted
 # (sync before docs/notes/2026-12-07-replicas-sub-ms.md), `-syncspread` peers' wakes spread
-# over 100 ms, not 20 (docs/notes/2026-12-07-uneven-start.md).
+# over 100 ms, not 20 (docs/notes/2026-12-07-uneven-start.md), `-syncclaim` the room a peer's
+# first byte opens claimed for 5 ms (`claimGraceMs`, docs/notes/2026-12-07-release-claim.md).
 SYNCS: dict[str, dict[str, Any]] = {
+    "-syncclaim": {"claimGraceMs": 5},
     "-syncnow": {"peerWakeSpreadMs": 0},
     "-syncms": {"sendAtOnce": False, "peerUnseen": False},
     "-syncspread": {"peerWakeSpreadMs": 100},

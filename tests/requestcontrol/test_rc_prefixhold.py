@@ -376,7 +376,7 @@ async def test_the_held_question_and_the_scheduler_get_one_and_the_same_request(
             asked.append(request)
             return 0
 
-        def backlogs(self, endpoints: Any) -> list[int]:
+        def backlogs(self, endpoints: Any, now: float | None = None) -> list[int]:
             return [10**9 for _ in endpoints]
 
         def cached_tokens(self, request: Any, now: float) -> dict[str, int]:

@@ -539,3 +539,17 @@ async def test_peer_wakes_are_spread_and_coalesced() -> None:
     spread.cancel()  # a stopped syncer wakes nothing
     await asyncio.sleep(0.1)
     assert len(calls) == 2
+
+
+async def test_a_claim_grace_delays_the_peer_wake_past_it() -> None:
+    calls: list[float] = []
+    loop = asyncio.get_running_loop()
+    claimed = SpreadWake(lambda: calls.append(loop.time()), 0.0, after_s=0.02)
+    asked = loop.time()
+    claimed()
+    claimed()
+    assert calls == []  # not at once, though there is no spread: the claim lasts 20 ms
+    await until(lambda: len(calls) == 1, "the wake after the claim")
+    assert calls[0] >= asked + 0.02
+    await asyncio.sleep(0.03)
+    assert len(calls) == 1  # coalesced

@@ -164,7 +164,7 @@ def prefill_question(
             return 0
 
     def ask(candidates: list[EndpointState]) -> tuple[Callable[[], int], list[int]]:
-        return uncached, facts.backlogs(candidates)
+        return uncached, facts.backlogs(candidates, clock())  # (claims expire on the clock)
 
     return ask
 

@@ -12,6 +12,7 @@ uncached prompt tokens of the requests sent there whose first byte has not come 
     backlog.ended(request_id)                         # the request ended (any outcome)
     backlog.tokens(endpoint)                          # what a new request there waits behind
     backlog.seen_snapshot()                           # ... counting only first bytes it will see
+    backlog.claims.tokens(now)                        # peers' first bytes' room, claimed a while
     backlog.rates()                                   # endpoint -> measured drain, tokens/s
     backlog.utilisation(endpoint, now)                # share of the last ~1 s with a backlog
 
@@ -27,6 +28,9 @@ Other EPP replicas' sends (cross-replica sync, `scheduling/replicasync/`) are ke
 `(origin, request_id)`, a tuple, so they never meet this EPP's own string ids; they count in
 every sum, and `drop_origin` removes a replica that went quiet.
 
+A peer's first byte cleared with `claim_until` leaves its tokens claimed on that endpoint until
+then (`claims`, `scheduling/releaseclaims.py`), which only flow control's hold reads.
+
 Pure: no clock, no I/O. Bounded: at most `max_entries` requests are held (the oldest is dropped
 first), and `sent` forgets entries older than `max_age_s` (a lost first byte and a lost end must
 not count forever), so nothing a client does can grow it without bound.
@@ -37,6 +41,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from poolkeeper.scheduling.releaseclaims import ReleaseClaims
 
 BUSY_WINDOW_S = 1.0  # time constant of the utilisation estimate
 
@@ -68,8 +74,8 @@ class PrefillBacklog:
     """Per-endpoint sums of not-yet-answered prompt tokens (not thread-safe)."""
 
     __slots__ = (
-        "_by_endpoint", "_counts", "_drain", "_entries", "_seen_by_endpoint", "max_age_s",
-        "max_entries", "min_samples", "rate_decay", "work_tokens",
+        "_by_endpoint", "_counts", "_drain", "_entries", "_seen_by_endpoint", "claims",
+        "max_age_s", "max_entries", "min_samples", "rate_decay", "work_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -98,6 +104,7 @@ class PrefillBacklog:
         # endpoint -> backlog tokens of the entries whose first byte will be seen (non-zero
         # sums only): a non-streamed request's entry lasts its whole answer, decode included.
         self._seen_by_endpoint: dict[str, int] = {}
+        self.claims = ReleaseClaims()  # peers' first bytes' room (`first_token`'s `claim_until`)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -125,12 +132,17 @@ class PrefillBacklog:
             self._seen_by_endpoint[endpoint] = self._seen_by_endpoint.get(endpoint, 0) + tokens
         self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
 
-    def first_token(self, request_id: RequestKey, now: float | None = None) -> bool:
+    def first_token(
+        self, request_id: RequestKey, now: float | None = None, claim_until: float | None = None
+    ) -> bool:
         """The prefill of `request_id` is over; False if it was not counted. (From whichever
         endpoint: if a fallback served it, the decided one never got that prefill either.)
         With `now`, the cleared tokens and the time since the previous first byte there are a
-        drain-rate sample of that endpoint."""
+        drain-rate sample of that endpoint. With `claim_until` (a peer's first byte), the
+        cleared tokens of a streamed entry stay claimed there until then (`claims`)."""
         entry = self._entries.get(request_id)
+        if entry is not None and claim_until is not None and entry.seen:
+            self.claims.add(entry.endpoint, entry.tokens, claim_until)
         if entry is not None and now is not None:
             drain = self._drain_of(entry.endpoint)
             self._age(drain, now, True)

@@ -22,6 +22,9 @@ recomputed here):
   fact the router has. Where a `cold-placement-filter` with `scrapedWaiting` reads the same
   backlog scorer, its view (each endpoint whose scrape shows a queue at least `backlogTokens`):
   the hold then counts the other EPP replicas' queued requests as the filter's band does.
+  With `now`, the room peers' first bytes opened stays counted while claimed
+  (`claimGraceMs`, `scheduling/releaseclaims.py`): the hold and its `placeUnderBacklog` read
+  these backlogs, the scorers and the filter's band do not.
 """
 
 from __future__ import annotations
@@ -81,13 +84,15 @@ class PrefillFacts:
             return {}
         return self.prefix.cached_tokens(CycleState(now), request)
 
-    def backlogs(self, endpoints: Sequence[EndpointState]) -> list[int]:
+    def backlogs(self, endpoints: Sequence[EndpointState], now: float | None = None) -> list[int]:
         if self.backlog is None:
             return [s.unseen_tokens for s in endpoints]
+        backlog = self.backlog.backlog
         # First bytes it will see only: a non-streamed request's entry outlives its prefill.
-        snap = (
-            self.backlog.backlog.seen_snapshot()
-            if self.cold is None
-            else self.cold.backlogs(endpoints)
-        )
-        return [snap.get(s.endpoint.hostport, 0) for s in endpoints]
+        snap = backlog.seen_snapshot() if self.cold is None else self.cold.backlogs(endpoints)
+        out = [snap.get(s.endpoint.hostport, 0) for s in endpoints]
+        if now is not None and backlog.claims:
+            claimed = backlog.claims.tokens(now)
+            keys = [s.endpoint.hostport for s in endpoints]
+            out = [n + claimed.get(k, 0) for n, k in zip(out, keys, strict=True)]
+        return out

@@ -74,25 +74,32 @@ def notifier(transport: _Notified, at_once: bool) -> Callable[[SyncEvent], None]
 
 
 class SpreadWake:
-    """`wake` once, a random delay of up to `spread_s` after it is first asked for (0: at
-    once). Why: a peer's first byte reaches every replica at the same moment; woken at once,
-    each would release its held new prefixes onto the one server whose backlog just fell, none
-    seeing the others' sends yet (a herd). Spread, each replica's placement reaches the others
-    (a flush and a datagram away) before most of them decide."""
+    """`wake` once, `after_s` plus a random delay of up to `spread_s` after it is first asked
+    for (both 0: at once; `after_s` is `claimGraceMs`: the room a peer's first byte opened is
+    claimed until then, `scheduling/releaseclaims.py`). Why: a peer's first byte reaches
+    every replica at the same moment; woken at once, each would release its held new prefixes
+    onto the one server whose backlog just fell, none seeing the others' sends yet (a herd).
+    Spread, each replica's placement reaches the others (a flush and a datagram away) before
+    most of them decide."""
 
     def __init__(
-        self, wake: Callable[[], None], spread_s: float, rng: random.Random | None = None
+        self,
+        wake: Callable[[], None],
+        spread_s: float,
+        rng: random.Random | None = None,
+        after_s: float = 0.0,
     ) -> None:
-        self._wake, self.spread_s = wake, spread_s
+        self._wake, self.spread_s, self.after_s = wake, spread_s, after_s
         self._rng = rng or random.Random()
         self._armed: asyncio.TimerHandle | None = None
 
     def __call__(self) -> None:
-        if self.spread_s <= 0:
+        if self.spread_s <= 0 and self.after_s <= 0:
             self._wake()
         elif self._armed is None:
             loop = asyncio.get_running_loop()
-            self._armed = loop.call_later(self._rng.uniform(0, self.spread_s), self._fire)
+            delay = self.after_s + self._rng.uniform(0, max(self.spread_s, 0.0))
+            self._armed = loop.call_later(delay, self._fire)
 
     def _fire(self) -> None:
         self._armed = None
@@ -164,10 +171,11 @@ def bind(
     *,
     pool: set[str] | None = None,
     clock: Callable[[], float] | None = None,
+    claim_s: float = 0.0,
 ) -> SchedulerFold:
     """`bind_scheduler`, a profile it cannot bind to (no prefill-backlog-scorer) a ConfigError."""
     try:
-        return bind_scheduler(hub, scheduler, pool=pool, clock=clock)
+        return bind_scheduler(hub, scheduler, pool=pool, clock=clock, claim_s=claim_s)
     except ValueError as exc:
         raise ConfigError(f"spec.replicaSync: {exc}") from None
 
@@ -194,7 +202,8 @@ async def start_replica_sync(
         keys = read_keys(config.key_file, config.key_field)
     origin = origin_name(config.origin)
     hub = _SignallingSync(origin)
-    fold = bind(hub, scheduler, pool=pool, clock=clock)
+    claim_s = config.claim_grace_ms / 1000.0
+    fold = bind(hub, scheduler, pool=pool, clock=clock, claim_s=claim_s)
     if config.peer_unseen and not config.send_at_once:
         log.warning(
             "replica sync: peerUnseen is on with sendAtOnce off: peers' decisions arrive "
@@ -205,7 +214,8 @@ async def start_replica_sync(
     if unseen is not None:  # stamped on `clock`, the scrapes' clock (the runtime's)
         hub.bind(unseen)
 
-    spread = SpreadWake(wake, config.peer_wake_spread_ms / 1000.0) if wake else None
+    spread_s = config.peer_wake_spread_ms / 1000.0
+    spread = SpreadWake(wake, spread_s, after_s=claim_s) if wake else None
 
     def deliver(batch: Batch, now: float) -> bool:
         taken = hub.deliver(batch, now)

@@ -21,7 +21,9 @@ index drain heads wake`) turns parts of the fold (and the wake) off, to measure 
 in the replica's unseen counts (`scheduling/replicasync/peerunseen.py`), which the queue and
 running scorers and the saturation filter read, left out in a pool serving LoRA adapters as
 `serve` does; `unseen-lora` (`--sync-with unseen-lora`) folds them in such a pool too (the
-gate's A/B: docs/notes/2026-12-07-lora-unseen.md).
+gate's A/B: docs/notes/2026-12-07-lora-unseen.md). `claim_s` (`--sync-claim-ms`): the fold's
+`claimGraceMs` (the room a peer's first byte opened stays claimed in the hold's view that long;
+the replica's pump runs again at its next release after it).
 """
 
 from __future__ import annotations
@@ -122,7 +124,13 @@ def exact_indexes(routers: Sequence[Replica], block_size: int) -> list[ExactPref
 class SyncLink:
     """Cross-replica sync between the replicas, `delay_s` long (the module docstring)."""
 
-    def __init__(self, routers: Sequence[Replica], delay_s: float, folds: dict[str, bool]) -> None:
+    def __init__(
+        self,
+        routers: Sequence[Replica],
+        delay_s: float,
+        folds: dict[str, bool],
+        claim_s: float = 0.0,
+    ) -> None:
         self.hubs: list[ReplicaSync] = []
         for k, router in enumerate(routers):
             scheduler = scheduler_of(router)
@@ -130,7 +138,10 @@ class SyncLink:
                 raise ValueError("sync needs a policy with a scheduler")
             hub = ReplicaSync(f"replica{k}")
             on = {part: folds.get(part, True) for part in ("index", "drain", "heads")}
-            bind_scheduler(hub, scheduler, index=on["index"], drain=on["drain"], heads=on["heads"])
+            bind_scheduler(
+                hub, scheduler, index=on["index"], drain=on["drain"], heads=on["heads"],
+                claim_s=claim_s,
+            )  # fmt: skip
             everywhere = folds.get("unseen-lora", False)  # the LoRA-pool gate off (A/B only)
             if folds.get("unseen", False) or everywhere:  # off unless asked (`serve`: on)
                 router.peers = PeerUnseen(adapters_gate=not everywhere)

@@ -88,6 +88,7 @@ def run(
     plugin_params: dict[str, dict[str, Any]] | None = None,
     sync_delay_s: float | None = None,
     sync_folds: dict[str, bool] | None = None,
+    sync_claim_s: float = 0.0,
     flow_control: FlowControlConfig | None = None,
     workload: str = "shared-prefix",
 ) -> dict[str, Any]:
@@ -101,7 +102,8 @@ def run(
     docstring); `event_delay_s`: how long the engines' KV events take to reach the replicas
     (0: at once, as before); `sync_delay_s`: cross-replica sync with that delay (None: none);
     `sync_folds`: `bind_scheduler`'s options (`index`, `drain`, `heads`), `wake`, and
-    `unseen` and `unseen-lora` (off unless True: `replica_links.SyncLink`);
+    `unseen` and `unseen-lora` (off unless True: `replica_links.SyncLink`); `sync_claim_s`:
+    its `claimGraceMs` in seconds (0: off);
     `flow_control`: the replicas' `spec.flowControl` (None: the defaults); `workload`: the
     scenario, as `bench sim` names it (with more than one criticality in it, the row adds each
     one's p90 TTFT)."""
@@ -152,7 +154,7 @@ def run(
     if sync_delay_s is not None:
         folds = dict(sync_folds or {})
         wakes = folds.pop("wake", True)
-        link = SyncLink(routers, sync_delay_s, folds)
+        link = SyncLink(routers, sync_delay_s, folds, claim_s=sync_claim_s)
         link.wakes = wakes
     owner: dict[str, tuple[int, str]] = {}
     tokens_of: dict[str, int] = {}

@@ -98,6 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "later (default: no sync)",
     )
     parser.add_argument(
+        "--sync-claim-ms",
+        type=float,
+        default=0.0,
+        help="with --sync-delay-ms: the replicas' claimGraceMs (the room a peer's first byte "
+        "opened stays claimed in the hold's view this long; default 0: off)",
+    )
+    parser.add_argument(
         "--sync-without",
         nargs="+",
         choices=["index", "drain", "heads", "wake"],
@@ -165,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **{part: True for part in args.sync_with},
             }
             or None,
+            sync_claim_s=args.sync_claim_ms / 1000,
             flow_control=args.flow_control,
             workload=args.workload,
         )

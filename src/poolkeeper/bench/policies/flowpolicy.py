@@ -107,7 +107,7 @@ class FlowPolicy:
             return False
         facts = self.facts
         return self.hold.holds(
-            lambda: facts.uncached_tokens(request, now), facts.backlogs(endpoints)
+            lambda: facts.uncached_tokens(request, now), facts.backlogs(endpoints, now)
         )
 
     def _submit(
@@ -219,7 +219,8 @@ class FlowPolicy:
             endpoints = self.headroom.spread(endpoints, band, cached=cached)
         if hold is not None and placing and facts is not None:
             # `placeUnderBacklog`: a held new long prefix goes where its release found room.
-            room = hold.room(lambda: facts.uncached_tokens(request, now), facts.backlogs(endpoints))
+            backlogs = facts.backlogs(endpoints, now)
+            room = hold.room(lambda: facts.uncached_tokens(request, now), backlogs)
             if room is not None:
                 endpoints = [endpoints[i] for i in room]
         return self.inner.pick(request, endpoints, now)

@@ -33,7 +33,9 @@ approximate index and, with `kvEvents`, the exact index's pending chain heads), 
 
 Options (measured in docs/notes/2026-12-07-replica-sync.md): `index` (peers' blocks into the
 approximate index), `drain` (peers' first bytes as drain-rate samples), `heads` (peers' heads
-as pending heads).
+as pending heads); `claim_s` (`claimGraceMs`, docs/notes/2026-12-07-release-claim.md): a
+peer's first byte leaves the room it opened claimed for that long, in flow control's hold's
+view (`scheduling/releaseclaims.py`).
 
 Bounded: a peer's entries live in the backlog under its caps (`max_entries`, `max_age_s`), its
 blocks in the index's per-endpoint LRU. With a `pool` (the server seeds it from the datastore
@@ -79,8 +81,8 @@ class SchedulerFold:
     """One scheduler's end of cross-replica sync (the module docstring)."""
 
     __slots__ = (
-        "_endpoints", "_pool", "_sampled", "_sampled_at", "backlogs", "drain", "heads",
-        "ignored", "index", "max_endpoints", "own", "prefix", "sync",
+        "_endpoints", "_pool", "_sampled", "_sampled_at", "backlogs", "claim_s", "drain",
+        "heads", "ignored", "index", "max_endpoints", "own", "prefix", "sync",
     )  # fmt: skip
 
     def __init__(
@@ -94,14 +96,15 @@ class SchedulerFold:
         heads: bool = True,
         max_endpoints: int = MAX_ENDPOINTS,
         pool: set[str] | None = None,
+        claim_s: float = 0.0,
     ) -> None:
         if not backlogs:
             raise ValueError(
                 "cross-replica sync needs a prefill-backlog-scorer: it publishes the sends that "
                 "scorer records and folds the peers' into its backlog"
             )
-        if max_endpoints < 1:
-            raise ValueError("max_endpoints must be >= 1")
+        if max_endpoints < 1 or claim_s < 0:
+            raise ValueError("max_endpoints must be >= 1 and claim_s >= 0")
         self.sync = sync
         self.backlogs = tuple(backlogs)
         self.prefix = prefix
@@ -109,6 +112,7 @@ class SchedulerFold:
         self.drain = drain
         self.heads = heads
         self.max_endpoints = max_endpoints
+        self.claim_s = claim_s
         self._endpoints: set[str] = set()  # endpoints peers named
         self._pool: frozenset[str] | None = None if pool is None else frozenset(pool)
         # A batch's first bytes all carry its delivery time: one drain sample per endpoint
@@ -163,7 +167,11 @@ class SchedulerFold:
             self._fold_sent(key, event, now)
         elif isinstance(event, Answered):
             for scorer in self.backlogs:
-                scorer.backlog.first_token(key, self._sample_at(scorer, key, now))
+                sample = self._sample_at(scorer, key, now)
+                if self.claim_s > 0:
+                    scorer.backlog.first_token(key, sample, claim_until=now + self.claim_s)
+                else:
+                    scorer.backlog.first_token(key, sample)
         else:
             for scorer in self.backlogs:
                 scorer.backlog.ended(key)
@@ -245,6 +253,7 @@ def bind_scheduler(
     heads: bool = True,
     pool: set[str] | None = None,
     clock: Callable[[], float] | None = None,
+    claim_s: float = 0.0,
 ) -> SchedulerFold:
     """Bind `sync` to `scheduler`'s backlog and prefix scorers (the module docstring): its own
     sends are published to `sync`, the peers' batches `sync` accepts are folded in. The prefix
@@ -252,7 +261,8 @@ def bind_scheduler(
     the endpoints peers' sends may name (None: any, up to `MAX_ENDPOINTS`). `clock`: the
     scheduler's clock (the `now` its decisions get, which stamps the own open sends): with it
     the own open sends are `sync`'s statement source, aged on that clock; without it (the
-    benches, which state nothing) `sync` makes no statement."""
+    benches, which state nothing) `sync` makes no statement. `claim_s`: `claimGraceMs` in
+    seconds (0: off; the module docstring)."""
     plugins = list(scheduler.plugins.values())
     # The backlog scorers some profile runs (their PostCycle records own sends): peers' sends
     # go to them; the first of each profile tells own events (two in one profile would tell
@@ -267,7 +277,9 @@ def bind_scheduler(
     if prefix is None:
         prefixes = [p for p in plugins if isinstance(p, PrefixCacheScorer)]
         prefix = prefixes[0] if len(prefixes) == 1 else None
-    fold = SchedulerFold(sync, backlogs, prefix, index=index, drain=drain, heads=heads, pool=pool)
+    fold = SchedulerFold(
+        sync, backlogs, prefix, index=index, drain=drain, heads=heads, pool=pool, claim_s=claim_s
+    )
     for scorer in tellers:
         scorer.sync = fold
     sync.bind(fold)

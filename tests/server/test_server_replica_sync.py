@@ -541,6 +541,24 @@ async def test_peer_wakes_are_spread_and_coalesced() -> None:
     assert len(calls) == 2
 
 
+async def test_a_claim_merged_into_a_pending_wake_gets_a_wake_when_it_ends() -> None:
+    # A second peer first byte 10 ms after the first is merged into the pending wake (due at
+    # 20 ms), but its room stays claimed until 30 ms: the pump must be woken again then.
+    calls: list[float] = []
+    loop = asyncio.get_running_loop()
+    claimed = SpreadWake(lambda: calls.append(loop.time()), 0.0, after_s=0.02)
+    asked = loop.time()
+    claimed()
+    await asyncio.sleep(0.01)
+    later = loop.time()
+    claimed()
+    await until(lambda: len(calls) == 2, "a wake after the second claim")
+    assert calls[0] >= asked + 0.02
+    assert calls[1] >= later + 0.02
+    await asyncio.sleep(0.04)
+    assert len(calls) == 2
+
+
 async def test_a_claim_grace_delays_the_peer_wake_past_it() -> None:
     calls: list[float] = []
     loop = asyncio.get_running_loop()

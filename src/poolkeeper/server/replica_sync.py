@@ -92,18 +92,28 @@ class SpreadWake:
         self._wake, self.spread_s, self.after_s = wake, spread_s, after_s
         self._rng = rng or random.Random()
         self._armed: asyncio.TimerHandle | None = None
+        self._claims_end = 0.0  # loop time the latest claim asked for ends (`after_s` > 0)
 
     def __call__(self) -> None:
         if self.spread_s <= 0 and self.after_s <= 0:
             self._wake()
-        elif self._armed is None:
-            loop = asyncio.get_running_loop()
+            return
+        loop = asyncio.get_running_loop()
+        if self.after_s > 0:
+            self._claims_end = max(self._claims_end, loop.time() + self.after_s)
+        if self._armed is None:
             delay = self.after_s + self._rng.uniform(0, max(self.spread_s, 0.0))
             self._armed = loop.call_later(delay, self._fire)
 
     def _fire(self) -> None:
         self._armed = None
         self._wake()
+        # A call merged into this wake claimed room until later: wake again when that claim
+        # has ended, else a request held for it waits for the next scrape. Claims ending
+        # within half a millisecond count as this wake's (calls of one moment coalesce).
+        left = self._claims_end - asyncio.get_running_loop().time()
+        if left > min(0.0005, self.after_s / 4):
+            self._armed = asyncio.get_running_loop().call_later(left, self._fire)
 
     def cancel(self) -> None:
         if self._armed is not None:

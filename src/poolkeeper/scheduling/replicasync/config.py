@@ -101,12 +101,14 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     of up to this (0: at once): woken together by the same peer's first byte, the replicas
     would all send their held new prefixes to the one server whose backlog just fell."""
     claim_grace_ms: float = Field(default=0.0, ge=0, le=100)
-    """A peer's first byte frees room on its server for the replica whose request answered
-    there first: this replica's held new prefixes count that room as still taken for this long
-    (0: off), by when the owner's release onto it, if any, has arrived as a send; the peers' wake
-    is delayed by it too. Why: replicas woken by one first byte each released a held new prefix
-    onto the one freed server, none yet counting the others' (uneven cold starts,
-    docs/notes/2026-12-07-release-claim.md). Opt-in: a new prefix may wait this much longer."""
+    """The room a peer's first byte frees on its server goes first to that peer (the replica
+    whose request's first byte it was): this replica's held new prefixes count that room as
+    still taken for this long (0: off), by when the owner's release onto it, if any, has arrived
+    as a send; the peers' wake is delayed by it too. Why: replicas woken by one first byte each
+    released a held new prefix onto the one freed server, none yet counting the others' (uneven
+    cold starts, docs/notes/2026-12-07-release-claim.md). Opt-in: a new prefix may wait this much
+    longer. Acts only with `flowControl.holdNewPrefixes`; set here only (an
+    EndpointPickerConfig's syncer plugin has no parameter for it)."""
     max_datagram_bytes: int = Field(default=DEFAULT_DATAGRAM, ge=MIN_DATAGRAM, le=MAX_DATAGRAM)
     """Largest datagram sent or accepted, the same on every replica (larger ones are rejected
     before their tag is computed). The default is never fragmented on an IPv6 path or a pod

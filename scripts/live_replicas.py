@@ -95,7 +95,8 @@ def scheduling(index: str) -> dict[str, Any] | None:
     placed prefix goes only to the endpoints holding it). Any index + `-nospeed`: without the
     `observed-speed-scorer`. Any index (+ `-nospeed`) + `-sync` (e.g. `exact-hashwait-sync`):
     the same with cross-replica sync on, `-syncnow`: and peers' batches waking flow control at
-    once (`SYNCS`)."""
+    once (`SYNCS`), `-syncspread`: peers' wakes spread over 100 ms, `-syncclaim`: with
+    `claimGraceMs`."""
     index, slow = split_speed(split_sync(index)[0])
     if index == "approx" and not slow:
         return None
@@ -105,7 +106,7 @@ def scheduling(index: str) -> dict[str, Any] | None:
     if slow:
         doc = without_speed(doc)
     for plugin in doc["plugins"]:
-        if plugin["type"] == "prefix-cache-scorer":
+        if plugin["type"] == "prefix-cache-scorer" and index != "approx":  # approx-nospeed
             plugin["parameters"].update({"kvEvents": True, "kvEventsPortOffset": KV_OFFSET})
             if index in ("exact-cold", "exact-peers", "exact-bal"):
                 plugin["parameters"]["coldAffinity"] = 0.2

@@ -107,6 +107,34 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
     assert _backlog(a).sync is None  # unbound: nothing published any more
 
 
+async def test_claim_grace_ms_reaches_the_fold_and_the_wake_in_seconds(key_file: Path) -> None:
+    # The wiring of `claimGraceMs`: b folds a's first byte into a claim lasting 5 ms on the
+    # schedulers' clock (constant here, so the check is timing-free), and still wakes its pump.
+    ports = free_ports(2)
+    a, b = scheduler("default"), scheduler("default")
+    woken: list[int] = []
+    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a, clock=_clock)
+    section_b = _section(key_file, ports[1], ports).model_copy(
+        update={"peer_wake_spread_ms": 0, "claim_grace_ms": 5}
+    )
+    sync_b = await start_replica_sync(section_b, b, wake=lambda: woken.append(1), clock=_clock)
+    try:
+        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+        pool = [state(i) for i in range(1, 5)]
+        req = replace(request(prompt=PROMPT, request_id="q1"), stream=True)
+        picked = a.schedule(req, pool, now=NOW).primary.key
+        backlog = _backlog(b).backlog
+        await until(lambda: backlog.tokens(picked) == req.prompt_tokens, "a's send at b")
+        a.observe_first_token("q1", picked, NOW + 0.2)
+        await until(lambda: backlog.tokens(picked) == 0, "a's first byte at b")
+        assert backlog.claims.tokens(NOW + 0.0049) == {picked: req.prompt_tokens}
+        assert backlog.claims.tokens(NOW + 0.005) == {}  # 5 ms, not 5 s
+        await until(lambda: woken == [1], "b's pump woken after the claim")
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+
+
 def test_only_a_decision_is_sent_at_once_and_only_with_send_at_once() -> None:
     calls: list[bool] = []
 

@@ -8,8 +8,9 @@ import asyncio
 import random
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest.mock import MagicMock
 
@@ -29,6 +30,7 @@ from poolkeeper.scheduling.replicasync.openset import digest
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.replica_sync import (
+    RunningSync,
     SpreadWake,
     notifier,
     origin_name,
@@ -74,17 +76,40 @@ def _backlog(s: Scheduler) -> PrefillBacklogScorer:
     return scorer
 
 
-async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
+@dataclass
+class _Pair:
+    """Replica a and replica b (whose pump wakes are counted in `woken`), peers of each other."""
+
+    ports: list[int]
+    a: Scheduler
+    b: Scheduler
+    sync_a: RunningSync
+    sync_b: RunningSync
+    woken: list[int]
+
+
+@asynccontextmanager
+async def _two_replicas(key_file: Path, **b_section: object) -> AsyncIterator[_Pair]:
+    """a and b syncing on 127.0.0.1, b's section updated with `b_section`; stopped after."""
     ports = free_ports(2)
     a, b = scheduler("default"), scheduler("default")
     woken: list[int] = []
     sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a, clock=_clock)
-    # No spread: the wake runs inside the delivery, so its absence is seen at once.
-    section_b = _section(key_file, ports[1], ports).model_copy(update={"peer_wake_spread_ms": 0})
+    section_b = _section(key_file, ports[1], ports).model_copy(update=b_section)
     sync_b = await start_replica_sync(section_b, b, wake=lambda: woken.append(1), clock=_clock)
     try:
         await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
-        assert sync_a.transport.peers == (("127.0.0.1", ports[1]),)  # itself left out
+        yield _Pair(ports, a, b, sync_a, sync_b, woken)
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+
+
+async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
+    # No spread: the wake runs inside the delivery, so its absence is seen at once.
+    async with _two_replicas(key_file, peer_wake_spread_ms=0) as pair:
+        a, b, sync_a, sync_b, woken = pair.a, pair.b, pair.sync_a, pair.sync_b, pair.woken
+        assert sync_a.transport.peers == (("127.0.0.1", pair.ports[1]),)  # itself left out
         pool = [state(i) for i in range(1, 5)]
         req = replace(request(prompt=PROMPT, request_id="q1"), stream=True)
         picked = a.schedule(req, pool, now=NOW).primary.key
@@ -101,38 +126,23 @@ async def test_two_replicas_count_each_others_sends(key_file: Path) -> None:
         assert "poolkeeper_replica_sync_peers 1.0" in text
         assert "poolkeeper_replica_sync_enabled 1.0" in text
         assert "poolkeeper_replica_sync_origins 1.0" in text
-    finally:
-        await sync_a.stop()
-        await sync_b.stop()
     assert _backlog(a).sync is None  # unbound: nothing published any more
 
 
 async def test_claim_grace_ms_reaches_the_fold_and_the_wake_in_seconds(key_file: Path) -> None:
     # The wiring of `claimGraceMs`: b folds a's first byte into a claim lasting 5 ms on the
     # schedulers' clock (constant here, so the check is timing-free), and still wakes its pump.
-    ports = free_ports(2)
-    a, b = scheduler("default"), scheduler("default")
-    woken: list[int] = []
-    sync_a = await start_replica_sync(_section(key_file, ports[0], ports), a, clock=_clock)
-    section_b = _section(key_file, ports[1], ports).model_copy(
-        update={"peer_wake_spread_ms": 0, "claim_grace_ms": 5}
-    )
-    sync_b = await start_replica_sync(section_b, b, wake=lambda: woken.append(1), clock=_clock)
-    try:
-        await until(lambda: sync_a.transport.peers and sync_b.transport.peers, "peers known")
+    async with _two_replicas(key_file, peer_wake_spread_ms=0, claim_grace_ms=5) as pair:
         pool = [state(i) for i in range(1, 5)]
         req = replace(request(prompt=PROMPT, request_id="q1"), stream=True)
-        picked = a.schedule(req, pool, now=NOW).primary.key
-        backlog = _backlog(b).backlog
+        picked = pair.a.schedule(req, pool, now=NOW).primary.key
+        backlog = _backlog(pair.b).backlog
         await until(lambda: backlog.tokens(picked) == req.prompt_tokens, "a's send at b")
-        a.observe_first_token("q1", picked, NOW + 0.2)
+        pair.a.observe_first_token("q1", picked, NOW + 0.2)
         await until(lambda: backlog.tokens(picked) == 0, "a's first byte at b")
         assert backlog.claims.tokens(NOW + 0.0049) == {picked: req.prompt_tokens}
         assert backlog.claims.tokens(NOW + 0.005) == {}  # 5 ms, not 5 s
-        await until(lambda: woken == [1], "b's pump woken after the claim")
-    finally:
-        await sync_a.stop()
-        await sync_b.stop()
+        await until(lambda: pair.woken == [1], "b's pump woken after the claim")
 
 
 def test_only_a_decision_is_sent_at_once_and_only_with_send_at_once() -> None:
@@ -549,13 +559,19 @@ def test_a_key_path_that_cannot_be_checked_is_a_config_error(
         key_missing(section)
 
 
+def _recorded(calls: list[float]) -> Callable[[], None]:
+    """A wake that records the loop time it ran at in `calls`."""
+    loop = asyncio.get_running_loop()
+    return lambda: calls.append(loop.time())
+
+
 async def test_peer_wakes_are_spread_and_coalesced() -> None:
     calls: list[float] = []
     loop = asyncio.get_running_loop()
-    at_once = SpreadWake(lambda: calls.append(loop.time()), 0.0)
+    at_once = SpreadWake(_recorded(calls), 0.0)
     at_once()
     assert len(calls) == 1  # no spread: called before returning
-    spread = SpreadWake(lambda: calls.append(loop.time()), 0.05, random.Random(3))
+    spread = SpreadWake(_recorded(calls), 0.05, random.Random(3))
     asked = loop.time()
     spread()
     spread()
@@ -574,7 +590,7 @@ async def test_a_claim_merged_into_a_pending_wake_gets_a_wake_when_it_ends() -> 
     # 20 ms), but its room stays claimed until 30 ms: the pump must be woken again then.
     calls: list[float] = []
     loop = asyncio.get_running_loop()
-    claimed = SpreadWake(lambda: calls.append(loop.time()), 0.0, after_s=0.02)
+    claimed = SpreadWake(_recorded(calls), 0.0, after_s=0.02)
     asked = loop.time()
     claimed()
     await asyncio.sleep(0.01)
@@ -590,7 +606,7 @@ async def test_a_claim_merged_into_a_pending_wake_gets_a_wake_when_it_ends() -> 
 async def test_a_claim_grace_delays_the_peer_wake_past_it() -> None:
     calls: list[float] = []
     loop = asyncio.get_running_loop()
-    claimed = SpreadWake(lambda: calls.append(loop.time()), 0.0, after_s=0.02)
+    claimed = SpreadWake(_recorded(calls), 0.0, after_s=0.02)
     asked = loop.time()
     claimed()
     claimed()

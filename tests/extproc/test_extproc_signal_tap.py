@@ -14,7 +14,7 @@ from google.protobuf import wrappers_pb2
 from poolkeeper import observation as wire
 from poolkeeper.extproc.accesslog import AccessLogReceiver, DetachedExchanges, FirstByteReceiver
 from poolkeeper.extproc.outcome import Outcome
-from poolkeeper.extproc.signal_tap import SIGNAL_LOG_ENV, TAG_HEADER
+from poolkeeper.extproc.signal_tap import SIGNAL_LOG_ENV, TAG_HEADER, SignalTap
 
 
 class _Held:
@@ -32,6 +32,7 @@ class _Held:
 
 def test_no_tap_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SIGNAL_LOG_ENV, raising=False)
+    assert SignalTap.from_env() is None
     assert DetachedExchanges().tap is None
 
 
@@ -52,7 +53,7 @@ def test_tap_writes_first_bytes_and_entries(
 ) -> None:
     log = tmp_path / "signals.jsonl"
     monkeypatch.setenv(SIGNAL_LOG_ENV, str(log))
-    detached = DetachedExchanges()
+    detached = DetachedExchanges(tap=SignalTap.from_env())
     held = _Held({TAG_HEADER: "sig-1"})
     key = detached.hold(held)
     asyncio.run(FirstByteReceiver(detached).first_byte(wrappers_pb2.StringValue(value=key)))

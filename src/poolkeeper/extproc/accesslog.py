@@ -53,6 +53,7 @@ class DetachedExchanges:
         limit: int = 65_536,
         ttl_s: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
+        tap: SignalTap | None = None,
     ) -> None:
         self.limit = limit
         self.ttl_s = ttl_s
@@ -62,8 +63,9 @@ class DetachedExchanges:
         self._entropy_at = 0
         self.settled = 0
         self.expired = 0  # settled as unknown: over the limit or the TTL
-        # Bench only (scripts/step_signal.py): None unless $POOLKEEPER_BENCH_SIGNAL_LOG is set.
-        self.tap: SignalTap | None = SignalTap.from_env()
+        # Bench only (scripts/step_signal.py): the composition root passes one when
+        # $POOLKEEPER_BENCH_SIGNAL_LOG is set (`SignalTap.from_env`), else None.
+        self.tap = tap
 
     def __len__(self) -> int:
         return len(self._waiting)

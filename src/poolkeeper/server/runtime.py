@@ -33,6 +33,7 @@ from poolkeeper.extproc.auth import EnvoyOnly, new_token
 from poolkeeper.extproc.contracts import BodyBudget
 from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import ExtProcServicer
+from poolkeeper.extproc.signal_tap import SignalTap
 from poolkeeper.extproc.tls import server_credentials, ssl_context
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
@@ -125,7 +126,8 @@ class GatewayRuntime(ManagedEnvoyStart, RuntimeStop):
         )
         settings = extproc_settings(spec, own_bootstrap=self.options.own_bootstrap)
         budget = BodyBudget(spec.request_handling.max_inflight_body_bytes)
-        self.detached = detached = DetachedExchanges() if observing else None
+        tap = SignalTap.from_env() if observing else None  # bench only: scripts/step_signal.py
+        self.detached = detached = DetachedExchanges(tap=tap) if observing else None
         if detached is not None:
             self.metrics.follow_observer(
                 lambda: ObserverStats(len(detached), detached.settled, detached.expired)

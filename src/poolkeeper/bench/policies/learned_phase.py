@@ -185,5 +185,10 @@ LEARNED_PHASE_POLICIES: dict[str, type[LearnedPhase]] = {
         _variant("-late0p25ms", 2.0, 0.00025),
         _variant("-late1ms", 2.0, 0.001),
         _variant("-oracle-late1ms", None, 0.001),
+        # As late as the EPP hears step ends live (docs/notes/2026-12-07-step-signal-timing.md).
+        *(
+            _variant(f"-late{ms}ms", 2.0, float(ms.replace("p", ".")) / 1000)
+            for ms in ("2p5", "5", "10", "20")
+        ),
     )
 }

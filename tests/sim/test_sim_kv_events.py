@@ -119,3 +119,45 @@ async def test_the_epp_subscribes_when_it_learns_the_endpoints_not_at_a_first_de
         if subscriber is not None:
             await subscriber.close()
         await cluster.stop()
+
+
+async def test_answers_blocks_reach_the_index_in_per_step_batches_seen_by_on_batch() -> None:
+    """The engine's output blocks are published as they fill (the answer's text continues
+    the prompt's chain), and the subscriber's `on_batch` hears of every batch with its
+    engine stamp and receipt time."""
+    http_port, events_port = free_ports(2)
+    specs = build_fleet(count=1, cli=ServerSettings.model_validate({}))
+    cluster = SimCluster(specs, base_port=http_port, kv_events_port_offset=events_port - http_port)
+    await cluster.start()
+    endpoint = f"127.0.0.1:{http_port}"
+    index = ExactPrefixIndex()
+    subscriber = KVEventSubscriber(
+        index, lambda hp: events_address(hp, port=0, port_offset=events_port - http_port)
+    )
+    seen: list[tuple[str, float, float]] = []
+    subscriber.on_batch = lambda e, ts, at: seen.append((e, ts, at))
+    subscriber.follow([endpoint])
+    try:
+        async with aiohttp.ClientSession() as http:
+            for attempt in range(200):  # until the SUB socket is connected (slow joiner)
+                prompt = f"{attempt:04d}" * 16  # one block
+                body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 50}
+                async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    text = (await r.json())["choices"][0]["text"]
+                # 16 + 50 tokens, 65 computed: blocks 2-4 are the answer's.
+                hashes = engine_block_hashes(DEFAULT_MODEL, prompt + text, 16)
+                for _ in range(20):
+                    if index.match(hashes):
+                        break
+                    await asyncio.sleep(0.01)
+                if index.match(hashes):
+                    break
+            assert len(hashes) == 4
+            assert index.match(hashes) == {endpoint: 4}
+    finally:
+        await subscriber.close()
+        await cluster.stop()
+    assert len(seen) == subscriber.received >= 2  # the prefill's batch, then decode steps'
+    assert {e for e, _, _ in seen} == {endpoint}
+    assert all(ts <= at for _, ts, at in seen)  # stamped by the engine before it was sent

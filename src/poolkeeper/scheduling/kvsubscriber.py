@@ -17,6 +17,12 @@ scorer the pool's endpoints on every change (`server/wiring.py`), and the scorer
 early: an engine reports a block once, and a SUB socket gets only what is published after it
 connects, so a subscription made at the first decision loses the cold start's first prefixes. Needs
 `pyzmq` (the `kv-events` extra); without it `follow` raises ConfigError once at startup.
+
+`on_batch` (None by default: one attribute test a batch) is told of every batch applied:
+`on_batch(endpoint, ts, received_at)`, the batch's engine stamp (vLLM: `time.time()` at the end
+of the step that stored or evicted blocks) and the wall clock when this loop took it off the
+socket. Who listens: the bench-only signal tap (`extproc/signal_tap.py`, its arrival times) and
+a step-phase scorer (the batches are the engines' step clock).
 """
 
 from __future__ import annotations
@@ -50,7 +56,16 @@ def events_address(hostport: str, *, port: int, port_offset: int | None) -> str:
 class KVEventSubscriber:
     """Per-endpoint SUB tasks on the running loop; not thread-safe (one loop owns it)."""
 
-    __slots__ = ("_address", "_clock", "_closed", "_ctx", "_tasks", "index", "received")
+    __slots__ = (
+        "_address",
+        "_clock",
+        "_closed",
+        "_ctx",
+        "_tasks",
+        "index",
+        "on_batch",
+        "received",
+    )
 
     def __init__(
         self,
@@ -71,6 +86,8 @@ class KVEventSubscriber:
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.received = 0  # batches applied (for tests and stats)
+        # (endpoint, batch ts, wall-clock receipt) per batch applied; the module's docstring.
+        self.on_batch: Callable[[str, float, float], None] | None = None
         self._closed = False
 
     def follow(self, endpoints: Iterable[str]) -> None:
@@ -121,6 +138,8 @@ class KVEventSubscriber:
             while True:
                 frames = await sock.recv_multipart()
                 now = self._clock()  # the decisions' clock
+                observer = self.on_batch
+                received_at = time.time() if observer is not None else 0.0
                 if len(frames) != 3 or len(frames[1]) != 8:
                     log.warning("kv events from %s: not (topic, seq, payload); ignored", endpoint)
                     continue
@@ -136,5 +155,7 @@ class KVEventSubscriber:
                     continue
                 index.apply(endpoint, batch, now)
                 self.received += 1
+                if observer is not None:
+                    observer(endpoint, batch.ts, received_at)
         finally:
             sock.close(linger=0)

@@ -248,6 +248,11 @@ class PrefixCacheScorer(NamedPlugin):
         `kvEventsSubscribe`): only then does the runtime tell it the pool's endpoints."""
         return self._subscriber is not None
 
+    @property
+    def subscriber(self) -> KVEventSubscriber | None:
+        """The KV-event subscription (kvEvents, subscribing), for its per-batch observer."""
+        return self._subscriber
+
     def follow_endpoints(self, endpoints: Iterable[str]) -> None:
         """Subscribe to the pool's endpoints' KV events as soon as they are known. Why not
         only at decisions: an engine reports a block once, when it stores it, and a ZMQ SUB

@@ -89,3 +89,4 @@ def test_tap_writes_kv_batches(tmp_path: Path) -> None:
     assert record["kind"] == "kv"
     assert (record["endpoint"], record["ts"], record["wall"]) == ("127.0.0.1:8000", 100.25, 100.5)
     assert isinstance(record["mono"], float)
+    assert record["applied"] > 100.5  # written now, after the receipt

@@ -121,10 +121,13 @@ async def test_the_epp_subscribes_when_it_learns_the_endpoints_not_at_a_first_de
         await cluster.stop()
 
 
-async def test_answers_blocks_reach_the_index_in_per_step_batches_seen_by_on_batch() -> None:
+@pytest.mark.parametrize("thread", [False, True], ids=["loop", "thread"])
+async def test_answers_blocks_reach_the_index_in_per_step_batches_seen_by_on_batch(
+    thread: bool,
+) -> None:
     """The engine's output blocks are published as they fill (the answer's text continues
     the prompt's chain), and the subscriber's `on_batch` hears of every batch with its
-    engine stamp and receipt time."""
+    engine stamp and receipt time, whether the sockets are read on the loop or a thread."""
     http_port, events_port = free_ports(2)
     specs = build_fleet(count=1, cli=ServerSettings.model_validate({}))
     cluster = SimCluster(specs, base_port=http_port, kv_events_port_offset=events_port - http_port)
@@ -132,7 +135,9 @@ async def test_answers_blocks_reach_the_index_in_per_step_batches_seen_by_on_bat
     endpoint = f"127.0.0.1:{http_port}"
     index = ExactPrefixIndex()
     subscriber = KVEventSubscriber(
-        index, lambda hp: events_address(hp, port=0, port_offset=events_port - http_port)
+        index,
+        lambda hp: events_address(hp, port=0, port_offset=events_port - http_port),
+        thread=thread,
     )
     seen: list[tuple[str, float, float]] = []
     subscriber.on_batch = lambda e, ts, at: seen.append((e, ts, at))

@@ -71,10 +71,10 @@ class SignalTap:
 
     def kv_batch(self, endpoint: str, ts: float, received_at: float) -> None:
         """A KV-event batch from `endpoint` stamped `ts` (the engine's wall clock) was taken
-        off its socket at `received_at` (the EPP's wall clock) and applied."""
+        off its socket at `received_at` (the EPP's wall clock) and applied now (`applied`)."""
         self._write(
             {"kind": "kv", "mono": time.monotonic(), "wall": received_at, "ts": ts,
-             "endpoint": endpoint}
+             "applied": time.time(), "endpoint": endpoint}
         )  # fmt: skip
 
     def entry(self, entry: accesslog_pb2.HTTPAccessLogEntry, key: str, held: object | None) -> None:

@@ -33,7 +33,7 @@ from poolkeeper.kvevents import (
 class ZmqKVEventPublisher:
     """PUB socket bound to `address` (e.g. tcp://127.0.0.1:5557) for one engine."""
 
-    __slots__ = ("_pending", "_seq", "_sock", "block_size", "topic")
+    __slots__ = ("_pending", "_seq", "_sock", "block_size", "last_ts", "topic")
 
     def __init__(self, address: str, *, block_size: int, topic: str = "kv") -> None:
         try:
@@ -50,6 +50,7 @@ class ZmqKVEventPublisher:
         self.topic = topic.encode()
         self._seq = 0
         self._pending: list[KVEvent] = []
+        self.last_ts = 0.0  # the last batch's stamp (bench: scripts/step_signal.py)
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
         pending = self._pending
@@ -76,6 +77,7 @@ class ZmqKVEventPublisher:
         if not self._pending:
             return
         batch = KVEventBatch(time.time(), self._pending, 0)
+        self.last_ts = batch.ts
         self._pending = []
         seq = self._seq
         self._seq += 1
@@ -83,6 +85,11 @@ class ZmqKVEventPublisher:
             self._sock.send_multipart(
                 (self.topic, seq.to_bytes(8, "big"), encode(batch)), flags=zmq.NOBLOCK
             )
+
+    @property
+    def sent(self) -> int:
+        """Batches sent (or dropped past the HWM) so far: the next sequence number."""
+        return self._seq
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -87,6 +87,7 @@ class PrefixCacheScorer(NamedPlugin):
                     self.exact,
                     lambda hp: events_address(hp, port=port, port_offset=offset),
                     clock=clock,  # the decisions' clock: the index compares its stamps
+                    thread=params.kv_events_receive_thread,
                 )
 
     def attach_stats(self, stats: SchedulingStats) -> None:

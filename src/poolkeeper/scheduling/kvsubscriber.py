@@ -159,8 +159,7 @@ class KVEventSubscriber:
                 frames = await sock.recv_multipart()
                 self._on_frames(endpoint, frames, time.time() if self.on_batch else 0.0)
         finally:
-            sock.close(linger=0)
-            self._expected.pop(endpoint, None)
+            sock.close(linger=0)  # (`forget` drops the sequence: a new task may follow it)
 
     def _on_frames(self, endpoint: str, frames: list[bytes], received_at: float) -> None:
         """One message from `endpoint` (on the loop): check its sequence, apply its batch."""

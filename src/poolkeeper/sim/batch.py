@@ -157,13 +157,14 @@ class BatchCore:
             take(h, parent)
             parent = h
 
-    def _cache_output_blocks(self, request: SimRequest) -> None:
-        """Name the request's blocks that its computed tokens have filled since the last
-        call (its output's: the prompt's are named at allocation), as vLLM caches a block
-        once full. The text decides: a prompt whose length is not a multiple of 4 characters
-        shifts the output, so a block is named once all its characters are computed."""
+    def _cache_output_blocks(self, request: SimRequest, computed: int) -> None:
+        """Name the request's blocks that `computed` tokens fill (its output's: the prompt's
+        are named at allocation), as vLLM's `allocate_slots` caches the blocks a step will
+        fill when it schedules the step. The text decides: a prompt whose length is not a
+        multiple of 4 characters shifts the output, so a block is named once all its
+        characters are computed."""
         text = request.hash_text
-        over = request.num_computed - request.prompt_tokens
+        over = computed - request.prompt_tokens
         if text is None or over < 0:
             return
         bs = self.config.block_size
@@ -251,8 +252,6 @@ class BatchCore:
                 continue  # cancelled during the step
             computed = request.num_computed + n
             request.num_computed = computed
-            if request.hash_text is not None:
-                self._cache_output_blocks(request)
             if computed < request.prompt_tokens + request.output_tokens:
                 continue  # a prefill chunk that did not reach the end of the sequence
             request.output_tokens += 1

@@ -86,9 +86,10 @@ class EngineModel(FusedStepCore):
         # policy that learns step ends from the KV events some steps publish). None: no cost.
         self.step_observer: Callable[[Step], None] | None = None
         # Told of each step's end after its tokens are applied: the KV-event publisher sends
-        # what the step stored and evicted as one batch then, as vLLM does at the end of
+        # what the step stored (when it was planned, as vLLM's `schedule()` caches the blocks
+        # a step fills) and evicted as one batch then, as vLLM does at the end of
         # `update_from_output` (sim/kvpublish.py). None: no cost. Fused steps (virtual
-        # time) end once.
+        # time) end once, and store what their later steps filled then.
         self.kv_step_end: Callable[[float], None] | None = None
 
     # -- requests -------------------------------------------------------------------------
@@ -303,6 +304,9 @@ class EngineModel(FusedStepCore):
             loads = self._admit_waiting(scheduled, budget, start)
         if not scheduled:
             return  # nothing can run before more time passes
+        for request, n in scheduled:  # the output blocks this step fills are cached now
+            if request.hash_text is not None:
+                self._cache_output_blocks(request, request.num_computed + n)
         duration = self._duration(scheduled, loads)
         if self.max_fused_steps > 1 and not self.waiting and not loads and not preempted:
             fused = self._fuse(start, duration, scheduled)

@@ -13,7 +13,7 @@ Block accounting follows vLLM's V1 KV cache manager in spirit, without block ids
 With a `sink`, the cache reports what it stores and evicts, as vLLM's KV events do
 (BlockStored when a hashed block is filled, BlockRemoved when an evictable one is reused).
 Output blocks are named as they fill, as vLLM's are (`cache_private`, called by the engine
-when a request's computed tokens complete a block): the chain goes on over the output text
+when it plans the step whose computation completes a block): the chain goes on over the output text
 (`output_block_hash`), so a cached answer is found again by the prompt that repeats it. The
 engine groups what one step stored and evicted into one batch (`EngineModel.kv_step_end`).
 

@@ -11,7 +11,13 @@ back from the stream. Everything on 127.0.0.1, bounded in count (`--max-requests
 Per run it prints and writes OUT/runN.json: the delay from the step end to the EPP's receipt
 of the first-byte report and of the access-log entry (also from the driver's delivery of the
 step), the error of Envoy's stamps against the step end, the share of steps the EPP learns,
-and `uptime` before and after. Times: CLOCK_MONOTONIC (system-wide on Linux); Envoy's
+and `uptime` before and after. `--kv-events`: the servers also publish their KV-cache events
+(`sim/kvpublish.py`: one batch per step that stored or evicted a block, stamped at its end)
+and the EPP's prefix scorer subscribes (exact mode); the tap logs each batch's arrival, the
+sims each batch they send, and a probe process (`probe`: an idle blocking SUB of its own)
+each batch's arrival there: the batches' lateness at the EPP, the publisher's part and the
+EPP loop's part (`kv` in the summary; docs/notes/2026-12-07-kv-events-decode.md).
+Times: CLOCK_MONOTONIC (system-wide on Linux); Envoy's
 wall-clock stamps are moved to it with the EPP's own wall - monotonic offset. Example
 (docs/notes/2026-12-07-step-signal-timing.md):
 
@@ -42,6 +48,7 @@ from poolkeeper.bench.live.step_signal import (
     delays_ms,
     earliest_per_step,
     join,
+    kv_lateness,
     learned_fraction,
     minus,
     sim_id,
@@ -52,6 +59,7 @@ from poolkeeper.bench.workload.workload_spec import Arrival, default_spec
 from poolkeeper.bench.workload.workloads import generate
 from poolkeeper.extproc.signal_tap import SIGNAL_LOG_ENV, TAG_HEADER
 from poolkeeper.netutil import free_ports
+from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.server.signals import on_stop_signals
 from poolkeeper.sim.cluster import SimCluster
 from poolkeeper.sim.config import ServerSettings, build_fleet
@@ -63,12 +71,14 @@ SIM_MAX_S = 600.0  # the sims process stops itself after this, whatever happens
 # -- the simulated servers, in their own process ---------------------------------------------
 
 
-async def serve_sims(count: int, port: int, seed: int, out: Path) -> None:
+async def serve_sims(
+    count: int, port: int, seed: int, out: Path, kv_offset: int | None, kv_log: Path | None
+) -> None:
     specs = build_fleet(
         count=count,
         cli=ServerSettings.model_validate({"model": "base-model", "seed": seed, "time_scale": 1}),
     )
-    cluster = SimCluster(specs, base_port=port)
+    cluster = SimCluster(specs, base_port=port, kv_events_port_offset=kv_offset)
     steps: list[StepEnd] = []
     for server in cluster.servers:
         name = server.name
@@ -80,6 +90,9 @@ async def serve_sims(count: int, port: int, seed: int, out: Path) -> None:
     stop = asyncio.Event()
     on_stop_signals(asyncio.get_running_loop(), stop.set)
     await cluster.start()
+    published: list[dict[str, float]] = []
+    for server in cluster.servers if kv_offset is not None else ():
+        record_batches(server.engine, server.port, published)
     try:
         await asyncio.wait_for(stop.wait(), SIM_MAX_S)
     except TimeoutError:
@@ -89,6 +102,59 @@ async def serve_sims(count: int, port: int, seed: int, out: Path) -> None:
         with out.open("w") as fh:
             for step in steps:
                 fh.write(json.dumps(step.as_record()) + "\n")
+        if kv_log is not None:
+            with kv_log.open("w") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in published)
+
+
+def record_batches(engine: Any, port: int, out: list[dict[str, float]]) -> None:
+    """Wrap the engine's KV step end: each batch its publisher sends, with the step's modelled
+    end and the send's time (monotonic) and the batch's stamp (wall)."""
+    publisher = engine.kv.sink
+    inner = engine.kv_step_end
+
+    def kv_end(end: float) -> None:
+        before = publisher.sent
+        inner(end)
+        if publisher.sent != before:
+            out.append({"port": port, "end": end, "pub": time.monotonic(),
+                        "ts": publisher.last_ts})  # fmt: skip
+
+    engine.kv_step_end = kv_end
+
+
+def probe(ports: list[int], offset: int, out: Path) -> None:
+    """An idle process's receipt of every KV batch (blocking SUB sockets, one poller): the
+    transport's floor, against which the EPP's loop is measured. Until SIGTERM."""
+    import signal
+
+    import zmq
+
+    from poolkeeper.kvevents import decode
+
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    ctx = zmq.Context()
+    poller = zmq.Poller()
+    socks: dict[Any, int] = {}
+    for port in ports:
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(f"tcp://127.0.0.1:{port + offset}")
+        poller.register(sock, zmq.POLLIN)
+        socks[sock] = port
+    records: list[str] = []
+    deadline = time.monotonic() + SIM_MAX_S
+    while not stopping and time.monotonic() < deadline:
+        for sock, _ in poller.poll(100):
+            frames = sock.recv_multipart()
+            wall = time.time()
+            ts = decode(frames[2]).ts
+            records.append(json.dumps({"port": socks[sock], "ts": ts, "wall": wall}))
+    out.write_text("".join(r + "\n" for r in records))
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
 
 
 # -- the client --------------------------------------------------------------------------------
@@ -162,11 +228,30 @@ def run_once(args: argparse.Namespace, arrivals: list[Arrival], tag: str, work: 
     ports = dict(zip(NAMES, free_ports(len(NAMES)), strict=True))
     sims = [sys.executable, __file__, "sims", "--count", str(args.servers), "--port",
             str(sim_ports[0]), "--seed", str(args.seed), "--steps", str(steps_file)]  # fmt: skip
+    scheduling: dict[str, Any] | None = None
+    kv_offset = 0
+    for name in ("kv_published.jsonl", "kv_probe.jsonl"):
+        (work / name).unlink(missing_ok=True)
+    if args.kv_events:
+        kv_offset = free_ports(args.servers, consecutive=True)[0] - sim_ports[0]
+        sims += ["--kv-offset", str(kv_offset), "--kv-log", str(work / "kv_published.jsonl")]
+        scheduling = preset_document("default")
+        for plugin in scheduling["plugins"]:
+            if plugin["type"] == "prefix-cache-scorer":
+                plugin["parameters"].update(
+                    {"kvEvents": True, "kvEventsPortOffset": kv_offset,
+                     "kvEventsReceiveThread": args.receive_thread}
+                )  # fmt: skip
     with ExitStack() as stack:
         stack.enter_context(process(sims, work / "sim.log"))
         for p in sim_ports:
             wait_http(f"http://127.0.0.1:{p}/health", lambda s: s == 200, READY_TIMEOUT_S, "sim")
-        cfg = poolkeeper_config(work / "epp", sim_ports, ports, models)
+        if args.kv_events:
+            probe_out = str(work / "kv_probe.jsonl")
+            cmd = [sys.executable, __file__, "probe", "--ports", *map(str, sim_ports),
+                   "--offset", str(kv_offset), "--probe-out", probe_out]  # fmt: skip
+            stack.enter_context(process(cmd, work / "probe.log"))
+        cfg = poolkeeper_config(work / "epp", sim_ports, ports, models, scheduling)
         serve = [sys.executable, "-m", "poolkeeper", "serve", "-f", str(cfg),
                  "--workdir", str(work / "serve"), "--log-level", "warning"]  # fmt: skip
         if args.envoy_us:
@@ -210,7 +295,15 @@ def summarize(work: Path) -> dict[str, Any]:
     client: dict[str, str] = json.loads((work / "client.json").read_text())
     matched = join(steps, client, epp)
     per_step = earliest_per_step(matched)
+    kv: dict[str, Any] = {}
+    if (work / "kv_published.jsonl").exists():
+        published = [json.loads(line) for line in (work / "kv_published.jsonl").open()]
+        probed = work / "kv_probe.jsonl"
+        idle = [json.loads(line) for line in probed.open()] if probed.exists() else []
+        received = [r for r in epp if r.get("kind") == "kv"]
+        kv = {"kv": kv_lateness(published, received, idle, steps=len(steps))}
     return {
+        **kv,
         "ok": len(client),
         "steps": len(steps),
         "matched": len(matched),
@@ -256,6 +349,12 @@ def main() -> int:
     sims.add_argument("--port", type=int, required=True)
     sims.add_argument("--seed", type=int, default=1)
     sims.add_argument("--steps", type=Path, required=True)
+    sims.add_argument("--kv-offset", type=int, default=None)
+    sims.add_argument("--kv-log", type=Path, default=None)
+    probe_cmd = sub.add_parser("probe", help="(internal) an idle receiver of the KV batches")
+    probe_cmd.add_argument("--ports", type=int, nargs="+", required=True)
+    probe_cmd.add_argument("--offset", type=int, required=True)
+    probe_cmd.add_argument("--probe-out", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("bench-results/stepsignal"))
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--workload", default="heavy-tail")
@@ -269,6 +368,16 @@ def main() -> int:
         action="store_true",
         help="run Envoy here (serve --no-envoy) with the Lua first-byte stamp in microseconds",
     )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the servers publish KV events, the EPP subscribes (exact mode); batch lateness",
+    )
+    parser.add_argument(
+        "--receive-thread",
+        action="store_true",
+        help="with --kv-events: the EPP reads the KV sockets on a thread (kvEventsReceiveThread)",
+    )
     parser.add_argument("--analyze", type=Path, nargs="+", help="only summarize these run dirs")
     args = parser.parse_args()
     if args.analyze:
@@ -276,7 +385,12 @@ def main() -> int:
             print(json.dumps({"run": str(work), **summarize(work)}, indent=1))
         return 0
     if args.command == "sims":
-        asyncio.run(serve_sims(args.count, args.port, args.seed, args.steps))
+        asyncio.run(
+            serve_sims(args.count, args.port, args.seed, args.steps, args.kv_offset, args.kv_log)
+        )
+        return 0
+    if args.command == "probe":
+        probe(args.ports, args.offset, args.probe_out)
         return 0
     if not (1 <= args.servers <= 8 and 0 < args.load <= 1.5 and 0 < args.duration <= 120):
         raise SystemExit("--servers 1..8, --load in (0, 1.5], --duration in (0, 120]")
@@ -289,7 +403,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for r in range(args.rounds):
         result = {"servers": args.servers, "workload": args.workload, "load": args.load,
-                  "envoy_us": args.envoy_us,
+                  "envoy_us": args.envoy_us, "kv_events": args.kv_events,
+                  "receive_thread": args.receive_thread,
                   "rate": rate, "duration": args.duration,
                   **run_once(args, arrivals, str(r), args.out / f"run{r}")}  # fmt: skip
         (args.out / f"run{r}.json").write_text(json.dumps(result, indent=1))

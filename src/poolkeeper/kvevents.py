@@ -33,15 +33,27 @@ from poolkeeper.errors import ConfigError
 from poolkeeper.tokens import CHARS_PER_TOKEN
 
 
+def chain_root(model: str) -> int:
+    """The parent of a sequence's first block: the model's name hashed (adapters do not
+    share each other's cache)."""
+    return xxhash.xxh3_64_intdigest(model.encode())
+
+
+def next_block_hash(parent: int, piece: str) -> int:
+    """The hash of one block of text (block_size x 4 characters) after `parent`."""
+    return xxhash.xxh3_64_intdigest(piece.encode("utf-8", "surrogatepass"), seed=parent)
+
+
 def engine_block_hashes(model: str, prompt: str, block_size: int) -> list[int]:
-    """Chained hashes of each *full* block of `prompt` (block_size tokens = x4 characters)."""
+    """Chained hashes of each *full* block of `prompt` (block_size tokens = x4 characters).
+    The simulator extends the same chain over a request's output text as its blocks fill
+    (`sim/kvcache.py` `output_block_hash`), as vLLM hashes output blocks."""
     chunk = block_size * CHARS_PER_TOKEN
-    parent = xxhash.xxh3_64_intdigest(model.encode())
+    parent = chain_root(model)
     hashes: list[int] = []
     # Chunks of characters, not bytes, so a gateway working on str gets the same blocks.
     for start in range(0, len(prompt) - chunk + 1, chunk):
-        piece = prompt[start : start + chunk].encode("utf-8", "surrogatepass")
-        parent = xxhash.xxh3_64_intdigest(piece, seed=parent)
+        parent = next_block_hash(parent, prompt[start : start + chunk])
         hashes.append(parent)
     return hashes
 

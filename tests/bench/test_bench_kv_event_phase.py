@@ -49,12 +49,15 @@ def _run(rule: str, inner: _Sink | None = None) -> tuple[list[float], StepEventR
     return ends, recorder
 
 
-def test_the_prompt_rule_publishes_the_steps_that_store_prompt_blocks() -> None:
+def test_the_prompt_rule_publishes_the_steps_whose_sink_events_the_simulator_sends() -> None:
     inner = _Sink()
     ends, recorder = _run("prompt", inner)
     assert len(ends) == 30  # one prefill step that samples the first token, 29 decode steps
-    assert list(recorder.publishing_ends) == [ends[0]]  # the prefill step stored two blocks
-    assert inner.events == ["stored 1", "stored 1"]  # still told to the sink it replaced
+    # The simulator's events: the prefill step stored two blocks, and since the KV events
+    # were made vLLM's (docs/notes/2026-12-07-kv-events-decode.md) the steps that fill
+    # output blocks store them too: the same steps as the vllm rule's.
+    assert list(recorder.publishing_ends) == [ends[0], ends[8], ends[24]]
+    assert inner.events == ["stored 1"] * 4  # still told to the sink it replaced
 
 
 def test_the_vllm_rule_also_publishes_each_output_block_as_it_fills() -> None:

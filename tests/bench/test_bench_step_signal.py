@@ -122,3 +122,33 @@ def test_delays_ms() -> None:
         (0.0, 10.0, 50.0, 90.0, 100.0)
     )
     assert got["p99"] == pytest.approx(99.0)
+
+
+def test_kv_lateness_matches_batches_by_port_and_stamp() -> None:
+    from poolkeeper.bench.live.step_signal import kv_lateness
+
+    published = [
+        {"port": 8000, "end": 10.0, "pub": 10.001, "ts": 1000.001},
+        {"port": 8001, "end": 10.0, "pub": 10.003, "ts": 1000.003},
+    ]
+    received = [
+        {"kind": "kv", "endpoint": "127.0.0.1:8000", "ts": 1000.001, "wall": 1000.004},
+        {
+            "kind": "kv",
+            "endpoint": "127.0.0.1:8001",
+            "ts": 1000.003,
+            "wall": 1000.010,
+            "applied": 1000.013,
+        },
+        {"kind": "kv", "endpoint": "127.0.0.1:8001", "ts": 999.0, "wall": 999.5},  # no match
+    ]
+    probe = [{"port": 8001, "ts": 1000.003, "wall": 1000.004}]
+    out = kv_lateness(published, received, probe, steps=4)
+    assert (out["batches"], out["received"], out["probed"]) == (2, 2, 1)
+    assert out["steps_publishing"] == 0.5
+    assert out["publisher_lag_ms"]["max"] == pytest.approx(3.0)
+    assert out["epp_late_ms"]["max"] == pytest.approx(7.0)
+    assert out["epp_late_ms"]["min"] == pytest.approx(3.0)
+    assert out["epp_applied_ms"]["max"] == pytest.approx(10.0)
+    assert out["probe_late_ms"]["n"] == 1
+    assert out["epp_after_probe_ms"]["max"] == pytest.approx(6.0)

@@ -78,3 +78,15 @@ def test_tap_writes_first_bytes_and_entries(
     assert "time_to_first_upstream_rx_byte" not in end  # not in the entry: not made up
     assert end["lua_first_ms"] == 1_700_000_000_010.0
     assert detached.waiting(key) is None  # settled
+
+
+def test_tap_writes_kv_batches(tmp_path: Path) -> None:
+    out = tmp_path / "signals.jsonl"
+    tap = SignalTap(out.open("a", buffering=1, encoding="utf-8"))
+    tap.kv_batch("127.0.0.1:8000", 100.25, 100.5)
+    tap.close()
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["kind"] == "kv"
+    assert (record["endpoint"], record["ts"], record["wall"]) == ("127.0.0.1:8000", 100.25, 100.5)
+    assert isinstance(record["mono"], float)
+    assert record["applied"] > 100.5  # written now, after the receipt

@@ -27,16 +27,34 @@ def test_events_address() -> None:
     assert events_address("fd00::1:8000", port=5557, port_offset=None) == "tcp://[fd00::1]:5557"
 
 
-async def test_served_prompts_reach_the_exact_index_through_zmq() -> None:
+async def _sim_and_subscriber(
+    thread: bool = False,
+) -> tuple[SimCluster, str, ExactPrefixIndex, KVEventSubscriber]:
+    """One simulated server publishing KV events, and a subscriber following it."""
     http_port, events_port = free_ports(2)
     specs = build_fleet(count=1, cli=ServerSettings.model_validate({}))
     cluster = SimCluster(specs, base_port=http_port, kv_events_port_offset=events_port - http_port)
     await cluster.start()
-    endpoint = f"127.0.0.1:{http_port}"
     index = ExactPrefixIndex()
     subscriber = KVEventSubscriber(
-        index, lambda hp: events_address(hp, port=0, port_offset=events_port - http_port)
+        index,
+        lambda hp: events_address(hp, port=0, port_offset=events_port - http_port),
+        thread=thread,
     )
+    return cluster, f"127.0.0.1:{http_port}", index, subscriber
+
+
+async def _reported(index: ExactPrefixIndex, hashes: list[int]) -> bool:
+    """Whether the index holds any of `hashes` within 0.2 s."""
+    for _ in range(20):
+        if index.match(hashes):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_served_prompts_reach_the_exact_index_through_zmq() -> None:
+    cluster, endpoint, index, subscriber = await _sim_and_subscriber()
     subscriber.follow([endpoint])
     try:
         async with aiohttp.ClientSession() as http:
@@ -48,11 +66,7 @@ async def test_served_prompts_reach_the_exact_index_through_zmq() -> None:
                 async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
                     assert r.status == 200
                 hashes = engine_block_hashes(DEFAULT_MODEL, prompt, 16)
-                for _ in range(20):
-                    if index.match(hashes):
-                        break
-                    await asyncio.sleep(0.01)
-                if index.match(hashes):
+                if await _reported(index, hashes):
                     break
             assert index.match(hashes) == {endpoint: 4}
             assert subscriber.received >= 1
@@ -119,3 +133,36 @@ async def test_the_epp_subscribes_when_it_learns_the_endpoints_not_at_a_first_de
         if subscriber is not None:
             await subscriber.close()
         await cluster.stop()
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["loop", "thread"])
+async def test_answers_blocks_reach_the_index_in_per_step_batches_seen_by_on_batch(
+    thread: bool,
+) -> None:
+    """The engine's output blocks are published as they fill (the answer's text continues
+    the prompt's chain), and the subscriber's `on_batch` hears of every batch with its
+    engine stamp and receipt time, whether the sockets are read on the loop or a thread."""
+    cluster, endpoint, index, subscriber = await _sim_and_subscriber(thread)
+    seen: list[tuple[str, float, float]] = []
+    subscriber.on_batch = lambda e, ts, at: seen.append((e, ts, at))
+    subscriber.follow([endpoint])
+    try:
+        async with aiohttp.ClientSession() as http:
+            for attempt in range(200):  # until the SUB socket is connected (slow joiner)
+                prompt = f"{attempt:04d}" * 16  # one block
+                body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 50}
+                async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    text = (await r.json())["choices"][0]["text"]
+                # 16 + 50 tokens, 65 computed: blocks 2-4 are the answer's.
+                hashes = engine_block_hashes(DEFAULT_MODEL, prompt + text, 16)
+                if await _reported(index, hashes):
+                    break
+            assert len(hashes) == 4
+            assert index.match(hashes) == {endpoint: 4}
+    finally:
+        await subscriber.close()
+        await cluster.stop()
+    assert len(seen) == subscriber.received >= 2  # the prefill's batch, then decode steps'
+    assert {e for e, _, _ in seen} == {endpoint}
+    assert all(ts <= at for _, ts, at in seen)  # stamped by the engine before it was sent

@@ -10,6 +10,11 @@ the request's `x-bench-signal-tag` header (the client's own id: Envoy replaces a
 external `x-request-id`) and, for an entry, Envoy's own stamps
 (its start on the wall clock, the durations from it, the Lua filter's first-byte millisecond).
 
+With kvEvents, the runtime also hands `kv_batch` to the prefix scorer's KV-event subscriber
+(`KVEventSubscriber.on_batch`): one line per KV-event batch applied, with the engine's stamp
+`ts` and the wall-clock receipt (how late the engines' step clock arrives,
+docs/notes/2026-12-07-kv-events-decode.md).
+
 Without the variable (every deployment) there is no tap: the receivers test one attribute for
 None per message, nothing else runs.
 """
@@ -62,6 +67,14 @@ class SignalTap:
         self._write(
             {"kind": "first", "mono": time.monotonic(), "wall": time.time(), "key": key,
              "rid": _tag(held)}
+        )  # fmt: skip
+
+    def kv_batch(self, endpoint: str, ts: float, received_at: float) -> None:
+        """A KV-event batch from `endpoint` stamped `ts` (the engine's wall clock) was taken
+        off its socket at `received_at` (the EPP's wall clock) and applied now (`applied`)."""
+        self._write(
+            {"kind": "kv", "mono": time.monotonic(), "wall": received_at, "ts": ts,
+             "applied": time.time(), "endpoint": endpoint}
         )  # fmt: skip
 
     def entry(self, entry: accesslog_pb2.HTTPAccessLogEntry, key: str, held: object | None) -> None:

@@ -17,6 +17,14 @@ scorer the pool's endpoints on every change (`server/wiring.py`), and the scorer
 early: an engine reports a block once, and a SUB socket gets only what is published after it
 connects, so a subscription made at the first decision loses the cold start's first prefixes. Needs
 `pyzmq` (the `kv-events` extra); without it `follow` raises ConfigError once at startup.
+
+`on_batch` (None by default: one attribute test a batch) is told of every batch applied:
+`on_batch(endpoint, ts, received_at)`, the batch's engine stamp (vLLM: `time.time()` at the end
+of the step that stored or evicted blocks) and the wall clock when this loop took it off the
+socket. Who listens: the bench-only signal tap (`extproc/signal_tap.py`, its arrival times) and
+a step-phase scorer (the batches are the engines' step clock). With `thread` (the prefix
+scorer's `kvEventsReceiveThread`) the sockets are read on a thread of their own that stamps
+`received_at` as each message comes off (`kvreceiver.py`); batches are still applied on the loop.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.kvevents import KVEventError, decode
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.kvreceiver import ThreadReceiver
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +60,19 @@ def events_address(hostport: str, *, port: int, port_offset: int | None) -> str:
 class KVEventSubscriber:
     """Per-endpoint SUB tasks on the running loop; not thread-safe (one loop owns it)."""
 
-    __slots__ = ("_address", "_clock", "_closed", "_ctx", "_tasks", "index", "received")
+    __slots__ = (
+        "_address",
+        "_clock",
+        "_closed",
+        "_ctx",
+        "_expected",
+        "_receiver",
+        "_tasks",
+        "_thread",
+        "index",
+        "on_batch",
+        "received",
+    )
 
     def __init__(
         self,
@@ -58,6 +80,7 @@ class KVEventSubscriber:
         address: Callable[[str], str],
         *,
         clock: Callable[[], float] = time.monotonic,
+        thread: bool = False,
     ) -> None:
         try:
             import zmq.asyncio
@@ -70,7 +93,12 @@ class KVEventSubscriber:
         self._clock = clock
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._expected: dict[str, int] = {}  # per endpoint, the next sequence number
+        self._thread = thread
+        self._receiver: ThreadReceiver | None = None  # started at the first `follow`
         self.received = 0  # batches applied (for tests and stats)
+        # (endpoint, batch ts, wall-clock receipt) per batch applied; the module's docstring.
+        self.on_batch: Callable[[str, float, float], None] | None = None
         self._closed = False
 
     def follow(self, endpoints: Iterable[str]) -> None:
@@ -82,6 +110,15 @@ class KVEventSubscriber:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
+        if self._thread:
+            receiver = self._receiver
+            if receiver is None:
+                receiver = self._receiver = ThreadReceiver(loop, self._on_frames, _configure)
+            for endpoint in endpoints:
+                if endpoint not in self._expected:
+                    self._expected[endpoint] = -1  # followed, nothing heard yet
+                    receiver.add(endpoint, self._address(endpoint))
+            return
         for endpoint in endpoints:
             if endpoint not in self._tasks:
                 self._tasks[endpoint] = loop.create_task(
@@ -91,6 +128,10 @@ class KVEventSubscriber:
     def forget(self, keep: set[str]) -> None:
         for endpoint in [e for e in self._tasks if e not in keep]:
             self._tasks.pop(endpoint).cancel()
+        for endpoint in [e for e in self._expected if e not in keep]:
+            del self._expected[endpoint]
+            if self._receiver is not None:
+                self._receiver.remove(endpoint)
 
     async def close(self) -> None:
         """End every subscription and the ZMQ context (idempotent; `follow` is a no-op after)."""
@@ -102,39 +143,57 @@ class KVEventSubscriber:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._receiver is not None:
+            await asyncio.to_thread(self._receiver.stop)
         self._ctx.term()
 
     async def _run(self, endpoint: str) -> None:
         import zmq
 
         sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        # Back off reconnecting to an endpoint that publishes nothing (ZMQ retries every
-        # RECONNECT_IVL, 100 ms, forever by default: 1,000 silent endpoints cost about a
-        # third of a core); a publisher that comes up later is joined within the cap.
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        _configure(sock)
         sock.connect(self._address(endpoint))
-        index = self.index
-        expected: int | None = None
+        self._expected[endpoint] = -1
         try:
             while True:
                 frames = await sock.recv_multipart()
-                now = self._clock()  # the decisions' clock
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    log.warning("kv events from %s: not (topic, seq, payload); ignored", endpoint)
-                    continue
-                seq = int.from_bytes(frames[1], "big")
-                if expected is not None and seq != expected:
-                    index.lost(endpoint, now)
-                expected = seq + 1
-                try:
-                    batch = decode(frames[2])
-                except KVEventError as exc:
-                    log.warning("kv events from %s: %s", endpoint, exc)
-                    index.lost(endpoint, now)
-                    continue
-                index.apply(endpoint, batch, now)
-                self.received += 1
+                self._on_frames(endpoint, frames, time.time() if self.on_batch else 0.0)
         finally:
-            sock.close(linger=0)
+            sock.close(linger=0)  # (`forget` drops the sequence: a new task may follow it)
+
+    def _on_frames(self, endpoint: str, frames: list[bytes], received_at: float) -> None:
+        """One message from `endpoint` (on the loop): check its sequence, apply its batch."""
+        if endpoint not in self._expected:
+            return  # forgotten while the message was on its way from the thread
+        now = self._clock()  # the decisions' clock
+        index = self.index
+        if len(frames) != 3 or len(frames[1]) != 8:
+            log.warning("kv events from %s: not (topic, seq, payload); ignored", endpoint)
+            return
+        seq = int.from_bytes(frames[1], "big")
+        expected = self._expected[endpoint]
+        if expected >= 0 and seq != expected:
+            index.lost(endpoint, now)
+        self._expected[endpoint] = seq + 1
+        try:
+            batch = decode(frames[2])
+        except KVEventError as exc:
+            log.warning("kv events from %s: %s", endpoint, exc)
+            index.lost(endpoint, now)
+            return
+        index.apply(endpoint, batch, now)
+        self.received += 1
+        observer = self.on_batch
+        if observer is not None:
+            observer(endpoint, batch.ts, received_at)
+
+
+def _configure(sock: Any) -> None:
+    import zmq
+
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    # Back off reconnecting to an endpoint that publishes nothing (ZMQ retries every
+    # RECONNECT_IVL, 100 ms, forever by default: 1,000 silent endpoints cost about a
+    # third of a core); a publisher that comes up later is joined within the cap.
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)

@@ -35,6 +35,7 @@ from poolkeeper.extproc.heap import keep_freed_pages
 from poolkeeper.extproc.server import ExtProcServicer
 from poolkeeper.extproc.signal_tap import SignalTap
 from poolkeeper.extproc.tls import server_credentials, ssl_context
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
 from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
 from poolkeeper.scheduling.scheduler import Scheduler
@@ -127,6 +128,10 @@ class GatewayRuntime(ManagedEnvoyStart, RuntimeStop):
         settings = extproc_settings(spec, own_bootstrap=self.options.own_bootstrap)
         budget = BodyBudget(spec.request_handling.max_inflight_body_bytes)
         tap = SignalTap.from_env() if observing else None  # bench only: scripts/step_signal.py
+        if tap is not None:  # and the KV-event batches' arrivals
+            for plugin in getattr(self.director.scheduler, "plugins", {}).values():
+                if isinstance(plugin, PrefixCacheScorer) and plugin.subscriber is not None:
+                    plugin.subscriber.on_batch = tap.kv_batch
         self.detached = detached = DetachedExchanges(tap=tap) if observing else None
         if detached is not None:
             self.metrics.follow_observer(

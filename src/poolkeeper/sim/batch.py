@@ -9,7 +9,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from poolkeeper.sim.kvcache import PrefixKVCache
+from poolkeeper.sim.kvcache import PrefixKVCache, output_block_hash
 from poolkeeper.sim.lora import LoraSlots
 from poolkeeper.sim.params import EngineConfig
 from poolkeeper.sim.request import RequestStatus, SimRequest, StepOutcome
@@ -156,6 +156,35 @@ class BatchCore:
         for h in hashes:
             take(h, parent)
             parent = h
+
+    def _cache_output_blocks(self, request: SimRequest, computed: int) -> None:
+        """Name the request's blocks that `computed` tokens fill (its output's: the prompt's
+        are named at allocation), as vLLM's `allocate_slots` caches the blocks a step will
+        fill when it schedules the step. The text decides: a prompt whose length is not a
+        multiple of 4 characters shifts the output, so a block is named once all its
+        characters are computed."""
+        text = request.hash_text
+        over = computed - request.prompt_tokens
+        if text is None or over < 0:
+            return
+        bs = self.config.block_size
+        full = (len(text) + 4 * over) // (4 * bs)
+        held = request.held_hashed
+        if len(held) >= full or not request.held_private:
+            return
+        hashes = request.block_hashes
+        cache = self.kv.cache_private
+        while len(held) < full and request.held_private:
+            k = len(held)
+            parent = held[-1] if held else None
+            if k < len(hashes):
+                h = hashes[k]  # computed before a preemption
+            else:
+                h = output_block_hash(request.model, text, request.text_seed, k, parent, bs)
+                hashes.append(h)
+            cache(h, parent)
+            held.append(h)
+            request.held_private -= 1
 
     def _preempt(self, request: SimRequest) -> None:
         self._free(request)

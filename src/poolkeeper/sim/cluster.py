@@ -104,6 +104,7 @@ class SimCluster:
         )
         self._publishers.append(publisher)
         server.engine.kv.sink = publisher
+        server.engine.kv_step_end = publisher.step_ended  # one batch per step, at its end
 
     async def stop(self) -> None:
         for publisher in self._publishers:

@@ -50,6 +50,7 @@ from poolkeeper.sim.request import (
     UnknownModelError,
 )
 from poolkeeper.sim.stats import EngineStats
+from poolkeeper.sim.textgen import stream_seed
 from poolkeeper.tokens import count_tokens
 
 STEP_END_HISTORY = 64  # step ends kept for `step_end_before`: well over 100 ms of steps
@@ -84,6 +85,12 @@ class EngineModel(FusedStepCore):
         # Bench only: told of each step as it ends, before its tokens are applied (a reference
         # policy that learns step ends from the KV events some steps publish). None: no cost.
         self.step_observer: Callable[[Step], None] | None = None
+        # Told of each step's end after its tokens are applied: the KV-event publisher sends
+        # what the step stored (when it was planned, as vLLM's `schedule()` caches the blocks
+        # a step fills) and evicted as one batch then, as vLLM does at the end of
+        # `update_from_output` (sim/kvpublish.py). None: no cost. Fused steps (virtual
+        # time) end once, and store what their later steps filled then.
+        self.kv_step_end: Callable[[float], None] | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -125,11 +132,14 @@ class EngineModel(FusedStepCore):
                 "completion."
             )
         hashes: list[int] = []
+        hash_text: str | None = None
         if config.enable_prefix_caching:
             # An explicit token count bounds the blocks the text may name.
             hashes = prompt_block_hashes(prompt, config.block_size, model)
             del hashes[n_prompt // config.block_size :]
-        return SimRequest(
+            if prompt_tokens is None or prompt_tokens == count_tokens(prompt):
+                hash_text = prompt  # the output's blocks continue the text's chain
+        request = SimRequest(
             request_id=request_id,
             model=model,
             adapter=adapter,
@@ -139,6 +149,10 @@ class EngineModel(FusedStepCore):
             block_hashes=hashes,
             finish_reason=reason,
         )
+        if hash_text is not None:
+            request.hash_text = hash_text
+            request.text_seed = stream_seed(config.seed, request_id)  # the server's text
+        return request
 
     def submit(self, request: SimRequest, now: float) -> None:
         """Queue `request`. Its arrival time is `request.arrival` (normally `now`)."""
@@ -197,6 +211,8 @@ class EngineModel(FusedStepCore):
                 outcomes.append(self._complete_fused(step, step.fused))
             else:
                 outcomes.append(self._complete(step))
+            if self.kv_step_end is not None:
+                self.kv_step_end(step.end)
 
     @property
     def busy(self) -> bool:
@@ -232,8 +248,13 @@ class EngineModel(FusedStepCore):
         after it: runs a copy of this engine (its own RNG state, blocks and queue; the requests'
         sinks are shared and never written). This engine is unchanged. None: the request would
         be refused (unknown model, too long) or never scheduled."""
-        sinks = {id(r.sink): r.sink for r in self._by_id.values() if r.sink is not None}
-        twin = copy.deepcopy(self, sinks)
+        by_id = self._by_id.values()
+        memo: dict[int, object] = {id(r.sink): r.sink for r in by_id if r.sink is not None}
+        # The twin reports no KV events (a live publisher's socket cannot be copied).
+        for hook in (self.kv.sink, self.kv_step_end):
+            if hook is not None:
+                memo[id(hook)] = None
+        twin = copy.deepcopy(self, memo)
         try:
             request = twin.create_request(
                 request_id, model, prompt, arrival=now, max_tokens=max_tokens,
@@ -283,6 +304,9 @@ class EngineModel(FusedStepCore):
             loads = self._admit_waiting(scheduled, budget, start)
         if not scheduled:
             return  # nothing can run before more time passes
+        for request, n in scheduled:  # the output blocks this step fills are cached now
+            if request.hash_text is not None:
+                self._cache_output_blocks(request, request.num_computed + n)
         duration = self._duration(scheduled, loads)
         if self.max_fused_steps > 1 and not self.waiting and not loads and not preempted:
             fused = self._fuse(start, duration, scheduled)

@@ -91,6 +91,8 @@ class FusedStepCore(BatchCore):
                 continue
             itl.observe(first_end - (request.last_token_time or step.start))
             request.num_computed += count
+            if request.hash_text is not None:  # the blocks the later fused steps filled
+                self._cache_output_blocks(request, request.num_computed)
             request.output_tokens += count
             request.last_token_time = last_end
             tokens.append(request)

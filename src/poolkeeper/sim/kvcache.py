@@ -12,6 +12,10 @@ Block accounting follows vLLM's V1 KV cache manager in spirit, without block ids
 
 With a `sink`, the cache reports what it stores and evicts, as vLLM's KV events do
 (BlockStored when a hashed block is filled, BlockRemoved when an evictable one is reused).
+Output blocks are named as they fill, as vLLM's are (`cache_private`, called by the engine
+when it plans the step whose computation completes a block): the chain goes on over the output text
+(`output_block_hash`), so a cached answer is found again by the prompt that repeats it. The
+engine groups what one step stored and evicted into one batch (`EngineModel.kv_step_end`).
 
 `prompt_block_hashes` is the hashing contract: chunks of block_size tokens = block_size * 4
 characters of prompt text (poolkeeper.tokens' rule), chained with xxh3-64, seeded by the target
@@ -23,13 +27,34 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from poolkeeper.kvevents import engine_block_hashes
+from poolkeeper.kvevents import chain_root, engine_block_hashes, next_block_hash
+from poolkeeper.sim.textgen import text_between
+from poolkeeper.tokens import CHARS_PER_TOKEN
 
 
 def prompt_block_hashes(text: str, block_size: int, model: str = "") -> list[int]:
     """Chained hashes of each *full* block of `text` (block_size * 4 characters per block);
     the contract lives with the KV events (`kvevents.py`), which the EPP matches."""
     return engine_block_hashes(model, text, block_size)
+
+
+def output_block_hash(
+    model: str, prompt: str, seed: int, index: int, parent: int | None, block_size: int
+) -> int:
+    """The hash of block `index` of prompt + output text (the output of stream `seed`,
+    sim/textgen.py), chained to `parent` (the block before; None for the first): what
+    `engine_block_hashes` gives for that block of the whole text."""
+    chunk = block_size * CHARS_PER_TOKEN
+    start, stop = index * chunk, (index + 1) * chunk
+    head = prompt[start:stop]
+    # The output's characters of this block, from its token pieces (4 characters each).
+    first = max(0, start - len(prompt))
+    last = stop - len(prompt)
+    token0 = first // CHARS_PER_TOKEN
+    tail = text_between(seed, token0, -(-last // CHARS_PER_TOKEN))
+    offset = first - token0 * CHARS_PER_TOKEN
+    piece = head + tail[offset : offset + chunk - len(head)]
+    return next_block_hash(chain_root(model) if parent is None else parent, piece)
 
 
 class KVEventSink(Protocol):
@@ -112,6 +137,23 @@ class PrefixKVCache:
             self.referenced += 1
         else:
             self._refcount[h] = users + 1
+
+    def cache_private(self, h: int, parent: int | None) -> None:
+        """One of a request's private blocks just filled and is named `h` (an output block:
+        vLLM's `cache_full_blocks`); `parent` is the block before it in its chain. If an
+        identical block is cached already, the request shares it and its own is freed (vLLM
+        keeps both; the count of free blocks is what matters here)."""
+        users = self._refcount.get(h)
+        if users is None:
+            self._refcount[h] = 1  # the same block, now named: `referenced` is unchanged
+            if self.sink is not None and self.caching:
+                self.sink.stored([h], parent)
+        elif users == 0:
+            del self._evictable[h]  # referenced again (+1), the private one freed (-1)
+            self._refcount[h] = 1
+        else:
+            self._refcount[h] = users + 1
+            self.referenced -= 1
 
     def take_private(self, count: int) -> None:
         self._make_room(count)

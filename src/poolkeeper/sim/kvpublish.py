@@ -1,16 +1,21 @@
 """KV-cache events from a live simulated server, published the way vLLM publishes them.
 
-A `ZmqKVEventPublisher` is the `KVEventSink` of one engine's KV cache: the stores and evictions
-of one engine step are gathered and sent once the step's callbacks are done (one `call_soon`),
-as one `KVEventBatch` in a three-frame ZMQ PUB message: topic, 8-byte big-endian sequence
-number, msgpack payload (`kvevents.py`), like vLLM's `ZmqEventPublisher` with
-`--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
-"endpoint": "tcp://*:5557"}'`. No replay socket. Needs pyzmq and msgpack (the kv-events extra).
+A `ZmqKVEventPublisher` is the `KVEventSink` of one engine's KV cache and its
+`EngineModel.kv_step_end`: what one engine step stored (its prompt blocks, allocated when the
+step is planned; its output blocks, named when the step's tokens are applied) and evicted is
+gathered and sent when the step ends, as one `KVEventBatch` stamped `ts = time.time()` then, in
+a three-frame ZMQ PUB message: topic, 8-byte big-endian sequence number, msgpack payload
+(`kvevents.py`). That is vLLM's rule (`Scheduler.update_from_output` ends each step with
+`take_events()` and `publish(KVEventBatch(ts=time.time(), ...))` if there were any) and its
+`ZmqEventPublisher` with `--kv-events-config '{"enable_kv_cache_events": true, "publisher":
+"zmq", "endpoint": "tcp://*:5557"}'`. The live driver calls `advance` when its loop wakes for
+the step's end (`loop.time()`, monotonic), so `ts` is the wall clock at that wake: the
+modelled end plus the driver's lateness. No replay socket. Needs pyzmq and msgpack (the
+kv-events extra).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from typing import Any
@@ -28,7 +33,7 @@ from poolkeeper.kvevents import (
 class ZmqKVEventPublisher:
     """PUB socket bound to `address` (e.g. tcp://127.0.0.1:5557) for one engine."""
 
-    __slots__ = ("_pending", "_scheduled", "_seq", "_sock", "block_size", "topic")
+    __slots__ = ("_pending", "_seq", "_sock", "block_size", "last_ts", "topic")
 
     def __init__(self, address: str, *, block_size: int, topic: str = "kv") -> None:
         try:
@@ -45,7 +50,7 @@ class ZmqKVEventPublisher:
         self.topic = topic.encode()
         self._seq = 0
         self._pending: list[KVEvent] = []
-        self._scheduled = False
+        self.last_ts = 0.0  # the last batch's stamp (bench: scripts/step_signal.py)
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
         pending = self._pending
@@ -55,26 +60,24 @@ class ZmqKVEventPublisher:
             last.block_hashes.extend(hashes)
         else:
             pending.append(BlockStored(list(hashes), parent, block_size=self.block_size))
-        self._schedule()
 
     def removed(self, hashes: list[int]) -> None:
         self._pending.append(BlockRemoved(list(hashes)))
-        self._schedule()
 
-    def _schedule(self) -> None:
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+    def step_ended(self, end: float) -> None:
+        """The engine's step that ends at `end` (its clock) is done: publish its events."""
+        if self._pending:
+            self.flush()
 
     def flush(self) -> None:
-        """Send what is pending as one batch (non-blocking: past the HWM ZMQ drops it, and
-        the subscriber sees the sequence gap)."""
+        """Send what is pending as one batch stamped now (non-blocking: past the HWM ZMQ
+        drops it, and the subscriber sees the sequence gap)."""
         import zmq
 
-        self._scheduled = False
         if not self._pending:
             return
         batch = KVEventBatch(time.time(), self._pending, 0)
+        self.last_ts = batch.ts
         self._pending = []
         seq = self._seq
         self._seq += 1
@@ -82,6 +85,11 @@ class ZmqKVEventPublisher:
             self._sock.send_multipart(
                 (self.topic, seq.to_bytes(8, "big"), encode(batch)), flags=zmq.NOBLOCK
             )
+
+    @property
+    def sent(self) -> int:
+        """Batches sent (or dropped past the HWM) so far: the next sequence number."""
+        return self._seq
 
     def close(self) -> None:
         self._sock.close(linger=0)

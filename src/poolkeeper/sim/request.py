@@ -35,7 +35,9 @@ class SimRequest:
     prompt_tokens: int
     max_tokens: int  # output tokens this request will produce
     arrival: float
-    block_hashes: list[int] = field(repr=False)  # full prompt blocks, chained hashes
+    # Full blocks' chained hashes: the prompt's, then its output's as they are computed
+    # (vLLM's `Request.block_hashes`; kept across a preemption so the recompute hits them).
+    block_hashes: list[int] = field(repr=False)
     finish_reason: str = "length"  # "length" if max_tokens was given, else "stop"
     status: RequestStatus = RequestStatus.WAITING
     output_tokens: int = 0
@@ -50,6 +52,11 @@ class SimRequest:
     held_hashed: list[int] = field(default_factory=list, repr=False)
     held_private: int = 0
     sink: object = field(default=None, repr=False)  # the driver's handle (stream, result)
+    # Output blocks are hashed (sim/kvcache.py `output_block_hash`) when the prompt text is
+    # known and its token count is the text's (None: they stay private); `text_seed` names the
+    # output text (sim/textgen.py).
+    hash_text: str | None = field(default=None, repr=False)
+    text_seed: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -218,3 +218,45 @@ def learned_fraction(steps: Iterable[StepEnd], matched: Iterable[Matched]) -> di
             total[key] = total.get(key, 0) + 1
             learned[key] = learned.get(key, 0) + ((step.server, step.end) in known)
     return {key: learned[key] / total[key] for key in sorted(total)}
+
+
+def kv_lateness(
+    published: Sequence[Mapping[str, Any]],
+    received: Iterable[Mapping[str, Any]],
+    probe: Iterable[Mapping[str, Any]] = (),
+    steps: int = 0,
+) -> dict[str, Any]:
+    """How late the KV-event batches (the engines' step clock) come, per batch (`--kv-events`).
+
+    `published`: the simulator's record of each batch it sent (`port`: the server's HTTP port,
+    `end`: the step's modelled end and `pub`: when it was sent, both monotonic, `ts`: the
+    batch's stamp, wall clock); `received`: the tap's `kind == "kv"` records (`endpoint`
+    ip:port, `ts`, `wall`: the EPP's receipt); `probe`: the same receipts by an idle process
+    of its own (`port`, `ts`, `wall`), the transport's floor. Batches are matched by (port,
+    ts). Returns ms p50/p90/p99: `publisher_lag_ms` (sent - modelled end: the simulator's
+    loop), `epp_late_ms` (EPP receipt - ts), `epp_applied_ms` (the tap's `applied`, when the
+    loop applied it - ts: later than the receipt with a receiving thread), `probe_late_ms`
+    (idle receipt - ts),
+    `epp_after_probe_ms` (the same batch's EPP receipt - idle receipt: the EPP's loop), and the
+    share of `steps` (all servers) that published."""
+    sent = {(int(r["port"]), float(r["ts"])) for r in published}
+    epp: dict[tuple[int, float], float] = {}
+    applied: dict[tuple[int, float], float] = {}
+    for r in received:
+        key = (int(str(r["endpoint"]).rpartition(":")[2]), float(r["ts"]))
+        if key in sent:
+            epp[key] = float(r["wall"])
+            applied[key] = float(r.get("applied", r["wall"]))
+    idle = {(int(r["port"]), float(r["ts"])): float(r["wall"]) for r in probe}
+    idle = {k: v for k, v in idle.items() if k in sent}
+    return {
+        "batches": len(published),
+        "received": len(epp),
+        "probed": len(idle),
+        "steps_publishing": len(published) / steps if steps else None,
+        "publisher_lag_ms": delays_ms(float(r["pub"]) - float(r["end"]) for r in published),
+        "epp_late_ms": delays_ms(wall - ts for (_, ts), wall in epp.items()),
+        "epp_applied_ms": delays_ms(at - ts for (_, ts), at in applied.items()),
+        "probe_late_ms": delays_ms(wall - ts for (_, ts), wall in idle.items()),
+        "epp_after_probe_ms": delays_ms(wall - idle[k] for k, wall in epp.items() if k in idle),
+    }

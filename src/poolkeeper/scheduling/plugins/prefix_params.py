@@ -161,6 +161,12 @@ class PrefixCacheParams(PluginParams):
         description="Subscribe to the endpoints' KV events over ZMQ (false: the index is fed "
         "in-process, as the virtual-time fleet does).",
     )
+    kv_events_receive_thread: bool = Field(
+        default=False,
+        description="Read the KV-event sockets on a thread of their own, which stamps each "
+        "batch's arrival as it comes off the socket (the batches are still applied on the "
+        "event loop). Measured in docs/notes/2026-12-07-kv-events-decode.md.",
+    )
     kv_events_stale_after_s: float = Field(
         default=5.0,
         gt=0,

@@ -87,6 +87,7 @@ class PrefixCacheScorer(NamedPlugin):
                     self.exact,
                     lambda hp: events_address(hp, port=port, port_offset=offset),
                     clock=clock,  # the decisions' clock: the index compares its stamps
+                    thread=params.kv_events_receive_thread,
                 )
 
     def attach_stats(self, stats: SchedulingStats) -> None:
@@ -247,6 +248,11 @@ class PrefixCacheScorer(NamedPlugin):
         """Whether it subscribes to the endpoints' KV events (`kvEvents` and
         `kvEventsSubscribe`): only then does the runtime tell it the pool's endpoints."""
         return self._subscriber is not None
+
+    @property
+    def subscriber(self) -> KVEventSubscriber | None:
+        """The KV-event subscription (kvEvents, subscribing), for its per-batch observer."""
+        return self._subscriber
 
     def follow_endpoints(self, endpoints: Iterable[str]) -> None:
         """Subscribe to the pool's endpoints' KV events as soon as they are known. Why not

@@ -1,0 +1,92 @@
+"""KV-event batches received on a thread of their own, stamped as they come off the socket.
+
+The default `KVEventSubscriber` reads its SUB sockets on the EPP's event loop: a batch waits
+behind whatever the loop is doing (decisions, gRPC, scrapes) before it is even read. With
+`kvEventsReceiveThread` one thread polls every followed endpoint's socket, takes each message
+off at once, stamps it with the wall clock, and hands it to the loop
+(`call_soon_threadsafe`), which applies it as before. The stamp is what a step-phase scorer
+would go by; the index itself is still updated on the loop (it is not thread-safe). The
+thread still needs the GIL: with the loop busy in Python code it runs at the loop's next
+blocking call or after the interpreter's switch interval (5 ms by default).
+docs/notes/2026-12-07-kv-events-decode.md measures both.
+
+Sockets live on the thread only (ZMQ sockets are not thread-safe): `add` and `remove` queue
+the change, which the thread picks up within one poll interval (`POLL_MS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+POLL_MS = 50  # how soon a new subscription or a stop is seen by the thread
+
+
+class ThreadReceiver:
+    """One thread, one poller, a SUB socket per endpoint; messages go to `deliver` on `loop`."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[str, list[bytes], float], None],
+        configure: Callable[[Any], None],
+    ) -> None:
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._loop = loop
+        self._deliver = deliver
+        self._configure = configure  # socket options, set on the thread before connecting
+        self._changes: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events-recv", daemon=True)
+        self._thread.start()
+
+    def add(self, endpoint: str, address: str) -> None:
+        self._changes.put((endpoint, address))
+
+    def remove(self, endpoint: str) -> None:
+        self._changes.put((endpoint, None))
+
+    def stop(self) -> None:
+        """End the thread, close its sockets and the context (blocks up to a poll interval)."""
+        self._stop.set()
+        self._thread.join()
+        self._ctx.term()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        socks: dict[str, Any] = {}
+        names: dict[Any, str] = {}
+        loop, deliver = self._loop, self._deliver
+        try:
+            while not self._stop.is_set():
+                while not self._changes.empty():
+                    endpoint, address = self._changes.get()
+                    old = socks.pop(endpoint, None)
+                    if old is not None:
+                        poller.unregister(old)
+                        del names[old]
+                        old.close(linger=0)
+                    if address is not None:
+                        sock = self._ctx.socket(zmq.SUB)
+                        self._configure(sock)
+                        sock.connect(address)
+                        poller.register(sock, zmq.POLLIN)
+                        socks[endpoint], names[sock] = sock, endpoint
+                for sock, _ in poller.poll(POLL_MS):
+                    frames = sock.recv_multipart()
+                    received_at = time.time()
+                    try:
+                        loop.call_soon_threadsafe(deliver, names[sock], frames, received_at)
+                    except RuntimeError:  # the loop is closed: shutting down
+                        return
+        finally:
+            for sock in socks.values():
+                sock.close(linger=0)

@@ -7,12 +7,16 @@ import random
 import pytest
 
 from poolkeeper.bench.fleet.simrun import replay, scenario_for
-from poolkeeper.bench.policies.learned_phase import LEARNED_PHASE_POLICIES, LearnedPhase
+from poolkeeper.bench.policies.learned_phase import (
+    LEARNED_PHASE_POLICIES,
+    LearnedPhase,
+    default_coefficients,
+)
 from poolkeeper.bench.policies.reference_policies import is_baseline
 from poolkeeper.bench.policies.routers import ALL_POLICIES, KNOWN_POLICIES, make_policy
-from poolkeeper.bench.policies.step_learner import StepLearner, default_coefficients
 from poolkeeper.bench.workload.workloads import generate
 from poolkeeper.datastore.endpoint import EndpointMetrics, EndpointState
+from poolkeeper.scheduling.steplearner import StepLearner
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.engine import EngineModel
 from poolkeeper.sim.params import EngineConfig
@@ -176,3 +180,47 @@ def test_late_reports_are_seen_later_in_order_and_one_step_stays_one_group() -> 
     assert 0.010 <= seen <= 0.011
     learner.advance(0.02)
     assert learner.steps == 1  # one step: the two first bytes merged into one group
+
+
+def test_kv_variant_hears_batches_first_bytes_and_ends_late_at_their_steps_time() -> None:
+    fleet = VirtualFleet([EngineConfig()], seed=1)
+    policy = LEARNED_PHASE_POLICIES["ref-learned-kv-phase-1ms"](random.Random(1))
+    policy.bind(fleet)
+    state = EndpointState(fleet.endpoints[0], EndpointMetrics())
+    learner = policy.learners[state.key]
+    assert policy.recorders[state.key].rule == "vllm"
+    policy.pick(_request("a"), [state], 0.0)
+    policy.on_first_token("a", 0.010)
+    policy.batch(state.key, 0.010)  # the same step's batch
+    policy.pick(_request("b", prompt="wxyz" * 40), [state], 0.0105)
+    assert "a" in learner.waiting  # nothing heard yet
+    policy.pick(_request("c", prompt="qrst" * 40), [state], 0.0111)
+    assert "a" in learner.decoding  # heard 1 ms late...
+    assert learner.boundary == 0.010  # ... at the step's own time
+    policy.batch(state.key, 0.016)  # the next step's batch
+    policy.pick(_request("d", prompt="lmno" * 40), [state], 0.0169)
+    assert learner.boundary == 0.010
+    policy.pick(_request("e", prompt="hijk" * 40), [state], 0.0171)
+    assert learner.boundary == 0.016
+    assert learner.steps == 2  # the first byte and its batch were one step
+
+
+def test_the_step_feed_delivers_each_publishing_step_late_with_its_ts() -> None:
+    from poolkeeper.bench.policies.schedpolicy import scheduler_policy
+    from poolkeeper.bench.policies.stepfeed import StepFeed
+
+    policy = scheduler_policy("poolkeeper-stepclock-late5ms-shed", random.Random(1))
+    feed = policy.step_feed
+    assert isinstance(feed, StepFeed)
+    assert feed.late_s == 0.005
+    assert scheduler_policy("poolkeeper-shed", random.Random(1)).step_feed is None
+    fleet = VirtualFleet([EngineConfig()], seed=1)
+    policy.bind(fleet)
+    (scorer,) = feed.scorers
+    key = fleet.endpoints[0].hostport
+    feed._published(key, 0.010)
+    feed.flush(0.0149)
+    assert key not in scorer.clock.clocks
+    feed.flush(0.015)
+    assert scorer.clock.clocks[key].last_batch == 0.010
+    assert fleet.engines[0].max_fused_steps == 1

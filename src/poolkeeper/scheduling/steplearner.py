@@ -273,5 +273,16 @@ class StepLearner:
                   for i, row in enumerate(self.gram)]  # fmt: skip
         rhs = [m + RIDGE * q for m, q in zip(self.moment, current, strict=True)]
         fitted = [f / s for f, s in zip(_solve(matrix, rhs), SCALES, strict=True)]
-        if min(fitted) >= 0.0:  # the fit is on the gaps themselves: the real scale, r = 1
-            self.theta, self.scale = fitted, 1.0
+        if min(fitted) < 0.0:
+            # Collinear gaps (one-step gaps between KV batches: overhead, decoding and context
+            # grow together) can fit a negative term; keep the model's shape and fit only its
+            # scale (least squares along it), or a wrong prior's scale would stay for good.
+            along = sum(g * q for g, q in zip(self.moment, current, strict=True))
+            norm = sum(
+                current[i] * sum(self.gram[i][j] * current[j] for j in range(4)) for i in range(4)
+            )
+            if along <= 0.0 or norm <= 0.0:
+                return
+            fitted = [along / norm * c for c in self.coefficients()]
+        # The fit is on the gaps themselves: the real scale, r = 1.
+        self.theta, self.scale = fitted, 1.0

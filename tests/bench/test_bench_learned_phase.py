@@ -32,7 +32,9 @@ def _request(request_id: str, prompt: str = PROMPT, max_tokens: int = 30) -> LLM
     )  # fmt: skip
 
 
-def _drive(learner: StepLearner, outputs: dict[str, tuple[float, int]]) -> EngineModel:
+def _drive(
+    learner: StepLearner, outputs: dict[str, tuple[float, int]], batches: bool = False
+) -> EngineModel:
     """Requests (id -> (arrival, output tokens), 40-token prompts) on one engine, step by
     step, their sends, first bytes and ends told to `learner` as a router would see them."""
     engine = EngineModel(EngineConfig())
@@ -50,6 +52,8 @@ def _drive(learner: StepLearner, outputs: dict[str, tuple[float, int]]) -> Engin
             continue
         assert nxt is not None
         for outcome in engine.advance(nxt):
+            if batches:  # every step publishes a KV-event batch at its end
+                learner.step_ended(outcome.time)
             for r in outcome.tokens:
                 if r.request_id not in firsts:
                     firsts.add(r.request_id)
@@ -224,3 +228,18 @@ def test_the_step_feed_delivers_each_publishing_step_late_with_its_ts() -> None:
     feed.flush(0.015)
     assert scorer.clock.clocks[key].last_batch == 0.010
     assert fleet.engines[0].max_fused_steps == 1
+
+
+def test_one_step_gaps_between_batches_still_learn_the_step_from_a_wrong_prior() -> None:
+    # Batches at every step: gaps of one decode step, whose overhead, decoding count and
+    # context grow together; the unconstrained fit goes negative there and the scale of the
+    # 2x prior must still be learnt (it stayed 1.4x before the fallback to the scale alone).
+    learner = StepLearner(default_coefficients(2.0))
+    arrivals = {f"r{i}": (i * 0.01, 150 + 37 * (i % 7)) for i in range(150)}
+    engine = _drive(learner, arrivals, batches=True)
+    true = _true(engine.config)
+    assert learner.fitting
+    for decoding, context in ((5, 400), (10, 1500), (20, 3000)):
+        got = learner.step_s(0, decoding, context)
+        want = true[0] + true[2] * decoding + true[3] * context
+        assert got == pytest.approx(want, rel=0.05)

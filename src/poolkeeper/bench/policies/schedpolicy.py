@@ -93,7 +93,7 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-stepclock-w4": "default-stepclock-w4",
     "poolkeeper-stepclock-w8": "default-stepclock-w8",
     "poolkeeper-stepclock-w16": "default-stepclock-w16",
-    "poolkeeper-stepclock-late5ms": "default-stepclock",
+    "poolkeeper-stepclock-late5ms": "default-stepclock-w4",
 }
 # KV batches reach the step-phase scorer this late (`stepfeed`; default `DEFAULT_LATE_S`, 1 ms).
 STEP_FEED_LATE_S: dict[str, float] = {"poolkeeper-stepclock-late5ms": 0.005}

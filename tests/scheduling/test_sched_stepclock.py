@@ -58,7 +58,7 @@ def test_a_silent_step_between_batches_is_counted_from_the_gap() -> None:
 
 
 def test_without_batches_an_endpoint_has_no_clock() -> None:
-    clock = StepClock(PRIOR)
+    clock = StepClock(PRIOR, require_fit=False)
     clock.sent("e1", "a", 100, 0, 0.0)
     clock.first_token("a", 0.0105)
     assert not clock.fresh("e1", 0.02)
@@ -66,8 +66,16 @@ def test_without_batches_an_endpoint_has_no_clock() -> None:
     assert clock.prefill_done_s("never-seen", 100, 100, 0.02) is None
 
 
+def test_until_its_model_holds_an_endpoint_has_no_clock() -> None:
+    clock = StepClock(PRIOR)  # require_fit
+    clock.step_ended("e1", 0.0)
+    assert clock.prefill_done_s("e1", 100, 100, 0.01) is None
+    clock.clocks["e1"].learner.fitting = True  # (the usage counts agreed)
+    assert clock.prefill_done_s("e1", 100, 100, 0.01) == pytest.approx(0.006 + 100 * 45e-6)
+
+
 def test_the_clock_goes_stale_without_batches() -> None:
-    clock = StepClock(PRIOR, stale_s=0.5)
+    clock = StepClock(PRIOR, stale_s=0.5, require_fit=False)
     clock.step_ended("e1", 1.0)
     assert clock.fresh("e1", 1.4)
     assert not clock.fresh("e1", 1.6)
@@ -76,7 +84,7 @@ def test_the_clock_goes_stale_without_batches() -> None:
 
 
 def test_idle_endpoint_prefill_starts_now() -> None:
-    clock = StepClock(PRIOR)
+    clock = StepClock(PRIOR, require_fit=False)
     clock.step_ended("e1", 0.0)
     assert clock.prefill_done_s("e1", 100, 100, 0.1) == pytest.approx(0.006 + 100 * 45e-6)
     # A cached prompt prefills only its uncached part.
@@ -84,7 +92,7 @@ def test_idle_endpoint_prefill_starts_now() -> None:
 
 
 def test_the_step_in_progress_ends_at_its_model_then_one_step_with_the_request() -> None:
-    clock = StepClock(PRIOR, late_s=0.001)
+    clock = StepClock(PRIOR, late_s=0.001, require_fit=False)
     clock.sent("e1", "a", 100, 0, 0.0)
     clock.first_token("a", 0.0105)  # a decodes from here
     clock.step_ended("e1", 0.0105)  # (the same step's batch: one group)
@@ -96,7 +104,7 @@ def test_the_step_in_progress_ends_at_its_model_then_one_step_with_the_request()
 
 
 def test_a_step_not_reported_by_the_horizon_is_still_running() -> None:
-    clock = StepClock(PRIOR, late_s=0.002)
+    clock = StepClock(PRIOR, late_s=0.002, require_fit=False)
     clock.sent("e1", "a", 100, 0, 0.0)
     clock.first_token("a", 0.0105)
     clock.step_ended("e1", 0.0105)
@@ -112,7 +120,7 @@ def test_a_step_not_reported_by_the_horizon_is_still_running() -> None:
 
 
 def test_an_end_with_usage_leaves_the_batch_and_a_bare_end_drops_the_request() -> None:
-    clock = StepClock(PRIOR)
+    clock = StepClock(PRIOR, require_fit=False)
     clock.sent("e1", "a", 100, 0, 0.0)
     clock.sent("e1", "b", 100, 0, 0.0)
     clock.first_token("a", 0.015)
@@ -125,7 +133,7 @@ def test_an_end_with_usage_leaves_the_batch_and_a_bare_end_drops_the_request() -
 
 
 def test_forgotten_endpoints_lose_their_clocks() -> None:
-    clock = StepClock(PRIOR)
+    clock = StepClock(PRIOR, require_fit=False)
     clock.step_ended("e1", 0.0)
     clock.step_ended("e2", 0.0)
     clock.sent("e2", "a", 10, 0, 0.0)
@@ -147,7 +155,8 @@ def test_bad_priors_and_windows_are_refused() -> None:
 
 def _scorer() -> StepPhaseScorer:
     params = StepPhaseParams(prior_step_s=0.006, prior_prefill_token_s=45e-6,
-                             prior_decode_s=20e-6, prior_context_token_s=0.0)  # fmt: skip
+                             prior_decode_s=20e-6, prior_context_token_s=0.0,
+                             require_fit=False)  # fmt: skip
     return StepPhaseScorer(TypedName("step-phase-scorer", "s"), params, None)
 
 

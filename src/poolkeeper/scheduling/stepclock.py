@@ -22,9 +22,12 @@ each request's output tokens at its end; `prefill_done_s` then gives:
   request's uncached prefill in it.
 
 Neutral where it cannot know: an endpoint with no batch within `stale_s` (an engine that
-publishes no events, or none lately) has no clock (`prefill_done_s` is None), so the scorer
-gives every such endpoint the same score. The clock takes the times it is given as the
-engines' (one clock: live, the subscriber maps the batches' wall-clock `ts` to the loop's).
+publishes no events, or none lately), or whose learner has not got its step counts to agree
+with the usage counts yet (`require_fit`; a queue in the engine or chunked prefills keep it
+there: a shared-prefix pool at 0.9x restarted six times in 15 s), has no clock
+(`prefill_done_s` is None), so the scorer gives every such endpoint the same score. The
+clock takes the times it is given as the engines' (one clock: live, the subscriber maps the
+batches' wall-clock `ts` to the loop's).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class StepClock:
     prior: Coefficients
     stale_s: float = 0.5  # no batch within this: no clock (neutral)
     late_s: float = 0.002  # batches reach the router at most this late (the horizon)
+    require_fit: bool = True  # no clock until the learner's counts agree (its fit took over)
     clocks: dict[str, EndpointClock] = field(default_factory=dict)
     where: dict[str, str] = field(default_factory=dict)  # request id -> endpoint
 
@@ -111,6 +115,7 @@ class StepClock:
             clock is not None
             and clock.last_batch is not None
             and now - clock.last_batch <= self.stale_s
+            and (clock.learner.fitting or not self.require_fit)
         )
 
     def prefill_done_s(self, endpoint: str, uncached: int, prompt: int, now: float) -> float | None:

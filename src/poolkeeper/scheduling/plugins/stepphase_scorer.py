@@ -12,9 +12,10 @@ hook is to call it; the virtual-time benchmark calls it from the engines' step h
 request lifecycle as the backlog scorer has it (PostCycle: the send; `observe_first_token`;
 `request_done` with the end's time and usage, else `request_ended` without a step end).
 
-Neutral without a clock: an endpoint with no batch within `staleS` gets the mean score of
-those with one (1.0 where none has one), so a pool whose engines publish no KV events is
-scored 1.0 everywhere and the profile decides as without this scorer.
+Neutral without a clock: an endpoint with no batch within `staleS`, or whose model is not
+trusted yet (`requireFit`), gets the mean score of those with one (1.0 where none has one),
+so a pool whose engines publish no KV events is scored 1.0 everywhere and the profile
+decides as without this scorer.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class StepPhaseParams(PluginParams):
         description="An endpoint with no KV-event batch within this many seconds has no step "
         "clock and is scored neutrally (the mean of the others' scores).",
     )
+    require_fit: bool = Field(
+        default=True,
+        description="Score an endpoint only once its learnt step model holds (its counted "
+        "steps agree with the requests' output tokens); until then it is scored neutrally.",
+    )
     late_s: float = Field(
         default=0.002,
         ge=0,
@@ -83,7 +89,9 @@ class StepPhaseScorer(NamedPlugin):
             params.prior_decode_s,
             params.prior_context_token_s,
         )
-        self.clock = StepClock(prior, stale_s=params.stale_s, late_s=params.late_s)
+        self.clock = StepClock(
+            prior, stale_s=params.stale_s, late_s=params.late_s, require_fit=params.require_fit
+        )
         self.prefix = prefix
 
     def _cached(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:

@@ -192,3 +192,19 @@ def test_the_scorer_is_registered_and_the_candidates_build() -> None:
         found = [p for p in scheduler.plugins.values() if isinstance(p, StepPhaseScorer)]
         assert len(found) == 1
         assert found[0].prefix is not None  # reads the default profile's prefix index
+
+
+def test_an_endpoint_without_the_requests_adapter_costs_its_load() -> None:
+    scorer = _scorer()
+    with_adapter = EndpointMetrics(served_model="base", active_adapters=frozenset({"m"}))
+    states = [
+        EndpointState(Endpoint(name="a", address="10.0.0.1", port=8000), EndpointMetrics()),
+        EndpointState(Endpoint(name="b", address="10.0.0.2", port=8000), with_adapter),
+    ]
+    for s in states:
+        scorer.step_ended(s.endpoint.hostport, 0.0)
+    scores = scorer.score(CycleState(now=0.001), _request("r"), states)
+    assert isinstance(scores, list)
+    assert scores[1] == 1.0
+    # idle both: 6 ms + 100 tokens, against 6 ms + (100 + 2,048) tokens
+    assert scores[0] == pytest.approx((0.006 + 100 * 45e-6) / (0.006 + 2148 * 45e-6))

@@ -4,7 +4,9 @@ would finish there, from the engines' own step clocks (`scheduling/stepclock.py`
 Cost of sending a request to an endpoint, in seconds: the time left in the step in progress
 there (from the last KV-event batch's engine timestamp, the router's sends, first bytes and
 ends) plus one modelled step holding everything sent and this request's uncached prefill (the
-prompt less the prefix hit a `prefix-cache-scorer` named by `prefixScorer` expects). Score =
+prompt less the prefix hit a `prefix-cache-scorer` named by `prefixScorer` expects, plus
+`adapterTokens` where the request's LoRA adapter is not resident, as the backlog scorer counts
+it: without it the scorer sent LoRA requests where their adapter was not). Score =
 the lowest cost / this endpoint's: 1 for the best, 0.5 for twice as long.
 
 Inputs: `step_ended(endpoint, ts)` for each KV-event batch (the live KV subscriber's per-batch
@@ -28,6 +30,7 @@ from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.plugins.shared import residency
 from poolkeeper.scheduling.registry import PluginParams
 from poolkeeper.scheduling.stepclock import StepClock
 from poolkeeper.scheduling.types import LLMRequest
@@ -54,6 +57,12 @@ class StepPhaseParams(PluginParams):
     prior_context_token_s: float = Field(
         default=88e-9, ge=0, description="Prior per context token read in a step, s (learnt)."
     )
+    adapter_tokens: int = Field(
+        default=2048,
+        ge=0,
+        description="Prefill tokens added where the request's LoRA adapter is not resident "
+        "(loading it), as the prefill-backlog-scorer's `adapterTokens`.",
+    )
     stale_s: float = Field(
         default=0.5,
         gt=0,
@@ -76,7 +85,7 @@ class StepPhaseParams(PluginParams):
 class StepPhaseScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a StepClock."""
 
-    __slots__ = ("clock", "prefix")
+    __slots__ = ("adapter_tokens", "clock", "prefix")
     bounded = True
 
     def __init__(
@@ -93,6 +102,7 @@ class StepPhaseScorer(NamedPlugin):
             prior, stale_s=params.stale_s, late_s=params.late_s, require_fit=params.require_fit
         )
         self.prefix = prefix
+        self.adapter_tokens = params.adapter_tokens
 
     def _cached(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
         return {} if self.prefix is None else self.prefix.cached_tokens(cycle, request)
@@ -105,9 +115,13 @@ class StepPhaseScorer(NamedPlugin):
             return 1.0
         cached = self._cached(cycle, request).get
         prompt = request.prompt_tokens
+        resident = residency(candidates, request.target_model, cycle)
+        if isinstance(resident, bool):  # the same everywhere: no adapter term
+            resident = [True] * len(candidates)
+        miss = self.adapter_tokens
         costs = [
-            clock.prefill_done_s(k, prompt - cached(k, 0), prompt, now)
-            for k in (s.endpoint.hostport for s in candidates)
+            clock.prefill_done_s(k, prompt - cached(k, 0) + (0 if r else miss), prompt, now)
+            for k, r in zip((s.endpoint.hostport for s in candidates), resident, strict=True)
         ]
         known = [c for c in costs if c is not None]
         best = max(min(known), 1e-6)

@@ -17,7 +17,11 @@ Variants: `ref-learned-phase` (fit from a prior 2x the simulator's default coeff
 in the heterogeneous fleet 4x, 2x and 1x per server), `-half` (prior 0.5x), `-oracle` (the
 engine's coefficients, given; the context still estimated), `-late1ms`, `-oracle-late1ms` and
 `-late0p25ms` (each first byte and end reaches the router 0-1 ms or 0-0.25 ms late, uniform:
-Envoy and the network; a step's reports within that of its first are one group). Scoring is
+Envoy and the network; a step's reports within that of its first are one group);
+`ref-learned-kv-phase-<late>` (rule `vllm`: each publishing step's KV-event batch is a step end
+at its `ts`; batches, first bytes and ends all reach the router exactly `late` after the step, at
+the step's time, and the `late` estimator's horizon; `-none-<late>`: no batches), in
+docs/notes/2026-12-07-kv-step-clock.md. Scoring is
 `ref-kv-phase-none-0ms-sent-ctx`'s with the learnt model and context."""
 
 from __future__ import annotations

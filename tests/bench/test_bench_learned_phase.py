@@ -7,12 +7,16 @@ import random
 import pytest
 
 from poolkeeper.bench.fleet.simrun import replay, scenario_for
-from poolkeeper.bench.policies.learned_phase import LEARNED_PHASE_POLICIES, LearnedPhase
+from poolkeeper.bench.policies.learned_phase import (
+    LEARNED_PHASE_POLICIES,
+    LearnedPhase,
+    default_coefficients,
+)
 from poolkeeper.bench.policies.reference_policies import is_baseline
 from poolkeeper.bench.policies.routers import ALL_POLICIES, KNOWN_POLICIES, make_policy
-from poolkeeper.bench.policies.step_learner import StepLearner, default_coefficients
 from poolkeeper.bench.workload.workloads import generate
 from poolkeeper.datastore.endpoint import EndpointMetrics, EndpointState
+from poolkeeper.scheduling.steplearner import StepLearner
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.engine import EngineModel
 from poolkeeper.sim.params import EngineConfig
@@ -28,7 +32,9 @@ def _request(request_id: str, prompt: str = PROMPT, max_tokens: int = 30) -> LLM
     )  # fmt: skip
 
 
-def _drive(learner: StepLearner, outputs: dict[str, tuple[float, int]]) -> EngineModel:
+def _drive(
+    learner: StepLearner, outputs: dict[str, tuple[float, int]], batches: bool = False
+) -> EngineModel:
     """Requests (id -> (arrival, output tokens), 40-token prompts) on one engine, step by
     step, their sends, first bytes and ends told to `learner` as a router would see them."""
     engine = EngineModel(EngineConfig())
@@ -46,6 +52,8 @@ def _drive(learner: StepLearner, outputs: dict[str, tuple[float, int]]) -> Engin
             continue
         assert nxt is not None
         for outcome in engine.advance(nxt):
+            if batches:  # every step publishes a KV-event batch at its end
+                learner.step_ended(outcome.time)
             for r in outcome.tokens:
                 if r.request_id not in firsts:
                     firsts.add(r.request_id)
@@ -176,3 +184,62 @@ def test_late_reports_are_seen_later_in_order_and_one_step_stays_one_group() -> 
     assert 0.010 <= seen <= 0.011
     learner.advance(0.02)
     assert learner.steps == 1  # one step: the two first bytes merged into one group
+
+
+def test_kv_variant_hears_batches_first_bytes_and_ends_late_at_their_steps_time() -> None:
+    fleet = VirtualFleet([EngineConfig()], seed=1)
+    policy = LEARNED_PHASE_POLICIES["ref-learned-kv-phase-1ms"](random.Random(1))
+    policy.bind(fleet)
+    state = EndpointState(fleet.endpoints[0], EndpointMetrics())
+    learner = policy.learners[state.key]
+    assert policy.recorders[state.key].rule == "vllm"
+    policy.pick(_request("a"), [state], 0.0)
+    policy.on_first_token("a", 0.010)
+    policy.batch(state.key, 0.010)  # the same step's batch
+    policy.pick(_request("b", prompt="wxyz" * 40), [state], 0.0105)
+    assert "a" in learner.waiting  # nothing heard yet
+    policy.pick(_request("c", prompt="qrst" * 40), [state], 0.0111)
+    assert "a" in learner.decoding  # heard 1 ms late...
+    assert learner.boundary == 0.010  # ... at the step's own time
+    policy.batch(state.key, 0.016)  # the next step's batch
+    policy.pick(_request("d", prompt="lmno" * 40), [state], 0.0169)
+    assert learner.boundary == 0.010
+    policy.pick(_request("e", prompt="hijk" * 40), [state], 0.0171)
+    assert learner.boundary == 0.016
+    assert learner.steps == 2  # the first byte and its batch were one step
+
+
+def test_the_step_feed_delivers_each_publishing_step_late_with_its_ts() -> None:
+    from poolkeeper.bench.policies.schedpolicy import scheduler_policy
+    from poolkeeper.bench.policies.stepfeed import StepFeed
+
+    policy = scheduler_policy("poolkeeper-stepclock-late5ms-shed", random.Random(1))
+    feed = policy.step_feed
+    assert isinstance(feed, StepFeed)
+    assert feed.late_s == 0.005
+    assert scheduler_policy("poolkeeper-shed", random.Random(1)).step_feed is None
+    fleet = VirtualFleet([EngineConfig()], seed=1)
+    policy.bind(fleet)
+    (scorer,) = feed.scorers
+    key = fleet.endpoints[0].hostport
+    feed._published(key, 0.010)
+    feed.flush(0.0149)
+    assert key not in scorer.clock.clocks
+    feed.flush(0.015)
+    assert scorer.clock.clocks[key].last_batch == 0.010
+    assert fleet.engines[0].max_fused_steps == 1
+
+
+def test_one_step_gaps_between_batches_still_learn_the_step_from_a_wrong_prior() -> None:
+    # Batches at every step: gaps of one decode step, whose overhead, decoding count and
+    # context grow together; the unconstrained fit goes negative there and the scale of the
+    # 2x prior must still be learnt (it stayed 1.4x before the fallback to the scale alone).
+    learner = StepLearner(default_coefficients(2.0))
+    arrivals = {f"r{i}": (i * 0.01, 150 + 37 * (i % 7)) for i in range(150)}
+    engine = _drive(learner, arrivals, batches=True)
+    true = _true(engine.config)
+    assert learner.fitting
+    for decoding, context in ((5, 400), (10, 1500), (20, 3000)):
+        got = learner.step_s(0, decoding, context)
+        want = true[0] + true[2] * decoding + true[3] * context
+        assert got == pytest.approx(want, rel=0.05)

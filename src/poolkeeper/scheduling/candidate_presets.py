@@ -19,6 +19,7 @@ from poolkeeper.scheduling.presets import (
     prefix_affinity,
     speed_weight,
     with_full_batch,
+    with_scorer,
 )
 
 # Candidates for the default profile (issue 38; measured in
@@ -124,6 +125,14 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # and, where the speed scorer fires on identical servers, heavy-tail 1.1x goodput -0.6 %:
     # not the default (docs/notes/2026-12-07-heterogeneous-overload.md).
     "default-speed15": speed_weight(copy.deepcopy(DEFAULT), 1.5),
+    # issue 38, step clock (docs/notes/2026-12-07-kv-step-clock.md): the default plus the
+    # `step-phase-scorer` (the engines' KV-batch step clocks) at weight 1, 2, 4, 8 or 16.
+    **{
+        f"default-stepclock{suffix}": with_scorer(
+            copy.deepcopy(DEFAULT), "step-phase-scorer", weight
+        )
+        for suffix, weight in (("-w1", 1), ("", 2), ("-w4", 4), ("-w8", 8), ("-w16", 16))
+    },
 }
 
 

@@ -61,16 +61,20 @@ CLASSIC: dict[str, Any] = {
 }
 
 
-def default_plus(scorer: str, weight: float, **params: Any) -> dict[str, Any]:
-    """The `classic` profile plus `scorer` (a type taking `prefixScorer`) reading its
-    prefix index, at `weight`, with `params`: the `predicted-ttft` and `prefill-backlog`
-    presets and the candidates for the default measured beside them."""
-    doc = copy.deepcopy(CLASSIC)
+def with_scorer(doc: dict[str, Any], scorer: str, weight: float, **params: Any) -> dict[str, Any]:
+    """`doc` plus `scorer` (a type taking `prefixScorer`) reading its prefix index, at
+    `weight`, with `params`, just before its picker."""
     doc["plugins"].insert(
         -1, {"type": scorer, "parameters": {"prefixScorer": "prefix-cache-scorer", **params}}
     )
     doc["schedulingProfiles"][0]["plugins"].insert(-1, {"pluginRef": scorer, "weight": weight})
     return doc
+
+
+def default_plus(scorer: str, weight: float, **params: Any) -> dict[str, Any]:
+    """The `classic` profile plus `scorer` (`with_scorer`): the `predicted-ttft` and
+    `prefill-backlog` presets and the candidates for the default measured beside them."""
+    return with_scorer(copy.deepcopy(CLASSIC), scorer, weight, **params)
 
 
 def answered_wait(doc: dict[str, Any]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from poolkeeper.flowcontrol.prefixhold import Held, PrefixHold
 from poolkeeper.flowcontrol.saturation import SaturationDetector
 from poolkeeper.scheduling.prefillfacts import PrefillFacts
 from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.sim.virtual import VirtualFleet
 
 SendFn = Callable[[str, EndpointState | None, str | None], None]
 
@@ -75,6 +76,9 @@ class FlowPolicy:
         self.hold: PrefixHold[LLMRequest] | None = None if hold is None else PrefixHold(hold)
         self.facts = PrefillFacts(inner.scheduler) if config.asks_prefill_facts else None
         self._held_for: dict[str, float] = {}  # request id -> seconds held before the queue
+
+    def bind(self, fleet: VirtualFleet) -> None:
+        self.inner.bind(fleet)
 
     def _fits(self, item: FlowItem[_Held]) -> bool:
         band = self.config.bands.of(item.band)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from poolkeeper.bench.policies.reference_policies import FirstBytePhase
 from poolkeeper.datastore.endpoint import EndpointState
@@ -60,7 +60,8 @@ class StepEventRecorder:
     (`prompt`, `vllm`; `none`: no step publishes; `all`: every step does)."""
 
     __slots__ = (
-        "block_size", "inner", "publishing_ends", "removed_now", "rule", "steps", "stored_now",
+        "block_size", "inner", "on_publish", "publishing_ends", "removed_now", "rule", "steps",
+        "stored_now",
     )  # fmt: skip
 
     def __init__(self, inner: KVEventSink | None, block_size: int, *, rule: str) -> None:
@@ -75,6 +76,8 @@ class StepEventRecorder:
         self.removed_now = False
         self.publishing_ends: deque[float] = deque(maxlen=STEP_END_HISTORY)
         self.steps: deque[tuple[float, bool]] = deque(maxlen=STEP_END_HISTORY)  # (end, published)
+        # Called with each publishing step's end: the batch a subscriber receives (`ts`).
+        self.on_publish: Callable[[float], None] | None = None
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
         self.stored_now = True
@@ -106,6 +109,8 @@ class StepEventRecorder:
         self.steps.append((step.end, published))
         if published:
             self.publishing_ends.append(step.end)
+            if self.on_publish is not None:
+                self.on_publish(step.end)
 
     def flags_after(self, known: float, current: Step | None) -> list[bool]:
         """Whether each step after `known` publishes, in order, up to the one in progress:

@@ -9,15 +9,19 @@ first byte and end (both step ends on that server) and the output token count at
 the engines' block size, a deployment setting (the prompt blocks it hashes). The recorder and
 step hook its base class installs (rule `none`) feed it nothing.
 
-Per server, a `StepLearner` (`step_learner.py`) counts the steps between observed step ends
-and fits the four-term step model to them, anchored by the usage counts; the prompt blocks
+Per server, a `StepLearner` (`scheduling/steplearner.py`) counts the steps between observed
+step ends and fits the four-term step model to them, anchored by the usage counts; the prompt blocks
 the router sent a server before are taken as cached there (its prefill is the rest).
 
 Variants: `ref-learned-phase` (fit from a prior 2x the simulator's default coefficients;
 in the heterogeneous fleet 4x, 2x and 1x per server), `-half` (prior 0.5x), `-oracle` (the
 engine's coefficients, given; the context still estimated), `-late1ms`, `-oracle-late1ms` and
 `-late0p25ms` (each first byte and end reaches the router 0-1 ms or 0-0.25 ms late, uniform:
-Envoy and the network; a step's reports within that of its first are one group). Scoring is
+Envoy and the network; a step's reports within that of its first are one group);
+`ref-learned-kv-phase-<late>` (rule `vllm`: each publishing step's KV-event batch is a step end
+at its `ts`; batches, first bytes and ends all reach the router exactly `late` after the step, at
+the step's time, and the `late` estimator's horizon; `-none-<late>`: no batches), in
+docs/notes/2026-12-07-kv-step-clock.md. Scoring is
 `ref-kv-phase-none-0ms-sent-ctx`'s with the learnt model and context."""
 
 from __future__ import annotations
@@ -26,13 +30,28 @@ import heapq
 import math
 import random
 from collections.abc import Sequence
+from functools import partial
 
 from poolkeeper.bench.policies.kv_event_phase import KVEventPhase
-from poolkeeper.bench.policies.step_learner import StepLearner, default_coefficients
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.steplearner import Coefficients, StepLearner
 from poolkeeper.scheduling.types import LLMRequest
 from poolkeeper.sim.kvcache import prompt_block_hashes
+from poolkeeper.sim.params import EngineConfig
 from poolkeeper.sim.virtual import VirtualFleet
+
+FIRST, END, BATCH = 0, 1, 2  # kinds of report
+
+
+def default_coefficients(factor: float = 1.0) -> Coefficients:
+    """The simulator's default coefficients (time_scale 1) times `factor`: a generic prior."""
+    c = EngineConfig()
+    return (
+        factor * c.step_overhead_s,
+        factor * c.prefill_token_s,
+        factor * c.decode_token_s,
+        factor * c.kv_read_token_s,
+    )
 
 
 class LearnedPhase(KVEventPhase):
@@ -44,14 +63,15 @@ class LearnedPhase(KVEventPhase):
     context_model = True
     prior_factor: float | None = 2.0  # None: the engine's own coefficients (the oracle)
     report_late_s = 0.0  # each first byte and end reaches the router 0 to this late (uniform)
+    stamped_late_s = 0.0  # `-kv`: batches, first bytes and ends this late, at their step's ts
 
     def __init__(self, rng: random.Random) -> None:
         super().__init__(rng)
         self.learners: dict[str, StepLearner] = {}
         self.out: dict[str, int | None] = {}  # id -> output tokens (the usage at the end)
         self.blocks: dict[str, set[int]] = {}  # endpoint -> prompt blocks sent there
-        # Reports on their way: (time seen, order, request id, server; None for a first byte).
-        self.late: list[tuple[float, int, str, str | None]] = []
+        # Reports on their way: (time seen, order, kind, request id, server, time to handle at).
+        self.late: list[tuple[float, int, int, str, str, float]] = []
         self.first_seen: dict[str, float] = {}
         self.late_order = 0
         self.late_rng = random.Random(f"{self.name}:late")
@@ -69,6 +89,10 @@ class LearnedPhase(KVEventPhase):
             else:
                 learner = StepLearner(default_coefficients(self.prior_factor), merge_s=merge)
             self.learners[endpoint.hostport] = learner
+            if self.rule != "none":  # each publishing step's batch, at the engine's ts
+                self.recorders[endpoint.hostport].on_publish = partial(
+                    self.batch, endpoint.hostport
+                )
 
     def pick(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
@@ -83,46 +107,59 @@ class LearnedPhase(KVEventPhase):
         return chosen
 
     def on_first_token(self, request_id: str, now: float) -> None:
-        if self._defer(request_id, None, now):
-            return
+        if not self._defer(FIRST, request_id, "", now):
+            self._first_token(request_id, now)
+
+    def on_finish(self, request_id: str, server: str, now: float) -> None:
+        if not self._defer(END, request_id, server, now):
+            self._finish(request_id, server, now)
+
+    def batch(self, endpoint: str, ts: float) -> None:
+        """A KV-event batch stamped `ts` by the engine at `endpoint` (rule `vllm` variants)."""
+        if not self._defer(BATCH, "", endpoint, ts):
+            self.learners[endpoint].step_ended(ts)
+
+    def _first_token(self, request_id: str, now: float) -> None:
         where = self._where.get(request_id)
         if where is not None:
             self.learners[where[0]].observed(request_id, now, first=True, out=None)
         super().on_first_token(request_id, now)
 
-    def on_finish(self, request_id: str, server: str, now: float) -> None:
-        if self._defer(request_id, server, now):
-            return
+    def _finish(self, request_id: str, server: str, now: float) -> None:
         where = self._where.get(request_id)
         out = self.out.pop(request_id, None)
         if where is not None:
             self.learners[where[0]].observed(request_id, now, first=False, out=out)
         super().on_finish(request_id, server, now)
 
-    def _defer(self, request_id: str, server: str | None, now: float) -> bool:
-        """With `report_late_s`, queue the report to be seen later (a request's end never
-        before its first byte); False: handle it now."""
-        if not self.report_late_s:
+    def _defer(self, kind: int, request_id: str, server: str, now: float) -> bool:
+        """Queue a report to be seen later; False: handle it now. `report_late_s`: seen 0 to
+        that late (uniform), at the time seen, a request's end never before its first byte.
+        `stamped_late_s`: seen exactly that late, at the step's own time (`now`)."""
+        if not self.report_late_s and not self.stamped_late_s:
             return False
         self._flush(now)
-        seen = now + self.late_rng.uniform(0.0, self.report_late_s)
-        if server is None:
-            self.first_seen[request_id] = seen
+        if self.stamped_late_s:
+            seen, stamp = now + self.stamped_late_s, now
         else:
-            seen = max(seen, self.first_seen.pop(request_id, seen))
+            seen = stamp = now + self.late_rng.uniform(0.0, self.report_late_s)
+            if kind == FIRST:
+                self.first_seen[request_id] = seen
+            elif kind == END:
+                seen = stamp = max(seen, self.first_seen.pop(request_id, seen))
         self.late_order += 1
-        heapq.heappush(self.late, (seen, self.late_order, request_id, server))
+        heapq.heappush(self.late, (seen, self.late_order, kind, request_id, server, stamp))
         return True
 
     def _flush(self, now: float) -> None:
         while self.late and self.late[0][0] <= now:
-            seen, _, request_id, server = heapq.heappop(self.late)
-            late, self.report_late_s = self.report_late_s, 0.0  # handle, do not re-queue
-            if server is None:
-                self.on_first_token(request_id, seen)
+            _, _, kind, request_id, server, stamp = heapq.heappop(self.late)
+            if kind == FIRST:
+                self._first_token(request_id, stamp)
+            elif kind == END:
+                self._finish(request_id, server, stamp)
             else:
-                self.on_finish(request_id, server, seen)
-            self.report_late_s = late
+                self.learners[server].step_ended(stamp)
 
     def _cached(self, endpoint: str, request: LLMRequest) -> int:
         """Prompt tokens the server probably has cached: the leading blocks of prompts this
@@ -162,8 +199,10 @@ class LearnedPhase(KVEventPhase):
         return self._model_s(endpoint, learner.prefill_sent(known), learner.prompt_sent(known))
 
 
-def _variant(label: str, prior_factor: float | None, late_s: float = 0.0) -> type[LearnedPhase]:
-    name = f"ref-learned-phase{label}"
+def _variant(
+    label: str, prior_factor: float | None, late_s: float = 0.0, **kv: object
+) -> type[LearnedPhase]:
+    name = f"ref-learned{label}" if kv else f"ref-learned-phase{label}"
     return type(
         f"LearnedPhase{label.replace('-', '_')}",
         (LearnedPhase,),
@@ -172,7 +211,18 @@ def _variant(label: str, prior_factor: float | None, late_s: float = 0.0) -> typ
             "prior_factor": prior_factor,
             "report_late_s": late_s,
             "__doc__": f"`{name}` (module docstring).",
+            **kv,
         },
+    )
+
+
+def _kv_variant(rule: str, ms: str) -> type[LearnedPhase]:
+    """`ref-learned-kv-phase[-none]-<ms>ms`: KV batches (rule `vllm`; `none`: no batches), first
+    bytes and ends reach the router exactly `ms` late, stamped with their step's end."""
+    late = float(ms.replace("p", ".")) / 1000
+    label = f"-kv-phase{'-none' if rule == 'none' else ''}-{ms}ms"
+    return _variant(
+        label, 2.0, rule=rule, stamped_late_s=late, report_delay_s=late, late_model=True
     )
 
 
@@ -190,5 +240,7 @@ LEARNED_PHASE_POLICIES: dict[str, type[LearnedPhase]] = {
             _variant(f"-late{ms}ms", 2.0, float(ms.replace("p", ".")) / 1000)
             for ms in ("2p5", "5", "10", "20")
         ),
+        *(_kv_variant("vllm", ms) for ms in ("0", "0p5", "1", "2", "5")),
+        *(_kv_variant("none", ms) for ms in ("1", "5")),
     )
 }

@@ -30,6 +30,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from poolkeeper.bench.policies.stepfeed import StepFeed
 from poolkeeper.datastore.endpoint import EndpointState
 from poolkeeper.datastore.speed import ObservedSpeed
 from poolkeeper.flowcontrol.admission import AdmissionConfig
@@ -40,6 +41,7 @@ from poolkeeper.scheduling.config import SchedulingConfig
 from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.types import LLMRequest
+from poolkeeper.sim.virtual import VirtualFleet
 
 # Flow-controlled policy (`flowpolicy`) -> its scheduling preset; `<name>-shed` is the same
 # preset with admission's shedding instead of flow control.
@@ -85,7 +87,16 @@ CANDIDATE_PRESETS: dict[str, str] = {
     # the default before issue 38's switch (the `classic` preset, without flow control's
     # `holdNewPrefixes`: `flowpolicy.NO_HOLD_POLICIES`), to compare the switch against
     "poolkeeper-classic": "classic",
+    # the default plus the step-phase-scorer fed the engines' KV-batch step ends (`stepfeed`)
+    "poolkeeper-stepclock": "default-stepclock",
+    "poolkeeper-stepclock-w1": "default-stepclock-w1",
+    "poolkeeper-stepclock-w4": "default-stepclock-w4",
+    "poolkeeper-stepclock-w8": "default-stepclock-w8",
+    "poolkeeper-stepclock-w16": "default-stepclock-w16",
+    "poolkeeper-stepclock-late5ms": "default-stepclock-w4",
 }
+# KV batches reach the step-phase scorer this late (`stepfeed`; default `DEFAULT_LATE_S`, 1 ms).
+STEP_FEED_LATE_S: dict[str, float] = {"poolkeeper-stepclock-late5ms": 0.005}
 _PRESET = {
     **{f"{k}-shed": v for k, v in (FLOW_PRESETS | CANDIDATE_PRESETS).items()},
     "gie-v1": "gie-v1-default",
@@ -128,6 +139,7 @@ class SchedulerPolicy:
         self.admission = admission
         self.speed = ObservedSpeed()
         self._learns = scheduler.observes_first_tokens
+        self.step_feed = StepFeed.of(scheduler)  # KV-batch step ends for step-phase scorers
         # request id -> (endpoint ip:port, sent at, expected output tokens)
         self._sent: dict[str, tuple[str, float, int]] = {}
 
@@ -137,9 +149,15 @@ class SchedulerPolicy:
         they happen, and the fleet shows which unseen requests answered)."""
         return self._learns
 
+    def bind(self, fleet: VirtualFleet) -> None:
+        if self.step_feed is not None:
+            self.step_feed.bind(fleet)
+
     def pick(
         self, request: LLMRequest, endpoints: Sequence[EndpointState], now: float
     ) -> EndpointState:
+        if self.step_feed is not None:
+            self.step_feed.flush(now)
         if len(self.speed):
             endpoints = self.speed.apply(endpoints)
         if self.admission is not None:
@@ -153,10 +171,14 @@ class SchedulerPolicy:
         if sent is not None:
             key, started, tokens = sent
             self.speed.observe(key, now - started, tokens)
+            if self.step_feed is not None:
+                self.step_feed.done(request_id, now, tokens)
         if self._learns:
             self.scheduler.request_ended(request_id)
 
     def on_first_token(self, request_id: str, now: float) -> None:
+        if self.step_feed is not None:
+            self.step_feed.flush(now)
         if self._learns:
             self.scheduler.observe_first_token(request_id, None, now)
 
@@ -191,4 +213,8 @@ def scheduler_policy(
         )
     else:
         admission = None
-    return SchedulerPolicy(name, scheduler, admission)
+    policy = SchedulerPolicy(name, scheduler, admission)
+    late = STEP_FEED_LATE_S.get(name.removesuffix("-shed"))
+    if policy.step_feed is not None and late is not None:
+        policy.step_feed.late_s = late
+    return policy

@@ -71,6 +71,7 @@ from poolkeeper.scheduling.plugins.scorers import (
     RunningRequestsScorer,
 )
 from poolkeeper.scheduling.plugins.stale_filter import StaleMetricsFilter, StaleMetricsParams
+from poolkeeper.scheduling.plugins.stepphase_scorer import StepPhaseParams, StepPhaseScorer
 from poolkeeper.scheduling.plugins.ttft_scorer import PredictedTtftParams, PredictedTtftScorer
 from poolkeeper.scheduling.registry import (
     BuildContext,
@@ -162,6 +163,11 @@ def _predicted_ttft(tn: TypedName, params: PluginParams, ctx: BuildContext) -> P
 def _prefill_backlog(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
     assert isinstance(params, PrefillBacklogParams)
     return PrefillBacklogScorer(tn, params, _prefix_scorer(tn, params.prefix_scorer, ctx))
+
+
+def _step_phase(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
+    assert isinstance(params, StepPhaseParams)
+    return StepPhaseScorer(tn, params, _prefix_scorer(tn, params.prefix_scorer, ctx))
 
 
 def _prefix_affinity(tn: TypedName, params: PluginParams, ctx: BuildContext) -> Plugin:
@@ -260,6 +266,8 @@ def register_builtin_plugins(registry: PluginRegistry) -> PluginRegistry:
                    "Lowest predicted time to first token / this endpoint's (learned online)."),
         PluginSpec("prefill-backlog-scorer", S, PrefillBacklogParams, _prefill_backlog,
                    "Least prefill ahead of the first token (unanswered prompt tokens sent)."),
+        PluginSpec("step-phase-scorer", S, StepPhaseParams, _step_phase,
+                   "Soonest prefill end from the engines' KV-batch step clocks (opt-in)."),
         # Pickers
         PluginSpec("max-score-picker", P, PickerParams, _with_rng(MaxScorePicker, PickerParams),
                    "Highest score, random tie-break."),

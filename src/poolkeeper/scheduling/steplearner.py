@@ -1,14 +1,14 @@
 """How a router can learn a server's step-time model from the step ends it sees (issue #38).
 
 `StepLearner` (pure, synchronous; one per server) follows the step sequence between observed
-step ends (first bytes and ends). The events at one instant form a group; when time moves
-on, the gap g from the previous known step boundary (an end, or a send to an idle server) to
-the group is a whole number n of steps whose make-up is known: the prefill of the requests
-with their first byte in the group (P uncached of their `prompt` tokens) is in the last step
-(a prefill completed earlier would have shown a first byte), no request ended in between, so
-every step decodes the same D requests and their context grows by D a step. With C0 the
-decoding requests' context (prompt + outputs so far) and step = a + b * prefill + c *
-decoding + d * context:
+step ends (first bytes and ends; KV-event batches, each the end of one step at the engine's
+`ts`). The events at one instant form a group; when time moves on, the gap g from the
+previous known step boundary (an end, or a send to an idle server) to the group is a whole
+number n of steps whose make-up is known: the prefill of the requests with their first byte
+in the group (P uncached of their `prompt` tokens) is in the last step (a prefill completed
+earlier would have shown a first byte), no request ended in between, so every step decodes
+the same D requests and their context grows by D a step. With C0 the decoding requests'
+context (prompt + outputs so far) and step = a + b * prefill + c * decoding + d * context:
 
     g = n * a + P * b + n * D * c + (n * C0 + D * n * (n - 1) / 2 + prompt) * d
 
@@ -39,8 +39,6 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from poolkeeper.sim.params import EngineConfig
-
 Coefficients = tuple[float, float, float, float]  # s: overhead, /prefill token, /decoding, /context
 # Feature scales: the solve works on features of order one (1 step, 100 tokens, ...).
 SCALES: Coefficients = (1.0, 100.0, 100.0, 10_000.0)
@@ -53,15 +51,6 @@ RESET = 0.15  # counts this far off (log) after 30 requests: the fit restarts fr
 TRUSTED = 0.03  # gaps are fitted once the steps counted per request are this close (log)
 SOLVE_EVERY = 8  # gaps between solves
 MAX_STEPS = 4096  # a gap longer than this many modelled steps is not counted (idle, stalled)
-
-
-def default_coefficients(factor: float = 1.0) -> Coefficients:
-    """The simulator's default coefficients (time_scale 1) times `factor`: a generic prior."""
-    c = EngineConfig()
-    return tuple(  # type: ignore[return-value]
-        factor * x
-        for x in (c.step_overhead_s, c.prefill_token_s, c.decode_token_s, c.kv_read_token_s)
-    )
 
 
 def _features(n: int, prefill: int, prompt: int, d: int, c0: float) -> Coefficients:
@@ -158,11 +147,7 @@ class StepLearner:
 
     def observed(self, request_id: str, now: float, *, first: bool, out: int | None) -> None:
         """A first byte (`first`) or an end (`out`: output tokens, None if unknown) at `now`."""
-        self.advance(now)
-        if self.group_at is None:
-            self.group_at = now
-            self.group_d = len(self.decoding)
-            self.group_c = self.context()
+        self._open(now)
         if first:
             waiting = self.waiting.pop(request_id, None)
             if waiting is not None:
@@ -177,6 +162,25 @@ class StepLearner:
             self.group_firsts = [f for f in self.group_firsts if f[0] != request_id]
         elif out is not None and out >= 2:
             self.group_ends.append((ended[1], ended[2], out))
+
+    def step_ended(self, now: float) -> None:
+        """A step ended at `now` with no first byte or end the router knows of in it (a
+        KV-event batch stamped `now` by the engine): a boundary that only counts steps. One
+        at or before a boundary already counted, or before the open group, arrived out of
+        order (a batch later than the step's first byte): dropped, it would count a step
+        twice."""
+        if (self.boundary is not None and now <= self.boundary) or (
+            self.group_at is not None and now < self.group_at
+        ):
+            return
+        self._open(now)
+
+    def _open(self, now: float) -> None:
+        self.advance(now)
+        if self.group_at is None:
+            self.group_at = now
+            self.group_d = len(self.decoding)
+            self.group_c = self.context()
 
     def _close(self) -> None:
         assert self.group_at is not None
@@ -269,5 +273,16 @@ class StepLearner:
                   for i, row in enumerate(self.gram)]  # fmt: skip
         rhs = [m + RIDGE * q for m, q in zip(self.moment, current, strict=True)]
         fitted = [f / s for f, s in zip(_solve(matrix, rhs), SCALES, strict=True)]
-        if min(fitted) >= 0.0:  # the fit is on the gaps themselves: the real scale, r = 1
-            self.theta, self.scale = fitted, 1.0
+        if min(fitted) < 0.0:
+            # Collinear gaps (one-step gaps between KV batches: overhead, decoding and context
+            # grow together) can fit a negative term; keep the model's shape and fit only its
+            # scale (least squares along it), or a wrong prior's scale would stay for good.
+            along = sum(g * q for g, q in zip(self.moment, current, strict=True))
+            norm = sum(
+                current[i] * sum(self.gram[i][j] * current[j] for j in range(4)) for i in range(4)
+            )
+            if along <= 0.0 or norm <= 0.0:
+                return
+            fitted = [along / norm * c for c in self.coefficients()]
+        # The fit is on the gaps themselves: the real scale, r = 1.
+        self.theta, self.scale = fitted, 1.0

@@ -1,0 +1,154 @@
+"""The `step-phase-scorer` (opt-in): each endpoint scored by how soon a new request's prefill
+would finish there, from the engines' own step clocks (`scheduling/stepclock.py`).
+
+Cost of sending a request to an endpoint, in seconds: the time left in the step in progress
+there (from the last KV-event batch's engine timestamp, the router's sends, first bytes and
+ends) plus one modelled step holding everything sent and this request's uncached prefill (the
+prompt less the prefix hit a `prefix-cache-scorer` named by `prefixScorer` expects, plus
+`adapterTokens` where the request's LoRA adapter is not resident, as the backlog scorer counts
+it: without it the scorer sent LoRA requests where their adapter was not). Score =
+the lowest cost / this endpoint's: 1 for the best, 0.5 for twice as long.
+
+Inputs: `step_ended(endpoint, ts)` for each KV-event batch (the live KV subscriber's per-batch
+hook is to call it; the virtual-time benchmark calls it from the engines' step hook), and the
+request lifecycle as the backlog scorer has it (PostCycle: the send; `observe_first_token`;
+`request_done` with the end's time and usage, else `request_ended` without a step end).
+
+Neutral without a clock: an endpoint with no batch within `staleS`, or whose model is not
+trusted yet (`requireFit`), gets the mean score of those with one (1.0 where none has one),
+so a pool whose engines publish no KV events is scored 1.0 everywhere and the profile
+decides as without this scorer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
+from poolkeeper.scheduling.plugins.base import NamedPlugin
+from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
+from poolkeeper.scheduling.plugins.shared import residency
+from poolkeeper.scheduling.registry import PluginParams
+from poolkeeper.scheduling.stepclock import StepClock
+from poolkeeper.scheduling.types import LLMRequest
+
+
+class StepPhaseParams(PluginParams):
+    prefix_scorer: str = Field(
+        default="",
+        description="Name of a prefix-cache-scorer instance whose index gives the expected "
+        "prefix hit (default empty: every prompt counts as uncached).",
+    )
+    prior_step_s: float = Field(
+        default=0.012,
+        gt=0,
+        description="Prior of the step model's fixed part, s (learnt online from the step "
+        "ends; the default is deliberately long, twice the simulator's 6 ms).",
+    )
+    prior_prefill_token_s: float = Field(
+        default=90e-6, ge=0, description="Prior per prefill token, s (learnt online)."
+    )
+    prior_decode_s: float = Field(
+        default=40e-6, ge=0, description="Prior per decoding request in a step, s (learnt)."
+    )
+    prior_context_token_s: float = Field(
+        default=88e-9, ge=0, description="Prior per context token read in a step, s (learnt)."
+    )
+    adapter_tokens: int = Field(
+        default=2048,
+        ge=0,
+        description="Prefill tokens added where the request's LoRA adapter is not resident "
+        "(loading it), as the prefill-backlog-scorer's `adapterTokens`.",
+    )
+    stale_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="An endpoint with no KV-event batch within this many seconds has no step "
+        "clock and is scored neutrally (the mean of the others' scores).",
+    )
+    require_fit: bool = Field(
+        default=True,
+        description="Score an endpoint only once its learnt step model holds (its counted "
+        "steps agree with the requests' output tokens); until then it is scored neutrally.",
+    )
+    late_s: float = Field(
+        default=0.002,
+        ge=0,
+        description="How late KV-event batches may reach the router, s: a step not reported "
+        "by `now - lateS` is taken as still running.",
+    )
+
+
+class StepPhaseScorer(NamedPlugin):
+    """Scorer + PostCycle + EndpointForgetter + first-token observer around a StepClock."""
+
+    __slots__ = ("adapter_tokens", "clock", "prefix")
+    bounded = True
+
+    def __init__(
+        self, typed_name: TypedName, params: StepPhaseParams, prefix: PrefixCacheScorer | None
+    ) -> None:
+        super().__init__(typed_name)
+        prior = (
+            params.prior_step_s,
+            params.prior_prefill_token_s,
+            params.prior_decode_s,
+            params.prior_context_token_s,
+        )
+        self.clock = StepClock(
+            prior, stale_s=params.stale_s, late_s=params.late_s, require_fit=params.require_fit
+        )
+        self.prefix = prefix
+        self.adapter_tokens = params.adapter_tokens
+
+    def _cached(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
+        return {} if self.prefix is None else self.prefix.cached_tokens(cycle, request)
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> Scores:
+        now, clock = cycle.now, self.clock
+        if not any(clock.fresh(s.endpoint.hostport, now) for s in candidates):
+            return 1.0
+        cached = self._cached(cycle, request).get
+        prompt = request.prompt_tokens
+        resident = residency(candidates, request.target_model, cycle)
+        if isinstance(resident, bool):  # the same everywhere: no adapter term
+            resident = [True] * len(candidates)
+        miss = self.adapter_tokens
+        costs = [
+            clock.prefill_done_s(k, prompt - cached(k, 0) + (0 if r else miss), prompt, now)
+            for k, r in zip((s.endpoint.hostport for s in candidates), resident, strict=True)
+        ]
+        known = [c for c in costs if c is not None]
+        best = max(min(known), 1e-6)
+        scores = [None if c is None else best / max(c, 1e-6) for c in costs]
+        mean = sum(s for s in scores if s is not None) / len(known)
+        return [mean if s is None else s for s in scores]
+
+    def post_cycle(self, cycle: CycleState, request: LLMRequest, result: ProfileResult) -> None:
+        if not result.targets:
+            return
+        key = result.targets[0].endpoint.hostport
+        cached = self._cached(cycle, request).get(key, 0)
+        self.clock.sent(key, request.key, request.prompt_tokens, cached, cycle.now)
+
+    def step_ended(self, endpoint: str, ts: float) -> None:
+        """A KV-event batch from `endpoint` (ip:port), stamped `ts` by its engine."""
+        self.clock.step_ended(endpoint, ts)
+
+    def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
+        self.clock.first_token(request_id, now)
+
+    def request_done(self, request_id: str, now: float, output_tokens: int | None) -> None:
+        """The request's last token came at `now` (a step end) after `output_tokens`."""
+        self.clock.ended(request_id, now, output_tokens)
+
+    def request_ended(self, request_id: str) -> None:
+        self.clock.ended(request_id, None, None)  # (nothing left if `request_done` was told)
+
+    def forget_endpoints(self, keep: set[str]) -> None:
+        self.clock.forget_endpoints(keep)

@@ -184,3 +184,34 @@ def test_fused_decode_steps_store_the_same_blocks_as_single_steps() -> None:
         logs.append(recorder.stored_hashes())
     assert logs[0] == logs[1]
     assert len(logs[0]) == (80 + 89 * 4) // 64
+
+
+def test_a_split_fused_step_still_stores_the_block_it_fills() -> None:
+    """An arrival during the last of several fused decode steps splits them; the step left in
+    progress fills the answer's last block, which must be stored (it was freed unnamed)."""
+    config = replace(BASE, block_size=4)
+    answers = {}
+    for fused in (1, 8):
+        engine = EngineModel(config, max_fused_steps=fused)
+        recorder = Recorder()
+        engine.kv.sink = recorder
+        a = engine.create_request("a", MODEL, "x" * 16, arrival=0.0, max_tokens=5)
+        engine.submit(a, 0.0)
+        first = engine.next_event_time()
+        assert first is not None
+        engine.advance(first)  # the prefill: the first token
+        step = engine._step
+        assert step is not None
+        end = engine.next_event_time()
+        assert end is not None
+        mid = step.end_of(step.fused - 2) + 1e-6 if step.fused > 1 else end - 1e-6
+        engine.advance(mid)
+        b = engine.create_request("b", MODEL, "y" * 8, arrival=mid, max_tokens=1)
+        engine.submit(b, mid)  # during the last fused step: the fused run is split
+        while (t := engine.next_event_time()) is not None:
+            engine.advance(t)
+        want = engine_block_hashes(MODEL, "x" * 16 + text_between(a.text_seed, 0, 4), 4)
+        stored = set(recorder.stored_hashes())
+        answers[fused] = [h in stored for h in want]
+        assert a.block_hashes == want
+    assert answers[1] == answers[8] == [True, True]  # the prompt's block and the answer's

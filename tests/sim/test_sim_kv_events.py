@@ -166,3 +166,30 @@ async def test_answers_blocks_reach_the_index_in_per_step_batches_seen_by_on_bat
     assert len(seen) == subscriber.received >= 2  # the prefill's batch, then decode steps'
     assert {e for e, _, _ in seen} == {endpoint}
     assert all(ts <= at for _, ts, at in seen)  # stamped by the engine before it was sent
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["loop", "thread"])
+async def test_an_endpoint_with_a_bad_address_loses_only_its_own_events(thread: bool) -> None:
+    """A ZMQ address the socket refuses (a bad host name from a hand-written endpoint) loses
+    that endpoint's events, not the others' (the receiving thread died of it), and `close`
+    still returns (a socket left open by the failed connect blocked the context's term)."""
+    cluster, endpoint, index, subscriber = await _sim_and_subscriber(thread)
+    good = subscriber._address(endpoint)
+    subscriber._address = lambda hp: good if hp == endpoint else "tcp://no such host:x"
+    subscriber.follow(["bad:1"])
+    await asyncio.sleep(0.1)  # the bad one is tried first
+    subscriber.follow([endpoint])
+    try:
+        async with aiohttp.ClientSession() as http:
+            for attempt in range(200):  # until the SUB socket is connected (slow joiner)
+                prompt = f"{attempt:04d}" * 16
+                body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 1}
+                async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                if await _reported(index, engine_block_hashes(DEFAULT_MODEL, prompt, 16)):
+                    break
+            else:
+                pytest.fail("no event from the good endpoint")
+    finally:
+        await asyncio.wait_for(subscriber.close(), timeout=10)
+        await cluster.stop()

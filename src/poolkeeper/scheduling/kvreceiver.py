@@ -17,11 +17,14 @@ the change, which the thread picks up within one poll interval (`POLL_MS`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 POLL_MS = 50  # how soon a new subscription or a stop is seen by the thread
 
@@ -76,12 +79,21 @@ class ThreadReceiver:
                         old.close(linger=0)
                     if address is not None:
                         sock = self._ctx.socket(zmq.SUB)
-                        self._configure(sock)
-                        sock.connect(address)
+                        try:
+                            self._configure(sock)
+                            sock.connect(address)
+                        except zmq.ZMQError as exc:
+                            # One bad address loses that endpoint only, as on the loop.
+                            log.warning("kv events from %s (%s): %s", endpoint, address, exc)
+                            sock.close(linger=0)
+                            continue
                         poller.register(sock, zmq.POLLIN)
                         socks[endpoint], names[sock] = sock, endpoint
                 for sock, _ in poller.poll(POLL_MS):
-                    frames = sock.recv_multipart()
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        continue
                     received_at = time.time()
                     try:
                         loop.call_soon_threadsafe(deliver, names[sock], frames, received_at)

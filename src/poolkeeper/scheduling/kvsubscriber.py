@@ -151,10 +151,12 @@ class KVEventSubscriber:
         import zmq
 
         sock = self._ctx.socket(zmq.SUB)
-        _configure(sock)
-        sock.connect(self._address(endpoint))
         self._expected[endpoint] = -1
         try:
+            # Inside the `try`: a socket left open by a failed connect would block `close`'s
+            # context termination for good.
+            _configure(sock)
+            sock.connect(self._address(endpoint))
             while True:
                 frames = await sock.recv_multipart()
                 self._on_frames(endpoint, frames, time.time() if self.on_batch else 0.0)

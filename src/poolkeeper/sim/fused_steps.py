@@ -77,6 +77,9 @@ class FusedStepCore(BatchCore):
                 request.held_private = keep
         start = step.end_of(done - 1) if done else step.start
         self._step = Step(start, step.end_of(done), step.scheduled)
+        for request, n in step.scheduled:  # the step in progress fills blocks too (`_plan`)
+            if request.hash_text is not None and request.status is RequestStatus.RUNNING:
+                self._cache_output_blocks(request, request.num_computed + n)
 
     def _complete_fused(self, step: Step, count: int) -> StepOutcome:
         """Apply the first `count` fused steps of `step` (from its start)."""

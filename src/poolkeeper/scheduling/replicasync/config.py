@@ -107,8 +107,8 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     as a send; the peers' wake is delayed by it too. Why: replicas woken by one first byte each
     released a held new prefix onto the one freed server, none yet counting the others' (uneven
     cold starts, docs/notes/2026-12-07-release-claim.md). Opt-in: a new prefix may wait this much
-    longer. Acts only with `flowControl.holdNewPrefixes`; set here only (an
-    EndpointPickerConfig's syncer plugin has no parameter for it)."""
+    longer. Acts only with `flowControl.holdNewPrefixes`; an EndpointPickerConfig's
+    `udp-cross-replica-syncer` sets it as `claimGrace` (a duration, e.g. `5ms`)."""
     max_datagram_bytes: int = Field(default=DEFAULT_DATAGRAM, ge=MIN_DATAGRAM, le=MAX_DATAGRAM)
     """Largest datagram sent or accepted, the same on every replica (larger ones are rejected
     before their tag is computed). The default is never fragmented on an IPv6 path or a pod

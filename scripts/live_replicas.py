@@ -155,7 +155,8 @@ def without_speed(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 SYNC = "-sync"
-# Index suffix -> replicaSync settings beyond `sync_section`'s: `-sync` the defaults,
+# Index suffix -> replicaSync settings beyond `sync_section`'s: `-sync` the defaults (with
+# `claimGraceMs`' default since docs/notes/2026-12-07-claim-default.md: 5 ms, as `-syncclaim`),
 # `-syncnow` a peer's batch wakes flow control's held requests at once (no spread),
 # `-syncms` decisions gathered for the flush interval and the peers' unseen sends not counted
 # (sync before docs/notes/2026-12-07-replicas-sub-ms.md), `-syncspread` peers' wakes spread

@@ -96,7 +96,7 @@ def scheduling(index: str) -> dict[str, Any] | None:
     `observed-speed-scorer`. Any index (+ `-nospeed`) + `-sync` (e.g. `exact-hashwait-sync`):
     the same with cross-replica sync on, `-syncnow`: and peers' batches waking flow control at
     once (`SYNCS`), `-syncspread`: peers' wakes spread over 100 ms, `-syncclaim`: with
-    `claimGraceMs`."""
+    `claimGraceMs` 5 (`-syncclaim2` / `-syncclaim10`: 2 / 10 ms, `-syncnoclaim`: 0)."""
     index, slow = split_speed(split_sync(index)[0])
     if index == "approx" and not slow:
         return None
@@ -155,14 +155,20 @@ def without_speed(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 SYNC = "-sync"
-# Index suffix -> replicaSync settings beyond `sync_section`'s: `-sync` the defaults,
+# Index suffix -> replicaSync settings beyond `sync_section`'s: `-sync` the defaults (with
+# `claimGraceMs`' default since docs/notes/2026-12-07-claim-default.md: 5 ms, as `-syncclaim`),
 # `-syncnow` a peer's batch wakes flow control's held requests at once (no spread),
 # `-syncms` decisions gathered for the flush interval and the peers' unseen sends not counted
 # (sync before docs/notes/2026-12-07-replicas-sub-ms.md), `-syncspread` peers' wakes spread
 # over 100 ms, not 20 (docs/notes/2026-12-07-uneven-start.md), `-syncclaim` the room a peer's
-# first byte opens claimed for 5 ms (`claimGraceMs`, docs/notes/2026-12-07-release-claim.md).
+# first byte opens claimed for 5 ms (`claimGraceMs`, docs/notes/2026-12-07-release-claim.md),
+# `-syncclaim2` / `-syncclaim10` for 2 / 10 ms, `-syncnoclaim` without a claim (0 ms: the default
+# before docs/notes/2026-12-07-claim-default.md).
 SYNCS: dict[str, dict[str, Any]] = {
     "-syncclaim": {"claimGraceMs": 5},
+    "-syncclaim2": {"claimGraceMs": 2},
+    "-syncclaim10": {"claimGraceMs": 10},
+    "-syncnoclaim": {"claimGraceMs": 0},
     "-syncnow": {"peerWakeSpreadMs": 0},
     "-syncms": {"sendAtOnce": False, "peerUnseen": False},
     "-syncspread": {"peerWakeSpreadMs": 100},

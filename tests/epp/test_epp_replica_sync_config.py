@@ -16,6 +16,7 @@ from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.controller.files import file_source
 from poolkeeper.errors import ConfigError
 from poolkeeper.netutil import free_ports
+from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.server.options import ServeOptions
 from poolkeeper.server.runtime import GatewayRuntime
 from tests.support.gateway_files import one_pool
@@ -108,6 +109,25 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
     assert (checked.send_at_once, checked.peer_unseen) == (False, False)
 
 
+def test_claim_grace_is_a_syncer_parameter_in_milliseconds() -> None:
+    text = PLUGINS + "dataLayer:\n  crossReplicaSyncerPluginRef: sync\n"
+    # Unwritten: the section's own default (one home for it), not a copy in the plugin.
+    assert "claimGraceMs" not in _translate(text)
+    default = ReplicaSyncConfig.model_fields["claim_grace_ms"].default
+    assert _spec({"peerService": "p"}).spec.replica_sync.claim_grace_ms == default
+    grace = _translate(
+        text.replace("resolveInterval: 2s", "resolveInterval: 2s, claimGrace: 2.5ms")
+    )
+    assert grace["claimGraceMs"] == 2.5  # kept fractional, not rounded to 2 or 3
+    off = _translate(text.replace("resolveInterval: 2s", "resolveInterval: 2s, claimGrace: 0s"))
+    assert (
+        GatewayConfig.model_validate(
+            {"spec": {"replicaSync": off}}
+        ).spec.replica_sync.claim_grace_ms
+        == 0
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -163,6 +183,16 @@ def test_the_syncer_plugin_becomes_the_section() -> None:
             "is over 1s",
         ),
         (PLUGINS + "dataLayer: {crossReplicaSyncInterval: 5ms}\n", "needs dataLayer.crossRep"),
+        (
+            PLUGINS.replace("resolveInterval: 2s", "claimGrace: 1s")
+            + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
+            "sync.parameters.claimGrace: Input should be less than or equal to 100 (milliseconds)",
+        ),
+        (
+            PLUGINS.replace("resolveInterval: 2s", "claimGrace: soon")
+            + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",
+            "sync.parameters.claimGrace: ",
+        ),
         (
             PLUGINS.replace("resolveInterval: 2s", "secret: x")
             + "dataLayer: {crossReplicaSyncerPluginRef: sync}\n",

@@ -32,6 +32,10 @@ from poolkeeper.bench.fleet.simrun import fleet_capacity
 from poolkeeper.bench.workload.scenarios import build_scenario
 from poolkeeper.bench.workload.workload_spec import WorkloadKind
 from poolkeeper.flowcontrol.config import FlowControlConfig
+from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
+
+# `serve`'s grace (its one home: the config field), so the replay models the shipped setup.
+CLAIM_GRACE_MS: float = ReplicaSyncConfig.model_fields["claim_grace_ms"].default
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,9 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sync-claim-ms",
         type=float,
-        default=0.0,
+        default=CLAIM_GRACE_MS,
         help="with --sync-delay-ms: the replicas' claimGraceMs (the room a peer's first byte "
-        "opened stays claimed in the hold's view this long; default 0: off)",
+        f"opened stays claimed in the hold's view this long; default {CLAIM_GRACE_MS:g}, as "
+        "`serve`'s; 0: off)",
     )
     parser.add_argument(
         "--sync-without",

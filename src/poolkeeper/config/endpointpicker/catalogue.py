@@ -133,6 +133,8 @@ class SyncerParams(Params):
     resolve_interval: str = Field(default="5s", alias="resolveInterval")
     max_age: str = Field(default="10s", alias="maxAge")
     peer_wake_spread: str = Field(default="20ms", alias="peerWakeSpread")
+    # None: the section's own default (`ReplicaSyncConfig.claim_grace_ms`, its one home).
+    claim_grace: str | None = Field(default=None, alias="claimGrace")
     reconcile_interval: str = Field(default="1s", alias="reconcileInterval")
     max_datagram_bytes: int = Field(default=1232, ge=1024, le=65_000, alias="maxDatagramBytes")
     origin: str | None = None

@@ -35,6 +35,7 @@ _WRITTEN = {
     "resolveIntervalMs": "resolveInterval",
     "maxAgeMs": "maxAge",
     "peerWakeSpreadMs": "peerWakeSpread",
+    "claimGraceMs": "claimGrace",
     "reconcileIntervalMs": "reconcileInterval",
     "flushIntervalMs": "dataLayer.crossReplicaSyncInterval",
 }
@@ -122,6 +123,10 @@ def replica_sync_section(
         value = _ms(text, f"{ref}.parameters.{key.removesuffix('Ms')}", problems)
         if value is not None:
             section[key] = round(value)
+    if syncer.claim_grace is not None:  # kept fractional: a grace is a few milliseconds
+        grace = _ms(syncer.claim_grace, f"{ref}.parameters.claimGrace", problems)
+        if grace is not None:
+            section["claimGraceMs"] = grace
     interval = layer.cross_replica_sync_interval
     if interval is not None:
         value = _ms(interval, "dataLayer.crossReplicaSyncInterval", problems)

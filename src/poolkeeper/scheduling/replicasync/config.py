@@ -100,15 +100,17 @@ class ReplicaSyncConfig(CamelModel, use_attribute_docstrings=True):
     """After a peer's batch, flow control's held requests are asked again after a random delay
     of up to this (0: at once): woken together by the same peer's first byte, the replicas
     would all send their held new prefixes to the one server whose backlog just fell."""
-    claim_grace_ms: float = Field(default=0.0, ge=0, le=100)
+    claim_grace_ms: float = Field(default=5.0, ge=0, le=100)
     """The room a peer's first byte frees on its server goes first to that peer (the replica
     whose request's first byte it was): this replica's held new prefixes count that room as
     still taken for this long (0: off), by when the owner's release onto it, if any, has arrived
     as a send; the peers' wake is delayed by it too. Why: replicas woken by one first byte each
     released a held new prefix onto the one freed server, none yet counting the others' (uneven
-    cold starts, docs/notes/2026-12-07-release-claim.md). Opt-in: a new prefix may wait this much
-    longer. Acts only with `flowControl.holdNewPrefixes`; set here only (an
-    EndpointPickerConfig's syncer plugin has no parameter for it)."""
+    cold starts, docs/notes/2026-12-07-release-claim.md). The cost: a new prefix may wait this
+    much longer; measured live level or better with 2 and 4 replicas, inert off shared prefixes
+    (docs/notes/2026-12-07-claim-default.md). Acts only with `flowControl.holdNewPrefixes`;
+    an EndpointPickerConfig's `udp-cross-replica-syncer` sets it as `claimGrace` (a duration,
+    e.g. `5ms`)."""
     max_datagram_bytes: int = Field(default=DEFAULT_DATAGRAM, ge=MIN_DATAGRAM, le=MAX_DATAGRAM)
     """Largest datagram sent or accepted, the same on every replica (larger ones are rejected
     before their tag is computed). The default is never fragmented on an IPv6 path or a pod

@@ -45,6 +45,7 @@ class PrefixCacheScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter around one approximate prefix index."""
 
     __slots__ = (
+        "_engine_key",
         "_match_key",
         "_positions",
         "_state_key",
@@ -72,6 +73,7 @@ class PrefixCacheScorer(NamedPlugin):
         self._state_key = f"prefix-hashes/{typed_name.name}"
         self._match_key = f"prefix-match/{typed_name.name}"
         self._tokens_key = f"prefix-tokens/{typed_name.name}"
+        self._engine_key = f"prefix-engine-hashes/{typed_name.name}"
         self._positions = Positions()  # (the few holders written into a list of 0.0)
         self._stats: SchedulingStats | None = None
         self.exact: ExactPrefixIndex | None = None
@@ -80,6 +82,7 @@ class PrefixCacheScorer(NamedPlugin):
             self.exact = ExactPrefixIndex(
                 block_size=params.kv_events_block_size,
                 stale_after_s=params.kv_events_stale_after_s,
+                max_blocks_per_endpoint=params.kv_index_max_blocks_per_endpoint,
             )
             if params.kv_events_subscribe:
                 port, offset = params.kv_events_port, params.kv_events_port_offset
@@ -119,7 +122,7 @@ class PrefixCacheScorer(NamedPlugin):
         size = self.params.block_size
         matched = {k: b * size for k, b in self.index.match(hashes).items()} if hashes else {}
         if self.exact is not None and hashes:
-            matched = self._with_exact(matched, request, len(hashes) * size, cycle.now)
+            matched = self._with_exact(matched, request, len(hashes) * size, cycle)
         cycle.put(self._match_key, matched)
         return matched
 
@@ -137,7 +140,7 @@ class PrefixCacheScorer(NamedPlugin):
         return cached
 
     def _with_exact(
-        self, approx: dict[str, int], request: LLMRequest, upto: int, now: float
+        self, approx: dict[str, int], request: LLMRequest, upto: int, cycle: CycleState
     ) -> dict[str, int]:
         """Per endpoint, the longer of the engine-reported match (where fresh) and the
         approximate one. Why not the engine's alone: an engine stores a prompt's blocks only
@@ -148,9 +151,10 @@ class PrefixCacheScorer(NamedPlugin):
         exact = self.exact
         assert exact is not None
         chunk = exact.block_size * CHARS_PER_TOKEN
-        found = exact.match(
-            engine_block_hashes(request.target_model, request.prompt[:upto], exact.block_size)
-        )
+        hashes = engine_block_hashes(request.target_model, request.prompt[:upto], exact.block_size)
+        cycle.put(self._engine_key, hashes)  # post_cycle's `used`
+        found = exact.match(hashes)
+        now = cycle.now
         out = dict(approx)
         for key, blocks in found.items():
             chars = blocks * chunk
@@ -236,6 +240,9 @@ class PrefixCacheScorer(NamedPlugin):
             exact = self.exact
             if exact is not None:
                 exact.routed(picked, cycle.now)
+                engine_hashes = cycle.get(self._engine_key)
+                if isinstance(engine_hashes, list):
+                    exact.used(picked, engine_hashes)
                 chunk = exact.block_size * CHARS_PER_TOKEN
                 head = engine_block_hashes(
                     request.target_model, request.prompt[:chunk], exact.block_size

@@ -146,8 +146,9 @@ class PrefixIndex:
             if h not in lru:
                 break
             depth += 1
-        for i in range(depth - 1, -1, -1):
-            lru.move_to_end(hashes[i])
+        move = lru.move_to_end
+        for h in reversed(hashes[:depth]):
+            move(h)
         return depth
 
     def holds(self, endpoint: str, h: int) -> bool:

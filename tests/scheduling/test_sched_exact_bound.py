@@ -16,7 +16,7 @@ from poolkeeper.kvevents import (
     engine_block_hashes,
 )
 from poolkeeper.scheduling.exact_prefix import MAX_BLOCKS_PER_ENDPOINT, ExactPrefixIndex
-from poolkeeper.scheduling.interfaces import CycleState, ProfileResult
+from poolkeeper.scheduling.interfaces import CycleState
 from poolkeeper.scheduling.plugins.prefix_params import PrefixCacheParams
 from tests.scheduling.sched_factories import NOW, key, plugin, request, state
 
@@ -54,32 +54,49 @@ def test_the_least_recently_stored_chain_goes_first_and_its_tail_before_its_head
     index.stored("e", [4, 5, 6], 1.0, head=True)
     assert index.evictions == 0
     index.stored("e", [7], 2.0, head=True)  # one over: the oldest chain's last block goes
-    assert index.match([1, 2, 3]) == {"e": 2}
-    assert index.match([4, 5, 6]) == {"e": 3}
     index.stored("e", [8, 9], 3.0, head=True)  # then the rest of that chain, head last
+    assert index.evictions == 3
     assert index.match([1, 2, 3]) == {}
     assert index.match([4, 5, 6]) == {"e": 3}
     assert index.heads("e", 3.0, pending=False) == 3  # chains 4, 7 and 8
-    assert index.evictions == 3
     # A continuation of the evicted chain cannot be matched and is not stored.
     index.apply("e", _batch(BlockStored([10], 3)), now=4.0)
     assert index.unanchored == 1
-    assert index.match([4, 5, 6]) == {"e": 3}
+    assert index.blocks("e") == 6
 
 
-def test_a_routed_match_is_recent_again_so_the_engine_reused_prefix_survives() -> None:
+def test_one_over_the_bound_drops_a_chain_tail_not_its_head() -> None:
     index = ExactPrefixIndex(max_blocks_per_endpoint=6)
     index.stored("e", [1, 2, 3], 0.0, head=True)
     index.stored("e", [4, 5, 6], 1.0, head=True)
-    # This EPP routes a prompt sharing the first chain's two leading blocks there: the engine
-    # reuses them without reporting anything.
-    assert index.used("e", [1, 2, 99]) == 2
-    assert index.used("other", [1, 2]) == 0
-    index.stored("e", [7, 8, 9], 2.0, head=True)
-    # Evicted: block 3 (not reused, the least recent), then the untouched chain's 6, 5.
+    index.stored("e", [7], 2.0, head=True)
     assert index.match([1, 2, 3]) == {"e": 2}
-    assert index.match([4, 5, 6]) == {"e": 1}
-    assert index.match([7, 8, 9]) == {"e": 3}
+    assert index.match([4, 5, 6]) == {"e": 3}
+
+
+def test_near_the_bound_a_looked_up_prefix_is_recent_again() -> None:
+    index = ExactPrefixIndex(max_blocks_per_endpoint=16)  # lookups refresh from 14 blocks on
+    index.stored("e", [1, 2, 3], 0.0, head=True)
+    index.stored("e", [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 1.0, head=True)
+    # 13 blocks: a lookup does not reorder anything yet.
+    assert index.match([1, 2, 99]) == {"e": 2}
+    index.stored("e", [14], 2.0, head=True)
+    # 14: a prompt sharing the first chain's two leading blocks (the engine reuses them and
+    # reports nothing) makes them the most recent.
+    assert index.match([1, 2, 99]) == {"e": 2}
+    index.stored("e", [20, 21, 22, 23, 24], 3.0, head=True)  # 19: three out
+    # Out: block 3 (not asked for), then the second chain's tail 13, 12; 1 and 2 are kept.
+    assert index.evictions == 3
+    assert index.match([1, 2, 3]) == {"e": 2}
+    assert index.match([4, 5, 6, 7, 8, 9, 10, 11, 12, 13]) == {"e": 8}
+    # Below 7/8 of the bound a lookup leaves the order alone: the first chain goes first.
+    calm = ExactPrefixIndex(max_blocks_per_endpoint=16)
+    calm.stored("e", [1, 2, 3], 0.0, head=True)
+    calm.stored("e", [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 1.0, head=True)
+    assert calm.match([1, 2, 99]) == {"e": 2}
+    calm.stored("e", [14, 15, 16, 17, 18, 19], 2.0, head=True)
+    assert calm.match([1, 2, 3]) == {}
+    assert calm.match([4, 5, 6, 7, 8, 9, 10, 11, 12, 13]) == {"e": 10}
 
 
 def test_removes_of_evicted_blocks_are_harmless_and_shared_blocks_stay_with_others() -> None:
@@ -137,9 +154,6 @@ def test_kept_blocks_match_exactly_as_without_the_bound() -> None:
         for index in (tight, ample, unbounded):
             index.apply(endpoint, _batch(event), now=float(step))
         query = rng.choice(chains)
-        if roll < 0.2:
-            for index in (tight, ample, unbounded):
-                index.used(endpoint, query)
         full = unbounded.match(query)
         assert ample.match(query) == full
         assert all(depth <= full.get(e, 0) for e, depth in tight.match(query).items())
@@ -148,7 +162,7 @@ def test_kept_blocks_match_exactly_as_without_the_bound() -> None:
     assert ample.evictions == 0
 
 
-def test_the_scorer_passes_its_bound_and_marks_what_it_routed_as_used() -> None:
+def test_the_scorer_passes_its_bound_and_its_lookups_keep_asked_for_prefixes() -> None:
     assert PrefixCacheParams().kv_index_max_blocks_per_endpoint == MAX_BLOCKS_PER_ENDPOINT
     with pytest.raises(
         ValidationError, match=r"kvIndexMaxBlocksPerEndpoint\n.*greater than or equal to 1"
@@ -166,10 +180,8 @@ def test_the_scorer_passes_its_bound_and_marks_what_it_routed_as_used() -> None:
     ha, hb = engine_block_hashes("base", a, 16), engine_block_hashes("base", b, 16)
     exact.stored(key(1), ha, NOW, head=True)
     exact.stored(key(1), hb, NOW, head=True)
-    # Routing prompt `a` to endpoint 1 (where the engine holds it) makes it the most recent.
-    cycle = CycleState(NOW)
-    scorer.score(cycle, request(prompt=a), pool)
-    scorer.post_cycle(cycle, request(prompt=a), ProfileResult("p", (pool[0],)))
+    # Scoring prompt `a` (endpoint 1 holds it, at its bound) makes it the most recent there.
+    scorer.score(CycleState(NOW), request(prompt=a), pool)
     exact.stored(key(1), [1, 2], NOW, head=True)  # evicts `b`, not `a`
     assert exact.match(ha) == {key(1): 2}
     assert exact.match(hb) == {}

@@ -45,7 +45,6 @@ class PrefixCacheScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter around one approximate prefix index."""
 
     __slots__ = (
-        "_engine_key",
         "_match_key",
         "_positions",
         "_state_key",
@@ -73,7 +72,6 @@ class PrefixCacheScorer(NamedPlugin):
         self._state_key = f"prefix-hashes/{typed_name.name}"
         self._match_key = f"prefix-match/{typed_name.name}"
         self._tokens_key = f"prefix-tokens/{typed_name.name}"
-        self._engine_key = f"prefix-engine-hashes/{typed_name.name}"
         self._positions = Positions()  # (the few holders written into a list of 0.0)
         self._stats: SchedulingStats | None = None
         self.exact: ExactPrefixIndex | None = None
@@ -122,7 +120,7 @@ class PrefixCacheScorer(NamedPlugin):
         size = self.params.block_size
         matched = {k: b * size for k, b in self.index.match(hashes).items()} if hashes else {}
         if self.exact is not None and hashes:
-            matched = self._with_exact(matched, request, len(hashes) * size, cycle)
+            matched = self._with_exact(matched, request, len(hashes) * size, cycle.now)
         cycle.put(self._match_key, matched)
         return matched
 
@@ -140,7 +138,7 @@ class PrefixCacheScorer(NamedPlugin):
         return cached
 
     def _with_exact(
-        self, approx: dict[str, int], request: LLMRequest, upto: int, cycle: CycleState
+        self, approx: dict[str, int], request: LLMRequest, upto: int, now: float
     ) -> dict[str, int]:
         """Per endpoint, the longer of the engine-reported match (where fresh) and the
         approximate one. Why not the engine's alone: an engine stores a prompt's blocks only
@@ -151,10 +149,9 @@ class PrefixCacheScorer(NamedPlugin):
         exact = self.exact
         assert exact is not None
         chunk = exact.block_size * CHARS_PER_TOKEN
-        hashes = engine_block_hashes(request.target_model, request.prompt[:upto], exact.block_size)
-        cycle.put(self._engine_key, hashes)  # post_cycle's `used`
-        found = exact.match(hashes)
-        now = cycle.now
+        found = exact.match(
+            engine_block_hashes(request.target_model, request.prompt[:upto], exact.block_size)
+        )
         out = dict(approx)
         for key, blocks in found.items():
             chars = blocks * chunk
@@ -240,9 +237,6 @@ class PrefixCacheScorer(NamedPlugin):
             exact = self.exact
             if exact is not None:
                 exact.routed(picked, cycle.now)
-                engine_hashes = cycle.get(self._engine_key)
-                if isinstance(engine_hashes, list):
-                    exact.used(picked, engine_hashes)
                 chunk = exact.block_size * CHARS_PER_TOKEN
                 head = engine_block_hashes(
                     request.target_model, request.prompt[:chunk], exact.block_size

@@ -74,29 +74,16 @@ def test_one_over_the_bound_drops_a_chain_tail_not_its_head() -> None:
     assert index.match([4, 5, 6]) == {"e": 3}
 
 
-def test_near_the_bound_a_looked_up_prefix_is_recent_again() -> None:
-    index = ExactPrefixIndex(max_blocks_per_endpoint=16)  # lookups refresh from 14 blocks on
+def test_order_is_store_order_a_lookup_keeps_nothing_a_new_store_does() -> None:
+    index = ExactPrefixIndex(max_blocks_per_endpoint=6)
     index.stored("e", [1, 2, 3], 0.0, head=True)
-    index.stored("e", [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 1.0, head=True)
-    # 13 blocks: a lookup does not reorder anything yet.
-    assert index.match([1, 2, 99]) == {"e": 2}
-    index.stored("e", [14], 2.0, head=True)
-    # 14: a prompt sharing the first chain's two leading blocks (the engine reuses them and
-    # reports nothing) makes them the most recent.
-    assert index.match([1, 2, 99]) == {"e": 2}
-    index.stored("e", [20, 21, 22, 23, 24], 3.0, head=True)  # 19: three out
-    # Out: block 3 (not asked for), then the second chain's tail 13, 12; 1 and 2 are kept.
-    assert index.evictions == 3
-    assert index.match([1, 2, 3]) == {"e": 2}
-    assert index.match([4, 5, 6, 7, 8, 9, 10, 11, 12, 13]) == {"e": 8}
-    # Below 7/8 of the bound a lookup leaves the order alone: the first chain goes first.
-    calm = ExactPrefixIndex(max_blocks_per_endpoint=16)
-    calm.stored("e", [1, 2, 3], 0.0, head=True)
-    calm.stored("e", [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 1.0, head=True)
-    assert calm.match([1, 2, 99]) == {"e": 2}
-    calm.stored("e", [14, 15, 16, 17, 18, 19], 2.0, head=True)
-    assert calm.match([1, 2, 3]) == {}
-    assert calm.match([4, 5, 6, 7, 8, 9, 10, 11, 12, 13]) == {"e": 10}
+    index.stored("e", [4, 5, 6], 1.0, head=True)
+    assert index.match([1, 2, 3]) == {"e": 3}  # asked for: not refreshed
+    index.stored("e", [4, 5], 2.0, head=True)  # reported again (re-stored): refreshed
+    index.stored("e", [7, 8], 3.0, head=True)
+    assert index.match([1, 2, 3]) == {"e": 1}
+    assert index.match([4, 5, 6]) == {"e": 3}
+    assert index.match([7, 8]) == {"e": 2}
 
 
 def test_removes_of_evicted_blocks_are_harmless_and_shared_blocks_stay_with_others() -> None:
@@ -175,13 +162,16 @@ def test_the_scorer_passes_its_bound_and_its_lookups_keep_asked_for_prefixes() -
     exact = scorer.exact
     assert exact is not None
     assert exact.max_blocks_per_endpoint == 4
-    pool = [state(1), state(2)]
     a, b = "a" * 64 + "b" * 64, "c" * 64 + "d" * 64
     ha, hb = engine_block_hashes("base", a, 16), engine_block_hashes("base", b, 16)
-    exact.stored(key(1), ha, NOW, head=True)
-    exact.stored(key(1), hb, NOW, head=True)
-    # Scoring prompt `a` (endpoint 1 holds it, at its bound) makes it the most recent there.
-    scorer.score(CycleState(NOW), request(prompt=a), pool)
-    exact.stored(key(1), [1, 2], NOW, head=True)  # evicts `b`, not `a`
-    assert exact.match(ha) == {key(1): 2}
-    assert exact.match(hb) == {}
+    exact.stored(key(2), ha, NOW, head=True)
+    pool = [state(1), state(2)]
+
+    def scores() -> list[float]:
+        out = scorer.score(CycleState(NOW), request(prompt=a), pool)
+        return [float(out)] * 2 if isinstance(out, float) else list(out)
+
+    assert scores() == [0.0, 1.0]
+    exact.stored(key(2), [*hb, 1, 2], NOW, head=True)  # endpoint 2's engine moved on: `a` out
+    assert exact.blocks(key(2)) == 4
+    assert scores() == [0.0, 0.0]

@@ -33,13 +33,13 @@ Memory bound (`max_blocks_per_endpoint`, the prefix scorer's `kvIndexMaxBlocksPe
 the same structure as the approximate index (one entry per (endpoint, block), about 164 B), and
 an honest engine bounds it by its cache, but events are unauthenticated and a publisher that
 stores without ever removing would grow it without end; so each endpoint keeps at most this
-many blocks, least recently used out first (`evictions` counts them). A store makes its blocks
-the most recent, the chain's first block last, so a chain loses its tail first and matching,
-which walks from the head, still finds what is kept. An engine reports a block once, and reuses
-it unreported, so on an endpoint at 7/8 of the bound or more a lookup (`match`) also makes the
-leading blocks it found there the most recent: prefixes that prompts keep asking for (whoever
-routed them) outlive those nobody asks for; below that, order does not matter yet and a lookup
-costs nothing more. A continuation whose parent the endpoint does not hold here (evicted,
+many blocks, least recently stored out first (`evictions` counts them); within a store the
+chain's first block is the most recent, so a chain loses its tail first and matching, which
+walks from the head, still finds what is kept. Why store order, although an engine reuses
+cached blocks without reporting them again: what the exact index adds to the scorer's
+approximate one (it takes the longer match) is what other routers placed lately; a prefix this
+EPP keeps routing is in its approximate index anyway (refreshing looked-up blocks lost affinity
+in the replicas bench). A continuation whose parent the endpoint does not hold here (evicted,
 cleared, or never reported) could never be matched and is not stored (`unanchored`). Why per
 endpoint: a misbehaving engine costs its own view only. Measured in
 docs/notes/2026-12-08-exact-index-bound.md.
@@ -79,7 +79,6 @@ class ExactPrefixIndex:
         "_pending",
         "_routed_since",
         "_sent",
-        "_touch_at",
         "block_size",
         "evictions",
         "foreign_at",
@@ -103,7 +102,6 @@ class ExactPrefixIndex:
         self.block_size = block_size  # tokens per block; updated from BlockStored events
         self.stale_after_s = stale_after_s
         self._index = PrefixIndex(max_blocks_per_endpoint)
-        self._touch_at = max_blocks_per_endpoint - max_blocks_per_endpoint // 8
         self.evictions = 0  # blocks dropped by the bound (the engine did not report them gone)
         self.unanchored = 0  # stored blocks ignored: their parent is not held here
         self._last_event: dict[str, float] = {}
@@ -230,15 +228,8 @@ class ExactPrefixIndex:
         return since is None or now - since < self.stale_after_s
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Per endpoint, the leading blocks of `hashes` it reported holding (only those > 0);
-        on endpoints near the bound, those blocks become the most recent (the module's rule)."""
-        found = self._index.match(hashes)
-        if found:
-            index, touch_at = self._index, self._touch_at
-            for endpoint, depth in found.items():
-                if index.blocks(endpoint) >= touch_at:
-                    index.touch(endpoint, hashes[:depth])
-        return found
+        """Per endpoint, the leading blocks of `hashes` it reported holding (only those > 0)."""
+        return self._index.match(hashes)
 
     def blocks(self, endpoint: str) -> int:
         """Blocks held for `endpoint` (at most `max_blocks_per_endpoint`)."""

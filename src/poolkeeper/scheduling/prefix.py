@@ -135,22 +135,6 @@ class PrefixIndex:
             evicted.append(old)
         return evicted
 
-    def touch(self, endpoint: str, hashes: Sequence[int]) -> int:
-        """`endpoint` just used the leading blocks of `hashes` it holds: make them its most
-        recent, the first one last (as `insert` does); returns how many it holds."""
-        lru = self._lrus.get(endpoint)
-        if lru is None:
-            return 0
-        depth = 0
-        for h in hashes:
-            if h not in lru:
-                break
-            depth += 1
-        move = lru.move_to_end
-        for h in reversed(hashes[:depth]):
-            move(h)
-        return depth
-
     def holds(self, endpoint: str, h: int) -> bool:
         lru = self._lrus.get(endpoint)
         return lru is not None and h in lru

@@ -9,8 +9,7 @@ PYTHONPATH, and prints nanoseconds per event for three streams on one endpoint:
 - `flood`: stores of new 32-block chains and no removes (a hostile publisher), 200,000 blocks
   after the index is already at 100,000 (bounded: evicting on every store; unbounded: growing);
 - `route`: a request's lookup (`match`), a 64-block prompt whose 48 leading blocks are held,
-  with the endpoint at 9,600 blocks, and `route_full` at 31,200 (past 7/8 of a 31,250 bound,
-  where a bounded index makes what it found the most recent).
+  with the endpoint at 9,600 blocks, and `route_full` at 31,200 (just under the bound).
 Ratios are per round (this tree / base); the order alternates each round. Usage:
 
     git archive <commit> src | tar -x -C /tmp/base

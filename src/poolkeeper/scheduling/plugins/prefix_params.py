@@ -173,7 +173,7 @@ class PrefixCacheParams(PluginParams):
         ge=1,
         le=1 << 24,
         description="Most engine-reported blocks the exact index keeps per endpoint, least "
-        "recently stored or routed out first (default 31,250: 500K tokens of 16-token blocks, "
+        "recently stored out first (default 31,250: 500K tokens of 16-token blocks, "
         "an H100's cache for an 8B model). Bounds the index's memory (about 164 B a block) "
         "whatever an engine reports; below an engine's cache, its least recently used blocks "
         "are matched by the approximate index only.",

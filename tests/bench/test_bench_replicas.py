@@ -61,6 +61,11 @@ def test_index_memory_is_measured_per_entry() -> None:
     assert worst["exact_bytes_per_entry"] > got["exact_bytes_per_entry"]
     with pytest.raises(ValueError, match="chain must be >= 1"):
         memory(1, 1, chain=0)
+    # Bounded at 20 blocks per endpoint, 50 stored each: 20 held, and less memory for them.
+    capped = memory(20, 50, cap=20)
+    assert capped["exact_blocks_held_per_endpoint"] == 20
+    assert got["exact_blocks_held_per_endpoint"] == 50
+    assert capped["exact_mib_per_1000_endpoints"] < got["exact_mib_per_1000_endpoints"]
 
 
 def test_subscriber_memory_follows_every_publisher() -> None:

@@ -29,8 +29,20 @@ shared-prefix traffic, the prefix groups it holds) plus those this EPP (with cro
 any replica) sent it in the last `stale_after_s` that are not reported yet; the prefix scorer's
 `coldAffinityBalance` bounds them.
 
-Memory: the same structure as the approximate index (one entry per (endpoint, block)), bounded
-by the engines' caches instead of an LRU capacity.
+Memory bound (`max_blocks_per_endpoint`, the prefix scorer's `kvIndexMaxBlocksPerEndpoint`):
+the same structure as the approximate index (one entry per (endpoint, block), about 164 B), and
+an honest engine bounds it by its cache, but events are unauthenticated and a publisher that
+stores without ever removing would grow it without end; so each endpoint keeps at most this
+many blocks, least recently stored out first (`evictions` counts them); within a store the
+chain's first block is the most recent, so a chain loses its tail first and matching, which
+walks from the head, still finds what is kept. Why store order, although an engine reuses
+cached blocks without reporting them again: what the exact index adds to the scorer's
+approximate one (it takes the longer match) is what other routers placed lately; a prefix this
+EPP keeps routing is in its approximate index anyway (refreshing looked-up blocks lost affinity
+in the replicas bench). A continuation whose parent the endpoint does not hold here (evicted,
+cleared, or never reported) could never be matched and is not stored (`unanchored`). Why per
+endpoint: a misbehaving engine costs its own view only. Measured in
+docs/notes/2026-12-08-exact-index-bound.md.
 """
 
 from __future__ import annotations
@@ -46,8 +58,10 @@ from poolkeeper.kvevents import (
 )
 from poolkeeper.scheduling.prefix import PrefixIndex
 
-# No capacity bound of its own: the engines evict and say so.
-_UNBOUNDED = 1 << 62
+# Blocks kept per endpoint by default: 31,250 blocks of 16 tokens = 500K tokens, what an H100
+# holds for an 8B model (and the approximate index's lruCapacityPerServer); the simulator's
+# engines hold 28,000, so there the engines' own evictions always come first.
+MAX_BLOCKS_PER_ENDPOINT = 31_250
 # Chain heads this EPP sent, most recent first out: enough for 65 s of routing at 1,000 req/s,
 # far longer than a request waits at an engine before it is scheduled (when its blocks are
 # stored). About 11 MiB when full (tracemalloc, 1,000 endpoints).
@@ -66,18 +80,30 @@ class ExactPrefixIndex:
         "_routed_since",
         "_sent",
         "block_size",
+        "evictions",
         "foreign_at",
         "stale_after_s",
+        "unanchored",
     )
 
-    def __init__(self, *, block_size: int = 16, stale_after_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int = 16,
+        stale_after_s: float = 5.0,
+        max_blocks_per_endpoint: int = MAX_BLOCKS_PER_ENDPOINT,
+    ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if stale_after_s <= 0:
             raise ValueError("stale_after_s must be > 0")
+        if max_blocks_per_endpoint < 1:
+            raise ValueError("max_blocks_per_endpoint must be >= 1")
         self.block_size = block_size  # tokens per block; updated from BlockStored events
         self.stale_after_s = stale_after_s
-        self._index = PrefixIndex(_UNBOUNDED)
+        self._index = PrefixIndex(max_blocks_per_endpoint)
+        self.evictions = 0  # blocks dropped by the bound (the engine did not report them gone)
+        self.unanchored = 0  # stored blocks ignored: their parent is not held here
         self._last_event: dict[str, float] = {}
         self._routed_since: dict[str, float] = {}  # first routing after the last event
         self._distrust_until: dict[str, float] = {}
@@ -100,6 +126,7 @@ class ExactPrefixIndex:
                     now,
                     block_size=event.block_size,
                     head=event.parent_block_hash is None,
+                    parent=event.parent_block_hash,
                 )
             elif isinstance(event, BlockRemoved):
                 self.removed(endpoint, event.block_hashes, now)
@@ -115,10 +142,17 @@ class ExactPrefixIndex:
         *,
         block_size: int | None = None,
         head: bool = False,
+        parent: int | None = None,
     ) -> None:
-        """`head`: the first of `hashes` starts a chain (the event's parent is None)."""
+        """`head`: the first of `hashes` starts a chain (the event's parent is None);
+        `parent`: the block the first of `hashes` continues, if known (the module's rule
+        for an unanchored continuation)."""
         if block_size is not None and block_size >= 1:
             self.block_size = block_size
+        if parent is not None and not self._index.holds(endpoint, parent):
+            self.unanchored += len(hashes)
+            self.heard(endpoint, now)
+            return
         if head and hashes:
             self._heads.setdefault(endpoint, set()).add(hashes[0])
             pending = self._pending.get(endpoint)
@@ -126,7 +160,12 @@ class ExactPrefixIndex:
                 pending.pop(hashes[0], None)
             if (endpoint, hashes[0]) not in self._sent:
                 self.foreign_at = now
-        self._index.insert(endpoint, hashes)
+        evicted = self._index.insert(endpoint, hashes)
+        if evicted:
+            self.evictions += len(evicted)
+            heads = self._heads.get(endpoint)
+            if heads:
+                heads.difference_update(evicted)
         self.heard(endpoint, now)
 
     def removed(self, endpoint: str, hashes: Sequence[int], now: float) -> None:
@@ -193,7 +232,12 @@ class ExactPrefixIndex:
         return self._index.match(hashes)
 
     def blocks(self, endpoint: str) -> int:
+        """Blocks held for `endpoint` (at most `max_blocks_per_endpoint`)."""
         return self._index.blocks(endpoint)
+
+    @property
+    def max_blocks_per_endpoint(self) -> int:
+        return self._index.capacity_per_endpoint
 
     def heads(self, endpoint: str, now: float, *, pending: bool = True) -> int:
         """Chain heads `endpoint` holds: the distinct prompt beginnings its engine reported

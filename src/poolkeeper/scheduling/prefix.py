@@ -101,8 +101,9 @@ class PrefixIndex:
             matched[key] = depth
         return matched
 
-    def insert(self, endpoint: str, hashes: Sequence[int]) -> None:
-        """Record that `endpoint` now holds these blocks; evict its least recently used ones.
+    def insert(self, endpoint: str, hashes: Sequence[int]) -> list[int]:
+        """Record that `endpoint` now holds these blocks; evict its least recently used ones
+        beyond the capacity and return them (oldest first; usually none).
 
         Blocks are touched from the last to the first, so the leading blocks (shared by the most
         prompts) are the most recent and a prompt's tail is evicted before its head, as in a
@@ -125,9 +126,18 @@ class PrefixIndex:
             else:
                 held.add(endpoint)
         excess = len(lru) - self.capacity_per_endpoint
-        for _ in range(max(0, excess)):
+        if excess <= 0:
+            return []
+        evicted = []
+        for _ in range(excess):
             old, _none = lru.popitem(last=False)
             self._drop(old, endpoint)
+            evicted.append(old)
+        return evicted
+
+    def holds(self, endpoint: str, h: int) -> bool:
+        lru = self._lrus.get(endpoint)
+        return lru is not None and h in lru
 
     def remove(self, endpoint: str, hashes: Sequence[int]) -> None:
         """`endpoint` no longer holds these blocks (the exact index's BlockRemoved)."""

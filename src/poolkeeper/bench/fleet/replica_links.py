@@ -97,7 +97,7 @@ class ExactFeed:
 
         def apply(at: float) -> None:
             for index in indexes:
-                index.stored(endpoint, hashes, at, head=head)
+                index.stored(endpoint, hashes, at, head=head, parent=parent)
 
         self.delay.push(self._now(), apply)
 
@@ -115,7 +115,10 @@ def exact_indexes(routers: Sequence[Replica], block_size: int) -> list[ExactPref
     """Give each replica's prefix scorer(s) an exact index; returns them all."""
     out: list[ExactPrefixIndex] = []
     for plugin in prefix_scorers(routers, "exact=True"):
-        index = ExactPrefixIndex(block_size=block_size)
+        index = ExactPrefixIndex(
+            block_size=block_size,
+            max_blocks_per_endpoint=plugin.params.kv_index_max_blocks_per_endpoint,
+        )
         plugin.enable_exact(index)
         out.append(index)
     return out

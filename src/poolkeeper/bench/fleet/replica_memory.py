@@ -1,11 +1,15 @@
 """What the exact prefix index and its live feed cost in memory (`replicas.py --memory`).
 
-`memory` measures (tracemalloc) the exact index holding `blocks` engine-reported blocks on each
-of `endpoints` endpoints (each block on one endpoint, the common case), and the approximate
-index with the same entries: bytes per (endpoint, block) entry and per 1,000 endpoints at that
-many blocks each. `subscriber_memory` (`--subscribers`) measures what the index's feed costs
-live: the resident memory (VmRSS) a `KVEventSubscriber` adds by following `endpoints` engines
-(one ZMQ SUB socket and task each), against publishers in a child process that each send one
+`memory` measures (tracemalloc) the exact index after `blocks` engine-reported blocks were
+stored on each of `endpoints` endpoints and none removed (each block on one endpoint, the common
+case), and the approximate index with the same entries: bytes per (endpoint, block) entry held
+and per 1,000 endpoints. The exact index keeps at most `cap` blocks per endpoint
+(`kvIndexMaxBlocksPerEndpoint`; None: no bound). Past the bound the figure includes what the
+churn leaves: dict tables sized for the blocks that came and went.
+
+`subscriber_memory` (`--subscribers`) measures what the index's feed costs live: the resident
+memory (VmRSS) a `KVEventSubscriber` adds by following `endpoints` engines (one ZMQ SUB socket
+and task each), against publishers in a child process that each send one
 batch (checked: every subscription receives it).
 """
 
@@ -16,11 +20,14 @@ from typing import Any
 
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 
+_NO_BOUND = 1 << 62
 
-def memory(endpoints: int, blocks: int, chain: int = 128) -> dict[str, Any]:
-    """Traced bytes of the exact and the approximate index at `blocks` per endpoint, the
-    exact one reported as chains of `chain` blocks (each chain's first block a head, which
-    `coldAffinityBalance` counts: 128 blocks = a 2,048-token prompt; 1 = the worst case)."""
+
+def memory(endpoints: int, blocks: int, chain: int = 128, cap: int | None = None) -> dict[str, Any]:
+    """Traced bytes of the exact and the approximate index after `blocks` stores per
+    endpoint, the exact one reported as chains of `chain` blocks (each chain's first block a
+    head, which `coldAffinityBalance` counts: 128 blocks = a 2,048-token prompt; 1 = the worst
+    case) and bounded by `cap` blocks per endpoint."""
     import tracemalloc
 
     from poolkeeper.scheduling.prefix import PrefixIndex
@@ -28,11 +35,16 @@ def memory(endpoints: int, blocks: int, chain: int = 128) -> dict[str, Any]:
     rng = random.Random(1)
     if chain < 1:
         raise ValueError("chain must be >= 1")
-    out: dict[str, Any] = {"endpoints": endpoints, "blocks_per_endpoint": blocks, "chain": chain}
+    out: dict[str, Any] = {
+        "endpoints": endpoints,
+        "blocks_per_endpoint": blocks,
+        "chain": chain,
+        "cap": cap,
+    }
     for kind in ("exact", "approx"):
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
-        exact = ExactPrefixIndex()
+        exact = ExactPrefixIndex(max_blocks_per_endpoint=_NO_BOUND if cap is None else cap)
         approx = PrefixIndex(blocks)
         for i in range(endpoints):
             key = f"10.0.{i // 250}.{i % 250 + 1}:8000"
@@ -44,7 +56,9 @@ def memory(endpoints: int, blocks: int, chain: int = 128) -> dict[str, Any]:
                 approx.insert(key, hashes)
         used = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
-        entries = endpoints * blocks
+        entries = exact.size if kind == "exact" else approx.size
+        if kind == "exact":
+            out["exact_blocks_held_per_endpoint"] = entries // endpoints
         out[f"{kind}_bytes_per_entry"] = round(used / entries, 1)
         out[f"{kind}_mib_per_1000_endpoints"] = round(used / endpoints * 1000 / 2**20, 1)
         del exact, approx

@@ -10,7 +10,7 @@ memory instead, `--subscribers` its live feed's (`replica_memory.py`).
         [--cold-affinity 0.2 [--cold-peers]] [--plugin-params JSON] [--sync-delay-ms 1]
     python -m poolkeeper.bench.fleet.replicas ... --cold-placement '{"balance": 1}'
     python -m poolkeeper.bench.fleet.replicas --memory [--endpoints 1000] [--blocks 1000] \
-        [--chain 128]
+        [--chain 128] [--cap 31250]
     python -m poolkeeper.bench.fleet.replicas --memory --subscribers [--endpoints 1000]
 
 `--cold-placement PARAMS`, `--plugin-params JSON`: `run`'s `cold_placement` and `plugin_params`
@@ -143,12 +143,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--chain", type=int, default=128, help="with --memory: blocks per reported chain"
     )
+    parser.add_argument(
+        "--cap",
+        type=int,
+        default=None,
+        help="with --memory: the exact index's kvIndexMaxBlocksPerEndpoint (default: no bound)",
+    )
     args = parser.parse_args(argv)
     if args.memory and args.subscribers:
         print(json.dumps(subscriber_memory(args.endpoints), indent=2))
         return 0
     if args.memory:
-        print(json.dumps(memory(args.endpoints, args.blocks, args.chain), indent=2))
+        print(json.dumps(memory(args.endpoints, args.blocks, args.chain, args.cap), indent=2))
         return 0
     scenario = build_scenario(args.workload, args.servers)
     if args.groups is not None:

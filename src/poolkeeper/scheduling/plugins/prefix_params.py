@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from poolkeeper.scheduling.exact_prefix import MAX_BLOCKS_PER_ENDPOINT
 from poolkeeper.scheduling.registry import PluginParams
 
 
@@ -166,6 +167,16 @@ class PrefixCacheParams(PluginParams):
         description="Read the KV-event sockets on a thread of their own, which stamps each "
         "batch's arrival as it comes off the socket (the batches are still applied on the "
         "event loop). Measured in docs/notes/2026-12-07-kv-events-decode.md.",
+    )
+    kv_index_max_blocks_per_endpoint: int = Field(
+        default=MAX_BLOCKS_PER_ENDPOINT,
+        ge=1,
+        le=1 << 24,
+        description="Most engine-reported blocks the exact index keeps per endpoint, least "
+        "recently stored out first (default 31,250: 500K tokens of 16-token blocks, "
+        "an H100's cache for an 8B model). Bounds the index's memory (about 164 B a block) "
+        "whatever an engine reports; below an engine's cache, its least recently used blocks "
+        "are matched by the approximate index only.",
     )
     kv_events_stale_after_s: float = Field(
         default=5.0,

@@ -80,6 +80,7 @@ class PrefixCacheScorer(NamedPlugin):
             self.exact = ExactPrefixIndex(
                 block_size=params.kv_events_block_size,
                 stale_after_s=params.kv_events_stale_after_s,
+                max_blocks_per_endpoint=params.kv_index_max_blocks_per_endpoint,
             )
             if params.kv_events_subscribe:
                 port, offset = params.kv_events_port, params.kv_events_port_offset

@@ -6,7 +6,8 @@ gets `requestHandling`, the scheduler `scheduling` (and the freshness of `scrapi
 (`requestcontrol/ports.py`): the scheduler, the in-flight tracker (`datastore/inflight.py`), the
 gate (`build_gate`), the datastore subscription that wakes waiting requests when fresh
 metrics may mean headroom, the one that tells the scheduler's endpoint followers (KV-event
-subscriptions) the pool's endpoints, and the one that makes the scheduler forget what it keeps
+subscriptions) the pool's endpoints, the KV-event batches into the step-phase scorers' clocks
+(`_feed_step_clocks`), and the one that makes the scheduler forget what it keeps
 per endpoint (prefix index, prefill backlog, TTFT model) for the endpoints that left the pool
 for good (server/forgetting.py: absent past a grace, or replaced at the same ip:port).
 """
@@ -14,6 +15,7 @@ for good (server/forgetting.py: absent past a grace, or replaced at the same ip:
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -35,7 +37,10 @@ from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.prefillfacts import PrefillFacts
 from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.scheduling.steplive import StepBatchFeed, feeds
 from poolkeeper.server.forgetting import FORGET_AFTER_S, EndpointForgetter
+
+log = logging.getLogger(__name__)
 
 
 def build_director(
@@ -68,6 +73,7 @@ def build_director(
         flow_observer=flow_observer,
     )
     scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s, clock=clock)
+    _feed_step_clocks(scheduler, clock)
     # `holdNewPrefixes` and `avoidPrefillUnlessCached` ask the scheduler's plugins (prefix
     # index, prefill backlog) before dispatch; without them the Director asks nothing.
     hold = spec.flow_control.asks_prefill_facts and isinstance(gate, FlowGate)
@@ -103,6 +109,23 @@ def build_director(
         if on_stop is not None:
             on_stop.append(unfollow)
     return director
+
+
+def _feed_step_clocks(scheduler: Scheduler, clock: Callable[[], float]) -> None:
+    """Each `step-phase-scorer` whose `prefixScorer` subscribes to exact KV events gets that
+    subscriber's batches, on the decisions' clock (`scheduling/steplive.py`); one without
+    them stays neutral (no batch, no clock), said once here."""
+    fed, neutral = feeds(scheduler.plugins)
+    for prefix, scorers in fed.values():
+        subscriber = prefix.subscriber
+        assert subscriber is not None  # (`feeds` pairs only subscribing prefix scorers)
+        subscriber.on_batch = StepBatchFeed(scorers, clock=clock, then=subscriber.on_batch)
+    for name in neutral:
+        log.warning(
+            "step-phase-scorer %r: its prefixScorer does not subscribe to exact KV events "
+            "(kvEvents: true), so it gets no step clock and scores every endpoint alike",
+            name,
+        )
 
 
 def _endpoint_follower(scheduler: Scheduler) -> Listener:

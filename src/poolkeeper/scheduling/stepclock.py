@@ -189,6 +189,40 @@ class StepClock:
         self.where = {r: e for r, e in self.where.items() if e in keep}
         self.unanchored &= self.where.keys()
 
+    def describe(self) -> dict[str, dict[str, object]]:
+        """Per endpoint, the learner's state (a bench and debugging view): batches, first
+        bytes dated or not, bootstrap or fitting, resets, the model, and how the steps it
+        counted per request compare with the usage (share exact, mean |log ratio|)."""
+        out: dict[str, dict[str, object]] = {}
+        for endpoint, clock in self.clocks.items():
+            learner = clock.learner
+            counts = [(c, t) for c, t in learner.counts if c > 0 and t > 0]
+            # weighted as the learner weighs them: a short request's count says little
+            weights = [min(1.0, t / 50) for _, t in counts]
+            logs = [math.log(c / t) for c, t in counts]
+            out[endpoint] = {
+                "batches": clock.batches,
+                "dated": clock.dated,
+                "undated": clock.undated,
+                "fitting": learner.fitting,
+                "resets": learner.resets,
+                "coefficients": list(learner.coefficients()),
+                "anchors": len(counts),
+                "exact_counts": sum(c == t for c, t in counts) / len(counts) if counts else None,
+                "miscount": learner.miscount,  # the learner's moving mean |log| (trust < 3 %)
+                "weighted_log_count": (
+                    sum(w * x for w, x in zip(weights, logs, strict=True)) / sum(weights)
+                    if counts
+                    else None
+                ),  # > 0: it counts more steps than the requests' usage says
+                "weighted_abs_log_count": (
+                    sum(w * abs(x) for w, x in zip(weights, logs, strict=True)) / sum(weights)
+                    if counts
+                    else None
+                ),
+            }
+        return out
+
     def fresh(self, endpoint: str, now: float) -> bool:
         clock = self.clocks.get(endpoint)
         return (

@@ -10,6 +10,8 @@ Variants, interleaved (the order rotates each round), the same requests each tim
   EPP's stop (`server/wiring.py` `STEPCLOCK_LOG_ENV`) and kept per run;
 - `C`: B with `requireFit: false` (the learnt clock scores from the first batch on, trusted
   or not: what the live clock's phase is worth where the counts do not agree);
+- `D`: B with `staleS` 1 us (no clock is ever fresh: every score neutral, all of B's work
+  done): the control for what B's work costs the EPP on a loaded machine;
 - `rr`: Envoy with a static ROUND_ROBIN cluster (`bench live`'s `envoy-rr`).
 
 Each run starts a fresh fleet (`bench/live/live.py` `run_target`, with the sims' KV-event
@@ -40,7 +42,7 @@ from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.server.wiring import STEPCLOCK_LOG_ENV
 
 KV_OFFSET = 1000  # each sim publishes on its HTTP port + this (scripts/live_replicas.py's)
-VARIANTS = ("A", "B", "C", "rr")
+VARIANTS = ("A", "B", "C", "D", "rr")
 
 
 def scheduling(variant: str) -> dict[str, Any]:
@@ -77,28 +79,32 @@ def one(variant: str, spec: LiveSpec, arrivals: list[Any], work: Path) -> dict[s
 
 
 def report(runs: list[dict[str, Any]]) -> None:
+    """Per load and round: each variant's p90 TTFT, B/A, B/rr and the others over A."""
     for load in sorted({r["load"] for r in runs}):
         at = [r for r in runs if r["load"] == load]
-        rounds = sorted({r["round"] for r in at})
-        print(f"\nload {load}: p90 TTFT ms per round (A / B / C / rr), B/A, C/A, B/rr, load avg")
-        lower_a = lower_c = lower_rr = n = 0
-        for rnd in rounds:
+        present = [v for v in VARIANTS if any(r["variant"] == v for r in at)]
+        ratios = [(v, "A") for v in present if v not in ("A", "rr")] + [("B", "rr")]
+        ratios = [(x, y) for x, y in ratios if x in present and y in present]
+        print(f"\nload {load}: p90 TTFT ms per round ({' / '.join(present)}), load avg at start")
+        lower = dict.fromkeys(ratios, 0)
+        n = 0
+        for rnd in sorted({r["round"] for r in at}):
             p90 = {
                 r["variant"]: 1000 * r["summary"]["ttft_s"]["p90"] for r in at if r["round"] == rnd
             }
-            if set(p90) != set(VARIANTS):
+            if set(p90) != set(present):
                 continue
             n += 1
-            ba, ca, brr = p90["B"] / p90["A"], p90["C"] / p90["A"], p90["B"] / p90["rr"]
-            lower_a += ba < 1.0
-            lower_c += ca < 1.0
-            lower_rr += brr < 1.0
-            up = [r["uptime_before"].split("load average:")[-1].strip() for r in at
-                  if r["round"] == rnd]  # fmt: skip
-            print(f"  r{rnd}: {p90['A']:.1f} / {p90['B']:.1f} / {p90['C']:.1f} / {p90['rr']:.1f}  "
-                  f"B/A {ba:.3f}  C/A {ca:.3f}  B/rr {brr:.3f}  ({'; '.join(up)})")  # fmt: skip
-        print(f"  B lower than A in {lower_a}/{n}, C than A in {lower_c}/{n}, "
-              f"B than rr in {lower_rr}/{n}")  # fmt: skip
+            parts = []
+            for x, y in ratios:
+                ratio = p90[x] / p90[y]
+                lower[(x, y)] += ratio < 1.0
+                parts.append(f"{x}/{y} {ratio:.3f}")
+            up = [r["uptime_before"].split("load average:")[-1].strip().split(",")[0]
+                  for r in at if r["round"] == rnd]  # fmt: skip
+            values = " / ".join(f"{p90[v]:.1f}" for v in present)
+            print(f"  r{rnd}: {values}  {'  '.join(parts)}  (load {', '.join(up)})")
+        print("  lower in: " + ", ".join(f"{x}/{y} {k}/{n}" for (x, y), k in lower.items()))
 
 
 def main() -> int:
@@ -109,7 +115,7 @@ def main() -> int:
     parser.add_argument("--loads", default="0.5,0.8")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="a subset of A,B,C,rr")
+    parser.add_argument("--variants", default="A,B,C,rr", help="a subset of A,B,C,D,rr")
     parser.add_argument("--analyze", type=Path, help="print the report of an earlier runs.json")
     args = parser.parse_args()
     if args.analyze is not None:

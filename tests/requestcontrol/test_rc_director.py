@@ -169,6 +169,20 @@ def _rig(
     return Rig(director, store, inflight, recording, clock)
 
 
+def _bare(scheduler: Any) -> Director:
+    """A Director around `scheduler` itself (no recording wrapper), the default store, shed
+    gate and handling, at NOW."""
+    return Director(
+        datastore=_store(),
+        scheduler=scheduler,
+        inflight=InflightTracker(),
+        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
+        config=RequestHandling(),
+        rng=random.Random(1),
+        clock=lambda: NOW,
+    )
+
+
 def _chat(
     model: str = "chat",
     *,
@@ -815,15 +829,7 @@ async def test_a_send_no_destination_takes_is_ended_for_the_learners() -> None:
             self.ended.append(request_id)
 
     learner = RogueLearner()
-    director = Director(
-        datastore=_store(),
-        scheduler=learner,  # unwrapped: `_rig`'s recording wrapper learns nothing
-        inflight=InflightTracker(),
-        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
-        config=RequestHandling(),
-        rng=random.Random(1),
-        clock=lambda: NOW,
-    )
+    director = _bare(learner)  # unwrapped: `_rig`'s recording wrapper learns nothing
     with pytest.raises(NoReadyEndpoint):
         await director.route(_chat(rid="gone"))
     assert len(learner.sent) == 1
@@ -953,15 +959,7 @@ async def test_a_successful_end_tells_the_step_counting_learner_its_usage(
             self.ended.append(request_id)
 
     learner = StepCounting()
-    director = Director(
-        datastore=_store(),
-        scheduler=learner,
-        inflight=InflightTracker(),
-        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
-        config=RequestHandling(),
-        rng=random.Random(1),
-        clock=lambda: NOW,
-    )
+    director = _bare(learner)
     decision = await director.route(_chat(rid="d", stream=True))
     director.complete(decision, status=status, usage=usage)
     director.complete(decision, status=status, usage=usage)  # idempotent

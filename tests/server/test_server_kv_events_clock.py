@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -32,20 +33,26 @@ class _Clock:
         return self.now
 
 
-async def test_a_sequence_gap_distrusts_the_endpoint_on_the_decisions_clock() -> None:
-    (port,) = free_ports(1)
-    doc = preset_document("default")
+def _wired(doc: dict[str, Any], port: int, **prefix: Any) -> tuple[Datastore, _Clock, Scheduler]:
+    """One sim endpoint, and the scheduler the composition root builds from `doc` with the
+    prefix scorer's kvEvents on `port` (and `prefix`'s parameters) on the FAR clock."""
     for p in doc["plugins"]:
         if p["type"] == "prefix-cache-scorer":
-            p["parameters"].update(kvEvents=True, kvEventsPort=port, kvEventsStaleAfterS=5)
+            p.setdefault("parameters", {}).update(kvEvents=True, kvEventsPort=port, **prefix)
     config = GatewayConfig.model_validate({"spec": {"scheduling": doc}})
     store = Datastore()
     store.set_resources([POOL], [])
     store.set_endpoints([EndpointSpec("sim-1", "127.0.0.1", labels={"app": "sim"})])
-    endpoint = "127.0.0.1:8000"
     clock = _Clock()
     scheduler = build_director(config, store, rng=random.Random(1), clock=clock).scheduler
     assert isinstance(scheduler, Scheduler)
+    return store, clock, scheduler
+
+
+async def test_a_sequence_gap_distrusts_the_endpoint_on_the_decisions_clock() -> None:
+    (port,) = free_ports(1)
+    store, clock, scheduler = _wired(preset_document("default"), port, kvEventsStaleAfterS=5)
+    endpoint = "127.0.0.1:8000"
     (prefix,) = [p for p in scheduler.plugins.values() if isinstance(p, PrefixCacheScorer)]
     exact, subscriber = prefix.exact, prefix._subscriber
     assert exact is not None
@@ -96,18 +103,8 @@ async def test_a_step_phase_scorer_gets_the_batches_on_the_decisions_clock() -> 
     from poolkeeper.scheduling.steplive import StepBatchFeed
 
     (port,) = free_ports(1)
-    doc = candidate_document("default-stepclock-w4")
-    for p in doc["plugins"]:
-        if p["type"] == "prefix-cache-scorer":
-            p.setdefault("parameters", {}).update(kvEvents=True, kvEventsPort=port)
-    config = GatewayConfig.model_validate({"spec": {"scheduling": doc}})
-    store = Datastore()
-    store.set_resources([POOL], [])
-    store.set_endpoints([EndpointSpec("sim-1", "127.0.0.1", labels={"app": "sim"})])
+    store, _, scheduler = _wired(candidate_document("default-stepclock-w4"), port)
     endpoint = "127.0.0.1:8000"
-    clock = _Clock()
-    scheduler = build_director(config, store, rng=random.Random(1), clock=clock).scheduler
-    assert isinstance(scheduler, Scheduler)
     (prefix,) = [p for p in scheduler.plugins.values() if isinstance(p, PrefixCacheScorer)]
     (scorer,) = [p for p in scheduler.plugins.values() if isinstance(p, StepPhaseScorer)]
     subscriber = prefix.subscriber

@@ -169,6 +169,20 @@ def _rig(
     return Rig(director, store, inflight, recording, clock)
 
 
+def _bare(scheduler: Any) -> Director:
+    """A Director around `scheduler` itself (no recording wrapper), the default store, shed
+    gate and handling, at NOW."""
+    return Director(
+        datastore=_store(),
+        scheduler=scheduler,
+        inflight=InflightTracker(),
+        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
+        config=RequestHandling(),
+        rng=random.Random(1),
+        clock=lambda: NOW,
+    )
+
+
 def _chat(
     model: str = "chat",
     *,
@@ -815,15 +829,7 @@ async def test_a_send_no_destination_takes_is_ended_for_the_learners() -> None:
             self.ended.append(request_id)
 
     learner = RogueLearner()
-    director = Director(
-        datastore=_store(),
-        scheduler=learner,  # unwrapped: `_rig`'s recording wrapper learns nothing
-        inflight=InflightTracker(),
-        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
-        config=RequestHandling(),
-        rng=random.Random(1),
-        clock=lambda: NOW,
-    )
+    director = _bare(learner)  # unwrapped: `_rig`'s recording wrapper learns nothing
     with pytest.raises(NoReadyEndpoint):
         await director.route(_chat(rid="gone"))
     assert len(learner.sent) == 1
@@ -912,3 +918,51 @@ async def test_a_streamed_first_byte_takes_the_request_out_of_the_unseen_queue()
     assert answered() == 1
     director.complete(streamed, status=200, usage=None)
     assert answered() == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "usage", "told"),
+    [
+        (200, Usage(prompt_tokens=10, completion_tokens=50), [50]),
+        (200, None, []),  # no usage: no count to anchor on
+        (502, Usage(prompt_tokens=10, completion_tokens=50), []),
+        (None, None, []),  # cancelled
+    ],
+    ids=["success", "no-usage", "error", "cancelled"],
+)
+async def test_a_successful_end_tells_the_step_counting_learner_its_usage(
+    status: int | None, usage: Usage | None, told: list[int]
+) -> None:
+    """The step-phase scorer anchors its step counts on a request's output tokens: the
+    Director passes a successful end's usage and time, then ends it for every learner."""
+
+    class StepCounting:
+        observes_first_tokens = True
+
+        def __init__(self) -> None:
+            self.done: list[tuple[str, float, int]] = []
+            self.ended: list[str] = []
+            self.inner = build_scheduler(SchedulingConfig(), rng=random.Random(1))
+
+        def schedule(
+            self, request: LLMRequest, candidates: Sequence[EndpointState], *, now: float
+        ) -> SchedulingResult:
+            return self.inner.schedule(request, candidates, now=now)
+
+        def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
+            pass
+
+        def request_done(self, request_id: str, now: float, output_tokens: int) -> None:
+            self.done.append((request_id, now, output_tokens))
+
+        def request_ended(self, request_id: str) -> None:
+            self.ended.append(request_id)
+
+    learner = StepCounting()
+    director = _bare(learner)
+    decision = await director.route(_chat(rid="d", stream=True))
+    director.complete(decision, status=status, usage=usage)
+    director.complete(decision, status=status, usage=usage)  # idempotent
+    assert [d[2] for d in learner.done] == told
+    assert all(d[1] == NOW for d in learner.done)
+    assert len(learner.ended) == 1

@@ -5,17 +5,12 @@ another's entry, here or at a peer. The real Director, default scheduler and syn
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import pytest
 
-from poolkeeper.config.gateway import RequestHandling
-from poolkeeper.datastore.inflight import InflightTracker
-from poolkeeper.flowcontrol.shedding import AdmissionController
 from poolkeeper.requestcontrol.director import Director
 from poolkeeper.requestcontrol.sends import Ticket
-from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.requestcontrol.types import RoutingDecision, Usage
 from poolkeeper.scheduling.backlog import PrefillBacklog
 from poolkeeper.scheduling.plugins.backlog_scorer import PrefillBacklogScorer
@@ -23,7 +18,7 @@ from poolkeeper.scheduling.replicasync.codec import Codec
 from poolkeeper.scheduling.replicasync.fold import bind_scheduler
 from poolkeeper.scheduling.replicasync.hub import ReplicaSync
 from poolkeeper.scheduling.scheduler import Scheduler
-from tests.requestcontrol.test_rc_director import NOW, _chat, _store
+from tests.requestcontrol.test_rc_director import NOW, _bare, _chat
 from tests.scheduling.sched_factories import scheduler
 
 LONG = "a prompt nobody sent before " * 100  # 2,800 characters: 700 uncached tokens
@@ -31,16 +26,7 @@ KEY = b"0123456789abcdef0123456789abcdef"
 
 
 def _director(s: Scheduler) -> Director:
-    store = _store()
-    return Director(
-        datastore=store,
-        scheduler=s,
-        inflight=InflightTracker(),
-        gate=ShedGate(AdmissionController(), clock=lambda: NOW),
-        config=RequestHandling(),
-        rng=random.Random(1),
-        clock=lambda: NOW,
-    )
+    return _bare(s)
 
 
 def _backlog(s: Scheduler) -> PrefillBacklog:

@@ -71,6 +71,14 @@ class LearningSchedulerLike(SchedulerLike, Protocol):
     def request_ended(self, request_id: str) -> None: ...
 
 
+@runtime_checkable
+class UsageLearnerLike(Protocol):
+    """A scheduler told a successful end's time and usage (the step-phase scorer counts a
+    request's steps by its output tokens)."""
+
+    def request_done(self, request_id: str, now: float, output_tokens: int) -> None: ...
+
+
 class PrefillFactsLike(Protocol):
     """What `holdNewPrefixes` asks the scheduler before dispatch (`scheduling/prefillfacts.py`
     answers from its plugins): a request's prompt tokens no endpoint caches, and each

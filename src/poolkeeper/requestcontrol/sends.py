@@ -1,7 +1,8 @@
 """The Director's bookkeeping of its sends, from the decision to the response's end: each
 send's key and `Ticket`, the in-flight accounting moved to the endpoint that serves, the first
 byte (time to first token, the learners, `holdNewPrefixes`' wake-up) and the end (the gate's
-charge, the tracker's speed observation). `Sends` is `director.Director`'s base.
+charge, the tracker's speed observation, a successful end's usage to the learners that count
+steps by it). `Sends` is `director.Director`'s base.
 """
 
 from __future__ import annotations
@@ -12,8 +13,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from poolkeeper.api.criticality import Criticality
-from poolkeeper.requestcontrol.ports import Gate, InflightLike, LearningSchedulerLike
+from poolkeeper.requestcontrol.ports import (
+    Gate,
+    InflightLike,
+    LearningSchedulerLike,
+    UsageLearnerLike,
+)
 from poolkeeper.requestcontrol.types import IncomingRequest, RoutingDecision, Usage
+
+
+def ok(status: int) -> bool:
+    return 200 <= status < 300
 
 
 class DirectorObserver(Protocol):
@@ -63,6 +73,10 @@ class Sends:
         self._inflight = inflight
         self._gate = gate
         self._learner = learner  # the scheduler, when a plugin learns from first tokens
+        # and, where it counts steps by the usage (the step-phase scorer), its end with it
+        self._done: Callable[[str, float, int], None] | None = (
+            learner.request_done if isinstance(learner, UsageLearnerLike) else None
+        )
         self._wake = wake  # flow control's `holdNewPrefixes` asks again on a first byte
         self._clock = clock
         self._sequence = itertools.count()
@@ -136,15 +150,19 @@ class Sends:
         if not isinstance(ticket, Ticket) or ticket.done:
             return
         ticket.done = True
-        if self._learner is not None:
-            self._learner.request_ended(ticket.key)
+        learner = self._learner
+        if learner is not None:
+            done = self._done
+            if done is not None and usage is not None and status is not None and ok(status):
+                done(ticket.key, self._clock(), usage.completion_tokens)  # the usage, live
+            learner.request_ended(ticket.key)
         # In-flight accounting is keyed by the send key, so it ends wherever it sits (the primary,
         # or the fallback `served` moved it to); `served_endpoint` needs no further move here.
         if ticket.flow:
             output = usage.completion_tokens if usage is not None else 0
             self._gate.completed(decision.pool, ticket.flow, ticket.band, output)
         if ticket.endpoint:
-            if status is not None and 200 <= status < 300 and usage is not None:
+            if status is not None and ok(status) and usage is not None:
                 # A success with usage is a speed observation: the tracker measures the time
                 # since `start` (or since `served` moved it to a fallback) on the same clock.
                 self._inflight.finish(

@@ -134,6 +134,15 @@ class Scheduler:
         for plugin in self._observers:
             plugin.observe_first_token(request_id, endpoint, now)
 
+    def request_done(self, request_id: str, now: float, output_tokens: int) -> None:
+        """A request this scheduler decided ended well at `now` with `output_tokens` (the
+        usage): for the plugins that count steps by it (`step-phase-scorer`); `request_ended`
+        follows for every outcome."""
+        for plugin in self._observers:
+            done = getattr(plugin, "request_done", None)
+            if done is not None:
+                done(request_id, now, output_tokens)
+
     def request_ended(self, request_id: str) -> None:
         """Report the end of a request this scheduler decided (any outcome)."""
         for plugin in self._observers:

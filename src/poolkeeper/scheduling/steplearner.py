@@ -224,6 +224,15 @@ class StepLearner:
                 return best
         return 0
 
+    def anchor_span(self, first: tuple[int, float], end: tuple[int, float], out: int) -> None:
+        """A request ended `out` tokens after its first byte, told late: `first` and `end` are
+        (steps counted, log r summed) at its first byte's step and at its end's (the live step
+        clock back-dates an end to the boundary its report time less a lateness falls after:
+        `stepclock.py`). As an end in a group would, if counted with the model in use."""
+        counted = end[0] - first[0]
+        if first[0] >= self.epoch and counted > 0 and out >= 2:
+            self._anchor(counted, out - 1, (end[1] - first[1]) / counted)
+
     def _anchor(self, counted: int, true: int, span_log_r: float) -> None:
         """A request's first byte and end are `true` steps apart; the learner counted
         `counted` with r averaging exp(`span_log_r`) meanwhile: a model too long counts too

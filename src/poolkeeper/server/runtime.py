@@ -40,6 +40,7 @@ from poolkeeper.scheduling.replicasync.config import ReplicaSyncConfig
 from poolkeeper.scheduling.replicasync.peerunseen import PeerUnseen
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.scheduling.stats import SchedulingStats
+from poolkeeper.scheduling.steplive import StepBatchFeed
 from poolkeeper.server.envoy_bootstrap import fail_open_split_targets
 from poolkeeper.server.epp_ports import (
     extproc_settings,
@@ -131,7 +132,11 @@ class GatewayRuntime(ManagedEnvoyStart, RuntimeStop):
         if tap is not None:  # and the KV-event batches' arrivals
             for plugin in getattr(self.director.scheduler, "plugins", {}).values():
                 if isinstance(plugin, PrefixCacheScorer) and plugin.subscriber is not None:
-                    plugin.subscriber.on_batch = tap.kv_batch
+                    feed = plugin.subscriber.on_batch  # a step clock's feed keeps its place
+                    if isinstance(feed, StepBatchFeed):
+                        feed.then = tap.kv_batch
+                    else:
+                        plugin.subscriber.on_batch = tap.kv_batch
         self.detached = detached = DetachedExchanges(tap=tap) if observing else None
         if detached is not None:
             self.metrics.follow_observer(

@@ -6,7 +6,8 @@ gets `requestHandling`, the scheduler `scheduling` (and the freshness of `scrapi
 (`requestcontrol/ports.py`): the scheduler, the in-flight tracker (`datastore/inflight.py`), the
 gate (`build_gate`), the datastore subscription that wakes waiting requests when fresh
 metrics may mean headroom, the one that tells the scheduler's endpoint followers (KV-event
-subscriptions) the pool's endpoints, and the one that makes the scheduler forget what it keeps
+subscriptions) the pool's endpoints, the KV-event batches into the step-phase scorers' clocks
+(`_feed_step_clocks`), and the one that makes the scheduler forget what it keeps
 per endpoint (prefix index, prefill backlog, TTFT model) for the endpoints that left the pool
 for good (server/forgetting.py: absent past a grace, or replaced at the same ip:port).
 """
@@ -14,9 +15,13 @@ for good (server/forgetting.py: absent past a grace, or replaced at the same ip:
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from poolkeeper.config.gateway import GatewayConfig
 from poolkeeper.datastore.inflight import InflightTracker
@@ -35,7 +40,12 @@ from poolkeeper.requestcontrol.shedgate import ShedGate
 from poolkeeper.scheduling.build import build_scheduler
 from poolkeeper.scheduling.prefillfacts import PrefillFacts
 from poolkeeper.scheduling.scheduler import Scheduler
+from poolkeeper.scheduling.steplive import StepBatchFeed, feeds
 from poolkeeper.server.forgetting import FORGET_AFTER_S, EndpointForgetter
+
+log = logging.getLogger(__name__)
+# Bench only (scripts/live_stepclock.py): where to write the step clocks' state at the stop.
+STEPCLOCK_LOG_ENV = "POOLKEEPER_BENCH_STEPCLOCK_LOG"
 
 
 def build_director(
@@ -68,6 +78,7 @@ def build_director(
         flow_observer=flow_observer,
     )
     scheduler = build_scheduler(spec.scheduling, rng=rng, staleness_s=staleness_s, clock=clock)
+    _feed_step_clocks(scheduler, clock, on_stop)
     # `holdNewPrefixes` and `avoidPrefillUnlessCached` ask the scheduler's plugins (prefix
     # index, prefill backlog) before dispatch; without them the Director asks nothing.
     hold = spec.flow_control.asks_prefill_facts and isinstance(gate, FlowGate)
@@ -103,6 +114,35 @@ def build_director(
         if on_stop is not None:
             on_stop.append(unfollow)
     return director
+
+
+def _feed_step_clocks(
+    scheduler: Scheduler, clock: Callable[[], float], on_stop: list[Callable[[], None]] | None
+) -> None:
+    """Each `step-phase-scorer` whose `prefixScorer` subscribes to exact KV events gets that
+    subscriber's batches, on the decisions' clock (`scheduling/steplive.py`); one without
+    them stays neutral (no batch, no clock), said once here. Bench only: with
+    `STEPCLOCK_LOG_ENV` set, their clocks' state is written there (JSON) at the stop."""
+    fed, neutral = feeds(scheduler.plugins)
+    for prefix, scorers in fed.values():
+        subscriber = prefix.subscriber
+        assert subscriber is not None  # (`feeds` pairs only subscribing prefix scorers)
+        subscriber.on_batch = StepBatchFeed(scorers, clock=clock, then=subscriber.on_batch)
+    dump = os.environ.get(STEPCLOCK_LOG_ENV)
+    if dump and fed and on_stop is not None:
+        scorers = [s for _, group in fed.values() for s in group]
+
+        def write() -> None:
+            state = {s.typed_name.name: s.clock.describe() for s in scorers}
+            Path(dump).write_text(json.dumps(state, indent=1))
+
+        on_stop.append(write)
+    for name in neutral:
+        log.warning(
+            "step-phase-scorer %r: its prefixScorer does not subscribe to exact KV events "
+            "(kvEvents: true), so it gets no step clock and scores every endpoint alike",
+            name,
+        )
 
 
 def _endpoint_follower(scheduler: Scheduler) -> Listener:

@@ -75,6 +75,8 @@ class LiveSpec:
     # Tokens per streamed event after the first (the simulators' --stream-interval): fewer
     # events for the shared cores to carry; the first token is sent as before.
     stream_interval: int = 1
+    sim_args: tuple[str, ...] = ()  # more `poolkeeper sim` flags (KV events' port offset)
+    router_env: tuple[tuple[str, str], ...] = ()  # more environment for the router
 
 
 def prefill_count(outcomes: Iterable[RequestOutcome]) -> int:
@@ -106,6 +108,7 @@ def run_target(
         sim_cmd += ["--max-num-seqs", str(spec.max_num_seqs)]
     if spec.stream_interval != 1:
         sim_cmd += ["--stream-interval", str(spec.stream_interval)]
+    sim_cmd += spec.sim_args
     models = models_of(kind, adapter_names(scenario_spec))
     work.mkdir(parents=True, exist_ok=True)
     with process(sim_cmd, work / "sim.log"):
@@ -114,7 +117,8 @@ def run_target(
         cmd, port, ready = router_command(
             target, root, work, sim_ports, models, spec.scheduling, spec.flow_control
         )
-        with process(cmd, work / f"{target}.log", env={"HF_HUB_OFFLINE": "1"}):
+        env = {"HF_HUB_OFFLINE": "1", **dict(spec.router_env)}
+        with process(cmd, work / f"{target}.log", env=env):
             wait_http(ready, lambda s: s < 500, READY_TIMEOUT_S, target)
             time.sleep(1.0)  # let scrapers / health checks see every worker once
             started = time.perf_counter()

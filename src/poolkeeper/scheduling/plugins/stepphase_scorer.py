@@ -14,6 +14,14 @@ hook is to call it; the virtual-time benchmark calls it from the engines' step h
 request lifecycle as the backlog scorer has it (PostCycle: the send; `observe_first_token`;
 `request_done` with the end's time and usage, else `request_ended` without a step end).
 
+Live (`live(exact)`, which the runtime's composition root calls when the scorer's
+`prefixScorer` has `kvEvents: true`, and feeds its subscriber's batches through
+`scheduling/steplive.py`): each send whose prompt's last full engine block is not yet stored
+on its endpoint is watched, and the batch that stores it dates the request's first token (the
+step clock's `back_date` mode: late first bytes and ends never reorder its learner). Without
+exact KV events the scorer gets no batches and stays neutral (below): documented, not refused,
+as a pool whose engines publish no events is a state it must take anyway.
+
 Neutral without a clock: an endpoint with no batch within `staleS`, or whose model is not
 trusted yet (`requireFit`), gets the mean score of those with one (1.0 where none has one),
 so a pool whose engines publish no KV events is scored 1.0 everywhere and the profile
@@ -27,6 +35,8 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from poolkeeper.datastore.endpoint import EndpointState
+from poolkeeper.kvevents import engine_block_hashes
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.interfaces import CycleState, ProfileResult, Scores, TypedName
 from poolkeeper.scheduling.plugins.base import NamedPlugin
 from poolkeeper.scheduling.plugins.prefix_scorer import PrefixCacheScorer
@@ -80,12 +90,18 @@ class StepPhaseParams(PluginParams):
         description="How late KV-event batches may reach the router, s: a step not reported "
         "by `now - lateS` is taken as still running.",
     )
+    end_late_s: float = Field(
+        default=0.02,
+        ge=0,
+        description="Live (KV events): how long after its last step a request's end is "
+        "reported to the EPP, s; the end is back-dated by this much to count its steps.",
+    )
 
 
 class StepPhaseScorer(NamedPlugin):
     """Scorer + PostCycle + EndpointForgetter + first-token observer around a StepClock."""
 
-    __slots__ = ("adapter_tokens", "clock", "prefix")
+    __slots__ = ("adapter_tokens", "clock", "exact", "prefix")
     bounded = True
 
     def __init__(
@@ -99,9 +115,14 @@ class StepPhaseScorer(NamedPlugin):
             params.prior_context_token_s,
         )
         self.clock = StepClock(
-            prior, stale_s=params.stale_s, late_s=params.late_s, require_fit=params.require_fit
+            prior,
+            stale_s=params.stale_s,
+            late_s=params.late_s,
+            require_fit=params.require_fit,
+            end_late_s=params.end_late_s,
         )
         self.prefix = prefix
+        self.exact: ExactPrefixIndex | None = None  # live: the index the batches fill
         self.adapter_tokens = params.adapter_tokens
 
     def _cached(self, cycle: CycleState, request: LLMRequest) -> dict[str, int]:
@@ -135,10 +156,29 @@ class StepPhaseScorer(NamedPlugin):
         key = result.targets[0].endpoint.hostport
         cached = self._cached(cycle, request).get(key, 0)
         self.clock.sent(key, request.key, request.prompt_tokens, cached, cycle.now)
+        exact = self.exact
+        if exact is not None:  # live: the batch storing the prompt's last block dates it
+            blocks = engine_block_hashes(request.target_model, request.prompt, exact.block_size)
+            if blocks and key not in exact.match(blocks[-1:]):
+                self.clock.watch(key, request.key, blocks[-1:])
+
+    def live(self, exact: ExactPrefixIndex) -> None:
+        """Fed live from the engines' KV events into `exact` (the composition root calls it):
+        first bytes dated by the batch that stored their prompt, ends back-dated."""
+        self.exact = exact
+        self.clock.back_date = True
 
     def step_ended(self, endpoint: str, ts: float) -> None:
-        """A KV-event batch from `endpoint` (ip:port), stamped `ts` by its engine."""
-        self.clock.step_ended(endpoint, ts)
+        """A KV-event batch from `endpoint` (ip:port), stamped `ts` by its engine (on the
+        decisions' clock), applied to the exact index already when live."""
+        exact = self.exact
+        if exact is None:
+            self.clock.step_ended(endpoint, ts)
+            return
+        firsts = [
+            r for r, last in self.clock.watched(endpoint).items() if endpoint in exact.match(last)
+        ]
+        self.clock.step_ended(endpoint, ts, firsts)
 
     def observe_first_token(self, request_id: str, endpoint: str | None, now: float) -> None:
         self.clock.first_token(request_id, now)

@@ -63,7 +63,7 @@ def test_every_candidate_runs_by_name_behind_flow_control_or_shedding() -> None:
     from poolkeeper.bench.policies.schedpolicy import CANDIDATE_PRESETS
     from poolkeeper.scheduling.candidate_presets import CANDIDATES
 
-    assert set(CANDIDATE_PRESETS.values()) <= set(CANDIDATES) | {"classic"}
+    assert set(CANDIDATE_PRESETS.values()) <= set(CANDIDATES) | {"classic", "default"}
     assert not set(CANDIDATE_POLICIES) & set(ALL_POLICIES)  # only when asked for by name
     for name in CANDIDATE_PRESETS:
         assert name in KNOWN_POLICIES

@@ -217,6 +217,7 @@ def test_the_step_feed_delivers_each_publishing_step_late_with_its_ts() -> None:
     feed = policy.step_feed
     assert isinstance(feed, StepFeed)
     assert feed.late_s == 0.005
+    assert all(s.clock.late_s == 0.005 for s in feed.scorers)  # its horizon as late
     assert scheduler_policy("poolkeeper-shed", random.Random(1)).step_feed is None
     fleet = VirtualFleet([EngineConfig()], seed=1)
     policy.bind(fleet)
@@ -228,6 +229,19 @@ def test_the_step_feed_delivers_each_publishing_step_late_with_its_ts() -> None:
     feed.flush(0.015)
     assert scorer.clock.clocks[key].last_batch == 0.010
     assert fleet.engines[0].max_fused_steps == 1
+
+
+def test_the_unfused_control_turns_fusing_off_without_a_step_feed() -> None:
+    from poolkeeper.bench.policies.schedpolicy import scheduler_policy
+
+    for name, fused in (("poolkeeper-nofuse-shed", 1), ("poolkeeper-shed", None)):
+        policy = scheduler_policy(name, random.Random(1))
+        assert policy.step_feed is None
+        fleet = VirtualFleet([EngineConfig()], seed=1)
+        before = fleet.engines[0].max_fused_steps
+        policy.bind(fleet)
+        assert fleet.engines[0].max_fused_steps == (fused or before)
+        assert before != 1
 
 
 def test_one_step_gaps_between_batches_still_learn_the_step_from_a_wrong_prior() -> None:

@@ -74,9 +74,10 @@ def test_until_its_model_holds_an_endpoint_has_no_clock() -> None:
     assert clock.prefill_done_s("e1", 100, 100, 0.01) == pytest.approx(0.006 + 100 * 45e-6)
 
 
-def test_the_clock_goes_stale_without_batches() -> None:
+def test_the_clock_goes_stale_without_batches_while_requests_are_outstanding() -> None:
     clock = StepClock(PRIOR, stale_s=0.5, require_fit=False)
     clock.step_ended("e1", 1.0)
+    clock.sent("e1", "a", 100, 0, 1.0)
     assert clock.fresh("e1", 1.4)
     assert not clock.fresh("e1", 1.6)
     clock.step_ended("e1", 0.9)  # an older batch, late: the clock's age is the newest's
@@ -180,7 +181,11 @@ def test_the_scorer_prefers_the_sooner_prefill_and_scores_the_clockless_at_the_m
     assert isinstance(scores, list)
     assert scores[1] == 1.0  # idle: the new prefill starts now
     assert scores[0] < 0.3  # behind a 2,000-token prefill (96 ms) in the step in progress
-    assert scores[2] == pytest.approx((scores[0] + scores[1]) / 2)
+    assert scores[2] == 1.0  # no clock and nothing outstanding: as good as the best
+    scorer.post_cycle(cycle, _request("c", 10), ProfileResult("default", (states[2],)))
+    scores = scorer.score(CycleState(now=0.002), _request("b"), states)
+    assert isinstance(scores, list)
+    assert scores[2] == pytest.approx((scores[0] + scores[1]) / 2)  # busy, unknown: the mean
 
 
 def test_the_scorer_is_registered_and_the_candidates_build() -> None:
@@ -208,3 +213,68 @@ def test_an_endpoint_without_the_requests_adapter_costs_its_load() -> None:
     assert scores[1] == 1.0
     # idle both: 6 ms + 100 tokens, against 6 ms + (100 + 2,048) tokens
     assert scores[0] == pytest.approx((0.006 + 100 * 45e-6) / (0.006 + 2148 * 45e-6))
+
+
+def test_ends_told_without_their_time_leave_nothing_behind() -> None:
+    # The Director's `request_ended` (no time, no usage) before a later event closed the group
+    # of the request's first byte: it must not move into `decoding` when the group closes.
+    clock = StepClock(PRIOR, require_fit=False)
+    for i in range(100):
+        request_id = f"r{i}"
+        clock.sent("e1", request_id, 100, 0, i * 0.1)
+        clock.first_token(request_id, i * 0.1 + 0.0105)
+        clock.ended(request_id, None, None)
+    learner = clock.clocks["e1"].learner
+    learner.advance(100.0)
+    assert learner.decoding == {}
+    assert learner.context() == 0
+    assert not learner.busy()
+
+
+def test_a_request_ended_before_its_first_byte_leaves_the_waiting_set() -> None:
+    clock = StepClock(PRIOR, require_fit=False)
+    clock.step_ended("e1", 0.0)
+    clock.sent("e1", "failed", 4000, 0, 0.0)
+    clock.ended("failed", 0.05, 0)  # an error: ended with no first byte
+    assert clock.clocks["e1"].learner.waiting == {}
+    assert clock.prefill_done_s("e1", 100, 100, 1.0) == pytest.approx(0.006 + 100 * 45e-6)
+
+
+def test_a_live_request_ended_before_its_first_byte_leaves_the_waiting_set() -> None:
+    clock = StepClock(PRIOR, require_fit=False, back_date=True)
+    clock.step_ended("e1", 0.0)
+    clock.sent("e1", "cancelled", 4000, 0, 0.0)
+    clock.watch("e1", "cancelled", (7,))
+    clock.ended("cancelled", None, None)  # live, errors and cancels tell `request_ended` only
+    assert clock.clocks["e1"].learner.waiting == {}
+    assert clock.watched("e1") == {}
+
+
+def test_an_idle_fitted_endpoint_keeps_its_clock_without_batches() -> None:
+    clock = StepClock(PRIOR, stale_s=0.5)
+    clock.step_ended("e1", 0.0)
+    clock.clocks["e1"].learner.fitting = True
+    # An idle engine publishes no batches: 2 s on, its next step still starts at the send.
+    assert clock.prefill_done_s("e1", 100, 100, 2.0) == pytest.approx(0.006 + 100 * 45e-6)
+    clock.clocks["e1"].learner.fitting = False  # an unfitted one stays clockless
+    assert clock.prefill_done_s("e1", 100, 100, 2.0) is None
+
+
+def test_a_forgotten_endpoint_is_not_revived_by_a_late_batch() -> None:
+    clock = StepClock(PRIOR, require_fit=False)
+    clock.step_ended("e1", 0.0)
+    clock.forget_endpoints(set())
+    clock.step_ended("e1", 0.01)  # late, from the endpoint that left
+    assert clock.clocks == {}
+    clock.sent("e1", "a", 10, 0, 1.0)  # picked again: back in the pool
+    clock.step_ended("e1", 1.01)
+    assert clock.clocks["e1"].batches == 1
+
+
+def test_the_send_counts_the_adapter_load_as_the_score_does() -> None:
+    scorer = _scorer()
+    state = EndpointState(Endpoint(name="a", address="10.0.0.1", port=8000), EndpointMetrics(
+        served_model="base"))  # fmt: skip
+    scorer.post_cycle(CycleState(now=0.0), _request("r"), ProfileResult("default", (state,)))
+    learner = scorer.clock.clocks[state.endpoint.hostport].learner
+    assert learner.waiting["r"] == (0.0, 100, 100 + 2048)

@@ -21,11 +21,12 @@ each request's output tokens at its end; `prefill_done_s` then gives:
 - the answer: the end of the step in progress - now + one modelled step with the new
   request's uncached prefill in it.
 
-Neutral where it cannot know: an endpoint with no batch within `stale_s` (an engine that
-publishes no events, or none lately), or whose learner has not got its step counts to agree
-with the usage counts yet (`require_fit`; a queue in the engine or chunked prefills keep it
-there: a shared-prefix pool at 0.9x restarted six times in 15 s), has no clock
-(`prefill_done_s` is None), so the scorer gives every such endpoint the same score. The
+Neutral where it cannot know: an endpoint with requests outstanding and no batch within
+`stale_s` (an engine that publishes no events, or none lately; an idle one publishes none and
+keeps its clock: its next step starts when a request arrives), or whose learner has not got
+its step counts to agree with the usage counts yet (`require_fit`; a queue in the engine or
+chunked prefills keep it there: a shared-prefix pool at 0.9x restarted six times in 15 s), has
+no clock (`prefill_done_s` is None), so the scorer gives every such endpoint the same score. The
 clock takes the times it is given as the engines' (one clock: live, `steplive.py` maps the
 batches' wall-clock `ts` to the decisions' clock).
 
@@ -95,6 +96,9 @@ class StepClock:
     clocks: dict[str, EndpointClock] = field(default_factory=dict)
     where: dict[str, str] = field(default_factory=dict)  # request id -> endpoint
     unanchored: set[str] = field(default_factory=set)  # live: first byte not dated
+    # Endpoints forgotten (`forget_endpoints`): a late batch does not revive their clock; a
+    # send (the router picked it again) does.
+    forgotten: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if len(self.prior) != 4 or min(self.prior) < 0.0 or self.prior[0] <= 0.0:
@@ -113,6 +117,8 @@ class StepClock:
     def step_ended(self, endpoint: str, ts: float, firsts: Sequence[str] = ()) -> None:
         """A KV-event batch from `endpoint`, stamped `ts` by its engine: a step ended then,
         with the first tokens of `firsts` (watched requests whose prompt it stored) in it."""
+        if endpoint in self.forgotten:
+            return
         clock = self._clock(endpoint)
         learner = clock.learner
         learner.step_ended(ts)
@@ -137,10 +143,18 @@ class StepClock:
         return {} if clock is None else clock.watch
 
     def sent(
-        self, endpoint: str, request_id: str, prompt_tokens: int, cached: int, now: float
+        self,
+        endpoint: str,
+        request_id: str,
+        prompt_tokens: int,
+        cached: int,
+        now: float,
+        extra_prefill: int = 0,
     ) -> None:
-        """A request sent to `endpoint` with `cached` of its prompt tokens probably cached."""
-        uncached = min(max(0, prompt_tokens - cached), prompt_tokens)
+        """A request sent to `endpoint` with `cached` of its prompt tokens probably cached and
+        `extra_prefill` tokens' worth of work before it (its LoRA adapter's load)."""
+        self.forgotten.discard(endpoint)
+        uncached = min(max(0, prompt_tokens - cached), prompt_tokens) + max(0, extra_prefill)
         self._clock(endpoint).learner.sent(request_id, prompt_tokens, now, prompt_tokens - uncached)
         self.where[request_id] = endpoint
 
@@ -171,12 +185,12 @@ class StepClock:
         clock.watch.pop(request_id, None)
         unanchored = request_id in self.unanchored
         self.unanchored.discard(request_id)
-        if now is not None and not self.back_date:
+        if now is not None and not self.back_date and request_id not in learner.waiting:
             learner.observed(request_id, now, first=False, out=output_tokens)
             return
-        learner.waiting.pop(request_id, None)  # no step end to count: just gone
-        decoding = learner.decoding.pop(request_id, None)
-        learner.group_firsts = [f for f in learner.group_firsts if f[0] != request_id]
+        # No step end to count (time unknown, live, or ended before its first byte: an error
+        # or a cancel): just gone, or it would keep the learner busy and its context growing.
+        decoding = learner.drop(request_id)
         if decoding is None or now is None or output_tokens is None or unanchored:
             return
         end = clock.at(now - self.end_late_s)
@@ -186,6 +200,8 @@ class StepClock:
     def forget_endpoints(self, keep: set[str]) -> None:
         for endpoint in [e for e in self.clocks if e not in keep]:
             del self.clocks[endpoint]
+            self.forgotten.add(endpoint)
+        self.forgotten -= keep
         self.where = {r: e for r, e in self.where.items() if e in keep}
         self.unanchored &= self.where.keys()
 
@@ -223,13 +239,21 @@ class StepClock:
             }
         return out
 
+    def outstanding(self, endpoint: str) -> bool:
+        """Whether `endpoint` has requests this router sent that have not ended."""
+        clock = self.clocks.get(endpoint)
+        return clock is not None and clock.learner.busy()
+
     def fresh(self, endpoint: str, now: float) -> bool:
+        """A clock to trust: the learner fitted (or `require_fit` off) and a batch within
+        `stale_s`, or nothing outstanding: an idle engine publishes no batches, and its next
+        step starts when a request arrives (it is the cheapest place, not an unknown one)."""
         clock = self.clocks.get(endpoint)
         return (
             clock is not None
             and clock.last_batch is not None
-            and now - clock.last_batch <= self.stale_s
             and (clock.learner.fitting or not self.require_fit)
+            and (now - clock.last_batch <= self.stale_s or not clock.learner.busy())
         )
 
     def prefill_done_s(self, endpoint: str, uncached: int, prompt: int, now: float) -> float | None:

@@ -145,6 +145,14 @@ class StepLearner:
             self.boundary = now  # an idle engine starts a step when a request arrives
         self.waiting[request_id] = (now, prompt_tokens, prompt_tokens - cached)
 
+    def drop(self, request_id: str) -> tuple[int, int, float] | None:
+        """Forget a request with no step end to count (an error, a cancel, an end told without
+        its time): out of `waiting`, `decoding` and the open group's first bytes, so that it
+        neither keeps the learner busy nor adds to its context. Its `decoding` entry, if any."""
+        self.waiting.pop(request_id, None)
+        self.group_firsts = [f for f in self.group_firsts if f[0] != request_id]
+        return self.decoding.pop(request_id, None)
+
     def observed(self, request_id: str, now: float, *, first: bool, out: int | None) -> None:
         """A first byte (`first`) or an end (`out`: output tokens, None if unknown) at `now`."""
         self._open(now)

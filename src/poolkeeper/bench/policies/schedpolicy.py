@@ -94,7 +94,12 @@ CANDIDATE_PRESETS: dict[str, str] = {
     "poolkeeper-stepclock-w8": "default-stepclock-w8",
     "poolkeeper-stepclock-w16": "default-stepclock-w16",
     "poolkeeper-stepclock-late5ms": "default-stepclock-w4",
+    # the control for the step-clock policies: the default with decode-step fusing off on the
+    # engines as `stepfeed` turns it off (`NO_FUSE_POLICIES`), no step-phase scorer
+    "poolkeeper-nofuse": "default",
 }
+# Policies whose engines run unfused (`max_fused_steps = 1`), as `stepfeed.StepFeed.bind` does.
+NO_FUSE_POLICIES: frozenset[str] = frozenset({"poolkeeper-nofuse"})
 # KV batches reach the step-phase scorer this late (`stepfeed`; default `DEFAULT_LATE_S`, 1 ms).
 STEP_FEED_LATE_S: dict[str, float] = {"poolkeeper-stepclock-late5ms": 0.005}
 _PRESET = {
@@ -150,6 +155,9 @@ class SchedulerPolicy:
         return self._learns
 
     def bind(self, fleet: VirtualFleet) -> None:
+        if self.name.removesuffix("-shed") in NO_FUSE_POLICIES:
+            for engine in fleet.engines:
+                engine.max_fused_steps = 1
         if self.step_feed is not None:
             self.step_feed.bind(fleet)
 
@@ -217,4 +225,6 @@ def scheduler_policy(
     late = STEP_FEED_LATE_S.get(name.removesuffix("-shed"))
     if policy.step_feed is not None and late is not None:
         policy.step_feed.late_s = late
+        for scorer in policy.step_feed.scorers:  # the horizon: batches may be this late
+            scorer.clock.late_s = max(scorer.clock.late_s, late)
     return policy

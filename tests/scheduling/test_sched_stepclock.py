@@ -271,6 +271,16 @@ def test_a_forgotten_endpoint_is_not_revived_by_a_late_batch() -> None:
     assert clock.clocks["e1"].batches == 1
 
 
+def test_endpoints_forgotten_are_not_remembered_for_ever() -> None:
+    """Pods come and go: what is kept out is the latest forget's endpoints only."""
+    clock = StepClock(PRIOR, require_fit=False)
+    for n in range(100):
+        clock.step_ended(f"e{n}", float(n))
+        clock.forget_endpoints(set())
+    assert clock.forgotten == {"e99"}
+    assert clock.clocks == {}
+
+
 def test_the_send_counts_the_adapter_load_as_the_score_does() -> None:
     scorer = _scorer()
     state = EndpointState(Endpoint(name="a", address="10.0.0.1", port=8000), EndpointMetrics(

@@ -198,10 +198,12 @@ class StepClock:
             learner.anchor_span(decoding[1:], end, output_tokens)
 
     def forget_endpoints(self, keep: set[str]) -> None:
-        for endpoint in [e for e in self.clocks if e not in keep]:
+        # Only the latest forget's endpoints are kept out (a late batch is one in flight as
+        # the subscriber forgot them too): a set of every endpoint ever forgotten would grow
+        # with pod churn for good.
+        self.forgotten = {e for e in self.clocks if e not in keep}
+        for endpoint in self.forgotten:
             del self.clocks[endpoint]
-            self.forgotten.add(endpoint)
-        self.forgotten -= keep
         self.where = {r: e for r, e in self.where.items() if e in keep}
         self.unanchored &= self.where.keys()
 

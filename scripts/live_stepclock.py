@@ -12,6 +12,10 @@ Variants, interleaved (the order rotates each round), the same requests each tim
   or not: what the live clock's phase is worth where the counts do not agree);
 - `D`: B with `staleS` 1 us (no clock is ever fresh: every score neutral, all of B's work
   done): the control for what B's work costs the EPP on a loaded machine;
+- `P`: the default profile as shipped (approximate index, no KV subscription; the sims still
+  publish): what A's exact events cost or buy;
+- `R`: the EPP path with the `random` preset (one random endpoint, nothing scored): what the
+  path costs apart from placement;
 - `rr`: Envoy with a static ROUND_ROBIN cluster (`bench live`'s `envoy-rr`).
 
 Each run starts a fresh fleet (`bench/live/live.py` `run_target`, with the sims' KV-event
@@ -42,10 +46,12 @@ from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.server.wiring import STEPCLOCK_LOG_ENV
 
 KV_OFFSET = 1000  # each sim publishes on its HTTP port + this (scripts/live_replicas.py's)
-VARIANTS = ("A", "B", "C", "D", "rr")
+VARIANTS = ("A", "B", "C", "D", "P", "R", "rr")
 
 
 def scheduling(variant: str) -> dict[str, Any]:
+    if variant in ("P", "R"):
+        return preset_document("default" if variant == "P" else "random")
     doc = (
         preset_document("default") if variant == "A" else candidate_document("default-stepclock-w4")
     )
@@ -67,7 +73,7 @@ def one(variant: str, spec: LiveSpec, arrivals: list[Any], work: Path) -> dict[s
         target, run_spec = "envoy-rr", spec
     else:
         target = POOLKEEPER
-        env = ((STEPCLOCK_LOG_ENV, str(dump)),) if variant != "A" else ()
+        env = ((STEPCLOCK_LOG_ENV, str(dump)),) if variant not in ("A", "P", "R") else ()
         run_spec = replace(spec, scheduling=scheduling(variant), router_env=env)
     before = uptime()
     run = run_target(target, run_spec, arrivals, root=repo_root(), work=work, progress=print)
@@ -83,7 +89,7 @@ def report(runs: list[dict[str, Any]]) -> None:
     for load in sorted({r["load"] for r in runs}):
         at = [r for r in runs if r["load"] == load]
         present = [v for v in VARIANTS if any(r["variant"] == v for r in at)]
-        ratios = [(v, "A") for v in present if v not in ("A", "rr")] + [("B", "rr")]
+        ratios = [(v, "A") for v in present if v not in ("A", "rr")] + [("B", "rr"), ("A", "rr")]
         ratios = [(x, y) for x, y in ratios if x in present and y in present]
         print(f"\nload {load}: p90 TTFT ms per round ({' / '.join(present)}), load avg at start")
         lower = dict.fromkeys(ratios, 0)
@@ -115,7 +121,7 @@ def main() -> int:
     parser.add_argument("--loads", default="0.5,0.8")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="A,B,C,rr", help="a subset of A,B,C,D,rr")
+    parser.add_argument("--variants", default="A,B,C,rr", help="a subset of A,B,C,D,P,R,rr")
     parser.add_argument("--analyze", type=Path, help="print the report of an earlier runs.json")
     args = parser.parse_args()
     if args.analyze is not None:

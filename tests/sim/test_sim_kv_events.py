@@ -53,6 +53,21 @@ async def _reported(index: ExactPrefixIndex, hashes: list[int]) -> bool:
     return False
 
 
+async def _sent_until_reported(endpoint: str, index: ExactPrefixIndex, repeat: int = 16) -> str:
+    """Send one-token completions of new prompts (`repeat` x 4 characters) to `endpoint`
+    until the index holds one's blocks (a SUB socket misses what is sent before it has
+    connected: ZMQ's slow joiner); the prompt that got there."""
+    async with aiohttp.ClientSession() as http:
+        for attempt in range(200):
+            prompt = f"{attempt:04d}" * repeat
+            body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 1}
+            async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
+                assert r.status == 200
+            if await _reported(index, engine_block_hashes(DEFAULT_MODEL, prompt, 16)):
+                return prompt
+    pytest.fail(f"no KV event from {endpoint}")
+
+
 async def test_served_prompts_reach_the_exact_index_through_zmq() -> None:
     cluster, endpoint, index, subscriber = await _sim_and_subscriber()
     subscriber.follow([endpoint])
@@ -114,20 +129,8 @@ async def test_the_epp_subscribes_when_it_learns_the_endpoints_not_at_a_first_de
     # Written before the loop ran anything: nothing followed yet; the first scrape on the loop.
     store.update_metrics(endpoint, EndpointMetrics(updated_at=time.monotonic()))
     try:
-        async with aiohttp.ClientSession() as http:
-            for attempt in range(200):  # until the SUB socket is connected (slow joiner)
-                prompt = f"{attempt:04d}" * 64
-                body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 1}
-                async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
-                    assert r.status == 200
-                hashes = engine_block_hashes(DEFAULT_MODEL, prompt, 16)
-                for _ in range(20):
-                    if exact.match(hashes):
-                        break
-                    await asyncio.sleep(0.01)
-                if exact.match(hashes):
-                    break
-            assert exact.match(hashes) == {endpoint: 4}
+        prompt = await _sent_until_reported(endpoint, exact, repeat=64)
+        assert exact.match(engine_block_hashes(DEFAULT_MODEL, prompt, 16)) == {endpoint: 4}
     finally:
         subscriber = scorer._subscriber
         if subscriber is not None:
@@ -180,16 +183,7 @@ async def test_an_endpoint_with_a_bad_address_loses_only_its_own_events(thread: 
     await asyncio.sleep(0.1)  # the bad one is tried first
     subscriber.follow([endpoint])
     try:
-        async with aiohttp.ClientSession() as http:
-            for attempt in range(200):  # until the SUB socket is connected (slow joiner)
-                prompt = f"{attempt:04d}" * 16
-                body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 1}
-                async with http.post(f"http://{endpoint}/v1/completions", json=body) as r:
-                    assert r.status == 200
-                if await _reported(index, engine_block_hashes(DEFAULT_MODEL, prompt, 16)):
-                    break
-            else:
-                pytest.fail("no event from the good endpoint")
+        await _sent_until_reported(endpoint, index)  # the good endpoint's events arrive
     finally:
         await asyncio.wait_for(subscriber.close(), timeout=10)
         await cluster.stop()

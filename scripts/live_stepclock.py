@@ -16,6 +16,7 @@ Variants, interleaved (the order rotates each round), the same requests each tim
   publish): what A's exact events cost or buy;
 - `R`: the EPP path with the `random` preset (one random endpoint, nothing scored): what the
   path costs apart from placement;
+- `N`: R with flow control off (`flowControl.enabled: false`): what flow control adds to the path;
 - `rr`: Envoy with a static ROUND_ROBIN cluster (`bench live`'s `envoy-rr`).
 
 Each run starts a fresh fleet (`bench/live/live.py` `run_target`, with the sims' KV-event
@@ -46,11 +47,11 @@ from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.server.wiring import STEPCLOCK_LOG_ENV
 
 KV_OFFSET = 1000  # each sim publishes on its HTTP port + this (scripts/live_replicas.py's)
-VARIANTS = ("A", "B", "C", "D", "P", "R", "rr")
+VARIANTS = ("A", "B", "C", "D", "P", "R", "N", "rr")
 
 
 def scheduling(variant: str) -> dict[str, Any]:
-    if variant in ("P", "R"):
+    if variant in ("P", "R", "N"):
         return preset_document("default" if variant == "P" else "random")
     doc = (
         preset_document("default") if variant == "A" else candidate_document("default-stepclock-w4")
@@ -73,8 +74,9 @@ def one(variant: str, spec: LiveSpec, arrivals: list[Any], work: Path) -> dict[s
         target, run_spec = "envoy-rr", spec
     else:
         target = POOLKEEPER
-        env = ((STEPCLOCK_LOG_ENV, str(dump)),) if variant not in ("A", "P", "R") else ()
-        run_spec = replace(spec, scheduling=scheduling(variant), router_env=env)
+        env = ((STEPCLOCK_LOG_ENV, str(dump)),) if variant not in ("A", "P", "R", "N") else ()
+        flow = {"enabled": False} if variant == "N" else spec.flow_control
+        run_spec = replace(spec, scheduling=scheduling(variant), router_env=env, flow_control=flow)
     before = uptime()
     run = run_target(target, run_spec, arrivals, root=repo_root(), work=work, progress=print)
     run.pop("requests", None)
@@ -121,7 +123,7 @@ def main() -> int:
     parser.add_argument("--loads", default="0.5,0.8")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="A,B,C,rr", help="a subset of A,B,C,D,P,R,rr")
+    parser.add_argument("--variants", default="A,B,C,rr", help="a subset of A,B,C,D,P,R,N,rr")
     parser.add_argument("--analyze", type=Path, help="print the report of an earlier runs.json")
     args = parser.parse_args()
     if args.analyze is not None:

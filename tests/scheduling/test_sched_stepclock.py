@@ -199,6 +199,24 @@ def test_the_scorer_is_registered_and_the_candidates_build() -> None:
         assert found[0].prefix is not None  # reads the default profile's prefix index
 
 
+def test_the_scheduler_passes_a_successful_ends_usage_to_the_scorer() -> None:
+    """`Scheduler.request_done` (the Director's successful end with usage) reaches the
+    scorer as an end the learner counts steps by; `request_ended` alone would only drop it."""
+    scheduler = build_scheduler(
+        SchedulingConfig.model_validate(candidate_document("default-stepclock-w4")),
+        rng=random.Random(1),
+    )
+    (scorer,) = [p for p in scheduler.plugins.values() if isinstance(p, StepPhaseScorer)]
+    scorer.clock.sent("e1", "r", 100, 0, 0.0)
+    scheduler.observe_first_token("r", "e1", 0.01)
+    scorer.step_ended("e1", 0.02)  # closes the first byte's group: "r" decodes
+    learner = scorer.clock.clocks["e1"].learner
+    assert "r" in learner.decoding
+    scheduler.request_done("r", 0.05, 4)
+    assert "r" not in learner.decoding
+    assert len(learner.group_ends) == 1
+
+
 def test_an_endpoint_without_the_requests_adapter_costs_its_load() -> None:
     scorer = _scorer()
     with_adapter = EndpointMetrics(served_model="base", active_adapters=frozenset({"m"}))

@@ -8,7 +8,7 @@ Its `stats` collect per-plugin durations and prefix-index lookups for the metric
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from poolkeeper.datastore.endpoint import EndpointState
@@ -36,6 +36,7 @@ class Scheduler:
         "_forgetters",
         "_observers",
         "_only",
+        "_usage_learners",
         "handler",
         "plugins",
         "profiles",
@@ -65,6 +66,11 @@ class Scheduler:
         self.source = source  # "config" or "preset <name>", for logs and `poolkeeper status`
         self._forgetters = tuple(p for p in plugins.values() if isinstance(p, EndpointForgetter))
         self._observers = tuple(p for p in plugins.values() if isinstance(p, FirstTokenObserver))
+        # Those that also count steps by a successful end's usage (`step-phase-scorer`): found
+        # once here, not looked up on every request's end.
+        self._usage_learners: tuple[Callable[[str, float, int], None], ...] = tuple(
+            done for p in self._observers if (done := getattr(p, "request_done", None)) is not None
+        )
         # Only plugins that connect: a listener per datastore write for nothing otherwise.
         self._followers = tuple(
             p for p in plugins.values() if isinstance(p, EndpointFollower) and p.follows
@@ -138,10 +144,8 @@ class Scheduler:
         """A request this scheduler decided ended well at `now` with `output_tokens` (the
         usage): for the plugins that count steps by it (`step-phase-scorer`); `request_ended`
         follows for every outcome."""
-        for plugin in self._observers:
-            done = getattr(plugin, "request_done", None)
-            if done is not None:
-                done(request_id, now, output_tokens)
+        for done in self._usage_learners:
+            done(request_id, now, output_tokens)
 
     def request_ended(self, request_id: str) -> None:
         """Report the end of a request this scheduler decided (any outcome)."""

@@ -6,8 +6,11 @@ thread's `handed`. Nothing is locked or allocated per message for it; a scrape r
 a `KVEventsReading` (`KVEventSubscriber.reading`), on the event loop that writes all of them
 but `handed`. Why that one is safe to read from the loop: only the receive thread writes it
 (an int attribute read under the GIL is whole, never torn) and it is incremented before the
-message is handed to the loop, so it is never below the loop's own `delivered` count, read
-first: the queue depth it gives is never negative, at most one message behind.
+message is handed to the loop, so it is never below the loop's own count of messages taken
+(`KVEventSubscriber.delivered`), read first: the queue depth it gives is never negative. What
+is derived is not counted: batches applied are the messages neither malformed nor undecodable,
+and the loop's deliveries the sum of its endpoints' messages (measured: the counting adds
+about 0.1 us to the 6 us a one-event batch costs on the loop; the note of 2026-12-08).
 
 Labels stay bounded by configuration: one reading per prefix scorer with kvEvents (its plugin
 name), one row per endpoint it follows (the pool's endpoints; forgotten ones leave).
@@ -28,11 +31,15 @@ class EndpointFeed:
 
     expected: int = -1  # the next sequence number (-1: nothing heard yet)
     messages: int = 0  # messages taken off its socket
-    applied: int = 0  # batches applied to the index
     gaps: int = 0  # sequence gaps (lost messages: its view dropped)
     bad_frames: int = 0  # messages not (topic, 8-byte sequence, payload): ignored
     bad_payloads: int = 0  # payloads that are not a KV-event batch: its view dropped
     connect_errors: int = 0  # its address refused by ZMQ (nothing is received then)
+
+    @property
+    def applied(self) -> int:
+        """Batches applied to the index: every other message (one increment less per batch)."""
+        return self.messages - self.bad_frames - self.bad_payloads
 
 
 @dataclass(frozen=True, slots=True)

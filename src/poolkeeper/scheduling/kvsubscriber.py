@@ -72,10 +72,10 @@ class KVEventSubscriber:
         "_closed",
         "_ctx",
         "_feeds",
+        "_left",
         "_receiver",
         "_tasks",
         "_thread",
-        "delivered",
         "index",
         "on_batch",
         "received",
@@ -104,7 +104,7 @@ class KVEventSubscriber:
         self._thread = thread
         self._receiver: ThreadReceiver | None = None  # started at the first `follow`
         self.received = 0  # batches applied (for tests and stats)
-        self.delivered = 0  # messages that reached `_on_frames` (the thread's queue depth)
+        self._left = 0  # messages of endpoints no longer followed (for `delivered`)
         # (endpoint, batch ts, wall-clock receipt) per batch applied; the module's docstring.
         self.on_batch: Callable[[str, float, float], None] | None = None
         self._closed = False
@@ -140,7 +140,7 @@ class KVEventSubscriber:
         for endpoint in [e for e in self._tasks if e not in keep]:
             self._tasks.pop(endpoint).cancel()
         for endpoint in [e for e in self._feeds if e not in keep]:
-            del self._feeds[endpoint]
+            self._left += self._feeds.pop(endpoint).messages
             if self._receiver is not None:
                 self._receiver.remove(endpoint)
 
@@ -181,9 +181,9 @@ class KVEventSubscriber:
 
     def _on_frames(self, endpoint: str, frames: list[bytes], received_at: float) -> None:
         """One message from `endpoint` (on the loop): check its sequence, apply its batch."""
-        self.delivered += 1
         feed = self._feeds.get(endpoint)
         if feed is None:
+            self._left += 1
             return  # forgotten while the message was on its way from the thread
         feed.messages += 1
         now = self._clock()  # the decisions' clock
@@ -206,7 +206,6 @@ class KVEventSubscriber:
             index.lost(endpoint, now)
             return
         index.apply(endpoint, batch, now)
-        feed.applied += 1
         self.received += 1
         observer = self.on_batch
         if observer is not None:
@@ -217,6 +216,11 @@ class KVEventSubscriber:
         feed = self._feeds.get(endpoint)
         if feed is not None:
             feed.connect_errors += 1
+
+    @property
+    def delivered(self) -> int:
+        """Messages that reached `_on_frames` (summed here, not counted per message)."""
+        return self._left + sum(f.messages for f in self._feeds.values())
 
     def reading(self) -> KVEventsReading:
         """Its counters and its index's, now (at scrape time, on the loop; `kvstats.py`)."""

@@ -21,6 +21,7 @@ from poolkeeper.scheduling.presets import preset_document
 from poolkeeper.scheduling.scheduler import Scheduler
 from poolkeeper.server.wiring import build_director
 from tests.server.test_server_pool_changes import POOL
+from tests.support.kvpub import Publisher
 
 FAR = 1_000_000.0  # the runtime's clock, nowhere near time.monotonic()
 
@@ -57,40 +58,22 @@ async def test_a_sequence_gap_distrusts_the_endpoint_on_the_decisions_clock() ->
     exact, subscriber = prefix.exact, prefix._subscriber
     assert exact is not None
     assert subscriber is not None
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub = Publisher(port)
     payload = encode(KVEventBatch(ts=0.0, events=[BlockStored([7, 8], None)]))
-
-    async def publish_until_received(first_seq: int, *, every: int) -> int:
-        """Send batches numbered from `first_seq` (a step of `every`) until one is applied
-        (a SUB socket misses what is sent before it connects); the last number sent."""
-        received, seq = subscriber.received, first_seq
-        for _ in range(500):  # bounded: connecting on loopback takes a few iterations
-            await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
-            for _ in range(10):
-                if subscriber.received > received:
-                    return seq
-                await asyncio.sleep(0.002)
-            seq += every
-        raise AssertionError("no KV-event batch reached the subscriber")
-
     try:
         store.update_metrics(endpoint, EndpointMetrics(updated_at=FAR))  # on the loop: follow
-        seq = await publish_until_received(0, every=1)
+        seq = await pub.until_applied(subscriber, payload)
         assert exact.fresh(endpoint, clock.now)
         assert exact.foreign_at == FAR  # a head this EPP did not send, stamped at clock()
         # A gap (a lost batch): the endpoint's view is distrusted for 5 s of the decisions'
         # clock, not of time.monotonic() (which would have ended "long ago" at FAR).
-        await publish_until_received(seq + 2, every=2)
+        await pub.until_applied(subscriber, payload, seq + 2, every=2)
         assert not exact.fresh(endpoint, clock.now)
         clock.now = FAR + 5.0
         assert exact.fresh(endpoint, clock.now)
     finally:
         await subscriber.close()
-        pub.close(linger=0)
-        ctx.term()
+        pub.close()
 
 
 async def test_a_step_phase_scorer_gets_the_batches_on_the_decisions_clock() -> None:

@@ -43,6 +43,12 @@ in the replicas bench). A continuation whose parent the endpoint does not hold h
 cleared, or never reported) could never be matched and is not stored (`unanchored`). Why per
 endpoint: a misbehaving engine costs its own view only. Measured in
 docs/notes/2026-12-08-exact-index-bound.md.
+
+Counters (plain integers, read at scrape time by `kvsubscriber.py`'s `reading` for /metrics,
+`telemetry/kv_collector.py`): `admissions` (blocks stored), `removals` (blocks the engines
+reported removed), `evictions` and `unanchored` (above), and the scorer's `lookup`s with the
+blocks they asked for and the best endpoint's match. Only the loop that owns the index writes
+them. `staleness` says why an endpoint's view is not used (the rule above, one reason each).
 """
 
 from __future__ import annotations
@@ -79,9 +85,14 @@ class ExactPrefixIndex:
         "_pending",
         "_routed_since",
         "_sent",
+        "admissions",
         "block_size",
         "evictions",
         "foreign_at",
+        "lookup_blocks",
+        "lookup_hits",
+        "lookups",
+        "removals",
         "stale_after_s",
         "unanchored",
     )
@@ -104,6 +115,11 @@ class ExactPrefixIndex:
         self._index = PrefixIndex(max_blocks_per_endpoint)
         self.evictions = 0  # blocks dropped by the bound (the engine did not report them gone)
         self.unanchored = 0  # stored blocks ignored: their parent is not held here
+        self.admissions = 0  # blocks stored as the engines reported them (anchored)
+        self.removals = 0  # blocks the engines reported removed (BlockRemoved)
+        self.lookups = 0  # the scorer's `lookup` calls
+        self.lookup_blocks = 0  # blocks those lookups asked for
+        self.lookup_hits = 0  # per lookup, the leading blocks the best endpoint holds
         self._last_event: dict[str, float] = {}
         self._routed_since: dict[str, float] = {}  # first routing after the last event
         self._distrust_until: dict[str, float] = {}
@@ -160,6 +176,7 @@ class ExactPrefixIndex:
                 pending.pop(hashes[0], None)
             if (endpoint, hashes[0]) not in self._sent:
                 self.foreign_at = now
+        self.admissions += len(hashes)
         evicted = self._index.insert(endpoint, hashes)
         if evicted:
             self.evictions += len(evicted)
@@ -169,6 +186,7 @@ class ExactPrefixIndex:
         self.heard(endpoint, now)
 
     def removed(self, endpoint: str, hashes: Sequence[int], now: float) -> None:
+        self.removals += len(hashes)
         self._index.remove(endpoint, hashes)
         heads = self._heads.get(endpoint)
         if heads:
@@ -220,16 +238,33 @@ class ExactPrefixIndex:
 
     def fresh(self, endpoint: str, now: float) -> bool:
         """Whether `endpoint`'s exact view may be used at `now` (the module's rule)."""
+        return self.staleness(endpoint, now) is None
+
+    def staleness(self, endpoint: str, now: float) -> str | None:
+        """Why `endpoint`'s exact view is not used at `now` (the module's rule), or None:
+        `no_events` (no batch yet), `lost` (distrusted after lost events), `silent` (routed
+        to `stale_after_s` ago or earlier, no batch since)."""
         if endpoint not in self._last_event:
-            return False
+            return "no_events"
         if now < self._distrust_until.get(endpoint, float("-inf")):
-            return False
+            return "lost"
         since = self._routed_since.get(endpoint)
-        return since is None or now - since < self.stale_after_s
+        return None if since is None or now - since < self.stale_after_s else "silent"
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per endpoint, the leading blocks of `hashes` it reported holding (only those > 0)."""
         return self._index.match(hashes)
+
+    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
+        """`match`, counted (the prefix scorer's lookup per decision; other readers use
+        `match`): the blocks asked for and the best endpoint's, fresh or not (what the index
+        holds; `staleness` says which views are used)."""
+        found = self._index.match(hashes)
+        self.lookups += 1
+        self.lookup_blocks += len(hashes)
+        if found:
+            self.lookup_hits += max(found.values())
+        return found
 
     def blocks(self, endpoint: str) -> int:
         """Blocks held for `endpoint` (at most `max_blocks_per_endpoint`)."""

@@ -11,7 +11,9 @@ blocking call or after the interpreter's switch interval (5 ms by default).
 docs/notes/2026-12-07-kv-events-decode.md measures both.
 
 Sockets live on the thread only (ZMQ sockets are not thread-safe): `add` and `remove` queue
-the change, which the thread picks up within one poll interval (`POLL_MS`).
+the change, which the thread picks up within one poll interval (`POLL_MS`). An address ZMQ
+refuses is reported to the loop (`refused`, called there). `handed` counts the messages handed
+to the loop; only this thread writes it (`kvstats.py` says why the loop may read it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ThreadReceiver:
         loop: asyncio.AbstractEventLoop,
         deliver: Callable[[str, list[bytes], float], None],
         configure: Callable[[Any], None],
+        refused: Callable[[str], None],
     ) -> None:
         import zmq
 
@@ -44,6 +47,8 @@ class ThreadReceiver:
         self._loop = loop
         self._deliver = deliver
         self._configure = configure  # socket options, set on the thread before connecting
+        self._refused = refused  # an endpoint whose address ZMQ refused, told on the loop
+        self.handed = 0  # messages handed to the loop (written by the thread only)
         self._changes: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-recv", daemon=True)
@@ -86,6 +91,10 @@ class ThreadReceiver:
                             # One bad address loses that endpoint only, as on the loop.
                             log.warning("kv events from %s (%s): %s", endpoint, address, exc)
                             sock.close(linger=0)
+                            try:
+                                loop.call_soon_threadsafe(self._refused, endpoint)
+                            except RuntimeError:  # the loop is closed: shutting down
+                                return
                             continue
                         poller.register(sock, zmq.POLLIN)
                         socks[endpoint], names[sock] = sock, endpoint
@@ -95,6 +104,7 @@ class ThreadReceiver:
                     except zmq.Again:
                         continue
                     received_at = time.time()
+                    self.handed += 1  # before the loop can take it: `kvstats.py`
                     try:
                         loop.call_soon_threadsafe(deliver, names[sock], frames, received_at)
                     except RuntimeError:  # the loop is closed: shutting down

@@ -25,6 +25,10 @@ socket. Who listens: the bench-only signal tap (`extproc/signal_tap.py`, its arr
 a step-phase scorer (the batches are the engines' step clock). With `thread` (the prefix
 scorer's `kvEventsReceiveThread`) the sockets are read on a thread of their own that stamps
 `received_at` as each message comes off (`kvreceiver.py`); batches are still applied on the loop.
+
+What it counted (per endpoint: messages, batches applied, gaps, undecodable messages, refused
+addresses; `kvstats.py`) and its index's counters are read at scrape time through `reading`,
+the prefix scorer's contribution to /metrics (`telemetry/kv_collector.py`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.kvevents import KVEventError, decode
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.kvreceiver import ThreadReceiver
+from poolkeeper.scheduling.kvstats import EndpointFeed, EndpointReading, KVEventsReading
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +71,8 @@ class KVEventSubscriber:
         "_clock",
         "_closed",
         "_ctx",
-        "_expected",
+        "_feeds",
+        "_left",
         "_receiver",
         "_tasks",
         "_thread",
@@ -93,10 +100,11 @@ class KVEventSubscriber:
         self._clock = clock
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._expected: dict[str, int] = {}  # per endpoint, the next sequence number
+        self._feeds: dict[str, EndpointFeed] = {}  # per endpoint followed: sequence, counts
         self._thread = thread
         self._receiver: ThreadReceiver | None = None  # started at the first `follow`
         self.received = 0  # batches applied (for tests and stats)
+        self._left = 0  # messages of endpoints no longer followed (for `delivered`)
         # (endpoint, batch ts, wall-clock receipt) per batch applied; the module's docstring.
         self.on_batch: Callable[[str, float, float], None] | None = None
         self._closed = False
@@ -113,14 +121,17 @@ class KVEventSubscriber:
         if self._thread:
             receiver = self._receiver
             if receiver is None:
-                receiver = self._receiver = ThreadReceiver(loop, self._on_frames, _configure)
+                receiver = self._receiver = ThreadReceiver(
+                    loop, self._on_frames, _configure, self._connect_failed
+                )
             for endpoint in endpoints:
-                if endpoint not in self._expected:
-                    self._expected[endpoint] = -1  # followed, nothing heard yet
+                if endpoint not in self._feeds:
+                    self._feeds[endpoint] = EndpointFeed()  # followed, nothing heard yet
                     receiver.add(endpoint, self._address(endpoint))
             return
         for endpoint in endpoints:
             if endpoint not in self._tasks:
+                self._feeds[endpoint] = EndpointFeed()
                 self._tasks[endpoint] = loop.create_task(
                     self._run(endpoint), name=f"kv-events:{endpoint}"
                 )
@@ -128,8 +139,8 @@ class KVEventSubscriber:
     def forget(self, keep: set[str]) -> None:
         for endpoint in [e for e in self._tasks if e not in keep]:
             self._tasks.pop(endpoint).cancel()
-        for endpoint in [e for e in self._expected if e not in keep]:
-            del self._expected[endpoint]
+        for endpoint in [e for e in self._feeds if e not in keep]:
+            self._left += self._feeds.pop(endpoint).messages
             if self._receiver is not None:
                 self._receiver.remove(endpoint)
 
@@ -151,12 +162,17 @@ class KVEventSubscriber:
         import zmq
 
         sock = self._ctx.socket(zmq.SUB)
-        self._expected[endpoint] = -1
         try:
             # Inside the `try`: a socket left open by a failed connect would block `close`'s
             # context termination for good.
-            _configure(sock)
-            sock.connect(self._address(endpoint))
+            try:
+                _configure(sock)
+                sock.connect(self._address(endpoint))
+            except zmq.ZMQError as exc:
+                # One bad address loses that endpoint only (counted, as on the thread).
+                log.warning("kv events from %s: %s", endpoint, exc)
+                self._connect_failed(endpoint)
+                return
             while True:
                 frames = await sock.recv_multipart()
                 self._on_frames(endpoint, frames, time.time() if self.on_batch else 0.0)
@@ -165,21 +181,27 @@ class KVEventSubscriber:
 
     def _on_frames(self, endpoint: str, frames: list[bytes], received_at: float) -> None:
         """One message from `endpoint` (on the loop): check its sequence, apply its batch."""
-        if endpoint not in self._expected:
+        feed = self._feeds.get(endpoint)
+        if feed is None:
+            self._left += 1
             return  # forgotten while the message was on its way from the thread
+        feed.messages += 1
         now = self._clock()  # the decisions' clock
         index = self.index
         if len(frames) != 3 or len(frames[1]) != 8:
+            feed.bad_frames += 1
             log.warning("kv events from %s: not (topic, seq, payload); ignored", endpoint)
             return
         seq = int.from_bytes(frames[1], "big")
-        expected = self._expected[endpoint]
+        expected = feed.expected
         if expected >= 0 and seq != expected:
+            feed.gaps += 1
             index.lost(endpoint, now)
-        self._expected[endpoint] = seq + 1
+        feed.expected = seq + 1
         try:
             batch = decode(frames[2])
         except KVEventError as exc:
+            feed.bad_payloads += 1
             log.warning("kv events from %s: %s", endpoint, exc)
             index.lost(endpoint, now)
             return
@@ -188,6 +210,39 @@ class KVEventSubscriber:
         observer = self.on_batch
         if observer is not None:
             observer(endpoint, batch.ts, received_at)
+
+    def _connect_failed(self, endpoint: str) -> None:
+        """ZMQ refused `endpoint`'s address (on the loop; the thread calls it through it)."""
+        feed = self._feeds.get(endpoint)
+        if feed is not None:
+            feed.connect_errors += 1
+
+    @property
+    def delivered(self) -> int:
+        """Messages that reached `_on_frames` (summed here, not counted per message)."""
+        return self._left + sum(f.messages for f in self._feeds.values())
+
+    def reading(self) -> KVEventsReading:
+        """Its counters and its index's, now (at scrape time, on the loop; `kvstats.py`)."""
+        index, now = self.index, self._clock()
+        delivered = self.delivered  # before the thread's count: `kvstats.py` says why
+        receiver = self._receiver
+        rows = tuple(
+            EndpointReading(e, replace(f), index.blocks(e), index.staleness(e, now))
+            for e, f in self._feeds.items()
+        )
+        return KVEventsReading(
+            endpoints=rows,
+            queued=0 if receiver is None else receiver.handed - delivered,
+            admissions=index.admissions,
+            removals=index.removals,
+            evictions=index.evictions,
+            unanchored=index.unanchored,
+            lookups=index.lookups,
+            lookup_blocks=index.lookup_blocks,
+            lookup_hits=index.lookup_hits,
+            max_blocks_per_endpoint=index.max_blocks_per_endpoint,
+        )
 
 
 def _configure(sock: Any) -> None:

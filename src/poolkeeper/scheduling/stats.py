@@ -3,7 +3,8 @@
 Plain Python (the scheduling package does not import prometheus_client): the scheduler records
 into `SchedulingStats`, and the gateway's metrics endpoint turns it into upstream's families at
 scrape time (`inference_extension_scheduler_plugin_duration_seconds`,
-`inference_extension_plugin_duration_seconds`, `inference_extension_prefix_indexer_*`).
+`inference_extension_plugin_duration_seconds`, `inference_extension_prefix_indexer_*`, and
+the KV-event families of each prefix scorer with kvEvents: `telemetry/kv_collector.py`).
 A plugin timer's recording is a list append (bucketed when read, `HistogramData`), so it stays
 on for every decision.
 """
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterator
 from functools import reduce
 from operator import add
 from typing import Final
+
+from poolkeeper.scheduling.kvstats import KVEventsReading
 
 # Upstream's buckets (pkg/epp/metrics/metrics.go@v0.5.1).
 PLUGIN_DURATION_BUCKETS: Final = (
@@ -105,11 +108,12 @@ class HistogramData:
 class SchedulingStats:
     """What one scheduler measured since it was built."""
 
-    __slots__ = ("_plugins", "_prefix_sizes", "prefix_hit_bytes", "prefix_hit_ratio")
+    __slots__ = ("_kv_events", "_plugins", "_prefix_sizes", "prefix_hit_bytes", "prefix_hit_ratio")
 
     def __init__(self) -> None:
         self._plugins: dict[tuple[str, str, str], HistogramData] = {}
         self._prefix_sizes: list[Callable[[], int]] = []
+        self._kv_events: list[tuple[str, Callable[[], KVEventsReading]]] = []
         self.prefix_hit_ratio = HistogramData(PREFIX_HIT_RATIO_BUCKETS)
         self.prefix_hit_bytes = HistogramData(PREFIX_HIT_BYTES_BUCKETS)
 
@@ -127,6 +131,14 @@ class SchedulingStats:
     def add_prefix_index(self, size: Callable[[], int]) -> None:
         """Count an index's entries into `inference_extension_prefix_indexer_size`."""
         self._prefix_sizes.append(size)
+
+    def add_kv_events(self, plugin_name: str, read: Callable[[], KVEventsReading]) -> None:
+        """A KV-event subscription and its exact index, read at scrape time as `plugin_name`'s
+        (a prefix scorer with kvEvents)."""
+        self._kv_events.append((plugin_name, read))
+
+    def kv_events(self) -> list[tuple[str, KVEventsReading]]:
+        return [(name, read()) for name, read in self._kv_events]
 
     def prefix_index_size(self) -> int:
         return sum(size() for size in self._prefix_sizes)

@@ -19,9 +19,9 @@ ones labelled as upstream's: the flow's fairness id, the request's priority (a n
 pool, model and target.
 
 Where each part lives: the instruments recorded per request, `request_instruments.py`; the
-families read at scrape time, `pool_collector.py`, `scheduling_collector.py`,
-`epp_collectors.py`; the label caps, `labels.py`; the exposition, `exposition.py`; rendering
-off the event loop, `render.py`.
+families read at scrape time, `pool_collector.py`, `scheduling_collector.py` (with the KV-event
+path's, `kv_collector.py`), `epp_collectors.py`; the label caps, `labels.py`; the exposition,
+`exposition.py`; rendering off the event loop, `render.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The scheduler's measurements, read at scrape time from its `SchedulingStats`: plugin
 durations (v0.5 and v1.0+ names) and the prefix indexer's size and hit ratios (GIE's
-unlabelled names and llm-d-router's, labelled by the producer plugin)."""
+unlabelled names and llm-d-router's, labelled by the producer plugin), and the KV-event path of
+each prefix scorer that subscribes (`kv_collector.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Met
 from prometheus_client.registry import Collector
 
 from poolkeeper.scheduling.stats import HistogramData, SchedulingStats
+from poolkeeper.telemetry.kv_collector import kv_event_families
 
 
 def _histogram(family: HistogramMetricFamily, labels: list[str], *parts: HistogramData) -> None:
@@ -79,3 +81,4 @@ class SchedulingCollector(Collector):
             )
             _histogram(hit_bytes, labels, self.stats.prefix_hit_bytes)
             yield hit_bytes
+        yield from kv_event_families(self.stats.kv_events())

@@ -95,6 +95,8 @@ class PrefixCacheScorer(NamedPlugin):
         self._stats = stats
         index = self.index
         stats.add_prefix_index(lambda: index.size)
+        if self._subscriber is not None:  # the KV-event families (telemetry/kv_collector.py)
+            stats.add_kv_events(self.typed_name.name, self._subscriber.reading)
 
     def hashes(self, cycle: CycleState, request: LLMRequest) -> list[int]:
         """The request's block hashes, computed once per decision."""
@@ -149,7 +151,7 @@ class PrefixCacheScorer(NamedPlugin):
         exact = self.exact
         assert exact is not None
         chunk = exact.block_size * CHARS_PER_TOKEN
-        found = exact.match(
+        found = exact.lookup(  # (counted: the lookup families of /metrics)
             engine_block_hashes(request.target_model, request.prompt[:upto], exact.block_size)
         )
         out = dict(approx)

@@ -135,19 +135,35 @@ def test_exact_index_follows_stores_removals_and_clears() -> None:
 def test_staleness_rule() -> None:
     index = ExactPrefixIndex(stale_after_s=5.0)
     assert not index.fresh("e", 0.0)  # never heard from
+    assert index.staleness("e", 0.0) == "no_events"
     index.heard("e", 0.0)
     assert index.fresh("e", 100.0)  # idle and silent is fine
     index.routed("e", 100.0)
     index.routed("e", 103.0)  # the oldest unanswered routing counts
     assert index.fresh("e", 104.9)
     assert not index.fresh("e", 105.0)  # routed 5 s ago, nothing heard since
+    assert index.staleness("e", 105.0) == "silent"
     index.heard("e", 106.0)
     assert index.fresh("e", 106.0)
     index.stored("e", [1], 107.0)
     index.lost("e", 107.0)  # sequence gap: its blocks are dropped and distrusted a while
     assert index.match([1]) == {}
     assert not index.fresh("e", 111.0)
+    assert index.staleness("e", 111.0) == "lost"
     assert index.fresh("e", 112.0)
+    assert index.staleness("e", 112.0) is None
+
+
+def test_lookups_count_every_ask_and_the_best_endpoints_blocks() -> None:
+    """Upstream's `lookup_hits` / `max_pod_hit_count`: the best pod's match, not the sum; a
+    miss is still a lookup. `match` (other readers) counts nothing."""
+    index = ExactPrefixIndex()
+    index.apply("e1", KVEventBatch(0.0, [BlockStored([1], None)]), now=1.0)
+    index.apply("e2", KVEventBatch(0.0, [BlockStored([1, 2], None)]), now=1.0)
+    assert index.lookup([1, 2, 3]) == {"e1": 1, "e2": 2}
+    assert index.lookup([9, 1]) == {}
+    assert index.match([1, 2]) == {"e1": 1, "e2": 2}
+    assert (index.lookups, index.lookup_blocks, index.lookup_hits) == (2, 5, 2)
 
 
 def test_scorer_adds_fresh_engine_reports_to_its_guesses_per_endpoint() -> None:

@@ -93,7 +93,7 @@ async def test_what_the_subscriber_and_its_index_counted_is_on_the_scraped_page(
             [
                 BlockStored([10, 11, 12, 13, 14, 15], None),  # the bound (4) drops 14 and 15
                 BlockStored([20], 999),  # continues a block not held: refused
-                BlockRemoved([10, 11]),  # the engine's own removal
+                BlockRemoved([10, 11, 12]),  # the engine's own removals: 3, the bound's 2
                 BlockStored(blocks[:2], None),  # 2 of the prompt's 3 blocks
             ],
         )
@@ -111,9 +111,9 @@ async def test_what_the_subscriber_and_its_index_counted_is_on_the_scraped_page(
         assert s(page, "poolkeeper_kv_events_decode_errors_total", reason="frames") == 1
         assert s(page, "poolkeeper_kv_events_sequence_gaps_total") == 1
         assert s(page, "llm_d_epp_kv_cache_events_zmq_errors_total", operation="connect") == 0
-        assert s(page, "poolkeeper_kv_index_blocks") == 4  # 12, 13 and the prompt's 2
+        assert s(page, "poolkeeper_kv_index_blocks") == 3  # 13 and the prompt's 2
         assert p(page, "llm_d_epp_kv_cache_index_admissions_total") == 2 * joined + 6 + 2
-        assert p(page, "llm_d_epp_kv_cache_index_evictions_total") == 2
+        assert p(page, "llm_d_epp_kv_cache_index_evictions_total") == 3
         assert p(page, "poolkeeper_kv_index_bound_evictions_total") == 2
         assert p(page, "poolkeeper_kv_index_unanchored_blocks_total") == 1
         assert p(page, "poolkeeper_kv_index_max_blocks_per_endpoint") == 4
@@ -198,3 +198,32 @@ async def test_the_labels_are_the_configured_plugins_and_followed_endpoints_only
 
 
 _LABELS = ("plugin_name", "pod_identifier", "reason", "operation")
+
+
+async def test_the_queue_depth_counts_what_the_thread_handed_over_and_the_loop_has_not_taken() -> (
+    None
+):
+    """The receive thread's `handed` less the loop's deliveries, also across an endpoint that
+    left the pool (its messages, and one still on its way after it left, stay delivered)."""
+    silent = free_ports(2)
+    followed = [f"127.0.0.1:{p}" for p in silent]  # nothing publishes there
+    subscriber = KVEventSubscriber(ExactPrefixIndex(), lambda hp: f"tcp://{hp}", thread=True)
+    subscriber.follow(followed)
+    receiver = subscriber._receiver
+    assert receiver is not None
+
+    def frames(seq: int) -> list[bytes]:
+        batch = encode(KVEventBatch(0.0, [BlockStored([seq + 1], None)]))
+        return [b"kv", seq.to_bytes(8, "big"), batch]
+
+    try:
+        receiver.handed += 3  # as the thread counts: before the loop takes them
+        subscriber._on_frames(followed[0], frames(0), 0.0)
+        subscriber._on_frames(followed[0], frames(1), 0.0)
+        assert (subscriber.delivered, subscriber.reading().queued) == (2, 1)
+        subscriber.forget({followed[1]})
+        assert (subscriber.delivered, subscriber.reading().queued) == (2, 1)
+        subscriber._on_frames(followed[0], frames(2), 0.0)  # on its way when it left
+        assert (subscriber.delivered, subscriber.reading().queued) == (3, 0)
+    finally:
+        await asyncio.wait_for(subscriber.close(), timeout=10)

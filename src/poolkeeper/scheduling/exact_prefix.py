@@ -62,6 +62,7 @@ from poolkeeper.kvevents import (
     BlockStored,
     KVEventBatch,
 )
+from poolkeeper.scheduling.kvstats import Staleness
 from poolkeeper.scheduling.prefix import PrefixIndex
 
 # Blocks kept per endpoint by default: 31,250 blocks of 16 tokens = 500K tokens, what an H100
@@ -240,7 +241,7 @@ class ExactPrefixIndex:
         """Whether `endpoint`'s exact view may be used at `now` (the module's rule)."""
         return self.staleness(endpoint, now) is None
 
-    def staleness(self, endpoint: str, now: float) -> str | None:
+    def staleness(self, endpoint: str, now: float) -> Staleness | None:
         """Why `endpoint`'s exact view is not used at `now` (the module's rule), or None:
         `no_events` (no batch yet), `lost` (distrusted after lost events), `silent` (routed
         to `stale_after_s` ago or earlier, no batch since)."""

@@ -19,10 +19,12 @@ name), one row per endpoint it follows (the pool's endpoints; forgotten ones lea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-# Why an endpoint is on the approximate fallback (`ExactPrefixIndex.staleness`), in the order
-# the metrics list them.
-STALENESS_REASONS = ("no_events", "lost", "silent")
+# Why an endpoint is on the approximate fallback (`ExactPrefixIndex.staleness`); the metrics
+# list every value, in this order (one home: a new reason is a new label value there).
+Staleness = Literal["no_events", "lost", "silent"]
+STALENESS_REASONS: tuple[Staleness, ...] = get_args(Staleness)
 
 
 @dataclass(slots=True)
@@ -47,7 +49,7 @@ class EndpointReading:
     endpoint: str  # ip:port, as the pool lists it
     feed: EndpointFeed  # a copy
     blocks: int  # blocks the index holds for it
-    staleness: str | None  # why its exact view is not used now (None: it is)
+    staleness: Staleness | None  # why its exact view is not used now (None: it is)
 
 
 @dataclass(frozen=True, slots=True)

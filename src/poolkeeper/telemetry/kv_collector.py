@@ -9,8 +9,8 @@ Upstream's names (llm-d-router `pkg/kvcache/metrics/collector.go`, the `llm_d_ep
 where the meaning is the same, with `plugin_name` added (several scorers may subscribe) and
 upstream's `pod_identifier` for the endpoint (its ip:port); poolkeeper's own
 `poolkeeper_kv_*` where upstream has none. Labels are the configured plugins and the pool's
-endpoints (forgotten endpoints leave), never anything a client sends. docs/gateway.md lists
-them; docs/notes/2026-12-08-kv-metrics.md says what was left out and why.
+endpoints (an endpoint leaves when the pool forgets it), never anything a client sends.
+docs/gateway.md lists them; docs/notes/2026-12-08-kv-metrics.md says what was left out and why.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def kv_event_families(readings: list[tuple[str, KVEventsReading]]) -> Iterator[M
                   "endpoint.", ENDPOINT), lambda e: e.feed.messages),
         (_counter(OWN + "events_batches_applied", "KV-event batches applied to the exact index.",
                   ENDPOINT), lambda e: e.feed.applied),
-        (_counter(OWN + "events_sequence_gaps", "Sequence gaps in the endpoint's KV events (lost"
-                  " messages; its exact view is dropped and rebuilt).", ENDPOINT),
+        (_counter(OWN + "events_sequence_gaps", "Breaks in the sequence of the endpoint's KV events"
+                  " (one per break, however many messages it skipped; its exact view is"
+                  " dropped and rebuilt).", ENDPOINT),
          lambda e: e.feed.gaps),
         (_gauge(OWN + "events_exact_view", "1 while the endpoint's exact view is used, 0 while it"
                 " is on the approximate fallback.", ENDPOINT), lambda e: int(e.staleness is None)),
@@ -100,7 +101,8 @@ def kv_event_families(readings: list[tuple[str, KVEventsReading]]) -> Iterator[M
     )
     zmq_errors = _counter(
         UPSTREAM + "events_zmq_errors",
-        "ZMQ errors of the endpoint's subscription (connect: its address was refused).",
+        "ZMQ errors of the endpoint's subscription (connect: its address refused as"
+        " malformed; an unreachable one shows as no_events).",
         ["plugin_name", "pod_identifier", "operation"],
     )
     for name, reading in readings:

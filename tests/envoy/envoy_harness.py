@@ -56,10 +56,15 @@ class Backend:
                 request.transport.abort()
                 return resp
             if body.get("model") == "trickle":  # the stream in 3-byte writes, 2 ms apart
-                events = [
+                with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                events: list[dict[str, Any]] = [
                     {"choices": [{"index": 0, "delta": {"content": word}}]}
+                    | ({"usage": None} if with_usage else {})
                     for word in ("hello", "world", "again")
                 ]
+                if with_usage:  # vLLM's form: `"usage": null` in every event, then the counts
+                    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+                    events.append({"choices": [], "usage": usage})
                 raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
                 raw += b"data: [DONE]\n\n"
                 for i in range(0, len(raw), 3):

@@ -227,6 +227,25 @@ async def test_events_split_across_body_chunks_are_counted_once(
     assert (usage.completion_tokens, usage.estimated) == (3, True)  # 4 events, one [DONE]
 
 
+async def test_a_usage_object_split_across_body_chunks_is_read(
+    tmp_path: Path, transport: str
+) -> None:
+    """The same 3-byte stream with `"usage": null` in every event and the counts at the end:
+    the key, its `null`s and the object are all split between chunks, and the object is still
+    read (and the nulls are not taken for it)."""
+    async with rig(tmp_path, transport, observe=True) as r, aiohttp.ClientSession() as session:
+        body = {"model": "trickle", "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(f"{r.url}{CHAT}", json=body) as resp:
+            raw = await resp.read()
+        assert raw.count(b'"usage": null') == 3
+        assert raw.endswith(b"data: [DONE]\n\n")
+        await _until(lambda: r.router.completed)
+    ((status, usage, _),) = r.router.completed
+    assert status == 200
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.estimated) == (5, 3, False)
+
+
 async def test_a_client_leaving_mid_stream_and_a_backend_cut_are_reported_cut(
     tmp_path: Path,
     transport: str,

@@ -46,9 +46,17 @@ ALS_LOG_NAME = "poolkeeper-observer"
 RESPONSE_PROCESSOR = "poolkeeper.response_processor"
 
 # Lua patterns, not regular expressions: `%b{}` is a balanced {...}. A `"usage"` key can only
-# be structural JSON (inside a JSON string its quotes are escaped). Each chunk is searched
-# together with the last 512 bytes of the previous one, so an object split between chunks is
-# still found; the last one seen wins (the final usage chunk of a stream).
+# be structural JSON (inside a JSON string its quotes are escaped); the last object seen wins
+# (the final usage chunk of a stream). vLLM-style streams carry `"usage":null` in every event.
+#
+# Why the per-chunk work allocates almost nothing: this runs on Envoy's one worker for every
+# streamed event of every response. Concatenating each chunk with the last 512 bytes and
+# counting markers with `gsub` (a new string per call) cost Envoy +6-10 CPU-s per 30 s of live
+# heavy-tail at 37.5 req/s on 2 cores (twice round-robin Envoy's CPU) and the EPP path 1.5x
+# round-robin's TTFT (docs/notes/2026-12-08-epp-path-gap.md). Markers are now counted with plain
+# finds in the chunk, plus the one that crosses from the stream's last CARRY bytes into it; a
+# usage object is read from its key on, and only a key whose `{...}` has not ended yet keeps its
+# text (`pending`, at most PENDING_MAX bytes) for the next chunk.
 #
 # The first-byte report (REPORT true) is a gRPC request written by hand: a 5-byte frame
 # header (uncompressed, big-endian length) around a StringValue (field 1, length-delimited),
@@ -88,6 +96,65 @@ local function number(text, key)
   return nil
 end
 
+-- The stream's last CARRY bytes are kept: enough to hold all but one byte of the longest
+-- marker ('"usage"'), so a marker split between chunks is found where it ends.
+local CARRY = 6
+local PENDING_MAX = 4096
+
+-- How often `marker` occurs in `s` (a plain search; no marker can overlap itself).
+local function count(s, marker)
+  local n, at = 0, 1
+  while true do
+    local i = string.find(s, marker, at, true)
+    if i == nil then return n end
+    n, at = n + 1, i + #marker
+  end
+end
+
+-- Where `marker` starts in `edge` (the `carried` bytes before this chunk, then its first ones)
+-- when it starts before the chunk and ends in it; nil otherwise (a marker wholly in the chunk
+-- is `count`'s, one wholly before it was found with an earlier chunk).
+local function crossing(edge, carried, marker)
+  local i = string.find(edge, marker, math.max(1, carried - #marker + 2), true)
+  if i ~= nil and i <= carried then return i end
+  return nil
+end
+
+local function set_usage(handle, usage)
+  local prompt = number(usage, "prompt_tokens")
+  local completion = number(usage, "completion_tokens")
+  if prompt or completion then
+    local md = handle:streamInfo():dynamicMetadata()
+    md:set(NS, "${PROMPT}", prompt or 0)
+    md:set(NS, "${COMPLETION}", completion or 0)
+    local cached = number(usage, "cached_tokens")
+    if cached then md:set(NS, "${CACHED}", cached) end
+  end
+end
+
+-- Reads every complete usage object in `text` into the metadata. Returns `text` from a
+-- "usage" key whose object has not ended yet (or whose value has not begun), else nil.
+local function read_usage(handle, text)
+  local at = 1
+  while true do
+    local k = string.find(text, '"usage"', at, true)
+    if k == nil then return nil end
+    local _, e, usage = string.find(text, '^%s*:%s*(%b{})', k + 7)
+    if usage ~= nil then
+      set_usage(handle, usage)
+      at = e + 1
+    else
+      local _, v = string.find(text, '^%s*:?%s*', k + 7)
+      local following = string.byte(text, v + 1)
+      if following == nil or following == 123 then  -- nothing yet, or an unfinished '{'
+        if #text - k >= PENDING_MAX then return nil end
+        return string.sub(text, k)
+      end
+      at = v + 1  -- null (every event of a vLLM stream) or another value: no counts
+    end
+  end
+end
+
 function envoy_on_response(handle)
   -- Envoy's Lua objects are valid only until the script yields (each body chunk), so the
   -- metadata handle is fetched anew after each.
@@ -99,10 +166,7 @@ function envoy_on_response(handle)
   end
   local seen_first = false
   local events, done = 0, 0
-  local tail = ""
-  -- The bytes before this chunk that could begin a marker split across chunks: one fewer
-  -- than the marker's length, so a marker already counted is never counted again.
-  local before_data, before_done = "", ""
+  local carry, pending = "", nil
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
     if size > 0 then
@@ -112,24 +176,18 @@ function envoy_on_response(handle)
         if report then report_first_byte(handle) end
       end
       local bytes = chunk:getBytes(0, size)
-      local text = tail .. bytes
-      local with_data, with_done = before_data .. bytes, before_done .. bytes
-      local _, n = string.gsub(with_data, "data:", "")
-      local _, d = string.gsub(with_done, "%[DONE%]", "")
-      events, done = events + n, done + d
-      before_data, before_done = string.sub(with_data, -4), string.sub(with_done, -5)
-      for usage in string.gmatch(text, '"usage"%s*:%s*(%b{})') do
-        local prompt = number(usage, "prompt_tokens")
-        local completion = number(usage, "completion_tokens")
-        if prompt or completion then
-          local md = handle:streamInfo():dynamicMetadata()
-          md:set(NS, "${PROMPT}", prompt or 0)
-          md:set(NS, "${COMPLETION}", completion or 0)
-          local cached = number(usage, "cached_tokens")
-          if cached then md:set(NS, "${CACHED}", cached) end
-        end
+      local edge, carried = carry .. string.sub(bytes, 1, CARRY), #carry
+      events = events + count(bytes, "data:") + (crossing(edge, carried, "data:") and 1 or 0)
+      done = done + count(bytes, "[DONE]") + (crossing(edge, carried, "[DONE]") and 1 or 0)
+      local text = bytes
+      if pending ~= nil then
+        text = pending .. bytes
+      else
+        local k = crossing(edge, carried, '"usage"')
+        if k ~= nil then text = string.sub(carry, k) .. bytes end
       end
-      if #text > 512 then tail = string.sub(text, -512) else tail = text end
+      pending = read_usage(handle, text)
+      carry = string.sub(size >= CARRY and bytes or edge, -CARRY)
     end
   end
   local md = handle:streamInfo():dynamicMetadata()

@@ -52,11 +52,12 @@ RESPONSE_PROCESSOR = "poolkeeper.response_processor"
 # Why the per-chunk work allocates almost nothing: this runs on Envoy's one worker for every
 # streamed event of every response. Concatenating each chunk with the last 512 bytes and
 # counting markers with `gsub` (a new string per call) cost Envoy +6-10 CPU-s per 30 s of live
-# heavy-tail at 37.5 req/s on 2 cores (twice round-robin Envoy's CPU) and the EPP path 1.5x
-# round-robin's TTFT (docs/notes/2026-12-08-epp-path-gap.md). Markers are now counted with plain
+# heavy-tail at 37.5 req/s on 2 cores (twice round-robin Envoy's CPU) and the EPP path 1.1-4.6x
+# round-robin's p90 TTFT (docs/notes/2026-12-08-epp-path-gap.md). Markers are now counted with plain
 # finds in the chunk, plus the one that crosses from the stream's last CARRY bytes into it; a
 # usage object is read from its key on, and only a key whose `{...}` has not ended yet keeps its
-# text (`pending`, at most PENDING_MAX bytes) for the next chunk.
+# text (`pending`, at most PENDING_MAX bytes: a split usage object larger than that is not read;
+# real ones are 100-300 bytes) for the next chunk.
 #
 # The first-byte report (REPORT true) is a gRPC request written by hand: a 5-byte frame
 # header (uncompressed, big-endian length) around a StringValue (field 1, length-delimited),

@@ -20,6 +20,18 @@ chained xxh3-64, seeded by the model name. A real vLLM hashes token ids (sha256/
 its events from a prompt needs its tokenizer, which the EPP does not have (not done here).
 
 `msgpack` is an optional dependency (the `kv-events` extra): only encoding and decoding need it.
+
+Bounds: a batch comes from a peer, so `decode` refuses (`KVEventBoundsError`) what no real engine
+sends rather than allocate it: msgpack lengths past `MAX_ARRAY_LEN` / `MAX_MAP_LEN` /
+`MAX_STR_LEN` / `MAX_BIN_LEN` (checked against the declared length before anything is
+allocated), nesting past msgpack's own stack, more than `MAX_EVENTS_PER_BATCH` events, or a
+BlockStored / BlockRemoved past `MAX_BLOCKS_PER_EVENT` hashes or `MAX_TOKENS_PER_EVENT` token
+ids. How they are derived from vLLM (docs/notes/2026-12-08-kv-event-bounds.md): one batch per
+engine step; a step schedules at most max_num_batched_tokens tokens, so it fills at most
+max_num_batched_tokens / block_size blocks (one BlockStored per request carrying those blocks'
+hashes and token ids) and evicts at most as many (one BlockRemoved per evicted block). Each
+bound is 4x what a step of 1M scheduled tokens in blocks of 16 can send; the message itself is
+capped by the subscriber's ZMQ `MAXMSGSIZE` (`MAX_MESSAGE_BYTES`).
 """
 
 from __future__ import annotations
@@ -31,6 +43,18 @@ import xxhash
 
 from poolkeeper.errors import ConfigError
 from poolkeeper.tokens import CHARS_PER_TOKEN
+
+# A step of 1M scheduled tokens (an extreme max_num_batched_tokens) in blocks of 16 fills 65,536
+# blocks: token ids ~5 bytes each, hashes ~34 (sha256 digests) in BlockStored and again in
+# BlockRemoved: ~9.5 MB on the wire. Each bound has headroom over that.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # ZMQ MAXMSGSIZE: larger frames are never allocated
+MAX_TOKENS_PER_EVENT = 1 << 22  # token ids in one BlockStored (4x 1M tokens)
+MAX_BLOCKS_PER_EVENT = 1 << 18  # hashes in one BlockStored / BlockRemoved (4x 65,536)
+MAX_EVENTS_PER_BATCH = 1 << 18  # events in one batch (a BlockRemoved per evicted block)
+MAX_ARRAY_LEN = MAX_TOKENS_PER_EVENT  # the longest array a batch holds: one event's token ids
+MAX_MAP_LEN = 64  # a struct as a map: about 10 fields in vLLM today
+MAX_STR_LEN = 4096  # tags, medium, lora_name
+MAX_BIN_LEN = 1024  # a block hash: a 32-byte digest
 
 
 def chain_root(model: str) -> int:
@@ -126,6 +150,10 @@ class KVEventError(ValueError):
     """A payload that is not a KV event batch."""
 
 
+class KVEventBoundsError(KVEventError):
+    """A payload past one of the module's bounds (dropped as a bad payload, counted apart)."""
+
+
 def _hash(value: Any) -> int:
     if isinstance(value, bool):
         raise KVEventError(f"block hash must be an integer or bytes, not {value!r}")
@@ -139,7 +167,19 @@ def _hash(value: Any) -> int:
 def _hashes(value: Any) -> list[int]:
     if not isinstance(value, list):
         raise KVEventError("block_hashes must be a list")
+    if len(value) > MAX_BLOCKS_PER_EVENT:
+        raise KVEventBoundsError(
+            f"{len(value)} block hashes in one event, more than {MAX_BLOCKS_PER_EVENT}"
+        )
     return [_hash(v) for v in value]
+
+
+def _check_tokens(value: Any) -> None:
+    """Token ids are not kept, but a peer must not send more than a step can store."""
+    if isinstance(value, list) and len(value) > MAX_TOKENS_PER_EVENT:
+        raise KVEventBoundsError(
+            f"{len(value)} token ids in one BlockStored, more than {MAX_TOKENS_PER_EVENT}"
+        )
 
 
 def _event(raw: Any) -> KVEvent | None:
@@ -148,6 +188,7 @@ def _event(raw: Any) -> KVEvent | None:
         tag = raw.get("type")
         get = raw.get
         if tag == "BlockStored":
+            _check_tokens(get("token_ids"))
             parent = get("parent_block_hash")
             return BlockStored(
                 _hashes(get("block_hashes")),
@@ -165,6 +206,7 @@ def _event(raw: Any) -> KVEvent | None:
     if tag == "BlockStored":
         if len(raw) < 5:
             raise KVEventError("BlockStored needs block_hashes, parent, token_ids, block_size")
+        _check_tokens(raw[3])
         parent = raw[2]
         return BlockStored(
             _hashes(raw[1]),
@@ -183,9 +225,23 @@ def _event(raw: Any) -> KVEvent | None:
 def decode(payload: bytes) -> KVEventBatch:
     """One batch from its msgpack payload (array or map form); `KVEventError` if malformed.
     Token ids are not kept: the index matches by hash, and they are most of a batch's size."""
+    msgpack = _msgpack()
     try:
-        raw = _msgpack().unpackb(payload, raw=False, strict_map_key=False)
+        raw = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=False,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_str_len=MAX_STR_LEN,
+            max_bin_len=MAX_BIN_LEN,
+            max_ext_len=MAX_BIN_LEN,
+        )
+    except msgpack.StackError as exc:  # (a ValueError too: checked first)
+        raise KVEventBoundsError("msgpack nested deeper than its unpacker's stack") from exc
     except ValueError as exc:
+        if "exceeds max_" in str(exc):  # a declared length past a bound, before allocating
+            raise KVEventBoundsError(f"msgpack length past a bound: {exc}") from exc
         raise KVEventError(f"not msgpack: {exc}") from exc
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
@@ -195,5 +251,9 @@ def decode(payload: bytes) -> KVEventBatch:
         raise KVEventError("a batch must be [ts, events, rank] or a map")
     if not isinstance(ts, int | float) or not isinstance(events, list):
         raise KVEventError("a batch needs a numeric ts and a list of events")
+    if len(events) > MAX_EVENTS_PER_BATCH:
+        raise KVEventBoundsError(
+            f"{len(events)} events in one batch, more than {MAX_EVENTS_PER_BATCH}"
+        )
     decoded = [e for e in (_event(r) for r in events) if e is not None]
     return KVEventBatch(float(ts), decoded, rank if isinstance(rank, int) else None)

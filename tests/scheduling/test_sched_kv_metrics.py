@@ -109,6 +109,7 @@ async def test_what_the_subscriber_and_its_index_counted_is_on_the_scraped_page(
         assert s(page, "poolkeeper_kv_events_batches_applied_total") == joined + 1
         assert s(page, "poolkeeper_kv_events_decode_errors_total", reason="payload") == 1
         assert s(page, "poolkeeper_kv_events_decode_errors_total", reason="frames") == 1
+        assert s(page, "poolkeeper_kv_events_decode_errors_total", reason="bounds") == 0
         assert s(page, "poolkeeper_kv_events_sequence_gaps_total") == 1
         assert s(page, "llm_d_epp_kv_cache_events_zmq_errors_total", operation="connect") == 0
         assert s(page, "poolkeeper_kv_index_blocks") == 3  # 13 and the prompt's 2
@@ -185,7 +186,7 @@ async def test_the_labels_are_the_configured_plugins_and_followed_endpoints_only
         assert values == {
             "plugin_name": {"kv"},
             "pod_identifier": set(followed),
-            "reason": {"frames", "payload", "no_events", "lost", "silent"},
+            "reason": {"frames", "payload", "bounds", "no_events", "lost", "silent"},
             "operation": {"connect"},
         }
         assert all(set(labels) <= set(_LABELS) for _, labels in _kv(page))

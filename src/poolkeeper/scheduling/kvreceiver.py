@@ -14,6 +14,12 @@ Sockets live on the thread only (ZMQ sockets are not thread-safe): `add` and `re
 the change, which the thread picks up within one poll interval (`POLL_MS`). An address ZMQ
 refuses is reported to the loop (`refused`, called there). `handed` counts the messages handed
 to the loop; only this thread writes it (`kvstats.py` says why the loop may read it).
+
+The hand-off is bounded in bytes: `call_soon_threadsafe` queues without limit, so the thread
+counts the payload bytes it handed (`handed_bytes`, written here) and the loop those it took
+(`taken_bytes`, written there); past `MAX_PENDING_BYTES` in between (a loop stalled while
+engines publish), the thread drops the message (`dropped`, with a warning at most every
+`WARN_EVERY_S`): the loop sees the sequence gap at that endpoint's next message and falls back.
 """
 
 from __future__ import annotations
@@ -24,11 +30,30 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
+
+from poolkeeper.kvevents import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 50  # how soon a new subscription or a stop is seen by the thread
+# Bytes handed to the loop and not taken yet: room for four messages of the largest size.
+MAX_PENDING_BYTES = 4 * MAX_MESSAGE_BYTES
+WARN_EVERY_S = 10.0  # at most one warning per endpoint (or per receive thread) this often
+
+
+class _Warned(Protocol):
+    warned_at: float
+
+
+def warn_every(holder: _Warned) -> bool:
+    """True at most once per WARN_EVERY_S for `holder` (then its time is noted): a peer
+    sending bad messages in a loop must not flood the log."""
+    now = time.monotonic()
+    if now - holder.warned_at < WARN_EVERY_S:
+        return False
+    holder.warned_at = now
+    return True
 
 
 class ThreadReceiver:
@@ -49,6 +74,10 @@ class ThreadReceiver:
         self._configure = configure  # socket options, set on the thread before connecting
         self._refused = refused  # an endpoint whose address ZMQ refused, told on the loop
         self.handed = 0  # messages handed to the loop (written by the thread only)
+        self.handed_bytes = 0  # their payload bytes (written by the thread only)
+        self.taken_bytes = 0  # payload bytes the loop took (written on the loop only)
+        self.dropped = 0  # messages dropped past MAX_PENDING_BYTES (written by the thread)
+        self.warned_at = float("-inf")  # the thread's last warning (`warn_every`)
         self._changes: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-recv", daemon=True)
@@ -65,6 +94,18 @@ class ThreadReceiver:
         self._stop.set()
         self._thread.join()
         self._ctx.term()
+
+    def _take(
+        self,
+        deliver: Callable[[str, list[bytes], float], None],
+        endpoint: str,
+        frames: list[bytes],
+        received_at: float,
+        size: int,
+    ) -> None:
+        """On the loop: the message leaves the hand-off's byte count, then is delivered."""
+        self.taken_bytes += size
+        deliver(endpoint, frames, received_at)
 
     def _run(self) -> None:
         import zmq
@@ -104,9 +145,22 @@ class ThreadReceiver:
                     except zmq.Again:
                         continue
                     received_at = time.time()
+                    size = sum(len(f) for f in frames)
+                    if self.handed_bytes - self.taken_bytes + size > MAX_PENDING_BYTES:
+                        self.dropped += 1
+                        if warn_every(self):
+                            log.warning(
+                                "kv events from %s: the loop is %d bytes behind; dropped",
+                                names[sock],
+                                self.handed_bytes - self.taken_bytes,
+                            )
+                        continue
                     self.handed += 1  # before the loop can take it: `kvstats.py`
+                    self.handed_bytes += size
                     try:
-                        loop.call_soon_threadsafe(deliver, names[sock], frames, received_at)
+                        loop.call_soon_threadsafe(
+                            self._take, deliver, names[sock], frames, received_at, size
+                        )
                     except RuntimeError:  # the loop is closed: shutting down
                         return
         finally:

@@ -36,12 +36,14 @@ class EndpointFeed:
     gaps: int = 0  # sequence gaps (lost messages: its view dropped)
     bad_frames: int = 0  # messages not (topic, 8-byte sequence, payload): ignored
     bad_payloads: int = 0  # payloads that are not a KV-event batch: its view dropped
+    over_bounds: int = 0  # payloads past a bound (`kvevents.py`): dropped, its view too
     connect_errors: int = 0  # its address refused by ZMQ (nothing is received then)
+    warned_at: float = float("-inf")  # monotonic time of its last warning (rate-limited)
 
     @property
     def applied(self) -> int:
         """Batches applied to the index: every other message (one increment less per batch)."""
-        return self.messages - self.bad_frames - self.bad_payloads
+        return self.messages - self.bad_frames - self.bad_payloads - self.over_bounds
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,14 @@ a step-phase scorer (the batches are the engines' step clock). With `thread` (th
 scorer's `kvEventsReceiveThread`) the sockets are read on a thread of their own that stamps
 `received_at` as each message comes off (`kvreceiver.py`); batches are still applied on the loop.
 
+What a peer can make it hold is bounded (docs/notes/2026-12-08-kv-event-bounds.md): ZMQ's
+`MAXMSGSIZE` (`kvevents.MAX_MESSAGE_BYTES`: a larger frame is never allocated, ZMQ drops the
+connection, which reconnects; the message is missing, seen as a gap at the next one), its
+receive queue (`RCVHWM`, messages: past it ZMQ drops, a gap again), what one batch may decode to
+(`kvevents.py`'s bounds: a batch past one is dropped, counted as `over_bounds`, and the endpoint
+falls back as after a gap) and the receive thread's hand-off (`kvreceiver.MAX_PENDING_BYTES`).
+Warnings name the endpoint, at most one per `WARN_EVERY_S` each.
+
 What it counted (per endpoint: messages, batches applied, gaps, undecodable messages, refused
 addresses; `kvstats.py`) and its index's counters are read at scrape time through `reading`,
 the prefix scorer's contribution to /metrics (`telemetry/kv_collector.py`).
@@ -41,15 +49,18 @@ from dataclasses import replace
 from typing import Any
 
 from poolkeeper.errors import ConfigError
-from poolkeeper.kvevents import KVEventError, decode
+from poolkeeper.kvevents import MAX_MESSAGE_BYTES, KVEventBoundsError, KVEventError, decode
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
-from poolkeeper.scheduling.kvreceiver import ThreadReceiver
+from poolkeeper.scheduling.kvreceiver import ThreadReceiver, warn_every
 from poolkeeper.scheduling.kvstats import EndpointFeed, EndpointReading, KVEventsReading
 
 log = logging.getLogger(__name__)
 
 # Longest wait between connection attempts to a silent endpoint (doubling from ZMQ's 100 ms).
 RECONNECT_IVL_MAX_MS = 5_000
+# Messages ZMQ queues per endpoint before dropping (its default: 1,000). One batch per engine
+# step: 64 are 0.6 s or more of an engine's steps not read, and at most 64 x MAX_MESSAGE_BYTES.
+RCVHWM = 64
 
 
 def events_address(hostport: str, *, port: int, port_offset: int | None) -> str:
@@ -190,7 +201,8 @@ class KVEventSubscriber:
         index = self.index
         if len(frames) != 3 or len(frames[1]) != 8:
             feed.bad_frames += 1
-            log.warning("kv events from %s: not (topic, seq, payload); ignored", endpoint)
+            if warn_every(feed):
+                log.warning("kv events from %s: not (topic, seq, payload); ignored", endpoint)
             return
         seq = int.from_bytes(frames[1], "big")
         expected = feed.expected
@@ -201,8 +213,13 @@ class KVEventSubscriber:
         try:
             batch = decode(frames[2])
         except KVEventError as exc:
-            feed.bad_payloads += 1
-            log.warning("kv events from %s: %s", endpoint, exc)
+            # Dropped: what the engine reported in it is missing, as after a gap.
+            if isinstance(exc, KVEventBoundsError):
+                feed.over_bounds += 1
+            else:
+                feed.bad_payloads += 1
+            if warn_every(feed):
+                log.warning("kv events from %s: %s; batch dropped", endpoint, exc)
             index.lost(endpoint, now)
             return
         index.apply(endpoint, batch, now)
@@ -254,3 +271,6 @@ def _configure(sock: Any) -> None:
     # RECONNECT_IVL, 100 ms, forever by default: 1,000 silent endpoints cost about a
     # third of a core); a publisher that comes up later is joined within the cap.
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    # What one peer can make this process allocate (the module's docstring).
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.RCVHWM, RCVHWM)

@@ -96,7 +96,8 @@ def kv_event_families(readings: list[tuple[str, KVEventsReading]]) -> Iterator[M
     decode_errors = _counter(
         OWN + "events_decode_errors",
         "KV-event messages that could not be used: frames (not topic, 8-byte sequence, "
-        "payload: ignored) or payload (not a KV-event batch: the endpoint's view is dropped).",
+        "payload: ignored), payload (not a KV-event batch: the endpoint's view is dropped) or "
+        "bounds (past a bound on what one batch may hold: dropped, the endpoint's view too).",
         ["plugin_name", "pod_identifier", "reason"],
     )
     zmq_errors = _counter(
@@ -115,6 +116,7 @@ def kv_event_families(readings: list[tuple[str, KVEventsReading]]) -> Iterator[M
                 family_e.add_metric(labels, value_e(row))
             decode_errors.add_metric([*labels, "frames"], row.feed.bad_frames)
             decode_errors.add_metric([*labels, "payload"], row.feed.bad_payloads)
+            decode_errors.add_metric([*labels, "bounds"], row.feed.over_bounds)
             zmq_errors.add_metric([*labels, "connect"], row.feed.connect_errors)
             if row.staleness is not None:
                 stale[row.staleness] += 1

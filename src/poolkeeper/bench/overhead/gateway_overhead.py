@@ -93,7 +93,7 @@ async def main(protocol_rate: float) -> int:
     parser.add_argument(
         "--stream-tokens",
         default="",
-        help="EPP CPU per streamed request for these output lengths, e.g. 10,1000",
+        help="EPP and Envoy CPU per streamed request for these output lengths, e.g. 10,1000",
     )
     parser.add_argument(
         "--sim-time-scale",
@@ -241,13 +241,13 @@ async def main(protocol_rate: float) -> int:
         )
         print(
             "| output tokens | requests | SSE events per response | EPP CPU ms per request "
-            "| less idle |"
+            "| less idle | Envoy CPU ms per request |"
         )
-        print("|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|")
         for n, r in streamed:
             print(
                 f"| {n} | {r['requests']:.0f} | {r['events']:.0f} | {r['cpu_ms']:.2f} "
-                f"| {r['net_cpu_ms']:.2f} |"
+                f"| {r['net_cpu_ms']:.2f} | {r['envoy_cpu_ms']:.2f} |"
             )
     if peers or args.floor or args.grpcio:
         print("\n## Against the peer routers\n")

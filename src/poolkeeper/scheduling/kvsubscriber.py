@@ -27,9 +27,11 @@ scorer's `kvEventsReceiveThread`) the sockets are read on a thread of their own 
 `received_at` as each message comes off (`kvreceiver.py`); batches are still applied on the loop.
 
 What a peer can make it hold is bounded (docs/notes/2026-12-08-kv-event-bounds.md): ZMQ's
-`MAXMSGSIZE` (`kvevents.MAX_MESSAGE_BYTES`: a larger frame is never allocated, ZMQ drops the
-connection, which reconnects; the message is missing, seen as a gap at the next one), its
-receive queue (`RCVHWM`, messages: past it ZMQ drops, a gap again), what one batch may decode to
+`MAXMSGSIZE` (`kvevents.MAX_MESSAGE_BYTES`: a larger frame is never allocated; ZMQ drops the
+connection and, libzmq 4.3.5, does not reconnect: the endpoint stays on the approximate index),
+its receive queue (`RCVHWM`, messages: a full queue stops ZMQ reading the socket, so the backlog
+waits in the publisher's own queue, vLLM's `hwm` 100,000, which drops past it: a gap at the next
+message; measured, the lead's check in the bounds note), what one batch may decode to
 (`kvevents.py`'s bounds: a batch past one is dropped, counted as `over_bounds`, and the endpoint
 falls back as after a gap) and the receive thread's hand-off (`kvreceiver.MAX_PENDING_BYTES`).
 Warnings name the endpoint, at most one per `WARN_EVERY_S` each.

@@ -208,9 +208,9 @@ async def test_the_receive_thread_drops_past_its_pending_bytes_and_the_loop_sees
         assert receiver.handed_bytes == receiver.taken_bytes  # nothing pending now
         # Room for one message (three frames) only.
         monkeypatch.setattr(kvreceiver, "MAX_PENDING_BYTES", len(payload) + 20)
+        handed = receiver.handed  # before the sends: the thread may take the first at once
         for n in range(1, 4):
             await feed.pub.send(feed.seq + n, payload)
-        handed = receiver.handed
         deadline = time.monotonic() + 30  # the loop blocked on purpose: the thread runs
         while receiver.dropped < 2 and time.monotonic() < deadline:
             time.sleep(0.01)  # noqa: ASYNC251 - the stall is the point: the loop takes nothing

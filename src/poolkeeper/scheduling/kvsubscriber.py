@@ -29,9 +29,12 @@ scorer's `kvEventsReceiveThread`) the sockets are read on a thread of their own 
 What a peer can make it hold is bounded (docs/notes/2026-12-08-kv-event-bounds.md): ZMQ's
 `MAXMSGSIZE` (`kvevents.MAX_MESSAGE_BYTES`: a larger frame is never allocated; ZMQ drops the
 connection and, libzmq 4.3.5, does not reconnect: the endpoint stays on the approximate index),
-its receive queue (`RCVHWM`, messages: a full queue stops ZMQ reading the socket, so the backlog
-waits in the publisher's own queue, vLLM's `hwm` 100,000, which drops past it: a gap at the next
-message; measured, the lead's check in the bounds note), what one batch may decode to
+the frames kept of one message (`kvreceiver.rest_of_message`: at most three; a longer message
+is read part by part and dropped, counted as bad frames; ZMQ itself holds a message's parts
+until its last has come, which no option bounds: the note), its receive queue (`RCVHWM`,
+messages: a full queue stops ZMQ reading the socket, so the backlog waits in the publisher's own
+queue, vLLM's `hwm` 100,000, which drops past it: a gap at the next message; measured, the
+lead's check in the bounds note), what one batch may decode to
 (`kvevents.py`'s bounds: a batch past one is dropped, counted as `over_bounds`, and the endpoint
 falls back as after a gap) and the receive thread's hand-off (`kvreceiver.MAX_PENDING_BYTES`).
 Warnings name the endpoint, at most one per `WARN_EVERY_S` each.
@@ -53,7 +56,7 @@ from typing import Any
 from poolkeeper.errors import ConfigError
 from poolkeeper.kvevents import MAX_MESSAGE_BYTES, KVEventBoundsError, KVEventError, decode
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
-from poolkeeper.scheduling.kvreceiver import ThreadReceiver, warn_every
+from poolkeeper.scheduling.kvreceiver import ThreadReceiver, rest_of_message, warn_every
 from poolkeeper.scheduling.kvstats import EndpointFeed, EndpointReading, KVEventsReading
 
 log = logging.getLogger(__name__)
@@ -174,7 +177,11 @@ class KVEventSubscriber:
     async def _run(self, endpoint: str) -> None:
         import zmq
 
-        sock = self._ctx.socket(zmq.SUB)
+        try:
+            sock = self._ctx.socket(zmq.SUB)
+        except zmq.ZMQError as exc:  # out of ZMQ sockets (MAX_SOCKETS) or descriptors
+            log.warning("kv events from %s: %s", endpoint, exc)
+            return
         try:
             # Inside the `try`: a socket left open by a failed connect would block `close`'s
             # context termination for good.
@@ -186,8 +193,10 @@ class KVEventSubscriber:
                 log.warning("kv events from %s: %s", endpoint, exc)
                 self._connect_failed(endpoint)
                 return
+            sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # read without a future
             while True:
-                frames = await sock.recv_multipart()
+                first = await sock.recv()
+                frames = rest_of_message(sync, first)
                 self._on_frames(endpoint, frames, time.time() if self.on_batch else 0.0)
         finally:
             sock.close(linger=0)  # (`forget` drops the sequence: a new task may follow it)

@@ -26,6 +26,8 @@ from poolkeeper.kvevents import (
     encode,
 )
 from poolkeeper.scheduling import kvreceiver
+from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
+from poolkeeper.scheduling.kvreceiver import MAX_SOCKETS
 from poolkeeper.scheduling.kvsubscriber import RCVHWM, KVEventSubscriber, _configure
 from tests.support.kvpub import Feed, joined
 from tests.support.waiting import until
@@ -74,6 +76,20 @@ def test_every_socket_caps_a_message_and_its_receive_queue() -> None:
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["loop", "thread"])
+async def test_both_modes_contexts_take_more_sockets_than_zmqs_default(thread: bool) -> None:
+    subscriber = KVEventSubscriber(
+        ExactPrefixIndex(), lambda hp: "tcp://127.0.0.1:1", thread=thread
+    )
+    subscriber.follow(["127.0.0.1:1"])
+    try:
+        receiver = subscriber._receiver
+        ctx = subscriber._ctx if receiver is None else receiver._ctx
+        assert ctx.get(zmq.MAX_SOCKETS) == MAX_SOCKETS > 1_023
+    finally:
+        await asyncio.wait_for(subscriber.close(), timeout=10)
 
 
 @pytest.mark.parametrize(

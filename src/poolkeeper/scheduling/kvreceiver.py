@@ -41,6 +41,10 @@ from poolkeeper.kvevents import MAX_MESSAGE_BYTES
 log = logging.getLogger(__name__)
 
 MESSAGE_FRAMES = 3  # topic, 8-byte sequence, payload: a longer message is malformed
+# ZMQ sockets per context (its default 1,023): one per followed endpoint, and a reopened one's
+# slot is freed on ZMQ's reaper thread after the new socket may have taken another (measured:
+# 1,000 endpoints reopened at once on the default, 223 sockets refused; the bounds note).
+MAX_SOCKETS = 8_192
 POLL_MS = 50  # how soon a new subscription or a stop is seen by the thread
 # Bytes handed to the loop and not taken yet: room for four messages of the largest size.
 MAX_PENDING_BYTES = 4 * MAX_MESSAGE_BYTES
@@ -98,6 +102,7 @@ class ThreadReceiver:
         import zmq
 
         self._ctx = zmq.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         self._loop = loop
         self._deliver = deliver
         self._configure = configure  # socket options, set on the thread before connecting

@@ -71,7 +71,12 @@ from typing import Any
 from poolkeeper.errors import ConfigError
 from poolkeeper.kvevents import MAX_MESSAGE_BYTES, KVEventBoundsError, KVEventError, decode
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
-from poolkeeper.scheduling.kvreceiver import ThreadReceiver, rest_of_message, warn_every
+from poolkeeper.scheduling.kvreceiver import (
+    MAX_SOCKETS,
+    ThreadReceiver,
+    rest_of_message,
+    warn_every,
+)
 from poolkeeper.scheduling.kvstats import EndpointFeed, EndpointReading, KVEventsReading
 
 log = logging.getLogger(__name__)
@@ -134,6 +139,7 @@ class KVEventSubscriber:
         self._address = address
         self._clock = clock
         self._ctx = zmq.asyncio.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._feeds: dict[str, EndpointFeed] = {}  # per endpoint followed: sequence, counts
         self._thread = thread

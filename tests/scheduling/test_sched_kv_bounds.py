@@ -1,15 +1,13 @@
 """What a peer's KV-event stream can make the EPP hold is bounded: real ZMQ on 127.0.0.1, on
 the loop and on the receive thread. Each message past a bound is dropped and counted, the
 endpoint falls back to the approximate index (its exact view is no longer exact), and the next
-valid batch still applies (docs/notes/2026-12-08-kv-event-bounds.md)."""
+valid batch still applies (docs/notes/2026-12-08-kv-event-bounds.md). A message of more than
+three parts is read part by part and none of it is kept."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import msgpack
 import pytest
@@ -27,18 +25,15 @@ from poolkeeper.kvevents import (
     decode,
     encode,
 )
-from poolkeeper.netutil import free_ports
 from poolkeeper.scheduling import kvreceiver
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
-from poolkeeper.scheduling.kvstats import EndpointReading
+from poolkeeper.scheduling.kvreceiver import MAX_SOCKETS
 from poolkeeper.scheduling.kvsubscriber import RCVHWM, KVEventSubscriber, _configure
-from tests.support.kvpub import Publisher
+from tests.support.kvpub import Feed, joined
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
 
-ENDPOINT = "127.0.0.1:8000"
-HELLO = encode(KVEventBatch(0.0, [BlockStored([1], None)]))
 AFTER = encode(KVEventBatch(0.0, [BlockStored([77], None)]))  # the valid batch after a drop
 TS = b"\xcb" + b"\x00" * 8  # msgpack float64 0.0
 
@@ -51,37 +46,6 @@ def _array32(n: int) -> bytes:
 def _fixints(n: int) -> bytes:
     """A msgpack array of `n` zeros, built without a Python list of them."""
     return _array32(n) + b"\x00" * n
-
-
-@dataclass
-class Feed:
-    subscriber: KVEventSubscriber
-    pub: Publisher
-    seq: int  # the last sequence number sent
-
-    def row(self) -> EndpointReading:
-        (row,) = self.subscriber.reading().endpoints
-        return row
-
-
-@asynccontextmanager
-async def _feed(thread: bool) -> AsyncIterator[Feed]:
-    """A subscriber following one publisher, joined (one batch applied)."""
-    (port,) = free_ports(1)
-    subscriber = KVEventSubscriber(
-        ExactPrefixIndex(stale_after_s=1_000.0),
-        lambda hp: f"tcp://127.0.0.1:{port}",
-        thread=thread,
-    )
-    subscriber.follow([ENDPOINT])
-    pub = Publisher(port)
-    try:
-        seq = await pub.until_applied(subscriber, HELLO)
-        await until(lambda: subscriber.index.match([1]), "joined")
-        yield Feed(subscriber, pub, seq)
-    finally:
-        await asyncio.wait_for(subscriber.close(), timeout=10)
-        pub.close()
 
 
 async def _after_drop(feed: Feed) -> None:
@@ -112,6 +76,20 @@ def test_every_socket_caps_a_message_and_its_receive_queue() -> None:
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["loop", "thread"])
+async def test_both_modes_contexts_take_more_sockets_than_zmqs_default(thread: bool) -> None:
+    subscriber = KVEventSubscriber(
+        ExactPrefixIndex(), lambda hp: "tcp://127.0.0.1:1", thread=thread
+    )
+    subscriber.follow(["127.0.0.1:1"])
+    try:
+        receiver = subscriber._receiver
+        ctx = subscriber._ctx if receiver is None else receiver._ctx
+        assert ctx.get(zmq.MAX_SOCKETS) == MAX_SOCKETS > 1_023
+    finally:
+        await asyncio.wait_for(subscriber.close(), timeout=10)
 
 
 @pytest.mark.parametrize(
@@ -153,7 +131,7 @@ async def test_a_batch_past_a_bound_is_dropped_counted_and_falls_back(
 ) -> None:
     with pytest.raises(KVEventBoundsError, match=error):
         decode(payload)
-    async with _feed(thread) as feed:
+    async with joined(thread) as feed:
         await feed.pub.send(feed.seq + 1, payload)
         await _after_drop(feed)
         assert feed.row().feed.messages >= 3  # hello, the dropped one, the one after
@@ -175,13 +153,13 @@ async def test_a_message_past_maxmsgsize_is_never_allocated_and_drops_the_connec
     """A valid batch larger than MAX_MESSAGE_BYTES (4,200 events of a 4,000-character
     medium): ZMQ reads its size, refuses it before allocating and drops the connection (the
     publisher sees the disconnect); it is never delivered. libzmq (4.3) does not reconnect
-    after that protocol error: the endpoint gets no events and is scored from the approximate
-    index (the note of 2026-12-08 on KV-event bounds)."""
+    after that protocol error: the subscriber reopens it once the endpoint is routed to and
+    stays silent (`test_sched_kv_reopen.py`)."""
     events = [["BlockStored", [99], None, [], 16], *[["BlockRemoved", [], "x" * 4000]] * 4200]
     big = msgpack.packb([0.0, events, None])
     assert len(big) > MAX_MESSAGE_BYTES
     assert len(decode(big).events) == 4201  # within every decoding bound
-    async with _feed(thread) as feed:
+    async with joined(thread) as feed:
         monitor = feed.pub.pub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             await feed.pub.send(feed.seq + 1, big)
@@ -196,13 +174,41 @@ async def test_a_message_past_maxmsgsize_is_never_allocated_and_drops_the_connec
             monitor.close(linger=0)
 
 
+@pytest.mark.parametrize("thread", [False, True], ids=["loop", "thread"])
+async def test_a_message_of_many_parts_is_read_part_by_part_dropped_and_counted(
+    thread: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A valid message with 100,000 empty parts more (each far under MAXMSGSIZE): none of
+    its parts reaches the loop (no message of more than three frames is ever kept), it counts
+    as malformed frames, and the next batch applies with no gap."""
+    delivered: list[int] = []  # frames per message the loop was handed
+    on_frames = KVEventSubscriber._on_frames
+
+    def recording(sub: KVEventSubscriber, endpoint: str, frames: list[bytes], at: float) -> None:
+        delivered.append(len(frames))
+        on_frames(sub, endpoint, frames, at)
+
+    monkeypatch.setattr(KVEventSubscriber, "_on_frames", recording)
+    async with joined(thread) as feed:
+        seq = (feed.seq + 1).to_bytes(8, "big")
+        await feed.pub.pub.send_multipart([b"kv", seq, AFTER, *[b""] * 100_000])
+        await until(lambda: feed.row().feed.bad_frames == 1, "the many-part message counted")
+        assert max(delivered) == 3
+        assert delivered.count(0) == 1  # the many-part message: none of it kept
+        await feed.pub.until_applied(feed.subscriber, AFTER, first_seq=feed.seq + 1)
+        await until(lambda: feed.subscriber.index.match([77]), "the batch after it applied")
+        row = feed.row()
+        assert row.feed.gaps == row.feed.bad_payloads == row.feed.over_bounds == 0
+        assert row.staleness is None  # a malformed message is ignored, not a lost view
+
+
 async def test_the_receive_thread_drops_past_its_pending_bytes_and_the_loop_sees_a_gap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The loop stalls while the thread receives: past MAX_PENDING_BYTES handed and not
     taken, the thread drops instead of queueing without limit."""
     payload = encode(KVEventBatch(0.0, [BlockStored([2], None)]))
-    async with _feed(True) as feed:
+    async with joined(True) as feed:
         receiver = feed.subscriber._receiver
         assert receiver is not None
         assert receiver.handed_bytes == receiver.taken_bytes  # nothing pending now
@@ -217,6 +223,9 @@ async def test_the_receive_thread_drops_past_its_pending_bytes_and_the_loop_sees
         assert receiver.dropped == 2
         assert receiver.handed == handed + 1
         feed.seq += 2  # the last one sent was seq + 3: the next is seq + 4 (= seq' + 2)
+        # The one handed over is applied first (else it would count as the batch after, and
+        # with room for one message only, the thread could drop that one).
+        await until(lambda: receiver.handed_bytes == receiver.taken_bytes, "the handed taken")
         await feed.pub.until_applied(feed.subscriber, AFTER, first_seq=feed.seq + 2)
         await until(lambda: feed.subscriber.index.match([77]), "applied after the drops")
         row = feed.row()

@@ -249,8 +249,14 @@ class ExactPrefixIndex:
             return "no_events"
         if now < self._distrust_until.get(endpoint, float("-inf")):
             return "lost"
+        return "silent" if self.unanswered(endpoint, now) else None
+
+    def unanswered(self, endpoint: str, now: float) -> bool:
+        """Routed to `stale_after_s` ago or earlier with no batch since, whether or not one
+        came before (`silent`, or `no_events` routed to): its feed looks broken, and the
+        subscriber reopens it (`kvsubscriber.py`)."""
         since = self._routed_since.get(endpoint)
-        return None if since is None or now - since < self.stale_after_s else "silent"
+        return since is not None and now - since >= self.stale_after_s
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per endpoint, the leading blocks of `hashes` it reported holding (only those > 0)."""

@@ -38,6 +38,9 @@ class EndpointFeed:
     bad_payloads: int = 0  # payloads that are not a KV-event batch: its view dropped
     over_bounds: int = 0  # payloads past a bound (`kvevents.py`): dropped, its view too
     connect_errors: int = 0  # its address refused by ZMQ (nothing is received then)
+    reconnections: int = 0  # its subscription reopened (`KVEventSubscriber.reopen_unanswered`)
+    backoff_s: float = 0.0  # the wait after its last reopening (0: not reopened lately)
+    reopen_at: float = float("-inf")  # the decisions' clock: no reopening before then
     warned_at: float = float("-inf")  # monotonic time of its last warning (rate-limited)
 
     @property

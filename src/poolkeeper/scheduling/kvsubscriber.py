@@ -28,13 +28,31 @@ scorer's `kvEventsReceiveThread`) the sockets are read on a thread of their own 
 
 What a peer can make it hold is bounded (docs/notes/2026-12-08-kv-event-bounds.md): ZMQ's
 `MAXMSGSIZE` (`kvevents.MAX_MESSAGE_BYTES`: a larger frame is never allocated; ZMQ drops the
-connection and, libzmq 4.3.5, does not reconnect: the endpoint stays on the approximate index),
-its receive queue (`RCVHWM`, messages: a full queue stops ZMQ reading the socket, so the backlog
-waits in the publisher's own queue, vLLM's `hwm` 100,000, which drops past it: a gap at the next
-message; measured, the lead's check in the bounds note), what one batch may decode to
+connection and, libzmq 4.3.5, does not reconnect: reopened below), the frames kept of one
+message (`kvreceiver.rest_of_message`: at most three; a longer message is read part by part and
+dropped, counted as bad frames; ZMQ itself holds a message's parts until its last has come,
+which no option bounds: the note), its receive queue (`RCVHWM`, messages: a full queue stops
+ZMQ reading the socket, so the backlog waits in the publisher's own queue, vLLM's `hwm`
+100,000, which drops past it: a gap at the next message; measured, the lead's check in the
+bounds note), what one batch may decode to
 (`kvevents.py`'s bounds: a batch past one is dropped, counted as `over_bounds`, and the endpoint
 falls back as after a gap) and the receive thread's hand-off (`kvreceiver.MAX_PENDING_BYTES`).
 Warnings name the endpoint, at most one per `WARN_EVERY_S` each.
+
+Reopening (`reopen_unanswered`, every `WATCH_S` on the loop, both modes): ZMQ reconnects by
+itself after a lost TCP connection, but not after a protocol error (a frame past `MAXMSGSIZE`),
+and says so only to a socket monitor (two more sockets per endpoint, against ZMQ's 1,023 per
+context). So the evidence is the index's: an endpoint routed to `stale_after_s` ago or earlier
+with no batch since (`ExactPrefixIndex.unanswered`: `silent`, or `no_events` routed to) gets
+its socket closed and a new one connected, at most once per back-off (from `stale_after_s`,
+doubling to `REOPEN_MAX_S`; an answer resets it), counted (`reconnections`). The new
+subscription starts a clean sequence (its first message is no gap) and the index drops what it
+held for the endpoint and distrusts it as after a gap (`lost`): whatever was published while
+the connection was down is missing. Silent alone would not do: its first batch would make the
+blocks from before the drop trusted again. A healthy engine routed only requests that fill no
+new block for `stale_after_s` is reopened too: its view was unused already (`silent`), and it
+is rebuilt from the next batches. One socket per endpoint before and after (the old one is
+closed first).
 
 What it counted (per endpoint: messages, batches applied, gaps, undecodable messages, refused
 addresses; `kvstats.py`) and its index's counters are read at scrape time through `reading`,
@@ -53,7 +71,12 @@ from typing import Any
 from poolkeeper.errors import ConfigError
 from poolkeeper.kvevents import MAX_MESSAGE_BYTES, KVEventBoundsError, KVEventError, decode
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
-from poolkeeper.scheduling.kvreceiver import ThreadReceiver, warn_every
+from poolkeeper.scheduling.kvreceiver import (
+    MAX_SOCKETS,
+    ThreadReceiver,
+    rest_of_message,
+    warn_every,
+)
 from poolkeeper.scheduling.kvstats import EndpointFeed, EndpointReading, KVEventsReading
 
 log = logging.getLogger(__name__)
@@ -63,6 +86,9 @@ RECONNECT_IVL_MAX_MS = 5_000
 # Messages ZMQ queues per endpoint before dropping (its default: 1,000). One batch per engine
 # step: 64 are 0.6 s or more of an engine's steps not read, and at most 64 x MAX_MESSAGE_BYTES.
 RCVHWM = 64
+WATCH_S = 1.0  # how often (wall time) the loop looks for endpoints to reopen
+# Longest back-off between two reopenings of one endpoint (the decisions' clock, seconds).
+REOPEN_MAX_S = 60.0
 
 
 def events_address(hostport: str, *, port: int, port_offset: int | None) -> str:
@@ -89,6 +115,7 @@ class KVEventSubscriber:
         "_receiver",
         "_tasks",
         "_thread",
+        "_watcher",
         "index",
         "on_batch",
         "received",
@@ -112,6 +139,7 @@ class KVEventSubscriber:
         self._address = address
         self._clock = clock
         self._ctx = zmq.asyncio.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._feeds: dict[str, EndpointFeed] = {}  # per endpoint followed: sequence, counts
         self._thread = thread
@@ -120,6 +148,7 @@ class KVEventSubscriber:
         self._left = 0  # messages of endpoints no longer followed (for `delivered`)
         # (endpoint, batch ts, wall-clock receipt) per batch applied; the module's docstring.
         self.on_batch: Callable[[str, float, float], None] | None = None
+        self._watcher: asyncio.Task[None] | None = None  # `_watch`, started with the first follow
         self._closed = False
 
     def follow(self, endpoints: Iterable[str]) -> None:
@@ -131,6 +160,8 @@ class KVEventSubscriber:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
+        if self._watcher is None:
+            self._watcher = loop.create_task(self._watch(), name="kv-events-watch")
         if self._thread:
             receiver = self._receiver
             if receiver is None:
@@ -163,6 +194,8 @@ class KVEventSubscriber:
             return
         self._closed = True
         tasks = list(self._tasks.values())
+        if self._watcher is not None:
+            tasks.append(self._watcher)
         self._tasks.clear()
         for task in tasks:
             task.cancel()
@@ -174,7 +207,11 @@ class KVEventSubscriber:
     async def _run(self, endpoint: str) -> None:
         import zmq
 
-        sock = self._ctx.socket(zmq.SUB)
+        try:
+            sock = self._ctx.socket(zmq.SUB)
+        except zmq.ZMQError as exc:  # out of ZMQ sockets (MAX_SOCKETS) or descriptors
+            log.warning("kv events from %s: %s; tried again when reopened", endpoint, exc)
+            return
         try:
             # Inside the `try`: a socket left open by a failed connect would block `close`'s
             # context termination for good.
@@ -186,8 +223,10 @@ class KVEventSubscriber:
                 log.warning("kv events from %s: %s", endpoint, exc)
                 self._connect_failed(endpoint)
                 return
+            sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # read without a future
             while True:
-                frames = await sock.recv_multipart()
+                first = await sock.recv()
+                frames = rest_of_message(sync, first)
                 self._on_frames(endpoint, frames, time.time() if self.on_batch else 0.0)
         finally:
             sock.close(linger=0)  # (`forget` drops the sequence: a new task may follow it)
@@ -229,6 +268,40 @@ class KVEventSubscriber:
         observer = self.on_batch
         if observer is not None:
             observer(endpoint, batch.ts, received_at)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            self.reopen_unanswered()
+
+    def reopen_unanswered(self) -> list[str]:
+        """Reopen the subscription of each endpoint the index finds unanswered (the module's
+        docstring), once per back-off; the endpoints reopened."""
+        now, index = self._clock(), self.index
+        reopened = []
+        for endpoint, feed in self._feeds.items():
+            if not index.unanswered(endpoint, now):
+                # Answered (or not routed to): the back-off starts over.
+                feed.backoff_s, feed.reopen_at = 0.0, float("-inf")
+                continue
+            if now < feed.reopen_at or feed.connect_errors:  # (a refused address stays so)
+                continue
+            feed.backoff_s = min(2 * feed.backoff_s or index.stale_after_s, REOPEN_MAX_S)
+            feed.reopen_at = now + feed.backoff_s
+            feed.reconnections += 1
+            feed.expected = -1  # a new subscription: its first message starts the sequence
+            index.lost(endpoint, now)  # what was published while it was down is missing
+            reopened.append(endpoint)
+            if self._receiver is not None:
+                self._receiver.add(endpoint, self._address(endpoint))  # the thread closes the old
+                continue
+            old = self._tasks.pop(endpoint, None)
+            if old is not None:
+                old.cancel()  # its socket closes before the new task opens one (FIFO steps)
+            self._tasks[endpoint] = asyncio.get_running_loop().create_task(
+                self._run(endpoint), name=f"kv-events:{endpoint}"
+            )
+        return reopened
 
     def _connect_failed(self, endpoint: str) -> None:
         """ZMQ refused `endpoint`'s address (on the loop; the thread calls it through it)."""

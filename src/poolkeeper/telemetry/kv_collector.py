@@ -82,6 +82,10 @@ def kv_event_families(readings: list[tuple[str, KVEventsReading]]) -> Iterator[M
     per_endpoint: list[tuple[Family, Callable[[EndpointReading], int]]] = [
         (_counter(UPSTREAM + "events_messages_received", "KV-event messages received from the "
                   "endpoint.", ENDPOINT), lambda e: e.feed.messages),
+        (_counter(UPSTREAM + "events_subscriber_reconnections", "Times the endpoint's "
+                  "subscription was closed and reopened: routed to, no KV events since "
+                  "kvEventsStaleAfterS (ZMQ does not reconnect after some errors).", ENDPOINT),
+         lambda e: e.feed.reconnections),
         (_counter(OWN + "events_batches_applied", "KV-event batches applied to the exact index.",
                   ENDPOINT), lambda e: e.feed.applied),
         (_counter(OWN + "events_sequence_gaps", "Breaks in the sequence of the endpoint's KV events"

@@ -15,6 +15,7 @@ import zmq
 
 from poolkeeper.kvevents import MAX_MESSAGE_BYTES, BlockStored, KVEventBatch, encode
 from poolkeeper.netutil import free_ports
+from poolkeeper.scheduling import kvsubscriber
 from poolkeeper.scheduling.exact_prefix import ExactPrefixIndex
 from poolkeeper.scheduling.kvsubscriber import REOPEN_MAX_S, KVEventSubscriber
 from poolkeeper.telemetry.kv_collector import kv_event_families
@@ -67,14 +68,17 @@ async def test_after_an_oversize_message_the_silent_endpoint_is_reopened_and_app
         assert feed.row().staleness == "silent"
         await until(lambda: feed.row().feed.reconnections == 1, "the watcher reopened it")
         row = feed.row()
-        assert row.staleness == "lost"  # what it held before the drop is not trusted
-        assert not index.match([1])
-        # The publisher numbers on; the reopened subscription starts a clean sequence.
+        assert row.staleness == "silent"  # kept, unused, until the sequence says what was lost
+        assert index.match([1]) == {ENDPOINT: 1}
+        # The publisher numbers on (the oversize message took a number): the reopened
+        # subscription's first message is a gap, and only that drops what it held.
         seq = await feed.pub.until_applied(subscriber, AFTER, first_seq=feed.seq + 10)
         await feed.pub.send(seq + 1, NEXT)
         await until(lambda: index.match([77, 78]) == {ENDPOINT: 2}, "the next batch applied")
         row = feed.row()
-        assert row.feed.gaps == 0
+        assert row.feed.gaps == 1
+        assert row.staleness == "lost"
+        assert not index.match([1])
         assert row.feed.reconnections == 1  # answered: not reopened again
         assert subscriber.reopen_unanswered() == []
         # One socket and one connection for the endpoint again, as before the drop (the old
@@ -112,7 +116,6 @@ async def test_reopening_backs_off_and_leaves_answered_idle_and_refused_endpoint
         assert subscriber.reopen_unanswered() == [ENDPOINT]
         (row, refused) = subscriber.reading().endpoints
         assert row.feed.reconnections == 11
-        assert row.feed.expected == -1
         assert refused.feed.reconnections == 0
         page = {
             (sample.name, sample.labels["pod_identifier"]): sample.value
@@ -127,5 +130,45 @@ async def test_reopening_backs_off_and_leaves_answered_idle_and_refused_endpoint
         await until(first.done, "the replaced task ended")
         assert first.cancelled()
         assert not subscriber._tasks[ENDPOINT].done()
+    finally:
+        await asyncio.wait_for(subscriber.close(), timeout=10)
+
+
+async def test_a_failing_scan_does_not_end_the_watcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher logs a scan that raised and scans again (it used to end for good, silently:
+    its exception was only collected by `close`)."""
+    monkeypatch.setattr(kvsubscriber, "WATCH_S", 0.01)
+    subscriber = KVEventSubscriber(ExactPrefixIndex(), lambda hp: "tcp://127.0.0.1:1")
+    scans: list[int] = []
+
+    def scan(self: KVEventSubscriber) -> list[str]:
+        scans.append(len(scans))
+        if len(scans) == 1:
+            raise ValueError("a malformed endpoint")
+        return []
+
+    monkeypatch.setattr(KVEventSubscriber, "reopen_unanswered", scan)
+    try:
+        subscriber.follow(["127.0.0.1:2"])
+        await until(lambda: len(scans) >= 3, "scanned again after the failure")
+    finally:
+        await asyncio.wait_for(subscriber.close(), timeout=10)
+
+
+async def test_a_batch_applied_resets_the_back_off_at_once() -> None:
+    """Not only at the next scan: with `kvEventsStaleAfterS` under the scan's second, an answer
+    between two scans would otherwise leave the back-off doubling."""
+    clock = Clock()
+    index = ExactPrefixIndex(stale_after_s=STALE_S)
+    subscriber = KVEventSubscriber(index, lambda hp: "tcp://127.0.0.1:1", clock=clock)
+    try:
+        subscriber.follow([ENDPOINT])
+        index.routed(ENDPOINT, clock.now)
+        clock.now += STALE_S
+        assert subscriber.reopen_unanswered() == [ENDPOINT]
+        feed = subscriber._feeds[ENDPOINT]
+        assert (feed.backoff_s, feed.reopen_at) == (STALE_S, 2 * STALE_S)
+        subscriber._on_frames(ENDPOINT, [b"kv", (0).to_bytes(8, "big"), AFTER], 0.0)
+        assert (feed.backoff_s, feed.reopen_at) == (0.0, float("-inf"))
     finally:
         await asyncio.wait_for(subscriber.close(), timeout=10)

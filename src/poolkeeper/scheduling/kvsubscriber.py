@@ -45,14 +45,15 @@ and says so only to a socket monitor (two more sockets per endpoint, against ZMQ
 context). So the evidence is the index's: an endpoint routed to `stale_after_s` ago or earlier
 with no batch since (`ExactPrefixIndex.unanswered`: `silent`, or `no_events` routed to) gets
 its socket closed and a new one connected, at most once per back-off (from `stale_after_s`,
-doubling to `REOPEN_MAX_S`; an answer resets it), counted (`reconnections`). The new
-subscription starts a clean sequence (its first message is no gap) and the index drops what it
-held for the endpoint and distrusts it as after a gap (`lost`): whatever was published while
-the connection was down is missing. Silent alone would not do: its first batch would make the
-blocks from before the drop trusted again. A healthy engine routed only requests that fill no
-new block for `stale_after_s` is reopened too: its view was unused already (`silent`), and it
-is rebuilt from the next batches. One socket per endpoint before and after (the old one is
-closed first).
+doubling to `REOPEN_MAX_S`; an answer resets it), counted (`reconnections`). The sequence
+carries over: vLLM numbers its batches per publisher, across subscriptions, so anything
+published while the connection was down (the oversize message too) is a gap at the new
+subscription's first message, and the view is dropped then (`lost`); a restarted engine numbers
+from 0, a gap too. A healthy engine routed only requests that fill no new block for
+`stale_after_s` is reopened as well (a false alarm): it keeps its blocks, unused while `silent`
+and trusted again at its next batch, which continues its sequence (an engine never announces a
+block it holds again, so dropping them would lose them for good). One socket per endpoint
+before and after (the old one is closed first).
 
 What it counted (per endpoint: messages, batches applied, gaps, undecodable messages, refused
 addresses; `kvstats.py`) and its index's counters are read at scrape time through `reading`,
@@ -264,6 +265,8 @@ class KVEventSubscriber:
             index.lost(endpoint, now)
             return
         index.apply(endpoint, batch, now)
+        if feed.backoff_s:  # answered: the back-off starts over (not only at the next scan)
+            feed.backoff_s, feed.reopen_at = 0.0, float("-inf")
         self.received += 1
         observer = self.on_batch
         if observer is not None:
@@ -272,7 +275,10 @@ class KVEventSubscriber:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_S)
-            self.reopen_unanswered()
+            try:
+                self.reopen_unanswered()
+            except Exception:  # one bad endpoint must not end reopening for every other
+                log.exception("kv events: reopening unanswered subscriptions failed")
 
     def reopen_unanswered(self) -> list[str]:
         """Reopen the subscription of each endpoint the index finds unanswered (the module's
@@ -289,8 +295,11 @@ class KVEventSubscriber:
             feed.backoff_s = min(2 * feed.backoff_s or index.stale_after_s, REOPEN_MAX_S)
             feed.reopen_at = now + feed.backoff_s
             feed.reconnections += 1
-            feed.expected = -1  # a new subscription: its first message starts the sequence
-            index.lost(endpoint, now)  # what was published while it was down is missing
+            # The sequence is kept: the publisher numbers on across subscriptions, so whatever
+            # was published while the connection was down (the oversize message included)
+            # shows as a gap at the new subscription's first message, and only then is the
+            # view dropped. A quiet healthy engine keeps its blocks: it never announces a
+            # block it already holds again.
             reopened.append(endpoint)
             if self._receiver is not None:
                 self._receiver.add(endpoint, self._address(endpoint))  # the thread closes the old

@@ -48,7 +48,8 @@ def kv_event_families(readings: list[tuple[str, KVEventsReading]]) -> Iterator[M
                   "their engine reported them removed (BlockRemoved).", PLUGIN),
          lambda r: r.removals),
         (_counter(UPSTREAM + "index_lookup_requests", "Exact index lookups (one per "
-                  "scheduling decision with a prompt of at least one block).", PLUGIN),
+                  "scheduling decision whose prompt fills a block of the approximate index).",
+                  PLUGIN),
          lambda r: r.lookups),
         (_counter(UPSTREAM + "index_lookup_hits", "Leading prompt blocks the best endpoint "
                   "holds, summed over lookups.", PLUGIN), lambda r: r.lookup_hits),
